@@ -1,0 +1,235 @@
+//! Fused loops over host memory: the CPU home of every store kind.
+//!
+//! A push is one pass: each block of elements is summed over every value into a small buffer
+//! that stays in L1, and the updater folds it into the stored value (and its state) at once. A
+//! pull reads each block of the stored value once and writes it to every out. Large arrays are
+//! split in halves recursively and run on rayon's pool, so both cores stream.
+
+use num_traits::{Float, One, Zero};
+
+use crate::dtype::Element;
+use crate::updater::{clip, Rule};
+
+/// Elements per block: small enough that a block of sums stays in L1.
+const BLOCK: usize = 1024;
+
+/// Below this many bytes of traffic (read + written) a call runs on the calling thread: waking
+/// the pool costs more than it saves. Measured with `cargo bench --bench threshold`.
+pub const PAR_MIN_BYTES: usize = 1 << 20;
+
+/// Split jobs until a half moves at most this many bytes.
+const PAR_GRAIN_BYTES: usize = 256 << 10;
+
+/// A push on one key: values to sum, the stored value, and up to two state buffers.
+pub(crate) struct PushJob<'a, T: Element> {
+    pub values: Vec<&'a [T]>,
+    pub stored: &'a mut [T],
+    pub state: [&'a mut [T::Acc]; 2],
+}
+
+impl<T: Element> PushJob<'_, T> {
+    fn bytes(&self) -> usize {
+        let words = self.values.len() + 2;
+        let state = self.state.iter().filter(|s| !s.is_empty()).count() * 2;
+        self.stored.len() * (words * size_of::<T>() + state * size_of::<T::Acc>())
+    }
+}
+
+/// Runs one push: `stored = rule(sum(values), stored, state)`, element by element.
+pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    if job.bytes() < PAR_MIN_BYTES {
+        return push_seq(job, rule);
+    }
+    let grain = (job.stored.len() * PAR_GRAIN_BYTES / job.bytes()).max(BLOCK);
+    push_par(job, rule, grain);
+}
+
+fn push_par<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, grain: usize) {
+    let n = job.stored.len();
+    if n <= grain {
+        return push_seq(job, rule);
+    }
+    let mid = n / 2 / BLOCK * BLOCK;
+    let PushJob {
+        values,
+        stored,
+        state: [s0, s1],
+    } = job;
+    let (lo_v, hi_v) = values.iter().map(|v| v.split_at(mid)).unzip();
+    let (lo_w, hi_w) = stored.split_at_mut(mid);
+    let (lo_0, hi_0) = split_state(s0, mid);
+    let (lo_1, hi_1) = split_state(s1, mid);
+    let lo = PushJob {
+        values: lo_v,
+        stored: lo_w,
+        state: [lo_0, lo_1],
+    };
+    let hi = PushJob {
+        values: hi_v,
+        stored: hi_w,
+        state: [hi_0, hi_1],
+    };
+    rayon::join(|| push_par(lo, rule, grain), || push_par(hi, rule, grain));
+}
+
+fn split_state<A>(s: &mut [A], mid: usize) -> (&mut [A], &mut [A]) {
+    if s.is_empty() {
+        (&mut [], &mut [])
+    } else {
+        s.split_at_mut(mid)
+    }
+}
+
+fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    let PushJob {
+        values,
+        stored,
+        state: [s0, s1],
+    } = job;
+    let mut acc = [T::Acc::zero(); BLOCK];
+    let n = stored.len();
+    let mut start = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let acc = &mut acc[..end - start];
+        sum_block(&values, start..end, acc);
+        let w = &mut stored[start..end];
+        let m = part(s0, start..end);
+        let v = part(s1, start..end);
+        update_block(rule, acc, w, m, v);
+        start = end;
+    }
+}
+
+fn part<A>(s: &mut [A], r: std::ops::Range<usize>) -> &mut [A] {
+    if s.is_empty() {
+        s
+    } else {
+        &mut s[r]
+    }
+}
+
+/// `acc = Σ values[j][range]`, in the accumulator type.
+#[inline]
+fn sum_block<T: Element>(values: &[&[T]], range: std::ops::Range<usize>, acc: &mut [T::Acc]) {
+    let (first, rest) = values.split_first().expect("a push has at least one value");
+    for (a, x) in acc.iter_mut().zip(&first[range.clone()]) {
+        *a = x.to_acc();
+    }
+    for v in rest {
+        for (a, x) in acc.iter_mut().zip(&v[range.clone()]) {
+            *a += x.to_acc();
+        }
+    }
+}
+
+/// Folds the summed input `g` into the stored block `w` and its state `m`, `v`.
+#[inline]
+fn update_block<T: Element>(
+    rule: &Rule<T::Acc>,
+    g: &[T::Acc],
+    w: &mut [T],
+    m: &mut [T::Acc],
+    v: &mut [T::Acc],
+) {
+    let one = T::Acc::one();
+    match *rule {
+        Rule::Assign => {
+            for (w, &g) in w.iter_mut().zip(g) {
+                *w = T::from_acc(g);
+            }
+        }
+        Rule::Axpby { a, b } => {
+            for (w, &g) in w.iter_mut().zip(g) {
+                *w = T::from_acc(a * w.to_acc() + b * g);
+            }
+        }
+        Rule::Sgd {
+            lr,
+            wd,
+            rescale,
+            clip: c,
+        } => {
+            let keep = one - lr * wd;
+            for (w, &g) in w.iter_mut().zip(g) {
+                *w = T::from_acc(keep * w.to_acc() - lr * clip(rescale * g, c));
+            }
+        }
+        Rule::SgdMom {
+            lr,
+            momentum,
+            wd,
+            rescale,
+            clip: c,
+        } => {
+            for ((w, &g), m) in w.iter_mut().zip(g).zip(m.iter_mut()) {
+                let x = w.to_acc();
+                *m = momentum * *m - lr * wd * x - lr * clip(rescale * g, c);
+                *w = T::from_acc(x + *m);
+            }
+        }
+        Rule::Adam {
+            lr_t,
+            beta1,
+            beta2,
+            epsilon,
+            wd,
+            rescale,
+            clip: c,
+        } => {
+            for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let x = w.to_acc();
+                let g = clip(rescale * g + wd * x, c);
+                *m = beta1 * *m + (one - beta1) * g;
+                *v = beta2 * *v + (one - beta2) * g * g;
+                *w = T::from_acc(x - lr_t * *m / (v.sqrt() + epsilon));
+            }
+        }
+    }
+}
+
+/// `dst = Σ values`, in the accumulator type and rounded once: the merged input of a custom
+/// updater.
+pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T]) {
+    let job = PushJob {
+        values: values.to_vec(),
+        stored: dst,
+        state: [&mut [], &mut []],
+    };
+    push(job, &Rule::Assign);
+}
+
+/// Copies `src` into every out: each block is read once and written to all of them.
+pub(crate) fn broadcast<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>) {
+    let bytes = std::mem::size_of_val(src) * (outs.len() + 1);
+    if bytes < PAR_MIN_BYTES {
+        return broadcast_seq(src, outs);
+    }
+    let grain = (src.len() * PAR_GRAIN_BYTES / bytes).max(BLOCK);
+    broadcast_par(src, outs, grain);
+}
+
+fn broadcast_par<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>, grain: usize) {
+    if src.len() <= grain {
+        return broadcast_seq(src, outs);
+    }
+    let mid = src.len() / 2 / BLOCK * BLOCK;
+    let (lo_s, hi_s) = src.split_at(mid);
+    let (lo, hi): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| o.split_at_mut(mid)).unzip();
+    rayon::join(
+        || broadcast_par(lo_s, lo, grain),
+        || broadcast_par(hi_s, hi, grain),
+    );
+}
+
+fn broadcast_seq<T: Copy>(src: &[T], mut outs: Vec<&mut [T]>) {
+    if let [out] = outs.as_mut_slice() {
+        return out.copy_from_slice(src);
+    }
+    for (i, block) in src.chunks(4 * BLOCK).enumerate() {
+        let start = i * 4 * BLOCK;
+        for out in outs.iter_mut() {
+            out[start..start + block.len()].copy_from_slice(block);
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! Host memory: a typed vector of elements, one variant per [`DType`].
+
+use half::{bf16, f16};
+
+use crate::dtype::{DType, Element};
+
+/// Elements in host memory. The variant is the dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostData {
+    /// `float32` elements.
+    F32(Vec<f32>),
+    /// `float64` elements.
+    F64(Vec<f64>),
+    /// `float16` elements.
+    F16(Vec<f16>),
+    /// `bfloat16` elements.
+    BF16(Vec<bf16>),
+}
+
+/// Runs `$body` with `$v` bound to the typed vector inside a [`HostData`], and `$t` to its
+/// element type.
+macro_rules! with_host {
+    ($data:expr, $v:ident: $t:ident => $body:expr) => {
+        match $data {
+            $crate::host::HostData::F32($v) => {
+                #[allow(dead_code)]
+                type $t = f32;
+                $body
+            }
+            $crate::host::HostData::F64($v) => {
+                #[allow(dead_code)]
+                type $t = f64;
+                $body
+            }
+            $crate::host::HostData::F16($v) => {
+                #[allow(dead_code)]
+                type $t = half::f16;
+                $body
+            }
+            $crate::host::HostData::BF16($v) => {
+                #[allow(dead_code)]
+                type $t = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_host;
+
+impl HostData {
+    /// `len` copies of `value`, converted to `dtype`.
+    pub fn filled(dtype: DType, len: usize, value: f64) -> HostData {
+        match dtype {
+            DType::F32 => HostData::F32(vec![value as f32; len]),
+            DType::F64 => HostData::F64(vec![value; len]),
+            DType::F16 => HostData::F16(vec![f16::from_f64(value); len]),
+            DType::BF16 => HostData::BF16(vec![bf16::from_f64(value); len]),
+        }
+    }
+
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostData::F32(_) => DType::F32,
+            HostData::F64(_) => DType::F64,
+            HostData::F16(_) => DType::F16,
+            HostData::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        with_host!(self, v: T => v.len())
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A copy converted to `dtype` (a plain clone when it already is).
+    pub fn cast(&self, dtype: DType) -> HostData {
+        if self.dtype() == dtype {
+            return self.clone();
+        }
+        with_host!(self, v: T => {
+            let mut out = HostData::filled(dtype, v.len(), 0.0);
+            convert_into(v, &mut out);
+            out
+        })
+    }
+
+    /// The elements as a `Vec<U>`, converted.
+    pub fn to_vec<U: Element>(&self) -> Vec<U> {
+        if let Some(s) = U::slice(self) {
+            return s.to_vec();
+        }
+        with_host!(self, v: T => v.iter().map(|x| U::from_f64(x.to_f64())).collect())
+    }
+}
+
+/// Copies `src` into `dst`, converting each element to `dst`'s dtype. Lengths must match.
+pub(crate) fn convert_into<T: Element>(src: &[T], dst: &mut HostData) {
+    if let Some(d) = T::slice_mut(dst) {
+        d.copy_from_slice(src);
+        return;
+    }
+    with_host!(dst, d: U => {
+        for (o, x) in d.iter_mut().zip(src) {
+            *o = U::from_f64(x.to_f64());
+        }
+    })
+}

@@ -1,0 +1,50 @@
+//! A tensor key-value store for data-parallel training, with the semantics of MXNet's KVStore.
+//!
+//! - [`KvStore::init`] puts a tensor in under a key.
+//! - [`KvStore::push`] sends values from any number of devices; they are summed and merged into
+//!   the stored value by the store's [`Updater`].
+//! - [`KvStore::pull`] copies the stored value out to any number of arrays.
+//!
+//! ```
+//! use kvstore::{cpu, KvStore, NDArray, Updater};
+//!
+//! let kv = KvStore::create("local")?;
+//! kv.init(3, &(NDArray::ones([2, 3]) * 2.0))?;
+//! let a = NDArray::zeros([2, 3]);
+//! kv.pull(3, &a)?;
+//! assert_eq!(a.to_vec::<f32>()?, vec![2.0; 6]);
+//!
+//! // Values from four devices are summed, then assigned.
+//! let b: Vec<NDArray> = (0..4).map(|i| NDArray::ones([2, 3]).to_device(cpu(i))).collect::<Result<_, _>>()?;
+//! kv.push(3, &b)?;
+//! kv.pull(3, &a)?;
+//! assert_eq!(a.to_vec::<f32>()?, vec![4.0; 6]);
+//!
+//! // A custom updater: stored += input * 2.
+//! kv.set_updater(Updater::custom(|_key, input, stored| *stored += input * 2.0))?;
+//! kv.push(3, &NDArray::ones([2, 3]))?;
+//! kv.pull(3, &a)?;
+//! assert_eq!(a.to_vec::<f32>()?, vec![6.0; 6]);
+//! # Ok::<(), kvstore::Error>(())
+//! ```
+
+pub mod backend;
+mod device;
+mod dtype;
+mod error;
+mod host;
+mod key;
+mod ndarray;
+mod shape;
+mod store;
+mod updater;
+
+pub use device::{cpu, gpu, Device};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use host::HostData;
+pub use key::{Key, KeyKind};
+pub use ndarray::NDArray;
+pub use shape::{Shape, MAX_NDIM};
+pub use store::{KvStore, StoreKind, ValueList};
+pub use updater::{Adam, Sgd, UpdateFn, Updater};

@@ -1,0 +1,408 @@
+//! [`NDArray`]: a dense tensor with a shape, a dtype and a device.
+
+use std::fmt;
+use std::ops::{Add, AddAssign, Mul, MulAssign, Neg, Sub, SubAssign};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::backend::probe::check_device;
+use crate::host::{with_host, HostData};
+use crate::{DType, Device, Element, Error, Result, Shape};
+
+/// Where an array's elements are.
+#[derive(Debug)]
+pub(crate) enum Storage {
+    /// Host memory (every `cpu(i)` device).
+    Host(HostData),
+}
+
+/// A dense tensor: a shape, a dtype, a device and the elements.
+///
+/// An `NDArray` is a handle, like MXNet's: `clone()` is cheap and the clone shares the elements,
+/// so a store that pulls into one handle is seen through every clone. [`NDArray::copy`] makes an
+/// independent copy. The shape, dtype and device of a handle never change.
+///
+/// ```
+/// use kvstore::NDArray;
+/// let a = NDArray::ones([2, 3]) * 2.0;
+/// assert_eq!(a.to_vec::<f32>().unwrap(), vec![2.0; 6]);
+/// println!("{a}"); // [[2. 2. 2.]
+///                  //  [2. 2. 2.]]
+/// ```
+#[derive(Clone)]
+pub struct NDArray {
+    data: Arc<RwLock<Storage>>,
+    shape: Shape,
+    dtype: DType,
+    device: Device,
+}
+
+impl NDArray {
+    /// Wraps host data, which must hold `shape.size()` elements, on `device`.
+    pub(crate) fn from_host(data: HostData, shape: Shape, device: Device) -> NDArray {
+        debug_assert_eq!(data.len(), shape.size());
+        NDArray {
+            dtype: data.dtype(),
+            data: Arc::new(RwLock::new(Storage::Host(data))),
+            shape,
+            device,
+        }
+    }
+
+    /// A `float32` array of zeros on `cpu(0)`.
+    pub fn zeros(shape: impl Into<Shape>) -> NDArray {
+        NDArray::full(shape, 0.0)
+    }
+
+    /// A `float32` array of ones on `cpu(0)`.
+    pub fn ones(shape: impl Into<Shape>) -> NDArray {
+        NDArray::full(shape, 1.0)
+    }
+
+    /// A `float32` array filled with `value` on `cpu(0)`.
+    pub fn full(shape: impl Into<Shape>, value: f64) -> NDArray {
+        let shape = shape.into();
+        NDArray::from_host(
+            HostData::filled(DType::F32, shape.size(), value),
+            shape,
+            Device::Cpu(0),
+        )
+    }
+
+    /// An array of `dtype` filled with `value` on `device`; an error if the device does not exist.
+    ///
+    /// ```
+    /// use kvstore::{cpu, DType, NDArray};
+    /// let a = NDArray::full_on([4], 0.5, DType::F16, cpu(1)).unwrap();
+    /// assert_eq!(a.to_vec::<f32>().unwrap(), vec![0.5; 4]);
+    /// ```
+    pub fn full_on(
+        shape: impl Into<Shape>,
+        value: f64,
+        dtype: DType,
+        device: Device,
+    ) -> Result<NDArray> {
+        check_device(device)?;
+        let shape = shape.into();
+        Ok(NDArray::from_host(
+            HostData::filled(dtype, shape.size(), value),
+            shape,
+            device,
+        ))
+    }
+
+    /// An array on `cpu(0)` that takes ownership of `data`; its dtype is `T`'s.
+    ///
+    /// ```
+    /// use kvstore::NDArray;
+    /// let a = NDArray::from_vec(vec![1.0f64, 2.0, 3.0, 4.0], [2, 2]).unwrap();
+    /// assert!(NDArray::from_vec(vec![1.0f32; 3], [2, 2]).is_err());
+    /// ```
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>) -> Result<NDArray> {
+        let shape = shape.into();
+        if data.len() != shape.size() {
+            return Err(Error::DataLength {
+                len: data.len(),
+                shape: Box::new(shape),
+            });
+        }
+        Ok(NDArray::from_host(T::wrap(data), shape, Device::Cpu(0)))
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device the elements live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The number of elements.
+    pub fn size(&self) -> usize {
+        self.shape.size()
+    }
+
+    /// The number of bytes the elements take.
+    pub fn nbytes(&self) -> usize {
+        self.size() * self.dtype.size()
+    }
+
+    /// The elements, converted to `T`, in row-major order (NumPy's `asnumpy().ravel()`).
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        Ok(self.with_host(|h| h.to_vec()))
+    }
+
+    /// An independent copy on `device`; an error if the device does not exist.
+    pub fn to_device(&self, device: Device) -> Result<NDArray> {
+        check_device(device)?;
+        let data = self.with_host(HostData::clone);
+        Ok(NDArray::from_host(data, self.shape, device))
+    }
+
+    /// An independent copy converted to `dtype`.
+    pub fn astype(&self, dtype: DType) -> Result<NDArray> {
+        let data = self.with_host(|h| h.cast(dtype));
+        Ok(NDArray::from_host(data, self.shape, self.device))
+    }
+
+    /// An independent copy: same shape, dtype and device, its own elements.
+    pub fn copy(&self) -> Result<NDArray> {
+        self.to_device(self.device)
+    }
+
+    /// Sets every element to `value`.
+    pub fn fill(&self, value: f64) -> Result<()> {
+        let mut g = self.write();
+        let Storage::Host(h) = &mut *g;
+        with_host!(h, v: T => v.fill(T::from_f64(value)));
+        Ok(())
+    }
+
+    /// `self += alpha * x`, in place, with the math in `f32` (`f64` for `float64`).
+    ///
+    /// `x` must have the same shape and dtype. It may be `self` itself.
+    pub fn add_scaled(&self, x: &NDArray, alpha: f64) -> Result<()> {
+        self.check_operand("add_scaled", x)?;
+        if self.shares_storage(x) {
+            return self.scale(1.0 + alpha);
+        }
+        let xg = x.read();
+        let Storage::Host(xh) = &*xg;
+        let mut g = self.write();
+        let Storage::Host(h) = &mut *g;
+        with_host!(h, v: T => {
+            let xs = T::slice(xh).expect("operand dtypes were checked");
+            axpy(v, xs, alpha);
+        });
+        Ok(())
+    }
+
+    /// `self *= s`, in place.
+    pub fn scale(&self, s: f64) -> Result<()> {
+        let mut g = self.write();
+        let Storage::Host(h) = &mut *g;
+        with_host!(h, v: T => scale(v, s));
+        Ok(())
+    }
+
+    /// A new array `a * self + b * other`; `other` must have the same shape and dtype.
+    pub fn axpby(&self, a: f64, other: &NDArray, b: f64) -> Result<NDArray> {
+        self.check_operand("axpby", other)?;
+        let out = self.copy()?;
+        out.scale(a)?;
+        out.add_scaled(other, b)?;
+        Ok(out)
+    }
+
+    fn check_operand(&self, op: &'static str, x: &NDArray) -> Result<()> {
+        if x.shape != self.shape || x.dtype != self.dtype {
+            return Err(Error::Operands {
+                op,
+                left: Box::new(self.shape),
+                left_dtype: self.dtype,
+                right: Box::new(x.shape),
+                right_dtype: x.dtype,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the host elements, under a read lock.
+    pub(crate) fn with_host<R>(&self, f: impl FnOnce(&HostData) -> R) -> R {
+        let g = self.read();
+        let Storage::Host(h) = &*g;
+        f(h)
+    }
+
+    /// Whether `self` and `other` are handles to the same elements.
+    pub fn shares_storage(&self, other: &NDArray) -> bool {
+        Arc::ptr_eq(&self.data, &other.data)
+    }
+
+    /// An address that identifies the elements; locks on several arrays are taken in its order.
+    pub(crate) fn storage_id(&self) -> usize {
+        Arc::as_ptr(&self.data) as usize
+    }
+
+    /// A read lock on the elements. A panic in another holder does not poison them for us.
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Storage> {
+        self.data.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A write lock on the elements.
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, Storage> {
+        self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes the elements out, leaving an empty buffer behind. Only for arrays the store made.
+    pub(crate) fn take_host(&self) -> HostData {
+        let mut g = self.write();
+        let Storage::Host(h) = &mut *g;
+        std::mem::replace(h, HostData::F32(Vec::new()))
+    }
+}
+
+/// `y *= s`, elementwise, in the accumulator precision.
+fn scale<T: Element>(y: &mut [T], s: f64) {
+    let s = <T::Acc as Element>::from_f64(s);
+    for e in y.iter_mut() {
+        *e = T::from_acc(e.to_acc() * s);
+    }
+}
+
+/// `y += alpha * x`, elementwise, in the accumulator precision.
+fn axpy<T: Element>(y: &mut [T], x: &[T], alpha: f64) {
+    let a = <T::Acc as Element>::from_f64(alpha);
+    for (y, x) in y.iter_mut().zip(x) {
+        *y = T::from_acc(y.to_acc() + a * x.to_acc());
+    }
+}
+
+impl fmt::Debug for NDArray {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "NDArray({}, {}, {}, {})",
+            self, self.shape, self.dtype, self.device
+        )
+    }
+}
+
+impl fmt::Display for NDArray {
+    /// NumPy's layout: `[[2. 2. 2.]\n [2. 2. 2.]]`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let values: Vec<f64> = match self.to_vec() {
+            Ok(v) => v,
+            Err(e) => return write!(f, "<unreadable: {e}>"),
+        };
+        let text: Vec<String> = values
+            .iter()
+            .map(|&x| format_element(x, self.dtype))
+            .collect();
+        write_nested(f, self.shape.dims(), &text, 0)
+    }
+}
+
+/// One element as NumPy prints it: `2.` for integral values, the shortest form otherwise.
+fn format_element(x: f64, dtype: DType) -> String {
+    if x.is_finite() && x == x.trunc() && x.abs() < 1e16 {
+        return format!("{x:.0}.");
+    }
+    match dtype {
+        DType::F64 => format!("{x}"),
+        // Shortest text that reads back as the same single-precision value.
+        _ => format!("{}", x as f32),
+    }
+}
+
+fn write_nested(
+    f: &mut fmt::Formatter<'_>,
+    dims: &[usize],
+    text: &[String],
+    depth: usize,
+) -> fmt::Result {
+    let Some((&n, rest)) = dims.split_first() else {
+        return f.write_str(text.first().map_or("", String::as_str));
+    };
+    let inner: usize = rest.iter().product();
+    f.write_str("[")?;
+    for i in 0..n {
+        if i > 0 {
+            if rest.is_empty() {
+                f.write_str(" ")?;
+            } else {
+                f.write_str(&"\n".repeat(rest.len()))?;
+                f.write_str(&" ".repeat(depth + 1))?;
+            }
+        }
+        write_nested(f, rest, &text[i * inner..(i + 1) * inner], depth + 1)?;
+    }
+    f.write_str("]")
+}
+
+impl Mul<f64> for &NDArray {
+    type Output = NDArray;
+    /// A new array, `self * s`.
+    fn mul(self, s: f64) -> NDArray {
+        let out = self.copy().expect("copying an existing array");
+        out.scale(s).expect("scaling an existing array");
+        out
+    }
+}
+
+impl Mul<f64> for NDArray {
+    type Output = NDArray;
+    fn mul(self, s: f64) -> NDArray {
+        &self * s
+    }
+}
+
+impl Neg for &NDArray {
+    type Output = NDArray;
+    fn neg(self) -> NDArray {
+        self * -1.0
+    }
+}
+
+impl Neg for NDArray {
+    type Output = NDArray;
+    fn neg(self) -> NDArray {
+        &self * -1.0
+    }
+}
+
+impl MulAssign<f64> for NDArray {
+    fn mul_assign(&mut self, s: f64) {
+        self.scale(s).expect("scaling an existing array");
+    }
+}
+
+macro_rules! binary_ops {
+    ($trait:ident, $method:ident, $assign_trait:ident, $assign_method:ident, $sign:expr) => {
+        impl $assign_trait<&NDArray> for NDArray {
+            /// In place, elementwise.
+            ///
+            /// # Panics
+            /// If the operands differ in shape or dtype; [`NDArray::add_scaled`] returns an error
+            /// instead.
+            fn $assign_method(&mut self, rhs: &NDArray) {
+                if let Err(e) = self.add_scaled(rhs, $sign) {
+                    panic!("{e}");
+                }
+            }
+        }
+        impl $assign_trait<NDArray> for NDArray {
+            fn $assign_method(&mut self, rhs: NDArray) {
+                $assign_trait::$assign_method(self, &rhs)
+            }
+        }
+        impl $trait<&NDArray> for &NDArray {
+            type Output = NDArray;
+            /// A new array, elementwise.
+            ///
+            /// # Panics
+            /// If the operands differ in shape or dtype; [`NDArray::axpby`] returns an error
+            /// instead.
+            fn $method(self, rhs: &NDArray) -> NDArray {
+                match self.axpby(1.0, rhs, $sign) {
+                    Ok(a) => a,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        impl $trait<NDArray> for NDArray {
+            type Output = NDArray;
+            fn $method(self, rhs: NDArray) -> NDArray {
+                $trait::$method(&self, &rhs)
+            }
+        }
+    };
+}
+binary_ops!(Add, add, AddAssign, add_assign, 1.0);
+binary_ops!(Sub, sub, SubAssign, sub_assign, -1.0);

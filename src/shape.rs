@@ -1,0 +1,113 @@
+//! [`Shape`]: the dimensions of an array, 0-d to 8-d.
+
+use std::fmt;
+
+use crate::error::Error;
+
+/// The most dimensions an array may have.
+pub const MAX_NDIM: usize = 8;
+
+/// The dimensions of an array: 0 to [`MAX_NDIM`] of them.
+///
+/// Arrays of up to 8 dimensions convert infallibly, so a too-deep shape is a compile error:
+///
+/// ```
+/// use kvstore::Shape;
+/// let s: Shape = [2, 3].into();
+/// assert_eq!(s.dims(), &[2, 3]);
+/// assert_eq!(s.size(), 6);
+/// assert_eq!(Shape::from([]).size(), 1); // a 0-d array holds one element
+/// ```
+///
+/// A runtime slice goes through [`Shape::new`], which checks the rank.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Shape {
+    dims: [usize; MAX_NDIM],
+    ndim: u8,
+}
+
+impl Shape {
+    /// A shape from a slice of dimensions; an error if there are more than [`MAX_NDIM`].
+    pub fn new(dims: &[usize]) -> Result<Shape, Error> {
+        if dims.len() > MAX_NDIM {
+            return Err(Error::TooManyDims { ndim: dims.len() });
+        }
+        let mut d = [0; MAX_NDIM];
+        d[..dims.len()].copy_from_slice(dims);
+        Ok(Shape {
+            dims: d,
+            ndim: dims.len() as u8,
+        })
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &[usize] {
+        &self.dims[..self.ndim as usize]
+    }
+
+    /// The number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.ndim as usize
+    }
+
+    /// The number of elements: the product of the dimensions (1 for a 0-d shape).
+    pub fn size(&self) -> usize {
+        self.dims().iter().product()
+    }
+}
+
+macro_rules! shape_from_array {
+    ($($n:literal)*) => {$(
+        impl From<[usize; $n]> for Shape {
+            fn from(a: [usize; $n]) -> Shape {
+                let mut dims = [0; MAX_NDIM];
+                dims[..$n].copy_from_slice(&a);
+                Shape { dims, ndim: $n }
+            }
+        }
+        impl From<&[usize; $n]> for Shape {
+            fn from(a: &[usize; $n]) -> Shape {
+                Shape::from(*a)
+            }
+        }
+    )*};
+}
+shape_from_array!(0 1 2 3 4 5 6 7 8);
+
+impl From<&Shape> for Shape {
+    fn from(s: &Shape) -> Shape {
+        *s
+    }
+}
+
+impl TryFrom<&[usize]> for Shape {
+    type Error = Error;
+    fn try_from(dims: &[usize]) -> Result<Shape, Error> {
+        Shape::new(dims)
+    }
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Shape {
+    /// NumPy style: `(2, 3)`, `(5,)`, `()`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.dims() {
+            [d] => write!(f, "({d},)"),
+            dims => {
+                f.write_str("(")?;
+                for (i, d) in dims.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    write!(f, "{d}")?;
+                }
+                f.write_str(")")
+            }
+        }
+    }
+}

@@ -1,0 +1,748 @@
+//! [`KvStore`]: the key table, validation, per-key locks and the order updaters run in.
+//!
+//! Every operation validates all of its arguments before it changes anything, so an error
+//! leaves the store exactly as it was. Each key has its own lock: operations on different keys
+//! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
+//! in ascending key order, which makes it atomic and free of deadlocks.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::backend::cpu::{self, PushJob};
+use crate::backend::probe;
+use crate::host::{convert_into, with_host, HostData};
+use crate::ndarray::Storage;
+use crate::updater::UpdateFn;
+use crate::{DType, Device, Element, Error, Key, KeyKind, NDArray, Result, Shape, Updater};
+
+/// The kinds of store, by where values live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// Values live in host memory; values from several devices are summed on the CPU.
+    Local,
+    /// Values live on a home GPU, spread across GPUs by size (the CPU when there is none).
+    Device,
+    /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none).
+    Nccl,
+}
+
+/// The names `KvStore::create` accepts (MXNet's, lower case), and the kind each means.
+const KIND_NAMES: [(&str, StoreKind); 6] = [
+    ("local", StoreKind::Local),
+    ("local_update_cpu", StoreKind::Local),
+    ("local_allreduce_cpu", StoreKind::Local),
+    ("device", StoreKind::Device),
+    ("local_allreduce_device", StoreKind::Device),
+    ("nccl", StoreKind::Nccl),
+];
+
+impl StoreKind {
+    /// Parses a kind name, case-insensitively; an error lists the valid names.
+    pub fn parse(name: &str) -> Result<StoreKind> {
+        let lower = name.to_ascii_lowercase();
+        KIND_NAMES
+            .iter()
+            .find(|(n, _)| *n == lower)
+            .map(|&(_, k)| k)
+            .ok_or_else(|| Error::UnknownKind {
+                kind: name.to_owned(),
+                valid: KIND_NAMES.iter().map(|(n, _)| *n).collect(),
+            })
+    }
+}
+
+/// One or more arrays: what a push takes as values and a pull as outs, for one key.
+///
+/// Implemented for a single [`NDArray`], slices, vectors and arrays of them.
+pub trait ValueList {
+    /// The arrays.
+    fn arrays(&self) -> &[NDArray];
+}
+
+impl ValueList for NDArray {
+    fn arrays(&self) -> &[NDArray] {
+        std::slice::from_ref(self)
+    }
+}
+
+impl ValueList for [NDArray] {
+    fn arrays(&self) -> &[NDArray] {
+        self
+    }
+}
+
+impl ValueList for Vec<NDArray> {
+    fn arrays(&self) -> &[NDArray] {
+        self
+    }
+}
+
+impl<const N: usize> ValueList for [NDArray; N] {
+    fn arrays(&self) -> &[NDArray] {
+        self
+    }
+}
+
+impl<T: ValueList + ?Sized> ValueList for &T {
+    fn arrays(&self) -> &[NDArray] {
+        (**self).arrays()
+    }
+}
+
+/// A key's entry: fixed facts, and the value and state behind the key's lock.
+struct Slot {
+    key: Key,
+    /// Ascending order of updates: the int key, or a string key's init order.
+    order: i64,
+    shape: Shape,
+    dtype: DType,
+    home: Device,
+    cell: RwLock<Cell>,
+}
+
+struct Cell {
+    value: HostData,
+    state: Option<State>,
+}
+
+/// Updater state of one key.
+struct State {
+    /// Which `set_updater` call it belongs to; another updater starts afresh.
+    generation: u64,
+    /// Pushes applied so far (Adam's `t`).
+    step: u64,
+    /// One buffer per name in `Updater::state_names`, in the accumulator dtype.
+    bufs: Vec<HostData>,
+}
+
+#[derive(Default)]
+struct Table {
+    key_kind: Option<KeyKind>,
+    slots: HashMap<Key, Arc<Slot>>,
+    next_str_order: i64,
+}
+
+impl Table {
+    fn check_kind(&self, op: &'static str, key: &Key) -> Result<()> {
+        match self.key_kind {
+            Some(store) if store != key.kind() => Err(Error::MixedKeyTypes {
+                op,
+                key: key.clone(),
+                got: key.kind(),
+                store,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn get(&self, op: &'static str, key: &Key) -> Result<Arc<Slot>> {
+        self.check_kind(op, key)?;
+        self.slots
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::UnknownKey {
+                op,
+                key: key.clone(),
+            })
+    }
+}
+
+/// The updater in force, and which `set_updater` call set it.
+struct Active {
+    updater: Updater,
+    generation: u64,
+}
+
+/// A key and the arrays an operation gives it, merged over repeats of the key.
+struct Group<'a> {
+    slot: Arc<Slot>,
+    arrays: Vec<&'a NDArray>,
+}
+
+/// A tensor key-value store with MXNet KVStore semantics.
+///
+/// `KvStore` is `Send + Sync` and every method takes `&self`: share it between threads with an
+/// `Arc` or a scoped borrow.
+pub struct KvStore {
+    name: String,
+    kind: StoreKind,
+    table: RwLock<Table>,
+    active: RwLock<Arc<Active>>,
+}
+
+impl KvStore {
+    /// Creates a store: `local`, `device` or `nccl`, or one of MXNet's aliases
+    /// (`local_update_cpu`, `local_allreduce_cpu`, `local_allreduce_device`).
+    ///
+    /// With no GPU, `device` and `nccl` keep their values on the CPU (logged once).
+    ///
+    /// ```
+    /// use kvstore::KvStore;
+    /// let kv = KvStore::create("local").unwrap();
+    /// assert_eq!(kv.kind(), "local");
+    /// let err = KvStore::create("dist_sync").err().unwrap();
+    /// assert!(err.to_string().contains("local, local_update_cpu"));
+    /// ```
+    pub fn create(name: &str) -> Result<KvStore> {
+        let kind = StoreKind::parse(name)?;
+        if kind != StoreKind::Local && probe::gpu_count() == 0 {
+            static ONCE: Once = Once::new();
+            ONCE.call_once(|| {
+                log::warn!("kvstore: no GPU found; '{name}' stores keep their values on the CPU")
+            });
+        }
+        Ok(KvStore {
+            name: name.to_ascii_lowercase(),
+            kind,
+            table: RwLock::new(Table::default()),
+            active: RwLock::new(Arc::new(Active {
+                updater: Updater::Assign,
+                generation: 0,
+            })),
+        })
+    }
+
+    /// The name the store was created with, lower-cased (MXNet's `kv.type`).
+    pub fn kind(&self) -> &str {
+        &self.name
+    }
+
+    /// What the kind name means.
+    pub fn store_kind(&self) -> StoreKind {
+        self.kind
+    }
+
+    /// This worker's rank: always 0 for a single-process store.
+    pub fn rank(&self) -> usize {
+        0
+    }
+
+    /// The number of workers: always 1 for a single-process store.
+    pub fn num_workers(&self) -> usize {
+        1
+    }
+
+    /// Waits for every operation in flight. On the CPU home every call is synchronous, so this
+    /// returns at once.
+    pub fn wait_all(&self) {}
+
+    /// Replaces the updater. Per-key state (momentum and the like) starts afresh on each key's
+    /// next push.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, Sgd, Updater};
+    /// let kv = KvStore::create("local").unwrap();
+    /// kv.set_updater(Updater::Sgd(Sgd { lr: 0.1, momentum: 0.9, ..Sgd::default() })).unwrap();
+    /// assert!(kv.set_updater(Updater::Sgd(Sgd { lr: -1.0, ..Sgd::default() })).is_err());
+    /// ```
+    pub fn set_updater(&self, updater: Updater) -> Result<()> {
+        updater.validate()?;
+        let mut active = write(&self.active);
+        let generation = active.generation + 1;
+        *active = Arc::new(Active {
+            updater,
+            generation,
+        });
+        Ok(())
+    }
+
+    /// The updater in force.
+    pub fn updater(&self) -> Updater {
+        read(&self.active).updater.clone()
+    }
+
+    /// The keys, in update order (ascending ints, or strings in init order).
+    pub fn keys(&self) -> Vec<Key> {
+        let table = read(&self.table);
+        let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
+        slots.sort_by_key(|s| s.order);
+        slots.iter().map(|s| s.key.clone()).collect()
+    }
+
+    /// The shape, dtype and home device of a key.
+    pub fn meta(&self, key: impl Into<Key>) -> Result<(Shape, DType, Device)> {
+        let slot = read(&self.table).get("meta", &key.into())?;
+        Ok((slot.shape, slot.dtype, slot.home))
+    }
+
+    /// Puts a copy of `value` in under `key`. A key is initialized once.
+    pub fn init(&self, key: impl Into<Key>, value: &NDArray) -> Result<()> {
+        self.init_list(&[key.into()], std::slice::from_ref(value))
+    }
+
+    /// Initializes many keys at once: all of them, or none on error.
+    pub fn init_list<K: Into<Key> + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
+        check_len("init", keys.len(), values.len(), "values")?;
+        let keys = to_keys(keys);
+        // Copy outside the table lock, so big inits do not stall other keys' lookups.
+        let copies: Vec<HostData> = values
+            .iter()
+            .map(|v| v.with_host(HostData::clone))
+            .collect();
+        let mut table = write(&self.table);
+        let call_kind = keys.first().map(Key::kind);
+        for (i, key) in keys.iter().enumerate() {
+            table.check_kind("init", key)?;
+            if let Some(kind) = call_kind.filter(|&k| k != key.kind()) {
+                return Err(Error::MixedKeyTypes {
+                    op: "init",
+                    key: key.clone(),
+                    got: key.kind(),
+                    store: kind,
+                });
+            }
+            if table.slots.contains_key(key) || keys[..i].contains(key) {
+                return Err(Error::DuplicateInit { key: key.clone() });
+            }
+        }
+        for ((key, value), data) in keys.into_iter().zip(values).zip(copies) {
+            let order = match &key {
+                Key::Int(k) => i64::from(*k),
+                Key::Str(_) => {
+                    table.next_str_order += 1;
+                    table.next_str_order
+                }
+            };
+            table.key_kind = Some(key.kind());
+            let slot = Slot {
+                key: key.clone(),
+                order,
+                shape: value.shape(),
+                dtype: value.dtype(),
+                home: Device::Cpu(0),
+                cell: RwLock::new(Cell {
+                    value: data,
+                    state: None,
+                }),
+            };
+            table.slots.insert(key, Arc::new(slot));
+        }
+        Ok(())
+    }
+
+    /// Pushes one or more values to `key`: they are summed, and the updater merges the sum into
+    /// the stored value. The values are read, never kept.
+    ///
+    /// ```
+    /// use kvstore::{cpu, KvStore, NDArray};
+    /// let kv = KvStore::create("local").unwrap();
+    /// kv.init(3, &NDArray::zeros([2])).unwrap();
+    /// let grads = vec![NDArray::ones([2]), NDArray::full([2], 2.0).to_device(cpu(1)).unwrap()];
+    /// kv.push(3, &grads).unwrap();
+    /// let out = NDArray::zeros([2]);
+    /// kv.pull(3, &out).unwrap();
+    /// assert_eq!(out.to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
+    /// ```
+    pub fn push<V: ValueList + ?Sized>(&self, key: impl Into<Key>, values: &V) -> Result<()> {
+        self.push_list(&[key.into()], &[values.arrays()])
+    }
+
+    /// Pushes to many keys at once. A key listed more than once gets the sum of all its values.
+    /// The updater runs once per distinct key, in ascending key order. All or nothing.
+    pub fn push_list<K: Into<Key> + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<()> {
+        let groups = self.groups("push", keys, values, "values")?;
+        check_values("push", &groups)?;
+        let active = read(&self.active).clone();
+        let mut cells = lock_cells(&groups);
+        apply_push(&active, &groups, &mut cells)
+    }
+
+    /// Copies the stored value of `key` into every out, converting to each out's dtype.
+    pub fn pull<V: ValueList + ?Sized>(&self, key: impl Into<Key>, outs: &V) -> Result<()> {
+        self.pull_list(&[key.into()], &[outs.arrays()])
+    }
+
+    /// Pulls many keys at once, from one consistent snapshot of them. All or nothing.
+    pub fn pull_list<K: Into<Key> + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        outs: &[V],
+    ) -> Result<()> {
+        let groups = self.groups("pull", keys, outs, "outs")?;
+        check_outs("pull", &groups)?;
+        let cells: Vec<RwLockReadGuard<'_, Cell>> =
+            groups.iter().map(|g| read(&g.slot.cell)).collect();
+        for (g, cell) in groups.iter().zip(&cells) {
+            pull_into(&cell.value, &g.arrays);
+        }
+        Ok(())
+    }
+
+    /// A push, then a pull of the result into `outs`, as one atomic step. To update in place,
+    /// pass the values as the outs too, or use [`KvStore::pushpull_in_place`].
+    pub fn pushpull<V: ValueList + ?Sized, O: ValueList + ?Sized>(
+        &self,
+        key: impl Into<Key>,
+        values: &V,
+        outs: &O,
+    ) -> Result<()> {
+        self.pushpull_list(&[key.into()], &[values.arrays()], &[outs.arrays()])
+    }
+
+    /// A push of `values`, then a pull of the result back into the same arrays.
+    pub fn pushpull_in_place<V: ValueList + ?Sized>(
+        &self,
+        key: impl Into<Key>,
+        values: &V,
+    ) -> Result<()> {
+        self.pushpull(key, values, values)
+    }
+
+    /// Pushes every key, then pulls every key, as one atomic step. A value that is also an out
+    /// is read by every push before any pull writes it.
+    pub fn pushpull_list<K: Into<Key> + Clone, V: ValueList, O: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        outs: &[O],
+    ) -> Result<()> {
+        let pushes = self.groups("pushpull", keys, values, "values")?;
+        let pulls = self.groups("pushpull", keys, outs, "outs")?;
+        check_values("pushpull", &pushes)?;
+        check_outs("pushpull", &pulls)?;
+        let active = read(&self.active).clone();
+        let mut cells = lock_cells(&pushes);
+        apply_push(&active, &pushes, &mut cells)?;
+        // `pushes` and `pulls` hold the same distinct keys in the same order.
+        for (g, cell) in pulls.iter().zip(&cells) {
+            pull_into(&cell.value, &g.arrays);
+        }
+        Ok(())
+    }
+
+    /// Initializes `key` with `value` and pulls it into `outs` (MXNet's `broadcast`).
+    pub fn broadcast<V: ValueList + ?Sized>(
+        &self,
+        key: impl Into<Key>,
+        value: &NDArray,
+        outs: &V,
+    ) -> Result<()> {
+        self.broadcast_list(&[key.into()], std::slice::from_ref(value), &[outs.arrays()])
+    }
+
+    /// Initializes many keys and pulls them. All or nothing: the outs are checked before any
+    /// key is initialized.
+    pub fn broadcast_list<K: Into<Key> + Clone, O: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+        outs: &[O],
+    ) -> Result<()> {
+        check_len("broadcast", keys.len(), values.len(), "values")?;
+        check_len("broadcast", keys.len(), outs.len(), "outs")?;
+        for ((key, value), outs) in keys.iter().zip(values).zip(outs) {
+            let key: Key = key.clone().into();
+            check_arrays(
+                "broadcast",
+                &key,
+                value.shape(),
+                None,
+                &outs.arrays().iter().collect::<Vec<_>>(),
+                "out",
+            )?;
+        }
+        self.init_list(keys, values)?;
+        self.pull_list(keys, outs)
+    }
+
+    /// Looks up every key and pairs it with its arrays, sorted by key order, repeats merged.
+    fn groups<'a, K: Into<Key> + Clone, V: ValueList>(
+        &self,
+        op: &'static str,
+        keys: &[K],
+        lists: &'a [V],
+        what: &'static str,
+    ) -> Result<Vec<Group<'a>>> {
+        check_len(op, keys.len(), lists.len(), what)?;
+        let table = read(&self.table);
+        let mut groups = keys
+            .iter()
+            .zip(lists)
+            .map(|(k, list)| {
+                let key: Key = k.clone().into();
+                Ok(Group {
+                    slot: table.get(op, &key)?,
+                    arrays: list.arrays().iter().collect(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        drop(table);
+        groups.sort_by_key(|g| g.slot.order);
+        groups.dedup_by(|later, kept| {
+            let same = later.slot.order == kept.slot.order;
+            if same {
+                kept.arrays.append(&mut later.arrays);
+            }
+            same
+        });
+        Ok(groups)
+    }
+}
+
+fn to_keys<K: Into<Key> + Clone>(keys: &[K]) -> Vec<Key> {
+    keys.iter().cloned().map(Into::into).collect()
+}
+
+fn check_len(op: &'static str, keys: usize, values: usize, what: &'static str) -> Result<()> {
+    if keys != values {
+        return Err(Error::LengthMismatch {
+            op,
+            keys,
+            values,
+            what,
+        });
+    }
+    Ok(())
+}
+
+/// Pushed values must match the key's shape and dtype exactly.
+fn check_values(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
+    for g in groups {
+        check_arrays(
+            op,
+            &g.slot.key,
+            g.slot.shape,
+            Some(g.slot.dtype),
+            &g.arrays,
+            "value",
+        )?;
+    }
+    Ok(())
+}
+
+/// Outs must match the key's shape; a pull converts to the out's dtype.
+fn check_outs(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
+    for g in groups {
+        check_arrays(op, &g.slot.key, g.slot.shape, None, &g.arrays, "out")?;
+    }
+    Ok(())
+}
+
+fn check_arrays(
+    op: &'static str,
+    key: &Key,
+    shape: Shape,
+    dtype: Option<DType>,
+    arrays: &[&NDArray],
+    what: &'static str,
+) -> Result<()> {
+    if arrays.is_empty() {
+        let what = if what == "value" { "values" } else { "outs" };
+        return Err(Error::Empty {
+            op,
+            key: key.clone(),
+            what,
+        });
+    }
+    for (i, a) in arrays.iter().enumerate() {
+        if a.shape() != shape {
+            return Err(Error::ShapeMismatch {
+                op,
+                key: key.clone(),
+                what: format!("{what} {i}"),
+                expected: Box::new(shape),
+                got: Box::new(a.shape()),
+            });
+        }
+        if let Some(dtype) = dtype.filter(|&d| d != a.dtype()) {
+            return Err(Error::DTypeMismatch {
+                op,
+                key: key.clone(),
+                what: format!("{what} {i}"),
+                expected: dtype,
+                got: a.dtype(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Write locks on the groups' cells, taken in ascending key order.
+fn lock_cells<'a>(groups: &'a [Group<'_>]) -> Vec<RwLockWriteGuard<'a, Cell>> {
+    groups.iter().map(|g| write(&g.slot.cell)).collect()
+}
+
+/// Applies a validated push to every group. A custom updater runs on copies first, so a panic
+/// in any key leaves every key unchanged.
+fn apply_push(
+    active: &Active,
+    groups: &[Group<'_>],
+    cells: &mut [RwLockWriteGuard<'_, Cell>],
+) -> Result<()> {
+    if let Updater::Custom(f) = &active.updater {
+        let updated = groups
+            .iter()
+            .zip(cells.iter())
+            .map(|(g, cell)| run_custom(f.as_ref(), &g.slot, &cell.value, &g.arrays))
+            .collect::<Result<Vec<_>>>()?;
+        for (cell, value) in cells.iter_mut().zip(updated) {
+            cell.value = value;
+        }
+        return Ok(());
+    }
+    for (g, cell) in groups.iter().zip(cells.iter_mut()) {
+        let reads = ReadSet::lock(&g.arrays);
+        let Cell { value, state } = &mut **cell;
+        with_host!(value, stored: T => push_fused::<T>(active, &reads, &g.arrays, stored, state));
+    }
+    Ok(())
+}
+
+/// The fused sum and update of one key.
+fn push_fused<T: Element>(
+    active: &Active,
+    reads: &ReadSet<'_>,
+    arrays: &[&NDArray],
+    stored: &mut [T],
+    state: &mut Option<State>,
+) {
+    let names = active.updater.state_names();
+    let state = match state {
+        Some(s) if s.generation == active.generation => s,
+        _ => state.insert(State {
+            generation: active.generation,
+            step: 0,
+            bufs: names
+                .iter()
+                .map(|_| HostData::filled(<T::Acc as Element>::DTYPE, stored.len(), 0.0))
+                .collect(),
+        }),
+    };
+    state.step += 1;
+    let rule = active
+        .updater
+        .rule::<T::Acc>(state.step)
+        .expect("custom updaters take the other path");
+    let values: Vec<&[T]> = arrays
+        .iter()
+        .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
+        .collect();
+    let mut bufs = state.bufs.iter_mut().map(|b| {
+        <T::Acc as Element>::slice_mut(b).expect("state is kept in the accumulator dtype")
+    });
+    let s0 = bufs.next().unwrap_or_default();
+    let s1 = bufs.next().unwrap_or_default();
+    let job = PushJob {
+        values,
+        stored,
+        state: [s0, s1],
+    };
+    cpu::push(job, &rule);
+}
+
+/// Runs a custom updater on a copy of the stored value; returns the new value.
+fn run_custom(
+    f: &UpdateFn,
+    slot: &Slot,
+    value: &HostData,
+    arrays: &[&NDArray],
+) -> Result<HostData> {
+    let merged = {
+        let reads = ReadSet::lock(arrays);
+        with_host!(value, v: T => {
+            let values: Vec<&[T]> = arrays
+                .iter()
+                .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
+                .collect();
+            let mut sum = v.clone();
+            cpu::sum_into(&values, &mut sum);
+            T::wrap(sum)
+        })
+    };
+    let merged = NDArray::from_host(merged, slot.shape, slot.home);
+    let mut stored = NDArray::from_host(value.clone(), slot.shape, slot.home);
+    catch_unwind(AssertUnwindSafe(|| f(&slot.key, &merged, &mut stored))).map_err(|panic| {
+        Error::UpdaterPanicked {
+            key: slot.key.clone(),
+            message: panic_message(panic.as_ref()),
+        }
+    })?;
+    let what = "the updater's result".to_owned();
+    if stored.shape() != slot.shape {
+        return Err(Error::ShapeMismatch {
+            op: "push",
+            key: slot.key.clone(),
+            what,
+            expected: Box::new(slot.shape),
+            got: Box::new(stored.shape()),
+        });
+    }
+    if stored.dtype() != slot.dtype {
+        return Err(Error::DTypeMismatch {
+            op: "push",
+            key: slot.key.clone(),
+            what,
+            expected: slot.dtype,
+            got: stored.dtype(),
+        });
+    }
+    Ok(stored.take_host())
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic payload".to_owned()
+    }
+}
+
+/// Copies `src` into every out. Outs that share elements are written once.
+fn pull_into(src: &HostData, outs: &[&NDArray]) {
+    let mut outs = outs.to_vec();
+    outs.sort_by_key(|a| a.storage_id());
+    outs.dedup_by_key(|a| a.storage_id());
+    let mut guards: Vec<RwLockWriteGuard<'_, Storage>> = outs.iter().map(|a| a.write()).collect();
+    with_host!(src, s: T => {
+        let mut same: Vec<&mut [T]> = Vec::with_capacity(guards.len());
+        for g in guards.iter_mut() {
+            let Storage::Host(h) = &mut **g;
+            if h.dtype() == T::DTYPE {
+                same.push(T::slice_mut(h).expect("dtype was just checked"));
+            } else {
+                convert_into(s.as_slice(), h);
+            }
+        }
+        cpu::broadcast(s.as_slice(), same);
+    })
+}
+
+/// Read locks on a set of arrays, each taken once, in address order.
+struct ReadSet<'a> {
+    guards: Vec<(usize, RwLockReadGuard<'a, Storage>)>,
+}
+
+impl<'a> ReadSet<'a> {
+    fn lock(arrays: &[&'a NDArray]) -> ReadSet<'a> {
+        let mut uniq = arrays.to_vec();
+        uniq.sort_by_key(|a| a.storage_id());
+        uniq.dedup_by_key(|a| a.storage_id());
+        ReadSet {
+            guards: uniq.iter().map(|a| (a.storage_id(), a.read())).collect(),
+        }
+    }
+
+    fn host(&self, a: &NDArray) -> &HostData {
+        let i = self
+            .guards
+            .binary_search_by_key(&a.storage_id(), |(id, _)| *id)
+            .expect("every array was locked");
+        let Storage::Host(h) = &*self.guards[i].1;
+        h
+    }
+}
+
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,293 @@
+//! [`Updater`]: how a key's stored value absorbs the sum of a push.
+//!
+//! Built-in updaters ([`Updater::Assign`], [`Updater::Axpby`], [`Sgd`], [`Adam`]) are fused with
+//! the sum into one pass over memory, and each has a PTX twin for GPU homes. A
+//! [`Updater::custom`] closure is the seeds' `_set_updater`: it sees the merged value as an
+//! [`NDArray`] and changes the stored one in place.
+
+use std::fmt;
+use std::sync::Arc;
+
+use num_traits::Float;
+
+use crate::dtype::Element;
+use crate::{Error, Key, NDArray, Result};
+
+/// The signature of a custom updater: `(key, merged input, stored value)`.
+pub type UpdateFn = dyn Fn(&Key, &NDArray, &mut NDArray) + Send + Sync;
+
+/// How a push changes a key's stored value. The input is the sum of every value pushed to the
+/// key in that call.
+#[derive(Clone, Default)]
+pub enum Updater {
+    /// `stored = input`. The default, as in MXNet.
+    #[default]
+    Assign,
+    /// `stored = a * stored + b * input`.
+    Axpby {
+        /// Scale of the stored value.
+        a: f64,
+        /// Scale of the input.
+        b: f64,
+    },
+    /// Stochastic gradient descent, MXNet's `sgd_update` / `sgd_mom_update`.
+    Sgd(Sgd),
+    /// Adam, MXNet's `adam_update` with bias correction.
+    Adam(Adam),
+    /// A user closure, called once per key and push with `(key, input, &mut stored)`.
+    ///
+    /// It runs on a copy of the stored value, which replaces the stored value only when the
+    /// closure returns; if it panics, the push fails and nothing changes. It must not call the
+    /// store it is set on. For keys homed on a GPU, the data goes to the host and back: this is
+    /// the slow path.
+    Custom(Arc<UpdateFn>),
+}
+
+impl Updater {
+    /// Wraps a closure as an updater. The seeds' updater in one line:
+    ///
+    /// ```
+    /// use kvstore::Updater;
+    /// let u = Updater::custom(|key, input, stored| {
+    ///     println!("update on key: {key}");
+    ///     *stored += input * 2.0;
+    /// });
+    /// ```
+    pub fn custom(f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static) -> Updater {
+        Updater::Custom(Arc::new(f))
+    }
+
+    /// Checks that the parameters are in range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidUpdater(what));
+        match self {
+            Updater::Assign | Updater::Custom(_) => Ok(()),
+            Updater::Axpby { a, b } if !(a.is_finite() && b.is_finite()) => {
+                bad(format!("axpby needs finite a and b, got a={a}, b={b}"))
+            }
+            Updater::Axpby { .. } => Ok(()),
+            Updater::Sgd(s) => {
+                check_common(s.lr, s.wd, s.rescale_grad, s.clip_gradient)?;
+                if !(0.0..1.0).contains(&s.momentum) {
+                    return bad(format!(
+                        "sgd momentum must be in [0, 1), got {}",
+                        s.momentum
+                    ));
+                }
+                Ok(())
+            }
+            Updater::Adam(a) => {
+                check_common(a.lr, a.wd, a.rescale_grad, a.clip_gradient)?;
+                for (name, b) in [("beta1", a.beta1), ("beta2", a.beta2)] {
+                    if !(0.0..1.0).contains(&b) {
+                        return bad(format!("adam {name} must be in [0, 1), got {b}"));
+                    }
+                }
+                if !(a.epsilon > 0.0 && a.epsilon.is_finite()) {
+                    return bad(format!("adam epsilon must be positive, got {}", a.epsilon));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The names of the per-key state buffers this updater keeps, each the size of the value.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self {
+            Updater::Sgd(s) if s.momentum != 0.0 => &["momentum"],
+            Updater::Adam(_) => &["mean", "var"],
+            _ => &[],
+        }
+    }
+
+    /// A short name: `assign`, `axpby`, `sgd`, `adam` or `custom`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Updater::Assign => "assign",
+            Updater::Axpby { .. } => "axpby",
+            Updater::Sgd(_) => "sgd",
+            Updater::Adam(_) => "adam",
+            Updater::Custom(_) => "custom",
+        }
+    }
+
+    /// The fused element rule for one step; `None` for a custom closure. `step` counts from 1.
+    pub(crate) fn rule<A: Element + Float>(&self, step: u64) -> Option<Rule<A>> {
+        let c = |x: f64| A::from_f64(x);
+        let clip = |c: Option<f32>| A::from_f64(c.map_or(f64::INFINITY, f64::from));
+        Some(match self {
+            Updater::Assign => Rule::Assign,
+            Updater::Axpby { a, b } => Rule::Axpby { a: c(*a), b: c(*b) },
+            Updater::Sgd(s) if s.momentum == 0.0 => Rule::Sgd {
+                lr: c(s.lr.into()),
+                wd: c(s.wd.into()),
+                rescale: c(s.rescale_grad.into()),
+                clip: clip(s.clip_gradient),
+            },
+            Updater::Sgd(s) => Rule::SgdMom {
+                lr: c(s.lr.into()),
+                momentum: c(s.momentum.into()),
+                wd: c(s.wd.into()),
+                rescale: c(s.rescale_grad.into()),
+                clip: clip(s.clip_gradient),
+            },
+            Updater::Adam(a) => {
+                let t = step as i32;
+                let (b1, b2) = (f64::from(a.beta1), f64::from(a.beta2));
+                let lr_t = f64::from(a.lr) * (1.0 - b2.powi(t)).sqrt() / (1.0 - b1.powi(t));
+                Rule::Adam {
+                    lr_t: c(lr_t),
+                    beta1: c(b1),
+                    beta2: c(b2),
+                    epsilon: c(a.epsilon.into()),
+                    wd: c(a.wd.into()),
+                    rescale: c(a.rescale_grad.into()),
+                    clip: clip(a.clip_gradient),
+                }
+            }
+            Updater::Custom(_) => return None,
+        })
+    }
+}
+
+fn check_common(lr: f32, wd: f32, rescale: f32, clip: Option<f32>) -> Result<()> {
+    let ok = lr.is_finite() && lr >= 0.0 && wd.is_finite() && wd >= 0.0 && rescale.is_finite();
+    let clip_ok = clip.is_none_or(|c| c >= 0.0 && !c.is_nan());
+    if ok && clip_ok {
+        return Ok(());
+    }
+    Err(Error::InvalidUpdater(format!(
+        "lr and wd must be finite and non-negative, rescale_grad finite, clip_gradient \
+         non-negative; got lr={lr}, wd={wd}, rescale_grad={rescale}, clip_gradient={clip:?}"
+    )))
+}
+
+impl fmt::Debug for Updater {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Updater::Assign => f.write_str("Assign"),
+            Updater::Axpby { a, b } => write!(f, "Axpby {{ a: {a}, b: {b} }}"),
+            Updater::Sgd(s) => write!(f, "{s:?}"),
+            Updater::Adam(a) => write!(f, "{a:?}"),
+            Updater::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+/// SGD, as MXNet's `sgd_update` and `sgd_mom_update` compute it. With `g = clip(rescale_grad * input)`:
+///
+/// - momentum 0: `w = (1 - lr*wd) * w - lr * g`
+/// - otherwise: `m = momentum*m - lr*wd*w - lr*g; w += m`
+///
+/// ```
+/// use kvstore::{Sgd, Updater};
+/// let u = Updater::Sgd(Sgd { lr: 0.1, momentum: 0.9, ..Sgd::default() });
+/// assert!(u.validate().is_ok());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgd {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum in [0, 1); 0 keeps no state.
+    pub momentum: f32,
+    /// Weight decay.
+    pub wd: f32,
+    /// Scale applied to the input first (e.g. 1 / batch size).
+    pub rescale_grad: f32,
+    /// Clip the rescaled input to [-c, c].
+    pub clip_gradient: Option<f32>,
+}
+
+impl Default for Sgd {
+    /// `lr` 0.01 and nothing else.
+    fn default() -> Sgd {
+        Sgd {
+            lr: 0.01,
+            momentum: 0.0,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: None,
+        }
+    }
+}
+
+/// Adam, as MXNet's `adam_update` computes it, with bias correction in the step size. With
+/// `g = clip(rescale_grad * input + wd * w)` and `t` the key's step count (from 1):
+///
+/// `m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g²; w -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps)`
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adam {
+    /// Learning rate.
+    pub lr: f32,
+    /// Decay of the first moment.
+    pub beta1: f32,
+    /// Decay of the second moment.
+    pub beta2: f32,
+    /// Added to the denominator.
+    pub epsilon: f32,
+    /// Weight decay.
+    pub wd: f32,
+    /// Scale applied to the input first.
+    pub rescale_grad: f32,
+    /// Clip the gradient to [-c, c].
+    pub clip_gradient: Option<f32>,
+}
+
+impl Default for Adam {
+    /// MXNet's defaults: lr 0.001, betas 0.9 and 0.999, epsilon 1e-8.
+    fn default() -> Adam {
+        Adam {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            wd: 0.0,
+            rescale_grad: 1.0,
+            clip_gradient: None,
+        }
+    }
+}
+
+/// One step of a built-in updater, with its scalars in the accumulator type.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Rule<A> {
+    Assign,
+    Axpby {
+        a: A,
+        b: A,
+    },
+    Sgd {
+        lr: A,
+        wd: A,
+        rescale: A,
+        clip: A,
+    },
+    SgdMom {
+        lr: A,
+        momentum: A,
+        wd: A,
+        rescale: A,
+        clip: A,
+    },
+    Adam {
+        lr_t: A,
+        beta1: A,
+        beta2: A,
+        epsilon: A,
+        wd: A,
+        rescale: A,
+        clip: A,
+    },
+}
+
+/// Clamps `g` to `[-c, c]`, letting NaN through so a bad gradient is seen, not hidden.
+#[inline(always)]
+pub(crate) fn clip<A: Float>(g: A, c: A) -> A {
+    if g > c {
+        c
+    } else if g < -c {
+        -c
+    } else {
+        g
+    }
+}
