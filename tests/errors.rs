@@ -395,26 +395,27 @@ fn assert_length(e: &Error, op: &str, keys: usize, values: usize) {
 fn length_mismatch() {
     let kv = int_store("local");
     let a = rand_arr(SHAPE);
-    let e = fails(&kv, |kv| kv.init_list(&[1, 2], std::slice::from_ref(&a)));
+    let one = std::slice::from_ref(&a);
+    let e = fails(&kv, |kv| kv.init_list(&[1, 2], one));
     assert_length(&e, "init", 2, 1);
-    let e = fails(&kv, |kv| kv.push_list(&[3, 5], &[a.clone()]));
+    let e = fails(&kv, |kv| kv.push_list(&[3, 5], one));
     assert_length(&e, "push", 2, 1);
     let e = fails(&kv, |kv| kv.pull_list(&[3], &[a.clone(), a.clone()]));
     assert_length(&e, "pull", 1, 2);
     let e = fails(&kv, |kv| {
-        kv.pushpull_list(&[3, 5], &[a.clone(), a.clone()], &[a.clone()])
+        kv.pushpull_list(&[3, 5], &[a.clone(), a.clone()], one)
     });
     assert_length(&e, "pushpull", 2, 1);
     let e = fails(&kv, |kv| {
-        kv.pushpull_list(&[3, 5], &[a.clone()], &[a.clone(), a.clone()])
+        kv.pushpull_list(&[3, 5], one, &[a.clone(), a.clone()])
     });
     assert_length(&e, "pushpull", 2, 1);
     let e = fails(&kv, |kv| {
-        kv.broadcast_list(&[1, 2], &[a.clone()], &[a.clone(), a.clone()])
+        kv.broadcast_list(&[1, 2], one, &[a.clone(), a.clone()])
     });
     assert_length(&e, "broadcast", 2, 1);
     let e = fails(&kv, |kv| {
-        kv.broadcast_list(&[1, 2], &[a.clone(), a.clone()], &[a.clone()])
+        kv.broadcast_list(&[1, 2], &[a.clone(), a.clone()], one)
     });
     assert_length(&e, "broadcast", 2, 1);
 }
