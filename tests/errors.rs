@@ -895,3 +895,61 @@ fn repeated_array_in_one_push_is_summed() {
     let twice: Vec<f32> = want.iter().map(|x| x / 2.0).collect();
     assert_eq!(a.to_vec::<f32>().unwrap(), twice);
 }
+
+// ---- custom updaters and the arrays they touch ----
+
+#[test]
+fn custom_updater_may_assign_an_array_it_keeps() {
+    let kv = int_store("local");
+    let keep = rand_arr(SHAPE);
+    let kept = values(&keep);
+    let handle = keep.clone();
+    kv.set_updater(Updater::custom(move |_, _, w| *w = handle.clone()))
+        .unwrap();
+    kv.push(3, &rand_arr(SHAPE)).unwrap();
+    let out = rand_arr(SHAPE);
+    kv.pull(3, &out).unwrap();
+    assert_eq!(values(&out), kept);
+    // The user's array is untouched, and is not the store's value.
+    assert_eq!(keep.size(), 6);
+    assert_eq!(values(&keep), kept);
+    keep.fill(1.0).unwrap();
+    kv.pull(3, &out).unwrap();
+    assert_eq!(values(&out), kept);
+    // It can still be pushed.
+    kv.set_updater(Updater::Assign).unwrap();
+    kv.push(3, &keep).unwrap();
+    kv.pull(3, &out).unwrap();
+    assert_eq!(values(&out), vec![1.0; 6]);
+}
+
+#[test]
+fn custom_updater_may_keep_a_handle_to_stored() {
+    use std::sync::{Arc, Mutex};
+    let kv = int_store("local");
+    let stash: Arc<Mutex<Option<NDArray>>> = Arc::default();
+    let s = stash.clone();
+    kv.set_updater(Updater::custom(move |_, x, w| {
+        *w += x;
+        *s.lock().unwrap() = Some(w.clone());
+    }))
+    .unwrap();
+    let before = snapshot(&kv).values[0].2.clone();
+    let x = rand_arr(SHAPE);
+    kv.push(3, &x).unwrap();
+    let kept = stash.lock().unwrap().take().unwrap();
+    assert_eq!(kept.size(), 6);
+    let want: Vec<f64> = before
+        .iter()
+        .zip(values(&x))
+        .map(|(a, b)| f64::from(*a as f32 + b as f32))
+        .collect();
+    assert_eq!(values(&kept), want);
+    // Writing through the handle does not reach the store.
+    kept.fill(0.0).unwrap();
+    let out = rand_arr(SHAPE);
+    kv.pull(3, &out).unwrap();
+    assert_eq!(values(&out), want);
+    kv.set_updater(Updater::Assign).unwrap();
+    kv.push(3, &kept).unwrap();
+}
