@@ -77,3 +77,24 @@ fn pull_into_many_outs() {
         }
     }
 }
+
+/// Arrays with no elements go through every operation.
+#[test]
+fn zero_size_arrays() {
+    let kv = KvStore::create("local").unwrap();
+    kv.init_list(&[1, 2], &[NDArray::zeros([0]), NDArray::zeros([3, 0])])
+        .unwrap();
+    kv.push(1, &[NDArray::zeros([0]), NDArray::zeros([0])])
+        .unwrap();
+    kv.pull(2, &[NDArray::zeros([3, 0]), NDArray::zeros([3, 0])])
+        .unwrap();
+    kv.set_updater(kvstore::Updater::custom(|_, x, w| *w += x))
+        .unwrap();
+    let v = NDArray::zeros([3, 0]);
+    kv.pushpull_in_place(2, &v).unwrap();
+    assert_eq!(v.to_vec::<f32>().unwrap(), Vec::<f32>::new());
+    assert!(
+        kv.push(2, &NDArray::zeros([0])).is_err(),
+        "(0,) is not (3, 0)"
+    );
+}

@@ -530,3 +530,73 @@ fn seed_walkthroughs() {
     kv.pull(3, &a).unwrap();
     assert_all_approx(&a, 3.05, 1e-6);
 }
+
+/// Records every key the updater sees, and the first element of each merged input.
+fn recording_updater() -> (Updater, Arc<Mutex<Vec<(Key, f32)>>>) {
+    let log: Arc<Mutex<Vec<(Key, f32)>>> = Arc::default();
+    let seen = log.clone();
+    let u = Updater::custom(move |key, input, stored| {
+        let first = input.to_vec::<f32>().unwrap()[0];
+        seen.lock().unwrap().push((key.clone(), first));
+        *stored += input;
+    });
+    (u, log)
+}
+
+/// mxnet.md §1, verified on MXNet: keys [9, 2, 5, 2] give updater calls for 2 (with the sum
+/// of both of its values), then 5, then 9: once per distinct key, in ascending order.
+#[test]
+fn updater_order_int_keys() {
+    let kv = KvStore::create("local").unwrap();
+    kv.init_list(&[2, 5, 9], &vec![NDArray::zeros([3]); 3])
+        .unwrap();
+    let (u, log) = recording_updater();
+    kv.set_updater(u).unwrap();
+    let vals: Vec<NDArray> = [1.0, 2.0, 3.0, 4.0]
+        .iter()
+        .map(|&v| NDArray::full([3], v))
+        .collect();
+    kv.push_list(&[9, 2, 5, 2], &vals).unwrap();
+    let want = vec![(Key::Int(2), 6.0), (Key::Int(5), 3.0), (Key::Int(9), 1.0)];
+    assert_eq!(*log.lock().unwrap(), want);
+    let out = NDArray::zeros([3]);
+    kv.pull(2, &out).unwrap();
+    assert_all(&out, 6.0);
+}
+
+/// String keys are updated in the order they were first initialized, not alphabetically.
+#[test]
+fn updater_order_str_keys() {
+    let kv = KvStore::create("local").unwrap();
+    kv.init("c", &NDArray::zeros([2])).unwrap();
+    kv.init_list(&["a", "b"], &vec![NDArray::zeros([2]); 2])
+        .unwrap();
+    assert_eq!(
+        kv.keys(),
+        vec![Key::from("c"), Key::from("a"), Key::from("b")]
+    );
+    let (u, log) = recording_updater();
+    kv.set_updater(u).unwrap();
+    let vals: Vec<NDArray> = [1.0, 2.0, 3.0]
+        .iter()
+        .map(|&v| NDArray::full([2], v))
+        .collect();
+    kv.push_list(&["a", "b", "c"], &vals).unwrap();
+    let order: Vec<Key> = log.lock().unwrap().iter().map(|(k, _)| k.clone()).collect();
+    assert_eq!(order, vec![Key::from("c"), Key::from("a"), Key::from("b")]);
+}
+
+/// Pull converts to the out's dtype, as MXNet does.
+#[test]
+fn pull_casts_to_out_dtype() {
+    let kv = KvStore::create("local").unwrap();
+    kv.init(3, &NDArray::full([2, 3], 3.0)).unwrap();
+    let outs: Vec<NDArray> = DType::ALL
+        .iter()
+        .map(|&d| NDArray::full_on([2, 3], -1.0, d, cpu(0)).unwrap())
+        .collect();
+    kv.pull(3, &outs).unwrap();
+    for o in &outs {
+        assert_all(o, 3.0);
+    }
+}
