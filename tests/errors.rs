@@ -219,6 +219,17 @@ fn duplicate_init_within_one_list() {
         "{e:?}"
     );
     assert_mentions(&e, &["key 9"]);
+    // MXNet's `init([3, 3], ...)` on a fresh store: nothing is initialized.
+    let fresh = KvStore::create("local").unwrap();
+    let e = fails(&fresh, |kv| {
+        kv.init_list(&[3, 3], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+    });
+    assert!(
+        matches!(&e, Error::DuplicateInit { key: Key::Int(3) }),
+        "{e:?}"
+    );
+    assert_mentions(&e, &["duplicate init of key 3"]);
+    assert!(fresh.keys().is_empty());
     // A new key beside an existing one: neither is initialized.
     let e = fails(&kv, |kv| {
         kv.init_list(&[8, 5], &[rand_arr(SHAPE), rand_arr(SHAPE)])
@@ -481,6 +492,7 @@ fn mixed_key_kinds_within_one_call() {
         matches!(&e, Error::MixedKeyTypes { key: Key::Str(k), .. } if k == "w"),
         "{e:?}"
     );
+    assert_mentions(&e, &["key w", "cannot be mixed"]);
     assert!(kv.keys().is_empty());
     kv.init("w", &a).unwrap();
 
@@ -577,6 +589,7 @@ fn empty_value_list() {
         ),
         "{e:?}"
     );
+    assert_mentions(&e, &["key 5", "no outs"]);
     // In a list, the first key's values are fine: nothing is applied.
     let e = fails(&kv, |kv| {
         kv.push_list(&[3, 5], &[vec![rand_arr(SHAPE)], none.clone()])
