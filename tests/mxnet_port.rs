@@ -531,9 +531,12 @@ fn seed_walkthroughs() {
     assert_all_approx(&a, 3.05, 1e-6);
 }
 
+/// The keys an updater saw, each with the first element of its merged input.
+type Log = Arc<Mutex<Vec<(Key, f32)>>>;
+
 /// Records every key the updater sees, and the first element of each merged input.
-fn recording_updater() -> (Updater, Arc<Mutex<Vec<(Key, f32)>>>) {
-    let log: Arc<Mutex<Vec<(Key, f32)>>> = Arc::default();
+fn recording_updater() -> (Updater, Log) {
+    let log: Log = Arc::default();
     let seen = log.clone();
     let u = Updater::custom(move |key, input, stored| {
         let first = input.to_vec::<f32>().unwrap()[0];
