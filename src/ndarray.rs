@@ -240,11 +240,20 @@ impl NDArray {
         self.data.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes the elements out, leaving an empty buffer behind. Only for arrays the store made.
-    pub(crate) fn take_host(&self) -> HostData {
-        let mut g = self.write();
-        let Storage::Host(h) = &mut *g;
-        std::mem::replace(h, HostData::F32(Vec::new()))
+    /// The elements, moved out when this is the only handle to them, copied otherwise (a
+    /// custom updater may have kept a clone, or assigned an array of its own).
+    pub(crate) fn into_host(self) -> HostData {
+        match Arc::try_unwrap(self.data) {
+            Ok(lock) => {
+                let Storage::Host(h) = lock.into_inner().unwrap_or_else(|e| e.into_inner());
+                h
+            }
+            Err(shared) => {
+                let g = shared.read().unwrap_or_else(|e| e.into_inner());
+                let Storage::Host(h) = &*g;
+                h.clone()
+            }
+        }
     }
 }
 

@@ -681,7 +681,7 @@ fn run_custom(
             got: stored.dtype(),
         });
     }
-    Ok(stored.take_host())
+    Ok(stored.into_host())
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -49,7 +49,8 @@ fn push_par<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, grain: usize) 
     if n <= grain {
         return push_seq(job, rule);
     }
-    let mid = n / 2 / BLOCK * BLOCK;
+    // At least one block, so both halves shrink even when `n` is under two blocks.
+    let mid = (n / 2 / BLOCK * BLOCK).max(BLOCK);
     let PushJob {
         values,
         stored,
@@ -213,7 +214,7 @@ fn broadcast_par<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>, grain: u
     if src.len() <= grain {
         return broadcast_seq(src, outs);
     }
-    let mid = src.len() / 2 / BLOCK * BLOCK;
+    let mid = (src.len() / 2 / BLOCK * BLOCK).max(BLOCK);
     let (lo_s, hi_s) = src.split_at(mid);
     let (lo, hi): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| o.split_at_mut(mid)).unzip();
     rayon::join(
