@@ -8,7 +8,9 @@
 //! for `assign`) are NaN before the launch, and a guard of sentinel values around every written
 //! buffer must come back untouched.
 //!
-//! These need a GPU: `cargo test --test ptx_conformance -- --include-ignored`.
+//! These need a GPU: `cargo test --test ptx_conformance -- --include-ignored`. One test runs
+//! without a GPU: `reference_matches_the_cpu_store` checks the reference here against the CPU
+//! store itself, so "matches the reference" means "matches the CPU twin".
 
 use std::sync::Arc;
 
@@ -20,7 +22,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
 use kvstore::backend::kernels::{self, RuleKind, TensorRecord};
-use kvstore::Element;
+use kvstore::{Adam, Element, KvStore, NDArray, Sgd, Updater};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -101,6 +103,60 @@ impl TestRule {
                 rescale,
                 clip,
             },
+        }
+    }
+
+    /// The store's updater with these scalars (`clip = +inf` is no clipping).
+    fn updater(&self) -> Updater {
+        let clip_gradient = |c: f32| c.is_finite().then_some(c);
+        match *self {
+            TestRule::Assign => Updater::Assign,
+            TestRule::Axpby { a, b } => Updater::Axpby {
+                a: a.into(),
+                b: b.into(),
+            },
+            TestRule::Sgd {
+                lr,
+                wd,
+                rescale,
+                clip,
+            } => Updater::Sgd(Sgd {
+                lr,
+                momentum: 0.0,
+                wd,
+                rescale_grad: rescale,
+                clip_gradient: clip_gradient(clip),
+            }),
+            TestRule::SgdMom {
+                lr,
+                momentum,
+                wd,
+                rescale,
+                clip,
+            } => Updater::Sgd(Sgd {
+                lr,
+                momentum,
+                wd,
+                rescale_grad: rescale,
+                clip_gradient: clip_gradient(clip),
+            }),
+            TestRule::Adam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale,
+                clip,
+            } => Updater::Adam(Adam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale_grad: rescale,
+                clip_gradient: clip_gradient(clip),
+            }),
         }
     }
 
@@ -568,6 +624,61 @@ where
             let rule = TestRule::random(kind, &mut rng, clipped);
             let label = format!("{name} (seed {seed}), table of 50, k {k}");
             run_case::<T>(&gpu, rule, &layouts, &mut rng, tol, &label)?;
+        }
+    }
+    Ok(())
+}
+
+/// Pushes `STEPS` rounds of `k` random values through a `local` store with `rule`'s updater and
+/// checks every pulled value against the reference, which starts from zero state at step 1.
+fn check_store<T: Element<Acc = f32>>(rule: TestRule, rng: &mut StdRng, label: &str) -> Result<()> {
+    let (n, k) = (1031, 3);
+    let kv = KvStore::create("local")?;
+    kv.set_updater(rule.updater())?;
+    let mut w: Vec<T> = random_vec(rng, n, -1.0, 1.0);
+    kv.init(0, &NDArray::from_vec(w.clone(), [n])?)?;
+    let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+    for step in 1..=STEPS {
+        let xs: Vec<Vec<T>> = (0..k).map(|_| random_vec(rng, n, -1.0, 1.0)).collect();
+        let values = xs
+            .iter()
+            .map(|x| NDArray::from_vec(x.clone(), [n]))
+            .collect::<Result<Vec<_>, _>>()?;
+        kv.push(0, &values)?;
+        let out = NDArray::zeros([n]).astype(T::DTYPE)?;
+        kv.pull(0, &out)?;
+        let got = out.to_vec::<T>()?;
+        let lr_t = rule.lr_t(step);
+        for e in 0..n {
+            let mut g = xs[0][e].to_acc();
+            for x in &xs[1..] {
+                g += x[e].to_acc();
+            }
+            w[e] = T::from_acc(rule.apply(lr_t, g, w[e].to_acc(), &mut m[e], &mut v[e]));
+            // The same f32 operations in the same order: equal, bit for bit.
+            ensure!(
+                got[e].to_f64().to_bits() == w[e].to_f64().to_bits(),
+                "{label}, step {step}: store has {:?} at {e}, reference {:?} ({rule:?})",
+                got[e],
+                w[e]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The reference this file compares the GPU with is the CPU store's arithmetic. No GPU needed.
+#[test]
+fn reference_matches_the_cpu_store() -> Result<()> {
+    let seed: u64 = rand::random();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for kind in RuleKind::ALL {
+        for clipped in [false, true] {
+            let rule = TestRule::random(kind, &mut rng, clipped);
+            let label = format!("{} (seed {seed})", kind.name());
+            check_store::<f32>(rule, &mut rng, &format!("{label}, f32"))?;
+            check_store::<f16>(rule, &mut rng, &format!("{label}, f16"))?;
+            check_store::<bf16>(rule, &mut rng, &format!("{label}, bf16"))?;
         }
     }
     Ok(())
