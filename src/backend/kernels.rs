@@ -7,10 +7,11 @@
 //! stored_t[i], m_t[i], v_t[i] = RULE(g, stored_t[i], m_t[i], v_t[i])
 //! ```
 //!
-//! with the rule's math in f32 exactly as the CPU twin, `backend::cpu`, computes it (same
-//! operations, same order, round-to-nearest, no fused multiply-add), so f32 results are equal
-//! bit for bit and f16/bf16 results differ only where the CPU rounds differently (never, for
-//! these ops). Summing values on one GPU is the `Assign` rule with `k` inputs.
+//! with the rule's math in f32 exactly as the CPU twin, `backend::cpu`, computes it: the same
+//! operations in the same order, each rounded to nearest, no fused multiply-add, IEEE division
+//! and square root. The results are meant to equal the CPU's bit for bit, for f16 and bf16 too
+//! (both sides round the f32 result to nearest-even). Summing values on one GPU is the
+//! `Assign` rule with `k` inputs.
 //!
 //! The entry `fused_<rule>_<dtype>` (see [`entry_name`]) is in the PTX module [`module_for`]
 //! names, and takes, in this order:
