@@ -1,3 +1,237 @@
+//! Checks the hand-written PTX in `kernels/` before anything can launch it.
+//!
+//! 1. Every entry `src/backend/kernels.rs` launches, `fused_<rule>_<dtype>`, must exist in
+//!    `kernels/fused_<dtype>.ptx` with exactly the ABI's parameter list ([`RULE_PARAMS`]).
+//! 2. Every `kernels/*.ptx` is assembled with `ptxas` (env `PTXAS`, else `ptxas` on `PATH`) for
+//!    each of sm_70, sm_80 and sm_90 that its `.target` allows; the cubins go to `OUT_DIR` and are
+//!    only a check (the crate embeds the PTX text and the driver compiles it). A ptxas error fails
+//!    the build; no ptxas at all is a warning.
+
+use std::collections::BTreeMap;
+use std::env;
+use std::fs;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The kernel parameters every entry starts with: table, ntensors, chunk.
+const COMMON_PARAMS: &[&str] = &["u64", "u32", "u32"];
+
+/// The ABI, keyed by rule: the PTX types of the parameters of `fused_<rule>_<dtype>`.
+const RULE_PARAMS: &[(&str, &[&str])] = &[
+    ("assign", &["u64", "u32", "u32"]),
+    ("axpby", &["u64", "u32", "u32", "f32", "f32"]),
+    ("sgd", &["u64", "u32", "u32", "f32", "f32", "f32", "f32"]),
+    (
+        "sgd_mom",
+        &["u64", "u32", "u32", "f32", "f32", "f32", "f32", "f32"],
+    ),
+    (
+        "adam",
+        &[
+            "u64", "u32", "u32", "f32", "f32", "f32", "f32", "f32", "f32",
+        ],
+    ),
+];
+
+/// Element types with kernels; `fused_<rule>_<dtype>` lives in `kernels/fused_<dtype>.ptx`.
+const DTYPES: &[&str] = &["f32", "f16", "bf16"];
+
+/// The architectures each file is assembled for, where its `.target` allows.
+const ARCHS: &[u32] = &[70, 80, 90];
+
 fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-env-changed=PTXAS");
+
+    let dir = Path::new("kernels");
+    let files = ptx_files(dir);
+    let parsed: BTreeMap<String, Ptx> = files
+        .iter()
+        .map(|path| {
+            let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+            let text = fs::read_to_string(path)
+                .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+            let ptx = parse(&text).unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
+            (stem, ptx)
+        })
+        .collect();
+
+    check_abi(&parsed);
+
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    assemble_all(&files, &parsed, &out);
+}
+
+/// What build.rs needs from one PTX file.
+struct Ptx {
+    /// The number in `.target sm_NN`.
+    target: u32,
+    /// Each `.entry` and the types of its parameters, in order.
+    entries: BTreeMap<String, Vec<String>>,
+}
+
+/// Stops the build with `msg` (cargo shows a failed build script's stderr).
+fn fail(msg: &str) -> ! {
+    eprintln!("\nkvstore build.rs: {msg}\n");
+    std::process::exit(1);
+}
+
+fn ptx_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| fail(&format!("cannot list {}: {e}", dir.display())))
+        .map(|e| e.expect("a readable directory entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "ptx"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Removes `// ...` and `/* ... */` comments.
+fn strip_comments(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while !rest.is_empty() {
+        if let Some(r) = rest.strip_prefix("//") {
+            rest = r.find('\n').map_or("", |i| &r[i..]);
+        } else if let Some(r) = rest.strip_prefix("/*") {
+            rest = r.find("*/").map_or("", |i| &r[i + 2..]);
+            out.push(' ');
+        } else {
+            let c = rest.chars().next().unwrap();
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    out
+}
+
+fn parse(text: &str) -> Result<Ptx, String> {
+    let text = strip_comments(text);
+    let target = text
+        .split_once(".target")
+        .and_then(|(_, r)| r.trim_start().strip_prefix("sm_"))
+        .and_then(|r| {
+            let digits: String = r.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .ok_or("no `.target sm_NN` line")?;
+
+    let mut entries = BTreeMap::new();
+    let mut rest = text.as_str();
+    while let Some(i) = rest.find(".entry") {
+        let decl = &rest[i + ".entry".len()..];
+        let open = decl.find('(').ok_or("`.entry` without a parameter list")?;
+        let close = decl.find(')').ok_or("`.entry` parameter list not closed")?;
+        let name = decl[..open].trim().to_owned();
+        let before = rest[..i].trim_end();
+        if !before.ends_with(".visible") {
+            return Err(format!("entry {name} is not `.visible`"));
+        }
+        let mut types = Vec::new();
+        for param in decl[open + 1..close].split(',').map(str::trim) {
+            if param.is_empty() {
+                continue;
+            }
+            // `.param .u64 table`: the second word is the type.
+            let words: Vec<&str> = param.split_whitespace().collect();
+            match words.as_slice() {
+                [".param", ty, _name] if ty.starts_with('.') => types.push(ty[1..].to_owned()),
+                _ => return Err(format!("entry {name}: cannot read parameter `{param}`")),
+            }
+        }
+        if entries.insert(name.clone(), types).is_some() {
+            return Err(format!("entry {name} is defined twice"));
+        }
+        rest = &decl[close..];
+    }
+    Ok(Ptx { target, entries })
+}
+
+/// Every entry the Rust side launches exists with the ABI's parameter types.
+fn check_abi(parsed: &BTreeMap<String, Ptx>) {
+    let mut errors = Vec::new();
+    for (rule, expected) in RULE_PARAMS {
+        assert_eq!(&expected[..COMMON_PARAMS.len()], COMMON_PARAMS);
+        for dtype in DTYPES {
+            let name = format!("fused_{rule}_{dtype}");
+            let file = format!("fused_{dtype}");
+            let Some(ptx) = parsed.get(&file) else {
+                errors.push(format!(
+                    "kernels/{file}.ptx is missing (it must define {name})"
+                ));
+                continue;
+            };
+            match ptx.entries.get(&name) {
+                None => errors.push(format!(
+                    "kernels/{file}.ptx has no `.visible .entry {name}`"
+                )),
+                Some(got) if got != expected => errors.push(format!(
+                    "kernels/{file}.ptx: {name} takes ({}), the ABI says ({})",
+                    got.join(", "),
+                    expected.join(", ")
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    if !errors.is_empty() {
+        fail(&format!(
+            "the PTX kernels do not match the ABI in build.rs:\n  {}",
+            errors.join("\n  ")
+        ));
+    }
+}
+
+/// The ptxas to use: env `PTXAS`, else `ptxas` on `PATH`; `None` (with a warning) if neither runs.
+fn find_ptxas() -> Option<PathBuf> {
+    let (ptxas, from_env) = match env::var_os("PTXAS") {
+        Some(p) if !p.is_empty() => (PathBuf::from(p), true),
+        _ => (PathBuf::from("ptxas"), false),
+    };
+    match Command::new(&ptxas).arg("--version").output() {
+        Ok(out) if out.status.success() => Some(ptxas),
+        Ok(out) => fail(&format!(
+            "`{} --version` failed: {}",
+            ptxas.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )),
+        Err(e) if e.kind() == ErrorKind::NotFound && !from_env => {
+            println!(
+                "cargo:warning=ptxas not found (set PTXAS or run scripts/install-ptxas.sh): \
+                 the PTX kernels were checked against the ABI but not assembled"
+            );
+            None
+        }
+        Err(e) => fail(&format!("cannot run PTXAS={}: {e}", ptxas.display())),
+    }
+}
+
+fn assemble_all(files: &[PathBuf], parsed: &BTreeMap<String, Ptx>, out: &Path) {
+    let Some(ptxas) = find_ptxas() else {
+        return;
+    };
+    for path in files {
+        let stem = path.file_stem().unwrap().to_string_lossy();
+        let ptx = &parsed[stem.as_ref()];
+        for arch in ARCHS.iter().filter(|&&a| a >= ptx.target) {
+            let cubin = out.join(format!("{stem}.sm_{arch}.cubin"));
+            let result = Command::new(&ptxas)
+                .arg(format!("-arch=sm_{arch}"))
+                .arg("-o")
+                .arg(&cubin)
+                .arg(path)
+                .output()
+                .unwrap_or_else(|e| fail(&format!("cannot run {}: {e}", ptxas.display())));
+            if !result.status.success() {
+                fail(&format!(
+                    "ptxas -arch=sm_{arch} {} failed:\n{}{}",
+                    path.display(),
+                    String::from_utf8_lossy(&result.stdout),
+                    String::from_utf8_lossy(&result.stderr)
+                ));
+            }
+        }
+    }
 }

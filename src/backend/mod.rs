@@ -4,4 +4,5 @@
 //! - [`probe`]: which GPUs this process can use, found without ever panicking.
 
 pub mod cpu;
+pub mod kernels;
 pub mod probe;

@@ -1,0 +1,713 @@
+//! Runs every PTX kernel in `kernels/` on GPU 0 and compares it with a reference written here,
+//! which follows `backend::cpu::update_block` operation by operation in f32.
+//!
+//! Each test is one entry `fused_<rule>_<dtype>`: single tensors of 1, 3, 1000, 4097 and
+//! 2^20 + 5 elements, and a table of 50 tensors of mixed sizes whose buffers start at mixed
+//! offsets (so some take the vector path and some do not), each with k = 1 and k = 3 inputs,
+//! three steps in a row, fresh random data every step. Outputs the rule does not read (stored,
+//! for `assign`) are NaN before the launch, and a guard of sentinel values around every written
+//! buffer must come back untouched.
+//!
+//! These need a GPU: `cargo test --test ptx_conformance -- --include-ignored`. One test runs
+//! without a GPU: `reference_matches_the_cpu_store` checks the reference here against the CPU
+//! store itself, so "matches the reference" means "matches the CPU twin".
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+use half::{bf16, f16};
+use kvstore::backend::kernels::{self, RuleKind, TensorRecord};
+use kvstore::{Adam, Element, KvStore, NDArray, Sgd, Updater};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Elements of sentinel before (at most) and after every written buffer.
+const GUARD: usize = 3;
+/// The sentinel: exact in f32, f16 and bf16.
+const SENTINEL: f64 = 777.0;
+/// Steps run on the same tensors, so state carries over.
+const STEPS: u32 = 3;
+
+/// A rule and its scalars, as this test's reference applies it.
+#[derive(Clone, Copy, Debug)]
+enum TestRule {
+    Assign,
+    Axpby {
+        a: f32,
+        b: f32,
+    },
+    Sgd {
+        lr: f32,
+        wd: f32,
+        rescale: f32,
+        clip: f32,
+    },
+    SgdMom {
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+        rescale: f32,
+        clip: f32,
+    },
+    Adam {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        epsilon: f32,
+        wd: f32,
+        rescale: f32,
+        clip: f32,
+    },
+}
+
+impl TestRule {
+    /// Random scalars for `kind`; clipping on or off (`clip = +inf`).
+    fn random(kind: RuleKind, rng: &mut StdRng, clipped: bool) -> TestRule {
+        let clip = if clipped {
+            rng.gen_range(0.3..1.5)
+        } else {
+            f32::INFINITY
+        };
+        let rescale = rng.gen_range(0.5..2.0);
+        let wd = rng.gen_range(0.0..0.1);
+        match kind {
+            RuleKind::Assign => TestRule::Assign,
+            RuleKind::Axpby => TestRule::Axpby {
+                a: rng.gen_range(-2.0..2.0),
+                b: rng.gen_range(-2.0..2.0),
+            },
+            RuleKind::Sgd => TestRule::Sgd {
+                lr: rng.gen_range(0.01..0.5),
+                wd,
+                rescale,
+                clip,
+            },
+            RuleKind::SgdMom => TestRule::SgdMom {
+                lr: rng.gen_range(0.01..0.5),
+                momentum: rng.gen_range(0.5..0.99),
+                wd,
+                rescale,
+                clip,
+            },
+            RuleKind::Adam => TestRule::Adam {
+                lr: rng.gen_range(0.001..0.1),
+                beta1: rng.gen_range(0.8..0.95),
+                beta2: rng.gen_range(0.9..0.999),
+                epsilon: 1e-8,
+                wd,
+                rescale,
+                clip,
+            },
+        }
+    }
+
+    /// The store's updater with these scalars (`clip = +inf` is no clipping).
+    fn updater(&self) -> Updater {
+        let clip_gradient = |c: f32| c.is_finite().then_some(c);
+        match *self {
+            TestRule::Assign => Updater::Assign,
+            TestRule::Axpby { a, b } => Updater::Axpby {
+                a: a.into(),
+                b: b.into(),
+            },
+            TestRule::Sgd {
+                lr,
+                wd,
+                rescale,
+                clip,
+            } => Updater::Sgd(Sgd {
+                lr,
+                momentum: 0.0,
+                wd,
+                rescale_grad: rescale,
+                clip_gradient: clip_gradient(clip),
+            }),
+            TestRule::SgdMom {
+                lr,
+                momentum,
+                wd,
+                rescale,
+                clip,
+            } => Updater::Sgd(Sgd {
+                lr,
+                momentum,
+                wd,
+                rescale_grad: rescale,
+                clip_gradient: clip_gradient(clip),
+            }),
+            TestRule::Adam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale,
+                clip,
+            } => Updater::Adam(Adam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale_grad: rescale,
+                clip_gradient: clip_gradient(clip),
+            }),
+        }
+    }
+
+    fn kind(&self) -> RuleKind {
+        match self {
+            TestRule::Assign => RuleKind::Assign,
+            TestRule::Axpby { .. } => RuleKind::Axpby,
+            TestRule::Sgd { .. } => RuleKind::Sgd,
+            TestRule::SgdMom { .. } => RuleKind::SgdMom,
+            TestRule::Adam { .. } => RuleKind::Adam,
+        }
+    }
+
+    /// The kernel's f32 parameters after (table, ntensors, chunk), in the ABI's order.
+    fn params(&self) -> Vec<f32> {
+        match *self {
+            TestRule::Assign => vec![],
+            TestRule::Axpby { a, b } => vec![a, b],
+            TestRule::Sgd {
+                lr,
+                wd,
+                rescale,
+                clip,
+            } => vec![lr, wd, rescale, clip],
+            TestRule::SgdMom {
+                lr,
+                momentum,
+                wd,
+                rescale,
+                clip,
+            } => vec![lr, momentum, wd, rescale, clip],
+            TestRule::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale,
+                clip,
+                ..
+            } => vec![beta1, beta2, epsilon, wd, rescale, clip],
+        }
+    }
+
+    /// Adam's bias-corrected step size at step `t` (from 1), computed in f64 and rounded once.
+    fn lr_t(&self, t: u32) -> f32 {
+        match *self {
+            TestRule::Adam {
+                lr, beta1, beta2, ..
+            } => {
+                let (b1, b2) = (f64::from(beta1), f64::from(beta2));
+                let t = t as i32;
+                (f64::from(lr) * (1.0 - b2.powi(t)).sqrt() / (1.0 - b1.powi(t))) as f32
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// State buffers the rule keeps: 0, 1 (m) or 2 (m, v).
+    fn states(&self) -> usize {
+        match self {
+            TestRule::SgdMom { .. } => 1,
+            TestRule::Adam { .. } => 2,
+            _ => 0,
+        }
+    }
+
+    /// One element: the new stored value; `m` and `v` are updated in place.
+    fn apply(&self, lr_t: f32, g: f32, w: f32, m: &mut f32, v: &mut f32) -> f32 {
+        match *self {
+            TestRule::Assign => g,
+            TestRule::Axpby { a, b } => a * w + b * g,
+            TestRule::Sgd {
+                lr,
+                wd,
+                rescale,
+                clip,
+            } => (1.0 - lr * wd) * w - lr * clamp(rescale * g, clip),
+            TestRule::SgdMom {
+                lr,
+                momentum,
+                wd,
+                rescale,
+                clip,
+            } => {
+                *m = momentum * *m - lr * wd * w - lr * clamp(rescale * g, clip);
+                w + *m
+            }
+            TestRule::Adam {
+                beta1,
+                beta2,
+                epsilon,
+                wd,
+                rescale,
+                clip,
+                ..
+            } => {
+                let g = clamp(rescale * g + wd * w, clip);
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+                w - lr_t * *m / (v.sqrt() + epsilon)
+            }
+        }
+    }
+}
+
+/// `g` clamped to `[-c, c]`; NaN passes through.
+fn clamp(g: f32, c: f32) -> f32 {
+    if g > c {
+        c
+    } else if g < -c {
+        -c
+    } else {
+        g
+    }
+}
+
+/// Where one tensor's buffers start: an element offset per buffer (stored, inputs, m, v).
+#[derive(Clone, Debug)]
+struct Layout {
+    n: usize,
+    stored_at: usize,
+    inputs_at: Vec<usize>,
+    m_at: usize,
+    v_at: usize,
+}
+
+impl Layout {
+    /// Every buffer at offset 0 (device allocations are 256-byte aligned).
+    fn aligned(n: usize, k: usize) -> Layout {
+        Layout {
+            n,
+            stored_at: 0,
+            inputs_at: vec![0; k],
+            m_at: 0,
+            v_at: 0,
+        }
+    }
+
+    /// Offsets 0..4 elements, so some tensors are misaligned for vector loads.
+    fn random(n: usize, k: usize, rng: &mut StdRng) -> Layout {
+        let mut off = || {
+            if rng.gen_bool(0.5) {
+                0
+            } else {
+                rng.gen_range(0..5)
+            }
+        };
+        Layout {
+            n,
+            stored_at: off(),
+            inputs_at: (0..k).map(|_| off()).collect(),
+            m_at: off(),
+            v_at: off(),
+        }
+    }
+}
+
+/// A device buffer holding `at` sentinel elements, `n` data elements, then `GUARD` sentinels.
+struct Buf<T: DeviceRepr> {
+    dev: CudaSlice<T>,
+    at: usize,
+    n: usize,
+}
+
+impl<T: Element + DeviceRepr> Buf<T> {
+    fn new(stream: &Arc<CudaStream>, data: &[T], at: usize) -> Result<Buf<T>> {
+        let s = T::from_f64(SENTINEL);
+        let host: Vec<T> = std::iter::repeat_n(s, at)
+            .chain(data.iter().copied())
+            .chain(std::iter::repeat_n(s, GUARD))
+            .collect();
+        Ok(Buf {
+            dev: stream.clone_htod(&host)?,
+            at,
+            n: data.len(),
+        })
+    }
+
+    /// Device address of the first data element.
+    fn ptr(&self, stream: &CudaStream) -> u64 {
+        let (base, _sync) = self.dev.device_ptr(stream);
+        base + (self.at * size_of::<T>()) as u64
+    }
+
+    fn write(&mut self, stream: &Arc<CudaStream>, data: &[T]) -> Result<()> {
+        let mut view = self.dev.slice_mut(self.at..self.at + self.n);
+        stream.memcpy_htod(data, &mut view)?;
+        Ok(())
+    }
+
+    /// The data elements, after checking that the guards are untouched.
+    fn read(&self, stream: &Arc<CudaStream>, what: &str) -> Result<Vec<T>> {
+        let host = stream.clone_dtoh(&self.dev)?;
+        let s = T::from_f64(SENTINEL).to_f64();
+        let guard_ok = host[..self.at]
+            .iter()
+            .chain(&host[self.at + self.n..])
+            .all(|x| x.to_f64() == s);
+        ensure!(
+            guard_ok,
+            "{what}: the kernel wrote outside its {} elements",
+            self.n
+        );
+        Ok(host[self.at..self.at + self.n].to_vec())
+    }
+}
+
+/// One tensor on the device and its expected host copy.
+struct Tensor<T: Element<Acc = f32> + DeviceRepr> {
+    layout: Layout,
+    stored: Buf<T>,
+    inputs: Vec<Buf<T>>,
+    m: Option<Buf<f32>>,
+    v: Option<Buf<f32>>,
+    host_w: Vec<T>,
+    host_m: Vec<f32>,
+    host_v: Vec<f32>,
+    /// Adam's step count for this tensor at the first launch (tensors differ, to test lr_t).
+    first_step: u32,
+}
+
+fn random_vec<T: Element>(rng: &mut StdRng, n: usize, lo: f64, hi: f64) -> Vec<T> {
+    (0..n).map(|_| T::from_f64(rng.gen_range(lo..hi))).collect()
+}
+
+fn close(got: f32, want: f32, tol: f32) -> bool {
+    if want.is_nan() {
+        return got.is_nan();
+    }
+    got == want || (got - want).abs() <= tol * want.abs()
+}
+
+/// GPU 0 with the kvstore PTX modules loaded.
+struct Gpu {
+    stream: Arc<CudaStream>,
+    modules: Vec<(&'static str, Arc<cudarc::driver::CudaModule>)>,
+}
+
+impl Gpu {
+    fn new() -> Result<Gpu> {
+        let count = kvstore::backend::probe::gpu_count();
+        assert!(
+            count > 0,
+            "ptx_conformance needs a CUDA GPU, and this machine has none (libcuda missing or no \
+             device): these tests are #[ignore]d for that reason; run them on a GPU machine"
+        );
+        let ctx = CudaContext::new(0).context("CudaContext::new(0)")?;
+        let stream = ctx.new_stream()?;
+        let modules = kernels::PTX_SOURCES
+            .iter()
+            .map(|&(stem, text)| {
+                let module = ctx
+                    .load_module(Ptx::from_src(text))
+                    .with_context(|| format!("loading kernels/{stem}.ptx"))?;
+                Ok((stem, module))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Gpu { stream, modules })
+    }
+
+    fn function(&self, kind: RuleKind, dtype: kvstore::DType) -> Result<CudaFunction> {
+        let stem = kernels::module_for(kind, dtype);
+        let name = kernels::entry_name(kind, dtype);
+        let (_, module) = self
+            .modules
+            .iter()
+            .find(|(s, _)| *s == stem)
+            .with_context(|| format!("no module {stem}"))?;
+        Ok(module.load_function(name)?)
+    }
+}
+
+/// Runs `STEPS` launches of `rule` over tensors laid out as `layouts`, checking each.
+fn run_case<T>(
+    gpu: &Gpu,
+    rule: TestRule,
+    layouts: &[Layout],
+    rng: &mut StdRng,
+    tol: f32,
+    label: &str,
+) -> Result<()>
+where
+    T: Element<Acc = f32> + DeviceRepr + ValidAsZeroBits,
+{
+    let stream = &gpu.stream;
+    let func = gpu.function(rule.kind(), T::DTYPE)?;
+    let states = rule.states();
+
+    let mut tensors: Vec<Tensor<T>> = Vec::new();
+    for (i, layout) in layouts.iter().enumerate() {
+        let n = layout.n;
+        let host_w: Vec<T> = random_vec(rng, n, -1.0, 1.0);
+        let host_m: Vec<f32> = if states >= 1 {
+            random_vec(rng, n, -0.1, 0.1)
+        } else {
+            vec![]
+        };
+        let host_v: Vec<f32> = if states >= 2 {
+            random_vec(rng, n, 0.0, 0.01)
+        } else {
+            vec![]
+        };
+        let inputs = layout
+            .inputs_at
+            .iter()
+            .map(|&at| Buf::new(stream, &vec![T::from_f64(0.0); n], at))
+            .collect::<Result<_>>()?;
+        tensors.push(Tensor {
+            stored: Buf::new(stream, &host_w, layout.stored_at)?,
+            inputs,
+            m: (states >= 1)
+                .then(|| Buf::new(stream, &host_m, layout.m_at))
+                .transpose()?,
+            v: (states >= 2)
+                .then(|| Buf::new(stream, &host_v, layout.v_at))
+                .transpose()?,
+            layout: layout.clone(),
+            host_w,
+            host_m,
+            host_v,
+            first_step: 1 + (i % 3) as u32,
+        });
+    }
+
+    // The k input pointers of every tensor, one array each, in one allocation.
+    let ptrs: Vec<u64> = tensors
+        .iter()
+        .flat_map(|t| t.inputs.iter().map(|b| b.ptr(stream)))
+        .collect();
+    let ptrs_dev = stream.clone_htod(&ptrs)?;
+    let (ptrs_base, _sync) = ptrs_dev.device_ptr(stream);
+
+    let max_n = layouts.iter().map(|l| l.n).max().unwrap_or(0);
+    for step in 0..STEPS {
+        // Fresh inputs; stored is NaN where the rule never reads it.
+        let mut records = Vec::new();
+        let mut first_input = 0;
+        let mut sums: Vec<Vec<f32>> = Vec::new();
+        for t in tensors.iter_mut() {
+            let n = t.layout.n;
+            let mut g = vec![0.0f32; n];
+            for (j, buf) in t.inputs.iter_mut().enumerate() {
+                let x: Vec<T> = random_vec(rng, n, -1.0, 1.0);
+                for (g, x) in g.iter_mut().zip(&x) {
+                    *g = if j == 0 { x.to_acc() } else { *g + x.to_acc() };
+                }
+                buf.write(stream, &x)?;
+            }
+            sums.push(g);
+            if rule.kind() == RuleKind::Assign {
+                t.stored.write(stream, &vec![T::from_f64(f64::NAN); n])?;
+            }
+            records.push(TensorRecord {
+                stored: t.stored.ptr(stream),
+                inputs: ptrs_base + 8 * first_input as u64,
+                m: t.m.as_ref().map_or(0, |b| b.ptr(stream)),
+                v: t.v.as_ref().map_or(0, |b| b.ptr(stream)),
+                n: n as u64,
+                k: t.inputs.len() as u32,
+                lr_t: rule.lr_t(t.first_step + step),
+                _reserved: [0; 2],
+            });
+            first_input += t.inputs.len();
+        }
+
+        let table = stream.clone_htod(&records)?;
+        let ntensors = records.len() as u32;
+        let chunk = kernels::CHUNK;
+        let params = rule.params();
+        let cfg = LaunchConfig {
+            grid_dim: kernels::grid_dim(max_n, records.len()),
+            block_dim: (kernels::BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(&func);
+        launch.arg(&table).arg(&ntensors).arg(&chunk);
+        for p in &params {
+            launch.arg(p);
+        }
+        // SAFETY: every record points to live buffers on this stream's device: `stored` and
+        // each input hold `n` elements of T, `m`/`v` hold `n` f32 where the rule keeps state
+        // (0 otherwise), and `inputs` points to `k` such input addresses. The parameter list is
+        // the ABI's for this entry (build.rs checks the PTX side).
+        unsafe { launch.launch(cfg) }?;
+        stream.synchronize()?;
+
+        for (i, (t, g)) in tensors.iter_mut().zip(&sums).enumerate() {
+            let what = format!("{label}, step {step}, tensor {i} ({:?})", t.layout);
+            let got_w = t.stored.read(stream, &format!("{what}: stored"))?;
+            let got_m = match &t.m {
+                Some(b) => b.read(stream, &format!("{what}: m"))?,
+                None => vec![],
+            };
+            let got_v = match &t.v {
+                Some(b) => b.read(stream, &format!("{what}: v"))?,
+                None => vec![],
+            };
+            let lr_t = rule.lr_t(t.first_step + step);
+            for e in 0..t.layout.n {
+                let (mut m, mut v) = (
+                    t.host_m.get(e).copied().unwrap_or(0.0),
+                    t.host_v.get(e).copied().unwrap_or(0.0),
+                );
+                let w = T::from_acc(rule.apply(lr_t, g[e], t.host_w[e].to_acc(), &mut m, &mut v));
+                let (gw, ww) = (got_w[e].to_acc(), w.to_acc());
+                ensure!(
+                    close(gw, ww, tol),
+                    "{what}: stored[{e}] = {gw}, expected {ww} (rule {rule:?})"
+                );
+                if states >= 1 {
+                    ensure!(
+                        close(got_m[e], m, 1e-6),
+                        "{what}: m[{e}] = {}, expected {m} (rule {rule:?})",
+                        got_m[e]
+                    );
+                }
+                if states >= 2 {
+                    ensure!(
+                        close(got_v[e], v, 1e-6),
+                        "{what}: v[{e}] = {}, expected {v} (rule {rule:?})",
+                        got_v[e]
+                    );
+                }
+            }
+            // The next step starts from what the GPU computed.
+            t.host_w = got_w;
+            t.host_m = got_m;
+            t.host_v = got_v;
+        }
+    }
+    Ok(())
+}
+
+/// Every case for one entry.
+fn check_entry<T>(kind: RuleKind, tol: f32) -> Result<()>
+where
+    T: Element<Acc = f32> + DeviceRepr + ValidAsZeroBits,
+{
+    let gpu = Gpu::new()?;
+    let seed: u64 = rand::random();
+    let name = kernels::entry_name(kind, T::DTYPE);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut case = 0;
+    for k in [1, 3] {
+        for n in [1, 3, 1000, 4097, (1 << 20) + 5] {
+            let rule = TestRule::random(kind, &mut rng, case % 2 == 1);
+            let label = format!("{name} (seed {seed}), n {n}, k {k}");
+            run_case::<T>(&gpu, rule, &[Layout::aligned(n, k)], &mut rng, tol, &label)?;
+            case += 1;
+        }
+        // A table of 50 tensors: tiny, around a chunk, and a few chunks, at mixed offsets.
+        let layouts: Vec<Layout> = (0..50)
+            .map(|i| {
+                let n = match i % 5 {
+                    0 => rng.gen_range(1..8),
+                    1 => rng.gen_range(8..1000),
+                    2 => rng.gen_range(4090..4100),
+                    3 => rng.gen_range(1000..20_000),
+                    _ => rng.gen_range(20_000..70_000),
+                };
+                Layout::random(n, k, &mut rng)
+            })
+            .collect();
+        for clipped in [false, true] {
+            let rule = TestRule::random(kind, &mut rng, clipped);
+            let label = format!("{name} (seed {seed}), table of 50, k {k}");
+            run_case::<T>(&gpu, rule, &layouts, &mut rng, tol, &label)?;
+        }
+    }
+    Ok(())
+}
+
+/// Pushes `STEPS` rounds of `k` random values through a `local` store with `rule`'s updater and
+/// checks every pulled value against the reference, which starts from zero state at step 1.
+fn check_store<T: Element<Acc = f32>>(rule: TestRule, rng: &mut StdRng, label: &str) -> Result<()> {
+    let (n, k) = (1031, 3);
+    let kv = KvStore::create("local")?;
+    kv.set_updater(rule.updater())?;
+    let mut w: Vec<T> = random_vec(rng, n, -1.0, 1.0);
+    kv.init(0, &NDArray::from_vec(w.clone(), [n])?)?;
+    let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+    for step in 1..=STEPS {
+        let xs: Vec<Vec<T>> = (0..k).map(|_| random_vec(rng, n, -1.0, 1.0)).collect();
+        let values = xs
+            .iter()
+            .map(|x| NDArray::from_vec(x.clone(), [n]))
+            .collect::<Result<Vec<_>, _>>()?;
+        kv.push(0, &values)?;
+        let out = NDArray::zeros([n]).astype(T::DTYPE)?;
+        kv.pull(0, &out)?;
+        let got = out.to_vec::<T>()?;
+        let lr_t = rule.lr_t(step);
+        for e in 0..n {
+            let mut g = xs[0][e].to_acc();
+            for x in &xs[1..] {
+                g += x[e].to_acc();
+            }
+            w[e] = T::from_acc(rule.apply(lr_t, g, w[e].to_acc(), &mut m[e], &mut v[e]));
+            // The same f32 operations in the same order: equal, bit for bit.
+            ensure!(
+                got[e].to_f64().to_bits() == w[e].to_f64().to_bits(),
+                "{label}, step {step}: store has {:?} at {e}, reference {:?} ({rule:?})",
+                got[e],
+                w[e]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The reference this file compares the GPU with is the CPU store's arithmetic. No GPU needed.
+#[test]
+fn reference_matches_the_cpu_store() -> Result<()> {
+    let seed: u64 = rand::random();
+    let mut rng = StdRng::seed_from_u64(seed);
+    for kind in RuleKind::ALL {
+        for clipped in [false, true] {
+            let rule = TestRule::random(kind, &mut rng, clipped);
+            let label = format!("{} (seed {seed})", kind.name());
+            check_store::<f32>(rule, &mut rng, &format!("{label}, f32"))?;
+            check_store::<f16>(rule, &mut rng, &format!("{label}, f16"))?;
+            check_store::<bf16>(rule, &mut rng, &format!("{label}, bf16"))?;
+        }
+    }
+    Ok(())
+}
+
+macro_rules! entry_tests {
+    ($($test:ident: $rule:ident, $t:ty, $tol:expr;)*) => {$(
+        #[test]
+        #[ignore = "needs a GPU"]
+        fn $test() -> Result<()> {
+            check_entry::<$t>(RuleKind::$rule, $tol)
+        }
+    )*};
+}
+
+entry_tests! {
+    fused_assign_f32: Assign, f32, 1e-6;
+    fused_assign_f16: Assign, f16, 1e-2;
+    fused_assign_bf16: Assign, bf16, 1e-2;
+    fused_axpby_f32: Axpby, f32, 1e-6;
+    fused_axpby_f16: Axpby, f16, 1e-2;
+    fused_axpby_bf16: Axpby, bf16, 1e-2;
+    fused_sgd_f32: Sgd, f32, 1e-6;
+    fused_sgd_f16: Sgd, f16, 1e-2;
+    fused_sgd_bf16: Sgd, bf16, 1e-2;
+    fused_sgd_mom_f32: SgdMom, f32, 1e-6;
+    fused_sgd_mom_f16: SgdMom, f16, 1e-2;
+    fused_sgd_mom_bf16: SgdMom, bf16, 1e-2;
+    fused_adam_f32: Adam, f32, 1e-6;
+    fused_adam_f16: Adam, f16, 1e-2;
+    fused_adam_bf16: Adam, bf16, 1e-2;
+}
