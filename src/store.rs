@@ -862,3 +862,123 @@ impl KvStore {
         Ok(())
     }
 }
+
+/// A key's value and updater state as host copies: what a checkpoint holds.
+pub(crate) struct Entry {
+    pub key: Key,
+    pub shape: Shape,
+    pub value: HostData,
+    /// The state kept for the updater in force, if the key has any.
+    pub state: Option<EntryState>,
+}
+
+/// A key's updater state: the step count and one buffer per name in `Updater::state_names`.
+pub(crate) struct EntryState {
+    pub step: u64,
+    pub bufs: Vec<HostData>,
+}
+
+/// Checkpoint support: host copies of every value and updater state, out and in.
+impl KvStore {
+    /// The key kind, and every key in update order with copies of its value and its state for
+    /// the updater in force, taken as one consistent snapshot (all read locks held together).
+    pub(crate) fn export_entries(&self) -> (Option<KeyKind>, Vec<Entry>) {
+        let (kind, mut slots) = {
+            let table = read(&self.table);
+            let slots: Vec<Arc<Slot>> = table.slots.values().cloned().collect();
+            (table.key_kind, slots)
+        };
+        slots.sort_by_key(|s| s.order);
+        let generation = read(&self.active).generation;
+        let cells: Vec<RwLockReadGuard<'_, Cell>> = slots.iter().map(|s| read(&s.cell)).collect();
+        let entries = slots
+            .iter()
+            .zip(&cells)
+            .map(|(slot, cell)| Entry {
+                key: slot.key.clone(),
+                shape: slot.shape,
+                value: cell.value.clone(),
+                state: cell
+                    .state
+                    .as_ref()
+                    .filter(|s| s.generation == generation)
+                    .map(|s| EntryState {
+                        step: s.step,
+                        bufs: s.bufs.clone(),
+                    }),
+            })
+            .collect();
+        (kind, entries)
+    }
+
+    /// Checks `entries` (in update order) against the store: the key kind, and the shape and
+    /// dtype of keys already present. Returns what is wrong, in words.
+    pub(crate) fn check_entries(
+        &self,
+        kind: Option<KeyKind>,
+        entries: &[Entry],
+    ) -> std::result::Result<(), String> {
+        let table = read(&self.table);
+        if let (Some(store), Some(file)) = (table.key_kind, kind) {
+            if store != file {
+                return Err(format!(
+                    "the file holds {file} keys but the store holds {store} keys"
+                ));
+            }
+        }
+        for e in entries {
+            if let Some(slot) = table.slots.get(&e.key) {
+                if slot.shape != e.shape || slot.dtype != e.value.dtype() {
+                    return Err(format!(
+                        "key {}: the file holds {} {} but the store holds {} {}",
+                        e.key,
+                        e.shape,
+                        e.value.dtype(),
+                        slot.shape,
+                        slot.dtype
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Initializes the keys of `entries` the store lacks, then sets every key's value and state
+    /// to the entry's. The caller has checked the entries with [`KvStore::check_entries`].
+    pub(crate) fn import_entries(&self, entries: Vec<Entry>) -> Result<()> {
+        let missing: Vec<&Entry> = {
+            let table = read(&self.table);
+            entries
+                .iter()
+                .filter(|e| !table.slots.contains_key(&e.key))
+                .collect()
+        };
+        let keys: Vec<Key> = missing.iter().map(|e| e.key.clone()).collect();
+        let values: Vec<NDArray> = missing
+            .iter()
+            .map(|e| NDArray::from_host(e.value.clone(), e.shape, Device::Cpu(0)))
+            .collect();
+        self.init_list(&keys, &values)?;
+
+        let table = read(&self.table);
+        let mut pairs: Vec<(Arc<Slot>, Entry)> = entries
+            .into_iter()
+            .filter_map(|e| Some((table.slots.get(&e.key)?.clone(), e)))
+            .collect();
+        drop(table);
+        pairs.sort_by_key(|(s, _)| s.order);
+        let (slots, entries): (Vec<Arc<Slot>>, Vec<Entry>) = pairs.into_iter().unzip();
+        let generation = read(&self.active).generation;
+        let mut cells: Vec<RwLockWriteGuard<'_, Cell>> =
+            slots.iter().map(|s| write(&s.cell)).collect();
+        for (cell, e) in cells.iter_mut().zip(entries) {
+            cell.value = e.value;
+            cell.state = e.state.map(|s| State {
+                generation,
+                step: s.step,
+                bufs: s.bufs,
+            });
+        }
+        Ok(())
+    }
+}
