@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 use kvstore::{DType, Device, KvStore, NDArray, Shape, Updater};
+use rayon::prelude::*;
 
 /// Input features per sample (x, y of a point in the plane).
 pub const INPUTS: usize = 2;
@@ -268,7 +269,7 @@ fn relu_mask(grad: &mut [f32], activation: &[f32]) {
 /// Data-parallel training of the MLP over several devices, with the optimizer in a [`KvStore`].
 ///
 /// Each device holds its own copy of every parameter. A step splits the batch into one shard per
-/// device, computes each shard's gradients on its own thread, pushes every gradient of every
+/// device, computes each shard's gradients in parallel (one rayon task per device), pushes every gradient of every
 /// device in ONE `push_list` (key `i` = parameter `i`, one value per device), and pulls the
 /// updated parameters back into every device's copy with ONE `pull_list`.
 pub struct DataParallel {
@@ -328,19 +329,11 @@ impl DataParallel {
     /// Tests use it to check that a dropped shard is caught.
     pub fn step_with(&self, batch: Batch<'_>, pushed: usize) -> kvstore::Result<(f64, usize)> {
         let n = self.devices.len();
-        let per_device: Vec<kvstore::Result<(f64, usize, Vec<NDArray>)>> =
-            std::thread::scope(|s| {
-                let handles: Vec<_> = (0..n)
-                    .map(|d| {
-                        let shard = shard(batch, d, n);
-                        s.spawn(move || self.device_pass(d, shard))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("a gradient thread panicked"))
-                    .collect()
-            });
+        // One task per device on rayon's pool (threads are reused from step to step).
+        let per_device: Vec<kvstore::Result<(f64, usize, Vec<NDArray>)>> = (0..n)
+            .into_par_iter()
+            .map(|d| self.device_pass(d, shard(batch, d, n)))
+            .collect();
         let mut loss = 0.0;
         let mut correct = 0;
         // grads[k][d]: the gradient of parameter k from device d.
