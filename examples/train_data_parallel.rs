@@ -2,9 +2,8 @@
 //! running as the store's updater.
 //!
 //! Every step, each device computes the gradients of its shard of the batch (in parallel, one
-//! rayon task per device);
-//! all gradients of all devices go to the store in ONE `push_list`, where they are summed and the
-//! optimizer (`Sgd` with momentum or `Adam`, `rescale_grad = 1 / batch`) updates the parameters;
+//! rayon task per device); all gradients of all devices go to the store in ONE `push_list`,
+//! where they are summed and the optimizer (`Sgd` with momentum or `Adam`, `rescale_grad = 1 / batch`) updates the parameters;
 //! ONE `pull_list` copies the new parameters back to every device.
 //!
 //! ```text
