@@ -71,8 +71,8 @@ impl KvStore {
             path: path.to_owned(),
             message,
         };
-        let (kind, entries) = self.export_entries();
-        let bytes = encode(kind, &self.updater(), &entries).map_err(fail)?;
+        let (kind, updater, entries) = self.export_entries();
+        let bytes = encode(kind, &updater, &entries).map_err(fail)?;
         write_atomic(path, &bytes).map_err(|e| fail(format!("write failed: {e}")))
     }
 

@@ -880,16 +880,18 @@ pub(crate) struct EntryState {
 
 /// Checkpoint support: host copies of every value and updater state, out and in.
 impl KvStore {
-    /// The key kind, and every key in update order with copies of its value and its state for
-    /// the updater in force, taken as one consistent snapshot (all read locks held together).
-    pub(crate) fn export_entries(&self) -> (Option<KeyKind>, Vec<Entry>) {
+    /// The key kind, the updater in force, and every key in update order with copies of its
+    /// value and its state for that updater, taken as one consistent snapshot (all read locks
+    /// held together).
+    pub(crate) fn export_entries(&self) -> (Option<KeyKind>, Updater, Vec<Entry>) {
         let (kind, mut slots) = {
             let table = read(&self.table);
             let slots: Vec<Arc<Slot>> = table.slots.values().cloned().collect();
             (table.key_kind, slots)
         };
         slots.sort_by_key(|s| s.order);
-        let generation = read(&self.active).generation;
+        let active = read(&self.active).clone();
+        let generation = active.generation;
         let cells: Vec<RwLockReadGuard<'_, Cell>> = slots.iter().map(|s| read(&s.cell)).collect();
         let entries = slots
             .iter()
@@ -908,7 +910,7 @@ impl KvStore {
                     }),
             })
             .collect();
-        (kind, entries)
+        (kind, active.updater.clone(), entries)
     }
 
     /// Checks `entries` (in update order) against the store: the key kind, and the shape and
