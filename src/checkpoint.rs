@@ -62,8 +62,9 @@ impl KvStore {
     ///
     /// The checkpoint is written to a temporary file in the same directory, flushed to disk,
     /// and renamed over `path`; then the directory is flushed. A crash or an error at any point
-    /// leaves the previous file at `path` (if any) intact. The values are one consistent
-    /// snapshot: a push that runs concurrently is either wholly in it or not at all.
+    /// leaves the previous file at `path` (if any) intact; only a crash can leave the
+    /// temporary file (`.<name>.tmp-<pid>-<n>`) behind, which is safe to delete. The values are
+    /// one consistent snapshot: a push that runs concurrently is either wholly in it or not.
     /// See the [module docs](crate::checkpoint) for the format.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();

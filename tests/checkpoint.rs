@@ -372,13 +372,18 @@ fn killed_saver_leaves_a_loadable_checkpoint() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The child: saves generation after generation until it is killed.
+/// The child: saves generation after generation until it is killed (or, should the parent be
+/// gone, for a minute at most).
 fn saver_child(path: &Path) {
+    let start = Instant::now();
     let kv = KvStore::create("local").unwrap();
     let keys: Vec<i32> = (0..CHILD_KEYS).collect();
     let zeros: Vec<NDArray> = keys.iter().map(|_| NDArray::zeros([CHILD_LEN])).collect();
     kv.init_list(&keys, &zeros).unwrap();
     for generation in 0.. {
+        if start.elapsed() > Duration::from_secs(60) {
+            return;
+        }
         let values: Vec<NDArray> = keys
             .iter()
             .map(|&k| NDArray::full([CHILD_LEN], f64::from(generation * 100 + k)))
