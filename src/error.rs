@@ -159,6 +159,18 @@ pub enum Error {
     #[error("invalid updater: {0}")]
     InvalidUpdater(String),
 
+    /// A checkpoint could not be written or read, or does not fit the store: an I/O error, a
+    /// corrupt or truncated file, missing or malformed metadata or tensors, or a key whose
+    /// shape or dtype differs from the store's. A failed `load` changes nothing; a failed
+    /// `save` leaves any previous file at `path` as it was.
+    #[error("checkpoint {}: {message}", path.display())]
+    Checkpoint {
+        /// The checkpoint file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+
     /// A user updater panicked. The key's value and state are unchanged.
     #[error("push: the updater panicked on key {key}: {message}; the stored value is unchanged")]
     UpdaterPanicked {

@@ -29,6 +29,7 @@
 //! ```
 
 pub mod backend;
+pub mod checkpoint;
 mod device;
 mod dtype;
 mod error;

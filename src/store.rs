@@ -158,6 +158,8 @@ struct Active {
 struct Group<'a> {
     slot: Arc<Slot>,
     arrays: Vec<&'a NDArray>,
+    /// Work for higher priorities is issued first (the highest, over repeats of the key).
+    priority: i32,
 }
 
 /// A tensor key-value store with MXNet KVStore semantics.
@@ -345,7 +347,7 @@ impl KvStore {
         keys: &[K],
         values: &[V],
     ) -> Result<()> {
-        let groups = self.groups("push", keys, values, "values")?;
+        let groups = self.groups("push", keys, values, "values", None)?;
         check_values("push", &groups)?;
         let active = read(&self.active).clone();
         let mut cells = lock_cells(&groups);
@@ -363,12 +365,12 @@ impl KvStore {
         keys: &[K],
         outs: &[V],
     ) -> Result<()> {
-        let groups = self.groups("pull", keys, outs, "outs")?;
+        let groups = self.groups("pull", keys, outs, "outs", None)?;
         check_outs("pull", &groups)?;
         let cells: Vec<RwLockReadGuard<'_, Cell>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
-        for (g, cell) in groups.iter().zip(&cells) {
-            pull_into(&cell.value, &g.arrays);
+        for i in issue_order(&groups) {
+            pull_into(&cells[i].value, &groups[i].arrays);
         }
         Ok(())
     }
@@ -401,8 +403,8 @@ impl KvStore {
         values: &[V],
         outs: &[O],
     ) -> Result<()> {
-        let pushes = self.groups("pushpull", keys, values, "values")?;
-        let pulls = self.groups("pushpull", keys, outs, "outs")?;
+        let pushes = self.groups("pushpull", keys, values, "values", None)?;
+        let pulls = self.groups("pushpull", keys, outs, "outs", None)?;
         check_values("pushpull", &pushes)?;
         check_outs("pushpull", &pulls)?;
         let active = read(&self.active).clone();
@@ -450,24 +452,32 @@ impl KvStore {
         self.pull_list(keys, outs)
     }
 
-    /// Looks up every key and pairs it with its arrays, sorted by key order, repeats merged.
+    /// Looks up every key and pairs it with its arrays and priority (0 when `priorities` is
+    /// `None`), sorted by key order, repeats merged. Locks are taken in this order; work is
+    /// issued in [`issue_order`].
     fn groups<'a, K: Into<Key> + Clone, V: ValueList>(
         &self,
         op: &'static str,
         keys: &[K],
         lists: &'a [V],
         what: &'static str,
+        priorities: Option<&[i32]>,
     ) -> Result<Vec<Group<'a>>> {
         check_len(op, keys.len(), lists.len(), what)?;
+        if let Some(p) = priorities {
+            check_len(op, keys.len(), p.len(), "priorities")?;
+        }
         let table = read(&self.table);
         let mut groups = keys
             .iter()
             .zip(lists)
-            .map(|(k, list)| {
+            .enumerate()
+            .map(|(i, (k, list))| {
                 let key: Key = k.clone().into();
                 Ok(Group {
                     slot: table.get(op, &key)?,
                     arrays: list.arrays().iter().collect(),
+                    priority: priorities.map_or(0, |p| p[i]),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -477,6 +487,7 @@ impl KvStore {
             let same = later.slot.order == kept.slot.order;
             if same {
                 kept.arrays.append(&mut later.arrays);
+                kept.priority = kept.priority.max(later.priority);
             }
             same
         });
@@ -562,6 +573,14 @@ fn check_arrays(
     Ok(())
 }
 
+/// The order work is issued in: descending priority, ties in ascending key order. `groups` is
+/// sorted by key order, and a stable sort keeps that order among equal priorities.
+fn issue_order(groups: &[Group<'_>]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(groups[i].priority));
+    order
+}
+
 /// Write locks on the groups' cells, taken in ascending key order.
 fn lock_cells<'a>(groups: &'a [Group<'_>]) -> Vec<RwLockWriteGuard<'a, Cell>> {
     groups.iter().map(|g| write(&g.slot.cell)).collect()
@@ -574,20 +593,24 @@ fn apply_push(
     groups: &[Group<'_>],
     cells: &mut [RwLockWriteGuard<'_, Cell>],
 ) -> Result<()> {
+    let order = issue_order(groups);
     if let Updater::Custom(f) = &active.updater {
-        let updated = groups
+        let updated = order
             .iter()
-            .zip(cells.iter())
-            .map(|(g, cell)| run_custom(f.as_ref(), &g.slot, &cell.value, &g.arrays))
+            .map(|&i| {
+                let g = &groups[i];
+                run_custom(f.as_ref(), &g.slot, &cells[i].value, &g.arrays)
+            })
             .collect::<Result<Vec<_>>>()?;
-        for (cell, value) in cells.iter_mut().zip(updated) {
-            cell.value = value;
+        for (&i, value) in order.iter().zip(updated) {
+            cells[i].value = value;
         }
         return Ok(());
     }
-    for (g, cell) in groups.iter().zip(cells.iter_mut()) {
+    for i in order {
+        let g = &groups[i];
         let reads = ReadSet::lock(&g.arrays);
-        let Cell { value, state } = &mut **cell;
+        let Cell { value, state } = &mut *cells[i];
         with_host!(value, stored: T => push_fused::<T>(active, &reads, &g.arrays, stored, state));
     }
     Ok(())
@@ -745,4 +768,219 @@ fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 
 fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Priorities: the order work is issued in within one call.
+impl KvStore {
+    /// A push, like [`KvStore::push`], with a priority; see [`KvStore::push_list_with_priority`].
+    pub fn push_with_priority<V: ValueList + ?Sized>(
+        &self,
+        key: impl Into<Key>,
+        values: &V,
+        priority: i32,
+    ) -> Result<()> {
+        self.push_list_with_priority(&[key.into()], &[values.arrays()], &[priority])
+    }
+
+    /// Pushes to many keys at once, like [`KvStore::push_list`], issuing the work for keys of
+    /// higher priority first: the updater runs on keys in descending priority, and keys of equal
+    /// priority in ascending key order (MXNet's order, and that of `push_list`). On a GPU home
+    /// this is the order kernels and NCCL calls are enqueued in, so the gradients a training
+    /// loop needs first (its first layers) can be given the highest priority. A key listed more
+    /// than once gets the highest of its priorities.
+    ///
+    /// `priorities` has one entry per key. Locks are still taken in ascending key order, so
+    /// calls with any priorities cannot deadlock one another. All or nothing, as `push_list`.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use kvstore::{Key, KvStore, NDArray, Updater};
+    ///
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[0, 1, 2], &[NDArray::zeros([2]), NDArray::zeros([2]), NDArray::zeros([2])])?;
+    /// let seen = Arc::new(Mutex::new(Vec::new()));
+    /// let log = seen.clone();
+    /// kv.set_updater(Updater::custom(move |key, input, stored| {
+    ///     log.lock().unwrap().push(key.clone());
+    ///     *stored += input;
+    /// }))?;
+    /// let g = NDArray::ones([2]);
+    /// kv.push_list_with_priority(&[0, 1, 2], &[&g, &g, &g], &[-1, 5, 0])?;
+    /// assert_eq!(*seen.lock().unwrap(), vec![Key::Int(1), Key::Int(2), Key::Int(0)]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn push_list_with_priority<K: Into<Key> + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        priorities: &[i32],
+    ) -> Result<()> {
+        let groups = self.groups("push", keys, values, "values", Some(priorities))?;
+        check_values("push", &groups)?;
+        let active = read(&self.active).clone();
+        let mut cells = lock_cells(&groups);
+        apply_push(&active, &groups, &mut cells)
+    }
+
+    /// A pull, like [`KvStore::pull`], with a priority; see [`KvStore::pull_list_with_priority`].
+    pub fn pull_with_priority<V: ValueList + ?Sized>(
+        &self,
+        key: impl Into<Key>,
+        outs: &V,
+        priority: i32,
+    ) -> Result<()> {
+        self.pull_list_with_priority(&[key.into()], &[outs.arrays()], &[priority])
+    }
+
+    /// Pulls many keys at once, like [`KvStore::pull_list`], copying keys of higher priority
+    /// first; equal priorities go in ascending key order. `priorities` has one entry per key.
+    /// Locks are taken in ascending key order whatever the priorities.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[0, 1], &[NDArray::ones([2]), NDArray::full([3], 2.0)])?;
+    /// let (a, b) = (NDArray::zeros([2]), NDArray::zeros([3]));
+    /// kv.pull_list_with_priority(&[0, 1], &[&a, &b], &[0, 10])?;
+    /// assert_eq!(b.to_vec::<f32>()?, vec![2.0; 3]);
+    /// assert!(kv.pull_list_with_priority(&[0, 1], &[&a, &b], &[0]).is_err());
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn pull_list_with_priority<K: Into<Key> + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        outs: &[V],
+        priorities: &[i32],
+    ) -> Result<()> {
+        let groups = self.groups("pull", keys, outs, "outs", Some(priorities))?;
+        check_outs("pull", &groups)?;
+        let cells: Vec<RwLockReadGuard<'_, Cell>> =
+            groups.iter().map(|g| read(&g.slot.cell)).collect();
+        for i in issue_order(&groups) {
+            pull_into(&cells[i].value, &groups[i].arrays);
+        }
+        Ok(())
+    }
+}
+
+/// A key's value and updater state as host copies: what a checkpoint holds.
+pub(crate) struct Entry {
+    pub key: Key,
+    pub shape: Shape,
+    pub value: HostData,
+    /// The state kept for the updater in force, if the key has any.
+    pub state: Option<EntryState>,
+}
+
+/// A key's updater state: the step count and one buffer per name in `Updater::state_names`.
+pub(crate) struct EntryState {
+    pub step: u64,
+    pub bufs: Vec<HostData>,
+}
+
+/// Checkpoint support: host copies of every value and updater state, out and in.
+impl KvStore {
+    /// The key kind, the updater in force, and every key in update order with copies of its
+    /// value and its state for that updater, taken as one consistent snapshot (all read locks
+    /// held together).
+    pub(crate) fn export_entries(&self) -> (Option<KeyKind>, Updater, Vec<Entry>) {
+        let (kind, mut slots) = {
+            let table = read(&self.table);
+            let slots: Vec<Arc<Slot>> = table.slots.values().cloned().collect();
+            (table.key_kind, slots)
+        };
+        slots.sort_by_key(|s| s.order);
+        let active = read(&self.active).clone();
+        let generation = active.generation;
+        let cells: Vec<RwLockReadGuard<'_, Cell>> = slots.iter().map(|s| read(&s.cell)).collect();
+        let entries = slots
+            .iter()
+            .zip(&cells)
+            .map(|(slot, cell)| Entry {
+                key: slot.key.clone(),
+                shape: slot.shape,
+                value: cell.value.clone(),
+                state: cell
+                    .state
+                    .as_ref()
+                    .filter(|s| s.generation == generation)
+                    .map(|s| EntryState {
+                        step: s.step,
+                        bufs: s.bufs.clone(),
+                    }),
+            })
+            .collect();
+        (kind, active.updater.clone(), entries)
+    }
+
+    /// Checks `entries` (in update order) against the store: the key kind, and the shape and
+    /// dtype of keys already present. Returns what is wrong, in words.
+    pub(crate) fn check_entries(
+        &self,
+        kind: Option<KeyKind>,
+        entries: &[Entry],
+    ) -> std::result::Result<(), String> {
+        let table = read(&self.table);
+        if let (Some(store), Some(file)) = (table.key_kind, kind) {
+            if store != file {
+                return Err(format!(
+                    "the file holds {file} keys but the store holds {store} keys"
+                ));
+            }
+        }
+        for e in entries {
+            if let Some(slot) = table.slots.get(&e.key) {
+                if slot.shape != e.shape || slot.dtype != e.value.dtype() {
+                    return Err(format!(
+                        "key {}: the file holds {} {} but the store holds {} {}",
+                        e.key,
+                        e.shape,
+                        e.value.dtype(),
+                        slot.shape,
+                        slot.dtype
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Initializes the keys of `entries` the store lacks, then sets every key's value and state
+    /// to the entry's. The caller has checked the entries with [`KvStore::check_entries`].
+    pub(crate) fn import_entries(&self, entries: Vec<Entry>) -> Result<()> {
+        let missing: Vec<&Entry> = {
+            let table = read(&self.table);
+            entries
+                .iter()
+                .filter(|e| !table.slots.contains_key(&e.key))
+                .collect()
+        };
+        let keys: Vec<Key> = missing.iter().map(|e| e.key.clone()).collect();
+        let values: Vec<NDArray> = missing
+            .iter()
+            .map(|e| NDArray::from_host(e.value.clone(), e.shape, Device::Cpu(0)))
+            .collect();
+        self.init_list(&keys, &values)?;
+
+        let table = read(&self.table);
+        let mut pairs: Vec<(Arc<Slot>, Entry)> = entries
+            .into_iter()
+            .filter_map(|e| Some((table.slots.get(&e.key)?.clone(), e)))
+            .collect();
+        drop(table);
+        pairs.sort_by_key(|(s, _)| s.order);
+        let (slots, entries): (Vec<Arc<Slot>>, Vec<Entry>) = pairs.into_iter().unzip();
+        let generation = read(&self.active).generation;
+        let mut cells: Vec<RwLockWriteGuard<'_, Cell>> =
+            slots.iter().map(|s| write(&s.cell)).collect();
+        for (cell, e) in cells.iter_mut().zip(entries) {
+            cell.value = e.value;
+            cell.state = e.state.map(|s| State {
+                generation,
+                step: s.step,
+                bufs: s.bufs,
+            });
+        }
+        Ok(())
+    }
 }

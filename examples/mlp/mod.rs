@@ -1,0 +1,410 @@
+//! A small multi-layer perceptron with a hand-written forward and backward pass in `f32`, and a
+//! seeded 3-class spiral data set. Shared by `examples/train_data_parallel.rs` and
+//! `tests/training_equivalence.rs`.
+//!
+//! The network is `input -> 64 -> ReLU -> 64 -> ReLU -> classes`, trained with softmax
+//! cross-entropy. [`Mlp::gradients`] returns gradients *summed* over the samples it is given, so
+//! a store updater with `rescale_grad = 1 / global_batch` turns the sum over every device's
+//! shard into the mean gradient of the global batch.
+
+#![allow(dead_code)]
+
+use kvstore::{DType, Device, KvStore, NDArray, Shape, Updater};
+use rayon::prelude::*;
+
+/// Input features per sample (x, y of a point in the plane).
+pub const INPUTS: usize = 2;
+/// Units in each hidden layer.
+pub const HIDDEN: usize = 64;
+/// Number of classes (spiral arms).
+pub const CLASSES: usize = 3;
+
+/// A tiny deterministic generator (SplitMix64), so data and weights depend only on the seed.
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator seeded with `seed`.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.uniform().max(1e-300);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+/// A classification data set: `x` is `len x INPUTS` row-major, `y` the class of each row.
+pub struct Dataset {
+    /// Features, row-major.
+    pub x: Vec<f32>,
+    /// Labels in `0..CLASSES`.
+    pub y: Vec<usize>,
+}
+
+impl Dataset {
+    /// `per_class` noisy points on each of `CLASSES` interleaved spiral arms, shuffled.
+    pub fn spirals(per_class: usize, seed: u64) -> Dataset {
+        let mut rng = Rng::new(seed);
+        let mut rows: Vec<([f32; INPUTS], usize)> = Vec::with_capacity(per_class * CLASSES);
+        for class in 0..CLASSES {
+            for i in 0..per_class {
+                let r = i as f64 / per_class as f64;
+                let angle = class as f64 * 2.0 * std::f64::consts::PI / CLASSES as f64
+                    + r * 4.0
+                    + rng.normal() * 0.2;
+                rows.push(([(r * angle.sin()) as f32, (r * angle.cos()) as f32], class));
+            }
+        }
+        // Fisher-Yates, so every minibatch mixes the classes.
+        for i in (1..rows.len()).rev() {
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+            rows.swap(i, j);
+        }
+        Dataset {
+            x: rows.iter().flat_map(|(p, _)| *p).collect(),
+            y: rows.iter().map(|(_, c)| *c).collect(),
+        }
+    }
+
+    /// The number of samples.
+    pub fn len(&self) -> usize {
+        self.y.len()
+    }
+
+    /// Rows `range` as a borrowed batch.
+    pub fn batch(&self, range: std::ops::Range<usize>) -> Batch<'_> {
+        Batch {
+            x: &self.x[range.start * INPUTS..range.end * INPUTS],
+            y: &self.y[range],
+        }
+    }
+}
+
+/// A borrowed slice of a data set.
+#[derive(Clone, Copy)]
+pub struct Batch<'a> {
+    /// Features, row-major, `y.len() x INPUTS`.
+    pub x: &'a [f32],
+    /// Labels.
+    pub y: &'a [usize],
+}
+
+/// The parameter tensors, in key order: `w1, b1, w2, b2, w3, b3`. Weights are `fan_in x fan_out`.
+pub fn param_shapes() -> Vec<Vec<usize>> {
+    vec![
+        vec![INPUTS, HIDDEN],
+        vec![HIDDEN],
+        vec![HIDDEN, HIDDEN],
+        vec![HIDDEN],
+        vec![HIDDEN, CLASSES],
+        vec![CLASSES],
+    ]
+}
+
+/// He-initialized weights and small random biases, from `seed`.
+pub fn init_params(seed: u64) -> Vec<Vec<f32>> {
+    let mut rng = Rng::new(seed);
+    param_shapes()
+        .iter()
+        .map(|shape| {
+            let n: usize = shape.iter().product();
+            let scale = match shape.as_slice() {
+                [fan_in, _] => (2.0 / *fan_in as f64).sqrt(),
+                _ => 0.01,
+            };
+            (0..n).map(|_| (rng.normal() * scale) as f32).collect()
+        })
+        .collect()
+}
+
+/// What one forward and backward pass over a batch gives.
+pub struct Pass {
+    /// Sum of the cross-entropy loss over the batch.
+    pub loss_sum: f64,
+    /// Number of samples classified correctly.
+    pub correct: usize,
+    /// Gradient of `loss_sum` for each parameter, in [`param_shapes`] order.
+    pub grads: Vec<Vec<f32>>,
+}
+
+/// A forward pass and, when `backward`, the gradients of the summed loss.
+pub fn pass(params: &[Vec<f32>], batch: Batch<'_>, backward: bool) -> Pass {
+    let [w1, b1, w2, b2, w3, b3] = params else {
+        panic!("an MLP has 6 parameter tensors, got {}", params.len());
+    };
+    let n = batch.y.len();
+    let h1 = dense_relu(batch.x, w1, b1, n, INPUTS, HIDDEN);
+    let h2 = dense_relu(&h1, w2, b2, n, HIDDEN, HIDDEN);
+    let mut d3 = dense(&h2, w3, b3, n, HIDDEN, CLASSES);
+
+    // Softmax cross-entropy; d3 becomes d(loss)/d(logits) = softmax - onehot.
+    let mut loss_sum = 0.0f64;
+    let mut correct = 0;
+    for (row, &label) in d3.chunks_exact_mut(CLASSES).zip(batch.y) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let argmax = row.iter().position(|&v| v == max).unwrap_or(0);
+        correct += usize::from(argmax == label);
+        let mut sum = 0.0f32;
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        for v in row.iter_mut() {
+            *v /= sum;
+        }
+        loss_sum -= f64::from(row[label].max(f32::MIN_POSITIVE).ln());
+        row[label] -= 1.0;
+    }
+    if !backward {
+        return Pass {
+            loss_sum,
+            correct,
+            grads: Vec::new(),
+        };
+    }
+
+    let gw3 = matmul_tn(&h2, &d3, n, HIDDEN, CLASSES);
+    let gb3 = column_sums(&d3, CLASSES);
+    let mut d2 = matmul_nt(&d3, w3, n, CLASSES, HIDDEN);
+    relu_mask(&mut d2, &h2);
+    let gw2 = matmul_tn(&h1, &d2, n, HIDDEN, HIDDEN);
+    let gb2 = column_sums(&d2, HIDDEN);
+    let mut d1 = matmul_nt(&d2, w2, n, HIDDEN, HIDDEN);
+    relu_mask(&mut d1, &h1);
+    let gw1 = matmul_tn(batch.x, &d1, n, INPUTS, HIDDEN);
+    let gb1 = column_sums(&d1, HIDDEN);
+    Pass {
+        loss_sum,
+        correct,
+        grads: vec![gw1, gb1, gw2, gb2, gw3, gb3],
+    }
+}
+
+/// `x @ w + b` for `x: n x k`, `w: k x m`.
+fn dense(x: &[f32], w: &[f32], b: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n * m);
+    for _ in 0..n {
+        out.extend_from_slice(b);
+    }
+    for (xr, or) in x.chunks_exact(k).zip(out.chunks_exact_mut(m)) {
+        for (&xv, wr) in xr.iter().zip(w.chunks_exact(m)) {
+            for (o, &wv) in or.iter_mut().zip(wr) {
+                *o += xv * wv;
+            }
+        }
+    }
+    out
+}
+
+fn dense_relu(x: &[f32], w: &[f32], b: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+    let mut out = dense(x, w, b, n, k, m);
+    for v in &mut out {
+        *v = v.max(0.0);
+    }
+    out
+}
+
+/// `a^T @ d` for `a: n x k`, `d: n x m`: a `k x m` weight gradient.
+fn matmul_tn(a: &[f32], d: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; k * m];
+    for (ar, dr) in a.chunks_exact(k).zip(d.chunks_exact(m)).take(n) {
+        for (&av, or) in ar.iter().zip(out.chunks_exact_mut(m)) {
+            if av != 0.0 {
+                for (o, &dv) in or.iter_mut().zip(dr) {
+                    *o += av * dv;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `d @ w^T` for `d: n x m`, `w: k x m`: the gradient flowing back to a `n x k` input.
+fn matmul_nt(d: &[f32], w: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; n * k];
+    for (dr, or) in d.chunks_exact(m).zip(out.chunks_exact_mut(k)).take(n) {
+        for (o, wr) in or.iter_mut().zip(w.chunks_exact(m)) {
+            *o = dr.iter().zip(wr).map(|(a, b)| a * b).sum();
+        }
+    }
+    out
+}
+
+fn column_sums(d: &[f32], m: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; m];
+    for row in d.chunks_exact(m) {
+        for (o, v) in out.iter_mut().zip(row) {
+            *o += v;
+        }
+    }
+    out
+}
+
+/// Zeroes the gradient where the ReLU output was zero.
+fn relu_mask(grad: &mut [f32], activation: &[f32]) {
+    for (g, &a) in grad.iter_mut().zip(activation) {
+        if a <= 0.0 {
+            *g = 0.0;
+        }
+    }
+}
+
+/// Data-parallel training of the MLP over several devices, with the optimizer in a [`KvStore`].
+///
+/// Each device holds its own copy of every parameter. A step splits the batch into one shard per
+/// device, computes each shard's gradients in parallel (one rayon task per device), pushes every gradient of every
+/// device in ONE `push_list` (key `i` = parameter `i`, one value per device), and pulls the
+/// updated parameters back into every device's copy with ONE `pull_list`.
+pub struct DataParallel {
+    /// The store that sums the gradients and runs the optimizer.
+    pub kv: KvStore,
+    /// One device per shard.
+    pub devices: Vec<Device>,
+    /// `params[k][d]`: parameter `k` on device `d`.
+    pub params: Vec<Vec<NDArray>>,
+    keys: Vec<i32>,
+}
+
+impl DataParallel {
+    /// A `kind` store (e.g. `"device"`) with `updater`, holding the parameters from `seed`, and a
+    /// copy of them on every device.
+    pub fn new(
+        kind: &str,
+        devices: Vec<Device>,
+        updater: Updater,
+        seed: u64,
+    ) -> kvstore::Result<DataParallel> {
+        let kv = KvStore::create(kind)?;
+        kv.set_updater(updater)?;
+        let shapes = param_shapes();
+        let keys: Vec<i32> = (0..shapes.len() as i32).collect();
+        let init = init_params(seed)
+            .into_iter()
+            .zip(&shapes)
+            .map(|(p, s)| NDArray::from_vec(p, shape(s)))
+            .collect::<kvstore::Result<Vec<_>>>()?;
+        kv.init_list(&keys, &init)?;
+        let params = shapes
+            .iter()
+            .map(|s| {
+                devices
+                    .iter()
+                    .map(|&d| NDArray::full_on(shape(s), 0.0, DType::F32, d))
+                    .collect::<kvstore::Result<Vec<_>>>()
+            })
+            .collect::<kvstore::Result<Vec<_>>>()?;
+        kv.pull_list(&keys, &params)?;
+        Ok(DataParallel {
+            kv,
+            devices,
+            params,
+            keys,
+        })
+    }
+
+    /// One training step on `batch`; returns the summed loss and the number classified correctly
+    /// (with the parameters from before the step).
+    pub fn step(&self, batch: Batch<'_>) -> kvstore::Result<(f64, usize)> {
+        self.step_with(batch, self.devices.len())
+    }
+
+    /// As [`DataParallel::step`], but only the first `pushed` devices' gradients are pushed.
+    /// Tests use it to check that a dropped shard is caught.
+    pub fn step_with(&self, batch: Batch<'_>, pushed: usize) -> kvstore::Result<(f64, usize)> {
+        let n = self.devices.len();
+        // One task per device on rayon's pool (threads are reused from step to step).
+        let per_device: Vec<kvstore::Result<(f64, usize, Vec<NDArray>)>> = (0..n)
+            .into_par_iter()
+            .map(|d| self.device_pass(d, shard(batch, d, n)))
+            .collect();
+        let mut loss = 0.0;
+        let mut correct = 0;
+        // grads[k][d]: the gradient of parameter k from device d.
+        let mut grads: Vec<Vec<NDArray>> = vec![Vec::with_capacity(n); self.keys.len()];
+        for result in per_device.into_iter().take(pushed) {
+            let (l, c, g) = result?;
+            loss += l;
+            correct += c;
+            for (k, g) in g.into_iter().enumerate() {
+                grads[k].push(g);
+            }
+        }
+        self.kv.push_list(&self.keys, &grads)?;
+        self.kv.pull_list(&self.keys, &self.params)?;
+        Ok((loss, correct))
+    }
+
+    /// Forward and backward on device `d`'s copy of the parameters; gradients land on `d`.
+    fn device_pass(
+        &self,
+        d: usize,
+        shard: Batch<'_>,
+    ) -> kvstore::Result<(f64, usize, Vec<NDArray>)> {
+        let params = self.device_params(d)?;
+        let p = pass(&params, shard, true);
+        let grads = p
+            .grads
+            .into_iter()
+            .zip(param_shapes())
+            .map(|(g, s)| NDArray::from_vec(g, shape(&s))?.to_device(self.devices[d]))
+            .collect::<kvstore::Result<Vec<_>>>()?;
+        Ok((p.loss_sum, p.correct, grads))
+    }
+
+    /// Device `d`'s copy of the parameters, on the host.
+    pub fn device_params(&self, d: usize) -> kvstore::Result<Vec<Vec<f32>>> {
+        self.params.iter().map(|p| p[d].to_vec::<f32>()).collect()
+    }
+
+    /// The parameters as the store holds them.
+    pub fn stored_params(&self) -> kvstore::Result<Vec<Vec<f32>>> {
+        param_shapes()
+            .iter()
+            .zip(&self.keys)
+            .map(|(s, &k)| {
+                let out = NDArray::zeros(shape(s));
+                self.kv.pull(k, &out)?;
+                out.to_vec::<f32>()
+            })
+            .collect()
+    }
+
+    /// Mean loss and accuracy of device 0's parameters on `data`, forward only.
+    pub fn evaluate(&self, data: &Dataset) -> kvstore::Result<(f64, f64)> {
+        let params = self.device_params(0)?;
+        let p = pass(&params, data.batch(0..data.len()), false);
+        let n = data.len() as f64;
+        Ok((p.loss_sum / n, p.correct as f64 / n))
+    }
+}
+
+/// Shard `d` of `n`: a contiguous run of rows, sizes differing by at most one.
+pub fn shard(batch: Batch<'_>, d: usize, n: usize) -> Batch<'_> {
+    let len = batch.y.len();
+    let (start, end) = (len * d / n, len * (d + 1) / n);
+    Batch {
+        x: &batch.x[start * INPUTS..end * INPUTS],
+        y: &batch.y[start..end],
+    }
+}
+
+fn shape(dims: &[usize]) -> Shape {
+    Shape::new(dims).expect("MLP parameters have at most 2 dimensions")
+}
