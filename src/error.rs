@@ -167,4 +167,27 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+
+    /// The CUDA driver failed (allocation, copy, module load, launch, synchronize).
+    #[error("{op}{}: CUDA error: {message}", key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default())]
+    Cuda {
+        /// What was being done: "push", "pull", "to_device", "load kernels", ...
+        op: &'static str,
+        /// The key involved, when there is one.
+        key: Option<Key>,
+        /// The driver's message.
+        message: String,
+    },
+
+    /// NCCL failed, timed out or reported an asynchronous error. The communicator involved was
+    /// aborted and dropped; keys on other GPU sets are unaffected.
+    #[error("{op}: NCCL error on keys [{}]: {message}", keys.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(", "))]
+    Nccl {
+        /// What was being done: "push (reduce)", "pull (broadcast)", "create communicator", ...
+        op: &'static str,
+        /// The keys whose collectives were involved.
+        keys: Vec<Key>,
+        /// NCCL's own message (`ncclGetErrorString`, and `ncclGetLastError` when it has one).
+        message: String,
+    },
 }
