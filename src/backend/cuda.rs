@@ -117,9 +117,12 @@ impl Gpu {
     }
 }
 
+/// Every GPU of the process, each opened on first use (or the reason it could not be).
+type Gpus = Vec<OnceLock<std::result::Result<Gpu, String>>>;
+static GPUS: OnceLock<Gpus> = OnceLock::new();
+
 /// The GPU with ordinal `i`, opened on first use; `DeviceNotFound` when there is no such GPU.
 pub fn gpu(i: usize) -> Result<&'static Gpu> {
-    static GPUS: OnceLock<Vec<OnceLock<std::result::Result<Gpu, String>>>> = OnceLock::new();
     let n = probe::gpu_count();
     if i >= n {
         return Err(Error::DeviceNotFound {
@@ -138,10 +141,13 @@ pub fn gpu(i: usize) -> Result<&'static Gpu> {
         })
 }
 
-/// Waits for every GPU stream this process has used (opens none). A no-op without GPUs.
+/// Waits for the stream of every GPU this process has opened (opens none). A no-op without
+/// GPUs.
 pub fn synchronize_all() -> Result<()> {
-    for i in 0..probe::gpu_count() {
-        gpu(i)?.synchronize()?;
+    for slot in GPUS.get().into_iter().flatten() {
+        if let Some(Ok(g)) = slot.get() {
+            g.synchronize()?;
+        }
     }
     Ok(())
 }

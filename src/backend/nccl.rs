@@ -131,20 +131,25 @@ impl CommSet {
 
     /// The first asynchronous error any rank reports, if any.
     fn async_error(&self, op: &'static str, keys: &[Key]) -> Result<()> {
-        for r in &self.ranks {
-            let mut state = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: `r.comm` is a live communicator owned by this set; `state` is a valid
-            // out-pointer for the duration of the call.
-            let rc = unsafe { sys::ncclCommGetAsyncError(r.comm, &mut state) };
-            for code in [rc, state] {
-                match code {
-                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
-                    other => return Err(nccl_error(op, keys, other, r.comm)),
-                }
+        async_error(&self.ranks, op, keys)
+    }
+}
+
+/// The first asynchronous error any of `ranks` reports, if any.
+fn async_error(ranks: &[Rank], op: &'static str, keys: &[Key]) -> Result<()> {
+    for r in ranks {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `r.comm` is a live communicator owned by the caller's set, used under its
+        // lock (or by its single owner); `state` is a valid out-pointer for the call.
+        let rc = unsafe { sys::ncclCommGetAsyncError(r.comm, &mut state) };
+        for code in [rc, state] {
+            match code {
+                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
+                other => return Err(nccl_error(op, keys, other, r.comm)),
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 impl Drop for CommSet {
@@ -170,6 +175,8 @@ struct Pending {
 struct Comms {
     sets: HashMap<Vec<usize>, CommSet>,
     pending: Vec<Pending>,
+    /// Errors found while polling between calls, reported by the next [`wait_all`].
+    deferred: Vec<Error>,
 }
 
 // SAFETY: `Comms` holds raw `ncclComm_t` handles, which are not `Send` in Rust's eyes. NCCL
@@ -250,7 +257,11 @@ pub fn wait_all() -> Result<()> {
     if !probe::nccl_present() {
         return Ok(());
     }
-    comms().poll(true)
+    let mut c = comms();
+    if !c.deferred.is_empty() {
+        return Err(c.deferred.remove(0));
+    }
+    c.poll(true)
 }
 
 /// What one key's collective does. Ranks are indices into the job's `devices`.
@@ -298,7 +309,10 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
         });
     }
     let mut c = comms();
-    c.poll(false)?;
+    // Errors of earlier work (other keys) do not fail this call: wait_all reports them.
+    if let Err(e) = c.poll(false) {
+        c.deferred.push(e);
+    }
     let mut sets: Vec<Vec<usize>> = jobs.iter().map(|j| j.devices.clone()).collect();
     sets.sort();
     sets.dedup();
@@ -589,8 +603,7 @@ impl MultiRank {
             .map(|r| r.stream.record_event(None).map_err(cuda_err(op, None)))
             .collect::<Result<Vec<_>>>()?;
         while !events.iter().all(CudaEvent::is_complete) {
-            let set = CommSetRef(&self.ranks);
-            set.async_error(op)?;
+            async_error(&self.ranks, op, &[])?;
             if Instant::now() > deadline {
                 return Err(Error::Nccl {
                     op,
@@ -610,25 +623,5 @@ impl Drop for MultiRank {
             // SAFETY: each handle was created for this object and is aborted exactly once.
             let _ = unsafe { result::comm_abort(r.comm) };
         }
-    }
-}
-
-/// Borrowed ranks, for the async-error check shared with [`CommSet`].
-struct CommSetRef<'a>(&'a [Rank]);
-
-impl CommSetRef<'_> {
-    fn async_error(&self, op: &'static str) -> Result<()> {
-        for r in self.0 {
-            let mut state = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: a live communicator and a valid out-pointer.
-            let rc = unsafe { sys::ncclCommGetAsyncError(r.comm, &mut state) };
-            for code in [rc, state] {
-                match code {
-                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
-                    other => return Err(nccl_error(op, &[], other, r.comm)),
-                }
-            }
-        }
-        Ok(())
     }
 }
