@@ -959,3 +959,47 @@ fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(|e| e.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn homes_are_placed_largest_first_on_the_least_loaded_gpu() {
+        // Sizes in f32 elements; the reference below is worked out by hand.
+        let sizes = [100usize, 4000, 250, 3000, 2000, 1000];
+        let values: Vec<NDArray> = sizes.iter().map(|&s| NDArray::zeros([s])).collect();
+        let mut bytes = Vec::new();
+        let homes = place_by_size(&mut bytes, 2, &values);
+        // 4000 -> g0 (16000), 3000 -> g1 (12000), 2000 -> g1 (20000), 1000 -> g0 (20000),
+        // 250 -> g0 (tie, lowest ordinal: 21000), 100 -> g1 (20400).
+        let want = [1usize, 0, 0, 1, 1, 0];
+        assert_eq!(
+            homes,
+            want.iter().map(|&g| Device::Gpu(g)).collect::<Vec<_>>()
+        );
+        assert_eq!(bytes, vec![21000, 20400]);
+        // A later call continues from the loads so far.
+        let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10])]);
+        assert_eq!(more, vec![Device::Gpu(1)]);
+    }
+
+    #[test]
+    fn cpu_only_machines_keep_host_homes() {
+        if probe::gpu_count() > 0 {
+            return;
+        }
+        for kind in ["local", "device", "nccl"] {
+            let kv = KvStore::create(kind).unwrap();
+            kv.init(1, &NDArray::ones([3])).unwrap();
+            assert_eq!(kv.meta(1).unwrap().2, Device::Cpu(0));
+            assert!(kv.wait_all().is_ok());
+            let err = kv
+                .init_on(2, &NDArray::ones([3]), Device::Gpu(0))
+                .unwrap_err();
+            assert!(matches!(err, Error::DeviceNotFound { .. }), "{err}");
+            kv.init_on(2, &NDArray::ones([3]), Device::Cpu(1)).unwrap();
+            assert_eq!(kv.meta(2).unwrap().2, Device::Cpu(1));
+        }
+    }
+}

@@ -345,6 +345,29 @@ const RECORD_BYTES: usize = 64;
 /// The most tensors one launch takes (grid.y is limited to 65535).
 const MAX_TENSORS_PER_LAUNCH: usize = 65535;
 
+/// The bytes of a launch's device table at device address `base`: `records.len()` 64-byte
+/// records (the ABI's layout), then every record's input pointers, in record order.
+pub(crate) fn record_table(base: u64, records: &[Record]) -> Vec<u8> {
+    let inputs: usize = records.iter().map(|r| r.inputs.len()).sum();
+    let mut host = vec![0u8; records.len() * RECORD_BYTES + inputs * 8];
+    let mut next_input = records.len() * RECORD_BYTES;
+    for (i, r) in records.iter().enumerate() {
+        let rec = &mut host[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
+        rec[0..8].copy_from_slice(&r.stored.to_le_bytes());
+        rec[8..16].copy_from_slice(&(base + next_input as u64).to_le_bytes());
+        rec[16..24].copy_from_slice(&r.m.to_le_bytes());
+        rec[24..32].copy_from_slice(&r.v.to_le_bytes());
+        rec[32..40].copy_from_slice(&r.n.to_le_bytes());
+        rec[40..44].copy_from_slice(&(r.inputs.len() as u32).to_le_bytes());
+        rec[44..48].copy_from_slice(&r.lr_t.to_le_bytes());
+        for p in &r.inputs {
+            host[next_input..next_input + 8].copy_from_slice(&p.to_le_bytes());
+            next_input += 8;
+        }
+    }
+    host
+}
+
 /// Launches `fused_<rule>_<dtype>` on `gpu` over `records`: one launch per 65535 tensors.
 ///
 /// The record table and every tensor's input-pointer array are built in one host buffer and
@@ -365,23 +388,8 @@ pub(crate) fn launch_fused(
         let bytes = batch.len() * RECORD_BYTES + inputs * 8;
         let mut table = stream.alloc_zeros::<u8>(bytes).map_err(e())?;
         let (base, _sync) = table.device_ptr(stream);
-        let mut host = vec![0u8; bytes];
-        let mut next_input = batch.len() * RECORD_BYTES;
-        for (i, r) in batch.iter().enumerate() {
-            let rec = &mut host[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
-            rec[0..8].copy_from_slice(&r.stored.to_le_bytes());
-            rec[8..16].copy_from_slice(&(base + next_input as u64).to_le_bytes());
-            rec[16..24].copy_from_slice(&r.m.to_le_bytes());
-            rec[24..32].copy_from_slice(&r.v.to_le_bytes());
-            rec[32..40].copy_from_slice(&r.n.to_le_bytes());
-            rec[40..44].copy_from_slice(&(r.inputs.len() as u32).to_le_bytes());
-            rec[44..48].copy_from_slice(&r.lr_t.to_le_bytes());
-            for p in &r.inputs {
-                host[next_input..next_input + 8].copy_from_slice(&p.to_le_bytes());
-                next_input += 8;
-            }
-        }
         drop(_sync);
+        let host = record_table(base, batch);
         stream.memcpy_htod(&host, &mut table).map_err(e())?;
         let max_n = batch.iter().map(|r| r.n).max().unwrap_or(0);
         let chunks = max_n.div_ceil(u64::from(kernels::CHUNK)).max(1);
@@ -413,4 +421,62 @@ pub(crate) fn launch_fused(
         unsafe { args.launch(cfg) }.map_err(e())?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn u64_at(b: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn record_table_follows_the_abi_layout() {
+        let base = 0x7000_0000_0000u64;
+        let records = [
+            Record {
+                stored: 0x1000,
+                inputs: vec![0x2000, 0x3000, 0x4000],
+                m: 0x5000,
+                v: 0x6000,
+                n: 12345,
+                lr_t: 0.25,
+            },
+            Record {
+                stored: 0x8000,
+                inputs: vec![0x9000],
+                n: 7,
+                ..Record::default()
+            },
+        ];
+        let t = record_table(base, &records);
+        assert_eq!(t.len(), 2 * 64 + 4 * 8);
+        // Record 0.
+        assert_eq!(u64_at(&t, 0), 0x1000);
+        assert_eq!(u64_at(&t, 8), base + 128);
+        assert_eq!(u64_at(&t, 16), 0x5000);
+        assert_eq!(u64_at(&t, 24), 0x6000);
+        assert_eq!(u64_at(&t, 32), 12345);
+        assert_eq!(u32::from_le_bytes(t[40..44].try_into().unwrap()), 3);
+        assert_eq!(f32::from_le_bytes(t[44..48].try_into().unwrap()), 0.25);
+        assert!(t[48..64].iter().all(|&b| b == 0), "reserved bytes are zero");
+        // Record 1: its inputs follow record 0's three.
+        assert_eq!(u64_at(&t, 64), 0x8000);
+        assert_eq!(u64_at(&t, 72), base + 128 + 24);
+        assert_eq!((u64_at(&t, 80), u64_at(&t, 88)), (0, 0));
+        assert_eq!(u32::from_le_bytes(t[104..108].try_into().unwrap()), 1);
+        // The pointer arrays.
+        let ptrs: Vec<u64> = (0..4).map(|i| u64_at(&t, 128 + 8 * i)).collect();
+        assert_eq!(ptrs, vec![0x2000, 0x3000, 0x4000, 0x9000]);
+    }
+
+    #[test]
+    fn no_gpu_means_device_not_found() {
+        if probe::gpu_count() > 0 {
+            return;
+        }
+        assert!(matches!(gpu(0), Err(Error::DeviceNotFound { .. })));
+        assert!(synchronize_all().is_ok());
+    }
 }
