@@ -76,7 +76,7 @@ impl Gpu {
     }
 
     /// The fused kernel for `rule` and `dtype`, loading this GPU's PTX modules on first use.
-    fn function(&self, rule: RuleKind, dtype: DType) -> Result<CudaFunction> {
+    pub(crate) fn function(&self, rule: RuleKind, dtype: DType) -> Result<CudaFunction> {
         let name = kernels::entry_name(rule, dtype);
         let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = functions.get(name) {
@@ -235,6 +235,25 @@ impl GpuBuf {
             DType::F64 => GpuBuf::F64(st.alloc_zeros(n).map_err(e)?),
             DType::F16 => GpuBuf::F16(st.alloc_zeros(n).map_err(e)?),
             DType::BF16 => GpuBuf::BF16(st.alloc_zeros(n).map_err(e)?),
+        })
+    }
+
+    /// A buffer of `n` elements on GPU `ordinal` whose contents are not initialized: for
+    /// scratch that a kernel, copy or collective overwrites entirely before anything reads it
+    /// (all on that GPU's stream, so in that order).
+    pub(crate) fn scratch(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
+        let st = gpu(ordinal)?.stream();
+        let e = cuda_err("alloc", None);
+        // SAFETY: `alloc` returns uninitialized device memory; every caller overwrites all `n`
+        // elements with work enqueued on this stream before any read enqueued after it, and
+        // the elements are plain floats, valid for any bit pattern.
+        Ok(unsafe {
+            match dtype {
+                DType::F32 => GpuBuf::F32(st.alloc(n).map_err(e)?),
+                DType::F64 => GpuBuf::F64(st.alloc(n).map_err(e)?),
+                DType::F16 => GpuBuf::F16(st.alloc(n).map_err(e)?),
+                DType::BF16 => GpuBuf::BF16(st.alloc(n).map_err(e)?),
+            }
         })
     }
 

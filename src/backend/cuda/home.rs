@@ -25,7 +25,7 @@ use crate::backend::kernels::{self, RuleKind};
 use crate::backend::nccl;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
-use crate::{DType, Element, Error, Key, NDArray, Result, Updater};
+use crate::{DType, Device, Element, Error, Key, NDArray, Result, Updater};
 
 /// A key's value and updater state on its home GPU.
 #[derive(Debug)]
@@ -106,6 +106,7 @@ pub(crate) fn push(
     use_nccl: bool,
     jobs: Vec<PushJob<'_>>,
 ) -> Result<()> {
+    check_kernels(updater, &jobs)?;
     let reads = Reads::lock(jobs.iter().flat_map(|j| j.values.iter()));
     // Scratch buffers: alive until every launch and copy using them is enqueued; they are
     // freed on their own GPU's stream, so after those.
@@ -154,7 +155,7 @@ pub(crate) fn push(
                 });
                 continue;
             }
-            let scratch = GpuBuf::zeros(d, dtype, n).map_err(with_key(job.key))?;
+            let scratch = GpuBuf::scratch(d, dtype, n).map_err(with_key(job.key))?;
             parts.push(Ptr {
                 ordinal: d,
                 addr: scratch.ptr(),
@@ -182,6 +183,27 @@ pub(crate) fn push(
     update(updater, generation, jobs, &inputs)?;
     drop(keep);
     drop(reads);
+    Ok(())
+}
+
+/// Loads every kernel the push needs before anything changes, so a missing or broken module
+/// fails the whole call with every key unchanged.
+fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
+    let rule = updater
+        .rule::<f32>(1)
+        .expect("custom updaters take the host path");
+    let (kind, _, _) = kernels::scalars(&rule);
+    for job in jobs {
+        let home = gpu(job.cell.buf.ordinal())?;
+        let dtype = job.cell.buf.dtype();
+        home.function(kind, dtype)?;
+        home.function(RuleKind::Assign, dtype)?;
+        for v in job.values {
+            if let Device::Gpu(d) = v.device() {
+                gpu(d)?.function(RuleKind::Assign, dtype)?;
+            }
+        }
+    }
     Ok(())
 }
 
@@ -229,7 +251,7 @@ fn move_partials(
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
-        let recv = GpuBuf::zeros(home, dtype, n).map_err(with_key(job.key))?;
+        let recv = GpuBuf::scratch(home, dtype, n).map_err(with_key(job.key))?;
         let recv_addr = recv.ptr();
         keep.push(recv);
         if use_nccl {
@@ -273,7 +295,7 @@ fn move_partials(
                 let dst = if i == 0 {
                     recv_addr
                 } else {
-                    let b = GpuBuf::zeros(home, dtype, n).map_err(with_key(job.key))?;
+                    let b = GpuBuf::scratch(home, dtype, n).map_err(with_key(job.key))?;
                     let a = b.ptr();
                     keep.push(b);
                     ins.push(a);
