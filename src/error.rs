@@ -191,3 +191,36 @@ pub enum Error {
         message: String,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_errors_name_the_op_keys_and_message() {
+        let e = Error::Cuda {
+            op: "push",
+            key: Some(Key::Int(3)),
+            message: "CUDA_ERROR_OUT_OF_MEMORY".to_owned(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "push (key 3): CUDA error: CUDA_ERROR_OUT_OF_MEMORY"
+        );
+        let e = Error::Nccl {
+            op: "push (reduce)",
+            keys: vec![Key::Int(1), Key::Int(2)],
+            message: "ncclUnhandledCudaError: unhandled cuda error".to_owned(),
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with("push (reduce): NCCL error on keys [1, 2]: "),
+            "{text}"
+        );
+        assert!(text.ends_with("unhandled cuda error"), "{text}");
+        assert!(
+            std::mem::size_of::<Error>() <= 128,
+            "clippy's large-error limit"
+        );
+    }
+}

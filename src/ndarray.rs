@@ -181,6 +181,9 @@ impl NDArray {
         let g = self.read();
         match (&*g, device) {
             (Storage::Gpu(b), Device::Gpu(i)) => Ok(NDArray::from_gpu(b.copy_to(i)?, self.shape)),
+            (Storage::Host(h), Device::Gpu(i)) => {
+                Ok(NDArray::from_gpu(GpuBuf::upload(i, h)?, self.shape))
+            }
             (storage, device) => {
                 let data = storage.host()?.into_owned();
                 NDArray::place(data, self.shape, device)

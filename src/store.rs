@@ -965,6 +965,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn store_and_arrays_stay_send_and_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<KvStore>();
+        send_sync::<NDArray>();
+    }
+
+    #[test]
     fn homes_are_placed_largest_first_on_the_least_loaded_gpu() {
         // Sizes in f32 elements; the reference below is worked out by hand.
         let sizes = [100usize, 4000, 250, 3000, 2000, 1000];
