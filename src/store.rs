@@ -25,7 +25,8 @@ pub enum StoreKind {
     Local,
     /// Values live on a home GPU, spread across GPUs by size (the CPU when there is none).
     Device,
-    /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none).
+    /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none; peer
+    /// copies, as `Device`, when libnccl cannot be loaded).
     Nccl,
 }
 
@@ -175,6 +176,14 @@ struct Group<'a> {
 ///
 /// `KvStore` is `Send + Sync` and every method takes `&self`: share it between threads with an
 /// `Arc` or a scoped borrow.
+///
+/// On a machine with GPUs, `device` and `nccl` stores keep each key on a home GPU (see
+/// [`KvStore::init`]). Pushes and pulls on GPU homes are enqueued on the GPUs' streams and
+/// return at once; reading an array on the host waits for its GPU, and
+/// [`KvStore::wait_all`] waits for everything (and reports NCCL failures). Custom closure
+/// updaters and `float64` keys on a GPU take a slow path through host memory. A CUDA or NCCL
+/// failure in the middle of a call can leave that call's GPU keys partly updated; validation
+/// errors never do.
 pub struct KvStore {
     name: String,
     kind: StoreKind,
