@@ -285,13 +285,17 @@ impl GpuBuf {
 
     /// The elements, copied to the host. Waits for the buffer's stream.
     pub fn download(&self) -> Result<HostData> {
-        let e = cuda_err("copy to host", None);
-        Ok(match self {
-            GpuBuf::F32(s) => HostData::F32(s.stream().clone_dtoh(s).map_err(e)?),
-            GpuBuf::F64(s) => HostData::F64(s.stream().clone_dtoh(s).map_err(e)?),
-            GpuBuf::F16(s) => HostData::F16(s.stream().clone_dtoh(s).map_err(e)?),
-            GpuBuf::BF16(s) => HostData::BF16(s.stream().clone_dtoh(s).map_err(e)?),
-        })
+        let e = || cuda_err("copy to host", None);
+        let data = match self {
+            GpuBuf::F32(s) => HostData::F32(s.stream().clone_dtoh(s).map_err(e())?),
+            GpuBuf::F64(s) => HostData::F64(s.stream().clone_dtoh(s).map_err(e())?),
+            GpuBuf::F16(s) => HostData::F16(s.stream().clone_dtoh(s).map_err(e())?),
+            GpuBuf::BF16(s) => HostData::BF16(s.stream().clone_dtoh(s).map_err(e())?),
+        };
+        // A copy to pageable memory already returns once it is done (CUDA's rule); waiting
+        // for the stream as well makes that explicit and surfaces any earlier async error.
+        self.stream().synchronize().map_err(e())?;
+        Ok(data)
     }
 
     /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy).
