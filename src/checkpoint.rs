@@ -72,7 +72,7 @@ impl KvStore {
             path: path.to_owned(),
             message,
         };
-        let (kind, updater, entries) = self.export_entries();
+        let (kind, updater, entries) = self.export_entries()?;
         let bytes = encode(kind, &updater, &entries).map_err(fail)?;
         write_atomic(path, &bytes).map_err(|e| fail(format!("write failed: {e}")))
     }

@@ -179,4 +179,60 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+
+    /// The CUDA driver failed (allocation, copy, module load, launch, synchronize).
+    #[error("{op}{}: CUDA error: {message}", key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default())]
+    Cuda {
+        /// What was being done: "push", "pull", "to_device", "load kernels", ...
+        op: &'static str,
+        /// The key involved, when there is one.
+        key: Option<Key>,
+        /// The driver's message.
+        message: String,
+    },
+
+    /// NCCL failed, timed out or reported an asynchronous error. The communicator involved was
+    /// aborted and dropped; keys on other GPU sets are unaffected.
+    #[error("{op}: NCCL error on keys [{}]: {message}", keys.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(", "))]
+    Nccl {
+        /// What was being done: "push (reduce)", "pull (broadcast)", "create communicator", ...
+        op: &'static str,
+        /// The keys whose collectives were involved.
+        keys: Vec<Key>,
+        /// NCCL's own message (`ncclGetErrorString`, and `ncclGetLastError` when it has one).
+        message: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_errors_name_the_op_keys_and_message() {
+        let e = Error::Cuda {
+            op: "push",
+            key: Some(Key::Int(3)),
+            message: "CUDA_ERROR_OUT_OF_MEMORY".to_owned(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "push (key 3): CUDA error: CUDA_ERROR_OUT_OF_MEMORY"
+        );
+        let e = Error::Nccl {
+            op: "push (reduce)",
+            keys: vec![Key::Int(1), Key::Int(2)],
+            message: "ncclUnhandledCudaError: unhandled cuda error".to_owned(),
+        };
+        let text = e.to_string();
+        assert!(
+            text.starts_with("push (reduce): NCCL error on keys [1, 2]: "),
+            "{text}"
+        );
+        assert!(text.ends_with("unhandled cuda error"), "{text}");
+        assert!(
+            std::mem::size_of::<Error>() <= 128,
+            "clippy's large-error limit"
+        );
+    }
 }

@@ -1,9 +1,11 @@
 //! [`NDArray`]: a dense tensor with a shape, a dtype and a device.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::ops::{Add, AddAssign, Mul, MulAssign, Neg, Sub, SubAssign};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::backend::cuda::GpuBuf;
 use crate::backend::probe::check_device;
 use crate::host::{with_host, HostData};
 use crate::{DType, Device, Element, Error, Result, Shape};
@@ -13,6 +15,19 @@ use crate::{DType, Device, Element, Error, Result, Shape};
 pub(crate) enum Storage {
     /// Host memory (every `cpu(i)` device).
     Host(HostData),
+    /// Memory on GPU `gpu(i)`, with that GPU's stream (the buffer knows both).
+    Gpu(GpuBuf),
+}
+
+impl Storage {
+    /// Host data for these elements: borrowed for host memory, a copy (waiting for the GPU's
+    /// stream) for GPU memory.
+    pub(crate) fn host(&self) -> Result<Cow<'_, HostData>> {
+        match self {
+            Storage::Host(h) => Ok(Cow::Borrowed(h)),
+            Storage::Gpu(b) => Ok(Cow::Owned(b.download()?)),
+        }
+    }
 }
 
 /// A dense tensor: a shape, a dtype, a device and the elements.
@@ -37,14 +52,34 @@ pub struct NDArray {
 }
 
 impl NDArray {
-    /// Wraps host data, which must hold `shape.size()` elements, on `device`.
+    /// Wraps host data, which must hold `shape.size()` elements, on the CPU device `device`.
     pub(crate) fn from_host(data: HostData, shape: Shape, device: Device) -> NDArray {
         debug_assert_eq!(data.len(), shape.size());
+        debug_assert!(!device.is_gpu());
         NDArray {
             dtype: data.dtype(),
             data: Arc::new(RwLock::new(Storage::Host(data))),
             shape,
             device,
+        }
+    }
+
+    /// Wraps a GPU buffer of `shape.size()` elements.
+    pub(crate) fn from_gpu(buf: GpuBuf, shape: Shape) -> NDArray {
+        debug_assert_eq!(buf.len(), shape.size());
+        NDArray {
+            dtype: buf.dtype(),
+            device: Device::Gpu(buf.ordinal()),
+            data: Arc::new(RwLock::new(Storage::Gpu(buf))),
+            shape,
+        }
+    }
+
+    /// Places host data on `device`: kept as is for a CPU device, copied to a GPU.
+    fn place(data: HostData, shape: Shape, device: Device) -> Result<NDArray> {
+        match device {
+            Device::Cpu(_) => Ok(NDArray::from_host(data, shape, device)),
+            Device::Gpu(i) => Ok(NDArray::from_gpu(GpuBuf::upload(i, &data)?, shape)),
         }
     }
 
@@ -83,11 +118,7 @@ impl NDArray {
     ) -> Result<NDArray> {
         check_device(device)?;
         let shape = shape.into();
-        Ok(NDArray::from_host(
-            HostData::filled(dtype, shape.size(), value),
-            shape,
-            device,
-        ))
+        NDArray::place(HostData::filled(dtype, shape.size(), value), shape, device)
     }
 
     /// An array on `cpu(0)` that takes ownership of `data`; its dtype is `T`'s.
@@ -134,21 +165,37 @@ impl NDArray {
     }
 
     /// The elements, converted to `T`, in row-major order (NumPy's `asnumpy().ravel()`).
+    ///
+    /// For an array on a GPU this waits for the GPU's stream (every push and pull in flight
+    /// on it), then copies to the host.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        Ok(self.with_host(|h| h.to_vec()))
+        self.with_host(|h| h.to_vec())
     }
 
     /// An independent copy on `device`; an error if the device does not exist.
+    ///
+    /// Host to GPU, GPU to host, and GPU to GPU (a device or peer copy, enqueued on the target
+    /// GPU's stream) are all supported.
     pub fn to_device(&self, device: Device) -> Result<NDArray> {
         check_device(device)?;
-        let data = self.with_host(HostData::clone);
-        Ok(NDArray::from_host(data, self.shape, device))
+        let g = self.read();
+        match (&*g, device) {
+            (Storage::Gpu(b), Device::Gpu(i)) => Ok(NDArray::from_gpu(b.copy_to(i)?, self.shape)),
+            (Storage::Host(h), Device::Gpu(i)) => {
+                Ok(NDArray::from_gpu(GpuBuf::upload(i, h)?, self.shape))
+            }
+            (storage, device) => {
+                let data = storage.host()?.into_owned();
+                NDArray::place(data, self.shape, device)
+            }
+        }
     }
 
-    /// An independent copy converted to `dtype`.
+    /// An independent copy converted to `dtype`, on the same device. For a GPU array the
+    /// conversion goes through the host (slow).
     pub fn astype(&self, dtype: DType) -> Result<NDArray> {
-        let data = self.with_host(|h| h.cast(dtype));
-        Ok(NDArray::from_host(data, self.shape, self.device))
+        let data = self.with_host(|h| h.cast(dtype))?;
+        NDArray::place(data, self.shape, self.device)
     }
 
     /// An independent copy: same shape, dtype and device, its own elements.
@@ -159,35 +206,49 @@ impl NDArray {
     /// Sets every element to `value`.
     pub fn fill(&self, value: f64) -> Result<()> {
         let mut g = self.write();
-        let Storage::Host(h) = &mut *g;
-        with_host!(h, v: T => v.fill(T::from_f64(value)));
+        match &mut *g {
+            Storage::Host(h) => with_host!(h, v: T => v.fill(T::from_f64(value))),
+            Storage::Gpu(b) => b.fill(value)?,
+        }
         Ok(())
     }
 
     /// `self += alpha * x`, in place, with the math in `f32` (`f64` for `float64`).
     ///
-    /// `x` must have the same shape and dtype. It may be `self` itself.
+    /// `x` must have the same shape and dtype. It may be `self` itself. Arrays on a GPU go
+    /// through the host and back (slow; meant for custom updaters and tests).
     pub fn add_scaled(&self, x: &NDArray, alpha: f64) -> Result<()> {
         self.check_operand("add_scaled", x)?;
         if self.shares_storage(x) {
             return self.scale(1.0 + alpha);
         }
         let xg = x.read();
-        let Storage::Host(xh) = &*xg;
-        let mut g = self.write();
-        let Storage::Host(h) = &mut *g;
-        with_host!(h, v: T => {
-            let xs = T::slice(xh).expect("operand dtypes were checked");
-            axpy(v, xs, alpha);
-        });
-        Ok(())
+        let xh = xg.host()?;
+        self.modify_host(|h| {
+            with_host!(h, v: T => {
+                let xs = T::slice(&xh).expect("operand dtypes were checked");
+                axpy(v, xs, alpha);
+            })
+        })
     }
 
-    /// `self *= s`, in place.
+    /// `self *= s`, in place. Arrays on a GPU go through the host and back (slow).
     pub fn scale(&self, s: f64) -> Result<()> {
+        self.modify_host(|h| with_host!(h, v: T => scale(v, s)))
+    }
+
+    /// Runs `f` on the host elements under the write lock; a GPU array is copied to the host
+    /// and back.
+    fn modify_host(&self, f: impl FnOnce(&mut HostData)) -> Result<()> {
         let mut g = self.write();
-        let Storage::Host(h) = &mut *g;
-        with_host!(h, v: T => scale(v, s));
+        match &mut *g {
+            Storage::Host(h) => f(h),
+            Storage::Gpu(b) => {
+                let mut h = b.download()?;
+                f(&mut h);
+                b.upload_into(&h)?;
+            }
+        }
         Ok(())
     }
 
@@ -213,11 +274,10 @@ impl NDArray {
         Ok(())
     }
 
-    /// Runs `f` on the host elements, under a read lock.
-    pub(crate) fn with_host<R>(&self, f: impl FnOnce(&HostData) -> R) -> R {
+    /// Runs `f` on the host elements, under a read lock (a GPU array is copied to the host).
+    pub(crate) fn with_host<R>(&self, f: impl FnOnce(&HostData) -> R) -> Result<R> {
         let g = self.read();
-        let Storage::Host(h) = &*g;
-        f(h)
+        Ok(f(g.host()?.as_ref()))
     }
 
     /// Whether `self` and `other` are handles to the same elements.
@@ -240,19 +300,19 @@ impl NDArray {
         self.data.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The elements, moved out when this is the only handle to them, copied otherwise (a
-    /// custom updater may have kept a clone, or assigned an array of its own).
-    pub(crate) fn into_host(self) -> HostData {
+    /// The elements as host data: moved out when this is the only handle to host elements,
+    /// copied otherwise (a custom updater may have kept a clone, or assigned an array of its
+    /// own; a GPU array is downloaded).
+    pub(crate) fn into_host(self) -> Result<HostData> {
         match Arc::try_unwrap(self.data) {
-            Ok(lock) => {
-                let Storage::Host(h) = lock.into_inner().unwrap_or_else(|e| e.into_inner());
-                h
-            }
-            Err(shared) => {
-                let g = shared.read().unwrap_or_else(|e| e.into_inner());
-                let Storage::Host(h) = &*g;
-                h.clone()
-            }
+            Ok(lock) => match lock.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                Storage::Host(h) => Ok(h),
+                Storage::Gpu(b) => b.download(),
+            },
+            Err(shared) => match &*shared.read().unwrap_or_else(|e| e.into_inner()) {
+                Storage::Host(h) => Ok(h.clone()),
+                Storage::Gpu(b) => b.download(),
+            },
         }
     }
 }

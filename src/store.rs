@@ -10,7 +10,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::cpu::{self, PushJob};
-use crate::backend::probe;
+use crate::backend::cuda::home::{self, GpuCell};
+use crate::backend::cuda::{self as gpu_rt, GpuBuf};
+use crate::backend::{nccl, probe};
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::UpdateFn;
@@ -23,7 +25,8 @@ pub enum StoreKind {
     Local,
     /// Values live on a home GPU, spread across GPUs by size (the CPU when there is none).
     Device,
-    /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none).
+    /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none; peer
+    /// copies, as `Device`, when libnccl cannot be loaded).
     Nccl,
 }
 
@@ -102,8 +105,15 @@ struct Slot {
 }
 
 struct Cell {
-    value: HostData,
+    value: Value,
+    /// Host updater state (host homes, and the host round trip of f64 keys on a GPU).
     state: Option<State>,
+}
+
+/// Where a key's value lives: host memory, or its home GPU (with the GPU updater state).
+enum Value {
+    Host(HostData),
+    Gpu(GpuCell),
 }
 
 /// Updater state of one key.
@@ -121,6 +131,8 @@ struct Table {
     key_kind: Option<KeyKind>,
     slots: HashMap<Key, Arc<Slot>>,
     next_str_order: i64,
+    /// Bytes of values homed on each GPU so far (for placement by size).
+    gpu_bytes: Vec<usize>,
 }
 
 impl Table {
@@ -166,6 +178,14 @@ struct Group<'a> {
 ///
 /// `KvStore` is `Send + Sync` and every method takes `&self`: share it between threads with an
 /// `Arc` or a scoped borrow.
+///
+/// On a machine with GPUs, `device` and `nccl` stores keep each key on a home GPU (see
+/// [`KvStore::init`]). Pushes and pulls on GPU homes are enqueued on the GPUs' streams and
+/// return at once; reading an array on the host waits for its GPU, and
+/// [`KvStore::wait_all`] waits for everything (and reports NCCL failures). Custom closure
+/// updaters and `float64` keys on a GPU take a slow path through host memory. A CUDA or NCCL
+/// failure in the middle of a call can leave that call's GPU keys partly updated; validation
+/// errors never do.
 pub struct KvStore {
     name: String,
     kind: StoreKind,
@@ -225,9 +245,22 @@ impl KvStore {
         1
     }
 
-    /// Waits for every operation in flight. On the CPU home every call is synchronous, so this
-    /// returns at once.
-    pub fn wait_all(&self) {}
+    /// Waits for every operation in flight: pushes and pulls on GPU homes are enqueued on the
+    /// GPUs' streams and return at once. NCCL work is polled for asynchronous errors, with a
+    /// timeout (env `KVSTORE_NCCL_TIMEOUT_MS`, default 60 s). Without a GPU every call is
+    /// synchronous and this returns `Ok` at once.
+    pub fn wait_all(&self) -> Result<()> {
+        if probe::gpu_count() == 0 {
+            return Ok(());
+        }
+        nccl::wait_all()?;
+        gpu_rt::synchronize_all()
+    }
+
+    /// Whether cross-GPU sums and broadcasts of this store go through NCCL.
+    fn use_nccl(&self) -> bool {
+        self.kind == StoreKind::Nccl && probe::nccl_present()
+    }
 
     /// Replaces the updater. Per-key state (momentum and the like) starts afresh on each key's
     /// next push.
@@ -269,19 +302,65 @@ impl KvStore {
     }
 
     /// Puts a copy of `value` in under `key`. A key is initialized once.
+    ///
+    /// `device` and `nccl` stores on a machine with GPUs give the key a home GPU: the one with
+    /// the fewest bytes homed so far. `local` stores, and every store without a GPU, keep it in
+    /// host memory.
     pub fn init(&self, key: impl Into<Key>, value: &NDArray) -> Result<()> {
         self.init_list(&[key.into()], std::slice::from_ref(value))
     }
 
-    /// Initializes many keys at once: all of them, or none on error.
+    /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
+    /// key first (see [`KvStore::init`]).
     pub fn init_list<K: Into<Key> + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
+        self.init_with_homes(keys, values, None)
+    }
+
+    /// As [`KvStore::init`], with the home chosen by the caller: `cpu(i)` keeps the value in
+    /// host memory, `gpu(i)` on that GPU (an error if it does not exist).
+    pub fn init_on(&self, key: impl Into<Key>, value: &NDArray, home: Device) -> Result<()> {
+        self.init_list_on(&[key.into()], std::slice::from_ref(value), &[home])
+    }
+
+    /// As [`KvStore::init_list`], with one home per key chosen by the caller.
+    pub fn init_list_on<K: Into<Key> + Clone>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+        homes: &[Device],
+    ) -> Result<()> {
+        check_len("init", keys.len(), homes.len(), "homes")?;
+        for &h in homes {
+            probe::check_device(h)?;
+        }
+        self.init_with_homes(keys, values, Some(homes))
+    }
+
+    fn init_with_homes<K: Into<Key> + Clone>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+        homes: Option<&[Device]>,
+    ) -> Result<()> {
         check_len("init", keys.len(), values.len(), "values")?;
         let keys = to_keys(keys);
-        // Copy outside the table lock, so big inits do not stall other keys' lookups.
-        let copies: Vec<HostData> = values
-            .iter()
-            .map(|v| v.with_host(HostData::clone))
-            .collect();
+        let gpus = probe::gpu_count();
+        let any_gpu_home = match homes {
+            Some(h) => h.iter().any(|d| d.is_gpu()),
+            None => self.kind != StoreKind::Local && gpus > 0,
+        };
+        // Host homes: copy outside the table lock, so big inits do not stall other keys'
+        // lookups. GPU homes are copied under the lock, once the homes are placed.
+        let host_copies: Option<Vec<HostData>> = if any_gpu_home {
+            None
+        } else {
+            Some(
+                values
+                    .iter()
+                    .map(|v| v.with_host(HostData::clone))
+                    .collect::<Result<_>>()?,
+            )
+        };
         let mut table = write(&self.table);
         let call_kind = keys.first().map(Key::kind);
         for (i, key) in keys.iter().enumerate() {
@@ -298,7 +377,27 @@ impl KvStore {
                 return Err(Error::DuplicateInit { key: key.clone() });
             }
         }
-        for ((key, value), data) in keys.into_iter().zip(values).zip(copies) {
+        let placed: Vec<Device> = match homes {
+            Some(h) => h.to_vec(),
+            None if any_gpu_home => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
+            None => vec![Device::Cpu(0); keys.len()],
+        };
+        let data: Vec<Value> = match host_copies {
+            Some(copies) => copies.into_iter().map(Value::Host).collect(),
+            None => values
+                .iter()
+                .zip(&placed)
+                .zip(&keys)
+                .map(|((v, &home), key)| copy_home(v, home, key))
+                .collect::<Result<_>>()?,
+        };
+        table.gpu_bytes.resize(gpus, 0);
+        for (v, home) in values.iter().zip(&placed) {
+            if let Device::Gpu(i) = *home {
+                table.gpu_bytes[i] += v.nbytes();
+            }
+        }
+        for (((key, value), data), home) in keys.into_iter().zip(values).zip(data).zip(placed) {
             let order = match &key {
                 Key::Int(k) => i64::from(*k),
                 Key::Str(_) => {
@@ -312,7 +411,7 @@ impl KvStore {
                 order,
                 shape: value.shape(),
                 dtype: value.dtype(),
-                home: Device::Cpu(0),
+                home,
                 cell: RwLock::new(Cell {
                     value: data,
                     state: None,
@@ -347,11 +446,7 @@ impl KvStore {
         keys: &[K],
         values: &[V],
     ) -> Result<()> {
-        let groups = self.groups("push", keys, values, "values", None)?;
-        check_values("push", &groups)?;
-        let active = read(&self.active).clone();
-        let mut cells = lock_cells(&groups);
-        apply_push(&active, &groups, &mut cells)
+        self.push_groups(self.groups("push", keys, values, "values", None)?)
     }
 
     /// Copies the stored value of `key` into every out, converting to each out's dtype.
@@ -365,14 +460,23 @@ impl KvStore {
         keys: &[K],
         outs: &[V],
     ) -> Result<()> {
-        let groups = self.groups("pull", keys, outs, "outs", None)?;
+        self.pull_groups(self.groups("pull", keys, outs, "outs", None)?)
+    }
+
+    /// Validates and applies a push of looked-up groups.
+    fn push_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
+        check_values("push", &groups)?;
+        let active = read(&self.active).clone();
+        let mut cells = lock_cells(&groups);
+        apply_push(&active, self.use_nccl(), &groups, &mut cells)
+    }
+
+    /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
+    fn pull_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
         check_outs("pull", &groups)?;
         let cells: Vec<RwLockReadGuard<'_, Cell>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
-        for i in issue_order(&groups) {
-            pull_into(&cells[i].value, &groups[i].arrays);
-        }
-        Ok(())
+        pull_all(self.use_nccl(), &groups, &cells)
     }
 
     /// A push, then a pull of the result into `outs`, as one atomic step. To update in place,
@@ -409,12 +513,9 @@ impl KvStore {
         check_outs("pushpull", &pulls)?;
         let active = read(&self.active).clone();
         let mut cells = lock_cells(&pushes);
-        apply_push(&active, &pushes, &mut cells)?;
+        apply_push(&active, self.use_nccl(), &pushes, &mut cells)?;
         // `pushes` and `pulls` hold the same distinct keys in the same order.
-        for (g, cell) in pulls.iter().zip(&cells) {
-            pull_into(&cell.value, &g.arrays);
-        }
-        Ok(())
+        pull_all(self.use_nccl(), &pulls, &cells)
     }
 
     /// Initializes `key` with `value` and pulls it into `outs` (MXNet's `broadcast`).
@@ -492,6 +593,43 @@ impl KvStore {
             same
         });
         Ok(groups)
+    }
+}
+
+/// Homes for keys of a `device`/`nccl` init: largest value first, each to the GPU with the
+/// fewest bytes so far (MXNet's CommDevice placement). Ties go to the lowest ordinal.
+fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, values: &[NDArray]) -> Vec<Device> {
+    bytes.resize(gpus, 0);
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(values[i].nbytes()));
+    let mut homes = vec![Device::Cpu(0); values.len()];
+    for i in order {
+        let g = (0..gpus).min_by_key(|&g| (bytes[g], g)).unwrap_or(0);
+        bytes[g] += values[i].nbytes();
+        homes[i] = Device::Gpu(g);
+    }
+    homes
+}
+
+/// A copy of `value` for a key homed on `home`.
+fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<Value> {
+    let storage = value.read();
+    let with_key = |e: Error| match e {
+        Error::Cuda { op, message, .. } => Error::Cuda {
+            op,
+            key: Some(key.clone()),
+            message,
+        },
+        other => other,
+    };
+    match (home, &*storage) {
+        (Device::Cpu(_), s) => Ok(Value::Host(s.host().map_err(with_key)?.into_owned())),
+        (Device::Gpu(i), Storage::Gpu(b)) => {
+            Ok(Value::Gpu(GpuCell::new(b.copy_to(i).map_err(with_key)?)))
+        }
+        (Device::Gpu(i), Storage::Host(h)) => Ok(Value::Gpu(GpuCell::new(
+            GpuBuf::upload(i, h).map_err(with_key)?,
+        ))),
     }
 }
 
@@ -588,8 +726,13 @@ fn lock_cells<'a>(groups: &'a [Group<'_>]) -> Vec<RwLockWriteGuard<'a, Cell>> {
 
 /// Applies a validated push to every group. A custom updater runs on copies first, so a panic
 /// in any key leaves every key unchanged.
+///
+/// Keys homed on a GPU are enqueued on the GPU backend ([`home::push`]), except for the slow
+/// paths, which copy the value to the host and back: custom closures, and `float64` keys (no
+/// PTX kernel).
 fn apply_push(
     active: &Active,
+    use_nccl: bool,
     groups: &[Group<'_>],
     cells: &mut [RwLockWriteGuard<'_, Cell>],
 ) -> Result<()> {
@@ -598,22 +741,79 @@ fn apply_push(
         let updated = order
             .iter()
             .map(|&i| {
-                let g = &groups[i];
-                run_custom(f.as_ref(), &g.slot, &cells[i].value, &g.arrays)
+                let value = match &cells[i].value {
+                    Value::Host(h) => std::borrow::Cow::Borrowed(h),
+                    Value::Gpu(c) => std::borrow::Cow::Owned(c.buf.download()?),
+                };
+                run_custom(f.as_ref(), &groups[i].slot, &value, &groups[i].arrays)
             })
             .collect::<Result<Vec<_>>>()?;
         for (&i, value) in order.iter().zip(updated) {
-            cells[i].value = value;
+            match &mut cells[i].value {
+                Value::Host(h) => *h = value,
+                Value::Gpu(c) => c.buf.upload_into(&value)?,
+            }
         }
         return Ok(());
     }
+    // Taken out one by one in issue order: GPU jobs keep their cell borrowed until the launch.
+    let mut cells: Vec<Option<&mut RwLockWriteGuard<'_, Cell>>> =
+        cells.iter_mut().map(Some).collect();
+    let mut gpu_jobs = Vec::new();
     for i in order {
         let g = &groups[i];
-        let reads = ReadSet::lock(&g.arrays);
-        let Cell { value, state } = &mut *cells[i];
-        with_host!(value, stored: T => push_fused::<T>(active, &reads, &g.arrays, stored, state));
+        let cell = cells[i].take().expect("each key is issued once");
+        let Cell { value, state } = &mut **cell;
+        match value {
+            Value::Host(value) => {
+                let reads = ReadSet::lock(&g.arrays)?;
+                with_host!(value, stored: T => push_fused::<T>(active, &reads, &g.arrays, stored, state));
+            }
+            Value::Gpu(c) => {
+                if home::has_kernel(c.buf.dtype()) {
+                    gpu_jobs.push(home::PushJob {
+                        key: &g.slot.key,
+                        cell: c,
+                        values: &g.arrays,
+                    });
+                    continue;
+                }
+                // Slow path: no kernel for this dtype; update a host copy and copy it back.
+                let reads = ReadSet::lock(&g.arrays)?;
+                let mut value = c.buf.download()?;
+                with_host!(&mut value, stored: T => push_fused::<T>(active, &reads, &g.arrays, stored, state));
+                c.buf.upload_into(&value)?;
+            }
+        }
     }
-    Ok(())
+    if gpu_jobs.is_empty() {
+        return Ok(());
+    }
+    home::push(&active.updater, active.generation, use_nccl, gpu_jobs)
+}
+
+/// Pulls every group from its cell: host homes here, GPU homes through [`home::pull`].
+fn pull_all<C: std::ops::Deref<Target = Cell>>(
+    use_nccl: bool,
+    groups: &[Group<'_>],
+    cells: &[C],
+) -> Result<()> {
+    let mut gpu_jobs = Vec::new();
+    for i in issue_order(groups) {
+        let g = &groups[i];
+        match &cells[i].value {
+            Value::Host(h) => pull_into(h, &g.arrays)?,
+            Value::Gpu(c) => gpu_jobs.push(home::PullJob {
+                key: &g.slot.key,
+                cell: c,
+                outs: &g.arrays,
+            }),
+        }
+    }
+    if gpu_jobs.is_empty() {
+        return Ok(());
+    }
+    home::pull(use_nccl, &gpu_jobs)
 }
 
 /// The fused sum and update of one key.
@@ -666,7 +866,7 @@ fn run_custom(
     arrays: &[&NDArray],
 ) -> Result<HostData> {
     let merged = {
-        let reads = ReadSet::lock(arrays);
+        let reads = ReadSet::lock(arrays)?;
         with_host!(value, v: T => {
             let values: Vec<&[T]> = arrays
                 .iter()
@@ -677,8 +877,14 @@ fn run_custom(
             T::wrap(sum)
         })
     };
-    let merged = NDArray::from_host(merged, slot.shape, slot.home);
-    let mut stored = NDArray::from_host(value.clone(), slot.shape, slot.home);
+    // The closure sees host arrays: for a GPU home they are host copies on cpu(0).
+    let device = if slot.home.is_gpu() {
+        Device::Cpu(0)
+    } else {
+        slot.home
+    };
+    let merged = NDArray::from_host(merged, slot.shape, device);
+    let mut stored = NDArray::from_host(value.clone(), slot.shape, device);
     catch_unwind(AssertUnwindSafe(|| f(&slot.key, &merged, &mut stored))).map_err(|panic| {
         Error::UpdaterPanicked {
             key: slot.key.clone(),
@@ -704,7 +910,7 @@ fn run_custom(
             got: stored.dtype(),
         });
     }
-    Ok(stored.into_host())
+    stored.into_host()
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -717,8 +923,9 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Copies `src` into every out. Outs that share elements are written once.
-fn pull_into(src: &HostData, outs: &[&NDArray]) {
+/// Copies `src` into every out. Outs that share elements are written once. Outs on a GPU get
+/// a host-to-GPU copy.
+fn pull_into(src: &HostData, outs: &[&NDArray]) -> Result<()> {
     let mut outs = outs.to_vec();
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
@@ -726,30 +933,50 @@ fn pull_into(src: &HostData, outs: &[&NDArray]) {
     with_host!(src, s: T => {
         let mut same: Vec<&mut [T]> = Vec::with_capacity(guards.len());
         for g in guards.iter_mut() {
-            let Storage::Host(h) = &mut **g;
-            if h.dtype() == T::DTYPE {
-                same.push(T::slice_mut(h).expect("dtype was just checked"));
-            } else {
-                convert_into(s.as_slice(), h);
+            match &mut **g {
+                Storage::Host(h) => {
+                    if h.dtype() == T::DTYPE {
+                        same.push(T::slice_mut(h).expect("dtype was just checked"));
+                    } else {
+                        convert_into(s.as_slice(), h);
+                    }
+                }
+                Storage::Gpu(b) => b.upload_into(src)?,
             }
         }
         cpu::broadcast(s.as_slice(), same);
-    })
+    });
+    Ok(())
 }
 
-/// Read locks on a set of arrays, each taken once, in address order.
+/// Read locks on a set of arrays, each taken once, in address order. Arrays on a GPU are
+/// copied to the host instead (the host path of a push).
 struct ReadSet<'a> {
-    guards: Vec<(usize, RwLockReadGuard<'a, Storage>)>,
+    guards: Vec<(usize, Held<'a>)>,
+}
+
+enum Held<'a> {
+    Lock(RwLockReadGuard<'a, Storage>),
+    Copy(HostData),
 }
 
 impl<'a> ReadSet<'a> {
-    fn lock(arrays: &[&'a NDArray]) -> ReadSet<'a> {
+    fn lock(arrays: &[&'a NDArray]) -> Result<ReadSet<'a>> {
         let mut uniq = arrays.to_vec();
         uniq.sort_by_key(|a| a.storage_id());
         uniq.dedup_by_key(|a| a.storage_id());
-        ReadSet {
-            guards: uniq.iter().map(|a| (a.storage_id(), a.read())).collect(),
-        }
+        let guards = uniq
+            .iter()
+            .map(|a| {
+                let g = a.read();
+                let held = match &*g {
+                    Storage::Host(_) => Held::Lock(g),
+                    Storage::Gpu(b) => Held::Copy(b.download()?),
+                };
+                Ok((a.storage_id(), held))
+            })
+            .collect::<Result<_>>()?;
+        Ok(ReadSet { guards })
     }
 
     fn host(&self, a: &NDArray) -> &HostData {
@@ -757,8 +984,13 @@ impl<'a> ReadSet<'a> {
             .guards
             .binary_search_by_key(&a.storage_id(), |(id, _)| *id)
             .expect("every array was locked");
-        let Storage::Host(h) = &*self.guards[i].1;
-        h
+        match &self.guards[i].1 {
+            Held::Copy(h) => h,
+            Held::Lock(g) => match &**g {
+                Storage::Host(h) => h,
+                Storage::Gpu(_) => unreachable!("GPU arrays are held as copies"),
+            },
+        }
     }
 }
 
@@ -815,11 +1047,7 @@ impl KvStore {
         values: &[V],
         priorities: &[i32],
     ) -> Result<()> {
-        let groups = self.groups("push", keys, values, "values", Some(priorities))?;
-        check_values("push", &groups)?;
-        let active = read(&self.active).clone();
-        let mut cells = lock_cells(&groups);
-        apply_push(&active, &groups, &mut cells)
+        self.push_groups(self.groups("push", keys, values, "values", Some(priorities))?)
     }
 
     /// A pull, like [`KvStore::pull`], with a priority; see [`KvStore::pull_list_with_priority`].
@@ -852,14 +1080,7 @@ impl KvStore {
         outs: &[V],
         priorities: &[i32],
     ) -> Result<()> {
-        let groups = self.groups("pull", keys, outs, "outs", Some(priorities))?;
-        check_outs("pull", &groups)?;
-        let cells: Vec<RwLockReadGuard<'_, Cell>> =
-            groups.iter().map(|g| read(&g.slot.cell)).collect();
-        for i in issue_order(&groups) {
-            pull_into(&cells[i].value, &groups[i].arrays);
-        }
-        Ok(())
+        self.pull_groups(self.groups("pull", keys, outs, "outs", Some(priorities))?)
     }
 }
 
@@ -883,7 +1104,7 @@ impl KvStore {
     /// The key kind, the updater in force, and every key in update order with copies of its
     /// value and its state for that updater, taken as one consistent snapshot (all read locks
     /// held together).
-    pub(crate) fn export_entries(&self) -> (Option<KeyKind>, Updater, Vec<Entry>) {
+    pub(crate) fn export_entries(&self) -> Result<(Option<KeyKind>, Updater, Vec<Entry>)> {
         let (kind, mut slots) = {
             let table = read(&self.table);
             let slots: Vec<Arc<Slot>> = table.slots.values().cloned().collect();
@@ -896,21 +1117,30 @@ impl KvStore {
         let entries = slots
             .iter()
             .zip(&cells)
-            .map(|(slot, cell)| Entry {
-                key: slot.key.clone(),
-                shape: slot.shape,
-                value: cell.value.clone(),
-                state: cell
-                    .state
-                    .as_ref()
-                    .filter(|s| s.generation == generation)
-                    .map(|s| EntryState {
-                        step: s.step,
-                        bufs: s.bufs.clone(),
-                    }),
+            .map(|(slot, cell)| {
+                let host_state = || {
+                    cell.state
+                        .as_ref()
+                        .filter(|s| s.generation == generation)
+                        .map(|s| (s.step, s.bufs.clone()))
+                };
+                let (value, state) = match &cell.value {
+                    Value::Host(h) => (h.clone(), host_state()),
+                    Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
+                        (c.buf.download()?, c.state_to_host(generation)?)
+                    }
+                    // Kernel-less dtypes keep their state on the host.
+                    Value::Gpu(c) => (c.buf.download()?, host_state()),
+                };
+                Ok(Entry {
+                    key: slot.key.clone(),
+                    shape: slot.shape,
+                    value,
+                    state: state.map(|(step, bufs)| EntryState { step, bufs }),
+                })
             })
-            .collect();
-        (kind, active.updater.clone(), entries)
+            .collect::<Result<Vec<_>>>()?;
+        Ok((kind, active.updater.clone(), entries))
     }
 
     /// Checks `entries` (in update order) against the store: the key kind, and the shape and
@@ -974,13 +1204,81 @@ impl KvStore {
         let mut cells: Vec<RwLockWriteGuard<'_, Cell>> =
             slots.iter().map(|s| write(&s.cell)).collect();
         for (cell, e) in cells.iter_mut().zip(entries) {
-            cell.value = e.value;
-            cell.state = e.state.map(|s| State {
-                generation,
-                step: s.step,
-                bufs: s.bufs,
-            });
+            let state = e.state.map(|s| (s.step, s.bufs));
+            match &mut cell.value {
+                Value::Host(h) => {
+                    *h = e.value;
+                    cell.state = state.map(|(step, bufs)| State {
+                        generation,
+                        step,
+                        bufs,
+                    });
+                }
+                Value::Gpu(c) => {
+                    c.buf.upload_into(&e.value)?;
+                    if home::has_kernel(c.buf.dtype()) {
+                        c.set_state_from_host(generation, state)?;
+                    } else {
+                        cell.state = state.map(|(step, bufs)| State {
+                            generation,
+                            step,
+                            bufs,
+                        });
+                    }
+                }
+            }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_and_arrays_stay_send_and_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<KvStore>();
+        send_sync::<NDArray>();
+    }
+
+    #[test]
+    fn homes_are_placed_largest_first_on_the_least_loaded_gpu() {
+        // Sizes in f32 elements; the reference below is worked out by hand.
+        let sizes = [100usize, 4000, 250, 3000, 2000, 1000];
+        let values: Vec<NDArray> = sizes.iter().map(|&s| NDArray::zeros([s])).collect();
+        let mut bytes = Vec::new();
+        let homes = place_by_size(&mut bytes, 2, &values);
+        // 4000 -> g0 (16000), 3000 -> g1 (12000), 2000 -> g1 (20000), 1000 -> g0 (20000),
+        // 250 -> g0 (tie, lowest ordinal: 21000), 100 -> g1 (20400).
+        let want = [1usize, 0, 0, 1, 1, 0];
+        assert_eq!(
+            homes,
+            want.iter().map(|&g| Device::Gpu(g)).collect::<Vec<_>>()
+        );
+        assert_eq!(bytes, vec![21000, 20400]);
+        // A later call continues from the loads so far.
+        let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10])]);
+        assert_eq!(more, vec![Device::Gpu(1)]);
+    }
+
+    #[test]
+    fn cpu_only_machines_keep_host_homes() {
+        if probe::gpu_count() > 0 {
+            return;
+        }
+        for kind in ["local", "device", "nccl"] {
+            let kv = KvStore::create(kind).unwrap();
+            kv.init(1, &NDArray::ones([3])).unwrap();
+            assert_eq!(kv.meta(1).unwrap().2, Device::Cpu(0));
+            assert!(kv.wait_all().is_ok());
+            let err = kv
+                .init_on(2, &NDArray::ones([3]), Device::Gpu(0))
+                .unwrap_err();
+            assert!(matches!(err, Error::DeviceNotFound { .. }), "{err}");
+            kv.init_on(2, &NDArray::ones([3]), Device::Cpu(1)).unwrap();
+            assert_eq!(kv.meta(2).unwrap().2, Device::Cpu(1));
+        }
     }
 }

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# gpu-check.sh: build kvstore's test and bench binaries here, run them on a GPU machine there.
+#
+# A GPU test machine may have no Rust toolchain. The binaries dlopen libcuda and libnccl at run
+# time (cudarc's dynamic loading), so they link against neither and can be built anywhere.
+#
+# 1. Here (any machine with cargo, no GPU needed):
+#        scripts/gpu-check.sh
+#    builds every test binary (`cargo test --release --no-run`) and bench binary
+#    (`cargo bench --no-run`), strips them, and stages them with a `run.sh` in `.gpu-stage/`
+#    (git-ignored; kept well under 60 MiB).
+# 2. On the GPU machine, from a copy of the repository (or of `.gpu-stage/` alone):
+#        .gpu-stage/run.sh            # logs go to $OUT if it is set, else .gpu-stage/logs
+#    run.sh finds libnccl.so.2 (env NCCL_LIB, then pip's nvidia-nccl-cu12/13 under python's
+#    site-packages, then ldconfig, then /usr and /opt), makes a `libnccl.so` symlink to it in a
+#    temporary folder put first on LD_LIBRARY_PATH (cudarc only looks for `libnccl.so`), prints
+#    nvidia-smi and the NCCL version, runs every test binary with `--include-ignored` (with
+#    NCCL_MULTI_RANK_GPU_ENABLE=1, so two NCCL ranks may share one GPU on NCCL >= 2.30), then
+#    every bench, and prints a summary per binary: passed, failed, and SKIPPED (tests that
+#    printed `SKIPPED:` because this machine cannot run their case; never counted as passed).
+#    It exits non-zero when any binary failed.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+STAGE="$ROOT/.gpu-stage"
+cd "$ROOT"
+
+rm -rf "$STAGE"
+mkdir -p "$STAGE/tests" "$STAGE/benches"
+
+# Lists "kind name path" for every executable cargo built, from its JSON messages.
+executables() {
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["kind"][0], m["target"]["name"], m["executable"])
+'
+}
+
+stage() { # dir kind name path
+    local dst="$1/$3"
+    [ "$2" = "lib" ] && dst="$1/$3-lib"
+    cp "$4" "$dst"
+    strip --strip-debug "$dst" 2>/dev/null || true
+    echo "staged $dst ($(du -h "$dst" | cut -f1))"
+}
+
+echo "== building test binaries (release)"
+cargo test --release --no-run --message-format=json 2>/dev/null | executables |
+    while read -r kind name path; do
+        # Examples are built too; they are not test harnesses.
+        [ "$kind" = "example" ] || stage "$STAGE/tests" "$kind" "$name" "$path"
+    done
+
+echo "== building bench binaries"
+cargo bench --no-run --message-format=json 2>/dev/null | executables |
+    while read -r kind name path; do
+        # `cargo bench` also rebuilds the lib's unit tests as a bench target; keep real benches.
+        [ "$kind" = "bench" ] && stage "$STAGE/benches" "$kind" "$name" "$path"
+    done || true
+
+cat >"$STAGE/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the staged kvstore tests and benches on a GPU machine. See scripts/gpu-check.sh.
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+LOG="${OUT:-$HERE/logs}"
+mkdir -p "$LOG"
+
+find_nccl() {
+    if [ -n "${NCCL_LIB:-}" ] && [ -e "$NCCL_LIB" ]; then echo "$NCCL_LIB"; return; fi
+    local py
+    for py in python3 python; do
+        command -v "$py" >/dev/null || continue
+        "$py" - <<'PY' 2>/dev/null && return
+import glob, os, site, sys
+dirs = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()] + sys.path
+for d in dirs:
+    for f in sorted(glob.glob(os.path.join(d, "nvidia", "nccl", "lib", "libnccl.so*"))):
+        print(f); sys.exit(0)
+sys.exit(1)
+PY
+    done
+    local f
+    f=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so/ {print $NF; exit}')
+    if [ -n "$f" ]; then echo "$f"; return; fi
+    find /usr /opt -name 'libnccl.so*' 2>/dev/null | head -n 1
+}
+
+NCCL=$(find_nccl)
+if [ -n "$NCCL" ]; then
+    LIBDIR=$(mktemp -d)
+    ln -s "$(readlink -f "$NCCL")" "$LIBDIR/libnccl.so"
+    export LD_LIBRARY_PATH="$LIBDIR:$(dirname "$NCCL")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+{
+    echo "== machine"
+    nvidia-smi || echo "nvidia-smi failed"
+    if [ -n "$NCCL" ]; then
+        echo "NCCL: $(readlink -f "$NCCL") (symlinked as $LIBDIR/libnccl.so)"
+        for py in python3 python; do
+            command -v "$py" >/dev/null && "$py" -m pip list 2>/dev/null | grep -i nccl && break
+        done
+    else
+        echo "NCCL: libnccl.so.2 not found; NCCL tests will fail or print SKIPPED"
+    fi
+} 2>&1 | tee "$LOG/machine.txt"
+export NCCL_MULTI_RANK_GPU_ENABLE=1
+export RUST_BACKTRACE=1
+
+SUMMARY="$LOG/summary.txt"
+: >"$SUMMARY"
+FAILED=0
+for t in "$HERE"/tests/*; do
+    [ -x "$t" ] || continue
+    name=$(basename "$t")
+    echo "== test $name"
+    "$t" --include-ignored --nocapture --test-threads=1 >"$LOG/test-$name.log" 2>&1
+    rc=$?
+    passed=$(grep -Eo '[0-9]+ passed' "$LOG/test-$name.log" | tail -n 1 | cut -d' ' -f1)
+    failed=$(grep -Eo '[0-9]+ failed' "$LOG/test-$name.log" | tail -n 1 | cut -d' ' -f1)
+    skipped=$(grep -c '^SKIPPED:' "$LOG/test-$name.log")
+    [ "$rc" -ne 0 ] && FAILED=1
+    printf '%-28s rc=%-3s passed=%-4s failed=%-4s SKIPPED=%s\n' "$name" "$rc" "${passed:-?}" "${failed:-?}" "$skipped" | tee -a "$SUMMARY"
+    grep '^SKIPPED:' "$LOG/test-$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+    # The harness lists failed tests, indented, after its last "failures:" line.
+    awk '/^failures:$/ {n++; next} n == 2 && /^    [^ ]/ {print "    FAILED" $0}' "$LOG/test-$name.log" | tee -a "$SUMMARY"
+done
+for b in "$HERE"/benches/*; do
+    [ -x "$b" ] || continue
+    name=$(basename "$b")
+    echo "== bench $name"
+    "$b" --bench >"$LOG/bench-$name.log" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] && FAILED=1
+    printf '%-28s rc=%s (bench; results in bench-%s.log)\n' "$name" "$rc" "$name" | tee -a "$SUMMARY"
+done
+echo "== summary (SKIPPED tests did not run their case; they are not passes)"
+cat "$SUMMARY"
+exit "$FAILED"
+RUN
+chmod +x "$STAGE/run.sh"
+
+echo "== stage: $STAGE ($(du -sh "$STAGE" | cut -f1))"
+ls -la "$STAGE/tests" "$STAGE/benches"

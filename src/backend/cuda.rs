@@ -1,0 +1,505 @@
+//! The per-process GPU runtime: one CUDA context and ONE stream per GPU, the PTX modules loaded
+//! once per GPU, device buffers per dtype, copies, and the fused multi-tensor launch.
+//!
+//! Ordering: every kernel, copy and NCCL call for GPU `i` goes on GPU `i`'s single stream, so
+//! stream order alone orders the operations on one GPU. cudarc's automatic per-slice events
+//! are turned off; cross-GPU dependencies use explicit events (recorded on the producer's
+//! stream, waited on by the consumer's). Reading a buffer on the host waits for its stream.
+//!
+//! Nothing here is touched unless [`probe::gpu_count`] says a GPU exists, so cudarc never gets
+//! the chance to panic on a missing libcuda.
+
+pub(crate) mod home;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use half::{bf16, f16};
+
+use crate::backend::kernels::{self, RuleKind};
+use crate::backend::probe;
+use crate::host::HostData;
+use crate::{DType, Device, Error, Key, Result};
+
+/// One GPU: its context, its single stream, and its kernels (loaded on first use).
+pub struct Gpu {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: OnceLock<std::result::Result<HashMap<&'static str, Arc<CudaModule>>, String>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+}
+
+impl Gpu {
+    /// The CUDA ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The one stream every operation on this GPU goes on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Waits for everything enqueued on this GPU's stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronize", None))
+    }
+
+    fn open(ordinal: usize) -> std::result::Result<Gpu, DriverError> {
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: turning event tracking off before any slice or stream of this context exists.
+        // We order work ourselves: one stream per GPU (stream order), and explicit events for
+        // every cross-GPU dependency (peer copies, NCCL ranks on other GPUs); buffers are freed
+        // on their own GPU's stream, after every use enqueued there.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        Ok(Gpu {
+            ordinal,
+            ctx,
+            stream,
+            modules: OnceLock::new(),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The fused kernel for `rule` and `dtype`, loading this GPU's PTX modules on first use.
+    pub(crate) fn function(&self, rule: RuleKind, dtype: DType) -> Result<CudaFunction> {
+        let name = kernels::entry_name(rule, dtype);
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let modules = self
+            .modules
+            .get_or_init(|| {
+                kernels::PTX_SOURCES
+                    .iter()
+                    .map(|&(stem, text)| {
+                        self.ctx
+                            .load_module(Ptx::from_src(text))
+                            .map(|m| (stem, m))
+                            .map_err(|e| format!("loading PTX module '{stem}': {e}"))
+                    })
+                    .collect()
+            })
+            .as_ref()
+            .map_err(|message| Error::Cuda {
+                op: "load kernels",
+                key: None,
+                message: message.clone(),
+            })?;
+        let stem = kernels::module_for(rule, dtype);
+        let module = modules.get(stem).ok_or_else(|| Error::Cuda {
+            op: "load kernels",
+            key: None,
+            message: format!(
+                "no PTX module '{stem}' is embedded in this build (needed for {name})"
+            ),
+        })?;
+        let f = module
+            .load_function(name)
+            .map_err(cuda_err("load kernels", None))?;
+        functions.insert(name, f.clone());
+        Ok(f)
+    }
+}
+
+/// Every GPU of the process, each opened on first use (or the reason it could not be).
+type Gpus = Vec<OnceLock<std::result::Result<Gpu, String>>>;
+static GPUS: OnceLock<Gpus> = OnceLock::new();
+
+/// The GPU with ordinal `i`, opened on first use; `DeviceNotFound` when there is no such GPU.
+pub fn gpu(i: usize) -> Result<&'static Gpu> {
+    let n = probe::gpu_count();
+    if i >= n {
+        return Err(Error::DeviceNotFound {
+            device: Device::Gpu(i),
+            available: probe::describe_gpus(),
+        });
+    }
+    let gpus = GPUS.get_or_init(|| (0..n).map(|_| OnceLock::new()).collect());
+    gpus[i]
+        .get_or_init(|| Gpu::open(i).map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|message| Error::Cuda {
+            op: "open GPU",
+            key: None,
+            message: format!("gpu({i}): {message}"),
+        })
+}
+
+/// Waits for the stream of every GPU this process has opened (opens none). A no-op without
+/// GPUs.
+pub fn synchronize_all() -> Result<()> {
+    for slot in GPUS.get().into_iter().flatten() {
+        if let Some(Ok(g)) = slot.get() {
+            g.synchronize()?;
+        }
+    }
+    Ok(())
+}
+
+/// Maps a driver error to [`Error::Cuda`] for `op` (and `key`).
+pub(crate) fn cuda_err(op: &'static str, key: Option<&Key>) -> impl FnOnce(DriverError) -> Error {
+    let key = key.cloned();
+    move |e| Error::Cuda {
+        op,
+        key,
+        message: e.to_string(),
+    }
+}
+
+/// Elements on one GPU, one variant per dtype.
+#[derive(Debug)]
+pub enum GpuBuf {
+    /// `float32` elements.
+    F32(CudaSlice<f32>),
+    /// `float64` elements.
+    F64(CudaSlice<f64>),
+    /// `float16` elements.
+    F16(CudaSlice<f16>),
+    /// `bfloat16` elements.
+    BF16(CudaSlice<bf16>),
+}
+
+// Runs `$body` with `$s` bound to the typed slice inside a [`GpuBuf`].
+macro_rules! with_gpu {
+    ($buf:expr, $s:ident => $body:expr) => {
+        match $buf {
+            $crate::backend::cuda::GpuBuf::F32($s) => $body,
+            $crate::backend::cuda::GpuBuf::F64($s) => $body,
+            $crate::backend::cuda::GpuBuf::F16($s) => $body,
+            $crate::backend::cuda::GpuBuf::BF16($s) => $body,
+        }
+    };
+}
+
+impl GpuBuf {
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            GpuBuf::F32(_) => DType::F32,
+            GpuBuf::F64(_) => DType::F64,
+            GpuBuf::F16(_) => DType::F16,
+            GpuBuf::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        with_gpu!(self, s => s.len())
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The GPU ordinal the elements live on.
+    pub fn ordinal(&self) -> usize {
+        with_gpu!(self, s => s.ordinal())
+    }
+
+    /// The stream the buffer belongs to (its GPU's single stream).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        with_gpu!(self, s => s.stream())
+    }
+
+    /// The device address of the first element (no synchronization: see the module docs).
+    pub(crate) fn ptr(&self) -> u64 {
+        with_gpu!(self, s => {
+            let (p, _sync) = s.device_ptr(s.stream());
+            p
+        })
+    }
+
+    /// Zeros of `dtype` on GPU `ordinal`.
+    pub fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
+        let st = gpu(ordinal)?.stream();
+        let e = cuda_err("alloc", None);
+        Ok(match dtype {
+            DType::F32 => GpuBuf::F32(st.alloc_zeros(n).map_err(e)?),
+            DType::F64 => GpuBuf::F64(st.alloc_zeros(n).map_err(e)?),
+            DType::F16 => GpuBuf::F16(st.alloc_zeros(n).map_err(e)?),
+            DType::BF16 => GpuBuf::BF16(st.alloc_zeros(n).map_err(e)?),
+        })
+    }
+
+    /// A buffer of `n` elements on GPU `ordinal` whose contents are not initialized: for
+    /// scratch that a kernel, copy or collective overwrites entirely before anything reads it
+    /// (all on that GPU's stream, so in that order).
+    pub(crate) fn scratch(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
+        let st = gpu(ordinal)?.stream();
+        let e = cuda_err("alloc", None);
+        // SAFETY: `alloc` returns uninitialized device memory; every caller overwrites all `n`
+        // elements with work enqueued on this stream before any read enqueued after it, and
+        // the elements are plain floats, valid for any bit pattern.
+        Ok(unsafe {
+            match dtype {
+                DType::F32 => GpuBuf::F32(st.alloc(n).map_err(e)?),
+                DType::F64 => GpuBuf::F64(st.alloc(n).map_err(e)?),
+                DType::F16 => GpuBuf::F16(st.alloc(n).map_err(e)?),
+                DType::BF16 => GpuBuf::BF16(st.alloc(n).map_err(e)?),
+            }
+        })
+    }
+
+    /// A copy of host data on GPU `ordinal`, same dtype.
+    pub fn upload(ordinal: usize, data: &HostData) -> Result<GpuBuf> {
+        let st = gpu(ordinal)?.stream();
+        let e = cuda_err("copy to GPU", None);
+        Ok(match data {
+            HostData::F32(v) => GpuBuf::F32(st.clone_htod(v).map_err(e)?),
+            HostData::F64(v) => GpuBuf::F64(st.clone_htod(v).map_err(e)?),
+            HostData::F16(v) => GpuBuf::F16(st.clone_htod(v).map_err(e)?),
+            HostData::BF16(v) => GpuBuf::BF16(st.clone_htod(v).map_err(e)?),
+        })
+    }
+
+    /// Overwrites the elements with host data, converted to this buffer's dtype.
+    pub fn upload_into(&mut self, data: &HostData) -> Result<()> {
+        let data = data.cast(self.dtype());
+        let e = cuda_err("copy to GPU", None);
+        match (self, &data) {
+            (GpuBuf::F32(s), HostData::F32(v)) => s.stream().clone().memcpy_htod(v, s),
+            (GpuBuf::F64(s), HostData::F64(v)) => s.stream().clone().memcpy_htod(v, s),
+            (GpuBuf::F16(s), HostData::F16(v)) => s.stream().clone().memcpy_htod(v, s),
+            (GpuBuf::BF16(s), HostData::BF16(v)) => s.stream().clone().memcpy_htod(v, s),
+            _ => unreachable!("cast to the buffer's dtype just above"),
+        }
+        .map_err(e)
+    }
+
+    /// The elements, copied to the host. Waits for the buffer's stream.
+    pub fn download(&self) -> Result<HostData> {
+        let e = || cuda_err("copy to host", None);
+        let data = match self {
+            GpuBuf::F32(s) => HostData::F32(s.stream().clone_dtoh(s).map_err(e())?),
+            GpuBuf::F64(s) => HostData::F64(s.stream().clone_dtoh(s).map_err(e())?),
+            GpuBuf::F16(s) => HostData::F16(s.stream().clone_dtoh(s).map_err(e())?),
+            GpuBuf::BF16(s) => HostData::BF16(s.stream().clone_dtoh(s).map_err(e())?),
+        };
+        // A copy to pageable memory already returns once it is done (CUDA's rule); waiting
+        // for the stream as well makes that explicit and surfaces any earlier async error.
+        self.stream().synchronize().map_err(e())?;
+        Ok(data)
+    }
+
+    /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy).
+    pub fn copy_to(&self, ordinal: usize) -> Result<GpuBuf> {
+        let mut out = GpuBuf::zeros(ordinal, self.dtype(), self.len())?;
+        out.copy_from(self)?;
+        Ok(out)
+    }
+
+    /// Overwrites the elements with `src`'s (same dtype and length), from any GPU.
+    ///
+    /// The copy runs on this buffer's stream. For a peer copy, this stream first waits for
+    /// `src`'s stream, and `src`'s stream then waits for the copy, so a later write or free of
+    /// `src` cannot overtake it.
+    pub fn copy_from(&mut self, src: &GpuBuf) -> Result<()> {
+        let e = || cuda_err("copy between GPUs", None);
+        let dst_stream = self.stream().clone();
+        let src_stream = src.stream().clone();
+        match (self, src) {
+            (GpuBuf::F32(d), GpuBuf::F32(s)) => dst_stream.memcpy_dtod(s, d),
+            (GpuBuf::F64(d), GpuBuf::F64(s)) => dst_stream.memcpy_dtod(s, d),
+            (GpuBuf::F16(d), GpuBuf::F16(s)) => dst_stream.memcpy_dtod(s, d),
+            (GpuBuf::BF16(d), GpuBuf::BF16(s)) => dst_stream.memcpy_dtod(s, d),
+            (d, s) => {
+                return Err(Error::Cuda {
+                    op: "copy between GPUs",
+                    key: None,
+                    message: format!("dtype {} into {}", s.dtype(), d.dtype()),
+                })
+            }
+        }
+        .map_err(e())?;
+        if !Arc::ptr_eq(&dst_stream, &src_stream) {
+            let done = dst_stream.record_event(None).map_err(e())?;
+            src_stream.wait(&done).map_err(e())?;
+        }
+        Ok(())
+    }
+
+    /// Sets every element to `value`.
+    pub fn fill(&mut self, value: f64) -> Result<()> {
+        self.upload_into(&HostData::filled(self.dtype(), self.len(), value))
+    }
+}
+
+/// Makes `consumer` wait for everything enqueued so far on `producer` (no-op for one stream).
+pub(crate) fn stream_wait(consumer: &CudaStream, producer: &CudaStream) -> Result<()> {
+    if consumer.cu_stream() == producer.cu_stream() {
+        return Ok(());
+    }
+    let e = || cuda_err("order streams", None);
+    let ev = producer.record_event(None).map_err(e())?;
+    consumer.wait(&ev).map_err(e())
+}
+
+/// One tensor of a fused launch: raw device addresses (see the ABI's record layout).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Record {
+    pub stored: u64,
+    pub inputs: Vec<u64>,
+    pub m: u64,
+    pub v: u64,
+    pub n: u64,
+    pub lr_t: f32,
+}
+
+/// Bytes per record in the device table.
+const RECORD_BYTES: usize = 64;
+
+/// The most tensors one launch takes (grid.y is limited to 65535).
+const MAX_TENSORS_PER_LAUNCH: usize = 65535;
+
+/// The bytes of a launch's device table at device address `base`: `records.len()` 64-byte
+/// records (the ABI's layout), then every record's input pointers, in record order.
+pub(crate) fn record_table(base: u64, records: &[Record]) -> Vec<u8> {
+    let inputs: usize = records.iter().map(|r| r.inputs.len()).sum();
+    let mut host = vec![0u8; records.len() * RECORD_BYTES + inputs * 8];
+    let mut next_input = records.len() * RECORD_BYTES;
+    for (i, r) in records.iter().enumerate() {
+        let rec = &mut host[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
+        rec[0..8].copy_from_slice(&r.stored.to_le_bytes());
+        rec[8..16].copy_from_slice(&(base + next_input as u64).to_le_bytes());
+        rec[16..24].copy_from_slice(&r.m.to_le_bytes());
+        rec[24..32].copy_from_slice(&r.v.to_le_bytes());
+        rec[32..40].copy_from_slice(&r.n.to_le_bytes());
+        rec[40..44].copy_from_slice(&(r.inputs.len() as u32).to_le_bytes());
+        rec[44..48].copy_from_slice(&r.lr_t.to_le_bytes());
+        for p in &r.inputs {
+            host[next_input..next_input + 8].copy_from_slice(&p.to_le_bytes());
+            next_input += 8;
+        }
+    }
+    host
+}
+
+/// Launches `fused_<rule>_<dtype>` on `gpu` over `records`: one launch per 65535 tensors.
+///
+/// The record table and every tensor's input-pointer array are built in one host buffer and
+/// copied to the device once per launch. The caller keeps every buffer named by a record
+/// alive; they are only freed on this GPU's stream, so after the kernel.
+pub(crate) fn launch_fused(
+    gpu: &Gpu,
+    rule: RuleKind,
+    dtype: DType,
+    scalars: &[f32],
+    records: &[Record],
+) -> Result<()> {
+    let e = || cuda_err("launch update kernel", None);
+    let func = gpu.function(rule, dtype)?;
+    let stream = gpu.stream();
+    for batch in records.chunks(MAX_TENSORS_PER_LAUNCH) {
+        let inputs: usize = batch.iter().map(|r| r.inputs.len()).sum();
+        let bytes = batch.len() * RECORD_BYTES + inputs * 8;
+        let mut table = stream.alloc_zeros::<u8>(bytes).map_err(e())?;
+        let (base, _sync) = table.device_ptr(stream);
+        drop(_sync);
+        let host = record_table(base, batch);
+        stream.memcpy_htod(&host, &mut table).map_err(e())?;
+        let max_n = batch.iter().map(|r| r.n).max().unwrap_or(0);
+        let chunks = max_n.div_ceil(u64::from(kernels::CHUNK)).max(1);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(chunks).map_err(|_| Error::Cuda {
+                    op: "launch update kernel",
+                    key: None,
+                    message: format!("a tensor of {max_n} elements is too large for one launch"),
+                })?,
+                batch.len() as u32,
+                1,
+            ),
+            block_dim: (kernels::BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ntensors = batch.len() as u32;
+        let chunk = kernels::CHUNK;
+        let mut args = stream.launch_builder(&func);
+        args.arg(&base).arg(&ntensors).arg(&chunk);
+        for s in scalars {
+            args.arg(s);
+        }
+        // SAFETY: the argument list is the ABI's (u64 table, u32 ntensors, u32 chunk, then the
+        // rule's f32 scalars, which `kernels::scalars` gives in ABI order). The table holds
+        // `ntensors` 64-byte records whose pointers name live buffers of `n` elements on this
+        // GPU (the caller keeps them alive; frees are ordered after this launch on this stream),
+        // and the table itself is freed on this stream after the kernel.
+        unsafe { args.launch(cfg) }.map_err(e())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn u64_at(b: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn record_table_follows_the_abi_layout() {
+        let base = 0x7000_0000_0000u64;
+        let records = [
+            Record {
+                stored: 0x1000,
+                inputs: vec![0x2000, 0x3000, 0x4000],
+                m: 0x5000,
+                v: 0x6000,
+                n: 12345,
+                lr_t: 0.25,
+            },
+            Record {
+                stored: 0x8000,
+                inputs: vec![0x9000],
+                n: 7,
+                ..Record::default()
+            },
+        ];
+        let t = record_table(base, &records);
+        assert_eq!(t.len(), 2 * 64 + 4 * 8);
+        // Record 0.
+        assert_eq!(u64_at(&t, 0), 0x1000);
+        assert_eq!(u64_at(&t, 8), base + 128);
+        assert_eq!(u64_at(&t, 16), 0x5000);
+        assert_eq!(u64_at(&t, 24), 0x6000);
+        assert_eq!(u64_at(&t, 32), 12345);
+        assert_eq!(u32::from_le_bytes(t[40..44].try_into().unwrap()), 3);
+        assert_eq!(f32::from_le_bytes(t[44..48].try_into().unwrap()), 0.25);
+        assert!(t[48..64].iter().all(|&b| b == 0), "reserved bytes are zero");
+        // Record 1: its inputs follow record 0's three.
+        assert_eq!(u64_at(&t, 64), 0x8000);
+        assert_eq!(u64_at(&t, 72), base + 128 + 24);
+        assert_eq!((u64_at(&t, 80), u64_at(&t, 88)), (0, 0));
+        assert_eq!(u32::from_le_bytes(t[104..108].try_into().unwrap()), 1);
+        // The pointer arrays.
+        let ptrs: Vec<u64> = (0..4).map(|i| u64_at(&t, 128 + 8 * i)).collect();
+        assert_eq!(ptrs, vec![0x2000, 0x3000, 0x4000, 0x9000]);
+    }
+
+    #[test]
+    fn no_gpu_means_device_not_found() {
+        if probe::gpu_count() > 0 {
+            return;
+        }
+        assert!(matches!(gpu(0), Err(Error::DeviceNotFound { .. })));
+        assert!(synchronize_all().is_ok());
+    }
+}

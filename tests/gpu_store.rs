@@ -1,0 +1,507 @@
+//! The store's behaviours re-run with values homed on GPUs.
+//!
+//! Every test is `#[ignore = "needs a GPU"]` and first asserts that a GPU exists, so running
+//! `--include-ignored` on a machine without one fails loudly instead of passing. A test that
+//! cannot run its case here (one GPU where it needs two, NCCL without multi-rank support)
+//! prints a line starting with `SKIPPED:`; `scripts/gpu-check.sh` counts those apart from the
+//! passes.
+
+use anyhow::{ensure, Result};
+use kvstore::backend::nccl::{self, MultiRank};
+use kvstore::backend::probe::gpu_count;
+use kvstore::{cpu, gpu, Adam, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
+use rand::Rng;
+
+fn require_gpu() {
+    assert!(
+        gpu_count() > 0,
+        "this test needs a GPU and none was found (libcuda missing or no device)"
+    );
+}
+
+fn skipped(test: &str, why: &str) {
+    println!("SKIPPED: {test}: {why}");
+}
+
+/// Fresh random values in [-1, 1), never all zeros.
+fn random(n: usize) -> Vec<f32> {
+    let mut rng = rand::thread_rng();
+    (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+/// An array of `dtype` on `device` holding `data` (rounded to the dtype).
+fn array(data: &[f32], dims: &[usize], dtype: DType, device: Device) -> Result<NDArray> {
+    let a = NDArray::from_vec(data.to_vec(), kvstore::Shape::new(dims)?)?.astype(dtype)?;
+    Ok(a.to_device(device)?)
+}
+
+/// The values as the dtype rounds them, widened to f64.
+fn rounded(data: &[f32], dtype: DType) -> Result<Vec<f64>> {
+    Ok(NDArray::from_vec(data.to_vec(), [data.len()])?
+        .astype(dtype)?
+        .to_vec::<f64>()?)
+}
+
+fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs() / w.abs().max(1.0);
+        assert!(
+            err <= tol,
+            "{what}: element {i}: got {g}, want {w} (relative error {err:e} > {tol:e})"
+        );
+    }
+}
+
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-6,
+        DType::F64 => 1e-12,
+        DType::F16 | DType::BF16 => 1e-2,
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn init_push_pull_on_gpu0_home() -> Result<()> {
+    require_gpu();
+    let kv = KvStore::create("device")?;
+    let n = 1000;
+    let init = random(n);
+    kv.init_on(3, &array(&init, &[10, 100], DType::F32, cpu(0))?, gpu(0))?;
+    assert_eq!(kv.meta(3)?.2, gpu(0));
+
+    // Pull straight after init, to the GPU and the host.
+    let out_gpu = NDArray::full_on([10, 100], f64::NAN, DType::F32, gpu(0))?;
+    let out_cpu = NDArray::full_on([10, 100], f64::NAN, DType::F32, cpu(0))?;
+    kv.pull(3, &[out_gpu.clone(), out_cpu.clone()])?;
+    let want: Vec<f64> = init.iter().map(|&x| f64::from(x)).collect();
+    assert_close(&out_gpu.to_vec()?, &want, 0.0, "pull after init (gpu out)");
+    assert_close(&out_cpu.to_vec()?, &want, 0.0, "pull after init (cpu out)");
+
+    // One value on the home GPU: assign.
+    let v = random(n);
+    kv.push(3, &array(&v, &[10, 100], DType::F32, gpu(0))?)?;
+    kv.pull(3, &out_cpu)?;
+    let want: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
+    assert_close(&out_cpu.to_vec()?, &want, 0.0, "push of one gpu value");
+    kv.wait_all()?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn several_values_on_one_gpu_are_summed() -> Result<()> {
+    require_gpu();
+    for kind in ["device", "nccl"] {
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let kv = KvStore::create(kind)?;
+            let n = 4099; // not a multiple of the vector width or the chunk
+            kv.init(7, &NDArray::full_on([n], 0.5, dtype, cpu(0))?)?;
+            let data: Vec<Vec<f32>> = (0..4).map(|_| random(n)).collect();
+            let values = data
+                .iter()
+                .map(|d| array(d, &[n], dtype, gpu(0)))
+                .collect::<Result<Vec<_>>>()?;
+            // The same array twice counts twice.
+            let mut pushed = values.clone();
+            pushed.push(values[0].clone());
+            kv.push(7, &pushed)?;
+            let out = NDArray::full_on([n], f64::NAN, dtype, gpu(0))?;
+            kv.pull(7, &out)?;
+            let mut want = vec![0.0f64; n];
+            for d in data.iter().chain(std::iter::once(&data[0])) {
+                for (w, x) in want.iter_mut().zip(rounded(d, dtype)?) {
+                    *w += x;
+                }
+            }
+            if dtype != DType::F64 {
+                want = rounded(&want.iter().map(|&x| x as f32).collect::<Vec<_>>(), dtype)?;
+            }
+            assert_close(
+                &out.to_vec()?,
+                &want,
+                tol(dtype) * 5.0,
+                &format!("{kind} {dtype}"),
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn values_on_cpu_and_gpus_mixed() -> Result<()> {
+    require_gpu();
+    let gpus = gpu_count();
+    for kind in ["device", "nccl"] {
+        let kv = KvStore::create(kind)?;
+        let n = 3000;
+        kv.init("w", &NDArray::zeros([n]))?;
+        let mut devices = vec![cpu(0), cpu(1), gpu(0), gpu(0)];
+        if gpus > 1 {
+            devices.extend([gpu(1), gpu(1), gpu(gpus - 1)]);
+        } else {
+            skipped(
+                "values_on_cpu_and_gpus_mixed",
+                &format!("{kind}: one GPU, so no cross-GPU sum is exercised"),
+            );
+        }
+        let data: Vec<Vec<f32>> = devices.iter().map(|_| random(n)).collect();
+        let values = data
+            .iter()
+            .zip(&devices)
+            .map(|(d, &dev)| array(d, &[n], DType::F32, dev))
+            .collect::<Result<Vec<_>>>()?;
+        kv.push("w", &values)?;
+        let outs = devices
+            .iter()
+            .map(|&dev| NDArray::full_on([n], f64::NAN, DType::F32, dev))
+            .collect::<kvstore::Result<Vec<_>>>()?;
+        kv.pull("w", &outs)?;
+        let want: Vec<f64> = (0..n)
+            .map(|i| data.iter().map(|d| f64::from(d[i])).sum())
+            .collect();
+        for (o, dev) in outs.iter().zip(&devices) {
+            assert_close(&o.to_vec()?, &want, 1e-5, &format!("{kind} out on {dev}"));
+        }
+        kv.wait_all()?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn pull_converts_dtype_from_gpu_home() -> Result<()> {
+    require_gpu();
+    let kv = KvStore::create("device")?;
+    let n = 777;
+    let init = random(n);
+    kv.init_on(1, &array(&init, &[n], DType::F32, cpu(0))?, gpu(0))?;
+    let outs = [
+        NDArray::full_on([n], f64::NAN, DType::F16, gpu(0))?,
+        NDArray::full_on([n], f64::NAN, DType::BF16, cpu(0))?,
+        NDArray::full_on([n], f64::NAN, DType::F64, gpu(0))?,
+    ];
+    kv.pull(1, &outs)?;
+    for o in &outs {
+        let want = rounded(&init, o.dtype())?;
+        assert_close(&o.to_vec()?, &want, 0.0, &format!("pull to {}", o.dtype()));
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn nccl_reduce_and_broadcast_over_two_ranks_on_one_gpu() -> Result<()> {
+    require_gpu();
+    let ranks = match MultiRank::new(0, 2) {
+        Ok(r) => r,
+        Err(e) => {
+            skipped(
+                "nccl_reduce_and_broadcast_over_two_ranks_on_one_gpu",
+                &format!("NCCL version {:?}: {e}", nccl::version()),
+            );
+            return Ok(());
+        }
+    };
+    let n = 10_000;
+    let sends = vec![random(n), random(n)];
+    for root in 0..2 {
+        let got = ranks.reduce_f32(&sends, root)?;
+        let want: Vec<f64> = (0..n)
+            .map(|i| f64::from(sends[0][i]) + f64::from(sends[1][i]))
+            .collect();
+        let got: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
+        assert_close(&got, &want, 1e-6, &format!("reduce to rank {root}"));
+        let data = random(n);
+        let all = ranks.broadcast_f32(&data, root)?;
+        ensure!(all.len() == 2, "two ranks answer");
+        for (r, got) in all.iter().enumerate() {
+            ensure!(
+                got == &data,
+                "broadcast from rank {root} to rank {r} differs"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn nccl_store_across_gpus() -> Result<()> {
+    require_gpu();
+    if gpu_count() < 2 {
+        skipped(
+            "nccl_store_across_gpus",
+            "one GPU: the store's NCCL reduce/broadcast needs two (see the two-rank test)",
+        );
+        return Ok(());
+    }
+    let kv = KvStore::create("nccl")?;
+    let n = 1 << 16;
+    // Keys on each GPU, pushed from every GPU in a list push.
+    let keys: Vec<i32> = (0..4).collect();
+    let homes: Vec<Device> = keys.iter().map(|&k| gpu(k as usize % 2)).collect();
+    let inits = keys
+        .iter()
+        .map(|_| NDArray::full_on([n], 0.0, DType::F32, cpu(0)))
+        .collect::<kvstore::Result<Vec<_>>>()?;
+    kv.init_list_on(&keys, &inits, &homes)?;
+    let data: Vec<Vec<Vec<f32>>> = keys.iter().map(|_| vec![random(n), random(n)]).collect();
+    let values = data
+        .iter()
+        .map(|d| {
+            Ok(vec![
+                array(&d[0], &[n], DType::F32, gpu(0))?,
+                array(&d[1], &[n], DType::F32, gpu(1))?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    kv.push_list(&keys, &values)?;
+    let outs = keys
+        .iter()
+        .map(|_| {
+            Ok(vec![
+                NDArray::full_on([n], f64::NAN, DType::F32, gpu(0))?,
+                NDArray::full_on([n], f64::NAN, DType::F32, gpu(1))?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    kv.pull_list(&keys, &outs)?;
+    kv.wait_all()?;
+    for (k, (d, o)) in data.iter().zip(&outs).enumerate() {
+        let want: Vec<f64> = (0..n)
+            .map(|i| f64::from(d[0][i]) + f64::from(d[1][i]))
+            .collect();
+        for out in o {
+            assert_close(&out.to_vec()?, &want, 1e-6, &format!("key {k}"));
+        }
+    }
+    Ok(())
+}
+
+/// Runs the same pushes through a CPU store and a GPU-homed store; compares the results.
+fn compare_with_cpu(updater: Updater, dtype: DType, steps: usize) -> Result<()> {
+    let n = 5000;
+    let cpu_kv = KvStore::create("local")?;
+    let gpu_kv = KvStore::create("device")?;
+    cpu_kv.set_updater(updater.clone())?;
+    gpu_kv.set_updater(updater.clone())?;
+    let init = random(n);
+    cpu_kv.init(0, &array(&init, &[n], dtype, cpu(0))?)?;
+    gpu_kv.init_on(0, &array(&init, &[n], dtype, cpu(0))?, gpu(0))?;
+    for _ in 0..steps {
+        let grads: Vec<Vec<f32>> = (0..3).map(|_| random(n)).collect();
+        let on_cpu = grads
+            .iter()
+            .map(|g| array(g, &[n], dtype, cpu(0)))
+            .collect::<Result<Vec<_>>>()?;
+        let on_gpu = grads
+            .iter()
+            .map(|g| array(g, &[n], dtype, gpu(0)))
+            .collect::<Result<Vec<_>>>()?;
+        cpu_kv.push(0, &on_cpu)?;
+        gpu_kv.push(0, &on_gpu)?;
+    }
+    let a = NDArray::full_on([n], f64::NAN, dtype, cpu(0))?;
+    let b = NDArray::full_on([n], f64::NAN, dtype, gpu(0))?;
+    cpu_kv.pull(0, &a)?;
+    gpu_kv.pull(0, &b)?;
+    assert_close(
+        &b.to_vec()?,
+        &a.to_vec()?,
+        tol(dtype),
+        &format!("{} {dtype}", updater.name()),
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sgd_and_adam_on_gpu_match_the_cpu_store() -> Result<()> {
+    require_gpu();
+    let sgd = Updater::Sgd(Sgd {
+        lr: 0.1,
+        wd: 0.01,
+        rescale_grad: 0.5,
+        clip_gradient: Some(0.8),
+        ..Sgd::default()
+    });
+    let sgd_mom = Updater::Sgd(Sgd {
+        lr: 0.05,
+        momentum: 0.9,
+        wd: 0.001,
+        ..Sgd::default()
+    });
+    let adam = Updater::Adam(Adam {
+        lr: 0.01,
+        wd: 0.001,
+        ..Adam::default()
+    });
+    let axpby = Updater::Axpby { a: 0.9, b: 0.25 };
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        for u in [&sgd, &sgd_mom, &adam, &axpby, &Updater::Assign] {
+            compare_with_cpu(u.clone(), dtype, 3)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn list_push_of_300_small_keys() -> Result<()> {
+    require_gpu();
+    let kv = KvStore::create("device")?;
+    let reference = KvStore::create("local")?;
+    let u = Updater::Sgd(Sgd {
+        lr: 0.1,
+        momentum: 0.5,
+        ..Sgd::default()
+    });
+    kv.set_updater(u.clone())?;
+    reference.set_updater(u)?;
+    let keys: Vec<i32> = (0..300).collect();
+    let sizes: Vec<usize> = keys.iter().map(|&k| 1 + (k as usize * 37) % 700).collect();
+    let inits: Vec<Vec<f32>> = sizes.iter().map(|&s| random(s)).collect();
+    let cpu_inits = inits
+        .iter()
+        .map(|d| array(d, &[d.len()], DType::F32, cpu(0)))
+        .collect::<Result<Vec<_>>>()?;
+    kv.init_list(&keys, &cpu_inits)?;
+    reference.init_list(&keys, &cpu_inits)?;
+    for _ in 0..2 {
+        let grads: Vec<Vec<Vec<f32>>> = sizes.iter().map(|&s| vec![random(s), random(s)]).collect();
+        let on_gpu = grads
+            .iter()
+            .map(|g| {
+                g.iter()
+                    .map(|x| array(x, &[x.len()], DType::F32, gpu(0)))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let on_cpu = grads
+            .iter()
+            .map(|g| {
+                g.iter()
+                    .map(|x| array(x, &[x.len()], DType::F32, cpu(0)))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        kv.push_list(&keys, &on_gpu)?;
+        reference.push_list(&keys, &on_cpu)?;
+    }
+    let outs = sizes
+        .iter()
+        .map(|&s| NDArray::full_on([s], f64::NAN, DType::F32, cpu(0)))
+        .collect::<kvstore::Result<Vec<_>>>()?;
+    let want = sizes
+        .iter()
+        .map(|&s| NDArray::full_on([s], f64::NAN, DType::F32, cpu(0)))
+        .collect::<kvstore::Result<Vec<_>>>()?;
+    kv.pull_list(&keys, &outs)?;
+    reference.pull_list(&keys, &want)?;
+    for (k, (o, w)) in outs.iter().zip(&want).enumerate() {
+        assert_close(&o.to_vec()?, &w.to_vec()?, 1e-6, &format!("key {k}"));
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn custom_closure_on_a_gpu_key() -> Result<()> {
+    require_gpu();
+    let kv = KvStore::create("device")?;
+    let n = 321;
+    let init = random(n);
+    kv.init_on(3, &array(&init, &[n], DType::F32, cpu(0))?, gpu(0))?;
+    kv.set_updater(Updater::custom(|_key, input, stored| {
+        *stored += input * 2.0;
+    }))?;
+    let a = random(n);
+    let b = random(n);
+    kv.push(
+        3,
+        &[
+            array(&a, &[n], DType::F32, gpu(0))?,
+            array(&b, &[n], DType::F32, cpu(0))?,
+        ],
+    )?;
+    let out = NDArray::full_on([n], f64::NAN, DType::F32, gpu(0))?;
+    kv.pull(3, &out)?;
+    let want: Vec<f64> = (0..n)
+        .map(|i| f64::from(init[i] + 2.0 * (a[i] + b[i])))
+        .collect();
+    assert_close(&out.to_vec()?, &want, 1e-6, "custom updater");
+
+    // A panicking closure leaves the GPU value unchanged.
+    kv.set_updater(Updater::custom(|_, _, _| panic!("boom")))?;
+    let err = kv.push(3, &NDArray::ones([n])).unwrap_err();
+    ensure!(matches!(err, Error::UpdaterPanicked { .. }), "got {err}");
+    kv.pull(3, &out)?;
+    assert_close(&out.to_vec()?, &want, 1e-6, "after a panicking updater");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn homes_are_balanced_by_size() -> Result<()> {
+    require_gpu();
+    let gpus = gpu_count();
+    let kv = KvStore::create("device")?;
+    let sizes = [100usize, 4000, 250, 3000, 2000, 1000, 50, 1500];
+    let keys: Vec<i32> = (0..sizes.len() as i32).collect();
+    let values = sizes
+        .iter()
+        .map(|&s| NDArray::full_on([s], 1.0, DType::F32, cpu(0)))
+        .collect::<kvstore::Result<Vec<_>>>()?;
+    kv.init_list(&keys, &values)?;
+    // Reference: largest first, each to the least-loaded GPU (lowest ordinal on ties).
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]));
+    let mut load = vec![0usize; gpus];
+    let mut want = vec![0usize; sizes.len()];
+    for i in order {
+        let g = (0..gpus).min_by_key(|&g| (load[g], g)).unwrap();
+        load[g] += sizes[i] * 4;
+        want[i] = g;
+    }
+    for (k, &w) in keys.iter().zip(&want) {
+        assert_eq!(kv.meta(*k)?.2, gpu(w), "home of key {k}");
+    }
+    // A later single init goes to the least-loaded GPU.
+    let least = (0..gpus).min_by_key(|&g| (load[g], g)).unwrap();
+    kv.init(100, &NDArray::zeros([10]))?;
+    assert_eq!(kv.meta(100)?.2, gpu(least));
+    // A local store keeps the host home.
+    let local = KvStore::create("local")?;
+    local.init(1, &NDArray::zeros([10]))?;
+    assert_eq!(local.meta(1)?.2, cpu(0));
+    if gpus == 1 {
+        skipped(
+            "homes_are_balanced_by_size",
+            "one GPU: every home is gpu(0)",
+        );
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn errors_on_a_missing_gpu() -> Result<()> {
+    require_gpu();
+    let missing = gpu(gpu_count().max(7));
+    let err = NDArray::full_on([2], 1.0, DType::F32, missing).unwrap_err();
+    ensure!(matches!(err, Error::DeviceNotFound { .. }), "got {err}");
+    let err = NDArray::ones([2]).to_device(missing).unwrap_err();
+    ensure!(matches!(err, Error::DeviceNotFound { .. }), "got {err}");
+    let kv = KvStore::create("nccl")?;
+    let err = kv.init_on(1, &NDArray::ones([2]), missing).unwrap_err();
+    ensure!(matches!(err, Error::DeviceNotFound { .. }), "got {err}");
+    // Nothing was initialized; the store still works.
+    kv.init(1, &NDArray::ones([2]))?;
+    let out = NDArray::zeros([2]);
+    kv.pull(1, &out)?;
+    ensure!(out.to_vec::<f32>()? == vec![1.0, 1.0]);
+    Ok(())
+}
