@@ -36,6 +36,10 @@ struct Options {
     seed: u64,
 }
 
+const USAGE: &str = "usage: train_data_parallel [--devices N (4)] [--optimizer sgd|adam (sgd)] \
+[--epochs E (20)] [--batch B (128)] [--lr LR (0.1 sgd, 0.01 adam)] [--kvstore KIND (device)] \
+[--samples S per class (1000)] [--seed SEED (7)]";
+
 fn parse_args() -> anyhow::Result<Options> {
     let mut o = Options {
         devices: 4,
@@ -49,6 +53,10 @@ fn parse_args() -> anyhow::Result<Options> {
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
         let value = args
             .next()
             .with_context(|| format!("{flag} needs a value"))?;
@@ -62,7 +70,7 @@ fn parse_args() -> anyhow::Result<Options> {
             "--kvstore" => o.kvstore = value.clone(),
             "--samples" => o.samples = value.parse().with_context(bad)?,
             "--seed" => o.seed = value.parse().with_context(bad)?,
-            _ => bail!("unknown option {flag}; see the top of examples/train_data_parallel.rs"),
+            _ => bail!("unknown option {flag}\n{USAGE}"),
         }
     }
     if o.devices == 0 || o.batch < o.devices {
