@@ -5,6 +5,8 @@
 //! pull reads each block of the stored value once and writes it to every out. Large arrays are
 //! split in halves recursively and run on rayon's pool, so both cores stream.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use num_traits::{Float, One, Zero};
 
 use crate::dtype::Element;
@@ -16,6 +18,20 @@ const BLOCK: usize = 1024;
 /// Below this many bytes of traffic (read + written) a call runs on the calling thread: waking
 /// the pool costs more than it saves. Measured with `cargo bench --bench threshold`.
 pub const PAR_MIN_BYTES: usize = 1 << 20;
+
+/// The threshold in force: `PAR_MIN_BYTES` unless a bench changed it.
+static PAR_MIN: AtomicUsize = AtomicUsize::new(PAR_MIN_BYTES);
+
+/// Sets the traffic size from which a call uses the thread pool, for this process, and returns
+/// the previous one. For benches that sweep it (`benches/threshold.rs`); 0 always uses the pool,
+/// `usize::MAX` never does.
+pub fn set_par_min_bytes(bytes: usize) -> usize {
+    PAR_MIN.swap(bytes, Ordering::Relaxed)
+}
+
+fn par_min_bytes() -> usize {
+    PAR_MIN.load(Ordering::Relaxed)
+}
 
 /// Split jobs until a half moves at most this many bytes.
 const PAR_GRAIN_BYTES: usize = 256 << 10;
@@ -37,7 +53,7 @@ impl<T: Element> PushJob<'_, T> {
 
 /// Runs one push: `stored = rule(sum(values), stored, state)`, element by element.
 pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
-    if job.bytes() < PAR_MIN_BYTES {
+    if job.bytes() < par_min_bytes() {
         return push_seq(job, rule);
     }
     let grain = (job.stored.len() * PAR_GRAIN_BYTES / job.bytes()).max(BLOCK);
@@ -202,7 +218,7 @@ pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T]) {
 /// Copies `src` into every out: each block is read once and written to all of them.
 pub(crate) fn broadcast<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>) {
     let bytes = std::mem::size_of_val(src) * (outs.len() + 1);
-    if bytes < PAR_MIN_BYTES {
+    if bytes < par_min_bytes() {
         return broadcast_seq(src, outs);
     }
     let grain = (src.len() * PAR_GRAIN_BYTES / bytes).max(BLOCK);
