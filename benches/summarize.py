@@ -32,7 +32,7 @@ def main():
     for r in rows:
         by[(r["op"], r["bytes"], r["ndev"], r["updater"], r["dtype"])].append(r["median_s"])
     med = {k: statistics.median(v) for k, v in by.items()}
-    rounds = max(r["round"] for r in rows) + 1
+    rounds = len(next(iter(by.values())))
 
     def t(op, b, n, upd="assign", dt="float32"):
         return med.get((op, b, n, upd, dt))
@@ -53,18 +53,39 @@ def main():
                 words = 2 * (n + 1) if op == "pushpull" else n + 1
                 if roof:
                     r = t(roof, b, n)
-                else:
+                elif t("roof_sum", b, n) and t("roof_bcast", b, n):
                     r = t("roof_sum", b, n) + t("roof_bcast", b, n)
+                else:
+                    r = None
+                if r is None:
+                    continue
                 moved = words * b / o / 1e9
                 rmoved = words * b / r / 1e9
                 print(
                     f"| {op} | {n} | {size_name(b)} | {fmt_t(o)} | {b / o / 1e9:.2f} "
                     f"| {moved:.2f} | {rmoved:.2f} | {100 * r / o:.0f}% |"
                 )
+    big = [b for b in sizes if b >= 16 * MIB and t("roof_sum", b, ndevs[0])]
+    print("\n% of the matching roof at DRAM sizes (same run):\n")
+    print("| op | N | " + " | ".join(size_name(b) for b in big) + " |")
+    print("|---|---|" + "---|" * len(big))
+    allpct = defaultdict(list)
+    for op, roof in (("push", "roof_sum"), ("pull", "roof_bcast")):
+        for n in ndevs:
+            cells = []
+            for b in big:
+                pct = 100 * t(roof, b, n) / t(op, b, n)
+                allpct[op].append(pct)
+                cells.append(f"{pct:.0f}%")
+            print(f"| {op} | {n} | " + " | ".join(cells) + " |")
+    for op, v in allpct.items():
+        print(f"\nmedian over the {op} cells above: {statistics.median(v):.0f}%")
     print("\nRoof kernels alone (moved GB/s):\n")
     print("| size | copy | " + " | ".join(f"sum{n} | bcast{n}" for n in ndevs) + " |")
     print("|---|---|" + "---|---|" * len(ndevs))
     for b in sizes:
+        if not t("roof_copy", b, 1):
+            continue
         cells = [f"{2 * b / t('roof_copy', b, 1) / 1e9:.1f}"]
         for n in ndevs:
             cells.append(f"{(n + 1) * b / t('roof_sum', b, n) / 1e9:.1f}")
