@@ -55,6 +55,11 @@ impl<T: Element> PushJob<'_, T> {
 
 /// Runs one push: `stored = rule(sum(values), stored, state)`, element by element.
 pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    // Assigning one f32/f64 value is a copy (their accumulator is the type itself, so the
+    // round trip through it is the identity, bit for bit): the copy loop is faster.
+    if let (Rule::Assign, [value], DType::F32 | DType::F64) = (rule, &job.values[..], T::DTYPE) {
+        return broadcast(value, vec![job.stored]);
+    }
     if job.bytes() < par_min_bytes() {
         return push_seq(job, rule);
     }
