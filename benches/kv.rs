@@ -239,9 +239,11 @@ fn criterion_dir() -> PathBuf {
 
 /// The median in ns from `<dir>/<group>/<id>/new/estimates.json`, without a JSON crate.
 fn median_ns(group: &str, id: &str) -> Option<f64> {
+    // Criterion turns `/` in group and function names into `_` for its folders.
+    let dir = |s: &str| s.replace('/', "_");
     let path = criterion_dir()
-        .join(group)
-        .join(id)
+        .join(dir(group))
+        .join(dir(id))
         .join("new/estimates.json");
     let text = std::fs::read_to_string(path).ok()?;
     let median = &text[text.find("\"median\"")?..];
