@@ -5,9 +5,13 @@
 //! pull reads each block of the stored value once and writes it to every out. Large arrays are
 //! split in halves recursively and run on rayon's pool, so both cores stream.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 use num_traits::{Float, One, Zero};
 
-use crate::dtype::Element;
+use crate::dtype::{DType, Element};
 use crate::updater::{clip, Rule};
 
 /// Elements per block: small enough that a block of sums stays in L1.
@@ -16,6 +20,20 @@ const BLOCK: usize = 1024;
 /// Below this many bytes of traffic (read + written) a call runs on the calling thread: waking
 /// the pool costs more than it saves. Measured with `cargo bench --bench threshold`.
 pub const PAR_MIN_BYTES: usize = 1 << 20;
+
+/// The threshold in force: `PAR_MIN_BYTES` unless a bench changed it.
+static PAR_MIN: AtomicUsize = AtomicUsize::new(PAR_MIN_BYTES);
+
+/// Sets the traffic size from which a call uses the thread pool, for this process, and returns
+/// the previous one. For benches that sweep it (`benches/threshold.rs`); 0 always uses the pool,
+/// `usize::MAX` never does.
+pub fn set_par_min_bytes(bytes: usize) -> usize {
+    PAR_MIN.swap(bytes, Ordering::Relaxed)
+}
+
+fn par_min_bytes() -> usize {
+    PAR_MIN.load(Ordering::Relaxed)
+}
 
 /// Split jobs until a half moves at most this many bytes.
 const PAR_GRAIN_BYTES: usize = 256 << 10;
@@ -37,7 +55,12 @@ impl<T: Element> PushJob<'_, T> {
 
 /// Runs one push: `stored = rule(sum(values), stored, state)`, element by element.
 pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
-    if job.bytes() < PAR_MIN_BYTES {
+    // Assigning one f32/f64 value is a copy (their accumulator is the type itself, so the
+    // round trip through it is the identity, bit for bit): the copy loop is faster.
+    if let (Rule::Assign, [value], DType::F32 | DType::F64) = (rule, &job.values[..], T::DTYPE) {
+        return broadcast(value, vec![job.stored]);
+    }
+    if job.bytes() < par_min_bytes() {
         return push_seq(job, rule);
     }
     let grain = (job.stored.len() * PAR_GRAIN_BYTES / job.bytes()).max(BLOCK);
@@ -82,6 +105,9 @@ fn split_state<A>(s: &mut [A], mid: usize) -> (&mut [A], &mut [A]) {
 }
 
 fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    if T::DTYPE == DType::F16 {
+        return push_seq_f16(job, rule);
+    }
     let PushJob {
         values,
         stored,
@@ -98,6 +124,60 @@ fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
         let m = part(s0, start..end);
         let v = part(s1, start..end);
         update_block(rule, acc, w, m, v);
+        start = end;
+    }
+}
+
+/// The float16 push: the same f32 arithmetic as the generic loop, with each block converted to
+/// and from f32 in bulk (F16C SIMD when the CPU has it) instead of one element per call.
+/// `f16::to_f32`/`from_f32` and the slice conversions round identically, so results are the same.
+fn push_seq_f16<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    debug_assert_eq!(T::DTYPE, DType::F16);
+    let PushJob {
+        values,
+        stored,
+        state: [s0, s1],
+    } = job;
+    // SAFETY: `Element` is sealed and `half::f16` is its only type with DTYPE F16, whose
+    // accumulator type is f32; so `T` is `f16` and `T::Acc` is `f32`, and these casts only
+    // rename the types of the same slices and rule (same layout, same lengths, same lifetimes).
+    let (values, stored, s0, s1, rule) = unsafe {
+        let values: Vec<&[f16]> = values
+            .iter()
+            .map(|v| std::slice::from_raw_parts(v.as_ptr().cast::<f16>(), v.len()))
+            .collect();
+        let stored =
+            std::slice::from_raw_parts_mut(stored.as_mut_ptr().cast::<f16>(), stored.len());
+        let s0 = std::slice::from_raw_parts_mut(s0.as_mut_ptr().cast::<f32>(), s0.len());
+        let s1 = std::slice::from_raw_parts_mut(s1.as_mut_ptr().cast::<f32>(), s1.len());
+        let rule = &*(rule as *const Rule<T::Acc>).cast::<Rule<f32>>();
+        (values, stored, s0, s1, rule)
+    };
+    let mut acc = [0f32; BLOCK];
+    let mut tmp = [0f32; BLOCK];
+    let mut w = [0f32; BLOCK];
+    let n = stored.len();
+    let mut start = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let len = end - start;
+        let (acc, tmp, w) = (&mut acc[..len], &mut tmp[..len], &mut w[..len]);
+        let (first, rest) = values.split_first().expect("a push has at least one value");
+        first[start..end].convert_to_f32_slice(acc);
+        for v in rest {
+            v[start..end].convert_to_f32_slice(tmp);
+            for (a, x) in acc.iter_mut().zip(tmp.iter()) {
+                *a += x;
+            }
+        }
+        let out = &mut stored[start..end];
+        if !matches!(rule, Rule::Assign) {
+            out.convert_to_f32_slice(w);
+        }
+        let m = part(s0, start..end);
+        let v = part(s1, start..end);
+        update_block::<f32>(rule, acc, w, m, v);
+        out.convert_from_f32_slice(w);
         start = end;
     }
 }
@@ -203,7 +283,7 @@ pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T]) {
 /// Copies `src` into every out: each block is read once and written to all of them.
 pub(crate) fn broadcast<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>) {
     let bytes = std::mem::size_of_val(src) * (outs.len() + 1);
-    if bytes < PAR_MIN_BYTES {
+    if bytes < par_min_bytes() {
         return broadcast_seq(src, outs);
     }
     let grain = (src.len() * PAR_GRAIN_BYTES / bytes).max(BLOCK);
