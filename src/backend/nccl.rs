@@ -475,11 +475,13 @@ impl MultiRank {
     pub fn reduce_f32(&self, sends: &[Vec<f32>], root: usize) -> Result<Vec<f32>> {
         let op = "multi-rank reduce";
         let n = sends.first().map_or(0, Vec::len);
+        if sends.len() != self.ranks.len() || sends.iter().any(|s| s.len() != n) {
+            return Err(self.bad_args(op, "one vector per rank, all of one length"));
+        }
+        self.check_root(op, root)?;
         let bufs = self.upload_all(sends)?;
-        let recv: CudaSlice<f32> = self.ranks[root]
-            .stream
-            .alloc_zeros(n)
-            .map_err(cuda_err(op, None))?;
+        let recv: CudaSlice<f32> =
+            cuda::alloc_zeros(&self.ranks[root].stream, n).map_err(cuda_err(op, None))?;
         let ptr = |s: &CudaSlice<f32>, st: &Arc<CudaStream>| {
             use cudarc::driver::DevicePtr;
             s.device_ptr(st).0
@@ -507,28 +509,21 @@ impl MultiRank {
             }
         })?;
         self.sync(op)?;
-        self.ranks[root]
-            .stream
-            .clone_dtoh(&recv)
-            .map_err(cuda_err(op, None))
+        cuda::clone_dtoh(&self.ranks[root].stream, &recv).map_err(cuda_err(op, None))
     }
 
     /// Broadcasts `data` from rank `root`; returns what every rank received.
     pub fn broadcast_f32(&self, data: &[f32], root: usize) -> Result<Vec<Vec<f32>>> {
         let op = "multi-rank broadcast";
         let n = data.len();
-        let send: CudaSlice<f32> = self.ranks[root]
-            .stream
-            .clone_htod(data)
-            .map_err(cuda_err(op, None))?;
+        self.check_root(op, root)?;
+        let send: CudaSlice<f32> =
+            cuda::clone_htod(&self.ranks[root].stream, data).map_err(cuda_err(op, None))?;
         let mut recvs = Vec::new();
         for r in &self.ranks {
             // Poison the outputs so a broadcast that does nothing is seen.
-            recvs.push(
-                r.stream
-                    .clone_htod(&vec![f32::NAN; n])
-                    .map_err(cuda_err(op, None))?,
-            );
+            recvs
+                .push(cuda::clone_htod(&r.stream, &vec![f32::NAN; n]).map_err(cuda_err(op, None))?);
         }
         let ptr = |s: &CudaSlice<f32>, st: &Arc<CudaStream>| {
             use cudarc::driver::DevicePtr;
@@ -559,7 +554,7 @@ impl MultiRank {
         recvs
             .iter()
             .zip(&self.ranks)
-            .map(|(b, r)| r.stream.clone_dtoh(b).map_err(cuda_err(op, None)))
+            .map(|(b, r)| cuda::clone_dtoh(&r.stream, b).map_err(cuda_err(op, None)))
             .collect()
     }
 
@@ -568,11 +563,27 @@ impl MultiRank {
         self.ordinal
     }
 
+    fn bad_args(&self, op: &'static str, what: &str) -> Error {
+        Error::Nccl {
+            op,
+            keys: vec![],
+            message: format!("expected {what} ({} ranks)", self.ranks.len()),
+        }
+    }
+
+    /// `root` must name a rank (indexing with it would panic otherwise).
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.ranks.len() {
+            return Err(self.bad_args(op, &format!("a root below the rank count, got {root}")));
+        }
+        Ok(())
+    }
+
     fn upload_all(&self, sends: &[Vec<f32>]) -> Result<Vec<CudaSlice<f32>>> {
         sends
             .iter()
             .zip(&self.ranks)
-            .map(|(s, r)| r.stream.clone_htod(s).map_err(cuda_err("upload", None)))
+            .map(|(s, r)| cuda::clone_htod(&r.stream, s).map_err(cuda_err("upload", None)))
             .collect()
     }
 
