@@ -223,7 +223,13 @@ impl Comms {
                         return true;
                     }
                 }
-                !p.events.iter().all(CudaEvent::is_complete)
+                match all_complete(&p.events, p.op) {
+                    Ok(done) => !done,
+                    Err(e) => {
+                        failure = Some((p.set.clone(), e));
+                        true
+                    }
+                }
             });
             if let Some((set, e)) = failure {
                 self.abort(&set);
@@ -249,6 +255,17 @@ impl Comms {
             std::thread::sleep(Duration::from_micros(200));
         }
     }
+}
+
+/// Whether every event has completed. A CUDA error on the stream (an illegal address, say) is
+/// returned at once: `CudaEvent::is_complete` would read it as "not yet" until the timeout.
+fn all_complete(events: &[CudaEvent], op: &'static str) -> Result<bool> {
+    for ev in events {
+        if !ev.try_is_complete().map_err(cuda_err(op, None))? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// Waits for every NCCL collective in flight, polling for asynchronous errors, with a timeout.
@@ -613,7 +630,7 @@ impl MultiRank {
             .iter()
             .map(|r| r.stream.record_event(None).map_err(cuda_err(op, None)))
             .collect::<Result<Vec<_>>>()?;
-        while !events.iter().all(CudaEvent::is_complete) {
+        while !all_complete(&events, op)? {
             async_error(&self.ranks, op, &[])?;
             if Instant::now() > deadline {
                 return Err(Error::Nccl {
