@@ -18,7 +18,8 @@
 #    NCCL_MULTI_RANK_GPU_ENABLE=1, so two NCCL ranks may share one GPU on NCCL >= 2.30), then
 #    every bench, and prints a summary per binary: passed, failed, and SKIPPED (tests that
 #    printed `SKIPPED:` because this machine cannot run their case; never counted as passed).
-#    It exits non-zero when any binary failed.
+#    It exits non-zero when any binary failed, and with 2 at once when the machine has no GPU.
+#    SKIP_BENCHES=1 runs the tests only (the benches take minutes).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -71,6 +72,13 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 LOG="${OUT:-$HERE/logs}"
 mkdir -p "$LOG"
+
+# Without a GPU every GPU test fails anyway: say so once, up front, and stop.
+if ! { nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } && ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
+    echo "run.sh: needs a GPU: nvidia-smi lists none and there is no /dev/nvidiaN on $(hostname)" |
+        tee "$LOG/summary.txt" >&2
+    exit 2
+fi
 
 find_nccl() {
     if [ -n "${NCCL_LIB:-}" ] && [ -e "$NCCL_LIB" ]; then echo "$NCCL_LIB"; return; fi
@@ -133,6 +141,7 @@ for t in "$HERE"/tests/*; do
 done
 for b in "$HERE"/benches/*; do
     [ -x "$b" ] || continue
+    [ "${SKIP_BENCHES:-0}" = 1 ] && { echo "== benches skipped (SKIP_BENCHES=1)"; break; }
     name=$(basename "$b")
     echo "== bench $name"
     "$b" --bench >"$LOG/bench-$name.log" 2>&1

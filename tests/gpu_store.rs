@@ -505,3 +505,47 @@ fn errors_on_a_missing_gpu() -> Result<()> {
     ensure!(out.to_vec::<f32>()? == vec![1.0, 1.0]);
     Ok(())
 }
+
+/// Keys and arrays with no elements: the driver refuses 0-byte allocations, so the GPU buffers
+/// must not ask it for one. Every operation must succeed and leave the non-empty key alone.
+#[test]
+#[ignore = "needs a GPU"]
+fn empty_arrays_on_a_gpu() -> Result<()> {
+    require_gpu();
+    for kind in ["device", "nccl"] {
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let kv = KvStore::create(kind)?;
+            kv.set_updater(Updater::Sgd(Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                ..Sgd::default()
+            }))?;
+            let empty_gpu = NDArray::full_on([0, 3], 1.0, dtype, gpu(0))?;
+            let empty_cpu = NDArray::full_on([0, 3], 1.0, dtype, cpu(0))?;
+            assert_eq!(empty_gpu.to_vec::<f32>()?, Vec::<f32>::new());
+            kv.init_on(1, &empty_cpu, gpu(0))?;
+            let data = random(5);
+            kv.init_on(2, &array(&data, &[5], dtype, cpu(0))?, gpu(0))?;
+            kv.push(
+                1,
+                &[empty_gpu.clone(), empty_cpu.clone(), empty_gpu.copy()?],
+            )?;
+            kv.pull(1, &[empty_gpu.clone(), empty_cpu.clone()])?;
+            empty_gpu.fill(2.0)?;
+            assert_eq!(
+                empty_gpu.to_device(cpu(0))?.to_vec::<f32>()?,
+                Vec::<f32>::new()
+            );
+            kv.wait_all()?;
+            let out = NDArray::full_on([5], f64::NAN, dtype, cpu(0))?;
+            kv.pull(2, &out)?;
+            assert_close(
+                &out.to_vec()?,
+                &rounded(&data, dtype)?,
+                0.0,
+                &format!("{kind} {dtype}"),
+            );
+        }
+    }
+    Ok(())
+}

@@ -15,8 +15,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
@@ -162,6 +162,66 @@ pub(crate) fn cuda_err(op: &'static str, key: Option<&Key>) -> impl FnOnce(Drive
     }
 }
 
+/// `n` uninitialized elements on `st`. The driver refuses to allocate 0 bytes
+/// (`cuMemAlloc` returns `CUDA_ERROR_INVALID_VALUE`), so an empty buffer still owns a
+/// one-element allocation; its length is 0 and it is freed like any other.
+///
+/// # Safety
+/// The elements are not initialized (as for `CudaStream::alloc`).
+pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
+    st: &Arc<CudaStream>,
+    n: usize,
+) -> std::result::Result<CudaSlice<T>, DriverError> {
+    if n > 0 {
+        // SAFETY: the caller accepts uninitialized elements.
+        return unsafe { st.alloc(n) };
+    }
+    // SAFETY: as above; the one element is never read.
+    let one = unsafe { st.alloc::<T>(1) }?;
+    let ptr = one.leak();
+    // SAFETY: `ptr` is the allocation just leaked from a slice of this stream; the new slice
+    // owns it (and frees it on this stream when dropped). Event tracking is off, so this
+    // creates no events and cannot panic.
+    Ok(unsafe { st.upgrade_device_ptr(ptr, 0) })
+}
+
+/// `n` zeros on `st` (see [`alloc_uninit`] for `n == 0`).
+pub(crate) fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+    st: &Arc<CudaStream>,
+    n: usize,
+) -> std::result::Result<CudaSlice<T>, DriverError> {
+    // SAFETY: every element is set to zero just below, on the same stream, before any use.
+    let mut s = unsafe { alloc_uninit(st, n) }?;
+    if n > 0 {
+        st.memset_zeros(&mut s)?;
+    }
+    Ok(s)
+}
+
+/// A copy of `host` on `st` (see [`alloc_uninit`] for an empty `host`).
+pub(crate) fn clone_htod<T: DeviceRepr>(
+    st: &Arc<CudaStream>,
+    host: &[T],
+) -> std::result::Result<CudaSlice<T>, DriverError> {
+    // SAFETY: every element is overwritten just below, on the same stream, before any use.
+    let mut s = unsafe { alloc_uninit(st, host.len()) }?;
+    if !host.is_empty() {
+        st.memcpy_htod(host, &mut s)?;
+    }
+    Ok(s)
+}
+
+/// The elements of `s`, copied to the host (no driver call for an empty slice).
+pub(crate) fn clone_dtoh<T: DeviceRepr>(
+    st: &Arc<CudaStream>,
+    s: &CudaSlice<T>,
+) -> std::result::Result<Vec<T>, DriverError> {
+    if s.is_empty() {
+        return Ok(Vec::new());
+    }
+    st.clone_dtoh(s)
+}
+
 /// Elements on one GPU, one variant per dtype.
 #[derive(Debug)]
 pub enum GpuBuf {
@@ -231,10 +291,10 @@ impl GpuBuf {
         let st = gpu(ordinal)?.stream();
         let e = cuda_err("alloc", None);
         Ok(match dtype {
-            DType::F32 => GpuBuf::F32(st.alloc_zeros(n).map_err(e)?),
-            DType::F64 => GpuBuf::F64(st.alloc_zeros(n).map_err(e)?),
-            DType::F16 => GpuBuf::F16(st.alloc_zeros(n).map_err(e)?),
-            DType::BF16 => GpuBuf::BF16(st.alloc_zeros(n).map_err(e)?),
+            DType::F32 => GpuBuf::F32(alloc_zeros(st, n).map_err(e)?),
+            DType::F64 => GpuBuf::F64(alloc_zeros(st, n).map_err(e)?),
+            DType::F16 => GpuBuf::F16(alloc_zeros(st, n).map_err(e)?),
+            DType::BF16 => GpuBuf::BF16(alloc_zeros(st, n).map_err(e)?),
         })
     }
 
@@ -249,10 +309,10 @@ impl GpuBuf {
         // the elements are plain floats, valid for any bit pattern.
         Ok(unsafe {
             match dtype {
-                DType::F32 => GpuBuf::F32(st.alloc(n).map_err(e)?),
-                DType::F64 => GpuBuf::F64(st.alloc(n).map_err(e)?),
-                DType::F16 => GpuBuf::F16(st.alloc(n).map_err(e)?),
-                DType::BF16 => GpuBuf::BF16(st.alloc(n).map_err(e)?),
+                DType::F32 => GpuBuf::F32(alloc_uninit(st, n).map_err(e)?),
+                DType::F64 => GpuBuf::F64(alloc_uninit(st, n).map_err(e)?),
+                DType::F16 => GpuBuf::F16(alloc_uninit(st, n).map_err(e)?),
+                DType::BF16 => GpuBuf::BF16(alloc_uninit(st, n).map_err(e)?),
             }
         })
     }
@@ -262,15 +322,26 @@ impl GpuBuf {
         let st = gpu(ordinal)?.stream();
         let e = cuda_err("copy to GPU", None);
         Ok(match data {
-            HostData::F32(v) => GpuBuf::F32(st.clone_htod(v).map_err(e)?),
-            HostData::F64(v) => GpuBuf::F64(st.clone_htod(v).map_err(e)?),
-            HostData::F16(v) => GpuBuf::F16(st.clone_htod(v).map_err(e)?),
-            HostData::BF16(v) => GpuBuf::BF16(st.clone_htod(v).map_err(e)?),
+            HostData::F32(v) => GpuBuf::F32(clone_htod(st, v).map_err(e)?),
+            HostData::F64(v) => GpuBuf::F64(clone_htod(st, v).map_err(e)?),
+            HostData::F16(v) => GpuBuf::F16(clone_htod(st, v).map_err(e)?),
+            HostData::BF16(v) => GpuBuf::BF16(clone_htod(st, v).map_err(e)?),
         })
     }
 
     /// Overwrites the elements with host data, converted to this buffer's dtype.
     pub fn upload_into(&mut self, data: &HostData) -> Result<()> {
+        // cudarc asserts (panics) on a length mismatch; report it instead.
+        if data.len() != self.len() {
+            return Err(Error::Cuda {
+                op: "copy to GPU",
+                key: None,
+                message: format!("{} elements into a buffer of {}", data.len(), self.len()),
+            });
+        }
+        if self.is_empty() {
+            return Ok(());
+        }
         let data = data.cast(self.dtype());
         let e = cuda_err("copy to GPU", None);
         match (self, &data) {
@@ -287,10 +358,10 @@ impl GpuBuf {
     pub fn download(&self) -> Result<HostData> {
         let e = || cuda_err("copy to host", None);
         let data = match self {
-            GpuBuf::F32(s) => HostData::F32(s.stream().clone_dtoh(s).map_err(e())?),
-            GpuBuf::F64(s) => HostData::F64(s.stream().clone_dtoh(s).map_err(e())?),
-            GpuBuf::F16(s) => HostData::F16(s.stream().clone_dtoh(s).map_err(e())?),
-            GpuBuf::BF16(s) => HostData::BF16(s.stream().clone_dtoh(s).map_err(e())?),
+            GpuBuf::F32(s) => HostData::F32(clone_dtoh(s.stream(), s).map_err(e())?),
+            GpuBuf::F64(s) => HostData::F64(clone_dtoh(s.stream(), s).map_err(e())?),
+            GpuBuf::F16(s) => HostData::F16(clone_dtoh(s.stream(), s).map_err(e())?),
+            GpuBuf::BF16(s) => HostData::BF16(clone_dtoh(s.stream(), s).map_err(e())?),
         };
         // A copy to pageable memory already returns once it is done (CUDA's rule); waiting
         // for the stream as well makes that explicit and surfaces any earlier async error.
@@ -312,6 +383,17 @@ impl GpuBuf {
     /// `src` cannot overtake it.
     pub fn copy_from(&mut self, src: &GpuBuf) -> Result<()> {
         let e = || cuda_err("copy between GPUs", None);
+        // cudarc asserts (panics) on a length mismatch; report it instead.
+        if src.len() != self.len() {
+            return Err(Error::Cuda {
+                op: "copy between GPUs",
+                key: None,
+                message: format!("{} elements into a buffer of {}", src.len(), self.len()),
+            });
+        }
+        if src.is_empty() && self.dtype() == src.dtype() {
+            return Ok(());
+        }
         let dst_stream = self.stream().clone();
         let src_stream = src.stream().clone();
         match (self, src) {

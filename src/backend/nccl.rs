@@ -223,7 +223,13 @@ impl Comms {
                         return true;
                     }
                 }
-                !p.events.iter().all(CudaEvent::is_complete)
+                match all_complete(&p.events, p.op) {
+                    Ok(done) => !done,
+                    Err(e) => {
+                        failure = Some((p.set.clone(), e));
+                        true
+                    }
+                }
             });
             if let Some((set, e)) = failure {
                 self.abort(&set);
@@ -249,6 +255,17 @@ impl Comms {
             std::thread::sleep(Duration::from_micros(200));
         }
     }
+}
+
+/// Whether every event has completed. A CUDA error on the stream (an illegal address, say) is
+/// returned at once: `CudaEvent::is_complete` would read it as "not yet" until the timeout.
+fn all_complete(events: &[CudaEvent], op: &'static str) -> Result<bool> {
+    for ev in events {
+        if !ev.try_is_complete().map_err(cuda_err(op, None))? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// Waits for every NCCL collective in flight, polling for asynchronous errors, with a timeout.
@@ -475,11 +492,13 @@ impl MultiRank {
     pub fn reduce_f32(&self, sends: &[Vec<f32>], root: usize) -> Result<Vec<f32>> {
         let op = "multi-rank reduce";
         let n = sends.first().map_or(0, Vec::len);
+        if sends.len() != self.ranks.len() || sends.iter().any(|s| s.len() != n) {
+            return Err(self.bad_args(op, "one vector per rank, all of one length"));
+        }
+        self.check_root(op, root)?;
         let bufs = self.upload_all(sends)?;
-        let recv: CudaSlice<f32> = self.ranks[root]
-            .stream
-            .alloc_zeros(n)
-            .map_err(cuda_err(op, None))?;
+        let recv: CudaSlice<f32> =
+            cuda::alloc_zeros(&self.ranks[root].stream, n).map_err(cuda_err(op, None))?;
         let ptr = |s: &CudaSlice<f32>, st: &Arc<CudaStream>| {
             use cudarc::driver::DevicePtr;
             s.device_ptr(st).0
@@ -507,28 +526,21 @@ impl MultiRank {
             }
         })?;
         self.sync(op)?;
-        self.ranks[root]
-            .stream
-            .clone_dtoh(&recv)
-            .map_err(cuda_err(op, None))
+        cuda::clone_dtoh(&self.ranks[root].stream, &recv).map_err(cuda_err(op, None))
     }
 
     /// Broadcasts `data` from rank `root`; returns what every rank received.
     pub fn broadcast_f32(&self, data: &[f32], root: usize) -> Result<Vec<Vec<f32>>> {
         let op = "multi-rank broadcast";
         let n = data.len();
-        let send: CudaSlice<f32> = self.ranks[root]
-            .stream
-            .clone_htod(data)
-            .map_err(cuda_err(op, None))?;
+        self.check_root(op, root)?;
+        let send: CudaSlice<f32> =
+            cuda::clone_htod(&self.ranks[root].stream, data).map_err(cuda_err(op, None))?;
         let mut recvs = Vec::new();
         for r in &self.ranks {
             // Poison the outputs so a broadcast that does nothing is seen.
-            recvs.push(
-                r.stream
-                    .clone_htod(&vec![f32::NAN; n])
-                    .map_err(cuda_err(op, None))?,
-            );
+            recvs
+                .push(cuda::clone_htod(&r.stream, &vec![f32::NAN; n]).map_err(cuda_err(op, None))?);
         }
         let ptr = |s: &CudaSlice<f32>, st: &Arc<CudaStream>| {
             use cudarc::driver::DevicePtr;
@@ -559,7 +571,7 @@ impl MultiRank {
         recvs
             .iter()
             .zip(&self.ranks)
-            .map(|(b, r)| r.stream.clone_dtoh(b).map_err(cuda_err(op, None)))
+            .map(|(b, r)| cuda::clone_dtoh(&r.stream, b).map_err(cuda_err(op, None)))
             .collect()
     }
 
@@ -568,11 +580,27 @@ impl MultiRank {
         self.ordinal
     }
 
+    fn bad_args(&self, op: &'static str, what: &str) -> Error {
+        Error::Nccl {
+            op,
+            keys: vec![],
+            message: format!("expected {what} ({} ranks)", self.ranks.len()),
+        }
+    }
+
+    /// `root` must name a rank (indexing with it would panic otherwise).
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.ranks.len() {
+            return Err(self.bad_args(op, &format!("a root below the rank count, got {root}")));
+        }
+        Ok(())
+    }
+
     fn upload_all(&self, sends: &[Vec<f32>]) -> Result<Vec<CudaSlice<f32>>> {
         sends
             .iter()
             .zip(&self.ranks)
-            .map(|(s, r)| r.stream.clone_htod(s).map_err(cuda_err("upload", None)))
+            .map(|(s, r)| cuda::clone_htod(&r.stream, s).map_err(cuda_err("upload", None)))
             .collect()
     }
 
@@ -602,7 +630,7 @@ impl MultiRank {
             .iter()
             .map(|r| r.stream.record_event(None).map_err(cuda_err(op, None)))
             .collect::<Result<Vec<_>>>()?;
-        while !events.iter().all(CudaEvent::is_complete) {
+        while !all_complete(&events, op)? {
             async_error(&self.ranks, op, &[])?;
             if Instant::now() > deadline {
                 return Err(Error::Nccl {

@@ -60,9 +60,8 @@ impl GpuCell {
             .bufs
             .iter()
             .map(|b| {
-                let v = stream
-                    .clone_dtoh(b)
-                    .map_err(cuda_err("copy state to host", None))?;
+                let v =
+                    super::clone_dtoh(stream, b).map_err(cuda_err("copy state to host", None))?;
                 Ok(HostData::F32(v))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -80,14 +79,24 @@ impl GpuCell {
             self.state = None;
             return Ok(());
         };
+        // The kernels index the state with the value's length: never hand them a shorter one.
+        if let Some(b) = bufs.iter().find(|b| b.len() != self.buf.len()) {
+            return Err(Error::Cuda {
+                op: "copy state to GPU",
+                key: None,
+                message: format!(
+                    "a state buffer of {} elements for a value of {}",
+                    b.len(),
+                    self.buf.len()
+                ),
+            });
+        }
         let stream = self.buf.stream();
         let bufs = bufs
             .iter()
             .map(|b| {
                 let v: Vec<f32> = b.to_vec();
-                stream
-                    .clone_htod(&v)
-                    .map_err(cuda_err("copy state to GPU", None))
+                super::clone_htod(stream, &v).map_err(cuda_err("copy state to GPU", None))
             })
             .collect::<Result<Vec<_>>>()?;
         self.state = Some(GpuState {
@@ -368,6 +377,9 @@ fn move_partials(
 /// Copies `bytes` from `src` to `dst` on `dst`'s stream, ordered against `src`'s stream both
 /// ways (the copy waits for src's producers; later work on src's GPU waits for the copy).
 fn peer_copy(dst: Ptr, src: Ptr, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
     let d = gpu(dst.ordinal)?;
     let s = gpu(src.ordinal)?;
     stream_wait(d.stream(), s.stream())?;
@@ -420,11 +432,12 @@ fn update(
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
         let state = match &mut job.cell.state {
-            Some(s) if s.generation == generation => s,
+            // (A state with too few buffers would hand the kernel a null m or v.)
+            Some(s) if s.generation == generation && s.bufs.len() == names => s,
             slot => {
                 let st = gpu(home)?.stream();
                 let bufs = (0..names)
-                    .map(|_| st.alloc_zeros::<f32>(n))
+                    .map(|_| super::alloc_zeros::<f32>(st, n))
                     .collect::<std::result::Result<Vec<_>, _>>()
                     .map_err(cuda_err("push", Some(job.key)))?;
                 slot.insert(GpuState {
