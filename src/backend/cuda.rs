@@ -396,6 +396,8 @@ impl GpuBuf {
         }
         let dst_stream = self.stream().clone();
         let src_stream = src.stream().clone();
+        // cudarc makes the two streams wait on each other for a copy between GPUs.
+        let _order = cross_gpu_order();
         match (self, src) {
             (GpuBuf::F32(d), GpuBuf::F32(s)) => dst_stream.memcpy_dtod(s, d),
             (GpuBuf::F64(d), GpuBuf::F64(s)) => dst_stream.memcpy_dtod(s, d),
@@ -424,6 +426,8 @@ impl GpuBuf {
 }
 
 /// Makes `consumer` wait for everything enqueued so far on `producer` (no-op for one stream).
+///
+/// Callers hold [`cross_gpu_order`] around the whole sequence this is part of.
 pub(crate) fn stream_wait(consumer: &CudaStream, producer: &CudaStream) -> Result<()> {
     if consumer.cu_stream() == producer.cu_stream() {
         return Ok(());
@@ -431,6 +435,20 @@ pub(crate) fn stream_wait(consumer: &CudaStream, producer: &CudaStream) -> Resul
     let e = || cuda_err("order streams", None);
     let ev = producer.record_event(None).map_err(e())?;
     consumer.wait(&ev).map_err(e())
+}
+
+/// Serializes everything that orders one stream against another: NCCL groups (whose kernels on
+/// different GPUs wait for each other) and event waits between streams (peer copies).
+///
+/// Without it, two threads could interleave: thread A enqueues its NCCL kernel on GPU 0, thread
+/// B makes GPU 1's stream wait for an event recorded on GPU 0 after that kernel, and then A
+/// enqueues its NCCL kernel on GPU 1 behind B's wait. GPU 0's kernel waits for GPU 1's, which
+/// waits for GPU 0's: a deadlock. Holding this lock over each whole group and each whole
+/// record-and-wait sequence makes them atomic with respect to one another, so every wait is
+/// either entirely before or entirely after a collective on both GPUs.
+pub(crate) fn cross_gpu_order() -> std::sync::MutexGuard<'static, ()> {
+    static ORDER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ORDER.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One tensor of a fused launch: raw device addresses (see the ABI's record layout).

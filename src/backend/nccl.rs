@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result, sys};
 
-use crate::backend::cuda::{self, cuda_err};
+use crate::backend::cuda::{self, cross_gpu_order, cuda_err};
 use crate::backend::probe;
 use crate::{DType, Error, Key, Result};
 
@@ -373,6 +373,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
 /// The group itself: `group_end` is always called, even after a failed call inside.
 fn issue(c: &Comms, op: &'static str, jobs: &[Job]) -> Result<()> {
     let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
+    let _order = cross_gpu_order();
     result::group_start().map_err(|e| nccl_error(op, &all_keys, e.0, std::ptr::null_mut()))?;
     let mut first: Result<()> = Ok(());
     for job in jobs {
@@ -609,6 +610,7 @@ impl MultiRank {
         op: &'static str,
         call: impl Fn(usize, &Rank) -> std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
+        let _order = cross_gpu_order();
         result::group_start().map_err(|e| nccl_error(op, &[], e.0, std::ptr::null_mut()))?;
         let mut first = Ok(());
         for (rank, r) in self.ranks.iter().enumerate() {

@@ -19,7 +19,7 @@ use std::sync::RwLockReadGuard;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::{cuda_err, gpu, launch_fused, stream_wait, GpuBuf, Record};
+use super::{cross_gpu_order, cuda_err, gpu, launch_fused, stream_wait, GpuBuf, Record};
 use crate::backend::cpu;
 use crate::backend::kernels::{self, RuleKind};
 use crate::backend::nccl;
@@ -382,6 +382,7 @@ fn peer_copy(dst: Ptr, src: Ptr, bytes: usize) -> Result<()> {
     }
     let d = gpu(dst.ordinal)?;
     let s = gpu(src.ordinal)?;
+    let _order = cross_gpu_order();
     stream_wait(d.stream(), s.stream())?;
     d.context()
         .bind_to_thread()
