@@ -28,6 +28,8 @@
 //! # Ok::<(), kvstore::Error>(())
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod checkpoint;
 mod device;
