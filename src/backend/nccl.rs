@@ -500,15 +500,11 @@ impl MultiRank {
         let bufs = self.upload_all(sends)?;
         let recv: CudaSlice<f32> =
             cuda::alloc_zeros(&self.ranks[root].stream, n).map_err(cuda_err(op, None))?;
-        let ptr = |s: &CudaSlice<f32>, st: &Arc<CudaStream>| {
-            use cudarc::driver::DevicePtr;
-            s.device_ptr(st).0
-        };
-        let recv_ptr = ptr(&recv, &self.ranks[root].stream);
+        let recv_ptr = device_addr(&recv, &self.ranks[root].stream);
         let send_ptrs: Vec<u64> = bufs
             .iter()
             .zip(&self.ranks)
-            .map(|(b, r)| ptr(b, &r.stream))
+            .map(|(b, r)| device_addr(b, &r.stream))
             .collect();
         self.group(op, |rank, r| {
             // SAFETY: every address names a live buffer of `n` f32 on this GPU; the buffers
@@ -543,15 +539,11 @@ impl MultiRank {
             recvs
                 .push(cuda::clone_htod(&r.stream, &vec![f32::NAN; n]).map_err(cuda_err(op, None))?);
         }
-        let ptr = |s: &CudaSlice<f32>, st: &Arc<CudaStream>| {
-            use cudarc::driver::DevicePtr;
-            s.device_ptr(st).0
-        };
-        let send_ptr = ptr(&send, &self.ranks[root].stream);
+        let send_ptr = device_addr(&send, &self.ranks[root].stream);
         let recv_ptrs: Vec<u64> = recvs
             .iter()
             .zip(&self.ranks)
-            .map(|(b, r)| ptr(b, &r.stream))
+            .map(|(b, r)| device_addr(b, &r.stream))
             .collect();
         // The uploads above ran on each rank's stream; NCCL calls go on the same streams.
         self.group(op, |rank, r| {
@@ -654,4 +646,11 @@ impl Drop for MultiRank {
             let _ = unsafe { result::comm_abort(r.comm) };
         }
     }
+}
+
+/// The device address of `s`, for the raw NCCL calls. Event tracking is off, so the guard
+/// cudarc returns records nothing and may be dropped at once.
+fn device_addr(s: &CudaSlice<f32>, stream: &Arc<CudaStream>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    s.device_ptr(stream).0
 }
