@@ -2,11 +2,16 @@
 //! `test_kvstore_custom.py`, `tests/python/gpu/test_device.py` (with cpu(i) devices) and the
 //! nightly updater loop, plus the numbers of the seed tutorials (001 and 003).
 //!
-//! Each MXNet test runs with int keys and with string keys, as upstream does.
+//! Each MXNet test runs with int keys and with string keys, as upstream does, and on both
+//! homes: `cpu::*` with a `local` store and values on cpu(i); `gpu::*` (ignored: needs a GPU)
+//! with a `device` store and values on the GPUs.
+
+mod common;
 
 use std::sync::{Arc, Mutex};
 
-use kvstore::{cpu, DType, Key, KvStore, NDArray, Shape, Updater};
+use common::Home;
+use kvstore::{DType, Key, KvStore, NDArray, Shape, Updater};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -33,19 +38,14 @@ fn doubled(k: &Key) -> Key {
     }
 }
 
-/// An f32 array of `shape` filled with `v` on `cpu(dev)`.
-fn full_on(shape: impl Into<Shape>, v: f64, dev: usize) -> NDArray {
-    NDArray::full_on(shape, v, DType::F32, cpu(dev)).unwrap()
-}
-
-/// `[full(v) on cpu(0..n)]`.
-fn on_devs(n: usize, v: f64) -> Vec<NDArray> {
-    (0..n).map(|i| full_on(SHAPE, v, i)).collect()
+/// `[full(v)]` on the home's first `n` devices.
+fn on_devs(h: Home, n: usize, v: f64) -> Vec<NDArray> {
+    (0..n).map(|i| h.full(SHAPE, v, i)).collect()
 }
 
 /// An out that is surely overwritten by a pull: filled with a value no test expects.
-fn empty_out() -> NDArray {
-    NDArray::full(SHAPE, -123.0)
+fn empty_out(h: Home) -> NDArray {
+    h.full(SHAPE, -123.0, 0)
 }
 
 fn assert_all(a: &NDArray, v: f64) {
@@ -66,11 +66,11 @@ fn assert_all_approx(a: &NDArray, v: f64, tol: f64) {
     );
 }
 
-/// MXNet's `init_kv`: key `k0` and the three `keys`, all zeros, on a `local` store.
-fn init_kv(k0: &Key, keys: &[Key; 3]) -> KvStore {
-    let kv = KvStore::create("local").unwrap();
-    kv.init(k0, &NDArray::zeros(SHAPE)).unwrap();
-    kv.init_list(keys, &vec![NDArray::zeros(SHAPE); 3]).unwrap();
+/// MXNet's `init_kv`: key `k0` and the three `keys`, all zeros, on the home's store.
+fn init_kv(h: Home, k0: &Key, keys: &[Key; 3]) -> KvStore {
+    let kv = h.store();
+    kv.init(k0, &h.full(SHAPE, 0.0, 0)).unwrap();
+    kv.init_list(keys, &vec![h.full(SHAPE, 0.0, 0); 3]).unwrap();
     kv
 }
 
@@ -79,80 +79,75 @@ fn add_updater() -> Updater {
     Updater::custom(|_key, recv, stored| *stored += recv)
 }
 
-#[test]
-fn test_single_kv_pair() {
+fn test_single_kv_pair(h: Home) {
     for (k0, keys) in both_key_kinds() {
-        let kv = init_kv(&k0, &keys);
-        kv.push(&k0, &NDArray::ones(SHAPE)).unwrap();
-        let out = empty_out();
+        let kv = init_kv(h, &k0, &keys);
+        kv.push(&k0, &h.full(SHAPE, 1.0, 0)).unwrap();
+        let out = empty_out(h);
         kv.pull(&k0, &out).unwrap();
         assert_all(&out, 1.0);
     }
 }
 
-#[test]
-fn test_init() {
+fn test_init(h: Home) {
     for key in [Key::Int(3), Key::from("a")] {
-        let kv = KvStore::create("local").unwrap();
-        kv.init(&key, &(NDArray::ones(SHAPE) * 4.0)).unwrap();
-        let out = empty_out();
+        let kv = h.store();
+        kv.init(&key, &(h.full(SHAPE, 1.0, 0) * 4.0)).unwrap();
+        let out = empty_out(h);
         kv.pull(&key, &out).unwrap();
         assert_all(&out, 4.0);
     }
 }
 
-#[test]
-fn test_pull() {
-    for kind in ["device", "local"] {
-        let kv = KvStore::create(kind).unwrap();
-        kv.init("1", &NDArray::zeros(SHAPE)).unwrap();
+fn test_pull(h: Home) {
+    for kind in h.kinds() {
+        let kv = h.store_of(kind);
+        kv.init("1", &h.full(SHAPE, 0.0, 0)).unwrap();
         // The same array four times: summed four times.
-        let a = NDArray::ones(SHAPE);
+        let a = h.full(SHAPE, 1.0, 0);
         kv.push("1", &[a.clone(), a.clone(), a.clone(), a]).unwrap();
-        let out = empty_out();
+        let out = empty_out(h);
         kv.pull("1", &out).unwrap();
         assert_all(&out, 4.0);
 
-        kv.init("2", &NDArray::zeros(SHAPE)).unwrap();
+        kv.init("2", &h.full(SHAPE, 0.0, 0)).unwrap();
         kv.pull("2", &out).unwrap();
         assert_all(&out, 0.0);
     }
 }
 
-#[test]
-fn test_list_kv_pair() {
+fn test_list_kv_pair(h: Home) {
     for (k0, keys) in both_key_kinds() {
-        let kv = init_kv(&k0, &keys);
-        let v = NDArray::ones(SHAPE) * 4.0;
+        let kv = init_kv(h, &k0, &keys);
+        let v = h.full(SHAPE, 1.0, 0) * 4.0;
         kv.push_list(&keys, &vec![v; 3]).unwrap();
         // The same out for all three keys (`[e] * 3`).
-        let e = empty_out();
+        let e = empty_out(h);
         kv.pull_list(&keys, &vec![e.clone(); 3]).unwrap();
         assert_all(&e, 4.0);
         // And each key on its own.
         for k in &keys {
-            let out = empty_out();
+            let out = empty_out(h);
             kv.pull(k, &out).unwrap();
             assert_all(&out, 4.0);
         }
     }
 }
 
-#[test]
-fn test_aggregator() {
+fn test_aggregator(h: Home) {
     for (k0, keys) in both_key_kinds() {
-        let kv = init_kv(&k0, &keys);
-        kv.push(&k0, &on_devs(4, 1.0)).unwrap();
-        let outs = on_devs(4, -1.0);
+        let kv = init_kv(h, &k0, &keys);
+        kv.push(&k0, &on_devs(h, 4, 1.0)).unwrap();
+        let outs = on_devs(h, 4, -1.0);
         kv.pull(&k0, &outs).unwrap();
         for o in &outs {
             assert_all(o, 4.0);
         }
 
         // `[[ones*2 on 4 devs]] * 3`: one inner list shared by the three keys.
-        let vals = vec![on_devs(4, 2.0); 3];
+        let vals = vec![on_devs(h, 4, 2.0); 3];
         kv.push_list(&keys, &vals).unwrap();
-        let outs: Vec<Vec<NDArray>> = (0..3).map(|_| on_devs(4, -1.0)).collect();
+        let outs: Vec<Vec<NDArray>> = (0..3).map(|_| on_devs(h, 4, -1.0)).collect();
         kv.pull_list(&keys, &outs).unwrap();
         for o in outs.iter().flatten() {
             assert_all(o, 8.0);
@@ -160,24 +155,23 @@ fn test_aggregator() {
     }
 }
 
-#[test]
-fn test_updater() {
+fn test_updater(h: Home) {
     let updaters = [add_updater(), Updater::Axpby { a: 1.0, b: 1.0 }];
     for updater in updaters {
         for (k0, keys) in both_key_kinds() {
-            let kv = init_kv(&k0, &keys);
+            let kv = init_kv(h, &k0, &keys);
             kv.set_updater(updater.clone()).unwrap();
-            kv.push(&k0, &on_devs(4, 1.0)).unwrap();
-            let outs = on_devs(4, -1.0);
+            kv.push(&k0, &on_devs(h, 4, 1.0)).unwrap();
+            let outs = on_devs(h, 4, -1.0);
             kv.pull(&k0, &outs).unwrap();
             for o in &outs {
                 assert_all(o, 4.0);
             }
 
             for _ in 0..4 {
-                kv.push_list(&keys, &vec![on_devs(4, 1.0); 3]).unwrap();
+                kv.push_list(&keys, &vec![on_devs(h, 4, 1.0); 3]).unwrap();
             }
-            let outs: Vec<Vec<NDArray>> = (0..3).map(|_| on_devs(4, -1.0)).collect();
+            let outs: Vec<Vec<NDArray>> = (0..3).map(|_| on_devs(h, 4, -1.0)).collect();
             kv.pull_list(&keys, &outs).unwrap();
             for o in outs.iter().flatten() {
                 assert_all(o, 16.0);
@@ -201,38 +195,36 @@ fn test_get_type() {
     }
 }
 
-#[test]
-fn test_broadcast_single_kv_pair() {
-    for kind in ["device", "local"] {
+fn test_broadcast_single_kv_pair(h: Home) {
+    for kind in h.kinds() {
         for key in [Key::Int(3), Key::from("a")] {
-            let kv = KvStore::create(kind).unwrap();
-            let out = empty_out();
-            kv.broadcast(&key, &NDArray::ones(SHAPE), &out).unwrap();
+            let kv = h.store_of(kind);
+            let out = empty_out(h);
+            kv.broadcast(&key, &h.full(SHAPE, 1.0, 0), &out).unwrap();
             assert_all(&out, 1.0);
 
-            let e = empty_out();
+            let e = empty_out(h);
             let outs = vec![e.clone(); 3];
-            kv.broadcast(doubled(&key), &NDArray::ones(SHAPE), &outs)
+            kv.broadcast(doubled(&key), &h.full(SHAPE, 1.0, 0), &outs)
                 .unwrap();
             assert_all(&e, 1.0);
         }
     }
 }
 
-#[test]
-fn test_broadcast_list_kv_pair() {
+fn test_broadcast_list_kv_pair(h: Home) {
     for (_, keys) in both_key_kinds() {
-        let kv = KvStore::create("device").unwrap();
-        let e = empty_out();
-        kv.broadcast_list(&keys, &vec![NDArray::ones(SHAPE); 3], &vec![e.clone(); 3])
+        let kv = h.store();
+        let e = empty_out(h);
+        kv.broadcast_list(&keys, &vec![h.full(SHAPE, 1.0, 0); 3], &vec![e.clone(); 3])
             .unwrap();
         assert_all(&e, 1.0);
 
         let keys2: Vec<Key> = keys.iter().map(doubled).collect();
-        let e = empty_out();
+        let e = empty_out(h);
         kv.broadcast_list(
             &keys2,
-            &vec![NDArray::ones(SHAPE); 3],
+            &vec![h.full(SHAPE, 1.0, 0); 3],
             &vec![vec![e.clone(); 2]; 3],
         )
         .unwrap();
@@ -241,33 +233,33 @@ fn test_broadcast_list_kv_pair() {
 }
 
 /// `test_pushpull_single_kv_pair` and, without `in_place`, `test_pushpull_list_kv_pair`.
-fn pushpull_case(in_place: bool) {
-    for kind in ["device", "local"] {
+fn pushpull_case(h: Home, in_place: bool) {
+    for kind in h.kinds() {
         for (k0, keys) in both_key_kinds() {
-            let kv = KvStore::create(kind).unwrap();
-            let e = empty_out();
-            kv.broadcast(&k0, &NDArray::zeros(SHAPE), &e).unwrap();
+            let kv = h.store_of(kind);
+            let e = empty_out(h);
+            kv.broadcast(&k0, &h.full(SHAPE, 0.0, 0), &e).unwrap();
             assert_all(&e, 0.0);
 
-            let outs = on_devs(4, -1.0);
-            kv.pushpull(&k0, &on_devs(4, 1.0), &outs).unwrap();
+            let outs = on_devs(h, 4, -1.0);
+            kv.pushpull(&k0, &on_devs(h, 4, 1.0), &outs).unwrap();
             for o in &outs {
                 assert_all(o, 4.0);
             }
             if in_place {
-                let vals = on_devs(4, 1.0);
+                let vals = on_devs(h, 4, 1.0);
                 kv.pushpull_in_place(&k0, &vals).unwrap();
                 for v in &vals {
                     assert_all(v, 4.0);
                 }
             }
 
-            let e = empty_out();
-            kv.broadcast_list(&keys, &vec![NDArray::zeros(SHAPE); 3], &vec![e.clone(); 3])
+            let e = empty_out(h);
+            kv.broadcast_list(&keys, &vec![h.full(SHAPE, 0.0, 0); 3], &vec![e.clone(); 3])
                 .unwrap();
             assert_all(&e, 0.0);
-            let outs: Vec<Vec<NDArray>> = (0..3).map(|_| on_devs(4, -1.0)).collect();
-            kv.pushpull_list(&keys, &vec![on_devs(4, 2.0); 3], &outs)
+            let outs: Vec<Vec<NDArray>> = (0..3).map(|_| on_devs(h, 4, -1.0)).collect();
+            kv.pushpull_list(&keys, &vec![on_devs(h, 4, 2.0); 3], &outs)
                 .unwrap();
             for o in outs.iter().flatten() {
                 assert_all(o, 8.0);
@@ -275,13 +267,13 @@ fn pushpull_case(in_place: bool) {
             if in_place {
                 // One inner list shared by all three keys: every push reads the 2s before any
                 // pull writes the 8s back.
-                let vals = vec![on_devs(4, 2.0); 3];
+                let vals = vec![on_devs(h, 4, 2.0); 3];
                 kv.pushpull_list(&keys, &vals, &vals).unwrap();
                 for v in &vals[0] {
                     assert_all(v, 8.0);
                 }
                 for k in &keys {
-                    let out = empty_out();
+                    let out = empty_out(h);
                     kv.pull(k, &out).unwrap();
                     assert_all(&out, 8.0);
                 }
@@ -290,19 +282,16 @@ fn pushpull_case(in_place: bool) {
     }
 }
 
-#[test]
-fn test_pushpull_single_kv_pair() {
-    pushpull_case(true);
+fn test_pushpull_single_kv_pair(h: Home) {
+    pushpull_case(h, true);
 }
 
-#[test]
-fn test_pushpull_list_kv_pair() {
-    pushpull_case(false);
+fn test_pushpull_list_kv_pair(h: Home) {
+    pushpull_case(h, false);
 }
 
 /// `test_device.py`: a fresh store per (shape, n); n ones from n devices sum to n everywhere.
-#[test]
-fn test_device_loop() {
+fn test_device_loop(h: Home) {
     let shapes: [&[usize]; 7] = [
         &[10],
         &[100],
@@ -312,16 +301,16 @@ fn test_device_loop() {
         &[2, 2],
         &[2, 3, 4, 5, 6, 7, 8],
     ];
-    for kind in ["local", "device"] {
+    for kind in h.kinds() {
         for (i, dims) in shapes.iter().enumerate() {
             let shape = Shape::new(dims).unwrap();
             for n in 1..=4 {
-                let kv = KvStore::create(kind).unwrap();
+                let kv = h.store_of(kind);
                 let key = format!("{}", (i + 1) * 4 + n);
-                kv.init(key.as_str(), &full_on(shape, 1.0, 0)).unwrap();
-                let vals: Vec<NDArray> = (0..n).map(|d| full_on(shape, 1.0, d)).collect();
+                kv.init(key.as_str(), &h.full(shape, 1.0, 0)).unwrap();
+                let vals: Vec<NDArray> = (0..n).map(|d| h.full(shape, 1.0, d)).collect();
                 kv.push(key.as_str(), &vals).unwrap();
-                let outs: Vec<NDArray> = (0..n).map(|d| full_on(shape, 0.0, d)).collect();
+                let outs: Vec<NDArray> = (0..n).map(|d| h.full(shape, 0.0, d)).collect();
                 kv.pull(key.as_str(), &outs).unwrap();
                 for o in &outs {
                     assert_eq!(o.shape(), shape);
@@ -349,17 +338,14 @@ fn rel_l1(got: &[f32], want: &[f64]) -> f64 {
 /// The reference is computed in f64 from the same f32 data. The store sums the 4 values in f32
 /// and applies `0.1 * sum` in f32; its error against the exact result stays far below the
 /// 1e-6 relative L1 bound MXNet uses.
-fn nightly_loop(kinds: &[&str], updater: Updater, grouped: bool, seed: u64) {
+fn nightly_loop(h: Home, kinds: &[&str], updater: Updater, grouped: bool, seed: u64) {
     let keys = [3, 5, 7];
     let shapes: [Shape; 3] = [[4, 4].into(), [100, 100].into(), [2000, 2000].into()];
     let mut rng = StdRng::seed_from_u64(seed);
     for &kind in kinds {
-        let kv = KvStore::create(kind).unwrap();
+        let kv = h.store_of(kind);
         kv.set_updater(updater.clone()).unwrap();
-        let zeros: Vec<NDArray> = shapes
-            .iter()
-            .map(|&s| NDArray::full_on(s, 0.0, DType::F32, cpu(0)).unwrap())
-            .collect();
+        let zeros: Vec<NDArray> = shapes.iter().map(|&s| h.full(s, 0.0, 0)).collect();
         kv.init_list(&keys, &zeros).unwrap();
         let mut expected: Vec<Vec<f64>> = shapes.iter().map(|s| vec![0.0; s.size()]).collect();
         for _round in 0..10 {
@@ -371,7 +357,7 @@ fn nightly_loop(kinds: &[&str], updater: Updater, grouped: bool, seed: u64) {
                             (0..s.size()).map(|_| rng.gen_range(-1.0..1.0)).collect();
                         NDArray::from_vec(data, *s)
                             .unwrap()
-                            .to_device(cpu(d))
+                            .to_device(h.dev(d))
                             .unwrap()
                     })
                     .collect();
@@ -385,11 +371,7 @@ fn nightly_loop(kinds: &[&str], updater: Updater, grouped: bool, seed: u64) {
             }
             let outs: Vec<Vec<NDArray>> = shapes
                 .iter()
-                .map(|&s| {
-                    (0..4)
-                        .map(|d| NDArray::full_on(s, 7.0, DType::F32, cpu(d)).unwrap())
-                        .collect()
-                })
+                .map(|&s| (0..4).map(|d| h.full(s, 7.0, d)).collect())
                 .collect();
             if grouped {
                 kv.push_list(&keys, &all_vals).unwrap();
@@ -416,45 +398,36 @@ fn nightly_loop(kinds: &[&str], updater: Updater, grouped: bool, seed: u64) {
     }
 }
 
-#[test]
-fn test_nightly_kvstore_axpby() {
-    let kinds = [
-        "local_update_cpu",
-        "local_allreduce_cpu",
-        "local_allreduce_device",
-    ];
-    nightly_loop(&kinds, Updater::Axpby { a: 1.0, b: 0.1 }, false, 1);
+fn test_nightly_kvstore_axpby(h: Home) {
+    nightly_loop(h, &h.kinds(), Updater::Axpby { a: 1.0, b: 0.1 }, false, 1);
 }
 
-#[test]
-fn test_nightly_group_kvstore_axpby() {
-    nightly_loop(&["local"], Updater::Axpby { a: 1.0, b: 0.1 }, true, 2);
+fn test_nightly_group_kvstore_axpby(h: Home) {
+    nightly_loop(h, &[h.kind()], Updater::Axpby { a: 1.0, b: 0.1 }, true, 2);
 }
 
-#[test]
-fn test_nightly_kvstore_custom() {
+fn test_nightly_kvstore_custom(h: Home) {
     let u = Updater::custom(|_k, merged, stored| *stored += merged * 0.1);
-    nightly_loop(&["local"], u.clone(), false, 3);
-    nightly_loop(&["device"], u, true, 4);
+    nightly_loop(h, &[h.kind()], u.clone(), false, 3);
+    nightly_loop(h, &[h.kind()], u, true, 4);
 }
 
 /// Seed 001 (the KVStore tutorial) and seed 003 (the notebook), with every number they print,
 /// and the order of "update on key" lines.
-#[test]
-fn seed_walkthroughs() {
+fn seed_walkthroughs(h: Home) {
     let shape = [2, 3];
     let log: Arc<Mutex<Vec<Key>>> = Arc::default();
 
     // Seed 001, on a `local` store.
-    let kv = KvStore::create("local").unwrap();
-    kv.init(3, &(NDArray::ones(shape) * 2.0)).unwrap();
-    let a = NDArray::zeros(shape);
+    let kv = h.store();
+    kv.init(3, &(h.full(shape, 1.0, 0) * 2.0)).unwrap();
+    let a = h.full(shape, 0.0, 0);
     kv.pull(3, &a).unwrap();
     assert_all(&a, 2.0);
-    kv.push(3, &(NDArray::ones(shape) * 8.0)).unwrap();
+    kv.push(3, &(h.full(shape, 1.0, 0) * 8.0)).unwrap();
     kv.pull(3, &a).unwrap();
     assert_all(&a, 8.0);
-    let b: Vec<NDArray> = (0..4).map(|d| full_on(shape, 1.0, d)).collect();
+    let b: Vec<NDArray> = (0..4).map(|d| h.full(shape, 1.0, d)).collect();
     kv.push(3, &b).unwrap();
     kv.pull(3, &a).unwrap();
     assert_all(&a, 4.0);
@@ -468,25 +441,26 @@ fn seed_walkthroughs() {
     kv.pull(3, &a).unwrap();
     assert_all(&a, 4.0);
     assert!(log.lock().unwrap().is_empty(), "set_updater runs nothing");
-    kv.push(3, &NDArray::ones(shape)).unwrap();
+    kv.push(3, &h.full(shape, 1.0, 0)).unwrap();
     kv.pull(3, &a).unwrap();
     assert_all(&a, 6.0);
     assert_eq!(*log.lock().unwrap(), vec![Key::Int(3)]);
 
-    let b: Vec<NDArray> = (0..4).map(|d| full_on(shape, 1.0, d)).collect();
+    let b: Vec<NDArray> = (0..4).map(|d| h.full(shape, 1.0, d)).collect();
     kv.pull(3, &b).unwrap();
     assert_all(&b[1], 6.0);
 
     let keys = [5, 7, 9];
-    kv.init_list(&keys, &vec![NDArray::ones(shape); 3]).unwrap();
-    // Pushed in descending order: the updater still runs in ascending key order.
-    kv.push_list(&[9, 7, 5], &vec![NDArray::ones(shape); 3])
+    kv.init_list(&keys, &vec![h.full(shape, 1.0, 0); 3])
         .unwrap();
-    let b = vec![NDArray::zeros(shape); 3];
+    // Pushed in descending order: the updater still runs in ascending key order.
+    kv.push_list(&[9, 7, 5], &vec![h.full(shape, 1.0, 0); 3])
+        .unwrap();
+    let b = vec![h.full(shape, 0.0, 0); 3];
     kv.pull_list(&keys, &b).unwrap();
     assert_all(&b[1], 3.0);
 
-    let inner: Vec<NDArray> = (0..4).map(|d| full_on(shape, 1.0, d)).collect();
+    let inner: Vec<NDArray> = (0..4).map(|d| h.full(shape, 1.0, d)).collect();
     let b = vec![inner; 3];
     kv.push_list(&keys, &b).unwrap();
     kv.pull_list(&keys, &b).unwrap();
@@ -496,26 +470,26 @@ fn seed_walkthroughs() {
     assert_eq!(*log.lock().unwrap(), want);
 
     // Seed 003, on a `device` store.
-    let kv = KvStore::create("device").unwrap();
-    kv.init(3, &(NDArray::ones(shape) * -2.0)).unwrap();
-    let a = NDArray::zeros(shape);
+    let kv = h.store();
+    kv.init(3, &(h.full(shape, 1.0, 0) * -2.0)).unwrap();
+    let a = h.full(shape, 0.0, 0);
     kv.pull(3, &a).unwrap();
     assert_all(&a, -2.0);
-    kv.push(3, &(NDArray::ones(shape) * -7.0)).unwrap();
+    kv.push(3, &(h.full(shape, 1.0, 0) * -7.0)).unwrap();
     kv.pull(3, &a).unwrap();
     assert_all(&a, -7.0);
-    let b: Vec<NDArray> = (0..3).map(|d| full_on(shape, 1.0, d)).collect();
+    let b: Vec<NDArray> = (0..3).map(|d| h.full(shape, 1.0, d)).collect();
     kv.push(3, &b).unwrap();
     kv.pull(3, &a).unwrap();
     assert_all(&a, 3.0);
 
     let keys = [7, 11, 13, 17];
-    kv.init_list(&keys, &vec![NDArray::ones(shape) * -3.0; 4])
+    kv.init_list(&keys, &vec![h.full(shape, 1.0, 0) * -3.0; 4])
         .unwrap();
-    let c = vec![NDArray::zeros(shape); 4];
+    let c = vec![h.full(shape, 0.0, 0); 4];
     kv.pull_list(&keys, &c).unwrap();
     assert_all(&c[0], -3.0);
-    let d: Vec<NDArray> = (0..3).map(|i| full_on(shape, -0.1, i)).collect();
+    let d: Vec<NDArray> = (0..3).map(|i| h.full(shape, -0.1, i)).collect();
     kv.push_list(&keys, &vec![d; 4]).unwrap();
     kv.pull_list(&keys, &c).unwrap();
     assert_all_approx(&c[0], -0.3, 1e-6);
@@ -526,7 +500,7 @@ fn seed_walkthroughs() {
     .unwrap();
     kv.pull(3, &a).unwrap();
     assert_all(&a, 3.0);
-    kv.push(3, &(NDArray::ones(shape) * 5.0)).unwrap();
+    kv.push(3, &(h.full(shape, 1.0, 0) * 5.0)).unwrap();
     kv.pull(3, &a).unwrap();
     assert_all_approx(&a, 3.05, 1e-6);
 }
@@ -548,31 +522,30 @@ fn recording_updater() -> (Updater, Log) {
 
 /// mxnet.md §1, verified on MXNet: keys [9, 2, 5, 2] give updater calls for 2 (with the sum
 /// of both of its values), then 5, then 9: once per distinct key, in ascending order.
-#[test]
-fn updater_order_int_keys() {
-    let kv = KvStore::create("local").unwrap();
-    kv.init_list(&[2, 5, 9], &vec![NDArray::zeros([3]); 3])
+fn updater_order_int_keys(h: Home) {
+    let kv = h.store();
+    kv.init_list(&[2, 5, 9], &vec![h.full([3], 0.0, 0); 3])
         .unwrap();
     let (u, log) = recording_updater();
     kv.set_updater(u).unwrap();
     let vals: Vec<NDArray> = [1.0, 2.0, 3.0, 4.0]
         .iter()
-        .map(|&v| NDArray::full([3], v))
+        .enumerate()
+        .map(|(i, &v)| h.full([3], v, i))
         .collect();
     kv.push_list(&[9, 2, 5, 2], &vals).unwrap();
     let want = vec![(Key::Int(2), 6.0), (Key::Int(5), 3.0), (Key::Int(9), 1.0)];
     assert_eq!(*log.lock().unwrap(), want);
-    let out = NDArray::zeros([3]);
+    let out = h.full([3], 0.0, 0);
     kv.pull(2, &out).unwrap();
     assert_all(&out, 6.0);
 }
 
 /// String keys are updated in the order they were first initialized, not alphabetically.
-#[test]
-fn updater_order_str_keys() {
-    let kv = KvStore::create("local").unwrap();
-    kv.init("c", &NDArray::zeros([2])).unwrap();
-    kv.init_list(&["a", "b"], &vec![NDArray::zeros([2]); 2])
+fn updater_order_str_keys(h: Home) {
+    let kv = h.store();
+    kv.init("c", &h.full([2], 0.0, 0)).unwrap();
+    kv.init_list(&["a", "b"], &vec![h.full([2], 0.0, 0); 2])
         .unwrap();
     assert_eq!(
         kv.keys(),
@@ -582,7 +555,8 @@ fn updater_order_str_keys() {
     kv.set_updater(u).unwrap();
     let vals: Vec<NDArray> = [1.0, 2.0, 3.0]
         .iter()
-        .map(|&v| NDArray::full([2], v))
+        .enumerate()
+        .map(|(i, &v)| h.full([2], v, i))
         .collect();
     kv.push_list(&["a", "b", "c"], &vals).unwrap();
     let order: Vec<Key> = log.lock().unwrap().iter().map(|(k, _)| k.clone()).collect();
@@ -590,16 +564,36 @@ fn updater_order_str_keys() {
 }
 
 /// Pull converts to the out's dtype, as MXNet does.
-#[test]
-fn pull_casts_to_out_dtype() {
-    let kv = KvStore::create("local").unwrap();
-    kv.init(3, &NDArray::full([2, 3], 3.0)).unwrap();
+fn pull_casts_to_out_dtype(h: Home) {
+    let kv = h.store();
+    kv.init(3, &h.full([2, 3], 3.0, 0)).unwrap();
     let outs: Vec<NDArray> = DType::ALL
         .iter()
-        .map(|&d| NDArray::full_on([2, 3], -1.0, d, cpu(0)).unwrap())
+        .map(|&d| h.full_typed([2, 3], -1.0, d, 0))
         .collect();
     kv.pull(3, &outs).unwrap();
     for o in &outs {
         assert_all(o, 3.0);
     }
 }
+
+on_every_home!(
+    test_single_kv_pair,
+    test_init,
+    test_pull,
+    test_list_kv_pair,
+    test_aggregator,
+    test_updater,
+    test_broadcast_single_kv_pair,
+    test_broadcast_list_kv_pair,
+    test_pushpull_single_kv_pair,
+    test_pushpull_list_kv_pair,
+    test_device_loop,
+    test_nightly_kvstore_axpby,
+    test_nightly_group_kvstore_axpby,
+    test_nightly_kvstore_custom,
+    seed_walkthroughs,
+    updater_order_int_keys,
+    updater_order_str_keys,
+    pull_casts_to_out_dtype,
+);

@@ -1,0 +1,133 @@
+//! Shared by the integration tests: where a test's store keeps its values, and where the test
+//! puts the arrays it pushes and pulls, so that one test body runs on the CPU home and on GPU
+//! homes.
+//!
+//! A test file writes its store tests as plain `fn name(home: Home)` and lists them in
+//! [`on_every_home!`], which makes `cpu::name` (always run) and `gpu::name` (ignored: needs a
+//! GPU; run with `--include-ignored` on a GPU machine).
+#![allow(dead_code)]
+
+use kvstore::backend::probe::gpu_count;
+use kvstore::{cpu, gpu, DType, Device, KvStore, NDArray, Shape};
+
+/// Where a test's store keeps its values, and where the test's own arrays live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Home {
+    /// A `local` store: values homed in host memory; the test's arrays on `cpu(0)`, `cpu(1)`, ...
+    Cpu,
+    /// A `device` store: every key homed on a GPU; the test's arrays on `gpu(i % gpu_count())`,
+    /// so with one GPU all of a push's values share it (several values on one GPU), and with
+    /// several they spread over all of them (an NCCL reduce).
+    Gpu,
+}
+
+impl Home {
+    /// The store kind whose keys live on this home: `local` or `device`.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Home::Cpu => "local",
+            Home::Gpu => "device",
+        }
+    }
+
+    /// Every store kind that keeps its keys on this home on this machine: without a GPU, the
+    /// GPU kinds fall back to the CPU home and are listed with it.
+    pub fn kinds(self) -> Vec<&'static str> {
+        let gpu_kinds = ["device", "local_allreduce_device", "nccl"];
+        match self {
+            Home::Cpu if gpu_count() == 0 => {
+                let mut all = vec!["local", "local_update_cpu", "local_allreduce_cpu"];
+                all.extend(gpu_kinds);
+                all
+            }
+            Home::Cpu => vec!["local", "local_update_cpu", "local_allreduce_cpu"],
+            Home::Gpu => gpu_kinds.to_vec(),
+        }
+    }
+
+    /// A fresh store of [`Home::kind`].
+    pub fn store(self) -> KvStore {
+        self.require();
+        KvStore::create(self.kind()).unwrap()
+    }
+
+    /// A fresh store of `kind`, which must be one of [`Home::kinds`].
+    pub fn store_of(self, kind: &str) -> KvStore {
+        self.require();
+        assert!(
+            self.kinds().contains(&kind),
+            "{kind} does not home its keys on {self:?}"
+        );
+        KvStore::create(kind).unwrap()
+    }
+
+    /// The device of the test's `i`-th array: `cpu(i)`, or `gpu(i % gpu_count())`.
+    pub fn dev(self, i: usize) -> Device {
+        match self {
+            Home::Cpu => cpu(i),
+            Home::Gpu => {
+                self.require();
+                gpu(i % gpu_count())
+            }
+        }
+    }
+
+    /// Where a store of this home puts a key when the caller does not say.
+    pub fn is_home(self, device: Device) -> bool {
+        match self {
+            Home::Cpu => matches!(device, Device::Cpu(_)),
+            Home::Gpu => matches!(device, Device::Gpu(_)),
+        }
+    }
+
+    /// An f32 array of `shape` filled with `v` on the `i`-th device.
+    pub fn full(self, shape: impl Into<Shape>, v: f64, i: usize) -> NDArray {
+        self.full_typed(shape, v, DType::F32, i)
+    }
+
+    /// An array of `shape` and `dtype` filled with `v` on the `i`-th device.
+    pub fn full_typed(self, shape: impl Into<Shape>, v: f64, dtype: DType, i: usize) -> NDArray {
+        NDArray::full_on(shape, v, dtype, self.dev(i)).unwrap()
+    }
+
+    /// `a`, copied to the `i`-th device.
+    pub fn put(self, a: &NDArray, i: usize) -> NDArray {
+        a.to_device(self.dev(i)).unwrap()
+    }
+
+    /// A GPU home needs a GPU: fail loudly rather than pass without one.
+    fn require(self) {
+        if self == Home::Gpu {
+            assert!(
+                gpu_count() > 0,
+                "this test needs a GPU and none was found (libcuda missing or no device)"
+            );
+        }
+    }
+}
+
+/// Makes a `cpu` and a `gpu` test module, with one test per listed `fn name(home: Home)`.
+///
+/// The GPU tests are `#[ignore = "needs a GPU"]`. A function may return `()` or a `Result`.
+#[macro_export]
+macro_rules! on_every_home {
+    ($($name:ident),+ $(,)?) => {
+        mod cpu {
+            $(
+                #[test]
+                fn $name() -> impl std::process::Termination {
+                    super::$name($crate::common::Home::Cpu)
+                }
+            )+
+        }
+        mod gpu {
+            $(
+                #[test]
+                #[ignore = "needs a GPU"]
+                fn $name() -> impl std::process::Termination {
+                    super::$name($crate::common::Home::Gpu)
+                }
+            )+
+        }
+    };
+}
