@@ -10,7 +10,7 @@
 #    (`cargo bench --no-run`), strips them, and stages them with a `run.sh` in `.gpu-stage/`
 #    (git-ignored; kept well under 60 MiB).
 # 2. On the GPU machine, from a copy of the repository (or of `.gpu-stage/` alone):
-#        .gpu-stage/run.sh            # logs go to $OUT if it is set, else .gpu-stage/logs
+#        .gpu-stage/run.sh            # logs in .gpu-stage/logs, packed into $OUT if set
 #    run.sh finds libnccl.so.2 (env NCCL_LIB, then pip's nvidia-nccl-cu12/13 under python's
 #    site-packages, then ldconfig, then /usr and /opt), makes a `libnccl.so` symlink to it in a
 #    temporary folder put first on LD_LIBRARY_PATH (cudarc only looks for `libnccl.so`), prints
@@ -70,8 +70,17 @@ cat >"$STAGE/run.sh" <<'RUN'
 # Runs the staged kvstore tests and benches on a GPU machine. See scripts/gpu-check.sh.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-LOG="${OUT:-$HERE/logs}"
+# Logs are written to $HERE/logs and packed at the end into logs.tgz, with summary.txt beside
+# it, in $OUT when it is set (a device run brings back at most 8 files).
+LOG="$HERE/logs"
+rm -rf "$LOG"
 mkdir -p "$LOG"
+pack() {
+    [ -n "${OUT:-}" ] || return 0
+    tar -C "$HERE" -czf "$OUT/logs.tgz" logs
+    cp "$LOG/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
+}
+trap pack EXIT
 
 # Without a GPU every GPU test fails anyway: say so once, up front, and stop.
 if ! { nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } && ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
@@ -128,8 +137,11 @@ for t in "$HERE"/tests/*; do
     [ -x "$t" ] || continue
     name=$(basename "$t")
     echo "== test $name"
-    "$t" --include-ignored --nocapture --test-threads=1 >"$LOG/test-$name.log" 2>&1
+    # A hung test must not eat the whole run: each binary gets TEST_TIMEOUT seconds.
+    timeout "${TEST_TIMEOUT:-300}" "$t" --include-ignored --nocapture --test-threads=1 \
+        >"$LOG/test-$name.log" 2>&1
     rc=$?
+    [ "$rc" -eq 124 ] && echo "TIMED OUT after ${TEST_TIMEOUT:-300} s" >>"$LOG/test-$name.log"
     passed=$(grep -Eo '[0-9]+ passed' "$LOG/test-$name.log" | tail -n 1 | cut -d' ' -f1)
     failed=$(grep -Eo '[0-9]+ failed' "$LOG/test-$name.log" | tail -n 1 | cut -d' ' -f1)
     skipped=$(grep -c '^SKIPPED:' "$LOG/test-$name.log")
@@ -144,7 +156,7 @@ for b in "$HERE"/benches/*; do
     [ "${SKIP_BENCHES:-0}" = 1 ] && { echo "== benches skipped (SKIP_BENCHES=1)"; break; }
     name=$(basename "$b")
     echo "== bench $name"
-    "$b" --bench >"$LOG/bench-$name.log" 2>&1
+    timeout "${BENCH_TIMEOUT:-400}" "$b" --bench >"$LOG/bench-$name.log" 2>&1
     rc=$?
     [ "$rc" -ne 0 ] && FAILED=1
     printf '%-28s rc=%s (bench; results in bench-%s.log)\n' "$name" "$rc" "$name" | tee -a "$SUMMARY"

@@ -11,6 +11,8 @@ use kvstore::backend::nccl::{self, MultiRank};
 use kvstore::backend::probe::gpu_count;
 use kvstore::{cpu, gpu, Adam, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
 use rand::Rng;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 fn require_gpu() {
     assert!(
@@ -547,5 +549,76 @@ fn empty_arrays_on_a_gpu() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// A collective that cannot complete (one of two ranks never joins) is aborted after the
+/// timeout, with an error that says so, instead of hanging; the GPU stays usable.
+#[test]
+#[ignore = "needs a GPU"]
+fn stalled_nccl_collective_is_aborted() -> Result<()> {
+    require_gpu();
+    // The stall runs on its own thread (with its own communicators: they cannot move between
+    // threads) so that, should the abort not end it, this test fails after a bound instead of
+    // hanging the run.
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut ranks = match MultiRank::new(0, 2) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+        };
+        ranks.set_timeout(Duration::from_secs(2));
+        let started = Instant::now();
+        let stalled = ranks.stalled_reduce_f32(1 << 16);
+        let took = started.elapsed();
+        let after = ranks.reduce_f32(&[vec![1.0], vec![2.0]], 0);
+        let _ = tx.send(Ok((stalled, took, after)));
+    });
+    let outcome = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the stalled collective was still hanging after 60 s: it was not aborted");
+    let (stalled, took, after) = match outcome {
+        Ok(o) => o,
+        Err(e) => {
+            skipped(
+                "stalled_nccl_collective_is_aborted",
+                &format!("NCCL version {:?}: {e}", nccl::version()),
+            );
+            return Ok(());
+        }
+    };
+    match stalled {
+        Err(Error::Nccl { message, .. }) => {
+            ensure!(
+                message.contains("no progress") && message.contains("aborted"),
+                "the error says what happened: {message}"
+            );
+        }
+        other => panic!("expected an NCCL timeout error, got {other:?}"),
+    }
+    ensure!(
+        took >= Duration::from_secs(2),
+        "it waited the timeout ({took:?})"
+    );
+    ensure!(
+        matches!(after, Err(Error::Nccl { ref message, .. }) if message.contains("create a new")),
+        "an aborted communicator refuses later calls: {after:?}"
+    );
+
+    // The GPU itself still works.
+    let kv = KvStore::create("device")?;
+    let data = random(1000);
+    kv.init_on(1, &array(&data, &[1000], DType::F32, cpu(0))?, gpu(0))?;
+    let out = NDArray::full_on([1000], f64::NAN, DType::F32, cpu(0))?;
+    kv.pull(1, &out)?;
+    assert_close(
+        &out.to_vec()?,
+        &rounded(&data, DType::F32)?,
+        0.0,
+        "pull after abort",
+    );
     Ok(())
 }

@@ -22,7 +22,7 @@ use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
 
 use crate::backend::kernels::{self, RuleKind};
-use crate::backend::probe;
+use crate::backend::{nccl, probe};
 use crate::host::HostData;
 use crate::{DType, Device, Error, Key, Result};
 
@@ -141,12 +141,12 @@ pub fn gpu(i: usize) -> Result<&'static Gpu> {
         })
 }
 
-/// Waits for the stream of every GPU this process has opened (opens none). A no-op without
-/// GPUs.
+/// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work
+/// with its timeout (see [`nccl::wait_stream`]). A no-op without GPUs.
 pub fn synchronize_all() -> Result<()> {
     for slot in GPUS.get().into_iter().flatten() {
         if let Some(Ok(g)) = slot.get() {
-            g.synchronize()?;
+            nccl::wait_stream(g)?;
         }
     }
     Ok(())
@@ -354,8 +354,10 @@ impl GpuBuf {
         .map_err(e)
     }
 
-    /// The elements, copied to the host. Waits for the buffer's stream.
+    /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
+    /// work in flight with its timeout (see [`nccl::wait_stream`]).
     pub fn download(&self) -> Result<HostData> {
+        nccl::wait_stream(gpu(self.ordinal())?)?;
         let e = || cuda_err("copy to host", None);
         let data = match self {
             GpuBuf::F32(s) => HostData::F32(clone_dtoh(s.stream(), s).map_err(e())?),

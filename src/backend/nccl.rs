@@ -10,12 +10,15 @@
 //! - Each rank runs on its GPU's single runtime stream, so NCCL calls are ordered with the
 //!   kernels and copies around them.
 //! - All collectives of one call are issued inside one `group_start`/`group_end`.
-//! - After the group, an event per rank is recorded. [`wait_all`] polls those events and
-//!   `ncclCommGetAsyncError`; on an error or after `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s) the
-//!   communicator is aborted and dropped from the cache, and an [`Error::Nccl`] names the keys.
+//! - After the group, an event per rank is recorded. Every host wait ([`wait_all`], and any
+//!   read of a GPU buffer on the host, through [`wait_stream`]) polls those events and
+//!   `ncclCommGetAsyncError`. On an error, or when a collective is still running
+//!   `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s) after it was issued, its communicators are
+//!   aborted and dropped from the cache, and an [`Error::Nccl`] names the keys.
 
 use std::collections::HashMap;
 use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -77,7 +80,7 @@ pub fn version() -> Option<i32> {
     result::get_nccl_version().ok()
 }
 
-/// How long [`wait_all`] waits for NCCL work before it aborts the communicator.
+/// How long a collective may run before a host wait aborts its communicators.
 fn timeout() -> Duration {
     let ms = std::env::var("KVSTORE_NCCL_TIMEOUT_MS")
         .ok()
@@ -164,10 +167,19 @@ impl Drop for CommSet {
 
 /// NCCL work in flight: the events recorded after a group, per rank of one device set.
 struct Pending {
+    /// Issue order, so a wait covers only the work issued before it began.
+    seq: u64,
+    issued: Instant,
     set: Vec<usize>,
     events: Vec<CudaEvent>,
     keys: Vec<Key>,
     op: &'static str,
+}
+
+/// A collective that failed or stalled. Its device set's communicators are already aborted.
+struct Failure {
+    set: Vec<usize>,
+    error: Error,
 }
 
 /// The communicator cache and the work in flight.
@@ -175,9 +187,13 @@ struct Pending {
 struct Comms {
     sets: HashMap<Vec<usize>, CommSet>,
     pending: Vec<Pending>,
+    next_seq: u64,
     /// Errors found while polling between calls, reported by the next [`wait_all`].
     deferred: Vec<Error>,
 }
+
+/// How often a host wait polls events and NCCL's async errors.
+const POLL_INTERVAL: Duration = Duration::from_micros(200);
 
 // SAFETY: `Comms` holds raw `ncclComm_t` handles, which are not `Send` in Rust's eyes. NCCL
 // allows a communicator to be used from any thread as long as calls on it are not concurrent.
@@ -208,51 +224,55 @@ impl Comms {
         self.sets.remove(set);
     }
 
-    /// Drops pending entries whose events have all completed; reports async errors.
-    fn poll(&mut self, wait: bool) -> Result<()> {
-        let deadline = Instant::now() + timeout();
-        loop {
-            let mut failure = None;
-            self.pending.retain(|p| {
-                if failure.is_some() {
+    /// Drops the pending entries whose events have all completed. The first entry whose
+    /// communicators report an asynchronous error, or that is still running [`timeout`] after
+    /// it was issued, is aborted with its whole device set and returned.
+    fn poll(&mut self) -> std::result::Result<(), Failure> {
+        let limit = timeout();
+        let mut failure = None;
+        self.pending.retain(|p| {
+            if failure.is_some() {
+                return true;
+            }
+            let fail = |error| {
+                Some(Failure {
+                    set: p.set.clone(),
+                    error,
+                })
+            };
+            if let Some(set) = self.sets.get(&p.set) {
+                if let Err(e) = set.async_error(p.op, &p.keys) {
+                    failure = fail(e);
                     return true;
                 }
-                if let Some(set) = self.sets.get(&p.set) {
-                    if let Err(e) = set.async_error(p.op, &p.keys) {
-                        failure = Some((p.set.clone(), e));
-                        return true;
-                    }
+            }
+            match all_complete(&p.events, p.op) {
+                Ok(true) => false,
+                Ok(false) if p.issued.elapsed() > limit => {
+                    failure = fail(Error::Nccl {
+                        op: p.op,
+                        keys: p.keys.clone(),
+                        message: format!(
+                            "no progress after {limit:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
+                             communicator for GPUs {:?} was aborted",
+                            p.set
+                        ),
+                    });
+                    true
                 }
-                match all_complete(&p.events, p.op) {
-                    Ok(done) => !done,
-                    Err(e) => {
-                        failure = Some((p.set.clone(), e));
-                        true
-                    }
+                Ok(false) => true,
+                Err(e) => {
+                    failure = fail(e);
+                    true
                 }
-            });
-            if let Some((set, e)) = failure {
-                self.abort(&set);
-                return Err(e);
             }
-            if self.pending.is_empty() || !wait {
-                return Ok(());
+        });
+        match failure {
+            Some(f) => {
+                self.abort(&f.set);
+                Err(f)
             }
-            if Instant::now() > deadline {
-                let p = &self.pending[0];
-                let (set, keys, op) = (p.set.clone(), p.keys.clone(), p.op);
-                self.abort(&set);
-                return Err(Error::Nccl {
-                    op,
-                    keys,
-                    message: format!(
-                        "timed out after {:?} (KVSTORE_NCCL_TIMEOUT_MS); the communicator for \
-                         GPUs {set:?} was aborted",
-                        timeout()
-                    ),
-                });
-            }
-            std::thread::sleep(Duration::from_micros(200));
+            None => Ok(()),
         }
     }
 }
@@ -268,17 +288,72 @@ fn all_complete(events: &[CudaEvent], op: &'static str) -> Result<bool> {
     Ok(true)
 }
 
-/// Waits for every NCCL collective in flight, polling for asynchronous errors, with a timeout.
-/// A failed or stuck communicator is aborted and dropped from the cache.
+/// Waits for every NCCL collective issued before the call, polling for asynchronous errors.
+/// A collective that fails, or makes no progress for [`timeout`], has its communicators aborted
+/// and dropped from the cache, and its error is returned.
 pub fn wait_all() -> Result<()> {
     if !probe::nccl_present() {
         return Ok(());
     }
-    let mut c = comms();
-    if !c.deferred.is_empty() {
-        return Err(c.deferred.remove(0));
+    let last = comms().next_seq;
+    loop {
+        {
+            let mut c = comms();
+            if !c.deferred.is_empty() {
+                return Err(c.deferred.remove(0));
+            }
+            c.poll().map_err(|f| f.error)?;
+            if c.pending.iter().all(|p| p.seq >= last) {
+                return Ok(());
+            }
+        }
+        std::thread::sleep(POLL_INTERVAL);
     }
-    c.poll(true)
+}
+
+/// Waits on the host for the work enqueued so far on one GPU's stream.
+///
+/// With NCCL work in flight this polls instead of blocking: a collective that fails, or makes
+/// no progress for [`timeout`], is aborted (which ends its kernels, so the stream drains)
+/// rather than holding this thread forever. The error is returned when that collective ran on
+/// this GPU, and otherwise kept for the next [`wait_all`].
+pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
+    let op = "wait for GPU";
+    if !probe::nccl_present() || comms().pending.is_empty() {
+        return gpu.synchronize();
+    }
+    let done = gpu
+        .stream()
+        .record_event(None)
+        .map_err(cuda_err(op, None))?;
+    // A backstop for a stream still busy well after its collectives would have timed out.
+    let deadline = Instant::now() + 2 * timeout();
+    loop {
+        if done.try_is_complete().map_err(cuda_err(op, None))? {
+            return Ok(());
+        }
+        {
+            let mut c = comms();
+            if let Err(f) = c.poll() {
+                if f.set.contains(&gpu.ordinal()) {
+                    return Err(f.error);
+                }
+                c.deferred.push(f.error);
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Cuda {
+                op,
+                key: None,
+                message: format!(
+                    "gpu({}) was still busy after {:?}",
+                    gpu.ordinal(),
+                    2 * timeout()
+                ),
+            });
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
 }
 
 /// What one key's collective does. Ranks are indices into the job's `devices`.
@@ -327,8 +402,8 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     }
     let mut c = comms();
     // Errors of earlier work (other keys) do not fail this call: wait_all reports them.
-    if let Err(e) = c.poll(false) {
-        c.deferred.push(e);
+    if let Err(f) = c.poll() {
+        c.deferred.push(f.error);
     }
     let mut sets: Vec<Vec<usize>> = jobs.iter().map(|j| j.devices.clone()).collect();
     sets.sort();
@@ -360,7 +435,11 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
                     .map_err(cuda_err("record NCCL event", None))?,
             );
         }
+        let seq = c.next_seq;
+        c.next_seq += 1;
         c.pending.push(Pending {
+            seq,
+            issued: Instant::now(),
             set: s.clone(),
             events,
             keys,
@@ -433,6 +512,10 @@ fn issue(c: &Comms, op: &'static str, jobs: &[Job]) -> Result<()> {
 pub struct MultiRank {
     ordinal: usize,
     ranks: Vec<Rank>,
+    /// Set once the communicators are aborted (after a failed or stalled call, or on drop).
+    aborted: AtomicBool,
+    /// How long a call waits for the ranks before it aborts them.
+    timeout: Duration,
 }
 
 impl MultiRank {
@@ -484,7 +567,12 @@ impl MultiRank {
             .filter(|(c, _)| !c.is_null())
             .map(|(comm, stream)| Rank { comm, stream })
             .collect();
-        let this = MultiRank { ordinal, ranks };
+        let this = MultiRank {
+            ordinal,
+            ranks,
+            aborted: AtomicBool::new(false),
+            timeout: timeout(),
+        };
         first?;
         Ok(this)
     }
@@ -492,6 +580,7 @@ impl MultiRank {
     /// Sums `sends[r]` (one host vector per rank) on the GPU with NCCL; returns the root's result.
     pub fn reduce_f32(&self, sends: &[Vec<f32>], root: usize) -> Result<Vec<f32>> {
         let op = "multi-rank reduce";
+        self.check_live(op)?;
         let n = sends.first().map_or(0, Vec::len);
         if sends.len() != self.ranks.len() || sends.iter().any(|s| s.len() != n) {
             return Err(self.bad_args(op, "one vector per rank, all of one length"));
@@ -529,6 +618,7 @@ impl MultiRank {
     /// Broadcasts `data` from rank `root`; returns what every rank received.
     pub fn broadcast_f32(&self, data: &[f32], root: usize) -> Result<Vec<Vec<f32>>> {
         let op = "multi-rank broadcast";
+        self.check_live(op)?;
         let n = data.len();
         self.check_root(op, root)?;
         let send: CudaSlice<f32> =
@@ -571,6 +661,12 @@ impl MultiRank {
     /// The GPU the ranks share.
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// Sets how long a call waits for the ranks before it aborts them (by default
+    /// `KVSTORE_NCCL_TIMEOUT_MS`, or 60 s).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
     }
 
     fn bad_args(&self, op: &'static str, what: &str) -> Error {
@@ -616,35 +712,121 @@ impl MultiRank {
         first
     }
 
-    /// Waits for every rank's stream, polling async errors, with the NCCL timeout.
+    /// Waits for every rank's stream, polling async errors, with the NCCL timeout. On an error
+    /// or a timeout the communicators are aborted (which ends their kernels), the streams are
+    /// given one more timeout to drain, and every later call fails.
     fn sync(&self, op: &'static str) -> Result<()> {
-        let deadline = Instant::now() + timeout();
+        let deadline = Instant::now() + self.timeout;
         let events = self
             .ranks
             .iter()
             .map(|r| r.stream.record_event(None).map_err(cuda_err(op, None)))
             .collect::<Result<Vec<_>>>()?;
-        while !all_complete(&events, op)? {
-            async_error(&self.ranks, op, &[])?;
+        let failure = loop {
+            if all_complete(&events, op)? {
+                return Ok(());
+            }
+            if let Err(e) = async_error(&self.ranks, op, &[]) {
+                break e;
+            }
             if Instant::now() > deadline {
-                return Err(Error::Nccl {
+                break Error::Nccl {
                     op,
                     keys: vec![],
-                    message: format!("timed out after {:?}", timeout()),
-                });
+                    message: format!("no progress after {:?}", self.timeout),
+                };
             }
-            std::thread::sleep(Duration::from_micros(200));
+            std::thread::sleep(POLL_INTERVAL);
+        };
+        self.abort();
+        let drain = Instant::now() + self.timeout;
+        let drained = loop {
+            match all_complete(&events, op) {
+                Ok(false) if Instant::now() < drain => std::thread::sleep(POLL_INTERVAL),
+                Ok(done) => break done,
+                Err(_) => break false,
+            }
+        };
+        let Error::Nccl { message, .. } = failure else {
+            return Err(failure);
+        };
+        let after = if drained {
+            "the communicators were aborted and their streams drained"
+        } else {
+            "the communicators were aborted but their streams are still busy"
+        };
+        Err(Error::Nccl {
+            op,
+            keys: vec![],
+            message: format!("{message}; {after}"),
+        })
+    }
+
+    /// Fails once the communicators have been aborted.
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(Error::Nccl {
+                op,
+                keys: vec![],
+                message: "these communicators were aborted after an earlier failure; create a \
+                          new MultiRank"
+                    .to_owned(),
+            });
         }
         Ok(())
+    }
+
+    /// Aborts every rank's communicator, once.
+    fn abort(&self) {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for r in &self.ranks {
+            // SAFETY: each handle was created for this object; the flag above makes this the
+            // only abort, and `check_live` keeps every later call from using the handle.
+            let _ = unsafe { result::comm_abort(r.comm) };
+        }
+    }
+
+    /// Issues a reduce on rank 0 alone, which can never complete, then waits as every call
+    /// does. For tests that a stalled collective is aborted after the timeout rather than left
+    /// hanging. A full reduce runs first, so the ranks' connections exist and the group call
+    /// itself does not wait for the missing rank.
+    #[doc(hidden)]
+    pub fn stalled_reduce_f32(&self, n: usize) -> Result<()> {
+        let op = "stalled reduce";
+        let sends: Vec<Vec<f32>> = (0..self.ranks.len()).map(|_| vec![1.0; n]).collect();
+        self.reduce_f32(&sends, 0)?;
+        let stream = &self.ranks[0].stream;
+        let buf: CudaSlice<f32> =
+            cuda::clone_htod(stream, &sends[0]).map_err(cuda_err(op, None))?;
+        let ptr = device_addr(&buf, stream);
+        self.group(op, |rank, r| {
+            if rank != 0 {
+                return Ok(result::NcclStatus::Success);
+            }
+            // SAFETY: `ptr` names a live buffer of `n` f32 on this GPU, used in place (NCCL
+            // allows send == recv); it is freed on this stream, so after the aborted kernel.
+            unsafe {
+                result::reduce(
+                    ptr as *const _,
+                    ptr as *mut _,
+                    n,
+                    sys::ncclDataType_t::ncclFloat32,
+                    sys::ncclRedOp_t::ncclSum,
+                    0,
+                    r.comm,
+                    r.stream.cu_stream() as _,
+                )
+            }
+        })?;
+        self.sync(op)
     }
 }
 
 impl Drop for MultiRank {
     fn drop(&mut self) {
-        for r in &self.ranks {
-            // SAFETY: each handle was created for this object and is aborted exactly once.
-            let _ = unsafe { result::comm_abort(r.comm) };
-        }
+        self.abort();
     }
 }
 

@@ -56,6 +56,7 @@ impl GpuCell {
             return Ok(None);
         };
         let stream = self.buf.stream();
+        nccl::wait_stream(gpu(self.buf.ordinal())?)?;
         let bufs = state
             .bufs
             .iter()
