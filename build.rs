@@ -37,6 +37,11 @@ const RULE_PARAMS: &[(&str, &[&str])] = &[
 /// Element types with kernels; `fused_<rule>_<dtype>` lives in `kernels/fused_<dtype>.ptx`.
 const DTYPES: &[&str] = &["f32", "f16", "bf16"];
 
+/// The parameter types of a user PTX updater's entry (`kvstore::PTX_UPDATER_PARAMS`).
+const USER_PARAMS: &[&str] = &[
+    "u64", "u64", "u64", "u64", "u64", "u64", "f32", "f32", "f32", "f32",
+];
+
 /// The architectures each file is assembled for, where its `.target` allows.
 const ARCHS: &[u32] = &[70, 80, 90];
 
@@ -47,21 +52,37 @@ fn main() {
 
     let dir = Path::new("kernels");
     let files = ptx_files(dir);
-    let parsed: BTreeMap<String, Ptx> = files
-        .iter()
-        .map(|path| {
-            let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
-            let text = fs::read_to_string(path)
-                .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
-            let ptx = parse(&text).unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
-            (stem, ptx)
-        })
-        .collect();
+    let parsed: BTreeMap<String, Ptx> = files.iter().map(|p| read_ptx(p)).collect();
 
     check_abi(&parsed);
 
+    // Example user updaters: every entry takes the user-updater parameter list.
+    let user_files = ptx_files(&dir.join("user"));
+    let user: BTreeMap<String, Ptx> = user_files.iter().map(|p| read_ptx(p)).collect();
+    for (stem, ptx) in &user {
+        for (name, types) in &ptx.entries {
+            if types != USER_PARAMS {
+                fail(&format!(
+                    "kernels/user/{stem}.ptx: {name} takes ({}), a user updater takes ({})",
+                    types.join(", "),
+                    USER_PARAMS.join(", ")
+                ));
+            }
+        }
+    }
+
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     assemble_all(&files, &parsed, &out);
+    assemble_all(&user_files, &user, &out);
+}
+
+/// `kernels/<stem>.ptx` read and parsed, or the build fails.
+fn read_ptx(path: &Path) -> (String, Ptx) {
+    let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+    let text = fs::read_to_string(path)
+        .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+    let ptx = parse(&text).unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
+    (stem, ptx)
 }
 
 /// What build.rs needs from one PTX file.

@@ -16,7 +16,9 @@ use crate::backend::{nccl, probe};
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::UpdateFn;
-use crate::{DType, Device, Element, Error, Key, KeyKind, NDArray, Result, Shape, Updater};
+use crate::{
+    DType, Device, Element, Error, Key, KeyKind, NDArray, PtxUpdater, Result, Shape, Updater,
+};
 
 /// The kinds of store, by where values live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -737,24 +739,13 @@ fn apply_push(
     cells: &mut [RwLockWriteGuard<'_, Cell>],
 ) -> Result<()> {
     let order = issue_order(groups);
-    if let Updater::Custom(f) = &active.updater {
-        let updated = order
-            .iter()
-            .map(|&i| {
-                let value = match &cells[i].value {
-                    Value::Host(h) => std::borrow::Cow::Borrowed(h),
-                    Value::Gpu(c) => std::borrow::Cow::Owned(c.buf.download()?),
-                };
-                run_custom(f.as_ref(), &groups[i].slot, &value, &groups[i].arrays)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        for (&i, value) in order.iter().zip(updated) {
-            match &mut cells[i].value {
-                Value::Host(h) => *h = value,
-                Value::Gpu(c) => c.buf.upload_into(&value)?,
-            }
+    match &active.updater {
+        Updater::Custom(f) => {
+            let updated = run_closure(f.as_ref(), &order, groups, cells)?;
+            return store_results(&order, updated, cells);
         }
-        return Ok(());
+        Updater::Ptx(p) => return push_ptx(p, active, use_nccl, &order, groups, cells),
+        _ => {}
     }
     // Taken out one by one in issue order: GPU jobs keep their cell borrowed until the launch.
     let mut cells: Vec<Option<&mut RwLockWriteGuard<'_, Cell>>> =
@@ -790,6 +781,102 @@ fn apply_push(
         return Ok(());
     }
     home::push(&active.updater, active.generation, use_nccl, gpu_jobs)
+}
+
+/// Runs closure `f` for the groups `which`, in that order, on copies: nothing changes yet, so
+/// a panic or a bad result in any key leaves every key as it was.
+fn run_closure(
+    f: &UpdateFn,
+    which: &[usize],
+    groups: &[Group<'_>],
+    cells: &[RwLockWriteGuard<'_, Cell>],
+) -> Result<Vec<HostData>> {
+    which
+        .iter()
+        .map(|&i| {
+            let value = match &cells[i].value {
+                Value::Host(h) => std::borrow::Cow::Borrowed(h),
+                Value::Gpu(c) => std::borrow::Cow::Owned(c.buf.download()?),
+            };
+            run_custom(f, &groups[i].slot, &value, &groups[i].arrays)
+        })
+        .collect()
+}
+
+/// Stores the results of [`run_closure`] for the groups `which`.
+fn store_results(
+    which: &[usize],
+    results: Vec<HostData>,
+    cells: &mut [RwLockWriteGuard<'_, Cell>],
+) -> Result<()> {
+    for (&i, value) in which.iter().zip(results) {
+        match &mut cells[i].value {
+            Value::Host(h) => *h = value,
+            Value::Gpu(c) => c.buf.upload_into(&value)?,
+        }
+    }
+    Ok(())
+}
+
+/// A push with a user PTX updater: its kernel on GPU-homed keys, its CPU twin on keys homed in
+/// host memory. Every key is checked first (the dtype, a twin where one is needed), and the
+/// twin runs on copies, so a bad key fails the call with nothing changed.
+fn push_ptx(
+    p: &PtxUpdater,
+    active: &Active,
+    use_nccl: bool,
+    order: &[usize],
+    groups: &[Group<'_>],
+    cells: &mut [RwLockWriteGuard<'_, Cell>],
+) -> Result<()> {
+    let (on_gpu, on_host): (Vec<usize>, Vec<usize>) = order
+        .iter()
+        .partition(|&&i| matches!(cells[i].value, Value::Gpu(_)));
+    for &i in &on_gpu {
+        let slot = &groups[i].slot;
+        if slot.dtype != p.dtype() {
+            return Err(Error::InvalidUpdater(format!(
+                "the PTX updater '{}' works on {} keys, and key {} is {}: use one PTX updater \
+                 per dtype, or store the key as {}",
+                p.entry(),
+                p.dtype(),
+                slot.key,
+                slot.dtype,
+                p.dtype()
+            )));
+        }
+    }
+    let twin_results = match (p.cpu_twin(), on_host.first()) {
+        (_, None) => Vec::new(),
+        (Some(twin), Some(_)) => run_closure(twin.as_ref(), &on_host, groups, cells)?,
+        (None, Some(&i)) => {
+            return Err(Error::InvalidUpdater(format!(
+                "key {} is homed in host memory ({}) and the PTX updater '{}' has no CPU twin: \
+                 give one with PtxUpdater::with_cpu_twin, or home the key on a GPU",
+                groups[i].slot.key,
+                groups[i].slot.home,
+                p.entry()
+            )))
+        }
+    };
+    if !on_gpu.is_empty() {
+        let mut taken: Vec<Option<&mut RwLockWriteGuard<'_, Cell>>> =
+            cells.iter_mut().map(Some).collect();
+        let mut jobs = Vec::with_capacity(on_gpu.len());
+        for &i in &on_gpu {
+            let cell = taken[i].take().expect("each key is issued once");
+            let Value::Gpu(c) = &mut cell.value else {
+                unreachable!("partitioned by home just above")
+            };
+            jobs.push(home::PushJob {
+                key: &groups[i].slot.key,
+                cell: c,
+                values: &groups[i].arrays,
+            });
+        }
+        home::push(&active.updater, active.generation, use_nccl, jobs)?;
+    }
+    store_results(&on_host, twin_results, cells)
 }
 
 /// Pulls every group from its cell: host homes here, GPU homes through [`home::pull`].

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use num_traits::Float;
 
 use crate::dtype::Element;
-use crate::{Error, Key, NDArray, Result};
+use crate::{Error, Key, NDArray, PtxUpdater, Result};
 
 /// The signature of a custom updater: `(key, merged input, stored value)`.
 pub type UpdateFn = dyn Fn(&Key, &NDArray, &mut NDArray) + Send + Sync;
@@ -41,6 +41,9 @@ pub enum Updater {
     /// store it is set on. For keys homed on a GPU, the data goes to the host and back: this is
     /// the slow path.
     Custom(Arc<UpdateFn>),
+    /// A user's own kernel in PTX for keys homed on a GPU, with an optional CPU twin for keys
+    /// homed in host memory. See [`PtxUpdater`] for the entry's parameter list.
+    Ptx(PtxUpdater),
 }
 
 impl Updater {
@@ -62,6 +65,11 @@ impl Updater {
         let bad = |what: String| Err(Error::InvalidUpdater(what));
         match self {
             Updater::Assign | Updater::Custom(_) => Ok(()),
+            Updater::Ptx(p) if p.state_buffers() > 2 => bad(format!(
+                "a PTX updater keeps at most 2 state buffers (m and v), got {}",
+                p.state_buffers()
+            )),
+            Updater::Ptx(_) => Ok(()),
             Updater::Axpby { a, b } if !(a.is_finite() && b.is_finite()) => {
                 bad(format!("axpby needs finite a and b, got a={a}, b={b}"))
             }
@@ -96,11 +104,12 @@ impl Updater {
         match self {
             Updater::Sgd(s) if s.momentum != 0.0 => &["momentum"],
             Updater::Adam(_) => &["mean", "var"],
+            Updater::Ptx(p) => &["m", "v"][..p.state_buffers().min(2)],
             _ => &[],
         }
     }
 
-    /// A short name: `assign`, `axpby`, `sgd`, `adam` or `custom`.
+    /// A short name: `assign`, `axpby`, `sgd`, `adam`, `custom` or `ptx`.
     pub fn name(&self) -> &'static str {
         match self {
             Updater::Assign => "assign",
@@ -108,10 +117,12 @@ impl Updater {
             Updater::Sgd(_) => "sgd",
             Updater::Adam(_) => "adam",
             Updater::Custom(_) => "custom",
+            Updater::Ptx(_) => "ptx",
         }
     }
 
-    /// The fused element rule for one step; `None` for a custom closure. `step` counts from 1.
+    /// The fused element rule for one step; `None` for a closure or a PTX updater. `step`
+    /// counts from 1.
     pub(crate) fn rule<A: Element + Float>(&self, step: u64) -> Option<Rule<A>> {
         let c = |x: f64| A::from_f64(x);
         let clip = |c: Option<f32>| A::from_f64(c.map_or(f64::INFINITY, f64::from));
@@ -145,7 +156,7 @@ impl Updater {
                     clip: clip(a.clip_gradient),
                 }
             }
-            Updater::Custom(_) => return None,
+            Updater::Custom(_) | Updater::Ptx(_) => return None,
         })
     }
 }
@@ -170,6 +181,7 @@ impl fmt::Debug for Updater {
             Updater::Sgd(s) => write!(f, "{s:?}"),
             Updater::Adam(a) => write!(f, "{a:?}"),
             Updater::Custom(_) => f.write_str("Custom(..)"),
+            Updater::Ptx(p) => write!(f, "{p:?}"),
         }
     }
 }

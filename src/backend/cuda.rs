@@ -24,7 +24,8 @@ use half::{bf16, f16};
 use crate::backend::kernels::{self, RuleKind};
 use crate::backend::{nccl, probe};
 use crate::host::HostData;
-use crate::{DType, Device, Error, Key, Result};
+use crate::ptx_updater::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
+use crate::{DType, Device, Error, Key, PtxUpdater, Result};
 
 /// One GPU: its context, its single stream, and its kernels (loaded on first use).
 pub struct Gpu {
@@ -33,6 +34,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     modules: OnceLock<std::result::Result<HashMap<&'static str, Arc<CudaModule>>, String>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Users' PTX updaters loaded here, by updater identity.
+    user_functions: Mutex<HashMap<u64, CudaFunction>>,
 }
 
 impl Gpu {
@@ -72,6 +75,7 @@ impl Gpu {
             stream,
             modules: OnceLock::new(),
             functions: Mutex::new(HashMap::new()),
+            user_functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -115,6 +119,75 @@ impl Gpu {
         functions.insert(name, f.clone());
         Ok(f)
     }
+}
+
+impl Gpu {
+    /// A user PTX updater's entry, loading its module on this GPU on first use (once).
+    pub(crate) fn user_function(&self, p: &PtxUpdater) -> Result<CudaFunction> {
+        let mut user = self
+            .user_functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = user.get(&p.id()) {
+            return Ok(f.clone());
+        }
+        let err = |e: DriverError| Error::Cuda {
+            op: "load PTX updater",
+            key: None,
+            message: format!("entry '{}' on gpu({}): {e}", p.entry(), self.ordinal),
+        };
+        let module = self.ctx.load_module(Ptx::from_src(p.ptx())).map_err(err)?;
+        let f = module.load_function(p.entry()).map_err(err)?;
+        p.note_load();
+        user.insert(p.id(), f.clone());
+        Ok(f)
+    }
+}
+
+/// The device addresses and counts of one user PTX updater launch (see [`crate::ptx_updater`]).
+pub(crate) struct UserLaunch {
+    pub stored: u64,
+    pub merged: u64,
+    pub m: u64,
+    pub v: u64,
+    pub n: u64,
+    pub step: u64,
+}
+
+/// Launches a user PTX updater on `gpu` for one key: 256 threads per block, enough blocks to
+/// give each thread one element, at most 4096 (the kernel's grid-stride loop does the rest).
+pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<()> {
+    if a.n == 0 {
+        return Ok(());
+    }
+    let func = gpu.user_function(p)?;
+    let blocks =
+        a.n.div_ceil(u64::from(PTX_UPDATER_BLOCK))
+            .min(u64::from(PTX_UPDATER_MAX_BLOCKS)) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (PTX_UPDATER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let [s0, s1, s2, s3] = p.scalars();
+    let mut args = gpu.stream().launch_builder(&func);
+    args.arg(&a.stored)
+        .arg(&a.merged)
+        .arg(&a.m)
+        .arg(&a.v)
+        .arg(&a.n)
+        .arg(&a.step)
+        .arg(&s0)
+        .arg(&s1)
+        .arg(&s2)
+        .arg(&s3);
+    // SAFETY: `PtxUpdater::new` checked that the entry declares exactly this parameter list
+    // (six u64, four f32). `stored` and `merged` name live buffers of `n` elements of the
+    // updater's dtype on this GPU, `m` and `v` live f32 buffers of `n` elements or 0, all kept
+    // alive by the caller and freed on this stream after the launch. What the user's code
+    // does with them is the user's contract (documented in `ptx_updater`).
+    unsafe { args.launch(cfg) }.map_err(cuda_err("launch PTX updater", None))?;
+    Ok(())
 }
 
 /// Every GPU of the process, each opened on first use (or the reason it could not be).

@@ -1,12 +1,17 @@
 //! Push and pull for keys whose home is a GPU.
 //!
-//! Push: values are grouped by device. Values on the home GPU are passed straight to the fused
-//! update kernel as its k inputs (sum and update in one pass). Several values on another GPU
-//! are first summed there by the `assign` kernel; values on the host are summed on the host and
-//! copied to the home. Across GPUs, `nccl` stores use one NCCL reduce per key (all keys of a
+//! Push: values are grouped by device. Values on the home GPU, and values on the host (each
+//! copied to the home), are passed straight to the fused update kernel as its k inputs (sum and
+//! update in one pass, the sum in f32). Several values on another GPU are first summed there by
+//! the `assign` kernel. Across GPUs, `nccl` stores use one NCCL reduce per key (all keys of a
 //! call in one group); `device` stores, or any store without NCCL, use peer copies into scratch
 //! buffers on the home. Then ONE launch per (home GPU, rule, dtype) updates every key of the
 //! call. Updater state (f32) lives on the home GPU.
+//!
+//! Rounding: a sum made on another GPU (the `assign` pre-sum, or NCCL's reduce, which adds in
+//! the dtype itself) is rounded to the key's dtype before the home adds it, so f16 and bf16
+//! keys pushed from several GPUs can differ from the CPU home in the last bits; as with NCCL
+//! reductions in DDP or Horovod. Values on the home GPU and on the host are summed in f32.
 //!
 //! Pull: one NCCL broadcast (or peer copy) from the home to each distinct GPU that has outs,
 //! device copies for further outs on the same GPU, and one device-to-host copy for host outs and
@@ -19,13 +24,15 @@ use std::sync::RwLockReadGuard;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::{cross_gpu_order, cuda_err, gpu, launch_fused, stream_wait, GpuBuf, Record};
-use crate::backend::cpu;
+use super::{
+    cross_gpu_order, cuda_err, gpu, launch_fused, launch_user, stream_wait, GpuBuf, Record,
+    UserLaunch,
+};
 use crate::backend::kernels::{self, RuleKind};
 use crate::backend::nccl;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
-use crate::{DType, Device, Element, Error, Key, NDArray, Result, Updater};
+use crate::{DType, Device, Error, Key, NDArray, PtxUpdater, Result, Updater};
 
 /// A key's value and updater state on its home GPU.
 #[derive(Debug)]
@@ -157,7 +164,8 @@ struct Ptr {
     addr: u64,
 }
 
-/// Enqueues a validated push of built-in updaters on GPU homes (f32, f16 and bf16 keys).
+/// Enqueues a validated push of built-in or PTX updaters on GPU homes (f32, f16 and bf16
+/// keys; for a PTX updater, keys of its dtype).
 /// `use_nccl`: cross-GPU sums go through NCCL (else through peer copies).
 pub(crate) fn push(
     updater: &Updater,
@@ -181,29 +189,20 @@ pub(crate) fn push(
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
+        // The kernel sums its k inputs in f32 in this order; host values are uploaded one by
+        // one (not summed on the host) so f16 and bf16 sums round once, as on the CPU home.
         let mut on_home = Vec::new();
-        let mut host: Vec<&HostData> = Vec::new();
         let mut others: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
         for v in job.values {
             match reads.get(v) {
-                Storage::Host(h) => host.push(h),
+                Storage::Host(h) => {
+                    let up = GpuBuf::upload(home, h).map_err(with_key(job.key))?;
+                    on_home.push(up.ptr());
+                    keep.push(up);
+                }
                 Storage::Gpu(b) if b.ordinal() == home => on_home.push(b.ptr()),
                 Storage::Gpu(b) => others.entry(b.ordinal()).or_default().push(b.ptr()),
             }
-        }
-        if !host.is_empty() {
-            let sum = with_host!(host[0], first: T => {
-                let values: Vec<&[T]> = host
-                    .iter()
-                    .map(|h| T::slice(h).expect("value dtypes were checked"))
-                    .collect();
-                let mut sum = first.clone();
-                cpu::sum_into(&values, &mut sum);
-                T::wrap(sum)
-            });
-            let up = GpuBuf::upload(home, &sum).map_err(with_key(job.key))?;
-            on_home.push(up.ptr());
-            keep.push(up);
         }
         let mut parts = Vec::new();
         for (d, ptrs) in others {
@@ -239,7 +238,10 @@ pub(crate) fn push(
     }
 
     move_partials(use_nccl, &jobs, &mut inputs, &partials, &mut keep)?;
-    update(updater, generation, jobs, &inputs)?;
+    match updater {
+        Updater::Ptx(p) => update_ptx(p, generation, jobs, &inputs, &mut keep)?,
+        _ => update(updater, generation, jobs, &inputs)?,
+    }
     drop(keep);
     drop(reads);
     Ok(())
@@ -248,14 +250,18 @@ pub(crate) fn push(
 /// Loads every kernel the push needs before anything changes, so a missing or broken module
 /// fails the whole call with every key unchanged.
 fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
-    let rule = updater
-        .rule::<f32>(1)
-        .expect("custom updaters take the host path");
-    let (kind, _, _) = kernels::scalars(&rule);
     for job in jobs {
         let home = gpu(job.cell.buf.ordinal())?;
         let dtype = job.cell.buf.dtype();
-        home.function(kind, dtype)?;
+        match updater {
+            Updater::Ptx(p) => {
+                home.user_function(p).map_err(with_key(job.key))?;
+            }
+            _ => {
+                let rule = updater.rule::<f32>(1).expect("closures take the host path");
+                home.function(kernels::scalars(&rule).0, dtype)?;
+            }
+        }
         home.function(RuleKind::Assign, dtype)?;
         for v in job.values {
             if let Device::Gpu(d) = v.device() {
@@ -433,22 +439,13 @@ fn update(
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
-        let state = match &mut job.cell.state {
-            // (A state with too few buffers would hand the kernel a null m or v.)
-            Some(s) if s.generation == generation && s.bufs.len() == names => s,
-            slot => {
-                let st = gpu(home)?.stream();
-                let bufs = (0..names)
-                    .map(|_| super::alloc_zeros::<f32>(st, n))
-                    .collect::<std::result::Result<Vec<_>, _>>()
-                    .map_err(cuda_err("push", Some(job.key)))?;
-                slot.insert(GpuState {
-                    generation,
-                    step: 0,
-                    bufs,
-                })
-            }
-        };
+        let state = state_for(
+            &mut job.cell.state,
+            &job.cell.buf,
+            generation,
+            names,
+            job.key,
+        )?;
         state.step += 1;
         let rule = updater
             .rule::<f32>(state.step)
@@ -474,6 +471,97 @@ fn update(
         launch_fused(gpu(*home)?, *kind, dt.0, scalars, records)?;
     }
     Ok(())
+}
+
+/// The PTX updater's step: the k inputs of each key are summed into scratch (one `assign`
+/// launch per home GPU and dtype; a key with one input passes it as is), then the user's
+/// kernel runs once per key.
+fn update_ptx(
+    p: &PtxUpdater,
+    generation: u64,
+    jobs: Vec<PushJob<'_>>,
+    inputs: &[Vec<u64>],
+    keep: &mut Vec<GpuBuf>,
+) -> Result<()> {
+    let mut sums: BTreeMap<(usize, DTypeKey), Vec<Record>> = BTreeMap::new();
+    let mut merged = Vec::with_capacity(jobs.len());
+    for (job, ins) in jobs.iter().zip(inputs) {
+        if let [one] = ins.as_slice() {
+            merged.push(*one);
+            continue;
+        }
+        let (home, dtype, n) = (
+            job.cell.buf.ordinal(),
+            job.cell.buf.dtype(),
+            job.cell.buf.len(),
+        );
+        let scratch = GpuBuf::scratch(home, dtype, n).map_err(with_key(job.key))?;
+        merged.push(scratch.ptr());
+        sums.entry((home, DTypeKey(dtype)))
+            .or_default()
+            .push(Record {
+                stored: scratch.ptr(),
+                inputs: ins.clone(),
+                n: n as u64,
+                ..Record::default()
+            });
+        keep.push(scratch);
+    }
+    for ((d, dt), records) in &sums {
+        launch_fused(gpu(*d)?, RuleKind::Assign, dt.0, &[], records)?;
+    }
+    for (job, merged) in jobs.into_iter().zip(merged) {
+        let home = job.cell.buf.ordinal();
+        let n = job.cell.buf.len();
+        let names = p.state_buffers();
+        let state = state_for(
+            &mut job.cell.state,
+            &job.cell.buf,
+            generation,
+            names,
+            job.key,
+        )?;
+        state.step += 1;
+        let st = gpu(home)?.stream();
+        let addr = |s: &CudaSlice<f32>| s.device_ptr(st).0;
+        let launch = UserLaunch {
+            stored: job.cell.buf.ptr(),
+            merged,
+            m: state.bufs.first().map_or(0, addr),
+            v: state.bufs.get(1).map_or(0, addr),
+            n: n as u64,
+            step: state.step,
+        };
+        launch_user(gpu(home)?, p, &launch).map_err(with_key(job.key))?;
+    }
+    Ok(())
+}
+
+/// A cell's updater state (`slot`, beside its value `buf`) for `generation` with `names` f32
+/// buffers, zeroed on first use.
+fn state_for<'c>(
+    slot: &'c mut Option<GpuState>,
+    buf: &GpuBuf,
+    generation: u64,
+    names: usize,
+    key: &Key,
+) -> Result<&'c mut GpuState> {
+    let (home, n) = (buf.ordinal(), buf.len());
+    // (A state with too few buffers would hand the kernel a null m or v.)
+    let current = matches!(slot, Some(s) if s.generation == generation && s.bufs.len() == names);
+    if !current {
+        let st = gpu(home)?.stream();
+        let bufs = (0..names)
+            .map(|_| super::alloc_zeros::<f32>(st, n))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(cuda_err("push", Some(key)))?;
+        *slot = Some(GpuState {
+            generation,
+            step: 0,
+            bufs,
+        });
+    }
+    Ok(slot.as_mut().expect("set just above"))
 }
 
 /// Enqueues a validated pull from GPU homes into every job's outs.

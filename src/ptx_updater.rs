@@ -1,0 +1,304 @@
+//! [`PtxUpdater`]: a user's own update kernel, written in PTX, for keys homed on a GPU.
+//!
+//! The entry must declare exactly this parameter list ([`PTX_UPDATER_PARAMS`]):
+//!
+//! ```text
+//! .visible .entry NAME(
+//!     .param .u64 stored,  // T*        the key's value, n elements, updated in place
+//!     .param .u64 merged,  // const T*  the sum of this push's values, n elements (read only)
+//!     .param .u64 m,       // float*    state 0: n floats, zero before the key's first push;
+//!                          //           0 (a null pointer) when the updater keeps no state
+//!     .param .u64 v,       // float*    state 1: likewise; 0 when it keeps fewer than 2
+//!     .param .u64 n,       // the element count
+//!     .param .u64 step,    // this key's push count under this updater: 1, 2, 3, ...
+//!     .param .f32 s0,      // the updater's four scalars (see PtxUpdater::with_scalars)
+//!     .param .f32 s1,
+//!     .param .f32 s2,
+//!     .param .f32 s3
+//! )
+//! ```
+//!
+//! `T` is the updater's dtype (`f32`, `f16` or `bf16`; f16 and bf16 are 2-byte values). The
+//! kernel is launched once per key and push, on the key's home GPU, after the push's values
+//! are summed there, with 256 threads per block and at most 4096 blocks: it must cover `n`
+//! with a grid-stride loop. Each GPU loads the module once, on first use.
+//!
+//! Keys homed in host memory use the CPU twin given with [`PtxUpdater::with_cpu_twin`], an
+//! ordinary closure like [`Updater::custom`](crate::Updater::custom); without one, a push to
+//! such a key is an error and changes nothing.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::updater::UpdateFn;
+use crate::{DType, Error, Key, NDArray, Result};
+
+/// The parameter types a user PTX updater's entry declares, in order (see the module docs).
+pub const PTX_UPDATER_PARAMS: [&str; 10] = [
+    "u64", "u64", "u64", "u64", "u64", "u64", "f32", "f32", "f32", "f32",
+];
+
+/// Threads per block of a user updater launch.
+pub(crate) const PTX_UPDATER_BLOCK: u32 = 256;
+/// Most blocks of a user updater launch (its grid-stride loop covers the rest).
+pub(crate) const PTX_UPDATER_MAX_BLOCKS: u32 = 4096;
+
+/// A user's update kernel in PTX, with its dtype, scalars, state and optional CPU twin.
+///
+/// ```
+/// use kvstore::{DType, PtxUpdater, Updater};
+/// # let ptx = kvstore::PtxUpdater::EXAMPLE_SGD_F32;
+/// // `ptx` holds a module whose entry `sgd_f32` has the documented parameter list.
+/// let sgd = PtxUpdater::new(ptx, "sgd_f32", DType::F32)?
+///     .with_scalars([0.1, 0.0, 0.0, 0.0])
+///     .with_cpu_twin(|_key, merged, stored| *stored += merged * -0.1);
+/// let updater = Updater::Ptx(sgd);
+/// # Ok::<(), kvstore::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct PtxUpdater {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Unique per `PtxUpdater::new`: each GPU caches its loaded function under it.
+    id: u64,
+    ptx: String,
+    entry: String,
+    dtype: DType,
+    scalars: [f32; 4],
+    state: usize,
+    cpu_twin: Option<Arc<UpdateFn>>,
+    /// How many GPUs have loaded the module.
+    loads: AtomicUsize,
+}
+
+impl PtxUpdater {
+    /// A small example module: entry `sgd_f32`, `stored -= s0 * merged` over f32 values. Used
+    /// by the docs and tests; a starting point for your own.
+    pub const EXAMPLE_SGD_F32: &'static str = include_str!("../kernels/user/sgd_f32.ptx");
+
+    /// An updater running `entry` of the PTX module `ptx` on keys of `dtype`.
+    ///
+    /// Fails when `dtype` is `f64` (the GPU home sums f64 values on the host), or when the
+    /// module does not define `entry` with the documented parameter list. The PTX itself is
+    /// compiled by the driver when a GPU first uses it; a compile error then fails that push.
+    pub fn new(ptx: impl Into<String>, entry: &str, dtype: DType) -> Result<PtxUpdater> {
+        let ptx = ptx.into();
+        if dtype == DType::F64 {
+            return Err(Error::InvalidUpdater(
+                "a PTX updater works on f32, f16 or bf16 keys, not f64".to_owned(),
+            ));
+        }
+        check_entry(&ptx, entry)?;
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        Ok(PtxUpdater {
+            inner: Arc::new(Inner {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                ptx,
+                entry: entry.to_owned(),
+                dtype,
+                scalars: [0.0; 4],
+                state: 0,
+                cpu_twin: None,
+                loads: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// Sets the four scalars passed as `s0..s3` (all zero by default).
+    pub fn with_scalars(self, scalars: [f32; 4]) -> PtxUpdater {
+        self.rebuild(|i| i.scalars = scalars)
+    }
+
+    /// Keeps `buffers` (0, 1 or 2) float state buffers per key, passed as `m` and `v`. More
+    /// than 2 is reported by [`Updater::validate`](crate::Updater::validate).
+    pub fn with_state(self, buffers: usize) -> PtxUpdater {
+        self.rebuild(|i| i.state = buffers)
+    }
+
+    /// The closure that updates keys homed in host memory, with [`Updater::custom`]'s
+    /// signature. It should compute what the kernel computes.
+    ///
+    /// [`Updater::custom`]: crate::Updater::custom
+    pub fn with_cpu_twin(
+        self,
+        f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
+    ) -> PtxUpdater {
+        self.rebuild(|i| i.cpu_twin = Some(Arc::new(f)))
+    }
+
+    /// A copy with a change: a new identity, so GPUs load it afresh.
+    fn rebuild(self, change: impl FnOnce(&mut Inner)) -> PtxUpdater {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1 << 63);
+        let i = &self.inner;
+        let mut inner = Inner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            ptx: i.ptx.clone(),
+            entry: i.entry.clone(),
+            dtype: i.dtype,
+            scalars: i.scalars,
+            state: i.state,
+            cpu_twin: i.cpu_twin.clone(),
+            loads: AtomicUsize::new(0),
+        };
+        change(&mut inner);
+        PtxUpdater {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The entry name.
+    pub fn entry(&self) -> &str {
+        &self.inner.entry
+    }
+
+    /// The dtype of the keys it updates.
+    pub fn dtype(&self) -> DType {
+        self.inner.dtype
+    }
+
+    /// The scalars `s0..s3`.
+    pub fn scalars(&self) -> [f32; 4] {
+        self.inner.scalars
+    }
+
+    /// The number of float state buffers per key.
+    pub fn state_buffers(&self) -> usize {
+        self.inner.state
+    }
+
+    /// The CPU twin, if one was given.
+    pub fn cpu_twin(&self) -> Option<&Arc<UpdateFn>> {
+        self.inner.cpu_twin.as_ref()
+    }
+
+    /// How many GPUs have loaded the module so far (each loads it once).
+    pub fn modules_loaded(&self) -> usize {
+        self.inner.loads.load(Ordering::Relaxed)
+    }
+
+    /// The PTX source.
+    pub(crate) fn ptx(&self) -> &str {
+        &self.inner.ptx
+    }
+
+    /// The identity each GPU caches its loaded function under.
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// Counts one more GPU that loaded the module.
+    pub(crate) fn note_load(&self) {
+        self.inner.loads.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl fmt::Debug for PtxUpdater {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PtxUpdater")
+            .field("entry", &self.inner.entry)
+            .field("dtype", &self.inner.dtype)
+            .field("scalars", &self.inner.scalars)
+            .field("state", &self.inner.state)
+            .field("cpu_twin", &self.inner.cpu_twin.is_some())
+            .finish()
+    }
+}
+
+/// Checks that `ptx` defines `.entry <entry>(...)` with [`PTX_UPDATER_PARAMS`].
+fn check_entry(ptx: &str, entry: &str) -> Result<()> {
+    let expected = PTX_UPDATER_PARAMS.join(", ");
+    let bad = |what: String| {
+        Err(Error::InvalidUpdater(format!(
+            "{what}; a PTX updater's entry takes ({expected}): stored, merged, m, v, n, step, \
+             s0..s3 (see kvstore::ptx_updater)"
+        )))
+    };
+    let Some(params) = entry_params(ptx, entry) else {
+        return bad(format!("the PTX module defines no entry '{entry}'"));
+    };
+    if params != PTX_UPDATER_PARAMS {
+        return bad(format!("entry '{entry}' declares ({})", params.join(", ")));
+    }
+    Ok(())
+}
+
+/// The parameter types of `.entry <entry>(...)` in `ptx`, comments removed; `None` when the
+/// module defines no such entry.
+fn entry_params(ptx: &str, entry: &str) -> Option<Vec<String>> {
+    let text: String = ptx
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find(".entry") {
+        rest = rest[at + ".entry".len()..].trim_start();
+        let name_end = rest
+            .find(|c: char| c == '(' || c.is_whitespace())
+            .unwrap_or(rest.len());
+        if &rest[..name_end] != entry {
+            continue;
+        }
+        let open = rest.find('(')?;
+        let close = rest[open..].find(')')? + open;
+        let params = rest[open + 1..close]
+            .split(',')
+            .filter(|p| !p.trim().is_empty())
+            .map(|p| {
+                p.split_whitespace()
+                    .find(|w| w.starts_with('.') && *w != ".param")
+                    .map_or_else(String::new, |t| t.trim_start_matches('.').to_owned())
+            })
+            .collect();
+        return Some(params);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_module_has_the_documented_entry() {
+        let params = entry_params(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32").unwrap();
+        assert_eq!(params, PTX_UPDATER_PARAMS);
+        assert!(PtxUpdater::new(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32", DType::F32).is_ok());
+    }
+
+    #[test]
+    fn wrong_entries_are_refused_with_the_expected_signature() {
+        let ptx = ".visible .entry f(\n  .param .u64 a, // x\n  .param .f32 b\n)\n{ ret; }";
+        assert_eq!(entry_params(ptx, "f").unwrap(), vec!["u64", "f32"]);
+        let err = PtxUpdater::new(ptx, "f", DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("declares (u64, f32)"), "{err}");
+        assert!(
+            err.contains("u64, u64, u64, u64, u64, u64, f32, f32, f32, f32"),
+            "{err}"
+        );
+        let err = PtxUpdater::new(ptx, "g", DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no entry 'g'"), "{err}");
+        // A longer name that starts with the asked one is not it.
+        assert!(entry_params(".entry fg(.param .u64 a)", "f").is_none());
+        let err = PtxUpdater::new(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32", DType::F64)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not f64"), "{err}");
+    }
+
+    #[test]
+    fn each_change_makes_a_new_identity() {
+        let a = PtxUpdater::new(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32", DType::F32).unwrap();
+        let b = a.clone().with_scalars([1.0, 2.0, 3.0, 4.0]);
+        assert_ne!(a.id(), b.id());
+        assert_eq!(b.scalars(), [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(a.clone().id(), a.id());
+    }
+}
