@@ -69,15 +69,6 @@ fn store_of(h: Home, kind: &str) -> KvStore {
     home_for(h, kind).store_of(kind)
 }
 
-/// The home a key of `kv` lives on.
-fn home_of(kv: &KvStore, key: impl Into<Key>) -> Home {
-    if kv.meta(key).unwrap().2.is_gpu() {
-        Home::Gpu
-    } else {
-        Home::Cpu
-    }
-}
-
 /// Checks that every key of `kv` lives on `h`.
 fn assert_homes(h: Home, kv: &KvStore) {
     for k in kv.keys() {
@@ -105,8 +96,9 @@ fn filled_store(h: Home, kind: &str, updater: &Updater, rng: &mut StdRng) -> (Kv
     (kv, keys)
 }
 
-/// Pushes two random values per key, the same to every store given; each store gets them on
-/// the devices of the key's home (on one GPU, both on it).
+/// Pushes two random values per key, the same to every store given. Each store gets both on
+/// the key's home device (several values on one GPU), where every home sums them in f32 in the
+/// same order, so stores of different homes stay equal bit for bit.
 fn push_round(stores: &[&KvStore], keys: &[i32], rng: &mut StdRng) {
     let values: Vec<Vec<NDArray>> = keys
         .iter()
@@ -120,11 +112,8 @@ fn push_round(stores: &[&KvStore], keys: &[i32], rng: &mut StdRng) {
             .iter()
             .zip(&values)
             .map(|(&k, vals)| {
-                let home = home_of(kv, k);
-                vals.iter()
-                    .enumerate()
-                    .map(|(i, v)| home.put(v, i))
-                    .collect()
+                let home = kv.meta(k).unwrap().2;
+                vals.iter().map(|v| v.to_device(home).unwrap()).collect()
             })
             .collect();
         kv.push_list(keys, &placed).unwrap();
