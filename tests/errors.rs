@@ -2,17 +2,26 @@
 //! deliberately do better than MXNet.
 //!
 //! Every error test checks three things: the typed variant, that the message names what went
-//! wrong (key, shapes, ...), and that the store is exactly as before: same keys, same values
-//! (random, pulled before and after), and the updater still in force.
+//! wrong (key, shapes, ...), and that the store is exactly as before: same keys, same homes,
+//! same values (random, pulled to the host through the store before and after), and the
+//! updater still in force.
+//!
+//! Each store test runs on both homes: `cpu::*` with a `local` store and arrays on cpu(i);
+//! `gpu::*` (ignored: needs a GPU) with a `device` store and arrays on the GPUs (all on one
+//! GPU on a one-GPU machine). Tests that were written for the `device` kind run on every kind
+//! of the home.
 
-use kvstore::backend::probe::gpu_count;
-use kvstore::{cpu, gpu, DType, Error, Key, KvStore, NDArray, Sgd, Shape, Updater};
+mod common;
+
+use common::Home;
+use kvstore::backend::probe::{describe_gpus, gpu_count};
+use kvstore::{cpu, gpu, DType, Device, Error, Key, KvStore, NDArray, Sgd, Shape, Updater};
 use rand::{thread_rng, Rng};
 
 const SHAPE: [usize; 2] = [2, 3];
 
-/// A random f32 array of `shape` with no zero element.
-fn rand_arr(shape: impl Into<Shape>) -> NDArray {
+/// A random f32 array of `shape` on cpu(0) with no zero element.
+fn rand_host(shape: impl Into<Shape>) -> NDArray {
     let shape = shape.into();
     let mut rng = thread_rng();
     let data: Vec<f32> = (0..shape.size())
@@ -21,21 +30,50 @@ fn rand_arr(shape: impl Into<Shape>) -> NDArray {
     NDArray::from_vec(data, shape).unwrap()
 }
 
+/// A random f32 array of `shape` with no zero element, on the home's `i`-th device.
+fn rand_on(h: Home, shape: impl Into<Shape>, i: usize) -> NDArray {
+    h.put(&rand_host(shape), i)
+}
+
+/// A random f32 array of `shape` with no zero element, on the home's first device.
+fn rand_arr(h: Home, shape: impl Into<Shape>) -> NDArray {
+    rand_on(h, shape, 0)
+}
+
+/// A random array of `shape` and `dtype` with no zero element, on the home's first device.
+fn rand_typed(h: Home, shape: impl Into<Shape>, dtype: DType) -> NDArray {
+    h.put(&rand_host(shape).astype(dtype).unwrap(), 0)
+}
+
+/// Checks that every key of `kv` lives on `h`.
+fn assert_homes(h: Home, kv: &KvStore) {
+    for k in kv.keys() {
+        let home = kv.meta(&k).unwrap().2;
+        assert!(h.is_home(home), "key {k} is homed on {home}, not on {h:?}");
+    }
+}
+
 /// A store of `kind` with int keys 3, 5, 7 holding random values; 7 is float64 and (3, 2).
-fn int_store(kind: &str) -> KvStore {
-    let kv = KvStore::create(kind).unwrap();
-    kv.init(3, &rand_arr(SHAPE)).unwrap();
-    kv.init(5, &rand_arr(SHAPE)).unwrap();
-    kv.init(7, &rand_arr([3, 2]).astype(DType::F64).unwrap())
-        .unwrap();
+fn int_store_of(h: Home, kind: &str) -> KvStore {
+    let kv = h.store_of(kind);
+    kv.init(3, &rand_arr(h, SHAPE)).unwrap();
+    kv.init(5, &rand_arr(h, SHAPE)).unwrap();
+    kv.init(7, &rand_typed(h, [3, 2], DType::F64)).unwrap();
+    assert_homes(h, &kv);
     kv
 }
 
-/// A `local` store with string keys "a", "b" holding random values.
-fn str_store() -> KvStore {
-    let kv = KvStore::create("local").unwrap();
-    kv.init("a", &rand_arr(SHAPE)).unwrap();
-    kv.init("b", &rand_arr(SHAPE)).unwrap();
+/// [`int_store_of`] the home's store kind.
+fn int_store(h: Home) -> KvStore {
+    int_store_of(h, h.kind())
+}
+
+/// A store of the home with string keys "a", "b" holding random values.
+fn str_store(h: Home) -> KvStore {
+    let kv = h.store();
+    kv.init("a", &rand_arr(h, SHAPE)).unwrap();
+    kv.init("b", &rand_arr(h, SHAPE)).unwrap();
+    assert_homes(h, &kv);
     kv
 }
 
@@ -43,19 +81,21 @@ fn str_store() -> KvStore {
 #[derive(Debug, PartialEq)]
 struct Snapshot {
     keys: Vec<Key>,
-    values: Vec<(Shape, DType, Vec<f64>)>,
+    values: Vec<(Shape, DType, Device, Vec<f64>)>,
     updater: String,
 }
 
+/// Reads a store back through its own API: each value is pulled into a host array of the
+/// key's dtype (f64 holds every element of every dtype exactly).
 fn snapshot(kv: &KvStore) -> Snapshot {
     let keys = kv.keys();
     let values = keys
         .iter()
         .map(|k| {
-            let (shape, dtype, _) = kv.meta(k).unwrap();
+            let (shape, dtype, home) = kv.meta(k).unwrap();
             let out = NDArray::full_on(shape, 12345.0, dtype, cpu(0)).unwrap();
             kv.pull(k, &out).unwrap();
-            (shape, dtype, out.to_vec::<f64>().unwrap())
+            (shape, dtype, home, out.to_vec::<f64>().unwrap())
         })
         .collect();
     Snapshot {
@@ -90,10 +130,9 @@ fn values(a: &NDArray) -> Vec<f64> {
 
 // ---- unknown keys ----
 
-#[test]
-fn push_unknown_int_key() {
-    let kv = int_store("local");
-    let e = fails(&kv, |kv| kv.push(9, &rand_arr(SHAPE)));
+fn push_unknown_int_key(h: Home) {
+    let kv = int_store(h);
+    let e = fails(&kv, |kv| kv.push(9, &rand_arr(h, SHAPE)));
     assert!(
         matches!(
             &e,
@@ -107,28 +146,28 @@ fn push_unknown_int_key() {
     assert_mentions(&e, &["key 9", "init"]);
 }
 
-#[test]
-fn push_unknown_int_key_with_updater() {
-    let kv = int_store("device");
-    kv.set_updater(Updater::custom(|_, x, w| *w += x)).unwrap();
-    let e = fails(&kv, |kv| kv.push(9, &rand_arr(SHAPE)));
-    assert!(
-        matches!(
-            &e,
-            Error::UnknownKey {
-                op: "push",
-                key: Key::Int(9)
-            }
-        ),
-        "{e:?}"
-    );
-    assert_mentions(&e, &["key 9"]);
+fn push_unknown_int_key_with_updater(h: Home) {
+    for kind in h.kinds() {
+        let kv = int_store_of(h, kind);
+        kv.set_updater(Updater::custom(|_, x, w| *w += x)).unwrap();
+        let e = fails(&kv, |kv| kv.push(9, &rand_arr(h, SHAPE)));
+        assert!(
+            matches!(
+                &e,
+                Error::UnknownKey {
+                    op: "push",
+                    key: Key::Int(9)
+                }
+            ),
+            "{kind}: {e:?}"
+        );
+        assert_mentions(&e, &["key 9"]);
+    }
 }
 
-#[test]
-fn pull_unknown_int_key() {
-    let kv = int_store("local");
-    let out = rand_arr(SHAPE);
+fn pull_unknown_int_key(h: Home) {
+    let kv = int_store(h);
+    let out = rand_arr(h, SHAPE);
     let before = values(&out);
     let e = fails(&kv, |kv| kv.pull(9, &out));
     assert!(
@@ -149,19 +188,18 @@ fn pull_unknown_int_key() {
     );
 }
 
-#[test]
-fn unknown_str_key() {
-    let kv = str_store();
-    let e = fails(&kv, |kv| kv.push("x", &rand_arr(SHAPE)));
+fn unknown_str_key(h: Home) {
+    let kv = str_store(h);
+    let e = fails(&kv, |kv| kv.push("x", &rand_arr(h, SHAPE)));
     assert!(
         matches!(&e, Error::UnknownKey { key: Key::Str(k), .. } if k == "x"),
         "{e:?}"
     );
     assert_mentions(&e, &["key x"]);
-    let e = fails(&kv, |kv| kv.pull("x", &rand_arr(SHAPE)));
+    let e = fails(&kv, |kv| kv.pull("x", &rand_arr(h, SHAPE)));
     assert!(matches!(&e, Error::UnknownKey { op: "pull", key: Key::Str(k) } if k == "x"));
     let e = fails(&kv, |kv| {
-        kv.pushpull("x", &rand_arr(SHAPE), &rand_arr(SHAPE))
+        kv.pushpull("x", &rand_arr(h, SHAPE), &rand_arr(h, SHAPE))
     });
     assert!(
         matches!(&e, Error::UnknownKey { op: "pushpull", .. }),
@@ -169,22 +207,22 @@ fn unknown_str_key() {
     );
 }
 
-#[test]
-fn failed_ops_do_not_poison_a_key() {
-    let kv = int_store("local");
-    fails(&kv, |kv| kv.push(9, &rand_arr(SHAPE)));
-    fails(&kv, |kv| kv.pull(9, &rand_arr(SHAPE)));
+fn failed_ops_do_not_poison_a_key(h: Home) {
+    let kv = int_store(h);
+    fails(&kv, |kv| kv.push(9, &rand_arr(h, SHAPE)));
+    fails(&kv, |kv| kv.pull(9, &rand_arr(h, SHAPE)));
     fails(&kv, |kv| {
-        kv.push_list(&[3, 9], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+        kv.push_list(&[3, 9], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)])
     });
-    let v = rand_arr([4]);
+    let v = rand_arr(h, [4]);
     kv.init(9, &v).unwrap();
-    let out = rand_arr([4]);
+    assert!(h.is_home(kv.meta(9).unwrap().2));
+    let out = rand_arr(h, [4]);
     kv.pull(9, &out).unwrap();
     assert_eq!(values(&out), values(&v));
 
-    let kv = str_store();
-    fails(&kv, |kv| kv.pull("z", &rand_arr(SHAPE)));
+    let kv = str_store(h);
+    fails(&kv, |kv| kv.pull("z", &rand_arr(h, SHAPE)));
     kv.init("z", &v).unwrap();
     kv.pull("z", &out).unwrap();
     assert_eq!(values(&out), values(&v));
@@ -192,27 +230,25 @@ fn failed_ops_do_not_poison_a_key() {
 
 // ---- duplicate init ----
 
-#[test]
-fn duplicate_init_across_calls() {
-    let kv = int_store("local");
-    let e = fails(&kv, |kv| kv.init(3, &rand_arr(SHAPE)));
+fn duplicate_init_across_calls(h: Home) {
+    let kv = int_store(h);
+    let e = fails(&kv, |kv| kv.init(3, &rand_arr(h, SHAPE)));
     assert!(
         matches!(&e, Error::DuplicateInit { key: Key::Int(3) }),
         "{e:?}"
     );
     assert_mentions(&e, &["duplicate init of key 3"]);
 
-    let kv = str_store();
-    let e = fails(&kv, |kv| kv.init("a", &rand_arr(SHAPE)));
+    let kv = str_store(h);
+    let e = fails(&kv, |kv| kv.init("a", &rand_arr(h, SHAPE)));
     assert!(matches!(&e, Error::DuplicateInit { key: Key::Str(k) } if k == "a"));
     assert_mentions(&e, &["duplicate init of key a"]);
 }
 
-#[test]
-fn duplicate_init_within_one_list() {
-    let kv = int_store("local");
+fn duplicate_init_within_one_list(h: Home) {
+    let kv = int_store(h);
     let e = fails(&kv, |kv| {
-        kv.init_list(&[9, 9], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+        kv.init_list(&[9, 9], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)])
     });
     assert!(
         matches!(&e, Error::DuplicateInit { key: Key::Int(9) }),
@@ -220,9 +256,9 @@ fn duplicate_init_within_one_list() {
     );
     assert_mentions(&e, &["key 9"]);
     // MXNet's `init([3, 3], ...)` on a fresh store: nothing is initialized.
-    let fresh = KvStore::create("local").unwrap();
+    let fresh = h.store();
     let e = fails(&fresh, |kv| {
-        kv.init_list(&[3, 3], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+        kv.init_list(&[3, 3], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)])
     });
     assert!(
         matches!(&e, Error::DuplicateInit { key: Key::Int(3) }),
@@ -232,7 +268,7 @@ fn duplicate_init_within_one_list() {
     assert!(fresh.keys().is_empty());
     // A new key beside an existing one: neither is initialized.
     let e = fails(&kv, |kv| {
-        kv.init_list(&[8, 5], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+        kv.init_list(&[8, 5], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)])
     });
     assert!(
         matches!(&e, Error::DuplicateInit { key: Key::Int(5) }),
@@ -240,30 +276,35 @@ fn duplicate_init_within_one_list() {
     );
 }
 
-#[test]
-fn broadcast_twice() {
-    let kv = int_store("device");
-    let out = rand_arr(SHAPE);
-    let v = rand_arr(SHAPE);
-    kv.broadcast(9, &v, &out).unwrap();
-    assert_eq!(values(&out), values(&v));
-    let out2 = rand_arr(SHAPE);
-    let before = values(&out2);
-    let e = fails(&kv, |kv| kv.broadcast(9, &rand_arr(SHAPE), &out2));
-    assert!(
-        matches!(&e, Error::DuplicateInit { key: Key::Int(9) }),
-        "{e:?}"
-    );
-    assert_mentions(&e, &["key 9", "broadcast"]);
-    assert_eq!(values(&out2), before, "a failed broadcast pulls nothing");
+fn broadcast_twice(h: Home) {
+    for kind in h.kinds() {
+        let kv = int_store_of(h, kind);
+        let out = rand_arr(h, SHAPE);
+        let v = rand_arr(h, SHAPE);
+        kv.broadcast(9, &v, &out).unwrap();
+        assert!(h.is_home(kv.meta(9).unwrap().2), "{kind}");
+        assert_eq!(values(&out), values(&v), "{kind}");
+        let out2 = rand_arr(h, SHAPE);
+        let before = values(&out2);
+        let e = fails(&kv, |kv| kv.broadcast(9, &rand_arr(h, SHAPE), &out2));
+        assert!(
+            matches!(&e, Error::DuplicateInit { key: Key::Int(9) }),
+            "{kind}: {e:?}"
+        );
+        assert_mentions(&e, &["key 9", "broadcast"]);
+        assert_eq!(
+            values(&out2),
+            before,
+            "{kind}: a failed broadcast pulls nothing"
+        );
+    }
 }
 
 // ---- shape and dtype ----
 
-#[test]
-fn push_wrong_shape_one_value() {
-    let kv = int_store("local");
-    let e = fails(&kv, |kv| kv.push(3, &rand_arr([4, 4])));
+fn push_wrong_shape_one_value(h: Home) {
+    let kv = int_store(h);
+    let e = fails(&kv, |kv| kv.push(3, &rand_arr(h, [4, 4])));
     match &e {
         Error::ShapeMismatch {
             op: "push",
@@ -280,11 +321,10 @@ fn push_wrong_shape_one_value() {
     assert_mentions(&e, &["key 3", "(2, 3)", "(4, 4)"]);
 }
 
-#[test]
-fn push_wrong_shape_one_value_with_updater() {
-    let kv = int_store("local");
+fn push_wrong_shape_one_value_with_updater(h: Home) {
+    let kv = int_store(h);
     kv.set_updater(Updater::custom(|_, x, w| *w += x)).unwrap();
-    let e = fails(&kv, |kv| kv.push(3, &rand_arr([4, 4])));
+    let e = fails(&kv, |kv| kv.push(3, &rand_arr(h, [4, 4])));
     assert!(matches!(
         &e,
         Error::ShapeMismatch {
@@ -296,10 +336,13 @@ fn push_wrong_shape_one_value_with_updater() {
     assert_mentions(&e, &["key 3", "(2, 3)", "(4, 4)"]);
 }
 
-#[test]
-fn push_wrong_shape_several_values() {
-    let kv = int_store("local");
-    let vals = [rand_arr(SHAPE), rand_arr([3, 2]), rand_arr(SHAPE)];
+fn push_wrong_shape_several_values(h: Home) {
+    let kv = int_store(h);
+    let vals = [
+        rand_on(h, SHAPE, 0),
+        rand_on(h, [3, 2], 1),
+        rand_on(h, SHAPE, 2),
+    ];
     let e = fails(&kv, |kv| kv.push(3, &vals));
     assert!(
         matches!(&e, Error::ShapeMismatch { op: "push", key: Key::Int(3), what, .. } if what == "value 1"),
@@ -308,10 +351,9 @@ fn push_wrong_shape_several_values() {
     assert_mentions(&e, &["key 3", "(2, 3)", "(3, 2)", "value 1"]);
 }
 
-#[test]
-fn push_wrong_dtype() {
-    let kv = int_store("local");
-    let v = rand_arr(SHAPE).astype(DType::F64).unwrap();
+fn push_wrong_dtype(h: Home) {
+    let kv = int_store(h);
+    let v = rand_typed(h, SHAPE, DType::F64);
     let e = fails(&kv, |kv| kv.push(3, &v));
     assert!(
         matches!(
@@ -328,7 +370,10 @@ fn push_wrong_dtype() {
     );
     assert_mentions(&e, &["key 3", "float32", "float64"]);
     // Two values, the second of another dtype.
-    let vals = [rand_arr(SHAPE), rand_arr(SHAPE).astype(DType::F16).unwrap()];
+    let vals = [
+        rand_on(h, SHAPE, 0),
+        h.put(&rand_host(SHAPE).astype(DType::F16).unwrap(), 1),
+    ];
     let e = fails(&kv, |kv| kv.push(3, &vals));
     assert!(
         matches!(
@@ -343,10 +388,9 @@ fn push_wrong_dtype() {
     assert_mentions(&e, &["float16", "value 1"]);
 }
 
-#[test]
-fn pull_into_wrong_shape() {
-    let kv = int_store("local");
-    let out = rand_arr([4, 4]);
+fn pull_into_wrong_shape(h: Home) {
+    let kv = int_store(h);
+    let out = rand_arr(h, [4, 4]);
     let e = fails(&kv, |kv| kv.pull(3, &out));
     assert!(
         matches!(
@@ -361,7 +405,11 @@ fn pull_into_wrong_shape() {
     );
     assert_mentions(&e, &["key 3", "(2, 3)", "(4, 4)"]);
     // Several outs, one bad: none is written.
-    let outs = [rand_arr(SHAPE), rand_arr(SHAPE), rand_arr([6])];
+    let outs = [
+        rand_on(h, SHAPE, 0),
+        rand_on(h, SHAPE, 1),
+        rand_on(h, [6], 2),
+    ];
     let before: Vec<_> = outs.iter().map(values).collect();
     let e = fails(&kv, |kv| kv.pull(3, &outs));
     assert!(
@@ -372,11 +420,10 @@ fn pull_into_wrong_shape() {
     assert_eq!(outs.iter().map(values).collect::<Vec<_>>(), before);
 }
 
-#[test]
-fn pushpull_with_bad_out_pushes_nothing() {
-    let kv = int_store("local");
+fn pushpull_with_bad_out_pushes_nothing(h: Home) {
+    let kv = int_store(h);
     let e = fails(&kv, |kv| {
-        kv.pushpull(3, &rand_arr(SHAPE), &rand_arr([3, 2]))
+        kv.pushpull(3, &rand_arr(h, SHAPE), &rand_arr(h, [3, 2]))
     });
     assert!(
         matches!(&e, Error::ShapeMismatch { op: "pushpull", .. }),
@@ -402,10 +449,9 @@ fn assert_length(e: &Error, op: &str, keys: usize, values: usize) {
     assert_mentions(e, &[&format!("{keys} keys"), &format!("{values} ")]);
 }
 
-#[test]
-fn length_mismatch() {
-    let kv = int_store("local");
-    let a = rand_arr(SHAPE);
+fn length_mismatch(h: Home) {
+    let kv = int_store(h);
+    let a = rand_arr(h, SHAPE);
     let one = std::slice::from_ref(&a);
     let e = fails(&kv, |kv| kv.init_list(&[1, 2], one));
     assert_length(&e, "init", 2, 1);
@@ -433,10 +479,9 @@ fn length_mismatch() {
 
 // ---- key kinds ----
 
-#[test]
-fn mixed_key_kinds_across_calls() {
-    let kv = int_store("local");
-    let a = rand_arr(SHAPE);
+fn mixed_key_kinds_across_calls(h: Home) {
+    let kv = int_store(h);
+    let a = rand_arr(h, SHAPE);
     let e = fails(&kv, |kv| kv.init("w", &a));
     assert!(
         matches!(
@@ -462,7 +507,7 @@ fn mixed_key_kinds_across_calls() {
         "{e:?}"
     );
 
-    let kv = str_store();
+    let kv = str_store(h);
     let e = fails(&kv, |kv| kv.init(3, &a));
     assert!(
         matches!(
@@ -481,12 +526,11 @@ fn mixed_key_kinds_across_calls() {
     assert!(matches!(&e, Error::MixedKeyTypes { .. }), "{e:?}");
 }
 
-#[test]
-fn mixed_key_kinds_within_one_call() {
-    let a = rand_arr(SHAPE);
+fn mixed_key_kinds_within_one_call(h: Home) {
+    let a = rand_arr(h, SHAPE);
     let keys = [Key::Int(1), Key::from("w")];
     // On a fresh store: nothing is initialized, and the store stays open to either kind.
-    let kv = KvStore::create("local").unwrap();
+    let kv = h.store();
     let e = fails(&kv, |kv| kv.init_list(&keys, &[a.clone(), a.clone()]));
     assert!(
         matches!(&e, Error::MixedKeyTypes { key: Key::Str(k), .. } if k == "w"),
@@ -495,8 +539,9 @@ fn mixed_key_kinds_within_one_call() {
     assert_mentions(&e, &["key w", "cannot be mixed"]);
     assert!(kv.keys().is_empty());
     kv.init("w", &a).unwrap();
+    assert_homes(h, &kv);
 
-    let kv = int_store("local");
+    let kv = int_store(h);
     let e = fails(&kv, |kv| kv.init_list(&keys, &[a.clone(), a.clone()]));
     assert!(matches!(&e, Error::MixedKeyTypes { .. }), "{e:?}");
     let e = fails(&kv, |kv| {
@@ -511,6 +556,7 @@ fn mixed_key_kinds_within_one_call() {
 
 // ---- kinds and devices ----
 
+/// Parsing a kind name involves no store and no home: a plain test.
 #[test]
 fn unknown_store_kind() {
     for name in ["dist_sync", "loca", ""] {
@@ -536,33 +582,59 @@ fn unknown_store_kind() {
     assert_eq!(KvStore::create("Local").unwrap().kind(), "local");
 }
 
-#[test]
-fn device_that_does_not_exist() {
-    if gpu_count() != 0 {
-        return; // this case is for machines without a GPU
+fn assert_device_not_found(e: &Error, missing: Device) {
+    assert!(
+        matches!(e, Error::DeviceNotFound { device, .. } if *device == missing),
+        "{e:?}"
+    );
+    assert_mentions(
+        e,
+        &[&missing.to_string(), "does not exist", &describe_gpus()],
+    );
+    if gpu_count() == 0 {
+        assert_mentions(e, &["no GPU"]);
     }
-    let kv = int_store("device");
-    let before = snapshot(&kv);
-    let e = NDArray::full_on(SHAPE, 1.0, DType::F32, gpu(0)).unwrap_err();
-    assert!(
-        matches!(&e, Error::DeviceNotFound { device, .. } if *device == gpu(0)),
-        "{e:?}"
-    );
-    assert_mentions(&e, &["gpu(0)", "no GPU"]);
-    let e = rand_arr(SHAPE).to_device(gpu(7)).unwrap_err();
-    assert!(
-        matches!(&e, Error::DeviceNotFound { device, .. } if *device == gpu(7)),
-        "{e:?}"
-    );
-    assert_mentions(&e, &["gpu(7)"]);
-    assert_eq!(snapshot(&kv), before);
+}
+
+/// GPUs this machine lacks: gpu(99) on every machine, and the first ordinal past the last GPU
+/// (gpu(0) on a machine without one). Arrays cannot be made or copied there, and a store
+/// refuses them as homes, unchanged.
+fn device_that_does_not_exist(h: Home) {
+    for kind in h.kinds() {
+        let kv = int_store_of(h, kind);
+        for missing in [gpu(gpu_count()), gpu(gpu_count() + 7), gpu(99)] {
+            let before = snapshot(&kv);
+            let e = NDArray::full_on(SHAPE, 1.0, DType::F32, missing).unwrap_err();
+            assert_device_not_found(&e, missing);
+            let e = rand_arr(h, SHAPE).to_device(missing).unwrap_err();
+            assert_device_not_found(&e, missing);
+            assert_eq!(snapshot(&kv), before, "{kind}");
+
+            let e = fails(&kv, |kv| kv.init_on(11, &rand_arr(h, SHAPE), missing));
+            assert_device_not_found(&e, missing);
+            let e = fails(&kv, |kv| {
+                kv.init_list_on(
+                    &[11, 12],
+                    &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)],
+                    &[h.dev(0), missing],
+                )
+            });
+            assert_device_not_found(&e, missing);
+        }
+        // The keys are free for an init on a home that exists.
+        let v = rand_arr(h, SHAPE);
+        kv.init_on(11, &v, h.dev(0)).unwrap();
+        assert_eq!(kv.meta(11).unwrap().2, h.dev(0), "{kind}");
+        let out = rand_arr(h, SHAPE);
+        kv.pull(11, &out).unwrap();
+        assert_eq!(values(&out), values(&v), "{kind}");
+    }
 }
 
 // ---- empty value lists ----
 
-#[test]
-fn empty_value_list() {
-    let kv = int_store("local");
+fn empty_value_list(h: Home) {
+    let kv = int_store(h);
     let none: Vec<NDArray> = Vec::new();
     let e = fails(&kv, |kv| kv.push(3, &none));
     assert!(
@@ -592,7 +664,7 @@ fn empty_value_list() {
     assert_mentions(&e, &["key 5", "no outs"]);
     // In a list, the first key's values are fine: nothing is applied.
     let e = fails(&kv, |kv| {
-        kv.push_list(&[3, 5], &[vec![rand_arr(SHAPE)], none.clone()])
+        kv.push_list(&[3, 5], &[vec![rand_arr(h, SHAPE)], none.clone()])
     });
     assert!(
         matches!(
@@ -608,15 +680,14 @@ fn empty_value_list() {
 
 // ---- updaters ----
 
-#[test]
-fn custom_updater_panics() {
-    let kv = int_store("local");
+fn custom_updater_panics(h: Home) {
+    let kv = int_store(h);
     kv.set_updater(Updater::custom(|key, _, w| {
         *w *= 100.0;
         panic!("boom on {key}");
     }))
     .unwrap();
-    let e = fails(&kv, |kv| kv.push(5, &rand_arr(SHAPE)));
+    let e = fails(&kv, |kv| kv.push(5, &rand_arr(h, SHAPE)));
     assert!(
         matches!(
             &e,
@@ -630,12 +701,11 @@ fn custom_updater_panics() {
     assert_mentions(&e, &["key 5", "boom on 5", "unchanged"]);
 }
 
-#[test]
-fn custom_updater_changes_shape_or_dtype() {
-    let kv = int_store("local");
+fn custom_updater_changes_shape_or_dtype(h: Home) {
+    let kv = int_store(h);
     kv.set_updater(Updater::custom(|_, _, w| *w = NDArray::ones([7])))
         .unwrap();
-    let e = fails(&kv, |kv| kv.push(3, &rand_arr(SHAPE)));
+    let e = fails(&kv, |kv| kv.push(3, &rand_arr(h, SHAPE)));
     assert!(
         matches!(&e, Error::ShapeMismatch { key: Key::Int(3), got, .. } if **got == Shape::from([7])),
         "{e:?}"
@@ -646,7 +716,7 @@ fn custom_updater_changes_shape_or_dtype() {
         *w = w.astype(DType::F64).unwrap()
     }))
     .unwrap();
-    let e = fails(&kv, |kv| kv.push(3, &rand_arr(SHAPE)));
+    let e = fails(&kv, |kv| kv.push(3, &rand_arr(h, SHAPE)));
     assert!(
         matches!(
             &e,
@@ -660,9 +730,8 @@ fn custom_updater_changes_shape_or_dtype() {
     );
 }
 
-#[test]
-fn invalid_updater_params() {
-    let kv = int_store("local");
+fn invalid_updater_params(h: Home) {
+    let kv = int_store(h);
     kv.set_updater(Updater::Axpby { a: 1.0, b: 2.0 }).unwrap();
     let bad = [
         Updater::Sgd(Sgd {
@@ -712,10 +781,10 @@ fn invalid_updater_params() {
         assert!(e.to_string().starts_with("invalid updater"), "{e}");
     }
     // The old updater is still the one that runs: stored = stored + 2 * input.
-    let (w, x) = (rand_arr(SHAPE), rand_arr(SHAPE));
+    let (w, x) = (rand_arr(h, SHAPE), rand_arr(h, SHAPE));
     kv.init(9, &w).unwrap();
     kv.push(9, &x).unwrap();
-    let out = rand_arr(SHAPE);
+    let out = rand_arr(h, SHAPE);
     kv.pull(9, &out).unwrap();
     let want: Vec<f64> = values(&w)
         .iter()
@@ -727,11 +796,10 @@ fn invalid_updater_params() {
 
 // ---- list operations are all or nothing ----
 
-#[test]
-fn list_push_with_unknown_key_applies_nothing() {
-    let kv = int_store("local");
+fn list_push_with_unknown_key_applies_nothing(h: Home) {
+    let kv = int_store(h);
     let e = fails(&kv, |kv| {
-        kv.push_list(&[3, 99], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+        kv.push_list(&[3, 99], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)])
     });
     assert!(
         matches!(
@@ -743,9 +811,9 @@ fn list_push_with_unknown_key_applies_nothing() {
         ),
         "{e:?}"
     );
-    let kv = str_store();
+    let kv = str_store(h);
     let e = fails(&kv, |kv| {
-        kv.push_list(&["a", "zz"], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+        kv.push_list(&["a", "zz"], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)])
     });
     assert!(
         matches!(&e, Error::UnknownKey { key: Key::Str(k), .. } if k == "zz"),
@@ -753,11 +821,10 @@ fn list_push_with_unknown_key_applies_nothing() {
     );
 }
 
-#[test]
-fn list_push_with_bad_shape_on_second_key_applies_nothing() {
-    let kv = int_store("local");
+fn list_push_with_bad_shape_on_second_key_applies_nothing(h: Home) {
+    let kv = int_store(h);
     let e = fails(&kv, |kv| {
-        kv.push_list(&[3, 5], &[rand_arr(SHAPE), rand_arr([3, 3])])
+        kv.push_list(&[3, 5], &[rand_arr(h, SHAPE), rand_arr(h, [3, 3])])
     });
     assert!(
         matches!(
@@ -770,9 +837,9 @@ fn list_push_with_bad_shape_on_second_key_applies_nothing() {
         "{e:?}"
     );
     // Listed in descending order, with a bad dtype: the same.
-    let bad = rand_arr(SHAPE).astype(DType::BF16).unwrap();
+    let bad = rand_typed(h, SHAPE, DType::BF16);
     let e = fails(&kv, |kv| {
-        kv.push_list(&[5, 3], &[bad.clone(), rand_arr(SHAPE)])
+        kv.push_list(&[5, 3], &[bad.clone(), rand_arr(h, SHAPE)])
     });
     assert!(
         matches!(
@@ -786,9 +853,8 @@ fn list_push_with_bad_shape_on_second_key_applies_nothing() {
     );
 }
 
-#[test]
-fn list_push_with_panicking_updater_on_second_key_applies_nothing() {
-    let kv = int_store("local");
+fn list_push_with_panicking_updater_on_second_key_applies_nothing(h: Home) {
+    let kv = int_store(h);
     kv.set_updater(Updater::custom(|key, x, w| {
         if *key == Key::Int(5) {
             panic!("no updates for key 5");
@@ -797,7 +863,7 @@ fn list_push_with_panicking_updater_on_second_key_applies_nothing() {
     }))
     .unwrap();
     let e = fails(&kv, |kv| {
-        kv.push_list(&[3, 5], &[rand_arr(SHAPE), rand_arr(SHAPE)])
+        kv.push_list(&[3, 5], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)])
     });
     assert!(
         matches!(
@@ -811,21 +877,20 @@ fn list_push_with_panicking_updater_on_second_key_applies_nothing() {
     );
     assert_mentions(&e, &["no updates for key 5"]);
     let e = fails(&kv, |kv| {
-        let v = [rand_arr(SHAPE), rand_arr(SHAPE)];
+        let v = [rand_arr(h, SHAPE), rand_arr(h, SHAPE)];
         kv.pushpull_list(&[3, 5], &v, &v)
     });
     assert!(matches!(&e, Error::UpdaterPanicked { .. }), "{e:?}");
     // Key 3 alone still updates.
-    kv.push(3, &rand_arr(SHAPE)).unwrap();
+    kv.push(3, &rand_arr(h, SHAPE)).unwrap();
 }
 
-#[test]
-fn broadcast_list_with_one_bad_out_inits_nothing() {
-    let kv = int_store("local");
-    let outs = [rand_arr(SHAPE), rand_arr([5])];
+fn broadcast_list_with_one_bad_out_inits_nothing(h: Home) {
+    let kv = int_store(h);
+    let outs = [rand_on(h, SHAPE, 0), rand_on(h, [5], 1)];
     let before: Vec<_> = outs.iter().map(values).collect();
     let e = fails(&kv, |kv| {
-        kv.broadcast_list(&[10, 11], &[rand_arr(SHAPE), rand_arr(SHAPE)], &outs)
+        kv.broadcast_list(&[10, 11], &[rand_arr(h, SHAPE), rand_arr(h, SHAPE)], &outs)
     });
     assert!(
         matches!(
@@ -841,26 +906,26 @@ fn broadcast_list_with_one_bad_out_inits_nothing() {
     assert_mentions(&e, &["key 11", "(5,)"]);
     assert_eq!(outs.iter().map(values).collect::<Vec<_>>(), before);
     // The keys are free for a correct broadcast afterwards.
-    let outs = [rand_arr(SHAPE), rand_arr(SHAPE)];
-    let vals = [rand_arr(SHAPE), rand_arr(SHAPE)];
+    let outs = [rand_on(h, SHAPE, 0), rand_on(h, SHAPE, 1)];
+    let vals = [rand_arr(h, SHAPE), rand_arr(h, SHAPE)];
     kv.broadcast_list(&[10, 11], &vals, &outs).unwrap();
     assert_eq!(values(&outs[1]), values(&vals[1]));
+    assert_homes(h, &kv);
 }
 
 // ---- where we do better than MXNet ----
 
-#[test]
-fn single_value_push_is_copied_not_aliased() {
-    let kv = int_store("local");
-    let a = rand_arr(SHAPE);
+fn single_value_push_is_copied_not_aliased(h: Home) {
+    let kv = int_store(h);
+    let a = rand_arr(h, SHAPE);
     let pushed = values(&a);
     kv.push(3, &a).unwrap();
     a.fill(9.0).unwrap();
-    let out = rand_arr(SHAPE);
+    let out = rand_arr(h, SHAPE);
     kv.pull(3, &out).unwrap();
     assert_eq!(values(&out), pushed);
     // init copies too.
-    let b = rand_arr(SHAPE);
+    let b = rand_arr(h, SHAPE);
     let inited = values(&b);
     kv.init(4, &b).unwrap();
     b.fill(-9.0).unwrap();
@@ -868,13 +933,23 @@ fn single_value_push_is_copied_not_aliased() {
     assert_eq!(values(&out), inited);
 }
 
-#[test]
-fn number_of_values_per_key_may_grow() {
-    let kv = int_store("local");
+/// A random f32 array of `shape` whose elements are nonzero multiples of 1/8 in [-8, 8], on
+/// the home's `i`-th device: sums of a few of them are exact in f32 in any order, so the
+/// reference below need not know the order a home sums in (the values of a push spread over
+/// several GPUs are summed per GPU first).
+fn rand_eighths(h: Home, shape: impl Into<Shape>, i: usize) -> NDArray {
+    let shape = shape.into();
+    let mut rng = thread_rng();
+    let data: Vec<f32> = (0..shape.size())
+        .map(|_| rng.gen_range(1..=64) as f32 / 8.0 * if rng.gen() { 1.0 } else { -1.0 })
+        .collect();
+    h.put(&NDArray::from_vec(data, shape).unwrap(), i)
+}
+
+fn number_of_values_per_key_may_grow(h: Home) {
+    let kv = int_store(h);
     for n in [2, 4, 1, 6] {
-        let vals: Vec<NDArray> = (0..n)
-            .map(|d| rand_arr(SHAPE).to_device(cpu(d)).unwrap())
-            .collect();
+        let vals: Vec<NDArray> = (0..n).map(|d| rand_eighths(h, SHAPE, d)).collect();
         kv.push(3, &vals).unwrap();
         let mut want = vec![0f32; 6];
         for v in &vals {
@@ -882,19 +957,18 @@ fn number_of_values_per_key_may_grow() {
                 *w += x;
             }
         }
-        let out = rand_arr(SHAPE);
+        let out = rand_arr(h, SHAPE);
         kv.pull(3, &out).unwrap();
         assert_eq!(out.to_vec::<f32>().unwrap(), want, "{n} values");
     }
 }
 
-#[test]
-fn repeated_array_in_one_push_is_summed() {
-    let kv = int_store("local");
-    let a = rand_arr(SHAPE);
+fn repeated_array_in_one_push_is_summed(h: Home) {
+    let kv = int_store(h);
+    let a = rand_arr(h, SHAPE);
     kv.push(3, &[a.clone(), a.clone(), a.clone(), a.clone()])
         .unwrap();
-    let out = rand_arr(SHAPE);
+    let out = rand_arr(h, SHAPE);
     kv.pull(3, &out).unwrap();
     let want: Vec<f32> = a.to_vec::<f32>().unwrap().iter().map(|x| 4.0 * x).collect();
     assert_eq!(out.to_vec::<f32>().unwrap(), want);
@@ -911,16 +985,15 @@ fn repeated_array_in_one_push_is_summed() {
 
 // ---- custom updaters and the arrays they touch ----
 
-#[test]
-fn custom_updater_may_assign_an_array_it_keeps() {
-    let kv = int_store("local");
-    let keep = rand_arr(SHAPE);
+fn custom_updater_may_assign_an_array_it_keeps(h: Home) {
+    let kv = int_store(h);
+    let keep = rand_arr(h, SHAPE);
     let kept = values(&keep);
     let handle = keep.clone();
     kv.set_updater(Updater::custom(move |_, _, w| *w = handle.clone()))
         .unwrap();
-    kv.push(3, &rand_arr(SHAPE)).unwrap();
-    let out = rand_arr(SHAPE);
+    kv.push(3, &rand_arr(h, SHAPE)).unwrap();
+    let out = rand_arr(h, SHAPE);
     kv.pull(3, &out).unwrap();
     assert_eq!(values(&out), kept);
     // The user's array is untouched, and is not the store's value.
@@ -936,10 +1009,9 @@ fn custom_updater_may_assign_an_array_it_keeps() {
     assert_eq!(values(&out), vec![1.0; 6]);
 }
 
-#[test]
-fn custom_updater_may_keep_a_handle_to_stored() {
+fn custom_updater_may_keep_a_handle_to_stored(h: Home) {
     use std::sync::{Arc, Mutex};
-    let kv = int_store("local");
+    let kv = int_store(h);
     let stash: Arc<Mutex<Option<NDArray>>> = Arc::default();
     let s = stash.clone();
     kv.set_updater(Updater::custom(move |_, x, w| {
@@ -947,8 +1019,8 @@ fn custom_updater_may_keep_a_handle_to_stored() {
         *s.lock().unwrap() = Some(w.clone());
     }))
     .unwrap();
-    let before = snapshot(&kv).values[0].2.clone();
-    let x = rand_arr(SHAPE);
+    let before = snapshot(&kv).values[0].3.clone();
+    let x = rand_arr(h, SHAPE);
     kv.push(3, &x).unwrap();
     let kept = stash.lock().unwrap().take().unwrap();
     assert_eq!(kept.size(), 6);
@@ -960,9 +1032,43 @@ fn custom_updater_may_keep_a_handle_to_stored() {
     assert_eq!(values(&kept), want);
     // Writing through the handle does not reach the store.
     kept.fill(0.0).unwrap();
-    let out = rand_arr(SHAPE);
+    let out = rand_arr(h, SHAPE);
     kv.pull(3, &out).unwrap();
     assert_eq!(values(&out), want);
     kv.set_updater(Updater::Assign).unwrap();
     kv.push(3, &kept).unwrap();
 }
+
+on_every_home!(
+    push_unknown_int_key,
+    push_unknown_int_key_with_updater,
+    pull_unknown_int_key,
+    unknown_str_key,
+    failed_ops_do_not_poison_a_key,
+    duplicate_init_across_calls,
+    duplicate_init_within_one_list,
+    broadcast_twice,
+    push_wrong_shape_one_value,
+    push_wrong_shape_one_value_with_updater,
+    push_wrong_shape_several_values,
+    push_wrong_dtype,
+    pull_into_wrong_shape,
+    pushpull_with_bad_out_pushes_nothing,
+    length_mismatch,
+    mixed_key_kinds_across_calls,
+    mixed_key_kinds_within_one_call,
+    device_that_does_not_exist,
+    empty_value_list,
+    custom_updater_panics,
+    custom_updater_changes_shape_or_dtype,
+    invalid_updater_params,
+    list_push_with_unknown_key_applies_nothing,
+    list_push_with_bad_shape_on_second_key_applies_nothing,
+    list_push_with_panicking_updater_on_second_key_applies_nothing,
+    broadcast_list_with_one_bad_out_inits_nothing,
+    single_value_push_is_copied_not_aliased,
+    number_of_values_per_key_may_grow,
+    repeated_array_in_one_push_is_summed,
+    custom_updater_may_assign_an_array_it_keeps,
+    custom_updater_may_keep_a_handle_to_stored,
+);
