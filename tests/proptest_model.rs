@@ -3,11 +3,19 @@
 //!
 //! The model also predicts which operations fail, and with which error; a failed operation
 //! changes neither the model nor (as checked by pulling every key) the store.
+//!
+//! The same model runs on both homes: `cpu::*` with a `local` store and arrays on cpu(i) (512
+//! cases), `gpu::*` (ignored: needs a GPU) with a `device` store and arrays on the GPUs (128
+//! cases: every operation there is several GPU calls and host copies).
+
+mod common;
 
 use std::collections::BTreeMap;
 
+use common::Home;
 use half::{bf16, f16};
-use kvstore::{cpu, DType, Error, Key, KvStore, NDArray, Sgd, Shape, Updater};
+use kvstore::backend::probe::gpu_count;
+use kvstore::{DType, Error, Key, KvStore, NDArray, Sgd, Shape, Updater};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -126,10 +134,16 @@ struct Model {
     momentum: BTreeMap<i32, Vec<f64>>,
     scale: BTreeMap<i32, f64>,
     updater: Option<UpdaterSpec>,
+    /// Whether a push may round partial sums to the key's dtype: on a GPU home with several
+    /// GPUs, the values on a GPU other than the key's home are summed there into a buffer of
+    /// the key's dtype before the home adds them. Such a sum is bounded by the sum of the
+    /// values' magnitudes, not by the magnitude of their sum, so that is part of the scale.
+    partial_sums_rounded: bool,
 }
 
 impl Model {
-    fn update(&mut self, key: i32, dtype: DType, g: &[f64]) {
+    /// One push whose values sum to `g`, with `magnitude` the sum of their absolute values.
+    fn update(&mut self, key: i32, dtype: DType, g: &[f64], magnitude: &[f64]) {
         let w = self.values.get_mut(&key).unwrap();
         let mut scale = self.scale[&key];
         let n = w.len();
@@ -154,6 +168,9 @@ impl Model {
                 }
             };
             scale = scale.max(new.abs()).max(g[i].abs());
+            if self.partial_sums_rounded {
+                scale = scale.max(magnitude[i]);
+            }
             w[i] = round_to(dtype, new);
         }
         self.scale.insert(key, scale);
@@ -162,6 +179,7 @@ impl Model {
 
 /// The store, the model and where random data comes from.
 struct Run {
+    h: Home,
     kv: KvStore,
     model: Model,
     shapes: Vec<Shape>,
@@ -178,7 +196,15 @@ enum Expect {
     Empty(i32),
 }
 
+/// The values of one push entry, their sum and the sum of their absolute values.
+struct Pushed {
+    vals: Vec<NDArray>,
+    sum: Vec<f64>,
+    magnitude: Vec<f64>,
+}
+
 impl Run {
+    /// Random values for key `k`, in [-1, 1) and rounded to its dtype, on the host.
     fn random(&mut self, k: usize) -> (NDArray, Vec<f64>) {
         let shape = self.shapes[k];
         let data: Vec<f64> = (0..shape.size())
@@ -192,28 +218,32 @@ impl Run {
         (a, exact)
     }
 
-    /// `n` values for key `k`, a fault applied to the last, and the sum of the good ones.
-    fn values(&mut self, k: usize, n: usize, fault: Option<Fault>) -> (Vec<NDArray>, Vec<f64>) {
+    /// `n` values for key `k` (the i-th on the home's i-th device), a fault applied to the
+    /// last, and the sum of the good ones and of their absolute values.
+    fn values(&mut self, k: usize, n: usize, fault: Option<Fault>) -> Pushed {
         let mut sum = vec![0.0; self.shapes[k].size()];
+        let mut magnitude = vec![0.0; self.shapes[k].size()];
         let mut vals = Vec::new();
-        for _ in 0..n {
+        for i in 0..n {
             let (a, x) = self.random(k);
-            for (s, x) in sum.iter_mut().zip(x) {
+            for ((s, m), x) in sum.iter_mut().zip(&mut magnitude).zip(x) {
                 *s += x;
+                *m += x.abs();
             }
-            vals.push(a);
+            vals.push(self.h.put(&a, i));
         }
         match fault {
             None => {}
             Some(Fault::Empty) => {
                 vals.clear();
                 sum.iter_mut().for_each(|s| *s = 0.0);
+                magnitude.iter_mut().for_each(|m| *m = 0.0);
             }
             Some(Fault::Shape) => {
                 let mut dims = self.shapes[k].dims().to_vec();
                 dims.push(2);
                 let bad = Shape::new(&dims).unwrap();
-                *vals.last_mut().unwrap() = NDArray::full_on(bad, 0.5, DTYPES[k], cpu(1)).unwrap();
+                *vals.last_mut().unwrap() = self.h.full_typed(bad, 0.5, DTYPES[k], 1);
             }
             Some(Fault::DType) => {
                 let other = if DTYPES[k] == DType::F32 {
@@ -225,7 +255,11 @@ impl Run {
                 *last = last.astype(other).unwrap();
             }
         }
-        (vals, sum)
+        Pushed {
+            vals,
+            sum,
+            magnitude,
+        }
     }
 
     fn expect_fault(k: usize, fault: Fault) -> Expect {
@@ -257,7 +291,7 @@ impl Run {
 
     fn pull_and_check(&self, k: usize, f64_out: bool) {
         let dtype = if f64_out { DType::F64 } else { DTYPES[k] };
-        let out = NDArray::full_on(self.shapes[k], 77.0, dtype, cpu(2)).unwrap();
+        let out = self.h.full_typed(self.shapes[k], 77.0, dtype, 2);
         self.kv.pull(KEYS[k], &out).unwrap();
         self.check_value(KEYS[k], &out);
     }
@@ -279,16 +313,21 @@ impl Run {
             Op::Init(k) => {
                 let (a, x) = self.random(*k);
                 if self.known(*k) {
+                    let a = self.h.put(&a, 0);
                     return (Some(Expect::DuplicateInit), self.kv.init(KEYS[*k], &a));
                 }
-                let r = self.kv.init(KEYS[*k], &a);
+                let r = self.kv.init(KEYS[*k], &self.h.put(&a, 0));
                 self.insert(*k, x);
                 (None, r)
             }
             Op::InitList(ks) => {
                 let made: Vec<(NDArray, Vec<f64>)> = ks.iter().map(|&k| self.random(k)).collect();
                 let keys: Vec<i32> = ks.iter().map(|&k| KEYS[k]).collect();
-                let vals: Vec<NDArray> = made.iter().map(|(a, _)| a.clone()).collect();
+                let vals: Vec<NDArray> = made
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (a, _))| self.h.put(a, i))
+                    .collect();
                 let r = self.kv.init_list(&keys, &vals);
                 let dup = ks.iter().enumerate().any(|(i, k)| ks[..i].contains(k));
                 if dup || ks.iter().any(|&k| self.known(k)) {
@@ -300,30 +339,36 @@ impl Run {
                 (None, r)
             }
             Op::Push(k, n, fault) => {
-                let (vals, g) = self.values(*k, *n, *fault);
-                let r = self.kv.push(KEYS[*k], &vals);
+                let p = self.values(*k, *n, *fault);
+                let r = self.kv.push(KEYS[*k], &p.vals);
                 if !self.known(*k) {
                     return (Some(Expect::UnknownKey(KEYS[*k])), r);
                 }
                 if let Some(f) = fault {
                     return (Some(Self::expect_fault(*k, *f)), r);
                 }
-                self.model.update(KEYS[*k], DTYPES[*k], &g);
+                self.model
+                    .update(KEYS[*k], DTYPES[*k], &p.sum, &p.magnitude);
                 (None, r)
             }
             Op::PushList(entries, fault) => {
                 let mut lists = Vec::new();
-                let mut sums: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+                // Per key: the sum of its values and of their magnitudes, over its entries.
+                let mut sums: BTreeMap<usize, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
                 for (i, &(k, n)) in entries.iter().enumerate() {
                     let f = fault.filter(|(j, _)| *j == i).map(|(_, f)| f);
-                    let (vals, g) = self.values(k, n, f);
-                    let total = sums
+                    let p = self.values(k, n, f);
+                    let size = self.shapes[k].size();
+                    let (total, mag) = sums
                         .entry(k)
-                        .or_insert_with(|| vec![0.0; self.shapes[k].size()]);
-                    for (t, g) in total.iter_mut().zip(g) {
+                        .or_insert_with(|| (vec![0.0; size], vec![0.0; size]));
+                    for (t, g) in total.iter_mut().zip(p.sum) {
                         *t += g;
                     }
-                    lists.push(vals);
+                    for (t, m) in mag.iter_mut().zip(p.magnitude) {
+                        *t += m;
+                    }
+                    lists.push(p.vals);
                 }
                 let keys: Vec<i32> = entries.iter().map(|&(k, _)| KEYS[k]).collect();
                 let r = self.kv.push_list(&keys, &lists);
@@ -338,14 +383,14 @@ impl Run {
                         return (Some(Self::expect_fault(k, *f)), r);
                     }
                 }
-                for (k, g) in sums {
-                    self.model.update(KEYS[k], DTYPES[k], &g);
+                for (k, (g, mag)) in sums {
+                    self.model.update(KEYS[k], DTYPES[k], &g, &mag);
                 }
                 (None, r)
             }
             Op::Pull(k, f64_out) => {
                 if !self.known(*k) {
-                    let out = NDArray::zeros(self.shapes[*k]);
+                    let out = self.h.full(self.shapes[*k], 0.0, 0);
                     return (
                         Some(Expect::UnknownKey(KEYS[*k])),
                         self.kv.pull(KEYS[*k], &out),
@@ -358,7 +403,8 @@ impl Run {
                 let keys: Vec<i32> = ks.iter().map(|&k| KEYS[k]).collect();
                 let outs: Vec<NDArray> = ks
                     .iter()
-                    .map(|&k| NDArray::full_on(self.shapes[k], 77.0, DTYPES[k], cpu(0)).unwrap())
+                    .enumerate()
+                    .map(|(i, &k)| self.h.full_typed(self.shapes[k], 77.0, DTYPES[k], i))
                     .collect();
                 let r = self.kv.pull_list(&keys, &outs);
                 if let Some(&k) = ks.iter().find(|&&k| !self.known(k)) {
@@ -372,16 +418,17 @@ impl Run {
                 (None, r)
             }
             Op::PushPull(k, n) => {
-                let (vals, g) = self.values(*k, *n, None);
+                let p = self.values(*k, *n, None);
                 let outs = [
-                    NDArray::full_on(self.shapes[*k], 77.0, DTYPES[*k], cpu(0)).unwrap(),
-                    NDArray::full_on(self.shapes[*k], 77.0, DType::F64, cpu(3)).unwrap(),
+                    self.h.full_typed(self.shapes[*k], 77.0, DTYPES[*k], 0),
+                    self.h.full_typed(self.shapes[*k], 77.0, DType::F64, 3),
                 ];
-                let r = self.kv.pushpull(KEYS[*k], &vals, &outs);
+                let r = self.kv.pushpull(KEYS[*k], &p.vals, &outs);
                 if !self.known(*k) {
                     return (Some(Expect::UnknownKey(KEYS[*k])), r);
                 }
-                self.model.update(KEYS[*k], DTYPES[*k], &g);
+                self.model
+                    .update(KEYS[*k], DTYPES[*k], &p.sum, &p.magnitude);
                 if r.is_ok() {
                     for out in &outs {
                         self.check_value(KEYS[*k], out);
@@ -420,18 +467,31 @@ fn matches_expect(e: &Error, want: &Expect) -> bool {
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
-
-    #[test]
-    fn store_matches_model(
+/// Random op sequences on a fresh store of the home, each checked against the model.
+fn store_matches_model(h: Home) {
+    // A GPU home without a GPU fails here with its own message, before proptest would catch the
+    // panic and shrink.
+    drop(h.store());
+    let cases = match h {
+        Home::Cpu => 512,
+        Home::Gpu => 128,
+    };
+    let config = ProptestConfig {
+        cases,
+        ..ProptestConfig::default()
+    };
+    proptest!(config, |(
         shapes in prop::collection::vec(shape(), KEYS.len()),
         ops in prop::collection::vec(op(), 1..60),
         seed in any::<u64>(),
-    ) {
+    )| {
         let mut run = Run {
-            kv: KvStore::create("local").unwrap(),
-            model: Model::default(),
+            h,
+            kv: h.store(),
+            model: Model {
+                partial_sums_rounded: h == Home::Gpu && gpu_count() > 1,
+                ..Model::default()
+            },
             shapes: shapes.iter().map(|d| Shape::new(d).unwrap()).collect(),
             rng: StdRng::seed_from_u64(seed),
         };
@@ -448,5 +508,7 @@ proptest! {
             }
         }
         run.check_all();
-    }
+    });
 }
+
+on_every_home!(store_matches_model);

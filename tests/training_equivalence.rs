@@ -1,10 +1,18 @@
 //! Data-parallel training over 4 devices must match single-device training on the whole batch:
 //! the store's sum over devices, `rescale_grad` and optimizer state make the shards invisible.
+//!
+//! The training tests run on both homes: `cpu::*` on cpu(i) devices with every store kind that
+//! keeps its keys on the host, `gpu::*` (ignored: needs a GPU) on GPU devices with every kind
+//! that keeps them on a GPU (with one GPU, all 4 devices are gpu(0): four values summed by one
+//! kernel). The 1-device reference is trained on the same home. The gradient check of the
+//! MLP itself involves no store and stays a plain test.
 
+mod common;
 #[path = "../examples/mlp/mod.rs"]
 mod mlp;
 
-use kvstore::{cpu, Adam, Device, Sgd, Updater};
+use common::Home;
+use kvstore::{Adam, Device, Sgd, Updater};
 use mlp::{DataParallel, Dataset};
 
 const STEPS: usize = 20;
@@ -28,16 +36,19 @@ fn adam(rescale: f32) -> Updater {
     })
 }
 
-/// Trains `STEPS` steps on `devices`, pushing the gradients of the first `pushed` devices;
-/// returns the stored parameters and every device's copy of them.
+/// Trains `STEPS` steps on the home's first `devices` devices with a `kind` store, pushing the
+/// gradients of the first `pushed` devices; returns the stored parameters, after checking
+/// every device's copy of them.
 fn train(
+    h: Home,
     kind: &str,
     devices: usize,
     pushed: usize,
     updater: Updater,
 ) -> anyhow::Result<Vec<Vec<f32>>> {
     let data = Dataset::spirals(STEPS * BATCH / 3 + 1, SEED);
-    let devs: Vec<Device> = (0..devices).map(cpu).collect();
+    assert!(h.kinds().contains(&kind), "{kind} is not a {h:?} store");
+    let devs: Vec<Device> = (0..devices).map(|i| h.dev(i)).collect();
     let model = DataParallel::new(kind, devs, updater, SEED)?;
     for s in 0..STEPS {
         model.step_with(data.batch(s * BATCH..(s + 1) * BATCH), pushed)?;
@@ -69,9 +80,9 @@ fn max_rel_err(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn check(updater: fn(f32) -> Updater) -> anyhow::Result<()> {
+fn check(h: Home, updater: fn(f32) -> Updater) -> anyhow::Result<()> {
     let rescale = 1.0 / BATCH as f32;
-    let single = train("local", 1, 1, updater(rescale))?;
+    let single = train(h, h.kind(), 1, 1, updater(rescale))?;
     let initial = mlp::init_params(SEED);
     // Training moved the parameters, so the comparison below is not trivially true.
     assert!(
@@ -79,8 +90,8 @@ fn check(updater: fn(f32) -> Updater) -> anyhow::Result<()> {
         "training did not move the parameters"
     );
 
-    for kind in ["local", "device"] {
-        let multi = train(kind, 4, 4, updater(rescale))?;
+    for kind in h.kinds() {
+        let multi = train(h, kind, 4, 4, updater(rescale))?;
         let err = max_rel_err(&multi, &single);
         assert!(
             err <= 1e-5,
@@ -89,12 +100,12 @@ fn check(updater: fn(f32) -> Updater) -> anyhow::Result<()> {
     }
 
     // The comparison catches the mistakes it is there for.
-    let dropped = max_rel_err(&train("local", 4, 3, updater(rescale))?, &single);
+    let dropped = max_rel_err(&train(h, h.kind(), 4, 3, updater(rescale))?, &single);
     assert!(
         dropped > 1e-3,
         "a dropped shard went unnoticed: {dropped:e}"
     );
-    let unscaled = max_rel_err(&train("local", 4, 4, updater(rescale * 4.0))?, &single);
+    let unscaled = max_rel_err(&train(h, h.kind(), 4, 4, updater(rescale * 4.0))?, &single);
     assert!(
         unscaled > 1e-3,
         "a wrong rescale went unnoticed: {unscaled:e}"
@@ -102,15 +113,18 @@ fn check(updater: fn(f32) -> Updater) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[test]
-fn four_devices_match_one_with_sgd_momentum() -> anyhow::Result<()> {
-    check(sgd)
+fn four_devices_match_one_with_sgd_momentum(h: Home) -> anyhow::Result<()> {
+    check(h, sgd)
 }
 
-#[test]
-fn four_devices_match_one_with_adam() -> anyhow::Result<()> {
-    check(adam)
+fn four_devices_match_one_with_adam(h: Home) -> anyhow::Result<()> {
+    check(h, adam)
 }
+
+on_every_home!(
+    four_devices_match_one_with_sgd_momentum,
+    four_devices_match_one_with_adam
+);
 
 /// The hand-written backward pass agrees with central differences of the loss.
 #[test]

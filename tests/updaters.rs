@@ -4,7 +4,15 @@
 //!
 //! The reference keeps the weight in the key's dtype, as the store does (it rounds the weight
 //! to that dtype after each step); updater state is kept in f64.
+//!
+//! Every test runs on both homes: `cpu::*` with a `local` store, `gpu::*` (ignored: needs a GPU)
+//! with a `device` store, where f32, f16 and bf16 keys run the PTX kernels and f64 keys the host
+//! path. The kernels compute in f32 like the CPU loops (f16 and bf16 stored, math in f32), so
+//! the tolerances are the same on both homes.
 
+mod common;
+
+use common::Home;
 use half::{bf16, f16};
 use kvstore::{Adam, DType, Key, KvStore, NDArray, Sgd, Updater};
 use rand::rngs::StdRng;
@@ -109,9 +117,11 @@ fn random(rng: &mut StdRng, dtype: DType, n: usize) -> (NDArray, Vec<f64>) {
     (a, exact)
 }
 
-/// Pushes `nvals` random values to `key`, steps the reference, returns nothing.
+/// Pushes `nvals` random values to `key` (the i-th on the home's i-th device), steps the
+/// reference.
 fn push_random(
     kv: &KvStore,
+    h: Home,
     key: i32,
     r: &mut RefKey,
     u: &Updater,
@@ -121,20 +131,20 @@ fn push_random(
     let n = r.w.len();
     let mut g = vec![0.0; n];
     let mut vals = Vec::new();
-    for _ in 0..nvals {
+    for i in 0..nvals {
         let (a, x) = random(rng, r.dtype, n);
         for (g, x) in g.iter_mut().zip(x) {
             *g += x;
         }
-        vals.push(a);
+        vals.push(h.put(&a, i));
     }
     kv.push(key, &vals).unwrap();
     r.step(u, &g);
 }
 
 /// Pulls `key` and compares it with the reference elementwise.
-fn check(kv: &KvStore, key: i32, r: &RefKey, what: &str) {
-    let out = NDArray::full_on([r.w.len()], 1234.0, r.dtype, kvstore::cpu(0)).unwrap();
+fn check(kv: &KvStore, h: Home, key: i32, r: &RefKey, what: &str) {
+    let out = h.full_typed([r.w.len()], 1234.0, r.dtype, 0);
     kv.pull(key, &out).unwrap();
     let got = out.to_vec::<f64>().unwrap();
     let tol = tolerance(r.dtype);
@@ -157,16 +167,22 @@ fn check(kv: &KvStore, key: i32, r: &RefKey, what: &str) {
 }
 
 /// Inits a key with random values, sets `u`, runs `steps` pushes of `nvals` values, checks.
-fn run(u: &Updater, dtype: DType, n: usize, steps: usize, nvals: usize, seed: u64) {
+fn run(h: Home, u: &Updater, dtype: DType, n: usize, steps: usize, nvals: usize, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let kv = KvStore::create("local").unwrap();
+    let kv = h.store();
     let (w0, exact) = random(&mut rng, dtype, n);
-    kv.init(1, &w0).unwrap();
+    kv.init(1, &h.put(&w0, 0)).unwrap();
     kv.set_updater(u.clone()).unwrap();
     let mut r = RefKey::new(dtype, exact);
     for s in 0..steps {
-        push_random(&kv, 1, &mut r, u, &mut rng, nvals);
-        check(&kv, 1, &r, &format!("{u:?}, n={n}, after step {}", s + 1));
+        push_random(&kv, h, 1, &mut r, u, &mut rng, nvals);
+        check(
+            &kv,
+            h,
+            1,
+            &r,
+            &format!("{u:?}, n={n}, after step {}", s + 1),
+        );
     }
 }
 
@@ -241,88 +257,83 @@ fn all_updaters() -> Vec<Updater> {
     ]
 }
 
-#[test]
-fn tiny_arrays_every_updater_every_dtype() {
+fn tiny_arrays_every_updater_every_dtype(h: Home) {
     for (i, u) in all_updaters().iter().enumerate() {
         for (j, dtype) in DType::ALL.into_iter().enumerate() {
             for (k, n) in [1, 7, 1025].into_iter().enumerate() {
-                run(u, dtype, n, 5, 3, (i * 100 + j * 10 + k) as u64);
+                run(h, u, dtype, n, 5, 3, (i * 100 + j * 10 + k) as u64);
             }
         }
     }
 }
 
-fn large(dtype: DType) {
+fn large(h: Home, dtype: DType) {
     for (i, u) in [axpby(), sgd_full(), sgd_mom_full(), adam_full()]
         .iter()
         .enumerate()
     {
-        run(u, dtype, LARGE, 3, 2, 1000 + i as u64);
+        run(h, u, dtype, LARGE, 3, 2, 1000 + i as u64);
     }
 }
 
-#[test]
-fn large_f32() {
-    large(DType::F32);
+fn large_f32(h: Home) {
+    large(h, DType::F32);
 }
 
-#[test]
-fn large_f64() {
-    large(DType::F64);
+fn large_f64(h: Home) {
+    large(h, DType::F64);
 }
 
-#[test]
-fn large_f16() {
-    large(DType::F16);
+fn large_f16(h: Home) {
+    large(h, DType::F16);
 }
 
-#[test]
-fn large_bf16() {
-    large(DType::BF16);
+fn large_bf16(h: Home) {
+    large(h, DType::BF16);
 }
 
 /// The Adam bias correction matters: without it the first step is ~3x smaller. Checks the
-/// first step alone, where the reference's `lr_t` is `lr * sqrt(1 - b2) / (1 - b1)`.
-#[test]
-fn adam_first_step_is_bias_corrected() {
-    let kv = KvStore::create("local").unwrap();
-    kv.init(1, &NDArray::from_vec(vec![0.5f64; 4], [4]).unwrap())
-        .unwrap();
-    kv.set_updater(adam_plain()).unwrap();
-    kv.push(
-        1,
-        &NDArray::from_vec(vec![0.2f64, -0.4, 1.0, -3.0], [4]).unwrap(),
-    )
-    .unwrap();
-    let out = NDArray::from_vec(vec![0.0f64; 4], [4]).unwrap();
-    kv.pull(1, &out).unwrap();
-    // With m = 0.1 g, v = 0.001 g², the step is lr * sign(g) up to epsilon.
-    let lr = f64::from(0.05f32);
-    for (got, g) in out
-        .to_vec::<f64>()
-        .unwrap()
-        .iter()
-        .zip([0.2, -0.4, 1.0, -3.0])
-    {
-        let want = 0.5 - lr * f64::signum(g);
-        assert!((got - want).abs() < 1e-6, "got {got}, want {want}");
+/// first step alone, where the reference's `lr_t` is `lr * sqrt(1 - b2) / (1 - b1)`. In f64 (the
+/// host path on both homes) and in f32 (the PTX kernel on a GPU home).
+fn adam_first_step_is_bias_corrected(h: Home) {
+    for dtype in [DType::F64, DType::F32] {
+        let typed = |v: Vec<f64>| {
+            let a = NDArray::from_vec(v, [4]).unwrap().astype(dtype).unwrap();
+            h.put(&a, 0)
+        };
+        let kv = h.store();
+        kv.init(1, &typed(vec![0.5; 4])).unwrap();
+        kv.set_updater(adam_plain()).unwrap();
+        kv.push(1, &typed(vec![0.2, -0.4, 1.0, -3.0])).unwrap();
+        let out = h.full_typed([4], 0.0, dtype, 0);
+        kv.pull(1, &out).unwrap();
+        // With m = 0.1 g, v = 0.001 g², the step is lr * sign(g) up to epsilon.
+        let lr = f64::from(0.05f32);
+        for (got, g) in out
+            .to_vec::<f64>()
+            .unwrap()
+            .iter()
+            .zip([0.2, -0.4, 1.0, -3.0])
+        {
+            let want = 0.5 - lr * f64::signum(g);
+            assert!((got - want).abs() < 1e-6, "{dtype}: got {got}, want {want}");
+        }
     }
 }
 
 /// `set_updater` again, even with the same parameters, starts momentum afresh.
-#[test]
-fn state_resets_on_set_updater() {
+fn state_resets_on_set_updater(h: Home) {
     for u in [sgd_mom_full(), adam_full()] {
         for dtype in [DType::F32, DType::F64] {
             let mut rng = StdRng::seed_from_u64(7);
-            let kv = KvStore::create("local").unwrap();
+            let kv = h.store();
             let (w0, exact) = random(&mut rng, dtype, 100);
-            kv.init(1, &w0).unwrap();
+            kv.init(1, &h.put(&w0, 0)).unwrap();
             kv.set_updater(u.clone()).unwrap();
             let mut r = RefKey::new(dtype, exact);
-            push_random(&kv, 1, &mut r, &u, &mut rng, 2);
-            push_random(&kv, 1, &mut r, &u, &mut rng, 2);
-            check(&kv, 1, &r, "before the reset");
+            push_random(&kv, h, 1, &mut r, &u, &mut rng, 2);
+            push_random(&kv, h, 1, &mut r, &u, &mut rng, 2);
+            check(&kv, h, 1, &r, "before the reset");
 
             kv.set_updater(u.clone()).unwrap();
             let mut kept = RefKey {
@@ -334,9 +345,9 @@ fn state_resets_on_set_updater() {
             };
             r.reset_state();
             let (x, g) = random(&mut rng, dtype, 100);
-            kv.push(1, &x).unwrap();
+            kv.push(1, &h.put(&x, 0)).unwrap();
             r.step(&u, &g);
-            check(&kv, 1, &r, "after the reset");
+            check(&kv, h, 1, &r, "after the reset");
             // The same push without a reset would give something measurably different.
             kept.step(&u, &g);
             let diff: f64 = kept.w.iter().zip(&r.w).map(|(a, b)| (a - b).abs()).sum();
@@ -346,33 +357,45 @@ fn state_resets_on_set_updater() {
 }
 
 /// Each key counts its own Adam steps, and keeps its own moments.
-#[test]
-fn adam_step_count_is_per_key() {
+fn adam_step_count_is_per_key(h: Home) {
     let u = adam_full();
     let mut rng = StdRng::seed_from_u64(11);
-    let kv = KvStore::create("local").unwrap();
+    let kv = h.store();
     let n = 64;
     let (a0, ea) = random(&mut rng, DType::F32, n);
     let (b0, eb) = random(&mut rng, DType::F32, n);
-    kv.init_list(&[1, 2], &[a0, b0]).unwrap();
+    kv.init_list(&[1, 2], &[h.put(&a0, 0), h.put(&b0, 1)])
+        .unwrap();
     kv.set_updater(u.clone()).unwrap();
     let mut ra = RefKey::new(DType::F32, ea);
     let mut rb = RefKey::new(DType::F32, eb);
     for _ in 0..3 {
-        push_random(&kv, 1, &mut ra, &u, &mut rng, 1);
+        push_random(&kv, h, 1, &mut ra, &u, &mut rng, 1);
     }
-    push_random(&kv, 2, &mut rb, &u, &mut rng, 1);
-    check(&kv, 1, &ra, "key 1 after 3 steps");
-    check(&kv, 2, &rb, "key 2 after 1 step");
+    push_random(&kv, h, 2, &mut rb, &u, &mut rng, 1);
+    check(&kv, h, 1, &ra, "key 1 after 3 steps");
+    check(&kv, h, 2, &rb, "key 2 after 1 step");
 
-    // One list push: key 1 takes step 4, key 2 step 2.
+    // One list push: key 1 takes step 4, key 2 step 2 (on a GPU home, one launch when both
+    // keys share a GPU, each record with its own step size).
     let (x1, g1) = random(&mut rng, DType::F32, n);
     let (x2, g2) = random(&mut rng, DType::F32, n);
-    kv.push_list(&[Key::Int(2), Key::Int(1)], &[x2, x1])
+    kv.push_list(&[Key::Int(2), Key::Int(1)], &[h.put(&x2, 1), h.put(&x1, 0)])
         .unwrap();
     ra.step(&u, &g1);
     rb.step(&u, &g2);
     assert_eq!((ra.t, rb.t), (4, 2));
-    check(&kv, 1, &ra, "key 1 at step 4");
-    check(&kv, 2, &rb, "key 2 at step 2");
+    check(&kv, h, 1, &ra, "key 1 at step 4");
+    check(&kv, h, 2, &rb, "key 2 at step 2");
 }
+
+on_every_home!(
+    tiny_arrays_every_updater_every_dtype,
+    large_f32,
+    large_f64,
+    large_f16,
+    large_bf16,
+    adam_first_step_is_bias_corrected,
+    state_resets_on_set_updater,
+    adam_step_count_is_per_key,
+);
