@@ -439,14 +439,13 @@ fn update(
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
-        let state = state_for(
+        let state = next_step(
             &mut job.cell.state,
             &job.cell.buf,
             generation,
             names,
             job.key,
         )?;
-        state.step += 1;
         let rule = updater
             .rule::<f32>(state.step)
             .expect("custom updaters take the host path");
@@ -514,14 +513,13 @@ fn update_ptx(
         let home = job.cell.buf.ordinal();
         let n = job.cell.buf.len();
         let names = p.state_buffers();
-        let state = state_for(
+        let state = next_step(
             &mut job.cell.state,
             &job.cell.buf,
             generation,
             names,
             job.key,
         )?;
-        state.step += 1;
         let st = gpu(home)?.stream();
         let addr = |s: &CudaSlice<f32>| s.device_ptr(st).0;
         let launch = UserLaunch {
@@ -538,8 +536,8 @@ fn update_ptx(
 }
 
 /// A cell's updater state (`slot`, beside its value `buf`) for `generation` with `names` f32
-/// buffers, zeroed on first use.
-fn state_for<'c>(
+/// buffers (zeroed on first use), its step count advanced for this push.
+fn next_step<'c>(
     slot: &'c mut Option<GpuState>,
     buf: &GpuBuf,
     generation: u64,
@@ -561,7 +559,9 @@ fn state_for<'c>(
             bufs,
         });
     }
-    Ok(slot.as_mut().expect("set just above"))
+    let state = slot.as_mut().expect("set just above");
+    state.step += 1;
+    Ok(state)
 }
 
 /// Enqueues a validated pull from GPU homes into every job's outs.
