@@ -5,10 +5,10 @@
 //! fails on any out-of-bounds or misaligned access and on any race between threads.
 //!
 //! Each test is one entry `fused_<rule>_<dtype>`: single tensors of 1, 3, 1000, 4097 and
-//! 2^20 + 5 elements (3 * 4096 + 5 on the emulator), and a table of 50 tensors (25 on the
-//! emulator) of mixed sizes whose buffers start at mixed offsets (so some take the vector path
-//! and some do not), each with k = 1 and k = 3 inputs, three steps in a row, fresh random data
-//! every step. Outputs the rule does not read (stored, for `assign`) are NaN before the launch,
+//! 2^20 + 5 elements (2^16 + 5 on the emulator), and a table of 50 tensors of mixed sizes (up to
+//! 70 000 elements) whose buffers start at mixed offsets (so some take the vector path and some
+//! do not), each with k = 1 and k = 3 inputs, three steps in a row, fresh random data every
+//! step. Outputs the rule does not read (stored, for `assign`) are NaN before the launch,
 //! and a guard of sentinel values around every written buffer must come back untouched.
 //!
 //! The GPU runs: `cargo test --test ptx_conformance -- --ignored gpu::`. One more test:
@@ -799,35 +799,17 @@ fn run_case<T: Elem>(
     Ok(())
 }
 
-/// The sizes one device is tested with.
-struct Plan {
-    /// Single tensors, each with every buffer 256-byte aligned.
-    single: &'static [usize],
-    /// Tensors in the table.
-    tensors: usize,
-    /// The table's two largest size classes are `lo..mid` and `mid..hi` elements.
-    big: (usize, usize, usize),
-}
+/// Sizes of the single-tensor cases on the GPU.
+const GPU_SIZES: &[usize] = &[1, 3, 1000, 4097, (1 << 20) + 5];
 
-/// The GPU: up to 2^20 + 5 elements, a table of 50 tensors of up to 70 000.
-const GPU_PLAN: Plan = Plan {
-    single: &[1, 3, 1000, 4097, (1 << 20) + 5],
-    tensors: 50,
-    big: (1000, 20_000, 70_000),
-};
-
-/// The emulator, which runs every thread one after another: the same shapes, smaller. 3 chunks
-/// and a bit stand in for 2^20 + 5.
-const EMULATED_PLAN: Plan = Plan {
-    single: &[1, 3, 1000, 4097, 3 * 4096 + 5],
-    tensors: 25,
-    big: (1000, 9000, 17_000),
-};
+/// Sizes of the single-tensor cases on the emulator, which runs one thread at a time:
+/// 2^16 + 5 (17 chunks) stands in for 2^20 + 5. The tables are the GPU's.
+const EMULATED_SIZES: &[usize] = &[1, 3, 1000, 4097, (1 << 16) + 5];
 
 /// Every case for one entry.
 fn check_entry<T: Elem>(
     dev: &mut impl Device,
-    plan: &Plan,
+    sizes: &[usize],
     kind: RuleKind,
     tol: f32,
 ) -> Result<()> {
@@ -836,29 +818,28 @@ fn check_entry<T: Elem>(
     let mut rng = StdRng::seed_from_u64(seed);
     let mut case = 0;
     for k in [1, 3] {
-        for &n in plan.single {
+        for &n in sizes {
             let rule = TestRule::random(kind, &mut rng, case % 2 == 1);
             let label = format!("{name} (seed {seed}), n {n}, k {k}");
             run_case::<T>(dev, rule, &[Layout::aligned(n, k)], &mut rng, tol, &label)?;
             case += 1;
         }
-        // A table: tiny, around a chunk, and a few chunks, at mixed offsets.
-        let (lo, mid, hi) = plan.big;
-        let layouts: Vec<Layout> = (0..plan.tensors)
+        // A table of 50 tensors: tiny, around a chunk, and a few chunks, at mixed offsets.
+        let layouts: Vec<Layout> = (0..50)
             .map(|i| {
                 let n = match i % 5 {
                     0 => rng.gen_range(1..8),
                     1 => rng.gen_range(8..1000),
                     2 => rng.gen_range(4090..4100),
-                    3 => rng.gen_range(lo..mid),
-                    _ => rng.gen_range(mid..hi),
+                    3 => rng.gen_range(1000..20_000),
+                    _ => rng.gen_range(20_000..70_000),
                 };
                 Layout::random(n, k, &mut rng)
             })
             .collect();
         for clipped in [false, true] {
             let rule = TestRule::random(kind, &mut rng, clipped);
-            let label = format!("{name} (seed {seed}), table of {}, k {k}", plan.tensors);
+            let label = format!("{name} (seed {seed}), table of 50, k {k}");
             run_case::<T>(dev, rule, &layouts, &mut rng, tol, &label)?;
         }
     }
@@ -929,7 +910,7 @@ macro_rules! entry_tests {
                 #[test]
                 #[ignore = "needs a GPU"]
                 fn $test() -> Result<()> {
-                    check_entry::<$t>(&mut Gpu::new()?, &GPU_PLAN, RuleKind::$rule, $tol)
+                    check_entry::<$t>(&mut Gpu::new()?, GPU_SIZES, RuleKind::$rule, $tol)
                 }
             )*
         }
@@ -940,7 +921,7 @@ macro_rules! entry_tests {
             $(
                 #[test]
                 fn $test() -> Result<()> {
-                    check_entry::<$t>(&mut Emulated::new()?, &EMULATED_PLAN, RuleKind::$rule, $tol)
+                    check_entry::<$t>(&mut Emulated::new()?, EMULATED_SIZES, RuleKind::$rule, $tol)
                 }
             )*
         }

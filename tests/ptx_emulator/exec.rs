@@ -226,7 +226,7 @@ impl Thread<'_> {
                     // Ordered: every comparison, `ne` included, is false on NaN.
                     match cmp {
                         Cmp::Eq => x == y,
-                        Cmp::Ne => x < y || x > y,
+                        Cmp::Ne => x.partial_cmp(&y).is_some_and(|o| o.is_ne()),
                         Cmp::Lt => x < y,
                         Cmp::Le => x <= y,
                         Cmp::Gt => x > y,

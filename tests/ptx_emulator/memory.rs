@@ -3,9 +3,10 @@
 
 use anyhow::{bail, ensure, Result};
 
-/// Allocations start at 256-byte boundaries, as `cuMemAlloc`'s do, with at least this many
-/// unallocated bytes between two of them, so a small overrun hits no allocation.
-const GAP: u64 = 256;
+/// Allocation `i` starts at `FIRST + i * SLOT`: 256-byte aligned, as `cuMemAlloc`'s are, with
+/// the rest of its slot unallocated, so any overrun hits no allocation, and finding the
+/// allocation of an address is a division.
+const SLOT: u64 = 1 << 32;
 /// Where the first allocation starts (any nonzero value would do).
 const FIRST: u64 = 0x7f00_0000_0000;
 /// Race tracking works on 2-byte granules: every kernel access is 2-byte aligned and a
@@ -27,25 +28,16 @@ struct Alloc {
 
 /// Device memory for the emulator. Host reads and writes (between launches) are bounds checked;
 /// kernel accesses are also checked for alignment and for races between threads.
+#[derive(Default)]
 pub struct Memory {
     allocs: Vec<Alloc>,
-    next: u64,
-}
-
-impl Default for Memory {
-    fn default() -> Memory {
-        Memory {
-            allocs: Vec::new(),
-            next: FIRST,
-        }
-    }
 }
 
 impl Memory {
     /// A new allocation holding `bytes`; returns its base address (256-byte aligned).
     pub fn alloc(&mut self, bytes: &[u8]) -> u64 {
-        let base = self.next;
-        self.next = (base + bytes.len() as u64 + GAP).next_multiple_of(256);
+        assert!((bytes.len() as u64) < SLOT, "allocation too large");
+        let base = FIRST + SLOT * self.allocs.len() as u64;
         self.allocs.push(Alloc {
             base,
             bytes: bytes.to_vec(),
@@ -70,22 +62,18 @@ impl Memory {
 
     /// The allocation holding `[addr, addr + len)` and the offset of `addr` in it.
     fn find(&self, addr: u64, len: u64, what: &str) -> Result<(usize, usize)> {
-        let i = self.allocs.partition_point(|a| a.base <= addr);
-        if i > 0 {
-            let a = &self.allocs[i - 1];
-            let off = addr - a.base;
+        let slot = addr.wrapping_sub(FIRST) / SLOT;
+        let off = addr.wrapping_sub(FIRST) % SLOT;
+        if let Some(a) = self.allocs.get(slot as usize) {
             if off + len <= a.bytes.len() as u64 {
-                return Ok((i - 1, off as usize));
+                return Ok((slot as usize, off as usize));
             }
-            if off < a.bytes.len() as u64 + GAP {
-                bail!(
-                    "{what} of {len} bytes at {addr:#x} is out of bounds: it runs {} bytes past \
-                     the end of the {}-byte allocation at {:#x}",
-                    off + len - a.bytes.len() as u64,
-                    a.bytes.len(),
-                    a.base
-                );
-            }
+            bail!(
+                "{what} of {len} bytes at {addr:#x} is out of bounds: the nearest allocation \
+                 below it is the {}-byte one at {:#x}",
+                a.bytes.len(),
+                a.base
+            );
         }
         bail!("{what} of {len} bytes at {addr:#x} is out of bounds: no allocation there")
     }

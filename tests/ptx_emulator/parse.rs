@@ -137,10 +137,13 @@ pub enum Op {
     Ret,
 }
 
-/// An instruction, its guard predicate (`@%p`: (p, false), `@!%p`: (p, true)) and its source.
+/// A guard predicate: `@%p` is `Some((p, false))`, `@!%p` is `Some((p, true))`.
+pub type Guard = Option<(Reg, bool)>;
+
+/// An instruction, its guard and its source.
 #[derive(Clone, Debug)]
 pub struct Instr {
-    pub guard: Option<(Reg, bool)>,
+    pub guard: Guard,
     pub op: Op,
     /// 1-based line in the PTX text.
     pub line: usize,
@@ -488,7 +491,7 @@ impl BodyParser {
     }
 
     /// `{%a, %b, ...}` (2 or 4 items) when `vec` > 1, else one operand.
-    fn items<'s>(s: &'s str, vec: usize) -> Result<Vec<&'s str>> {
+    fn items(s: &str, vec: usize) -> Result<Vec<&str>> {
         if vec == 1 {
             return Ok(vec![s]);
         }
@@ -502,7 +505,7 @@ impl BodyParser {
     }
 
     /// One instruction: its guard, the decoded op, and the label it branches to (if `bra`).
-    fn instruction(&self, stmt: &str) -> Result<(Option<(Reg, bool)>, Op, Option<String>)> {
+    fn instruction(&self, stmt: &str) -> Result<(Guard, Op, Option<String>)> {
         let (guard, stmt) = match stmt.strip_prefix('@') {
             Some(g) => {
                 let (p, rest) = g

@@ -137,6 +137,60 @@ fn half_conversions_round_to_nearest_even() -> Result<()> {
 }
 
 #[test]
+fn comparisons_are_ordered_and_integers_wrap() -> Result<()> {
+    // p[0] = NaN, p[1] = 1.0 (f32); writes six u32 results at p[2..8].
+    let m = module(
+        "
+.visible .entry ops(
+    .param .u64 p
+)
+{
+    .reg .pred %q;
+    .reg .b32 %r, %z;
+    .reg .b64 %a, %w;
+    .reg .f32 %x, %y;
+    ld.param.u64 %a, [p];
+    ld.global.f32 %x, [%a];
+    ld.global.f32 %y, [%a+4];
+    setp.ne.f32 %q, %x, %y;
+    selp.u32 %r, 1, 0, %q;
+    st.global.u32 [%a+8], %r;
+    setp.gt.f32 %q, %x, %y;
+    selp.u32 %r, 1, 0, %q;
+    st.global.u32 [%a+12], %r;
+    setp.ge.f32 %q, %y, %y;
+    selp.u32 %r, 1, 0, %q;
+    st.global.u32 [%a+16], %r;
+    mov.u32 %z, 0;
+    sub.u32 %r, %z, 1;
+    st.global.u32 [%a+20], %r;
+    mov.u64 %w, 1;
+    shl.b64 %w, %w, 64;
+    st.global.u64 [%a+24], %w;
+    ret;
+}
+",
+    )?;
+    let mut mem = Memory::default();
+    let p = mem.alloc(&[f32s(&[f32::NAN, 1.0]), vec![0xab; 24]].concat());
+    launch(
+        m.entry("ops")?,
+        &mut mem,
+        (1, 1, 1),
+        (1, 1, 1),
+        &[Arg::U64(p)],
+    )?;
+    let out = mem.read(p + 8, 24)?;
+    let word = |i: usize| u32::from_le_bytes(out[4 * i..4 * i + 4].try_into().unwrap());
+    assert_eq!(word(0), 0, "NaN != 1 is false (ordered)");
+    assert_eq!(word(1), 0, "NaN > 1 is false");
+    assert_eq!(word(2), 1, "1 >= 1");
+    assert_eq!(word(3), u32::MAX, "0 - 1 wraps in 32 bits");
+    assert_eq!(&out[16..24], &[0; 8], "a shift by the width gives 0");
+    Ok(())
+}
+
+#[test]
 fn an_out_of_bounds_store_is_reported() -> Result<()> {
     let m = module(SCALE)?;
     let mut mem = Memory::default();
