@@ -11,9 +11,11 @@
 //! step. Outputs the rule does not read (stored, for `assign`) are NaN before the launch,
 //! and a guard of sentinel values around every written buffer must come back untouched.
 //!
-//! The GPU runs: `cargo test --test ptx_conformance -- --ignored gpu::`. One more test:
-//! `reference_matches_the_cpu_store` checks the reference here against the CPU store itself, so
-//! "matches the reference" means "matches the CPU twin".
+//! `*_skips_empty_records` checks that every entry leaves records with `k == 0` or `n == 0`
+//! alone, and `reference_matches_the_cpu_store` checks the reference here against the CPU store
+//! itself, so "matches the reference" means "matches the CPU twin".
+//!
+//! The GPU runs: `cargo test --test ptx_conformance -- --ignored gpu`.
 
 mod ptx_emulator;
 
@@ -844,6 +846,51 @@ fn check_entry<T: Elem>(
         }
     }
     Ok(())
+}
+
+/// Records with `k == 0` or `n == 0` are skipped: every entry must leave their buffers alone.
+/// Their pointers are all null, so any access to them faults.
+fn check_empty_records(dev: &mut impl Device) -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    for kind in RuleKind::ALL {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            dev.free_all();
+            let records = [
+                TensorRecord {
+                    n: 5,
+                    k: 0,
+                    ..TensorRecord::default()
+                },
+                TensorRecord {
+                    n: 0,
+                    k: 1,
+                    ..TensorRecord::default()
+                },
+            ];
+            let table: Vec<u8> = records.iter().flat_map(record_bytes).collect();
+            let mut args = vec![
+                Arg::U64(dev.upload(&table)?),
+                Arg::U32(records.len() as u32),
+                Arg::U32(kernels::CHUNK),
+            ];
+            let rule = TestRule::random(kind, &mut rng, false);
+            args.extend(rule.params().into_iter().map(Arg::F32));
+            dev.launch(kind, dtype, kernels::grid_dim(5, records.len()), &args)
+                .with_context(|| kernels::entry_name(kind, dtype))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_skips_empty_records() -> Result<()> {
+    check_empty_records(&mut Gpu::new()?)
+}
+
+#[test]
+fn emulated_skips_empty_records() -> Result<()> {
+    check_empty_records(&mut Emulated::new()?)
 }
 
 /// Pushes `STEPS` rounds of `k` random values through a `local` store with `rule`'s updater and
