@@ -1,28 +1,36 @@
-//! Runs every PTX kernel in `kernels/` on GPU 0 and compares it with a reference written here,
-//! which follows `backend::cpu::update_block` operation by operation in f32.
+//! Runs every PTX kernel in `kernels/` and compares it with a reference written here, which
+//! follows `backend::cpu::update_block` operation by operation in f32. Every case runs on two
+//! devices: GPU 0 (`gpu::*`, ignored: needs a GPU) and the PTX emulator in `tests/ptx_emulator`
+//! (`emulated::*`, runs everywhere), which interprets the same PTX text thread by thread and
+//! fails on any out-of-bounds or misaligned access and on any race between threads.
 //!
 //! Each test is one entry `fused_<rule>_<dtype>`: single tensors of 1, 3, 1000, 4097 and
-//! 2^20 + 5 elements, and a table of 50 tensors of mixed sizes whose buffers start at mixed
-//! offsets (so some take the vector path and some do not), each with k = 1 and k = 3 inputs,
-//! three steps in a row, fresh random data every step. Outputs the rule does not read (stored,
-//! for `assign`) are NaN before the launch, and a guard of sentinel values around every written
-//! buffer must come back untouched.
+//! 2^20 + 5 elements (2^16 + 5 on the emulator), and a table of 50 tensors of mixed sizes (up to
+//! 70 000 elements) whose buffers start at mixed offsets (so some take the vector path and some
+//! do not), each with k = 1 and k = 3 inputs, three steps in a row, fresh random data every
+//! step. Outputs the rule does not read (stored, for `assign`) are NaN before the launch,
+//! and a guard of sentinel values around every written buffer must come back untouched.
 //!
-//! These need a GPU: `cargo test --test ptx_conformance -- --include-ignored`. One test runs
-//! without a GPU: `reference_matches_the_cpu_store` checks the reference here against the CPU
-//! store itself, so "matches the reference" means "matches the CPU twin".
+//! `*_skips_empty_records` checks that every entry leaves records with `k == 0` or `n == 0`
+//! alone, and `reference_matches_the_cpu_store` checks the reference here against the CPU store
+//! itself, so "matches the reference" means "matches the CPU twin".
+//!
+//! The GPU runs: `cargo test --test ptx_conformance -- --ignored gpu`.
 
+mod ptx_emulator;
+
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
 use kvstore::backend::kernels::{self, RuleKind, TensorRecord};
-use kvstore::{Adam, Element, KvStore, NDArray, Sgd, Updater};
+use kvstore::{Adam, DType, Element, KvStore, NDArray, Sgd, Updater};
+use ptx_emulator::{Arg, Memory, Module};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -314,42 +322,285 @@ impl Layout {
     }
 }
 
-/// A device buffer holding `at` sentinel elements, `n` data elements, then `GUARD` sentinels.
-struct Buf<T: DeviceRepr> {
-    dev: CudaSlice<T>,
-    at: usize,
-    n: usize,
+/// An element type the kernels take, and its bytes in device memory (little-endian).
+trait Elem: Element<Acc = f32> {
+    /// Bytes per element.
+    const SIZE: usize;
+    fn put(self, out: &mut Vec<u8>);
+    fn get(bytes: &[u8]) -> Self;
 }
 
-impl<T: Element + DeviceRepr> Buf<T> {
-    fn new(stream: &Arc<CudaStream>, data: &[T], at: usize) -> Result<Buf<T>> {
+impl Elem for f32 {
+    const SIZE: usize = 4;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend(self.to_le_bytes());
+    }
+    fn get(bytes: &[u8]) -> f32 {
+        f32::from_le_bytes(bytes.try_into().unwrap())
+    }
+}
+
+impl Elem for f16 {
+    const SIZE: usize = 2;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend(self.to_bits().to_le_bytes());
+    }
+    fn get(bytes: &[u8]) -> f16 {
+        f16::from_bits(u16::from_le_bytes(bytes.try_into().unwrap()))
+    }
+}
+
+impl Elem for bf16 {
+    const SIZE: usize = 2;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend(self.to_bits().to_le_bytes());
+    }
+    fn get(bytes: &[u8]) -> bf16 {
+        bf16::from_bits(u16::from_le_bytes(bytes.try_into().unwrap()))
+    }
+}
+
+fn to_bytes<T: Elem>(data: &[T]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len() * T::SIZE);
+    for x in data {
+        x.put(&mut out);
+    }
+    out
+}
+
+/// Where the kernels run: GPU 0 ([`Gpu`]) or the PTX emulator ([`Emulated`]). Addresses are
+/// device addresses.
+trait Device {
+    /// A new allocation holding `bytes`; returns its address (256-byte aligned).
+    fn upload(&mut self, bytes: &[u8]) -> Result<u64>;
+    /// Copies `bytes` to `addr`, inside one allocation.
+    fn write(&mut self, addr: u64, bytes: &[u8]) -> Result<()>;
+    /// The `len` bytes at `addr`, inside one allocation.
+    fn read(&mut self, addr: u64, len: usize) -> Result<Vec<u8>>;
+    /// Launches the entry for `kind` on `dtype` as `launch_fused` does, on `grid` blocks of
+    /// `(BLOCK, 1, 1)` threads with `args` (table, ntensors, chunk, then the rule's scalars),
+    /// and waits for it.
+    fn launch(
+        &mut self,
+        kind: RuleKind,
+        dtype: DType,
+        grid: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<()>;
+    /// Frees every allocation.
+    fn free_all(&mut self);
+}
+
+/// GPU 0 with the kvstore PTX modules loaded.
+struct Gpu {
+    stream: Arc<CudaStream>,
+    modules: Vec<(&'static str, Arc<cudarc::driver::CudaModule>)>,
+    /// Every allocation, with its address.
+    allocs: Vec<(u64, CudaSlice<u8>)>,
+}
+
+impl Gpu {
+    fn new() -> Result<Gpu> {
+        let count = kvstore::backend::probe::gpu_count();
+        assert!(
+            count > 0,
+            "ptx_conformance needs a CUDA GPU, and this machine has none (libcuda missing or no \
+             device): these tests are #[ignore]d for that reason; run them on a GPU machine"
+        );
+        let ctx = CudaContext::new(0).context("CudaContext::new(0)")?;
+        let stream = ctx.new_stream()?;
+        let modules = kernels::PTX_SOURCES
+            .iter()
+            .map(|&(stem, text)| {
+                let module = ctx
+                    .load_module(Ptx::from_src(text))
+                    .with_context(|| format!("loading kernels/{stem}.ptx"))?;
+                Ok((stem, module))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Gpu {
+            stream,
+            modules,
+            allocs: Vec::new(),
+        })
+    }
+
+    fn function(&self, kind: RuleKind, dtype: DType) -> Result<CudaFunction> {
+        let stem = kernels::module_for(kind, dtype);
+        let name = kernels::entry_name(kind, dtype);
+        let (_, module) = self
+            .modules
+            .iter()
+            .find(|(s, _)| *s == stem)
+            .with_context(|| format!("no module {stem}"))?;
+        Ok(module.load_function(name)?)
+    }
+
+    /// The allocation holding `[addr, addr + len)` and the offset of `addr` in it.
+    fn find(&self, addr: u64, len: usize) -> Result<(usize, usize)> {
+        self.allocs
+            .iter()
+            .position(|(base, s)| addr >= *base && addr - base + len as u64 <= s.len() as u64)
+            .map(|i| (i, (addr - self.allocs[i].0) as usize))
+            .with_context(|| format!("{len} bytes at {addr:#x} are not in one allocation"))
+    }
+}
+
+impl Device for Gpu {
+    fn upload(&mut self, bytes: &[u8]) -> Result<u64> {
+        let dev = self.stream.clone_htod(bytes)?;
+        let addr = {
+            let (addr, _sync) = dev.device_ptr(&self.stream);
+            addr
+        };
+        self.allocs.push((addr, dev));
+        Ok(addr)
+    }
+
+    fn write(&mut self, addr: u64, bytes: &[u8]) -> Result<()> {
+        let (i, off) = self.find(addr, bytes.len())?;
+        let mut view = self.allocs[i].1.slice_mut(off..off + bytes.len());
+        self.stream.memcpy_htod(bytes, &mut view)?;
+        Ok(())
+    }
+
+    fn read(&mut self, addr: u64, len: usize) -> Result<Vec<u8>> {
+        let (i, off) = self.find(addr, len)?;
+        let view = self.allocs[i].1.slice(off..off + len);
+        Ok(self.stream.clone_dtoh(&view)?)
+    }
+
+    fn launch(
+        &mut self,
+        kind: RuleKind,
+        dtype: DType,
+        grid: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<()> {
+        let func = self.function(kind, dtype)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (kernels::BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(&func);
+        for a in args {
+            match a {
+                Arg::U64(v) => launch.arg(v),
+                Arg::U32(v) => launch.arg(v),
+                Arg::F32(v) => launch.arg(v),
+            };
+        }
+        // SAFETY: `run_case` passes the ABI's parameter list for this entry (build.rs checks
+        // the PTX side), and a table whose records point to live allocations of this GPU:
+        // `stored` and each input hold `n` elements of the dtype, `m`/`v` hold `n` f32 where
+        // the rule keeps state (0 otherwise), and `inputs` points to `k` input addresses.
+        unsafe { launch.launch(cfg) }?;
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    fn free_all(&mut self) {
+        self.allocs.clear();
+    }
+}
+
+/// The PTX emulator (`tests/ptx_emulator`) with the kvstore PTX modules parsed.
+struct Emulated {
+    modules: Vec<(&'static str, Module)>,
+    mem: Memory,
+}
+
+impl Emulated {
+    fn new() -> Result<Emulated> {
+        let modules = kernels::PTX_SOURCES
+            .iter()
+            .map(|&(stem, text)| {
+                let module =
+                    Module::parse(text).with_context(|| format!("parsing kernels/{stem}.ptx"))?;
+                Ok((stem, module))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Emulated {
+            modules,
+            mem: Memory::default(),
+        })
+    }
+}
+
+impl Device for Emulated {
+    fn upload(&mut self, bytes: &[u8]) -> Result<u64> {
+        Ok(self.mem.alloc(bytes))
+    }
+
+    fn write(&mut self, addr: u64, bytes: &[u8]) -> Result<()> {
+        self.mem.write(addr, bytes)
+    }
+
+    fn read(&mut self, addr: u64, len: usize) -> Result<Vec<u8>> {
+        self.mem.read(addr, len)
+    }
+
+    fn launch(
+        &mut self,
+        kind: RuleKind,
+        dtype: DType,
+        grid: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<()> {
+        let stem = kernels::module_for(kind, dtype);
+        let (_, module) = self
+            .modules
+            .iter()
+            .find(|(s, _)| *s == stem)
+            .with_context(|| format!("no module {stem}"))?;
+        let entry = module.entry(kernels::entry_name(kind, dtype))?;
+        ptx_emulator::launch(entry, &mut self.mem, grid, (kernels::BLOCK, 1, 1), args)
+    }
+
+    fn free_all(&mut self) {
+        self.mem = Memory::default();
+    }
+}
+
+/// A device buffer holding `at` sentinel elements, `n` data elements, then `GUARD` sentinels.
+struct Buf<T> {
+    /// Address of the allocation (the first sentinel).
+    base: u64,
+    at: usize,
+    n: usize,
+    _elem: PhantomData<T>,
+}
+
+impl<T: Elem> Buf<T> {
+    fn new(dev: &mut impl Device, data: &[T], at: usize) -> Result<Buf<T>> {
         let s = T::from_f64(SENTINEL);
         let host: Vec<T> = std::iter::repeat_n(s, at)
             .chain(data.iter().copied())
             .chain(std::iter::repeat_n(s, GUARD))
             .collect();
         Ok(Buf {
-            dev: stream.clone_htod(&host)?,
+            base: dev.upload(&to_bytes(&host))?,
             at,
             n: data.len(),
+            _elem: PhantomData,
         })
     }
 
     /// Device address of the first data element.
-    fn ptr(&self, stream: &CudaStream) -> u64 {
-        let (base, _sync) = self.dev.device_ptr(stream);
-        base + (self.at * size_of::<T>()) as u64
+    fn ptr(&self) -> u64 {
+        self.base + (self.at * T::SIZE) as u64
     }
 
-    fn write(&mut self, stream: &Arc<CudaStream>, data: &[T]) -> Result<()> {
-        let mut view = self.dev.slice_mut(self.at..self.at + self.n);
-        stream.memcpy_htod(data, &mut view)?;
-        Ok(())
+    fn write(&self, dev: &mut impl Device, data: &[T]) -> Result<()> {
+        assert_eq!(data.len(), self.n);
+        dev.write(self.ptr(), &to_bytes(data))
     }
 
     /// The data elements, after checking that the guards are untouched.
-    fn read(&self, stream: &Arc<CudaStream>, what: &str) -> Result<Vec<T>> {
-        let host = stream.clone_dtoh(&self.dev)?;
+    fn read(&self, dev: &mut impl Device, what: &str) -> Result<Vec<T>> {
+        let bytes = dev.read(self.base, (self.at + self.n + GUARD) * T::SIZE)?;
+        let host: Vec<T> = bytes.chunks(T::SIZE).map(T::get).collect();
         let s = T::from_f64(SENTINEL).to_f64();
         let guard_ok = host[..self.at]
             .iter()
@@ -364,8 +615,23 @@ impl<T: Element + DeviceRepr> Buf<T> {
     }
 }
 
+/// The 64 bytes of a record, at the offsets the ABI (`kernels.rs`) documents.
+fn record_bytes(r: &TensorRecord) -> Vec<u8> {
+    let mut b = Vec::with_capacity(64);
+    for x in [r.stored, r.inputs, r.m, r.v, r.n] {
+        b.extend(x.to_le_bytes());
+    }
+    b.extend(r.k.to_le_bytes());
+    b.extend(r.lr_t.to_le_bytes());
+    for x in r._reserved {
+        b.extend(x.to_le_bytes());
+    }
+    assert_eq!(b.len(), 64);
+    b
+}
+
 /// One tensor on the device and its expected host copy.
-struct Tensor<T: Element<Acc = f32> + DeviceRepr> {
+struct Tensor<T: Elem> {
     layout: Layout,
     stored: Buf<T>,
     inputs: Vec<Buf<T>>,
@@ -389,60 +655,16 @@ fn close(got: f32, want: f32, tol: f32) -> bool {
     got == want || (got - want).abs() <= tol * want.abs()
 }
 
-/// GPU 0 with the kvstore PTX modules loaded.
-struct Gpu {
-    stream: Arc<CudaStream>,
-    modules: Vec<(&'static str, Arc<cudarc::driver::CudaModule>)>,
-}
-
-impl Gpu {
-    fn new() -> Result<Gpu> {
-        let count = kvstore::backend::probe::gpu_count();
-        assert!(
-            count > 0,
-            "ptx_conformance needs a CUDA GPU, and this machine has none (libcuda missing or no \
-             device): these tests are #[ignore]d for that reason; run them on a GPU machine"
-        );
-        let ctx = CudaContext::new(0).context("CudaContext::new(0)")?;
-        let stream = ctx.new_stream()?;
-        let modules = kernels::PTX_SOURCES
-            .iter()
-            .map(|&(stem, text)| {
-                let module = ctx
-                    .load_module(Ptx::from_src(text))
-                    .with_context(|| format!("loading kernels/{stem}.ptx"))?;
-                Ok((stem, module))
-            })
-            .collect::<Result<_>>()?;
-        Ok(Gpu { stream, modules })
-    }
-
-    fn function(&self, kind: RuleKind, dtype: kvstore::DType) -> Result<CudaFunction> {
-        let stem = kernels::module_for(kind, dtype);
-        let name = kernels::entry_name(kind, dtype);
-        let (_, module) = self
-            .modules
-            .iter()
-            .find(|(s, _)| *s == stem)
-            .with_context(|| format!("no module {stem}"))?;
-        Ok(module.load_function(name)?)
-    }
-}
-
 /// Runs `STEPS` launches of `rule` over tensors laid out as `layouts`, checking each.
-fn run_case<T>(
-    gpu: &Gpu,
+fn run_case<T: Elem>(
+    dev: &mut impl Device,
     rule: TestRule,
     layouts: &[Layout],
     rng: &mut StdRng,
     tol: f32,
     label: &str,
-) -> Result<()>
-where
-    T: Element<Acc = f32> + DeviceRepr + ValidAsZeroBits,
-{
-    let stream = &gpu.stream;
-    let func = gpu.function(rule.kind(), T::DTYPE)?;
+) -> Result<()> {
+    dev.free_all();
     let states = rule.states();
 
     let mut tensors: Vec<Tensor<T>> = Vec::new();
@@ -462,16 +684,16 @@ where
         let inputs = layout
             .inputs_at
             .iter()
-            .map(|&at| Buf::new(stream, &vec![T::from_f64(0.0); n], at))
+            .map(|&at| Buf::new(dev, &vec![T::from_f64(0.0); n], at))
             .collect::<Result<_>>()?;
         tensors.push(Tensor {
-            stored: Buf::new(stream, &host_w, layout.stored_at)?,
+            stored: Buf::new(dev, &host_w, layout.stored_at)?,
             inputs,
             m: (states >= 1)
-                .then(|| Buf::new(stream, &host_m, layout.m_at))
+                .then(|| Buf::new(dev, &host_m, layout.m_at))
                 .transpose()?,
             v: (states >= 2)
-                .then(|| Buf::new(stream, &host_v, layout.v_at))
+                .then(|| Buf::new(dev, &host_v, layout.v_at))
                 .transpose()?,
             layout: layout.clone(),
             host_w,
@@ -482,76 +704,65 @@ where
     }
 
     // The k input pointers of every tensor, one array each, in one allocation.
-    let ptrs: Vec<u64> = tensors
+    let ptrs: Vec<u8> = tensors
         .iter()
-        .flat_map(|t| t.inputs.iter().map(|b| b.ptr(stream)))
+        .flat_map(|t| t.inputs.iter().flat_map(|b| b.ptr().to_le_bytes()))
         .collect();
-    let ptrs_dev = stream.clone_htod(&ptrs)?;
-    let (ptrs_base, _sync) = ptrs_dev.device_ptr(stream);
+    let ptrs_base = dev.upload(&ptrs)?;
 
     let max_n = layouts.iter().map(|l| l.n).max().unwrap_or(0);
     for step in 0..STEPS {
         // Fresh inputs; stored is NaN where the rule never reads it.
-        let mut records = Vec::new();
+        let mut table = Vec::new();
         let mut first_input = 0;
         let mut sums: Vec<Vec<f32>> = Vec::new();
         for t in tensors.iter_mut() {
             let n = t.layout.n;
             let mut g = vec![0.0f32; n];
-            for (j, buf) in t.inputs.iter_mut().enumerate() {
+            for (j, buf) in t.inputs.iter().enumerate() {
                 let x: Vec<T> = random_vec(rng, n, -1.0, 1.0);
                 for (g, x) in g.iter_mut().zip(&x) {
                     *g = if j == 0 { x.to_acc() } else { *g + x.to_acc() };
                 }
-                buf.write(stream, &x)?;
+                buf.write(dev, &x)?;
             }
             sums.push(g);
             if rule.kind() == RuleKind::Assign {
-                t.stored.write(stream, &vec![T::from_f64(f64::NAN); n])?;
+                t.stored.write(dev, &vec![T::from_f64(f64::NAN); n])?;
             }
-            records.push(TensorRecord {
-                stored: t.stored.ptr(stream),
+            table.extend(record_bytes(&TensorRecord {
+                stored: t.stored.ptr(),
                 inputs: ptrs_base + 8 * first_input as u64,
-                m: t.m.as_ref().map_or(0, |b| b.ptr(stream)),
-                v: t.v.as_ref().map_or(0, |b| b.ptr(stream)),
+                m: t.m.as_ref().map_or(0, |b| b.ptr()),
+                v: t.v.as_ref().map_or(0, |b| b.ptr()),
                 n: n as u64,
                 k: t.inputs.len() as u32,
                 lr_t: rule.lr_t(t.first_step + step),
                 _reserved: [0; 2],
-            });
+            }));
             first_input += t.inputs.len();
         }
 
-        let table = stream.clone_htod(&records)?;
-        let ntensors = records.len() as u32;
-        let chunk = kernels::CHUNK;
-        let params = rule.params();
-        let cfg = LaunchConfig {
-            grid_dim: kernels::grid_dim(max_n, records.len()),
-            block_dim: (kernels::BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = stream.launch_builder(&func);
-        launch.arg(&table).arg(&ntensors).arg(&chunk);
-        for p in &params {
-            launch.arg(p);
-        }
-        // SAFETY: every record points to live buffers on this stream's device: `stored` and
-        // each input hold `n` elements of T, `m`/`v` hold `n` f32 where the rule keeps state
-        // (0 otherwise), and `inputs` points to `k` such input addresses. The parameter list is
-        // the ABI's for this entry (build.rs checks the PTX side).
-        unsafe { launch.launch(cfg) }?;
-        stream.synchronize()?;
+        let table = dev.upload(&table)?;
+        let mut args = vec![
+            Arg::U64(table),
+            Arg::U32(tensors.len() as u32),
+            Arg::U32(kernels::CHUNK),
+        ];
+        args.extend(rule.params().into_iter().map(Arg::F32));
+        let grid = kernels::grid_dim(max_n, tensors.len());
+        dev.launch(rule.kind(), T::DTYPE, grid, &args)
+            .with_context(|| format!("{label}, step {step}"))?;
 
         for (i, (t, g)) in tensors.iter_mut().zip(&sums).enumerate() {
             let what = format!("{label}, step {step}, tensor {i} ({:?})", t.layout);
-            let got_w = t.stored.read(stream, &format!("{what}: stored"))?;
+            let got_w = t.stored.read(dev, &format!("{what}: stored"))?;
             let got_m = match &t.m {
-                Some(b) => b.read(stream, &format!("{what}: m"))?,
+                Some(b) => b.read(dev, &format!("{what}: m"))?,
                 None => vec![],
             };
             let got_v = match &t.v {
-                Some(b) => b.read(stream, &format!("{what}: v"))?,
+                Some(b) => b.read(dev, &format!("{what}: v"))?,
                 None => vec![],
             };
             let lr_t = rule.lr_t(t.first_step + step);
@@ -581,7 +792,7 @@ where
                     );
                 }
             }
-            // The next step starts from what the GPU computed.
+            // The next step starts from what the device computed.
             t.host_w = got_w;
             t.host_m = got_m;
             t.host_v = got_v;
@@ -590,21 +801,29 @@ where
     Ok(())
 }
 
+/// Sizes of the single-tensor cases on the GPU.
+const GPU_SIZES: &[usize] = &[1, 3, 1000, 4097, (1 << 20) + 5];
+
+/// Sizes of the single-tensor cases on the emulator, which runs one thread at a time:
+/// 2^16 + 5 (17 chunks) stands in for 2^20 + 5. The tables are the GPU's.
+const EMULATED_SIZES: &[usize] = &[1, 3, 1000, 4097, (1 << 16) + 5];
+
 /// Every case for one entry.
-fn check_entry<T>(kind: RuleKind, tol: f32) -> Result<()>
-where
-    T: Element<Acc = f32> + DeviceRepr + ValidAsZeroBits,
-{
-    let gpu = Gpu::new()?;
+fn check_entry<T: Elem>(
+    dev: &mut impl Device,
+    sizes: &[usize],
+    kind: RuleKind,
+    tol: f32,
+) -> Result<()> {
     let seed: u64 = rand::random();
     let name = kernels::entry_name(kind, T::DTYPE);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut case = 0;
     for k in [1, 3] {
-        for n in [1, 3, 1000, 4097, (1 << 20) + 5] {
+        for &n in sizes {
             let rule = TestRule::random(kind, &mut rng, case % 2 == 1);
             let label = format!("{name} (seed {seed}), n {n}, k {k}");
-            run_case::<T>(&gpu, rule, &[Layout::aligned(n, k)], &mut rng, tol, &label)?;
+            run_case::<T>(dev, rule, &[Layout::aligned(n, k)], &mut rng, tol, &label)?;
             case += 1;
         }
         // A table of 50 tensors: tiny, around a chunk, and a few chunks, at mixed offsets.
@@ -623,10 +842,55 @@ where
         for clipped in [false, true] {
             let rule = TestRule::random(kind, &mut rng, clipped);
             let label = format!("{name} (seed {seed}), table of 50, k {k}");
-            run_case::<T>(&gpu, rule, &layouts, &mut rng, tol, &label)?;
+            run_case::<T>(dev, rule, &layouts, &mut rng, tol, &label)?;
         }
     }
     Ok(())
+}
+
+/// Records with `k == 0` or `n == 0` are skipped: every entry must leave their buffers alone.
+/// Their pointers are all null, so any access to them faults.
+fn check_empty_records(dev: &mut impl Device) -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    for kind in RuleKind::ALL {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            dev.free_all();
+            let records = [
+                TensorRecord {
+                    n: 5,
+                    k: 0,
+                    ..TensorRecord::default()
+                },
+                TensorRecord {
+                    n: 0,
+                    k: 1,
+                    ..TensorRecord::default()
+                },
+            ];
+            let table: Vec<u8> = records.iter().flat_map(record_bytes).collect();
+            let mut args = vec![
+                Arg::U64(dev.upload(&table)?),
+                Arg::U32(records.len() as u32),
+                Arg::U32(kernels::CHUNK),
+            ];
+            let rule = TestRule::random(kind, &mut rng, false);
+            args.extend(rule.params().into_iter().map(Arg::F32));
+            dev.launch(kind, dtype, kernels::grid_dim(5, records.len()), &args)
+                .with_context(|| kernels::entry_name(kind, dtype))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_skips_empty_records() -> Result<()> {
+    check_empty_records(&mut Gpu::new()?)
+}
+
+#[test]
+fn emulated_skips_empty_records() -> Result<()> {
+    check_empty_records(&mut Emulated::new()?)
 }
 
 /// Pushes `STEPS` rounds of `k` random values through a `local` store with `rule`'s updater and
@@ -685,13 +949,30 @@ fn reference_matches_the_cpu_store() -> Result<()> {
 }
 
 macro_rules! entry_tests {
-    ($($test:ident: $rule:ident, $t:ty, $tol:expr;)*) => {$(
-        #[test]
-        #[ignore = "needs a GPU"]
-        fn $test() -> Result<()> {
-            check_entry::<$t>(RuleKind::$rule, $tol)
+    ($($test:ident: $rule:ident, $t:ty, $tol:expr;)*) => {
+        /// Every entry on GPU 0.
+        mod gpu {
+            use super::*;
+            $(
+                #[test]
+                #[ignore = "needs a GPU"]
+                fn $test() -> Result<()> {
+                    check_entry::<$t>(&mut Gpu::new()?, GPU_SIZES, RuleKind::$rule, $tol)
+                }
+            )*
         }
-    )*};
+
+        /// Every entry on the PTX emulator.
+        mod emulated {
+            use super::*;
+            $(
+                #[test]
+                fn $test() -> Result<()> {
+                    check_entry::<$t>(&mut Emulated::new()?, EMULATED_SIZES, RuleKind::$rule, $tol)
+                }
+            )*
+        }
+    };
 }
 
 entry_tests! {
