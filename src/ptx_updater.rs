@@ -40,9 +40,9 @@ pub const PTX_UPDATER_PARAMS: [&str; 10] = [
 ];
 
 /// Threads per block of a user updater launch.
-pub(crate) const PTX_UPDATER_BLOCK: u32 = 256;
+pub const PTX_UPDATER_BLOCK: u32 = 256;
 /// Most blocks of a user updater launch (its grid-stride loop covers the rest).
-pub(crate) const PTX_UPDATER_MAX_BLOCKS: u32 = 4096;
+pub const PTX_UPDATER_MAX_BLOCKS: u32 = 4096;
 
 /// A user's update kernel in PTX, with its dtype, scalars, state and optional CPU twin.
 ///
