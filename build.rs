@@ -72,8 +72,10 @@ fn main() {
     }
 
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
-    assemble_all(&files, &parsed, &out);
-    assemble_all(&user_files, &user, &out);
+    if let Some(ptxas) = find_ptxas() {
+        assemble_all(&ptxas, &files, &parsed, &out.join("kernels"));
+        assemble_all(&ptxas, &user_files, &user, &out.join("user"));
+    }
 }
 
 /// `kernels/<stem>.ptx` read and parsed, or the build fails.
@@ -229,16 +231,16 @@ fn find_ptxas() -> Option<PathBuf> {
     }
 }
 
-fn assemble_all(files: &[PathBuf], parsed: &BTreeMap<String, Ptx>, out: &Path) {
-    let Some(ptxas) = find_ptxas() else {
-        return;
-    };
+/// Assembles every file into `out` (one folder per source folder, so names cannot clash).
+fn assemble_all(ptxas: &Path, files: &[PathBuf], parsed: &BTreeMap<String, Ptx>, out: &Path) {
+    fs::create_dir_all(out)
+        .unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", out.display())));
     for path in files {
         let stem = path.file_stem().unwrap().to_string_lossy();
         let ptx = &parsed[stem.as_ref()];
         for arch in ARCHS.iter().filter(|&&a| a >= ptx.target) {
             let cubin = out.join(format!("{stem}.sm_{arch}.cubin"));
-            let result = Command::new(&ptxas)
+            let result = Command::new(ptxas)
                 .arg(format!("-arch=sm_{arch}"))
                 .arg("-o")
                 .arg(&cubin)

@@ -28,7 +28,7 @@
 //! such a key is an error and changes nothing.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::updater::UpdateFn;
@@ -62,16 +62,14 @@ pub struct PtxUpdater {
 }
 
 struct Inner {
-    /// Unique per `PtxUpdater::new`: each GPU caches its loaded function under it.
-    id: u64,
     ptx: String,
     entry: String,
     dtype: DType,
     scalars: [f32; 4],
     state: usize,
     cpu_twin: Option<Arc<UpdateFn>>,
-    /// How many GPUs have loaded the module.
-    loads: AtomicUsize,
+    /// How many GPUs have loaded the module (shared by the copies `with_*` make).
+    loads: Arc<AtomicUsize>,
 }
 
 impl PtxUpdater {
@@ -84,25 +82,32 @@ impl PtxUpdater {
     /// Fails when `dtype` is `f64` (the GPU home sums f64 values on the host), or when the
     /// module does not define `entry` with the documented parameter list. The PTX itself is
     /// compiled by the driver when a GPU first uses it; a compile error then fails that push.
+    /// A trailing NUL (as NVRTC's output has) is dropped; any other NUL is refused.
     pub fn new(ptx: impl Into<String>, entry: &str, dtype: DType) -> Result<PtxUpdater> {
-        let ptx = ptx.into();
+        let mut ptx = ptx.into();
+        while ptx.ends_with('\0') {
+            ptx.pop();
+        }
+        if ptx.contains('\0') || entry.contains('\0') {
+            return Err(Error::InvalidUpdater(
+                "the PTX text or the entry name contains a NUL character".to_owned(),
+            ));
+        }
         if dtype == DType::F64 {
             return Err(Error::InvalidUpdater(
                 "a PTX updater works on f32, f16 or bf16 keys, not f64".to_owned(),
             ));
         }
         check_entry(&ptx, entry)?;
-        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Ok(PtxUpdater {
             inner: Arc::new(Inner {
-                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 ptx,
                 entry: entry.to_owned(),
                 dtype,
                 scalars: [0.0; 4],
                 state: 0,
                 cpu_twin: None,
-                loads: AtomicUsize::new(0),
+                loads: Arc::default(),
             }),
         })
     }
@@ -129,19 +134,18 @@ impl PtxUpdater {
         self.rebuild(|i| i.cpu_twin = Some(Arc::new(f)))
     }
 
-    /// A copy with a change: a new identity, so GPUs load it afresh.
+    /// A copy with a change to its launch arguments or twin; the module is the same, so a GPU
+    /// that loaded it already does not load it again.
     fn rebuild(self, change: impl FnOnce(&mut Inner)) -> PtxUpdater {
-        static NEXT_ID: AtomicU64 = AtomicU64::new(1 << 63);
         let i = &self.inner;
         let mut inner = Inner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             ptx: i.ptx.clone(),
             entry: i.entry.clone(),
             dtype: i.dtype,
             scalars: i.scalars,
             state: i.state,
             cpu_twin: i.cpu_twin.clone(),
-            loads: AtomicUsize::new(0),
+            loads: i.loads.clone(),
         };
         change(&mut inner);
         PtxUpdater {
@@ -174,7 +178,8 @@ impl PtxUpdater {
         self.inner.cpu_twin.as_ref()
     }
 
-    /// How many GPUs have loaded the module so far (each loads it once).
+    /// How many GPUs have loaded the module so far (each loads a given PTX text and entry
+    /// once, whatever its scalars, state count or twin).
     pub fn modules_loaded(&self) -> usize {
         self.inner.loads.load(Ordering::Relaxed)
     }
@@ -182,11 +187,6 @@ impl PtxUpdater {
     /// The PTX source.
     pub(crate) fn ptx(&self) -> &str {
         &self.inner.ptx
-    }
-
-    /// The identity each GPU caches its loaded function under.
-    pub(crate) fn id(&self) -> u64 {
-        self.inner.id
     }
 
     /// Counts one more GPU that loaded the module.
@@ -225,14 +225,28 @@ fn check_entry(ptx: &str, entry: &str) -> Result<()> {
     Ok(())
 }
 
+/// `text` without its `//` and `/* */` comments (a block comment becomes a space).
+fn strip_comments(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if let Some(r) = rest.strip_prefix("//") {
+            rest = r.find('\n').map_or("", |i| &r[i..]);
+        } else if let Some(r) = rest.strip_prefix("/*") {
+            rest = r.find("*/").map_or("", |i| &r[i + 2..]);
+            out.push(' ');
+        } else {
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    out
+}
+
 /// The parameter types of `.entry <entry>(...)` in `ptx`, comments removed; `None` when the
 /// module defines no such entry.
 fn entry_params(ptx: &str, entry: &str) -> Option<Vec<String>> {
-    let text: String = ptx
-        .lines()
-        .map(|l| l.split("//").next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n");
+    let text = strip_comments(ptx);
     let mut rest = text.as_str();
     while let Some(at) = rest.find(".entry") {
         rest = rest[at + ".entry".len()..].trim_start();
@@ -294,11 +308,38 @@ mod tests {
     }
 
     #[test]
-    fn each_change_makes_a_new_identity() {
+    fn a_signature_hidden_in_a_block_comment_does_not_count() {
+        let good = PTX_UPDATER_PARAMS
+            .iter()
+            .enumerate()
+            .map(|(i, t)| format!(".param .{t} p{i}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let ptx =
+            format!("/* .visible .entry f({good}) */\n.visible .entry f({good}, .param .u64 x)\n");
+        let err = PtxUpdater::new(ptx, "f", DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("declares"), "{err}");
+    }
+
+    #[test]
+    fn nul_characters_are_refused_but_a_trailing_one_is_dropped() {
+        let ptx = format!("{}\0", PtxUpdater::EXAMPLE_SGD_F32);
+        let p = PtxUpdater::new(ptx, "sgd_f32", DType::F32).unwrap();
+        assert!(!p.ptx().contains('\0'));
+        let ptx = PtxUpdater::EXAMPLE_SGD_F32.replacen("//", "\0//", 1);
+        assert!(PtxUpdater::new(ptx, "sgd_f32", DType::F32).is_err());
+        assert!(PtxUpdater::new(PtxUpdater::EXAMPLE_SGD_F32, "sgd\0f32", DType::F32).is_err());
+    }
+
+    #[test]
+    fn changed_copies_share_the_module() {
         let a = PtxUpdater::new(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32", DType::F32).unwrap();
-        let b = a.clone().with_scalars([1.0, 2.0, 3.0, 4.0]);
-        assert_ne!(a.id(), b.id());
+        let b = a.clone().with_scalars([1.0, 2.0, 3.0, 4.0]).with_state(1);
         assert_eq!(b.scalars(), [1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(a.clone().id(), a.id());
+        assert_eq!((a.scalars(), a.state_buffers()), ([0.0; 4], 0));
+        a.note_load();
+        assert_eq!(b.modules_loaded(), 1, "the load count is shared");
     }
 }

@@ -846,6 +846,13 @@ fn push_ptx(
             )));
         }
     }
+    // Every GPU home loads the module before the twin runs: a twin may keep state of its own,
+    // which a push that then fails on a broken module must not have advanced.
+    for &i in &on_gpu {
+        if let Device::Gpu(d) = groups[i].slot.home {
+            gpu_rt::gpu(d)?.user_function(p)?;
+        }
+    }
     let twin_results = match (p.cpu_twin(), on_host.first()) {
         (_, None) => Vec::new(),
         (Some(twin), Some(_)) => run_closure(twin.as_ref(), &on_host, groups, cells)?,

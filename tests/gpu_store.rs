@@ -622,3 +622,48 @@ fn stalled_nccl_collective_is_aborted() -> Result<()> {
     );
     Ok(())
 }
+
+/// Host values pushed to a GPU-homed f16 or bf16 key are summed in f32 and rounded once, as on
+/// the CPU home: after three SGD-momentum pushes of three host values each, the two homes
+/// agree bit for bit.
+#[test]
+#[ignore = "needs a GPU"]
+fn host_values_to_a_gpu_key_round_as_on_the_cpu_home() -> Result<()> {
+    require_gpu();
+    let n = 4099;
+    for dtype in [DType::F16, DType::BF16] {
+        let on_gpu = KvStore::create("device")?;
+        let on_cpu = KvStore::create("local")?;
+        let sgd = Updater::Sgd(Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            ..Sgd::default()
+        });
+        let init = random(n);
+        on_gpu.init_on(1, &array(&init, &[n], dtype, cpu(0))?, gpu(0))?;
+        on_cpu.init(1, &array(&init, &[n], dtype, cpu(0))?)?;
+        for kv in [&on_gpu, &on_cpu] {
+            kv.set_updater(sgd.clone())?;
+        }
+        for _ in 0..3 {
+            let values = (0..3)
+                .map(|i| array(&random(n), &[n], dtype, cpu(i)))
+                .collect::<Result<Vec<_>>>()?;
+            on_gpu.push(1, &values)?;
+            on_cpu.push(1, &values)?;
+        }
+        let (a, b) = (
+            NDArray::full_on([n], f64::NAN, dtype, cpu(0))?,
+            NDArray::full_on([n], f64::NAN, dtype, cpu(0))?,
+        );
+        on_gpu.pull(1, &a)?;
+        on_cpu.pull(1, &b)?;
+        let (a, b) = (a.to_vec::<f64>()?, b.to_vec::<f64>()?);
+        let differ = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+        ensure!(
+            differ == 0,
+            "{dtype}: {differ} of {n} elements differ between the homes"
+        );
+    }
+    Ok(())
+}

@@ -42,8 +42,9 @@ fn sgd_momentum() -> PtxUpdater {
         })
 }
 
-/// Three pushes of several random values per key (two keys, one list call each time) against
-/// a reference in f64 that follows the same steps.
+/// Pushes of several random values per key (two keys, one list call each time), then one of a
+/// single value (which the GPU home hands the kernel as is), against a reference in f64 that
+/// follows the same steps.
 fn matches_the_reference(h: Home) {
     let kv = h.store();
     let shapes: [Shape; 2] = [[3, 1000].into(), [7].into()];
@@ -58,11 +59,13 @@ fn matches_the_reference(h: Home) {
     let p = sgd_momentum();
     kv.set_updater(Updater::Ptx(p.clone())).unwrap();
     let mut m: Vec<Vec<f64>> = shapes.iter().map(|s| vec![0.0; s.size()]).collect();
-    for _step in 0..3 {
+    for step in 0..4 {
         let mut values = Vec::new();
         for (k, s) in shapes.iter().enumerate() {
-            // Three values: two on the first device (several on one GPU) and one on the second.
-            let data: Vec<Vec<f32>> = (0..3).map(|_| random(s.size())).collect();
+            // Three values: two on the first device (several on one GPU) and one on the second;
+            // at the last step, one value.
+            let count = if step == 3 { 1 } else { 3 };
+            let data: Vec<Vec<f32>> = (0..count).map(|_| random(s.size())).collect();
             for i in 0..s.size() {
                 let g: f64 = data.iter().map(|d| f64::from(d[i])).sum();
                 m[k][i] = f64::from(MOMENTUM) * m[k][i] + g;

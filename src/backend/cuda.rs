@@ -34,8 +34,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     modules: OnceLock<std::result::Result<HashMap<&'static str, Arc<CudaModule>>, String>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
-    /// Users' PTX updaters loaded here, by updater identity.
-    user_functions: Mutex<HashMap<u64, CudaFunction>>,
+    /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
+    user_functions: Mutex<Vec<(String, String, CudaFunction)>>,
 }
 
 impl Gpu {
@@ -75,7 +75,7 @@ impl Gpu {
             stream,
             modules: OnceLock::new(),
             functions: Mutex::new(HashMap::new()),
-            user_functions: Mutex::new(HashMap::new()),
+            user_functions: Mutex::new(Vec::new()),
         })
     }
 
@@ -122,13 +122,17 @@ impl Gpu {
 }
 
 impl Gpu {
-    /// A user PTX updater's entry, loading its module on this GPU on first use (once).
+    /// A user PTX updater's entry, loading its module on this GPU on first use: once per PTX
+    /// text and entry, however many updaters share them.
     pub(crate) fn user_function(&self, p: &PtxUpdater) -> Result<CudaFunction> {
         let mut user = self
             .user_functions
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = user.get(&p.id()) {
+        if let Some((_, _, f)) = user
+            .iter()
+            .find(|(ptx, entry, _)| ptx == p.ptx() && entry == p.entry())
+        {
             return Ok(f.clone());
         }
         let err = |e: DriverError| Error::Cuda {
@@ -139,7 +143,7 @@ impl Gpu {
         let module = self.ctx.load_module(Ptx::from_src(p.ptx())).map_err(err)?;
         let f = module.load_function(p.entry()).map_err(err)?;
         p.note_load();
-        user.insert(p.id(), f.clone());
+        user.push((p.ptx().to_owned(), p.entry().to_owned(), f.clone()));
         Ok(f)
     }
 }
@@ -438,9 +442,8 @@ impl GpuBuf {
             GpuBuf::F16(s) => HostData::F16(clone_dtoh(s.stream(), s).map_err(e())?),
             GpuBuf::BF16(s) => HostData::BF16(clone_dtoh(s.stream(), s).map_err(e())?),
         };
-        // A copy to pageable memory already returns once it is done (CUDA's rule); waiting
-        // for the stream as well makes that explicit and surfaces any earlier async error.
-        self.stream().synchronize().map_err(e())?;
+        // A copy to pageable memory returns once it is done (CUDA's rule), and
+        // `nccl::wait_stream` above already surfaced any earlier error.
         Ok(data)
     }
 

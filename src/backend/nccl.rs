@@ -16,9 +16,9 @@
 //!   `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s) after it was issued, its communicators are
 //!   aborted and dropped from the cache, and an [`Error::Nccl`] names the keys.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -176,9 +176,11 @@ struct Pending {
     op: &'static str,
 }
 
-/// A collective that failed or stalled. Its device set's communicators are already aborted.
+/// A collective that failed or stalled. Its device set's communicators are already aborted,
+/// and with them every collective in flight on that set, whose keys the error names.
 struct Failure {
     set: Vec<usize>,
+    keys: Vec<Key>,
     error: Error,
 }
 
@@ -226,8 +228,9 @@ impl Comms {
 
     /// Drops the pending entries whose events have all completed. The first entry whose
     /// communicators report an asynchronous error, or that is still running [`timeout`] after
-    /// it was issued, is aborted with its whole device set and returned.
-    fn poll(&mut self) -> std::result::Result<(), Failure> {
+    /// it was issued (as PyTorch's NCCL watchdog counts), is aborted with its whole device set
+    /// and returned, naming the keys of every collective the abort ended.
+    fn poll(&mut self) -> std::result::Result<(), Box<Failure>> {
         let limit = timeout();
         let mut failure = None;
         self.pending.retain(|p| {
@@ -237,6 +240,7 @@ impl Comms {
             let fail = |error| {
                 Some(Failure {
                     set: p.set.clone(),
+                    keys: Vec::new(),
                     error,
                 })
             };
@@ -267,13 +271,20 @@ impl Comms {
                 }
             }
         });
-        match failure {
-            Some(f) => {
-                self.abort(&f.set);
-                Err(f)
-            }
-            None => Ok(()),
+        let Some(mut f) = failure else {
+            return Ok(());
+        };
+        f.keys = self
+            .pending
+            .iter()
+            .filter(|p| p.set == f.set)
+            .flat_map(|p| p.keys.iter().cloned())
+            .collect();
+        if let Error::Nccl { keys, .. } = &mut f.error {
+            keys.clone_from(&f.keys);
         }
+        self.abort(&f.set);
+        Err(Box::new(f))
     }
 }
 
@@ -315,17 +326,21 @@ pub fn wait_all() -> Result<()> {
 ///
 /// With NCCL work in flight this polls instead of blocking: a collective that fails, or makes
 /// no progress for [`timeout`], is aborted (which ends its kernels, so the stream drains)
-/// rather than holding this thread forever. The error is returned when that collective ran on
-/// this GPU, and otherwise kept for the next [`wait_all`].
+/// rather than holding this thread forever. Its error is kept for the next [`wait_all`], and
+/// also returned here when that collective ran on this GPU.
 pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
     let op = "wait for GPU";
-    if !probe::nccl_present() || comms().pending.is_empty() {
+    if !probe::nccl_present() {
         return gpu.synchronize();
     }
+    // The event first: work another thread enqueues after it is not waited for.
     let done = gpu
         .stream()
         .record_event(None)
         .map_err(cuda_err(op, None))?;
+    if comms().pending.is_empty() {
+        return done.synchronize().map_err(cuda_err(op, None));
+    }
     // A backstop for a stream still busy well after its collectives would have timed out.
     let deadline = Instant::now() + 2 * timeout();
     loop {
@@ -335,10 +350,17 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
         {
             let mut c = comms();
             if let Err(f) = c.poll() {
-                if f.set.contains(&gpu.ordinal()) {
-                    return Err(f.error);
-                }
+                // The pushing thread hears of it from wait_all; this reader, when its GPU was
+                // in the set, gets an error of its own.
+                let mine = f.set.contains(&gpu.ordinal()).then(|| Error::Nccl {
+                    op,
+                    keys: f.keys.clone(),
+                    message: f.error.to_string(),
+                });
                 c.deferred.push(f.error);
+                if let Some(e) = mine {
+                    return Err(e);
+                }
             }
         }
         if Instant::now() > deadline {
@@ -513,7 +535,7 @@ pub struct MultiRank {
     ordinal: usize,
     ranks: Vec<Rank>,
     /// Set once the communicators are aborted (after a failed or stalled call, or on drop).
-    aborted: AtomicBool,
+    aborted: Cell<bool>,
     /// How long a call waits for the ranks before it aborts them.
     timeout: Duration,
 }
@@ -570,7 +592,7 @@ impl MultiRank {
         let this = MultiRank {
             ordinal,
             ranks,
-            aborted: AtomicBool::new(false),
+            aborted: Cell::new(false),
             timeout: timeout(),
         };
         first?;
@@ -698,7 +720,8 @@ impl MultiRank {
         op: &'static str,
         call: impl Fn(usize, &Rank) -> std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
-        let _order = cross_gpu_order();
+        // No `cross_gpu_order` here: these ranks use streams of their own, which no other
+        // work waits on, and a group end that blocked must not hold up the whole process.
         result::group_start().map_err(|e| nccl_error(op, &[], e.0, std::ptr::null_mut()))?;
         let mut first = Ok(());
         for (rank, r) in self.ranks.iter().enumerate() {
@@ -716,20 +739,23 @@ impl MultiRank {
     /// or a timeout the communicators are aborted (which ends their kernels), the streams are
     /// given one more timeout to drain, and every later call fails.
     fn sync(&self, op: &'static str) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let past = |d: Option<Instant>| d.is_some_and(|d| Instant::now() > d);
+        let deadline = Instant::now().checked_add(self.timeout);
         let events = self
             .ranks
             .iter()
             .map(|r| r.stream.record_event(None).map_err(cuda_err(op, None)))
             .collect::<Result<Vec<_>>>()?;
         let failure = loop {
-            if all_complete(&events, op)? {
-                return Ok(());
+            match all_complete(&events, op) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => break e,
             }
             if let Err(e) = async_error(&self.ranks, op, &[]) {
                 break e;
             }
-            if Instant::now() > deadline {
+            if past(deadline) {
                 break Error::Nccl {
                     op,
                     keys: vec![],
@@ -739,10 +765,10 @@ impl MultiRank {
             std::thread::sleep(POLL_INTERVAL);
         };
         self.abort();
-        let drain = Instant::now() + self.timeout;
+        let drain = Instant::now().checked_add(self.timeout);
         let drained = loop {
             match all_complete(&events, op) {
-                Ok(false) if Instant::now() < drain => std::thread::sleep(POLL_INTERVAL),
+                Ok(false) if !past(drain) => std::thread::sleep(POLL_INTERVAL),
                 Ok(done) => break done,
                 Err(_) => break false,
             }
@@ -764,7 +790,7 @@ impl MultiRank {
 
     /// Fails once the communicators have been aborted.
     fn check_live(&self, op: &'static str) -> Result<()> {
-        if self.aborted.load(Ordering::Acquire) {
+        if self.aborted.get() {
             return Err(Error::Nccl {
                 op,
                 keys: vec![],
@@ -778,7 +804,7 @@ impl MultiRank {
 
     /// Aborts every rank's communicator, once.
     fn abort(&self) {
-        if self.aborted.swap(true, Ordering::AcqRel) {
+        if self.aborted.replace(true) {
             return;
         }
         for r in &self.ranks {

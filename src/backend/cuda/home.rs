@@ -32,7 +32,7 @@ use crate::backend::kernels::{self, RuleKind};
 use crate::backend::nccl;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
-use crate::{DType, Device, Error, Key, NDArray, PtxUpdater, Result, Updater};
+use crate::{DType, Device, Element, Error, Key, NDArray, PtxUpdater, Result, Updater};
 
 /// A key's value and updater state on its home GPU.
 #[derive(Debug)]
@@ -189,17 +189,39 @@ pub(crate) fn push(
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
-        // The kernel sums its k inputs in f32 in this order; host values are uploaded one by
-        // one (not summed on the host) so f16 and bf16 sums round once, as on the CPU home.
+        // The kernel sums its k inputs in f32 in this order. Host values are not summed on
+        // the host (f16 and bf16 sums must round once, as on the CPU home): they go up side by
+        // side in one buffer, one copy, and each is an input.
+        let hosts: Vec<&HostData> = job
+            .values
+            .iter()
+            .filter_map(|v| match reads.get(v) {
+                Storage::Host(h) => Some(h),
+                Storage::Gpu(_) => None,
+            })
+            .collect();
+        let mut host_inputs = Vec::new();
+        if let Some(first) = hosts.first() {
+            let side_by_side = with_host!(*first, _f: T => {
+                let mut all = Vec::with_capacity(n * hosts.len());
+                for h in &hosts {
+                    all.extend_from_slice(T::slice(h).expect("value dtypes were checked"));
+                }
+                T::wrap(all)
+            });
+            let up = GpuBuf::upload(home, &side_by_side).map_err(with_key(job.key))?;
+            let base = up.ptr();
+            host_inputs = (0..hosts.len())
+                .map(|i| base + (i * n * dtype.size()) as u64)
+                .collect();
+            keep.push(up);
+        }
+        let mut host_inputs = host_inputs.into_iter();
         let mut on_home = Vec::new();
         let mut others: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
         for v in job.values {
             match reads.get(v) {
-                Storage::Host(h) => {
-                    let up = GpuBuf::upload(home, h).map_err(with_key(job.key))?;
-                    on_home.push(up.ptr());
-                    keep.push(up);
-                }
+                Storage::Host(_) => on_home.push(host_inputs.next().expect("one per host value")),
                 Storage::Gpu(b) if b.ordinal() == home => on_home.push(b.ptr()),
                 Storage::Gpu(b) => others.entry(b.ordinal()).or_default().push(b.ptr()),
             }
