@@ -14,12 +14,14 @@
 //!   read of a GPU buffer on the host, through [`wait_stream`]) polls those events and
 //!   `ncclCommGetAsyncError`. On an error, or when a collective is still running
 //!   `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s) after it was issued, its communicators are
-//!   aborted and dropped from the cache, and an [`Error::Nccl`] names the keys.
+//!   aborted and dropped from the cache, and an [`Error::Nccl`] names the keys. A watchdog
+//!   thread polls the same way every 100 ms, so a stalled collective is aborted even while
+//!   every user thread is blocked inside the driver.
 
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::CStr;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
@@ -196,6 +198,33 @@ struct Comms {
 
 /// How often a host wait polls events and NCCL's async errors.
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
+
+/// How often the watchdog thread polls NCCL work in flight.
+const WATCHDOG_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Starts, once, a thread that polls the NCCL work in flight every [`WATCHDOG_INTERVAL`] and
+/// aborts a collective that failed or made no progress for [`timeout`], as PyTorch's NCCL
+/// watchdog does. Host waits poll too, but a thread blocked inside the driver (a copy queued
+/// behind a stalled collective) cannot: the abort ends the collective's kernels, the stream
+/// drains, and that thread is freed. The error waits for the next [`wait_all`].
+fn start_watchdog() {
+    static STARTED: Once = Once::new();
+    STARTED.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("kvstore-nccl-watchdog".to_owned())
+            .spawn(|| loop {
+                std::thread::sleep(WATCHDOG_INTERVAL);
+                let mut c = comms();
+                if let Err(f) = c.poll() {
+                    log::error!("kvstore: {}", f.error);
+                    c.deferred.push(f.error);
+                }
+            });
+        if let Err(e) = spawned {
+            log::warn!("kvstore: no NCCL watchdog thread ({e}); only host waits will poll");
+        }
+    });
+}
 
 // SAFETY: `Comms` holds raw `ncclComm_t` handles, which are not `Send` in Rust's eyes. NCCL
 // allows a communicator to be used from any thread as long as calls on it are not concurrent.
@@ -422,6 +451,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
                 .to_owned(),
         });
     }
+    start_watchdog();
     let mut c = comms();
     // Errors of earlier work (other keys) do not fail this call: wait_all reports them.
     if let Err(f) = c.poll() {
