@@ -452,22 +452,17 @@ type Launch = (RuleKind, Vec<f32>, Vec<Record>);
 fn update(
     updater: &Updater,
     generation: u64,
-    jobs: Vec<PushJob<'_>>,
+    mut jobs: Vec<PushJob<'_>>,
     inputs: &[Vec<u64>],
 ) -> Result<()> {
-    let names = updater.state_names().len();
+    make_states(&mut jobs, generation, updater.state_names().len())?;
     let mut launches: BTreeMap<(usize, DTypeKey), Launch> = BTreeMap::new();
     for (job, ins) in jobs.into_iter().zip(inputs) {
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
-        let state = next_step(
-            &mut job.cell.state,
-            &job.cell.buf,
-            generation,
-            names,
-            job.key,
-        )?;
+        let state = job.cell.state.as_mut().expect("states are made first");
+        state.step += 1;
         let rule = updater
             .rule::<f32>(state.step)
             .expect("custom updaters take the host path");
@@ -500,10 +495,11 @@ fn update(
 fn update_ptx(
     p: &PtxUpdater,
     generation: u64,
-    jobs: Vec<PushJob<'_>>,
+    mut jobs: Vec<PushJob<'_>>,
     inputs: &[Vec<u64>],
     keep: &mut Vec<GpuBuf>,
 ) -> Result<()> {
+    make_states(&mut jobs, generation, p.state_buffers())?;
     let mut sums: BTreeMap<(usize, DTypeKey), Vec<Record>> = BTreeMap::new();
     let mut merged = Vec::with_capacity(jobs.len());
     for (job, ins) in jobs.iter().zip(inputs) {
@@ -534,14 +530,8 @@ fn update_ptx(
     for (job, merged) in jobs.into_iter().zip(merged) {
         let home = job.cell.buf.ordinal();
         let n = job.cell.buf.len();
-        let names = p.state_buffers();
-        let state = next_step(
-            &mut job.cell.state,
-            &job.cell.buf,
-            generation,
-            names,
-            job.key,
-        )?;
+        let state = job.cell.state.as_mut().expect("states are made first");
+        state.step += 1;
         let st = gpu(home)?.stream();
         let addr = |s: &CudaSlice<f32>| s.device_ptr(st).0;
         let launch = UserLaunch {
@@ -557,33 +547,30 @@ fn update_ptx(
     Ok(())
 }
 
-/// A cell's updater state (`slot`, beside its value `buf`) for `generation` with `names` f32
-/// buffers (zeroed on first use), its step count advanced for this push.
-fn next_step<'c>(
-    slot: &'c mut Option<GpuState>,
-    buf: &GpuBuf,
-    generation: u64,
-    names: usize,
-    key: &Key,
-) -> Result<&'c mut GpuState> {
-    let (home, n) = (buf.ordinal(), buf.len());
-    // (A state with too few buffers would hand the kernel a null m or v.)
-    let current = matches!(slot, Some(s) if s.generation == generation && s.bufs.len() == names);
-    if !current {
+/// Gives every job's cell an updater state for `generation` with `names` f32 buffers (zeros
+/// where it has none, or one of another updater). All are made before any step count moves,
+/// so a failed allocation leaves every key's state as it was.
+fn make_states(jobs: &mut [PushJob<'_>], generation: u64, names: usize) -> Result<()> {
+    for job in jobs.iter_mut() {
+        let (home, n) = (job.cell.buf.ordinal(), job.cell.buf.len());
+        // (A state with too few buffers would hand the kernel a null m or v.)
+        let current = matches!(&job.cell.state,
+            Some(s) if s.generation == generation && s.bufs.len() == names);
+        if current {
+            continue;
+        }
         let st = gpu(home)?.stream();
         let bufs = (0..names)
             .map(|_| super::alloc_zeros::<f32>(st, n))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(cuda_err("push", Some(key)))?;
-        *slot = Some(GpuState {
+            .map_err(cuda_err("push", Some(job.key)))?;
+        job.cell.state = Some(GpuState {
             generation,
             step: 0,
             bufs,
         });
     }
-    let state = slot.as_mut().expect("set just above");
-    state.step += 1;
-    Ok(state)
+    Ok(())
 }
 
 /// Enqueues a validated pull from GPU homes into every job's outs.
