@@ -847,10 +847,19 @@ impl MultiRank {
     /// Issues a reduce on rank 0 alone, which can never complete, then waits as every call
     /// does. For tests that a stalled collective is aborted after the timeout rather than left
     /// hanging. A full reduce runs first, so the ranks' connections exist and the group call
-    /// itself does not wait for the missing rank.
+    /// itself does not wait for the missing rank (it would in `NCCL_LAUNCH_MODE=GROUP`, which
+    /// is refused).
     #[doc(hidden)]
     pub fn stalled_reduce_f32(&self, n: usize) -> Result<()> {
         let op = "stalled reduce";
+        self.check_live(op)?;
+        if n == 0 || self.ranks.len() < 2 {
+            return Err(self.bad_args(op, "n > 0 and at least 2 ranks"));
+        }
+        // In NCCL's GROUP launch mode the group call itself waits for the missing rank.
+        if std::env::var("NCCL_LAUNCH_MODE").is_ok_and(|m| m.eq_ignore_ascii_case("group")) {
+            return Err(self.bad_args(op, "NCCL_LAUNCH_MODE other than GROUP"));
+        }
         let sends: Vec<Vec<f32>> = (0..self.ranks.len()).map(|_| vec![1.0; n]).collect();
         self.reduce_f32(&sends, 0)?;
         let stream = &self.ranks[0].stream;
