@@ -44,8 +44,12 @@ fn err_string(r: sys::ncclResult_t) -> String {
     format!("{r:?}: {s}")
 }
 
-/// NCCL's last error text for a communicator (may be empty).
+/// NCCL's last error text for a communicator (may be empty; always empty before NCCL 2.13,
+/// which lacks `ncclGetLastError`: calling a missing symbol would panic).
 fn last_error(comm: sys::ncclComm_t) -> String {
+    if version().is_none_or(|v| v < 21300) {
+        return String::new();
+    }
     // SAFETY: `comm` is a live communicator (or null, which NCCL accepts); the returned string
     // is owned by NCCL and copied out at once.
     let p = unsafe { sys::ncclGetLastError(comm) };
