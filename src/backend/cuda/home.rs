@@ -191,7 +191,8 @@ pub(crate) fn push(
         let n = job.cell.buf.len();
         // The kernel sums its k inputs in f32 in this order. Host values are not summed on
         // the host (f16 and bf16 sums must round once, as on the CPU home): they go up side by
-        // side in one buffer, one copy, and each is an input.
+        // side in one buffer, one copy, each padded to 16 bytes so the kernel's vector loads
+        // apply, and each is an input.
         let hosts: Vec<&HostData> = job
             .values
             .iter()
@@ -202,17 +203,19 @@ pub(crate) fn push(
             .collect();
         let mut host_inputs = Vec::new();
         if let Some(first) = hosts.first() {
+            let stride = n.next_multiple_of(16 / dtype.size());
             let side_by_side = with_host!(*first, _f: T => {
-                let mut all = Vec::with_capacity(n * hosts.len());
-                for h in &hosts {
+                let mut all = Vec::with_capacity(stride * hosts.len());
+                for (i, h) in hosts.iter().enumerate() {
                     all.extend_from_slice(T::slice(h).expect("value dtypes were checked"));
+                    all.resize((i + 1) * stride, T::from_f64(0.0));
                 }
                 T::wrap(all)
             });
             let up = GpuBuf::upload(home, &side_by_side).map_err(with_key(job.key))?;
             let base = up.ptr();
             host_inputs = (0..hosts.len())
-                .map(|i| base + (i * n * dtype.size()) as u64)
+                .map(|i| base + (i * stride * dtype.size()) as u64)
                 .collect();
             keep.push(up);
         }
