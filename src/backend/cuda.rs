@@ -219,7 +219,7 @@ pub fn gpu(i: usize) -> Result<&'static Gpu> {
 }
 
 /// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work
-/// with its timeout (see [`nccl::wait_stream`]). A no-op without GPUs.
+/// with its timeout (see `nccl::wait_stream`). A no-op without GPUs.
 pub fn synchronize_all() -> Result<()> {
     for slot in GPUS.get().into_iter().flatten() {
         if let Some(Ok(g)) = slot.get() {
@@ -432,7 +432,7 @@ impl GpuBuf {
     }
 
     /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
-    /// work in flight with its timeout (see [`nccl::wait_stream`]).
+    /// work in flight with its timeout (see `nccl::wait_stream`).
     pub fn download(&self) -> Result<HostData> {
         nccl::wait_stream(gpu(self.ordinal())?)?;
         let e = || cuda_err("copy to host", None);

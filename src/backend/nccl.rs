@@ -11,7 +11,7 @@
 //!   kernels and copies around them.
 //! - All collectives of one call are issued inside one `group_start`/`group_end`.
 //! - After the group, an event per rank is recorded. Every host wait ([`wait_all`], and any
-//!   read of a GPU buffer on the host, through [`wait_stream`]) polls those events and
+//!   read of a GPU buffer on the host, through `wait_stream`) polls those events and
 //!   `ncclCommGetAsyncError`. On an error, or when a collective is still running
 //!   `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s) after it was issued, its communicators are
 //!   aborted and dropped from the cache, and an [`Error::Nccl`] names the keys. A watchdog
@@ -333,7 +333,7 @@ fn all_complete(events: &[CudaEvent], op: &'static str) -> Result<bool> {
 }
 
 /// Waits for every NCCL collective issued before the call, polling for asynchronous errors.
-/// A collective that fails, or makes no progress for [`timeout`], has its communicators aborted
+/// A collective that fails, or makes no progress for the timeout, has its communicators aborted
 /// and dropped from the cache, and its error is returned.
 pub fn wait_all() -> Result<()> {
     if !probe::nccl_present() {
