@@ -6,6 +6,8 @@
 //!    each of sm_70, sm_80 and sm_90 that its `.target` allows; the cubins go to `OUT_DIR` and are
 //!    only a check (the crate embeds the PTX text and the driver compiles it). A ptxas error fails
 //!    the build; no ptxas at all is a warning.
+//! 3. The example user updaters in `kernels/user/*.ptx` must declare the user-updater parameter
+//!    list, and are assembled the same way.
 
 use std::collections::BTreeMap;
 use std::env;
@@ -13,6 +15,9 @@ use std::fs;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+#[path = "src/ptx_text.rs"]
+mod ptx_text;
 
 /// The kernel parameters every entry starts with: table, ntensors, chunk.
 const COMMON_PARAMS: &[&str] = &["u64", "u32", "u32"];
@@ -47,6 +52,7 @@ const ARCHS: &[u32] = &[70, 80, 90];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/ptx_text.rs");
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=PTXAS");
 
@@ -111,27 +117,8 @@ fn ptx_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// Removes `// ...` and `/* ... */` comments.
-fn strip_comments(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while !rest.is_empty() {
-        if let Some(r) = rest.strip_prefix("//") {
-            rest = r.find('\n').map_or("", |i| &r[i..]);
-        } else if let Some(r) = rest.strip_prefix("/*") {
-            rest = r.find("*/").map_or("", |i| &r[i + 2..]);
-            out.push(' ');
-        } else {
-            let c = rest.chars().next().unwrap();
-            out.push(c);
-            rest = &rest[c.len_utf8()..];
-        }
-    }
-    out
-}
-
 fn parse(text: &str) -> Result<Ptx, String> {
-    let text = strip_comments(text);
+    let text = ptx_text::strip_comments(text);
     let target = text
         .split_once(".target")
         .and_then(|(_, r)| r.trim_start().strip_prefix("sm_"))
@@ -140,35 +127,7 @@ fn parse(text: &str) -> Result<Ptx, String> {
             digits.parse().ok()
         })
         .ok_or("no `.target sm_NN` line")?;
-
-    let mut entries = BTreeMap::new();
-    let mut rest = text.as_str();
-    while let Some(i) = rest.find(".entry") {
-        let decl = &rest[i + ".entry".len()..];
-        let open = decl.find('(').ok_or("`.entry` without a parameter list")?;
-        let close = decl.find(')').ok_or("`.entry` parameter list not closed")?;
-        let name = decl[..open].trim().to_owned();
-        let before = rest[..i].trim_end();
-        if !before.ends_with(".visible") {
-            return Err(format!("entry {name} is not `.visible`"));
-        }
-        let mut types = Vec::new();
-        for param in decl[open + 1..close].split(',').map(str::trim) {
-            if param.is_empty() {
-                continue;
-            }
-            // `.param .u64 table`: the second word is the type.
-            let words: Vec<&str> = param.split_whitespace().collect();
-            match words.as_slice() {
-                [".param", ty, _name] if ty.starts_with('.') => types.push(ty[1..].to_owned()),
-                _ => return Err(format!("entry {name}: cannot read parameter `{param}`")),
-            }
-        }
-        if entries.insert(name.clone(), types).is_some() {
-            return Err(format!("entry {name} is defined twice"));
-        }
-        rest = &decl[close..];
-    }
+    let entries = ptx_text::entries(&text)?;
     Ok(Ptx { target, entries })
 }
 

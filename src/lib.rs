@@ -38,6 +38,7 @@ mod error;
 mod host;
 mod key;
 mod ndarray;
+mod ptx_text;
 pub mod ptx_updater;
 mod shape;
 mod store;

@@ -31,6 +31,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::ptx_text;
 use crate::updater::UpdateFn;
 use crate::{DType, Error, Key, NDArray, Result};
 
@@ -216,8 +217,10 @@ fn check_entry(ptx: &str, entry: &str) -> Result<()> {
              s0..s3 (see kvstore::ptx_updater)"
         )))
     };
-    let Some(params) = entry_params(ptx, entry) else {
-        return bad(format!("the PTX module defines no entry '{entry}'"));
+    let params = match entry_params(ptx, entry) {
+        Ok(Some(params)) => params,
+        Ok(None) => return bad(format!("the PTX module defines no entry '{entry}'")),
+        Err(e) => return bad(format!("cannot read the PTX module's entries: {e}")),
     };
     if params != PTX_UPDATER_PARAMS {
         return bad(format!("entry '{entry}' declares ({})", params.join(", ")));
@@ -225,51 +228,11 @@ fn check_entry(ptx: &str, entry: &str) -> Result<()> {
     Ok(())
 }
 
-/// `text` without its `//` and `/* */` comments (a block comment becomes a space).
-fn strip_comments(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(c) = rest.chars().next() {
-        if let Some(r) = rest.strip_prefix("//") {
-            rest = r.find('\n').map_or("", |i| &r[i..]);
-        } else if let Some(r) = rest.strip_prefix("/*") {
-            rest = r.find("*/").map_or("", |i| &r[i + 2..]);
-            out.push(' ');
-        } else {
-            out.push(c);
-            rest = &rest[c.len_utf8()..];
-        }
-    }
-    out
-}
-
-/// The parameter types of `.entry <entry>(...)` in `ptx`, comments removed; `None` when the
-/// module defines no such entry.
-fn entry_params(ptx: &str, entry: &str) -> Option<Vec<String>> {
-    let text = strip_comments(ptx);
-    let mut rest = text.as_str();
-    while let Some(at) = rest.find(".entry") {
-        rest = rest[at + ".entry".len()..].trim_start();
-        let name_end = rest
-            .find(|c: char| c == '(' || c.is_whitespace())
-            .unwrap_or(rest.len());
-        if &rest[..name_end] != entry {
-            continue;
-        }
-        let open = rest.find('(')?;
-        let close = rest[open..].find(')')? + open;
-        let params = rest[open + 1..close]
-            .split(',')
-            .filter(|p| !p.trim().is_empty())
-            .map(|p| {
-                p.split_whitespace()
-                    .find(|w| w.starts_with('.') && *w != ".param")
-                    .map_or_else(String::new, |t| t.trim_start_matches('.').to_owned())
-            })
-            .collect();
-        return Some(params);
-    }
-    None
+/// The parameter types of `.entry <entry>(...)` in `ptx`; `None` when the module defines no
+/// such entry; an error when its entries cannot be read.
+fn entry_params(ptx: &str, entry: &str) -> std::result::Result<Option<Vec<String>>, String> {
+    let mut entries = ptx_text::entries(&ptx_text::strip_comments(ptx))?;
+    Ok(entries.remove(entry))
 }
 
 #[cfg(test)]
@@ -278,7 +241,9 @@ mod tests {
 
     #[test]
     fn the_example_module_has_the_documented_entry() {
-        let params = entry_params(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32").unwrap();
+        let params = entry_params(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32")
+            .unwrap()
+            .unwrap();
         assert_eq!(params, PTX_UPDATER_PARAMS);
         assert!(PtxUpdater::new(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32", DType::F32).is_ok());
     }
@@ -286,7 +251,7 @@ mod tests {
     #[test]
     fn wrong_entries_are_refused_with_the_expected_signature() {
         let ptx = ".visible .entry f(\n  .param .u64 a, // x\n  .param .f32 b\n)\n{ ret; }";
-        assert_eq!(entry_params(ptx, "f").unwrap(), vec!["u64", "f32"]);
+        assert_eq!(entry_params(ptx, "f").unwrap().unwrap(), vec!["u64", "f32"]);
         let err = PtxUpdater::new(ptx, "f", DType::F32)
             .unwrap_err()
             .to_string();
@@ -300,7 +265,12 @@ mod tests {
             .to_string();
         assert!(err.contains("no entry 'g'"), "{err}");
         // A longer name that starts with the asked one is not it.
-        assert!(entry_params(".entry fg(.param .u64 a)", "f").is_none());
+        assert!(entry_params(".visible .entry fg(.param .u64 a)", "f")
+            .unwrap()
+            .is_none());
+        // Entries that cannot be read are an error, not a miss.
+        let err = PtxUpdater::new(".entry f(.param .u64 a)", "f", DType::F32).unwrap_err();
+        assert!(err.to_string().contains("not `.visible`"), "{err}");
         let err = PtxUpdater::new(PtxUpdater::EXAMPLE_SGD_F32, "sgd_f32", DType::F64)
             .unwrap_err()
             .to_string();

@@ -214,8 +214,6 @@ unsafe impl cudarc::driver::ValidAsZeroBits for TensorRecord {}
 
 /// The kernel for one step of `rule`: its kind, its f32 scalar parameters in ABI order, and
 /// Adam's per-tensor `lr_t` (for [`TensorRecord::lr_t`]).
-// Called by the CUDA backend; until that lands only the tests here use it.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn scalars(rule: &Rule<f32>) -> (RuleKind, Vec<f32>, Option<f32>) {
     match *rule {
         Rule::Assign => (RuleKind::Assign, vec![], None),
