@@ -42,11 +42,6 @@ const RULE_PARAMS: &[(&str, &[&str])] = &[
 /// Element types with kernels; `fused_<rule>_<dtype>` lives in `kernels/fused_<dtype>.ptx`.
 const DTYPES: &[&str] = &["f32", "f16", "bf16"];
 
-/// The parameter types of a user PTX updater's entry (`kvstore::PTX_UPDATER_PARAMS`).
-const USER_PARAMS: &[&str] = &[
-    "u64", "u64", "u64", "u64", "u64", "u64", "f32", "f32", "f32", "f32",
-];
-
 /// The architectures each file is assembled for, where its `.target` allows.
 const ARCHS: &[u32] = &[70, 80, 90];
 
@@ -67,11 +62,11 @@ fn main() {
     let user: BTreeMap<String, Ptx> = user_files.iter().map(|p| read_ptx(p)).collect();
     for (stem, ptx) in &user {
         for (name, types) in &ptx.entries {
-            if types != USER_PARAMS {
+            if *types != ptx_text::USER_UPDATER_PARAMS {
                 fail(&format!(
                     "kernels/user/{stem}.ptx: {name} takes ({}), a user updater takes ({})",
                     types.join(", "),
-                    USER_PARAMS.join(", ")
+                    ptx_text::USER_UPDATER_PARAMS.join(", ")
                 ));
             }
         }

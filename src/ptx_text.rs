@@ -5,6 +5,11 @@
 
 use std::collections::BTreeMap;
 
+/// The parameter types of a user PTX updater's entry (`kvstore::PTX_UPDATER_PARAMS`).
+pub(crate) const USER_UPDATER_PARAMS: [&str; 10] = [
+    "u64", "u64", "u64", "u64", "u64", "u64", "f32", "f32", "f32", "f32",
+];
+
 /// `text` without its `//` and `/* */` comments (a block comment becomes a space).
 pub(crate) fn strip_comments(text: &str) -> String {
     let mut out = String::with_capacity(text.len());

@@ -36,9 +36,7 @@ use crate::updater::UpdateFn;
 use crate::{DType, Error, Key, NDArray, Result};
 
 /// The parameter types a user PTX updater's entry declares, in order (see the module docs).
-pub const PTX_UPDATER_PARAMS: [&str; 10] = [
-    "u64", "u64", "u64", "u64", "u64", "u64", "f32", "f32", "f32", "f32",
-];
+pub const PTX_UPDATER_PARAMS: [&str; 10] = ptx_text::USER_UPDATER_PARAMS;
 
 /// Threads per block of a user updater launch.
 pub const PTX_UPDATER_BLOCK: u32 = 256;
