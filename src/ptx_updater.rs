@@ -61,7 +61,8 @@ pub struct PtxUpdater {
 }
 
 struct Inner {
-    ptx: String,
+    /// Shared by the copies `with_*` make, so a GPU's cache finds it by pointer.
+    ptx: Arc<str>,
     entry: String,
     dtype: DType,
     scalars: [f32; 4],
@@ -100,7 +101,7 @@ impl PtxUpdater {
         check_entry(&ptx, entry)?;
         Ok(PtxUpdater {
             inner: Arc::new(Inner {
-                ptx,
+                ptx: ptx.into(),
                 entry: entry.to_owned(),
                 dtype,
                 scalars: [0.0; 4],
@@ -184,7 +185,7 @@ impl PtxUpdater {
     }
 
     /// The PTX source.
-    pub(crate) fn ptx(&self) -> &str {
+    pub(crate) fn ptx(&self) -> &Arc<str> {
         &self.inner.ptx
     }
 

@@ -35,7 +35,7 @@ pub struct Gpu {
     modules: OnceLock<std::result::Result<HashMap<&'static str, Arc<CudaModule>>, String>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
-    user_functions: Mutex<Vec<(String, String, CudaFunction)>>,
+    user_functions: Mutex<Vec<(Arc<str>, String, CudaFunction)>>,
 }
 
 impl Gpu {
@@ -129,10 +129,9 @@ impl Gpu {
             .user_functions
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some((_, _, f)) = user
-            .iter()
-            .find(|(ptx, entry, _)| ptx == p.ptx() && entry == p.entry())
-        {
+        if let Some((_, _, f)) = user.iter().find(|(ptx, entry, _)| {
+            (Arc::ptr_eq(ptx, p.ptx()) || ptx == p.ptx()) && entry == p.entry()
+        }) {
             return Ok(f.clone());
         }
         let err = |e: DriverError| Error::Cuda {
@@ -140,10 +139,13 @@ impl Gpu {
             key: None,
             message: format!("entry '{}' on gpu({}): {e}", p.entry(), self.ordinal),
         };
-        let module = self.ctx.load_module(Ptx::from_src(p.ptx())).map_err(err)?;
+        let module = self
+            .ctx
+            .load_module(Ptx::from_src(&**p.ptx()))
+            .map_err(err)?;
         let f = module.load_function(p.entry()).map_err(err)?;
         p.note_load();
-        user.push((p.ptx().to_owned(), p.entry().to_owned(), f.clone()));
+        user.push((p.ptx().clone(), p.entry().to_owned(), f.clone()));
         Ok(f)
     }
 }

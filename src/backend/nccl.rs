@@ -86,13 +86,17 @@ pub fn version() -> Option<i32> {
     result::get_nccl_version().ok()
 }
 
-/// How long a collective may run before a host wait aborts its communicators.
+/// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS` as the
+/// process first reads it (polls run every 200 µs), else 60 s.
 fn timeout() -> Duration {
-    let ms = std::env::var("KVSTORE_NCCL_TIMEOUT_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(60_000);
-    Duration::from_millis(ms)
+    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
+    *TIMEOUT.get_or_init(|| {
+        let ms = std::env::var("KVSTORE_NCCL_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60_000);
+        Duration::from_millis(ms)
+    })
 }
 
 /// The NCCL element type of a dtype.
