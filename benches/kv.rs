@@ -21,7 +21,8 @@ use std::cell::RefCell;
 use std::path::PathBuf;
 
 use common::{roof::Bufs, size_name, Kv, SmallKeys, Target};
-use criterion::{BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use kvstore::DType;
 
 /// One bench that ran: its criterion id, the bytes of one value, and the bytes it moves.
@@ -58,6 +59,14 @@ fn record(group: &str, id: &str, bytes: usize, moved: usize) {
     });
 }
 
+/// Criterion's time and sample budget for `bytes` per iteration, and its throughput.
+fn set_budget(g: &mut BenchmarkGroup<'_, WallTime>, bytes: usize) {
+    let (time, samples) = common::criterion_budget(bytes);
+    g.measurement_time(time).sample_size(samples);
+    g.warm_up_time(std::time::Duration::from_millis(300));
+    g.throughput(Throughput::Bytes(bytes as u64));
+}
+
 fn store_ops(c: &mut Criterion, target: Target) {
     for op in ["push", "pull", "pushpull"] {
         for n in common::dev_counts() {
@@ -71,10 +80,7 @@ fn store_ops(c: &mut Criterion, target: Target) {
             let group_name = format!("{op}/{n}dev");
             let mut g = c.benchmark_group(&group_name);
             for bytes in common::sizes() {
-                let (time, samples) = common::criterion_budget(bytes);
-                g.measurement_time(time).sample_size(samples);
-                g.warm_up_time(std::time::Duration::from_millis(300));
-                g.throughput(Throughput::Bytes(bytes as u64));
+                set_budget(&mut g, bytes);
                 let id = size_name(bytes);
                 if !wanted(&group_name, &id) {
                     continue;
@@ -106,10 +112,7 @@ fn roof(c: &mut Criterion) {
         let group_name = format!("roof/{name}");
         let mut g = c.benchmark_group(&group_name);
         for bytes in common::sizes() {
-            let (time, samples) = common::criterion_budget(bytes);
-            g.measurement_time(time).sample_size(samples);
-            g.warm_up_time(std::time::Duration::from_millis(300));
-            g.throughput(Throughput::Bytes(bytes as u64));
+            set_budget(&mut g, bytes);
             let id = size_name(bytes);
             if !wanted(&group_name, &id) {
                 continue;
@@ -190,10 +193,7 @@ fn updaters(c: &mut Criterion, target: Target) {
     for dtype in common::UPDATER_DTYPES {
         let group_name = format!("updater/{dtype}");
         let mut g = c.benchmark_group(&group_name);
-        let (time, samples) = common::criterion_budget(bytes);
-        g.measurement_time(time).sample_size(samples);
-        g.warm_up_time(std::time::Duration::from_millis(300));
-        g.throughput(Throughput::Bytes(bytes as u64));
+        set_budget(&mut g, bytes);
         for (name, updater) in common::updaters() {
             let id = format!("{name}/{}", size_name(bytes));
             if !wanted(&group_name, &id) {
