@@ -1260,11 +1260,13 @@ impl KvStore {
     ///
     /// Lock order, as every other operation: the cells of the keys the store has are
     /// write-locked in ascending key order (found with a brief read of the table), and only
-    /// then is the table write-locked, briefly, to add the new keys complete with value and
-    /// state. Nothing holds the table lock while it waits for a cell, so this cannot deadlock
+    /// then is the table write-locked. Under both, the new keys are copied to their homes (as
+    /// init does, still invisible), the existing keys get their values and state, and the new
+    /// keys are added, complete, in one step; a failure before that last step adds nothing.
+    /// Nothing ever holds the table lock while it waits for a cell, so this cannot deadlock
     /// against push, pull, init, save or another load. A key that a concurrent init added
     /// between the lookup and the table lock is not locked yet, so the whole step starts over
-    /// (each retry finds at least one more key, so this ends).
+    /// with nothing changed (each retry finds at least one more key, so this ends).
     pub(crate) fn import_entries(
         &self,
         path: &Path,
@@ -1341,7 +1343,7 @@ impl KvStore {
                 }
             }
             let mut gpu_bytes = table.gpu_bytes.clone();
-            let mut made: Vec<(Slot, usize)> = Vec::with_capacity(new.len());
+            let mut made: Vec<Slot> = Vec::with_capacity(new.len());
             if on_gpus {
                 let arrays: Vec<(NDArray, Option<EntryState>, Key)> = new
                     .into_iter()
@@ -1355,13 +1357,13 @@ impl KvStore {
                 for ((a, state, key), home) in arrays.into_iter().zip(homes) {
                     let value = copy_home(&a, home, &key)?;
                     let cell = loaded_cell(value, state, generation)?;
-                    made.push((new_slot(key, a.shape(), a.dtype(), home, cell), a.nbytes()));
+                    made.push(new_slot(key, a.shape(), a.dtype(), home, cell));
                 }
             } else {
                 for e in new {
                     let dtype = e.value.dtype();
                     let cell = loaded_cell(Value::Host(e.value), e.state, generation)?;
-                    made.push((new_slot(e.key, e.shape, dtype, Device::Cpu(0), cell), 0));
+                    made.push(new_slot(e.key, e.shape, dtype, Device::Cpu(0), cell));
                 }
             }
 
@@ -1372,7 +1374,7 @@ impl KvStore {
 
             // New keys appear, complete, in one step.
             table.gpu_bytes = gpu_bytes;
-            for (mut slot, _) in made {
+            for mut slot in made {
                 if let Key::Str(_) = slot.key {
                     table.next_str_order += 1;
                     slot.order = table.next_str_order;
