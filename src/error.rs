@@ -159,16 +159,23 @@ pub enum Error {
     #[error("invalid updater: {0}")]
     InvalidUpdater(String),
 
-    /// A checkpoint could not be written or read, or does not fit the store: an I/O error, a
-    /// corrupt or truncated file, missing or malformed metadata or tensors, or a key whose
-    /// shape or dtype differs from the store's. A failed `load` changes nothing; a failed
-    /// `save` leaves any previous file at `path` as it was.
+    /// A checkpoint could not be written or read, or does not fit the store. `kind` tells a
+    /// missing file from an I/O failure, a corrupt or invalid file, and a valid file that does
+    /// not fit the store; `source` is the underlying [`std::io::Error`] or safetensors error,
+    /// where there is one (also returned by [`std::error::Error::source`]). A failed `load`
+    /// changes nothing; a failed `save` leaves any previous file at `path` as it was.
     #[error("checkpoint {}: {message}", path.display())]
     Checkpoint {
         /// The checkpoint file.
         path: std::path::PathBuf,
-        /// What went wrong.
+        /// Which kind of failure it is.
+        kind: crate::checkpoint::CheckpointErrorKind,
+        /// What went wrong, and what to do.
         message: String,
+        /// The error underneath, if any: a [`std::io::Error`] or a
+        /// [`safetensors::SafeTensorError`].
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
 
     /// A user updater panicked. The key's value and state are unchanged.

@@ -44,6 +44,7 @@ mod shape;
 mod store;
 mod updater;
 
+pub use checkpoint::CheckpointErrorKind;
 pub use device::{cpu, gpu, Device};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

@@ -7,12 +7,14 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::cpu::{self, PushJob};
 use crate::backend::cuda::home::{self, GpuCell};
 use crate::backend::cuda::{self as gpu_rt, GpuBuf};
 use crate::backend::{nccl, probe};
+use crate::checkpoint::Problem;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::UpdateFn;
@@ -919,8 +921,15 @@ fn push_fused<T: Element>(
     state: &mut Option<State>,
 ) {
     let names = active.updater.state_names();
+    // State is used only when it is this updater's and has its shape: one accumulator buffer
+    // of the value's length per state name. Anything else (a race, a bad checkpoint) would
+    // hand the kernel a short buffer; it starts afresh instead.
+    let acc = <T::Acc as Element>::DTYPE;
+    let current = matches!(state, Some(s) if s.generation == active.generation
+        && s.bufs.len() == names.len()
+        && s.bufs.iter().all(|b| b.dtype() == acc && b.len() == stored.len()));
     let state = match state {
-        Some(s) if s.generation == active.generation => s,
+        Some(s) if current => s,
         _ => state.insert(State {
             generation: active.generation,
             step: 0,
@@ -1195,6 +1204,12 @@ pub(crate) struct EntryState {
 
 /// Checkpoint support: host copies of every value and updater state, out and in.
 impl KvStore {
+    /// The updater in force and its generation, read together.
+    pub(crate) fn active_updater(&self) -> (Updater, u64) {
+        let active = read(&self.active).clone();
+        (active.updater.clone(), active.generation)
+    }
+
     /// The key kind, the updater in force, and every key in update order with copies of its
     /// value and its state for that updater, taken as one consistent snapshot (all read locks
     /// held together).
@@ -1207,6 +1222,7 @@ impl KvStore {
         slots.sort_by_key(|s| s.order);
         let active = read(&self.active).clone();
         let generation = active.generation;
+        let buffers = active.updater.state_names().len();
         let cells: Vec<RwLockReadGuard<'_, Cell>> = slots.iter().map(|s| read(&s.cell)).collect();
         let entries = slots
             .iter()
@@ -1226,6 +1242,8 @@ impl KvStore {
                     // Kernel-less dtypes keep their state on the host.
                     Value::Gpu(c) => (c.buf.download()?, host_state()),
                 };
+                // Only state a push of this updater would use: one buffer per state name.
+                let state = state.filter(|(_, bufs)| bufs.len() == buffers);
                 Ok(Entry {
                     key: slot.key.clone(),
                     shape: slot.shape,
@@ -1237,93 +1255,197 @@ impl KvStore {
         Ok((kind, active.updater.clone(), entries))
     }
 
-    /// Checks `entries` (in update order) against the store: the key kind, and the shape and
-    /// dtype of keys already present. Returns what is wrong, in words.
-    pub(crate) fn check_entries(
+    /// Puts checked `entries` (distinct keys, in update order, their state already matched to
+    /// the updater of `generation`) into the store, all or nothing, as one step.
+    ///
+    /// Lock order, as every other operation: the cells of the keys the store has are
+    /// write-locked in ascending key order (found with a brief read of the table), and only
+    /// then is the table write-locked. Under both, the new keys are copied to their homes (as
+    /// init does, still invisible), the existing keys get their values and state, and the new
+    /// keys are added, complete, in one step; a failure before that last step adds nothing.
+    /// Nothing ever holds the table lock while it waits for a cell, so this cannot deadlock
+    /// against push, pull, init, save or another load. A key that a concurrent init added
+    /// between the lookup and the table lock is not locked yet, so the whole step starts over
+    /// with nothing changed (each retry finds at least one more key, so this ends).
+    pub(crate) fn import_entries(
         &self,
+        path: &Path,
         kind: Option<KeyKind>,
-        entries: &[Entry],
-    ) -> std::result::Result<(), String> {
-        let table = read(&self.table);
-        if let (Some(store), Some(file)) = (table.key_kind, kind) {
-            if store != file {
-                return Err(format!(
-                    "the file holds {file} keys but the store holds {store} keys"
-                ));
-            }
-        }
-        for e in entries {
-            if let Some(slot) = table.slots.get(&e.key) {
+        mut entries: Vec<Entry>,
+        generation: u64,
+    ) -> Result<()> {
+        let mismatch = |message: String| Problem::mismatch(message).at(path);
+        let check_kind = |store: Option<KeyKind>| match (store, kind) {
+            (Some(store), Some(file)) if store != file => Err(mismatch(format!(
+                "the file holds {file} keys but the store holds {store} keys: load it into a \
+                 store of {file} keys"
+            ))),
+            _ => Ok(()),
+        };
+        loop {
+            let found: Vec<Option<Arc<Slot>>> = {
+                let table = read(&self.table);
+                check_kind(table.key_kind)?;
+                entries
+                    .iter()
+                    .map(|e| table.slots.get(&e.key).cloned())
+                    .collect()
+            };
+            for (e, slot) in entries.iter().zip(&found) {
+                let Some(slot) = slot else { continue };
                 if slot.shape != e.shape || slot.dtype != e.value.dtype() {
-                    return Err(format!(
-                        "key {}: the file holds {} {} but the store holds {} {}",
+                    return Err(mismatch(format!(
+                        "key {}: the file holds {} {} but the store holds {} {}: load it into \
+                         a store without this key, or with the file's shape and dtype",
                         e.key,
                         e.shape,
                         e.value.dtype(),
                         slot.shape,
                         slot.dtype
-                    ));
+                    )));
                 }
             }
-        }
-        Ok(())
-    }
-
-    /// Initializes the keys of `entries` the store lacks, then sets every key's value and state
-    /// to the entry's. The caller has checked the entries with [`KvStore::check_entries`].
-    pub(crate) fn import_entries(&self, entries: Vec<Entry>) -> Result<()> {
-        let missing: Vec<&Entry> = {
-            let table = read(&self.table);
-            entries
+            // The cells of the keys the store has, in ascending key order; `cell_of[i]` is
+            // entry i's place among them.
+            let mut have: Vec<(usize, &Arc<Slot>)> = found
                 .iter()
-                .filter(|e| !table.slots.contains_key(&e.key))
-                .collect()
-        };
-        let keys: Vec<Key> = missing.iter().map(|e| e.key.clone()).collect();
-        let values: Vec<NDArray> = missing
-            .iter()
-            .map(|e| NDArray::from_host(e.value.clone(), e.shape, Device::Cpu(0)))
-            .collect();
-        self.init_list(&keys, &values)?;
+                .enumerate()
+                .filter_map(|(i, s)| Some((i, s.as_ref()?)))
+                .collect();
+            have.sort_by_key(|(_, s)| s.order);
+            let mut cell_of = vec![None; entries.len()];
+            for (place, &(i, _)) in have.iter().enumerate() {
+                cell_of[i] = Some(place);
+            }
+            let mut cells: Vec<RwLockWriteGuard<'_, Cell>> =
+                have.iter().map(|(_, s)| write(&s.cell)).collect();
 
-        let table = read(&self.table);
-        let mut pairs: Vec<(Arc<Slot>, Entry)> = entries
-            .into_iter()
-            .filter_map(|e| Some((table.slots.get(&e.key)?.clone(), e)))
-            .collect();
-        drop(table);
-        pairs.sort_by_key(|(s, _)| s.order);
-        let (slots, entries): (Vec<Arc<Slot>>, Vec<Entry>) = pairs.into_iter().unzip();
-        let generation = read(&self.active).generation;
-        let mut cells: Vec<RwLockWriteGuard<'_, Cell>> =
-            slots.iter().map(|s| write(&s.cell)).collect();
-        for (cell, e) in cells.iter_mut().zip(entries) {
-            let state = e.state.map(|s| (s.step, s.bufs));
-            match &mut cell.value {
-                Value::Host(h) => {
-                    *h = e.value;
-                    cell.state = state.map(|(step, bufs)| State {
-                        generation,
-                        step,
-                        bufs,
-                    });
-                }
-                Value::Gpu(c) => {
-                    c.buf.upload_into(&e.value)?;
-                    if home::has_kernel(c.buf.dtype()) {
-                        c.set_state_from_host(generation, state)?;
-                    } else {
-                        cell.state = state.map(|(step, bufs)| State {
-                            generation,
-                            step,
-                            bufs,
-                        });
-                    }
+            let mut table = write(&self.table);
+            let raced = entries
+                .iter()
+                .zip(&found)
+                .any(|(e, s)| s.is_none() && table.slots.contains_key(&e.key));
+            if raced {
+                continue;
+            }
+            check_kind(table.key_kind)?;
+
+            // New keys: placed and copied to their homes, as init does, but not visible yet.
+            let entries = std::mem::take(&mut entries);
+            let gpus = probe::gpu_count();
+            let on_gpus = self.kind != StoreKind::Local && gpus > 0;
+            let mut new: Vec<Entry> = Vec::new();
+            let mut old: Vec<(usize, Entry)> = Vec::new();
+            for (i, e) in entries.into_iter().enumerate() {
+                match cell_of[i] {
+                    Some(place) => old.push((place, e)),
+                    None => new.push(e),
                 }
             }
+            let mut gpu_bytes = table.gpu_bytes.clone();
+            let mut made: Vec<Slot> = Vec::with_capacity(new.len());
+            if on_gpus {
+                let arrays: Vec<(NDArray, Option<EntryState>, Key)> = new
+                    .into_iter()
+                    .map(|e| {
+                        let a = NDArray::from_host(e.value, e.shape, Device::Cpu(0));
+                        (a, e.state, e.key)
+                    })
+                    .collect();
+                let values: Vec<NDArray> = arrays.iter().map(|(a, _, _)| a.clone()).collect();
+                let homes = place_by_size(&mut gpu_bytes, gpus, &values);
+                for ((a, state, key), home) in arrays.into_iter().zip(homes) {
+                    let value = copy_home(&a, home, &key)?;
+                    let cell = loaded_cell(value, state, generation)?;
+                    made.push(new_slot(key, a.shape(), a.dtype(), home, cell));
+                }
+            } else {
+                for e in new {
+                    let dtype = e.value.dtype();
+                    let cell = loaded_cell(Value::Host(e.value), e.state, generation)?;
+                    made.push(new_slot(e.key, e.shape, dtype, Device::Cpu(0), cell));
+                }
+            }
+
+            // Keys the store has: changed under their locks, before any new key appears.
+            for (place, e) in old {
+                load_into(&mut cells[place], e.value, e.state, generation)?;
+            }
+
+            // New keys appear, complete, in one step.
+            table.gpu_bytes = gpu_bytes;
+            for mut slot in made {
+                if let Key::Str(_) = slot.key {
+                    table.next_str_order += 1;
+                    slot.order = table.next_str_order;
+                }
+                table.key_kind = Some(slot.key.kind());
+                table.slots.insert(slot.key.clone(), Arc::new(slot));
+            }
+            return Ok(());
         }
-        Ok(())
     }
+}
+
+/// The slot of a key a load adds; a string key's order is set when it is added.
+fn new_slot(key: Key, shape: Shape, dtype: DType, home: Device, cell: Cell) -> Slot {
+    let order = match &key {
+        Key::Int(k) => i64::from(*k),
+        Key::Str(_) => 0,
+    };
+    Slot {
+        key,
+        order,
+        shape,
+        dtype,
+        home,
+        cell: RwLock::new(cell),
+    }
+}
+
+/// Host state of updater `generation` from a checkpoint's.
+fn host_state(state: Option<EntryState>, generation: u64) -> Option<State> {
+    state.map(|s| State {
+        generation,
+        step: s.step,
+        bufs: s.bufs,
+    })
+}
+
+/// The cell of a key a load adds: `value` (on its home) and the loaded state.
+fn loaded_cell(value: Value, state: Option<EntryState>, generation: u64) -> Result<Cell> {
+    let mut cell = Cell { value, state: None };
+    match &mut cell.value {
+        Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
+            c.set_state_from_host(generation, state.map(|s| (s.step, s.bufs)))?
+        }
+        _ => cell.state = host_state(state, generation),
+    }
+    Ok(cell)
+}
+
+/// Replaces the value and state of a key the store has with a checkpoint's.
+fn load_into(
+    cell: &mut Cell,
+    value: HostData,
+    state: Option<EntryState>,
+    generation: u64,
+) -> Result<()> {
+    match &mut cell.value {
+        Value::Host(h) => {
+            *h = value;
+            cell.state = host_state(state, generation);
+        }
+        Value::Gpu(c) => {
+            c.buf.upload_into(&value)?;
+            if home::has_kernel(c.buf.dtype()) {
+                c.set_state_from_host(generation, state.map(|s| (s.step, s.bufs)))?;
+            } else {
+                cell.state = host_state(state, generation);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1355,6 +1477,61 @@ mod tests {
         // A later call continues from the loads so far.
         let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10])]);
         assert_eq!(more, vec![Device::Gpu(1)]);
+    }
+
+    /// State stamped with the updater's generation but of the wrong shape (too few buffers, or
+    /// buffers of the wrong length, as a load racing `set_updater` once left) never reaches a
+    /// kernel: the key starts afresh, as a key with no state does.
+    #[test]
+    fn state_of_the_wrong_shape_starts_afresh() {
+        use rand::prelude::*;
+        let mut rng = StdRng::from_entropy();
+        let mut random = |n: usize| {
+            let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            NDArray::from_vec(v, [n]).unwrap()
+        };
+        let wrong = [
+            vec![HostData::filled(DType::F32, 5, 0.5)],
+            vec![
+                HostData::filled(DType::F32, 5, 0.5),
+                HostData::filled(DType::F32, 2, 0.5),
+            ],
+            vec![
+                HostData::filled(DType::F64, 5, 0.5),
+                HostData::filled(DType::F64, 5, 0.5),
+            ],
+        ];
+        for bufs in wrong {
+            let (value, grad) = (random(5), random(5));
+            let (kv, reference) = (
+                KvStore::create("local").unwrap(),
+                KvStore::create("local").unwrap(),
+            );
+            for s in [&kv, &reference] {
+                s.init(0, &value).unwrap();
+                s.set_updater(Updater::Adam(crate::Adam::default()))
+                    .unwrap();
+            }
+            let slot = read(&kv.table).get("test", &Key::Int(0)).unwrap();
+            write(&slot.cell).state = Some(State {
+                generation: read(&kv.active).generation,
+                step: 7,
+                bufs,
+            });
+            for s in [&kv, &reference] {
+                s.push(0, &grad).unwrap();
+            }
+            let (a, b) = (NDArray::zeros([5]), NDArray::zeros([5]));
+            kv.pull(0, &a).unwrap();
+            reference.pull(0, &b).unwrap();
+            let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+            assert_ne!(
+                a,
+                value.to_vec::<f32>().unwrap(),
+                "the push changed nothing"
+            );
+            assert_eq!(a, b);
+        }
     }
 
     #[test]

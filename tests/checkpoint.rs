@@ -10,10 +10,12 @@ mod common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use common::Home;
-use kvstore::{Adam, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
+use kvstore::checkpoint::{set_load_hook, LoadStage};
+use kvstore::{Adam, CheckpointErrorKind, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
 use rand::prelude::*;
 use safetensors::tensor::{SafeTensors, TensorView};
 
@@ -156,10 +158,6 @@ fn round_trip(h: Home, updater: Updater, seed: u64) {
     }
     assert_eq!(snapshot(&restored), snapshot(&kv));
 
-    // A store with another updater refuses the state.
-    let fresh = h.store();
-    fresh.set_updater(Updater::Assign).unwrap();
-    assert_checkpoint_error(fresh.load(&path), "set the same updater");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -256,12 +254,35 @@ fn cross_kind_load_initializes_missing_keys(h: Home) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The message of a checkpoint error and the text of every error under it.
+fn error_text(e: &Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(&format!(" / {s}"));
+        source = s.source();
+    }
+    text
+}
+
 fn assert_checkpoint_error(result: kvstore::Result<()>, needle: &str) {
     match result {
-        Err(Error::Checkpoint { message, .. }) => {
-            assert!(message.contains(needle), "'{message}' lacks '{needle}'")
+        Err(e @ Error::Checkpoint { .. }) => {
+            let text = error_text(&e);
+            assert!(text.contains(needle), "'{text}' lacks '{needle}'")
         }
         other => panic!("expected a checkpoint error about '{needle}', got {other:?}"),
+    }
+}
+
+/// As [`assert_checkpoint_error`], of this kind.
+fn assert_checkpoint_kind(result: kvstore::Result<()>, want: CheckpointErrorKind, needle: &str) {
+    match result {
+        Err(e @ Error::Checkpoint { kind, .. }) if kind == want => {
+            let text = error_text(&e);
+            assert!(text.contains(needle), "'{text}' lacks '{needle}'")
+        }
+        other => panic!("expected a {want:?} checkpoint error about '{needle}', got {other:?}"),
     }
 }
 
@@ -298,18 +319,10 @@ fn mismatches_are_errors_and_change_nothing(h: Home) {
             "store holds (3, 2) float16",
         ),
         (store_with(h, 2, &[2, 3], DType::BF16, sgd()), "bfloat16"),
-        (
-            store_with(h, 2, &[2, 3], DType::F16, adam()),
-            "set the same updater",
-        ),
-        (
-            store_with(h, 2, &[2, 3], DType::F16, Updater::Assign),
-            "set the same updater",
-        ),
     ];
     for (target, needle) in cases {
         let before = snapshot(&target);
-        assert_checkpoint_error(target.load(&path), needle);
+        assert_checkpoint_kind(target.load(&path), CheckpointErrorKind::Mismatch, needle);
         assert_eq!(snapshot(&target), before, "{needle}");
         assert_eq!(
             target.keys(),
@@ -323,9 +336,17 @@ fn mismatches_are_errors_and_change_nothing(h: Home) {
         .init("w", &h.put(&random(&mut rng, &[2], DType::F32), 0))
         .unwrap();
     let before = snapshot(&strings);
-    assert_checkpoint_error(strings.load(&path), "int keys");
+    assert_checkpoint_kind(
+        strings.load(&path),
+        CheckpointErrorKind::Mismatch,
+        "int keys",
+    );
     assert_eq!(strings.keys(), vec![Key::from("w")]);
-    assert_checkpoint_error(strings.load(dir.join("missing.safetensors")), "read failed");
+    assert_checkpoint_kind(
+        strings.load(dir.join("missing.safetensors")),
+        CheckpointErrorKind::NotFound,
+        "check the path",
+    );
     assert_eq!(snapshot(&strings), before);
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -540,9 +561,15 @@ fn wrong_metadata_and_tensors_are_typed_errors(h: Home) {
         ),
         (
             Box::new(|_, m| {
-                m.insert("updater".into(), "sgd".into());
+                m.insert("state_names".into(), "mean".into());
             }),
-            "same updater",
+            "belongs to no key",
+        ),
+        (
+            Box::new(|_, m| {
+                m.insert("step/123456".into(), "1".into());
+            }),
+            "belongs to no key",
         ),
         (
             Box::new(move |t, _| t.retain(|x| x.0 != format!("value/{key}"))),
@@ -583,7 +610,7 @@ fn wrong_metadata_and_tensors_are_typed_errors(h: Home) {
         std::fs::write(&path, rebuild(&t, m)).unwrap();
         let target = h.store();
         target.set_updater(adam()).unwrap();
-        assert_checkpoint_error(target.load(&path), needle);
+        assert_checkpoint_kind(target.load(&path), CheckpointErrorKind::Invalid, needle);
         assert!(target.keys().is_empty(), "case {i} changed the store");
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -661,6 +688,454 @@ fn truncated_and_corrupt_files_never_panic(h: Home) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// How long a call that may deadlock gets before the test calls it a hang. Generous: it only
+/// tells a hang from a slow machine, and is never reached by a passing test.
+const HANG: Duration = Duration::from_secs(120);
+
+/// Runs `f` on its own thread and returns its result; a panic if it has not finished within
+/// [`HANG`] (a deadlock fails the test instead of hanging the test binary) or if it panicked.
+fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(HANG) {
+        Ok(v) => v,
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what} did not finish within {HANG:?}: a deadlock")
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what} panicked"),
+    }
+}
+
+/// Int keys spelled any way but the canonical one (`05`, `+5`, ` 5`, `-0`), alone or beside the
+/// canonical spelling, are invalid files: a typed error that changes nothing, never a hang (one
+/// key locked twice) nor a `DuplicateInit`. Random spellings of random keys, replacing or
+/// duplicating `order/` and `step/` entries.
+fn int_key_spellings_must_be_canonical(h: Home) {
+    let dir = temp_dir(h, "spellings");
+    let path = dir.join("s.safetensors");
+    let mut rng = StdRng::seed_from_u64(11);
+    let keys = [0, 5, 12, -4, 700];
+    let kv = h.store();
+    kv.set_updater(sgd()).unwrap();
+    for k in keys {
+        kv.init(k, &h.put(&random(&mut rng, &[3], DType::F32), 0))
+            .unwrap();
+    }
+    let grads: Vec<NDArray> = keys
+        .iter()
+        .map(|_| h.put(&random(&mut rng, &[3], DType::F32), 0))
+        .collect();
+    kv.push_list(&keys, &grads).unwrap();
+    kv.save(&path).unwrap();
+    let (tensors, meta) = parts(&std::fs::read(&path).unwrap());
+
+    // Targets: one holding every key (a duplicate would lock a cell twice), one holding none
+    // (a duplicate would be a DuplicateInit).
+    let full = Arc::new(h.store());
+    full.set_updater(sgd()).unwrap();
+    for k in keys {
+        full.init(k, &h.put(&random(&mut rng, &[3], DType::F32), 0))
+            .unwrap();
+    }
+    let empty = Arc::new(h.store());
+    empty.set_updater(sgd()).unwrap();
+    let before = snapshot(&full);
+
+    let spellings = |k: i32, rng: &mut StdRng| -> String {
+        let forms = [
+            format!("0{k}"),
+            format!("00{k}"),
+            format!("+{k}"),
+            format!(" {k}"),
+            format!("{k} "),
+            format!("{k}\n"),
+            match k {
+                0 => "-0".to_owned(),
+                k if k < 0 => format!("-0{}", -k),
+                k => format!("+0{k}"),
+            },
+        ];
+        forms.choose(rng).unwrap().clone()
+    };
+    const CASES: usize = 60;
+    for case in 0..CASES {
+        let (t, mut m) = (tensors.clone(), meta.clone());
+        let k = *keys.choose(&mut rng).unwrap();
+        let other = spellings(k, &mut rng);
+        let place = m[&format!("order/{k}")].clone();
+        match case % 3 {
+            // The key under another spelling only (its tensors still under the canonical
+            // one).
+            0 => {
+                m.remove(&format!("order/{k}"));
+                m.insert(format!("order/{other}"), place);
+            }
+            // Both spellings, at two places.
+            1 => {
+                m.insert(format!("order/{other}"), keys.len().to_string());
+                m.insert("keys".into(), (keys.len() + 1).to_string());
+            }
+            // A step count under another spelling.
+            _ => {
+                let step = m[&format!("step/{k}")].clone();
+                m.insert(format!("step/{other}"), step);
+            }
+        }
+        std::fs::write(&path, rebuild(&t, m)).unwrap();
+        for target in [&full, &empty] {
+            let (target, path) = (target.clone(), path.clone());
+            let result = bounded(&format!("load of case {case} (key '{other}')"), move || {
+                target.load(&path)
+            });
+            assert_checkpoint_kind(result, CheckpointErrorKind::Invalid, "");
+        }
+        assert_eq!(snapshot(&full), before, "case {case} changed the store");
+        assert!(empty.keys().is_empty(), "case {case} added keys");
+    }
+    // The file as saved still loads.
+    std::fs::write(&path, rebuild(&tensors, meta)).unwrap();
+    full.load(&path).unwrap();
+    assert_eq!(snapshot(&full), snapshot(&kv));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The updaters a checkpoint may be saved and loaded under, one of each kind.
+fn every_updater() -> Vec<Updater> {
+    vec![
+        Updater::Assign,
+        Updater::Axpby { a: 0.75, b: -0.5 },
+        Updater::Sgd(Sgd {
+            lr: 0.1,
+            wd: 0.02,
+            ..Sgd::default()
+        }),
+        sgd(),
+        adam(),
+        Updater::custom(|_key, input, stored| *stored += input * 0.25),
+    ]
+}
+
+/// Every pair of updaters: a checkpoint saved under one loads into a store with the other
+/// (resuming training, the main use of a checkpoint). Values always load. State loads when the
+/// updaters match (then pushes continue exactly as in the saved store); otherwise every key
+/// starts afresh, step count included, exactly as after `set_updater`.
+fn load_across_every_pair_of_updaters(h: Home) {
+    let dir = temp_dir(h, "pairs");
+    let path = dir.join("p.safetensors");
+    let mut rng = StdRng::seed_from_u64(12);
+    let updaters = every_updater();
+    for (i, from) in updaters.iter().enumerate() {
+        for (j, to) in updaters.iter().enumerate() {
+            let what = format!(
+                "saved under {}#{i}, loaded under {}#{j}",
+                from.name(),
+                to.name()
+            );
+            let (kv, keys) = filled_store(h, h.kind(), from, &mut rng);
+            for _ in 0..2 {
+                push_round(&[&kv], &keys, &mut rng);
+            }
+            kv.save(&path).unwrap();
+
+            let restored = h.store();
+            restored.set_updater(to.clone()).unwrap();
+            restored
+                .load(&path)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_homes(h, &restored);
+            assert_eq!(snapshot(&restored), snapshot(&kv), "{what}");
+            // The reference: the saved store itself, going on under `to`; a different
+            // updater starts its state afresh there too.
+            if i != j {
+                kv.set_updater(to.clone()).unwrap();
+            }
+            for round in 0..3 {
+                push_round(&[&kv, &restored], &keys, &mut rng);
+                assert_eq!(snapshot(&restored), snapshot(&kv), "{what}, round {round}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A `set_updater` that lands inside a `load` (after the file is checked against the old
+/// updater) leaves no key with state of the wrong shape: every key starts the new updater
+/// afresh, exactly as a store that set it after the load, and its pushes change it. Both ways:
+/// SGD state meeting Adam (too few buffers), and Adam state meeting SGD (too many).
+fn load_racing_set_updater_starts_state_afresh(h: Home) {
+    let dir = temp_dir(h, "racing-updater");
+    let path = dir.join("r.safetensors");
+    let mut rng = StdRng::seed_from_u64(13);
+    for (saved, raced) in [(sgd(), adam()), (adam(), sgd())] {
+        let what = format!(
+            "{} state, {} set during the load",
+            saved.name(),
+            raced.name()
+        );
+        let (kv, keys) = filled_store(h, h.kind(), &saved, &mut rng);
+        push_round(&[&kv], &keys, &mut rng);
+        kv.save(&path).unwrap();
+
+        let restored = Arc::new(h.store());
+        restored.set_updater(saved.clone()).unwrap();
+        let (target, mut next) = (restored.clone(), Some(raced.clone()));
+        set_load_hook(Some(Box::new(move |stage| {
+            if stage == LoadStage::Checked {
+                if let Some(u) = next.take() {
+                    target.set_updater(u).unwrap();
+                }
+            }
+        })));
+        let result = restored.load(&path);
+        set_load_hook(None);
+        result.unwrap();
+        assert_eq!(snapshot(&restored), snapshot(&kv), "{what}");
+
+        kv.set_updater(raced.clone()).unwrap();
+        for round in 0..3 {
+            let before = snapshot(&restored);
+            push_round(&[&kv, &*restored], &keys, &mut rng);
+            assert_ne!(
+                snapshot(&restored),
+                before,
+                "{what}: a push changed nothing"
+            );
+            assert_eq!(snapshot(&restored), snapshot(&kv), "{what}, round {round}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A load is one step: a push that lands once the loaded keys are visible is never undone by
+/// the load, and a pull of old and new keys together sees all of them loaded or none. Racing
+/// threads, many times, each join bounded (a deadlock fails, it does not hang); plus the same
+/// push made deterministically the moment the load says its keys are in.
+fn load_is_all_or_nothing_against_pushes_and_pulls(h: Home) {
+    let dir = temp_dir(h, "atomic");
+    let path = Arc::new(dir.join("a.safetensors"));
+    let mut rng = StdRng::seed_from_u64(14);
+    // The file: keys 0..8 with SGD momentum state. Targets hold keys 0..4 already (with other
+    // values), and lack 4..8.
+    let keys: Vec<i32> = (0..8).collect();
+    let kv = h.store();
+    kv.set_updater(sgd()).unwrap();
+    let vals: Vec<NDArray> = keys
+        .iter()
+        .map(|_| h.put(&random(&mut rng, &[64], DType::F32), 0))
+        .collect();
+    kv.init_list(&keys, &vals).unwrap();
+    push_round(&[&kv], &keys, &mut rng);
+    kv.save(&*path).unwrap();
+    let loaded = snapshot(&kv);
+    let grad = random(&mut rng, &[64], DType::F32);
+    // The value of key 7 after the load and one push of `grad`.
+    kv.push(7, &h.put(&grad, 0)).unwrap();
+    let pushed: Vec<f64> = snapshot(&kv)[7].2.clone();
+    assert_ne!(pushed, loaded[7].2);
+
+    let fresh_target = |rng: &mut StdRng| {
+        let t = Arc::new(h.store());
+        t.set_updater(sgd()).unwrap();
+        let old: Vec<NDArray> = (0..4)
+            .map(|_| h.put(&random(rng, &[64], DType::F32), 0))
+            .collect();
+        t.init_list(&keys[..4], &old).unwrap();
+        t
+    };
+
+    // Deterministic: the push the moment the load's keys are in.
+    let target = fresh_target(&mut rng);
+    let (t, g) = (target.clone(), h.put(&grad, 0));
+    set_load_hook(Some(Box::new(move |stage| {
+        if stage == LoadStage::Applied {
+            t.push(7, &g).unwrap();
+        }
+    })));
+    let result = target.load(&*path);
+    set_load_hook(None);
+    result.unwrap();
+    assert_eq!(
+        snapshot(&target)[7].2,
+        pushed,
+        "the push after the load was lost"
+    );
+
+    // Racing: a pusher that pushes key 7 as soon as it exists, and a puller of keys 3 and 7
+    // (one the target had, one the load adds), against the load.
+    const ROUNDS: usize = 100;
+    let mut lost = 0;
+    let mut torn = 0;
+    for _ in 0..ROUNDS {
+        let target = fresh_target(&mut rng);
+        let (path, g) = (path.clone(), h.put(&grad, 0));
+        let (want3, want7) = (loaded[3].2.clone(), loaded[7].2.clone());
+        let pushed7 = pushed.clone();
+        let (value7, tears) = bounded("a load racing a push and a pull", move || {
+            std::thread::scope(|s| {
+                let pusher = s.spawn(|| loop {
+                    match target.push(7, &g) {
+                        Ok(()) => return,
+                        Err(Error::UnknownKey { .. }) => std::hint::spin_loop(),
+                        Err(e) => panic!("push: {e}"),
+                    }
+                });
+                let puller = s.spawn(|| {
+                    let (a, b) = (NDArray::zeros([64]), NDArray::zeros([64]));
+                    loop {
+                        match target.pull_list(&[3, 7], &[&a, &b]) {
+                            Ok(()) => {
+                                let x = a.to_vec::<f64>().unwrap();
+                                let y = b.to_vec::<f64>().unwrap();
+                                // Key 7 is in: key 3 must be the file's too, and key 7 the
+                                // file's or pushed since.
+                                return usize::from(x != want3 || (y != want7 && y != pushed7));
+                            }
+                            Err(Error::UnknownKey { .. }) => std::hint::spin_loop(),
+                            Err(e) => panic!("pull: {e}"),
+                        }
+                    }
+                });
+                target.load(&*path).unwrap();
+                pusher.join().unwrap();
+                let tears = puller.join().unwrap();
+                (snapshot(&target)[7].2.clone(), tears)
+            })
+        });
+        lost += usize::from(value7 != pushed);
+        torn += tears;
+    }
+    assert_eq!(lost, 0, "{lost} of {ROUNDS} pushes racing a load were lost");
+    assert_eq!(torn, 0, "{torn} of {ROUNDS} pulls saw a load half done");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Loads (into keys the store has and keys it lacks) against concurrent pushes, pulls, inits
+/// of the same and other keys, set_updater and saves: no deadlock (bounded), and every call
+/// succeeds or fails with its documented error.
+fn load_never_deadlocks_with_concurrent_calls(h: Home) {
+    let dir = temp_dir(h, "no-deadlock");
+    let path = Arc::new(dir.join("d.safetensors"));
+    let save_path = Arc::new(dir.join("other.safetensors"));
+    let mut rng = StdRng::seed_from_u64(15);
+    let keys: Vec<i32> = (0..12).collect();
+    let kv = h.store();
+    kv.set_updater(adam()).unwrap();
+    let vals: Vec<NDArray> = keys
+        .iter()
+        .map(|_| h.put(&random(&mut rng, &[32], DType::F32), 0))
+        .collect();
+    kv.init_list(&keys, &vals).unwrap();
+    push_round(&[&kv], &keys, &mut rng);
+    kv.save(&*path).unwrap();
+    let grad = h.put(&random(&mut rng, &[32], DType::F32), 0);
+
+    bounded("loads racing every other call", move || {
+        for round in 0..20 {
+            let target = h.store();
+            target.set_updater(adam()).unwrap();
+            target.init_list(&keys[..6], &vals[..6]).unwrap();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    for _ in 0..3 {
+                        target.load(&*path).unwrap();
+                    }
+                });
+                s.spawn(|| {
+                    for i in 0..50 {
+                        let ks = [keys[11 - i % 12], keys[i % 6]];
+                        match target.push_list(&ks, &[&grad, &grad]) {
+                            Ok(()) | Err(Error::UnknownKey { .. }) => {}
+                            Err(e) => panic!("push: {e}"),
+                        }
+                    }
+                });
+                s.spawn(|| {
+                    let outs = [NDArray::zeros([32]), NDArray::zeros([32])];
+                    for i in 0..50 {
+                        match target.pull_list(&[keys[i % 12], keys[5]], &[&outs[0], &outs[1]]) {
+                            Ok(()) | Err(Error::UnknownKey { .. }) => {}
+                            Err(e) => panic!("pull: {e}"),
+                        }
+                    }
+                });
+                s.spawn(|| {
+                    // Keys of the file (racing the load to add them) and others.
+                    for k in [6, 100 + round, 9, 200 + round, 11] {
+                        match target.init(k, &vals[0]) {
+                            Ok(()) | Err(Error::DuplicateInit { .. }) => {}
+                            Err(e) => panic!("init: {e}"),
+                        }
+                    }
+                });
+                s.spawn(|| {
+                    for i in 0..10 {
+                        let u = if i % 2 == 0 { sgd() } else { adam() };
+                        target.set_updater(u).unwrap();
+                        target.save(&*save_path).unwrap();
+                    }
+                });
+            });
+            // Every key of the file is in, with the file's shape.
+            for &k in &keys {
+                assert_eq!(target.meta(k).unwrap().0.dims(), &[32]);
+            }
+        }
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The kinds of checkpoint failure are told apart, with the underlying error as the source: a
+/// missing file, a failed read or write, a corrupt file, a file that does not fit the store.
+fn failures_are_told_apart_by_kind(h: Home) {
+    let dir = temp_dir(h, "kinds");
+    let path = dir.join("k.safetensors");
+    let mut rng = StdRng::seed_from_u64(16);
+    let (kv, _) = filled_store(h, h.kind(), &sgd(), &mut rng);
+    kv.save(&path).unwrap();
+    let target = h.store();
+
+    let source_of = |e: &Error| std::error::Error::source(e).map(|s| s.to_string());
+    let e = target.load(dir.join("nothing-here")).unwrap_err();
+    let io = std::error::Error::source(&e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .unwrap_or_else(|| panic!("no io::Error under {e:?}"));
+    assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+    assert_checkpoint_kind(Err(e), CheckpointErrorKind::NotFound, "check the path");
+    // A directory cannot be read as a file.
+    assert_checkpoint_kind(target.load(&dir), CheckpointErrorKind::Io, "reading");
+    assert_checkpoint_kind(
+        kv.save(dir.join("no-such-dir").join("x.safetensors")),
+        CheckpointErrorKind::NotFound,
+        "does not exist",
+    );
+    kvstore::checkpoint::fail_writes_after(Some(10));
+    let result = kv.save(&path);
+    kvstore::checkpoint::fail_writes_after(None);
+    assert_checkpoint_kind(result, CheckpointErrorKind::Io, "injected write failure");
+
+    std::fs::write(&path, b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": nonsense}").unwrap();
+    let e = target.load(&path).unwrap_err();
+    assert!(
+        std::error::Error::source(&e)
+            .is_some_and(|s| s.downcast_ref::<safetensors::SafeTensorError>().is_some()),
+        "no safetensors error under {e:?}"
+    );
+    assert_checkpoint_kind(Err(e), CheckpointErrorKind::Invalid, "corrupt");
+
+    kv.save(&path).unwrap();
+    let other = h.store();
+    other
+        .init(-7, &h.put(&random(&mut rng, &[2], DType::F32), 0))
+        .unwrap();
+    let e = other.load(&path).unwrap_err();
+    assert_eq!(source_of(&e), None);
+    assert_checkpoint_kind(Err(e), CheckpointErrorKind::Mismatch, "key -7");
+    assert!(target.keys().is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 on_every_home!(
     round_trip_sgd_momentum_all_dtypes,
     round_trip_adam_all_dtypes,
@@ -672,4 +1147,10 @@ on_every_home!(
     killed_saver_leaves_a_loadable_checkpoint,
     wrong_metadata_and_tensors_are_typed_errors,
     truncated_and_corrupt_files_never_panic,
+    int_key_spellings_must_be_canonical,
+    load_across_every_pair_of_updaters,
+    load_racing_set_updater_starts_state_afresh,
+    load_is_all_or_nothing_against_pushes_and_pulls,
+    load_never_deadlocks_with_concurrent_calls,
+    failures_are_told_apart_by_kind,
 );
