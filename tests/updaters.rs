@@ -38,9 +38,9 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn clip(g: f64, c: Option<f32>) -> f64 {
+fn clip(g: f64, c: Option<f64>) -> f64 {
     match c {
-        Some(c) => g.clamp(-f64::from(c), f64::from(c)),
+        Some(c) => g.clamp(-c, c),
         None => g,
     }
 }
@@ -81,26 +81,26 @@ impl RefKey {
                 Updater::Assign => g,
                 Updater::Axpby { a, b } => a * w + b * g,
                 Updater::Sgd(s) if s.momentum == 0.0 => {
-                    let (lr, wd) = (f64::from(s.lr), f64::from(s.wd));
-                    (1.0 - lr * wd) * w - lr * clip(f64::from(s.rescale_grad) * g, s.clip_gradient)
+                    let (lr, wd) = (s.lr, s.wd);
+                    (1.0 - lr * wd) * w - lr * clip(s.rescale_grad * g, s.clip_gradient)
                 }
                 Updater::Sgd(s) => {
-                    let (lr, wd) = (f64::from(s.lr), f64::from(s.wd));
-                    let grad = clip(f64::from(s.rescale_grad) * g, s.clip_gradient);
-                    self.m[i] = f64::from(s.momentum) * self.m[i] - lr * wd * w - lr * grad;
+                    let (lr, wd) = (s.lr, s.wd);
+                    let grad = clip(s.rescale_grad * g, s.clip_gradient);
+                    self.m[i] = s.momentum * self.m[i] - lr * wd * w - lr * grad;
                     w + self.m[i]
                 }
                 Updater::Adam(a) => {
-                    let (b1, b2) = (f64::from(a.beta1), f64::from(a.beta2));
+                    let (b1, b2) = (a.beta1, a.beta2);
                     let grad = clip(
-                        f64::from(a.rescale_grad) * g + f64::from(a.wd) * w,
+                        a.rescale_grad * g + a.wd * w,
                         a.clip_gradient,
                     );
                     self.m[i] = b1 * self.m[i] + (1.0 - b1) * grad;
                     self.v[i] = b2 * self.v[i] + (1.0 - b2) * grad * grad;
                     let lr_t =
-                        f64::from(a.lr) * (1.0 - b2.powi(self.t)).sqrt() / (1.0 - b1.powi(self.t));
-                    w - lr_t * self.m[i] / (self.v[i].sqrt() + f64::from(a.epsilon))
+                        a.lr * (1.0 - b2.powi(self.t)).sqrt() / (1.0 - b1.powi(self.t));
+                    w - lr_t * self.m[i] / (self.v[i].sqrt() + a.epsilon)
                 }
                 other => panic!("no reference for {other:?}"),
             };
