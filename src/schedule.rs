@@ -335,7 +335,14 @@ mod tests {
     fn warmup_is_linear_or_constant() {
         // steps 4 from 0.02 to base 0.1: +0.02 per update.
         let s = LrScheduler::constant().with_warmup(4, 0.02, WarmupMode::Linear);
-        for (n, want) in [(0, 0.02), (1, 0.04), (2, 0.06), (3, 0.08), (4, 0.1), (9, 0.1)] {
+        for (n, want) in [
+            (0, 0.02),
+            (1, 0.04),
+            (2, 0.06),
+            (3, 0.08),
+            (4, 0.1),
+            (9, 0.1),
+        ] {
             close(s.lr(0.1, n), want);
         }
         let s = LrScheduler::constant().with_warmup(4, 0.02, WarmupMode::Constant);
@@ -353,7 +360,9 @@ mod tests {
             factor: 0.5,
             stop_factor_lr: 0.2,
         });
-        let want = [1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.2, 0.2, 0.2, 0.2];
+        let want = [
+            1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.2, 0.2, 0.2, 0.2,
+        ];
         for (n, w) in want.iter().enumerate() {
             close(s.lr(1.0, n as u64), *w);
         }
@@ -368,7 +377,14 @@ mod tests {
     fn multi_factor_drops_after_each_listed_update() {
         // Drops after 2 and 5, by 0.1: 1 for n ≤ 2, 0.1 for 3..=5, 0.01 from 6.
         let s = LrScheduler::multi_factor(vec![2, 5], 0.1);
-        for (n, w) in [(0, 1.0), (2, 1.0), (3, 0.1), (5, 0.1), (6, 0.01), (100, 0.01)] {
+        for (n, w) in [
+            (0, 1.0),
+            (2, 1.0),
+            (3, 0.1),
+            (5, 0.1),
+            (6, 0.01),
+            (100, 0.01),
+        ] {
             close(s.lr(1.0, n), w);
         }
     }

@@ -161,8 +161,7 @@ impl Model {
                     if s.momentum == 0.0 {
                         (1.0 - lr * s.wd) * w[i] - lr * grad
                     } else {
-                        m[i] =
-                            s.momentum * m[i] - lr * s.wd * w[i] - lr * grad;
+                        m[i] = s.momentum * m[i] - lr * s.wd * w[i] - lr * grad;
                         w[i] + m[i]
                     }
                 }

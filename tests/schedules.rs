@@ -19,9 +19,7 @@ use std::f64::consts::PI;
 
 use common::Home;
 use half::{bf16, f16};
-use kvstore::{
-    Adam, DType, Decay, Error, KvStore, LrScheduler, NDArray, Sgd, Updater, WarmupMode,
-};
+use kvstore::{Adam, DType, Decay, Error, KvStore, LrScheduler, NDArray, Sgd, Updater, WarmupMode};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -577,7 +575,10 @@ fn adam_with_warmup_and_poly(h: Home) {
 /// The largest difference between a key of two stores.
 fn max_diff(a: &Pair, b: &Pair, key: &i32) -> f64 {
     let (x, y) = (a.pull(key), b.pull(key));
-    x.iter().zip(&y).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    x.iter()
+        .zip(&y)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 /// Two stores fed the same data: `kept` changes its rate with `set_learning_rate` (the
@@ -594,7 +595,13 @@ fn learning_rate_change_keeps_momentum(h: Home) {
         fresh.check(&format!("fresh store before the change, push {s}"));
     }
     kept.kv.set_learning_rate(0.05).unwrap();
-    let RefRule::SgdMom { momentum, wd, rescale, .. } = sgd_mom() else {
+    let RefRule::SgdMom {
+        momentum,
+        wd,
+        rescale,
+        ..
+    } = sgd_mom()
+    else {
         unreachable!()
     };
     kept.r.rule = RefRule::SgdMom {
@@ -748,9 +755,11 @@ fn bad_hyperparameter_changes_are_errors_and_change_nothing() {
             .unwrap_err(),
     );
     invalid(
-        kv.set_lr_scheduler(Some(
-            LrScheduler::cosine(10, 0.0).with_warmup(3, 0.5, WarmupMode::Linear),
-        ))
+        kv.set_lr_scheduler(Some(LrScheduler::cosine(10, 0.0).with_warmup(
+            3,
+            0.5,
+            WarmupMode::Linear,
+        )))
         .unwrap_err(),
     );
     assert_eq!(kv.lr_scheduler(), None);

@@ -73,8 +73,30 @@ impl RefKey {
     }
 
     /// One push whose values sum to `g`.
+    ///
+    /// The hyperparameters are f64; the store hands them to the math of f32, f16 and bf16 keys
+    /// rounded to f32 (MXNet's kernels take float32 scalars), except Adam's step size, which it
+    /// computes in f64 from the unrounded ones and rounds once.
     fn step(&mut self, u: &Updater, g: &[f64]) {
         self.t += 1;
+        let dtype = self.dtype;
+        let p = |x: f64| {
+            if dtype == DType::F64 {
+                x
+            } else {
+                f64::from(x as f32)
+            }
+        };
+        let u = &match u {
+            Updater::Sgd(s) => Updater::Sgd(Sgd {
+                lr: p(s.lr),
+                momentum: p(s.momentum),
+                wd: p(s.wd),
+                rescale_grad: p(s.rescale_grad),
+                clip_gradient: s.clip_gradient.map(p),
+            }),
+            other => other.clone(),
+        };
         for i in 0..self.w.len() {
             let (w, g) = (self.w[i], g[i]);
             let new = match u {
@@ -91,16 +113,13 @@ impl RefKey {
                     w + self.m[i]
                 }
                 Updater::Adam(a) => {
-                    let (b1, b2) = (a.beta1, a.beta2);
-                    let grad = clip(
-                        a.rescale_grad * g + a.wd * w,
-                        a.clip_gradient,
-                    );
+                    let (b1, b2) = (p(a.beta1), p(a.beta2));
+                    let grad = clip(p(a.rescale_grad) * g + p(a.wd) * w, a.clip_gradient.map(p));
                     self.m[i] = b1 * self.m[i] + (1.0 - b1) * grad;
                     self.v[i] = b2 * self.v[i] + (1.0 - b2) * grad * grad;
                     let lr_t =
-                        a.lr * (1.0 - b2.powi(self.t)).sqrt() / (1.0 - b1.powi(self.t));
-                    w - lr_t * self.m[i] / (self.v[i].sqrt() + a.epsilon)
+                        a.lr * (1.0 - a.beta2.powi(self.t)).sqrt() / (1.0 - a.beta1.powi(self.t));
+                    w - p(lr_t) * self.m[i] / (self.v[i].sqrt() + p(a.epsilon))
                 }
                 other => panic!("no reference for {other:?}"),
             };
