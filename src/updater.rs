@@ -4,6 +4,13 @@
 //! the sum into one pass over memory, and each has a PTX twin for GPU homes. A
 //! [`Updater::custom`] closure is the seeds' `_set_updater`: it sees the merged value as an
 //! [`NDArray`] and changes the stored one in place.
+//!
+//! Hyperparameters are `f64`, as in MXNet's Python. The scalars of one step are computed in
+//! f64 (Adam's bias-corrected step size too) and rounded once to the key's accumulator type: f32
+//! for f32, f16 and bf16 keys (and the GPU kernels), f64 for f64 keys. To change them while
+//! keeping every key's state, see [`KvStore::update_hyperparameters`](crate::KvStore::update_hyperparameters),
+//! [`KvStore::set_learning_rate`](crate::KvStore::set_learning_rate) and the
+//! [`schedule`](crate::schedule) module.
 
 use std::fmt;
 use std::sync::Arc;
