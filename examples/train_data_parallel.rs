@@ -30,7 +30,7 @@ struct Options {
     optimizer: String,
     epochs: usize,
     batch: usize,
-    lr: Option<f32>,
+    lr: Option<f64>,
     kvstore: String,
     samples: usize,
     seed: u64,
@@ -91,7 +91,7 @@ fn main() -> anyhow::Result<()> {
     };
     let devices: Vec<Device> = (0..o.devices).map(device).collect();
 
-    let rescale_grad = 1.0 / o.batch as f32;
+    let rescale_grad = 1.0 / o.batch as f64;
     let updater = match o.optimizer.as_str() {
         "sgd" => Updater::Sgd(Sgd {
             lr: o.lr.unwrap_or(0.1),

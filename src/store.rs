@@ -17,7 +17,7 @@ use crate::backend::{nccl, probe};
 use crate::checkpoint::Problem;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
-use crate::updater::UpdateFn;
+use crate::updater::{Hyper, UpdateFn};
 use crate::{
     DType, Device, Element, Error, Key, KeyKind, NDArray, PtxUpdater, Result, Shape, Updater,
 };
@@ -164,10 +164,14 @@ impl Table {
     }
 }
 
+mod hyper;
+
 /// The updater in force, and which `set_updater` call set it.
 struct Active {
     updater: Updater,
     generation: u64,
+    /// The learning-rate schedule, per-key multipliers and update count.
+    hyper: hyper::Settings,
 }
 
 /// A key and the arrays an operation gives it, merged over repeats of the key.
@@ -225,6 +229,7 @@ impl KvStore {
             active: RwLock::new(Arc::new(Active {
                 updater: Updater::Assign,
                 generation: 0,
+                hyper: hyper::Settings::default(),
             })),
         })
     }
@@ -266,8 +271,11 @@ impl KvStore {
         self.kind == StoreKind::Nccl && probe::nccl_present()
     }
 
-    /// Replaces the updater. Per-key state (momentum and the like) starts afresh on each key's
-    /// next push.
+    /// Replaces the updater. Per-key state (momentum and the like) and the update count start
+    /// afresh on each key's next push, even for the same updater: to change hyperparameters and
+    /// keep the state, use [`KvStore::update_hyperparameters`] or
+    /// [`KvStore::set_learning_rate`]. A learning-rate schedule and per-key multipliers stay
+    /// set; an error if the schedule does not fit the new updater's `lr`.
     ///
     /// ```
     /// use kvstore::{KvStore, Sgd, Updater};
@@ -278,10 +286,12 @@ impl KvStore {
     pub fn set_updater(&self, updater: Updater) -> Result<()> {
         updater.validate()?;
         let mut active = write(&self.active);
+        active.hyper.check_fits(&updater)?;
         let generation = active.generation + 1;
         *active = Arc::new(Active {
             updater,
             generation,
+            hyper: active.hyper.restarted(),
         });
         Ok(())
     }
@@ -741,6 +751,7 @@ fn apply_push(
     cells: &mut [RwLockWriteGuard<'_, Cell>],
 ) -> Result<()> {
     let order = issue_order(groups);
+    let hypers = hyper::for_push(active, groups, cells);
     match &active.updater {
         Updater::Custom(f) => {
             let updated = run_closure(f.as_ref(), &order, groups, cells)?;
@@ -760,7 +771,7 @@ fn apply_push(
         match value {
             Value::Host(value) => {
                 let reads = ReadSet::lock(&g.arrays)?;
-                with_host!(value, stored: T => push_fused::<T>(active, &reads, &g.arrays, stored, state));
+                with_host!(value, stored: T => push_fused::<T>(active, hypers.of(i), &reads, &g.arrays, stored, state));
             }
             Value::Gpu(c) => {
                 if home::has_kernel(c.buf.dtype()) {
@@ -768,21 +779,23 @@ fn apply_push(
                         key: &g.slot.key,
                         cell: c,
                         values: &g.arrays,
+                        hyper: hypers.of(i),
                     });
                     continue;
                 }
                 // Slow path: no kernel for this dtype; update a host copy and copy it back.
                 let reads = ReadSet::lock(&g.arrays)?;
                 let mut value = c.buf.download()?;
-                with_host!(&mut value, stored: T => push_fused::<T>(active, &reads, &g.arrays, stored, state));
+                with_host!(&mut value, stored: T => push_fused::<T>(active, hypers.of(i), &reads, &g.arrays, stored, state));
                 c.buf.upload_into(&value)?;
             }
         }
     }
-    if gpu_jobs.is_empty() {
-        return Ok(());
+    if !gpu_jobs.is_empty() {
+        home::push(&active.updater, active.generation, use_nccl, gpu_jobs)?;
     }
-    home::push(&active.updater, active.generation, use_nccl, gpu_jobs)
+    hypers.commit(active);
+    Ok(())
 }
 
 /// Runs closure `f` for the groups `which`, in that order, on copies: nothing changes yet, so
@@ -881,6 +894,7 @@ fn push_ptx(
                 key: &groups[i].slot.key,
                 cell: c,
                 values: &groups[i].arrays,
+                hyper: Hyper::default(),
             });
         }
         home::push(&active.updater, active.generation, use_nccl, jobs)?;
@@ -915,6 +929,7 @@ fn pull_all<C: std::ops::Deref<Target = Cell>>(
 /// The fused sum and update of one key.
 fn push_fused<T: Element>(
     active: &Active,
+    hyper: Hyper,
     reads: &ReadSet<'_>,
     arrays: &[&NDArray],
     stored: &mut [T],
@@ -942,7 +957,7 @@ fn push_fused<T: Element>(
     state.step += 1;
     let rule = active
         .updater
-        .rule::<T::Acc>(state.step)
+        .rule_with::<T::Acc>(state.step, hyper)
         .expect("custom updaters take the other path");
     let values: Vec<&[T]> = arrays
         .iter()

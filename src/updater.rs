@@ -4,6 +4,13 @@
 //! the sum into one pass over memory, and each has a PTX twin for GPU homes. A
 //! [`Updater::custom`] closure is the seeds' `_set_updater`: it sees the merged value as an
 //! [`NDArray`] and changes the stored one in place.
+//!
+//! Hyperparameters are `f64`, as in MXNet's Python. The scalars of one step are computed in
+//! f64 (Adam's bias-corrected step size too) and rounded once to the key's accumulator type: f32
+//! for f32, f16 and bf16 keys (and the GPU kernels), f64 for f64 keys. To change them while
+//! keeping every key's state, see [`KvStore::update_hyperparameters`](crate::KvStore::update_hyperparameters),
+//! [`KvStore::set_learning_rate`](crate::KvStore::set_learning_rate) and the
+//! [`schedule`](crate::schedule) module.
 
 use std::fmt;
 use std::sync::Arc;
@@ -121,38 +128,61 @@ impl Updater {
         }
     }
 
-    /// The fused element rule for one step; `None` for a closure or a PTX updater. `step`
-    /// counts from 1.
+    /// The learning rate and weight decay of the updater itself: zero for updaters without
+    /// them.
+    pub(crate) fn hyper(&self) -> Hyper {
+        match self {
+            Updater::Sgd(s) => Hyper { lr: s.lr, wd: s.wd },
+            Updater::Adam(a) => Hyper { lr: a.lr, wd: a.wd },
+            _ => Hyper::default(),
+        }
+    }
+
+    /// Whether the updater has a learning rate and weight decay ([`Sgd`] and [`Adam`]): the
+    /// ones a schedule and per-key multipliers change.
+    pub(crate) fn has_lr(&self) -> bool {
+        matches!(self, Updater::Sgd(_) | Updater::Adam(_))
+    }
+
+    /// The fused element rule for one step, with the updater's own learning rate and weight
+    /// decay; `None` for a closure or a PTX updater. `step` counts from 1.
     pub(crate) fn rule<A: Element + Float>(&self, step: u64) -> Option<Rule<A>> {
+        self.rule_with(step, self.hyper())
+    }
+
+    /// The fused element rule for one step, with the learning rate and weight decay `h` (the
+    /// schedule's and the key's multipliers applied) in place of the updater's own. The scalars
+    /// are computed in f64 (Adam's bias correction too, as MXNet's Python does) and rounded
+    /// once to the accumulator type.
+    pub(crate) fn rule_with<A: Element + Float>(&self, step: u64, h: Hyper) -> Option<Rule<A>> {
         let c = |x: f64| A::from_f64(x);
-        let clip = |c: Option<f32>| A::from_f64(c.map_or(f64::INFINITY, f64::from));
+        let clip = |c: Option<f64>| A::from_f64(c.unwrap_or(f64::INFINITY));
         Some(match self {
             Updater::Assign => Rule::Assign,
             Updater::Axpby { a, b } => Rule::Axpby { a: c(*a), b: c(*b) },
             Updater::Sgd(s) if s.momentum == 0.0 => Rule::Sgd {
-                lr: c(s.lr.into()),
-                wd: c(s.wd.into()),
-                rescale: c(s.rescale_grad.into()),
+                lr: c(h.lr),
+                wd: c(h.wd),
+                rescale: c(s.rescale_grad),
                 clip: clip(s.clip_gradient),
             },
             Updater::Sgd(s) => Rule::SgdMom {
-                lr: c(s.lr.into()),
-                momentum: c(s.momentum.into()),
-                wd: c(s.wd.into()),
-                rescale: c(s.rescale_grad.into()),
+                lr: c(h.lr),
+                momentum: c(s.momentum),
+                wd: c(h.wd),
+                rescale: c(s.rescale_grad),
                 clip: clip(s.clip_gradient),
             },
             Updater::Adam(a) => {
-                let t = step as i32;
-                let (b1, b2) = (f64::from(a.beta1), f64::from(a.beta2));
-                let lr_t = f64::from(a.lr) * (1.0 - b2.powi(t)).sqrt() / (1.0 - b1.powi(t));
+                let t = i32::try_from(step).unwrap_or(i32::MAX);
+                let lr_t = h.lr * (1.0 - a.beta2.powi(t)).sqrt() / (1.0 - a.beta1.powi(t));
                 Rule::Adam {
                     lr_t: c(lr_t),
-                    beta1: c(b1),
-                    beta2: c(b2),
-                    epsilon: c(a.epsilon.into()),
-                    wd: c(a.wd.into()),
-                    rescale: c(a.rescale_grad.into()),
+                    beta1: c(a.beta1),
+                    beta2: c(a.beta2),
+                    epsilon: c(a.epsilon),
+                    wd: c(h.wd),
+                    rescale: c(a.rescale_grad),
                     clip: clip(a.clip_gradient),
                 }
             }
@@ -161,7 +191,17 @@ impl Updater {
     }
 }
 
-fn check_common(lr: f32, wd: f32, rescale: f32, clip: Option<f32>) -> Result<()> {
+/// The learning rate and weight decay one key uses in one push: the updater's own, or the
+/// schedule's learning rate, times the key's multipliers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Hyper {
+    /// Learning rate.
+    pub lr: f64,
+    /// Weight decay.
+    pub wd: f64,
+}
+
+fn check_common(lr: f64, wd: f64, rescale: f64, clip: Option<f64>) -> Result<()> {
     let ok = lr.is_finite() && lr >= 0.0 && wd.is_finite() && wd >= 0.0 && rescale.is_finite();
     let clip_ok = clip.is_none_or(|c| c >= 0.0 && !c.is_nan());
     if ok && clip_ok {
@@ -199,15 +239,15 @@ impl fmt::Debug for Updater {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sgd {
     /// Learning rate.
-    pub lr: f32,
+    pub lr: f64,
     /// Momentum in [0, 1); 0 keeps no state.
-    pub momentum: f32,
+    pub momentum: f64,
     /// Weight decay.
-    pub wd: f32,
+    pub wd: f64,
     /// Scale applied to the input first (e.g. 1 / batch size).
-    pub rescale_grad: f32,
+    pub rescale_grad: f64,
     /// Clip the rescaled input to [-c, c].
-    pub clip_gradient: Option<f32>,
+    pub clip_gradient: Option<f64>,
 }
 
 impl Default for Sgd {
@@ -230,19 +270,19 @@ impl Default for Sgd {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Adam {
     /// Learning rate.
-    pub lr: f32,
+    pub lr: f64,
     /// Decay of the first moment.
-    pub beta1: f32,
+    pub beta1: f64,
     /// Decay of the second moment.
-    pub beta2: f32,
+    pub beta2: f64,
     /// Added to the denominator.
-    pub epsilon: f32,
+    pub epsilon: f64,
     /// Weight decay.
-    pub wd: f32,
+    pub wd: f64,
     /// Scale applied to the input first.
-    pub rescale_grad: f32,
+    pub rescale_grad: f64,
     /// Clip the gradient to [-c, c].
-    pub clip_gradient: Option<f32>,
+    pub clip_gradient: Option<f64>,
 }
 
 impl Default for Adam {

@@ -739,7 +739,7 @@ fn invalid_updater_params(h: Home) {
             ..Sgd::default()
         }),
         Updater::Sgd(Sgd {
-            lr: f32::NAN,
+            lr: f64::NAN,
             ..Sgd::default()
         }),
         Updater::Sgd(Sgd {

@@ -64,11 +64,11 @@ fn updater_spec() -> impl Strategy<Value = UpdaterSpec> {
         Just(UpdaterSpec::Assign),
         (0.5f64..1.0, -1.0f64..1.0).prop_map(|(a, b)| UpdaterSpec::Axpby { a, b }),
         (
-            0.01f32..0.5,
-            prop_oneof![Just(0.0f32), 0.1f32..0.95],
-            prop_oneof![Just(0.0f32), 0.0f32..0.1],
-            0.5f32..2.0,
-            proptest::option::of(0.1f32..1.0),
+            0.01f64..0.5,
+            prop_oneof![Just(0.0f64), 0.1f64..0.95],
+            prop_oneof![Just(0.0f64), 0.0f64..0.1],
+            0.5f64..2.0,
+            proptest::option::of(0.1f64..1.0),
         )
             .prop_map(|(lr, momentum, wd, rescale_grad, clip_gradient)| {
                 UpdaterSpec::Sgd(Sgd {
@@ -153,16 +153,15 @@ impl Model {
                 UpdaterSpec::Assign => g[i],
                 UpdaterSpec::Axpby { a, b } => a * w[i] + b * g[i],
                 UpdaterSpec::Sgd(s) => {
-                    let lr = f64::from(s.lr);
-                    let mut grad = f64::from(s.rescale_grad) * g[i];
+                    let lr = s.lr;
+                    let mut grad = s.rescale_grad * g[i];
                     if let Some(c) = s.clip_gradient {
-                        grad = grad.clamp(-f64::from(c), f64::from(c));
+                        grad = grad.clamp(-c, c);
                     }
                     if s.momentum == 0.0 {
-                        (1.0 - lr * f64::from(s.wd)) * w[i] - lr * grad
+                        (1.0 - lr * s.wd) * w[i] - lr * grad
                     } else {
-                        m[i] =
-                            f64::from(s.momentum) * m[i] - lr * f64::from(s.wd) * w[i] - lr * grad;
+                        m[i] = s.momentum * m[i] - lr * s.wd * w[i] - lr * grad;
                         w[i] + m[i]
                     }
                 }

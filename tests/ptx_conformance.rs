@@ -116,7 +116,8 @@ impl TestRule {
 
     /// The store's updater with these scalars (`clip = +inf` is no clipping).
     fn updater(&self) -> Updater {
-        let clip_gradient = |c: f32| c.is_finite().then_some(c);
+        let clip_gradient = |c: f32| c.is_finite().then_some(f64::from(c));
+        let f = f64::from;
         match *self {
             TestRule::Assign => Updater::Assign,
             TestRule::Axpby { a, b } => Updater::Axpby {
@@ -129,10 +130,10 @@ impl TestRule {
                 rescale,
                 clip,
             } => Updater::Sgd(Sgd {
-                lr,
+                lr: f(lr),
                 momentum: 0.0,
-                wd,
-                rescale_grad: rescale,
+                wd: f(wd),
+                rescale_grad: f(rescale),
                 clip_gradient: clip_gradient(clip),
             }),
             TestRule::SgdMom {
@@ -142,10 +143,10 @@ impl TestRule {
                 rescale,
                 clip,
             } => Updater::Sgd(Sgd {
-                lr,
-                momentum,
-                wd,
-                rescale_grad: rescale,
+                lr: f(lr),
+                momentum: f(momentum),
+                wd: f(wd),
+                rescale_grad: f(rescale),
                 clip_gradient: clip_gradient(clip),
             }),
             TestRule::Adam {
@@ -157,12 +158,12 @@ impl TestRule {
                 rescale,
                 clip,
             } => Updater::Adam(Adam {
-                lr,
-                beta1,
-                beta2,
-                epsilon,
-                wd,
-                rescale_grad: rescale,
+                lr: f(lr),
+                beta1: f(beta1),
+                beta2: f(beta2),
+                epsilon: f(epsilon),
+                wd: f(wd),
+                rescale_grad: f(rescale),
                 clip_gradient: clip_gradient(clip),
             }),
         }

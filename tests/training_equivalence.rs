@@ -19,7 +19,7 @@ const STEPS: usize = 20;
 const BATCH: usize = 96;
 const SEED: u64 = 2024;
 
-fn sgd(rescale: f32) -> Updater {
+fn sgd(rescale: f64) -> Updater {
     Updater::Sgd(Sgd {
         lr: 0.1,
         momentum: 0.9,
@@ -28,7 +28,7 @@ fn sgd(rescale: f32) -> Updater {
     })
 }
 
-fn adam(rescale: f32) -> Updater {
+fn adam(rescale: f64) -> Updater {
     Updater::Adam(Adam {
         lr: 0.01,
         rescale_grad: rescale,
@@ -80,8 +80,8 @@ fn max_rel_err(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn check(h: Home, updater: fn(f32) -> Updater) -> anyhow::Result<()> {
-    let rescale = 1.0 / BATCH as f32;
+fn check(h: Home, updater: fn(f64) -> Updater) -> anyhow::Result<()> {
+    let rescale = 1.0 / BATCH as f64;
     let single = train(h, h.kind(), 1, 1, updater(rescale))?;
     let initial = mlp::init_params(SEED);
     // Training moved the parameters, so the comparison below is not trivially true.

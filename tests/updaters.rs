@@ -38,9 +38,9 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn clip(g: f64, c: Option<f32>) -> f64 {
+fn clip(g: f64, c: Option<f64>) -> f64 {
     match c {
-        Some(c) => g.clamp(-f64::from(c), f64::from(c)),
+        Some(c) => g.clamp(-c, c),
         None => g,
     }
 }
@@ -73,34 +73,53 @@ impl RefKey {
     }
 
     /// One push whose values sum to `g`.
+    ///
+    /// The hyperparameters are f64; the store hands them to the math of f32, f16 and bf16 keys
+    /// rounded to f32 (MXNet's kernels take float32 scalars), except Adam's step size, which it
+    /// computes in f64 from the unrounded ones and rounds once.
     fn step(&mut self, u: &Updater, g: &[f64]) {
         self.t += 1;
+        let dtype = self.dtype;
+        let p = |x: f64| {
+            if dtype == DType::F64 {
+                x
+            } else {
+                f64::from(x as f32)
+            }
+        };
+        let u = &match u {
+            Updater::Sgd(s) => Updater::Sgd(Sgd {
+                lr: p(s.lr),
+                momentum: p(s.momentum),
+                wd: p(s.wd),
+                rescale_grad: p(s.rescale_grad),
+                clip_gradient: s.clip_gradient.map(p),
+            }),
+            other => other.clone(),
+        };
         for i in 0..self.w.len() {
             let (w, g) = (self.w[i], g[i]);
             let new = match u {
                 Updater::Assign => g,
                 Updater::Axpby { a, b } => a * w + b * g,
                 Updater::Sgd(s) if s.momentum == 0.0 => {
-                    let (lr, wd) = (f64::from(s.lr), f64::from(s.wd));
-                    (1.0 - lr * wd) * w - lr * clip(f64::from(s.rescale_grad) * g, s.clip_gradient)
+                    let (lr, wd) = (s.lr, s.wd);
+                    (1.0 - lr * wd) * w - lr * clip(s.rescale_grad * g, s.clip_gradient)
                 }
                 Updater::Sgd(s) => {
-                    let (lr, wd) = (f64::from(s.lr), f64::from(s.wd));
-                    let grad = clip(f64::from(s.rescale_grad) * g, s.clip_gradient);
-                    self.m[i] = f64::from(s.momentum) * self.m[i] - lr * wd * w - lr * grad;
+                    let (lr, wd) = (s.lr, s.wd);
+                    let grad = clip(s.rescale_grad * g, s.clip_gradient);
+                    self.m[i] = s.momentum * self.m[i] - lr * wd * w - lr * grad;
                     w + self.m[i]
                 }
                 Updater::Adam(a) => {
-                    let (b1, b2) = (f64::from(a.beta1), f64::from(a.beta2));
-                    let grad = clip(
-                        f64::from(a.rescale_grad) * g + f64::from(a.wd) * w,
-                        a.clip_gradient,
-                    );
+                    let (b1, b2) = (p(a.beta1), p(a.beta2));
+                    let grad = clip(p(a.rescale_grad) * g + p(a.wd) * w, a.clip_gradient.map(p));
                     self.m[i] = b1 * self.m[i] + (1.0 - b1) * grad;
                     self.v[i] = b2 * self.v[i] + (1.0 - b2) * grad * grad;
                     let lr_t =
-                        f64::from(a.lr) * (1.0 - b2.powi(self.t)).sqrt() / (1.0 - b1.powi(self.t));
-                    w - lr_t * self.m[i] / (self.v[i].sqrt() + f64::from(a.epsilon))
+                        a.lr * (1.0 - a.beta2.powi(self.t)).sqrt() / (1.0 - a.beta1.powi(self.t));
+                    w - p(lr_t) * self.m[i] / (self.v[i].sqrt() + p(a.epsilon))
                 }
                 other => panic!("no reference for {other:?}"),
             };

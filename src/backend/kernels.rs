@@ -333,7 +333,7 @@ mod tests {
         assert_eq!(s, vec![0.1, 0.9, 0.01, 1.0, 2.0]);
         let (_, s, lr_t) = scalars(&updaters[4].rule::<f32>(1).unwrap());
         assert_eq!(s, vec![0.9, 0.999, 1e-8, 0.0, 1.0, f32::INFINITY]);
-        let (lr, b1, b2) = (f64::from(0.001f32), f64::from(0.9f32), f64::from(0.999f32));
+        let (lr, b1, b2) = (0.001f64, 0.9f64, 0.999f64);
         let want = (lr * (1.0 - b2).sqrt() / (1.0 - b1)) as f32;
         assert_eq!(lr_t, Some(want));
     }

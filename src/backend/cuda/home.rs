@@ -32,6 +32,7 @@ use crate::backend::kernels::{self, RuleKind};
 use crate::backend::nccl;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
+use crate::updater::Hyper;
 use crate::{DType, Device, Element, Error, Key, NDArray, PtxUpdater, Result, Updater};
 
 /// A key's value and updater state on its home GPU.
@@ -74,6 +75,14 @@ impl GpuCell {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some((state.step, bufs)))
+    }
+
+    /// The step count of updater `generation` (0 when the key has no state for it).
+    pub fn step(&self, generation: u64) -> u64 {
+        self.state
+            .as_ref()
+            .filter(|s| s.generation == generation)
+            .map_or(0, |s| s.step)
     }
 
     /// Replaces the updater state with host buffers (`float32`, one per state name) for
@@ -121,6 +130,8 @@ pub(crate) struct PushJob<'a> {
     pub key: &'a Key,
     pub cell: &'a mut GpuCell,
     pub values: &'a [&'a NDArray],
+    /// The learning rate and weight decay of this key in this push (built-in rules).
+    pub hyper: Hyper,
 }
 
 /// One key of a pull from a GPU home.
@@ -451,7 +462,12 @@ fn peer_copy(dst: Ptr, src: Ptr, bytes: usize) -> Result<()> {
 /// One fused launch being built: the rule, its scalars, and the tensors.
 type Launch = (RuleKind, Vec<f32>, Vec<Record>);
 
-/// The fused update: one launch per (home GPU, dtype) for every key of the call.
+/// Launches are grouped by home GPU, dtype and the bits of their f32 scalars.
+type LaunchKey = (usize, DTypeKey, Vec<u32>);
+
+/// The fused update: one launch per (home GPU, dtype, scalars) for every key of the call. Keys
+/// share their scalars unless per-key multipliers make their learning rate or weight decay
+/// differ (Adam's learning rate is per tensor, in the record, and never splits a launch).
 fn update(
     updater: &Updater,
     generation: u64,
@@ -459,7 +475,7 @@ fn update(
     inputs: &[Vec<u64>],
 ) -> Result<()> {
     make_states(&mut jobs, generation, updater.state_names().len())?;
-    let mut launches: BTreeMap<(usize, DTypeKey), Launch> = BTreeMap::new();
+    let mut launches: BTreeMap<LaunchKey, Launch> = BTreeMap::new();
     for (job, ins) in jobs.into_iter().zip(inputs) {
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
@@ -467,7 +483,7 @@ fn update(
         let state = job.cell.state.as_mut().expect("states are made first");
         state.step += 1;
         let rule = updater
-            .rule::<f32>(state.step)
+            .rule_with::<f32>(state.step, job.hyper)
             .expect("custom updaters take the host path");
         let (kind, scalars, lr_t) = kernels::scalars(&rule);
         let st = gpu(home)?.stream();
@@ -480,13 +496,14 @@ fn update(
             n: n as u64,
             lr_t: lr_t.unwrap_or(0.0),
         };
+        let bits = scalars.iter().map(|s| s.to_bits()).collect();
         launches
-            .entry((home, DTypeKey(dtype)))
+            .entry((home, DTypeKey(dtype), bits))
             .or_insert_with(|| (kind, scalars, Vec::new()))
             .2
             .push(record);
     }
-    for ((home, dt), (kind, scalars, records)) in &launches {
+    for ((home, dt, _), (kind, scalars, records)) in &launches {
         launch_fused(gpu(*home)?, *kind, dt.0, scalars, records)?;
     }
     Ok(())

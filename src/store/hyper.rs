@@ -1,0 +1,391 @@
+//! Changing hyperparameters while training: the learning rate, the whole set of an updater's
+//! hyperparameters, a learning-rate schedule, and per-key multipliers, all keeping every key's
+//! updater state and step count.
+//!
+//! How a push gets its learning rate: each key counts its own updates (its step, Adam's `t`);
+//! `num_update` is the largest count any key has reached (MXNet's `Optimizer.num_update`). A
+//! push call computes, once, `num_update = max(num_update, max over its keys of step + 1)`, the
+//! rate `lr = schedule(num_update)` (the updater's `lr` when no schedule is set), and gives every
+//! key of the call `lr * lr_mult[key]` and `wd * wd_mult[key]`. So all keys of a list push use
+//! one rate, and a loop that pushes each key once per iteration, in one call or one call per
+//! key, moves `num_update` by one per iteration.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLockWriteGuard};
+
+use super::{read, write, Active, Cell, Group, KvStore, Value};
+use crate::backend::cuda::home;
+use crate::updater::Hyper;
+use crate::{Error, Key, LrScheduler, Result, Updater};
+
+/// A key's multipliers of the learning rate and the weight decay (1 unless set).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Mult {
+    lr: f64,
+    wd: f64,
+}
+
+impl Default for Mult {
+    fn default() -> Mult {
+        Mult { lr: 1.0, wd: 1.0 }
+    }
+}
+
+/// The store's hyperparameter settings beside the updater.
+#[derive(Clone, Default)]
+pub(super) struct Settings {
+    scheduler: Option<LrScheduler>,
+    /// Keys with a multiplier other than 1.
+    mults: Arc<HashMap<Key, Mult>>,
+    /// MXNet's `num_update`, shared by every `Active` of one updater generation.
+    num_update: Arc<AtomicU64>,
+}
+
+impl Settings {
+    /// The settings for a new updater: the same schedule and multipliers, a count from 0.
+    pub(super) fn restarted(&self) -> Settings {
+        Settings {
+            num_update: Arc::default(),
+            ..self.clone()
+        }
+    }
+
+    /// Checks that the schedule fits `updater`'s learning rate.
+    pub(super) fn check_fits(&self, updater: &Updater) -> Result<()> {
+        match &self.scheduler {
+            Some(s) if updater.has_lr() => s.validate(updater.hyper().lr),
+            _ => Ok(()),
+        }
+    }
+
+    fn lr_at(&self, updater: &Updater, num_update: u64) -> f64 {
+        let base = updater.hyper().lr;
+        self.scheduler
+            .as_ref()
+            .map_or(base, |s| s.lr(base, num_update))
+    }
+}
+
+/// The learning rate and weight decay of each key of one push call, and the call's update count.
+pub(super) struct PushHypers {
+    per_key: Vec<Hyper>,
+    num_update: u64,
+}
+
+impl PushHypers {
+    /// The hyperparameters of group `i`.
+    pub(super) fn of(&self, i: usize) -> Hyper {
+        self.per_key.get(i).copied().unwrap_or_default()
+    }
+
+    /// Records the call's update count once its updates are issued.
+    pub(super) fn commit(&self, active: &Active) {
+        if self.num_update > 0 {
+            active
+                .hyper
+                .num_update
+                .fetch_max(self.num_update, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The learning rate and weight decay of every group of a push, in group order: computed once
+/// per call from the update count (see the module docs). Empty for updaters without a learning
+/// rate, which take none.
+pub(super) fn for_push(
+    active: &Active,
+    groups: &[Group<'_>],
+    cells: &[RwLockWriteGuard<'_, Cell>],
+) -> PushHypers {
+    let updater = &active.updater;
+    if !updater.has_lr() {
+        return PushHypers {
+            per_key: Vec::new(),
+            num_update: 0,
+        };
+    }
+    let generation = active.generation;
+    let steps = cells.iter().map(|cell| {
+        let host = || {
+            cell.state
+                .as_ref()
+                .filter(|s| s.generation == generation)
+                .map_or(0, |s| s.step)
+        };
+        match &cell.value {
+            Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => c.step(generation),
+            _ => host(),
+        }
+    });
+    let most = steps.max().unwrap_or(0) + 1;
+    let num_update = most.max(active.hyper.num_update.load(Ordering::Relaxed));
+    let lr = active.hyper.lr_at(updater, num_update);
+    let wd = updater.hyper().wd;
+    let mults = &active.hyper.mults;
+    let per_key = groups
+        .iter()
+        .map(|g| {
+            let m = mults.get(&g.slot.key).copied().unwrap_or_default();
+            Hyper {
+                lr: lr * m.lr,
+                wd: wd * m.wd,
+            }
+        })
+        .collect();
+    PushHypers {
+        per_key,
+        num_update,
+    }
+}
+
+/// Changing hyperparameters while keeping every key's updater state.
+impl KvStore {
+    /// Sets the learning rate of the [`Sgd`](crate::Sgd) or [`Adam`](crate::Adam) updater in
+    /// force, keeping every key's state (momentum, Adam's moments) and step count, as MXNet's
+    /// `Optimizer.set_learning_rate` and PyTorch's `param_group['lr'] = lr` do. The next push uses
+    /// it.
+    ///
+    /// Errors ([`Error::InvalidUpdater`], nothing changed): a negative or non-finite `lr`; an
+    /// updater without a learning rate; a schedule is set (as in MXNet: the schedule decides the
+    /// rate; change its base with [`KvStore::update_hyperparameters`] or clear it first).
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray, Sgd, Updater};
+    /// let kv = KvStore::create("local")?;
+    /// kv.set_updater(Updater::Sgd(Sgd { lr: 0.1, momentum: 0.9, ..Sgd::default() }))?;
+    /// kv.init(0, &NDArray::zeros([2]))?;
+    /// kv.push(0, &NDArray::ones([2]))?; // m = -0.1, w = -0.1
+    /// kv.set_learning_rate(0.01)?;
+    /// kv.push(0, &NDArray::ones([2]))?; // m = 0.9 * -0.1 - 0.01 = -0.1, w = -0.2
+    /// let w = NDArray::zeros([2]);
+    /// kv.pull(0, &w)?;
+    /// assert!((w.to_vec::<f32>()?[0] + 0.2).abs() < 1e-6);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn set_learning_rate(&self, lr: f64) -> Result<()> {
+        let mut active = write(&self.active);
+        if active.hyper.scheduler.is_some() {
+            return Err(Error::InvalidUpdater(
+                "a learning-rate schedule is set, and it decides the rate: change its base rate \
+                 with update_hyperparameters, or clear it with set_lr_scheduler(None) first"
+                    .into(),
+            ));
+        }
+        let updater = match active.updater.clone() {
+            Updater::Sgd(s) => Updater::Sgd(crate::Sgd { lr, ..s }),
+            Updater::Adam(a) => Updater::Adam(crate::Adam { lr, ..a }),
+            other => return Err(no_lr(&other)),
+        };
+        updater.validate()?;
+        replace_keeping_state(&mut active, updater);
+        Ok(())
+    }
+
+    /// Replaces the hyperparameters of the updater in force with those of `updater`, keeping
+    /// every key's state and step count: the learning rate, weight decay, momentum, Adam's betas
+    /// and epsilon, `rescale_grad`, `clip_gradient`, or Axpby's `a` and `b`. Adam's bias
+    /// correction goes on from each key's step count, with the new betas.
+    ///
+    /// `updater` must be the same rule with the same state buffers. Errors
+    /// ([`Error::InvalidUpdater`], nothing changed): another rule, a closure or PTX updater
+    /// (use [`KvStore::set_updater`], which starts afresh); an SGD momentum that goes from 0 to
+    /// non-zero or back (that adds or drops the momentum buffer: start afresh with
+    /// `set_updater`, or keep a non-zero momentum); parameters out of range; a schedule whose
+    /// warm-up starts above the new `lr`.
+    ///
+    /// ```
+    /// use kvstore::{Adam, KvStore, Updater};
+    /// let kv = KvStore::create("local")?;
+    /// kv.set_updater(Updater::Adam(Adam { lr: 1e-3, ..Adam::default() }))?;
+    /// kv.update_hyperparameters(Updater::Adam(Adam { lr: 1e-4, wd: 1e-2, ..Adam::default() }))?;
+    /// assert!(kv.update_hyperparameters(Updater::Axpby { a: 1.0, b: 1.0 }).is_err());
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn update_hyperparameters(&self, updater: Updater) -> Result<()> {
+        updater.validate()?;
+        let mut active = write(&self.active);
+        let (old, new) = (active.updater.name(), updater.name());
+        if matches!(updater, Updater::Custom(_) | Updater::Ptx(_)) || old != new {
+            return Err(Error::InvalidUpdater(format!(
+                "update_hyperparameters keeps the state of the updater in force ('{old}'), so it \
+                 takes a '{old}' updater with new parameters, not '{new}'; to change the rule, \
+                 use set_updater, which starts every key's state afresh"
+            )));
+        }
+        let (was, will) = (active.updater.state_names(), updater.state_names());
+        if was != will {
+            return Err(Error::InvalidUpdater(format!(
+                "the new parameters change the state buffers from [{}] to [{}] (SGD momentum \
+                 going from 0 to non-zero or back): use set_updater to start afresh, or keep \
+                 the momentum non-zero",
+                was.join(", "),
+                will.join(", ")
+            )));
+        }
+        active.hyper.check_fits(&updater)?;
+        replace_keeping_state(&mut active, updater);
+        Ok(())
+    }
+
+    /// Sets the learning-rate schedule (or clears it, with `None`), keeping every key's state.
+    /// It applies to the [`Sgd`](crate::Sgd) and [`Adam`](crate::Adam) updaters, whose `lr` is
+    /// its base rate, from the next push on; see [`crate::schedule`] for the formulas and how
+    /// pushes count `num_update`. It stays set across [`KvStore::set_updater`].
+    ///
+    /// Errors ([`Error::InvalidUpdater`], nothing changed): the updater in force has no learning
+    /// rate (set `Sgd` or `Adam` first); the schedule's parameters are out of range.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, LrScheduler, Sgd, Updater, WarmupMode};
+    /// let kv = KvStore::create("local")?;
+    /// kv.set_updater(Updater::Sgd(Sgd { lr: 0.1, momentum: 0.9, ..Sgd::default() }))?;
+    /// // 5 updates of linear warm-up from 0, then cosine decay to 0 at update 100.
+    /// kv.set_lr_scheduler(Some(
+    ///     LrScheduler::cosine(100, 0.0).with_warmup(5, 0.0, WarmupMode::Linear),
+    /// ))?;
+    /// assert_eq!(kv.learning_rate(), Some(0.0)); // at num_update 0
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn set_lr_scheduler(&self, scheduler: Option<LrScheduler>) -> Result<()> {
+        let mut active = write(&self.active);
+        if let Some(s) = &scheduler {
+            if !active.updater.has_lr() {
+                return Err(no_lr(&active.updater));
+            }
+            s.validate(active.updater.hyper().lr)?;
+        }
+        let updater = active.updater.clone();
+        let mut hyper = active.hyper.clone();
+        hyper.scheduler = scheduler;
+        *active = Arc::new(Active {
+            updater,
+            generation: active.generation,
+            hyper,
+        });
+        Ok(())
+    }
+
+    /// The learning-rate schedule in force, if any.
+    pub fn lr_scheduler(&self) -> Option<LrScheduler> {
+        read(&self.active).hyper.scheduler.clone()
+    }
+
+    /// MXNet's `num_update`: the most updates any key has had under the updater in force (the
+    /// count the last push used). 0 after [`KvStore::set_updater`]; counted for `Sgd` and
+    /// `Adam` updaters.
+    pub fn num_update(&self) -> u64 {
+        read(&self.active).hyper.num_update.load(Ordering::Relaxed)
+    }
+
+    /// MXNet's `Optimizer.learning_rate`: the schedule's rate at [`KvStore::num_update`], or the
+    /// updater's `lr` when no schedule is set; `None` for updaters without a learning rate.
+    /// Per-key multipliers are not applied.
+    pub fn learning_rate(&self) -> Option<f64> {
+        let active = read(&self.active).clone();
+        let n = active.hyper.num_update.load(Ordering::Relaxed);
+        active
+            .updater
+            .has_lr()
+            .then(|| active.hyper.lr_at(&active.updater, n))
+    }
+
+    /// Multiplies `key`'s learning rate by `mult` (MXNet's `lr_mult`, PyTorch's per-group `lr`),
+    /// from its next push on, keeping its state. For `Sgd` and `Adam`; 1 unless set; it stays
+    /// set across [`KvStore::set_updater`].
+    ///
+    /// Errors, with nothing changed: [`Error::UnknownKey`] for a key not initialized;
+    /// [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
+    pub fn set_lr_mult(&self, key: impl Into<Key>, mult: f64) -> Result<()> {
+        self.set_mult("set_lr_mult", key.into(), mult, |m| &mut m.lr)
+    }
+
+    /// Multiplies `key`'s weight decay by `mult` (MXNet's `wd_mult`), from its next push on,
+    /// keeping its state. For `Sgd` and `Adam`; 1 unless set; it stays set across
+    /// [`KvStore::set_updater`].
+    ///
+    /// Standard practice is no weight decay on biases and normalization parameters: MXNet's
+    /// `Optimizer.set_wd_mult` gives `wd_mult = 0` to every parameter whose name does not end
+    /// in `_weight` or `_gamma`. Here every key starts at 1; set 0 on those keys yourself.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray, Sgd, Updater};
+    /// let kv = KvStore::create("local")?;
+    /// kv.set_updater(Updater::Sgd(Sgd { lr: 0.1, wd: 1e-4, ..Sgd::default() }))?;
+    /// kv.init_list(&["fc1_weight", "fc1_bias"], &[NDArray::ones([4, 4]), NDArray::ones([4])])?;
+    /// kv.set_wd_mult("fc1_bias", 0.0)?;
+    /// assert_eq!(kv.wd_mult("fc1_bias")?, 0.0);
+    /// assert!(kv.set_wd_mult("fc2_bias", 0.0).is_err());
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    ///
+    /// Errors, with nothing changed: [`Error::UnknownKey`] for a key not initialized;
+    /// [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
+    pub fn set_wd_mult(&self, key: impl Into<Key>, mult: f64) -> Result<()> {
+        self.set_mult("set_wd_mult", key.into(), mult, |m| &mut m.wd)
+    }
+
+    /// `key`'s learning-rate multiplier; [`Error::UnknownKey`] for a key not initialized.
+    pub fn lr_mult(&self, key: impl Into<Key>) -> Result<f64> {
+        Ok(self.mult("lr_mult", key.into())?.lr)
+    }
+
+    /// `key`'s weight-decay multiplier; [`Error::UnknownKey`] for a key not initialized.
+    pub fn wd_mult(&self, key: impl Into<Key>) -> Result<f64> {
+        Ok(self.mult("wd_mult", key.into())?.wd)
+    }
+
+    fn mult(&self, op: &'static str, key: Key) -> Result<Mult> {
+        read(&self.table).get(op, &key)?;
+        let active = read(&self.active).clone();
+        Ok(active.hyper.mults.get(&key).copied().unwrap_or_default())
+    }
+
+    fn set_mult(
+        &self,
+        op: &'static str,
+        key: Key,
+        mult: f64,
+        field: fn(&mut Mult) -> &mut f64,
+    ) -> Result<()> {
+        if !(mult.is_finite() && mult >= 0.0) {
+            return Err(Error::InvalidUpdater(format!(
+                "{op}: key {key}'s multiplier must be finite and non-negative, got {mult}"
+            )));
+        }
+        read(&self.table).get(op, &key)?;
+        let mut active = write(&self.active);
+        let mut hyper = active.hyper.clone();
+        let mut mults = (*hyper.mults).clone();
+        let m = mults.entry(key.clone()).or_default();
+        *field(m) = mult;
+        if *m == Mult::default() {
+            mults.remove(&key);
+        }
+        hyper.mults = Arc::new(mults);
+        *active = Arc::new(Active {
+            updater: active.updater.clone(),
+            generation: active.generation,
+            hyper,
+        });
+        Ok(())
+    }
+}
+
+/// Puts `updater` in force with the same generation, so every key keeps its state and step.
+fn replace_keeping_state(active: &mut RwLockWriteGuard<'_, Arc<Active>>, updater: Updater) {
+    let next = Active {
+        updater,
+        generation: active.generation,
+        hyper: active.hyper.clone(),
+    };
+    **active = Arc::new(next);
+}
+
+fn no_lr(updater: &Updater) -> Error {
+    Error::InvalidUpdater(format!(
+        "the updater in force, '{}', has no learning rate: set an Sgd or Adam updater first \
+         with set_updater",
+        updater.name()
+    ))
+}
