@@ -616,14 +616,7 @@ fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, values: &[NDArray]) -> Vec
 /// A copy of `value` for a key homed on `home`.
 fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<Value> {
     let storage = value.read();
-    let with_key = |e: Error| match e {
-        Error::Cuda { op, message, .. } => Error::Cuda {
-            op,
-            key: Some(key.clone()),
-            message,
-        },
-        other => other,
-    };
+    let with_key = |e: Error| e.with_key(key);
     match (home, &*storage) {
         (Device::Cpu(_), s) => Ok(Value::Host(s.host().map_err(with_key)?.into_owned())),
         (Device::Gpu(i), Storage::Gpu(b)) => {

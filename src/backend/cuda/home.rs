@@ -89,9 +89,8 @@ impl GpuCell {
         };
         // The kernels index the state with the value's length: never hand them a shorter one.
         if let Some(b) = bufs.iter().find(|b| b.len() != self.buf.len()) {
-            return Err(Error::Cuda {
+            return Err(Error::Internal {
                 op: "copy state to GPU",
-                key: None,
                 message: format!(
                     "a state buffer of {} elements for a value of {}",
                     b.len(),
@@ -314,14 +313,7 @@ impl Ord for DTypeKey {
 }
 
 fn with_key(key: &Key) -> impl FnOnce(Error) -> Error + '_ {
-    move |e| match e {
-        Error::Cuda { op, message, .. } => Error::Cuda {
-            op,
-            key: Some(key.clone()),
-            message,
-        },
-        other => other,
-    }
+    move |e| e.with_key(key)
 }
 
 /// Brings every key's partial sums from other GPUs to its home: one grouped NCCL reduce, or
