@@ -14,7 +14,8 @@
 mod common;
 
 use common::Home;
-use kvstore::backend::probe::{describe_gpus, gpu_count};
+use kvstore::__internal::probe::describe_gpus;
+use kvstore::gpu_count;
 use kvstore::{cpu, gpu, DType, Device, Error, Key, KvStore, NDArray, Sgd, Shape, Updater};
 use rand::{thread_rng, Rng};
 
