@@ -29,6 +29,19 @@ pub enum Error {
         key: Key,
     },
 
+    /// An integer key whose value does not fit in an `i32`, the type int keys are stored as
+    /// (MXNet's C `int`). Nothing was changed.
+    #[error(
+        "key {value} ({ty}) does not fit in an int key (i32, -2147483648..=2147483647): \
+         renumber the keys into that range, or use string keys"
+    )]
+    KeyOutOfRange {
+        /// The value, in decimal.
+        value: String,
+        /// Its Rust type: "u64", "usize", ...
+        ty: &'static str,
+    },
+
     /// `init` of a key that already has a value.
     #[error(
         "init: duplicate init of key {key}: each key is initialized once \

@@ -49,11 +49,11 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 #[doc(hidden)]
 pub use host::HostData;
-pub use key::{Key, KeyKind};
+pub use key::{IntoKey, Key, KeyKind};
 pub use ndarray::NDArray;
 pub use ptx_updater::{PtxUpdater, PTX_UPDATER_PARAMS};
 pub use shape::{Shape, MAX_NDIM};
-pub use store::{KvStore, StoreKind, ValueList};
+pub use store::{IntoStoreKind, KvStore, StoreKind, ValueList};
 pub use updater::{Adam, Sgd, UpdateFn, Updater};
 
 /// The number of CUDA GPUs this process can use: 0 when there is no libcuda or no GPU. Found

@@ -17,7 +17,8 @@ use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::UpdateFn;
 use crate::{
-    DType, Device, Element, Error, Key, KeyKind, NDArray, PtxUpdater, Result, Shape, Updater,
+    DType, Device, Element, Error, IntoKey, Key, KeyKind, NDArray, PtxUpdater, Result, Shape,
+    Updater,
 };
 
 /// The kinds of store, by where values live.
@@ -43,6 +44,15 @@ const KIND_NAMES: [(&str, StoreKind); 6] = [
 ];
 
 impl StoreKind {
+    /// The kind's canonical name: `local`, `device` or `nccl`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreKind::Local => "local",
+            StoreKind::Device => "device",
+            StoreKind::Nccl => "nccl",
+        }
+    }
+
     /// Parses a kind name, case-insensitively; an error lists the valid names.
     pub fn parse(name: &str) -> Result<StoreKind> {
         let lower = name.to_ascii_lowercase();
@@ -54,6 +64,53 @@ impl StoreKind {
                 kind: name.to_owned(),
                 valid: KIND_NAMES.iter().map(|(n, _)| *n).collect(),
             })
+    }
+}
+
+impl std::fmt::Display for StoreKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for StoreKind {
+    type Err = Error;
+
+    /// As [`StoreKind::parse`].
+    fn from_str(name: &str) -> Result<StoreKind> {
+        StoreKind::parse(name)
+    }
+}
+
+/// What [`KvStore::create`] accepts: a kind name (`"local"`, `"nccl"`, an MXNet alias, in any
+/// case) or a [`StoreKind`].
+pub trait IntoStoreKind {
+    /// The kind, and the name the store reports as its [`KvStore::type_name`]; an
+    /// [`Error::UnknownKind`] for a name that is no kind.
+    fn into_store_kind(self) -> Result<(StoreKind, String)>;
+}
+
+impl IntoStoreKind for StoreKind {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        Ok((self, self.name().to_owned()))
+    }
+}
+
+impl IntoStoreKind for &str {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        Ok((StoreKind::parse(self)?, self.to_ascii_lowercase()))
+    }
+}
+
+impl IntoStoreKind for String {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        self.as_str().into_store_kind()
+    }
+}
+
+impl IntoStoreKind for &String {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        self.as_str().into_store_kind()
     }
 }
 
@@ -196,20 +253,25 @@ pub struct KvStore {
 }
 
 impl KvStore {
-    /// Creates a store: `local`, `device` or `nccl`, or one of MXNet's aliases
-    /// (`local_update_cpu`, `local_allreduce_cpu`, `local_allreduce_device`).
+    /// Creates a store of a kind given by name (`local`, `device` or `nccl`, or one of MXNet's
+    /// aliases `local_update_cpu`, `local_allreduce_cpu`, `local_allreduce_device`; in any
+    /// case) or as a [`StoreKind`].
     ///
     /// With no GPU, `device` and `nccl` keep their values on the CPU (logged once).
     ///
     /// ```
-    /// use kvstore::KvStore;
-    /// let kv = KvStore::create("local").unwrap();
-    /// assert_eq!(kv.kind(), "local");
+    /// use kvstore::{KvStore, StoreKind};
+    /// let kv = KvStore::create("local_allreduce_cpu")?;
+    /// assert_eq!(kv.kind(), StoreKind::Local);
+    /// assert_eq!(kv.type_name(), "local_allreduce_cpu");
+    /// let kv = KvStore::create(StoreKind::Device)?;
+    /// assert_eq!(kv.type_name(), "device");
     /// let err = KvStore::create("dist_sync").err().unwrap();
     /// assert!(err.to_string().contains("local, local_update_cpu"));
+    /// # Ok::<(), kvstore::Error>(())
     /// ```
-    pub fn create(name: &str) -> Result<KvStore> {
-        let kind = StoreKind::parse(name)?;
+    pub fn create(kind: impl IntoStoreKind) -> Result<KvStore> {
+        let (kind, name) = kind.into_store_kind()?;
         if kind != StoreKind::Local && probe::gpu_count() == 0 {
             static ONCE: Once = Once::new();
             ONCE.call_once(|| {
@@ -217,7 +279,7 @@ impl KvStore {
             });
         }
         Ok(KvStore {
-            name: name.to_ascii_lowercase(),
+            name,
             kind,
             table: RwLock::new(Table::default()),
             active: RwLock::new(Arc::new(Active {
@@ -227,14 +289,15 @@ impl KvStore {
         })
     }
 
-    /// The name the store was created with, lower-cased (MXNet's `kv.type`).
-    pub fn kind(&self) -> &str {
-        &self.name
+    /// The kind of store.
+    pub fn kind(&self) -> StoreKind {
+        self.kind
     }
 
-    /// What the kind name means.
-    pub fn store_kind(&self) -> StoreKind {
-        self.kind
+    /// The name the store was created with, lower-cased (MXNet's `kv.type`); the canonical
+    /// name when it was created from a [`StoreKind`].
+    pub fn type_name(&self) -> &str {
+        &self.name
     }
 
     /// This worker's rank: always 0 for a single-process store.
@@ -298,8 +361,8 @@ impl KvStore {
     }
 
     /// The shape, dtype and home device of a key.
-    pub fn meta(&self, key: impl Into<Key>) -> Result<(Shape, DType, Device)> {
-        let slot = read(&self.table).get("meta", &key.into())?;
+    pub fn meta(&self, key: impl IntoKey) -> Result<(Shape, DType, Device)> {
+        let slot = read(&self.table).get("meta", &key.into_key()?)?;
         Ok((slot.shape, slot.dtype, slot.home))
     }
 
@@ -308,24 +371,24 @@ impl KvStore {
     /// `device` and `nccl` stores on a machine with GPUs give the key a home GPU: the one with
     /// the fewest bytes homed so far. `local` stores, and every store without a GPU, keep it in
     /// host memory.
-    pub fn init(&self, key: impl Into<Key>, value: &NDArray) -> Result<()> {
-        self.init_list(&[key.into()], std::slice::from_ref(value))
+    pub fn init(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
+        self.init_list(&[key.into_key()?], std::slice::from_ref(value))
     }
 
     /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
     /// key first (see [`KvStore::init`]).
-    pub fn init_list<K: Into<Key> + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
+    pub fn init_list<K: IntoKey + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
         self.init_with_homes(keys, values, None)
     }
 
     /// As [`KvStore::init`], with the home chosen by the caller: `cpu(i)` keeps the value in
     /// host memory, `gpu(i)` on that GPU (an error if it does not exist).
-    pub fn init_on(&self, key: impl Into<Key>, value: &NDArray, home: Device) -> Result<()> {
-        self.init_list_on(&[key.into()], std::slice::from_ref(value), &[home])
+    pub fn init_on(&self, key: impl IntoKey, value: &NDArray, home: Device) -> Result<()> {
+        self.init_list_on(&[key.into_key()?], std::slice::from_ref(value), &[home])
     }
 
     /// As [`KvStore::init_list`], with one home per key chosen by the caller.
-    pub fn init_list_on<K: Into<Key> + Clone>(
+    pub fn init_list_on<K: IntoKey + Clone>(
         &self,
         keys: &[K],
         values: &[NDArray],
@@ -338,14 +401,14 @@ impl KvStore {
         self.init_with_homes(keys, values, Some(homes))
     }
 
-    fn init_with_homes<K: Into<Key> + Clone>(
+    fn init_with_homes<K: IntoKey + Clone>(
         &self,
         keys: &[K],
         values: &[NDArray],
         homes: Option<&[Device]>,
     ) -> Result<()> {
         check_len("init", keys.len(), values.len(), "values")?;
-        let keys = to_keys(keys);
+        let keys = to_keys(keys)?;
         let gpus = probe::gpu_count();
         let any_gpu_home = match homes {
             Some(h) => h.iter().any(|d| d.is_gpu()),
@@ -437,13 +500,13 @@ impl KvStore {
     /// kv.pull(3, &out).unwrap();
     /// assert_eq!(out.to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
     /// ```
-    pub fn push<V: ValueList + ?Sized>(&self, key: impl Into<Key>, values: &V) -> Result<()> {
-        self.push_list(&[key.into()], &[values.arrays()])
+    pub fn push<V: ValueList + ?Sized>(&self, key: impl IntoKey, values: &V) -> Result<()> {
+        self.push_list(&[key.into_key()?], &[values.arrays()])
     }
 
     /// Pushes to many keys at once. A key listed more than once gets the sum of all its values.
     /// The updater runs once per distinct key, in ascending key order. All or nothing.
-    pub fn push_list<K: Into<Key> + Clone, V: ValueList>(
+    pub fn push_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         values: &[V],
@@ -452,12 +515,12 @@ impl KvStore {
     }
 
     /// Copies the stored value of `key` into every out, converting to each out's dtype.
-    pub fn pull<V: ValueList + ?Sized>(&self, key: impl Into<Key>, outs: &V) -> Result<()> {
-        self.pull_list(&[key.into()], &[outs.arrays()])
+    pub fn pull<V: ValueList + ?Sized>(&self, key: impl IntoKey, outs: &V) -> Result<()> {
+        self.pull_list(&[key.into_key()?], &[outs.arrays()])
     }
 
     /// Pulls many keys at once, from one consistent snapshot of them. All or nothing.
-    pub fn pull_list<K: Into<Key> + Clone, V: ValueList>(
+    pub fn pull_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         outs: &[V],
@@ -485,17 +548,17 @@ impl KvStore {
     /// pass the values as the outs too, or use [`KvStore::pushpull_in_place`].
     pub fn pushpull<V: ValueList + ?Sized, O: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         values: &V,
         outs: &O,
     ) -> Result<()> {
-        self.pushpull_list(&[key.into()], &[values.arrays()], &[outs.arrays()])
+        self.pushpull_list(&[key.into_key()?], &[values.arrays()], &[outs.arrays()])
     }
 
     /// A push of `values`, then a pull of the result back into the same arrays.
     pub fn pushpull_in_place<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         values: &V,
     ) -> Result<()> {
         self.pushpull(key, values, values)
@@ -503,7 +566,7 @@ impl KvStore {
 
     /// Pushes every key, then pulls every key, as one atomic step. A value that is also an out
     /// is read by every push before any pull writes it.
-    pub fn pushpull_list<K: Into<Key> + Clone, V: ValueList, O: ValueList>(
+    pub fn pushpull_list<K: IntoKey + Clone, V: ValueList, O: ValueList>(
         &self,
         keys: &[K],
         values: &[V],
@@ -523,16 +586,20 @@ impl KvStore {
     /// Initializes `key` with `value` and pulls it into `outs` (MXNet's `broadcast`).
     pub fn broadcast<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         value: &NDArray,
         outs: &V,
     ) -> Result<()> {
-        self.broadcast_list(&[key.into()], std::slice::from_ref(value), &[outs.arrays()])
+        self.broadcast_list(
+            &[key.into_key()?],
+            std::slice::from_ref(value),
+            &[outs.arrays()],
+        )
     }
 
     /// Initializes many keys and pulls them. All or nothing: the outs are checked before any
     /// key is initialized.
-    pub fn broadcast_list<K: Into<Key> + Clone, O: ValueList>(
+    pub fn broadcast_list<K: IntoKey + Clone, O: ValueList>(
         &self,
         keys: &[K],
         values: &[NDArray],
@@ -541,7 +608,7 @@ impl KvStore {
         check_len("broadcast", keys.len(), values.len(), "values")?;
         check_len("broadcast", keys.len(), outs.len(), "outs")?;
         for ((key, value), outs) in keys.iter().zip(values).zip(outs) {
-            let key: Key = key.clone().into();
+            let key: Key = key.clone().into_key()?;
             check_arrays(
                 "broadcast",
                 &key,
@@ -558,7 +625,7 @@ impl KvStore {
     /// Looks up every key and pairs it with its arrays and priority (0 when `priorities` is
     /// `None`), sorted by key order, repeats merged. Locks are taken in this order; work is
     /// issued in [`issue_order`].
-    fn groups<'a, K: Into<Key> + Clone, V: ValueList>(
+    fn groups<'a, K: IntoKey + Clone, V: ValueList>(
         &self,
         op: &'static str,
         keys: &[K],
@@ -576,7 +643,7 @@ impl KvStore {
             .zip(lists)
             .enumerate()
             .map(|(i, (k, list))| {
-                let key: Key = k.clone().into();
+                let key: Key = k.clone().into_key()?;
                 Ok(Group {
                     slot: table.get(op, &key)?,
                     arrays: list.arrays().iter().collect(),
@@ -628,8 +695,8 @@ fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<Value> {
     }
 }
 
-fn to_keys<K: Into<Key> + Clone>(keys: &[K]) -> Vec<Key> {
-    keys.iter().cloned().map(Into::into).collect()
+fn to_keys<K: IntoKey + Clone>(keys: &[K]) -> Result<Vec<Key>> {
+    keys.iter().cloned().map(IntoKey::into_key).collect()
 }
 
 fn check_len(op: &'static str, keys: usize, values: usize, what: &'static str) -> Result<()> {
@@ -1094,11 +1161,11 @@ impl KvStore {
     /// A push, like [`KvStore::push`], with a priority; see [`KvStore::push_list_with_priority`].
     pub fn push_with_priority<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         values: &V,
         priority: i32,
     ) -> Result<()> {
-        self.push_list_with_priority(&[key.into()], &[values.arrays()], &[priority])
+        self.push_list_with_priority(&[key.into_key()?], &[values.arrays()], &[priority])
     }
 
     /// Pushes to many keys at once, like [`KvStore::push_list`], issuing the work for keys of
@@ -1128,7 +1195,7 @@ impl KvStore {
     /// assert_eq!(*seen.lock().unwrap(), vec![Key::Int(1), Key::Int(2), Key::Int(0)]);
     /// # Ok::<(), kvstore::Error>(())
     /// ```
-    pub fn push_list_with_priority<K: Into<Key> + Clone, V: ValueList>(
+    pub fn push_list_with_priority<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         values: &[V],
@@ -1140,11 +1207,11 @@ impl KvStore {
     /// A pull, like [`KvStore::pull`], with a priority; see [`KvStore::pull_list_with_priority`].
     pub fn pull_with_priority<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         outs: &V,
         priority: i32,
     ) -> Result<()> {
-        self.pull_list_with_priority(&[key.into()], &[outs.arrays()], &[priority])
+        self.pull_list_with_priority(&[key.into_key()?], &[outs.arrays()], &[priority])
     }
 
     /// Pulls many keys at once, like [`KvStore::pull_list`], copying keys of higher priority
@@ -1161,7 +1228,7 @@ impl KvStore {
     /// assert!(kv.pull_list_with_priority(&[0, 1], &[&a, &b], &[0]).is_err());
     /// # Ok::<(), kvstore::Error>(())
     /// ```
-    pub fn pull_list_with_priority<K: Into<Key> + Clone, V: ValueList>(
+    pub fn pull_list_with_priority<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         outs: &[V],

@@ -580,7 +580,11 @@ fn unknown_store_kind() {
         );
     }
     // Names are case-insensitive, as in MXNet.
-    assert_eq!(KvStore::create("Local").unwrap().kind(), "local");
+    assert_eq!(KvStore::create("Local").unwrap().type_name(), "local");
+    assert!(matches!(
+        "Dist_sync".parse::<kvstore::StoreKind>(),
+        Err(Error::UnknownKind { kind, .. }) if kind == "Dist_sync"
+    ));
 }
 
 fn assert_device_not_found(e: &Error, missing: Device) {
