@@ -193,6 +193,17 @@ pub enum Error {
         message: String,
     },
 
+    /// A fallible custom updater ([`Updater::try_custom`](crate::Updater::try_custom)) returned
+    /// an error. Every key of the push is unchanged.
+    #[error("push: the updater failed on key {key}: {source}; the store is unchanged")]
+    UpdaterFailed {
+        /// The key.
+        key: Key,
+        /// The updater's error.
+        #[source]
+        source: crate::updater::BoxError,
+    },
+
     /// The CUDA driver failed (copy, module load, launch, synchronize), or a GPU did not finish
     /// its work in time. An out-of-memory failure is [`Error::OutOfMemory`] instead.
     #[error("{op}{}: CUDA error: {message}", key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default())]

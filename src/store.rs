@@ -583,6 +583,27 @@ impl KvStore {
         pull_all(self.use_nccl(), &pulls, &cells)
     }
 
+    /// Pushes every key, then pulls every key's result back into its own values, as one atomic
+    /// step: [`KvStore::pushpull_list`] with the values as the outs (MXNet's list `pushpull`
+    /// without `out`). All or nothing.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[0, 1], &[NDArray::zeros([2]), NDArray::zeros([3])])?;
+    /// let grads = [NDArray::ones([2]), NDArray::full([3], 2.0)];
+    /// kv.pushpull_list_in_place(&[0, 1], &grads)?;
+    /// assert_eq!(grads[1].to_vec::<f32>()?, vec![2.0; 3]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn pushpull_list_in_place<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<()> {
+        self.pushpull_list(keys, values, values)
+    }
+
     /// Initializes `key` with `value` and pulls it into `outs` (MXNet's `broadcast`).
     pub fn broadcast<V: ValueList + ?Sized>(
         &self,
@@ -1039,12 +1060,15 @@ fn run_custom(
     };
     let merged = NDArray::from_host(merged, slot.shape, device);
     let mut stored = NDArray::from_host(value.clone(), slot.shape, device);
-    catch_unwind(AssertUnwindSafe(|| f(&slot.key, &merged, &mut stored))).map_err(|panic| {
-        Error::UpdaterPanicked {
+    catch_unwind(AssertUnwindSafe(|| f(&slot.key, &merged, &mut stored)))
+        .map_err(|panic| Error::UpdaterPanicked {
             key: slot.key.clone(),
             message: panic_message(panic.as_ref()),
-        }
-    })?;
+        })?
+        .map_err(|source| Error::UpdaterFailed {
+            key: slot.key.clone(),
+            source,
+        })?;
     let what = "the updater's result".to_owned();
     if stored.shape() != slot.shape {
         return Err(Error::ShapeMismatch {
