@@ -53,7 +53,7 @@ pub use key::{IntoKey, Key, KeyKind};
 pub use ndarray::NDArray;
 pub use ptx_updater::{PtxUpdater, PTX_UPDATER_PARAMS};
 pub use shape::{Shape, MAX_NDIM};
-pub use store::{IntoStoreKind, KvStore, StoreKind, ValueList};
+pub use store::{IntoStoreKind, KvStore, PushEvent, PushHook, StoreKind, ValueList};
 pub use updater::{Adam, BoxError, Sgd, UpdateFn, Updater};
 
 /// The number of CUDA GPUs this process can use: 0 when there is no libcuda or no GPU. Found

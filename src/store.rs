@@ -157,6 +157,8 @@ struct Slot {
     key: Key,
     /// Ascending order of updates: the int key, or a string key's init order.
     order: i64,
+    /// When the key was initialized: 0 for the store's first key, then 1, 2, ...
+    init_seq: u64,
     shape: Shape,
     dtype: DType,
     home: Device,
@@ -190,6 +192,8 @@ struct Table {
     key_kind: Option<KeyKind>,
     slots: HashMap<Key, Arc<Slot>>,
     next_str_order: i64,
+    /// The `init_seq` of the next key initialized.
+    next_init_seq: u64,
     /// Bytes of values homed on each GPU so far (for placement by size).
     gpu_bytes: Vec<usize>,
 }
@@ -250,7 +254,29 @@ pub struct KvStore {
     kind: StoreKind,
     table: RwLock<Table>,
     active: RwLock<Arc<Active>>,
+    hook: RwLock<Option<Arc<PushHook>>>,
 }
+
+/// What a push hook sees: one key of a push that has been applied. See
+/// [`KvStore::set_push_hook`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct PushEvent<'a> {
+    /// The key.
+    pub key: &'a Key,
+    /// The key's step under the updater in force: the pushes applied to it since the updater
+    /// was set (or since a checkpoint set its state), this one included. This is the `t` of
+    /// Adam's bias correction and the `step` a PTX updater gets. `None` for a closure updater
+    /// (and a PTX updater's CPU twin), which keeps no step.
+    pub step: Option<u64>,
+    /// The updater's [`name`](Updater::name): `assign`, `sgd`, `adam`, ...
+    pub updater: &'static str,
+    /// How many arrays were summed for the key (over repeats of it in the call).
+    pub values: usize,
+}
+
+/// A push hook: called once per key of every successful push. See [`KvStore::set_push_hook`].
+pub type PushHook = dyn Fn(&PushEvent<'_>) + Send + Sync;
 
 impl KvStore {
     /// Creates a store of a kind given by name (`local`, `device` or `nccl`, or one of MXNet's
@@ -286,6 +312,7 @@ impl KvStore {
                 updater: Updater::Assign,
                 generation: 0,
             })),
+            hook: RwLock::new(None),
         })
     }
 
@@ -352,11 +379,70 @@ impl KvStore {
         read(&self.active).updater.clone()
     }
 
-    /// The keys, in update order (ascending ints, or strings in init order).
+    /// Sets a hook that observes pushes without changing them: after every successful push
+    /// (`push`, `push_list`, the `pushpull` forms and the priority forms), `hook` is called
+    /// once per distinct key, in the order the updater ran on them (ascending key order, or
+    /// descending priority), with the key, its step and the updater's name. It runs after the
+    /// call's locks are released, so it may call the store; a failed push calls it for no key.
+    /// A panic in the hook reaches the caller of the push, which has been applied by then.
+    /// Replaces any hook set before.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use kvstore::{Adam, Key, KvStore, NDArray, Updater};
+    ///
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[7, 2], &[NDArray::zeros([3]), NDArray::zeros([3])])?;
+    /// kv.set_updater(Updater::Adam(Adam::default()))?;
+    /// let seen = Arc::new(Mutex::new(Vec::new()));
+    /// let log = seen.clone();
+    /// kv.set_push_hook(move |e| log.lock().unwrap().push((e.key.clone(), e.step, e.updater)));
+    /// let g = NDArray::ones([3]);
+    /// kv.push_list(&[7, 2], &[&g, &g])?;
+    /// kv.push(7, &g)?;
+    /// assert_eq!(
+    ///     *seen.lock().unwrap(),
+    ///     [(Key::Int(2), Some(1), "adam"), (Key::Int(7), Some(1), "adam"), (Key::Int(7), Some(2), "adam")]
+    /// );
+    /// kv.clear_push_hook();
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn set_push_hook(&self, hook: impl Fn(&PushEvent<'_>) + Send + Sync + 'static) {
+        *write(&self.hook) = Some(Arc::new(hook));
+    }
+
+    /// Removes the push hook, if one is set.
+    pub fn clear_push_hook(&self) {
+        *write(&self.hook) = None;
+    }
+
+    /// The keys in update order: int keys ascending, string keys in the order they were first
+    /// initialized (the order the updater runs in, MXNet's). See [`KvStore::keys_in_init_order`]
+    /// for the order of initialization.
+    ///
+    /// ```
+    /// use kvstore::{Key, KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[9, 3], &[NDArray::zeros([1]), NDArray::zeros([1])])?;
+    /// kv.init(5, &NDArray::zeros([1]))?;
+    /// assert_eq!(kv.keys(), [Key::Int(3), Key::Int(5), Key::Int(9)]);
+    /// assert_eq!(kv.keys_in_init_order(), [Key::Int(9), Key::Int(3), Key::Int(5)]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
     pub fn keys(&self) -> Vec<Key> {
         let table = read(&self.table);
         let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
         slots.sort_by_key(|s| s.order);
+        slots.iter().map(|s| s.key.clone()).collect()
+    }
+
+    /// The keys in the order they were initialized (by `init`, `broadcast`, a list call's key
+    /// order, or a checkpoint `load` that added them). For string keys this is also
+    /// [`KvStore::keys`]' order.
+    pub fn keys_in_init_order(&self) -> Vec<Key> {
+        let table = read(&self.table);
+        let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
+        slots.sort_by_key(|s| s.init_seq);
         slots.iter().map(|s| s.key.clone()).collect()
     }
 
@@ -471,9 +557,12 @@ impl KvStore {
                 }
             };
             table.key_kind = Some(key.kind());
+            let init_seq = table.next_init_seq;
+            table.next_init_seq += 1;
             let slot = Slot {
                 key: key.clone(),
                 order,
+                init_seq,
                 shape: value.shape(),
                 dtype: value.dtype(),
                 home,
@@ -532,8 +621,12 @@ impl KvStore {
     fn push_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
         check_values("push", &groups)?;
         let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
         let mut cells = lock_cells(&groups);
-        apply_push(&active, self.use_nccl(), &groups, &mut cells)
+        apply_push(&active, self.use_nccl(), &groups, &mut cells)?;
+        let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
+        drop(cells);
+        call_hook(hook.as_deref(), &active, done)
     }
 
     /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
@@ -577,10 +670,14 @@ impl KvStore {
         check_values("pushpull", &pushes)?;
         check_outs("pushpull", &pulls)?;
         let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
         let mut cells = lock_cells(&pushes);
         apply_push(&active, self.use_nccl(), &pushes, &mut cells)?;
+        let done = hook.as_ref().map(|_| pushed(&active, &pushes, &cells));
         // `pushes` and `pulls` hold the same distinct keys in the same order.
-        pull_all(self.use_nccl(), &pulls, &cells)
+        pull_all(self.use_nccl(), &pulls, &cells)?;
+        drop(cells);
+        call_hook(hook.as_deref(), &active, done)
     }
 
     /// Pushes every key, then pulls every key's result back into its own values, as one atomic
@@ -684,6 +781,50 @@ impl KvStore {
         });
         Ok(groups)
     }
+}
+
+/// Each group's key, step and value count, in issue order: what the push hook is told, read
+/// while the cells are still locked.
+fn pushed(
+    active: &Active,
+    groups: &[Group<'_>],
+    cells: &[RwLockWriteGuard<'_, Cell>],
+) -> Vec<(Key, Option<u64>, usize)> {
+    issue_order(groups)
+        .into_iter()
+        .map(|i| {
+            let cell = &cells[i];
+            let host = cell
+                .state
+                .as_ref()
+                .filter(|s| s.generation == active.generation)
+                .map(|s| s.step);
+            let step = match &cell.value {
+                Value::Gpu(c) => c.step(active.generation).or(host),
+                Value::Host(_) => host,
+            };
+            (groups[i].slot.key.clone(), step, groups[i].arrays.len())
+        })
+        .collect()
+}
+
+/// Calls the push hook once per key of a push that succeeded.
+fn call_hook(
+    hook: Option<&PushHook>,
+    active: &Active,
+    done: Option<Vec<(Key, Option<u64>, usize)>>,
+) -> Result<()> {
+    if let (Some(hook), Some(done)) = (hook, done) {
+        for (key, step, values) in &done {
+            hook(&PushEvent {
+                key,
+                step: *step,
+                updater: active.updater.name(),
+                values: *values,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Homes for keys of a `device`/`nccl` init: largest value first, each to the GPU with the

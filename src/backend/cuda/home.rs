@@ -56,6 +56,14 @@ impl GpuCell {
         GpuCell { buf, state: None }
     }
 
+    /// The step count of updater `generation`: `None` when the key has no state for it.
+    pub fn step(&self, generation: u64) -> Option<u64> {
+        self.state
+            .as_ref()
+            .filter(|s| s.generation == generation)
+            .map(|s| s.step)
+    }
+
     /// The step count and state buffers of updater `generation`, copied to the host (for
     /// checkpoints); `None` when the key has no state for it.
     pub fn state_to_host(&self, generation: u64) -> Result<Option<(u64, Vec<HostData>)>> {
