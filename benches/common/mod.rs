@@ -146,7 +146,7 @@ impl Kv {
             bail!("{n} {} devices are not available", target.name());
         }
         let len = bytes / dtype.size();
-        let kv = KvStore::create(&target.store())?;
+        let kv = KvStore::create(target.store())?;
         kv.init(0, &NDArray::full_on([len], 0.5, dtype, target.device(0))?)?;
         kv.set_updater(updater)?;
         let values = (0..n)
@@ -242,7 +242,7 @@ impl SmallKeys {
             bail!("{n} {} devices are not available", target.name());
         }
         let len = bytes / 4;
-        let kv = KvStore::create(&target.store())?;
+        let kv = KvStore::create(target.store())?;
         let keys: Vec<i32> = (0..count as i32).collect();
         let init = (0..count)
             .map(|_| NDArray::full_on([len], 0.0, DType::F32, target.device(0)))
