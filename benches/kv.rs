@@ -209,7 +209,7 @@ fn updaters(c: &mut Criterion, target: Target) {
 }
 
 fn gpu_d2d(c: &mut Criterion, target: Target) {
-    if target != Target::Gpu || kvstore::backend::probe::gpu_count() == 0 {
+    if target != Target::Gpu || kvstore::gpu_count() == 0 {
         eprintln!("skip gpu_d2d: no GPU");
         return;
     }

@@ -1,9 +1,9 @@
 //! Where a push or pull should start using the thread pool: the same store calls at sizes
 //! around `PAR_MIN_BYTES`, forced onto the calling thread (`seq`) and forced onto the pool
-//! (`par`) with `kvstore::backend::cpu::set_par_min_bytes`.
+//! (`par`) with `kvstore::__internal::cpu::set_par_min_bytes`.
 //!
 //! `cargo bench --bench threshold` (filter by `threshold/push` or `threshold/pull`).
-//! The store's own choice is `kvstore::backend::cpu::PAR_MIN_BYTES`; the sizes below are of one
+//! The store's own choice is `kvstore::__internal::cpu::PAR_MIN_BYTES`; the sizes below are of one
 //! value, from 4 devices, so traffic is 5× the value size.
 
 #[path = "common/mod.rs"]
@@ -21,7 +21,7 @@ fn main() {
     let n = 4;
     eprintln!(
         "PAR_MIN_BYTES = {} (traffic bytes)",
-        kvstore::backend::cpu::PAR_MIN_BYTES
+        kvstore::__internal::cpu::PAR_MIN_BYTES
     );
     for op in ["push", "pull"] {
         let mut g = c.benchmark_group(format!("threshold/{op}"));
@@ -31,11 +31,11 @@ fn main() {
             let kv = Kv::new(Target::Cpu, n, bytes, DType::F32, Updater::Assign).expect("setup");
             let f = if op == "push" { Kv::push } else { Kv::pull };
             for (name, min) in [("seq", usize::MAX), ("par", 0)] {
-                let old = kvstore::backend::cpu::set_par_min_bytes(min);
+                let old = kvstore::__internal::cpu::set_par_min_bytes(min);
                 g.bench_function(BenchmarkId::new(name, format!("{kib}K")), |b| {
                     b.iter(|| f(&kv))
                 });
-                kvstore::backend::cpu::set_par_min_bytes(old);
+                kvstore::__internal::cpu::set_par_min_bytes(old);
             }
         }
         g.finish();

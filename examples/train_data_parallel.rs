@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvstore::backend::probe::gpu_count;
+use kvstore::gpu_count;
 use kvstore::{cpu, gpu, Adam, Device, Sgd, Updater};
 use mlp::{DataParallel, Dataset};
 

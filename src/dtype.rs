@@ -71,10 +71,13 @@ pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static + priva
     fn to_f64(self) -> f64;
 
     /// Borrows the elements of `data` if it holds this type.
+    #[doc(hidden)]
     fn slice(data: &HostData) -> Option<&[Self]>;
     /// Borrows the elements of `data` mutably if it holds this type.
+    #[doc(hidden)]
     fn slice_mut(data: &mut HostData) -> Option<&mut [Self]>;
     /// Wraps a vector of this type.
+    #[doc(hidden)]
     fn wrap(v: Vec<Self>) -> HostData;
 }
 

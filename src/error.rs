@@ -29,6 +29,19 @@ pub enum Error {
         key: Key,
     },
 
+    /// An integer key whose value does not fit in an `i32`, the type int keys are stored as
+    /// (MXNet's C `int`). Nothing was changed.
+    #[error(
+        "key {value} ({ty}) does not fit in an int key (i32, -2147483648..=2147483647): \
+         renumber the keys into that range, or use string keys"
+    )]
+    KeyOutOfRange {
+        /// The value, in decimal.
+        value: String,
+        /// Its Rust type: "u64", "usize", ...
+        ty: &'static str,
+    },
+
     /// `init` of a key that already has a value.
     #[error(
         "init: duplicate init of key {key}: each key is initialized once \
@@ -187,14 +200,63 @@ pub enum Error {
         message: String,
     },
 
-    /// The CUDA driver failed (allocation, copy, module load, launch, synchronize).
+    /// A fallible custom updater ([`Updater::try_custom`](crate::Updater::try_custom)) returned
+    /// an error. Every key of the push is unchanged.
+    #[error("push: the updater failed on key {key}: {source}; the store is unchanged")]
+    UpdaterFailed {
+        /// The key.
+        key: Key,
+        /// The updater's error.
+        #[source]
+        source: crate::updater::BoxError,
+    },
+
+    /// The CUDA driver failed (copy, module load, launch, synchronize), or a GPU did not finish
+    /// its work in time. An out-of-memory failure is [`Error::OutOfMemory`] instead.
     #[error("{op}{}: CUDA error: {message}", key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default())]
     Cuda {
         /// What was being done: "push", "pull", "to_device", "load kernels", ...
         op: &'static str,
         /// The key involved, when there is one.
         key: Option<Key>,
-        /// The driver's message.
+        /// The driver's message, or what happened in words.
+        message: String,
+        /// The driver's error, when the failure came from a driver call (`source.0` is the
+        /// `CUresult`).
+        #[source]
+        source: Option<cudarc::driver::DriverError>,
+    },
+
+    /// A GPU ran out of memory. Free arrays on that device, use smaller keys, or home some
+    /// keys on another device (`KvStore::init_on`).
+    #[error(
+        "{op}{}: out of memory on {}{}: free arrays on that device or home keys elsewhere",
+        key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default(),
+        device.map_or("a GPU".to_owned(), |d| d.to_string()),
+        requested.map(|b| format!(" (asked for {b} bytes)")).unwrap_or_default()
+    )]
+    OutOfMemory {
+        /// What was being done: "alloc", "copy to GPU", ...
+        op: &'static str,
+        /// The key involved, when there is one.
+        key: Option<Key>,
+        /// The device that ran out, when the failing call was tied to one.
+        device: Option<Device>,
+        /// The bytes asked for, when the failing call was an allocation of known size.
+        requested: Option<usize>,
+        /// The driver's error (`CUDA_ERROR_OUT_OF_MEMORY`).
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+
+    /// An internal invariant of kvstore did not hold (a buffer of the wrong length or dtype
+    /// reached a copy that its callers validate). This is a bug in kvstore: please report it
+    /// with the operation and message. Nothing was changed.
+    #[error("{op}: internal error: {message}; this is a bug in kvstore, please report it")]
+    Internal {
+        /// What was being done.
+        op: &'static str,
+        /// What did not hold.
         message: String,
     },
 
@@ -211,6 +273,72 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// Names `key` in a GPU error that has no key yet; other errors are returned as they are.
+    pub(crate) fn with_key(self, key: &Key) -> Error {
+        match self {
+            Error::Cuda {
+                op,
+                key: None,
+                message,
+                source,
+            } => Error::Cuda {
+                op,
+                key: Some(key.clone()),
+                message,
+                source,
+            },
+            Error::OutOfMemory {
+                op,
+                key: None,
+                device,
+                requested,
+                source,
+            } => Error::OutOfMemory {
+                op,
+                key: Some(key.clone()),
+                device,
+                requested,
+                source,
+            },
+            other => other,
+        }
+    }
+
+    /// The error for a failed driver call during `op` (on GPU `ordinal`, when known):
+    /// [`Error::OutOfMemory`] for `CUDA_ERROR_OUT_OF_MEMORY`, [`Error::Cuda`] otherwise, keeping
+    /// the driver's error as the source. `requested` is the size of the allocation, when the
+    /// call made one.
+    pub(crate) fn from_driver(
+        op: &'static str,
+        ordinal: Option<usize>,
+        requested: Option<usize>,
+        e: cudarc::driver::DriverError,
+    ) -> Error {
+        use cudarc::driver::sys::cudaError_enum;
+        if e.0 == cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+            return Error::OutOfMemory {
+                op,
+                key: None,
+                device: ordinal.map(Device::Gpu),
+                requested,
+                source: e,
+            };
+        }
+        Error::Cuda {
+            op,
+            key: None,
+            // The CUresult's name; the driver's own text is in `source` (formatting a
+            // `DriverError` asks the driver, which needs libcuda loaded).
+            message: match ordinal {
+                Some(i) => format!("gpu({i}): {:?}", e.0),
+                None => format!("{:?}", e.0),
+            },
+            source: Some(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,11 +348,12 @@ mod tests {
         let e = Error::Cuda {
             op: "push",
             key: Some(Key::Int(3)),
-            message: "CUDA_ERROR_OUT_OF_MEMORY".to_owned(),
+            message: "CUDA_ERROR_LAUNCH_FAILED".to_owned(),
+            source: None,
         };
         assert_eq!(
             e.to_string(),
-            "push (key 3): CUDA error: CUDA_ERROR_OUT_OF_MEMORY"
+            "push (key 3): CUDA error: CUDA_ERROR_LAUNCH_FAILED"
         );
         let e = Error::Nccl {
             op: "push (reduce)",
@@ -241,5 +370,80 @@ mod tests {
             std::mem::size_of::<Error>() <= 128,
             "clippy's large-error limit"
         );
+    }
+
+    #[test]
+    fn driver_errors_keep_their_source_and_out_of_memory_is_its_own_variant() {
+        use cudarc::driver::sys::cudaError_enum as R;
+        use cudarc::driver::DriverError;
+        use std::error::Error as _;
+
+        let oom = Error::from_driver(
+            "alloc",
+            Some(1),
+            Some(4096),
+            DriverError(R::CUDA_ERROR_OUT_OF_MEMORY),
+        );
+        assert!(
+            matches!(
+                &oom,
+                Error::OutOfMemory {
+                    op: "alloc",
+                    key: None,
+                    device: Some(Device::Gpu(1)),
+                    requested: Some(4096),
+                    ..
+                }
+            ),
+            "{oom}"
+        );
+        let src = oom.source().and_then(|s| s.downcast_ref::<DriverError>());
+        assert!(src.is_some_and(|d| d.0 == R::CUDA_ERROR_OUT_OF_MEMORY));
+        let oom = oom.with_key(&Key::Int(7));
+        assert_eq!(
+            oom.to_string(),
+            "alloc (key 7): out of memory on gpu(1) (asked for 4096 bytes): \
+             free arrays on that device or home keys elsewhere"
+        );
+
+        let other = Error::from_driver(
+            "launch update kernel",
+            None,
+            None,
+            DriverError(R::CUDA_ERROR_LAUNCH_FAILED),
+        )
+        .with_key(&Key::from("w"));
+        assert!(
+            matches!(&other, Error::Cuda { key: Some(Key::Str(k)), source: Some(d), .. }
+                if k == "w" && d.0 == R::CUDA_ERROR_LAUNCH_FAILED),
+            "{other}"
+        );
+        assert_eq!(
+            other.to_string(),
+            "launch update kernel (key w): CUDA error: CUDA_ERROR_LAUNCH_FAILED"
+        );
+        // A key already named is kept; other variants pass through.
+        let named = Error::Cuda {
+            op: "push",
+            key: Some(Key::Int(1)),
+            message: String::new(),
+            source: None,
+        };
+        assert!(matches!(
+            named.with_key(&Key::Int(2)),
+            Error::Cuda {
+                key: Some(Key::Int(1)),
+                ..
+            }
+        ));
+        let internal = Error::Internal {
+            op: "copy to GPU",
+            message: "3 elements into a buffer of 4".into(),
+        };
+        assert!(internal.to_string().contains("bug in kvstore"));
+        assert!(matches!(
+            internal.with_key(&Key::Int(2)),
+            Error::Internal { .. }
+        ));
     }
 }

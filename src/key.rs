@@ -1,8 +1,13 @@
-//! [`Key`]: the name of a value in the store.
+//! [`Key`]: the name of a value in the store, and [`IntoKey`]: what names one.
 
 use std::fmt;
 
+use crate::{Error, Result};
+
 /// A key: an `i32` (MXNet's C `int`) or a string. One store holds keys of one kind only.
+///
+/// Store methods take any [`IntoKey`]: a `Key`, a string, or an integer of any type whose
+/// value fits in an `i32`.
 ///
 /// ```
 /// use kvstore::Key;
@@ -73,6 +78,77 @@ impl From<&i32> for Key {
     }
 }
 
+/// What names a key: [`Key`] and `&Key`, `&str`, `String` and `&String`, and every
+/// integer type (`i8`..`i64`, `u8`..`u64`, `isize`, `usize`, and references to them).
+///
+/// An integer key is stored as an `i32` (MXNet's C `int`). A value outside the `i32` range is
+/// an [`Error::KeyOutOfRange`], never wrapped around. An unsuffixed literal (`kv.init(3, ..)`)
+/// is an `i32`.
+///
+/// ```
+/// use kvstore::{Error, IntoKey, Key};
+/// assert_eq!(7usize.into_key()?, Key::Int(7));
+/// assert_eq!((-2i64).into_key()?, Key::Int(-2));
+/// assert_eq!("w".into_key()?, Key::from("w"));
+/// assert!(matches!(3_000_000_000u64.into_key(), Err(Error::KeyOutOfRange { .. })));
+/// # Ok::<(), kvstore::Error>(())
+/// ```
+pub trait IntoKey {
+    /// The key, or [`Error::KeyOutOfRange`] for an integer outside the `i32` range.
+    fn into_key(self) -> Result<Key>;
+}
+
+impl IntoKey for Key {
+    fn into_key(self) -> Result<Key> {
+        Ok(self)
+    }
+}
+
+impl IntoKey for &Key {
+    fn into_key(self) -> Result<Key> {
+        Ok(self.clone())
+    }
+}
+
+impl IntoKey for &str {
+    fn into_key(self) -> Result<Key> {
+        Ok(Key::Str(self.to_owned()))
+    }
+}
+
+impl IntoKey for String {
+    fn into_key(self) -> Result<Key> {
+        Ok(Key::Str(self))
+    }
+}
+
+impl IntoKey for &String {
+    fn into_key(self) -> Result<Key> {
+        Ok(Key::Str(self.clone()))
+    }
+}
+
+macro_rules! int_keys {
+    ($($t:ty),*) => {$(
+        impl IntoKey for $t {
+            fn into_key(self) -> Result<Key> {
+                i32::try_from(self).map(Key::Int).map_err(|_| Error::KeyOutOfRange {
+                    value: self.to_string(),
+                    ty: stringify!($t),
+                })
+            }
+        }
+
+        impl IntoKey for &$t {
+            fn into_key(self) -> Result<Key> {
+                (*self).into_key()
+            }
+        }
+    )*};
+}
+
+int_keys!(i8, i16, i32, i64, isize, u8, u16, u32, u64, usize);
+
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -88,5 +164,48 @@ impl fmt::Display for KeyKind {
             KeyKind::Int => "int",
             KeyKind::Str => "string",
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int_keys_convert_exactly_or_name_the_value_and_range() {
+        assert_eq!(0u8.into_key().unwrap(), Key::Int(0));
+        assert_eq!(i32::MAX.into_key().unwrap(), Key::Int(i32::MAX));
+        assert_eq!(i64::from(i32::MIN).into_key().unwrap(), Key::Int(i32::MIN));
+        assert_eq!((i32::MAX as usize).into_key().unwrap(), Key::Int(i32::MAX));
+        assert_eq!((&-5isize).into_key().unwrap(), Key::Int(-5));
+        let too_big = i64::from(i32::MAX) + 1;
+        for (e, value, ty) in [
+            (too_big.into_key().unwrap_err(), too_big.to_string(), "i64"),
+            (
+                (i32::MAX as u32 + 1).into_key().unwrap_err(),
+                "2147483648".into(),
+                "u32",
+            ),
+            (
+                usize::MAX.into_key().unwrap_err(),
+                usize::MAX.to_string(),
+                "usize",
+            ),
+            (
+                (i64::MIN).into_key().unwrap_err(),
+                i64::MIN.to_string(),
+                "i64",
+            ),
+        ] {
+            assert!(
+                matches!(&e, Error::KeyOutOfRange { value: v, ty: t } if *v == value && *t == ty),
+                "{e:?}"
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains(&value) && text.contains("-2147483648..=2147483647"),
+                "{text}"
+            );
+        }
     }
 }

@@ -30,7 +30,7 @@
 
 #![warn(missing_docs)]
 
-pub mod backend;
+mod backend;
 pub mod checkpoint;
 mod device;
 mod dtype;
@@ -49,11 +49,30 @@ pub use checkpoint::CheckpointErrorKind;
 pub use device::{cpu, gpu, Device};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+#[doc(hidden)]
 pub use host::HostData;
-pub use key::{Key, KeyKind};
+pub use key::{IntoKey, Key, KeyKind};
 pub use ndarray::NDArray;
 pub use ptx_updater::{PtxUpdater, PTX_UPDATER_PARAMS};
 pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 pub use shape::{Shape, MAX_NDIM};
-pub use store::{KvStore, StoreKind, ValueList};
-pub use updater::{Adam, Sgd, UpdateFn, Updater};
+pub use store::{IntoStoreKind, KvStore, PushEvent, PushHook, StoreKind, ValueList};
+pub use updater::{Adam, BoxError, Sgd, UpdateFn, Updater};
+
+/// The number of CUDA GPUs this process can use: 0 when there is no libcuda or no GPU. Found
+/// once, without ever panicking; `device` and `nccl` stores home keys on these GPUs.
+///
+/// ```
+/// let n = kvstore::gpu_count();
+/// println!("{n} GPUs");
+/// ```
+pub fn gpu_count() -> usize {
+    backend::probe::gpu_count()
+}
+
+/// Test and bench support, not part of the API: it can change in any release. Use the items
+/// at the crate root instead.
+#[doc(hidden)]
+pub mod __internal {
+    pub use crate::backend::{cpu, kernels, nccl, probe};
+}

@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::cuda::GpuBuf;
 use crate::backend::probe::check_device;
-use crate::host::{with_host, HostData};
+use crate::host::{convert_into, with_host, HostData};
 use crate::{DType, Device, Element, Error, Result, Shape};
 
 /// Where an array's elements are.
@@ -315,6 +315,69 @@ impl NDArray {
             },
         }
     }
+}
+
+/// Constructors that place data on a given device, and that take `f64` data with a dtype tag.
+impl NDArray {
+    /// An array on `device` holding `data` in row-major order; its dtype is `T`'s. An error if
+    /// the length is not `shape`'s size or the device does not exist. On a CPU device the
+    /// vector is taken as is; on a GPU it is copied there.
+    ///
+    /// ```
+    /// use kvstore::{cpu, NDArray};
+    /// let a = NDArray::from_vec_on(vec![1.0f32, 2.0, 3.0], [3], cpu(2))?;
+    /// assert_eq!(a.device(), cpu(2));
+    /// assert_eq!(a.to_vec::<f32>()?, vec![1.0, 2.0, 3.0]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn from_vec_on<T: Element>(
+        data: Vec<T>,
+        shape: impl Into<Shape>,
+        device: Device,
+    ) -> Result<NDArray> {
+        let shape = shape.into();
+        check_len(data.len(), shape)?;
+        check_device(device)?;
+        NDArray::place(T::wrap(data), shape, device)
+    }
+
+    /// An array of `dtype` on `device` from `f64` data in row-major order, each element
+    /// rounded to the nearest `dtype` value: what a deserializer or an FFI layer holds (a
+    /// buffer of numbers and a dtype tag). An error if the length is not `shape`'s size or the
+    /// device does not exist.
+    ///
+    /// ```
+    /// use kvstore::{cpu, DType, NDArray};
+    /// let a = NDArray::from_f64(&[0.5, -1.25, 3.0, 1e-3], [2, 2], DType::BF16, cpu(0))?;
+    /// assert_eq!(a.dtype(), DType::BF16);
+    /// assert_eq!(a.to_vec::<f32>()?[..3], [0.5, -1.25, 3.0]);
+    /// assert!(NDArray::from_f64(&[1.0; 3], [2, 2], DType::F32, cpu(0)).is_err());
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn from_f64(
+        data: &[f64],
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: Device,
+    ) -> Result<NDArray> {
+        let shape = shape.into();
+        check_len(data.len(), shape)?;
+        check_device(device)?;
+        let mut host = HostData::filled(dtype, data.len(), 0.0);
+        convert_into(data, &mut host);
+        NDArray::place(host, shape, device)
+    }
+}
+
+/// `len` elements must fill `shape` exactly.
+fn check_len(len: usize, shape: Shape) -> Result<()> {
+    if len != shape.size() {
+        return Err(Error::DataLength {
+            len,
+            shape: Box::new(shape),
+        });
+    }
+    Ok(())
 }
 
 /// `y *= s`, elementwise, in the accumulator precision.

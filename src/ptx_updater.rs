@@ -131,7 +131,11 @@ impl PtxUpdater {
         self,
         f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
     ) -> PtxUpdater {
-        self.rebuild(|i| i.cpu_twin = Some(Arc::new(f)))
+        let twin: Arc<UpdateFn> = Arc::new(move |key, input, stored| {
+            f(key, input, stored);
+            Ok(())
+        });
+        self.rebuild(|i| i.cpu_twin = Some(twin))
     }
 
     /// A copy with a change to its launch arguments or twin; the module is the same, so a GPU

@@ -19,7 +19,8 @@ use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::{Hyper, UpdateFn};
 use crate::{
-    DType, Device, Element, Error, Key, KeyKind, NDArray, PtxUpdater, Result, Shape, Updater,
+    DType, Device, Element, Error, IntoKey, Key, KeyKind, NDArray, PtxUpdater, Result, Shape,
+    Updater,
 };
 
 /// The kinds of store, by where values live.
@@ -45,6 +46,15 @@ const KIND_NAMES: [(&str, StoreKind); 6] = [
 ];
 
 impl StoreKind {
+    /// The kind's canonical name: `local`, `device` or `nccl`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreKind::Local => "local",
+            StoreKind::Device => "device",
+            StoreKind::Nccl => "nccl",
+        }
+    }
+
     /// Parses a kind name, case-insensitively; an error lists the valid names.
     pub fn parse(name: &str) -> Result<StoreKind> {
         let lower = name.to_ascii_lowercase();
@@ -56,6 +66,53 @@ impl StoreKind {
                 kind: name.to_owned(),
                 valid: KIND_NAMES.iter().map(|(n, _)| *n).collect(),
             })
+    }
+}
+
+impl std::fmt::Display for StoreKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for StoreKind {
+    type Err = Error;
+
+    /// As [`StoreKind::parse`].
+    fn from_str(name: &str) -> Result<StoreKind> {
+        StoreKind::parse(name)
+    }
+}
+
+/// What [`KvStore::create`] accepts: a kind name (`"local"`, `"nccl"`, an MXNet alias, in any
+/// case) or a [`StoreKind`].
+pub trait IntoStoreKind {
+    /// The kind, and the name the store reports as its [`KvStore::type_name`]; an
+    /// [`Error::UnknownKind`] for a name that is no kind.
+    fn into_store_kind(self) -> Result<(StoreKind, String)>;
+}
+
+impl IntoStoreKind for StoreKind {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        Ok((self, self.name().to_owned()))
+    }
+}
+
+impl IntoStoreKind for &str {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        Ok((StoreKind::parse(self)?, self.to_ascii_lowercase()))
+    }
+}
+
+impl IntoStoreKind for String {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        self.as_str().into_store_kind()
+    }
+}
+
+impl IntoStoreKind for &String {
+    fn into_store_kind(self) -> Result<(StoreKind, String)> {
+        self.as_str().into_store_kind()
     }
 }
 
@@ -102,6 +159,8 @@ struct Slot {
     key: Key,
     /// Ascending order of updates: the int key, or a string key's init order.
     order: i64,
+    /// When the key was initialized: 0 for the store's first key, then 1, 2, ...
+    init_seq: u64,
     shape: Shape,
     dtype: DType,
     home: Device,
@@ -135,6 +194,8 @@ struct Table {
     key_kind: Option<KeyKind>,
     slots: HashMap<Key, Arc<Slot>>,
     next_str_order: i64,
+    /// The `init_seq` of the next key initialized.
+    next_init_seq: u64,
     /// Bytes of values homed on each GPU so far (for placement by size).
     gpu_bytes: Vec<usize>,
 }
@@ -199,23 +260,50 @@ pub struct KvStore {
     kind: StoreKind,
     table: RwLock<Table>,
     active: RwLock<Arc<Active>>,
+    hook: RwLock<Option<Arc<PushHook>>>,
 }
 
+/// What a push hook sees: one key of a push that has been applied. See
+/// [`KvStore::set_push_hook`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct PushEvent<'a> {
+    /// The key.
+    pub key: &'a Key,
+    /// The key's step under the updater in force: the pushes applied to it since the updater
+    /// was set (or since a checkpoint set its state), this one included. This is the `t` of
+    /// Adam's bias correction and the `step` a PTX updater gets. `None` for a closure updater
+    /// (and a PTX updater's CPU twin), which keeps no step.
+    pub step: Option<u64>,
+    /// The updater's [`name`](Updater::name): `assign`, `sgd`, `adam`, ...
+    pub updater: &'static str,
+    /// How many arrays were summed for the key (over repeats of it in the call).
+    pub values: usize,
+}
+
+/// A push hook: called once per key of every successful push. See [`KvStore::set_push_hook`].
+pub type PushHook = dyn Fn(&PushEvent<'_>) + Send + Sync;
+
 impl KvStore {
-    /// Creates a store: `local`, `device` or `nccl`, or one of MXNet's aliases
-    /// (`local_update_cpu`, `local_allreduce_cpu`, `local_allreduce_device`).
+    /// Creates a store of a kind given by name (`local`, `device` or `nccl`, or one of MXNet's
+    /// aliases `local_update_cpu`, `local_allreduce_cpu`, `local_allreduce_device`; in any
+    /// case) or as a [`StoreKind`].
     ///
     /// With no GPU, `device` and `nccl` keep their values on the CPU (logged once).
     ///
     /// ```
-    /// use kvstore::KvStore;
-    /// let kv = KvStore::create("local").unwrap();
-    /// assert_eq!(kv.kind(), "local");
+    /// use kvstore::{KvStore, StoreKind};
+    /// let kv = KvStore::create("local_allreduce_cpu")?;
+    /// assert_eq!(kv.kind(), StoreKind::Local);
+    /// assert_eq!(kv.type_name(), "local_allreduce_cpu");
+    /// let kv = KvStore::create(StoreKind::Device)?;
+    /// assert_eq!(kv.type_name(), "device");
     /// let err = KvStore::create("dist_sync").err().unwrap();
     /// assert!(err.to_string().contains("local, local_update_cpu"));
+    /// # Ok::<(), kvstore::Error>(())
     /// ```
-    pub fn create(name: &str) -> Result<KvStore> {
-        let kind = StoreKind::parse(name)?;
+    pub fn create(kind: impl IntoStoreKind) -> Result<KvStore> {
+        let (kind, name) = kind.into_store_kind()?;
         if kind != StoreKind::Local && probe::gpu_count() == 0 {
             static ONCE: Once = Once::new();
             ONCE.call_once(|| {
@@ -223,7 +311,7 @@ impl KvStore {
             });
         }
         Ok(KvStore {
-            name: name.to_ascii_lowercase(),
+            name,
             kind,
             table: RwLock::new(Table::default()),
             active: RwLock::new(Arc::new(Active {
@@ -231,17 +319,19 @@ impl KvStore {
                 generation: 0,
                 hyper: hyper::Settings::default(),
             })),
+            hook: RwLock::new(None),
         })
     }
 
-    /// The name the store was created with, lower-cased (MXNet's `kv.type`).
-    pub fn kind(&self) -> &str {
-        &self.name
+    /// The kind of store.
+    pub fn kind(&self) -> StoreKind {
+        self.kind
     }
 
-    /// What the kind name means.
-    pub fn store_kind(&self) -> StoreKind {
-        self.kind
+    /// The name the store was created with, lower-cased (MXNet's `kv.type`); the canonical
+    /// name when it was created from a [`StoreKind`].
+    pub fn type_name(&self) -> &str {
+        &self.name
     }
 
     /// This worker's rank: always 0 for a single-process store.
@@ -301,7 +391,56 @@ impl KvStore {
         read(&self.active).updater.clone()
     }
 
-    /// The keys, in update order (ascending ints, or strings in init order).
+    /// Sets a hook that observes pushes without changing them: after every successful push
+    /// (`push`, `push_list`, the `pushpull` forms and the priority forms), `hook` is called
+    /// once per distinct key, in the order the updater ran on them (ascending key order, or
+    /// descending priority), with the key, its step and the updater's name. It runs after the
+    /// call's locks are released, so it may call the store; a failed push calls it for no key.
+    /// A panic in the hook reaches the caller of the push, which has been applied by then.
+    /// Replaces any hook set before.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use kvstore::{Adam, Key, KvStore, NDArray, Updater};
+    ///
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[7, 2], &[NDArray::zeros([3]), NDArray::zeros([3])])?;
+    /// kv.set_updater(Updater::Adam(Adam::default()))?;
+    /// let seen = Arc::new(Mutex::new(Vec::new()));
+    /// let log = seen.clone();
+    /// kv.set_push_hook(move |e| log.lock().unwrap().push((e.key.clone(), e.step, e.updater)));
+    /// let g = NDArray::ones([3]);
+    /// kv.push_list(&[7, 2], &[&g, &g])?;
+    /// kv.push(7, &g)?;
+    /// assert_eq!(
+    ///     *seen.lock().unwrap(),
+    ///     [(Key::Int(2), Some(1), "adam"), (Key::Int(7), Some(1), "adam"), (Key::Int(7), Some(2), "adam")]
+    /// );
+    /// kv.clear_push_hook();
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn set_push_hook(&self, hook: impl Fn(&PushEvent<'_>) + Send + Sync + 'static) {
+        *write(&self.hook) = Some(Arc::new(hook));
+    }
+
+    /// Removes the push hook, if one is set.
+    pub fn clear_push_hook(&self) {
+        *write(&self.hook) = None;
+    }
+
+    /// The keys in update order: int keys ascending, string keys in the order they were first
+    /// initialized (the order the updater runs in, MXNet's). See [`KvStore::keys_in_init_order`]
+    /// for the order of initialization.
+    ///
+    /// ```
+    /// use kvstore::{Key, KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[9, 3], &[NDArray::zeros([1]), NDArray::zeros([1])])?;
+    /// kv.init(5, &NDArray::zeros([1]))?;
+    /// assert_eq!(kv.keys(), [Key::Int(3), Key::Int(5), Key::Int(9)]);
+    /// assert_eq!(kv.keys_in_init_order(), [Key::Int(9), Key::Int(3), Key::Int(5)]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
     pub fn keys(&self) -> Vec<Key> {
         let table = read(&self.table);
         let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
@@ -309,9 +448,19 @@ impl KvStore {
         slots.iter().map(|s| s.key.clone()).collect()
     }
 
+    /// The keys in the order they were initialized (by `init`, `broadcast`, a list call's key
+    /// order, or a checkpoint `load` that added them). For string keys this is also
+    /// [`KvStore::keys`]' order.
+    pub fn keys_in_init_order(&self) -> Vec<Key> {
+        let table = read(&self.table);
+        let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
+        slots.sort_by_key(|s| s.init_seq);
+        slots.iter().map(|s| s.key.clone()).collect()
+    }
+
     /// The shape, dtype and home device of a key.
-    pub fn meta(&self, key: impl Into<Key>) -> Result<(Shape, DType, Device)> {
-        let slot = read(&self.table).get("meta", &key.into())?;
+    pub fn meta(&self, key: impl IntoKey) -> Result<(Shape, DType, Device)> {
+        let slot = read(&self.table).get("meta", &key.into_key()?)?;
         Ok((slot.shape, slot.dtype, slot.home))
     }
 
@@ -320,24 +469,24 @@ impl KvStore {
     /// `device` and `nccl` stores on a machine with GPUs give the key a home GPU: the one with
     /// the fewest bytes homed so far. `local` stores, and every store without a GPU, keep it in
     /// host memory.
-    pub fn init(&self, key: impl Into<Key>, value: &NDArray) -> Result<()> {
-        self.init_list(&[key.into()], std::slice::from_ref(value))
+    pub fn init(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
+        self.init_list(&[key.into_key()?], std::slice::from_ref(value))
     }
 
     /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
     /// key first (see [`KvStore::init`]).
-    pub fn init_list<K: Into<Key> + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
+    pub fn init_list<K: IntoKey + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
         self.init_with_homes(keys, values, None)
     }
 
     /// As [`KvStore::init`], with the home chosen by the caller: `cpu(i)` keeps the value in
     /// host memory, `gpu(i)` on that GPU (an error if it does not exist).
-    pub fn init_on(&self, key: impl Into<Key>, value: &NDArray, home: Device) -> Result<()> {
-        self.init_list_on(&[key.into()], std::slice::from_ref(value), &[home])
+    pub fn init_on(&self, key: impl IntoKey, value: &NDArray, home: Device) -> Result<()> {
+        self.init_list_on(&[key.into_key()?], std::slice::from_ref(value), &[home])
     }
 
     /// As [`KvStore::init_list`], with one home per key chosen by the caller.
-    pub fn init_list_on<K: Into<Key> + Clone>(
+    pub fn init_list_on<K: IntoKey + Clone>(
         &self,
         keys: &[K],
         values: &[NDArray],
@@ -350,14 +499,14 @@ impl KvStore {
         self.init_with_homes(keys, values, Some(homes))
     }
 
-    fn init_with_homes<K: Into<Key> + Clone>(
+    fn init_with_homes<K: IntoKey + Clone>(
         &self,
         keys: &[K],
         values: &[NDArray],
         homes: Option<&[Device]>,
     ) -> Result<()> {
         check_len("init", keys.len(), values.len(), "values")?;
-        let keys = to_keys(keys);
+        let keys = to_keys(keys)?;
         let gpus = probe::gpu_count();
         let any_gpu_home = match homes {
             Some(h) => h.iter().any(|d| d.is_gpu()),
@@ -420,9 +569,12 @@ impl KvStore {
                 }
             };
             table.key_kind = Some(key.kind());
+            let init_seq = table.next_init_seq;
+            table.next_init_seq += 1;
             let slot = Slot {
                 key: key.clone(),
                 order,
+                init_seq,
                 shape: value.shape(),
                 dtype: value.dtype(),
                 home,
@@ -449,13 +601,13 @@ impl KvStore {
     /// kv.pull(3, &out).unwrap();
     /// assert_eq!(out.to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
     /// ```
-    pub fn push<V: ValueList + ?Sized>(&self, key: impl Into<Key>, values: &V) -> Result<()> {
-        self.push_list(&[key.into()], &[values.arrays()])
+    pub fn push<V: ValueList + ?Sized>(&self, key: impl IntoKey, values: &V) -> Result<()> {
+        self.push_list(&[key.into_key()?], &[values.arrays()])
     }
 
     /// Pushes to many keys at once. A key listed more than once gets the sum of all its values.
     /// The updater runs once per distinct key, in ascending key order. All or nothing.
-    pub fn push_list<K: Into<Key> + Clone, V: ValueList>(
+    pub fn push_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         values: &[V],
@@ -464,12 +616,12 @@ impl KvStore {
     }
 
     /// Copies the stored value of `key` into every out, converting to each out's dtype.
-    pub fn pull<V: ValueList + ?Sized>(&self, key: impl Into<Key>, outs: &V) -> Result<()> {
-        self.pull_list(&[key.into()], &[outs.arrays()])
+    pub fn pull<V: ValueList + ?Sized>(&self, key: impl IntoKey, outs: &V) -> Result<()> {
+        self.pull_list(&[key.into_key()?], &[outs.arrays()])
     }
 
     /// Pulls many keys at once, from one consistent snapshot of them. All or nothing.
-    pub fn pull_list<K: Into<Key> + Clone, V: ValueList>(
+    pub fn pull_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         outs: &[V],
@@ -481,8 +633,12 @@ impl KvStore {
     fn push_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
         check_values("push", &groups)?;
         let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
         let mut cells = lock_cells(&groups);
-        apply_push(&active, self.use_nccl(), &groups, &mut cells)
+        apply_push(&active, self.use_nccl(), &groups, &mut cells)?;
+        let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
+        drop(cells);
+        call_hook(hook.as_deref(), &active, done)
     }
 
     /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
@@ -497,17 +653,17 @@ impl KvStore {
     /// pass the values as the outs too, or use [`KvStore::pushpull_in_place`].
     pub fn pushpull<V: ValueList + ?Sized, O: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         values: &V,
         outs: &O,
     ) -> Result<()> {
-        self.pushpull_list(&[key.into()], &[values.arrays()], &[outs.arrays()])
+        self.pushpull_list(&[key.into_key()?], &[values.arrays()], &[outs.arrays()])
     }
 
     /// A push of `values`, then a pull of the result back into the same arrays.
     pub fn pushpull_in_place<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         values: &V,
     ) -> Result<()> {
         self.pushpull(key, values, values)
@@ -515,7 +671,7 @@ impl KvStore {
 
     /// Pushes every key, then pulls every key, as one atomic step. A value that is also an out
     /// is read by every push before any pull writes it.
-    pub fn pushpull_list<K: Into<Key> + Clone, V: ValueList, O: ValueList>(
+    pub fn pushpull_list<K: IntoKey + Clone, V: ValueList, O: ValueList>(
         &self,
         keys: &[K],
         values: &[V],
@@ -526,25 +682,54 @@ impl KvStore {
         check_values("pushpull", &pushes)?;
         check_outs("pushpull", &pulls)?;
         let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
         let mut cells = lock_cells(&pushes);
         apply_push(&active, self.use_nccl(), &pushes, &mut cells)?;
+        let done = hook.as_ref().map(|_| pushed(&active, &pushes, &cells));
         // `pushes` and `pulls` hold the same distinct keys in the same order.
-        pull_all(self.use_nccl(), &pulls, &cells)
+        pull_all(self.use_nccl(), &pulls, &cells)?;
+        drop(cells);
+        call_hook(hook.as_deref(), &active, done)
+    }
+
+    /// Pushes every key, then pulls every key's result back into its own values, as one atomic
+    /// step: [`KvStore::pushpull_list`] with the values as the outs (MXNet's list `pushpull`
+    /// without `out`). All or nothing.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[0, 1], &[NDArray::zeros([2]), NDArray::zeros([3])])?;
+    /// let grads = [NDArray::ones([2]), NDArray::full([3], 2.0)];
+    /// kv.pushpull_list_in_place(&[0, 1], &grads)?;
+    /// assert_eq!(grads[1].to_vec::<f32>()?, vec![2.0; 3]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn pushpull_list_in_place<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<()> {
+        self.pushpull_list(keys, values, values)
     }
 
     /// Initializes `key` with `value` and pulls it into `outs` (MXNet's `broadcast`).
     pub fn broadcast<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         value: &NDArray,
         outs: &V,
     ) -> Result<()> {
-        self.broadcast_list(&[key.into()], std::slice::from_ref(value), &[outs.arrays()])
+        self.broadcast_list(
+            &[key.into_key()?],
+            std::slice::from_ref(value),
+            &[outs.arrays()],
+        )
     }
 
     /// Initializes many keys and pulls them. All or nothing: the outs are checked before any
     /// key is initialized.
-    pub fn broadcast_list<K: Into<Key> + Clone, O: ValueList>(
+    pub fn broadcast_list<K: IntoKey + Clone, O: ValueList>(
         &self,
         keys: &[K],
         values: &[NDArray],
@@ -553,7 +738,7 @@ impl KvStore {
         check_len("broadcast", keys.len(), values.len(), "values")?;
         check_len("broadcast", keys.len(), outs.len(), "outs")?;
         for ((key, value), outs) in keys.iter().zip(values).zip(outs) {
-            let key: Key = key.clone().into();
+            let key: Key = key.clone().into_key()?;
             check_arrays(
                 "broadcast",
                 &key,
@@ -570,7 +755,7 @@ impl KvStore {
     /// Looks up every key and pairs it with its arrays and priority (0 when `priorities` is
     /// `None`), sorted by key order, repeats merged. Locks are taken in this order; work is
     /// issued in [`issue_order`].
-    fn groups<'a, K: Into<Key> + Clone, V: ValueList>(
+    fn groups<'a, K: IntoKey + Clone, V: ValueList>(
         &self,
         op: &'static str,
         keys: &[K],
@@ -588,7 +773,7 @@ impl KvStore {
             .zip(lists)
             .enumerate()
             .map(|(i, (k, list))| {
-                let key: Key = k.clone().into();
+                let key: Key = k.clone().into_key()?;
                 Ok(Group {
                     slot: table.get(op, &key)?,
                     arrays: list.arrays().iter().collect(),
@@ -610,6 +795,50 @@ impl KvStore {
     }
 }
 
+/// Each group's key, step and value count, in issue order: what the push hook is told, read
+/// while the cells are still locked.
+fn pushed(
+    active: &Active,
+    groups: &[Group<'_>],
+    cells: &[RwLockWriteGuard<'_, Cell>],
+) -> Vec<(Key, Option<u64>, usize)> {
+    issue_order(groups)
+        .into_iter()
+        .map(|i| {
+            let cell = &cells[i];
+            let host = cell
+                .state
+                .as_ref()
+                .filter(|s| s.generation == active.generation)
+                .map(|s| s.step);
+            let step = match &cell.value {
+                Value::Gpu(c) => c.step(active.generation).or(host),
+                Value::Host(_) => host,
+            };
+            (groups[i].slot.key.clone(), step, groups[i].arrays.len())
+        })
+        .collect()
+}
+
+/// Calls the push hook once per key of a push that succeeded.
+fn call_hook(
+    hook: Option<&PushHook>,
+    active: &Active,
+    done: Option<Vec<(Key, Option<u64>, usize)>>,
+) -> Result<()> {
+    if let (Some(hook), Some(done)) = (hook, done) {
+        for (key, step, values) in &done {
+            hook(&PushEvent {
+                key,
+                step: *step,
+                updater: active.updater.name(),
+                values: *values,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Homes for keys of a `device`/`nccl` init: largest value first, each to the GPU with the
 /// fewest bytes so far (MXNet's CommDevice placement). Ties go to the lowest ordinal.
 fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, values: &[NDArray]) -> Vec<Device> {
@@ -628,14 +857,7 @@ fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, values: &[NDArray]) -> Vec
 /// A copy of `value` for a key homed on `home`.
 fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<Value> {
     let storage = value.read();
-    let with_key = |e: Error| match e {
-        Error::Cuda { op, message, .. } => Error::Cuda {
-            op,
-            key: Some(key.clone()),
-            message,
-        },
-        other => other,
-    };
+    let with_key = |e: Error| e.with_key(key);
     match (home, &*storage) {
         (Device::Cpu(_), s) => Ok(Value::Host(s.host().map_err(with_key)?.into_owned())),
         (Device::Gpu(i), Storage::Gpu(b)) => {
@@ -647,8 +869,8 @@ fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<Value> {
     }
 }
 
-fn to_keys<K: Into<Key> + Clone>(keys: &[K]) -> Vec<Key> {
-    keys.iter().cloned().map(Into::into).collect()
+fn to_keys<K: IntoKey + Clone>(keys: &[K]) -> Result<Vec<Key>> {
+    keys.iter().cloned().map(IntoKey::into_key).collect()
 }
 
 fn check_len(op: &'static str, keys: usize, values: usize, what: &'static str) -> Result<()> {
@@ -1003,12 +1225,15 @@ fn run_custom(
     };
     let merged = NDArray::from_host(merged, slot.shape, device);
     let mut stored = NDArray::from_host(value.clone(), slot.shape, device);
-    catch_unwind(AssertUnwindSafe(|| f(&slot.key, &merged, &mut stored))).map_err(|panic| {
-        Error::UpdaterPanicked {
+    catch_unwind(AssertUnwindSafe(|| f(&slot.key, &merged, &mut stored)))
+        .map_err(|panic| Error::UpdaterPanicked {
             key: slot.key.clone(),
             message: panic_message(panic.as_ref()),
-        }
-    })?;
+        })?
+        .map_err(|source| Error::UpdaterFailed {
+            key: slot.key.clone(),
+            source,
+        })?;
     let what = "the updater's result".to_owned();
     if stored.shape() != slot.shape {
         return Err(Error::ShapeMismatch {
@@ -1125,11 +1350,11 @@ impl KvStore {
     /// A push, like [`KvStore::push`], with a priority; see [`KvStore::push_list_with_priority`].
     pub fn push_with_priority<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         values: &V,
         priority: i32,
     ) -> Result<()> {
-        self.push_list_with_priority(&[key.into()], &[values.arrays()], &[priority])
+        self.push_list_with_priority(&[key.into_key()?], &[values.arrays()], &[priority])
     }
 
     /// Pushes to many keys at once, like [`KvStore::push_list`], issuing the work for keys of
@@ -1159,7 +1384,7 @@ impl KvStore {
     /// assert_eq!(*seen.lock().unwrap(), vec![Key::Int(1), Key::Int(2), Key::Int(0)]);
     /// # Ok::<(), kvstore::Error>(())
     /// ```
-    pub fn push_list_with_priority<K: Into<Key> + Clone, V: ValueList>(
+    pub fn push_list_with_priority<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         values: &[V],
@@ -1171,11 +1396,11 @@ impl KvStore {
     /// A pull, like [`KvStore::pull`], with a priority; see [`KvStore::pull_list_with_priority`].
     pub fn pull_with_priority<V: ValueList + ?Sized>(
         &self,
-        key: impl Into<Key>,
+        key: impl IntoKey,
         outs: &V,
         priority: i32,
     ) -> Result<()> {
-        self.pull_list_with_priority(&[key.into()], &[outs.arrays()], &[priority])
+        self.pull_list_with_priority(&[key.into_key()?], &[outs.arrays()], &[priority])
     }
 
     /// Pulls many keys at once, like [`KvStore::pull_list`], copying keys of higher priority
@@ -1192,7 +1417,7 @@ impl KvStore {
     /// assert!(kv.pull_list_with_priority(&[0, 1], &[&a, &b], &[0]).is_err());
     /// # Ok::<(), kvstore::Error>(())
     /// ```
-    pub fn pull_list_with_priority<K: Into<Key> + Clone, V: ValueList>(
+    pub fn pull_list_with_priority<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
         outs: &[V],

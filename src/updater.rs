@@ -20,8 +20,14 @@ use num_traits::Float;
 use crate::dtype::Element;
 use crate::{Error, Key, NDArray, PtxUpdater, Result};
 
-/// The signature of a custom updater: `(key, merged input, stored value)`.
-pub type UpdateFn = dyn Fn(&Key, &NDArray, &mut NDArray) + Send + Sync;
+/// The error a fallible custom updater returns: any error type, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The signature of a custom updater: `(key, merged input, stored value)`. An `Err` fails the
+/// push with [`Error::UpdaterFailed`] and changes nothing. [`Updater::custom`] wraps a closure
+/// that returns `()`, [`Updater::try_custom`] one that returns a `Result`.
+pub type UpdateFn =
+    dyn Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError> + Send + Sync;
 
 /// How a push changes a key's stored value. The input is the sum of every value pushed to the
 /// key in that call.
@@ -44,7 +50,8 @@ pub enum Updater {
     /// A user closure, called once per key and push with `(key, input, &mut stored)`.
     ///
     /// It runs on a copy of the stored value, which replaces the stored value only when the
-    /// closure returns; if it panics, the push fails and nothing changes. It must not call the
+    /// closure returns `Ok`; if it returns an error or panics, the push fails and nothing
+    /// changes. It must not call the
     /// store it is set on. For keys homed on a GPU, the data goes to the host and back: this is
     /// the slow path.
     Custom(Arc<UpdateFn>),
@@ -64,6 +71,38 @@ impl Updater {
     /// });
     /// ```
     pub fn custom(f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static) -> Updater {
+        Updater::Custom(Arc::new(move |key, input, stored| {
+            f(key, input, stored);
+            Ok(())
+        }))
+    }
+
+    /// Wraps a fallible closure as an updater. An `Err` fails the push with
+    /// [`Error::UpdaterFailed`], which keeps the error as its source, and leaves every key of
+    /// the push as it was. The error is a [`BoxError`], so `?` takes any error type (this
+    /// crate's included) and a string converts with `.into()`.
+    ///
+    /// ```
+    /// use kvstore::{Error, KvStore, NDArray, Updater};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init(0, &NDArray::zeros([2]))?;
+    /// kv.set_updater(Updater::try_custom(|_key, input, stored| {
+    ///     stored.add_scaled(input, 1.0)?; // arithmetic errors propagate with `?`
+    ///     if input.to_vec::<f32>()?.iter().any(|x| !x.is_finite()) {
+    ///         return Err("non-finite gradient".into());
+    ///     }
+    ///     Ok(())
+    /// }))?;
+    /// let err = kv.push(0, &NDArray::full([2], f64::NAN)).unwrap_err();
+    /// assert!(matches!(err, Error::UpdaterFailed { .. }), "{err}");
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn try_custom(
+        f: impl Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Updater {
         Updater::Custom(Arc::new(f))
     }
 

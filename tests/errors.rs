@@ -14,7 +14,8 @@
 mod common;
 
 use common::Home;
-use kvstore::backend::probe::{describe_gpus, gpu_count};
+use kvstore::__internal::probe::describe_gpus;
+use kvstore::gpu_count;
 use kvstore::{cpu, gpu, DType, Device, Error, Key, KvStore, NDArray, Sgd, Shape, Updater};
 use rand::{thread_rng, Rng};
 
@@ -579,7 +580,11 @@ fn unknown_store_kind() {
         );
     }
     // Names are case-insensitive, as in MXNet.
-    assert_eq!(KvStore::create("Local").unwrap().kind(), "local");
+    assert_eq!(KvStore::create("Local").unwrap().type_name(), "local");
+    assert!(matches!(
+        "Dist_sync".parse::<kvstore::StoreKind>(),
+        Err(Error::UnknownKind { kind, .. }) if kind == "Dist_sync"
+    ));
 }
 
 fn assert_device_not_found(e: &Error, missing: Device) {

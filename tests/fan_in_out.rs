@@ -9,7 +9,7 @@
 mod common;
 
 use common::Home;
-use kvstore::backend::probe::gpu_count;
+use kvstore::gpu_count;
 use kvstore::{DType, NDArray};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

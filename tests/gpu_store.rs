@@ -7,8 +7,8 @@
 //! passes.
 
 use anyhow::{ensure, Result};
-use kvstore::backend::nccl::{self, MultiRank};
-use kvstore::backend::probe::gpu_count;
+use kvstore::__internal::nccl::{self, MultiRank};
+use kvstore::gpu_count;
 use kvstore::{cpu, gpu, Adam, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
 use rand::Rng;
 use std::sync::mpsc;

@@ -11,7 +11,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::Home;
-use kvstore::{DType, Key, KvStore, NDArray, Shape, Updater};
+use kvstore::{DType, Key, KvStore, NDArray, Shape, StoreKind, Updater};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -183,7 +183,8 @@ fn test_updater(h: Home) {
 #[test]
 fn test_get_type() {
     let kv = KvStore::create("local_allreduce_cpu").unwrap();
-    assert_eq!(kv.kind(), "local_allreduce_cpu");
+    assert_eq!(kv.type_name(), "local_allreduce_cpu");
+    assert_eq!(kv.kind(), StoreKind::Local);
     for name in [
         "local",
         "local_update_cpu",
@@ -191,8 +192,19 @@ fn test_get_type() {
         "local_allreduce_device",
         "nccl",
     ] {
-        assert_eq!(KvStore::create(name).unwrap().kind(), name);
+        let kv = KvStore::create(name).unwrap();
+        assert_eq!(kv.type_name(), name);
+        assert_eq!(kv.kind(), name.parse::<StoreKind>().unwrap());
+        // The kind itself is accepted too, and reports its canonical name.
+        let again = KvStore::create(kv.kind()).unwrap();
+        assert_eq!(again.kind(), kv.kind());
+        assert_eq!(again.type_name(), kv.kind().name());
     }
+    assert_eq!(
+        KvStore::create(String::from("NCCL")).unwrap().kind(),
+        StoreKind::Nccl
+    );
+    assert_eq!(StoreKind::Device.to_string(), "device");
 }
 
 fn test_broadcast_single_kv_pair(h: Home) {

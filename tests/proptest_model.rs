@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use common::Home;
 use half::{bf16, f16};
-use kvstore::backend::probe::gpu_count;
+use kvstore::gpu_count;
 use kvstore::{DType, Error, Key, KvStore, NDArray, Sgd, Shape, Updater};
 use proptest::prelude::*;
 use rand::rngs::StdRng;

@@ -28,7 +28,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
-use kvstore::backend::kernels::{self, RuleKind, TensorRecord};
+use kvstore::__internal::kernels::{self, RuleKind, TensorRecord};
 use kvstore::{Adam, DType, Element, KvStore, NDArray, Sgd, Updater};
 use ptx_emulator::{Arg, Memory, Module};
 use rand::rngs::StdRng;
@@ -402,7 +402,7 @@ struct Gpu {
 
 impl Gpu {
     fn new() -> Result<Gpu> {
-        let count = kvstore::backend::probe::gpu_count();
+        let count = kvstore::gpu_count();
         assert!(
             count > 0,
             "ptx_conformance needs a CUDA GPU, and this machine has none (libcuda missing or no \

@@ -11,7 +11,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use kvstore::backend::probe;
 use kvstore::{cpu, gpu, Adam, DType, Device, KvStore, NDArray, Sgd, Updater};
 
 /// 1 KiB.
@@ -86,7 +85,7 @@ impl Target {
         match std::env::var("KVSTORE_BENCH_DEVICE").as_deref() {
             Ok("gpu") => Target::Gpu,
             Ok("cpu") => Target::Cpu,
-            _ if probe::gpu_count() > 0 => Target::Gpu,
+            _ if kvstore::gpu_count() > 0 => Target::Gpu,
             _ => Target::Cpu,
         }
     }
@@ -111,7 +110,7 @@ impl Target {
     pub fn has(self, n: usize) -> bool {
         match self {
             Target::Cpu => true,
-            Target::Gpu => probe::gpu_count() >= n,
+            Target::Gpu => kvstore::gpu_count() >= n,
         }
     }
 
@@ -147,7 +146,7 @@ impl Kv {
             bail!("{n} {} devices are not available", target.name());
         }
         let len = bytes / dtype.size();
-        let kv = KvStore::create(&target.store())?;
+        let kv = KvStore::create(target.store())?;
         kv.init(0, &NDArray::full_on([len], 0.5, dtype, target.device(0))?)?;
         kv.set_updater(updater)?;
         let values = (0..n)
@@ -243,7 +242,7 @@ impl SmallKeys {
             bail!("{n} {} devices are not available", target.name());
         }
         let len = bytes / 4;
-        let kv = KvStore::create(&target.store())?;
+        let kv = KvStore::create(target.store())?;
         let keys: Vec<i32> = (0..count as i32).collect();
         let init = (0..count)
             .map(|_| NDArray::full_on([len], 0.0, DType::F32, target.device(0)))
@@ -485,7 +484,7 @@ pub mod roof {
 /// Seconds per device-to-device copy of `bytes` on gpu(0), the median of `reps`, using cudarc
 /// directly. An error, never a panic, when there is no GPU.
 pub fn gpu_d2d_copy(bytes: usize, reps: usize) -> Result<Vec<f64>> {
-    if probe::gpu_count() == 0 {
+    if kvstore::gpu_count() == 0 {
         bail!("no GPU: the D2D copy roof is skipped");
     }
     let ctx = cudarc::driver::CudaContext::new(0)?;

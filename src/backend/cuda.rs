@@ -32,7 +32,11 @@ pub struct Gpu {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    modules: OnceLock<std::result::Result<HashMap<&'static str, Arc<CudaModule>>, String>>,
+    /// The embedded modules, or the first that failed to load and the driver's error.
+    #[allow(clippy::type_complexity)]
+    modules: OnceLock<
+        std::result::Result<HashMap<&'static str, Arc<CudaModule>>, (&'static str, DriverError)>,
+    >,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
     user_functions: Mutex<Vec<(Arc<str>, String, CudaFunction)>>,
@@ -95,15 +99,19 @@ impl Gpu {
                         self.ctx
                             .load_module(Ptx::from_src(text))
                             .map(|m| (stem, m))
-                            .map_err(|e| format!("loading PTX module '{stem}': {e}"))
+                            .map_err(|e| (stem, e))
                     })
                     .collect()
             })
             .as_ref()
-            .map_err(|message| Error::Cuda {
+            .map_err(|&(stem, e)| Error::Cuda {
                 op: "load kernels",
                 key: None,
-                message: message.clone(),
+                message: format!(
+                    "loading PTX module '{stem}' on gpu({}): {:?}",
+                    self.ordinal, e.0
+                ),
+                source: Some(e),
             })?;
         let stem = kernels::module_for(rule, dtype);
         let module = modules.get(stem).ok_or_else(|| Error::Cuda {
@@ -112,6 +120,7 @@ impl Gpu {
             message: format!(
                 "no PTX module '{stem}' is embedded in this build (needed for {name})"
             ),
+            source: None,
         })?;
         let f = module
             .load_function(name)
@@ -134,10 +143,21 @@ impl Gpu {
         }) {
             return Ok(f.clone());
         }
-        let err = |e: DriverError| Error::Cuda {
-            op: "load PTX updater",
-            key: None,
-            message: format!("entry '{}' on gpu({}): {e}", p.entry(), self.ordinal),
+        let err = |e: DriverError| match Error::from_driver(
+            "load PTX updater",
+            Some(self.ordinal),
+            None,
+            e,
+        ) {
+            Error::Cuda {
+                op, key, source, ..
+            } => Error::Cuda {
+                op,
+                key,
+                message: format!("entry '{}' on gpu({}): {:?}", p.entry(), self.ordinal, e.0),
+                source,
+            },
+            other => other,
         };
         let module = self
             .ctx
@@ -197,7 +217,7 @@ pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<(
 }
 
 /// Every GPU of the process, each opened on first use (or the reason it could not be).
-type Gpus = Vec<OnceLock<std::result::Result<Gpu, String>>>;
+type Gpus = Vec<OnceLock<std::result::Result<Gpu, DriverError>>>;
 static GPUS: OnceLock<Gpus> = OnceLock::new();
 
 /// The GPU with ordinal `i`, opened on first use; `DeviceNotFound` when there is no such GPU.
@@ -211,13 +231,9 @@ pub fn gpu(i: usize) -> Result<&'static Gpu> {
     }
     let gpus = GPUS.get_or_init(|| (0..n).map(|_| OnceLock::new()).collect());
     gpus[i]
-        .get_or_init(|| Gpu::open(i).map_err(|e| e.to_string()))
+        .get_or_init(|| Gpu::open(i))
         .as_ref()
-        .map_err(|message| Error::Cuda {
-            op: "open GPU",
-            key: None,
-            message: format!("gpu({i}): {message}"),
-        })
+        .map_err(|&e| Error::from_driver("open GPU", Some(i), None, e))
 }
 
 /// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work
@@ -231,14 +247,23 @@ pub fn synchronize_all() -> Result<()> {
     Ok(())
 }
 
-/// Maps a driver error to [`Error::Cuda`] for `op` (and `key`).
+/// Maps a driver error during `op` (on `key`) to [`Error::Cuda`], or [`Error::OutOfMemory`]
+/// for an out-of-memory error, keeping the driver's error as the source.
 pub(crate) fn cuda_err(op: &'static str, key: Option<&Key>) -> impl FnOnce(DriverError) -> Error {
     let key = key.cloned();
-    move |e| Error::Cuda {
-        op,
-        key,
-        message: e.to_string(),
+    move |e| {
+        let err = Error::from_driver(op, None, None, e);
+        match &key {
+            Some(k) => err.with_key(k),
+            None => err,
+        }
     }
+}
+
+/// Maps a driver error of a call on GPU `ordinal` that allocates `bytes` (an allocation, or a
+/// copy into a new buffer) during `op`.
+fn alloc_err(op: &'static str, ordinal: usize, bytes: usize) -> impl Fn(DriverError) -> Error {
+    move |e| Error::from_driver(op, Some(ordinal), Some(bytes), e)
 }
 
 /// `n` uninitialized elements on `st`. The driver refuses to allocate 0 bytes
@@ -368,7 +393,7 @@ impl GpuBuf {
     /// Zeros of `dtype` on GPU `ordinal`.
     pub fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
-        let e = cuda_err("alloc", None);
+        let e = alloc_err("alloc", ordinal, n * dtype.size());
         Ok(match dtype {
             DType::F32 => GpuBuf::F32(alloc_zeros(st, n).map_err(e)?),
             DType::F64 => GpuBuf::F64(alloc_zeros(st, n).map_err(e)?),
@@ -382,7 +407,7 @@ impl GpuBuf {
     /// (all on that GPU's stream, so in that order).
     pub(crate) fn scratch(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
-        let e = cuda_err("alloc", None);
+        let e = alloc_err("alloc", ordinal, n * dtype.size());
         // SAFETY: `alloc` returns uninitialized device memory; every caller overwrites all `n`
         // elements with work enqueued on this stream before any read enqueued after it, and
         // the elements are plain floats, valid for any bit pattern.
@@ -399,7 +424,7 @@ impl GpuBuf {
     /// A copy of host data on GPU `ordinal`, same dtype.
     pub fn upload(ordinal: usize, data: &HostData) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
-        let e = cuda_err("copy to GPU", None);
+        let e = alloc_err("copy to GPU", ordinal, data.len() * data.dtype().size());
         Ok(match data {
             HostData::F32(v) => GpuBuf::F32(clone_htod(st, v).map_err(e)?),
             HostData::F64(v) => GpuBuf::F64(clone_htod(st, v).map_err(e)?),
@@ -412,9 +437,8 @@ impl GpuBuf {
     pub fn upload_into(&mut self, data: &HostData) -> Result<()> {
         // cudarc asserts (panics) on a length mismatch; report it instead.
         if data.len() != self.len() {
-            return Err(Error::Cuda {
+            return Err(Error::Internal {
                 op: "copy to GPU",
-                key: None,
                 message: format!("{} elements into a buffer of {}", data.len(), self.len()),
             });
         }
@@ -465,9 +489,8 @@ impl GpuBuf {
         let e = || cuda_err("copy between GPUs", None);
         // cudarc asserts (panics) on a length mismatch; report it instead.
         if src.len() != self.len() {
-            return Err(Error::Cuda {
+            return Err(Error::Internal {
                 op: "copy between GPUs",
-                key: None,
                 message: format!("{} elements into a buffer of {}", src.len(), self.len()),
             });
         }
@@ -484,9 +507,8 @@ impl GpuBuf {
             (GpuBuf::F16(d), GpuBuf::F16(s)) => dst_stream.memcpy_dtod(s, d),
             (GpuBuf::BF16(d), GpuBuf::BF16(s)) => dst_stream.memcpy_dtod(s, d),
             (d, s) => {
-                return Err(Error::Cuda {
+                return Err(Error::Internal {
                     op: "copy between GPUs",
-                    key: None,
                     message: format!("dtype {} into {}", s.dtype(), d.dtype()),
                 })
             }
@@ -602,6 +624,7 @@ pub(crate) fn launch_fused(
                     op: "launch update kernel",
                     key: None,
                     message: format!("a tensor of {max_n} elements is too large for one launch"),
+                    source: None,
                 })?,
                 batch.len() as u32,
                 1,

@@ -409,6 +409,7 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
                     gpu.ordinal(),
                     2 * timeout()
                 ),
+                source: None,
             });
         }
         std::thread::sleep(POLL_INTERVAL);

@@ -7,7 +7,7 @@
 //! GPU; run with `--include-ignored` on a GPU machine).
 #![allow(dead_code)]
 
-use kvstore::backend::probe::gpu_count;
+use kvstore::gpu_count;
 use kvstore::{cpu, gpu, DType, Device, KvStore, NDArray, Shape};
 
 /// Where a test's store keeps its values, and where the test's own arrays live.

@@ -2,7 +2,7 @@
 
 use super::*;
 use anyhow::Result;
-use kvstore::backend::kernels::{self, RuleKind};
+use kvstore::__internal::kernels::{self, RuleKind};
 use rand::{Rng, SeedableRng};
 
 const HEAD: &str = ".version 7.0\n.target sm_70\n.address_size 64\n";

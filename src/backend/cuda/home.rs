@@ -57,6 +57,14 @@ impl GpuCell {
         GpuCell { buf, state: None }
     }
 
+    /// The step count of updater `generation`: `None` when the key has no state for it.
+    pub fn step(&self, generation: u64) -> Option<u64> {
+        self.state
+            .as_ref()
+            .filter(|s| s.generation == generation)
+            .map(|s| s.step)
+    }
+
     /// The step count and state buffers of updater `generation`, copied to the host (for
     /// checkpoints); `None` when the key has no state for it.
     pub fn state_to_host(&self, generation: u64) -> Result<Option<(u64, Vec<HostData>)>> {
@@ -98,9 +106,8 @@ impl GpuCell {
         };
         // The kernels index the state with the value's length: never hand them a shorter one.
         if let Some(b) = bufs.iter().find(|b| b.len() != self.buf.len()) {
-            return Err(Error::Cuda {
+            return Err(Error::Internal {
                 op: "copy state to GPU",
-                key: None,
                 message: format!(
                     "a state buffer of {} elements for a value of {}",
                     b.len(),
@@ -325,14 +332,7 @@ impl Ord for DTypeKey {
 }
 
 fn with_key(key: &Key) -> impl FnOnce(Error) -> Error + '_ {
-    move |e| match e {
-        Error::Cuda { op, message, .. } => Error::Cuda {
-            op,
-            key: Some(key.clone()),
-            message,
-        },
-        other => other,
-    }
+    move |e| e.with_key(key)
 }
 
 /// Brings every key's partial sums from other GPUs to its home: one grouped NCCL reduce, or
