@@ -1619,6 +1619,8 @@ impl KvStore {
                     table.next_str_order += 1;
                     slot.order = table.next_str_order;
                 }
+                slot.init_seq = table.next_init_seq;
+                table.next_init_seq += 1;
                 table.key_kind = Some(slot.key.kind());
                 table.slots.insert(slot.key.clone(), Arc::new(slot));
             }
@@ -1627,7 +1629,8 @@ impl KvStore {
     }
 }
 
-/// The slot of a key a load adds; a string key's order is set when it is added.
+/// The slot of a key a load adds; its update order (string keys) and init order are set when
+/// it is added.
 fn new_slot(key: Key, shape: Shape, dtype: DType, home: Device, cell: Cell) -> Slot {
     let order = match &key {
         Key::Int(k) => i64::from(*k),
@@ -1636,6 +1639,7 @@ fn new_slot(key: Key, shape: Shape, dtype: DType, home: Device, cell: Cell) -> S
     Slot {
         key,
         order,
+        init_seq: 0,
         shape,
         dtype,
         home,

@@ -114,7 +114,7 @@ pub(super) fn for_push(
                 .map_or(0, |s| s.step)
         };
         match &cell.value {
-            Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => c.step(generation),
+            Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => c.step(generation).unwrap_or(0),
             _ => host(),
         }
     });

@@ -85,14 +85,6 @@ impl GpuCell {
         Ok(Some((state.step, bufs)))
     }
 
-    /// The step count of updater `generation` (0 when the key has no state for it).
-    pub fn step(&self, generation: u64) -> u64 {
-        self.state
-            .as_ref()
-            .filter(|s| s.generation == generation)
-            .map_or(0, |s| s.step)
-    }
-
     /// Replaces the updater state with host buffers (`float32`, one per state name) for
     /// updater `generation`, or clears it.
     pub fn set_state_from_host(
