@@ -55,5 +55,7 @@ mod parse;
 mod tests;
 
 pub use exec::{launch, Arg};
-pub use memory::Memory;
-pub use parse::Module;
+#[allow(unused_imports)] // `Touch` is used by the stand-in driver
+pub use memory::{Memory, Touch};
+#[allow(unused_imports)] // `Ty` is used by the stand-in driver
+pub use parse::{Module, Ty};
