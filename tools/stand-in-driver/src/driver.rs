@@ -262,11 +262,9 @@ fn sync_ctx(st: MutexGuard<'static, State>, ctx: usize) -> Result<(), i32> {
         .filter(|&s| st.streams[s].ctx == ctx)
         .map(|s| (s, st.streams[s].enq))
         .collect();
-    let (mut st, ok) = state::wait_until(
-        st,
-        &|| format!("cuCtxSynchronize (gpu {ctx})"),
-        &|st| targets.iter().all(|&(s, p)| st.streams[s].done >= p),
-    );
+    let (mut st, ok) = state::wait_until(st, &|| format!("cuCtxSynchronize (gpu {ctx})"), &|st| {
+        targets.iter().all(|&(s, p)| st.streams[s].done >= p)
+    });
     if !ok {
         return Err(cu::LAUNCH_TIMEOUT);
     }
@@ -373,11 +371,9 @@ pub extern "C" fn cuStreamDestroy_v2(stream: Handle) -> i32 {
 fn sync_stream(st: MutexGuard<'static, State>, s: usize, what: &str) -> Result<(), i32> {
     let target = st.streams[s].enq;
     let name = st.stream_name(s);
-    let (mut st, ok) = state::wait_until(
-        st,
-        &|| format!("{what} on {name}"),
-        &|st| st.streams[s].done >= target,
-    );
+    let (mut st, ok) = state::wait_until(st, &|| format!("{what} on {name}"), &|st| {
+        st.streams[s].done >= target
+    });
     if !ok {
         return Err(cu::LAUNCH_TIMEOUT);
     }
@@ -687,7 +683,10 @@ pub unsafe extern "C" fn cuMemsetD8Async(dst: u64, value: u8, n: usize, stream: 
         let mut st = begin()?;
         let s = st.stream(stream)?;
         check_range(&st, "cuMemsetD8Async", s, dst, n)?;
-        let what = format!("cuMemsetD8Async({dst:#x}, {n} bytes) on {}", st.stream_name(s));
+        let what = format!(
+            "cuMemsetD8Async({dst:#x}, {n} bytes) on {}",
+            st.stream_name(s)
+        );
         enqueue_checked(&mut st, s, what, Work::Memset { dst, value, len: n })
     })
 }
@@ -715,7 +714,10 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
         // its buffer as soon as this returns.
         // SAFETY: the caller's source holds `bytes` readable bytes (the API's contract).
         let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
-        let what = format!("cuMemcpyHtoDAsync({dst:#x}, {bytes} bytes) on {}", st.stream_name(s));
+        let what = format!(
+            "cuMemcpyHtoDAsync({dst:#x}, {bytes} bytes) on {}",
+            st.stream_name(s)
+        );
         enqueue_checked(&mut st, s, what, Work::HtoD { dst, data })
     })
 }
@@ -739,7 +741,10 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
         let (_, _) = st
             .locate(src, bytes)
             .map_err(|e| reject(cu::INVALID_VALUE, format!("cuMemcpyDtoHAsync: {e}")))?;
-        let what = format!("cuMemcpyDtoHAsync({src:#x}, {bytes} bytes) on {}", st.stream_name(s));
+        let what = format!(
+            "cuMemcpyDtoHAsync({src:#x}, {bytes} bytes) on {}",
+            st.stream_name(s)
+        );
         let name = what.clone();
         let pos = st.enqueue(
             s,
@@ -751,8 +756,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             },
         );
         // To pageable memory the copy is done when the call returns (CUDA's rule): wait.
-        let (mut st, ok) =
-            state::wait_until(st, &|| name.clone(), &|st| st.streams[s].done >= pos);
+        let (mut st, ok) = state::wait_until(st, &|| name.clone(), &|st| st.streams[s].done >= pos);
         if !ok {
             // Never write into the caller's buffer after this returns.
             if let Some(op) = st.streams[s].queue.iter_mut().find(|o| o.pos == pos) {
@@ -816,7 +820,10 @@ pub unsafe extern "C" fn cuMemcpyPeerAsync(
         }
         for (call, ptr, ctx) in [("destination", dst, dc), ("source", src, sc)] {
             let (device, _) = st.locate(ptr, bytes).map_err(|e| {
-                reject(cu::INVALID_VALUE, format!("cuMemcpyPeerAsync ({call}): {e}"))
+                reject(
+                    cu::INVALID_VALUE,
+                    format!("cuMemcpyPeerAsync ({call}): {e}"),
+                )
             })?;
             if device != st.ctxs[ctx].device {
                 return Err(reject(
@@ -1062,7 +1069,9 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if bx * by * bz > 1024 || bz > 64 || gy > 65535 || gz > 65535 {
             return Err(reject(
                 cu::INVALID_VALUE,
-                format!("{call}: grid ({gx}, {gy}, {gz}) x block ({bx}, {by}, {bz}) is over the limits"),
+                format!(
+                    "{call}: grid ({gx}, {gy}, {gz}) x block ({bx}, {by}, {bz}) is over the limits"
+                ),
             ));
         }
         if [gx, gy, gz, bx, by, bz].contains(&0) {
@@ -1108,7 +1117,11 @@ pub unsafe extern "C" fn cuLaunchKernel(
                                  bytes wide)",
                                 p.name,
                                 p.ty,
-                                if ptr.is_null() { "null" } else { "not aligned for it" }
+                                if ptr.is_null() {
+                                    "null"
+                                } else {
+                                    "not aligned for it"
+                                }
                             ),
                         ));
                     }

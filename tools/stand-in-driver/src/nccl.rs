@@ -12,8 +12,8 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::MutexGuard;
 
 use crate::state::{
-    self, handle, lock, nc, nccl_elem_size, notify, report, unhandle, Clique, Coll, CollKind,
-    Comm, Kind, Part, State, Work,
+    self, handle, lock, nc, nccl_elem_size, notify, report, unhandle, Clique, Coll, CollKind, Comm,
+    Kind, Part, State, Work,
 };
 
 type Handle = *mut c_void;
@@ -233,7 +233,10 @@ fn wait_clique(st: MutexGuard<'static, State>, comm: usize) -> (MutexGuard<'stat
     }
     match st.cliques[k].ready.clone().expect("ready") {
         Ok(()) => (st, nc::SUCCESS),
-        Err(m) => (st, reject(nc::INVALID_USAGE, format!("ncclCommInitRank: {m}"))),
+        Err(m) => (
+            st,
+            reject(nc::INVALID_USAGE, format!("ncclCommInitRank: {m}")),
+        ),
     }
 }
 
@@ -287,7 +290,11 @@ pub unsafe extern "C" fn ncclCommInitRank(
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devs: *const c_int) -> i32 {
+pub unsafe extern "C" fn ncclCommInitAll(
+    comms: *mut Handle,
+    ndev: c_int,
+    devs: *const c_int,
+) -> i32 {
     if comms.is_null() || ndev <= 0 {
         return nc::INVALID_ARGUMENT;
     }
@@ -434,12 +441,11 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
     };
     if !part.grouped {
         let me = part.thread;
-        if let Some((r, _)) = st.colls[ci]
-            .parts
-            .iter()
-            .enumerate()
-            .find_map(|(r, p)| p.as_ref().filter(|p| p.thread == me && !p.grouped).map(|p| (r, p)))
-        {
+        if let Some((r, _)) = st.colls[ci].parts.iter().enumerate().find_map(|(r, p)| {
+            p.as_ref()
+                .filter(|p| p.thread == me && !p.grouped)
+                .map(|p| (r, p))
+        }) {
             return reject(
                 nc::INVALID_USAGE,
                 format!(
@@ -479,7 +485,11 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
 /// Every part is issued: they must agree. Then the ranks that receive data are ordered after
 /// the ranks that send it.
 fn check_match(st: &mut State, ci: usize) -> i32 {
-    let parts: Vec<Part> = st.colls[ci].parts.iter().map(|p| p.clone().expect("all")).collect();
+    let parts: Vec<Part> = st.colls[ci]
+        .parts
+        .iter()
+        .map(|p| p.clone().expect("all"))
+        .collect();
     let p0 = &parts[0];
     let mismatch = parts.iter().enumerate().find_map(|(r, p)| {
         let diff = if p.kind != p0.kind {
@@ -488,7 +498,12 @@ fn check_match(st: &mut State, ci: usize) -> i32 {
             Some(format!("the count ({} vs {})", p.count, p0.count))
         } else if p.dtype != p0.dtype {
             Some(format!("the datatype ({} vs {})", p.dtype, p0.dtype))
-        } else if p.op != p0.op && matches!(p.kind, CollKind::Reduce | CollKind::AllReduce | CollKind::ReduceScatter) {
+        } else if p.op != p0.op
+            && matches!(
+                p.kind,
+                CollKind::Reduce | CollKind::AllReduce | CollKind::ReduceScatter
+            )
+        {
             Some(format!("the operation ({} vs {})", p.op, p0.op))
         } else if p.root != p0.root && matches!(p.kind, CollKind::Reduce | CollKind::Broadcast) {
             Some(format!("the root ({} vs {})", p.root, p0.root))
@@ -548,9 +563,9 @@ fn collective(
     run(|| {
         let mut st = lock();
         let c = comm_of(&st, comm, call)?;
-        let s = st.stream(stream).map_err(|_| {
-            reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream"))
-        })?;
+        let s = st
+            .stream(stream)
+            .map_err(|_| reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream")))?;
         let (device, rank) = (st.comms[c].device, st.comms[c].rank);
         let nranks = st.cliques[st.comms[c].clique].nranks;
         if st.device_of_stream(s) != device {
@@ -565,7 +580,10 @@ fn collective(
         let es = nccl_elem_size(dtype)
             .ok_or_else(|| reject(nc::INVALID_ARGUMENT, format!("{call}: datatype {dtype}")))?;
         if !(0..=4).contains(&op) {
-            return Err(reject(nc::INVALID_ARGUMENT, format!("{call}: operation {op}")));
+            return Err(reject(
+                nc::INVALID_ARGUMENT,
+                format!("{call}: operation {op}"),
+            ));
         }
         let rooted = matches!(kind, CollKind::Reduce | CollKind::Broadcast);
         if rooted && (root < 0 || root as usize >= nranks) {
@@ -582,12 +600,18 @@ fn collective(
             CollKind::AllGather => (count * es, count * es * nranks),
             CollKind::ReduceScatter => (count * es * nranks, count * es),
         };
-        for (what, ptr, bytes) in [("send", send as u64, send_bytes), ("receive", recv as u64, recv_bytes)] {
+        for (what, ptr, bytes) in [
+            ("send", send as u64, send_bytes),
+            ("receive", recv as u64, recv_bytes),
+        ] {
             if bytes == 0 {
                 continue;
             }
             let (d, _) = st.locate(ptr, bytes).map_err(|e| {
-                reject(nc::INVALID_ARGUMENT, format!("{call} (rank {rank}) {what} buffer: {e}"))
+                reject(
+                    nc::INVALID_ARGUMENT,
+                    format!("{call} (rank {rank}) {what} buffer: {e}"),
+                )
             })?;
             if d != device {
                 return Err(reject(
@@ -636,7 +660,18 @@ pub extern "C" fn ncclReduce(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
-    collective("ncclReduce", CollKind::Reduce, send, recv, count, dtype, op, root, comm, stream)
+    collective(
+        "ncclReduce",
+        CollKind::Reduce,
+        send,
+        recv,
+        count,
+        dtype,
+        op,
+        root,
+        comm,
+        stream,
+    )
 }
 
 #[no_mangle]
@@ -649,7 +684,18 @@ pub extern "C" fn ncclBroadcast(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
-    collective("ncclBroadcast", CollKind::Broadcast, send, recv, count, dtype, 0, root, comm, stream)
+    collective(
+        "ncclBroadcast",
+        CollKind::Broadcast,
+        send,
+        recv,
+        count,
+        dtype,
+        0,
+        root,
+        comm,
+        stream,
+    )
 }
 
 #[no_mangle]
@@ -662,7 +708,18 @@ pub extern "C" fn ncclAllReduce(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
-    collective("ncclAllReduce", CollKind::AllReduce, send, recv, count, dtype, op, 0, comm, stream)
+    collective(
+        "ncclAllReduce",
+        CollKind::AllReduce,
+        send,
+        recv,
+        count,
+        dtype,
+        op,
+        0,
+        comm,
+        stream,
+    )
 }
 
 #[no_mangle]
@@ -674,7 +731,18 @@ pub extern "C" fn ncclAllGather(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
-    collective("ncclAllGather", CollKind::AllGather, send, recv, count, dtype, 0, 0, comm, stream)
+    collective(
+        "ncclAllGather",
+        CollKind::AllGather,
+        send,
+        recv,
+        count,
+        dtype,
+        0,
+        0,
+        comm,
+        stream,
+    )
 }
 
 #[no_mangle]

@@ -160,11 +160,23 @@ pub struct Ctx {
 /// Work a stream does when its operation runs.
 pub enum Work {
     /// A stream-ordered allocation: counts as a write of the whole allocation.
-    Alloc { base: u64, len: u64 },
-    Free { base: u64 },
-    HtoD { dst: u64, data: Vec<u8> },
+    Alloc {
+        base: u64,
+        len: u64,
+    },
+    Free {
+        base: u64,
+    },
+    HtoD {
+        dst: u64,
+        data: Vec<u8>,
+    },
     /// To host memory at `dst` (the calling thread waits inside the call until it ran).
-    DtoH { dst: usize, src: u64, len: usize },
+    DtoH {
+        dst: usize,
+        src: u64,
+        len: usize,
+    },
     /// `staged`: a peer copy, which needs no peer access.
     DtoD {
         dst: u64,
@@ -172,7 +184,11 @@ pub enum Work {
         len: usize,
         staged: bool,
     },
-    Memset { dst: u64, value: u8, len: usize },
+    Memset {
+        dst: u64,
+        value: u8,
+        len: usize,
+    },
     Launch {
         func: usize,
         grid: (u32, u32, u32),
@@ -180,9 +196,14 @@ pub enum Work {
         args: Vec<Arg>,
     },
     /// Waits until `stream` has done `upto` operations.
-    Wait { stream: usize, upto: u64 },
+    Wait {
+        stream: usize,
+        upto: u64,
+    },
     /// This rank's part of a collective.
-    Coll { coll: usize },
+    Coll {
+        coll: usize,
+    },
     /// A cancelled operation (its host buffer went away): does nothing.
     Nothing,
 }
@@ -633,7 +654,14 @@ impl State {
         if !staged {
             self.check_peer(self.device_of_stream(s), device, addr)?;
         }
-        self.access(base, (addr - base, addr - base + len as u64), write, s, &op.vc, &op.what)
+        self.access(
+            base,
+            (addr - base, addr - base + len as u64),
+            write,
+            s,
+            &op.vc,
+            &op.what,
+        )
     }
 
     /// Whether work on device `from` may touch memory of device `to`.
@@ -764,10 +792,20 @@ impl State {
             }
             CollKind::AllGather => {
                 reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes)));
-                writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes * n)));
+                writes.extend(
+                    parts
+                        .iter()
+                        .enumerate()
+                        .map(|(r, p)| (r, p.recv, bytes * n)),
+                );
             }
             CollKind::ReduceScatter => {
-                reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes * n)));
+                reads.extend(
+                    parts
+                        .iter()
+                        .enumerate()
+                        .map(|(r, p)| (r, p.send, bytes * n)),
+                );
                 writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes)));
             }
         }

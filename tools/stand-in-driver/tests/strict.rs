@@ -142,7 +142,10 @@ fn a_launch_whose_parameter_bytes_do_not_match_the_entry_is_rejected() {
     ];
     // SAFETY: a well-formed extra list.
     let r = unsafe { cuLaunchKernel(f, 1, 1, 1, 4, 1, 1, 0, s, null_mut(), extra.as_mut_ptr()) };
-    assert_eq!(r, INVALID_VALUE, "a 16-byte parameter buffer for a 20-byte entry");
+    assert_eq!(
+        r, INVALID_VALUE,
+        "a 16-byte parameter buffer for a 20-byte entry"
+    );
 
     // Through kernelParams: a 4-byte value where the entry declares .u64 (its address is only
     // 4-byte aligned: the value is narrower than the parameter).
@@ -194,7 +197,11 @@ fn a_read_of_what_another_stream_writes_needs_an_event() {
     let f = copy_kernel();
     let (a, b) = (alloc(16, s1), alloc(16, s1));
     assert_eq!(upload(b, &[1.0; 4], s1), OK);
-    assert_eq!(cuStreamSynchronize(s1), OK, "the host wait orders everything before it");
+    assert_eq!(
+        cuStreamSynchronize(s1),
+        OK,
+        "the host wait orders everything before it"
+    );
     assert_eq!(launch_copy(f, a, b, 4, s2), OK);
     assert_eq!(download(a, 4, s1).0, ILLEGAL_STATE);
 }
@@ -207,8 +214,16 @@ fn use_after_free_and_double_free_are_rejected() {
     let (a, b) = (alloc(16, s), alloc(16, s));
     assert_eq!(upload(b, &[1.0; 4], s), OK);
     assert_eq!(cuMemFreeAsync(b, s), OK);
-    assert_eq!(upload(b, &[1.0; 4], s), INVALID_VALUE, "a copy into freed memory");
-    assert_eq!(launch_copy(f, a, b, 4, s), ILLEGAL_ADDRESS, "a kernel reading freed memory");
+    assert_eq!(
+        upload(b, &[1.0; 4], s),
+        INVALID_VALUE,
+        "a copy into freed memory"
+    );
+    assert_eq!(
+        launch_copy(f, a, b, 4, s),
+        ILLEGAL_ADDRESS,
+        "a kernel reading freed memory"
+    );
     assert_eq!(cuMemFreeAsync(b, s), INVALID_VALUE, "a double free");
 }
 
@@ -244,7 +259,10 @@ fn peer_access_must_be_enabled() {
 fn two_ranks(ctx: [H; 2]) -> ([H; 2], [H; 2], [u64; 2]) {
     let mut comms = [null_mut(); 2];
     // SAFETY: room for two handles; null device list means devices 0 and 1.
-    assert_eq!(unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) }, OK);
+    assert_eq!(
+        unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) },
+        OK
+    );
     let mut streams = [null_mut(); 2];
     let mut bufs = [0; 2];
     for d in 0..2 {
