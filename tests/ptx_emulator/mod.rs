@@ -55,7 +55,5 @@ mod parse;
 mod tests;
 
 pub use exec::{launch, Arg};
-#[allow(unused_imports)] // `Touch` is used by the stand-in driver
-pub use memory::{Memory, Touch};
-#[allow(unused_imports)] // `Ty` is used by the stand-in driver
-pub use parse::{Module, Ty};
+pub use memory::Memory;
+pub use parse::Module;

@@ -81,9 +81,19 @@
 // part it relies on.
 #![allow(clippy::missing_safety_doc)]
 
+/// The PTX interpreter of kvstore's tests (`tests/ptx_emulator`), shared by path: its three
+/// files, without its unit tests (which need kvstore itself).
 #[allow(dead_code)]
-#[path = "../../../tests/ptx_emulator/mod.rs"]
-pub mod emu;
+#[path = "../../../tests/ptx_emulator"]
+pub mod emu {
+    mod exec;
+    mod memory;
+    mod parse;
+
+    pub use exec::{launch, Arg};
+    pub use memory::{Memory, Touch};
+    pub use parse::{Module, Ty};
+}
 
 pub mod driver;
 pub mod nccl;

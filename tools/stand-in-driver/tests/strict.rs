@@ -134,9 +134,9 @@ fn a_launch_whose_parameter_bytes_do_not_match_the_entry_is_rejected() {
     buf[8..].copy_from_slice(&b.to_le_bytes());
     let mut size = buf.len();
     let mut extra: [*mut c_void; 5] = [
-        1 as *mut c_void,
+        std::ptr::without_provenance_mut(1), // CU_LAUNCH_PARAM_BUFFER_POINTER
         buf.as_mut_ptr().cast(),
-        2 as *mut c_void,
+        std::ptr::without_provenance_mut(2), // CU_LAUNCH_PARAM_BUFFER_SIZE
         (&mut size as *mut usize).cast(),
         null_mut(),
     ];
