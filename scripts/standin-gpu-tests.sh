@@ -62,6 +62,8 @@ passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
 skipped=$(grep -c '^SKIPPED:' "$log" || true)
 rejections=$(grep -c '^\[kvstore stand-in\]' "$log" || true)
-banner "summary: ${passed} passed (${skipped} of them printed SKIPPED), ${failed} failed, \
-${rejections} stand-in rejections on stderr, ${took}s. Not a GPU result."
+strict=$(grep -Eo '[0-9]+ passed' "$log.strict" | awk '{s+=$1} END {print s+0}')
+banner "summary: GPU tests ${passed} passed (${skipped} of them printed SKIPPED), ${failed} failed, \
+${rejections} stand-in rejections on stderr; stand-in strictness tests ${strict} passed; \
+${took}s. Not a GPU result."
 exit "$status"
