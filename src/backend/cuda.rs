@@ -32,11 +32,9 @@ pub struct Gpu {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// The embedded modules, or the first that failed to load and the driver's error.
-    #[allow(clippy::type_complexity)]
-    modules: OnceLock<
-        std::result::Result<HashMap<&'static str, Arc<CudaModule>>, (&'static str, DriverError)>,
-    >,
+    /// The PTX modules, each loaded on first use: a module this GPU cannot load (bf16's
+    /// `sm_80` PTX on an sm_70 GPU) fails only the kernels in it.
+    modules: Mutex<HashMap<&'static str, std::result::Result<Arc<CudaModule>, DriverError>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
     user_functions: Mutex<Vec<(Arc<str>, String, CudaFunction)>>,
@@ -77,7 +75,7 @@ impl Gpu {
             ordinal,
             ctx,
             stream,
-            modules: OnceLock::new(),
+            modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             user_functions: Mutex::new(Vec::new()),
         })
@@ -90,37 +88,29 @@ impl Gpu {
         if let Some(f) = functions.get(name) {
             return Ok(f.clone());
         }
-        let modules = self
-            .modules
-            .get_or_init(|| {
-                kernels::PTX_SOURCES
-                    .iter()
-                    .map(|&(stem, text)| {
-                        self.ctx
-                            .load_module(Ptx::from_src(text))
-                            .map(|m| (stem, m))
-                            .map_err(|e| (stem, e))
-                    })
-                    .collect()
-            })
-            .as_ref()
-            .map_err(|&(stem, e)| Error::Cuda {
+        let stem = kernels::module_for(rule, dtype);
+        let Some(&(_, text)) = kernels::PTX_SOURCES.iter().find(|(s, _)| *s == stem) else {
+            return Err(Error::Cuda {
                 op: "load kernels",
                 key: None,
                 message: format!(
-                    "loading PTX module '{stem}' on gpu({}): {:?}",
-                    self.ordinal, e.0
+                    "no PTX module '{stem}' is embedded in this build (needed for {name})"
                 ),
-                source: Some(e),
-            })?;
-        let stem = kernels::module_for(rule, dtype);
-        let module = modules.get(stem).ok_or_else(|| Error::Cuda {
+                source: None,
+            });
+        };
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let loaded = modules
+            .entry(stem)
+            .or_insert_with(|| self.ctx.load_module(Ptx::from_src(text)));
+        let module = loaded.as_ref().map_err(|&e| Error::Cuda {
             op: "load kernels",
             key: None,
             message: format!(
-                "no PTX module '{stem}' is embedded in this build (needed for {name})"
+                "loading PTX module '{stem}' on gpu({}): {:?}",
+                self.ordinal, e.0
             ),
-            source: None,
+            source: Some(e),
         })?;
         let f = module
             .load_function(name)
@@ -138,10 +128,22 @@ impl Gpu {
             .user_functions
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some((_, _, f)) = user.iter().find(|(ptx, entry, _)| {
-            (Arc::ptr_eq(ptx, p.ptx()) || ptx == p.ptx()) && entry == p.entry()
-        }) {
+        if let Some((_, _, f)) = user
+            .iter()
+            .find(|(ptx, entry, _)| Arc::ptr_eq(ptx, p.ptx()) && entry == p.entry())
+        {
             return Ok(f.clone());
+        }
+        // The same text and entry, loaded here for another updater: share its module, and
+        // count this GPU for this updater too (once: the alias below is found by pointer).
+        if let Some((_, _, f)) = user
+            .iter()
+            .find(|(ptx, entry, _)| ptx == p.ptx() && entry == p.entry())
+        {
+            let f = f.clone();
+            p.note_load();
+            user.push((p.ptx().clone(), p.entry().to_owned(), f.clone()));
+            return Ok(f);
         }
         let err = |e: DriverError| match Error::from_driver(
             "load PTX updater",

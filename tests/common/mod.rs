@@ -106,6 +106,24 @@ impl Home {
     }
 }
 
+/// Whether this run is against the stand-in driver (`scripts/standin-gpu-tests.sh` sets
+/// `KVSTORE_STANDIN=1`), whose PTX interpreter runs GPU threads one after another: the largest
+/// shapes are scaled down there. A real GPU run never sets it, and keeps the full shapes.
+pub fn on_standin() -> bool {
+    std::env::var_os("KVSTORE_STANDIN").is_some()
+}
+
+impl Home {
+    /// `full` elements, or `standin` on a GPU home run against the stand-in driver.
+    pub fn scaled(self, full: usize, standin: usize) -> usize {
+        if self == Home::Gpu && on_standin() {
+            standin
+        } else {
+            full
+        }
+    }
+}
+
 /// Makes a `cpu` and a `gpu` test module, with one test per listed `fn name(home: Home)`.
 ///
 /// The GPU tests are `#[ignore = "needs a GPU"]`. A function may return `()` or a `Result`.

@@ -1,0 +1,102 @@
+//! A stand-in for `libcuda.so` and `libnccl.so`, so that kvstore's GPU host path runs in CI
+//! on a machine with no GPU. **It is not a GPU, and nothing measured on it is a GPU result.**
+//!
+//! cudarc (with `dynamic-loading`) dlopens `libcuda.so` and `libnccl.so` by name and resolves
+//! each symbol on first use. `scripts/standin-gpu-tests.sh` builds this crate as a `cdylib`,
+//! puts it under both names in one folder first on `LD_LIBRARY_PATH`, and runs the tests that
+//! are `#[ignore = "needs a GPU"]`. Both names are links to one file, so the dynamic loader maps
+//! it once: the driver half and the NCCL half share one state.
+//!
+//! # The model
+//!
+//! - **Devices** (`KVSTORE_STANDIN_GPUS`, default 2) each have one primary context. Device
+//!   memory is host memory in the PTX interpreter's [`emu::Memory`]: one address space for all
+//!   devices, every allocation in its own 4 GiB slot, so an overrun hits nothing, and addresses
+//!   are never reused, so a use after free is always seen. New memory is filled with `0xff`
+//!   bytes (NaN in every float type), so reading memory nobody wrote shows.
+//! - **Streams are queues.** Every copy, memset, launch, allocation, free, event wait and
+//!   collective is an operation at the back of its stream's queue. An operation runs when it is
+//!   at the front and ready (an event wait: the event's work is done; a collective: every rank's
+//!   part is at the front of its stream). Whatever is ready runs at once, on the thread that made
+//!   it ready, under one lock; operations that are not ready wait in their queues, and a host
+//!   wait (`cuStreamSynchronize`, `cuEventSynchronize`, ...) blocks until they have run. So order
+//!   is exactly stream order plus event waits plus collectives, as on a GPU; only the timing
+//!   differs (nothing overlaps).
+//! - **Kernels** run on the interpreter in `tests/ptx_emulator` (bounds, alignment, races
+//!   between the threads of one launch, uninitialized registers).
+//! - **Happens-before.** Each stream has a vector clock; an event records its stream's clock,
+//!   a wait joins it, a host wait joins the clock of what it waited for into a host clock that
+//!   every later operation (from any thread) joins, and a collective joins the clocks of the
+//!   ranks whose data a rank receives. Every access to device memory (a kernel's, as the
+//!   interpreter saw it, a copy's, a collective's, an allocation's or a free's) is checked
+//!   against the earlier accesses of other streams: two accesses that overlap, where one
+//!   writes, with no happens-before edge between them, are a race.
+//! - **NCCL**: communicators per clique (`ncclCommInitAll`, or `ncclCommInitRank` with an id
+//!   from `ncclGetUniqueId`), groups per thread, collectives matched per clique by issue order
+//!   and run when every rank's part reaches the front of its stream.
+//!
+//! # What it rejects
+//!
+//! Each rejection prints a line starting `[kvstore stand-in]` to stderr naming the call, and
+//! the call (or, for an operation that ran later, the next call that waits for it) returns an
+//! error code.
+//!
+//! - A launch whose parameters do not fit the `.entry`: through `extra`, a parameter buffer
+//!   whose size differs from the entry's; through `kernelParams`, a null pointer, or a pointer
+//!   not aligned for its parameter's type (a narrower value was passed: a `u64` is always 8-byte
+//!   aligned). The driver API passes no sizes with `kernelParams`, so a wrong count there cannot
+//!   be seen (the real driver reads just as blindly).
+//! - PTX whose `.target` is above the device's compute capability (`KVSTORE_STANDIN_SM`,
+//!   default 90), or whose `.version` is above the driver's PTX ISA
+//!   (`KVSTORE_STANDIN_PTX_ISA`, default 8.8), or that the interpreter does not understand.
+//! - A race between streams (above); a use after free or a double free; an access out of
+//!   bounds; a kernel or copy touching another device's memory without peer access enabled
+//!   (`cuCtxEnablePeerAccess`; `cuMemcpyPeerAsync` needs none).
+//! - A function launched on a stream of another context; an event recorded on a stream of
+//!   another context.
+//! - NCCL: one thread issuing several ranks' parts of one collective outside
+//!   `ncclGroupStart`/`ncclGroupEnd` (a deadlock with real NCCL); collectives whose kind,
+//!   count, datatype, operation or root differ across ranks; buffers not on the rank's
+//!   device or not large enough; two ranks on one device unless the reported version is
+//!   ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1`; use of an aborted communicator.
+//! - A host wait that cannot finish (a collective a rank never joins, an `ncclCommInitRank`
+//!   whose other ranks never come) returns an error after `KVSTORE_STANDIN_HANG_S` seconds
+//!   (default 120) instead of hanging CI, saying what it waited for.
+//!
+//! Other settings: `KVSTORE_STANDIN_NCCL_VERSION` (default 23007, i.e. 2.30.7),
+//! `KVSTORE_STANDIN_P2P` (whether `cuDeviceCanAccessPeer` says yes; default 1).
+//!
+//! # What it does not model
+//!
+//! Timing and overlap, caches and the memory model inside a kernel, the legacy default
+//! stream's implicit synchronization (the store uses non-blocking streams only), launch limits
+//! beyond block and grid sizes, and anything of real NCCL beyond the data each collective moves.
+//! Host waits order everything that any thread enqueues after them (one host clock), so a race
+//! that only a second host thread's missing synchronization would cause is not seen.
+#![deny(unsafe_op_in_unsafe_fn)]
+// The exported functions keep the C names of the APIs they stand in for.
+#![allow(non_snake_case)]
+// Every exported `unsafe extern "C" fn` has the contract of the NVIDIA function of the same
+// name (valid pointers for its out-parameters and buffers); each unsafe block inside says which
+// part it relies on.
+#![allow(clippy::missing_safety_doc)]
+
+/// The PTX interpreter of kvstore's tests (`tests/ptx_emulator`), shared by path: its three
+/// files, without its unit tests (which need kvstore itself).
+#[allow(dead_code)]
+#[path = "../../../tests/ptx_emulator"]
+pub mod emu {
+    mod exec;
+    mod memory;
+    mod parse;
+
+    pub use exec::{launch, Arg};
+    pub use memory::{Memory, Touch};
+    pub use parse::{Module, Ty};
+}
+
+pub mod driver;
+pub mod nccl;
+mod state;
+
+pub use state::Config;

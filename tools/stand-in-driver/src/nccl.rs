@@ -1,0 +1,871 @@
+//! The NCCL API subset kvstore calls (through cudarc 0.19.10's `nccl::{result, sys}`),
+//! exported under NCCL's names, over the same state as the driver half.
+//!
+//! Communicators belong to cliques (one per unique id, or per `ncclCommInitAll`). Collectives
+//! are matched across a clique's ranks by issue order (the k-th call of every rank is one
+//! collective); a collective is checked when its last part is issued and runs when every part
+//! is at the front of its stream. Calls between `ncclGroupStart` and `ncclGroupEnd` are kept
+//! per thread and issued, in order, by the outermost `ncclGroupEnd`.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::MutexGuard;
+
+use crate::state::{
+    self, handle, lock, nc, nccl_elem_size, notify, report, unhandle, Clique, Coll, CollKind, Comm,
+    Kind, Part, State, Work,
+};
+
+type Handle = *mut c_void;
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId {
+    pub internal: [c_char; 128],
+}
+
+/// The first bytes of every id the stand-in makes.
+const MAGIC: &[u8; 16] = b"kvstore-standin\0";
+
+/// A call deferred by a group.
+enum Deferred {
+    Init {
+        out: *mut Handle,
+        nranks: usize,
+        id: [u8; 128],
+        rank: usize,
+        device: usize,
+    },
+    Coll {
+        comm: usize,
+        part: Part,
+    },
+}
+
+thread_local! {
+    static GROUP: RefCell<(usize, Vec<Deferred>)> = const { RefCell::new((0, Vec::new())) };
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Reports a rejected call, keeps its text for `ncclGetLastError`, and returns `code`.
+fn reject(code: i32, message: String) -> i32 {
+    report(&message);
+    LAST_ERROR.with(|l| *l.borrow_mut() = CString::new(message).unwrap_or_default());
+    code
+}
+
+fn run(body: impl FnOnce() -> Result<(), i32>) -> i32 {
+    match body() {
+        Ok(()) => nc::SUCCESS,
+        Err(code) => code,
+    }
+}
+
+fn comm_of(st: &State, h: Handle, call: &str) -> Result<usize, i32> {
+    match unhandle(Kind::Comm, h) {
+        Some(c) if c < st.comms.len() && st.comms[c].live => Ok(c),
+        Some(c) if c < st.comms.len() => Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!("{call}: the communicator was aborted or destroyed"),
+        )),
+        _ => Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!("{call}: not a communicator"),
+        )),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> i32 {
+    if version.is_null() {
+        return nc::INVALID_ARGUMENT;
+    }
+    let v = lock().cfg.nccl_version;
+    // SAFETY: non-null out-pointer, per the API.
+    unsafe { version.write(v) };
+    nc::SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> i32 {
+    if id.is_null() {
+        return nc::INVALID_ARGUMENT;
+    }
+    let mut st = lock();
+    let n = st.next_unique_id;
+    st.next_unique_id += 1;
+    let mut bytes = [0u8; 128];
+    bytes[..16].copy_from_slice(MAGIC);
+    bytes[16..24].copy_from_slice(&n.to_le_bytes());
+    bytes[24..28].copy_from_slice(&std::process::id().to_le_bytes());
+    let mut out = UniqueId { internal: [0; 128] };
+    for (o, b) in out.internal.iter_mut().zip(bytes) {
+        *o = b as c_char;
+    }
+    // SAFETY: non-null out-pointer, per the API.
+    unsafe { id.write(out) };
+    nc::SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGetErrorString(code: c_int) -> *const c_char {
+    match code {
+        0 => c"no error",
+        1 => c"unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+        2 => c"unhandled system error (run with NCCL_DEBUG=INFO for details)",
+        3 => c"internal error - please report this issue to the NCCL developers",
+        4 => c"invalid argument (run with NCCL_DEBUG=WARN for details)",
+        5 => c"invalid usage (run with NCCL_DEBUG=WARN for details)",
+        6 => c"remote process exited or there was a network error",
+        7 => c"NCCL operation in progress",
+        8 => c"timeout",
+        _ => c"unknown result code",
+    }
+    .as_ptr()
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGetLastError(_comm: Handle) -> *const c_char {
+    // The pointer stays valid until this thread's next rejected call (as NCCL's does).
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}
+
+/// Adds rank `rank` (on `device`) to the clique of `id`, creating it; returns the comm index.
+fn join(
+    st: &mut State,
+    id: [u8; 128],
+    nranks: usize,
+    rank: usize,
+    device: usize,
+) -> Result<usize, i32> {
+    let call = "ncclCommInitRank";
+    if &id[..16] != MAGIC {
+        return Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!("{call}: the unique id was not made by ncclGetUniqueId"),
+        ));
+    }
+    if nranks == 0 || rank >= nranks {
+        return Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!("{call}: rank {rank} of {nranks}"),
+        ));
+    }
+    let k = match st.cliques.iter().position(|c| c.id == id) {
+        Some(k) => k,
+        None => {
+            st.cliques.push(Clique {
+                id,
+                nranks,
+                comms: vec![None; nranks],
+                devices: vec![None; nranks],
+                next_seq: vec![0; nranks],
+                ready: None,
+            });
+            st.cliques.len() - 1
+        }
+    };
+    let c = &st.cliques[k];
+    if c.nranks != nranks {
+        return Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!(
+                "{call}: rank {rank} says {nranks} ranks, an earlier rank said {}",
+                c.nranks
+            ),
+        ));
+    }
+    if c.comms[rank].is_some() {
+        return Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!("{call}: rank {rank} joined twice"),
+        ));
+    }
+    st.comms.push(Comm {
+        clique: k,
+        rank,
+        device,
+        live: true,
+        async_error: nc::SUCCESS,
+    });
+    let comm = st.comms.len() - 1;
+    let c = &mut st.cliques[k];
+    c.comms[rank] = Some(comm);
+    c.devices[rank] = Some(device);
+    if c.comms.iter().all(Option::is_some) {
+        let devices: Vec<usize> = c.devices.iter().map(|d| d.expect("joined")).collect();
+        let mut sorted = devices.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let multi_ok = st.cfg.nccl_version >= 23000
+            && std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref() == Ok("1");
+        c.ready = Some(if sorted.len() < devices.len() && !multi_ok {
+            Err(format!(
+                "Duplicate GPU detected: the ranks of one communicator are on devices \
+                 {devices:?}; NCCL before 2.30, or without NCCL_MULTI_RANK_GPU_ENABLE=1, refuses \
+                 two ranks on one GPU"
+            ))
+        } else {
+            Ok(())
+        });
+        notify();
+    }
+    Ok(comm)
+}
+
+/// Waits until the clique of `comm` is complete; its result.
+fn wait_clique(st: MutexGuard<'static, State>, comm: usize) -> (MutexGuard<'static, State>, i32) {
+    let k = st.comms[comm].clique;
+    let (rank, n) = (st.comms[comm].rank, st.cliques[k].nranks);
+    let (st, ok) = state::wait_until(
+        st,
+        &|| {
+            format!(
+                "ncclCommInitRank (rank {rank} of {n}, waiting for the other ranks; several \
+                 ranks created from one thread need ncclGroupStart/ncclGroupEnd around them)"
+            )
+        },
+        &|st| st.cliques[k].ready.is_some(),
+    );
+    if !ok {
+        return (st, nc::INVALID_USAGE);
+    }
+    match st.cliques[k].ready.clone().expect("ready") {
+        Ok(()) => (st, nc::SUCCESS),
+        Err(m) => (
+            st,
+            reject(nc::INVALID_USAGE, format!("ncclCommInitRank: {m}")),
+        ),
+    }
+}
+
+fn in_group() -> bool {
+    GROUP.with(|g| g.borrow().0 > 0)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut Handle,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+) -> i32 {
+    if comm.is_null() || nranks <= 0 || rank < 0 {
+        return nc::INVALID_ARGUMENT;
+    }
+    let st = lock();
+    let Some(ctx) = state::current_ctx() else {
+        return reject(
+            nc::INVALID_USAGE,
+            "ncclCommInitRank: no current CUDA context; NCCL puts the rank on the current \
+             device, so bind the rank's context first (cuCtxSetCurrent)"
+                .into(),
+        );
+    };
+    let device = st.ctxs[ctx].device;
+    let id = id.internal.map(|c| c as u8);
+    let (nranks, rank) = (nranks as usize, rank as usize);
+    if in_group() {
+        drop(st);
+        GROUP.with(|g| {
+            g.borrow_mut().1.push(Deferred::Init {
+                out: comm,
+                nranks,
+                id,
+                rank,
+                device,
+            })
+        });
+        return nc::SUCCESS;
+    }
+    let mut st = st;
+    let c = match join(&mut st, id, nranks, rank, device) {
+        Ok(c) => c,
+        Err(e) => return e,
+    };
+    // SAFETY: non-null out-pointer, per the API.
+    unsafe { comm.write(handle(Kind::Comm, c)) };
+    wait_clique(st, c).1
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitAll(
+    comms: *mut Handle,
+    ndev: c_int,
+    devs: *const c_int,
+) -> i32 {
+    if comms.is_null() || ndev <= 0 {
+        return nc::INVALID_ARGUMENT;
+    }
+    let mut st = lock();
+    let n = ndev as usize;
+    let devices: Vec<usize> = (0..n)
+        .map(|i| {
+            if devs.is_null() {
+                i as c_int
+            } else {
+                // SAFETY: `devs` holds `ndev` device numbers, per the API.
+                unsafe { *devs.add(i) }
+            }
+        })
+        .map(|d| d as usize)
+        .collect();
+    if let Some(d) = devices.iter().find(|&&d| d >= st.cfg.gpus) {
+        return reject(
+            nc::INVALID_ARGUMENT,
+            format!("ncclCommInitAll: no device {d}"),
+        );
+    }
+    let n_id = st.next_unique_id;
+    st.next_unique_id += 1;
+    let mut id = [0u8; 128];
+    id[..16].copy_from_slice(MAGIC);
+    id[16..24].copy_from_slice(&n_id.to_le_bytes());
+    let mut made = Vec::with_capacity(n);
+    for (rank, &d) in devices.iter().enumerate() {
+        match join(&mut st, id, n, rank, d) {
+            Ok(c) => made.push(c),
+            Err(e) => return e,
+        }
+    }
+    if let Some(Err(m)) = st.cliques[st.comms[made[0]].clique].ready.clone() {
+        for &c in &made {
+            st.comms[c].live = false;
+        }
+        return reject(nc::INVALID_USAGE, format!("ncclCommInitAll: {m}"));
+    }
+    for (i, &c) in made.iter().enumerate() {
+        // SAFETY: `comms` has room for `ndev` handles, per the API.
+        unsafe { comms.add(i).write(handle(Kind::Comm, c)) };
+    }
+    nc::SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGroupStart() -> i32 {
+    GROUP.with(|g| g.borrow_mut().0 += 1);
+    nc::SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGroupEnd() -> i32 {
+    let calls = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        match g.0 {
+            0 => None,
+            1 => {
+                g.0 = 0;
+                Some(std::mem::take(&mut g.1))
+            }
+            _ => {
+                g.0 -= 1;
+                Some(Vec::new())
+            }
+        }
+    });
+    let Some(calls) = calls else {
+        return reject(
+            nc::INVALID_USAGE,
+            "ncclGroupEnd without ncclGroupStart".into(),
+        );
+    };
+    let mut st = lock();
+    let mut first = nc::SUCCESS;
+    let mut note = |code: i32| {
+        if first == nc::SUCCESS {
+            first = code;
+        }
+    };
+    // Communicators first (all ranks of this thread join together), then collectives.
+    let mut inits = Vec::new();
+    for call in &calls {
+        if let Deferred::Init {
+            out,
+            nranks,
+            id,
+            rank,
+            device,
+        } = call
+        {
+            match join(&mut st, *id, *nranks, *rank, *device) {
+                Ok(c) => {
+                    // SAFETY: the out-pointer given to the deferred ncclCommInitRank, which
+                    // the caller keeps valid until ncclGroupEnd returns (NCCL's contract).
+                    unsafe { out.write(handle(Kind::Comm, c)) };
+                    inits.push(c);
+                }
+                Err(e) => note(e),
+            }
+        }
+    }
+    for c in inits {
+        let (s, code) = wait_clique(st, c);
+        st = s;
+        note(code);
+    }
+    for call in calls {
+        if let Deferred::Coll { comm, part } = call {
+            note(issue(&mut st, comm, part));
+        }
+    }
+    first
+}
+
+/// Issues one rank's part: matches it with the other ranks' parts of the same collective and
+/// puts it on its stream.
+fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
+    if !st.comms[comm].live {
+        return reject(
+            nc::INVALID_ARGUMENT,
+            format!("nccl {:?}: the communicator was aborted", part.kind),
+        );
+    }
+    let k = st.comms[comm].clique;
+    let rank = st.comms[comm].rank;
+    let nranks = st.cliques[k].nranks;
+    let seq = st.cliques[k].next_seq[rank];
+    let ci = match st.coll_index.get(&(k, seq)) {
+        Some(&i) => i,
+        None => {
+            st.colls.push(Coll {
+                clique: k,
+                seq,
+                parts: vec![None; nranks],
+                executed: false,
+                cancelled: false,
+            });
+            st.coll_index.insert((k, seq), st.colls.len() - 1);
+            st.colls.len() - 1
+        }
+    };
+    if !part.grouped {
+        let me = part.thread;
+        if let Some((r, _)) = st.colls[ci].parts.iter().enumerate().find_map(|(r, p)| {
+            p.as_ref()
+                .filter(|p| p.thread == me && !p.grouped)
+                .map(|p| (r, p))
+        }) {
+            return reject(
+                nc::INVALID_USAGE,
+                format!(
+                    "nccl {:?} on rank {rank}: this thread already issued rank {r}'s part of \
+                     the same collective outside a group; with real NCCL the first call can \
+                     block until every rank joins, so one thread driving several ranks must put \
+                     their calls between ncclGroupStart and ncclGroupEnd (a deadlock otherwise)",
+                    part.kind
+                ),
+            );
+        }
+    }
+    st.cliques[k].next_seq[rank] += 1;
+    let s = part.stream;
+    let what = format!(
+        "nccl {:?} (rank {rank} of {nranks}, {} elements) on {}",
+        part.kind,
+        part.count,
+        st.stream_name(s)
+    );
+    st.colls[ci].parts[rank] = Some(part);
+    let (pos, vc) = st.push_op(s, what, Work::Coll { coll: ci });
+    if let Some(p) = st.colls[ci].parts[rank].as_mut() {
+        (p.pos, p.vc) = (pos, vc);
+    }
+    if st.colls[ci].parts.iter().all(Option::is_some) {
+        let code = check_match(st, ci);
+        st.progress();
+        notify();
+        return code;
+    }
+    st.progress();
+    notify();
+    nc::SUCCESS
+}
+
+/// Every part is issued: they must agree. Then the ranks that receive data are ordered after
+/// the ranks that send it.
+fn check_match(st: &mut State, ci: usize) -> i32 {
+    let parts: Vec<Part> = st.colls[ci]
+        .parts
+        .iter()
+        .map(|p| p.clone().expect("all"))
+        .collect();
+    let p0 = &parts[0];
+    let mismatch = parts.iter().enumerate().find_map(|(r, p)| {
+        let diff = if p.kind != p0.kind {
+            Some(format!("the kind ({:?} vs {:?})", p.kind, p0.kind))
+        } else if p.count != p0.count {
+            Some(format!("the count ({} vs {})", p.count, p0.count))
+        } else if p.dtype != p0.dtype {
+            Some(format!("the datatype ({} vs {})", p.dtype, p0.dtype))
+        } else if p.op != p0.op
+            && matches!(
+                p.kind,
+                CollKind::Reduce | CollKind::AllReduce | CollKind::ReduceScatter
+            )
+        {
+            Some(format!("the operation ({} vs {})", p.op, p0.op))
+        } else if p.root != p0.root && matches!(p.kind, CollKind::Reduce | CollKind::Broadcast) {
+            Some(format!("the root ({} vs {})", p.root, p0.root))
+        } else {
+            None
+        };
+        diff.map(|d| (r, d))
+    });
+    let k = st.colls[ci].clique;
+    if let Some((r, d)) = mismatch {
+        st.colls[ci].cancelled = true;
+        for c in st.cliques[k].comms.clone().into_iter().flatten() {
+            st.comms[c].async_error = nc::INVALID_USAGE;
+        }
+        return reject(
+            nc::INVALID_USAGE,
+            format!(
+                "collective #{} of clique {k}: rank {r} and rank 0 differ in {d}; every rank \
+                 must make the same call (real NCCL would hang or corrupt memory). The \
+                 communicators now report ncclInvalidUsage from ncclCommGetAsyncError",
+                st.colls[ci].seq
+            ),
+        );
+    }
+    let root = p0.root as usize;
+    let receivers_senders: Vec<(usize, Vec<usize>)> = match p0.kind {
+        CollKind::Reduce => vec![(root, (0..parts.len()).collect())],
+        CollKind::Broadcast => (0..parts.len()).map(|r| (r, vec![root])).collect(),
+        _ => (0..parts.len())
+            .map(|r| (r, (0..parts.len()).collect()))
+            .collect(),
+    };
+    for (r, senders) in receivers_senders {
+        let s = parts[r].stream;
+        for snd in senders {
+            let vc = parts[snd].vc.clone();
+            st.streams[s].vc.join(&vc);
+        }
+    }
+    nc::SUCCESS
+}
+
+/// Validates and issues (or defers, inside a group) one collective call.
+#[allow(clippy::too_many_arguments)]
+fn collective(
+    call: &str,
+    kind: CollKind,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+    root: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    run(|| {
+        let mut st = lock();
+        let c = comm_of(&st, comm, call)?;
+        let s = st
+            .stream(stream)
+            .map_err(|_| reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream")))?;
+        let (device, rank) = (st.comms[c].device, st.comms[c].rank);
+        let nranks = st.cliques[st.comms[c].clique].nranks;
+        if st.device_of_stream(s) != device {
+            return Err(reject(
+                nc::INVALID_ARGUMENT,
+                format!(
+                    "{call}: rank {rank}'s device is gpu {device}, but the stream is {}",
+                    st.stream_name(s)
+                ),
+            ));
+        }
+        let es = nccl_elem_size(dtype)
+            .ok_or_else(|| reject(nc::INVALID_ARGUMENT, format!("{call}: datatype {dtype}")))?;
+        if !(0..=4).contains(&op) {
+            return Err(reject(
+                nc::INVALID_ARGUMENT,
+                format!("{call}: operation {op}"),
+            ));
+        }
+        let rooted = matches!(kind, CollKind::Reduce | CollKind::Broadcast);
+        if rooted && (root < 0 || root as usize >= nranks) {
+            return Err(reject(
+                nc::INVALID_ARGUMENT,
+                format!("{call}: root {root} with {nranks} ranks"),
+            ));
+        }
+        let is_root = rooted && root as usize == rank;
+        let (send_bytes, recv_bytes) = match kind {
+            CollKind::Reduce => (count * es, if is_root { count * es } else { 0 }),
+            CollKind::Broadcast => (if is_root { count * es } else { 0 }, count * es),
+            CollKind::AllReduce => (count * es, count * es),
+            CollKind::AllGather => (count * es, count * es * nranks),
+            CollKind::ReduceScatter => (count * es * nranks, count * es),
+        };
+        for (what, ptr, bytes) in [
+            ("send", send as u64, send_bytes),
+            ("receive", recv as u64, recv_bytes),
+        ] {
+            if bytes == 0 {
+                continue;
+            }
+            let (d, _) = st.locate(ptr, bytes).map_err(|e| {
+                reject(
+                    nc::INVALID_ARGUMENT,
+                    format!("{call} (rank {rank}) {what} buffer: {e}"),
+                )
+            })?;
+            if d != device {
+                return Err(reject(
+                    nc::INVALID_ARGUMENT,
+                    format!(
+                        "{call} (rank {rank}): the {what} buffer {ptr:#x} is on gpu {d}, the \
+                         rank on gpu {device}"
+                    ),
+                ));
+            }
+        }
+        let part = Part {
+            kind,
+            send: send as u64,
+            recv: recv as u64,
+            count,
+            dtype,
+            op,
+            root,
+            stream: s,
+            pos: 0,
+            vc: Default::default(),
+            thread: std::thread::current().id(),
+            grouped: in_group(),
+        };
+        if part.grouped {
+            drop(st);
+            GROUP.with(|g| g.borrow_mut().1.push(Deferred::Coll { comm: c, part }));
+            return Ok(());
+        }
+        match issue(&mut st, c, part) {
+            nc::SUCCESS => Ok(()),
+            e => Err(e),
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ncclReduce(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+    root: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    collective(
+        "ncclReduce",
+        CollKind::Reduce,
+        send,
+        recv,
+        count,
+        dtype,
+        op,
+        root,
+        comm,
+        stream,
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn ncclBroadcast(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    root: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    collective(
+        "ncclBroadcast",
+        CollKind::Broadcast,
+        send,
+        recv,
+        count,
+        dtype,
+        0,
+        root,
+        comm,
+        stream,
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn ncclAllReduce(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    collective(
+        "ncclAllReduce",
+        CollKind::AllReduce,
+        send,
+        recv,
+        count,
+        dtype,
+        op,
+        0,
+        comm,
+        stream,
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn ncclAllGather(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    collective(
+        "ncclAllGather",
+        CollKind::AllGather,
+        send,
+        recv,
+        count,
+        dtype,
+        0,
+        0,
+        comm,
+        stream,
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn ncclReduceScatter(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    collective(
+        "ncclReduceScatter",
+        CollKind::ReduceScatter,
+        send,
+        recv,
+        count,
+        dtype,
+        op,
+        0,
+        comm,
+        stream,
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Handle, result: *mut c_int) -> i32 {
+    run(|| {
+        let mut st = lock();
+        let c = comm_of(&st, comm, "ncclCommGetAsyncError")?;
+        if result.is_null() {
+            return Err(nc::INVALID_ARGUMENT);
+        }
+        st.progress();
+        // SAFETY: non-null out-pointer, per the API.
+        unsafe { result.write(st.comms[c].async_error) };
+        Ok(())
+    })
+}
+
+/// Ends a communicator: its collectives that have not run are cancelled (they complete
+/// without moving data, as aborted NCCL kernels end), so its streams drain.
+fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
+    run(|| {
+        let mut st = lock();
+        let c = comm_of(&st, comm, call)?;
+        st.comms[c].live = false;
+        if cancel {
+            let (k, rank) = (st.comms[c].clique, st.comms[c].rank);
+            for coll in st.colls.iter_mut() {
+                if coll.clique == k && !coll.executed && coll.parts[rank].is_some() {
+                    coll.cancelled = true;
+                }
+            }
+        }
+        st.progress();
+        notify();
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ncclCommAbort(comm: Handle) -> i32 {
+    end_comm("ncclCommAbort", comm, true)
+}
+
+#[no_mangle]
+pub extern "C" fn ncclCommDestroy(comm: Handle) -> i32 {
+    end_comm("ncclCommDestroy", comm, false)
+}
+
+#[no_mangle]
+pub extern "C" fn ncclCommFinalize(comm: Handle) -> i32 {
+    run(|| {
+        let st = lock();
+        comm_of(&st, comm, "ncclCommFinalize").map(|_| ())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: Handle, count: *mut c_int) -> i32 {
+    run(|| {
+        let st = lock();
+        let c = comm_of(&st, comm, "ncclCommCount")?;
+        if count.is_null() {
+            return Err(nc::INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null out-pointer, per the API.
+        unsafe { count.write(st.cliques[st.comms[c].clique].nranks as c_int) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCuDevice(comm: Handle, device: *mut c_int) -> i32 {
+    run(|| {
+        let st = lock();
+        let c = comm_of(&st, comm, "ncclCommCuDevice")?;
+        if device.is_null() {
+            return Err(nc::INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null out-pointer, per the API.
+        unsafe { device.write(st.comms[c].device as c_int) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommUserRank(comm: Handle, rank: *mut c_int) -> i32 {
+    run(|| {
+        let st = lock();
+        let c = comm_of(&st, comm, "ncclCommUserRank")?;
+        if rank.is_null() {
+            return Err(nc::INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null out-pointer, per the API.
+        unsafe { rank.write(st.comms[c].rank as c_int) };
+        Ok(())
+    })
+}
+
+/// The text of `ncclGetLastError` on this thread (for tests).
+pub fn last_error() -> String {
+    LAST_ERROR.with(|l| l.borrow().to_string_lossy().into_owned())
+}

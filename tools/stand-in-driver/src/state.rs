@@ -1,0 +1,928 @@
+//! The one state behind both APIs: devices, contexts, streams as queues, events, modules,
+//! device memory, vector clocks, and NCCL cliques. See the crate docs for the model.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use crate::emu::{self, Arg, Memory, Module};
+
+/// CUDA driver result codes (values of `CUresult`) the stand-in returns.
+pub mod cu {
+    pub const SUCCESS: i32 = 0;
+    pub const INVALID_VALUE: i32 = 1;
+    pub const NOT_INITIALIZED: i32 = 3;
+    pub const NO_DEVICE: i32 = 100;
+    pub const INVALID_DEVICE: i32 = 101;
+    pub const INVALID_CONTEXT: i32 = 201;
+    pub const NO_BINARY_FOR_GPU: i32 = 209;
+    pub const INVALID_PTX: i32 = 218;
+    pub const UNSUPPORTED_PTX_VERSION: i32 = 222;
+    pub const INVALID_HANDLE: i32 = 400;
+    pub const ILLEGAL_STATE: i32 = 401;
+    pub const NOT_FOUND: i32 = 500;
+    pub const NOT_READY: i32 = 600;
+    pub const ILLEGAL_ADDRESS: i32 = 700;
+    pub const LAUNCH_TIMEOUT: i32 = 702;
+    pub const PEER_ACCESS_ALREADY_ENABLED: i32 = 704;
+    pub const PEER_ACCESS_NOT_ENABLED: i32 = 705;
+    pub const MISALIGNED_ADDRESS: i32 = 716;
+    pub const LAUNCH_FAILED: i32 = 719;
+    pub const NOT_SUPPORTED: i32 = 801;
+}
+
+/// NCCL result codes (values of `ncclResult_t`).
+pub mod nc {
+    pub const SUCCESS: i32 = 0;
+    pub const INVALID_ARGUMENT: i32 = 4;
+    pub const INVALID_USAGE: i32 = 5;
+}
+
+/// Prints a rejection: every line the stand-in writes starts with this tag.
+pub fn report(message: &str) {
+    eprintln!("[kvstore stand-in] {message}");
+}
+
+/// Settings, read from the environment once.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `KVSTORE_STANDIN_GPUS` (default 2; 0 makes `cuInit` say there is no device).
+    pub gpus: usize,
+    /// `KVSTORE_STANDIN_SM`: compute capability as major * 10 + minor (default 90).
+    pub sm: u32,
+    /// `KVSTORE_STANDIN_PTX_ISA`: the highest PTX `.version` accepted, times 10 (default 88).
+    pub ptx_isa: u32,
+    /// `KVSTORE_STANDIN_NCCL_VERSION` (default 23007).
+    pub nccl_version: i32,
+    /// `KVSTORE_STANDIN_P2P`: what `cuDeviceCanAccessPeer` answers (default 1).
+    pub p2p: bool,
+    /// `KVSTORE_STANDIN_HANG_S`: how long a host wait may block before it fails (default 120).
+    pub hang: Duration,
+}
+
+impl Config {
+    fn from_env() -> Config {
+        fn var<T: std::str::FromStr>(name: &str, default: T) -> T {
+            match std::env::var(name) {
+                Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+                    report(&format!("{name}={v} is not understood; using the default"));
+                    default
+                }),
+                Err(_) => default,
+            }
+        }
+        let isa: f64 = var("KVSTORE_STANDIN_PTX_ISA", 8.8);
+        Config {
+            gpus: var("KVSTORE_STANDIN_GPUS", 2),
+            sm: var("KVSTORE_STANDIN_SM", 90),
+            ptx_isa: (isa * 10.0).round() as u32,
+            nccl_version: var("KVSTORE_STANDIN_NCCL_VERSION", 23007),
+            p2p: var::<u32>("KVSTORE_STANDIN_P2P", 1) != 0,
+            hang: Duration::from_secs(var("KVSTORE_STANDIN_HANG_S", 120)),
+        }
+    }
+}
+
+/// A vector clock: per stream id, the last operation of that stream known to happen before.
+#[derive(Clone, Debug, Default)]
+pub struct Vc(Vec<u64>);
+
+impl Vc {
+    pub fn get(&self, s: usize) -> u64 {
+        self.0.get(s).copied().unwrap_or(0)
+    }
+
+    fn set(&mut self, s: usize, v: u64) {
+        if self.0.len() <= s {
+            self.0.resize(s + 1, 0);
+        }
+        self.0[s] = v;
+    }
+
+    pub fn join(&mut self, o: &Vc) {
+        if self.0.len() < o.0.len() {
+            self.0.resize(o.0.len(), 0);
+        }
+        for (a, b) in self.0.iter_mut().zip(&o.0) {
+            *a = (*a).max(*b);
+        }
+    }
+}
+
+/// Handle kinds, in the top bits of every handle the stand-in gives out, so a handle of the
+/// wrong kind (or a made-up one) is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Ctx = 1,
+    Stream = 2,
+    Event = 3,
+    Module = 4,
+    Function = 5,
+    Comm = 6,
+}
+
+pub fn handle(kind: Kind, index: usize) -> *mut std::ffi::c_void {
+    (((kind as usize) << 44) | (index + 1)) as *mut std::ffi::c_void
+}
+
+pub fn unhandle(kind: Kind, h: *mut std::ffi::c_void) -> Option<usize> {
+    let v = h as usize;
+    (v >> 44 == kind as usize && v & ((1 << 44) - 1) != 0).then(|| (v & ((1 << 44) - 1)) - 1)
+}
+
+/// One earlier access to part of an allocation, kept for race checks.
+#[derive(Clone, Debug)]
+struct Access {
+    lo: u64,
+    hi: u64,
+    stream: usize,
+    clock: u64,
+    write: bool,
+    what: Arc<str>,
+}
+
+/// What the stand-in knows of an allocation besides its bytes.
+struct AllocInfo {
+    device: usize,
+    accesses: Vec<Access>,
+}
+
+pub struct Ctx {
+    pub device: usize,
+    pub retained: u32,
+    /// The stream that handle 0 (the NULL stream) means in this context.
+    pub null_stream: Option<usize>,
+}
+
+/// Work a stream does when its operation runs.
+pub enum Work {
+    /// A stream-ordered allocation: counts as a write of the whole allocation.
+    Alloc {
+        base: u64,
+        len: u64,
+    },
+    Free {
+        base: u64,
+    },
+    HtoD {
+        dst: u64,
+        data: Vec<u8>,
+    },
+    /// To host memory at `dst` (the calling thread waits inside the call until it ran).
+    DtoH {
+        dst: usize,
+        src: u64,
+        len: usize,
+    },
+    /// `staged`: a peer copy, which needs no peer access.
+    DtoD {
+        dst: u64,
+        src: u64,
+        len: usize,
+        staged: bool,
+    },
+    Memset {
+        dst: u64,
+        value: u8,
+        len: usize,
+    },
+    Launch {
+        func: usize,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: Vec<Arg>,
+    },
+    /// Waits until `stream` has done `upto` operations.
+    Wait {
+        stream: usize,
+        upto: u64,
+    },
+    /// This rank's part of a collective.
+    Coll {
+        coll: usize,
+    },
+    /// A cancelled operation (its host buffer went away): does nothing.
+    Nothing,
+}
+
+pub struct Op {
+    pub pos: u64,
+    pub vc: Vc,
+    pub what: Arc<str>,
+    pub work: Work,
+}
+
+pub struct Stream {
+    pub ctx: usize,
+    pub queue: VecDeque<Op>,
+    /// Operations enqueued and done so far (positions are 1-based).
+    pub enq: u64,
+    pub done: u64,
+    pub vc: Vc,
+    pub live: bool,
+    /// Failed operations not yet reported: (position, code).
+    pub errors: Vec<(u64, i32)>,
+}
+
+pub struct Event {
+    pub ctx: usize,
+    pub live: bool,
+    /// The last record: (stream, position, clock).
+    pub recorded: Option<(usize, u64, Vc)>,
+}
+
+pub struct LoadedModule {
+    pub ctx: usize,
+    pub live: bool,
+    pub module: Arc<Module>,
+}
+
+pub struct Function {
+    pub ctx: usize,
+    pub module: Arc<Module>,
+    pub entry: usize,
+}
+
+/// NCCL collective kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollKind {
+    Reduce,
+    Broadcast,
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+}
+
+/// One rank's part of a collective, as issued.
+#[derive(Clone, Debug)]
+pub struct Part {
+    pub kind: CollKind,
+    pub send: u64,
+    pub recv: u64,
+    pub count: usize,
+    pub dtype: i32,
+    pub op: i32,
+    pub root: i32,
+    pub stream: usize,
+    pub pos: u64,
+    pub vc: Vc,
+    pub thread: ThreadId,
+    pub grouped: bool,
+}
+
+pub struct Coll {
+    pub clique: usize,
+    pub seq: u64,
+    pub parts: Vec<Option<Part>>,
+    /// Ran (or will never run: cancelled by an abort or a mismatch).
+    pub executed: bool,
+    pub cancelled: bool,
+}
+
+pub struct Clique {
+    pub id: [u8; 128],
+    pub nranks: usize,
+    /// Per rank: its communicator and device, once it joined.
+    pub comms: Vec<Option<usize>>,
+    pub devices: Vec<Option<usize>>,
+    pub next_seq: Vec<u64>,
+    /// Set once every rank joined and the clique was checked (Err: why it was refused).
+    pub ready: Option<Result<(), String>>,
+}
+
+pub struct Comm {
+    pub clique: usize,
+    pub rank: usize,
+    pub device: usize,
+    pub live: bool,
+    pub async_error: i32,
+}
+
+pub struct State {
+    pub cfg: Config,
+    pub initialized: bool,
+    pub mem: Memory,
+    allocs: HashMap<u64, AllocInfo>,
+    pub ctxs: Vec<Ctx>,
+    pub streams: Vec<Stream>,
+    pub events: Vec<Event>,
+    pub modules: Vec<LoadedModule>,
+    pub functions: Vec<Function>,
+    /// (from device, to device): kernels on `from` may touch memory of `to`.
+    pub peer: HashSet<(usize, usize)>,
+    /// Joined into every operation enqueued after a host wait.
+    pub host_vc: Vc,
+    pub cliques: Vec<Clique>,
+    pub comms: Vec<Comm>,
+    pub colls: Vec<Coll>,
+    pub coll_index: HashMap<(usize, u64), usize>,
+    pub next_unique_id: u64,
+}
+
+static STATE: OnceLock<(Mutex<State>, Condvar)> = OnceLock::new();
+
+fn global() -> &'static (Mutex<State>, Condvar) {
+    STATE.get_or_init(|| {
+        let cfg = Config::from_env();
+        let ctxs = (0..cfg.gpus)
+            .map(|device| Ctx {
+                device,
+                retained: 0,
+                null_stream: None,
+            })
+            .collect();
+        (
+            Mutex::new(State {
+                cfg,
+                initialized: false,
+                mem: Memory::default(),
+                allocs: HashMap::new(),
+                ctxs,
+                streams: Vec::new(),
+                events: Vec::new(),
+                modules: Vec::new(),
+                functions: Vec::new(),
+                peer: HashSet::new(),
+                host_vc: Vc::default(),
+                cliques: Vec::new(),
+                comms: Vec::new(),
+                colls: Vec::new(),
+                coll_index: HashMap::new(),
+                next_unique_id: 1,
+            }),
+            Condvar::new(),
+        )
+    })
+}
+
+/// The state, locked. A panic while it was held (a bug here) does not wedge later calls.
+pub fn lock() -> MutexGuard<'static, State> {
+    global().0.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Wakes every thread blocked in a host wait: call after any change that may unblock one.
+pub fn notify() {
+    global().1.notify_all();
+}
+
+/// Blocks (running ready work) until `done` holds. After `cfg.hang` it gives up, reports
+/// `what` and returns false.
+pub fn wait_until(
+    mut st: MutexGuard<'static, State>,
+    what: &dyn Fn() -> String,
+    done: &dyn Fn(&State) -> bool,
+) -> (MutexGuard<'static, State>, bool) {
+    let start = Instant::now();
+    loop {
+        st.progress();
+        if done(&st) {
+            return (st, true);
+        }
+        if start.elapsed() > st.cfg.hang {
+            report(&format!(
+                "{} has waited {:?} and cannot finish: a real GPU would hang here (a deadlock: \
+                 work waits for something nobody will do). Failing it instead \
+                 (KVSTORE_STANDIN_HANG_S).",
+                what(),
+                st.cfg.hang
+            ));
+            return (st, false);
+        }
+        st = global()
+            .1
+            .wait_timeout(st, Duration::from_millis(20))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+thread_local! {
+    static CURRENT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The context current on this thread.
+pub fn current_ctx() -> Option<usize> {
+    CURRENT.with(|c| c.get())
+}
+
+pub fn set_current_ctx(ctx: Option<usize>) {
+    CURRENT.with(|c| c.set(ctx));
+}
+
+/// The code for an interpreter error: bounds and freed memory are illegal addresses.
+fn kernel_error_code(message: &str) -> i32 {
+    if message.contains("misaligned") {
+        cu::MISALIGNED_ADDRESS
+    } else if message.contains("out of bounds") || message.contains("use after free") {
+        cu::ILLEGAL_ADDRESS
+    } else {
+        cu::LAUNCH_FAILED
+    }
+}
+
+/// NCCL element sizes by `ncclDataType_t`; `None` for an unknown type.
+pub fn nccl_elem_size(dtype: i32) -> Option<usize> {
+    Some(match dtype {
+        0 | 1 => 1,
+        2 | 3 => 4,
+        4 | 5 => 8,
+        6 => 2,
+        7 => 4,
+        8 => 8,
+        9 => 2,
+        _ => return None,
+    })
+}
+
+impl State {
+    /// The stream a `CUstream` handle names: 0 is the current context's NULL stream.
+    pub fn stream(&mut self, h: *mut std::ffi::c_void) -> Result<usize, i32> {
+        if h.is_null() {
+            let ctx = current_ctx().ok_or(cu::INVALID_CONTEXT)?;
+            if let Some(s) = self.ctxs[ctx].null_stream {
+                return Ok(s);
+            }
+            let s = self.new_stream(ctx);
+            self.ctxs[ctx].null_stream = Some(s);
+            return Ok(s);
+        }
+        match unhandle(Kind::Stream, h) {
+            Some(s) if s < self.streams.len() && self.streams[s].live => Ok(s),
+            _ => Err(cu::INVALID_HANDLE),
+        }
+    }
+
+    pub fn new_stream(&mut self, ctx: usize) -> usize {
+        self.streams.push(Stream {
+            ctx,
+            queue: VecDeque::new(),
+            enq: 0,
+            done: 0,
+            vc: Vc::default(),
+            live: true,
+            errors: Vec::new(),
+        });
+        self.streams.len() - 1
+    }
+
+    pub fn device_of_stream(&self, s: usize) -> usize {
+        self.ctxs[self.streams[s].ctx].device
+    }
+
+    /// Describes stream `s` for messages.
+    pub fn stream_name(&self, s: usize) -> String {
+        format!("stream {s} (gpu {})", self.device_of_stream(s))
+    }
+
+    /// A new allocation of `len` bytes on `device` (filled with 0xff).
+    pub fn alloc(&mut self, device: usize, len: usize) -> u64 {
+        let base = self.mem.alloc_filled(len, 0xff);
+        self.allocs.insert(
+            base,
+            AllocInfo {
+                device,
+                accesses: Vec::new(),
+            },
+        );
+        base
+    }
+
+    /// The device and base of the live allocation holding `[addr, addr + len)`.
+    pub fn locate(&self, addr: u64, len: usize) -> Result<(usize, u64), String> {
+        let (base, _) = self
+            .mem
+            .allocation(addr, len as u64)
+            .map_err(|e| format!("{e:#}"))?;
+        Ok((self.allocs[&base].device, base))
+    }
+
+    /// Appends an operation to stream `s` and runs whatever is ready. Returns its position.
+    pub fn enqueue(&mut self, s: usize, what: String, work: Work) -> u64 {
+        let (pos, _) = self.push_op(s, what, work);
+        self.progress();
+        notify();
+        pos
+    }
+
+    /// Appends an operation to stream `s` without running anything; its position and clock.
+    pub fn push_op(&mut self, s: usize, what: String, work: Work) -> (u64, Vc) {
+        let host = self.host_vc.clone();
+        let st = &mut self.streams[s];
+        st.vc.join(&host);
+        st.enq += 1;
+        let clock = st.vc.get(s) + 1;
+        st.vc.set(s, clock);
+        let pos = st.enq;
+        st.queue.push_back(Op {
+            pos,
+            vc: st.vc.clone(),
+            what: what.into(),
+            work,
+        });
+        (pos, st.vc.clone())
+    }
+
+    /// The error of the operation at `pos` on `s`, once it ran and failed (reported once).
+    pub fn take_error_at(&mut self, s: usize, pos: u64) -> i32 {
+        let errors = &mut self.streams[s].errors;
+        match errors.iter().position(|&(p, _)| p == pos) {
+            Some(i) => errors.remove(i).1,
+            None => cu::SUCCESS,
+        }
+    }
+
+    /// The first unreported error of an operation at or before `pos` on `s` (all of them are
+    /// reported by this).
+    pub fn take_errors_upto(&mut self, s: usize, pos: u64) -> i32 {
+        let errors = &mut self.streams[s].errors;
+        let first = errors.iter().find(|&&(p, _)| p <= pos).map(|&(_, c)| c);
+        errors.retain(|&(p, _)| p > pos);
+        first.unwrap_or(cu::SUCCESS)
+    }
+
+    /// Runs every operation that is at the front of its stream and ready, until none is.
+    pub fn progress(&mut self) {
+        loop {
+            let mut moved = false;
+            for s in 0..self.streams.len() {
+                while let Some(op) = self.streams[s].queue.front() {
+                    if !self.ready(op) {
+                        break;
+                    }
+                    let op = self.streams[s].queue.pop_front().expect("front exists");
+                    if let Err((code, message)) = self.execute(s, &op) {
+                        report(&format!("{}: {message}", op.what));
+                        self.streams[s].errors.push((op.pos, code));
+                    }
+                    self.streams[s].done += 1;
+                    moved = true;
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    fn ready(&self, op: &Op) -> bool {
+        match op.work {
+            Work::Wait { stream, upto } => self.streams[stream].done >= upto,
+            Work::Coll { coll, .. } => {
+                let c = &self.colls[coll];
+                c.executed
+                    || c.cancelled
+                    || c.parts.iter().all(|p| {
+                        p.as_ref().is_some_and(|p| {
+                            self.streams[p.stream].queue.front().map(|o| o.pos) == Some(p.pos)
+                        })
+                    })
+            }
+            _ => true,
+        }
+    }
+
+    /// Checks an access of `[lo, hi)` bytes of the allocation at `base` by an operation of
+    /// stream `s` with clock `vc` against earlier accesses of other streams, and records it.
+    fn access(
+        &mut self,
+        base: u64,
+        (lo, hi): (u64, u64),
+        write: bool,
+        s: usize,
+        vc: &Vc,
+        what: &Arc<str>,
+    ) -> Result<(), (i32, String)> {
+        let device = self.allocs[&base].device;
+        let info = self.allocs.get_mut(&base).expect("live allocation");
+        for r in &info.accesses {
+            let overlap = r.lo < hi && lo < r.hi;
+            if r.stream != s && overlap && (r.write || write) && r.clock > vc.get(r.stream) {
+                return Err((
+                    cu::ILLEGAL_STATE,
+                    format!(
+                        "race: this {} bytes {lo}..{hi} of the allocation at {base:#x} (gpu \
+                         {device}), which `{}` {} on stream {} with nothing ordering the two \
+                         (no event recorded after it and waited for here, no host wait in \
+                         between)",
+                        if write { "writes" } else { "reads" },
+                        r.what,
+                        if r.write { "wrote" } else { "read" },
+                        r.stream
+                    ),
+                ));
+            }
+        }
+        info.accesses.retain(|r| {
+            let before = r.clock <= vc.get(r.stream);
+            !(before && r.lo >= lo && r.hi <= hi && (write || !r.write))
+        });
+        if info.accesses.len() > 256 {
+            // Bound the list: forget accesses already ordered before this one.
+            info.accesses.retain(|r| r.clock > vc.get(r.stream));
+        }
+        info.accesses.push(Access {
+            lo,
+            hi,
+            stream: s,
+            clock: vc.get(s),
+            write,
+            what: what.clone(),
+        });
+        Ok(())
+    }
+
+    /// Checks an access of `len` bytes at `addr` by stream `s`: the memory is live, in bounds,
+    /// on the stream's device or one it has peer access to, and not racing.
+    fn touch(
+        &mut self,
+        addr: u64,
+        len: usize,
+        write: bool,
+        s: usize,
+        op: &Op,
+        staged: bool,
+    ) -> Result<(), (i32, String)> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (device, base) = self
+            .locate(addr, len)
+            .map_err(|e| (cu::ILLEGAL_ADDRESS, e))?;
+        if !staged {
+            self.check_peer(self.device_of_stream(s), device, addr)?;
+        }
+        self.access(
+            base,
+            (addr - base, addr - base + len as u64),
+            write,
+            s,
+            &op.vc,
+            &op.what,
+        )
+    }
+
+    /// Whether work on device `from` may touch memory of device `to`.
+    pub fn check_peer(&self, from: usize, to: usize, addr: u64) -> Result<(), (i32, String)> {
+        if from == to || self.peer.contains(&(from, to)) {
+            return Ok(());
+        }
+        Err((
+            cu::PEER_ACCESS_NOT_ENABLED,
+            format!(
+                "gpu {from} touches {addr:#x}, memory of gpu {to}, and peer access from gpu \
+                 {from} to gpu {to} was never enabled (cuCtxEnablePeerAccess); copy with \
+                 cuMemcpyPeerAsync instead"
+            ),
+        ))
+    }
+
+    fn execute(&mut self, s: usize, op: &Op) -> Result<(), (i32, String)> {
+        let host = |e: anyhow::Error| (cu::ILLEGAL_ADDRESS, format!("{e:#}"));
+        match &op.work {
+            Work::Nothing | Work::Wait { .. } => Ok(()),
+            Work::Alloc { base, len } => self.access(*base, (0, *len), true, s, &op.vc, &op.what),
+            Work::Free { base } => {
+                let len = self.mem.allocation(*base, 0).map_err(host)?.1;
+                self.touch(*base, len as usize, true, s, op, true)?;
+                self.mem.free(*base).map_err(host)?;
+                self.allocs.remove(base);
+                Ok(())
+            }
+            Work::HtoD { dst, data } => {
+                self.touch(*dst, data.len(), true, s, op, true)?;
+                self.mem.write(*dst, data).map_err(host)
+            }
+            Work::DtoH { dst, src, len } => {
+                self.touch(*src, *len, false, s, op, true)?;
+                let bytes = self.mem.read(*src, *len).map_err(host)?;
+                // SAFETY: `dst` is the host buffer of the cuMemcpyDtoH* call that enqueued this
+                // operation; that call blocks until the operation ran (or cancels it, turning it
+                // into `Work::Nothing`, before it returns), so the buffer is live and holds
+                // `len` bytes, as the caller promised the driver.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *dst as *mut u8, *len) };
+                Ok(())
+            }
+            Work::DtoD {
+                dst,
+                src,
+                len,
+                staged,
+            } => {
+                self.touch(*src, *len, false, s, op, *staged)?;
+                self.touch(*dst, *len, true, s, op, *staged)?;
+                let bytes = self.mem.read(*src, *len).map_err(host)?;
+                self.mem.write(*dst, &bytes).map_err(host)
+            }
+            Work::Memset { dst, value, len } => {
+                self.touch(*dst, *len, true, s, op, false)?;
+                self.mem.write(*dst, &vec![*value; *len]).map_err(host)
+            }
+            Work::Launch {
+                func,
+                grid,
+                block,
+                args,
+            } => {
+                let f = &self.functions[*func];
+                let module = f.module.clone();
+                let entry = &module.entries[f.entry];
+                emu::launch(entry, &mut self.mem, *grid, *block, args).map_err(|e| {
+                    let m = format!("{e:#}");
+                    (kernel_error_code(&m), format!("kernel {}: {m}", entry.name))
+                })?;
+                let device = self.device_of_stream(s);
+                for t in self.mem.touched() {
+                    self.check_peer(device, self.allocs[&t.base].device, t.base)?;
+                    if let Some(r) = t.read {
+                        self.access(t.base, r, false, s, &op.vc, &op.what)?;
+                    }
+                    if let Some(w) = t.write {
+                        self.access(t.base, w, true, s, &op.vc, &op.what)?;
+                    }
+                }
+                Ok(())
+            }
+            Work::Coll { coll, .. } => {
+                let c = &self.colls[*coll];
+                if c.executed || c.cancelled {
+                    return Ok(());
+                }
+                self.colls[*coll].executed = true;
+                self.run_collective(*coll)
+            }
+        }
+    }
+
+    /// Moves a collective's data, every rank's part at once (all are at their streams' fronts).
+    fn run_collective(&mut self, coll: usize) -> Result<(), (i32, String)> {
+        let parts: Vec<Part> = self.colls[coll]
+            .parts
+            .iter()
+            .map(|p| p.clone().expect("every part was issued"))
+            .collect();
+        let n = parts.len();
+        let p0 = &parts[0];
+        let es = nccl_elem_size(p0.dtype).expect("checked at issue");
+        let count = p0.count;
+        let bytes = count * es;
+        let root = p0.root as usize;
+        let what: Arc<str> = format!(
+            "nccl {:?} of {count} elements over {n} ranks (clique {})",
+            p0.kind, self.colls[coll].clique
+        )
+        .into();
+        // (rank, address, bytes, write) for the race checks, then the data.
+        let mut reads: Vec<(usize, u64, usize)> = Vec::new();
+        let mut writes: Vec<(usize, u64, usize)> = Vec::new();
+        match p0.kind {
+            CollKind::Reduce => {
+                reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes)));
+                writes.push((root, parts[root].recv, bytes));
+            }
+            CollKind::Broadcast => {
+                reads.push((root, parts[root].send, bytes));
+                writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes)));
+            }
+            CollKind::AllReduce => {
+                reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes)));
+                writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes)));
+            }
+            CollKind::AllGather => {
+                reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes)));
+                writes.extend(
+                    parts
+                        .iter()
+                        .enumerate()
+                        .map(|(r, p)| (r, p.recv, bytes * n)),
+                );
+            }
+            CollKind::ReduceScatter => {
+                reads.extend(
+                    parts
+                        .iter()
+                        .enumerate()
+                        .map(|(r, p)| (r, p.send, bytes * n)),
+                );
+                writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes)));
+            }
+        }
+        let check = |st: &mut State, (r, addr, len): (usize, u64, usize), write: bool| {
+            let p = &parts[r];
+            let (device, base) = st
+                .locate(addr, len)
+                .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{what}, rank {r}: {e}")))?;
+            let what_r: Arc<str> = format!("{what}, rank {r}").into();
+            let _ = device;
+            st.access(
+                base,
+                (addr - base, addr - base + len as u64),
+                write,
+                p.stream,
+                &p.vc,
+                &what_r,
+            )
+        };
+        for &a in &reads {
+            check(self, a, false)?;
+        }
+        let inputs: Vec<Vec<u8>> = reads
+            .iter()
+            .map(|&(_, addr, len)| self.mem.read(addr, len))
+            .collect::<anyhow::Result<_>>()
+            .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
+        for &a in &writes {
+            check(self, a, true)?;
+        }
+        let sum = |ins: &[&[u8]]| reduce_bytes(p0.dtype, p0.op, ins);
+        let outputs: Vec<Vec<u8>> = match p0.kind {
+            CollKind::Reduce | CollKind::AllReduce => {
+                let ins: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                let total = sum(&ins);
+                vec![total; writes.len()]
+            }
+            CollKind::Broadcast => vec![inputs[0].clone(); writes.len()],
+            CollKind::AllGather => vec![inputs.concat(); n],
+            CollKind::ReduceScatter => (0..n)
+                .map(|r| {
+                    let ins: Vec<&[u8]> = inputs
+                        .iter()
+                        .map(|i| &i[r * bytes..(r + 1) * bytes])
+                        .collect();
+                    sum(&ins)
+                })
+                .collect(),
+        };
+        for (&(_, addr, _), out) in writes.iter().zip(&outputs) {
+            self.mem
+                .write(addr, out)
+                .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// Element-wise reduction of equally long byte buffers of NCCL `dtype` with `op` (sum, prod,
+/// max, min, avg), in rank order, each step rounded to the type as NCCL's kernels do.
+fn reduce_bytes(dtype: i32, op: i32, ins: &[&[u8]]) -> Vec<u8> {
+    let n = ins.len();
+    let fold_f64 = |a: f64, b: f64| match op {
+        1 => a * b,
+        2 => a.max(b),
+        3 => a.min(b),
+        _ => a + b,
+    };
+    let finish = |a: f64| if op == 4 { a / n as f64 } else { a };
+    let es = nccl_elem_size(dtype).expect("checked at issue");
+    let elems = ins[0].len() / es;
+    let mut out = Vec::with_capacity(ins[0].len());
+    for i in 0..elems {
+        let at = |k: usize| &ins[k][i * es..(i + 1) * es];
+        match dtype {
+            7 => {
+                let get = |k| f32::from_le_bytes(at(k).try_into().expect("4 bytes"));
+                let mut a = get(0);
+                for k in 1..n {
+                    a = match op {
+                        1 => a * get(k),
+                        2 => a.max(get(k)),
+                        3 => a.min(get(k)),
+                        _ => a + get(k),
+                    };
+                }
+                if op == 4 {
+                    a /= n as f32;
+                }
+                out.extend_from_slice(&a.to_le_bytes());
+            }
+            8 => {
+                let get = |k| f64::from_le_bytes(at(k).try_into().expect("8 bytes"));
+                let a = (1..n).fold(get(0), |a, k| fold_f64(a, get(k)));
+                out.extend_from_slice(&finish(a).to_le_bytes());
+            }
+            6 => {
+                let get = |k| f16::from_le_bytes(at(k).try_into().expect("2 bytes")).to_f64();
+                let a = (1..n).fold(get(0), |a, k| f16::from_f64(fold_f64(a, get(k))).to_f64());
+                out.extend_from_slice(&f16::from_f64(finish(a)).to_le_bytes());
+            }
+            9 => {
+                let get = |k| bf16::from_le_bytes(at(k).try_into().expect("2 bytes")).to_f64();
+                let a = (1..n).fold(get(0), |a, k| bf16::from_f64(fold_f64(a, get(k))).to_f64());
+                out.extend_from_slice(&bf16::from_f64(finish(a)).to_le_bytes());
+            }
+            _ => {
+                // Integers: summed with wrap-around, as two's complement adds in any width.
+                let get = |k: usize| {
+                    let mut b = [0u8; 8];
+                    b[..es].copy_from_slice(at(k));
+                    u64::from_le_bytes(b)
+                };
+                let a = (1..n).fold(get(0), |a, k| a.wrapping_add(get(k)));
+                out.extend_from_slice(&a.to_le_bytes()[..es]);
+            }
+        }
+    }
+    out
+}

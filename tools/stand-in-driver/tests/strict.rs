@@ -1,0 +1,347 @@
+//! The stand-in rejects what it promises to reject: each test does one wrong thing (and, where
+//! it helps, the right thing next to it, which must pass). The calls go straight to the
+//! exported functions, as cudarc would make them.
+
+use std::ffi::{c_int, c_void, CString};
+use std::ptr::null_mut;
+
+use kvstore_stand_in_driver::driver::*;
+use kvstore_stand_in_driver::nccl::*;
+
+type H = *mut c_void;
+
+// Result codes.
+const OK: i32 = 0;
+const INVALID_VALUE: i32 = 1;
+const NO_BINARY_FOR_GPU: i32 = 209;
+const UNSUPPORTED_PTX_VERSION: i32 = 222;
+const ILLEGAL_STATE: i32 = 401;
+const ILLEGAL_ADDRESS: i32 = 700;
+const PEER_ACCESS_NOT_ENABLED: i32 = 705;
+const NCCL_INVALID_USAGE: i32 = 5;
+const NCCL_FLOAT32: c_int = 7;
+const NCCL_SUM: c_int = 0;
+
+/// `dst[i] = src[i]` for `i < n`, one thread per element, in the interpreter's subset.
+const COPY_PTX: &str = "
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry copy(.param .u64 dst, .param .u64 src, .param .u32 n)
+{
+.reg .pred %p<2>;
+.reg .b32 %r<4>;
+.reg .f32 %f<2>;
+.reg .b64 %rd<8>;
+ld.param.u64 %rd1, [dst];
+ld.param.u64 %rd2, [src];
+ld.param.u32 %r1, [n];
+mov.u32 %r2, %tid.x;
+setp.ge.u32 %p1, %r2, %r1;
+@%p1 bra DONE;
+mul.wide.u32 %rd3, %r2, 4;
+add.u64 %rd4, %rd1, %rd3;
+add.u64 %rd5, %rd2, %rd3;
+ld.global.f32 %f1, [%rd5];
+st.global.f32 [%rd4], %f1;
+DONE:
+ret;
+}
+";
+
+/// Initializes the driver and returns the primary contexts of devices 0 and 1, with device
+/// 0's current on this thread.
+fn setup() -> [H; 2] {
+    assert_eq!(cuInit(0), OK);
+    let mut ctx = [null_mut(); 2];
+    for (d, c) in ctx.iter_mut().enumerate() {
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { cuDevicePrimaryCtxRetain(c, d as c_int) }, OK);
+    }
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    ctx
+}
+
+fn stream() -> H {
+    let mut s = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuStreamCreate(&mut s, 1) }, OK);
+    s
+}
+
+fn alloc(bytes: usize, s: H) -> u64 {
+    let mut p = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemAllocAsync(&mut p, bytes, s) }, OK);
+    p
+}
+
+fn upload(dst: u64, data: &[f32], s: H) -> i32 {
+    // SAFETY: `data` holds the bytes given.
+    unsafe { cuMemcpyHtoDAsync_v2(dst, data.as_ptr().cast(), data.len() * 4, s) }
+}
+
+fn download(src: u64, n: usize, s: H) -> (i32, Vec<f32>) {
+    let mut out = vec![0f32; n];
+    // SAFETY: `out` has room for the bytes asked for.
+    let r = unsafe { cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, n * 4, s) };
+    (r, out)
+}
+
+fn load(ptx: &str) -> (i32, H) {
+    let text = CString::new(ptx).unwrap();
+    let mut m = null_mut();
+    // SAFETY: a NUL-terminated image and a valid out-pointer.
+    let r = unsafe { cuModuleLoadData(&mut m, text.as_ptr().cast()) };
+    (r, m)
+}
+
+fn copy_kernel() -> H {
+    let (r, m) = load(COPY_PTX);
+    assert_eq!(r, OK);
+    let mut f = null_mut();
+    let name = CString::new("copy").unwrap();
+    // SAFETY: valid module, name and out-pointer.
+    assert_eq!(unsafe { cuModuleGetFunction(&mut f, m, name.as_ptr()) }, OK);
+    f
+}
+
+/// Launches `copy(dst, src, n)` with one block of `n` threads.
+fn launch_copy(f: H, dst: u64, src: u64, n: u32, s: H) -> i32 {
+    let (mut d, mut sr, mut nn) = (dst, src, n);
+    let mut params: [*mut c_void; 3] = [
+        (&mut d as *mut u64).cast(),
+        (&mut sr as *mut u64).cast(),
+        (&mut nn as *mut u32).cast(),
+    ];
+    // SAFETY: one pointer per parameter, each to a value of the parameter's type.
+    unsafe { cuLaunchKernel(f, 1, 1, 1, n, 1, 1, 0, s, params.as_mut_ptr(), null_mut()) }
+}
+
+#[test]
+fn a_launch_whose_parameter_bytes_do_not_match_the_entry_is_rejected() {
+    setup();
+    let s = stream();
+    let f = copy_kernel();
+    let (a, b) = (alloc(16, s), alloc(16, s));
+    assert_eq!(upload(b, &[1.0, 2.0, 3.0, 4.0], s), OK);
+    assert_eq!(launch_copy(f, a, b, 4, s), OK, "the right arguments pass");
+    assert_eq!(download(a, 4, s).1, [1.0, 2.0, 3.0, 4.0]);
+
+    // Through `extra`: 16 bytes where the entry takes 8 + 8 + 4 = 20.
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&a.to_le_bytes());
+    buf[8..].copy_from_slice(&b.to_le_bytes());
+    let mut size = buf.len();
+    let mut extra: [*mut c_void; 5] = [
+        std::ptr::without_provenance_mut(1), // CU_LAUNCH_PARAM_BUFFER_POINTER
+        buf.as_mut_ptr().cast(),
+        std::ptr::without_provenance_mut(2), // CU_LAUNCH_PARAM_BUFFER_SIZE
+        (&mut size as *mut usize).cast(),
+        null_mut(),
+    ];
+    // SAFETY: a well-formed extra list.
+    let r = unsafe { cuLaunchKernel(f, 1, 1, 1, 4, 1, 1, 0, s, null_mut(), extra.as_mut_ptr()) };
+    assert_eq!(
+        r, INVALID_VALUE,
+        "a 16-byte parameter buffer for a 20-byte entry"
+    );
+
+    // Through kernelParams: a 4-byte value where the entry declares .u64 (its address is only
+    // 4-byte aligned: the value is narrower than the parameter).
+    let narrow = [0u32; 2];
+    let (mut d, mut n) = (a, 4u32);
+    let mut params: [*mut c_void; 3] = [
+        (&mut d as *mut u64).cast(),
+        (narrow.as_ptr() as *mut u32).wrapping_add(1).cast(),
+        (&mut n as *mut u32).cast(),
+    ];
+    // SAFETY: every pointer is readable for 8 bytes or fewer than its parameter; the stand-in
+    // refuses before reading the misaligned one.
+    let r = unsafe { cuLaunchKernel(f, 1, 1, 1, 4, 1, 1, 0, s, params.as_mut_ptr(), null_mut()) };
+    assert_eq!(r, INVALID_VALUE, "a u32 passed for a .u64 parameter");
+}
+
+#[test]
+fn ptx_above_the_device_is_rejected() {
+    setup();
+    // The default device is sm_90.
+    let above = COPY_PTX.replace(".target sm_70", ".target sm_100");
+    assert_eq!(load(&above).0, NO_BINARY_FOR_GPU);
+    let newer = COPY_PTX.replace(".version 7.0", ".version 9.9");
+    assert_eq!(load(&newer).0, UNSUPPORTED_PTX_VERSION);
+    let sm80 = COPY_PTX.replace(".target sm_70", ".target sm_80");
+    assert_eq!(load(&sm80).0, OK, "sm_80 PTX on an sm_90 device loads");
+}
+
+#[test]
+fn a_read_of_what_another_stream_writes_needs_an_event() {
+    setup();
+    let (s1, s2) = (stream(), stream());
+    let buf = alloc(16, s1);
+    assert_eq!(upload(buf, &[5.0; 4], s1), OK);
+    // Stream 2 reads what stream 1 wrote (and allocated), with nothing in between.
+    assert_eq!(download(buf, 4, s2).0, ILLEGAL_STATE);
+
+    // With an event recorded after the write and waited for, the same read is fine.
+    let buf = alloc(16, s1);
+    assert_eq!(upload(buf, &[6.0; 4], s1), OK);
+    let mut ev = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuEventCreate(&mut ev, 2) }, OK);
+    assert_eq!(cuEventRecord(ev, s1), OK);
+    assert_eq!(cuStreamWaitEvent(s2, ev, 0), OK);
+    assert_eq!(download(buf, 4, s2), (OK, vec![6.0; 4]));
+
+    // A kernel on stream 2 writing what stream 1 reads, unordered, is a race too.
+    let f = copy_kernel();
+    let (a, b) = (alloc(16, s1), alloc(16, s1));
+    assert_eq!(upload(b, &[1.0; 4], s1), OK);
+    assert_eq!(
+        cuStreamSynchronize(s1),
+        OK,
+        "the host wait orders everything before it"
+    );
+    assert_eq!(launch_copy(f, a, b, 4, s2), OK);
+    assert_eq!(download(a, 4, s1).0, ILLEGAL_STATE);
+}
+
+#[test]
+fn use_after_free_and_double_free_are_rejected() {
+    setup();
+    let s = stream();
+    let f = copy_kernel();
+    let (a, b) = (alloc(16, s), alloc(16, s));
+    assert_eq!(upload(b, &[1.0; 4], s), OK);
+    assert_eq!(cuMemFreeAsync(b, s), OK);
+    assert_eq!(
+        upload(b, &[1.0; 4], s),
+        INVALID_VALUE,
+        "a copy into freed memory"
+    );
+    assert_eq!(
+        launch_copy(f, a, b, 4, s),
+        ILLEGAL_ADDRESS,
+        "a kernel reading freed memory"
+    );
+    assert_eq!(cuMemFreeAsync(b, s), INVALID_VALUE, "a double free");
+}
+
+#[test]
+fn peer_access_must_be_enabled() {
+    let ctx = setup();
+    let s0 = stream();
+    let f = copy_kernel();
+    assert_eq!(cuCtxSetCurrent(ctx[1]), OK);
+    let s1 = stream();
+    let on1 = alloc(16, s1);
+    assert_eq!(upload(on1, &[3.0; 4], s1), OK);
+    assert_eq!(cuStreamSynchronize(s1), OK);
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    let on0 = alloc(16, s0);
+    // A kernel on gpu 0 reading gpu 1's memory, and a plain device copy from it.
+    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    // SAFETY: live buffers of 16 bytes.
+    let r = unsafe { cuMemcpyDtoDAsync_v2(on0, on1, 16, s0) };
+    assert_eq!(r, PEER_ACCESS_NOT_ENABLED);
+    // A peer copy needs no peer access.
+    // SAFETY: live buffers of 16 bytes, each with its own device's context.
+    let r = unsafe { cuMemcpyPeerAsync(on0, ctx[0], on1, ctx[1], 16, s0) };
+    assert_eq!(r, OK);
+    assert_eq!(download(on0, 4, s0), (OK, vec![3.0; 4]));
+    // Once enabled, the kernel may read it.
+    assert_eq!(cuCtxEnablePeerAccess(ctx[1], 0), OK);
+    assert_eq!(launch_copy(f, on0, on1, 4, s0), OK);
+    assert_eq!(cuCtxDisablePeerAccess(ctx[1]), OK);
+}
+
+/// Two ranks (gpu 0 and gpu 1) of one clique, with a stream and a 64-float buffer each.
+fn two_ranks(ctx: [H; 2]) -> ([H; 2], [H; 2], [u64; 2]) {
+    let mut comms = [null_mut(); 2];
+    // SAFETY: room for two handles; null device list means devices 0 and 1.
+    assert_eq!(
+        unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) },
+        OK
+    );
+    let mut streams = [null_mut(); 2];
+    let mut bufs = [0; 2];
+    for d in 0..2 {
+        assert_eq!(cuCtxSetCurrent(ctx[d]), OK);
+        streams[d] = stream();
+        bufs[d] = alloc(256, streams[d]);
+        assert_eq!(upload(bufs[d], &[d as f32 + 1.0; 64], streams[d]), OK);
+    }
+    (comms, streams, bufs)
+}
+
+fn reduce(send: u64, recv: u64, count: usize, root: c_int, comm: H, s: H) -> i32 {
+    ncclReduce(
+        send as *const c_void,
+        recv as *mut c_void,
+        count,
+        NCCL_FLOAT32,
+        NCCL_SUM,
+        root,
+        comm,
+        s,
+    )
+}
+
+#[test]
+fn nccl_mismatched_counts_and_roots_are_rejected() {
+    let ctx = setup();
+    let (comms, streams, bufs) = two_ranks(ctx);
+    // The right call: both ranks reduce 64 floats onto rank 0.
+    assert_eq!(ncclGroupStart(), OK);
+    for r in 0..2 {
+        assert_eq!(reduce(bufs[r], bufs[r], 64, 0, comms[r], streams[r]), OK);
+    }
+    assert_eq!(ncclGroupEnd(), OK);
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    assert_eq!(download(bufs[0], 64, streams[0]), (OK, vec![3.0; 64]));
+
+    // Counts differ.
+    assert_eq!(ncclGroupStart(), OK);
+    assert_eq!(reduce(bufs[0], bufs[0], 64, 0, comms[0], streams[0]), OK);
+    assert_eq!(reduce(bufs[1], bufs[1], 32, 0, comms[1], streams[1]), OK);
+    assert_eq!(ncclGroupEnd(), NCCL_INVALID_USAGE);
+    let mut state = 0;
+    // SAFETY: a live communicator and a valid out-pointer.
+    assert_eq!(unsafe { ncclCommGetAsyncError(comms[0], &mut state) }, OK);
+    assert_eq!(state, NCCL_INVALID_USAGE, "the communicator reports it");
+
+    // Roots differ (a fresh clique: the first one is in error now).
+    let (comms, streams, bufs) = two_ranks(ctx);
+    assert_eq!(ncclGroupStart(), OK);
+    assert_eq!(reduce(bufs[0], bufs[0], 64, 0, comms[0], streams[0]), OK);
+    assert_eq!(reduce(bufs[1], bufs[1], 64, 1, comms[1], streams[1]), OK);
+    assert_eq!(ncclGroupEnd(), NCCL_INVALID_USAGE);
+    assert!(last_error().contains("root"), "{}", last_error());
+}
+
+#[test]
+fn one_thread_driving_two_ranks_needs_a_group() {
+    let ctx = setup();
+    let (comms, streams, bufs) = two_ranks(ctx);
+    assert_eq!(reduce(bufs[0], bufs[0], 64, 0, comms[0], streams[0]), OK);
+    assert_eq!(
+        reduce(bufs[1], bufs[1], 64, 0, comms[1], streams[1]),
+        NCCL_INVALID_USAGE,
+        "rank 1's part of the same collective, from the same thread, outside a group"
+    );
+    // Abort ends the half-issued collective, so rank 0's stream drains.
+    assert_eq!(ncclCommAbort(comms[0]), OK);
+    assert_eq!(ncclCommAbort(comms[1]), OK);
+    assert_eq!(cuStreamSynchronize(streams[0]), OK);
+}
+
+#[test]
+fn two_ranks_on_one_gpu_need_nccl_2_30_and_the_switch() {
+    setup();
+    let mut comms = [null_mut(); 2];
+    let devs: [c_int; 2] = [0, 0];
+    // SAFETY: room for two handles and two device numbers.
+    let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, devs.as_ptr()) };
+    let enabled = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref() == Ok("1");
+    assert_eq!(r, if enabled { OK } else { NCCL_INVALID_USAGE });
+}
