@@ -222,9 +222,17 @@ impl NDArray {
         if self.shares_storage(x) {
             return self.scale(1.0 + alpha);
         }
-        let xg = x.read();
+        // Both locks in address order, as everywhere two arrays are locked, so two calls with
+        // the operands swapped (`a.add_scaled(&b)`, `b.add_scaled(&a)`) cannot deadlock.
+        let (xg, mut g) = if x.storage_id() < self.storage_id() {
+            let xg = x.read();
+            (xg, self.write())
+        } else {
+            let g = self.write();
+            (x.read(), g)
+        };
         let xh = xg.host()?;
-        self.modify_host(|h| {
+        modify_locked(&mut g, |h| {
             with_host!(h, v: T => {
                 let xs = T::slice(&xh).expect("operand dtypes were checked");
                 axpy(v, xs, alpha);
@@ -240,16 +248,7 @@ impl NDArray {
     /// Runs `f` on the host elements under the write lock; a GPU array is copied to the host
     /// and back.
     fn modify_host(&self, f: impl FnOnce(&mut HostData)) -> Result<()> {
-        let mut g = self.write();
-        match &mut *g {
-            Storage::Host(h) => f(h),
-            Storage::Gpu(b) => {
-                let mut h = b.download()?;
-                f(&mut h);
-                b.upload_into(&h)?;
-            }
-        }
-        Ok(())
+        modify_locked(&mut self.write(), f)
     }
 
     /// A new array `a * self + b * other`; `other` must have the same shape and dtype.
@@ -315,6 +314,19 @@ impl NDArray {
             },
         }
     }
+}
+
+/// Runs `f` on the host elements of locked storage; GPU storage is copied to the host and back.
+fn modify_locked(storage: &mut Storage, f: impl FnOnce(&mut HostData)) -> Result<()> {
+    match storage {
+        Storage::Host(h) => f(h),
+        Storage::Gpu(b) => {
+            let mut h = b.download()?;
+            f(&mut h);
+            b.upload_into(&h)?;
+        }
+    }
+    Ok(())
 }
 
 /// `y *= s`, elementwise, in the accumulator precision.
