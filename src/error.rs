@@ -124,6 +124,19 @@ pub enum Error {
         available: String,
     },
 
+    /// An environment variable kvstore reads has a value it cannot use.
+    #[error(
+        "environment variable {var}={value:?} is not valid: expected {expected}; fix or unset it"
+    )]
+    InvalidEnv {
+        /// The variable's name.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What it should be.
+        expected: &'static str,
+    },
+
     /// A shape with more than 8 dimensions.
     #[error("a shape has {ndim} dimensions but at most 8 are supported; reshape it")]
     TooManyDims {
