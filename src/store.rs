@@ -5,7 +5,7 @@
 //! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
 //! in ascending key order, which makes it atomic and free of deadlocks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -408,7 +408,8 @@ impl KvStore {
         };
         let mut table = write(&self.table);
         let call_kind = keys.first().map(Key::kind);
-        for (i, key) in keys.iter().enumerate() {
+        let mut seen = HashSet::with_capacity(keys.len());
+        for key in &keys {
             table.check_kind("init", key)?;
             if let Some(kind) = call_kind.filter(|&k| k != key.kind()) {
                 return Err(Error::MixedKeyTypes {
@@ -418,7 +419,7 @@ impl KvStore {
                     store: kind,
                 });
             }
-            if table.slots.contains_key(key) || keys[..i].contains(key) {
+            if table.slots.contains_key(key) || !seen.insert(key) {
                 return Err(Error::DuplicateInit { key: key.clone() });
             }
         }
