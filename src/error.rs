@@ -144,6 +144,20 @@ pub enum Error {
         ndim: usize,
     },
 
+    /// A shape whose element count, or byte size for a dtype, is over `isize::MAX`.
+    #[error(
+        "shape {dims:?}{} is too large: its {} would overflow (the limit is isize::MAX); use \
+         smaller dimensions",
+        dtype.map(|d| format!(" of {d}")).unwrap_or_default(),
+        if dtype.is_some() { "size in bytes" } else { "element count" }
+    )]
+    ShapeTooLarge {
+        /// The dimensions asked for.
+        dims: Vec<usize>,
+        /// The dtype, when the byte size is what overflows.
+        dtype: Option<DType>,
+    },
+
     /// Data whose length does not match the shape it was given.
     #[error("{len} elements cannot have shape {shape} ({} elements); fix the shape or the data", shape.size())]
     DataLength {

@@ -9,7 +9,7 @@
 //! else's work while it waits: a rayon worker waiting in `join` steals queued jobs, and a job
 //! that pushes to a key the suspended call has locked would block that worker forever. So:
 //!
-//! - A call from an ordinary thread runs on a private rayon pool ([`pool`]). The calling thread
+//! - A call from an ordinary thread runs on a private rayon pool (`pool()`). The calling thread
 //!   blocks (it does not steal) until the pool is done, and the pool's workers only ever see
 //!   this module's jobs, which take no locks.
 //! - A call from a worker of any rayon pool (a `par_iter` in the user's code) runs on that
