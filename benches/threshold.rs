@@ -1,6 +1,6 @@
 //! Where a push or pull should start using the thread pool: the same store calls at sizes
 //! around `PAR_MIN_BYTES`, forced onto the calling thread (`seq`) and forced onto the pool
-//! (`par`) with `kvstore::__internal::cpu::set_par_min_bytes`.
+//! (`par`) by creating each store with `KVSTORE_PAR_MIN_BYTES` set to `usize::MAX` or 0.
 //!
 //! `cargo bench --bench threshold` (filter by `threshold/push` or `threshold/pull`).
 //! The store's own choice is `kvstore::__internal::cpu::PAR_MIN_BYTES`; the sizes below are of one
@@ -28,17 +28,19 @@ fn main() {
         for kib in [16usize, 32, 64, 128, 256, 512, 1024, 2048] {
             let bytes = kib << 10;
             g.throughput(Throughput::Bytes(bytes as u64));
-            let kv = Kv::new(Target::Cpu, n, bytes, DType::F32, Updater::Assign).expect("setup");
             let f = if op == "push" { Kv::push } else { Kv::pull };
             for (name, min) in [("seq", usize::MAX), ("par", 0)] {
-                let old = kvstore::__internal::cpu::set_par_min_bytes(min);
+                // A store reads its threshold when it is created.
+                std::env::set_var("KVSTORE_PAR_MIN_BYTES", min.to_string());
+                let kv =
+                    Kv::new(Target::Cpu, n, bytes, DType::F32, Updater::Assign).expect("setup");
                 g.bench_function(BenchmarkId::new(name, format!("{kib}K")), |b| {
                     b.iter(|| f(&kv))
                 });
-                kvstore::__internal::cpu::set_par_min_bytes(old);
             }
         }
         g.finish();
     }
+    std::env::remove_var("KVSTORE_PAR_MIN_BYTES");
     c.final_summary();
 }

@@ -137,11 +137,38 @@ pub enum Error {
         available: String,
     },
 
+    /// An environment variable kvstore reads has a value it cannot use.
+    #[error(
+        "environment variable {var}={value:?} is not valid: expected {expected}; fix or unset it"
+    )]
+    InvalidEnv {
+        /// The variable's name.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What it should be.
+        expected: &'static str,
+    },
+
     /// A shape with more than 8 dimensions.
     #[error("a shape has {ndim} dimensions but at most 8 are supported; reshape it")]
     TooManyDims {
         /// The number of dimensions asked for.
         ndim: usize,
+    },
+
+    /// A shape whose element count, or byte size for a dtype, is over `isize::MAX`.
+    #[error(
+        "shape {dims:?}{} is too large: its {} would overflow (the limit is isize::MAX); use \
+         smaller dimensions",
+        dtype.map(|d| format!(" of {d}")).unwrap_or_default(),
+        if dtype.is_some() { "size in bytes" } else { "element count" }
+    )]
+    ShapeTooLarge {
+        /// The dimensions asked for.
+        dims: Vec<usize>,
+        /// The dtype, when the byte size is what overflows.
+        dtype: Option<DType>,
     },
 
     /// Data whose length does not match the shape it was given.

@@ -3,6 +3,7 @@
 use half::{bf16, f16};
 
 use crate::dtype::{DType, Element};
+use crate::{Error, Shape};
 
 /// Elements in host memory. The variant is the dtype.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,7 +50,25 @@ pub(crate) use with_host;
 
 impl HostData {
     /// `len` copies of `value`, converted to `dtype`.
+    ///
+    /// # Panics
+    /// If `len` elements of `dtype` would take more than `isize::MAX` bytes (Rust's
+    /// "capacity overflow"); check first with [`Shape::nbytes`](crate::Shape::nbytes).
     pub fn filled(dtype: DType, len: usize, value: f64) -> HostData {
+        match HostData::try_filled(dtype, len, value) {
+            Ok(h) => h,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`HostData::filled`], with an [`Error::ShapeTooLarge`] instead of a panic when `len`
+    /// elements of `dtype` would take more than `isize::MAX` bytes.
+    pub fn try_filled(dtype: DType, len: usize, value: f64) -> Result<HostData, Error> {
+        Shape::new(&[len])?.nbytes(dtype)?;
+        Ok(HostData::filled_unchecked(dtype, len, value))
+    }
+
+    fn filled_unchecked(dtype: DType, len: usize, value: f64) -> HostData {
         match dtype {
             DType::F32 => HostData::F32(vec![value as f32; len]),
             DType::F64 => HostData::F64(vec![value; len]),
@@ -84,7 +103,7 @@ impl HostData {
             return self.clone();
         }
         with_host!(self, v: T => {
-            let mut out = HostData::filled(dtype, v.len(), 0.0);
+            let mut out = HostData::filled_unchecked(dtype, v.len(), 0.0);
             convert_into(v, &mut out);
             out
         })

@@ -84,26 +84,66 @@ impl NDArray {
     }
 
     /// A `float32` array of zeros on `cpu(0)`.
+    ///
+    /// # Panics
+    /// If the shape's elements would take more than `isize::MAX` bytes (or its dimensions
+    /// overflow when an array of them converts to a [`Shape`]). [`NDArray::try_zeros`] returns
+    /// an error instead.
     pub fn zeros(shape: impl Into<Shape>) -> NDArray {
         NDArray::full(shape, 0.0)
     }
 
     /// A `float32` array of ones on `cpu(0)`.
+    ///
+    /// # Panics
+    /// As [`NDArray::zeros`]; [`NDArray::try_ones`] returns an error instead.
     pub fn ones(shape: impl Into<Shape>) -> NDArray {
         NDArray::full(shape, 1.0)
     }
 
     /// A `float32` array filled with `value` on `cpu(0)`.
+    ///
+    /// # Panics
+    /// As [`NDArray::zeros`]; [`NDArray::try_full`] returns an error instead.
     pub fn full(shape: impl Into<Shape>, value: f64) -> NDArray {
+        match NDArray::try_full(shape, value) {
+            Ok(a) => a,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`NDArray::zeros`], with an error instead of a panic when the shape is too large.
+    /// Build a shape from untrusted dimensions with [`Shape::new`], which checks them.
+    ///
+    /// ```
+    /// use kvstore::{NDArray, Shape};
+    /// assert_eq!(NDArray::try_zeros([2, 3]).unwrap().size(), 6);
+    /// // 2^62 elements fit in a usize, but not their 2^64 bytes of float32:
+    /// assert!(NDArray::try_zeros(Shape::new(&[1 << 31, 1 << 31]).unwrap()).is_err());
+    /// assert!(Shape::new(&[1 << 33, 1 << 31]).is_err()); // 2^64 elements: no shape at all
+    /// ```
+    pub fn try_zeros(shape: impl Into<Shape>) -> Result<NDArray> {
+        NDArray::try_full(shape, 0.0)
+    }
+
+    /// [`NDArray::ones`], with an error instead of a panic when the shape is too large.
+    pub fn try_ones(shape: impl Into<Shape>) -> Result<NDArray> {
+        NDArray::try_full(shape, 1.0)
+    }
+
+    /// [`NDArray::full`], with an error instead of a panic when the shape is too large.
+    pub fn try_full(shape: impl Into<Shape>, value: f64) -> Result<NDArray> {
         let shape = shape.into();
-        NDArray::from_host(
+        shape.nbytes(DType::F32)?;
+        Ok(NDArray::from_host(
             HostData::filled(DType::F32, shape.size(), value),
             shape,
             Device::Cpu(0),
-        )
+        ))
     }
 
-    /// An array of `dtype` filled with `value` on `device`; an error if the device does not exist.
+    /// An array of `dtype` filled with `value` on `device`; an error if the device does not
+    /// exist, or if the elements would take more than `isize::MAX` bytes.
     ///
     /// ```
     /// use kvstore::{cpu, DType, NDArray};
@@ -118,10 +158,12 @@ impl NDArray {
     ) -> Result<NDArray> {
         check_device(device)?;
         let shape = shape.into();
+        shape.nbytes(dtype)?;
         NDArray::place(HostData::filled(dtype, shape.size(), value), shape, device)
     }
 
-    /// An array on `cpu(0)` that takes ownership of `data`; its dtype is `T`'s.
+    /// An array on `cpu(0)` that takes ownership of `data`; its dtype is `T`'s. An error if
+    /// `data` does not hold exactly `shape.size()` elements.
     ///
     /// ```
     /// use kvstore::NDArray;
@@ -222,9 +264,17 @@ impl NDArray {
         if self.shares_storage(x) {
             return self.scale(1.0 + alpha);
         }
-        let xg = x.read();
+        // Both locks in address order, as everywhere two arrays are locked, so two calls with
+        // the operands swapped (`a.add_scaled(&b)`, `b.add_scaled(&a)`) cannot deadlock.
+        let (xg, mut g) = if x.storage_id() < self.storage_id() {
+            let xg = x.read();
+            (xg, self.write())
+        } else {
+            let g = self.write();
+            (x.read(), g)
+        };
         let xh = xg.host()?;
-        self.modify_host(|h| {
+        modify_locked(&mut g, |h| {
             with_host!(h, v: T => {
                 let xs = T::slice(&xh).expect("operand dtypes were checked");
                 axpy(v, xs, alpha);
@@ -240,16 +290,21 @@ impl NDArray {
     /// Runs `f` on the host elements under the write lock; a GPU array is copied to the host
     /// and back.
     fn modify_host(&self, f: impl FnOnce(&mut HostData)) -> Result<()> {
-        let mut g = self.write();
-        match &mut *g {
-            Storage::Host(h) => f(h),
-            Storage::Gpu(b) => {
-                let mut h = b.download()?;
-                f(&mut h);
-                b.upload_into(&h)?;
-            }
-        }
-        Ok(())
+        modify_locked(&mut self.write(), f)
+    }
+
+    /// A new array `self * s`: `&a * s` with an error instead of a panic (a GPU array that
+    /// cannot be copied or scaled).
+    ///
+    /// ```
+    /// use kvstore::NDArray;
+    /// let a = NDArray::ones([2]).try_mul(3.0).unwrap();
+    /// assert_eq!(a.to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
+    /// ```
+    pub fn try_mul(&self, s: f64) -> Result<NDArray> {
+        let out = self.copy()?;
+        out.scale(s)?;
+        Ok(out)
     }
 
     /// A new array `a * self + b * other`; `other` must have the same shape and dtype.
@@ -363,7 +418,7 @@ impl NDArray {
         let shape = shape.into();
         check_len(data.len(), shape)?;
         check_device(device)?;
-        let mut host = HostData::filled(dtype, data.len(), 0.0);
+        let mut host = HostData::try_filled(dtype, data.len(), 0.0)?;
         convert_into(data, &mut host);
         NDArray::place(host, shape, device)
     }
@@ -376,6 +431,19 @@ fn check_len(len: usize, shape: Shape) -> Result<()> {
             len,
             shape: Box::new(shape),
         });
+    }
+    Ok(())
+}
+
+/// Runs `f` on the host elements of locked storage; GPU storage is copied to the host and back.
+fn modify_locked(storage: &mut Storage, f: impl FnOnce(&mut HostData)) -> Result<()> {
+    match storage {
+        Storage::Host(h) => f(h),
+        Storage::Gpu(b) => {
+            let mut h = b.download()?;
+            f(&mut h);
+            b.upload_into(&h)?;
+        }
     }
     Ok(())
 }
@@ -407,8 +475,11 @@ impl fmt::Debug for NDArray {
 }
 
 impl fmt::Display for NDArray {
-    /// NumPy's layout: `[[2. 2. 2.]\n [2. 2. 2.]]`.
+    /// NumPy's layout: `[[2. 2. 2.]\n [2. 2. 2.]]`; `[]` for an array with no elements.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.size() == 0 {
+            return f.write_str("[]");
+        }
         let values: Vec<f64> = match self.to_vec() {
             Ok(v) => v,
             Err(e) => return write!(f, "<unreadable: {e}>"),
@@ -461,15 +532,24 @@ fn write_nested(
 impl Mul<f64> for &NDArray {
     type Output = NDArray;
     /// A new array, `self * s`.
+    ///
+    /// # Panics
+    /// If the array is on a GPU and the copy or the scaling fails (a CUDA error);
+    /// [`NDArray::try_mul`] returns the error instead. Host arrays never panic.
     fn mul(self, s: f64) -> NDArray {
-        let out = self.copy().expect("copying an existing array");
-        out.scale(s).expect("scaling an existing array");
-        out
+        match self.try_mul(s) {
+            Ok(a) => a,
+            Err(e) => panic!("{e}"),
+        }
     }
 }
 
 impl Mul<f64> for NDArray {
     type Output = NDArray;
+    /// A new array, `self * s`.
+    ///
+    /// # Panics
+    /// As `&NDArray * f64`; [`NDArray::try_mul`] returns an error instead.
     fn mul(self, s: f64) -> NDArray {
         &self * s
     }
@@ -477,6 +557,10 @@ impl Mul<f64> for NDArray {
 
 impl Neg for &NDArray {
     type Output = NDArray;
+    /// A new array, `-self`.
+    ///
+    /// # Panics
+    /// As `&NDArray * f64`; `try_mul(-1.0)` returns an error instead.
     fn neg(self) -> NDArray {
         self * -1.0
     }
@@ -484,14 +568,25 @@ impl Neg for &NDArray {
 
 impl Neg for NDArray {
     type Output = NDArray;
+    /// A new array, `-self`.
+    ///
+    /// # Panics
+    /// As `&NDArray * f64`; `try_mul(-1.0)` returns an error instead.
     fn neg(self) -> NDArray {
         &self * -1.0
     }
 }
 
 impl MulAssign<f64> for NDArray {
+    /// `self *= s`, in place.
+    ///
+    /// # Panics
+    /// If the array is on a GPU and the scaling fails (a CUDA error); [`NDArray::scale`]
+    /// returns the error instead. Host arrays never panic.
     fn mul_assign(&mut self, s: f64) {
-        self.scale(s).expect("scaling an existing array");
+        if let Err(e) = self.scale(s) {
+            panic!("{e}");
+        }
     }
 }
 
@@ -501,8 +596,8 @@ macro_rules! binary_ops {
             /// In place, elementwise.
             ///
             /// # Panics
-            /// If the operands differ in shape or dtype; [`NDArray::add_scaled`] returns an error
-            /// instead.
+            /// If the operands differ in shape or dtype, or a GPU operand fails (a CUDA error);
+            /// [`NDArray::add_scaled`] returns an error instead.
             fn $assign_method(&mut self, rhs: &NDArray) {
                 if let Err(e) = self.add_scaled(rhs, $sign) {
                     panic!("{e}");
@@ -510,6 +605,10 @@ macro_rules! binary_ops {
             }
         }
         impl $assign_trait<NDArray> for NDArray {
+            /// In place, elementwise.
+            ///
+            /// # Panics
+            /// As the `&NDArray` form; [`NDArray::add_scaled`] returns an error instead.
             fn $assign_method(&mut self, rhs: NDArray) {
                 $assign_trait::$assign_method(self, &rhs)
             }
@@ -519,8 +618,8 @@ macro_rules! binary_ops {
             /// A new array, elementwise.
             ///
             /// # Panics
-            /// If the operands differ in shape or dtype; [`NDArray::axpby`] returns an error
-            /// instead.
+            /// If the operands differ in shape or dtype, or a GPU operand fails (a CUDA error);
+            /// [`NDArray::axpby`] returns an error instead.
             fn $method(self, rhs: &NDArray) -> NDArray {
                 match self.axpby(1.0, rhs, $sign) {
                     Ok(a) => a,
@@ -530,6 +629,10 @@ macro_rules! binary_ops {
         }
         impl $trait<NDArray> for NDArray {
             type Output = NDArray;
+            /// A new array, elementwise.
+            ///
+            /// # Panics
+            /// As the `&NDArray` form; [`NDArray::axpby`] returns an error instead.
             fn $method(self, rhs: NDArray) -> NDArray {
                 $trait::$method(&self, &rhs)
             }

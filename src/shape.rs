@@ -3,13 +3,15 @@
 use std::fmt;
 
 use crate::error::Error;
+use crate::DType;
 
 /// The most dimensions an array may have.
 pub const MAX_NDIM: usize = 8;
 
-/// The dimensions of an array: 0 to [`MAX_NDIM`] of them.
+/// The dimensions of an array: 0 to [`MAX_NDIM`] of them, holding at most `isize::MAX`
+/// elements.
 ///
-/// Arrays of up to 8 dimensions convert infallibly, so a too-deep shape is a compile error:
+/// Arrays of up to 8 dimensions convert with `From`, so a too-deep shape is a compile error:
 ///
 /// ```
 /// use kvstore::Shape;
@@ -19,7 +21,13 @@ pub const MAX_NDIM: usize = 8;
 /// assert_eq!(Shape::from([]).size(), 1); // a 0-d array holds one element
 /// ```
 ///
-/// A runtime slice goes through [`Shape::new`], which checks the rank.
+/// A runtime slice goes through [`Shape::new`], which checks the rank. Dimensions whose
+/// product overflows are an error from [`Shape::new`] and a panic from `From`:
+///
+/// ```
+/// use kvstore::{Error, Shape};
+/// assert!(matches!(Shape::new(&[1 << 33, 1 << 31]), Err(Error::ShapeTooLarge { .. })));
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Shape {
     dims: [usize; MAX_NDIM],
@@ -27,11 +35,13 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// A shape from a slice of dimensions; an error if there are more than [`MAX_NDIM`].
+    /// A shape from a slice of dimensions; an error if there are more than [`MAX_NDIM`], or if
+    /// their product (the number of elements) is over `isize::MAX`.
     pub fn new(dims: &[usize]) -> Result<Shape, Error> {
         if dims.len() > MAX_NDIM {
             return Err(Error::TooManyDims { ndim: dims.len() });
         }
+        check_size(dims, None, 1)?;
         let mut d = [0; MAX_NDIM];
         d[..dims.len()].copy_from_slice(dims);
         Ok(Shape {
@@ -52,20 +62,57 @@ impl Shape {
 
     /// The number of elements: the product of the dimensions (1 for a 0-d shape).
     pub fn size(&self) -> usize {
+        // Checked when the shape was made: no overflow.
         self.dims().iter().product()
     }
+
+    /// The bytes `dtype` elements of this shape take; an error if that is over `isize::MAX`
+    /// (no allocation can be that big).
+    ///
+    /// ```
+    /// use kvstore::{DType, Shape};
+    /// assert_eq!(Shape::from([2, 3]).nbytes(DType::F64).unwrap(), 48);
+    /// assert!(Shape::from([1 << 31, 1 << 31]).nbytes(DType::F32).is_err());
+    /// ```
+    pub fn nbytes(&self, dtype: DType) -> Result<usize, Error> {
+        check_size(self.dims(), Some(dtype), dtype.size())
+    }
+}
+
+/// The product of `dims` times `elem_bytes`, if it is at most `isize::MAX`.
+fn check_size(dims: &[usize], dtype: Option<DType>, elem_bytes: usize) -> Result<usize, Error> {
+    if dims.contains(&0) {
+        return Ok(0);
+    }
+    dims.iter()
+        .try_fold(elem_bytes, |n, &d| n.checked_mul(d))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(|| Error::ShapeTooLarge {
+            dims: dims.to_vec(),
+            dtype,
+        })
 }
 
 macro_rules! shape_from_array {
     ($($n:literal)*) => {$(
         impl From<[usize; $n]> for Shape {
+            /// The shape with these dimensions.
+            ///
+            /// # Panics
+            /// If the product of the dimensions is over `isize::MAX`; [`Shape::new`] returns
+            /// an error instead.
             fn from(a: [usize; $n]) -> Shape {
-                let mut dims = [0; MAX_NDIM];
-                dims[..$n].copy_from_slice(&a);
-                Shape { dims, ndim: $n }
+                match Shape::new(&a) {
+                    Ok(s) => s,
+                    Err(e) => panic!("{e}"),
+                }
             }
         }
         impl From<&[usize; $n]> for Shape {
+            /// The shape with these dimensions.
+            ///
+            /// # Panics
+            /// As `From<[usize; N]>`.
             fn from(a: &[usize; $n]) -> Shape {
                 Shape::from(*a)
             }

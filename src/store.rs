@@ -5,7 +5,7 @@
 //! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
 //! in ascending key order, which makes it atomic and free of deadlocks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -235,6 +235,31 @@ struct Active {
     hyper: hyper::Settings,
 }
 
+/// How a store's calls run: over NCCL or not, and from what size host loops split over threads.
+#[derive(Clone, Copy)]
+struct Ctx {
+    use_nccl: bool,
+    par_min_bytes: usize,
+}
+
+/// `KVSTORE_PAR_MIN_BYTES`, or [`cpu::PAR_MIN_BYTES`] when it is unset.
+fn par_min_bytes_from_env() -> Result<usize> {
+    const VAR: &str = "KVSTORE_PAR_MIN_BYTES";
+    match std::env::var(VAR) {
+        Err(std::env::VarError::NotPresent) => Ok(cpu::PAR_MIN_BYTES),
+        Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
+            var: VAR,
+            value: v,
+            expected: "a whole number of bytes (0 = always split over threads)",
+        }),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidEnv {
+            var: VAR,
+            value: v.to_string_lossy().into_owned(),
+            expected: "a whole number of bytes (0 = always split over threads)",
+        }),
+    }
+}
+
 /// A key and the arrays an operation gives it, merged over repeats of the key.
 struct Group<'a> {
     slot: Arc<Slot>,
@@ -261,6 +286,9 @@ pub struct KvStore {
     table: RwLock<Table>,
     active: RwLock<Arc<Active>>,
     hook: RwLock<Option<Arc<PushHook>>>,
+    /// Bytes of traffic from which a call on host memory splits over threads
+    /// (`KVSTORE_PAR_MIN_BYTES` at creation).
+    par_min_bytes: usize,
 }
 
 /// What a push hook sees: one key of a push that has been applied. See
@@ -291,6 +319,11 @@ impl KvStore {
     ///
     /// With no GPU, `device` and `nccl` keep their values on the CPU (logged once).
     ///
+    /// The environment variable `KVSTORE_PAR_MIN_BYTES` (bytes read plus written, default
+    /// [`PAR_MIN_BYTES`](crate::backend::cpu::PAR_MIN_BYTES)) sets, for this store, how big a
+    /// push or pull on host memory must be to split over threads; `0` always splits. A value
+    /// that is not a whole number is an [`Error::InvalidEnv`].
+    ///
     /// ```
     /// use kvstore::{KvStore, StoreKind};
     /// let kv = KvStore::create("local_allreduce_cpu")?;
@@ -304,6 +337,7 @@ impl KvStore {
     /// ```
     pub fn create(kind: impl IntoStoreKind) -> Result<KvStore> {
         let (kind, name) = kind.into_store_kind()?;
+        let par_min_bytes = par_min_bytes_from_env()?;
         if kind != StoreKind::Local && probe::gpu_count() == 0 {
             static ONCE: Once = Once::new();
             ONCE.call_once(|| {
@@ -320,6 +354,7 @@ impl KvStore {
                 hyper: hyper::Settings::default(),
             })),
             hook: RwLock::new(None),
+            par_min_bytes,
         })
     }
 
@@ -359,6 +394,14 @@ impl KvStore {
     /// Whether cross-GPU sums and broadcasts of this store go through NCCL.
     fn use_nccl(&self) -> bool {
         self.kind == StoreKind::Nccl && probe::nccl_present()
+    }
+
+    /// How this store's calls run.
+    fn ctx(&self) -> Ctx {
+        Ctx {
+            use_nccl: self.use_nccl(),
+            par_min_bytes: self.par_min_bytes,
+        }
     }
 
     /// Replaces the updater. Per-key state (momentum and the like) and the update count start
@@ -526,7 +569,8 @@ impl KvStore {
         };
         let mut table = write(&self.table);
         let call_kind = keys.first().map(Key::kind);
-        for (i, key) in keys.iter().enumerate() {
+        let mut seen = HashSet::with_capacity(keys.len());
+        for key in &keys {
             table.check_kind("init", key)?;
             if let Some(kind) = call_kind.filter(|&k| k != key.kind()) {
                 return Err(Error::MixedKeyTypes {
@@ -536,7 +580,7 @@ impl KvStore {
                     store: kind,
                 });
             }
-            if table.slots.contains_key(key) || keys[..i].contains(key) {
+            if table.slots.contains_key(key) || !seen.insert(key) {
                 return Err(Error::DuplicateInit { key: key.clone() });
             }
         }
@@ -635,7 +679,7 @@ impl KvStore {
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
         let mut cells = lock_cells(&groups);
-        apply_push(&active, self.use_nccl(), &groups, &mut cells)?;
+        apply_push(&active, self.ctx(), &groups, &mut cells)?;
         let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
         drop(cells);
         call_hook(hook.as_deref(), &active, done)
@@ -646,7 +690,7 @@ impl KvStore {
         check_outs("pull", &groups)?;
         let cells: Vec<RwLockReadGuard<'_, Cell>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
-        pull_all(self.use_nccl(), &groups, &cells)
+        pull_all(self.ctx(), &groups, &cells)
     }
 
     /// A push, then a pull of the result into `outs`, as one atomic step. To update in place,
@@ -684,10 +728,10 @@ impl KvStore {
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
         let mut cells = lock_cells(&pushes);
-        apply_push(&active, self.use_nccl(), &pushes, &mut cells)?;
+        apply_push(&active, self.ctx(), &pushes, &mut cells)?;
         let done = hook.as_ref().map(|_| pushed(&active, &pushes, &cells));
         // `pushes` and `pulls` hold the same distinct keys in the same order.
-        pull_all(self.use_nccl(), &pulls, &cells)?;
+        pull_all(self.ctx(), &pulls, &cells)?;
         drop(cells);
         call_hook(hook.as_deref(), &active, done)
     }
@@ -968,7 +1012,7 @@ fn lock_cells<'a>(groups: &'a [Group<'_>]) -> Vec<RwLockWriteGuard<'a, Cell>> {
 /// PTX kernel).
 fn apply_push(
     active: &Active,
-    use_nccl: bool,
+    ctx: Ctx,
     groups: &[Group<'_>],
     cells: &mut [RwLockWriteGuard<'_, Cell>],
 ) -> Result<()> {
@@ -976,10 +1020,10 @@ fn apply_push(
     let hypers = hyper::for_push(active, groups, cells);
     match &active.updater {
         Updater::Custom(f) => {
-            let updated = run_closure(f.as_ref(), &order, groups, cells)?;
+            let updated = run_closure(f.as_ref(), ctx, &order, groups, cells)?;
             return store_results(&order, updated, cells);
         }
-        Updater::Ptx(p) => return push_ptx(p, active, use_nccl, &order, groups, cells),
+        Updater::Ptx(p) => return push_ptx(p, active, ctx, &order, groups, cells),
         _ => {}
     }
     // Taken out one by one in issue order: GPU jobs keep their cell borrowed until the launch.
@@ -993,7 +1037,7 @@ fn apply_push(
         match value {
             Value::Host(value) => {
                 let reads = ReadSet::lock(&g.arrays)?;
-                with_host!(value, stored: T => push_fused::<T>(active, hypers.of(i), &reads, &g.arrays, stored, state));
+                with_host!(value, stored: T => push_fused::<T>(active, ctx, hypers.of(i), &reads, &g.arrays, stored, state));
             }
             Value::Gpu(c) => {
                 if home::has_kernel(c.buf.dtype()) {
@@ -1008,13 +1052,13 @@ fn apply_push(
                 // Slow path: no kernel for this dtype; update a host copy and copy it back.
                 let reads = ReadSet::lock(&g.arrays)?;
                 let mut value = c.buf.download()?;
-                with_host!(&mut value, stored: T => push_fused::<T>(active, hypers.of(i), &reads, &g.arrays, stored, state));
+                with_host!(&mut value, stored: T => push_fused::<T>(active, ctx, hypers.of(i), &reads, &g.arrays, stored, state));
                 c.buf.upload_into(&value)?;
             }
         }
     }
     if !gpu_jobs.is_empty() {
-        home::push(&active.updater, active.generation, use_nccl, gpu_jobs)?;
+        home::push(&active.updater, active.generation, ctx.use_nccl, gpu_jobs)?;
     }
     hypers.commit(active);
     Ok(())
@@ -1024,6 +1068,7 @@ fn apply_push(
 /// a panic or a bad result in any key leaves every key as it was.
 fn run_closure(
     f: &UpdateFn,
+    ctx: Ctx,
     which: &[usize],
     groups: &[Group<'_>],
     cells: &[RwLockWriteGuard<'_, Cell>],
@@ -1035,7 +1080,7 @@ fn run_closure(
                 Value::Host(h) => std::borrow::Cow::Borrowed(h),
                 Value::Gpu(c) => std::borrow::Cow::Owned(c.buf.download()?),
             };
-            run_custom(f, &groups[i].slot, &value, &groups[i].arrays)
+            run_custom(f, ctx, &groups[i].slot, &value, &groups[i].arrays)
         })
         .collect()
 }
@@ -1061,7 +1106,7 @@ fn store_results(
 fn push_ptx(
     p: &PtxUpdater,
     active: &Active,
-    use_nccl: bool,
+    ctx: Ctx,
     order: &[usize],
     groups: &[Group<'_>],
     cells: &mut [RwLockWriteGuard<'_, Cell>],
@@ -1092,7 +1137,7 @@ fn push_ptx(
     }
     let twin_results = match (p.cpu_twin(), on_host.first()) {
         (_, None) => Vec::new(),
-        (Some(twin), Some(_)) => run_closure(twin.as_ref(), &on_host, groups, cells)?,
+        (Some(twin), Some(_)) => run_closure(twin.as_ref(), ctx, &on_host, groups, cells)?,
         (None, Some(&i)) => {
             return Err(Error::InvalidUpdater(format!(
                 "key {} is homed in host memory ({}) and the PTX updater '{}' has no CPU twin: \
@@ -1119,14 +1164,14 @@ fn push_ptx(
                 hyper: Hyper::default(),
             });
         }
-        home::push(&active.updater, active.generation, use_nccl, jobs)?;
+        home::push(&active.updater, active.generation, ctx.use_nccl, jobs)?;
     }
     store_results(&on_host, twin_results, cells)
 }
 
 /// Pulls every group from its cell: host homes here, GPU homes through [`home::pull`].
 fn pull_all<C: std::ops::Deref<Target = Cell>>(
-    use_nccl: bool,
+    ctx: Ctx,
     groups: &[Group<'_>],
     cells: &[C],
 ) -> Result<()> {
@@ -1134,7 +1179,7 @@ fn pull_all<C: std::ops::Deref<Target = Cell>>(
     for i in issue_order(groups) {
         let g = &groups[i];
         match &cells[i].value {
-            Value::Host(h) => pull_into(h, &g.arrays)?,
+            Value::Host(h) => pull_into(h, &g.arrays, ctx.par_min_bytes)?,
             Value::Gpu(c) => gpu_jobs.push(home::PullJob {
                 key: &g.slot.key,
                 cell: c,
@@ -1145,12 +1190,13 @@ fn pull_all<C: std::ops::Deref<Target = Cell>>(
     if gpu_jobs.is_empty() {
         return Ok(());
     }
-    home::pull(use_nccl, &gpu_jobs)
+    home::pull(ctx.use_nccl, &gpu_jobs)
 }
 
 /// The fused sum and update of one key.
 fn push_fused<T: Element>(
     active: &Active,
+    ctx: Ctx,
     hyper: Hyper,
     reads: &ReadSet<'_>,
     arrays: &[&NDArray],
@@ -1195,12 +1241,13 @@ fn push_fused<T: Element>(
         stored,
         state: [s0, s1],
     };
-    cpu::push(job, &rule);
+    cpu::push(job, &rule, ctx.par_min_bytes);
 }
 
 /// Runs a custom updater on a copy of the stored value; returns the new value.
 fn run_custom(
     f: &UpdateFn,
+    ctx: Ctx,
     slot: &Slot,
     value: &HostData,
     arrays: &[&NDArray],
@@ -1213,7 +1260,7 @@ fn run_custom(
                 .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
                 .collect();
             let mut sum = v.clone();
-            cpu::sum_into(&values, &mut sum);
+            cpu::sum_into(&values, &mut sum, ctx.par_min_bytes);
             T::wrap(sum)
         })
     };
@@ -1268,7 +1315,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// Copies `src` into every out. Outs that share elements are written once. Outs on a GPU get
 /// a host-to-GPU copy.
-fn pull_into(src: &HostData, outs: &[&NDArray]) -> Result<()> {
+fn pull_into(src: &HostData, outs: &[&NDArray], par_min_bytes: usize) -> Result<()> {
     let mut outs = outs.to_vec();
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
@@ -1287,7 +1334,7 @@ fn pull_into(src: &HostData, outs: &[&NDArray]) -> Result<()> {
                 Storage::Gpu(b) => b.upload_into(src)?,
             }
         }
-        cpu::broadcast(s.as_slice(), same);
+        cpu::broadcast(s.as_slice(), same, par_min_bytes);
     });
     Ok(())
 }

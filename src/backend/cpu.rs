@@ -3,9 +3,20 @@
 //! A push is one pass: each block of elements is summed over every value into a small buffer
 //! that stays in L1, and the updater folds it into the stored value (and its state) at once. A
 //! pull reads each block of the stored value once and writes it to every out. Large arrays are
-//! split in halves recursively and run on rayon's pool, so both cores stream.
+//! split in halves recursively and run on the store's own thread pool, so every core streams.
+//!
+//! The store calls these functions while it holds key locks, so a call must never run anyone
+//! else's work while it waits: a rayon worker waiting in `join` steals queued jobs, and a job
+//! that pushes to a key the suspended call has locked would block that worker forever. So:
+//!
+//! - A call from an ordinary thread runs on a private rayon pool (`pool()`). The calling thread
+//!   blocks (it does not steal) until the pool is done, and the pool's workers only ever see
+//!   this module's jobs, which take no locks.
+//! - A call from a worker of any rayon pool (a `par_iter` in the user's code) runs on that
+//!   thread, sequentially: `install` on another pool would wait by stealing jobs of the
+//!   caller's pool. The caller's other workers keep the cores busy with its other tasks.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -18,25 +29,46 @@ use crate::updater::{clip, Rule};
 const BLOCK: usize = 1024;
 
 /// Below this many bytes of traffic (read + written) a call runs on the calling thread: waking
-/// the pool costs more than it saves. Measured with `cargo bench --bench threshold`.
+/// the pool costs more than it saves. Measured with `cargo bench --bench threshold`. A store
+/// reads its own threshold from `KVSTORE_PAR_MIN_BYTES` when it is created (this when unset).
 pub const PAR_MIN_BYTES: usize = 1 << 20;
-
-/// The threshold in force: `PAR_MIN_BYTES` unless a bench changed it.
-static PAR_MIN: AtomicUsize = AtomicUsize::new(PAR_MIN_BYTES);
-
-/// Sets the traffic size from which a call uses the thread pool, for this process, and returns
-/// the previous one. For benches that sweep it (`benches/threshold.rs`); 0 always uses the pool,
-/// `usize::MAX` never does.
-pub fn set_par_min_bytes(bytes: usize) -> usize {
-    PAR_MIN.swap(bytes, Ordering::Relaxed)
-}
-
-fn par_min_bytes() -> usize {
-    PAR_MIN.load(Ordering::Relaxed)
-}
 
 /// Split jobs until a half moves at most this many bytes.
 const PAR_GRAIN_BYTES: usize = 256 << 10;
+
+/// The pool that large calls from ordinary threads split their work over: one thread per core,
+/// created on first use. `None` on a single core, or when the threads could not be started;
+/// then every call runs on the calling thread.
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if threads < 2 {
+            return None;
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kvstore-cpu-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// The pool to split a call of `bytes` of traffic over, or `None` to run it on the calling
+/// thread: a small call, a call from a rayon worker (see the module docs), or no pool.
+fn pool_for(bytes: usize, par_min_bytes: usize) -> Option<&'static rayon::ThreadPool> {
+    if bytes < par_min_bytes || rayon::current_thread_index().is_some() {
+        return None;
+    }
+    pool()
+}
+
+/// Elements per leaf job of a split call: `PAR_GRAIN_BYTES` of traffic, at least a block.
+fn grain(len: usize, bytes: usize) -> usize {
+    let per_element = (bytes / len.max(1)).max(1);
+    (PAR_GRAIN_BYTES / per_element).max(BLOCK)
+}
 
 /// A push on one key: values to sum, the stored value, and up to two state buffers.
 pub(crate) struct PushJob<'a, T: Element> {
@@ -49,22 +81,27 @@ impl<T: Element> PushJob<'_, T> {
     fn bytes(&self) -> usize {
         let words = self.values.len() + 2;
         let state = self.state.iter().filter(|s| !s.is_empty()).count() * 2;
-        self.stored.len() * (words * size_of::<T>() + state * size_of::<T::Acc>())
+        let per_element = words * size_of::<T>() + state * size_of::<T::Acc>();
+        self.stored.len().saturating_mul(per_element)
     }
 }
 
-/// Runs one push: `stored = rule(sum(values), stored, state)`, element by element.
-pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+/// Runs one push: `stored = rule(sum(values), stored, state)`, element by element. Calls
+/// moving at least `par_min_bytes` split their work over the pool.
+pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, par_min_bytes: usize) {
     // Assigning one f32/f64 value is a copy (their accumulator is the type itself, so the
     // round trip through it is the identity, bit for bit): the copy loop is faster.
     if let (Rule::Assign, [value], DType::F32 | DType::F64) = (rule, &job.values[..], T::DTYPE) {
-        return broadcast(value, vec![job.stored]);
+        return broadcast(value, vec![job.stored], par_min_bytes);
     }
-    if job.bytes() < par_min_bytes() {
-        return push_seq(job, rule);
+    let bytes = job.bytes();
+    match pool_for(bytes, par_min_bytes) {
+        None => push_seq(job, rule),
+        Some(pool) => {
+            let grain = grain(job.stored.len(), bytes);
+            pool.install(|| push_par(job, rule, grain));
+        }
     }
-    let grain = (job.stored.len() * PAR_GRAIN_BYTES / job.bytes()).max(BLOCK);
-    push_par(job, rule, grain);
 }
 
 fn push_par<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, grain: usize) {
@@ -271,23 +308,30 @@ fn update_block<T: Element>(
 
 /// `dst = Σ values`, in the accumulator type and rounded once: the merged input of a custom
 /// updater.
-pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T]) {
+pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T], par_min_bytes: usize) {
     let job = PushJob {
         values: values.to_vec(),
         stored: dst,
         state: [&mut [], &mut []],
     };
-    push(job, &Rule::Assign);
+    push(job, &Rule::Assign, par_min_bytes);
 }
 
-/// Copies `src` into every out: each block is read once and written to all of them.
-pub(crate) fn broadcast<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>) {
-    let bytes = std::mem::size_of_val(src) * (outs.len() + 1);
-    if bytes < par_min_bytes() {
-        return broadcast_seq(src, outs);
+/// Copies `src` into every out: each block is read once and written to all of them. Calls
+/// moving at least `par_min_bytes` split their work over the pool.
+pub(crate) fn broadcast<T: Copy + Send + Sync>(
+    src: &[T],
+    outs: Vec<&mut [T]>,
+    par_min_bytes: usize,
+) {
+    let bytes = std::mem::size_of_val(src).saturating_mul(outs.len() + 1);
+    match pool_for(bytes, par_min_bytes) {
+        None => broadcast_seq(src, outs),
+        Some(pool) => {
+            let grain = grain(src.len(), bytes);
+            pool.install(|| broadcast_par(src, outs, grain));
+        }
     }
-    let grain = (src.len() * PAR_GRAIN_BYTES / bytes).max(BLOCK);
-    broadcast_par(src, outs, grain);
 }
 
 fn broadcast_par<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>, grain: usize) {
