@@ -14,6 +14,9 @@ use num_traits::{Float, One, Zero};
 use crate::dtype::{DType, Element};
 use crate::updater::{clip, Rule};
 
+#[cfg(target_arch = "x86_64")]
+mod half16;
+
 /// Elements per block: small enough that a block of sums stays in L1.
 const BLOCK: usize = 1024;
 
@@ -105,9 +108,20 @@ fn split_state<A>(s: &mut [A], mid: usize) -> (&mut [A], &mut [A]) {
 }
 
 fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    // float16 and bfloat16: one CPU check per call picks the AVX2/F16C block loop; the
+    // portable loops below give the same bits where it is missing.
+    #[cfg(target_arch = "x86_64")]
+    if matches!(T::DTYPE, DType::F16 | DType::BF16) && half16::available() {
+        return half16::push_seq(job, rule);
+    }
     if T::DTYPE == DType::F16 {
         return push_seq_f16(job, rule);
     }
+    push_seq_generic(job, rule)
+}
+
+/// The portable loop for every dtype (bfloat16 too when the CPU lacks AVX2 or F16C).
+fn push_seq_generic<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     let PushJob {
         values,
         stored,
@@ -128,8 +142,9 @@ fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     }
 }
 
-/// The float16 push: the same f32 arithmetic as the generic loop, with each block converted to
-/// and from f32 in bulk (F16C SIMD when the CPU has it) instead of one element per call.
+/// The portable float16 push (the fast one is `half16`): the same f32 arithmetic as the generic
+/// loop, with each block converted to and from f32 by `half`'s slice conversions (F16C SIMD
+/// when the CPU has it) instead of one element per call.
 /// `f16::to_f32`/`from_f32` and the slice conversions round identically, so results are the same.
 fn push_seq_f16<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     debug_assert_eq!(T::DTYPE, DType::F16);
