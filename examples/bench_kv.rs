@@ -6,6 +6,7 @@
 //! cargo run --release --example bench_kv -- push 16M 4 [reps] [warmup] [updater] [dtype]
 //! cargo run --release --example bench_kv -- --serve      # one such command per stdin line
 //! cargo run --release --example bench_kv -- --suite [rounds] > suite.json
+//! cargo run --release --example bench_kv -- --half-ab [rounds] [size] [reps] > half_ab.jsonl
 //! ```
 //!
 //! Ops: `push`, `pull`, `pushpull`; `push_list`, `pull_list`, `push_loop`, `pull_loop` (1000 keys
@@ -184,6 +185,58 @@ fn suite(target: Target, rounds: usize) -> Result<()> {
     Ok(())
 }
 
+/// The float16/bfloat16 A/B: per round, dtype and updater, the sum-of-4 + read-modify-write
+/// roof, then one store whose pushes alternate rep by rep between the portable loops (`base`,
+/// the code before the AVX2/F16C path) and the AVX2/F16C path (`new`), the order flipping every
+/// pair. One JSON line per arm; `benches/half_ab.py` makes the table.
+fn half_ab(target: Target, rounds: usize, size: &str, reps: usize) -> Result<()> {
+    let bytes = Cmd::parse(&["push", size, "4"])?.bytes;
+    for round in 0..rounds {
+        for dtype in ["float16", "bfloat16"] {
+            for (name, updater) in common::updaters() {
+                let roof = Cmd::parse(&["roof_sum_rmw", size, "4", &reps.to_string(), "2"])?;
+                let roof_times = roof.run(target)?;
+                let dt = Cmd::parse(&["push", size, "4", "0", "0", name, dtype])?.dtype;
+                let moved = common::moved_updater(&updater, 4, bytes, dt);
+                let kv = Kv::new(target, 4, bytes, dt, updater)?;
+                let mut times = [Vec::new(), Vec::new()];
+                for rep in 0..reps + 2 {
+                    for k in 0..2 {
+                        let arm = (k + rep) % 2;
+                        kvstore::backend::cpu::set_simd16(arm == 1);
+                        let t = std::time::Instant::now();
+                        kv.push()?;
+                        if rep >= 2 {
+                            times[arm].push(t.elapsed().as_secs_f64());
+                        }
+                    }
+                }
+                kvstore::backend::cpu::set_simd16(true);
+                let roof_med = common::median(&roof_times);
+                let roof_moved = 6.0 * bytes as f64 / roof_med / 1e9;
+                for (arm, t) in [
+                    ("roof", &roof_times),
+                    ("base", &times[0]),
+                    ("new", &times[1]),
+                ] {
+                    let med = common::median(t);
+                    let gbps = if arm == "roof" {
+                        roof_moved
+                    } else {
+                        moved as f64 / med / 1e9
+                    };
+                    println!(
+                        "{{\"arm\":\"{arm}\",\"round\":{round},\"dtype\":\"{dtype}\",\
+                         \"updater\":\"{name}\",\"bytes\":{bytes},\"median_s\":{med:.9},\
+                         \"moved_gbps\":{gbps:.4},\"roof_moved_gbps\":{roof_moved:.4}}}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let target = Target::from_env();
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -202,6 +255,12 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Some("--half-ab") => half_ab(
+            target,
+            args.get(1).map_or(Ok(3), |r| r.parse())?,
+            args.get(2).copied().unwrap_or("64M"),
+            args.get(3).map_or(Ok(8), |r| r.parse())?,
+        ),
         Some("--suite") => suite(target, args.get(1).map_or(Ok(3), |r| r.parse())?),
         Some(_) => Cmd::parse(&args)?.report(target, 0),
         None => bail!("usage: bench_kv OP SIZE NDEV [REPS] [WARMUP] [UPDATER] [DTYPE] | --serve | --suite [ROUNDS]"),

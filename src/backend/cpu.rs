@@ -5,7 +5,7 @@
 //! pull reads each block of the stored value once and writes it to every out. Large arrays are
 //! split in halves recursively and run on rayon's pool, so both cores stream.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -36,6 +36,17 @@ pub fn set_par_min_bytes(bytes: usize) -> usize {
 
 fn par_min_bytes() -> usize {
     PAR_MIN.load(Ordering::Relaxed)
+}
+
+/// Whether float16/bfloat16 pushes may take the AVX2/F16C block loop (`half16`).
+static SIMD16: AtomicBool = AtomicBool::new(true);
+
+/// Lets float16 and bfloat16 pushes use the AVX2/F16C block loop where the CPU has it (`true`,
+/// the default) or keeps them on the portable loops (`false`), for this process, and returns
+/// the previous setting. Both give the same bits; this is for benches and tests that compare the
+/// two paths in one process.
+pub fn set_simd16(enabled: bool) -> bool {
+    SIMD16.swap(enabled, Ordering::Relaxed)
 }
 
 /// Split jobs until a half moves at most this many bytes.
@@ -111,7 +122,10 @@ fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     // float16 and bfloat16: one CPU check per call picks the AVX2/F16C block loop; the
     // portable loops below give the same bits where it is missing.
     #[cfg(target_arch = "x86_64")]
-    if matches!(T::DTYPE, DType::F16 | DType::BF16) && half16::available() {
+    if matches!(T::DTYPE, DType::F16 | DType::BF16)
+        && SIMD16.load(Ordering::Relaxed)
+        && half16::available()
+    {
         return half16::push_seq(job, rule);
     }
     if T::DTYPE == DType::F16 {
@@ -220,7 +234,10 @@ fn sum_block<T: Element>(values: &[&[T]], range: std::ops::Range<usize>, acc: &m
 }
 
 /// Folds the summed input `g` into the stored block `w` and its state `m`, `v`.
-#[inline]
+///
+/// Always inlined, so that in the AVX2 block loop of `half16` it is compiled with AVX2 too
+/// (the same IEEE operations on 8 lanes instead of 4).
+#[inline(always)]
 fn update_block<T: Element>(
     rule: &Rule<T::Acc>,
     g: &[T::Acc],

@@ -78,6 +78,10 @@ pub(super) fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
 /// The block loop: `stored = rule(Σ values, stored, state)` in f32, with 16-bit storage
 /// (bfloat16 when `BF`, float16 otherwise).
 ///
+/// Within a block, eight elements at a time are widened from every value and summed in
+/// registers, so all the value streams advance together (as in the roof kernels); an assign
+/// narrows the sum straight into the stored value, any other rule gets it in an L1 buffer.
+///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
 #[target_feature(enable = "avx2,f16c")]
@@ -89,6 +93,7 @@ unsafe fn blocks_x86<const BF: bool>(
     rule: &Rule<f32>,
 ) {
     let (first, rest) = values.split_first().expect("a push has at least one value");
+    let assign = matches!(rule, Rule::Assign);
     let mut acc = [0f32; BLOCK];
     let mut w = [0f32; BLOCK];
     let n = stored.len();
@@ -97,16 +102,39 @@ unsafe fn blocks_x86<const BF: bool>(
         let end = (start + BLOCK).min(n);
         let len = end - start;
         let (acc, w) = (&mut acc[..len], &mut w[..len]);
-        widen::<BF, false>(&first[start..end], acc);
-        for v in rest {
-            widen::<BF, true>(&v[start..end], acc);
-        }
         let out = &mut stored[start..end];
-        if let Rule::Assign = rule {
-            // The portable path copies the sum into `w` and narrows `w`: the same bits.
-            narrow::<BF>(acc, out);
-        } else {
-            widen::<BF, false>(out, w);
+        let body = len / 8 * 8;
+        for j in (0..body).step_by(8) {
+            let i = start + j;
+            let mut x = widen8::<BF>(load8(first, i));
+            for v in rest {
+                x = add_first_nan(x, widen8_raw::<BF>(load8(v, i)));
+            }
+            if assign {
+                store8(out, j, narrow8::<BF>(x));
+            } else {
+                let a: &mut [f32; 8] = (&mut acc[j..j + 8]).try_into().expect("8 lanes");
+                // SAFETY: `a` is 8 f32 (32 bytes); the store is unaligned.
+                unsafe { _mm256_storeu_ps(a.as_mut_ptr(), x) };
+            }
+        }
+        for j in body..len {
+            let i = start + j;
+            let mut x = widen1::<BF>(first[i]);
+            for v in rest {
+                // As `add_first_nan`, so that the tail keeps the same NaN as the body.
+                if !x.is_nan() {
+                    x += widen1::<BF>(v[i]);
+                }
+            }
+            if assign {
+                out[j] = narrow1::<BF>(x);
+            } else {
+                acc[j] = x;
+            }
+        }
+        if !assign {
+            widen::<BF>(out, w);
             let m = part(s0, start..end);
             let v = part(s1, start..end);
             update_block::<f32>(rule, acc, w, m, v);
@@ -116,10 +144,28 @@ unsafe fn blocks_x86<const BF: bool>(
     }
 }
 
-/// `dst = widen(src)`, or `dst += widen(src)` when `ADD`. Same lengths.
+/// The 8 elements of `s` from `i`.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
-fn widen<const BF: bool, const ADD: bool>(src: &[u16], dst: &mut [f32]) {
+fn load8(s: &[u16], i: usize) -> __m128i {
+    let s: &[u16; 8] = s[i..i + 8].try_into().expect("8 lanes");
+    // SAFETY: `s` is 8 u16 (16 bytes); the load is unaligned.
+    unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+}
+
+/// Stores 8 lanes into `d` from `j`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn store8(d: &mut [u16], j: usize, x: __m128i) {
+    let d: &mut [u16; 8] = (&mut d[j..j + 8]).try_into().expect("8 lanes");
+    // SAFETY: `d` is 8 u16 (16 bytes); the store is unaligned.
+    unsafe { _mm_storeu_si128(d.as_mut_ptr().cast(), x) }
+}
+
+/// `dst = widen(src)`. Same lengths.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn widen<const BF: bool>(src: &[u16], dst: &mut [f32]) {
     debug_assert_eq!(src.len(), dst.len());
     let mut s = src.chunks_exact(8);
     let mut d = dst.chunks_exact_mut(8);
@@ -128,24 +174,11 @@ fn widen<const BF: bool, const ADD: bool>(src: &[u16], dst: &mut [f32]) {
         // unaligned, so any address is fine. AVX2 and F16C are enabled on this function.
         unsafe {
             let x = widen8::<BF>(_mm_loadu_si128(s.as_ptr().cast()));
-            let x = if ADD {
-                add_first_nan(_mm256_loadu_ps(d.as_ptr()), x)
-            } else {
-                x
-            };
             _mm256_storeu_ps(d.as_mut_ptr(), x);
         }
     }
     for (&s, d) in s.remainder().iter().zip(d.into_remainder()) {
-        let x = widen1::<BF>(s);
-        // As `add_first_nan`, so that the tail keeps the same NaN as the body.
-        *d = if !ADD {
-            x
-        } else if d.is_nan() {
-            *d
-        } else {
-            *d + x
-        };
+        *d = widen1::<BF>(s);
     }
 }
 
@@ -196,6 +229,19 @@ fn widen8<const BF: bool>(h: __m128i) -> __m256 {
     );
     let x = _mm256_or_si256(x, _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x))
+}
+
+/// Eight 16-bit floats to f32 for an add: as [`widen8`], except that a bfloat16 signalling NaN
+/// stays signalling. The add then returns it quiet, with the same bits `half` gives it: x86 sets
+/// the same quiet bit (`0x0040_0000`) that `half`'s widening sets. (A NaN that meets a NaN sum
+/// is dropped by [`add_first_nan`].)
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn widen8_raw<const BF: bool>(h: __m128i) -> __m256 {
+    if !BF {
+        return _mm256_cvtph_ps(h);
+    }
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
 }
 
 /// Eight f32 to 16-bit floats, exactly as `half`'s `from_f32` (round to nearest, ties to even).
@@ -287,9 +333,9 @@ mod tests {
         // SAFETY: `available()` was asserted: the CPU has AVX2 and F16C.
         unsafe {
             if bf {
-                widen::<true, false>(src, &mut out)
+                widen::<true>(src, &mut out)
             } else {
-                widen::<false, false>(src, &mut out)
+                widen::<false>(src, &mut out)
             }
         }
         out
