@@ -66,26 +66,34 @@ pub(super) fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
         let rule = &*(rule as *const Rule<T::Acc>).cast::<Rule<f32>>();
         (values, stored, s0, s1, rule)
     };
-    if T::DTYPE == DType::F16 {
-        // SAFETY: `available()` was asserted above, so the CPU has AVX2 and F16C.
-        unsafe { blocks_x86::<false>(&values, stored, s0, s1, rule) }
-    } else {
-        // SAFETY: as above.
-        unsafe { blocks_x86::<true>(&values, stored, s0, s1, rule) }
-    }
+    let run = match (T::DTYPE == DType::BF16, values.len()) {
+        (false, 1) => blocks_x86::<false, 0>,
+        (false, 2) => blocks_x86::<false, 1>,
+        (false, 3) => blocks_x86::<false, 2>,
+        (false, _) => blocks_x86::<false, 3>,
+        (true, 1) => blocks_x86::<true, 0>,
+        (true, 2) => blocks_x86::<true, 1>,
+        (true, 3) => blocks_x86::<true, 2>,
+        (true, _) => blocks_x86::<true, 3>,
+    };
+    // SAFETY: `available()` was asserted above, so the CPU has AVX2 and F16C; `R` is at most
+    // the number of values after the first (`values` is never empty: `split_first` panics).
+    unsafe { run(&values, stored, s0, s1, rule) }
 }
 
 /// The block loop: `stored = rule(Σ values, stored, state)` in f32, with 16-bit storage
-/// (bfloat16 when `BF`, float16 otherwise).
+/// (bfloat16 when `BF`, float16 otherwise). `R` is the number of values after the first that are
+/// summed in registers: `min(values - 1, 3)`.
 ///
-/// Within a block, eight elements at a time are widened from every value and summed in
-/// registers, so all the value streams advance together (as in the roof kernels); an assign
-/// narrows the sum straight into the stored value, any other rule gets it in an L1 buffer.
+/// Within a block, eight elements at a time are widened from the first `R + 1` values and summed
+/// in registers, so those streams advance together (as in the roof kernels); any further values
+/// are added to the sum in an L1 buffer, one pass each. An assign of up to 4 values narrows the
+/// sum straight into the stored value; otherwise the rule gets the sum from the L1 buffer.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn blocks_x86<const BF: bool>(
+unsafe fn blocks_x86<const BF: bool, const R: usize>(
     values: &[&[u16]],
     stored: &mut [u16],
     s0: &mut [f32],
@@ -93,7 +101,9 @@ unsafe fn blocks_x86<const BF: bool>(
     rule: &Rule<f32>,
 ) {
     let (first, rest) = values.split_first().expect("a push has at least one value");
+    let (head, more) = rest.split_at(R);
     let assign = matches!(rule, Rule::Assign);
+    let direct = assign && more.is_empty();
     let mut acc = [0f32; BLOCK];
     let mut w = [0f32; BLOCK];
     let n = stored.len();
@@ -103,14 +113,15 @@ unsafe fn blocks_x86<const BF: bool>(
         let len = end - start;
         let (acc, w) = (&mut acc[..len], &mut w[..len]);
         let out = &mut stored[start..end];
+        let f = &first[start..end];
+        let h: [&[u16]; R] = std::array::from_fn(|k| &head[k][start..end]);
         let body = len / 8 * 8;
         for j in (0..body).step_by(8) {
-            let i = start + j;
-            let mut x = widen8::<BF>(load8(first, i));
-            for v in rest {
-                x = add_first_nan(x, widen8_raw::<BF>(load8(v, i)));
+            let mut x = widen8::<BF>(load8(f, j));
+            for v in &h {
+                x = add_first_nan(x, widen8_raw::<BF>(load8(v, j)));
             }
-            if assign {
+            if direct {
                 store8(out, j, narrow8::<BF>(x));
             } else {
                 let a: &mut [f32; 8] = (&mut acc[j..j + 8]).try_into().expect("8 lanes");
@@ -119,21 +130,26 @@ unsafe fn blocks_x86<const BF: bool>(
             }
         }
         for j in body..len {
-            let i = start + j;
-            let mut x = widen1::<BF>(first[i]);
-            for v in rest {
-                // As `add_first_nan`, so that the tail keeps the same NaN as the body.
-                if !x.is_nan() {
-                    x += widen1::<BF>(v[i]);
-                }
+            let mut x = widen1::<BF>(f[j]);
+            for v in &h {
+                add1_first_nan::<BF>(&mut x, v[j]);
             }
-            if assign {
+            if direct {
                 out[j] = narrow1::<BF>(x);
             } else {
                 acc[j] = x;
             }
         }
-        if !assign {
+        if direct {
+            start = end;
+            continue;
+        }
+        for v in more {
+            add_widened::<BF>(&v[start..end], acc);
+        }
+        if assign {
+            narrow::<BF>(acc, out);
+        } else {
             widen::<BF>(out, w);
             let m = part(s0, start..end);
             let v = part(s1, start..end);
@@ -141,6 +157,37 @@ unsafe fn blocks_x86<const BF: bool>(
             narrow::<BF>(w, out);
         }
         start = end;
+    }
+}
+
+/// `acc += widen(src)`, keeping `acc`'s NaNs. Same lengths.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn add_widened<const BF: bool>(src: &[u16], acc: &mut [f32]) {
+    debug_assert_eq!(src.len(), acc.len());
+    let mut s = src.chunks_exact(8);
+    let mut d = acc.chunks_exact_mut(8);
+    for (s, d) in (&mut s).zip(&mut d) {
+        // SAFETY: `s` has 8 u16 (16 bytes) and `d` 8 f32 (32 bytes); the loads and stores are
+        // unaligned, so any address is fine. AVX2 and F16C are enabled on this function.
+        unsafe {
+            let x = widen8_raw::<BF>(_mm_loadu_si128(s.as_ptr().cast()));
+            let a = _mm256_loadu_ps(d.as_ptr());
+            _mm256_storeu_ps(d.as_mut_ptr(), add_first_nan(a, x));
+        }
+    }
+    for (&s, d) in s.remainder().iter().zip(d.into_remainder()) {
+        add1_first_nan::<BF>(d, s);
+    }
+}
+
+/// `*x += widen(h)` unless `x` is a NaN: one element of [`add_first_nan`].
+#[inline]
+fn add1_first_nan<const BF: bool>(x: &mut f32, h: u16) {
+    // With `x` not a NaN at most one operand is, and the add returns it (quiet) whichever
+    // order the compiler gives the operands.
+    if !x.is_nan() {
+        *x += widen1::<BF>(h);
     }
 }
 
@@ -182,15 +229,27 @@ fn widen<const BF: bool>(src: &[u16], dst: &mut [f32]) {
     }
 }
 
-/// `a + b`, where a NaN `a` is the result as it is. x86 returns the first operand's NaN when both
-/// are NaNs, but LLVM may swap the operands of an add; the portable loop's `acc += x` returns
-/// `acc`'s NaN, and this keeps that. (Widened NaNs are quiet, and so are their sums, so `a` needs
-/// no quieting.)
+/// `a + b`, where a NaN `a` is the result as it is: `vaddps` with `a` as its first source,
+/// written out because LLVM may swap the operands of an add, and x86 returns the first source's
+/// NaN when both are NaNs. The portable loop's `acc += x` keeps `acc`'s NaN the same way. (A
+/// signalling NaN `b` is returned quiet, as `half`'s widening would make it; `a` is never
+/// signalling: widened float16 NaNs and sums are quiet, and so is [`widen8`]'s bfloat16.)
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn add_first_nan(a: __m256, b: __m256) -> __m256 {
-    let a_nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(a, a);
-    _mm256_blendv_ps(_mm256_add_ps(a, b), a, a_nan)
+    let r: __m256;
+    // SAFETY: one AVX instruction on registers (AVX is enabled on this function); it reads no
+    // memory, uses no stack and leaves the flags alone, as the options say.
+    unsafe {
+        std::arch::asm!(
+            "vaddps {r}, {a}, {b}",
+            r = lateout(ymm_reg) r,
+            a = in(ymm_reg) a,
+            b = in(ymm_reg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    r
 }
 
 /// `dst = narrow(src)`. Same lengths.
