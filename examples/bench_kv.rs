@@ -185,46 +185,46 @@ fn suite(target: Target, rounds: usize) -> Result<()> {
     Ok(())
 }
 
-/// The float16/bfloat16 A/B: per round, dtype and updater, the sum-of-4 + read-modify-write
-/// roof, then one store whose pushes alternate rep by rep between the portable loops (`base`,
-/// the code before the AVX2/F16C path) and the AVX2/F16C path (`new`), the order flipping every
-/// pair. One JSON line per arm; `benches/half_ab.py` makes the table.
+/// The float16/bfloat16 A/B: per round, dtype and updater, one store (4 values of SIZE) and the
+/// sum-of-4 + read-modify-write roof kernel (float32, SIZE per array), timed rep by rep in a
+/// rotating order: the roof, a push on the portable loops (`base`, the code before the
+/// AVX2/F16C path), a push on the AVX2/F16C path (`new`). One JSON line per arm and cell;
+/// `benches/half_ab.py` makes the table.
 fn half_ab(target: Target, rounds: usize, size: &str, reps: usize) -> Result<()> {
     let bytes = Cmd::parse(&["push", size, "4"])?.bytes;
+    let mut roof = Bufs::new(4, bytes);
     for round in 0..rounds {
         for dtype in ["float16", "bfloat16"] {
             for (name, updater) in common::updaters() {
-                let roof = Cmd::parse(&["roof_sum_rmw", size, "4", &reps.to_string(), "2"])?;
-                let roof_times = roof.run(target)?;
                 let dt = Cmd::parse(&["push", size, "4", "0", "0", name, dtype])?.dtype;
-                let moved = common::moved_updater(&updater, 4, bytes, dt);
+                let moved = [
+                    6 * bytes,
+                    common::moved_updater(&updater, 4, bytes, dt),
+                    common::moved_updater(&updater, 4, bytes, dt),
+                ];
                 let kv = Kv::new(target, 4, bytes, dt, updater)?;
-                let mut times = [Vec::new(), Vec::new()];
-                for rep in 0..reps + 2 {
-                    for k in 0..2 {
-                        let arm = (k + rep) % 2;
-                        kvstore::backend::cpu::set_simd16(arm == 1);
+                let mut times = [Vec::new(), Vec::new(), Vec::new()];
+                for rep in 0..reps + 1 {
+                    for k in 0..3 {
+                        let arm = (k + rep) % 3;
+                        kvstore::backend::cpu::set_simd16(arm == 2);
                         let t = std::time::Instant::now();
-                        kv.push()?;
-                        if rep >= 2 {
+                        if arm == 0 {
+                            roof.sum_rmw();
+                        } else {
+                            kv.push()?;
+                        }
+                        // The first rep of each is a warm-up.
+                        if rep >= 1 {
                             times[arm].push(t.elapsed().as_secs_f64());
                         }
                     }
                 }
                 kvstore::backend::cpu::set_simd16(true);
-                let roof_med = common::median(&roof_times);
-                let roof_moved = 6.0 * bytes as f64 / roof_med / 1e9;
-                for (arm, t) in [
-                    ("roof", &roof_times),
-                    ("base", &times[0]),
-                    ("new", &times[1]),
-                ] {
-                    let med = common::median(t);
-                    let gbps = if arm == "roof" {
-                        roof_moved
-                    } else {
-                        moved as f64 / med / 1e9
-                    };
+                let roof_moved = moved[0] as f64 / common::median(&times[0]) / 1e9;
+                for (k, arm) in ["roof", "base", "new"].into_iter().enumerate() {
+                    let med = common::median(&times[k]);
+                    let gbps = moved[k] as f64 / med / 1e9;
                     println!(
                         "{{\"arm\":\"{arm}\",\"round\":{round},\"dtype\":\"{dtype}\",\
                          \"updater\":\"{name}\",\"bytes\":{bytes},\"median_s\":{med:.9},\

@@ -117,7 +117,12 @@ unsafe fn blocks_x86<const BF: bool, const R: usize>(
         let h: [&[u16]; R] = std::array::from_fn(|k| &head[k][start..end]);
         let body = len / 8 * 8;
         for j in (0..body).step_by(8) {
-            let mut x = widen8::<BF>(load8(f, j));
+            // With another value to add, the add quiets a signalling NaN as `half` would.
+            let mut x = if R == 0 {
+                widen8::<BF>(load8(f, j))
+            } else {
+                widen8_raw::<BF>(load8(f, j))
+            };
             for v in &h {
                 x = add_first_nan(x, widen8_raw::<BF>(load8(v, j)));
             }
@@ -231,9 +236,9 @@ fn widen<const BF: bool>(src: &[u16], dst: &mut [f32]) {
 
 /// `a + b`, where a NaN `a` is the result as it is: `vaddps` with `a` as its first source,
 /// written out because LLVM may swap the operands of an add, and x86 returns the first source's
-/// NaN when both are NaNs. The portable loop's `acc += x` keeps `acc`'s NaN the same way. (A
-/// signalling NaN `b` is returned quiet, as `half`'s widening would make it; `a` is never
-/// signalling: widened float16 NaNs and sums are quiet, and so is [`widen8`]'s bfloat16.)
+/// NaN when both are NaNs. The portable loop's `acc += x` keeps `acc`'s NaN the same way. A
+/// signalling NaN (only a bfloat16 from [`widen8_raw`] can be one) comes out quiet, with the
+/// quiet bit `0x0040_0000` set: the same bits as `half`'s widening gives it.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn add_first_nan(a: __m256, b: __m256) -> __m256 {
@@ -311,18 +316,15 @@ fn narrow8<const BF: bool>(f: __m256) -> __m128i {
         return _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(f);
     }
     let x = _mm256_castps_si256(f);
+    let top = _mm256_srli_epi32::<16>(x);
     // Rounded: (x + 0x7fff + bit 16 of x) >> 16. It cannot wrap for a non-NaN: the largest
     // such bit pattern, -inf, is 0xff80_0000.
-    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
-    let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
-    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
-    // NaN (`x & 0x7fff_ffff > 0x7f80_0000`, both sides non-negative as i32): the top half with
-    // the quiet bit set.
-    let nan = _mm256_cmpgt_epi32(
-        _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff)),
-        _mm256_set1_epi32(0x7f80_0000),
-    );
-    let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x40));
+    let lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
+    let x_bias = _mm256_add_epi32(x, _mm256_set1_epi32(0x7fff));
+    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x_bias, lsb));
+    // A NaN: the top half with the quiet bit set.
+    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(f, f));
+    let quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
     let r = _mm256_blendv_epi8(rounded, quiet, nan);
     // Every lane is in 0..=0xffff, so the unsigned saturating pack keeps it as is.
     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
