@@ -5,19 +5,20 @@
     KVSTORE_BENCH_DEVICE=cpu target/release/examples/bench_kv --half-ab 5 64M 8 > target/half_ab.jsonl
     python3 benches/half_ab.py target/half_ab.jsonl
 
-`--half-ab ROUNDS SIZE REPS`: per round, dtype and updater, the sum-of-4 + read-modify-write
-roof (float32, SIZE per array, REPS reps), then one store (4 values of SIZE) whose pushes
-alternate rep by rep between `base` (the portable loops: the code before the AVX2/F16C path)
-and `new` (the AVX2/F16C path), REPS timed pushes each. Per cell the table gives the median over
+`--half-ab ROUNDS SIZE REPS`: per round, dtype and updater, one store (4 values of SIZE) and
+the sum-of-4 + read-modify-write roof kernel (float32, SIZE per array), timed rep by rep in a
+rotating order (REPS timed reps each after one warm-up): the roof, a push on the portable loops
+(`base`: the code before the AVX2/F16C path) and a push on the AVX2/F16C path (`new`).
+float32 is a control (its two arms run the same code). Per cell the table gives the median over
 rounds of: each arm's median time, its moved GB/s, its % of the roof measured in the same
-round, and the per-round new/base time ratio.
+cell, and the new/base time ratio.
 """
 
 import json
 import statistics
 import sys
 
-DTYPES = ["float16", "bfloat16"]
+DTYPES = ["float32", "float16", "bfloat16"]
 UPDATERS = ["assign", "axpby", "sgd", "sgd_mom", "adam"]
 
 

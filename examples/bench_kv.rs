@@ -188,13 +188,14 @@ fn suite(target: Target, rounds: usize) -> Result<()> {
 /// The float16/bfloat16 A/B: per round, dtype and updater, one store (4 values of SIZE) and the
 /// sum-of-4 + read-modify-write roof kernel (float32, SIZE per array), timed rep by rep in a
 /// rotating order: the roof, a push on the portable loops (`base`, the code before the
-/// AVX2/F16C path), a push on the AVX2/F16C path (`new`). One JSON line per arm and cell;
+/// AVX2/F16C path), a push on the AVX2/F16C path (`new`). float32 runs too, as a control: its
+/// two arms are the same code. One JSON line per arm and cell;
 /// `benches/half_ab.py` makes the table.
 fn half_ab(target: Target, rounds: usize, size: &str, reps: usize) -> Result<()> {
     let bytes = Cmd::parse(&["push", size, "4"])?.bytes;
     let mut roof = Bufs::new(4, bytes);
     for round in 0..rounds {
-        for dtype in ["float16", "bfloat16"] {
+        for dtype in ["float32", "float16", "bfloat16"] {
             for (name, updater) in common::updaters() {
                 let dt = Cmd::parse(&["push", size, "4", "0", "0", name, dtype])?.dtype;
                 let moved = [

@@ -115,8 +115,37 @@ unsafe fn blocks_x86<const BF: bool, const R: usize>(
         let out = &mut stored[start..end];
         let f = &first[start..end];
         let h: [&[u16]; R] = std::array::from_fn(|k| &head[k][start..end]);
+        // bfloat16 goes 16 lanes at a time first: unpacking a 32-byte load with zeros gives two
+        // vectors of f32 in an order within 128-bit lanes that the narrowing pack undoes.
+        let body16 = if BF { len / 16 * 16 } else { 0 };
+        for j in (0..body16).step_by(16) {
+            let (mut lo, mut hi) = unpack_bf16(load16(f, j));
+            if R == 0 {
+                (lo, hi) = (quiet(lo), quiet(hi));
+            }
+            for v in &h {
+                let (l, u) = unpack_bf16(load16(v, j));
+                (lo, hi) = (add_first_nan(lo, l), add_first_nan(hi, u));
+            }
+            if direct {
+                let bits = _mm256_packus_epi32(narrow_bf16_bits(lo), narrow_bf16_bits(hi));
+                let d: &mut [u16; 16] = (&mut out[j..j + 16]).try_into().expect("16 lanes");
+                // SAFETY: `d` is 16 u16 (32 bytes); the store is unaligned.
+                unsafe { _mm256_storeu_si256(d.as_mut_ptr().cast(), bits) };
+            } else {
+                let a: &mut [f32; 16] = (&mut acc[j..j + 16]).try_into().expect("16 lanes");
+                // SAFETY: `a` is 16 f32 (64 bytes); the two stores are unaligned and in it.
+                unsafe {
+                    _mm256_storeu_ps(a.as_mut_ptr(), _mm256_permute2f128_ps::<0x20>(lo, hi));
+                    _mm256_storeu_ps(
+                        a.as_mut_ptr().add(8),
+                        _mm256_permute2f128_ps::<0x31>(lo, hi),
+                    );
+                }
+            }
+        }
         let body = len / 8 * 8;
-        for j in (0..body).step_by(8) {
+        for j in (body16..body).step_by(8) {
             // With another value to add, the add quiets a signalling NaN as `half` would.
             let mut x = if R == 0 {
                 widen8::<BF>(load8(f, j))
@@ -203,6 +232,36 @@ fn load8(s: &[u16], i: usize) -> __m128i {
     let s: &[u16; 8] = s[i..i + 8].try_into().expect("8 lanes");
     // SAFETY: `s` is 8 u16 (16 bytes); the load is unaligned.
     unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+}
+
+/// The 16 elements of `s` from `i`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn load16(s: &[u16], i: usize) -> __m256i {
+    let s: &[u16; 16] = s[i..i + 16].try_into().expect("16 lanes");
+    // SAFETY: `s` is 16 u16 (32 bytes); the load is unaligned.
+    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+}
+
+/// 16 bfloat16 to f32 as [`widen8_raw`] does, in two vectors: elements 0–3 and 8–11, and
+/// elements 4–7 and 12–15. `_mm256_packus_epi32` of the two narrowed vectors puts them back
+/// in order.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn unpack_bf16(h: __m256i) -> (__m256, __m256) {
+    let zero = _mm256_setzero_si256();
+    let lo = _mm256_unpacklo_epi16(zero, h);
+    let hi = _mm256_unpackhi_epi16(zero, h);
+    (_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi))
+}
+
+/// Sets the quiet bit of the NaN lanes of widened bfloat16, as `half`'s widening does.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn quiet(x: __m256) -> __m256 {
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    let bit = _mm256_and_ps(nan, _mm256_castsi256_ps(_mm256_set1_epi32(0x0040_0000)));
+    _mm256_or_ps(x, bit)
 }
 
 /// Stores 8 lanes into `d` from `j`.
@@ -315,6 +374,15 @@ fn narrow8<const BF: bool>(f: __m256) -> __m128i {
     if !BF {
         return _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(f);
     }
+    let r = narrow_bf16_bits(f);
+    // Every lane is in 0..=0xffff, so the unsigned saturating pack keeps it as is.
+    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
+}
+
+/// Eight f32 to bfloat16 as `half`'s `from_f32`, each in the low half of a 32-bit lane.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn narrow_bf16_bits(f: __m256) -> __m256i {
     let x = _mm256_castps_si256(f);
     let top = _mm256_srli_epi32::<16>(x);
     // Rounded: (x + 0x7fff + bit 16 of x) >> 16. It cannot wrap for a non-NaN: the largest
@@ -326,8 +394,7 @@ fn narrow8<const BF: bool>(f: __m256) -> __m128i {
     let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(f, f));
     let quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
     let r = _mm256_blendv_epi8(rounded, quiet, nan);
-    // Every lane is in 0..=0xffff, so the unsigned saturating pack keeps it as is.
-    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
+    r
 }
 
 /// One 16-bit float to f32 (the tail of a block that is not a multiple of 8).
