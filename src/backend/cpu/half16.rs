@@ -393,8 +393,7 @@ fn narrow_bf16_bits(f: __m256) -> __m256i {
     // A NaN: the top half with the quiet bit set.
     let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(f, f));
     let quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
-    let r = _mm256_blendv_epi8(rounded, quiet, nan);
-    r
+    _mm256_blendv_epi8(rounded, quiet, nan)
 }
 
 /// One 16-bit float to f32 (the tail of a block that is not a multiple of 8).
