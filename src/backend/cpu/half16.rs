@@ -1,11 +1,11 @@
 //! The 16-bit pushes (float16, bfloat16) with x86-64 AVX2 and F16C (compiled on x86-64 only).
 //!
-//! Each 1024-element block is widened to f32 eight lanes at a time, summed, folded by the same
-//! f32 rule as every other path ([`update_block`]), and narrowed back, in one function compiled
-//! with `#[target_feature(enable = "avx2,f16c")]` so that the conversions are inlined into the
-//! block loop instead of being called per element or per eight elements. [`available`] is the
-//! one run-time check; a CPU without these features takes the portable loops in the parent
-//! module, which give the same bits.
+//! Each 1024-element block is widened to f32 8 lanes at a time (bfloat16: 16), summed in
+//! registers, folded by the same f32 rule as every other path ([`update_block`]), and narrowed
+//! back, in one function compiled with `#[target_feature(enable = "avx2,f16c")]` so that the
+//! conversions are inlined into the block loop instead of being called per element or per
+//! eight elements. [`available`] is the one run-time check per call; a CPU without these
+//! features takes the portable loops in the parent module, which give the same bits.
 //!
 //! The conversions are bit-identical to the `half` crate's scalar ones:
 //! - float16 uses the F16C instructions that `half` itself picks at run time
@@ -17,7 +17,9 @@
 //!   `half` does not, so it would change results.
 //!
 //! Only the conversions and the loop structure differ from the portable path; the arithmetic is
-//! the same IEEE f32 operations in the same order (Rust never fuses or reassociates them).
+//! the same IEEE f32 operations in the same order (Rust never fuses or reassociates them). Where
+//! two NaNs meet in the sum, the running sum's NaN is kept ([`add_first_nan`]); Rust leaves that
+//! choice unspecified, and the portable loops make it differently in their vector body and tail.
 
 use std::arch::x86_64::*;
 
@@ -85,7 +87,7 @@ pub(super) fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
 /// (bfloat16 when `BF`, float16 otherwise). `R` is the number of values after the first that are
 /// summed in registers: `min(values - 1, 3)`.
 ///
-/// Within a block, eight elements at a time are widened from the first `R + 1` values and summed
+/// Within a block, 8 elements (bfloat16: 16) at a time are widened from the first `R + 1` values and summed
 /// in registers, so those streams advance together (as in the roof kernels); any further values
 /// are added to the sum in an L1 buffer, one pass each. An assign of up to 4 values narrows the
 /// sum straight into the stored value; otherwise the rule gets the sum from the L1 buffer.
