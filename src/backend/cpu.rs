@@ -38,17 +38,6 @@ fn par_min_bytes() -> usize {
     PAR_MIN.load(Ordering::Relaxed)
 }
 
-/// Whether float16/bfloat16 pushes may take the AVX2/F16C block loop (`half16`).
-static SIMD16: AtomicBool = AtomicBool::new(true);
-
-/// Lets float16 and bfloat16 pushes use the AVX2/F16C block loop where the CPU has it (`true`,
-/// the default) or keeps them on the portable loops (`false`), for this process, and returns
-/// the previous setting. Both give the same bits; this is for benches and tests that compare the
-/// two paths in one process.
-pub fn set_simd16(enabled: bool) -> bool {
-    SIMD16.swap(enabled, Ordering::Relaxed)
-}
-
 /// Split jobs until a half moves at most this many bytes.
 const PAR_GRAIN_BYTES: usize = 256 << 10;
 
@@ -116,6 +105,17 @@ fn split_state<A>(s: &mut [A], mid: usize) -> (&mut [A], &mut [A]) {
     } else {
         s.split_at_mut(mid)
     }
+}
+
+/// Whether float16/bfloat16 pushes may take the AVX2/F16C block loop (`half16`).
+static SIMD16: AtomicBool = AtomicBool::new(true);
+
+/// Lets float16 and bfloat16 pushes use the AVX2/F16C block loop where the CPU has it (`true`,
+/// the default) or keeps them on the portable loops (`false`), for this process, and returns
+/// the previous setting. Both give the same bits; this is for benches and tests that compare the
+/// two paths in one process.
+pub fn set_simd16(enabled: bool) -> bool {
+    SIMD16.swap(enabled, Ordering::Relaxed)
 }
 
 fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
