@@ -6,6 +6,7 @@
 //! cargo run --release --example bench_kv -- push 16M 4 [reps] [warmup] [updater] [dtype]
 //! cargo run --release --example bench_kv -- --serve      # one such command per stdin line
 //! cargo run --release --example bench_kv -- --suite [rounds] > suite.json
+//! cargo run --release --example bench_kv -- --half-ab [rounds] [size] [reps] > half_ab.jsonl
 //! ```
 //!
 //! Ops: `push`, `pull`, `pushpull`; `push_list`, `pull_list`, `push_loop`, `pull_loop` (1000 keys
@@ -184,6 +185,59 @@ fn suite(target: Target, rounds: usize) -> Result<()> {
     Ok(())
 }
 
+/// The float16/bfloat16 A/B: per round, dtype and updater, one store (4 values of SIZE) and the
+/// sum-of-4 + read-modify-write roof kernel (float32, SIZE per array), timed rep by rep in a
+/// rotating order: the roof, a push on the portable loops (`base`, the code before the
+/// AVX2/F16C path), a push on the AVX2/F16C path (`new`). float32 runs too, as a control: its
+/// two arms are the same code. One JSON line per arm and cell;
+/// `benches/half_ab.py` makes the table.
+fn half_ab(target: Target, rounds: usize, size: &str, reps: usize) -> Result<()> {
+    let bytes = Cmd::parse(&["push", size, "4"])?.bytes;
+    let mut roof = Bufs::new(4, bytes);
+    for round in 0..rounds {
+        for dtype in ["float32", "float16", "bfloat16"] {
+            for (name, updater) in common::updaters() {
+                let dt = Cmd::parse(&["push", size, "4", "0", "0", name, dtype])?.dtype;
+                let moved = [
+                    6 * bytes,
+                    common::moved_updater(&updater, 4, bytes, dt),
+                    common::moved_updater(&updater, 4, bytes, dt),
+                ];
+                let kv = Kv::new(target, 4, bytes, dt, updater)?;
+                let mut times = [Vec::new(), Vec::new(), Vec::new()];
+                for rep in 0..reps + 1 {
+                    for k in 0..3 {
+                        let arm = (k + rep) % 3;
+                        kvstore::__internal::cpu::set_simd16(arm == 2);
+                        let t = std::time::Instant::now();
+                        if arm == 0 {
+                            roof.sum_rmw();
+                        } else {
+                            kv.push()?;
+                        }
+                        // The first rep of each is a warm-up.
+                        if rep >= 1 {
+                            times[arm].push(t.elapsed().as_secs_f64());
+                        }
+                    }
+                }
+                kvstore::__internal::cpu::set_simd16(true);
+                let roof_moved = moved[0] as f64 / common::median(&times[0]) / 1e9;
+                for (k, arm) in ["roof", "base", "new"].into_iter().enumerate() {
+                    let med = common::median(&times[k]);
+                    let gbps = moved[k] as f64 / med / 1e9;
+                    println!(
+                        "{{\"arm\":\"{arm}\",\"round\":{round},\"dtype\":\"{dtype}\",\
+                         \"updater\":\"{name}\",\"bytes\":{bytes},\"median_s\":{med:.9},\
+                         \"moved_gbps\":{gbps:.4},\"roof_moved_gbps\":{roof_moved:.4}}}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let target = Target::from_env();
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -202,6 +256,12 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Some("--half-ab") => half_ab(
+            target,
+            args.get(1).map_or(Ok(3), |r| r.parse())?,
+            args.get(2).copied().unwrap_or("64M"),
+            args.get(3).map_or(Ok(8), |r| r.parse())?,
+        ),
         Some("--suite") => suite(target, args.get(1).map_or(Ok(3), |r| r.parse())?),
         Some(_) => Cmd::parse(&args)?.report(target, 0),
         None => bail!("usage: bench_kv OP SIZE NDEV [REPS] [WARMUP] [UPDATER] [DTYPE] | --serve | --suite [ROUNDS]"),

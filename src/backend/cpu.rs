@@ -16,6 +16,7 @@
 //!   thread, sequentially: `install` on another pool would wait by stealing jobs of the
 //!   caller's pool. The caller's other workers keep the cores busy with its other tasks.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use half::f16;
@@ -24,6 +25,9 @@ use num_traits::{Float, One, Zero};
 
 use crate::dtype::{DType, Element};
 use crate::updater::{clip, Rule};
+
+#[cfg(target_arch = "x86_64")]
+mod half16;
 
 /// Elements per block: small enough that a block of sums stays in L1.
 const BLOCK: usize = 1024;
@@ -141,10 +145,35 @@ fn split_state<A>(s: &mut [A], mid: usize) -> (&mut [A], &mut [A]) {
     }
 }
 
+/// Whether float16/bfloat16 pushes may take the AVX2/F16C block loop (`half16`).
+static SIMD16: AtomicBool = AtomicBool::new(true);
+
+/// Lets float16 and bfloat16 pushes use the AVX2/F16C block loop where the CPU has it (`true`,
+/// the default) or keeps them on the portable loops (`false`), for this process, and returns
+/// the previous setting. Both give the same bits; this is for benches and tests that compare the
+/// two paths in one process.
+pub fn set_simd16(enabled: bool) -> bool {
+    SIMD16.swap(enabled, Ordering::Relaxed)
+}
+
 fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    // float16 and bfloat16: one CPU check per call picks the AVX2/F16C block loop; the
+    // portable loops below give the same bits where it is missing.
+    #[cfg(target_arch = "x86_64")]
+    if matches!(T::DTYPE, DType::F16 | DType::BF16)
+        && SIMD16.load(Ordering::Relaxed)
+        && half16::available()
+    {
+        return half16::push_seq(job, rule);
+    }
     if T::DTYPE == DType::F16 {
         return push_seq_f16(job, rule);
     }
+    push_seq_generic(job, rule)
+}
+
+/// The portable loop for every dtype (bfloat16 too when the CPU lacks AVX2 or F16C).
+fn push_seq_generic<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     let PushJob {
         values,
         stored,
@@ -165,8 +194,9 @@ fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     }
 }
 
-/// The float16 push: the same f32 arithmetic as the generic loop, with each block converted to
-/// and from f32 in bulk (F16C SIMD when the CPU has it) instead of one element per call.
+/// The portable float16 push (the fast one is `half16`): the same f32 arithmetic as the generic
+/// loop, with each block converted to and from f32 by `half`'s slice conversions (F16C SIMD
+/// when the CPU has it) instead of one element per call.
 /// `f16::to_f32`/`from_f32` and the slice conversions round identically, so results are the same.
 fn push_seq_f16<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     debug_assert_eq!(T::DTYPE, DType::F16);
@@ -242,7 +272,10 @@ fn sum_block<T: Element>(values: &[&[T]], range: std::ops::Range<usize>, acc: &m
 }
 
 /// Folds the summed input `g` into the stored block `w` and its state `m`, `v`.
-#[inline]
+///
+/// Always inlined, so that in the AVX2 block loop of `half16` it is compiled with AVX2 too
+/// (the same IEEE operations on 8 lanes instead of 4).
+#[inline(always)]
 fn update_block<T: Element>(
     rule: &Rule<T::Acc>,
     g: &[T::Acc],
