@@ -32,6 +32,7 @@
 
 mod backend;
 pub mod checkpoint;
+mod comm;
 mod device;
 mod dtype;
 mod error;
@@ -44,6 +45,13 @@ pub mod schedule;
 mod shape;
 mod store;
 mod updater;
+
+/// Internals for the crate's own tests, examples and benches. Not a stable API.
+#[doc(hidden)]
+pub mod __internal {
+    #[cfg(feature = "mpi")]
+    pub use crate::comm::mpi;
+}
 
 pub use checkpoint::CheckpointErrorKind;
 pub use device::{cpu, gpu, Device};
