@@ -787,81 +787,174 @@ impl Call {
                 None => std::thread::sleep(Duration::from_millis(1)),
             }
         }
-        let mut missing = Vec::new();
-        let mut silent = Vec::new();
-        let mut same = Vec::new();
-        let mut elsewhere = Vec::new();
-        for r in (0..world.size).filter(|&r| r != world.rank) {
-            match reports.get(&r) {
-                None => {
-                    missing.push(r);
-                    silent.push(r);
-                }
-                Some(rep) if rep.seq == self.seq => same.push(r),
-                Some(rep) => {
-                    missing.push(r);
-                    elsewhere.push(format!(
-                        "rank {r} is at call #{} ({}){}",
-                        rep.seq,
-                        rep.text,
-                        if rep.timed_out {
-                            " and timed out there"
-                        } else {
-                            ""
-                        }
-                    ));
-                }
-            }
-        }
-        let secs = world.timeout.as_secs_f64();
-        let mut parts = vec![format!(
-            "the {what} did not complete within KVSTORE_TIMEOUT={secs} s"
-        )];
-        if !silent.is_empty() {
-            parts.push(format!(
-                "{} not responding (died, hung outside kvstore, or stopped making kvstore \
-                 calls)",
-                fingerprint::ranks(&silent)
-            ));
-        }
-        parts.extend(elsewhere);
-        if !same.is_empty() {
-            parts.push(format!(
-                "{} waiting in this same call",
-                fingerprint::ranks(&same)
-            ));
-        }
-        let advice = if missing.is_empty() {
-            "every rank is in this call, so their collectives do not match (is \
-             KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
-             KVSTORE_TIMEOUT"
-                .to_owned()
-        } else {
-            format!(
-                "every rank must make the same kvstore calls in the same order; if {} only \
-                 slow, raise KVSTORE_TIMEOUT",
-                if missing.len() == 1 {
-                    "that rank is"
-                } else {
-                    "those ranks are"
-                }
-            )
-        };
-        Error::Timeout {
-            op: self.op,
-            seq: self.seq,
-            keys: self.keys.clone(),
-            missing,
-            detail: format!(
-                "{}; {advice}. The distributed world is unusable now; restart the job",
-                parts.join("; ")
-            ),
-        }
+        timeout_error(
+            self.op,
+            self.seq,
+            self.keys.clone(),
+            (world.rank, world.size),
+            &reports,
+            what,
+            world.timeout,
+        )
     }
 }
 
 impl Drop for Call {
     fn drop(&mut self) {
         self.st.here = (self.seq, "between calls".to_owned());
+    }
+}
+
+/// The error of a timed-out `what` in call `seq`, from the reports of the other ranks: who is in
+/// the same call, who is elsewhere (and where), and who did not answer.
+fn timeout_error(
+    op: &'static str,
+    seq: u64,
+    keys: Vec<Key>,
+    (me, size): (usize, usize),
+    reports: &BTreeMap<usize, Report>,
+    what: &str,
+    timeout: Duration,
+) -> Error {
+    let mut missing = Vec::new();
+    let mut silent = Vec::new();
+    let mut same = Vec::new();
+    let mut elsewhere = Vec::new();
+    for r in (0..size).filter(|&r| r != me) {
+        match reports.get(&r) {
+            None => {
+                missing.push(r);
+                silent.push(r);
+            }
+            Some(rep) if rep.seq == seq => same.push(r),
+            Some(rep) => {
+                missing.push(r);
+                elsewhere.push(format!(
+                    "rank {r} is at call #{} ({}){}",
+                    rep.seq,
+                    rep.text,
+                    if rep.timed_out {
+                        " and timed out there"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+        }
+    }
+    let secs = timeout.as_secs_f64();
+    let mut parts = vec![format!(
+        "the {what} did not complete within KVSTORE_TIMEOUT={secs} s"
+    )];
+    if !silent.is_empty() {
+        parts.push(format!(
+            "{} {} not responding (died, hung outside kvstore, or stopped making kvstore \
+                 calls)",
+            fingerprint::ranks(&silent),
+            is_are(&silent)
+        ));
+    }
+    parts.extend(elsewhere);
+    if !same.is_empty() {
+        parts.push(format!(
+            "{} {} waiting in this same call",
+            fingerprint::ranks(&same),
+            is_are(&same)
+        ));
+    }
+    let advice = if missing.is_empty() {
+        "every rank is in this call, so their collectives do not match (is \
+             KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
+             KVSTORE_TIMEOUT"
+            .to_owned()
+    } else {
+        format!(
+            "every rank must make the same kvstore calls in the same order; if {} only \
+                 slow, raise KVSTORE_TIMEOUT",
+            if missing.len() == 1 {
+                "that rank is"
+            } else {
+                "those ranks are"
+            }
+        )
+    };
+    Error::Timeout {
+        op,
+        seq,
+        keys,
+        missing,
+        detail: format!(
+            "{}; {advice}. The distributed world is unusable now; restart the job",
+            parts.join("; ")
+        ),
+    }
+}
+
+/// "is" for one rank, "are" for several.
+fn is_are(r: &[usize]) -> &'static str {
+    if r.len() == 1 {
+        "is"
+    } else {
+        "are"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(seq: u64, timed_out: bool, text: &str) -> Report {
+        Report {
+            seq,
+            timed_out,
+            text: text.to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_report_survives_its_encoding() {
+        let r = Report::decode(&Report::encode(18, true, "pull of key 5"));
+        assert_eq!(
+            (r.seq, r.timed_out, r.text.as_str()),
+            (18, true, "pull of key 5")
+        );
+        let long = "é".repeat(200);
+        let r = Report::decode(&Report::encode(1, false, &long));
+        assert!(long.starts_with(&r.text) && !r.text.is_empty());
+    }
+
+    #[test]
+    fn a_timeout_names_the_missing_ranks_and_where_they_are() {
+        let mut reports = BTreeMap::new();
+        reports.insert(
+            1,
+            report(7, true, "push of key 3, in its fingerprint check"),
+        );
+        reports.insert(2, report(18, false, "pull of key 5"));
+        let e = timeout_error(
+            "push",
+            7,
+            vec![Key::Int(3)],
+            (0, 5),
+            &reports,
+            "reduce to rank 0",
+            Duration::from_secs(3),
+        );
+        let Error::Timeout { missing, .. } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(missing, &[2, 3, 4]);
+        let text = e.to_string();
+        for part in [
+            "push (call #7) of keys [3] timed out waiting for ranks [2, 3, 4]",
+            "the reduce to rank 0 did not complete within KVSTORE_TIMEOUT=3 s",
+            "ranks [3, 4] are not responding",
+            "rank 2 is at call #18 (pull of key 5)",
+            "rank 1 is waiting in this same call",
+            "same order",
+        ] {
+            assert!(text.contains(part), "'{part}' not in: {text}");
+        }
+        assert!(std::mem::size_of::<Error>() <= 128);
     }
 }
