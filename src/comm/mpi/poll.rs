@@ -5,8 +5,9 @@
 //! therefore goes through three phases:
 //!
 //! 1. **spin** for [`SPIN`] (a small message completes here: no added latency);
-//! 2. **yield** ([`std::thread::yield_now`] between tests) for as long as the transfer itself
-//!    may take: [`YIELD_MIN`], or [`YIELD_NS_PER_BYTE`] per byte for large buffers;
+//! 2. **yield** ([`std::thread::yield_now`] between tests, as Open MPI's own blocking calls do
+//!    with `mpi_yield_when_idle`) for as long as the transfer itself may take: [`YIELD_MIN`], or
+//!    [`YIELD_NS_PER_BYTE`] per byte for large buffers;
 //! 3. **sleep** between tests, starting at [`SLEEP_MIN`] and doubling up to [`SLEEP_MAX`]: the
 //!    rank is now waiting for a peer that is elsewhere (computing, late, or gone), and gives its
 //!    core away.
@@ -16,10 +17,12 @@ use std::time::{Duration, Instant};
 /// How long to spin before yielding.
 pub(super) const SPIN: Duration = Duration::from_micros(20);
 /// The shortest yield phase.
-pub(super) const YIELD_MIN: Duration = Duration::from_millis(2);
-/// The yield phase lasts this many nanoseconds per byte moved (0.25 GB/s, slower than any MPI
-/// collective measured on the 2-core CI machine), so large transfers are never slept through.
-pub(super) const YIELD_NS_PER_BYTE: u64 = 4;
+pub(super) const YIELD_MIN: Duration = Duration::from_millis(10);
+/// The yield phase lasts this many nanoseconds per byte moved (50 MB/s, 5–20× slower than the
+/// MPI collectives measured on the loaded 2-core CI machine), so large transfers are never slept
+/// through: Open MPI's non-blocking collectives (libnbc) progress only inside `MPI_Test`, and a
+/// transfer polled every millisecond ran 4–25× slower than with yields.
+pub(super) const YIELD_NS_PER_BYTE: u64 = 20;
 /// The first sleep.
 pub(super) const SLEEP_MIN: Duration = Duration::from_micros(50);
 /// The longest sleep: the most a completed operation can go unnoticed.
@@ -86,7 +89,7 @@ mod tests {
             assert_eq!(b.pause(), Phase::Sleep);
         }
         assert_eq!(b.sleep, SLEEP_MAX);
-        // 256 MiB keeps yielding for about a second.
+        // 256 MiB keeps yielding for about five seconds.
         let mut b = Backoff::new(Instant::now() - SPIN - YIELD_MIN, 256 << 20);
         assert_eq!(b.pause(), Phase::Yield);
     }
