@@ -46,13 +46,6 @@ mod shape;
 mod store;
 mod updater;
 
-/// Internals for the crate's own tests, examples and benches. Not a stable API.
-#[doc(hidden)]
-pub mod __internal {
-    #[cfg(feature = "mpi")]
-    pub use crate::comm::mpi;
-}
-
 pub use checkpoint::CheckpointErrorKind;
 pub use device::{cpu, gpu, Device};
 pub use dtype::{DType, Element};
@@ -83,4 +76,7 @@ pub fn gpu_count() -> usize {
 #[doc(hidden)]
 pub mod __internal {
     pub use crate::backend::{cpu, kernels, nccl, probe};
+    /// The MPI transport of `dist_*` stores.
+    #[cfg(feature = "mpi")]
+    pub use crate::comm::mpi;
 }
