@@ -298,6 +298,80 @@ pub enum Error {
         /// NCCL's own message (`ncclGetErrorString`, and `ncclGetLastError` when it has one).
         message: String,
     },
+
+    /// The ranks of a distributed store disagree on a call (its op, keys, shapes, dtypes or
+    /// place in the sequence of calls). Every rank gets this error for the same call, before any
+    /// data moves. The distributed world is unusable afterwards: later calls fail with
+    /// [`Error::DistFailed`], and the job ends with a non-zero exit.
+    #[error(
+        "{op} (call #{seq}): the ranks disagree on this call: {detail}; every rank must make the \
+         same kvstore calls, with the same keys, shapes and dtypes, in the same order"
+    )]
+    Desync {
+        /// The operation on this rank.
+        op: &'static str,
+        /// This rank's call sequence number (1 for the first call).
+        seq: u64,
+        /// Which ranks differ from which, and the first differing key or call.
+        detail: String,
+    },
+
+    /// A collective of a distributed store did not complete within `KVSTORE_TIMEOUT`. The
+    /// distributed world is unusable afterwards: later calls fail with [`Error::DistFailed`], and
+    /// the job ends with a non-zero exit.
+    #[error(
+        "{op} (call #{seq}) of keys [{}] timed out{}: {detail}",
+        keys.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(", "),
+        if missing.is_empty() { String::new() } else {
+            format!(" waiting for ranks {missing:?}")
+        }
+    )]
+    Timeout {
+        /// The operation on this rank.
+        op: &'static str,
+        /// This rank's call sequence number.
+        seq: u64,
+        /// The keys of the call.
+        keys: Vec<Key>,
+        /// The ranks that are not in this call: not responding, or at another call.
+        missing: Vec<usize>,
+        /// Where every other rank is, and what to do.
+        detail: String,
+    },
+
+    /// A distributed call after the distributed world failed (a timeout, a desync or an MPI
+    /// error). Restart the job; `first` is the first failure.
+    #[error(
+        "{op}: the distributed world failed earlier and cannot be used any more (first failure: \
+         {first}); fix that failure and restart the job"
+    )]
+    DistFailed {
+        /// The operation refused.
+        op: &'static str,
+        /// The message of the first failure.
+        first: String,
+    },
+
+    /// The distributed environment is wrong: an environment variable disagrees with MPI or cannot
+    /// be parsed, or the MPI library cannot be used as needed.
+    #[error("distributed setup: {var}: {message}")]
+    DistEnv {
+        /// The environment variable (`RANK`, `WORLD_SIZE`, `KVSTORE_TIMEOUT`, ...), or `MPI`.
+        var: String,
+        /// What is wrong, and what to do.
+        message: String,
+    },
+
+    /// An MPI call failed, or was given buffers that do not fit the collective. A failed MPI
+    /// call makes the distributed world unusable (later calls fail with [`Error::DistFailed`]);
+    /// a buffer that does not fit is refused before anything is sent.
+    #[error("{op}: MPI error: {message}")]
+    Mpi {
+        /// What was being done.
+        op: &'static str,
+        /// MPI's message (`MPI_Error_string`), or what does not fit.
+        message: String,
+    },
 }
 
 impl Error {

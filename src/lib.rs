@@ -32,6 +32,7 @@
 
 mod backend;
 pub mod checkpoint;
+mod comm;
 mod device;
 mod dtype;
 mod error;
@@ -75,4 +76,7 @@ pub fn gpu_count() -> usize {
 #[doc(hidden)]
 pub mod __internal {
     pub use crate::backend::{cpu, kernels, nccl, probe};
+    /// The MPI transport of `dist_*` stores.
+    #[cfg(feature = "mpi")]
+    pub use crate::comm::mpi;
 }

@@ -1,0 +1,503 @@
+//! Non-blocking collectives on owned host buffers, and waiting for them.
+//!
+//! A collective takes its buffers by value and gives them back when it completes ([`Done`]):
+//! a collective that times out can never be finished or cancelled, and MPI may write into its
+//! buffers later, so they must not go back to the caller; they are leaked instead. Owned buffers
+//! also make every collective zero-copy for f32 and f64.
+//!
+//! f16 and bf16 have no MPI sum. The store's rule is "sum in f32, round once", so a reduce or
+//! reduce-scatter of f16/bf16 widens the input to f32, sums f32 partial sums across ranks, and
+//! rounds the result once. Copies (broadcast, all-gather) move their bits as `u16`.
+
+use std::os::raw::c_int;
+use std::time::Instant;
+
+use half::{bf16, f16};
+use mpi::ffi;
+
+use super::raw::{self, Request};
+use super::{Call, World};
+use crate::{Error, Result};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for u64 {}
+}
+
+/// An element type the transport can move: `f32`, `f64`, `half::f16`, `half::bf16` (and `u64`
+/// for its own records).
+pub trait Wire: Copy + Default + Send + Sync + 'static + sealed::Sealed {
+    /// Whether a sum travels as f32 partial sums (f16, bf16) instead of in the type itself.
+    const SUM_IN_F32: bool;
+    /// The MPI datatype the elements travel as when copied, and when summed unless
+    /// [`Wire::SUM_IN_F32`].
+    fn datatype() -> ffi::MPI_Datatype;
+    /// Widens to f32 (only used when [`Wire::SUM_IN_F32`]).
+    fn to_f32(self) -> f32;
+    /// Rounds from f32, to nearest (only used when [`Wire::SUM_IN_F32`]).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Wire for f32 {
+    const SUM_IN_F32: bool = false;
+    fn datatype() -> ffi::MPI_Datatype {
+        raw::datatype::<f32>()
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Wire for f64 {
+    const SUM_IN_F32: bool = false;
+    fn datatype() -> ffi::MPI_Datatype {
+        raw::datatype::<f64>()
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn from_f32(v: f32) -> Self {
+        f64::from(v)
+    }
+}
+
+impl Wire for f16 {
+    const SUM_IN_F32: bool = true;
+    fn datatype() -> ffi::MPI_Datatype {
+        // `half::f16` is `#[repr(transparent)]` over its `u16` bits.
+        raw::datatype::<u16>()
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Wire for bf16 {
+    const SUM_IN_F32: bool = true;
+    fn datatype() -> ffi::MPI_Datatype {
+        // `half::bf16` is `#[repr(transparent)]` over its `u16` bits.
+        raw::datatype::<u16>()
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl Wire for u64 {
+    const SUM_IN_F32: bool = false;
+    fn datatype() -> ffi::MPI_Datatype {
+        raw::datatype::<u64>()
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn from_f32(v: f32) -> Self {
+        v as u64
+    }
+}
+
+/// Which collective, for messages.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Coll {
+    Reduce { root: usize },
+    Broadcast { root: usize },
+    ReduceScatter,
+    AllGather,
+    Barrier,
+    Fingerprint,
+}
+
+impl std::fmt::Display for Coll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Coll::Reduce { root } => write!(f, "reduce to rank {root}"),
+            Coll::Broadcast { root } => write!(f, "broadcast from rank {root}"),
+            Coll::ReduceScatter => f.write_str("reduce-scatter"),
+            Coll::AllGather => f.write_str("all-gather"),
+            Coll::Barrier => f.write_str("barrier"),
+            Coll::Fingerprint => f.write_str("fingerprint check (an all-gather)"),
+        }
+    }
+}
+
+/// A started collective. Finish it with [`Call::wait`] or [`Call::wait_all`] (or poll it with
+/// [`Call::test`]) within the same call. Dropping it unfinished leaks its buffers (MPI may still
+/// write into them) and poisons the world.
+pub struct Pending<T: Wire> {
+    world: &'static World,
+    seq: u64,
+    req: Request,
+    coll: Coll,
+    /// Whether this rank receives the result of a reduce (it is the root).
+    is_root: bool,
+    send: Vec<T>,
+    recv: Vec<T>,
+    wide_send: Vec<f32>,
+    wide_recv: Vec<f32>,
+    bytes: usize,
+    start: Instant,
+}
+
+/// The buffers of a completed collective.
+///
+/// | collective | `send` | `recv` |
+/// |---|---|---|
+/// | [`Call::reduce_sum`] | the input, unchanged | at the root, the sum; elsewhere as given |
+/// | [`Call::broadcast`] | empty | the root's data |
+/// | [`Call::reduce_scatter`] | the input, unchanged | this rank's block of the sum |
+/// | [`Call::all_gather`] | the input, unchanged | every rank's block, in rank order |
+#[derive(Debug)]
+pub struct Done<T> {
+    /// The send buffer, given back.
+    pub send: Vec<T>,
+    /// The receive buffer, holding the result.
+    pub recv: Vec<T>,
+}
+
+impl<T: Wire> Drop for Pending<T> {
+    fn drop(&mut self) {
+        if self.req.is_null() {
+            return;
+        }
+        // MPI may still read or write these: never free them.
+        std::mem::forget(std::mem::take(&mut self.send));
+        std::mem::forget(std::mem::take(&mut self.recv));
+        std::mem::forget(std::mem::take(&mut self.wide_send));
+        std::mem::forget(std::mem::take(&mut self.wide_recv));
+        self.world.poison_with(format!(
+            "the {} of call #{} was abandoned before it completed",
+            self.coll, self.seq
+        ));
+    }
+}
+
+impl<T: Wire> Pending<T> {
+    fn new(call: &Call, coll: Coll, send: Vec<T>, recv: Vec<T>, bytes: usize) -> Pending<T> {
+        Pending {
+            world: call.world,
+            seq: call.seq,
+            req: Request::null(),
+            coll,
+            is_root: false,
+            send,
+            recv,
+            wide_send: Vec::new(),
+            wide_recv: Vec::new(),
+            bytes,
+            start: Instant::now(),
+        }
+    }
+
+    /// Takes the buffers out of a completed collective, rounding f32 sums to `T` once.
+    fn finish(mut self) -> Done<T> {
+        debug_assert!(self.req.is_null());
+        if T::SUM_IN_F32 {
+            let rounds = match self.coll {
+                Coll::Reduce { .. } => self.is_root,
+                Coll::ReduceScatter => true,
+                _ => false,
+            };
+            if rounds {
+                for (o, &s) in self.recv.iter_mut().zip(&self.wide_recv) {
+                    *o = T::from_f32(s);
+                }
+            }
+        }
+        Done {
+            send: std::mem::take(&mut self.send),
+            recv: std::mem::take(&mut self.recv),
+        }
+    }
+}
+
+fn widen<T: Wire>(v: &[T]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+impl Call {
+    /// The error of a collective that does not fit its buffers (nothing was started).
+    fn misuse(&self, message: String) -> Error {
+        Error::Mpi {
+            op: self.op,
+            message,
+        }
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root < self.world.size {
+            Ok(())
+        } else {
+            Err(self.misuse(format!(
+                "root rank {root} does not exist in a world of {} ranks",
+                self.world.size
+            )))
+        }
+    }
+
+    /// Records the result of starting a collective: an MPI error poisons the world.
+    fn started(&self, rc: c_int) -> Result<()> {
+        raw::check(self.op, rc).inspect_err(|e| self.world.poison_with(e.to_string()))
+    }
+
+    /// Starts a sum of every rank's `send` into `recv` on rank `root` (`MPI_Ireduce`). At the
+    /// root `recv` must be as long as `send`; elsewhere it is not touched (pass `Vec::new()`).
+    /// f16/bf16 are summed as f32 partial sums and rounded once at the root.
+    pub fn reduce_sum<T: Wire>(
+        &mut self,
+        send: Vec<T>,
+        recv: Vec<T>,
+        root: usize,
+    ) -> Result<Pending<T>> {
+        self.check_root(root)?;
+        let is_root = root == self.world.rank;
+        if is_root && recv.len() != send.len() {
+            return Err(self.misuse(format!(
+                "reduce: the root's receive buffer has {} elements but the send buffer {}",
+                recv.len(),
+                send.len()
+            )));
+        }
+        let n = raw::count(self.op, send.len())?;
+        let bytes = send.len() * std::mem::size_of::<T>();
+        let mut p = Pending::new(self, Coll::Reduce { root }, send, recv, bytes);
+        p.is_root = is_root;
+        let comm = self.st.data.0;
+        let rc = if T::SUM_IN_F32 {
+            p.wide_send = widen(&p.send);
+            if is_root {
+                p.wide_recv = vec![0.0; p.send.len()];
+            }
+            // SAFETY: both buffers hold `n` f32s (the receive buffer only matters at the root,
+            // where it was sized above) and live in `p` until the request completes or is leaked
+            // by `Pending::drop`; the communicator is valid; `root` < size.
+            unsafe {
+                ffi::MPI_Ireduce(
+                    raw::ptr(&p.wide_send),
+                    raw::ptr_mut(&mut p.wide_recv),
+                    n,
+                    f32::datatype(),
+                    raw::op_sum(),
+                    root as c_int,
+                    comm,
+                    &mut p.req.0,
+                )
+            }
+        } else {
+            // SAFETY: as above, with `n` elements of `T` in each buffer, of T's MPI datatype.
+            unsafe {
+                ffi::MPI_Ireduce(
+                    raw::ptr(&p.send),
+                    raw::ptr_mut(&mut p.recv),
+                    n,
+                    T::datatype(),
+                    raw::op_sum(),
+                    root as c_int,
+                    comm,
+                    &mut p.req.0,
+                )
+            }
+        };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// Starts a broadcast of `buf` from rank `root` (`MPI_Ibcast`): every rank passes a buffer
+    /// of the same length and gets the root's data back in [`Done::recv`].
+    pub fn broadcast<T: Wire>(&mut self, buf: Vec<T>, root: usize) -> Result<Pending<T>> {
+        self.check_root(root)?;
+        let n = raw::count(self.op, buf.len())?;
+        let bytes = buf.len() * std::mem::size_of::<T>();
+        let mut p = Pending::new(self, Coll::Broadcast { root }, Vec::new(), buf, bytes);
+        // SAFETY: the buffer holds `n` elements of T's MPI datatype and lives in `p` until the
+        // request completes or is leaked; the communicator is valid; `root` < size.
+        let rc = unsafe {
+            ffi::MPI_Ibcast(
+                raw::ptr_mut(&mut p.recv),
+                n,
+                T::datatype(),
+                root as c_int,
+                self.st.data.0,
+                &mut p.req.0,
+            )
+        };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// Starts a reduce-scatter of equal blocks (`MPI_Ireduce_scatter_block`): `send` holds
+    /// `size` blocks of `recv.len()` elements; rank `r` receives the sum over ranks of block `r`.
+    /// f16/bf16 are summed as f32 partial sums and rounded once.
+    pub fn reduce_scatter<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
+        if send.len() != recv.len() * self.world.size {
+            return Err(self.misuse(format!(
+                "reduce-scatter: the send buffer has {} elements but must hold {} blocks of {} \
+                 (the receive buffer's length)",
+                send.len(),
+                self.world.size,
+                recv.len()
+            )));
+        }
+        let n = raw::count(self.op, recv.len())?;
+        let bytes = send.len() * std::mem::size_of::<T>();
+        let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
+        let comm = self.st.data.0;
+        let rc = if T::SUM_IN_F32 {
+            p.wide_send = widen(&p.send);
+            p.wide_recv = vec![0.0; p.recv.len()];
+            // SAFETY: the send buffer holds size × n f32s and the receive buffer n (checked
+            // above); both live in `p` until completion or are leaked; the communicator is valid.
+            unsafe {
+                ffi::MPI_Ireduce_scatter_block(
+                    raw::ptr(&p.wide_send),
+                    raw::ptr_mut(&mut p.wide_recv),
+                    n,
+                    f32::datatype(),
+                    raw::op_sum(),
+                    comm,
+                    &mut p.req.0,
+                )
+            }
+        } else {
+            // SAFETY: as above, in elements of T's MPI datatype.
+            unsafe {
+                ffi::MPI_Ireduce_scatter_block(
+                    raw::ptr(&p.send),
+                    raw::ptr_mut(&mut p.recv),
+                    n,
+                    T::datatype(),
+                    raw::op_sum(),
+                    comm,
+                    &mut p.req.0,
+                )
+            }
+        };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// Starts an all-gather of equal blocks (`MPI_Iallgather`): `recv` must hold `size` blocks
+    /// of `send.len()` elements and gets rank `r`'s block at block `r`.
+    pub fn all_gather<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
+        self.all_gather_as(send, recv, Coll::AllGather)
+    }
+
+    pub(super) fn all_gather_as<T: Wire>(
+        &mut self,
+        send: Vec<T>,
+        recv: Vec<T>,
+        coll: Coll,
+    ) -> Result<Pending<T>> {
+        if recv.len() != send.len() * self.world.size {
+            return Err(self.misuse(format!(
+                "all-gather: the receive buffer has {} elements but must hold {} blocks of {} \
+                 (the send buffer's length)",
+                recv.len(),
+                self.world.size,
+                send.len()
+            )));
+        }
+        let n = raw::count(self.op, send.len())?;
+        let bytes = recv.len() * std::mem::size_of::<T>();
+        let mut p = Pending::new(self, coll, send, recv, bytes);
+        // SAFETY: the send buffer holds n elements and the receive buffer size × n (checked
+        // above), of T's MPI datatype; both live in `p` until completion or are leaked; the
+        // communicator is valid.
+        let rc = unsafe {
+            ffi::MPI_Iallgather(
+                raw::ptr(&p.send),
+                n,
+                T::datatype(),
+                raw::ptr_mut(&mut p.recv),
+                n,
+                T::datatype(),
+                self.st.data.0,
+                &mut p.req.0,
+            )
+        };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// Starts a barrier (`MPI_Ibarrier`) on the store's communicator.
+    pub fn immediate_barrier(&mut self) -> Result<Pending<f32>> {
+        let mut p = Pending::new(self, Coll::Barrier, Vec::new(), Vec::new(), 0);
+        // SAFETY: the communicator is valid and `p.req` is a valid out-pointer.
+        let rc = unsafe { ffi::MPI_Ibarrier(self.st.data.0, &mut p.req.0) };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// A barrier, waited for (bounded by the timeout).
+    pub fn barrier(&mut self) -> Result<()> {
+        let p = self.immediate_barrier()?;
+        self.wait(p).map(drop)
+    }
+
+    /// Whether `p` has completed (one `MPI_Test`, never blocks). Wait for it afterwards with
+    /// [`Call::wait`], which then returns at once.
+    pub fn test<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<bool> {
+        self.same_call(p)?;
+        let r = self.st.test(std::slice::from_mut(&mut p.req), self.op);
+        if let Err(e) = &r {
+            self.world.poison_with(e.to_string());
+        }
+        r
+    }
+
+    /// Waits for `p` (bounded by the timeout, counted from its start) and gives its buffers
+    /// back.
+    pub fn wait<T: Wire>(&mut self, p: Pending<T>) -> Result<Done<T>> {
+        let mut done = self.wait_all(vec![p])?;
+        done.pop()
+            .ok_or_else(|| self.misuse("wait: nothing completed".to_owned()))
+    }
+
+    /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
+    /// gives their buffers back, in order.
+    pub fn wait_all<T: Wire>(&mut self, mut ps: Vec<Pending<T>>) -> Result<Vec<Done<T>>> {
+        for p in &ps {
+            self.same_call(p)?;
+        }
+        let Some(start) = ps.iter().map(|p| p.start).min() else {
+            return Ok(Vec::new());
+        };
+        let bytes = ps.iter().map(|p| p.bytes).sum();
+        let mut reqs: Vec<Request> = ps.iter().map(|p| p.req).collect();
+        let what = match ps.as_slice() {
+            [one] => one.coll.to_string(),
+            [first, ..] => format!("{} (and {} more collectives)", first.coll, ps.len() - 1),
+            [] => String::new(),
+        };
+        // On an error the pendings are dropped unfinished: their buffers leak, as they must.
+        self.poll(&mut reqs, bytes, start, &what)?;
+        for (p, r) in ps.iter_mut().zip(reqs) {
+            p.req = r;
+        }
+        Ok(ps.into_iter().map(Pending::finish).collect())
+    }
+
+    fn same_call<T: Wire>(&self, p: &Pending<T>) -> Result<()> {
+        if p.seq == self.seq {
+            Ok(())
+        } else {
+            Err(self.misuse(format!(
+                "a {} started in call #{} was waited for in call #{}; wait for every collective \
+                 in the call that started it",
+                p.coll, p.seq, self.seq
+            )))
+        }
+    }
+}

@@ -1,0 +1,321 @@
+//! The fingerprint of a store call, and the message that says how ranks differ.
+//!
+//! Before a call's collectives, every rank contributes a fixed-size [`Record`] (call sequence
+//! number, a hash of the op name, the number of entries and a hash of every key, shape and dtype)
+//! to one all-gather. Equal records on every rank: go on. Any difference is seen by every rank
+//! at once, so all of them take the error path together: a second all-gather of each rank's
+//! description in text, from which every rank builds the same message naming the first
+//! differing key (or call) and the ranks on each side.
+
+use std::fmt::Write as _;
+
+use crate::{DType, Key};
+
+/// One entry of a call: a key with the shape and dtype of its value.
+#[derive(Clone, Debug, PartialEq)]
+struct Entry {
+    key: Key,
+    dims: Vec<usize>,
+    dtype: DType,
+}
+
+/// What the ranks must agree on for one store call: the op name and its keys, shapes and dtypes,
+/// in the order the call lists them.
+#[derive(Clone, Debug)]
+pub struct Fingerprint {
+    op: &'static str,
+    entries: Vec<Entry>,
+}
+
+/// The record one rank contributes to the fingerprint all-gather, as `u64`s.
+pub(super) type Record = [u64; 4];
+
+/// 64-bit FNV-1a, written out so that every rank, whatever its Rust version, hashes alike.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Fnv {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        for &x in b {
+            self.0 ^= u64::from(x);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+}
+
+impl Fingerprint {
+    /// A call of `op` ("push", "pull", ...) with no entries yet.
+    pub fn new(op: &'static str) -> Fingerprint {
+        Fingerprint {
+            op,
+            entries: Vec::new(),
+        }
+    }
+
+    /// Adds a key with the shape (`dims`) and dtype of its value.
+    pub fn entry(mut self, key: impl Into<Key>, dims: &[usize], dtype: DType) -> Fingerprint {
+        self.push(key.into(), dims, dtype);
+        self
+    }
+
+    /// Adds a key with the shape (`dims`) and dtype of its value, in place.
+    pub fn push(&mut self, key: Key, dims: &[usize], dtype: DType) {
+        self.entries.push(Entry {
+            key,
+            dims: dims.to_vec(),
+            dtype,
+        });
+    }
+
+    /// The op name.
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+
+    /// The keys, in call order.
+    pub fn keys(&self) -> Vec<Key> {
+        self.entries.iter().map(|e| e.key.clone()).collect()
+    }
+
+    /// The fixed-size record for call number `seq`.
+    pub(super) fn record(&self, seq: u64) -> Record {
+        let mut op = Fnv::new();
+        op.bytes(self.op.as_bytes());
+        let mut all = Fnv::new();
+        for e in &self.entries {
+            match &e.key {
+                Key::Int(i) => {
+                    all.bytes(&[0]);
+                    all.bytes(&i.to_le_bytes());
+                }
+                Key::Str(s) => {
+                    all.bytes(&[1]);
+                    all.u64(s.len() as u64);
+                    all.bytes(s.as_bytes());
+                }
+            }
+            all.u64(e.dims.len() as u64);
+            for &d in &e.dims {
+                all.u64(d as u64);
+            }
+            all.bytes(e.dtype.name().as_bytes());
+        }
+        [seq, op.0, self.entries.len() as u64, all.0]
+    }
+
+    /// "pull of key 5", "push of keys 3, 5, 7", "push of 12 keys (3, 5, 7, ...)".
+    pub fn summary(&self) -> String {
+        summary(
+            self.op,
+            &self
+                .entries
+                .iter()
+                .map(|e| e.key.to_string())
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    /// The full description for call number `seq`, one line per entry, exchanged on a mismatch.
+    pub(super) fn describe(&self, seq: u64) -> String {
+        let mut s = format!("{seq}\t{}", self.op);
+        for e in &self.entries {
+            let _ = write!(s, "\n{}\t{:?}\t{}", e.key, e.dims, e.dtype);
+        }
+        s
+    }
+}
+
+/// The words for an op and its keys.
+fn summary(op: &str, keys: &[String]) -> String {
+    match keys.len() {
+        0 => op.to_owned(),
+        1 => format!("{op} of key {}", keys[0]),
+        2..=4 => format!("{op} of keys {}", keys.join(", ")),
+        n => format!("{op} of {n} keys ({}, ...)", keys[..3].join(", ")),
+    }
+}
+
+/// One rank's description, parsed back.
+#[derive(PartialEq)]
+struct Described {
+    seq: String,
+    op: String,
+    /// (key, shape, dtype) as text.
+    entries: Vec<(String, String, String)>,
+}
+
+fn parse(text: &str) -> Described {
+    let mut lines = text.lines();
+    let mut head = lines.next().unwrap_or("").splitn(2, '\t');
+    let seq = head.next().unwrap_or("?").to_owned();
+    let op = head.next().unwrap_or("?").to_owned();
+    let entries = lines
+        .map(|l| {
+            let mut f = l.splitn(3, '\t');
+            let mut next = || f.next().unwrap_or("?").to_owned();
+            (next(), next(), next())
+        })
+        .collect();
+    Described { seq, op, entries }
+}
+
+/// "rank 1" or "ranks [0, 2]".
+pub(super) fn ranks(r: &[usize]) -> String {
+    match r {
+        [one] => format!("rank {one}"),
+        _ => format!("ranks {r:?}"),
+    }
+}
+
+/// How the ranks' descriptions (`texts[rank]`) differ, in words every rank computes alike: each
+/// group of ranks that differs from rank 0's group is compared with it, at its first difference.
+pub(super) fn mismatch_detail(texts: &[String]) -> String {
+    // Group ranks by identical descriptions, in order of their first rank.
+    let mut groups: Vec<(Described, Vec<usize>)> = Vec::new();
+    for (rank, t) in texts.iter().enumerate() {
+        let d = parse(t);
+        match groups.iter_mut().find(|(g, _)| *g == d) {
+            Some((_, members)) => members.push(rank),
+            None => groups.push((d, vec![rank])),
+        }
+    }
+    let Some(((a, ra), rest)) = groups.split_first() else {
+        return "no ranks".to_owned();
+    };
+    if rest.is_empty() {
+        return "the ranks' records differ but their descriptions agree (a hash collision?)"
+            .to_owned();
+    }
+    let mut parts = Vec::new();
+    for (b, rb) in rest {
+        parts.push(compare(a, &ranks(ra), b, &ranks(rb)));
+    }
+    parts.join("; ")
+}
+
+fn keys_of(d: &Described) -> Vec<String> {
+    d.entries.iter().map(|e| e.0.clone()).collect()
+}
+
+/// The first difference between two groups' descriptions.
+fn compare(a: &Described, ra: &str, b: &Described, rb: &str) -> String {
+    if a.seq != b.seq {
+        return format!(
+            "{ra} at call #{} ({}) but {rb} at call #{} ({}): a rank skipped or added a call",
+            a.seq,
+            summary(&a.op, &keys_of(a)),
+            b.seq,
+            summary(&b.op, &keys_of(b)),
+        );
+    }
+    if a.op != b.op {
+        return format!(
+            "{} on {ra}, {} on {rb}",
+            summary(&a.op, &keys_of(a)),
+            summary(&b.op, &keys_of(b)),
+        );
+    }
+    let n = a.entries.len().max(b.entries.len());
+    for i in 0..n {
+        match (a.entries.get(i), b.entries.get(i)) {
+            (Some(x), Some(y)) if x == y => continue,
+            (Some(x), Some(y)) if x.0 != y.0 => {
+                return format!(
+                    "{}, position {i}: key {} on {ra}, key {} on {rb}",
+                    a.op, x.0, y.0
+                )
+            }
+            (Some(x), Some(y)) if x.1 != y.1 => {
+                return format!(
+                    "{}: key {} has shape {} on {ra}, {} on {rb}",
+                    a.op, x.0, x.1, y.1
+                )
+            }
+            (Some(x), Some(y)) => {
+                return format!(
+                    "{}: key {} has dtype {} on {ra}, {} on {rb}",
+                    a.op, x.0, x.2, y.2
+                )
+            }
+            (Some(x), None) => {
+                return format!(
+                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {ra}",
+                    a.op,
+                    a.entries.len(),
+                    b.entries.len(),
+                    x.0
+                )
+            }
+            (None, Some(y)) => {
+                return format!(
+                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {rb}",
+                    a.op,
+                    a.entries.len(),
+                    b.entries.len(),
+                    y.0
+                )
+            }
+            (None, None) => break,
+        }
+    }
+    format!("{ra} and {rb} describe the call differently")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(key: i32, dims: &[usize]) -> Fingerprint {
+        Fingerprint::new("push")
+            .entry(3, &[2], DType::F32)
+            .entry(key, dims, DType::F32)
+    }
+
+    #[test]
+    fn records_differ_exactly_when_the_calls_differ() {
+        assert_eq!(fp(5, &[2, 3]).record(7), fp(5, &[2, 3]).record(7));
+        assert_ne!(fp(5, &[2, 3]).record(7), fp(6, &[2, 3]).record(7));
+        assert_ne!(fp(5, &[2, 3]).record(7), fp(5, &[3, 2]).record(7));
+        assert_ne!(fp(5, &[2, 3]).record(7), fp(5, &[2, 3]).record(8));
+        let f16 = Fingerprint::new("push")
+            .entry(3, &[2], DType::F32)
+            .entry(5, &[2, 3], DType::F16);
+        assert_ne!(fp(5, &[2, 3]).record(7), f16.record(7));
+        let str_key = Fingerprint::new("push").entry("3", &[2], DType::F32);
+        let int_key = Fingerprint::new("push").entry(3, &[2], DType::F32);
+        assert_ne!(str_key.record(1), int_key.record(1));
+    }
+
+    #[test]
+    fn the_detail_names_the_first_differing_key_and_the_ranks_on_each_side() {
+        let texts = vec![
+            fp(5, &[2, 3]).describe(7),
+            fp(6, &[2, 3]).describe(7),
+            fp(5, &[2, 3]).describe(7),
+        ];
+        let d = mismatch_detail(&texts);
+        assert_eq!(
+            d,
+            "push, position 1: key 5 on ranks [0, 2], key 6 on rank 1"
+        );
+        let texts = vec![fp(5, &[2, 3]).describe(7), fp(5, &[3, 2]).describe(7)];
+        assert_eq!(
+            mismatch_detail(&texts),
+            "push: key 5 has shape [2, 3] on rank 0, [3, 2] on rank 1"
+        );
+        let texts = vec![
+            fp(5, &[2]).describe(7),
+            Fingerprint::new("pull")
+                .entry(5, &[2], DType::F32)
+                .describe(8),
+        ];
+        let d = mismatch_detail(&texts);
+        assert!(d.contains("rank 0 at call #7 (push of keys 3, 5)"), "{d}");
+        assert!(d.contains("rank 1 at call #8 (pull of key 5)"), "{d}");
+    }
+}

@@ -1,0 +1,960 @@
+//! The across-process transport of `dist_*` stores: MPI for CPU ranks (cargo feature `mpi`).
+//!
+//! # The world
+//!
+//! [`World::get`] initialises MPI once per process and returns the process-wide [`World`]: rank,
+//! size, and the local rank and size on this machine (from a shared-memory split of the world
+//! communicator). A binary started without `mpirun` is a one-rank world (MPI singleton init).
+//! The store's collectives run on a communicator duplicated from `MPI_COMM_WORLD` for kvstore
+//! alone; a second duplicate carries the control messages of a failure (below). Both return MPI
+//! errors instead of aborting (`MPI_ERRORS_RETURN`).
+//!
+//! If `RANK`, `WORLD_SIZE`, `LOCAL_RANK` or `LOCAL_WORLD_SIZE` is set (torchrun, srun wrappers)
+//! and disagrees with MPI, [`World::get`] fails with [`Error::DistEnv`] naming the variable.
+//!
+//! **Threads.** The store is `Send + Sync`, so MPI is initialised with `MPI_THREAD_SERIALIZED`
+//! and every MPI call the transport makes is serialised behind the world's one state mutex. Not
+//! `MPI_THREAD_MULTIPLE`, because collectives on a communicator must be issued in the same order
+//! on every rank: the store has to serialise its calls anyway, so the mutex costs nothing that
+//! is not already needed, and it avoids MULTIPLE's locking on every MPI call (and MPI builds
+//! without it). A [`Call`] holds that mutex from [`World::begin`] until it is dropped, so one
+//! store call's collectives are never interleaved with another's.
+//!
+//! # One call
+//!
+//! [`World::begin`] starts a store call: it numbers it (the call sequence number, the same on
+//! every rank of a correct program) and, unless `KVSTORE_DIST_CHECK=0`, compares the call's
+//! [`Fingerprint`] (op, keys, shapes, dtypes, sequence number) across ranks with one all-gather
+//! of a 32-byte record. A mismatch is [`Error::Desync`] on every rank, naming the first
+//! differing key or call and the ranks on each side. Then the call starts non-blocking
+//! collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
+//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::immediate_barrier`]) and waits for
+//! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]).
+//!
+//! # No hang
+//!
+//! Every wait is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`], 300 s;
+//! PyTorch's NCCL default is 10 min). A pending MPI collective can be neither finished nor
+//! cancelled, so on a timeout the rank tells every other rank where it is (call number and what
+//! it waits for) on the control communicator and listens for a grace period (half the timeout,
+//! between 0.5 and 5 s). Ranks waiting in a kvstore call answer at once. The error,
+//! [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is: "rank 2
+//! is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
+//! collective are leaked on purpose: MPI may still write to them.
+//!
+//! After a timeout, a desync or a failed MPI call the world is **poisoned**: every later call
+//! fails at once with [`Error::DistFailed`] naming the first failure.
+//!
+//! # Exit
+//!
+//! A world kept in a static is never dropped, so [`World::get`] registers an exit hook
+//! (`libc::atexit`; it runs on `exit` and on return from `main`, not on a signal or `abort`):
+//! - a healthy world waits (bounded by the timeout) for every rank to reach its exit on the
+//!   control communicator, frees its communicators and calls `MPI_Finalize`: the job ends
+//!   cleanly. A rank that does not arrive in time makes it `MPI_Abort`;
+//! - a poisoned world waits one grace period for the other ranks to report their own errors,
+//!   then calls `MPI_Abort(1)`: the job ends with a non-zero exit.
+//!
+//! A rank killed by a signal is noticed by `mpirun`, which ends the job with a non-zero exit;
+//! the survivors' own timeout is the backstop.
+//!
+//! # Environment
+//!
+//! - `KVSTORE_TIMEOUT`: seconds every wait may last (a positive number; default 300).
+//! - `KVSTORE_DIST_CHECK`: `0` (or `false`, `off`) turns the per-call fingerprint check off;
+//!   `1` (`true`, `on`, the default) keeps it.
+
+mod collective;
+mod fingerprint;
+mod poll;
+mod raw;
+
+use std::collections::BTreeMap;
+use std::os::raw::c_int;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use mpi::environment::{Threading, Universe};
+use mpi::ffi;
+
+pub use collective::{Done, Pending, Wire};
+pub use fingerprint::Fingerprint;
+
+use crate::{Error, Key, Result};
+use poll::Backoff;
+use raw::{Comm, Request};
+
+/// The default of `KVSTORE_TIMEOUT`: 300 s.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Control-message tag: "I timed out (or am asking): here is where I am; where are you?".
+const TAG_WHERE: c_int = 1;
+/// Control-message tag: "here is where I am", the answer to [`TAG_WHERE`].
+const TAG_HERE: c_int = 2;
+/// Bytes of one control record.
+const REPORT_BYTES: usize = 256;
+
+/// The process-wide distributed world. See the [module documentation](self).
+pub struct World {
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    local_size: usize,
+    timeout: Duration,
+    check: bool,
+    /// Every MPI call on the world's communicators is made with this locked.
+    state: Mutex<State>,
+    /// The first failure's message; set once, never cleared.
+    poison: Mutex<Option<String>>,
+    /// An environment variable that disagrees with MPI: (variable, message).
+    env_error: Option<(String, String)>,
+    /// The MPI universe, when this world initialised MPI; dropping it calls `MPI_Finalize`.
+    universe: Mutex<Option<Universe>>,
+}
+
+/// What the state mutex guards.
+struct State {
+    /// The communicator of the store's collectives.
+    data: Comm,
+    /// The communicator of failure reports and of the exit barrier.
+    control: Comm,
+    /// The number of the last call begun.
+    seq: u64,
+    /// Where this rank is, for answers to other ranks: (call number, what it waits for).
+    here: (u64, String),
+    /// Reports heard from other ranks while waiting, by rank.
+    heard: BTreeMap<usize, Report>,
+    /// Sent control records whose sends may not have completed: kept alive, never freed early.
+    outbox: Vec<(Request, Box<[u8; REPORT_BYTES]>)>,
+}
+
+/// What another rank said about itself.
+#[derive(Clone, Debug)]
+struct Report {
+    seq: u64,
+    timed_out: bool,
+    text: String,
+}
+
+static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
+
+/// Reads a boolean switch: `0`, `false`, `off` or `1`, `true`, `on`.
+fn env_switch(var: &str, default: bool) -> Result<bool> {
+    match std::env::var(var) {
+        Err(_) => Ok(default),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "0" | "false" | "off" | "no" => Ok(false),
+            "1" | "true" | "on" | "yes" | "" => Ok(true),
+            _ => Err(Error::DistEnv {
+                var: var.to_owned(),
+                message: format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
+            }),
+        },
+    }
+}
+
+/// Reads `KVSTORE_TIMEOUT`.
+fn env_timeout() -> Result<Duration> {
+    let Ok(v) = std::env::var("KVSTORE_TIMEOUT") else {
+        return Ok(DEFAULT_TIMEOUT);
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(Error::DistEnv {
+            var: "KVSTORE_TIMEOUT".to_owned(),
+            message: format!(
+                "'{v}' is not a positive number of seconds: set it to e.g. 300, or unset it \
+                 for the default of {} s",
+                DEFAULT_TIMEOUT.as_secs()
+            ),
+        }),
+    }
+}
+
+/// Compares an environment variable a launcher may set with what MPI says.
+fn env_agrees(var: &str, mpi_value: usize, what: &str) -> Option<(String, String)> {
+    let v = std::env::var(var).ok()?;
+    match v.trim().parse::<usize>() {
+        Ok(n) if n == mpi_value => None,
+        Ok(n) => Some((
+            var.to_owned(),
+            format!(
+                "{var}={n} but MPI says this process's {what} is {mpi_value}: the launcher's \
+                 variables and MPI disagree (was this process started without mpirun, or with \
+                 a stale {var}?); start every rank with `mpirun -np N`, or unset {var}"
+            ),
+        )),
+        Err(_) => Some((
+            var.to_owned(),
+            format!("'{v}' is not a number; unset {var} or set it to {mpi_value}"),
+        )),
+    }
+}
+
+impl World {
+    /// The process-wide world, initialising MPI on the first call. See the
+    /// [module documentation](self) for the environment variables it reads.
+    pub fn get() -> Result<&'static World> {
+        match WORLD.get_or_init(World::init) {
+            Ok(w) => match &w.env_error {
+                Some((var, message)) => Err(Error::DistEnv {
+                    var: var.clone(),
+                    message: message.clone(),
+                }),
+                None => Ok(w),
+            },
+            Err((var, message)) => Err(Error::DistEnv {
+                var: var.clone(),
+                message: message.clone(),
+            }),
+        }
+    }
+
+    fn init() -> Result<World, (String, String)> {
+        let as_pair = |e: Error| match e {
+            Error::DistEnv { var, message } => (var, message),
+            other => ("MPI".to_owned(), other.to_string()),
+        };
+        let timeout = env_timeout().map_err(as_pair)?;
+        let check = env_switch("KVSTORE_DIST_CHECK", true).map_err(as_pair)?;
+
+        let universe = match mpi::initialize_with_threading(Threading::Serialized) {
+            Some((u, provided)) => {
+                if provided < Threading::Serialized {
+                    return Err((
+                        "MPI".to_owned(),
+                        format!(
+                            "this MPI library provides thread level {provided:?} but kvstore \
+                             needs MPI_THREAD_SERIALIZED; use an MPI built with thread support \
+                             (Open MPI and MPICH are)"
+                        ),
+                    ));
+                }
+                Some(u)
+            }
+            None => {
+                // Someone else initialised MPI: use it, but leave finalizing to them.
+                let level = mpi::environment::threading_support();
+                if level < Threading::Serialized {
+                    return Err((
+                        "MPI".to_owned(),
+                        format!(
+                            "MPI was initialised by someone else with thread level {level:?}; \
+                             kvstore needs MPI_THREAD_SERIALIZED: initialise it with \
+                             mpi::initialize_with_threading(Threading::Serialized) or higher"
+                        ),
+                    ));
+                }
+                None
+            }
+        };
+
+        let (rank, size, local_rank, local_size, data, control) =
+            Self::communicators().map_err(as_pair)?;
+
+        // From here on MPI is initialised by us: the exit hook must run whatever happens.
+        // SAFETY: `exit_hook` is an `extern "C" fn()` that never unwinds (it catches nothing
+        // that can panic across the boundary: see its body); atexit only stores the pointer.
+        let rc = unsafe { libc::atexit(exit_hook) };
+        if rc != 0 {
+            eprintln!("kvstore: could not register the MPI exit hook; MPI will not be finalized");
+        }
+
+        let env_error = env_agrees("RANK", rank, "rank")
+            .or_else(|| env_agrees("WORLD_SIZE", size, "world size"))
+            .or_else(|| env_agrees("LOCAL_RANK", local_rank, "local rank"))
+            .or_else(|| env_agrees("LOCAL_WORLD_SIZE", local_size, "local world size"));
+        let poison = env_error
+            .as_ref()
+            .map(|(var, message)| format!("distributed setup: {var}: {message}"));
+
+        Ok(World {
+            rank,
+            size,
+            local_rank,
+            local_size,
+            timeout,
+            check,
+            state: Mutex::new(State {
+                data,
+                control,
+                seq: 0,
+                here: (0, "not in a call".to_owned()),
+                heard: BTreeMap::new(),
+                outbox: Vec::new(),
+            }),
+            poison: Mutex::new(poison),
+            env_error,
+            universe: Mutex::new(universe),
+        })
+    }
+
+    /// Rank, size, local rank and size, and the two duplicated communicators.
+    fn communicators() -> Result<(usize, usize, usize, usize, Comm, Comm)> {
+        const OP: &str = "initialise MPI";
+        let mut rank: c_int = 0;
+        let mut size: c_int = 0;
+        let mut local_rank: c_int = 0;
+        let mut local_size: c_int = 0;
+        // SAFETY: MPI is initialised (above); every out-pointer is a valid local; the world
+        // communicator and the constants are handles rsmpi's C shim exports. The local
+        // communicator is freed before returning.
+        unsafe {
+            let world = ffi::RSMPI_COMM_WORLD;
+            raw::check(OP, ffi::MPI_Comm_rank(world, &mut rank))?;
+            raw::check(OP, ffi::MPI_Comm_size(world, &mut size))?;
+            let mut local: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
+            raw::check(
+                OP,
+                ffi::MPI_Comm_split_type(
+                    world,
+                    ffi::RSMPI_COMM_TYPE_SHARED,
+                    rank,
+                    ffi::RSMPI_INFO_NULL,
+                    &mut local,
+                ),
+            )?;
+            raw::check(OP, ffi::MPI_Comm_rank(local, &mut local_rank))?;
+            raw::check(OP, ffi::MPI_Comm_size(local, &mut local_size))?;
+            raw::check(OP, ffi::MPI_Comm_free(&mut local))?;
+            let dup = || -> Result<Comm> {
+                let mut c: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
+                raw::check(OP, ffi::MPI_Comm_dup(world, &mut c))?;
+                raw::check(
+                    OP,
+                    ffi::MPI_Comm_set_errhandler(c, ffi::RSMPI_ERRORS_RETURN),
+                )?;
+                Ok(Comm(c))
+            };
+            let data = dup()?;
+            let control = dup()?;
+            Ok((
+                rank as usize,
+                size as usize,
+                local_rank as usize,
+                local_size as usize,
+                data,
+                control,
+            ))
+        }
+    }
+
+    /// This process's rank, `0..size`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// This process's rank among the ranks on this machine.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// The number of ranks on this machine.
+    pub fn local_size(&self) -> usize {
+        self.local_size
+    }
+
+    /// The bound of every wait (`KVSTORE_TIMEOUT`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Whether calls are fingerprinted across ranks (`KVSTORE_DIST_CHECK`).
+    pub fn check_enabled(&self) -> bool {
+        self.check
+    }
+
+    /// How long a rank that timed out listens for the others' reports.
+    fn grace(&self) -> Duration {
+        (self.timeout / 2).clamp(Duration::from_millis(500), Duration::from_secs(5))
+    }
+
+    /// The first failure, if the world is poisoned.
+    pub fn failure(&self) -> Option<String> {
+        self.poison
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Records the first failure; later calls fail with [`Error::DistFailed`].
+    fn poison_with(&self, message: String) {
+        let mut p = self.poison.lock().unwrap_or_else(|p| p.into_inner());
+        if p.is_none() {
+            *p = Some(message);
+        }
+    }
+
+    /// Begins a store call: takes the world's state lock (waiting for another thread's call to
+    /// end), numbers the call, and, unless the check is off, compares `fp` across ranks.
+    ///
+    /// Errors: [`Error::DistFailed`] if the world is poisoned; [`Error::Desync`] if the ranks
+    /// disagree; [`Error::Timeout`] if a rank does not join within the timeout.
+    pub fn begin(&'static self, fp: &Fingerprint) -> Result<Call> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = self.failure() {
+            return Err(Error::DistFailed { op: fp.op(), first });
+        }
+        let mut call = Call {
+            world: self,
+            st,
+            seq: 0,
+            op: fp.op(),
+            keys: fp.keys(),
+            summary: fp.summary(),
+        };
+        call.st.seq += 1;
+        call.seq = call.st.seq;
+        call.st.here = (call.seq, call.summary.clone());
+        if self.check {
+            call.check_fingerprint(fp)?;
+        }
+        Ok(call)
+    }
+
+    /// Runs at process exit: finalize a healthy world, abort a poisoned one.
+    fn at_exit(&self) {
+        // A call still running on another thread at exit: waiting for it could take the whole
+        // timeout, and the other ranks expect its collectives; end the job.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut st = loop {
+            match self.state.try_lock() {
+                Ok(st) => break st,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    eprintln!(
+                        "kvstore: rank {}: the process is exiting while a distributed call is \
+                         still running on another thread; aborting the job",
+                        self.rank
+                    );
+                    raw::abort(1);
+                }
+            }
+        };
+        if let Some(first) = self.failure() {
+            eprintln!(
+                "kvstore: rank {}: ending the job with an error because the distributed world \
+                 failed: {first}",
+                self.rank
+            );
+            // Give the other ranks a moment to reach their own errors and report them.
+            let _ = st.exit_barrier(self, self.grace());
+            raw::abort(1);
+        }
+        if let Err(e) = st.exit_barrier(self, self.timeout) {
+            eprintln!(
+                "kvstore: rank {}: at exit: {e}; aborting the job",
+                self.rank
+            );
+            raw::abort(1);
+        }
+        // SAFETY: both communicators were created by MPI_Comm_dup and are freed once, here,
+        // under the state lock; no request on them is pending (the world is healthy and every
+        // call waited for its collectives).
+        unsafe {
+            ffi::MPI_Comm_free(&mut st.data.0);
+            ffi::MPI_Comm_free(&mut st.control.0);
+        }
+        drop(st);
+        // Dropping rsmpi's universe calls MPI_Finalize.
+        let universe = self
+            .universe
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        drop(universe);
+    }
+}
+
+/// The `atexit` hook: see [`World::at_exit`].
+extern "C" fn exit_hook() {
+    // Nothing may unwind out of an extern "C" function: catch any panic and abort the job.
+    let r = std::panic::catch_unwind(|| {
+        if let Some(Ok(w)) = WORLD.get() {
+            w.at_exit();
+        }
+    });
+    if r.is_err() {
+        raw::abort(1);
+    }
+}
+
+impl State {
+    /// Waits (bounded by `limit`) until every rank reaches its exit.
+    fn exit_barrier(&mut self, world: &World, limit: Duration) -> Result<()> {
+        let mut req = Request::null();
+        // SAFETY: the control communicator is valid until `at_exit` frees it after this barrier;
+        // `req` is a valid out-pointer.
+        let rc = unsafe { ffi::MPI_Ibarrier(self.control.0, &mut req.0) };
+        raw::check("exit", rc)?;
+        self.here.1 = "at its exit".to_owned();
+        let start = Instant::now();
+        let mut backoff = Backoff::new(start, 0);
+        loop {
+            if self.test(&mut [req], "exit")? {
+                return Ok(());
+            }
+            if start.elapsed() > limit {
+                // The request stays pending; the caller aborts.
+                return Err(Error::Mpi {
+                    op: "exit",
+                    message: format!(
+                        "not every rank reached its exit within {:.1} s",
+                        limit.as_secs_f64()
+                    ),
+                });
+            }
+            if backoff.pause() != poll::Phase::Spin {
+                self.answer_queries(world);
+            }
+        }
+    }
+
+    /// One `MPI_Testall`: whether all of `reqs` have completed (completed ones become null).
+    fn test(&mut self, reqs: &mut [Request], op: &'static str) -> Result<bool> {
+        let mut flag: c_int = 0;
+        let n = raw::count(op, reqs.len())?;
+        // SAFETY: `Request` is `#[repr(transparent)]` over `MPI_Request`, so the slice is an
+        // array of `n` requests that MPI may update in place; statuses are ignored. Every
+        // request was started on a communicator that is still valid.
+        let rc = unsafe {
+            ffi::MPI_Testall(
+                n,
+                reqs.as_mut_ptr().cast::<ffi::MPI_Request>(),
+                &mut flag,
+                ffi::RSMPI_STATUSES_IGNORE,
+            )
+        };
+        raw::check(op, rc)?;
+        Ok(flag != 0)
+    }
+
+    /// Answers every pending "where are you?" from another rank with where this rank is.
+    fn answer_queries(&mut self, world: &World) {
+        loop {
+            let Some((src, report)) = self.receive(TAG_WHERE) else {
+                return;
+            };
+            self.heard.insert(src, report);
+            let (seq, text) = self.here.clone();
+            self.send_report(world, src, TAG_HERE, seq, false, &text);
+        }
+    }
+
+    /// Receives one waiting control message with `tag`, if there is one.
+    fn receive(&mut self, tag: c_int) -> Option<(usize, Report)> {
+        let mut flag: c_int = 0;
+        let mut buf = [0u8; REPORT_BYTES];
+        // SAFETY: an all-zero MPI_Status is a valid value of this plain C struct; MPI overwrites
+        // it.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: the control communicator is valid; `flag` and `status` are valid out-pointers;
+        // the receive only runs when a matching message is already there, so it does not block,
+        // and `buf` holds REPORT_BYTES bytes, the size of every control record.
+        unsafe {
+            let rc = ffi::MPI_Iprobe(
+                ffi::RSMPI_ANY_SOURCE,
+                tag,
+                self.control.0,
+                &mut flag,
+                &mut status,
+            );
+            if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
+                return None;
+            }
+            let src = status.MPI_SOURCE;
+            let rc = ffi::MPI_Recv(
+                buf.as_mut_ptr().cast(),
+                REPORT_BYTES as c_int,
+                raw::datatype::<u8>(),
+                src,
+                tag,
+                self.control.0,
+                ffi::RSMPI_STATUS_IGNORE,
+            );
+            if rc != ffi::MPI_SUCCESS as c_int {
+                return None;
+            }
+            Some((src as usize, Report::decode(&buf)))
+        }
+    }
+
+    /// Sends a control record to `dest` without waiting; the buffer is kept in the outbox.
+    fn send_report(
+        &mut self,
+        world: &World,
+        dest: usize,
+        tag: c_int,
+        seq: u64,
+        timed_out: bool,
+        text: &str,
+    ) {
+        // Forget sends that completed.
+        let mut keep = Vec::new();
+        for (mut req, buf) in std::mem::take(&mut self.outbox) {
+            if !matches!(
+                self.test(std::slice::from_mut(&mut req), "report"),
+                Ok(true)
+            ) {
+                keep.push((req, buf));
+            }
+        }
+        self.outbox = keep;
+        let buf = Box::new(Report::encode(seq, timed_out, text));
+        let mut req = Request::null();
+        // SAFETY: `buf` is a heap buffer of REPORT_BYTES bytes that stays in the outbox (and is
+        // never freed while the send may be pending: an unfinished entry is only dropped when
+        // the process ends); the control communicator and `dest` (< size) are valid.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr().cast(),
+                REPORT_BYTES as c_int,
+                raw::datatype::<u8>(),
+                dest as c_int,
+                tag,
+                self.control.0,
+                &mut req.0,
+            )
+        };
+        if rc == ffi::MPI_SUCCESS as c_int {
+            self.outbox.push((req, buf));
+        } else {
+            eprintln!(
+                "kvstore: rank {}: could not send a failure report to rank {dest}: {}",
+                world.rank,
+                raw::error_string(rc)
+            );
+        }
+    }
+}
+
+impl Report {
+    fn encode(seq: u64, timed_out: bool, text: &str) -> [u8; REPORT_BYTES] {
+        let mut b = [0u8; REPORT_BYTES];
+        b[..8].copy_from_slice(&seq.to_le_bytes());
+        b[8] = u8::from(timed_out);
+        let mut n = text.len().min(REPORT_BYTES - 16);
+        while !text.is_char_boundary(n) {
+            n -= 1;
+        }
+        b[10..12].copy_from_slice(&(n as u16).to_le_bytes());
+        b[16..16 + n].copy_from_slice(&text.as_bytes()[..n]);
+        b
+    }
+
+    fn decode(b: &[u8; REPORT_BYTES]) -> Report {
+        let mut seq = [0u8; 8];
+        seq.copy_from_slice(&b[..8]);
+        let n = (u16::from_le_bytes([b[10], b[11]]) as usize).min(REPORT_BYTES - 16);
+        Report {
+            seq: u64::from_le_bytes(seq),
+            timed_out: b[8] != 0,
+            text: String::from_utf8_lossy(&b[16..16 + n]).into_owned(),
+        }
+    }
+}
+
+/// One store call in progress: holds the world's state lock, so calls never interleave. Start
+/// collectives with its methods and wait for them before dropping it. See the
+/// [module documentation](self).
+pub struct Call {
+    world: &'static World,
+    st: MutexGuard<'static, State>,
+    seq: u64,
+    op: &'static str,
+    keys: Vec<Key>,
+    summary: String,
+}
+
+impl Call {
+    /// The world.
+    pub fn world(&self) -> &'static World {
+        self.world
+    }
+
+    /// This call's sequence number (1 for the first call of the process).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Compares the fingerprint across ranks; see [`fingerprint`].
+    fn check_fingerprint(&mut self, fp: &Fingerprint) -> Result<()> {
+        let mine = fp.record(self.seq);
+        let all = self.all_gather_u64(&mine)?;
+        if all.chunks(mine.len()).all(|r| r == mine) {
+            return Ok(());
+        }
+        // Every rank sees the same records, so every rank is here: exchange the descriptions.
+        let text = fp.describe(self.seq).into_bytes();
+        let lens = self.all_gather_u64(&[text.len() as u64])?;
+        let max = lens.iter().copied().max().unwrap_or(0) as usize;
+        let words = max.div_ceil(8);
+        let mut padded = vec![0u64; words];
+        for (i, b) in text.iter().enumerate() {
+            padded[i / 8] |= u64::from(*b) << (8 * (i % 8));
+        }
+        let gathered = self.all_gather_u64(&padded)?;
+        let texts: Vec<String> = (0..self.world.size)
+            .map(|r| {
+                let bytes: Vec<u8> = gathered[r * words..(r + 1) * words]
+                    .iter()
+                    .flat_map(|w| w.to_le_bytes())
+                    .take(lens[r] as usize)
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+            .collect();
+        let err = Error::Desync {
+            op: self.op,
+            seq: self.seq,
+            detail: fingerprint::mismatch_detail(&texts),
+        };
+        self.world.poison_with(err.to_string());
+        Err(err)
+    }
+
+    /// A blocking, bounded all-gather of a few `u64`s on the data communicator.
+    fn all_gather_u64(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
+        let recv = vec![0u64; mine.len() * self.world.size];
+        let p = self.all_gather_as(mine.to_vec(), recv, collective::Coll::Fingerprint)?;
+        Ok(self.wait(p)?.recv)
+    }
+
+    /// Polls `reqs` until all complete, within the timeout counted from `start`. On a timeout,
+    /// finds out where the other ranks are, poisons the world and returns [`Error::Timeout`].
+    fn poll(
+        &mut self,
+        reqs: &mut [Request],
+        bytes: usize,
+        start: Instant,
+        what: &str,
+    ) -> Result<()> {
+        let mut backoff = Backoff::new(start, bytes);
+        let mut last_answer = start;
+        loop {
+            match self.st.test(reqs, self.op) {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => {
+                    self.world.poison_with(e.to_string());
+                    return Err(e);
+                }
+            }
+            if backoff.pause() == poll::Phase::Spin {
+                continue;
+            }
+            let now = Instant::now();
+            if now.duration_since(last_answer) >= poll::SLEEP_MAX {
+                last_answer = now;
+                self.st.answer_queries(self.world);
+            }
+            if now.duration_since(start) > self.world.timeout {
+                let err = self.diagnose(what);
+                self.world.poison_with(err.to_string());
+                return Err(err);
+            }
+        }
+    }
+
+    /// After a timeout in `what`: tells every rank where this one is, listens for their
+    /// reports for a grace period, and builds the error.
+    fn diagnose(&mut self, what: &str) -> Error {
+        let world = self.world;
+        let here = format!("{}, in its {what}", self.summary);
+        for r in (0..world.size).filter(|&r| r != world.rank) {
+            self.st
+                .send_report(world, r, TAG_WHERE, self.seq, true, &here);
+        }
+        let mut reports = std::mem::take(&mut self.st.heard);
+        let end = Instant::now() + world.grace();
+        while reports.len() + 1 < world.size && Instant::now() < end {
+            let got = self
+                .st
+                .receive(TAG_HERE)
+                .or_else(|| self.st.receive(TAG_WHERE));
+            match got {
+                Some((src, rep)) => {
+                    reports.insert(src, rep);
+                }
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+        timeout_error(
+            self.op,
+            self.seq,
+            self.keys.clone(),
+            (world.rank, world.size),
+            &reports,
+            what,
+            world.timeout,
+        )
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        self.st.here = (self.seq, "between calls".to_owned());
+    }
+}
+
+/// The error of a timed-out `what` in call `seq`, from the reports of the other ranks: who is in
+/// the same call, who is elsewhere (and where), and who did not answer.
+fn timeout_error(
+    op: &'static str,
+    seq: u64,
+    keys: Vec<Key>,
+    (me, size): (usize, usize),
+    reports: &BTreeMap<usize, Report>,
+    what: &str,
+    timeout: Duration,
+) -> Error {
+    let mut missing = Vec::new();
+    let mut silent = Vec::new();
+    let mut same = Vec::new();
+    let mut elsewhere = Vec::new();
+    for r in (0..size).filter(|&r| r != me) {
+        match reports.get(&r) {
+            None => {
+                missing.push(r);
+                silent.push(r);
+            }
+            Some(rep) if rep.seq == seq => same.push(r),
+            Some(rep) => {
+                missing.push(r);
+                elsewhere.push(format!(
+                    "rank {r} is at call #{} ({}){}",
+                    rep.seq,
+                    rep.text,
+                    if rep.timed_out {
+                        " and timed out there"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+        }
+    }
+    let secs = timeout.as_secs_f64();
+    let mut parts = vec![format!(
+        "the {what} did not complete within KVSTORE_TIMEOUT={secs} s"
+    )];
+    if !silent.is_empty() {
+        parts.push(format!(
+            "{} {} not responding (died, hung outside kvstore, or stopped making kvstore \
+                 calls)",
+            fingerprint::ranks(&silent),
+            is_are(&silent)
+        ));
+    }
+    parts.extend(elsewhere);
+    if !same.is_empty() {
+        parts.push(format!(
+            "{} {} waiting in this same call",
+            fingerprint::ranks(&same),
+            is_are(&same)
+        ));
+    }
+    let advice = if missing.is_empty() {
+        "every rank is in this call, so their collectives do not match (is \
+             KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
+             KVSTORE_TIMEOUT"
+            .to_owned()
+    } else {
+        format!(
+            "every rank must make the same kvstore calls in the same order; if {} only \
+                 slow, raise KVSTORE_TIMEOUT",
+            if missing.len() == 1 {
+                "that rank is"
+            } else {
+                "those ranks are"
+            }
+        )
+    };
+    Error::Timeout {
+        op,
+        seq,
+        keys,
+        missing,
+        detail: format!(
+            "{}; {advice}. The distributed world is unusable now; restart the job",
+            parts.join("; ")
+        ),
+    }
+}
+
+/// "is" for one rank, "are" for several.
+fn is_are(r: &[usize]) -> &'static str {
+    if r.len() == 1 {
+        "is"
+    } else {
+        "are"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(seq: u64, timed_out: bool, text: &str) -> Report {
+        Report {
+            seq,
+            timed_out,
+            text: text.to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_report_survives_its_encoding() {
+        let r = Report::decode(&Report::encode(18, true, "pull of key 5"));
+        assert_eq!(
+            (r.seq, r.timed_out, r.text.as_str()),
+            (18, true, "pull of key 5")
+        );
+        let long = "é".repeat(200);
+        let r = Report::decode(&Report::encode(1, false, &long));
+        assert!(long.starts_with(&r.text) && !r.text.is_empty());
+    }
+
+    #[test]
+    fn a_timeout_names_the_missing_ranks_and_where_they_are() {
+        let mut reports = BTreeMap::new();
+        reports.insert(
+            1,
+            report(7, true, "push of key 3, in its fingerprint check"),
+        );
+        reports.insert(2, report(18, false, "pull of key 5"));
+        let e = timeout_error(
+            "push",
+            7,
+            vec![Key::Int(3)],
+            (0, 5),
+            &reports,
+            "reduce to rank 0",
+            Duration::from_secs(3),
+        );
+        let Error::Timeout { missing, .. } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!(missing, &[2, 3, 4]);
+        let text = e.to_string();
+        for part in [
+            "push (call #7) of keys [3] timed out waiting for ranks [2, 3, 4]",
+            "the reduce to rank 0 did not complete within KVSTORE_TIMEOUT=3 s",
+            "ranks [3, 4] are not responding",
+            "rank 2 is at call #18 (pull of key 5)",
+            "rank 1 is waiting in this same call",
+            "same order",
+        ] {
+            assert!(text.contains(part), "'{part}' not in: {text}");
+        }
+        assert!(std::mem::size_of::<Error>() <= 128);
+    }
+}

@@ -1,0 +1,579 @@
+//! The MPI transport of `dist_*` stores, run for real under `mpirun`.
+//!
+//! Each `#[test]` here launches `mpirun -np N` on this same test binary, which re-enters through
+//! the ignored test [`inner`] with `KVT_CASE` naming the case to run on every rank. Every rank
+//! prints `KVT rank=R size=N OK <case> ...` when its part passed; the outer test checks those
+//! lines and the job's exit code. Each job has a hard bound: past it the job is killed and the
+//! test fails. Jobs run one at a time.
+//!
+//! Without `mpirun` on the PATH each test prints `SKIPPED: mpirun not found` (CI treats that
+//! line as a failure, since it installs Open MPI).
+#![cfg(feature = "mpi")]
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use kvstore::__internal::mpi::{Done, Fingerprint, Wire, World};
+use kvstore::{DType, Element, Error};
+use rand::{Rng, SeedableRng};
+
+// ---------------------------------------------------------------------------------------------
+// The outer side: launch a job, bound it, collect its output.
+// ---------------------------------------------------------------------------------------------
+
+/// One job at a time: several oversubscribed jobs at once would only slow each other down.
+static JOBS: Mutex<()> = Mutex::new(());
+
+/// What a job did.
+struct Job {
+    /// The exit code; `None` if it was killed by a signal (or by the bound).
+    code: Option<i32>,
+    /// Whether the bound killed it.
+    killed: bool,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+impl Job {
+    /// The `KVT` lines of `rank`.
+    fn lines(&self, rank: usize) -> Vec<&str> {
+        let tag = format!("KVT rank={rank} ");
+        // libtest may print "test inner ... " on the same line first.
+        self.stdout
+            .lines()
+            .filter_map(|l| l.find(&tag).map(|i| &l[i..]))
+            .collect()
+    }
+
+    /// Asserts that each of `ranks` printed an OK line for `case` containing every one of
+    /// `needles`, and returns those lines.
+    fn assert_ok(&self, ranks: &[usize], size: usize, case: &str, needles: &[&str]) {
+        for &r in ranks {
+            let want = format!("KVT rank={r} size={size} OK {case}");
+            let lines = self.lines(r);
+            let line = lines.iter().find(|l| l.starts_with(&want));
+            let Some(line) = line else {
+                panic!("rank {r} did not report '{want}'\n{self}");
+            };
+            for n in needles {
+                assert!(line.contains(n), "rank {r}: '{n}' not in: {line}\n{self}");
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "exit {:?} (killed by the bound: {}) after {:.1} s\n--- stdout\n{}\n--- stderr\n{}",
+            self.code,
+            self.killed,
+            self.took.as_secs_f64(),
+            self.stdout,
+            self.stderr
+        )
+    }
+}
+
+fn mpirun() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join("mpirun"))
+        .find(|p| p.is_file())
+}
+
+/// Runs `case` on `np` ranks under mpirun (or on one process without mpirun when `np` is
+/// `None`), with `env` added, killing it after `bound`. Returns `None` when there is no mpirun.
+fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Duration) -> Option<Job> {
+    let mpirun = mpirun();
+    let Some(mpirun) = mpirun else {
+        eprintln!("SKIPPED: mpirun not found");
+        return None;
+    };
+    let _one_at_a_time = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let inner_args = [
+        "--ignored",
+        "--exact",
+        "inner",
+        "--nocapture",
+        "--test-threads=1",
+    ];
+    let mut cmd = match np {
+        Some(n) => {
+            let mut c = Command::new(mpirun);
+            c.args(["--oversubscribe", "-np", &n.to_string()]);
+            for (k, _) in env {
+                c.args(["-x", k]);
+            }
+            c.args(["-x", "KVT_CASE"]).arg(&exe);
+            c
+        }
+        None => Command::new(&exe),
+    };
+    cmd.args(inner_args)
+        .env("KVT_CASE", case)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_mpi_yield_when_idle", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "KVSTORE_TIMEOUT",
+        "KVSTORE_DIST_CHECK",
+    ] {
+        cmd.env_remove(v);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let start = Instant::now();
+    let mut child = cmd.spawn().expect("spawn the job");
+    let mut out = child.stdout.take().expect("stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let mut killed = false;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the job") {
+            break status;
+        }
+        if start.elapsed() > bound && !killed {
+            // SIGTERM first: mpirun forwards it to the ranks and cleans up after them.
+            killed = true;
+            // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let grace = Instant::now();
+            while grace.elapsed() < Duration::from_secs(5) {
+                if child.try_wait().expect("wait").is_some() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = start.elapsed();
+    let job = Job {
+        code: status.code(),
+        killed,
+        stdout: out_reader.join().unwrap_or_default(),
+        stderr: err_reader.join().unwrap_or_default(),
+        took,
+    };
+    // A summary for `--nocapture` runs.
+    println!(
+        "{case} on {np:?} ranks: exit {:?} after {:.1} s",
+        job.code,
+        took.as_secs_f64()
+    );
+    for r in 0..np.unwrap_or(1) {
+        for l in job.lines(r) {
+            println!("  {l}");
+        }
+    }
+    Some(job)
+}
+
+fn collectives(np: usize) {
+    let Some(job) = launch(Some(np), "collectives", &[], Duration::from_secs(60)) else {
+        return;
+    };
+    assert!(!job.killed, "the job ran past its bound\n{job}");
+    let ranks: Vec<usize> = (0..np).collect();
+    job.assert_ok(&ranks, np, "collectives", &[&format!("local_size={np}")]);
+    assert_eq!(job.code, Some(0), "a healthy run must exit 0\n{job}");
+}
+
+#[test]
+fn collectives_match_a_reference_on_2_ranks() {
+    collectives(2);
+}
+
+#[test]
+fn collectives_match_a_reference_on_3_ranks() {
+    collectives(3);
+}
+
+#[test]
+fn collectives_match_a_reference_on_4_ranks() {
+    collectives(4);
+}
+
+#[test]
+fn a_different_key_is_a_desync_error_on_every_rank() {
+    let env = [("KVSTORE_TIMEOUT", "30")];
+    let Some(job) = launch(Some(3), "desync_key", &env, Duration::from_secs(40)) else {
+        return;
+    };
+    assert!(!job.killed, "{job}");
+    // Within a second: well before the 30 s timeout, which would be a Timeout, not a Desync.
+    job.assert_ok(
+        &[0, 1, 2],
+        3,
+        "desync_key",
+        &["key 5 on ranks [0, 2], key 6 on rank 1", "same order"],
+    );
+    assert_ne!(job.code, Some(0), "a desynced job must end non-zero\n{job}");
+}
+
+#[test]
+fn a_different_shape_is_a_desync_error_on_every_rank() {
+    let env = [("KVSTORE_TIMEOUT", "30")];
+    let Some(job) = launch(Some(2), "desync_shape", &env, Duration::from_secs(40)) else {
+        return;
+    };
+    assert!(!job.killed, "{job}");
+    job.assert_ok(
+        &[0, 1],
+        2,
+        "desync_shape",
+        &["key 5 has shape [2, 3] on rank 0, [3, 2] on rank 1"],
+    );
+    assert_ne!(job.code, Some(0), "{job}");
+}
+
+fn skipped_call(np: usize, check: &str) {
+    let env = [("KVSTORE_TIMEOUT", "2"), ("KVSTORE_DIST_CHECK", check)];
+    let Some(job) = launch(Some(np), "skip", &env, Duration::from_secs(40)) else {
+        return;
+    };
+    assert!(!job.killed, "{job}");
+    let last = np - 1;
+    let others: Vec<usize> = (0..last).collect();
+    job.assert_ok(
+        &others,
+        np,
+        "skip",
+        &[
+            "pull (call #2) of keys [5] timed out",
+            &format!("waiting for ranks [{last}]"),
+            &format!("rank {last} is not responding"),
+            "first failure",
+        ],
+    );
+    assert!(
+        job.lines(last).iter().all(|l| !l.contains(" OK ")),
+        "the skipping rank must not get that far\n{job}"
+    );
+    assert_ne!(job.code, Some(0), "{job}");
+}
+
+#[test]
+fn a_skipped_call_times_out_naming_the_missing_rank_on_3_ranks() {
+    skipped_call(3, "1");
+}
+
+#[test]
+fn a_skipped_call_times_out_without_the_check_on_2_ranks() {
+    skipped_call(2, "0");
+}
+
+#[test]
+fn a_rank_killed_by_sigkill_ends_the_job_non_zero() {
+    let env = [("KVSTORE_TIMEOUT", "10")];
+    let Some(job) = launch(Some(3), "sigkill", &env, Duration::from_secs(40)) else {
+        return;
+    };
+    assert!(!job.killed, "the job must end by itself\n{job}");
+    assert_ne!(job.code, Some(0), "{job}");
+    assert!(
+        job.stdout.lines().all(|l| !l.contains("OK sigkill")),
+        "no rank can finish\n{job}"
+    );
+}
+
+#[test]
+fn without_mpirun_a_process_is_a_one_rank_world() {
+    let Some(job) = launch(None, "collectives", &[], Duration::from_secs(30)) else {
+        return;
+    };
+    assert!(!job.killed, "{job}");
+    job.assert_ok(&[0], 1, "collectives", &["local_size=1"]);
+    assert_eq!(job.code, Some(0), "{job}");
+}
+
+#[test]
+fn launcher_variables_that_disagree_with_mpi_are_an_error() {
+    let env = [("RANK", "3"), ("WORLD_SIZE", "4")];
+    let Some(job) = launch(None, "env_mismatch", &env, Duration::from_secs(30)) else {
+        return;
+    };
+    assert!(!job.killed, "{job}");
+    job.assert_ok(
+        &[0],
+        1,
+        "env_mismatch",
+        &["RANK=3 but MPI says this process's rank is 0", "mpirun"],
+    );
+    assert_ne!(job.code, Some(0), "{job}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The inner side: one case, on every rank.
+// ---------------------------------------------------------------------------------------------
+
+/// The entry point of the ranks; the outer tests run it through mpirun.
+#[test]
+#[ignore = "run on every rank under mpirun by the other tests"]
+fn inner() {
+    let case = std::env::var("KVT_CASE").expect("KVT_CASE names the case");
+    match case.as_str() {
+        "collectives" => case_collectives(),
+        "desync_key" => case_desync(false),
+        "desync_shape" => case_desync(true),
+        "skip" => case_skip(),
+        "sigkill" => case_sigkill(),
+        "env_mismatch" => case_env_mismatch(),
+        other => panic!("unknown case {other}"),
+    }
+}
+
+fn ok(w: &World, case: &str, detail: &str) {
+    println!("KVT rank={} size={} OK {case} {detail}", w.rank(), w.size());
+}
+
+/// Rank `rank`'s data for `tag`: `n` uniform values in [-1, 1), the same wherever computed.
+fn data<T: Element>(rank: usize, tag: u64, n: usize) -> Vec<T> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(tag * 1_000 + rank as u64);
+    (0..n)
+        .map(|_| T::from_f64(rng.gen_range(-1.0..1.0)))
+        .collect()
+}
+
+/// The machine epsilon of `T`.
+fn eps<T: Element>() -> f64 {
+    match T::DTYPE {
+        DType::F32 => f32::EPSILON.into(),
+        DType::F64 => f64::EPSILON,
+        DType::F16 => f16::EPSILON.to_f64(),
+        DType::BF16 => bf16::EPSILON.to_f64(),
+    }
+}
+
+/// Checks `got` against the sum over `ranks` of their data, element by element: the error
+/// bound is size × eps(T) × Σ|x|, far below one rank's contribution.
+fn check_sum<T: Element>(got: &[T], tag: u64, n: usize, ranks: usize, offset: usize, what: &str) {
+    let all: Vec<Vec<T>> = (0..ranks).map(|r| data::<T>(r, tag, n)).collect();
+    for (i, g) in got.iter().enumerate() {
+        let xs = all.iter().map(|v| v[offset + i].to_f64());
+        let sum: f64 = xs.clone().sum();
+        let abs: f64 = xs.map(f64::abs).sum();
+        let tol = ranks as f64 * eps::<T>() * abs + 1e-30;
+        assert!(
+            (g.to_f64() - sum).abs() <= tol,
+            "{what} {:?}: element {i}: got {} want {sum} (tolerance {tol})",
+            T::DTYPE,
+            g.to_f64()
+        );
+    }
+}
+
+fn poisoned<T: Element>(n: usize) -> Vec<T> {
+    vec![T::from_f64(f64::NAN); n]
+}
+
+fn run_dtype<T: Element + Wire>(w: &'static World, round: u64) {
+    let (r, size) = (w.rank(), w.size());
+    let block = [37, 1_001, 65_536][round as usize];
+    let n = block * size;
+    let tag = round * 16 + T::DTYPE as u64;
+    let fp = |op| Fingerprint::new(op).entry(round as i32, &[n], T::DTYPE);
+
+    // Reduce to a root that moves with the round.
+    let root = (round as usize + 1) % size;
+    let mut call = w.begin(&fp("push")).expect("begin");
+    let mine = data::<T>(r, tag, n);
+    let recv = if r == root { poisoned(n) } else { Vec::new() };
+    let p = call.reduce_sum(mine.clone(), recv, root).expect("reduce");
+    let Done { send, recv } = call.wait(p).expect("reduce wait");
+    assert_eq!(send, mine, "reduce gives the input back unchanged");
+    if r == root {
+        check_sum(&recv, tag, n, size, 0, "reduce");
+    }
+    drop(call);
+
+    // Broadcast from another root; the others start from NaN.
+    let root = round as usize % size;
+    let mut call = w.begin(&fp("pull")).expect("begin");
+    let buf = if r == root {
+        data::<T>(root, tag + 100, n)
+    } else {
+        poisoned(n)
+    };
+    let p = call.broadcast(buf, root).expect("broadcast");
+    let got = call.wait(p).expect("broadcast wait").recv;
+    assert_eq!(
+        got,
+        data::<T>(root, tag + 100, n),
+        "broadcast {:?}",
+        T::DTYPE
+    );
+    drop(call);
+
+    // Reduce-scatter, then all-gather, both started before either is waited for, and polled
+    // once with test.
+    let mut call = w.begin(&fp("pushpull")).expect("begin");
+    let p1 = call
+        .reduce_scatter(data::<T>(r, tag + 200, n), poisoned(block))
+        .expect("reduce-scatter");
+    let mut p2 = call
+        .all_gather(data::<T>(r, tag + 300, block), poisoned(n))
+        .expect("all-gather");
+    let _ = call.test(&mut p2).expect("test");
+    let got = call.wait(p1).expect("reduce-scatter wait").recv;
+    check_sum(&got, tag + 200, n, size, r * block, "reduce-scatter");
+    let got = call.wait_all(vec![p2]).expect("all-gather wait");
+    for k in 0..size {
+        assert_eq!(
+            got[0].recv[k * block..(k + 1) * block],
+            data::<T>(k, tag + 300, block)[..],
+            "all-gather {:?} block {k}",
+            T::DTYPE
+        );
+    }
+    call.barrier().expect("barrier");
+}
+
+fn case_collectives() {
+    let w = World::get().expect("the world");
+    for round in 0..3 {
+        run_dtype::<f32>(w, round);
+        run_dtype::<f64>(w, round);
+        run_dtype::<f16>(w, round);
+        run_dtype::<bf16>(w, round);
+    }
+    // A buffer that does not fit is refused before anything is sent, and does not poison.
+    let mut call = w.begin(&Fingerprint::new("bad")).expect("begin");
+    let e = call
+        .reduce_scatter(vec![0f32; 3 * w.size() + 1], vec![0f32; 3])
+        .err()
+        .expect("a misfit");
+    assert!(matches!(e, Error::Mpi { .. }), "{e}");
+    drop(call);
+    assert!(w.failure().is_none());
+    let detail = format!(
+        "local_rank={} local_size={} seq={}",
+        w.local_rank(),
+        w.local_size(),
+        w.begin(&Fingerprint::new("end")).expect("begin").seq()
+    );
+    ok(w, "collectives", &detail);
+}
+
+fn case_desync(shape: bool) {
+    let w = World::get().expect("the world");
+    let last = w.size() - 1;
+    let (key, dims): (i32, &[usize]) = match (shape, w.rank()) {
+        (false, 1) => (6, &[2, 3]),
+        (true, r) if r == last => (5, &[3, 2]),
+        _ => (5, &[2, 3]),
+    };
+    // A matching call first.
+    let first = Fingerprint::new("init").entry(4, &[2], DType::F32);
+    drop(w.begin(&first).expect("a matching call"));
+    let fp = Fingerprint::new("push")
+        .entry(3, &[2], DType::F32)
+        .entry(key, dims, DType::F32);
+    let t = Instant::now();
+    let e = w.begin(&fp).err().expect("a desync error");
+    let took = t.elapsed();
+    assert!(
+        matches!(e, Error::Desync { seq: 2, .. }),
+        "want Desync, got {e}"
+    );
+    let later = w.begin(&first).err().expect("poisoned");
+    assert!(matches!(later, Error::DistFailed { .. }), "{later}");
+    let case = if shape { "desync_shape" } else { "desync_key" };
+    ok(w, case, &format!("after {took:?}: {e}"));
+}
+
+fn case_skip() {
+    let w = World::get().expect("the world");
+    let last = w.size() - 1;
+    // Call 1, on every rank: a pull of key 4.
+    let mut call = w
+        .begin(&Fingerprint::new("pull").entry(4, &[8], DType::F32))
+        .expect("begin");
+    let p = call.broadcast(vec![1f32; 8], 0).expect("broadcast");
+    call.wait(p).expect("call 1");
+    drop(call);
+    if w.rank() == last {
+        // Skip call 2 and stay away past the others' timeout and grace period.
+        std::thread::sleep(w.timeout() * 4 + Duration::from_secs(3));
+        println!("KVT rank={last} size={} woke up", w.size());
+        return;
+    }
+    // Call 2: a pull of key 5 that the last rank never makes.
+    let r = w
+        .begin(&Fingerprint::new("pull").entry(5, &[8], DType::F32))
+        .and_then(|mut call| {
+            // From the absent rank: a root would not wait for its receivers.
+            let p = call.broadcast(vec![1f32; 8], last)?;
+            call.wait(p)
+        });
+    let e = r.expect_err("a timeout");
+    let Error::Timeout { missing, seq, .. } = &e else {
+        panic!("want Timeout, got {e}");
+    };
+    assert_eq!((missing.as_slice(), *seq), (&[last][..], 2), "{e}");
+    let later = w
+        .begin(&Fingerprint::new("pull").entry(6, &[8], DType::F32))
+        .err()
+        .expect("poisoned");
+    assert!(matches!(later, Error::DistFailed { .. }), "{later}");
+    ok(w, "skip", &format!("{e} || then: {later}"));
+}
+
+fn case_sigkill() {
+    let w = World::get().expect("the world");
+    for i in 0..20 {
+        if i == 5 && w.rank() == 1 {
+            // SAFETY: kill(2) on this very process.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+        let mut call = w
+            .begin(&Fingerprint::new("pull").entry(i, &[1 << 18], DType::F32))
+            .expect("begin");
+        let p = call.broadcast(vec![1f32; 1 << 18], 0).expect("broadcast");
+        if call.wait(p).is_err() {
+            break;
+        }
+    }
+    ok(w, "sigkill", "(must not happen)");
+}
+
+fn case_env_mismatch() {
+    let e = World::get().err().expect("an environment error");
+    let Error::DistEnv { var, .. } = &e else {
+        panic!("want DistEnv, got {e}");
+    };
+    assert_eq!(var, "RANK");
+    println!("KVT rank=0 size=1 OK env_mismatch {e}");
+}
