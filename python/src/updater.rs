@@ -31,8 +31,12 @@ pub fn python_updater(trampoline: Py<PyAny>, user_fn: Py<PyAny>) -> Updater {
                 DType::F32 | DType::BF16 => {
                     call::<f32>(py, &trampoline, &user_fn, key_obj, input, stored, shape)?
                 }
-                DType::F64 => call::<f64>(py, &trampoline, &user_fn, key_obj, input, stored, shape)?,
-                DType::F16 => call::<f16>(py, &trampoline, &user_fn, key_obj, input, stored, shape)?,
+                DType::F64 => {
+                    call::<f64>(py, &trampoline, &user_fn, key_obj, input, stored, shape)?
+                }
+                DType::F16 => {
+                    call::<f16>(py, &trampoline, &user_fn, key_obj, input, stored, shape)?
+                }
             };
             let new = if new.dtype() == stored.dtype() {
                 new
@@ -74,14 +78,7 @@ fn call<T: Plain>(
     let stored_bytes = PyByteArray::new(py, as_bytes(&stored.to_vec::<T>()?));
     trampoline.call1(
         py,
-        (
-            user_fn,
-            key,
-            &input_bytes,
-            &stored_bytes,
-            shape,
-            T::NUMPY,
-        ),
+        (user_fn, key, &input_bytes, &stored_bytes, shape, T::NUMPY),
     )?;
     let n = stored.size();
     if stored_bytes.len() != n * std::mem::size_of::<T>() {
