@@ -33,10 +33,11 @@ def _detached(arr):
 
 def _capsule(arr, write):
     try:
-        return arr.__dlpack__(max_version=_native.DLPACK_MAX_VERSION)
-    except TypeError:
-        # A producer from before DLPack 1.0 (NumPy < 2.1, older PyTorch): the legacy ABI.
-        return arr.__dlpack__()
+        try:
+            return arr.__dlpack__(max_version=_native.DLPACK_MAX_VERSION)
+        except TypeError:
+            # A producer from before DLPack 1.0 (NumPy < 2.1, older PyTorch): the legacy ABI.
+            return arr.__dlpack__()
     except BufferError:
         if write:
             raise BufferError(

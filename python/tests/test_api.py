@@ -347,3 +347,27 @@ def test_the_gil_is_released_during_store_calls():
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[1.0, 1.0, 1.0, 1.0]"
+
+
+class LegacyProducer:
+    """A producer from before DLPack 1.0 (as NumPy < 2.1 and older torch are): `__dlpack__`
+    takes no max_version and returns a legacy capsule."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, stream=None):
+        return self.a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def test_legacy_dlpack_producers(rng):
+    store = kv.create("local")
+    v = rng.standard_normal((3, 4)).astype(np.float32)
+    store.init("L", LegacyProducer(v))
+    store.push("L", [LegacyProducer(v), LegacyProducer(v[:, ::2].repeat(2, axis=1))])
+    out = np.zeros((3, 4), np.float32)
+    store.pull("L", out=LegacyProducer(out))
+    np.testing.assert_allclose(out, v + v[:, ::2].repeat(2, axis=1), rtol=1e-6)
