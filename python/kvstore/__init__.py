@@ -1,0 +1,264 @@
+"""kvstore: a tensor key-value store for data-parallel training, with MXNet KVStore semantics.
+
+``import kvstore as kv`` stands in for ``mx.kv``, and NumPy arrays or torch tensors for
+``mx.nd`` arrays::
+
+    import numpy as np
+    import kvstore as kv
+
+    store = kv.create('local')
+    store.init(3, np.ones((2, 3)) * 2)
+    a = np.zeros((2, 3))
+    store.pull(3, out=a)          # a is now all 2
+    store.push(3, [np.ones((2, 3))] * 4)
+    store.pull(3, out=a)          # the four values summed: 4
+
+Values go in and out through DLPack, so NumPy >= 1.22, PyTorch, JAX and CuPy arrays all work.
+"""
+
+from collections import namedtuple
+
+from . import _arrays, _native, optimizer
+from . import optimizer as _optimizer
+from ._errors import (
+    CheckpointError,
+    DeviceError,
+    DeviceOutOfMemoryError,
+    DTypeMismatchError,
+    DuplicateInitError,
+    Error,
+    InvalidArgumentError,
+    KeyOutOfRangeError,
+    KeyTypeError,
+    ShapeMismatchError,
+    UnknownKeyError,
+    UnknownKindError,
+    UpdaterError,
+)
+
+__version__ = _native.__version__
+
+__all__ = [
+    "create",
+    "KVStore",
+    "cpu",
+    "gpu",
+    "Context",
+    "optimizer",
+    "Error",
+    "UnknownKeyError",
+    "DuplicateInitError",
+    "ShapeMismatchError",
+    "DTypeMismatchError",
+    "KeyTypeError",
+    "KeyOutOfRangeError",
+    "UnknownKindError",
+    "InvalidArgumentError",
+    "UpdaterError",
+    "CheckpointError",
+    "DeviceError",
+    "DeviceOutOfMemoryError",
+]
+
+Context = namedtuple("Context", ["device_type", "device_id"])
+Context.__doc__ = """A device name, as MXNet's ``mx.cpu(i)``. NumPy and torch arrays carry their
+own device, so the store needs none; it is here so that tutorial code ports line by line."""
+
+
+def cpu(device_id=0):
+    """MXNet's ``mx.cpu(i)``."""
+    return Context("cpu", device_id)
+
+
+def gpu(device_id=0):
+    """MXNet's ``mx.gpu(i)``."""
+    return Context("gpu", device_id)
+
+
+def _as_list(v, op, what):
+    if _arrays.is_array(v):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    raise TypeError(
+        f"{op}: expected an array or a list of arrays as {what}, got {type(v).__name__}"
+    )
+
+
+def _key_lists(key, values, op, what):
+    """MXNet's call forms as (keys, one list of arrays per key): ``(3, a)``, ``(3, [a, b])``,
+    ``([5, 7], [a, b])`` and ``([5, 7], [[a, b], [c, d]])``."""
+    if isinstance(key, (list, tuple)):
+        keys = list(key)
+        if _arrays.is_array(values) or not isinstance(values, (list, tuple)):
+            raise TypeError(
+                f"{op}: {len(keys)} keys need a list of {what}, one entry per key; got "
+                f"{type(values).__name__}"
+            )
+        return keys, [_as_list(v, op, what) for v in values]
+    return [key], [_as_list(values, op, what)]
+
+
+class KVStore:
+    """A key-value store: ``init`` values, ``push`` (sum, then update) and ``pull`` them.
+
+    Keys are ints or strs (one kind per store). Values are arrays with ``__dlpack__``; ``pull``
+    writes into the arrays given as ``out``. Every call releases the GIL while the store works,
+    so other Python threads run meanwhile.
+    """
+
+    def __init__(self, name="local"):
+        self._kv = _native.Store(name)
+        self._updater = None
+
+    def __repr__(self):
+        return f"<kvstore.KVStore type={self.type!r} keys={len(self._kv.keys())}>"
+
+    @property
+    def type(self):
+        """The kind the store was created with (``'local'``, ``'device'``, ...)."""
+        return self._kv.type_name
+
+    @property
+    def rank(self):
+        """This worker's rank: 0 in a single process."""
+        return self._kv.rank
+
+    @property
+    def num_workers(self):
+        """The number of workers: 1 in a single process."""
+        return self._kv.num_workers
+
+    def keys(self):
+        """The keys, in update order (ints ascending, strs in init order)."""
+        return self._kv.keys()
+
+    def init(self, key, value):
+        """Puts a copy of ``value`` in under ``key``; a list of keys takes a list of values.
+        Each key is initialized once."""
+        keys, values = _key_lists(key, value, "init", "values")
+        flat = []
+        for k, vs in zip(keys, values):
+            if len(vs) != 1:
+                raise InvalidArgumentError(
+                    f"init: key {k} got {len(vs)} values: init takes one value per key"
+                )
+            flat.append(_arrays.read(vs[0]))
+        self._kv.init(keys, flat)
+
+    def push(self, key, value, priority=0):
+        """Pushes one array or a list of arrays (from several devices) to ``key``, or one
+        entry per key to a list of keys. The arrays of each key are summed, then merged into
+        the stored value by the updater (assign by default)."""
+        keys, values = _key_lists(key, value, "push", "values")
+        self._kv.push(keys, [[_arrays.read(v) for v in vs] for vs in values], int(priority))
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Copies the value of ``key`` into ``out``: one array or a list of arrays, or one entry
+        per key for a list of keys."""
+        if out is None:
+            raise InvalidArgumentError("pull: pass the arrays to write into as out=")
+        keys, outs = _key_lists(key, out, "pull", "outs")
+        after = []
+        capsules = [[_arrays.write(o, after) for o in os_] for os_ in outs]
+        self._kv.pull(keys, capsules, int(priority))
+        for f in after:
+            f()
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """``push`` then ``pull`` in one call; with no ``out`` the values are updated in place.
+        For a list of keys every push is done before any pull."""
+        keys, values = _key_lists(key, value, "pushpull", "values")
+        if out is None:
+            outs = values
+        else:
+            _, outs = _key_lists(key, out, "pushpull", "outs")
+        reads = [[_arrays.read(v) for v in vs] for vs in values]
+        after = []
+        writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
+        self._kv.pushpull(keys, reads, writes)
+        for f in after:
+            f()
+
+    def broadcast(self, key, value, out, priority=0):
+        """``init`` with ``value``, then ``pull`` into ``out``."""
+        keys, values = _key_lists(key, value, "broadcast", "values")
+        _, outs = _key_lists(key, out, "broadcast", "outs")
+        flat = []
+        for k, vs in zip(keys, values):
+            if len(vs) != 1:
+                raise InvalidArgumentError(
+                    f"broadcast: key {k} got {len(vs)} values: it takes one value per key"
+                )
+            flat.append(_arrays.read(vs[0]))
+        after = []
+        writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
+        self._kv.broadcast(keys, flat, writes)
+        for f in after:
+            f()
+
+    def set_updater(self, updater):
+        """Sets a Python function ``updater(key, input, stored)`` that merges each push: it gets
+        NumPy arrays (``input``, the sum of the pushed values, and ``stored``) and changes
+        ``stored`` in place, e.g. ``stored += input * 2``. ``None`` restores assign. The
+        function must not call this store."""
+        if updater is None:
+            self._kv.set_assign()
+            self._updater = None
+            return
+        if not callable(updater):
+            raise TypeError(f"the updater must be callable, got {type(updater).__name__}")
+        from . import _updater
+
+        self._kv.set_python_updater(_updater.call, updater)
+        self._updater = updater
+
+    _set_updater = set_updater
+
+    def set_optimizer(self, optimizer):
+        """Runs an optimizer in the store: ``kvstore.optimizer.SGD(...)`` or
+        ``kvstore.optimizer.Adam(...)`` (or their names, as ``'sgd'``). Each push is then a
+        gradient, and the stored value the weight. Its state starts afresh."""
+        if isinstance(optimizer, str):
+            optimizer = _optimizer.create(optimizer)
+        apply = getattr(optimizer, "_apply", None)
+        if apply is None:
+            raise TypeError(
+                f"set_optimizer takes kvstore.optimizer.SGD or Adam, got {type(optimizer).__name__}"
+            )
+        apply(self._kv)
+        self._updater = optimizer
+
+    def set_learning_rate(self, lr):
+        """Changes the optimizer's learning rate, keeping its state (momentum, moments)."""
+        self._kv.set_learning_rate(float(lr))
+
+    @property
+    def learning_rate(self):
+        """The optimizer's learning rate, or None without one."""
+        return self._kv.learning_rate
+
+    def is_capable(self, capability):
+        """MXNet's capability query: this store can run an optimizer."""
+        if capability == "optimizer":
+            return True
+        raise ValueError(f"Unknown capability: {capability}")
+
+    def save(self, path):
+        """Writes every value and the optimizer state to ``path`` (safetensors)."""
+        self._kv.save(str(path))
+
+    def load(self, path):
+        """Reads what ``save`` wrote; set the optimizer first to restore its state."""
+        self._kv.load(str(path))
+
+    save_optimizer_states = save
+    load_optimizer_states = load
+
+
+def create(name="local"):
+    """A new store: ``'local'``, ``'device'``, ``'nccl'`` or an alias (MXNet's ``mx.kv.create``).
+    An unknown name is an ``UnknownKindError`` that lists the valid ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"create takes the kind's name as a str, got {type(name).__name__}")
+    return KVStore(name)

@@ -1,0 +1,159 @@
+"""PyTorch integration: an optimizer wrapper that synchronizes through a kvstore.
+
+    import torch, kvstore
+    from kvstore.torch import DistributedOptimizer
+
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               kvstore.create('local'))
+    loss.backward()
+    opt.step()        # push the gradients, then pull the parameters
+    opt.zero_grad()
+
+Two modes, as MXNet's Trainer has them:
+
+- ``update_on_kvstore=True``: the store runs the optimizer. ``step()`` pushes every gradient
+  and pulls every parameter back. The torch optimizer's hyperparameters are translated to the
+  store's SGD or Adam (``torch.optim.SGD`` with momentum and weight decay, ``torch.optim.Adam``);
+  a learning rate changed in ``param_groups`` (by a scheduler) is passed on at the next step.
+- ``update_on_kvstore=False``: the store sums the gradients (``pushpull`` in place, averaged
+  over the workers), and the wrapped torch optimizer steps locally. Any torch optimizer works.
+
+The default is True for SGD and Adam and False otherwise. No torch is needed to build or import
+``kvstore``; this module imports torch when it is used.
+"""
+
+import torch
+
+from . import KVStore, create
+from . import optimizer as _kvopt
+
+
+def _translate(opt):
+    """The store optimizer equivalent to a torch SGD or Adam, or a ValueError saying why not."""
+    groups = opt.param_groups
+    keys = {
+        torch.optim.SGD: ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
+        torch.optim.Adam: ("lr", "betas", "eps", "weight_decay", "amsgrad"),
+    }
+    kind = type(opt)
+    if kind not in keys:
+        raise ValueError(
+            f"update_on_kvstore=True needs torch.optim.SGD or torch.optim.Adam, got "
+            f"{kind.__name__}: pass update_on_kvstore=False to step it locally"
+        )
+    first = {k: groups[0].get(k) for k in keys[kind]}
+    for g in groups[1:]:
+        if any(g.get(k) != first[k] for k in keys[kind]):
+            raise ValueError(
+                "the store runs one optimizer for every parameter, but the param_groups have "
+                "different hyperparameters: pass update_on_kvstore=False"
+            )
+    if groups[0].get("maximize", False):
+        raise ValueError("maximize=True is not supported on the store: pass update_on_kvstore=False")
+    if kind is torch.optim.SGD:
+        if first["dampening"] or first["nesterov"]:
+            raise ValueError(
+                "the store's SGD has no dampening or Nesterov momentum: pass "
+                "update_on_kvstore=False"
+            )
+        return _kvopt.SGD(
+            learning_rate=float(first["lr"]),
+            momentum=float(first["momentum"]),
+            wd=float(first["weight_decay"]),
+        )
+    if first["amsgrad"]:
+        raise ValueError("the store's Adam has no AMSGrad: pass update_on_kvstore=False")
+    beta1, beta2 = first["betas"]
+    return _kvopt.Adam(
+        learning_rate=float(first["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        epsilon=float(first["eps"]),
+        wd=float(first["weight_decay"]),
+    )
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer so that ``step()`` goes through a kvstore.
+
+    Parameters are the store's keys: their names when ``named_parameters`` is given (as
+    ``model.named_parameters()``), else their positions in ``param_groups`` (0, 1, ...). The
+    constructor initializes the store with the current parameters. Everything else (``zero_grad``,
+    ``param_groups``, ``state_dict``) is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer, store=None, *, named_parameters=None, update_on_kvstore=None):
+        if store is None:
+            store = create("local")
+        if not isinstance(store, KVStore):
+            raise TypeError(f"store must be a kvstore.KVStore, got {type(store).__name__}")
+        self.optimizer = optimizer
+        self.store = store
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            names = {id(p): n for n, p in named_parameters}
+            missing = [i for i, p in enumerate(self._params) if id(p) not in names]
+            if missing:
+                raise ValueError(
+                    f"named_parameters has no name for {len(missing)} of the optimizer's "
+                    f"parameters: pass model.named_parameters() of the model being optimized"
+                )
+            self._keys = [names[id(p)] for p in self._params]
+        else:
+            self._keys = list(range(len(self._params)))
+        if update_on_kvstore is None:
+            update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
+        self.update_on_kvstore = bool(update_on_kvstore)
+        if self.update_on_kvstore:
+            self.store.set_optimizer(_translate(optimizer))
+            self._lr = float(optimizer.param_groups[0]["lr"])
+        with torch.no_grad():
+            params = [p.detach() for p in self._params]
+            self.store.init(self._keys, params)
+            # Every worker starts from the store's parameters (a no-op in one process).
+            self.store.pull(self._keys, out=params)
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        """The wrapped optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """Pushes the gradients and pulls the parameters (update_on_kvstore), or sums the
+        gradients through the store and steps the wrapped optimizer. Parameters without a
+        gradient are left out, as torch optimizers do."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        live = [(k, p) for k, p in zip(self._keys, self._params) if p.grad is not None]
+        if not live:
+            return loss
+        keys = [k for k, _ in live]
+        grads = [p.grad for _, p in live]
+        with torch.no_grad():
+            if self.update_on_kvstore:
+                lr = float(self.optimizer.param_groups[0]["lr"])
+                if lr != self._lr:  # a scheduler changed it: keep the optimizer's state
+                    self.store.set_learning_rate(lr)
+                    self._lr = lr
+                self.store.push(keys, grads)
+                self.store.pull(keys, out=[p.detach() for _, p in live])
+                # The wrapped optimizer did not step, but it was stepped for: tell torch's LR
+                # schedulers, which warn otherwise.
+                self.optimizer._opt_called = True
+            else:
+                self.store.pushpull(keys, grads)
+                workers = self.store.num_workers
+                if workers > 1:
+                    for g in grads:
+                        g.div_(workers)
+                self.optimizer.step()
+        return loss

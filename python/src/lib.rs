@@ -1,0 +1,353 @@
+//! `kvstore._native`: the Rust half of the `kvstore` Python package.
+//!
+//! A thin layer over kvstore's public API. The Python half (`kvstore/__init__.py`) turns MXNet's
+//! call forms (one key or a list, one array or a list, lists of lists) into flat lists of keys
+//! and of DLPack capsules, one list of capsules per key; this module imports the capsules, calls
+//! the store with the GIL released, and maps kvstore's `Error` to Python exceptions.
+
+mod arrays;
+mod errors;
+mod updater;
+
+use std::sync::Arc;
+
+use kvstore::{Adam, Key, KvStore, NDArray, Sgd, Updater};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyString};
+
+use arrays::Imported;
+
+/// A key from Python: an `int` (or anything with `__index__`, such as a NumPy integer) or a
+/// `str`. `bool` is refused, as it is almost always a mistake.
+fn key_from(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
+    if obj.is_instance_of::<PyString>() {
+        return Ok(Key::Str(obj.extract::<String>()?));
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(
+            "keys are int or str, got a bool: pass an int key",
+        ));
+    }
+    match obj.extract::<i64>() {
+        Ok(k) => kvstore::IntoKey::into_key(k).map_err(errors::to_py),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
+            Err(errors::to_py(kvstore::Error::KeyOutOfRange {
+                value: obj.str()?.to_string(),
+                ty: "int",
+            }))
+        }
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "keys are int or str, got {}: pass an int or a str",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+fn keys_from(keys: &[Bound<'_, PyAny>]) -> PyResult<Vec<Key>> {
+    keys.iter().map(key_from).collect()
+}
+
+/// Imports one list of capsules per key.
+fn import_lists(lists: &[Vec<Bound<'_, PyAny>>]) -> PyResult<Vec<Vec<Imported>>> {
+    lists
+        .iter()
+        .map(|l| l.iter().map(arrays::import).collect())
+        .collect()
+}
+
+/// Imports out capsules, each checked writable.
+fn import_outs(lists: &[Vec<Bound<'_, PyAny>>]) -> PyResult<Vec<Vec<Imported>>> {
+    let mut outs = import_lists(lists)?;
+    for o in outs.iter_mut().flatten() {
+        o.check_writable()?;
+    }
+    Ok(outs)
+}
+
+/// Copies imported arrays into kvstore arrays (one copy each).
+fn to_ndarrays(lists: &[Vec<Imported>]) -> PyResult<Vec<Vec<NDArray>>> {
+    lists
+        .iter()
+        .map(|l| l.iter().map(Imported::to_ndarray).collect())
+        .collect()
+}
+
+/// One zeroed kvstore array per out, of the out's shape and dtype.
+fn scratch(outs: &[Vec<Imported>]) -> PyResult<Vec<Vec<NDArray>>> {
+    outs.iter()
+        .map(|l| l.iter().map(Imported::scratch).collect())
+        .collect()
+}
+
+/// Copies each scratch array into its out.
+fn write_back(outs: &[Vec<Imported>], scratch: &[Vec<NDArray>]) -> PyResult<()> {
+    for (outs, scratch) in outs.iter().zip(scratch) {
+        for (o, s) in outs.iter().zip(scratch) {
+            o.write_from(s)?;
+        }
+    }
+    Ok(())
+}
+
+/// A kvstore `KvStore`. Use `kvstore.create(...)`, which wraps it in `kvstore.KVStore`.
+#[pyclass(name = "Store", module = "kvstore._native", frozen)]
+struct PyStore {
+    inner: Arc<KvStore>,
+}
+
+#[pymethods]
+impl PyStore {
+    /// A store of kind `name` ('local', 'device', 'nccl', or an alias).
+    #[new]
+    fn new(name: &str) -> PyResult<Self> {
+        Ok(PyStore {
+            inner: Arc::new(KvStore::create(name).map_err(errors::to_py)?),
+        })
+    }
+
+    /// The name it was created with (MXNet's `kv.type`).
+    #[getter]
+    fn type_name(&self) -> String {
+        self.inner.type_name().to_owned()
+    }
+
+    /// This worker's rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    /// The number of workers.
+    #[getter]
+    fn num_workers(&self) -> usize {
+        self.inner.num_workers()
+    }
+
+    /// The keys, in update order (ints ascending, strings in init order).
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        self.inner
+            .keys()
+            .into_iter()
+            .map(|k| match k {
+                Key::Int(i) => Ok(i.into_pyobject(py)?.into_any()),
+                Key::Str(s) => Ok(s.into_pyobject(py)?.into_any()),
+                #[allow(unreachable_patterns)]
+                other => Ok(other.to_string().into_pyobject(py)?.into_any()),
+            })
+            .collect()
+    }
+
+    /// `init(keys, values)`: one capsule per key.
+    fn init(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let keys = keys_from(&keys)?;
+        let values: Vec<Imported> = values.iter().map(arrays::import).collect::<PyResult<_>>()?;
+        let kv = self.inner.clone();
+        py.detach(move || {
+            let values: Vec<NDArray> = values
+                .iter()
+                .map(Imported::to_ndarray)
+                .collect::<PyResult<_>>()?;
+            kv.init_list(&keys, &values).map_err(errors::to_py)
+        })
+    }
+
+    /// `push(keys, values, priority)`: a list of capsules per key.
+    fn push(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Vec<Bound<'_, PyAny>>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        let keys = keys_from(&keys)?;
+        let values = import_lists(&values)?;
+        let kv = self.inner.clone();
+        py.detach(move || {
+            let values = to_ndarrays(&values)?;
+            let priorities = vec![priority; keys.len()];
+            kv.push_list_with_priority(&keys, &values, &priorities)
+                .map_err(errors::to_py)
+        })
+    }
+
+    /// `pull(keys, outs, priority)`: a list of writable capsules per key.
+    fn pull(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        outs: Vec<Vec<Bound<'_, PyAny>>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        let keys = keys_from(&keys)?;
+        let outs = import_outs(&outs)?;
+        let kv = self.inner.clone();
+        py.detach(move || {
+            let tmp = scratch(&outs)?;
+            let priorities = vec![priority; keys.len()];
+            kv.pull_list_with_priority(&keys, &tmp, &priorities)
+                .map_err(errors::to_py)?;
+            write_back(&outs, &tmp)
+        })
+    }
+
+    /// `pushpull(keys, values, outs)`: every push, then every pull, atomically.
+    fn pushpull(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Vec<Bound<'_, PyAny>>>,
+        outs: Vec<Vec<Bound<'_, PyAny>>>,
+    ) -> PyResult<()> {
+        let keys = keys_from(&keys)?;
+        let values = import_lists(&values)?;
+        let outs = import_outs(&outs)?;
+        let kv = self.inner.clone();
+        py.detach(move || {
+            let values = to_ndarrays(&values)?;
+            let tmp = scratch(&outs)?;
+            kv.pushpull_list(&keys, &values, &tmp)
+                .map_err(errors::to_py)?;
+            write_back(&outs, &tmp)
+        })
+    }
+
+    /// `broadcast(keys, values, outs)`: init, then pull; one value capsule per key.
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Bound<'_, PyAny>>,
+        outs: Vec<Vec<Bound<'_, PyAny>>>,
+    ) -> PyResult<()> {
+        let keys = keys_from(&keys)?;
+        let values: Vec<Imported> = values.iter().map(arrays::import).collect::<PyResult<_>>()?;
+        let outs = import_outs(&outs)?;
+        let kv = self.inner.clone();
+        py.detach(move || {
+            let values: Vec<NDArray> = values
+                .iter()
+                .map(Imported::to_ndarray)
+                .collect::<PyResult<_>>()?;
+            let tmp = scratch(&outs)?;
+            kv.broadcast_list(&keys, &values, &tmp)
+                .map_err(errors::to_py)?;
+            write_back(&outs, &tmp)
+        })
+    }
+
+    /// Sets a Python function as the updater: `trampoline(fn, key, input, stored, shape,
+    /// dtype)` is called for each key of a push (see `kvstore/_updater.py`).
+    fn set_python_updater(&self, trampoline: Py<PyAny>, function: Py<PyAny>) -> PyResult<()> {
+        self.inner
+            .set_updater(updater::python_updater(trampoline, function))
+            .map_err(errors::to_py)
+    }
+
+    /// Back to the default updater: assign.
+    fn set_assign(&self) -> PyResult<()> {
+        self.inner
+            .set_updater(Updater::Assign)
+            .map_err(errors::to_py)
+    }
+
+    /// SGD (MXNet's `sgd_update` / `sgd_mom_update`) as the updater.
+    #[pyo3(signature = (lr, momentum, wd, rescale_grad, clip_gradient))]
+    fn set_sgd(
+        &self,
+        lr: f64,
+        momentum: f64,
+        wd: f64,
+        rescale_grad: f64,
+        clip_gradient: Option<f64>,
+    ) -> PyResult<()> {
+        let sgd = Sgd {
+            lr,
+            momentum,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        };
+        self.inner
+            .set_updater(Updater::Sgd(sgd))
+            .map_err(errors::to_py)
+    }
+
+    /// Adam (MXNet's `adam_update`) as the updater.
+    #[pyo3(signature = (lr, beta1, beta2, epsilon, wd, rescale_grad, clip_gradient))]
+    #[allow(clippy::too_many_arguments)]
+    fn set_adam(
+        &self,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        epsilon: f64,
+        wd: f64,
+        rescale_grad: f64,
+        clip_gradient: Option<f64>,
+    ) -> PyResult<()> {
+        let adam = Adam {
+            lr,
+            beta1,
+            beta2,
+            epsilon,
+            wd,
+            rescale_grad,
+            clip_gradient,
+        };
+        self.inner
+            .set_updater(Updater::Adam(adam))
+            .map_err(errors::to_py)
+    }
+
+    /// Changes the learning rate of SGD or Adam, keeping their state.
+    fn set_learning_rate(&self, lr: f64) -> PyResult<()> {
+        self.inner.set_learning_rate(lr).map_err(errors::to_py)
+    }
+
+    /// The learning rate of the updater in force, if it has one.
+    #[getter]
+    fn learning_rate(&self) -> Option<f64> {
+        self.inner.learning_rate()
+    }
+
+    /// The largest update count of any key.
+    #[getter]
+    fn num_update(&self) -> u64 {
+        self.inner.num_update()
+    }
+
+    /// Writes every value and updater state to `path` (safetensors).
+    fn save(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        let kv = self.inner.clone();
+        py.detach(move || kv.save(&path).map_err(errors::to_py))
+    }
+
+    /// Reads every value and updater state from `path`.
+    fn load(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        let kv = self.inner.clone();
+        py.detach(move || kv.load(&path).map_err(errors::to_py))
+    }
+}
+
+/// The native module.
+#[pymodule]
+#[pyo3(name = "_native")]
+fn kvstore_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyStore>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The newest DLPack ABI this module reads; passed as `max_version` to `__dlpack__`.
+    m.add(
+        "DLPACK_MAX_VERSION",
+        (
+            dlpark::ffi::DLPACK_MAJOR_VERSION,
+            dlpark::ffi::DLPACK_MINOR_VERSION,
+        ),
+    )?;
+    Ok(())
+}

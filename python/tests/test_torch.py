@@ -1,0 +1,125 @@
+"""kvstore.torch.DistributedOptimizer against plain single-process torch training.
+
+Skipped (and reported as such) where torch is not installed.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch not installed")
+
+import kvstore  # noqa: E402
+from kvstore.torch import DistributedOptimizer  # noqa: E402
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def make_problem(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 5, generator=g)
+    y = torch.randn(64, 2, generator=g)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return x, y, model
+
+
+def train(model, opt, x, y, steps):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def fresh_seed():
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.mark.parametrize(
+    "make_opt,update_on_kvstore,rtol",
+    [
+        # The store sums the gradients, torch steps: bit for bit the same.
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3), False, 0),
+        (lambda ps: torch.optim.RMSprop(ps, lr=0.01), False, 0),
+        # The store runs the optimizer: the same math, rounded in another order.
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3), True, 1e-4),
+        (lambda ps: torch.optim.SGD(ps, lr=0.05), True, 1e-4),
+        (lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=1e-3), True, 1e-3),
+    ],
+    ids=["sgd-local", "rmsprop-local", "sgd-momentum-store", "sgd-store", "adam-store"],
+)
+def test_wrapper_equals_plain_torch(make_opt, update_on_kvstore, rtol):
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    x, y, plain = make_problem(seed)
+    wrapped = copy.deepcopy(plain)
+    plain_losses = train(plain, make_opt(plain.parameters()), x, y, 30)
+    opt = DistributedOptimizer(
+        make_opt(wrapped.parameters()), kvstore.create("local"), update_on_kvstore=update_on_kvstore
+    )
+    wrapped_losses = train(wrapped, opt, x, y, 30)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q, p, rtol=rtol, atol=rtol * 1e-2)
+    torch.testing.assert_close(
+        torch.tensor(wrapped_losses), torch.tensor(plain_losses), rtol=rtol, atol=rtol * 1e-2
+    )
+    assert plain_losses[-1] < plain_losses[0]
+
+
+def test_scheduler_learning_rate_reaches_the_store():
+    x, y, plain = make_problem(fresh_seed())
+    wrapped = copy.deepcopy(plain)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=5, gamma=0.5)
+    opt = DistributedOptimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=5, gamma=0.5)
+    for _ in range(15):
+        train(plain, ref, x, y, 1)
+        ref_sched.step()
+        train(wrapped, opt, x, y, 1)
+        sched.step()
+    # The store took the rate of each step: the last of the 15 ran at 0.1 * 0.5**2.
+    assert opt.store.learning_rate == pytest.approx(0.1 * 0.5**2)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+def test_named_parameters_are_the_keys():
+    _, _, model = make_problem(1)
+    store = kvstore.create("local")
+    DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), store, named_parameters=model.named_parameters()
+    )
+    assert store.keys() == [n for n, _ in model.named_parameters()]
+
+
+def test_untranslatable_optimizer_says_what_to_do():
+    _, _, model = make_problem(2)
+    with pytest.raises(ValueError, match="update_on_kvstore=False"):
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+            update_on_kvstore=True,
+        )
+
+
+def test_torch_example_loss_falls():
+    for args in ([], ["--optimizer", "adam"], ["--local-step"]):
+        r = subprocess.run(
+            [sys.executable, os.path.join(EXAMPLES, "train_torch.py"), "--steps", "100", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if "loss" in line]
+        assert len(losses) == 6, r.stdout
+        assert losses[-1] < 0.5 * losses[0], r.stdout
