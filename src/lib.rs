@@ -32,6 +32,7 @@
 
 mod backend;
 pub mod checkpoint;
+mod comm;
 mod device;
 mod dtype;
 mod error;
@@ -74,5 +75,7 @@ pub fn gpu_count() -> usize {
 /// at the crate root instead.
 #[doc(hidden)]
 pub mod __internal {
-    pub use crate::backend::{cpu, kernels, nccl, probe};
+    pub use crate::backend::cuda::kernels;
+    pub use crate::backend::{cpu, probe};
+    pub use crate::comm::nccl;
 }

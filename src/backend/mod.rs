@@ -1,14 +1,10 @@
-//! Backends: where values live and how loops over them run.
+//! Backends: memory and kernels, where values live and how loops over them run.
 //!
 //! - [`cpu`]: fused loops over host memory; the fallback for every store kind.
 //! - [`cuda`]: the GPU runtime (one stream per GPU, PTX modules, fused launches) and the
 //!   push and pull paths of GPU homes.
-//! - [`kernels`]: the PTX kernels and their launch ABI.
-//! - [`nccl`]: NCCL communicators, collectives, async-error polling and abort.
 //! - [`probe`]: which GPUs this process can use, found without ever panicking.
 
 pub mod cpu;
 pub mod cuda;
-pub mod kernels;
-pub mod nccl;
 pub mod probe;
