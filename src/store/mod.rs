@@ -5,249 +5,46 @@
 //! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
 //! in ascending key order, which makes it atomic and free of deadlocks.
 
-use std::collections::{HashMap, HashSet};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::Path;
+mod entries;
+mod groups;
+mod hook;
+mod kind;
+mod table;
+mod validate;
+
+use std::collections::HashSet;
+use std::ops::Deref;
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::backend::cpu::{self, PushJob};
-use crate::backend::cuda::home::{self, GpuCell};
-use crate::backend::cuda::{self as gpu_rt, GpuBuf};
-use crate::backend::probe;
-use crate::checkpoint::Problem;
-use crate::comm::nccl;
-use crate::host::{convert_into, with_host, HostData};
-use crate::ndarray::Storage;
-use crate::updater::{Hyper, UpdateFn};
-use crate::{
-    DType, Device, Element, Error, IntoKey, Key, KeyKind, NDArray, PtxUpdater, Result, Shape,
-    Updater,
-};
+use crate::backend::cpu::PAR_MIN_BYTES;
+use crate::backend::{probe, HomePull, HomeValue};
+use crate::comm::{self, Ctx, KeyPush};
+use crate::host::HostData;
+use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
 
-/// The kinds of store, by where values live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreKind {
-    /// Values live in host memory; values from several devices are summed on the CPU.
-    Local,
-    /// Values live on a home GPU, spread across GPUs by size (the CPU when there is none).
-    Device,
-    /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none; peer
-    /// copies, as `Device`, when libnccl cannot be loaded).
-    Nccl,
-}
-
-/// The names `KvStore::create` accepts (MXNet's, lower case), and the kind each means.
-const KIND_NAMES: [(&str, StoreKind); 6] = [
-    ("local", StoreKind::Local),
-    ("local_update_cpu", StoreKind::Local),
-    ("local_allreduce_cpu", StoreKind::Local),
-    ("device", StoreKind::Device),
-    ("local_allreduce_device", StoreKind::Device),
-    ("nccl", StoreKind::Nccl),
-];
-
-impl StoreKind {
-    /// The kind's canonical name: `local`, `device` or `nccl`.
-    pub fn name(self) -> &'static str {
-        match self {
-            StoreKind::Local => "local",
-            StoreKind::Device => "device",
-            StoreKind::Nccl => "nccl",
-        }
-    }
-
-    /// Parses a kind name, case-insensitively; an error lists the valid names.
-    pub fn parse(name: &str) -> Result<StoreKind> {
-        let lower = name.to_ascii_lowercase();
-        KIND_NAMES
-            .iter()
-            .find(|(n, _)| *n == lower)
-            .map(|&(_, k)| k)
-            .ok_or_else(|| Error::UnknownKind {
-                kind: name.to_owned(),
-                valid: KIND_NAMES.iter().map(|(n, _)| *n).collect(),
-            })
-    }
-}
-
-impl std::fmt::Display for StoreKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for StoreKind {
-    type Err = Error;
-
-    /// As [`StoreKind::parse`].
-    fn from_str(name: &str) -> Result<StoreKind> {
-        StoreKind::parse(name)
-    }
-}
-
-/// What [`KvStore::create`] accepts: a kind name (`"local"`, `"nccl"`, an MXNet alias, in any
-/// case) or a [`StoreKind`].
-pub trait IntoStoreKind {
-    /// The kind, and the name the store reports as its [`KvStore::type_name`]; an
-    /// [`Error::UnknownKind`] for a name that is no kind.
-    fn into_store_kind(self) -> Result<(StoreKind, String)>;
-}
-
-impl IntoStoreKind for StoreKind {
-    fn into_store_kind(self) -> Result<(StoreKind, String)> {
-        Ok((self, self.name().to_owned()))
-    }
-}
-
-impl IntoStoreKind for &str {
-    fn into_store_kind(self) -> Result<(StoreKind, String)> {
-        Ok((StoreKind::parse(self)?, self.to_ascii_lowercase()))
-    }
-}
-
-impl IntoStoreKind for String {
-    fn into_store_kind(self) -> Result<(StoreKind, String)> {
-        self.as_str().into_store_kind()
-    }
-}
-
-impl IntoStoreKind for &String {
-    fn into_store_kind(self) -> Result<(StoreKind, String)> {
-        self.as_str().into_store_kind()
-    }
-}
-
-/// One or more arrays: what a push takes as values and a pull as outs, for one key.
-///
-/// Implemented for a single [`NDArray`], slices, vectors and arrays of them.
-pub trait ValueList {
-    /// The arrays.
-    fn arrays(&self) -> &[NDArray];
-}
-
-impl ValueList for NDArray {
-    fn arrays(&self) -> &[NDArray] {
-        std::slice::from_ref(self)
-    }
-}
-
-impl ValueList for [NDArray] {
-    fn arrays(&self) -> &[NDArray] {
-        self
-    }
-}
-
-impl ValueList for Vec<NDArray> {
-    fn arrays(&self) -> &[NDArray] {
-        self
-    }
-}
-
-impl<const N: usize> ValueList for [NDArray; N] {
-    fn arrays(&self) -> &[NDArray] {
-        self
-    }
-}
-
-impl<T: ValueList + ?Sized> ValueList for &T {
-    fn arrays(&self) -> &[NDArray] {
-        (**self).arrays()
-    }
-}
-
-/// A key's entry: fixed facts, and the value and state behind the key's lock.
-struct Slot {
-    key: Key,
-    /// Ascending order of updates: the int key, or a string key's init order.
-    order: i64,
-    /// When the key was initialized: 0 for the store's first key, then 1, 2, ...
-    init_seq: u64,
-    shape: Shape,
-    dtype: DType,
-    home: Device,
-    cell: RwLock<Cell>,
-}
-
-struct Cell {
-    value: Value,
-    /// Host updater state (host homes, and the host round trip of f64 keys on a GPU).
-    state: Option<State>,
-}
-
-/// Where a key's value lives: host memory, or its home GPU (with the GPU updater state).
-enum Value {
-    Host(HostData),
-    Gpu(GpuCell),
-}
-
-/// Updater state of one key.
-struct State {
-    /// Which `set_updater` call it belongs to; another updater starts afresh.
-    generation: u64,
-    /// Pushes applied so far (Adam's `t`).
-    step: u64,
-    /// One buffer per name in `Updater::state_names`, in the accumulator dtype.
-    bufs: Vec<HostData>,
-}
-
-#[derive(Default)]
-struct Table {
-    key_kind: Option<KeyKind>,
-    slots: HashMap<Key, Arc<Slot>>,
-    next_str_order: i64,
-    /// The `init_seq` of the next key initialized.
-    next_init_seq: u64,
-    /// Bytes of values homed on each GPU so far (for placement by size).
-    gpu_bytes: Vec<usize>,
-}
-
-impl Table {
-    fn check_kind(&self, op: &'static str, key: &Key) -> Result<()> {
-        match self.key_kind {
-            Some(store) if store != key.kind() => Err(Error::MixedKeyTypes {
-                op,
-                key: key.clone(),
-                got: key.kind(),
-                store,
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    fn get(&self, op: &'static str, key: &Key) -> Result<Arc<Slot>> {
-        self.check_kind(op, key)?;
-        self.slots
-            .get(key)
-            .cloned()
-            .ok_or_else(|| Error::UnknownKey {
-                op,
-                key: key.clone(),
-            })
-    }
-}
-
+pub(crate) use entries::{Entry, EntryState};
+pub use groups::ValueList;
+use groups::{issue_order, lock_cells, Group};
+use hook::{call_hook, pushed};
+pub use hook::{PushEvent, PushHook};
+pub use kind::{IntoStoreKind, StoreKind};
+use table::{place_by_size, Slot, Table};
+use validate::{check_arrays, check_len, check_outs, check_values, to_keys};
 mod hyper;
 
 /// The updater in force, and which `set_updater` call set it.
-struct Active {
+pub(super) struct Active {
     updater: Updater,
     generation: u64,
     /// The learning-rate schedule, per-key multipliers and update count.
     hyper: hyper::Settings,
 }
 
-/// How a store's calls run: over NCCL or not, and from what size host loops split over threads.
-#[derive(Clone, Copy)]
-struct Ctx {
-    use_nccl: bool,
-    par_min_bytes: usize,
-}
-
-/// `KVSTORE_PAR_MIN_BYTES`, or [`cpu::PAR_MIN_BYTES`] when it is unset.
+/// `KVSTORE_PAR_MIN_BYTES`, or [`PAR_MIN_BYTES`] when it is unset.
 fn par_min_bytes_from_env() -> Result<usize> {
     const VAR: &str = "KVSTORE_PAR_MIN_BYTES";
     match std::env::var(VAR) {
-        Err(std::env::VarError::NotPresent) => Ok(cpu::PAR_MIN_BYTES),
+        Err(std::env::VarError::NotPresent) => Ok(PAR_MIN_BYTES),
         Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
             var: VAR,
             value: v,
@@ -259,14 +56,6 @@ fn par_min_bytes_from_env() -> Result<usize> {
             expected: "a whole number of bytes (0 = always split over threads)",
         }),
     }
-}
-
-/// A key and the arrays an operation gives it, merged over repeats of the key.
-struct Group<'a> {
-    slot: Arc<Slot>,
-    arrays: Vec<&'a NDArray>,
-    /// Work for higher priorities is issued first (the highest, over repeats of the key).
-    priority: i32,
 }
 
 /// A tensor key-value store with MXNet KVStore semantics.
@@ -291,27 +80,6 @@ pub struct KvStore {
     /// (`KVSTORE_PAR_MIN_BYTES` at creation).
     par_min_bytes: usize,
 }
-
-/// What a push hook sees: one key of a push that has been applied. See
-/// [`KvStore::set_push_hook`].
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct PushEvent<'a> {
-    /// The key.
-    pub key: &'a Key,
-    /// The key's step under the updater in force: the pushes applied to it since the updater
-    /// was set (or since a checkpoint set its state), this one included. This is the `t` of
-    /// Adam's bias correction and the `step` a PTX updater gets. `None` for a closure updater
-    /// (and a PTX updater's CPU twin), which keeps no step.
-    pub step: Option<u64>,
-    /// The updater's [`name`](Updater::name): `assign`, `sgd`, `adam`, ...
-    pub updater: &'static str,
-    /// How many arrays were summed for the key (over repeats of it in the call).
-    pub values: usize,
-}
-
-/// A push hook: called once per key of every successful push. See [`KvStore::set_push_hook`].
-pub type PushHook = dyn Fn(&PushEvent<'_>) + Send + Sync;
 
 impl KvStore {
     /// Creates a store of a kind given by name (`local`, `device` or `nccl`, or one of MXNet's
@@ -385,11 +153,7 @@ impl KvStore {
     /// timeout (env `KVSTORE_NCCL_TIMEOUT_MS`, default 60 s). Without a GPU every call is
     /// synchronous and this returns `Ok` at once.
     pub fn wait_all(&self) -> Result<()> {
-        if probe::gpu_count() == 0 {
-            return Ok(());
-        }
-        nccl::wait_all()?;
-        gpu_rt::synchronize_all()
+        comm::wait_all()
     }
 
     /// Whether cross-GPU sums and broadcasts of this store go through NCCL.
@@ -433,43 +197,6 @@ impl KvStore {
     /// The updater in force.
     pub fn updater(&self) -> Updater {
         read(&self.active).updater.clone()
-    }
-
-    /// Sets a hook that observes pushes without changing them: after every successful push
-    /// (`push`, `push_list`, the `pushpull` forms and the priority forms), `hook` is called
-    /// once per distinct key, in the order the updater ran on them (ascending key order, or
-    /// descending priority), with the key, its step and the updater's name. It runs after the
-    /// call's locks are released, so it may call the store; a failed push calls it for no key.
-    /// A panic in the hook reaches the caller of the push, which has been applied by then.
-    /// Replaces any hook set before.
-    ///
-    /// ```
-    /// use std::sync::{Arc, Mutex};
-    /// use kvstore::{Adam, Key, KvStore, NDArray, Updater};
-    ///
-    /// let kv = KvStore::create("local")?;
-    /// kv.init_list(&[7, 2], &[NDArray::zeros([3]), NDArray::zeros([3])])?;
-    /// kv.set_updater(Updater::Adam(Adam::default()))?;
-    /// let seen = Arc::new(Mutex::new(Vec::new()));
-    /// let log = seen.clone();
-    /// kv.set_push_hook(move |e| log.lock().unwrap().push((e.key.clone(), e.step, e.updater)));
-    /// let g = NDArray::ones([3]);
-    /// kv.push_list(&[7, 2], &[&g, &g])?;
-    /// kv.push(7, &g)?;
-    /// assert_eq!(
-    ///     *seen.lock().unwrap(),
-    ///     [(Key::Int(2), Some(1), "adam"), (Key::Int(7), Some(1), "adam"), (Key::Int(7), Some(2), "adam")]
-    /// );
-    /// kv.clear_push_hook();
-    /// # Ok::<(), kvstore::Error>(())
-    /// ```
-    pub fn set_push_hook(&self, hook: impl Fn(&PushEvent<'_>) + Send + Sync + 'static) {
-        *write(&self.hook) = Some(Arc::new(hook));
-    }
-
-    /// Removes the push hook, if one is set.
-    pub fn clear_push_hook(&self) {
-        *write(&self.hook) = None;
     }
 
     /// The keys in update order: int keys ascending, string keys in the order they were first
@@ -590,8 +317,8 @@ impl KvStore {
             None if any_gpu_home => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
             None => vec![Device::Cpu(0); keys.len()],
         };
-        let data: Vec<Value> = match host_copies {
-            Some(copies) => copies.into_iter().map(Value::Host).collect(),
+        let data: Vec<HomeValue> = match host_copies {
+            Some(copies) => copies.into_iter().map(HomeValue::from_host).collect(),
             None => values
                 .iter()
                 .zip(&placed)
@@ -623,10 +350,7 @@ impl KvStore {
                 shape: value.shape(),
                 dtype: value.dtype(),
                 home,
-                cell: RwLock::new(Cell {
-                    value: data,
-                    state: None,
-                }),
+                cell: RwLock::new(data),
             };
             table.slots.insert(key, Arc::new(slot));
         }
@@ -689,7 +413,7 @@ impl KvStore {
     /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
     fn pull_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
         check_outs("pull", &groups)?;
-        let cells: Vec<RwLockReadGuard<'_, Cell>> =
+        let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         pull_all(self.ctx(), &groups, &cells)
     }
@@ -796,599 +520,65 @@ impl KvStore {
         self.init_list(keys, values)?;
         self.pull_list(keys, outs)
     }
-
-    /// Looks up every key and pairs it with its arrays and priority (0 when `priorities` is
-    /// `None`), sorted by key order, repeats merged. Locks are taken in this order; work is
-    /// issued in [`issue_order`].
-    fn groups<'a, K: IntoKey + Clone, V: ValueList>(
-        &self,
-        op: &'static str,
-        keys: &[K],
-        lists: &'a [V],
-        what: &'static str,
-        priorities: Option<&[i32]>,
-    ) -> Result<Vec<Group<'a>>> {
-        check_len(op, keys.len(), lists.len(), what)?;
-        if let Some(p) = priorities {
-            check_len(op, keys.len(), p.len(), "priorities")?;
-        }
-        let table = read(&self.table);
-        let mut groups = keys
-            .iter()
-            .zip(lists)
-            .enumerate()
-            .map(|(i, (k, list))| {
-                let key: Key = k.clone().into_key()?;
-                Ok(Group {
-                    slot: table.get(op, &key)?,
-                    arrays: list.arrays().iter().collect(),
-                    priority: priorities.map_or(0, |p| p[i]),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        drop(table);
-        groups.sort_by_key(|g| g.slot.order);
-        groups.dedup_by(|later, kept| {
-            let same = later.slot.order == kept.slot.order;
-            if same {
-                kept.arrays.append(&mut later.arrays);
-                kept.priority = kept.priority.max(later.priority);
-            }
-            same
-        });
-        Ok(groups)
-    }
-}
-
-/// Each group's key, step and value count, in issue order: what the push hook is told, read
-/// while the cells are still locked.
-fn pushed(
-    active: &Active,
-    groups: &[Group<'_>],
-    cells: &[RwLockWriteGuard<'_, Cell>],
-) -> Vec<(Key, Option<u64>, usize)> {
-    issue_order(groups)
-        .into_iter()
-        .map(|i| {
-            let cell = &cells[i];
-            let host = cell
-                .state
-                .as_ref()
-                .filter(|s| s.generation == active.generation)
-                .map(|s| s.step);
-            let step = match &cell.value {
-                Value::Gpu(c) => c.step(active.generation).or(host),
-                Value::Host(_) => host,
-            };
-            (groups[i].slot.key.clone(), step, groups[i].arrays.len())
-        })
-        .collect()
-}
-
-/// Calls the push hook once per key of a push that succeeded.
-fn call_hook(
-    hook: Option<&PushHook>,
-    active: &Active,
-    done: Option<Vec<(Key, Option<u64>, usize)>>,
-) -> Result<()> {
-    if let (Some(hook), Some(done)) = (hook, done) {
-        for (key, step, values) in &done {
-            hook(&PushEvent {
-                key,
-                step: *step,
-                updater: active.updater.name(),
-                values: *values,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Homes for keys of a `device`/`nccl` init: largest value first, each to the GPU with the
-/// fewest bytes so far (MXNet's CommDevice placement). Ties go to the lowest ordinal.
-fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, values: &[NDArray]) -> Vec<Device> {
-    bytes.resize(gpus, 0);
-    let mut order: Vec<usize> = (0..values.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(values[i].nbytes()));
-    let mut homes = vec![Device::Cpu(0); values.len()];
-    for i in order {
-        let g = (0..gpus).min_by_key(|&g| (bytes[g], g)).unwrap_or(0);
-        bytes[g] += values[i].nbytes();
-        homes[i] = Device::Gpu(g);
-    }
-    homes
 }
 
 /// A copy of `value` for a key homed on `home`.
-fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<Value> {
-    let storage = value.read();
-    let with_key = |e: Error| e.with_key(key);
-    match (home, &*storage) {
-        (Device::Cpu(_), s) => Ok(Value::Host(s.host().map_err(with_key)?.into_owned())),
-        (Device::Gpu(i), Storage::Gpu(b)) => {
-            Ok(Value::Gpu(GpuCell::new(b.copy_to(i).map_err(with_key)?)))
-        }
-        (Device::Gpu(i), Storage::Host(h)) => Ok(Value::Gpu(GpuCell::new(
-            GpuBuf::upload(i, h).map_err(with_key)?,
-        ))),
-    }
+fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<HomeValue> {
+    HomeValue::copy_of(value, home).map_err(|e| e.with_key(key))
 }
 
-fn to_keys<K: IntoKey + Clone>(keys: &[K]) -> Result<Vec<Key>> {
-    keys.iter().cloned().map(IntoKey::into_key).collect()
-}
-
-fn check_len(op: &'static str, keys: usize, values: usize, what: &'static str) -> Result<()> {
-    if keys != values {
-        return Err(Error::LengthMismatch {
-            op,
-            keys,
-            values,
-            what,
-        });
-    }
-    Ok(())
-}
-
-/// Pushed values must match the key's shape and dtype exactly.
-fn check_values(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
-    for g in groups {
-        check_arrays(
-            op,
-            &g.slot.key,
-            g.slot.shape,
-            Some(g.slot.dtype),
-            &g.arrays,
-            "value",
-        )?;
-    }
-    Ok(())
-}
-
-/// Outs must match the key's shape; a pull converts to the out's dtype.
-fn check_outs(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
-    for g in groups {
-        check_arrays(op, &g.slot.key, g.slot.shape, None, &g.arrays, "out")?;
-    }
-    Ok(())
-}
-
-fn check_arrays(
-    op: &'static str,
-    key: &Key,
-    shape: Shape,
-    dtype: Option<DType>,
-    arrays: &[&NDArray],
-    what: &'static str,
-) -> Result<()> {
-    if arrays.is_empty() {
-        let what = if what == "value" { "values" } else { "outs" };
-        return Err(Error::Empty {
-            op,
-            key: key.clone(),
-            what,
-        });
-    }
-    for (i, a) in arrays.iter().enumerate() {
-        if a.shape() != shape {
-            return Err(Error::ShapeMismatch {
-                op,
-                key: key.clone(),
-                what: format!("{what} {i}"),
-                expected: Box::new(shape),
-                got: Box::new(a.shape()),
-            });
-        }
-        if let Some(dtype) = dtype.filter(|&d| d != a.dtype()) {
-            return Err(Error::DTypeMismatch {
-                op,
-                key: key.clone(),
-                what: format!("{what} {i}"),
-                expected: dtype,
-                got: a.dtype(),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// The order work is issued in: descending priority, ties in ascending key order. `groups` is
-/// sorted by key order, and a stable sort keeps that order among equal priorities.
-fn issue_order(groups: &[Group<'_>]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..groups.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(groups[i].priority));
-    order
-}
-
-/// Write locks on the groups' cells, taken in ascending key order.
-fn lock_cells<'a>(groups: &'a [Group<'_>]) -> Vec<RwLockWriteGuard<'a, Cell>> {
-    groups.iter().map(|g| write(&g.slot.cell)).collect()
-}
-
-/// Applies a validated push to every group. A custom updater runs on copies first, so a panic
-/// in any key leaves every key unchanged.
-///
-/// Keys homed on a GPU are enqueued on the GPU backend ([`home::push`]), except for the slow
-/// paths, which copy the value to the host and back: custom closures, and `float64` keys (no
-/// PTX kernel).
+/// Applies a validated push to every group, in issue order, through the comm pipeline, and
+/// then records the call's update count.
 fn apply_push(
     active: &Active,
     ctx: Ctx,
     groups: &[Group<'_>],
-    cells: &mut [RwLockWriteGuard<'_, Cell>],
+    cells: &mut [RwLockWriteGuard<'_, HomeValue>],
 ) -> Result<()> {
-    let order = issue_order(groups);
     let hypers = hyper::for_push(active, groups, cells);
-    match &active.updater {
-        Updater::Custom(f) => {
-            let updated = run_closure(f.as_ref(), ctx, &order, groups, cells)?;
-            return store_results(&order, updated, cells);
-        }
-        Updater::Ptx(p) => return push_ptx(p, active, ctx, &order, groups, cells),
-        _ => {}
-    }
-    // Taken out one by one in issue order: GPU jobs keep their cell borrowed until the launch.
-    let mut cells: Vec<Option<&mut RwLockWriteGuard<'_, Cell>>> =
+    let mut taken: Vec<Option<&mut RwLockWriteGuard<'_, HomeValue>>> =
         cells.iter_mut().map(Some).collect();
-    let mut gpu_jobs = Vec::new();
-    for i in order {
-        let g = &groups[i];
-        let cell = cells[i].take().expect("each key is issued once");
-        let Cell { value, state } = &mut **cell;
-        match value {
-            Value::Host(value) => {
-                let reads = ReadSet::lock(&g.arrays)?;
-                with_host!(value, stored: T => push_fused::<T>(active, ctx, hypers.of(i), &reads, &g.arrays, stored, state));
+    let jobs = issue_order(groups)
+        .into_iter()
+        .map(|i| {
+            let g = &groups[i];
+            let value = taken[i].take().expect("each key is issued once");
+            KeyPush {
+                facts: g.slot.facts(),
+                value,
+                values: &g.arrays,
+                hyper: hypers.of(i),
             }
-            Value::Gpu(c) => {
-                if home::has_kernel(c.buf.dtype()) {
-                    gpu_jobs.push(home::PushJob {
-                        key: &g.slot.key,
-                        cell: c,
-                        values: &g.arrays,
-                        hyper: hypers.of(i),
-                    });
-                    continue;
-                }
-                // Slow path: no kernel for this dtype; update a host copy and copy it back.
-                let reads = ReadSet::lock(&g.arrays)?;
-                let mut value = c.buf.download()?;
-                with_host!(&mut value, stored: T => push_fused::<T>(active, ctx, hypers.of(i), &reads, &g.arrays, stored, state));
-                c.buf.upload_into(&value)?;
-            }
-        }
-    }
-    if !gpu_jobs.is_empty() {
-        home::push(&active.updater, active.generation, ctx.use_nccl, gpu_jobs)?;
-    }
+        })
+        .collect();
+    comm::push(&active.updater, active.generation, ctx, jobs)?;
     hypers.commit(active);
     Ok(())
 }
 
-/// Runs closure `f` for the groups `which`, in that order, on copies: nothing changes yet, so
-/// a panic or a bad result in any key leaves every key as it was.
-fn run_closure(
-    f: &UpdateFn,
-    ctx: Ctx,
-    which: &[usize],
-    groups: &[Group<'_>],
-    cells: &[RwLockWriteGuard<'_, Cell>],
-) -> Result<Vec<HostData>> {
-    which
-        .iter()
-        .map(|&i| {
-            let value = match &cells[i].value {
-                Value::Host(h) => std::borrow::Cow::Borrowed(h),
-                Value::Gpu(c) => std::borrow::Cow::Owned(c.buf.download()?),
-            };
-            run_custom(f, ctx, &groups[i].slot, &value, &groups[i].arrays)
-        })
-        .collect()
-}
-
-/// Stores the results of [`run_closure`] for the groups `which`.
-fn store_results(
-    which: &[usize],
-    results: Vec<HostData>,
-    cells: &mut [RwLockWriteGuard<'_, Cell>],
-) -> Result<()> {
-    for (&i, value) in which.iter().zip(results) {
-        match &mut cells[i].value {
-            Value::Host(h) => *h = value,
-            Value::Gpu(c) => c.buf.upload_into(&value)?,
-        }
-    }
-    Ok(())
-}
-
-/// A push with a user PTX updater: its kernel on GPU-homed keys, its CPU twin on keys homed in
-/// host memory. Every key is checked first (the dtype, a twin where one is needed), and the
-/// twin runs on copies, so a bad key fails the call with nothing changed.
-fn push_ptx(
-    p: &PtxUpdater,
-    active: &Active,
-    ctx: Ctx,
-    order: &[usize],
-    groups: &[Group<'_>],
-    cells: &mut [RwLockWriteGuard<'_, Cell>],
-) -> Result<()> {
-    let (on_gpu, on_host): (Vec<usize>, Vec<usize>) = order
-        .iter()
-        .partition(|&&i| matches!(cells[i].value, Value::Gpu(_)));
-    for &i in &on_gpu {
-        let slot = &groups[i].slot;
-        if slot.dtype != p.dtype() {
-            return Err(Error::InvalidUpdater(format!(
-                "the PTX updater '{}' works on {} keys, and key {} is {}: use one PTX updater \
-                 per dtype, or store the key as {}",
-                p.entry(),
-                p.dtype(),
-                slot.key,
-                slot.dtype,
-                p.dtype()
-            )));
-        }
-    }
-    // Every GPU home loads the module before the twin runs: a twin may keep state of its own,
-    // which a push that then fails on a broken module must not have advanced.
-    for &i in &on_gpu {
-        if let Device::Gpu(d) = groups[i].slot.home {
-            gpu_rt::gpu(d)?.user_function(p)?;
-        }
-    }
-    let twin_results = match (p.cpu_twin(), on_host.first()) {
-        (_, None) => Vec::new(),
-        (Some(twin), Some(_)) => run_closure(twin.as_ref(), ctx, &on_host, groups, cells)?,
-        (None, Some(&i)) => {
-            return Err(Error::InvalidUpdater(format!(
-                "key {} is homed in host memory ({}) and the PTX updater '{}' has no CPU twin: \
-                 give one with PtxUpdater::with_cpu_twin, or home the key on a GPU",
-                groups[i].slot.key,
-                groups[i].slot.home,
-                p.entry()
-            )))
-        }
-    };
-    if !on_gpu.is_empty() {
-        let mut taken: Vec<Option<&mut RwLockWriteGuard<'_, Cell>>> =
-            cells.iter_mut().map(Some).collect();
-        let mut jobs = Vec::with_capacity(on_gpu.len());
-        for &i in &on_gpu {
-            let cell = taken[i].take().expect("each key is issued once");
-            let Value::Gpu(c) = &mut cell.value else {
-                unreachable!("partitioned by home just above")
-            };
-            jobs.push(home::PushJob {
-                key: &groups[i].slot.key,
-                cell: c,
-                values: &groups[i].arrays,
-                hyper: Hyper::default(),
-            });
-        }
-        home::push(&active.updater, active.generation, ctx.use_nccl, jobs)?;
-    }
-    store_results(&on_host, twin_results, cells)
-}
-
-/// Pulls every group from its cell: host homes here, GPU homes through [`home::pull`].
-fn pull_all<C: std::ops::Deref<Target = Cell>>(
+/// Pulls every group from its home into its outs, in issue order.
+fn pull_all<C: Deref<Target = HomeValue>>(
     ctx: Ctx,
     groups: &[Group<'_>],
     cells: &[C],
 ) -> Result<()> {
-    let mut gpu_jobs = Vec::new();
-    for i in issue_order(groups) {
-        let g = &groups[i];
-        match &cells[i].value {
-            Value::Host(h) => pull_into(h, &g.arrays, ctx.par_min_bytes)?,
-            Value::Gpu(c) => gpu_jobs.push(home::PullJob {
-                key: &g.slot.key,
-                cell: c,
-                outs: &g.arrays,
-            }),
-        }
-    }
-    if gpu_jobs.is_empty() {
-        return Ok(());
-    }
-    home::pull(ctx.use_nccl, &gpu_jobs)
-}
-
-/// The fused sum and update of one key.
-fn push_fused<T: Element>(
-    active: &Active,
-    ctx: Ctx,
-    hyper: Hyper,
-    reads: &ReadSet<'_>,
-    arrays: &[&NDArray],
-    stored: &mut [T],
-    state: &mut Option<State>,
-) {
-    let names = active.updater.state_names();
-    // State is used only when it is this updater's and has its shape: one accumulator buffer
-    // of the value's length per state name. Anything else (a race, a bad checkpoint) would
-    // hand the kernel a short buffer; it starts afresh instead.
-    let acc = <T::Acc as Element>::DTYPE;
-    let current = matches!(state, Some(s) if s.generation == active.generation
-        && s.bufs.len() == names.len()
-        && s.bufs.iter().all(|b| b.dtype() == acc && b.len() == stored.len()));
-    let state = match state {
-        Some(s) if current => s,
-        _ => state.insert(State {
-            generation: active.generation,
-            step: 0,
-            bufs: names
-                .iter()
-                .map(|_| HostData::filled(<T::Acc as Element>::DTYPE, stored.len(), 0.0))
-                .collect(),
-        }),
-    };
-    state.step += 1;
-    let rule = active
-        .updater
-        .rule_with::<T::Acc>(state.step, hyper)
-        .expect("custom updaters take the other path");
-    let values: Vec<&[T]> = arrays
-        .iter()
-        .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
-        .collect();
-    let mut bufs = state.bufs.iter_mut().map(|b| {
-        <T::Acc as Element>::slice_mut(b).expect("state is kept in the accumulator dtype")
-    });
-    let s0 = bufs.next().unwrap_or_default();
-    let s1 = bufs.next().unwrap_or_default();
-    let job = PushJob {
-        values,
-        stored,
-        state: [s0, s1],
-    };
-    cpu::push(job, &rule, ctx.par_min_bytes);
-}
-
-/// Runs a custom updater on a copy of the stored value; returns the new value.
-fn run_custom(
-    f: &UpdateFn,
-    ctx: Ctx,
-    slot: &Slot,
-    value: &HostData,
-    arrays: &[&NDArray],
-) -> Result<HostData> {
-    let merged = {
-        let reads = ReadSet::lock(arrays)?;
-        with_host!(value, v: T => {
-            let values: Vec<&[T]> = arrays
-                .iter()
-                .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
-                .collect();
-            let mut sum = v.clone();
-            cpu::sum_into(&values, &mut sum, ctx.par_min_bytes);
-            T::wrap(sum)
+    let jobs: Vec<HomePull<'_>> = issue_order(groups)
+        .into_iter()
+        .map(|i| HomePull {
+            key: &groups[i].slot.key,
+            value: &cells[i],
+            outs: &groups[i].arrays,
         })
-    };
-    // The closure sees host arrays: for a GPU home they are host copies on cpu(0).
-    let device = if slot.home.is_gpu() {
-        Device::Cpu(0)
-    } else {
-        slot.home
-    };
-    let merged = NDArray::from_host(merged, slot.shape, device);
-    let mut stored = NDArray::from_host(value.clone(), slot.shape, device);
-    catch_unwind(AssertUnwindSafe(|| f(&slot.key, &merged, &mut stored)))
-        .map_err(|panic| Error::UpdaterPanicked {
-            key: slot.key.clone(),
-            message: panic_message(panic.as_ref()),
-        })?
-        .map_err(|source| Error::UpdaterFailed {
-            key: slot.key.clone(),
-            source,
-        })?;
-    let what = "the updater's result".to_owned();
-    if stored.shape() != slot.shape {
-        return Err(Error::ShapeMismatch {
-            op: "push",
-            key: slot.key.clone(),
-            what,
-            expected: Box::new(slot.shape),
-            got: Box::new(stored.shape()),
-        });
-    }
-    if stored.dtype() != slot.dtype {
-        return Err(Error::DTypeMismatch {
-            op: "push",
-            key: slot.key.clone(),
-            what,
-            expected: slot.dtype,
-            got: stored.dtype(),
-        });
-    }
-    stored.into_host()
+        .collect();
+    comm::pull(ctx, &jobs)
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a non-string panic payload".to_owned()
-    }
-}
-
-/// Copies `src` into every out. Outs that share elements are written once. Outs on a GPU get
-/// a host-to-GPU copy.
-fn pull_into(src: &HostData, outs: &[&NDArray], par_min_bytes: usize) -> Result<()> {
-    let mut outs = outs.to_vec();
-    outs.sort_by_key(|a| a.storage_id());
-    outs.dedup_by_key(|a| a.storage_id());
-    let mut guards: Vec<RwLockWriteGuard<'_, Storage>> = outs.iter().map(|a| a.write()).collect();
-    with_host!(src, s: T => {
-        let mut same: Vec<&mut [T]> = Vec::with_capacity(guards.len());
-        for g in guards.iter_mut() {
-            match &mut **g {
-                Storage::Host(h) => {
-                    if h.dtype() == T::DTYPE {
-                        same.push(T::slice_mut(h).expect("dtype was just checked"));
-                    } else {
-                        convert_into(s.as_slice(), h);
-                    }
-                }
-                Storage::Gpu(b) => b.upload_into(src)?,
-            }
-        }
-        cpu::broadcast(s.as_slice(), same, par_min_bytes);
-    });
-    Ok(())
-}
-
-/// Read locks on a set of arrays, each taken once, in address order. Arrays on a GPU are
-/// copied to the host instead (the host path of a push).
-struct ReadSet<'a> {
-    guards: Vec<(usize, Held<'a>)>,
-}
-
-enum Held<'a> {
-    Lock(RwLockReadGuard<'a, Storage>),
-    Copy(HostData),
-}
-
-impl<'a> ReadSet<'a> {
-    fn lock(arrays: &[&'a NDArray]) -> Result<ReadSet<'a>> {
-        let mut uniq = arrays.to_vec();
-        uniq.sort_by_key(|a| a.storage_id());
-        uniq.dedup_by_key(|a| a.storage_id());
-        let guards = uniq
-            .iter()
-            .map(|a| {
-                let g = a.read();
-                let held = match &*g {
-                    Storage::Host(_) => Held::Lock(g),
-                    Storage::Gpu(b) => Held::Copy(b.download()?),
-                };
-                Ok((a.storage_id(), held))
-            })
-            .collect::<Result<_>>()?;
-        Ok(ReadSet { guards })
-    }
-
-    fn host(&self, a: &NDArray) -> &HostData {
-        let i = self
-            .guards
-            .binary_search_by_key(&a.storage_id(), |(id, _)| *id)
-            .expect("every array was locked");
-        match &self.guards[i].1 {
-            Held::Copy(h) => h,
-            Held::Lock(g) => match &**g {
-                Storage::Host(h) => h,
-                Storage::Gpu(_) => unreachable!("GPU arrays are held as copies"),
-            },
-        }
-    }
-}
-
+/// A read lock that a panic elsewhere does not poison.
 fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
     lock.read().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A write lock that a panic elsewhere does not poison.
 fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(|e| e.into_inner())
 }
@@ -1475,271 +665,6 @@ impl KvStore {
     }
 }
 
-/// A key's value and updater state as host copies: what a checkpoint holds.
-pub(crate) struct Entry {
-    pub key: Key,
-    pub shape: Shape,
-    pub value: HostData,
-    /// The state kept for the updater in force, if the key has any.
-    pub state: Option<EntryState>,
-}
-
-/// A key's updater state: the step count and one buffer per name in `Updater::state_names`.
-pub(crate) struct EntryState {
-    pub step: u64,
-    pub bufs: Vec<HostData>,
-}
-
-/// Checkpoint support: host copies of every value and updater state, out and in.
-impl KvStore {
-    /// The updater in force and its generation, read together.
-    pub(crate) fn active_updater(&self) -> (Updater, u64) {
-        let active = read(&self.active).clone();
-        (active.updater.clone(), active.generation)
-    }
-
-    /// The key kind, the updater in force, and every key in update order with copies of its
-    /// value and its state for that updater, taken as one consistent snapshot (all read locks
-    /// held together).
-    pub(crate) fn export_entries(&self) -> Result<(Option<KeyKind>, Updater, Vec<Entry>)> {
-        let (kind, mut slots) = {
-            let table = read(&self.table);
-            let slots: Vec<Arc<Slot>> = table.slots.values().cloned().collect();
-            (table.key_kind, slots)
-        };
-        slots.sort_by_key(|s| s.order);
-        let active = read(&self.active).clone();
-        let generation = active.generation;
-        let buffers = active.updater.state_names().len();
-        let cells: Vec<RwLockReadGuard<'_, Cell>> = slots.iter().map(|s| read(&s.cell)).collect();
-        let entries = slots
-            .iter()
-            .zip(&cells)
-            .map(|(slot, cell)| {
-                let host_state = || {
-                    cell.state
-                        .as_ref()
-                        .filter(|s| s.generation == generation)
-                        .map(|s| (s.step, s.bufs.clone()))
-                };
-                let (value, state) = match &cell.value {
-                    Value::Host(h) => (h.clone(), host_state()),
-                    Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
-                        (c.buf.download()?, c.state_to_host(generation)?)
-                    }
-                    // Kernel-less dtypes keep their state on the host.
-                    Value::Gpu(c) => (c.buf.download()?, host_state()),
-                };
-                // Only state a push of this updater would use: one buffer per state name.
-                let state = state.filter(|(_, bufs)| bufs.len() == buffers);
-                Ok(Entry {
-                    key: slot.key.clone(),
-                    shape: slot.shape,
-                    value,
-                    state: state.map(|(step, bufs)| EntryState { step, bufs }),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok((kind, active.updater.clone(), entries))
-    }
-
-    /// Puts checked `entries` (distinct keys, in update order, their state already matched to
-    /// the updater of `generation`) into the store, all or nothing, as one step.
-    ///
-    /// Lock order, as every other operation: the cells of the keys the store has are
-    /// write-locked in ascending key order (found with a brief read of the table), and only
-    /// then is the table write-locked. Under both, the new keys are copied to their homes (as
-    /// init does, still invisible), the existing keys get their values and state, and the new
-    /// keys are added, complete, in one step; a failure before that last step adds nothing.
-    /// Nothing ever holds the table lock while it waits for a cell, so this cannot deadlock
-    /// against push, pull, init, save or another load. A key that a concurrent init added
-    /// between the lookup and the table lock is not locked yet, so the whole step starts over
-    /// with nothing changed (each retry finds at least one more key, so this ends).
-    pub(crate) fn import_entries(
-        &self,
-        path: &Path,
-        kind: Option<KeyKind>,
-        mut entries: Vec<Entry>,
-        generation: u64,
-    ) -> Result<()> {
-        let mismatch = |message: String| Problem::mismatch(message).at(path);
-        let check_kind = |store: Option<KeyKind>| match (store, kind) {
-            (Some(store), Some(file)) if store != file => Err(mismatch(format!(
-                "the file holds {file} keys but the store holds {store} keys: load it into a \
-                 store of {file} keys"
-            ))),
-            _ => Ok(()),
-        };
-        loop {
-            let found: Vec<Option<Arc<Slot>>> = {
-                let table = read(&self.table);
-                check_kind(table.key_kind)?;
-                entries
-                    .iter()
-                    .map(|e| table.slots.get(&e.key).cloned())
-                    .collect()
-            };
-            for (e, slot) in entries.iter().zip(&found) {
-                let Some(slot) = slot else { continue };
-                if slot.shape != e.shape || slot.dtype != e.value.dtype() {
-                    return Err(mismatch(format!(
-                        "key {}: the file holds {} {} but the store holds {} {}: load it into \
-                         a store without this key, or with the file's shape and dtype",
-                        e.key,
-                        e.shape,
-                        e.value.dtype(),
-                        slot.shape,
-                        slot.dtype
-                    )));
-                }
-            }
-            // The cells of the keys the store has, in ascending key order; `cell_of[i]` is
-            // entry i's place among them.
-            let mut have: Vec<(usize, &Arc<Slot>)> = found
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| Some((i, s.as_ref()?)))
-                .collect();
-            have.sort_by_key(|(_, s)| s.order);
-            let mut cell_of = vec![None; entries.len()];
-            for (place, &(i, _)) in have.iter().enumerate() {
-                cell_of[i] = Some(place);
-            }
-            let mut cells: Vec<RwLockWriteGuard<'_, Cell>> =
-                have.iter().map(|(_, s)| write(&s.cell)).collect();
-
-            let mut table = write(&self.table);
-            let raced = entries
-                .iter()
-                .zip(&found)
-                .any(|(e, s)| s.is_none() && table.slots.contains_key(&e.key));
-            if raced {
-                continue;
-            }
-            check_kind(table.key_kind)?;
-
-            // New keys: placed and copied to their homes, as init does, but not visible yet.
-            let entries = std::mem::take(&mut entries);
-            let gpus = probe::gpu_count();
-            let on_gpus = self.kind != StoreKind::Local && gpus > 0;
-            let mut new: Vec<Entry> = Vec::new();
-            let mut old: Vec<(usize, Entry)> = Vec::new();
-            for (i, e) in entries.into_iter().enumerate() {
-                match cell_of[i] {
-                    Some(place) => old.push((place, e)),
-                    None => new.push(e),
-                }
-            }
-            let mut gpu_bytes = table.gpu_bytes.clone();
-            let mut made: Vec<Slot> = Vec::with_capacity(new.len());
-            if on_gpus {
-                let arrays: Vec<(NDArray, Option<EntryState>, Key)> = new
-                    .into_iter()
-                    .map(|e| {
-                        let a = NDArray::from_host(e.value, e.shape, Device::Cpu(0));
-                        (a, e.state, e.key)
-                    })
-                    .collect();
-                let values: Vec<NDArray> = arrays.iter().map(|(a, _, _)| a.clone()).collect();
-                let homes = place_by_size(&mut gpu_bytes, gpus, &values);
-                for ((a, state, key), home) in arrays.into_iter().zip(homes) {
-                    let value = copy_home(&a, home, &key)?;
-                    let cell = loaded_cell(value, state, generation)?;
-                    made.push(new_slot(key, a.shape(), a.dtype(), home, cell));
-                }
-            } else {
-                for e in new {
-                    let dtype = e.value.dtype();
-                    let cell = loaded_cell(Value::Host(e.value), e.state, generation)?;
-                    made.push(new_slot(e.key, e.shape, dtype, Device::Cpu(0), cell));
-                }
-            }
-
-            // Keys the store has: changed under their locks, before any new key appears.
-            for (place, e) in old {
-                load_into(&mut cells[place], e.value, e.state, generation)?;
-            }
-
-            // New keys appear, complete, in one step.
-            table.gpu_bytes = gpu_bytes;
-            for mut slot in made {
-                if let Key::Str(_) = slot.key {
-                    table.next_str_order += 1;
-                    slot.order = table.next_str_order;
-                }
-                slot.init_seq = table.next_init_seq;
-                table.next_init_seq += 1;
-                table.key_kind = Some(slot.key.kind());
-                table.slots.insert(slot.key.clone(), Arc::new(slot));
-            }
-            return Ok(());
-        }
-    }
-}
-
-/// The slot of a key a load adds; its update order (string keys) and init order are set when
-/// it is added.
-fn new_slot(key: Key, shape: Shape, dtype: DType, home: Device, cell: Cell) -> Slot {
-    let order = match &key {
-        Key::Int(k) => i64::from(*k),
-        Key::Str(_) => 0,
-    };
-    Slot {
-        key,
-        order,
-        init_seq: 0,
-        shape,
-        dtype,
-        home,
-        cell: RwLock::new(cell),
-    }
-}
-
-/// Host state of updater `generation` from a checkpoint's.
-fn host_state(state: Option<EntryState>, generation: u64) -> Option<State> {
-    state.map(|s| State {
-        generation,
-        step: s.step,
-        bufs: s.bufs,
-    })
-}
-
-/// The cell of a key a load adds: `value` (on its home) and the loaded state.
-fn loaded_cell(value: Value, state: Option<EntryState>, generation: u64) -> Result<Cell> {
-    let mut cell = Cell { value, state: None };
-    match &mut cell.value {
-        Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
-            c.set_state_from_host(generation, state.map(|s| (s.step, s.bufs)))?
-        }
-        _ => cell.state = host_state(state, generation),
-    }
-    Ok(cell)
-}
-
-/// Replaces the value and state of a key the store has with a checkpoint's.
-fn load_into(
-    cell: &mut Cell,
-    value: HostData,
-    state: Option<EntryState>,
-    generation: u64,
-) -> Result<()> {
-    match &mut cell.value {
-        Value::Host(h) => {
-            *h = value;
-            cell.state = host_state(state, generation);
-        }
-        Value::Gpu(c) => {
-            c.buf.upload_into(&value)?;
-            if home::has_kernel(c.buf.dtype()) {
-                c.set_state_from_host(generation, state.map(|s| (s.step, s.bufs)))?;
-            } else {
-                cell.state = host_state(state, generation);
-            }
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1805,11 +730,8 @@ mod tests {
                     .unwrap();
             }
             let slot = read(&kv.table).get("test", &Key::Int(0)).unwrap();
-            write(&slot.cell).state = Some(State {
-                generation: read(&kv.active).generation,
-                step: 7,
-                bufs,
-            });
+            let generation = read(&kv.active).generation;
+            write(&slot.cell).set_host_state(generation, 7, bufs);
             for s in [&kv, &reference] {
                 s.push(0, &grad).unwrap();
             }
