@@ -20,7 +20,7 @@ pub struct PushEvent<'a> {
     /// Adam's bias correction and the `step` a PTX updater gets. `None` for a closure updater
     /// (and a PTX updater's CPU twin), which keeps no step.
     pub step: Option<u64>,
-    /// The updater's [`name`](Updater::name): `assign`, `sgd`, `adam`, ...
+    /// The updater's [`name`](crate::Updater::name): `assign`, `sgd`, `adam`, ...
     pub updater: &'static str,
     /// How many arrays were summed for the key (over repeats of it in the call).
     pub values: usize,

@@ -63,10 +63,10 @@ impl std::str::FromStr for StoreKind {
     }
 }
 
-/// What [`KvStore::create`] accepts: a kind name (`"local"`, `"nccl"`, an MXNet alias, in any
+/// What [`KvStore::create`](crate::KvStore::create) accepts: a kind name (`"local"`, `"nccl"`, an MXNet alias, in any
 /// case) or a [`StoreKind`].
 pub trait IntoStoreKind {
-    /// The kind, and the name the store reports as its [`KvStore::type_name`]; an
+    /// The kind, and the name the store reports as its [`KvStore::type_name`](crate::KvStore::type_name); an
     /// [`Error::UnknownKind`] for a name that is no kind.
     fn into_store_kind(self) -> Result<(StoreKind, String)>;
 }

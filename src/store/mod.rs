@@ -1,9 +1,17 @@
-//! [`KvStore`]: the key table, validation, per-key locks and the order updaters run in.
+//! Store: [`KvStore`] and its rules. Kind names ([`kind`]), the key table and where new keys
+//! are homed ([`table`]), validation ([`validate`]), lookup with repeats merged, lock order and
+//! issue order ([`groups`]), per-key locks, the updater in force and its hyperparameters
+//! ([`hyper`]), the push hook ([`hook`]) and checkpoint export and import ([`entries`]).
 //!
 //! Every operation validates all of its arguments before it changes anything, so an error
 //! leaves the store exactly as it was. Each key has its own lock: operations on different keys
 //! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
 //! in ascending key order, which makes it atomic and free of deadlocks.
+//!
+//! A push reads as one path: validate, lock, then `comm::push` (sum within this process onto
+//! the key's home, then the updater on the home). A pull: validate, lock, then `comm::pull`.
+//! The store imports `comm` and the one boundary type of `backend`, [`HomeValue`], and the
+//! GPU probe for placement; it knows no CUDA, no NCCL and no transport.
 
 mod entries;
 mod groups;
