@@ -1,6 +1,6 @@
 //! Checks the hand-written PTX in `kernels/` before anything can launch it.
 //!
-//! 1. Every entry `src/backend/kernels.rs` launches, `fused_<rule>_<dtype>`, must exist in
+//! 1. Every entry `src/backend/cuda/kernels.rs` launches, `fused_<rule>_<dtype>`, must exist in
 //!    `kernels/fused_<dtype>.ptx` with exactly the ABI's parameter list ([`RULE_PARAMS`]).
 //! 2. Every `kernels/*.ptx` is assembled with `ptxas` (env `PTXAS`, else `ptxas` on `PATH`) for
 //!    each of sm_70, sm_80 and sm_90 that its `.target` allows; the cubins go to `OUT_DIR` and are

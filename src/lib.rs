@@ -75,8 +75,10 @@ pub fn gpu_count() -> usize {
 /// at the crate root instead.
 #[doc(hidden)]
 pub mod __internal {
-    pub use crate::backend::{cpu, kernels, nccl, probe};
+    pub use crate::backend::cuda::kernels;
+    pub use crate::backend::{cpu, probe};
     /// The MPI transport of `dist_*` stores.
     #[cfg(feature = "mpi")]
     pub use crate::comm::mpi;
+    pub use crate::comm::nccl;
 }

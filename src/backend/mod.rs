@@ -1,14 +1,254 @@
-//! Backends: where values live and how loops over them run.
+//! Backend: memory and kernels. Where a key's value lives, and the loops and launches that sum,
+//! update and copy it there.
 //!
 //! - [`cpu`]: fused loops over host memory; the fallback for every store kind.
-//! - [`cuda`]: the GPU runtime (one stream per GPU, PTX modules, fused launches) and the
-//!   push and pull paths of GPU homes.
-//! - [`kernels`]: the PTX kernels and their launch ABI.
-//! - [`nccl`]: NCCL communicators, collectives, async-error polling and abort.
+//! - [`cuda`]: the GPU runtime (one stream per GPU, PTX modules, fused launches) and the push
+//!   and pull of keys homed on a GPU.
 //! - [`probe`]: which GPUs this process can use, found without ever panicking.
+//!
+//! [`HomeValue`] is the one boundary between the store and where data lives: a key's value and
+//! updater state, in host memory or on a GPU. Its methods, [`push`] and [`pull`] are the only
+//! place that matches on where a value lives. This layer imports nothing from `store` or
+//! `comm`.
 
 pub mod cpu;
 pub mod cuda;
-pub mod kernels;
-pub mod nccl;
 pub mod probe;
+
+use std::borrow::Cow;
+
+use cpu::push::{push_fused, ReadSet};
+use cpu::state::State;
+use cuda::home::{self, GpuCell};
+
+use crate::host::{with_host, HostData};
+use crate::ndarray::Storage;
+use crate::updater::Hyper;
+use crate::{DType, Device, Key, NDArray, PtxUpdater, Result, Shape, Updater};
+
+/// A key's fixed facts, as the backends need them.
+pub(crate) struct KeyFacts<'a> {
+    pub key: &'a Key,
+    pub shape: Shape,
+    pub dtype: DType,
+    pub home: Device,
+}
+
+/// A key's stored value and updater state, on the key's home.
+pub(crate) struct HomeValue {
+    place: Place,
+    /// Host updater state (host homes, and the host round trip of f64 keys on a GPU).
+    state: Option<State>,
+}
+
+/// Where a key's value lives: host memory, or its home GPU (with the GPU updater state).
+enum Place {
+    Host(HostData),
+    Gpu(GpuCell),
+}
+
+/// A checkpoint's form of updater state: the step count and one host buffer per state name.
+pub(crate) type HostState = (u64, Vec<HostData>);
+
+impl HomeValue {
+    /// A value in host memory, with no updater state yet.
+    pub fn from_host(value: HostData) -> HomeValue {
+        HomeValue {
+            place: Place::Host(value),
+            state: None,
+        }
+    }
+
+    /// A copy of `value` for a key homed on `home`, with no updater state yet.
+    pub fn copy_of(value: &NDArray, home: Device) -> Result<HomeValue> {
+        let storage = value.read();
+        let place = match (home, &*storage) {
+            (Device::Cpu(_), s) => Place::Host(s.host()?.into_owned()),
+            (Device::Gpu(i), Storage::Gpu(b)) => Place::Gpu(GpuCell::new(b.copy_to(i)?)),
+            (Device::Gpu(i), Storage::Host(h)) => {
+                Place::Gpu(GpuCell::new(cuda::GpuBuf::upload(i, h)?))
+            }
+        };
+        Ok(HomeValue { place, state: None })
+    }
+
+    /// Whether the value lives on a GPU.
+    pub fn is_gpu(&self) -> bool {
+        matches!(self.place, Place::Gpu(_))
+    }
+
+    /// The key's step under updater `generation`: `None` when it has no state for it.
+    pub fn step(&self, generation: u64) -> Option<u64> {
+        let host = self.state.as_ref().and_then(|s| s.step_of(generation));
+        match &self.place {
+            Place::Gpu(c) => c.step(generation).or(host),
+            Place::Host(_) => host,
+        }
+    }
+
+    /// Host copies of the value and of its state for updater `generation` (for checkpoints).
+    pub fn to_host(&self, generation: u64) -> Result<(HostData, Option<HostState>)> {
+        let host_state = || {
+            self.state
+                .as_ref()
+                .filter(|s| s.generation == generation)
+                .map(|s| (s.step, s.bufs.clone()))
+        };
+        Ok(match &self.place {
+            Place::Host(h) => (h.clone(), host_state()),
+            Place::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
+                (c.buf.download()?, c.state_to_host(generation)?)
+            }
+            // Kernel-less dtypes keep their state on the host.
+            Place::Gpu(c) => (c.buf.download()?, host_state()),
+        })
+    }
+
+    /// Replaces the updater state with a checkpoint's, as state of updater `generation`.
+    pub fn set_state(&mut self, generation: u64, state: Option<HostState>) -> Result<()> {
+        let host_state = |state: Option<HostState>| {
+            state.map(|(step, bufs)| State {
+                generation,
+                step,
+                bufs,
+            })
+        };
+        match &mut self.place {
+            Place::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
+                c.set_state_from_host(generation, state)?
+            }
+            _ => self.state = host_state(state),
+        }
+        Ok(())
+    }
+
+    /// Replaces the value and the updater state with a checkpoint's.
+    pub fn load(
+        &mut self,
+        value: HostData,
+        generation: u64,
+        state: Option<HostState>,
+    ) -> Result<()> {
+        match &mut self.place {
+            Place::Host(h) => *h = value,
+            Place::Gpu(c) => c.buf.upload_into(&value)?,
+        }
+        self.set_state(generation, state)
+    }
+
+    /// The value in host memory: borrowed from a host home, copied from a GPU.
+    pub fn value_to_host(&self) -> Result<Cow<'_, HostData>> {
+        Ok(match &self.place {
+            Place::Host(h) => Cow::Borrowed(h),
+            Place::Gpu(c) => Cow::Owned(c.buf.download()?),
+        })
+    }
+
+    /// Replaces the value (a closure updater's result), keeping the updater state.
+    pub fn replace_value(&mut self, value: HostData) -> Result<()> {
+        match &mut self.place {
+            Place::Host(h) => *h = value,
+            Place::Gpu(c) => c.buf.upload_into(&value)?,
+        }
+        Ok(())
+    }
+
+    /// Sets the host updater state as it is, unchecked (tests of state of the wrong shape).
+    #[cfg(test)]
+    pub(crate) fn set_host_state(&mut self, generation: u64, step: u64, bufs: Vec<HostData>) {
+        self.state = Some(State {
+            generation,
+            step,
+            bufs,
+        });
+    }
+}
+
+/// Loads a user PTX updater on `home` (when it is a GPU), so a broken module fails a push
+/// before anything changes.
+pub(crate) fn load_user_kernel(p: &PtxUpdater, home: Device) -> Result<()> {
+    if let Device::Gpu(d) = home {
+        cuda::gpu(d)?.user_function(p)?;
+    }
+    Ok(())
+}
+
+/// One key of a push with a built-in or PTX updater, on its home.
+pub(crate) struct HomePush<'a> {
+    pub key: &'a Key,
+    pub value: &'a mut HomeValue,
+    pub values: &'a [&'a NDArray],
+    /// The learning rate and weight decay of this key in this push (built-in rules).
+    pub hyper: Hyper,
+}
+
+/// Applies a validated push with a built-in or PTX updater (PTX: GPU homes only) to `jobs`, in
+/// their order: host homes at once, with the fused CPU loop; GPU homes enqueued together on
+/// the CUDA backend ([`home::push`]), except the slow path of dtypes without a kernel
+/// (`float64`), which updates a host copy and copies it back. `use_nccl`: cross-GPU sums go
+/// through NCCL.
+pub(crate) fn push(
+    updater: &Updater,
+    generation: u64,
+    use_nccl: bool,
+    par_min_bytes: usize,
+    jobs: Vec<HomePush<'_>>,
+) -> Result<()> {
+    let mut gpu_jobs = Vec::new();
+    for job in jobs {
+        let HomeValue { place, state } = job.value;
+        match place {
+            Place::Host(value) => {
+                let reads = ReadSet::lock(job.values)?;
+                with_host!(value, stored: T => push_fused::<T>(updater, generation, par_min_bytes, job.hyper, &reads, job.values, stored, state));
+            }
+            Place::Gpu(c) => {
+                if home::has_kernel(c.buf.dtype()) {
+                    gpu_jobs.push(home::PushJob {
+                        key: job.key,
+                        cell: c,
+                        values: job.values,
+                        hyper: job.hyper,
+                    });
+                    continue;
+                }
+                // Slow path: no kernel for this dtype; update a host copy and copy it back.
+                let reads = ReadSet::lock(job.values)?;
+                let mut value = c.buf.download()?;
+                with_host!(&mut value, stored: T => push_fused::<T>(updater, generation, par_min_bytes, job.hyper, &reads, job.values, stored, state));
+                c.buf.upload_into(&value)?;
+            }
+        }
+    }
+    if !gpu_jobs.is_empty() {
+        home::push(updater, generation, use_nccl, gpu_jobs)?;
+    }
+    Ok(())
+}
+
+/// One key of a pull from its home.
+pub(crate) struct HomePull<'a> {
+    pub key: &'a Key,
+    pub value: &'a HomeValue,
+    pub outs: &'a [&'a NDArray],
+}
+
+/// Copies every job's value into its outs, in their order: host homes at once, GPU homes
+/// enqueued together on the CUDA backend ([`home::pull`]).
+pub(crate) fn pull(use_nccl: bool, par_min_bytes: usize, jobs: &[HomePull<'_>]) -> Result<()> {
+    let mut gpu_jobs = Vec::new();
+    for job in jobs {
+        match &job.value.place {
+            Place::Host(h) => cpu::pull::pull_into(h, job.outs, par_min_bytes)?,
+            Place::Gpu(c) => gpu_jobs.push(home::PullJob {
+                key: job.key,
+                cell: c,
+                outs: job.outs,
+            }),
+        }
+    }
+    if gpu_jobs.is_empty() {
+        return Ok(());
+    }
+    home::pull(use_nccl, &gpu_jobs)
+}

@@ -1,5 +1,166 @@
-//! Moving sums and copies between places. For now only the across-process part: MPI for CPU
-//! ranks, behind the `mpi` cargo feature.
+//! Comm: moving sums and copies between places, and the push and pull pipelines as data
+//! movement.
+//!
+//! A push: the values are summed within this process onto the key's home (host loops, or
+//! NCCL or peer copies between this process's GPUs), then the updater runs on the home; the
+//! backends fuse that sum with the update where they can. A pull: the home's value is
+//! broadcast to every out. Across processes (MPI, NCCL over ranks) has its place here too.
+//!
+//! - [`nccl`]: NCCL between this process's GPUs: communicators per device set, grouped reduce
+//!   and broadcast, async-error polling with a timeout, and abort.
+//! - `mpi` (cargo feature `mpi`): across processes for CPU ranks: bootstrap, fingerprinted
+//!   non-blocking collectives with bounded waits, poisoning and the exit hook.
+//!
+//! It imports `backend` (memory, streams, kernels) and nothing from `store`.
 
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod nccl;
+
+use crate::backend::cpu::push::push_closure;
+use crate::backend::{self, HomePull, HomePush, HomeValue, KeyFacts};
+use crate::host::HostData;
+use crate::updater::{Hyper, UpdateFn};
+use crate::{Error, NDArray, PtxUpdater, Result, Updater};
+
+/// How a store's calls run: over NCCL or not, and from what size host loops split over threads.
+#[derive(Clone, Copy)]
+pub(crate) struct Ctx {
+    pub use_nccl: bool,
+    pub par_min_bytes: usize,
+}
+
+/// One key of a push: its facts, its value on the home (locked by the store), the values to
+/// sum into it, and its hyperparameters in this push.
+pub(crate) struct KeyPush<'a> {
+    pub facts: KeyFacts<'a>,
+    pub value: &'a mut HomeValue,
+    pub values: &'a [&'a NDArray],
+    pub hyper: Hyper,
+}
+
+impl<'a> KeyPush<'a> {
+    fn home_push(self) -> HomePush<'a> {
+        HomePush {
+            key: self.facts.key,
+            value: self.value,
+            values: self.values,
+            hyper: self.hyper,
+        }
+    }
+}
+
+/// Applies a validated push to every key, in the order given (the issue order). A closure
+/// updater runs on copies first, so a panic in any key leaves every key unchanged.
+pub(crate) fn push(
+    updater: &Updater,
+    generation: u64,
+    ctx: Ctx,
+    jobs: Vec<KeyPush<'_>>,
+) -> Result<()> {
+    match updater {
+        Updater::Custom(f) => {
+            let updated = run_closure(f.as_ref(), ctx, &jobs)?;
+            store_results(jobs, updated)
+        }
+        Updater::Ptx(p) => push_ptx(p, updater, generation, ctx, jobs),
+        _ => backend::push(
+            updater,
+            generation,
+            ctx.use_nccl,
+            ctx.par_min_bytes,
+            jobs.into_iter().map(KeyPush::home_push).collect(),
+        ),
+    }
+}
+
+/// Runs closure `f` for every job, in order, on copies: nothing changes yet, so a panic or a
+/// bad result in any key leaves every key as it was.
+fn run_closure(f: &UpdateFn, ctx: Ctx, jobs: &[KeyPush<'_>]) -> Result<Vec<HostData>> {
+    jobs.iter()
+        .map(|j| {
+            let value = j.value.value_to_host()?;
+            push_closure(f, ctx.par_min_bytes, &j.facts, &value, j.values)
+        })
+        .collect()
+}
+
+/// Stores the results of [`run_closure`].
+fn store_results(jobs: Vec<KeyPush<'_>>, results: Vec<HostData>) -> Result<()> {
+    for (job, value) in jobs.into_iter().zip(results) {
+        job.value.replace_value(value)?;
+    }
+    Ok(())
+}
+
+/// A push with a user PTX updater: its kernel on GPU-homed keys, its CPU twin on keys homed in
+/// host memory. Every key is checked first (the dtype, a twin where one is needed), and the
+/// twin runs on copies, so a bad key fails the call with nothing changed.
+fn push_ptx(
+    p: &PtxUpdater,
+    updater: &Updater,
+    generation: u64,
+    ctx: Ctx,
+    jobs: Vec<KeyPush<'_>>,
+) -> Result<()> {
+    let (on_gpu, on_host): (Vec<KeyPush<'_>>, Vec<KeyPush<'_>>) =
+        jobs.into_iter().partition(|j| j.value.is_gpu());
+    for j in &on_gpu {
+        let f = &j.facts;
+        if f.dtype != p.dtype() {
+            return Err(Error::InvalidUpdater(format!(
+                "the PTX updater '{}' works on {} keys, and key {} is {}: use one PTX updater \
+                 per dtype, or store the key as {}",
+                p.entry(),
+                p.dtype(),
+                f.key,
+                f.dtype,
+                p.dtype()
+            )));
+        }
+    }
+    // Every GPU home loads the module before the twin runs: a twin may keep state of its own,
+    // which a push that then fails on a broken module must not have advanced.
+    for j in &on_gpu {
+        backend::load_user_kernel(p, j.facts.home)?;
+    }
+    let twin_results = match (p.cpu_twin(), on_host.first()) {
+        (_, None) => Vec::new(),
+        (Some(twin), Some(_)) => run_closure(twin.as_ref(), ctx, &on_host)?,
+        (None, Some(j)) => {
+            return Err(Error::InvalidUpdater(format!(
+                "key {} is homed in host memory ({}) and the PTX updater '{}' has no CPU twin: \
+                 give one with PtxUpdater::with_cpu_twin, or home the key on a GPU",
+                j.facts.key,
+                j.facts.home,
+                p.entry()
+            )))
+        }
+    };
+    if !on_gpu.is_empty() {
+        let jobs = on_gpu
+            .into_iter()
+            .map(|j| HomePush {
+                hyper: Hyper::default(),
+                ..j.home_push()
+            })
+            .collect();
+        backend::push(updater, generation, ctx.use_nccl, ctx.par_min_bytes, jobs)?;
+    }
+    store_results(on_host, twin_results)
+}
+
+/// Waits for every operation in flight on this process's GPUs, polling NCCL work for errors
+/// with its timeout. `Ok` at once without a GPU.
+pub(crate) fn wait_all() -> Result<()> {
+    if backend::probe::gpu_count() == 0 {
+        return Ok(());
+    }
+    nccl::wait_all()?;
+    backend::cuda::synchronize_all()
+}
+
+/// Copies every key's value from its home into its outs, in the order given.
+pub(crate) fn pull(ctx: Ctx, jobs: &[HomePull<'_>]) -> Result<()> {
+    backend::pull(ctx.use_nccl, ctx.par_min_bytes, jobs)
+}

@@ -14,8 +14,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLockWriteGuard};
 
-use super::{read, write, Active, Cell, Group, KvStore, Value};
-use crate::backend::cuda::home;
+use super::groups::Group;
+use super::{read, write, Active, KvStore};
+use crate::backend::HomeValue;
 use crate::updater::Hyper;
 use crate::{Error, Key, LrScheduler, Result, Updater};
 
@@ -96,7 +97,7 @@ impl PushHypers {
 pub(super) fn for_push(
     active: &Active,
     groups: &[Group<'_>],
-    cells: &[RwLockWriteGuard<'_, Cell>],
+    cells: &[RwLockWriteGuard<'_, HomeValue>],
 ) -> PushHypers {
     let updater = &active.updater;
     if !updater.has_lr() {
@@ -106,18 +107,7 @@ pub(super) fn for_push(
         };
     }
     let generation = active.generation;
-    let steps = cells.iter().map(|cell| {
-        let host = || {
-            cell.state
-                .as_ref()
-                .filter(|s| s.generation == generation)
-                .map_or(0, |s| s.step)
-        };
-        match &cell.value {
-            Value::Gpu(c) if home::has_kernel(c.buf.dtype()) => c.step(generation).unwrap_or(0),
-            _ => host(),
-        }
-    });
+    let steps = cells.iter().map(|cell| cell.step(generation).unwrap_or(0));
     let most = steps.max().unwrap_or(0) + 1;
     let num_update = most.max(active.hyper.num_update.load(Ordering::Relaxed));
     let lr = active.hyper.lr_at(updater, num_update);

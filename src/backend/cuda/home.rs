@@ -24,12 +24,12 @@ use std::sync::RwLockReadGuard;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::kernels::{self, RuleKind};
 use super::{
     cross_gpu_order, cuda_err, gpu, launch_fused, launch_user, stream_wait, GpuBuf, Record,
     UserLaunch,
 };
-use crate::backend::kernels::{self, RuleKind};
-use crate::backend::nccl;
+use crate::comm::nccl;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::Hyper;
@@ -72,7 +72,7 @@ impl GpuCell {
             return Ok(None);
         };
         let stream = self.buf.stream();
-        nccl::wait_stream(gpu(self.buf.ordinal())?)?;
+        super::host_wait(gpu(self.buf.ordinal())?)?;
         let bufs = state
             .bufs
             .iter()

@@ -9,8 +9,6 @@
 //! Nothing here is touched unless [`probe::gpu_count`] says a GPU exists, so cudarc never gets
 //! the chance to panic on a missing libcuda.
 
-pub(crate) mod home;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -21,8 +19,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
 
-use crate::backend::kernels::{self, RuleKind};
-use crate::backend::{nccl, probe};
+use super::kernels::{self, RuleKind};
+use crate::backend::probe;
 use crate::host::HostData;
 use crate::ptx_updater::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
 use crate::{DType, Device, Error, Key, PtxUpdater, Result};
@@ -239,14 +237,34 @@ pub fn gpu(i: usize) -> Result<&'static Gpu> {
 }
 
 /// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work
-/// with its timeout (see `nccl::wait_stream`). A no-op without GPUs.
+/// with its timeout (see [`host_wait`]). A no-op without GPUs.
 pub fn synchronize_all() -> Result<()> {
     for slot in GPUS.get().into_iter().flatten() {
         if let Some(Ok(g)) = slot.get() {
-            nccl::wait_stream(g)?;
+            host_wait(g)?;
         }
     }
     Ok(())
+}
+
+/// The wait the comm layer puts in front of every host read once it has NCCL communicators
+/// (`comm::nccl::wait_stream`, which polls collectives in flight for errors and timeouts).
+static HOST_WAIT: OnceLock<fn(&Gpu) -> Result<()>> = OnceLock::new();
+
+/// Sets the wait every host read of a GPU's stream goes through (see [`host_wait`]). The comm
+/// layer sets it before it issues its first collective; it is set once.
+pub(crate) fn set_host_wait(wait: fn(&Gpu) -> Result<()>) {
+    let _ = HOST_WAIT.set(wait);
+}
+
+/// Waits on the host for the work enqueued so far on `gpu`'s stream: through the comm layer's
+/// wait once it has set one (so a stalled collective is aborted rather than waited on forever),
+/// else [`Gpu::synchronize`].
+pub(crate) fn host_wait(gpu: &Gpu) -> Result<()> {
+    match HOST_WAIT.get() {
+        Some(wait) => wait(gpu),
+        None => gpu.synchronize(),
+    }
 }
 
 /// Maps a driver error during `op` (on `key`) to [`Error::Cuda`], or [`Error::OutOfMemory`]
@@ -460,9 +478,9 @@ impl GpuBuf {
     }
 
     /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
-    /// work in flight with its timeout (see `nccl::wait_stream`).
+    /// work in flight with its timeout (see [`host_wait`]).
     pub fn download(&self) -> Result<HostData> {
-        nccl::wait_stream(gpu(self.ordinal())?)?;
+        host_wait(gpu(self.ordinal())?)?;
         let e = || cuda_err("copy to host", None);
         let data = match self {
             GpuBuf::F32(s) => HostData::F32(clone_dtoh(s.stream(), s).map_err(e())?),
@@ -471,7 +489,7 @@ impl GpuBuf {
             GpuBuf::BF16(s) => HostData::BF16(clone_dtoh(s.stream(), s).map_err(e())?),
         };
         // A copy to pageable memory returns once it is done (CUDA's rule), and
-        // `nccl::wait_stream` above already surfaced any earlier error.
+        // `host_wait` above already surfaced any earlier error.
         Ok(data)
     }
 

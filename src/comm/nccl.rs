@@ -243,7 +243,11 @@ unsafe impl Send for Comms {}
 fn comms() -> MutexGuard<'static, Comms> {
     static COMMS: OnceLock<Mutex<Comms>> = OnceLock::new();
     COMMS
-        .get_or_init(Default::default)
+        .get_or_init(|| {
+            // From now on every host read of a GPU polls this module's collectives.
+            cuda::set_host_wait(wait_stream);
+            Mutex::new(Comms::default())
+        })
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }

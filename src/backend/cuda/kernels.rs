@@ -40,9 +40,12 @@ use crate::DType;
 
 /// The PTX modules, as `(file stem, PTX text)`: load each once per GPU.
 pub const PTX_SOURCES: &[(&str, &str)] = &[
-    ("fused_f32", include_str!("../../kernels/fused_f32.ptx")),
-    ("fused_f16", include_str!("../../kernels/fused_f16.ptx")),
-    ("fused_bf16", include_str!("../../kernels/fused_bf16.ptx")),
+    ("fused_f32", include_str!("../../../kernels/fused_f32.ptx")),
+    ("fused_f16", include_str!("../../../kernels/fused_f16.ptx")),
+    (
+        "fused_bf16",
+        include_str!("../../../kernels/fused_bf16.ptx"),
+    ),
 ];
 
 /// Elements each block handles (the `chunk` parameter).

@@ -28,6 +28,9 @@ use crate::updater::{clip, Rule};
 
 #[cfg(target_arch = "x86_64")]
 mod half16;
+pub(crate) mod pull;
+pub(crate) mod push;
+pub(crate) mod state;
 
 /// Elements per block: small enough that a block of sums stays in L1.
 const BLOCK: usize = 1024;

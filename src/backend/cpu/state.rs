@@ -1,0 +1,22 @@
+//! Updater state kept in host memory: for keys homed there, and for keys on a GPU whose dtype
+//! has no kernel (`float64`), which are updated on a host copy. The mirror of `cuda::home`'s
+//! GPU state.
+
+use crate::host::HostData;
+
+/// Updater state of one key.
+pub(crate) struct State {
+    /// Which `set_updater` call it belongs to; another updater starts afresh.
+    pub generation: u64,
+    /// Pushes applied so far (Adam's `t`).
+    pub step: u64,
+    /// One buffer per name in `Updater::state_names`, in the accumulator dtype.
+    pub bufs: Vec<HostData>,
+}
+
+impl State {
+    /// The step count of updater `generation`, if this state is its.
+    pub fn step_of(&self, generation: u64) -> Option<u64> {
+        (self.generation == generation).then_some(self.step)
+    }
+}

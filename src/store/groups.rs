@@ -1,0 +1,114 @@
+//! What one call works on: its keys looked up, each with its arrays (repeats of a key merged)
+//! and priority, in ascending key order; the order locks are taken in, and the order work is
+//! issued in.
+
+use std::sync::{Arc, RwLockWriteGuard};
+
+use super::table::Slot;
+use super::validate::check_len;
+use super::{read, write, KvStore};
+use crate::backend::HomeValue;
+use crate::{IntoKey, Key, NDArray, Result};
+
+/// One or more arrays: what a push takes as values and a pull as outs, for one key.
+///
+/// Implemented for a single [`NDArray`], slices, vectors and arrays of them.
+pub trait ValueList {
+    /// The arrays.
+    fn arrays(&self) -> &[NDArray];
+}
+
+impl ValueList for NDArray {
+    fn arrays(&self) -> &[NDArray] {
+        std::slice::from_ref(self)
+    }
+}
+
+impl ValueList for [NDArray] {
+    fn arrays(&self) -> &[NDArray] {
+        self
+    }
+}
+
+impl ValueList for Vec<NDArray> {
+    fn arrays(&self) -> &[NDArray] {
+        self
+    }
+}
+
+impl<const N: usize> ValueList for [NDArray; N] {
+    fn arrays(&self) -> &[NDArray] {
+        self
+    }
+}
+
+impl<T: ValueList + ?Sized> ValueList for &T {
+    fn arrays(&self) -> &[NDArray] {
+        (**self).arrays()
+    }
+}
+
+/// A key and the arrays an operation gives it, merged over repeats of the key.
+pub(super) struct Group<'a> {
+    pub slot: Arc<Slot>,
+    pub arrays: Vec<&'a NDArray>,
+    /// Work for higher priorities is issued first (the highest, over repeats of the key).
+    pub priority: i32,
+}
+
+impl KvStore {
+    /// Looks up every key and pairs it with its arrays and priority (0 when `priorities` is
+    /// `None`), sorted by key order, repeats merged. Locks are taken in this order; work is
+    /// issued in [`issue_order`].
+    pub(super) fn groups<'a, K: IntoKey + Clone, V: ValueList>(
+        &self,
+        op: &'static str,
+        keys: &[K],
+        lists: &'a [V],
+        what: &'static str,
+        priorities: Option<&[i32]>,
+    ) -> Result<Vec<Group<'a>>> {
+        check_len(op, keys.len(), lists.len(), what)?;
+        if let Some(p) = priorities {
+            check_len(op, keys.len(), p.len(), "priorities")?;
+        }
+        let table = read(&self.table);
+        let mut groups = keys
+            .iter()
+            .zip(lists)
+            .enumerate()
+            .map(|(i, (k, list))| {
+                let key: Key = k.clone().into_key()?;
+                Ok(Group {
+                    slot: table.get(op, &key)?,
+                    arrays: list.arrays().iter().collect(),
+                    priority: priorities.map_or(0, |p| p[i]),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        drop(table);
+        groups.sort_by_key(|g| g.slot.order);
+        groups.dedup_by(|later, kept| {
+            let same = later.slot.order == kept.slot.order;
+            if same {
+                kept.arrays.append(&mut later.arrays);
+                kept.priority = kept.priority.max(later.priority);
+            }
+            same
+        });
+        Ok(groups)
+    }
+}
+
+/// The order work is issued in: descending priority, ties in ascending key order. `groups` is
+/// sorted by key order, and a stable sort keeps that order among equal priorities.
+pub(super) fn issue_order(groups: &[Group<'_>]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(groups[i].priority));
+    order
+}
+
+/// Write locks on the groups' cells, taken in ascending key order.
+pub(super) fn lock_cells<'a>(groups: &'a [Group<'_>]) -> Vec<RwLockWriteGuard<'a, HomeValue>> {
+    groups.iter().map(|g| write(&g.slot.cell)).collect()
+}

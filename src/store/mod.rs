@@ -1,0 +1,777 @@
+//! Store: [`KvStore`] and its rules. Kind names ([`kind`]), the key table and where new keys
+//! are homed ([`table`]), validation ([`validate`]), lookup with repeats merged, lock order and
+//! issue order ([`groups`]), per-key locks, the updater in force and its hyperparameters
+//! ([`hyper`]), the push hook ([`hook`]) and checkpoint export and import ([`entries`]).
+//!
+//! Every operation validates all of its arguments before it changes anything, so an error
+//! leaves the store exactly as it was. Each key has its own lock: operations on different keys
+//! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
+//! in ascending key order, which makes it atomic and free of deadlocks.
+//!
+//! A push reads as one path: validate, lock, then `comm::push` (sum within this process onto
+//! the key's home, then the updater on the home). A pull: validate, lock, then `comm::pull`.
+//! The store imports `comm` and the one boundary type of `backend`, [`HomeValue`], and the
+//! GPU probe for placement; it knows no CUDA, no NCCL and no transport.
+
+mod entries;
+mod groups;
+mod hook;
+mod kind;
+mod table;
+mod validate;
+
+use std::collections::HashSet;
+use std::ops::Deref;
+use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::backend::cpu::PAR_MIN_BYTES;
+use crate::backend::{probe, HomePull, HomeValue};
+use crate::comm::{self, Ctx, KeyPush};
+use crate::host::HostData;
+use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
+
+pub(crate) use entries::{Entry, EntryState};
+pub use groups::ValueList;
+use groups::{issue_order, lock_cells, Group};
+use hook::{call_hook, pushed};
+pub use hook::{PushEvent, PushHook};
+pub use kind::{IntoStoreKind, StoreKind};
+use table::{place_by_size, Slot, Table};
+use validate::{check_arrays, check_len, check_outs, check_values, to_keys};
+mod hyper;
+
+/// The updater in force, and which `set_updater` call set it.
+pub(super) struct Active {
+    updater: Updater,
+    generation: u64,
+    /// The learning-rate schedule, per-key multipliers and update count.
+    hyper: hyper::Settings,
+}
+
+/// `KVSTORE_PAR_MIN_BYTES`, or [`PAR_MIN_BYTES`] when it is unset.
+fn par_min_bytes_from_env() -> Result<usize> {
+    const VAR: &str = "KVSTORE_PAR_MIN_BYTES";
+    match std::env::var(VAR) {
+        Err(std::env::VarError::NotPresent) => Ok(PAR_MIN_BYTES),
+        Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
+            var: VAR,
+            value: v,
+            expected: "a whole number of bytes (0 = always split over threads)",
+        }),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidEnv {
+            var: VAR,
+            value: v.to_string_lossy().into_owned(),
+            expected: "a whole number of bytes (0 = always split over threads)",
+        }),
+    }
+}
+
+/// A tensor key-value store with MXNet KVStore semantics.
+///
+/// `KvStore` is `Send + Sync` and every method takes `&self`: share it between threads with an
+/// `Arc` or a scoped borrow.
+///
+/// On a machine with GPUs, `device` and `nccl` stores keep each key on a home GPU (see
+/// [`KvStore::init`]). Pushes and pulls on GPU homes are enqueued on the GPUs' streams and
+/// return at once; reading an array on the host waits for its GPU, and
+/// [`KvStore::wait_all`] waits for everything (and reports NCCL failures). Custom closure
+/// updaters and `float64` keys on a GPU take a slow path through host memory. A CUDA or NCCL
+/// failure in the middle of a call can leave that call's GPU keys partly updated; validation
+/// errors never do.
+pub struct KvStore {
+    name: String,
+    kind: StoreKind,
+    table: RwLock<Table>,
+    active: RwLock<Arc<Active>>,
+    hook: RwLock<Option<Arc<PushHook>>>,
+    /// Bytes of traffic from which a call on host memory splits over threads
+    /// (`KVSTORE_PAR_MIN_BYTES` at creation).
+    par_min_bytes: usize,
+}
+
+impl KvStore {
+    /// Creates a store of a kind given by name (`local`, `device` or `nccl`, or one of MXNet's
+    /// aliases `local_update_cpu`, `local_allreduce_cpu`, `local_allreduce_device`; in any
+    /// case) or as a [`StoreKind`].
+    ///
+    /// With no GPU, `device` and `nccl` keep their values on the CPU (logged once).
+    ///
+    /// The environment variable `KVSTORE_PAR_MIN_BYTES` (bytes read plus written, default
+    /// [`PAR_MIN_BYTES`](crate::backend::cpu::PAR_MIN_BYTES)) sets, for this store, how big a
+    /// push or pull on host memory must be to split over threads; `0` always splits. A value
+    /// that is not a whole number is an [`Error::InvalidEnv`].
+    ///
+    /// ```
+    /// use kvstore::{KvStore, StoreKind};
+    /// let kv = KvStore::create("local_allreduce_cpu")?;
+    /// assert_eq!(kv.kind(), StoreKind::Local);
+    /// assert_eq!(kv.type_name(), "local_allreduce_cpu");
+    /// let kv = KvStore::create(StoreKind::Device)?;
+    /// assert_eq!(kv.type_name(), "device");
+    /// let err = KvStore::create("dist_sync").err().unwrap();
+    /// assert!(err.to_string().contains("local, local_update_cpu"));
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn create(kind: impl IntoStoreKind) -> Result<KvStore> {
+        let (kind, name) = kind.into_store_kind()?;
+        let par_min_bytes = par_min_bytes_from_env()?;
+        if kind != StoreKind::Local && probe::gpu_count() == 0 {
+            static ONCE: Once = Once::new();
+            ONCE.call_once(|| {
+                log::warn!("kvstore: no GPU found; '{name}' stores keep their values on the CPU")
+            });
+        }
+        Ok(KvStore {
+            name,
+            kind,
+            table: RwLock::new(Table::default()),
+            active: RwLock::new(Arc::new(Active {
+                updater: Updater::Assign,
+                generation: 0,
+                hyper: hyper::Settings::default(),
+            })),
+            hook: RwLock::new(None),
+            par_min_bytes,
+        })
+    }
+
+    /// The kind of store.
+    pub fn kind(&self) -> StoreKind {
+        self.kind
+    }
+
+    /// The name the store was created with, lower-cased (MXNet's `kv.type`); the canonical
+    /// name when it was created from a [`StoreKind`].
+    pub fn type_name(&self) -> &str {
+        &self.name
+    }
+
+    /// This worker's rank: always 0 for a single-process store.
+    pub fn rank(&self) -> usize {
+        0
+    }
+
+    /// The number of workers: always 1 for a single-process store.
+    pub fn num_workers(&self) -> usize {
+        1
+    }
+
+    /// Waits for every operation in flight: pushes and pulls on GPU homes are enqueued on the
+    /// GPUs' streams and return at once. NCCL work is polled for asynchronous errors, with a
+    /// timeout (env `KVSTORE_NCCL_TIMEOUT_MS`, default 60 s). Without a GPU every call is
+    /// synchronous and this returns `Ok` at once.
+    pub fn wait_all(&self) -> Result<()> {
+        comm::wait_all()
+    }
+
+    /// Whether cross-GPU sums and broadcasts of this store go through NCCL.
+    fn use_nccl(&self) -> bool {
+        self.kind == StoreKind::Nccl && probe::nccl_present()
+    }
+
+    /// How this store's calls run.
+    fn ctx(&self) -> Ctx {
+        Ctx {
+            use_nccl: self.use_nccl(),
+            par_min_bytes: self.par_min_bytes,
+        }
+    }
+
+    /// Replaces the updater. Per-key state (momentum and the like) and the update count start
+    /// afresh on each key's next push, even for the same updater: to change hyperparameters and
+    /// keep the state, use [`KvStore::update_hyperparameters`] or
+    /// [`KvStore::set_learning_rate`]. A learning-rate schedule and per-key multipliers stay
+    /// set; an error if the schedule does not fit the new updater's `lr`.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, Sgd, Updater};
+    /// let kv = KvStore::create("local").unwrap();
+    /// kv.set_updater(Updater::Sgd(Sgd { lr: 0.1, momentum: 0.9, ..Sgd::default() })).unwrap();
+    /// assert!(kv.set_updater(Updater::Sgd(Sgd { lr: -1.0, ..Sgd::default() })).is_err());
+    /// ```
+    pub fn set_updater(&self, updater: Updater) -> Result<()> {
+        updater.validate()?;
+        let mut active = write(&self.active);
+        active.hyper.check_fits(&updater)?;
+        let generation = active.generation + 1;
+        *active = Arc::new(Active {
+            updater,
+            generation,
+            hyper: active.hyper.restarted(),
+        });
+        Ok(())
+    }
+
+    /// The updater in force.
+    pub fn updater(&self) -> Updater {
+        read(&self.active).updater.clone()
+    }
+
+    /// The keys in update order: int keys ascending, string keys in the order they were first
+    /// initialized (the order the updater runs in, MXNet's). See [`KvStore::keys_in_init_order`]
+    /// for the order of initialization.
+    ///
+    /// ```
+    /// use kvstore::{Key, KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[9, 3], &[NDArray::zeros([1]), NDArray::zeros([1])])?;
+    /// kv.init(5, &NDArray::zeros([1]))?;
+    /// assert_eq!(kv.keys(), [Key::Int(3), Key::Int(5), Key::Int(9)]);
+    /// assert_eq!(kv.keys_in_init_order(), [Key::Int(9), Key::Int(3), Key::Int(5)]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn keys(&self) -> Vec<Key> {
+        let table = read(&self.table);
+        let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
+        slots.sort_by_key(|s| s.order);
+        slots.iter().map(|s| s.key.clone()).collect()
+    }
+
+    /// The keys in the order they were initialized (by `init`, `broadcast`, a list call's key
+    /// order, or a checkpoint `load` that added them). For string keys this is also
+    /// [`KvStore::keys`]' order.
+    pub fn keys_in_init_order(&self) -> Vec<Key> {
+        let table = read(&self.table);
+        let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
+        slots.sort_by_key(|s| s.init_seq);
+        slots.iter().map(|s| s.key.clone()).collect()
+    }
+
+    /// The shape, dtype and home device of a key.
+    pub fn meta(&self, key: impl IntoKey) -> Result<(Shape, DType, Device)> {
+        let slot = read(&self.table).get("meta", &key.into_key()?)?;
+        Ok((slot.shape, slot.dtype, slot.home))
+    }
+
+    /// Puts a copy of `value` in under `key`. A key is initialized once.
+    ///
+    /// `device` and `nccl` stores on a machine with GPUs give the key a home GPU: the one with
+    /// the fewest bytes homed so far. `local` stores, and every store without a GPU, keep it in
+    /// host memory.
+    pub fn init(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
+        self.init_list(&[key.into_key()?], std::slice::from_ref(value))
+    }
+
+    /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
+    /// key first (see [`KvStore::init`]).
+    pub fn init_list<K: IntoKey + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
+        self.init_with_homes(keys, values, None)
+    }
+
+    /// As [`KvStore::init`], with the home chosen by the caller: `cpu(i)` keeps the value in
+    /// host memory, `gpu(i)` on that GPU (an error if it does not exist).
+    pub fn init_on(&self, key: impl IntoKey, value: &NDArray, home: Device) -> Result<()> {
+        self.init_list_on(&[key.into_key()?], std::slice::from_ref(value), &[home])
+    }
+
+    /// As [`KvStore::init_list`], with one home per key chosen by the caller.
+    pub fn init_list_on<K: IntoKey + Clone>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+        homes: &[Device],
+    ) -> Result<()> {
+        check_len("init", keys.len(), homes.len(), "homes")?;
+        for &h in homes {
+            probe::check_device(h)?;
+        }
+        self.init_with_homes(keys, values, Some(homes))
+    }
+
+    fn init_with_homes<K: IntoKey + Clone>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+        homes: Option<&[Device]>,
+    ) -> Result<()> {
+        check_len("init", keys.len(), values.len(), "values")?;
+        let keys = to_keys(keys)?;
+        let gpus = probe::gpu_count();
+        let any_gpu_home = match homes {
+            Some(h) => h.iter().any(|d| d.is_gpu()),
+            None => self.kind != StoreKind::Local && gpus > 0,
+        };
+        // Host homes: copy outside the table lock, so big inits do not stall other keys'
+        // lookups. GPU homes are copied under the lock, once the homes are placed.
+        let host_copies: Option<Vec<HostData>> = if any_gpu_home {
+            None
+        } else {
+            Some(
+                values
+                    .iter()
+                    .map(|v| v.with_host(HostData::clone))
+                    .collect::<Result<_>>()?,
+            )
+        };
+        let mut table = write(&self.table);
+        let call_kind = keys.first().map(Key::kind);
+        let mut seen = HashSet::with_capacity(keys.len());
+        for key in &keys {
+            table.check_kind("init", key)?;
+            if let Some(kind) = call_kind.filter(|&k| k != key.kind()) {
+                return Err(Error::MixedKeyTypes {
+                    op: "init",
+                    key: key.clone(),
+                    got: key.kind(),
+                    store: kind,
+                });
+            }
+            if table.slots.contains_key(key) || !seen.insert(key) {
+                return Err(Error::DuplicateInit { key: key.clone() });
+            }
+        }
+        let placed: Vec<Device> = match homes {
+            Some(h) => h.to_vec(),
+            None if any_gpu_home => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
+            None => vec![Device::Cpu(0); keys.len()],
+        };
+        let data: Vec<HomeValue> = match host_copies {
+            Some(copies) => copies.into_iter().map(HomeValue::from_host).collect(),
+            None => values
+                .iter()
+                .zip(&placed)
+                .zip(&keys)
+                .map(|((v, &home), key)| copy_home(v, home, key))
+                .collect::<Result<_>>()?,
+        };
+        table.gpu_bytes.resize(gpus, 0);
+        for (v, home) in values.iter().zip(&placed) {
+            if let Device::Gpu(i) = *home {
+                table.gpu_bytes[i] += v.nbytes();
+            }
+        }
+        for (((key, value), data), home) in keys.into_iter().zip(values).zip(data).zip(placed) {
+            let order = match &key {
+                Key::Int(k) => i64::from(*k),
+                Key::Str(_) => {
+                    table.next_str_order += 1;
+                    table.next_str_order
+                }
+            };
+            table.key_kind = Some(key.kind());
+            let init_seq = table.next_init_seq;
+            table.next_init_seq += 1;
+            let slot = Slot {
+                key: key.clone(),
+                order,
+                init_seq,
+                shape: value.shape(),
+                dtype: value.dtype(),
+                home,
+                cell: RwLock::new(data),
+            };
+            table.slots.insert(key, Arc::new(slot));
+        }
+        Ok(())
+    }
+
+    /// Pushes one or more values to `key`: they are summed, and the updater merges the sum into
+    /// the stored value. The values are read, never kept.
+    ///
+    /// ```
+    /// use kvstore::{cpu, KvStore, NDArray};
+    /// let kv = KvStore::create("local").unwrap();
+    /// kv.init(3, &NDArray::zeros([2])).unwrap();
+    /// let grads = vec![NDArray::ones([2]), NDArray::full([2], 2.0).to_device(cpu(1)).unwrap()];
+    /// kv.push(3, &grads).unwrap();
+    /// let out = NDArray::zeros([2]);
+    /// kv.pull(3, &out).unwrap();
+    /// assert_eq!(out.to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
+    /// ```
+    pub fn push<V: ValueList + ?Sized>(&self, key: impl IntoKey, values: &V) -> Result<()> {
+        self.push_list(&[key.into_key()?], &[values.arrays()])
+    }
+
+    /// Pushes to many keys at once. A key listed more than once gets the sum of all its values.
+    /// The updater runs once per distinct key, in ascending key order. All or nothing.
+    pub fn push_list<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<()> {
+        self.push_groups(self.groups("push", keys, values, "values", None)?)
+    }
+
+    /// Copies the stored value of `key` into every out, converting to each out's dtype.
+    pub fn pull<V: ValueList + ?Sized>(&self, key: impl IntoKey, outs: &V) -> Result<()> {
+        self.pull_list(&[key.into_key()?], &[outs.arrays()])
+    }
+
+    /// Pulls many keys at once, from one consistent snapshot of them. All or nothing.
+    pub fn pull_list<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        outs: &[V],
+    ) -> Result<()> {
+        self.pull_groups(self.groups("pull", keys, outs, "outs", None)?)
+    }
+
+    /// Validates and applies a push of looked-up groups.
+    fn push_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
+        check_values("push", &groups)?;
+        let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
+        let mut cells = lock_cells(&groups);
+        apply_push(&active, self.ctx(), &groups, &mut cells)?;
+        let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
+        drop(cells);
+        call_hook(hook.as_deref(), &active, done)
+    }
+
+    /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
+    fn pull_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
+        check_outs("pull", &groups)?;
+        let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
+            groups.iter().map(|g| read(&g.slot.cell)).collect();
+        pull_all(self.ctx(), &groups, &cells)
+    }
+
+    /// A push, then a pull of the result into `outs`, as one atomic step. To update in place,
+    /// pass the values as the outs too, or use [`KvStore::pushpull_in_place`].
+    pub fn pushpull<V: ValueList + ?Sized, O: ValueList + ?Sized>(
+        &self,
+        key: impl IntoKey,
+        values: &V,
+        outs: &O,
+    ) -> Result<()> {
+        self.pushpull_list(&[key.into_key()?], &[values.arrays()], &[outs.arrays()])
+    }
+
+    /// A push of `values`, then a pull of the result back into the same arrays.
+    pub fn pushpull_in_place<V: ValueList + ?Sized>(
+        &self,
+        key: impl IntoKey,
+        values: &V,
+    ) -> Result<()> {
+        self.pushpull(key, values, values)
+    }
+
+    /// Pushes every key, then pulls every key, as one atomic step. A value that is also an out
+    /// is read by every push before any pull writes it.
+    pub fn pushpull_list<K: IntoKey + Clone, V: ValueList, O: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        outs: &[O],
+    ) -> Result<()> {
+        let pushes = self.groups("pushpull", keys, values, "values", None)?;
+        let pulls = self.groups("pushpull", keys, outs, "outs", None)?;
+        check_values("pushpull", &pushes)?;
+        check_outs("pushpull", &pulls)?;
+        let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
+        let mut cells = lock_cells(&pushes);
+        apply_push(&active, self.ctx(), &pushes, &mut cells)?;
+        let done = hook.as_ref().map(|_| pushed(&active, &pushes, &cells));
+        // `pushes` and `pulls` hold the same distinct keys in the same order.
+        pull_all(self.ctx(), &pulls, &cells)?;
+        drop(cells);
+        call_hook(hook.as_deref(), &active, done)
+    }
+
+    /// Pushes every key, then pulls every key's result back into its own values, as one atomic
+    /// step: [`KvStore::pushpull_list`] with the values as the outs (MXNet's list `pushpull`
+    /// without `out`). All or nothing.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[0, 1], &[NDArray::zeros([2]), NDArray::zeros([3])])?;
+    /// let grads = [NDArray::ones([2]), NDArray::full([3], 2.0)];
+    /// kv.pushpull_list_in_place(&[0, 1], &grads)?;
+    /// assert_eq!(grads[1].to_vec::<f32>()?, vec![2.0; 3]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn pushpull_list_in_place<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<()> {
+        self.pushpull_list(keys, values, values)
+    }
+
+    /// Initializes `key` with `value` and pulls it into `outs` (MXNet's `broadcast`).
+    pub fn broadcast<V: ValueList + ?Sized>(
+        &self,
+        key: impl IntoKey,
+        value: &NDArray,
+        outs: &V,
+    ) -> Result<()> {
+        self.broadcast_list(
+            &[key.into_key()?],
+            std::slice::from_ref(value),
+            &[outs.arrays()],
+        )
+    }
+
+    /// Initializes many keys and pulls them. All or nothing: the outs are checked before any
+    /// key is initialized.
+    pub fn broadcast_list<K: IntoKey + Clone, O: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+        outs: &[O],
+    ) -> Result<()> {
+        check_len("broadcast", keys.len(), values.len(), "values")?;
+        check_len("broadcast", keys.len(), outs.len(), "outs")?;
+        for ((key, value), outs) in keys.iter().zip(values).zip(outs) {
+            let key: Key = key.clone().into_key()?;
+            check_arrays(
+                "broadcast",
+                &key,
+                value.shape(),
+                None,
+                &outs.arrays().iter().collect::<Vec<_>>(),
+                "out",
+            )?;
+        }
+        self.init_list(keys, values)?;
+        self.pull_list(keys, outs)
+    }
+}
+
+/// A copy of `value` for a key homed on `home`.
+fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<HomeValue> {
+    HomeValue::copy_of(value, home).map_err(|e| e.with_key(key))
+}
+
+/// Applies a validated push to every group, in issue order, through the comm pipeline, and
+/// then records the call's update count.
+fn apply_push(
+    active: &Active,
+    ctx: Ctx,
+    groups: &[Group<'_>],
+    cells: &mut [RwLockWriteGuard<'_, HomeValue>],
+) -> Result<()> {
+    let hypers = hyper::for_push(active, groups, cells);
+    let mut taken: Vec<Option<&mut RwLockWriteGuard<'_, HomeValue>>> =
+        cells.iter_mut().map(Some).collect();
+    let jobs = issue_order(groups)
+        .into_iter()
+        .map(|i| {
+            let g = &groups[i];
+            let value = taken[i].take().expect("each key is issued once");
+            KeyPush {
+                facts: g.slot.facts(),
+                value,
+                values: &g.arrays,
+                hyper: hypers.of(i),
+            }
+        })
+        .collect();
+    comm::push(&active.updater, active.generation, ctx, jobs)?;
+    hypers.commit(active);
+    Ok(())
+}
+
+/// Pulls every group from its home into its outs, in issue order.
+fn pull_all<C: Deref<Target = HomeValue>>(
+    ctx: Ctx,
+    groups: &[Group<'_>],
+    cells: &[C],
+) -> Result<()> {
+    let jobs: Vec<HomePull<'_>> = issue_order(groups)
+        .into_iter()
+        .map(|i| HomePull {
+            key: &groups[i].slot.key,
+            value: &cells[i],
+            outs: &groups[i].arrays,
+        })
+        .collect();
+    comm::pull(ctx, &jobs)
+}
+
+/// A read lock that a panic elsewhere does not poison.
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A write lock that a panic elsewhere does not poison.
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Priorities: the order work is issued in within one call.
+impl KvStore {
+    /// A push, like [`KvStore::push`], with a priority; see [`KvStore::push_list_with_priority`].
+    pub fn push_with_priority<V: ValueList + ?Sized>(
+        &self,
+        key: impl IntoKey,
+        values: &V,
+        priority: i32,
+    ) -> Result<()> {
+        self.push_list_with_priority(&[key.into_key()?], &[values.arrays()], &[priority])
+    }
+
+    /// Pushes to many keys at once, like [`KvStore::push_list`], issuing the work for keys of
+    /// higher priority first: the updater runs on keys in descending priority, and keys of equal
+    /// priority in ascending key order (MXNet's order, and that of `push_list`). On a GPU home
+    /// this is the order kernels and NCCL calls are enqueued in, so the gradients a training
+    /// loop needs first (its first layers) can be given the highest priority. A key listed more
+    /// than once gets the highest of its priorities.
+    ///
+    /// `priorities` has one entry per key. Locks are still taken in ascending key order, so
+    /// calls with any priorities cannot deadlock one another. All or nothing, as `push_list`.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use kvstore::{Key, KvStore, NDArray, Updater};
+    ///
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[0, 1, 2], &[NDArray::zeros([2]), NDArray::zeros([2]), NDArray::zeros([2])])?;
+    /// let seen = Arc::new(Mutex::new(Vec::new()));
+    /// let log = seen.clone();
+    /// kv.set_updater(Updater::custom(move |key, input, stored| {
+    ///     log.lock().unwrap().push(key.clone());
+    ///     *stored += input;
+    /// }))?;
+    /// let g = NDArray::ones([2]);
+    /// kv.push_list_with_priority(&[0, 1, 2], &[&g, &g, &g], &[-1, 5, 0])?;
+    /// assert_eq!(*seen.lock().unwrap(), vec![Key::Int(1), Key::Int(2), Key::Int(0)]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn push_list_with_priority<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        priorities: &[i32],
+    ) -> Result<()> {
+        self.push_groups(self.groups("push", keys, values, "values", Some(priorities))?)
+    }
+
+    /// A pull, like [`KvStore::pull`], with a priority; see [`KvStore::pull_list_with_priority`].
+    pub fn pull_with_priority<V: ValueList + ?Sized>(
+        &self,
+        key: impl IntoKey,
+        outs: &V,
+        priority: i32,
+    ) -> Result<()> {
+        self.pull_list_with_priority(&[key.into_key()?], &[outs.arrays()], &[priority])
+    }
+
+    /// Pulls many keys at once, like [`KvStore::pull_list`], copying keys of higher priority
+    /// first; equal priorities go in ascending key order. `priorities` has one entry per key.
+    /// Locks are taken in ascending key order whatever the priorities.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_list(&[0, 1], &[NDArray::ones([2]), NDArray::full([3], 2.0)])?;
+    /// let (a, b) = (NDArray::zeros([2]), NDArray::zeros([3]));
+    /// kv.pull_list_with_priority(&[0, 1], &[&a, &b], &[0, 10])?;
+    /// assert_eq!(b.to_vec::<f32>()?, vec![2.0; 3]);
+    /// assert!(kv.pull_list_with_priority(&[0, 1], &[&a, &b], &[0]).is_err());
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn pull_list_with_priority<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        outs: &[V],
+        priorities: &[i32],
+    ) -> Result<()> {
+        self.pull_groups(self.groups("pull", keys, outs, "outs", Some(priorities))?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_and_arrays_stay_send_and_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<KvStore>();
+        send_sync::<NDArray>();
+    }
+
+    #[test]
+    fn homes_are_placed_largest_first_on_the_least_loaded_gpu() {
+        // Sizes in f32 elements; the reference below is worked out by hand.
+        let sizes = [100usize, 4000, 250, 3000, 2000, 1000];
+        let values: Vec<NDArray> = sizes.iter().map(|&s| NDArray::zeros([s])).collect();
+        let mut bytes = Vec::new();
+        let homes = place_by_size(&mut bytes, 2, &values);
+        // 4000 -> g0 (16000), 3000 -> g1 (12000), 2000 -> g1 (20000), 1000 -> g0 (20000),
+        // 250 -> g0 (tie, lowest ordinal: 21000), 100 -> g1 (20400).
+        let want = [1usize, 0, 0, 1, 1, 0];
+        assert_eq!(
+            homes,
+            want.iter().map(|&g| Device::Gpu(g)).collect::<Vec<_>>()
+        );
+        assert_eq!(bytes, vec![21000, 20400]);
+        // A later call continues from the loads so far.
+        let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10])]);
+        assert_eq!(more, vec![Device::Gpu(1)]);
+    }
+
+    /// State stamped with the updater's generation but of the wrong shape (too few buffers, or
+    /// buffers of the wrong length, as a load racing `set_updater` once left) never reaches a
+    /// kernel: the key starts afresh, as a key with no state does.
+    #[test]
+    fn state_of_the_wrong_shape_starts_afresh() {
+        use rand::prelude::*;
+        let mut rng = StdRng::from_entropy();
+        let mut random = |n: usize| {
+            let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            NDArray::from_vec(v, [n]).unwrap()
+        };
+        let wrong = [
+            vec![HostData::filled(DType::F32, 5, 0.5)],
+            vec![
+                HostData::filled(DType::F32, 5, 0.5),
+                HostData::filled(DType::F32, 2, 0.5),
+            ],
+            vec![
+                HostData::filled(DType::F64, 5, 0.5),
+                HostData::filled(DType::F64, 5, 0.5),
+            ],
+        ];
+        for bufs in wrong {
+            let (value, grad) = (random(5), random(5));
+            let (kv, reference) = (
+                KvStore::create("local").unwrap(),
+                KvStore::create("local").unwrap(),
+            );
+            for s in [&kv, &reference] {
+                s.init(0, &value).unwrap();
+                s.set_updater(Updater::Adam(crate::Adam::default()))
+                    .unwrap();
+            }
+            let slot = read(&kv.table).get("test", &Key::Int(0)).unwrap();
+            let generation = read(&kv.active).generation;
+            write(&slot.cell).set_host_state(generation, 7, bufs);
+            for s in [&kv, &reference] {
+                s.push(0, &grad).unwrap();
+            }
+            let (a, b) = (NDArray::zeros([5]), NDArray::zeros([5]));
+            kv.pull(0, &a).unwrap();
+            reference.pull(0, &b).unwrap();
+            let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+            assert_ne!(
+                a,
+                value.to_vec::<f32>().unwrap(),
+                "the push changed nothing"
+            );
+            assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn cpu_only_machines_keep_host_homes() {
+        if probe::gpu_count() > 0 {
+            return;
+        }
+        for kind in ["local", "device", "nccl"] {
+            let kv = KvStore::create(kind).unwrap();
+            kv.init(1, &NDArray::ones([3])).unwrap();
+            assert_eq!(kv.meta(1).unwrap().2, Device::Cpu(0));
+            assert!(kv.wait_all().is_ok());
+            let err = kv
+                .init_on(2, &NDArray::ones([3]), Device::Gpu(0))
+                .unwrap_err();
+            assert!(matches!(err, Error::DeviceNotFound { .. }), "{err}");
+            kv.init_on(2, &NDArray::ones([3]), Device::Cpu(1)).unwrap();
+            assert_eq!(kv.meta(2).unwrap().2, Device::Cpu(1));
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The key table: each key's slot (its fixed facts, and its value behind a lock), key order,
+//! and where new keys are homed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use crate::backend::{HomeValue, KeyFacts};
+use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Shape};
+
+/// A key's entry: fixed facts, and the value and state behind the key's lock.
+pub(super) struct Slot {
+    pub key: Key,
+    /// Ascending order of updates: the int key, or a string key's init order.
+    pub order: i64,
+    /// When the key was initialized: 0 for the store's first key, then 1, 2, ...
+    pub init_seq: u64,
+    pub shape: Shape,
+    pub dtype: DType,
+    pub home: Device,
+    pub cell: RwLock<HomeValue>,
+}
+
+#[derive(Default)]
+pub(super) struct Table {
+    pub key_kind: Option<KeyKind>,
+    pub slots: HashMap<Key, Arc<Slot>>,
+    pub next_str_order: i64,
+    /// The `init_seq` of the next key initialized.
+    pub next_init_seq: u64,
+    /// Bytes of values homed on each GPU so far (for placement by size).
+    pub gpu_bytes: Vec<usize>,
+}
+
+impl Slot {
+    /// The key's fixed facts, for the backends.
+    pub fn facts(&self) -> KeyFacts<'_> {
+        KeyFacts {
+            key: &self.key,
+            shape: self.shape,
+            dtype: self.dtype,
+            home: self.home,
+        }
+    }
+}
+
+impl Table {
+    pub fn check_kind(&self, op: &'static str, key: &Key) -> Result<()> {
+        match self.key_kind {
+            Some(store) if store != key.kind() => Err(Error::MixedKeyTypes {
+                op,
+                key: key.clone(),
+                got: key.kind(),
+                store,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn get(&self, op: &'static str, key: &Key) -> Result<Arc<Slot>> {
+        self.check_kind(op, key)?;
+        self.slots
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::UnknownKey {
+                op,
+                key: key.clone(),
+            })
+    }
+}
+
+/// The slot of a key a load adds; its update order (string keys) and init order are set when
+/// it is added.
+pub(super) fn new_slot(
+    key: Key,
+    shape: Shape,
+    dtype: DType,
+    home: Device,
+    cell: HomeValue,
+) -> Slot {
+    let order = match &key {
+        Key::Int(k) => i64::from(*k),
+        Key::Str(_) => 0,
+    };
+    Slot {
+        key,
+        order,
+        init_seq: 0,
+        shape,
+        dtype,
+        home,
+        cell: RwLock::new(cell),
+    }
+}
+
+/// Homes for keys of a `device`/`nccl` init: largest value first, each to the GPU with the
+/// fewest bytes so far (MXNet's CommDevice placement). Ties go to the lowest ordinal.
+pub(super) fn place_by_size(
+    bytes: &mut Vec<usize>,
+    gpus: usize,
+    values: &[NDArray],
+) -> Vec<Device> {
+    bytes.resize(gpus, 0);
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(values[i].nbytes()));
+    let mut homes = vec![Device::Cpu(0); values.len()];
+    for i in order {
+        let g = (0..gpus).min_by_key(|&g| (bytes[g], g)).unwrap_or(0);
+        bytes[g] += values[i].nbytes();
+        homes[i] = Device::Gpu(g);
+    }
+    homes
+}
