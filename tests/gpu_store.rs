@@ -674,3 +674,58 @@ fn host_values_to_a_gpu_key_round_as_on_the_cpu_home() -> Result<()> {
     }
     Ok(())
 }
+
+/// A `device` store copying between two GPUs enables peer access first, where the GPUs
+/// allow it, so the copies go directly instead of through the host: after a push from gpu(1)
+/// to a key homed on gpu(0) and a pull back, enabling access again says it already is.
+#[test]
+#[ignore = "needs a GPU"]
+fn device_store_enables_peer_access() -> Result<()> {
+    use cudarc::driver::{sys, CudaContext};
+    require_gpu();
+    if gpu_count() < 2 {
+        skipped(
+            "device_store_enables_peer_access",
+            "one GPU: there is no peer to enable",
+        );
+        return Ok(());
+    }
+    let (c0, c1) = (CudaContext::new(0)?, CudaContext::new(1)?);
+    let mut can = [0; 2];
+    // SAFETY: valid device handles and out-pointers.
+    unsafe {
+        sys::cuDeviceCanAccessPeer(&mut can[0], c0.cu_device(), c1.cu_device());
+        sys::cuDeviceCanAccessPeer(&mut can[1], c1.cu_device(), c0.cu_device());
+    }
+    let kv = KvStore::create("device")?;
+    let n = 5000;
+    let data = random(n);
+    kv.init_on(3, &array(&vec![0.0; n], &[n], DType::F32, cpu(0))?, gpu(0))?;
+    kv.push(3, &array(&data, &[n], DType::F32, gpu(1))?)?;
+    let out = NDArray::full_on([n], f64::NAN, DType::F32, gpu(1))?;
+    kv.pull(3, &out)?;
+    kv.wait_all()?;
+    assert_close(
+        &out.to_vec()?,
+        &rounded(&data, DType::F32)?,
+        0.0,
+        "round trip",
+    );
+    for (from, to, can) in [(&c0, &c1, can[0]), (&c1, &c0, can[1])] {
+        from.bind_to_thread()?;
+        // SAFETY: `from` is current and `to` is a live context; flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) };
+        if can == 0 {
+            skipped(
+                "device_store_enables_peer_access",
+                "the GPUs cannot access each other's memory",
+            );
+            return Ok(());
+        }
+        ensure!(
+            r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+            "peer access was not enabled by the store: enabling it now gave {r:?}"
+        );
+    }
+    Ok(())
+}

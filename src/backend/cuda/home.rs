@@ -417,6 +417,11 @@ fn peer_copy(dst: Ptr, src: Ptr, bytes: usize) -> Result<()> {
     }
     let d = gpu(dst.ordinal)?;
     let s = gpu(src.ordinal)?;
+    if dst.ordinal != src.ordinal {
+        // Direct copies where the GPUs allow it (else the driver stages through the host).
+        d.enable_peer(s);
+        s.enable_peer(d);
+    }
     let _order = cross_gpu_order();
     stream_wait(d.stream(), s.stream())?;
     d.context()

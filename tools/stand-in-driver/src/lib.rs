@@ -52,6 +52,8 @@
 //! - A race between streams (above); a use after free or a double free; an access out of
 //!   bounds; a kernel or copy touching another device's memory without peer access enabled
 //!   (`cuCtxEnablePeerAccess`; `cuMemcpyPeerAsync` needs none).
+//! - A copy from pinned host memory (`cuMemHostAlloc`; read when the copy runs, as a GPU's DMA
+//!   reads it) whose buffer the host rewrote or freed before the copy ran.
 //! - A function launched on a stream of another context; an event recorded on a stream of
 //!   another context.
 //! - NCCL: one thread issuing several ranks' parts of one collective outside
