@@ -31,7 +31,7 @@ pub enum StoreKind {
     /// Values live on a home GPU, spread across GPUs by size (the CPU when there is none).
     Device,
     /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none; peer
-    /// copies, as `Device`, when libnccl cannot be loaded).
+    /// copies, as `Device`, with a warning once, when no usable NCCL is found).
     Nccl,
 }
 
@@ -356,9 +356,50 @@ impl KvStore {
         gpu_rt::synchronize_all()
     }
 
-    /// Whether cross-GPU sums and broadcasts of this store go through NCCL.
+    /// Whether cross-GPU sums and broadcasts of this store go through NCCL. A `nccl` store on
+    /// a GPU machine without a usable NCCL warns once (what was found, how to fix it) and uses
+    /// peer copies.
     fn use_nccl(&self) -> bool {
-        self.kind == StoreKind::Nccl && probe::nccl_present()
+        if self.kind != StoreKind::Nccl || probe::gpu_count() == 0 {
+            return false;
+        }
+        if probe::nccl_present() {
+            return true;
+        }
+        nccl::warn_unavailable();
+        false
+    }
+
+    /// Builds the NCCL communicators a call on `groups` will need before it takes any key
+    /// lock: one per set of GPUs (the home and the GPUs of the arrays) of a key homed on a GPU.
+    fn prepare_nccl(&self, groups: &[Group<'_>]) -> Result<()> {
+        if !self.use_nccl() {
+            return Ok(());
+        }
+        let mut sets: Vec<Vec<usize>> = Vec::new();
+        for g in groups {
+            let Device::Gpu(home) = g.slot.home else {
+                continue;
+            };
+            if g.slot.dtype == DType::F64 {
+                continue;
+            }
+            let mut set: Vec<usize> = g
+                .arrays
+                .iter()
+                .filter_map(|a| match a.device() {
+                    Device::Gpu(d) => Some(d),
+                    Device::Cpu(_) => None,
+                })
+                .chain([home])
+                .collect();
+            set.sort_unstable();
+            set.dedup();
+            sets.push(set);
+        }
+        sets.sort();
+        sets.dedup();
+        nccl::prepare(&sets)
     }
 
     /// Replaces the updater. Per-key state (momentum and the like) and the update count start
@@ -634,6 +675,7 @@ impl KvStore {
         check_values("push", &groups)?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
+        self.prepare_nccl(&groups)?;
         let mut cells = lock_cells(&groups);
         apply_push(&active, self.use_nccl(), &groups, &mut cells)?;
         let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
@@ -644,6 +686,7 @@ impl KvStore {
     /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
     fn pull_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
         check_outs("pull", &groups)?;
+        self.prepare_nccl(&groups)?;
         let cells: Vec<RwLockReadGuard<'_, Cell>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         pull_all(self.use_nccl(), &groups, &cells)
@@ -683,6 +726,8 @@ impl KvStore {
         check_outs("pushpull", &pulls)?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
+        self.prepare_nccl(&pushes)?;
+        self.prepare_nccl(&pulls)?;
         let mut cells = lock_cells(&pushes);
         apply_push(&active, self.use_nccl(), &pushes, &mut cells)?;
         let done = hook.as_ref().map(|_| pushed(&active, &pushes, &cells));

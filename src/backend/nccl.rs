@@ -1,15 +1,24 @@
-//! NCCL for GPU homes: communicators per device set, reduce and broadcast, async-error polling
-//! with a timeout, and abort of a failed communicator.
+//! NCCL for GPU homes: non-blocking communicators per device set (an LRU cache), reduce and
+//! broadcast, async-error polling with a timeout, and abort of a failed communicator.
 //!
-//! cudarc's safe `Comm` hides its raw handle, so it offers no `ncclCommGetAsyncError` and no
-//! abort. This module creates communicators through `cudarc::nccl::{result, sys}` itself and
-//! issues the collectives with raw device addresses.
-//!
-//! - Communicators are made per distinct sorted set of GPU ordinals (`ncclCommInitAll`) and
-//!   cached. The rank of a GPU is its index in that sorted list, never its ordinal.
+//! - NCCL is found and loaded by [`loader`] (cudarc only looks for `libnccl.so`, which pip and
+//!   the distros do not ship); [`library_path`] and [`version`] say what was loaded.
+//! - Communicators are made per distinct sorted set of GPU ordinals, with
+//!   `ncclCommInitRankConfig` and `blocking = 0` (NCCL >= 2.14), all ranks in one group, then
+//!   polled with `ncclCommGetAsyncError` while they report `ncclInProgress`. The rank of a GPU
+//!   is its index in that sorted list, never its ordinal. At most `KVSTORE_NCCL_MAX_COMMS`
+//!   (default 8) sets are cached; the least recently used one that no call is using is
+//!   finalized and destroyed. The store builds them before it takes any key lock
+//!   (`prepare`).
 //! - Each rank runs on its GPU's single runtime stream, so NCCL calls are ordered with the
-//!   kernels and copies around them.
-//! - All collectives of one call are issued inside one `group_start`/`group_end`.
+//!   kernels and copies around them. All collectives of one call are issued inside one
+//!   `group_start`/`group_end`; since the communicators are non-blocking, neither the calls
+//!   nor the group end can block: whatever reports `ncclInProgress` is polled, with the
+//!   timeout, and a stall is aborted rather than waited for.
+//! - No lock that the watchdog needs is held across a call that can block. The cache and the
+//!   list of work in flight each have their own mutex, held only for bookkeeping; the calls on
+//!   one set are serialized by that set's own mutex, whose holder polls with a bound and gives
+//!   up as soon as the watchdog asks for an abort.
 //! - After the group, an event per rank is recorded. Every host wait ([`wait_all`], and any
 //!   read of a GPU buffer on the host, through `wait_stream`) polls those events and
 //!   `ncclCommGetAsyncError`. On an error, or when a collective is still running
@@ -17,42 +26,95 @@
 //!   aborted and dropped from the cache, and an [`Error::Nccl`] names the keys. A watchdog
 //!   thread polls the same way every 100 ms, so a stalled collective is aborted even while
 //!   every user thread is blocked inside the driver.
+//! - `KVSTORE_NCCL_FORCE=1` makes a `nccl` store use NCCL even for a key whose values are all
+//!   on its home GPU: a one-rank communicator reduces them and broadcasts the pulls, so every
+//!   NCCL call the store makes runs on a one-GPU machine too (for tests).
+
+pub mod loader;
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::ffi::CStr;
+use std::ffi::{c_int, c_void, CStr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
-use cudarc::nccl::{result, sys};
 
 use crate::backend::cuda::{self, cross_gpu_order, cuda_err};
 use crate::backend::probe;
 use crate::{DType, Error, Key, Result};
+use loader::{Comm, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
+
+/// The loaded NCCL, or an error that says what was looked for and how to fix it.
+fn lib(op: &'static str, keys: &[Key]) -> Result<&'static Nccl> {
+    loader::library().map_err(|e| Error::Nccl {
+        op,
+        keys: keys.to_vec(),
+        message: e.to_string(),
+    })
+}
+
+/// Whether a usable NCCL (>= 2.14) was found (see [`loader`]).
+pub fn available() -> bool {
+    loader::library().is_ok()
+}
+
+/// The NCCL library file this process loaded, if any.
+pub fn library_path() -> Option<PathBuf> {
+    loader::library().ok().map(|l| l.path.clone())
+}
+
+/// Warns once per process that a `nccl` store found no usable NCCL and uses peer copies:
+/// what was found, and how to fix it. Through `log` when a logger takes warnings, else on
+/// stderr (a user who asked for NCCL must hear of it).
+pub(crate) fn warn_unavailable() {
+    static ONCE: Once = Once::new();
+    if let Err(e) = loader::library() {
+        ONCE.call_once(|| {
+            let msg = format!(
+                "kvstore: a 'nccl' store found no usable NCCL, so sums and broadcasts between \
+                 GPUs use peer copies instead: {e}"
+            );
+            if log::log_enabled!(log::Level::Warn) {
+                log::warn!("{msg}");
+            } else {
+                eprintln!("{msg}");
+            }
+        });
+    }
+}
+
+/// Whether `KVSTORE_NCCL_FORCE=1` (read once): a `nccl` store then uses NCCL for keys whose
+/// values are all on the home GPU too (one-rank communicators), so that its NCCL path runs on
+/// a one-GPU machine.
+pub fn force_single() -> bool {
+    static FORCE: OnceLock<bool> = OnceLock::new();
+    *FORCE.get_or_init(|| std::env::var("KVSTORE_NCCL_FORCE").as_deref() == Ok("1"))
+}
 
 /// NCCL's message for a result code.
-fn err_string(r: sys::ncclResult_t) -> String {
+fn err_string(lib: &Nccl, r: c_int) -> String {
     // SAFETY: ncclGetErrorString returns a pointer to a static NUL-terminated string for any
     // result code; it is only read here.
-    let p = unsafe { sys::ncclGetErrorString(r) };
+    let p = unsafe { (lib.get_error_string)(r) };
     if p.is_null() {
-        return format!("{r:?}");
+        return format!("NCCL error {r}");
     }
     // SAFETY: non-null, static and NUL-terminated (see above).
     let s = unsafe { CStr::from_ptr(p) }.to_string_lossy();
-    format!("{r:?}: {s}")
+    format!("NCCL error {r}: {s}")
 }
 
-/// NCCL's last error text for a communicator (may be empty; always empty before NCCL 2.13,
-/// which lacks `ncclGetLastError`: calling a missing symbol would panic).
-fn last_error(comm: sys::ncclComm_t) -> String {
-    if version().is_none_or(|v| v < 21300) {
+/// NCCL's last error text for a communicator (may be empty; NCCL before 2.13 has none).
+fn last_error(lib: &Nccl, comm: Comm) -> String {
+    let Some(f) = lib.get_last_error else {
         return String::new();
-    }
+    };
     // SAFETY: `comm` is a live communicator (or null, which NCCL accepts); the returned string
     // is owned by NCCL and copied out at once.
-    let p = unsafe { sys::ncclGetLastError(comm) };
+    let p = unsafe { f(comm) };
     if p.is_null() {
         return String::new();
     }
@@ -60,14 +122,16 @@ fn last_error(comm: sys::ncclComm_t) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-fn nccl_error(
-    op: &'static str,
-    keys: &[Key],
-    r: sys::ncclResult_t,
-    comm: sys::ncclComm_t,
-) -> Error {
-    let mut message = err_string(r);
-    let last = last_error(comm);
+fn nccl_error(op: &'static str, keys: &[Key], r: c_int, comm: Comm) -> Error {
+    let Ok(lib) = loader::library() else {
+        return Error::Nccl {
+            op,
+            keys: keys.to_vec(),
+            message: format!("NCCL error {r}"),
+        };
+    };
+    let mut message = err_string(lib, r);
+    let last = last_error(lib, comm);
     if !last.is_empty() {
         message = format!("{message} ({last})");
     }
@@ -78,12 +142,18 @@ fn nccl_error(
     }
 }
 
-/// The NCCL library's version code (e.g. 23007 for 2.30.7), or `None` when it cannot be loaded.
-pub fn version() -> Option<i32> {
-    if !probe::nccl_present() {
-        return None;
+/// `Ok` for `ncclSuccess` and `ncclInProgress` (a non-blocking call still running), else the
+/// error.
+fn started(op: &'static str, keys: &[Key], r: c_int, comm: Comm) -> Result<()> {
+    match r {
+        SUCCESS | IN_PROGRESS => Ok(()),
+        e => Err(nccl_error(op, keys, e, comm)),
     }
-    result::get_nccl_version().ok()
+}
+
+/// The NCCL library's version code (e.g. 23007 for 2.30.7), or `None` when none is usable.
+pub fn version() -> Option<i32> {
+    loader::library().ok().map(|l| l.version)
 }
 
 /// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS` as the
@@ -99,79 +169,268 @@ fn timeout() -> Duration {
     })
 }
 
-/// The NCCL element type of a dtype.
-fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
+/// How many device sets keep their communicators: `KVSTORE_NCCL_MAX_COMMS` (read once), else 8.
+fn max_sets() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("KVSTORE_NCCL_MAX_COMMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(8)
+    })
+}
+
+/// The NCCL element type of a dtype (`ncclDataType_t`).
+fn nccl_dtype(dtype: DType) -> c_int {
     match dtype {
-        DType::F32 => sys::ncclDataType_t::ncclFloat32,
-        DType::F64 => sys::ncclDataType_t::ncclFloat64,
-        DType::F16 => sys::ncclDataType_t::ncclFloat16,
-        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::F16 => 6,
+        DType::F32 => 7,
+        DType::F64 => 8,
+        DType::BF16 => 9,
     }
 }
+
+/// `ncclSum`.
+const NCCL_SUM: c_int = 0;
 
 /// One rank: a raw communicator and the stream its collectives go on.
 struct Rank {
-    comm: sys::ncclComm_t,
+    comm: Comm,
     stream: Arc<CudaStream>,
 }
 
-/// The communicators of one device set, one per rank. Dropping it aborts them.
+/// The non-blocking communicators of one device set, one per rank. Dropping it finalizes and
+/// destroys them (or aborts them, if they failed).
 struct CommSet {
     ranks: Vec<Rank>,
+    /// Serializes every call on these communicators; `true` once they are aborted.
+    calls: Mutex<bool>,
+    /// Set by the watchdog: whoever polls these communicators stops and aborts them.
+    abort_requested: AtomicBool,
 }
 
+// SAFETY: `CommSet` holds raw `ncclComm_t` handles, which Rust cannot see are thread-safe.
+// NCCL allows a communicator to be used from any thread as long as calls on it are not
+// concurrent, and every call on these handles is made while holding `calls`.
+unsafe impl Send for CommSet {}
+// SAFETY: as above: shared use goes through the `calls` mutex.
+unsafe impl Sync for CommSet {}
+
 impl CommSet {
-    /// `ncclCommInitAll` over distinct ordinals, each rank on its GPU's runtime stream.
-    fn init_all(ordinals: &[usize], keys: &[Key]) -> Result<CommSet> {
-        let op = "create NCCL communicator";
-        let mut streams = Vec::with_capacity(ordinals.len());
-        for &o in ordinals {
-            streams.push(cuda::gpu(o)?.stream().clone());
+    /// Non-blocking communicators, rank `r` on GPU `ordinals[r]` and stream `streams[r]`
+    /// (ordinals may repeat: several ranks on one GPU, each with a stream of its own), created
+    /// in one group and polled until ready, with the timeout.
+    fn init(
+        ordinals: &[usize],
+        streams: Vec<Arc<CudaStream>>,
+        op: &'static str,
+        keys: &[Key],
+    ) -> Result<CommSet> {
+        let lib = lib(op, keys)?;
+        let Some(init) = lib.comm_init_rank_config else {
+            return Err(Error::Nccl {
+                op,
+                keys: keys.to_vec(),
+                message: format!(
+                    "NCCL {} has no ncclCommInitRankConfig; kvstore needs NCCL >= 2.14",
+                    lib.version_string()
+                ),
+            });
+        };
+        let mut id = UniqueId([0; 128]);
+        // SAFETY: a valid out-pointer for the id.
+        let r = unsafe { (lib.get_unique_id)(&mut id) };
+        started(op, keys, r, std::ptr::null_mut())?;
+        let n = ordinals.len();
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); n];
+        // Each config must stay alive until the group ends.
+        let mut configs: Vec<Config> = (0..n).map(|_| Config::new(false)).collect();
+        // SAFETY: no arguments; pairs with the group_end below, which is always called.
+        let r = unsafe { (lib.group_start)() };
+        started(op, keys, r, std::ptr::null_mut())?;
+        let mut first: Result<()> = Ok(());
+        for (rank, (&o, (c, cfg))) in ordinals
+            .iter()
+            .zip(comms.iter_mut().zip(configs.iter_mut()))
+            .enumerate()
+        {
+            let bound = cuda::gpu(o).and_then(|g| {
+                g.context()
+                    .bind_to_thread()
+                    .map_err(cuda_err("create NCCL communicator", None))
+            });
+            if let Err(e) = bound {
+                first = first.and(Err(e));
+                continue;
+            }
+            // SAFETY: `c` and `cfg` are valid pointers that outlive the group; `id` came from
+            // ncclGetUniqueId; the current device is the rank's (bound just above), as
+            // ncclCommInitRankConfig requires.
+            let r = unsafe { init(c, n as c_int, id, rank as c_int, cfg) };
+            first = first.and(started(op, keys, r, std::ptr::null_mut()));
         }
-        let devs: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
-        let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); devs.len()];
-        // SAFETY: `comms` has room for one handle per device in `devs`, and both outlive the call.
-        unsafe { result::comm_init_all(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) }
-            .map_err(|e| nccl_error(op, keys, e.0, std::ptr::null_mut()))?;
-        Ok(CommSet {
+        // SAFETY: ends the group started above.
+        let r = unsafe { (lib.group_end)() };
+        first = first.and(started(op, keys, r, std::ptr::null_mut()));
+        let set = CommSet {
             ranks: comms
                 .into_iter()
                 .zip(streams)
+                .filter(|(c, _)| !c.is_null())
                 .map(|(comm, stream)| Rank { comm, stream })
                 .collect(),
-        })
-    }
-
-    /// The first asynchronous error any rank reports, if any.
-    fn async_error(&self, op: &'static str, keys: &[Key]) -> Result<()> {
-        async_error(&self.ranks, op, keys)
-    }
-}
-
-/// The first asynchronous error any of `ranks` reports, if any.
-fn async_error(ranks: &[Rank], op: &'static str, keys: &[Key]) -> Result<()> {
-    for r in ranks {
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: `r.comm` is a live communicator owned by the caller's set, used under its
-        // lock (or by its single owner); `state` is a valid out-pointer for the call.
-        let rc = unsafe { sys::ncclCommGetAsyncError(r.comm, &mut state) };
-        for code in [rc, state] {
-            match code {
-                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
-                other => return Err(nccl_error(op, keys, other, r.comm)),
+            calls: Mutex::new(false),
+            abort_requested: AtomicBool::new(false),
+        };
+        let mut calls = set.lock();
+        let ready = first.and_then(|()| {
+            if set.ranks.len() != n {
+                return Err(Error::Nccl {
+                    op,
+                    keys: keys.to_vec(),
+                    message: format!("only {} of {n} communicators were created", set.ranks.len()),
+                });
             }
+            set.settle(lib, op, keys, Instant::now() + timeout())
+        });
+        if ready.is_err() {
+            set.abort_locked(&mut calls);
+        }
+        drop(calls);
+        ready.map(|()| set)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, bool> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Polls every rank with `ncclCommGetAsyncError` until none is in progress. An error, an
+    /// abort the watchdog asked for, or `deadline` ends it with an error (the caller, which
+    /// holds `calls`, aborts).
+    fn settle(&self, lib: &Nccl, op: &'static str, keys: &[Key], deadline: Instant) -> Result<()> {
+        loop {
+            let mut busy = false;
+            for r in &self.ranks {
+                let mut state = SUCCESS;
+                // SAFETY: a live communicator of this set, used under `calls`; `state` is a
+                // valid out-pointer.
+                let rc = unsafe { (lib.comm_get_async_error)(r.comm, &mut state) };
+                started(op, keys, rc, r.comm)?;
+                match state {
+                    SUCCESS => {}
+                    IN_PROGRESS => busy = true,
+                    e => return Err(nccl_error(op, keys, e, r.comm)),
+                }
+            }
+            if !busy {
+                return Ok(());
+            }
+            if self.abort_requested.load(Ordering::Acquire) {
+                return Err(Error::Nccl {
+                    op,
+                    keys: keys.to_vec(),
+                    message: "aborted by the NCCL watchdog while in progress".to_owned(),
+                });
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Nccl {
+                    op,
+                    keys: keys.to_vec(),
+                    message: format!(
+                        "still in progress after {:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
+                         communicators were aborted",
+                        timeout()
+                    ),
+                });
+            }
+            std::thread::sleep(POLL_INTERVAL);
         }
     }
-    Ok(())
+
+    /// Aborts every rank, once (the caller holds `calls`).
+    fn abort_locked(&self, aborted: &mut bool) {
+        if std::mem::replace(aborted, true) {
+            return;
+        }
+        let Ok(lib) = loader::library() else {
+            return;
+        };
+        for r in &self.ranks {
+            // SAFETY: each handle was created by NCCL for this set and is aborted exactly once
+            // (the flag above); abort frees it without waiting for (possibly stuck) work.
+            let _ = unsafe { (lib.comm_abort)(r.comm) };
+        }
+    }
+
+    /// Asks whoever is polling these communicators to stop, then aborts them. The holder of
+    /// `calls` polls with a bound and checks the request every poll, so this waits briefly.
+    fn abort(&self) {
+        self.abort_requested.store(true, Ordering::Release);
+        let mut calls = self.lock();
+        self.abort_locked(&mut calls);
+    }
+
+    /// The first asynchronous error any rank reports, if any; `Ok` when the set is busy (a
+    /// call in progress holds `calls`: its holder polls itself) or aborted.
+    fn async_error(&self, op: &'static str, keys: &[Key]) -> Result<()> {
+        let Ok(calls) = self.calls.try_lock() else {
+            return Ok(());
+        };
+        if *calls {
+            return Ok(());
+        }
+        let Ok(lib) = loader::library() else {
+            return Ok(());
+        };
+        for r in &self.ranks {
+            let mut state = SUCCESS;
+            // SAFETY: a live communicator of this set, used under `calls`; `state` is a valid
+            // out-pointer.
+            let rc = unsafe { (lib.comm_get_async_error)(r.comm, &mut state) };
+            for code in [rc, state] {
+                started(op, keys, code, r.comm)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Drop for CommSet {
     fn drop(&mut self) {
-        for r in &self.ranks {
-            // SAFETY: each handle was created by NCCL for this set and is aborted exactly once,
-            // here; abort frees it without waiting for (possibly stuck) work.
-            let _ = unsafe { result::comm_abort(r.comm) };
+        let mut calls = self.lock();
+        if *calls {
+            return;
         }
+        let Ok(lib) = loader::library() else {
+            return;
+        };
+        // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
+        let mut ok = true;
+        if let Some(finalize) = lib.comm_finalize {
+            for r in &self.ranks {
+                // SAFETY: a live communicator of this set, under `calls`.
+                ok &= matches!(unsafe { finalize(r.comm) }, SUCCESS | IN_PROGRESS);
+            }
+            ok = ok
+                && self
+                    .settle(
+                        lib,
+                        "destroy NCCL communicator",
+                        &[],
+                        Instant::now() + timeout(),
+                    )
+                    .is_ok();
+        }
+        if !ok {
+            self.abort_locked(&mut calls);
+            return;
+        }
+        for r in &self.ranks {
+            // SAFETY: finalized above and destroyed exactly once, here.
+            let _ = unsafe { (lib.comm_destroy)(r.comm) };
+        }
+        *calls = true;
     }
 }
 
@@ -181,27 +440,35 @@ struct Pending {
     seq: u64,
     issued: Instant,
     set: Vec<usize>,
+    comms: Arc<CommSet>,
     events: Vec<CudaEvent>,
     keys: Vec<Key>,
     op: &'static str,
 }
 
-/// A collective that failed or stalled. Its device set's communicators are already aborted,
-/// and with them every collective in flight on that set, whose keys the error names.
+/// A collective that failed or stalled. Its device set's communicators are aborted by
+/// [`fail`], and with them every collective in flight on that set, whose keys the error names.
 struct Failure {
     set: Vec<usize>,
+    comms: Arc<CommSet>,
     keys: Vec<Key>,
     error: Error,
 }
 
-/// The communicator cache and the work in flight.
+/// The work in flight. Its mutex is only held for bookkeeping and non-blocking queries.
 #[derive(Default)]
-struct Comms {
-    sets: HashMap<Vec<usize>, CommSet>,
+struct Inflight {
     pending: Vec<Pending>,
     next_seq: u64,
     /// Errors found while polling between calls, reported by the next [`wait_all`].
     deferred: Vec<Error>,
+}
+
+/// The communicator cache: device set -> communicators and when they were last used.
+#[derive(Default)]
+struct Cache {
+    sets: HashMap<Vec<usize>, (Arc<CommSet>, u64)>,
+    tick: u64,
 }
 
 /// How often a host wait polls events and NCCL's async errors.
@@ -222,10 +489,11 @@ fn start_watchdog() {
             .name("kvstore-nccl-watchdog".to_owned())
             .spawn(|| loop {
                 std::thread::sleep(WATCHDOG_INTERVAL);
-                let mut c = comms();
-                if let Err(f) = c.poll() {
+                let failure = inflight().poll().err();
+                if let Some(f) = failure {
                     log::error!("kvstore: {}", f.error);
-                    c.deferred.push(f.error);
+                    fail(&f);
+                    inflight().deferred.push(f.error);
                 }
             });
         if let Err(e) = spawned {
@@ -234,94 +502,194 @@ fn start_watchdog() {
     });
 }
 
-// SAFETY: `Comms` holds raw `ncclComm_t` handles, which are not `Send` in Rust's eyes. NCCL
-// allows a communicator to be used from any thread as long as calls on it are not concurrent.
-// The only `Comms` lives in a `Mutex` (`comms()`), and every use of a handle happens while that
-// mutex is held, so calls are serialized.
-unsafe impl Send for Comms {}
-
-fn comms() -> MutexGuard<'static, Comms> {
-    static COMMS: OnceLock<Mutex<Comms>> = OnceLock::new();
-    COMMS
+fn inflight() -> MutexGuard<'static, Inflight> {
+    static INFLIGHT: OnceLock<Mutex<Inflight>> = OnceLock::new();
+    INFLIGHT
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }
 
-impl Comms {
-    fn set(&mut self, ordinals: &[usize], keys: &[Key]) -> Result<&CommSet> {
-        if !self.sets.contains_key(ordinals) {
-            let set = CommSet::init_all(ordinals, keys)?;
-            self.sets.insert(ordinals.to_vec(), set);
+fn cache() -> MutexGuard<'static, Cache> {
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Which of `entries` (key, last use, in use) to evict so that at most `cap` remain: the least
+/// recently used first, never one in use (so more than `cap` may remain).
+fn lru_victims<K: Clone>(entries: &[(K, u64, bool)], cap: usize) -> Vec<K> {
+    let excess = entries.len().saturating_sub(cap);
+    let mut idle: Vec<&(K, u64, bool)> = entries.iter().filter(|e| !e.2).collect();
+    idle.sort_by_key(|e| e.1);
+    idle.into_iter().take(excess).map(|e| e.0.clone()).collect()
+}
+
+/// The communicators of `ordinals` (ascending, distinct), from the cache or built (outside
+/// every lock but the cache's brief bookkeeping), evicting the least recently used sets
+/// beyond [`max_sets`].
+fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> {
+    {
+        let mut c = cache();
+        c.tick += 1;
+        let tick = c.tick;
+        if let Some((set, used)) = c.sets.get_mut(ordinals) {
+            *used = tick;
+            return Ok(set.clone());
         }
-        Ok(&self.sets[ordinals])
     }
-
-    /// Aborts and forgets the communicators of `set`, and its pending work.
-    fn abort(&mut self, set: &[usize]) {
-        self.pending.retain(|p| p.set != set);
-        self.sets.remove(set);
+    let mut streams = Vec::with_capacity(ordinals.len());
+    for &o in ordinals {
+        streams.push(cuda::gpu(o)?.stream().clone());
     }
+    let built = Arc::new(CommSet::init(
+        ordinals,
+        streams,
+        "create NCCL communicator",
+        keys,
+    )?);
+    let (set, evicted) = {
+        let mut c = cache();
+        c.tick += 1;
+        let tick = c.tick;
+        // Another thread may have built the same set meanwhile: keep one.
+        let set = c
+            .sets
+            .entry(ordinals.to_vec())
+            .or_insert_with(|| (built.clone(), tick))
+            .0
+            .clone();
+        let busy: Vec<Vec<usize>> = inflight().pending.iter().map(|p| p.set.clone()).collect();
+        let entries: Vec<(Vec<usize>, u64, bool)> = c
+            .sets
+            .iter()
+            .map(|(k, (s, used))| {
+                let in_use =
+                    k.as_slice() == ordinals || Arc::strong_count(s) > 1 || busy.contains(k);
+                (k.clone(), *used, in_use)
+            })
+            .collect();
+        let evicted: Vec<Arc<CommSet>> = lru_victims(&entries, max_sets())
+            .into_iter()
+            .filter_map(|k| c.sets.remove(&k).map(|(s, _)| s))
+            .collect();
+        (set, evicted)
+    };
+    // Finalized and destroyed here, outside the cache lock (and `built`, if unused).
+    drop(evicted);
+    drop(built);
+    Ok(set)
+}
 
+/// Builds, before a call takes its key locks, the communicators it will need: one per device
+/// set of at least two GPUs (or of one, with [`force_single`]).
+pub(crate) fn prepare(sets: &[Vec<usize>]) -> Result<()> {
+    if !available() {
+        return Ok(());
+    }
+    for s in sets {
+        if s.len() >= 2 || (s.len() == 1 && force_single()) {
+            get_set(s, &[])?;
+        }
+    }
+    Ok(())
+}
+
+/// How many collectives (one per key and call) this process has issued through the store's
+/// NCCL path (for tests that NCCL really ran).
+pub fn collectives_issued() -> u64 {
+    ISSUED.load(Ordering::Relaxed)
+}
+
+static ISSUED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The device sets whose communicators are cached (for tests of the LRU bound).
+pub fn cached_sets() -> Vec<Vec<usize>> {
+    let mut v: Vec<Vec<usize>> = cache().sets.keys().cloned().collect();
+    v.sort();
+    v
+}
+
+/// Aborts every cached communicator and empties the cache; the next call builds afresh. Work
+/// in flight on them is ended (its keys' next wait reports nothing: the caller asked for it).
+pub fn abort_all() {
+    let sets: Vec<Arc<CommSet>> = cache().sets.drain().map(|(_, (s, _))| s).collect();
+    inflight().pending.clear();
+    for s in &sets {
+        s.abort();
+    }
+}
+
+/// Aborts a failed set and drops it from the cache (if it is still the cached one).
+fn fail(f: &Failure) {
+    {
+        let mut c = cache();
+        if c.sets
+            .get(&f.set)
+            .is_some_and(|(s, _)| Arc::ptr_eq(s, &f.comms))
+        {
+            c.sets.remove(&f.set);
+        }
+    }
+    f.comms.abort();
+}
+
+impl Inflight {
     /// Drops the pending entries whose events have all completed. The first entry whose
     /// communicators report an asynchronous error, or that is still running [`timeout`] after
-    /// it was issued (as PyTorch's NCCL watchdog counts), is aborted with its whole device set
-    /// and returned, naming the keys of every collective the abort ended.
+    /// it was issued (as PyTorch's NCCL watchdog counts), is removed with every entry of its
+    /// device set and returned, naming their keys; the caller aborts it with [`fail`], after
+    /// releasing this lock.
     fn poll(&mut self) -> std::result::Result<(), Box<Failure>> {
         let limit = timeout();
-        let mut failure = None;
+        let mut failure: Option<(Vec<usize>, Arc<CommSet>, Error)> = None;
         self.pending.retain(|p| {
             if failure.is_some() {
                 return true;
             }
-            let fail = |error| {
-                Some(Failure {
-                    set: p.set.clone(),
-                    keys: Vec::new(),
-                    error,
-                })
+            let mut fail = |error| {
+                failure = Some((p.set.clone(), p.comms.clone(), error));
+                true
             };
-            if let Some(set) = self.sets.get(&p.set) {
-                if let Err(e) = set.async_error(p.op, &p.keys) {
-                    failure = fail(e);
-                    return true;
-                }
+            if let Err(e) = p.comms.async_error(p.op, &p.keys) {
+                return fail(e);
             }
             match all_complete(&p.events, p.op) {
                 Ok(true) => false,
-                Ok(false) if p.issued.elapsed() > limit => {
-                    failure = fail(Error::Nccl {
-                        op: p.op,
-                        keys: p.keys.clone(),
-                        message: format!(
-                            "no progress after {limit:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
-                             communicator for GPUs {:?} was aborted",
-                            p.set
-                        ),
-                    });
-                    true
-                }
+                Ok(false) if p.issued.elapsed() > limit => fail(Error::Nccl {
+                    op: p.op,
+                    keys: p.keys.clone(),
+                    message: format!(
+                        "no progress after {limit:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
+                         communicator for GPUs {:?} was aborted",
+                        p.set
+                    ),
+                }),
                 Ok(false) => true,
-                Err(e) => {
-                    failure = fail(e);
-                    true
-                }
+                Err(e) => fail(e),
             }
         });
-        let Some(mut f) = failure else {
+        let Some((set, comms, mut error)) = failure else {
             return Ok(());
         };
-        f.keys = self
+        let keys: Vec<Key> = self
             .pending
             .iter()
-            .filter(|p| p.set == f.set)
+            .filter(|p| Arc::ptr_eq(&p.comms, &comms))
             .flat_map(|p| p.keys.iter().cloned())
             .collect();
-        if let Error::Nccl { keys, .. } = &mut f.error {
-            keys.clone_from(&f.keys);
+        self.pending.retain(|p| !Arc::ptr_eq(&p.comms, &comms));
+        if let Error::Nccl { keys: k, .. } = &mut error {
+            k.clone_from(&keys);
         }
-        self.abort(&f.set);
-        Err(Box::new(f))
+        Err(Box::new(Failure {
+            set,
+            comms,
+            keys,
+            error,
+        }))
     }
 }
 
@@ -343,19 +711,25 @@ pub fn wait_all() -> Result<()> {
     if !probe::nccl_present() {
         return Ok(());
     }
-    let last = comms().next_seq;
+    let last = inflight().next_seq;
     loop {
-        {
-            let mut c = comms();
+        let failure = {
+            let mut c = inflight();
             if !c.deferred.is_empty() {
                 return Err(c.deferred.remove(0));
             }
-            c.poll().map_err(|f| f.error)?;
-            if c.pending.iter().all(|p| p.seq >= last) {
-                return Ok(());
+            match c.poll() {
+                Err(f) => f,
+                Ok(()) if c.pending.iter().all(|p| p.seq >= last) => return Ok(()),
+                Ok(()) => {
+                    drop(c);
+                    std::thread::sleep(POLL_INTERVAL);
+                    continue;
+                }
             }
-        }
-        std::thread::sleep(POLL_INTERVAL);
+        };
+        fail(&failure);
+        return Err(failure.error);
     }
 }
 
@@ -375,7 +749,7 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
         .stream()
         .record_event(None)
         .map_err(cuda_err(op, None))?;
-    if comms().pending.is_empty() {
+    if inflight().pending.is_empty() {
         return done.synchronize().map_err(cuda_err(op, None));
     }
     // A backstop for a stream still busy well after its collectives would have timed out.
@@ -384,20 +758,19 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
         if done.try_is_complete().map_err(cuda_err(op, None))? {
             return Ok(());
         }
-        {
-            let mut c = comms();
-            if let Err(f) = c.poll() {
-                // The pushing thread hears of it from wait_all; this reader, when its GPU was
-                // in the set, gets an error of its own.
-                let mine = f.set.contains(&gpu.ordinal()).then(|| Error::Nccl {
-                    op,
-                    keys: f.keys.clone(),
-                    message: f.error.to_string(),
-                });
-                c.deferred.push(f.error);
-                if let Some(e) = mine {
-                    return Err(e);
-                }
+        let failure = inflight().poll().err();
+        if let Some(f) = failure {
+            fail(&f);
+            // The pushing thread hears of it from wait_all; this reader, when its GPU was in
+            // the set, gets an error of its own.
+            let mine = f.set.contains(&gpu.ordinal()).then(|| Error::Nccl {
+                op,
+                keys: f.keys.clone(),
+                message: f.error.to_string(),
+            });
+            inflight().deferred.push(f.error);
+            if let Some(e) = mine {
+                return Err(e);
             }
         }
         if Instant::now() > deadline {
@@ -444,6 +817,11 @@ pub(crate) struct Job {
 
 /// Issues every job's collective in one NCCL group on the GPUs' runtime streams.
 ///
+/// The communicators come from the cache (or are built first, holding no lock). The group is
+/// issued holding [`cross_gpu_order`] and each set's call lock, never the cache's or the
+/// in-flight list's; since the communicators are non-blocking, what reports `ncclInProgress`
+/// is polled to completion with the timeout, and a stall is aborted.
+///
 /// The caller keeps every buffer named by a job alive; they are freed on their GPU's stream,
 /// so after the collective.
 pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
@@ -451,136 +829,171 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
         return Ok(());
     }
     let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
-    if !probe::nccl_present() {
-        return Err(Error::Nccl {
-            op,
-            keys: all_keys,
-            message: "libnccl.so cannot be loaded: put a folder with a libnccl.so symlink on \
-                      LD_LIBRARY_PATH"
-                .to_owned(),
-        });
-    }
+    let lib = lib(op, &all_keys)?;
     start_watchdog();
-    let mut c = comms();
     // Errors of earlier work (other keys) do not fail this call: wait_all reports them.
-    if let Err(f) = c.poll() {
-        c.deferred.push(f.error);
+    let failure = inflight().poll().err();
+    if let Some(f) = failure {
+        fail(&f);
+        inflight().deferred.push(f.error);
     }
-    let mut sets: Vec<Vec<usize>> = jobs.iter().map(|j| j.devices.clone()).collect();
-    sets.sort();
-    sets.dedup();
-    for s in &sets {
-        let keys: Vec<Key> = jobs
-            .iter()
+    let mut set_keys: Vec<Vec<usize>> = jobs.iter().map(|j| j.devices.clone()).collect();
+    set_keys.sort();
+    set_keys.dedup();
+    let keys_of = |s: &Vec<usize>| -> Vec<Key> {
+        jobs.iter()
             .filter(|j| &j.devices == s)
             .map(|j| j.key.clone())
-            .collect();
-        c.set(s, &keys)?;
+            .collect()
+    };
+    let mut sets = Vec::with_capacity(set_keys.len());
+    for s in &set_keys {
+        sets.push(get_set(s, &keys_of(s))?);
     }
-    let first_error = issue(&c, op, jobs);
-    for s in &sets {
-        let keys: Vec<Key> = jobs
-            .iter()
-            .filter(|j| &j.devices == s)
-            .map(|j| j.key.clone())
-            .collect();
-        if first_error.is_err() {
-            c.abort(s);
-            continue;
+    let order = cross_gpu_order();
+    // Always in ascending set order, so two calls never wait on each other's locks.
+    let mut guards: Vec<MutexGuard<'_, bool>> = sets.iter().map(|s| s.lock()).collect();
+    let mut result = if guards.iter().any(|g| **g) {
+        Err(Error::Nccl {
+            op,
+            keys: all_keys.clone(),
+            message: "the communicators were aborted after an earlier failure; retry the call"
+                .to_owned(),
+        })
+    } else {
+        issue(lib, &set_keys, &sets, op, jobs)
+    };
+    if result.is_ok() {
+        let deadline = Instant::now() + timeout();
+        for (s, k) in sets.iter().zip(&set_keys) {
+            result = result.and_then(|()| s.settle(lib, op, &keys_of(k), deadline));
         }
-        let mut events = Vec::new();
-        for r in &c.sets[s].ranks {
-            events.push(
-                r.stream
-                    .record_event(None)
-                    .map_err(cuda_err("record NCCL event", None))?,
-            );
+    }
+    let mut events = Vec::with_capacity(sets.len());
+    if result.is_ok() {
+        for s in &sets {
+            let mut evs = Vec::with_capacity(s.ranks.len());
+            for r in &s.ranks {
+                match r.stream.record_event(None) {
+                    Ok(e) => evs.push(e),
+                    Err(e) => {
+                        result = Err(cuda_err("record NCCL event", None)(e));
+                        break;
+                    }
+                }
+            }
+            events.push(evs);
         }
+    }
+    if result.is_err() {
+        // A failed group leaves the communicators in an unknown state: abort them all.
+        for (s, g) in sets.iter().zip(guards.iter_mut()) {
+            s.abort_locked(g);
+        }
+    }
+    drop(guards);
+    drop(order);
+    if result.is_err() {
+        let mut c = cache();
+        for (k, s) in set_keys.iter().zip(&sets) {
+            if c.sets.get(k).is_some_and(|(x, _)| Arc::ptr_eq(x, s)) {
+                c.sets.remove(k);
+            }
+        }
+        return result;
+    }
+    ISSUED.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+    let mut c = inflight();
+    for ((k, s), events) in set_keys.iter().zip(sets).zip(events) {
         let seq = c.next_seq;
         c.next_seq += 1;
         c.pending.push(Pending {
             seq,
             issued: Instant::now(),
-            set: s.clone(),
+            set: k.clone(),
+            comms: s,
             events,
-            keys,
+            keys: keys_of(k),
             op,
         });
     }
-    first_error
+    Ok(())
 }
 
 /// The group itself: `group_end` is always called, even after a failed call inside.
-fn issue(c: &Comms, op: &'static str, jobs: &[Job]) -> Result<()> {
+fn issue(
+    lib: &Nccl,
+    set_keys: &[Vec<usize>],
+    sets: &[Arc<CommSet>],
+    op: &'static str,
+    jobs: &[Job],
+) -> Result<()> {
     let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
-    let _order = cross_gpu_order();
-    result::group_start().map_err(|e| nccl_error(op, &all_keys, e.0, std::ptr::null_mut()))?;
+    // SAFETY: no arguments; the matching group_end is always called below.
+    let r = unsafe { (lib.group_start)() };
+    started(op, &all_keys, r, std::ptr::null_mut())?;
     let mut first: Result<()> = Ok(());
     for job in jobs {
-        let set = &c.sets[&job.devices];
-        for (rank, r) in set.ranks.iter().enumerate() {
+        let at = set_keys
+            .binary_search(&job.devices)
+            .expect("every job's set is in the list");
+        for (rank, r) in sets[at].ranks.iter().enumerate() {
             let dt = nccl_dtype(job.dtype);
-            let stream = r.stream.cu_stream() as sys::cudaStream_t;
+            let stream = r.stream.cu_stream() as *mut c_void;
             let res = match &job.kind {
                 // SAFETY: the addresses name live device buffers of `job.n` elements of
                 // `job.dtype` on this rank's GPU (kept alive by the caller, freed on this
-                // stream); `r.comm` is a live communicator used under the cache mutex.
+                // stream); `r.comm` is a live communicator used under its set's call lock.
                 Kind::Reduce { sends, recv, root } => unsafe {
-                    result::reduce(
-                        sends[rank] as *const _,
-                        if rank == *root { *recv } else { 0 } as *mut _,
+                    (lib.reduce)(
+                        sends[rank] as *const c_void,
+                        if rank == *root { *recv } else { 0 } as *mut c_void,
                         job.n,
                         dt,
-                        sys::ncclRedOp_t::ncclSum,
-                        *root as i32,
+                        NCCL_SUM,
+                        *root as c_int,
                         r.comm,
                         stream,
                     )
                 },
                 // SAFETY: as for reduce.
                 Kind::Broadcast { send, recvs, root } => unsafe {
-                    result::broadcast(
-                        if rank == *root { *send } else { 0 } as *const _,
-                        recvs[rank] as *mut _,
+                    (lib.broadcast)(
+                        if rank == *root { *send } else { 0 } as *const c_void,
+                        recvs[rank] as *mut c_void,
                         job.n,
                         dt,
-                        *root as i32,
+                        *root as c_int,
                         r.comm,
                         stream,
                     )
                 },
             };
-            if let Err(e) = res {
-                if first.is_ok() {
-                    first = Err(nccl_error(op, std::slice::from_ref(&job.key), e.0, r.comm));
-                }
-            }
+            first = first.and(started(op, std::slice::from_ref(&job.key), res, r.comm));
         }
     }
-    if let Err(e) = result::group_end() {
-        if first.is_ok() {
-            first = Err(nccl_error(op, &all_keys, e.0, std::ptr::null_mut()));
-        }
-    }
-    first
+    // SAFETY: ends the group started above.
+    let r = unsafe { (lib.group_end)() };
+    first.and(started(op, &all_keys, r, std::ptr::null_mut()))
 }
 
 /// Several NCCL ranks on ONE GPU, for tests on one-GPU machines.
 ///
 /// NCCL refuses two ranks on one GPU before 2.30; 2.30 and later allow it when the environment
 /// has `NCCL_MULTI_RANK_GPU_ENABLE=1`. Each rank gets its own stream (two ranks of one
-/// collective on one stream would wait for each other forever).
+/// collective on one stream would wait for each other forever). The communicators are
+/// non-blocking, as the store's are.
 pub struct MultiRank {
     ordinal: usize,
-    ranks: Vec<Rank>,
-    /// Set once the communicators are aborted (after a failed or stalled call, or on drop).
-    aborted: Cell<bool>,
+    set: CommSet,
     /// How long a call waits for the ranks before it aborts them.
     timeout: Duration,
+    /// `CommSet` is `Sync`, but a `MultiRank` is used from one thread at a time.
+    _not_sync: std::marker::PhantomData<Cell<()>>,
 }
 
 impl MultiRank {
-    /// `nranks` ranks on GPU `ordinal`, built with `ncclCommInitRank` inside one group.
+    /// `nranks` ranks on GPU `ordinal`, built with `ncclCommInitRankConfig` inside one group.
     /// An error says why it is not possible here (no GPU, no NCCL, NCCL too old, env unset).
     pub fn new(ordinal: usize, nranks: usize) -> Result<MultiRank> {
         let op = "create multi-rank communicator";
@@ -590,10 +1003,11 @@ impl MultiRank {
             keys: vec![],
             message,
         };
-        let v = version().ok_or_else(|| unsupported("libnccl.so cannot be loaded".to_owned()))?;
-        if v < 23000 {
+        let lib = lib(op, &[])?;
+        if lib.version < 23000 {
             return Err(unsupported(format!(
-                "NCCL {v} is older than 2.30, which is needed for several ranks on one GPU"
+                "NCCL {} is older than 2.30, which is needed for several ranks on one GPU",
+                lib.version_string()
             )));
         }
         if std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref() != Ok("1") {
@@ -601,41 +1015,21 @@ impl MultiRank {
                 "NCCL_MULTI_RANK_GPU_ENABLE=1 is not set in the environment".to_owned(),
             ));
         }
-        let id =
-            result::get_uniqueid().map_err(|e| nccl_error(op, &[], e.0, std::ptr::null_mut()))?;
         let mut streams = Vec::with_capacity(nranks);
         for _ in 0..nranks {
             streams.push(gpu.context().new_stream().map_err(cuda_err(op, None))?);
         }
-        gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
-        let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); nranks];
-        result::group_start().map_err(|e| nccl_error(op, &[], e.0, std::ptr::null_mut()))?;
-        let mut first: Result<()> = Ok(());
-        for (rank, c) in comms.iter_mut().enumerate() {
-            // SAFETY: `c` is a valid out-pointer, `id` came from ncclGetUniqueId, and the
-            // current device is `ordinal` (bound just above), as ncclCommInitRank requires.
-            let r = unsafe { result::comm_init_rank(c, nranks as i32, id, rank as i32) };
-            if let (Err(e), true) = (r, first.is_ok()) {
-                first = Err(nccl_error(op, &[], e.0, std::ptr::null_mut()));
-            }
-        }
-        if let (Err(e), true) = (result::group_end(), first.is_ok()) {
-            first = Err(nccl_error(op, &[], e.0, std::ptr::null_mut()));
-        }
-        let ranks: Vec<Rank> = comms
-            .into_iter()
-            .zip(streams)
-            .filter(|(c, _)| !c.is_null())
-            .map(|(comm, stream)| Rank { comm, stream })
-            .collect();
-        let this = MultiRank {
+        let set = CommSet::init(&vec![ordinal; nranks], streams, op, &[])?;
+        Ok(MultiRank {
             ordinal,
-            ranks,
-            aborted: Cell::new(false),
+            set,
             timeout: timeout(),
-        };
-        first?;
-        Ok(this)
+            _not_sync: std::marker::PhantomData,
+        })
+    }
+
+    fn ranks(&self) -> &[Rank] {
+        &self.set.ranks
     }
 
     /// Sums `sends[r]` (one host vector per rank) on the GPU with NCCL; returns the root's result.
@@ -643,37 +1037,37 @@ impl MultiRank {
         let op = "multi-rank reduce";
         self.check_live(op)?;
         let n = sends.first().map_or(0, Vec::len);
-        if sends.len() != self.ranks.len() || sends.iter().any(|s| s.len() != n) {
+        if sends.len() != self.ranks().len() || sends.iter().any(|s| s.len() != n) {
             return Err(self.bad_args(op, "one vector per rank, all of one length"));
         }
         self.check_root(op, root)?;
         let bufs = self.upload_all(sends)?;
         let recv: CudaSlice<f32> =
-            cuda::alloc_zeros(&self.ranks[root].stream, n).map_err(cuda_err(op, None))?;
-        let recv_ptr = device_addr(&recv, &self.ranks[root].stream);
+            cuda::alloc_zeros(&self.ranks()[root].stream, n).map_err(cuda_err(op, None))?;
+        let recv_ptr = device_addr(&recv, &self.ranks()[root].stream);
         let send_ptrs: Vec<u64> = bufs
             .iter()
-            .zip(&self.ranks)
+            .zip(self.ranks())
             .map(|(b, r)| device_addr(b, &r.stream))
             .collect();
-        self.group(op, |rank, r| {
+        self.group(op, |lib, rank, r| {
             // SAFETY: every address names a live buffer of `n` f32 on this GPU; the buffers
             // outlive the call and are only read back after `sync` below.
             unsafe {
-                result::reduce(
-                    send_ptrs[rank] as *const _,
-                    if rank == root { recv_ptr } else { 0 } as *mut _,
+                (lib.reduce)(
+                    send_ptrs[rank] as *const c_void,
+                    if rank == root { recv_ptr } else { 0 } as *mut c_void,
                     n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
-                    root as i32,
+                    nccl_dtype(DType::F32),
+                    NCCL_SUM,
+                    root as c_int,
                     r.comm,
-                    r.stream.cu_stream() as _,
+                    r.stream.cu_stream() as *mut c_void,
                 )
             }
         })?;
         self.sync(op)?;
-        cuda::clone_dtoh(&self.ranks[root].stream, &recv).map_err(cuda_err(op, None))
+        cuda::clone_dtoh(&self.ranks()[root].stream, &recv).map_err(cuda_err(op, None))
     }
 
     /// Broadcasts `data` from rank `root`; returns what every rank received.
@@ -683,38 +1077,38 @@ impl MultiRank {
         let n = data.len();
         self.check_root(op, root)?;
         let send: CudaSlice<f32> =
-            cuda::clone_htod(&self.ranks[root].stream, data).map_err(cuda_err(op, None))?;
+            cuda::clone_htod(&self.ranks()[root].stream, data).map_err(cuda_err(op, None))?;
         let mut recvs = Vec::new();
-        for r in &self.ranks {
+        for r in self.ranks() {
             // Poison the outputs so a broadcast that does nothing is seen.
             recvs
                 .push(cuda::clone_htod(&r.stream, &vec![f32::NAN; n]).map_err(cuda_err(op, None))?);
         }
-        let send_ptr = device_addr(&send, &self.ranks[root].stream);
+        let send_ptr = device_addr(&send, &self.ranks()[root].stream);
         let recv_ptrs: Vec<u64> = recvs
             .iter()
-            .zip(&self.ranks)
+            .zip(self.ranks())
             .map(|(b, r)| device_addr(b, &r.stream))
             .collect();
         // The uploads above ran on each rank's stream; NCCL calls go on the same streams.
-        self.group(op, |rank, r| {
+        self.group(op, |lib, rank, r| {
             // SAFETY: as in `reduce_f32`.
             unsafe {
-                result::broadcast(
-                    if rank == root { send_ptr } else { 0 } as *const _,
-                    recv_ptrs[rank] as *mut _,
+                (lib.broadcast)(
+                    if rank == root { send_ptr } else { 0 } as *const c_void,
+                    recv_ptrs[rank] as *mut c_void,
                     n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    root as i32,
+                    nccl_dtype(DType::F32),
+                    root as c_int,
                     r.comm,
-                    r.stream.cu_stream() as _,
+                    r.stream.cu_stream() as *mut c_void,
                 )
             }
         })?;
         self.sync(op)?;
         recvs
             .iter()
-            .zip(&self.ranks)
+            .zip(self.ranks())
             .map(|(b, r)| cuda::clone_dtoh(&r.stream, b).map_err(cuda_err(op, None)))
             .collect()
     }
@@ -722,6 +1116,11 @@ impl MultiRank {
     /// The GPU the ranks share.
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// The number of ranks.
+    pub fn nranks(&self) -> usize {
+        self.ranks().len()
     }
 
     /// Sets how long a call waits for the ranks before it aborts them (by default
@@ -734,13 +1133,13 @@ impl MultiRank {
         Error::Nccl {
             op,
             keys: vec![],
-            message: format!("expected {what} ({} ranks)", self.ranks.len()),
+            message: format!("expected {what} ({} ranks)", self.ranks().len()),
         }
     }
 
     /// `root` must name a rank (indexing with it would panic otherwise).
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root >= self.ranks.len() {
+        if root >= self.ranks().len() {
             return Err(self.bad_args(op, &format!("a root below the rank count, got {root}")));
         }
         Ok(())
@@ -749,27 +1148,35 @@ impl MultiRank {
     fn upload_all(&self, sends: &[Vec<f32>]) -> Result<Vec<CudaSlice<f32>>> {
         sends
             .iter()
-            .zip(&self.ranks)
+            .zip(self.ranks())
             .map(|(s, r)| cuda::clone_htod(&r.stream, s).map_err(cuda_err("upload", None)))
             .collect()
     }
 
-    fn group(
-        &self,
-        op: &'static str,
-        call: impl Fn(usize, &Rank) -> std::result::Result<result::NcclStatus, result::NcclError>,
-    ) -> Result<()> {
+    /// One group over every rank, then polls the non-blocking communicators until the calls
+    /// are issued (with the timeout; aborting on a stall).
+    fn group(&self, op: &'static str, call: impl Fn(&Nccl, usize, &Rank) -> c_int) -> Result<()> {
         // No `cross_gpu_order` here: these ranks use streams of their own, which no other
-        // work waits on, and a group end that blocked must not hold up the whole process.
-        result::group_start().map_err(|e| nccl_error(op, &[], e.0, std::ptr::null_mut()))?;
-        let mut first = Ok(());
-        for (rank, r) in self.ranks.iter().enumerate() {
-            if let (Err(e), true) = (call(rank, r), first.is_ok()) {
-                first = Err(nccl_error(op, &[], e.0, r.comm));
-            }
+        // work waits on.
+        let lib = lib(op, &[])?;
+        let mut calls = self.set.lock();
+        if *calls {
+            return Err(self.aborted_error(op));
         }
-        if let (Err(e), true) = (result::group_end(), first.is_ok()) {
-            first = Err(nccl_error(op, &[], e.0, std::ptr::null_mut()));
+        // SAFETY: no arguments; the matching group_end is always called below.
+        let r = unsafe { (lib.group_start)() };
+        started(op, &[], r, std::ptr::null_mut())?;
+        let mut first = Ok(());
+        for (rank, r) in self.ranks().iter().enumerate() {
+            first = first.and(started(op, &[], call(lib, rank, r), r.comm));
+        }
+        // SAFETY: ends the group started above.
+        let r = unsafe { (lib.group_end)() };
+        first = first.and(started(op, &[], r, std::ptr::null_mut()));
+        let deadline = Instant::now() + self.timeout;
+        first = first.and_then(|()| self.set.settle(lib, op, &[], deadline));
+        if first.is_err() {
+            self.set.abort_locked(&mut calls);
         }
         first
     }
@@ -781,7 +1188,7 @@ impl MultiRank {
         let past = |d: Option<Instant>| d.is_some_and(|d| Instant::now() > d);
         let deadline = Instant::now().checked_add(self.timeout);
         let events = self
-            .ranks
+            .ranks()
             .iter()
             .map(|r| r.stream.record_event(None).map_err(cuda_err(op, None)))
             .collect::<Result<Vec<_>>>()?;
@@ -791,7 +1198,7 @@ impl MultiRank {
                 Ok(false) => {}
                 Err(e) => break e,
             }
-            if let Err(e) = async_error(&self.ranks, op, &[]) {
+            if let Err(e) = self.set.async_error(op, &[]) {
                 break e;
             }
             if past(deadline) {
@@ -803,7 +1210,7 @@ impl MultiRank {
             }
             std::thread::sleep(POLL_INTERVAL);
         };
-        self.abort();
+        self.set.abort();
         let drain = Instant::now().checked_add(self.timeout);
         let drained = loop {
             match all_complete(&events, op) {
@@ -827,30 +1234,22 @@ impl MultiRank {
         })
     }
 
-    /// Fails once the communicators have been aborted.
-    fn check_live(&self, op: &'static str) -> Result<()> {
-        if self.aborted.get() {
-            return Err(Error::Nccl {
-                op,
-                keys: vec![],
-                message: "these communicators were aborted after an earlier failure; create a \
-                          new MultiRank"
-                    .to_owned(),
-            });
+    fn aborted_error(&self, op: &'static str) -> Error {
+        Error::Nccl {
+            op,
+            keys: vec![],
+            message: "these communicators were aborted after an earlier failure; create a \
+                      new MultiRank"
+                .to_owned(),
         }
-        Ok(())
     }
 
-    /// Aborts every rank's communicator, once.
-    fn abort(&self) {
-        if self.aborted.replace(true) {
-            return;
+    /// Fails once the communicators have been aborted.
+    fn check_live(&self, op: &'static str) -> Result<()> {
+        if *self.set.lock() {
+            return Err(self.aborted_error(op));
         }
-        for r in &self.ranks {
-            // SAFETY: each handle was created for this object; the flag above makes this the
-            // only abort, and `check_live` keeps every later call from using the handle.
-            let _ = unsafe { result::comm_abort(r.comm) };
-        }
+        Ok(())
     }
 
     /// Issues a reduce on rank 0 alone, which can never complete, then waits as every call
@@ -862,45 +1261,43 @@ impl MultiRank {
     pub fn stalled_reduce_f32(&self, n: usize) -> Result<()> {
         let op = "stalled reduce";
         self.check_live(op)?;
-        if n == 0 || self.ranks.len() < 2 {
+        if n == 0 || self.ranks().len() < 2 {
             return Err(self.bad_args(op, "n > 0 and at least 2 ranks"));
         }
         // In NCCL's GROUP launch mode the group call itself waits for the missing rank.
         if std::env::var("NCCL_LAUNCH_MODE").is_ok_and(|m| m.eq_ignore_ascii_case("group")) {
             return Err(self.bad_args(op, "NCCL_LAUNCH_MODE other than GROUP"));
         }
-        let sends: Vec<Vec<f32>> = (0..self.ranks.len()).map(|_| vec![1.0; n]).collect();
+        let sends: Vec<Vec<f32>> = (0..self.ranks().len()).map(|_| vec![1.0; n]).collect();
         self.reduce_f32(&sends, 0)?;
-        let stream = &self.ranks[0].stream;
+        let stream = &self.ranks()[0].stream;
         let buf: CudaSlice<f32> =
             cuda::clone_htod(stream, &sends[0]).map_err(cuda_err(op, None))?;
         let ptr = device_addr(&buf, stream);
-        self.group(op, |rank, r| {
-            if rank != 0 {
-                return Ok(result::NcclStatus::Success);
+        let lib = lib(op, &[])?;
+        {
+            let calls = self.set.lock();
+            if *calls {
+                return Err(self.aborted_error(op));
             }
+            // Rank 0 alone, outside a group (one rank's part; the others never come).
             // SAFETY: `ptr` names a live buffer of `n` f32 on this GPU, used in place (NCCL
             // allows send == recv); it is freed on this stream, so after the aborted kernel.
-            unsafe {
-                result::reduce(
-                    ptr as *const _,
-                    ptr as *mut _,
+            let r = unsafe {
+                (lib.reduce)(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
                     n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
+                    nccl_dtype(DType::F32),
+                    NCCL_SUM,
                     0,
-                    r.comm,
-                    r.stream.cu_stream() as _,
+                    self.ranks()[0].comm,
+                    stream.cu_stream() as *mut c_void,
                 )
-            }
-        })?;
+            };
+            started(op, &[], r, self.ranks()[0].comm)?;
+        }
         self.sync(op)
-    }
-}
-
-impl Drop for MultiRank {
-    fn drop(&mut self) {
-        self.abort();
     }
 }
 
@@ -909,4 +1306,49 @@ impl Drop for MultiRank {
 fn device_addr(s: &CudaSlice<f32>, stream: &Arc<CudaStream>) -> u64 {
     use cudarc::driver::DevicePtr;
     s.device_ptr(stream).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_the_least_recently_used_idle_sets() {
+        let e = |k: u32, used: u64, busy: bool| (k, used, busy);
+        // Within the bound: nothing goes.
+        assert!(lru_victims(&[e(1, 5, false), e(2, 3, false)], 2).is_empty());
+        // One over: the oldest idle one goes.
+        assert_eq!(
+            lru_victims(&[e(1, 5, false), e(2, 3, false), e(3, 9, false)], 2),
+            vec![2]
+        );
+        // The oldest is in use: the next oldest goes instead.
+        assert_eq!(
+            lru_victims(&[e(1, 5, false), e(2, 3, true), e(3, 9, false)], 2),
+            vec![1]
+        );
+        // Two over, in age order.
+        assert_eq!(
+            lru_victims(
+                &[
+                    e(1, 5, false),
+                    e(2, 3, false),
+                    e(3, 9, false),
+                    e(4, 1, false)
+                ],
+                2
+            ),
+            vec![4, 2]
+        );
+        // Everything in use: the bound is exceeded rather than a set in use destroyed.
+        assert!(lru_victims(&[e(1, 5, true), e(2, 3, true)], 1).is_empty());
+    }
+
+    #[test]
+    fn nccl_dtypes_match_nccl_h() {
+        assert_eq!(
+            [DType::F16, DType::F32, DType::F64, DType::BF16].map(nccl_dtype),
+            [6, 7, 8, 9]
+        );
+    }
 }

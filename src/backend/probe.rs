@@ -23,11 +23,10 @@ pub fn gpu_count() -> usize {
     })
 }
 
-/// Whether NCCL can be loaded (`libnccl.so` on the library path).
+/// Whether a usable NCCL (>= 2.14) can be loaded: found by `nccl::loader`, which also looks for
+/// pip's and the distros' `libnccl.so.2` (cudarc only looks for `libnccl.so`).
 pub fn nccl_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: as for the driver probe, this only dlopens and closes candidate library names.
-    *PRESENT.get_or_init(|| unsafe { cudarc::nccl::sys::is_culib_present() })
+    crate::backend::nccl::available()
 }
 
 /// The GPUs this machine has, in words, for error messages.

@@ -40,6 +40,7 @@ pub mod nc {
     pub const SUCCESS: i32 = 0;
     pub const INVALID_ARGUMENT: i32 = 4;
     pub const INVALID_USAGE: i32 = 5;
+    pub const IN_PROGRESS: i32 = 7;
 }
 
 /// Prints a rejection: every line the stand-in writes starts with this tag.
@@ -62,6 +63,10 @@ pub struct Config {
     pub p2p: bool,
     /// `KVSTORE_STANDIN_HANG_S`: how long a host wait may block before it fails (default 120).
     pub hang: Duration,
+    /// `KVSTORE_STANDIN_NCCL_STALL_INIT=1`: a non-blocking communicator never finishes being
+    /// created (`ncclCommGetAsyncError` answers `ncclInProgress` until it is aborted), as when
+    /// NCCL's bootstrap hangs. For tests that a stalled init is aborted, not waited for.
+    pub stall_init: bool,
 }
 
 impl Config {
@@ -83,6 +88,7 @@ impl Config {
             nccl_version: var("KVSTORE_STANDIN_NCCL_VERSION", 23007),
             p2p: var::<u32>("KVSTORE_STANDIN_P2P", 1) != 0,
             hang: Duration::from_secs(var("KVSTORE_STANDIN_HANG_S", 120)),
+            stall_init: var::<u32>("KVSTORE_STANDIN_NCCL_STALL_INIT", 0) != 0,
         }
     }
 }
@@ -309,6 +315,12 @@ pub struct Comm {
     pub device: usize,
     pub live: bool,
     pub async_error: i32,
+    /// Made with `ncclCommInitRankConfig` and `blocking = 0`: calls return `ncclInProgress`.
+    pub nonblocking: bool,
+    /// Polls of `ncclCommGetAsyncError` that still answer `ncclInProgress` for the last call.
+    pub busy: u32,
+    /// A poll has answered `ncclSuccess` once (the communicator is fully created).
+    pub created: bool,
 }
 
 pub struct State {

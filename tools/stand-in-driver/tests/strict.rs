@@ -381,3 +381,57 @@ fn pinned_memory_rewritten_before_its_copy_ran_is_a_race() {
     assert_eq!(cuMemFreeHost(p), OK);
     assert_eq!(cuMemFreeHost(p), INVALID_VALUE, "a double free");
 }
+
+/// Non-blocking communicators: init and collectives return ncclInProgress, a call before the
+/// communicator settles is rejected, and polling ncclCommGetAsyncError settles it.
+#[test]
+fn nonblocking_communicators_must_be_polled_to_success() {
+    let ctx = setup();
+    const IN_PROGRESS: i32 = 7;
+    let mut id = UniqueId { internal: [0; 128] };
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, OK);
+    let mut cfg = ConfigHead {
+        size: 48,
+        magic: 0xcafe_beef,
+        version: 21400,
+        blocking: 0,
+    };
+    let mut comm = null_mut();
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    // SAFETY: valid out-pointer and config.
+    let r = unsafe { ncclCommInitRankConfig(&mut comm, 1, id, 0, &mut cfg) };
+    assert_eq!(r, IN_PROGRESS);
+    let poll = |c: H| {
+        let mut state = -1;
+        // SAFETY: a live communicator and a valid out-pointer.
+        assert_eq!(unsafe { ncclCommGetAsyncError(c, &mut state) }, OK);
+        state
+    };
+    // One rank of one: complete at once.
+    assert_eq!(poll(comm), OK);
+    let s = stream();
+    let buf = alloc(256, s);
+    assert_eq!(upload(buf, &[2.0; 64], s), OK);
+    assert_eq!(reduce(buf, buf, 64, 0, comm, s), IN_PROGRESS);
+    assert_eq!(
+        reduce(buf, buf, 64, 0, comm, s),
+        NCCL_INVALID_USAGE,
+        "a second call before polling"
+    );
+    assert_eq!(poll(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), OK);
+    assert_eq!(reduce(buf, buf, 64, 0, comm, s), IN_PROGRESS);
+    assert_eq!(poll(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), OK);
+    assert_eq!(download(buf, 4, s), (OK, vec![2.0; 4]));
+    assert_eq!(ncclCommFinalize(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), OK);
+    assert_eq!(ncclCommDestroy(comm), OK);
+    // A config not made by NCCL_CONFIG_INITIALIZER.
+    cfg.magic = 0;
+    // SAFETY: as above.
+    let r = unsafe { ncclCommInitRankConfig(&mut comm, 1, id, 0, &mut cfg) };
+    assert_eq!(r, 4);
+}
