@@ -1,7 +1,9 @@
 //! Checks the hand-written PTX in `kernels/` before anything can launch it.
 //!
 //! 1. Every entry `src/backend/cuda/kernels.rs` launches, `fused_<rule>_<dtype>`, must exist in
-//!    `kernels/fused_<dtype>.ptx` with exactly the ABI's parameter list ([`RULE_PARAMS`]).
+//!    `kernels/fused_<dtype>.ptx` with exactly the ABI's parameter list ([`RULE_PARAMS`]), and
+//!    the ABI's 1-D grid: the fused kernels find their tensor from `%ctaid.x` and the block
+//!    starts in the table, so no file may read `%ctaid.y` or `%nctaid` (the old 2-D grid).
 //! 2. Every `kernels/*.ptx` is assembled with `ptxas` (env `PTXAS`, else `ptxas` on `PATH`) for
 //!    each of sm_70, sm_80 and sm_90 that its `.target` allows; the cubins go to `OUT_DIR` and are
 //!    only a check (the crate embeds the PTX text and the driver compiles it). A ptxas error fails
@@ -94,6 +96,8 @@ struct Ptx {
     target: u32,
     /// Each `.entry` and the types of its parameters, in order.
     entries: BTreeMap<String, Vec<String>>,
+    /// Special registers of a 2-D grid the code reads (`%ctaid.y`, `%nctaid.*`).
+    grid_2d: Vec<&'static str>,
 }
 
 /// Stops the build with `msg` (cargo shows a failed build script's stderr).
@@ -123,7 +127,15 @@ fn parse(text: &str) -> Result<Ptx, String> {
         })
         .ok_or("no `.target sm_NN` line")?;
     let entries = ptx_text::entries(&text)?;
-    Ok(Ptx { target, entries })
+    let grid_2d = ["%ctaid.y", "%ctaid.z", "%nctaid."]
+        .into_iter()
+        .filter(|r| text.contains(r))
+        .collect();
+    Ok(Ptx {
+        target,
+        entries,
+        grid_2d,
+    })
 }
 
 /// Every entry the Rust side launches exists with the ABI's parameter types.
@@ -140,6 +152,13 @@ fn check_abi(parsed: &BTreeMap<String, Ptx>) {
                 ));
                 continue;
             };
+            if !ptx.grid_2d.is_empty() {
+                errors.push(format!(
+                    "kernels/{file}.ptx reads {}: the ABI's grid is 1-D (one block per chunk, \
+                     found through the block starts in the table)",
+                    ptx.grid_2d.join(", ")
+                ));
+            }
             match ptx.entries.get(&name) {
                 None => errors.push(format!(
                     "kernels/{file}.ptx has no `.visible .entry {name}`"

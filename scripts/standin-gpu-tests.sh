@@ -49,21 +49,27 @@ banner "cargo test -- --ignored  (${KVSTORE_STANDIN_GPUS} stand-in GPUs, sm_${KV
 start=$(date +%s)
 status=0
 # The strictness tests of the stand-in itself (no GPU code of the store involved).
-cargo test --release --offline --quiet \
+# They need two devices, whatever KVSTORE_STANDIN_GPUS says for the store's tests.
+KVSTORE_STANDIN_GPUS=2 cargo test --release --offline --quiet \
     --manifest-path tools/stand-in-driver/Cargo.toml \
     --target-dir target/standin-build 2>&1 | tee "$log.strict" || status=1
 # Every GPU test of the store, on the stand-in. Test threads: the stand-in serializes on one
 # lock, so more threads only add contention.
-cargo test --offline "$@" -- --ignored --test-threads "${KVSTORE_STANDIN_THREADS:-2}" 2>&1 \
-    | tee "$log" || status=1
+# --show-output: the stdout of passing tests too, so their SKIPPED lines are counted.
+cargo test --offline "$@" -- --ignored --show-output \
+    --test-threads "${KVSTORE_STANDIN_THREADS:-2}" 2>&1 | tee "$log" || status=1
 took=$(( $(date +%s) - start ))
 
 passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
-skipped=$(grep -c '^SKIPPED:' "$log" || true)
+# Distinct tests that printed SKIPPED (a test may print it once per case it skips).
+skipped=$({ grep '^SKIPPED:' "$log" || true; } | awk -F': ' '{print $2}' | sort -u | wc -l)
 rejections=$(grep -c '^\[kvstore stand-in\]' "$log" || true)
 strict=$(grep -Eo '[0-9]+ passed' "$log.strict" | awk '{s+=$1} END {print s+0}')
-banner "summary: GPU tests ${passed} passed (${skipped} of them printed SKIPPED), ${failed} failed, \
+# A test that printed SKIPPED did not run its case: it is not a pass.
+ran=$(( passed - skipped ))
+banner "summary: GPU tests ${ran} passed, ${skipped} SKIPPED (not passes), ${failed} failed, \
 ${rejections} stand-in rejections on stderr; stand-in strictness tests ${strict} passed; \
 ${took}s. Not a GPU result."
+grep '^SKIPPED:' "$log" | sed 's/^/    /' || true
 exit "$status"

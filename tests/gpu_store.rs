@@ -21,8 +21,10 @@ fn require_gpu() {
     );
 }
 
+/// Says that `test` could not run its case here. The line starts a line of its own even when
+/// the harness has just printed `test name ... ` (with `--nocapture`), so scripts count it.
 fn skipped(test: &str, why: &str) {
-    println!("SKIPPED: {test}: {why}");
+    println!("\nSKIPPED: {test}: {why}");
 }
 
 /// Fresh random values in [-1, 1), never all zeros.
@@ -193,39 +195,357 @@ fn pull_converts_dtype_from_gpu_home() -> Result<()> {
     Ok(())
 }
 
+/// 2 and 4 NCCL ranks on one GPU (NCCL >= 2.30 with `NCCL_MULTI_RANK_GPU_ENABLE=1`), with
+/// non-blocking communicators: reduce and broadcast to and from every root.
 #[test]
 #[ignore = "needs a GPU"]
-fn nccl_reduce_and_broadcast_over_two_ranks_on_one_gpu() -> Result<()> {
+fn nccl_reduce_and_broadcast_over_2_and_4_ranks_on_one_gpu() -> Result<()> {
     require_gpu();
-    let ranks = match MultiRank::new(0, 2) {
-        Ok(r) => r,
-        Err(e) => {
-            skipped(
-                "nccl_reduce_and_broadcast_over_two_ranks_on_one_gpu",
-                &format!("NCCL version {:?}: {e}", nccl::version()),
+    for nranks in [2, 4] {
+        let ranks = match MultiRank::new(0, nranks) {
+            Ok(r) => r,
+            Err(e) => {
+                skipped(
+                    "nccl_reduce_and_broadcast_over_2_and_4_ranks_on_one_gpu",
+                    &format!("{nranks} ranks, NCCL version {:?}: {e}", nccl::version()),
+                );
+                return Ok(());
+            }
+        };
+        ensure!(ranks.nranks() == nranks);
+        let n = 10_000;
+        let sends: Vec<Vec<f32>> = (0..nranks).map(|_| random(n)).collect();
+        for root in 0..nranks {
+            let got = ranks.reduce_f32(&sends, root)?;
+            let want: Vec<f64> = (0..n)
+                .map(|i| sends.iter().map(|s| f64::from(s[i])).sum())
+                .collect();
+            let got: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
+            assert_close(
+                &got,
+                &want,
+                1e-6,
+                &format!("{nranks} ranks: reduce to {root}"),
             );
-            return Ok(());
-        }
-    };
-    let n = 10_000;
-    let sends = vec![random(n), random(n)];
-    for root in 0..2 {
-        let got = ranks.reduce_f32(&sends, root)?;
-        let want: Vec<f64> = (0..n)
-            .map(|i| f64::from(sends[0][i]) + f64::from(sends[1][i]))
-            .collect();
-        let got: Vec<f64> = got.iter().map(|&x| f64::from(x)).collect();
-        assert_close(&got, &want, 1e-6, &format!("reduce to rank {root}"));
-        let data = random(n);
-        let all = ranks.broadcast_f32(&data, root)?;
-        ensure!(all.len() == 2, "two ranks answer");
-        for (r, got) in all.iter().enumerate() {
-            ensure!(
-                got == &data,
-                "broadcast from rank {root} to rank {r} differs"
-            );
+            let data = random(n);
+            let all = ranks.broadcast_f32(&data, root)?;
+            ensure!(all.len() == nranks, "every rank answers");
+            for (r, got) in all.iter().enumerate() {
+                ensure!(
+                    got == &data,
+                    "{nranks} ranks: broadcast from rank {root} to rank {r} differs"
+                );
+            }
         }
     }
+    Ok(())
+}
+
+/// Runs this test binary's test `name` alone in a child process with `set` added to the
+/// environment and `unset` removed (and `KVSTORE_TEST_CHILD=1`), killing it after `limit`.
+/// Returns whether it passed, and its output.
+fn run_child(
+    name: &str,
+    set: &[(&str, std::ffi::OsString)],
+    unset: &[&str],
+    limit: Duration,
+) -> Result<(bool, String)> {
+    let log = std::env::temp_dir().join(format!(
+        "kvstore-child-{name}-{}-{}.log",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let out = std::fs::File::create(&log)?;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ])
+    .env("KVSTORE_TEST_CHILD", "1")
+    .stdout(out.try_clone()?)
+    .stderr(out);
+    for k in unset {
+        cmd.env_remove(k);
+    }
+    for (k, v) in set {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn()?;
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    match status {
+        // A filter that matched nothing would exit 0 too: the test itself must have passed.
+        Some(s) => Ok((s.success() && text.contains("1 passed"), text)),
+        None => anyhow::bail!("the child test {name} was still running after {limit:?}:\n{text}"),
+    }
+}
+
+fn in_child() -> bool {
+    std::env::var("KVSTORE_TEST_CHILD").as_deref() == Ok("1")
+}
+
+/// What a child with `KVSTORE_NCCL_FORCE=1` checks: a `nccl` store sends every key through
+/// NCCL, even with all values on the home GPU (one-rank communicators), so init, group,
+/// reduce, broadcast, async-error polling and abort all run. Values from two GPUs too, where
+/// there are two. Pulls into the home GPU come through the broadcast (the outs start as NaN).
+fn forced_nccl_store_round() -> Result<()> {
+    ensure!(nccl::force_single(), "KVSTORE_NCCL_FORCE=1 is set");
+    ensure!(nccl::available(), "NCCL was found");
+    let kv = KvStore::create("nccl")?;
+    let n = 3000;
+    let ngpu = gpu_count().min(2);
+    let keys: Vec<i32> = (0..4).collect();
+    let homes: Vec<Device> = keys.iter().map(|&k| gpu(k as usize % ngpu)).collect();
+    let inits = keys
+        .iter()
+        .map(|_| NDArray::full_on([n], 0.0, DType::F32, cpu(0)))
+        .collect::<kvstore::Result<Vec<_>>>()?;
+    kv.init_list_on(&keys, &inits, &homes)?;
+    for round in 0..2 {
+        // Two values on the home GPU and one on the host, per key.
+        let data: Vec<[Vec<f32>; 3]> = keys
+            .iter()
+            .map(|_| [random(n), random(n), random(n)])
+            .collect();
+        let values = data
+            .iter()
+            .zip(&homes)
+            .map(|(d, &h)| {
+                Ok(vec![
+                    array(&d[0], &[n], DType::F32, h)?,
+                    array(&d[1], &[n], DType::F32, h)?,
+                    array(&d[2], &[n], DType::F32, cpu(0))?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let before = nccl::collectives_issued();
+        kv.push_list(&keys, &values)?;
+        let pushed = nccl::collectives_issued() - before;
+        ensure!(
+            pushed == keys.len() as u64,
+            "one NCCL reduce per key, got {pushed}"
+        );
+        let outs = homes
+            .iter()
+            .map(|&h| {
+                Ok(vec![
+                    NDArray::full_on([n], f64::NAN, DType::F32, h)?,
+                    NDArray::full_on([n], f64::NAN, DType::F32, gpu(ngpu - 1))?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        kv.pull_list(&keys, &outs)?;
+        let pulled = nccl::collectives_issued() - before - pushed;
+        ensure!(
+            pulled == keys.len() as u64,
+            "one NCCL broadcast per key, got {pulled}"
+        );
+        kv.wait_all()?;
+        for (k, (d, o)) in data.iter().zip(&outs).enumerate() {
+            let want: Vec<f64> = (0..n)
+                .map(|i| f64::from(d[0][i] + d[1][i] + d[2][i]))
+                .collect();
+            for out in o {
+                assert_close(
+                    &out.to_vec()?,
+                    &want,
+                    1e-6,
+                    &format!("round {round}, key {k}"),
+                );
+            }
+        }
+        let sets = nccl::cached_sets();
+        ensure!(
+            sets.contains(&vec![0]),
+            "a one-rank communicator on gpu 0: {sets:?}"
+        );
+        // Abort every communicator: the next round builds them afresh.
+        nccl::abort_all();
+        ensure!(nccl::cached_sets().is_empty());
+    }
+    Ok(())
+}
+
+/// On any number of GPUs, a `nccl` store with `KVSTORE_NCCL_FORCE=1` runs every NCCL call it
+/// makes for real (see [`forced_nccl_store_round`]); run in a child process, since the switch
+/// is read once per process.
+#[test]
+#[ignore = "needs a GPU"]
+fn nccl_store_forced_onto_one_rank_communicators() -> Result<()> {
+    require_gpu();
+    if in_child() {
+        return forced_nccl_store_round();
+    }
+    if !nccl::available() {
+        skipped(
+            "nccl_store_forced_onto_one_rank_communicators",
+            "no usable NCCL (>= 2.14) was found",
+        );
+        return Ok(());
+    }
+    let (ok, out) = run_child(
+        "nccl_store_forced_onto_one_rank_communicators",
+        &[("KVSTORE_NCCL_FORCE", "1".into())],
+        &[],
+        Duration::from_secs(300),
+    )?;
+    ensure!(ok, "the forced NCCL round failed:\n{out}");
+    Ok(())
+}
+
+/// NCCL is found where pip puts it, as `libnccl.so.2` only: a child process sees no NCCL on
+/// `LD_LIBRARY_PATH` (every folder holding one is shadowed by a copy without it), only
+/// `<venv>/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2` (a link to this
+/// process's NCCL) under `VIRTUAL_ENV`; it must load that file and run the forced NCCL round.
+#[test]
+#[ignore = "needs a GPU"]
+fn nccl_is_found_as_pip_libnccl_so_2() -> Result<()> {
+    require_gpu();
+    if in_child() {
+        let want = std::env::var_os("KVSTORE_TEST_EXPECT_NCCL").expect("set by the parent");
+        ensure!(
+            nccl::library_path() == Some(want.clone().into()),
+            "loaded {:?}, expected {want:?}",
+            nccl::library_path()
+        );
+        return forced_nccl_store_round();
+    }
+    let Some(found) = nccl::library_path() else {
+        skipped(
+            "nccl_is_found_as_pip_libnccl_so_2",
+            "no usable NCCL was found",
+        );
+        return Ok(());
+    };
+    let real = std::fs::canonicalize(&found)?;
+    let root = std::env::temp_dir().join(format!(
+        "kvstore-pip-nccl-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let lib_dir = root.join("venv/lib/python3.11/site-packages/nvidia/nccl/lib");
+    std::fs::create_dir_all(&lib_dir)?;
+    let pip_lib = lib_dir.join("libnccl.so.2");
+    std::os::unix::fs::symlink(&real, &pip_lib)?;
+    // LD_LIBRARY_PATH with every NCCL hidden: a folder holding one is replaced by a folder of
+    // links to everything else in it (the stand-in's libcuda.so lives beside its libnccl.so).
+    let mut dirs = Vec::new();
+    for (i, d) in
+        std::env::split_paths(&std::env::var_os("LD_LIBRARY_PATH").unwrap_or_default()).enumerate()
+    {
+        let has_nccl = std::fs::read_dir(&d)
+            .map(|es| {
+                es.flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("libnccl"))
+            })
+            .unwrap_or(false);
+        if !has_nccl {
+            dirs.push(d);
+            continue;
+        }
+        let shadow = root.join(format!("ld{i}"));
+        std::fs::create_dir_all(&shadow)?;
+        for e in std::fs::read_dir(&d)?.flatten() {
+            let name = e.file_name();
+            if !name.to_string_lossy().starts_with("libnccl") {
+                std::os::unix::fs::symlink(std::fs::canonicalize(e.path())?, shadow.join(&name))?;
+            }
+        }
+        dirs.push(shadow);
+    }
+    let ld = std::env::join_paths(&dirs)?;
+    let result = run_child(
+        "nccl_is_found_as_pip_libnccl_so_2",
+        &[
+            ("LD_LIBRARY_PATH", ld),
+            ("VIRTUAL_ENV", root.join("venv").into()),
+            ("HOME", root.clone().into()),
+            ("KVSTORE_NCCL_FORCE", "1".into()),
+            ("KVSTORE_TEST_EXPECT_NCCL", pip_lib.clone().into()),
+        ],
+        &["KVSTORE_NCCL_LIB", "CONDA_PREFIX", "PYTHONPATH"],
+        Duration::from_secs(300),
+    );
+    let _ = std::fs::remove_dir_all(&root);
+    let (ok, out) = result?;
+    ensure!(
+        ok,
+        "the child did not find or use pip's libnccl.so.2:\n{out}"
+    );
+    Ok(())
+}
+
+/// With at most one cached device set (`KVSTORE_NCCL_MAX_COMMS=1`), a forced `nccl` store
+/// alternating between sets evicts (finalizes and destroys) the least recently used one each
+/// time, and stays correct.
+#[test]
+#[ignore = "needs a GPU"]
+fn nccl_communicator_cache_is_bounded() -> Result<()> {
+    require_gpu();
+    if in_child() {
+        let kv = KvStore::create("nccl")?;
+        let n = 1000;
+        let ngpu = gpu_count().min(2);
+        kv.init_on(0, &NDArray::full_on([n], 0.0, DType::F32, cpu(0))?, gpu(0))?;
+        kv.init_on(
+            1,
+            &NDArray::full_on([n], 0.0, DType::F32, cpu(0))?,
+            gpu(ngpu - 1),
+        )?;
+        for round in 0..3 {
+            for (key, from) in [(0, gpu(0)), (1, gpu(ngpu - 1)), (0, gpu(ngpu - 1))] {
+                let data = random(n);
+                kv.push(key, &array(&data, &[n], DType::F32, from)?)?;
+                let out = NDArray::full_on([n], f64::NAN, DType::F32, cpu(0))?;
+                kv.pull(key, &out)?;
+                kv.wait_all()?;
+                assert_close(
+                    &out.to_vec()?,
+                    &rounded(&data, DType::F32)?,
+                    0.0,
+                    &format!("round {round}, key {key}"),
+                );
+                // Three sets take turns ([0], [1], [0, 1] on two GPUs); the bound is 1, plus
+                // a set still busy when the next was built (it is never destroyed in use).
+                let sets = nccl::cached_sets();
+                ensure!(sets.len() <= 2, "the cache is bounded: {sets:?}");
+            }
+        }
+        return Ok(());
+    }
+    if !nccl::available() {
+        skipped(
+            "nccl_communicator_cache_is_bounded",
+            "no usable NCCL was found",
+        );
+        return Ok(());
+    }
+    let (ok, out) = run_child(
+        "nccl_communicator_cache_is_bounded",
+        &[
+            ("KVSTORE_NCCL_FORCE", "1".into()),
+            ("KVSTORE_NCCL_MAX_COMMS", "1".into()),
+        ],
+        &[],
+        Duration::from_secs(300),
+    )?;
+    ensure!(ok, "the bounded-cache child failed:\n{out}");
     Ok(())
 }
 
@@ -236,7 +556,7 @@ fn nccl_store_across_gpus() -> Result<()> {
     if gpu_count() < 2 {
         skipped(
             "nccl_store_across_gpus",
-            "one GPU: the store's NCCL reduce/broadcast needs two (see the two-rank test)",
+            "one GPU: no cross-GPU sum (nccl_store_forced_onto_one_rank_communicators runs the store's NCCL calls on one GPU)",
         );
         return Ok(());
     }
@@ -672,5 +992,147 @@ fn host_values_to_a_gpu_key_round_as_on_the_cpu_home() -> Result<()> {
             "{dtype}: {differ} of {n} elements differ between the homes"
         );
     }
+    Ok(())
+}
+
+/// A `device` store copying between two GPUs enables peer access first, where the GPUs
+/// allow it, so the copies go directly instead of through the host: after a push from gpu(1)
+/// to a key homed on gpu(0) and a pull back, enabling access again says it already is.
+#[test]
+#[ignore = "needs a GPU"]
+fn device_store_enables_peer_access() -> Result<()> {
+    use cudarc::driver::{sys, CudaContext};
+    require_gpu();
+    if gpu_count() < 2 {
+        skipped(
+            "device_store_enables_peer_access",
+            "one GPU: there is no peer to enable",
+        );
+        return Ok(());
+    }
+    let (c0, c1) = (CudaContext::new(0)?, CudaContext::new(1)?);
+    let mut can = [0; 2];
+    // SAFETY: valid device handles and out-pointers.
+    unsafe {
+        sys::cuDeviceCanAccessPeer(&mut can[0], c0.cu_device(), c1.cu_device());
+        sys::cuDeviceCanAccessPeer(&mut can[1], c1.cu_device(), c0.cu_device());
+    }
+    let kv = KvStore::create("device")?;
+    let n = 5000;
+    let data = random(n);
+    kv.init_on(3, &array(&vec![0.0; n], &[n], DType::F32, cpu(0))?, gpu(0))?;
+    kv.push(3, &array(&data, &[n], DType::F32, gpu(1))?)?;
+    let out = NDArray::full_on([n], f64::NAN, DType::F32, gpu(1))?;
+    kv.pull(3, &out)?;
+    kv.wait_all()?;
+    assert_close(
+        &out.to_vec()?,
+        &rounded(&data, DType::F32)?,
+        0.0,
+        "round trip",
+    );
+    for (from, to, can) in [(&c0, &c1, can[0]), (&c1, &c0, can[1])] {
+        from.bind_to_thread()?;
+        // SAFETY: `from` is current and `to` is a live context; flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) };
+        if can == 0 {
+            skipped(
+                "device_store_enables_peer_access",
+                "the GPUs cannot access each other's memory",
+            );
+            return Ok(());
+        }
+        ensure!(
+            r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+            "peer access was not enabled by the store: enabling it now gave {r:?}"
+        );
+    }
+    Ok(())
+}
+
+/// A hang inside NCCL (here: communicator creation that never finishes, which the stand-in
+/// fakes with `KVSTORE_STANDIN_NCCL_STALL_INIT=1`) is aborted after `KVSTORE_NCCL_TIMEOUT_MS`
+/// with an error that says so, and while it hangs it holds no lock anyone else needs: another
+/// thread's `wait_all` returns meanwhile. Stand-in only: a real NCCL cannot be made to hang
+/// on purpose here.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_hang_inside_nccl_is_aborted_not_waited_for() -> Result<()> {
+    require_gpu();
+    if in_child() {
+        let kv = KvStore::create("nccl")?;
+        let n = 100;
+        kv.init_on(0, &NDArray::full_on([n], 1.0, DType::F32, cpu(0))?, gpu(0))?;
+        let value = array(&random(n), &[n], DType::F32, gpu(0))?;
+        let (pushed, waited) = std::thread::scope(|s| {
+            let push = s.spawn(|| kv.push(0, &value));
+            // While the push polls the hung creation, wait_all on this thread must not block.
+            std::thread::sleep(Duration::from_millis(200));
+            let (tx, rx) = mpsc::channel();
+            s.spawn(move || {
+                let _ = tx.send(nccl::wait_all());
+            });
+            let waited = rx.recv_timeout(Duration::from_secs(30));
+            (push.join(), waited)
+        });
+        let waited = waited.map_err(|_| {
+            anyhow::anyhow!("wait_all was blocked behind the hung NCCL call for 30 s")
+        })?;
+        ensure!(waited.is_ok(), "wait_all: {waited:?}");
+        match pushed.map_err(|_| anyhow::anyhow!("the push panicked"))? {
+            Err(Error::Nccl { message, .. }) => ensure!(
+                message.contains("in progress") && message.contains("aborted"),
+                "the error says what happened: {message}"
+            ),
+            other => anyhow::bail!("expected an NCCL error, got {other:?}"),
+        }
+        return Ok(());
+    }
+    if std::env::var("KVSTORE_STANDIN").as_deref() != Ok("1") || !nccl::available() {
+        skipped(
+            "a_hang_inside_nccl_is_aborted_not_waited_for",
+            "needs the stand-in driver (KVSTORE_STANDIN=1) to make NCCL hang",
+        );
+        return Ok(());
+    }
+    let (ok, out) = run_child(
+        "a_hang_inside_nccl_is_aborted_not_waited_for",
+        &[
+            ("KVSTORE_STANDIN_NCCL_STALL_INIT", "1".into()),
+            ("KVSTORE_NCCL_TIMEOUT_MS", "1500".into()),
+            ("KVSTORE_NCCL_FORCE", "1".into()),
+        ],
+        &[],
+        Duration::from_secs(120),
+    )?;
+    ensure!(ok, "the hung NCCL call was not aborted:\n{out}");
+    Ok(())
+}
+
+/// Host values larger than the two pinned staging buffers (4 MiB each) go up in pieces, each
+/// buffer refilled only after the copy from it has completed: a 12 MiB host value, and a
+/// 2 MiB one written into an existing key, come back exactly.
+#[test]
+#[ignore = "needs a GPU"]
+fn host_values_go_up_through_pinned_staging() -> Result<()> {
+    require_gpu();
+    let kv = KvStore::create("device")?;
+    let n = 3 << 20;
+    let data = random(n);
+    kv.init_on(0, &array(&data, &[n], DType::F32, cpu(0))?, gpu(0))?;
+    let small = random(1 << 19);
+    kv.init_on(1, &array(&small, &[1 << 19], DType::F32, cpu(0))?, gpu(0))?;
+    let out = NDArray::full_on([n], f64::NAN, DType::F32, cpu(0))?;
+    kv.pull(0, &out)?;
+    let out_small = NDArray::full_on([1 << 19], f64::NAN, DType::F32, cpu(0))?;
+    kv.pull(1, &out_small)?;
+    ensure!(
+        out.to_vec::<f32>()? == data,
+        "the 12 MiB value differs after the round trip"
+    );
+    ensure!(
+        out_small.to_vec::<f32>()? == small,
+        "the 2 MiB value differs after the round trip"
+    );
     Ok(())
 }

@@ -23,13 +23,6 @@ pub fn gpu_count() -> usize {
     })
 }
 
-/// Whether NCCL can be loaded (`libnccl.so` on the library path).
-pub fn nccl_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: as for the driver probe, this only dlopens and closes candidate library names.
-    *PRESENT.get_or_init(|| unsafe { cudarc::nccl::sys::is_culib_present() })
-}
-
 /// The GPUs this machine has, in words, for error messages.
 pub fn describe_gpus() -> String {
     match gpu_count() {

@@ -18,16 +18,69 @@ pub mod mpi;
 pub mod nccl;
 
 use crate::backend::cpu::push::push_closure;
+use crate::backend::probe;
 use crate::backend::{self, HomePull, HomePush, HomeValue, KeyFacts};
 use crate::host::HostData;
 use crate::updater::{Hyper, UpdateFn};
-use crate::{Error, NDArray, PtxUpdater, Result, Updater};
+use crate::{DType, Device, Error, NDArray, PtxUpdater, Result, Updater};
 
 /// How a store's calls run: over NCCL or not, and from what size host loops split over threads.
 #[derive(Clone, Copy)]
 pub(crate) struct Ctx {
     pub use_nccl: bool,
     pub par_min_bytes: usize,
+}
+
+impl Ctx {
+    /// How a store's calls run. `nccl_asked`: the store is a `nccl` store. On a GPU machine
+    /// without a usable NCCL it warns once (what was found, how to fix it) and uses peer copies.
+    pub fn new(nccl_asked: bool, par_min_bytes: usize) -> Ctx {
+        let use_nccl = nccl_asked && probe::gpu_count() > 0 && {
+            let found = nccl::available();
+            if !found {
+                nccl::warn_unavailable();
+            }
+            found
+        };
+        Ctx {
+            use_nccl,
+            par_min_bytes,
+        }
+    }
+}
+
+/// Builds the NCCL communicators a call on `keys` (each key's facts and its arrays) will need,
+/// before the store takes any key lock: one per set of GPUs (the home and the GPUs of the
+/// arrays) of a key homed on a GPU. Building one can block, and nothing may block under a lock
+/// the watchdog or another call waits on.
+pub(crate) fn prepare(ctx: Ctx, keys: &[(KeyFacts<'_>, &[&NDArray])]) -> Result<()> {
+    if !ctx.use_nccl {
+        return Ok(());
+    }
+    let mut sets: Vec<Vec<usize>> = Vec::new();
+    for (facts, arrays) in keys {
+        let Device::Gpu(home) = facts.home else {
+            continue;
+        };
+        // float64 keys on a GPU are updated through a host copy; NCCL never sees them.
+        if facts.dtype == DType::F64 {
+            continue;
+        }
+        let mut set: Vec<usize> = arrays
+            .iter()
+            .filter_map(|a| match a.device() {
+                Device::Gpu(d) => Some(d),
+                Device::Cpu(_) => None,
+            })
+            .chain([home])
+            .collect();
+        set.sort_unstable();
+        set.dedup();
+        sets.push(set);
+    }
+    sets.sort();
+    sets.dedup();
+    nccl::prepare(&sets)
 }
 
 /// One key of a push: its facts, its value on the home (locked by the store), the values to

@@ -164,17 +164,19 @@ impl KvStore {
         comm::wait_all()
     }
 
-    /// Whether cross-GPU sums and broadcasts of this store go through NCCL.
-    fn use_nccl(&self) -> bool {
-        self.kind == StoreKind::Nccl && probe::nccl_present()
+    /// How this store's calls run: a `nccl` store on a GPU machine without a usable NCCL warns
+    /// once and uses peer copies.
+    fn ctx(&self) -> Ctx {
+        Ctx::new(self.kind == StoreKind::Nccl, self.par_min_bytes)
     }
 
-    /// How this store's calls run.
-    fn ctx(&self) -> Ctx {
-        Ctx {
-            use_nccl: self.use_nccl(),
-            par_min_bytes: self.par_min_bytes,
-        }
+    /// Readies what a call on `groups` needs before it takes any key lock (NCCL communicators).
+    fn prepare(&self, groups: &[Group<'_>]) -> Result<()> {
+        let keys: Vec<_> = groups
+            .iter()
+            .map(|g| (g.slot.facts(), g.arrays.as_slice()))
+            .collect();
+        comm::prepare(self.ctx(), &keys)
     }
 
     /// Replaces the updater. Per-key state (momentum and the like) and the update count start
@@ -411,6 +413,7 @@ impl KvStore {
         check_values("push", &groups)?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
+        self.prepare(&groups)?;
         let mut cells = lock_cells(&groups);
         apply_push(&active, self.ctx(), &groups, &mut cells)?;
         let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
@@ -421,6 +424,7 @@ impl KvStore {
     /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
     fn pull_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
         check_outs("pull", &groups)?;
+        self.prepare(&groups)?;
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         pull_all(self.ctx(), &groups, &cells)
@@ -460,6 +464,8 @@ impl KvStore {
         check_outs("pushpull", &pulls)?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
+        self.prepare(&pushes)?;
+        self.prepare(&pulls)?;
         let mut cells = lock_cells(&pushes);
         apply_push(&active, self.ctx(), &pushes, &mut cells)?;
         let done = hook.as_ref().map(|_| pushed(&active, &pushes, &cells));

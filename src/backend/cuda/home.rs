@@ -337,8 +337,10 @@ fn move_partials(
     keep: &mut Vec<GpuBuf>,
 ) -> Result<()> {
     let mut collectives = Vec::new();
+    // KVSTORE_NCCL_FORCE=1: NCCL even for values all on the home (a one-rank reduce).
+    let force = use_nccl && nccl::force_single();
     for ((job, ins), parts) in jobs.iter().zip(inputs.iter_mut()).zip(partials) {
-        if parts.is_empty() {
+        if parts.is_empty() && !force {
             continue;
         }
         let home = job.cell.buf.ordinal();
@@ -417,6 +419,11 @@ fn peer_copy(dst: Ptr, src: Ptr, bytes: usize) -> Result<()> {
     }
     let d = gpu(dst.ordinal)?;
     let s = gpu(src.ordinal)?;
+    if dst.ordinal != src.ordinal {
+        // Direct copies where the GPUs allow it (else the driver stages through the host).
+        d.enable_peer(s);
+        s.enable_peer(d);
+    }
     let _order = cross_gpu_order();
     stream_wait(d.stream(), s.stream())?;
     d.context()
@@ -653,7 +660,9 @@ pub(crate) fn pull(use_nccl: bool, jobs: &[PullJob<'_>]) -> Result<()> {
             .filter(|(&d, _)| d != home)
             .map(|(&d, &a)| (d, a))
             .collect();
-        if let Some(&a) = firsts.get(&home) {
+        // KVSTORE_NCCL_FORCE=1: the home's own first out comes through a one-rank broadcast.
+        let force = use_nccl && nccl::force_single();
+        if let (Some(&a), false) = (firsts.get(&home), force) {
             home_copies.push((
                 Ptr {
                     ordinal: home,
@@ -663,7 +672,7 @@ pub(crate) fn pull(use_nccl: bool, jobs: &[PullJob<'_>]) -> Result<()> {
                 n * dtype.size(),
             ));
         }
-        if remote.is_empty() {
+        if remote.is_empty() && !force {
             continue;
         }
         if use_nccl {
@@ -675,7 +684,8 @@ pub(crate) fn pull(use_nccl: bool, jobs: &[PullJob<'_>]) -> Result<()> {
                 .iter()
                 .map(|&d| match remote.iter().find(|r| r.0 == d) {
                     Some(r) => r.1,
-                    // The root receives in place (send == recv).
+                    // The root receives into its first out when forced, else in place.
+                    None if force => firsts.get(&home).copied().unwrap_or(src.addr),
                     None => src.addr,
                 })
                 .collect();

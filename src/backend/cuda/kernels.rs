@@ -26,8 +26,15 @@
 //! clip = +inf means no clipping.
 //! ```
 //!
-//! Launch with [`grid_dim`] and `(BLOCK, 1, 1)`: block `(x, y)` updates tensor `y`, elements
-//! `[x*chunk, min((x+1)*chunk, n))`, with a block-stride loop. Where every pointer of a tensor is
+//! The table holds `ntensors` 64-byte [`TensorRecord`]s, then `starts`: `ntensors + 1` u32
+//! (see [`block_starts`]), the prefix sum of the blocks each tensor needs
+//! (`ceil(n / chunk)`, 0 when `n == 0` or `k == 0`), then anything else (the input-pointer
+//! arrays). Launch with [`grid_dim`]`(starts[ntensors])` and `(BLOCK, 1, 1)`: a 1-D grid of one
+//! block per chunk of real work. Block `b` finds, by binary search, the tensor `t` with
+//! `starts[t] <= b < starts[t + 1]` ([`block_owner`] is the CPU twin) and updates its chunk
+//! `c = b - starts[t]`, elements `[c*chunk, min((c+1)*chunk, n))`, with a block-stride loop.
+//! (The grid used to be `(ceil(max_n / chunk), ntensors)`: a BERT-large push launched about
+//! 3 million blocks for 82 thousand chunks of work.) Where every pointer of a tensor is
 //! aligned at the chunk's start (16 bytes for f32 and for the state, 8 for f16/bf16) the bulk
 //! moves with 4-wide vector loads; the rest goes one element at a time. Each element is read
 //! before it is written by the same thread, so `stored` may also be one of the inputs.
@@ -54,8 +61,11 @@ pub const CHUNK: u32 = 4096;
 /// Threads per block.
 pub const BLOCK: u32 = 256;
 
-/// The most tensors one launch can take: `gridDim.y` is at most 65535 on every GPU.
+/// The most tensors one launch takes (a bound on the table's size; bigger tables are split).
 pub const MAX_TENSORS_PER_LAUNCH: usize = 65535;
+
+/// The most blocks one launch takes: `gridDim.x` is at most 2^31 - 1.
+pub const MAX_BLOCKS_PER_LAUNCH: u64 = (1 << 31) - 1;
 
 /// The element rules that have kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -159,16 +169,56 @@ pub fn ptx_source(stem: &str) -> Option<&'static str> {
         .map(|(_, text)| *text)
 }
 
-/// The launch grid for a table of `ntensors` tensors whose largest has `max_n` elements, with
-/// `chunk` = [`CHUNK`]: `(ceil(max_n / CHUNK), ntensors, 1)`. `ntensors` must be at most
-/// [`MAX_TENSORS_PER_LAUNCH`]; split bigger tables over several launches.
-pub fn grid_dim(max_n: usize, ntensors: usize) -> (u32, u32, u32) {
-    let x = max_n.div_ceil(CHUNK as usize).max(1);
-    (
-        u32::try_from(x).unwrap_or(u32::MAX),
-        u32::try_from(ntensors).unwrap_or(u32::MAX),
-        1,
-    )
+/// The blocks tensor needs: `ceil(n / CHUNK)`, or 0 for a record the kernels skip
+/// (`n == 0` or `k == 0`).
+pub fn blocks_for(n: u64, k: u32) -> u64 {
+    if k == 0 {
+        0
+    } else {
+        n.div_ceil(u64::from(CHUNK))
+    }
+}
+
+/// The `starts` array of a launch over tensors of `(n, k)`: `starts[0] = 0`, and
+/// `starts[t + 1] = starts[t] + blocks_for(n_t, k_t)`; its last entry is the grid size.
+/// `None` when the blocks in all exceed [`MAX_BLOCKS_PER_LAUNCH`].
+pub fn block_starts(tensors: impl IntoIterator<Item = (u64, u32)>) -> Option<Vec<u32>> {
+    let mut starts = vec![0u32];
+    let mut total = 0u64;
+    for (n, k) in tensors {
+        total += blocks_for(n, k);
+        if total > MAX_BLOCKS_PER_LAUNCH {
+            return None;
+        }
+        starts.push(total as u32);
+    }
+    Some(starts)
+}
+
+/// The tensor and chunk block `b` works on, as the kernels find them: the `t` with
+/// `starts[t] <= b < starts[t + 1]` (by the same binary search), and `b - starts[t]`. `None`
+/// for a block past the last one (the kernels exit).
+pub fn block_owner(starts: &[u32], b: u32) -> Option<(usize, u32)> {
+    let total = *starts.last()?;
+    if b >= total {
+        return None;
+    }
+    let (mut lo, mut hi) = (0usize, starts.len() - 1);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if starts[mid] <= b {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some((lo, b - starts[lo]))
+}
+
+/// The launch grid for `total` blocks (the last entry of [`block_starts`]): `(total, 1, 1)`.
+/// A launch of 0 blocks is invalid: with no work, do not launch.
+pub fn grid_dim(total: u32) -> (u32, u32, u32) {
+    (total, 1, 1)
 }
 
 /// One tensor of a launch: the `table` parameter points to an array of these in device memory.
@@ -343,9 +393,99 @@ mod tests {
 
     #[test]
     fn grid_covers_every_tensor() {
-        assert_eq!(grid_dim(1, 1), (1, 1, 1));
-        assert_eq!(grid_dim(4096, 3), (1, 3, 1));
-        assert_eq!(grid_dim(4097, 50), (2, 50, 1));
-        assert_eq!(grid_dim(0, 2), (1, 2, 1));
+        assert_eq!(grid_dim(7), (7, 1, 1));
+        let starts = block_starts([(1, 1), (4096, 2), (0, 1), (4097, 0), (4097, 3)]).unwrap();
+        assert_eq!(starts, vec![0, 1, 2, 2, 2, 4]);
+        assert_eq!(block_starts([]).unwrap(), vec![0]);
+        assert!(block_starts([(u64::MAX / 2, 1)]).is_none());
+    }
+
+    /// Every block of a random table maps to exactly the chunks of work, in order, once each;
+    /// against a brute-force walk over the tensors (an independent reference).
+    #[test]
+    fn blocks_map_to_every_chunk_once() {
+        use rand::Rng;
+        let mut rng = rand::thread_rng();
+        for _ in 0..200 {
+            let tensors: Vec<(u64, u32)> = (0..rng.gen_range(0..40))
+                .map(|_| {
+                    let n = match rng.gen_range(0..4) {
+                        0 => 0,
+                        1 => rng.gen_range(1..=4096),
+                        _ => rng.gen_range(1..=40_000),
+                    };
+                    (
+                        n,
+                        if rng.gen_bool(0.1) {
+                            0
+                        } else {
+                            rng.gen_range(1..4)
+                        },
+                    )
+                })
+                .collect();
+            let mut want = Vec::new();
+            for (t, &(n, k)) in tensors.iter().enumerate() {
+                if k == 0 {
+                    continue;
+                }
+                let mut c = 0u64;
+                while c * u64::from(CHUNK) < n {
+                    want.push((t, c as u32));
+                    c += 1;
+                }
+            }
+            let starts = block_starts(tensors.iter().copied()).unwrap();
+            let total = *starts.last().unwrap();
+            assert_eq!(total as usize, want.len());
+            let got: Vec<(usize, u32)> = (0..total)
+                .map(|b| block_owner(&starts, b).expect("a block inside the grid has work"))
+                .collect();
+            assert_eq!(got, want);
+            assert_eq!(block_owner(&starts, total), None);
+            assert_eq!(block_owner(&starts, u32::MAX), None);
+        }
+    }
+
+    /// The shapes of BERT-large's 391 parameter tensors (vocabulary 30522, hidden 1024,
+    /// 24 layers, intermediate 4096, 512 positions, 2 token types, pooler).
+    fn bert_large() -> Vec<u64> {
+        let (h, i) = (1024u64, 4096u64);
+        let mut t = vec![30522 * h, 512 * h, 2 * h, h, h];
+        for _ in 0..24 {
+            t.extend([
+                h * h,
+                h,
+                h * h,
+                h,
+                h * h,
+                h,
+                h * h,
+                h,
+                h,
+                h,
+                h * i,
+                i,
+                i * h,
+                h,
+                h,
+                h,
+            ]);
+        }
+        t.extend([h * h, h]);
+        t
+    }
+
+    /// The numbers BENCHMARKS.md states: the old grid (largest tensor x tensors) and the new
+    /// one (one block per chunk of work) for a BERT-large push.
+    #[test]
+    fn bert_large_grid() {
+        let t = bert_large();
+        assert_eq!(t.len(), 391);
+        let max_n = *t.iter().max().unwrap();
+        let old = max_n.div_ceil(u64::from(CHUNK)) * t.len() as u64;
+        let starts = block_starts(t.iter().map(|&n| (n, 1))).unwrap();
+        let new = u64::from(*starts.last().unwrap());
+        assert_eq!((old, new), (2_983_721, 81_987));
     }
 }

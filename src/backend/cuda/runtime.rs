@@ -36,6 +36,45 @@ pub struct Gpu {
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
     user_functions: Mutex<Vec<(Arc<str>, String, CudaFunction)>>,
+    /// The fused launches' device table, reused (grown when too small). Held from the table's
+    /// copy until its launch is enqueued, so another thread's table cannot replace it between.
+    table: Mutex<Option<CudaSlice<u8>>>,
+    /// Peer GPUs whose access was tried: ordinal -> whether it is enabled.
+    peers: Mutex<HashMap<usize, bool>>,
+    /// Pinned host buffers that host data goes up through (see [`Gpu::upload_bytes`]).
+    staging: Mutex<Staging>,
+}
+
+/// Bytes per pinned staging buffer.
+const STAGING_BYTES: usize = 4 << 20;
+
+/// Pinned staging buffers of one GPU, used in turn. Each has an event recorded after the copy
+/// that reads it; it is written again only once that event has completed.
+#[derive(Default)]
+struct Staging {
+    bufs: Vec<Pinned>,
+    next: usize,
+}
+
+/// One page-locked host buffer and the event that marks the end of the last copy from it.
+struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+    done: cudarc::driver::CudaEvent,
+}
+
+// SAFETY: `Pinned` owns its page-locked allocation (a plain host address, usable from any
+// thread); it is only touched under its GPU's `staging` mutex.
+unsafe impl Send for Pinned {}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // A copy from the buffer may still be queued: let it finish before the memory goes.
+        let _ = self.done.synchronize();
+        // SAFETY: `ptr` came from `malloc_host` and is freed once, here, after the last copy
+        // reading it has completed (the event above).
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+    }
 }
 
 impl Gpu {
@@ -76,7 +115,127 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             user_functions: Mutex::new(Vec::new()),
+            table: Mutex::new(None),
+            peers: Mutex::new(HashMap::new()),
+            staging: Mutex::new(Staging::default()),
         })
+    }
+
+    /// Copies `src` from pageable host memory to the device address `dst` on this GPU's
+    /// stream, through pinned staging buffers, so the copy is asynchronous (a copy straight
+    /// from pageable memory makes the driver stage it synchronously). Each buffer is refilled
+    /// only after the copy that read it has completed; while the GPU copies one, the host
+    /// fills the other. Falls back to a plain copy when no pinned memory can be had.
+    pub(crate) fn upload_bytes(&self, dst: u64, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let op = "copy to GPU";
+        let e = || cuda_err(op, None);
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if staging.bufs.is_empty() {
+            self.ctx.bind_to_thread().map_err(e())?;
+            for _ in 0..2 {
+                // SAFETY: a fresh page-locked allocation; its contents are only written before
+                // they are read (by the copies below).
+                let ptr = match unsafe { cudarc::driver::result::malloc_host(STAGING_BYTES, 0) } {
+                    Ok(p) => p.cast::<u8>(),
+                    Err(err) => {
+                        log::warn!("kvstore: no pinned staging memory on gpu({}) ({err:?}); host values go up from pageable memory", self.ordinal);
+                        break;
+                    }
+                };
+                let done = match self.ctx.new_event(None) {
+                    Ok(ev) => ev,
+                    Err(err) => {
+                        // SAFETY: just allocated above, never used.
+                        let _ = unsafe { cudarc::driver::result::free_host(ptr.cast()) };
+                        return Err(e()(err));
+                    }
+                };
+                staging.bufs.push(Pinned {
+                    ptr,
+                    len: STAGING_BYTES,
+                    done,
+                });
+            }
+        }
+        if staging.bufs.is_empty() {
+            // SAFETY: `dst` names a live device buffer of at least `src.len()` bytes on this
+            // GPU (the caller's contract); pageable memory is staged by the driver at the call.
+            return unsafe {
+                cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+            }
+            .map_err(e());
+        }
+        for (i, piece) in src.chunks(STAGING_BYTES).enumerate() {
+            let at = staging.next;
+            staging.next = (at + 1) % staging.bufs.len();
+            let buf = &staging.bufs[at];
+            // The copy that last read this buffer must be done before it is overwritten.
+            buf.done.synchronize().map_err(e())?;
+            debug_assert!(piece.len() <= buf.len);
+            // SAFETY: `buf.ptr` is a live pinned allocation of `buf.len >= piece.len()` bytes
+            // that no queued copy reads any more (the event above), owned under the mutex.
+            let pinned = unsafe { std::slice::from_raw_parts_mut(buf.ptr, piece.len()) };
+            pinned.copy_from_slice(piece);
+            let at_dst = dst + (i * STAGING_BYTES) as u64;
+            // SAFETY: `at_dst` names `piece.len()` live device bytes inside the caller's
+            // buffer; the pinned source stays untouched until `done`, recorded just after the
+            // copy on the same stream, has completed.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(at_dst, pinned, self.stream.cu_stream())
+            }
+            .map_err(e())?;
+            buf.done.record(&self.stream).map_err(e())?;
+        }
+        Ok(())
+    }
+
+    /// Enables this GPU's access to `peer`'s memory, once per pair, where
+    /// `cuDeviceCanAccessPeer` allows it, so copies between them go directly over NVLink or
+    /// PCIe instead of being staged through the host. Returns whether access is enabled.
+    pub(crate) fn enable_peer(&self, peer: &Gpu) -> bool {
+        if peer.ordinal == self.ordinal {
+            return true;
+        }
+        let mut seen = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&on) = seen.get(&peer.ordinal) {
+            return on;
+        }
+        let on = self.try_enable_peer(peer);
+        if !on {
+            log::info!(
+                "kvstore: gpu({}) cannot access gpu({}) directly; copies between them may be \
+                 staged through the host",
+                self.ordinal,
+                peer.ordinal
+            );
+        }
+        seen.insert(peer.ordinal, on);
+        on
+    }
+
+    fn try_enable_peer(&self, peer: &Gpu) -> bool {
+        use cudarc::driver::sys;
+        let mut can = 0;
+        // SAFETY: both devices are valid ordinals of this process; `can` is a valid out-pointer.
+        let r = unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer.ctx.cu_device())
+        };
+        if r != sys::CUresult::CUDA_SUCCESS || can == 0 {
+            return false;
+        }
+        if self.ctx.bind_to_thread().is_err() {
+            return false;
+        }
+        // SAFETY: this GPU's context is current (bound just above) and `peer`'s context is
+        // live for the process; the flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
+        matches!(
+            r,
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        )
     }
 
     /// The fused kernel for `rule` and `dtype`, loading this GPU's PTX modules on first use.
@@ -441,21 +600,17 @@ impl GpuBuf {
         })
     }
 
-    /// A copy of host data on GPU `ordinal`, same dtype.
+    /// A copy of host data on GPU `ordinal`, same dtype, sent through pinned staging buffers
+    /// (see [`Gpu::upload_bytes`]).
     pub fn upload(ordinal: usize, data: &HostData) -> Result<GpuBuf> {
-        let st = gpu(ordinal)?.stream();
-        let e = alloc_err("copy to GPU", ordinal, data.len() * data.dtype().size());
-        Ok(match data {
-            HostData::F32(v) => GpuBuf::F32(clone_htod(st, v).map_err(e)?),
-            HostData::F64(v) => GpuBuf::F64(clone_htod(st, v).map_err(e)?),
-            HostData::F16(v) => GpuBuf::F16(clone_htod(st, v).map_err(e)?),
-            HostData::BF16(v) => GpuBuf::BF16(clone_htod(st, v).map_err(e)?),
-        })
+        let mut b = GpuBuf::scratch(ordinal, data.dtype(), data.len())?;
+        b.upload_into(data)?;
+        Ok(b)
     }
 
-    /// Overwrites the elements with host data, converted to this buffer's dtype.
+    /// Overwrites the elements with host data, converted to this buffer's dtype, through
+    /// pinned staging buffers (see [`Gpu::upload_bytes`]).
     pub fn upload_into(&mut self, data: &HostData) -> Result<()> {
-        // cudarc asserts (panics) on a length mismatch; report it instead.
         if data.len() != self.len() {
             return Err(Error::Internal {
                 op: "copy to GPU",
@@ -466,15 +621,13 @@ impl GpuBuf {
             return Ok(());
         }
         let data = data.cast(self.dtype());
-        let e = cuda_err("copy to GPU", None);
-        match (self, &data) {
-            (GpuBuf::F32(s), HostData::F32(v)) => s.stream().clone().memcpy_htod(v, s),
-            (GpuBuf::F64(s), HostData::F64(v)) => s.stream().clone().memcpy_htod(v, s),
-            (GpuBuf::F16(s), HostData::F16(v)) => s.stream().clone().memcpy_htod(v, s),
-            (GpuBuf::BF16(s), HostData::BF16(v)) => s.stream().clone().memcpy_htod(v, s),
-            _ => unreachable!("cast to the buffer's dtype just above"),
-        }
-        .map_err(e)
+        let bytes = match &data {
+            HostData::F32(v) => host_bytes(v),
+            HostData::F64(v) => host_bytes(v),
+            HostData::F16(v) => host_bytes(v),
+            HostData::BF16(v) => host_bytes(v),
+        };
+        gpu(self.ordinal())?.upload_bytes(self.ptr(), bytes)
     }
 
     /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
@@ -519,6 +672,9 @@ impl GpuBuf {
         }
         let dst_stream = self.stream().clone();
         let src_stream = src.stream().clone();
+        if self.ordinal() != src.ordinal() {
+            gpu(self.ordinal())?.enable_peer(gpu(src.ordinal())?);
+        }
         // cudarc makes the two streams wait on each other for a copy between GPUs.
         let _order = cross_gpu_order();
         match (self, src) {
@@ -545,6 +701,13 @@ impl GpuBuf {
     pub fn fill(&mut self, value: f64) -> Result<()> {
         self.upload_into(&HostData::filled(self.dtype(), self.len(), value))
     }
+}
+
+/// The bytes of a slice of plain numbers (f32, f64, f16, bf16: no padding, any bit pattern).
+fn host_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
+    // SAFETY: `T` is a plain number type without padding, so every byte of the slice is
+    // initialized; the view lives no longer than `v`.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 /// Makes `consumer` wait for everything enqueued so far on `producer` (no-op for one stream).
@@ -587,15 +750,18 @@ pub(crate) struct Record {
 /// Bytes per record in the device table.
 const RECORD_BYTES: usize = 64;
 
-/// The most tensors one launch takes (grid.y is limited to 65535).
-const MAX_TENSORS_PER_LAUNCH: usize = 65535;
-
 /// The bytes of a launch's device table at device address `base`: `records.len()` 64-byte
-/// records (the ABI's layout), then every record's input pointers, in record order.
-pub(crate) fn record_table(base: u64, records: &[Record]) -> Vec<u8> {
+/// records (the ABI's layout), then `starts` (see [`kernels::block_starts`]) padded to 8
+/// bytes, then every record's input pointers, in record order.
+pub(crate) fn record_table(base: u64, records: &[Record], starts: &[u32]) -> Vec<u8> {
     let inputs: usize = records.iter().map(|r| r.inputs.len()).sum();
-    let mut host = vec![0u8; records.len() * RECORD_BYTES + inputs * 8];
-    let mut next_input = records.len() * RECORD_BYTES;
+    let starts_at = records.len() * RECORD_BYTES;
+    let inputs_at = starts_at + (starts.len() * 4).next_multiple_of(8);
+    let mut host = vec![0u8; inputs_at + inputs * 8];
+    for (i, s) in starts.iter().enumerate() {
+        host[starts_at + 4 * i..starts_at + 4 * i + 4].copy_from_slice(&s.to_le_bytes());
+    }
+    let mut next_input = inputs_at;
     for (i, r) in records.iter().enumerate() {
         let rec = &mut host[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
         rec[0..8].copy_from_slice(&r.stored.to_le_bytes());
@@ -613,11 +779,15 @@ pub(crate) fn record_table(base: u64, records: &[Record]) -> Vec<u8> {
     host
 }
 
-/// Launches `fused_<rule>_<dtype>` on `gpu` over `records`: one launch per 65535 tensors.
+/// Launches `fused_<rule>_<dtype>` on `gpu` over `records`: one launch per
+/// [`kernels::MAX_TENSORS_PER_LAUNCH`] tensors, each on a 1-D grid of one block per chunk of
+/// work (see [`kernels::block_starts`]); a batch with no work launches nothing.
 ///
-/// The record table and every tensor's input-pointer array are built in one host buffer and
-/// copied to the device once per launch. The caller keeps every buffer named by a record
-/// alive; they are only freed on this GPU's stream, so after the kernel.
+/// The record table, the block starts and every tensor's input-pointer array are built in one
+/// host buffer and copied through pinned staging into the GPU's table buffer, which is reused
+/// from launch to launch (stream order puts each copy after the previous launch). The caller
+/// keeps every buffer named by a record alive; they are only freed on this GPU's stream, so
+/// after the kernel.
 pub(crate) fn launch_fused(
     gpu: &Gpu,
     rule: RuleKind,
@@ -628,27 +798,42 @@ pub(crate) fn launch_fused(
     let e = || cuda_err("launch update kernel", None);
     let func = gpu.function(rule, dtype)?;
     let stream = gpu.stream();
-    for batch in records.chunks(MAX_TENSORS_PER_LAUNCH) {
+    for batch in records.chunks(kernels::MAX_TENSORS_PER_LAUNCH) {
+        let starts = kernels::block_starts(batch.iter().map(|r| (r.n, r.inputs.len() as u32)))
+            .ok_or_else(|| Error::Cuda {
+                op: "launch update kernel",
+                key: None,
+                message: format!(
+                    "{} tensors need more than {} blocks in one launch",
+                    batch.len(),
+                    kernels::MAX_BLOCKS_PER_LAUNCH
+                ),
+                source: None,
+            })?;
+        let total = *starts.last().expect("starts has ntensors + 1 entries");
+        if total == 0 {
+            continue;
+        }
         let inputs: usize = batch.iter().map(|r| r.inputs.len()).sum();
-        let bytes = batch.len() * RECORD_BYTES + inputs * 8;
-        let mut table = stream.alloc_zeros::<u8>(bytes).map_err(e())?;
-        let (base, _sync) = table.device_ptr(stream);
+        let bytes =
+            batch.len() * RECORD_BYTES + (starts.len() * 4).next_multiple_of(8) + inputs * 8;
+        let mut table = gpu.table.lock().unwrap_or_else(|e| e.into_inner());
+        if table.as_ref().is_none_or(|t| t.len() < bytes) {
+            // The old table is freed on this stream, after the launches that read it.
+            *table = None;
+            // SAFETY: every byte a launch reads is written by the copy below first (stream
+            // order), and bytes are valid for any bit pattern.
+            let fresh = unsafe { alloc_uninit::<u8>(stream, bytes.next_power_of_two().max(4096)) }
+                .map_err(alloc_err("alloc", gpu.ordinal, bytes))?;
+            *table = Some(fresh);
+        }
+        let buf = table.as_ref().expect("allocated just above");
+        let (base, _sync) = buf.device_ptr(stream);
         drop(_sync);
-        let host = record_table(base, batch);
-        stream.memcpy_htod(&host, &mut table).map_err(e())?;
-        let max_n = batch.iter().map(|r| r.n).max().unwrap_or(0);
-        let chunks = max_n.div_ceil(u64::from(kernels::CHUNK)).max(1);
+        let host = record_table(base, batch, &starts);
+        gpu.upload_bytes(base, &host)?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(chunks).map_err(|_| Error::Cuda {
-                    op: "launch update kernel",
-                    key: None,
-                    message: format!("a tensor of {max_n} elements is too large for one launch"),
-                    source: None,
-                })?,
-                batch.len() as u32,
-                1,
-            ),
+            grid_dim: kernels::grid_dim(total),
             block_dim: (kernels::BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -663,8 +848,10 @@ pub(crate) fn launch_fused(
         // rule's f32 scalars, which `kernels::scalars` gives in ABI order). The table holds
         // `ntensors` 64-byte records whose pointers name live buffers of `n` elements on this
         // GPU (the caller keeps them alive; frees are ordered after this launch on this stream),
-        // and the table itself is freed on this stream after the kernel.
+        // then the block starts whose last entry is the grid size. The table buffer is only
+        // rewritten by a later copy on this stream (after this kernel), under the same lock.
         unsafe { args.launch(cfg) }.map_err(e())?;
+        drop(table);
     }
     Ok(())
 }
@@ -696,11 +883,16 @@ mod tests {
                 ..Record::default()
             },
         ];
-        let t = record_table(base, &records);
-        assert_eq!(t.len(), 2 * 64 + 4 * 8);
+        let t = record_table(base, &records, &[0, 4, 5]);
+        // Records, then 3 starts (12 bytes, padded to 16), then the pointer arrays.
+        assert_eq!(t.len(), 2 * 64 + 16 + 4 * 8);
+        let starts: Vec<u32> = (0..3)
+            .map(|i| u32::from_le_bytes(t[128 + 4 * i..132 + 4 * i].try_into().unwrap()))
+            .collect();
+        assert_eq!(starts, vec![0, 4, 5]);
         // Record 0.
         assert_eq!(u64_at(&t, 0), 0x1000);
-        assert_eq!(u64_at(&t, 8), base + 128);
+        assert_eq!(u64_at(&t, 8), base + 144);
         assert_eq!(u64_at(&t, 16), 0x5000);
         assert_eq!(u64_at(&t, 24), 0x6000);
         assert_eq!(u64_at(&t, 32), 12345);
@@ -709,11 +901,11 @@ mod tests {
         assert!(t[48..64].iter().all(|&b| b == 0), "reserved bytes are zero");
         // Record 1: its inputs follow record 0's three.
         assert_eq!(u64_at(&t, 64), 0x8000);
-        assert_eq!(u64_at(&t, 72), base + 128 + 24);
+        assert_eq!(u64_at(&t, 72), base + 144 + 24);
         assert_eq!((u64_at(&t, 80), u64_at(&t, 88)), (0, 0));
         assert_eq!(u32::from_le_bytes(t[104..108].try_into().unwrap()), 1);
         // The pointer arrays.
-        let ptrs: Vec<u64> = (0..4).map(|i| u64_at(&t, 128 + 8 * i)).collect();
+        let ptrs: Vec<u64> = (0..4).map(|i| u64_at(&t, 144 + 8 * i)).collect();
         assert_eq!(ptrs, vec![0x2000, 0x3000, 0x4000, 0x9000]);
     }
 

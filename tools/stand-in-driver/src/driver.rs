@@ -599,6 +599,59 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) -> i32 {
     })
 }
 
+/// Page-locked host memory: real host memory, recorded so that copies from it are read when
+/// they run (see `Work::HtoDPinned`). Any flags are accepted.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, _flags: c_uint) -> i32 {
+    run(|| {
+        let mut st = begin()?;
+        current(&st)?;
+        if pp.is_null() || bytes == 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        let layout =
+            std::alloc::Layout::from_size_align(bytes, 4096).map_err(|_| cu::INVALID_VALUE)?;
+        // SAFETY: a non-zero size (checked above).
+        let p = unsafe { std::alloc::alloc(layout) };
+        if p.is_null() {
+            return Err(cu::OUT_OF_MEMORY);
+        }
+        // Unwritten pinned memory reads as 0xff, as device memory does.
+        // SAFETY: `p` is a fresh allocation of `bytes` bytes.
+        unsafe { std::ptr::write_bytes(p, 0xff, bytes) };
+        st.pinned.insert(p as usize, bytes);
+        // SAFETY: non-null out-pointer, per the API.
+        unsafe { out(pp, p.cast::<c_void>()) }
+    })
+}
+
+/// `cuMemAllocHost`: `cuMemHostAlloc` with no flags.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytes: usize) -> i32 {
+    // SAFETY: the same contract.
+    unsafe { cuMemHostAlloc(pp, bytes, 0) }
+}
+
+/// Frees page-locked host memory. A copy from it still queued fails when it runs.
+#[no_mangle]
+pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> i32 {
+    run(|| {
+        let mut st = begin()?;
+        let Some(bytes) = st.pinned.remove(&(p as usize)) else {
+            return Err(reject(
+                cu::INVALID_VALUE,
+                format!("cuMemFreeHost({p:?}): not a pinned allocation (a double free?)"),
+            ));
+        };
+        let layout =
+            std::alloc::Layout::from_size_align(bytes, 4096).map_err(|_| cu::INVALID_VALUE)?;
+        // SAFETY: `p` was allocated by cuMemHostAlloc with this layout and is freed once (it
+        // was just removed from the table).
+        unsafe { std::alloc::dealloc(p.cast::<u8>(), layout) };
+        Ok(())
+    })
+}
+
 /// The allocation base `ptr` must be, for a free.
 fn check_free(st: &State, call: &str, ptr: u64) -> Result<(), i32> {
     match st.locate(ptr, 0) {
@@ -711,14 +764,25 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
             .locate(dst, bytes)
             .map_err(|e| reject(cu::INVALID_VALUE, format!("cuMemcpyHtoDAsync: {e}")))?;
         // Pageable host memory is staged at the call (CUDA's rule), so the caller may reuse
-        // its buffer as soon as this returns.
+        // its buffer as soon as this returns. Pinned memory is read when the copy runs.
         // SAFETY: the caller's source holds `bytes` readable bytes (the API's contract).
         let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
+        let pinned = st.pinned_range(src as usize, bytes).is_some();
         let what = format!(
-            "cuMemcpyHtoDAsync({dst:#x}, {bytes} bytes) on {}",
+            "cuMemcpyHtoDAsync({dst:#x}, {bytes} bytes{}) on {}",
+            if pinned { " from pinned memory" } else { "" },
             st.stream_name(s)
         );
-        enqueue_checked(&mut st, s, what, Work::HtoD { dst, data })
+        let work = if pinned {
+            Work::HtoDPinned {
+                dst,
+                src: src as usize,
+                snapshot: data,
+            }
+        } else {
+            Work::HtoD { dst, data }
+        };
+        enqueue_checked(&mut st, s, what, work)
     })
 }
 

@@ -31,9 +31,13 @@
 //!   interpreter saw it, a copy's, a collective's, an allocation's or a free's) is checked
 //!   against the earlier accesses of other streams: two accesses that overlap, where one
 //!   writes, with no happens-before edge between them, are a race.
-//! - **NCCL**: communicators per clique (`ncclCommInitAll`, or `ncclCommInitRank` with an id
-//!   from `ncclGetUniqueId`), groups per thread, collectives matched per clique by issue order
-//!   and run when every rank's part reaches the front of its stream.
+//! - **NCCL**: communicators per clique (`ncclCommInitAll`, or `ncclCommInitRank` /
+//!   `ncclCommInitRankConfig` with an id from `ncclGetUniqueId`), groups per thread,
+//!   collectives matched per clique by issue order and run when every rank's part reaches the
+//!   front of its stream. A communicator made with `blocking = 0` is non-blocking: its init,
+//!   collectives, `ncclGroupEnd` and `ncclCommFinalize` return `ncclInProgress`, and
+//!   `ncclCommGetAsyncError` answers `ncclInProgress` until the work is done (a collective:
+//!   for one poll).
 //!
 //! # What it rejects
 //!
@@ -52,19 +56,25 @@
 //! - A race between streams (above); a use after free or a double free; an access out of
 //!   bounds; a kernel or copy touching another device's memory without peer access enabled
 //!   (`cuCtxEnablePeerAccess`; `cuMemcpyPeerAsync` needs none).
+//! - A copy from pinned host memory (`cuMemHostAlloc`; read when the copy runs, as a GPU's DMA
+//!   reads it) whose buffer the host rewrote or freed before the copy ran.
 //! - A function launched on a stream of another context; an event recorded on a stream of
 //!   another context.
 //! - NCCL: one thread issuing several ranks' parts of one collective outside
 //!   `ncclGroupStart`/`ncclGroupEnd` (a deadlock with real NCCL); collectives whose kind,
 //!   count, datatype, operation or root differ across ranks; buffers not on the rank's
 //!   device or not large enough; two ranks on one device unless the reported version is
-//!   ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1`; use of an aborted communicator.
+//!   ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1`; use of an aborted communicator; a call on a
+//!   non-blocking communicator still in progress (NCCL requires polling to `ncclSuccess`
+//!   first); `ncclCommInitRankConfig` when the reported version is below 2.14.
 //! - A host wait that cannot finish (a collective a rank never joins, an `ncclCommInitRank`
 //!   whose other ranks never come) returns an error after `KVSTORE_STANDIN_HANG_S` seconds
 //!   (default 120) instead of hanging CI, saying what it waited for.
 //!
 //! Other settings: `KVSTORE_STANDIN_NCCL_VERSION` (default 23007, i.e. 2.30.7),
-//! `KVSTORE_STANDIN_P2P` (whether `cuDeviceCanAccessPeer` says yes; default 1).
+//! `KVSTORE_STANDIN_P2P` (whether `cuDeviceCanAccessPeer` says yes; default 1),
+//! `KVSTORE_STANDIN_NCCL_STALL_INIT=1` (non-blocking communicators never finish being created,
+//! as when NCCL's bootstrap hangs).
 //!
 //! # What it does not model
 //!

@@ -1,4 +1,4 @@
-//! The NCCL API subset kvstore calls (through cudarc 0.19.10's `nccl::{result, sys}`),
+//! The NCCL API subset kvstore calls (through its own loader, `nccl::loader`),
 //! exported under NCCL's names, over the same state as the driver half.
 //!
 //! Communicators belong to cliques (one per unique id, or per `ncclCommInitAll`). Collectives
@@ -36,6 +36,7 @@ enum Deferred {
         id: [u8; 128],
         rank: usize,
         device: usize,
+        nonblocking: bool,
     },
     Coll {
         comm: usize,
@@ -188,6 +189,9 @@ fn join(
         device,
         live: true,
         async_error: nc::SUCCESS,
+        nonblocking: false,
+        busy: 0,
+        created: false,
     });
     let comm = st.comms.len() - 1;
     let c = &mut st.cliques[k];
@@ -251,6 +255,92 @@ pub unsafe extern "C" fn ncclCommInitRank(
     id: UniqueId,
     rank: c_int,
 ) -> i32 {
+    // SAFETY: the same contract.
+    unsafe { init_rank(comm, nranks, id, rank, false) }
+}
+
+/// `ncclConfig_t`'s head, as every version since 2.14 lays it out.
+#[repr(C)]
+pub struct ConfigHead {
+    pub size: usize,
+    pub magic: u32,
+    pub version: u32,
+    pub blocking: c_int,
+}
+
+/// `ncclCommInitRank` with a config (NCCL >= 2.14; the stand-in reports what
+/// `KVSTORE_STANDIN_NCCL_VERSION` says, and refuses the call below 2.14). With `blocking = 0`
+/// the communicator is non-blocking: this call, collectives, `ncclGroupEnd` and
+/// `ncclCommFinalize` return `ncclInProgress`, `ncclCommGetAsyncError` answers `ncclInProgress`
+/// until the work is done (for a collective, for one poll), and a call on a communicator that
+/// is still in progress is rejected, as NCCL requires polling to `ncclSuccess` first.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut Handle,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+    config: *mut ConfigHead,
+) -> i32 {
+    let version = lock().cfg.nccl_version;
+    if version < 21400 {
+        return reject(
+            nc::INVALID_USAGE,
+            format!("ncclCommInitRankConfig: not in NCCL {version} (2.14 and later)"),
+        );
+    }
+    let nonblocking = if config.is_null() {
+        false
+    } else {
+        // SAFETY: a non-null config is a valid ncclConfig_t, per the API.
+        let c = unsafe { &*config };
+        if c.magic != 0xcafe_beef || c.version < 21400 || c.size < std::mem::size_of::<ConfigHead>()
+        {
+            return reject(
+                nc::INVALID_ARGUMENT,
+                "ncclCommInitRankConfig: the config was not made by NCCL_CONFIG_INITIALIZER \
+                 (magic, version or size)"
+                    .into(),
+            );
+        }
+        c.blocking == 0
+    };
+    // SAFETY: the same contract as ncclCommInitRank.
+    unsafe { init_rank(comm, nranks, id, rank, nonblocking) }
+}
+
+/// Whether a non-blocking communicator still has a call in progress (its clique is not complete,
+/// or its last call has not been polled to completion).
+fn in_progress(st: &State, c: usize) -> bool {
+    let comm = &st.comms[c];
+    comm.nonblocking
+        && (comm.busy > 0
+            || st.cliques[comm.clique].ready.is_none()
+            || (st.cfg.stall_init && !comm.created))
+}
+
+/// Rejects a call on a non-blocking communicator that is still in progress.
+fn check_settled(st: &State, c: usize, call: &str) -> Result<(), i32> {
+    if in_progress(st, c) {
+        return Err(reject(
+            nc::INVALID_USAGE,
+            format!(
+                "{call}: the non-blocking communicator is still in progress (rank {}); poll \
+                 ncclCommGetAsyncError until it returns ncclSuccess before the next call",
+                st.comms[c].rank
+            ),
+        ));
+    }
+    Ok(())
+}
+
+unsafe fn init_rank(
+    comm: *mut Handle,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+    nonblocking: bool,
+) -> i32 {
     if comm.is_null() || nranks <= 0 || rank < 0 {
         return nc::INVALID_ARGUMENT;
     }
@@ -275,6 +365,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
                 id,
                 rank,
                 device,
+                nonblocking,
             })
         });
         return nc::SUCCESS;
@@ -284,8 +375,12 @@ pub unsafe extern "C" fn ncclCommInitRank(
         Ok(c) => c,
         Err(e) => return e,
     };
+    st.comms[c].nonblocking = nonblocking;
     // SAFETY: non-null out-pointer, per the API.
     unsafe { comm.write(handle(Kind::Comm, c)) };
+    if nonblocking {
+        return nc::IN_PROGRESS;
+    }
     wait_clique(st, c).1
 }
 
@@ -379,6 +474,7 @@ pub extern "C" fn ncclGroupEnd() -> i32 {
     };
     // Communicators first (all ranks of this thread join together), then collectives.
     let mut inits = Vec::new();
+    let mut nonblocking = false;
     for call in &calls {
         if let Deferred::Init {
             out,
@@ -386,14 +482,19 @@ pub extern "C" fn ncclGroupEnd() -> i32 {
             id,
             rank,
             device,
+            nonblocking: nb,
         } = call
         {
             match join(&mut st, *id, *nranks, *rank, *device) {
                 Ok(c) => {
+                    st.comms[c].nonblocking = *nb;
+                    nonblocking |= *nb;
                     // SAFETY: the out-pointer given to the deferred ncclCommInitRank, which
                     // the caller keeps valid until ncclGroupEnd returns (NCCL's contract).
                     unsafe { out.write(handle(Kind::Comm, c)) };
-                    inits.push(c);
+                    if !*nb {
+                        inits.push(c);
+                    }
                 }
                 Err(e) => note(e),
             }
@@ -406,8 +507,15 @@ pub extern "C" fn ncclGroupEnd() -> i32 {
     }
     for call in calls {
         if let Deferred::Coll { comm, part } = call {
+            if st.comms[comm].nonblocking {
+                nonblocking = true;
+                st.comms[comm].busy = 1;
+            }
             note(issue(&mut st, comm, part));
         }
+    }
+    if first == nc::SUCCESS && nonblocking {
+        return nc::IN_PROGRESS;
     }
     first
 }
@@ -563,6 +671,7 @@ fn collective(
     run(|| {
         let mut st = lock();
         let c = comm_of(&st, comm, call)?;
+        check_settled(&st, c, call)?;
         let s = st
             .stream(stream)
             .map_err(|_| reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream")))?;
@@ -643,6 +752,10 @@ fn collective(
             return Ok(());
         }
         match issue(&mut st, c, part) {
+            nc::SUCCESS if st.comms[c].nonblocking => {
+                st.comms[c].busy = 1;
+                Err(nc::IN_PROGRESS)
+            }
             nc::SUCCESS => Ok(()),
             e => Err(e),
         }
@@ -778,8 +891,24 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Handle, result: *mut c_int)
             return Err(nc::INVALID_ARGUMENT);
         }
         st.progress();
+        let k = st.comms[c].clique;
+        let stalled = st.cfg.stall_init && st.comms[c].nonblocking && !st.comms[c].created;
+        let state = match (&st.cliques[k].ready, st.comms[c].nonblocking) {
+            // A non-blocking communicator whose clique is incomplete is still being created.
+            (None, true) => nc::IN_PROGRESS,
+            _ if stalled => nc::IN_PROGRESS,
+            (Some(Err(_)), true) => nc::INVALID_USAGE,
+            _ if st.comms[c].busy > 0 => {
+                st.comms[c].busy -= 1;
+                nc::IN_PROGRESS
+            }
+            _ => st.comms[c].async_error,
+        };
+        if state == nc::SUCCESS {
+            st.comms[c].created = true;
+        }
         // SAFETY: non-null out-pointer, per the API.
-        unsafe { result.write(st.comms[c].async_error) };
+        unsafe { result.write(state) };
         Ok(())
     })
 }
@@ -818,8 +947,14 @@ pub extern "C" fn ncclCommDestroy(comm: Handle) -> i32 {
 #[no_mangle]
 pub extern "C" fn ncclCommFinalize(comm: Handle) -> i32 {
     run(|| {
-        let st = lock();
-        comm_of(&st, comm, "ncclCommFinalize").map(|_| ())
+        let mut st = lock();
+        let c = comm_of(&st, comm, "ncclCommFinalize")?;
+        check_settled(&st, c, "ncclCommFinalize")?;
+        if st.comms[c].nonblocking {
+            st.comms[c].busy = 1;
+            return Err(nc::IN_PROGRESS);
+        }
+        Ok(())
     })
 }
 

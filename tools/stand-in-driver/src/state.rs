@@ -14,6 +14,7 @@ use crate::emu::{self, Arg, Memory, Module};
 pub mod cu {
     pub const SUCCESS: i32 = 0;
     pub const INVALID_VALUE: i32 = 1;
+    pub const OUT_OF_MEMORY: i32 = 2;
     pub const NOT_INITIALIZED: i32 = 3;
     pub const NO_DEVICE: i32 = 100;
     pub const INVALID_DEVICE: i32 = 101;
@@ -39,6 +40,7 @@ pub mod nc {
     pub const SUCCESS: i32 = 0;
     pub const INVALID_ARGUMENT: i32 = 4;
     pub const INVALID_USAGE: i32 = 5;
+    pub const IN_PROGRESS: i32 = 7;
 }
 
 /// Prints a rejection: every line the stand-in writes starts with this tag.
@@ -61,6 +63,10 @@ pub struct Config {
     pub p2p: bool,
     /// `KVSTORE_STANDIN_HANG_S`: how long a host wait may block before it fails (default 120).
     pub hang: Duration,
+    /// `KVSTORE_STANDIN_NCCL_STALL_INIT=1`: a non-blocking communicator never finishes being
+    /// created (`ncclCommGetAsyncError` answers `ncclInProgress` until it is aborted), as when
+    /// NCCL's bootstrap hangs. For tests that a stalled init is aborted, not waited for.
+    pub stall_init: bool,
 }
 
 impl Config {
@@ -82,6 +88,7 @@ impl Config {
             nccl_version: var("KVSTORE_STANDIN_NCCL_VERSION", 23007),
             p2p: var::<u32>("KVSTORE_STANDIN_P2P", 1) != 0,
             hang: Duration::from_secs(var("KVSTORE_STANDIN_HANG_S", 120)),
+            stall_init: var::<u32>("KVSTORE_STANDIN_NCCL_STALL_INIT", 0) != 0,
         }
     }
 }
@@ -170,6 +177,15 @@ pub enum Work {
     HtoD {
         dst: u64,
         data: Vec<u8>,
+    },
+    /// From page-locked host memory (`cuMemHostAlloc`), which the copy reads when it runs, as
+    /// a GPU's DMA does. `snapshot` is what the buffer held at the call: a buffer rewritten (or
+    /// freed) before the copy ran is reported, since on a GPU the copy would have sent the new
+    /// bytes.
+    HtoDPinned {
+        dst: u64,
+        src: usize,
+        snapshot: Vec<u8>,
     },
     /// To host memory at `dst` (the calling thread waits inside the call until it ran).
     DtoH {
@@ -299,6 +315,12 @@ pub struct Comm {
     pub device: usize,
     pub live: bool,
     pub async_error: i32,
+    /// Made with `ncclCommInitRankConfig` and `blocking = 0`: calls return `ncclInProgress`.
+    pub nonblocking: bool,
+    /// Polls of `ncclCommGetAsyncError` that still answer `ncclInProgress` for the last call.
+    pub busy: u32,
+    /// A poll has answered `ncclSuccess` once (the communicator is fully created).
+    pub created: bool,
 }
 
 pub struct State {
@@ -320,6 +342,8 @@ pub struct State {
     pub colls: Vec<Coll>,
     pub coll_index: HashMap<(usize, u64), usize>,
     pub next_unique_id: u64,
+    /// Page-locked host allocations (`cuMemHostAlloc`): address -> length.
+    pub pinned: std::collections::BTreeMap<usize, usize>,
 }
 
 static STATE: OnceLock<(Mutex<State>, Condvar)> = OnceLock::new();
@@ -352,6 +376,7 @@ fn global() -> &'static (Mutex<State>, Condvar) {
                 colls: Vec::new(),
                 coll_index: HashMap::new(),
                 next_unique_id: 1,
+                pinned: Default::default(),
             }),
             Condvar::new(),
         )
@@ -679,6 +704,12 @@ impl State {
         ))
     }
 
+    /// The base of the page-locked allocation holding `[addr, addr + len)`, if there is one.
+    pub fn pinned_range(&self, addr: usize, len: usize) -> Option<usize> {
+        let (&base, &size) = self.pinned.range(..=addr).next_back()?;
+        (addr + len <= base + size).then_some(base)
+    }
+
     fn execute(&mut self, s: usize, op: &Op) -> Result<(), (i32, String)> {
         let host = |e: anyhow::Error| (cu::ILLEGAL_ADDRESS, format!("{e:#}"));
         match &op.work {
@@ -694,6 +725,34 @@ impl State {
             Work::HtoD { dst, data } => {
                 self.touch(*dst, data.len(), true, s, op, true)?;
                 self.mem.write(*dst, data).map_err(host)
+            }
+            Work::HtoDPinned { dst, src, snapshot } => {
+                let len = snapshot.len();
+                if self.pinned_range(*src, len).is_none() {
+                    return Err((
+                        cu::ILLEGAL_ADDRESS,
+                        format!(
+                            "{}: its pinned host source {src:#x} was freed before the copy ran",
+                            op.what
+                        ),
+                    ));
+                }
+                // SAFETY: `src..src + len` lies inside a live page-locked allocation of this
+                // driver (checked just above); it is only read.
+                let now = unsafe { std::slice::from_raw_parts(*src as *const u8, len) };
+                if now != snapshot.as_slice() {
+                    return Err((
+                        cu::ILLEGAL_ADDRESS,
+                        format!(
+                            "{}: the pinned host buffer was rewritten before the copy from it \
+                             ran (a race between the host and the stream: wait for the copy \
+                             before reusing the buffer)",
+                            op.what
+                        ),
+                    ));
+                }
+                self.touch(*dst, len, true, s, op, true)?;
+                self.mem.write(*dst, now).map_err(host)
             }
             Work::DtoH { dst, src, len } => {
                 self.touch(*src, *len, false, s, op, true)?;

@@ -345,3 +345,93 @@ fn two_ranks_on_one_gpu_need_nccl_2_30_and_the_switch() {
     let enabled = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref() == Ok("1");
     assert_eq!(r, if enabled { OK } else { NCCL_INVALID_USAGE });
 }
+
+/// A copy from pinned host memory reads the buffer when it runs, as a GPU's DMA does: a
+/// buffer rewritten while the copy waits in its stream is reported. Here the copy waits
+/// behind a collective that rank 1 joins only after the host rewrote the buffer.
+#[test]
+fn pinned_memory_rewritten_before_its_copy_ran_is_a_race() {
+    let ctx = setup();
+    let (comms, streams, bufs) = two_ranks(ctx);
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    let mut p = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemHostAlloc(&mut p, 16, 0) }, OK);
+    // SAFETY: `p` is a fresh pinned allocation of 16 bytes.
+    let pinned = unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), 4) };
+    // The right use: write, copy, wait, then reuse.
+    pinned.copy_from_slice(&[7.0; 4]);
+    let dst = alloc(16, streams[0]);
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyHtoDAsync_v2(dst, p, 16, streams[0]) }, OK);
+    assert_eq!(download(dst, 4, streams[0]), (OK, vec![7.0; 4]));
+
+    // Rank 0's part waits at the front of its stream; the copy queues behind it.
+    assert_eq!(reduce(bufs[0], bufs[0], 64, 0, comms[0], streams[0]), OK);
+    pinned.copy_from_slice(&[8.0; 4]);
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemcpyHtoDAsync_v2(dst, p, 16, streams[0]) }, OK);
+    pinned.copy_from_slice(&[9.0; 4]); // too early: the copy has not run
+    let (c1, s1, b1) = (comms[1] as usize, streams[1] as usize, bufs[1]);
+    std::thread::spawn(move || reduce(b1, b1, 64, 0, c1 as H, s1 as H))
+        .join()
+        .map(|r| assert_eq!(r, OK))
+        .unwrap();
+    assert_eq!(cuStreamSynchronize(streams[0]), ILLEGAL_ADDRESS);
+    assert_eq!(cuMemFreeHost(p), OK);
+    assert_eq!(cuMemFreeHost(p), INVALID_VALUE, "a double free");
+}
+
+/// Non-blocking communicators: init and collectives return ncclInProgress, a call before the
+/// communicator settles is rejected, and polling ncclCommGetAsyncError settles it.
+#[test]
+fn nonblocking_communicators_must_be_polled_to_success() {
+    let ctx = setup();
+    const IN_PROGRESS: i32 = 7;
+    let mut id = UniqueId { internal: [0; 128] };
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, OK);
+    let mut cfg = ConfigHead {
+        size: 48,
+        magic: 0xcafe_beef,
+        version: 21400,
+        blocking: 0,
+    };
+    let mut comm = null_mut();
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    // SAFETY: valid out-pointer and config.
+    let r = unsafe { ncclCommInitRankConfig(&mut comm, 1, id, 0, &mut cfg) };
+    assert_eq!(r, IN_PROGRESS);
+    let poll = |c: H| {
+        let mut state = -1;
+        // SAFETY: a live communicator and a valid out-pointer.
+        assert_eq!(unsafe { ncclCommGetAsyncError(c, &mut state) }, OK);
+        state
+    };
+    // One rank of one: complete at once.
+    assert_eq!(poll(comm), OK);
+    let s = stream();
+    let buf = alloc(256, s);
+    assert_eq!(upload(buf, &[2.0; 64], s), OK);
+    assert_eq!(reduce(buf, buf, 64, 0, comm, s), IN_PROGRESS);
+    assert_eq!(
+        reduce(buf, buf, 64, 0, comm, s),
+        NCCL_INVALID_USAGE,
+        "a second call before polling"
+    );
+    assert_eq!(poll(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), OK);
+    assert_eq!(reduce(buf, buf, 64, 0, comm, s), IN_PROGRESS);
+    assert_eq!(poll(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), OK);
+    assert_eq!(download(buf, 4, s), (OK, vec![2.0; 4]));
+    assert_eq!(ncclCommFinalize(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), IN_PROGRESS);
+    assert_eq!(poll(comm), OK);
+    assert_eq!(ncclCommDestroy(comm), OK);
+    // A config not made by NCCL_CONFIG_INITIALIZER.
+    cfg.magic = 0;
+    // SAFETY: as above.
+    let r = unsafe { ncclCommInitRankConfig(&mut comm, 1, id, 0, &mut cfg) };
+    assert_eq!(r, 4);
+}
