@@ -19,7 +19,10 @@ use std::borrow::Cow;
 
 use cpu::push::{push_fused, ReadSet};
 use cpu::state::State;
-use cuda::home::{self, GpuCell};
+use cuda::pull::PullJob;
+use cuda::push::PushJob;
+use cuda::state::GpuCell;
+use cuda::{has_kernel, CrossGpu};
 
 use crate::host::{with_host, HostData};
 use crate::ndarray::Storage;
@@ -96,7 +99,7 @@ impl HomeValue {
         };
         Ok(match &self.place {
             Place::Host(h) => (h.clone(), host_state()),
-            Place::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
+            Place::Gpu(c) if has_kernel(c.buf.dtype()) => {
                 (c.buf.download()?, c.state_to_host(generation)?)
             }
             // Kernel-less dtypes keep their state on the host.
@@ -114,7 +117,7 @@ impl HomeValue {
             })
         };
         match &mut self.place {
-            Place::Gpu(c) if home::has_kernel(c.buf.dtype()) => {
+            Place::Gpu(c) if has_kernel(c.buf.dtype()) => {
                 c.set_state_from_host(generation, state)?
             }
             _ => self.state = host_state(state),
@@ -184,13 +187,13 @@ pub(crate) struct HomePush<'a> {
 
 /// Applies a validated push with a built-in or PTX updater (PTX: GPU homes only) to `jobs`, in
 /// their order: host homes at once, with the fused CPU loop; GPU homes enqueued together on
-/// the CUDA backend ([`home::push`]), except the slow path of dtypes without a kernel
-/// (`float64`), which updates a host copy and copies it back. `use_nccl`: cross-GPU sums go
-/// through NCCL.
+/// the CUDA backend ([`cuda::push`]), except the slow path of dtypes without a kernel
+/// (`float64`), which updates a host copy and copies it back. `links`: how sums travel between
+/// GPUs (`comm`'s choice).
 pub(crate) fn push(
     updater: &Updater,
     generation: u64,
-    use_nccl: bool,
+    links: &dyn CrossGpu,
     par_min_bytes: usize,
     jobs: Vec<HomePush<'_>>,
 ) -> Result<()> {
@@ -203,8 +206,8 @@ pub(crate) fn push(
                 with_host!(value, stored: T => push_fused::<T>(updater, generation, par_min_bytes, job.hyper, &reads, job.values, stored, state));
             }
             Place::Gpu(c) => {
-                if home::has_kernel(c.buf.dtype()) {
-                    gpu_jobs.push(home::PushJob {
+                if has_kernel(c.buf.dtype()) {
+                    gpu_jobs.push(PushJob {
                         key: job.key,
                         cell: c,
                         values: job.values,
@@ -221,7 +224,7 @@ pub(crate) fn push(
         }
     }
     if !gpu_jobs.is_empty() {
-        home::push(updater, generation, use_nccl, gpu_jobs)?;
+        cuda::push::push(updater, generation, links, gpu_jobs)?;
     }
     Ok(())
 }
@@ -234,13 +237,17 @@ pub(crate) struct HomePull<'a> {
 }
 
 /// Copies every job's value into its outs, in their order: host homes at once, GPU homes
-/// enqueued together on the CUDA backend ([`home::pull`]).
-pub(crate) fn pull(use_nccl: bool, par_min_bytes: usize, jobs: &[HomePull<'_>]) -> Result<()> {
+/// enqueued together on the CUDA backend ([`cuda::pull`]).
+pub(crate) fn pull(
+    links: &dyn CrossGpu,
+    par_min_bytes: usize,
+    jobs: &[HomePull<'_>],
+) -> Result<()> {
     let mut gpu_jobs = Vec::new();
     for job in jobs {
         match &job.value.place {
             Place::Host(h) => cpu::pull::pull_into(h, job.outs, par_min_bytes)?,
-            Place::Gpu(c) => gpu_jobs.push(home::PullJob {
+            Place::Gpu(c) => gpu_jobs.push(PullJob {
                 key: job.key,
                 cell: c,
                 outs: job.outs,
@@ -250,5 +257,5 @@ pub(crate) fn pull(use_nccl: bool, par_min_bytes: usize, jobs: &[HomePull<'_>]) 
     if gpu_jobs.is_empty() {
         return Ok(());
     }
-    home::pull(use_nccl, &gpu_jobs)
+    cuda::pull::pull(links, &gpu_jobs)
 }

@@ -6,6 +6,8 @@
 //! backends fuse that sum with the update where they can. A pull: the home's value is
 //! broadcast to every out. Across processes (MPI, NCCL over ranks) has its place here too.
 //!
+//! - `local`: how sums and copies travel between this process's GPUs (NCCL for `nccl` stores,
+//!   else peer copies), handed to the CUDA backend as its `CrossGpu` links.
 //! - [`nccl`]: NCCL between this process's GPUs: communicators per device set, grouped reduce
 //!   and broadcast, async-error polling with a timeout, and abort.
 //! - `mpi` (cargo feature `mpi`): across processes for CPU ranks: bootstrap, fingerprinted
@@ -13,6 +15,7 @@
 //!
 //! It imports `backend` (memory, streams, kernels) and nothing from `store`.
 
+mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
@@ -23,6 +26,7 @@ use crate::backend::{self, HomePull, HomePush, HomeValue, KeyFacts};
 use crate::host::HostData;
 use crate::updater::{Hyper, UpdateFn};
 use crate::{DType, Device, Error, NDArray, PtxUpdater, Result, Updater};
+use local::GpuLinks;
 
 /// How a store's calls run: over NCCL or not, and from what size host loops split over threads.
 #[derive(Clone, Copy)]
@@ -45,6 +49,13 @@ impl Ctx {
         Ctx {
             use_nccl,
             par_min_bytes,
+        }
+    }
+
+    /// How this call moves data between this process's GPUs.
+    fn links(&self) -> GpuLinks {
+        GpuLinks {
+            use_nccl: self.use_nccl,
         }
     }
 }
@@ -120,7 +131,7 @@ pub(crate) fn push(
         _ => backend::push(
             updater,
             generation,
-            ctx.use_nccl,
+            &ctx.links(),
             ctx.par_min_bytes,
             jobs.into_iter().map(KeyPush::home_push).collect(),
         ),
@@ -198,7 +209,7 @@ fn push_ptx(
                 ..j.home_push()
             })
             .collect();
-        backend::push(updater, generation, ctx.use_nccl, ctx.par_min_bytes, jobs)?;
+        backend::push(updater, generation, &ctx.links(), ctx.par_min_bytes, jobs)?;
     }
     store_results(on_host, twin_results)
 }
@@ -215,5 +226,5 @@ pub(crate) fn wait_all() -> Result<()> {
 
 /// Copies every key's value from its home into its outs, in the order given.
 pub(crate) fn pull(ctx: Ctx, jobs: &[HomePull<'_>]) -> Result<()> {
-    backend::pull(ctx.use_nccl, ctx.par_min_bytes, jobs)
+    backend::pull(&ctx.links(), ctx.par_min_bytes, jobs)
 }

@@ -1,5 +1,5 @@
 //! Pulls from host memory: the stored value copied (and converted) into every out. The mirror
-//! of `cuda::home`'s pull.
+//! of `cuda::pull`.
 
 use std::sync::RwLockWriteGuard;
 

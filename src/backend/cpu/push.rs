@@ -1,5 +1,5 @@
 //! Pushes on host memory: the fused sum and update of a key with a built-in updater, and a
-//! closure updater run on a copy. The mirror of `cuda::home`'s push.
+//! closure updater run on a copy. The mirror of `cuda::push`.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::RwLockReadGuard;

@@ -1,5 +1,5 @@
 //! Updater state kept in host memory: for keys homed there, and for keys on a GPU whose dtype
-//! has no kernel (`float64`), which are updated on a host copy. The mirror of `cuda::home`'s
+//! has no kernel (`float64`), which are updated on a host copy. The mirror of `cuda::state`'s
 //! GPU state.
 
 use crate::host::HostData;

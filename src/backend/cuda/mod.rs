@@ -3,16 +3,67 @@
 //! - `runtime`: one context and one stream per GPU, PTX modules, device buffers, copies, and
 //!   the fused multi-tensor launch.
 //! - [`kernels`]: the hand-written PTX kernels and their launch ABI.
-//! - `home`: the push (fused sum and update) and pull of keys whose home is a GPU.
+//! - `push`, `pull` and `state`: keys whose home is a GPU (fused sum and update, the copies
+//!   out, and the updater state), file for file as in `cpu`.
 //!
-//! It imports nothing above `backend`; cudarc is used only here (and by the NCCL wrapper in
-//! `comm`).
+//! It imports nothing above `backend`: how data travels between GPUs (NCCL or peer copies) is
+//! `comm`'s decision, handed in as [`CrossGpu`]. cudarc is used only here (and by the NCCL
+//! wrapper in `comm`).
 
-pub(crate) mod home;
 pub mod kernels;
+pub(crate) mod pull;
+pub(crate) mod push;
 mod runtime;
+pub(crate) mod state;
 
 pub(crate) use runtime::{
-    alloc_zeros, clone_dtoh, clone_htod, cross_gpu_order, cuda_err, gpu, host_wait, launch_fused,
-    launch_user, set_host_wait, stream_wait, synchronize_all, Gpu, GpuBuf, Record, UserLaunch,
+    alloc_zeros, clone_dtoh, clone_htod, copy_device, cross_gpu_order, cuda_err, gpu, host_wait,
+    launch_fused, launch_user, set_host_wait, synchronize_all, Gpu, GpuBuf, GpuPtr, Record,
+    UserLaunch,
 };
+
+use crate::{DType, Error, Key, Result};
+
+/// One key's partial sums on GPUs other than its home, to be brought to the home.
+pub(crate) struct PartialSum<'a> {
+    pub key: &'a Key,
+    pub home: usize,
+    pub dtype: DType,
+    pub n: usize,
+    /// The home addresses the update kernel sums; the links add the ones they fill.
+    pub inputs: &'a mut Vec<u64>,
+    /// At most one partial sum per other GPU.
+    pub parts: &'a [GpuPtr],
+}
+
+/// One key of a pull: its value on the home, and the first out on each GPU (the home's
+/// included) that must receive it.
+pub(crate) struct Fanout<'a> {
+    pub key: &'a Key,
+    pub dtype: DType,
+    pub n: usize,
+    pub src: GpuPtr,
+    /// Sorted by ordinal, one per GPU.
+    pub firsts: Vec<GpuPtr>,
+}
+
+/// How data travels between this process's GPUs. `comm` implements it (NCCL collectives or
+/// peer copies); the backend says only what must arrive where.
+pub(crate) trait CrossGpu {
+    /// Brings each key's partial sums to its home, into scratch buffers kept in `keep` until
+    /// the call's work is enqueued, and adds their addresses to the key's inputs.
+    fn sum_to_homes(&self, sums: Vec<PartialSum<'_>>, keep: &mut Vec<GpuBuf>) -> Result<()>;
+
+    /// Copies each key's value from its home into its first out on every GPU.
+    fn fan_out(&self, fanouts: &[Fanout<'_>]) -> Result<()>;
+}
+
+/// Element type checks for the fast path: every dtype but f64 has a PTX kernel.
+pub(crate) fn has_kernel(dtype: DType) -> bool {
+    dtype != DType::F64
+}
+
+/// Names `key` in an error.
+pub(crate) fn with_key(key: &Key) -> impl FnOnce(Error) -> Error + '_ {
+    move |e| e.with_key(key)
+}

@@ -918,3 +918,57 @@ mod tests {
         assert!(synchronize_all().is_ok());
     }
 }
+
+/// A raw device address and the GPU it is on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GpuPtr {
+    pub ordinal: usize,
+    pub addr: u64,
+}
+
+/// Copies `bytes` from `src` to `dst` on `dst`'s stream, ordered against `src`'s stream both
+/// ways (the copy waits for src's producers; later work on src's GPU waits for the copy).
+pub(crate) fn copy_device(dst: GpuPtr, src: GpuPtr, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let d = gpu(dst.ordinal)?;
+    let s = gpu(src.ordinal)?;
+    if dst.ordinal != src.ordinal {
+        // Direct copies where the GPUs allow it (else the driver stages through the host).
+        d.enable_peer(s);
+        s.enable_peer(d);
+    }
+    let _order = cross_gpu_order();
+    stream_wait(d.stream(), s.stream())?;
+    d.context()
+        .bind_to_thread()
+        .map_err(cuda_err("copy between GPUs", None))?;
+    let r = if dst.ordinal == src.ordinal {
+        // SAFETY: both addresses name live buffers of at least `bytes` on this GPU, kept alive
+        // by the caller until after the copy is enqueued, and freed on this stream later.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.addr,
+                src.addr,
+                bytes,
+                d.stream().cu_stream(),
+            )
+        }
+    } else {
+        // SAFETY: as above, with `src` on another GPU whose context is given; the source
+        // stream waits for this copy below before anything can reuse or free the source.
+        unsafe {
+            cudarc::driver::result::memcpy_peer_async(
+                d.context().cu_ctx(),
+                dst.addr,
+                s.context().cu_ctx(),
+                src.addr,
+                bytes,
+                d.stream().cu_stream(),
+            )
+        }
+    };
+    r.map_err(cuda_err("copy between GPUs", None))?;
+    stream_wait(s.stream(), d.stream())
+}

@@ -1,0 +1,127 @@
+//! Keys homed on a GPU: the stored value and the updater state, the mirror of
+//! [`cpu::state`](crate::backend::cpu::state).
+
+use cudarc::driver::CudaSlice;
+
+use super::{cuda_err, gpu, GpuBuf};
+use crate::host::HostData;
+use crate::{Error, Key, Result};
+
+/// A key's value and updater state on its home GPU.
+#[derive(Debug)]
+pub(crate) struct GpuCell {
+    /// The stored value.
+    pub buf: GpuBuf,
+    pub(super) state: Option<GpuState>,
+}
+
+/// Updater state on the home GPU.
+#[derive(Debug)]
+pub(super) struct GpuState {
+    pub generation: u64,
+    pub step: u64,
+    pub bufs: Vec<CudaSlice<f32>>,
+}
+
+impl GpuCell {
+    /// A cell holding `buf`, with no updater state yet.
+    pub fn new(buf: GpuBuf) -> GpuCell {
+        GpuCell { buf, state: None }
+    }
+
+    /// The step count of updater `generation`: `None` when the key has no state for it.
+    pub fn step(&self, generation: u64) -> Option<u64> {
+        self.state
+            .as_ref()
+            .filter(|s| s.generation == generation)
+            .map(|s| s.step)
+    }
+
+    /// The step count and state buffers of updater `generation`, copied to the host (for
+    /// checkpoints); `None` when the key has no state for it.
+    pub fn state_to_host(&self, generation: u64) -> Result<Option<(u64, Vec<HostData>)>> {
+        let Some(state) = self.state.as_ref().filter(|s| s.generation == generation) else {
+            return Ok(None);
+        };
+        let stream = self.buf.stream();
+        super::host_wait(gpu(self.buf.ordinal())?)?;
+        let bufs = state
+            .bufs
+            .iter()
+            .map(|b| {
+                let v =
+                    super::clone_dtoh(stream, b).map_err(cuda_err("copy state to host", None))?;
+                Ok(HostData::F32(v))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some((state.step, bufs)))
+    }
+
+    /// Replaces the updater state with host buffers (`float32`, one per state name) for
+    /// updater `generation`, or clears it.
+    pub fn set_state_from_host(
+        &mut self,
+        generation: u64,
+        state: Option<(u64, Vec<HostData>)>,
+    ) -> Result<()> {
+        let Some((step, bufs)) = state else {
+            self.state = None;
+            return Ok(());
+        };
+        // The kernels index the state with the value's length: never hand them a shorter one.
+        if let Some(b) = bufs.iter().find(|b| b.len() != self.buf.len()) {
+            return Err(Error::Internal {
+                op: "copy state to GPU",
+                message: format!(
+                    "a state buffer of {} elements for a value of {}",
+                    b.len(),
+                    self.buf.len()
+                ),
+            });
+        }
+        let stream = self.buf.stream();
+        let bufs = bufs
+            .iter()
+            .map(|b| {
+                let v: Vec<f32> = b.to_vec();
+                super::clone_htod(stream, &v).map_err(cuda_err("copy state to GPU", None))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.state = Some(GpuState {
+            generation,
+            step,
+            bufs,
+        });
+        Ok(())
+    }
+}
+
+/// Gives every cell an updater state for `generation` with `names` f32 buffers (zeros where it
+/// has none, or one of another updater). All are made before any step count moves, so a failed
+/// allocation leaves every key's state as it was.
+pub(super) fn make_states<'c>(
+    cells: impl Iterator<Item = (&'c Key, &'c mut GpuCell)>,
+    generation: u64,
+    names: usize,
+) -> Result<()> {
+    for (key, cell) in cells {
+        let (home, n) = (cell.buf.ordinal(), cell.buf.len());
+        // (A state with too few buffers would hand the kernel a null m or v.)
+        let current = matches!(&cell.state,
+            Some(s) if s.generation == generation && s.bufs.len() == names);
+        if current {
+            continue;
+        }
+        let st = gpu(home)?.stream();
+        let bufs = (0..names)
+            .map(|_| super::alloc_zeros::<f32>(st, n))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(cuda_err("push", Some(key)))?;
+        cell.state = Some(GpuState {
+            generation,
+            step: 0,
+            bufs,
+        });
+    }
+    Ok(())
+}
