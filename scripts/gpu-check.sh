@@ -108,7 +108,7 @@ PY
     find /usr /opt -name 'libnccl.so*' 2>/dev/null | head -n 1
 }
 
-# Only reported: kvstore finds libnccl.so.2 itself (src/backend/nccl/loader.rs), so no
+# Only reported: kvstore finds libnccl.so.2 itself (src/comm/nccl/loader.rs), so no
 # libnccl.so symlink is made; the tests then check that its own search works.
 NCCL=$(find_nccl)
 {

@@ -8,6 +8,7 @@
 //!
 //! - `local`: how sums and copies travel between this process's GPUs (NCCL for `nccl` stores,
 //!   else peer copies), handed to the CUDA backend as its `CrossGpu` links.
+//! - [`launch`]: what a launcher says through the environment (rank, size, timeout).
 //! - [`nccl`]: NCCL between this process's GPUs: communicators per device set, grouped reduce
 //!   and broadcast, async-error polling with a timeout, and abort.
 //! - `mpi` (cargo feature `mpi`): across processes for CPU ranks: bootstrap, fingerprinted
@@ -15,6 +16,7 @@
 //!
 //! It imports `backend` (memory, streams, kernels) and nothing from `store`.
 
+pub mod launch;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;

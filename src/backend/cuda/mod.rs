@@ -18,8 +18,8 @@ pub(crate) mod state;
 
 pub(crate) use runtime::{
     alloc_zeros, clone_dtoh, clone_htod, copy_device, cross_gpu_order, cuda_err, gpu, host_wait,
-    launch_fused, launch_user, set_host_wait, synchronize_all, Gpu, GpuBuf, GpuPtr, Record,
-    UserLaunch,
+    launch_fused, launch_user, set_host_wait, stream_wait, synchronize_all, Gpu, GpuBuf, GpuPtr,
+    Record, UserLaunch,
 };
 
 use crate::{DType, Error, Key, Result};

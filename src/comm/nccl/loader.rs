@@ -128,6 +128,21 @@ pub struct Nccl {
         Comm,
         *mut c_void,
     ) -> R,
+    /// `ncclReduceScatter` (send, recv, recvcount, datatype, op, comm, stream).
+    #[allow(clippy::type_complexity)]
+    pub reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        Comm,
+        *mut c_void,
+    ) -> R,
+    /// `ncclAllGather` (send, recv, sendcount, datatype, comm, stream).
+    #[allow(clippy::type_complexity)]
+    pub all_gather:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> R,
 }
 
 // SAFETY: the table holds function pointers into a library that stays loaded for the process
@@ -180,6 +195,8 @@ impl Nccl {
             group_end: sym!("ncclGroupEnd"),
             reduce: sym!("ncclReduce"),
             broadcast: sym!("ncclBroadcast"),
+            reduce_scatter: sym!("ncclReduceScatter"),
+            all_gather: sym!("ncclAllGather"),
             _lib: lib,
         })
     }

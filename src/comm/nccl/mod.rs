@@ -26,11 +26,17 @@
 //!   aborted and dropped from the cache, and an [`Error::Nccl`] names the keys. A watchdog
 //!   thread polls the same way every 100 ms, so a stalled collective is aborted even while
 //!   every user thread is blocked inside the driver.
+//! - [`RankComm`] is NCCL across processes (one rank per process, bootstrapped over MPI or
+//!   from a torchrun-style environment through `NCCL_COMM_ID`): the engine of
+//!   `dist_device_sync`.
 //! - `KVSTORE_NCCL_FORCE=1` makes a `nccl` store use NCCL even for a key whose values are all
 //!   on its home GPU: a one-rank communicator reduces them and broadcasts the pulls, so every
 //!   NCCL call the store makes runs on a one-GPU machine too (for tests).
 
 pub mod loader;
+mod ranks;
+
+pub use ranks::RankComm;
 
 use std::cell::Cell;
 use std::collections::HashMap;

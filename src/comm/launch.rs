@@ -1,0 +1,227 @@
+//! What a launcher tells a rank through the environment: who it is, and how long it may wait.
+//!
+//! - `KVSTORE_TIMEOUT`: seconds any wait of a distributed store may last (default 300).
+//! - A launch without MPI (`torchrun --no-python`, srun wrappers) sets `RANK`, `WORLD_SIZE`,
+//!   `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`, as torchrun does. [`LaunchEnv`] reads
+//!   them, and says which one is missing or wrong.
+
+use std::time::Duration;
+
+use crate::{Error, Result};
+
+/// How long a distributed wait may last when `KVSTORE_TIMEOUT` is unset (PyTorch's NCCL
+/// default is 10 minutes).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Reads `KVSTORE_TIMEOUT` through `var`: a positive number of seconds, else
+/// [`DEFAULT_TIMEOUT`].
+pub(crate) fn timeout_from(var: impl Fn(&str) -> Option<String>) -> Result<Duration> {
+    let Some(v) = var("KVSTORE_TIMEOUT") else {
+        return Ok(DEFAULT_TIMEOUT);
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(Error::DistEnv {
+            var: "KVSTORE_TIMEOUT".to_owned(),
+            message: format!(
+                "'{v}' is not a positive number of seconds: set it to e.g. 300, or unset it \
+                 for the default of {} s",
+                DEFAULT_TIMEOUT.as_secs()
+            ),
+        }),
+    }
+}
+
+/// A rank as a launcher without MPI describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// `RANK`: this process's rank, below `world_size`.
+    pub rank: usize,
+    /// `WORLD_SIZE`: the number of ranks.
+    pub world_size: usize,
+    /// `LOCAL_RANK`: this process's rank on its machine; it picks the GPU.
+    pub local_rank: usize,
+    /// `MASTER_ADDR`: the host of rank 0.
+    pub master_addr: String,
+    /// `MASTER_PORT`: the launcher's own port on rank 0's host.
+    pub master_port: u16,
+}
+
+impl LaunchEnv {
+    /// Reads the launch from this process's environment.
+    pub fn from_process() -> Result<LaunchEnv> {
+        LaunchEnv::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the launch through `var` (a variable's value, or `None` when it is unset). An error
+    /// names the first variable that is missing or wrong, and what to do.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let missing = |name: &str| Error::DistEnv {
+            var: name.to_owned(),
+            message: "is not set: start every rank with `torchrun --no-python --nproc-per-node \
+                      N prog` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and \
+                      MASTER_PORT), set them yourself, or start the job with `mpirun -np N`"
+                .to_owned(),
+        };
+        let number = |name: &str| -> Result<usize> {
+            let v = var(name).ok_or_else(|| missing(name))?;
+            v.trim().parse::<usize>().map_err(|_| Error::DistEnv {
+                var: name.to_owned(),
+                message: format!("'{v}' is not a non-negative whole number"),
+            })
+        };
+        let world_size = number("WORLD_SIZE")?;
+        if world_size == 0 {
+            return Err(Error::DistEnv {
+                var: "WORLD_SIZE".to_owned(),
+                message: "is 0: a job has at least one rank".to_owned(),
+            });
+        }
+        let rank = number("RANK")?;
+        if rank >= world_size {
+            return Err(Error::DistEnv {
+                var: "RANK".to_owned(),
+                message: format!(
+                    "is {rank}, but WORLD_SIZE is {world_size}: ranks run from 0 to \
+                     {}; the launcher's variables disagree",
+                    world_size - 1
+                ),
+            });
+        }
+        let local_rank = number("LOCAL_RANK")?;
+        if local_rank > rank {
+            return Err(Error::DistEnv {
+                var: "LOCAL_RANK".to_owned(),
+                message: format!(
+                    "is {local_rank}, above RANK {rank}: a rank's local rank on its machine \
+                     is at most its rank; the launcher's variables disagree"
+                ),
+            });
+        }
+        let master_addr = var("MASTER_ADDR")
+            .map(|a| a.trim().to_owned())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| missing("MASTER_ADDR"))?;
+        let port = number("MASTER_PORT")?;
+        let master_port = u16::try_from(port)
+            .ok()
+            .filter(|&p| p > 0 && p < u16::MAX)
+            .ok_or_else(|| Error::DistEnv {
+                var: "MASTER_PORT".to_owned(),
+                message: format!(
+                    "is {port}: use a free TCP port from 1 to 65534 (kvstore's NCCL bootstrap \
+                     listens on the port after it)"
+                ),
+            })?;
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            master_addr,
+            master_port,
+        })
+    }
+
+    /// The address NCCL's own bootstrap listens on, as `NCCL_COMM_ID` spells it: rank 0's host
+    /// and the port after `MASTER_PORT` (the launcher keeps `MASTER_PORT` for itself). IPv6
+    /// addresses go in brackets.
+    pub fn nccl_comm_id(&self) -> String {
+        let port = self.master_port + 1;
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{port}", self.master_addr)
+        } else {
+            format!("{}:{port}", self.master_addr)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    const GOOD: [(&str, &str); 5] = [
+        ("RANK", "3"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "10.0.0.7"),
+        ("MASTER_PORT", "29500"),
+    ];
+
+    fn var_of(e: Error) -> String {
+        match e {
+            Error::DistEnv { var, .. } => var,
+            other => panic!("expected DistEnv, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_torchrun_environment_is_read() {
+        let l = LaunchEnv::from_vars(env(&GOOD)).unwrap();
+        assert_eq!((l.rank, l.world_size, l.local_rank), (3, 4, 1));
+        assert_eq!(l.nccl_comm_id(), "10.0.0.7:29501");
+        let mut v6 = GOOD;
+        v6[3] = ("MASTER_ADDR", "fe80::1");
+        assert_eq!(
+            LaunchEnv::from_vars(env(&v6)).unwrap().nccl_comm_id(),
+            "[fe80::1]:29501"
+        );
+    }
+
+    #[test]
+    fn each_missing_variable_is_named() {
+        for (skip, name) in GOOD.iter().map(|p| p.0).enumerate() {
+            let pairs: Vec<_> = GOOD
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != skip)
+                .map(|(_, p)| *p)
+                .collect();
+            let e = LaunchEnv::from_vars(env(&pairs)).unwrap_err();
+            assert!(e.to_string().contains("is not set"), "{e}");
+            assert_eq!(var_of(e), name);
+        }
+    }
+
+    #[test]
+    fn inconsistent_or_malformed_values_name_their_variable() {
+        let cases: [(&str, &str, &str); 7] = [
+            ("RANK", "4", "RANK"),
+            ("RANK", "-1", "RANK"),
+            ("WORLD_SIZE", "0", "WORLD_SIZE"),
+            ("WORLD_SIZE", "four", "WORLD_SIZE"),
+            ("LOCAL_RANK", "5", "LOCAL_RANK"),
+            ("MASTER_PORT", "65535", "MASTER_PORT"),
+            ("MASTER_ADDR", " ", "MASTER_ADDR"),
+        ];
+        for (var, value, named) in cases {
+            let pairs: Vec<_> = GOOD
+                .iter()
+                .map(|&(k, v)| if k == var { (k, value) } else { (k, v) })
+                .collect();
+            let e = LaunchEnv::from_vars(env(&pairs)).unwrap_err();
+            assert_eq!(var_of(e), named, "{var}={value}");
+        }
+    }
+
+    #[test]
+    fn the_timeout_is_read_and_checked() {
+        assert_eq!(timeout_from(env(&[])).unwrap(), DEFAULT_TIMEOUT);
+        assert_eq!(
+            timeout_from(env(&[("KVSTORE_TIMEOUT", "2.5")])).unwrap(),
+            Duration::from_millis(2500)
+        );
+        for bad in ["0", "-3", "soon", "inf"] {
+            let e = timeout_from(env(&[("KVSTORE_TIMEOUT", bad)])).unwrap_err();
+            assert_eq!(var_of(e), "KVSTORE_TIMEOUT");
+        }
+    }
+}

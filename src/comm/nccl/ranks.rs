@@ -1,0 +1,546 @@
+//! NCCL across processes: one rank per process, on the GPU its local rank picks. The engine of
+//! `dist_device_sync` stores.
+//!
+//! # Bootstrap
+//!
+//! Every rank needs the same `ncclUniqueId`. Two launches are supported, with no TCP code of
+//! kvstore's own:
+//! - **`mpirun`**: rank 0 calls [`RankComm::unique_id`], the 128 bytes travel to every rank
+//!   over MPI (as nccl-tests does it), and every rank calls [`RankComm::join`].
+//! - **No MPI** (`torchrun --no-python`, srun wrappers): [`RankComm::from_env`] reads `RANK`,
+//!   `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` ([`LaunchEnv`]), and lets
+//!   NCCL's own bootstrap exchange the id. With `NCCL_COMM_ID=host:port` set, NCCL's
+//!   `ncclGetUniqueId` opens no socket: it only writes that address and a fixed magic into the
+//!   id, so every rank computes the same id by itself; and the `ncclCommInitRank` of rank 0
+//!   starts the bootstrap root listening on that address, to which the other ranks connect
+//!   (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`, and the `NCCL_COMM_ID` branch of
+//!   `ncclCommInitRankDev` in `src/init.cc`). `from_env` sets `NCCL_COMM_ID` to
+//!   `MASTER_ADDR:(MASTER_PORT + 1)` unless the user has set it.
+//!
+//! # No hang
+//!
+//! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`). Every call
+//! polls `ncclCommGetAsyncError` and its stream with the `KVSTORE_TIMEOUT` bound (default
+//! 300 s). A rank that stops calling, or dies, leaves the others' collectives without progress:
+//! when the bound passes they abort the communicator (`ncclCommAbort`, which ends its kernels)
+//! and return [`Error::Timeout`] naming the op and keys. The communicator is unusable after a
+//! failure: later calls return [`Error::DistFailed`].
+//!
+//! # Streams
+//!
+//! Collectives run on a stream of the communicator's own, after the work enqueued on the GPU's
+//! runtime stream (the store's kernels and copies that made their inputs). Each call returns
+//! when its collective is done, so later work needs no stream dependency on it. Ranks that
+//! share a GPU (tests on a one-GPU machine) so never wait for each other inside one stream.
+//!
+//! Every rank must make the same calls, in the same order, with the same sizes: that is NCCL's
+//! contract. The store checks a fingerprint of each call before its collectives.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+
+use super::loader::{Comm, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
+use super::{lib, nccl_dtype, nccl_error, started, NCCL_SUM, POLL_INTERVAL};
+use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
+use crate::comm::launch::{self, LaunchEnv};
+use crate::ndarray::Storage;
+use crate::{Device, Error, Key, NDArray, Result};
+
+/// A communicator of one rank among the processes of a job.
+pub struct RankComm {
+    rank: usize,
+    size: usize,
+    ordinal: usize,
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    timeout: Duration,
+    /// Serializes the calls; holds the first failure once there is one.
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Calls made so far (the first is 1).
+    seq: u64,
+    /// The first failure; the communicator was aborted.
+    failed: Option<String>,
+}
+
+// SAFETY: `comm` is a raw `ncclComm_t`. NCCL allows a communicator to be used from any thread
+// as long as calls on it are not concurrent; every call on it is made while holding `state`.
+unsafe impl Send for RankComm {}
+// SAFETY: as above: shared use goes through the `state` mutex.
+unsafe impl Sync for RankComm {}
+
+impl RankComm {
+    /// A fresh id for a job, made by rank 0 and sent to the others (over MPI, for instance).
+    pub fn unique_id() -> Result<UniqueId> {
+        let op = "create NCCL id";
+        let lib = lib(op, &[])?;
+        let mut id = UniqueId([0; 128]);
+        // SAFETY: a valid out-pointer for the id.
+        let r = unsafe { (lib.get_unique_id)(&mut id) };
+        started(op, &[], r, std::ptr::null_mut())?;
+        Ok(id)
+    }
+
+    /// Joins the job of `id` as rank `rank` of `size`, on GPU `ordinal`. Returns once every rank
+    /// has joined, or fails after `KVSTORE_TIMEOUT`.
+    pub fn join(id: UniqueId, rank: usize, size: usize, ordinal: usize) -> Result<RankComm> {
+        let op = "join NCCL ranks";
+        if rank >= size {
+            return Err(Error::DistEnv {
+                var: "RANK".to_owned(),
+                message: format!("rank {rank} of a job of {size} ranks: ranks run below the size"),
+            });
+        }
+        let timeout = launch::timeout_from(|k| std::env::var(k).ok())?;
+        let lib = lib(op, &[])?;
+        let Some(init) = lib.comm_init_rank_config else {
+            return Err(Error::Nccl {
+                op,
+                keys: vec![],
+                message: format!(
+                    "NCCL {} has no ncclCommInitRankConfig; kvstore needs NCCL >= 2.14",
+                    lib.version_string()
+                ),
+            });
+        };
+        let gpu = cuda::gpu(ordinal)?;
+        gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
+        let stream = gpu.context().new_stream().map_err(cuda_err(op, None))?;
+        let mut comm: Comm = std::ptr::null_mut();
+        let mut config = Config::new(false);
+        // SAFETY: `comm` and `config` are valid pointers that outlive the call; `id` is an
+        // NCCL id; the current device is this rank's (bound just above), as
+        // ncclCommInitRankConfig requires.
+        let r = unsafe { init(&mut comm, size as i32, id, rank as i32, &mut config) };
+        started(op, &[], r, comm)?;
+        let this = RankComm {
+            rank,
+            size,
+            ordinal,
+            comm,
+            stream,
+            timeout,
+            state: Mutex::new(State::default()),
+        };
+        // Joining is a collective too: a rank that never comes is a timeout, not a hang.
+        let mut st = this.lock();
+        let ready = this.settle(lib, op, &[], Instant::now() + timeout);
+        if let Err(e) = ready {
+            return Err(this.fail(&mut st, op, &[], e));
+        }
+        drop(st);
+        Ok(this)
+    }
+
+    /// Joins the job a launcher without MPI describes in the environment (see the
+    /// [module documentation](self)). The GPU is `LOCAL_RANK`; a missing or inconsistent
+    /// variable is [`Error::DistEnv`] naming it.
+    pub fn from_env() -> Result<RankComm> {
+        let launch = LaunchEnv::from_process()?;
+        let gpus = crate::backend::probe::gpu_count();
+        if launch.local_rank >= gpus {
+            return Err(Error::DistEnv {
+                var: "LOCAL_RANK".to_owned(),
+                message: format!(
+                    "is {}, but this machine has {}: start at most one rank per GPU on each \
+                     machine (torchrun --nproc-per-node), or limit CUDA_VISIBLE_DEVICES",
+                    launch.local_rank,
+                    crate::backend::probe::describe_gpus()
+                ),
+            });
+        }
+        if std::env::var_os("NCCL_COMM_ID").is_none() {
+            // NCCL reads the variable in `ncclGetUniqueId` and `ncclCommInitRank`, both below.
+            // Setting it races only with another thread's setenv (glibc never frees old
+            // environment strings, so concurrent readers stay valid).
+            std::env::set_var("NCCL_COMM_ID", launch.nccl_comm_id());
+        }
+        let id = RankComm::unique_id()?;
+        RankComm::join(id, launch.rank, launch.world_size, launch.local_rank)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// This rank's GPU.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Sets how long a call waits for the other ranks before it aborts the communicator (by
+    /// default `KVSTORE_TIMEOUT`).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Sums every rank's `send` into `recv` on rank `root`. `recv` is only written on the root;
+    /// it may be `send` itself (in place).
+    pub fn reduce_sum(&self, send: &NDArray, recv: &NDArray, root: usize) -> Result<()> {
+        let op = "NCCL reduce across ranks";
+        self.check_root(op, root)?;
+        if send.storage_id() == recv.storage_id() {
+            let b = recv.write();
+            let b = self.buf(op, &b)?;
+            let (n, dt, p) = (b.len(), nccl_dtype(b.dtype()), b.ptr());
+            return self.call(op, &[], |lib, comm, stream| {
+                // SAFETY: as below, with one buffer in place (NCCL allows send == recv).
+                unsafe {
+                    (lib.reduce)(
+                        p as *const c_void,
+                        p as *mut c_void,
+                        n,
+                        dt,
+                        NCCL_SUM,
+                        root as i32,
+                        comm,
+                        stream,
+                    )
+                }
+            });
+        }
+        let (s, r) = (send.read(), recv.write());
+        let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
+        self.check_len(op, "recv", r.len(), s.len())?;
+        self.check_dtype(op, s, r)?;
+        let (n, dt) = (s.len(), nccl_dtype(s.dtype()));
+        let (sp, rp) = (s.ptr(), r.ptr());
+        self.call(op, &[], |lib, comm, stream| {
+            // SAFETY: both addresses name live buffers of `n` elements of the dtype on this
+            // rank's GPU, locked for the call, and freed on the runtime stream, which waits
+            // for this one.
+            unsafe {
+                (lib.reduce)(
+                    sp as *const c_void,
+                    rp as *mut c_void,
+                    n,
+                    dt,
+                    NCCL_SUM,
+                    root as i32,
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// Copies rank `root`'s `buf` into every rank's `buf`.
+    pub fn broadcast(&self, buf: &NDArray, root: usize) -> Result<()> {
+        let op = "NCCL broadcast across ranks";
+        self.check_root(op, root)?;
+        let b = buf.write();
+        let b = self.buf(op, &b)?;
+        let (n, dt, p) = (b.len(), nccl_dtype(b.dtype()), b.ptr());
+        self.call(op, &[], |lib, comm, stream| {
+            // SAFETY: as in `reduce_sum`; NCCL allows the buffer in place.
+            unsafe {
+                (lib.broadcast)(
+                    p as *const c_void,
+                    p as *mut c_void,
+                    n,
+                    dt,
+                    root as i32,
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// Sums every rank's `send` and leaves slice `rank` of the sum in `recv`: `send` holds
+    /// `size` contiguous slices of `recv`'s length.
+    pub fn reduce_scatter(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
+        let op = "NCCL reduce-scatter across ranks";
+        self.check_distinct(op, send, recv)?;
+        let (s, r) = (send.read(), recv.write());
+        let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
+        self.check_len(op, "send", s.len(), r.len() * self.size)?;
+        self.check_dtype(op, s, r)?;
+        let (n, dt) = (r.len(), nccl_dtype(r.dtype()));
+        let (sp, rp) = (s.ptr(), r.ptr());
+        self.call(op, &[], |lib, comm, stream| {
+            // SAFETY: as in `reduce_sum`, with `send` of `n * size` elements.
+            unsafe {
+                (lib.reduce_scatter)(
+                    sp as *const c_void,
+                    rp as *mut c_void,
+                    n,
+                    dt,
+                    NCCL_SUM,
+                    comm,
+                    stream,
+                )
+            }
+        })
+    }
+
+    /// Gathers every rank's `send` into `recv`, in rank order: `recv` holds `size` slices of
+    /// `send`'s length.
+    pub fn all_gather(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
+        let op = "NCCL all-gather across ranks";
+        self.check_distinct(op, send, recv)?;
+        let (s, r) = (send.read(), recv.write());
+        let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
+        self.check_len(op, "recv", r.len(), s.len() * self.size)?;
+        self.check_dtype(op, s, r)?;
+        let (n, dt) = (s.len(), nccl_dtype(s.dtype()));
+        let (sp, rp) = (s.ptr(), r.ptr());
+        self.call(op, &[], |lib, comm, stream| {
+            // SAFETY: as in `reduce_sum`, with `recv` of `n * size` elements.
+            unsafe { (lib.all_gather)(sp as *const c_void, rp as *mut c_void, n, dt, comm, stream) }
+        })
+    }
+
+    /// Waits until every collective issued so far has finished. Each collective call already
+    /// returns only when its collective is done, so this only reports a failure, if any.
+    pub fn synchronize(&self) -> Result<()> {
+        let op = "wait for NCCL ranks";
+        let mut st = self.lock();
+        if let Some(first) = &st.failed {
+            return Err(Error::DistFailed {
+                op,
+                first: first.clone(),
+            });
+        }
+        self.wait_done(&mut st, op, &[])
+    }
+
+    /// Polls this rank's stream until its work is done, and NCCL for errors, for at most the
+    /// timeout. A stall or an error aborts the communicator.
+    fn wait_done(&self, st: &mut State, op: &'static str, keys: &[Key]) -> Result<()> {
+        let lib = lib(op, keys)?;
+        let done = match self.stream.record_event(None) {
+            Ok(e) => e,
+            Err(e) => return Err(self.fail(st, op, keys, cuda_err(op, None)(e))),
+        };
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            match done.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.fail(st, op, keys, cuda_err(op, None)(e))),
+            }
+            if let Err(e) = self.async_error(lib, op, keys) {
+                return Err(self.fail(st, op, keys, e));
+            }
+            if Instant::now() > deadline {
+                let stall = self.stall(op, keys);
+                return Err(self.fail(st, op, keys, stall));
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+    }
+
+    /// Issues one collective on this rank's stream, after the runtime stream's work, polls
+    /// until NCCL has taken it (non-blocking communicators may report `ncclInProgress`), then
+    /// until it is done. The host waits rather than the runtime stream: a runtime stream that
+    /// waited for one rank's collective would hold back every other rank that shares the GPU.
+    fn call(
+        &self,
+        op: &'static str,
+        keys: &[Key],
+        issue: impl FnOnce(&Nccl, Comm, *mut c_void) -> i32,
+    ) -> Result<()> {
+        let lib = lib(op, keys)?;
+        let mut st = self.lock();
+        if let Some(first) = &st.failed {
+            return Err(Error::DistFailed {
+                op,
+                first: first.clone(),
+            });
+        }
+        st.seq += 1;
+        let gpu = cuda::gpu(self.ordinal)?;
+        stream_wait(&self.stream, gpu.stream())?;
+        gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
+        let r = issue(lib, self.comm, self.stream.cu_stream() as *mut c_void);
+        let issued = started(op, keys, r, self.comm)
+            .and_then(|()| self.settle(lib, op, keys, Instant::now() + self.timeout));
+        if let Err(e) = issued {
+            return Err(self.fail(&mut st, op, keys, e));
+        }
+        self.wait_done(&mut st, op, keys)
+    }
+
+    /// Polls until the communicator is no longer in progress, or `deadline` passes.
+    fn settle(&self, lib: &Nccl, op: &'static str, keys: &[Key], deadline: Instant) -> Result<()> {
+        loop {
+            let mut state = SUCCESS;
+            // SAFETY: a live communicator, used under `state`'s lock; a valid out-pointer.
+            let rc = unsafe { (lib.comm_get_async_error)(self.comm, &mut state) };
+            started(op, keys, rc, self.comm)?;
+            match state {
+                SUCCESS => return Ok(()),
+                IN_PROGRESS if Instant::now() > deadline => return Err(self.stall(op, keys)),
+                IN_PROGRESS => std::thread::sleep(POLL_INTERVAL),
+                e => return Err(nccl_error(op, keys, e, self.comm)),
+            }
+        }
+    }
+
+    /// The communicator's asynchronous error, if it has one.
+    fn async_error(&self, lib: &Nccl, op: &'static str, keys: &[Key]) -> Result<()> {
+        let mut state = SUCCESS;
+        // SAFETY: a live communicator, used under `state`'s lock; a valid out-pointer.
+        let rc = unsafe { (lib.comm_get_async_error)(self.comm, &mut state) };
+        started(op, keys, rc, self.comm)?;
+        match state {
+            SUCCESS | IN_PROGRESS => Ok(()),
+            e => Err(nccl_error(op, keys, e, self.comm)),
+        }
+    }
+
+    /// The error of a collective that made no progress within the timeout ([`Self::fail`]
+    /// fills in the call's sequence number).
+    fn stall(&self, op: &'static str, keys: &[Key]) -> Error {
+        Error::Timeout {
+            op,
+            seq: 0,
+            keys: keys.to_vec(),
+            missing: vec![],
+            detail: format!(
+                "no progress for {:?} (KVSTORE_TIMEOUT) among {} NCCL ranks: a rank stopped \
+                 calling kvstore, called something else, or died; this rank ({}) aborted the \
+                 communicator. Every rank must make the same calls in the same order",
+                self.timeout, self.size, self.rank
+            ),
+        }
+    }
+
+    /// Aborts the communicator after `error`, remembers it, and returns it (with the call's
+    /// sequence number where the error has one).
+    fn fail(&self, st: &mut State, op: &'static str, keys: &[Key], error: Error) -> Error {
+        let error = match error {
+            Error::Timeout {
+                seq: 0,
+                keys: k,
+                missing,
+                detail,
+                ..
+            } => Error::Timeout {
+                op,
+                seq: st.seq,
+                keys: if k.is_empty() { keys.to_vec() } else { k },
+                missing,
+                detail,
+            },
+            other => other,
+        };
+        if st.failed.is_none() {
+            st.failed = Some(error.to_string());
+            if let Ok(lib) = super::loader::library() {
+                // SAFETY: the communicator is live and aborted once (`failed` was unset);
+                // abort ends its kernels without waiting for the other ranks.
+                let _ = unsafe { (lib.comm_abort)(self.comm) };
+            }
+        }
+        error
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The GPU buffer of `array`, which must be on this rank's GPU.
+    fn buf<'s>(&self, op: &'static str, storage: &'s Storage) -> Result<&'s GpuBuf> {
+        match storage {
+            Storage::Gpu(b) if b.ordinal() == self.ordinal => Ok(b),
+            Storage::Gpu(b) => Err(self.misuse(
+                op,
+                format!(
+                    "an array on {} for a rank on {}",
+                    Device::Gpu(b.ordinal()),
+                    Device::Gpu(self.ordinal)
+                ),
+            )),
+            Storage::Host(_) => Err(self.misuse(
+                op,
+                format!(
+                    "a host array for a rank on {}: move it to the GPU first",
+                    Device::Gpu(self.ordinal)
+                ),
+            )),
+        }
+    }
+
+    /// `send` and `recv` must be different arrays (one would be locked twice).
+    fn check_distinct(&self, op: &'static str, send: &NDArray, recv: &NDArray) -> Result<()> {
+        if send.storage_id() == recv.storage_id() {
+            return Err(self.misuse(op, "the same array as send and recv".to_owned()));
+        }
+        Ok(())
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(self.misuse(op, format!("root {root} of {} ranks", self.size)));
+        }
+        Ok(())
+    }
+
+    fn check_len(&self, op: &'static str, what: &str, len: usize, want: usize) -> Result<()> {
+        if len != want {
+            return Err(self.misuse(op, format!("{what} of {len} elements, expected {want}")));
+        }
+        Ok(())
+    }
+
+    fn check_dtype(&self, op: &'static str, a: &GpuBuf, b: &GpuBuf) -> Result<()> {
+        if a.dtype() != b.dtype() {
+            return Err(self.misuse(op, format!("{} and {} buffers", a.dtype(), b.dtype())));
+        }
+        Ok(())
+    }
+
+    /// Arguments that do not fit a collective: refused before anything is sent.
+    fn misuse(&self, op: &'static str, what: String) -> Error {
+        Error::Nccl {
+            op,
+            keys: vec![],
+            message: format!("{what}; nothing was sent"),
+        }
+    }
+}
+
+impl Drop for RankComm {
+    fn drop(&mut self) {
+        let st = self.lock();
+        if st.failed.is_some() {
+            return;
+        }
+        let Ok(lib) = super::loader::library() else {
+            return;
+        };
+        // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
+        let finalized = match lib.comm_finalize {
+            // SAFETY: a live communicator, not used after this.
+            Some(finalize) => {
+                matches!(unsafe { finalize(self.comm) }, SUCCESS | IN_PROGRESS)
+                    && self
+                        .settle(lib, "close NCCL ranks", &[], Instant::now() + self.timeout)
+                        .is_ok()
+            }
+            None => true,
+        };
+        // SAFETY: the communicator is destroyed (or aborted) once, here, and never used again.
+        unsafe {
+            if finalized {
+                (lib.comm_destroy)(self.comm);
+            } else {
+                (lib.comm_abort)(self.comm);
+            }
+        }
+    }
+}
