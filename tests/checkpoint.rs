@@ -1103,8 +1103,12 @@ fn failures_are_told_apart_by_kind(h: Home) {
         .unwrap_or_else(|| panic!("no io::Error under {e:?}"));
     assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
     assert_checkpoint_kind(Err(e), CheckpointErrorKind::NotFound, "check the path");
-    // A directory cannot be read as a file.
-    assert_checkpoint_kind(target.load(&dir), CheckpointErrorKind::Io, "reading");
+    // A directory is read as a sharded checkpoint: without an index it holds none.
+    assert_checkpoint_kind(
+        target.load(&dir),
+        CheckpointErrorKind::NotFound,
+        "no committed checkpoint",
+    );
     assert_checkpoint_kind(
         kv.save(dir.join("no-such-dir").join("x.safetensors")),
         CheckpointErrorKind::NotFound,

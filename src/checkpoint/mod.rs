@@ -1,0 +1,296 @@
+//! Checkpoints: [`KvStore::save`] and [`KvStore::load`], in the safetensors format.
+//!
+//! A checkpoint holds every key's value and the updater state of every key (its buffers and
+//! step count). Tensors are named `value/<key>` and `state/<key>/<name>`, where `<name>` is one
+//! of [`Updater::state_names`](crate::Updater::state_names) (`momentum`, `mean`, `var`). The
+//! safetensors metadata holds:
+//!
+//! | entry            | value                                                     |
+//! |------------------|-----------------------------------------------------------|
+//! | `format`         | [`FORMAT`]                                                |
+//! | `key_kind`       | `int`, `str`, or `none` for an empty store                 |
+//! | `keys`           | the number of keys                                        |
+//! | `order/<key>`    | the key's place in update order, `0..keys`               |
+//! | `updater`        | the updater's [`name`](crate::Updater::name)               |
+//! | `state_names`    | the state buffer names, comma-separated                   |
+//! | `step/<key>`     | the key's step count, for keys that have updater state    |
+//!
+//! Keys are spelled as [`Key`]'s `Display` writes them; an int key in any other spelling
+//! (`05`, `+5`) makes the file invalid, so that no two entries can name one key.
+//!
+//! Values are stored in their own dtype (`F32`, `F64`, `F16`, `BF16`), state buffers in the
+//! accumulator dtype (`F64` for `float64` values, `F32` otherwise), little-endian.
+//!
+//! ```
+//! use kvstore::{KvStore, NDArray, Sgd, Updater};
+//! let dir = std::env::temp_dir().join(format!("kvstore-doc-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir).unwrap();
+//! let path = dir.join("model.safetensors");
+//!
+//! let kv = KvStore::create("local")?;
+//! kv.set_updater(Updater::Sgd(Sgd { lr: 0.1, momentum: 0.9, ..Sgd::default() }))?;
+//! kv.init(0, &NDArray::ones([4]))?;
+//! kv.push(0, &NDArray::ones([4]))?;
+//! kv.save(&path)?;
+//!
+//! let restored = KvStore::create("device")?;
+//! restored.set_updater(kv.updater())?; // before load, so the momentum comes back too
+//! restored.load(&path)?;
+//! let (a, b) = (NDArray::zeros([4]), NDArray::zeros([4]));
+//! kv.pull(0, &a)?;
+//! restored.pull(0, &b)?;
+//! assert_eq!(a.to_vec::<f32>()?, b.to_vec::<f32>()?);
+//! # std::fs::remove_dir_all(&dir).unwrap();
+//! # Ok::<(), kvstore::Error>(())
+//! ```
+
+mod atomic;
+mod file;
+// The writing side and `Reader::read` serve the dist store, which saves and loads by piece;
+// a local store only loads whole keys.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) mod reader;
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) mod sharded;
+#[cfg(test)]
+mod tests;
+
+use std::cell::RefCell;
+use std::fs;
+use std::io;
+use std::path::Path;
+
+pub use atomic::fail_writes_after;
+use atomic::write_atomic;
+use file::{decode, encode};
+#[allow(unused_imports)] // the crate-internal API of sharded checkpoints, for the dist store
+pub(crate) use reader::{open, Reader};
+#[allow(unused_imports)]
+pub(crate) use sharded::{commit, next_generation, write_shard, KeyMeta, Piece};
+
+use crate::{Error, KvStore, Result};
+
+/// The `format` entry of the metadata of every checkpoint this version writes.
+pub const FORMAT: &str = "kvstore-checkpoint/1";
+
+/// What kind of failure an [`Error::Checkpoint`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CheckpointErrorKind {
+    /// There is no file at the path (`load`), or the directory to save into does not exist
+    /// (`save`). The source is the [`std::io::Error`].
+    NotFound,
+    /// Reading or writing failed for another reason: permissions, a full disk, a failing
+    /// device. The source is the [`std::io::Error`].
+    Io,
+    /// The file is not a checkpoint this version can read: corrupt, truncated, not a
+    /// safetensors file, or with missing or malformed metadata or tensors. The source is the
+    /// safetensors error, when the file could not be parsed at all.
+    Invalid,
+    /// A valid checkpoint that does not fit the store: a key whose shape or dtype differs from
+    /// the store's, or keys of the other kind (int or string) than the store holds.
+    Mismatch,
+}
+
+/// A checkpoint failure before its path is attached.
+pub(crate) struct Problem {
+    kind: CheckpointErrorKind,
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl Problem {
+    /// A file that is not a valid checkpoint.
+    pub(crate) fn invalid(message: impl Into<String>) -> Problem {
+        Problem {
+            kind: CheckpointErrorKind::Invalid,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A valid checkpoint that does not fit the store.
+    pub(crate) fn mismatch(message: impl Into<String>) -> Problem {
+        Problem {
+            kind: CheckpointErrorKind::Mismatch,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// The same failure with another message.
+    pub(crate) fn with_message(mut self, message: impl Into<String>) -> Problem {
+        self.message = message.into();
+        self
+    }
+
+    /// A failed read or write: [`CheckpointErrorKind::NotFound`] or
+    /// [`CheckpointErrorKind::Io`], with `e` as the source.
+    pub(crate) fn io(reading: bool, e: io::Error) -> Problem {
+        let (kind, message) = match (e.kind(), reading) {
+            (io::ErrorKind::NotFound, true) => (
+                CheckpointErrorKind::NotFound,
+                "there is no file at this path: check the path, or save a checkpoint there first"
+                    .to_owned(),
+            ),
+            (io::ErrorKind::NotFound, false) => (
+                CheckpointErrorKind::NotFound,
+                "the directory to save into does not exist: create it first".to_owned(),
+            ),
+            (k, true) => (
+                CheckpointErrorKind::Io,
+                format!("reading the file failed ({k}): check its permissions and the device"),
+            ),
+            (k, false) => (
+                CheckpointErrorKind::Io,
+                format!(
+                    "writing the file failed ({k}): check the directory's permissions and free \
+                     space; any previous checkpoint at this path is unchanged"
+                ),
+            ),
+        };
+        Problem {
+            kind,
+            message,
+            source: Some(Box::new(e)),
+        }
+    }
+
+    /// The error for the checkpoint at `path`.
+    pub(crate) fn at(self, path: &Path) -> Error {
+        Error::Checkpoint {
+            path: path.to_owned(),
+            kind: self.kind,
+            message: self.message,
+            source: self.source,
+        }
+    }
+}
+
+impl From<String> for Problem {
+    fn from(message: String) -> Problem {
+        Problem::invalid(message)
+    }
+}
+
+impl From<&str> for Problem {
+    fn from(message: &str) -> Problem {
+        Problem::invalid(message)
+    }
+}
+
+/// An unparsable file: [`CheckpointErrorKind::Invalid`] with the safetensors error as source.
+pub(crate) fn not_safetensors(e: safetensors::SafeTensorError) -> Problem {
+    Problem {
+        kind: CheckpointErrorKind::Invalid,
+        message: "not a valid safetensors file (corrupt or truncated?): restore it from a copy, \
+                  or save it again"
+            .to_owned(),
+        source: Some(Box::new(e)),
+    }
+}
+
+impl KvStore {
+    /// Saves every value and every updater state to `path`, atomically.
+    ///
+    /// The checkpoint is written to a temporary file in the same directory, flushed to disk,
+    /// and renamed over `path`; then the directory is flushed. A crash or an error at any point
+    /// leaves the previous file at `path` (if any) intact; only a crash can leave the
+    /// temporary file (`.<name>.tmp-<pid>-<n>`) behind, which is safe to delete. The values are
+    /// one consistent snapshot: a push that runs concurrently is either wholly in it or not.
+    /// See the [module docs](crate::checkpoint) for the format.
+    ///
+    /// A failure is an [`Error::Checkpoint`] of kind [`CheckpointErrorKind::NotFound`] (no
+    /// such directory) or [`CheckpointErrorKind::Io`], with the I/O error as its source.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let (kind, updater, entries) = self.export_entries()?;
+        let bytes = encode(kind, &updater, &entries).map_err(|p| p.at(path))?;
+        write_atomic(path, &bytes).map_err(|e| Problem::io(false, e).at(path))
+    }
+
+    /// Loads a checkpoint written by [`KvStore::save`], into a store of any kind and device set,
+    /// whatever updater either was saved or is set with.
+    ///
+    /// Keys the store lacks are added; keys it has must have the file's shape and dtype. What
+    /// a load brings in:
+    ///
+    /// - **Values** always load.
+    /// - **Updater state** (momentum, Adam's moments, and the step count that goes with them)
+    ///   loads when it fits the updater in force: the file was saved under an updater of the
+    ///   same [`name`](Updater::name) and [`state_names`](Updater::state_names) (for example
+    ///   Adam into Adam, or SGD with momentum into SGD with momentum), whatever the
+    ///   hyperparameters, so a resumed run may change its learning rate and keep its moments.
+    ///   Set the updater before `load`.
+    /// - Otherwise (SGD state into Adam, no momentum into momentum, a checkpoint saved under
+    ///   the default assign updater into any optimizer, ...) every loaded key starts its state
+    ///   afresh on its next push, exactly as after [`KvStore::set_updater`]: zero buffers and a
+    ///   step count of 0, so Adam's bias correction starts over with its fresh moments. A key
+    ///   the file holds no state for starts afresh too.
+    ///
+    /// The updater is read once per call: a [`KvStore::set_updater`] that runs during the load
+    /// is either wholly before it or, like any later `set_updater`, starts every key's state
+    /// afresh.
+    ///
+    /// A load is all or nothing, like the list operations: the whole file is read and checked
+    /// first, and then the file's keys (new ones appearing together with their values and
+    /// state) all change in one step, with every key's lock held, so a concurrent push or pull
+    /// of the file's keys sees the store wholly before or wholly after the load. Any error is an
+    /// [`Error::Checkpoint`] whose [`kind`](CheckpointErrorKind) tells a missing file, an I/O
+    /// failure, a corrupt or invalid file and a file that does not fit the store apart, and
+    /// leaves the store as it was. (A CUDA failure while copying to a GPU home, an
+    /// [`Error::Cuda`], can leave keys already in the store partly loaded.)
+    pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let (updater, generation) = self.active_updater();
+        let (kind, entries) = if path.is_dir() {
+            let reader = reader::open(path)?;
+            (reader.key_kind(), reader.entries(&updater)?)
+        } else {
+            let bytes = fs::read(path).map_err(|e| Problem::io(true, e).at(path))?;
+            decode(&bytes, &updater).map_err(|p| p.at(path))?
+        };
+        run_load_hook(LoadStage::Checked);
+        self.import_entries(path, kind, entries, generation)?;
+        run_load_hook(LoadStage::Applied);
+        Ok(())
+    }
+}
+
+/// Where a [`set_load_hook`] hook runs inside [`KvStore::load`].
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadStage {
+    /// The file is read and checked against the updater in force; the store is unchanged.
+    Checked,
+    /// The file's keys are in the store, with their values and state; the load returns next.
+    Applied,
+}
+
+type LoadHook = Box<dyn FnMut(LoadStage)>;
+
+thread_local! {
+    /// Test hook: runs at each [`LoadStage`] of the loads of this thread.
+    static LOAD_HOOK: RefCell<Option<LoadHook>> = const { RefCell::new(None) };
+}
+
+/// Test hook: runs `hook` at each [`LoadStage`] of every later `load` on the calling thread, with
+/// no lock of the store held (`None` turns it off). For tests of loads that race other calls.
+#[doc(hidden)]
+pub fn set_load_hook(hook: Option<Box<dyn FnMut(LoadStage)>>) {
+    LOAD_HOOK.with(|h| *h.borrow_mut() = hook);
+}
+
+fn run_load_hook(stage: LoadStage) {
+    // Taken out while it runs, so a hook that loads does not run itself.
+    let Some(mut hook) = LOAD_HOOK.with(|h| h.borrow_mut().take()) else {
+        return;
+    };
+    hook(stage);
+    LOAD_HOOK.with(|h| {
+        let mut slot = h.borrow_mut();
+        if slot.is_none() {
+            *slot = Some(hook);
+        }
+    });
+}

@@ -1,0 +1,757 @@
+//! Reading checkpoints by key and element range: a committed sharded directory (any world
+//! size, any slicing) or a single file from [`KvStore::save`](crate::KvStore::save), which
+//! reads as one shard that holds every key whole.
+//!
+//! Opening reads only the index and the shards' headers; [`Reader::read`] then reads just the
+//! bytes of the range asked for, from whichever shards hold them.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+
+use super::file::{acc_dtype, decode_all, from_bytes, parse_key};
+use super::sharded::{
+    generation_dir, index_path, shard_path, KeyMeta, Piece, INDEX_FORMAT, SHARD_FORMAT,
+};
+use super::{not_safetensors, Problem};
+use crate::store::{Entry, EntryState};
+use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updater};
+
+/// The largest safetensors header read (the safetensors crate's own bound).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// What `dir/index` says: the committed generation and the world size that wrote it.
+pub(crate) struct Index {
+    /// The committed generation.
+    pub generation: u64,
+    /// The number of shards in it.
+    pub world: usize,
+}
+
+/// Reads and checks `dir/index`. No index is kind `NotFound`; a malformed one `Invalid`.
+pub(crate) fn read_index(dir: &Path) -> Result<Index> {
+    let path = index_path(dir);
+    let text = match fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(Problem::io(true, e)
+                .with_message(
+                    "this directory holds no committed checkpoint (no index file): check the \
+                     path, or save a checkpoint there first",
+                )
+                .at(&path))
+        }
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            return Err(Problem::invalid("the index is not text: it is corrupt").at(&path))
+        }
+        Err(e) => return Err(Problem::io(true, e).at(&path)),
+    };
+    let bad = || {
+        Problem::invalid(format!(
+            "the index is corrupt: expected the lines '{INDEX_FORMAT}', 'generation <n>' and \
+             'world <n>'; restore it from a copy, or save again"
+        ))
+        .at(&path)
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let [format, generation, world] = lines[..] else {
+        return Err(bad());
+    };
+    let number = |line: &str, name: &str| {
+        line.strip_prefix(name)
+            .and_then(|n| n.strip_prefix(' '))
+            .and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
+    };
+    if format != INDEX_FORMAT {
+        return Err(bad());
+    }
+    let generation = number(generation, "generation").ok_or_else(bad)?;
+    let world = number(world, "world")
+        .and_then(|w| usize::try_from(w).ok())
+        .filter(|&w| w > 0)
+        .ok_or_else(bad)?;
+    Ok(Index { generation, world })
+}
+
+/// Bytes `start..end` of a file, as absolute offsets.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    start: u64,
+    end: u64,
+}
+
+/// One piece as a shard file holds it: where its value and state bytes are.
+struct Held {
+    meta: KeyMeta,
+    range: Range<usize>,
+    /// The shard (its place among the reader's files) and its rank.
+    file: usize,
+    value: Span,
+    state: Vec<Span>,
+}
+
+/// One shard's header, checked: what it holds and where.
+pub(crate) struct ShardHeader {
+    rank: usize,
+    kind: Option<KeyKind>,
+    updater: String,
+    state_names: Vec<String>,
+    pieces: Vec<Held>,
+}
+
+/// An open file, read at offsets.
+struct ShardFile {
+    path: PathBuf,
+    file: File,
+}
+
+impl ShardFile {
+    /// Fills `buf` from byte `offset` on.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileExt;
+            self.file.read_exact_at(buf, offset)
+        }
+        #[cfg(not(unix))]
+        {
+            use std::io::Seek;
+            // A fresh handle, so concurrent reads do not share a cursor.
+            let mut file = File::open(&self.path)?;
+            file.seek(io::SeekFrom::Start(offset))?;
+            file.read_exact(buf)
+        }
+    }
+}
+
+/// The dtype of a safetensors dtype, if the store has it.
+fn dtype_of(d: Dtype) -> Option<DType> {
+    DType::ALL
+        .into_iter()
+        .find(|&t| super::file::st_dtype(t) == d)
+}
+
+/// Opens the shard at `path` and reads and checks its header: that it is shard `rank` of
+/// `world` of generation `generation`, and that its tensors match its pieces.
+pub(crate) fn read_shard_header(
+    path: &Path,
+    generation: u64,
+    rank: usize,
+    world: usize,
+) -> Result<ShardHeader> {
+    let (header, _) = open_shard(path, generation, rank, world)?;
+    Ok(header)
+}
+
+fn open_shard(
+    path: &Path,
+    generation: u64,
+    rank: usize,
+    world: usize,
+) -> Result<(ShardHeader, File)> {
+    let mut file = File::open(path).map_err(|e| {
+        let missing = e.kind() == io::ErrorKind::NotFound;
+        let p = Problem::io(true, e);
+        if missing {
+            p.with_message(format!(
+                "shard {rank} of {world} of generation {generation} is missing: the save that \
+                 wrote it did not finish on every rank; load the previous checkpoint, or save \
+                 again"
+            ))
+        } else {
+            p
+        }
+        .at(path)
+    })?;
+    let (n, meta, file_len) = read_header(&mut file).map_err(|p| p.at(path))?;
+    let header =
+        check_shard(n, &meta, file_len, generation, rank, world).map_err(|p| p.at(path))?;
+    Ok((header, file))
+}
+
+/// Reads the safetensors header of `file`: its length, the parsed header, and the file's length
+/// (checked against the header's tensors, so a truncated file is caught here).
+fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata, u64), Problem> {
+    let file_len = file.metadata().map_err(|e| Problem::io(true, e))?.len();
+    let truncated = || Problem::invalid("the shard is truncated or corrupt: save again");
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|_| truncated())?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER || n.saturating_add(8) > file_len {
+        return Err(truncated());
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| Problem::io(true, e))?;
+    let meta: Metadata = serde_json::from_slice(&header).map_err(|e| Problem {
+        kind: super::CheckpointErrorKind::Invalid,
+        message: "the shard's header is not valid safetensors JSON (corrupt?): save again"
+            .to_owned(),
+        source: Some(Box::new(e)),
+    })?;
+    if 8 + n + meta.data_len() as u64 != file_len {
+        return Err(truncated());
+    }
+    Ok((8 + n, meta, file_len))
+}
+
+/// The fields of a `piece/<key>` metadata entry.
+fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize>), Problem> {
+    let bad = |why: &str| Problem::invalid(format!("metadata piece/{key} = '{spec}': {why}"));
+    let mut fields: HashMap<&str, &str> = HashMap::new();
+    for field in spec.split(' ') {
+        let (name, value) = field.split_once('=').ok_or_else(|| bad("not name=value"))?;
+        if fields.insert(name, value).is_some() {
+            return Err(bad("a field is given twice"));
+        }
+    }
+    let count = |name: &str| -> std::result::Result<u64, Problem> {
+        let text = fields.get(name).ok_or_else(|| bad(&format!("no {name}")))?;
+        text.parse::<u64>()
+            .ok()
+            .filter(|n| n.to_string() == *text)
+            .ok_or_else(|| bad(&format!("{name} is not a count")))
+    };
+    let index = |name: &str| {
+        count(name).and_then(|n| usize::try_from(n).map_err(|_| bad(&format!("{name} too large"))))
+    };
+    let dims = match fields.get("dims").ok_or_else(|| bad("no dims"))? {
+        &"" => Vec::new(),
+        text => text
+            .split(',')
+            .map(|d| d.parse::<usize>().ok().filter(|n| n.to_string() == d))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| bad("dims are not counts"))?,
+    };
+    Shape::new(&dims).map_err(|e| bad(&e.to_string()))?;
+    let (order, start, end) = (index("order")?, index("start")?, index("end")?);
+    let step = fields
+        .contains_key("step")
+        .then(|| count("step"))
+        .transpose()?;
+    if fields
+        .keys()
+        .any(|f| !["order", "start", "end", "dims", "step"].contains(f))
+    {
+        return Err(bad("unknown field"));
+    }
+    let size: usize = dims.iter().product();
+    if start > end || end > size {
+        return Err(bad("the range is not within the key's elements"));
+    }
+    let meta = KeyMeta {
+        key,
+        dims,
+        dtype: DType::F32, // set from the value tensor by the caller
+        order,
+        step: step.unwrap_or(0),
+        has_state: step.is_some(),
+    };
+    Ok((meta, start..end))
+}
+
+/// The absolute span of tensor `name`, checked to be 1-D `len` elements of `dtype` (any dtype
+/// the store has when `dtype` is `None`).
+fn tensor_span(
+    meta: &Metadata,
+    data_start: u64,
+    name: &str,
+    dtype: Option<DType>,
+    len: usize,
+) -> std::result::Result<(DType, Span), Problem> {
+    let info = meta
+        .info(name)
+        .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
+    let got = dtype_of(info.dtype).ok_or_else(|| {
+        Problem::invalid(format!(
+            "tensor '{name}' has unsupported dtype {:?}",
+            info.dtype
+        ))
+    })?;
+    if dtype.is_some_and(|d| d != got) {
+        return Err(Problem::invalid(format!(
+            "tensor '{name}' is {got}, expected {}",
+            dtype.unwrap_or(got)
+        )));
+    }
+    let (s, e) = info.data_offsets;
+    if info.shape != [len] || len.checked_mul(got.size()) != Some(e.wrapping_sub(s)) || s > e {
+        return Err(Problem::invalid(format!(
+            "tensor '{name}' has shape {:?} and {} bytes, expected [{len}] of {got}",
+            info.shape,
+            e.wrapping_sub(s)
+        )));
+    }
+    Ok((
+        got,
+        Span {
+            start: data_start + s as u64,
+            end: data_start + e as u64,
+        },
+    ))
+}
+
+/// Checks a shard's parsed header against its place and its own tensors.
+fn check_shard(
+    data_start: u64,
+    meta: &Metadata,
+    file_len: u64,
+    generation: u64,
+    rank: usize,
+    world: usize,
+) -> std::result::Result<ShardHeader, Problem> {
+    let md = meta
+        .metadata()
+        .as_ref()
+        .ok_or("the shard has no metadata: it was not written by a sharded save")?;
+    let get = |name: &str| {
+        md.get(name)
+            .map(String::as_str)
+            .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
+    };
+    if get("format")? != SHARD_FORMAT {
+        return Err(Problem::invalid(format!(
+            "metadata format is '{}', expected '{SHARD_FORMAT}'",
+            get("format")?
+        )));
+    }
+    for (name, want) in [
+        ("generation", generation.to_string()),
+        ("rank", rank.to_string()),
+        ("world", world.to_string()),
+    ] {
+        if get(name)? != want {
+            return Err(Problem::invalid(format!(
+                "metadata {name} is '{}' but the file is named for {name} {want}: it was moved \
+                 or copied from another checkpoint",
+                get(name)?
+            )));
+        }
+    }
+    let kind = match get("key_kind")? {
+        "int" => Some(KeyKind::Int),
+        "str" => Some(KeyKind::Str),
+        "none" => None,
+        other => {
+            return Err(Problem::invalid(format!(
+                "metadata key_kind '{other}' is not int, str or none"
+            )))
+        }
+    };
+    let updater = get("updater")?.to_owned();
+    let state_names: Vec<String> = match get("state_names")? {
+        "" => Vec::new(),
+        names => names.split(',').map(str::to_owned).collect(),
+    };
+    let mut used: HashSet<String> = HashSet::new();
+    let mut pieces = Vec::new();
+    for (name, spec) in md {
+        let Some(text) = name.strip_prefix("piece/") else {
+            continue;
+        };
+        let key = parse_key(kind, text)?;
+        let (mut km, range) = parse_spec(key, spec)?;
+        let value_name = format!("value/{text}");
+        let (dtype, value) = tensor_span(meta, data_start, &value_name, None, range.len())?;
+        km.dtype = dtype;
+        used.insert(value_name);
+        let mut state = Vec::new();
+        if km.has_state {
+            for s in &state_names {
+                let name = format!("state/{text}/{s}");
+                let (_, span) =
+                    tensor_span(meta, data_start, &name, Some(acc_dtype(dtype)), range.len())?;
+                used.insert(name);
+                state.push(span);
+            }
+        }
+        pieces.push(Held {
+            meta: km,
+            range,
+            file: 0,
+            value,
+            state,
+        });
+    }
+    if let Some(extra) = meta.tensors().keys().find(|n| !used.contains(*n)) {
+        return Err(Problem::invalid(format!(
+            "tensor '{extra}' belongs to no piece in the metadata"
+        )));
+    }
+    debug_assert!(pieces.iter().all(|p| p.value.end <= file_len));
+    Ok(ShardHeader {
+        rank,
+        kind,
+        updater,
+        state_names,
+        pieces,
+    })
+}
+
+/// Every key of a checkpoint, whole, and the pieces that hold it.
+struct Assembled {
+    kind: Option<KeyKind>,
+    updater: String,
+    state_names: Vec<String>,
+    /// Keys in update order.
+    keys: Vec<KeyMeta>,
+    /// The pieces of `keys[i]`, by range start.
+    held: Vec<Vec<Held>>,
+}
+
+/// Checks that `shards` agree with each other and together hold every element of every key
+/// exactly once. `at` names the checkpoint in errors.
+pub(crate) fn check_cover(at: &Path, shards: Vec<ShardHeader>) -> Result<()> {
+    assemble(at, shards).map(|_| ())
+}
+
+fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
+    let invalid = |message: String| Problem::invalid(message).at(at);
+    let Some(first) = shards.first() else {
+        return Err(invalid("the checkpoint has no shards".to_owned()));
+    };
+    let (updater, state_names) = (first.updater.clone(), first.state_names.clone());
+    let mut kind: Option<KeyKind> = None;
+    let mut by_key: HashMap<Key, (usize, Vec<Held>)> = HashMap::new();
+    let mut keys: Vec<KeyMeta> = Vec::new();
+    for (file, shard) in shards.into_iter().enumerate() {
+        if shard.updater != updater || shard.state_names != state_names {
+            return Err(invalid(format!(
+                "shard {} was saved under updater {} {:?} but shard 0 under {updater} \
+                 {state_names:?}: the shards are from different saves",
+                shard.rank, shard.updater, shard.state_names
+            )));
+        }
+        if let Some(k) = shard.kind {
+            if kind.is_some_and(|have| have != k) {
+                return Err(invalid(format!(
+                    "shard {} holds {k} keys but another shard holds the other kind",
+                    shard.rank
+                )));
+            }
+            kind = Some(k);
+        }
+        for mut p in shard.pieces {
+            p.file = file;
+            let (i, list) = by_key.entry(p.meta.key.clone()).or_insert_with(|| {
+                keys.push(p.meta.clone());
+                (keys.len() - 1, Vec::new())
+            });
+            if keys[*i] != p.meta {
+                return Err(invalid(format!(
+                    "key {}: shard {} records it as {:?} but another shard as {:?}",
+                    p.meta.key, shard.rank, p.meta, keys[*i]
+                )));
+            }
+            list.push(p);
+        }
+    }
+    // Update order: distinct places.
+    let mut orders: HashMap<usize, &Key> = HashMap::with_capacity(keys.len());
+    for k in &keys {
+        if let Some(other) = orders.insert(k.order, &k.key) {
+            return Err(invalid(format!(
+                "keys {other} and {} share place {} in update order",
+                k.key, k.order
+            )));
+        }
+    }
+    let mut held: Vec<Vec<Held>> = Vec::with_capacity(keys.len());
+    let mut order: Vec<usize> = (0..keys.len()).collect();
+    order.sort_by_key(|&i| keys[i].order);
+    let mut slots: Vec<Option<Vec<Held>>> = (0..keys.len()).map(|_| None).collect();
+    for (_, (i, list)) in by_key {
+        slots[i] = Some(list);
+    }
+    let mut sorted_keys = Vec::with_capacity(keys.len());
+    for i in order {
+        let mut list = slots[i].take().unwrap_or_default();
+        list.sort_by_key(|p| (p.range.start, p.range.end));
+        let meta = &keys[i];
+        let mut next = 0;
+        let mut last_rank = None;
+        for p in list.iter().filter(|p| !p.range.is_empty()) {
+            if p.range.start < next {
+                return Err(invalid(format!(
+                    "key {}: elements {}..{} are held by two shards ({} and {}): the shards \
+                     are from different saves or slicings",
+                    meta.key,
+                    p.range.start,
+                    next.min(p.range.end),
+                    last_rank.unwrap_or(0),
+                    shards_rank(p)
+                )));
+            }
+            if p.range.start > next {
+                return Err(invalid(format!(
+                    "key {}: elements {next}..{} are in no shard",
+                    meta.key, p.range.start
+                )));
+            }
+            next = p.range.end;
+            last_rank = Some(shards_rank(p));
+        }
+        if next != meta.size() {
+            return Err(invalid(format!(
+                "key {}: elements {next}..{} are in no shard",
+                meta.key,
+                meta.size()
+            )));
+        }
+        sorted_keys.push(meta.clone());
+        held.push(list);
+    }
+    Ok(Assembled {
+        kind,
+        updater,
+        state_names,
+        keys: sorted_keys,
+        held,
+    })
+}
+
+/// The shard a piece came from, for messages (its place among the shards is its rank).
+fn shards_rank(p: &Held) -> usize {
+    p.file
+}
+
+/// A checkpoint open for reading by key and element range.
+pub(crate) struct Reader {
+    path: PathBuf,
+    kind: Option<KeyKind>,
+    updater: String,
+    state_names: Vec<String>,
+    keys: Vec<KeyMeta>,
+    place: HashMap<Key, usize>,
+    held: Vec<Vec<Held>>,
+    files: Vec<ShardFile>,
+}
+
+/// Opens a checkpoint: a directory with a committed sharded checkpoint, or a single file
+/// written by [`KvStore::save`](crate::KvStore::save) (read as one shard holding every key
+/// whole). A missing path, index or shard is kind `NotFound`; anything malformed, or shards
+/// that do not cover every key exactly once, `Invalid`.
+pub(crate) fn open(path: &Path) -> Result<Reader> {
+    let meta = fs::metadata(path).map_err(|e| Problem::io(true, e).at(path))?;
+    if meta.is_dir() {
+        open_dir(path)
+    } else {
+        open_file(path)
+    }
+}
+
+fn open_dir(dir: &Path) -> Result<Reader> {
+    let index = read_index(dir)?;
+    let gen_dir = generation_dir(dir, index.generation);
+    let mut shards = Vec::with_capacity(index.world);
+    let mut files = Vec::with_capacity(index.world);
+    for rank in 0..index.world {
+        let path = shard_path(&gen_dir, rank, index.world);
+        let (header, file) = open_shard(&path, index.generation, rank, index.world)?;
+        shards.push(header);
+        files.push(ShardFile { path, file });
+    }
+    let a = assemble(&gen_dir, shards)?;
+    Ok(Reader::new(dir, a, files))
+}
+
+fn open_file(path: &Path) -> Result<Reader> {
+    let bytes = fs::read(path).map_err(|e| Problem::io(true, e).at(path))?;
+    let decoded = decode_all(&bytes).map_err(|p| p.at(path))?;
+    let (n, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| not_safetensors(e).at(path))?;
+    let data_start = 8 + n as u64;
+    let file = File::open(path).map_err(|e| Problem::io(true, e).at(path))?;
+    let mut pieces = Vec::with_capacity(decoded.entries.len());
+    for (order, e) in decoded.entries.iter().enumerate() {
+        let span = |name: String| {
+            let info = meta
+                .info(&name)
+                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")).at(path))?;
+            Ok(Span {
+                start: data_start + info.data_offsets.0 as u64,
+                end: data_start + info.data_offsets.1 as u64,
+            })
+        };
+        let value = span(format!("value/{}", e.key))?;
+        let state = match &e.state {
+            Some(_) => decoded
+                .state_names
+                .iter()
+                .map(|s| span(format!("state/{}/{s}", e.key)))
+                .collect::<Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
+        pieces.push(Held {
+            meta: KeyMeta {
+                key: e.key.clone(),
+                dims: e.shape.dims().to_vec(),
+                dtype: e.value.dtype(),
+                order,
+                step: e.state.as_ref().map_or(0, |s| s.step),
+                has_state: e.state.is_some(),
+            },
+            range: 0..e.shape.size(),
+            file: 0,
+            value,
+            state,
+        });
+    }
+    let header = ShardHeader {
+        rank: 0,
+        kind: decoded.kind,
+        updater: decoded.updater,
+        state_names: decoded.state_names,
+        pieces,
+    };
+    let a = assemble(path, vec![header])?;
+    let files = vec![ShardFile {
+        path: path.to_owned(),
+        file,
+    }];
+    Ok(Reader::new(path, a, files))
+}
+
+impl Reader {
+    fn new(path: &Path, a: Assembled, files: Vec<ShardFile>) -> Reader {
+        let place = a
+            .keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.key.clone(), i))
+            .collect();
+        Reader {
+            path: path.to_owned(),
+            kind: a.kind,
+            updater: a.updater,
+            state_names: a.state_names,
+            keys: a.keys,
+            place,
+            held: a.held,
+            files,
+        }
+    }
+
+    /// Every key of the checkpoint, whole, in update order.
+    pub(crate) fn keys(&self) -> &[KeyMeta] {
+        &self.keys
+    }
+
+    /// The key kind: `None` for a checkpoint with no keys.
+    pub(crate) fn key_kind(&self) -> Option<KeyKind> {
+        self.kind
+    }
+
+    /// The [`name`](Updater::name) of the updater the checkpoint was saved under.
+    pub(crate) fn updater_name(&self) -> &str {
+        &self.updater
+    }
+
+    /// The state buffer names of that updater, as [`Updater::state_names`].
+    pub(crate) fn state_names(&self) -> &[String] {
+        &self.state_names
+    }
+
+    /// Whether the saved state fits `updater`: the same name and state buffers.
+    pub(crate) fn state_fits(&self, updater: &Updater) -> bool {
+        self.updater == updater.name() && self.state_names.iter().eq(updater.state_names())
+    }
+
+    /// Elements `range` of `key`: its value and (where the key has state) its state buffers, in
+    /// [`Reader::state_names`] order, read from whichever shards hold them. A key the
+    /// checkpoint lacks, or a range outside the key, is kind `Mismatch`; a read failure `Io`.
+    pub(crate) fn read(&self, key: &Key, range: Range<usize>) -> Result<Piece> {
+        let i = self.index_of(key)?;
+        let (value, state) = self.read_host(i, range.clone())?;
+        let shape = Shape::new(&[range.len()])?;
+        let meta = self.keys[i].clone();
+        let state = self
+            .state_names
+            .iter()
+            .cloned()
+            .zip(state)
+            .map(|(n, b)| (n, NDArray::from_host(b, shape, Device::Cpu(0))))
+            .collect();
+        Ok(Piece {
+            meta,
+            range,
+            value: NDArray::from_host(value, shape, Device::Cpu(0)),
+            state,
+        })
+    }
+
+    fn index_of(&self, key: &Key) -> Result<usize> {
+        self.place.get(key).copied().ok_or_else(|| {
+            Problem::mismatch(format!("key {key} is not in this checkpoint")).at(&self.path)
+        })
+    }
+
+    /// Elements `range` of `keys[i]` as host data: the value and its state buffers (none where
+    /// the key has no state).
+    fn read_host(&self, i: usize, range: Range<usize>) -> Result<(HostData, Vec<HostData>)> {
+        let meta = &self.keys[i];
+        if range.start > range.end || range.end > meta.size() {
+            return Err(Problem::mismatch(format!(
+                "key {}: range {range:?} is not within its {} elements",
+                meta.key,
+                meta.size()
+            ))
+            .at(&self.path));
+        }
+        let (vsize, acc) = (meta.dtype.size(), acc_dtype(meta.dtype));
+        let asize = acc.size();
+        let buffers = if meta.has_state {
+            self.state_names.len()
+        } else {
+            0
+        };
+        let mut value = vec![0u8; range.len() * vsize];
+        let mut state = vec![vec![0u8; range.len() * asize]; buffers];
+        for p in &self.held[i] {
+            let (lo, hi) = (p.range.start.max(range.start), p.range.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            let file = &self.files[p.file];
+            let (from, to) = (lo - p.range.start, lo - range.start);
+            let n = hi - lo;
+            let read = |span: Span, size: usize, out: &mut [u8]| {
+                let at = span.start + (from * size) as u64;
+                debug_assert!(at + (n * size) as u64 <= span.end);
+                file.read_at(at, &mut out[to * size..(to + n) * size])
+                    .map_err(|e| Problem::io(true, e).at(&file.path))
+            };
+            read(p.value, vsize, &mut value)?;
+            for (span, out) in p.state.iter().zip(&mut state) {
+                read(*span, asize, out)?;
+            }
+        }
+        let value = from_bytes(meta.dtype, &value);
+        let state = state.iter().map(|b| from_bytes(acc, b)).collect();
+        Ok((value, state))
+    }
+
+    /// Every key whole, in update order, as a load into a store takes them: with its state
+    /// where the state fits `updater`, without (so it starts afresh) otherwise.
+    pub(crate) fn entries(&self, updater: &Updater) -> Result<Vec<Entry>> {
+        let fits = self.state_fits(updater);
+        let mut entries = Vec::with_capacity(self.keys.len());
+        for (i, meta) in self.keys.iter().enumerate() {
+            let (value, bufs) = self.read_host(i, 0..meta.size())?;
+            let shape = Shape::new(&meta.dims)?;
+            entries.push(Entry {
+                key: meta.key.clone(),
+                shape,
+                value,
+                state: (fits && meta.has_state).then_some(EntryState {
+                    step: meta.step,
+                    bufs,
+                }),
+            });
+        }
+        Ok(entries)
+    }
+}

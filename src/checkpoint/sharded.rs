@@ -1,0 +1,322 @@
+//! Sharded checkpoints, the writing side: each rank writes one shard file of a fresh generation,
+//! and rank 0 commits the generation by replacing the index. See the
+//! [module docs](super#sharded-checkpoints) for the layout.
+//!
+//! A save by a store of `world` ranks runs:
+//!
+//! 1. rank 0: [`next_generation`], broadcast to every rank;
+//! 2. every rank: [`write_shard`] with the pieces it holds;
+//! 3. a barrier;
+//! 4. rank 0: [`commit`], which checks that the shards cover every key exactly once and then
+//!    points the index at the new generation.
+//!
+//! A save that stops before step 4 completes leaves the index, and so the previous checkpoint,
+//! as it was.
+
+use std::collections::{HashMap, HashSet};
+use std::fs;
+use std::io;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+
+use super::atomic::{sync_dir, write_atomic};
+use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
+use super::reader::{check_cover, read_shard_header};
+use super::Problem;
+use crate::{DType, Error, Key, NDArray, Result, Updater};
+
+/// The `format` metadata entry of every shard file this version writes.
+pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/1";
+
+/// The first line of every index file this version writes.
+pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/1";
+
+/// What a checkpoint records of one key, whole: shared by all its pieces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct KeyMeta {
+    /// The key, canonically spelled in files as its `Display` writes it.
+    pub key: Key,
+    /// The dims of the whole value (a piece holds a range of its row-major flattening).
+    pub dims: Vec<usize>,
+    /// The value's dtype. State buffers are in its accumulator dtype (`float64` for `float64`
+    /// values, `float32` otherwise).
+    pub dtype: DType,
+    /// The key's place in update order: keys are listed by it, and no two keys share it.
+    pub order: usize,
+    /// The key's updater step count; 0 where it has no state.
+    pub step: u64,
+    /// Whether the key has updater state (one buffer per state name); a key pushed to under
+    /// the updater in force has, a key never pushed to has not.
+    pub has_state: bool,
+}
+
+impl KeyMeta {
+    /// The number of elements of the whole value.
+    pub(crate) fn size(&self) -> usize {
+        self.dims.iter().product()
+    }
+}
+
+/// One contiguous element range of one key: its value and updater state there.
+#[derive(Clone, Debug)]
+pub(crate) struct Piece {
+    /// The key this is a piece of.
+    pub meta: KeyMeta,
+    /// The element range of the key's flattened value, within `0..meta.size()`.
+    pub range: Range<usize>,
+    /// The value over `range`: 1-D, `range.len()` elements of `meta.dtype`.
+    pub value: NDArray,
+    /// The updater state over `range`, named as [`Updater::state_names`], in that order;
+    /// empty exactly when `meta.has_state` is false. Each buffer is 1-D, `range.len()`
+    /// elements of the accumulator dtype.
+    pub state: Vec<(String, NDArray)>,
+}
+
+/// The directory of generation `generation` inside checkpoint directory `dir`.
+pub(crate) fn generation_dir(dir: &Path, generation: u64) -> PathBuf {
+    dir.join(format!("gen-{generation}"))
+}
+
+/// The shard file of `rank` of `world` inside generation directory `gen_dir`.
+pub(crate) fn shard_path(gen_dir: &Path, rank: usize, world: usize) -> PathBuf {
+    gen_dir.join(format!("shard-{rank}-of-{world}.safetensors"))
+}
+
+/// The index file of checkpoint directory `dir`.
+pub(crate) fn index_path(dir: &Path) -> PathBuf {
+    dir.join("index")
+}
+
+/// The generation a `gen-<G>` directory name stands for.
+fn parse_generation_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("gen-")?;
+    digits
+        .parse::<u64>()
+        .ok()
+        .filter(|g| g.to_string() == digits)
+}
+
+/// Every generation directory in `dir`.
+fn generations(dir: &Path) -> io::Result<Vec<u64>> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if let Some(g) = entry.file_name().to_str().and_then(parse_generation_dir) {
+            found.push(g);
+        }
+    }
+    Ok(found)
+}
+
+/// An I/O failure on `path` while saving.
+fn write_error(path: &Path, e: io::Error) -> Error {
+    Problem::io(false, e).at(path)
+}
+
+/// The number of a new generation for a save into `dir`: above every generation there, committed
+/// or not, so a save never writes into the remains of an interrupted one. Creates `dir` (and
+/// its parents) if it does not exist. Rank 0 calls this before a save; the store broadcasts the
+/// number to the other ranks.
+pub(crate) fn next_generation(dir: &Path) -> Result<u64> {
+    if dir.is_file() {
+        return Err(Problem::invalid(
+            "this path is a file (a single-file checkpoint?), not a checkpoint directory: \
+             save a sharded checkpoint to a directory",
+        )
+        .at(dir));
+    }
+    fs::create_dir_all(dir).map_err(|e| write_error(dir, e))?;
+    let found = generations(dir).map_err(|e| write_error(dir, e))?;
+    let committed = match super::reader::read_index(dir) {
+        Ok(index) => Some(index.generation),
+        Err(Error::Checkpoint {
+            kind: super::CheckpointErrorKind::NotFound,
+            ..
+        }) => None,
+        // A corrupt index is replaced by the next commit; the generations on disk suffice.
+        Err(Error::Checkpoint {
+            kind: super::CheckpointErrorKind::Invalid,
+            ..
+        }) => None,
+        Err(e) => return Err(e),
+    };
+    let top = found.into_iter().chain(committed).max();
+    match top {
+        None => Ok(0),
+        Some(g) => g.checked_add(1).ok_or_else(|| {
+            Problem::invalid(format!(
+                "the generation counter is exhausted (gen-{g}): save to a new directory"
+            ))
+            .at(dir)
+        }),
+    }
+}
+
+/// Writes the shard of `rank` (of `world` ranks) of generation `generation` into `dir`:
+/// `dir/gen-<generation>/shard-<rank>-of-<world>.safetensors`, through a temporary file that is
+/// flushed and renamed, so a shard file is either whole or absent. `updater` is the updater in
+/// force; every piece with state must hold one buffer per [`Updater::state_names`], in order.
+/// A rank holds at most one piece of a key.
+///
+/// Bad pieces (a range outside the key, a length, dtype or state name that does not match) are
+/// [`Error::Checkpoint`] of kind `Invalid` and write nothing.
+pub(crate) fn write_shard(
+    dir: &Path,
+    generation: u64,
+    rank: usize,
+    world: usize,
+    updater: &Updater,
+    pieces: &[Piece],
+) -> Result<()> {
+    let gen_dir = generation_dir(dir, generation);
+    let path = shard_path(&gen_dir, rank, world);
+    let bytes = encode_shard(generation, rank, world, updater, pieces).map_err(|p| p.at(&path))?;
+    fs::create_dir_all(&gen_dir).map_err(|e| write_error(&gen_dir, e))?;
+    sync_dir(dir).map_err(|e| write_error(dir, e))?;
+    write_atomic(&path, &bytes).map_err(|e| write_error(&path, e))
+}
+
+/// The safetensors bytes of one shard.
+fn encode_shard(
+    generation: u64,
+    rank: usize,
+    world: usize,
+    updater: &Updater,
+    pieces: &[Piece],
+) -> std::result::Result<Vec<u8>, Problem> {
+    if rank >= world {
+        return Err(Problem::invalid(format!(
+            "rank {rank} is not below the world size {world}"
+        )));
+    }
+    let names = updater.state_names();
+    let kind = pieces.first().map(|p| p.meta.key.kind());
+    let mut meta: HashMap<String, String> = HashMap::new();
+    meta.insert("format".into(), SHARD_FORMAT.into());
+    meta.insert("generation".into(), generation.to_string());
+    meta.insert("rank".into(), rank.to_string());
+    meta.insert("world".into(), world.to_string());
+    meta.insert("key_kind".into(), kind_name(kind).into());
+    meta.insert("updater".into(), updater.name().into());
+    meta.insert("state_names".into(), names.join(","));
+
+    let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
+    // (name, dtype, len, bytes) of every tensor.
+    let mut tensors: Vec<(String, DType, usize, Vec<u8>)> = Vec::new();
+    for p in pieces {
+        let m = &p.meta;
+        let key = &m.key;
+        if Some(key.kind()) != kind {
+            return Err(Problem::invalid(format!(
+                "key {key} is of another kind than key {}: a checkpoint holds int keys or \
+                 string keys, not both",
+                pieces[0].meta.key
+            )));
+        }
+        if !seen.insert(key) {
+            return Err(Problem::invalid(format!(
+                "key {key} is given twice: a rank holds at most one piece of a key"
+            )));
+        }
+        let size = m.size();
+        if p.range.start > p.range.end || p.range.end > size {
+            return Err(Problem::invalid(format!(
+                "key {key}: range {:?} is not within its {size} elements",
+                p.range
+            )));
+        }
+        let len = p.range.len();
+        let check = |what: &str, a: &NDArray, dtype: DType| {
+            if a.dtype() != dtype || a.size() != len || a.shape().dims().len() != 1 {
+                return Err(Problem::invalid(format!(
+                    "key {key}: {what} is {} {}, expected 1-D {dtype} of {len} elements",
+                    a.shape(),
+                    a.dtype()
+                )));
+            }
+            Ok(())
+        };
+        check("the value", &p.value, m.dtype)?;
+        let state_names_given = p.state.iter().map(|(n, _)| n.as_str());
+        if m.has_state == p.state.is_empty()
+            || (m.has_state && !state_names_given.eq(names.iter().copied()))
+        {
+            return Err(Problem::invalid(format!(
+                "key {key}: the state buffers must be {names:?} (the updater's state names) \
+                 when has_state is set, and none otherwise"
+            )));
+        }
+        let mut spec = format!(
+            "order={} start={} end={} dims={}",
+            m.order,
+            p.range.start,
+            p.range.end,
+            m.dims
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        if m.has_state {
+            spec.push_str(&format!(" step={}", m.step));
+        }
+        meta.insert(format!("piece/{key}"), spec);
+        tensors.push((
+            format!("value/{key}"),
+            m.dtype,
+            len,
+            p.value
+                .with_host(to_bytes)
+                .map_err(|e| Problem::invalid(format!("key {key}: reading the value: {e}")))?,
+        ));
+        for (name, buf) in &p.state {
+            check(&format!("state buffer {name}"), buf, acc_dtype(m.dtype))?;
+            tensors.push((
+                format!("state/{key}/{name}"),
+                acc_dtype(m.dtype),
+                len,
+                buf.with_host(to_bytes)
+                    .map_err(|e| Problem::invalid(format!("key {key}: reading {name}: {e}")))?,
+            ));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, dtype, len, bytes)| {
+            TensorView::new(st_dtype(*dtype), vec![*len], bytes)
+                .map(|v| (name.as_str(), v))
+                .map_err(|e| Problem::invalid(format!("cannot serialize tensor {name}: {e}")))
+        })
+        .collect::<std::result::Result<Vec<_>, Problem>>()?;
+    safetensors::serialize(views, Some(meta))
+        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))
+}
+
+/// Commits generation `generation` of `world` ranks in `dir`, after every rank's
+/// [`write_shard`] returned (rank 0 calls it).
+///
+/// Reads every shard's header and checks that the shards agree (updater, key kind, every
+/// key's dims, dtype, order and step) and that together they cover every element of every key
+/// exactly once. Then it replaces `dir/index` atomically (a temporary file, flushed, renamed,
+/// and the directory flushed) to point at the generation, and removes the older generations,
+/// best effort. On any error the index, and so the checkpoint a load finds, is unchanged: a
+/// missing shard is kind `NotFound`, a corrupt one or a gap or overlap `Invalid`.
+pub(crate) fn commit(dir: &Path, generation: u64, world: usize) -> Result<()> {
+    let gen_dir = generation_dir(dir, generation);
+    let shards = (0..world)
+        .map(|rank| read_shard_header(&shard_path(&gen_dir, rank, world), generation, rank, world))
+        .collect::<Result<Vec<_>>>()?;
+    check_cover(&gen_dir, shards)?;
+    let index = format!("{INDEX_FORMAT}\ngeneration {generation}\nworld {world}\n");
+    let path = index_path(dir);
+    write_atomic(&path, index.as_bytes()).map_err(|e| write_error(&path, e))?;
+    // Older generations are no longer reachable; a failure to remove one leaves only litter.
+    if let Ok(found) = generations(dir) {
+        for g in found.into_iter().filter(|&g| g < generation) {
+            let _ = fs::remove_dir_all(generation_dir(dir, g));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,628 @@
+//! Unit tests of the crate-internal sharded checkpoint API: ranks simulated in one process
+//! write pieces (whole keys and slices), rank 0 commits, and readers of every other world size
+//! and slicing read them back, element for element.
+
+use std::fs;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use rand::prelude::*;
+
+use super::reader::open;
+use super::sharded::{
+    commit, generation_dir, index_path, next_generation, shard_path, write_shard, KeyMeta, Piece,
+};
+use super::CheckpointErrorKind;
+use crate::{Adam, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
+
+/// A fresh directory for one test.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "kvstore-sharded-unit-{name}-{}",
+        std::process::id()
+    ));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn adam() -> Updater {
+    Updater::Adam(Adam {
+        lr: 0.01,
+        ..Adam::default()
+    })
+}
+
+fn sgd_momentum() -> Updater {
+    Updater::Sgd(Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Sgd::default()
+    })
+}
+
+/// Random elements, rounded to `dtype` (so converting back to `dtype` is exact).
+fn random(rng: &mut StdRng, n: usize, dtype: DType) -> Vec<f64> {
+    let v: Vec<f64> = (0..n).map(|_| rng.gen_range(-3.0..3.0)).collect();
+    NDArray::from_vec(v, [n])
+        .unwrap()
+        .astype(dtype)
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap()
+}
+
+fn array(v: &[f64], dtype: DType) -> NDArray {
+    NDArray::from_vec(v.to_vec(), [v.len()])
+        .unwrap()
+        .astype(dtype)
+        .unwrap()
+}
+
+fn acc(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// One key, whole, as the reference: its metadata, value and state buffers.
+struct Truth {
+    meta: KeyMeta,
+    value: Vec<f64>,
+    state: Vec<Vec<f64>>,
+}
+
+/// `count` keys of random shapes and dtypes, in a random update order; some without state.
+fn truths(rng: &mut StdRng, updater: &Updater, count: usize, string_keys: bool) -> Vec<Truth> {
+    let shapes: [&[usize]; 6] = [&[7, 5], &[13], &[], &[2, 3, 4], &[1], &[40]];
+    let mut orders: Vec<usize> = (0..count).map(|i| i * 3 + 1).collect();
+    orders.shuffle(rng);
+    (0..count)
+        .map(|i| {
+            let dims = shapes[rng.gen_range(0..shapes.len())].to_vec();
+            let dtype = DType::ALL[rng.gen_range(0..4)];
+            let n: usize = dims.iter().product();
+            let has_state = !updater.state_names().is_empty() && rng.gen_bool(0.8);
+            let state = if has_state {
+                updater
+                    .state_names()
+                    .iter()
+                    .map(|_| random(rng, n, acc(dtype)))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let key = if string_keys {
+                Key::Str(format!("layer{i}/w"))
+            } else {
+                Key::Int(i as i32 * 7 - 20)
+            };
+            Truth {
+                meta: KeyMeta {
+                    key,
+                    dims,
+                    dtype,
+                    order: orders[i],
+                    step: if has_state { rng.gen_range(1..1000) } else { 0 },
+                    has_state,
+                },
+                value: random(rng, n, dtype),
+                state,
+            }
+        })
+        .collect()
+}
+
+/// `parts` contiguous ranges that cover `0..n`, at random cuts (some may be empty).
+fn cuts(rng: &mut StdRng, n: usize, parts: usize) -> Vec<Range<usize>> {
+    let mut at: Vec<usize> = (1..parts).map(|_| rng.gen_range(0..=n)).collect();
+    at.sort_unstable();
+    let mut bounds = vec![0];
+    bounds.extend(at);
+    bounds.push(n);
+    bounds.windows(2).map(|w| w[0]..w[1]).collect()
+}
+
+/// For each rank of `world`, the (key index, range) it holds: each key whole on one rank, or
+/// sliced over every rank.
+fn layout(rng: &mut StdRng, truths: &[Truth], world: usize) -> Vec<Vec<(usize, Range<usize>)>> {
+    let mut ranks = vec![Vec::new(); world];
+    for (i, t) in truths.iter().enumerate() {
+        let n = t.meta.size();
+        if world > 1 && n >= 2 && rng.gen_bool(0.5) {
+            for (r, range) in cuts(rng, n, world).into_iter().enumerate() {
+                ranks[r].push((i, range));
+            }
+        } else {
+            ranks[rng.gen_range(0..world)].push((i, 0..n));
+        }
+    }
+    ranks
+}
+
+fn piece(t: &Truth, names: &[&str], range: Range<usize>) -> Piece {
+    Piece {
+        meta: t.meta.clone(),
+        range: range.clone(),
+        value: array(&t.value[range.clone()], t.meta.dtype),
+        state: names
+            .iter()
+            .zip(&t.state)
+            .map(|(n, s)| (n.to_string(), array(&s[range.clone()], acc(t.meta.dtype))))
+            .collect(),
+    }
+}
+
+/// Saves `truths` from `world` simulated ranks, as a dist store would, and commits.
+fn save(dir: &Path, rng: &mut StdRng, updater: &Updater, truths: &[Truth], world: usize) -> u64 {
+    let g = next_generation(dir).unwrap();
+    for (rank, held) in layout(rng, truths, world).into_iter().enumerate() {
+        let pieces: Vec<Piece> = held
+            .into_iter()
+            .map(|(i, r)| piece(&truths[i], updater.state_names(), r))
+            .collect();
+        write_shard(dir, g, rank, world, updater, &pieces).unwrap();
+    }
+    commit(dir, g, world).unwrap();
+    g
+}
+
+/// Reads every key at a `world` layout of its own and compares with the reference.
+fn check_reads(dir: &Path, rng: &mut StdRng, updater: &Updater, truths: &[Truth], world: usize) {
+    let reader = open(dir).unwrap();
+    assert_eq!(reader.updater_name(), updater.name());
+    assert!(reader.state_names().iter().eq(updater.state_names()));
+    let mut sorted: Vec<&Truth> = truths.iter().collect();
+    sorted.sort_by_key(|t| t.meta.order);
+    let metas: Vec<&KeyMeta> = sorted.iter().map(|t| &t.meta).collect();
+    assert!(reader.keys().iter().eq(metas), "keys, in update order");
+    for held in layout(rng, truths, world) {
+        for (i, range) in held {
+            let t = &truths[i];
+            let p = reader.read(&t.meta.key, range.clone()).unwrap();
+            assert_eq!(p.meta, t.meta);
+            assert_eq!(p.range, range);
+            assert_eq!(p.value.dtype(), t.meta.dtype);
+            assert_eq!(p.value.to_vec::<f64>().unwrap(), t.value[range.clone()]);
+            assert_eq!(p.state.len(), t.state.len(), "key {}", t.meta.key);
+            for ((name, buf), (want_name, want)) in p
+                .state
+                .iter()
+                .zip(updater.state_names().iter().zip(&t.state))
+            {
+                assert_eq!(name, want_name);
+                assert_eq!(buf.dtype(), acc(t.meta.dtype));
+                assert_eq!(buf.to_vec::<f64>().unwrap(), want[range.clone()]);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_world_size_reads_every_other() {
+    let mut rng = StdRng::from_entropy();
+    for (u, updater) in [adam(), sgd_momentum(), Updater::Assign].iter().enumerate() {
+        for w in 1..=4 {
+            let dir = temp_dir(&format!("worlds-{u}-{w}"));
+            let truths = truths(&mut rng, updater, 9, w % 2 == 0);
+            save(&dir, &mut rng, updater, &truths, w);
+            for w2 in 1..=4 {
+                check_reads(&dir, &mut rng, updater, &truths, w2);
+            }
+            fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_new_save_replaces_the_old_and_removes_its_generation() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("replace");
+    let first = truths(&mut rng, &adam(), 5, false);
+    let g0 = save(&dir, &mut rng, &adam(), &first, 4);
+    let second = truths(&mut rng, &adam(), 6, false);
+    let g1 = save(&dir, &mut rng, &adam(), &second, 2);
+    assert!(g1 > g0);
+    assert!(!generation_dir(&dir, g0).exists());
+    check_reads(&dir, &mut rng, &adam(), &second, 3);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+fn checkpoint_kind(e: Error) -> CheckpointErrorKind {
+    match e {
+        Error::Checkpoint { kind, .. } => kind,
+        other => panic!("expected Error::Checkpoint, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_save_killed_part_way_leaves_the_previous_checkpoint() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("killed");
+    let updater = adam();
+    let old = truths(&mut rng, &updater, 6, false);
+    save(&dir, &mut rng, &updater, &old, 3);
+    let new = truths(&mut rng, &updater, 6, false);
+
+    // 1. Every shard of the new generation written, no commit.
+    let g = next_generation(&dir).unwrap();
+    for (rank, held) in layout(&mut rng, &new, 3).into_iter().enumerate() {
+        let pieces: Vec<Piece> = held
+            .into_iter()
+            .map(|(i, r)| piece(&new[i], updater.state_names(), r))
+            .collect();
+        write_shard(&dir, g, rank, 3, &updater, &pieces).unwrap();
+    }
+    check_reads(&dir, &mut rng, &updater, &old, 2);
+
+    // 2. A shard write that fails part way: an error, no shard file, the old checkpoint.
+    let g = next_generation(&dir).unwrap();
+    let pieces: Vec<Piece> = new
+        .iter()
+        .map(|t| piece(t, updater.state_names(), 0..t.meta.size()))
+        .collect();
+    super::fail_writes_after(Some(100));
+    let e = write_shard(&dir, g, 0, 1, &updater, &pieces).unwrap_err();
+    super::fail_writes_after(None);
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Io);
+    assert!(!shard_path(&generation_dir(&dir, g), 0, 1).exists());
+    // A crash leaves a half-written temporary file instead: loads ignore it.
+    fs::write(
+        generation_dir(&dir, g).join(".shard-0-of-1.safetensors.tmp-1-1"),
+        b"\x10\x00\x00",
+    )
+    .unwrap();
+    check_reads(&dir, &mut rng, &updater, &old, 4);
+
+    // 3. A shard missing at commit: NotFound, and the index still points at the old one.
+    let g = next_generation(&dir).unwrap();
+    write_shard(&dir, g, 0, 2, &updater, &pieces).unwrap();
+    let e = commit(&dir, g, 2).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::NotFound);
+    check_reads(&dir, &mut rng, &updater, &old, 1);
+
+    // 4. A truncated shard at commit: Invalid, the old index.
+    let g = next_generation(&dir).unwrap();
+    write_shard(&dir, g, 0, 1, &updater, &pieces).unwrap();
+    let path = shard_path(&generation_dir(&dir, g), 0, 1);
+    let bytes = fs::read(&path).unwrap();
+    fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+    let e = commit(&dir, g, 1).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
+    check_reads(&dir, &mut rng, &updater, &old, 3);
+
+    // And a later save still works, and wins.
+    save(&dir, &mut rng, &updater, &new, 2);
+    check_reads(&dir, &mut rng, &updater, &new, 4);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Writes `ranges` of key `t`, one per rank, and commits; returns the commit's result.
+fn commit_ranges(dir: &Path, t: &Truth, ranges: &[Range<usize>]) -> crate::Result<()> {
+    let g = next_generation(dir).unwrap();
+    let world = ranges.len();
+    for (rank, r) in ranges.iter().enumerate() {
+        let pieces = vec![piece(t, &[], r.clone())];
+        write_shard(dir, g, rank, world, &Updater::Assign, &pieces).unwrap();
+    }
+    commit(dir, g, world)
+}
+
+#[test]
+fn overlaps_and_gaps_fail_the_commit() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("cover");
+    let mut t = truths(&mut rng, &Updater::Assign, 1, false).remove(0);
+    t.meta.dims = vec![10];
+    t.value = random(&mut rng, 10, t.meta.dtype);
+    commit_ranges(&dir, &t, &[0..4, 4..10]).unwrap();
+    #[allow(clippy::single_range_in_vec_init)] // one rank's range
+    for bad in [
+        vec![0..6, 4..10],
+        vec![0..4, 5..10],
+        vec![0..4, 4..9],
+        vec![1..10],
+        vec![0..10, 0..10],
+    ] {
+        let e = commit_ranges(&dir, &t, &bad).unwrap_err();
+        assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid, "{bad:?}");
+    }
+    // Still the first save.
+    let p = open(&dir).unwrap().read(&t.meta.key, 0..10).unwrap();
+    assert_eq!(p.value.to_vec::<f64>().unwrap(), t.value);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn shards_that_disagree_fail_the_commit() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("disagree");
+    let updater = adam();
+    let mut t = truths(&mut rng, &updater, 1, false).remove(0);
+    t.meta.dims = vec![8];
+    t.meta.has_state = true;
+    t.meta.step = 3;
+    t.value = random(&mut rng, 8, t.meta.dtype);
+    t.state = (0..2)
+        .map(|_| random(&mut rng, 8, acc(t.meta.dtype)))
+        .collect();
+    let g = next_generation(&dir).unwrap();
+    write_shard(
+        &dir,
+        g,
+        0,
+        2,
+        &updater,
+        &[piece(&t, updater.state_names(), 0..4)],
+    )
+    .unwrap();
+    let mut other = piece(&t, updater.state_names(), 4..8);
+    other.meta.step = 4;
+    write_shard(&dir, g, 1, 2, &updater, &[other]).unwrap();
+    let e = commit(&dir, g, 2).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
+    // Another updater on one rank.
+    let g = next_generation(&dir).unwrap();
+    write_shard(
+        &dir,
+        g,
+        0,
+        2,
+        &updater,
+        &[piece(&t, updater.state_names(), 0..4)],
+    )
+    .unwrap();
+    let mut plain = piece(&t, &[], 4..8);
+    plain.meta.has_state = false;
+    write_shard(&dir, g, 1, 2, &Updater::Assign, &[plain]).unwrap();
+    let e = commit(&dir, g, 2).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
+    assert_eq!(
+        checkpoint_kind(open(&dir).map(|_| ()).unwrap_err()),
+        CheckpointErrorKind::NotFound,
+        "nothing was ever committed"
+    );
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_pieces_are_errors_and_write_nothing() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("badpieces");
+    let updater = adam();
+    let mut t = truths(&mut rng, &updater, 1, false).remove(0);
+    t.meta.dims = vec![6];
+    t.meta.has_state = true;
+    t.value = random(&mut rng, 6, t.meta.dtype);
+    t.state = (0..2)
+        .map(|_| random(&mut rng, 6, acc(t.meta.dtype)))
+        .collect();
+    let good = piece(&t, updater.state_names(), 0..6);
+    let mut out_of_range = good.clone();
+    out_of_range.range = 2..8;
+    let mut short = good.clone();
+    short.value = array(&t.value[..5], t.meta.dtype);
+    let mut wrong_dtype = good.clone();
+    wrong_dtype.meta.dtype = if t.meta.dtype == DType::F32 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let mut no_state = good.clone();
+    no_state.state.clear();
+    let mut renamed = good.clone();
+    renamed.state[0].0 = "momentum".into();
+    for (what, pieces) in [
+        ("range", vec![out_of_range]),
+        ("length", vec![short]),
+        ("dtype", vec![wrong_dtype]),
+        ("missing state", vec![no_state]),
+        ("state name", vec![renamed]),
+        ("twice", vec![good.clone(), good.clone()]),
+    ] {
+        let e = write_shard(&dir, 0, 0, 1, &updater, &pieces).unwrap_err();
+        assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid, "{what}");
+    }
+    assert!(
+        write_shard(&dir, 0, 1, 1, &updater, &[good]).is_err(),
+        "rank >= world"
+    );
+    assert!(!generation_dir(&dir, 0).exists());
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn corrupt_or_missing_index() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("index");
+    let e = open(&dir).map(|_| ()).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::NotFound);
+    let t = truths(&mut rng, &Updater::Assign, 3, false);
+    let g = save(&dir, &mut rng, &Updater::Assign, &t, 2);
+    for junk in [
+        String::new(),
+        "garbage".into(),
+        format!("kvstore-checkpoint-index/1\ngeneration {g}\n"),
+        format!("kvstore-checkpoint-index/1\ngeneration 0{g}\nworld 2\n"),
+        format!("kvstore-checkpoint-index/1\ngeneration {g}\nworld 0\n"),
+        format!("kvstore-checkpoint-index/9\ngeneration {g}\nworld 2\n"),
+    ] {
+        fs::write(index_path(&dir), junk.as_bytes()).unwrap();
+        let e = open(&dir).map(|_| ()).unwrap_err();
+        assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid, "{junk:?}");
+    }
+    fs::write(index_path(&dir), [0xff, 0xfe, 0x00]).unwrap();
+    let e = open(&dir).map(|_| ()).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
+    // The world size the index names must match the shards.
+    fs::write(
+        index_path(&dir),
+        format!("kvstore-checkpoint-index/1\ngeneration {g}\nworld 3\n"),
+    )
+    .unwrap();
+    let e = open(&dir).map(|_| ()).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::NotFound);
+    // A save repairs it.
+    save(&dir, &mut rng, &Updater::Assign, &t, 1);
+    check_reads(&dir, &mut rng, &Updater::Assign, &t, 2);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn reads_outside_the_checkpoint_are_mismatches() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("outside");
+    let t = truths(&mut rng, &Updater::Assign, 2, false);
+    save(&dir, &mut rng, &Updater::Assign, &t, 2);
+    let reader = open(&dir).unwrap();
+    let n = t[0].meta.size();
+    let e = reader
+        .read(&t[0].meta.key, 0..n + 1)
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Mismatch);
+    let e = reader.read(&Key::Int(12345), 0..1).map(|_| ()).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Mismatch);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A local store with `updater`, some keys, pushed twice, so every key has state.
+fn trained_store(rng: &mut StdRng, updater: &Updater) -> (KvStore, Vec<(i32, Vec<usize>, DType)>) {
+    let kv = KvStore::create("local").unwrap();
+    kv.set_updater(updater.clone()).unwrap();
+    let keys = vec![
+        (3, vec![4, 5], DType::F32),
+        (9, vec![11], DType::F64),
+        (-2, vec![3, 3], DType::F16),
+        (20, vec![6], DType::BF16),
+    ];
+    for (k, dims, dtype) in &keys {
+        let n = dims.iter().product();
+        let v = NDArray::from_vec(random(rng, n, *dtype), crate::Shape::new(dims).unwrap())
+            .unwrap()
+            .astype(*dtype)
+            .unwrap();
+        kv.init(*k, &v).unwrap();
+    }
+    for _ in 0..2 {
+        for (k, dims, dtype) in &keys {
+            let n = dims.iter().product();
+            let g = NDArray::from_vec(random(rng, n, *dtype), crate::Shape::new(dims).unwrap())
+                .unwrap()
+                .astype(*dtype)
+                .unwrap();
+            kv.push(*k, &g).unwrap();
+        }
+    }
+    (kv, keys)
+}
+
+fn pull(kv: &KvStore, k: i32, dims: &[usize], dtype: DType) -> Vec<f64> {
+    let out = NDArray::zeros(crate::Shape::new(dims).unwrap())
+        .astype(dtype)
+        .unwrap();
+    kv.pull(k, &out).unwrap();
+    out.to_vec::<f64>().unwrap()
+}
+
+#[test]
+fn the_reader_reads_a_single_file_checkpoint() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("single");
+    let path = dir.join("model.safetensors");
+    let (kv, keys) = trained_store(&mut rng, &adam());
+    kv.save(&path).unwrap();
+    let reader = open(&path).unwrap();
+    assert_eq!(reader.updater_name(), "adam");
+    assert!(reader.state_names().iter().eq(["mean", "var"]));
+    let order: Vec<Key> = reader.keys().iter().map(|m| m.key.clone()).collect();
+    assert_eq!(order, kv.keys());
+    for (k, dims, dtype) in &keys {
+        let want = pull(&kv, *k, dims, *dtype);
+        let meta = reader
+            .keys()
+            .iter()
+            .find(|m| m.key == Key::Int(*k))
+            .unwrap();
+        assert_eq!(
+            (&meta.dims, meta.dtype, meta.step, meta.has_state),
+            (dims, *dtype, 2, true)
+        );
+        // Whole, and in slices.
+        let n = want.len();
+        for range in std::iter::once(0..n).chain(cuts(&mut rng, n, 3)) {
+            let p = reader.read(&Key::Int(*k), range.clone()).unwrap();
+            assert_eq!(p.value.to_vec::<f64>().unwrap(), want[range.clone()]);
+            assert_eq!(p.state.len(), 2);
+        }
+    }
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Splits every key of `kv` over `world` ranks, writes the shards and commits: a dist save.
+fn save_store_sharded(dir: &Path, rng: &mut StdRng, kv: &KvStore, world: usize) {
+    let (_, updater, entries) = kv.export_entries().unwrap();
+    let truths: Vec<Truth> = entries
+        .iter()
+        .enumerate()
+        .map(|(order, e)| Truth {
+            meta: KeyMeta {
+                key: e.key.clone(),
+                dims: e.shape.dims().to_vec(),
+                dtype: e.value.dtype(),
+                order,
+                step: e.state.as_ref().map_or(0, |s| s.step),
+                has_state: e.state.is_some(),
+            },
+            value: e.value.to_vec(),
+            state: e
+                .state
+                .iter()
+                .flat_map(|s| s.bufs.iter().map(|b| b.to_vec()))
+                .collect(),
+        })
+        .collect();
+    save(dir, rng, &updater, &truths, world);
+}
+
+#[test]
+fn a_sharded_checkpoint_loads_into_a_local_store_and_trains_on() {
+    let mut rng = StdRng::from_entropy();
+    for (u, updater) in [adam(), sgd_momentum()].iter().enumerate() {
+        for world in 1..=4 {
+            let dir = temp_dir(&format!("local-{u}-{world}"));
+            let (kv, keys) = trained_store(&mut rng, updater);
+            save_store_sharded(&dir, &mut rng, &kv, world);
+            let restored = KvStore::create("local").unwrap();
+            restored.set_updater(updater.clone()).unwrap();
+            restored.load(&dir).unwrap();
+            assert_eq!(restored.keys(), kv.keys());
+            for (k, dims, dtype) in &keys {
+                assert_eq!(
+                    pull(&restored, *k, dims, *dtype),
+                    pull(&kv, *k, dims, *dtype)
+                );
+            }
+            // The state came back too: one more push gives the same values.
+            for (k, dims, dtype) in &keys {
+                let n = dims.iter().product();
+                let g = NDArray::from_vec(
+                    random(&mut rng, n, *dtype),
+                    crate::Shape::new(dims).unwrap(),
+                )
+                .unwrap()
+                .astype(*dtype)
+                .unwrap();
+                kv.push(*k, &g).unwrap();
+                restored.push(*k, &g).unwrap();
+                assert_eq!(
+                    pull(&restored, *k, dims, *dtype),
+                    pull(&kv, *k, dims, *dtype)
+                );
+            }
+            fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+}
