@@ -1,5 +1,11 @@
 //! Checkpoints: [`KvStore::save`] and [`KvStore::load`], in the safetensors format.
 //!
+//! There are two layouts, and [`KvStore::load`] reads both: a **single file**, which a store
+//! in one process writes, and a **sharded directory**, which the ranks of a `dist` store write
+//! together, one shard file each. Either loads into a store of any kind and any world size.
+//!
+//! # Single file
+//!
 //! A checkpoint holds every key's value and the updater state of every key (its buffers and
 //! step count). Tensors are named `value/<key>` and `state/<key>/<name>`, where `<name>` is one
 //! of [`Updater::state_names`](crate::Updater::state_names) (`momentum`, `mean`, `var`). The
@@ -15,11 +21,47 @@
 //! | `state_names`    | the state buffer names, comma-separated                   |
 //! | `step/<key>`     | the key's step count, for keys that have updater state    |
 //!
-//! Keys are spelled as [`Key`]'s `Display` writes them; an int key in any other spelling
+//! Keys are spelled as [`Key`](crate::Key)'s `Display` writes them; an int key in any other spelling
 //! (`05`, `+5`) makes the file invalid, so that no two entries can name one key.
 //!
 //! Values are stored in their own dtype (`F32`, `F64`, `F16`, `BF16`), state buffers in the
 //! accumulator dtype (`F64` for `float64` values, `F32` otherwise), little-endian.
+//!
+//! # Sharded checkpoints
+//!
+//! A directory with an `index` file and one folder per generation of shards:
+//!
+//! ```text
+//! <dir>/index                                  which generation is the checkpoint
+//! <dir>/gen-<G>/shard-<rank>-of-<world>.safetensors
+//! ```
+//!
+//! `index` is three lines of text: `kvstore-checkpoint-index/1`, `generation <G>` and
+//! `world <W>`. A save writes every rank's shard into a fresh generation (each through a
+//! temporary file that is flushed and renamed), then rank 0 checks that the shards together
+//! hold every element of every key exactly once and replaces `index` atomically; older
+//! generations are removed after that. A save that stops part way never touches `index`, so
+//! the previous checkpoint stays the one a load finds; its leftovers are ignored.
+//!
+//! Each shard holds, for every key it has, one contiguous range of the key's row-major
+//! flattened value (the whole key, or one slice of it), as 1-D tensors `value/<key>` and
+//! `state/<key>/<name>` of that range's length, in the dtypes of the single file. Its
+//! metadata:
+//!
+//! | entry          | value                                                             |
+//! |----------------|-------------------------------------------------------------------|
+//! | `format`       | `kvstore-shard/1`                                                 |
+//! | `generation`, `rank`, `world` | as in the file's name                              |
+//! | `key_kind`     | `int`, `str`, or `none` for a shard with no keys                  |
+//! | `updater`, `state_names` | as in the single file, the same in every shard          |
+//! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s>`          |
+//!
+//! `order` is the key's place in update order (distinct per key; keys are listed by it),
+//! `start..end` the element range this shard holds, `dims` the whole key's dims (empty for a
+//! scalar), and `step` the updater step count, present exactly when the key has updater state
+//! (then the shard has one `state/<key>/<name>` per state name). Every shard of a key records
+//! the same `order`, `dims`, dtype and `step`. Keys are spelled canonically, as in the single
+//! file.
 //!
 //! ```
 //! use kvstore::{KvStore, NDArray, Sgd, Updater};
@@ -212,13 +254,19 @@ impl KvStore {
     /// Loads a checkpoint written by [`KvStore::save`], into a store of any kind and device set,
     /// whatever updater either was saved or is set with.
     ///
+    /// `path` is a single file, or a directory holding a sharded checkpoint that the ranks of a
+    /// `dist` store saved, at any world size (see the [module docs](crate::checkpoint)): its
+    /// shards are put back together key by key. A directory with no committed checkpoint is
+    /// [`CheckpointErrorKind::NotFound`]; so is a shard that its index names and the directory
+    /// lacks.
+    ///
     /// Keys the store lacks are added; keys it has must have the file's shape and dtype. What
     /// a load brings in:
     ///
     /// - **Values** always load.
     /// - **Updater state** (momentum, Adam's moments, and the step count that goes with them)
     ///   loads when it fits the updater in force: the file was saved under an updater of the
-    ///   same [`name`](Updater::name) and [`state_names`](Updater::state_names) (for example
+    ///   same [`name`](crate::Updater::name) and [`state_names`](crate::Updater::state_names) (for example
     ///   Adam into Adam, or SGD with momentum into SGD with momentum), whatever the
     ///   hyperparameters, so a resumed run may change its learning rate and keep its moments.
     ///   Set the updater before `load`.
