@@ -88,7 +88,7 @@ struct Span {
 struct Held {
     meta: KeyMeta,
     range: Range<usize>,
-    /// The shard (its place among the reader's files) and its rank.
+    /// The shard it is in: its place among the reader's files, which is its rank.
     file: usize,
     value: Span,
     state: Vec<Span>,
@@ -167,15 +167,14 @@ fn open_shard(
         }
         .at(path)
     })?;
-    let (n, meta, file_len) = read_header(&mut file).map_err(|p| p.at(path))?;
-    let header =
-        check_shard(n, &meta, file_len, generation, rank, world).map_err(|p| p.at(path))?;
+    let (data_start, meta) = read_header(&mut file).map_err(|p| p.at(path))?;
+    let header = check_shard(data_start, &meta, generation, rank, world).map_err(|p| p.at(path))?;
     Ok((header, file))
 }
 
-/// Reads the safetensors header of `file`: its length, the parsed header, and the file's length
-/// (checked against the header's tensors, so a truncated file is caught here).
-fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata, u64), Problem> {
+/// Reads the safetensors header of `file`: where its data starts, and the parsed header. The
+/// file's length is checked against the header's tensors, so a truncated file is caught here.
+fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata), Problem> {
     let file_len = file.metadata().map_err(|e| Problem::io(true, e))?.len();
     let truncated = || Problem::invalid("the shard is truncated or corrupt: save again");
     let mut len = [0u8; 8];
@@ -193,10 +192,18 @@ fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata, u64), Pro
             .to_owned(),
         source: Some(Box::new(e)),
     })?;
-    if 8 + n + meta.data_len() as u64 != file_len {
+    // The furthest tensor end, not `data_len` (the last tensor's end by offset), so that every
+    // tensor lies within the file.
+    let data_len = meta
+        .tensors()
+        .values()
+        .map(|info| info.data_offsets.1 as u64)
+        .max()
+        .unwrap_or(0);
+    if 8 + n + data_len != file_len {
         return Err(truncated());
     }
-    Ok((8 + n, meta, file_len))
+    Ok((8 + n, meta))
 }
 
 /// The fields of a `piece/<key>` metadata entry.
@@ -299,7 +306,6 @@ fn tensor_span(
 fn check_shard(
     data_start: u64,
     meta: &Metadata,
-    file_len: u64,
     generation: u64,
     rank: usize,
     world: usize,
@@ -382,7 +388,6 @@ fn check_shard(
             "tensor '{extra}' belongs to no piece in the metadata"
         )));
     }
-    debug_assert!(pieces.iter().all(|p| p.value.end <= file_len));
     Ok(ShardHeader {
         rank,
         kind,
@@ -483,7 +488,7 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
                     p.range.start,
                     next.min(p.range.end),
                     last_rank.unwrap_or(0),
-                    shards_rank(p)
+                    p.file
                 )));
             }
             if p.range.start > next {
@@ -493,7 +498,7 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
                 )));
             }
             next = p.range.end;
-            last_rank = Some(shards_rank(p));
+            last_rank = Some(p.file);
         }
         if next != meta.size() {
             return Err(invalid(format!(
@@ -512,11 +517,6 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
         keys: sorted_keys,
         held,
     })
-}
-
-/// The shard a piece came from, for messages (its place among the shards is its rank).
-fn shards_rank(p: &Held) -> usize {
-    p.file
 }
 
 /// A checkpoint open for reading by key and element range.
