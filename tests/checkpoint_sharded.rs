@@ -4,17 +4,20 @@
 //! own writer.
 //!
 //! Random keys are split over 1 to 4 simulated ranks (whole keys and slices), loaded into a
-//! `local` store and compared with the arrays they were made from; the updater state is checked
+//! `local` store (and a `device` store: `gpu::*`, ignored without a GPU) and compared with the arrays they were made from; the updater state is checked
 //! by training on after the load, against the same checkpoint in the single-file format. Then
 //! the failures: a save killed part way, missing and truncated shards, gaps and overlaps,
 //! corrupt indexes, and key spellings that are not canonical. Every failure is an
 //! `Error::Checkpoint` of the right kind, and leaves the store as it was.
+
+mod common;
 
 use std::collections::HashMap;
 use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use common::Home;
 use half::{bf16, f16};
 use kvstore::{Adam, CheckpointErrorKind, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
 use rand::prelude::*;
@@ -322,17 +325,25 @@ fn pull(kv: &KvStore, t: &Truth) -> Vec<f64> {
 }
 
 fn store(updater: &Updater) -> KvStore {
-    let kv = KvStore::create("local").unwrap();
+    store_on(Home::Cpu, updater)
+}
+
+/// A fresh store on home `h` (`local` or `device`) with `updater`.
+fn store_on(h: Home, updater: &Updater) -> KvStore {
+    let kv = h.store();
     kv.set_updater(updater.clone()).unwrap();
     kv
 }
 
-#[test]
-fn every_world_size_loads_into_a_local_store_and_trains_on() {
+on_every_home!(every_world_size_loads_and_trains_on);
+
+/// Checkpoints of 1 to 4 ranks load into a store on `h` (`local`, or `device` on the GPUs) with
+/// their values, and their state: training on matches the same keys loaded from a single file.
+fn every_world_size_loads_and_trains_on(h: Home) {
     let mut rng = StdRng::from_entropy();
     for (u, updater) in [adam(), sgd_momentum()].iter().enumerate() {
         for world in 1..=4 {
-            let dir = temp_dir(&format!("worlds-{u}-{world}"));
+            let dir = temp_dir(&format!("worlds-{h:?}-{u}-{world}"));
             let truths = truths(&mut rng, updater, 8, world % 2 == 1);
             let sharded = dir.join("ckpt");
             fs::create_dir_all(&sharded).unwrap();
@@ -340,9 +351,9 @@ fn every_world_size_loads_into_a_local_store_and_trains_on() {
             let single = dir.join("single.safetensors");
             write_single_file(&single, updater, &truths);
 
-            let a = store(updater);
+            let a = store_on(h, updater);
             a.load(&sharded).unwrap();
-            let b = store(updater);
+            let b = store_on(h, updater);
             b.load(&single).unwrap();
             // Update order: string keys in the checkpoint's order, int keys ascending.
             let mut by_order: Vec<&Truth> = truths.iter().collect();
@@ -374,13 +385,13 @@ fn every_world_size_loads_into_a_local_store_and_trains_on() {
                 }
             }
             // And not by chance: a store that started afresh (no state) differs.
-            let fresh = store(updater);
+            let fresh = store_on(h, updater);
             fresh.set_updater(Updater::Assign).unwrap();
             fresh.load(&sharded).unwrap();
             fresh.set_updater(updater.clone()).unwrap();
             let stateful = truths.iter().find(|t| t.state.is_some() && t.size() > 0);
             if let Some(t) = stateful {
-                let c = store(updater);
+                let c = store_on(h, updater);
                 c.load(&sharded).unwrap();
                 let g = NDArray::from_vec(
                     random(&mut rng, t.size(), t.dtype),
