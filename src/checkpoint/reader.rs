@@ -421,8 +421,10 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
     };
     let (updater, state_names) = (first.updater.clone(), first.state_names.clone());
     let mut kind: Option<KeyKind> = None;
-    let mut by_key: HashMap<Key, (usize, Vec<Held>)> = HashMap::new();
+    // Every key once, in the order first met, with the pieces that hold it.
+    let mut place: HashMap<Key, usize> = HashMap::new();
     let mut keys: Vec<KeyMeta> = Vec::new();
+    let mut lists: Vec<Vec<Held>> = Vec::new();
     for (file, shard) in shards.into_iter().enumerate() {
         if shard.updater != updater || shard.state_names != state_names {
             return Err(invalid(format!(
@@ -442,17 +444,18 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
         }
         for mut p in shard.pieces {
             p.file = file;
-            let (i, list) = by_key.entry(p.meta.key.clone()).or_insert_with(|| {
+            let i = *place.entry(p.meta.key.clone()).or_insert_with(|| {
                 keys.push(p.meta.clone());
-                (keys.len() - 1, Vec::new())
+                lists.push(Vec::new());
+                keys.len() - 1
             });
-            if keys[*i] != p.meta {
+            if keys[i] != p.meta {
                 return Err(invalid(format!(
                     "key {}: shard {} records it as {:?} but another shard as {:?}",
-                    p.meta.key, shard.rank, p.meta, keys[*i]
+                    p.meta.key, shard.rank, p.meta, keys[i]
                 )));
             }
-            list.push(p);
+            lists[i].push(p);
         }
     }
     // Update order: distinct places.
@@ -465,18 +468,12 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
             )));
         }
     }
-    let mut held: Vec<Vec<Held>> = Vec::with_capacity(keys.len());
-    let mut order: Vec<usize> = (0..keys.len()).collect();
-    order.sort_by_key(|&i| keys[i].order);
-    let mut slots: Vec<Option<Vec<Held>>> = (0..keys.len()).map(|_| None).collect();
-    for (_, (i, list)) in by_key {
-        slots[i] = Some(list);
-    }
-    let mut sorted_keys = Vec::with_capacity(keys.len());
-    for i in order {
-        let mut list = slots[i].take().unwrap_or_default();
+    let mut by_order: Vec<(KeyMeta, Vec<Held>)> = keys.into_iter().zip(lists).collect();
+    by_order.sort_by_key(|(meta, _)| meta.order);
+    let mut sorted_keys = Vec::with_capacity(by_order.len());
+    let mut held = Vec::with_capacity(by_order.len());
+    for (meta, mut list) in by_order {
         list.sort_by_key(|p| (p.range.start, p.range.end));
-        let meta = &keys[i];
         let mut next = 0;
         let mut last_rank = None;
         for p in list.iter().filter(|p| !p.range.is_empty()) {
@@ -507,7 +504,7 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
                 meta.size()
             )));
         }
-        sorted_keys.push(meta.clone());
+        sorted_keys.push(meta);
         held.push(list);
     }
     Ok(Assembled {
