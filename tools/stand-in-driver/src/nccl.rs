@@ -541,7 +541,7 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
                 seq,
                 parts: vec![None; nranks],
                 executed: false,
-                cancelled: false,
+                cancelled: vec![false; nranks],
             });
             st.coll_index.insert((k, seq), st.colls.len() - 1);
             st.colls.len() - 1
@@ -575,7 +575,7 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
         st.stream_name(s)
     );
     st.colls[ci].parts[rank] = Some(part);
-    let (pos, vc) = st.push_op(s, what, Work::Coll { coll: ci });
+    let (pos, vc) = st.push_op(s, what, Work::Coll { coll: ci, rank });
     if let Some(p) = st.colls[ci].parts[rank].as_mut() {
         (p.pos, p.vc) = (pos, vc);
     }
@@ -622,7 +622,7 @@ fn check_match(st: &mut State, ci: usize) -> i32 {
     });
     let k = st.colls[ci].clique;
     if let Some((r, d)) = mismatch {
-        st.colls[ci].cancelled = true;
+        st.colls[ci].cancelled.fill(true);
         for c in st.cliques[k].comms.clone().into_iter().flatten() {
             st.comms[c].async_error = nc::INVALID_USAGE;
         }
@@ -913,8 +913,9 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Handle, result: *mut c_int)
     })
 }
 
-/// Ends a communicator: its collectives that have not run are cancelled (they complete
-/// without moving data, as aborted NCCL kernels end), so its streams drain.
+/// Ends a communicator: its rank's parts of collectives that have not run are cancelled (they
+/// complete without moving data, as aborted NCCL kernels end), so its streams drain. The other
+/// ranks' parts of those collectives stay blocked until they end their communicators too.
 fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
     run(|| {
         let mut st = lock();
@@ -924,7 +925,7 @@ fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
             let (k, rank) = (st.comms[c].clique, st.comms[c].rank);
             for coll in st.colls.iter_mut() {
                 if coll.clique == k && !coll.executed && coll.parts[rank].is_some() {
-                    coll.cancelled = true;
+                    coll.cancelled[rank] = true;
                 }
             }
         }

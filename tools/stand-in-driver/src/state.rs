@@ -216,9 +216,10 @@ pub enum Work {
         stream: usize,
         upto: u64,
     },
-    /// This rank's part of a collective.
+    /// Rank `rank`'s part of a collective.
     Coll {
         coll: usize,
+        rank: usize,
     },
     /// A cancelled operation (its host buffer went away): does nothing.
     Nothing,
@@ -293,9 +294,13 @@ pub struct Coll {
     pub clique: usize,
     pub seq: u64,
     pub parts: Vec<Option<Part>>,
-    /// Ran (or will never run: cancelled by an abort or a mismatch).
+    /// Ran: every part's data moved at once.
     pub executed: bool,
-    pub cancelled: bool,
+    /// Per rank: that rank's part will never run (its communicator was aborted, or the parts
+    /// mismatched). It completes on its own stream without moving data; the other ranks' parts
+    /// stay blocked until they are cancelled too, as a real NCCL kernel whose peer aborted never
+    /// completes.
+    pub cancelled: Vec<bool>,
 }
 
 pub struct Clique {
@@ -595,10 +600,10 @@ impl State {
     fn ready(&self, op: &Op) -> bool {
         match op.work {
             Work::Wait { stream, upto } => self.streams[stream].done >= upto,
-            Work::Coll { coll, .. } => {
+            Work::Coll { coll, rank } => {
                 let c = &self.colls[coll];
                 c.executed
-                    || c.cancelled
+                    || c.cancelled[rank]
                     || c.parts.iter().all(|p| {
                         p.as_ref().is_some_and(|p| {
                             self.streams[p.stream].queue.front().map(|o| o.pos) == Some(p.pos)
@@ -804,9 +809,9 @@ impl State {
                 }
                 Ok(())
             }
-            Work::Coll { coll, .. } => {
+            Work::Coll { coll, rank } => {
                 let c = &self.colls[*coll];
-                if c.executed || c.cancelled {
+                if c.executed || c.cancelled[*rank] {
                     return Ok(());
                 }
                 self.colls[*coll].executed = true;
