@@ -37,6 +37,7 @@ mod device;
 mod dtype;
 mod error;
 mod host;
+mod interop;
 mod key;
 mod ndarray;
 mod ptx_text;
@@ -52,6 +53,9 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 #[doc(hidden)]
 pub use host::HostData;
+/// candle tensors in init, push and pull (cargo feature `candle`).
+#[cfg(feature = "candle")]
+pub use interop::candle;
 pub use key::{IntoKey, Key, KeyKind};
 pub use ndarray::NDArray;
 pub use ptx_updater::{PtxUpdater, PTX_UPDATER_PARAMS};
