@@ -316,6 +316,33 @@ pub enum Error {
         detail: String,
     },
 
+    /// A rank of a distributed store rejected its input for this call (an unknown key, a shape
+    /// or dtype mismatch, lists of different lengths, ...). That rank gets its own error for the
+    /// input; every other rank gets this one for the same call. Nothing changed on any rank, and
+    /// the store stays usable.
+    #[error(
+        "{op} (call #{seq}): {detail}; nothing changed on any rank. Fix the input on that rank: \
+         every rank must make the same kvstore calls with valid input"
+    )]
+    RankRejected {
+        /// The operation on this rank.
+        op: &'static str,
+        /// This rank's call sequence number.
+        seq: u64,
+        /// Which ranks rejected the call, and why.
+        detail: String,
+    },
+
+    /// A store kind that exists in MXNet but cannot be used in this build or yet: `dist_async`,
+    /// or a `dist_*` kind in a build without the cargo feature `mpi`.
+    #[error("kind '{kind}' is not available: {reason}")]
+    KindUnavailable {
+        /// The kind asked for.
+        kind: String,
+        /// Why, and what to use instead.
+        reason: String,
+    },
+
     /// A collective of a distributed store did not complete within `KVSTORE_TIMEOUT`. The
     /// distributed world is unusable afterwards: later calls fail with [`Error::DistFailed`], and
     /// the job ends with a non-zero exit.

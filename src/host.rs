@@ -97,6 +97,14 @@ impl HostData {
         self.len() == 0
     }
 
+    /// A copy of the elements in `range`, clipped to the elements there are.
+    #[cfg(feature = "mpi")]
+    pub(crate) fn slice_of(&self, range: std::ops::Range<usize>) -> HostData {
+        let end = range.end.min(self.len());
+        let start = range.start.min(end);
+        with_host!(self, v: T => T::wrap(v[start..end].to_vec()))
+    }
+
     /// A copy converted to `dtype` (a plain clone when it already is).
     pub fn cast(&self, dtype: DType) -> HostData {
         if self.dtype() == dtype {

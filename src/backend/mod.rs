@@ -147,6 +147,15 @@ impl HomeValue {
         })
     }
 
+    /// The value in host memory, taken out of the home (copied from a GPU).
+    #[cfg(feature = "mpi")]
+    pub fn into_host(self) -> Result<HostData> {
+        match self.place {
+            Place::Host(h) => Ok(h),
+            Place::Gpu(c) => c.buf.download(),
+        }
+    }
+
     /// Replaces the value (a closure updater's result), keeping the updater state.
     pub fn replace_value(&mut self, value: HostData) -> Result<()> {
         match &mut self.place {

@@ -13,14 +13,22 @@
 //!   and broadcast, async-error polling with a timeout, and abort.
 //! - `mpi` (cargo feature `mpi`): across processes for CPU ranks: bootstrap, fingerprinted
 //!   non-blocking collectives with bounded waits, poisoning and the exit hook.
+//! - `dist` (cargo feature `mpi`): the across-ranks step of `dist_*` stores on top of `mpi`:
+//!   sums onto each key's home rank, values from it, slicing and packing; `spread` says which
+//!   ranks hold a key.
 //!
 //! It imports `backend` (memory, streams, kernels) and nothing from `store`.
 
+#[cfg(feature = "mpi")]
+pub(crate) mod dist;
 pub mod launch;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
+mod spread;
+
+pub(crate) use spread::Spread;
 
 use crate::backend::cpu::push::push_closure;
 use crate::backend::probe;
@@ -224,6 +232,28 @@ pub(crate) fn wait_all() -> Result<()> {
     }
     nccl::wait_all()?;
     backend::cuda::synchronize_all()
+}
+
+/// The sum of `values` (already checked against the key's shape and dtype) in host memory, in
+/// the key's dtype: a dist push's sum within this process, before the sum across ranks.
+#[cfg(feature = "mpi")]
+pub(crate) fn local_sum(ctx: Ctx, facts: &KeyFacts<'_>, values: &[&NDArray]) -> Result<HostData> {
+    let zeros = HostData::try_filled(facts.dtype, facts.shape.size(), 0.0)?;
+    let mut sum = HomeValue::from_host(zeros);
+    let job = HomePush {
+        key: facts.key,
+        value: &mut sum,
+        values,
+        hyper: Hyper::default(),
+    };
+    backend::push(
+        &Updater::Assign,
+        0,
+        &ctx.links(),
+        ctx.par_min_bytes,
+        vec![job],
+    )?;
+    sum.into_host()
 }
 
 /// Copies every key's value from its home into its outs, in the order given.

@@ -12,31 +12,71 @@ pub enum StoreKind {
     /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none; peer
     /// copies, as `Device`, when libnccl cannot be loaded).
     Nccl,
+    /// One store across processes (`mpirun -np N`), values in host memory, over MPI: each key
+    /// has a home rank where the updater and its state live; big keys are sliced over every
+    /// rank. Needs the cargo feature `mpi`.
+    DistSync,
+    /// As `DistSync`, for ranks that each drive a GPU. This build moves data between ranks
+    /// over MPI through host memory, keeping values on the CPU, and says so in a warning once.
+    /// Needs the cargo feature `mpi`.
+    DistDeviceSync,
 }
 
 /// The names `KvStore::create` accepts (MXNet's, lower case), and the kind each means.
-const KIND_NAMES: [(&str, StoreKind); 6] = [
+const KIND_NAMES: [(&str, StoreKind); 10] = [
     ("local", StoreKind::Local),
     ("local_update_cpu", StoreKind::Local),
     ("local_allreduce_cpu", StoreKind::Local),
     ("device", StoreKind::Device),
     ("local_allreduce_device", StoreKind::Device),
     ("nccl", StoreKind::Nccl),
+    ("dist_sync", StoreKind::DistSync),
+    ("dist", StoreKind::DistSync),
+    ("dist_device_sync", StoreKind::DistDeviceSync),
+    ("dist_sync_device", StoreKind::DistDeviceSync),
+];
+
+/// Kinds MXNet has that this crate does not offer, with what to use instead.
+const UNAVAILABLE: [(&str, &str); 2] = [
+    (
+        "dist_async",
+        "asynchronous parameter-server updates are not supported yet; use 'dist_sync' (every \
+         push is summed over all ranks before the update, as in MXNet's dist_sync)",
+    ),
+    (
+        "dist_device_async",
+        "asynchronous parameter-server updates are not supported yet; use 'dist_device_sync'",
+    ),
 ];
 
 impl StoreKind {
-    /// The kind's canonical name: `local`, `device` or `nccl`.
+    /// The kind's canonical name: `local`, `device`, `nccl`, `dist_sync` or
+    /// `dist_device_sync`.
     pub fn name(self) -> &'static str {
         match self {
             StoreKind::Local => "local",
             StoreKind::Device => "device",
             StoreKind::Nccl => "nccl",
+            StoreKind::DistSync => "dist_sync",
+            StoreKind::DistDeviceSync => "dist_device_sync",
         }
     }
 
-    /// Parses a kind name, case-insensitively; an error lists the valid names.
+    /// Whether the kind spans processes (`dist_*`).
+    pub fn is_dist(self) -> bool {
+        matches!(self, StoreKind::DistSync | StoreKind::DistDeviceSync)
+    }
+
+    /// Parses a kind name, case-insensitively; an error lists the valid names. `dist_async` is
+    /// an [`Error::KindUnavailable`] that says what to use instead.
     pub fn parse(name: &str) -> Result<StoreKind> {
         let lower = name.to_ascii_lowercase();
+        if let Some((_, why)) = UNAVAILABLE.iter().find(|(n, _)| *n == lower) {
+            return Err(Error::KindUnavailable {
+                kind: name.to_owned(),
+                reason: (*why).to_owned(),
+            });
+        }
         KIND_NAMES
             .iter()
             .find(|(n, _)| *n == lower)

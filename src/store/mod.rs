@@ -13,6 +13,8 @@
 //! The store imports `comm` and the one boundary type of `backend`, [`HomeValue`], and the
 //! GPU probe for placement; it knows no CUDA, no NCCL and no transport.
 
+#[cfg(feature = "mpi")]
+mod dist;
 mod entries;
 mod groups;
 mod hook;
@@ -26,7 +28,9 @@ use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::cpu::PAR_MIN_BYTES;
 use crate::backend::{probe, HomePull, HomeValue};
-use crate::comm::{self, Ctx, KeyPush};
+#[cfg(feature = "mpi")]
+use crate::comm::dist::Dist;
+use crate::comm::{self, Ctx, KeyPush, Spread};
 use crate::host::HostData;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
 
@@ -87,6 +91,9 @@ pub struct KvStore {
     /// Bytes of traffic from which a call on host memory splits over threads
     /// (`KVSTORE_PAR_MIN_BYTES` at creation).
     par_min_bytes: usize,
+    /// The link to the other ranks of a `dist_*` store.
+    #[cfg(feature = "mpi")]
+    dist: Option<Dist>,
 }
 
 impl KvStore {
@@ -115,10 +122,25 @@ impl KvStore {
     pub fn create(kind: impl IntoStoreKind) -> Result<KvStore> {
         let (kind, name) = kind.into_store_kind()?;
         let par_min_bytes = par_min_bytes_from_env()?;
-        if kind != StoreKind::Local && probe::gpu_count() == 0 {
+        if matches!(kind, StoreKind::Device | StoreKind::Nccl) && probe::gpu_count() == 0 {
             static ONCE: Once = Once::new();
             ONCE.call_once(|| {
                 log::warn!("kvstore: no GPU found; '{name}' stores keep their values on the CPU")
+            });
+        }
+        #[cfg(feature = "mpi")]
+        let dist = match kind.is_dist() {
+            true => Some(dist::connect(kind, &name)?),
+            false => None,
+        };
+        #[cfg(not(feature = "mpi"))]
+        if kind.is_dist() {
+            return Err(Error::KindUnavailable {
+                kind: name,
+                reason: "this build of kvstore has no distributed transport: build it with the \
+                         cargo feature `mpi` (it needs an MPI library, such as Open MPI, and \
+                         libclang) and start the program with `mpirun -np N`"
+                    .to_owned(),
             });
         }
         Ok(KvStore {
@@ -132,6 +154,8 @@ impl KvStore {
             })),
             hook: RwLock::new(None),
             par_min_bytes,
+            #[cfg(feature = "mpi")]
+            dist,
         })
     }
 
@@ -146,14 +170,62 @@ impl KvStore {
         &self.name
     }
 
-    /// This worker's rank: always 0 for a single-process store.
+    /// This worker's rank: 0 to `num_workers() - 1` in a `dist_*` store, always 0 in a
+    /// single-process store.
     pub fn rank(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return d.rank();
+        }
         0
     }
 
-    /// The number of workers: always 1 for a single-process store.
+    /// The number of workers (processes) of a `dist_*` store; always 1 for a single-process
+    /// store.
     pub fn num_workers(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return d.size();
+        }
         1
+    }
+
+    /// This worker's rank among the workers on its machine (pick its GPU with it); 0 in a
+    /// single-process store.
+    pub fn local_rank(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return d.local_rank();
+        }
+        0
+    }
+
+    /// Waits until every worker of a `dist_*` store has called `barrier` (bounded by
+    /// `KVSTORE_TIMEOUT`); `Ok` at once in a single-process store.
+    pub fn barrier(&self) -> Result<()> {
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return d.barrier();
+        }
+        Ok(())
+    }
+
+    /// `err`, after telling the other ranks of a `dist_*` store that this rank rejected its
+    /// input for `op` (so that they fail the same call instead of waiting for this rank).
+    /// Only for errors found before the call's collectives begin.
+    fn rejected(&self, op: &'static str, err: Error) -> Error {
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return d.reject(op, err);
+        }
+        let _ = op;
+        err
+    }
+
+    /// A key, or the error of converting it, told to the other ranks (see
+    /// [`KvStore::rejected`]).
+    fn key_for(&self, op: &'static str, key: impl IntoKey) -> Result<Key> {
+        key.into_key().map_err(|e| self.rejected(op, e))
     }
 
     /// Waits for every operation in flight: pushes and pulls on GPU homes are enqueued on the
@@ -251,7 +323,7 @@ impl KvStore {
     /// the fewest bytes homed so far. `local` stores, and every store without a GPU, keep it in
     /// host memory.
     pub fn init(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
-        self.init_list(&[key.into_key()?], std::slice::from_ref(value))
+        self.init_list(&[self.key_for("init", key)?], std::slice::from_ref(value))
     }
 
     /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
@@ -263,20 +335,25 @@ impl KvStore {
     /// As [`KvStore::init`], with the home chosen by the caller: `cpu(i)` keeps the value in
     /// host memory, `gpu(i)` on that GPU (an error if it does not exist).
     pub fn init_on(&self, key: impl IntoKey, value: &NDArray, home: Device) -> Result<()> {
-        self.init_list_on(&[key.into_key()?], std::slice::from_ref(value), &[home])
+        self.init_list_on(
+            &[self.key_for("init", key)?],
+            std::slice::from_ref(value),
+            &[home],
+        )
     }
 
-    /// As [`KvStore::init_list`], with one home per key chosen by the caller.
+    /// As [`KvStore::init_list`], with one home per key chosen by the caller. A `dist_*` store
+    /// places keys on ranks itself and keeps them in host memory: there the homes are only
+    /// checked.
     pub fn init_list_on<K: IntoKey + Clone>(
         &self,
         keys: &[K],
         values: &[NDArray],
         homes: &[Device],
     ) -> Result<()> {
-        check_len("init", keys.len(), homes.len(), "homes")?;
-        for &h in homes {
-            probe::check_device(h)?;
-        }
+        let checked = check_len("init", keys.len(), homes.len(), "homes")
+            .and_then(|()| homes.iter().try_for_each(|&h| probe::check_device(h)));
+        checked.map_err(|e| self.rejected("init", e))?;
         self.init_with_homes(keys, values, Some(homes))
     }
 
@@ -286,8 +363,13 @@ impl KvStore {
         values: &[NDArray],
         homes: Option<&[Device]>,
     ) -> Result<()> {
-        check_len("init", keys.len(), values.len(), "values")?;
-        let keys = to_keys(keys)?;
+        let keys = check_len("init", keys.len(), values.len(), "values")
+            .and_then(|()| to_keys(keys))
+            .map_err(|e| self.rejected("init", e))?;
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return self.dist_init(d, keys, values);
+        }
         let gpus = probe::gpu_count();
         let any_gpu_home = match homes {
             Some(h) => h.iter().any(|d| d.is_gpu()),
@@ -306,22 +388,7 @@ impl KvStore {
             )
         };
         let mut table = write(&self.table);
-        let call_kind = keys.first().map(Key::kind);
-        let mut seen = HashSet::with_capacity(keys.len());
-        for key in &keys {
-            table.check_kind("init", key)?;
-            if let Some(kind) = call_kind.filter(|&k| k != key.kind()) {
-                return Err(Error::MixedKeyTypes {
-                    op: "init",
-                    key: key.clone(),
-                    got: key.kind(),
-                    store: kind,
-                });
-            }
-            if table.slots.contains_key(key) || !seen.insert(key) {
-                return Err(Error::DuplicateInit { key: key.clone() });
-            }
-        }
+        check_new_keys(&table, &keys)?;
         let placed: Vec<Device> = match homes {
             Some(h) => h.to_vec(),
             None if any_gpu_home => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
@@ -342,28 +409,8 @@ impl KvStore {
                 table.gpu_bytes[i] += v.nbytes();
             }
         }
-        for (((key, value), data), home) in keys.into_iter().zip(values).zip(data).zip(placed) {
-            let order = match &key {
-                Key::Int(k) => i64::from(*k),
-                Key::Str(_) => {
-                    table.next_str_order += 1;
-                    table.next_str_order
-                }
-            };
-            table.key_kind = Some(key.kind());
-            let init_seq = table.next_init_seq;
-            table.next_init_seq += 1;
-            let slot = Slot {
-                key: key.clone(),
-                order,
-                init_seq,
-                shape: value.shape(),
-                dtype: value.dtype(),
-                home,
-                cell: RwLock::new(data),
-            };
-            table.slots.insert(key, Arc::new(slot));
-        }
+        let spreads = vec![Spread::Whole { rank: 0 }; keys.len()];
+        insert_slots(&mut table, keys, values, data, &placed, &spreads);
         Ok(())
     }
 
@@ -381,7 +428,7 @@ impl KvStore {
     /// assert_eq!(out.to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
     /// ```
     pub fn push<V: ValueList + ?Sized>(&self, key: impl IntoKey, values: &V) -> Result<()> {
-        self.push_list(&[key.into_key()?], &[values.arrays()])
+        self.push_list(&[self.key_for("push", key)?], &[values.arrays()])
     }
 
     /// Pushes to many keys at once. A key listed more than once gets the sum of all its values.
@@ -391,12 +438,12 @@ impl KvStore {
         keys: &[K],
         values: &[V],
     ) -> Result<()> {
-        self.push_groups(self.groups("push", keys, values, "values", None)?)
+        self.push_groups(self.groups("push", keys, values, "values", None))
     }
 
     /// Copies the stored value of `key` into every out, converting to each out's dtype.
     pub fn pull<V: ValueList + ?Sized>(&self, key: impl IntoKey, outs: &V) -> Result<()> {
-        self.pull_list(&[key.into_key()?], &[outs.arrays()])
+        self.pull_list(&[self.key_for("pull", key)?], &[outs.arrays()])
     }
 
     /// Pulls many keys at once, from one consistent snapshot of them. All or nothing.
@@ -405,12 +452,18 @@ impl KvStore {
         keys: &[K],
         outs: &[V],
     ) -> Result<()> {
-        self.pull_groups(self.groups("pull", keys, outs, "outs", None)?)
+        self.pull_groups(self.groups("pull", keys, outs, "outs", None))
     }
 
-    /// Validates and applies a push of looked-up groups.
-    fn push_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
-        check_values("push", &groups)?;
+    /// Validates and applies a push of looked-up groups (or the error of looking them up).
+    fn push_groups(&self, groups: Result<Vec<Group<'_>>>) -> Result<()> {
+        let groups = groups
+            .and_then(|g| check_values("push", &g).map(|()| g))
+            .map_err(|e| self.rejected("push", e))?;
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return self.dist_push("push", d, groups, None);
+        }
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
         self.prepare(&groups)?;
@@ -421,9 +474,16 @@ impl KvStore {
         call_hook(hook.as_deref(), &active, done)
     }
 
-    /// Validates and applies a pull of looked-up groups, from one consistent snapshot.
-    fn pull_groups(&self, groups: Vec<Group<'_>>) -> Result<()> {
-        check_outs("pull", &groups)?;
+    /// Validates and applies a pull of looked-up groups (or the error of looking them up), from
+    /// one consistent snapshot.
+    fn pull_groups(&self, groups: Result<Vec<Group<'_>>>) -> Result<()> {
+        let groups = groups
+            .and_then(|g| check_outs("pull", &g).map(|()| g))
+            .map_err(|e| self.rejected("pull", e))?;
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return self.dist_pull(d, groups);
+        }
         self.prepare(&groups)?;
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
@@ -438,7 +498,11 @@ impl KvStore {
         values: &V,
         outs: &O,
     ) -> Result<()> {
-        self.pushpull_list(&[key.into_key()?], &[values.arrays()], &[outs.arrays()])
+        self.pushpull_list(
+            &[self.key_for("pushpull", key)?],
+            &[values.arrays()],
+            &[outs.arrays()],
+        )
     }
 
     /// A push of `values`, then a pull of the result back into the same arrays.
@@ -458,10 +522,18 @@ impl KvStore {
         values: &[V],
         outs: &[O],
     ) -> Result<()> {
-        let pushes = self.groups("pushpull", keys, values, "values", None)?;
-        let pulls = self.groups("pushpull", keys, outs, "outs", None)?;
-        check_values("pushpull", &pushes)?;
-        check_outs("pushpull", &pulls)?;
+        let checked = (|| {
+            let pushes = self.groups("pushpull", keys, values, "values", None)?;
+            let pulls = self.groups("pushpull", keys, outs, "outs", None)?;
+            check_values("pushpull", &pushes)?;
+            check_outs("pushpull", &pulls)?;
+            Ok((pushes, pulls))
+        })();
+        let (pushes, pulls) = checked.map_err(|e| self.rejected("pushpull", e))?;
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return self.dist_push("pushpull", d, pushes, Some(&pulls));
+        }
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
         self.prepare(&pushes)?;
@@ -504,7 +576,7 @@ impl KvStore {
         outs: &V,
     ) -> Result<()> {
         self.broadcast_list(
-            &[key.into_key()?],
+            &[self.key_for("init", key)?],
             std::slice::from_ref(value),
             &[outs.arrays()],
         )
@@ -518,21 +590,84 @@ impl KvStore {
         values: &[NDArray],
         outs: &[O],
     ) -> Result<()> {
-        check_len("broadcast", keys.len(), values.len(), "values")?;
-        check_len("broadcast", keys.len(), outs.len(), "outs")?;
-        for ((key, value), outs) in keys.iter().zip(values).zip(outs) {
-            let key: Key = key.clone().into_key()?;
-            check_arrays(
-                "broadcast",
-                &key,
-                value.shape(),
-                None,
-                &outs.arrays().iter().collect::<Vec<_>>(),
-                "out",
-            )?;
-        }
+        let checked = (|| {
+            check_len("broadcast", keys.len(), values.len(), "values")?;
+            check_len("broadcast", keys.len(), outs.len(), "outs")?;
+            for ((key, value), outs) in keys.iter().zip(values).zip(outs) {
+                let key: Key = key.clone().into_key()?;
+                check_arrays(
+                    "broadcast",
+                    &key,
+                    value.shape(),
+                    None,
+                    &outs.arrays().iter().collect::<Vec<_>>(),
+                    "out",
+                )?;
+            }
+            Ok(())
+        })();
+        // A broadcast is an init then a pull: the other ranks are at the init.
+        checked.map_err(|e| self.rejected("init", e))?;
         self.init_list(keys, values)?;
         self.pull_list(keys, outs)
+    }
+}
+
+/// Checks that `keys` (of one init call) are new to the table and to the call, of one kind,
+/// and of the table's kind.
+fn check_new_keys(table: &Table, keys: &[Key]) -> Result<()> {
+    let call_kind = keys.first().map(Key::kind);
+    let mut seen = HashSet::with_capacity(keys.len());
+    for key in keys {
+        table.check_kind("init", key)?;
+        if let Some(kind) = call_kind.filter(|&k| k != key.kind()) {
+            return Err(Error::MixedKeyTypes {
+                op: "init",
+                key: key.clone(),
+                got: key.kind(),
+                store: kind,
+            });
+        }
+        if table.slots.contains_key(key) || !seen.insert(key) {
+            return Err(Error::DuplicateInit { key: key.clone() });
+        }
+    }
+    Ok(())
+}
+
+/// Adds the slots of an init's checked keys: each key with its value's shape and dtype, this
+/// rank's part of the value (`data`), its home device and which ranks hold it.
+fn insert_slots(
+    table: &mut Table,
+    keys: Vec<Key>,
+    values: &[NDArray],
+    data: Vec<HomeValue>,
+    homes: &[Device],
+    spreads: &[Spread],
+) {
+    let parts = values.iter().zip(data).zip(homes).zip(spreads);
+    for (key, (((value, data), &home), &spread)) in keys.into_iter().zip(parts) {
+        let order = match &key {
+            Key::Int(k) => i64::from(*k),
+            Key::Str(_) => {
+                table.next_str_order += 1;
+                table.next_str_order
+            }
+        };
+        table.key_kind = Some(key.kind());
+        let init_seq = table.next_init_seq;
+        table.next_init_seq += 1;
+        let slot = Slot {
+            key: key.clone(),
+            order,
+            init_seq,
+            shape: value.shape(),
+            dtype: value.dtype(),
+            home,
+            spread,
+            cell: RwLock::new(data),
+        };
+        table.slots.insert(key, Arc::new(slot));
     }
 }
 
@@ -606,7 +741,11 @@ impl KvStore {
         values: &V,
         priority: i32,
     ) -> Result<()> {
-        self.push_list_with_priority(&[key.into_key()?], &[values.arrays()], &[priority])
+        self.push_list_with_priority(
+            &[self.key_for("push", key)?],
+            &[values.arrays()],
+            &[priority],
+        )
     }
 
     /// Pushes to many keys at once, like [`KvStore::push_list`], issuing the work for keys of
@@ -642,7 +781,7 @@ impl KvStore {
         values: &[V],
         priorities: &[i32],
     ) -> Result<()> {
-        self.push_groups(self.groups("push", keys, values, "values", Some(priorities))?)
+        self.push_groups(self.groups("push", keys, values, "values", Some(priorities)))
     }
 
     /// A pull, like [`KvStore::pull`], with a priority; see [`KvStore::pull_list_with_priority`].
@@ -652,7 +791,7 @@ impl KvStore {
         outs: &V,
         priority: i32,
     ) -> Result<()> {
-        self.pull_list_with_priority(&[key.into_key()?], &[outs.arrays()], &[priority])
+        self.pull_list_with_priority(&[self.key_for("pull", key)?], &[outs.arrays()], &[priority])
     }
 
     /// Pulls many keys at once, like [`KvStore::pull_list`], copying keys of higher priority
@@ -675,7 +814,7 @@ impl KvStore {
         outs: &[V],
         priorities: &[i32],
     ) -> Result<()> {
-        self.pull_groups(self.groups("pull", keys, outs, "outs", Some(priorities))?)
+        self.pull_groups(self.groups("pull", keys, outs, "outs", Some(priorities)))
     }
 }
 

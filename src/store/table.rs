@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use crate::backend::{HomeValue, KeyFacts};
+use crate::comm::Spread;
 use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Shape};
 
 /// A key's entry: fixed facts, and the value and state behind the key's lock.
@@ -17,6 +18,10 @@ pub(super) struct Slot {
     pub shape: Shape,
     pub dtype: DType,
     pub home: Device,
+    /// Which ranks hold the value (a dist store); `Whole { rank: 0 }` in a single process.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub spread: Spread,
+    /// This rank's part of the value (all of it in a single process) and its updater state.
     pub cell: RwLock<HomeValue>,
 }
 
@@ -29,6 +34,9 @@ pub(super) struct Table {
     pub next_init_seq: u64,
     /// Bytes of values homed on each GPU so far (for placement by size).
     pub gpu_bytes: Vec<usize>,
+    /// Bytes of values held by each rank so far (a dist store's placement by size).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub rank_bytes: Vec<usize>,
 }
 
 impl Slot {
@@ -88,6 +96,7 @@ pub(super) fn new_slot(
         shape,
         dtype,
         home,
+        spread: Spread::Whole { rank: 0 },
         cell: RwLock::new(cell),
     }
 }
@@ -109,4 +118,32 @@ pub(super) fn place_by_size(
         homes[i] = Device::Gpu(g);
     }
     homes
+}
+
+/// Where the keys of a dist store's init live, given each key's bytes and whether it is sliced:
+/// largest first, each whole key on the rank holding the fewest bytes so far (ties to the
+/// lowest rank); a sliced key adds its share to every rank. Every rank computes the same.
+#[cfg(feature = "mpi")]
+pub(super) fn place_on_ranks(
+    bytes: &mut Vec<usize>,
+    ranks: usize,
+    keys: &[(usize, bool)],
+) -> Vec<Spread> {
+    bytes.resize(ranks, 0);
+    let mut order: Vec<usize> = (0..keys.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(keys[i].0));
+    let mut spreads = vec![Spread::Whole { rank: 0 }; keys.len()];
+    for i in order {
+        let (size, sliced) = keys[i];
+        if sliced {
+            let share = size.div_ceil(ranks.max(1));
+            bytes.iter_mut().for_each(|b| *b += share);
+            spreads[i] = Spread::Sliced;
+        } else {
+            let r = (0..ranks).min_by_key(|&r| (bytes[r], r)).unwrap_or(0);
+            bytes[r] += size;
+            spreads[i] = Spread::Whole { rank: r };
+        }
+    }
+    spreads
 }

@@ -25,6 +25,9 @@ struct Entry {
 pub struct Fingerprint {
     op: &'static str,
     entries: Vec<Entry>,
+    /// Why this rank rejected its input for the call, when it did: it joins the check so the
+    /// other ranks fail the same call instead of waiting for it.
+    rejected: Option<String>,
 }
 
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
@@ -54,6 +57,17 @@ impl Fingerprint {
         Fingerprint {
             op,
             entries: Vec::new(),
+            rejected: None,
+        }
+    }
+
+    /// A call of `op` that this rank rejected before any data moved (bad input: `why`). It
+    /// differs from every accepted call, so every rank fails the same call together.
+    pub fn rejected(op: &'static str, why: &str) -> Fingerprint {
+        Fingerprint {
+            op,
+            entries: Vec::new(),
+            rejected: Some(why.replace(['\n', '\t'], " ")),
         }
     }
 
@@ -105,6 +119,10 @@ impl Fingerprint {
             }
             all.bytes(e.dtype.name().as_bytes());
         }
+        if let Some(why) = &self.rejected {
+            all.bytes(b"rejected");
+            all.bytes(why.as_bytes());
+        }
         [seq, op.0, self.entries.len() as u64, all.0]
     }
 
@@ -123,11 +141,31 @@ impl Fingerprint {
     /// The full description for call number `seq`, one line per entry, exchanged on a mismatch.
     pub(super) fn describe(&self, seq: u64) -> String {
         let mut s = format!("{seq}\t{}", self.op);
+        if let Some(why) = &self.rejected {
+            let _ = write!(s, "\n{REJECTED}\t{why}");
+        }
         for e in &self.entries {
             let _ = write!(s, "\n{}\t{:?}\t{}", e.key, e.dims, e.dtype);
         }
         s
     }
+}
+
+/// The first word of the description line that carries a rejection.
+const REJECTED: &str = "!rejected";
+
+/// The ranks that rejected their input for the call, with why, from every rank's description
+/// (`texts[rank]`): empty when none did.
+pub(super) fn rejections(texts: &[String]) -> Vec<(usize, String)> {
+    texts
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, t)| {
+            t.lines()
+                .find_map(|l| l.strip_prefix(REJECTED)?.strip_prefix('\t'))
+                .map(|why| (rank, why.to_owned()))
+        })
+        .collect()
 }
 
 /// The words for an op and its keys.
@@ -289,6 +327,23 @@ mod tests {
         let str_key = Fingerprint::new("push").entry("3", &[2], DType::F32);
         let int_key = Fingerprint::new("push").entry(3, &[2], DType::F32);
         assert_ne!(str_key.record(1), int_key.record(1));
+    }
+
+    #[test]
+    fn a_rejection_differs_from_the_call_and_names_its_rank_and_reason() {
+        let bad = Fingerprint::rejected("push", "unknown key 7\nfix it");
+        assert_ne!(bad.record(3), fp(5, &[2]).record(3));
+        assert_ne!(bad.record(3), Fingerprint::new("push").record(3));
+        let texts = vec![
+            fp(5, &[2]).describe(3),
+            bad.describe(3),
+            fp(5, &[2]).describe(3),
+        ];
+        assert_eq!(
+            rejections(&texts),
+            vec![(1, "unknown key 7 fix it".to_owned())]
+        );
+        assert!(rejections(&texts[..1]).is_empty());
     }
 
     #[test]

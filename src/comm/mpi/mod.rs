@@ -712,6 +712,21 @@ impl Call {
                 String::from_utf8_lossy(&bytes).into_owned()
             })
             .collect();
+        let rejected = fingerprint::rejections(&texts);
+        if !rejected.is_empty() {
+            // Every rank stopped at the same check, before any data moved: the world stays
+            // usable, and the call is an error on every rank.
+            let detail = rejected
+                .iter()
+                .map(|(r, why)| format!("rank {r} rejected its input: {why}"))
+                .collect::<Vec<_>>()
+                .join("; ");
+            return Err(Error::RankRejected {
+                op: self.op,
+                seq: self.seq,
+                detail,
+            });
+        }
         let err = Error::Desync {
             op: self.op,
             seq: self.seq,

@@ -1,0 +1,358 @@
+//! Across ranks: the step of a `dist_*` store's push that sums every rank's values onto each
+//! key's home rank, and the step of its pull that brings the home's value to every rank, over
+//! the MPI transport ([`super::mpi`]).
+//!
+//! - A key homed whole on one rank: a push is a reduce to that rank, a pull a broadcast from it.
+//! - A sliced key (more than `KVSTORE_BIGARRAY_BOUND` elements, as MXNet's
+//!   `MXNET_KVSTORE_BIGARRAY_BOUND`; default 1 000 000): each rank holds one contiguous slice
+//!   ([`slice_range`](super::spread::slice_range)). A push is a reduce-scatter, a pull an
+//!   all-gather: the traffic of one allreduce, as ZeRO-1 has it.
+//! - Small whole keys travel packed, one buffer per (home rank, dtype): a list push of many
+//!   small keys is one reduce per home rank and dtype, a list pull one broadcast each. Keys from
+//!   [`PACK_MAX_BYTES`] up travel alone, in their own buffer, with no copy into a bucket.
+//!
+//! All the collectives of a call are started before any is waited for, so they overlap. Every
+//! rank starts the same collectives in the same order: the order depends only on the call's
+//! keys, shapes and dtypes (which the fingerprint check compares) and on where keys live (which
+//! every rank computes alike).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use half::{bf16, f16};
+
+use super::mpi::{Call, Fingerprint, Pending, World};
+use super::spread::{slice_block, Spread};
+use crate::host::HostData;
+use crate::{DType, Element, Error, Result};
+
+/// The default of `KVSTORE_BIGARRAY_BOUND`: keys of more elements are sliced over every rank.
+pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
+
+/// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
+pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
+
+/// A `dist_*` store's link to the other ranks.
+pub(crate) struct Dist {
+    world: &'static World,
+    /// Keys of more elements than this are sliced over every rank.
+    bound: usize,
+}
+
+impl Dist {
+    /// Joins the distributed world (initialising MPI once per process) and reads
+    /// `KVSTORE_BIGARRAY_BOUND`.
+    pub fn connect() -> Result<Dist> {
+        let world = World::get()?;
+        let bound = bound_from_env()?;
+        Ok(Dist { world, bound })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.world.size()
+    }
+
+    /// This process's rank among the ranks on its machine.
+    pub fn local_rank(&self) -> usize {
+        self.world.local_rank()
+    }
+
+    /// Whether a key of `len` elements is sliced over every rank.
+    pub fn is_sliced(&self, len: usize) -> bool {
+        self.size() > 1 && len > self.bound
+    }
+
+    /// Begins a collective call: see [`World::begin`].
+    pub fn begin(&self, fp: &Fingerprint) -> Result<Call> {
+        self.world.begin(fp)
+    }
+
+    /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
+    /// fails the same call with [`Error::RankRejected`] instead of waiting for this one, and
+    /// gives `err` back.
+    pub fn reject(&self, op: &'static str, err: Error) -> Error {
+        // This rank's own error is the one to report; the check's error only says that the
+        // other ranks were told.
+        let _ = self
+            .world
+            .begin(&Fingerprint::rejected(op, &err.to_string()));
+        err
+    }
+
+    /// Waits until every rank has reached this barrier (bounded by `KVSTORE_TIMEOUT`).
+    pub fn barrier(&self) -> Result<()> {
+        let mut call = self.begin(&Fingerprint::new("barrier"))?;
+        call.barrier()
+    }
+}
+
+/// `KVSTORE_BIGARRAY_BOUND`, or [`DEFAULT_BIGARRAY_BOUND`].
+fn bound_from_env() -> Result<usize> {
+    const VAR: &str = "KVSTORE_BIGARRAY_BOUND";
+    let expected = "a whole number of elements (keys with more are sliced over every rank)";
+    match std::env::var(VAR) {
+        Err(std::env::VarError::NotPresent) => Ok(DEFAULT_BIGARRAY_BOUND),
+        Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
+            var: VAR,
+            value: v,
+            expected,
+        }),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidEnv {
+            var: VAR,
+            value: v.to_string_lossy().into_owned(),
+            expected,
+        }),
+    }
+}
+
+/// One key of a reduce: this rank's sum of its own values (every element), and where the key
+/// lives.
+pub(crate) struct Sum {
+    pub data: HostData,
+    pub spread: Spread,
+}
+
+/// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
+/// the total: the whole sum on the home of a whole key, this rank's slice of a sliced key, and
+/// `None` where this rank holds nothing of the key.
+pub(crate) fn reduce(call: &mut Call, sums: Vec<Sum>) -> Result<Vec<Option<HostData>>> {
+    let (rank, size) = (call.world().rank(), call.world().size());
+    let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
+    let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
+    let mut plan = Plan::default();
+    for (i, s) in sums.into_iter().enumerate() {
+        let len = s.data.len();
+        match s.spread {
+            Spread::Sliced => {
+                let block = slice_block(len, size);
+                let mut send = s.data;
+                pad(&mut send, block * size);
+                let mine = s.spread.piece(len, rank, size);
+                plan.alone(Op::ReduceScatter, send, vec![(i, 0..mine.len())]);
+            }
+            Spread::Whole { rank: root } if s.data.nbytes() >= PACK_MAX_BYTES => {
+                plan.alone(Op::Reduce { root }, s.data, vec![(i, 0..len)]);
+            }
+            Spread::Whole { rank: root } => plan.pack(Op::Reduce { root }, i, s.data),
+        }
+    }
+    for (recv, members) in plan.run(call)? {
+        share(recv, members, |i| holds[i], &mut out);
+    }
+    Ok(out)
+}
+
+/// One key of a gather: this rank's piece of the value (the whole value on the home of a whole
+/// key, this rank's slice of a sliced key, nothing elsewhere), the key's length and dtype, and
+/// where it lives.
+pub(crate) struct Piece {
+    pub data: Option<HostData>,
+    pub len: usize,
+    pub dtype: DType,
+    pub spread: Spread,
+}
+
+/// Brings every key's whole value to every rank, from where it lives.
+pub(crate) fn gather(call: &mut Call, pieces: Vec<Piece>) -> Result<Vec<HostData>> {
+    let (rank, size) = (call.world().rank(), call.world().size());
+    let mut out: Vec<Option<HostData>> = (0..pieces.len()).map(|_| None).collect();
+    let mut plan = Plan::default();
+    for (i, p) in pieces.into_iter().enumerate() {
+        let holds = p.spread.holds(rank);
+        let data = match p.data {
+            Some(d) if holds => d,
+            _ => HostData::filled(p.dtype, p.spread.piece(p.len, rank, size).len(), 0.0),
+        };
+        match p.spread {
+            Spread::Sliced => {
+                let block = slice_block(p.len, size);
+                let mut send = data;
+                pad(&mut send, block);
+                plan.alone(Op::AllGather, send, vec![(i, 0..p.len)]);
+            }
+            Spread::Whole { rank: root } => {
+                let data = if holds {
+                    data
+                } else {
+                    HostData::filled(p.dtype, p.len, 0.0)
+                };
+                if data.nbytes() >= PACK_MAX_BYTES {
+                    plan.alone(Op::Broadcast { root }, data, vec![(i, 0..p.len)]);
+                } else {
+                    plan.pack(Op::Broadcast { root }, i, data);
+                }
+            }
+        }
+    }
+    for (recv, members) in plan.run(call)? {
+        share(recv, members, |_| true, &mut out);
+    }
+    out.into_iter()
+        .map(|d| d.ok_or_else(|| internal("gather: a key got no value")))
+        .collect()
+}
+
+/// Hands each member its elements of a transfer's result `recv`, for the members `wanted`
+/// says: moved when one member takes a prefix of it, copied otherwise.
+fn share(
+    recv: HostData,
+    members: Members,
+    wanted: impl Fn(usize) -> bool,
+    out: &mut [Option<HostData>],
+) {
+    match members.as_slice() {
+        [(i, range)] if wanted(*i) && range.start == 0 && range.end <= recv.len() => {
+            let mut recv = recv;
+            crate::host::with_host!(&mut recv, v: T => v.truncate(range.end));
+            out[*i] = Some(recv);
+        }
+        _ => {
+            for (i, range) in members.into_iter().filter(|(i, _)| wanted(*i)) {
+                out[i] = Some(recv.slice_of(range));
+            }
+        }
+    }
+}
+
+/// A collective of a [`Plan`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Op {
+    Reduce { root: usize },
+    Broadcast { root: usize },
+    ReduceScatter,
+    AllGather,
+}
+
+/// Which keys a transfer's result holds: (key index, elements of the result).
+type Members = Vec<(usize, Range<usize>)>;
+
+/// The collectives of one call, in the order every rank starts them.
+#[derive(Default)]
+struct Plan {
+    /// Transfers of one key each, in key order.
+    alone: Vec<(Op, HostData, Members)>,
+    /// Packed transfers by (op, dtype), each filled in key order.
+    packed: BTreeMap<(Op, &'static str), (HostData, Members)>,
+}
+
+impl Plan {
+    /// A transfer of one buffer.
+    fn alone(&mut self, op: Op, data: HostData, members: Members) {
+        self.alone.push((op, data, members));
+    }
+
+    /// Appends key `i`'s `data` to the packed transfer of `op` and its dtype.
+    fn pack(&mut self, op: Op, i: usize, data: HostData) {
+        let (buf, members) = self
+            .packed
+            .entry((op, data.dtype().name()))
+            .or_insert_with(|| (HostData::filled(data.dtype(), 0, 0.0), Vec::new()));
+        let start = buf.len();
+        append(buf, &data);
+        members.push((i, start..buf.len()));
+    }
+
+    /// Starts every transfer, then waits for all of them. Returns each transfer's result with
+    /// its members.
+    fn run(self, call: &mut Call) -> Result<Vec<(HostData, Members)>> {
+        let rank = call.world().rank();
+        let size = call.world().size();
+        let transfers = self.alone.into_iter().chain(
+            self.packed
+                .into_iter()
+                .map(|((op, _), (data, members))| (op, data, members)),
+        );
+        let mut flights = Vec::new();
+        for (op, data, members) in transfers {
+            flights.push((start(call, op, data, rank, size)?, members));
+        }
+        let mut done = Vec::with_capacity(flights.len());
+        for (flight, members) in flights {
+            done.push((flight.land(call)?, members));
+        }
+        Ok(done)
+    }
+}
+
+/// A started collective, of any dtype.
+enum Flight {
+    F32(Pending<f32>),
+    F64(Pending<f64>),
+    F16(Pending<f16>),
+    BF16(Pending<bf16>),
+}
+
+/// Starts `op` on `data` (this rank's send buffer, or the buffer a broadcast fills).
+fn start(call: &mut Call, op: Op, data: HostData, rank: usize, size: usize) -> Result<Flight> {
+    macro_rules! typed {
+        ($v:ident => $e:expr) => {
+            match data {
+                HostData::F32($v) => Flight::F32($e),
+                HostData::F64($v) => Flight::F64($e),
+                HostData::F16($v) => Flight::F16($e),
+                HostData::BF16($v) => Flight::BF16($e),
+            }
+        };
+    }
+    Ok(match op {
+        Op::Reduce { root } => typed!(v => {
+            let recv = if root == rank { vec![Default::default(); v.len()] } else { Vec::new() };
+            call.reduce_sum(v, recv, root)?
+        }),
+        Op::Broadcast { root } => typed!(v => call.broadcast(v, root)?),
+        Op::ReduceScatter => typed!(v => {
+            let recv = vec![Default::default(); v.len() / size];
+            call.reduce_scatter(v, recv)?
+        }),
+        Op::AllGather => typed!(v => {
+            let recv = vec![Default::default(); v.len() * size];
+            call.all_gather(v, recv)?
+        }),
+    })
+}
+
+impl Flight {
+    /// Waits for the collective (bounded by the timeout) and returns its result buffer.
+    fn land(self, call: &mut Call) -> Result<HostData> {
+        Ok(match self {
+            Flight::F32(p) => HostData::F32(call.wait(p)?.recv),
+            Flight::F64(p) => HostData::F64(call.wait(p)?.recv),
+            Flight::F16(p) => HostData::F16(call.wait(p)?.recv),
+            Flight::BF16(p) => HostData::BF16(call.wait(p)?.recv),
+        })
+    }
+}
+
+/// Extends `data` with zeros to `len` elements.
+fn pad(data: &mut HostData, len: usize) {
+    crate::host::with_host!(data, v: T => v.resize(len, T::from_f64(0.0)));
+}
+
+/// Appends `more` to `buf`; both have the same dtype (packed transfers are per dtype).
+fn append(buf: &mut HostData, more: &HostData) {
+    crate::host::with_host!(buf, v: T => match T::slice(more) {
+        Some(m) => v.extend_from_slice(m),
+        None => v.extend(more.to_vec::<T>()),
+    });
+}
+
+impl HostData {
+    /// Bytes of the elements.
+    fn nbytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+}
+
+/// An error for a broken invariant of this module, rather than a panic.
+fn internal(what: &str) -> Error {
+    Error::Mpi {
+        op: "dist",
+        message: format!("internal error: {what}; please report it"),
+    }
+}

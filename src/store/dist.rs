@@ -1,0 +1,243 @@
+//! Distributed stores (`dist_sync`, `dist_device_sync`): the store's side of a call across
+//! ranks.
+//!
+//! Every rank keeps the whole key table (names, shapes, dtypes, and which ranks hold each key),
+//! and, in each slot, only its own part of the value: the whole value of the keys it homes, its
+//! slice of each sliced key, nothing of the others. The updater and its state run where the
+//! value is, so optimizer state is sharded over the ranks (ZeRO-1).
+//!
+//! - **init**: rank 0's values go to every rank, which keeps its part. Keys are placed on ranks
+//!   largest first, each on the rank holding the fewest bytes; keys of more than
+//!   `KVSTORE_BIGARRAY_BOUND` elements are sliced over every rank.
+//! - **push**: each rank sums its own values, the sums are summed across ranks onto where the
+//!   key lives ([`comm::dist::reduce`]), and the updater runs there, once per key.
+//! - **pull**: the value goes from where it lives to every rank ([`comm::dist::gather`]), then
+//!   into the outs.
+//!
+//! Each call first checks its input on this rank. A rank that rejects its input tells the
+//! others in the call's fingerprint check, so every rank fails the same call
+//! ([`Error::RankRejected`] on the others) and nothing changes anywhere.
+//!
+//! Every rank must make the same calls, with the same keys, shapes and dtypes, in the same
+//! order: the collectives of MPI (and NCCL) match calls by their order. Set the same updater on
+//! every rank; it runs on the ranks that hold each key.
+
+use std::sync::{Once, RwLockReadGuard};
+
+use super::groups::{issue_order, lock_cells, Group};
+use super::hook::{call_hook, pushed};
+use super::table::place_on_ranks;
+use super::{check_new_keys, hyper, insert_slots, read, write, KvStore, StoreKind};
+use crate::backend::{probe, HomePull, HomeValue, KeyFacts};
+use crate::comm::dist::{self, Dist, Piece, Sum};
+use crate::comm::mpi::{Call, Fingerprint};
+use crate::comm::{self, KeyPush, Spread};
+use crate::host::HostData;
+use crate::{cpu, Device, Key, NDArray, Result, Shape};
+
+/// Joins the distributed world for a store of `kind` (named `name`).
+pub(super) fn connect(kind: StoreKind, name: &str) -> Result<Dist> {
+    if kind == StoreKind::DistDeviceSync {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            let why = if probe::gpu_count() == 0 {
+                "no GPU found"
+            } else {
+                "this build moves data between ranks over MPI through host memory"
+            };
+            log::warn!(
+                "kvstore: {why}; '{name}' keeps its values in host memory and behaves as \
+                 'dist_sync'"
+            )
+        });
+    }
+    Dist::connect()
+}
+
+/// The fingerprint of a call of `op` on `groups`: each key with its shape and dtype.
+fn fingerprint(op: &'static str, groups: &[Group<'_>]) -> Fingerprint {
+    let mut fp = Fingerprint::new(op);
+    for g in groups {
+        fp.push(g.slot.key.clone(), g.slot.shape.dims(), g.slot.dtype);
+    }
+    fp
+}
+
+impl KvStore {
+    /// A dist store's init of checked `keys`: rank 0's `values` go to every rank, which keeps its
+    /// part of each.
+    pub(super) fn dist_init(&self, d: &Dist, keys: Vec<Key>, values: &[NDArray]) -> Result<()> {
+        let prepared = (|| {
+            check_new_keys(&read(&self.table), &keys)?;
+            let mut fp = Fingerprint::new("init");
+            let mut pieces = Vec::with_capacity(keys.len());
+            for (key, v) in keys.iter().zip(values) {
+                fp.push(key.clone(), v.shape().dims(), v.dtype());
+                let data = match d.rank() {
+                    0 => Some(v.with_host(HostData::clone)?),
+                    _ => None,
+                };
+                pieces.push(Piece {
+                    data,
+                    len: v.size(),
+                    dtype: v.dtype(),
+                    spread: Spread::Whole { rank: 0 },
+                });
+            }
+            Ok((fp, pieces))
+        })();
+        let (fp, pieces) = prepared.map_err(|e| d.reject("init", e))?;
+        let mut call = d.begin(&fp)?;
+        let whole = dist::gather(&mut call, pieces)?;
+        let mut table = write(&self.table);
+        // Every rank checked these keys before the call; a key another thread of this process
+        // added since is this rank's own race.
+        check_new_keys(&table, &keys)?;
+        let sizes: Vec<(usize, bool)> = values
+            .iter()
+            .map(|v| (v.nbytes(), d.is_sliced(v.size())))
+            .collect();
+        let spreads = place_on_ranks(&mut table.rank_bytes, d.size(), &sizes);
+        let data: Vec<HomeValue> = whole
+            .into_iter()
+            .zip(&spreads)
+            .map(|(w, s)| {
+                let mine = s.piece(w.len(), d.rank(), d.size());
+                let part = if mine.len() == w.len() {
+                    w
+                } else {
+                    w.slice_of(mine)
+                };
+                HomeValue::from_host(part)
+            })
+            .collect();
+        let homes = vec![Device::Cpu(0); keys.len()];
+        insert_slots(&mut table, keys, values, data, &homes, &spreads);
+        Ok(())
+    }
+
+    /// A dist store's push of checked `groups` (`op` is `push` or `pushpull`), then, for a
+    /// pushpull, the pull of `pulls` (the same keys) in the same call.
+    pub(super) fn dist_push(
+        &self,
+        op: &'static str,
+        d: &Dist,
+        groups: Vec<Group<'_>>,
+        pulls: Option<&[Group<'_>]>,
+    ) -> Result<()> {
+        let ctx = self.ctx();
+        // This process's sums, before the call: reading a value may fail.
+        let sums = groups
+            .iter()
+            .map(|g| {
+                Ok(Sum {
+                    data: comm::local_sum(ctx, &g.slot.facts(), &g.arrays)?,
+                    spread: g.slot.spread,
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| d.reject(op, e))?;
+        let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
+        let mut call = d.begin(&fingerprint(op, &groups))?;
+        let totals = dist::reduce(&mut call, sums)?;
+        let mut cells = lock_cells(&groups);
+        // The totals this rank holds, as arrays of the shape its part has.
+        let inputs: Vec<Option<NDArray>> = totals
+            .into_iter()
+            .zip(&groups)
+            .map(|(t, g)| {
+                t.map(|t| {
+                    let shape = part_shape(g, t.len());
+                    NDArray::from_host(t, shape, cpu(0))
+                })
+            })
+            .collect();
+        let refs: Vec<Option<[&NDArray; 1]>> =
+            inputs.iter().map(|a| a.as_ref().map(|a| [a])).collect();
+        let hypers = hyper::for_push(&active, &groups, &cells);
+        let mut taken: Vec<Option<&mut _>> = cells.iter_mut().map(Some).collect();
+        let mut jobs = Vec::new();
+        for i in issue_order(&groups) {
+            let (Some(value), Some(input)) = (taken[i].take(), refs[i].as_ref()) else {
+                continue;
+            };
+            let g = &groups[i];
+            jobs.push(KeyPush {
+                facts: KeyFacts {
+                    shape: input[0].shape(),
+                    ..g.slot.facts()
+                },
+                value,
+                values: &input[..],
+                hyper: hypers.of(i),
+            });
+        }
+        comm::push(&active.updater, active.generation, ctx, jobs)?;
+        hypers.commit(&active);
+        let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
+        if let Some(pulls) = pulls {
+            pull_parts(&mut call, d, ctx, pulls, &cells)?;
+        }
+        drop(cells);
+        drop(call);
+        call_hook(hook.as_deref(), &active, done)
+    }
+
+    /// A dist store's pull of checked `groups`.
+    pub(super) fn dist_pull(&self, d: &Dist, groups: Vec<Group<'_>>) -> Result<()> {
+        let mut call = d.begin(&fingerprint("pull", &groups))?;
+        let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
+            groups.iter().map(|g| read(&g.slot.cell)).collect();
+        pull_parts(&mut call, d, self.ctx(), &groups, &cells)
+    }
+}
+
+/// Brings every group's value from where it lives (this rank's parts are in `cells`) to every
+/// rank, and into the group's outs.
+fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
+    call: &mut Call,
+    d: &Dist,
+    ctx: comm::Ctx,
+    groups: &[Group<'_>],
+    cells: &[C],
+) -> Result<()> {
+    let pieces = groups
+        .iter()
+        .zip(cells)
+        .map(|(g, cell)| {
+            let data = match g.slot.spread.holds(d.rank()) {
+                true => Some(cell.value_to_host()?.into_owned()),
+                false => None,
+            };
+            Ok(Piece {
+                data,
+                len: g.slot.shape.size(),
+                dtype: g.slot.dtype,
+                spread: g.slot.spread,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let values: Vec<HomeValue> = dist::gather(call, pieces)?
+        .into_iter()
+        .map(HomeValue::from_host)
+        .collect();
+    let jobs: Vec<HomePull<'_>> = issue_order(groups)
+        .into_iter()
+        .map(|i| HomePull {
+            key: &groups[i].slot.key,
+            value: &values[i],
+            outs: &groups[i].arrays,
+        })
+        .collect();
+    comm::pull(ctx, &jobs)
+}
+
+/// The shape of this rank's part of a group's key, of `len` elements: the key's shape when it
+/// holds all of it, a flat slice otherwise.
+fn part_shape(g: &Group<'_>, len: usize) -> Shape {
+    match g.slot.spread {
+        Spread::Whole { .. } => g.slot.shape,
+        Spread::Sliced => Shape::new(&[len]).unwrap_or(g.slot.shape),
+    }
+}
