@@ -557,10 +557,36 @@ fn mixed_key_kinds_within_one_call(h: Home) {
 
 // ---- kinds and devices ----
 
+/// `dist_async` exists in MXNet and not here: the error says what to use instead.
+#[test]
+fn dist_async_is_unavailable_and_says_what_to_use() {
+    for name in ["dist_async", "DIST_ASYNC", "dist_device_async"] {
+        let e = KvStore::create(name).err().expect("not supported");
+        assert!(
+            matches!(&e, Error::KindUnavailable { kind, .. } if kind == name),
+            "{e:?}"
+        );
+        assert_mentions(&e, &["not supported yet", "dist_"]);
+    }
+}
+
+/// Without the `mpi` feature the dist kinds name the feature that brings them.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn dist_kinds_need_the_mpi_feature() {
+    for name in ["dist_sync", "dist", "dist_device_sync", "dist_sync_device"] {
+        let e = KvStore::create(name)
+            .err()
+            .expect("no transport in this build");
+        assert!(matches!(&e, Error::KindUnavailable { .. }), "{e:?}");
+        assert_mentions(&e, &["--features mpi", "mpirun"]);
+    }
+}
+
 /// Parsing a kind name involves no store and no home: a plain test.
 #[test]
 fn unknown_store_kind() {
-    for name in ["dist_sync", "loca", ""] {
+    for name in ["dist_synk", "loca", ""] {
         let e = KvStore::create(name).err().expect("no such kind");
         assert!(
             matches!(&e, Error::UnknownKind { kind, .. } if kind == name),
@@ -576,15 +602,21 @@ fn unknown_store_kind() {
                 "device",
                 "local_allreduce_device",
                 "nccl",
+                "dist_sync",
+                "dist_device_sync",
             ],
         );
     }
     // Names are case-insensitive, as in MXNet.
     assert_eq!(KvStore::create("Local").unwrap().type_name(), "local");
     assert!(matches!(
-        "Dist_sync".parse::<kvstore::StoreKind>(),
-        Err(Error::UnknownKind { kind, .. }) if kind == "Dist_sync"
+        "Dist_synk".parse::<kvstore::StoreKind>(),
+        Err(Error::UnknownKind { kind, .. }) if kind == "Dist_synk"
     ));
+    assert_eq!(
+        "Dist_Sync_Device".parse::<kvstore::StoreKind>().unwrap(),
+        kvstore::StoreKind::DistDeviceSync
+    );
 }
 
 fn assert_device_not_found(e: &Error, missing: Device) {

@@ -18,7 +18,7 @@ fn class_name(e: &Error) -> &'static str {
         Error::DTypeMismatch { .. } => "DTypeMismatchError",
         Error::MixedKeyTypes { .. } => "KeyTypeError",
         Error::KeyOutOfRange { .. } => "KeyOutOfRangeError",
-        Error::UnknownKind { .. } => "UnknownKindError",
+        Error::UnknownKind { .. } | Error::KindUnavailable { .. } => "UnknownKindError",
         Error::UpdaterPanicked { .. } | Error::UpdaterFailed { .. } => "UpdaterError",
         Error::Checkpoint { .. } => "CheckpointError",
         Error::OutOfMemory { .. } => "DeviceOutOfMemoryError",

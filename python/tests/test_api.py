@@ -186,7 +186,11 @@ def test_other_errors():
         store.pull(3, out=ro)
     store.push(3, ro)  # reading a read-only array is fine
     with pytest.raises(kv.UnknownKindError, match="local, "):
-        kv.create("dist_sync")
+        kv.create("dist_synk")
+    with pytest.raises(kv.UnknownKindError, match="mpi"):
+        kv.create("dist_sync")  # the wheel has no MPI transport
+    with pytest.raises(kv.UnknownKindError, match="use 'dist_sync'"):
+        kv.create("dist_async")
     with pytest.raises(ValueError):
         store.set_optimizer(kv.optimizer.SGD(learning_rate=-1.0))
     np.testing.assert_array_equal(stored(store, 3, (3,)), 0)

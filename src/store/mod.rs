@@ -115,7 +115,7 @@ impl KvStore {
     /// assert_eq!(kv.type_name(), "local_allreduce_cpu");
     /// let kv = KvStore::create(StoreKind::Device)?;
     /// assert_eq!(kv.type_name(), "device");
-    /// let err = KvStore::create("dist_sync").err().unwrap();
+    /// let err = KvStore::create("dist_synk").err().unwrap();
     /// assert!(err.to_string().contains("local, local_update_cpu"));
     /// # Ok::<(), kvstore::Error>(())
     /// ```
@@ -137,8 +137,8 @@ impl KvStore {
         if kind.is_dist() {
             return Err(Error::KindUnavailable {
                 kind: name,
-                reason: "this build of kvstore has no distributed transport: build it with the \
-                         cargo feature `mpi` (it needs an MPI library, such as Open MPI, and \
+                reason: "this build of kvstore has no distributed transport: build it with \
+                         `--features mpi` (it needs an MPI library, such as Open MPI, and \
                          libclang) and start the program with `mpirun -np N`"
                     .to_owned(),
             });
