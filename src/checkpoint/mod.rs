@@ -246,6 +246,9 @@ impl KvStore {
     /// such directory) or [`CheckpointErrorKind::Io`], with the I/O error as its source.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        if let Some(done) = self.save_across_ranks(path) {
+            return done;
+        }
         let (kind, updater, entries) = self.export_entries()?;
         let bytes = encode(kind, &updater, &entries).map_err(|p| p.at(path))?;
         write_atomic(path, &bytes).map_err(|e| Problem::io(false, e).at(path))
@@ -290,6 +293,9 @@ impl KvStore {
     /// [`Error::Cuda`], can leave keys already in the store partly loaded.)
     pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        if let Some(done) = self.load_across_ranks(path) {
+            return done;
+        }
         let (updater, generation) = self.active_updater();
         let (kind, entries) = if path.is_dir() {
             let reader = reader::open(path)?;

@@ -27,7 +27,7 @@ use std::sync::{Once, RwLockReadGuard};
 use super::groups::{issue_order, lock_cells, Group};
 use super::hook::{call_hook, pushed};
 use super::table::place_on_ranks;
-use super::{check_new_keys, hyper, insert_slots, read, write, KvStore, StoreKind};
+use super::{check_new_keys, hyper, insert_slots, kinds_of, read, write, KvStore, StoreKind};
 use crate::backend::{probe, HomePull, HomeValue, KeyFacts};
 use crate::comm::dist::{self, Dist, Piece, Sum};
 use crate::comm::mpi::{Call, Fingerprint};
@@ -112,7 +112,7 @@ impl KvStore {
             })
             .collect();
         let homes = vec![Device::Cpu(0); keys.len()];
-        insert_slots(&mut table, keys, values, data, &homes, &spreads);
+        insert_slots(&mut table, keys, &kinds_of(values), data, &homes, &spreads);
         Ok(())
     }
 

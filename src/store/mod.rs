@@ -15,6 +15,8 @@
 
 #[cfg(feature = "mpi")]
 mod dist;
+#[cfg(feature = "mpi")]
+mod dist_checkpoint;
 mod entries;
 mod groups;
 mod hook;
@@ -208,6 +210,28 @@ impl KvStore {
             return d.barrier();
         }
         Ok(())
+    }
+
+    /// A `dist_*` store's save of a sharded checkpoint into directory `path`; `None` for a
+    /// single-process store.
+    pub(crate) fn save_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return Some(self.dist_save(d, path));
+        }
+        let _ = path;
+        None
+    }
+
+    /// A `dist_*` store's load of a checkpoint (any layout, any world size); `None` for a
+    /// single-process store.
+    pub(crate) fn load_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
+        #[cfg(feature = "mpi")]
+        if let Some(d) = &self.dist {
+            return Some(self.dist_load(d, path));
+        }
+        let _ = path;
+        None
     }
 
     /// `err`, after telling the other ranks of a `dist_*` store that this rank rejected its
@@ -410,7 +434,7 @@ impl KvStore {
             }
         }
         let spreads = vec![Spread::Whole { rank: 0 }; keys.len()];
-        insert_slots(&mut table, keys, values, data, &placed, &spreads);
+        insert_slots(&mut table, keys, &kinds_of(values), data, &placed, &spreads);
         Ok(())
     }
 
@@ -635,18 +659,18 @@ fn check_new_keys(table: &Table, keys: &[Key]) -> Result<()> {
     Ok(())
 }
 
-/// Adds the slots of an init's checked keys: each key with its value's shape and dtype, this
+/// Adds the slots of an init's checked keys: each key with its shape and dtype (`kinds`), this
 /// rank's part of the value (`data`), its home device and which ranks hold it.
 fn insert_slots(
     table: &mut Table,
     keys: Vec<Key>,
-    values: &[NDArray],
+    kinds: &[(Shape, DType)],
     data: Vec<HomeValue>,
     homes: &[Device],
     spreads: &[Spread],
 ) {
-    let parts = values.iter().zip(data).zip(homes).zip(spreads);
-    for (key, (((value, data), &home), &spread)) in keys.into_iter().zip(parts) {
+    let parts = kinds.iter().zip(data).zip(homes).zip(spreads);
+    for (key, (((&(shape, dtype), data), &home), &spread)) in keys.into_iter().zip(parts) {
         let order = match &key {
             Key::Int(k) => i64::from(*k),
             Key::Str(_) => {
@@ -661,14 +685,19 @@ fn insert_slots(
             key: key.clone(),
             order,
             init_seq,
-            shape: value.shape(),
-            dtype: value.dtype(),
+            shape,
+            dtype,
             home,
             spread,
             cell: RwLock::new(data),
         };
         table.slots.insert(key, Arc::new(slot));
     }
+}
+
+/// The shape and dtype of each value.
+fn kinds_of(values: &[NDArray]) -> Vec<(Shape, DType)> {
+    values.iter().map(|v| (v.shape(), v.dtype())).collect()
 }
 
 /// A copy of `value` for a key homed on `home`.

@@ -1,0 +1,265 @@
+//! Checkpoints of a distributed store: each rank saves and loads only its own parts of the
+//! values and of the updater state, in the sharded layout of [`crate::checkpoint`].
+//!
+//! - **save**: rank 0 picks a new generation and tells the others; every rank writes its shard
+//!   (the keys it homes, and its slice of every sliced key); once every rank has written, rank 0
+//!   checks the shards and commits the index. A save that fails or stops part way never
+//!   touches the index. The ranks must share the checkpoint directory (one machine, or a
+//!   shared file system).
+//! - **load**: every rank opens the checkpoint (a sharded directory of any world size, or a
+//!   single file a local store saved), reads the parts it holds, and the ranks agree that every
+//!   read succeeded before any of them changes anything.
+
+use std::path::Path;
+use std::sync::{Arc, RwLockWriteGuard};
+
+use super::table::{place_on_ranks, Slot};
+use super::{insert_slots, read, write, KvStore};
+use crate::backend::HomeValue;
+use crate::checkpoint::{self, KeyMeta, Piece, Problem, Reader};
+use crate::comm::dist::Dist;
+use crate::comm::mpi::{Call, Fingerprint};
+use crate::comm::Spread;
+use crate::host::HostData;
+use crate::{Device, Error, Key, NDArray, Result, Shape};
+
+/// Whether every rank's `ok` is true: one all-gather of a flag.
+fn all_ok(call: &mut Call, ok: bool) -> Result<Vec<bool>> {
+    let size = call.world().size();
+    let p = call.all_gather(vec![u64::from(ok)], vec![0u64; size])?;
+    Ok(call.wait(p)?.recv.into_iter().map(|v| v == 1).collect())
+}
+
+/// The error of a rank whose own part succeeded when `failed` ranks did not.
+fn others_failed(op: &'static str, seq: u64, failed: &[usize]) -> Error {
+    Error::RankRejected {
+        op,
+        seq,
+        detail: format!(
+            "ranks {failed:?} failed their part of the {op} (their own errors say why)"
+        ),
+    }
+}
+
+impl KvStore {
+    /// A dist store's save into checkpoint directory `dir`.
+    pub(super) fn dist_save(&self, d: &Dist, dir: &Path) -> Result<()> {
+        let (rank, size) = (d.rank(), d.size());
+        let mut slots: Vec<Arc<Slot>> = read(&self.table).slots.values().cloned().collect();
+        slots.sort_by_key(|s| s.order);
+        let mut fp = Fingerprint::new("save");
+        for s in &slots {
+            fp.push(s.key.clone(), s.shape.dims(), s.dtype);
+        }
+        let mut call = d.begin(&fp)?;
+        // Rank 0 picks the generation; a failure there fails the save on every rank.
+        let mut generation = vec![u64::MAX];
+        let mut own = Ok(());
+        if rank == 0 {
+            match checkpoint::next_generation(dir) {
+                Ok(g) => generation[0] = g,
+                Err(e) => own = Err(e),
+            }
+        }
+        let p = call.broadcast(generation, 0)?;
+        let generation = call.wait(p)?.recv[0];
+        if generation == u64::MAX {
+            return own.and(Err(others_failed("save", call.seq(), &[0])));
+        }
+        // One consistent snapshot of this rank's parts, under every key's read lock.
+        let active = read(&self.active).clone();
+        let cells: Vec<_> = slots.iter().map(|s| read(&s.cell)).collect();
+        let written = (|| {
+            let buffers = active.updater.state_names().len();
+            let mut pieces = Vec::new();
+            for (order, (slot, cell)) in slots.iter().zip(&cells).enumerate() {
+                if !slot.spread.holds(rank) {
+                    continue;
+                }
+                let range = slot.spread.piece(slot.shape.size(), rank, size);
+                let (value, state) = cell.to_host(active.generation)?;
+                let state = state.filter(|(_, bufs)| bufs.len() == buffers);
+                let flat = Shape::new(&[range.len()])?;
+                let host = |h: HostData| NDArray::from_host(h, flat, Device::Cpu(0));
+                pieces.push(Piece {
+                    meta: KeyMeta {
+                        key: slot.key.clone(),
+                        dims: slot.shape.dims().to_vec(),
+                        dtype: slot.dtype,
+                        order,
+                        step: state.as_ref().map_or(0, |s| s.0),
+                        has_state: state.is_some(),
+                    },
+                    range,
+                    value: host(value),
+                    state: match state {
+                        Some((_, bufs)) => active
+                            .updater
+                            .state_names()
+                            .iter()
+                            .map(|n| n.to_string())
+                            .zip(bufs.into_iter().map(host))
+                            .collect(),
+                        None => Vec::new(),
+                    },
+                });
+            }
+            checkpoint::write_shard(dir, generation, rank, size, &active.updater, &pieces)
+        })();
+        drop(cells);
+        let oks = all_ok(&mut call, written.is_ok())?;
+        written?;
+        let failed: Vec<usize> = (0..size).filter(|&r| !oks[r]).collect();
+        if !failed.is_empty() {
+            return Err(others_failed("save", call.seq(), &failed));
+        }
+        let committed = match rank {
+            0 => checkpoint::commit(dir, generation, size),
+            _ => Ok(()),
+        };
+        let oks = all_ok(&mut call, committed.is_ok())?;
+        committed?;
+        match oks[0] {
+            true => Ok(()),
+            false => Err(others_failed("save", call.seq(), &[0])),
+        }
+    }
+
+    /// A dist store's load of checkpoint `path` (a sharded directory or a single file).
+    pub(super) fn dist_load(&self, d: &Dist, path: &Path) -> Result<()> {
+        let (rank, size) = (d.rank(), d.size());
+        let (updater, generation) = self.active_updater();
+        let opened = (|| {
+            let reader = checkpoint::open(path)?;
+            self.check_fits(&reader, path)?;
+            Ok(reader)
+        })();
+        let reader: Reader = opened.map_err(|e| d.reject("load", e))?;
+        let mut fp = Fingerprint::new("load");
+        for m in reader.keys() {
+            fp.push(m.key.clone(), &m.dims, m.dtype);
+        }
+        let mut call = d.begin(&fp)?;
+        let fits = reader.state_fits(&updater);
+        // Where every key lives: as it is, or placed as an init would place it. Every rank
+        // holds the same table, so every rank computes the same.
+        let mut table = write(&self.table);
+        let mut rank_bytes = table.rank_bytes.clone();
+        let new: Vec<&KeyMeta> = reader
+            .keys()
+            .iter()
+            .filter(|m| !table.slots.contains_key(&m.key))
+            .collect();
+        let sizes: Vec<(usize, bool)> = new
+            .iter()
+            .map(|m| (m.size() * m.dtype.size(), d.is_sliced(m.size())))
+            .collect();
+        let placed = place_on_ranks(&mut rank_bytes, size, &sizes);
+        let spread_of = |key: &Key| -> Spread {
+            match table.slots.get(key) {
+                Some(s) => s.spread,
+                None => {
+                    let i = new.iter().position(|m| &m.key == key).unwrap_or(0);
+                    placed[i]
+                }
+            }
+        };
+        // Read this rank's parts; nothing changes until every rank has read its own.
+        let read_parts = reader
+            .keys()
+            .iter()
+            .map(|m| {
+                let spread = spread_of(&m.key);
+                if !spread.holds(rank) {
+                    return Ok((spread, None));
+                }
+                let piece = reader.read(&m.key, spread.piece(m.size(), rank, size))?;
+                let state = (fits && m.has_state).then(|| {
+                    let bufs = piece.state.into_iter().map(|(_, b)| b.into_host());
+                    (m.step, bufs.collect::<Result<Vec<HostData>>>())
+                });
+                let state = match state {
+                    Some((step, bufs)) => Some((step, bufs?)),
+                    None => None,
+                };
+                Ok((spread, Some((piece.value.into_host()?, state))))
+            })
+            .collect::<Result<Vec<_>>>();
+        let oks = all_ok(&mut call, read_parts.is_ok())?;
+        let parts = read_parts?;
+        let failed: Vec<usize> = (0..size).filter(|&r| !oks[r]).collect();
+        if !failed.is_empty() {
+            return Err(others_failed("load", call.seq(), &failed));
+        }
+        // Apply: existing keys under their write locks, then the new keys, in one step.
+        let existing: Vec<Arc<Slot>> = reader
+            .keys()
+            .iter()
+            .filter_map(|m| table.slots.get(&m.key).cloned())
+            .collect();
+        let mut cells: Vec<RwLockWriteGuard<'_, HomeValue>> =
+            existing.iter().map(|s| write(&s.cell)).collect();
+        let mut new_keys = Vec::new();
+        let mut new_kinds = Vec::new();
+        let mut new_data = Vec::new();
+        let mut new_spreads = Vec::new();
+        let mut next_cell = 0;
+        for (m, (spread, part)) in reader.keys().iter().zip(parts) {
+            let (value, state) = match part {
+                Some((v, s)) => (v, s),
+                None => (HostData::filled(m.dtype, 0, 0.0), None),
+            };
+            if table.slots.contains_key(&m.key) {
+                cells[next_cell].load(value, generation, state)?;
+                next_cell += 1;
+            } else {
+                let mut cell = HomeValue::from_host(value);
+                cell.set_state(generation, state)?;
+                new_keys.push(m.key.clone());
+                new_kinds.push((Shape::new(&m.dims)?, m.dtype));
+                new_data.push(cell);
+                new_spreads.push(spread);
+            }
+        }
+        drop(cells);
+        table.rank_bytes = rank_bytes;
+        let homes = vec![Device::Cpu(0); new_keys.len()];
+        insert_slots(
+            &mut table,
+            new_keys,
+            &new_kinds,
+            new_data,
+            &homes,
+            &new_spreads,
+        );
+        Ok(())
+    }
+
+    /// Checks that a checkpoint's keys fit the store: the key kind, and the shape and dtype of
+    /// every key the store has.
+    fn check_fits(&self, reader: &Reader, path: &Path) -> Result<()> {
+        let table = read(&self.table);
+        if let (Some(store), Some(file)) = (table.key_kind, reader.key_kind()) {
+            if store != file {
+                return Err(Problem::mismatch(format!(
+                    "the file holds {file} keys but the store holds {store} keys: load it into \
+                     a store of {file} keys"
+                ))
+                .at(path));
+            }
+        }
+        for m in reader.keys() {
+            if let Some(slot) = table.slots.get(&m.key) {
+                if slot.shape.dims() != m.dims.as_slice() || slot.dtype != m.dtype {
+                    return Err(Problem::mismatch(format!(
+                        "key {}: the file holds {:?} {} but the store holds {} {}: load it \
+                         into a store without this key, or with the file's shape and dtype",
+                        m.key, m.dims, m.dtype, slot.shape, slot.dtype
+                    ))
+                    .at(path));
+                }
+            }
+        }
+        Ok(())
+    }
+}
