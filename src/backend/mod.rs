@@ -147,13 +147,23 @@ impl HomeValue {
         })
     }
 
-    /// The value in host memory, taken out of the home (copied from a GPU).
+    /// The value as an array of `shape`, taken out of the home where it lives (host memory or
+    /// its GPU); the updater state is dropped.
     #[cfg(feature = "mpi")]
-    pub fn into_host(self) -> Result<HostData> {
+    pub fn into_array(self, shape: Shape) -> NDArray {
         match self.place {
-            Place::Host(h) => Ok(h),
-            Place::Gpu(c) => c.buf.download(),
+            Place::Host(h) => NDArray::from_host(h, shape, Device::Cpu(0)),
+            Place::Gpu(c) => NDArray::from_gpu(c.buf, shape),
         }
+    }
+
+    /// A copy of the value as an array of `shape`, where the value lives.
+    #[cfg(feature = "mpi")]
+    pub fn to_array(&self, shape: Shape) -> Result<NDArray> {
+        Ok(match &self.place {
+            Place::Host(h) => NDArray::from_host(h.clone(), shape, Device::Cpu(0)),
+            Place::Gpu(c) => NDArray::from_gpu(c.buf.copy_to(c.buf.ordinal())?, shape),
+        })
     }
 
     /// Replaces the value (a closure updater's result), keeping the updater state.

@@ -234,12 +234,25 @@ pub(crate) fn wait_all() -> Result<()> {
     backend::cuda::synchronize_all()
 }
 
-/// The sum of `values` (already checked against the key's shape and dtype) in host memory, in
-/// the key's dtype: a dist push's sum within this process, before the sum across ranks.
+/// The sum of `values` (already checked against the key's shape and dtype) on `device` (host
+/// memory or a GPU), in the key's dtype: a dist push's sum within this process, before the sum
+/// across ranks.
 #[cfg(feature = "mpi")]
-pub(crate) fn local_sum(ctx: Ctx, facts: &KeyFacts<'_>, values: &[&NDArray]) -> Result<HostData> {
-    let zeros = HostData::try_filled(facts.dtype, facts.shape.size(), 0.0)?;
-    let mut sum = HomeValue::from_host(zeros);
+pub(crate) fn local_sum(
+    ctx: Ctx,
+    facts: &KeyFacts<'_>,
+    values: &[&NDArray],
+    device: Device,
+) -> Result<NDArray> {
+    let mut sum = match device {
+        Device::Cpu(_) => {
+            HomeValue::from_host(HostData::try_filled(facts.dtype, facts.shape.size(), 0.0)?)
+        }
+        Device::Gpu(_) => HomeValue::copy_of(
+            &NDArray::full_on(facts.shape, 0.0, facts.dtype, device)?,
+            device,
+        )?,
+    };
     let job = HomePush {
         key: facts.key,
         value: &mut sum,
@@ -253,7 +266,7 @@ pub(crate) fn local_sum(ctx: Ctx, facts: &KeyFacts<'_>, values: &[&NDArray]) -> 
         ctx.par_min_bytes,
         vec![job],
     )?;
-    sum.into_host()
+    Ok(sum.into_array(facts.shape))
 }
 
 /// Copies every key's value from its home into its outs, in the order given.

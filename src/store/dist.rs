@@ -29,29 +29,45 @@ use super::hook::{call_hook, pushed};
 use super::table::place_on_ranks;
 use super::{check_new_keys, hyper, insert_slots, kinds_of, read, write, KvStore, StoreKind};
 use crate::backend::{probe, HomePull, HomeValue, KeyFacts};
-use crate::comm::dist::{self, Dist, Piece, Sum};
+use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum};
 use crate::comm::mpi::{Call, Fingerprint};
 use crate::comm::{self, KeyPush, Spread};
 use crate::host::HostData;
 use crate::{cpu, Device, Key, NDArray, Result, Shape};
 
-/// Joins the distributed world for a store of `kind` (named `name`).
+/// Joins the distributed world for a store of `kind` (named `name`): `dist_device_sync` on a
+/// machine with GPUs keeps each rank's values on its GPU and moves them over NCCL.
 pub(super) fn connect(kind: StoreKind, name: &str) -> Result<Dist> {
-    if kind == StoreKind::DistDeviceSync {
+    let on_gpu = kind == StoreKind::DistDeviceSync && probe::gpu_count() > 0;
+    if kind == StoreKind::DistDeviceSync && !on_gpu {
         static ONCE: Once = Once::new();
         ONCE.call_once(|| {
-            let why = if probe::gpu_count() == 0 {
-                "no GPU found"
-            } else {
-                "this build moves data between ranks over MPI through host memory"
-            };
             log::warn!(
-                "kvstore: {why}; '{name}' keeps its values in host memory and behaves as \
-                 'dist_sync'"
+                "kvstore: no GPU found; '{name}' keeps its values in host memory and behaves \
+                 as 'dist_sync'"
             )
         });
     }
-    Dist::connect()
+    Dist::connect(on_gpu)
+}
+
+/// This rank's part of a key, `part` (host data), kept where the store keeps its values.
+pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
+    match d.home() {
+        Device::Cpu(_) => Ok(HomeValue::from_host(part)),
+        home => {
+            let flat = Shape::new(&[part.len()])?;
+            HomeValue::copy_of(&NDArray::from_host(part, flat, cpu(0)), home)
+        }
+    }
+}
+
+/// The home rank of a key that lives whole on one rank.
+fn root_of(spread: Spread) -> usize {
+    match spread {
+        Spread::Whole { rank } => rank,
+        Spread::Sliced => 0,
+    }
 }
 
 /// The fingerprint of a call of `op` on `groups`: each key with its shape and dtype.
@@ -108,10 +124,10 @@ impl KvStore {
                 } else {
                     w.slice_of(mine)
                 };
-                HomeValue::from_host(part)
+                keep(d, part)
             })
-            .collect();
-        let homes = vec![Device::Cpu(0); keys.len()];
+            .collect::<Result<_>>()?;
+        let homes = vec![d.home(); keys.len()];
         insert_slots(&mut table, keys, &kinds_of(values), data, &homes, &spreads);
         Ok(())
     }
@@ -129,30 +145,47 @@ impl KvStore {
         // This process's sums, before the call: reading a value may fail.
         let sums = groups
             .iter()
-            .map(|g| {
-                Ok(Sum {
-                    data: comm::local_sum(ctx, &g.slot.facts(), &g.arrays)?,
-                    spread: g.slot.spread,
-                })
-            })
+            .map(|g| comm::local_sum(ctx, &g.slot.facts(), &g.arrays, d.home()))
             .collect::<Result<Vec<_>>>()
             .map_err(|e| d.reject(op, e))?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
-        let mut call = d.begin(&fingerprint(op, &groups))?;
-        let totals = dist::reduce(&mut call, sums)?;
-        let mut cells = lock_cells(&groups);
         // The totals this rank holds, as arrays of the shape its part has.
-        let inputs: Vec<Option<NDArray>> = totals
-            .into_iter()
-            .zip(&groups)
-            .map(|(t, g)| {
-                t.map(|t| {
-                    let shape = part_shape(g, t.len());
-                    NDArray::from_host(t, shape, cpu(0))
-                })
-            })
-            .collect();
+        let (mut call, inputs) = match d.gpu() {
+            Some(rc) => {
+                let roots = groups.iter().map(|g| root_of(g.slot.spread));
+                let call = d.begin(&fingerprint(op, &groups))?;
+                let totals = dist::reduce_on_gpus(rc, sums.into_iter().zip(roots).collect())?;
+                (call, totals)
+            }
+            None => {
+                let sums = groups
+                    .iter()
+                    .zip(sums)
+                    .map(|(g, s)| {
+                        Ok(Sum {
+                            data: s.into_host()?,
+                            spread: g.slot.spread,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+                    .map_err(|e| d.reject(op, e))?;
+                let mut call = d.begin(&fingerprint(op, &groups))?;
+                let totals = dist::reduce(&mut call, sums)?;
+                let inputs = totals
+                    .into_iter()
+                    .zip(&groups)
+                    .map(|(t, g)| {
+                        t.map(|t| {
+                            let shape = part_shape(g, t.len());
+                            NDArray::from_host(t, shape, cpu(0))
+                        })
+                    })
+                    .collect();
+                (call, inputs)
+            }
+        };
+        let mut cells = lock_cells(&groups);
         let refs: Vec<Option<[&NDArray; 1]>> =
             inputs.iter().map(|a| a.as_ref().map(|a| [a])).collect();
         let hypers = hyper::for_push(&active, &groups, &cells);
@@ -202,6 +235,29 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
     groups: &[Group<'_>],
     cells: &[C],
 ) -> Result<()> {
+    if let Some(rc) = d.gpu() {
+        let pieces = groups
+            .iter()
+            .zip(cells)
+            .map(|(g, cell)| {
+                let root = root_of(g.slot.spread);
+                Ok(GpuPiece {
+                    data: match root == d.rank() {
+                        true => Some(cell.to_array(g.slot.shape)?),
+                        false => None,
+                    },
+                    shape: g.slot.shape,
+                    dtype: g.slot.dtype,
+                    root,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let values = dist::gather_on_gpus(rc, pieces)?
+            .iter()
+            .map(|a| HomeValue::copy_of(a, d.home()))
+            .collect::<Result<Vec<_>>>()?;
+        return fan_out(ctx, groups, &values);
+    }
     let pieces = groups
         .iter()
         .zip(cells)
@@ -222,6 +278,11 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
         .into_iter()
         .map(HomeValue::from_host)
         .collect();
+    fan_out(ctx, groups, &values)
+}
+
+/// Copies every group's whole value (`values`, in group order) into its outs, in issue order.
+fn fan_out(ctx: comm::Ctx, groups: &[Group<'_>], values: &[HomeValue]) -> Result<()> {
     let jobs: Vec<HomePull<'_>> = issue_order(groups)
         .into_iter()
         .map(|i| HomePull {

@@ -213,7 +213,7 @@ impl KvStore {
                 cells[next_cell].load(value, generation, state)?;
                 next_cell += 1;
             } else {
-                let mut cell = HomeValue::from_host(value);
+                let mut cell = super::dist::keep(d, value)?;
                 cell.set_state(generation, state)?;
                 new_keys.push(m.key.clone());
                 new_kinds.push((Shape::new(&m.dims)?, m.dtype));
@@ -223,7 +223,7 @@ impl KvStore {
         }
         drop(cells);
         table.rank_bytes = rank_bytes;
-        let homes = vec![Device::Cpu(0); new_keys.len()];
+        let homes = vec![d.home(); new_keys.len()];
         insert_slots(
             &mut table,
             new_keys,

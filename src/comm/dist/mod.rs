@@ -21,10 +21,15 @@ use std::ops::Range;
 
 use half::{bf16, f16};
 
+mod gpu;
+
 use super::mpi::{Call, Fingerprint, Pending, World};
+use super::nccl::RankComm;
 use super::spread::{slice_block, Spread};
 use crate::host::HostData;
-use crate::{DType, Element, Error, Result};
+use crate::{DType, Device, Element, Error, NDArray, Result};
+
+pub(crate) use gpu::GpuPiece;
 
 /// The default of `KVSTORE_BIGARRAY_BOUND`: keys of more elements are sliced over every rank.
 pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
@@ -37,15 +42,36 @@ pub(crate) struct Dist {
     world: &'static World,
     /// Keys of more elements than this are sliced over every rank.
     bound: usize,
+    /// NCCL between the ranks' GPUs, for ranks whose values live on a GPU.
+    gpu: Option<RankComm>,
 }
 
 impl Dist {
     /// Joins the distributed world (initialising MPI once per process) and reads
-    /// `KVSTORE_BIGARRAY_BOUND`.
-    pub fn connect() -> Result<Dist> {
+    /// `KVSTORE_BIGARRAY_BOUND`. With `on_gpu`, also joins an NCCL communicator of every rank,
+    /// each on the GPU its local rank picks (a collective: every rank creates its store
+    /// together).
+    pub fn connect(on_gpu: bool) -> Result<Dist> {
         let world = World::get()?;
         let bound = bound_from_env()?;
-        Ok(Dist { world, bound })
+        let gpu = match on_gpu {
+            true => Some(gpu::join(world)?),
+            false => None,
+        };
+        Ok(Dist { world, bound, gpu })
+    }
+
+    /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs.
+    pub fn gpu(&self) -> Option<&RankComm> {
+        self.gpu.as_ref()
+    }
+
+    /// Where this rank keeps its parts of the values: its GPU, or host memory.
+    pub fn home(&self) -> Device {
+        match &self.gpu {
+            Some(rc) => Device::Gpu(rc.ordinal()),
+            None => Device::Cpu(0),
+        }
     }
 
     /// This process's rank.
@@ -63,9 +89,9 @@ impl Dist {
         self.world.local_rank()
     }
 
-    /// Whether a key of `len` elements is sliced over every rank.
+    /// Whether a key of `len` elements is sliced over every rank (never on GPU ranks).
     pub fn is_sliced(&self, len: usize) -> bool {
-        self.size() > 1 && len > self.bound
+        self.gpu.is_none() && self.size() > 1 && len > self.bound
     }
 
     /// Begins a collective call: see [`World::begin`].
@@ -218,6 +244,20 @@ fn share(
             }
         }
     }
+}
+
+/// [`reduce`] on GPU ranks: each key's sum (on this rank's GPU) with its home rank. Returns the
+/// total on the home rank.
+pub(crate) fn reduce_on_gpus(
+    rc: &RankComm,
+    sums: Vec<(NDArray, usize)>,
+) -> Result<Vec<Option<NDArray>>> {
+    gpu::reduce(rc, sums)
+}
+
+/// [`gather`] on GPU ranks: every key's value from its home rank to every rank's GPU.
+pub(crate) fn gather_on_gpus(rc: &RankComm, pieces: Vec<GpuPiece>) -> Result<Vec<NDArray>> {
+    gpu::gather(rc, pieces)
 }
 
 /// A collective of a [`Plan`].
