@@ -240,7 +240,8 @@ fn encode_shard(
         };
         check("the value", &p.value, m.dtype)?;
         let state_names_given = p.state.iter().map(|(n, _)| n.as_str());
-        if m.has_state == p.state.is_empty()
+        // An updater with no state buffers (SGD without momentum) still has a step count.
+        if (!m.has_state && !p.state.is_empty())
             || (m.has_state && !state_names_given.eq(names.iter().copied()))
         {
             return Err(Problem::invalid(format!(

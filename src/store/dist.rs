@@ -29,8 +29,9 @@ use super::hook::{call_hook, pushed};
 use super::table::place_on_ranks;
 use super::{check_new_keys, hyper, insert_slots, kinds_of, read, write, KvStore, StoreKind};
 use crate::backend::{probe, HomePull, HomeValue, KeyFacts};
+use crate::comm::dist::Round;
 use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum};
-use crate::comm::mpi::{Call, Fingerprint};
+use crate::comm::mpi::Fingerprint;
 use crate::comm::{self, KeyPush, Spread};
 use crate::host::HostData;
 use crate::{cpu, Device, Key, NDArray, Result, Shape};
@@ -62,6 +63,12 @@ pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
     }
 }
 
+/// Rank 0's value of a key being initialized: in host memory, or on the GPU of a GPU rank.
+enum Rank0 {
+    Host(HostData),
+    Gpu(NDArray),
+}
+
 /// The home rank of a key that lives whole on one rank.
 fn root_of(spread: Spread) -> usize {
     match spread {
@@ -83,28 +90,60 @@ impl KvStore {
     /// A dist store's init of checked `keys`: rank 0's `values` go to every rank, which keeps its
     /// part of each.
     pub(super) fn dist_init(&self, d: &Dist, keys: Vec<Key>, values: &[NDArray]) -> Result<()> {
+        // Rank 0's values, read (or copied to its GPU) before the call: that may fail.
         let prepared = (|| {
             check_new_keys(&read(&self.table), &keys)?;
             let mut fp = Fingerprint::new("init");
-            let mut pieces = Vec::with_capacity(keys.len());
+            let mut mine = Vec::with_capacity(keys.len());
             for (key, v) in keys.iter().zip(values) {
                 fp.push(key.clone(), v.shape().dims(), v.dtype());
-                let data = match d.rank() {
-                    0 => Some(v.with_host(HostData::clone)?),
+                mine.push(match (d.rank(), d.gpu()) {
+                    (0, Some(_)) => Some(Rank0::Gpu(v.to_device(d.home())?)),
+                    (0, None) => Some(Rank0::Host(v.with_host(HostData::clone)?)),
                     _ => None,
-                };
-                pieces.push(Piece {
-                    data,
-                    len: v.size(),
-                    dtype: v.dtype(),
-                    spread: Spread::Whole { rank: 0 },
                 });
             }
-            Ok((fp, pieces))
+            Ok((fp, mine))
         })();
-        let (fp, pieces) = prepared.map_err(|e| d.reject("init", e))?;
+        let (fp, mine) = prepared.map_err(|e| d.reject("init", e))?;
         let mut call = d.begin(&fp)?;
-        let whole = dist::gather(&mut call, pieces)?;
+        // Every rank gets rank 0's whole values, then keeps its part of each.
+        let whole: Vec<Rank0> = match d.gpu() {
+            Some(rc) => {
+                let pieces = values
+                    .iter()
+                    .zip(mine)
+                    .map(|(v, m)| GpuPiece {
+                        data: match m {
+                            Some(Rank0::Gpu(a)) => Some(a),
+                            _ => None,
+                        },
+                        shape: v.shape(),
+                        dtype: v.dtype(),
+                        root: 0,
+                    })
+                    .collect();
+                let arrays = dist::gather_on_gpus(rc, pieces)?;
+                arrays.into_iter().map(Rank0::Gpu).collect()
+            }
+            None => {
+                let pieces = values
+                    .iter()
+                    .zip(mine)
+                    .map(|(v, m)| Piece {
+                        data: match m {
+                            Some(Rank0::Host(h)) => Some(h),
+                            _ => None,
+                        },
+                        len: v.size(),
+                        dtype: v.dtype(),
+                        spread: Spread::Whole { rank: 0 },
+                    })
+                    .collect();
+                let hosts = dist::gather(&mut call, pieces)?;
+                hosts.into_iter().map(Rank0::Host).collect()
+            }
+        };
         let mut table = write(&self.table);
         // Every rank checked these keys before the call; a key another thread of this process
         // added since is this rank's own race.
@@ -117,14 +156,19 @@ impl KvStore {
         let data: Vec<HomeValue> = whole
             .into_iter()
             .zip(&spreads)
-            .map(|(w, s)| {
-                let mine = s.piece(w.len(), d.rank(), d.size());
-                let part = if mine.len() == w.len() {
-                    w
-                } else {
-                    w.slice_of(mine)
-                };
-                keep(d, part)
+            .zip(values)
+            .map(|((w, s), v)| match w {
+                Rank0::Gpu(a) if s.holds(d.rank()) => HomeValue::copy_of(&a, d.home()),
+                Rank0::Gpu(_) => Ok(HomeValue::from_host(HostData::filled(v.dtype(), 0, 0.0))),
+                Rank0::Host(w) => {
+                    let mine = s.piece(w.len(), d.rank(), d.size());
+                    let part = if mine.len() == w.len() {
+                        w
+                    } else {
+                        w.slice_of(mine)
+                    };
+                    keep(d, part)
+                }
             })
             .collect::<Result<_>>()?;
         let homes = vec![d.home(); keys.len()];
@@ -229,7 +273,7 @@ impl KvStore {
 /// Brings every group's value from where it lives (this rank's parts are in `cells`) to every
 /// rank, and into the group's outs.
 fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
-    call: &mut Call,
+    call: &mut Round<'_>,
     d: &Dist,
     ctx: comm::Ctx,
     groups: &[Group<'_>],

@@ -18,17 +18,10 @@ use super::{insert_slots, read, write, KvStore};
 use crate::backend::HomeValue;
 use crate::checkpoint::{self, KeyMeta, Piece, Problem, Reader};
 use crate::comm::dist::Dist;
-use crate::comm::mpi::{Call, Fingerprint};
+use crate::comm::mpi::Fingerprint;
 use crate::comm::Spread;
 use crate::host::HostData;
 use crate::{Device, Error, Key, NDArray, Result, Shape};
-
-/// Whether every rank's `ok` is true: one all-gather of a flag.
-fn all_ok(call: &mut Call, ok: bool) -> Result<Vec<bool>> {
-    let size = call.world().size();
-    let p = call.all_gather(vec![u64::from(ok)], vec![0u64; size])?;
-    Ok(call.wait(p)?.recv.into_iter().map(|v| v == 1).collect())
-}
 
 /// The error of a rank whose own part succeeded when `failed` ranks did not.
 fn others_failed(op: &'static str, seq: u64, failed: &[usize]) -> Error {
@@ -61,8 +54,7 @@ impl KvStore {
                 Err(e) => own = Err(e),
             }
         }
-        let p = call.broadcast(generation, 0)?;
-        let generation = call.wait(p)?.recv[0];
+        let generation = call.broadcast_words(generation, 0)?[0];
         if generation == u64::MAX {
             return own.and(Err(others_failed("save", call.seq(), &[0])));
         }
@@ -107,7 +99,7 @@ impl KvStore {
             checkpoint::write_shard(dir, generation, rank, size, &active.updater, &pieces)
         })();
         drop(cells);
-        let oks = all_ok(&mut call, written.is_ok())?;
+        let oks = call.flags(written.is_ok())?;
         written?;
         let failed: Vec<usize> = (0..size).filter(|&r| !oks[r]).collect();
         if !failed.is_empty() {
@@ -117,7 +109,7 @@ impl KvStore {
             0 => checkpoint::commit(dir, generation, size),
             _ => Ok(()),
         };
-        let oks = all_ok(&mut call, committed.is_ok())?;
+        let oks = call.flags(committed.is_ok())?;
         committed?;
         match oks[0] {
             true => Ok(()),
@@ -185,7 +177,7 @@ impl KvStore {
                 Ok((spread, Some((piece.value.into_host()?, state))))
             })
             .collect::<Result<Vec<_>>>();
-        let oks = all_ok(&mut call, read_parts.is_ok())?;
+        let oks = call.flags(read_parts.is_ok())?;
         let parts = read_parts?;
         let failed: Vec<usize> = (0..size).filter(|&r| !oks[r]).collect();
         if !failed.is_empty() {

@@ -22,12 +22,16 @@ use std::ops::Range;
 use half::{bf16, f16};
 
 mod gpu;
+mod round;
 
+use super::launch::LaunchEnv;
 use super::mpi::{Call, Fingerprint, Pending, World};
 use super::nccl::RankComm;
 use super::spread::{slice_block, Spread};
 use crate::host::HostData;
 use crate::{DType, Device, Element, Error, NDArray, Result};
+use round::NcclCalls;
+pub(crate) use round::Round;
 
 pub(crate) use gpu::GpuPiece;
 
@@ -39,26 +43,73 @@ pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
 
 /// A `dist_*` store's link to the other ranks.
 pub(crate) struct Dist {
-    world: &'static World,
+    link: Link,
     /// Keys of more elements than this are sliced over every rank.
     bound: usize,
     /// NCCL between the ranks' GPUs, for ranks whose values live on a GPU.
     gpu: Option<RankComm>,
 }
 
+/// What carries a call's checks and control messages.
+enum Link {
+    /// The MPI transport (`mpirun`).
+    Mpi(&'static World),
+    /// NCCL alone, for GPU ranks started without MPI (`torchrun --no-python`, srun).
+    Nccl {
+        calls: NcclCalls,
+        check: bool,
+        local_rank: usize,
+    },
+}
+
+/// Whether this process was started by a launcher without MPI: `WORLD_SIZE` is set and no MPI
+/// launcher's variables are.
+fn launched_without_mpi() -> bool {
+    const MPI_VARS: [&str; 4] = [
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MPI_LOCALNRANKS",
+    ];
+    std::env::var_os("WORLD_SIZE").is_some()
+        && MPI_VARS.iter().all(|v| std::env::var_os(v).is_none())
+}
+
 impl Dist {
-    /// Joins the distributed world (initialising MPI once per process) and reads
-    /// `KVSTORE_BIGARRAY_BOUND`. With `on_gpu`, also joins an NCCL communicator of every rank,
-    /// each on the GPU its local rank picks (a collective: every rank creates its store
-    /// together).
+    /// Joins the distributed world and reads `KVSTORE_BIGARRAY_BOUND`.
+    ///
+    /// - Host-memory ranks (`on_gpu` false) join over MPI (initialised once per process).
+    /// - GPU ranks also join an NCCL communicator of every rank, each on the GPU its local rank
+    ///   picks (a collective: every rank creates its store together). Started by `mpirun`,
+    ///   the NCCL id travels over MPI; started without MPI (`RANK`, `WORLD_SIZE`,
+    ///   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them), NCCL's own
+    ///   bootstrap exchanges it and NCCL carries everything, MPI is never initialised.
     pub fn connect(on_gpu: bool) -> Result<Dist> {
-        let world = World::get()?;
         let bound = bound_from_env()?;
+        if on_gpu && launched_without_mpi() {
+            let launch = LaunchEnv::from_process()?;
+            let check = super::mpi::env_switch("KVSTORE_DIST_CHECK", true)?;
+            let rc = RankComm::from_env()?;
+            return Ok(Dist {
+                link: Link::Nccl {
+                    calls: NcclCalls::default(),
+                    check,
+                    local_rank: launch.local_rank,
+                },
+                bound,
+                gpu: Some(rc),
+            });
+        }
+        let world = World::get()?;
         let gpu = match on_gpu {
             true => Some(gpu::join(world)?),
             false => None,
         };
-        Ok(Dist { world, bound, gpu })
+        Ok(Dist {
+            link: Link::Mpi(world),
+            bound,
+            gpu,
+        })
     }
 
     /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs.
@@ -76,17 +127,28 @@ impl Dist {
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        self.world.rank()
+        match (&self.link, &self.gpu) {
+            (Link::Nccl { .. }, Some(rc)) => rc.rank(),
+            (Link::Mpi(w), _) => w.rank(),
+            (Link::Nccl { .. }, None) => 0,
+        }
     }
 
     /// The number of ranks.
     pub fn size(&self) -> usize {
-        self.world.size()
+        match (&self.link, &self.gpu) {
+            (Link::Nccl { .. }, Some(rc)) => rc.size(),
+            (Link::Mpi(w), _) => w.size(),
+            (Link::Nccl { .. }, None) => 1,
+        }
     }
 
     /// This process's rank among the ranks on its machine.
     pub fn local_rank(&self) -> usize {
-        self.world.local_rank()
+        match &self.link {
+            Link::Mpi(w) => w.local_rank(),
+            Link::Nccl { local_rank, .. } => *local_rank,
+        }
     }
 
     /// Whether a key of `len` elements is sliced over every rank (never on GPU ranks).
@@ -94,9 +156,14 @@ impl Dist {
         self.gpu.is_none() && self.size() > 1 && len > self.bound
     }
 
-    /// Begins a collective call: see [`World::begin`].
-    pub fn begin(&self, fp: &Fingerprint) -> Result<Call> {
-        self.world.begin(fp)
+    /// Begins a collective call: numbers it and compares `fp` across ranks (see
+    /// [`World::begin`]).
+    pub fn begin(&self, fp: &Fingerprint) -> Result<Round<'_>> {
+        match (&self.link, &self.gpu) {
+            (Link::Mpi(w), _) => Ok(Round::Mpi(w.begin(fp)?)),
+            (Link::Nccl { calls, check, .. }, Some(rc)) => calls.begin(rc, fp, *check),
+            (Link::Nccl { .. }, None) => Err(internal("a NCCL link without a communicator")),
+        }
     }
 
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
@@ -105,16 +172,14 @@ impl Dist {
     pub fn reject(&self, op: &'static str, err: Error) -> Error {
         // This rank's own error is the one to report; the check's error only says that the
         // other ranks were told.
-        let _ = self
-            .world
-            .begin(&Fingerprint::rejected(op, &err.to_string()));
+        let _ = self.begin(&Fingerprint::rejected(op, &err.to_string()));
         err
     }
 
     /// Waits until every rank has reached this barrier (bounded by `KVSTORE_TIMEOUT`).
     pub fn barrier(&self) -> Result<()> {
-        let mut call = self.begin(&Fingerprint::new("barrier"))?;
-        call.barrier()
+        let mut round = self.begin(&Fingerprint::new("barrier"))?;
+        round.barrier()
     }
 }
 
@@ -147,7 +212,8 @@ pub(crate) struct Sum {
 /// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
 /// the total: the whole sum on the home of a whole key, this rank's slice of a sliced key, and
 /// `None` where this rank holds nothing of the key.
-pub(crate) fn reduce(call: &mut Call, sums: Vec<Sum>) -> Result<Vec<Option<HostData>>> {
+pub(crate) fn reduce(round: &mut Round<'_>, sums: Vec<Sum>) -> Result<Vec<Option<HostData>>> {
+    let call = round.mpi()?;
     let (rank, size) = (call.world().rank(), call.world().size());
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
     let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
@@ -185,7 +251,8 @@ pub(crate) struct Piece {
 }
 
 /// Brings every key's whole value to every rank, from where it lives.
-pub(crate) fn gather(call: &mut Call, pieces: Vec<Piece>) -> Result<Vec<HostData>> {
+pub(crate) fn gather(round: &mut Round<'_>, pieces: Vec<Piece>) -> Result<Vec<HostData>> {
+    let call = round.mpi()?;
     let (rank, size) = (call.world().rank(), call.world().size());
     let mut out: Vec<Option<HostData>> = (0..pieces.len()).map(|_| None).collect();
     let mut plan = Plan::default();

@@ -31,7 +31,7 @@ pub struct Fingerprint {
 }
 
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
-pub(super) type Record = [u64; 4];
+pub(crate) type Record = [u64; 4];
 
 /// 64-bit FNV-1a, written out so that every rank, whatever its Rust version, hashes alike.
 struct Fnv(u64);
@@ -97,7 +97,7 @@ impl Fingerprint {
     }
 
     /// The fixed-size record for call number `seq`.
-    pub(super) fn record(&self, seq: u64) -> Record {
+    pub(crate) fn record(&self, seq: u64) -> Record {
         let mut op = Fnv::new();
         op.bytes(self.op.as_bytes());
         let mut all = Fnv::new();
@@ -139,7 +139,7 @@ impl Fingerprint {
     }
 
     /// The full description for call number `seq`, one line per entry, exchanged on a mismatch.
-    pub(super) fn describe(&self, seq: u64) -> String {
+    pub(crate) fn describe(&self, seq: u64) -> String {
         let mut s = format!("{seq}\t{}", self.op);
         if let Some(why) = &self.rejected {
             let _ = write!(s, "\n{REJECTED}\t{why}");
@@ -156,7 +156,7 @@ const REJECTED: &str = "!rejected";
 
 /// The ranks that rejected their input for the call, with why, from every rank's description
 /// (`texts[rank]`): empty when none did.
-pub(super) fn rejections(texts: &[String]) -> Vec<(usize, String)> {
+pub(crate) fn rejections(texts: &[String]) -> Vec<(usize, String)> {
     texts
         .iter()
         .enumerate()
@@ -212,7 +212,7 @@ pub(super) fn ranks(r: &[usize]) -> String {
 
 /// How the ranks' descriptions (`texts[rank]`) differ, in words every rank computes alike: each
 /// group of ranks that differs from rank 0's group is compared with it, at its first difference.
-pub(super) fn mismatch_detail(texts: &[String]) -> String {
+pub(crate) fn mismatch_detail(texts: &[String]) -> String {
     // Group ranks by identical descriptions, in order of their first rank.
     let mut groups: Vec<(Described, Vec<usize>)> = Vec::new();
     for (rank, t) in texts.iter().enumerate() {

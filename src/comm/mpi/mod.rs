@@ -65,7 +65,7 @@
 //!   `1` (`true`, `on`, the default) keeps it.
 
 mod collective;
-mod fingerprint;
+pub(crate) mod fingerprint;
 mod poll;
 mod raw;
 
@@ -139,7 +139,7 @@ struct Report {
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
 
 /// Reads a boolean switch: `0`, `false`, `off` or `1`, `true`, `on`.
-fn env_switch(var: &str, default: bool) -> Result<bool> {
+pub(crate) fn env_switch(var: &str, default: bool) -> Result<bool> {
     match std::env::var(var) {
         Err(_) => Ok(default),
         Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
