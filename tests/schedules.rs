@@ -668,12 +668,17 @@ fn hyperparameter_change_keeps_adam_state(h: Home) {
 fn run_multipliers(h: Home, rule: RefRule) {
     let mut p = Pair::new(h, rule, None);
     // Key 1 is a bias: no weight decay. Key 2 learns at half the rate with double decay.
-    p.kv.set_wd_mult(1, 0.0).unwrap();
-    p.kv.set_lr_mult(2, 0.5).unwrap();
-    p.kv.set_wd_mult(2, 2.0).unwrap();
-    assert_eq!(p.kv.wd_mult(1).unwrap(), 0.0);
+    // Any integer type names an int key, as for every other key-taking method.
+    p.kv.set_wd_mult(1usize, 0.0).unwrap();
+    p.kv.set_lr_mult(2i64, 0.5).unwrap();
+    p.kv.set_wd_mult(2u8, 2.0).unwrap();
+    assert_eq!(p.kv.wd_mult(1u64).unwrap(), 0.0);
     assert_eq!(p.kv.lr_mult(1).unwrap(), 1.0);
-    assert_eq!(p.kv.lr_mult(2).unwrap(), 0.5);
+    assert_eq!(p.kv.lr_mult(2i16).unwrap(), 0.5);
+    assert!(matches!(
+        p.kv.set_lr_mult(i64::MAX, 1.0),
+        Err(kvstore::Error::KeyOutOfRange { .. })
+    ));
     p.r.keys.get_mut(&1).unwrap().wd_mult = 0.0;
     let k2 = p.r.keys.get_mut(&2).unwrap();
     k2.lr_mult = 0.5;

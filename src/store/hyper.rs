@@ -18,7 +18,7 @@ use super::groups::Group;
 use super::{read, write, Active, KvStore};
 use crate::backend::HomeValue;
 use crate::updater::Hyper;
-use crate::{Error, Key, LrScheduler, Result, Updater};
+use crate::{Error, IntoKey, Key, LrScheduler, Result, Updater};
 
 /// A key's multipliers of the learning rate and the weight decay (1 unless set).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -286,8 +286,8 @@ impl KvStore {
     ///
     /// Errors, with nothing changed: [`Error::UnknownKey`] for a key not initialized;
     /// [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
-    pub fn set_lr_mult(&self, key: impl Into<Key>, mult: f64) -> Result<()> {
-        self.set_mult("set_lr_mult", key.into(), mult, |m| &mut m.lr)
+    pub fn set_lr_mult(&self, key: impl IntoKey, mult: f64) -> Result<()> {
+        self.set_mult("set_lr_mult", key.into_key()?, mult, |m| &mut m.lr)
     }
 
     /// Multiplies `key`'s weight decay by `mult` (MXNet's `wd_mult`), from its next push on,
@@ -311,18 +311,18 @@ impl KvStore {
     ///
     /// Errors, with nothing changed: [`Error::UnknownKey`] for a key not initialized;
     /// [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
-    pub fn set_wd_mult(&self, key: impl Into<Key>, mult: f64) -> Result<()> {
-        self.set_mult("set_wd_mult", key.into(), mult, |m| &mut m.wd)
+    pub fn set_wd_mult(&self, key: impl IntoKey, mult: f64) -> Result<()> {
+        self.set_mult("set_wd_mult", key.into_key()?, mult, |m| &mut m.wd)
     }
 
     /// `key`'s learning-rate multiplier; [`Error::UnknownKey`] for a key not initialized.
-    pub fn lr_mult(&self, key: impl Into<Key>) -> Result<f64> {
-        Ok(self.mult("lr_mult", key.into())?.lr)
+    pub fn lr_mult(&self, key: impl IntoKey) -> Result<f64> {
+        Ok(self.mult("lr_mult", key.into_key()?)?.lr)
     }
 
     /// `key`'s weight-decay multiplier; [`Error::UnknownKey`] for a key not initialized.
-    pub fn wd_mult(&self, key: impl Into<Key>) -> Result<f64> {
-        Ok(self.mult("wd_mult", key.into())?.wd)
+    pub fn wd_mult(&self, key: impl IntoKey) -> Result<f64> {
+        Ok(self.mult("wd_mult", key.into_key()?)?.wd)
     }
 
     fn mult(&self, op: &'static str, key: Key) -> Result<Mult> {

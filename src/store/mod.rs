@@ -106,7 +106,7 @@ impl KvStore {
     /// With no GPU, `device` and `nccl` keep their values on the CPU (logged once).
     ///
     /// The environment variable `KVSTORE_PAR_MIN_BYTES` (bytes read plus written, default
-    /// [`PAR_MIN_BYTES`](crate::backend::cpu::PAR_MIN_BYTES)) sets, for this store, how big a
+    /// 1048576, 1 MiB) sets, for this store, how big a
     /// push or pull on host memory must be to split over threads; `0` always splits. A value
     /// that is not a whole number is an [`Error::InvalidEnv`].
     ///
