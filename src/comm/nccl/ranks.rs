@@ -144,7 +144,10 @@ impl RankComm {
     pub fn from_env() -> Result<RankComm> {
         let launch = LaunchEnv::from_process()?;
         let gpus = crate::backend::probe::gpu_count();
-        if launch.local_rank >= gpus {
+        // NCCL >= 2.30 lets several ranks share a GPU when asked to (tests on a one-GPU
+        // machine); then local ranks wrap around the GPUs.
+        let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
+        if launch.local_rank >= gpus && !(shared && gpus > 0) {
             return Err(Error::DistEnv {
                 var: "LOCAL_RANK".to_owned(),
                 message: format!(
@@ -162,7 +165,7 @@ impl RankComm {
             std::env::set_var("NCCL_COMM_ID", launch.nccl_comm_id());
         }
         let id = RankComm::unique_id()?;
-        RankComm::join(id, launch.rank, launch.world_size, launch.local_rank)
+        RankComm::join(id, launch.rank, launch.world_size, launch.local_rank % gpus)
     }
 
     /// This process's rank.
