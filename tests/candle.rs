@@ -225,7 +225,7 @@ fn store_errors_leave_tensors_and_store_as_they_were() {
         .pull_candle(0, &[good.clone(), wrong.clone()])
         .unwrap_err();
     assert!(matches!(err, CandleError::Store(_)), "{err}");
-    let err = kv.push_candle(9, &[good.clone()]).unwrap_err();
+    let err = kv.push_candle(9, std::slice::from_ref(&good)).unwrap_err();
     assert!(
         matches!(err, CandleError::Store(kvstore::Error::UnknownKey { .. })),
         "{err}"
