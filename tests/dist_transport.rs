@@ -4,16 +4,13 @@
 //! the ignored test [`inner`] with `KVT_CASE` naming the case to run on every rank. Every rank
 //! prints `KVT rank=R size=N OK <case> ...` when its part passed; the outer test checks those
 //! lines and the job's exit code. Each job has a hard bound: past it the job is killed and the
-//! test fails. Jobs run one at a time.
+//! test fails. Jobs run one at a time. The launcher is shared with `tests/dist_store.rs`:
+//! `tests/common/mpi_job.rs`.
 //!
 //! Without `mpirun` on the PATH each test prints `SKIPPED: mpirun not found` (CI treats that
 //! line as a failure, since it installs Open MPI).
 #![cfg(feature = "mpi")]
 
-use std::io::Read;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -21,183 +18,8 @@ use kvstore::__internal::mpi::{Done, Fingerprint, Wire, World};
 use kvstore::{DType, Element, Error};
 use rand::{Rng, SeedableRng};
 
-// ---------------------------------------------------------------------------------------------
-// The outer side: launch a job, bound it, collect its output.
-// ---------------------------------------------------------------------------------------------
-
-/// One job at a time: several oversubscribed jobs at once would only slow each other down.
-static JOBS: Mutex<()> = Mutex::new(());
-
-/// What a job did.
-struct Job {
-    /// The exit code; `None` if it was killed by a signal (or by the bound).
-    code: Option<i32>,
-    /// Whether the bound killed it.
-    killed: bool,
-    stdout: String,
-    stderr: String,
-    took: Duration,
-}
-
-impl Job {
-    /// The `KVT` lines of `rank`.
-    fn lines(&self, rank: usize) -> Vec<&str> {
-        let tag = format!("KVT rank={rank} ");
-        // libtest may print "test inner ... " on the same line first.
-        self.stdout
-            .lines()
-            .filter_map(|l| l.find(&tag).map(|i| &l[i..]))
-            .collect()
-    }
-
-    /// Asserts that each of `ranks` printed an OK line for `case` containing every one of
-    /// `needles`, and returns those lines.
-    fn assert_ok(&self, ranks: &[usize], size: usize, case: &str, needles: &[&str]) {
-        for &r in ranks {
-            let want = format!("KVT rank={r} size={size} OK {case}");
-            let lines = self.lines(r);
-            let line = lines.iter().find(|l| l.starts_with(&want));
-            let Some(line) = line else {
-                panic!("rank {r} did not report '{want}'\n{self}");
-            };
-            for n in needles {
-                assert!(line.contains(n), "rank {r}: '{n}' not in: {line}\n{self}");
-            }
-        }
-    }
-}
-
-impl std::fmt::Display for Job {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "exit {:?} (killed by the bound: {}) after {:.1} s\n--- stdout\n{}\n--- stderr\n{}",
-            self.code,
-            self.killed,
-            self.took.as_secs_f64(),
-            self.stdout,
-            self.stderr
-        )
-    }
-}
-
-fn mpirun() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join("mpirun"))
-        .find(|p| p.is_file())
-}
-
-/// Runs `case` on `np` ranks under mpirun (or on one process without mpirun when `np` is
-/// `None`), with `env` added, killing it after `bound`. Returns `None` when there is no mpirun.
-fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Duration) -> Option<Job> {
-    let mpirun = mpirun();
-    let Some(mpirun) = mpirun else {
-        eprintln!("SKIPPED: mpirun not found");
-        return None;
-    };
-    let _one_at_a_time = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let inner_args = [
-        "--ignored",
-        "--exact",
-        "inner",
-        "--nocapture",
-        "--test-threads=1",
-    ];
-    let mut cmd = match np {
-        Some(n) => {
-            let mut c = Command::new(mpirun);
-            c.args(["--oversubscribe", "-np", &n.to_string()]);
-            for (k, _) in env {
-                c.args(["-x", k]);
-            }
-            c.args(["-x", "KVT_CASE"]).arg(&exe);
-            c
-        }
-        None => Command::new(&exe),
-    };
-    cmd.args(inner_args)
-        .env("KVT_CASE", case)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_mpi_yield_when_idle", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for v in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "KVSTORE_TIMEOUT",
-        "KVSTORE_DIST_CHECK",
-    ] {
-        cmd.env_remove(v);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let start = Instant::now();
-    let mut child = cmd.spawn().expect("spawn the job");
-    let mut out = child.stdout.take().expect("stdout");
-    let mut err = child.stderr.take().expect("stderr");
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let mut killed = false;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for the job") {
-            break status;
-        }
-        if start.elapsed() > bound && !killed {
-            // SIGTERM first: mpirun forwards it to the ranks and cleans up after them.
-            killed = true;
-            // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
-            unsafe {
-                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-            }
-            let grace = Instant::now();
-            while grace.elapsed() < Duration::from_secs(5) {
-                if child.try_wait().expect("wait").is_some() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let took = start.elapsed();
-    let job = Job {
-        code: status.code(),
-        killed,
-        stdout: out_reader.join().unwrap_or_default(),
-        stderr: err_reader.join().unwrap_or_default(),
-        took,
-    };
-    // A summary for `--nocapture` runs.
-    println!(
-        "{case} on {np:?} ranks: exit {:?} after {:.1} s",
-        job.code,
-        took.as_secs_f64()
-    );
-    for r in 0..np.unwrap_or(1) {
-        for l in job.lines(r) {
-            println!("  {l}");
-        }
-    }
-    Some(job)
-}
+mod common;
+use common::mpi_job::launch;
 
 fn collectives(np: usize) {
     let Some(job) = launch(Some(np), "collectives", &[], Duration::from_secs(60)) else {
@@ -354,7 +176,7 @@ fn inner() {
 }
 
 fn ok(w: &World, case: &str, detail: &str) {
-    println!("KVT rank={} size={} OK {case} {detail}", w.rank(), w.size());
+    common::mpi_job::ok_line(w.rank(), w.size(), case, detail);
 }
 
 /// Rank `rank`'s data for `tag`: `n` uniform values in [-1, 1), the same wherever computed.

@@ -7,6 +7,9 @@
 //! GPU; run with `--include-ignored` on a GPU machine).
 #![allow(dead_code)]
 
+#[cfg(feature = "mpi")]
+pub mod mpi_job;
+
 use kvstore::gpu_count;
 use kvstore::{cpu, gpu, DType, Device, KvStore, NDArray, Shape};
 
