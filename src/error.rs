@@ -333,6 +333,19 @@ pub enum Error {
         detail: String,
     },
 
+    /// Another rank of a distributed store failed its part of this call (its updater failed,
+    /// or it could not write or read its part of a checkpoint); that rank has its own error.
+    /// Nothing changed on any rank, and the store stays usable.
+    #[error("{op} (call #{seq}): {detail}; nothing changed on any rank")]
+    RankFailed {
+        /// The operation on this rank.
+        op: &'static str,
+        /// This rank's call sequence number.
+        seq: u64,
+        /// Which ranks failed, and at what.
+        detail: String,
+    },
+
     /// A store kind that exists in MXNet but cannot be used in this build or yet: `dist_async`,
     /// or a `dist_*` kind in a build without the cargo feature `mpi`.
     #[error("kind '{kind}' is not available: {reason}")]

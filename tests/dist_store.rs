@@ -25,8 +25,8 @@
 //!   itself, non-zero.
 //! - **training**: N-rank data-parallel training equals single-process training (an f64 loop
 //!   written here) within 1e-5, for SGD-momentum and Adam, slicing on and off.
-//! - **known bugs**: ignored tests that reproduce bugs these tests found (an LR schedule's
-//!   rate, the push hook's step, a failing updater in a pushpull); run them with `--ignored`.
+//! - **across ranks**: an LR schedule's rate, the push hook's step, and a failing updater are
+//!   the same on every rank (three bugs these tests found, fixed).
 //!
 //! `KVT_SEED=<n>` in the environment replays a run's data (each test prints its seed).
 #![cfg(feature = "mpi")]
@@ -286,30 +286,25 @@ fn a_rank_killed_by_sigkill_mid_run_ends_the_job_non_zero_on_4_ranks() {
     job.assert_no_ok("sigkill");
 }
 
-// --- 8. Known bugs (ignored until fixed; run with --ignored) ----------------------------------
+// --- 8. Schedules, the push hook and failing updaters across ranks -------------------------
 
 /// An LR schedule's rate is a function of `num_update`, the largest update count of any key.
-/// On a dist store each rank computes it from the keys it homes, so a key homed on a rank that
-/// has not seen the busiest key gets a larger rate than on a `local` store, and `num_update()` /
-/// `learning_rate()` differ between ranks.
+/// Every rank keeps every key's update count, so every rank computes the rate a `local` store
+/// would, whichever rank homes the busiest key; `num_update()` and `learning_rate()` agree.
 #[test]
-#[ignore = "known bug (reported): num_update, and so an LR schedule's rate, is computed per rank from the keys it homes"]
 fn an_lr_schedule_gives_the_same_rates_as_a_local_store_on_2_ranks() {
     healthy(2, "schedule", &[]);
 }
 
-/// The push hook's `step` (Adam's `t`) is `None` on the ranks that do not home the key.
+/// The push hook's `step` (Adam's `t`) is the same on every rank, homed there or not.
 #[test]
-#[ignore = "known bug (reported): the push hook's step is None on ranks that do not home the key"]
 fn the_push_hook_sees_the_same_steps_on_every_rank_on_2_ranks() {
     healthy(2, "hook_steps", &[]);
 }
 
-/// An updater that fails on a key's home in a pushpull returns before the pull's collectives,
-/// which the other ranks have started: the next call's collectives meet the pull's on the
-/// other ranks, and Open MPI aborts the job (`NBC_Progress: an error 15`).
+/// An updater that fails on a key's home fails the push (and a pushpull) on every rank, before
+/// anything is stored, and the ranks stay in step.
 #[test]
-#[ignore = "known bug (reported): a failing updater in a pushpull skips the pull's collectives on the home rank"]
 fn a_failing_updater_in_a_pushpull_keeps_the_ranks_in_step_on_2_ranks() {
     healthy(2, "updater_failure", &[]);
 }
@@ -1952,11 +1947,16 @@ fn case_updater_failure() {
     .unwrap();
     let g = NDArray::ones([3]);
     let o = NDArray::zeros([3]);
-    // What each rank gets back is the lead's choice; the ranks must stay in step.
-    let _ = kv.push(1, &g);
+    // Every rank fails the call: the home rank with its updater's error, the others with
+    // RankFailed; the ranks stay in step.
+    let failed = |e: Result<(), Error>| match e {
+        Err(Error::UpdaterFailed { .. }) | Err(Error::RankFailed { .. }) => {}
+        other => panic!("rank {}: {other:?}", kv.rank()),
+    };
+    failed(kv.push(1, &g));
     kv.pull(1, &o).unwrap();
     assert_eq!(get(&o), vec![0.0; 3], "key 1 unchanged after a failed push");
-    let _ = kv.pushpull(1, &g, &o);
+    failed(kv.pushpull(1, &g, &o));
     kv.pull(1, &o).unwrap();
     assert_eq!(
         get(&o),

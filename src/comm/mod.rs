@@ -124,20 +124,42 @@ impl<'a> KeyPush<'a> {
     }
 }
 
+/// Whether every rank's updater succeeded, asked by a dist store's push once every key's new
+/// value is computed and before any is stored: given this rank's success, `Ok` when every rank
+/// succeeded.
+pub(crate) type Agree<'a> = &'a mut dyn FnMut(bool) -> Result<()>;
+
+/// This rank's result `own`, after `agree` (when given) has heard every rank's: this rank's own
+/// error first, then the others'.
+fn settle<T>(agree: Option<Agree<'_>>, own: Result<T>) -> Result<T> {
+    let Some(agree) = agree else {
+        return own;
+    };
+    let together = agree(own.is_ok());
+    let value = own?;
+    together?;
+    Ok(value)
+}
+
 /// Applies a validated push to every key, in the order given (the issue order). A closure
 /// updater runs on copies first, so a panic in any key leaves every key unchanged.
+///
+/// `agree`, for a dist store: the updaters that can fail (closures, PTX updaters with their
+/// twins) compute every key first, then ask it whether every rank succeeded, and store nothing
+/// unless they all did. Built-in updaters do not ask.
 pub(crate) fn push(
     updater: &Updater,
     generation: u64,
     ctx: Ctx,
     jobs: Vec<KeyPush<'_>>,
+    agree: Option<Agree<'_>>,
 ) -> Result<()> {
     match updater {
         Updater::Custom(f) => {
-            let updated = run_closure(f.as_ref(), ctx, &jobs)?;
+            let updated = settle(agree, run_closure(f.as_ref(), ctx, &jobs))?;
             store_results(jobs, updated)
         }
-        Updater::Ptx(p) => push_ptx(p, updater, generation, ctx, jobs),
+        Updater::Ptx(p) => push_ptx(p, updater, generation, ctx, jobs, agree),
         _ => backend::push(
             updater,
             generation,
@@ -176,10 +198,33 @@ fn push_ptx(
     generation: u64,
     ctx: Ctx,
     jobs: Vec<KeyPush<'_>>,
+    agree: Option<Agree<'_>>,
 ) -> Result<()> {
     let (on_gpu, on_host): (Vec<KeyPush<'_>>, Vec<KeyPush<'_>>) =
         jobs.into_iter().partition(|j| j.value.is_gpu());
-    for j in &on_gpu {
+    let twin_results = settle(agree, ptx_check_and_twin(p, ctx, &on_gpu, &on_host))?;
+    if !on_gpu.is_empty() {
+        let jobs = on_gpu
+            .into_iter()
+            .map(|j| HomePush {
+                hyper: Hyper::default(),
+                ..j.home_push()
+            })
+            .collect();
+        backend::push(updater, generation, &ctx.links(), ctx.par_min_bytes, jobs)?;
+    }
+    store_results(on_host, twin_results)
+}
+
+/// The checks of a PTX push (every GPU key's dtype, every GPU home's module, a twin where one
+/// is needed) and the twin's results on copies of the host-homed keys: nothing changes yet.
+fn ptx_check_and_twin(
+    p: &PtxUpdater,
+    ctx: Ctx,
+    on_gpu: &[KeyPush<'_>],
+    on_host: &[KeyPush<'_>],
+) -> Result<Vec<HostData>> {
+    for j in on_gpu {
         let f = &j.facts;
         if f.dtype != p.dtype() {
             return Err(Error::InvalidUpdater(format!(
@@ -195,33 +240,20 @@ fn push_ptx(
     }
     // Every GPU home loads the module before the twin runs: a twin may keep state of its own,
     // which a push that then fails on a broken module must not have advanced.
-    for j in &on_gpu {
+    for j in on_gpu {
         backend::load_user_kernel(p, j.facts.home)?;
     }
-    let twin_results = match (p.cpu_twin(), on_host.first()) {
-        (_, None) => Vec::new(),
-        (Some(twin), Some(_)) => run_closure(twin.as_ref(), ctx, &on_host)?,
-        (None, Some(j)) => {
-            return Err(Error::InvalidUpdater(format!(
-                "key {} is homed in host memory ({}) and the PTX updater '{}' has no CPU twin: \
-                 give one with PtxUpdater::with_cpu_twin, or home the key on a GPU",
-                j.facts.key,
-                j.facts.home,
-                p.entry()
-            )))
-        }
-    };
-    if !on_gpu.is_empty() {
-        let jobs = on_gpu
-            .into_iter()
-            .map(|j| HomePush {
-                hyper: Hyper::default(),
-                ..j.home_push()
-            })
-            .collect();
-        backend::push(updater, generation, &ctx.links(), ctx.par_min_bytes, jobs)?;
+    match (p.cpu_twin(), on_host.first()) {
+        (_, None) => Ok(Vec::new()),
+        (Some(twin), Some(_)) => run_closure(twin.as_ref(), ctx, on_host),
+        (None, Some(j)) => Err(Error::InvalidUpdater(format!(
+            "key {} is homed in host memory ({}) and the PTX updater '{}' has no CPU twin: \
+             give one with PtxUpdater::with_cpu_twin, or home the key on a GPU",
+            j.facts.key,
+            j.facts.home,
+            p.entry()
+        ))),
     }
-    store_results(on_host, twin_results)
 }
 
 /// Waits for every operation in flight on this process's GPUs, polling NCCL work for errors

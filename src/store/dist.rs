@@ -34,7 +34,7 @@ use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum};
 use crate::comm::mpi::Fingerprint;
 use crate::comm::{self, KeyPush, Spread};
 use crate::host::HostData;
-use crate::{cpu, Device, Key, NDArray, Result, Shape};
+use crate::{cpu, Device, Error, Key, NDArray, Result, Shape, Updater};
 
 /// Joins the distributed world for a store of `kind` (named `name`): `dist_device_sync` on a
 /// machine with GPUs keeps each rank's values on its GPU and moves them over NCCL.
@@ -194,11 +194,13 @@ impl KvStore {
             .map_err(|e| d.reject(op, e))?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
+        // The ranks must agree on the updater too: it decides which collectives follow.
+        let fp = fingerprint(op, &groups).note(&format!("updater {}", active.updater.name()));
         // The totals this rank holds, as arrays of the shape its part has.
         let (mut call, inputs) = match d.gpu() {
             Some(rc) => {
                 let roots = groups.iter().map(|g| root_of(g.slot.spread));
-                let call = d.begin(&fingerprint(op, &groups))?;
+                let call = d.begin(&fp)?;
                 let totals = dist::reduce_on_gpus(rc, sums.into_iter().zip(roots).collect())?;
                 (call, totals)
             }
@@ -214,7 +216,7 @@ impl KvStore {
                     })
                     .collect::<Result<Vec<_>>>()
                     .map_err(|e| d.reject(op, e))?;
-                let mut call = d.begin(&fingerprint(op, &groups))?;
+                let mut call = d.begin(&fp)?;
                 let totals = dist::reduce(&mut call, sums)?;
                 let inputs = totals
                     .into_iter()
@@ -232,7 +234,10 @@ impl KvStore {
         let mut cells = lock_cells(&groups);
         let refs: Vec<Option<[&NDArray; 1]>> =
             inputs.iter().map(|a| a.as_ref().map(|a| [a])).collect();
-        let hypers = hyper::for_push(&active, &groups, &cells);
+        // Update counts are kept on every rank, so every rank computes the same rate.
+        let generation = active.generation;
+        let counts: Vec<u64> = groups.iter().map(|g| g.slot.updates(generation)).collect();
+        let hypers = hyper::for_push(&active, &groups, &counts);
         let mut taken: Vec<Option<&mut _>> = cells.iter_mut().map(Some).collect();
         let mut jobs = Vec::new();
         for i in issue_order(&groups) {
@@ -250,9 +255,34 @@ impl KvStore {
                 hyper: hypers.of(i),
             });
         }
-        comm::push(&active.updater, active.generation, ctx, jobs)?;
+        let seq = call.seq();
+        let mut agree = |ok: bool| -> Result<()> {
+            let failed: Vec<usize> = (call.flags(ok)?.iter().enumerate())
+                .filter(|(_, &ok)| !ok)
+                .map(|(r, _)| r)
+                .collect();
+            match failed.is_empty() {
+                true => Ok(()),
+                false => Err(Error::RankFailed {
+                    op,
+                    seq,
+                    detail: format!(
+                        "the updater failed on {} (its own error says why)",
+                        ranks(&failed)
+                    ),
+                }),
+            }
+        };
+        comm::push(&active.updater, generation, ctx, jobs, Some(&mut agree))?;
         hypers.commit(&active);
-        let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
+        for (g, &c) in groups.iter().zip(&counts) {
+            g.slot.set_updates(generation, c + 1);
+        }
+        let steps: Vec<Option<u64>> = counts
+            .iter()
+            .map(|&c| (!matches!(active.updater, Updater::Custom(_))).then_some(c + 1))
+            .collect();
+        let done = hook.as_ref().map(|_| pushed(&groups, &steps));
         if let Some(pulls) = pulls {
             pull_parts(&mut call, d, ctx, pulls, &cells)?;
         }
@@ -267,6 +297,14 @@ impl KvStore {
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         pull_parts(&mut call, d, self.ctx(), &groups, &cells)
+    }
+}
+
+/// "rank 1" or "ranks [0, 2]".
+fn ranks(r: &[usize]) -> String {
+    match r {
+        [one] => format!("rank {one}"),
+        _ => format!("ranks {r:?}"),
     }
 }
 

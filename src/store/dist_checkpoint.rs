@@ -25,7 +25,7 @@ use crate::{Device, Error, Key, NDArray, Result, Shape};
 
 /// The error of a rank whose own part succeeded when `failed` ranks did not.
 fn others_failed(op: &'static str, seq: u64, failed: &[usize]) -> Error {
-    Error::RankRejected {
+    Error::RankFailed {
         op,
         seq,
         detail: format!(
@@ -224,6 +224,13 @@ impl KvStore {
             &homes,
             &new_spreads,
         );
+        // Every rank keeps every key's update count, whoever holds its state.
+        for m in reader.keys() {
+            if let Some(slot) = table.slots.get(&m.key) {
+                let count = if fits && m.has_state { m.step } else { 0 };
+                slot.set_updates(generation, count);
+            }
+        }
         Ok(())
     }
 

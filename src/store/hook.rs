@@ -71,17 +71,21 @@ impl KvStore {
 /// Each group's key, step and value count, in issue order: what the push hook is told, read
 /// while the cells are still locked.
 pub(super) fn pushed(
-    active: &Active,
     groups: &[Group<'_>],
-    cells: &[RwLockWriteGuard<'_, HomeValue>],
+    steps: &[Option<u64>],
 ) -> Vec<(Key, Option<u64>, usize)> {
     issue_order(groups)
         .into_iter()
-        .map(|i| {
-            let step = cells[i].step(active.generation);
-            (groups[i].slot.key.clone(), step, groups[i].arrays.len())
-        })
+        .map(|i| (groups[i].slot.key.clone(), steps[i], groups[i].arrays.len()))
         .collect()
+}
+
+/// Each cell's step under the updater in force (`None` where it has no state for it).
+pub(super) fn cell_steps(
+    active: &Active,
+    cells: &[RwLockWriteGuard<'_, HomeValue>],
+) -> Vec<Option<u64>> {
+    cells.iter().map(|c| c.step(active.generation)).collect()
 }
 
 /// Calls the push hook once per key of a push that succeeded.

@@ -16,7 +16,6 @@ use std::sync::{Arc, RwLockWriteGuard};
 
 use super::groups::Group;
 use super::{read, write, Active, KvStore};
-use crate::backend::HomeValue;
 use crate::updater::Hyper;
 use crate::{Error, IntoKey, Key, LrScheduler, Result, Updater};
 
@@ -92,13 +91,9 @@ impl PushHypers {
 }
 
 /// The learning rate and weight decay of every group of a push, in group order: computed once
-/// per call from the update count (see the module docs). Empty for updaters without a learning
-/// rate, which take none.
-pub(super) fn for_push(
-    active: &Active,
-    groups: &[Group<'_>],
-    cells: &[RwLockWriteGuard<'_, HomeValue>],
-) -> PushHypers {
+/// per call from the update count (see the module docs), given each group's update count so
+/// far (`steps`). Empty for updaters without a learning rate, which take none.
+pub(super) fn for_push(active: &Active, groups: &[Group<'_>], steps: &[u64]) -> PushHypers {
     let updater = &active.updater;
     if !updater.has_lr() {
         return PushHypers {
@@ -106,9 +101,7 @@ pub(super) fn for_push(
             num_update: 0,
         };
     }
-    let generation = active.generation;
-    let steps = cells.iter().map(|cell| cell.step(generation).unwrap_or(0));
-    let most = steps.max().unwrap_or(0) + 1;
+    let most = steps.iter().copied().max().unwrap_or(0) + 1;
     let num_update = most.max(active.hyper.num_update.load(Ordering::Relaxed));
     let lr = active.hyper.lr_at(updater, num_update);
     let wd = updater.hyper().wd;

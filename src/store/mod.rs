@@ -39,7 +39,7 @@ use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater}
 pub(crate) use entries::{Entry, EntryState};
 pub use groups::ValueList;
 use groups::{issue_order, lock_cells, Group};
-use hook::{call_hook, pushed};
+use hook::{call_hook, cell_steps, pushed};
 pub use hook::{PushEvent, PushHook};
 pub use kind::{IntoStoreKind, StoreKind};
 use table::{place_by_size, Slot, Table};
@@ -493,7 +493,9 @@ impl KvStore {
         self.prepare(&groups)?;
         let mut cells = lock_cells(&groups);
         apply_push(&active, self.ctx(), &groups, &mut cells)?;
-        let done = hook.as_ref().map(|_| pushed(&active, &groups, &cells));
+        let done = hook
+            .as_ref()
+            .map(|_| pushed(&groups, &cell_steps(&active, &cells)));
         drop(cells);
         call_hook(hook.as_deref(), &active, done)
     }
@@ -564,7 +566,9 @@ impl KvStore {
         self.prepare(&pulls)?;
         let mut cells = lock_cells(&pushes);
         apply_push(&active, self.ctx(), &pushes, &mut cells)?;
-        let done = hook.as_ref().map(|_| pushed(&active, &pushes, &cells));
+        let done = hook
+            .as_ref()
+            .map(|_| pushed(&pushes, &cell_steps(&active, &cells)));
         // `pushes` and `pulls` hold the same distinct keys in the same order.
         pull_all(self.ctx(), &pulls, &cells)?;
         drop(cells);
@@ -690,6 +694,7 @@ fn insert_slots(
             home,
             spread,
             cell: RwLock::new(data),
+            updates: std::sync::Mutex::new((0, 0)),
         };
         table.slots.insert(key, Arc::new(slot));
     }
@@ -713,7 +718,11 @@ fn apply_push(
     groups: &[Group<'_>],
     cells: &mut [RwLockWriteGuard<'_, HomeValue>],
 ) -> Result<()> {
-    let hypers = hyper::for_push(active, groups, cells);
+    let steps: Vec<u64> = cell_steps(active, cells)
+        .into_iter()
+        .map(|s| s.unwrap_or(0))
+        .collect();
+    let hypers = hyper::for_push(active, groups, &steps);
     let mut taken: Vec<Option<&mut RwLockWriteGuard<'_, HomeValue>>> =
         cells.iter_mut().map(Some).collect();
     let jobs = issue_order(groups)
@@ -729,7 +738,7 @@ fn apply_push(
             }
         })
         .collect();
-    comm::push(&active.updater, active.generation, ctx, jobs)?;
+    comm::push(&active.updater, active.generation, ctx, jobs, None)?;
     hypers.commit(active);
     Ok(())
 }

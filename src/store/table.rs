@@ -2,7 +2,7 @@
 //! and where new keys are homed.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::{HomeValue, KeyFacts};
 use crate::comm::Spread;
@@ -23,6 +23,10 @@ pub(super) struct Slot {
     pub spread: Spread,
     /// This rank's part of the value (all of it in a single process) and its updater state.
     pub cell: RwLock<HomeValue>,
+    /// A dist store's count of the key's updates under an updater generation, kept on every
+    /// rank (the step lives only where the value does): (generation, count).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub updates: Mutex<(u64, u64)>,
 }
 
 #[derive(Default)]
@@ -40,6 +44,23 @@ pub(super) struct Table {
 }
 
 impl Slot {
+    /// A dist store's count of the key's updates under updater `generation`.
+    #[cfg(feature = "mpi")]
+    pub fn updates(&self, generation: u64) -> u64 {
+        let u = self.updates.lock().unwrap_or_else(|p| p.into_inner());
+        if u.0 == generation {
+            u.1
+        } else {
+            0
+        }
+    }
+
+    /// Sets a dist store's count of the key's updates under updater `generation`.
+    #[cfg(feature = "mpi")]
+    pub fn set_updates(&self, generation: u64, count: u64) {
+        *self.updates.lock().unwrap_or_else(|p| p.into_inner()) = (generation, count);
+    }
+
     /// The key's fixed facts, for the backends.
     pub fn facts(&self) -> KeyFacts<'_> {
         KeyFacts {
@@ -98,6 +119,7 @@ pub(super) fn new_slot(
         home,
         spread: Spread::Whole { rank: 0 },
         cell: RwLock::new(cell),
+        updates: Mutex::new((0, 0)),
     }
 }
 

@@ -28,6 +28,8 @@ pub struct Fingerprint {
     /// Why this rank rejected its input for the call, when it did: it joins the check so the
     /// other ranks fail the same call instead of waiting for it.
     rejected: Option<String>,
+    /// What else the ranks must agree on (the updater of a push), in words.
+    note: Option<String>,
 }
 
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
@@ -58,6 +60,7 @@ impl Fingerprint {
             op,
             entries: Vec::new(),
             rejected: None,
+            note: None,
         }
     }
 
@@ -68,12 +71,19 @@ impl Fingerprint {
             op,
             entries: Vec::new(),
             rejected: Some(why.replace(['\n', '\t'], " ")),
+            note: None,
         }
     }
 
     /// Adds a key with the shape (`dims`) and dtype of its value.
     pub fn entry(mut self, key: impl Into<Key>, dims: &[usize], dtype: DType) -> Fingerprint {
         self.push(key.into(), dims, dtype);
+        self
+    }
+
+    /// Adds what else the ranks must agree on, in words (for a push, the updater's name).
+    pub fn note(mut self, note: &str) -> Fingerprint {
+        self.note = Some(note.replace(['\n', '\t'], " "));
         self
     }
 
@@ -100,6 +110,10 @@ impl Fingerprint {
     pub(crate) fn record(&self, seq: u64) -> Record {
         let mut op = Fnv::new();
         op.bytes(self.op.as_bytes());
+        if let Some(note) = &self.note {
+            op.bytes(b" ");
+            op.bytes(note.as_bytes());
+        }
         let mut all = Fnv::new();
         for e in &self.entries {
             match &e.key {
@@ -140,7 +154,10 @@ impl Fingerprint {
 
     /// The full description for call number `seq`, one line per entry, exchanged on a mismatch.
     pub(crate) fn describe(&self, seq: u64) -> String {
-        let mut s = format!("{seq}\t{}", self.op);
+        let mut s = match &self.note {
+            Some(note) => format!("{seq}\t{} ({note})", self.op),
+            None => format!("{seq}\t{}", self.op),
+        };
         if let Some(why) = &self.rejected {
             let _ = write!(s, "\n{REJECTED}\t{why}");
         }
