@@ -57,6 +57,24 @@ cargo test --release --no-run --message-format=json 2>/dev/null | executables |
         [ "$kind" = "example" ] || stage "$STAGE/tests" "$kind" "$name" "$path"
     done
 
+# The dist GPU tests need the `mpi` feature. The GPU machine has no MPI: its tests launch ranks
+# as torchrun does (MPI is never initialised), but the loader still needs libmpi and its
+# dependencies, so they travel along in lib/ (run.sh uses them for this binary only).
+if [ -e /usr/lib/x86_64-linux-gnu/libmpi.so ] || command -v mpicc >/dev/null; then
+    echo "== building the dist GPU tests (feature mpi)"
+    cargo test --release --features mpi --no-run --test dist_gpu --message-format=json 2>/dev/null |
+        executables | while read -r kind name path; do
+            [ "$name" = dist_gpu ] && stage "$STAGE/tests" "$kind" "$name" "$path"
+        done
+    mkdir -p "$STAGE/lib"
+    ldd "$STAGE/tests/dist_gpu" | awk '/=> \// {print $3}' |
+        grep -Ev '/(libc|libm|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt)\.so' |
+        while read -r lib; do cp -L "$lib" "$STAGE/lib/"; done
+    echo "staged $(ls "$STAGE/lib" | wc -l) MPI runtime libraries in $STAGE/lib"
+else
+    echo "== no MPI here: tests/dist_gpu is not staged (apt-get install libopenmpi-dev libclang-dev)"
+fi
+
 echo "== building bench binaries"
 cargo bench --no-run --message-format=json 2>/dev/null | executables |
     while read -r kind name path; do
@@ -134,7 +152,11 @@ for t in "$HERE"/tests/*; do
     name=$(basename "$t")
     echo "== test $name"
     # A hung test must not eat the whole run: each binary gets TEST_TIMEOUT seconds.
-    timeout "${TEST_TIMEOUT:-300}" "$t" --include-ignored --nocapture --test-threads=1 \
+    # The dist GPU tests load the MPI libraries staged beside them.
+    libs=""
+    [ "$name" = dist_gpu ] && [ -d "$HERE/lib" ] && libs="$HERE/lib"
+    LD_LIBRARY_PATH="${libs}${libs:+${LD_LIBRARY_PATH:+:}}${LD_LIBRARY_PATH:-}" \
+        timeout "${TEST_TIMEOUT:-300}" "$t" --include-ignored --nocapture --test-threads=1 \
         >"$LOG/test-$name.log" 2>&1
     rc=$?
     [ "$rc" -eq 124 ] && echo "TIMED OUT after ${TEST_TIMEOUT:-300} s" >>"$LOG/test-$name.log"

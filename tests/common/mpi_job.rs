@@ -140,13 +140,6 @@ pub fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Durati
     };
     let _one_at_a_time = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let exe = std::env::current_exe().expect("the test binary's path");
-    let inner_args = [
-        "--ignored",
-        "--exact",
-        "inner",
-        "--nocapture",
-        "--test-threads=1",
-    ];
     let mut cmd = match np {
         Some(n) => {
             let mut c = Command::new(mpirun);
@@ -159,7 +152,7 @@ pub fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Durati
         }
         None => Command::new(&exe),
     };
-    cmd.args(inner_args)
+    cmd.args(INNER_ARGS)
         .env(CASE_VAR, case)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -175,61 +168,158 @@ pub fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Durati
     for (k, v) in env {
         cmd.env(k, v);
     }
+    let job = supervise(vec![cmd], bound);
+    summarize(&job, case, np.unwrap_or(1));
+    Some(job)
+}
+
+/// Runs `case` on `n` processes started as a launcher without MPI starts them (torchrun, srun):
+/// each with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
+/// `MASTER_PORT` set, and `env` added; all of them are killed after `bound`. The job's exit code
+/// is the first non-zero one among the processes (`None` if one was killed by a signal).
+pub fn launch_without_mpi(n: usize, case: &str, env: &[(&str, &str)], bound: Duration) -> Job {
+    let _one_at_a_time = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let exe = std::env::current_exe().expect("the test binary's path");
+    // A port of this test process's own (NCCL's bootstrap listens on the one after it).
+    let port = 20_000 + (std::process::id() % 20_000) as u16;
+    let cmds = (0..n)
+        .map(|r| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(INNER_ARGS)
+                .env(CASE_VAR, case)
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for v in CLEARED.iter().chain(MPI_LAUNCH) {
+                cmd.env_remove(v);
+            }
+            cmd.env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            cmd
+        })
+        .collect();
+    let job = supervise(cmds, bound);
+    summarize(&job, case, n);
+    job
+}
+
+/// What an MPI launcher sets, which a launch without MPI must not inherit.
+const MPI_LAUNCH: &[&str] = &[
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "MPI_LOCALNRANKS",
+];
+
+/// The arguments that make a test binary run only its `inner` test.
+const INNER_ARGS: [&str; 5] = [
+    "--ignored",
+    "--exact",
+    "inner",
+    "--nocapture",
+    "--test-threads=1",
+];
+
+/// Starts `cmds`, collects their output, and kills them all once `bound` has passed.
+fn supervise(cmds: Vec<Command>, bound: Duration) -> Job {
     let start = Instant::now();
-    let mut child = cmd.spawn().expect("spawn the job");
-    let mut out = child.stdout.take().expect("stdout");
-    let mut err = child.stderr.take().expect("stderr");
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
+    let mut children = Vec::new();
+    let mut readers = Vec::new();
+    for mut cmd in cmds {
+        let mut child = cmd.spawn().expect("spawn the job");
+        let mut out = child.stdout.take().expect("stdout");
+        let mut err = child.stderr.take().expect("stderr");
+        readers.push((
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                s
+            }),
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = err.read_to_string(&mut s);
+                s
+            }),
+        ));
+        children.push(child);
+    }
     let mut killed = false;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for the job") {
-            break status;
+    let mut statuses = vec![None; children.len()];
+    while statuses.iter().any(Option::is_none) {
+        for (child, status) in children.iter_mut().zip(&mut statuses) {
+            if status.is_none() {
+                *status = child.try_wait().expect("wait for the job");
+            }
         }
         if start.elapsed() > bound && !killed {
             // SIGTERM first: mpirun forwards it to the ranks and cleans up after them.
             killed = true;
-            // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
-            unsafe {
-                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+            for (child, status) in children.iter().zip(&statuses) {
+                if status.is_none() {
+                    // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
+                    unsafe {
+                        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+                    }
+                }
             }
             let grace = Instant::now();
             while grace.elapsed() < Duration::from_secs(5) {
-                if child.try_wait().expect("wait").is_some() {
+                let mut all = true;
+                for (child, status) in children.iter_mut().zip(&mut statuses) {
+                    if status.is_none() {
+                        *status = child.try_wait().expect("wait");
+                        all &= status.is_some();
+                    }
+                }
+                if all {
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            let _ = child.kill();
+            for child in &mut children {
+                let _ = child.kill();
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
-    };
+    }
     let took = start.elapsed();
-    let job = Job {
-        code: status.code(),
-        killed,
-        stdout: out_reader.join().unwrap_or_default(),
-        stderr: err_reader.join().unwrap_or_default(),
-        took,
+    let codes: Vec<Option<i32>> = statuses.iter().map(|s| s.and_then(|s| s.code())).collect();
+    let code = match codes.iter().find(|c| **c != Some(0)) {
+        Some(c) => *c,
+        None => Some(0),
     };
-    // A summary for `--nocapture` runs.
+    let (mut stdout, mut stderr) = (String::new(), String::new());
+    for (o, e) in readers {
+        stdout.push_str(&o.join().unwrap_or_default());
+        stderr.push_str(&e.join().unwrap_or_default());
+    }
+    Job {
+        code,
+        killed,
+        stdout,
+        stderr,
+        took,
+    }
+}
+
+/// A summary of a job, for `--nocapture` runs.
+fn summarize(job: &Job, case: &str, ranks: usize) {
     println!(
-        "{case} on {np:?} ranks: exit {:?} after {:.1} s",
+        "{case} on {ranks} ranks: exit {:?} after {:.1} s",
         job.code,
-        took.as_secs_f64()
+        job.took.as_secs_f64()
     );
-    for r in 0..np.unwrap_or(1) {
+    for r in 0..ranks {
         for l in job.lines(r) {
             println!("  {l}");
         }
     }
-    Some(job)
 }

@@ -1,0 +1,287 @@
+//! `dist_device_sync` on GPU ranks: values on each rank's GPU, NCCL between the ranks. Every
+//! test needs a GPU (`#[ignore = "needs a GPU"]`); CI runs them on the stand-in driver, which
+//! cannot span processes, so there only the one-rank jobs run and the others print SKIPPED.
+//!
+//! Two launches: under `mpirun` (the NCCL id travels over MPI), and as torchrun starts ranks,
+//! with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` and no MPI at all.
+//! Two ranks need two GPUs, or one GPU with NCCL >= 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1`.
+#![cfg(feature = "mpi")]
+
+use std::time::Duration;
+
+use kvstore::{gpu, gpu_count, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
+
+mod common;
+use common::mpi_job::{launch, launch_without_mpi, ok_line, Job, CASE_VAR};
+
+/// What the jobs inherit from the test's environment: the stand-in driver's settings, where
+/// they are set, and the NCCL switch for several ranks on one GPU.
+fn passed_on() -> Vec<(&'static str, String)> {
+    [
+        "LD_LIBRARY_PATH",
+        "KVSTORE_STANDIN",
+        "KVSTORE_STANDIN_GPUS",
+        "KVSTORE_STANDIN_SM",
+        "NCCL_MULTI_RANK_GPU_ENABLE",
+        "KVSTORE_NCCL_LIB",
+    ]
+    .into_iter()
+    .filter_map(|k| std::env::var(k).ok().map(|v| (k, v)))
+    .collect()
+}
+
+/// [`passed_on`], `extra`, and `KVT_DIR`: a fresh checkpoint folder for the job.
+fn env_with(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, String)> {
+    static JOB: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let job = JOB.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("kvstore-dist-gpu-{}-{job}", std::process::id()));
+    let mut env = passed_on();
+    env.extend(extra.iter().map(|&(k, v)| (k, v.to_owned())));
+    env.push(("KVT_DIR", dir.display().to_string()));
+    env
+}
+
+fn as_refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// Whether `n` ranks can run here, or why not.
+fn ranks_fit(n: usize) -> Result<(), String> {
+    if gpu_count() == 0 {
+        panic!("needs a GPU: kvstore finds none");
+    }
+    if n == 1 {
+        return Ok(());
+    }
+    if std::env::var_os("KVSTORE_STANDIN").is_some() {
+        return Err("the stand-in driver cannot span processes".to_owned());
+    }
+    if gpu_count() >= n {
+        return Ok(());
+    }
+    let version = kvstore::__internal::nccl::version().unwrap_or(0);
+    let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v == "1");
+    if version >= 23000 && shared {
+        Ok(())
+    } else {
+        Err(format!(
+            "{n} ranks need {n} GPUs, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL \
+             {version}, {} GPUs)",
+            gpu_count()
+        ))
+    }
+}
+
+fn check(job: &Job, n: usize, case: &str) {
+    assert!(!job.killed, "the bound ended the job: a hang\n{job}");
+    assert_eq!(job.code, Some(0), "{job}");
+    job.assert_ok(&(0..n).collect::<Vec<_>>(), n, case, &[]);
+}
+
+fn under_mpirun(n: usize) {
+    if let Err(why) = ranks_fit(n) {
+        println!("SKIPPED: dist_device_sync_under_mpirun_on_{n}_ranks: {why}");
+        return;
+    }
+    let env = env_with(&[("KVSTORE_TIMEOUT", "60")]);
+    let Some(job) = launch(
+        Some(n),
+        "gpu_store",
+        &as_refs(&env),
+        Duration::from_secs(240),
+    ) else {
+        return;
+    };
+    check(&job, n, "gpu_store");
+}
+
+fn without_mpi(n: usize) {
+    if let Err(why) = ranks_fit(n) {
+        println!("SKIPPED: dist_device_sync_without_mpi_on_{n}_ranks: {why}");
+        return;
+    }
+    let env = env_with(&[("KVSTORE_TIMEOUT", "60")]);
+    let job = launch_without_mpi(n, "gpu_store", &as_refs(&env), Duration::from_secs(240));
+    check(&job, n, "gpu_store");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dist_device_sync_under_mpirun_on_1_rank() {
+    under_mpirun(1);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dist_device_sync_under_mpirun_on_2_ranks() {
+    under_mpirun(2);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dist_device_sync_without_mpi_on_1_rank() {
+    without_mpi(1);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dist_device_sync_without_mpi_on_2_ranks() {
+    without_mpi(2);
+}
+
+/// A launch without MPI whose variables disagree is an error naming the variable, not a hang.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_launch_without_mpi_with_a_bad_variable_names_it() {
+    ranks_fit(1).expect("one rank fits");
+    let env = env_with(&[("LOCAL_RANK", "3"), ("RANK", "0")]);
+    let job = launch_without_mpi(1, "bad_env", &as_refs(&env), Duration::from_secs(60));
+    check(&job, 1, "bad_env");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ranks' side.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "run on every rank by the other tests"]
+fn inner() {
+    // Run directly (`--ignored`), there is no case: the outer tests set one.
+    let Ok(case) = std::env::var(CASE_VAR) else {
+        println!("SKIPPED: inner: the entry point of the jobs the other tests start, run alone");
+        return;
+    };
+    match case.as_str() {
+        "gpu_store" => case_gpu_store(),
+        "bad_env" => case_bad_env(),
+        other => panic!("unknown case {other}"),
+    }
+}
+
+/// Rank `rank`'s gradient of key `key` in round `round`: values every rank can recompute.
+fn grad(rank: usize, key: i32, round: usize, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| {
+            let x = (rank * 131 + key as usize * 17 + round * 7 + i * 3) % 23;
+            x as f64 / 8.0 - 1.25
+        })
+        .collect()
+}
+
+fn case_gpu_store() {
+    let kv = KvStore::create("dist_device_sync").expect("a dist_device_sync store");
+    let (r, n) = (kv.rank(), kv.num_workers());
+    let mine = gpu(kv.local_rank() % gpu_count());
+    let len = 6;
+    let keys = [3, 5];
+    // Rank 0's values win; the others pass something else.
+    let init: Vec<NDArray> = keys
+        .iter()
+        .map(|&k| {
+            let v: Vec<f64> = (0..len).map(|i| (k as f64) + i as f64 / 4.0).collect();
+            let v = if r == 0 { v } else { vec![-99.0; len] };
+            NDArray::from_f64(&v, [len], DType::F32, mine).unwrap()
+        })
+        .collect();
+    kv.init_list(&keys, &init).unwrap();
+    for &k in &keys {
+        assert_eq!(
+            kv.meta(k).unwrap().2,
+            mine,
+            "key {k} lives on this rank's GPU"
+        );
+    }
+    let (lr, momentum) = (0.1, 0.9);
+    kv.set_updater(Updater::Sgd(Sgd {
+        lr,
+        momentum,
+        ..Sgd::default()
+    }))
+    .unwrap();
+    // The reference: SGD with momentum in f64 on the sum of every rank's gradients.
+    let mut w: Vec<Vec<f64>> = keys
+        .iter()
+        .map(|&k| (0..len).map(|i| (k as f64) + i as f64 / 4.0).collect())
+        .collect();
+    let mut m = vec![vec![0.0; len]; keys.len()];
+    for round in 0..3 {
+        // Each rank pushes one value from its GPU and one from host memory.
+        let values: Vec<Vec<NDArray>> = keys
+            .iter()
+            .map(|&k| {
+                let g = grad(r, k, round, len);
+                let half: Vec<f64> = g.iter().map(|x| x / 2.0).collect();
+                vec![
+                    NDArray::from_f64(&half, [len], DType::F32, mine).unwrap(),
+                    NDArray::from_f64(&half, [len], DType::F32, Device::Cpu(0)).unwrap(),
+                ]
+            })
+            .collect();
+        kv.push_list(&keys, &values).unwrap();
+        for (j, &k) in keys.iter().enumerate() {
+            for i in 0..len {
+                let total: f64 = (0..n).map(|rank| grad(rank, k, round, len)[i]).sum();
+                m[j][i] = momentum * m[j][i] - lr * total;
+                w[j][i] += m[j][i];
+            }
+        }
+        let on_gpu = NDArray::full_on([len], 0.0, DType::F32, mine).unwrap();
+        let on_host = NDArray::zeros([len]).astype(DType::F64).unwrap();
+        for (j, &k) in keys.iter().enumerate() {
+            kv.pull(k, &[on_gpu.clone(), on_host.clone()]).unwrap();
+            for out in [&on_gpu, &on_host] {
+                let got = out.to_vec::<f64>().unwrap();
+                for i in 0..len {
+                    let want = w[j][i];
+                    assert!(
+                        (got[i] - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "rank {r} round {round} key {k}[{i}] on {}: {} vs {want}",
+                        out.device(),
+                        got[i]
+                    );
+                }
+            }
+        }
+    }
+    // Bad input on the last rank: its own error there, RankRejected elsewhere.
+    let bad = if r + 1 == n {
+        kv.push(3, &NDArray::ones([len + 1])).unwrap_err()
+    } else {
+        kv.push(3, &NDArray::ones([len])).unwrap_err()
+    };
+    match (&bad, r + 1 == n) {
+        (Error::ShapeMismatch { .. }, true) | (Error::RankRejected { .. }, false) => {}
+        _ => panic!("rank {r}: {bad:?}"),
+    }
+    // A sharded save, loaded back into a single-process store.
+    let dir = std::path::PathBuf::from(std::env::var("KVT_DIR").expect("the checkpoint folder"));
+    kv.barrier().unwrap();
+    kv.save(&dir).unwrap();
+    kv.barrier().unwrap();
+    let local = KvStore::create("local").unwrap();
+    local.load(&dir).unwrap();
+    for (j, &k) in keys.iter().enumerate() {
+        let out = NDArray::zeros([len]).astype(DType::F64).unwrap();
+        local.pull(k, &out).unwrap();
+        let got = out.to_vec::<f64>().unwrap();
+        for i in 0..len {
+            assert!((got[i] - w[j][i]).abs() <= 1e-5 * w[j][i].abs().max(1.0));
+        }
+    }
+    kv.barrier().unwrap();
+    if r == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    ok_line(r, n, "gpu_store", &format!("gpu={mine}"));
+}
+
+fn case_bad_env() {
+    let err = KvStore::create("dist_device_sync")
+        .err()
+        .expect("a bad launch is an error");
+    match &err {
+        Error::DistEnv { var, .. } if var == "LOCAL_RANK" => {}
+        other => panic!("{other:?}"),
+    }
+    ok_line(0, 1, "bad_env", "");
+}
