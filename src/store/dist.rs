@@ -14,9 +14,16 @@
 //! - **pull**: the value goes from where it lives to every rank ([`comm::dist::gather`]), then
 //!   into the outs.
 //!
+//! Values live in host memory and move over MPI (`dist_sync`, and `dist_device_sync` without a
+//! GPU), or on each rank's GPU and move over NCCL (`dist_device_sync` with GPUs; keys are not
+//! sliced there). Every rank also counts every key's updates, homed there or not, so a
+//! learning-rate schedule gives every rank the same rate.
+//!
 //! Each call first checks its input on this rank. A rank that rejects its input tells the
 //! others in the call's fingerprint check, so every rank fails the same call
-//! ([`Error::RankRejected`] on the others) and nothing changes anywhere.
+//! ([`Error::RankRejected`] on the others) and nothing changes anywhere. An updater that can
+//! fail (a closure) computes every key's new value, then the ranks compare notes, and nothing
+//! is stored unless every rank's updater succeeded ([`Error::RankFailed`] on the others).
 //!
 //! Every rank must make the same calls, with the same keys, shapes and dtypes, in the same
 //! order: the collectives of MPI (and NCCL) match calls by their order. Set the same updater on
