@@ -1,0 +1,666 @@
+//! The `dist_sync` store's push and pull of one key next to the raw MPI collectives on buffers of
+//! the same size, interleaved in one run; then 1000 small keys in one list call.
+//!
+//! ```sh
+//! cargo build --release --features mpi --example bench_dist_store
+//! export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
+//! mpirun --oversubscribe -np 4 target/release/examples/bench_dist_store            # every table
+//! mpirun --oversubscribe -np 4 target/release/examples/bench_dist_store --sizes 4K,16M
+//! mpirun --oversubscribe -np 4 target/release/examples/bench_dist_store --small-only
+//! ```
+//!
+//! **One key** of each size (default 4K, 64K, 1M, 16M, 64M, 256M bytes of f32), in a store of
+//! its own, so that a whole key lives on rank 0. Per repetition, each of these runs once, after
+//! a barrier, and a sample is the slowest rank's time:
+//!
+//! - `push`: `kv.push(0, &grad)` (no updater: the sum is assigned), next to the raw collective
+//!   the store starts: `MPI_Reduce` to rank 0 for a whole key, `MPI_Reduce_scatter_block` for a
+//!   key of more than `KVSTORE_BIGARRAY_BOUND` elements (sliced over the ranks);
+//! - `pull`: `kv.pull(0, &out)`, next to `MPI_Bcast` from rank 0, or `MPI_Allgather`.
+//!
+//! The raw collectives are rsmpi's blocking calls (Open MPI's `tuned` component), the reference
+//! of the target, and, as a third column, the non-blocking ones plus `MPI_Wait` (`libnbc`: the
+//! algorithm the store's transport starts and polls). Odd repetitions run the raw calls first.
+//! The first repetition is a warm-up. Each cell is the median; `store/raw` is raw MPI's time
+//! over the store's, i.e. the store's share of raw MPI's bandwidth.
+//!
+//! **1000 keys × 1 KiB** (f32 [256]) in one `push_list` and one `pull_list`, next to the raw
+//! collectives the store packs them into: one `MPI_Reduce` (push) or `MPI_Bcast` (pull) per home
+//! rank of that rank's keys, packed.
+//!
+//! Every table line starts with `|`; a line `json {...}` per cell carries the same numbers
+//! (`benches/dist_bench.sh` runs everything and `benches/dist_summary.py` makes the tables).
+//! Environment: `KVSTORE_DIST_CHECK=0` turns the per-call fingerprint check off (compare runs
+//! with it on and off for its cost), `KVSTORE_BIGARRAY_BOUND` as for the store.
+//!
+//! Options: `--sizes 4K,64K,1M,...`, `--reps N` (every size), `--small-only`, `--no-small`,
+//! `--store-only` (skip the raw collectives, for a profile), and `--breakdown`: the steps of a
+//! store push and pull replayed one by one on the transport, each timed alone (see
+//! [`breakdown`]).
+
+use std::time::Instant;
+
+use kvstore::__internal::mpi::{Fingerprint, World};
+use kvstore::{DType, KvStore, NDArray};
+use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The slowest rank's time of each sample.
+fn slowest(comm: &SimpleCommunicator, local: &[f64]) -> Vec<f64> {
+    let mut out = vec![0.0; local.len()];
+    comm.all_reduce_into(local, &mut out[..], SystemOperation::max());
+    out
+}
+
+/// Times `f` after a barrier.
+fn timed(
+    comm: &SimpleCommunicator,
+    f: impl FnOnce() -> kvstore::Result<()>,
+) -> kvstore::Result<f64> {
+    comm.barrier();
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last()? {
+        'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
+        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
+        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok().map(|n| n * mult)
+}
+
+fn label(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 20 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 => format!("{}K", b >> 10),
+        b => format!("{b}B"),
+    }
+}
+
+fn fmt_time(t: f64) -> String {
+    if t < 1e-3 {
+        format!("{:.1} µs", t * 1e6)
+    } else {
+        format!("{:.2} ms", t * 1e3)
+    }
+}
+
+struct Options {
+    sizes: Vec<usize>,
+    small: bool,
+    big: bool,
+    reps: Option<usize>,
+    /// Skip the raw collectives (for a profile of the store's calls alone).
+    store_only: bool,
+    /// Time the steps of a push and a pull one by one instead.
+    breakdown: bool,
+}
+
+fn parse_args() -> Options {
+    let mut o = Options {
+        sizes: [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20].to_vec(),
+        small: true,
+        big: true,
+        reps: None,
+        store_only: false,
+        breakdown: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--sizes" => {
+                let v = args.next().unwrap_or_default();
+                o.sizes = v
+                    .split(',')
+                    .map(|s| parse_size(s).unwrap_or_else(|| panic!("bad size '{s}'")))
+                    .collect();
+            }
+            "--reps" => o.reps = args.next().and_then(|v| v.parse().ok()),
+            "--small-only" => o.big = false,
+            "--no-small" => o.small = false,
+            "--store-only" => o.store_only = true,
+            "--breakdown" => o.breakdown = true,
+            other => panic!(
+                "unknown argument '{other}'; use --sizes 4K,64K,1M,..., --reps N, --small-only, \
+                 --no-small, --store-only, --breakdown"
+            ),
+        }
+    }
+    o
+}
+
+fn main() -> kvstore::Result<()> {
+    let o = parse_args();
+    let world = World::get()?;
+    let comm = SimpleCommunicator::world();
+    let (rank, size) = (world.rank(), world.size());
+    let check = if world.check_enabled() { "on" } else { "off" };
+    let bound: usize = std::env::var("KVSTORE_BIGARRAY_BOUND")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1_000_000);
+    let b = Bench {
+        comm: &comm,
+        rank,
+        size,
+        check,
+        bound,
+        reps: o.reps,
+        store_only: o.store_only,
+    };
+    let lead = rank == 0;
+    if lead {
+        println!(
+            "# {size} ranks, f32, fingerprint check {check}, KVSTORE_BIGARRAY_BOUND {bound}; \
+             medians of the slowest rank's time"
+        );
+    }
+
+    if o.breakdown {
+        for &bytes in &o.sizes {
+            breakdown(&b, bytes)?;
+        }
+        return Ok(());
+    }
+    if o.big {
+        if lead {
+            println!(
+                "| ranks | size | key | op | store | raw MPI | store/raw | raw nb+wait | store GB/s | raw GB/s | reps |"
+            );
+            println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        }
+        for &bytes in &o.sizes {
+            one_key(&b, bytes)?;
+        }
+    }
+    if o.small {
+        small_keys(&b)?;
+    }
+    Ok(())
+}
+
+/// What every measurement needs.
+struct Bench<'a> {
+    comm: &'a SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    /// `on` or `off`: the fingerprint check.
+    check: &'static str,
+    /// Keys of more elements are sliced.
+    bound: usize,
+    reps: Option<usize>,
+    store_only: bool,
+}
+
+/// Push and pull of one key of `bytes` bytes, next to the raw collectives.
+fn one_key(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
+    let Bench {
+        comm,
+        rank,
+        size,
+        check,
+        bound,
+        reps,
+        store_only,
+    } = *b;
+    let n = (bytes / 4 / size).max(1) * size;
+    let block = n / size;
+    let sliced = size > 1 && n > bound;
+    let reps = reps.unwrap_or(match bytes {
+        b if b <= 64 << 10 => 200,
+        b if b <= 1 << 20 => 50,
+        b if b <= 16 << 20 => 10,
+        b if b <= 64 << 20 => 7,
+        _ => 5,
+    });
+
+    let kv = KvStore::create("dist_sync")?;
+    kv.init(0, &NDArray::from_vec(vec![1.0f32; n], [n])?)?;
+    let grad = NDArray::from_vec(vec![rank as f32 + 1.0; n], [n])?;
+    let out = NDArray::from_vec(vec![0.0f32; n], [n])?;
+    let mut send = vec![rank as f32 + 1.0; n];
+    let mut recv = vec![0.0f32; n];
+    let mut small = vec![rank as f32 + 1.0; block];
+    let root = comm.process_at_rank(0);
+    let sum = SystemOperation::sum;
+
+    // [store push, raw push, nb push, store pull, raw pull, nb pull]
+    let mut t: [Vec<f64>; 6] = Default::default();
+    for rep in 0..=reps {
+        let mut s = [0.0f64; 6];
+        let raw_first = rep % 2 == 1;
+        for half in 0..2 {
+            let store_turn = (half == 0) != raw_first;
+            if store_turn {
+                s[0] = timed(comm, || kv.push(0, &grad))?;
+                s[3] = timed(comm, || kv.pull(0, &out))?;
+                continue;
+            }
+            if store_only {
+                continue;
+            }
+            s[1] = timed(comm, || {
+                if sliced {
+                    comm.reduce_scatter_block_into(&send[..], &mut small[..], sum());
+                } else if rank == 0 {
+                    root.reduce_into_root(&send[..], &mut recv[..], sum());
+                } else {
+                    root.reduce_into(&send[..], sum());
+                }
+                Ok(())
+            })?;
+            s[2] = timed(comm, || {
+                mpi::request::scope(|sc| {
+                    if sliced {
+                        comm.immediate_reduce_scatter_block_into(
+                            sc,
+                            &send[..],
+                            &mut small[..],
+                            sum(),
+                        )
+                        .wait();
+                    } else if rank == 0 {
+                        root.immediate_reduce_into_root(sc, &send[..], &mut recv[..], sum())
+                            .wait();
+                    } else {
+                        root.immediate_reduce_into(sc, &send[..], sum()).wait();
+                    }
+                });
+                Ok(())
+            })?;
+            s[4] = timed(comm, || {
+                if sliced {
+                    comm.all_gather_into(&small[..], &mut recv[..]);
+                } else {
+                    root.broadcast_into(&mut send[..]);
+                }
+                Ok(())
+            })?;
+            s[5] = timed(comm, || {
+                mpi::request::scope(|sc| {
+                    if sliced {
+                        comm.immediate_all_gather_into(sc, &small[..], &mut recv[..])
+                            .wait();
+                    } else {
+                        root.immediate_broadcast_into(sc, &mut send[..]).wait();
+                    }
+                });
+                Ok(())
+            })?;
+        }
+        if rep > 0 {
+            for (v, x) in t.iter_mut().zip(s) {
+                v.push(x);
+            }
+        }
+    }
+    // The pull must have brought the stored value: 1 after init, then the sum of pushes.
+    let want = (size * (size + 1) / 2) as f32;
+    let got = out.to_vec::<f32>()?;
+    assert!(
+        got.iter().all(|&v| v == want),
+        "pull returned {} (and maybe more) instead of {want}",
+        got[0]
+    );
+    let m: Vec<f64> = t.iter().map(|v| median(slowest(comm, v))).collect();
+    if rank == 0 {
+        let key = if sliced { "sliced" } else { "whole" };
+        let gbs = |t: f64| (n * 4) as f64 / t / 1e9;
+        for (op, raw_name, i) in [
+            ("push", if sliced { "reduce_scatter" } else { "reduce" }, 0),
+            ("pull", if sliced { "allgather" } else { "bcast" }, 3),
+        ] {
+            let (st, raw, nb) = (m[i], m[i + 1], m[i + 2]);
+            println!(
+                "| {size} | {} | {key} | {op} | {} | {} ({raw_name}) | {:.0}% | {} | {:.2} | {:.2} | {reps} |",
+                label(bytes),
+                fmt_time(st),
+                fmt_time(raw),
+                100.0 * raw / st,
+                fmt_time(nb),
+                gbs(st),
+                gbs(raw),
+            );
+            println!(
+                "json {{\"ranks\":{size},\"bytes\":{bytes},\"key\":\"{key}\",\"op\":\"{op}\",\"raw\":\"{raw_name}\",\"check\":\"{check}\",\"store_s\":{st:.9},\"raw_s\":{raw:.9},\"nb_s\":{nb:.9},\"reps\":{reps}}}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// 1000 keys × 1 KiB in one `push_list` and one `pull_list`, next to the packed raw
+/// collectives the store starts for them.
+fn small_keys(b: &Bench<'_>) -> kvstore::Result<()> {
+    let Bench {
+        comm,
+        rank,
+        size,
+        check,
+        reps,
+        store_only,
+        ..
+    } = *b;
+    const KEYS: usize = 1000;
+    const ELEMS: usize = 256;
+    let reps = reps.unwrap_or(200);
+    let kv = KvStore::create("dist_sync")?;
+    let keys: Vec<i32> = (0..KEYS as i32).collect();
+    let init: Vec<NDArray> = (0..KEYS)
+        .map(|_| NDArray::from_vec(vec![1.0f32; ELEMS], [ELEMS]))
+        .collect::<kvstore::Result<_>>()?;
+    kv.init_list(&keys, &init)?;
+    let grads: Vec<NDArray> = (0..KEYS)
+        .map(|_| NDArray::from_vec(vec![rank as f32 + 1.0; ELEMS], [ELEMS]))
+        .collect::<kvstore::Result<_>>()?;
+    let outs: Vec<NDArray> = (0..KEYS)
+        .map(|_| NDArray::from_vec(vec![0.0f32; ELEMS], [ELEMS]))
+        .collect::<kvstore::Result<_>>()?;
+    // Keys of one size are spread evenly: key i's home gets KEYS/size of them. The raw peer
+    // packs the same number of elements per home rank.
+    let per_home: Vec<usize> = (0..size)
+        .map(|r| (KEYS * (r + 1) / size - KEYS * r / size) * ELEMS)
+        .collect();
+    let mut send: Vec<Vec<f32>> = per_home.iter().map(|&n| vec![1.0; n]).collect();
+    let mut recv: Vec<Vec<f32>> = per_home.iter().map(|&n| vec![0.0; n]).collect();
+
+    let mut t: [Vec<f64>; 4] = Default::default();
+    for rep in 0..=reps {
+        let mut s = [0.0f64; 4];
+        let raw_first = rep % 2 == 1;
+        for half in 0..2 {
+            if (half == 0) != raw_first {
+                s[0] = timed(comm, || kv.push_list(&keys, &grads))?;
+                s[2] = timed(comm, || kv.pull_list(&keys, &outs))?;
+                continue;
+            }
+            if store_only {
+                continue;
+            }
+            s[1] = timed(comm, || {
+                for (r, (snd, rcv)) in send.iter().zip(recv.iter_mut()).enumerate() {
+                    let home = comm.process_at_rank(r as i32);
+                    if r == rank {
+                        home.reduce_into_root(&snd[..], &mut rcv[..], SystemOperation::sum());
+                    } else {
+                        home.reduce_into(&snd[..], SystemOperation::sum());
+                    }
+                }
+                Ok(())
+            })?;
+            s[3] = timed(comm, || {
+                for (r, buf) in send.iter_mut().enumerate() {
+                    comm.process_at_rank(r as i32).broadcast_into(&mut buf[..]);
+                }
+                Ok(())
+            })?;
+        }
+        if rep > 0 {
+            for (v, x) in t.iter_mut().zip(s) {
+                v.push(x);
+            }
+        }
+    }
+    let m: Vec<f64> = t.iter().map(|v| median(slowest(comm, v))).collect();
+    if rank == 0 {
+        println!();
+        println!(
+            "| ranks | keys | op | store per call | store per key | raw MPI per call ({size} packed collectives) | store/raw | reps |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        for (op, raw_name, i) in [("push_list", "reduce", 0), ("pull_list", "bcast", 2)] {
+            let (st, raw) = (m[i], m[i + 1]);
+            println!(
+                "| {size} | {KEYS} × 1K | {op} | {} | {:.2} µs | {} ({raw_name}) | {:.0}% | {reps} |",
+                fmt_time(st),
+                st * 1e6 / KEYS as f64,
+                fmt_time(raw),
+                100.0 * raw / st,
+            );
+            println!(
+                "json {{\"ranks\":{size},\"keys\":{KEYS},\"bytes\":1024,\"op\":\"{op}\",\"raw\":\"{raw_name}\",\"check\":\"{check}\",\"store_s\":{st:.9},\"raw_s\":{raw:.9},\"reps\":{reps}}}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The steps of a store push and pull of one key, replayed one by one on the transport
+/// (`World::begin` and its non-blocking collectives) with a barrier before each step, so that
+/// each is timed alone; a cell is the median over repetitions of the slowest rank's time. Next
+/// to them, the same collective on buffers used before (no page faults), and the raw blocking
+/// MPI call.
+fn breakdown(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
+    let Bench {
+        comm,
+        rank,
+        size,
+        bound,
+        reps,
+        ..
+    } = *b;
+    let world = World::get()?;
+    let n = (bytes / 4 / size).max(1) * size;
+    let block = n / size;
+    let sliced = size > 1 && n > bound;
+    let reps = reps.unwrap_or(match bytes {
+        b if b <= 1 << 20 => 50,
+        b if b <= 64 << 20 => 7,
+        _ => 5,
+    });
+    let fp = Fingerprint::new("bench").entry(0, &[n], DType::F32);
+    let grad = vec![rank as f32 + 1.0; n];
+    // This rank's part of the stored value, and the pull's out.
+    let part = if sliced { block } else { n };
+    let mut stored = vec![1.0f32; part];
+    let mut out = vec![0.0f32; n];
+    // Buffers kept from one repetition to the next (warm pages).
+    let mut warm_send = vec![rank as f32 + 1.0; n];
+    let mut warm_recv = vec![0.0f32; n];
+    let mut warm_block = vec![0.0f32; block];
+    let root = comm.process_at_rank(0);
+    let home = rank == 0;
+
+    let steps: &[&str] = if sliced {
+        &[
+            "push: local sum (fresh zeroed n + copy)",
+            "push: fingerprint check",
+            "push: Ireduce_scatter_block, fresh recv n/N",
+            "push: assign into the stored slice",
+            "push: free the buffers",
+            "push: sum of the steps",
+            "  Ireduce_scatter_block on warm buffers",
+            "  MPI_Reduce_scatter_block (blocking) on warm buffers",
+            "pull: copy of this rank's slice",
+            "pull: fingerprint check",
+            "pull: Iallgather, fresh recv n",
+            "pull: copy into the out",
+            "pull: free the buffers",
+            "pull: sum of the steps",
+            "  Iallgather on warm buffers",
+            "  MPI_Allgather (blocking) on warm buffers",
+        ]
+    } else {
+        &[
+            "push: local sum (fresh zeroed n + copy)",
+            "push: fingerprint check",
+            "push: Ireduce, fresh recv n at the home",
+            "push: assign into the stored value (home)",
+            "push: free the buffers",
+            "push: sum of the steps",
+            "  Ireduce on warm buffers",
+            "  MPI_Reduce (blocking) on warm buffers",
+            "pull: copy of the value (home) / zeroed n (others)",
+            "pull: fingerprint check",
+            "pull: Ibcast",
+            "pull: copy into the out",
+            "pull: free the buffers",
+            "pull: sum of the steps",
+            "  Ibcast on warm buffers",
+            "  MPI_Bcast (blocking) on warm buffers",
+        ]
+    };
+    let mut t: Vec<Vec<f64>> = vec![Vec::new(); steps.len()];
+    for rep in 0..=reps {
+        let mut s = vec![0.0f64; steps.len()];
+        // `lap` gives the time since the last `lap` or `sync`; `sync` is an untimed barrier, so
+        // that each step is timed from a common start and waits for no earlier step.
+        let last = std::cell::Cell::new(Instant::now());
+        let lap = || {
+            let now = Instant::now();
+            let dt = now.duration_since(last.get()).as_secs_f64();
+            last.set(now);
+            dt
+        };
+        let sync = || {
+            comm.barrier();
+            last.set(Instant::now());
+        };
+        // Push.
+        sync();
+        let mut sum = vec![0.0f32; n];
+        sum.copy_from_slice(&grad);
+        s[0] = lap();
+        sync();
+        let mut call = world.begin(&fp)?;
+        s[1] = lap();
+        sync();
+        let recv_len = match (sliced, home) {
+            (true, _) => block,
+            (false, true) => n,
+            (false, false) => 0,
+        };
+        let p = if sliced {
+            call.reduce_scatter(sum, vec![0.0f32; recv_len])?
+        } else {
+            call.reduce_sum(sum, vec![0.0f32; recv_len], 0)?
+        };
+        let done = call.wait(p)?;
+        drop(call);
+        s[2] = lap();
+        sync();
+        if sliced || home {
+            stored.copy_from_slice(&done.recv);
+        }
+        s[3] = lap();
+        sync();
+        drop(done);
+        s[4] = lap();
+        s[5] = s[..5].iter().sum();
+        // The same collective on warm buffers, then blocking.
+        sync();
+        let mut call = world.begin(&fp)?;
+        let ws = std::mem::take(&mut warm_send);
+        let p = if sliced {
+            call.reduce_scatter(ws, std::mem::take(&mut warm_block))?
+        } else if home {
+            call.reduce_sum(ws, std::mem::take(&mut warm_recv), 0)?
+        } else {
+            call.reduce_sum(ws, Vec::new(), 0)?
+        };
+        let done = call.wait(p)?;
+        drop(call);
+        warm_send = done.send;
+        if sliced {
+            warm_block = done.recv;
+        } else if home {
+            warm_recv = done.recv;
+        }
+        s[6] = lap();
+        sync();
+        if sliced {
+            comm.reduce_scatter_block_into(
+                &warm_send[..],
+                &mut warm_block[..],
+                SystemOperation::sum(),
+            );
+        } else if home {
+            root.reduce_into_root(&warm_send[..], &mut warm_recv[..], SystemOperation::sum());
+        } else {
+            root.reduce_into(&warm_send[..], SystemOperation::sum());
+        }
+        s[7] = lap();
+
+        // Pull.
+        sync();
+        let send = if sliced || home {
+            stored.clone()
+        } else {
+            vec![0.0f32; n]
+        };
+        s[8] = lap();
+        sync();
+        let mut call = world.begin(&fp)?;
+        s[9] = lap();
+        sync();
+        let recv = if sliced {
+            let p = call.all_gather(send, vec![0.0f32; n])?;
+            call.wait(p)?.recv
+        } else {
+            let p = call.broadcast(send, 0)?;
+            call.wait(p)?.recv
+        };
+        drop(call);
+        s[10] = lap();
+        sync();
+        out.copy_from_slice(&recv);
+        s[11] = lap();
+        sync();
+        drop(recv);
+        s[12] = lap();
+        s[13] = s[8..13].iter().sum();
+        sync();
+        let mut call = world.begin(&fp)?;
+        if sliced {
+            let p = call.all_gather(
+                std::mem::take(&mut warm_block),
+                std::mem::take(&mut warm_recv),
+            )?;
+            let done = call.wait(p)?;
+            (warm_block, warm_recv) = (done.send, done.recv);
+        } else {
+            let p = call.broadcast(std::mem::take(&mut warm_recv), 0)?;
+            warm_recv = call.wait(p)?.recv;
+        }
+        drop(call);
+        s[14] = lap();
+        sync();
+        if sliced {
+            comm.all_gather_into(&warm_block[..], &mut warm_recv[..]);
+        } else {
+            root.broadcast_into(&mut warm_recv[..]);
+        }
+        s[15] = lap();
+        if rep > 0 {
+            for (v, x) in t.iter_mut().zip(s) {
+                v.push(x);
+            }
+        }
+    }
+    let m: Vec<f64> = t.iter().map(|v| median(slowest(comm, v))).collect();
+    if rank == 0 {
+        println!(
+            "\n{size} ranks, one {} key of {} ({}), {reps} reps: each step's median of the slowest rank\n",
+            if sliced { "sliced" } else { "whole" },
+            label(bytes),
+            if sliced { "reduce-scatter / all-gather" } else { "reduce / broadcast to and from rank 0" },
+        );
+        println!("| step | time |");
+        println!("|---|---|");
+        for (name, v) in steps.iter().zip(&m) {
+            println!("| {name} | {} |", fmt_time(*v));
+        }
+    }
+    Ok(())
+}
