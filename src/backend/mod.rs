@@ -157,6 +157,15 @@ impl HomeValue {
         }
     }
 
+    /// The value in host memory, taken out of the home (copied from a GPU).
+    #[cfg(feature = "mpi")]
+    pub fn into_host(self) -> Result<HostData> {
+        match self.place {
+            Place::Host(h) => Ok(h),
+            Place::Gpu(c) => c.buf.download(),
+        }
+    }
+
     /// A copy of the value as an array of `shape`, where the value lives.
     #[cfg(feature = "mpi")]
     pub fn to_array(&self, shape: Shape) -> Result<NDArray> {

@@ -268,19 +268,23 @@ pub(crate) fn wait_all() -> Result<()> {
 
 /// The sum of `values` (already checked against the key's shape and dtype) on `device` (host
 /// memory or a GPU), in the key's dtype: a dist push's sum within this process, before the sum
-/// across ranks.
+/// across ranks. In host memory it is written into `scratch` when given (a buffer of the key's
+/// length, whatever it holds).
 #[cfg(feature = "mpi")]
 pub(crate) fn local_sum(
     ctx: Ctx,
     facts: &KeyFacts<'_>,
     values: &[&NDArray],
     device: Device,
+    scratch: Option<HostData>,
 ) -> Result<NDArray> {
-    let mut sum = match device {
-        Device::Cpu(_) => {
-            HomeValue::from_host(HostData::try_filled(facts.dtype, facts.shape.size(), 0.0)?)
+    let len = facts.shape.size();
+    let mut sum = match (device, scratch) {
+        (Device::Cpu(_), Some(buf)) if buf.len() == len && buf.dtype() == facts.dtype => {
+            HomeValue::from_host(buf)
         }
-        Device::Gpu(_) => HomeValue::copy_of(
+        (Device::Cpu(_), _) => HomeValue::from_host(HostData::try_filled(facts.dtype, len, 0.0)?),
+        (Device::Gpu(_), _) => HomeValue::copy_of(
             &NDArray::full_on(facts.shape, 0.0, facts.dtype, device)?,
             device,
         )?,

@@ -136,7 +136,7 @@ impl KvStore {
             None => {
                 let pieces = values
                     .iter()
-                    .zip(mine)
+                    .zip(&mine)
                     .map(|(v, m)| Piece {
                         data: match m {
                             Some(Rank0::Host(h)) => Some(h),
@@ -147,7 +147,7 @@ impl KvStore {
                         spread: Spread::Whole { rank: 0 },
                     })
                     .collect();
-                let hosts = dist::gather(&mut call, pieces)?;
+                let hosts = dist::gather(&mut call, d.pool(), pieces)?;
                 hosts.into_iter().map(Rank0::Host).collect()
             }
         };
@@ -196,7 +196,14 @@ impl KvStore {
         // This process's sums, before the call: reading a value may fail.
         let sums = groups
             .iter()
-            .map(|g| comm::local_sum(ctx, &g.slot.facts(), &g.arrays, d.home()))
+            .map(|g| {
+                let len = g.slot.shape.size();
+                let scratch = d
+                    .gpu()
+                    .is_none()
+                    .then(|| d.pool().take(g.slot.dtype, len, d.room(len)));
+                comm::local_sum(ctx, &g.slot.facts(), &g.arrays, d.home(), scratch)
+            })
             .collect::<Result<Vec<_>>>()
             .map_err(|e| d.reject(op, e))?;
         let active = read(&self.active).clone();
@@ -224,7 +231,7 @@ impl KvStore {
                     .collect::<Result<Vec<_>>>()
                     .map_err(|e| d.reject(op, e))?;
                 let mut call = d.begin(&fp)?;
-                let totals = dist::reduce(&mut call, sums)?;
+                let totals = dist::reduce(&mut call, d.pool(), sums)?;
                 let inputs = totals
                     .into_iter()
                     .zip(&groups)
@@ -295,6 +302,15 @@ impl KvStore {
         }
         drop(cells);
         drop(call);
+        drop(refs);
+        // The totals' host buffers serve the next call.
+        for total in inputs.into_iter().flatten() {
+            if !total.device().is_gpu() {
+                if let Ok(h) = total.into_host() {
+                    d.pool().give(h);
+                }
+            }
+        }
         call_hook(hook.as_deref(), &active, done)
     }
 
@@ -347,27 +363,37 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
             .collect::<Result<Vec<_>>>()?;
         return fan_out(ctx, groups, &values);
     }
-    let pieces = groups
+    // This rank's parts, read where they are (host values are borrowed, not copied).
+    let parts = groups
         .iter()
         .zip(cells)
-        .map(|(g, cell)| {
-            let data = match g.slot.spread.holds(d.rank()) {
-                true => Some(cell.value_to_host()?.into_owned()),
-                false => None,
-            };
-            Ok(Piece {
-                data,
-                len: g.slot.shape.size(),
-                dtype: g.slot.dtype,
-                spread: g.slot.spread,
-            })
+        .map(|(g, cell)| match g.slot.spread.holds(d.rank()) {
+            true => cell.value_to_host().map(Some),
+            false => Ok(None),
         })
         .collect::<Result<Vec<_>>>()?;
-    let values: Vec<HomeValue> = dist::gather(call, pieces)?
+    let pieces = groups
+        .iter()
+        .zip(&parts)
+        .map(|(g, part)| Piece {
+            data: part.as_deref(),
+            len: g.slot.shape.size(),
+            dtype: g.slot.dtype,
+            spread: g.slot.spread,
+        })
+        .collect();
+    let values: Vec<HomeValue> = dist::gather(call, d.pool(), pieces)?
         .into_iter()
         .map(HomeValue::from_host)
         .collect();
-    fan_out(ctx, groups, &values)
+    let pulled = fan_out(ctx, groups, &values);
+    // The whole values' buffers serve the next call.
+    for v in values {
+        if let Ok(h) = v.into_host() {
+            d.pool().give(h);
+        }
+    }
+    pulled
 }
 
 /// Copies every group's whole value (`values`, in group order) into its outs, in issue order.

@@ -22,6 +22,7 @@ use std::ops::Range;
 use half::{bf16, f16};
 
 mod gpu;
+mod pool;
 mod round;
 
 use super::launch::LaunchEnv;
@@ -30,6 +31,7 @@ use super::nccl::RankComm;
 use super::spread::{slice_block, Spread};
 use crate::host::HostData;
 use crate::{DType, Device, Element, Error, NDArray, Result};
+pub(crate) use pool::Pool;
 use round::NcclCalls;
 pub(crate) use round::Round;
 
@@ -48,6 +50,8 @@ pub(crate) struct Dist {
     bound: usize,
     /// NCCL between the ranks' GPUs, for ranks whose values live on a GPU.
     gpu: Option<RankComm>,
+    /// Host buffers kept between calls.
+    pool: Pool,
 }
 
 /// What carries a call's checks and control messages.
@@ -86,6 +90,7 @@ impl Dist {
     ///   bootstrap exchanges it and NCCL carries everything, MPI is never initialised.
     pub fn connect(on_gpu: bool) -> Result<Dist> {
         let bound = bound_from_env()?;
+        let pool = Pool::from_env()?;
         if on_gpu && launched_without_mpi() {
             let launch = LaunchEnv::from_process()?;
             let check = super::mpi::env_switch("KVSTORE_DIST_CHECK", true)?;
@@ -98,6 +103,7 @@ impl Dist {
                 },
                 bound,
                 gpu: Some(rc),
+                pool,
             });
         }
         let world = World::get()?;
@@ -109,7 +115,23 @@ impl Dist {
             link: Link::Mpi(world),
             bound,
             gpu,
+            pool,
         })
+    }
+
+    /// Host buffers kept between calls: take a call's big buffers from here, and give them
+    /// back when done.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The room a buffer of a key of `len` elements needs for its transfers: a sliced key's
+    /// send buffer is padded to one block per rank.
+    pub fn room(&self, len: usize) -> usize {
+        match self.is_sliced(len) {
+            true => slice_block(len, self.size()) * self.size(),
+            false => len,
+        }
     }
 
     /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs.
@@ -212,12 +234,21 @@ pub(crate) struct Sum {
 /// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
 /// the total: the whole sum on the home of a whole key, this rank's slice of a sliced key, and
 /// `None` where this rank holds nothing of the key.
-pub(crate) fn reduce(round: &mut Round<'_>, sums: Vec<Sum>) -> Result<Vec<Option<HostData>>> {
+pub(crate) fn reduce(
+    round: &mut Round<'_>,
+    pool: &Pool,
+    sums: Vec<Sum>,
+) -> Result<Vec<Option<HostData>>> {
     let call = round.mpi()?;
     let (rank, size) = (call.world().rank(), call.world().size());
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
     let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
-    let mut plan = Plan::default();
+    let mut plan = Plan::new(pool);
+    for s in &sums {
+        if let Spread::Whole { rank: root } = s.spread {
+            plan.reserve(Op::Reduce { root }, &s.data);
+        }
+    }
     for (i, s) in sums.into_iter().enumerate() {
         let len = s.data.len();
         match s.spread {
@@ -231,11 +262,11 @@ pub(crate) fn reduce(round: &mut Round<'_>, sums: Vec<Sum>) -> Result<Vec<Option
             Spread::Whole { rank: root } if s.data.nbytes() >= PACK_MAX_BYTES => {
                 plan.alone(Op::Reduce { root }, s.data, vec![(i, 0..len)]);
             }
-            Spread::Whole { rank: root } => plan.pack(Op::Reduce { root }, i, s.data),
+            Spread::Whole { rank: root } => plan.pack(Op::Reduce { root }, i, &s.data),
         }
     }
     for (recv, members) in plan.run(call)? {
-        share(recv, members, |i| holds[i], &mut out);
+        share(pool, recv, members, |i| holds[i], &mut out);
     }
     Ok(out)
 }
@@ -243,48 +274,61 @@ pub(crate) fn reduce(round: &mut Round<'_>, sums: Vec<Sum>) -> Result<Vec<Option
 /// One key of a gather: this rank's piece of the value (the whole value on the home of a whole
 /// key, this rank's slice of a sliced key, nothing elsewhere), the key's length and dtype, and
 /// where it lives.
-pub(crate) struct Piece {
-    pub data: Option<HostData>,
+pub(crate) struct Piece<'a> {
+    pub data: Option<&'a HostData>,
     pub len: usize,
     pub dtype: DType,
     pub spread: Spread,
 }
 
-/// Brings every key's whole value to every rank, from where it lives.
-pub(crate) fn gather(round: &mut Round<'_>, pieces: Vec<Piece>) -> Result<Vec<HostData>> {
+/// Brings every key's whole value to every rank, from where it lives. The values come from
+/// `pool`; give them back when done.
+pub(crate) fn gather(
+    round: &mut Round<'_>,
+    pool: &Pool,
+    pieces: Vec<Piece<'_>>,
+) -> Result<Vec<HostData>> {
     let call = round.mpi()?;
     let (rank, size) = (call.world().rank(), call.world().size());
     let mut out: Vec<Option<HostData>> = (0..pieces.len()).map(|_| None).collect();
-    let mut plan = Plan::default();
-    for (i, p) in pieces.into_iter().enumerate() {
-        let holds = p.spread.holds(rank);
-        let data = match p.data {
-            Some(d) if holds => d,
-            _ => HostData::filled(p.dtype, p.spread.piece(p.len, rank, size).len(), 0.0),
-        };
-        match p.spread {
-            Spread::Sliced => {
-                let block = slice_block(p.len, size);
-                let mut send = data;
-                pad(&mut send, block);
-                plan.alone(Op::AllGather, send, vec![(i, 0..p.len)]);
-            }
-            Spread::Whole { rank: root } => {
-                let data = if holds {
-                    data
-                } else {
-                    HostData::filled(p.dtype, p.len, 0.0)
-                };
-                if data.nbytes() >= PACK_MAX_BYTES {
-                    plan.alone(Op::Broadcast { root }, data, vec![(i, 0..p.len)]);
-                } else {
-                    plan.pack(Op::Broadcast { root }, i, data);
-                }
+    let mut plan = Plan::new(pool);
+    // This rank's part of each key, or a buffer of the right length that MPI fills in.
+    let mine = |p: &Piece<'_>, len: usize, room: usize| match p.data {
+        Some(d) if p.spread.holds(rank) => {
+            let mut buf = pool.take(p.dtype, d.len(), room);
+            pool::copy_into(&mut buf, d);
+            buf
+        }
+        _ => pool.take(p.dtype, len, room),
+    };
+    for p in &pieces {
+        if let Spread::Whole { rank: root } = p.spread {
+            let len = p.len * p.dtype.size();
+            if len < PACK_MAX_BYTES {
+                plan.reserve_len(Op::Broadcast { root }, p.dtype, p.len);
             }
         }
     }
+    for (i, p) in pieces.iter().enumerate() {
+        match p.spread {
+            Spread::Sliced => {
+                let block = slice_block(p.len, size);
+                let mut send = mine(p, p.spread.piece(p.len, rank, size).len(), block);
+                pad(&mut send, block);
+                plan.alone(Op::AllGather, send, vec![(i, 0..p.len)]);
+            }
+            Spread::Whole { rank: root } if p.len * p.dtype.size() >= PACK_MAX_BYTES => {
+                let data = mine(p, p.len, p.len);
+                plan.alone(Op::Broadcast { root }, data, vec![(i, 0..p.len)]);
+            }
+            Spread::Whole { rank: root } => match p.data {
+                Some(d) if p.spread.holds(rank) => plan.pack(Op::Broadcast { root }, i, d),
+                _ => plan.pack_len(Op::Broadcast { root }, i, p.dtype, p.len),
+            },
+        }
+    }
     for (recv, members) in plan.run(call)? {
-        share(recv, members, |_| true, &mut out);
+        share(pool, recv, members, |_| true, &mut out);
     }
     out.into_iter()
         .map(|d| d.ok_or_else(|| internal("gather: a key got no value")))
@@ -294,6 +338,7 @@ pub(crate) fn gather(round: &mut Round<'_>, pieces: Vec<Piece>) -> Result<Vec<Ho
 /// Hands each member its elements of a transfer's result `recv`, for the members `wanted`
 /// says: moved when one member takes a prefix of it, copied otherwise.
 fn share(
+    pool: &Pool,
     recv: HostData,
     members: Members,
     wanted: impl Fn(usize) -> bool,
@@ -309,6 +354,7 @@ fn share(
             for (i, range) in members.into_iter().filter(|(i, _)| wanted(*i)) {
                 out[i] = Some(recv.slice_of(range));
             }
+            pool.give(recv);
         }
     }
 }
@@ -340,36 +386,75 @@ enum Op {
 type Members = Vec<(usize, Range<usize>)>;
 
 /// The collectives of one call, in the order every rank starts them.
-#[derive(Default)]
-struct Plan {
+struct Plan<'p> {
+    pool: &'p Pool,
     /// Transfers of one key each, in key order.
     alone: Vec<(Op, HostData, Members)>,
     /// Packed transfers by (op, dtype), each filled in key order.
     packed: BTreeMap<(Op, &'static str), (HostData, Members)>,
+    /// The elements each packed transfer will hold, so its buffer is taken once, whole.
+    sizes: BTreeMap<(Op, &'static str), usize>,
 }
 
-impl Plan {
+impl<'p> Plan<'p> {
+    fn new(pool: &'p Pool) -> Plan<'p> {
+        Plan {
+            pool,
+            alone: Vec::new(),
+            packed: BTreeMap::new(),
+            sizes: BTreeMap::new(),
+        }
+    }
+
+    /// Counts `data` towards the packed transfer of `op` and its dtype, if it will be packed.
+    fn reserve(&mut self, op: Op, data: &HostData) {
+        if data.nbytes() < PACK_MAX_BYTES {
+            self.reserve_len(op, data.dtype(), data.len());
+        }
+    }
+
+    /// Counts `len` elements of `dtype` towards the packed transfer of `op` and that dtype.
+    fn reserve_len(&mut self, op: Op, dtype: DType, len: usize) {
+        *self.sizes.entry((op, dtype.name())).or_default() += len;
+    }
+
     /// A transfer of one buffer.
     fn alone(&mut self, op: Op, data: HostData, members: Members) {
         self.alone.push((op, data, members));
     }
 
+    /// The packed transfer of `op` and `dtype`, made on first use with room for all of it.
+    fn bucket(&mut self, op: Op, dtype: DType) -> &mut (HostData, Members) {
+        let room = self.sizes.get(&(op, dtype.name())).copied().unwrap_or(0);
+        let pool = self.pool;
+        self.packed
+            .entry((op, dtype.name()))
+            .or_insert_with(|| (pool.take(dtype, 0, room), Vec::new()))
+    }
+
     /// Appends key `i`'s `data` to the packed transfer of `op` and its dtype.
-    fn pack(&mut self, op: Op, i: usize, data: HostData) {
-        let (buf, members) = self
-            .packed
-            .entry((op, data.dtype().name()))
-            .or_insert_with(|| (HostData::filled(data.dtype(), 0, 0.0), Vec::new()));
+    fn pack(&mut self, op: Op, i: usize, data: &HostData) {
+        let (buf, members) = self.bucket(op, data.dtype());
         let start = buf.len();
-        append(buf, &data);
+        append(buf, data);
+        members.push((i, start..buf.len()));
+    }
+
+    /// Appends `len` elements (whose values do not matter: MPI writes them) for key `i` to the
+    /// packed transfer of `op` and `dtype`.
+    fn pack_len(&mut self, op: Op, i: usize, dtype: DType, len: usize) {
+        let (buf, members) = self.bucket(op, dtype);
+        let start = buf.len();
+        pad(buf, start + len);
         members.push((i, start..buf.len()));
     }
 
     /// Starts every transfer, then waits for all of them. Returns each transfer's result with
-    /// its members.
+    /// its members; the send buffers go back to the pool.
     fn run(self, call: &mut Call) -> Result<Vec<(HostData, Members)>> {
         let rank = call.world().rank();
         let size = call.world().size();
+        let pool = self.pool;
         let transfers = self.alone.into_iter().chain(
             self.packed
                 .into_iter()
@@ -377,11 +462,13 @@ impl Plan {
         );
         let mut flights = Vec::new();
         for (op, data, members) in transfers {
-            flights.push((start(call, op, data, rank, size)?, members));
+            flights.push((start(call, pool, op, data, rank, size)?, members));
         }
         let mut done = Vec::with_capacity(flights.len());
         for (flight, members) in flights {
-            done.push((flight.land(call)?, members));
+            let (send, recv) = flight.land(call)?;
+            pool.give(send);
+            done.push((recv, members));
         }
         Ok(done)
     }
@@ -396,44 +483,57 @@ enum Flight {
 }
 
 /// Starts `op` on `data` (this rank's send buffer, or the buffer a broadcast fills).
-fn start(call: &mut Call, op: Op, data: HostData, rank: usize, size: usize) -> Result<Flight> {
+fn start(
+    call: &mut Call,
+    pool: &Pool,
+    op: Op,
+    data: HostData,
+    rank: usize,
+    size: usize,
+) -> Result<Flight> {
+    let recv_len = match op {
+        Op::Reduce { root } if root == rank => data.len(),
+        Op::Reduce { .. } | Op::Broadcast { .. } => 0,
+        Op::ReduceScatter => data.len() / size,
+        Op::AllGather => data.len() * size,
+    };
+    let recv = pool.take(data.dtype(), recv_len, recv_len);
     macro_rules! typed {
-        ($v:ident => $e:expr) => {
-            match data {
-                HostData::F32($v) => Flight::F32($e),
-                HostData::F64($v) => Flight::F64($e),
-                HostData::F16($v) => Flight::F16($e),
-                HostData::BF16($v) => Flight::BF16($e),
+        (|$s:ident, $r:ident| $e:expr) => {
+            match (data, recv) {
+                (HostData::F32($s), HostData::F32($r)) => Flight::F32($e),
+                (HostData::F64($s), HostData::F64($r)) => Flight::F64($e),
+                (HostData::F16($s), HostData::F16($r)) => Flight::F16($e),
+                (HostData::BF16($s), HostData::BF16($r)) => Flight::BF16($e),
+                _ => return Err(internal("a receive buffer of another dtype")),
             }
         };
     }
     Ok(match op {
-        Op::Reduce { root } => typed!(v => {
-            let recv = if root == rank { vec![Default::default(); v.len()] } else { Vec::new() };
-            call.reduce_sum(v, recv, root)?
-        }),
-        Op::Broadcast { root } => typed!(v => call.broadcast(v, root)?),
-        Op::ReduceScatter => typed!(v => {
-            let recv = vec![Default::default(); v.len() / size];
-            call.reduce_scatter(v, recv)?
-        }),
-        Op::AllGather => typed!(v => {
-            let recv = vec![Default::default(); v.len() * size];
-            call.all_gather(v, recv)?
-        }),
+        Op::Reduce { root } => typed!(|s, r| call.reduce_sum(s, r, root)?),
+        Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
+        Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
+        Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
     })
 }
 
 impl Flight {
-    /// Waits for the collective (bounded by the timeout) and returns its result buffer.
-    fn land(self, call: &mut Call) -> Result<HostData> {
+    /// Waits for the collective (bounded by the timeout) and returns its send and result
+    /// buffers.
+    fn land(self, call: &mut Call) -> Result<(HostData, HostData)> {
         Ok(match self {
-            Flight::F32(p) => HostData::F32(call.wait(p)?.recv),
-            Flight::F64(p) => HostData::F64(call.wait(p)?.recv),
-            Flight::F16(p) => HostData::F16(call.wait(p)?.recv),
-            Flight::BF16(p) => HostData::BF16(call.wait(p)?.recv),
+            Flight::F32(p) => wrap(call.wait(p)?),
+            Flight::F64(p) => wrap(call.wait(p)?),
+            Flight::F16(p) => wrap(call.wait(p)?),
+            Flight::BF16(p) => wrap(call.wait(p)?),
         })
     }
+}
+
+/// The buffers of a finished collective: (send, result). A broadcast's result is its one
+/// buffer, which the transport hands back as `recv`.
+fn wrap<T: Element>(done: super::mpi::Done<T>) -> (HostData, HostData) {
+    (T::wrap(done.send), T::wrap(done.recv))
 }
 
 /// Extends `data` with zeros to `len` elements.

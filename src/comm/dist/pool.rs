@@ -1,0 +1,149 @@
+//! Host buffers kept from one call of a dist store to the next, so that a big transfer writes
+//! into memory that is already mapped instead of paying the kernel's page faults on fresh pages
+//! every call (glibc hands big allocations back to the kernel when they are freed). The send
+//! and receive buffers of the collectives, the local sums and the copies a pull sends all come
+//! from here and go back here.
+//!
+//! At most `KVSTORE_DIST_POOL_BYTES` bytes are kept (default 1 GiB); buffers under 64 KiB are
+//! not kept (the allocator keeps those mapped anyway).
+
+use std::sync::Mutex;
+
+use crate::host::{convert_into, with_host, HostData};
+use crate::{DType, Element, Error, Result};
+
+/// The default of `KVSTORE_DIST_POOL_BYTES`.
+pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
+
+/// Buffers smaller than this are not worth keeping.
+const MIN_KEPT_BYTES: usize = 64 << 10;
+
+/// Host buffers kept between calls.
+pub(crate) struct Pool {
+    bufs: Mutex<Vec<HostData>>,
+    max_bytes: usize,
+}
+
+/// The bytes a buffer holds room for.
+fn room_bytes(b: &HostData) -> usize {
+    with_host!(b, v: T => v.capacity() * std::mem::size_of::<T>())
+}
+
+impl Pool {
+    /// A pool that keeps at most `KVSTORE_DIST_POOL_BYTES` bytes.
+    pub fn from_env() -> Result<Pool> {
+        const VAR: &str = "KVSTORE_DIST_POOL_BYTES";
+        let expected = "a whole number of bytes (0 keeps no buffers between calls)";
+        let max_bytes = match std::env::var(VAR) {
+            Err(std::env::VarError::NotPresent) => DEFAULT_POOL_BYTES,
+            Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
+                var: VAR,
+                value: v,
+                expected,
+            })?,
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(Error::InvalidEnv {
+                    var: VAR,
+                    value: v.to_string_lossy().into_owned(),
+                    expected,
+                })
+            }
+        };
+        Ok(Pool {
+            bufs: Mutex::new(Vec::new()),
+            max_bytes,
+        })
+    }
+
+    /// A buffer of `len` elements of `dtype`, with room for `room` elements (at least `len`)
+    /// so that it can grow that far without moving. Its contents are unspecified.
+    pub fn take(&self, dtype: DType, len: usize, room: usize) -> HostData {
+        let room = room.max(len);
+        let mut bufs = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let fits = |b: &HostData| b.dtype() == dtype && room_bytes(b) >= room * dtype.size();
+        let best = bufs
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| fits(b))
+            .min_by_key(|(_, b)| room_bytes(b))
+            .map(|(i, _)| i);
+        let mut buf = match best {
+            Some(i) => bufs.swap_remove(i),
+            None => {
+                drop(bufs);
+                return with_room(dtype, len, room);
+            }
+        };
+        drop(bufs);
+        with_host!(&mut buf, v: T => v.resize(len, T::from_f64(0.0)));
+        buf
+    }
+
+    /// Keeps `buf` for a later [`Pool::take`], within the pool's bound (the oldest buffers go
+    /// first).
+    pub fn give(&self, buf: HostData) {
+        let bytes = room_bytes(&buf);
+        if bytes < MIN_KEPT_BYTES || bytes > self.max_bytes {
+            return;
+        }
+        let mut bufs = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        bufs.push(buf);
+        let mut total: usize = bufs.iter().map(room_bytes).sum();
+        while total > self.max_bytes {
+            let old = bufs.remove(0);
+            total -= room_bytes(&old);
+        }
+    }
+}
+
+/// A fresh buffer of `len` elements (zeros) with room for `room`.
+fn with_room(dtype: DType, len: usize, room: usize) -> HostData {
+    fn make<T: Element>(len: usize, room: usize) -> HostData {
+        let mut v: Vec<T> = Vec::with_capacity(room);
+        v.resize(len, T::from_f64(0.0));
+        T::wrap(v)
+    }
+    match dtype {
+        DType::F32 => make::<f32>(len, room),
+        DType::F64 => make::<f64>(len, room),
+        DType::F16 => make::<half::f16>(len, room),
+        DType::BF16 => make::<half::bf16>(len, room),
+    }
+}
+
+/// Copies `src` into `dst`, which has its length.
+pub(crate) fn copy_into(dst: &mut HostData, src: &HostData) {
+    with_host!(src, s: T => convert_into(s, dst));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_come_back_with_their_room_and_the_bound_holds() {
+        let pool = Pool {
+            bufs: Mutex::new(Vec::new()),
+            max_bytes: 3 << 20,
+        };
+        let a = pool.take(DType::F32, 100_000, 250_000);
+        assert_eq!((a.len(), room_bytes(&a) >= 1_000_000), (100_000, true));
+        pool.give(a);
+        // The kept buffer serves a request that fits its room, at the length asked.
+        let b = pool.take(DType::F32, 200_000, 200_000);
+        assert_eq!(b.len(), 200_000);
+        assert!(pool.bufs.lock().unwrap().is_empty());
+        // Another dtype does not take it.
+        pool.give(b);
+        let c = pool.take(DType::F64, 10, 10);
+        assert_eq!(pool.bufs.lock().unwrap().len(), 1);
+        pool.give(c); // too small to keep
+        assert_eq!(pool.bufs.lock().unwrap().len(), 1);
+        // Past the bound, the oldest buffers go.
+        for _ in 0..4 {
+            pool.give(with_room(DType::F32, 0, 250_000));
+        }
+        let kept: usize = pool.bufs.lock().unwrap().iter().map(room_bytes).sum();
+        assert!(kept <= 3 << 20, "{kept}");
+    }
+}
