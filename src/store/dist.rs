@@ -37,7 +37,7 @@ use super::table::place_on_ranks;
 use super::{check_new_keys, hyper, insert_slots, kinds_of, read, write, KvStore, StoreKind};
 use crate::backend::{probe, HomePull, HomeValue, KeyFacts};
 use crate::comm::dist::Round;
-use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum};
+use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum, SumData};
 use crate::comm::mpi::Fingerprint;
 use crate::comm::{self, KeyPush, Spread};
 use crate::host::HostData;
@@ -66,6 +66,23 @@ pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
         home => {
             let flat = Shape::new(&[part.len()])?;
             HomeValue::copy_of(&NDArray::from_host(part, flat, cpu(0)), home)
+        }
+    }
+}
+
+/// This rank's contribution to a key of a push: its values' sum, or its one value itself.
+enum Mine<'a> {
+    Summed(NDArray),
+    Single(&'a NDArray),
+}
+
+impl Mine<'_> {
+    /// The contribution as an array of its own, which a collective may overwrite (a single
+    /// value is copied: it is the caller's).
+    fn into_array(self) -> Result<NDArray> {
+        match self {
+            Mine::Summed(a) => Ok(a),
+            Mine::Single(a) => a.copy(),
         }
     }
 }
@@ -194,15 +211,21 @@ impl KvStore {
     ) -> Result<()> {
         let ctx = self.ctx();
         // This process's sums, before the call: reading a value may fail.
+        // On host ranks, a key pushed one value in host memory (checked: of its dtype) is read
+        // where it is; otherwise this rank's values are summed first.
         let sums = groups
             .iter()
-            .map(|g| {
-                let len = g.slot.shape.size();
-                let scratch = d
-                    .gpu()
-                    .is_none()
-                    .then(|| d.pool().take(g.slot.dtype, len, d.room(len)));
-                comm::local_sum(ctx, &g.slot.facts(), &g.arrays, d.home(), scratch)
+            .map(|g| match g.arrays.as_slice() {
+                [a] if d.gpu().is_none() && !a.device().is_gpu() => Ok(Mine::Single(*a)),
+                _ => {
+                    let len = g.slot.shape.size();
+                    let scratch = d
+                        .gpu()
+                        .is_none()
+                        .then(|| d.pool().take(g.slot.dtype, len, d.room(len)));
+                    let facts = g.slot.facts();
+                    comm::local_sum(ctx, &facts, &g.arrays, d.home(), scratch).map(Mine::Summed)
+                }
             })
             .collect::<Result<Vec<_>>>()
             .map_err(|e| d.reject(op, e))?;
@@ -215,7 +238,13 @@ impl KvStore {
             Some(rc) => {
                 let roots = groups.iter().map(|g| root_of(g.slot.spread));
                 let call = d.begin(&fp)?;
-                let totals = dist::reduce_on_gpus(rc, sums.into_iter().zip(roots).collect())?;
+                let sums = sums
+                    .into_iter()
+                    .map(Mine::into_array)
+                    .zip(roots)
+                    .map(|(a, r)| Ok((a?, r)))
+                    .collect::<Result<Vec<_>>>()?;
+                let totals = dist::reduce_on_gpus(rc, sums)?;
                 (call, totals)
             }
             None => {
@@ -223,8 +252,12 @@ impl KvStore {
                     .iter()
                     .zip(sums)
                     .map(|(g, s)| {
+                        let data = match s {
+                            Mine::Summed(s) => SumData::Owned(s.into_host()?),
+                            Mine::Single(a) => SumData::Value(a),
+                        };
                         Ok(Sum {
-                            data: s.into_host()?,
+                            data,
                             spread: g.slot.spread,
                         })
                     })

@@ -226,9 +226,53 @@ fn bound_from_env() -> Result<usize> {
 
 /// One key of a reduce: this rank's sum of its own values (every element), and where the key
 /// lives.
-pub(crate) struct Sum {
-    pub data: HostData,
+pub(crate) struct Sum<'a> {
+    pub data: SumData<'a>,
     pub spread: Spread,
+}
+
+/// This rank's sum of a key's values: computed, or the key's one value itself (in host memory,
+/// of the key's dtype), read where it is.
+pub(crate) enum SumData<'a> {
+    Owned(HostData),
+    Value(&'a NDArray),
+}
+
+impl SumData<'_> {
+    fn len(&self) -> usize {
+        match self {
+            SumData::Owned(h) => h.len(),
+            SumData::Value(a) => a.size(),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            SumData::Owned(h) => h.dtype(),
+            SumData::Value(a) => a.dtype(),
+        }
+    }
+
+    /// Runs `f` on the elements (a value's are read in place, under its read lock).
+    fn read<R>(&self, f: impl FnOnce(&HostData) -> R) -> Result<R> {
+        match self {
+            SumData::Owned(h) => Ok(f(h)),
+            SumData::Value(a) => a.with_host(f),
+        }
+    }
+
+    /// The elements in a buffer of their own with room for `room` elements: a computed sum as
+    /// it is, a value copied into a buffer from `pool`.
+    fn into_buffer(self, pool: &Pool, room: usize) -> Result<HostData> {
+        match self {
+            SumData::Owned(h) => Ok(h),
+            SumData::Value(a) => {
+                let mut buf = pool.take(a.dtype(), 0, room);
+                a.with_host(|h| append(&mut buf, h))?;
+                Ok(buf)
+            }
+        }
+    }
 }
 
 /// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
@@ -237,7 +281,7 @@ pub(crate) struct Sum {
 pub(crate) fn reduce(
     round: &mut Round<'_>,
     pool: &Pool,
-    sums: Vec<Sum>,
+    sums: Vec<Sum<'_>>,
 ) -> Result<Vec<Option<HostData>>> {
     let call = round.mpi()?;
     let (rank, size) = (call.world().rank(), call.world().size());
@@ -246,23 +290,29 @@ pub(crate) fn reduce(
     let mut plan = Plan::new(pool);
     for s in &sums {
         if let Spread::Whole { rank: root } = s.spread {
-            plan.reserve(Op::Reduce { root }, &s.data);
+            if s.data.len() * s.data.dtype().size() < PACK_MAX_BYTES {
+                plan.reserve_len(Op::Reduce { root }, s.data.dtype(), s.data.len());
+            }
         }
     }
     for (i, s) in sums.into_iter().enumerate() {
         let len = s.data.len();
+        let bytes = len * s.data.dtype().size();
         match s.spread {
             Spread::Sliced => {
                 let block = slice_block(len, size);
-                let mut send = s.data;
+                let mut send = s.data.into_buffer(pool, block * size)?;
                 pad(&mut send, block * size);
                 let mine = s.spread.piece(len, rank, size);
                 plan.alone(Op::ReduceScatter, send, vec![(i, 0..mine.len())]);
             }
-            Spread::Whole { rank: root } if s.data.nbytes() >= PACK_MAX_BYTES => {
-                plan.alone(Op::Reduce { root }, s.data, vec![(i, 0..len)]);
+            Spread::Whole { rank: root } if bytes >= PACK_MAX_BYTES => {
+                let send = s.data.into_buffer(pool, len)?;
+                plan.alone(Op::Reduce { root }, send, vec![(i, 0..len)]);
             }
-            Spread::Whole { rank: root } => plan.pack(Op::Reduce { root }, i, &s.data),
+            Spread::Whole { rank: root } => {
+                s.data.read(|h| plan.pack(Op::Reduce { root }, i, h))?;
+            }
         }
     }
     for (recv, members) in plan.run(call)? {
@@ -406,13 +456,6 @@ impl<'p> Plan<'p> {
         }
     }
 
-    /// Counts `data` towards the packed transfer of `op` and its dtype, if it will be packed.
-    fn reserve(&mut self, op: Op, data: &HostData) {
-        if data.nbytes() < PACK_MAX_BYTES {
-            self.reserve_len(op, data.dtype(), data.len());
-        }
-    }
-
     /// Counts `len` elements of `dtype` towards the packed transfer of `op` and that dtype.
     fn reserve_len(&mut self, op: Op, dtype: DType, len: usize) {
         *self.sizes.entry((op, dtype.name())).or_default() += len;
@@ -547,13 +590,6 @@ fn append(buf: &mut HostData, more: &HostData) {
         Some(m) => v.extend_from_slice(m),
         None => v.extend(more.to_vec::<T>()),
     });
-}
-
-impl HostData {
-    /// Bytes of the elements.
-    fn nbytes(&self) -> usize {
-        self.len() * self.dtype().size()
-    }
 }
 
 /// An error for a broken invariant of this module, rather than a panic.
