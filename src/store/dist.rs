@@ -216,7 +216,7 @@ impl KvStore {
         let sums = groups
             .iter()
             .map(|g| match g.arrays.as_slice() {
-                [a] if d.gpu().is_none() && !a.device().is_gpu() => Ok(Mine::Single(*a)),
+                [a] if d.gpu().is_none() && !a.device().is_gpu() => Ok(Mine::Single(a)),
                 _ => {
                     let len = g.slot.shape.size();
                     let scratch = d
