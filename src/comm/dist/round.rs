@@ -9,7 +9,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use super::super::mpi::fingerprint::{mismatch_detail, rejections, Record};
+use super::super::mpi::fingerprint::{mismatch_error, Record};
 use super::super::mpi::{Call, Fingerprint};
 use super::super::nccl::RankComm;
 use crate::{DType, Device, Error, NDArray, Result};
@@ -181,24 +181,7 @@ fn check_fingerprint(rc: &RankComm, fp: &Fingerprint, seq: u64) -> Result<()> {
             String::from_utf8_lossy(&bytes).into_owned()
         })
         .collect();
-    let rejected = rejections(&texts);
-    if !rejected.is_empty() {
-        let detail = rejected
-            .iter()
-            .map(|(r, why)| format!("rank {r} rejected its input: {why}"))
-            .collect::<Vec<_>>()
-            .join("; ");
-        return Err(Error::RankRejected {
-            op: fp.op(),
-            seq,
-            detail,
-        });
-    }
-    Err(Error::Desync {
-        op: fp.op(),
-        seq,
-        detail: mismatch_detail(&texts),
-    })
+    Err(mismatch_error(fp.op(), seq, &texts))
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 
 use std::fmt::Write as _;
 
-use crate::{DType, Key};
+use crate::{DType, Error, Key};
 
 /// One entry of a call: a key with the shape and dtype of its value.
 #[derive(Clone, Debug, PartialEq)]
@@ -173,7 +173,7 @@ const REJECTED: &str = "!rejected";
 
 /// The ranks that rejected their input for the call, with why, from every rank's description
 /// (`texts[rank]`): empty when none did.
-pub(crate) fn rejections(texts: &[String]) -> Vec<(usize, String)> {
+fn rejections(texts: &[String]) -> Vec<(usize, String)> {
     texts
         .iter()
         .enumerate()
@@ -183,6 +183,26 @@ pub(crate) fn rejections(texts: &[String]) -> Vec<(usize, String)> {
                 .map(|why| (rank, why.to_owned()))
         })
         .collect()
+}
+
+/// The error of call `seq` of `op` whose fingerprints differed, from every rank's description
+/// (`texts[rank]`): [`Error::RankRejected`] when a rank rejected its input (every rank stopped at
+/// the same check, before any data moved, so the world stays usable), else [`Error::Desync`].
+pub(crate) fn mismatch_error(op: &'static str, seq: u64, texts: &[String]) -> Error {
+    let rejected = rejections(texts);
+    if rejected.is_empty() {
+        return Error::Desync {
+            op,
+            seq,
+            detail: mismatch_detail(texts),
+        };
+    }
+    let detail = rejected
+        .iter()
+        .map(|(r, why)| format!("rank {r} rejected its input: {why}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Error::RankRejected { op, seq, detail }
 }
 
 /// The words for an op and its keys.
@@ -229,7 +249,7 @@ pub(super) fn ranks(r: &[usize]) -> String {
 
 /// How the ranks' descriptions (`texts[rank]`) differ, in words every rank computes alike: each
 /// group of ranks that differs from rank 0's group is compared with it, at its first difference.
-pub(crate) fn mismatch_detail(texts: &[String]) -> String {
+fn mismatch_detail(texts: &[String]) -> String {
     // Group ranks by identical descriptions, in order of their first rank.
     let mut groups: Vec<(Described, Vec<usize>)> = Vec::new();
     for (rank, t) in texts.iter().enumerate() {

@@ -712,27 +712,10 @@ impl Call {
                 String::from_utf8_lossy(&bytes).into_owned()
             })
             .collect();
-        let rejected = fingerprint::rejections(&texts);
-        if !rejected.is_empty() {
-            // Every rank stopped at the same check, before any data moved: the world stays
-            // usable, and the call is an error on every rank.
-            let detail = rejected
-                .iter()
-                .map(|(r, why)| format!("rank {r} rejected its input: {why}"))
-                .collect::<Vec<_>>()
-                .join("; ");
-            return Err(Error::RankRejected {
-                op: self.op,
-                seq: self.seq,
-                detail,
-            });
+        let err = fingerprint::mismatch_error(self.op, self.seq, &texts);
+        if matches!(err, Error::Desync { .. }) {
+            self.world.poison_with(err.to_string());
         }
-        let err = Error::Desync {
-            op: self.op,
-            seq: self.seq,
-            detail: fingerprint::mismatch_detail(&texts),
-        };
-        self.world.poison_with(err.to_string());
         Err(err)
     }
 
