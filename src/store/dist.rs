@@ -29,7 +29,8 @@
 //! order: the collectives of MPI (and NCCL) match calls by their order. Set the same updater on
 //! every rank; it runs on the ranks that hold each key.
 
-use std::sync::{Once, RwLockReadGuard};
+use std::collections::HashMap;
+use std::sync::{Once, RwLockReadGuard, RwLockWriteGuard};
 
 use super::groups::{issue_order, lock_cells, Group};
 use super::hook::{call_hook, pushed};
@@ -41,6 +42,7 @@ use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum, SumData};
 use crate::comm::mpi::Fingerprint;
 use crate::comm::{self, KeyPush, Spread};
 use crate::host::HostData;
+use crate::ndarray::Storage;
 use crate::{cpu, Device, Error, Key, NDArray, Result, Shape, Updater};
 
 /// Joins the distributed world for a store of `kind` (named `name`): `dist_device_sync` on a
@@ -162,6 +164,7 @@ impl KvStore {
                         len: v.size(),
                         dtype: v.dtype(),
                         spread: Spread::Whole { rank: 0 },
+                        into: None,
                     })
                     .collect();
                 let hosts = dist::gather(&mut call, d.pool(), pieces)?;
@@ -394,7 +397,7 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
             .iter()
             .map(|a| HomeValue::copy_of(a, d.home()))
             .collect::<Result<Vec<_>>>()?;
-        return fan_out(ctx, groups, &values);
+        return fan_out(ctx, groups, &values, &[]);
     }
     // This rank's parts, read where they are (host values are borrowed, not copied).
     let parts = groups
@@ -405,21 +408,49 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
             false => Ok(None),
         })
         .collect::<Result<Vec<_>>>()?;
+    // A key's only out, in host memory and of the key's dtype, and no other key's out, receives
+    // the value itself, with no copy afterwards: its storage is lent to the transfer under its
+    // write lock.
+    let mut lent = lend_outs(d, groups);
     let pieces = groups
         .iter()
         .zip(&parts)
-        .map(|(g, part)| Piece {
+        .zip(lent.iter_mut())
+        .map(|((g, part), lent)| Piece {
             data: part.as_deref(),
             len: g.slot.shape.size(),
             dtype: g.slot.dtype,
             spread: g.slot.spread,
+            into: lent.as_mut().and_then(|out| match &mut **out {
+                Storage::Host(h) => Some(std::mem::replace(h, HostData::filled(h.dtype(), 0, 0.0))),
+                Storage::Gpu(_) => None,
+            }),
         })
         .collect();
-    let values: Vec<HomeValue> = dist::gather(call, d.pool(), pieces)?
-        .into_iter()
-        .map(HomeValue::from_host)
-        .collect();
-    let pulled = fan_out(ctx, groups, &values);
+    let mut gathered = match dist::gather(call, d.pool(), pieces) {
+        Ok(g) => g,
+        Err(e) => {
+            // A lent out's storage may be lost with the failed transfer: give it zeros of
+            // its length, so the array stays whole.
+            for (g, out) in groups.iter().zip(lent.iter_mut()) {
+                if let Some(Storage::Host(h)) = out.as_deref_mut() {
+                    *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
+                }
+            }
+            return Err(e);
+        }
+    };
+    // The lent outs get their storage back, holding the value.
+    let mut in_place = vec![false; groups.len()];
+    for (i, out) in lent.iter_mut().enumerate() {
+        if let Some(Storage::Host(h)) = out.as_deref_mut() {
+            std::mem::swap(h, &mut gathered[i]);
+            in_place[i] = true;
+        }
+    }
+    drop(lent);
+    let values: Vec<HomeValue> = gathered.into_iter().map(HomeValue::from_host).collect();
+    let pulled = fan_out(ctx, groups, &values, &in_place);
     // The whole values' buffers serve the next call.
     for v in values {
         if let Ok(h) = v.into_host() {
@@ -429,10 +460,48 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
     pulled
 }
 
-/// Copies every group's whole value (`values`, in group order) into its outs, in issue order.
-fn fan_out(ctx: comm::Ctx, groups: &[Group<'_>], values: &[HomeValue]) -> Result<()> {
+/// Write locks on the outs that receive their key's value in place (see [`pull_parts`]), per
+/// group: the key's only out, in host memory, of its dtype, named by no other key of the call,
+/// for a key whose value travels in a buffer of its own.
+fn lend_outs<'g>(d: &Dist, groups: &'g [Group<'_>]) -> Vec<Option<RwLockWriteGuard<'g, Storage>>> {
+    let mut uses: HashMap<usize, usize> = HashMap::new();
+    for g in groups {
+        for a in &g.arrays {
+            *uses.entry(a.storage_id()).or_default() += 1;
+        }
+    }
+    groups
+        .iter()
+        .map(|g| match g.arrays.as_slice() {
+            [out]
+                if uses[&out.storage_id()] == 1
+                    && out.dtype() == g.slot.dtype
+                    && !out.device().is_gpu()
+                    && dist::receives_in_place(
+                        g.slot.spread,
+                        g.slot.shape.size(),
+                        g.slot.dtype,
+                        d.size(),
+                    ) =>
+            {
+                Some(out.write())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Copies every group's whole value (`values`, in group order) into its outs, in issue order,
+/// except the groups `done` marks (their outs hold the value already).
+fn fan_out(
+    ctx: comm::Ctx,
+    groups: &[Group<'_>],
+    values: &[HomeValue],
+    done: &[bool],
+) -> Result<()> {
     let jobs: Vec<HomePull<'_>> = issue_order(groups)
         .into_iter()
+        .filter(|&i| !done.get(i).copied().unwrap_or(false))
         .map(|i| HomePull {
             key: &groups[i].slot.key,
             value: &values[i],

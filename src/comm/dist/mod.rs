@@ -329,6 +329,19 @@ pub(crate) struct Piece<'a> {
     pub len: usize,
     pub dtype: DType,
     pub spread: Spread,
+    /// A buffer of `len` elements to receive the whole value into (an out's own storage), for
+    /// a key that [`receives_in_place`]; the value comes back in it.
+    pub into: Option<HostData>,
+}
+
+/// Whether a key of `len` elements of `dtype` spread as `spread` over `size` ranks travels in
+/// a buffer of its own that can be its destination: a sliced key whose slices fill it exactly,
+/// or a whole key too big to pack. [`gather`] then receives it into [`Piece::into`] when given.
+pub(crate) fn receives_in_place(spread: Spread, len: usize, dtype: DType, size: usize) -> bool {
+    match spread {
+        Spread::Sliced => len % size.max(1) == 0,
+        Spread::Whole { .. } => len * dtype.size() >= PACK_MAX_BYTES,
+    }
 }
 
 /// Brings every key's whole value to every rank, from where it lives. The values come from
@@ -336,7 +349,7 @@ pub(crate) struct Piece<'a> {
 pub(crate) fn gather(
     round: &mut Round<'_>,
     pool: &Pool,
-    pieces: Vec<Piece<'_>>,
+    mut pieces: Vec<Piece<'_>>,
 ) -> Result<Vec<HostData>> {
     let call = round.mpi()?;
     let (rank, size) = (call.world().rank(), call.world().size());
@@ -359,16 +372,31 @@ pub(crate) fn gather(
             }
         }
     }
-    for (i, p) in pieces.iter().enumerate() {
+    for (i, p) in pieces.iter_mut().enumerate() {
+        let into = match receives_in_place(p.spread, p.len, p.dtype, size) {
+            true => p
+                .into
+                .take()
+                .filter(|b| b.len() == p.len && b.dtype() == p.dtype),
+            false => None,
+        };
         match p.spread {
             Spread::Sliced => {
                 let block = slice_block(p.len, size);
                 let mut send = mine(p, p.spread.piece(p.len, rank, size).len(), block);
                 pad(&mut send, block);
-                plan.alone(Op::AllGather, send, vec![(i, 0..p.len)]);
+                plan.alone_into(Op::AllGather, send, into, vec![(i, 0..p.len)]);
             }
             Spread::Whole { rank: root } if p.len * p.dtype.size() >= PACK_MAX_BYTES => {
-                let data = mine(p, p.len, p.len);
+                let data = match (into, p.data) {
+                    // The home copies its value into the destination and sends from there.
+                    (Some(mut buf), Some(d)) if p.spread.holds(rank) => {
+                        pool::copy_into(&mut buf, d);
+                        buf
+                    }
+                    (Some(buf), _) => buf,
+                    (None, _) => mine(p, p.len, p.len),
+                };
                 plan.alone(Op::Broadcast { root }, data, vec![(i, 0..p.len)]);
             }
             Spread::Whole { rank: root } => match p.data {
@@ -438,8 +466,8 @@ type Members = Vec<(usize, Range<usize>)>;
 /// The collectives of one call, in the order every rank starts them.
 struct Plan<'p> {
     pool: &'p Pool,
-    /// Transfers of one key each, in key order.
-    alone: Vec<(Op, HostData, Members)>,
+    /// Transfers of one key each, in key order, with the buffer to receive into when given.
+    alone: Vec<(Op, HostData, Option<HostData>, Members)>,
     /// Packed transfers by (op, dtype), each filled in key order.
     packed: BTreeMap<(Op, &'static str), (HostData, Members)>,
     /// The elements each packed transfer will hold, so its buffer is taken once, whole.
@@ -463,7 +491,12 @@ impl<'p> Plan<'p> {
 
     /// A transfer of one buffer.
     fn alone(&mut self, op: Op, data: HostData, members: Members) {
-        self.alone.push((op, data, members));
+        self.alone.push((op, data, None, members));
+    }
+
+    /// A transfer of one buffer, received into `recv` when given.
+    fn alone_into(&mut self, op: Op, data: HostData, recv: Option<HostData>, members: Members) {
+        self.alone.push((op, data, recv, members));
     }
 
     /// The packed transfer of `op` and `dtype`, made on first use with room for all of it.
@@ -501,11 +534,11 @@ impl<'p> Plan<'p> {
         let transfers = self.alone.into_iter().chain(
             self.packed
                 .into_iter()
-                .map(|((op, _), (data, members))| (op, data, members)),
+                .map(|((op, _), (data, members))| (op, data, None, members)),
         );
         let mut flights = Vec::new();
-        for (op, data, members) in transfers {
-            flights.push((start(call, pool, op, data, rank, size)?, members));
+        for (op, data, recv, members) in transfers {
+            flights.push((start(call, pool, op, data, recv, rank, size)?, members));
         }
         let mut done = Vec::with_capacity(flights.len());
         for (flight, members) in flights {
@@ -531,6 +564,7 @@ fn start(
     pool: &Pool,
     op: Op,
     data: HostData,
+    recv: Option<HostData>,
     rank: usize,
     size: usize,
 ) -> Result<Flight> {
@@ -540,7 +574,10 @@ fn start(
         Op::ReduceScatter => data.len() / size,
         Op::AllGather => data.len() * size,
     };
-    let recv = pool.take(data.dtype(), recv_len, recv_len);
+    let recv = match recv {
+        Some(r) if r.len() == recv_len => r,
+        _ => pool.take(data.dtype(), recv_len, recv_len),
+    };
     macro_rules! typed {
         (|$s:ident, $r:ident| $e:expr) => {
             match (data, recv) {
