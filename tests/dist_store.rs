@@ -373,6 +373,7 @@ fn inner() {
         "schedule" => case_schedule(),
         "hook_steps" => case_hook_steps(),
         "updater_failure" => case_updater_failure(),
+        "values_kept" => case_values_kept(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -2004,6 +2005,55 @@ fn case_hook_steps() {
     );
     kv.barrier().unwrap();
     ok(&kv, "hook_steps", "");
+}
+
+/// A pushed value's storage is lent to the transfer when the key travels alone: it must come
+/// back unchanged, and a pull's out must hold the value, whether the key is sliced (key 0) or
+/// whole and big (key 1, 2^17 elements, at a bound above it on 2 ranks) or small (key 2).
+#[test]
+fn pushed_values_come_back_unchanged_on_2_ranks() {
+    healthy(2, "values_kept", &[("KVSTORE_BIGARRAY_BOUND", "200000")]);
+}
+
+fn case_values_kept() {
+    let kv = store("dist_sync");
+    let (r, n) = (kv.rank(), kv.num_workers());
+    let lens = [400_000usize, 1 << 17, 10];
+    let keys = [0, 1, 2];
+    let init: Vec<NDArray> = lens.iter().map(|&l| NDArray::zeros([l])).collect();
+    kv.init_list(&keys, &init).unwrap();
+    let grads: Vec<Vec<f64>> = lens
+        .iter()
+        .map(|&l| {
+            (0..l)
+                .map(|i| ((i * 7 + r * 3) % 11) as f64 - 5.0)
+                .collect()
+        })
+        .collect();
+    let values: Vec<NDArray> = grads
+        .iter()
+        .map(|g| arr(g, &[g.len()], DType::F32, 0))
+        .collect();
+    for round in 1..=2 {
+        kv.push_list(&keys, &values).unwrap();
+        for (v, g) in values.iter().zip(&grads) {
+            assert_eq!(
+                get(v),
+                *g,
+                "rank {r}: a pushed value changed (round {round})"
+            );
+        }
+        let outs: Vec<NDArray> = lens.iter().map(|&l| NDArray::zeros([l])).collect();
+        kv.pull_list(&keys, &outs).unwrap();
+        for (k, (o, &l)) in outs.iter().zip(&lens).enumerate() {
+            let want: Vec<f64> = (0..l)
+                .map(|i| (0..n).map(|q| ((i * 7 + q * 3) % 11) as f64 - 5.0).sum())
+                .collect();
+            assert_eq!(get(o), want, "rank {r}: key {k} pulled (round {round})");
+        }
+    }
+    kv.barrier().unwrap();
+    ok(&kv, "values_kept", "");
 }
 
 /// An updater that fails for key 1 (on its home rank, where it runs). The store must stay

@@ -251,7 +251,7 @@ impl KvStore {
                 (call, totals)
             }
             None => {
-                let sums = groups
+                let mut sums = groups
                     .iter()
                     .zip(sums)
                     .map(|(g, s)| {
@@ -267,7 +267,35 @@ impl KvStore {
                     .collect::<Result<Vec<_>>>()
                     .map_err(|e| d.reject(op, e))?;
                 let mut call = d.begin(&fp)?;
-                let totals = dist::reduce(&mut call, d.pool(), sums)?;
+                // A key's one value that travels alone is sent from its own storage, lent under
+                // its write lock (taken inside the call, so no other call of this process
+                // waits on it) and handed back unchanged.
+                let mut lent = lend_arrays(d, &groups);
+                for (s, out) in sums.iter_mut().zip(lent.iter_mut()) {
+                    if let Some(Storage::Host(h)) = out.as_deref_mut() {
+                        let own = std::mem::replace(h, HostData::filled(h.dtype(), 0, 0.0));
+                        s.data = SumData::Lent(own);
+                    }
+                }
+                let reduced = dist::reduce(&mut call, d.pool(), sums);
+                let totals = match reduced {
+                    Ok((totals, back)) => {
+                        for (i, h) in back {
+                            if let Some(Storage::Host(slot)) = lent[i].as_deref_mut() {
+                                *slot = h;
+                            }
+                        }
+                        refill(&groups, &mut lent);
+                        totals
+                    }
+                    Err(e) => {
+                        // A lent value may be lost with the failed transfer: zeros keep the
+                        // array whole (the distributed world is unusable after this anyway).
+                        refill(&groups, &mut lent);
+                        return Err(e);
+                    }
+                };
+                drop(lent);
                 let inputs = totals
                     .into_iter()
                     .zip(&groups)
@@ -411,7 +439,7 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
     // A key's only out, in host memory and of the key's dtype, and no other key's out, receives
     // the value itself, with no copy afterwards: its storage is lent to the transfer under its
     // write lock.
-    let mut lent = lend_outs(d, groups);
+    let mut lent = lend_arrays(d, groups);
     let pieces = groups
         .iter()
         .zip(&parts)
@@ -430,13 +458,9 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
     let mut gathered = match dist::gather(call, d.pool(), pieces) {
         Ok(g) => g,
         Err(e) => {
-            // A lent out's storage may be lost with the failed transfer: give it zeros of
-            // its length, so the array stays whole.
-            for (g, out) in groups.iter().zip(lent.iter_mut()) {
-                if let Some(Storage::Host(h)) = out.as_deref_mut() {
-                    *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
-                }
-            }
+            // A lent out's storage may be lost with the failed transfer: zeros of its length
+            // keep the array whole.
+            refill(groups, &mut lent);
             return Err(e);
         }
     };
@@ -460,10 +484,14 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
     pulled
 }
 
-/// Write locks on the outs that receive their key's value in place (see [`pull_parts`]), per
-/// group: the key's only out, in host memory, of its dtype, named by no other key of the call,
-/// for a key whose value travels in a buffer of its own.
-fn lend_outs<'g>(d: &Dist, groups: &'g [Group<'_>]) -> Vec<Option<RwLockWriteGuard<'g, Storage>>> {
+/// Write locks on the arrays whose storage a transfer uses in place, per group: a pull's out
+/// that receives its key's value, a push's value that is sent as it is. That is the key's only
+/// array, in host memory, of its dtype, named by no other key of the call, for a key whose
+/// value travels in a buffer of its own.
+fn lend_arrays<'g>(
+    d: &Dist,
+    groups: &'g [Group<'_>],
+) -> Vec<Option<RwLockWriteGuard<'g, Storage>>> {
     let mut uses: HashMap<usize, usize> = HashMap::new();
     for g in groups {
         for a in &g.arrays {
@@ -489,6 +517,17 @@ fn lend_outs<'g>(d: &Dist, groups: &'g [Group<'_>]) -> Vec<Option<RwLockWriteGua
             _ => None,
         })
         .collect()
+}
+
+/// Gives every lent array that has no storage back (its transfer failed) zeros of its length.
+fn refill(groups: &[Group<'_>], lent: &mut [Option<RwLockWriteGuard<'_, Storage>>]) {
+    for (g, out) in groups.iter().zip(lent.iter_mut()) {
+        if let Some(Storage::Host(h)) = out.as_deref_mut() {
+            if h.len() != g.slot.shape.size() {
+                *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
+            }
+        }
+    }
 }
 
 /// Copies every group's whole value (`values`, in group order) into its outs, in issue order,

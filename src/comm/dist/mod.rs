@@ -236,19 +236,22 @@ pub(crate) struct Sum<'a> {
 pub(crate) enum SumData<'a> {
     Owned(HostData),
     Value(&'a NDArray),
+    /// The one value's own storage, lent by the caller under its write lock: sent as it is,
+    /// and handed back by [`reduce`].
+    Lent(HostData),
 }
 
 impl SumData<'_> {
     fn len(&self) -> usize {
         match self {
-            SumData::Owned(h) => h.len(),
+            SumData::Owned(h) | SumData::Lent(h) => h.len(),
             SumData::Value(a) => a.size(),
         }
     }
 
     fn dtype(&self) -> DType {
         match self {
-            SumData::Owned(h) => h.dtype(),
+            SumData::Owned(h) | SumData::Lent(h) => h.dtype(),
             SumData::Value(a) => a.dtype(),
         }
     }
@@ -256,16 +259,16 @@ impl SumData<'_> {
     /// Runs `f` on the elements (a value's are read in place, under its read lock).
     fn read<R>(&self, f: impl FnOnce(&HostData) -> R) -> Result<R> {
         match self {
-            SumData::Owned(h) => Ok(f(h)),
+            SumData::Owned(h) | SumData::Lent(h) => Ok(f(h)),
             SumData::Value(a) => a.with_host(f),
         }
     }
 
-    /// The elements in a buffer of their own with room for `room` elements: a computed sum as
-    /// it is, a value copied into a buffer from `pool`.
+    /// The elements in a buffer of their own with room for `room` elements: a computed sum or
+    /// a lent value as it is, a value copied into a buffer from `pool`.
     fn into_buffer(self, pool: &Pool, room: usize) -> Result<HostData> {
         match self {
-            SumData::Owned(h) => Ok(h),
+            SumData::Owned(h) | SumData::Lent(h) => Ok(h),
             SumData::Value(a) => {
                 let mut buf = pool.take(a.dtype(), 0, room);
                 a.with_host(|h| append(&mut buf, h))?;
@@ -278,11 +281,12 @@ impl SumData<'_> {
 /// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
 /// the total: the whole sum on the home of a whole key, this rank's slice of a sliced key, and
 /// `None` where this rank holds nothing of the key.
+/// Lent values ([`SumData::Lent`]) come back, unchanged, in the second list, by key index.
 pub(crate) fn reduce(
     round: &mut Round<'_>,
     pool: &Pool,
     sums: Vec<Sum<'_>>,
-) -> Result<Vec<Option<HostData>>> {
+) -> Result<(Vec<Option<HostData>>, LentBack)> {
     let call = round.mpi()?;
     let (rank, size) = (call.world().rank(), call.world().size());
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
@@ -295,30 +299,68 @@ pub(crate) fn reduce(
             }
         }
     }
+    let mut returned = Vec::new();
     for (i, s) in sums.into_iter().enumerate() {
         let len = s.data.len();
         let bytes = len * s.data.dtype().size();
+        let lent = matches!(s.data, SumData::Lent(_)).then_some(i);
         match s.spread {
             Spread::Sliced => {
                 let block = slice_block(len, size);
                 let mut send = s.data.into_buffer(pool, block * size)?;
-                pad(&mut send, block * size);
-                let mine = s.spread.piece(len, rank, size);
-                plan.alone(Op::ReduceScatter, send, vec![(i, 0..mine.len())]);
+                if send.len() == block * size {
+                    let mine = s.spread.piece(len, rank, size);
+                    plan.transfer(
+                        Op::ReduceScatter,
+                        send,
+                        None,
+                        vec![(i, 0..mine.len())],
+                        lent,
+                    );
+                } else if let Some(i) = lent {
+                    // A lent value is never padded: it goes back, and a padded copy is sent.
+                    let mut copy = pool.take(send.dtype(), 0, block * size);
+                    append(&mut copy, &send);
+                    pad(&mut copy, block * size);
+                    returned.push((i, send));
+                    let mine = s.spread.piece(len, rank, size);
+                    plan.transfer(
+                        Op::ReduceScatter,
+                        copy,
+                        None,
+                        vec![(i, 0..mine.len())],
+                        None,
+                    );
+                } else {
+                    pad(&mut send, block * size);
+                    let mine = s.spread.piece(len, rank, size);
+                    plan.transfer(
+                        Op::ReduceScatter,
+                        send,
+                        None,
+                        vec![(i, 0..mine.len())],
+                        None,
+                    );
+                }
             }
             Spread::Whole { rank: root } if bytes >= PACK_MAX_BYTES => {
                 let send = s.data.into_buffer(pool, len)?;
-                plan.alone(Op::Reduce { root }, send, vec![(i, 0..len)]);
+                plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)], lent);
             }
             Spread::Whole { rank: root } => {
                 s.data.read(|h| plan.pack(Op::Reduce { root }, i, h))?;
+                if let (Some(i), SumData::Lent(h)) = (lent, s.data) {
+                    returned.push((i, h));
+                }
             }
         }
     }
-    for (recv, members) in plan.run(call)? {
+    let (done, lent_back) = plan.run(call)?;
+    returned.extend(lent_back);
+    for (recv, members) in done {
         share(pool, recv, members, |i| holds[i], &mut out);
     }
-    Ok(out)
+    Ok((out, returned))
 }
 
 /// One key of a gather: this rank's piece of the value (the whole value on the home of a whole
@@ -385,7 +427,7 @@ pub(crate) fn gather(
                 let block = slice_block(p.len, size);
                 let mut send = mine(p, p.spread.piece(p.len, rank, size).len(), block);
                 pad(&mut send, block);
-                plan.alone_into(Op::AllGather, send, into, vec![(i, 0..p.len)]);
+                plan.transfer(Op::AllGather, send, into, vec![(i, 0..p.len)], None);
             }
             Spread::Whole { rank: root } if p.len * p.dtype.size() >= PACK_MAX_BYTES => {
                 let data = match (into, p.data) {
@@ -405,7 +447,8 @@ pub(crate) fn gather(
             },
         }
     }
-    for (recv, members) in plan.run(call)? {
+    let (done, _) = plan.run(call)?;
+    for (recv, members) in done {
         share(pool, recv, members, |_| true, &mut out);
     }
     out.into_iter()
@@ -460,14 +503,17 @@ enum Op {
     AllGather,
 }
 
+/// Lent values handed back after their transfer: (key index, the value's storage).
+pub(crate) type LentBack = Vec<(usize, HostData)>;
+
 /// Which keys a transfer's result holds: (key index, elements of the result).
 type Members = Vec<(usize, Range<usize>)>;
 
 /// The collectives of one call, in the order every rank starts them.
 struct Plan<'p> {
     pool: &'p Pool,
-    /// Transfers of one key each, in key order, with the buffer to receive into when given.
-    alone: Vec<(Op, HostData, Option<HostData>, Members)>,
+    /// Transfers of one key each, in key order.
+    alone: Vec<Transfer>,
     /// Packed transfers by (op, dtype), each filled in key order.
     packed: BTreeMap<(Op, &'static str), (HostData, Members)>,
     /// The elements each packed transfer will hold, so its buffer is taken once, whole.
@@ -491,12 +537,26 @@ impl<'p> Plan<'p> {
 
     /// A transfer of one buffer.
     fn alone(&mut self, op: Op, data: HostData, members: Members) {
-        self.alone.push((op, data, None, members));
+        self.transfer(op, data, None, members, None);
     }
 
-    /// A transfer of one buffer, received into `recv` when given.
-    fn alone_into(&mut self, op: Op, data: HostData, recv: Option<HostData>, members: Members) {
-        self.alone.push((op, data, recv, members));
+    /// A transfer of one buffer, received into `recv` when given; the send buffer is key
+    /// `lent`'s lent value when given, which goes back to the caller instead of the pool.
+    fn transfer(
+        &mut self,
+        op: Op,
+        send: HostData,
+        recv: Option<HostData>,
+        members: Members,
+        lent: Option<usize>,
+    ) {
+        self.alone.push(Transfer {
+            op,
+            send,
+            recv,
+            members,
+            lent,
+        });
     }
 
     /// The packed transfer of `op` and `dtype`, made on first use with room for all of it.
@@ -527,27 +587,48 @@ impl<'p> Plan<'p> {
 
     /// Starts every transfer, then waits for all of them. Returns each transfer's result with
     /// its members; the send buffers go back to the pool.
-    fn run(self, call: &mut Call) -> Result<Vec<(HostData, Members)>> {
+    /// Lent send buffers come back in the second list, by key index.
+    fn run(self, call: &mut Call) -> Result<(Vec<(HostData, Members)>, LentBack)> {
         let rank = call.world().rank();
         let size = call.world().size();
         let pool = self.pool;
-        let transfers = self.alone.into_iter().chain(
-            self.packed
-                .into_iter()
-                .map(|((op, _), (data, members))| (op, data, None, members)),
-        );
+        let transfers = self.alone.into_iter().chain(self.packed.into_iter().map(
+            |((op, _), (send, members))| Transfer {
+                op,
+                send,
+                recv: None,
+                members,
+                lent: None,
+            },
+        ));
         let mut flights = Vec::new();
-        for (op, data, recv, members) in transfers {
-            flights.push((start(call, pool, op, data, recv, rank, size)?, members));
+        for t in transfers {
+            let flight = start(call, pool, t.op, t.send, t.recv, rank, size)?;
+            flights.push((flight, t.members, t.lent));
         }
         let mut done = Vec::with_capacity(flights.len());
-        for (flight, members) in flights {
+        let mut lent_back = Vec::new();
+        for (flight, members, lent) in flights {
             let (send, recv) = flight.land(call)?;
-            pool.give(send);
+            match lent {
+                Some(i) => lent_back.push((i, send)),
+                None => pool.give(send),
+            }
             done.push((recv, members));
         }
-        Ok(done)
+        Ok((done, lent_back))
     }
+}
+
+/// One transfer of a [`Plan`]: the collective, its send buffer, the buffer to receive into
+/// when given, which keys' elements its result holds, and the key whose lent value the send
+/// buffer is, if it is one.
+struct Transfer {
+    op: Op,
+    send: HostData,
+    recv: Option<HostData>,
+    members: Members,
+    lent: Option<usize>,
 }
 
 /// A started collective, of any dtype.
