@@ -43,7 +43,7 @@ use crate::comm::mpi::Fingerprint;
 use crate::comm::{self, KeyPush, Spread};
 use crate::host::HostData;
 use crate::ndarray::Storage;
-use crate::{cpu, Device, Error, Key, NDArray, Result, Shape, Updater};
+use crate::{cpu, Device, Key, NDArray, Result, Shape, Updater};
 
 /// Joins the distributed world for a store of `kind` (named `name`): `dist_device_sync` on a
 /// machine with GPUs keeps each rank's values on its GPU and moves them over NCCL.
@@ -333,24 +333,7 @@ impl KvStore {
                 hyper: hypers.of(i),
             });
         }
-        let seq = call.seq();
-        let mut agree = |ok: bool| -> Result<()> {
-            let failed: Vec<usize> = (call.flags(ok)?.iter().enumerate())
-                .filter(|(_, &ok)| !ok)
-                .map(|(r, _)| r)
-                .collect();
-            match failed.is_empty() {
-                true => Ok(()),
-                false => Err(Error::RankFailed {
-                    op,
-                    seq,
-                    detail: format!(
-                        "the updater failed on {} (its own error says why)",
-                        ranks(&failed)
-                    ),
-                }),
-            }
-        };
+        let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
         comm::push(&active.updater, generation, ctx, jobs, Some(&mut agree))?;
         hypers.commit(&active);
         for (g, &c) in groups.iter().zip(&counts) {
@@ -384,14 +367,6 @@ impl KvStore {
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         pull_parts(&mut call, d, self.ctx(), &groups, &cells)
-    }
-}
-
-/// "rank 1" or "ranks [0, 2]".
-fn ranks(r: &[usize]) -> String {
-    match r {
-        [one] => format!("rank {one}"),
-        _ => format!("ranks {r:?}"),
     }
 }
 
@@ -492,28 +467,31 @@ fn lend_arrays<'g>(
     d: &Dist,
     groups: &'g [Group<'_>],
 ) -> Vec<Option<RwLockWriteGuard<'g, Storage>>> {
-    let mut uses: HashMap<usize, usize> = HashMap::new();
-    for g in groups {
-        for a in &g.arrays {
-            *uses.entry(a.storage_id()).or_default() += 1;
+    let candidate = |g: &Group<'_>| match g.arrays.as_slice() {
+        [a] => {
+            a.dtype() == g.slot.dtype
+                && !a.device().is_gpu()
+                && dist::receives_in_place(
+                    g.slot.spread,
+                    g.slot.shape.size(),
+                    g.slot.dtype,
+                    d.size(),
+                )
         }
+        _ => false,
+    };
+    // Most calls of many small keys have no candidate: count array uses only when needed.
+    if !groups.iter().any(candidate) {
+        return groups.iter().map(|_| None).collect();
+    }
+    let mut uses: HashMap<usize, usize> = HashMap::new();
+    for a in groups.iter().flat_map(|g| &g.arrays) {
+        *uses.entry(a.storage_id()).or_default() += 1;
     }
     groups
         .iter()
         .map(|g| match g.arrays.as_slice() {
-            [out]
-                if uses[&out.storage_id()] == 1
-                    && out.dtype() == g.slot.dtype
-                    && !out.device().is_gpu()
-                    && dist::receives_in_place(
-                        g.slot.spread,
-                        g.slot.shape.size(),
-                        g.slot.dtype,
-                        d.size(),
-                    ) =>
-            {
-                Some(out.write())
-            }
+            [a] if candidate(g) && uses[&a.storage_id()] == 1 => Some(a.write()),
             _ => None,
         })
         .collect()

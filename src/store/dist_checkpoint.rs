@@ -23,17 +23,6 @@ use crate::comm::Spread;
 use crate::host::HostData;
 use crate::{Device, Error, Key, NDArray, Result, Shape};
 
-/// The error of a rank whose own part succeeded when `failed` ranks did not.
-fn others_failed(op: &'static str, seq: u64, failed: &[usize]) -> Error {
-    Error::RankFailed {
-        op,
-        seq,
-        detail: format!(
-            "ranks {failed:?} failed their part of the {op} (their own errors say why)"
-        ),
-    }
-}
-
 impl KvStore {
     /// A dist store's save into checkpoint directory `dir`.
     pub(super) fn dist_save(&self, d: &Dist, dir: &Path) -> Result<()> {
@@ -56,7 +45,11 @@ impl KvStore {
         }
         let generation = call.broadcast_words(generation, 0)?[0];
         if generation == u64::MAX {
-            return own.and(Err(others_failed("save", call.seq(), &[0])));
+            return own.and(Err(Error::RankFailed {
+                op: "save",
+                seq: call.seq(),
+                detail: "rank 0 could not start the save (its own error says why)".to_owned(),
+            }));
         }
         // One consistent snapshot of this rank's parts, under every key's read lock.
         let active = read(&self.active).clone();
@@ -99,22 +92,16 @@ impl KvStore {
             checkpoint::write_shard(dir, generation, rank, size, &active.updater, &pieces)
         })();
         drop(cells);
-        let oks = call.flags(written.is_ok())?;
+        let together = call.agree("save", written.is_ok(), "writing its shard");
         written?;
-        let failed: Vec<usize> = (0..size).filter(|&r| !oks[r]).collect();
-        if !failed.is_empty() {
-            return Err(others_failed("save", call.seq(), &failed));
-        }
+        together?;
         let committed = match rank {
             0 => checkpoint::commit(dir, generation, size),
             _ => Ok(()),
         };
-        let oks = call.flags(committed.is_ok())?;
+        let together = call.agree("save", committed.is_ok(), "committing the index");
         committed?;
-        match oks[0] {
-            true => Ok(()),
-            false => Err(others_failed("save", call.seq(), &[0])),
-        }
+        together
     }
 
     /// A dist store's load of checkpoint `path` (a sharded directory or a single file).
@@ -177,12 +164,9 @@ impl KvStore {
                 Ok((spread, Some((piece.value.into_host()?, state))))
             })
             .collect::<Result<Vec<_>>>();
-        let oks = call.flags(read_parts.is_ok())?;
+        let together = call.agree("load", read_parts.is_ok(), "reading its parts");
         let parts = read_parts?;
-        let failed: Vec<usize> = (0..size).filter(|&r| !oks[r]).collect();
-        if !failed.is_empty() {
-            return Err(others_failed("load", call.seq(), &failed));
-        }
+        together?;
         // Apply: existing keys under their write locks, then the new keys, in one step.
         let existing: Vec<Arc<Slot>> = reader
             .keys()

@@ -307,41 +307,19 @@ pub(crate) fn reduce(
         match s.spread {
             Spread::Sliced => {
                 let block = slice_block(len, size);
+                let mine = s.spread.piece(len, rank, size).len();
+                let mut lent = lent;
                 let mut send = s.data.into_buffer(pool, block * size)?;
-                if send.len() == block * size {
-                    let mine = s.spread.piece(len, rank, size);
-                    plan.transfer(
-                        Op::ReduceScatter,
-                        send,
-                        None,
-                        vec![(i, 0..mine.len())],
-                        lent,
-                    );
-                } else if let Some(i) = lent {
-                    // A lent value is never padded: it goes back, and a padded copy is sent.
-                    let mut copy = pool.take(send.dtype(), 0, block * size);
-                    append(&mut copy, &send);
-                    pad(&mut copy, block * size);
-                    returned.push((i, send));
-                    let mine = s.spread.piece(len, rank, size);
-                    plan.transfer(
-                        Op::ReduceScatter,
-                        copy,
-                        None,
-                        vec![(i, 0..mine.len())],
-                        None,
-                    );
-                } else {
+                if send.len() != block * size {
+                    if let Some(i) = lent.take() {
+                        // A lent value is never padded: it goes back, and a copy is sent.
+                        let mut copy = pool.take(send.dtype(), 0, block * size);
+                        append(&mut copy, &send);
+                        returned.push((i, std::mem::replace(&mut send, copy)));
+                    }
                     pad(&mut send, block * size);
-                    let mine = s.spread.piece(len, rank, size);
-                    plan.transfer(
-                        Op::ReduceScatter,
-                        send,
-                        None,
-                        vec![(i, 0..mine.len())],
-                        None,
-                    );
                 }
+                plan.transfer(Op::ReduceScatter, send, None, vec![(i, 0..mine)], lent);
             }
             Spread::Whole { rank: root } if bytes >= PACK_MAX_BYTES => {
                 let send = s.data.into_buffer(pool, len)?;

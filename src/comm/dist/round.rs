@@ -9,7 +9,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use super::super::mpi::fingerprint::{mismatch_error, Record};
+use super::super::mpi::fingerprint::{mismatch_error, ranks, Record};
 use super::super::mpi::{Call, Fingerprint};
 use super::super::nccl::RankComm;
 use crate::{DType, Device, Error, NDArray, Result};
@@ -101,6 +101,25 @@ impl Round<'_> {
                 Ok(got.into_iter().map(|v| v == 1.0).collect())
             }
         }
+    }
+
+    /// Whether every rank succeeded at its part `what` of call `op`, given this rank's `ok`:
+    /// `Ok` when all did, else [`Error::RankFailed`] naming the ranks that did not (each of
+    /// them has its own error). Return this rank's own error first.
+    pub fn agree(&mut self, op: &'static str, ok: bool, what: &str) -> Result<()> {
+        let seq = self.seq();
+        let failed: Vec<usize> = (self.flags(ok)?.iter().enumerate())
+            .filter(|(_, &ok)| !ok)
+            .map(|(r, _)| r)
+            .collect();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(Error::RankFailed {
+            op,
+            seq,
+            detail: format!("{} failed {what} (its own error says why)", ranks(&failed)),
+        })
     }
 
     /// Rank `root`'s `words`, on every rank (every rank passes as many).

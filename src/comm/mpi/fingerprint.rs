@@ -240,7 +240,7 @@ fn parse(text: &str) -> Described {
 }
 
 /// "rank 1" or "ranks [0, 2]".
-pub(super) fn ranks(r: &[usize]) -> String {
+pub(crate) fn ranks(r: &[usize]) -> String {
     match r {
         [one] => format!("rank {one}"),
         _ => format!("ranks {r:?}"),
