@@ -44,6 +44,7 @@ use rand::{Rng, SeedableRng};
 
 mod common;
 use common::mpi_job::{launch, ok_line, Job};
+use common::reference::{rounded, RefKey};
 
 // =============================================================================================
 // The outer side: one job per test.
@@ -409,20 +410,6 @@ fn uniform(tag: &[u64], n: usize) -> Vec<f64> {
     (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
 }
 
-/// `x` rounded to `dtype`, as `NDArray::from_f64` rounds it.
-fn round_to(dtype: DType, x: f64) -> f64 {
-    match dtype {
-        DType::F32 => f64::from(x as f32),
-        DType::F64 => x,
-        DType::F16 => f16::from_f64(x).to_f64(),
-        DType::BF16 => half::bf16::from_f64(x).to_f64(),
-    }
-}
-
-fn rounded(dtype: DType, v: &[f64]) -> Vec<f64> {
-    v.iter().map(|&x| round_to(dtype, x)).collect()
-}
-
 /// An array of `dtype` and `shape` on `cpu(dev)` holding `data`.
 fn arr(data: &[f64], shape: &[usize], dtype: DType, dev: usize) -> NDArray {
     NDArray::from_f64(data, Shape::new(shape).unwrap(), dtype, cpu(dev)).unwrap()
@@ -495,79 +482,6 @@ fn ok(kv: &KvStore, case: &str, detail: &str) {
 }
 
 // --- Reference updaters ----------------------------------------------------------------------
-
-fn clip(g: f64, c: Option<f64>) -> f64 {
-    match c {
-        Some(c) => g.clamp(-c, c),
-        None => g,
-    }
-}
-
-/// A key in the reference: its weight (rounded to the dtype after each step, as the store
-/// keeps it), updater state in f64, and the step count. MXNet's `sgd_update`,
-/// `sgd_mom_update` and `adam_update`; hyperparameters rounded to f32 for f32/f16 keys.
-#[derive(Clone)]
-struct RefKey {
-    dtype: DType,
-    w: Vec<f64>,
-    m: Vec<f64>,
-    v: Vec<f64>,
-    t: i32,
-}
-
-impl RefKey {
-    fn new(dtype: DType, w: Vec<f64>) -> RefKey {
-        let n = w.len();
-        RefKey {
-            dtype,
-            w: rounded(dtype, &w),
-            m: vec![0.0; n],
-            v: vec![0.0; n],
-            t: 0,
-        }
-    }
-
-    /// One push whose values, over every rank and device, sum to `g`.
-    fn step(&mut self, u: &Updater, g: &[f64]) {
-        self.t += 1;
-        let dtype = self.dtype;
-        let p = |x: f64| {
-            if dtype == DType::F64 {
-                x
-            } else {
-                f64::from(x as f32)
-            }
-        };
-        for i in 0..self.w.len() {
-            let (w, g) = (self.w[i], g[i]);
-            let new = match u {
-                Updater::Assign => g,
-                Updater::Axpby { a, b } => p(*a) * w + p(*b) * g,
-                Updater::Sgd(s) if s.momentum == 0.0 => {
-                    let grad = clip(p(s.rescale_grad) * g, s.clip_gradient.map(p));
-                    (1.0 - p(s.lr) * p(s.wd)) * w - p(s.lr) * grad
-                }
-                Updater::Sgd(s) => {
-                    let (lr, wd) = (p(s.lr), p(s.wd));
-                    let grad = clip(p(s.rescale_grad) * g, s.clip_gradient.map(p));
-                    self.m[i] = p(s.momentum) * self.m[i] - lr * wd * w - lr * grad;
-                    w + self.m[i]
-                }
-                Updater::Adam(a) => {
-                    let (b1, b2) = (p(a.beta1), p(a.beta2));
-                    let grad = clip(p(a.rescale_grad) * g + p(a.wd) * w, a.clip_gradient.map(p));
-                    self.m[i] = b1 * self.m[i] + (1.0 - b1) * grad;
-                    self.v[i] = b2 * self.v[i] + (1.0 - b2) * grad * grad;
-                    let lr_t =
-                        a.lr * (1.0 - a.beta2.powi(self.t)).sqrt() / (1.0 - a.beta1.powi(self.t));
-                    w - p(lr_t) * self.m[i] / (self.v[i].sqrt() + p(a.epsilon))
-                }
-                other => panic!("no reference for {other:?}"),
-            };
-            self.w[i] = round_to(dtype, new);
-        }
-    }
-}
 
 fn add_into(acc: &mut [f64], x: &[f64]) {
     for (a, x) in acc.iter_mut().zip(x) {

@@ -12,22 +12,13 @@
 
 mod common;
 
+use common::reference::RefKey;
 use common::Home;
-use half::{bf16, f16};
 use kvstore::{Adam, DType, Key, KvStore, NDArray, Sgd, Updater};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const LARGE: usize = 3_000_001;
-
-fn round_to(dtype: DType, x: f64) -> f64 {
-    match dtype {
-        DType::F32 => f64::from(x as f32),
-        DType::F64 => x,
-        DType::F16 => f16::from_f64(x).to_f64(),
-        DType::BF16 => bf16::from_f64(x).to_f64(),
-    }
-}
 
 /// Relative tolerance per dtype; the absolute floor is the same number, as values are O(1).
 fn tolerance(dtype: DType) -> f64 {
@@ -35,96 +26,6 @@ fn tolerance(dtype: DType) -> f64 {
         DType::F64 => 1e-12,
         DType::F32 => 1e-6,
         _ => 1e-2,
-    }
-}
-
-fn clip(g: f64, c: Option<f64>) -> f64 {
-    match c {
-        Some(c) => g.clamp(-c, c),
-        None => g,
-    }
-}
-
-/// A key in the reference: weight (already rounded to `dtype`), state and step count.
-struct RefKey {
-    dtype: DType,
-    w: Vec<f64>,
-    m: Vec<f64>,
-    v: Vec<f64>,
-    t: i32,
-}
-
-impl RefKey {
-    fn new(dtype: DType, w: Vec<f64>) -> RefKey {
-        let n = w.len();
-        RefKey {
-            dtype,
-            w,
-            m: vec![0.0; n],
-            v: vec![0.0; n],
-            t: 0,
-        }
-    }
-
-    fn reset_state(&mut self) {
-        self.m.iter_mut().for_each(|x| *x = 0.0);
-        self.v.iter_mut().for_each(|x| *x = 0.0);
-        self.t = 0;
-    }
-
-    /// One push whose values sum to `g`.
-    ///
-    /// The hyperparameters are f64; the store hands them to the math of f32, f16 and bf16 keys
-    /// rounded to f32 (MXNet's kernels take float32 scalars), except Adam's step size, which it
-    /// computes in f64 from the unrounded ones and rounds once.
-    fn step(&mut self, u: &Updater, g: &[f64]) {
-        self.t += 1;
-        let dtype = self.dtype;
-        let p = |x: f64| {
-            if dtype == DType::F64 {
-                x
-            } else {
-                f64::from(x as f32)
-            }
-        };
-        let u = &match u {
-            Updater::Sgd(s) => Updater::Sgd(Sgd {
-                lr: p(s.lr),
-                momentum: p(s.momentum),
-                wd: p(s.wd),
-                rescale_grad: p(s.rescale_grad),
-                clip_gradient: s.clip_gradient.map(p),
-            }),
-            other => other.clone(),
-        };
-        for i in 0..self.w.len() {
-            let (w, g) = (self.w[i], g[i]);
-            let new = match u {
-                Updater::Assign => g,
-                Updater::Axpby { a, b } => a * w + b * g,
-                Updater::Sgd(s) if s.momentum == 0.0 => {
-                    let (lr, wd) = (s.lr, s.wd);
-                    (1.0 - lr * wd) * w - lr * clip(s.rescale_grad * g, s.clip_gradient)
-                }
-                Updater::Sgd(s) => {
-                    let (lr, wd) = (s.lr, s.wd);
-                    let grad = clip(s.rescale_grad * g, s.clip_gradient);
-                    self.m[i] = s.momentum * self.m[i] - lr * wd * w - lr * grad;
-                    w + self.m[i]
-                }
-                Updater::Adam(a) => {
-                    let (b1, b2) = (p(a.beta1), p(a.beta2));
-                    let grad = clip(p(a.rescale_grad) * g + p(a.wd) * w, a.clip_gradient.map(p));
-                    self.m[i] = b1 * self.m[i] + (1.0 - b1) * grad;
-                    self.v[i] = b2 * self.v[i] + (1.0 - b2) * grad * grad;
-                    let lr_t =
-                        a.lr * (1.0 - a.beta2.powi(self.t)).sqrt() / (1.0 - a.beta1.powi(self.t));
-                    w - p(lr_t) * self.m[i] / (self.v[i].sqrt() + p(a.epsilon))
-                }
-                other => panic!("no reference for {other:?}"),
-            };
-            self.w[i] = round_to(self.dtype, new);
-        }
     }
 }
 

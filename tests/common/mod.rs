@@ -9,6 +9,7 @@
 
 #[cfg(feature = "mpi")]
 pub mod mpi_job;
+pub mod reference;
 
 use kvstore::gpu_count;
 use kvstore::{cpu, gpu, DType, Device, KvStore, NDArray, Shape};
