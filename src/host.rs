@@ -98,7 +98,6 @@ impl HostData {
     }
 
     /// A copy of the elements in `range`, clipped to the elements there are.
-    #[cfg(feature = "mpi")]
     pub(crate) fn slice_of(&self, range: std::ops::Range<usize>) -> HostData {
         let end = range.end.min(self.len());
         let start = range.start.min(end);

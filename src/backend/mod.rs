@@ -149,7 +149,6 @@ impl HomeValue {
 
     /// The value as an array of `shape`, taken out of the home where it lives (host memory or
     /// its GPU); the updater state is dropped.
-    #[cfg(feature = "mpi")]
     pub fn into_array(self, shape: Shape) -> NDArray {
         match self.place {
             Place::Host(h) => NDArray::from_host(h, shape, Device::Cpu(0)),
@@ -158,7 +157,6 @@ impl HomeValue {
     }
 
     /// The value in host memory, taken out of the home (copied from a GPU).
-    #[cfg(feature = "mpi")]
     pub fn into_host(self) -> Result<HostData> {
         match self.place {
             Place::Host(h) => Ok(h),
@@ -167,7 +165,6 @@ impl HomeValue {
     }
 
     /// A copy of the value as an array of `shape`, where the value lives.
-    #[cfg(feature = "mpi")]
     pub fn to_array(&self, shape: Shape) -> Result<NDArray> {
         Ok(match &self.place {
             Place::Host(h) => NDArray::from_host(h.clone(), shape, Device::Cpu(0)),

@@ -32,6 +32,21 @@ pub(crate) fn timeout_from(var: impl Fn(&str) -> Option<String>) -> Result<Durat
     }
 }
 
+/// Reads a boolean switch: `0`, `false`, `off` or `1`, `true`, `on`.
+pub(crate) fn env_switch(var: &str, default: bool) -> Result<bool> {
+    match std::env::var(var) {
+        Err(_) => Ok(default),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "0" | "false" | "off" | "no" => Ok(false),
+            "1" | "true" | "on" | "yes" | "" => Ok(true),
+            _ => Err(Error::DistEnv {
+                var: var.to_owned(),
+                message: format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
+            }),
+        },
+    }
+}
+
 /// A rank as a launcher without MPI describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchEnv {

@@ -19,9 +19,10 @@
 //!
 //! It imports `backend` (memory, streams, kernels) and nothing from `store`.
 
-#[cfg(feature = "mpi")]
 pub(crate) mod dist;
+pub(crate) mod fingerprint;
 pub mod launch;
+pub(crate) mod link;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -270,7 +271,6 @@ pub(crate) fn wait_all() -> Result<()> {
 /// memory or a GPU), in the key's dtype: a dist push's sum within this process, before the sum
 /// across ranks. In host memory it is written into `scratch` when given (a buffer of the key's
 /// length, whatever it holds).
-#[cfg(feature = "mpi")]
 pub(crate) fn local_sum(
     ctx: Ctx,
     facts: &KeyFacts<'_>,

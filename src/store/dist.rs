@@ -1,5 +1,6 @@
-//! Distributed stores (`dist_sync`, `dist_device_sync`): the store's side of a call across
-//! ranks.
+//! The across-ranks steps of every store's one pipeline. A store's [`Dist`] holds its link to
+//! the other ranks: one rank alone (the single-process kinds, whose values pass through
+//! unchanged), or the ranks of a `dist_*` store.
 //!
 //! Every rank keeps the whole key table (names, shapes, dtypes, and which ranks hold each key),
 //! and, in each slot, only its own part of the value: the whole value of the keys it homes, its
@@ -30,24 +31,27 @@
 //! every rank; it runs on the ranks that hold each key.
 
 use std::collections::HashMap;
-use std::sync::{Once, RwLockReadGuard, RwLockWriteGuard};
+use std::ops::Deref;
+use std::sync::{Once, RwLockWriteGuard};
 
-use super::groups::{issue_order, lock_cells, Group};
-use super::hook::{call_hook, pushed};
-use super::table::place_on_ranks;
-use super::{check_new_keys, hyper, insert_slots, kinds_of, read, write, KvStore, StoreKind};
-use crate::backend::{probe, HomePull, HomeValue, KeyFacts};
-use crate::comm::dist::Round;
+use super::groups::{issue_order, Group};
+use super::StoreKind;
+use crate::backend::{probe, HomePull, HomeValue};
 use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum, SumData};
-use crate::comm::mpi::Fingerprint;
-use crate::comm::{self, KeyPush, Spread};
+use crate::comm::fingerprint::Fingerprint;
+use crate::comm::link::Round;
+use crate::comm::{self, Spread};
 use crate::host::HostData;
 use crate::ndarray::Storage;
-use crate::{cpu, Device, Key, NDArray, Result, Shape, Updater};
+use crate::{cpu, Device, Error, Key, NDArray, Result, Shape};
 
-/// Joins the distributed world for a store of `kind` (named `name`): `dist_device_sync` on a
-/// machine with GPUs keeps each rank's values on its GPU and moves them over NCCL.
+/// The link of a store of `kind` (named `name`): one rank alone for the single-process kinds;
+/// the distributed world for the `dist_*` kinds, where `dist_device_sync` on a machine with
+/// GPUs keeps each rank's values on its GPU and moves them over NCCL.
 pub(super) fn connect(kind: StoreKind, name: &str) -> Result<Dist> {
+    if !kind.is_dist() {
+        return Ok(Dist::solo());
+    }
     let on_gpu = kind == StoreKind::DistDeviceSync && probe::gpu_count() > 0;
     if kind == StoreKind::DistDeviceSync && !on_gpu {
         static ONCE: Once = Once::new();
@@ -58,7 +62,13 @@ pub(super) fn connect(kind: StoreKind, name: &str) -> Result<Dist> {
             )
         });
     }
-    Dist::connect(on_gpu)
+    Dist::connect(on_gpu).map_err(|e| match e {
+        Error::KindUnavailable { reason, .. } => Error::KindUnavailable {
+            kind: name.to_owned(),
+            reason,
+        },
+        e => e,
+    })
 }
 
 /// This rank's part of a key, `part` (host data), kept where the store keeps its values.
@@ -72,10 +82,15 @@ pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
     }
 }
 
-/// This rank's contribution to a key of a push: its values' sum, or its one value itself.
-enum Mine<'a> {
+/// This rank's contribution to a key of a push: its values' sum, its one value itself, or
+/// (one rank alone) its values as they are, for the backend to sum and update in one pass.
+pub(super) enum Mine<'a> {
+    /// The sum, on this rank's GPU.
     Summed(NDArray),
+    /// The sum, in host memory.
+    Owned(HostData),
     Single(&'a NDArray),
+    Values,
 }
 
 impl Mine<'_> {
@@ -85,13 +100,30 @@ impl Mine<'_> {
         match self {
             Mine::Summed(a) => Ok(a),
             Mine::Single(a) => a.copy(),
+            Mine::Owned(_) | Mine::Values => {
+                Err(dist::internal("a host contribution on a link of GPU ranks"))
+            }
         }
     }
 }
 
-/// Rank 0's value of a key being initialized: in host memory, or on the GPU of a GPU rank.
-enum Rank0 {
+/// What the updater takes for each key of a push on this rank.
+pub(super) enum Inputs {
+    /// The caller's values, summed by the backend with the update (one rank alone).
+    Values,
+    /// Per group, the total across ranks of what this rank holds of the key (`None` where it
+    /// holds nothing), as an array of the shape of its part.
+    Totals(Vec<Option<NDArray>>),
+}
+
+/// Rank 0's value of a key being initialized, as this rank receives it.
+pub(super) enum Rank0<'a> {
+    /// The caller's value itself (one rank alone; keys homed on a GPU are copied there once
+    /// placed).
+    Caller(&'a NDArray),
+    /// In host memory.
     Host(HostData),
+    /// On the GPU of a GPU rank.
     Gpu(NDArray),
 }
 
@@ -104,7 +136,7 @@ fn root_of(spread: Spread) -> usize {
 }
 
 /// The fingerprint of a call of `op` on `groups`: each key with its shape and dtype.
-fn fingerprint(op: &'static str, groups: &[Group<'_>]) -> Fingerprint {
+pub(super) fn fingerprint(op: &'static str, groups: &[Group<'_>]) -> Fingerprint {
     let mut fp = Fingerprint::new(op);
     for g in groups {
         fp.push(g.slot.key.clone(), g.slot.shape.dims(), g.slot.dtype);
@@ -112,273 +144,252 @@ fn fingerprint(op: &'static str, groups: &[Group<'_>]) -> Fingerprint {
     fp
 }
 
-impl KvStore {
-    /// A dist store's init of checked `keys`: rank 0's `values` go to every rank, which keeps its
-    /// part of each.
-    pub(super) fn dist_init(&self, d: &Dist, keys: Vec<Key>, values: &[NDArray]) -> Result<()> {
-        // Rank 0's values, read (or copied to its GPU) before the call: that may fail.
-        let prepared = (|| {
-            check_new_keys(&read(&self.table), &keys)?;
-            let mut fp = Fingerprint::new("init");
-            let mut mine = Vec::with_capacity(keys.len());
-            for (key, v) in keys.iter().zip(values) {
-                fp.push(key.clone(), v.shape().dims(), v.dtype());
-                mine.push(match (d.rank(), d.gpu()) {
-                    (0, Some(_)) => Some(Rank0::Gpu(v.to_device(d.home())?)),
-                    (0, None) => Some(Rank0::Host(v.with_host(HostData::clone)?)),
-                    _ => None,
-                });
-            }
-            Ok((fp, mine))
-        })();
-        let (fp, mine) = prepared.map_err(|e| d.reject("init", e))?;
-        let mut call = d.begin(&fp)?;
-        // Every rank gets rank 0's whole values, then keeps its part of each.
-        let whole: Vec<Rank0> = match d.gpu() {
-            Some(rc) => {
-                let pieces = values
-                    .iter()
-                    .zip(mine)
-                    .map(|(v, m)| GpuPiece {
-                        data: match m {
-                            Some(Rank0::Gpu(a)) => Some(a),
-                            _ => None,
-                        },
-                        shape: v.shape(),
-                        dtype: v.dtype(),
-                        root: 0,
-                    })
-                    .collect();
-                let arrays = dist::gather_on_gpus(rc, pieces)?;
-                arrays.into_iter().map(Rank0::Gpu).collect()
-            }
-            None => {
-                let pieces = values
-                    .iter()
-                    .zip(&mine)
-                    .map(|(v, m)| Piece {
-                        data: match m {
-                            Some(Rank0::Host(h)) => Some(h),
-                            _ => None,
-                        },
-                        len: v.size(),
-                        dtype: v.dtype(),
-                        spread: Spread::Whole { rank: 0 },
-                        into: None,
-                    })
-                    .collect();
-                let hosts = dist::gather(&mut call, d.pool(), pieces)?;
-                hosts.into_iter().map(Rank0::Host).collect()
-            }
-        };
-        let mut table = write(&self.table);
-        // Every rank checked these keys before the call; a key another thread of this process
-        // added since is this rank's own race.
-        check_new_keys(&table, &keys)?;
-        let sizes: Vec<(usize, bool)> = values
-            .iter()
-            .map(|v| (v.nbytes(), d.is_sliced(v.size())))
-            .collect();
-        let spreads = place_on_ranks(&mut table.rank_bytes, d.size(), &sizes);
-        let data: Vec<HomeValue> = whole
+/// The fingerprint of an init of `keys` with `values`.
+pub(super) fn init_fingerprint(keys: &[Key], values: &[NDArray]) -> Fingerprint {
+    let mut fp = Fingerprint::new("init");
+    for (key, v) in keys.iter().zip(values) {
+        fp.push(key.clone(), v.shape().dims(), v.dtype());
+    }
+    fp
+}
+
+/// Before an init's call: rank 0's values, read (or copied to its GPU), since that may fail.
+/// One rank alone copies host homes here, outside the table lock (`to_gpu`: some key is
+/// homed on a GPU, and is copied once placed).
+pub(super) fn rank0_values<'a>(
+    d: &Dist,
+    values: &'a [NDArray],
+    to_gpu: bool,
+) -> Result<Vec<Option<Rank0<'a>>>> {
+    values
+        .iter()
+        .map(|v| {
+            Ok(match (d.passes_through(), d.rank(), d.gpu()) {
+                (true, _, _) if to_gpu => Some(Rank0::Caller(v)),
+                (true, _, _) => Some(Rank0::Host(v.with_host(HostData::clone)?)),
+                (false, 0, Some(_)) => Some(Rank0::Gpu(v.to_device(d.home())?)),
+                (false, 0, None) => Some(Rank0::Host(v.with_host(HostData::clone)?)),
+                _ => None,
+            })
+        })
+        .collect()
+}
+
+/// An init's step across ranks: rank 0's values (`mine` on rank 0) to every rank.
+pub(super) fn from_rank0<'a>(
+    call: &mut dyn Round,
+    d: &Dist,
+    values: &[NDArray],
+    mine: Vec<Option<Rank0<'a>>>,
+) -> Result<Vec<Rank0<'a>>> {
+    if d.passes_through() {
+        return mine
             .into_iter()
-            .zip(&spreads)
-            .zip(values)
-            .map(|((w, s), v)| match w {
-                Rank0::Gpu(a) if s.holds(d.rank()) => HomeValue::copy_of(&a, d.home()),
-                Rank0::Gpu(_) => Ok(HomeValue::from_host(HostData::filled(v.dtype(), 0, 0.0))),
-                Rank0::Host(w) => {
-                    let mine = s.piece(w.len(), d.rank(), d.size());
-                    let part = if mine.len() == w.len() {
-                        w
-                    } else {
-                        w.slice_of(mine)
-                    };
-                    keep(d, part)
-                }
-            })
-            .collect::<Result<_>>()?;
-        let homes = vec![d.home(); keys.len()];
-        insert_slots(&mut table, keys, &kinds_of(values), data, &homes, &spreads);
-        Ok(())
-    }
-
-    /// A dist store's push of checked `groups` (`op` is `push` or `pushpull`), then, for a
-    /// pushpull, the pull of `pulls` (the same keys) in the same call.
-    pub(super) fn dist_push(
-        &self,
-        op: &'static str,
-        d: &Dist,
-        groups: Vec<Group<'_>>,
-        pulls: Option<&[Group<'_>]>,
-    ) -> Result<()> {
-        let ctx = self.ctx();
-        // This process's sums, before the call: reading a value may fail.
-        // On host ranks, a key pushed one value in host memory (checked: of its dtype) is read
-        // where it is; otherwise this rank's values are summed first.
-        let sums = groups
-            .iter()
-            .map(|g| match g.arrays.as_slice() {
-                [a] if d.gpu().is_none() && !a.device().is_gpu() => Ok(Mine::Single(a)),
-                _ => {
-                    let len = g.slot.shape.size();
-                    let scratch = d
-                        .gpu()
-                        .is_none()
-                        .then(|| d.pool().take(g.slot.dtype, len, d.room(len)));
-                    let facts = g.slot.facts();
-                    comm::local_sum(ctx, &facts, &g.arrays, d.home(), scratch).map(Mine::Summed)
-                }
-            })
-            .collect::<Result<Vec<_>>>()
-            .map_err(|e| d.reject(op, e))?;
-        let active = read(&self.active).clone();
-        let hook = read(&self.hook).clone();
-        // The ranks must agree on the updater too: it decides which collectives follow.
-        let fp = fingerprint(op, &groups).note(&format!("updater {}", active.updater.name()));
-        // The totals this rank holds, as arrays of the shape its part has.
-        let (mut call, inputs) = match d.gpu() {
-            Some(rc) => {
-                let roots = groups.iter().map(|g| root_of(g.slot.spread));
-                let call = d.begin(&fp)?;
-                let sums = sums
-                    .into_iter()
-                    .map(Mine::into_array)
-                    .zip(roots)
-                    .map(|(a, r)| Ok((a?, r)))
-                    .collect::<Result<Vec<_>>>()?;
-                let totals = dist::reduce_on_gpus(rc, sums)?;
-                (call, totals)
-            }
-            None => {
-                let mut sums = groups
-                    .iter()
-                    .zip(sums)
-                    .map(|(g, s)| {
-                        let data = match s {
-                            Mine::Summed(s) => SumData::Owned(s.into_host()?),
-                            Mine::Single(a) => SumData::Value(a),
-                        };
-                        Ok(Sum {
-                            data,
-                            spread: g.slot.spread,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map_err(|e| d.reject(op, e))?;
-                let mut call = d.begin(&fp)?;
-                // A key's one value that travels alone is sent from its own storage, lent under
-                // its write lock (taken inside the call, so no other call of this process
-                // waits on it) and handed back unchanged.
-                let mut lent = lend_arrays(d, &groups);
-                for (s, out) in sums.iter_mut().zip(lent.iter_mut()) {
-                    if let Some(Storage::Host(h)) = out.as_deref_mut() {
-                        let own = std::mem::replace(h, HostData::filled(h.dtype(), 0, 0.0));
-                        s.data = SumData::Lent(own);
-                    }
-                }
-                let reduced = dist::reduce(&mut call, d.pool(), sums);
-                let totals = match reduced {
-                    Ok((totals, back)) => {
-                        for (i, h) in back {
-                            if let Some(Storage::Host(slot)) = lent[i].as_deref_mut() {
-                                *slot = h;
-                            }
-                        }
-                        refill(&groups, &mut lent);
-                        totals
-                    }
-                    Err(e) => {
-                        // A lent value may be lost with the failed transfer: zeros keep the
-                        // array whole (the distributed world is unusable after this anyway).
-                        refill(&groups, &mut lent);
-                        return Err(e);
-                    }
-                };
-                drop(lent);
-                let inputs = totals
-                    .into_iter()
-                    .zip(&groups)
-                    .map(|(t, g)| {
-                        t.map(|t| {
-                            let shape = part_shape(g, t.len());
-                            NDArray::from_host(t, shape, cpu(0))
-                        })
-                    })
-                    .collect();
-                (call, inputs)
-            }
-        };
-        let mut cells = lock_cells(&groups);
-        let refs: Vec<Option<[&NDArray; 1]>> =
-            inputs.iter().map(|a| a.as_ref().map(|a| [a])).collect();
-        // Update counts are kept on every rank, so every rank computes the same rate.
-        let generation = active.generation;
-        let counts: Vec<u64> = groups.iter().map(|g| g.slot.updates(generation)).collect();
-        let hypers = hyper::for_push(&active, &groups, &counts);
-        let mut taken: Vec<Option<&mut _>> = cells.iter_mut().map(Some).collect();
-        let mut jobs = Vec::new();
-        for i in issue_order(&groups) {
-            let (Some(value), Some(input)) = (taken[i].take(), refs[i].as_ref()) else {
-                continue;
-            };
-            let g = &groups[i];
-            jobs.push(KeyPush {
-                facts: KeyFacts {
-                    shape: input[0].shape(),
-                    ..g.slot.facts()
-                },
-                value,
-                values: &input[..],
-                hyper: hypers.of(i),
-            });
-        }
-        let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
-        comm::push(&active.updater, generation, ctx, jobs, Some(&mut agree))?;
-        hypers.commit(&active);
-        for (g, &c) in groups.iter().zip(&counts) {
-            g.slot.set_updates(generation, c + 1);
-        }
-        let steps: Vec<Option<u64>> = counts
-            .iter()
-            .map(|&c| (!matches!(active.updater, Updater::Custom(_))).then_some(c + 1))
+            .map(|m| m.ok_or_else(|| dist::internal("one rank without its own value")))
             .collect();
-        let done = hook.as_ref().map(|_| pushed(&groups, &steps));
-        if let Some(pulls) = pulls {
-            pull_parts(&mut call, d, ctx, pulls, &cells)?;
-        }
-        drop(cells);
-        drop(call);
-        drop(refs);
-        // The totals' host buffers serve the next call.
-        for total in inputs.into_iter().flatten() {
-            if !total.device().is_gpu() {
-                if let Ok(h) = total.into_host() {
-                    d.pool().give(h);
-                }
-            }
-        }
-        call_hook(hook.as_deref(), &active, done)
     }
+    if let Some(rc) = d.gpu() {
+        let pieces = values
+            .iter()
+            .zip(mine)
+            .map(|(v, m)| GpuPiece {
+                data: match m {
+                    Some(Rank0::Gpu(a)) => Some(a),
+                    _ => None,
+                },
+                shape: v.shape(),
+                dtype: v.dtype(),
+                root: 0,
+            })
+            .collect();
+        let arrays = dist::gather_on_gpus(rc, pieces)?;
+        return Ok(arrays.into_iter().map(Rank0::Gpu).collect());
+    }
+    let pieces = values
+        .iter()
+        .zip(&mine)
+        .map(|(v, m)| Piece {
+            data: match m {
+                Some(Rank0::Host(h)) => Some(h),
+                _ => None,
+            },
+            len: v.size(),
+            dtype: v.dtype(),
+            spread: Spread::Whole { rank: 0 },
+            into: None,
+        })
+        .collect();
+    let hosts = dist::gather(call, (d.rank(), d.size()), d.pool(), pieces)?;
+    Ok(hosts.into_iter().map(Rank0::Host).collect())
+}
 
-    /// A dist store's pull of checked `groups`.
-    pub(super) fn dist_pull(&self, d: &Dist, groups: Vec<Group<'_>>) -> Result<()> {
-        let mut call = d.begin(&fingerprint("pull", &groups))?;
-        let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
-            groups.iter().map(|g| read(&g.slot.cell)).collect();
-        pull_parts(&mut call, d, self.ctx(), &groups, &cells)
+/// This rank's part of a key initialized with `whole`, kept on `home` where the key's spread
+/// says this rank holds some of it.
+pub(super) fn keep_part(
+    d: &Dist,
+    whole: Rank0<'_>,
+    spread: Spread,
+    home: Device,
+    value: &NDArray,
+    key: &Key,
+) -> Result<HomeValue> {
+    match whole {
+        Rank0::Caller(v) => HomeValue::copy_of(v, home).map_err(|e| e.with_key(key)),
+        Rank0::Gpu(a) if spread.holds(d.rank()) => HomeValue::copy_of(&a, home),
+        Rank0::Gpu(_) => Ok(HomeValue::from_host(HostData::filled(
+            value.dtype(),
+            0,
+            0.0,
+        ))),
+        Rank0::Host(w) => {
+            let mine = spread.piece(w.len(), d.rank(), d.size());
+            let part = if mine.len() == w.len() {
+                w
+            } else {
+                w.slice_of(mine)
+            };
+            keep(d, part)
+        }
     }
 }
 
-/// Brings every group's value from where it lives (this rank's parts are in `cells`) to every
-/// rank, and into the group's outs.
-fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
-    call: &mut Round<'_>,
+/// Before a push's call: this process's contribution to each key. Reading a value may fail.
+/// On host ranks, a key pushed one value in host memory (checked: of its dtype) is read where
+/// it is; otherwise this rank's values are summed first. One rank alone sums nothing here.
+pub(super) fn contributions<'g>(
+    d: &Dist,
+    ctx: comm::Ctx,
+    groups: &[Group<'g>],
+) -> Result<Vec<Mine<'g>>> {
+    groups
+        .iter()
+        .map(|g| match g.arrays.as_slice() {
+            _ if d.passes_through() => Ok(Mine::Values),
+            [a] if d.gpu().is_none() && !a.device().is_gpu() => Ok(Mine::Single(a)),
+            _ => {
+                let len = g.slot.shape.size();
+                let scratch = d
+                    .gpu()
+                    .is_none()
+                    .then(|| d.pool().take(g.slot.dtype, len, d.room(len)));
+                let facts = g.slot.facts();
+                let sum = comm::local_sum(ctx, &facts, &g.arrays, d.home(), scratch)?;
+                match d.gpu() {
+                    Some(_) => Ok(Mine::Summed(sum)),
+                    None => sum.into_host().map(Mine::Owned),
+                }
+            }
+        })
+        .collect()
+}
+
+/// A push's step across ranks: every rank's contributions (`mine`) summed onto where each key
+/// lives. One rank alone passes its values through.
+pub(super) fn sum_across(
+    call: &mut dyn Round,
+    d: &Dist,
+    groups: &[Group<'_>],
+    mine: Vec<Mine<'_>>,
+) -> Result<Inputs> {
+    if d.passes_through() {
+        return Ok(Inputs::Values);
+    }
+    if let Some(rc) = d.gpu() {
+        let sums = mine
+            .into_iter()
+            .map(Mine::into_array)
+            .zip(groups.iter().map(|g| root_of(g.slot.spread)))
+            .map(|(a, r)| Ok((a?, r)))
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(Inputs::Totals(dist::reduce_on_gpus(rc, sums)?));
+    }
+    let mut sums = groups
+        .iter()
+        .zip(mine)
+        .map(|(g, s)| {
+            let data = match s {
+                Mine::Owned(h) => SumData::Owned(h),
+                Mine::Single(a) => SumData::Value(a),
+                Mine::Summed(_) | Mine::Values => {
+                    return Err(dist::internal("a contribution not in host memory"))
+                }
+            };
+            Ok(Sum {
+                data,
+                spread: g.slot.spread,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // A key's one value that travels alone is sent from its own storage, lent under its write
+    // lock (taken inside the call, so no other call of this process waits on it) and handed
+    // back unchanged.
+    let mut lent = lend_arrays(d, groups);
+    for (s, out) in sums.iter_mut().zip(lent.iter_mut()) {
+        if let Some(Storage::Host(h)) = out.as_deref_mut() {
+            let own = std::mem::replace(h, HostData::filled(h.dtype(), 0, 0.0));
+            s.data = SumData::Lent(own);
+        }
+    }
+    let reduced = dist::reduce(call, (d.rank(), d.size()), d.pool(), sums);
+    let totals = match reduced {
+        Ok((totals, back)) => {
+            for (i, h) in back {
+                if let Some(Storage::Host(slot)) = lent[i].as_deref_mut() {
+                    *slot = h;
+                }
+            }
+            refill(groups, &mut lent);
+            totals
+        }
+        Err(e) => {
+            // A lent value may be lost with the failed transfer: zeros keep the array whole
+            // (the distributed world is unusable after this anyway).
+            refill(groups, &mut lent);
+            return Err(e);
+        }
+    };
+    drop(lent);
+    Ok(Inputs::Totals(
+        totals
+            .into_iter()
+            .zip(groups)
+            .map(|(t, g)| {
+                t.map(|t| {
+                    let shape = part_shape(g, t.len());
+                    NDArray::from_host(t, shape, cpu(0))
+                })
+            })
+            .collect(),
+    ))
+}
+
+/// Gives the host buffers of a push's totals back to the pool, for the next call.
+pub(super) fn recycle(d: &Dist, inputs: Inputs) {
+    let Inputs::Totals(totals) = inputs else {
+        return;
+    };
+    for total in totals.into_iter().flatten() {
+        if !total.device().is_gpu() {
+            if let Ok(h) = total.into_host() {
+                d.pool().give(h);
+            }
+        }
+    }
+}
+
+/// A pull's step across ranks, and the copies into the outs: every group's value from where it
+/// lives (this rank's parts are in `cells`) to every rank, and into the group's outs. One rank
+/// alone copies from its cells straight into the outs.
+pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
+    call: &mut dyn Round,
     d: &Dist,
     ctx: comm::Ctx,
     groups: &[Group<'_>],
     cells: &[C],
 ) -> Result<()> {
+    if d.passes_through() {
+        return fan_out(ctx, groups, cells, &[]);
+    }
     if let Some(rc) = d.gpu() {
         let pieces = groups
             .iter()
@@ -400,6 +411,7 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
             .iter()
             .map(|a| HomeValue::copy_of(a, d.home()))
             .collect::<Result<Vec<_>>>()?;
+        let values: Vec<&HomeValue> = values.iter().collect();
         return fan_out(ctx, groups, &values, &[]);
     }
     // This rank's parts, read where they are (host values are borrowed, not copied).
@@ -430,7 +442,7 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
             }),
         })
         .collect();
-    let mut gathered = match dist::gather(call, d.pool(), pieces) {
+    let mut gathered = match dist::gather(call, (d.rank(), d.size()), d.pool(), pieces) {
         Ok(g) => g,
         Err(e) => {
             // A lent out's storage may be lost with the failed transfer: zeros of its length
@@ -449,7 +461,7 @@ fn pull_parts<C: std::ops::Deref<Target = HomeValue>>(
     }
     drop(lent);
     let values: Vec<HomeValue> = gathered.into_iter().map(HomeValue::from_host).collect();
-    let pulled = fan_out(ctx, groups, &values, &in_place);
+    let pulled = fan_out(ctx, groups, &values.iter().collect::<Vec<_>>(), &in_place);
     // The whole values' buffers serve the next call.
     for v in values {
         if let Ok(h) = v.into_host() {
@@ -510,10 +522,10 @@ fn refill(groups: &[Group<'_>], lent: &mut [Option<RwLockWriteGuard<'_, Storage>
 
 /// Copies every group's whole value (`values`, in group order) into its outs, in issue order,
 /// except the groups `done` marks (their outs hold the value already).
-fn fan_out(
+fn fan_out<C: Deref<Target = HomeValue>>(
     ctx: comm::Ctx,
     groups: &[Group<'_>],
-    values: &[HomeValue],
+    values: &[C],
     done: &[bool],
 ) -> Result<()> {
     let jobs: Vec<HomePull<'_>> = issue_order(groups)

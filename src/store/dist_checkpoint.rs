@@ -17,15 +17,15 @@ use super::table::{place_on_ranks, Slot};
 use super::{insert_slots, read, write, KvStore};
 use crate::backend::HomeValue;
 use crate::checkpoint::{self, KeyMeta, Piece, Problem, Reader};
-use crate::comm::dist::Dist;
-use crate::comm::mpi::Fingerprint;
+use crate::comm::fingerprint::Fingerprint;
 use crate::comm::Spread;
 use crate::host::HostData;
 use crate::{Device, Error, Key, NDArray, Result, Shape};
 
 impl KvStore {
     /// A dist store's save into checkpoint directory `dir`.
-    pub(super) fn dist_save(&self, d: &Dist, dir: &Path) -> Result<()> {
+    pub(super) fn dist_save(&self, dir: &Path) -> Result<()> {
+        let d = &self.ranks;
         let (rank, size) = (d.rank(), d.size());
         let mut slots: Vec<Arc<Slot>> = read(&self.table).slots.values().cloned().collect();
         slots.sort_by_key(|s| s.order);
@@ -105,7 +105,8 @@ impl KvStore {
     }
 
     /// A dist store's load of checkpoint `path` (a sharded directory or a single file).
-    pub(super) fn dist_load(&self, d: &Dist, path: &Path) -> Result<()> {
+    pub(super) fn dist_load(&self, path: &Path) -> Result<()> {
+        let d = &self.ranks;
         let (rank, size) = (d.rank(), d.size());
         let (updater, generation) = self.active_updater();
         let opened = (|| {

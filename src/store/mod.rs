@@ -13,28 +13,26 @@
 //! The store imports `comm` and the one boundary type of `backend`, [`HomeValue`], and the
 //! GPU probe for placement; it knows no CUDA, no NCCL and no transport.
 
-#[cfg(feature = "mpi")]
 mod dist;
-#[cfg(feature = "mpi")]
 mod dist_checkpoint;
 mod entries;
 mod groups;
 mod hook;
 mod kind;
+#[cfg(test)]
+mod loopback_tests;
 mod table;
 mod validate;
 
 use std::collections::HashSet;
-use std::ops::Deref;
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::cpu::PAR_MIN_BYTES;
-use crate::backend::{probe, HomePull, HomeValue};
-#[cfg(feature = "mpi")]
+use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::Dist;
 use crate::comm::{self, Ctx, KeyPush, Spread};
-use crate::host::HostData;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
+use dist::Inputs;
 
 pub(crate) use entries::{Entry, EntryState};
 pub use groups::ValueList;
@@ -42,7 +40,7 @@ use groups::{issue_order, lock_cells, Group};
 use hook::{call_hook, cell_steps, pushed};
 pub use hook::{PushEvent, PushHook};
 pub use kind::{IntoStoreKind, StoreKind};
-use table::{place_by_size, Slot, Table};
+use table::{place_by_size, place_on_ranks, Slot, Table};
 use validate::{check_arrays, check_len, check_outs, check_values, to_keys};
 mod hyper;
 
@@ -93,9 +91,8 @@ pub struct KvStore {
     /// Bytes of traffic from which a call on host memory splits over threads
     /// (`KVSTORE_PAR_MIN_BYTES` at creation).
     par_min_bytes: usize,
-    /// The link to the other ranks of a `dist_*` store.
-    #[cfg(feature = "mpi")]
-    dist: Option<Dist>,
+    /// The link to the other ranks: one rank alone for the single-process kinds.
+    ranks: Dist,
 }
 
 impl KvStore {
@@ -123,28 +120,19 @@ impl KvStore {
     /// ```
     pub fn create(kind: impl IntoStoreKind) -> Result<KvStore> {
         let (kind, name) = kind.into_store_kind()?;
-        let par_min_bytes = par_min_bytes_from_env()?;
         if matches!(kind, StoreKind::Device | StoreKind::Nccl) && probe::gpu_count() == 0 {
             static ONCE: Once = Once::new();
             ONCE.call_once(|| {
                 log::warn!("kvstore: no GPU found; '{name}' stores keep their values on the CPU")
             });
         }
-        #[cfg(feature = "mpi")]
-        let dist = match kind.is_dist() {
-            true => Some(dist::connect(kind, &name)?),
-            false => None,
-        };
-        #[cfg(not(feature = "mpi"))]
-        if kind.is_dist() {
-            return Err(Error::KindUnavailable {
-                kind: name,
-                reason: "this build of kvstore has no distributed transport: build it with \
-                         `--features mpi` (it needs an MPI library, such as Open MPI, and \
-                         libclang) and start the program with `mpirun -np N`"
-                    .to_owned(),
-            });
-        }
+        let ranks = dist::connect(kind, &name)?;
+        KvStore::with_ranks(kind, name, ranks)
+    }
+
+    /// A store of `kind`, named `name`, over `ranks`.
+    fn with_ranks(kind: StoreKind, name: String, ranks: Dist) -> Result<KvStore> {
+        let par_min_bytes = par_min_bytes_from_env()?;
         Ok(KvStore {
             name,
             kind,
@@ -156,8 +144,7 @@ impl KvStore {
             })),
             hook: RwLock::new(None),
             par_min_bytes,
-            #[cfg(feature = "mpi")]
-            dist,
+            ranks,
         })
     }
 
@@ -175,75 +162,44 @@ impl KvStore {
     /// This worker's rank: 0 to `num_workers() - 1` in a `dist_*` store, always 0 in a
     /// single-process store.
     pub fn rank(&self) -> usize {
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return d.rank();
-        }
-        0
+        self.ranks.rank()
     }
 
     /// The number of workers (processes) of a `dist_*` store; always 1 for a single-process
     /// store.
     pub fn num_workers(&self) -> usize {
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return d.size();
-        }
-        1
+        self.ranks.size()
     }
 
     /// This worker's rank among the workers on its machine (pick its GPU with it); 0 in a
     /// single-process store.
     pub fn local_rank(&self) -> usize {
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return d.local_rank();
-        }
-        0
+        self.ranks.local_rank()
     }
 
     /// Waits until every worker of a `dist_*` store has called `barrier` (bounded by
     /// `KVSTORE_TIMEOUT`); `Ok` at once in a single-process store.
     pub fn barrier(&self) -> Result<()> {
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return d.barrier();
-        }
-        Ok(())
+        self.ranks.barrier()
     }
 
     /// A `dist_*` store's save of a sharded checkpoint into directory `path`; `None` for a
     /// single-process store.
     pub(crate) fn save_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return Some(self.dist_save(d, path));
-        }
-        let _ = path;
-        None
+        self.kind.is_dist().then(|| self.dist_save(path))
     }
 
     /// A `dist_*` store's load of a checkpoint (any layout, any world size); `None` for a
     /// single-process store.
     pub(crate) fn load_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return Some(self.dist_load(d, path));
-        }
-        let _ = path;
-        None
+        self.kind.is_dist().then(|| self.dist_load(path))
     }
 
     /// `err`, after telling the other ranks of a `dist_*` store that this rank rejected its
     /// input for `op` (so that they fail the same call instead of waiting for this rank).
     /// Only for errors found before the call's collectives begin.
     fn rejected(&self, op: &'static str, err: Error) -> Error {
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return d.reject(op, err);
-        }
-        let _ = op;
-        err
+        self.ranks.reject(op, err)
     }
 
     /// A key, or the error of converting it, told to the other ranks (see
@@ -390,42 +346,59 @@ impl KvStore {
         let keys = check_len("init", keys.len(), values.len(), "values")
             .and_then(|()| to_keys(keys))
             .map_err(|e| self.rejected("init", e))?;
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return self.dist_init(d, keys, values);
+        let d = &self.ranks;
+        let gpus = probe::gpu_count();
+        let any_gpu_home = d.passes_through()
+            && match homes {
+                Some(h) => h.iter().any(|d| d.is_gpu()),
+                None => self.kind != StoreKind::Local && gpus > 0,
+            };
+        // Before the call: rank 0's values, read or copied (that may fail). Host homes are
+        // copied here, outside the table lock, so big inits do not stall other keys' lookups;
+        // GPU homes are copied under the lock, once the homes are placed.
+        let prepared = check_new_keys(&read(&self.table), &keys)
+            .and_then(|()| dist::rank0_values(d, values, any_gpu_home));
+        let mine = prepared.map_err(|e| d.reject("init", e))?;
+        let mut call = d.begin(&dist::init_fingerprint(&keys, values))?;
+        let whole = dist::from_rank0(&mut *call, d, values, mine)?;
+        let mut table = write(&self.table);
+        // Every rank checked these keys before the call; a key another thread of this process
+        // added since is this rank's own race.
+        check_new_keys(&table, &keys)?;
+        let (placed, spreads) = self.place(&mut table, values, homes, any_gpu_home);
+        let parts = whole.into_iter().zip(&spreads).zip(&placed).zip(values);
+        let data: Vec<HomeValue> = parts
+            .zip(&keys)
+            .map(|((((w, &s), &home), v), key)| dist::keep_part(d, w, s, home, v, key))
+            .collect::<Result<_>>()?;
+        insert_slots(&mut table, keys, &kinds_of(values), data, &placed, &spreads);
+        Ok(())
+    }
+
+    /// Where the keys of an init live: each key's home device, and which ranks hold it. One
+    /// rank alone homes keys on the GPUs given, or largest first on the least loaded GPU
+    /// (`to_gpu`), or in host memory; ranks place keys on ranks by size, in their own home.
+    fn place(
+        &self,
+        table: &mut Table,
+        values: &[NDArray],
+        homes: Option<&[Device]>,
+        to_gpu: bool,
+    ) -> (Vec<Device>, Vec<Spread>) {
+        let d = &self.ranks;
+        if !d.passes_through() {
+            let sizes: Vec<(usize, bool)> = values
+                .iter()
+                .map(|v| (v.nbytes(), d.is_sliced(v.size())))
+                .collect();
+            let spreads = place_on_ranks(&mut table.rank_bytes, d.size(), &sizes);
+            return (vec![d.home(); values.len()], spreads);
         }
         let gpus = probe::gpu_count();
-        let any_gpu_home = match homes {
-            Some(h) => h.iter().any(|d| d.is_gpu()),
-            None => self.kind != StoreKind::Local && gpus > 0,
-        };
-        // Host homes: copy outside the table lock, so big inits do not stall other keys'
-        // lookups. GPU homes are copied under the lock, once the homes are placed.
-        let host_copies: Option<Vec<HostData>> = if any_gpu_home {
-            None
-        } else {
-            Some(
-                values
-                    .iter()
-                    .map(|v| v.with_host(HostData::clone))
-                    .collect::<Result<_>>()?,
-            )
-        };
-        let mut table = write(&self.table);
-        check_new_keys(&table, &keys)?;
         let placed: Vec<Device> = match homes {
             Some(h) => h.to_vec(),
-            None if any_gpu_home => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
-            None => vec![Device::Cpu(0); keys.len()],
-        };
-        let data: Vec<HomeValue> = match host_copies {
-            Some(copies) => copies.into_iter().map(HomeValue::from_host).collect(),
-            None => values
-                .iter()
-                .zip(&placed)
-                .zip(&keys)
-                .map(|((v, &home), key)| copy_home(v, home, key))
-                .collect::<Result<_>>()?,
+            None if to_gpu => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
+            None => vec![Device::Cpu(0); values.len()],
         };
         table.gpu_bytes.resize(gpus, 0);
         for (v, home) in values.iter().zip(&placed) {
@@ -433,9 +406,7 @@ impl KvStore {
                 table.gpu_bytes[i] += v.nbytes();
             }
         }
-        let spreads = vec![Spread::Whole { rank: 0 }; keys.len()];
-        insert_slots(&mut table, keys, &kinds_of(values), data, &placed, &spreads);
-        Ok(())
+        (placed, vec![Spread::Whole { rank: 0 }; values.len()])
     }
 
     /// Pushes one or more values to `key`: they are summed, and the updater merges the sum into
@@ -484,20 +455,7 @@ impl KvStore {
         let groups = groups
             .and_then(|g| check_values("push", &g).map(|()| g))
             .map_err(|e| self.rejected("push", e))?;
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return self.dist_push("push", d, groups, None);
-        }
-        let active = read(&self.active).clone();
-        let hook = read(&self.hook).clone();
-        self.prepare(&groups)?;
-        let mut cells = lock_cells(&groups);
-        apply_push(&active, self.ctx(), &groups, &mut cells)?;
-        let done = hook
-            .as_ref()
-            .map(|_| pushed(&groups, &cell_steps(&active, &cells)));
-        drop(cells);
-        call_hook(hook.as_deref(), &active, done)
+        self.push_call("push", groups, None)
     }
 
     /// Validates and applies a pull of looked-up groups (or the error of looking them up), from
@@ -506,14 +464,55 @@ impl KvStore {
         let groups = groups
             .and_then(|g| check_outs("pull", &g).map(|()| g))
             .map_err(|e| self.rejected("pull", e))?;
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return self.dist_pull(d, groups);
-        }
+        let d = &self.ranks;
         self.prepare(&groups)?;
+        let mut call = d.begin(&dist::fingerprint("pull", &groups))?;
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
-        pull_all(self.ctx(), &groups, &cells)
+        dist::pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
+    }
+
+    /// The one push of every store, on checked `groups` (`op` is `push` or `pushpull`): this
+    /// process's contribution, the sum across ranks onto each key's home, the updater there,
+    /// then, for a pushpull, the pull of `pulls` (the same keys) in the same call, and the
+    /// hook.
+    fn push_call(
+        &self,
+        op: &'static str,
+        groups: Vec<Group<'_>>,
+        pulls: Option<&[Group<'_>]>,
+    ) -> Result<()> {
+        let (d, ctx) = (&self.ranks, self.ctx());
+        let mine = dist::contributions(d, ctx, &groups).map_err(|e| d.reject(op, e))?;
+        let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
+        self.prepare(&groups)?;
+        if let Some(pulls) = pulls {
+            self.prepare(pulls)?;
+        }
+        // The ranks must agree on the updater too: it decides which collectives follow.
+        let fp = dist::fingerprint(op, &groups).note(&format!("updater {}", active.updater.name()));
+        let mut call = d.begin(&fp)?;
+        let inputs = dist::sum_across(&mut *call, d, &groups, mine)?;
+        let mut cells = lock_cells(&groups);
+        let counts = update_counts(d, &active, &groups, &cells);
+        let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
+        let agree: Option<comm::Agree<'_>> = match d.passes_through() {
+            true => None,
+            false => Some(&mut agree),
+        };
+        apply_push(&active, ctx, &groups, &inputs, &counts, &mut cells, agree)?;
+        let done = hook
+            .as_ref()
+            .map(|_| pushed(&groups, &hook_steps(d, &active, &counts, &cells)));
+        if let Some(pulls) = pulls {
+            // `pushes` and `pulls` hold the same distinct keys in the same order.
+            dist::pull_parts(&mut *call, d, ctx, pulls, &cells)?;
+        }
+        drop(cells);
+        drop(call);
+        dist::recycle(d, inputs);
+        call_hook(hook.as_deref(), &active, done)
     }
 
     /// A push, then a pull of the result into `outs`, as one atomic step. To update in place,
@@ -556,23 +555,7 @@ impl KvStore {
             Ok((pushes, pulls))
         })();
         let (pushes, pulls) = checked.map_err(|e| self.rejected("pushpull", e))?;
-        #[cfg(feature = "mpi")]
-        if let Some(d) = &self.dist {
-            return self.dist_push("pushpull", d, pushes, Some(&pulls));
-        }
-        let active = read(&self.active).clone();
-        let hook = read(&self.hook).clone();
-        self.prepare(&pushes)?;
-        self.prepare(&pulls)?;
-        let mut cells = lock_cells(&pushes);
-        apply_push(&active, self.ctx(), &pushes, &mut cells)?;
-        let done = hook
-            .as_ref()
-            .map(|_| pushed(&pushes, &cell_steps(&active, &cells)));
-        // `pushes` and `pulls` hold the same distinct keys in the same order.
-        pull_all(self.ctx(), &pulls, &cells)?;
-        drop(cells);
-        call_hook(hook.as_deref(), &active, done)
+        self.push_call("pushpull", pushes, Some(&pulls))
     }
 
     /// Pushes every key, then pulls every key's result back into its own values, as one atomic
@@ -710,54 +693,92 @@ fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<HomeValue> {
     HomeValue::copy_of(value, home).map_err(|e| e.with_key(key))
 }
 
-/// Applies a validated push to every group, in issue order, through the comm pipeline, and
-/// then records the call's update count.
+/// Each group's update count so far under the updater in force: the step in the key's cell
+/// for one rank alone; ranks keep the count of every key on every rank (a cell holds state
+/// only where the key's value is), so every rank computes the same learning rate.
+fn update_counts(
+    d: &Dist,
+    active: &Active,
+    groups: &[Group<'_>],
+    cells: &[RwLockWriteGuard<'_, HomeValue>],
+) -> Vec<u64> {
+    match d.passes_through() {
+        true => cells
+            .iter()
+            .map(|c| c.step(active.generation).unwrap_or(0))
+            .collect(),
+        false => groups
+            .iter()
+            .map(|g| g.slot.updates(active.generation))
+            .collect(),
+    }
+}
+
+/// Each group's step after a push, for the push hook: the cell's step for one rank alone;
+/// on ranks, the count (every rank alike), or none for a closure updater, which keeps no step.
+fn hook_steps(
+    d: &Dist,
+    active: &Active,
+    counts: &[u64],
+    cells: &[RwLockWriteGuard<'_, HomeValue>],
+) -> Vec<Option<u64>> {
+    match d.passes_through() {
+        true => cell_steps(active, cells),
+        false => counts
+            .iter()
+            .map(|&c| (!matches!(active.updater, Updater::Custom(_))).then_some(c + 1))
+            .collect(),
+    }
+}
+
+/// Applies a validated push to every group this rank holds, in issue order, through the comm
+/// pipeline (`inputs`: what the updater takes for each; `counts`: each group's update count so
+/// far), and then records the call's update counts. `agree`, on ranks: see [`comm::push`].
 fn apply_push(
     active: &Active,
     ctx: Ctx,
     groups: &[Group<'_>],
+    inputs: &Inputs,
+    counts: &[u64],
     cells: &mut [RwLockWriteGuard<'_, HomeValue>],
+    agree: Option<comm::Agree<'_>>,
 ) -> Result<()> {
-    let steps: Vec<u64> = cell_steps(active, cells)
-        .into_iter()
-        .map(|s| s.unwrap_or(0))
-        .collect();
-    let hypers = hyper::for_push(active, groups, &steps);
+    let hypers = hyper::for_push(active, groups, counts);
+    let totals: Vec<Option<[&NDArray; 1]>> = match inputs {
+        Inputs::Values => Vec::new(),
+        Inputs::Totals(t) => t.iter().map(|a| a.as_ref().map(|a| [a])).collect(),
+    };
     let mut taken: Vec<Option<&mut RwLockWriteGuard<'_, HomeValue>>> =
         cells.iter_mut().map(Some).collect();
-    let jobs = issue_order(groups)
-        .into_iter()
-        .map(|i| {
-            let g = &groups[i];
-            let value = taken[i].take().expect("each key is issued once");
-            KeyPush {
-                facts: g.slot.facts(),
-                value,
-                values: &g.arrays,
-                hyper: hypers.of(i),
-            }
-        })
-        .collect();
-    comm::push(&active.updater, active.generation, ctx, jobs, None)?;
+    let mut jobs = Vec::with_capacity(groups.len());
+    for i in issue_order(groups) {
+        let g = &groups[i];
+        let (values, shape): (&[&NDArray], Shape) = match inputs {
+            Inputs::Values => (&g.arrays, g.slot.shape),
+            Inputs::Totals(_) => match &totals[i] {
+                Some(total) => (total, total[0].shape()),
+                None => continue,
+            },
+        };
+        let Some(value) = taken[i].take() else {
+            continue;
+        };
+        jobs.push(KeyPush {
+            facts: KeyFacts {
+                shape,
+                ..g.slot.facts()
+            },
+            value,
+            values,
+            hyper: hypers.of(i),
+        });
+    }
+    comm::push(&active.updater, active.generation, ctx, jobs, agree)?;
     hypers.commit(active);
+    for (g, &c) in groups.iter().zip(counts) {
+        g.slot.set_updates(active.generation, c + 1);
+    }
     Ok(())
-}
-
-/// Pulls every group from its home into its outs, in issue order.
-fn pull_all<C: Deref<Target = HomeValue>>(
-    ctx: Ctx,
-    groups: &[Group<'_>],
-    cells: &[C],
-) -> Result<()> {
-    let jobs: Vec<HomePull<'_>> = issue_order(groups)
-        .into_iter()
-        .map(|i| HomePull {
-            key: &groups[i].slot.key,
-            value: &cells[i],
-            outs: &groups[i].arrays,
-        })
-        .collect();
-    comm::pull(ctx, &jobs)
 }
 
 /// A read lock that a panic elsewhere does not poison.
@@ -856,9 +877,22 @@ impl KvStore {
     }
 }
 
+/// Stores over the loopback link, for tests of the distributed rules without `mpirun`.
+#[cfg(test)]
+impl KvStore {
+    /// A `dist_sync` store on rank `link` of a loopback world; keys of more than `bound`
+    /// elements are sliced over every rank.
+    pub(crate) fn over_loopback(link: comm::link::loopback::Loopback, bound: usize) -> KvStore {
+        let ranks = Dist::over(Box::new(link), bound);
+        KvStore::with_ranks(StoreKind::DistSync, "dist_sync".to_owned(), ranks)
+            .expect("a loopback store")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::HostData;
 
     #[test]
     fn store_and_arrays_stay_send_and_sync() {

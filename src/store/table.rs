@@ -19,13 +19,11 @@ pub(super) struct Slot {
     pub dtype: DType,
     pub home: Device,
     /// Which ranks hold the value (a dist store); `Whole { rank: 0 }` in a single process.
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub spread: Spread,
     /// This rank's part of the value (all of it in a single process) and its updater state.
     pub cell: RwLock<HomeValue>,
     /// A dist store's count of the key's updates under an updater generation, kept on every
     /// rank (the step lives only where the value does): (generation, count).
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub updates: Mutex<(u64, u64)>,
 }
 
@@ -39,13 +37,11 @@ pub(super) struct Table {
     /// Bytes of values homed on each GPU so far (for placement by size).
     pub gpu_bytes: Vec<usize>,
     /// Bytes of values held by each rank so far (a dist store's placement by size).
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub rank_bytes: Vec<usize>,
 }
 
 impl Slot {
     /// A dist store's count of the key's updates under updater `generation`.
-    #[cfg(feature = "mpi")]
     pub fn updates(&self, generation: u64) -> u64 {
         let u = self.updates.lock().unwrap_or_else(|p| p.into_inner());
         if u.0 == generation {
@@ -56,7 +52,6 @@ impl Slot {
     }
 
     /// Sets a dist store's count of the key's updates under updater `generation`.
-    #[cfg(feature = "mpi")]
     pub fn set_updates(&self, generation: u64, count: u64) {
         *self.updates.lock().unwrap_or_else(|p| p.into_inner()) = (generation, count);
     }
@@ -145,7 +140,6 @@ pub(super) fn place_by_size(
 /// Where the keys of a dist store's init live, given each key's bytes and whether it is sliced:
 /// largest first, each whole key on the rank holding the fewest bytes so far (ties to the
 /// lowest rank); a sliced key adds its share to every rank. Every rank computes the same.
-#[cfg(feature = "mpi")]
 pub(super) fn place_on_ranks(
     bytes: &mut Vec<usize>,
     ranks: usize,

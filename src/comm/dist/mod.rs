@@ -1,6 +1,6 @@
 //! Across ranks: the step of a `dist_*` store's push that sums every rank's values onto each
 //! key's home rank, and the step of its pull that brings the home's value to every rank, over
-//! the MPI transport ([`super::mpi`]).
+//! whichever [`Link`] joins the ranks.
 //!
 //! - A key homed whole on one rank: a push is a reduce to that rank, a pull a broadcast from it.
 //! - A sliced key (more than `KVSTORE_BIGARRAY_BOUND` elements, as MXNet's
@@ -19,21 +19,16 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use half::{bf16, f16};
-
 mod gpu;
 mod pool;
-mod round;
 
-use super::launch::LaunchEnv;
-use super::mpi::{Call, Fingerprint, Pending, World};
+use super::fingerprint::Fingerprint;
+use super::link::{self, Link, Op, Round};
 use super::nccl::RankComm;
 use super::spread::{slice_block, Spread};
 use crate::host::HostData;
 use crate::{DType, Device, Element, Error, NDArray, Result};
 pub(crate) use pool::Pool;
-use round::NcclCalls;
-pub(crate) use round::Round;
 
 pub(crate) use gpu::GpuPiece;
 
@@ -43,44 +38,28 @@ pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
 /// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
 pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
 
-/// A `dist_*` store's link to the other ranks.
+/// A store's link to the other ranks, with what the store's calls across ranks need: the
+/// bound from which keys are sliced, and host buffers kept between calls.
 pub(crate) struct Dist {
-    link: Link,
+    link: Box<dyn Link>,
     /// Keys of more elements than this are sliced over every rank.
     bound: usize,
-    /// NCCL between the ranks' GPUs, for ranks whose values live on a GPU.
-    gpu: Option<RankComm>,
     /// Host buffers kept between calls.
     pool: Pool,
 }
 
-/// What carries a call's checks and control messages.
-enum Link {
-    /// The MPI transport (`mpirun`).
-    Mpi(&'static World),
-    /// NCCL alone, for GPU ranks started without MPI (`torchrun --no-python`, srun).
-    Nccl {
-        calls: NcclCalls,
-        check: bool,
-        local_rank: usize,
-    },
-}
-
-/// Whether this process was started by a launcher without MPI: `WORLD_SIZE` is set and no MPI
-/// launcher's variables are.
-fn launched_without_mpi() -> bool {
-    const MPI_VARS: [&str; 4] = [
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-        "PMIX_RANK",
-        "MPI_LOCALNRANKS",
-    ];
-    std::env::var_os("WORLD_SIZE").is_some()
-        && MPI_VARS.iter().all(|v| std::env::var_os(v).is_none())
-}
-
 impl Dist {
-    /// Joins the distributed world and reads `KVSTORE_BIGARRAY_BOUND`.
+    /// One rank alone: the single-process kinds.
+    pub fn solo() -> Dist {
+        Dist {
+            link: Box::new(link::solo::Solo),
+            bound: DEFAULT_BIGARRAY_BOUND,
+            pool: Pool::with_max_bytes(0),
+        }
+    }
+
+    /// Joins the distributed world and reads `KVSTORE_BIGARRAY_BOUND` and
+    /// `KVSTORE_DIST_POOL_BYTES`.
     ///
     /// - Host-memory ranks (`on_gpu` false) join over MPI (initialised once per process).
     /// - GPU ranks also join an NCCL communicator of every rank, each on the GPU its local rank
@@ -91,32 +70,21 @@ impl Dist {
     pub fn connect(on_gpu: bool) -> Result<Dist> {
         let bound = bound_from_env()?;
         let pool = Pool::from_env()?;
-        if on_gpu && launched_without_mpi() {
-            let launch = LaunchEnv::from_process()?;
-            let check = super::mpi::env_switch("KVSTORE_DIST_CHECK", true)?;
-            let rc = RankComm::from_env()?;
-            return Ok(Dist {
-                link: Link::Nccl {
-                    calls: NcclCalls::default(),
-                    check,
-                    local_rank: launch.local_rank,
-                },
-                bound,
-                gpu: Some(rc),
-                pool,
-            });
-        }
-        let world = World::get()?;
-        let gpu = match on_gpu {
-            true => Some(gpu::join(world)?),
-            false => None,
-        };
         Ok(Dist {
-            link: Link::Mpi(world),
+            link: link::connect(on_gpu)?,
             bound,
-            gpu,
             pool,
         })
+    }
+
+    /// A store's link over `link` (tests: the loopback link), with the defaults.
+    #[cfg(test)]
+    pub fn over(link: Box<dyn Link>, bound: usize) -> Dist {
+        Dist {
+            link,
+            bound,
+            pool: Pool::with_max_bytes(64 << 20),
+        }
     }
 
     /// Host buffers kept between calls: take a call's big buffers from here, and give them
@@ -136,12 +104,17 @@ impl Dist {
 
     /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs.
     pub fn gpu(&self) -> Option<&RankComm> {
-        self.gpu.as_ref()
+        self.link.gpu()
+    }
+
+    /// Whether values pass through unchanged (one rank alone).
+    pub fn passes_through(&self) -> bool {
+        self.link.passes_through()
     }
 
     /// Where this rank keeps its parts of the values: its GPU, or host memory.
     pub fn home(&self) -> Device {
-        match &self.gpu {
+        match self.gpu() {
             Some(rc) => Device::Gpu(rc.ordinal()),
             None => Device::Cpu(0),
         }
@@ -149,43 +122,28 @@ impl Dist {
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        match (&self.link, &self.gpu) {
-            (Link::Nccl { .. }, Some(rc)) => rc.rank(),
-            (Link::Mpi(w), _) => w.rank(),
-            (Link::Nccl { .. }, None) => 0,
-        }
+        self.link.rank()
     }
 
     /// The number of ranks.
     pub fn size(&self) -> usize {
-        match (&self.link, &self.gpu) {
-            (Link::Nccl { .. }, Some(rc)) => rc.size(),
-            (Link::Mpi(w), _) => w.size(),
-            (Link::Nccl { .. }, None) => 1,
-        }
+        self.link.size()
     }
 
     /// This process's rank among the ranks on its machine.
     pub fn local_rank(&self) -> usize {
-        match &self.link {
-            Link::Mpi(w) => w.local_rank(),
-            Link::Nccl { local_rank, .. } => *local_rank,
-        }
+        self.link.local_rank()
     }
 
     /// Whether a key of `len` elements is sliced over every rank (never on GPU ranks).
     pub fn is_sliced(&self, len: usize) -> bool {
-        self.gpu.is_none() && self.size() > 1 && len > self.bound
+        self.gpu().is_none() && self.size() > 1 && len > self.bound
     }
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
-    /// [`World::begin`]).
-    pub fn begin(&self, fp: &Fingerprint) -> Result<Round<'_>> {
-        match (&self.link, &self.gpu) {
-            (Link::Mpi(w), _) => Ok(Round::Mpi(w.begin(fp)?)),
-            (Link::Nccl { calls, check, .. }, Some(rc)) => calls.begin(rc, fp, *check),
-            (Link::Nccl { .. }, None) => Err(internal("a NCCL link without a communicator")),
-        }
+    /// [`Link::begin`]).
+    pub fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
+        self.link.begin(fp)
     }
 
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
@@ -283,12 +241,11 @@ impl SumData<'_> {
 /// `None` where this rank holds nothing of the key.
 /// Lent values ([`SumData::Lent`]) come back, unchanged, in the second list, by key index.
 pub(crate) fn reduce(
-    round: &mut Round<'_>,
+    round: &mut dyn Round,
+    (rank, size): (usize, usize),
     pool: &Pool,
     sums: Vec<Sum<'_>>,
 ) -> Result<(Vec<Option<HostData>>, LentBack)> {
-    let call = round.mpi()?;
-    let (rank, size) = (call.world().rank(), call.world().size());
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
     let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
     let mut plan = Plan::new(pool);
@@ -333,7 +290,7 @@ pub(crate) fn reduce(
             }
         }
     }
-    let (done, lent_back) = plan.run(call)?;
+    let (done, lent_back) = plan.run(round, (rank, size))?;
     returned.extend(lent_back);
     for (recv, members) in done {
         share(pool, recv, members, |i| holds[i], &mut out);
@@ -367,12 +324,11 @@ pub(crate) fn receives_in_place(spread: Spread, len: usize, dtype: DType, size: 
 /// Brings every key's whole value to every rank, from where it lives. The values come from
 /// `pool`; give them back when done.
 pub(crate) fn gather(
-    round: &mut Round<'_>,
+    round: &mut dyn Round,
+    (rank, size): (usize, usize),
     pool: &Pool,
     mut pieces: Vec<Piece<'_>>,
 ) -> Result<Vec<HostData>> {
-    let call = round.mpi()?;
-    let (rank, size) = (call.world().rank(), call.world().size());
     let mut out: Vec<Option<HostData>> = (0..pieces.len()).map(|_| None).collect();
     let mut plan = Plan::new(pool);
     // This rank's part of each key, or a buffer of the right length that MPI fills in.
@@ -425,7 +381,7 @@ pub(crate) fn gather(
             },
         }
     }
-    let (done, _) = plan.run(call)?;
+    let (done, _) = plan.run(round, (rank, size))?;
     for (recv, members) in done {
         share(pool, recv, members, |_| true, &mut out);
     }
@@ -470,15 +426,6 @@ pub(crate) fn reduce_on_gpus(
 /// [`gather`] on GPU ranks: every key's value from its home rank to every rank's GPU.
 pub(crate) fn gather_on_gpus(rc: &RankComm, pieces: Vec<GpuPiece>) -> Result<Vec<NDArray>> {
     gpu::gather(rc, pieces)
-}
-
-/// A collective of a [`Plan`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Op {
-    Reduce { root: usize },
-    Broadcast { root: usize },
-    ReduceScatter,
-    AllGather,
 }
 
 /// Lent values handed back after their transfer: (key index, the value's storage).
@@ -566,9 +513,11 @@ impl<'p> Plan<'p> {
     /// Starts every transfer, then waits for all of them. Returns each transfer's result with
     /// its members; the send buffers go back to the pool.
     /// Lent send buffers come back in the second list, by key index.
-    fn run(self, call: &mut Call) -> Result<(Vec<(HostData, Members)>, LentBack)> {
-        let rank = call.world().rank();
-        let size = call.world().size();
+    fn run(
+        self,
+        round: &mut dyn Round,
+        (rank, size): (usize, usize),
+    ) -> Result<(Vec<(HostData, Members)>, LentBack)> {
         let pool = self.pool;
         let transfers = self.alone.into_iter().chain(self.packed.into_iter().map(
             |((op, _), (send, members))| Transfer {
@@ -581,13 +530,18 @@ impl<'p> Plan<'p> {
         ));
         let mut flights = Vec::new();
         for t in transfers {
-            let flight = start(call, pool, t.op, t.send, t.recv, rank, size)?;
+            let len = t.op.recv_len(t.send.len(), rank, size);
+            let recv = match t.recv {
+                Some(r) if r.len() == len => r,
+                _ => pool.take(t.send.dtype(), len, len),
+            };
+            let flight = round.start(t.op, t.send, recv)?;
             flights.push((flight, t.members, t.lent));
         }
         let mut done = Vec::with_capacity(flights.len());
         let mut lent_back = Vec::new();
         for (flight, members, lent) in flights {
-            let (send, recv) = flight.land(call)?;
+            let (send, recv) = round.land(flight)?;
             match lent {
                 Some(i) => lent_back.push((i, send)),
                 None => pool.give(send),
@@ -609,72 +563,6 @@ struct Transfer {
     lent: Option<usize>,
 }
 
-/// A started collective, of any dtype.
-enum Flight {
-    F32(Pending<f32>),
-    F64(Pending<f64>),
-    F16(Pending<f16>),
-    BF16(Pending<bf16>),
-}
-
-/// Starts `op` on `data` (this rank's send buffer, or the buffer a broadcast fills).
-fn start(
-    call: &mut Call,
-    pool: &Pool,
-    op: Op,
-    data: HostData,
-    recv: Option<HostData>,
-    rank: usize,
-    size: usize,
-) -> Result<Flight> {
-    let recv_len = match op {
-        Op::Reduce { root } if root == rank => data.len(),
-        Op::Reduce { .. } | Op::Broadcast { .. } => 0,
-        Op::ReduceScatter => data.len() / size,
-        Op::AllGather => data.len() * size,
-    };
-    let recv = match recv {
-        Some(r) if r.len() == recv_len => r,
-        _ => pool.take(data.dtype(), recv_len, recv_len),
-    };
-    macro_rules! typed {
-        (|$s:ident, $r:ident| $e:expr) => {
-            match (data, recv) {
-                (HostData::F32($s), HostData::F32($r)) => Flight::F32($e),
-                (HostData::F64($s), HostData::F64($r)) => Flight::F64($e),
-                (HostData::F16($s), HostData::F16($r)) => Flight::F16($e),
-                (HostData::BF16($s), HostData::BF16($r)) => Flight::BF16($e),
-                _ => return Err(internal("a receive buffer of another dtype")),
-            }
-        };
-    }
-    Ok(match op {
-        Op::Reduce { root } => typed!(|s, r| call.reduce_sum(s, r, root)?),
-        Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
-        Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
-        Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
-    })
-}
-
-impl Flight {
-    /// Waits for the collective (bounded by the timeout) and returns its send and result
-    /// buffers.
-    fn land(self, call: &mut Call) -> Result<(HostData, HostData)> {
-        Ok(match self {
-            Flight::F32(p) => wrap(call.wait(p)?),
-            Flight::F64(p) => wrap(call.wait(p)?),
-            Flight::F16(p) => wrap(call.wait(p)?),
-            Flight::BF16(p) => wrap(call.wait(p)?),
-        })
-    }
-}
-
-/// The buffers of a finished collective: (send, result). A broadcast's result is its one
-/// buffer, which the transport hands back as `recv`.
-fn wrap<T: Element>(done: super::mpi::Done<T>) -> (HostData, HostData) {
-    (T::wrap(done.send), T::wrap(done.recv))
-}
-
 /// Extends `data` with zeros to `len` elements.
 fn pad(data: &mut HostData, len: usize) {
     crate::host::with_host!(data, v: T => v.resize(len, T::from_f64(0.0)));
@@ -688,10 +576,4 @@ fn append(buf: &mut HostData, more: &HostData) {
     });
 }
 
-/// An error for a broken invariant of this module, rather than a panic.
-fn internal(what: &str) -> Error {
-    Error::Mpi {
-        op: "dist",
-        message: format!("internal error: {what}; please report it"),
-    }
-}
+pub(crate) use link::internal;

@@ -49,10 +49,15 @@ impl Pool {
                 })
             }
         };
-        Ok(Pool {
+        Ok(Pool::with_max_bytes(max_bytes))
+    }
+
+    /// A pool that keeps at most `max_bytes` bytes.
+    pub fn with_max_bytes(max_bytes: usize) -> Pool {
+        Pool {
             bufs: Mutex::new(Vec::new()),
             max_bytes,
-        })
+        }
     }
 
     /// A buffer of `len` elements of `dtype`, with room for `room` elements (at least `len`)

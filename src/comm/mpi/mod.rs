@@ -65,7 +65,6 @@
 //!   `1` (`true`, `on`, the default) keeps it.
 
 mod collective;
-pub(crate) mod fingerprint;
 mod poll;
 mod raw;
 
@@ -77,8 +76,8 @@ use std::time::{Duration, Instant};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 
+pub use crate::comm::fingerprint::Fingerprint;
 pub use collective::{Done, Pending, Wire};
-pub use fingerprint::Fingerprint;
 
 use crate::{Error, Key, Result};
 use poll::Backoff;
@@ -137,21 +136,6 @@ struct Report {
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
-
-/// Reads a boolean switch: `0`, `false`, `off` or `1`, `true`, `on`.
-pub(crate) fn env_switch(var: &str, default: bool) -> Result<bool> {
-    match std::env::var(var) {
-        Err(_) => Ok(default),
-        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-            "0" | "false" | "off" | "no" => Ok(false),
-            "1" | "true" | "on" | "yes" | "" => Ok(true),
-            _ => Err(Error::DistEnv {
-                var: var.to_owned(),
-                message: format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
-            }),
-        },
-    }
-}
 
 /// Reads `KVSTORE_TIMEOUT`.
 fn env_timeout() -> Result<Duration> {
@@ -216,7 +200,7 @@ impl World {
             other => ("MPI".to_owned(), other.to_string()),
         };
         let timeout = env_timeout().map_err(as_pair)?;
-        let check = env_switch("KVSTORE_DIST_CHECK", true).map_err(as_pair)?;
+        let check = crate::comm::launch::env_switch("KVSTORE_DIST_CHECK", true).map_err(as_pair)?;
 
         let universe = match mpi::initialize_with_threading(Threading::Serialized) {
             Some((u, provided)) => {
@@ -685,42 +669,19 @@ impl Call {
         self.seq
     }
 
-    /// Compares the fingerprint across ranks; see [`fingerprint`].
+    /// Compares the fingerprint across ranks; see [`crate::comm::fingerprint`].
     fn check_fingerprint(&mut self, fp: &Fingerprint) -> Result<()> {
-        let mine = fp.record(self.seq);
-        let all = self.all_gather_u64(&mine)?;
-        if all.chunks(mine.len()).all(|r| r == mine) {
-            return Ok(());
-        }
-        // Every rank sees the same records, so every rank is here: exchange the descriptions.
-        let text = fp.describe(self.seq).into_bytes();
-        let lens = self.all_gather_u64(&[text.len() as u64])?;
-        let max = lens.iter().copied().max().unwrap_or(0) as usize;
-        let words = max.div_ceil(8);
-        let mut padded = vec![0u64; words];
-        for (i, b) in text.iter().enumerate() {
-            padded[i / 8] |= u64::from(*b) << (8 * (i % 8));
-        }
-        let gathered = self.all_gather_u64(&padded)?;
-        let texts: Vec<String> = (0..self.world.size)
-            .map(|r| {
-                let bytes: Vec<u8> = gathered[r * words..(r + 1) * words]
-                    .iter()
-                    .flat_map(|w| w.to_le_bytes())
-                    .take(lens[r] as usize)
-                    .collect();
-                String::from_utf8_lossy(&bytes).into_owned()
-            })
-            .collect();
-        let err = fingerprint::mismatch_error(self.op, self.seq, &texts);
-        if matches!(err, Error::Desync { .. }) {
+        let (seq, size) = (self.seq, self.world.size);
+        let checked =
+            crate::comm::fingerprint::check_across(fp, seq, size, |w| self.all_gather_u64(w));
+        if let Err(err @ Error::Desync { .. }) = &checked {
             self.world.poison_with(err.to_string());
         }
-        Err(err)
+        checked
     }
 
     /// A blocking, bounded all-gather of a few `u64`s on the data communicator.
-    fn all_gather_u64(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
+    pub(crate) fn all_gather_u64(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
         let recv = vec![0u64; mine.len() * self.world.size];
         let p = self.all_gather_as(mine.to_vec(), recv, collective::Coll::Fingerprint)?;
         Ok(self.wait(p)?.recv)
@@ -848,7 +809,7 @@ fn timeout_error(
         parts.push(format!(
             "{} {} not responding (died, hung outside kvstore, or stopped making kvstore \
                  calls)",
-            fingerprint::ranks(&silent),
+            crate::comm::fingerprint::ranks(&silent),
             is_are(&silent)
         ));
     }
@@ -856,7 +817,7 @@ fn timeout_error(
     if !same.is_empty() {
         parts.push(format!(
             "{} {} waiting in this same call",
-            fingerprint::ranks(&same),
+            crate::comm::fingerprint::ranks(&same),
             is_are(&same)
         ));
     }

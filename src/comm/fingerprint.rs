@@ -9,7 +9,7 @@
 
 use std::fmt::Write as _;
 
-use crate::{DType, Error, Key};
+use crate::{DType, Error, Key, Result};
 
 /// One entry of a call: a key with the shape and dtype of its value.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,6 +53,8 @@ impl Fnv {
     }
 }
 
+// `entry`, `keys` and `summary` serve the MPI link, its tests and the loopback link.
+#[allow(dead_code)]
 impl Fingerprint {
     /// A call of `op` ("push", "pull", ...) with no entries yet.
     pub fn new(op: &'static str) -> Fingerprint {
@@ -166,6 +168,43 @@ impl Fingerprint {
         }
         s
     }
+}
+
+/// Compares `fp`, for call `seq`, across `size` ranks through `all_gather` (every rank's
+/// words, in rank order; every rank gives as many). Equal records on every rank: `Ok`. Any
+/// difference is seen by every rank at once, so all of them exchange their descriptions and
+/// return the same error ([`mismatch_error`]).
+pub(crate) fn check_across(
+    fp: &Fingerprint,
+    seq: u64,
+    size: usize,
+    mut all_gather: impl FnMut(&[u64]) -> Result<Vec<u64>>,
+) -> Result<()> {
+    let mine = fp.record(seq);
+    let all = all_gather(&mine)?;
+    if all.chunks(mine.len()).all(|r| r == mine) {
+        return Ok(());
+    }
+    let text = fp.describe(seq).into_bytes();
+    let lens = all_gather(&[text.len() as u64])?;
+    let max = lens.iter().copied().max().unwrap_or(0) as usize;
+    let words = max.div_ceil(8);
+    let mut padded = vec![0u64; words];
+    for (i, b) in text.iter().enumerate() {
+        padded[i / 8] |= u64::from(*b) << (8 * (i % 8));
+    }
+    let gathered = all_gather(&padded)?;
+    let texts: Vec<String> = (0..size)
+        .map(|r| {
+            let bytes: Vec<u8> = gathered[r * words..(r + 1) * words]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .take(lens[r] as usize)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .collect();
+    Err(mismatch_error(fp.op(), seq, &texts))
 }
 
 /// The first word of the description line that carries a rejection.

@@ -1,0 +1,280 @@
+//! The loopback link: N ranks as N threads of one process, so the rules of the distributed
+//! stores (placement, slicing, packing, the fingerprint check, agreement on rejections and
+//! failures, sharded checkpoints) run in `cargo test` in milliseconds, without `mpirun`.
+//!
+//! Every collective is an exchange: the k-th exchange of every rank is matched with the k-th
+//! of every other rank, as MPI matches collectives by their order. A rank deposits its buffer
+//! when it starts a collective and takes its result when it lands it, once every rank has
+//! deposited; a wait longer than the hub's timeout is [`Error::Timeout`] naming the ranks that
+//! never came. Sums are taken in `float64` in rank order and rounded once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{internal, Link, Op, Round, Ticket};
+use crate::comm::fingerprint::{check_across, Fingerprint};
+use crate::host::HostData;
+use crate::{DType, Error, Key, Result};
+
+/// What a rank puts into an exchange.
+#[derive(Clone)]
+enum Payload {
+    Data(HostData),
+    Words(Vec<u64>),
+}
+
+/// One exchange: every rank's deposit, and how many ranks have taken their result.
+struct Exchange {
+    deposits: Vec<Option<Payload>>,
+    taken: usize,
+}
+
+/// What the ranks of one loopback world share.
+struct Hub {
+    size: usize,
+    timeout: Duration,
+    exchanges: Mutex<HashMap<u64, Exchange>>,
+    arrived: Condvar,
+}
+
+/// The call numbering of one rank, shared by every store of that rank (as MPI's world is
+/// shared by every store of a process).
+#[derive(Default)]
+struct RankState {
+    seq: u64,
+    exchanges: u64,
+    /// The first desync: the link refuses calls after it, as a poisoned MPI world does.
+    failed: Option<String>,
+}
+
+/// One rank of a loopback world. Clones are the same rank: stores made from clones share
+/// its call numbering.
+#[derive(Clone)]
+pub(crate) struct Loopback {
+    hub: Arc<Hub>,
+    rank: usize,
+    state: Arc<Mutex<RankState>>,
+    check: bool,
+}
+
+impl Loopback {
+    /// The `size` ranks of a new loopback world, in rank order; every wait is bounded by
+    /// `timeout`.
+    pub fn world(size: usize, timeout: Duration) -> Vec<Loopback> {
+        let hub = Arc::new(Hub {
+            size,
+            timeout,
+            exchanges: Mutex::new(HashMap::new()),
+            arrived: Condvar::new(),
+        });
+        (0..size)
+            .map(|rank| Loopback {
+                hub: hub.clone(),
+                rank,
+                state: Arc::default(),
+                check: true,
+            })
+            .collect()
+    }
+}
+
+impl Link for Loopback {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.hub.size
+    }
+
+    fn local_rank(&self) -> usize {
+        self.rank
+    }
+
+    fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = &st.failed {
+            return Err(Error::DistFailed {
+                op: fp.op(),
+                first: first.clone(),
+            });
+        }
+        st.seq += 1;
+        let mut round = LoopRound {
+            link: self,
+            seq: st.seq,
+            st,
+            op: fp.op(),
+            keys: fp.keys(),
+            summary: fp.summary(),
+            flights: Vec::new(),
+        };
+        if self.check {
+            let (seq, size) = (round.seq, self.hub.size);
+            if let Err(e) = check_across(fp, seq, size, |w| round.all_gather_words(w)) {
+                if matches!(e, Error::Desync { .. }) {
+                    round.st.failed = Some(e.to_string());
+                }
+                return Err(e);
+            }
+        }
+        Ok(Box::new(round))
+    }
+}
+
+/// One call of a loopback rank; holds the rank's lock, so its calls never interleave.
+struct LoopRound<'a> {
+    link: &'a Loopback,
+    st: MutexGuard<'a, RankState>,
+    seq: u64,
+    op: &'static str,
+    keys: Vec<Key>,
+    summary: String,
+    /// Started collectives: (exchange, op, send, receive buffer).
+    flights: Vec<Option<(u64, Op, HostData, HostData)>>,
+}
+
+impl LoopRound<'_> {
+    /// Deposits `mine` into this rank's next exchange; returns the exchange's number.
+    fn deposit(&mut self, mine: Payload) -> u64 {
+        self.st.exchanges += 1;
+        let id = self.st.exchanges;
+        let hub = &self.link.hub;
+        let mut all = hub.exchanges.lock().unwrap_or_else(|p| p.into_inner());
+        let ex = all.entry(id).or_insert_with(|| Exchange {
+            deposits: vec![None; hub.size],
+            taken: 0,
+        });
+        ex.deposits[self.link.rank] = Some(mine);
+        hub.arrived.notify_all();
+        id
+    }
+
+    /// Every rank's deposit into exchange `id`, once all are there (bounded by the timeout).
+    fn collect(&mut self, id: u64, what: &str) -> Result<Vec<Payload>> {
+        let hub = &self.link.hub;
+        let deadline = Instant::now() + hub.timeout;
+        let mut all = hub.exchanges.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let ex = all
+                .get_mut(&id)
+                .ok_or_else(|| internal("an exchange vanished"))?;
+            if ex.deposits.iter().all(Option::is_some) {
+                let got = ex.deposits.iter().flatten().cloned().collect();
+                ex.taken += 1;
+                if ex.taken == hub.size {
+                    all.remove(&id);
+                }
+                return Ok(got);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> = (ex.deposits.iter().enumerate())
+                    .filter(|(_, d)| d.is_none())
+                    .map(|(r, _)| r)
+                    .collect();
+                return Err(Error::Timeout {
+                    op: self.op,
+                    seq: self.seq,
+                    keys: self.keys.clone(),
+                    missing: missing.clone(),
+                    detail: format!(
+                        "rank {} waited {:.1} s in its {what} of call #{} ({}); ranks \
+                         {missing:?} never joined it",
+                        self.link.rank,
+                        hub.timeout.as_secs_f64(),
+                        self.seq,
+                        self.summary
+                    ),
+                });
+            }
+            all = hub
+                .arrived
+                .wait_timeout(all, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// The element-wise sum of `parts` (each of `dtype`), in `float64` in order, rounded once.
+fn sum(parts: &[&HostData], dtype: DType) -> HostData {
+    let mut acc = vec![0f64; parts.first().map_or(0, |p| p.len())];
+    for p in parts {
+        for (a, v) in acc.iter_mut().zip(p.to_vec::<f64>()) {
+            *a += v;
+        }
+    }
+    HostData::F64(acc).cast(dtype)
+}
+
+impl Round for LoopRound<'_> {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
+        let id = self.deposit(Payload::Data(send.clone()));
+        self.flights.push(Some((id, op, send, recv)));
+        Ok(Ticket(self.flights.len() - 1))
+    }
+
+    fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
+        let (id, op, send, recv) = (self.flights.get_mut(ticket.0).and_then(Option::take))
+            .ok_or_else(|| internal("a collective landed twice"))?;
+        let all = self.collect(id, &format!("{op:?}"))?;
+        let data: Vec<&HostData> = all
+            .iter()
+            .map(|p| match p {
+                Payload::Data(d) => Ok(d),
+                Payload::Words(_) => Err(internal("ranks mixed data and words in one exchange")),
+            })
+            .collect::<Result<_>>()?;
+        if data.iter().any(|d| d.dtype() != send.dtype()) {
+            return Err(internal("ranks sent different dtypes to one collective"));
+        }
+        let (rank, size) = (self.link.rank, self.link.hub.size);
+        let result = match op {
+            Op::Reduce { root } if root == rank => sum(&data, send.dtype()),
+            Op::Reduce { .. } => recv,
+            Op::Broadcast { root } => {
+                let from = data.get(root).ok_or_else(|| internal("no such root"))?;
+                return Ok((HostData::filled(send.dtype(), 0, 0.0), (*from).clone()));
+            }
+            Op::ReduceScatter => {
+                let block = send.len() / size.max(1);
+                sum(&data, send.dtype()).slice_of(rank * block..(rank + 1) * block)
+            }
+            Op::AllGather => {
+                let mut all = Vec::with_capacity(send.len() * size);
+                for d in &data {
+                    all.extend(d.to_vec::<f64>());
+                }
+                HostData::F64(all).cast(send.dtype())
+            }
+        };
+        Ok((send, result))
+    }
+
+    fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
+        let id = self.deposit(Payload::Words(mine.to_vec()));
+        let all = self.collect(id, "all-gather of words")?;
+        let mut out = Vec::with_capacity(mine.len() * all.len());
+        for p in all {
+            match p {
+                Payload::Words(w) if w.len() == mine.len() => out.extend(w),
+                _ => return Err(internal("ranks gave different word counts")),
+            }
+        }
+        Ok(out)
+    }
+
+    fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>> {
+        let n = words.len();
+        let all = self.all_gather_words(&words)?;
+        all.get(root * n..(root + 1) * n)
+            .map(<[u64]>::to_vec)
+            .ok_or_else(|| internal("no such root"))
+    }
+}

@@ -1,0 +1,162 @@
+//! The link between the ranks of a store: one trait, [`Link`], chosen once when the store is
+//! created, with one file per implementation.
+//!
+//! - [`solo`]: the single-process kinds (`local`, `device`, `nccl`). One rank; it passes every
+//!   value through unchanged, so the backend still fuses the sum and the update.
+//! - `mpi` (cargo feature `mpi`): CPU ranks started by `mpirun`, and GPU ranks whose NCCL id
+//!   travels over MPI.
+//! - [`nccl`]: GPU ranks started without MPI (`torchrun --no-python`, srun): NCCL carries the
+//!   checks, the control messages and the data. It needs no MPI.
+//! - `loopback` (tests only): N ranks as N threads of one process, so the rules of the
+//!   distributed stores run in `cargo test` without `mpirun`.
+//!
+//! A store call begins a [`Round`] on the link: the round is numbered, and the ranks compare
+//! the call's [`Fingerprint`] before any data moves. The round then starts collectives on host
+//! buffers and lands them ([`Round::start`], [`Round::land`]); [`crate::comm::dist`] plans
+//! which ones. `cfg(feature)` appears here, where a link is built, and nowhere else.
+
+#[cfg(test)]
+pub(crate) mod loopback;
+#[cfg(feature = "mpi")]
+mod mpi;
+pub(crate) mod nccl;
+pub(crate) mod solo;
+
+use super::fingerprint::{ranks, Fingerprint};
+use super::nccl::RankComm;
+use crate::host::HostData;
+use crate::{Error, Result};
+
+/// A collective on host buffers, as a [`Round`] starts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Op {
+    /// The element-wise sum of every rank's send buffer, into the root's receive buffer.
+    Reduce { root: usize },
+    /// The root's buffer, into every rank's (the send buffer is the one buffer).
+    Broadcast { root: usize },
+    /// The element-wise sum of every rank's send buffer; rank `r` receives block `r` of it.
+    ReduceScatter,
+    /// Every rank's send buffer, in rank order, into every rank's receive buffer.
+    AllGather,
+}
+
+impl Op {
+    /// The elements the receive buffer of `op` holds on `rank` of `size`, for a send buffer of
+    /// `len` elements.
+    pub fn recv_len(self, len: usize, rank: usize, size: usize) -> usize {
+        match self {
+            Op::Reduce { root } if root == rank => len,
+            Op::Reduce { .. } | Op::Broadcast { .. } => 0,
+            Op::ReduceScatter => len / size.max(1),
+            Op::AllGather => len * size,
+        }
+    }
+}
+
+/// A collective started by [`Round::start`], to give to [`Round::land`].
+pub(crate) struct Ticket(pub usize);
+
+/// The connection of a store to the other ranks of its job.
+pub(crate) trait Link: Send + Sync {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn size(&self) -> usize;
+    /// This process's rank among the ranks on its machine.
+    fn local_rank(&self) -> usize;
+    /// NCCL between the ranks' GPUs, when the ranks keep their values on GPUs.
+    fn gpu(&self) -> Option<&RankComm> {
+        None
+    }
+    /// Whether values pass through unchanged (one rank, no transfer): the store then hands the
+    /// caller's arrays to the backend, which fuses the sum with the update.
+    fn passes_through(&self) -> bool {
+        false
+    }
+    /// Begins a store call: numbers it and, unless the check is off, compares `fp` across the
+    /// ranks ([`Error::Desync`], or [`Error::RankRejected`] when a rank rejected its input).
+    fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>>;
+}
+
+/// One store call in progress on a [`Link`]; calls of one link never interleave.
+pub(crate) trait Round {
+    /// This call's number (1 for the first).
+    fn seq(&self) -> u64;
+    /// Starts `op` with this rank's `send` buffer, receiving into `recv` (of
+    /// [`Op::recv_len`] elements, the dtype of `send`).
+    fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket>;
+    /// Waits (bounded) for a started collective: its (send, result) buffers. A broadcast's
+    /// result is its one buffer.
+    fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)>;
+    /// Every rank's `mine` (every rank gives as many words), in rank order.
+    fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>>;
+    /// Rank `root`'s `words`, on every rank (every rank passes as many).
+    fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>>;
+    /// Waits until every rank is here.
+    fn barrier(&mut self) -> Result<()> {
+        self.all_gather_words(&[1]).map(drop)
+    }
+}
+
+impl dyn Round + '_ {
+    /// Whether every rank succeeded at its part `what` of call `op`, given this rank's `ok`:
+    /// `Ok` when all did, else [`Error::RankFailed`] naming the ranks that did not (each of
+    /// them has its own error). Return this rank's own error first.
+    pub fn agree(&mut self, op: &'static str, ok: bool, what: &str) -> Result<()> {
+        let flags = self.all_gather_words(&[u64::from(ok)])?;
+        let failed: Vec<usize> = (flags.iter().enumerate())
+            .filter(|(_, &ok)| ok != 1)
+            .map(|(r, _)| r)
+            .collect();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        Err(Error::RankFailed {
+            op,
+            seq: self.seq(),
+            detail: format!("{} failed {what} (its own error says why)", ranks(&failed)),
+        })
+    }
+}
+
+/// An error for a broken invariant of the links, rather than a panic.
+pub(crate) fn internal(what: &str) -> Error {
+    Error::Mpi {
+        op: "dist",
+        message: format!("internal error: {what}; please report it"),
+    }
+}
+
+/// Joins the link of a distributed store. `on_gpu`: the ranks keep their values on GPUs
+/// (`dist_device_sync` on a machine with GPUs) and move them over NCCL. Ranks started without
+/// MPI (`WORLD_SIZE` set, no MPI launcher's variables) use NCCL alone.
+pub(crate) fn connect(on_gpu: bool) -> Result<Box<dyn Link>> {
+    if on_gpu && nccl::launched_without_mpi() {
+        return Ok(Box::new(nccl::NcclLink::from_env()?));
+    }
+    connect_mpi(on_gpu)
+}
+
+#[cfg(feature = "mpi")]
+fn connect_mpi(on_gpu: bool) -> Result<Box<dyn Link>> {
+    Ok(Box::new(mpi::MpiLink::join(on_gpu)?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn connect_mpi(on_gpu: bool) -> Result<Box<dyn Link>> {
+    let gpu_note = match on_gpu {
+        true => {
+            ", or start GPU ranks without MPI as torchrun does (RANK, WORLD_SIZE, \
+                 LOCAL_RANK, MASTER_ADDR, MASTER_PORT)"
+        }
+        false => "",
+    };
+    Err(Error::KindUnavailable {
+        kind: "dist".to_owned(),
+        reason: format!(
+            "this build of kvstore has no MPI transport: build it with `--features mpi` (it \
+             needs an MPI library, such as Open MPI, and libclang) and start the program with \
+             `mpirun -np N`{gpu_note}"
+        ),
+    })
+}

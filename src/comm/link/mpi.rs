@@ -1,0 +1,199 @@
+//! The MPI link (`mpirun`): CPU ranks move host buffers over the MPI transport; GPU ranks
+//! join an NCCL communicator whose id travels over MPI, and keep MPI for the checks.
+
+use half::{bf16, f16};
+
+use super::{internal, Link, Op, Round, Ticket};
+use crate::backend::probe;
+use crate::comm::fingerprint::Fingerprint;
+use crate::comm::mpi::{Call, Done, Pending, World};
+use crate::comm::nccl::loader::UniqueId;
+use crate::comm::nccl::RankComm;
+use crate::host::HostData;
+use crate::{Element, Error, Result};
+
+/// The MPI world, and NCCL between the ranks' GPUs when they keep their values there.
+pub(crate) struct MpiLink {
+    world: &'static World,
+    gpu: Option<RankComm>,
+}
+
+impl MpiLink {
+    /// Joins the MPI world (initialised once per process) and, for GPU ranks, an NCCL
+    /// communicator of every rank.
+    pub fn join(on_gpu: bool) -> Result<MpiLink> {
+        let world = World::get()?;
+        let gpu = match on_gpu {
+            true => Some(join_nccl_over_mpi(world)?),
+            false => None,
+        };
+        Ok(MpiLink { world, gpu })
+    }
+}
+
+impl Link for MpiLink {
+    fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.world.size()
+    }
+
+    fn local_rank(&self) -> usize {
+        self.world.local_rank()
+    }
+
+    fn gpu(&self) -> Option<&RankComm> {
+        self.gpu.as_ref()
+    }
+
+    fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
+        Ok(Box::new(MpiRound {
+            call: self.world.begin(fp)?,
+            flights: Vec::new(),
+        }))
+    }
+}
+
+/// One call on the MPI world, with its collectives in flight.
+struct MpiRound {
+    call: Call,
+    flights: Vec<Option<Flight>>,
+}
+
+/// A started collective, of any dtype.
+enum Flight {
+    F32(Pending<f32>),
+    F64(Pending<f64>),
+    F16(Pending<f16>),
+    BF16(Pending<bf16>),
+}
+
+impl Round for MpiRound {
+    fn seq(&self) -> u64 {
+        self.call.seq()
+    }
+
+    fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
+        let call = &mut self.call;
+        macro_rules! typed {
+            (|$s:ident, $r:ident| $e:expr) => {
+                match (send, recv) {
+                    (HostData::F32($s), HostData::F32($r)) => Flight::F32($e),
+                    (HostData::F64($s), HostData::F64($r)) => Flight::F64($e),
+                    (HostData::F16($s), HostData::F16($r)) => Flight::F16($e),
+                    (HostData::BF16($s), HostData::BF16($r)) => Flight::BF16($e),
+                    _ => return Err(internal("a receive buffer of another dtype")),
+                }
+            };
+        }
+        let flight = match op {
+            Op::Reduce { root } => typed!(|s, r| call.reduce_sum(s, r, root)?),
+            Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
+            Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
+            Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
+        };
+        self.flights.push(Some(flight));
+        Ok(Ticket(self.flights.len() - 1))
+    }
+
+    fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
+        let flight = (self.flights.get_mut(ticket.0).and_then(Option::take))
+            .ok_or_else(|| internal("a collective landed twice"))?;
+        let call = &mut self.call;
+        Ok(match flight {
+            Flight::F32(p) => wrap(call.wait(p)?),
+            Flight::F64(p) => wrap(call.wait(p)?),
+            Flight::F16(p) => wrap(call.wait(p)?),
+            Flight::BF16(p) => wrap(call.wait(p)?),
+        })
+    }
+
+    fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
+        self.call.all_gather_u64(mine)
+    }
+
+    fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>> {
+        let p = self.call.broadcast(words, root)?;
+        Ok(self.call.wait(p)?.recv)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.call.barrier()
+    }
+}
+
+/// The buffers of a finished collective: (send, result). A broadcast's result is its one
+/// buffer, which the transport hands back as `recv`.
+fn wrap<T: Element>(done: Done<T>) -> (HostData, HostData) {
+    (T::wrap(done.send), T::wrap(done.recv))
+}
+
+/// Joins the NCCL communicator of every rank of `world`, on the GPU this rank's local rank
+/// picks (`local_rank % GPUs`).
+fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
+    let gpus = probe::gpu_count();
+    let ordinal = world.local_rank() % gpus.max(1);
+    let mut call = world.begin(&Fingerprint::new("join NCCL ranks"))?;
+    let mut words = vec![0u64; 16];
+    let mut made = Ok(());
+    if world.rank() == 0 {
+        match RankComm::unique_id() {
+            Ok(id) => words = pack(&id),
+            Err(e) => made = Err(e),
+        }
+    }
+    let p = call.broadcast(words, 0)?;
+    let words = call.wait(p)?.recv;
+    // The world's lock is not held across NCCL's own bootstrap, which waits for every rank
+    // (bounded by KVSTORE_TIMEOUT).
+    drop(call);
+    made?;
+    if words.iter().all(|&w| w == 0) {
+        return Err(Error::DistEnv {
+            var: "NCCL".to_owned(),
+            message: "rank 0 could not create an NCCL id (its own error says why)".to_owned(),
+        });
+    }
+    RankComm::join(unpack(&words), world.rank(), world.size(), ordinal)
+}
+
+/// The 128 bytes of an NCCL id as 16 words, for MPI.
+fn pack(id: &UniqueId) -> Vec<u64> {
+    id.0.chunks(8)
+        .map(|c| {
+            let mut b = [0u8; 8];
+            for (o, &x) in b.iter_mut().zip(c) {
+                *o = x as u8;
+            }
+            u64::from_le_bytes(b)
+        })
+        .collect()
+}
+
+/// The NCCL id from the 16 words of [`pack`].
+fn unpack(words: &[u64]) -> UniqueId {
+    let mut id = UniqueId([0; 128]);
+    for (chunk, w) in id.0.chunks_mut(8).zip(words) {
+        for (o, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
+            *o = b as _;
+        }
+    }
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_nccl_id_survives_its_trip_as_words() {
+        let mut id = UniqueId([0; 128]);
+        for (i, b) in id.0.iter_mut().enumerate() {
+            *b = (i as i32 * 37 - 100) as _;
+        }
+        let back = unpack(&pack(&id));
+        assert_eq!(back.0, id.0);
+    }
+}

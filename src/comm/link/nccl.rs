@@ -1,0 +1,174 @@
+//! The NCCL link: GPU ranks started without MPI (`torchrun --no-python`, srun wrappers), which
+//! join over NCCL's own bootstrap (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`) and use NCCL for everything: the call numbering and fingerprint check, the
+//! control messages and the data. It needs no MPI.
+//!
+//! NCCL moves floating-point data, so the check's words travel as 16-bit pieces in `float32`,
+//! which holds them exactly. Every NCCL call is bounded by `KVSTORE_TIMEOUT` ([`RankComm`]),
+//! which aborts the communicator on a timeout.
+
+use std::sync::{Mutex, MutexGuard};
+
+use super::{Link, Op, Round, Ticket};
+use crate::comm::fingerprint::{check_across, Fingerprint};
+use crate::comm::launch::LaunchEnv;
+use crate::comm::nccl::RankComm;
+use crate::host::HostData;
+use crate::{DType, Device, Error, NDArray, Result};
+
+/// Whether this process was started by a launcher without MPI: `WORLD_SIZE` is set and no MPI
+/// launcher's variables are.
+pub(crate) fn launched_without_mpi() -> bool {
+    const MPI_VARS: [&str; 4] = [
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MPI_LOCALNRANKS",
+    ];
+    std::env::var_os("WORLD_SIZE").is_some()
+        && MPI_VARS.iter().all(|v| std::env::var_os(v).is_none())
+}
+
+/// GPU ranks joined by NCCL alone.
+pub(crate) struct NcclLink {
+    rc: RankComm,
+    check: bool,
+    local_rank: usize,
+    /// The last call begun, and the first failure (the link refuses calls after a desync).
+    calls: Mutex<(u64, Option<String>)>,
+}
+
+impl NcclLink {
+    /// Joins the NCCL communicator of every rank the launcher's environment describes.
+    pub fn from_env() -> Result<NcclLink> {
+        let launch = LaunchEnv::from_process()?;
+        let check = crate::comm::launch::env_switch("KVSTORE_DIST_CHECK", true)?;
+        Ok(NcclLink {
+            rc: RankComm::from_env()?,
+            check,
+            local_rank: launch.local_rank,
+            calls: Mutex::new((0, None)),
+        })
+    }
+}
+
+impl Link for NcclLink {
+    fn rank(&self) -> usize {
+        self.rc.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.rc.size()
+    }
+
+    fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    fn gpu(&self) -> Option<&RankComm> {
+        Some(&self.rc)
+    }
+
+    fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
+        let mut st = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = &st.1 {
+            return Err(Error::DistFailed {
+                op: fp.op(),
+                first: first.clone(),
+            });
+        }
+        st.0 += 1;
+        let seq = st.0;
+        let mut round = NcclRound {
+            rc: &self.rc,
+            seq,
+            _serial: st,
+        };
+        if self.check {
+            let size = self.rc.size();
+            if let Err(e) = check_across(fp, seq, size, |w| round.all_gather_words(w)) {
+                if matches!(e, Error::Desync { .. }) {
+                    round._serial.1 = Some(e.to_string());
+                }
+                return Err(e);
+            }
+        }
+        Ok(Box::new(round))
+    }
+}
+
+/// One call over NCCL; holds the link's lock, so calls never interleave.
+struct NcclRound<'a> {
+    rc: &'a RankComm,
+    seq: u64,
+    _serial: MutexGuard<'a, (u64, Option<String>)>,
+}
+
+impl Round for NcclRound<'_> {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn start(&mut self, _op: Op, _send: HostData, _recv: HostData) -> Result<Ticket> {
+        Err(super::internal(
+            "a host-memory collective on a NCCL-only link",
+        ))
+    }
+
+    fn land(&mut self, _ticket: Ticket) -> Result<(HostData, HostData)> {
+        Err(super::internal(
+            "a host-memory collective on a NCCL-only link",
+        ))
+    }
+
+    fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
+        let pieces: Vec<f32> = mine.iter().flat_map(|&w| split(w)).collect();
+        Ok(join_words(&all_gather_f32(self.rc, &pieces)?))
+    }
+
+    fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>> {
+        let n = words.len();
+        let pieces: Vec<f32> = words.iter().flat_map(|&w| split(w)).collect();
+        let buf = NDArray::from_vec_on(pieces, [n * 4], Device::Gpu(self.rc.ordinal()))?;
+        self.rc.broadcast(&buf, root)?;
+        Ok(join_words(&buf.to_vec::<f32>()?))
+    }
+}
+
+/// A word as four 16-bit pieces, each exact in `float32`.
+fn split(w: u64) -> [f32; 4] {
+    [0, 16, 32, 48].map(|s| ((w >> s) & 0xffff) as f32)
+}
+
+/// Words from the pieces of [`split`].
+fn join_words(pieces: &[f32]) -> Vec<u64> {
+    pieces
+        .chunks(4)
+        .map(|c| {
+            c.iter()
+                .enumerate()
+                .fold(0u64, |w, (i, &p)| w | ((p as u64) << (16 * i)))
+        })
+        .collect()
+}
+
+/// An all-gather of a few `float32`s over NCCL: every rank's `mine`, in rank order.
+fn all_gather_f32(rc: &RankComm, mine: &[f32]) -> Result<Vec<f32>> {
+    let gpu = Device::Gpu(rc.ordinal());
+    let send = NDArray::from_vec_on(mine.to_vec(), [mine.len()], gpu)?;
+    let recv = NDArray::full_on([mine.len() * rc.size()], 0.0, DType::F32, gpu)?;
+    rc.all_gather(&send, &recv)?;
+    recv.to_vec::<f32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_survive_their_trip_as_float32_pieces() {
+        let words = [0u64, 1, u64::MAX, 0xcbf2_9ce4_8422_2325, 1 << 63];
+        let pieces: Vec<f32> = words.iter().flat_map(|&w| split(w)).collect();
+        assert_eq!(join_words(&pieces), words);
+    }
+}

@@ -1,0 +1,70 @@
+//! The link of the single-process kinds: one rank, nothing to exchange.
+
+use super::{Link, Op, Round, Ticket};
+use crate::comm::fingerprint::Fingerprint;
+use crate::host::HostData;
+use crate::Result;
+
+/// One rank alone. Values pass through unchanged; a collective of one rank gives its own
+/// buffer back.
+#[derive(Default)]
+pub(crate) struct Solo;
+
+impl Link for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn size(&self) -> usize {
+        1
+    }
+
+    fn local_rank(&self) -> usize {
+        0
+    }
+
+    fn passes_through(&self) -> bool {
+        true
+    }
+
+    fn begin(&self, _fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
+        Ok(Box::new(SoloRound { landed: Vec::new() }))
+    }
+}
+
+/// A round of one rank: every collective's result is this rank's own buffer.
+struct SoloRound {
+    landed: Vec<Option<(HostData, HostData)>>,
+}
+
+impl Round for SoloRound {
+    fn seq(&self) -> u64 {
+        0
+    }
+
+    fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
+        let done = match op {
+            Op::Reduce { .. } | Op::ReduceScatter | Op::AllGather => {
+                let empty = HostData::filled(send.dtype(), 0, 0.0);
+                drop(recv);
+                (empty, send)
+            }
+            Op::Broadcast { .. } => (recv, send),
+        };
+        self.landed.push(Some(done));
+        Ok(Ticket(self.landed.len() - 1))
+    }
+
+    fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
+        (self.landed.get_mut(ticket.0).and_then(Option::take))
+            .ok_or_else(|| super::internal("a collective landed twice"))
+    }
+
+    fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
+        Ok(mine.to_vec())
+    }
+
+    fn broadcast_words(&mut self, words: Vec<u64>, _root: usize) -> Result<Vec<u64>> {
+        Ok(words)
+    }
+}

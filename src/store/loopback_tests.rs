@@ -1,0 +1,308 @@
+//! The distributed rules on the loopback link: N ranks as N threads, in `cargo test`.
+//!
+//! - `a_random_program_on_n_ranks_equals_one_local_store`: random sequences of calls (init,
+//!   push, pull, pushpull, broadcast, lists with repeated keys, updaters, learning rates,
+//!   save and load) with random per-rank splits of the pushed values, on 1 to 5 ranks, must
+//!   give every rank what a single `local` store gives at every pull.
+//! - `one_rank_differing_in_one_field_fails_every_rank`: one rank's call differs in one field;
+//!   every rank must get an error, and no rank may store anything.
+//!
+//! Pushed values are multiples of 1/4 of at most 8 in magnitude, so their float32 sums are
+//! exact in any order: the ranks sum in another order than the local store does, and the
+//! results must still be equal bit for bit.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+use crate::comm::link::loopback::Loopback;
+use crate::{Adam, Error, KvStore, NDArray, Sgd, Updater};
+
+/// Keys of more elements than this are sliced over every rank in these tests.
+const BOUND: usize = 8;
+
+/// The loopback stores of `n` ranks, one per rank.
+fn stores(n: usize) -> Vec<KvStore> {
+    Loopback::world(n, Duration::from_secs(10))
+        .into_iter()
+        .map(|l| KvStore::over_loopback(l, BOUND))
+        .collect()
+}
+
+/// Runs `f` on every rank's store, each in its own thread; the results in rank order.
+fn on_ranks<R: Send>(stores: &[KvStore], f: impl Fn(usize, &KvStore) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = stores
+            .iter()
+            .enumerate()
+            .map(|(r, kv)| {
+                let f = &f;
+                s.spawn(move || f(r, kv))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
+}
+
+/// A fresh directory under the system's temporary directory.
+fn temp_dir(what: &str) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "kvstore-loopback-{what}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    dir
+}
+
+/// One call of a random program.
+#[derive(Clone, Debug)]
+enum Call {
+    /// A push of each key's values: `(key, values, the rank each value is pushed from)`.
+    Push(Vec<(i32, Vec<Vec<f32>>, Vec<usize>)>),
+    /// A pull of the keys.
+    Pull(Vec<i32>),
+    /// A pushpull of each key's values into a fresh out.
+    PushPull(Vec<(i32, Vec<Vec<f32>>, Vec<usize>)>),
+    /// A new updater.
+    SetUpdater(Updater),
+    /// A new learning rate, keeping the state.
+    SetLr(f64),
+    /// A save of every key, then a load of it.
+    SaveLoad,
+}
+
+/// Key sizes: whole keys, and keys above [`BOUND`] that are sliced (one not a multiple of any
+/// rank count above 1).
+const SIZES: [usize; 5] = [3, 1, 8, 20, 37];
+
+fn grad(len: usize) -> impl Strategy<Value = Vec<f32>> {
+    proptest::collection::vec((-32i32..=32).prop_map(|q| q as f32 / 4.0), len)
+}
+
+fn key_values(ranks: usize) -> impl Strategy<Value = (i32, Vec<Vec<f32>>, Vec<usize>)> {
+    (0..SIZES.len() as i32).prop_flat_map(move |k| {
+        let len = SIZES[k as usize];
+        (1..4usize).prop_flat_map(move |n| {
+            (
+                Just(k),
+                proptest::collection::vec(grad(len), n),
+                proptest::collection::vec(0..ranks, n),
+            )
+        })
+    })
+}
+
+fn updater() -> impl Strategy<Value = Updater> {
+    prop_oneof![
+        Just(Updater::Assign),
+        (1u32..8, 0u32..3).prop_map(|(lr, m)| Updater::Sgd(Sgd {
+            lr: f64::from(lr) / 16.0,
+            momentum: f64::from(m) / 4.0,
+            ..Sgd::default()
+        })),
+        (1u32..8).prop_map(|lr| Updater::Adam(Adam {
+            lr: f64::from(lr) / 64.0,
+            ..Adam::default()
+        })),
+    ]
+}
+
+fn call(ranks: usize) -> impl Strategy<Value = Call> {
+    let keys = proptest::collection::vec(0..SIZES.len() as i32, 1..4);
+    prop_oneof![
+        4 => proptest::collection::vec(key_values(ranks), 1..4).prop_map(Call::Push),
+        2 => keys.prop_map(Call::Pull),
+        2 => proptest::collection::vec(key_values(ranks), 1..3).prop_map(Call::PushPull),
+        1 => updater().prop_map(Call::SetUpdater),
+        1 => (1u32..8).prop_map(|lr| Call::SetLr(f64::from(lr) / 32.0)),
+        1 => Just(Call::SaveLoad),
+    ]
+}
+
+/// The keys' initial values.
+fn initial() -> Vec<NDArray> {
+    SIZES
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let v: Vec<f32> = (0..n).map(|i| (i as f32 - k as f32) / 8.0).collect();
+            NDArray::from_vec(v, [n]).expect("an array")
+        })
+        .collect()
+}
+
+/// The values of a pull of `keys`, or the error.
+fn pull(kv: &KvStore, keys: &[i32]) -> Result<Vec<Vec<f32>>, Error> {
+    let outs: Vec<NDArray> = keys
+        .iter()
+        .map(|&k| NDArray::full([SIZES[k as usize]], f32::NAN as f64))
+        .collect();
+    kv.pull_list(keys, &outs)?;
+    outs.iter().map(|o| o.to_vec::<f32>()).collect()
+}
+
+/// Runs `call` on one store: rank `rank` of a store whose ranks split pushed values as the
+/// call says, or the local reference (`rank` None: every value). Returns what it pulled.
+fn run(kv: &KvStore, rank: Option<usize>, call: &Call, dir: &Path) -> Result<Vec<Vec<f32>>, Error> {
+    let mine = |(k, vals, from): &(i32, Vec<Vec<f32>>, Vec<usize>)| {
+        let vals: Vec<NDArray> = vals
+            .iter()
+            .zip(from)
+            .filter(|(_, &r)| rank.is_none_or(|me| me == r))
+            .map(|(v, _)| NDArray::from_vec(v.clone(), [v.len()]).expect("an array"))
+            .collect();
+        (*k, vals)
+    };
+    match call {
+        Call::Push(kvs) | Call::PushPull(kvs) => {
+            // A rank with no value of a key pushes zeros: its sum adds nothing.
+            let (keys, vals): (Vec<i32>, Vec<Vec<NDArray>>) = kvs
+                .iter()
+                .map(mine)
+                .map(|(k, mut v)| {
+                    if v.is_empty() {
+                        v.push(NDArray::zeros([SIZES[k as usize]]));
+                    }
+                    (k, v)
+                })
+                .unzip();
+            if let Call::Push(_) = call {
+                kv.push_list(&keys, &vals)?;
+                return Ok(Vec::new());
+            }
+            let outs: Vec<NDArray> = keys
+                .iter()
+                .map(|&k| NDArray::full([SIZES[k as usize]], f32::NAN as f64))
+                .collect();
+            kv.pushpull_list(&keys, &vals, &outs)?;
+            outs.iter().map(|o| o.to_vec::<f32>()).collect()
+        }
+        Call::Pull(keys) => pull(kv, keys),
+        Call::SetUpdater(u) => kv.set_updater(u.clone()).map(|()| Vec::new()),
+        Call::SetLr(lr) => match kv.set_learning_rate(*lr) {
+            // Not an SGD or Adam updater: nothing to set, on every store alike.
+            Err(Error::InvalidUpdater(_)) => Ok(Vec::new()),
+            r => r.map(|()| Vec::new()),
+        },
+        Call::SaveLoad => {
+            let path = match rank {
+                Some(_) => dir.join("sharded"),
+                None => dir.join("local.kvckpt"),
+            };
+            kv.save(&path)?;
+            kv.load(&path)?;
+            Ok(Vec::new())
+        }
+    }
+}
+
+/// Runs `program` on `n` loopback ranks and on a local store; checks every pull.
+fn check_program(n: usize, program: &[Call]) -> Result<(), TestCaseError> {
+    let dir = temp_dir("program");
+    let keys: Vec<i32> = (0..SIZES.len() as i32).collect();
+    let local = KvStore::create("local").expect("a local store");
+    local.init_list(&keys, &initial()).expect("init");
+    let ranks = stores(n);
+    let results = on_ranks(&ranks, |r, kv| {
+        kv.init_list(&keys, &initial())?;
+        let mut pulled = Vec::new();
+        for c in program {
+            pulled.push(run(kv, Some(r), c, &dir)?);
+        }
+        pulled.push(pull(kv, &keys)?);
+        Ok::<_, Error>(pulled)
+    });
+    let mut want = Vec::new();
+    for c in program {
+        want.push(run(&local, None, c, &dir).expect("the local store"));
+    }
+    want.push(pull(&local, &keys).expect("pull"));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, got) in results.into_iter().enumerate() {
+        let got = got.map_err(|e| TestCaseError::fail(format!("rank {r} of {n}: {e}")))?;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // Compare bits: NaN outs that were never written must not pass as equal.
+            let bits = |v: &Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+                v.iter()
+                    .map(|a| a.iter().map(|x| x.to_bits()).collect())
+                    .collect()
+            };
+            prop_assert_eq!(
+                bits(g),
+                bits(w),
+                "rank {} of {}, after call {} ({:?})",
+                r,
+                n,
+                i,
+                program.get(i)
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_random_program_on_n_ranks_equals_one_local_store() {
+    let mut runner = TestRunner::new(Config {
+        cases: 48,
+        ..Config::default()
+    });
+    let strategy =
+        (1usize..=5).prop_flat_map(|n| (Just(n), proptest::collection::vec(call(n), 1..12)));
+    runner
+        .run(&strategy, |(n, program)| check_program(n, &program))
+        .unwrap();
+}
+
+/// A whole key and a sliced key, on 3 ranks: the sums and updates of every rank land where
+/// the keys live, and every rank pulls the same values as a local store.
+#[test]
+fn sliced_and_whole_keys_on_3_ranks_equal_a_local_store() {
+    let program = vec![
+        Call::SetUpdater(Updater::Sgd(Sgd {
+            lr: 0.25,
+            momentum: 0.5,
+            ..Sgd::default()
+        })),
+        Call::Push(vec![
+            (3, vec![vec![1.0; 20], vec![0.5; 20]], vec![0, 2]),
+            (0, vec![vec![2.0; 3], vec![-1.0; 3]], vec![1, 1]),
+        ]),
+        Call::Pull(vec![3, 0]),
+        Call::PushPull(vec![(4, vec![vec![0.25; 37]; 3], vec![0, 1, 2])]),
+    ];
+    check_program(3, &program).unwrap();
+}
+
+/// Bad input on one rank: that rank gets its own error, the others `RankRejected`, and
+/// nothing changes on any rank; the store stays usable.
+#[test]
+fn one_ranks_bad_input_fails_every_rank_and_changes_nothing() {
+    let ranks = stores(3);
+    let keys: Vec<i32> = (0..SIZES.len() as i32).collect();
+    let errors = on_ranks(&ranks, |r, kv| {
+        kv.init_list(&keys, &initial()).unwrap();
+        let g = NDArray::ones([if r == 1 { 4 } else { 3 }]);
+        let err = kv.push(0, &g).unwrap_err();
+        let after = pull(kv, &keys).unwrap();
+        kv.push(0, &NDArray::ones([3])).unwrap();
+        (err, after)
+    });
+    let untouched: Vec<Vec<f32>> = initial().iter().map(|a| a.to_vec().unwrap()).collect();
+    for (r, (err, after)) in errors.into_iter().enumerate() {
+        match r {
+            1 => assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}"),
+            _ => assert!(matches!(err, Error::RankRejected { .. }), "{err}"),
+        }
+        assert_eq!(after, untouched, "rank {r} changed");
+    }
+}
