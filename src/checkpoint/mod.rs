@@ -106,7 +106,7 @@ pub use atomic::fail_writes_after;
 use atomic::write_atomic;
 use file::{decode, encode};
 #[allow(unused_imports)] // the crate-internal API of sharded checkpoints, for the dist store
-pub(crate) use reader::{open, Reader};
+pub(crate) use reader::{open, read_index, Reader};
 #[allow(unused_imports)]
 pub(crate) use sharded::{commit, next_generation, write_shard, KeyMeta, Piece};
 

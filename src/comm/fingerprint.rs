@@ -30,6 +30,8 @@ pub struct Fingerprint {
     rejected: Option<String>,
     /// What else the ranks must agree on (the updater of a push), in words.
     note: Option<String>,
+    /// Which store of the process makes the call: its number on its link.
+    store: u64,
 }
 
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
@@ -63,7 +65,14 @@ impl Fingerprint {
             entries: Vec::new(),
             rejected: None,
             note: None,
+            store: 0,
         }
+    }
+
+    /// The call as made by store number `store` of its link.
+    pub fn store(mut self, store: u64) -> Fingerprint {
+        self.store = store;
+        self
     }
 
     /// A call of `op` that this rank rejected before any data moved (bad input: `why`). It
@@ -74,6 +83,7 @@ impl Fingerprint {
             entries: Vec::new(),
             rejected: Some(why.replace(['\n', '\t'], " ")),
             note: None,
+            store: 0,
         }
     }
 
@@ -111,6 +121,7 @@ impl Fingerprint {
     /// The fixed-size record for call number `seq`.
     pub(crate) fn record(&self, seq: u64) -> Record {
         let mut op = Fnv::new();
+        op.u64(self.store);
         op.bytes(self.op.as_bytes());
         if let Some(note) = &self.note {
             op.bytes(b" ");
@@ -156,15 +167,19 @@ impl Fingerprint {
 
     /// The full description for call number `seq`, one line per entry, exchanged on a mismatch.
     pub(crate) fn describe(&self, seq: u64) -> String {
+        let op = match self.store {
+            0 => self.op.to_owned(),
+            n => format!("{} of store #{n}", self.op),
+        };
         let mut s = match &self.note {
-            Some(note) => format!("{seq}\t{} ({note})", self.op),
-            None => format!("{seq}\t{}", self.op),
+            Some(note) => format!("{seq}\t{op} ({note})"),
+            None => format!("{seq}\t{op}"),
         };
         if let Some(why) = &self.rejected {
             let _ = write!(s, "\n{REJECTED}\t{why}");
         }
         for e in &self.entries {
-            let _ = write!(s, "\n{}\t{:?}\t{}", e.key, e.dims, e.dtype);
+            let _ = write!(s, "\n{}\t{:?}\t{}", typed(&e.key), e.dims, e.dtype);
         }
         s
     }
@@ -205,6 +220,15 @@ pub(crate) fn check_across(
         })
         .collect();
     Err(mismatch_error(fp.op(), seq, &texts))
+}
+
+/// A key as a description names it: an int key as it is, a string key in quotes, so that
+/// int key 3 and string key "3" read apart.
+fn typed(key: &Key) -> String {
+    match key {
+        Key::Int(i) => i.to_string(),
+        Key::Str(s) => format!("{s:?}"),
+    }
 }
 
 /// The first word of the description line that carries a rejection.

@@ -22,6 +22,15 @@ use crate::comm::Spread;
 use crate::host::HostData;
 use crate::{Device, Error, Key, NDArray, Result, Shape};
 
+/// A checkpoint's path as the ranks compare it: canonical where it exists, so that a relative
+/// and an absolute path to the same place agree.
+fn where_is(path: &Path) -> String {
+    std::fs::canonicalize(path)
+        .unwrap_or_else(|_| path.to_owned())
+        .display()
+        .to_string()
+}
+
 impl KvStore {
     /// A dist store's save into checkpoint directory `dir`.
     pub(super) fn dist_save(&self, dir: &Path) -> Result<()> {
@@ -29,11 +38,11 @@ impl KvStore {
         let (rank, size) = (d.rank(), d.size());
         let mut slots: Vec<Arc<Slot>> = read(&self.table).slots.values().cloned().collect();
         slots.sort_by_key(|s| s.order);
-        let mut fp = Fingerprint::new("save");
+        let mut fp = Fingerprint::new("save").note(&format!("into {}", where_is(dir)));
         for s in &slots {
             fp.push(s.key.clone(), s.shape.dims(), s.dtype);
         }
-        let mut call = d.begin(&fp)?;
+        let mut call = d.begin(fp)?;
         // Rank 0 picks the generation; a failure there fails the save on every rank.
         let mut generation = vec![u64::MAX];
         let mut own = Ok(());
@@ -115,11 +124,17 @@ impl KvStore {
             Ok(reader)
         })();
         let reader: Reader = opened.map_err(|e| d.reject("load", e))?;
-        let mut fp = Fingerprint::new("load");
+        // The ranks must read the same checkpoint: its path and, for a directory, the
+        // generation each rank found committed.
+        let which = match checkpoint::read_index(path) {
+            Ok(index) if path.is_dir() => format!("generation {}", index.generation),
+            _ => "a single file".to_owned(),
+        };
+        let mut fp = Fingerprint::new("load").note(&format!("from {}, {which}", where_is(path)));
         for m in reader.keys() {
             fp.push(m.key.clone(), &m.dims, m.dtype);
         }
-        let mut call = d.begin(&fp)?;
+        let mut call = d.begin(fp)?;
         let fits = reader.state_fits(&updater);
         // Where every key lives: as it is, or placed as an init would place it. Every rank
         // holds the same table, so every rank computes the same.

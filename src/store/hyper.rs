@@ -43,6 +43,14 @@ pub(super) struct Settings {
 }
 
 impl Settings {
+    /// The schedule and the per-key multipliers, in words every rank writes alike (keys in
+    /// order).
+    pub(super) fn describe(&self) -> String {
+        let mut mults: Vec<(&Key, &Mult)> = self.mults.iter().collect();
+        mults.sort_by_key(|(k, _)| format!("{k:?}"));
+        format!("schedule {:?}, multipliers {mults:?}", self.scheduler)
+    }
+
     /// The settings for a new updater: the same schedule and multipliers, a count from 0.
     pub(super) fn restarted(&self) -> Settings {
         Settings {

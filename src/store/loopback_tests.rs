@@ -24,12 +24,29 @@ use crate::{Adam, Error, KvStore, NDArray, Sgd, Updater};
 /// Keys of more elements than this are sliced over every rank in these tests.
 const BOUND: usize = 8;
 
-/// The loopback stores of `n` ranks, one per rank.
+/// The loopback stores of `n` ranks, one per rank (created together: creating one is a call
+/// of every rank).
 fn stores(n: usize) -> Vec<KvStore> {
-    Loopback::world(n, Duration::from_secs(10))
-        .into_iter()
-        .map(|l| KvStore::over_loopback(l, BOUND))
-        .collect()
+    let links = Loopback::world(n, Duration::from_secs(10));
+    on_links(&links, |_, l| {
+        KvStore::over_loopback(l.clone(), BOUND).expect("a store")
+    })
+}
+
+/// Runs `f` on every rank's link, each in its own thread; the results in rank order.
+fn on_links<R: Send>(links: &[Loopback], f: impl Fn(usize, &Loopback) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (links.iter().enumerate())
+            .map(|(r, l)| {
+                let f = &f;
+                s.spawn(move || f(r, l))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
 }
 
 /// Runs `f` on every rank's store, each in its own thread; the results in rank order.
@@ -304,5 +321,255 @@ fn one_ranks_bad_input_fails_every_rank_and_changes_nothing() {
             _ => assert!(matches!(err, Error::RankRejected { .. }), "{err}"),
         }
         assert_eq!(after, untouched, "rank {r} changed");
+    }
+}
+
+// ---- Ranks that disagree fail, every one of them, and store nothing -----------------------
+
+/// One key's part on one rank: the key, its value, and its step and state buffers.
+type Part = (String, Vec<f64>, Option<(u64, Vec<Vec<f64>>)>);
+
+/// This rank's parts of every key (values and state), read where they are: what a call that
+/// failed must have left alone.
+fn snapshot(kv: &KvStore) -> Vec<Part> {
+    let (_, _, entries) = kv.export_entries().expect("this rank's parts");
+    entries
+        .into_iter()
+        .map(|e| {
+            let state = e
+                .state
+                .map(|s| (s.step, s.bufs.iter().map(|b| b.to_vec::<f64>()).collect()));
+            (e.key.to_string(), e.value.to_vec::<f64>(), state)
+        })
+        .collect()
+}
+
+/// One field in which one rank's call differs from the others'.
+#[derive(Clone, Copy, Debug)]
+enum Differ {
+    /// It pushes to another key of the same shape.
+    Key,
+    /// It pushes a value of another shape.
+    Shape,
+    /// It pushes a value of another dtype.
+    DType,
+    /// It pulls where the others push.
+    Op,
+    /// Its SGD learning rate differs (changed keeping the state).
+    LearningRate,
+    /// It set the learning rate (keeping the state) where the others did not.
+    SetLearningRate,
+    /// It pushes to its second store where the others push to their first.
+    Store,
+    /// It loads another checkpoint, of the same keys.
+    CheckpointPath,
+}
+
+/// SGD with momentum at learning rate `lr`.
+fn sgd(lr: f64) -> Updater {
+    Updater::Sgd(Sgd {
+        lr,
+        momentum: 0.5,
+        ..Sgd::default()
+    })
+}
+
+/// Runs one call on `n` ranks where rank `odd` differs in `differ`; every rank must fail it,
+/// and no rank's parts may change.
+fn check_differing_call(n: usize, odd: usize, differ: Differ, seed: &[f32]) -> Result<(), String> {
+    let dir = temp_dir("differ");
+    let worlds = Loopback::world(n, Duration::from_secs(10));
+    // Two stores per rank, created in the same order on every rank.
+    let both = on_links(&worlds, |_, l| {
+        let first = KvStore::over_loopback(l.clone(), BOUND).expect("a store");
+        (
+            first,
+            KvStore::over_loopback(l.clone(), BOUND).expect("a store"),
+        )
+    });
+    let pairs: Vec<(&KvStore, &KvStore)> = both.iter().map(|(a, b)| (a, b)).collect();
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = pairs
+            .iter()
+            .enumerate()
+            .map(|(r, (kv, other))| {
+                let dir = &dir;
+                s.spawn(move || {
+                    let me = r == odd;
+                    // Keys 0 and 1 whole, key 2 sliced; values from the seed.
+                    let values: Vec<NDArray> = [3usize, 3, 20]
+                        .iter()
+                        .map(|&len| {
+                            let v: Vec<f32> = (0..len).map(|i| seed[i % seed.len()]).collect();
+                            NDArray::from_vec(v, [len]).unwrap()
+                        })
+                        .collect();
+                    for store in [kv, other] {
+                        store.init_list(&[0, 1, 2], &values).unwrap();
+                        store.set_updater(sgd(0.1)).unwrap();
+                    }
+                    // A push that every rank makes alike, so that there is state to keep.
+                    let g = |len: usize| NDArray::full([len], 0.5);
+                    kv.push_list(&[0, 2], &[g(3), g(20)]).unwrap();
+                    // Two checkpoints of the same keys, with different values.
+                    kv.save(dir.join("a")).unwrap();
+                    kv.push(2, &g(20)).unwrap();
+                    kv.save(dir.join("b")).unwrap();
+                    match differ {
+                        Differ::SetLearningRate if me => kv.set_learning_rate(0.05).unwrap(),
+                        Differ::LearningRate if me => kv.update_hyperparameters(sgd(0.2)).unwrap(),
+                        _ => {}
+                    }
+                    let before = snapshot(kv);
+                    let got = match differ {
+                        Differ::Key if me => kv.push(1, &g(3)),
+                        Differ::Shape if me => kv.push(2, &g(21)),
+                        Differ::DType if me => {
+                            kv.push(2, &g(20).astype(crate::DType::F64).unwrap())
+                        }
+                        Differ::Op if me => kv.pull(2, &g(20)),
+                        Differ::Store if me => other.push(2, &g(20)),
+                        Differ::CheckpointPath if me => kv.load(dir.join("b")),
+                        Differ::CheckpointPath => kv.load(dir.join("a")),
+                        Differ::Key => kv.push(0, &g(3)),
+                        _ => kv.push(2, &g(20)),
+                    };
+                    let after = snapshot(kv);
+                    (got, before == after)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect::<Vec<_>>()
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, (got, unchanged)) in results.into_iter().enumerate() {
+        if got.is_ok() || !unchanged {
+            return Err(format!(
+                "{differ:?} on rank {odd} of {n}: rank {r} got {got:?} and {}",
+                match unchanged {
+                    true => "stored nothing",
+                    false => "stored something",
+                }
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn one_rank_differing_in_one_field_fails_every_rank() {
+    let differs = [
+        Differ::Key,
+        Differ::Shape,
+        Differ::DType,
+        Differ::Op,
+        Differ::LearningRate,
+        Differ::SetLearningRate,
+        Differ::Store,
+        Differ::CheckpointPath,
+    ];
+    let mut runner = TestRunner::new(Config {
+        cases: 24,
+        ..Config::default()
+    });
+    let strategy = (2usize..=4).prop_flat_map(move |n| {
+        (
+            Just(n),
+            0..n,
+            0..differs.len(),
+            proptest::collection::vec((-16i32..16).prop_map(|q| q as f32 / 4.0), 1..5),
+        )
+    });
+    // Every field on 2 ranks first, whatever the random cases pick: every failing field is
+    // named at once.
+    let failed: Vec<String> = differs
+        .iter()
+        .filter_map(|&d| check_differing_call(2, 1, d, &[0.25, -1.5]).err())
+        .collect();
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    runner
+        .run(&strategy, |(n, odd, d, seed)| {
+            check_differing_call(n, odd, differs[d], &seed).map_err(TestCaseError::fail)
+        })
+        .unwrap();
+}
+
+/// Int key 3 and string key "3" hash apart, and the desync names both keys with their types.
+#[test]
+fn an_int_and_a_string_key_of_the_same_digits_are_named_apart() {
+    let ranks = stores(2);
+    let errors = on_ranks(&ranks, |r, kv| {
+        let v = NDArray::ones([2]);
+        match r {
+            0 => kv.init(3, &v).unwrap_err(),
+            _ => kv.init("3", &v).unwrap_err(),
+        }
+    });
+    for e in errors {
+        let text = e.to_string();
+        assert!(matches!(e, Error::Desync { .. }), "{text}");
+        assert!(!text.contains("collision"), "{text}");
+        assert!(
+            text.contains("key 3 on rank 0") && text.contains("key \"3\" on rank 1"),
+            "{text}"
+        );
+    }
+}
+
+/// With the check off (`KVSTORE_DIST_CHECK=0`), a rank that rejects its input cannot tell
+/// the others. Its next call must not be matched with the collectives they started for the
+/// rejected one: rank 1 rejects a push of key 0 and goes on to push key 1 while rank 0 still
+/// waits in its push of key 0. Nothing may succeed with key 0's and key 1's values mixed.
+#[test]
+fn with_the_check_off_a_rejected_call_never_lets_a_later_call_compute() {
+    let links: Vec<Loopback> = Loopback::world(2, Duration::from_millis(1500))
+        .into_iter()
+        .map(Loopback::unchecked)
+        .collect();
+    let ranks = on_links(&links, |_, l| {
+        KvStore::over_loopback(l.clone(), BOUND).unwrap()
+    });
+    let results = on_ranks(&ranks, |r, kv| {
+        kv.init_list(&[0, 1], &[NDArray::zeros([2]), NDArray::zeros([2])])
+            .unwrap();
+        let first = match r {
+            0 => kv.push(0, &NDArray::full([2], 1.0)),
+            _ => kv.push(0, &NDArray::full([3], 1.0)),
+        };
+        let second = kv.push(1, &NDArray::full([2], 100.0));
+        (first, second)
+    });
+    let (r0, r1) = (&results[0], &results[1]);
+    assert!(
+        matches!(r1.0, Err(Error::ShapeMismatch { .. })),
+        "{:?}",
+        r1.0
+    );
+    assert!(r1.1.is_err(), "rank 1's next push computed: {:?}", r1.1);
+    assert!(
+        r0.0.is_err(),
+        "rank 0's push of key 0 succeeded: {:?}",
+        r0.0
+    );
+}
+
+/// Ranks whose stores are set up differently (here `KVSTORE_BIGARRAY_BOUND`) fail at
+/// creation on every rank, naming the setting, instead of slicing keys differently.
+#[test]
+fn ranks_with_different_settings_fail_at_creation() {
+    let links = Loopback::world(3, Duration::from_secs(10));
+    let made = on_links(&links, |r, l| {
+        KvStore::over_loopback(l.clone(), if r == 2 { BOUND + 1 } else { BOUND })
+    });
+    for (r, m) in made.into_iter().enumerate() {
+        let e = m
+            .err()
+            .unwrap_or_else(|| panic!("rank {r} created its store"));
+        let text = e.to_string();
+        assert!(matches!(e, Error::Desync { .. }), "{text}");
+        assert!(text.contains("KVSTORE_BIGARRAY_BOUND"), "{text}");
     }
 }

@@ -52,6 +52,19 @@ pub(super) struct Active {
     hyper: hyper::Settings,
 }
 
+impl Active {
+    /// Everything about the updater that decides what a push computes, in words: the ranks of
+    /// a distributed store compare it before every push.
+    fn describe(&self) -> String {
+        format!(
+            "updater {:?}, set by call #{}, {}",
+            self.updater,
+            self.generation,
+            self.hyper.describe()
+        )
+    }
+}
+
 /// `KVSTORE_PAR_MIN_BYTES`, or [`PAR_MIN_BYTES`] when it is unset.
 fn par_min_bytes_from_env() -> Result<usize> {
     const VAR: &str = "KVSTORE_PAR_MIN_BYTES";
@@ -359,7 +372,7 @@ impl KvStore {
         let prepared = check_new_keys(&read(&self.table), &keys)
             .and_then(|()| dist::rank0_values(d, values, any_gpu_home));
         let mine = prepared.map_err(|e| d.reject("init", e))?;
-        let mut call = d.begin(&dist::init_fingerprint(&keys, values))?;
+        let mut call = d.begin(dist::init_fingerprint(&keys, values))?;
         let whole = dist::from_rank0(&mut *call, d, values, mine)?;
         let mut table = write(&self.table);
         // Every rank checked these keys before the call; a key another thread of this process
@@ -466,7 +479,7 @@ impl KvStore {
             .map_err(|e| self.rejected("pull", e))?;
         let d = &self.ranks;
         self.prepare(&groups)?;
-        let mut call = d.begin(&dist::fingerprint("pull", &groups))?;
+        let mut call = d.begin(dist::fingerprint("pull", &groups))?;
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         dist::pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
@@ -490,9 +503,10 @@ impl KvStore {
         if let Some(pulls) = pulls {
             self.prepare(pulls)?;
         }
-        // The ranks must agree on the updater too: it decides which collectives follow.
-        let fp = dist::fingerprint(op, &groups).note(&format!("updater {}", active.updater.name()));
-        let mut call = d.begin(&fp)?;
+        // The ranks must agree on the whole updater too (its kind decides which collectives
+        // follow; its hyperparameters, schedule, multipliers and generation what they compute).
+        let fp = dist::fingerprint(op, &groups).note(&active.describe());
+        let mut call = d.begin(fp)?;
         let inputs = dist::sum_across(&mut *call, d, &groups, mine)?;
         let mut cells = lock_cells(&groups);
         let counts = update_counts(d, &active, &groups, &cells);
@@ -882,10 +896,12 @@ impl KvStore {
 impl KvStore {
     /// A `dist_sync` store on rank `link` of a loopback world; keys of more than `bound`
     /// elements are sliced over every rank.
-    pub(crate) fn over_loopback(link: comm::link::loopback::Loopback, bound: usize) -> KvStore {
-        let ranks = Dist::over(Box::new(link), bound);
+    pub(crate) fn over_loopback(
+        link: comm::link::loopback::Loopback,
+        bound: usize,
+    ) -> Result<KvStore> {
+        let ranks = Dist::over(Box::new(link), bound)?;
         KvStore::with_ranks(StoreKind::DistSync, "dist_sync".to_owned(), ranks)
-            .expect("a loopback store")
     }
 }
 

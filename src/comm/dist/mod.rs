@@ -46,6 +46,8 @@ pub(crate) struct Dist {
     bound: usize,
     /// Host buffers kept between calls.
     pool: Pool,
+    /// This store's number on its link, in every fingerprint: calls of two stores never match.
+    store: u64,
 }
 
 impl Dist {
@@ -55,6 +57,7 @@ impl Dist {
             link: Box::new(link::solo::Solo),
             bound: DEFAULT_BIGARRAY_BOUND,
             pool: Pool::with_max_bytes(0),
+            store: 0,
         }
     }
 
@@ -70,21 +73,36 @@ impl Dist {
     pub fn connect(on_gpu: bool) -> Result<Dist> {
         let bound = bound_from_env()?;
         let pool = Pool::from_env()?;
-        Ok(Dist {
-            link: link::connect(on_gpu)?,
+        Dist::joined(link::connect(on_gpu)?, bound, pool)
+    }
+
+    /// A store's link over `link`, once the ranks agree on the setup: every rank creates its
+    /// store at the same point of its calls, and the ranks compare the crate version, the
+    /// bound, the pool size and the link's settings (the check switch, the timeout). A
+    /// difference is [`Error::Desync`] on every rank, naming the settings.
+    fn joined(link: Box<dyn Link>, bound: usize, pool: Pool) -> Result<Dist> {
+        let store = link.next_store_id();
+        let dist = Dist {
+            link,
             bound,
             pool,
-        })
+            store,
+        };
+        let setup = format!(
+            "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, {}",
+            env!("CARGO_PKG_VERSION"),
+            dist.bound,
+            dist.pool.max_bytes(),
+            dist.link.settings()
+        );
+        dist.begin(Fingerprint::new("create").note(&setup))?;
+        Ok(dist)
     }
 
     /// A store's link over `link` (tests: the loopback link), with the defaults.
     #[cfg(test)]
-    pub fn over(link: Box<dyn Link>, bound: usize) -> Dist {
-        Dist {
-            link,
-            bound,
-            pool: Pool::with_max_bytes(64 << 20),
-        }
+    pub fn over(link: Box<dyn Link>, bound: usize) -> Result<Dist> {
+        Dist::joined(link, bound, Pool::with_max_bytes(64 << 20))
     }
 
     /// Host buffers kept between calls: take a call's big buffers from here, and give them
@@ -142,23 +160,35 @@ impl Dist {
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
     /// [`Link::begin`]).
-    pub fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
-        self.link.begin(fp)
+    pub fn begin(&self, fp: Fingerprint) -> Result<Box<dyn Round + '_>> {
+        self.link.begin(&fp.store(self.store))
     }
 
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
     /// fails the same call with [`Error::RankRejected`] instead of waiting for this one, and
     /// gives `err` back.
+    ///
+    /// With the check off (`KVSTORE_DIST_CHECK=0`) the other ranks cannot be told: this rank's
+    /// link is shut instead ([`Link::shut`]), so that no later call of this rank is matched
+    /// with the collectives the others started for this one. They time out.
     pub fn reject(&self, op: &'static str, err: Error) -> Error {
+        if !self.link.checks() {
+            self.link.shut(format!(
+                "rank {} rejected its input for {op} with KVSTORE_DIST_CHECK=0, so the other \
+                 ranks could not be told: {err}",
+                self.rank()
+            ));
+            return err;
+        }
         // This rank's own error is the one to report; the check's error only says that the
         // other ranks were told.
-        let _ = self.begin(&Fingerprint::rejected(op, &err.to_string()));
+        let _ = self.begin(Fingerprint::rejected(op, &err.to_string()));
         err
     }
 
     /// Waits until every rank has reached this barrier (bounded by `KVSTORE_TIMEOUT`).
     pub fn barrier(&self) -> Result<()> {
-        let mut round = self.begin(&Fingerprint::new("barrier"))?;
+        let mut round = self.begin(Fingerprint::new("barrier"))?;
         round.barrier()
     }
 }

@@ -52,6 +52,11 @@ impl Pool {
         Ok(Pool::with_max_bytes(max_bytes))
     }
 
+    /// The most bytes the pool keeps.
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+
     /// A pool that keeps at most `max_bytes` bytes.
     pub fn with_max_bytes(max_bytes: usize) -> Pool {
         Pool {

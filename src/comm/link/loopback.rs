@@ -43,6 +43,7 @@ struct Hub {
 #[derive(Default)]
 struct RankState {
     seq: u64,
+    stores: u64,
     exchanges: u64,
     /// The first desync: the link refuses calls after it, as a poisoned MPI world does.
     failed: Option<String>,
@@ -79,6 +80,14 @@ impl Loopback {
     }
 }
 
+impl Loopback {
+    /// This rank with the per-call fingerprint check off (`KVSTORE_DIST_CHECK=0`).
+    pub fn unchecked(mut self) -> Loopback {
+        self.check = false;
+        self
+    }
+}
+
 impl Link for Loopback {
     fn rank(&self) -> usize {
         self.rank
@@ -90,6 +99,25 @@ impl Link for Loopback {
 
     fn local_rank(&self) -> usize {
         self.rank
+    }
+
+    fn next_store_id(&self) -> u64 {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.stores += 1;
+        st.stores - 1
+    }
+
+    fn checks(&self) -> bool {
+        self.check
+    }
+
+    fn settings(&self) -> String {
+        format!("check {}, timeout {:?}", self.check, self.hub.timeout)
+    }
+
+    fn shut(&self, why: String) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.failed.get_or_insert(why);
     }
 
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {

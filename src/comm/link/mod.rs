@@ -73,6 +73,19 @@ pub(crate) trait Link: Send + Sync {
     fn passes_through(&self) -> bool {
         false
     }
+    /// A number for a new store on this link: stores created in the same order get the same
+    /// number on every rank, so a call of one store never matches another store's.
+    fn next_store_id(&self) -> u64;
+    /// Whether calls compare their fingerprints (`KVSTORE_DIST_CHECK`, on by default).
+    fn checks(&self) -> bool {
+        true
+    }
+    /// The link's own settings the ranks must agree on, in words.
+    fn settings(&self) -> String {
+        String::new()
+    }
+    /// Shuts the link after `why`: every later call fails with [`Error::DistFailed`].
+    fn shut(&self, why: String);
     /// Begins a store call: numbers it and, unless the check is off, compares `fp` across the
     /// ranks ([`Error::Desync`], or [`Error::RankRejected`] when a rank rejected its input).
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>>;

@@ -48,6 +48,26 @@ impl Link for MpiLink {
         self.gpu.as_ref()
     }
 
+    fn next_store_id(&self) -> u64 {
+        self.world.next_store_id()
+    }
+
+    fn checks(&self) -> bool {
+        self.world.check_enabled()
+    }
+
+    fn settings(&self) -> String {
+        format!(
+            "check {}, timeout {:?}",
+            self.world.check_enabled(),
+            self.world.timeout()
+        )
+    }
+
+    fn shut(&self, why: String) {
+        self.world.poison_with(why);
+    }
+
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
         Ok(Box::new(MpiRound {
             call: self.world.begin(fp)?,

@@ -7,6 +7,7 @@
 //! which holds them exactly. Every NCCL call is bounded by `KVSTORE_TIMEOUT` ([`RankComm`]),
 //! which aborts the communicator on a timeout.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::{Link, Op, Round, Ticket};
@@ -36,6 +37,7 @@ pub(crate) struct NcclLink {
     local_rank: usize,
     /// The last call begun, and the first failure (the link refuses calls after a desync).
     calls: Mutex<(u64, Option<String>)>,
+    stores: AtomicU64,
 }
 
 impl NcclLink {
@@ -48,6 +50,7 @@ impl NcclLink {
             check,
             local_rank: launch.local_rank,
             calls: Mutex::new((0, None)),
+            stores: AtomicU64::new(0),
         })
     }
 }
@@ -67,6 +70,23 @@ impl Link for NcclLink {
 
     fn gpu(&self) -> Option<&RankComm> {
         Some(&self.rc)
+    }
+
+    fn next_store_id(&self) -> u64 {
+        self.stores.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn checks(&self) -> bool {
+        self.check
+    }
+
+    fn settings(&self) -> String {
+        format!("check {}, timeout {:?}", self.check, self.rc.timeout())
+    }
+
+    fn shut(&self, why: String) {
+        let mut st = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        st.1.get_or_insert(why);
     }
 
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {

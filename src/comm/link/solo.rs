@@ -27,6 +27,12 @@ impl Link for Solo {
         true
     }
 
+    fn next_store_id(&self) -> u64 {
+        0
+    }
+
+    fn shut(&self, _why: String) {}
+
     fn begin(&self, _fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
         Ok(Box::new(SoloRound { landed: Vec::new() }))
     }

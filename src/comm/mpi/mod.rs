@@ -109,6 +109,8 @@ pub struct World {
     env_error: Option<(String, String)>,
     /// The MPI universe, when this world initialised MPI; dropping it calls `MPI_Finalize`.
     universe: Mutex<Option<Universe>>,
+    /// The number of distributed stores created in this process so far.
+    stores: std::sync::atomic::AtomicU64,
 }
 
 /// What the state mutex guards.
@@ -270,6 +272,7 @@ impl World {
             poison: Mutex::new(poison),
             env_error,
             universe: Mutex::new(universe),
+            stores: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -366,8 +369,14 @@ impl World {
             .clone()
     }
 
+    /// A number for a new store on this world: the count of stores created before it.
+    pub(crate) fn next_store_id(&self) -> u64 {
+        self.stores
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Records the first failure; later calls fail with [`Error::DistFailed`].
-    fn poison_with(&self, message: String) {
+    pub(crate) fn poison_with(&self, message: String) {
         let mut p = self.poison.lock().unwrap_or_else(|p| p.into_inner());
         if p.is_none() {
             *p = Some(message);

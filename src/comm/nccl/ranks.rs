@@ -183,6 +183,11 @@ impl RankComm {
         self.ordinal
     }
 
+    /// How long a call waits for the other ranks before it aborts the communicator.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Sets how long a call waits for the other ranks before it aborts the communicator (by
     /// default `KVSTORE_TIMEOUT`).
     pub fn set_timeout(&mut self, timeout: Duration) {
