@@ -97,6 +97,11 @@ impl HostData {
         self.len() == 0
     }
 
+    /// The elements the buffer has room for without growing.
+    pub(crate) fn capacity(&self) -> usize {
+        with_host!(self, v: T => v.capacity())
+    }
+
     /// A copy of the elements in `range`, clipped to the elements there are.
     pub(crate) fn slice_of(&self, range: std::ops::Range<usize>) -> HostData {
         let end = range.end.min(self.len());

@@ -242,12 +242,14 @@ pub(super) fn keep_part(
             0.0,
         ))),
         Rank0::Host(w) => {
+            // A stored value owns exactly its size: a transfer's buffer (from the pool, with
+            // room for bigger keys) is copied out of and goes back to the pool.
             let mine = spread.piece(w.len(), d.rank(), d.size());
-            let part = if mine.len() == w.len() {
-                w
-            } else {
-                w.slice_of(mine)
-            };
+            if mine.len() == w.len() && w.capacity() == w.len() {
+                return keep(d, w);
+            }
+            let part = w.slice_of(mine);
+            d.pool().give(w);
             keep(d, part)
         }
     }
@@ -303,7 +305,7 @@ pub(super) fn sum_across(
             .collect::<Result<Vec<_>>>()?;
         return Ok(Inputs::Totals(dist::reduce_on_gpus(rc, sums)?));
     }
-    let mut sums = groups
+    let sums = groups
         .iter()
         .zip(mine)
         .map(|(g, s)| {
@@ -320,35 +322,8 @@ pub(super) fn sum_across(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    // A key's one value that travels alone is sent from its own storage, lent under its write
-    // lock (taken inside the call, so no other call of this process waits on it) and handed
-    // back unchanged.
-    let mut lent = lend_arrays(d, groups);
-    for (s, out) in sums.iter_mut().zip(lent.iter_mut()) {
-        if let Some(Storage::Host(h)) = out.as_deref_mut() {
-            let own = std::mem::replace(h, HostData::filled(h.dtype(), 0, 0.0));
-            s.data = SumData::Lent(own);
-        }
-    }
-    let reduced = dist::reduce(call, (d.rank(), d.size()), d.pool(), sums);
-    let totals = match reduced {
-        Ok((totals, back)) => {
-            for (i, h) in back {
-                if let Some(Storage::Host(slot)) = lent[i].as_deref_mut() {
-                    *slot = h;
-                }
-            }
-            refill(groups, &mut lent);
-            totals
-        }
-        Err(e) => {
-            // A lent value may be lost with the failed transfer: zeros keep the array whole
-            // (the distributed world is unusable after this anyway).
-            refill(groups, &mut lent);
-            return Err(e);
-        }
-    };
-    drop(lent);
+    // The caller's values are read, never lent: a transfer that fails cannot lose them.
+    let totals = dist::reduce(call, (d.rank(), d.size()), d.pool(), sums)?;
     Ok(Inputs::Totals(
         totals
             .into_iter()
@@ -471,10 +446,9 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
     pulled
 }
 
-/// Write locks on the arrays whose storage a transfer uses in place, per group: a pull's out
-/// that receives its key's value, a push's value that is sent as it is. That is the key's only
-/// array, in host memory, of its dtype, named by no other key of the call, for a key whose
-/// value travels in a buffer of its own.
+/// Write locks on the outs that receive their key's value in place, per group of a pull: the
+/// key's only out, in host memory, of its dtype, named by no other key of the call, for a key
+/// whose value travels in a buffer of its own.
 fn lend_arrays<'g>(
     d: &Dist,
     groups: &'g [Group<'_>],

@@ -573,3 +573,65 @@ fn ranks_with_different_settings_fail_at_creation() {
         assert!(text.contains("KVSTORE_BIGARRAY_BOUND"), "{text}");
     }
 }
+
+/// A push whose transfer fails (here rank 1 never joins the reduce-scatter of a sliced key, so
+/// rank 0 times out) leaves the caller's pushed array exactly as it was, on every path.
+#[test]
+fn a_failed_push_never_changes_the_pushed_array() {
+    use crate::comm::link::Op;
+    let links = Loopback::world(2, Duration::from_millis(1500));
+    let links = [
+        links[0].clone(),
+        links[1].clone().stalling_at(Op::ReduceScatter),
+    ];
+    let ranks = on_links(&links, |_, l| {
+        KvStore::over_loopback(l.clone(), BOUND).unwrap()
+    });
+    let results = on_ranks(&ranks, |r, kv| {
+        kv.init(0, &NDArray::zeros([20])).unwrap();
+        let v: Vec<f32> = (0..20).map(|i| i as f32 / 4.0 + r as f32).collect();
+        let pushed = NDArray::from_vec(v.clone(), [20]).unwrap();
+        let got = kv.push(0, &pushed);
+        (got, pushed.to_vec::<f32>().unwrap() == v)
+    });
+    for (r, (got, kept)) in results.into_iter().enumerate() {
+        assert!(got.is_err(), "rank {r}'s push succeeded");
+        assert!(kept, "rank {r}'s pushed array changed after {got:?}");
+    }
+}
+
+/// A stored value owns exactly its size: an init after big pushes, whose transfers use the
+/// pool's big buffers, keeps no spare room in any rank's part (ten inits of a small key once
+/// kept a big buffer each, and a rank grew far beyond the pool's bound).
+#[test]
+fn an_init_after_big_pushes_keeps_no_spare_room() {
+    let ranks = stores(2);
+    let spare = on_ranks(&ranks, |_, kv| {
+        let big = 1 << 17;
+        kv.init(100, &NDArray::zeros([big])).unwrap();
+        for _ in 0..3 {
+            kv.push(100, &NDArray::ones([big])).unwrap();
+            kv.pull(100, &NDArray::zeros([big])).unwrap();
+        }
+        for k in 0..10 {
+            let len = if k % 2 == 0 { 5 } else { 20 };
+            kv.init(k, &NDArray::full([len], k as f64)).unwrap();
+        }
+        let table = super::read(&kv.table);
+        table
+            .slots
+            .values()
+            .filter_map(|s| {
+                let cell = super::read(&s.cell);
+                let h = cell.value_to_host().unwrap();
+                (h.capacity() != h.len()).then(|| (s.key.clone(), h.len(), h.capacity()))
+            })
+            .collect::<Vec<_>>()
+    });
+    for (r, s) in spare.into_iter().enumerate() {
+        assert!(
+            s.is_empty(),
+            "rank {r} keeps spare room (key, len, capacity): {s:?}"
+        );
+    }
+}

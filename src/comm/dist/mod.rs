@@ -18,6 +18,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 mod gpu;
 mod pool;
@@ -44,8 +45,8 @@ pub(crate) struct Dist {
     link: Box<dyn Link>,
     /// Keys of more elements than this are sliced over every rank.
     bound: usize,
-    /// Host buffers kept between calls.
-    pool: Pool,
+    /// Host buffers kept between calls, shared by the process's stores.
+    pool: Arc<Pool>,
     /// This store's number on its link, in every fingerprint: calls of two stores never match.
     store: u64,
 }
@@ -56,7 +57,7 @@ impl Dist {
         Dist {
             link: Box::new(link::solo::Solo),
             bound: DEFAULT_BIGARRAY_BOUND,
-            pool: Pool::with_max_bytes(0),
+            pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
         }
     }
@@ -72,7 +73,7 @@ impl Dist {
     ///   bootstrap exchanges it and NCCL carries everything, MPI is never initialised.
     pub fn connect(on_gpu: bool) -> Result<Dist> {
         let bound = bound_from_env()?;
-        let pool = Pool::from_env()?;
+        let pool = Pool::process()?;
         Dist::joined(link::connect(on_gpu)?, bound, pool)
     }
 
@@ -80,7 +81,7 @@ impl Dist {
     /// store at the same point of its calls, and the ranks compare the crate version, the
     /// bound, the pool size and the link's settings (the check switch, the timeout). A
     /// difference is [`Error::Desync`] on every rank, naming the settings.
-    fn joined(link: Box<dyn Link>, bound: usize, pool: Pool) -> Result<Dist> {
+    fn joined(link: Box<dyn Link>, bound: usize, pool: Arc<Pool>) -> Result<Dist> {
         let store = link.next_store_id();
         let dist = Dist {
             link,
@@ -102,7 +103,7 @@ impl Dist {
     /// A store's link over `link` (tests: the loopback link), with the defaults.
     #[cfg(test)]
     pub fn over(link: Box<dyn Link>, bound: usize) -> Result<Dist> {
-        Dist::joined(link, bound, Pool::with_max_bytes(64 << 20))
+        Dist::joined(link, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
     }
 
     /// Host buffers kept between calls: take a call's big buffers from here, and give them
@@ -224,22 +225,19 @@ pub(crate) struct Sum<'a> {
 pub(crate) enum SumData<'a> {
     Owned(HostData),
     Value(&'a NDArray),
-    /// The one value's own storage, lent by the caller under its write lock: sent as it is,
-    /// and handed back by [`reduce`].
-    Lent(HostData),
 }
 
 impl SumData<'_> {
     fn len(&self) -> usize {
         match self {
-            SumData::Owned(h) | SumData::Lent(h) => h.len(),
+            SumData::Owned(h) => h.len(),
             SumData::Value(a) => a.size(),
         }
     }
 
     fn dtype(&self) -> DType {
         match self {
-            SumData::Owned(h) | SumData::Lent(h) => h.dtype(),
+            SumData::Owned(h) => h.dtype(),
             SumData::Value(a) => a.dtype(),
         }
     }
@@ -247,16 +245,17 @@ impl SumData<'_> {
     /// Runs `f` on the elements (a value's are read in place, under its read lock).
     fn read<R>(&self, f: impl FnOnce(&HostData) -> R) -> Result<R> {
         match self {
-            SumData::Owned(h) | SumData::Lent(h) => Ok(f(h)),
+            SumData::Owned(h) => Ok(f(h)),
             SumData::Value(a) => a.with_host(f),
         }
     }
 
     /// The elements in a buffer of their own with room for `room` elements: a computed sum or
-    /// a lent value as it is, a value copied into a buffer from `pool`.
+    /// as it is, a value copied into a buffer from `pool` (the caller's storage never leaves
+    /// it, so a failed transfer cannot lose or change a caller's value).
     fn into_buffer(self, pool: &Pool, room: usize) -> Result<HostData> {
         match self {
-            SumData::Owned(h) | SumData::Lent(h) => Ok(h),
+            SumData::Owned(h) => Ok(h),
             SumData::Value(a) => {
                 let mut buf = pool.take(a.dtype(), 0, room);
                 a.with_host(|h| append(&mut buf, h))?;
@@ -269,13 +268,12 @@ impl SumData<'_> {
 /// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
 /// the total: the whole sum on the home of a whole key, this rank's slice of a sliced key, and
 /// `None` where this rank holds nothing of the key.
-/// Lent values ([`SumData::Lent`]) come back, unchanged, in the second list, by key index.
 pub(crate) fn reduce(
     round: &mut dyn Round,
     (rank, size): (usize, usize),
     pool: &Pool,
     sums: Vec<Sum<'_>>,
-) -> Result<(Vec<Option<HostData>>, LentBack)> {
+) -> Result<Vec<Option<HostData>>> {
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
     let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
     let mut plan = Plan::new(pool);
@@ -286,46 +284,31 @@ pub(crate) fn reduce(
             }
         }
     }
-    let mut returned = Vec::new();
     for (i, s) in sums.into_iter().enumerate() {
         let len = s.data.len();
         let bytes = len * s.data.dtype().size();
-        let lent = matches!(s.data, SumData::Lent(_)).then_some(i);
         match s.spread {
             Spread::Sliced => {
                 let block = slice_block(len, size);
                 let mine = s.spread.piece(len, rank, size).len();
-                let mut lent = lent;
                 let mut send = s.data.into_buffer(pool, block * size)?;
-                if send.len() != block * size {
-                    if let Some(i) = lent.take() {
-                        // A lent value is never padded: it goes back, and a copy is sent.
-                        let mut copy = pool.take(send.dtype(), 0, block * size);
-                        append(&mut copy, &send);
-                        returned.push((i, std::mem::replace(&mut send, copy)));
-                    }
-                    pad(&mut send, block * size);
-                }
-                plan.transfer(Op::ReduceScatter, send, None, vec![(i, 0..mine)], lent);
+                pad(&mut send, block * size);
+                plan.transfer(Op::ReduceScatter, send, None, vec![(i, 0..mine)]);
             }
             Spread::Whole { rank: root } if bytes >= PACK_MAX_BYTES => {
                 let send = s.data.into_buffer(pool, len)?;
-                plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)], lent);
+                plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)]);
             }
             Spread::Whole { rank: root } => {
                 s.data.read(|h| plan.pack(Op::Reduce { root }, i, h))?;
-                if let (Some(i), SumData::Lent(h)) = (lent, s.data) {
-                    returned.push((i, h));
-                }
             }
         }
     }
-    let (done, lent_back) = plan.run(round, (rank, size))?;
-    returned.extend(lent_back);
+    let done = plan.run(round, (rank, size))?;
     for (recv, members) in done {
         share(pool, recv, members, |i| holds[i], &mut out);
     }
-    Ok((out, returned))
+    Ok(out)
 }
 
 /// One key of a gather: this rank's piece of the value (the whole value on the home of a whole
@@ -391,7 +374,7 @@ pub(crate) fn gather(
                 let block = slice_block(p.len, size);
                 let mut send = mine(p, p.spread.piece(p.len, rank, size).len(), block);
                 pad(&mut send, block);
-                plan.transfer(Op::AllGather, send, into, vec![(i, 0..p.len)], None);
+                plan.transfer(Op::AllGather, send, into, vec![(i, 0..p.len)]);
             }
             Spread::Whole { rank: root } if p.len * p.dtype.size() >= PACK_MAX_BYTES => {
                 let data = match (into, p.data) {
@@ -411,7 +394,7 @@ pub(crate) fn gather(
             },
         }
     }
-    let (done, _) = plan.run(round, (rank, size))?;
+    let done = plan.run(round, (rank, size))?;
     for (recv, members) in done {
         share(pool, recv, members, |_| true, &mut out);
     }
@@ -458,9 +441,6 @@ pub(crate) fn gather_on_gpus(rc: &RankComm, pieces: Vec<GpuPiece>) -> Result<Vec
     gpu::gather(rc, pieces)
 }
 
-/// Lent values handed back after their transfer: (key index, the value's storage).
-pub(crate) type LentBack = Vec<(usize, HostData)>;
-
 /// Which keys a transfer's result holds: (key index, elements of the result).
 type Members = Vec<(usize, Range<usize>)>;
 
@@ -492,25 +472,16 @@ impl<'p> Plan<'p> {
 
     /// A transfer of one buffer.
     fn alone(&mut self, op: Op, data: HostData, members: Members) {
-        self.transfer(op, data, None, members, None);
+        self.transfer(op, data, None, members);
     }
 
-    /// A transfer of one buffer, received into `recv` when given; the send buffer is key
-    /// `lent`'s lent value when given, which goes back to the caller instead of the pool.
-    fn transfer(
-        &mut self,
-        op: Op,
-        send: HostData,
-        recv: Option<HostData>,
-        members: Members,
-        lent: Option<usize>,
-    ) {
+    /// A transfer of one buffer, received into `recv` when given.
+    fn transfer(&mut self, op: Op, send: HostData, recv: Option<HostData>, members: Members) {
         self.alone.push(Transfer {
             op,
             send,
             recv,
             members,
-            lent,
         });
     }
 
@@ -542,12 +513,11 @@ impl<'p> Plan<'p> {
 
     /// Starts every transfer, then waits for all of them. Returns each transfer's result with
     /// its members; the send buffers go back to the pool.
-    /// Lent send buffers come back in the second list, by key index.
     fn run(
         self,
         round: &mut dyn Round,
         (rank, size): (usize, usize),
-    ) -> Result<(Vec<(HostData, Members)>, LentBack)> {
+    ) -> Result<Vec<(HostData, Members)>> {
         let pool = self.pool;
         let transfers = self.alone.into_iter().chain(self.packed.into_iter().map(
             |((op, _), (send, members))| Transfer {
@@ -555,7 +525,6 @@ impl<'p> Plan<'p> {
                 send,
                 recv: None,
                 members,
-                lent: None,
             },
         ));
         let mut flights = Vec::new();
@@ -566,31 +535,25 @@ impl<'p> Plan<'p> {
                 _ => pool.take(t.send.dtype(), len, len),
             };
             let flight = round.start(t.op, t.send, recv)?;
-            flights.push((flight, t.members, t.lent));
+            flights.push((flight, t.members));
         }
         let mut done = Vec::with_capacity(flights.len());
-        let mut lent_back = Vec::new();
-        for (flight, members, lent) in flights {
+        for (flight, members) in flights {
             let (send, recv) = round.land(flight)?;
-            match lent {
-                Some(i) => lent_back.push((i, send)),
-                None => pool.give(send),
-            }
+            pool.give(send);
             done.push((recv, members));
         }
-        Ok((done, lent_back))
+        Ok(done)
     }
 }
 
 /// One transfer of a [`Plan`]: the collective, its send buffer, the buffer to receive into
-/// when given, which keys' elements its result holds, and the key whose lent value the send
-/// buffer is, if it is one.
+/// when given, and which keys' elements its result holds.
 struct Transfer {
     op: Op,
     send: HostData,
     recv: Option<HostData>,
     members: Members,
-    lent: Option<usize>,
 }
 
 /// Extends `data` with zeros to `len` elements.

@@ -7,7 +7,7 @@
 //! At most `KVSTORE_DIST_POOL_BYTES` bytes are kept (default 1 GiB); buffers under 64 KiB are
 //! not kept (the allocator keeps those mapped anyway).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::host::{convert_into, with_host, HostData};
 use crate::{DType, Element, Error, Result};
@@ -30,6 +30,17 @@ fn room_bytes(b: &HostData) -> usize {
 }
 
 impl Pool {
+    /// The process's pool, shared by every distributed store of the process so that the bound
+    /// holds per process: made on first use, keeping at most `KVSTORE_DIST_POOL_BYTES` bytes.
+    pub fn process() -> Result<Arc<Pool>> {
+        static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
+        if let Some(pool) = POOL.get() {
+            return Ok(pool.clone());
+        }
+        let pool = Arc::new(Pool::from_env()?);
+        Ok(POOL.get_or_init(|| pool).clone())
+    }
+
     /// A pool that keeps at most `KVSTORE_DIST_POOL_BYTES` bytes.
     pub fn from_env() -> Result<Pool> {
         const VAR: &str = "KVSTORE_DIST_POOL_BYTES";

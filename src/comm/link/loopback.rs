@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::{internal, Link, Op, Round, Ticket};
 use crate::comm::fingerprint::{check_across, Fingerprint};
-use crate::host::HostData;
+use crate::host::{convert_into, with_host, HostData};
 use crate::{DType, Error, Key, Result};
 
 /// What a rank puts into an exchange.
@@ -57,6 +57,8 @@ pub(crate) struct Loopback {
     rank: usize,
     state: Arc<Mutex<RankState>>,
     check: bool,
+    /// A collective this rank never joins (tests of a rank that stops): it fails to start it.
+    stall_at: Option<Op>,
 }
 
 impl Loopback {
@@ -75,12 +77,20 @@ impl Loopback {
                 rank,
                 state: Arc::default(),
                 check: true,
+                stall_at: None,
             })
             .collect()
     }
 }
 
 impl Loopback {
+    /// This rank, stopping at its first collective `op`: it never joins it (the other ranks
+    /// time out) and its own call fails.
+    pub fn stalling_at(mut self, op: Op) -> Loopback {
+        self.stall_at = Some(op);
+        self
+    }
+
     /// This rank with the per-call fingerprint check off (`KVSTORE_DIST_CHECK=0`).
     pub fn unchecked(mut self) -> Loopback {
         self.check = false;
@@ -226,6 +236,11 @@ impl LoopRound<'_> {
     }
 }
 
+/// Copies `src` into `dst`, which has its length.
+fn copy_into(dst: &mut HostData, src: &HostData) {
+    with_host!(src, s: T => convert_into(s, dst));
+}
+
 /// The element-wise sum of `parts` (each of `dtype`), in `float64` in order, rounded once.
 fn sum(parts: &[&HostData], dtype: DType) -> HostData {
     let mut acc = vec![0f64; parts.first().map_or(0, |p| p.len())];
@@ -243,6 +258,11 @@ impl Round for LoopRound<'_> {
     }
 
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
+        if self.link.stall_at == Some(op) {
+            return Err(internal(
+                "this loopback rank stops here (a test of a stalled rank)",
+            ));
+        }
         let id = self.deposit(Payload::Data(send.clone()));
         self.flights.push(Some((id, op, send, recv)));
         Ok(Ticket(self.flights.len() - 1))
@@ -262,13 +282,18 @@ impl Round for LoopRound<'_> {
         if data.iter().any(|d| d.dtype() != send.dtype()) {
             return Err(internal("ranks sent different dtypes to one collective"));
         }
+        // Results are written into this rank's own buffers, as MPI writes them: a buffer keeps
+        // the room it came with.
         let (rank, size) = (self.link.rank, self.link.hub.size);
+        let mut recv = recv;
         let result = match op {
             Op::Reduce { root } if root == rank => sum(&data, send.dtype()),
-            Op::Reduce { .. } => recv,
+            Op::Reduce { .. } => return Ok((send, recv)),
             Op::Broadcast { root } => {
                 let from = data.get(root).ok_or_else(|| internal("no such root"))?;
-                return Ok((HostData::filled(send.dtype(), 0, 0.0), (*from).clone()));
+                let mut buf = send;
+                copy_into(&mut buf, from);
+                return Ok((HostData::filled(buf.dtype(), 0, 0.0), buf));
             }
             Op::ReduceScatter => {
                 let block = send.len() / size.max(1);
@@ -282,7 +307,11 @@ impl Round for LoopRound<'_> {
                 HostData::F64(all).cast(send.dtype())
             }
         };
-        Ok((send, result))
+        if recv.len() != result.len() {
+            return Err(internal("a receive buffer of the wrong length"));
+        }
+        copy_into(&mut recv, &result);
+        Ok((send, recv))
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
