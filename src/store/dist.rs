@@ -37,7 +37,7 @@ use std::sync::{Once, RwLockWriteGuard};
 use super::groups::{issue_order, Group};
 use super::StoreKind;
 use crate::backend::{probe, HomePull, HomeValue};
-use crate::comm::dist::{self, Dist, GpuPiece, Piece, Sum, SumData};
+use crate::comm::dist::{self, Dist, GpuPiece, Piece, Scattered, Sum, SumData};
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
@@ -125,6 +125,8 @@ pub(super) enum Rank0<'a> {
     Host(HostData),
     /// On the GPU of a GPU rank.
     Gpu(NDArray),
+    /// This rank's slice of a sliced key, in host memory.
+    Part(HostData),
 }
 
 /// The home rank of a key that lives whole on one rank.
@@ -180,6 +182,7 @@ pub(super) fn from_rank0<'a>(
     call: &mut dyn Round,
     d: &Dist,
     values: &[NDArray],
+    spreads: &[Spread],
     mine: Vec<Option<Rank0<'a>>>,
 ) -> Result<Vec<Rank0<'a>>> {
     if d.passes_through() {
@@ -205,22 +208,44 @@ pub(super) fn from_rank0<'a>(
         let arrays = dist::gather_on_gpus(rc, pieces)?;
         return Ok(arrays.into_iter().map(Rank0::Gpu).collect());
     }
-    let pieces = values
+    // Whole keys go to every rank (packed, as a pull does); a sliced key is scattered, each
+    // rank receiving its own slice only, so an init never holds a big key whole on every rank.
+    fn host<'m>(m: &'m Option<Rank0<'_>>) -> Option<&'m HostData> {
+        match m {
+            Some(Rank0::Host(h)) => Some(h),
+            _ => None,
+        }
+    }
+    let ranks = (d.rank(), d.size());
+    let (mut whole, mut sliced) = (Vec::new(), Vec::new());
+    for ((v, m), s) in values.iter().zip(&mine).zip(spreads) {
+        match s {
+            Spread::Whole { .. } => whole.push(Piece {
+                data: host(m),
+                len: v.size(),
+                dtype: v.dtype(),
+                spread: Spread::Whole { rank: 0 },
+                into: None,
+            }),
+            Spread::Sliced => sliced.push(Scattered {
+                data: host(m),
+                len: v.size(),
+                dtype: v.dtype(),
+            }),
+        }
+    }
+    let mut whole = dist::gather(call, ranks, d.pool(), whole)?.into_iter();
+    let mut sliced = dist::scatter(call, ranks, d.pool(), sliced)?.into_iter();
+    spreads
         .iter()
-        .zip(&mine)
-        .map(|(v, m)| Piece {
-            data: match m {
-                Some(Rank0::Host(h)) => Some(h),
-                _ => None,
-            },
-            len: v.size(),
-            dtype: v.dtype(),
-            spread: Spread::Whole { rank: 0 },
-            into: None,
+        .map(|s| {
+            let got = match s {
+                Spread::Whole { .. } => whole.next().map(Rank0::Host),
+                Spread::Sliced => sliced.next().map(Rank0::Part),
+            };
+            got.ok_or_else(|| dist::internal("an init key got no value"))
         })
-        .collect();
-    let hosts = dist::gather(call, (d.rank(), d.size()), d.pool(), pieces)?;
-    Ok(hosts.into_iter().map(Rank0::Host).collect())
+        .collect()
 }
 
 /// This rank's part of a key initialized with `whole`, kept on `home` where the key's spread
@@ -236,6 +261,12 @@ pub(super) fn keep_part(
     match whole {
         Rank0::Caller(v) => HomeValue::copy_of(v, home).map_err(|e| e.with_key(key)),
         Rank0::Gpu(a) if spread.holds(d.rank()) => HomeValue::copy_of(&a, home),
+        Rank0::Part(p) if p.capacity() == p.len() => keep(d, p),
+        Rank0::Part(p) => {
+            let part = p.slice_of(0..p.len());
+            d.pool().give(p);
+            keep(d, part)
+        }
         Rank0::Gpu(_) => Ok(HomeValue::from_host(HostData::filled(
             value.dtype(),
             0,

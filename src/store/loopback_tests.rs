@@ -635,3 +635,39 @@ fn an_init_after_big_pushes_keeps_no_spare_room() {
         );
     }
 }
+
+/// An init moves only the slices of a sliced key: on 4 ranks each rank other than rank 0
+/// receives its quarter of a big key, not the whole value (which once went to every rank
+/// before each kept its slice, and a rank with 2 GiB of keys peaked at 1.5 times its steady
+/// memory). A small whole key still goes to every rank.
+#[test]
+fn an_init_moves_only_the_slices_of_a_sliced_key() {
+    let links = Loopback::world(4, Duration::from_secs(10));
+    let ranks = on_links(&links, |_, l| {
+        KvStore::over_loopback(l.clone(), BOUND).unwrap()
+    });
+    let len = 4000;
+    let value: Vec<f32> = (0..len).map(|i| i as f32 / 8.0).collect();
+    let before: Vec<usize> = links.iter().map(Loopback::received).collect();
+    on_ranks(&ranks, |_, kv| {
+        let v = NDArray::from_vec(value.clone(), [len]).unwrap();
+        kv.init_list(&[0, 1], &[v, NDArray::ones([3])]).unwrap();
+    });
+    for (r, l) in links.iter().enumerate().skip(1) {
+        let got = l.received() - before[r];
+        // Its slice (1000) and the small key (3), plus the call's check words.
+        assert!(
+            got < len / 4 + 64,
+            "rank {r} received {got} elements for its 1000"
+        );
+    }
+    // And every rank pulls the value rank 0 gave.
+    let pulled = on_ranks(&ranks, |_, kv| {
+        let out = NDArray::zeros([len]);
+        kv.pull(0, &out).unwrap();
+        out.to_vec::<f32>().unwrap()
+    });
+    for p in pulled {
+        assert_eq!(p, value);
+    }
+}

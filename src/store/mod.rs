@@ -373,17 +373,34 @@ impl KvStore {
             .and_then(|()| dist::rank0_values(d, values, any_gpu_home));
         let mine = prepared.map_err(|e| d.reject("init", e))?;
         let mut call = d.begin(dist::init_fingerprint(&keys, values))?;
-        let whole = dist::from_rank0(&mut *call, d, values, mine)?;
+        // The table is held from here to the end: the keys are placed before the values move
+        // (a sliced key's value moves as slices), and nothing else changes the table meanwhile.
         let mut table = write(&self.table);
-        // Every rank checked these keys before the call; a key another thread of this process
-        // added since is this rank's own race.
-        check_new_keys(&table, &keys)?;
+        // Every rank checked these keys before the call, but another thread of this process
+        // may have added one since: the ranks agree before any adds a key, so that no rank's
+        // table lacks keys the others have.
+        let fresh = check_new_keys(&table, &keys);
+        let together = call.agree("init", fresh.is_ok(), "adding its keys");
+        fresh?;
+        together?;
+        let loads = (table.rank_bytes.clone(), table.gpu_bytes.clone());
         let (placed, spreads) = self.place(&mut table, values, homes, any_gpu_home);
-        let parts = whole.into_iter().zip(&spreads).zip(&placed).zip(values);
-        let data: Vec<HomeValue> = parts
-            .zip(&keys)
-            .map(|((((w, &s), &home), v), key)| dist::keep_part(d, w, s, home, v, key))
-            .collect::<Result<_>>()?;
+        let parts = (|| {
+            let whole = dist::from_rank0(&mut *call, d, values, &spreads, mine)?;
+            let parts = whole.into_iter().zip(&spreads).zip(&placed).zip(values);
+            parts
+                .zip(&keys)
+                .map(|((((w, &s), &home), v), key)| dist::keep_part(d, w, s, home, v, key))
+                .collect::<Result<Vec<HomeValue>>>()
+        })();
+        let data = match parts {
+            Ok(data) => data,
+            Err(e) => {
+                // Nothing was added: the placement loads are as they were.
+                (table.rank_bytes, table.gpu_bytes) = loads;
+                return Err(e);
+            }
+        };
         insert_slots(&mut table, keys, &kinds_of(values), data, &placed, &spreads);
         Ok(())
     }

@@ -403,6 +403,51 @@ pub(crate) fn gather(
         .collect()
 }
 
+/// One sliced key of an init: rank 0's value (on rank 0), and the key's length and dtype.
+pub(crate) struct Scattered<'a> {
+    pub data: Option<&'a HostData>,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+/// Scatters rank 0's value of every sliced key of an init: each rank receives only its own
+/// slice (never the whole value), in a buffer from `pool`.
+pub(crate) fn scatter(
+    round: &mut dyn Round,
+    (rank, size): (usize, usize),
+    pool: &Pool,
+    keys: Vec<Scattered<'_>>,
+) -> Result<Vec<HostData>> {
+    let mut out: Vec<Option<HostData>> = (0..keys.len()).map(|_| None).collect();
+    let mut plan = Plan::new(pool);
+    for (i, k) in keys.iter().enumerate() {
+        let block = slice_block(k.len, size);
+        let send = match k.data {
+            Some(d) if rank == 0 => {
+                let mut buf = pool.take(k.dtype, 0, block * size);
+                append(&mut buf, d);
+                pad(&mut buf, block * size);
+                buf
+            }
+            _ => pool.take(k.dtype, 0, 0),
+        };
+        let recv = pool.take(k.dtype, block, block);
+        let mine = Spread::Sliced.piece(k.len, rank, size).len();
+        plan.transfer(
+            Op::Scatter { root: 0 },
+            send,
+            Some(recv),
+            vec![(i, 0..mine)],
+        );
+    }
+    for (recv, members) in plan.run(round, (rank, size))? {
+        share(pool, recv, members, |_| true, &mut out);
+    }
+    out.into_iter()
+        .map(|d| d.ok_or_else(|| internal("scatter: a key got no slice")))
+        .collect()
+}
+
 /// Hands each member its elements of a transfer's result `recv`, for the members `wanted`
 /// says: moved when one member takes a prefix of it, copied otherwise.
 fn share(
@@ -531,8 +576,8 @@ impl<'p> Plan<'p> {
         for t in transfers {
             let len = t.op.recv_len(t.send.len(), rank, size);
             let recv = match t.recv {
-                Some(r) if r.len() == len => r,
-                _ => pool.take(t.send.dtype(), len, len),
+                Some(r) => r,
+                None => pool.take(t.send.dtype(), len, len),
             };
             let flight = round.start(t.op, t.send, recv)?;
             flights.push((flight, t.members));

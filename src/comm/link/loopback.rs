@@ -47,6 +47,8 @@ struct RankState {
     exchanges: u64,
     /// The first desync: the link refuses calls after it, as a poisoned MPI world does.
     failed: Option<String>,
+    /// Elements this rank has received from data collectives (what a transfer moved to it).
+    received: usize,
 }
 
 /// One rank of a loopback world. Clones are the same rank: stores made from clones share
@@ -89,6 +91,14 @@ impl Loopback {
     pub fn stalling_at(mut self, op: Op) -> Loopback {
         self.stall_at = Some(op);
         self
+    }
+
+    /// The elements this rank has received from data collectives so far.
+    pub fn received(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .received
     }
 
     /// This rank with the per-call fingerprint check off (`KVSTORE_DIST_CHECK=0`).
@@ -293,11 +303,17 @@ impl Round for LoopRound<'_> {
                 let from = data.get(root).ok_or_else(|| internal("no such root"))?;
                 let mut buf = send;
                 copy_into(&mut buf, from);
+                self.st.received += buf.len();
                 return Ok((HostData::filled(buf.dtype(), 0, 0.0), buf));
             }
             Op::ReduceScatter => {
                 let block = send.len() / size.max(1);
                 sum(&data, send.dtype()).slice_of(rank * block..(rank + 1) * block)
+            }
+            Op::Scatter { root } => {
+                let from = data.get(root).ok_or_else(|| internal("no such root"))?;
+                let block = recv.len();
+                from.slice_of(rank * block..(rank + 1) * block)
             }
             Op::AllGather => {
                 let mut all = Vec::with_capacity(send.len() * size);
@@ -311,6 +327,7 @@ impl Round for LoopRound<'_> {
             return Err(internal("a receive buffer of the wrong length"));
         }
         copy_into(&mut recv, &result);
+        self.st.received += recv.len();
         Ok((send, recv))
     }
 

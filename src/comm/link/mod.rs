@@ -38,15 +38,18 @@ pub(crate) enum Op {
     ReduceScatter,
     /// Every rank's send buffer, in rank order, into every rank's receive buffer.
     AllGather,
+    /// Block `r` of the root's send buffer into rank `r`'s receive buffer (the other ranks'
+    /// send buffers are empty).
+    Scatter { root: usize },
 }
 
 impl Op {
     /// The elements the receive buffer of `op` holds on `rank` of `size`, for a send buffer of
-    /// `len` elements.
+    /// `len` elements (a scatter's receive buffer is always given: its length is its own).
     pub fn recv_len(self, len: usize, rank: usize, size: usize) -> usize {
         match self {
             Op::Reduce { root } if root == rank => len,
-            Op::Reduce { .. } | Op::Broadcast { .. } => 0,
+            Op::Reduce { .. } | Op::Broadcast { .. } | Op::Scatter { .. } => 0,
             Op::ReduceScatter => len / size.max(1),
             Op::AllGather => len * size,
         }

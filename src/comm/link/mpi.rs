@@ -113,6 +113,7 @@ impl Round for MpiRound {
             Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
             Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
             Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
+            Op::Scatter { root } => typed!(|s, r| call.scatter(s, r, root)?),
         };
         self.flights.push(Some(flight));
         Ok(Ticket(self.flights.len() - 1))

@@ -55,7 +55,7 @@ impl Round for SoloRound {
                 drop(recv);
                 (empty, send)
             }
-            Op::Broadcast { .. } => (recv, send),
+            Op::Broadcast { .. } | Op::Scatter { .. } => (recv, send),
         };
         self.landed.push(Some(done));
         Ok(Ticket(self.landed.len() - 1))

@@ -116,6 +116,7 @@ pub(super) enum Coll {
     Broadcast { root: usize },
     ReduceScatter,
     AllGather,
+    Scatter { root: usize },
     Barrier,
     Fingerprint,
 }
@@ -127,6 +128,7 @@ impl std::fmt::Display for Coll {
             Coll::Broadcast { root } => write!(f, "broadcast from rank {root}"),
             Coll::ReduceScatter => f.write_str("reduce-scatter"),
             Coll::AllGather => f.write_str("all-gather"),
+            Coll::Scatter { root } => write!(f, "scatter from rank {root}"),
             Coll::Barrier => f.write_str("barrier"),
             Coll::Fingerprint => f.write_str("fingerprint check (an all-gather)"),
         }
@@ -423,6 +425,50 @@ impl Call {
                 raw::ptr_mut(&mut p.recv),
                 n,
                 T::datatype(),
+                self.st.data.0,
+                &mut p.req.0,
+            )
+        };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// Starts a scatter of equal blocks from rank `root` (`MPI_Iscatter`): at the root `send`
+    /// holds `size` blocks of `recv.len()` elements, and rank `r` receives block `r` into
+    /// `recv`; elsewhere `send` is not touched (pass `Vec::new()`).
+    pub fn scatter<T: Wire>(
+        &mut self,
+        send: Vec<T>,
+        recv: Vec<T>,
+        root: usize,
+    ) -> Result<Pending<T>> {
+        self.check_root(root)?;
+        let is_root = root == self.world.rank;
+        if is_root && send.len() != recv.len() * self.world.size {
+            return Err(self.misuse(format!(
+                "scatter: the root's send buffer has {} elements but must hold {} blocks of {} \
+                 (the receive buffer's length)",
+                send.len(),
+                self.world.size,
+                recv.len()
+            )));
+        }
+        let n = raw::count(self.op, recv.len())?;
+        let bytes = recv.len() * std::mem::size_of::<T>();
+        let mut p = Pending::new(self, Coll::Scatter { root }, send, recv, bytes);
+        // SAFETY: at the root the send buffer holds size × n elements (checked above), and the
+        // receive buffer n on every rank, of T's MPI datatype (MPI reads the send buffer only at
+        // the root); both live in `p` until completion or are leaked; the communicator is
+        // valid; `root` < size.
+        let rc = unsafe {
+            ffi::MPI_Iscatter(
+                raw::ptr(&p.send),
+                n,
+                T::datatype(),
+                raw::ptr_mut(&mut p.recv),
+                n,
+                T::datatype(),
+                root as c_int,
                 self.st.data.0,
                 &mut p.req.0,
             )
