@@ -36,12 +36,23 @@
 //! <dir>/gen-<G>/shard-<rank>-of-<world>.safetensors
 //! ```
 //!
-//! `index` is three lines of text: `kvstore-checkpoint-index/1`, `generation <G>` and
-//! `world <W>`. A save writes every rank's shard into a fresh generation (each through a
-//! temporary file that is flushed and renamed), then rank 0 checks that the shards together
-//! hold every element of every key exactly once and replaces `index` atomically; older
-//! generations are removed after that. A save that stops part way never touches `index`, so
-//! the previous checkpoint stays the one a load finds; its leftovers are ignored.
+//! `index` is four lines of text: `kvstore-checkpoint-index/2`, `generation <G>`, `world <W>`
+//! and `token <T>`. A save claims a fresh generation: rank 0 creates its folder with a create
+//! that fails if the folder exists, taking the next number if it does, so two saves into one
+//! directory at once (a restarted job while the old one still runs) never share a
+//! generation. It also mints the save's token, a random 64-bit number written as 16 lowercase
+//! hex digits, that marks every shard of the save. Every rank writes its shard into the
+//! generation (each through a temporary file that is flushed and renamed), then rank 0 checks
+//! that every shard carries the save's token and that the shards together hold every element
+//! of every key exactly once, and replaces `index` atomically; the generations up to the one
+//! `index` named before are removed after that. A save that stops part way never touches
+//! `index`, so the previous checkpoint stays the one a load finds; its leftovers are ignored.
+//! A load checks that every shard carries the token `index` names, so a generation holding a
+//! shard of another save is an error, never values mixed from two saves.
+//!
+//! Checkpoints of format 1 (an `index` of the first three lines, `kvstore-checkpoint-index/1`,
+//! and shards of format `kvstore-shard/1`, with no token) still load, with a warning in the
+//! log that they cannot tell shards of another save apart.
 //!
 //! Each shard holds, for every key it has, one contiguous range of the key's row-major
 //! flattened value (the whole key, or one slice of it), as 1-D tensors `value/<key>` and
@@ -50,8 +61,9 @@
 //!
 //! | entry          | value                                                             |
 //! |----------------|-------------------------------------------------------------------|
-//! | `format`       | `kvstore-shard/1`                                                 |
+//! | `format`       | `kvstore-shard/2`                                                 |
 //! | `generation`, `rank`, `world` | as in the file's name                              |
+//! | `token`        | the save's token, as in `index`                                   |
 //! | `key_kind`     | `int`, `str`, or `none` for a shard with no keys                  |
 //! | `updater`, `state_names` | as in the single file, the same in every shard          |
 //! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s>`          |
@@ -108,7 +120,7 @@ use file::{decode, encode};
 #[allow(unused_imports)] // the crate-internal API of sharded checkpoints, for the dist store
 pub(crate) use reader::{open, Reader};
 #[allow(unused_imports)]
-pub(crate) use sharded::{commit, next_generation, write_shard, KeyMeta, Piece};
+pub(crate) use sharded::{commit, next_generation, write_shard, KeyMeta, Piece, SaveId};
 
 use crate::{Error, KvStore, Result};
 

@@ -15,7 +15,8 @@ use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 
 use super::file::{acc_dtype, decode_all, from_bytes, parse_key};
 use super::sharded::{
-    generation_dir, index_path, shard_path, KeyMeta, Piece, INDEX_FORMAT, SHARD_FORMAT,
+    generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, Piece, INDEX_FORMAT,
+    INDEX_FORMAT_1, SHARD_FORMAT, SHARD_FORMAT_1,
 };
 use super::{not_safetensors, Problem};
 use crate::store::{Entry, EntryState};
@@ -24,15 +25,20 @@ use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updat
 /// The largest safetensors header read (the safetensors crate's own bound).
 const MAX_HEADER: u64 = 100_000_000;
 
-/// What `dir/index` says: the committed generation and the world size that wrote it.
+/// What `dir/index` says: the committed generation, the world size that wrote it, and the
+/// token of the save that wrote it.
 pub(crate) struct Index {
     /// The committed generation.
     pub generation: u64,
     /// The number of shards in it.
     pub world: usize,
+    /// The token every shard of the generation carries; `None` in an index of format 1, whose
+    /// shards carry none.
+    pub token: Option<u64>,
 }
 
-/// Reads and checks `dir/index`. No index is kind `NotFound`; a malformed one `Invalid`.
+/// Reads and checks `dir/index` (this version's format, or format 1, which names no token).
+/// No index is kind `NotFound`; a malformed one `Invalid`.
 pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     let path = index_path(dir);
     let text = match fs::read_to_string(&path) {
@@ -52,29 +58,43 @@ pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     };
     let bad = || {
         Problem::invalid(format!(
-            "the index is corrupt: expected the lines '{INDEX_FORMAT}', 'generation <n>' and \
-             'world <n>'; restore it from a copy, or save again"
+            "the index is corrupt: expected the lines '{INDEX_FORMAT}', 'generation <n>', \
+             'world <n>' and 'token <16 hex digits>'; restore it from a copy, or save again"
         ))
         .at(&path)
     };
     let lines: Vec<&str> = text.lines().collect();
-    let [format, generation, world] = lines[..] else {
-        return Err(bad());
+    let (generation, world, token) = match lines[..] {
+        [INDEX_FORMAT, generation, world, token] => (generation, world, Some(token)),
+        [INDEX_FORMAT_1, generation, world] => (generation, world, None),
+        _ => return Err(bad()),
     };
-    let number = |line: &str, name: &str| {
+    let field = |line: &'_ str, name: &str| -> Option<String> {
         line.strip_prefix(name)
             .and_then(|n| n.strip_prefix(' '))
-            .and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
+            .map(str::to_owned)
     };
-    if format != INDEX_FORMAT {
-        return Err(bad());
-    }
+    let number = |line: &str, name: &str| {
+        field(line, name).and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
+    };
     let generation = number(generation, "generation").ok_or_else(bad)?;
     let world = number(world, "world")
         .and_then(|w| usize::try_from(w).ok())
         .filter(|&w| w > 0)
         .ok_or_else(bad)?;
-    Ok(Index { generation, world })
+    let token = match token {
+        Some(line) => Some(
+            field(line, "token")
+                .and_then(|t| parse_token(&t))
+                .ok_or_else(bad)?,
+        ),
+        None => None,
+    };
+    Ok(Index {
+        generation,
+        world,
+        token,
+    })
 }
 
 /// Bytes `start..end` of a file, as absolute offsets.
@@ -97,6 +117,8 @@ struct Held {
 /// One shard's header, checked: what it holds and where.
 pub(crate) struct ShardHeader {
     rank: usize,
+    /// The token of the save that wrote it; `None` for a shard of format 1.
+    token: Option<u64>,
     kind: Option<KeyKind>,
     updater: String,
     state_names: Vec<String>,
@@ -319,12 +341,27 @@ fn check_shard(
             .map(String::as_str)
             .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
     };
-    if get("format")? != SHARD_FORMAT {
-        return Err(Problem::invalid(format!(
-            "metadata format is '{}', expected '{SHARD_FORMAT}'",
-            get("format")?
-        )));
-    }
+    let token = match get("format")? {
+        SHARD_FORMAT => {
+            let text = get("token")?;
+            Some(parse_token(text).ok_or_else(|| {
+                Problem::invalid(format!(
+                    "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
+                ))
+            })?)
+        }
+        SHARD_FORMAT_1 if !md.contains_key("token") => None,
+        SHARD_FORMAT_1 => {
+            return Err(Problem::invalid(
+                "a shard of format 1 with a token entry: the shard is corrupt",
+            ))
+        }
+        other => {
+            return Err(Problem::invalid(format!(
+                "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_1}')"
+            )))
+        }
+    };
     for (name, want) in [
         ("generation", generation.to_string()),
         ("rank", rank.to_string()),
@@ -390,11 +427,20 @@ fn check_shard(
     }
     Ok(ShardHeader {
         rank,
+        token,
         kind,
         updater,
         state_names,
         pieces,
     })
+}
+
+impl ShardHeader {
+    /// The token of the save that wrote the shard; `None` for a shard of format 1, which
+    /// carries none.
+    pub(crate) fn token(&self) -> Option<u64> {
+        self.token
+    }
 }
 
 /// Every key of a checkpoint, whole, and the pieces that hold it.
@@ -549,10 +595,32 @@ fn open_dir(dir: &Path) -> Result<Reader> {
     for rank in 0..index.world {
         let path = shard_path(&gen_dir, rank, index.world);
         let (header, file) = open_shard(&path, index.generation, rank, index.world)?;
+        if header.token != index.token {
+            let spell = |t: Option<u64>| t.map_or("none".to_owned(), token_text);
+            return Err(Problem::invalid(format!(
+                "shard {rank} of {} of generation {} was written by another save than the \
+                 index names (its token is {}, the index names {}): another job wrote into \
+                 this checkpoint (two jobs saving into one directory?), or a shard was copied \
+                 in; load another checkpoint, or save again, each job to its own directory",
+                index.world,
+                index.generation,
+                spell(header.token),
+                spell(index.token)
+            ))
+            .at(&path));
+        }
         shards.push(header);
         files.push(ShardFile { path, file });
     }
     let a = assemble(&gen_dir, shards)?;
+    if index.token.is_none() {
+        log::warn!(
+            "{}: a sharded checkpoint of format 1, whose shards carry no save token, so shards \
+             of another save would go unnoticed; it loads. Save it again to write the current \
+             format",
+            dir.display()
+        );
+    }
     Ok(Reader::new(dir, a, files))
 }
 
@@ -599,6 +667,7 @@ fn open_file(path: &Path) -> Result<Reader> {
     }
     let header = ShardHeader {
         rank: 0,
+        token: None,
         kind: decoded.kind,
         updater: decoded.updater,
         state_names: decoded.state_names,

@@ -11,6 +11,7 @@ use rand::prelude::*;
 use super::reader::open;
 use super::sharded::{
     commit, generation_dir, index_path, next_generation, shard_path, write_shard, KeyMeta, Piece,
+    SaveId,
 };
 use super::CheckpointErrorKind;
 use crate::{Adam, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
@@ -166,7 +167,7 @@ fn save(dir: &Path, rng: &mut StdRng, updater: &Updater, truths: &[Truth], world
         write_shard(dir, g, rank, world, updater, &pieces).unwrap();
     }
     commit(dir, g, world).unwrap();
-    g
+    g.generation
 }
 
 /// Reads every key at a `world` layout of its own and compares with the reference.
@@ -267,10 +268,10 @@ fn a_save_killed_part_way_leaves_the_previous_checkpoint() {
     let e = write_shard(&dir, g, 0, 1, &updater, &pieces).unwrap_err();
     super::fail_writes_after(None);
     assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Io);
-    assert!(!shard_path(&generation_dir(&dir, g), 0, 1).exists());
+    assert!(!shard_path(&generation_dir(&dir, g.generation), 0, 1).exists());
     // A crash leaves a half-written temporary file instead: loads ignore it.
     fs::write(
-        generation_dir(&dir, g).join(".shard-0-of-1.safetensors.tmp-1-1"),
+        generation_dir(&dir, g.generation).join(".shard-0-of-1.safetensors.tmp-1-1"),
         b"\x10\x00\x00",
     )
     .unwrap();
@@ -286,7 +287,7 @@ fn a_save_killed_part_way_leaves_the_previous_checkpoint() {
     // 4. A truncated shard at commit: Invalid, the old index.
     let g = next_generation(&dir).unwrap();
     write_shard(&dir, g, 0, 1, &updater, &pieces).unwrap();
-    let path = shard_path(&generation_dir(&dir, g), 0, 1);
+    let path = shard_path(&generation_dir(&dir, g.generation), 0, 1);
     let bytes = fs::read(&path).unwrap();
     fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
     let e = commit(&dir, g, 1).unwrap_err();
@@ -387,6 +388,12 @@ fn shards_that_disagree_fail_the_commit() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A save of generation 0, for writes that are meant to fail.
+const SOME_SAVE: SaveId = SaveId {
+    generation: 0,
+    token: 0x5eed,
+};
+
 #[test]
 fn bad_pieces_are_errors_and_write_nothing() {
     let mut rng = StdRng::from_entropy();
@@ -422,11 +429,11 @@ fn bad_pieces_are_errors_and_write_nothing() {
         ("state name", vec![renamed]),
         ("twice", vec![good.clone(), good.clone()]),
     ] {
-        let e = write_shard(&dir, 0, 0, 1, &updater, &pieces).unwrap_err();
+        let e = write_shard(&dir, SOME_SAVE, 0, 1, &updater, &pieces).unwrap_err();
         assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid, "{what}");
     }
     assert!(
-        write_shard(&dir, 0, 1, 1, &updater, &[good]).is_err(),
+        write_shard(&dir, SOME_SAVE, 1, 1, &updater, &[good]).is_err(),
         "rank >= world"
     );
     assert!(!generation_dir(&dir, 0).exists());
@@ -625,4 +632,238 @@ fn a_sharded_checkpoint_loads_into_a_local_store_and_trains_on() {
             fs::remove_dir_all(&dir).unwrap();
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two jobs saving into one directory (issue 16, fault 4): a restarted job saves while the old
+// one is still alive. Each save must own its generation, a commit must reject shards that are
+// not its own, and a load must never return values mixed from both jobs.
+// ---------------------------------------------------------------------------------------------
+
+/// The same keys as `truths` (metadata, so shards of both cover each other exactly), with fresh
+/// random values and state: what a second job training the same model holds.
+fn same_model_other_values(rng: &mut StdRng, truths: &[Truth]) -> Vec<Truth> {
+    truths
+        .iter()
+        .map(|t| Truth {
+            meta: t.meta.clone(),
+            value: random(rng, t.meta.size(), t.meta.dtype),
+            state: t
+                .state
+                .iter()
+                .map(|_| random(rng, t.meta.size(), acc(t.meta.dtype)))
+                .collect(),
+        })
+        .collect()
+}
+
+/// The pieces of `truths` that `held` (one rank's part of a layout) names.
+fn pieces_of(truths: &[Truth], updater: &Updater, held: &[(usize, Range<usize>)]) -> Vec<Piece> {
+    held.iter()
+        .map(|(i, r)| piece(&truths[*i], updater.state_names(), r.clone()))
+        .collect()
+}
+
+/// Which of `jobs` the committed checkpoint in `dir` is, read key by key, whole: every key's
+/// value and state must be that one job's. Panics on values mixed from several jobs.
+fn committed_job(dir: &Path, jobs: &[&[Truth]]) -> usize {
+    let reader = open(dir).unwrap();
+    let mut matches = Vec::new();
+    for i in 0..jobs[0].len() {
+        let key = &jobs[0][i].meta.key;
+        let p = reader.read(key, 0..jobs[0][i].meta.size()).unwrap();
+        let value = p.value.to_vec::<f64>().unwrap();
+        let state: Vec<Vec<f64>> = p.state.iter().map(|(_, b)| b.to_vec().unwrap()).collect();
+        let job = jobs
+            .iter()
+            .position(|j| j[i].value == value && j[i].state == state);
+        matches.push((key.clone(), job));
+    }
+    let first = matches[0].1;
+    assert!(
+        first.is_some() && matches.iter().all(|(_, j)| *j == first),
+        "a load returned values mixed from several jobs (key: the job it matches): {matches:?}"
+    );
+    first.unwrap_or(0)
+}
+
+#[test]
+fn two_jobs_saving_at_once_never_share_a_generation() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("two-jobs");
+    let updater = adam();
+    let world = 2;
+    let a = truths(&mut rng, &updater, 6, false);
+    let b = same_model_other_values(&mut rng, &a);
+    let held = layout(&mut rng, &a, world);
+    // Both jobs' rank 0 pick a generation before either has written anything.
+    let ga = next_generation(&dir).unwrap();
+    let gb = next_generation(&dir).unwrap();
+    // Their ranks write interleaved: job A's rank 0, job B's ranks 0 and 1, job A's rank 1.
+    write_shard(
+        &dir,
+        ga,
+        0,
+        world,
+        &updater,
+        &pieces_of(&a, &updater, &held[0]),
+    )
+    .unwrap();
+    write_shard(
+        &dir,
+        gb,
+        0,
+        world,
+        &updater,
+        &pieces_of(&b, &updater, &held[0]),
+    )
+    .unwrap();
+    write_shard(
+        &dir,
+        gb,
+        1,
+        world,
+        &updater,
+        &pieces_of(&b, &updater, &held[1]),
+    )
+    .unwrap();
+    write_shard(
+        &dir,
+        ga,
+        1,
+        world,
+        &updater,
+        &pieces_of(&a, &updater, &held[1]),
+    )
+    .unwrap();
+    // Job B commits first, then job A. A commit may fail (its generation was taken from under
+    // it), but what a load finds is always one job's checkpoint, whole: the last one committed.
+    let mut last = None;
+    for (job, g) in [(1, gb), (0, ga)] {
+        match commit(&dir, g, world) {
+            Ok(()) => last = Some(job),
+            Err(e) => assert!(
+                matches!(e, Error::Checkpoint { .. }),
+                "job {job}'s commit: {e:?}"
+            ),
+        }
+        if let Some(want) = last {
+            assert_eq!(
+                committed_job(&dir, &[&a, &b]),
+                want,
+                "after job {job}'s commit"
+            );
+        }
+    }
+    assert!(last.is_some(), "neither job's save committed");
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_commit_rejects_a_shard_of_another_save() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("foreign-commit");
+    let updater = adam();
+    let world = 2;
+    let old = truths(&mut rng, &updater, 5, false);
+    save(&dir, &mut rng, &updater, &old, world);
+    let a = same_model_other_values(&mut rng, &old);
+    let b = same_model_other_values(&mut rng, &old);
+    let held = layout(&mut rng, &a, world);
+    let ga = next_generation(&dir).unwrap();
+    write_shard(
+        &dir,
+        ga,
+        0,
+        world,
+        &updater,
+        &pieces_of(&a, &updater, &held[0]),
+    )
+    .unwrap();
+    write_shard(
+        &dir,
+        ga,
+        1,
+        world,
+        &updater,
+        &pieces_of(&a, &updater, &held[1]),
+    )
+    .unwrap();
+    // Another job, that never claimed this generation (an older kvstore, or one handed the
+    // wrong number), replaces rank 1's shard with its own, marked with its own token.
+    let foreign = SaveId {
+        token: next_generation(&dir).unwrap().token,
+        ..ga
+    };
+    write_shard(
+        &dir,
+        foreign,
+        1,
+        world,
+        &updater,
+        &pieces_of(&b, &updater, &held[1]),
+    )
+    .unwrap();
+    let e = commit(&dir, ga, world).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
+    // The index was not replaced: the previous checkpoint is the one a load finds.
+    assert_eq!(committed_job(&dir, &[&old, &a, &b]), 0);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_load_rejects_a_generation_with_a_shard_of_another_save() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("foreign-load");
+    let updater = adam();
+    let world = 2;
+    let a = truths(&mut rng, &updater, 6, false);
+    let b = same_model_other_values(&mut rng, &a);
+    let held = layout(&mut rng, &a, world);
+    let ga = next_generation(&dir).unwrap();
+    for (rank, h) in held.iter().enumerate() {
+        write_shard(&dir, ga, rank, world, &updater, &pieces_of(&a, &updater, h)).unwrap();
+    }
+    commit(&dir, ga, world).unwrap();
+    // A store holding job A's checkpoint.
+    let kv = KvStore::create("local").unwrap();
+    kv.set_updater(updater.clone()).unwrap();
+    kv.load(&dir).unwrap();
+    let snapshot = |kv: &KvStore| -> Vec<Vec<f64>> {
+        a.iter()
+            .map(|t| {
+                let out = NDArray::zeros(crate::Shape::new(&t.meta.dims).unwrap())
+                    .astype(t.meta.dtype)
+                    .unwrap();
+                kv.pull(t.meta.key.clone(), &out).unwrap();
+                out.to_vec::<f64>().unwrap()
+            })
+            .collect()
+    };
+    let before = snapshot(&kv);
+    assert_eq!(
+        before,
+        a.iter().map(|t| t.value.clone()).collect::<Vec<_>>()
+    );
+    // After the commit, another job writes its rank 1 shard, with its own token, into the
+    // committed generation.
+    let foreign = SaveId {
+        token: next_generation(&dir).unwrap().token,
+        ..ga
+    };
+    write_shard(
+        &dir,
+        foreign,
+        1,
+        world,
+        &updater,
+        &pieces_of(&b, &updater, &held[1]),
+    )
+    .unwrap();
+    let e = open(&dir).map(|_| ()).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
+    let e = kv.load(&dir).unwrap_err();
+    assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
+    assert_eq!(snapshot(&kv), before, "a failed load changed the store");
+    fs::remove_dir_all(&dir).unwrap();
 }
