@@ -26,6 +26,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use safetensors::tensor::TensorView;
 
 use super::atomic::{sync_dir, write_atomic};
+use super::checksum;
 use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
 use super::reader::{check_cover, read_index, read_shard_header};
 use super::Problem;
@@ -358,6 +359,12 @@ fn encode_shard(
             ));
         }
     }
+    checksum::add_entries(
+        &mut meta,
+        tensors
+            .iter()
+            .map(|(n, _, _, b)| (n.as_str(), b.as_slice())),
+    );
     let views = tensors
         .iter()
         .map(|(name, dtype, len, bytes)| {
@@ -366,8 +373,10 @@ fn encode_shard(
                 .map_err(|e| Problem::invalid(format!("cannot serialize tensor {name}: {e}")))
         })
         .collect::<std::result::Result<Vec<_>, Problem>>()?;
-    safetensors::serialize(views, Some(meta))
-        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))
+    let mut bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))?;
+    checksum::seal(&mut bytes)?;
+    Ok(bytes)
 }
 
 /// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned
