@@ -5,6 +5,8 @@
 //! (ignored: needs a GPU) with `device` stores and arrays on the GPUs. Loads across kinds go
 //! between a `local` store and every kind of the home, both ways.
 
+#[path = "common/checkpoint_format.rs"]
+mod checkpoint_format;
 mod common;
 
 use std::collections::HashMap;
@@ -17,7 +19,7 @@ use common::Home;
 use kvstore::checkpoint::{set_load_hook, LoadStage};
 use kvstore::{Adam, CheckpointErrorKind, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
 use rand::prelude::*;
-use safetensors::tensor::{SafeTensors, TensorView};
+use safetensors::tensor::SafeTensors;
 
 /// A fresh directory for one test on one home (both homes' tests may run at once).
 fn temp_dir(h: Home, name: &str) -> PathBuf {
@@ -495,12 +497,17 @@ fn parts(bytes: &[u8]) -> (Vec<Tensor>, HashMap<String, String>) {
     (tensors, meta.metadata().clone().unwrap())
 }
 
+/// A file of `tensors` and `meta`, with fresh checksums, so that it passes them and the checks
+/// behind them are what a load meets.
 fn rebuild(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
-    let views: Vec<(&str, TensorView<'_>)> = tensors
+    checkpoint_format::sealed(&as_views(tensors), meta)
+}
+
+fn as_views(tensors: &[Tensor]) -> Vec<checkpoint_format::Tensor<'_>> {
+    tensors
         .iter()
-        .map(|(n, d, s, b)| (n.as_str(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize(views, Some(meta)).unwrap()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect()
 }
 
 /// Well-formed safetensors files with wrong contents: typed errors naming the problem.
@@ -616,8 +623,8 @@ fn wrong_metadata_and_tensors_are_typed_errors(h: Home) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Truncated files and random byte flips: a typed error or a successful load, never a panic,
-/// and a failed load changes nothing.
+/// Truncated files and random bit flips: a typed error, never a panic nor a load (every byte
+/// is under a checksum), and a failed load changes nothing.
 fn truncated_and_corrupt_files_never_panic(h: Home) {
     let dir = temp_dir(h, "fuzz");
     let path = dir.join("f.safetensors");
@@ -680,11 +687,174 @@ fn truncated_and_corrupt_files_never_panic(h: Home) {
             Err(e) => panic!("not a checkpoint error: {e}"),
         }
     }
-    assert!(
-        failed > FLIPS / 10,
-        "only {failed} of {FLIPS} corrupt files were rejected"
+    assert_eq!(loaded, 0, "{loaded} of {FLIPS} corrupt files loaded");
+    assert_eq!(failed, FLIPS);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// One flipped bit anywhere in a saved file (issue 16, fault 5): in any tensor's data, in a step
+/// count (still a well-formed count), in the header. Each load is a typed `Invalid`
+/// error that names the file, and the store loaded into keeps its values.
+fn a_flipped_bit_is_a_typed_error_and_changes_nothing(h: Home) {
+    let dir = temp_dir(h, "flip");
+    let path = dir.join("f.safetensors");
+    let mut rng = StdRng::from_entropy();
+    let (kv, keys) = filled_store(h, h.kind(), &adam(), &mut rng);
+    push_round(&[&kv], &keys, &mut rng);
+    kv.save(&path).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let target = h.store();
+    target.set_updater(adam()).unwrap();
+    target.load(&path).unwrap();
+    push_round(&[&target], &keys, &mut rng);
+    let before = snapshot(&target);
+    // The load's error, which must be Invalid and name the file; its text.
+    let expect_error = |bad: &[u8], what: &str| -> String {
+        std::fs::write(&path, bad).unwrap();
+        match target.load(&path) {
+            Err(
+                e @ Error::Checkpoint {
+                    kind: CheckpointErrorKind::Invalid,
+                    ..
+                },
+            ) => {
+                assert!(matches!(&e, Error::Checkpoint { path: p, .. } if *p == path));
+                error_text(&e)
+            }
+            other => panic!("{what}: expected an Invalid checkpoint error, got {other:?}"),
+        }
+    };
+
+    // A bit of every tensor's data.
+    let (n, meta) = SafeTensors::read_metadata(&good).unwrap();
+    let data_start = 8 + n;
+    for (name, info) in meta.tensors() {
+        let (s, e) = info.data_offsets;
+        if s == e {
+            continue;
+        }
+        let mut bad = good.clone();
+        bad[data_start + rng.gen_range(s..e)] ^= 1 << rng.gen_range(0..8);
+        let text = expect_error(&bad, &format!("a bit of {name}"));
+        assert!(text.contains("checksum") && text.contains(&name), "{text}");
+    }
+    // A step count one off.
+    // (Searched in the JSON only: the 8-byte length before it need not be text.)
+    let text = std::str::from_utf8(&good[8..data_start]).unwrap();
+    let at = text.find("\"step/").expect("a step entry");
+    let value = at + text[at..].find("\":\"").unwrap() + 3;
+    let end = 8 + value + text[value..].find('"').unwrap();
+    let mut bad = good.clone();
+    bad[end - 1] ^= 1;
+    let text = expect_error(&bad, "a step count");
+    assert!(text.contains("checksum"), "{text}");
+    // One bit of 400 random bytes of the header (the unit tests flip every byte of a shard's).
+    for _ in 0..400 {
+        let byte = rng.gen_range(0..data_start);
+        let mut bad = good.clone();
+        bad[byte] ^= 1 << rng.gen_range(0..8);
+        expect_error(&bad, &format!("header byte {byte}"));
+    }
+    assert_eq!(snapshot(&target), before, "a failed load changed the store");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The checksum entries themselves: missing, stray, malformed or wrong, each is a typed
+/// `Invalid` error naming the problem, and the store is unchanged. Files of format 1 (no
+/// checksums) still load, and one of format 1 that has checksum entries is invalid.
+fn checksum_entries_are_checked(h: Home) {
+    let dir = temp_dir(h, "sums");
+    let path = dir.join("c.safetensors");
+    let mut rng = StdRng::from_entropy();
+    let (kv, keys) = filled_store(h, h.kind(), &adam(), &mut rng);
+    push_round(&[&kv], &keys, &mut rng);
+    kv.save(&path).unwrap();
+    let (tensors, meta) = parts(&std::fs::read(&path).unwrap());
+    assert_eq!(meta["format"], "kvstore-checkpoint/2");
+    let views = as_views(&tensors);
+    let fresh = checkpoint_format::with_checksums(&views, meta.clone());
+    let value = format!("value/{}", keys[0]);
+
+    type Alter = Box<dyn Fn(&mut HashMap<String, String>)>;
+    let entry = format!("crc32/{value}");
+    let (e1, e2) = (entry.clone(), entry.clone());
+    let cases: Vec<(Alter, &str)> = vec![
+        (
+            Box::new(move |m| {
+                m.remove(&e1);
+            }),
+            "is missing",
+        ),
+        (
+            Box::new(|m| {
+                m.insert("crc32/value/99999".into(), "00000000".into());
+            }),
+            "belongs to no tensor",
+        ),
+        (
+            Box::new(|m| {
+                m.insert("crc32_chunk".into(), "0".into());
+            }),
+            "chunk size",
+        ),
+        (
+            Box::new(|m| {
+                m.insert("crc32_chunk".into(), "16.0".into());
+            }),
+            "chunk size",
+        ),
+        (
+            Box::new(|m| {
+                m.insert("crc32_chunk".into(), "1".into());
+            }),
+            "chunks of 1",
+        ),
+        (
+            // One chunk's checksum wrong, in a header whose own checksum is right.
+            Box::new(move |m| {
+                let mut sums: Vec<String> = m[&e2].split(',').map(str::to_owned).collect();
+                sums[0] = if sums[0] == "00000000" {
+                    "00000001"
+                } else {
+                    "00000000"
+                }
+                .into();
+                m.insert(e2.clone(), sums.join(","));
+            }),
+            "checksum of tensor",
+        ),
+    ];
+    let target = h.store();
+    target.set_updater(adam()).unwrap();
+    for (alter, needle) in cases {
+        let mut m = fresh.clone();
+        alter(&mut m);
+        std::fs::write(&path, checkpoint_format::with_header_checksum(&views, m)).unwrap();
+        assert_checkpoint_kind(target.load(&path), CheckpointErrorKind::Invalid, needle);
+        assert!(target.keys().is_empty());
+    }
+    // No header checksum at all, in a file of format 2.
+    let mut m = fresh.clone();
+    m.remove("header_crc32");
+    std::fs::write(&path, checkpoint_format::plain(&views, m)).unwrap();
+    assert_checkpoint_kind(
+        target.load(&path),
+        CheckpointErrorKind::Invalid,
+        "header's checksum",
     );
-    assert_eq!(loaded + failed, FLIPS);
+    // Format 1: no checksum entries, loads (unverified); with them, invalid.
+    let mut m = meta.clone();
+    m.retain(|k, _| !k.starts_with("crc32") && k != "header_crc32");
+    m.insert("format".into(), "kvstore-checkpoint/1".into());
+    std::fs::write(&path, checkpoint_format::plain(&views, m)).unwrap();
+    target.load(&path).unwrap();
+    assert_eq!(snapshot(&target), snapshot(&kv));
+    let mut m = fresh.clone();
+    m.insert("format".into(), "kvstore-checkpoint/1".into());
+    std::fs::write(&path, checkpoint_format::with_header_checksum(&views, m)).unwrap();
+    let other = h.store();
+    assert_checkpoint_kind(other.load(&path), CheckpointErrorKind::Invalid, "format 1");
+    assert!(other.keys().is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -1151,6 +1321,8 @@ on_every_home!(
     killed_saver_leaves_a_loadable_checkpoint,
     wrong_metadata_and_tensors_are_typed_errors,
     truncated_and_corrupt_files_never_panic,
+    a_flipped_bit_is_a_typed_error_and_changes_nothing,
+    checksum_entries_are_checked,
     int_key_spellings_must_be_canonical,
     load_across_every_pair_of_updaters,
     load_racing_set_updater_starts_state_afresh,

@@ -4,12 +4,16 @@
 //! own writer.
 //!
 //! Random keys are split over 1 to 4 simulated ranks (whole keys and slices), loaded into a
-//! `local` store (and a `device` store: `gpu::*`, ignored without a GPU) and compared with the arrays they were made from; the updater state is checked
-//! by training on after the load, against the same checkpoint in the single-file format. Then
-//! the failures: a save killed part way, missing and truncated shards, gaps and overlaps,
-//! corrupt indexes, and key spellings that are not canonical. Every failure is an
-//! `Error::Checkpoint` of the right kind, and leaves the store as it was.
+//! `local` store (and a `device` store: `gpu::*`, ignored without a GPU) and compared with the
+//! arrays they were made from; the updater state is checked by training on after the load,
+//! against the same checkpoint in the single-file format. Files of format 1 (no checksums, no
+//! tokens) still load. Then the failures: a save killed part way, missing and truncated
+//! shards, gaps and overlaps, corrupt indexes, key spellings that are not canonical, shards of
+//! another save, and flipped bits. Every failure is an `Error::Checkpoint` of the right kind,
+//! and leaves the store as it was.
 
+#[path = "common/checkpoint_format.rs"]
+mod checkpoint_format;
 mod common;
 
 use std::collections::HashMap;
@@ -21,7 +25,7 @@ use common::Home;
 use half::{bf16, f16};
 use kvstore::{Adam, CheckpointErrorKind, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
 use rand::prelude::*;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 /// A fresh directory for one test.
 fn temp_dir(name: &str) -> PathBuf {
@@ -155,7 +159,13 @@ struct HandPiece<'a> {
     spelling: Option<String>,
 }
 
-/// Writes shard `rank` of `world` of generation `g` by hand, as the module docs describe it.
+/// The token of the save that wrote generation `g` in these tests.
+fn token_of(g: u64) -> u64 {
+    0x9e37_79b9_7f4a_7c15 ^ g.wrapping_mul(0x2545_f491_4f6c_dd1d)
+}
+
+/// Writes shard `rank` of `world` of generation `g` by hand, as the module docs describe it,
+/// marked with the generation's token, with checksums.
 fn write_shard(
     dir: &Path,
     g: u64,
@@ -164,9 +174,31 @@ fn write_shard(
     updater: &Updater,
     pieces: &[HandPiece],
 ) {
+    write_shard_as(dir, g, Some(token_of(g)), rank, world, updater, pieces);
+}
+
+/// As [`write_shard`], marked with `token`; `None` writes a shard of format 1 (no token, no
+/// checksums).
+fn write_shard_as(
+    dir: &Path,
+    g: u64,
+    token: Option<u64>,
+    rank: usize,
+    world: usize,
+    updater: &Updater,
+    pieces: &[HandPiece],
+) {
     let names = updater.state_names();
     let mut meta: HashMap<String, String> = HashMap::new();
-    meta.insert("format".into(), "kvstore-shard/1".into());
+    match token {
+        Some(t) => {
+            meta.insert("format".into(), "kvstore-shard/2".into());
+            meta.insert("token".into(), format!("{t:016x}"));
+        }
+        None => {
+            meta.insert("format".into(), "kvstore-shard/1".into());
+        }
+    }
     meta.insert("generation".into(), g.to_string());
     meta.insert("rank".into(), rank.to_string());
     meta.insert("world".into(), world.to_string());
@@ -210,11 +242,16 @@ fn write_shard(
         }
         meta.insert(format!("piece/{name}"), spec);
     }
-    let views: Vec<(&str, TensorView)> = tensors
+    let shapes: Vec<[usize; 1]> = tensors.iter().map(|t| [t.2]).collect();
+    let views: Vec<checkpoint_format::Tensor> = tensors
         .iter()
-        .map(|(n, d, len, b)| (n.as_str(), TensorView::new(*d, vec![*len], b).unwrap()))
+        .zip(&shapes)
+        .map(|((n, d, _, b), shape)| (n.as_str(), *d, &shape[..], b.as_slice()))
         .collect();
-    let data = safetensors::serialize(views, Some(meta)).unwrap();
+    let data = match token {
+        Some(_) => checkpoint_format::sealed(&views, meta),
+        None => checkpoint_format::plain(&views, meta),
+    };
     let gen_dir = dir.join(format!("gen-{g}"));
     fs::create_dir_all(&gen_dir).unwrap();
     fs::write(
@@ -224,7 +261,17 @@ fn write_shard(
     .unwrap();
 }
 
+/// Writes the index, naming generation `g`'s token.
 fn write_index(dir: &Path, g: u64, world: usize) {
+    let text = format!(
+        "kvstore-checkpoint-index/2\ngeneration {g}\nworld {world}\ntoken {:016x}\n",
+        token_of(g)
+    );
+    fs::write(dir.join("index"), text).unwrap();
+}
+
+/// Writes an index of format 1, which names no token.
+fn write_index_1(dir: &Path, g: u64, world: usize) {
     let text = format!("kvstore-checkpoint-index/1\ngeneration {g}\nworld {world}\n");
     fs::write(dir.join("index"), text).unwrap();
 }
@@ -274,11 +321,22 @@ fn write_sharded(
     write_index(dir, g, world);
 }
 
-/// The same keys as a single-file checkpoint, by hand, as the module docs describe it.
+/// The same keys as a single-file checkpoint, by hand, as the module docs describe it, with
+/// checksums.
 fn write_single_file(path: &Path, updater: &Updater, truths: &[Truth]) {
+    write_single_file_as(path, updater, truths, false);
+}
+
+/// As [`write_single_file`]; of format 1 (no checksums) when `format_1` is set.
+fn write_single_file_as(path: &Path, updater: &Updater, truths: &[Truth], format_1: bool) {
     let names = updater.state_names();
     let mut meta: HashMap<String, String> = HashMap::new();
-    meta.insert("format".into(), "kvstore-checkpoint/1".into());
+    let format = if format_1 {
+        "kvstore-checkpoint/1"
+    } else {
+        "kvstore-checkpoint/2"
+    };
+    meta.insert("format".into(), format.into());
     let kind = if matches!(truths[0].key, Key::Int(_)) {
         "int"
     } else {
@@ -309,11 +367,15 @@ fn write_single_file(path: &Path, updater: &Updater, truths: &[Truth]) {
             }
         }
     }
-    let views: Vec<(&str, TensorView)> = tensors
+    let views: Vec<checkpoint_format::Tensor> = tensors
         .iter()
-        .map(|(n, d, s, b)| (n.as_str(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
         .collect();
-    fs::write(path, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    let data = match format_1 {
+        false => checkpoint_format::sealed(&views, meta),
+        true => checkpoint_format::plain(&views, meta),
+    };
+    fs::write(path, data).unwrap();
 }
 
 fn pull(kv: &KvStore, t: &Truth) -> Vec<f64> {
@@ -551,6 +613,11 @@ fn corrupt_indexes_are_invalid() {
         "kvstore-checkpoint-index/1\ngeneration 0\nworld 02\n",
         "kvstore-checkpoint-index/1\ngeneration 0\nworld 2\nextra\n",
         "kvstore-checkpoint-index/2\ngeneration 0\nworld 2\n",
+        "kvstore-checkpoint-index/3\ngeneration 0\nworld 2\ntoken 0000000000000001\n",
+        "kvstore-checkpoint-index/2\ngeneration 0\nworld 2\ntoken 1\n",
+        "kvstore-checkpoint-index/2\ngeneration 0\nworld 2\ntoken 000000000000000A\n",
+        "kvstore-checkpoint-index/2\ngeneration 0\nworld 2\ntoken 00000000000000000\n",
+        "kvstore-checkpoint-index/2\ngeneration 0\nworld 2\ntokens 0000000000000001\n",
     ] {
         fs::write(dir.join("index"), junk).unwrap();
         assert_eq!(
@@ -661,4 +728,126 @@ fn truth_copy(t: &Truth) -> Truth {
         value: t.value.clone(),
         state: t.state.clone(),
     }
+}
+
+#[test]
+fn format_1_checkpoints_still_load() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("format1");
+    let truths = truths(&mut rng, &adam(), 6, false);
+    let world = 3;
+    for rank in 0..world {
+        let pieces: Vec<HandPiece> = truths
+            .iter()
+            .filter(|t| t.order % world == rank)
+            .map(|t| HandPiece {
+                truth: t,
+                range: 0..t.size(),
+                spelling: None,
+            })
+            .collect();
+        write_shard_as(&dir, 2, None, rank, world, &adam(), &pieces);
+    }
+    write_index_1(&dir, 2, world);
+    let kv = store(&adam());
+    kv.load(&dir).unwrap();
+    assert_unchanged(&kv, &truths);
+    let single = dir.join("single.safetensors");
+    write_single_file_as(&single, &adam(), &truths, true);
+    let kv = store(&adam());
+    kv.load(&single).unwrap();
+    assert_unchanged(&kv, &truths);
+    // An index of format 1 names no token: shards that carry one are not its own.
+    write_sharded(&dir, &mut rng, 3, 2, &adam(), &truths);
+    write_index_1(&dir, 3, 2);
+    assert_eq!(checkpoint_kind(kv.load(&dir)), CheckpointErrorKind::Invalid);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A generation whose shards carry different tokens, or a token other than the index names,
+/// holds shards of two saves (two jobs saving into one directory): invalid, never loaded.
+#[test]
+fn a_shard_of_another_save_is_invalid() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("foreign");
+    let held = truths(&mut rng, &adam(), 4, false);
+    let kv = loaded(&dir, &mut rng, &held);
+    let other = truths(&mut rng, &adam(), 4, false);
+    let whole = |t: &[Truth]| -> Vec<(usize, Vec<usize>)> {
+        // Keys by rank: even places on rank 0, odd on rank 1.
+        (0..2)
+            .map(|r| (r, (0..t.len()).filter(|i| i % 2 == r).collect()))
+            .collect()
+    };
+    for (case, tokens) in [
+        [Some(token_of(5)), Some(0x1234)],
+        [Some(0x1234), Some(0x1234)],
+        [Some(token_of(5)), None],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (rank, keys) in whole(&other) {
+            let pieces: Vec<HandPiece> = keys
+                .iter()
+                .map(|&i| HandPiece {
+                    truth: &other[i],
+                    range: 0..other[i].size(),
+                    spelling: None,
+                })
+                .collect();
+            write_shard_as(&dir, 5, tokens[rank], rank, 2, &adam(), &pieces);
+        }
+        write_index(&dir, 5, 2);
+        match kv.load(&dir) {
+            Err(
+                e @ Error::Checkpoint {
+                    kind: CheckpointErrorKind::Invalid,
+                    ..
+                },
+            ) => assert!(e.to_string().contains("another save"), "case {case}: {e}"),
+            other => panic!("case {case}: expected an Invalid checkpoint error, got {other:?}"),
+        }
+    }
+    assert_unchanged(&kv, &held);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A flipped bit in a hand-written shard (chunks of 16 bytes): in its data, or in its header. Each load is an `Invalid` error naming the shard; the store keeps its
+/// values.
+#[test]
+fn a_flipped_bit_in_a_shard_is_invalid() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("flip");
+    let held = truths(&mut rng, &adam(), 4, false);
+    let kv = loaded(&dir, &mut rng, &held);
+    let new = truths(&mut rng, &adam(), 5, true);
+    write_sharded(&dir, &mut rng, 1, 2, &adam(), &new);
+    let fresh = store(&adam());
+    fresh.load(&dir).unwrap();
+    assert_unchanged(&fresh, &new);
+    for rank in 0..2 {
+        let path = dir.join(format!("gen-1/shard-{rank}-of-2.safetensors"));
+        let good = fs::read(&path).unwrap();
+        let header = 8 + u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+        // 200 random bytes of the header, 40 of the data.
+        let mut flips: Vec<usize> = (0..200).map(|_| rng.gen_range(0..header)).collect();
+        flips.extend((0..40).map(|_| rng.gen_range(header..good.len().max(header + 1))));
+        for at in flips.into_iter().filter(|&at| at < good.len()) {
+            let mut bad = good.clone();
+            bad[at] ^= 1 << rng.gen_range(0..8);
+            fs::write(&path, &bad).unwrap();
+            match kv.load(&dir) {
+                Err(Error::Checkpoint {
+                    kind: CheckpointErrorKind::Invalid,
+                    path: p,
+                    ..
+                }) => assert_eq!(p, path, "byte {at}"),
+                other => panic!("byte {at} of shard {rank}: expected Invalid, got {other:?}"),
+            }
+        }
+        fs::write(&path, &good).unwrap();
+    }
+    assert_unchanged(&kv, &held);
+    fs::remove_dir_all(&dir).unwrap();
 }

@@ -6,7 +6,8 @@ use std::collections::{HashMap, HashSet};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
-use super::{not_safetensors, Problem, FORMAT};
+use super::checksum::{self, Sums};
+use super::{not_safetensors, Problem, FORMAT, FORMAT_1};
 use crate::store::{Entry, EntryState};
 use crate::{DType, Key, KeyKind, Shape, Updater};
 
@@ -112,6 +113,12 @@ pub(super) fn encode(
             }
         }
     }
+    checksum::add_entries(
+        &mut meta,
+        tensors
+            .iter()
+            .map(|(n, _, _, b)| (n.as_str(), b.as_slice())),
+    );
     let views = tensors
         .iter()
         .map(|(name, dtype, shape, bytes)| {
@@ -120,8 +127,10 @@ pub(super) fn encode(
                 .map_err(|e| format!("cannot serialize tensor {name}: {e}"))
         })
         .collect::<std::result::Result<Vec<_>, String>>()?;
-    safetensors::serialize(views, Some(meta))
-        .map_err(|e| Problem::from(format!("cannot serialize: {e}")))
+    let mut bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| Problem::from(format!("cannot serialize: {e}")))?;
+    checksum::seal(&mut bytes)?;
+    Ok(bytes)
 }
 
 /// A whole single-file checkpoint, parsed and checked, with every key's state whatever the
@@ -135,6 +144,9 @@ pub(super) struct Decoded {
     pub state_names: Vec<String>,
     /// Every key, in update order.
     pub entries: Vec<Entry>,
+    /// The checksums of its tensors, all verified; `None` for a file of format 1, which has
+    /// none.
+    pub sums: Option<Sums>,
 }
 
 impl Decoded {
@@ -147,10 +159,11 @@ impl Decoded {
 /// Parses and checks a whole checkpoint. Every key's state is checked whatever the updater,
 /// and kept only where it fits `updater` (the same name and state buffers); see
 /// [`KvStore::load`](crate::KvStore::load).
+/// Also returns whether the file was verified by its checksums (a file of format 1 has none).
 pub(super) fn decode(
     bytes: &[u8],
     updater: &Updater,
-) -> std::result::Result<(Option<KeyKind>, Vec<Entry>), Problem> {
+) -> std::result::Result<(Option<KeyKind>, Vec<Entry>, bool), Problem> {
     let mut decoded = decode_all(bytes)?;
     if !decoded.fits(updater) {
         // State of another updater is checked, then left behind: the key starts afresh, as
@@ -159,11 +172,23 @@ pub(super) fn decode(
             e.state = None;
         }
     }
-    Ok((decoded.kind, decoded.entries))
+    Ok((decoded.kind, decoded.entries, decoded.sums.is_some()))
 }
 
-/// Parses and checks a whole checkpoint, keeping every key's state.
+/// Parses and checks a whole checkpoint, keeping every key's state. The header's checksum is
+/// verified before anything in the header is believed, and every tensor's data before any is
+/// read.
 pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> {
+    // The header as its length says, when the file is that long; anything else fails below.
+    let header_end = bytes
+        .get(..8)
+        .and_then(|n| usize::try_from(u64::from_le_bytes(n.try_into().ok()?)).ok())
+        .and_then(|n| n.checked_add(8))
+        .filter(|&end| end <= bytes.len());
+    let sealed = match header_end {
+        Some(end) => checksum::verify_header(&bytes[..end])?,
+        None => false,
+    };
     let file = SafeTensors::deserialize(bytes).map_err(not_safetensors)?;
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(not_safetensors)?;
     let meta = header
@@ -175,14 +200,40 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
             .map(String::as_str)
             .ok_or_else(|| format!("metadata entry '{name}' is missing"))
     };
-    if get("format")? != FORMAT {
-        return Err(format!(
-            "metadata format is '{}', expected '{FORMAT}': it was not written by this version \
-             of KvStore::save",
-            get("format")?
-        )
-        .into());
-    }
+    let sums = match get("format")? {
+        FORMAT if sealed => {
+            let tensors = file.tensors();
+            let sums = checksum::parse_sums(
+                meta,
+                tensors.iter().map(|(n, t)| (n.as_str(), t.data().len())),
+            )?;
+            checksum::verify_all(&sums, tensors.iter().map(|(n, t)| (n.as_str(), t.data())))?;
+            Some(sums)
+        }
+        FORMAT => {
+            return Err(format!(
+                "metadata entry '{}' (the header's checksum) is missing: the file is corrupt; \
+                 restore it from a copy, or save again",
+                checksum::HEADER_ENTRY
+            )
+            .into())
+        }
+        FORMAT_1 if !checksum::has_entries(meta) => None,
+        FORMAT_1 => {
+            return Err(
+                "a file of format 1 with checksum entries: the file is corrupt; \
+                        restore it from a copy, or save again"
+                    .into(),
+            )
+        }
+        other => {
+            return Err(format!(
+                "metadata format is '{other}', expected '{FORMAT}' (or '{FORMAT_1}'): it was \
+                 not written by KvStore::save of this or the previous format"
+            )
+            .into())
+        }
+    };
     let kind = match get("key_kind")? {
         "int" => Some(KeyKind::Int),
         "str" => Some(KeyKind::Str),
@@ -277,6 +328,7 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
         updater: file_updater.to_owned(),
         state_names: state_names.into_iter().map(str::to_owned).collect(),
         entries,
+        sums,
     })
 }
 

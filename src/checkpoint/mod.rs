@@ -20,12 +20,35 @@
 //! | `updater`        | the updater's [`name`](crate::Updater::name)               |
 //! | `state_names`    | the state buffer names, comma-separated                   |
 //! | `step/<key>`     | the key's step count, for keys that have updater state    |
+//! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, see [below](#checksums) |
 //!
 //! Keys are spelled as [`Key`](crate::Key)'s `Display` writes them; an int key in any other spelling
 //! (`05`, `+5`) makes the file invalid, so that no two entries can name one key.
 //!
 //! Values are stored in their own dtype (`F32`, `F64`, `F16`, `BF16`), state buffers in the
 //! accumulator dtype (`F64` for `float64` values, `F32` otherwise), little-endian.
+//!
+//! # Checksums
+//!
+//! Every file, a single file or a shard, carries checksums of all its bytes, and a load
+//! verifies every byte before it uses it. They are CRC-32s (IEEE 802.3, as zlib computes
+//! them), each written as 8 lowercase hex digits, in three kinds of metadata entry:
+//!
+//! | entry            | value                                                           |
+//! |------------------|-----------------------------------------------------------------|
+//! | `header_crc32`   | the CRC-32 of the header: bytes `0..8+N` of the file (the 8-byte length `N` and the JSON header, padding included), as written with this entry's value `00000000` |
+//! | `crc32_chunk`    | the chunk size `C` of the tensors' checksums, in bytes (this version writes 1048576) |
+//! | `crc32/<tensor>` | for every tensor, the CRC-32 of each `C`-byte chunk of its data, in order (the last one may be shorter), comma-separated; empty for a tensor of no bytes |
+//!
+//! The header's checksum is verified before anything in the header is believed. A shard is
+//! read by range, so a read reads and verifies only the chunks it touches (at most one chunk
+//! more than it needs at each end), each before any of its bytes is used. A mismatch is an
+//! [`Error::Checkpoint`] of kind [`CheckpointErrorKind::Invalid`] that names the file, and a
+//! load that meets one changes nothing.
+//!
+//! Files of format 1 (`kvstore-checkpoint/1`, and the shards of format 1 below) have no
+//! checksums: they still load, unverified, with a warning in the log; save them again to
+//! write the current format. A file of format 1 with checksum entries is invalid.
 //!
 //! # Sharded checkpoints
 //!
@@ -36,12 +59,23 @@
 //! <dir>/gen-<G>/shard-<rank>-of-<world>.safetensors
 //! ```
 //!
-//! `index` is three lines of text: `kvstore-checkpoint-index/1`, `generation <G>` and
-//! `world <W>`. A save writes every rank's shard into a fresh generation (each through a
-//! temporary file that is flushed and renamed), then rank 0 checks that the shards together
-//! hold every element of every key exactly once and replaces `index` atomically; older
-//! generations are removed after that. A save that stops part way never touches `index`, so
-//! the previous checkpoint stays the one a load finds; its leftovers are ignored.
+//! `index` is four lines of text: `kvstore-checkpoint-index/2`, `generation <G>`, `world <W>`
+//! and `token <T>`. A save claims a fresh generation: rank 0 creates its folder with a create
+//! that fails if the folder exists, taking the next number if it does, so two saves into one
+//! directory at once (a restarted job while the old one still runs) never share a
+//! generation. It also mints the save's token, a random 64-bit number written as 16 lowercase
+//! hex digits, that marks every shard of the save. Every rank writes its shard into the
+//! generation (each through a temporary file that is flushed and renamed), then rank 0 checks
+//! that every shard carries the save's token and that the shards together hold every element
+//! of every key exactly once, and replaces `index` atomically; the generations up to the one
+//! `index` named before are removed after that. A save that stops part way never touches
+//! `index`, so the previous checkpoint stays the one a load finds; its leftovers are ignored.
+//! A load checks that every shard carries the token `index` names, so a generation holding a
+//! shard of another save is an error, never values mixed from two saves.
+//!
+//! Checkpoints of format 1 (an `index` of the first three lines, `kvstore-checkpoint-index/1`,
+//! and shards of format `kvstore-shard/1`, with no token and no checksums) still load, with a
+//! warning in the log that they cannot tell a corrupt byte or a shard of another save.
 //!
 //! Each shard holds, for every key it has, one contiguous range of the key's row-major
 //! flattened value (the whole key, or one slice of it), as 1-D tensors `value/<key>` and
@@ -50,11 +84,13 @@
 //!
 //! | entry          | value                                                             |
 //! |----------------|-------------------------------------------------------------------|
-//! | `format`       | `kvstore-shard/1`                                                 |
+//! | `format`       | `kvstore-shard/2`                                                 |
 //! | `generation`, `rank`, `world` | as in the file's name                              |
+//! | `token`        | the save's token, as in `index`                                   |
 //! | `key_kind`     | `int`, `str`, or `none` for a shard with no keys                  |
 //! | `updater`, `state_names` | as in the single file, the same in every shard          |
 //! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s>`          |
+//! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, as in the single file |
 //!
 //! `order` is the key's place in update order (distinct per key; keys are listed by it),
 //! `start..end` the element range this shard holds, `dims` the whole key's dims (empty for a
@@ -87,6 +123,7 @@
 //! ```
 
 mod atomic;
+mod checksum;
 mod file;
 // The writing side and `Reader::read` serve the dist store, which saves and loads by piece;
 // a local store only loads whole keys.
@@ -108,12 +145,25 @@ use file::{decode, encode};
 #[allow(unused_imports)] // the crate-internal API of sharded checkpoints, for the dist store
 pub(crate) use reader::{open, read_index, Reader};
 #[allow(unused_imports)]
-pub(crate) use sharded::{commit, next_generation, write_shard, KeyMeta, Piece};
+pub(crate) use sharded::{commit, next_generation, write_shard, KeyMeta, Piece, SaveId};
 
 use crate::{Error, KvStore, Result};
 
-/// The `format` entry of the metadata of every checkpoint this version writes.
-pub const FORMAT: &str = "kvstore-checkpoint/1";
+/// The `format` entry of the metadata of every single-file checkpoint this version writes.
+pub const FORMAT: &str = "kvstore-checkpoint/2";
+
+/// The `format` of single files of the previous version, which have no checksums; still read.
+const FORMAT_1: &str = "kvstore-checkpoint/1";
+
+/// Warns that the checkpoint at `path` is of format 1, whose files carry no checksums, so that
+/// a corrupt byte in it would go unnoticed.
+fn warn_unverified(path: &Path) {
+    log::warn!(
+        "{}: a checkpoint of format 1, which has no checksums, so a corrupt byte in it would go \
+         unnoticed; it loads unverified. Save it again to write the current format",
+        path.display()
+    );
+}
 
 /// What kind of failure an [`Error::Checkpoint`] is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -125,8 +175,9 @@ pub enum CheckpointErrorKind {
     /// Reading or writing failed for another reason: permissions, a full disk, a failing
     /// device. The source is the [`std::io::Error`].
     Io,
-    /// The file is not a checkpoint this version can read: corrupt, truncated, not a
-    /// safetensors file, or with missing or malformed metadata or tensors. The source is the
+    /// The file is not a checkpoint this version can read: corrupt (a checksum that does not
+    /// match), truncated, not a safetensors file, with missing or malformed metadata or
+    /// tensors, or a shard of another save than the index names. The source is the
     /// safetensors error, when the file could not be parsed at all.
     Invalid,
     /// A valid checkpoint that does not fit the store: a key whose shape or dtype differs from
@@ -283,6 +334,11 @@ impl KvStore {
     /// is either wholly before it or, like any later `set_updater`, starts every key's state
     /// afresh.
     ///
+    /// Every byte read is verified against the file's checksums before it is used (see the
+    /// [module docs](crate::checkpoint#checksums)); a mismatch is
+    /// [`CheckpointErrorKind::Invalid`]. A file of the previous format, which has no
+    /// checksums, loads unverified, with a warning in the log.
+    ///
     /// A load is all or nothing, like the list operations: the whole file is read and checked
     /// first, and then the file's keys (new ones appearing together with their values and
     /// state) all change in one step, with every key's lock held, so a concurrent push or pull
@@ -302,7 +358,11 @@ impl KvStore {
             (reader.key_kind(), reader.entries(&updater)?)
         } else {
             let bytes = fs::read(path).map_err(|e| Problem::io(true, e).at(path))?;
-            decode(&bytes, &updater).map_err(|p| p.at(path))?
+            let (kind, entries, verified) = decode(&bytes, &updater).map_err(|p| p.at(path))?;
+            if !verified {
+                warn_unverified(path);
+            }
+            (kind, entries)
         };
         run_load_hook(LoadStage::Checked);
         self.import_entries(path, kind, entries, generation)?;

@@ -13,9 +13,11 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 
+use super::checksum::{self, Sums};
 use super::file::{acc_dtype, decode_all, from_bytes, parse_key};
 use super::sharded::{
-    generation_dir, index_path, shard_path, KeyMeta, Piece, INDEX_FORMAT, SHARD_FORMAT,
+    generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, Piece, INDEX_FORMAT,
+    INDEX_FORMAT_1, SHARD_FORMAT, SHARD_FORMAT_1,
 };
 use super::{not_safetensors, Problem};
 use crate::store::{Entry, EntryState};
@@ -24,15 +26,20 @@ use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updat
 /// The largest safetensors header read (the safetensors crate's own bound).
 const MAX_HEADER: u64 = 100_000_000;
 
-/// What `dir/index` says: the committed generation and the world size that wrote it.
+/// What `dir/index` says: the committed generation, the world size that wrote it, and the
+/// token of the save that wrote it.
 pub(crate) struct Index {
     /// The committed generation.
     pub generation: u64,
     /// The number of shards in it.
     pub world: usize,
+    /// The token every shard of the generation carries; `None` in an index of format 1, whose
+    /// shards carry none.
+    pub token: Option<u64>,
 }
 
-/// Reads and checks `dir/index`. No index is kind `NotFound`; a malformed one `Invalid`.
+/// Reads and checks `dir/index` (this version's format, or format 1, which names no token).
+/// No index is kind `NotFound`; a malformed one `Invalid`.
 pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     let path = index_path(dir);
     let text = match fs::read_to_string(&path) {
@@ -52,36 +59,56 @@ pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     };
     let bad = || {
         Problem::invalid(format!(
-            "the index is corrupt: expected the lines '{INDEX_FORMAT}', 'generation <n>' and \
-             'world <n>'; restore it from a copy, or save again"
+            "the index is corrupt: expected the lines '{INDEX_FORMAT}', 'generation <n>', \
+             'world <n>' and 'token <16 hex digits>'; restore it from a copy, or save again"
         ))
         .at(&path)
     };
     let lines: Vec<&str> = text.lines().collect();
-    let [format, generation, world] = lines[..] else {
-        return Err(bad());
+    let (generation, world, token) = match lines[..] {
+        [INDEX_FORMAT, generation, world, token] => (generation, world, Some(token)),
+        [INDEX_FORMAT_1, generation, world] => (generation, world, None),
+        _ => return Err(bad()),
     };
-    let number = |line: &str, name: &str| {
+    let field = |line: &'_ str, name: &str| -> Option<String> {
         line.strip_prefix(name)
             .and_then(|n| n.strip_prefix(' '))
-            .and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
+            .map(str::to_owned)
     };
-    if format != INDEX_FORMAT {
-        return Err(bad());
-    }
+    let number = |line: &str, name: &str| {
+        field(line, name).and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
+    };
     let generation = number(generation, "generation").ok_or_else(bad)?;
     let world = number(world, "world")
         .and_then(|w| usize::try_from(w).ok())
         .filter(|&w| w > 0)
         .ok_or_else(bad)?;
-    Ok(Index { generation, world })
+    let token = match token {
+        Some(line) => Some(
+            field(line, "token")
+                .and_then(|t| parse_token(&t))
+                .ok_or_else(bad)?,
+        ),
+        None => None,
+    };
+    Ok(Index {
+        generation,
+        world,
+        token,
+    })
 }
 
-/// Bytes `start..end` of a file, as absolute offsets.
-#[derive(Clone, Copy, Debug)]
+/// One tensor of a file: where its bytes are (absolute offsets `start..end`), and their
+/// checksums.
+#[derive(Clone, Debug)]
 struct Span {
+    /// The tensor's name, for errors.
+    name: String,
     start: u64,
     end: u64,
+    /// The checksum of every chunk of the tensor's bytes (chunks of the file's chunk size);
+    /// `None` in a file of format 1, which has none.
+    sums: Option<Vec<u32>>,
 }
 
 /// One piece as a shard file holds it: where its value and state bytes are.
@@ -97,6 +124,10 @@ struct Held {
 /// One shard's header, checked: what it holds and where.
 pub(crate) struct ShardHeader {
     rank: usize,
+    /// The token of the save that wrote it; `None` for a shard of format 1.
+    token: Option<u64>,
+    /// The chunk size of its checksums; `None` for a shard of format 1, which has none.
+    chunk: Option<usize>,
     kind: Option<KeyKind>,
     updater: String,
     state_names: Vec<String>,
@@ -107,9 +138,59 @@ pub(crate) struct ShardHeader {
 struct ShardFile {
     path: PathBuf,
     file: File,
+    /// The chunk size of its checksums (unused in a file of format 1, which has none).
+    chunk: usize,
 }
 
 impl ShardFile {
+    /// Fills `out` with the bytes of tensor `span` from its byte `from` on. Every chunk these
+    /// bytes touch is read whole and verified against its checksum before any byte of it is
+    /// copied out; whole chunks are read straight into `out`, and verified there.
+    fn read_tensor(
+        &self,
+        span: &Span,
+        from: usize,
+        out: &mut [u8],
+    ) -> std::result::Result<(), Problem> {
+        let io = |e| Problem::io(true, e);
+        let Some(sums) = &span.sums else {
+            return self.read_at(span.start + from as u64, out).map_err(io);
+        };
+        let (chunk, len, to) = (
+            self.chunk,
+            (span.end - span.start) as usize,
+            from + out.len(),
+        );
+        debug_assert!(to <= len);
+        if out.is_empty() {
+            return Ok(());
+        }
+        let mut c = from / chunk;
+        while c * chunk < to {
+            let (cs, ce) = (c * chunk, ((c + 1) * chunk).min(len));
+            if cs >= from && ce <= to {
+                // A run of whole chunks inside the range: one read, straight into `out`.
+                let mut end = ce;
+                while end < to && (end + chunk).min(len) <= to {
+                    end = (end + chunk).min(len);
+                }
+                let dst = &mut out[cs - from..end - from];
+                self.read_at(span.start + cs as u64, dst).map_err(io)?;
+                checksum::verify_chunks(&span.name, dst, cs, sums, chunk)?;
+                c = end.div_ceil(chunk);
+            } else {
+                // A chunk the range starts or ends inside: read it whole, verify, copy a part.
+                let mut buf = vec![0u8; ce - cs];
+                self.read_at(span.start + cs as u64, &mut buf).map_err(io)?;
+                checksum::verify_chunks(&span.name, &buf, cs, sums, chunk)?;
+                let (a, b) = (cs.max(from), ce.min(to));
+                out[a - from..b - from].copy_from_slice(&buf[a - cs..b - cs]);
+                c += 1;
+            }
+        }
+        Ok(())
+    }
+
     /// Fills `buf` from byte `offset` on.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         #[cfg(unix)]
@@ -167,14 +248,17 @@ fn open_shard(
         }
         .at(path)
     })?;
-    let (data_start, meta) = read_header(&mut file).map_err(|p| p.at(path))?;
-    let header = check_shard(data_start, &meta, generation, rank, world).map_err(|p| p.at(path))?;
+    let (data_start, meta, sealed) = read_header(&mut file).map_err(|p| p.at(path))?;
+    let header =
+        check_shard(data_start, &meta, sealed, generation, rank, world).map_err(|p| p.at(path))?;
     Ok((header, file))
 }
 
-/// Reads the safetensors header of `file`: where its data starts, and the parsed header. The
-/// file's length is checked against the header's tensors, so a truncated file is caught here.
-fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata), Problem> {
+/// Reads the safetensors header of `file`: where its data starts, the parsed header, and
+/// whether the header's checksum was there (and matched: a mismatch is an error, found before
+/// the header is parsed). The file's length is checked against the header's tensors, so a
+/// truncated file is caught here.
+fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata, bool), Problem> {
     let file_len = file.metadata().map_err(|e| Problem::io(true, e))?.len();
     let truncated = || Problem::invalid("the shard is truncated or corrupt: save again");
     let mut len = [0u8; 8];
@@ -183,10 +267,12 @@ fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata), Problem>
     if n > MAX_HEADER || n.saturating_add(8) > file_len {
         return Err(truncated());
     }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header)
+    let mut header = vec![0u8; 8 + n as usize];
+    header[..8].copy_from_slice(&len);
+    file.read_exact(&mut header[8..])
         .map_err(|e| Problem::io(true, e))?;
-    let meta: Metadata = serde_json::from_slice(&header).map_err(|e| Problem {
+    let sealed = checksum::verify_header(&header)?;
+    let meta: Metadata = serde_json::from_slice(&header[8..]).map_err(|e| Problem {
         kind: super::CheckpointErrorKind::Invalid,
         message: "the shard's header is not valid safetensors JSON (corrupt?): save again"
             .to_owned(),
@@ -203,7 +289,7 @@ fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata), Problem>
     if 8 + n + data_len != file_len {
         return Err(truncated());
     }
-    Ok((8 + n, meta))
+    Ok((8 + n, meta, sealed))
 }
 
 /// The fields of a `piece/<key>` metadata entry.
@@ -262,10 +348,12 @@ fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize
 }
 
 /// The absolute span of tensor `name`, checked to be 1-D `len` elements of `dtype` (any dtype
-/// the store has when `dtype` is `None`).
+/// the store has when `dtype` is `None`), with its checksums from `sums` (`None` in a file of
+/// format 1).
 fn tensor_span(
     meta: &Metadata,
     data_start: u64,
+    sums: Option<&Sums>,
     name: &str,
     dtype: Option<DType>,
     len: usize,
@@ -293,19 +381,33 @@ fn tensor_span(
             e.wrapping_sub(s)
         )));
     }
+    let sums = match sums {
+        Some(all) => Some(
+            all.tensors
+                .get(name)
+                .cloned()
+                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?,
+        ),
+        None => None,
+    };
     Ok((
         got,
         Span {
+            name: name.to_owned(),
             start: data_start + s as u64,
             end: data_start + e as u64,
+            sums,
         },
     ))
 }
 
-/// Checks a shard's parsed header against its place and its own tensors.
+/// Checks a shard's parsed header against its place and its own tensors. `sealed` tells
+/// whether the header's checksum entry was there (and matched): a shard of this version's
+/// format must have it, a shard of format 1 must have no checksum entries.
 fn check_shard(
     data_start: u64,
     meta: &Metadata,
+    sealed: bool,
     generation: u64,
     rank: usize,
     world: usize,
@@ -319,12 +421,41 @@ fn check_shard(
             .map(String::as_str)
             .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
     };
-    if get("format")? != SHARD_FORMAT {
-        return Err(Problem::invalid(format!(
-            "metadata format is '{}', expected '{SHARD_FORMAT}'",
-            get("format")?
-        )));
-    }
+    let (token, sums) = match get("format")? {
+        SHARD_FORMAT if !sealed => {
+            return Err(Problem::invalid(format!(
+                "metadata entry '{}' (the header's checksum) is missing: the shard is corrupt; \
+                 save again",
+                checksum::HEADER_ENTRY
+            )))
+        }
+        SHARD_FORMAT => {
+            let text = get("token")?;
+            let token = parse_token(text).ok_or_else(|| {
+                Problem::invalid(format!(
+                    "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
+                ))
+            })?;
+            let tensors = meta.tensors();
+            let lens = tensors.iter().map(|(name, info)| {
+                let (s, e) = info.data_offsets;
+                (name.as_str(), e.saturating_sub(s))
+            });
+            (Some(token), Some(checksum::parse_sums(md, lens)?))
+        }
+        SHARD_FORMAT_1 if !md.contains_key("token") && !checksum::has_entries(md) => (None, None),
+        SHARD_FORMAT_1 => {
+            return Err(Problem::invalid(
+                "a shard of format 1 with a token or checksum entries: the shard is corrupt; \
+                 save again",
+            ))
+        }
+        other => {
+            return Err(Problem::invalid(format!(
+                "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_1}')"
+            )))
+        }
+    };
     for (name, want) in [
         ("generation", generation.to_string()),
         ("rank", rank.to_string()),
@@ -362,15 +493,23 @@ fn check_shard(
         let key = parse_key(kind, text)?;
         let (mut km, range) = parse_spec(key, spec)?;
         let value_name = format!("value/{text}");
-        let (dtype, value) = tensor_span(meta, data_start, &value_name, None, range.len())?;
+        let (dtype, value) = tensor_span(
+            meta,
+            data_start,
+            sums.as_ref(),
+            &value_name,
+            None,
+            range.len(),
+        )?;
         km.dtype = dtype;
         used.insert(value_name);
         let mut state = Vec::new();
         if km.has_state {
             for s in &state_names {
                 let name = format!("state/{text}/{s}");
+                let acc = Some(acc_dtype(dtype));
                 let (_, span) =
-                    tensor_span(meta, data_start, &name, Some(acc_dtype(dtype)), range.len())?;
+                    tensor_span(meta, data_start, sums.as_ref(), &name, acc, range.len())?;
                 used.insert(name);
                 state.push(span);
             }
@@ -390,11 +529,21 @@ fn check_shard(
     }
     Ok(ShardHeader {
         rank,
+        token,
+        chunk: sums.map(|s| s.chunk),
         kind,
         updater,
         state_names,
         pieces,
     })
+}
+
+impl ShardHeader {
+    /// The token of the save that wrote the shard; `None` for a shard of format 1, which
+    /// carries none.
+    pub(crate) fn token(&self) -> Option<u64> {
+        self.token
+    }
 }
 
 /// Every key of a checkpoint, whole, and the pieces that hold it.
@@ -549,28 +698,63 @@ fn open_dir(dir: &Path) -> Result<Reader> {
     for rank in 0..index.world {
         let path = shard_path(&gen_dir, rank, index.world);
         let (header, file) = open_shard(&path, index.generation, rank, index.world)?;
+        if header.token != index.token {
+            let spell = |t: Option<u64>| t.map_or("none".to_owned(), token_text);
+            return Err(Problem::invalid(format!(
+                "shard {rank} of {} of generation {} was written by another save than the \
+                 index names (its token is {}, the index names {}): another job wrote into \
+                 this checkpoint (two jobs saving into one directory?), or a shard was copied \
+                 in; load another checkpoint, or save again, each job to its own directory",
+                index.world,
+                index.generation,
+                spell(header.token),
+                spell(index.token)
+            ))
+            .at(&path));
+        }
+        let chunk = header.chunk.unwrap_or(1);
         shards.push(header);
-        files.push(ShardFile { path, file });
+        files.push(ShardFile { path, file, chunk });
     }
     let a = assemble(&gen_dir, shards)?;
+    if index.token.is_none() {
+        log::warn!(
+            "{}: a sharded checkpoint of format 1, whose shards carry no checksums and no save \
+             token, so a corrupt byte or a shard of another save would go unnoticed; it loads \
+             unverified. Save it again to write the current format",
+            dir.display()
+        );
+    }
     Ok(Reader::new(dir, a, files))
 }
 
 fn open_file(path: &Path) -> Result<Reader> {
-    let bytes = fs::read(path).map_err(|e| Problem::io(true, e).at(path))?;
+    // Read through the handle that later reads by range, so both see one file even if a save
+    // replaces it meanwhile.
+    let io = |e| Problem::io(true, e).at(path);
+    let mut file = File::open(path).map_err(io)?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).map_err(io)?;
     let decoded = decode_all(&bytes).map_err(|p| p.at(path))?;
     let (n, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| not_safetensors(e).at(path))?;
     let data_start = 8 + n as u64;
-    let file = File::open(path).map_err(|e| Problem::io(true, e).at(path))?;
     let mut pieces = Vec::with_capacity(decoded.entries.len());
     for (order, e) in decoded.entries.iter().enumerate() {
         let span = |name: String| {
             let info = meta
                 .info(&name)
                 .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")).at(path))?;
+            let sums = match &decoded.sums {
+                Some(all) => Some(all.tensors.get(&name).cloned().ok_or_else(|| {
+                    Problem::invalid(format!("tensor '{name}' has no checksums")).at(path)
+                })?),
+                None => None,
+            };
             Ok(Span {
                 start: data_start + info.data_offsets.0 as u64,
                 end: data_start + info.data_offsets.1 as u64,
+                name,
+                sums,
             })
         };
         let value = span(format!("value/{}", e.key))?;
@@ -597,8 +781,14 @@ fn open_file(path: &Path) -> Result<Reader> {
             state,
         });
     }
+    let chunk = decoded.sums.as_ref().map(|s| s.chunk);
+    if chunk.is_none() {
+        super::warn_unverified(path);
+    }
     let header = ShardHeader {
         rank: 0,
+        token: None,
+        chunk,
         kind: decoded.kind,
         updater: decoded.updater,
         state_names: decoded.state_names,
@@ -608,6 +798,7 @@ fn open_file(path: &Path) -> Result<Reader> {
     let files = vec![ShardFile {
         path: path.to_owned(),
         file,
+        chunk: chunk.unwrap_or(1),
     }];
     Ok(Reader::new(path, a, files))
 }
@@ -715,15 +906,15 @@ impl Reader {
             let file = &self.files[p.file];
             let (from, to) = (lo - p.range.start, lo - range.start);
             let n = hi - lo;
-            let read = |span: Span, size: usize, out: &mut [u8]| {
-                let at = span.start + (from * size) as u64;
-                debug_assert!(at + (n * size) as u64 <= span.end);
-                file.read_at(at, &mut out[to * size..(to + n) * size])
-                    .map_err(|e| Problem::io(true, e).at(&file.path))
+            // Verified against the shard's checksums as it is read, before any of it is used.
+            let read = |span: &Span, size: usize, out: &mut [u8]| {
+                debug_assert!(span.start + (hi - p.range.start) as u64 * size as u64 <= span.end);
+                file.read_tensor(span, from * size, &mut out[to * size..(to + n) * size])
+                    .map_err(|e| e.at(&file.path))
             };
-            read(p.value, vsize, &mut value)?;
+            read(&p.value, vsize, &mut value)?;
             for (span, out) in p.state.iter().zip(&mut state) {
-                read(*span, asize, out)?;
+                read(span, asize, out)?;
             }
         }
         let value = from_bytes(meta.dtype, &value);

@@ -4,11 +4,13 @@
 //!
 //! A save by a store of `world` ranks runs:
 //!
-//! 1. rank 0: [`next_generation`], broadcast to every rank;
-//! 2. every rank: [`write_shard`] with the pieces it holds;
+//! 1. rank 0: [`next_generation`], which claims a fresh generation directory (an atomic
+//!    create, so no two saves ever share one) and mints the save's token; both are broadcast
+//!    to every rank as a [`SaveId`];
+//! 2. every rank: [`write_shard`] with the pieces it holds, marked with the token;
 //! 3. a barrier;
-//! 4. rank 0: [`commit`], which checks that the shards cover every key exactly once and then
-//!    points the index at the new generation.
+//! 4. rank 0: [`commit`], which checks that every shard carries the save's token and that the
+//!    shards cover every key exactly once, and then points the index at the new generation.
 //!
 //! A save that stops before step 4 completes leaves the index, and so the previous checkpoint,
 //! as it was.
@@ -18,20 +20,65 @@ use std::fs;
 use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use safetensors::tensor::TensorView;
 
 use super::atomic::{sync_dir, write_atomic};
+use super::checksum;
 use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
-use super::reader::{check_cover, read_shard_header};
+use super::reader::{check_cover, read_index, read_shard_header};
 use super::Problem;
 use crate::{DType, Error, Key, NDArray, Result, Updater};
 
 /// The `format` metadata entry of every shard file this version writes.
-pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/1";
+pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/2";
+
+/// The `format` of shard files of the previous version, which carry no token; still read.
+pub(crate) const SHARD_FORMAT_1: &str = "kvstore-shard/1";
 
 /// The first line of every index file this version writes.
-pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/1";
+pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/2";
+
+/// The first line of index files of the previous version, which name no token; still read.
+pub(crate) const INDEX_FORMAT_1: &str = "kvstore-checkpoint-index/1";
+
+/// One save of a sharded checkpoint: the generation it claimed and the token that marks every
+/// shard it writes, so that shards of another save are told apart from its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SaveId {
+    /// The generation directory the save owns.
+    pub generation: u64,
+    /// A random number, unique to the save, written into every shard and into the index.
+    pub token: u64,
+}
+
+/// A token as files spell it: 16 lowercase hex digits.
+pub(crate) fn token_text(token: u64) -> String {
+    format!("{token:016x}")
+}
+
+/// A token from its spelling in a file, which must be canonical (16 lowercase hex digits).
+pub(crate) fn parse_token(text: &str) -> Option<u64> {
+    u64::from_str_radix(text, 16)
+        .ok()
+        .filter(|&t| token_text(t) == text)
+}
+
+/// A new save token: random (the standard library's per-process random hash keys), mixed with
+/// the process id, the time and a counter, so that saves of two jobs, or two saves of one job,
+/// never share one.
+fn new_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    let now = SystemTime::now().duration_since(UNIX_EPOCH);
+    h.write_u128(now.map_or(0, |d| d.as_nanos()));
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
 
 /// What a checkpoint records of one key, whole: shared by all its pieces.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,11 +162,14 @@ fn write_error(path: &Path, e: io::Error) -> Error {
     Problem::io(false, e).at(path)
 }
 
-/// The number of a new generation for a save into `dir`: above every generation there, committed
-/// or not, so a save never writes into the remains of an interrupted one. Creates `dir` (and
-/// its parents) if it does not exist. Rank 0 calls this before a save; the store broadcasts the
-/// number to the other ranks.
-pub(crate) fn next_generation(dir: &Path) -> Result<u64> {
+/// Claims a new generation for a save into `dir`, and mints the save's token. The generation is
+/// above every generation there, committed or not, so a save never writes into the remains of
+/// an interrupted one, and its directory is created here with an atomic create that fails if
+/// it exists: a save that finds it taken (another job saving into `dir` at the same time) takes
+/// the next number, so no two saves ever own one generation. Creates `dir` (and its parents)
+/// if it does not exist. Rank 0 calls this before a save; the store broadcasts the
+/// [`SaveId`] to the other ranks.
+pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
         return Err(Problem::invalid(
             "this path is a file (a single-file checkpoint?), not a checkpoint directory: \
@@ -129,7 +179,7 @@ pub(crate) fn next_generation(dir: &Path) -> Result<u64> {
     }
     fs::create_dir_all(dir).map_err(|e| write_error(dir, e))?;
     let found = generations(dir).map_err(|e| write_error(dir, e))?;
-    let committed = match super::reader::read_index(dir) {
+    let committed = match read_index(dir) {
         Ok(index) => Some(index.generation),
         Err(Error::Checkpoint {
             kind: super::CheckpointErrorKind::NotFound,
@@ -143,20 +193,45 @@ pub(crate) fn next_generation(dir: &Path) -> Result<u64> {
         Err(e) => return Err(e),
     };
     let top = found.into_iter().chain(committed).max();
-    match top {
-        None => Ok(0),
-        Some(g) => g.checked_add(1).ok_or_else(|| {
-            Problem::invalid(format!(
-                "the generation counter is exhausted (gen-{g}): save to a new directory"
-            ))
-            .at(dir)
-        }),
+    let exhausted = |g: u64| {
+        Problem::invalid(format!(
+            "the generation counter is exhausted (gen-{g}): save to a new directory"
+        ))
+        .at(dir)
+    };
+    // u64::MAX is never a generation: the dist store sends it to mean "no generation".
+    let mut generation = match top {
+        None => 0,
+        Some(g) => g
+            .checked_add(1)
+            .filter(|&n| n < u64::MAX)
+            .ok_or_else(|| exhausted(g))?,
+    };
+    loop {
+        let gen_dir = generation_dir(dir, generation);
+        match fs::create_dir(&gen_dir) {
+            Ok(()) => break,
+            // Taken by another save since the directory was listed: the next one.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                generation = generation
+                    .checked_add(1)
+                    .filter(|&n| n < u64::MAX)
+                    .ok_or_else(|| exhausted(generation))?;
+            }
+            Err(e) => return Err(write_error(&gen_dir, e)),
+        }
     }
+    sync_dir(dir).map_err(|e| write_error(dir, e))?;
+    Ok(SaveId {
+        generation,
+        token: new_token(),
+    })
 }
 
-/// Writes the shard of `rank` (of `world` ranks) of generation `generation` into `dir`:
-/// `dir/gen-<generation>/shard-<rank>-of-<world>.safetensors`, through a temporary file that is
-/// flushed and renamed, so a shard file is either whole or absent. `updater` is the updater in
+/// Writes the shard of `rank` (of `world` ranks) of save `save` into `dir`:
+/// `dir/gen-<generation>/shard-<rank>-of-<world>.safetensors`, marked with the save's token,
+/// through a temporary file that is flushed and renamed, so a shard file is either whole or
+/// absent. `updater` is the updater in
 /// force; every piece with state must hold one buffer per [`Updater::state_names`], in order.
 /// A rank holds at most one piece of a key.
 ///
@@ -164,15 +239,15 @@ pub(crate) fn next_generation(dir: &Path) -> Result<u64> {
 /// [`Error::Checkpoint`] of kind `Invalid` and write nothing.
 pub(crate) fn write_shard(
     dir: &Path,
-    generation: u64,
+    save: SaveId,
     rank: usize,
     world: usize,
     updater: &Updater,
     pieces: &[Piece],
 ) -> Result<()> {
-    let gen_dir = generation_dir(dir, generation);
+    let gen_dir = generation_dir(dir, save.generation);
     let path = shard_path(&gen_dir, rank, world);
-    let bytes = encode_shard(generation, rank, world, updater, pieces).map_err(|p| p.at(&path))?;
+    let bytes = encode_shard(save, rank, world, updater, pieces).map_err(|p| p.at(&path))?;
     fs::create_dir_all(&gen_dir).map_err(|e| write_error(&gen_dir, e))?;
     sync_dir(dir).map_err(|e| write_error(dir, e))?;
     write_atomic(&path, &bytes).map_err(|e| write_error(&path, e))
@@ -180,7 +255,7 @@ pub(crate) fn write_shard(
 
 /// The safetensors bytes of one shard.
 fn encode_shard(
-    generation: u64,
+    save: SaveId,
     rank: usize,
     world: usize,
     updater: &Updater,
@@ -195,7 +270,8 @@ fn encode_shard(
     let kind = pieces.first().map(|p| p.meta.key.kind());
     let mut meta: HashMap<String, String> = HashMap::new();
     meta.insert("format".into(), SHARD_FORMAT.into());
-    meta.insert("generation".into(), generation.to_string());
+    meta.insert("generation".into(), save.generation.to_string());
+    meta.insert("token".into(), token_text(save.token));
     meta.insert("rank".into(), rank.to_string());
     meta.insert("world".into(), world.to_string());
     meta.insert("key_kind".into(), kind_name(kind).into());
@@ -283,6 +359,12 @@ fn encode_shard(
             ));
         }
     }
+    checksum::add_entries(
+        &mut meta,
+        tensors
+            .iter()
+            .map(|(n, _, _, b)| (n.as_str(), b.as_slice())),
+    );
     let views = tensors
         .iter()
         .map(|(name, dtype, len, bytes)| {
@@ -291,31 +373,60 @@ fn encode_shard(
                 .map_err(|e| Problem::invalid(format!("cannot serialize tensor {name}: {e}")))
         })
         .collect::<std::result::Result<Vec<_>, Problem>>()?;
-    safetensors::serialize(views, Some(meta))
-        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))
+    let mut bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))?;
+    checksum::seal(&mut bytes)?;
+    Ok(bytes)
 }
 
-/// Commits generation `generation` of `world` ranks in `dir`, after every rank's
-/// [`write_shard`] returned (rank 0 calls it).
+/// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned
+/// (rank 0 calls it).
 ///
-/// Reads every shard's header and checks that the shards agree (updater, key kind, every
-/// key's dims, dtype, order and step) and that together they cover every element of every key
-/// exactly once. Then it replaces `dir/index` atomically (a temporary file, flushed, renamed,
-/// and the directory flushed) to point at the generation, and removes the older generations,
-/// best effort. On any error the index, and so the checkpoint a load finds, is unchanged: a
-/// missing shard is kind `NotFound`, a corrupt one or a gap or overlap `Invalid`.
-pub(crate) fn commit(dir: &Path, generation: u64, world: usize) -> Result<()> {
+/// Reads every shard's header and checks that every shard carries the save's token (a shard
+/// another save wrote into this generation is rejected), that the shards agree (updater, key
+/// kind, every key's dims, dtype, order and step) and that together they cover every element
+/// of every key exactly once. Then it replaces `dir/index` atomically (a temporary file,
+/// flushed, renamed, and the directory flushed) to point at the generation and name the
+/// token, and removes, best effort, the generations up to the one the index named before
+/// (older leftovers of interrupted saves go with them; a generation above that one may be
+/// another job's save in progress, and is left to a later commit). On any error the index,
+/// and so the checkpoint a load finds, is unchanged: a missing shard is kind `NotFound`, a
+/// corrupt or foreign one or a gap or overlap `Invalid`.
+pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
+    let generation = save.generation;
     let gen_dir = generation_dir(dir, generation);
-    let shards = (0..world)
-        .map(|rank| read_shard_header(&shard_path(&gen_dir, rank, world), generation, rank, world))
-        .collect::<Result<Vec<_>>>()?;
+    let mut shards = Vec::with_capacity(world);
+    for rank in 0..world {
+        let path = shard_path(&gen_dir, rank, world);
+        let header = read_shard_header(&path, generation, rank, world)?;
+        if header.token() != Some(save.token) {
+            return Err(Problem::invalid(format!(
+                "shard {rank} of {world} was written by another save (token {}; this save's is \
+                 {}): two jobs are saving into this directory at once (a restarted job while \
+                 the old one still runs?), or a shard was copied in; give each job its own \
+                 checkpoint directory and save again. The previous checkpoint is unchanged",
+                header.token().map_or("none".to_owned(), token_text),
+                token_text(save.token)
+            ))
+            .at(&path));
+        }
+        shards.push(header);
+    }
     check_cover(&gen_dir, shards)?;
-    let index = format!("{INDEX_FORMAT}\ngeneration {generation}\nworld {world}\n");
+    let previous = read_index(dir).ok().map(|i| i.generation);
+    let index = format!(
+        "{INDEX_FORMAT}\ngeneration {generation}\nworld {world}\ntoken {}\n",
+        token_text(save.token)
+    );
     let path = index_path(dir);
     write_atomic(&path, index.as_bytes()).map_err(|e| write_error(&path, e))?;
-    // Older generations are no longer reachable; a failure to remove one leaves only litter.
-    if let Ok(found) = generations(dir) {
-        for g in found.into_iter().filter(|&g| g < generation) {
+    // The generations up to the previous checkpoint are no longer reachable; a failure to
+    // remove one leaves only litter.
+    if let (Some(previous), Ok(found)) = (previous, generations(dir)) {
+        for g in found
+            .into_iter()
+            .filter(|&g| g <= previous && g != generation)
+        {
             let _ = fs::remove_dir_all(generation_dir(dir, g));
         }
     }

@@ -43,17 +43,22 @@ impl KvStore {
             fp.push(s.key.clone(), s.shape.dims(), s.dtype);
         }
         let mut call = d.begin(fp)?;
-        // Rank 0 picks the generation; a failure there fails the save on every rank.
-        let mut generation = vec![u64::MAX];
+        // Rank 0 claims the generation and mints the save's token; a failure there fails the
+        // save on every rank.
+        let mut words = vec![u64::MAX, 0];
         let mut own = Ok(());
         if rank == 0 {
             match checkpoint::next_generation(dir) {
-                Ok(g) => generation[0] = g,
+                Ok(s) => words = vec![s.generation, s.token],
                 Err(e) => own = Err(e),
             }
         }
-        let generation = call.broadcast_words(generation, 0)?[0];
-        if generation == u64::MAX {
+        let words = call.broadcast_words(words, 0)?;
+        let save = checkpoint::SaveId {
+            generation: words[0],
+            token: words[1],
+        };
+        if save.generation == u64::MAX {
             return own.and(Err(Error::RankFailed {
                 op: "save",
                 seq: call.seq(),
@@ -98,14 +103,14 @@ impl KvStore {
                     },
                 });
             }
-            checkpoint::write_shard(dir, generation, rank, size, &active.updater, &pieces)
+            checkpoint::write_shard(dir, save, rank, size, &active.updater, &pieces)
         })();
         drop(cells);
         let together = call.agree("save", written.is_ok(), "writing its shard");
         written?;
         together?;
         let committed = match rank {
-            0 => checkpoint::commit(dir, generation, size),
+            0 => checkpoint::commit(dir, save, size),
             _ => Ok(()),
         };
         let together = call.agree("save", committed.is_ok(), "committing the index");
@@ -125,9 +130,11 @@ impl KvStore {
         })();
         let reader: Reader = opened.map_err(|e| d.reject("load", e))?;
         // The ranks must read the same checkpoint: its path and, for a directory, the
-        // generation each rank found committed.
+        // generation each rank found committed and the token of the save that wrote it.
         let which = match checkpoint::read_index(path) {
-            Ok(index) if path.is_dir() => format!("generation {}", index.generation),
+            Ok(index) if path.is_dir() => {
+                format!("generation {} of save {:?}", index.generation, index.token)
+            }
             _ => "a single file".to_owned(),
         };
         let mut fp = Fingerprint::new("load").note(&format!("from {}, {which}", where_is(path)));

@@ -1,0 +1,250 @@
+//! Checksums of checkpoint files (single files and shards alike): a CRC-32 of the header, and
+//! CRC-32s of every tensor's data, chunk by chunk, so that a file read by range is verified
+//! chunk by chunk, and every byte is checked before it is used. See the
+//! [module docs](super#checksums) for the entries.
+
+use std::collections::HashMap;
+
+use super::Problem;
+
+/// The metadata entry that holds the header's checksum.
+pub(super) const HEADER_ENTRY: &str = "header_crc32";
+
+/// The metadata entry that holds the chunk size, in bytes, of the tensors' checksums.
+pub(super) const CHUNK_ENTRY: &str = "crc32_chunk";
+
+/// The prefix of the metadata entries that hold the checksums of a tensor: `crc32/<tensor>`.
+pub(super) const TENSOR_PREFIX: &str = "crc32/";
+
+/// The chunk size this version writes: 1 MiB, so a read by range reads at most 1 MiB more
+/// than it asked for at each end, and the list of checksums is 9 bytes per MiB of data.
+const CHUNK: usize = 1 << 20;
+
+/// The largest chunk size a reader accepts, which bounds the buffer a read by range needs.
+const MAX_CHUNK: usize = 1 << 30;
+
+/// The value the header's checksum entry holds while the checksum is computed.
+const PLACEHOLDER: &str = "00000000";
+
+#[cfg(test)]
+thread_local! {
+    /// Test hook: the chunk size the writes of this thread use instead of [`CHUNK`].
+    pub(super) static TEST_CHUNK: std::cell::Cell<Option<usize>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// The chunk size of the checksums this thread writes.
+fn chunk_size() -> usize {
+    #[cfg(test)]
+    if let Some(chunk) = TEST_CHUNK.with(std::cell::Cell::get) {
+        return chunk;
+    }
+    CHUNK
+}
+
+/// The CRC-32 (IEEE 802.3, as zlib computes it) of `bytes`.
+fn crc(bytes: &[u8]) -> u32 {
+    crc32fast::hash(bytes)
+}
+
+/// A checksum as files spell it: 8 lowercase hex digits.
+fn crc_text(crc: u32) -> String {
+    format!("{crc:08x}")
+}
+
+/// A checksum from its spelling, which must be canonical (8 lowercase hex digits).
+fn parse_crc(text: &str) -> Option<u32> {
+    u32::from_str_radix(text, 16)
+        .ok()
+        .filter(|&c| crc_text(c) == text)
+}
+
+/// Adds the checksum entries of a file about to be serialized to `meta`: the chunk size, the
+/// checksums of every tensor (`tensors` gives each one's name and data), and the header's
+/// checksum as a placeholder that [`seal`] fills in.
+pub(super) fn add_entries<'a>(
+    meta: &mut HashMap<String, String>,
+    tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+) {
+    let chunk = chunk_size();
+    meta.insert(CHUNK_ENTRY.into(), chunk.to_string());
+    for (name, data) in tensors {
+        let sums: Vec<String> = data.chunks(chunk).map(|c| crc_text(crc(c))).collect();
+        meta.insert(format!("{TENSOR_PREFIX}{name}"), sums.join(","));
+    }
+    meta.insert(HEADER_ENTRY.into(), PLACEHOLDER.into());
+}
+
+/// Where the 8 digits of the header's checksum lie in `header` (a file's 8-byte length and
+/// JSON header): `None` if the entry is not there exactly once.
+fn header_digits(header: &[u8]) -> Option<usize> {
+    let pattern = format!("\"{HEADER_ENTRY}\":\"");
+    let pattern = pattern.as_bytes();
+    let mut found = header
+        .windows(pattern.len())
+        .enumerate()
+        .filter(|(_, w)| *w == pattern)
+        .map(|(i, _)| i + pattern.len());
+    let at = found.next()?;
+    if found.next().is_some() || header.get(at + PLACEHOLDER.len()) != Some(&b'"') {
+        return None;
+    }
+    Some(at)
+}
+
+/// Fills in the header's checksum of the serialized file `bytes`, written with the entries of
+/// [`add_entries`]: the CRC-32 of the header (the 8-byte length and the JSON, padding
+/// included) as it is with the placeholder.
+pub(super) fn seal(bytes: &mut [u8]) -> Result<(), Problem> {
+    let header_end = bytes
+        .get(..8)
+        .map(|n| 8 + u64::from_le_bytes(n.try_into().unwrap_or([0; 8])) as usize)
+        .filter(|&end| end <= bytes.len())
+        .ok_or("cannot seal: the serialized file has no header")?;
+    let header = &mut bytes[..header_end];
+    let at =
+        header_digits(header).ok_or("cannot seal: the header checksum entry is not there once")?;
+    let sum = crc_text(crc(header));
+    header[at..at + PLACEHOLDER.len()].copy_from_slice(sum.as_bytes());
+    Ok(())
+}
+
+/// Verifies the header's checksum of a file whose header (the 8-byte length and the JSON) is
+/// `header`, if it has the entry: `Ok(true)` when it matches, `Ok(false)` when the entry is not
+/// there (a file of format 1, or a corrupt one: the caller tells which by its format), and an
+/// `Invalid` problem when it does not match.
+pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
+    let Some(at) = header_digits(header) else {
+        return Ok(false);
+    };
+    let digits = &header[at..at + PLACEHOLDER.len()];
+    let stored = std::str::from_utf8(digits).ok().and_then(parse_crc);
+    let mut zeroed = header.to_vec();
+    zeroed[at..at + PLACEHOLDER.len()].copy_from_slice(PLACEHOLDER.as_bytes());
+    if stored != Some(crc(&zeroed)) {
+        return Err(Problem::invalid(
+            "the checksum of the file's header does not match: the file is corrupt (a flipped \
+             bit on disk or in a copy?); restore it from a copy, or save again",
+        ));
+    }
+    Ok(true)
+}
+
+/// The checksum entries of a file, parsed and checked against its tensors.
+#[derive(Clone, Debug)]
+pub(super) struct Sums {
+    /// The chunk size, in bytes.
+    pub chunk: usize,
+    /// Every tensor's checksums, one per chunk of its data, by tensor name.
+    pub tensors: HashMap<String, Vec<u32>>,
+}
+
+/// Parses the checksum entries of the metadata `md` of a file whose tensors are `tensors`
+/// (each one's name and data length in bytes): the chunk size, and the checksums of every
+/// tensor, one per chunk; an entry for a tensor the file lacks is an error.
+pub(super) fn parse_sums<'a>(
+    md: &HashMap<String, String>,
+    tensors: impl IntoIterator<Item = (&'a str, usize)>,
+) -> Result<Sums, Problem> {
+    let text = md
+        .get(CHUNK_ENTRY)
+        .ok_or_else(|| Problem::invalid(format!("metadata entry '{CHUNK_ENTRY}' is missing")))?;
+    let chunk = text
+        .parse::<usize>()
+        .ok()
+        .filter(|&c| c.to_string() == *text && (1..=MAX_CHUNK).contains(&c))
+        .ok_or_else(|| {
+            Problem::invalid(format!(
+                "metadata {CHUNK_ENTRY} = '{text}' is not a chunk size from 1 to {MAX_CHUNK}"
+            ))
+        })?;
+    let mut sums = HashMap::new();
+    for (name, len) in tensors {
+        let entry = format!("{TENSOR_PREFIX}{name}");
+        let text = md
+            .get(&entry)
+            .ok_or_else(|| Problem::invalid(format!("metadata entry '{entry}' is missing")))?;
+        let list = match text.as_str() {
+            "" => Vec::new(),
+            text => text
+                .split(',')
+                .map(parse_crc)
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| {
+                    Problem::invalid(format!(
+                        "metadata {entry} is not a list of 8-digit lowercase hex checksums"
+                    ))
+                })?,
+        };
+        if list.len() != len.div_ceil(chunk) {
+            return Err(Problem::invalid(format!(
+                "metadata {entry} holds {} checksums, but tensor '{name}' has {len} bytes, {} \
+                 chunks of {chunk}",
+                list.len(),
+                len.div_ceil(chunk)
+            )));
+        }
+        sums.insert(name.to_owned(), list);
+    }
+    if let Some(stray) = md.keys().find(|k| {
+        k.strip_prefix(TENSOR_PREFIX)
+            .is_some_and(|t| !sums.contains_key(t))
+    }) {
+        return Err(Problem::invalid(format!(
+            "metadata entry '{stray}' belongs to no tensor of the file"
+        )));
+    }
+    Ok(Sums {
+        chunk,
+        tensors: sums,
+    })
+}
+
+/// Whether the metadata `md` has any checksum entry (a file of format 1 has none).
+pub(super) fn has_entries(md: &HashMap<String, String>) -> bool {
+    md.keys()
+        .any(|k| k == HEADER_ENTRY || k == CHUNK_ENTRY || k.starts_with(TENSOR_PREFIX))
+}
+
+/// Verifies `data`, which starts at byte `from` of tensor `name` at a chunk boundary and ends
+/// at a chunk boundary or at the tensor's end, against the tensor's checksums `sums` of
+/// chunks of `chunk` bytes.
+pub(super) fn verify_chunks(
+    name: &str,
+    data: &[u8],
+    from: usize,
+    sums: &[u32],
+    chunk: usize,
+) -> Result<(), Problem> {
+    debug_assert_eq!(from % chunk, 0);
+    let first = from / chunk;
+    for (i, piece) in data.chunks(chunk).enumerate() {
+        let at = first + i;
+        if sums.get(at) != Some(&crc(piece)) {
+            let start = at * chunk;
+            return Err(Problem::invalid(format!(
+                "the checksum of tensor '{name}' (its bytes {start}..{}) does not match: the \
+                 file is corrupt (a flipped bit on disk or in a copy?); restore it from a copy, \
+                 or save again",
+                start + piece.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Verifies the whole data of every tensor of a file held in memory: `tensors` gives each
+/// one's name and data.
+pub(super) fn verify_all<'a>(
+    sums: &Sums,
+    tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+) -> Result<(), Problem> {
+    for (name, data) in tensors {
+        let list = sums
+            .tensors
+            .get(name)
+            .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?;
+        verify_chunks(name, data, 0, list, sums.chunk)?;
+    }
+    Ok(())
+}
