@@ -8,10 +8,14 @@
 //! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
 //! in ascending key order, which makes it atomic and free of deadlocks.
 //!
-//! A push reads as one path: validate, lock, then `comm::push` (sum within this process onto
-//! the key's home, then the updater on the home). A pull: validate, lock, then `comm::pull`.
-//! The store imports `comm` and the one boundary type of `backend`, [`HomeValue`], and the
-//! GPU probe for placement; it knows no CUDA, no NCCL and no transport.
+//! Every kind runs the same push: validate, this process's contribution, then the store's link
+//! to the other ranks ([`crate::comm::link`], chosen once in `create`: one rank alone for the
+//! single-process kinds, whose values pass through so that the backend fuses the sum with the
+//! update) sums across ranks onto each key's home, the updater runs there, then the hook. A
+//! pull is the same path backwards: the link brings each value from where it lives, then a
+//! copy into every out. The store imports `comm` and the one boundary type of `backend`,
+//! [`HomeValue`], and the GPU probe for placement; it knows no CUDA, no NCCL and no
+//! transport: it never branches on which link it has.
 
 mod dist;
 mod dist_checkpoint;
