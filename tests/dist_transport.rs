@@ -155,6 +155,21 @@ fn launcher_variables_that_disagree_with_mpi_are_an_error() {
     assert_ne!(job.code, Some(0), "{job}");
 }
 
+#[test]
+fn a_bad_wait_log_interval_is_an_error_naming_the_variable() {
+    let env = [("KVSTORE_WAIT_LOG_SECS", "soon")];
+    let Some(job) = launch(None, "bad_wait_log", &env, Duration::from_secs(30)) else {
+        return;
+    };
+    assert!(!job.killed, "{job}");
+    job.assert_ok(
+        &[0],
+        1,
+        "bad_wait_log",
+        &["KVSTORE_WAIT_LOG_SECS", "'soon'"],
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The inner side: one case, on every rank.
 // ---------------------------------------------------------------------------------------------
@@ -171,6 +186,7 @@ fn inner() {
         "skip" => case_skip(),
         "sigkill" => case_sigkill(),
         "env_mismatch" => case_env_mismatch(),
+        "bad_wait_log" => case_bad_wait_log(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -398,4 +414,13 @@ fn case_env_mismatch() {
     };
     assert_eq!(var, "RANK");
     println!("KVT rank=0 size=1 OK env_mismatch {e}");
+}
+
+fn case_bad_wait_log() {
+    let e = World::get().err().expect("an environment error");
+    let Error::DistEnv { var, .. } = &e else {
+        panic!("want DistEnv, got {e}");
+    };
+    assert_eq!(var, "KVSTORE_WAIT_LOG_SECS");
+    println!("KVT rank=0 size=1 OK bad_wait_log {e}");
 }

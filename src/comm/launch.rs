@@ -1,6 +1,10 @@
-//! What a launcher tells a rank through the environment: who it is, and how long it may wait.
+//! What a launcher tells a rank through the environment: who it is, how long it may wait, and
+//! how often it says that it is waiting.
 //!
-//! - `KVSTORE_TIMEOUT`: seconds any wait of a distributed store may last (default 300).
+//! - `KVSTORE_TIMEOUT`: seconds any wait of a distributed store may last (default
+//!   [`DEFAULT_TIMEOUT`], 30 minutes).
+//! - `KVSTORE_WAIT_LOG_SECS`: while a wait lasts, every this many seconds a rank logs whom it
+//!   waits for and where they are (default [`DEFAULT_WAIT_LOG`], one minute).
 //! - A launch without MPI (`torchrun --no-python`, srun wrappers) sets `RANK`, `WORLD_SIZE`,
 //!   `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`, as torchrun does. [`LaunchEnv`] reads
 //!   them, and says which one is missing or wrong.
@@ -9,24 +13,51 @@ use std::time::Duration;
 
 use crate::{Error, Result};
 
-/// How long a distributed wait may last when `KVSTORE_TIMEOUT` is unset (PyTorch's NCCL
-/// default is 10 minutes).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a distributed wait may last when `KVSTORE_TIMEOUT` is unset: 30 minutes, the
+/// default of PyTorch's `init_process_group` (its NCCL backend waits 10 minutes). A slow rank is
+/// not a dead one: a validation pass, a data load or a checkpoint write on one rank makes the
+/// others wait that long in their next call, and a real training job must survive it. A dead
+/// rank ends the job sooner: `mpirun` notices it, and a rank that exits tells the others (see
+/// `comm::mpi`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// How often a rank says that it is still waiting when `KVSTORE_WAIT_LOG_SECS` is unset: once a
+/// minute. (The MPI transport logs its waits; cargo feature `mpi`.)
+#[cfg(feature = "mpi")]
+pub const DEFAULT_WAIT_LOG: Duration = Duration::from_secs(60);
 
 /// Reads `KVSTORE_TIMEOUT` through `var`: a positive number of seconds, else
 /// [`DEFAULT_TIMEOUT`].
 pub(crate) fn timeout_from(var: impl Fn(&str) -> Option<String>) -> Result<Duration> {
-    let Some(v) = var("KVSTORE_TIMEOUT") else {
-        return Ok(DEFAULT_TIMEOUT);
+    seconds_from(var, "KVSTORE_TIMEOUT", DEFAULT_TIMEOUT, "1800")
+}
+
+/// Reads `KVSTORE_WAIT_LOG_SECS` through `var`: a positive number of seconds, else
+/// [`DEFAULT_WAIT_LOG`].
+#[cfg(feature = "mpi")]
+pub(crate) fn wait_log_from(var: impl Fn(&str) -> Option<String>) -> Result<Duration> {
+    seconds_from(var, "KVSTORE_WAIT_LOG_SECS", DEFAULT_WAIT_LOG, "60")
+}
+
+/// Reads the variable `name` through `var` as a positive number of seconds (below 10⁹), or
+/// `default` when it is unset. A bad value is [`Error::DistEnv`] naming the variable.
+fn seconds_from(
+    var: impl Fn(&str) -> Option<String>,
+    name: &str,
+    default: Duration,
+    example: &str,
+) -> Result<Duration> {
+    let Some(v) = var(name) else {
+        return Ok(default);
     };
     match v.trim().parse::<f64>() {
         Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
         _ => Err(Error::DistEnv {
-            var: "KVSTORE_TIMEOUT".to_owned(),
+            var: name.to_owned(),
             message: format!(
-                "'{v}' is not a positive number of seconds: set it to e.g. 300, or unset it \
-                 for the default of {} s",
-                DEFAULT_TIMEOUT.as_secs()
+                "'{v}' is not a positive number of seconds: set it to e.g. {example}, or unset \
+                 it for the default of {} s",
+                default.as_secs()
             ),
         }),
     }
@@ -221,7 +252,23 @@ mod tests {
         );
         for bad in ["0", "-3", "soon", "inf"] {
             let e = timeout_from(env(&[("KVSTORE_TIMEOUT", bad)])).unwrap_err();
+            assert!(e.to_string().contains("1800 s"), "{e}");
             assert_eq!(var_of(e), "KVSTORE_TIMEOUT");
+        }
+    }
+
+    #[test]
+    #[cfg(feature = "mpi")]
+    fn the_wait_log_interval_is_read_and_checked() {
+        assert_eq!(wait_log_from(env(&[])).unwrap(), DEFAULT_WAIT_LOG);
+        assert_eq!(
+            wait_log_from(env(&[("KVSTORE_WAIT_LOG_SECS", "0.5")])).unwrap(),
+            Duration::from_millis(500)
+        );
+        for bad in ["0", "-1", "soon", "NaN", ""] {
+            let e = wait_log_from(env(&[("KVSTORE_WAIT_LOG_SECS", bad)])).unwrap_err();
+            assert!(e.to_string().contains(&format!("'{bad}'")), "{e}");
+            assert_eq!(var_of(e), "KVSTORE_WAIT_LOG_SECS");
         }
     }
 }

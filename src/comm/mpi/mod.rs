@@ -33,8 +33,10 @@
 //!
 //! # No hang
 //!
-//! Every wait is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`], 300 s;
-//! PyTorch's NCCL default is 10 min). A pending MPI collective can be neither finished nor
+//! Every wait is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`], 30 minutes,
+//! as PyTorch's `init_process_group`; its NCCL backend waits 10). A slow rank is not a dead one:
+//! a validation pass, a data load or a checkpoint write on one rank makes the others wait that
+//! long in their next call, and a training job must survive it. A pending MPI collective can be neither finished nor
 //! cancelled, so on a timeout the rank tells every other rank where it is (call number and what
 //! it waits for) on the control communicator and listens for a grace period (half the timeout,
 //! between 0.5 and 5 s). Ranks waiting in a kvstore call answer at once. The error,
@@ -60,9 +62,13 @@
 //!
 //! # Environment
 //!
-//! - `KVSTORE_TIMEOUT`: seconds every wait may last (a positive number; default 300).
+//! - `KVSTORE_TIMEOUT`: seconds every wait may last (a positive number; default 1800).
+//! - `KVSTORE_WAIT_LOG_SECS`: seconds between two "still waiting" logs of one wait (a positive
+//!   number; default 60).
 //! - `KVSTORE_DIST_CHECK`: `0` (or `false`, `off`) turns the per-call fingerprint check off;
 //!   `1` (`true`, `on`, the default) keeps it.
+//!
+//! A bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
 
 mod collective;
 pub(crate) mod fingerprint;
@@ -80,12 +86,13 @@ use mpi::ffi;
 pub use collective::{Done, Pending, Wire};
 pub use fingerprint::Fingerprint;
 
+/// The default of `KVSTORE_TIMEOUT` (30 minutes): one constant for every distributed wait.
+pub use crate::comm::launch::DEFAULT_TIMEOUT;
+
+use crate::comm::launch;
 use crate::{Error, Key, Result};
 use poll::Backoff;
 use raw::{Comm, Request};
-
-/// The default of `KVSTORE_TIMEOUT`: 300 s.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Control-message tag: "I timed out (or am asking): here is where I am; where are you?".
 const TAG_WHERE: c_int = 1;
@@ -101,6 +108,8 @@ pub struct World {
     local_rank: usize,
     local_size: usize,
     timeout: Duration,
+    /// How often a long wait logs whom it waits for (`KVSTORE_WAIT_LOG_SECS`).
+    wait_log: Duration,
     check: bool,
     /// Every MPI call on the world's communicators is made with this locked.
     state: Mutex<State>,
@@ -153,24 +162,6 @@ pub(crate) fn env_switch(var: &str, default: bool) -> Result<bool> {
     }
 }
 
-/// Reads `KVSTORE_TIMEOUT`.
-fn env_timeout() -> Result<Duration> {
-    let Ok(v) = std::env::var("KVSTORE_TIMEOUT") else {
-        return Ok(DEFAULT_TIMEOUT);
-    };
-    match v.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
-        _ => Err(Error::DistEnv {
-            var: "KVSTORE_TIMEOUT".to_owned(),
-            message: format!(
-                "'{v}' is not a positive number of seconds: set it to e.g. 300, or unset it \
-                 for the default of {} s",
-                DEFAULT_TIMEOUT.as_secs()
-            ),
-        }),
-    }
-}
-
 /// Compares an environment variable a launcher may set with what MPI says.
 fn env_agrees(var: &str, mpi_value: usize, what: &str) -> Option<(String, String)> {
     let v = std::env::var(var).ok()?;
@@ -215,7 +206,9 @@ impl World {
             Error::DistEnv { var, message } => (var, message),
             other => ("MPI".to_owned(), other.to_string()),
         };
-        let timeout = env_timeout().map_err(as_pair)?;
+        let var = |k: &str| std::env::var(k).ok();
+        let timeout = launch::timeout_from(var).map_err(as_pair)?;
+        let wait_log = launch::wait_log_from(var).map_err(as_pair)?;
         let check = env_switch("KVSTORE_DIST_CHECK", true).map_err(as_pair)?;
 
         let universe = match mpi::initialize_with_threading(Threading::Serialized) {
@@ -274,6 +267,7 @@ impl World {
             local_rank,
             local_size,
             timeout,
+            wait_log,
             check,
             state: Mutex::new(State {
                 data,
@@ -362,6 +356,11 @@ impl World {
     /// The bound of every wait (`KVSTORE_TIMEOUT`).
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// How often a long wait logs whom it waits for (`KVSTORE_WAIT_LOG_SECS`).
+    pub fn wait_log_interval(&self) -> Duration {
+        self.wait_log
     }
 
     /// Whether calls are fingerprinted across ranks (`KVSTORE_DIST_CHECK`).

@@ -21,7 +21,7 @@
 //!
 //! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`). Every call
 //! polls `ncclCommGetAsyncError` and its stream with the `KVSTORE_TIMEOUT` bound (default
-//! 300 s). A rank that stops calling, or dies, leaves the others' collectives without progress:
+//! [`launch::DEFAULT_TIMEOUT`], 30 minutes). A rank that stops calling, or dies, leaves the others' collectives without progress:
 //! when the bound passes they abort the communicator (`ncclCommAbort`, which ends its kernels)
 //! and return [`Error::Timeout`] naming the op and keys. The communicator is unusable after a
 //! failure: later calls return [`Error::DistFailed`].
