@@ -155,6 +155,38 @@ fn launcher_variables_that_disagree_with_mpi_are_an_error() {
     assert_ne!(job.code, Some(0), "{job}");
 }
 
+/// A slow rank is not a dead one: rank 1 comes to call 2 four seconds late (the log interval is
+/// 1 s, the timeout 60 s). Rank 0 must say, while it waits, that it waits for rank 1 and in which
+/// call; the job then completes with the right sum and exits 0.
+#[test]
+fn a_slow_rank_is_named_in_the_wait_log_and_the_job_completes() {
+    let env = [("KVSTORE_TIMEOUT", "60"), ("KVSTORE_WAIT_LOG_SECS", "1")];
+    let Some(job) = launch(Some(3), "slow_rank", &env, Duration::from_secs(60)) else {
+        return;
+    };
+    job.assert_healthy(3, "slow_rank");
+    assert!(job.took < Duration::from_secs(30), "{job}");
+    let logged: Vec<&str> = job
+        .stderr
+        .lines()
+        .filter(|l| l.contains("kvstore: rank 0: waiting for rank 1 "))
+        .collect();
+    assert!(
+        !logged.is_empty(),
+        "rank 0 must log that it waits for rank 1\n{job}"
+    );
+    for needle in [
+        "call #2 (push of key 7)",
+        "rank 1 is not responding",
+        "rank 2 is waiting in this same call",
+    ] {
+        assert!(
+            logged.iter().any(|l| l.contains(needle)),
+            "'{needle}' not in rank 0's wait log: {logged:?}\n{job}"
+        );
+    }
+}
+
 #[test]
 fn a_bad_wait_log_interval_is_an_error_naming_the_variable() {
     let env = [("KVSTORE_WAIT_LOG_SECS", "soon")];
@@ -186,6 +218,7 @@ fn inner() {
         "skip" => case_skip(),
         "sigkill" => case_sigkill(),
         "env_mismatch" => case_env_mismatch(),
+        "slow_rank" => case_slow_rank(),
         "bad_wait_log" => case_bad_wait_log(),
         other => panic!("unknown case {other}"),
     }
@@ -414,6 +447,46 @@ fn case_env_mismatch() {
     };
     assert_eq!(var, "RANK");
     println!("KVT rank=0 size=1 OK env_mismatch {e}");
+}
+
+/// One broadcast of key `key` from rank 0, as a whole call.
+fn pull_from_0(w: &'static World, key: i32) {
+    let mut call = w
+        .begin(&Fingerprint::new("pull").entry(key, &[4], DType::F32))
+        .expect("begin");
+    let p = call
+        .broadcast(vec![w.rank() as f32; 4], 0)
+        .expect("broadcast");
+    let got = call.wait(p).expect("broadcast wait").recv;
+    assert_eq!(got, vec![0f32; 4]);
+}
+
+fn case_slow_rank() {
+    let w = World::get().expect("the world");
+    pull_from_0(w, 1);
+    if w.rank() == 1 {
+        // A validation pass: longer than the log interval, far shorter than the timeout.
+        std::thread::sleep(Duration::from_secs(4));
+    }
+    let n = 1_000;
+    let mut call = w
+        .begin(&Fingerprint::new("push").entry(7, &[n], DType::F32))
+        .expect("begin");
+    let recv = if w.rank() == 0 {
+        poisoned(n)
+    } else {
+        Vec::new()
+    };
+    let p = call
+        .reduce_sum(data::<f32>(w.rank(), 7, n), recv, 0)
+        .expect("reduce");
+    let got = call.wait(p).expect("reduce wait").recv;
+    if w.rank() == 0 {
+        check_sum(&got, 7, n, w.size(), 0, "reduce after a slow rank");
+    }
+    drop(call);
+    pull_from_0(w, 8);
+    ok(w, "slow_rank", "");
 }
 
 fn case_bad_wait_log() {

@@ -31,17 +31,24 @@
 //! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::immediate_barrier`]) and waits for
 //! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]).
 //!
-//! # No hang
+//! # No hang, and no kill for a slow rank
 //!
-//! Every wait is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`], 30 minutes,
-//! as PyTorch's `init_process_group`; its NCCL backend waits 10). A slow rank is not a dead one:
-//! a validation pass, a data load or a checkpoint write on one rank makes the others wait that
-//! long in their next call, and a training job must survive it. A pending MPI collective can be neither finished nor
-//! cancelled, so on a timeout the rank tells every other rank where it is (call number and what
-//! it waits for) on the control communicator and listens for a grace period (half the timeout,
-//! between 0.5 and 5 s). Ranks waiting in a kvstore call answer at once. The error,
-//! [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is: "rank 2
-//! is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
+//! Every wait in a call is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`],
+//! 30 minutes, as PyTorch's `init_process_group`; its NCCL backend waits 10). A slow rank is not
+//! a dead one: a validation pass, a data load or a checkpoint write on one rank makes the others
+//! wait that long in their next call, and a training job must survive it. While a wait lasts,
+//! every `KVSTORE_WAIT_LOG_SECS` (default 60 s) the waiting rank asks the other ranks where they
+//! are and logs whom it waits for and where they are, as a warning through `log`, or on stderr
+//! when no logger takes warnings: "kvstore: rank 0: waiting for rank 1 for 60 s now, in call #7
+//! (push of key 3), in its reduce to rank 0: rank 1 is not responding (busy outside kvstore
+//! ...); rank 2 is waiting in this same call". A rank that is waiting in a kvstore call or at its
+//! exit answers at once; a rank busy outside kvstore does not.
+//!
+//! A pending MPI collective can be neither finished nor cancelled, so on a timeout the rank
+//! tells every other rank where it is (call number and what it waits for) on the control
+//! communicator and listens for a grace period (half the timeout, between 0.5 and 5 s). The
+//! error, [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is:
+//! "rank 2 is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
 //! collective are leaked on purpose: MPI may still write to them.
 //!
 //! After a timeout, a desync or a failed MPI call the world is **poisoned**: every later call
@@ -62,7 +69,8 @@
 //!
 //! # Environment
 //!
-//! - `KVSTORE_TIMEOUT`: seconds every wait may last (a positive number; default 1800).
+//! - `KVSTORE_TIMEOUT`: seconds every wait in a call may last (a positive number; default
+//!   1800).
 //! - `KVSTORE_WAIT_LOG_SECS`: seconds between two "still waiting" logs of one wait (a positive
 //!   number; default 60).
 //! - `KVSTORE_DIST_CHECK`: `0` (or `false`, `off`) turns the per-call fingerprint check off;
@@ -71,6 +79,7 @@
 //! A bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
 
 mod collective;
+mod control;
 pub(crate) mod fingerprint;
 mod poll;
 mod raw;
@@ -83,23 +92,16 @@ use std::time::{Duration, Instant};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 
+/// The default of `KVSTORE_TIMEOUT` (30 minutes): one constant for every distributed wait.
+pub use crate::comm::launch::DEFAULT_TIMEOUT;
 pub use collective::{Done, Pending, Wire};
 pub use fingerprint::Fingerprint;
 
-/// The default of `KVSTORE_TIMEOUT` (30 minutes): one constant for every distributed wait.
-pub use crate::comm::launch::DEFAULT_TIMEOUT;
-
 use crate::comm::launch;
 use crate::{Error, Key, Result};
+use control::{Report, Watch, Whereabouts, REPORT_BYTES, TAG_HERE, TAG_WHERE};
 use poll::Backoff;
 use raw::{Comm, Request};
-
-/// Control-message tag: "I timed out (or am asking): here is where I am; where are you?".
-const TAG_WHERE: c_int = 1;
-/// Control-message tag: "here is where I am", the answer to [`TAG_WHERE`].
-const TAG_HERE: c_int = 2;
-/// Bytes of one control record.
-const REPORT_BYTES: usize = 256;
 
 /// The process-wide distributed world. See the [module documentation](self).
 pub struct World {
@@ -131,18 +133,12 @@ struct State {
     seq: u64,
     /// Where this rank is, for answers to other ranks: (call number, what it waits for).
     here: (u64, String),
-    /// Reports heard from other ranks while waiting, by rank.
+    /// The questions of ranks that timed out, heard while waiting, by rank: their reports.
     heard: BTreeMap<usize, Report>,
+    /// The number of the last question this rank asked.
+    next_query: u32,
     /// Sent control records whose sends may not have completed: kept alive, never freed early.
     outbox: Vec<(Request, Box<[u8; REPORT_BYTES]>)>,
-}
-
-/// What another rank said about itself.
-#[derive(Clone, Debug)]
-struct Report {
-    seq: u64,
-    timed_out: bool,
-    text: String,
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
@@ -275,6 +271,7 @@ impl World {
                 seq: 0,
                 here: (0, "not in a call".to_owned()),
                 heard: BTreeMap::new(),
+                next_query: 0,
                 outbox: Vec::new(),
             }),
             poison: Mutex::new(poison),
@@ -535,130 +532,6 @@ impl State {
         raw::check(op, rc)?;
         Ok(flag != 0)
     }
-
-    /// Answers every pending "where are you?" from another rank with where this rank is.
-    fn answer_queries(&mut self, world: &World) {
-        loop {
-            let Some((src, report)) = self.receive(TAG_WHERE) else {
-                return;
-            };
-            self.heard.insert(src, report);
-            let (seq, text) = self.here.clone();
-            self.send_report(world, src, TAG_HERE, seq, false, &text);
-        }
-    }
-
-    /// Receives one waiting control message with `tag`, if there is one.
-    fn receive(&mut self, tag: c_int) -> Option<(usize, Report)> {
-        let mut flag: c_int = 0;
-        let mut buf = [0u8; REPORT_BYTES];
-        // SAFETY: an all-zero MPI_Status is a valid value of this plain C struct; MPI overwrites
-        // it.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        // SAFETY: the control communicator is valid; `flag` and `status` are valid out-pointers;
-        // the receive only runs when a matching message is already there, so it does not block,
-        // and `buf` holds REPORT_BYTES bytes, the size of every control record.
-        unsafe {
-            let rc = ffi::MPI_Iprobe(
-                ffi::RSMPI_ANY_SOURCE,
-                tag,
-                self.control.0,
-                &mut flag,
-                &mut status,
-            );
-            if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
-                return None;
-            }
-            let src = status.MPI_SOURCE;
-            let rc = ffi::MPI_Recv(
-                buf.as_mut_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                src,
-                tag,
-                self.control.0,
-                ffi::RSMPI_STATUS_IGNORE,
-            );
-            if rc != ffi::MPI_SUCCESS as c_int {
-                return None;
-            }
-            Some((src as usize, Report::decode(&buf)))
-        }
-    }
-
-    /// Sends a control record to `dest` without waiting; the buffer is kept in the outbox.
-    fn send_report(
-        &mut self,
-        world: &World,
-        dest: usize,
-        tag: c_int,
-        seq: u64,
-        timed_out: bool,
-        text: &str,
-    ) {
-        // Forget sends that completed.
-        let mut keep = Vec::new();
-        for (mut req, buf) in std::mem::take(&mut self.outbox) {
-            if !matches!(
-                self.test(std::slice::from_mut(&mut req), "report"),
-                Ok(true)
-            ) {
-                keep.push((req, buf));
-            }
-        }
-        self.outbox = keep;
-        let buf = Box::new(Report::encode(seq, timed_out, text));
-        let mut req = Request::null();
-        // SAFETY: `buf` is a heap buffer of REPORT_BYTES bytes that stays in the outbox (and is
-        // never freed while the send may be pending: an unfinished entry is only dropped when
-        // the process ends); the control communicator and `dest` (< size) are valid.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                buf.as_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                dest as c_int,
-                tag,
-                self.control.0,
-                &mut req.0,
-            )
-        };
-        if rc == ffi::MPI_SUCCESS as c_int {
-            self.outbox.push((req, buf));
-        } else {
-            eprintln!(
-                "kvstore: rank {}: could not send a failure report to rank {dest}: {}",
-                world.rank,
-                raw::error_string(rc)
-            );
-        }
-    }
-}
-
-impl Report {
-    fn encode(seq: u64, timed_out: bool, text: &str) -> [u8; REPORT_BYTES] {
-        let mut b = [0u8; REPORT_BYTES];
-        b[..8].copy_from_slice(&seq.to_le_bytes());
-        b[8] = u8::from(timed_out);
-        let mut n = text.len().min(REPORT_BYTES - 16);
-        while !text.is_char_boundary(n) {
-            n -= 1;
-        }
-        b[10..12].copy_from_slice(&(n as u16).to_le_bytes());
-        b[16..16 + n].copy_from_slice(&text.as_bytes()[..n]);
-        b
-    }
-
-    fn decode(b: &[u8; REPORT_BYTES]) -> Report {
-        let mut seq = [0u8; 8];
-        seq.copy_from_slice(&b[..8]);
-        let n = (u16::from_le_bytes([b[10], b[11]]) as usize).min(REPORT_BYTES - 16);
-        Report {
-            seq: u64::from_le_bytes(seq),
-            timed_out: b[8] != 0,
-            text: String::from_utf8_lossy(&b[16..16 + n]).into_owned(),
-        }
-    }
 }
 
 /// One store call in progress: holds the world's state lock, so calls never interleave. Start
@@ -725,8 +598,10 @@ impl Call {
         Ok(self.wait(p)?.recv)
     }
 
-    /// Polls `reqs` until all complete, within the timeout counted from `start`. On a timeout,
-    /// finds out where the other ranks are, poisons the world and returns [`Error::Timeout`].
+    /// Polls `reqs` until all complete, within the timeout counted from `start`. Once the wait
+    /// has lasted [`poll::SLEEP_MAX`], it also, at most that often, answers the other ranks'
+    /// questions, and logs every `KVSTORE_WAIT_LOG_SECS` whom it waits for. On a timeout, finds
+    /// out where the other ranks are, poisons the world and returns [`Error::Timeout`].
     fn poll(
         &mut self,
         reqs: &mut [Request],
@@ -735,7 +610,8 @@ impl Call {
         what: &str,
     ) -> Result<()> {
         let mut backoff = Backoff::new(start, bytes);
-        let mut last_answer = start;
+        let mut last_service = start;
+        let mut watch: Option<Watch> = None;
         loop {
             match self.st.test(reqs, self.op) {
                 Ok(true) => return Ok(()),
@@ -749,9 +625,25 @@ impl Call {
                 continue;
             }
             let now = Instant::now();
-            if now.duration_since(last_answer) >= poll::SLEEP_MAX {
-                last_answer = now;
-                self.st.answer_queries(self.world);
+            if now.duration_since(last_service) >= poll::SLEEP_MAX {
+                last_service = now;
+                if watch.is_none() {
+                    // A long wait: say where it is to the ranks that ask.
+                    self.st.here.1 = format!("{}, in its {what}", self.summary);
+                }
+                self.st.service(self.world);
+                let watch = watch.get_or_insert_with(|| Watch::new(self.world, start));
+                if let Some(answers) = watch.tick(&mut self.st, self.world) {
+                    control::warn(&control::wait_line(
+                        (self.world.rank, self.world.size),
+                        self.seq,
+                        &self.summary,
+                        what,
+                        now.duration_since(start),
+                        &answers,
+                        self.world.timeout,
+                    ));
+                }
             }
             if now.duration_since(start) > self.world.timeout {
                 let err = self.diagnose(what);
@@ -766,22 +658,35 @@ impl Call {
     fn diagnose(&mut self, what: &str) -> Error {
         let world = self.world;
         let here = format!("{}, in its {what}", self.summary);
-        for r in (0..world.size).filter(|&r| r != world.rank) {
-            self.st
-                .send_report(world, r, TAG_WHERE, self.seq, true, &here);
-        }
+        let query = self.st.new_query();
+        let question = Report {
+            seq: self.seq,
+            timed_out: true,
+            query,
+            text: here.clone(),
+        };
+        self.st.ask_all(world, &question);
+        self.st.here.1 = format!("{here}, where it timed out");
         let mut reports = std::mem::take(&mut self.st.heard);
         let end = Instant::now() + world.grace();
         while reports.len() + 1 < world.size && Instant::now() < end {
-            let got = self
-                .st
-                .receive(TAG_HERE)
-                .or_else(|| self.st.receive(TAG_WHERE));
-            match got {
-                Some((src, rep)) => {
-                    reports.insert(src, rep);
+            if let Some((src, answer)) = self.st.receive(TAG_HERE) {
+                // Answers to older questions (of a wait log) are not about now.
+                if answer.query == query {
+                    reports.insert(src, answer);
                 }
-                None => std::thread::sleep(Duration::from_millis(1)),
+            } else if let Some((src, other)) = self.st.receive(TAG_WHERE) {
+                // Another rank asks too: its question says where it is. Answer it.
+                let answer = Report {
+                    seq: self.seq,
+                    query: other.query,
+                    text: self.st.here.1.clone(),
+                    ..Report::default()
+                };
+                self.st.send_report(world, src, TAG_HERE, &answer);
+                reports.insert(src, other);
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
         timeout_error(
@@ -813,52 +718,13 @@ fn timeout_error(
     what: &str,
     timeout: Duration,
 ) -> Error {
-    let mut missing = Vec::new();
-    let mut silent = Vec::new();
-    let mut same = Vec::new();
-    let mut elsewhere = Vec::new();
-    for r in (0..size).filter(|&r| r != me) {
-        match reports.get(&r) {
-            None => {
-                missing.push(r);
-                silent.push(r);
-            }
-            Some(rep) if rep.seq == seq => same.push(r),
-            Some(rep) => {
-                missing.push(r);
-                elsewhere.push(format!(
-                    "rank {r} is at call #{} ({}){}",
-                    rep.seq,
-                    rep.text,
-                    if rep.timed_out {
-                        " and timed out there"
-                    } else {
-                        ""
-                    }
-                ));
-            }
-        }
-    }
+    let w = Whereabouts::of(seq, (me, size), reports);
     let secs = timeout.as_secs_f64();
     let mut parts = vec![format!(
         "the {what} did not complete within KVSTORE_TIMEOUT={secs} s"
     )];
-    if !silent.is_empty() {
-        parts.push(format!(
-            "{} {} not responding (died, hung outside kvstore, or stopped making kvstore \
-                 calls)",
-            fingerprint::ranks(&silent),
-            is_are(&silent)
-        ));
-    }
-    parts.extend(elsewhere);
-    if !same.is_empty() {
-        parts.push(format!(
-            "{} {} waiting in this same call",
-            fingerprint::ranks(&same),
-            is_are(&same)
-        ));
-    }
+    parts.extend(w.parts("died, hung outside kvstore, or stopped making kvstore calls"));
+    let missing = w.missing;
     let advice = if missing.is_empty() {
         "every rank is in this call, so their collectives do not match (is \
              KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
@@ -905,19 +771,8 @@ mod tests {
             seq,
             timed_out,
             text: text.to_owned(),
+            ..Report::default()
         }
-    }
-
-    #[test]
-    fn a_report_survives_its_encoding() {
-        let r = Report::decode(&Report::encode(18, true, "pull of key 5"));
-        assert_eq!(
-            (r.seq, r.timed_out, r.text.as_str()),
-            (18, true, "pull of key 5")
-        );
-        let long = "é".repeat(200);
-        let r = Report::decode(&Report::encode(1, false, &long));
-        assert!(long.starts_with(&r.text) && !r.text.is_empty());
     }
 
     #[test]
