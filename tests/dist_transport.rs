@@ -155,6 +155,48 @@ fn launcher_variables_that_disagree_with_mpi_are_an_error() {
     assert_ne!(job.code, Some(0), "{job}");
 }
 
+/// Fault 7: rank 1 fails (`how`) after call 1 while ranks 0 and 2 wait in call 2 (`KVSTORE_TIMEOUT`
+/// is 60 s). They must get `Error::RankExited` naming rank 1 at once, and the job must end
+/// non-zero well before the timeout.
+fn a_failed_rank_ends_the_job(how: &str, needles: &[&str]) {
+    let env = [("KVSTORE_TIMEOUT", "60"), ("KVT_HOW", how)];
+    let Some(job) = launch(Some(3), "rank_fails", &env, Duration::from_secs(100)) else {
+        return;
+    };
+    assert!(!job.killed, "the job must end by itself\n{job}");
+    assert!(
+        job.took < Duration::from_secs(30),
+        "the job must end well before KVSTORE_TIMEOUT=60 s, not after it\n{job}"
+    );
+    let mut all = vec!["RankExited { op: ", "rank: 1", "rank 1 exited"];
+    all.extend_from_slice(needles);
+    job.assert_ok(&[0, 2], 3, "rank_fails", &all);
+    assert!(
+        job.ok_line(1, 3, "rank_fails").is_none(),
+        "rank 1 must not finish\n{job}"
+    );
+    assert_ne!(
+        job.code,
+        Some(0),
+        "a failed rank must end the job non-zero\n{job}"
+    );
+}
+
+#[test]
+fn a_rank_that_panics_ends_the_job_at_once_and_the_others_name_it() {
+    a_failed_rank_ends_the_job("panic", &["code 101", "rank 1 fails on purpose"]);
+}
+
+#[test]
+fn a_rank_that_exits_with_code_1_ends_the_job_at_once_and_the_others_name_it() {
+    a_failed_rank_ends_the_job("exit1", &["code 1 ", "barrier"]);
+}
+
+#[test]
+fn a_rank_that_exits_normally_before_a_call_fails_the_others_at_once() {
+    a_failed_rank_ends_the_job("exit0", &["exited normally after its call #1"]);
+}
+
 /// A slow rank is not a dead one: rank 1 comes to call 2 four seconds late (the log interval is
 /// 1 s, the timeout 60 s). Rank 0 must say, while it waits, that it waits for rank 1 and in which
 /// call; the job then completes with the right sum and exits 0.
@@ -218,6 +260,7 @@ fn inner() {
         "skip" => case_skip(),
         "sigkill" => case_sigkill(),
         "env_mismatch" => case_env_mismatch(),
+        "rank_fails" => case_rank_fails(),
         "slow_rank" => case_slow_rank(),
         "bad_wait_log" => case_bad_wait_log(),
         other => panic!("unknown case {other}"),
@@ -459,6 +502,47 @@ fn pull_from_0(w: &'static World, key: i32) {
         .expect("broadcast");
     let got = call.wait(p).expect("broadcast wait").recv;
     assert_eq!(got, vec![0f32; 4]);
+}
+
+fn case_rank_fails() {
+    let w = World::get().expect("the world");
+    let how = std::env::var("KVT_HOW").expect("KVT_HOW");
+    pull_from_0(w, 1);
+    let t = Instant::now();
+    if w.rank() == 1 {
+        match how.as_str() {
+            "panic" => panic!("rank 1 fails on purpose"),
+            "exit1" => std::process::exit(1),
+            _ => std::process::exit(0),
+        }
+    }
+    let r = match how.as_str() {
+        "exit1" => w
+            .begin(&Fingerprint::new("barrier"))
+            .and_then(|mut call| call.barrier()),
+        _ => w
+            .begin(&Fingerprint::new("push").entry(2, &[4], DType::F32))
+            .and_then(|mut call| {
+                let recv = if w.rank() == 0 {
+                    vec![0f32; 4]
+                } else {
+                    Vec::new()
+                };
+                let p = call.reduce_sum(vec![1f32; 4], recv, 0)?;
+                call.wait(p).map(drop)
+            }),
+    };
+    let e = r.expect_err("rank 1 is gone: this call cannot complete");
+    let later = w
+        .begin(&Fingerprint::new("barrier"))
+        .err()
+        .expect("poisoned");
+    assert!(matches!(later, Error::DistFailed { .. }), "{later}");
+    ok(
+        w,
+        "rank_fails",
+        &format!("after {:?}: {e:?} || {e}", t.elapsed()),
+    );
 }
 
 fn case_slow_rank() {

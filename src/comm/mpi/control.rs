@@ -1,10 +1,14 @@
 //! The control communicator: short records the ranks send each other beside the store's
-//! collectives, to say where they are.
+//! collectives, to say where they are and that they exit.
 //!
 //! - **"Where are you?"** ([`TAG_WHERE`]): a rank whose wait timed out, or that logs a long
 //!   wait, asks every other rank. A rank that is waiting in a kvstore call, or at its exit,
 //!   answers ([`TAG_HERE`]) with its call number and what it waits for; a rank busy outside
 //!   kvstore (computing, loading data) does not answer until its next wait.
+//! - **"I am exiting"** ([`TAG_EXIT`]): every rank sends one to every other rank when its process
+//!   exits: after which call, and whether it failed (it panicked, exited non-zero, or its
+//!   distributed world had failed). A rank waiting in a call that the exited rank will never
+//!   make stops waiting at once.
 //!
 //! Every record is [`REPORT_BYTES`] long and is sent without waiting (`MPI_Isend`); its buffer
 //! stays in the state's outbox until the send completes. Records are read with `MPI_Iprobe`
@@ -24,11 +28,13 @@ use super::{fingerprint, is_are, State, World};
 pub(super) const TAG_WHERE: c_int = 1;
 /// "Here I am": the answer to [`TAG_WHERE`], carrying the question's number.
 pub(super) const TAG_HERE: c_int = 2;
+/// "I am exiting": sent by every rank to every other rank at its exit.
+pub(super) const TAG_EXIT: c_int = 3;
 /// Bytes of one control record.
 pub(super) const REPORT_BYTES: usize = 256;
-/// Where the text starts in a record: seq (8 bytes), timed-out flag, an unused byte, text
-/// length (2), query number (4).
-const TEXT_AT: usize = 16;
+/// Where the text starts in a record: seq (8 bytes), timed-out flag, failed flag, text length
+/// (2), query number (4), cause (4; `u32::MAX` for none), 4 unused.
+const TEXT_AT: usize = 24;
 
 /// What a silent rank is probably doing.
 const SILENT_WHY: &str = "busy outside kvstore: computing, loading data or writing files; or \
@@ -41,9 +47,15 @@ pub(super) struct Report {
     pub(super) seq: u64,
     /// The sender timed out in that call.
     pub(super) timed_out: bool,
+    /// (An exit record.) The sender failed: it panicked, exited with a non-zero code, or its
+    /// distributed world had failed.
+    pub(super) failed: bool,
     /// The number of the question a [`TAG_WHERE`] asks and its [`TAG_HERE`] answers.
     pub(super) query: u32,
-    /// Where the sender is, in words.
+    /// (An exit record.) The rank whose exit made the sender fail, when that is why it failed:
+    /// the record then relays that rank's exit, in `text`.
+    pub(super) cause: Option<usize>,
+    /// Where the sender is, or how it exited, in words.
     pub(super) text: String,
 }
 
@@ -52,12 +64,18 @@ impl Report {
         let mut b = [0u8; REPORT_BYTES];
         b[..8].copy_from_slice(&self.seq.to_le_bytes());
         b[8] = u8::from(self.timed_out);
+        b[9] = u8::from(self.failed);
         let mut n = self.text.len().min(REPORT_BYTES - TEXT_AT);
         while !self.text.is_char_boundary(n) {
             n -= 1;
         }
         b[10..12].copy_from_slice(&(n as u16).to_le_bytes());
         b[12..16].copy_from_slice(&self.query.to_le_bytes());
+        let cause = self
+            .cause
+            .and_then(|c| u32::try_from(c).ok())
+            .unwrap_or(u32::MAX);
+        b[16..20].copy_from_slice(&cause.to_le_bytes());
         b[TEXT_AT..TEXT_AT + n].copy_from_slice(&self.text.as_bytes()[..n]);
         b
     }
@@ -69,7 +87,12 @@ impl Report {
         Report {
             seq: u64::from_le_bytes(seq),
             timed_out: b[8] != 0,
+            failed: b[9] != 0,
             query: u32::from_le_bytes([b[12], b[13], b[14], b[15]]),
+            cause: match u32::from_le_bytes([b[16], b[17], b[18], b[19]]) {
+                u32::MAX => None,
+                c => Some(c as usize),
+            },
             text: String::from_utf8_lossy(&b[TEXT_AT..TEXT_AT + n]).into_owned(),
         }
     }
@@ -89,9 +112,32 @@ impl State {
         }
     }
 
-    /// What a wait does between its tests: answers the questions of other ranks.
+    /// Tells every other rank that this one exits ([`TAG_EXIT`]): whether it failed, because
+    /// of which rank's exit (if that is why), and how, in words.
+    pub(super) fn tell_exit(
+        &mut self,
+        world: &World,
+        failed: bool,
+        cause: Option<usize>,
+        text: &str,
+    ) {
+        let report = Report {
+            seq: self.seq,
+            failed,
+            cause,
+            text: text.to_owned(),
+            ..Report::default()
+        };
+        for r in (0..world.size).filter(|&r| r != world.rank) {
+            self.send_report(world, r, TAG_EXIT, &report);
+        }
+    }
+
+    /// What a wait does between its tests: answers the questions of other ranks and records
+    /// their exit records.
     pub(super) fn service(&mut self, world: &World) {
         self.answer_queries(world);
+        self.hear_exits();
     }
 
     /// Answers every pending "where are you?" from another rank with where this rank is. The
@@ -109,6 +155,39 @@ impl State {
             }
             self.send_report(world, src, TAG_HERE, &answer);
         }
+    }
+
+    /// Records every exit record that has arrived.
+    pub(super) fn hear_exits(&mut self) {
+        while let Some((src, report)) = self.receive(TAG_EXIT) {
+            self.exits.insert(src, report);
+        }
+    }
+
+    /// A rank that exited without making call `seq` (the last call it began is earlier), with
+    /// the exit record that says so. A rank that failed in or after call `seq` is not one: its
+    /// part of the call may be done, and its `MPI_Abort` ends the job soon anyway.
+    pub(super) fn gone(&self, seq: u64) -> Option<(usize, &Report)> {
+        self.first_exit(|rep| rep.seq < seq)
+    }
+
+    /// A rank whose exit record says that it failed.
+    pub(super) fn failed(&self) -> Option<(usize, &Report)> {
+        self.first_exit(|rep| rep.failed)
+    }
+
+    /// The first exit record that `pick`s, and the rank it names. A rank that failed because
+    /// another one exited relays that rank's exit: the rank named is then the one that exited
+    /// first. Records of ranks that exited first themselves are preferred.
+    fn first_exit(&self, pick: impl Fn(&Report) -> bool) -> Option<(usize, &Report)> {
+        let first = |relayed: bool| {
+            self.exits
+                .iter()
+                .filter(|(_, rep)| rep.cause.is_some() == relayed && pick(rep))
+                .map(|(&r, rep)| (rep.cause.unwrap_or(r), rep))
+                .next()
+        };
+        first(false).or_else(|| first(true))
     }
 
     /// Receives one waiting control message with `tag`, if there is one.
@@ -365,6 +444,43 @@ pub(super) fn wait_line(
     )
 }
 
+/// The log line of a rank that has waited `waited` at its exit (after call `seq`) for the ranks
+/// that have not reached theirs (`awaited`), given the answers of the other ranks.
+pub(super) fn exit_line(
+    me: usize,
+    seq: u64,
+    awaited: &[usize],
+    waited: Duration,
+    answers: &BTreeMap<usize, Report>,
+) -> String {
+    let mut silent = Vec::new();
+    let mut parts = Vec::new();
+    for &r in awaited {
+        match answers.get(&r) {
+            Some(rep) => parts.push(format!("rank {r} is at call #{} ({})", rep.seq, rep.text)),
+            None => silent.push(r),
+        }
+    }
+    if !silent.is_empty() {
+        parts.insert(
+            0,
+            format!(
+                "{} {} not responding ({SILENT_WHY})",
+                fingerprint::ranks(&silent),
+                is_are(&silent)
+            ),
+        );
+    }
+    format!(
+        "kvstore: rank {me}: at its exit after call #{seq}, waiting for {} for {} s now: {}. \
+         A normal exit waits for every rank to reach its own exit, with no time limit; a rank \
+         that fails ends the job",
+        fingerprint::ranks(awaited),
+        waited.as_secs(),
+        parts.join("; ")
+    )
+}
+
 /// Logs `msg` as a warning through `log` when a logger takes warnings, else on stderr: a rank
 /// that waits must be heard without a logger.
 pub(super) fn warn(msg: &str) {
@@ -401,10 +517,14 @@ mod tests {
         let r = Report {
             seq: 18,
             timed_out: true,
+            failed: true,
             query: 0xdead_beef,
+            cause: Some(3),
             text: "pull of key 5".to_owned(),
         };
         assert_eq!(Report::decode(&r.encode()), r);
+        let none = report(2, "x");
+        assert_eq!(Report::decode(&none.encode()).cause, None);
         let long = "é".repeat(200);
         let r = Report::decode(&report(1, &long).encode());
         assert!(long.starts_with(&r.text) && !r.text.is_empty());
@@ -446,5 +566,20 @@ mod tests {
         );
         assert!(line.contains("waiting for 0 s now"), "{line}");
         assert!(line.contains("every rank is in this call"), "{line}");
+    }
+
+    #[test]
+    fn an_exit_line_names_the_ranks_not_at_their_exit() {
+        let answers: BTreeMap<usize, Report> =
+            [(2, report(9, "pull of key 4"))].into_iter().collect();
+        let line = exit_line(1, 8, &[0, 2], Duration::from_secs(120), &answers);
+        for part in [
+            "kvstore: rank 1: at its exit after call #8, waiting for ranks [0, 2] for 120 s now: ",
+            "rank 0 is not responding",
+            "rank 2 is at call #9 (pull of key 4)",
+            "no time limit",
+        ] {
+            assert!(line.contains(part), "'{part}' not in: {line}");
+        }
     }
 }

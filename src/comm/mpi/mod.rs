@@ -51,21 +51,44 @@
 //! "rank 2 is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
 //! collective are leaked on purpose: MPI may still write to them.
 //!
-//! After a timeout, a desync or a failed MPI call the world is **poisoned**: every later call
-//! fails at once with [`Error::DistFailed`] naming the first failure.
+//! A rank that exits while others wait for it ends their wait at once (below): they get
+//! [`Error::RankExited`], naming it and how it exited.
+//!
+//! After a timeout, a desync, a rank that exited or a failed MPI call the world is
+//! **poisoned**: every later call fails at once with [`Error::DistFailed`] naming the first
+//! failure.
 //!
 //! # Exit
 //!
-//! A world kept in a static is never dropped, so [`World::get`] registers an exit hook
-//! (`libc::atexit`; it runs on `exit` and on return from `main`, not on a signal or `abort`):
-//! - a healthy world waits (bounded by the timeout) for every rank to reach its exit on the
-//!   control communicator, frees its communicators and calls `MPI_Finalize`: the job ends
-//!   cleanly. A rank that does not arrive in time makes it `MPI_Abort`;
-//! - a poisoned world waits one grace period for the other ranks to report their own errors,
-//!   then calls `MPI_Abort(1)`: the job ends with a non-zero exit.
+//! A world kept in a static is never dropped, so [`World::get`] registers an exit hook. It runs
+//! on `exit` and on return from `main` (a panic that unwinds out of `main` too: Rust then exits
+//! with code 101), not on a signal or `abort`. On glibc it is registered with `on_exit`, which
+//! tells it the exit status; elsewhere with `atexit`, where the status is unknown. A panic hook,
+//! chained in front of the one already set, records the process's last panic. At exit, every
+//! rank first tells every other rank on the control communicator that it exits, after which
+//! call, and whether it failed. Then:
 //!
-//! A rank killed by a signal is noticed by `mpirun`, which ends the job with a non-zero exit;
-//! the survivors' own timeout is the backstop.
+//! - **A rank that fails** (a non-zero exit status; where the status is unknown, a recorded
+//!   panic; or a poisoned world) prints why, waits for the other ranks to reach their own exit
+//!   for at most one grace period (so that those waiting in a call can report it), and calls
+//!   `MPI_Abort` with its exit status (1 for a poisoned world that exits 0): `mpirun` ends the
+//!   job at once, with that code. (Open MPI 4.1's `mpirun` lets the other ranks run on when a
+//!   rank finalizes and then exits non-zero, so a failing rank never finalizes.)
+//! - **A healthy rank** (exit status 0, world not poisoned) waits (bounded by the timeout) for
+//!   every other rank to reach its exit (an `MPI_Ibarrier` on the control communicator), frees
+//!   its communicators and calls `MPI_Finalize`: the job ends cleanly. A rank that does not
+//!   arrive in time makes it `MPI_Abort`.
+//! - **The other ranks**, while waiting in a call, read the exit records: a rank that exited
+//!   (failed or not) after a call earlier than the one they wait in will never make it, so it
+//!   ends their wait at once with [`Error::RankExited`] and poisons their world; their own exit
+//!   then aborts the job. A rank that exited in or after this very call is no reason to stop:
+//!   its part of the call may be done, and if it failed, its `MPI_Abort` ends the job within
+//!   seconds. A rank that fails because another one exited relays that rank's exit in its own
+//!   record, so every rank names the rank that exited first.
+//!
+//! A call still running on another thread when the process exits makes the hook abort the job
+//! after two seconds. A rank killed by a signal is noticed by `mpirun`, which ends the job with a
+//! non-zero exit; the survivors' own timeout is the backstop.
 //!
 //! # Environment
 //!
@@ -80,6 +103,7 @@
 
 mod collective;
 mod control;
+mod exit;
 pub(crate) mod fingerprint;
 mod poll;
 mod raw;
@@ -135,8 +159,15 @@ struct State {
     here: (u64, String),
     /// The questions of ranks that timed out, heard while waiting, by rank: their reports.
     heard: BTreeMap<usize, Report>,
+    /// The exit records of the ranks that have exited, by rank.
+    exits: BTreeMap<usize, Report>,
     /// The number of the last question this rank asked.
     next_query: u32,
+    /// Set by the exit hook: no call may begin any more.
+    closed: bool,
+    /// The rank whose exit failed this one's world first, and how it exited (the detail of
+    /// the [`Error::RankExited`]): relayed in this rank's own exit record.
+    caused_by: Option<(usize, String)>,
     /// Sent control records whose sends may not have completed: kept alive, never freed early.
     outbox: Vec<(Request, Box<[u8; REPORT_BYTES]>)>,
 }
@@ -242,10 +273,8 @@ impl World {
             Self::communicators().map_err(as_pair)?;
 
         // From here on MPI is initialised by us: the exit hook must run whatever happens.
-        // SAFETY: `exit_hook` is an `extern "C" fn()` that never unwinds (it catches nothing
-        // that can panic across the boundary: see its body); atexit only stores the pointer.
-        let rc = unsafe { libc::atexit(exit_hook) };
-        if rc != 0 {
+        exit::install_panic_hook();
+        if !exit::register() {
             eprintln!("kvstore: could not register the MPI exit hook; MPI will not be finalized");
         }
 
@@ -271,7 +300,10 @@ impl World {
                 seq: 0,
                 here: (0, "not in a call".to_owned()),
                 heard: BTreeMap::new(),
+                exits: BTreeMap::new(),
                 next_query: 0,
+                closed: false,
+                caused_by: None,
                 outbox: Vec::new(),
             }),
             poison: Mutex::new(poison),
@@ -389,12 +421,19 @@ impl World {
     /// Begins a store call: takes the world's state lock (waiting for another thread's call to
     /// end), numbers the call, and, unless the check is off, compares `fp` across ranks.
     ///
-    /// Errors: [`Error::DistFailed`] if the world is poisoned; [`Error::Desync`] if the ranks
-    /// disagree; [`Error::Timeout`] if a rank does not join within the timeout.
+    /// Errors: [`Error::DistFailed`] if the world is poisoned (or the process is exiting);
+    /// [`Error::RankExited`] if a rank has exited without making this call; [`Error::Desync`] if
+    /// the ranks disagree; [`Error::Timeout`] if a rank does not join within the timeout.
     pub fn begin(&'static self, fp: &Fingerprint) -> Result<Call> {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(first) = self.failure() {
             return Err(Error::DistFailed { op: fp.op(), first });
+        }
+        if st.closed {
+            return Err(Error::DistFailed {
+                op: fp.op(),
+                first: "the process is exiting: its distributed world is closed".to_owned(),
+            });
         }
         let mut call = Call {
             world: self,
@@ -407,113 +446,18 @@ impl World {
         call.st.seq += 1;
         call.seq = call.st.seq;
         call.st.here = (call.seq, call.summary.clone());
+        if let Some(e) = call.exited_error() {
+            self.poison_with(e.to_string());
+            return Err(e);
+        }
         if self.check {
             call.check_fingerprint(fp)?;
         }
         Ok(call)
     }
-
-    /// Runs at process exit: finalize a healthy world, abort a poisoned one.
-    fn at_exit(&self) {
-        // A call still running on another thread at exit: waiting for it could take the whole
-        // timeout, and the other ranks expect its collectives; end the job.
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let mut st = loop {
-            match self.state.try_lock() {
-                Ok(st) => break st,
-                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    eprintln!(
-                        "kvstore: rank {}: the process is exiting while a distributed call is \
-                         still running on another thread; aborting the job",
-                        self.rank
-                    );
-                    raw::abort(1);
-                }
-            }
-        };
-        if let Some(first) = self.failure() {
-            eprintln!(
-                "kvstore: rank {}: ending the job with an error because the distributed world \
-                 failed: {first}",
-                self.rank
-            );
-            // Give the other ranks a moment to reach their own errors and report them.
-            let _ = st.exit_barrier(self, self.grace());
-            raw::abort(1);
-        }
-        if let Err(e) = st.exit_barrier(self, self.timeout) {
-            eprintln!(
-                "kvstore: rank {}: at exit: {e}; aborting the job",
-                self.rank
-            );
-            raw::abort(1);
-        }
-        // SAFETY: both communicators were created by MPI_Comm_dup and are freed once, here,
-        // under the state lock; no request on them is pending (the world is healthy and every
-        // call waited for its collectives).
-        unsafe {
-            ffi::MPI_Comm_free(&mut st.data.0);
-            ffi::MPI_Comm_free(&mut st.control.0);
-        }
-        drop(st);
-        // Dropping rsmpi's universe calls MPI_Finalize.
-        let universe = self
-            .universe
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        drop(universe);
-    }
-}
-
-/// The `atexit` hook: see [`World::at_exit`].
-extern "C" fn exit_hook() {
-    // Nothing may unwind out of an extern "C" function: catch any panic and abort the job.
-    let r = std::panic::catch_unwind(|| {
-        if let Some(Ok(w)) = WORLD.get() {
-            w.at_exit();
-        }
-    });
-    if r.is_err() {
-        raw::abort(1);
-    }
 }
 
 impl State {
-    /// Waits (bounded by `limit`) until every rank reaches its exit.
-    fn exit_barrier(&mut self, world: &World, limit: Duration) -> Result<()> {
-        let mut req = Request::null();
-        // SAFETY: the control communicator is valid until `at_exit` frees it after this barrier;
-        // `req` is a valid out-pointer.
-        let rc = unsafe { ffi::MPI_Ibarrier(self.control.0, &mut req.0) };
-        raw::check("exit", rc)?;
-        self.here.1 = "at its exit".to_owned();
-        let start = Instant::now();
-        let mut backoff = Backoff::new(start, 0);
-        loop {
-            if self.test(&mut [req], "exit")? {
-                return Ok(());
-            }
-            if start.elapsed() > limit {
-                // The request stays pending; the caller aborts.
-                return Err(Error::Mpi {
-                    op: "exit",
-                    message: format!(
-                        "not every rank reached its exit within {:.1} s",
-                        limit.as_secs_f64()
-                    ),
-                });
-            }
-            if backoff.pause() != poll::Phase::Spin {
-                self.answer_queries(world);
-            }
-        }
-    }
-
     /// One `MPI_Testall`: whether all of `reqs` have completed (completed ones become null).
     fn test(&mut self, reqs: &mut [Request], op: &'static str) -> Result<bool> {
         let mut flag: c_int = 0;
@@ -600,8 +544,10 @@ impl Call {
 
     /// Polls `reqs` until all complete, within the timeout counted from `start`. Once the wait
     /// has lasted [`poll::SLEEP_MAX`], it also, at most that often, answers the other ranks'
-    /// questions, and logs every `KVSTORE_WAIT_LOG_SECS` whom it waits for. On a timeout, finds
-    /// out where the other ranks are, poisons the world and returns [`Error::Timeout`].
+    /// questions, reads their exit records (a rank gone for good ends the wait with
+    /// [`Error::RankExited`]), and logs every `KVSTORE_WAIT_LOG_SECS` whom it waits for. On a
+    /// timeout, finds out where the other ranks are, poisons the world and returns
+    /// [`Error::Timeout`].
     fn poll(
         &mut self,
         reqs: &mut [Request],
@@ -632,6 +578,10 @@ impl Call {
                     self.st.here.1 = format!("{}, in its {what}", self.summary);
                 }
                 self.st.service(self.world);
+                if let Some(err) = self.exited_error() {
+                    self.world.poison_with(err.to_string());
+                    return Err(err);
+                }
                 let watch = watch.get_or_insert_with(|| Watch::new(self.world, start));
                 if let Some(answers) = watch.tick(&mut self.st, self.world) {
                     control::warn(&control::wait_line(
@@ -653,6 +603,30 @@ impl Call {
         }
     }
 
+    /// The error of this call if a rank has exited without making it (see [`State::gone`]); it
+    /// is kept as the cause of this rank's failure.
+    fn exited_error(&mut self) -> Option<Error> {
+        let (rank, rep) = self.st.gone(self.seq)?;
+        let detail = if rep.failed {
+            rep.text.clone()
+        } else {
+            format!(
+                "{}, without making this call: every rank must make the same kvstore calls in \
+                 the same order",
+                rep.text
+            )
+        };
+        self.st
+            .caused_by
+            .get_or_insert_with(|| (rank, detail.clone()));
+        Some(Error::RankExited {
+            op: self.op,
+            seq: self.seq,
+            rank,
+            detail,
+        })
+    }
+
     /// After a timeout in `what`: tells every rank where this one is, listens for their
     /// reports for a grace period, and builds the error.
     fn diagnose(&mut self, what: &str) -> Error {
@@ -664,6 +638,7 @@ impl Call {
             timed_out: true,
             query,
             text: here.clone(),
+            ..Report::default()
         };
         self.st.ask_all(world, &question);
         self.st.here.1 = format!("{here}, where it timed out");
