@@ -155,6 +155,27 @@ fn launcher_variables_that_disagree_with_mpi_are_an_error() {
     assert_ne!(job.code, Some(0), "{job}");
 }
 
+// --- Exit and slow ranks (issue 16) ---------------------------------------------------------
+
+/// Fault 6: rank 1 returns from `main` right after the last store call while rank 0 spends three
+/// times `KVSTORE_TIMEOUT` writing its model. A normal exit is not a failure: rank 1 must wait for
+/// rank 0 (logging that it does), and rank 0 must finish its work; the job exits 0.
+#[test]
+fn a_normal_exit_waits_for_a_rank_still_writing_its_model_and_never_kills_it() {
+    let env = [("KVSTORE_TIMEOUT", "2"), ("KVSTORE_WAIT_LOG_SECS", "1")];
+    let Some(job) = launch(Some(2), "slow_writer", &env, Duration::from_secs(60)) else {
+        return;
+    };
+    job.assert_healthy(2, "slow_writer");
+    job.assert_ok(&[0], 2, "slow_writer", &["wrote 6 chunks"]);
+    assert!(
+        job.stderr.lines().any(
+            |l| l.starts_with("kvstore: rank 1: at its exit after call #1, waiting for rank 0")
+        ),
+        "the rank at its exit must say whom it waits for\n{job}"
+    );
+}
+
 /// Fault 7: rank 1 fails (`how`) after call 1 while ranks 0 and 2 wait in call 2 (`KVSTORE_TIMEOUT`
 /// is 60 s). They must get `Error::RankExited` naming rank 1 at once, and the job must end
 /// non-zero well before the timeout.
@@ -195,6 +216,26 @@ fn a_rank_that_exits_with_code_1_ends_the_job_at_once_and_the_others_name_it() {
 #[test]
 fn a_rank_that_exits_normally_before_a_call_fails_the_others_at_once() {
     a_failed_rank_ends_the_job("exit0", &["exited normally after its call #1"]);
+}
+
+/// A rank waiting at its normal exit must not outlive a rank that fails afterwards: rank 1
+/// returns from `main`, then rank 0 panics outside any call. Rank 1 hears of it, says so, and the
+/// job ends non-zero at once (`KVSTORE_TIMEOUT` is 60 s).
+#[test]
+fn a_rank_waiting_at_its_exit_ends_the_job_when_another_rank_then_fails() {
+    let env = [("KVSTORE_TIMEOUT", "60")];
+    let Some(job) = launch(Some(2), "fail_after_exit", &env, Duration::from_secs(100)) else {
+        return;
+    };
+    assert!(!job.killed, "the job must end by itself\n{job}");
+    assert!(job.took < Duration::from_secs(30), "{job}");
+    assert_ne!(job.code, Some(0), "{job}");
+    job.assert_ok(&[1], 2, "fail_after_exit", &[]);
+    assert!(
+        job.stderr
+            .contains("kvstore: rank 1: at its exit: rank 0 exited with code 101"),
+        "rank 1 must say which rank failed\n{job}"
+    );
 }
 
 /// A slow rank is not a dead one: rank 1 comes to call 2 four seconds late (the log interval is
@@ -260,7 +301,9 @@ fn inner() {
         "skip" => case_skip(),
         "sigkill" => case_sigkill(),
         "env_mismatch" => case_env_mismatch(),
+        "slow_writer" => case_slow_writer(),
         "rank_fails" => case_rank_fails(),
+        "fail_after_exit" => case_fail_after_exit(),
         "slow_rank" => case_slow_rank(),
         "bad_wait_log" => case_bad_wait_log(),
         other => panic!("unknown case {other}"),
@@ -504,6 +547,28 @@ fn pull_from_0(w: &'static World, key: i32) {
     assert_eq!(got, vec![0f32; 4]);
 }
 
+fn case_slow_writer() {
+    let w = World::get().expect("the world");
+    pull_from_0(w, 1);
+    if w.rank() == 1 {
+        ok(w, "slow_writer", "returned from main");
+        return;
+    }
+    // Rank 0 writes its "model" for three times the timeout, a chunk every half timeout.
+    let path = std::env::temp_dir().join(format!("kvt-model-{}.bin", std::process::id()));
+    let mut file = std::fs::File::create(&path).expect("create the model file");
+    let chunk = vec![7u8; 1 << 16];
+    for _ in 0..6 {
+        std::thread::sleep(w.timeout() / 2);
+        std::io::Write::write_all(&mut file, &chunk).expect("write the model");
+    }
+    drop(file);
+    let len = std::fs::metadata(&path).expect("the model file").len();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(len, 6 << 16);
+    ok(w, "slow_writer", "wrote 6 chunks");
+}
+
 fn case_rank_fails() {
     let w = World::get().expect("the world");
     let how = std::env::var("KVT_HOW").expect("KVT_HOW");
@@ -543,6 +608,17 @@ fn case_rank_fails() {
         "rank_fails",
         &format!("after {:?}: {e:?} || {e}", t.elapsed()),
     );
+}
+
+fn case_fail_after_exit() {
+    let w = World::get().expect("the world");
+    pull_from_0(w, 1);
+    if w.rank() == 1 {
+        ok(w, "fail_after_exit", "returned from main");
+        return;
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    panic!("rank 0 fails after rank 1 returned");
 }
 
 fn case_slow_rank() {

@@ -168,10 +168,7 @@ impl World {
         }
         let text = format!("exited normally after its call #{}", st.seq);
         st.tell_exit(self, false, None, &text);
-        if let Err(why) = st
-            .exit_wait(self, Some(self.timeout))
-            .and_then(|()| st.settle_exit(self))
-        {
+        if let Err(why) = st.exit_wait(self, None).and_then(|()| st.settle_exit(self)) {
             control::say(&format!(
                 "kvstore: rank {}: at its exit: {why}; ending the job (MPI_Abort with code 1)",
                 self.rank

@@ -74,10 +74,14 @@
 //!   `MPI_Abort` with its exit status (1 for a poisoned world that exits 0): `mpirun` ends the
 //!   job at once, with that code. (Open MPI 4.1's `mpirun` lets the other ranks run on when a
 //!   rank finalizes and then exits non-zero, so a failing rank never finalizes.)
-//! - **A healthy rank** (exit status 0, world not poisoned) waits (bounded by the timeout) for
-//!   every other rank to reach its exit (an `MPI_Ibarrier` on the control communicator), frees
-//!   its communicators and calls `MPI_Finalize`: the job ends cleanly. A rank that does not
-//!   arrive in time makes it `MPI_Abort`.
+//! - **A healthy rank** (exit status 0, world not poisoned) waits for every other rank to reach
+//!   its exit (an `MPI_Ibarrier` on the control communicator), frees its communicators and calls
+//!   `MPI_Finalize`: the job ends cleanly. A normal exit is not a failure, so this wait has **no
+//!   time limit**: a rank still working (writing the model, say) is never killed by another
+//!   rank's normal exit. While it waits, the rank answers the others' questions and logs every
+//!   `KVSTORE_WAIT_LOG_SECS` whom it waits for. It cannot hang forever on a dead rank: `mpirun`
+//!   ends the job when a rank dies or exits without finalizing. It aborts the job at once if
+//!   another rank's exit record says that rank failed.
 //! - **The other ranks**, while waiting in a call, read the exit records: a rank that exited
 //!   (failed or not) after a call earlier than the one they wait in will never make it, so it
 //!   ends their wait at once with [`Error::RankExited`] and poisons their world; their own exit
