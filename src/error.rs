@@ -379,8 +379,30 @@ pub enum Error {
         detail: String,
     },
 
-    /// A distributed call after the distributed world failed (a timeout, a desync or an MPI
-    /// error). Restart the job; `first` is the first failure.
+    /// Another rank of a distributed store exited before making this call: it failed (it
+    /// panicked, exited with a non-zero code, or its own distributed world had failed), or it
+    /// exited normally with calls still to make. The call can never complete. The distributed
+    /// world is unusable afterwards: later calls fail with [`Error::DistFailed`], and the job ends
+    /// with a non-zero exit.
+    #[error(
+        "{op} (call #{seq}): rank {rank} {detail}, so this call can never complete. The \
+         distributed world is unusable now: see rank {rank}'s own output for why it exited, fix \
+         that, and restart the job"
+    )]
+    RankExited {
+        /// The operation on this rank.
+        op: &'static str,
+        /// This rank's call sequence number.
+        seq: u64,
+        /// The rank that exited.
+        rank: usize,
+        /// How it exited ("exited with code 101 after its call #4 (its last panic: ...)"), and
+        /// what to do.
+        detail: String,
+    },
+
+    /// A distributed call after the distributed world failed (a timeout, a desync, a rank that
+    /// exited, or an MPI error). Restart the job; `first` is the first failure.
     #[error(
         "{op}: the distributed world failed earlier and cannot be used any more (first failure: \
          {first}); fix that failure and restart the job"

@@ -33,6 +33,7 @@
 mod backend;
 pub mod checkpoint;
 mod comm;
+mod config;
 mod device;
 mod dtype;
 mod error;

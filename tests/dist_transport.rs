@@ -155,6 +155,136 @@ fn launcher_variables_that_disagree_with_mpi_are_an_error() {
     assert_ne!(job.code, Some(0), "{job}");
 }
 
+// --- Exit and slow ranks (issue 16) ---------------------------------------------------------
+
+/// Fault 6: rank 1 returns from `main` right after the last store call while rank 0 spends three
+/// times `KVSTORE_TIMEOUT` writing its model. A normal exit is not a failure: rank 1 must wait for
+/// rank 0 (logging that it does), and rank 0 must finish its work; the job exits 0.
+#[test]
+fn a_normal_exit_waits_for_a_rank_still_writing_its_model_and_never_kills_it() {
+    let env = [("KVSTORE_TIMEOUT", "2"), ("KVSTORE_WAIT_LOG_SECS", "1")];
+    let Some(job) = launch(Some(2), "slow_writer", &env, Duration::from_secs(60)) else {
+        return;
+    };
+    job.assert_healthy(2, "slow_writer");
+    job.assert_ok(&[0], 2, "slow_writer", &["wrote 6 chunks"]);
+    assert!(
+        job.stderr.lines().any(
+            |l| l.starts_with("kvstore: rank 1: at its exit after call #1, waiting for rank 0")
+        ),
+        "the rank at its exit must say whom it waits for\n{job}"
+    );
+}
+
+/// Fault 7: rank 1 fails (`how`) after call 1 while ranks 0 and 2 wait in call 2 (`KVSTORE_TIMEOUT`
+/// is 60 s). They must get `Error::RankExited` naming rank 1 at once, and the job must end
+/// non-zero well before the timeout.
+fn a_failed_rank_ends_the_job(how: &str, needles: &[&str]) {
+    let env = [("KVSTORE_TIMEOUT", "60"), ("KVT_HOW", how)];
+    let Some(job) = launch(Some(3), "rank_fails", &env, Duration::from_secs(100)) else {
+        return;
+    };
+    assert!(!job.killed, "the job must end by itself\n{job}");
+    assert!(
+        job.took < Duration::from_secs(30),
+        "the job must end well before KVSTORE_TIMEOUT=60 s, not after it\n{job}"
+    );
+    let mut all = vec!["RankExited { op: ", "rank: 1", "rank 1 exited"];
+    all.extend_from_slice(needles);
+    job.assert_ok(&[0, 2], 3, "rank_fails", &all);
+    assert!(
+        job.ok_line(1, 3, "rank_fails").is_none(),
+        "rank 1 must not finish\n{job}"
+    );
+    assert_ne!(
+        job.code,
+        Some(0),
+        "a failed rank must end the job non-zero\n{job}"
+    );
+}
+
+#[test]
+fn a_rank_that_panics_ends_the_job_at_once_and_the_others_name_it() {
+    a_failed_rank_ends_the_job("panic", &["code 101", "rank 1 fails on purpose"]);
+}
+
+#[test]
+fn a_rank_that_exits_with_code_1_ends_the_job_at_once_and_the_others_name_it() {
+    a_failed_rank_ends_the_job("exit1", &["code 1 ", "barrier"]);
+}
+
+#[test]
+fn a_rank_that_exits_normally_before_a_call_fails_the_others_at_once() {
+    a_failed_rank_ends_the_job("exit0", &["exited normally after its call #1"]);
+}
+
+/// A rank waiting at its normal exit must not outlive a rank that fails afterwards: rank 1
+/// returns from `main`, then rank 0 panics outside any call. Rank 1 hears of it, says so, and the
+/// job ends non-zero at once (`KVSTORE_TIMEOUT` is 60 s).
+#[test]
+fn a_rank_waiting_at_its_exit_ends_the_job_when_another_rank_then_fails() {
+    let env = [("KVSTORE_TIMEOUT", "60")];
+    let Some(job) = launch(Some(2), "fail_after_exit", &env, Duration::from_secs(100)) else {
+        return;
+    };
+    assert!(!job.killed, "the job must end by itself\n{job}");
+    assert!(job.took < Duration::from_secs(30), "{job}");
+    assert_ne!(job.code, Some(0), "{job}");
+    job.assert_ok(&[1], 2, "fail_after_exit", &[]);
+    assert!(
+        job.stderr
+            .contains("kvstore: rank 1: at its exit: rank 0 exited with code 101"),
+        "rank 1 must say which rank failed\n{job}"
+    );
+}
+
+/// A slow rank is not a dead one: rank 1 comes to call 2 four seconds late (the log interval is
+/// 1 s, the timeout 60 s). Rank 0 must say, while it waits, that it waits for rank 1 and in which
+/// call; the job then completes with the right sum and exits 0.
+#[test]
+fn a_slow_rank_is_named_in_the_wait_log_and_the_job_completes() {
+    let env = [("KVSTORE_TIMEOUT", "60"), ("KVSTORE_WAIT_LOG_SECS", "1")];
+    let Some(job) = launch(Some(3), "slow_rank", &env, Duration::from_secs(60)) else {
+        return;
+    };
+    job.assert_healthy(3, "slow_rank");
+    assert!(job.took < Duration::from_secs(30), "{job}");
+    let logged: Vec<&str> = job
+        .stderr
+        .lines()
+        .filter(|l| l.contains("kvstore: rank 0: waiting for rank 1 "))
+        .collect();
+    assert!(
+        !logged.is_empty(),
+        "rank 0 must log that it waits for rank 1\n{job}"
+    );
+    for needle in [
+        "call #2 (push of key 7)",
+        "rank 1 is not responding",
+        "rank 2 is waiting in this same call",
+    ] {
+        assert!(
+            logged.iter().any(|l| l.contains(needle)),
+            "'{needle}' not in rank 0's wait log: {logged:?}\n{job}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_wait_log_interval_is_an_error_naming_the_variable() {
+    let env = [("KVSTORE_WAIT_LOG_SECS", "soon")];
+    let Some(job) = launch(None, "bad_wait_log", &env, Duration::from_secs(30)) else {
+        return;
+    };
+    assert!(!job.killed, "{job}");
+    job.assert_ok(
+        &[0],
+        1,
+        "bad_wait_log",
+        &["KVSTORE_WAIT_LOG_SECS", "'soon'"],
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The inner side: one case, on every rank.
 // ---------------------------------------------------------------------------------------------
@@ -171,6 +301,11 @@ fn inner() {
         "skip" => case_skip(),
         "sigkill" => case_sigkill(),
         "env_mismatch" => case_env_mismatch(),
+        "slow_writer" => case_slow_writer(),
+        "rank_fails" => case_rank_fails(),
+        "fail_after_exit" => case_fail_after_exit(),
+        "slow_rank" => case_slow_rank(),
+        "bad_wait_log" => case_bad_wait_log(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -398,4 +533,127 @@ fn case_env_mismatch() {
     };
     assert_eq!(var, "RANK");
     println!("KVT rank=0 size=1 OK env_mismatch {e}");
+}
+
+/// One broadcast of key `key` from rank 0, as a whole call.
+fn pull_from_0(w: &'static World, key: i32) {
+    let mut call = w
+        .begin(&Fingerprint::new("pull").entry(key, &[4], DType::F32))
+        .expect("begin");
+    let p = call
+        .broadcast(vec![w.rank() as f32; 4], 0)
+        .expect("broadcast");
+    let got = call.wait(p).expect("broadcast wait").recv;
+    assert_eq!(got, vec![0f32; 4]);
+}
+
+fn case_slow_writer() {
+    let w = World::get().expect("the world");
+    pull_from_0(w, 1);
+    if w.rank() == 1 {
+        ok(w, "slow_writer", "returned from main");
+        return;
+    }
+    // Rank 0 writes its "model" for three times the timeout, a chunk every half timeout.
+    let path = std::env::temp_dir().join(format!("kvt-model-{}.bin", std::process::id()));
+    let mut file = std::fs::File::create(&path).expect("create the model file");
+    let chunk = vec![7u8; 1 << 16];
+    for _ in 0..6 {
+        std::thread::sleep(w.timeout() / 2);
+        std::io::Write::write_all(&mut file, &chunk).expect("write the model");
+    }
+    drop(file);
+    let len = std::fs::metadata(&path).expect("the model file").len();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(len, 6 << 16);
+    ok(w, "slow_writer", "wrote 6 chunks");
+}
+
+fn case_rank_fails() {
+    let w = World::get().expect("the world");
+    let how = std::env::var("KVT_HOW").expect("KVT_HOW");
+    pull_from_0(w, 1);
+    let t = Instant::now();
+    if w.rank() == 1 {
+        match how.as_str() {
+            "panic" => panic!("rank 1 fails on purpose"),
+            "exit1" => std::process::exit(1),
+            _ => std::process::exit(0),
+        }
+    }
+    let r = match how.as_str() {
+        "exit1" => w
+            .begin(&Fingerprint::new("barrier"))
+            .and_then(|mut call| call.barrier()),
+        _ => w
+            .begin(&Fingerprint::new("push").entry(2, &[4], DType::F32))
+            .and_then(|mut call| {
+                let recv = if w.rank() == 0 {
+                    vec![0f32; 4]
+                } else {
+                    Vec::new()
+                };
+                let p = call.reduce_sum(vec![1f32; 4], recv, 0)?;
+                call.wait(p).map(drop)
+            }),
+    };
+    let e = r.expect_err("rank 1 is gone: this call cannot complete");
+    let later = w
+        .begin(&Fingerprint::new("barrier"))
+        .err()
+        .expect("poisoned");
+    assert!(matches!(later, Error::DistFailed { .. }), "{later}");
+    ok(
+        w,
+        "rank_fails",
+        &format!("after {:?}: {e:?} || {e}", t.elapsed()),
+    );
+}
+
+fn case_fail_after_exit() {
+    let w = World::get().expect("the world");
+    pull_from_0(w, 1);
+    if w.rank() == 1 {
+        ok(w, "fail_after_exit", "returned from main");
+        return;
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    panic!("rank 0 fails after rank 1 returned");
+}
+
+fn case_slow_rank() {
+    let w = World::get().expect("the world");
+    pull_from_0(w, 1);
+    if w.rank() == 1 {
+        // A validation pass: longer than the log interval, far shorter than the timeout.
+        std::thread::sleep(Duration::from_secs(4));
+    }
+    let n = 1_000;
+    let mut call = w
+        .begin(&Fingerprint::new("push").entry(7, &[n], DType::F32))
+        .expect("begin");
+    let recv = if w.rank() == 0 {
+        poisoned(n)
+    } else {
+        Vec::new()
+    };
+    let p = call
+        .reduce_sum(data::<f32>(w.rank(), 7, n), recv, 0)
+        .expect("reduce");
+    let got = call.wait(p).expect("reduce wait").recv;
+    if w.rank() == 0 {
+        check_sum(&got, 7, n, w.size(), 0, "reduce after a slow rank");
+    }
+    drop(call);
+    pull_from_0(w, 8);
+    ok(w, "slow_rank", "");
+}
+
+fn case_bad_wait_log() {
+    let e = World::get().err().expect("an environment error");
+    let Error::DistEnv { var, .. } = &e else {
+        panic!("want DistEnv, got {e}");
+    };
+    assert_eq!(var, "KVSTORE_WAIT_LOG_SECS");
+    println!("KVT rank=0 size=1 OK bad_wait_log {e}");
 }

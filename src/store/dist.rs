@@ -41,6 +41,7 @@ use crate::comm::dist::{self, Dist, GpuPiece, Piece, Scattered, Sum, SumData};
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
+use crate::config::Config;
 use crate::host::HostData;
 use crate::ndarray::Storage;
 use crate::{cpu, Device, Error, Key, NDArray, Result, Shape};
@@ -48,7 +49,7 @@ use crate::{cpu, Device, Error, Key, NDArray, Result, Shape};
 /// The link of a store of `kind` (named `name`): one rank alone for the single-process kinds;
 /// the distributed world for the `dist_*` kinds, where `dist_device_sync` on a machine with
 /// GPUs keeps each rank's values on its GPU and moves them over NCCL.
-pub(super) fn connect(kind: StoreKind, name: &str) -> Result<Dist> {
+pub(super) fn connect(kind: StoreKind, name: &str, config: &Config) -> Result<Dist> {
     if !kind.is_dist() {
         return Ok(Dist::solo());
     }
@@ -62,7 +63,7 @@ pub(super) fn connect(kind: StoreKind, name: &str) -> Result<Dist> {
             )
         });
     }
-    Dist::connect(on_gpu).map_err(|e| match e {
+    Dist::connect(on_gpu, config).map_err(|e| match e {
         Error::KindUnavailable { reason, .. } => Error::KindUnavailable {
             kind: name.to_owned(),
             reason,

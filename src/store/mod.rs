@@ -31,10 +31,10 @@ mod validate;
 use std::collections::HashSet;
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::backend::cpu::PAR_MIN_BYTES;
 use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::Dist;
 use crate::comm::{self, Ctx, KeyPush, Spread};
+use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
 use dist::Inputs;
 
@@ -66,24 +66,6 @@ impl Active {
             self.generation,
             self.hyper.describe()
         )
-    }
-}
-
-/// `KVSTORE_PAR_MIN_BYTES`, or [`PAR_MIN_BYTES`] when it is unset.
-fn par_min_bytes_from_env() -> Result<usize> {
-    const VAR: &str = "KVSTORE_PAR_MIN_BYTES";
-    match std::env::var(VAR) {
-        Err(std::env::VarError::NotPresent) => Ok(PAR_MIN_BYTES),
-        Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
-            var: VAR,
-            value: v,
-            expected: "a whole number of bytes (0 = always split over threads)",
-        }),
-        Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidEnv {
-            var: VAR,
-            value: v.to_string_lossy().into_owned(),
-            expected: "a whole number of bytes (0 = always split over threads)",
-        }),
     }
 }
 
@@ -143,13 +125,14 @@ impl KvStore {
                 log::warn!("kvstore: no GPU found; '{name}' stores keep their values on the CPU")
             });
         }
-        let ranks = dist::connect(kind, &name)?;
-        KvStore::with_ranks(kind, name, ranks)
+        let config = Config::from_env()?;
+        let ranks = dist::connect(kind, &name, &config)?;
+        KvStore::with_ranks(kind, name, ranks, &config)
     }
 
     /// A store of `kind`, named `name`, over `ranks`.
-    fn with_ranks(kind: StoreKind, name: String, ranks: Dist) -> Result<KvStore> {
-        let par_min_bytes = par_min_bytes_from_env()?;
+    fn with_ranks(kind: StoreKind, name: String, ranks: Dist, config: &Config) -> Result<KvStore> {
+        let par_min_bytes = config.par_min_bytes;
         Ok(KvStore {
             name,
             kind,
@@ -922,7 +905,8 @@ impl KvStore {
         bound: usize,
     ) -> Result<KvStore> {
         let ranks = Dist::over(Box::new(link), bound)?;
-        KvStore::with_ranks(StoreKind::DistSync, "dist_sync".to_owned(), ranks)
+        let config = Config::from_vars(|_| None)?;
+        KvStore::with_ranks(StoreKind::DistSync, "dist_sync".to_owned(), ranks, &config)
     }
 }
 

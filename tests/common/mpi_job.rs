@@ -19,12 +19,13 @@ pub const CASE_VAR: &str = "KVT_CASE";
 
 /// Variables a job never inherits from the test's own environment (a launcher's, or kvstore's
 /// settings): a job sees only what its `env` sets.
-const CLEARED: [&str; 8] = [
+const CLEARED: [&str; 9] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "KVSTORE_TIMEOUT",
+    "KVSTORE_WAIT_LOG_SECS",
     "KVSTORE_DIST_CHECK",
     "KVSTORE_BIGARRAY_BOUND",
     "KVSTORE_PAR_MIN_BYTES",

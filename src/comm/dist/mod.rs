@@ -27,9 +27,10 @@ use super::fingerprint::Fingerprint;
 use super::link::{self, Link, Op, Round};
 use super::nccl::RankComm;
 use super::spread::{slice_block, Spread};
+use crate::config::Config;
 use crate::host::HostData;
 use crate::{DType, Device, Element, Error, NDArray, Result};
-pub(crate) use pool::Pool;
+pub(crate) use pool::{Pool, DEFAULT_POOL_BYTES};
 
 pub(crate) use gpu::GpuPiece;
 
@@ -62,8 +63,7 @@ impl Dist {
         }
     }
 
-    /// Joins the distributed world and reads `KVSTORE_BIGARRAY_BOUND` and
-    /// `KVSTORE_DIST_POOL_BYTES`.
+    /// Joins the distributed world, with the bound and the pool size of `config`.
     ///
     /// - Host-memory ranks (`on_gpu` false) join over MPI (initialised once per process).
     /// - GPU ranks also join an NCCL communicator of every rank, each on the GPU its local rank
@@ -71,10 +71,9 @@ impl Dist {
     ///   the NCCL id travels over MPI; started without MPI (`RANK`, `WORLD_SIZE`,
     ///   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them), NCCL's own
     ///   bootstrap exchanges it and NCCL carries everything, MPI is never initialised.
-    pub fn connect(on_gpu: bool) -> Result<Dist> {
-        let bound = bound_from_env()?;
-        let pool = Pool::process()?;
-        Dist::joined(link::connect(on_gpu)?, bound, pool)
+    pub fn connect(on_gpu: bool, config: &Config) -> Result<Dist> {
+        let pool = Pool::process(config.pool_bytes);
+        Dist::joined(link::connect(on_gpu, config)?, config.bigarray_bound, pool)
     }
 
     /// A store's link over `link`, once the ranks agree on the setup: every rank creates its
@@ -191,25 +190,6 @@ impl Dist {
     pub fn barrier(&self) -> Result<()> {
         let mut round = self.begin(Fingerprint::new("barrier"))?;
         round.barrier()
-    }
-}
-
-/// `KVSTORE_BIGARRAY_BOUND`, or [`DEFAULT_BIGARRAY_BOUND`].
-fn bound_from_env() -> Result<usize> {
-    const VAR: &str = "KVSTORE_BIGARRAY_BOUND";
-    let expected = "a whole number of elements (keys with more are sliced over every rank)";
-    match std::env::var(VAR) {
-        Err(std::env::VarError::NotPresent) => Ok(DEFAULT_BIGARRAY_BOUND),
-        Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
-            var: VAR,
-            value: v,
-            expected,
-        }),
-        Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidEnv {
-            var: VAR,
-            value: v.to_string_lossy().into_owned(),
-            expected,
-        }),
     }
 }
 

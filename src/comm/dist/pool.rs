@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::host::{convert_into, with_host, HostData};
-use crate::{DType, Element, Error, Result};
+use crate::{DType, Element};
 
 /// The default of `KVSTORE_DIST_POOL_BYTES`.
 pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
@@ -31,36 +31,12 @@ fn room_bytes(b: &HostData) -> usize {
 
 impl Pool {
     /// The process's pool, shared by every distributed store of the process so that the bound
-    /// holds per process: made on first use, keeping at most `KVSTORE_DIST_POOL_BYTES` bytes.
-    pub fn process() -> Result<Arc<Pool>> {
+    /// holds per process: made by the first store, keeping at most `max_bytes` bytes
+    /// (`KVSTORE_DIST_POOL_BYTES` of that store's configuration).
+    pub fn process(max_bytes: usize) -> Arc<Pool> {
         static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
-        if let Some(pool) = POOL.get() {
-            return Ok(pool.clone());
-        }
-        let pool = Arc::new(Pool::from_env()?);
-        Ok(POOL.get_or_init(|| pool).clone())
-    }
-
-    /// A pool that keeps at most `KVSTORE_DIST_POOL_BYTES` bytes.
-    pub fn from_env() -> Result<Pool> {
-        const VAR: &str = "KVSTORE_DIST_POOL_BYTES";
-        let expected = "a whole number of bytes (0 keeps no buffers between calls)";
-        let max_bytes = match std::env::var(VAR) {
-            Err(std::env::VarError::NotPresent) => DEFAULT_POOL_BYTES,
-            Ok(v) => v.trim().parse().map_err(|_| Error::InvalidEnv {
-                var: VAR,
-                value: v,
-                expected,
-            })?,
-            Err(std::env::VarError::NotUnicode(v)) => {
-                return Err(Error::InvalidEnv {
-                    var: VAR,
-                    value: v.to_string_lossy().into_owned(),
-                    expected,
-                })
-            }
-        };
-        Ok(Pool::with_max_bytes(max_bytes))
+        POOL.get_or_init(|| Arc::new(Pool::with_max_bytes(max_bytes)))
+            .clone()
     }
 
     /// The most bytes the pool keeps.

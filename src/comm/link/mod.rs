@@ -24,6 +24,7 @@ pub(crate) mod solo;
 
 use super::fingerprint::{ranks, Fingerprint};
 use super::nccl::RankComm;
+use crate::config::Config;
 use crate::host::HostData;
 use crate::{Error, Result};
 
@@ -146,9 +147,9 @@ pub(crate) fn internal(what: &str) -> Error {
 /// Joins the link of a distributed store. `on_gpu`: the ranks keep their values on GPUs
 /// (`dist_device_sync` on a machine with GPUs) and move them over NCCL. Ranks started without
 /// MPI (`WORLD_SIZE` set, no MPI launcher's variables) use NCCL alone.
-pub(crate) fn connect(on_gpu: bool) -> Result<Box<dyn Link>> {
+pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Box<dyn Link>> {
     if on_gpu && nccl::launched_without_mpi() {
-        return Ok(Box::new(nccl::NcclLink::from_env()?));
+        return Ok(Box::new(nccl::NcclLink::from_env(config)?));
     }
     connect_mpi(on_gpu)
 }

@@ -14,6 +14,7 @@ use super::{Link, Op, Round, Ticket};
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::comm::launch::LaunchEnv;
 use crate::comm::nccl::RankComm;
+use crate::config::Config;
 use crate::host::HostData;
 use crate::{DType, Device, Error, NDArray, Result};
 
@@ -42,9 +43,9 @@ pub(crate) struct NcclLink {
 
 impl NcclLink {
     /// Joins the NCCL communicator of every rank the launcher's environment describes.
-    pub fn from_env() -> Result<NcclLink> {
+    pub fn from_env(config: &Config) -> Result<NcclLink> {
         let launch = LaunchEnv::from_process()?;
-        let check = crate::comm::launch::env_switch("KVSTORE_DIST_CHECK", true)?;
+        let check = config.dist_check;
         Ok(NcclLink {
             rc: RankComm::from_env()?,
             check,

@@ -31,40 +31,83 @@
 //! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::immediate_barrier`]) and waits for
 //! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]).
 //!
-//! # No hang
+//! # No hang, and no kill for a slow rank
 //!
-//! Every wait is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`], 300 s;
-//! PyTorch's NCCL default is 10 min). A pending MPI collective can be neither finished nor
-//! cancelled, so on a timeout the rank tells every other rank where it is (call number and what
-//! it waits for) on the control communicator and listens for a grace period (half the timeout,
-//! between 0.5 and 5 s). Ranks waiting in a kvstore call answer at once. The error,
-//! [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is: "rank 2
-//! is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
+//! Every wait in a call is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`],
+//! 30 minutes, as PyTorch's `init_process_group`; its NCCL backend waits 10). A slow rank is not
+//! a dead one: a validation pass, a data load or a checkpoint write on one rank makes the others
+//! wait that long in their next call, and a training job must survive it. While a wait lasts,
+//! every `KVSTORE_WAIT_LOG_SECS` (default 60 s) the waiting rank asks the other ranks where they
+//! are and logs whom it waits for and where they are, as a warning through `log`, or on stderr
+//! when no logger takes warnings: "kvstore: rank 0: waiting for rank 1 for 60 s now, in call #7
+//! (push of key 3), in its reduce to rank 0: rank 1 is not responding (busy outside kvstore
+//! ...); rank 2 is waiting in this same call". A rank that is waiting in a kvstore call or at its
+//! exit answers at once; a rank busy outside kvstore does not.
+//!
+//! A pending MPI collective can be neither finished nor cancelled, so on a timeout the rank
+//! tells every other rank where it is (call number and what it waits for) on the control
+//! communicator and listens for a grace period (half the timeout, between 0.5 and 5 s). The
+//! error, [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is:
+//! "rank 2 is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
 //! collective are leaked on purpose: MPI may still write to them.
 //!
-//! After a timeout, a desync or a failed MPI call the world is **poisoned**: every later call
-//! fails at once with [`Error::DistFailed`] naming the first failure.
+//! A rank that exits while others wait for it ends their wait at once (below): they get
+//! [`Error::RankExited`], naming it and how it exited.
+//!
+//! After a timeout, a desync, a rank that exited or a failed MPI call the world is
+//! **poisoned**: every later call fails at once with [`Error::DistFailed`] naming the first
+//! failure.
 //!
 //! # Exit
 //!
-//! A world kept in a static is never dropped, so [`World::get`] registers an exit hook
-//! (`libc::atexit`; it runs on `exit` and on return from `main`, not on a signal or `abort`):
-//! - a healthy world waits (bounded by the timeout) for every rank to reach its exit on the
-//!   control communicator, frees its communicators and calls `MPI_Finalize`: the job ends
-//!   cleanly. A rank that does not arrive in time makes it `MPI_Abort`;
-//! - a poisoned world waits one grace period for the other ranks to report their own errors,
-//!   then calls `MPI_Abort(1)`: the job ends with a non-zero exit.
+//! A world kept in a static is never dropped, so [`World::get`] registers an exit hook. It runs
+//! on `exit` and on return from `main` (a panic that unwinds out of `main` too: Rust then exits
+//! with code 101), not on a signal or `abort`. On glibc it is registered with `on_exit`, which
+//! tells it the exit status; elsewhere with `atexit`, where the status is unknown. A panic hook,
+//! chained in front of the one already set, records the process's last panic. At exit, every
+//! rank first tells every other rank on the control communicator that it exits, after which
+//! call, and whether it failed. Then:
 //!
-//! A rank killed by a signal is noticed by `mpirun`, which ends the job with a non-zero exit;
-//! the survivors' own timeout is the backstop.
+//! - **A rank that fails** (a non-zero exit status; where the status is unknown, a recorded
+//!   panic; or a poisoned world) prints why, waits for the other ranks to reach their own exit
+//!   for at most one grace period (so that those waiting in a call can report it), and calls
+//!   `MPI_Abort` with its exit status (1 for a poisoned world that exits 0): `mpirun` ends the
+//!   job at once, with that code. (Open MPI 4.1's `mpirun` lets the other ranks run on when a
+//!   rank finalizes and then exits non-zero, so a failing rank never finalizes.)
+//! - **A healthy rank** (exit status 0, world not poisoned) waits for every other rank to reach
+//!   its exit (an `MPI_Ibarrier` on the control communicator), frees its communicators and calls
+//!   `MPI_Finalize`: the job ends cleanly. A normal exit is not a failure, so this wait has **no
+//!   time limit**: a rank still working (writing the model, say) is never killed by another
+//!   rank's normal exit. While it waits, the rank answers the others' questions and logs every
+//!   `KVSTORE_WAIT_LOG_SECS` whom it waits for. It cannot hang forever on a dead rank: `mpirun`
+//!   ends the job when a rank dies or exits without finalizing. It aborts the job at once if
+//!   another rank's exit record says that rank failed.
+//! - **The other ranks**, while waiting in a call, read the exit records: a rank that exited
+//!   (failed or not) after a call earlier than the one they wait in will never make it, so it
+//!   ends their wait at once with [`Error::RankExited`] and poisons their world; their own exit
+//!   then aborts the job. A rank that exited in or after this very call is no reason to stop:
+//!   its part of the call may be done, and if it failed, its `MPI_Abort` ends the job within
+//!   seconds. A rank that fails because another one exited relays that rank's exit in its own
+//!   record, so every rank names the rank that exited first.
+//!
+//! A call still running on another thread when the process exits makes the hook abort the job
+//! after two seconds. A rank killed by a signal is noticed by `mpirun`, which ends the job with a
+//! non-zero exit; the survivors' own timeout is the backstop.
 //!
 //! # Environment
 //!
-//! - `KVSTORE_TIMEOUT`: seconds every wait may last (a positive number; default 300).
+//! - `KVSTORE_TIMEOUT`: seconds every wait in a call may last (a positive number; default
+//!   1800).
+//! - `KVSTORE_WAIT_LOG_SECS`: seconds between two "still waiting" logs of one wait (a positive
+//!   number; default 60).
 //! - `KVSTORE_DIST_CHECK`: `0` (or `false`, `off`) turns the per-call fingerprint check off;
 //!   `1` (`true`, `on`, the default) keeps it.
+//!
+//! A bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
 
 mod collective;
+mod control;
+mod exit;
 mod poll;
 mod raw;
 
@@ -77,21 +120,14 @@ use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 
 pub use crate::comm::fingerprint::Fingerprint;
+/// The default of `KVSTORE_TIMEOUT` (30 minutes): one constant for every distributed wait.
+pub use crate::comm::launch::DEFAULT_TIMEOUT;
 pub use collective::{Done, Pending, Wire};
 
 use crate::{Error, Key, Result};
+use control::{Report, Watch, Whereabouts, REPORT_BYTES, TAG_HERE, TAG_WHERE};
 use poll::Backoff;
 use raw::{Comm, Request};
-
-/// The default of `KVSTORE_TIMEOUT`: 300 s.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Control-message tag: "I timed out (or am asking): here is where I am; where are you?".
-const TAG_WHERE: c_int = 1;
-/// Control-message tag: "here is where I am", the answer to [`TAG_WHERE`].
-const TAG_HERE: c_int = 2;
-/// Bytes of one control record.
-const REPORT_BYTES: usize = 256;
 
 /// The process-wide distributed world. See the [module documentation](self).
 pub struct World {
@@ -100,6 +136,8 @@ pub struct World {
     local_rank: usize,
     local_size: usize,
     timeout: Duration,
+    /// How often a long wait logs whom it waits for (`KVSTORE_WAIT_LOG_SECS`).
+    wait_log: Duration,
     check: bool,
     /// Every MPI call on the world's communicators is made with this locked.
     state: Mutex<State>,
@@ -123,39 +161,22 @@ struct State {
     seq: u64,
     /// Where this rank is, for answers to other ranks: (call number, what it waits for).
     here: (u64, String),
-    /// Reports heard from other ranks while waiting, by rank.
+    /// The questions of ranks that timed out, heard while waiting, by rank: their reports.
     heard: BTreeMap<usize, Report>,
+    /// The exit records of the ranks that have exited, by rank.
+    exits: BTreeMap<usize, Report>,
+    /// The number of the last question this rank asked.
+    next_query: u32,
+    /// Set by the exit hook: no call may begin any more.
+    closed: bool,
+    /// The rank whose exit failed this one's world first, and how it exited (the detail of
+    /// the [`Error::RankExited`]): relayed in this rank's own exit record.
+    caused_by: Option<(usize, String)>,
     /// Sent control records whose sends may not have completed: kept alive, never freed early.
     outbox: Vec<(Request, Box<[u8; REPORT_BYTES]>)>,
 }
 
-/// What another rank said about itself.
-#[derive(Clone, Debug)]
-struct Report {
-    seq: u64,
-    timed_out: bool,
-    text: String,
-}
-
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
-
-/// Reads `KVSTORE_TIMEOUT`.
-fn env_timeout() -> Result<Duration> {
-    let Ok(v) = std::env::var("KVSTORE_TIMEOUT") else {
-        return Ok(DEFAULT_TIMEOUT);
-    };
-    match v.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
-        _ => Err(Error::DistEnv {
-            var: "KVSTORE_TIMEOUT".to_owned(),
-            message: format!(
-                "'{v}' is not a positive number of seconds: set it to e.g. 300, or unset it \
-                 for the default of {} s",
-                DEFAULT_TIMEOUT.as_secs()
-            ),
-        }),
-    }
-}
 
 /// Compares an environment variable a launcher may set with what MPI says.
 fn env_agrees(var: &str, mpi_value: usize, what: &str) -> Option<(String, String)> {
@@ -201,8 +222,8 @@ impl World {
             Error::DistEnv { var, message } => (var, message),
             other => ("MPI".to_owned(), other.to_string()),
         };
-        let timeout = env_timeout().map_err(as_pair)?;
-        let check = crate::comm::launch::env_switch("KVSTORE_DIST_CHECK", true).map_err(as_pair)?;
+        let config = crate::config::Config::from_env().map_err(as_pair)?;
+        let (timeout, wait_log, check) = (config.timeout, config.wait_log, config.dist_check);
 
         let universe = match mpi::initialize_with_threading(Threading::Serialized) {
             Some((u, provided)) => {
@@ -239,10 +260,8 @@ impl World {
             Self::communicators().map_err(as_pair)?;
 
         // From here on MPI is initialised by us: the exit hook must run whatever happens.
-        // SAFETY: `exit_hook` is an `extern "C" fn()` that never unwinds (it catches nothing
-        // that can panic across the boundary: see its body); atexit only stores the pointer.
-        let rc = unsafe { libc::atexit(exit_hook) };
-        if rc != 0 {
+        exit::install_panic_hook();
+        if !exit::register() {
             eprintln!("kvstore: could not register the MPI exit hook; MPI will not be finalized");
         }
 
@@ -260,6 +279,7 @@ impl World {
             local_rank,
             local_size,
             timeout,
+            wait_log,
             check,
             state: Mutex::new(State {
                 data,
@@ -267,6 +287,10 @@ impl World {
                 seq: 0,
                 here: (0, "not in a call".to_owned()),
                 heard: BTreeMap::new(),
+                exits: BTreeMap::new(),
+                next_query: 0,
+                closed: false,
+                caused_by: None,
                 outbox: Vec::new(),
             }),
             poison: Mutex::new(poison),
@@ -351,6 +375,11 @@ impl World {
         self.timeout
     }
 
+    /// How often a long wait logs whom it waits for (`KVSTORE_WAIT_LOG_SECS`).
+    pub fn wait_log_interval(&self) -> Duration {
+        self.wait_log
+    }
+
     /// Whether calls are fingerprinted across ranks (`KVSTORE_DIST_CHECK`).
     pub fn check_enabled(&self) -> bool {
         self.check
@@ -386,12 +415,19 @@ impl World {
     /// Begins a store call: takes the world's state lock (waiting for another thread's call to
     /// end), numbers the call, and, unless the check is off, compares `fp` across ranks.
     ///
-    /// Errors: [`Error::DistFailed`] if the world is poisoned; [`Error::Desync`] if the ranks
-    /// disagree; [`Error::Timeout`] if a rank does not join within the timeout.
+    /// Errors: [`Error::DistFailed`] if the world is poisoned (or the process is exiting);
+    /// [`Error::RankExited`] if a rank has exited without making this call; [`Error::Desync`] if
+    /// the ranks disagree; [`Error::Timeout`] if a rank does not join within the timeout.
     pub fn begin(&'static self, fp: &Fingerprint) -> Result<Call> {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(first) = self.failure() {
             return Err(Error::DistFailed { op: fp.op(), first });
+        }
+        if st.closed {
+            return Err(Error::DistFailed {
+                op: fp.op(),
+                first: "the process is exiting: its distributed world is closed".to_owned(),
+            });
         }
         let mut call = Call {
             world: self,
@@ -404,113 +440,18 @@ impl World {
         call.st.seq += 1;
         call.seq = call.st.seq;
         call.st.here = (call.seq, call.summary.clone());
+        if let Some(e) = call.exited_error() {
+            self.poison_with(e.to_string());
+            return Err(e);
+        }
         if self.check {
             call.check_fingerprint(fp)?;
         }
         Ok(call)
     }
-
-    /// Runs at process exit: finalize a healthy world, abort a poisoned one.
-    fn at_exit(&self) {
-        // A call still running on another thread at exit: waiting for it could take the whole
-        // timeout, and the other ranks expect its collectives; end the job.
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let mut st = loop {
-            match self.state.try_lock() {
-                Ok(st) => break st,
-                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    eprintln!(
-                        "kvstore: rank {}: the process is exiting while a distributed call is \
-                         still running on another thread; aborting the job",
-                        self.rank
-                    );
-                    raw::abort(1);
-                }
-            }
-        };
-        if let Some(first) = self.failure() {
-            eprintln!(
-                "kvstore: rank {}: ending the job with an error because the distributed world \
-                 failed: {first}",
-                self.rank
-            );
-            // Give the other ranks a moment to reach their own errors and report them.
-            let _ = st.exit_barrier(self, self.grace());
-            raw::abort(1);
-        }
-        if let Err(e) = st.exit_barrier(self, self.timeout) {
-            eprintln!(
-                "kvstore: rank {}: at exit: {e}; aborting the job",
-                self.rank
-            );
-            raw::abort(1);
-        }
-        // SAFETY: both communicators were created by MPI_Comm_dup and are freed once, here,
-        // under the state lock; no request on them is pending (the world is healthy and every
-        // call waited for its collectives).
-        unsafe {
-            ffi::MPI_Comm_free(&mut st.data.0);
-            ffi::MPI_Comm_free(&mut st.control.0);
-        }
-        drop(st);
-        // Dropping rsmpi's universe calls MPI_Finalize.
-        let universe = self
-            .universe
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        drop(universe);
-    }
-}
-
-/// The `atexit` hook: see [`World::at_exit`].
-extern "C" fn exit_hook() {
-    // Nothing may unwind out of an extern "C" function: catch any panic and abort the job.
-    let r = std::panic::catch_unwind(|| {
-        if let Some(Ok(w)) = WORLD.get() {
-            w.at_exit();
-        }
-    });
-    if r.is_err() {
-        raw::abort(1);
-    }
 }
 
 impl State {
-    /// Waits (bounded by `limit`) until every rank reaches its exit.
-    fn exit_barrier(&mut self, world: &World, limit: Duration) -> Result<()> {
-        let mut req = Request::null();
-        // SAFETY: the control communicator is valid until `at_exit` frees it after this barrier;
-        // `req` is a valid out-pointer.
-        let rc = unsafe { ffi::MPI_Ibarrier(self.control.0, &mut req.0) };
-        raw::check("exit", rc)?;
-        self.here.1 = "at its exit".to_owned();
-        let start = Instant::now();
-        let mut backoff = Backoff::new(start, 0);
-        loop {
-            if self.test(&mut [req], "exit")? {
-                return Ok(());
-            }
-            if start.elapsed() > limit {
-                // The request stays pending; the caller aborts.
-                return Err(Error::Mpi {
-                    op: "exit",
-                    message: format!(
-                        "not every rank reached its exit within {:.1} s",
-                        limit.as_secs_f64()
-                    ),
-                });
-            }
-            if backoff.pause() != poll::Phase::Spin {
-                self.answer_queries(world);
-            }
-        }
-    }
-
     /// One `MPI_Testall`: whether all of `reqs` have completed (completed ones become null).
     fn test(&mut self, reqs: &mut [Request], op: &'static str) -> Result<bool> {
         let mut flag: c_int = 0;
@@ -528,130 +469,6 @@ impl State {
         };
         raw::check(op, rc)?;
         Ok(flag != 0)
-    }
-
-    /// Answers every pending "where are you?" from another rank with where this rank is.
-    fn answer_queries(&mut self, world: &World) {
-        loop {
-            let Some((src, report)) = self.receive(TAG_WHERE) else {
-                return;
-            };
-            self.heard.insert(src, report);
-            let (seq, text) = self.here.clone();
-            self.send_report(world, src, TAG_HERE, seq, false, &text);
-        }
-    }
-
-    /// Receives one waiting control message with `tag`, if there is one.
-    fn receive(&mut self, tag: c_int) -> Option<(usize, Report)> {
-        let mut flag: c_int = 0;
-        let mut buf = [0u8; REPORT_BYTES];
-        // SAFETY: an all-zero MPI_Status is a valid value of this plain C struct; MPI overwrites
-        // it.
-        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-        // SAFETY: the control communicator is valid; `flag` and `status` are valid out-pointers;
-        // the receive only runs when a matching message is already there, so it does not block,
-        // and `buf` holds REPORT_BYTES bytes, the size of every control record.
-        unsafe {
-            let rc = ffi::MPI_Iprobe(
-                ffi::RSMPI_ANY_SOURCE,
-                tag,
-                self.control.0,
-                &mut flag,
-                &mut status,
-            );
-            if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
-                return None;
-            }
-            let src = status.MPI_SOURCE;
-            let rc = ffi::MPI_Recv(
-                buf.as_mut_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                src,
-                tag,
-                self.control.0,
-                ffi::RSMPI_STATUS_IGNORE,
-            );
-            if rc != ffi::MPI_SUCCESS as c_int {
-                return None;
-            }
-            Some((src as usize, Report::decode(&buf)))
-        }
-    }
-
-    /// Sends a control record to `dest` without waiting; the buffer is kept in the outbox.
-    fn send_report(
-        &mut self,
-        world: &World,
-        dest: usize,
-        tag: c_int,
-        seq: u64,
-        timed_out: bool,
-        text: &str,
-    ) {
-        // Forget sends that completed.
-        let mut keep = Vec::new();
-        for (mut req, buf) in std::mem::take(&mut self.outbox) {
-            if !matches!(
-                self.test(std::slice::from_mut(&mut req), "report"),
-                Ok(true)
-            ) {
-                keep.push((req, buf));
-            }
-        }
-        self.outbox = keep;
-        let buf = Box::new(Report::encode(seq, timed_out, text));
-        let mut req = Request::null();
-        // SAFETY: `buf` is a heap buffer of REPORT_BYTES bytes that stays in the outbox (and is
-        // never freed while the send may be pending: an unfinished entry is only dropped when
-        // the process ends); the control communicator and `dest` (< size) are valid.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                buf.as_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                dest as c_int,
-                tag,
-                self.control.0,
-                &mut req.0,
-            )
-        };
-        if rc == ffi::MPI_SUCCESS as c_int {
-            self.outbox.push((req, buf));
-        } else {
-            eprintln!(
-                "kvstore: rank {}: could not send a failure report to rank {dest}: {}",
-                world.rank,
-                raw::error_string(rc)
-            );
-        }
-    }
-}
-
-impl Report {
-    fn encode(seq: u64, timed_out: bool, text: &str) -> [u8; REPORT_BYTES] {
-        let mut b = [0u8; REPORT_BYTES];
-        b[..8].copy_from_slice(&seq.to_le_bytes());
-        b[8] = u8::from(timed_out);
-        let mut n = text.len().min(REPORT_BYTES - 16);
-        while !text.is_char_boundary(n) {
-            n -= 1;
-        }
-        b[10..12].copy_from_slice(&(n as u16).to_le_bytes());
-        b[16..16 + n].copy_from_slice(&text.as_bytes()[..n]);
-        b
-    }
-
-    fn decode(b: &[u8; REPORT_BYTES]) -> Report {
-        let mut seq = [0u8; 8];
-        seq.copy_from_slice(&b[..8]);
-        let n = (u16::from_le_bytes([b[10], b[11]]) as usize).min(REPORT_BYTES - 16);
-        Report {
-            seq: u64::from_le_bytes(seq),
-            timed_out: b[8] != 0,
-            text: String::from_utf8_lossy(&b[16..16 + n]).into_owned(),
-        }
     }
 }
 
@@ -696,8 +513,12 @@ impl Call {
         Ok(self.wait(p)?.recv)
     }
 
-    /// Polls `reqs` until all complete, within the timeout counted from `start`. On a timeout,
-    /// finds out where the other ranks are, poisons the world and returns [`Error::Timeout`].
+    /// Polls `reqs` until all complete, within the timeout counted from `start`. Once the wait
+    /// has lasted [`poll::SLEEP_MAX`], it also, at most that often, answers the other ranks'
+    /// questions, reads their exit records (a rank gone for good ends the wait with
+    /// [`Error::RankExited`]), and logs every `KVSTORE_WAIT_LOG_SECS` whom it waits for. On a
+    /// timeout, finds out where the other ranks are, poisons the world and returns
+    /// [`Error::Timeout`].
     fn poll(
         &mut self,
         reqs: &mut [Request],
@@ -706,7 +527,8 @@ impl Call {
         what: &str,
     ) -> Result<()> {
         let mut backoff = Backoff::new(start, bytes);
-        let mut last_answer = start;
+        let mut last_service = start;
+        let mut watch: Option<Watch> = None;
         loop {
             match self.st.test(reqs, self.op) {
                 Ok(true) => return Ok(()),
@@ -720,9 +542,29 @@ impl Call {
                 continue;
             }
             let now = Instant::now();
-            if now.duration_since(last_answer) >= poll::SLEEP_MAX {
-                last_answer = now;
-                self.st.answer_queries(self.world);
+            if now.duration_since(last_service) >= poll::SLEEP_MAX {
+                last_service = now;
+                if watch.is_none() {
+                    // A long wait: say where it is to the ranks that ask.
+                    self.st.here.1 = format!("{}, in its {what}", self.summary);
+                }
+                self.st.service(self.world);
+                if let Some(err) = self.exited_error() {
+                    self.world.poison_with(err.to_string());
+                    return Err(err);
+                }
+                let watch = watch.get_or_insert_with(|| Watch::new(self.world, start));
+                if let Some(answers) = watch.tick(&mut self.st, self.world) {
+                    control::warn(&control::wait_line(
+                        (self.world.rank, self.world.size),
+                        self.seq,
+                        &self.summary,
+                        what,
+                        now.duration_since(start),
+                        &answers,
+                        self.world.timeout,
+                    ));
+                }
             }
             if now.duration_since(start) > self.world.timeout {
                 let err = self.diagnose(what);
@@ -732,27 +574,65 @@ impl Call {
         }
     }
 
+    /// The error of this call if a rank has exited without making it (see [`State::gone`]); it
+    /// is kept as the cause of this rank's failure.
+    fn exited_error(&mut self) -> Option<Error> {
+        let (rank, rep) = self.st.gone(self.seq)?;
+        let detail = if rep.failed {
+            rep.text.clone()
+        } else {
+            format!(
+                "{}, without making this call: every rank must make the same kvstore calls in \
+                 the same order",
+                rep.text
+            )
+        };
+        self.st
+            .caused_by
+            .get_or_insert_with(|| (rank, detail.clone()));
+        Some(Error::RankExited {
+            op: self.op,
+            seq: self.seq,
+            rank,
+            detail,
+        })
+    }
+
     /// After a timeout in `what`: tells every rank where this one is, listens for their
     /// reports for a grace period, and builds the error.
     fn diagnose(&mut self, what: &str) -> Error {
         let world = self.world;
         let here = format!("{}, in its {what}", self.summary);
-        for r in (0..world.size).filter(|&r| r != world.rank) {
-            self.st
-                .send_report(world, r, TAG_WHERE, self.seq, true, &here);
-        }
+        let query = self.st.new_query();
+        let question = Report {
+            seq: self.seq,
+            timed_out: true,
+            query,
+            text: here.clone(),
+            ..Report::default()
+        };
+        self.st.ask_all(world, &question);
+        self.st.here.1 = format!("{here}, where it timed out");
         let mut reports = std::mem::take(&mut self.st.heard);
         let end = Instant::now() + world.grace();
         while reports.len() + 1 < world.size && Instant::now() < end {
-            let got = self
-                .st
-                .receive(TAG_HERE)
-                .or_else(|| self.st.receive(TAG_WHERE));
-            match got {
-                Some((src, rep)) => {
-                    reports.insert(src, rep);
+            if let Some((src, answer)) = self.st.receive(TAG_HERE) {
+                // Answers to older questions (of a wait log) are not about now.
+                if answer.query == query {
+                    reports.insert(src, answer);
                 }
-                None => std::thread::sleep(Duration::from_millis(1)),
+            } else if let Some((src, other)) = self.st.receive(TAG_WHERE) {
+                // Another rank asks too: its question says where it is. Answer it.
+                let answer = Report {
+                    seq: self.seq,
+                    query: other.query,
+                    text: self.st.here.1.clone(),
+                    ..Report::default()
+                };
+                self.st.send_report(world, src, TAG_HERE, &answer);
+                reports.insert(src, other);
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
         timeout_error(
@@ -784,52 +664,13 @@ fn timeout_error(
     what: &str,
     timeout: Duration,
 ) -> Error {
-    let mut missing = Vec::new();
-    let mut silent = Vec::new();
-    let mut same = Vec::new();
-    let mut elsewhere = Vec::new();
-    for r in (0..size).filter(|&r| r != me) {
-        match reports.get(&r) {
-            None => {
-                missing.push(r);
-                silent.push(r);
-            }
-            Some(rep) if rep.seq == seq => same.push(r),
-            Some(rep) => {
-                missing.push(r);
-                elsewhere.push(format!(
-                    "rank {r} is at call #{} ({}){}",
-                    rep.seq,
-                    rep.text,
-                    if rep.timed_out {
-                        " and timed out there"
-                    } else {
-                        ""
-                    }
-                ));
-            }
-        }
-    }
+    let w = Whereabouts::of(seq, (me, size), reports);
     let secs = timeout.as_secs_f64();
     let mut parts = vec![format!(
         "the {what} did not complete within KVSTORE_TIMEOUT={secs} s"
     )];
-    if !silent.is_empty() {
-        parts.push(format!(
-            "{} {} not responding (died, hung outside kvstore, or stopped making kvstore \
-                 calls)",
-            crate::comm::fingerprint::ranks(&silent),
-            is_are(&silent)
-        ));
-    }
-    parts.extend(elsewhere);
-    if !same.is_empty() {
-        parts.push(format!(
-            "{} {} waiting in this same call",
-            crate::comm::fingerprint::ranks(&same),
-            is_are(&same)
-        ));
-    }
+    parts.extend(w.parts("died, hung outside kvstore, or stopped making kvstore calls"));
+    let missing = w.missing;
     let advice = if missing.is_empty() {
         "every rank is in this call, so their collectives do not match (is \
              KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
@@ -876,19 +717,8 @@ mod tests {
             seq,
             timed_out,
             text: text.to_owned(),
+            ..Report::default()
         }
-    }
-
-    #[test]
-    fn a_report_survives_its_encoding() {
-        let r = Report::decode(&Report::encode(18, true, "pull of key 5"));
-        assert_eq!(
-            (r.seq, r.timed_out, r.text.as_str()),
-            (18, true, "pull of key 5")
-        );
-        let long = "é".repeat(200);
-        let r = Report::decode(&Report::encode(1, false, &long));
-        assert!(long.starts_with(&r.text) && !r.text.is_empty());
     }
 
     #[test]

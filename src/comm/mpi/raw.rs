@@ -109,13 +109,16 @@ pub(super) fn count(op: &'static str, n: usize) -> Result<c_int> {
     })
 }
 
-/// `MPI_Abort` on the world communicator: ends every process of the job with `code`.
+/// `MPI_Abort` on the world communicator: ends every process of the job with `code` (`mpirun`
+/// then exits with it). Called from the exit hook too, so it never calls `exit` itself.
 pub(super) fn abort(code: c_int) -> ! {
     // SAFETY: MPI_Abort may be called at any time after MPI_Init and from any thread; the world
     // communicator handle is a constant that rsmpi's C shim exports.
     unsafe {
         ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code);
     }
-    // MPI_Abort does not return on any implementation we know; if it does, end the process.
-    std::process::exit(code)
+    // MPI_Abort does not return on any implementation we know. If it does, end this process
+    // without running exit hooks: `exit` from inside an exit hook is undefined behaviour.
+    // SAFETY: `_exit` ends the process at once; it is async-signal-safe and never returns.
+    unsafe { libc::_exit(if code == 0 { 1 } else { code }) }
 }

@@ -21,7 +21,7 @@
 //!
 //! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`). Every call
 //! polls `ncclCommGetAsyncError` and its stream with the `KVSTORE_TIMEOUT` bound (default
-//! 300 s). A rank that stops calling, or dies, leaves the others' collectives without progress:
+//! [`launch::DEFAULT_TIMEOUT`], 30 minutes). A rank that stops calling, or dies, leaves the others' collectives without progress:
 //! when the bound passes they abort the communicator (`ncclCommAbort`, which ends its kernels)
 //! and return [`Error::Timeout`] naming the op and keys. The communicator is unusable after a
 //! failure: later calls return [`Error::DistFailed`].
@@ -45,7 +45,7 @@ use cudarc::driver::CudaStream;
 use super::loader::{Comm, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
 use super::{lib, nccl_dtype, nccl_error, started, NCCL_SUM, POLL_INTERVAL};
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
-use crate::comm::launch::{self, LaunchEnv};
+use crate::comm::launch::LaunchEnv;
 use crate::ndarray::Storage;
 use crate::{Device, Error, Key, NDArray, Result};
 
@@ -97,7 +97,7 @@ impl RankComm {
                 message: format!("rank {rank} of a job of {size} ranks: ranks run below the size"),
             });
         }
-        let timeout = launch::timeout_from(|k| std::env::var(k).ok())?;
+        let timeout = crate::config::Config::from_env()?.timeout;
         let lib = lib(op, &[])?;
         let Some(init) = lib.comm_init_rank_config else {
             return Err(Error::Nccl {

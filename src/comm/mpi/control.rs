@@ -1,0 +1,586 @@
+//! The control communicator: short records the ranks send each other beside the store's
+//! collectives, to say where they are and that they exit.
+//!
+//! - **"Where are you?"** ([`TAG_WHERE`]): a rank whose wait timed out, or that logs a long
+//!   wait, asks every other rank. A rank that is waiting in a kvstore call, or at its exit,
+//!   answers ([`TAG_HERE`]) with its call number and what it waits for; a rank busy outside
+//!   kvstore (computing, loading data) does not answer until its next wait.
+//! - **"I am exiting"** ([`TAG_EXIT`]): every rank sends one to every other rank when its process
+//!   exits: after which call, and whether it failed (it panicked, exited non-zero, or its
+//!   distributed world had failed). A rank waiting in a call that the exited rank will never
+//!   make stops waiting at once.
+//!
+//! Every record is [`REPORT_BYTES`] long and is sent without waiting (`MPI_Isend`); its buffer
+//! stays in the state's outbox until the send completes. Records are read with `MPI_Iprobe`
+//! between the tests of a wait, at most every [`poll::SLEEP_MAX`](super::poll::SLEEP_MAX), so a
+//! call that completes at once never reads the control communicator.
+
+use std::collections::BTreeMap;
+use std::os::raw::c_int;
+use std::time::{Duration, Instant};
+
+use mpi::ffi;
+
+use super::raw::{self, Request};
+use super::{is_are, State, World};
+use crate::comm::fingerprint;
+
+/// "Where are you?", with where the asker is.
+pub(super) const TAG_WHERE: c_int = 1;
+/// "Here I am": the answer to [`TAG_WHERE`], carrying the question's number.
+pub(super) const TAG_HERE: c_int = 2;
+/// "I am exiting": sent by every rank to every other rank at its exit.
+pub(super) const TAG_EXIT: c_int = 3;
+/// Bytes of one control record.
+pub(super) const REPORT_BYTES: usize = 256;
+/// Where the text starts in a record: seq (8 bytes), timed-out flag, failed flag, text length
+/// (2), query number (4), cause (4; `u32::MAX` for none), 4 unused.
+const TEXT_AT: usize = 24;
+
+/// What a silent rank is probably doing.
+const SILENT_WHY: &str = "busy outside kvstore: computing, loading data or writing files; or \
+                          hung, or dead";
+
+/// One control record: what a rank says about itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Report {
+    /// The sender's call number: the call it is in, or the last one it began.
+    pub(super) seq: u64,
+    /// The sender timed out in that call.
+    pub(super) timed_out: bool,
+    /// (An exit record.) The sender failed: it panicked, exited with a non-zero code, or its
+    /// distributed world had failed.
+    pub(super) failed: bool,
+    /// The number of the question a [`TAG_WHERE`] asks and its [`TAG_HERE`] answers.
+    pub(super) query: u32,
+    /// (An exit record.) The rank whose exit made the sender fail, when that is why it failed:
+    /// the record then relays that rank's exit, in `text`.
+    pub(super) cause: Option<usize>,
+    /// Where the sender is, or how it exited, in words.
+    pub(super) text: String,
+}
+
+impl Report {
+    pub(super) fn encode(&self) -> [u8; REPORT_BYTES] {
+        let mut b = [0u8; REPORT_BYTES];
+        b[..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8] = u8::from(self.timed_out);
+        b[9] = u8::from(self.failed);
+        let mut n = self.text.len().min(REPORT_BYTES - TEXT_AT);
+        while !self.text.is_char_boundary(n) {
+            n -= 1;
+        }
+        b[10..12].copy_from_slice(&(n as u16).to_le_bytes());
+        b[12..16].copy_from_slice(&self.query.to_le_bytes());
+        let cause = self
+            .cause
+            .and_then(|c| u32::try_from(c).ok())
+            .unwrap_or(u32::MAX);
+        b[16..20].copy_from_slice(&cause.to_le_bytes());
+        b[TEXT_AT..TEXT_AT + n].copy_from_slice(&self.text.as_bytes()[..n]);
+        b
+    }
+
+    pub(super) fn decode(b: &[u8; REPORT_BYTES]) -> Report {
+        let mut seq = [0u8; 8];
+        seq.copy_from_slice(&b[..8]);
+        let n = (u16::from_le_bytes([b[10], b[11]]) as usize).min(REPORT_BYTES - TEXT_AT);
+        Report {
+            seq: u64::from_le_bytes(seq),
+            timed_out: b[8] != 0,
+            failed: b[9] != 0,
+            query: u32::from_le_bytes([b[12], b[13], b[14], b[15]]),
+            cause: match u32::from_le_bytes([b[16], b[17], b[18], b[19]]) {
+                u32::MAX => None,
+                c => Some(c as usize),
+            },
+            text: String::from_utf8_lossy(&b[TEXT_AT..TEXT_AT + n]).into_owned(),
+        }
+    }
+}
+
+impl State {
+    /// A fresh question number (never 0).
+    pub(super) fn new_query(&mut self) -> u32 {
+        self.next_query = self.next_query.wrapping_add(1).max(1);
+        self.next_query
+    }
+
+    /// Asks every other rank where it is ([`TAG_WHERE`]); `report` says where this one is.
+    pub(super) fn ask_all(&mut self, world: &World, report: &Report) {
+        for r in (0..world.size).filter(|&r| r != world.rank) {
+            self.send_report(world, r, TAG_WHERE, report);
+        }
+    }
+
+    /// Tells every other rank that this one exits ([`TAG_EXIT`]): whether it failed, because
+    /// of which rank's exit (if that is why), and how, in words.
+    pub(super) fn tell_exit(
+        &mut self,
+        world: &World,
+        failed: bool,
+        cause: Option<usize>,
+        text: &str,
+    ) {
+        let report = Report {
+            seq: self.seq,
+            failed,
+            cause,
+            text: text.to_owned(),
+            ..Report::default()
+        };
+        for r in (0..world.size).filter(|&r| r != world.rank) {
+            self.send_report(world, r, TAG_EXIT, &report);
+        }
+    }
+
+    /// What a wait does between its tests: answers the questions of other ranks and records
+    /// their exit records.
+    pub(super) fn service(&mut self, world: &World) {
+        self.answer_queries(world);
+        self.hear_exits();
+    }
+
+    /// Answers every pending "where are you?" from another rank with where this rank is. The
+    /// question of a rank that timed out is also kept, as that rank's report.
+    pub(super) fn answer_queries(&mut self, world: &World) {
+        while let Some((src, question)) = self.receive(TAG_WHERE) {
+            let answer = Report {
+                seq: self.here.0,
+                query: question.query,
+                text: self.here.1.clone(),
+                ..Report::default()
+            };
+            if question.timed_out {
+                self.heard.insert(src, question);
+            }
+            self.send_report(world, src, TAG_HERE, &answer);
+        }
+    }
+
+    /// Records every exit record that has arrived.
+    pub(super) fn hear_exits(&mut self) {
+        while let Some((src, report)) = self.receive(TAG_EXIT) {
+            self.exits.insert(src, report);
+        }
+    }
+
+    /// A rank that exited without making call `seq` (the last call it began is earlier), with
+    /// the exit record that says so. A rank that failed in or after call `seq` is not one: its
+    /// part of the call may be done, and its `MPI_Abort` ends the job soon anyway.
+    pub(super) fn gone(&self, seq: u64) -> Option<(usize, &Report)> {
+        self.first_exit(|rep| rep.seq < seq)
+    }
+
+    /// A rank whose exit record says that it failed.
+    pub(super) fn failed(&self) -> Option<(usize, &Report)> {
+        self.first_exit(|rep| rep.failed)
+    }
+
+    /// The first exit record that `pick`s, and the rank it names. A rank that failed because
+    /// another one exited relays that rank's exit: the rank named is then the one that exited
+    /// first. Records of ranks that exited first themselves are preferred.
+    fn first_exit(&self, pick: impl Fn(&Report) -> bool) -> Option<(usize, &Report)> {
+        let first = |relayed: bool| {
+            self.exits
+                .iter()
+                .filter(|(_, rep)| rep.cause.is_some() == relayed && pick(rep))
+                .map(|(&r, rep)| (rep.cause.unwrap_or(r), rep))
+                .next()
+        };
+        first(false).or_else(|| first(true))
+    }
+
+    /// Receives one waiting control message with `tag`, if there is one.
+    pub(super) fn receive(&mut self, tag: c_int) -> Option<(usize, Report)> {
+        let mut flag: c_int = 0;
+        let mut buf = [0u8; REPORT_BYTES];
+        // SAFETY: an all-zero MPI_Status is a valid value of this plain C struct; MPI overwrites
+        // it.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        // SAFETY: the control communicator is valid; `flag` and `status` are valid out-pointers;
+        // the receive only runs when a matching message is already there, so it does not block,
+        // and `buf` holds REPORT_BYTES bytes, the size of every control record.
+        unsafe {
+            let rc = ffi::MPI_Iprobe(
+                ffi::RSMPI_ANY_SOURCE,
+                tag,
+                self.control.0,
+                &mut flag,
+                &mut status,
+            );
+            if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
+                return None;
+            }
+            let src = status.MPI_SOURCE;
+            let rc = ffi::MPI_Recv(
+                buf.as_mut_ptr().cast(),
+                REPORT_BYTES as c_int,
+                raw::datatype::<u8>(),
+                src,
+                tag,
+                self.control.0,
+                ffi::RSMPI_STATUS_IGNORE,
+            );
+            if rc != ffi::MPI_SUCCESS as c_int {
+                return None;
+            }
+            Some((src as usize, Report::decode(&buf)))
+        }
+    }
+
+    /// Forgets the sends of the outbox that have completed; returns whether it is empty.
+    pub(super) fn flush_outbox(&mut self) -> bool {
+        let mut keep = Vec::new();
+        for (mut req, buf) in std::mem::take(&mut self.outbox) {
+            if !matches!(
+                self.test(std::slice::from_mut(&mut req), "report"),
+                Ok(true)
+            ) {
+                keep.push((req, buf));
+            }
+        }
+        self.outbox = keep;
+        self.outbox.is_empty()
+    }
+
+    /// Sends a control record to `dest` without waiting; the buffer is kept in the outbox.
+    pub(super) fn send_report(&mut self, world: &World, dest: usize, tag: c_int, report: &Report) {
+        self.flush_outbox();
+        let buf = Box::new(report.encode());
+        let mut req = Request::null();
+        // SAFETY: `buf` is a heap buffer of REPORT_BYTES bytes that stays in the outbox (and is
+        // never freed while the send may be pending: an unfinished entry is only dropped when
+        // the process ends); the control communicator and `dest` (< size) are valid.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr().cast(),
+                REPORT_BYTES as c_int,
+                raw::datatype::<u8>(),
+                dest as c_int,
+                tag,
+                self.control.0,
+                &mut req.0,
+            )
+        };
+        if rc == ffi::MPI_SUCCESS as c_int {
+            self.outbox.push((req, buf));
+        } else {
+            say(&format!(
+                "kvstore: rank {}: could not send a control record to rank {dest}: {}",
+                world.rank,
+                raw::error_string(rc)
+            ));
+        }
+    }
+}
+
+/// The "still waiting" log of one wait. Every [`World::wait_log`] it asks the other ranks where
+/// they are; once they have all answered, or a short window has passed, it hands their answers
+/// to the caller, which logs them.
+pub(super) struct Watch {
+    every: Duration,
+    next: Instant,
+    /// The question out now, and when it was asked.
+    asked: Option<(u32, Instant)>,
+    answers: BTreeMap<usize, Report>,
+}
+
+impl Watch {
+    /// The log of a wait that began at `start`.
+    pub(super) fn new(world: &World, start: Instant) -> Watch {
+        Watch {
+            every: world.wait_log,
+            next: start + world.wait_log,
+            asked: None,
+            answers: BTreeMap::new(),
+        }
+    }
+
+    /// Called between the tests of a wait: asks when it is time, and returns the answers (by
+    /// rank) once a round is complete. Never blocks.
+    pub(super) fn tick(
+        &mut self,
+        st: &mut State,
+        world: &World,
+    ) -> Option<BTreeMap<usize, Report>> {
+        let now = Instant::now();
+        match self.asked {
+            None if now >= self.next => {
+                let query = st.new_query();
+                let question = Report {
+                    seq: st.here.0,
+                    query,
+                    text: st.here.1.clone(),
+                    ..Report::default()
+                };
+                st.ask_all(world, &question);
+                self.asked = Some((query, now));
+                self.answers.clear();
+                None
+            }
+            None => None,
+            Some((query, asked)) => {
+                // Answers to older questions are stale: drop them.
+                while let Some((src, answer)) = st.receive(TAG_HERE) {
+                    if answer.query == query {
+                        self.answers.insert(src, answer);
+                    }
+                }
+                let window = (self.every / 2).min(Duration::from_secs(1));
+                if self.answers.len() + 1 < world.size && now < asked + window {
+                    return None;
+                }
+                self.asked = None;
+                self.next = asked + self.every;
+                Some(std::mem::take(&mut self.answers))
+            }
+        }
+    }
+}
+
+/// Where the other ranks are, as a rank in call `seq` sees it from their reports.
+pub(super) struct Whereabouts {
+    /// The ranks that are not in this call: silent, or at another call.
+    pub(super) missing: Vec<usize>,
+    /// The ranks that did not answer.
+    pub(super) silent: Vec<usize>,
+    /// "rank 2 is at call #18 (pull of key 5)", for each rank at another call.
+    pub(super) elsewhere: Vec<String>,
+    /// The ranks waiting in this same call.
+    pub(super) same: Vec<usize>,
+}
+
+impl Whereabouts {
+    /// Sorts the ranks other than `me` (of `size`) by their `reports`, for a rank in call `seq`.
+    pub(super) fn of(
+        seq: u64,
+        (me, size): (usize, usize),
+        reports: &BTreeMap<usize, Report>,
+    ) -> Whereabouts {
+        let mut w = Whereabouts {
+            missing: Vec::new(),
+            silent: Vec::new(),
+            elsewhere: Vec::new(),
+            same: Vec::new(),
+        };
+        for r in (0..size).filter(|&r| r != me) {
+            match reports.get(&r) {
+                None => {
+                    w.missing.push(r);
+                    w.silent.push(r);
+                }
+                Some(rep) if rep.seq == seq => w.same.push(r),
+                Some(rep) => {
+                    w.missing.push(r);
+                    w.elsewhere.push(format!(
+                        "rank {r} is at call #{} ({}){}",
+                        rep.seq,
+                        rep.text,
+                        if rep.timed_out {
+                            " and timed out there"
+                        } else {
+                            ""
+                        }
+                    ));
+                }
+            }
+        }
+        w
+    }
+
+    /// The sentences of a message: who is silent (and `why`), who is elsewhere, who is here.
+    pub(super) fn parts(&self, why: &str) -> Vec<String> {
+        let mut parts = Vec::new();
+        if !self.silent.is_empty() {
+            parts.push(format!(
+                "{} {} not responding ({why})",
+                fingerprint::ranks(&self.silent),
+                is_are(&self.silent)
+            ));
+        }
+        parts.extend(self.elsewhere.iter().cloned());
+        if !self.same.is_empty() {
+            parts.push(format!(
+                "{} {} waiting in this same call",
+                fingerprint::ranks(&self.same),
+                is_are(&self.same)
+            ));
+        }
+        parts
+    }
+}
+
+/// The log line of a rank that has waited `waited` in call `seq` (`summary`, e.g. "push of key
+/// 7"), in its `what`, given the other ranks' answers.
+pub(super) fn wait_line(
+    (me, size): (usize, usize),
+    seq: u64,
+    summary: &str,
+    what: &str,
+    waited: Duration,
+    answers: &BTreeMap<usize, Report>,
+    timeout: Duration,
+) -> String {
+    let w = Whereabouts::of(seq, (me, size), answers);
+    let whom = if w.missing.is_empty() {
+        String::new()
+    } else {
+        format!(" for {}", fingerprint::ranks(&w.missing))
+    };
+    let mut parts = w.parts(SILENT_WHY);
+    if w.missing.is_empty() {
+        parts.push(
+            "every rank is in this call, so the transfer itself is slow, or the ranks' \
+             collectives do not match"
+                .to_owned(),
+        );
+    }
+    format!(
+        "kvstore: rank {me}: waiting{whom} for {} s now, in call #{seq} ({summary}), in its \
+         {what}: {}. The call fails after KVSTORE_TIMEOUT={} s",
+        waited.as_secs(),
+        parts.join("; "),
+        timeout.as_secs_f64()
+    )
+}
+
+/// The log line of a rank that has waited `waited` at its exit (after call `seq`) for the ranks
+/// that have not reached theirs (`awaited`), given the answers of the other ranks.
+pub(super) fn exit_line(
+    me: usize,
+    seq: u64,
+    awaited: &[usize],
+    waited: Duration,
+    answers: &BTreeMap<usize, Report>,
+) -> String {
+    let mut silent = Vec::new();
+    let mut parts = Vec::new();
+    for &r in awaited {
+        match answers.get(&r) {
+            Some(rep) => parts.push(format!("rank {r} is at call #{} ({})", rep.seq, rep.text)),
+            None => silent.push(r),
+        }
+    }
+    if !silent.is_empty() {
+        parts.insert(
+            0,
+            format!(
+                "{} {} not responding ({SILENT_WHY})",
+                fingerprint::ranks(&silent),
+                is_are(&silent)
+            ),
+        );
+    }
+    format!(
+        "kvstore: rank {me}: at its exit after call #{seq}, waiting for {} for {} s now: {}. \
+         A normal exit waits for every rank to reach its own exit, with no time limit; a rank \
+         that fails ends the job",
+        fingerprint::ranks(awaited),
+        waited.as_secs(),
+        parts.join("; ")
+    )
+}
+
+/// Logs `msg` as a warning through `log` when a logger takes warnings, else on stderr: a rank
+/// that waits must be heard without a logger.
+pub(super) fn warn(msg: &str) {
+    if log::log_enabled!(log::Level::Warn) {
+        log::warn!("{msg}");
+    } else {
+        say(msg);
+    }
+}
+
+/// Writes `msg` and a newline to stderr in one `write`, so that the lines of ranks that share
+/// `mpirun`'s stderr do not interleave (`eprintln!` may write a line in pieces).
+pub(super) fn say(msg: &str) {
+    let mut line = String::with_capacity(msg.len() + 1);
+    line.push_str(msg);
+    line.push('\n');
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(seq: u64, text: &str) -> Report {
+        Report {
+            seq,
+            text: text.to_owned(),
+            ..Report::default()
+        }
+    }
+
+    #[test]
+    fn a_report_survives_its_encoding() {
+        let r = Report {
+            seq: 18,
+            timed_out: true,
+            failed: true,
+            query: 0xdead_beef,
+            cause: Some(3),
+            text: "pull of key 5".to_owned(),
+        };
+        assert_eq!(Report::decode(&r.encode()), r);
+        let none = report(2, "x");
+        assert_eq!(Report::decode(&none.encode()).cause, None);
+        let long = "é".repeat(200);
+        let r = Report::decode(&report(1, &long).encode());
+        assert!(long.starts_with(&r.text) && !r.text.is_empty());
+    }
+
+    #[test]
+    fn a_wait_line_names_the_awaited_ranks_and_the_call() {
+        let mut answers = BTreeMap::new();
+        answers.insert(2, report(7, "push of key 7, in its reduce to rank 0"));
+        answers.insert(3, report(5, "pull of key 1"));
+        let line = wait_line(
+            (0, 4),
+            7,
+            "push of key 7",
+            "reduce to rank 0",
+            Duration::from_secs(60),
+            &answers,
+            Duration::from_secs(1800),
+        );
+        for part in [
+            "kvstore: rank 0: waiting for ranks [1, 3] for 60 s now, in call #7 (push of key 7), \
+             in its reduce to rank 0: ",
+            "rank 1 is not responding (busy outside kvstore",
+            "rank 3 is at call #5 (pull of key 1)",
+            "rank 2 is waiting in this same call",
+            "KVSTORE_TIMEOUT=1800 s",
+        ] {
+            assert!(line.contains(part), "'{part}' not in: {line}");
+        }
+        let all_here: BTreeMap<usize, Report> = [(1, report(7, "x"))].into_iter().collect();
+        let line = wait_line(
+            (0, 2),
+            7,
+            "p",
+            "w",
+            Duration::ZERO,
+            &all_here,
+            Duration::ZERO,
+        );
+        assert!(line.contains("waiting for 0 s now"), "{line}");
+        assert!(line.contains("every rank is in this call"), "{line}");
+    }
+
+    #[test]
+    fn an_exit_line_names_the_ranks_not_at_their_exit() {
+        let answers: BTreeMap<usize, Report> =
+            [(2, report(9, "pull of key 4"))].into_iter().collect();
+        let line = exit_line(1, 8, &[0, 2], Duration::from_secs(120), &answers);
+        for part in [
+            "kvstore: rank 1: at its exit after call #8, waiting for ranks [0, 2] for 120 s now: ",
+            "rank 0 is not responding",
+            "rank 2 is at call #9 (pull of key 4)",
+            "no time limit",
+        ] {
+            assert!(line.contains(part), "'{part}' not in: {line}");
+        }
+    }
+}

@@ -1,0 +1,339 @@
+//! What a rank does when its process exits: the exit hook, and the panic hook that tells it
+//! why. The rules are in the module documentation of [`comm::mpi`](super), under "Exit".
+
+use std::os::raw::c_int;
+use std::sync::{Mutex, Once, TryLockError};
+use std::time::{Duration, Instant};
+
+use mpi::ffi;
+
+use super::control::{self, Watch};
+use super::poll::{self, Backoff};
+use super::raw::{self, Request};
+use super::{State, World, WORLD};
+
+/// The last panic of this process ("panicked at file:line:col: message"), recorded by the panic
+/// hook; told to the other ranks when the process then exits with an error.
+static LAST_PANIC: Mutex<Option<String>> = Mutex::new(None);
+
+/// The most bytes of a panic message that are kept.
+const PANIC_TEXT: usize = 160;
+
+/// How long a healthy rank, after the exit barrier, waits for the exit records still on their
+/// way and for its own sends to complete.
+const SETTLE: Duration = Duration::from_secs(5);
+
+/// Chains a panic hook in front of the current one (once per process) that records the panic
+/// in [`LAST_PANIC`]. The previous hook still runs, so panics print as before.
+pub(super) fn install_panic_hook() {
+    static ONCE: Once = Once::new();
+    // `take_hook` and `set_hook` panic when called from a panicking thread.
+    if std::thread::panicking() {
+        return;
+    }
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let text = describe(info);
+            if let Ok(mut last) = LAST_PANIC.try_lock() {
+                *last = Some(text);
+            }
+            previous(info);
+        }));
+    });
+}
+
+/// "panicked at file:line:col: message", at most [`PANIC_TEXT`] bytes.
+fn describe(info: &std::panic::PanicHookInfo<'_>) -> String {
+    let payload = info.payload();
+    let message = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(a panic with a payload that is not text)");
+    let mut text = match info.location() {
+        Some(l) => format!(
+            "panicked at {}:{}:{}: {message}",
+            l.file(),
+            l.line(),
+            l.column()
+        ),
+        None => format!("panicked: {message}"),
+    };
+    if text.len() > PANIC_TEXT {
+        let mut n = PANIC_TEXT;
+        while !text.is_char_boundary(n) {
+            n -= 1;
+        }
+        text.truncate(n);
+        text.push_str("...");
+    }
+    text
+}
+
+/// The last panic recorded by the panic hook.
+fn last_panic() -> Option<String> {
+    LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+extern "C" {
+    /// glibc's `on_exit(3)`: as `atexit`, but the function is given the exit status.
+    fn on_exit(
+        function: extern "C" fn(c_int, *mut std::os::raw::c_void),
+        arg: *mut std::os::raw::c_void,
+    ) -> c_int;
+}
+
+/// Registers the exit hook: with `on_exit` on glibc, which tells it the exit status; with
+/// `atexit` elsewhere. Returns whether the C library took it.
+pub(super) fn register() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `hook_with_status` is an `extern "C" fn(int, void *)` that never unwinds (it
+    // catches every panic); `on_exit` only stores the pointer and the null argument, which the
+    // hook ignores.
+    let rc = unsafe { on_exit(hook_with_status, std::ptr::null_mut()) };
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    // SAFETY: `hook` is an `extern "C" fn()` that never unwinds (it catches every panic);
+    // `atexit` only stores the pointer.
+    let rc = unsafe { libc::atexit(hook) };
+    rc == 0
+}
+
+/// The exit hook on glibc: the exit status is known.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+extern "C" fn hook_with_status(status: c_int, _arg: *mut std::os::raw::c_void) {
+    run(Some(status));
+}
+
+/// The exit hook elsewhere: the exit status is unknown.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+extern "C" fn hook() {
+    run(None);
+}
+
+/// Runs [`World::at_exit`]. Nothing may unwind out of an `extern "C"` function: a panic aborts
+/// the job.
+fn run(status: Option<c_int>) {
+    let r = std::panic::catch_unwind(|| {
+        if let Some(Ok(w)) = WORLD.get() {
+            w.at_exit(status);
+        }
+    });
+    if r.is_err() {
+        raw::abort(1);
+    }
+}
+
+impl World {
+    /// Runs at process exit (`status`: the exit status, where the C library says it). A rank
+    /// that fails tells the others and aborts the job; a healthy rank tells the others, waits
+    /// for them to reach their own exit, and finalizes MPI.
+    fn at_exit(&self, status: Option<c_int>) {
+        // A call still running on another thread at exit: waiting for it could take the whole
+        // timeout, and the other ranks expect its collectives; end the job.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut st = loop {
+            match self.state.try_lock() {
+                Ok(st) => break st,
+                Err(TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(TryLockError::WouldBlock) => {
+                    control::say(&format!(
+                        "kvstore: rank {}: the process is exiting while a distributed call is \
+                         still running on another thread; aborting the job",
+                        self.rank
+                    ));
+                    raw::abort(1);
+                }
+            }
+        };
+        st.closed = true;
+        if let Some(Failing { code, cause, text }) = self.exit_failure(status, &st) {
+            let why = match cause {
+                Some(c) => format!("rank {c} {text}"),
+                None => format!("this rank {text}"),
+            };
+            control::say(&format!(
+                "kvstore: rank {}: ending the job (MPI_Abort with code {code}) because {why}",
+                self.rank
+            ));
+            st.tell_exit(self, true, cause, &text);
+            // Give the other ranks a moment to hear of it and report it in their own errors:
+            // until every rank reaches its exit, for at most one grace period.
+            let _ = st.exit_wait(self, Some(self.grace()));
+            raw::abort(code);
+        }
+        let text = format!("exited normally after its call #{}", st.seq);
+        st.tell_exit(self, false, None, &text);
+        if let Err(why) = st.exit_wait(self, None).and_then(|()| st.settle_exit(self)) {
+            control::say(&format!(
+                "kvstore: rank {}: at its exit: {why}; ending the job (MPI_Abort with code 1)",
+                self.rank
+            ));
+            raw::abort(1);
+        }
+        // SAFETY: both communicators were created by MPI_Comm_dup and are freed once, here,
+        // under the state lock, which the closed flag keeps every later call from using; no
+        // collective on them is pending (the world is healthy, every call waited for its
+        // collectives, and the exit barrier completed).
+        unsafe {
+            ffi::MPI_Comm_free(&mut st.data.0);
+            ffi::MPI_Comm_free(&mut st.control.0);
+        }
+        drop(st);
+        // Dropping rsmpi's universe calls MPI_Finalize.
+        let universe = self
+            .universe
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        drop(universe);
+    }
+
+    /// Whether this process fails at its exit: it exits with a non-zero status, or (where the
+    /// status is unknown) it panicked, or its distributed world failed. `st` gives the last call
+    /// it began, and the rank whose exit made it fail, if one did: the record then relays that
+    /// rank's exit.
+    fn exit_failure(&self, status: Option<c_int>, st: &State) -> Option<Failing> {
+        let poison = self.failure();
+        let panic = last_panic();
+        let failed_status = match status {
+            Some(code) => code != 0,
+            None => panic.is_some(),
+        };
+        if !failed_status && poison.is_none() {
+            return None;
+        }
+        let code = match status {
+            Some(code) if code != 0 => code,
+            _ => 1,
+        };
+        if let Some((cause, text)) = &st.caused_by {
+            return Some(Failing {
+                code,
+                cause: Some(*cause),
+                text: text.clone(),
+            });
+        }
+        let seq = st.seq;
+        let mut text = match status {
+            Some(code) if code != 0 => format!("exited with code {code} after its call #{seq}"),
+            _ => format!("exited after its call #{seq}"),
+        };
+        if failed_status {
+            if let Some(p) = panic {
+                text.push_str(&format!("; its last panic: {p}"));
+            }
+        }
+        if let Some(first) = poison {
+            text.push_str(&format!("; its distributed world had failed: {first}"));
+        }
+        Some(Failing {
+            code,
+            cause: None,
+            text,
+        })
+    }
+}
+
+/// How a rank fails at its exit.
+struct Failing {
+    /// The code of its `MPI_Abort`: its exit status, or 1.
+    code: c_int,
+    /// The rank whose exit made it fail, if that is why.
+    cause: Option<usize>,
+    /// How it (or the cause) exited, for the exit record: "exited with code 101 after its call
+    /// #4; its last panic: ...".
+    text: String,
+}
+
+impl State {
+    /// Waits at this rank's exit until every rank has reached its own (an `MPI_Ibarrier` on the
+    /// control communicator), answering the other ranks' questions and recording their exit
+    /// records meanwhile. With a `limit` (a failing rank), for at most that long. Without one (a
+    /// healthy rank), for as long as it takes, logging every `KVSTORE_WAIT_LOG_SECS` whom it
+    /// waits for; it gives up at once if another rank's exit record says that rank failed.
+    fn exit_wait(&mut self, world: &World, limit: Option<Duration>) -> Result<(), String> {
+        let mut req = Request::null();
+        // SAFETY: the control communicator is valid until `at_exit` frees it after this barrier;
+        // `req` is a valid out-pointer.
+        let rc = unsafe { ffi::MPI_Ibarrier(self.control.0, &mut req.0) };
+        raw::check("exit", rc).map_err(|e| e.to_string())?;
+        self.here = (self.seq, "at its exit".to_owned());
+        let start = Instant::now();
+        let mut backoff = Backoff::new(start, 0);
+        let mut watch = Watch::new(world, start);
+        loop {
+            // On an early return the barrier stays pending: the caller aborts the job.
+            if self
+                .test(std::slice::from_mut(&mut req), "exit")
+                .map_err(|e| e.to_string())?
+            {
+                return Ok(());
+            }
+            if backoff.pause() == poll::Phase::Spin {
+                continue;
+            }
+            self.service(world);
+            if let Some(limit) = limit {
+                if start.elapsed() > limit {
+                    return Err(format!(
+                        "not every rank reached its exit within {:.1} s",
+                        limit.as_secs_f64()
+                    ));
+                }
+                continue;
+            }
+            if let Some(why) = self.failed_peer(world.rank) {
+                return Err(why);
+            }
+            if let Some(answers) = watch.tick(self, world) {
+                let awaited: Vec<usize> = (0..world.size)
+                    .filter(|&r| r != world.rank && !self.exits.contains_key(&r))
+                    .collect();
+                if !awaited.is_empty() {
+                    control::warn(&control::exit_line(
+                        world.rank,
+                        self.seq,
+                        &awaited,
+                        start.elapsed(),
+                        &answers,
+                    ));
+                }
+            }
+        }
+    }
+
+    /// After the exit barrier of a healthy rank: reads the exit records still on their way
+    /// (every rank sent its own before it entered the barrier) and lets this rank's own sends
+    /// complete, for at most [`SETTLE`]. Fails if a record says that its rank failed.
+    fn settle_exit(&mut self, world: &World) -> Result<(), String> {
+        let end = Instant::now() + SETTLE;
+        loop {
+            self.hear_exits();
+            if let Some(why) = self.failed_peer(world.rank) {
+                return Err(why);
+            }
+            let heard_all = self.exits.len() + 1 >= world.size;
+            let sent = self.flush_outbox();
+            if (heard_all && sent) || Instant::now() > end {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Why this healthy rank must end the job at its exit: an exit record says that a rank
+    /// failed (`me` is this rank, which a record may name as the cause of another's failure).
+    fn failed_peer(&self, me: usize) -> Option<String> {
+        let (r, rep) = self.failed()?;
+        Some(if r == me {
+            format!("another rank failed because this rank {}", rep.text)
+        } else {
+            format!("rank {r} {}", rep.text)
+        })
+    }
+}

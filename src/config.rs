@@ -1,0 +1,198 @@
+//! Configuration: every `KVSTORE_*` environment variable a store reads, read in this one place
+//! and validated. A store reads its [`Config`] once, when it is created; a bad value is a typed
+//! error that names the variable and says what to set, never ignored.
+//!
+//! | variable | what | default |
+//! |---|---|---|
+//! | `KVSTORE_PAR_MIN_BYTES` | bytes of traffic from which a call on host memory splits over threads (`0`: always) | 1048576 |
+//! | `KVSTORE_BIGARRAY_BOUND` | keys of more elements are sliced over every rank of a dist store | 1000000 |
+//! | `KVSTORE_DIST_POOL_BYTES` | host buffers a process's dist stores keep between calls (`0`: none) | 1 GiB |
+//! | `KVSTORE_DIST_CHECK` | the per-call fingerprint check of a dist store (`0`/`1`) | on |
+//! | `KVSTORE_TIMEOUT` | seconds any wait of a dist store may last | 1800 |
+//! | `KVSTORE_WAIT_LOG_SECS` | seconds between two "still waiting" logs of one wait | 60 |
+//!
+//! The launcher's own variables (`RANK`, `WORLD_SIZE`, ...) are read by
+//! [`crate::comm::launch::LaunchEnv`], and NCCL's by the NCCL module.
+
+use std::time::Duration;
+
+use crate::backend::cpu::PAR_MIN_BYTES;
+use crate::comm::dist::{DEFAULT_BIGARRAY_BOUND, DEFAULT_POOL_BYTES};
+use crate::comm::launch::{DEFAULT_TIMEOUT, DEFAULT_WAIT_LOG};
+use crate::{Error, Result};
+
+/// What a store reads from the environment. See the [module docs](self).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Config {
+    /// `KVSTORE_PAR_MIN_BYTES`.
+    pub par_min_bytes: usize,
+    /// `KVSTORE_BIGARRAY_BOUND`.
+    pub bigarray_bound: usize,
+    /// `KVSTORE_DIST_POOL_BYTES`.
+    pub pool_bytes: usize,
+    /// `KVSTORE_DIST_CHECK`.
+    pub dist_check: bool,
+    /// `KVSTORE_TIMEOUT`.
+    pub timeout: Duration,
+    /// `KVSTORE_WAIT_LOG_SECS`.
+    pub wait_log: Duration,
+}
+
+impl Config {
+    /// The configuration of this process's environment now.
+    pub fn from_env() -> Result<Config> {
+        Config::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// The configuration `var` gives (a variable's value, or `None` when it is unset); the
+    /// error names the first variable that is wrong.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        Ok(Config {
+            par_min_bytes: count(
+                &var,
+                "KVSTORE_PAR_MIN_BYTES",
+                PAR_MIN_BYTES,
+                "bytes (0 = always split over threads)",
+            )?,
+            bigarray_bound: count(
+                &var,
+                "KVSTORE_BIGARRAY_BOUND",
+                DEFAULT_BIGARRAY_BOUND,
+                "elements (keys with more are sliced over every rank)",
+            )?,
+            pool_bytes: count(
+                &var,
+                "KVSTORE_DIST_POOL_BYTES",
+                DEFAULT_POOL_BYTES,
+                "bytes (0 keeps no buffers between calls)",
+            )?,
+            dist_check: switch(&var, "KVSTORE_DIST_CHECK", true)?,
+            timeout: seconds(&var, "KVSTORE_TIMEOUT", DEFAULT_TIMEOUT, "1800")?,
+            wait_log: seconds(&var, "KVSTORE_WAIT_LOG_SECS", DEFAULT_WAIT_LOG, "60")?,
+        })
+    }
+}
+
+/// A whole number (`what` says of what) in `name`, or `default` when it is unset.
+fn count(
+    var: &impl Fn(&str) -> Option<String>,
+    name: &'static str,
+    default: usize,
+    what: &'static str,
+) -> Result<usize> {
+    let Some(v) = var(name) else {
+        return Ok(default);
+    };
+    v.trim().parse().map_err(|_| Error::InvalidEnv {
+        var: name,
+        value: v,
+        expected: what,
+    })
+}
+
+/// A switch in `name`: `0`, `false`, `off`, `no` or `1`, `true`, `on`, `yes`; `default` when
+/// it is unset.
+fn switch(
+    var: &impl Fn(&str) -> Option<String>,
+    name: &'static str,
+    default: bool,
+) -> Result<bool> {
+    let Some(v) = var(name) else {
+        return Ok(default);
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "0" | "false" | "off" | "no" => Ok(false),
+        "1" | "true" | "on" | "yes" | "" => Ok(true),
+        _ => Err(Error::DistEnv {
+            var: name.to_owned(),
+            message: format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
+        }),
+    }
+}
+
+/// A positive number of seconds (below 10⁹) in `name`, or `default` when it is unset.
+fn seconds(
+    var: &impl Fn(&str) -> Option<String>,
+    name: &'static str,
+    default: Duration,
+    example: &str,
+) -> Result<Duration> {
+    let Some(v) = var(name) else {
+        return Ok(default);
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(Error::DistEnv {
+            var: name.to_owned(),
+            message: format!(
+                "'{v}' is not a positive number of seconds: set it to e.g. {example}, or unset \
+                 it for the default of {} s",
+                default.as_secs()
+            ),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn unset_variables_give_the_defaults() {
+        let c = Config::from_vars(env(&[])).unwrap();
+        assert_eq!(c.par_min_bytes, PAR_MIN_BYTES);
+        assert_eq!(c.bigarray_bound, DEFAULT_BIGARRAY_BOUND);
+        assert_eq!(c.pool_bytes, DEFAULT_POOL_BYTES);
+        assert!(c.dist_check);
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(c.wait_log, DEFAULT_WAIT_LOG);
+    }
+
+    #[test]
+    fn set_variables_are_read() {
+        let c = Config::from_vars(env(&[
+            ("KVSTORE_PAR_MIN_BYTES", "0"),
+            ("KVSTORE_BIGARRAY_BOUND", " 17 "),
+            ("KVSTORE_DIST_POOL_BYTES", "4096"),
+            ("KVSTORE_DIST_CHECK", "off"),
+            ("KVSTORE_TIMEOUT", "2.5"),
+            ("KVSTORE_WAIT_LOG_SECS", "7"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (
+                c.par_min_bytes,
+                c.bigarray_bound,
+                c.pool_bytes,
+                c.dist_check
+            ),
+            (0, 17, 4096, false)
+        );
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.wait_log, Duration::from_secs(7));
+    }
+
+    #[test]
+    fn a_bad_value_is_an_error_naming_its_variable() {
+        for (name, bad) in [
+            ("KVSTORE_PAR_MIN_BYTES", "1e6"),
+            ("KVSTORE_BIGARRAY_BOUND", "-1"),
+            ("KVSTORE_DIST_POOL_BYTES", "lots"),
+            ("KVSTORE_DIST_CHECK", "maybe"),
+            ("KVSTORE_TIMEOUT", "0"),
+            ("KVSTORE_WAIT_LOG_SECS", "inf"),
+        ] {
+            let e = Config::from_vars(env(&[(name, bad)])).unwrap_err();
+            assert!(e.to_string().contains(name), "{name}={bad}: {e}");
+        }
+    }
+}
