@@ -33,14 +33,18 @@
 //!   on its home GPU: a one-rank communicator reduces them and broadcasts the pulls, so every
 //!   NCCL call the store makes runs on a one-GPU machine too (for tests).
 
+// Every `unsafe` block in this module says why it is sound.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod loader;
 mod ranks;
+mod result;
 
 pub use ranks::RankComm;
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::c_void;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
@@ -50,16 +54,8 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 
 use crate::backend::cuda::{self, cross_gpu_order, cuda_err};
 use crate::{DType, Error, Key, Result};
-use loader::{Comm, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
-
-/// The loaded NCCL, or an error that says what was looked for and how to fix it.
-fn lib(op: &'static str, keys: &[Key]) -> Result<&'static Nccl> {
-    loader::library().map_err(|e| Error::Nccl {
-        op,
-        keys: keys.to_vec(),
-        message: e.to_string(),
-    })
-}
+use loader::{Comm, Config, Nccl};
+use result::{lib, nccl_dtype, During, NcclError, Status, NCCL_SUM};
 
 /// Whether a usable NCCL (>= 2.14) was found (see [`loader`]).
 pub fn available() -> bool {
@@ -99,63 +95,6 @@ pub fn force_single() -> bool {
     *FORCE.get_or_init(|| std::env::var("KVSTORE_NCCL_FORCE").as_deref() == Ok("1"))
 }
 
-/// NCCL's message for a result code.
-fn err_string(lib: &Nccl, r: c_int) -> String {
-    // SAFETY: ncclGetErrorString returns a pointer to a static NUL-terminated string for any
-    // result code; it is only read here.
-    let p = unsafe { (lib.get_error_string)(r) };
-    if p.is_null() {
-        return format!("NCCL error {r}");
-    }
-    // SAFETY: non-null, static and NUL-terminated (see above).
-    let s = unsafe { CStr::from_ptr(p) }.to_string_lossy();
-    format!("NCCL error {r}: {s}")
-}
-
-/// NCCL's last error text for a communicator (may be empty; NCCL before 2.13 has none).
-fn last_error(lib: &Nccl, comm: Comm) -> String {
-    let Some(f) = lib.get_last_error else {
-        return String::new();
-    };
-    // SAFETY: `comm` is a live communicator (or null, which NCCL accepts); the returned string
-    // is owned by NCCL and copied out at once.
-    let p = unsafe { f(comm) };
-    if p.is_null() {
-        return String::new();
-    }
-    // SAFETY: non-null and NUL-terminated, per NCCL's API.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-}
-
-fn nccl_error(op: &'static str, keys: &[Key], r: c_int, comm: Comm) -> Error {
-    let Ok(lib) = loader::library() else {
-        return Error::Nccl {
-            op,
-            keys: keys.to_vec(),
-            message: format!("NCCL error {r}"),
-        };
-    };
-    let mut message = err_string(lib, r);
-    let last = last_error(lib, comm);
-    if !last.is_empty() {
-        message = format!("{message} ({last})");
-    }
-    Error::Nccl {
-        op,
-        keys: keys.to_vec(),
-        message,
-    }
-}
-
-/// `Ok` for `ncclSuccess` and `ncclInProgress` (a non-blocking call still running), else the
-/// error.
-fn started(op: &'static str, keys: &[Key], r: c_int, comm: Comm) -> Result<()> {
-    match r {
-        SUCCESS | IN_PROGRESS => Ok(()),
-        e => Err(nccl_error(op, keys, e, comm)),
-    }
-}
-
 /// The NCCL library's version code (e.g. 23007 for 2.30.7), or `None` when none is usable.
 pub fn version() -> Option<i32> {
     loader::library().ok().map(|l| l.version)
@@ -185,19 +124,6 @@ fn max_sets() -> usize {
             .unwrap_or(8)
     })
 }
-
-/// The NCCL element type of a dtype (`ncclDataType_t`).
-fn nccl_dtype(dtype: DType) -> c_int {
-    match dtype {
-        DType::F16 => 6,
-        DType::F32 => 7,
-        DType::F64 => 8,
-        DType::BF16 => 9,
-    }
-}
-
-/// `ncclSum`.
-const NCCL_SUM: c_int = 0;
 
 /// One rank: a raw communicator and the stream its collectives go on.
 struct Rank {
@@ -233,27 +159,14 @@ impl CommSet {
         keys: &[Key],
     ) -> Result<CommSet> {
         let lib = lib(op, keys)?;
-        let Some(init) = lib.comm_init_rank_config else {
-            return Err(Error::Nccl {
-                op,
-                keys: keys.to_vec(),
-                message: format!(
-                    "NCCL {} has no ncclCommInitRankConfig; kvstore needs NCCL >= 2.14",
-                    lib.version_string()
-                ),
-            });
-        };
-        let mut id = UniqueId([0; 128]);
-        // SAFETY: a valid out-pointer for the id.
-        let r = unsafe { (lib.get_unique_id)(&mut id) };
-        started(op, keys, r, std::ptr::null_mut())?;
+        result::require_comm_init_rank_config(lib).during(op, keys)?;
+        let id = result::get_unique_id(lib).during(op, keys)?;
         let n = ordinals.len();
         let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); n];
         // Each config must stay alive until the group ends.
         let mut configs: Vec<Config> = (0..n).map(|_| Config::new(false)).collect();
-        // SAFETY: no arguments; pairs with the group_end below, which is always called.
-        let r = unsafe { (lib.group_start)() };
-        started(op, keys, r, std::ptr::null_mut())?;
+        // The matching group end is always called below.
+        result::group_start(lib).during(op, keys)?;
         let mut first: Result<()> = Ok(());
         for (rank, (&o, (c, cfg))) in ordinals
             .iter()
@@ -269,15 +182,13 @@ impl CommSet {
                 first = first.and(Err(e));
                 continue;
             }
-            // SAFETY: `c` and `cfg` are valid pointers that outlive the group; `id` came from
-            // ncclGetUniqueId; the current device is the rank's (bound just above), as
-            // ncclCommInitRankConfig requires.
-            let r = unsafe { init(c, n as c_int, id, rank as c_int, cfg) };
-            first = first.and(started(op, keys, r, std::ptr::null_mut()));
+            // SAFETY: the current device is the rank's (bound just above); `c` and `cfg` are
+            // elements of `comms` and `configs`, which are neither moved nor dropped until
+            // after the group ends; `id` came from ncclGetUniqueId.
+            let r = unsafe { result::comm_init_rank_config(lib, c, n, id, rank, cfg) };
+            first = first.and(r.during(op, keys));
         }
-        // SAFETY: ends the group started above.
-        let r = unsafe { (lib.group_end)() };
-        first = first.and(started(op, keys, r, std::ptr::null_mut()));
+        first = first.and(result::group_end(lib).during(op, keys));
         let set = CommSet {
             ranks: comms
                 .into_iter()
@@ -317,15 +228,11 @@ impl CommSet {
         loop {
             let mut busy = false;
             for r in &self.ranks {
-                let mut state = SUCCESS;
-                // SAFETY: a live communicator of this set, used under `calls`; `state` is a
-                // valid out-pointer.
-                let rc = unsafe { (lib.comm_get_async_error)(r.comm, &mut state) };
-                started(op, keys, rc, r.comm)?;
-                match state {
-                    SUCCESS => {}
-                    IN_PROGRESS => busy = true,
-                    e => return Err(nccl_error(op, keys, e, r.comm)),
+                // SAFETY: a live communicator of this set (aborted ones are never polled: the
+                // caller holds `calls` and checked it), used under `calls`.
+                match unsafe { result::comm_get_async_error(lib, r.comm) }.during(op, keys)? {
+                    Status::Done => {}
+                    Status::InProgress => busy = true,
                 }
             }
             if !busy {
@@ -362,9 +269,10 @@ impl CommSet {
             return;
         };
         for r in &self.ranks {
-            // SAFETY: each handle was created by NCCL for this set and is aborted exactly once
-            // (the flag above); abort frees it without waiting for (possibly stuck) work.
-            let _ = unsafe { (lib.comm_abort)(r.comm) };
+            // SAFETY: each handle was created by NCCL for this set, is aborted exactly once
+            // (the flag above, under `calls`) and never used after; abort frees it without
+            // waiting for (possibly stuck) work. Its result is of no use: the set is gone.
+            let _ = unsafe { result::comm_abort(lib, r.comm) };
         }
     }
 
@@ -389,13 +297,9 @@ impl CommSet {
             return Ok(());
         };
         for r in &self.ranks {
-            let mut state = SUCCESS;
-            // SAFETY: a live communicator of this set, used under `calls`; `state` is a valid
-            // out-pointer.
-            let rc = unsafe { (lib.comm_get_async_error)(r.comm, &mut state) };
-            for code in [rc, state] {
-                started(op, keys, code, r.comm)?;
-            }
+            // SAFETY: a live communicator of this set (not aborted: checked above), used under
+            // `calls`.
+            unsafe { result::comm_get_async_error(lib, r.comm) }.during(op, keys)?;
         }
         Ok(())
     }
@@ -412,10 +316,11 @@ impl Drop for CommSet {
         };
         // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
         let mut ok = true;
-        if let Some(finalize) = lib.comm_finalize {
+        if lib.comm_finalize.is_some() {
             for r in &self.ranks {
-                // SAFETY: a live communicator of this set, under `calls`.
-                ok &= matches!(unsafe { finalize(r.comm) }, SUCCESS | IN_PROGRESS);
+                // SAFETY: a live communicator of this set (not aborted: checked above), under
+                // `calls`.
+                ok &= unsafe { result::comm_finalize(lib, r.comm) }.is_ok();
             }
             ok = ok
                 && self
@@ -432,8 +337,9 @@ impl Drop for CommSet {
             return;
         }
         for r in &self.ranks {
-            // SAFETY: finalized above and destroyed exactly once, here.
-            let _ = unsafe { (lib.comm_destroy)(r.comm) };
+            // SAFETY: finalized above, destroyed exactly once, here (`calls` is set below, so
+            // nothing aborts or uses it after); its result is of no use to a drop.
+            let _ = unsafe { result::comm_destroy(lib, r.comm) };
         }
         *calls = true;
     }
@@ -938,9 +844,8 @@ fn issue(
     jobs: &[Job],
 ) -> Result<()> {
     let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
-    // SAFETY: no arguments; the matching group_end is always called below.
-    let r = unsafe { (lib.group_start)() };
-    started(op, &all_keys, r, std::ptr::null_mut())?;
+    // The matching group end is always called below.
+    result::group_start(lib).during(op, &all_keys)?;
     let mut first: Result<()> = Ok(());
     for job in jobs {
         let at = set_keys
@@ -952,38 +857,39 @@ fn issue(
             let res = match &job.kind {
                 // SAFETY: the addresses name live device buffers of `job.n` elements of
                 // `job.dtype` on this rank's GPU (kept alive by the caller, freed on this
-                // stream); `r.comm` is a live communicator used under its set's call lock.
+                // stream, so after the collective); `r.comm` is a live communicator used under
+                // its set's call lock; `stream` is its rank's live runtime stream.
                 Kind::Reduce { sends, recv, root } => unsafe {
-                    (lib.reduce)(
+                    result::reduce(
+                        lib,
                         sends[rank] as *const c_void,
                         if rank == *root { *recv } else { 0 } as *mut c_void,
                         job.n,
                         dt,
                         NCCL_SUM,
-                        *root as c_int,
+                        *root,
                         r.comm,
                         stream,
                     )
                 },
                 // SAFETY: as for reduce.
                 Kind::Broadcast { send, recvs, root } => unsafe {
-                    (lib.broadcast)(
+                    result::broadcast(
+                        lib,
                         if rank == *root { *send } else { 0 } as *const c_void,
                         recvs[rank] as *mut c_void,
                         job.n,
                         dt,
-                        *root as c_int,
+                        *root,
                         r.comm,
                         stream,
                     )
                 },
             };
-            first = first.and(started(op, std::slice::from_ref(&job.key), res, r.comm));
+            first = first.and(res.during(op, std::slice::from_ref(&job.key)));
         }
     }
-    // SAFETY: ends the group started above.
-    let r = unsafe { (lib.group_end)() };
-    first.and(started(op, &all_keys, r, std::ptr::null_mut()))
+    first.and(result::group_end(lib).during(op, &all_keys))
 }
 
 /// Several NCCL ranks on ONE GPU, for tests on one-GPU machines.
@@ -1061,15 +967,18 @@ impl MultiRank {
             .collect();
         self.group(op, |lib, rank, r| {
             // SAFETY: every address names a live buffer of `n` f32 on this GPU; the buffers
-            // outlive the call and are only read back after `sync` below.
+            // outlive the call and are only read back after `sync` below (and freed on their
+            // rank's stream, so after the collective); `r.comm` is a live communicator of this
+            // set, used under its call lock (`group` holds it); `r.stream` is its rank's.
             unsafe {
-                (lib.reduce)(
+                result::reduce(
+                    lib,
                     send_ptrs[rank] as *const c_void,
                     if rank == root { recv_ptr } else { 0 } as *mut c_void,
                     n,
                     nccl_dtype(DType::F32),
                     NCCL_SUM,
-                    root as c_int,
+                    root,
                     r.comm,
                     r.stream.cu_stream() as *mut c_void,
                 )
@@ -1103,12 +1012,13 @@ impl MultiRank {
         self.group(op, |lib, rank, r| {
             // SAFETY: as in `reduce_f32`.
             unsafe {
-                (lib.broadcast)(
+                result::broadcast(
+                    lib,
                     if rank == root { send_ptr } else { 0 } as *const c_void,
                     recv_ptrs[rank] as *mut c_void,
                     n,
                     nccl_dtype(DType::F32),
-                    root as c_int,
+                    root,
                     r.comm,
                     r.stream.cu_stream() as *mut c_void,
                 )
@@ -1164,7 +1074,11 @@ impl MultiRank {
 
     /// One group over every rank, then polls the non-blocking communicators until the calls
     /// are issued (with the timeout; aborting on a stall).
-    fn group(&self, op: &'static str, call: impl Fn(&Nccl, usize, &Rank) -> c_int) -> Result<()> {
+    fn group(
+        &self,
+        op: &'static str,
+        call: impl Fn(&Nccl, usize, &Rank) -> std::result::Result<(), NcclError>,
+    ) -> Result<()> {
         // No `cross_gpu_order` here: these ranks use streams of their own, which no other
         // work waits on.
         let lib = lib(op, &[])?;
@@ -1172,16 +1086,13 @@ impl MultiRank {
         if *calls {
             return Err(self.aborted_error(op));
         }
-        // SAFETY: no arguments; the matching group_end is always called below.
-        let r = unsafe { (lib.group_start)() };
-        started(op, &[], r, std::ptr::null_mut())?;
+        // The matching group end is always called below.
+        result::group_start(lib).during(op, &[])?;
         let mut first = Ok(());
         for (rank, r) in self.ranks().iter().enumerate() {
-            first = first.and(started(op, &[], call(lib, rank, r), r.comm));
+            first = first.and(call(lib, rank, r).during(op, &[]));
         }
-        // SAFETY: ends the group started above.
-        let r = unsafe { (lib.group_end)() };
-        first = first.and(started(op, &[], r, std::ptr::null_mut()));
+        first = first.and(result::group_end(lib).during(op, &[]));
         let deadline = Instant::now() + self.timeout;
         first = first.and_then(|()| self.set.settle(lib, op, &[], deadline));
         if first.is_err() {
@@ -1292,8 +1203,10 @@ impl MultiRank {
             // Rank 0 alone, outside a group (one rank's part; the others never come).
             // SAFETY: `ptr` names a live buffer of `n` f32 on this GPU, used in place (NCCL
             // allows send == recv); it is freed on this stream, so after the aborted kernel.
-            let r = unsafe {
-                (lib.reduce)(
+            // Rank 0's communicator is live (checked just above) and used under `calls`.
+            unsafe {
+                result::reduce(
+                    lib,
                     ptr as *const c_void,
                     ptr as *mut c_void,
                     n,
@@ -1303,8 +1216,8 @@ impl MultiRank {
                     self.ranks()[0].comm,
                     stream.cu_stream() as *mut c_void,
                 )
-            };
-            started(op, &[], r, self.ranks()[0].comm)?;
+            }
+            .during(op, &[])?;
         }
         self.sync(op)
     }
@@ -1351,13 +1264,5 @@ mod tests {
         );
         // Everything in use: the bound is exceeded rather than a set in use destroyed.
         assert!(lru_victims(&[e(1, 5, true), e(2, 3, true)], 1).is_empty());
-    }
-
-    #[test]
-    fn nccl_dtypes_match_nccl_h() {
-        assert_eq!(
-            [DType::F16, DType::F32, DType::F64, DType::BF16].map(nccl_dtype),
-            [6, 7, 8, 9]
-        );
     }
 }
