@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::available;
 use super::comm_set::CommSet;
-use super::settings::{force_single, max_sets};
+use super::settings::{self, force_single, max_sets};
 use super::watchdog::inflight;
 use crate::backend::cuda;
 use crate::{Key, Result};
@@ -44,6 +44,7 @@ fn lru_victims<K: Clone>(entries: &[(K, u64, bool)], cap: usize) -> Vec<K> {
 /// every lock but the cache's brief bookkeeping), evicting the least recently used sets
 /// beyond [`max_sets`].
 pub(super) fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> {
+    let cap = max_sets()?;
     {
         let mut c = cache();
         c.tick += 1;
@@ -84,7 +85,7 @@ pub(super) fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> 
                 (k.clone(), *used, in_use)
             })
             .collect();
-        let evicted: Vec<Arc<CommSet>> = lru_victims(&entries, max_sets())
+        let evicted: Vec<Arc<CommSet>> = lru_victims(&entries, cap)
             .into_iter()
             .filter_map(|k| c.sets.remove(&k).map(|(s, _)| s))
             .collect();
@@ -97,11 +98,15 @@ pub(super) fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> 
 }
 
 /// Builds, before a call takes its key locks, the communicators it will need: one per device
-/// set of at least two GPUs (or of one, with [`force_single`]).
+/// set of at least two GPUs (or of one, with [`force_single`]). First of all, a bad
+/// `KVSTORE_NCCL_TIMEOUT_MS` or `KVSTORE_NCCL_MAX_COMMS` is an
+/// [`Error::InvalidEnv`](crate::Error::InvalidEnv), so that a call fails before it starts
+/// anything.
 pub(crate) fn prepare(sets: &[Vec<usize>]) -> Result<()> {
     if !available() {
         return Ok(());
     }
+    settings::check()?;
     for s in sets {
         if s.len() >= 2 || (s.len() == 1 && force_single()) {
             get_set(s, &[])?;

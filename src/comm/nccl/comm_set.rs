@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
 
@@ -31,6 +31,9 @@ pub(super) struct CommSet {
     calls: Mutex<bool>,
     /// Set by the watchdog: whoever polls these communicators stops and aborts them.
     abort_requested: AtomicBool,
+    /// `KVSTORE_NCCL_TIMEOUT_MS` as it was when the set was made: how long its creation, a
+    /// group on it, or its finalization may stay in progress.
+    timeout: Duration,
 }
 
 // SAFETY: `CommSet` holds raw `ncclComm_t` handles, which Rust cannot see are thread-safe.
@@ -50,6 +53,7 @@ impl CommSet {
         op: &'static str,
         keys: &[Key],
     ) -> Result<CommSet> {
+        let limit = timeout()?;
         let lib = lib(op, keys)?;
         result::require_comm_init_rank_config(lib).during(op, keys)?;
         let id = result::get_unique_id(lib).during(op, keys)?;
@@ -90,6 +94,7 @@ impl CommSet {
                 .collect(),
             calls: Mutex::new(false),
             abort_requested: AtomicBool::new(false),
+            timeout: limit,
         };
         let mut calls = set.lock();
         let ready = first.and_then(|()| {
@@ -100,7 +105,7 @@ impl CommSet {
                     message: format!("only {} of {n} communicators were created", set.ranks.len()),
                 });
             }
-            set.settle(lib, op, keys, Instant::now() + timeout())
+            set.settle(lib, op, keys, Instant::now() + set.timeout)
         });
         if ready.is_err() {
             set.abort_locked(&mut calls);
@@ -151,7 +156,7 @@ impl CommSet {
                     message: format!(
                         "still in progress after {:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
                          communicators were aborted",
-                        timeout()
+                        self.timeout
                     ),
                 });
             }
@@ -173,6 +178,12 @@ impl CommSet {
             // waiting for (possibly stuck) work. Its result is of no use: the set is gone.
             let _ = unsafe { result::comm_abort(lib, r.comm) };
         }
+    }
+
+    /// How long work on this set may stay in progress (`KVSTORE_NCCL_TIMEOUT_MS` when it was
+    /// made).
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Asks whoever is polling these communicators to stop, then aborts them. The holder of
@@ -227,7 +238,7 @@ impl Drop for CommSet {
                         lib,
                         "destroy NCCL communicator",
                         &[],
-                        Instant::now() + timeout(),
+                        Instant::now() + self.timeout,
                     )
                     .is_ok();
         }

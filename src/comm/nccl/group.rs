@@ -57,6 +57,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     }
     let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
     let lib = lib(op, &all_keys)?;
+    let limit = timeout()?;
     start_watchdog();
     // Errors of earlier work (other keys) do not fail this call: wait_all reports them.
     let failure = inflight().poll().err();
@@ -91,7 +92,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
         issue(lib, &set_keys, &sets, op, jobs)
     };
     if result.is_ok() {
-        let deadline = Instant::now() + timeout();
+        let deadline = Instant::now() + limit;
         for (s, k) in sets.iter().zip(&set_keys) {
             result = result.and_then(|()| s.settle(lib, op, &keys_of(k), deadline));
         }

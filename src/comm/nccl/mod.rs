@@ -9,7 +9,9 @@
 //!   is its index in that sorted list, never its ordinal. At most `KVSTORE_NCCL_MAX_COMMS`
 //!   (default 8) sets are cached; the least recently used one that no call is using is
 //!   finalized and destroyed. The store builds them before it takes any key lock
-//!   (`prepare`).
+//!   (`prepare`). A value of `KVSTORE_NCCL_MAX_COMMS` or `KVSTORE_NCCL_TIMEOUT_MS` that is not
+//!   valid fails every call that needs NCCL with an
+//!   [`Error::InvalidEnv`](crate::Error::InvalidEnv) naming it.
 //! - Each rank runs on its GPU's single runtime stream, so NCCL calls are ordered with the
 //!   kernels and copies around them. All collectives of one call are issued inside one
 //!   `group_start`/`group_end`; since the communicators are non-blocking, neither the calls

@@ -66,7 +66,7 @@ impl MultiRank {
         Ok(MultiRank {
             ordinal,
             set,
-            timeout: timeout(),
+            timeout: timeout()?,
             _not_sync: std::marker::PhantomData,
         })
     }

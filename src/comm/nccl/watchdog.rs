@@ -117,12 +117,11 @@ pub(super) fn fail(f: &Failure) {
 
 impl Inflight {
     /// Drops the pending entries whose events have all completed. The first entry whose
-    /// communicators report an asynchronous error, or that is still running [`timeout`] after
-    /// it was issued (as PyTorch's NCCL watchdog counts), is removed with every entry of its
-    /// device set and returned, naming their keys; the caller aborts it with [`fail`], after
-    /// releasing this lock.
+    /// communicators report an asynchronous error, or that is still running its set's
+    /// [`CommSet::timeout`] after it was issued (as PyTorch's NCCL watchdog counts), is removed
+    /// with every entry of its device set and returned, naming their keys; the caller aborts it
+    /// with [`fail`], after releasing this lock.
     pub(super) fn poll(&mut self) -> std::result::Result<(), Box<Failure>> {
-        let limit = timeout();
         let mut failure: Option<(Vec<usize>, Arc<CommSet>, Error)> = None;
         self.pending.retain(|p| {
             if failure.is_some() {
@@ -135,6 +134,7 @@ impl Inflight {
             if let Err(e) = p.comms.async_error(p.op, &p.keys) {
                 return fail(e);
             }
+            let limit = p.comms.timeout();
             match all_complete(&p.events, p.op) {
                 Ok(true) => false,
                 Ok(false) if p.issued.elapsed() > limit => fail(Error::Nccl {
@@ -232,7 +232,9 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
         return done.synchronize().map_err(cuda_err(op, None));
     }
     // A backstop for a stream still busy well after its collectives would have timed out.
-    let deadline = Instant::now() + 2 * timeout();
+    // (Work in flight means a set was made, so the setting was valid.)
+    let limit = 2 * timeout()?;
+    let deadline = Instant::now() + limit;
     loop {
         if done.try_is_complete().map_err(cuda_err(op, None))? {
             return Ok(());
@@ -256,11 +258,7 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
             return Err(Error::Cuda {
                 op,
                 key: None,
-                message: format!(
-                    "gpu({}) was still busy after {:?}",
-                    gpu.ordinal(),
-                    2 * timeout()
-                ),
+                message: format!("gpu({}) was still busy after {:?}", gpu.ordinal(), limit),
                 source: None,
             });
         }
