@@ -1109,6 +1109,72 @@ fn a_hang_inside_nccl_is_aborted_not_waited_for() -> Result<()> {
     Ok(())
 }
 
+/// The NCCL settings a bad value of which is an error, with the value each child sets.
+const BAD_NCCL_SETTINGS: [(&str, &str); 2] = [
+    ("KVSTORE_NCCL_TIMEOUT_MS", "soon"),
+    ("KVSTORE_NCCL_MAX_COMMS", "0"),
+];
+
+/// A bad `KVSTORE_NCCL_TIMEOUT_MS` or `KVSTORE_NCCL_MAX_COMMS` (each read once per process) is
+/// an `Error::InvalidEnv` naming the variable, at every push and pull of a `nccl` store that
+/// needs NCCL, rather than being replaced by the default in silence.
+#[test]
+#[ignore = "needs a GPU"]
+fn bad_nccl_settings_are_errors_that_name_the_variable() -> Result<()> {
+    require_gpu();
+    if in_child() {
+        let (var, value) = BAD_NCCL_SETTINGS
+            .into_iter()
+            .find(|(v, _)| std::env::var_os(v).is_some())
+            .expect("the parent sets one of them");
+        let kv = KvStore::create("nccl")?;
+        let n = 100;
+        kv.init_on(0, &NDArray::full_on([n], 1.0, DType::F32, cpu(0))?, gpu(0))?;
+        let pushed = kv.push(0, &array(&random(n), &[n], DType::F32, gpu(0))?);
+        let pulled = kv.pull(0, &NDArray::full_on([n], 0.0, DType::F32, cpu(0))?);
+        for (what, got) in [("push", pushed), ("pull", pulled)] {
+            match got {
+                Err(e @ Error::InvalidEnv { .. }) => {
+                    let Error::InvalidEnv {
+                        var: v, value: got, ..
+                    } = &e
+                    else {
+                        unreachable!()
+                    };
+                    ensure!(
+                        *v == var && got == value && e.to_string().contains(var),
+                        "{what}: the error names {var}={value:?}: {e}"
+                    );
+                }
+                other => anyhow::bail!("{what}: expected InvalidEnv for {var}, got {other:?}"),
+            }
+        }
+        return Ok(());
+    }
+    if !nccl::available() {
+        skipped(
+            "bad_nccl_settings_are_errors_that_name_the_variable",
+            "no usable NCCL was found",
+        );
+        return Ok(());
+    }
+    for (var, value) in BAD_NCCL_SETTINGS {
+        let others: Vec<&str> = BAD_NCCL_SETTINGS
+            .iter()
+            .map(|(v, _)| *v)
+            .filter(|v| *v != var)
+            .collect();
+        let (ok, out) = run_child(
+            "bad_nccl_settings_are_errors_that_name_the_variable",
+            &[(var, value.into()), ("KVSTORE_NCCL_FORCE", "1".into())],
+            &others,
+            Duration::from_secs(120),
+        )?;
+        ensure!(ok, "{var}={value:?} did not fail as expected:\n{out}");
+    }
+    Ok(())
+}
+
 /// Host values larger than the two pinned staging buffers (4 MiB each) go up in pieces, each
 /// buffer refilled only after the copy from it has completed: a 12 MiB host value, and a
 /// 2 MiB one written into an existing key, come back exactly.

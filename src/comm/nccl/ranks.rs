@@ -42,8 +42,9 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
 
-use super::loader::{Comm, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
-use super::{lib, nccl_dtype, nccl_error, started, NCCL_SUM, POLL_INTERVAL};
+use super::loader::{Comm, Config, Nccl, UniqueId};
+use super::result::{self, lib, nccl_dtype, During, NcclError, Status, NCCL_SUM};
+use super::settings::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
 use crate::comm::launch::LaunchEnv;
 use crate::ndarray::Storage;
@@ -80,11 +81,7 @@ impl RankComm {
     pub fn unique_id() -> Result<UniqueId> {
         let op = "create NCCL id";
         let lib = lib(op, &[])?;
-        let mut id = UniqueId([0; 128]);
-        // SAFETY: a valid out-pointer for the id.
-        let r = unsafe { (lib.get_unique_id)(&mut id) };
-        started(op, &[], r, std::ptr::null_mut())?;
-        Ok(id)
+        result::get_unique_id(lib).during(op, &[])
     }
 
     /// Joins the job of `id` as rank `rank` of `size`, on GPU `ordinal`. Returns once every rank
@@ -99,26 +96,17 @@ impl RankComm {
         }
         let timeout = crate::config::Config::from_env()?.timeout;
         let lib = lib(op, &[])?;
-        let Some(init) = lib.comm_init_rank_config else {
-            return Err(Error::Nccl {
-                op,
-                keys: vec![],
-                message: format!(
-                    "NCCL {} has no ncclCommInitRankConfig; kvstore needs NCCL >= 2.14",
-                    lib.version_string()
-                ),
-            });
-        };
+        result::require_comm_init_rank_config(lib).during(op, &[])?;
         let gpu = cuda::gpu(ordinal)?;
         gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
         let stream = gpu.context().new_stream().map_err(cuda_err(op, None))?;
         let mut comm: Comm = std::ptr::null_mut();
         let mut config = Config::new(false);
-        // SAFETY: `comm` and `config` are valid pointers that outlive the call; `id` is an
-        // NCCL id; the current device is this rank's (bound just above), as
-        // ncclCommInitRankConfig requires.
-        let r = unsafe { init(&mut comm, size as i32, id, rank as i32, &mut config) };
-        started(op, &[], r, comm)?;
+        // SAFETY: the current device is this rank's (bound just above), as
+        // ncclCommInitRankConfig requires; no group is open, so `comm` and `config` need only
+        // outlive the call.
+        unsafe { result::comm_init_rank_config(lib, &mut comm, size, id, rank, &mut config) }
+            .during(op, &[])?;
         let this = RankComm {
             rank,
             size,
@@ -206,13 +194,14 @@ impl RankComm {
             return self.call(op, &[], |lib, comm, stream| {
                 // SAFETY: as below, with one buffer in place (NCCL allows send == recv).
                 unsafe {
-                    (lib.reduce)(
+                    result::reduce(
+                        lib,
                         p as *const c_void,
                         p as *mut c_void,
                         n,
                         dt,
                         NCCL_SUM,
-                        root as i32,
+                        root,
                         comm,
                         stream,
                     )
@@ -228,15 +217,17 @@ impl RankComm {
         self.call(op, &[], |lib, comm, stream| {
             // SAFETY: both addresses name live buffers of `n` elements of the dtype on this
             // rank's GPU, locked for the call, and freed on the runtime stream, which waits
-            // for this one.
+            // for this one; `call` hands over the live communicator, under `state`'s lock,
+            // and this rank's own stream.
             unsafe {
-                (lib.reduce)(
+                result::reduce(
+                    lib,
                     sp as *const c_void,
                     rp as *mut c_void,
                     n,
                     dt,
                     NCCL_SUM,
-                    root as i32,
+                    root,
                     comm,
                     stream,
                 )
@@ -254,12 +245,13 @@ impl RankComm {
         self.call(op, &[], |lib, comm, stream| {
             // SAFETY: as in `reduce_sum`; NCCL allows the buffer in place.
             unsafe {
-                (lib.broadcast)(
+                result::broadcast(
+                    lib,
                     p as *const c_void,
                     p as *mut c_void,
                     n,
                     dt,
-                    root as i32,
+                    root,
                     comm,
                     stream,
                 )
@@ -281,7 +273,8 @@ impl RankComm {
         self.call(op, &[], |lib, comm, stream| {
             // SAFETY: as in `reduce_sum`, with `send` of `n * size` elements.
             unsafe {
-                (lib.reduce_scatter)(
+                result::reduce_scatter(
+                    lib,
                     sp as *const c_void,
                     rp as *mut c_void,
                     n,
@@ -307,7 +300,17 @@ impl RankComm {
         let (sp, rp) = (s.ptr(), r.ptr());
         self.call(op, &[], |lib, comm, stream| {
             // SAFETY: as in `reduce_sum`, with `recv` of `n * size` elements.
-            unsafe { (lib.all_gather)(sp as *const c_void, rp as *mut c_void, n, dt, comm, stream) }
+            unsafe {
+                result::all_gather(
+                    lib,
+                    sp as *const c_void,
+                    rp as *mut c_void,
+                    n,
+                    dt,
+                    comm,
+                    stream,
+                )
+            }
         })
     }
 
@@ -359,7 +362,7 @@ impl RankComm {
         &self,
         op: &'static str,
         keys: &[Key],
-        issue: impl FnOnce(&Nccl, Comm, *mut c_void) -> i32,
+        issue: impl FnOnce(&Nccl, Comm, *mut c_void) -> std::result::Result<(), NcclError>,
     ) -> Result<()> {
         let lib = lib(op, keys)?;
         let mut st = self.lock();
@@ -373,8 +376,8 @@ impl RankComm {
         let gpu = cuda::gpu(self.ordinal)?;
         stream_wait(&self.stream, gpu.stream())?;
         gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
-        let r = issue(lib, self.comm, self.stream.cu_stream() as *mut c_void);
-        let issued = started(op, keys, r, self.comm)
+        let issued = issue(lib, self.comm, self.stream.cu_stream() as *mut c_void)
+            .during(op, keys)
             .and_then(|()| self.settle(lib, op, keys, Instant::now() + self.timeout));
         if let Err(e) = issued {
             return Err(self.fail(&mut st, op, keys, e));
@@ -385,29 +388,23 @@ impl RankComm {
     /// Polls until the communicator is no longer in progress, or `deadline` passes.
     fn settle(&self, lib: &Nccl, op: &'static str, keys: &[Key], deadline: Instant) -> Result<()> {
         loop {
-            let mut state = SUCCESS;
-            // SAFETY: a live communicator, used under `state`'s lock; a valid out-pointer.
-            let rc = unsafe { (lib.comm_get_async_error)(self.comm, &mut state) };
-            started(op, keys, rc, self.comm)?;
-            match state {
-                SUCCESS => return Ok(()),
-                IN_PROGRESS if Instant::now() > deadline => return Err(self.stall(op, keys)),
-                IN_PROGRESS => std::thread::sleep(POLL_INTERVAL),
-                e => return Err(nccl_error(op, keys, e, self.comm)),
+            // SAFETY: a live communicator (callers check `failed`, set when it is aborted),
+            // used under `state`'s lock.
+            match unsafe { result::comm_get_async_error(lib, self.comm) }.during(op, keys)? {
+                Status::Done => return Ok(()),
+                Status::InProgress if Instant::now() > deadline => return Err(self.stall(op, keys)),
+                Status::InProgress => std::thread::sleep(POLL_INTERVAL),
             }
         }
     }
 
     /// The communicator's asynchronous error, if it has one.
     fn async_error(&self, lib: &Nccl, op: &'static str, keys: &[Key]) -> Result<()> {
-        let mut state = SUCCESS;
-        // SAFETY: a live communicator, used under `state`'s lock; a valid out-pointer.
-        let rc = unsafe { (lib.comm_get_async_error)(self.comm, &mut state) };
-        started(op, keys, rc, self.comm)?;
-        match state {
-            SUCCESS | IN_PROGRESS => Ok(()),
-            e => Err(nccl_error(op, keys, e, self.comm)),
-        }
+        // SAFETY: a live communicator (callers check `failed`, set when it is aborted), used
+        // under `state`'s lock.
+        unsafe { result::comm_get_async_error(lib, self.comm) }
+            .during(op, keys)
+            .map(drop)
     }
 
     /// The error of a collective that made no progress within the timeout ([`Self::fail`]
@@ -449,9 +446,10 @@ impl RankComm {
         if st.failed.is_none() {
             st.failed = Some(error.to_string());
             if let Ok(lib) = super::loader::library() {
-                // SAFETY: the communicator is live and aborted once (`failed` was unset);
-                // abort ends its kernels without waiting for the other ranks.
-                let _ = unsafe { (lib.comm_abort)(self.comm) };
+                // SAFETY: the communicator is live and aborted once (`failed` was unset, and is
+                // set now, so nothing uses it after); abort ends its kernels without waiting
+                // for the other ranks. Its result adds nothing to `error`.
+                let _ = unsafe { result::comm_abort(lib, self.comm) };
             }
         }
         error
@@ -532,23 +530,24 @@ impl Drop for RankComm {
             return;
         };
         // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
-        let finalized = match lib.comm_finalize {
-            // SAFETY: a live communicator, not used after this.
-            Some(finalize) => {
-                matches!(unsafe { finalize(self.comm) }, SUCCESS | IN_PROGRESS)
-                    && self
-                        .settle(lib, "close NCCL ranks", &[], Instant::now() + self.timeout)
-                        .is_ok()
-            }
-            None => true,
+        let finalized = if lib.comm_finalize.is_some() {
+            // SAFETY: a live communicator (`failed` is unset), used under `state`'s lock; only
+            // destroyed or aborted after this.
+            unsafe { result::comm_finalize(lib, self.comm) }.is_ok()
+                && self
+                    .settle(lib, "close NCCL ranks", &[], Instant::now() + self.timeout)
+                    .is_ok()
+        } else {
+            true
         };
-        // SAFETY: the communicator is destroyed (or aborted) once, here, and never used again.
-        unsafe {
+        // SAFETY: the communicator is destroyed (or aborted) once, here, and never used again;
+        // a drop has no use for the result.
+        let _ = unsafe {
             if finalized {
-                (lib.comm_destroy)(self.comm);
+                result::comm_destroy(lib, self.comm)
             } else {
-                (lib.comm_abort)(self.comm);
+                result::comm_abort(lib, self.comm)
             }
-        }
+        };
     }
 }

@@ -1,0 +1,256 @@
+//! The non-blocking communicators of one set of GPUs (one rank each), made in one group, and
+//! the rules for using them: every call under the set's own mutex, polling with a bound, an
+//! abort that the watchdog can ask for, and finalize-then-destroy on drop.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+
+use super::loader::{self, Comm, Config, Nccl};
+use super::result::{self, lib, During, Status};
+use super::settings::{timeout, POLL_INTERVAL};
+use crate::backend::cuda::{self, cuda_err};
+use crate::{Error, Key, Result};
+
+/// One rank: a raw communicator and the stream its collectives go on.
+pub(super) struct Rank {
+    /// The rank's communicator.
+    pub(super) comm: Comm,
+    /// The stream its collectives go on.
+    pub(super) stream: Arc<CudaStream>,
+}
+
+/// The non-blocking communicators of one device set, one per rank. Dropping it finalizes and
+/// destroys them (or aborts them, if they failed).
+pub(super) struct CommSet {
+    /// The ranks, in rank order.
+    pub(super) ranks: Vec<Rank>,
+    /// Serializes every call on these communicators; `true` once they are aborted.
+    calls: Mutex<bool>,
+    /// Set by the watchdog: whoever polls these communicators stops and aborts them.
+    abort_requested: AtomicBool,
+    /// `KVSTORE_NCCL_TIMEOUT_MS` as it was when the set was made: how long its creation, a
+    /// group on it, or its finalization may stay in progress.
+    timeout: Duration,
+}
+
+// SAFETY: `CommSet` holds raw `ncclComm_t` handles, which Rust cannot see are thread-safe.
+// NCCL allows a communicator to be used from any thread as long as calls on it are not
+// concurrent, and every call on these handles is made while holding `calls`.
+unsafe impl Send for CommSet {}
+// SAFETY: as above: shared use goes through the `calls` mutex.
+unsafe impl Sync for CommSet {}
+
+impl CommSet {
+    /// Non-blocking communicators, rank `r` on GPU `ordinals[r]` and stream `streams[r]`
+    /// (ordinals may repeat: several ranks on one GPU, each with a stream of its own), created
+    /// in one group and polled until ready, with the timeout.
+    pub(super) fn init(
+        ordinals: &[usize],
+        streams: Vec<Arc<CudaStream>>,
+        op: &'static str,
+        keys: &[Key],
+    ) -> Result<CommSet> {
+        let limit = timeout()?;
+        let lib = lib(op, keys)?;
+        result::require_comm_init_rank_config(lib).during(op, keys)?;
+        let id = result::get_unique_id(lib).during(op, keys)?;
+        let n = ordinals.len();
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); n];
+        // Each config must stay alive until the group ends.
+        let mut configs: Vec<Config> = (0..n).map(|_| Config::new(false)).collect();
+        // The matching group end is always called below.
+        result::group_start(lib).during(op, keys)?;
+        let mut first: Result<()> = Ok(());
+        for (rank, (&o, (c, cfg))) in ordinals
+            .iter()
+            .zip(comms.iter_mut().zip(configs.iter_mut()))
+            .enumerate()
+        {
+            let bound = cuda::gpu(o).and_then(|g| {
+                g.context()
+                    .bind_to_thread()
+                    .map_err(cuda_err("create NCCL communicator", None))
+            });
+            if let Err(e) = bound {
+                first = first.and(Err(e));
+                continue;
+            }
+            // SAFETY: the current device is the rank's (bound just above); `c` and `cfg` are
+            // elements of `comms` and `configs`, which are neither moved nor dropped until
+            // after the group ends; `id` came from ncclGetUniqueId.
+            let r = unsafe { result::comm_init_rank_config(lib, c, n, id, rank, cfg) };
+            first = first.and(r.during(op, keys));
+        }
+        first = first.and(result::group_end(lib).during(op, keys));
+        let set = CommSet {
+            ranks: comms
+                .into_iter()
+                .zip(streams)
+                .filter(|(c, _)| !c.is_null())
+                .map(|(comm, stream)| Rank { comm, stream })
+                .collect(),
+            calls: Mutex::new(false),
+            abort_requested: AtomicBool::new(false),
+            timeout: limit,
+        };
+        let mut calls = set.lock();
+        let ready = first.and_then(|()| {
+            if set.ranks.len() != n {
+                return Err(Error::Nccl {
+                    op,
+                    keys: keys.to_vec(),
+                    message: format!("only {} of {n} communicators were created", set.ranks.len()),
+                });
+            }
+            set.settle(lib, op, keys, Instant::now() + set.timeout)
+        });
+        if ready.is_err() {
+            set.abort_locked(&mut calls);
+        }
+        drop(calls);
+        ready.map(|()| set)
+    }
+
+    /// Locks the set for a call; the flag is `true` once the set is aborted.
+    pub(super) fn lock(&self) -> MutexGuard<'_, bool> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Polls every rank with `ncclCommGetAsyncError` until none is in progress. An error, an
+    /// abort the watchdog asked for, or `deadline` ends it with an error (the caller, which
+    /// holds `calls`, aborts).
+    pub(super) fn settle(
+        &self,
+        lib: &Nccl,
+        op: &'static str,
+        keys: &[Key],
+        deadline: Instant,
+    ) -> Result<()> {
+        loop {
+            let mut busy = false;
+            for r in &self.ranks {
+                // SAFETY: a live communicator of this set (aborted ones are never polled: the
+                // caller holds `calls` and checked it), used under `calls`.
+                match unsafe { result::comm_get_async_error(lib, r.comm) }.during(op, keys)? {
+                    Status::Done => {}
+                    Status::InProgress => busy = true,
+                }
+            }
+            if !busy {
+                return Ok(());
+            }
+            if self.abort_requested.load(Ordering::Acquire) {
+                return Err(Error::Nccl {
+                    op,
+                    keys: keys.to_vec(),
+                    message: "aborted by the NCCL watchdog while in progress".to_owned(),
+                });
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Nccl {
+                    op,
+                    keys: keys.to_vec(),
+                    message: format!(
+                        "still in progress after {:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
+                         communicators were aborted",
+                        self.timeout
+                    ),
+                });
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        }
+    }
+
+    /// Aborts every rank, once (the caller holds `calls`).
+    pub(super) fn abort_locked(&self, aborted: &mut bool) {
+        if std::mem::replace(aborted, true) {
+            return;
+        }
+        let Ok(lib) = loader::library() else {
+            return;
+        };
+        for r in &self.ranks {
+            // SAFETY: each handle was created by NCCL for this set, is aborted exactly once
+            // (the flag above, under `calls`) and never used after; abort frees it without
+            // waiting for (possibly stuck) work. Its result is of no use: the set is gone.
+            let _ = unsafe { result::comm_abort(lib, r.comm) };
+        }
+    }
+
+    /// How long work on this set may stay in progress (`KVSTORE_NCCL_TIMEOUT_MS` when it was
+    /// made).
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Asks whoever is polling these communicators to stop, then aborts them. The holder of
+    /// `calls` polls with a bound and checks the request every poll, so this waits briefly.
+    pub(super) fn abort(&self) {
+        self.abort_requested.store(true, Ordering::Release);
+        let mut calls = self.lock();
+        self.abort_locked(&mut calls);
+    }
+
+    /// The first asynchronous error any rank reports, if any; `Ok` when the set is busy (a
+    /// call in progress holds `calls`: its holder polls itself) or aborted.
+    pub(super) fn async_error(&self, op: &'static str, keys: &[Key]) -> Result<()> {
+        let Ok(calls) = self.calls.try_lock() else {
+            return Ok(());
+        };
+        if *calls {
+            return Ok(());
+        }
+        let Ok(lib) = loader::library() else {
+            return Ok(());
+        };
+        for r in &self.ranks {
+            // SAFETY: a live communicator of this set (not aborted: checked above), used under
+            // `calls`.
+            unsafe { result::comm_get_async_error(lib, r.comm) }.during(op, keys)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CommSet {
+    fn drop(&mut self) {
+        let mut calls = self.lock();
+        if *calls {
+            return;
+        }
+        let Ok(lib) = loader::library() else {
+            return;
+        };
+        // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
+        let mut ok = true;
+        if lib.comm_finalize.is_some() {
+            for r in &self.ranks {
+                // SAFETY: a live communicator of this set (not aborted: checked above), under
+                // `calls`.
+                ok &= unsafe { result::comm_finalize(lib, r.comm) }.is_ok();
+            }
+            ok = ok
+                && self
+                    .settle(
+                        lib,
+                        "destroy NCCL communicator",
+                        &[],
+                        Instant::now() + self.timeout,
+                    )
+                    .is_ok();
+        }
+        if !ok {
+            self.abort_locked(&mut calls);
+            return;
+        }
+        for r in &self.ranks {
+            // SAFETY: finalized above, destroyed exactly once, here (`calls` is set below, so
+            // nothing aborts or uses it after); its result is of no use to a drop.
+            let _ = unsafe { result::comm_destroy(lib, r.comm) };
+        }
+        *calls = true;
+    }
+}

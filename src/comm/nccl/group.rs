@@ -1,0 +1,214 @@
+//! One call's collectives (a reduce or a broadcast per key) issued in one NCCL group over the
+//! cached communicators of their device sets, on the GPUs' runtime streams, and handed to the
+//! watchdog as work in flight.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
+use std::time::Instant;
+
+use super::cache::{cache, get_set};
+use super::comm_set::CommSet;
+use super::loader::Nccl;
+use super::result::{self, lib, nccl_dtype, During, NCCL_SUM};
+use super::settings::timeout;
+use super::watchdog::{fail, inflight, start_watchdog, Pending};
+use crate::backend::cuda::{cross_gpu_order, cuda_err};
+use crate::{DType, Error, Key, Result};
+
+/// What one key's collective does. Ranks are indices into the job's `devices`.
+pub(crate) enum Kind {
+    /// Sum `sends[rank]` (one per rank) into `recv` on rank `root`.
+    Reduce {
+        sends: Vec<u64>,
+        recv: u64,
+        root: usize,
+    },
+    /// Copy `send` on rank `root` into `recvs[rank]` (the root's recv may equal `send`).
+    Broadcast {
+        send: u64,
+        recvs: Vec<u64>,
+        root: usize,
+    },
+}
+
+/// One key's collective over a set of GPUs.
+pub(crate) struct Job {
+    pub key: Key,
+    pub dtype: DType,
+    pub n: usize,
+    /// Distinct GPU ordinals, ascending: rank `r` is `devices[r]`.
+    pub devices: Vec<usize>,
+    pub kind: Kind,
+}
+
+/// Issues every job's collective in one NCCL group on the GPUs' runtime streams.
+///
+/// The communicators come from the cache (or are built first, holding no lock). The group is
+/// issued holding [`cross_gpu_order`] and each set's call lock, never the cache's or the
+/// in-flight list's; since the communicators are non-blocking, what reports `ncclInProgress`
+/// is polled to completion with the timeout, and a stall is aborted.
+///
+/// The caller keeps every buffer named by a job alive; they are freed on their GPU's stream,
+/// so after the collective.
+pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
+    if jobs.is_empty() {
+        return Ok(());
+    }
+    let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
+    let lib = lib(op, &all_keys)?;
+    let limit = timeout()?;
+    start_watchdog();
+    // Errors of earlier work (other keys) do not fail this call: wait_all reports them.
+    let failure = inflight().poll().err();
+    if let Some(f) = failure {
+        fail(&f);
+        inflight().deferred.push(f.error);
+    }
+    let mut set_keys: Vec<Vec<usize>> = jobs.iter().map(|j| j.devices.clone()).collect();
+    set_keys.sort();
+    set_keys.dedup();
+    let keys_of = |s: &Vec<usize>| -> Vec<Key> {
+        jobs.iter()
+            .filter(|j| &j.devices == s)
+            .map(|j| j.key.clone())
+            .collect()
+    };
+    let mut sets = Vec::with_capacity(set_keys.len());
+    for s in &set_keys {
+        sets.push(get_set(s, &keys_of(s))?);
+    }
+    let order = cross_gpu_order();
+    // Always in ascending set order, so two calls never wait on each other's locks.
+    let mut guards: Vec<MutexGuard<'_, bool>> = sets.iter().map(|s| s.lock()).collect();
+    let mut result = if guards.iter().any(|g| **g) {
+        Err(Error::Nccl {
+            op,
+            keys: all_keys.clone(),
+            message: "the communicators were aborted after an earlier failure; retry the call"
+                .to_owned(),
+        })
+    } else {
+        issue(lib, &set_keys, &sets, op, jobs)
+    };
+    if result.is_ok() {
+        let deadline = Instant::now() + limit;
+        for (s, k) in sets.iter().zip(&set_keys) {
+            result = result.and_then(|()| s.settle(lib, op, &keys_of(k), deadline));
+        }
+    }
+    let mut events = Vec::with_capacity(sets.len());
+    if result.is_ok() {
+        for s in &sets {
+            let mut evs = Vec::with_capacity(s.ranks.len());
+            for r in &s.ranks {
+                match r.stream.record_event(None) {
+                    Ok(e) => evs.push(e),
+                    Err(e) => {
+                        result = Err(cuda_err("record NCCL event", None)(e));
+                        break;
+                    }
+                }
+            }
+            events.push(evs);
+        }
+    }
+    if result.is_err() {
+        // A failed group leaves the communicators in an unknown state: abort them all.
+        for (s, g) in sets.iter().zip(guards.iter_mut()) {
+            s.abort_locked(g);
+        }
+    }
+    drop(guards);
+    drop(order);
+    if result.is_err() {
+        let mut c = cache();
+        for (k, s) in set_keys.iter().zip(&sets) {
+            if c.sets.get(k).is_some_and(|(x, _)| Arc::ptr_eq(x, s)) {
+                c.sets.remove(k);
+            }
+        }
+        return result;
+    }
+    ISSUED.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+    let mut c = inflight();
+    for ((k, s), events) in set_keys.iter().zip(sets).zip(events) {
+        let seq = c.next_seq;
+        c.next_seq += 1;
+        c.pending.push(Pending {
+            seq,
+            issued: Instant::now(),
+            set: k.clone(),
+            comms: s,
+            events,
+            keys: keys_of(k),
+            op,
+        });
+    }
+    Ok(())
+}
+
+/// The group itself: `group_end` is always called, even after a failed call inside.
+fn issue(
+    lib: &Nccl,
+    set_keys: &[Vec<usize>],
+    sets: &[Arc<CommSet>],
+    op: &'static str,
+    jobs: &[Job],
+) -> Result<()> {
+    let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
+    // The matching group end is always called below.
+    result::group_start(lib).during(op, &all_keys)?;
+    let mut first: Result<()> = Ok(());
+    for job in jobs {
+        let at = set_keys
+            .binary_search(&job.devices)
+            .expect("every job's set is in the list");
+        for (rank, r) in sets[at].ranks.iter().enumerate() {
+            let dt = nccl_dtype(job.dtype);
+            let stream = r.stream.cu_stream() as *mut c_void;
+            let res = match &job.kind {
+                // SAFETY: the addresses name live device buffers of `job.n` elements of
+                // `job.dtype` on this rank's GPU (kept alive by the caller, freed on this
+                // stream, so after the collective); `r.comm` is a live communicator used under
+                // its set's call lock; `stream` is its rank's live runtime stream.
+                Kind::Reduce { sends, recv, root } => unsafe {
+                    result::reduce(
+                        lib,
+                        sends[rank] as *const c_void,
+                        if rank == *root { *recv } else { 0 } as *mut c_void,
+                        job.n,
+                        dt,
+                        NCCL_SUM,
+                        *root,
+                        r.comm,
+                        stream,
+                    )
+                },
+                // SAFETY: as for reduce.
+                Kind::Broadcast { send, recvs, root } => unsafe {
+                    result::broadcast(
+                        lib,
+                        if rank == *root { *send } else { 0 } as *const c_void,
+                        recvs[rank] as *mut c_void,
+                        job.n,
+                        dt,
+                        *root,
+                        r.comm,
+                        stream,
+                    )
+                },
+            };
+            first = first.and(res.during(op, std::slice::from_ref(&job.key)));
+        }
+    }
+    first.and(result::group_end(lib).during(op, &all_keys))
+}
+
+/// How many collectives (one per key and call) this process has issued through the store's
+/// NCCL path (for tests that NCCL really ran).
+pub fn collectives_issued() -> u64 {
+    ISSUED.load(Ordering::Relaxed)
+}
+
+static ISSUED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

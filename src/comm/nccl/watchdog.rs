@@ -1,0 +1,267 @@
+//! NCCL work in flight, and what ends it when it fails or stalls: the events recorded after
+//! each group, polled with `ncclCommGetAsyncError` by every host wait ([`wait_all`],
+//! [`wait_stream`]) and by a watchdog thread every 100 ms. A collective that fails, or makes no
+//! progress for [`timeout`], has its communicators aborted and dropped from the cache, and an
+//! [`Error::Nccl`] names its keys.
+
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaEvent;
+
+use super::available;
+use super::cache::cache;
+use super::comm_set::CommSet;
+use super::settings::{timeout, POLL_INTERVAL};
+use crate::backend::cuda::{self, cuda_err};
+use crate::{Error, Key, Result};
+
+/// NCCL work in flight: the events recorded after a group, per rank of one device set.
+pub(super) struct Pending {
+    /// Issue order, so a wait covers only the work issued before it began.
+    pub(super) seq: u64,
+    /// When the group was issued.
+    pub(super) issued: Instant,
+    /// The device set (ascending ordinals).
+    pub(super) set: Vec<usize>,
+    /// Its communicators.
+    pub(super) comms: Arc<CommSet>,
+    /// One event per rank, recorded after the group.
+    pub(super) events: Vec<CudaEvent>,
+    /// The keys of the collectives.
+    pub(super) keys: Vec<Key>,
+    /// The operation, for errors.
+    pub(super) op: &'static str,
+}
+
+/// A collective that failed or stalled. Its device set's communicators are aborted by
+/// [`fail`], and with them every collective in flight on that set, whose keys the error names.
+pub(super) struct Failure {
+    /// The device set.
+    pub(super) set: Vec<usize>,
+    /// Its communicators.
+    pub(super) comms: Arc<CommSet>,
+    /// Every key in flight on them.
+    pub(super) keys: Vec<Key>,
+    /// What happened.
+    pub(super) error: Error,
+}
+
+/// The work in flight. Its mutex is only held for bookkeeping and non-blocking queries.
+#[derive(Default)]
+pub(super) struct Inflight {
+    /// The groups issued and not known to be done, in issue order.
+    pub(super) pending: Vec<Pending>,
+    /// The `seq` of the next group.
+    pub(super) next_seq: u64,
+    /// Errors found while polling between calls, reported by the next [`wait_all`].
+    pub(super) deferred: Vec<Error>,
+}
+
+/// How often the watchdog thread polls NCCL work in flight.
+const WATCHDOG_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Starts, once, a thread that polls the NCCL work in flight every [`WATCHDOG_INTERVAL`] and
+/// aborts a collective that failed or made no progress for [`timeout`], as PyTorch's NCCL
+/// watchdog does. Host waits poll too, but a thread blocked inside the driver (a copy queued
+/// behind a stalled collective) cannot: the abort ends the collective's kernels, the stream
+/// drains, and that thread is freed. The error waits for the next [`wait_all`].
+pub(super) fn start_watchdog() {
+    static STARTED: Once = Once::new();
+    STARTED.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("kvstore-nccl-watchdog".to_owned())
+            .spawn(|| loop {
+                std::thread::sleep(WATCHDOG_INTERVAL);
+                let failure = inflight().poll().err();
+                if let Some(f) = failure {
+                    log::error!("kvstore: {}", f.error);
+                    fail(&f);
+                    inflight().deferred.push(f.error);
+                }
+            });
+        if let Err(e) = spawned {
+            log::warn!("kvstore: no NCCL watchdog thread ({e}); only host waits will poll");
+        }
+    });
+}
+
+/// The process's list of work in flight, locked (for bookkeeping and non-blocking queries
+/// only). Made on first use, which also routes every host wait on a GPU through
+/// [`wait_stream`].
+pub(super) fn inflight() -> MutexGuard<'static, Inflight> {
+    static INFLIGHT: OnceLock<Mutex<Inflight>> = OnceLock::new();
+    INFLIGHT
+        .get_or_init(|| {
+            // From now on every host read of a GPU polls this module's collectives.
+            cuda::set_host_wait(wait_stream);
+            Mutex::new(Inflight::default())
+        })
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Aborts a failed set and drops it from the cache (if it is still the cached one).
+pub(super) fn fail(f: &Failure) {
+    {
+        let mut c = cache();
+        if c.sets
+            .get(&f.set)
+            .is_some_and(|(s, _)| Arc::ptr_eq(s, &f.comms))
+        {
+            c.sets.remove(&f.set);
+        }
+    }
+    f.comms.abort();
+}
+
+impl Inflight {
+    /// Drops the pending entries whose events have all completed. The first entry whose
+    /// communicators report an asynchronous error, or that is still running its set's
+    /// [`CommSet::timeout`] after it was issued (as PyTorch's NCCL watchdog counts), is removed
+    /// with every entry of its device set and returned, naming their keys; the caller aborts it
+    /// with [`fail`], after releasing this lock.
+    pub(super) fn poll(&mut self) -> std::result::Result<(), Box<Failure>> {
+        let mut failure: Option<(Vec<usize>, Arc<CommSet>, Error)> = None;
+        self.pending.retain(|p| {
+            if failure.is_some() {
+                return true;
+            }
+            let mut fail = |error| {
+                failure = Some((p.set.clone(), p.comms.clone(), error));
+                true
+            };
+            if let Err(e) = p.comms.async_error(p.op, &p.keys) {
+                return fail(e);
+            }
+            let limit = p.comms.timeout();
+            match all_complete(&p.events, p.op) {
+                Ok(true) => false,
+                Ok(false) if p.issued.elapsed() > limit => fail(Error::Nccl {
+                    op: p.op,
+                    keys: p.keys.clone(),
+                    message: format!(
+                        "no progress after {limit:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
+                         communicator for GPUs {:?} was aborted",
+                        p.set
+                    ),
+                }),
+                Ok(false) => true,
+                Err(e) => fail(e),
+            }
+        });
+        let Some((set, comms, mut error)) = failure else {
+            return Ok(());
+        };
+        let keys: Vec<Key> = self
+            .pending
+            .iter()
+            .filter(|p| Arc::ptr_eq(&p.comms, &comms))
+            .flat_map(|p| p.keys.iter().cloned())
+            .collect();
+        self.pending.retain(|p| !Arc::ptr_eq(&p.comms, &comms));
+        if let Error::Nccl { keys: k, .. } = &mut error {
+            k.clone_from(&keys);
+        }
+        Err(Box::new(Failure {
+            set,
+            comms,
+            keys,
+            error,
+        }))
+    }
+}
+
+/// Whether every event has completed. A CUDA error on the stream (an illegal address, say) is
+/// returned at once: `CudaEvent::is_complete` would read it as "not yet" until the timeout.
+pub(super) fn all_complete(events: &[CudaEvent], op: &'static str) -> Result<bool> {
+    for ev in events {
+        if !ev.try_is_complete().map_err(cuda_err(op, None))? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Waits for every NCCL collective issued before the call, polling for asynchronous errors.
+/// A collective that fails, or makes no progress for the timeout, has its communicators aborted
+/// and dropped from the cache, and its error is returned.
+pub fn wait_all() -> Result<()> {
+    if !available() {
+        return Ok(());
+    }
+    let last = inflight().next_seq;
+    loop {
+        let failure = {
+            let mut c = inflight();
+            if !c.deferred.is_empty() {
+                return Err(c.deferred.remove(0));
+            }
+            match c.poll() {
+                Err(f) => f,
+                Ok(()) if c.pending.iter().all(|p| p.seq >= last) => return Ok(()),
+                Ok(()) => {
+                    drop(c);
+                    std::thread::sleep(POLL_INTERVAL);
+                    continue;
+                }
+            }
+        };
+        fail(&failure);
+        return Err(failure.error);
+    }
+}
+
+/// Waits on the host for the work enqueued so far on one GPU's stream.
+///
+/// With NCCL work in flight this polls instead of blocking: a collective that fails, or makes
+/// no progress for [`timeout`], is aborted (which ends its kernels, so the stream drains)
+/// rather than holding this thread forever. Its error is kept for the next [`wait_all`], and
+/// also returned here when that collective ran on this GPU.
+pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
+    let op = "wait for GPU";
+    if !available() {
+        return gpu.synchronize();
+    }
+    // The event first: work another thread enqueues after it is not waited for.
+    let done = gpu
+        .stream()
+        .record_event(None)
+        .map_err(cuda_err(op, None))?;
+    if inflight().pending.is_empty() {
+        return done.synchronize().map_err(cuda_err(op, None));
+    }
+    // A backstop for a stream still busy well after its collectives would have timed out.
+    // (Work in flight means a set was made, so the setting was valid.)
+    let limit = 2 * timeout()?;
+    let deadline = Instant::now() + limit;
+    loop {
+        if done.try_is_complete().map_err(cuda_err(op, None))? {
+            return Ok(());
+        }
+        let failure = inflight().poll().err();
+        if let Some(f) = failure {
+            fail(&f);
+            // The pushing thread hears of it from wait_all; this reader, when its GPU was in
+            // the set, gets an error of its own.
+            let mine = f.set.contains(&gpu.ordinal()).then(|| Error::Nccl {
+                op,
+                keys: f.keys.clone(),
+                message: f.error.to_string(),
+            });
+            inflight().deferred.push(f.error);
+            if let Some(e) = mine {
+                return Err(e);
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Cuda {
+                op,
+                key: None,
+                message: format!("gpu({}) was still busy after {:?}", gpu.ordinal(), limit),
+                source: None,
+            });
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
+}
