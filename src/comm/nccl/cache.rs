@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::available;
 use super::comm_set::CommSet;
-use super::settings::{self, force_single, max_sets};
 use super::watchdog::inflight;
 use crate::backend::cuda;
+use crate::config::nccl::{self as settings, force_single, max_sets};
 use crate::{Key, Result};
 
 /// The communicator cache: device set -> communicators and when they were last used.

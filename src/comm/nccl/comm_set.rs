@@ -10,8 +10,9 @@ use cudarc::driver::CudaStream;
 
 use super::loader::{self, Comm, Config, Nccl};
 use super::result::{self, lib, During, Status};
-use super::settings::{timeout, POLL_INTERVAL};
+use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
+use crate::config::nccl::timeout;
 use crate::{Error, Key, Result};
 
 /// One rank: a raw communicator and the stream its collectives go on.

@@ -11,9 +11,9 @@ use super::cache::{cache, get_set};
 use super::comm_set::CommSet;
 use super::loader::Nccl;
 use super::result::{self, lib, nccl_dtype, During, NCCL_SUM};
-use super::settings::timeout;
 use super::watchdog::{fail, inflight, start_watchdog, Pending};
 use crate::backend::cuda::{cross_gpu_order, cuda_err};
+use crate::config::nccl::timeout;
 use crate::{DType, Error, Key, Result};
 
 /// What one key's collective does. Ranks are indices into the job's `devices`.

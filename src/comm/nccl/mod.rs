@@ -40,7 +40,7 @@
 //! - `loader`: finds and opens the library, and resolves its functions into a table (the sys
 //!   layer).
 //! - `result`: one wrapper per NCCL function; return codes are read there and nowhere else.
-//! - `settings`: the environment variables above, read once, and the poll interval.
+//! - the environment variables above are read once, in [`crate::config::nccl`].
 //! - `comm_set`: the communicators of one device set, and how they are polled and aborted.
 //! - `cache`: the device set -> communicators cache and its LRU bound.
 //! - `watchdog`: work in flight, host waits, and the thread that aborts stalled collectives.
@@ -58,9 +58,9 @@ pub mod loader;
 mod multi_rank;
 mod ranks;
 mod result;
-mod settings;
 mod watchdog;
 
+pub use crate::config::nccl::force_single;
 pub(crate) use cache::prepare;
 pub use cache::{abort_all, cached_sets};
 pub use group::collectives_issued;
@@ -68,7 +68,9 @@ pub(crate) use group::{run, Job, Kind};
 #[doc(hidden)]
 pub use multi_rank::MultiRank;
 pub use ranks::RankComm;
-pub use settings::force_single;
+
+/// How often a host wait polls events and NCCL's async errors.
+pub(crate) const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_micros(200);
 pub use watchdog::wait_all;
 
 use std::path::PathBuf;

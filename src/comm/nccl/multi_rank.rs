@@ -15,9 +15,10 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use super::comm_set::{CommSet, Rank};
 use super::loader::Nccl;
 use super::result::{self, lib, nccl_dtype, During, NcclError, NCCL_SUM};
-use super::settings::{timeout, POLL_INTERVAL};
 use super::watchdog::all_complete;
+use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
+use crate::config::nccl::timeout;
 use crate::{DType, Error, Result};
 
 /// Several NCCL ranks on ONE GPU, for tests on one-GPU machines.

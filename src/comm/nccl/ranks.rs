@@ -44,7 +44,7 @@ use cudarc::driver::CudaStream;
 
 use super::loader::{Comm, Config, Nccl, UniqueId};
 use super::result::{self, lib, nccl_dtype, During, NcclError, Status, NCCL_SUM};
-use super::settings::POLL_INTERVAL;
+use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
 use crate::comm::launch::LaunchEnv;
 use crate::ndarray::Storage;

@@ -12,8 +12,9 @@ use cudarc::driver::CudaEvent;
 use super::available;
 use super::cache::cache;
 use super::comm_set::CommSet;
-use super::settings::{timeout, POLL_INTERVAL};
+use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
+use crate::config::nccl::timeout;
 use crate::{Error, Key, Result};
 
 /// NCCL work in flight: the events recorded after a group, per rank of one device set.

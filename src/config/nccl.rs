@@ -1,5 +1,5 @@
-//! What the environment sets for NCCL between this process's GPUs, each variable read once
-//! per process, and how often waits poll.
+//! What the environment sets for NCCL between this process's GPUs: each variable read once
+//! per process (the communicators they govern are the process's), and validated.
 //!
 //! - `KVSTORE_NCCL_TIMEOUT_MS`: how long a collective may run before it is aborted ([`timeout`]).
 //! - `KVSTORE_NCCL_MAX_COMMS`: how many device sets keep their communicators ([`max_sets`]).
@@ -101,9 +101,9 @@ fn max_sets_from(
 }
 
 /// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS` as the
-/// process first reads it (polls run every 200 µs), else 60 s. A value that is not a whole
+/// process first reads it , else 60 s. A value that is not a whole
 /// number of milliseconds is an [`Error::InvalidEnv`] naming it, at every call.
-pub(super) fn timeout() -> Result<Duration> {
+pub(crate) fn timeout() -> Result<Duration> {
     static TIMEOUT: OnceLock<std::result::Result<Duration, Invalid>> = OnceLock::new();
     TIMEOUT
         .get_or_init(|| timeout_from(std::env::var("KVSTORE_NCCL_TIMEOUT_MS")))
@@ -114,7 +114,7 @@ pub(super) fn timeout() -> Result<Duration> {
 /// How many device sets keep their communicators: `KVSTORE_NCCL_MAX_COMMS` (read once), else
 /// 8. A value that is not a whole number above 0 is an [`Error::InvalidEnv`] naming it, at every
 /// call.
-pub(super) fn max_sets() -> Result<usize> {
+pub(crate) fn max_sets() -> Result<usize> {
     static MAX: OnceLock<std::result::Result<usize, Invalid>> = OnceLock::new();
     MAX.get_or_init(|| max_sets_from(std::env::var("KVSTORE_NCCL_MAX_COMMS")))
         .clone()
@@ -122,14 +122,11 @@ pub(super) fn max_sets() -> Result<usize> {
 }
 
 /// Both settings above, so that a bad value fails a call before it starts anything.
-pub(super) fn check() -> Result<()> {
+pub(crate) fn check() -> Result<()> {
     timeout()?;
     max_sets()?;
     Ok(())
 }
-
-/// How often a host wait polls events and NCCL's async errors.
-pub(super) const POLL_INTERVAL: Duration = Duration::from_micros(200);
 
 #[cfg(test)]
 mod tests {

@@ -11,8 +11,11 @@
 //! | `KVSTORE_TIMEOUT` | seconds any wait of a dist store may last | 1800 |
 //! | `KVSTORE_WAIT_LOG_SECS` | seconds between two "still waiting" logs of one wait | 60 |
 //!
-//! The launcher's own variables (`RANK`, `WORLD_SIZE`, ...) are read by
-//! [`crate::comm::launch::LaunchEnv`], and NCCL's by the NCCL module.
+//! [`nccl`] reads the variables of NCCL between this process's GPUs (`KVSTORE_NCCL_TIMEOUT_MS`,
+//! `KVSTORE_NCCL_MAX_COMMS`, `KVSTORE_NCCL_FORCE`), once per process. The launcher's own
+//! variables (`RANK`, `WORLD_SIZE`, ...) are read by [`crate::comm::launch::LaunchEnv`].
+
+pub(crate) mod nccl;
 
 use std::time::Duration;
 
