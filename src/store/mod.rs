@@ -359,7 +359,7 @@ impl KvStore {
         let prepared = check_new_keys(&read(&self.table), &keys)
             .and_then(|()| dist::rank0_values(d, values, any_gpu_home));
         let mine = prepared.map_err(|e| d.reject("init", e))?;
-        let mut call = d.begin(dist::init_fingerprint(&keys, values))?;
+        let mut call = d.begin_with(|| dist::init_fingerprint(&keys, values))?;
         // The table is held from here to the end: the keys are placed before the values move
         // (a sliced key's value moves as slices), and nothing else changes the table meanwhile.
         let mut table = write(&self.table);
@@ -483,7 +483,7 @@ impl KvStore {
             .map_err(|e| self.rejected("pull", e))?;
         let d = &self.ranks;
         self.prepare(&groups)?;
-        let mut call = d.begin(dist::fingerprint("pull", &groups))?;
+        let mut call = d.begin_with(|| dist::fingerprint("pull", &groups))?;
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         dist::pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
@@ -509,8 +509,8 @@ impl KvStore {
         }
         // The ranks must agree on the whole updater too (its kind decides which collectives
         // follow; its hyperparameters, schedule, multipliers and generation what they compute).
-        let fp = dist::fingerprint(op, &groups).note(&active.describe());
-        let mut call = d.begin(fp)?;
+        let fp = || dist::fingerprint(op, &groups).note(&active.describe());
+        let mut call = d.begin_with(fp)?;
         let inputs = dist::sum_across(&mut *call, d, &groups, mine)?;
         let mut cells = lock_cells(&groups);
         let counts = update_counts(d, &active, &groups, &cells);

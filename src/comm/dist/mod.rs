@@ -161,7 +161,16 @@ impl Dist {
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
     /// [`Link::begin`]).
     pub fn begin(&self, fp: Fingerprint) -> Result<Box<dyn Round + '_>> {
-        self.link.begin(&fp.store(self.store))
+        self.begin_with(|| fp)
+    }
+
+    /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared: one rank
+    /// alone makes none, so a local store's call pays nothing for it.
+    pub fn begin_with(&self, fp: impl FnOnce() -> Fingerprint) -> Result<Box<dyn Round + '_>> {
+        if self.link.passes_through() {
+            return self.link.begin(&Fingerprint::new("local"));
+        }
+        self.link.begin(&fp().store(self.store))
     }
 
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
