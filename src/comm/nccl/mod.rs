@@ -40,7 +40,7 @@
 //! - `loader`: finds and opens the library, and resolves its functions into a table (the sys
 //!   layer).
 //! - `result`: one wrapper per NCCL function; return codes are read there and nowhere else.
-//! - the environment variables above are read once, in [`crate::config::nccl`].
+//! - the environment variables above are read once, in `crate::config::nccl`.
 //! - `comm_set`: the communicators of one device set, and how they are polled and aborted.
 //! - `cache`: the device set -> communicators cache and its LRU bound.
 //! - `watchdog`: work in flight, host waits, and the thread that aborts stalled collectives.
