@@ -4,11 +4,12 @@
 # (examples/bench_kv, 4 devices), the order of the builds flipped every pair. Prints json lines
 # tagged with the build, the pair and the load.
 #
-# usage: benches/ab_pipeline.sh DIR_A DIR_B [PAIRS (4)] > ab.jsonl
+# usage: benches/ab_pipeline.sh DIR_A DIR_B [PAIRS (4)] [DIR_C] > ab.jsonl
+# (with DIR_C, a third build joins every round; the order rotates every round)
 # DIR_*: a release target dir holding examples/bench_dist_store and examples/bench_kv, built with
 #   cargo build --release --features mpi --example bench_dist_store --example bench_kv
 set -euo pipefail
-a=$1 b=$2 pairs=${3:-4}
+a=$1 b=$2 pairs=${3:-4} c=${4:-}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
 load() { cut -d' ' -f1 /proc/loadavg; }
 tag() { sed -n -e 's/^json {/{/' -e '/^{/p' | sed "s/^{/{\"build\":\"$1\",\"pair\":$2,\"load\":$(load),/"; }
@@ -25,9 +26,17 @@ run() {
     done
 }
 for pair in $(seq "$pairs"); do
-    if ((pair % 2)); then
-        run "$a" A "$pair"; run "$b" B "$pair"
-    else
-        run "$b" B "$pair"; run "$a" A "$pair"
+    if [ -z "$c" ]; then
+        if ((pair % 2)); then
+            run "$a" A "$pair"; run "$b" B "$pair"
+        else
+            run "$b" B "$pair"; run "$a" A "$pair"
+        fi
+        continue
     fi
+    case $((pair % 3)) in
+        1) run "$a" A "$pair"; run "$b" B "$pair"; run "$c" C "$pair" ;;
+        2) run "$b" B "$pair"; run "$c" C "$pair"; run "$a" A "$pair" ;;
+        0) run "$c" C "$pair"; run "$a" A "$pair"; run "$b" B "$pair" ;;
+    esac
 done

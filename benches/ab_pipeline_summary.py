@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Summarizes benches/ab_pipeline.sh's json lines: per cell, each build's median time over the
-pairs, and the median of the per-pair ratios A/B (> 1: B is faster).
+rounds, and the median of the per-round ratios A/B (and A/C; > 1: B, or C, is faster).
 
 usage: benches/ab_pipeline_summary.py ab.jsonl
 """
@@ -27,20 +27,23 @@ def main(path):
         times[key][r["pair"]][r["build"]] = t
         loads.append(r["load"])
     print(f"load {min(loads)}-{max(loads)}")
-    print("| bench | cell | A (median) | B (median) | A/B per pair: median (min-max) |")
-    print("|---|---|---|---|---|")
+    builds = sorted({b for cells in times.values() for p in cells.values() for b in p})
+    others = [b for b in builds if b != "A"]
+    print("| bench | cell | " + " | ".join(f"{b} (median)" for b in builds) + " | "
+          + " | ".join(f"A/{b} per round: median (min-max)" for b in others) + " |")
+    print("|---|---|" + "---|" * (len(builds) + len(others)))
+    fmt = lambda s: f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
     for key in sorted(times):
         pairs = times[key]
-        a = [p["A"] for p in pairs.values() if "A" in p]
-        b = [p["B"] for p in pairs.values() if "B" in p]
-        ratios = [p["A"] / p["B"] for p in pairs.values() if "A" in p and "B" in p]
-        if not ratios:
-            continue
-        fmt = lambda s: f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
-        print(
-            f"| {key[0]} | {key[1]} | {fmt(statistics.median(a))} | {fmt(statistics.median(b))} | "
-            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
-        )
+        meds = []
+        for b in builds:
+            v = [p[b] for p in pairs.values() if b in p]
+            meds.append(fmt(statistics.median(v)) if v else "-")
+        ratios = []
+        for b in others:
+            r = [p["A"] / p[b] for p in pairs.values() if "A" in p and b in p]
+            ratios.append(f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})" if r else "-")
+        print(f"| {key[0]} | {key[1]} | " + " | ".join(meds) + " | " + " | ".join(ratios) + " |")
 
 
 main(sys.argv[1])
