@@ -72,7 +72,7 @@ impl Dist {
     ///   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them), NCCL's own
     ///   bootstrap exchanges it and NCCL carries everything, MPI is never initialised.
     pub fn connect(on_gpu: bool, config: &Config) -> Result<Dist> {
-        let pool = Pool::process(config.pool_bytes);
+        let pool = Pool::process(config.pool_bytes)?;
         Dist::joined(link::connect(on_gpu, config)?, config.bigarray_bound, pool)
     }
 

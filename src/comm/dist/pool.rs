@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::host::{convert_into, with_host, HostData};
-use crate::{DType, Element};
+use crate::{DType, Element, Error, Result};
 
 /// The default of `KVSTORE_DIST_POOL_BYTES`.
 pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
@@ -32,11 +32,20 @@ fn room_bytes(b: &HostData) -> usize {
 impl Pool {
     /// The process's pool, shared by every distributed store of the process so that the bound
     /// holds per process: made by the first store, keeping at most `max_bytes` bytes
-    /// (`KVSTORE_DIST_POOL_BYTES` of that store's configuration).
-    pub fn process(max_bytes: usize) -> Arc<Pool> {
+    /// (`KVSTORE_DIST_POOL_BYTES` of that store's configuration). A later store whose
+    /// configuration asks for another bound is an error naming the variable, not ignored.
+    pub fn process(max_bytes: usize) -> Result<Arc<Pool>> {
         static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
-        POOL.get_or_init(|| Arc::new(Pool::with_max_bytes(max_bytes)))
-            .clone()
+        let pool = POOL.get_or_init(|| Arc::new(Pool::with_max_bytes(max_bytes)));
+        if pool.max_bytes != max_bytes {
+            return Err(Error::InvalidEnv {
+                var: "KVSTORE_DIST_POOL_BYTES",
+                value: max_bytes.to_string(),
+                expected: "the value this process's first dist store read (the pool is one \
+                           per process): set it before the first store, and leave it",
+            });
+        }
+        Ok(pool.clone())
     }
 
     /// The most bytes the pool keeps.
