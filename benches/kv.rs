@@ -3,8 +3,9 @@
 //! Groups (filter with `cargo bench --bench kv -- <prefix>`):
 //! - `push/<n>dev`, `pull/<n>dev`, `pushpull/<n>dev`: one key of 4 KiB to 256 MiB;
 //! - `roof/copy`, `roof/sum<n>`, `roof/sum<n>_rmw`, `roof/bcast<n>`: the same traffic without a store;
-//! - `smallkeys`: 1000 keys × 1 KiB from 4 devices, one list call vs a loop of single-key calls;
-//! - `updater/<dtype>`: each built-in updater at a large size from 4 devices;
+//! - `smallkeys`: 1000 keys × 1 KiB (`KVSTORE_BENCH_SMALL_KIB`) from 4 devices (`KVSTORE_BENCH_DEVS`;
+//!   on the GPU target, the GPUs there are, at most 4), one list call vs a loop of single-key calls;
+//! - `updater/<dtype>`: each built-in updater at a large size from 4 devices (as `smallkeys`);
 //! - `gpu_d2d`: cudarc device-to-device copy (only with a GPU).
 //!
 //! Criterion's throughput is algbw (bytes of one value per second). At the end a summary prints
@@ -148,7 +149,7 @@ fn roof(c: &mut Criterion) {
 type SmallOp = fn(&SmallKeys) -> anyhow::Result<()>;
 
 fn small_keys(c: &mut Criterion, target: Target) {
-    let (count, n) = (1000, 4);
+    let (count, n, bytes) = (1000, common::many_devs(target), common::small_key_bytes());
     if !target.has(n) {
         eprintln!(
             "skip smallkeys: {n} {} devices not available",
@@ -165,26 +166,25 @@ fn small_keys(c: &mut Criterion, target: Target) {
     if !cases.iter().any(|(name, _)| wanted("smallkeys", name)) {
         return;
     }
-    let sk = SmallKeys::new(target, count, common::KIB, n).expect("bench setup");
+    eprintln!(
+        "smallkeys: {count} keys of {} from {n} devices",
+        size_name(bytes)
+    );
+    let sk = SmallKeys::new(target, count, bytes, n).expect("bench setup");
     let mut g = c.benchmark_group("smallkeys");
     // Throughput in elements = keys, so criterion prints keys per second.
     g.throughput(Throughput::Elements(count as u64));
     g.measurement_time(std::time::Duration::from_secs(2));
     g.sample_size(30);
     for (name, f) in cases {
-        record(
-            "smallkeys",
-            name,
-            count * common::KIB,
-            (n + 1) * count * common::KIB,
-        );
+        record("smallkeys", name, count * bytes, (n + 1) * count * bytes);
         g.bench_function(name, |b| b.iter(|| f(&sk)));
     }
     g.finish();
 }
 
 fn updaters(c: &mut Criterion, target: Target) {
-    let n = 4;
+    let n = common::many_devs(target);
     if !target.has(n) {
         eprintln!("skip updater: {n} {} devices not available", target.name());
         return;

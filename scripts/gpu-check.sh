@@ -8,8 +8,10 @@
 #        scripts/gpu-check.sh
 #    builds every test binary (`cargo test --release --no-run`) and bench binary
 #    (`cargo bench --no-run`), strips them, and stages them with a `run.sh` in `.gpu-stage/`
-#    (git-ignored; kept well under 60 MiB).
-# 2. On the GPU machine, from a copy of the repository (or of `.gpu-stage/` alone):
+#    (git-ignored), and packs that folder into `.gpu-bundle/stage.tgz` (git-ignored, under 60 MiB:
+#    a device run carries 64 MiB at most).
+# 2. On the GPU machine, from a copy of the repository with `.gpu-bundle` carried:
+#        tar -xzf .gpu-bundle/stage.tgz
 #        .gpu-stage/run.sh            # logs in .gpu-stage/logs, packed into $OUT if set
 #    run.sh reports which libnccl.so.2 the machine has (env NCCL_LIB, then pip's
 #    nvidia-nccl-cu12/13 under python's site-packages, then ldconfig, then /usr and /opt); it
@@ -18,7 +20,13 @@
 #    every bench, and prints a summary per binary: passed, failed, and SKIPPED (tests that
 #    printed `SKIPPED:` because this machine cannot run their case; never counted as passed).
 #    It exits non-zero when any binary failed, and with 2 at once when the machine has no GPU.
-#    SKIP_BENCHES=1 runs the tests only (the benches take minutes).
+#    SKIP_BENCHES=1 runs the tests only (the benches take minutes). Knobs for a short lease:
+#      TESTS=ignored         only the `#[ignore = "needs a GPU"]` tests (CI runs the others);
+#      BENCH_FILTERS="a b"   the kv bench once per criterion filter, instead of every bench whole;
+#      TORCH_BENCH=1         also benches/torch_updaters.py (PyTorch's fused steps, same GPU);
+#      SANITIZE="t1 t2"      also compute-sanitizer memcheck and racecheck on those test binaries.
+#    Logs are packed into $OUT after every step, so a run cut off at its limit still brings back
+#    what it did.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -75,6 +83,8 @@ else
     echo "== no MPI here: tests/dist_gpu is not staged (apt-get install libopenmpi-dev libclang-dev)"
 fi
 
+cp benches/torch_updaters.py "$STAGE/"
+
 echo "== building bench binaries"
 cargo bench --no-run --message-format=json 2>/dev/null | executables |
     while read -r kind name path; do
@@ -94,7 +104,7 @@ rm -rf "$LOG"
 mkdir -p "$LOG"
 pack() {
     [ -n "${OUT:-}" ] || return 0
-    tar -C "$HERE" -czf "$OUT/logs.tgz" logs
+    tar -C "$HERE" -czf "$OUT/logs.tgz.part" logs && mv "$OUT/logs.tgz.part" "$OUT/logs.tgz"
     cp "$LOG/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
 }
 trap pack EXIT
@@ -156,7 +166,7 @@ for t in "$HERE"/tests/*; do
     libs=""
     [ "$name" = dist_gpu ] && [ -d "$HERE/lib" ] && libs="$HERE/lib"
     LD_LIBRARY_PATH="${libs}${libs:+${LD_LIBRARY_PATH:+:}}${LD_LIBRARY_PATH:-}" \
-        timeout "${TEST_TIMEOUT:-300}" "$t" --include-ignored --nocapture --test-threads=1 \
+        timeout "${TEST_TIMEOUT:-300}" "$t" "--${TESTS:-include-ignored}" --nocapture --test-threads=1 \
         >"$LOG/test-$name.log" 2>&1
     rc=$?
     [ "$rc" -eq 124 ] && echo "TIMED OUT after ${TEST_TIMEOUT:-300} s" >>"$LOG/test-$name.log"
@@ -171,9 +181,42 @@ for t in "$HERE"/tests/*; do
     grep '^SKIPPED:' "$LOG/test-$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
     # The harness lists failed tests, indented, after its last "failures:" line.
     awk '/^failures:$/ {n++; next} n == 2 && /^    [^ ]/ {print "    FAILED" $0}' "$LOG/test-$name.log" | tee -a "$SUMMARY"
+    pack
+done
+for name in ${SANITIZE:-}; do
+    for tool in memcheck racecheck; do
+        echo "== compute-sanitizer --tool $tool $name"
+        timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+            "$HERE/tests/$name" --ignored --test-threads=1 >"$LOG/sanitize-$tool-$name.log" 2>&1
+        rc=$?
+        [ "$rc" -ne 0 ] && FAILED=1
+        printf '%-28s rc=%s (compute-sanitizer %s; %s)\n' "$name" "$rc" "$tool" \
+            "$(grep -E 'ERROR SUMMARY' "$LOG/sanitize-$tool-$name.log" | tail -n 1)" | tee -a "$SUMMARY"
+        pack
+    done
+done
+if [ "${TORCH_BENCH:-0}" = 1 ]; then
+    echo "== torch_updaters.py"
+    timeout "${BENCH_TIMEOUT:-400}" python3 "$HERE/torch_updaters.py" --json "$LOG/torch_updaters.json" \
+        >"$LOG/bench-torch_updaters.log" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] && FAILED=1
+    printf '%-28s rc=%s (bench; results in bench-torch_updaters.log)\n' torch_updaters "$rc" | tee -a "$SUMMARY"
+    pack
+fi
+for filter in ${BENCH_FILTERS:-}; do
+    [ "${SKIP_BENCHES:-0}" = 1 ] && break
+    echo "== bench kv -- $filter"
+    log="$LOG/bench-kv-$(echo "$filter" | tr -c 'A-Za-z0-9_\n' '_').log"
+    timeout "${BENCH_TIMEOUT:-400}" "$HERE/benches/kv" --bench "$filter" >"$log" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] && FAILED=1
+    printf '%-28s rc=%s (bench; results in %s)\n' "kv $filter" "$rc" "$(basename "$log")" | tee -a "$SUMMARY"
+    pack
 done
 for b in "$HERE"/benches/*; do
     [ -x "$b" ] || continue
+    [ -n "${BENCH_FILTERS:-}" ] && break
     [ "${SKIP_BENCHES:-0}" = 1 ] && { echo "== benches skipped (SKIP_BENCHES=1)"; break; }
     name=$(basename "$b")
     echo "== bench $name"
@@ -189,10 +232,16 @@ RUN
 chmod +x "$STAGE/run.sh"
 
 echo "== stage: $STAGE ($(du -sh "$STAGE" | cut -f1))"
-# Everything travels as one bundle to the GPU machine, which takes at most 64 MiB.
-bytes=$(du -sb "$STAGE" | cut -f1)
-if [ "$bytes" -gt $((64 << 20)) ]; then
-    echo "gpu-check.sh: the stage is $bytes bytes, over the 64 MiB a GPU run can carry" >&2
+ls -la "$STAGE/tests" "$STAGE/benches"
+# Everything travels as one compressed bundle to the GPU machine, which takes at most 64 MiB:
+#     carry .gpu-bundle;  tar -xzf .gpu-bundle/stage.tgz && .gpu-stage/run.sh
+BUNDLE="$ROOT/.gpu-bundle"
+rm -rf "$BUNDLE"
+mkdir -p "$BUNDLE"
+tar -C "$ROOT" -czf "$BUNDLE/stage.tgz" .gpu-stage
+bytes=$(du -sb "$BUNDLE" | cut -f1)
+echo "== bundle: $BUNDLE/stage.tgz ($(du -sh "$BUNDLE" | cut -f1))"
+if [ "$bytes" -gt $((60 << 20)) ]; then
+    echo "gpu-check.sh: the bundle is $bytes bytes, over the 64 MiB a GPU run can carry" >&2
     exit 1
 fi
-ls -la "$STAGE/tests" "$STAGE/benches"

@@ -41,6 +41,30 @@ pub fn dev_counts() -> Vec<usize> {
     }
 }
 
+/// Devices the `smallkeys` and `updater` benches push from: `KVSTORE_BENCH_DEVS`, else 4 (on the
+/// GPU target, as many GPUs as there are, at most 4, so a one-GPU machine runs them too).
+pub fn many_devs(target: Target) -> usize {
+    if let Some(n) = std::env::var("KVSTORE_BENCH_DEVS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return n;
+    }
+    match target {
+        Target::Cpu => 4,
+        Target::Gpu => kvstore::gpu_count().clamp(1, 4),
+    }
+}
+
+/// The bytes of one key in the `smallkeys` bench: `KVSTORE_BENCH_SMALL_KIB` KiB, else 1 KiB.
+pub fn small_key_bytes() -> usize {
+    std::env::var("KVSTORE_BENCH_SMALL_KIB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1)
+        * KIB
+}
+
 /// The size the updater benches use.
 pub fn updater_size() -> usize {
     if quick() {
