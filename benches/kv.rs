@@ -40,13 +40,18 @@ thread_local! {
 
 static FILTER: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
 
-/// Whether criterion's filter (taken as a plain substring here) selects `group/id`; setup is skipped if not.
+/// Whether criterion's filter selects `group/id`; setup is skipped if not. The filter is taken as
+/// plain substrings joined by `|` (criterion reads it as a regex; this covers `a|b|c`).
 fn wanted(group: &str, id: &str) -> bool {
     let full = format!("{group}/{id}");
     FILTER
         .get()
         .and_then(|f| f.as_deref())
-        .is_none_or(|f| full.contains(f))
+        .is_none_or(|f| selects(f, &full))
+}
+
+fn selects(filter: &str, full: &str) -> bool {
+    filter.split('|').any(|part| full.contains(part))
 }
 
 fn record(group: &str, id: &str, bytes: usize, moved: usize) {
@@ -215,8 +220,11 @@ fn gpu_d2d(c: &mut Criterion, target: Target) {
     }
     let mut g = c.benchmark_group("gpu_d2d");
     for bytes in common::sizes() {
-        g.throughput(Throughput::Bytes(bytes as u64));
         let id = size_name(bytes);
+        if !wanted("gpu_d2d", &id) {
+            continue;
+        }
+        set_budget(&mut g, bytes);
         record("gpu_d2d", &id, bytes, 2 * bytes);
         g.bench_function(BenchmarkId::from_parameter(&id), |b| {
             b.iter_custom(|iters| {
@@ -252,8 +260,21 @@ fn median_ns(group: &str, id: &str) -> Option<f64> {
     pe[..end].trim().parse().ok()
 }
 
-/// The roof group for a store group: push ↔ sum of n, pull ↔ 1 into n, updaters ↔ sum + rmw.
-fn roof_of(group: &str) -> Option<String> {
+/// The roof of a store bench: on the CPU, push ↔ sum of n, pull ↔ 1 into n; on a GPU every
+/// store bench ↔ the device-to-device copy of the same size (`gpu_d2d`, when it ran too).
+fn roof_of(group: &str, id: &str) -> Option<(String, String)> {
+    if GPU_ROOF.get().copied().unwrap_or(false) {
+        let size = id.rsplit('/').next()?;
+        return Some(("gpu_d2d".to_owned(), size.to_owned()));
+    }
+    cpu_roof_of(group).map(|g| (g, id.to_owned()))
+}
+
+/// Whether the benches run on a GPU (their roof is then `gpu_d2d`).
+static GPU_ROOF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// The CPU roof group for a store group: push ↔ sum of n, pull ↔ 1 into n.
+fn cpu_roof_of(group: &str) -> Option<String> {
     let (op, rest) = group.split_once('/')?;
     let n = rest.strip_suffix("dev")?;
     match op {
@@ -274,15 +295,16 @@ fn summary(filter: Option<&str>) {
     println!("|---|---|---|---|---|---|");
     for r in &records {
         let full = format!("{}/{}", r.group, r.id);
-        if filter.is_some_and(|f| !full.contains(f)) {
+        if filter.is_some_and(|f| !selects(f, &full)) {
             continue;
         }
         let Some(ns) = median_ns(&r.group, &r.id) else {
             continue;
         };
         let moved = r.moved as f64 / ns;
-        let roof = roof_of(&r.group)
-            .and_then(|g| moved_of(&g, &r.id))
+        let roof = roof_of(&r.group, &r.id)
+            .filter(|(g, _)| *g != r.group)
+            .and_then(|(g, id)| moved_of(&g, &id))
             .map_or("".to_owned(), |roof| {
                 format!("{:.0}%", 100.0 * moved / roof)
             });
@@ -314,6 +336,7 @@ fn main() {
         .find(|a| !a.starts_with('-'))
         .filter(|_| !std::env::args().any(|a| a == "--list"));
     FILTER.set(filter.clone()).expect("set once");
+    GPU_ROOF.set(target == Target::Gpu).expect("set once");
     roof(&mut c);
     store_ops(&mut c, target);
     small_keys(&mut c, target);
