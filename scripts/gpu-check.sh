@@ -24,7 +24,8 @@
 #      TESTS=ignored         only the `#[ignore = "needs a GPU"]` tests (CI runs the others);
 #      BENCH_FILTERS="a b"   the kv bench once per criterion filter, instead of every bench whole;
 #      TORCH_BENCH=1         also benches/torch_updaters.py (PyTorch's fused steps, same GPU);
-#      SANITIZE="t1 t2"      also compute-sanitizer memcheck and racecheck on those test binaries.
+#      SANITIZE="t1 t2"      also compute-sanitizer on those test binaries' GPU tests, with the
+#                            tools in SANITIZE_TOOLS (default "memcheck racecheck").
 #    Logs are packed into $OUT after every step, so a run cut off at its limit still brings back
 #    what it did.
 set -euo pipefail
@@ -185,7 +186,7 @@ for t in "$HERE"/tests/*; do
     pack
 done
 for name in ${SANITIZE:-}; do
-    for tool in memcheck racecheck; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
         echo "== compute-sanitizer --tool $tool $name"
         # API errors are not memory errors: the tests provoke some on purpose (broken PTX).
         extra=""

@@ -118,48 +118,56 @@ pub(super) fn new_slot(
     }
 }
 
-/// Homes for keys of a `device`/`nccl` init: largest value first, each to the GPU with the
-/// fewest bytes so far (MXNet's CommDevice placement). Ties go to the lowest ordinal.
+/// The one placement rule, for GPUs and for ranks: items of `(bytes, sliced)`, largest first,
+/// each whole item into the bin holding the fewest bytes so far (ties to the lowest bin), a
+/// sliced item adding its share to every bin (`None`). `loads` carries the bins' bytes from
+/// one init to the next. Every rank computes the same.
+fn balance(loads: &mut Vec<usize>, bins: usize, items: &[(usize, bool)]) -> Vec<Option<usize>> {
+    let bins = bins.max(1);
+    loads.resize(bins, 0);
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(items[i].0));
+    let mut placed = vec![None; items.len()];
+    for i in order {
+        let (size, sliced) = items[i];
+        if sliced {
+            let share = size.div_ceil(bins);
+            loads.iter_mut().for_each(|b| *b += share);
+        } else {
+            let bin = (0..bins).min_by_key(|&b| (loads[b], b)).unwrap_or(0);
+            loads[bin] += size;
+            placed[i] = Some(bin);
+        }
+    }
+    placed
+}
+
+/// Homes for keys of a `device`/`nccl` init, by [`balance`] over the GPUs (MXNet's CommDevice
+/// placement: largest value first, each to the GPU with the fewest bytes so far).
 pub(super) fn place_by_size(
     bytes: &mut Vec<usize>,
     gpus: usize,
     values: &[NDArray],
 ) -> Vec<Device> {
-    bytes.resize(gpus, 0);
-    let mut order: Vec<usize> = (0..values.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(values[i].nbytes()));
-    let mut homes = vec![Device::Cpu(0); values.len()];
-    for i in order {
-        let g = (0..gpus).min_by_key(|&g| (bytes[g], g)).unwrap_or(0);
-        bytes[g] += values[i].nbytes();
-        homes[i] = Device::Gpu(g);
-    }
-    homes
+    let items: Vec<(usize, bool)> = values.iter().map(|v| (v.nbytes(), false)).collect();
+    balance(bytes, gpus, &items)
+        .into_iter()
+        .map(|g| Device::Gpu(g.unwrap_or(0)))
+        .collect()
 }
 
-/// Where the keys of a dist store's init live, given each key's bytes and whether it is sliced:
-/// largest first, each whole key on the rank holding the fewest bytes so far (ties to the
-/// lowest rank); a sliced key adds its share to every rank. Every rank computes the same.
+/// Where the keys of a dist store's init live, by [`balance`] over the ranks, given each key's
+/// bytes and whether it is sliced over every rank.
 pub(super) fn place_on_ranks(
     bytes: &mut Vec<usize>,
     ranks: usize,
     keys: &[(usize, bool)],
 ) -> Vec<Spread> {
-    bytes.resize(ranks, 0);
-    let mut order: Vec<usize> = (0..keys.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(keys[i].0));
-    let mut spreads = vec![Spread::Whole { rank: 0 }; keys.len()];
-    for i in order {
-        let (size, sliced) = keys[i];
-        if sliced {
-            let share = size.div_ceil(ranks.max(1));
-            bytes.iter_mut().for_each(|b| *b += share);
-            spreads[i] = Spread::Sliced;
-        } else {
-            let r = (0..ranks).min_by_key(|&r| (bytes[r], r)).unwrap_or(0);
-            bytes[r] += size;
-            spreads[i] = Spread::Whole { rank: r };
-        }
-    }
-    spreads
+    balance(bytes, ranks, keys)
+        .into_iter()
+        .map(|r| match r {
+            Some(rank) => Spread::Whole { rank },
+            None => Spread::Sliced,
+        })
+        .collect()
 }
