@@ -3,7 +3,9 @@
 //! through [`CrossGpu`] in the middle of its push and pull, so it never names NCCL.
 
 use super::nccl;
-use crate::backend::cuda::{copy_device, CrossGpu, Fanout, GpuBuf, GpuPtr, PartialSum};
+use crate::backend::cuda::{
+    copy_device, copy_many, CrossGpu, DeviceCopy, Fanout, GpuBuf, GpuPtr, PartialSum,
+};
 use crate::{Error, Result};
 
 /// The links between this process's GPUs for one call.
@@ -86,10 +88,10 @@ impl CrossGpu for GpuLinks {
     }
 
     /// One grouped NCCL broadcast per key from the home to the other GPUs, or peer copies; the
-    /// home's own first out is a device copy.
+    /// home's own first out is a device copy (batched with the other keys' where small).
     fn fan_out(&self, fanouts: &[Fanout<'_>]) -> Result<()> {
         let mut collectives = Vec::new();
-        let mut home_copies: Vec<(GpuPtr, GpuPtr, usize)> = Vec::new();
+        let mut home_copies: Vec<DeviceCopy> = Vec::new();
         // KVSTORE_NCCL_FORCE=1: the home's own first out comes through a one-rank broadcast.
         let force = self.use_nccl && nccl::force_single();
         for f in fanouts {
@@ -103,7 +105,12 @@ impl CrossGpu for GpuLinks {
                 .copied()
                 .collect();
             if let (Some(&first), false) = (home_first, force) {
-                home_copies.push((first, f.src, bytes));
+                home_copies.push(DeviceCopy {
+                    dst: first,
+                    src: f.src,
+                    bytes,
+                    dtype: f.dtype,
+                });
             }
             if remote.is_empty() && !force {
                 continue;
@@ -139,10 +146,9 @@ impl CrossGpu for GpuLinks {
                 },
             });
         }
-        // Same-GPU copies from the home go first, then the broadcasts.
-        for (dst, src, bytes) in home_copies {
-            copy_device(dst, src, bytes)?;
-        }
+        // Same-GPU copies from the home go first (the small ones in one launch per GPU and
+        // dtype), then the broadcasts.
+        copy_many(&home_copies)?;
         nccl::run("pull (broadcast)", &collectives)
     }
 }
