@@ -27,7 +27,7 @@ use super::{copy_device, gpu, launch_fused, GpuBuf, GpuPtr, Record};
 use crate::host::HostData;
 use crate::{DType, Result};
 
-/// The largest copy (in bytes) that [`copy_many`] batches into a kernel launch; larger ones
+/// The largest copy (in bytes) that `copy_many` batches into a kernel launch; larger ones
 /// keep their own `cuMemcpy*Async`. A driver call costs a few microseconds to issue (≈ 10 µs
 /// for a copy and a stream sync on an H200), while 1 MiB moves in well under a microsecond at a
 /// GPU's memory bandwidth: below this, the call dominates; above it, the copy engine is as good
