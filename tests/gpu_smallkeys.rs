@@ -244,7 +244,12 @@ fn list_push_of_host_and_gpu_values_matches_the_host() -> Result<()> {
     kv.pull_list(&keys, &outs)?;
     for k in 0..nkeys {
         let got = outs[k][0].to_vec::<f64>()?;
-        let tol = if dtypes[k] == DType::F32 { 1e-6 } else { 1e-2 };
+        // bf16 sums made on another GPU are rounded there first (see push.rs): two roundings.
+        let tol = match dtypes[k] {
+            DType::F32 => 1e-6,
+            DType::F16 => 1e-2,
+            _ => 3e-2,
+        };
         for (i, (g, w)) in got.iter().zip(&want[k]).enumerate() {
             let err = (g - w).abs() / w.abs().max(1.0);
             ensure!(
@@ -259,7 +264,7 @@ fn list_push_of_host_and_gpu_values_matches_the_host() -> Result<()> {
 
 /// The driver calls of one list push and one list pull of `count` small f32 keys homed on
 /// gpu(0): each key pushed from a value on gpu(0) and one on the host, and pulled into two
-/// outs on gpu(0) and one on the host.
+/// outs on gpu(0), one on the host and, where there is one, one on gpu(1).
 fn list_calls(count: usize) -> Result<Option<[BTreeMap<&'static str, u64>; 2]>> {
     let kv = KvStore::create("device")?;
     let keys: Vec<i32> = (0..count as i32).collect();
@@ -279,11 +284,16 @@ fn list_calls(count: usize) -> Result<Option<[BTreeMap<&'static str, u64>; 2]>> 
     let outs = keys
         .iter()
         .map(|_| {
-            Ok(vec![
+            let mut o = vec![
                 NDArray::full_on([n], 0.0, DType::F32, gpu(0))?,
                 NDArray::full_on([n], 0.0, DType::F32, gpu(0))?,
                 NDArray::full_on([n], 0.0, DType::F32, cpu(0))?,
-            ])
+            ];
+            if gpu_count() > 1 {
+                // Read from the home over peer access.
+                o.push(NDArray::full_on([n], 0.0, DType::F32, gpu(1))?);
+            }
+            Ok(o)
         })
         .collect::<Result<Vec<_>>>()?;
     // Once untimed, so kernels are loaded and buffers exist.
@@ -311,7 +321,85 @@ fn list_calls_do_not_grow_with_the_keys() -> Result<()> {
     for (op, (a, b)) in ["push_list", "pull_list"].iter().zip(few.iter().zip(&many)) {
         println!("{op}: 16 keys {a:?}\n{op}: 48 keys {b:?}");
         assert_eq!(a, b, "{op}: driver calls grow with the number of keys");
-        assert!(a["all"] <= 40, "{op}: {} driver calls", a["all"]);
+        // Measured on the stand-in: push 15 and pull 34 on one GPU; 16 and 63 with a gpu(1) out.
+        assert!(a["all"] <= 80, "{op}: {} driver calls", a["all"]);
+    }
+    Ok(())
+}
+
+/// One out listed under several keys of one list pull (on the home GPU, on another GPU and on
+/// the host): no race between the batched copies into it (the stand-in checks), it ends with
+/// one whole key's value (the last one on the host), and each key's own out on its home GPU
+/// holds its own value.
+#[test]
+#[ignore = "needs a GPU"]
+fn one_out_under_several_keys_gets_one_whole_value() -> Result<()> {
+    require_gpu();
+    let kv = KvStore::create("device")?;
+    let n = 777;
+    let keys: Vec<i32> = (0..9).collect();
+    let data: Vec<Vec<f32>> = keys.iter().map(|_| random(n)).collect();
+    for (&k, d) in keys.iter().zip(&data) {
+        // Homes alternate where there are two GPUs.
+        let home = gpu(k as usize % gpu_count().min(2));
+        kv.init_on(k, &array(d, DType::F32, cpu(0))?, home)?;
+    }
+    let mut devs = vec![gpu(0), cpu(0)];
+    if gpu_count() > 1 {
+        devs.push(gpu(1));
+    }
+    let shared: Vec<NDArray> = devs
+        .iter()
+        .map(|&d| NDArray::full_on([n], f64::NAN, DType::F32, d))
+        .collect::<kvstore::Result<_>>()?;
+    // Each key's own out on its home GPU. (An own out on another GPU, where a shared out is
+    // the first out, is copied from that shared out after the whole fan-out, so it gets the
+    // last key's value: a known limit of the GPU pull, older than this test.)
+    let own: Vec<NDArray> = keys
+        .iter()
+        .map(|&k| {
+            NDArray::full_on(
+                [n],
+                f64::NAN,
+                DType::F32,
+                gpu(k as usize % gpu_count().min(2)),
+            )
+        })
+        .collect::<kvstore::Result<_>>()?;
+    let outs: Vec<Vec<NDArray>> = own
+        .iter()
+        .map(|o| {
+            let mut v = vec![o.clone()];
+            v.extend(shared.iter().cloned());
+            v
+        })
+        .collect();
+    kv.pull_list(&keys, &outs)?;
+    let exact = |d: &[f32]| d.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    for (k, o) in own.iter().enumerate() {
+        ensure!(
+            o.to_vec::<f64>()? == exact(&data[k]),
+            "key {k}: its own out"
+        );
+    }
+    // Which key's value a shared out ends with is not specified on GPU homes (first outs are
+    // filled before further outs, across keys; so it was before the batching): it must be one
+    // whole key's value, never a mixture or the poison. On the host it is the last key's.
+    for (s, d) in shared.iter().zip(&devs) {
+        let got = s.to_vec::<f64>()?;
+        let which: Vec<usize> = (0..keys.len())
+            .filter(|&k| got == exact(&data[k]))
+            .collect();
+        ensure!(
+            which.len() == 1,
+            "the out on {d:?} shared by every key holds no key's value"
+        );
+        if *d == cpu(0) {
+            ensure!(
+                which == [keys.len() - 1],
+                "the host out: key {which:?}, not the last"
+            );
+        }
     }
     Ok(())
 }

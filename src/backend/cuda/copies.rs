@@ -5,25 +5,26 @@
 //! out, and a stream synchronize plus a device-to-host copy per key pulled to the host; each
 //! such call costs microseconds on a real driver, far more than moving a few KiB. Here:
 //!
-//! - [`copy_many`]: copies between buffers on ONE GPU of at most [`BATCH_COPY_MAX_BYTES`] go,
-//!   per (GPU, dtype), into one launch of the fused `assign` kernel with one input per record
+//! - [`copy_many`]: copies of at most [`BATCH_COPY_MAX_BYTES`] go, per (destination GPU,
+//!   dtype), into one launch of the fused `assign` kernel with one input per record
 //!   (`stored = src`, element for element; see [`kernels`](super::kernels)). That kernel is the
 //!   one the push uses and `tests/ptx_conformance.rs` checks against its CPU twin; with one
 //!   input it is a copy: f32 is loaded and stored as is, f16 and bf16 are widened to f32 and
 //!   rounded back, which is exact for every value (only a NaN's payload may not survive).
-//!   Larger copies, copies between GPUs, and f64 (no kernel) keep their own
+//!   A source on another GPU is read by the kernel over peer access where the GPUs allow it.
+//!   Larger copies, copies between GPUs without peer access, and f64 (no kernel) keep their own
 //!   `cuMemcpy*Async`: the copy engine is best for big buffers, and a call per copy costs
 //!   nothing next to moving them.
 //! - [`download_many`]: buffers of at most [`BATCH_COPY_MAX_BYTES`] on one GPU are gathered by
 //!   [`copy_many`] into one scratch buffer (each at a 16-byte aligned offset), which goes to the
 //!   host in ONE copy after ONE wait per GPU; larger ones are downloaded one by one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use half::{bf16, f16};
 
 use super::kernels::RuleKind;
-use super::{copy_device, gpu, launch_fused, GpuBuf, GpuPtr, Record};
+use super::{copy_device, cross_gpu_order, gpu, launch_fused, stream_wait, GpuBuf, GpuPtr, Record};
 use crate::host::HostData;
 use crate::{DType, Result};
 
@@ -43,43 +44,99 @@ pub(crate) struct DeviceCopy {
     pub dtype: DType,
 }
 
-/// Whether `c` goes into a batched launch rather than a copy of its own.
-fn batched(c: &DeviceCopy) -> bool {
-    c.dst.ordinal == c.src.ordinal
-        && c.bytes <= BATCH_COPY_MAX_BYTES
-        && super::has_kernel(c.dtype)
-        && c.bytes % c.dtype.size() == 0
+/// Whether `c` goes into a batched launch rather than a copy of its own: small, of a dtype
+/// with kernels, and within one GPU or from a GPU whose memory the destination GPU can read
+/// directly (peer access, enabled here once per pair).
+fn batched(c: &DeviceCopy) -> Result<bool> {
+    if c.bytes > BATCH_COPY_MAX_BYTES
+        || !super::has_kernel(c.dtype)
+        || c.bytes % c.dtype.size() != 0
+    {
+        return Ok(false);
+    }
+    Ok(c.dst.ordinal == c.src.ordinal || gpu(c.dst.ordinal)?.enable_peer(gpu(c.src.ordinal)?))
 }
 
-/// Enqueues every copy: one fused `assign` launch per (GPU, dtype) for the small copies within
-/// one GPU, a `cuMemcpy*Async` each for the others (see the module docs).
+/// Enqueues every copy: one fused `assign` launch per (destination GPU, dtype) for the small
+/// copies (within one GPU, or read from a peer GPU), a `cuMemcpy*Async` each for the others
+/// (see the module docs). A launch that reads other GPUs first waits for their streams, and
+/// their streams then wait for it (one event each way per GPU pair, not per copy), as
+/// [`copy_device`] orders a peer copy.
 ///
-/// No copy may read what another copy of the same call writes (they are not ordered against
-/// each other); the caller keeps every buffer alive until the work is enqueued, and frees it on
-/// its GPU's stream.
+/// The copies keep the meaning of one copy after another, in list order: a copy that reads or
+/// writes a buffer an earlier copy writes, or writes a buffer an earlier copy reads, goes in a
+/// later wave than that copy, and each wave is enqueued after the one before. Usually there
+/// is one wave; a pull with one out listed under several keys makes more. (Buffers are known
+/// by their start address: the callers copy whole buffers.) The caller keeps every buffer
+/// alive until the work is enqueued, and frees it on its GPU's stream.
 pub(crate) fn copy_many(copies: &[DeviceCopy]) -> Result<()> {
-    let mut launches: BTreeMap<(usize, u8), (DType, Vec<Record>)> = BTreeMap::new();
+    // Per buffer: the last wave that writes it, and the last wave that reads it.
+    let mut written: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+    let mut read: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+    let mut waves: Vec<Vec<DeviceCopy>> = Vec::new();
     for c in copies {
         if c.bytes == 0 {
             continue;
         }
-        if !batched(c) {
+        let (src, dst) = ((c.src.ordinal, c.src.addr), (c.dst.ordinal, c.dst.addr));
+        let after = |m: &BTreeMap<(usize, u64), usize>, b| m.get(&b).map_or(0, |w| w + 1);
+        let w = after(&written, src)
+            .max(after(&written, dst))
+            .max(after(&read, dst));
+        if waves.len() <= w {
+            waves.resize_with(w + 1, Vec::new);
+        }
+        waves[w].push(*c);
+        let up = |m: &mut BTreeMap<(usize, u64), usize>, b| {
+            let e = m.entry(b).or_insert(w);
+            *e = (*e).max(w);
+        };
+        up(&mut written, dst);
+        up(&mut read, src);
+    }
+    for wave in &waves {
+        copy_wave(wave)?;
+    }
+    Ok(())
+}
+
+/// [`copy_many`] for copies of which none reads or writes what another writes.
+fn copy_wave(copies: &[DeviceCopy]) -> Result<()> {
+    // (destination GPU, dtype) -> the dtype, the records, and the other GPUs they read.
+    type Launch = (DType, Vec<Record>, BTreeSet<usize>);
+    let mut launches: BTreeMap<(usize, u8), Launch> = BTreeMap::new();
+    for c in copies {
+        if !batched(c)? {
             copy_device(c.dst, c.src, c.bytes)?;
             continue;
         }
-        launches
+        let launch = launches
             .entry((c.dst.ordinal, c.dtype as u8))
-            .or_insert_with(|| (c.dtype, Vec::new()))
-            .1
-            .push(Record {
-                stored: c.dst.addr,
-                inputs: vec![c.src.addr],
-                n: (c.bytes / c.dtype.size()) as u64,
-                ..Record::default()
-            });
+            .or_insert_with(|| (c.dtype, Vec::new(), BTreeSet::new()));
+        launch.1.push(Record {
+            stored: c.dst.addr,
+            inputs: vec![c.src.addr],
+            n: (c.bytes / c.dtype.size()) as u64,
+            ..Record::default()
+        });
+        if c.src.ordinal != c.dst.ordinal {
+            launch.2.insert(c.src.ordinal);
+        }
     }
-    for ((ordinal, _), (dtype, records)) in &launches {
-        launch_fused(gpu(*ordinal)?, RuleKind::Assign, *dtype, &[], records)?;
+    for ((ordinal, _), (dtype, records, sources)) in &launches {
+        let d = gpu(*ordinal)?;
+        if sources.is_empty() {
+            launch_fused(d, RuleKind::Assign, *dtype, &[], records)?;
+            continue;
+        }
+        let _order = cross_gpu_order();
+        for &s in sources {
+            stream_wait(d.stream(), gpu(s)?.stream())?;
+        }
+        launch_fused(d, RuleKind::Assign, *dtype, &[], records)?;
+        for &s in sources {
+            stream_wait(gpu(s)?.stream(), d.stream())?;
+        }
     }
     Ok(())
 }

@@ -77,11 +77,18 @@ pub(crate) fn pull(links: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
                         addr: b.ptr(),
                     };
                     match firsts.get(&dst.ordinal) {
+                        // On the home GPU straight from the value (which no pull writes), so
+                        // an out that another key of the call also fills cannot be read
+                        // in between; on another GPU from the first out there.
                         Some(&first) => copies.push(DeviceCopy {
                             dst,
                             src: GpuPtr {
                                 ordinal: dst.ordinal,
-                                addr: first,
+                                addr: if dst.ordinal == home {
+                                    job.cell.buf.ptr()
+                                } else {
+                                    first
+                                },
                             },
                             bytes: n * dtype.size(),
                             dtype,
@@ -119,8 +126,6 @@ pub(crate) fn pull(links: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     links.fan_out(&fanouts)?;
     // These read the first out on their GPU, which the fan-out (enqueued before them on that
     // GPU's stream) has written.
-    // (None of them reads what another writes: every source is a first out, never a further
-    // one.)
     copy_many(&copies)?;
     drop(guards);
     Ok(())
