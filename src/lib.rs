@@ -81,6 +81,7 @@ pub fn gpu_count() -> usize {
 #[doc(hidden)]
 pub mod __internal {
     pub use crate::backend::cuda::kernels;
+    pub use crate::backend::cuda::BATCH_COPY_MAX_BYTES;
     pub use crate::backend::{cpu, probe};
     /// The MPI transport of `dist_*` stores.
     #[cfg(feature = "mpi")]

@@ -3,7 +3,9 @@
 //! through [`CrossGpu`] in the middle of its push and pull, so it never names NCCL.
 
 use super::nccl;
-use crate::backend::cuda::{copy_device, CrossGpu, Fanout, GpuBuf, GpuPtr, PartialSum};
+use crate::backend::cuda::{
+    copy_device, copy_many, CrossGpu, DeviceCopy, Fanout, GpuBuf, GpuPtr, PartialSum,
+};
 use crate::{Error, Result};
 
 /// The links between this process's GPUs for one call.
@@ -85,11 +87,15 @@ impl CrossGpu for GpuLinks {
         nccl::run("push (reduce)", &collectives)
     }
 
-    /// One grouped NCCL broadcast per key from the home to the other GPUs, or peer copies; the
-    /// home's own first out is a device copy.
+    /// One grouped NCCL broadcast per key from the home to the other GPUs, or peer copies (the
+    /// small ones as one kernel launch per (GPU, dtype) that reads the homes over peer access,
+    /// see `copy_many`); the home's own first out is a device copy (batched likewise).
     fn fan_out(&self, fanouts: &[Fanout<'_>]) -> Result<()> {
         let mut collectives = Vec::new();
-        let mut home_copies: Vec<(GpuPtr, GpuPtr, usize)> = Vec::new();
+        // In key order: each key's copy to its home's first out, then (without NCCL) its copies
+        // to the other GPUs' first outs, so an out listed under several keys ends with the
+        // last one's value (`copy_many` keeps the order where copies touch the same buffer).
+        let mut copies: Vec<DeviceCopy> = Vec::new();
         // KVSTORE_NCCL_FORCE=1: the home's own first out comes through a one-rank broadcast.
         let force = self.use_nccl && nccl::force_single();
         for f in fanouts {
@@ -103,15 +109,23 @@ impl CrossGpu for GpuLinks {
                 .copied()
                 .collect();
             if let (Some(&first), false) = (home_first, force) {
-                home_copies.push((first, f.src, bytes));
+                copies.push(DeviceCopy {
+                    dst: first,
+                    src: f.src,
+                    bytes,
+                    dtype: f.dtype,
+                });
             }
             if remote.is_empty() && !force {
                 continue;
             }
             if !self.use_nccl {
-                for r in remote {
-                    copy_device(r, f.src, bytes).map_err(|e| e.with_key(f.key))?;
-                }
+                copies.extend(remote.into_iter().map(|dst| DeviceCopy {
+                    dst,
+                    src: f.src,
+                    bytes,
+                    dtype: f.dtype,
+                }));
                 continue;
             }
             let mut devices: Vec<usize> = remote.iter().map(|r| r.ordinal).collect();
@@ -139,10 +153,9 @@ impl CrossGpu for GpuLinks {
                 },
             });
         }
-        // Same-GPU copies from the home go first, then the broadcasts.
-        for (dst, src, bytes) in home_copies {
-            copy_device(dst, src, bytes)?;
-        }
+        // The copies go first (the small ones in one launch per (GPU, dtype), reading the homes
+        // over peer access where they are on other GPUs), then the broadcasts.
+        copy_many(&copies)?;
         nccl::run("pull (broadcast)", &collectives)
     }
 }

@@ -3,6 +3,7 @@
 //! - `runtime`: one context and one stream per GPU, PTX modules, device buffers, copies, and
 //!   the fused multi-tensor launch.
 //! - [`kernels`]: the hand-written PTX kernels and their launch ABI.
+//! - `copies`: many device copies, or downloads, of one call in O(1) driver calls per GPU.
 //! - `push`, `pull` and `state`: keys whose home is a GPU (fused sum and update, the copies
 //!   out, and the updater state), file for file as in `cpu`.
 //!
@@ -10,16 +11,19 @@
 //! `comm`'s decision, handed in as [`CrossGpu`]. cudarc is used only here (and by the NCCL
 //! wrapper in `comm`).
 
+mod copies;
 pub mod kernels;
 pub(crate) mod pull;
 pub(crate) mod push;
 mod runtime;
 pub(crate) mod state;
 
+pub use copies::BATCH_COPY_MAX_BYTES;
+pub(crate) use copies::{copy_many, download_many, DeviceCopy};
 pub(crate) use runtime::{
-    alloc_zeros, clone_dtoh, clone_htod, copy_device, cross_gpu_order, cuda_err, gpu, host_wait,
-    launch_fused, launch_user, set_host_wait, stream_wait, synchronize_all, Gpu, GpuBuf, GpuPtr,
-    Record, UserLaunch,
+    alloc_zeros, clone_dtoh, clone_htod, copy_device, cross_gpu_order, cuda_err, gpu,
+    host_data_bytes, host_wait, launch_fused, launch_user, set_host_wait, stream_wait,
+    synchronize_all, Gpu, GpuBuf, GpuPtr, Record, UserLaunch,
 };
 
 use crate::{DType, Error, Key, Result};

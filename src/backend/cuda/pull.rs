@@ -2,15 +2,19 @@
 //!
 //! The [`CrossGpu`] links that `comm` hands in bring the home's value to the first out on each
 //! GPU (one NCCL broadcast, or peer copies); further outs on a GPU are device copies of that
-//! first out. Host outs, and outs of another dtype (converted on the host), share one
-//! device-to-host copy per key.
+//! first out, the small ones batched into one launch per (GPU, dtype) ([`copy_many`]). Host
+//! outs, and outs of another dtype (converted on the host), share one copy of the key's value
+//! on the host, and the small keys' values come to the host together: one wait and one
+//! device-to-host copy per home GPU ([`download_many`]). (A GPU out of another dtype is still
+//! one upload per out.)
 //!
-//! Everything is enqueued on the GPUs' streams; nothing here waits, except the host copies.
+//! Everything is enqueued on the GPUs' streams; nothing here waits, except the host copies (once
+//! per home GPU for the small keys).
 
 use std::collections::BTreeMap;
 
 use super::state::GpuCell;
-use super::{copy_device, with_key, CrossGpu, Fanout, GpuPtr};
+use super::{copy_many, download_many, with_key, CrossGpu, DeviceCopy, Fanout, GpuBuf, GpuPtr};
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::{Key, NDArray, Result};
@@ -28,18 +32,39 @@ pub(crate) fn pull(links: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
     let mut guards: Vec<_> = outs.iter().map(|a| (a.storage_id(), a.write())).collect();
+    // Keys with an out on the host or of another dtype: one copy of the value on the host each,
+    // all fetched together (one wait and one device-to-host copy per home GPU for the small ones).
+    let needs_host: Vec<bool> = jobs
+        .iter()
+        .map(|job| {
+            let dtype = job.cell.buf.dtype();
+            job.outs.iter().any(|a| {
+                let i = guards
+                    .binary_search_by_key(&a.storage_id(), |(g, _)| *g)
+                    .expect("every out was locked");
+                !matches!(&*guards[i].1, Storage::Gpu(b) if b.dtype() == dtype)
+            })
+        })
+        .collect();
+    let to_host: Vec<&GpuBuf> = jobs
+        .iter()
+        .zip(&needs_host)
+        .filter(|(_, &need)| need)
+        .map(|(job, _)| &job.cell.buf)
+        .collect();
+    let mut host_copies = download_many(&to_host)?.into_iter();
     // Per key: the first out on each GPU, which the links fill from the home.
     let mut fanouts: Vec<Fanout<'_>> = Vec::new();
     // Per key: further outs on a GPU, copied from the first out there once it is written.
-    let mut copies: Vec<(GpuPtr, GpuPtr, usize)> = Vec::new();
-    for job in jobs {
+    let mut copies: Vec<DeviceCopy> = Vec::new();
+    for (job, need) in jobs.iter().zip(needs_host) {
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
         let mut ids: Vec<usize> = job.outs.iter().map(|a| a.storage_id()).collect();
         ids.sort_unstable();
         ids.dedup();
-        let mut host_copy: Option<HostData> = None;
+        let host_copy: Option<HostData> = if need { host_copies.next() } else { None };
         let mut firsts: BTreeMap<usize, u64> = BTreeMap::new();
         for id in ids {
             let i = guards
@@ -52,24 +77,29 @@ pub(crate) fn pull(links: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
                         addr: b.ptr(),
                     };
                     match firsts.get(&dst.ordinal) {
-                        Some(&first) => copies.push((
+                        // On the home GPU straight from the value (which no pull writes), so
+                        // an out that another key of the call also fills cannot be read
+                        // in between; on another GPU from the first out there.
+                        Some(&first) => copies.push(DeviceCopy {
                             dst,
-                            GpuPtr {
+                            src: GpuPtr {
                                 ordinal: dst.ordinal,
-                                addr: first,
+                                addr: if dst.ordinal == home {
+                                    job.cell.buf.ptr()
+                                } else {
+                                    first
+                                },
                             },
-                            n * dtype.size(),
-                        )),
+                            bytes: n * dtype.size(),
+                            dtype,
+                        }),
                         None => {
                             firsts.insert(dst.ordinal, dst.addr);
                         }
                     }
                 }
                 other => {
-                    if host_copy.is_none() {
-                        host_copy = Some(job.cell.buf.download().map_err(with_key(job.key))?);
-                    }
-                    let h = host_copy.as_ref().expect("just set");
+                    let h = host_copy.as_ref().expect("fetched for this key");
                     match other {
                         Storage::Host(out) => {
                             with_host!(h, s: T => convert_into(s.as_slice(), out))
@@ -96,9 +126,7 @@ pub(crate) fn pull(links: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     links.fan_out(&fanouts)?;
     // These read the first out on their GPU, which the fan-out (enqueued before them on that
     // GPU's stream) has written.
-    for (dst, src, bytes) in copies {
-        copy_device(dst, src, bytes)?;
-    }
+    copy_many(&copies)?;
     drop(guards);
     Ok(())
 }

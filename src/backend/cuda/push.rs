@@ -22,13 +22,12 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::kernels::{self, RuleKind};
 use super::state::{make_states, GpuCell};
 use super::{
-    gpu, launch_fused, launch_user, with_key, CrossGpu, GpuBuf, GpuPtr, PartialSum, Record,
-    UserLaunch,
+    gpu, host_data_bytes, launch_fused, launch_user, with_key, CrossGpu, GpuBuf, GpuPtr,
+    PartialSum, Record, UserLaunch,
 };
-use crate::host::{with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::Hyper;
-use crate::{DType, Device, Element, Key, NDArray, PtxUpdater, Result, Updater};
+use crate::{DType, Device, Key, NDArray, PtxUpdater, Result, Updater};
 
 /// One key of a push on a GPU home.
 pub(crate) struct PushJob<'a> {
@@ -88,40 +87,58 @@ pub(crate) fn push(
     // Per key: partial sums on other GPUs (one address per GPU), to move to the home.
     let mut partials: Vec<Vec<GpuPtr>> = Vec::with_capacity(jobs.len());
 
+    // The kernel sums its k inputs in f32 in this order. Host values are not summed on the
+    // host (f16 and bf16 sums must round once, as on the CPU home): they go up side by side,
+    // each padded to 16 bytes so the kernel's vector loads apply, and each is an input. Every
+    // key's host values for one home GPU go up in ONE buffer and one copy (not one per key).
+    let mut uploads: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
+    // Per key: where its host values start in its home's upload, and the bytes between them.
+    let mut host_at: Vec<(usize, usize)> = Vec::with_capacity(jobs.len());
     for job in &jobs {
+        let stride = (job.cell.buf.len() * job.cell.buf.dtype().size()).next_multiple_of(16);
+        if !job
+            .values
+            .iter()
+            .any(|v| matches!(reads.get(v), Storage::Host(_)))
+        {
+            host_at.push((0, stride));
+            continue;
+        }
+        // (A home whose keys are all empty still gets a buffer: every input is a live address.)
+        let up = uploads.entry(job.cell.buf.ordinal()).or_default();
+        host_at.push((up.len(), stride));
+        for v in job.values {
+            if let Storage::Host(h) = reads.get(v) {
+                let bytes = host_data_bytes(h);
+                up.extend_from_slice(bytes);
+                up.resize(up.len() + stride - bytes.len(), 0);
+            }
+        }
+    }
+    let mut bases: BTreeMap<usize, u64> = BTreeMap::new();
+    for (&home, bytes) in &uploads {
+        // f32 only as a unit of bytes (a multiple of 16): the segments hold the keys' dtypes.
+        let up = GpuBuf::scratch(home, DType::F32, bytes.len() / 4)?;
+        gpu(home)?.upload_bytes(up.ptr(), bytes)?;
+        bases.insert(home, up.ptr());
+        keep.push(up);
+    }
+
+    for (job, &(at, stride)) in jobs.iter().zip(&host_at) {
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
         let n = job.cell.buf.len();
-        // The kernel sums its k inputs in f32 in this order. Host values are not summed on
-        // the host (f16 and bf16 sums must round once, as on the CPU home): they go up side by
-        // side in one buffer, one copy, each padded to 16 bytes so the kernel's vector loads
-        // apply, and each is an input.
-        let hosts: Vec<&HostData> = job
+        let hosts = job
             .values
             .iter()
-            .filter_map(|v| match reads.get(v) {
-                Storage::Host(h) => Some(h),
-                Storage::Gpu(_) => None,
-            })
-            .collect();
-        let mut host_inputs = Vec::new();
-        if let Some(first) = hosts.first() {
-            let stride = n.next_multiple_of(16 / dtype.size());
-            let side_by_side = with_host!(*first, _f: T => {
-                let mut all = Vec::with_capacity(stride * hosts.len());
-                for (i, h) in hosts.iter().enumerate() {
-                    all.extend_from_slice(T::slice(h).expect("value dtypes were checked"));
-                    all.resize((i + 1) * stride, T::from_f64(0.0));
-                }
-                T::wrap(all)
-            });
-            let up = GpuBuf::upload(home, &side_by_side).map_err(with_key(job.key))?;
-            let base = up.ptr();
-            host_inputs = (0..hosts.len())
-                .map(|i| base + (i * stride * dtype.size()) as u64)
-                .collect();
-            keep.push(up);
-        }
+            .filter(|v| matches!(reads.get(v), Storage::Host(_)))
+            .count();
+        let host_inputs: Vec<u64> = match bases.get(&home) {
+            Some(&base) => (0..hosts)
+                .map(|i| base + (at + i * stride) as u64)
+                .collect(),
+            None => Vec::new(),
+        };
         let mut host_inputs = host_inputs.into_iter();
         let mut on_home = Vec::new();
         let mut others: BTreeMap<usize, Vec<u64>> = BTreeMap::new();

@@ -703,6 +703,16 @@ impl GpuBuf {
     }
 }
 
+/// The bytes of host data, as the GPU holds them (little-endian, no padding).
+pub(crate) fn host_data_bytes(data: &HostData) -> &[u8] {
+    match data {
+        HostData::F32(v) => host_bytes(v),
+        HostData::F64(v) => host_bytes(v),
+        HostData::F16(v) => host_bytes(v),
+        HostData::BF16(v) => host_bytes(v),
+    }
+}
+
 /// The bytes of a slice of plain numbers (f32, f64, f16, bf16: no padding, any bit pattern).
 fn host_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
     // SAFETY: `T` is a plain number type without padding, so every byte of the slice is

@@ -71,6 +71,11 @@
 //!   whose other ranks never come) returns an error after `KVSTORE_STANDIN_HANG_S` seconds
 //!   (default 120) instead of hanging CI, saying what it waited for.
 //!
+//! Call counts: `KVSTORE_STANDIN_COUNT_CALLS=1` prints how often each entry point was called,
+//! at exit, to stderr (`[stand-in calls] name count` lines); the exported
+//! `kvstore_standin_thread_calls(name)` gives the calling thread's count to a test (see
+//! `calls`).
+//!
 //! Other settings: `KVSTORE_STANDIN_NCCL_VERSION` (default 23007, i.e. 2.30.7),
 //! `KVSTORE_STANDIN_P2P` (whether `cuDeviceCanAccessPeer` says yes; default 1),
 //! `KVSTORE_STANDIN_NCCL_STALL_INIT=1` (non-blocking communicators never finish being created,
@@ -105,6 +110,7 @@ pub mod emu {
     pub use parse::{Module, Ty};
 }
 
+mod calls;
 pub mod driver;
 pub mod nccl;
 mod state;

@@ -79,6 +79,7 @@ fn comm_of(st: &State, h: Handle, call: &str) -> Result<usize, i32> {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> i32 {
+    crate::calls::count("ncclGetVersion");
     if version.is_null() {
         return nc::INVALID_ARGUMENT;
     }
@@ -90,6 +91,7 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> i32 {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> i32 {
+    crate::calls::count("ncclGetUniqueId");
     if id.is_null() {
         return nc::INVALID_ARGUMENT;
     }
@@ -111,6 +113,7 @@ pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> i32 {
 
 #[no_mangle]
 pub extern "C" fn ncclGetErrorString(code: c_int) -> *const c_char {
+    crate::calls::count("ncclGetErrorString");
     match code {
         0 => c"no error",
         1 => c"unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
@@ -128,6 +131,7 @@ pub extern "C" fn ncclGetErrorString(code: c_int) -> *const c_char {
 
 #[no_mangle]
 pub extern "C" fn ncclGetLastError(_comm: Handle) -> *const c_char {
+    crate::calls::count("ncclGetLastError");
     // The pointer stays valid until this thread's next rejected call (as NCCL's does).
     LAST_ERROR.with(|l| l.borrow().as_ptr())
 }
@@ -255,6 +259,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
     id: UniqueId,
     rank: c_int,
 ) -> i32 {
+    crate::calls::count("ncclCommInitRank");
     // SAFETY: the same contract.
     unsafe { init_rank(comm, nranks, id, rank, false) }
 }
@@ -282,6 +287,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     rank: c_int,
     config: *mut ConfigHead,
 ) -> i32 {
+    crate::calls::count("ncclCommInitRankConfig");
     let version = lock().cfg.nccl_version;
     if version < 21400 {
         return reject(
@@ -390,6 +396,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
     ndev: c_int,
     devs: *const c_int,
 ) -> i32 {
+    crate::calls::count("ncclCommInitAll");
     if comms.is_null() || ndev <= 0 {
         return nc::INVALID_ARGUMENT;
     }
@@ -439,12 +446,14 @@ pub unsafe extern "C" fn ncclCommInitAll(
 
 #[no_mangle]
 pub extern "C" fn ncclGroupStart() -> i32 {
+    crate::calls::count("ncclGroupStart");
     GROUP.with(|g| g.borrow_mut().0 += 1);
     nc::SUCCESS
 }
 
 #[no_mangle]
 pub extern "C" fn ncclGroupEnd() -> i32 {
+    crate::calls::count("ncclGroupEnd");
     let calls = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         match g.0 {
@@ -773,6 +782,7 @@ pub extern "C" fn ncclReduce(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
+    crate::calls::count("ncclReduce");
     collective(
         "ncclReduce",
         CollKind::Reduce,
@@ -797,6 +807,7 @@ pub extern "C" fn ncclBroadcast(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
+    crate::calls::count("ncclBroadcast");
     collective(
         "ncclBroadcast",
         CollKind::Broadcast,
@@ -821,6 +832,7 @@ pub extern "C" fn ncclAllReduce(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
+    crate::calls::count("ncclAllReduce");
     collective(
         "ncclAllReduce",
         CollKind::AllReduce,
@@ -844,6 +856,7 @@ pub extern "C" fn ncclAllGather(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
+    crate::calls::count("ncclAllGather");
     collective(
         "ncclAllGather",
         CollKind::AllGather,
@@ -868,6 +881,7 @@ pub extern "C" fn ncclReduceScatter(
     comm: Handle,
     stream: Handle,
 ) -> i32 {
+    crate::calls::count("ncclReduceScatter");
     collective(
         "ncclReduceScatter",
         CollKind::ReduceScatter,
@@ -884,6 +898,7 @@ pub extern "C" fn ncclReduceScatter(
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Handle, result: *mut c_int) -> i32 {
+    crate::calls::count("ncclCommGetAsyncError");
     run(|| {
         let mut st = lock();
         let c = comm_of(&st, comm, "ncclCommGetAsyncError")?;
@@ -937,16 +952,19 @@ fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
 
 #[no_mangle]
 pub extern "C" fn ncclCommAbort(comm: Handle) -> i32 {
+    crate::calls::count("ncclCommAbort");
     end_comm("ncclCommAbort", comm, true)
 }
 
 #[no_mangle]
 pub extern "C" fn ncclCommDestroy(comm: Handle) -> i32 {
+    crate::calls::count("ncclCommDestroy");
     end_comm("ncclCommDestroy", comm, false)
 }
 
 #[no_mangle]
 pub extern "C" fn ncclCommFinalize(comm: Handle) -> i32 {
+    crate::calls::count("ncclCommFinalize");
     run(|| {
         let mut st = lock();
         let c = comm_of(&st, comm, "ncclCommFinalize")?;
@@ -961,6 +979,7 @@ pub extern "C" fn ncclCommFinalize(comm: Handle) -> i32 {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCount(comm: Handle, count: *mut c_int) -> i32 {
+    crate::calls::count("ncclCommCount");
     run(|| {
         let st = lock();
         let c = comm_of(&st, comm, "ncclCommCount")?;
@@ -975,6 +994,7 @@ pub unsafe extern "C" fn ncclCommCount(comm: Handle, count: *mut c_int) -> i32 {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: Handle, device: *mut c_int) -> i32 {
+    crate::calls::count("ncclCommCuDevice");
     run(|| {
         let st = lock();
         let c = comm_of(&st, comm, "ncclCommCuDevice")?;
@@ -989,6 +1009,7 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: Handle, device: *mut c_int) -> i
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: Handle, rank: *mut c_int) -> i32 {
+    crate::calls::count("ncclCommUserRank");
     run(|| {
         let st = lock();
         let c = comm_of(&st, comm, "ncclCommUserRank")?;

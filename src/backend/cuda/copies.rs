@@ -1,0 +1,235 @@
+//! Many device copies, and many downloads, for one call: O(1) driver calls per (GPU, dtype),
+//! not one or more per key.
+//!
+//! A list pull of many small keys used to make a `cuMemcpyDtoDAsync` (and a context bind) per
+//! out, and a stream synchronize plus a device-to-host copy per key pulled to the host; each
+//! such call costs microseconds on a real driver, far more than moving a few KiB. Here:
+//!
+//! - [`copy_many`]: copies of at most [`BATCH_COPY_MAX_BYTES`] go, per (destination GPU,
+//!   dtype), into one launch of the fused `assign` kernel with one input per record
+//!   (`stored = src`, element for element; see [`kernels`](super::kernels)). That kernel is the
+//!   one the push uses and `tests/ptx_conformance.rs` checks against its CPU twin; with one
+//!   input it is a copy: f32 is loaded and stored as is, f16 and bf16 are widened to f32 and
+//!   rounded back, which is exact for every value (only a NaN's payload may not survive).
+//!   A source on another GPU is read by the kernel over peer access where the GPUs allow it.
+//!   Larger copies, copies between GPUs without peer access, and f64 (no kernel) keep their own
+//!   `cuMemcpy*Async`: the copy engine is best for big buffers, and a call per copy costs
+//!   nothing next to moving them.
+//! - [`download_many`]: buffers of at most [`BATCH_COPY_MAX_BYTES`] on one GPU are gathered by
+//!   [`copy_many`] into one scratch buffer (each at a 16-byte aligned offset), which goes to the
+//!   host in ONE copy after ONE wait per GPU; larger ones are downloaded one by one.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use half::{bf16, f16};
+
+use super::kernels::RuleKind;
+use super::{copy_device, cross_gpu_order, gpu, launch_fused, stream_wait, GpuBuf, GpuPtr, Record};
+use crate::host::HostData;
+use crate::{DType, Result};
+
+/// The largest copy (in bytes) that `copy_many` batches into a kernel launch; larger ones
+/// keep their own `cuMemcpy*Async`. A driver call costs a few microseconds to issue (≈ 10 µs
+/// for a copy and a stream sync on an H200), while 1 MiB moves in well under a microsecond at a
+/// GPU's memory bandwidth: below this, the call dominates; above it, the copy engine is as good
+/// as any kernel and the call is noise.
+pub const BATCH_COPY_MAX_BYTES: usize = 1 << 20;
+
+/// One device copy of `bytes` (a whole number of `dtype` elements) from `src` to `dst`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeviceCopy {
+    pub dst: GpuPtr,
+    pub src: GpuPtr,
+    pub bytes: usize,
+    pub dtype: DType,
+}
+
+/// Whether `c` goes into a batched launch rather than a copy of its own: small, of a dtype
+/// with kernels, and within one GPU or from a GPU whose memory the destination GPU can read
+/// directly (peer access, enabled here once per pair).
+fn batched(c: &DeviceCopy) -> Result<bool> {
+    if c.bytes > BATCH_COPY_MAX_BYTES
+        || !super::has_kernel(c.dtype)
+        || c.bytes % c.dtype.size() != 0
+    {
+        return Ok(false);
+    }
+    Ok(c.dst.ordinal == c.src.ordinal || gpu(c.dst.ordinal)?.enable_peer(gpu(c.src.ordinal)?))
+}
+
+/// Enqueues every copy: one fused `assign` launch per (destination GPU, dtype) for the small
+/// copies (within one GPU, or read from a peer GPU), a `cuMemcpy*Async` each for the others
+/// (see the module docs). A launch that reads other GPUs first waits for their streams, and
+/// their streams then wait for it (one event each way per GPU pair, not per copy), as
+/// [`copy_device`] orders a peer copy.
+///
+/// The copies keep the meaning of one copy after another, in list order: a copy that reads or
+/// writes a buffer an earlier copy writes, or writes a buffer an earlier copy reads, goes in a
+/// later wave than that copy, and each wave is enqueued after the one before. Usually there
+/// is one wave; a pull with one out listed under several keys makes more. (Buffers are known
+/// by their start address: the callers copy whole buffers.) The caller keeps every buffer
+/// alive until the work is enqueued, and frees it on its GPU's stream.
+pub(crate) fn copy_many(copies: &[DeviceCopy]) -> Result<()> {
+    // Per buffer: the last wave that writes it, and the last wave that reads it.
+    let mut written: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+    let mut read: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+    let mut waves: Vec<Vec<DeviceCopy>> = Vec::new();
+    for c in copies {
+        if c.bytes == 0 {
+            continue;
+        }
+        let (src, dst) = ((c.src.ordinal, c.src.addr), (c.dst.ordinal, c.dst.addr));
+        let after = |m: &BTreeMap<(usize, u64), usize>, b| m.get(&b).map_or(0, |w| w + 1);
+        let w = after(&written, src)
+            .max(after(&written, dst))
+            .max(after(&read, dst));
+        if waves.len() <= w {
+            waves.resize_with(w + 1, Vec::new);
+        }
+        waves[w].push(*c);
+        let up = |m: &mut BTreeMap<(usize, u64), usize>, b| {
+            let e = m.entry(b).or_insert(w);
+            *e = (*e).max(w);
+        };
+        up(&mut written, dst);
+        up(&mut read, src);
+    }
+    for wave in &waves {
+        copy_wave(wave)?;
+    }
+    Ok(())
+}
+
+/// [`copy_many`] for copies of which none reads or writes what another writes.
+fn copy_wave(copies: &[DeviceCopy]) -> Result<()> {
+    // (destination GPU, dtype) -> the dtype, the records, and the other GPUs they read.
+    type Launch = (DType, Vec<Record>, BTreeSet<usize>);
+    let mut launches: BTreeMap<(usize, u8), Launch> = BTreeMap::new();
+    for c in copies {
+        if !batched(c)? {
+            copy_device(c.dst, c.src, c.bytes)?;
+            continue;
+        }
+        let launch = launches
+            .entry((c.dst.ordinal, c.dtype as u8))
+            .or_insert_with(|| (c.dtype, Vec::new(), BTreeSet::new()));
+        launch.1.push(Record {
+            stored: c.dst.addr,
+            inputs: vec![c.src.addr],
+            n: (c.bytes / c.dtype.size()) as u64,
+            ..Record::default()
+        });
+        if c.src.ordinal != c.dst.ordinal {
+            launch.2.insert(c.src.ordinal);
+        }
+    }
+    for ((ordinal, _), (dtype, records, sources)) in &launches {
+        let d = gpu(*ordinal)?;
+        if sources.is_empty() {
+            launch_fused(d, RuleKind::Assign, *dtype, &[], records)?;
+            continue;
+        }
+        let _order = cross_gpu_order();
+        for &s in sources {
+            stream_wait(d.stream(), gpu(s)?.stream())?;
+        }
+        launch_fused(d, RuleKind::Assign, *dtype, &[], records)?;
+        for &s in sources {
+            stream_wait(gpu(s)?.stream(), d.stream())?;
+        }
+    }
+    Ok(())
+}
+
+/// Every buffer's elements, copied to the host, in order: the small ones on each GPU through
+/// one gathering launch, one wait and one device-to-host copy (see the module docs).
+pub(crate) fn download_many(bufs: &[&GpuBuf]) -> Result<Vec<HostData>> {
+    let mut out: Vec<Option<HostData>> = (0..bufs.len()).map(|_| None).collect();
+    // Per GPU: (index, byte offset in the gather buffer) of each small buffer, and the bytes.
+    let mut gathers: BTreeMap<usize, (Vec<(usize, usize)>, usize)> = BTreeMap::new();
+    for (i, b) in bufs.iter().enumerate() {
+        let bytes = b.len() * b.dtype().size();
+        if b.is_empty() || bytes > BATCH_COPY_MAX_BYTES || !super::has_kernel(b.dtype()) {
+            out[i] = Some(b.download()?);
+            continue;
+        }
+        let (items, total) = gathers.entry(b.ordinal()).or_default();
+        items.push((i, *total));
+        *total += bytes.next_multiple_of(16);
+    }
+    for (ordinal, (items, total)) in gathers {
+        // f32 elements only as a unit of bytes: the segments hold each buffer's own dtype.
+        let gather = GpuBuf::scratch(ordinal, DType::F32, total / 4)?;
+        let base = gather.ptr();
+        let copies: Vec<DeviceCopy> = items
+            .iter()
+            .map(|&(i, at)| DeviceCopy {
+                dst: GpuPtr {
+                    ordinal,
+                    addr: base + at as u64,
+                },
+                src: GpuPtr {
+                    ordinal,
+                    addr: bufs[i].ptr(),
+                },
+                bytes: bufs[i].len() * bufs[i].dtype().size(),
+                dtype: bufs[i].dtype(),
+            })
+            .collect();
+        copy_many(&copies)?;
+        // `download` waits for the stream (so for the gathering launch) first.
+        let HostData::F32(words) = gather.download()? else {
+            unreachable!("an f32 buffer downloads as f32");
+        };
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        for &(i, at) in &items {
+            let b = bufs[i];
+            let seg = &bytes[at..at + b.len() * b.dtype().size()];
+            out[i] = Some(from_le_bytes(b.dtype(), seg));
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|h| h.expect("every buffer was downloaded"))
+        .collect())
+}
+
+/// Host elements of `dtype` from their little-endian bytes.
+fn from_le_bytes(dtype: DType, bytes: &[u8]) -> HostData {
+    fn each<const N: usize, T>(bytes: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
+        bytes
+            .chunks_exact(N)
+            .map(|c| f(c.try_into().expect("chunks of N")))
+            .collect()
+    }
+    match dtype {
+        DType::F32 => HostData::F32(each(bytes, f32::from_le_bytes)),
+        DType::F64 => HostData::F64(each(bytes, f64::from_le_bytes)),
+        DType::F16 => HostData::F16(each(bytes, f16::from_le_bytes)),
+        DType::BF16 => HostData::BF16(each(bytes, bf16::from_le_bytes)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn le_bytes_round_trip_every_dtype() {
+        let xs = [1.5f32, -0.25, 3.0e-3, 7.0];
+        let f32s: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert!(matches!(from_le_bytes(DType::F32, &f32s), HostData::F32(v) if v == xs));
+        let f64s: Vec<u8> = xs
+            .iter()
+            .flat_map(|&x| f64::from(x).to_le_bytes())
+            .collect();
+        assert!(matches!(from_le_bytes(DType::F64, &f64s),
+            HostData::F64(v) if v.iter().zip(&xs).all(|(a, &b)| *a == f64::from(b))));
+        let h: Vec<f16> = xs.iter().map(|&x| f16::from_f32(x)).collect();
+        let hb: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert!(matches!(from_le_bytes(DType::F16, &hb), HostData::F16(v) if v == h));
+        let b: Vec<bf16> = xs.iter().map(|&x| bf16::from_f32(x)).collect();
+        let bb: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert!(matches!(from_le_bytes(DType::BF16, &bb), HostData::BF16(v) if v == b));
+    }
+}
