@@ -403,3 +403,39 @@ fn one_out_under_several_keys_gets_one_whole_value() -> Result<()> {
     }
     Ok(())
 }
+
+/// Pulls of 1 to 6 small keys into outs on the home GPU: a few copies go one by one, more go
+/// into one launch (`BATCH_MIN_COPIES`); on both sides of that line every out equals its key's
+/// value.
+#[test]
+#[ignore = "needs a GPU"]
+fn pulls_of_a_few_and_of_more_small_keys_match_the_host() -> Result<()> {
+    require_gpu();
+    let mut rng = rand::thread_rng();
+    for nkeys in 1..=6 {
+        let kv = KvStore::create("device")?;
+        let keys: Vec<i32> = (0..nkeys).collect();
+        let data: Vec<Vec<f32>> = keys
+            .iter()
+            .map(|_| random(rng.gen_range(1..3000)))
+            .collect();
+        let values = data
+            .iter()
+            .map(|d| array(d, DType::F32, cpu(0)))
+            .collect::<Result<Vec<_>>>()?;
+        kv.init_list(&keys, &values)?;
+        let outs = data
+            .iter()
+            .map(|d| array(&vec![f32::NAN; d.len()], DType::F32, gpu(0)))
+            .collect::<Result<Vec<_>>>()?;
+        kv.pull_list(&keys, &outs)?;
+        for (k, (out, want)) in outs.iter().zip(&data).enumerate() {
+            let got = out.to_vec::<f32>()?;
+            ensure!(
+                got == *want,
+                "{nkeys} keys: key {k} pulled into gpu(0) differs from its value"
+            );
+        }
+    }
+    Ok(())
+}
