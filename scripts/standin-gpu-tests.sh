@@ -56,7 +56,9 @@ KVSTORE_STANDIN_GPUS=2 cargo test --release --offline --quiet \
 # Every GPU test of the store, on the stand-in. Test threads: the stand-in serializes on one
 # lock, so more threads only add contention.
 # --show-output: the stdout of passing tests too, so their SKIPPED lines are counted.
-cargo test --offline "$@" -- --ignored --show-output \
+# --no-fail-fast: every test binary runs even after one fails, so the counts are the true ones
+# (without it, a fault that fails one binary hid every later binary's failures).
+cargo test --offline --no-fail-fast "$@" -- --ignored --show-output \
     --test-threads "${KVSTORE_STANDIN_THREADS:-2}" 2>&1 | tee "$log" || status=1
 took=$(( $(date +%s) - start ))
 
