@@ -404,15 +404,16 @@ fn one_out_under_several_keys_gets_one_whole_value() -> Result<()> {
     Ok(())
 }
 
-/// Pulls of 1 to 6 small keys into outs on the home GPU: a few copies go one by one, more go
-/// into one launch (`BATCH_MIN_COPIES`); on both sides of that line every out equals its key's
-/// value.
+/// Pulls of 1 to 12 small keys into outs on gpu(0): a few copies to one GPU go one by one, more
+/// go into one launch (`BATCH_MIN_COPIES`, 4); on both sides of that line every out equals its
+/// key's value. (12 keys: with the keys' homes spread over two GPUs, each side still gets 4 or
+/// more copies of its own.)
 #[test]
 #[ignore = "needs a GPU"]
 fn pulls_of_a_few_and_of_more_small_keys_match_the_host() -> Result<()> {
     require_gpu();
     let mut rng = rand::thread_rng();
-    for nkeys in 1..=6 {
+    for nkeys in 1..=12 {
         let kv = KvStore::create("device")?;
         let keys: Vec<i32> = (0..nkeys).collect();
         let data: Vec<Vec<f32>> = keys

@@ -25,7 +25,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use half::{bf16, f16};
 
 use super::kernels::RuleKind;
-use super::{copy_device, cross_gpu_order, gpu, launch_fused, stream_wait, GpuBuf, GpuPtr, Record};
+use super::{
+    copy_device, cross_gpu_order, gpu, host_data_bytes, launch_fused, stream_wait, GpuBuf, GpuPtr,
+    Record,
+};
 use crate::host::HostData;
 use crate::{DType, Result};
 
@@ -199,10 +202,8 @@ pub(crate) fn download_many(bufs: &[&GpuBuf]) -> Result<Vec<HostData>> {
             .collect();
         copy_many(&copies)?;
         // `download` waits for the stream (so for the gathering launch) first.
-        let HostData::F32(words) = gather.download()? else {
-            unreachable!("an f32 buffer downloads as f32");
-        };
-        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let gathered = gather.download()?;
+        let bytes = host_data_bytes(&gathered);
         for &(i, at) in &items {
             let b = bufs[i];
             let seg = &bytes[at..at + b.len() * b.dtype().size()];
