@@ -314,13 +314,18 @@ impl World {
             let world = ffi::RSMPI_COMM_WORLD;
             raw::check(OP, ffi::MPI_Comm_rank(world, &mut rank))?;
             raw::check(OP, ffi::MPI_Comm_size(world, &mut size))?;
+            // Ranks on one machine are numbered as the launcher numbered them, where it says
+            // (ties, and launchers that do not say, by world rank).
+            let key = crate::comm::launch::mpi_launcher_local_rank()
+                .and_then(|l| c_int::try_from(l).ok())
+                .unwrap_or(rank);
             let mut local: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
             raw::check(
                 OP,
                 ffi::MPI_Comm_split_type(
                     world,
                     ffi::RSMPI_COMM_TYPE_SHARED,
-                    rank,
+                    key,
                     ffi::RSMPI_INFO_NULL,
                     &mut local,
                 ),
