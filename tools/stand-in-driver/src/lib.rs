@@ -114,5 +114,6 @@ mod calls;
 pub mod driver;
 pub mod nccl;
 mod state;
+pub mod xproc;
 
 pub use state::Config;
