@@ -91,8 +91,9 @@
 //!   `ncclCommGetAsyncError`; the collective stays blocked, as real NCCL's kernels do, until
 //!   `ncclCommAbort` (a blocking host wait on it fails after `KVSTORE_STANDIN_HANG_S`). Ranks of
 //!   different processes on one device number are two ranks on one GPU (the rule above), and
-//!   ranks that disagree on the number of ranks are refused. The ranks' files are removed when
-//!   the last communicator of the clique ends.
+//!   ranks that disagree on the number of ranks are refused. A clique's folder is removed by
+//!   the last process to leave it (its communicators ended, or it exited: an `atexit` hook
+//!   leaves for a process that never ended them; a killed process counts as gone).
 //!
 //! Call counts: `KVSTORE_STANDIN_COUNT_CALLS=1` prints how often each entry point was called,
 //! at exit, to stderr (`[stand-in calls] name count` lines); the exported
@@ -120,7 +121,7 @@
 //! memory model, so a kernel of one process cannot touch another's buffers, and device
 //! capacity is per process), and happens-before between processes (a race between a remote
 //! rank's writes and this process's reads cannot be seen; only each process's own streams are
-//! checked). A process that exits without ending its communicators leaves its files behind.
+//! checked).
 #![deny(unsafe_op_in_unsafe_fn)]
 // The exported functions keep the C names of the APIs they stand in for.
 #![allow(non_snake_case)]

@@ -226,6 +226,7 @@ fn join(
     if let Some(dir) = &st.cliques[k].shm {
         crate::xproc::register(dir, rank, nranks, device)
             .map_err(|m| reject(nc::SYSTEM_ERROR, format!("{call}: {m}")))?;
+        state::leave_folders_at_exit();
     }
     st.comms.push(Comm {
         clique: k,

@@ -454,6 +454,41 @@ pub fn wait_until(
     }
 }
 
+extern "C" {
+    /// The C library's `atexit`, from the libc every process that loads the stand-in has.
+    fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+}
+
+/// At exit: this process's ranks leave the folders of the cliques whose communicators were
+/// never ended, so that the last process removes them.
+extern "C" fn leave_at_exit() {
+    let Some((m, _)) = STATE.get() else { return };
+    // A thread that still holds the lock (exit called from another thread mid-call) leaves the
+    // folders behind rather than deadlocking the exit.
+    let Ok(mut st) = m.try_lock() else { return };
+    for k in 0..st.cliques.len() {
+        let c = &st.cliques[k];
+        if let (false, Some(dir)) = (c.left, &c.shm) {
+            let ranks: Vec<usize> = (0..c.nranks).filter(|&r| c.comms[r].is_some()).collect();
+            crate::xproc::leave(dir, &ranks, c.nranks);
+            st.cliques[k].left = true;
+        }
+    }
+}
+
+/// Registers [`leave_at_exit`] once (at a process's first clique with a folder).
+pub fn leave_folders_at_exit() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        // SAFETY: `leave_at_exit` is an `extern "C" fn()` that lives as long as the process
+        // (this library is never unloaded while its state exists: nothing calls dlclose on it
+        // in kvstore), as atexit requires.
+        if unsafe { atexit(leave_at_exit) } != 0 {
+            report("atexit refused the stand-in's clean-up: folders of cliques may stay behind");
+        }
+    });
+}
+
 /// With a clique spanning processes, a thread of this process runs ready work every few
 /// milliseconds, as a GPU progresses on its own: a peer's part may arrive while every thread of
 /// this process is busy elsewhere (in MPI, say), and this process's parts must still be
@@ -827,6 +862,13 @@ impl State {
                 _ => return,
             }
         }
+        // Ranks of one machine on one device number share that GPU, whichever process they
+        // are in. NCCL's `initTransportsRank` (src/init.cc, right after the first AllGather of
+        // peer info) refuses two ranks with the same host hash and GPU UUID with
+        // ncclInvalidUsage unless `NCCL_MULTI_RANK_GPU_ENABLE` is set ("Multiple Ranks are
+        // using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this
+        // configuration."); older releases say "Duplicate GPU detected". The version bound
+        // (2.30) is the one kvstore's tests assume, where the switch appeared.
         let mut sorted = devices.clone();
         sorted.sort_unstable();
         sorted.dedup();
@@ -838,7 +880,8 @@ impl State {
             Err(format!(
                 "Duplicate GPU detected: the ranks of one communicator are on devices \
                  {devices:?}; NCCL before 2.30, or without NCCL_MULTI_RANK_GPU_ENABLE=1, refuses \
-                 two ranks on one GPU"
+                 two ranks on one GPU (NCCL 2.30: Multiple Ranks are using the same \
+                 GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.)"
             ))
         } else {
             Ok(())

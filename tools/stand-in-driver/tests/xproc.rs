@@ -283,6 +283,11 @@ fn ranks(test: &str, devices: &[usize], extra: &[(&str, &str)]) -> Vec<(Option<i
         };
         results.push((code, std::fs::read_to_string(&log).unwrap_or_default()));
     }
+    // Every clique's folder is gone: ended communicators, exits and dead peers clean up.
+    let left: Vec<_> = std::fs::read_dir(dir.join("shm"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{test}: folders left behind: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
     results
 }
