@@ -17,6 +17,7 @@ type H = *mut c_void;
 
 const OK: i32 = 0;
 const LAUNCH_FAILED: i32 = 719;
+const LAUNCH_TIMEOUT: i32 = 702;
 const NCCL_INVALID_USAGE: i32 = 5;
 const NCCL_REMOTE_ERROR: i32 = 6;
 const NCCL_FLOAT32: c_int = 7;
@@ -219,6 +220,27 @@ fn child() {
             assert_eq!(cuStreamSynchronize(r.s), OK);
             println!("XPROC REMOTE ERROR SEEN rank {}", r.rank);
         }
+        "peer_stalls" => {
+            // The last rank joins, then never makes the collective: the others' wait on it
+            // fails after KVSTORE_STANDIN_HANG_S instead of hanging.
+            if r.rank + 1 == n {
+                let done = std::path::Path::new(&std::env::var("XPROC_DONE").unwrap()).to_owned();
+                let start = Instant::now();
+                while !done.exists() && start.elapsed() < Duration::from_secs(60) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                assert!(done.exists(), "the other ranks never gave up");
+                println!("XPROC STALLED rank {}", r.rank);
+                return;
+            }
+            let x = upload(&r, &data(seed, r.rank, len));
+            assert_eq!(all_reduce(&r, x, x, len), OK);
+            assert_eq!(cuStreamSynchronize(r.s), LAUNCH_TIMEOUT);
+            std::fs::write(std::env::var("XPROC_DONE").unwrap(), b"").unwrap();
+            assert_eq!(ncclCommAbort(r.comm), OK);
+            assert_eq!(cuStreamSynchronize(r.s), OK, "abort drains the stream");
+            println!("XPROC TIMEOUT SEEN rank {}", r.rank);
+        }
         "two_on_one_gpu" => {
             // Reached only when the communicator was made (the switch is on).
             println!("XPROC OK rank {}", r.rank);
@@ -255,6 +277,7 @@ fn ranks(test: &str, devices: &[usize], extra: &[(&str, &str)]) -> Vec<(Option<i
             .env("XPROC_DEVICE", device.to_string())
             .env("NCCL_COMM_ID", format!("127.0.0.1:{port}"))
             .env("KVSTORE_STANDIN_SHM_DIR", dir.join("shm"))
+            .env("XPROC_DONE", dir.join("done"))
             .env("KVSTORE_STANDIN_HANG_S", "30")
             .env("KVSTORE_STANDIN_GPUS", "2")
             .stdout(out.try_clone().unwrap())
@@ -403,4 +426,58 @@ fn two_processes_on_one_gpu_need_nccl_2_30_and_the_switch() {
             }
         }
     }
+}
+
+#[test]
+fn a_rank_that_never_joins_is_an_error_after_the_hang_bound() {
+    if is_child() {
+        return child();
+    }
+    // One process of a two-rank job: rank 1 never comes.
+    let out = ranks(
+        "a_rank_that_never_joins_is_an_error_after_the_hang_bound",
+        &[0],
+        &[
+            ("XPROC_CASE", "two_on_one_gpu"),
+            ("XPROC_RANKS", "2"),
+            ("KVSTORE_STANDIN_HANG_S", "2"),
+        ],
+    );
+    let (code, text) = &out[0];
+    assert!(
+        *code != Some(0)
+            && text.contains(&format!("XPROC INIT {NCCL_INVALID_USAGE}"))
+            && text.contains("[kvstore stand-in] ncclCommInitRank (rank 0 of 2")
+            && text.contains("cannot finish"),
+        "rank 0 exited {code:?}:\n{text}"
+    );
+}
+
+#[test]
+fn a_peer_that_stops_calling_is_an_error_after_the_hang_bound() {
+    if is_child() {
+        return child();
+    }
+    let out = ranks(
+        "a_peer_that_stops_calling_is_an_error_after_the_hang_bound",
+        &[0, 1],
+        &[
+            ("XPROC_CASE", "peer_stalls"),
+            ("KVSTORE_STANDIN_HANG_S", "2"),
+        ],
+    );
+    let (code, text) = &out[0];
+    assert!(
+        *code == Some(0)
+            && text.contains("XPROC TIMEOUT SEEN rank 0")
+            && text.contains("[kvstore stand-in] cuStreamSynchronize")
+            && text.contains("cannot finish"),
+        "rank 0 exited {code:?}:\n{text}"
+    );
+    assert!(
+        out[1].0 == Some(0) && out[1].1.contains("XPROC STALLED rank 1"),
+        "rank 1 exited {:?}:\n{}",
+        out[1].0,
+        out[1].1
+    );
 }
