@@ -463,9 +463,22 @@ extern "C" {
 /// never ended, so that the last process removes them.
 extern "C" fn leave_at_exit() {
     let Some((m, _)) = STATE.get() else { return };
-    // A thread that still holds the lock (exit called from another thread mid-call) leaves the
-    // folders behind rather than deadlocking the exit.
-    let Ok(mut st) = m.try_lock() else { return };
+    // The lock is held only briefly (waits release it), unless exit was called from another
+    // thread in the middle of a call: then the folders stay behind rather than the exit
+    // deadlocking.
+    let mut st = None;
+    for _ in 0..200 {
+        match m.try_lock() {
+            Ok(g) => st = Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => st = Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+        }
+        break;
+    }
+    let Some(mut st) = st else { return };
     for k in 0..st.cliques.len() {
         let c = &st.cliques[k];
         if let (false, Some(dir)) = (c.left, &c.shm) {
