@@ -20,6 +20,7 @@ const LAUNCH_FAILED: i32 = 719;
 const LAUNCH_TIMEOUT: i32 = 702;
 const NCCL_INVALID_USAGE: i32 = 5;
 const NCCL_REMOTE_ERROR: i32 = 6;
+const IN_PROGRESS: i32 = 7;
 const NCCL_FLOAT32: c_int = 7;
 const NCCL_SUM: c_int = 0;
 
@@ -50,6 +51,34 @@ struct Rank {
     rank: usize,
     comm: H,
     s: H,
+    /// Made with `blocking = 0` (`XPROC_NONBLOCKING=1`): calls answer ncclInProgress and are
+    /// polled to completion.
+    nonblocking: bool,
+}
+
+/// Polls a non-blocking communicator until its last call is done; the final state.
+fn poll(comm: H) -> i32 {
+    let start = Instant::now();
+    loop {
+        let mut state = -1;
+        // SAFETY: a live communicator and a valid out-pointer.
+        assert_eq!(unsafe { ncclCommGetAsyncError(comm, &mut state) }, OK);
+        if state != IN_PROGRESS || start.elapsed() > Duration::from_secs(60) {
+            return state;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Checks the result of an NCCL call that should succeed: `ncclSuccess` on a blocking
+/// communicator; `ncclInProgress`, then polled to `ncclSuccess`, on a non-blocking one.
+fn done(r: &Rank, code: i32) {
+    if r.nonblocking {
+        assert_eq!(code, IN_PROGRESS, "{}", last_error());
+        assert_eq!(poll(r.comm), OK);
+    } else {
+        assert_eq!(code, OK, "{}", last_error());
+    }
 }
 
 fn join_rank() -> Rank {
@@ -68,14 +97,34 @@ fn join_rank() -> Rank {
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { ncclGetUniqueId(&mut id) }, OK);
     let mut comm = null_mut();
-    // SAFETY: a valid out-pointer; the id is the job's (from NCCL_COMM_ID).
-    let r = unsafe { ncclCommInitRank(&mut comm, n as c_int, id, rank as c_int) };
+    let nonblocking = std::env::var("XPROC_NONBLOCKING").as_deref() == Ok("1");
+    let r = if nonblocking {
+        let mut cfg = ConfigHead {
+            size: 48,
+            magic: 0xcafe_beef,
+            version: 21400,
+            blocking: 0,
+        };
+        // SAFETY: a valid out-pointer and config; the id is the job's (from NCCL_COMM_ID).
+        let r =
+            unsafe { ncclCommInitRankConfig(&mut comm, n as c_int, id, rank as c_int, &mut cfg) };
+        assert_eq!(r, IN_PROGRESS, "{}", last_error());
+        poll(comm)
+    } else {
+        // SAFETY: a valid out-pointer; the id is the job's (from NCCL_COMM_ID).
+        unsafe { ncclCommInitRank(&mut comm, n as c_int, id, rank as c_int) }
+    };
     println!("XPROC INIT {r}");
     assert_eq!(r, OK, "{}", last_error());
     let mut s = null_mut();
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { cuStreamCreate(&mut s, 1) }, OK);
-    Rank { rank, comm, s }
+    Rank {
+        rank,
+        comm,
+        s,
+        nonblocking,
+    }
 }
 
 fn upload(r: &Rank, v: &[f32]) -> u64 {
@@ -128,7 +177,7 @@ fn child() {
             let mine = data(seed, r.rank, len);
             let x = upload(&r, &mine);
             let y = upload(&r, &vec![f32::NAN; len]);
-            assert_eq!(all_reduce(&r, x, y, len), OK);
+            done(&r, all_reduce(&r, x, y, len));
             let (e, got) = download(&r, y, len);
             assert_eq!(e, OK);
             for (i, g) in got.iter().enumerate() {
@@ -154,7 +203,7 @@ fn child() {
                 r.comm,
                 r.s,
             );
-            assert_eq!(e, OK);
+            done(&r, e);
             assert_eq!(download(&r, b, len), (OK, data(seed, root, len)));
             let all = upload(&r, &vec![f32::NAN; len * n]);
             let e = ncclAllGather(
@@ -165,9 +214,12 @@ fn child() {
                 r.comm,
                 r.s,
             );
-            assert_eq!(e, OK);
+            done(&r, e);
             let want: Vec<f32> = (0..n).flat_map(|q| data(seed, q, len)).collect();
             assert_eq!(download(&r, all, len * n), (OK, want));
+            if r.nonblocking {
+                done(&r, ncclCommFinalize(r.comm));
+            }
             assert_eq!(ncclCommDestroy(r.comm), OK);
             println!("XPROC OK rank {}", r.rank);
         }
@@ -324,7 +376,7 @@ fn collectives_across_processes_match_a_host_reference() {
     if is_child() {
         return child();
     }
-    for n in [2, 3] {
+    for (n, nonblocking) in [(2, "0"), (3, "0"), (2, "1")] {
         let devices: Vec<usize> = (0..n).map(|r| r % 2).collect();
         let out = ranks(
             "collectives_across_processes_match_a_host_reference",
@@ -332,12 +384,13 @@ fn collectives_across_processes_match_a_host_reference() {
             &[
                 ("XPROC_CASE", "collectives"),
                 ("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
+                ("XPROC_NONBLOCKING", nonblocking),
             ],
         );
         for (r, (code, text)) in out.iter().enumerate() {
             assert!(
                 *code == Some(0) && text.contains(&format!("XPROC OK rank {r}")),
-                "{n} ranks, rank {r} exited {code:?}:\n{text}"
+                "{n} ranks (non-blocking: {nonblocking}), rank {r} exited {code:?}:\n{text}"
             );
         }
     }
