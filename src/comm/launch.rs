@@ -25,17 +25,6 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// minute.
 pub const DEFAULT_WAIT_LOG: Duration = Duration::from_secs(60);
 
-/// The local rank an MPI launcher gave this process, where it says: Open MPI's
-/// `OMPI_COMM_WORLD_LOCAL_RANK`, or MPICH's (Hydra's) `MPI_LOCALRANKID`. The store's local rank
-/// follows it, so that it picks the GPU the user's script picks from the same variable; Open
-/// MPI 5 does not always number a machine's ranks in the order of their world ranks. A value
-/// that is not a number is ignored here (the ranks are then numbered by world rank).
-pub(crate) fn mpi_launcher_local_rank() -> Option<usize> {
-    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
-}
-
 /// A rank as a launcher without MPI describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchEnv {
