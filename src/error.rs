@@ -254,6 +254,35 @@ pub enum Error {
         source: Option<cudarc::driver::DriverError>,
     },
 
+    /// A GPU's architecture is older than a kernel needs: bfloat16 keys' kernels need compute
+    /// capability 8.0 (sm_80), and a user PTX updater needs its module's `.target`. Found
+    /// before anything runs: nothing was changed.
+    #[error(
+        "{op}{}: {what} needs a GPU of compute capability {}.{} (sm_{need}) or newer, but {device} \
+         is {}.{} (sm_{have}): {fix}",
+        key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default(),
+        need / 10,
+        need % 10,
+        have / 10,
+        have % 10
+    )]
+    GpuArch {
+        /// What was being done: "load kernels", "load PTX updater".
+        op: &'static str,
+        /// The key involved, when there is one.
+        key: Option<Key>,
+        /// What needs the architecture: "the bfloat16 kernels (kernels/fused_bf16.ptx)", ...
+        what: String,
+        /// The GPU.
+        device: Device,
+        /// The GPU's compute capability, as major * 10 + minor (70 for 7.0).
+        have: u32,
+        /// The compute capability needed, likewise (80 for 8.0).
+        need: u32,
+        /// What to do instead.
+        fix: &'static str,
+    },
+
     /// A GPU ran out of memory. Free arrays on that device, use smaller keys, or home some
     /// keys on another device (`KvStore::init_on`).
     #[error(
@@ -463,6 +492,23 @@ impl Error {
                 device,
                 requested,
                 source,
+            },
+            Error::GpuArch {
+                op,
+                key: None,
+                what,
+                device,
+                have,
+                need,
+                fix,
+            } => Error::GpuArch {
+                op,
+                key: Some(key.clone()),
+                what,
+                device,
+                have,
+                need,
+                fix,
             },
             other => other,
         }

@@ -7,6 +7,7 @@
 //! passes.
 
 use anyhow::{ensure, Result};
+use kvstore::__internal::gpu_sm;
 use kvstore::__internal::nccl::{self, MultiRank};
 use kvstore::gpu_count;
 use kvstore::{cpu, gpu, Adam, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
@@ -54,6 +55,50 @@ fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
             err <= tol,
             "{what}: element {i}: got {g}, want {w} (relative error {err:e} > {tol:e})"
         );
+    }
+}
+
+/// Whether every GPU runs `dtype`'s kernels: bf16's need compute capability 8.0 (sm_80). On
+/// the stand-in the architecture is `KVSTORE_STANDIN_SM`, which CI sets to 70, 80 and 90.
+fn runs_kernels(dtype: DType) -> bool {
+    dtype != DType::BF16 || (0..gpu_count()).all(|i| gpu_sm(i).expect("the GPU opens") >= 80)
+}
+
+/// The architecture of the oldest GPU, as major * 10 + minor.
+fn oldest_sm() -> u32 {
+    (0..gpu_count())
+        .map(|i| gpu_sm(i).expect("the GPU opens"))
+        .min()
+        .expect("a GPU")
+}
+
+/// Checks that `r`, a push of a key of `dtype` whose kernels the GPUs cannot run, failed with
+/// the typed error that names both architectures (and, where given, the key).
+fn assert_refused_below_arch<T: std::fmt::Debug>(
+    r: Result<T>,
+    dtype: DType,
+    key: Option<kvstore::Key>,
+) {
+    let err = r.expect_err("a push needing kernels this GPU cannot run must fail");
+    let have = oldest_sm();
+    match err.downcast_ref::<Error>() {
+        Some(
+            e @ Error::GpuArch {
+                need: 80,
+                have: h,
+                key: k,
+                ..
+            },
+        ) if *h == have && (key.is_none() || *k == key) => {
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("sm_{have}"))
+                    && text.contains("sm_80")
+                    && text.contains(&dtype.to_string()),
+                "the message names both architectures and the dtype: {text}"
+            );
+        }
+        _ => panic!("expected Error::GpuArch (needs sm_80, gpu is sm_{have}), got {err:?}"),
     }
 }
 
@@ -110,6 +155,10 @@ fn several_values_on_one_gpu_are_summed() -> Result<()> {
             // The same array twice counts twice.
             let mut pushed = values.clone();
             pushed.push(values[0].clone());
+            if !runs_kernels(dtype) {
+                assert_refused_below_arch(kv.push(7, &pushed).map_err(Into::into), dtype, None);
+                continue;
+            }
             kv.push(7, &pushed)?;
             let out = NDArray::full_on([n], f64::NAN, dtype, gpu(0))?;
             kv.pull(7, &out)?;
@@ -664,7 +713,12 @@ fn sgd_and_adam_on_gpu_match_the_cpu_store() -> Result<()> {
     let axpby = Updater::Axpby { a: 0.9, b: 0.25 };
     for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
         for u in [&sgd, &sgd_mom, &adam, &axpby, &Updater::Assign] {
-            compare_with_cpu(u.clone(), dtype, 3)?;
+            let r = compare_with_cpu(u.clone(), dtype, 3);
+            if runs_kernels(dtype) {
+                r?;
+            } else {
+                assert_refused_below_arch(r, dtype, None);
+            }
         }
     }
     Ok(())
@@ -848,10 +902,15 @@ fn empty_arrays_on_a_gpu() -> Result<()> {
             kv.init_on(1, &empty_cpu, gpu(0))?;
             let data = random(5);
             kv.init_on(2, &array(&data, &[5], dtype, cpu(0))?, gpu(0))?;
-            kv.push(
+            let r = kv.push(
                 1,
                 &[empty_gpu.clone(), empty_cpu.clone(), empty_gpu.copy()?],
-            )?;
+            );
+            if !runs_kernels(dtype) {
+                assert_refused_below_arch(r.map_err(Into::into), dtype, None);
+                continue;
+            }
+            r?;
             kv.pull(1, &[empty_gpu.clone(), empty_cpu.clone()])?;
             empty_gpu.fill(2.0)?;
             assert_eq!(
@@ -972,6 +1031,11 @@ fn host_values_to_a_gpu_key_round_as_on_the_cpu_home() -> Result<()> {
         for kv in [&on_gpu, &on_cpu] {
             kv.set_updater(sgd.clone())?;
         }
+        if !runs_kernels(dtype) {
+            let values = [array(&random(n), &[n], dtype, cpu(0))?];
+            assert_refused_below_arch(on_gpu.push(1, &values).map_err(Into::into), dtype, None);
+            continue;
+        }
         for _ in 0..3 {
             let values = (0..3)
                 .map(|i| array(&random(n), &[n], dtype, cpu(i)))
@@ -991,6 +1055,100 @@ fn host_values_to_a_gpu_key_round_as_on_the_cpu_home() -> Result<()> {
             differ == 0,
             "{dtype}: {differ} of {n} elements differ between the homes"
         );
+    }
+    Ok(())
+}
+
+/// bf16 keys need sm_80 for their kernels. Below it (an sm_70 GPU: `KVSTORE_STANDIN_SM=70` on
+/// the stand-in) a push into a GPU-homed bf16 key fails with `Error::GpuArch`, which names
+/// both architectures, and changes nothing, also for the f32 key of the same call; f32 keys
+/// keep working, and a user PTX updater whose `.target` is above the GPU is refused the same
+/// way. From sm_80 the same calls succeed and match a reference computed here.
+#[test]
+#[ignore = "needs a GPU"]
+fn bf16_keys_need_sm_80_and_the_error_names_the_architecture() -> Result<()> {
+    require_gpu();
+    let sm = oldest_sm();
+    let n = 1031;
+    let kv = KvStore::create("device")?;
+    let (a, b) = (random(n), random(n));
+    kv.init_on(1, &array(&a, &[n], DType::F32, cpu(0))?, gpu(0))?;
+    kv.init_on(2, &array(&b, &[n], DType::BF16, cpu(0))?, gpu(0))?;
+    let (ga, gb) = (random(n), random(n));
+    let values = vec![
+        vec![array(&ga, &[n], DType::F32, gpu(0))?],
+        vec![array(&gb, &[n], DType::BF16, gpu(0))?],
+    ];
+    let pulled = |key: i32, dtype: DType| -> Result<Vec<f64>> {
+        let out = NDArray::full_on([n], f64::NAN, dtype, cpu(0))?;
+        kv.pull(key, &out)?;
+        Ok(out.to_vec()?)
+    };
+    kv.set_updater(Updater::Axpby { a: 0.5, b: 2.0 })?;
+    let r = kv.push_list(&[1, 2], &values);
+    let axpby = |w: &[f32], g: &[f32], dtype: DType| -> Result<Vec<f64>> {
+        let w = rounded(w, dtype)?;
+        let g = rounded(g, dtype)?;
+        let exact: Vec<f32> = w
+            .iter()
+            .zip(&g)
+            .map(|(w, g)| 0.5 * *w as f32 + 2.0 * *g as f32)
+            .collect();
+        rounded(&exact, dtype)
+    };
+    if sm >= 80 {
+        r?;
+        assert_close(
+            &pulled(1, DType::F32)?,
+            &axpby(&a, &ga, DType::F32)?,
+            1e-6,
+            "f32",
+        );
+        assert_close(
+            &pulled(2, DType::BF16)?,
+            &axpby(&b, &gb, DType::BF16)?,
+            1e-2,
+            "bf16",
+        );
+        return Ok(());
+    }
+    assert_refused_below_arch(r.map_err(Into::into), DType::BF16, Some(2.into()));
+    assert_close(
+        &pulled(1, DType::F32)?,
+        &rounded(&a, DType::F32)?,
+        0.0,
+        "f32 key after the refused call",
+    );
+    assert_close(
+        &pulled(2, DType::BF16)?,
+        &rounded(&b, DType::BF16)?,
+        0.0,
+        "bf16 key after the refused call",
+    );
+    // f32 keys work on this GPU.
+    kv.push(1, &values[0])?;
+    assert_close(
+        &pulled(1, DType::F32)?,
+        &axpby(&a, &ga, DType::F32)?,
+        1e-6,
+        "f32 on sm_70",
+    );
+    // A user updater for sm_80 is refused on this GPU, naming both architectures.
+    let ptx = kvstore::PtxUpdater::EXAMPLE_SGD_F32.replace(".target sm_70", ".target sm_80");
+    let p =
+        kvstore::PtxUpdater::new(ptx, "sgd_f32", DType::F32)?.with_scalars([0.1, 0.0, 0.0, 0.0]);
+    kv.set_updater(Updater::Ptx(p))?;
+    let err = kv
+        .push(1, &values[0])
+        .expect_err("sm_80 PTX on an older GPU");
+    match &err {
+        Error::GpuArch {
+            op, need: 80, have, ..
+        } if *have == sm => {
+            assert_eq!(*op, "load PTX updater", "{err}");
+            assert!(err.to_string().contains("sm_80"), "{err}");
+        }
+        _ => panic!("expected Error::GpuArch, got {err:?}"),
     }
     Ok(())
 }

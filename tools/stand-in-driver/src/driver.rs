@@ -1071,15 +1071,34 @@ pub unsafe extern "C" fn cuModuleLoadData(module: *mut Handle, image: *const c_v
             }
         }
         let parsed = Module::parse(text).map_err(|e| {
-            reject(
-                cu::INVALID_PTX,
-                format!(
-                    "cuModuleLoadData: the stand-in's PTX interpreter refuses this module \
-                     (it knows only the subset kvstore's kernels use; this need not be a PTX \
-                     error): {e:#}"
-                ),
-            )
+            let e = format!("{e:#}");
+            // An instruction above the module's own `.target` or `.version`: ptxas refuses it
+            // ("Feature 'cvt with .bf16' requires .target sm_80 or higher"), and so does the
+            // driver's JIT, with CUDA_ERROR_INVALID_PTX.
+            let why = if e.contains("requires .target")
+                || e.contains("requires PTX ISA")
+                || e.contains("needs PTX ISA")
+            {
+                "the PTX is invalid: it uses an instruction its own `.target` or `.version` does \
+                 not have (ptxas and the driver's JIT refuse it too)"
+            } else {
+                "the stand-in's PTX interpreter refuses this module (it knows only the subset \
+                 kvstore's kernels use; this need not be a PTX error)"
+            };
+            reject(cu::INVALID_PTX, format!("cuModuleLoadData: {why}: {e}"))
         })?;
+        // Every instruction is within the `.target`, which is within the device (checked
+        // above); checked once more per instruction, so a message names the instruction.
+        if let Some(n) = parsed.needs.as_ref().filter(|n| n.sm > sm) {
+            return Err(reject(
+                cu::NO_BINARY_FOR_GPU,
+                format!(
+                    "cuModuleLoadData: {} ({}) needs sm_{}, above this device's compute \
+                     capability sm_{sm} (KVSTORE_STANDIN_SM)",
+                    n.what, n.at, n.sm
+                ),
+            ));
+        }
         st.modules.push(LoadedModule {
             ctx: c,
             live: true,

@@ -14,6 +14,7 @@ type H = *mut c_void;
 const OK: i32 = 0;
 const INVALID_VALUE: i32 = 1;
 const NO_BINARY_FOR_GPU: i32 = 209;
+const INVALID_PTX: i32 = 218;
 const UNSUPPORTED_PTX_VERSION: i32 = 222;
 const ILLEGAL_STATE: i32 = 401;
 const ILLEGAL_ADDRESS: i32 = 700;
@@ -162,16 +163,75 @@ fn a_launch_whose_parameter_bytes_do_not_match_the_entry_is_rejected() {
     assert_eq!(r, INVALID_VALUE, "a u32 passed for a .u64 parameter");
 }
 
+/// The device's compute capability as major * 10 + minor (`KVSTORE_STANDIN_SM`; the CI runs
+/// these tests at sm_70, sm_80 and sm_90).
+fn device_sm() -> u32 {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: valid out-pointers; 75 and 76 are the compute capability's major and minor.
+    unsafe {
+        assert_eq!(cuDeviceGetAttribute(&mut major, 75, 0), OK);
+        assert_eq!(cuDeviceGetAttribute(&mut minor, 76, 0), OK);
+    }
+    (major * 10 + minor) as u32
+}
+
+/// COPY_PTX for `.target sm_{sm}`, with the PTX ISA version that target needs.
+fn copy_ptx_for(sm: u32) -> String {
+    let version = match sm {
+        ..=75 => "7.0",
+        76..=86 => "7.1",
+        _ => "7.8",
+    };
+    COPY_PTX
+        .replace(".target sm_70", &format!(".target sm_{sm}"))
+        .replace(".version 7.0", &format!(".version {version}"))
+}
+
 #[test]
 fn ptx_above_the_device_is_rejected() {
     setup();
-    // The default device is sm_90.
-    let above = COPY_PTX.replace(".target sm_70", ".target sm_100");
-    assert_eq!(load(&above).0, NO_BINARY_FOR_GPU);
+    let sm = device_sm();
+    let next = match sm {
+        ..=79 => 80,
+        80..=89 => 90,
+        _ => 100,
+    };
+    assert_eq!(load(&copy_ptx_for(next)).0, NO_BINARY_FOR_GPU, "sm_{next} on sm_{sm}");
     let newer = COPY_PTX.replace(".version 7.0", ".version 9.9");
     assert_eq!(load(&newer).0, UNSUPPORTED_PTX_VERSION);
-    let sm80 = COPY_PTX.replace(".target sm_70", ".target sm_80");
-    assert_eq!(load(&sm80).0, OK, "sm_80 PTX on an sm_90 device loads");
+    for below in [70, 80, 90].into_iter().filter(|&t| t <= sm) {
+        assert_eq!(load(&copy_ptx_for(below)).0, OK, "sm_{below} PTX on sm_{sm}");
+    }
+}
+
+/// `y = bf16(x)`: one `cvt.rn.bf16.f32`, which needs sm_80 and PTX ISA 7.0.
+const BF16_PTX: &str = "
+.version 7.0
+.target sm_80
+.address_size 64
+.visible .entry narrow(.param .u64 p)
+{
+.reg .b64 %a;
+.reg .f32 %x;
+.reg .b16 %h;
+ld.param.u64 %a, [p];
+ld.global.f32 %x, [%a];
+cvt.rn.bf16.f32 %h, %x;
+st.global.b16 [%a+4], %h;
+ret;
+}
+";
+
+#[test]
+fn an_instruction_above_the_module_target_is_rejected() {
+    setup();
+    // A bf16 conversion in a module that says sm_70 is invalid PTX on every device: ptxas
+    // refuses it ("Feature 'cvt with .bf16' requires .target sm_80 or higher"), as the JIT does.
+    let on70 = BF16_PTX.replace(".target sm_80", ".target sm_70");
+    assert_eq!(load(&on70).0, INVALID_PTX);
+    // At sm_80 it is valid, and loads where the device has sm_80.
+    let want = if device_sm() >= 80 { OK } else { NO_BINARY_FOR_GPU };
+    assert_eq!(load(BF16_PTX).0, want, "sm_80 PTX on sm_{}", device_sm());
 }
 
 #[test]
