@@ -61,7 +61,24 @@ fn current(st: &State) -> Result<usize, i32> {
     if st.ctxs[c].retained == 0 {
         return Err(cu::INVALID_CONTEXT);
     }
+    usable(st, c)?;
     Ok(c)
+}
+
+/// Fails with context `ctx`'s sticky error, once a kernel fault has poisoned it (as CUDA does:
+/// every later call on the context returns the error, until the context is reset).
+fn usable(st: &State, ctx: usize) -> Result<(), i32> {
+    match st.ctxs[ctx].sticky {
+        Some(code) => Err(code),
+        None => Ok(()),
+    }
+}
+
+/// The stream a `CUstream` handle names, in a context that is still usable.
+fn stream_of(st: &mut State, h: Handle) -> Result<usize, i32> {
+    let s = st.stream(h)?;
+    usable(st, st.streams[s].ctx)?;
+    Ok(s)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -226,6 +243,23 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> i32 {
             return Err(cu::INVALID_CONTEXT);
         }
         st.ctxs[d].retained -= 1;
+        if st.ctxs[d].retained == 0 {
+            // The last release destroys the primary context.
+            st.reset_ctx(d);
+        }
+        Ok(())
+    })
+}
+
+/// Resets a primary context: everything in it is destroyed and its sticky error is cleared
+/// (see `State::reset_ctx`). The retains stay.
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> i32 {
+    crate::calls::count("cuDevicePrimaryCtxReset_v2");
+    run(|| {
+        let mut st = begin()?;
+        let d = check_device(&st, dev)?;
+        st.reset_ctx(d);
         Ok(())
     })
 }
@@ -380,7 +414,7 @@ pub extern "C" fn cuStreamDestroy_v2(stream: Handle) -> i32 {
         if stream.is_null() {
             return Err(cu::INVALID_HANDLE);
         }
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         // Work already enqueued still runs (CUDA's rule); the handle is dead from now on.
         st.streams[s].live = false;
         Ok(())
@@ -410,7 +444,7 @@ pub extern "C" fn cuStreamSynchronize(stream: Handle) -> i32 {
     crate::calls::count("cuStreamSynchronize");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         sync_stream(st, s, "cuStreamSynchronize")
     })
 }
@@ -420,7 +454,7 @@ pub extern "C" fn cuStreamQuery(stream: Handle) -> i32 {
     crate::calls::count("cuStreamQuery");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         st.progress();
         let target = st.streams[s].enq;
         if st.streams[s].done < target {
@@ -437,7 +471,10 @@ pub extern "C" fn cuStreamQuery(stream: Handle) -> i32 {
 
 fn event_of(st: &State, h: Handle) -> Result<usize, i32> {
     match unhandle(Kind::Event, h) {
-        Some(e) if e < st.events.len() && st.events[e].live => Ok(e),
+        Some(e) if e < st.events.len() && st.events[e].live => {
+            usable(st, st.events[e].ctx)?;
+            Ok(e)
+        }
         _ => Err(cu::INVALID_HANDLE),
     }
 }
@@ -479,7 +516,7 @@ pub extern "C" fn cuEventRecord(event: Handle, stream: Handle) -> i32 {
     run(|| {
         let mut st = begin()?;
         let e = event_of(&st, event)?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if st.events[e].ctx != st.streams[s].ctx {
             return Err(reject(
                 cu::INVALID_HANDLE,
@@ -558,7 +595,7 @@ pub extern "C" fn cuStreamWaitEvent(stream: Handle, event: Handle, flags: c_uint
     crate::calls::count("cuStreamWaitEvent");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         let e = event_of(&st, event)?;
         if flags != 0 {
             return Err(cu::INVALID_VALUE);
@@ -596,7 +633,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytes: usize, stream: H
     crate::calls::count("cuMemAllocAsync");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if dptr.is_null() || bytes == 0 {
             return Err(cu::INVALID_VALUE);
         }
@@ -708,7 +745,7 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: Handle) -> i32 {
     crate::calls::count("cuMemFreeAsync");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         check_free(&st, "cuMemFreeAsync", ptr)?;
         let what = format!("cuMemFreeAsync({ptr:#x}) on {}", st.stream_name(s));
         let pos = st.enqueue(s, what, Work::Free { base: ptr });
@@ -773,7 +810,7 @@ pub unsafe extern "C" fn cuMemsetD8Async(dst: u64, value: u8, n: usize, stream: 
     crate::calls::count("cuMemsetD8Async");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         check_range(&st, "cuMemsetD8Async", s, dst, n)?;
         let what = format!(
             "cuMemsetD8Async({dst:#x}, {n} bytes) on {}",
@@ -793,7 +830,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     crate::calls::count("cuMemcpyHtoDAsync_v2");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if bytes == 0 {
             return Ok(());
         }
@@ -836,7 +873,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     crate::calls::count("cuMemcpyDtoHAsync_v2");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if bytes == 0 {
             return Ok(());
         }
@@ -888,7 +925,7 @@ pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
     crate::calls::count("cuMemcpyDtoDAsync_v2");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if bytes == 0 {
             return Ok(());
         }
@@ -920,7 +957,7 @@ pub unsafe extern "C" fn cuMemcpyPeerAsync(
     crate::calls::count("cuMemcpyPeerAsync");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         let (dc, sc) = (ctx_of(&st, dst_ctx)?, ctx_of(&st, src_ctx)?);
         if bytes == 0 {
             return Ok(());
@@ -1123,6 +1160,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             Some(m) if m < st.modules.len() && st.modules[m].live => m,
             _ => return Err(cu::INVALID_HANDLE),
         };
+        usable(&st, st.modules[m].ctx)?;
         if func.is_null() || name.is_null() {
             return Err(cu::INVALID_VALUE);
         }
@@ -1135,7 +1173,12 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             .position(|e| e.name == name)
             .ok_or(cu::NOT_FOUND)?;
         let ctx = st.modules[m].ctx;
-        st.functions.push(state::Function { ctx, module, entry });
+        st.functions.push(state::Function {
+            ctx,
+            live: true,
+            module,
+            entry,
+        });
         let f = st.functions.len() - 1;
         // SAFETY: non-null out-pointer, per the API.
         unsafe { out(func, handle(Kind::Function, f)) }
@@ -1180,10 +1223,10 @@ pub unsafe extern "C" fn cuLaunchKernel(
     run(|| {
         let mut st = begin()?;
         let func = match unhandle(Kind::Function, f) {
-            Some(i) if i < st.functions.len() => i,
+            Some(i) if i < st.functions.len() && st.functions[i].live => i,
             _ => return Err(cu::INVALID_HANDLE),
         };
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         let (fctx, module, entry) = {
             let fr = &st.functions[func];
             (fr.ctx, fr.module.clone(), fr.entry)

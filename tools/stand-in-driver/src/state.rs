@@ -162,6 +162,19 @@ pub struct Ctx {
     pub retained: u32,
     /// The stream that handle 0 (the NULL stream) means in this context.
     pub null_stream: Option<usize>,
+    /// The sticky error of a kernel fault in this context (an illegal address): from then on
+    /// every call on the context fails with it, and queued work does not run, until the
+    /// context is reset (`cuDevicePrimaryCtxReset`, or the last `cuDevicePrimaryCtxRelease`).
+    pub sticky: Option<i32>,
+}
+
+/// Whether a kernel's error code is one CUDA makes sticky: the context is unusable afterwards
+/// ("the process must be terminated and relaunched", the driver API's documentation of each
+/// of these codes): an illegal address (700), a misaligned address (716). The stand-in's own
+/// diagnoses (races, uninitialized registers: CUDA_ERROR_LAUNCH_FAILED from the interpreter,
+/// peer access) are not sticky, since a GPU would not fault on them.
+pub fn is_sticky(code: i32) -> bool {
+    matches!(code, cu::ILLEGAL_ADDRESS | cu::MISALIGNED_ADDRESS)
 }
 
 /// Work a stream does when its operation runs.
@@ -259,6 +272,8 @@ pub struct LoadedModule {
 
 pub struct Function {
     pub ctx: usize,
+    /// False once its context was reset.
+    pub live: bool,
     pub module: Arc<Module>,
     pub entry: usize,
 }
@@ -361,6 +376,7 @@ fn global() -> &'static (Mutex<State>, Condvar) {
                 device,
                 retained: 0,
                 null_stream: None,
+                sticky: None,
             })
             .collect();
         (
@@ -520,6 +536,43 @@ impl State {
         base
     }
 
+    /// Destroys everything of context `ctx` and clears its sticky error, as resetting a
+    /// primary context does: its streams, events, modules and functions are dead handles, its
+    /// queued work is dropped, its device's memory is freed, and its peer access is gone.
+    pub fn reset_ctx(&mut self, ctx: usize) {
+        let device = self.ctxs[ctx].device;
+        for st in self.streams.iter_mut().filter(|st| st.ctx == ctx) {
+            st.live = false;
+            st.queue.clear();
+            st.done = st.enq;
+            st.errors.clear();
+        }
+        for e in self.events.iter_mut().filter(|e| e.ctx == ctx) {
+            e.live = false;
+        }
+        for m in self.modules.iter_mut().filter(|m| m.ctx == ctx) {
+            m.live = false;
+        }
+        for f in self.functions.iter_mut().filter(|f| f.ctx == ctx) {
+            f.live = false;
+        }
+        let mine: Vec<u64> = self
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.device == device)
+            .map(|(&base, _)| base)
+            .collect();
+        for base in mine {
+            let _ = self.mem.free(base);
+            self.allocs.remove(&base);
+        }
+        self.peer
+            .retain(|&(from, to)| from != device && to != device);
+        self.ctxs[ctx].null_stream = None;
+        self.ctxs[ctx].sticky = None;
+        notify();
+    }
+
     /// The device and base of the live allocation holding `[addr, addr + len)`.
     pub fn locate(&self, addr: u64, len: usize) -> Result<(usize, u64), String> {
         let (base, _) = self
@@ -583,8 +636,20 @@ impl State {
                         break;
                     }
                     let op = self.streams[s].queue.pop_front().expect("front exists");
-                    if let Err((code, message)) = self.execute(s, &op) {
+                    let ctx = self.streams[s].ctx;
+                    if let Some(code) = self.ctxs[ctx].sticky {
+                        // A poisoned context runs nothing more: its queued work fails.
+                        self.streams[s].errors.push((op.pos, code));
+                    } else if let Err((code, message)) = self.execute(s, &op) {
                         report(&format!("{}: {message}", op.what));
+                        if is_sticky(code) && matches!(op.work, Work::Launch { .. }) {
+                            report(&format!(
+                                "the context of gpu {} is now unusable (a sticky error, as \
+                                 CUDA's): every later call on it fails with this code",
+                                self.ctxs[ctx].device
+                            ));
+                            self.ctxs[ctx].sticky = Some(code);
+                        }
                         self.streams[s].errors.push((op.pos, code));
                     }
                     self.streams[s].done += 1;

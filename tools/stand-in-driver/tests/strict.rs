@@ -16,6 +16,7 @@ const INVALID_VALUE: i32 = 1;
 const NO_BINARY_FOR_GPU: i32 = 209;
 const INVALID_PTX: i32 = 218;
 const UNSUPPORTED_PTX_VERSION: i32 = 222;
+const INVALID_HANDLE: i32 = 400;
 const ILLEGAL_STATE: i32 = 401;
 const ILLEGAL_ADDRESS: i32 = 700;
 const PEER_ACCESS_NOT_ENABLED: i32 = 705;
@@ -196,11 +197,19 @@ fn ptx_above_the_device_is_rejected() {
         80..=89 => 90,
         _ => 100,
     };
-    assert_eq!(load(&copy_ptx_for(next)).0, NO_BINARY_FOR_GPU, "sm_{next} on sm_{sm}");
+    assert_eq!(
+        load(&copy_ptx_for(next)).0,
+        NO_BINARY_FOR_GPU,
+        "sm_{next} on sm_{sm}"
+    );
     let newer = COPY_PTX.replace(".version 7.0", ".version 9.9");
     assert_eq!(load(&newer).0, UNSUPPORTED_PTX_VERSION);
     for below in [70, 80, 90].into_iter().filter(|&t| t <= sm) {
-        assert_eq!(load(&copy_ptx_for(below)).0, OK, "sm_{below} PTX on sm_{sm}");
+        assert_eq!(
+            load(&copy_ptx_for(below)).0,
+            OK,
+            "sm_{below} PTX on sm_{sm}"
+        );
     }
 }
 
@@ -230,7 +239,11 @@ fn an_instruction_above_the_module_target_is_rejected() {
     let on70 = BF16_PTX.replace(".target sm_80", ".target sm_70");
     assert_eq!(load(&on70).0, INVALID_PTX);
     // At sm_80 it is valid, and loads where the device has sm_80.
-    let want = if device_sm() >= 80 { OK } else { NO_BINARY_FOR_GPU };
+    let want = if device_sm() >= 80 {
+        OK
+    } else {
+        NO_BINARY_FOR_GPU
+    };
     assert_eq!(load(BF16_PTX).0, want, "sm_80 PTX on sm_{}", device_sm());
 }
 
@@ -266,8 +279,38 @@ fn a_read_of_what_another_stream_writes_needs_an_event() {
     assert_eq!(download(a, 4, s1).0, ILLEGAL_STATE);
 }
 
+/// Runs the test `name` in a child process of its own (this test binary, filtered to it) and
+/// returns false; in that child, returns true, and the caller runs the test's body. A kernel
+/// fault poisons its context for the whole process, as CUDA's do, and the stand-in's state is
+/// per process: a test that makes one must not share its process with the others.
+fn in_own_process(name: &str) -> bool {
+    const CHILD: &str = "KVSTORE_STANDIN_STRICT_CHILD";
+    if std::env::var(CHILD).is_ok_and(|t| t == name) {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, name)
+        .output()
+        .expect("the test binary runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{name}, in a process of its own:\n{text}"
+    );
+    false
+}
+
 #[test]
 fn use_after_free_and_double_free_are_rejected() {
+    // The kernel reading freed memory faults, which poisons the context.
+    if !in_own_process("use_after_free_and_double_free_are_rejected") {
+        return;
+    }
     setup();
     let s = stream();
     let f = copy_kernel();
@@ -279,12 +322,64 @@ fn use_after_free_and_double_free_are_rejected() {
         INVALID_VALUE,
         "a copy into freed memory"
     );
+    assert_eq!(cuMemFreeAsync(b, s), INVALID_VALUE, "a double free");
+    // Last: the fault poisons the context.
     assert_eq!(
         launch_copy(f, a, b, 4, s),
         ILLEGAL_ADDRESS,
         "a kernel reading freed memory"
     );
-    assert_eq!(cuMemFreeAsync(b, s), INVALID_VALUE, "a double free");
+}
+
+#[test]
+fn a_kernel_fault_poisons_its_context_until_it_is_reset() {
+    if !in_own_process("a_kernel_fault_poisons_its_context_until_it_is_reset") {
+        return;
+    }
+    let ctx = setup();
+    let s = stream();
+    let f = copy_kernel();
+    let (a, b) = (alloc(16, s), alloc(16, s));
+    assert_eq!(upload(b, &[2.0; 4], s), OK);
+    assert_eq!(launch_copy(f, a, b, 4, s), OK, "a good launch first");
+    // A kernel reading address 0, outside every allocation: an illegal address.
+    assert_eq!(launch_copy(f, a, 0, 4, s), ILLEGAL_ADDRESS);
+    // Every later call on the context fails with the same error, whatever it is.
+    assert_eq!(upload(b, &[1.0; 4], s), ILLEGAL_ADDRESS, "a copy");
+    assert_eq!(download(a, 4, s).0, ILLEGAL_ADDRESS, "a copy back");
+    assert_eq!(cuStreamSynchronize(s), ILLEGAL_ADDRESS, "a stream wait");
+    assert_eq!(cuCtxSynchronize(), ILLEGAL_ADDRESS, "a context wait");
+    assert_eq!(launch_copy(f, a, b, 4, s), ILLEGAL_ADDRESS, "a good launch");
+    let mut p = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemAllocAsync(&mut p, 16, s) }, ILLEGAL_ADDRESS);
+    let mut s2 = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuStreamCreate(&mut s2, 1) }, ILLEGAL_ADDRESS);
+    assert_eq!(load(COPY_PTX).0, ILLEGAL_ADDRESS, "a module load");
+    // Another device's context is not affected.
+    assert_eq!(cuCtxSetCurrent(ctx[1]), OK);
+    let s1 = stream();
+    let c = alloc(16, s1);
+    assert_eq!(upload(c, &[4.0; 4], s1), OK);
+    assert_eq!(download(c, 4, s1), (OK, vec![4.0; 4]));
+    // A reset destroys the context's streams and memory and clears the error.
+    assert_eq!(cuDevicePrimaryCtxReset_v2(0), OK);
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    assert_eq!(
+        cuStreamSynchronize(s),
+        INVALID_HANDLE,
+        "streams of before the reset"
+    );
+    let s = stream();
+    let d = alloc(16, s);
+    assert_eq!(upload(d, &[5.0; 4], s), OK);
+    assert_eq!(download(d, 4, s), (OK, vec![5.0; 4]));
+    assert_eq!(
+        upload(a, &[1.0; 4], s),
+        INVALID_VALUE,
+        "memory of before the reset"
+    );
 }
 
 #[test]
