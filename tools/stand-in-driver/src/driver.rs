@@ -189,7 +189,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> i
         let st = begin()?;
         check_device(&st, dev)?;
         // SAFETY: a valid out-pointer, per the API.
-        unsafe { out(bytes, 80 << 30) }
+        unsafe { out(bytes, st.cfg.mem_bytes as usize) }
     })
 }
 
@@ -198,11 +198,13 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     crate::calls::count("cuMemGetInfo_v2");
     run(|| {
         let st = begin()?;
-        current(&st)?;
+        let c = current(&st)?;
+        let total_bytes = st.cfg.mem_bytes;
+        let used = st.used[st.ctxs[c].device];
         // SAFETY: valid out-pointers, per the API.
         unsafe {
-            out(free, 80 << 30)?;
-            out(total, 80 << 30)
+            out(free, total_bytes.saturating_sub(used) as usize)?;
+            out(total, total_bytes as usize)
         }
     })
 }
@@ -638,7 +640,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytes: usize, stream: H
             return Err(cu::INVALID_VALUE);
         }
         let device = st.device_of_stream(s);
-        let base = st.alloc(device, bytes);
+        let base = st.alloc(device, bytes, true)?;
         let what = format!("cuMemAllocAsync({bytes} bytes) on {}", st.stream_name(s));
         st.enqueue(
             s,
@@ -663,7 +665,165 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) -> i32 {
             return Err(cu::INVALID_VALUE);
         }
         let device = st.ctxs[c].device;
-        let base = st.alloc(device, bytes);
+        let base = st.alloc(device, bytes, false)?;
+        // SAFETY: non-null out-pointer, per the API.
+        unsafe { out(dptr, base) }
+    })
+}
+
+/// `CUmemLocation`: a device (type 1) and its ordinal.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemLocation {
+    pub kind: c_uint,
+    pub id: c_int,
+}
+
+/// `CUmemAccessDesc`: a location and the access it gets (0 none, 1 read, 3 read and write).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemAccessDesc {
+    pub location: MemLocation,
+    pub flags: c_uint,
+}
+
+const MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
+
+/// The pool a `CUmemoryPool` handle names: each device's default pool (the only pools here).
+fn pool_of(st: &State, h: Handle) -> Result<usize, i32> {
+    match unhandle(Kind::Pool, h) {
+        Some(d) if d < st.cfg.gpus => Ok(d),
+        _ => Err(cu::INVALID_VALUE),
+    }
+}
+
+/// The device's default memory pool, which `cuMemAllocAsync` allocates from.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut Handle, dev: c_int) -> i32 {
+    crate::calls::count("cuDeviceGetDefaultMemPool");
+    run(|| {
+        let st = begin()?;
+        let d = check_device(&st, dev)?;
+        // SAFETY: a valid out-pointer, per the API.
+        unsafe { out(pool, handle(Kind::Pool, d)) }
+    })
+}
+
+/// The device's current memory pool: its default one (no other pools are made here).
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut Handle, dev: c_int) -> i32 {
+    crate::calls::count("cuDeviceGetMemPool");
+    // SAFETY: the same contract.
+    unsafe { cuDeviceGetDefaultMemPool(pool, dev) }
+}
+
+/// Grants devices access to a pool's memory (the only way kernels on another device may touch
+/// it: peer access does not cover pools). The pool's own device always has read and write
+/// access, which cannot be changed; other devices need `cuDeviceCanAccessPeer`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolSetAccess(
+    pool: Handle,
+    map: *const MemAccessDesc,
+    count: usize,
+) -> i32 {
+    crate::calls::count("cuMemPoolSetAccess");
+    run(|| {
+        let mut st = begin()?;
+        let p = pool_of(&st, pool)?;
+        if map.is_null() && count > 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        for i in 0..count {
+            // SAFETY: `map` holds `count` descriptors, per the API.
+            let d = unsafe { *map.add(i) };
+            let to = d.location.id;
+            if d.location.kind != MEM_LOCATION_TYPE_DEVICE || !matches!(d.flags, 0 | 1 | 3) {
+                return Err(cu::INVALID_VALUE);
+            }
+            let to = check_device(&st, to)?;
+            if to == p {
+                if d.flags != 3 {
+                    return Err(reject(
+                        cu::INVALID_VALUE,
+                        format!(
+                            "cuMemPoolSetAccess: gpu {p}'s own access to its pool cannot be \
+                             changed"
+                        ),
+                    ));
+                }
+                continue;
+            }
+            if !st.cfg.p2p {
+                return Err(cu::INVALID_DEVICE);
+            }
+            match d.flags {
+                0 => st.pool_access.remove(&(p, to)),
+                f => st.pool_access.insert((p, to), f as i32),
+            };
+        }
+        Ok(())
+    })
+}
+
+/// The access a device has to a pool's memory.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolGetAccess(
+    flags: *mut c_uint,
+    pool: Handle,
+    location: *const MemLocation,
+) -> i32 {
+    crate::calls::count("cuMemPoolGetAccess");
+    run(|| {
+        let st = begin()?;
+        let p = pool_of(&st, pool)?;
+        if location.is_null() {
+            return Err(cu::INVALID_VALUE);
+        }
+        // SAFETY: a valid location, per the API.
+        let loc = unsafe { *location };
+        if loc.kind != MEM_LOCATION_TYPE_DEVICE {
+            return Err(cu::INVALID_VALUE);
+        }
+        let d = check_device(&st, loc.id)?;
+        let f = if d == p {
+            3
+        } else {
+            st.pool_access.get(&(p, d)).copied().unwrap_or(0) as c_uint
+        };
+        // SAFETY: a valid out-pointer, per the API.
+        unsafe { out(flags, f) }
+    })
+}
+
+/// A stream-ordered allocation from `pool` (a device's default pool), on any device's stream.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut u64,
+    bytes: usize,
+    pool: Handle,
+    stream: Handle,
+) -> i32 {
+    crate::calls::count("cuMemAllocFromPoolAsync");
+    run(|| {
+        let mut st = begin()?;
+        let s = stream_of(&mut st, stream)?;
+        let device = pool_of(&st, pool)?;
+        if dptr.is_null() || bytes == 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        let base = st.alloc(device, bytes, true)?;
+        let what = format!(
+            "cuMemAllocFromPoolAsync({bytes} bytes, gpu {device}'s pool) on {}",
+            st.stream_name(s)
+        );
+        st.enqueue(
+            s,
+            what,
+            Work::Alloc {
+                base,
+                len: bytes as u64,
+            },
+        );
         // SAFETY: non-null out-pointer, per the API.
         unsafe { out(dptr, base) }
     })
@@ -1243,7 +1403,16 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 ),
             ));
         }
-        if bx * by * bz > 1024 || bz > 64 || gy > 65535 || gz > 65535 {
+        // Products in u64: a u32 product of large dimensions could wrap to a small one.
+        let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+        if threads > 1024
+            || bx > 1024
+            || by > 1024
+            || bz > 64
+            || gx > i32::MAX as c_uint
+            || gy > 65535
+            || gz > 65535
+        {
             return Err(reject(
                 cu::INVALID_VALUE,
                 format!(

@@ -13,6 +13,7 @@ type H = *mut c_void;
 // Result codes.
 const OK: i32 = 0;
 const INVALID_VALUE: i32 = 1;
+const OUT_OF_MEMORY: i32 = 2;
 const NO_BINARY_FOR_GPU: i32 = 209;
 const INVALID_PTX: i32 = 218;
 const UNSUPPORTED_PTX_VERSION: i32 = 222;
@@ -284,6 +285,12 @@ fn a_read_of_what_another_stream_writes_needs_an_event() {
 /// fault poisons its context for the whole process, as CUDA's do, and the stand-in's state is
 /// per process: a test that makes one must not share its process with the others.
 fn in_own_process(name: &str) -> bool {
+    in_own_process_with(name, &[])
+}
+
+/// `in_own_process`, with settings in the child's environment (the stand-in reads its
+/// settings once per process).
+fn in_own_process_with(name: &str, env: &[(&str, &str)]) -> bool {
     const CHILD: &str = "KVSTORE_STANDIN_STRICT_CHILD";
     if std::env::var(CHILD).is_ok_and(|t| t == name) {
         return true;
@@ -291,6 +298,7 @@ fn in_own_process(name: &str) -> bool {
     let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
         .args([name, "--exact", "--nocapture", "--test-threads", "1"])
         .env(CHILD, name)
+        .envs(env.iter().copied())
         .output()
         .expect("the test binary runs");
     let text = format!(
@@ -391,6 +399,11 @@ fn peer_access_must_be_enabled() {
     let s1 = stream();
     let on1 = alloc(16, s1);
     assert_eq!(upload(on1, &[3.0; 4], s1), OK);
+    // And plain memory (cuMemAlloc, not from a pool).
+    let mut plain1 = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemAlloc_v2(&mut plain1, 16) }, OK);
+    assert_eq!(upload(plain1, &[7.0; 4], s1), OK);
     assert_eq!(cuStreamSynchronize(s1), OK);
     assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
     let on0 = alloc(16, s0);
@@ -404,10 +417,131 @@ fn peer_access_must_be_enabled() {
     let r = unsafe { cuMemcpyPeerAsync(on0, ctx[0], on1, ctx[1], 16, s0) };
     assert_eq!(r, OK);
     assert_eq!(download(on0, 4, s0), (OK, vec![3.0; 4]));
-    // Once enabled, the kernel may read it.
+    // Once enabled, the kernel may read plain memory...
     assert_eq!(cuCtxEnablePeerAccess(ctx[1], 0), OK);
+    assert_eq!(launch_copy(f, on0, plain1, 4, s0), OK);
+    assert_eq!(download(on0, 4, s0), (OK, vec![7.0; 4]));
+    // ...but not memory from a pool (cuMemAllocAsync): peer access does not cover pools
+    // (CUDA programming guide, stream-ordered allocator); cuMemPoolSetAccess does.
+    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    let mut pool1 = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuDeviceGetDefaultMemPool(&mut pool1, 1) }, OK);
+    let grant = |flags: u32| {
+        let desc = MemAccessDesc {
+            location: MemLocation { kind: 1, id: 0 },
+            flags,
+        };
+        // SAFETY: one valid descriptor.
+        unsafe { cuMemPoolSetAccess(pool1, &desc, 1) }
+    };
+    assert_eq!(grant(1), OK, "read access for gpu 0");
     assert_eq!(launch_copy(f, on0, on1, 4, s0), OK);
+    assert_eq!(download(on0, 4, s0), (OK, vec![3.0; 4]));
+    // Read access does not let a kernel write there.
+    assert_eq!(launch_copy(f, on1, on0, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    assert_eq!(grant(3), OK, "read and write access for gpu 0");
+    assert_eq!(launch_copy(f, on1, on0, 4, s0), OK);
+    let mut flags = 0;
+    let gpu0 = MemLocation { kind: 1, id: 0 };
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { cuMemPoolGetAccess(&mut flags, pool1, &gpu0) }, OK);
+    assert_eq!(flags, 3);
+    // Revoked again, and peer access alone still does not reach the pool.
+    assert_eq!(grant(0), OK);
+    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
     assert_eq!(cuCtxDisablePeerAccess(ctx[1]), OK);
+}
+
+#[test]
+fn device_memory_has_a_capacity() {
+    // 1 MiB of device memory: its own process, since the setting is read once.
+    if !in_own_process_with(
+        "device_memory_has_a_capacity",
+        &[("KVSTORE_STANDIN_MEM_GIB", "0.0009765625")],
+    ) {
+        return;
+    }
+    setup();
+    let s = stream();
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: valid out-pointers.
+    assert_eq!(unsafe { cuMemGetInfo_v2(&mut free, &mut total) }, OK);
+    assert_eq!((free, total), (1 << 20, 1 << 20));
+    let a = alloc(600 << 10, s);
+    let mut p = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { cuMemAllocAsync(&mut p, 600 << 10, s) },
+        OUT_OF_MEMORY
+    );
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemAlloc_v2(&mut p, 600 << 10) }, OUT_OF_MEMORY);
+    // SAFETY: valid out-pointers.
+    assert_eq!(unsafe { cuMemGetInfo_v2(&mut free, &mut total) }, OK);
+    assert_eq!(free, (1 << 20) - (600 << 10));
+    // The other device has its own memory.
+    let mut total1 = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuDeviceTotalMem_v2(&mut total1, 1) }, OK);
+    assert_eq!(total1, 1 << 20);
+    // Freed memory (once the free ran, in stream order) can be allocated again.
+    assert_eq!(cuMemFreeAsync(a, s), OK);
+    assert_eq!(cuStreamSynchronize(s), OK);
+    let b = alloc(600 << 10, s);
+    assert_eq!(upload(b, &[1.0; 4], s), OK);
+}
+
+#[test]
+fn launches_over_the_block_limits_are_refused() {
+    setup();
+    let s = stream();
+    let f = copy_kernel();
+    let (a, b) = (alloc(16, s), alloc(16, s));
+    let launch = |grid: (u32, u32, u32), block: (u32, u32, u32)| {
+        let (mut d, mut sr, mut nn) = (a, b, 0u32);
+        let mut params: [*mut c_void; 3] = [
+            (&mut d as *mut u64).cast(),
+            (&mut sr as *mut u64).cast(),
+            (&mut nn as *mut u32).cast(),
+        ];
+        // SAFETY: one pointer per parameter, each to a value of the parameter's type.
+        unsafe {
+            cuLaunchKernel(
+                f,
+                grid.0,
+                grid.1,
+                grid.2,
+                block.0,
+                block.1,
+                block.2,
+                0,
+                s,
+                params.as_mut_ptr(),
+                null_mut(),
+            )
+        }
+    };
+    assert_eq!(
+        launch((1, 1, 1), (1024, 1, 1)),
+        OK,
+        "1024 threads per block"
+    );
+    assert_eq!(launch((1, 1, 1), (1025, 1, 1)), INVALID_VALUE);
+    assert_eq!(
+        launch((1, 1, 1), (512, 4, 1)),
+        INVALID_VALUE,
+        "2048 threads"
+    );
+    assert_eq!(
+        launch((1, 1, 1), (1, 1, 65)),
+        INVALID_VALUE,
+        "block z above 64"
+    );
+    // 65536 * 65536 threads wrap to 0 in 32 bits: still far over the limit.
+    assert_eq!(launch((1, 1, 1), (65536, 65536, 1)), INVALID_VALUE);
+    assert_eq!(launch((1, 65536, 1), (1, 1, 1)), INVALID_VALUE, "grid y");
+    assert_eq!(launch((1 << 31, 1, 1), (1, 1, 1)), INVALID_VALUE, "grid x");
 }
 
 /// Two ranks (gpu 0 and gpu 1) of one clique, with a stream and a 64-float buffer each.
