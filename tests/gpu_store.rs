@@ -6,6 +6,8 @@
 //! prints a line starting with `SKIPPED:`; `scripts/gpu-check.sh` counts those apart from the
 //! passes.
 
+mod common;
+
 use anyhow::{ensure, Result};
 use kvstore::__internal::gpu_sm;
 use kvstore::__internal::nccl::{self, MultiRank};
@@ -1150,6 +1152,126 @@ fn bf16_keys_need_sm_80_and_the_error_names_the_architecture() -> Result<()> {
         }
         _ => panic!("expected Error::GpuArch, got {err:?}"),
     }
+    Ok(())
+}
+
+/// Free memory on gpu(0), as the driver reports it (`cuMemGetInfo`).
+fn free_gpu0_bytes(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<usize> {
+    ctx.bind_to_thread()?;
+    Ok(cudarc::driver::result::mem_get_info()?.0)
+}
+
+/// The store's out-of-memory paths: with gpu(0) filled, an init that needs GPU memory and a
+/// first momentum push (whose state needs GPU memory) fail with `Error::OutOfMemory` naming
+/// the device and the bytes, and change nothing: the key is not created, the pushed key keeps
+/// its value, and once memory is free again the same calls succeed. On the stand-in the GPU
+/// has 0.25 GiB (`KVSTORE_STANDIN_MEM_GIB`, read once per process, so the test runs in a
+/// process of its own); on a GPU the filling takes what the GPU has.
+#[test]
+#[ignore = "needs a GPU"]
+fn out_of_memory_is_a_typed_error_and_changes_nothing() -> Result<()> {
+    let name = "out_of_memory_is_a_typed_error_and_changes_nothing";
+    if !common::in_own_process(
+        name,
+        &[("KVSTORE_STANDIN_MEM_GIB", "0.25")],
+        Duration::from_secs(600),
+    ) {
+        return Ok(());
+    }
+    require_gpu();
+    let ctx = cudarc::driver::CudaContext::new(0)?;
+    let kv = KvStore::create("device")?;
+    kv.set_updater(Updater::Sgd(Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Sgd::default()
+    }))?;
+    // Key 1: small, pushed once before the filling (its state exists). Key 2: 4 MiB, never
+    // pushed, so its first push must allocate 4 MiB of state.
+    let (small, big) = (1000, 1 << 20);
+    kv.init_on(
+        1,
+        &array(&random(small), &[small], DType::F32, cpu(0))?,
+        gpu(0),
+    )?;
+    kv.push(1, &array(&random(small), &[small], DType::F32, gpu(0))?)?;
+    let b = random(big);
+    kv.init_on(2, &array(&b, &[big], DType::F32, cpu(0))?, gpu(0))?;
+    let pushed = array(&random(big), &[big], DType::F32, gpu(0))?;
+    let host_value = array(&random(big), &[big], DType::F32, cpu(0))?;
+    let pull = |key: i32, n: usize| -> Result<Vec<f64>> {
+        let out = NDArray::full_on([n], f64::NAN, DType::F32, cpu(0))?;
+        kv.pull(key, &out)?;
+        Ok(out.to_vec()?)
+    };
+    let one_before = pull(1, small)?;
+    kv.wait_all()?;
+
+    // Fill gpu(0) until less than 1 MiB is free.
+    let mut fillers = Vec::new();
+    let mut ask = free_gpu0_bytes(&ctx)?.saturating_sub(512 << 10);
+    while free_gpu0_bytes(&ctx)? >= 1 << 20 && ask >= 1 << 20 && fillers.len() < 64 {
+        match NDArray::full_on([ask / 4], 0.0, DType::F32, gpu(0)) {
+            Ok(a) => fillers.push(a),
+            Err(Error::OutOfMemory { .. }) => ask /= 2,
+            Err(e) => return Err(e.into()),
+        }
+        ask = ask.min(free_gpu0_bytes(&ctx)?.saturating_sub(512 << 10));
+    }
+    let free = free_gpu0_bytes(&ctx)?;
+    if free >= 1 << 20 {
+        skipped(
+            name,
+            &format!("gpu(0) still has {free} bytes free after filling"),
+        );
+        return Ok(());
+    }
+
+    let is_oom = |r: kvstore::Result<()>, what: &str, bytes: usize| match r {
+        Err(Error::OutOfMemory {
+            device: Some(d),
+            requested,
+            ..
+        }) if d == gpu(0) => {
+            assert!(
+                requested.is_none_or(|r| r >= bytes),
+                "{what}: asked for {requested:?}, at least {bytes} expected"
+            );
+        }
+        other => panic!("{what}: expected Error::OutOfMemory on gpu(0), got {other:?}"),
+    };
+    is_oom(
+        kv.init_on(3, &host_value, gpu(0)),
+        "init of a 4 MiB key",
+        4 * big,
+    );
+    is_oom(kv.push(2, &pushed), "the first momentum push", 4 * big);
+    let text = kv
+        .push(2, &pushed)
+        .expect_err("still no memory")
+        .to_string();
+    assert!(
+        text.contains("out of memory on gpu(0)") && text.contains("free arrays"),
+        "the message says where and what to do: {text}"
+    );
+
+    // Memory back: nothing had changed, and the same calls now succeed.
+    drop(fillers);
+    assert!(
+        matches!(kv.meta(3), Err(Error::UnknownKey { .. })),
+        "the failed init created no key"
+    );
+    let want_b: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
+    assert_close(
+        &pull(2, big)?,
+        &want_b,
+        0.0,
+        "key 2 after the failed pushes",
+    );
+    assert_close(&pull(1, small)?, &one_before, 0.0, "key 1");
+    kv.init_on(3, &host_value, gpu(0))?;
+    kv.push(1, &array(&random(small), &[small], DType::F32, gpu(0))?)?;
+    kv.wait_all()?;
     Ok(())
 }
 

@@ -242,60 +242,6 @@ const STORES_TO_NULL: &str = "
 }
 ";
 
-/// The name of the child-process marker: set to a test's name, it runs that test's body.
-const CHILD: &str = "KVSTORE_TEST_CHILD";
-
-/// Runs the test `name` in a child process of its own (this test binary, filtered to it, with
-/// the ignored tests included) and checks that it passed, within `limit`; returns false. In
-/// that child, returns true and the caller runs the body. For a test that makes a GPU fault:
-/// CUDA's fault errors are sticky, so the process's context on that GPU is unusable
-/// afterwards, and no other test may share the process.
-fn in_own_process(name: &str, limit: std::time::Duration) -> bool {
-    if std::env::var(CHILD).is_ok_and(|t| t == name) {
-        return true;
-    }
-    let exe = std::env::current_exe().expect("the test binary");
-    let mut child = std::process::Command::new(exe)
-        .args([name, "--exact", "--include-ignored", "--nocapture"])
-        .args(["--test-threads", "1"])
-        .env(CHILD, name)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the test binary starts");
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for the child") {
-            break status;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{name} still ran after {limit:?} in its own process: it hangs");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
-    let out = child.wait_with_output().expect("the child's output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // The child's own lines, without its harness summary (which scripts would count as
-    // passes or failures of their own).
-    let shown: Vec<String> = text
-        .lines()
-        .filter(|l| !(l.starts_with("test result:") || l.starts_with("test ")))
-        .map(|l| format!("    [child] {l}"))
-        .collect();
-    println!("{}", shown.join("\n"));
-    assert!(
-        status.success() && text.contains("1 passed"),
-        "{name}, in a process of its own, did not pass ({status}); its output is above"
-    );
-    false
-}
-
 /// A PTX updater that writes out of bounds poisons its GPU's context, as CUDA does: the store
 /// reports it as a typed `Error::Cuda` (CUDA_ERROR_ILLEGAL_ADDRESS, marked sticky, with a
 /// message that says to restart), never panics or hangs, and every later call on that GPU,
@@ -305,7 +251,7 @@ fn in_own_process(name: &str, limit: std::time::Duration) -> bool {
 #[ignore = "needs a GPU"]
 fn an_illegal_address_in_a_ptx_updater_is_a_sticky_typed_error() {
     let name = "an_illegal_address_in_a_ptx_updater_is_a_sticky_typed_error";
-    if !in_own_process(name, std::time::Duration::from_secs(600)) {
+    if !common::in_own_process(name, &[], std::time::Duration::from_secs(600)) {
         return;
     }
     use cudarc::driver::sys::cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS;
