@@ -264,10 +264,38 @@ impl Gpu {
         // SAFETY: this GPU's context is current (bound just above) and `peer`'s context is
         // live for the process; the flags must be 0.
         let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
-        matches!(
+        if !matches!(
             r,
             sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-        )
+        ) {
+            return false;
+        }
+        self.grant_pool_access(peer)
+    }
+
+    /// Lets this GPU's kernels read and write memory from `peer`'s current memory pool, where
+    /// cudarc allocates (`cuMemAllocAsync`). Peer access does not cover pool memory (CUDA
+    /// programming guide, stream-ordered allocator: pool accessibility "does not follow
+    /// cuCtxEnablePeerAccess"; `cuMemPoolSetAccess` grants it); without this, a kernel here
+    /// reading a buffer on `peer` faults with an illegal address.
+    fn grant_pool_access(&self, peer: &Gpu) -> bool {
+        use cudarc::driver::sys;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: a valid device of this process and a valid out-pointer.
+        let r = unsafe { sys::cuDeviceGetMemPool(&mut pool, peer.ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return false;
+        }
+        let desc = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.ctx.cu_device(),
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `pool` is `peer`'s live pool (just queried), `desc` one valid descriptor.
+        let r = unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) };
+        r == sys::CUresult::CUDA_SUCCESS
     }
 
     /// The fused kernel for `rule` and `dtype`, loading this GPU's PTX modules on first use.
