@@ -1561,6 +1561,7 @@ fn describe(code: i32) -> Option<(&'static CStr, &'static CStr)> {
     Some(match code {
         0 => (c"CUDA_SUCCESS", c"no error"),
         1 => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
+        2 => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
         3 => (c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
         100 => (c"CUDA_ERROR_NO_DEVICE", c"no CUDA-capable device is detected"),
         101 => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
