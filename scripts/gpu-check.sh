@@ -24,6 +24,8 @@
 #      TESTS=ignored         only the `#[ignore = "needs a GPU"]` tests (CI runs the others);
 #      BENCH_FILTERS="a b"   the kv bench once per criterion filter, instead of every bench whole;
 #      TORCH_BENCH=1         also benches/torch_updaters.py (PyTorch's fused steps, same GPU);
+#    Where maturin is installed here, the Python wheel is staged too, and run.sh trains
+#    python/examples/train_torch.py under torchrun with one worker per GPU (dist_device_sync).
 #      SANITIZE="t1 t2"      also compute-sanitizer on those test binaries' GPU tests, with the
 #                            tools in SANITIZE_TOOLS (default "memcheck racecheck").
 #    Logs are packed into $OUT after every step, so a run cut off at its limit still brings back
@@ -85,6 +87,18 @@ else
 fi
 
 cp benches/torch_updaters.py "$STAGE/"
+
+# The Python package (the main abi3 wheel: no MPI) and its torch example, for the GPU workers
+# that torchrun starts (issue 17): run.sh unpacks the wheel beside the machine's own torch.
+if command -v maturin >/dev/null; then
+    echo "== building the Python wheel"
+    mkdir -p "$STAGE/python"
+    maturin build --release -m python/Cargo.toml -o "$STAGE/python" >/dev/null 2>&1 &&
+        cp python/examples/train_torch.py "$STAGE/python/" &&
+        echo "staged $(ls "$STAGE"/python/*.whl)"
+else
+    echo "== no maturin here: the Python wheel is not staged (pip install maturin)"
+fi
 
 echo "== building bench binaries"
 cargo bench --no-run --message-format=json 2>/dev/null | executables |
@@ -201,6 +215,23 @@ for name in ${SANITIZE:-}; do
         pack
     done
 done
+# Python: every GPU a torchrun worker, in one dist_device_sync store over NCCL; rank 0 prints
+# the loss on the whole batch, which must fall.
+if ls "$HERE"/python/*.whl >/dev/null 2>&1 && python3 -c "import torch" 2>/dev/null; then
+    echo "== python: torchrun train_torch.py"
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+    rm -rf "$HERE/site" && python3 -m zipfile -e "$HERE"/python/*.whl "$HERE/site"
+    PYTHONPATH="$HERE/site" PYTHONUNBUFFERED=1 timeout "${TEST_TIMEOUT:-300}" \
+        python3 -m torch.distributed.run --nproc-per-node "${gpus:-1}" \
+        "$HERE/python/train_torch.py" --steps 100 >"$LOG/python-train_torch.log" 2>&1
+    rc=$?
+    first=$(grep -o 'loss [0-9.]*' "$LOG/python-train_torch.log" | head -n 1)
+    last=$(grep -o 'loss [0-9.]*' "$LOG/python-train_torch.log" | tail -n 1)
+    [ "$rc" -ne 0 ] && FAILED=1
+    printf '%-28s rc=%s (%s GPU workers; %s -> %s)\n' python-train_torch "$rc" "${gpus:-1}" \
+        "$first" "$last" | tee -a "$SUMMARY"
+    pack
+fi
 if [ "${TORCH_BENCH:-0}" = 1 ]; then
     echo "== torch_updaters.py"
     timeout "${BENCH_TIMEOUT:-400}" python3 "$HERE/torch_updaters.py" --json "$LOG/torch_updaters.json" \

@@ -214,12 +214,18 @@ impl Updater {
             },
             Updater::Adam(a) => {
                 let t = i32::try_from(step).unwrap_or(i32::MAX);
-                let lr_t = h.lr * (1.0 - a.beta2.powi(t)).sqrt() / (1.0 - a.beta1.powi(t));
+                let root2 = (1.0 - a.beta2.powi(t)).sqrt();
+                let lr_t = h.lr * root2 / (1.0 - a.beta1.powi(t));
+                // sqrt(v/(1-b2^t)) + eps, times sqrt(1-b2^t) as lr_t has it: sqrt(v) + eps_t.
+                let epsilon = match a.epsilon_after_correction {
+                    true => a.epsilon * root2,
+                    false => a.epsilon,
+                };
                 Rule::Adam {
                     lr_t: c(lr_t),
                     beta1: c(a.beta1),
                     beta2: c(a.beta2),
-                    epsilon: c(a.epsilon),
+                    epsilon: c(epsilon),
                     wd: c(h.wd),
                     rescale: c(a.rescale_grad),
                     clip: clip(a.clip_gradient),
@@ -306,6 +312,9 @@ impl Default for Sgd {
 /// `g = clip(rescale_grad * input + wd * w)` and `t` the key's step count (from 1):
 ///
 /// `m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g²; w -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + eps)`
+///
+/// With [`Adam::epsilon_after_correction`], `eps` is added to the bias-corrected root instead,
+/// as `torch.optim.Adam` does: `w -= lr/(1-b1^t) * m / (sqrt(v/(1-b2^t)) + eps)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Adam {
     /// Learning rate.
@@ -322,6 +331,10 @@ pub struct Adam {
     pub rescale_grad: f64,
     /// Clip the gradient to [-c, c].
     pub clip_gradient: Option<f64>,
+    /// Add `epsilon` to the bias-corrected root `sqrt(v/(1-b2^t))`, as PyTorch's Adam does,
+    /// rather than to `sqrt(v)`, as MXNet's `adam_update` does (the default, `false`). The two
+    /// differ most in the first steps, where `1-b2^t` is small.
+    pub epsilon_after_correction: bool,
 }
 
 impl Default for Adam {
@@ -335,6 +348,7 @@ impl Default for Adam {
             wd: 0.0,
             rescale_grad: 1.0,
             clip_gradient: None,
+            epsilon_after_correction: false,
         }
     }
 }

@@ -682,7 +682,7 @@ fn updaters() -> Vec<(&'static str, Updater)> {
             }),
         ),
         (
-            "adam_clipped",
+            "adam_clipped_torch_epsilon",
             Updater::Adam(Adam {
                 lr: 0.02,
                 beta1: 0.8,
@@ -691,6 +691,7 @@ fn updaters() -> Vec<(&'static str, Updater)> {
                 wd: 0.0,
                 rescale_grad: 1.0,
                 clip_gradient: Some(0.5),
+                epsilon_after_correction: true,
             }),
         ),
     ]

@@ -165,6 +165,7 @@ impl TestRule {
                 wd: f(wd),
                 rescale_grad: f(rescale),
                 clip_gradient: clip_gradient(clip),
+                epsilon_after_correction: false,
             }),
         }
     }

@@ -157,6 +157,19 @@ fn adam_full() -> Updater {
         wd: 0.01,
         rescale_grad: 0.5,
         clip_gradient: Some(0.3),
+        epsilon_after_correction: false,
+    })
+}
+
+/// PyTorch's Adam: epsilon after the bias-corrected root. A large epsilon, so that where it is
+/// added shows in every step.
+fn adam_torch() -> Updater {
+    Updater::Adam(Adam {
+        lr: 0.05,
+        epsilon: 1e-2,
+        wd: 0.01,
+        epsilon_after_correction: true,
+        ..Adam::default()
     })
 }
 
@@ -174,6 +187,7 @@ fn all_updaters() -> Vec<Updater> {
         sgd_mom_full(),
         adam_plain(),
         adam_full(),
+        adam_torch(),
     ]
 }
 

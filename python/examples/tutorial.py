@@ -5,6 +5,14 @@ line, with `import kvstore as kv` in place of `mx.kv` and NumPy arrays (or torch
 
     python examples/tutorial.py            # NumPy
     python examples/tutorial.py --torch    # torch tensors (prints SKIPPED without torch)
+    mpirun -np 2 python examples/tutorial.py --dist   # on a dist_sync store, 2 or 4 workers
+    python examples/tutorial.py --flat     # each array on one line, as --dist prints them
+
+With --dist, every worker makes the tutorial's calls on one `dist_sync` store and pushes a share
+of each push: the per-device values of a push are dealt out over the workers, and a single value
+is divided among them. The sums, so every number printed, are the tutorial's, on every worker
+(each line is prefixed with the worker's rank). The updater runs once per push, on the worker
+that holds the key, so only that worker prints "update on key".
 """
 
 import sys
@@ -47,10 +55,50 @@ else:
         print(a)
 
 
+DIST = "--dist" in sys.argv
+
+
+class Shared:
+    """A dist_sync store to which each worker pushes its share of every push."""
+
+    def __init__(self):
+        self.kv = kvstore.create("dist_sync")
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+    def _share(self, value):
+        if isinstance(value, (list, tuple)):  # one value per device: deal them out
+            mine = list(value)[self.kv.rank :: self.kv.num_workers]
+            # More workers than devices: a worker with none adds zeros, which change no sum.
+            return mine or [value[0] * 0]
+        return value / self.kv.num_workers
+
+    def push(self, key, value):
+        if isinstance(key, (list, tuple)):
+            self.kv.push(key, [self._share(v) for v in value])
+        else:
+            self.kv.push(key, self._share(value))
+
+
+def create(kind):
+    return Shared() if DIST else kvstore.create(kind)
+
+
+if DIST or "--flat" in sys.argv:
+    # One line per array, its elements flattened, prefixed with the worker's rank under --dist:
+    # the workers' lines interleave, and each must say whose it is.
+
+    def show(a):
+        flat = np.asarray(a.numpy() if hasattr(a, "numpy") else a, dtype=np.float64).ravel()
+        who = f"rank {kv.rank} " if DIST else ""
+        print(f"{who}= " + " ".join(f"{x:g}" for x in flat), flush=True)
+
+
 print("## seed 001: the MXNet KVStore tutorial")
 
 # Initialization
-kv = kvstore.create("local")  # create a local kv store.
+kv = create("local")  # create a local kv store.
 shape = (2, 3)
 kv.init(3, nd.ones(shape) * 2)
 a = nd.zeros(shape)
@@ -102,7 +150,7 @@ kv.pull(keys, out=b)
 show(b[1][1])  # 11
 
 print("## seed 003: the d2l 'KV Store' notebook")
-kv = kvstore.create("device")
+kv = create("device")
 cpu = kvstore.cpu
 
 shape = (2, 3)

@@ -22,18 +22,28 @@ from . import _arrays, _native, optimizer
 from . import optimizer as _optimizer
 from ._errors import (
     CheckpointError,
+    DesyncError,
     DeviceError,
     DeviceOutOfMemoryError,
+    DistEnvError,
+    DistError,
+    DistFailedError,
     DTypeMismatchError,
     DuplicateInitError,
     Error,
     InvalidArgumentError,
     KeyOutOfRangeError,
     KeyTypeError,
+    MpiError,
+    RankExitedError,
+    RankFailedError,
+    RankRejectedError,
     ShapeMismatchError,
+    TimeoutError,
     UnknownKeyError,
     UnknownKindError,
     UpdaterError,
+    _NoMpiLinkError,
 )
 
 __version__ = _native.__version__
@@ -58,6 +68,15 @@ __all__ = [
     "CheckpointError",
     "DeviceError",
     "DeviceOutOfMemoryError",
+    "DistError",
+    "DesyncError",
+    "RankRejectedError",
+    "RankFailedError",
+    "RankExitedError",
+    "TimeoutError",
+    "DistFailedError",
+    "DistEnvError",
+    "MpiError",
 ]
 
 Context = namedtuple("Context", ["device_type", "device_id"])
@@ -108,7 +127,7 @@ class KVStore:
     """
 
     def __init__(self, name="local"):
-        self._kv = _native.Store(name)
+        self._kv = _open(name)
         self._updater = None
 
     def __repr__(self):
@@ -128,6 +147,18 @@ class KVStore:
     def num_workers(self):
         """The number of workers: 1 in a single process."""
         return self._kv.num_workers
+
+    @property
+    def local_rank(self):
+        """This worker's rank among the workers on its machine: 0 in a single process."""
+        return self._kv.local_rank
+
+    def barrier(self):
+        """Waits until every worker has called ``barrier`` (MXNet's ``_barrier``); bounded by
+        ``KVSTORE_TIMEOUT``. A no-op in a single process."""
+        self._kv.barrier()
+
+    _barrier = barrier
 
     def keys(self):
         """The keys, in update order (ints ascending, strs in init order)."""
@@ -238,6 +269,11 @@ class KVStore:
         """The optimizer's learning rate, or None without one."""
         return self._kv.learning_rate
 
+    @property
+    def num_update(self):
+        """The number of updates the optimizer has made: the largest step count of any key."""
+        return self._kv.num_update
+
     def is_capable(self, capability):
         """MXNet's capability query: this store can run an optimizer."""
         if capability == "optimizer":
@@ -245,20 +281,55 @@ class KVStore:
         raise ValueError(f"Unknown capability: {capability}")
 
     def save(self, path):
-        """Writes every value and the optimizer state to ``path`` (safetensors)."""
+        """Writes every value and the optimizer state to ``path`` (safetensors), atomically.
+        On a dist store every rank calls it with the same ``path``, a directory: each rank
+        writes its shard, and rank 0 commits the index last. The files are the Rust crate's
+        own: either side loads what the other saved."""
         self._kv.save(str(path))
 
     def load(self, path):
-        """Reads what ``save`` wrote; set the optimizer first to restore its state."""
+        """Reads what ``save`` wrote, a file or a sharded directory saved at any number of
+        workers; set the optimizer first to restore its state."""
         self._kv.load(str(path))
 
     save_optimizer_states = save
     load_optimizer_states = load
 
 
+_MPI_HELP = (
+    "the dist kinds need the MPI link, which is the companion package kvstore-mpi: install it "
+    "with `pip install 'kvstore[mpi]'` (from a checkout: `pip install ./python ./python/mpi`; "
+    "it brings Open MPI 5 from PyPI) and start the workers with `mpirun -np N python train.py`. "
+    "GPU workers can instead use 'dist_device_sync' under `torchrun`, which needs no MPI"
+)
+
+
+def _open(name):
+    """The native store of kind ``name``. The main extension has every kind but the ones that
+    need MPI; those come from the ``kvstore_mpi`` companion, loaded on first use."""
+    try:
+        return _native.Store(name)
+    except _NoMpiLinkError as e:
+        first = e
+    try:
+        from kvstore_mpi import native_module
+    except ImportError as e:
+        raise UnknownKindError(f"kind '{name}' is not available: {_MPI_HELP} ({e})") from None
+    try:
+        mpi_native = native_module()
+    except OSError as e:
+        raise UnknownKindError(f"kind '{name}' is not available: {e}") from first
+    return mpi_native.Store(name)
+
+
 def create(name="local"):
-    """A new store: ``'local'``, ``'device'``, ``'nccl'`` or an alias (MXNet's ``mx.kv.create``).
-    An unknown name is an ``UnknownKindError`` that lists the valid ones."""
+    """A new store: ``'local'``, ``'device'``, ``'nccl'``, ``'dist_sync'``,
+    ``'dist_device_sync'`` or an alias (MXNet's ``mx.kv.create``). An unknown name is an
+    ``UnknownKindError`` that lists the valid ones.
+
+    The dist kinds synchronise the processes of one job: CPU workers started by
+    ``mpirun -np N python train.py`` (needs ``pip install 'kvstore[mpi]'``), or GPU workers
+    started by ``torchrun --nproc-per-node N train.py`` (``dist_device_sync``, over NCCL)."""
     if not isinstance(name, str):
         raise TypeError(f"create takes the kind's name as a str, got {type(name).__name__}")
     return KVStore(name)

@@ -60,3 +60,54 @@ class DeviceError(Error, RuntimeError):
 
 class DeviceOutOfMemoryError(Error, MemoryError):
     """A GPU ran out of memory."""
+
+
+class DistError(Error, RuntimeError):
+    """Base class of the errors of a distributed store (``dist_sync``, ``dist_device_sync``).
+    A failing rank never leaves the others waiting: each gets one of these within
+    ``KVSTORE_TIMEOUT`` (default 300 s)."""
+
+
+class DesyncError(DistError):
+    """The ranks disagree on a call: its operation, keys, shapes, dtypes, settings or place in
+    the order of calls. Every rank gets it for the same call, before any data moves; the
+    distributed world is unusable afterwards (later calls raise :class:`DistFailedError`)."""
+
+
+class RankRejectedError(DistError):
+    """Another rank rejected its input for this call (that rank has its own error, such as a
+    :class:`ShapeMismatchError`). Nothing changed on any rank, and the store stays usable."""
+
+
+class RankFailedError(DistError):
+    """Another rank failed its part of this call (its updater, or its part of a checkpoint);
+    that rank has its own error. Nothing changed on any rank, and the store stays usable."""
+
+
+class RankExitedError(DistError):
+    """Another rank exited before making this call, so it can never complete; the distributed
+    world is unusable afterwards."""
+
+
+class TimeoutError(DistError, TimeoutError):  # noqa: A001 (as asyncio.TimeoutError)
+    """A call did not complete within ``KVSTORE_TIMEOUT``: the message says where every other
+    rank is. The distributed world is unusable afterwards."""
+
+
+class DistFailedError(DistError):
+    """A call after the distributed world failed (a timeout, a desync, a rank that exited):
+    restart the job; the message names the first failure."""
+
+
+class DistEnvError(DistError):
+    """The distributed environment is wrong: the message names the variable (``RANK``,
+    ``WORLD_SIZE``, ``KVSTORE_TIMEOUT``, ..., or ``MPI``) and what to do."""
+
+
+class MpiError(DistError):
+    """An MPI call failed; the distributed world is unusable afterwards."""
+
+
+class _NoMpiLinkError(UnknownKindError):
+    """A dist kind asked of the main extension, which has no MPI link (internal: ``create``
+    then loads the ``kvstore-mpi`` companion)."""

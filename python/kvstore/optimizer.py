@@ -32,7 +32,9 @@ class SGD:
 
 @dataclass
 class Adam:
-    """Adam with bias correction in the step size, as MXNet's ``adam_update``."""
+    """Adam with bias correction in the step size, as MXNet's ``adam_update``. With
+    ``epsilon_after_correction=True``, epsilon is added to the bias-corrected root, as
+    ``torch.optim.Adam`` does."""
 
     learning_rate: float = 0.001
     beta1: float = 0.9
@@ -41,6 +43,7 @@ class Adam:
     wd: float = 0.0
     rescale_grad: float = 1.0
     clip_gradient: Optional[float] = None
+    epsilon_after_correction: bool = False
 
     def _apply(self, native):
         native.set_adam(
@@ -51,6 +54,7 @@ class Adam:
             float(self.wd),
             float(self.rescale_grad),
             None if self.clip_gradient is None else float(self.clip_gradient),
+            bool(self.epsilon_after_correction),
         )
 
 

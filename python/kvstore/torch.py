@@ -28,8 +28,11 @@ from . import KVStore, create
 from . import optimizer as _kvopt
 
 
-def _translate(opt):
-    """The store optimizer equivalent to a torch SGD or Adam, or a ValueError saying why not."""
+def _translate(opt, workers):
+    """The store optimizer equivalent to a torch SGD or Adam, or a ValueError saying why not.
+    The store sums the gradients of ``workers`` workers, each the mean over its part of the
+    batch: ``rescale_grad`` makes that the mean over the whole batch, as one process (and
+    DistributedDataParallel) would step on."""
     groups = opt.param_groups
     keys = {
         torch.optim.SGD: ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
@@ -60,6 +63,7 @@ def _translate(opt):
             learning_rate=float(first["lr"]),
             momentum=float(first["momentum"]),
             wd=float(first["weight_decay"]),
+            rescale_grad=1.0 / workers,
         )
     if first["amsgrad"]:
         raise ValueError("the store's Adam has no AMSGrad: pass update_on_kvstore=False")
@@ -70,6 +74,8 @@ def _translate(opt):
         beta2=float(beta2),
         epsilon=float(first["eps"]),
         wd=float(first["weight_decay"]),
+        rescale_grad=1.0 / workers,
+        epsilon_after_correction=True,
     )
 
 
@@ -105,7 +111,7 @@ class DistributedOptimizer:
             update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
         self.update_on_kvstore = bool(update_on_kvstore)
         if self.update_on_kvstore:
-            self.store.set_optimizer(_translate(optimizer))
+            self.store.set_optimizer(_translate(optimizer, self.store.num_workers))
             self._lr = float(optimizer.param_groups[0]["lr"])
         with torch.no_grad():
             params = [p.detach() for p in self._params]

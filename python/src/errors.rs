@@ -18,7 +18,22 @@ fn class_name(e: &Error) -> &'static str {
         Error::DTypeMismatch { .. } => "DTypeMismatchError",
         Error::MixedKeyTypes { .. } => "KeyTypeError",
         Error::KeyOutOfRange { .. } => "KeyOutOfRangeError",
+        // A dist kind in the main wheel, which has no MPI link: the Python side then loads the
+        // companion wheel's module, or says how to install it.
+        Error::KindUnavailable { kind, .. }
+            if kind.starts_with("dist") && !cfg!(feature = "mpi") =>
+        {
+            "_NoMpiLinkError"
+        }
         Error::UnknownKind { .. } | Error::KindUnavailable { .. } => "UnknownKindError",
+        Error::Desync { .. } => "DesyncError",
+        Error::RankRejected { .. } => "RankRejectedError",
+        Error::RankFailed { .. } => "RankFailedError",
+        Error::RankExited { .. } => "RankExitedError",
+        Error::Timeout { .. } => "TimeoutError",
+        Error::DistFailed { .. } => "DistFailedError",
+        Error::Mpi { .. } => "MpiError",
+        Error::DistEnv { .. } => "DistEnvError",
         Error::UpdaterPanicked { .. } | Error::UpdaterFailed { .. } => "UpdaterError",
         Error::Checkpoint { .. } => "CheckpointError",
         Error::OutOfMemory { .. } => "DeviceOutOfMemoryError",

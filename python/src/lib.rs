@@ -124,6 +124,18 @@ impl PyStore {
         self.inner.num_workers()
     }
 
+    /// This worker's rank among the workers on its machine.
+    #[getter]
+    fn local_rank(&self) -> usize {
+        self.inner.local_rank()
+    }
+
+    /// Waits until every worker is here (bounded by `KVSTORE_TIMEOUT`).
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let kv = self.inner.clone();
+        py.detach(move || kv.barrier().map_err(errors::to_py))
+    }
+
     /// The keys, in update order (ints ascending, strings in init order).
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         self.inner
@@ -278,8 +290,8 @@ impl PyStore {
             .map_err(errors::to_py)
     }
 
-    /// Adam (MXNet's `adam_update`) as the updater.
-    #[pyo3(signature = (lr, beta1, beta2, epsilon, wd, rescale_grad, clip_gradient))]
+    /// Adam (MXNet's `adam_update`, or PyTorch's epsilon placement) as the updater.
+    #[pyo3(signature = (lr, beta1, beta2, epsilon, wd, rescale_grad, clip_gradient, epsilon_after_correction))]
     #[allow(clippy::too_many_arguments)]
     fn set_adam(
         &self,
@@ -290,6 +302,7 @@ impl PyStore {
         wd: f64,
         rescale_grad: f64,
         clip_gradient: Option<f64>,
+        epsilon_after_correction: bool,
     ) -> PyResult<()> {
         let adam = Adam {
             lr,
@@ -299,6 +312,7 @@ impl PyStore {
             wd,
             rescale_grad,
             clip_gradient,
+            epsilon_after_correction,
         };
         self.inner
             .set_updater(Updater::Adam(adam))
@@ -341,6 +355,8 @@ impl PyStore {
 fn kvstore_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStore>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether this build has the MPI link (the `kvstore-mpi` companion wheel).
+    m.add("HAS_MPI", cfg!(feature = "mpi"))?;
     // The newest DLPack ABI this module reads; passed as `max_version` to `__dlpack__`.
     m.add(
         "DLPACK_MAX_VERSION",

@@ -94,9 +94,16 @@ impl RefKey {
                     let grad = clip(p(a.rescale_grad) * g + p(a.wd) * w, a.clip_gradient.map(p));
                     self.m[i] = b1 * self.m[i] + (1.0 - b1) * grad;
                     self.v[i] = b2 * self.v[i] + (1.0 - b2) * grad * grad;
-                    let lr_t =
-                        a.lr * (1.0 - a.beta2.powi(self.t)).sqrt() / (1.0 - a.beta1.powi(self.t));
-                    w - p(lr_t) * self.m[i] / (self.v[i].sqrt() + p(a.epsilon))
+                    let (c1, c2) = (1.0 - a.beta1.powi(self.t), 1.0 - a.beta2.powi(self.t));
+                    if a.epsilon_after_correction {
+                        // PyTorch's form: the bias-corrected moments, epsilon after the root.
+                        let m_hat = self.m[i] / c1;
+                        let v_hat = self.v[i] / c2;
+                        w - a.lr * m_hat / (v_hat.sqrt() + a.epsilon)
+                    } else {
+                        let lr_t = a.lr * c2.sqrt() / c1;
+                        w - p(lr_t) * self.m[i] / (self.v[i].sqrt() + p(a.epsilon))
+                    }
                 }
                 other => panic!("no reference for {other:?}"),
             };

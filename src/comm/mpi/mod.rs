@@ -178,6 +178,17 @@ struct State {
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
 
+/// The local rank an MPI launcher gave this process, where it says: Open MPI's
+/// `OMPI_COMM_WORLD_LOCAL_RANK`, or MPICH's (Hydra's) `MPI_LOCALRANKID`. The store's local rank
+/// follows it, so that it picks the GPU the user's script picks from the same variable; Open
+/// MPI 5 does not always number a machine's ranks in the order of their world ranks. A value
+/// that is not a number is ignored here (the ranks are then numbered by world rank).
+fn mpi_launcher_local_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
 /// Compares an environment variable a launcher may set with what MPI says.
 fn env_agrees(var: &str, mpi_value: usize, what: &str) -> Option<(String, String)> {
     let v = std::env::var(var).ok()?;
@@ -314,13 +325,18 @@ impl World {
             let world = ffi::RSMPI_COMM_WORLD;
             raw::check(OP, ffi::MPI_Comm_rank(world, &mut rank))?;
             raw::check(OP, ffi::MPI_Comm_size(world, &mut size))?;
+            // Ranks on one machine are numbered as the launcher numbered them, where it says
+            // (ties, and launchers that do not say, by world rank).
+            let key = mpi_launcher_local_rank()
+                .and_then(|l| c_int::try_from(l).ok())
+                .unwrap_or(rank);
             let mut local: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
             raw::check(
                 OP,
                 ffi::MPI_Comm_split_type(
                     world,
                     ffi::RSMPI_COMM_TYPE_SHARED,
-                    rank,
+                    key,
                     ffi::RSMPI_INFO_NULL,
                     &mut local,
                 ),

