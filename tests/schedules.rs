@@ -248,6 +248,7 @@ impl RefRule {
                 wd,
                 rescale_grad: rescale,
                 clip_gradient: None,
+                epsilon_after_correction: false,
             }),
         }
     }
