@@ -117,15 +117,8 @@ fn ptx_files(dir: &Path) -> Vec<PathBuf> {
 }
 
 fn parse(text: &str) -> Result<Ptx, String> {
+    let target = ptx_text::target(text).ok_or("no `.target sm_NN` line")?;
     let text = ptx_text::strip_comments(text);
-    let target = text
-        .split_once(".target")
-        .and_then(|(_, r)| r.trim_start().strip_prefix("sm_"))
-        .and_then(|r| {
-            let digits: String = r.chars().take_while(char::is_ascii_digit).collect();
-            digits.parse().ok()
-        })
-        .ok_or("no `.target sm_NN` line")?;
     let entries = ptx_text::entries(&text)?;
     let grid_2d = ["%ctaid.y", "%ctaid.z", "%nctaid."]
         .into_iter()

@@ -68,10 +68,12 @@ failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
 skipped=$({ grep '^SKIPPED:' "$log" || true; } | awk -F': ' '{print $2}' | sort -u | wc -l)
 rejections=$(grep -c '^\[kvstore stand-in\]' "$log" || true)
 strict=$(grep -Eo '[0-9]+ passed' "$log.strict" | awk '{s+=$1} END {print s+0}')
+strict_failed=$(grep -Eo '[0-9]+ failed' "$log.strict" | awk '{s+=$1} END {print s+0}')
 # A test that printed SKIPPED did not run its case: it is not a pass.
 ran=$(( passed - skipped ))
 banner "summary: GPU tests ${ran} passed, ${skipped} SKIPPED (not passes), ${failed} failed, \
-${rejections} stand-in rejections on stderr; stand-in strictness tests ${strict} passed; \
+${rejections} stand-in rejections on stderr; stand-in strictness tests ${strict} passed, \
+${strict_failed} failed; \
 ${took}s. Not a GPU result."
 grep '^SKIPPED:' "$log" | sed 's/^/    /' || true
 # Ranks in separate processes form one communicator on the stand-in (through /dev/shm): the

@@ -254,6 +254,35 @@ pub enum Error {
         source: Option<cudarc::driver::DriverError>,
     },
 
+    /// A GPU's architecture is older than a kernel needs: bfloat16 keys' kernels need compute
+    /// capability 8.0 (sm_80), and a user PTX updater needs its module's `.target`. Found
+    /// before anything runs: nothing was changed.
+    #[error(
+        "{op}{}: {what} needs a GPU of compute capability {}.{} (sm_{need}) or newer, but {device} \
+         is {}.{} (sm_{have}): {fix}",
+        key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default(),
+        need / 10,
+        need % 10,
+        have / 10,
+        have % 10
+    )]
+    GpuArch {
+        /// What was being done: "load kernels", "load PTX updater".
+        op: &'static str,
+        /// The key involved, when there is one.
+        key: Option<Key>,
+        /// What needs the architecture: "the bfloat16 kernels (kernels/fused_bf16.ptx)", ...
+        what: String,
+        /// The GPU.
+        device: Device,
+        /// The GPU's compute capability, as major * 10 + minor (70 for 7.0).
+        have: u32,
+        /// The compute capability needed, likewise (80 for 8.0).
+        need: u32,
+        /// What to do instead.
+        fix: &'static str,
+    },
+
     /// A GPU ran out of memory. Free arrays on that device, use smaller keys, or home some
     /// keys on another device (`KvStore::init_on`).
     #[error(
@@ -464,6 +493,23 @@ impl Error {
                 requested,
                 source,
             },
+            Error::GpuArch {
+                op,
+                key: None,
+                what,
+                device,
+                have,
+                need,
+                fix,
+            } => Error::GpuArch {
+                op,
+                key: Some(key.clone()),
+                what,
+                device,
+                have,
+                need,
+                fix,
+            },
             other => other,
         }
     }
@@ -488,18 +534,61 @@ impl Error {
                 source: e,
             };
         }
+        let on = match ordinal {
+            Some(i) => format!("gpu({i}): "),
+            None => String::new(),
+        };
         Error::Cuda {
             op,
             key: None,
             // The CUresult's name; the driver's own text is in `source` (formatting a
             // `DriverError` asks the driver, which needs libcuda loaded).
-            message: match ordinal {
-                Some(i) => format!("gpu({i}): {:?}", e.0),
-                None => format!("{:?}", e.0),
+            message: match sticky_fault(e.0) {
+                Some(what) => format!(
+                    "{on}{:?}: {what}. CUDA makes this error sticky: this process's context on \
+                     the GPU is unusable, and every later GPU call in it fails the same way. \
+                     Restart the process; run it under compute-sanitizer to find the access",
+                    e.0
+                ),
+                None => format!("{on}{:?}", e.0),
             },
             source: Some(e),
         }
     }
+
+    /// Whether this is a GPU error that CUDA makes sticky (a kernel's illegal address, and the
+    /// like): the context it happened in is unusable for the rest of the process, so every
+    /// later GPU call on that device fails too.
+    pub fn is_sticky_gpu_fault(&self) -> bool {
+        match self {
+            Error::Cuda {
+                source: Some(e), ..
+            } => sticky_fault(e.0).is_some(),
+            _ => false,
+        }
+    }
+}
+
+/// For a result code the CUDA driver documents as leaving the context unusable ("the process
+/// must be terminated and relaunched"), what happened, in words.
+fn sticky_fault(code: cudarc::driver::sys::cudaError_enum) -> Option<&'static str> {
+    use cudarc::driver::sys::cudaError_enum as R;
+    Some(match code {
+        R::CUDA_ERROR_ILLEGAL_ADDRESS => {
+            "a kernel accessed memory outside every allocation (an index out of bounds, or \
+             freed memory; a PTX updater must stay within its n elements)"
+        }
+        R::CUDA_ERROR_MISALIGNED_ADDRESS => "a kernel accessed memory at a misaligned address",
+        R::CUDA_ERROR_ILLEGAL_INSTRUCTION => "a kernel executed an illegal instruction",
+        R::CUDA_ERROR_HARDWARE_STACK_ERROR => "a kernel overflowed its call stack",
+        R::CUDA_ERROR_INVALID_ADDRESS_SPACE => {
+            "a kernel accessed memory through the wrong address space"
+        }
+        R::CUDA_ERROR_INVALID_PC => "a kernel's program counter became invalid",
+        R::CUDA_ERROR_ASSERT => "a kernel's assertion failed",
+        R::CUDA_ERROR_LAUNCH_FAILED => "a kernel failed while running",
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -581,9 +670,30 @@ mod tests {
                 if k == "w" && d.0 == R::CUDA_ERROR_LAUNCH_FAILED),
             "{other}"
         );
-        assert_eq!(
-            other.to_string(),
-            "launch update kernel (key w): CUDA error: CUDA_ERROR_LAUNCH_FAILED"
+        assert!(
+            other
+                .to_string()
+                .starts_with("launch update kernel (key w): CUDA error: CUDA_ERROR_LAUNCH_FAILED"),
+            "{other}"
+        );
+        // A kernel fault is sticky, and its message says so and what to do.
+        let fault = Error::from_driver(
+            "pull",
+            Some(0),
+            None,
+            DriverError(R::CUDA_ERROR_ILLEGAL_ADDRESS),
+        );
+        let text = fault.to_string();
+        assert!(fault.is_sticky_gpu_fault(), "{text}");
+        assert!(
+            text.starts_with("pull: CUDA error: gpu(0): CUDA_ERROR_ILLEGAL_ADDRESS: a kernel")
+                && text.contains("sticky")
+                && text.contains("Restart the process"),
+            "{text}"
+        );
+        assert!(
+            !Error::from_driver("pull", None, None, DriverError(R::CUDA_ERROR_INVALID_VALUE))
+                .is_sticky_gpu_fault()
         );
         // A key already named is kept; other variants pass through.
         let named = Error::Cuda {

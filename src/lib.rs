@@ -80,6 +80,7 @@ pub fn gpu_count() -> usize {
 /// at the crate root instead.
 #[doc(hidden)]
 pub mod __internal {
+    pub use crate::backend::cuda::gpu_sm;
     pub use crate::backend::cuda::kernels;
     pub use crate::backend::cuda::BATCH_COPY_MAX_BYTES;
     pub use crate::backend::{cpu, probe};

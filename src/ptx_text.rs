@@ -61,3 +61,13 @@ pub(crate) fn entries(text: &str) -> Result<BTreeMap<String, Vec<String>>, Strin
     }
     Ok(entries)
 }
+
+/// The architecture of the module's `.target sm_NN` (also `sm_90a`), as NN; `None` when it has
+/// no readable `.target`.
+pub(crate) fn target(text: &str) -> Option<u32> {
+    let text = strip_comments(text);
+    let (_, rest) = text.split_once(".target")?;
+    let word = rest.split_whitespace().next()?;
+    let digits = word.strip_prefix("sm_")?.trim_end_matches([',', 'a', 'f']);
+    digits.parse().ok()
+}

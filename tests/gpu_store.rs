@@ -6,7 +6,10 @@
 //! prints a line starting with `SKIPPED:`; `scripts/gpu-check.sh` counts those apart from the
 //! passes.
 
+mod common;
+
 use anyhow::{ensure, Result};
+use kvstore::__internal::gpu_sm;
 use kvstore::__internal::nccl::{self, MultiRank};
 use kvstore::gpu_count;
 use kvstore::{cpu, gpu, Adam, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
@@ -54,6 +57,50 @@ fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
             err <= tol,
             "{what}: element {i}: got {g}, want {w} (relative error {err:e} > {tol:e})"
         );
+    }
+}
+
+/// Whether every GPU runs `dtype`'s kernels: bf16's need compute capability 8.0 (sm_80). On
+/// the stand-in the architecture is `KVSTORE_STANDIN_SM`, which CI sets to 70, 80 and 90.
+fn runs_kernels(dtype: DType) -> bool {
+    dtype != DType::BF16 || (0..gpu_count()).all(|i| gpu_sm(i).expect("the GPU opens") >= 80)
+}
+
+/// The architecture of the oldest GPU, as major * 10 + minor.
+fn oldest_sm() -> u32 {
+    (0..gpu_count())
+        .map(|i| gpu_sm(i).expect("the GPU opens"))
+        .min()
+        .expect("a GPU")
+}
+
+/// Checks that `r`, a push of a key of `dtype` whose kernels the GPUs cannot run, failed with
+/// the typed error that names both architectures (and, where given, the key).
+fn assert_refused_below_arch<T: std::fmt::Debug>(
+    r: Result<T>,
+    dtype: DType,
+    key: Option<kvstore::Key>,
+) {
+    let err = r.expect_err("a push needing kernels this GPU cannot run must fail");
+    let have = oldest_sm();
+    match err.downcast_ref::<Error>() {
+        Some(
+            e @ Error::GpuArch {
+                need: 80,
+                have: h,
+                key: k,
+                ..
+            },
+        ) if *h == have && (key.is_none() || *k == key) => {
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("sm_{have}"))
+                    && text.contains("sm_80")
+                    && text.contains(&dtype.to_string()),
+                "the message names both architectures and the dtype: {text}"
+            );
+        }
+        _ => panic!("expected Error::GpuArch (needs sm_80, gpu is sm_{have}), got {err:?}"),
     }
 }
 
@@ -110,6 +157,10 @@ fn several_values_on_one_gpu_are_summed() -> Result<()> {
             // The same array twice counts twice.
             let mut pushed = values.clone();
             pushed.push(values[0].clone());
+            if !runs_kernels(dtype) {
+                assert_refused_below_arch(kv.push(7, &pushed).map_err(Into::into), dtype, None);
+                continue;
+            }
             kv.push(7, &pushed)?;
             let out = NDArray::full_on([n], f64::NAN, dtype, gpu(0))?;
             kv.pull(7, &out)?;
@@ -664,7 +715,12 @@ fn sgd_and_adam_on_gpu_match_the_cpu_store() -> Result<()> {
     let axpby = Updater::Axpby { a: 0.9, b: 0.25 };
     for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
         for u in [&sgd, &sgd_mom, &adam, &axpby, &Updater::Assign] {
-            compare_with_cpu(u.clone(), dtype, 3)?;
+            let r = compare_with_cpu(u.clone(), dtype, 3);
+            if runs_kernels(dtype) {
+                r?;
+            } else {
+                assert_refused_below_arch(r, dtype, None);
+            }
         }
     }
     Ok(())
@@ -848,10 +904,15 @@ fn empty_arrays_on_a_gpu() -> Result<()> {
             kv.init_on(1, &empty_cpu, gpu(0))?;
             let data = random(5);
             kv.init_on(2, &array(&data, &[5], dtype, cpu(0))?, gpu(0))?;
-            kv.push(
+            let r = kv.push(
                 1,
                 &[empty_gpu.clone(), empty_cpu.clone(), empty_gpu.copy()?],
-            )?;
+            );
+            if !runs_kernels(dtype) {
+                assert_refused_below_arch(r.map_err(Into::into), dtype, None);
+                continue;
+            }
+            r?;
             kv.pull(1, &[empty_gpu.clone(), empty_cpu.clone()])?;
             empty_gpu.fill(2.0)?;
             assert_eq!(
@@ -972,6 +1033,11 @@ fn host_values_to_a_gpu_key_round_as_on_the_cpu_home() -> Result<()> {
         for kv in [&on_gpu, &on_cpu] {
             kv.set_updater(sgd.clone())?;
         }
+        if !runs_kernels(dtype) {
+            let values = [array(&random(n), &[n], dtype, cpu(0))?];
+            assert_refused_below_arch(on_gpu.push(1, &values).map_err(Into::into), dtype, None);
+            continue;
+        }
         for _ in 0..3 {
             let values = (0..3)
                 .map(|i| array(&random(n), &[n], dtype, cpu(i)))
@@ -992,6 +1058,220 @@ fn host_values_to_a_gpu_key_round_as_on_the_cpu_home() -> Result<()> {
             "{dtype}: {differ} of {n} elements differ between the homes"
         );
     }
+    Ok(())
+}
+
+/// bf16 keys need sm_80 for their kernels. Below it (an sm_70 GPU: `KVSTORE_STANDIN_SM=70` on
+/// the stand-in) a push into a GPU-homed bf16 key fails with `Error::GpuArch`, which names
+/// both architectures, and changes nothing, also for the f32 key of the same call; f32 keys
+/// keep working, and a user PTX updater whose `.target` is above the GPU is refused the same
+/// way. From sm_80 the same calls succeed and match a reference computed here.
+#[test]
+#[ignore = "needs a GPU"]
+fn bf16_keys_need_sm_80_and_the_error_names_the_architecture() -> Result<()> {
+    require_gpu();
+    let sm = oldest_sm();
+    let n = 1031;
+    let kv = KvStore::create("device")?;
+    let (a, b) = (random(n), random(n));
+    kv.init_on(1, &array(&a, &[n], DType::F32, cpu(0))?, gpu(0))?;
+    kv.init_on(2, &array(&b, &[n], DType::BF16, cpu(0))?, gpu(0))?;
+    let (ga, gb) = (random(n), random(n));
+    let values = vec![
+        vec![array(&ga, &[n], DType::F32, gpu(0))?],
+        vec![array(&gb, &[n], DType::BF16, gpu(0))?],
+    ];
+    let pulled = |key: i32, dtype: DType| -> Result<Vec<f64>> {
+        let out = NDArray::full_on([n], f64::NAN, dtype, cpu(0))?;
+        kv.pull(key, &out)?;
+        Ok(out.to_vec()?)
+    };
+    kv.set_updater(Updater::Axpby { a: 0.5, b: 2.0 })?;
+    let r = kv.push_list(&[1, 2], &values);
+    let axpby = |w: &[f32], g: &[f32], dtype: DType| -> Result<Vec<f64>> {
+        let w = rounded(w, dtype)?;
+        let g = rounded(g, dtype)?;
+        let exact: Vec<f32> = w
+            .iter()
+            .zip(&g)
+            .map(|(w, g)| 0.5 * *w as f32 + 2.0 * *g as f32)
+            .collect();
+        rounded(&exact, dtype)
+    };
+    if sm >= 80 {
+        r?;
+        assert_close(
+            &pulled(1, DType::F32)?,
+            &axpby(&a, &ga, DType::F32)?,
+            1e-6,
+            "f32",
+        );
+        assert_close(
+            &pulled(2, DType::BF16)?,
+            &axpby(&b, &gb, DType::BF16)?,
+            1e-2,
+            "bf16",
+        );
+        return Ok(());
+    }
+    assert_refused_below_arch(r.map_err(Into::into), DType::BF16, Some(2.into()));
+    assert_close(
+        &pulled(1, DType::F32)?,
+        &rounded(&a, DType::F32)?,
+        0.0,
+        "f32 key after the refused call",
+    );
+    assert_close(
+        &pulled(2, DType::BF16)?,
+        &rounded(&b, DType::BF16)?,
+        0.0,
+        "bf16 key after the refused call",
+    );
+    // f32 keys work on this GPU.
+    kv.push(1, &values[0])?;
+    assert_close(
+        &pulled(1, DType::F32)?,
+        &axpby(&a, &ga, DType::F32)?,
+        1e-6,
+        "f32 on sm_70",
+    );
+    // A user updater for sm_80 is refused on this GPU, naming both architectures.
+    let ptx = kvstore::PtxUpdater::EXAMPLE_SGD_F32.replace(".target sm_70", ".target sm_80");
+    let p =
+        kvstore::PtxUpdater::new(ptx, "sgd_f32", DType::F32)?.with_scalars([0.1, 0.0, 0.0, 0.0]);
+    kv.set_updater(Updater::Ptx(p))?;
+    let err = kv
+        .push(1, &values[0])
+        .expect_err("sm_80 PTX on an older GPU");
+    match &err {
+        Error::GpuArch {
+            op, need: 80, have, ..
+        } if *have == sm => {
+            assert_eq!(*op, "load PTX updater", "{err}");
+            assert!(err.to_string().contains("sm_80"), "{err}");
+        }
+        _ => panic!("expected Error::GpuArch, got {err:?}"),
+    }
+    Ok(())
+}
+
+/// Free memory on gpu(0), as the driver reports it (`cuMemGetInfo`).
+fn free_gpu0_bytes(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<usize> {
+    ctx.bind_to_thread()?;
+    Ok(cudarc::driver::result::mem_get_info()?.0)
+}
+
+/// The store's out-of-memory paths: with gpu(0) filled, an init that needs GPU memory and a
+/// first momentum push (whose state needs GPU memory) fail with `Error::OutOfMemory` naming
+/// the device and the bytes, and change nothing: the key is not created, the pushed key keeps
+/// its value, and once memory is free again the same calls succeed. On the stand-in the GPU
+/// has 0.25 GiB (`KVSTORE_STANDIN_MEM_GIB`, read once per process, so the test runs in a
+/// process of its own); on a GPU the filling takes what the GPU has.
+#[test]
+#[ignore = "needs a GPU"]
+fn out_of_memory_is_a_typed_error_and_changes_nothing() -> Result<()> {
+    let name = "out_of_memory_is_a_typed_error_and_changes_nothing";
+    if !common::in_own_process(
+        name,
+        &[("KVSTORE_STANDIN_MEM_GIB", "0.25")],
+        Duration::from_secs(600),
+    ) {
+        return Ok(());
+    }
+    require_gpu();
+    let ctx = cudarc::driver::CudaContext::new(0)?;
+    let kv = KvStore::create("device")?;
+    kv.set_updater(Updater::Sgd(Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Sgd::default()
+    }))?;
+    // Key 1: small, pushed once before the filling (its state exists). Key 2: 4 MiB, never
+    // pushed, so its first push must allocate 4 MiB of state.
+    let (small, big) = (1000, 1 << 20);
+    kv.init_on(
+        1,
+        &array(&random(small), &[small], DType::F32, cpu(0))?,
+        gpu(0),
+    )?;
+    kv.push(1, &array(&random(small), &[small], DType::F32, gpu(0))?)?;
+    let b = random(big);
+    kv.init_on(2, &array(&b, &[big], DType::F32, cpu(0))?, gpu(0))?;
+    let pushed = array(&random(big), &[big], DType::F32, gpu(0))?;
+    let host_value = array(&random(big), &[big], DType::F32, cpu(0))?;
+    let pull = |key: i32, n: usize| -> Result<Vec<f64>> {
+        let out = NDArray::full_on([n], f64::NAN, DType::F32, cpu(0))?;
+        kv.pull(key, &out)?;
+        Ok(out.to_vec()?)
+    };
+    let one_before = pull(1, small)?;
+    kv.wait_all()?;
+
+    // Fill gpu(0) until less than 1 MiB is free.
+    let mut fillers = Vec::new();
+    let mut ask = free_gpu0_bytes(&ctx)?.saturating_sub(512 << 10);
+    while free_gpu0_bytes(&ctx)? >= 1 << 20 && ask >= 1 << 20 && fillers.len() < 64 {
+        match NDArray::full_on([ask / 4], 0.0, DType::F32, gpu(0)) {
+            Ok(a) => fillers.push(a),
+            Err(Error::OutOfMemory { .. }) => ask /= 2,
+            Err(e) => return Err(e.into()),
+        }
+        ask = ask.min(free_gpu0_bytes(&ctx)?.saturating_sub(512 << 10));
+    }
+    let free = free_gpu0_bytes(&ctx)?;
+    if free >= 1 << 20 {
+        skipped(
+            name,
+            &format!("gpu(0) still has {free} bytes free after filling"),
+        );
+        return Ok(());
+    }
+
+    let is_oom = |r: kvstore::Result<()>, what: &str, bytes: usize| match r {
+        Err(Error::OutOfMemory {
+            device: Some(d),
+            requested,
+            ..
+        }) if d == gpu(0) => {
+            assert!(
+                requested.is_none_or(|r| r >= bytes),
+                "{what}: asked for {requested:?}, at least {bytes} expected"
+            );
+        }
+        other => panic!("{what}: expected Error::OutOfMemory on gpu(0), got {other:?}"),
+    };
+    is_oom(
+        kv.init_on(3, &host_value, gpu(0)),
+        "init of a 4 MiB key",
+        4 * big,
+    );
+    is_oom(kv.push(2, &pushed), "the first momentum push", 4 * big);
+    let text = kv
+        .push(2, &pushed)
+        .expect_err("still no memory")
+        .to_string();
+    assert!(
+        text.contains("out of memory on gpu(0)") && text.contains("free arrays"),
+        "the message says where and what to do: {text}"
+    );
+
+    // Memory back: nothing had changed, and the same calls now succeed.
+    drop(fillers);
+    assert!(
+        matches!(kv.meta(3), Err(Error::UnknownKey { .. })),
+        "the failed init created no key"
+    );
+    let want_b: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
+    assert_close(
+        &pull(2, big)?,
+        &want_b,
+        0.0,
+        "key 2 after the failed pushes",
+    );
+    assert_close(&pull(1, small)?, &one_before, 0.0, "key 1");
+    kv.init_on(3, &host_value, gpu(0))?;
+    kv.push(1, &array(&random(small), &[small], DType::F32, gpu(0))?)?;
+    kv.wait_all()?;
     Ok(())
 }
 

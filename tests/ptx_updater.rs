@@ -212,3 +212,101 @@ fn broken_ptx_fails_the_push_and_changes_nothing() {
     );
     assert_eq!(snapshot(&kv), before, "the failed push changed nothing");
 }
+
+/// A user updater that stores its first scalar at address 0 from every thread: outside every
+/// allocation on any GPU (the null page is never mapped), so the launch faults with
+/// CUDA_ERROR_ILLEGAL_ADDRESS on real hardware as on the stand-in's interpreter.
+const STORES_TO_NULL: &str = "
+.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry to_null(
+    .param .u64 stored,
+    .param .u64 merged,
+    .param .u64 m,
+    .param .u64 v,
+    .param .u64 n,
+    .param .u64 step,
+    .param .f32 s0,
+    .param .f32 s1,
+    .param .f32 s2,
+    .param .f32 s3
+)
+{
+    .reg .b64 %rd<2>;
+    .reg .f32 %f<2>;
+    ld.param.f32 %f1, [s0];
+    mov.u64 %rd1, 0;
+    st.global.f32 [%rd1], %f1;
+    ret;
+}
+";
+
+/// A PTX updater that writes out of bounds poisons its GPU's context, as CUDA does: the store
+/// reports it as a typed `Error::Cuda` (CUDA_ERROR_ILLEGAL_ADDRESS, marked sticky, with a
+/// message that says to restart), never panics or hangs, and every later call on that GPU,
+/// from this store or a new one, fails with the same error. Runs in a process of its own,
+/// since the fault leaves the process's context on gpu(0) unusable.
+#[test]
+#[ignore = "needs a GPU"]
+fn an_illegal_address_in_a_ptx_updater_is_a_sticky_typed_error() {
+    let name = "an_illegal_address_in_a_ptx_updater_is_a_sticky_typed_error";
+    if !common::in_own_process(name, &[], std::time::Duration::from_secs(600)) {
+        return;
+    }
+    use cudarc::driver::sys::cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS;
+    assert!(kvstore::gpu_count() > 0, "this test needs a GPU");
+    let is_fault = |r: kvstore::Result<()>, what: &str| match r {
+        Err(
+            e @ Error::Cuda {
+                source: Some(d), ..
+            },
+        ) if d.0 == CUDA_ERROR_ILLEGAL_ADDRESS => {
+            assert!(e.is_sticky_gpu_fault(), "{what}: {e}");
+            let text = e.to_string();
+            assert!(
+                text.contains("CUDA_ERROR_ILLEGAL_ADDRESS") && text.contains("Restart"),
+                "{what}: the message says what happened and what to do: {text}"
+            );
+        }
+        other => panic!("{what}: expected the sticky illegal-address error, got {other:?}"),
+    };
+    let kv = KvStore::create("device").unwrap();
+    let n = 1000;
+    let data = random(n);
+    for key in [1, 2] {
+        kv.init_on(
+            key,
+            &NDArray::from_vec(data.clone(), [n]).unwrap(),
+            kvstore::gpu(0),
+        )
+        .unwrap();
+    }
+    // Before the fault, the GPU works.
+    let out = NDArray::full_on([n], f64::NAN, DType::F32, cpu(0)).unwrap();
+    kv.pull(2, &out).unwrap();
+    assert_eq!(out.to_vec::<f32>().unwrap(), data);
+    let p = PtxUpdater::new(STORES_TO_NULL, "to_null", DType::F32)
+        .unwrap()
+        .with_scalars([1.5, 0.0, 0.0, 0.0]);
+    kv.set_updater(Updater::Ptx(p)).unwrap();
+    let value = NDArray::from_vec(random(n), [n])
+        .unwrap()
+        .to_device(kvstore::gpu(0))
+        .unwrap();
+    // The launch is asynchronous on a GPU: the push may return before the kernel faults.
+    match kv.push(1, &value) {
+        Ok(()) => println!("the push returned before the fault; the next call reports it"),
+        r => is_fault(r, "the push"),
+    }
+    // Every later call that reaches gpu(0) fails with the sticky error.
+    is_fault(kv.pull(2, &out), "a pull of another key");
+    is_fault(kv.pull(2, &out), "the same pull again");
+    kv.set_updater(Updater::Assign).unwrap();
+    is_fault(kv.push(2, &value), "a push with the assign updater");
+    let fresh = KvStore::create("device").unwrap();
+    is_fault(
+        fresh.init_on(3, &NDArray::from_vec(data, [n]).unwrap(), kvstore::gpu(0)),
+        "init in a new store",
+    );
+}

@@ -37,7 +37,10 @@ fn class_name(e: &Error) -> &'static str {
         Error::UpdaterPanicked { .. } | Error::UpdaterFailed { .. } => "UpdaterError",
         Error::Checkpoint { .. } => "CheckpointError",
         Error::OutOfMemory { .. } => "DeviceOutOfMemoryError",
-        Error::Cuda { .. } | Error::Nccl { .. } | Error::Internal { .. } => "DeviceError",
+        Error::Cuda { .. }
+        | Error::Nccl { .. }
+        | Error::Internal { .. }
+        | Error::GpuArch { .. } => "DeviceError",
         // LengthMismatch, Empty, DeviceNotFound, TooManyDims, DataLength, Operands,
         // InvalidUpdater, and variants added later.
         _ => "InvalidArgumentError",

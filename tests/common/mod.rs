@@ -153,3 +153,65 @@ macro_rules! on_every_home {
         }
     };
 }
+
+/// The name of the child-process marker: set to a test's name, it runs that test's body.
+const CHILD: &str = "KVSTORE_TEST_CHILD";
+
+/// Runs the test `name` in a child process of its own (this test binary, filtered to it, with
+/// the ignored tests included, and `env` added to its environment) and checks that it passed,
+/// within `limit`; returns false. In that child, returns true and the caller runs the body. For a test that makes a GPU fault:
+/// CUDA's fault errors are sticky, so the process's context on that GPU is unusable
+/// afterwards, and no other test may share the process; and for one that needs a setting the
+/// stand-in driver reads once per process (`KVSTORE_STANDIN_MEM_GIB`).
+pub fn in_own_process(name: &str, env: &[(&str, &str)], limit: std::time::Duration) -> bool {
+    if std::env::var(CHILD).is_ok_and(|t| t == name) {
+        return true;
+    }
+    let exe = std::env::current_exe().expect("the test binary");
+    // The child's output goes to a file, not a pipe: a full pipe would stall it.
+    let log = std::env::temp_dir().join(format!("kvstore-{name}-{}.log", std::process::id()));
+    let file = std::fs::File::create(&log).expect("a log file for the child");
+    let mut child = std::process::Command::new(exe)
+        .args([name, "--exact", "--include-ignored", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env(CHILD, name)
+        .envs(env.iter().copied())
+        .stdout(file.try_clone().expect("the log file"))
+        .stderr(file)
+        .spawn()
+        .expect("the test binary starts");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the child") {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{name} still ran after {limit:?} in its own process: it hangs");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    // The child's own lines, without its harness summary (which scripts would count as
+    // passes or failures of their own).
+    let shown: Vec<String> = text
+        .lines()
+        .filter(|l| !(l.starts_with("test result:") || l.starts_with("test ")))
+        .map(|l| {
+            // A SKIPPED line stays one of its own, so the run counts it.
+            if l.starts_with("SKIPPED:") {
+                l.to_owned()
+            } else {
+                format!("    [child] {l}")
+            }
+        })
+        .collect();
+    println!("{}", shown.join("\n"));
+    assert!(
+        status.success() && text.contains("1 passed"),
+        "{name}, in a process of its own, did not pass ({status}); its output is above"
+    );
+    false
+}

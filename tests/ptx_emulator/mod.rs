@@ -17,6 +17,13 @@
 //! form not listed) is a parse error that names the line, so a kernel edit the interpreter does
 //! not understand fails loudly. Operand register widths are checked against the instruction.
 //!
+//! Architectures: `.version` and `.target` must come before the first entry, the target must
+//! be one its PTX ISA version knows (sm_80 needs 7.0, sm_90 7.8), and an instruction above the
+//! module's `.target` or `.version` is an error naming its line, as ptxas makes it: the bf16
+//! conversions (`cvt.rn.bf16.f32`, PTX ISA 7.0, and `cvt.f32.bf16`, 7.1) need sm_80. Everything
+//! else in the subset runs on sm_70. [`Module::needs`] says what the most demanding instruction
+//! needs, so a driver can also refuse the module on a device below it.
+//!
 //! [`launch`] runs every thread of the grid, one after another, each to its `ret`. That is a
 //! faithful model only for threads that do not talk to each other, so besides having no shared
 //! memory or barriers, every launch is checked for races: a thread that loads or stores global

@@ -167,12 +167,75 @@ pub struct Entry {
     /// Name and width of every register; width 1 is a predicate.
     pub regs: Vec<(String, u32)>,
     pub code: Vec<Instr>,
+    /// The instruction of the entry that needs the highest architecture, if any needs more
+    /// than sm_70.
+    pub needs: Option<Needs>,
 }
 
-/// A parsed PTX module: its entries, in order.
+/// A parsed PTX module: its `.version`, its `.target`, and its entries, in order.
 #[derive(Clone, Debug)]
 pub struct Module {
+    /// `.version` as major * 10 + minor (`7.1` is 71).
+    pub version: u32,
+    /// The number of `.target sm_NN`.
+    pub target: u32,
     pub entries: Vec<Entry>,
+    /// What the instruction needing the highest architecture needs, if any instruction needs
+    /// more than sm_70 (every entry's `needs`, the highest).
+    pub needs: Option<Needs>,
+}
+
+/// What a feature of PTX needs: an architecture (`sm`, as major * 10 + minor) and a PTX ISA
+/// version (major * 10 + minor), from the "PTX ISA notes" and "Target ISA notes" of the PTX
+/// ISA manual; `what` names the feature as ptxas does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Needs {
+    pub what: &'static str,
+    pub sm: u32,
+    pub isa: u32,
+    /// Where it first appears: "fused_assign_bf16, line 141".
+    pub at: String,
+}
+
+/// The PTX ISA version each architecture needs at least in `.target` (the PTX ISA manual,
+/// ".target", Target ISA notes): sm_70 came with PTX ISA 6.0, sm_80 with 7.0, sm_90 with 7.8.
+/// Architectures not listed are not checked.
+const TARGET_ISA: [(u32, u32); 8] = [
+    (70, 60),
+    (72, 61),
+    (75, 63),
+    (80, 70),
+    (86, 71),
+    (87, 74),
+    (89, 78),
+    (90, 78),
+];
+
+/// What an instruction of the subset needs beyond sm_70 and PTX ISA 6.0, if anything. Only the
+/// bf16 conversions do: `cvt.rn.bf16.f32` was introduced in PTX ISA 7.0 and `cvt.f32.bf16` in
+/// 7.1, and both require sm_80 ("cvt with .bf16 requires sm_80 or higher"). The f16
+/// conversions, f32 arithmetic, integer, memory and control instructions of the subset date
+/// from PTX ISA 1.x and sm_1x/2x.
+fn needs(op: &Op) -> Option<(&'static str, u32, u32)> {
+    match op {
+        Op::Cvt(Cvt::Bf16FromF32, ..) => Some(("cvt.rn.bf16.f32 (cvt with .bf16)", 80, 70)),
+        Op::Cvt(Cvt::F32FromBf16, ..) => Some(("cvt.f32.bf16 (cvt with .bf16)", 80, 71)),
+        _ => None,
+    }
+}
+
+/// `7.1` as 71; only single-digit minors exist.
+fn parse_version(v: &str) -> Option<u32> {
+    let (major, minor) = v.trim().split_once('.')?;
+    let (major, minor): (u32, u32) = (major.parse().ok()?, minor.parse().ok()?);
+    (minor < 10).then_some(major * 10 + minor)
+}
+
+/// `sm_80` (or `sm_90a`, an architecture-specific target) as 80.
+fn parse_target(t: &str) -> Option<u32> {
+    let first = t.split(',').next()?.trim();
+    let digits = first.strip_prefix("sm_")?.trim_end_matches(['a', 'f']);
+    digits.parse().ok()
 }
 
 impl Module {
@@ -186,6 +249,7 @@ impl Module {
             .filter(|(_, l)| !l.is_empty())
             .peekable();
         let mut entries = Vec::new();
+        let (mut version, mut target) = (None, None);
         while let Some((line, l)) = lines.next() {
             let at = || format!("line {line}: `{l}`");
             ensure!(
@@ -194,9 +258,26 @@ impl Module {
                 at()
             );
             if let Some(v) = l.strip_prefix(".version ") {
-                ensure!(v.trim().parse::<f32>().is_ok(), "{}: bad .version", at());
+                ensure!(version.is_none(), "{}: a second .version", at());
+                version =
+                    Some(parse_version(v).with_context(|| format!("{}: bad .version", at()))?);
             } else if let Some(t) = l.strip_prefix(".target ") {
-                ensure!(t.trim().starts_with("sm_"), "{}: bad .target", at());
+                ensure!(target.is_none(), "{}: a second .target", at());
+                let sm = parse_target(t).with_context(|| format!("{}: bad .target", at()))?;
+                let v = version.with_context(|| format!("{}: .target before .version", at()))?;
+                if let Some(&(_, isa)) = TARGET_ISA.iter().find(|(a, _)| *a == sm) {
+                    ensure!(
+                        v >= isa,
+                        "{}: .target sm_{sm} needs PTX ISA {}.{} or newer, and the module's \
+                         .version is {}.{}",
+                        at(),
+                        isa / 10,
+                        isa % 10,
+                        v / 10,
+                        v % 10
+                    );
+                }
+                target = Some(sm);
             } else if let Some(a) = l.strip_prefix(".address_size ") {
                 ensure!(a.trim() == "64", "{}: only 64-bit addresses", at());
             } else if l.starts_with(".visible .entry ") || l.starts_with(".entry ") {
@@ -209,6 +290,12 @@ impl Module {
                     header.push(' ');
                     header.push_str(next);
                 }
+                let (Some(version), Some(target)) = (version, target) else {
+                    bail!(
+                        "{}: `.version` and `.target` must come before the first entry",
+                        at()
+                    );
+                };
                 let (name, params) = parse_header(&header).with_context(at)?;
                 match lines.next() {
                     Some((_, "{")) => {}
@@ -222,12 +309,25 @@ impl Module {
                         None => bail!("{}: the body of {name} has no closing `}}`", at()),
                     }
                 }
-                entries.push(parse_body(name, params, &body)?);
+                entries.push(parse_body(name, params, &body, (version, target))?);
             } else {
                 bail!("{}: unsupported module-level statement", at());
             }
         }
-        Ok(Module { entries })
+        let (Some(version), Some(target)) = (version, target) else {
+            bail!("the module has no `.version` or no `.target`");
+        };
+        let needs = entries
+            .iter()
+            .flat_map(|e| &e.needs)
+            .max_by_key(|n| (n.sm, n.isa))
+            .cloned();
+        Ok(Module {
+            version,
+            target,
+            entries,
+            needs,
+        })
     }
 
     /// The entry called `name`.
@@ -272,8 +372,15 @@ fn parse_header(header: &str) -> Result<(String, Vec<Param>)> {
     Ok((name.trim().to_owned(), params))
 }
 
-/// The statements of one body: `.reg` declarations, labels and instructions.
-fn parse_body(name: String, params: Vec<Param>, body: &[(usize, &str)]) -> Result<Entry> {
+/// The statements of one body: `.reg` declarations, labels and instructions. Every instruction
+/// must be available at the module's `(version, target)`.
+fn parse_body(
+    name: String,
+    params: Vec<Param>,
+    body: &[(usize, &str)],
+    (version, target): (u32, u32),
+) -> Result<Entry> {
+    let mut entry_needs: Option<Needs> = None;
     let mut p = BodyParser {
         params,
         regs: Vec::new(),
@@ -315,6 +422,37 @@ fn parse_body(name: String, params: Vec<Param>, body: &[(usize, &str)]) -> Resul
                 );
             } else {
                 let (guard, op, label) = p.instruction(stmt).with_context(at)?;
+                if let Some((what, sm, isa)) = needs(&op) {
+                    // As ptxas says it: "Feature 'cvt with .bf16' requires .target sm_80 or
+                    // higher".
+                    ensure!(
+                        sm <= target,
+                        "{}: {what} requires .target sm_{sm} or higher, and the module is \
+                         .target sm_{target}",
+                        at()
+                    );
+                    ensure!(
+                        isa <= version,
+                        "{}: {what} requires PTX ISA {}.{} or newer, and the module's .version \
+                         is {}.{}",
+                        at(),
+                        isa / 10,
+                        isa % 10,
+                        version / 10,
+                        version % 10
+                    );
+                    if entry_needs
+                        .as_ref()
+                        .is_none_or(|n| (n.sm, n.isa) < (sm, isa))
+                    {
+                        entry_needs = Some(Needs {
+                            what,
+                            sm,
+                            isa,
+                            at: format!("{name}, line {line}"),
+                        });
+                    }
+                }
                 if let Some(label) = label {
                     branches.push((code.len(), label));
                 }
@@ -338,6 +476,7 @@ fn parse_body(name: String, params: Vec<Param>, body: &[(usize, &str)]) -> Resul
         params: p.params,
         regs: p.regs,
         code,
+        needs: entry_needs,
     })
 }
 

@@ -85,11 +85,8 @@ fn runs_a_small_kernel_exactly() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn half_conversions_round_to_nearest_even() -> Result<()> {
-    // Loads an f32, stores it as f16 and as bf16, and stores the f16 widened back.
-    let m = module(
-        "
+/// Loads an f32, stores it as f16 and as bf16, and stores the f16 widened back.
+const CVT: &str = "
 .visible .entry cvt(
     .param .u64 p
 )
@@ -107,8 +104,12 @@ fn half_conversions_round_to_nearest_even() -> Result<()> {
     st.global.f32 [%a+8], %y;
     ret;
 }
-",
-    )?;
+";
+
+#[test]
+fn half_conversions_round_to_nearest_even() -> Result<()> {
+    // cvt.rn.bf16.f32 needs sm_80 and PTX ISA 7.0.
+    let m = Module::parse(&format!("{}{CVT}", HEAD.replace("sm_70", "sm_80")))?;
     // (input, f16 bits, bf16 bits): ties go to the even neighbour.
     let cases = [
         (1.0 + 2f32.powi(-11), 0x3c00, 0x3f80), // f16 tie, down to even
@@ -357,6 +358,48 @@ fn unsupported_ptx_is_rejected_with_its_line() {
         assert!(err.contains(&at), "{line}: {err}");
         assert!(err.contains(why), "{line}: {err}");
     }
+}
+
+#[test]
+fn an_instruction_above_the_target_or_version_is_rejected() -> Result<()> {
+    // CVT's bf16 conversion in an sm_70 module: refused as ptxas refuses it, naming the line.
+    let err = format!("{:#}", module(CVT).expect_err("bf16 on sm_70"));
+    let at = format!("line {}:", line_of(CVT, "cvt.rn.bf16.f32 %b, %x;"));
+    assert!(err.contains(&at), "{err}");
+    assert!(
+        err.contains("cvt.rn.bf16.f32 (cvt with .bf16) requires .target sm_80 or higher")
+            && err.contains("sm_70"),
+        "{err}"
+    );
+    // The widening needs PTX ISA 7.1: an sm_80 module of .version 7.0 may narrow, not widen.
+    let head80 = HEAD.replace("sm_70", "sm_80");
+    let widen = CVT.replace("cvt.f32.f16 %y, %h;", "cvt.f32.bf16 %y, %b;");
+    let err = format!(
+        "{:#}",
+        Module::parse(&format!("{head80}{widen}")).expect_err("ISA 7.0")
+    );
+    assert!(
+        err.contains("cvt.f32.bf16 (cvt with .bf16) requires PTX ISA 7.1 or newer"),
+        "{err}"
+    );
+    let m = Module::parse(&format!("{}{widen}", head80.replace("7.0", "7.1")))?;
+    let needs = m.needs.expect("a bf16 conversion needs sm_80");
+    assert_eq!((needs.sm, needs.isa, m.target, m.version), (80, 71, 80, 71));
+    assert!(needs.at.starts_with("cvt, line "), "{}", needs.at);
+    // A target its version does not know, and a module without a target.
+    let err = format!(
+        "{:#}",
+        Module::parse(&format!("{}{SCALE}", HEAD.replace("sm_70", "sm_90"))).expect_err("7.0")
+    );
+    assert!(err.contains(".target sm_90 needs PTX ISA 7.8"), "{err}");
+    let err = format!(
+        "{:#}",
+        Module::parse(&format!(".version 7.0\n{SCALE}")).expect_err("no target")
+    );
+    assert!(err.contains("must come before the first entry"), "{err}");
+    // Nothing in SCALE needs more than sm_70.
+    assert!(module(SCALE)?.needs.is_none());
+    Ok(())
 }
 
 #[test]

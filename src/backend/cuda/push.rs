@@ -217,13 +217,17 @@ fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
             }
             _ => {
                 let rule = updater.rule::<f32>(1).expect("closures take the host path");
-                home.function(kernels::scalars(&rule).0, dtype)?;
+                home.function(kernels::scalars(&rule).0, dtype)
+                    .map_err(with_key(job.key))?;
             }
         }
-        home.function(RuleKind::Assign, dtype)?;
+        home.function(RuleKind::Assign, dtype)
+            .map_err(with_key(job.key))?;
         for v in job.values {
             if let Device::Gpu(d) = v.device() {
-                gpu(d)?.function(RuleKind::Assign, dtype)?;
+                gpu(d)?
+                    .function(RuleKind::Assign, dtype)
+                    .map_err(with_key(job.key))?;
             }
         }
     }

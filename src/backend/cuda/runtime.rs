@@ -28,6 +28,8 @@ use crate::{DType, Device, Error, Key, PtxUpdater, Result};
 /// One GPU: its context, its single stream, and its kernels (loaded on first use).
 pub struct Gpu {
     ordinal: usize,
+    /// The compute capability, as major * 10 + minor (70 for an sm_70 GPU).
+    sm: u32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     /// The PTX modules, each loaded on first use: a module this GPU cannot load (bf16's
@@ -93,6 +95,34 @@ impl Gpu {
         &self.ctx
     }
 
+    /// The compute capability, as major * 10 + minor (80 for an A100, 90 for an H100).
+    pub fn sm(&self) -> u32 {
+        self.sm
+    }
+
+    /// Refuses PTX whose `.target` is above this GPU's architecture (the driver would fail to
+    /// load it with a bare CUDA_ERROR_NO_BINARY_FOR_GPU), with an error naming both.
+    fn check_target(
+        &self,
+        op: &'static str,
+        text: &str,
+        what: impl FnOnce() -> String,
+        fix: &'static str,
+    ) -> Result<()> {
+        match crate::ptx_text::target(text) {
+            Some(need) if need > self.sm => Err(Error::GpuArch {
+                op,
+                key: None,
+                what: what(),
+                device: Device::Gpu(self.ordinal),
+                have: self.sm,
+                need,
+                fix,
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// Waits for everything enqueued on this GPU's stream.
     pub fn synchronize(&self) -> Result<()> {
         self.stream
@@ -102,6 +132,7 @@ impl Gpu {
 
     fn open(ordinal: usize) -> std::result::Result<Gpu, DriverError> {
         let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
         // SAFETY: turning event tracking off before any slice or stream of this context exists.
         // We order work ourselves: one stream per GPU (stream order), and explicit events for
         // every cross-GPU dependency (peer copies, NCCL ranks on other GPUs); buffers are freed
@@ -110,6 +141,7 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         Ok(Gpu {
             ordinal,
+            sm: (major * 10 + minor).max(0) as u32,
             ctx,
             stream,
             modules: Mutex::new(HashMap::new()),
@@ -232,10 +264,38 @@ impl Gpu {
         // SAFETY: this GPU's context is current (bound just above) and `peer`'s context is
         // live for the process; the flags must be 0.
         let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
-        matches!(
+        if !matches!(
             r,
             sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-        )
+        ) {
+            return false;
+        }
+        self.grant_pool_access(peer)
+    }
+
+    /// Lets this GPU's kernels read and write memory from `peer`'s current memory pool, where
+    /// cudarc allocates (`cuMemAllocAsync`). Peer access does not cover pool memory (CUDA
+    /// programming guide, stream-ordered allocator: pool accessibility "does not follow
+    /// cuCtxEnablePeerAccess"; `cuMemPoolSetAccess` grants it); without this, a kernel here
+    /// reading a buffer on `peer` faults with an illegal address.
+    fn grant_pool_access(&self, peer: &Gpu) -> bool {
+        use cudarc::driver::sys;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: a valid device of this process and a valid out-pointer.
+        let r = unsafe { sys::cuDeviceGetMemPool(&mut pool, peer.ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return false;
+        }
+        let desc = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.ctx.cu_device(),
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `pool` is `peer`'s live pool (just queried), `desc` one valid descriptor.
+        let r = unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) };
+        r == sys::CUresult::CUDA_SUCCESS
     }
 
     /// The fused kernel for `rule` and `dtype`, loading this GPU's PTX modules on first use.
@@ -256,6 +316,13 @@ impl Gpu {
                 source: None,
             });
         };
+        self.check_target(
+            "load kernels",
+            text,
+            || format!("the {dtype} kernels (kernels/{stem}.ptx)"),
+            "keep keys of this dtype in host memory (init_on(key, value, cpu(0))) or on a newer \
+             GPU, or use float32 or float16",
+        )?;
         let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
         let loaded = modules
             .entry(stem)
@@ -318,6 +385,13 @@ impl Gpu {
             },
             other => other,
         };
+        self.check_target(
+            "load PTX updater",
+            p.ptx(),
+            || format!("the PTX updater's module (entry '{}')", p.entry()),
+            "write the module for the lowest .target your GPUs have (PTX for sm_70 runs on every \
+             newer GPU), or home these keys on a newer GPU",
+        )?;
         let module = self
             .ctx
             .load_module(Ptx::from_src(&**p.ptx()))
@@ -393,6 +467,11 @@ pub fn gpu(i: usize) -> Result<&'static Gpu> {
         .get_or_init(|| Gpu::open(i))
         .as_ref()
         .map_err(|&e| Error::from_driver("open GPU", Some(i), None, e))
+}
+
+/// The compute capability of GPU `i` as major * 10 + minor (opening it on first use).
+pub fn gpu_sm(i: usize) -> Result<u32> {
+    Ok(gpu(i)?.sm())
 }
 
 /// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work

@@ -116,7 +116,10 @@ pub(super) fn make_states<'c>(
         let bufs = (0..names)
             .map(|_| super::alloc_zeros::<f32>(st, n))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(cuda_err("push", Some(key)))?;
+            .map_err(|e| {
+                // The state's memory, on the key's home GPU.
+                Error::from_driver("push (updater state)", Some(home), Some(n * 4), e).with_key(key)
+            })?;
         cell.state = Some(GpuState {
             generation,
             step: 0,

@@ -61,7 +61,24 @@ fn current(st: &State) -> Result<usize, i32> {
     if st.ctxs[c].retained == 0 {
         return Err(cu::INVALID_CONTEXT);
     }
+    usable(st, c)?;
     Ok(c)
+}
+
+/// Fails with context `ctx`'s sticky error, once a kernel fault has poisoned it (as CUDA does:
+/// every later call on the context returns the error, until the context is reset).
+fn usable(st: &State, ctx: usize) -> Result<(), i32> {
+    match st.ctxs[ctx].sticky {
+        Some(code) => Err(code),
+        None => Ok(()),
+    }
+}
+
+/// The stream a `CUstream` handle names, in a context that is still usable.
+fn stream_of(st: &mut State, h: Handle) -> Result<usize, i32> {
+    let s = st.stream(h)?;
+    usable(st, st.streams[s].ctx)?;
+    Ok(s)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -172,7 +189,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> i
         let st = begin()?;
         check_device(&st, dev)?;
         // SAFETY: a valid out-pointer, per the API.
-        unsafe { out(bytes, 80 << 30) }
+        unsafe { out(bytes, st.cfg.mem_bytes as usize) }
     })
 }
 
@@ -181,11 +198,13 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     crate::calls::count("cuMemGetInfo_v2");
     run(|| {
         let st = begin()?;
-        current(&st)?;
+        let c = current(&st)?;
+        let total_bytes = st.cfg.mem_bytes;
+        let used = st.used[st.ctxs[c].device];
         // SAFETY: valid out-pointers, per the API.
         unsafe {
-            out(free, 80 << 30)?;
-            out(total, 80 << 30)
+            out(free, total_bytes.saturating_sub(used) as usize)?;
+            out(total, total_bytes as usize)
         }
     })
 }
@@ -226,6 +245,23 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> i32 {
             return Err(cu::INVALID_CONTEXT);
         }
         st.ctxs[d].retained -= 1;
+        if st.ctxs[d].retained == 0 {
+            // The last release destroys the primary context.
+            st.reset_ctx(d);
+        }
+        Ok(())
+    })
+}
+
+/// Resets a primary context: everything in it is destroyed and its sticky error is cleared
+/// (see `State::reset_ctx`). The retains stay.
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> i32 {
+    crate::calls::count("cuDevicePrimaryCtxReset_v2");
+    run(|| {
+        let mut st = begin()?;
+        let d = check_device(&st, dev)?;
+        st.reset_ctx(d);
         Ok(())
     })
 }
@@ -380,7 +416,7 @@ pub extern "C" fn cuStreamDestroy_v2(stream: Handle) -> i32 {
         if stream.is_null() {
             return Err(cu::INVALID_HANDLE);
         }
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         // Work already enqueued still runs (CUDA's rule); the handle is dead from now on.
         st.streams[s].live = false;
         Ok(())
@@ -410,7 +446,7 @@ pub extern "C" fn cuStreamSynchronize(stream: Handle) -> i32 {
     crate::calls::count("cuStreamSynchronize");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         sync_stream(st, s, "cuStreamSynchronize")
     })
 }
@@ -420,7 +456,7 @@ pub extern "C" fn cuStreamQuery(stream: Handle) -> i32 {
     crate::calls::count("cuStreamQuery");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         st.progress();
         let target = st.streams[s].enq;
         if st.streams[s].done < target {
@@ -437,7 +473,10 @@ pub extern "C" fn cuStreamQuery(stream: Handle) -> i32 {
 
 fn event_of(st: &State, h: Handle) -> Result<usize, i32> {
     match unhandle(Kind::Event, h) {
-        Some(e) if e < st.events.len() && st.events[e].live => Ok(e),
+        Some(e) if e < st.events.len() && st.events[e].live => {
+            usable(st, st.events[e].ctx)?;
+            Ok(e)
+        }
         _ => Err(cu::INVALID_HANDLE),
     }
 }
@@ -479,7 +518,7 @@ pub extern "C" fn cuEventRecord(event: Handle, stream: Handle) -> i32 {
     run(|| {
         let mut st = begin()?;
         let e = event_of(&st, event)?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if st.events[e].ctx != st.streams[s].ctx {
             return Err(reject(
                 cu::INVALID_HANDLE,
@@ -558,7 +597,7 @@ pub extern "C" fn cuStreamWaitEvent(stream: Handle, event: Handle, flags: c_uint
     crate::calls::count("cuStreamWaitEvent");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         let e = event_of(&st, event)?;
         if flags != 0 {
             return Err(cu::INVALID_VALUE);
@@ -596,12 +635,12 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, bytes: usize, stream: H
     crate::calls::count("cuMemAllocAsync");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if dptr.is_null() || bytes == 0 {
             return Err(cu::INVALID_VALUE);
         }
         let device = st.device_of_stream(s);
-        let base = st.alloc(device, bytes);
+        let base = st.alloc(device, bytes, true)?;
         let what = format!("cuMemAllocAsync({bytes} bytes) on {}", st.stream_name(s));
         st.enqueue(
             s,
@@ -626,7 +665,165 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytes: usize) -> i32 {
             return Err(cu::INVALID_VALUE);
         }
         let device = st.ctxs[c].device;
-        let base = st.alloc(device, bytes);
+        let base = st.alloc(device, bytes, false)?;
+        // SAFETY: non-null out-pointer, per the API.
+        unsafe { out(dptr, base) }
+    })
+}
+
+/// `CUmemLocation`: a device (type 1) and its ordinal.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemLocation {
+    pub kind: c_uint,
+    pub id: c_int,
+}
+
+/// `CUmemAccessDesc`: a location and the access it gets (0 none, 1 read, 3 read and write).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemAccessDesc {
+    pub location: MemLocation,
+    pub flags: c_uint,
+}
+
+const MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
+
+/// The pool a `CUmemoryPool` handle names: each device's default pool (the only pools here).
+fn pool_of(st: &State, h: Handle) -> Result<usize, i32> {
+    match unhandle(Kind::Pool, h) {
+        Some(d) if d < st.cfg.gpus => Ok(d),
+        _ => Err(cu::INVALID_VALUE),
+    }
+}
+
+/// The device's default memory pool, which `cuMemAllocAsync` allocates from.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut Handle, dev: c_int) -> i32 {
+    crate::calls::count("cuDeviceGetDefaultMemPool");
+    run(|| {
+        let st = begin()?;
+        let d = check_device(&st, dev)?;
+        // SAFETY: a valid out-pointer, per the API.
+        unsafe { out(pool, handle(Kind::Pool, d)) }
+    })
+}
+
+/// The device's current memory pool: its default one (no other pools are made here).
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut Handle, dev: c_int) -> i32 {
+    crate::calls::count("cuDeviceGetMemPool");
+    // SAFETY: the same contract.
+    unsafe { cuDeviceGetDefaultMemPool(pool, dev) }
+}
+
+/// Grants devices access to a pool's memory (the only way kernels on another device may touch
+/// it: peer access does not cover pools). The pool's own device always has read and write
+/// access, which cannot be changed; other devices need `cuDeviceCanAccessPeer`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolSetAccess(
+    pool: Handle,
+    map: *const MemAccessDesc,
+    count: usize,
+) -> i32 {
+    crate::calls::count("cuMemPoolSetAccess");
+    run(|| {
+        let mut st = begin()?;
+        let p = pool_of(&st, pool)?;
+        if map.is_null() && count > 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        for i in 0..count {
+            // SAFETY: `map` holds `count` descriptors, per the API.
+            let d = unsafe { *map.add(i) };
+            let to = d.location.id;
+            if d.location.kind != MEM_LOCATION_TYPE_DEVICE || !matches!(d.flags, 0 | 1 | 3) {
+                return Err(cu::INVALID_VALUE);
+            }
+            let to = check_device(&st, to)?;
+            if to == p {
+                if d.flags != 3 {
+                    return Err(reject(
+                        cu::INVALID_VALUE,
+                        format!(
+                            "cuMemPoolSetAccess: gpu {p}'s own access to its pool cannot be \
+                             changed"
+                        ),
+                    ));
+                }
+                continue;
+            }
+            if !st.cfg.p2p {
+                return Err(cu::INVALID_DEVICE);
+            }
+            match d.flags {
+                0 => st.pool_access.remove(&(p, to)),
+                f => st.pool_access.insert((p, to), f as i32),
+            };
+        }
+        Ok(())
+    })
+}
+
+/// The access a device has to a pool's memory.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolGetAccess(
+    flags: *mut c_uint,
+    pool: Handle,
+    location: *const MemLocation,
+) -> i32 {
+    crate::calls::count("cuMemPoolGetAccess");
+    run(|| {
+        let st = begin()?;
+        let p = pool_of(&st, pool)?;
+        if location.is_null() {
+            return Err(cu::INVALID_VALUE);
+        }
+        // SAFETY: a valid location, per the API.
+        let loc = unsafe { *location };
+        if loc.kind != MEM_LOCATION_TYPE_DEVICE {
+            return Err(cu::INVALID_VALUE);
+        }
+        let d = check_device(&st, loc.id)?;
+        let f = if d == p {
+            3
+        } else {
+            st.pool_access.get(&(p, d)).copied().unwrap_or(0) as c_uint
+        };
+        // SAFETY: a valid out-pointer, per the API.
+        unsafe { out(flags, f) }
+    })
+}
+
+/// A stream-ordered allocation from `pool` (a device's default pool), on any device's stream.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut u64,
+    bytes: usize,
+    pool: Handle,
+    stream: Handle,
+) -> i32 {
+    crate::calls::count("cuMemAllocFromPoolAsync");
+    run(|| {
+        let mut st = begin()?;
+        let s = stream_of(&mut st, stream)?;
+        let device = pool_of(&st, pool)?;
+        if dptr.is_null() || bytes == 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        let base = st.alloc(device, bytes, true)?;
+        let what = format!(
+            "cuMemAllocFromPoolAsync({bytes} bytes, gpu {device}'s pool) on {}",
+            st.stream_name(s)
+        );
+        st.enqueue(
+            s,
+            what,
+            Work::Alloc {
+                base,
+                len: bytes as u64,
+            },
+        );
         // SAFETY: non-null out-pointer, per the API.
         unsafe { out(dptr, base) }
     })
@@ -708,7 +905,7 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: Handle) -> i32 {
     crate::calls::count("cuMemFreeAsync");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         check_free(&st, "cuMemFreeAsync", ptr)?;
         let what = format!("cuMemFreeAsync({ptr:#x}) on {}", st.stream_name(s));
         let pos = st.enqueue(s, what, Work::Free { base: ptr });
@@ -773,7 +970,7 @@ pub unsafe extern "C" fn cuMemsetD8Async(dst: u64, value: u8, n: usize, stream: 
     crate::calls::count("cuMemsetD8Async");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         check_range(&st, "cuMemsetD8Async", s, dst, n)?;
         let what = format!(
             "cuMemsetD8Async({dst:#x}, {n} bytes) on {}",
@@ -793,7 +990,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     crate::calls::count("cuMemcpyHtoDAsync_v2");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if bytes == 0 {
             return Ok(());
         }
@@ -836,7 +1033,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     crate::calls::count("cuMemcpyDtoHAsync_v2");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if bytes == 0 {
             return Ok(());
         }
@@ -888,7 +1085,7 @@ pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
     crate::calls::count("cuMemcpyDtoDAsync_v2");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         if bytes == 0 {
             return Ok(());
         }
@@ -920,7 +1117,7 @@ pub unsafe extern "C" fn cuMemcpyPeerAsync(
     crate::calls::count("cuMemcpyPeerAsync");
     run(|| {
         let mut st = begin()?;
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         let (dc, sc) = (ctx_of(&st, dst_ctx)?, ctx_of(&st, src_ctx)?);
         if bytes == 0 {
             return Ok(());
@@ -1071,15 +1268,34 @@ pub unsafe extern "C" fn cuModuleLoadData(module: *mut Handle, image: *const c_v
             }
         }
         let parsed = Module::parse(text).map_err(|e| {
-            reject(
-                cu::INVALID_PTX,
-                format!(
-                    "cuModuleLoadData: the stand-in's PTX interpreter refuses this module \
-                     (it knows only the subset kvstore's kernels use; this need not be a PTX \
-                     error): {e:#}"
-                ),
-            )
+            let e = format!("{e:#}");
+            // An instruction above the module's own `.target` or `.version`: ptxas refuses it
+            // ("Feature 'cvt with .bf16' requires .target sm_80 or higher"), and so does the
+            // driver's JIT, with CUDA_ERROR_INVALID_PTX.
+            let why = if e.contains("requires .target")
+                || e.contains("requires PTX ISA")
+                || e.contains("needs PTX ISA")
+            {
+                "the PTX is invalid: it uses an instruction its own `.target` or `.version` does \
+                 not have (ptxas and the driver's JIT refuse it too)"
+            } else {
+                "the stand-in's PTX interpreter refuses this module (it knows only the subset \
+                 kvstore's kernels use; this need not be a PTX error)"
+            };
+            reject(cu::INVALID_PTX, format!("cuModuleLoadData: {why}: {e}"))
         })?;
+        // Every instruction is within the `.target`, which is within the device (checked
+        // above); checked once more per instruction, so a message names the instruction.
+        if let Some(n) = parsed.needs.as_ref().filter(|n| n.sm > sm) {
+            return Err(reject(
+                cu::NO_BINARY_FOR_GPU,
+                format!(
+                    "cuModuleLoadData: {} ({}) needs sm_{}, above this device's compute \
+                     capability sm_{sm} (KVSTORE_STANDIN_SM)",
+                    n.what, n.at, n.sm
+                ),
+            ));
+        }
         st.modules.push(LoadedModule {
             ctx: c,
             live: true,
@@ -1104,6 +1320,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             Some(m) if m < st.modules.len() && st.modules[m].live => m,
             _ => return Err(cu::INVALID_HANDLE),
         };
+        usable(&st, st.modules[m].ctx)?;
         if func.is_null() || name.is_null() {
             return Err(cu::INVALID_VALUE);
         }
@@ -1116,7 +1333,12 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             .position(|e| e.name == name)
             .ok_or(cu::NOT_FOUND)?;
         let ctx = st.modules[m].ctx;
-        st.functions.push(state::Function { ctx, module, entry });
+        st.functions.push(state::Function {
+            ctx,
+            live: true,
+            module,
+            entry,
+        });
         let f = st.functions.len() - 1;
         // SAFETY: non-null out-pointer, per the API.
         unsafe { out(func, handle(Kind::Function, f)) }
@@ -1161,10 +1383,10 @@ pub unsafe extern "C" fn cuLaunchKernel(
     run(|| {
         let mut st = begin()?;
         let func = match unhandle(Kind::Function, f) {
-            Some(i) if i < st.functions.len() => i,
+            Some(i) if i < st.functions.len() && st.functions[i].live => i,
             _ => return Err(cu::INVALID_HANDLE),
         };
-        let s = st.stream(stream)?;
+        let s = stream_of(&mut st, stream)?;
         let (fctx, module, entry) = {
             let fr = &st.functions[func];
             (fr.ctx, fr.module.clone(), fr.entry)
@@ -1181,7 +1403,16 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 ),
             ));
         }
-        if bx * by * bz > 1024 || bz > 64 || gy > 65535 || gz > 65535 {
+        // Products in u64: a u32 product of large dimensions could wrap to a small one.
+        let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+        if threads > 1024
+            || bx > 1024
+            || by > 1024
+            || bz > 64
+            || gx > i32::MAX as c_uint
+            || gy > 65535
+            || gz > 65535
+        {
             return Err(reject(
                 cu::INVALID_VALUE,
                 format!(
@@ -1330,6 +1561,7 @@ fn describe(code: i32) -> Option<(&'static CStr, &'static CStr)> {
     Some(match code {
         0 => (c"CUDA_SUCCESS", c"no error"),
         1 => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
+        2 => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
         3 => (c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
         100 => (c"CUDA_ERROR_NO_DEVICE", c"no CUDA-capable device is detected"),
         101 => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),

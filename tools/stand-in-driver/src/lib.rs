@@ -63,8 +63,29 @@
 //!   aligned). The driver API passes no sizes with `kernelParams`, so a wrong count there cannot
 //!   be seen (the real driver reads just as blindly).
 //! - PTX whose `.target` is above the device's compute capability (`KVSTORE_STANDIN_SM`,
-//!   default 90), or whose `.version` is above the driver's PTX ISA
-//!   (`KVSTORE_STANDIN_PTX_ISA`, default 8.8), or that the interpreter does not understand.
+//!   default 90; CI runs 70, 80 and 90), or whose `.version` is above the driver's PTX ISA
+//!   (`KVSTORE_STANDIN_PTX_ISA`, default 8.8), or that the interpreter does not understand
+//!   (all `CUDA_ERROR_NO_BINARY_FOR_GPU`, `_UNSUPPORTED_PTX_VERSION` or `_INVALID_PTX`).
+//! - PTX with an instruction above its own `.target` or `.version` (`cvt.rn.bf16.f32` needs
+//!   sm_80 and ISA 7.0, `cvt.f32.bf16` sm_80 and 7.1), or a `.target` its `.version` does not
+//!   know (sm_90 needs 7.8): `CUDA_ERROR_INVALID_PTX`, as ptxas and the JIT refuse it.
+//! - **Sticky errors.** A kernel that faults (an illegal or misaligned address: out of bounds,
+//!   freed memory, address 0) poisons its context, as on a GPU: every later call on that
+//!   context (copies, launches, waits, allocations, module loads, stream and event calls)
+//!   returns the same code, and work already queued there does not run, until the context is
+//!   reset (`cuDevicePrimaryCtxReset_v2`, or the last `cuDevicePrimaryCtxRelease_v2`), which
+//!   destroys its streams, events, modules and memory. Other devices' contexts go on.
+//! - **Memory capacity.** Each device has `KVSTORE_STANDIN_MEM_GIB` GiB (default 80; a
+//!   fraction is fine): allocations beyond what is free fail with `CUDA_ERROR_OUT_OF_MEMORY`,
+//!   and `cuMemGetInfo` / `cuDeviceTotalMem` report it. Memory freed with `cuMemFreeAsync`
+//!   comes back when the free runs, in stream order. One allocation holds at most 4 GiB here.
+//! - **Memory pools.** `cuMemAllocAsync` and `cuMemAllocFromPoolAsync` allocate from the
+//!   device's default pool (`cuDeviceGetDefaultMemPool`). A kernel on another device reaches
+//!   pool memory only with the pool's access (`cuMemPoolSetAccess`: read, or read and write),
+//!   never through `cuCtxEnablePeerAccess`, as the CUDA programming guide says of the
+//!   stream-ordered allocator; plain `cuMemAlloc` memory needs peer access as before.
+//! - A launch over the block limits: more than 1024 threads per block, a block above
+//!   (1024, 1024, 64) or a grid above (2^31 - 1, 65535, 65535), with the products in 64 bits.
 //! - A race between streams (above); a use after free or a double free; an access out of
 //!   bounds; a kernel or copy touching another device's memory without peer access enabled
 //!   (`cuCtxEnablePeerAccess`; `cuMemcpyPeerAsync` needs none).
@@ -109,19 +130,35 @@
 //! # What it does not model
 //!
 //! Timing and overlap, caches and the memory model inside a kernel, the legacy default
-//! stream's implicit synchronization (the store uses non-blocking streams only), launch limits
-//! beyond block and grid sizes, and anything of real NCCL beyond the data each collective moves.
-//! Host waits order everything that any thread enqueues after them (one host clock), so a race
-//! that only a second host thread's missing synchronization would cause is not seen.
+//! stream's implicit synchronization (the store uses non-blocking streams only), and anything
+//! of real NCCL beyond the data each collective moves.
 //!
-//! Across processes: ranks on different machines (the folder is the transport, so one
-//! machine), NCCL's own bootstrap (nothing listens on `NCCL_COMM_ID`; a rank that never starts
-//! is a timeout, not a connection error), a rank that dies *while joining* (the others wait
-//! until their timeout), one physical GPU shared by the processes (each process has its own
-//! memory model, so a kernel of one process cannot touch another's buffers, and device
-//! capacity is per process), and happens-before between processes (a race between a remote
-//! rank's writes and this process's reads cannot be seen; only each process's own streams are
-//! checked).
+//! - **Registers per thread.** `CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES` (registers per thread times
+//!   threads per block over 64K) depends on how ptxas allocates hardware registers; a PTX
+//!   module's `.reg` declarations are virtual registers, which ptxas reuses, so their count
+//!   says nothing about it. Not modelled; build.rs assembles every kernel with ptxas, which
+//!   reports each entry's registers. Shared memory per block is checked only against 48 KiB.
+//! - A fault on a GPU stops the kernel; the interpreter stops at the first faulting access,
+//!   after the threads before it ran. Only illegal and misaligned addresses are sticky: the
+//!   stand-in's own diagnoses (races, unwritten registers, missing peer or pool access)
+//!   fail just the operation (on a GPU the last two are illegal-address faults).
+//! - NCCL calls on a poisoned context are accepted (real NCCL fails them with
+//!   `ncclUnhandledCudaError`); their parts never run, so the other ranks wait, as with a
+//!   dead rank.
+//! - Copies between devices of pool memory follow the peer-access rules of plain memory (the
+//!   driver's copy engines; pool access is modelled for kernels only). No pool other than the
+//!   default one, no release thresholds or fragmentation: free memory is capacity minus the
+//!   live allocations.
+//! - Host waits order everything that any thread enqueues after them (one host clock), so a
+//!   race that only a second host thread's missing synchronization would cause is not seen.
+//! - Across processes: ranks on different machines (the folder is the transport, so one
+//!   machine), NCCL's own bootstrap (nothing listens on `NCCL_COMM_ID`; a rank that never starts
+//!   is a timeout, not a connection error), a rank that dies *while joining* (the others wait
+//!   until their timeout), one physical GPU shared by the processes (each process has its own
+//!   memory model, so a kernel of one process cannot touch another's buffers, and device
+//!   capacity is per process), and happens-before between processes (a race between a remote
+//!   rank's writes and this process's reads cannot be seen; only each process's own streams are
+//!   checked).
 #![deny(unsafe_op_in_unsafe_fn)]
 // The exported functions keep the C names of the APIs they stand in for.
 #![allow(non_snake_case)]

@@ -69,6 +69,10 @@ pub struct Config {
     /// created (`ncclCommGetAsyncError` answers `ncclInProgress` until it is aborted), as when
     /// NCCL's bootstrap hangs. For tests that a stalled init is aborted, not waited for.
     pub stall_init: bool,
+    /// `KVSTORE_STANDIN_MEM_GIB`: each device's memory, in GiB (default 80, an H100's; a
+    /// fraction such as 0.25 is allowed). Allocations beyond it fail with
+    /// CUDA_ERROR_OUT_OF_MEMORY. Converted to bytes.
+    pub mem_bytes: u64,
 }
 
 impl Config {
@@ -91,6 +95,8 @@ impl Config {
             p2p: var::<u32>("KVSTORE_STANDIN_P2P", 1) != 0,
             hang: Duration::from_secs(var("KVSTORE_STANDIN_HANG_S", 120)),
             stall_init: var::<u32>("KVSTORE_STANDIN_NCCL_STALL_INIT", 0) != 0,
+            mem_bytes: (var::<f64>("KVSTORE_STANDIN_MEM_GIB", 80.0).max(0.0) * (1u64 << 30) as f64)
+                as u64,
         }
     }
 }
@@ -131,6 +137,8 @@ pub enum Kind {
     Module = 4,
     Function = 5,
     Comm = 6,
+    /// A memory pool: a device's default pool (index: the device).
+    Pool = 7,
 }
 
 pub fn handle(kind: Kind, index: usize) -> *mut std::ffi::c_void {
@@ -156,6 +164,12 @@ struct Access {
 /// What the stand-in knows of an allocation besides its bytes.
 struct AllocInfo {
     device: usize,
+    /// Its size, counted against the device's memory.
+    len: u64,
+    /// From a memory pool (`cuMemAllocAsync`, `cuMemAllocFromPoolAsync`): other devices reach
+    /// it only through the pool's access (`cuMemPoolSetAccess`), never through
+    /// `cuCtxEnablePeerAccess`.
+    pooled: bool,
     accesses: Vec<Access>,
 }
 
@@ -164,6 +178,19 @@ pub struct Ctx {
     pub retained: u32,
     /// The stream that handle 0 (the NULL stream) means in this context.
     pub null_stream: Option<usize>,
+    /// The sticky error of a kernel fault in this context (an illegal address): from then on
+    /// every call on the context fails with it, and queued work does not run, until the
+    /// context is reset (`cuDevicePrimaryCtxReset`, or the last `cuDevicePrimaryCtxRelease`).
+    pub sticky: Option<i32>,
+}
+
+/// Whether a kernel's error code is one CUDA makes sticky: the context is unusable afterwards
+/// ("the process must be terminated and relaunched", the driver API's documentation of each
+/// of these codes): an illegal address (700), a misaligned address (716). The stand-in's own
+/// diagnoses (races, uninitialized registers: CUDA_ERROR_LAUNCH_FAILED from the interpreter,
+/// peer access) are not sticky, since a GPU would not fault on them.
+pub fn is_sticky(code: i32) -> bool {
+    matches!(code, cu::ILLEGAL_ADDRESS | cu::MISALIGNED_ADDRESS)
 }
 
 /// Work a stream does when its operation runs.
@@ -261,6 +288,8 @@ pub struct LoadedModule {
 
 pub struct Function {
     pub ctx: usize,
+    /// False once its context was reset.
+    pub live: bool,
     pub module: Arc<Module>,
     pub entry: usize,
 }
@@ -365,6 +394,12 @@ pub struct State {
     pub functions: Vec<Function>,
     /// (from device, to device): kernels on `from` may touch memory of `to`.
     pub peer: HashSet<(usize, usize)>,
+    /// (pool's device, accessing device) -> the access `cuMemPoolSetAccess` granted
+    /// (`CU_MEM_ACCESS_FLAGS_PROT_READ` 1 or `_READWRITE` 3): kernels on the accessing device
+    /// may read (1) or read and write (3) that pool's memory.
+    pub pool_access: HashMap<(usize, usize), i32>,
+    /// Bytes allocated per device (live allocations), against `cfg.mem_bytes`.
+    pub used: Vec<u64>,
     /// Joined into every operation enqueued after a host wait.
     pub host_vc: Vc,
     pub cliques: Vec<Clique>,
@@ -381,11 +416,13 @@ static STATE: OnceLock<(Mutex<State>, Condvar)> = OnceLock::new();
 fn global() -> &'static (Mutex<State>, Condvar) {
     STATE.get_or_init(|| {
         let cfg = Config::from_env();
+        let gpus = cfg.gpus;
         let ctxs = (0..cfg.gpus)
             .map(|device| Ctx {
                 device,
                 retained: 0,
                 null_stream: None,
+                sticky: None,
             })
             .collect();
         (
@@ -400,6 +437,8 @@ fn global() -> &'static (Mutex<State>, Condvar) {
                 modules: Vec::new(),
                 functions: Vec::new(),
                 peer: HashSet::new(),
+                pool_access: HashMap::new(),
+                used: vec![0; gpus],
                 host_vc: Vc::default(),
                 cliques: Vec::new(),
                 comms: Vec::new(),
@@ -608,17 +647,118 @@ impl State {
         format!("stream {s} (gpu {})", self.device_of_stream(s))
     }
 
-    /// A new allocation of `len` bytes on `device` (filled with 0xff).
-    pub fn alloc(&mut self, device: usize, len: usize) -> u64 {
+    /// A new allocation of `len` bytes on `device` (filled with 0xff), from a memory pool when
+    /// `pooled`. `Err(CUDA_ERROR_OUT_OF_MEMORY)` when the device's memory
+    /// (`KVSTORE_STANDIN_MEM_GIB`) cannot hold it besides what is allocated already.
+    pub fn alloc(&mut self, device: usize, len: usize, pooled: bool) -> Result<u64, i32> {
+        let len64 = len as u64;
+        if len64 > self.cfg.mem_bytes.saturating_sub(self.used[device]) {
+            return Err(cu::OUT_OF_MEMORY);
+        }
+        // The interpreter keeps each allocation in a slot of 4 GiB.
+        if len64 >= 1 << 32 {
+            report(&format!(
+                "an allocation of {len} bytes: the stand-in holds at most 4 GiB per allocation \
+                 (a GPU would give it if it had the memory); refused as out of memory"
+            ));
+            return Err(cu::OUT_OF_MEMORY);
+        }
         let base = self.mem.alloc_filled(len, 0xff);
+        self.used[device] += len64;
         self.allocs.insert(
             base,
             AllocInfo {
                 device,
+                len: len64,
+                pooled,
                 accesses: Vec::new(),
             },
         );
-        base
+        Ok(base)
+    }
+
+    /// Frees the allocation at `base` (its bytes, and its share of its device's memory).
+    fn release(&mut self, base: u64) -> anyhow::Result<()> {
+        self.mem.free(base)?;
+        if let Some(info) = self.allocs.remove(&base) {
+            self.used[info.device] -= info.len;
+        }
+        Ok(())
+    }
+
+    /// Whether a kernel on device `from` may touch the allocation at `base` (`write`: also
+    /// write it): its own device's memory always; another device's through peer access
+    /// (`cuCtxEnablePeerAccess`) for plain allocations, or through the pool's access
+    /// (`cuMemPoolSetAccess`) for memory from a pool, which peer access does not cover (the
+    /// CUDA programming guide, "Stream Ordered Memory Allocator": pool allocation accessibility
+    /// "does not follow cudaDeviceEnablePeerAccess or cuCtxEnablePeerAccess").
+    fn check_kernel_reach(&self, from: usize, base: u64, write: bool) -> Result<(), (i32, String)> {
+        let info = &self.allocs[&base];
+        if !info.pooled {
+            return self.check_peer(from, info.device, base);
+        }
+        let to = info.device;
+        let granted = self.pool_access.get(&(to, from)).copied().unwrap_or(0);
+        if from == to || granted == 3 || (granted == 1 && !write) {
+            return Ok(());
+        }
+        Err((
+            cu::PEER_ACCESS_NOT_ENABLED,
+            format!(
+                "a kernel on gpu {from} {} {base:#x}, memory of gpu {to} from its memory pool \
+                 (cuMemAllocAsync), and gpu {to}'s pool grants gpu {from} {}: pool memory needs \
+                 cuMemPoolSetAccess (cuCtxEnablePeerAccess{} does not cover it); on a GPU this \
+                 is an illegal-address fault",
+                if write { "writes" } else { "reads" },
+                match granted {
+                    1 => "only read access",
+                    _ => "no access",
+                },
+                if self.peer.contains(&(from, to)) {
+                    ", which is enabled,"
+                } else {
+                    ""
+                }
+            ),
+        ))
+    }
+
+    /// Destroys everything of context `ctx` and clears its sticky error, as resetting a
+    /// primary context does: its streams, events, modules and functions are dead handles, its
+    /// queued work is dropped, its device's memory is freed, and its peer access is gone.
+    pub fn reset_ctx(&mut self, ctx: usize) {
+        let device = self.ctxs[ctx].device;
+        for st in self.streams.iter_mut().filter(|st| st.ctx == ctx) {
+            st.live = false;
+            st.queue.clear();
+            st.done = st.enq;
+            st.errors.clear();
+        }
+        for e in self.events.iter_mut().filter(|e| e.ctx == ctx) {
+            e.live = false;
+        }
+        for m in self.modules.iter_mut().filter(|m| m.ctx == ctx) {
+            m.live = false;
+        }
+        for f in self.functions.iter_mut().filter(|f| f.ctx == ctx) {
+            f.live = false;
+        }
+        let mine: Vec<u64> = self
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.device == device)
+            .map(|(&base, _)| base)
+            .collect();
+        for base in mine {
+            let _ = self.release(base);
+        }
+        self.peer
+            .retain(|&(from, to)| from != device && to != device);
+        self.pool_access
+            .retain(|&(pool, from), _| pool != device && from != device);
+        self.ctxs[ctx].null_stream = None;
+        self.ctxs[ctx].sticky = None;
+        notify();
     }
 
     /// The device and base of the live allocation holding `[addr, addr + len)`.
@@ -689,8 +829,20 @@ impl State {
                         break;
                     }
                     let op = self.streams[s].queue.pop_front().expect("front exists");
-                    if let Err((code, message)) = self.execute(s, &op) {
+                    let ctx = self.streams[s].ctx;
+                    if let Some(code) = self.ctxs[ctx].sticky {
+                        // A poisoned context runs nothing more: its queued work fails.
+                        self.streams[s].errors.push((op.pos, code));
+                    } else if let Err((code, message)) = self.execute(s, &op) {
                         report(&format!("{}: {message}", op.what));
+                        if is_sticky(code) && matches!(op.work, Work::Launch { .. }) {
+                            report(&format!(
+                                "the context of gpu {} is now unusable (a sticky error, as \
+                                 CUDA's): every later call on it fails with this code",
+                                self.ctxs[ctx].device
+                            ));
+                            self.ctxs[ctx].sticky = Some(code);
+                        }
                         self.streams[s].errors.push((op.pos, code));
                     }
                     self.streams[s].done += 1;
@@ -1032,9 +1184,7 @@ impl State {
             Work::Free { base } => {
                 let len = self.mem.allocation(*base, 0).map_err(host)?.1;
                 self.touch(*base, len as usize, true, s, op, true)?;
-                self.mem.free(*base).map_err(host)?;
-                self.allocs.remove(base);
-                Ok(())
+                self.release(*base).map_err(host)
             }
             Work::HtoD { dst, data } => {
                 self.touch(*dst, data.len(), true, s, op, true)?;
@@ -1108,7 +1258,7 @@ impl State {
                 })?;
                 let device = self.device_of_stream(s);
                 for t in self.mem.touched() {
-                    self.check_peer(device, self.allocs[&t.base].device, t.base)?;
+                    self.check_kernel_reach(device, t.base, t.write.is_some())?;
                     if let Some(r) = t.read {
                         self.access(t.base, r, false, s, &op.vc, &op.what)?;
                     }

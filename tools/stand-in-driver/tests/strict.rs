@@ -13,8 +13,11 @@ type H = *mut c_void;
 // Result codes.
 const OK: i32 = 0;
 const INVALID_VALUE: i32 = 1;
+const OUT_OF_MEMORY: i32 = 2;
 const NO_BINARY_FOR_GPU: i32 = 209;
+const INVALID_PTX: i32 = 218;
 const UNSUPPORTED_PTX_VERSION: i32 = 222;
+const INVALID_HANDLE: i32 = 400;
 const ILLEGAL_STATE: i32 = 401;
 const ILLEGAL_ADDRESS: i32 = 700;
 const PEER_ACCESS_NOT_ENABLED: i32 = 705;
@@ -162,16 +165,87 @@ fn a_launch_whose_parameter_bytes_do_not_match_the_entry_is_rejected() {
     assert_eq!(r, INVALID_VALUE, "a u32 passed for a .u64 parameter");
 }
 
+/// The device's compute capability as major * 10 + minor (`KVSTORE_STANDIN_SM`; the CI runs
+/// these tests at sm_70, sm_80 and sm_90).
+fn device_sm() -> u32 {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: valid out-pointers; 75 and 76 are the compute capability's major and minor.
+    unsafe {
+        assert_eq!(cuDeviceGetAttribute(&mut major, 75, 0), OK);
+        assert_eq!(cuDeviceGetAttribute(&mut minor, 76, 0), OK);
+    }
+    (major * 10 + minor) as u32
+}
+
+/// COPY_PTX for `.target sm_{sm}`, with the PTX ISA version that target needs.
+fn copy_ptx_for(sm: u32) -> String {
+    let version = match sm {
+        ..=75 => "7.0",
+        76..=86 => "7.1",
+        _ => "7.8",
+    };
+    COPY_PTX
+        .replace(".target sm_70", &format!(".target sm_{sm}"))
+        .replace(".version 7.0", &format!(".version {version}"))
+}
+
 #[test]
 fn ptx_above_the_device_is_rejected() {
     setup();
-    // The default device is sm_90.
-    let above = COPY_PTX.replace(".target sm_70", ".target sm_100");
-    assert_eq!(load(&above).0, NO_BINARY_FOR_GPU);
+    let sm = device_sm();
+    let next = match sm {
+        ..=79 => 80,
+        80..=89 => 90,
+        _ => 100,
+    };
+    assert_eq!(
+        load(&copy_ptx_for(next)).0,
+        NO_BINARY_FOR_GPU,
+        "sm_{next} on sm_{sm}"
+    );
     let newer = COPY_PTX.replace(".version 7.0", ".version 9.9");
     assert_eq!(load(&newer).0, UNSUPPORTED_PTX_VERSION);
-    let sm80 = COPY_PTX.replace(".target sm_70", ".target sm_80");
-    assert_eq!(load(&sm80).0, OK, "sm_80 PTX on an sm_90 device loads");
+    for below in [70, 80, 90].into_iter().filter(|&t| t <= sm) {
+        assert_eq!(
+            load(&copy_ptx_for(below)).0,
+            OK,
+            "sm_{below} PTX on sm_{sm}"
+        );
+    }
+}
+
+/// `y = bf16(x)`: one `cvt.rn.bf16.f32`, which needs sm_80 and PTX ISA 7.0.
+const BF16_PTX: &str = "
+.version 7.0
+.target sm_80
+.address_size 64
+.visible .entry narrow(.param .u64 p)
+{
+.reg .b64 %a;
+.reg .f32 %x;
+.reg .b16 %h;
+ld.param.u64 %a, [p];
+ld.global.f32 %x, [%a];
+cvt.rn.bf16.f32 %h, %x;
+st.global.b16 [%a+4], %h;
+ret;
+}
+";
+
+#[test]
+fn an_instruction_above_the_module_target_is_rejected() {
+    setup();
+    // A bf16 conversion in a module that says sm_70 is invalid PTX on every device: ptxas
+    // refuses it ("Feature 'cvt with .bf16' requires .target sm_80 or higher"), as the JIT does.
+    let on70 = BF16_PTX.replace(".target sm_80", ".target sm_70");
+    assert_eq!(load(&on70).0, INVALID_PTX);
+    // At sm_80 it is valid, and loads where the device has sm_80.
+    let want = if device_sm() >= 80 {
+        OK
+    } else {
+        NO_BINARY_FOR_GPU
+    };
+    assert_eq!(load(BF16_PTX).0, want, "sm_80 PTX on sm_{}", device_sm());
 }
 
 #[test]
@@ -206,8 +280,45 @@ fn a_read_of_what_another_stream_writes_needs_an_event() {
     assert_eq!(download(a, 4, s1).0, ILLEGAL_STATE);
 }
 
+/// Runs the test `name` in a child process of its own (this test binary, filtered to it) and
+/// returns false; in that child, returns true, and the caller runs the test's body. A kernel
+/// fault poisons its context for the whole process, as CUDA's do, and the stand-in's state is
+/// per process: a test that makes one must not share its process with the others.
+fn in_own_process(name: &str) -> bool {
+    in_own_process_with(name, &[])
+}
+
+/// `in_own_process`, with settings in the child's environment (the stand-in reads its
+/// settings once per process).
+fn in_own_process_with(name: &str, env: &[(&str, &str)]) -> bool {
+    const CHILD: &str = "KVSTORE_STANDIN_STRICT_CHILD";
+    if std::env::var(CHILD).is_ok_and(|t| t == name) {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, name)
+        .envs(env.iter().copied())
+        .output()
+        .expect("the test binary runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{name}, in a process of its own:\n{text}"
+    );
+    false
+}
+
 #[test]
 fn use_after_free_and_double_free_are_rejected() {
+    // The kernel reading freed memory faults, which poisons the context.
+    if !in_own_process("use_after_free_and_double_free_are_rejected") {
+        return;
+    }
     setup();
     let s = stream();
     let f = copy_kernel();
@@ -219,12 +330,64 @@ fn use_after_free_and_double_free_are_rejected() {
         INVALID_VALUE,
         "a copy into freed memory"
     );
+    assert_eq!(cuMemFreeAsync(b, s), INVALID_VALUE, "a double free");
+    // Last: the fault poisons the context.
     assert_eq!(
         launch_copy(f, a, b, 4, s),
         ILLEGAL_ADDRESS,
         "a kernel reading freed memory"
     );
-    assert_eq!(cuMemFreeAsync(b, s), INVALID_VALUE, "a double free");
+}
+
+#[test]
+fn a_kernel_fault_poisons_its_context_until_it_is_reset() {
+    if !in_own_process("a_kernel_fault_poisons_its_context_until_it_is_reset") {
+        return;
+    }
+    let ctx = setup();
+    let s = stream();
+    let f = copy_kernel();
+    let (a, b) = (alloc(16, s), alloc(16, s));
+    assert_eq!(upload(b, &[2.0; 4], s), OK);
+    assert_eq!(launch_copy(f, a, b, 4, s), OK, "a good launch first");
+    // A kernel reading address 0, outside every allocation: an illegal address.
+    assert_eq!(launch_copy(f, a, 0, 4, s), ILLEGAL_ADDRESS);
+    // Every later call on the context fails with the same error, whatever it is.
+    assert_eq!(upload(b, &[1.0; 4], s), ILLEGAL_ADDRESS, "a copy");
+    assert_eq!(download(a, 4, s).0, ILLEGAL_ADDRESS, "a copy back");
+    assert_eq!(cuStreamSynchronize(s), ILLEGAL_ADDRESS, "a stream wait");
+    assert_eq!(cuCtxSynchronize(), ILLEGAL_ADDRESS, "a context wait");
+    assert_eq!(launch_copy(f, a, b, 4, s), ILLEGAL_ADDRESS, "a good launch");
+    let mut p = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemAllocAsync(&mut p, 16, s) }, ILLEGAL_ADDRESS);
+    let mut s2 = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuStreamCreate(&mut s2, 1) }, ILLEGAL_ADDRESS);
+    assert_eq!(load(COPY_PTX).0, ILLEGAL_ADDRESS, "a module load");
+    // Another device's context is not affected.
+    assert_eq!(cuCtxSetCurrent(ctx[1]), OK);
+    let s1 = stream();
+    let c = alloc(16, s1);
+    assert_eq!(upload(c, &[4.0; 4], s1), OK);
+    assert_eq!(download(c, 4, s1), (OK, vec![4.0; 4]));
+    // A reset destroys the context's streams and memory and clears the error.
+    assert_eq!(cuDevicePrimaryCtxReset_v2(0), OK);
+    assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+    assert_eq!(
+        cuStreamSynchronize(s),
+        INVALID_HANDLE,
+        "streams of before the reset"
+    );
+    let s = stream();
+    let d = alloc(16, s);
+    assert_eq!(upload(d, &[5.0; 4], s), OK);
+    assert_eq!(download(d, 4, s), (OK, vec![5.0; 4]));
+    assert_eq!(
+        upload(a, &[1.0; 4], s),
+        INVALID_VALUE,
+        "memory of before the reset"
+    );
 }
 
 #[test]
@@ -236,6 +399,11 @@ fn peer_access_must_be_enabled() {
     let s1 = stream();
     let on1 = alloc(16, s1);
     assert_eq!(upload(on1, &[3.0; 4], s1), OK);
+    // And plain memory (cuMemAlloc, not from a pool).
+    let mut plain1 = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemAlloc_v2(&mut plain1, 16) }, OK);
+    assert_eq!(upload(plain1, &[7.0; 4], s1), OK);
     assert_eq!(cuStreamSynchronize(s1), OK);
     assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
     let on0 = alloc(16, s0);
@@ -249,10 +417,131 @@ fn peer_access_must_be_enabled() {
     let r = unsafe { cuMemcpyPeerAsync(on0, ctx[0], on1, ctx[1], 16, s0) };
     assert_eq!(r, OK);
     assert_eq!(download(on0, 4, s0), (OK, vec![3.0; 4]));
-    // Once enabled, the kernel may read it.
+    // Once enabled, the kernel may read plain memory...
     assert_eq!(cuCtxEnablePeerAccess(ctx[1], 0), OK);
+    assert_eq!(launch_copy(f, on0, plain1, 4, s0), OK);
+    assert_eq!(download(on0, 4, s0), (OK, vec![7.0; 4]));
+    // ...but not memory from a pool (cuMemAllocAsync): peer access does not cover pools
+    // (CUDA programming guide, stream-ordered allocator); cuMemPoolSetAccess does.
+    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    let mut pool1 = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuDeviceGetDefaultMemPool(&mut pool1, 1) }, OK);
+    let grant = |flags: u32| {
+        let desc = MemAccessDesc {
+            location: MemLocation { kind: 1, id: 0 },
+            flags,
+        };
+        // SAFETY: one valid descriptor.
+        unsafe { cuMemPoolSetAccess(pool1, &desc, 1) }
+    };
+    assert_eq!(grant(1), OK, "read access for gpu 0");
     assert_eq!(launch_copy(f, on0, on1, 4, s0), OK);
+    assert_eq!(download(on0, 4, s0), (OK, vec![3.0; 4]));
+    // Read access does not let a kernel write there.
+    assert_eq!(launch_copy(f, on1, on0, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    assert_eq!(grant(3), OK, "read and write access for gpu 0");
+    assert_eq!(launch_copy(f, on1, on0, 4, s0), OK);
+    let mut flags = 0;
+    let gpu0 = MemLocation { kind: 1, id: 0 };
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { cuMemPoolGetAccess(&mut flags, pool1, &gpu0) }, OK);
+    assert_eq!(flags, 3);
+    // Revoked again, and peer access alone still does not reach the pool.
+    assert_eq!(grant(0), OK);
+    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
     assert_eq!(cuCtxDisablePeerAccess(ctx[1]), OK);
+}
+
+#[test]
+fn device_memory_has_a_capacity() {
+    // 1 MiB of device memory: its own process, since the setting is read once.
+    if !in_own_process_with(
+        "device_memory_has_a_capacity",
+        &[("KVSTORE_STANDIN_MEM_GIB", "0.0009765625")],
+    ) {
+        return;
+    }
+    setup();
+    let s = stream();
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: valid out-pointers.
+    assert_eq!(unsafe { cuMemGetInfo_v2(&mut free, &mut total) }, OK);
+    assert_eq!((free, total), (1 << 20, 1 << 20));
+    let a = alloc(600 << 10, s);
+    let mut p = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { cuMemAllocAsync(&mut p, 600 << 10, s) },
+        OUT_OF_MEMORY
+    );
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemAlloc_v2(&mut p, 600 << 10) }, OUT_OF_MEMORY);
+    // SAFETY: valid out-pointers.
+    assert_eq!(unsafe { cuMemGetInfo_v2(&mut free, &mut total) }, OK);
+    assert_eq!(free, (1 << 20) - (600 << 10));
+    // The other device has its own memory.
+    let mut total1 = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuDeviceTotalMem_v2(&mut total1, 1) }, OK);
+    assert_eq!(total1, 1 << 20);
+    // Freed memory (once the free ran, in stream order) can be allocated again.
+    assert_eq!(cuMemFreeAsync(a, s), OK);
+    assert_eq!(cuStreamSynchronize(s), OK);
+    let b = alloc(600 << 10, s);
+    assert_eq!(upload(b, &[1.0; 4], s), OK);
+}
+
+#[test]
+fn launches_over_the_block_limits_are_refused() {
+    setup();
+    let s = stream();
+    let f = copy_kernel();
+    let (a, b) = (alloc(16, s), alloc(16, s));
+    let launch = |grid: (u32, u32, u32), block: (u32, u32, u32)| {
+        let (mut d, mut sr, mut nn) = (a, b, 0u32);
+        let mut params: [*mut c_void; 3] = [
+            (&mut d as *mut u64).cast(),
+            (&mut sr as *mut u64).cast(),
+            (&mut nn as *mut u32).cast(),
+        ];
+        // SAFETY: one pointer per parameter, each to a value of the parameter's type.
+        unsafe {
+            cuLaunchKernel(
+                f,
+                grid.0,
+                grid.1,
+                grid.2,
+                block.0,
+                block.1,
+                block.2,
+                0,
+                s,
+                params.as_mut_ptr(),
+                null_mut(),
+            )
+        }
+    };
+    assert_eq!(
+        launch((1, 1, 1), (1024, 1, 1)),
+        OK,
+        "1024 threads per block"
+    );
+    assert_eq!(launch((1, 1, 1), (1025, 1, 1)), INVALID_VALUE);
+    assert_eq!(
+        launch((1, 1, 1), (512, 4, 1)),
+        INVALID_VALUE,
+        "2048 threads"
+    );
+    assert_eq!(
+        launch((1, 1, 1), (1, 1, 65)),
+        INVALID_VALUE,
+        "block z above 64"
+    );
+    // 65536 * 65536 threads wrap to 0 in 32 bits: still far over the limit.
+    assert_eq!(launch((1, 1, 1), (65536, 65536, 1)), INVALID_VALUE);
+    assert_eq!(launch((1, 65536, 1), (1, 1, 1)), INVALID_VALUE, "grid y");
+    assert_eq!(launch((1 << 31, 1, 1), (1, 1, 1)), INVALID_VALUE, "grid x");
 }
 
 /// Two ranks (gpu 0 and gpu 1) of one clique, with a stream and a 64-float buffer each.
