@@ -317,7 +317,7 @@ def _open(name):
         raise UnknownKindError(f"kind '{name}' is not available: {_MPI_HELP} ({e})") from None
     try:
         mpi_native = native_module()
-    except OSError as e:
+    except (OSError, ImportError) as e:
         raise UnknownKindError(f"kind '{name}' is not available: {e}") from first
     return mpi_native.Store(name)
 

@@ -22,6 +22,8 @@ The default is True for SGD and Adam and False otherwise. No torch is needed to 
 ``kvstore``; this module imports torch when it is used.
 """
 
+from dataclasses import replace
+
 import torch
 
 from . import KVStore, create
@@ -111,7 +113,8 @@ class DistributedOptimizer:
             update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
         self.update_on_kvstore = bool(update_on_kvstore)
         if self.update_on_kvstore:
-            self.store.set_optimizer(_translate(optimizer, self.store.num_workers))
+            self._translated = _translate(optimizer, self.store.num_workers)
+            self.store.set_optimizer(self._translated)
             self._lr = float(optimizer.param_groups[0]["lr"])
         with torch.no_grad():
             params = [p.detach() for p in self._params]
@@ -139,14 +142,38 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        live = [(k, p) for k, p in zip(self._keys, self._params) if p.grad is not None]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
+            raise ValueError(
+                "the optimizer's parameters changed after DistributedOptimizer was made (a "
+                "param group added or removed): the store holds only the first ones, so the "
+                "others would never be synchronized; make a new DistributedOptimizer"
+            )
+        if self.store.num_workers > 1:
+            # Every worker makes the same store call every step: a parameter without a gradient
+            # on this worker (unused in its part of the batch) contributes zeros, as
+            # DistributedDataParallel(find_unused_parameters=True) does.
+            live = list(zip(self._keys, self._params))
+            for p in self._params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in self._params]
+        else:
+            live = [(k, p) for k, p in zip(self._keys, self._params) if p.grad is not None]
+            grads = [p.grad for _, p in live]
         if not live:
             return loss
         keys = [k for k, _ in live]
-        grads = [p.grad for _, p in live]
         with torch.no_grad():
             if self.update_on_kvstore:
+                now = _translate(self.optimizer, self.store.num_workers)
                 lr = float(self.optimizer.param_groups[0]["lr"])
+                if replace(now, learning_rate=self._translated.learning_rate) != self._translated:
+                    raise ValueError(
+                        f"the optimizer's hyperparameters changed after DistributedOptimizer was "
+                        f"made ({self._translated} -> {now}); the store follows a changed "
+                        f"learning rate only: pass update_on_kvstore=False to step with torch"
+                    )
                 if lr != self._lr:  # a scheduler changed it: keep the optimizer's state
                     self.store.set_learning_rate(lr)
                     self._lr = lr

@@ -330,7 +330,45 @@ def nightly():
     say(f"ok nightly ({n} workers)")
 
 
+def unused():
+    """A parameter without a gradient on one worker (unused in its part of the batch) must not
+    put the workers out of step: each step's weights are the same on every worker, and equal a
+    reference that sums the gradients each worker had (zeros for none)."""
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    on_store = ARGS[0] == "1"
+    w = torch.nn.Parameter(torch.zeros(3))
+    v = torch.nn.Parameter(torch.zeros(2))
+    opt = DistributedOptimizer(
+        torch.optim.SGD([w, v], lr=0.1), kvstore.create("dist_sync"),
+        named_parameters=[("w", w), ("v", v)], update_on_kvstore=on_store,
+    )
+    want_w, want_v = torch.zeros(3), torch.zeros(2)
+    for step in range(4):
+        opt.zero_grad()
+        # Worker `step % n` skips v, and at step 2 worker 1 has no gradient at all.
+        skip_all = step == 2 and r == 1 % n
+        uses_v = step % n != r
+        if not skip_all:
+            loss = (w * (r + 1 + step)).sum()
+            if uses_v:
+                loss = loss + (v * (r + 2)).sum()
+            loss.backward()
+        opt.step()
+        gw = sum(0 if (step == 2 and q == 1 % n) else (q + 1 + step) for q in range(n))
+        gv = sum(0 if (step == 2 and q == 1 % n) or step % n == q else (q + 2) for q in range(n))
+        want_w -= 0.1 * gw / n
+        want_v -= 0.1 * gv / n
+        torch.testing.assert_close(w.detach(), want_w, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v.detach(), want_v, rtol=1e-6, atol=1e-6)
+    say(f"ok unused on_store={on_store}")
+
+
 CASES = {
+    "unused": unused,
     "nightly": nightly,
     "basic": basic,
     "reject": reject,

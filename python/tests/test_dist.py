@@ -174,6 +174,15 @@ def test_a_rank_that_exits_ends_the_others_with_an_error():
 
 
 @needs_mpi
+@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
+def test_parameters_without_a_gradient_keep_the_workers_in_step(update_on_kvstore):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "unused", update_on_kvstore)
+    assert rc == 0, out
+    assert oks(out, "unused") == [0, 1], out
+
+
+@needs_mpi
 def test_a_sharded_checkpoint_loads_at_another_world_size_and_in_one_process(tmp_path):
     path = str(tmp_path / "ckpt")
     seed = fresh_seed()

