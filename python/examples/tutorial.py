@@ -92,7 +92,9 @@ if DIST or "--flat" in sys.argv:
     def show(a):
         flat = np.asarray(a.numpy() if hasattr(a, "numpy") else a, dtype=np.float64).ravel()
         who = f"rank {kv.rank} " if DIST else ""
-        print(f"{who}= " + " ".join(f"{x:g}" for x in flat), flush=True)
+        # One write per line: the workers share mpirun's stdout.
+        sys.stdout.write(f"{who}= " + " ".join(f"{x:g}" for x in flat) + "\n")
+        sys.stdout.flush()
 
 
 print("## seed 001: the MXNet KVStore tutorial")

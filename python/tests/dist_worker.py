@@ -22,7 +22,10 @@ ARGS = sys.argv[3:]
 
 
 def say(msg):
-    print(f"rank {os.environ.get('OMPI_COMM_WORLD_RANK', '?')}: {msg}", flush=True)
+    # One write of the whole line: the workers share mpirun's stdout, and print() writes the
+    # text and its newline apart, so another worker's line could land between them.
+    sys.stdout.write(f"rank {os.environ.get('OMPI_COMM_WORLD_RANK', '?')}: {msg}\n")
+    sys.stdout.flush()
 
 
 def expect(exc_class, f):

@@ -121,7 +121,15 @@ impl std::fmt::Display for Job {
 
 /// What a rank prints when its part of `case` passed; `detail` is free text for the outer test.
 pub fn ok_line(rank: usize, size: usize, case: &str, detail: &str) {
-    println!("KVT rank={rank} size={size} OK {case} {detail}");
+    use std::io::Write;
+    // One write of the whole line: `println!` hands a long line over in pieces, and another
+    // rank's output (they share mpirun's stdout) can land between them, so the outer test
+    // once read "KVT ... OK skip " without its detail.
+    let line = format!("KVT rank={rank} size={size} OK {case} {detail}\n");
+    let mut out = std::io::stdout().lock();
+    let _ = out.flush();
+    let _ = out.write_all(line.as_bytes());
+    let _ = out.flush();
 }
 
 fn mpirun() -> Option<PathBuf> {
