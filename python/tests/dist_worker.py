@@ -136,8 +136,9 @@ def timeout():
     r = kv.rank
     kv.init(3, np.ones(4, np.float32))
     if r == 1:
+        # Rank 0 times out meanwhile, and its exit ends the job (test_dist.py checks that this
+        # rank is ended before the sleep is over); were it not, the push must fail, not hang.
         time.sleep(float(ARGS[0]))
-        # By now the others have timed out and left: this rank fails too, never hangs.
         expect(kvstore.DistError, lambda: kv.push(3, np.ones(4, np.float32)))
     else:
         t0 = time.monotonic()

@@ -131,19 +131,12 @@ def test_a_rank_with_bad_input_gets_its_error_the_others_rank_rejected():
 
 
 @needs_mpi
-def test_ranks_that_disagree_on_a_call_fail_with_desync():
-    rc, out = run(2, "desync")
-    assert oks(out, "desync") == [0, 1], out
+@pytest.mark.parametrize("case", ["desync", "desync_optimizer"], ids=["call", "learning-rate"])
+def test_ranks_that_disagree_fail_with_desync(case):
+    rc, out = run(2, case)
+    assert oks(out, case) == [0, 1], out
     assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
     # The world failed: the job ends with a non-zero exit, never a silent success.
-    assert rc != 0, out
-
-
-@needs_mpi
-def test_ranks_that_disagree_on_the_learning_rate_fail_with_desync():
-    rc, out = run(2, "desync_optimizer")
-    assert oks(out, "desync_optimizer") == [0, 1], out
-    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
     assert rc != 0, out
 
 
