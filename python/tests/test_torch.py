@@ -50,7 +50,11 @@ def fresh_seed():
         # The store sums the gradients, torch steps: bit for bit the same.
         (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3), False, 0),
         (lambda ps: torch.optim.RMSprop(ps, lr=0.01), False, 0),
-        # The store runs the optimizer: the same math, rounded in another order.
+        # The store runs the optimizer: the same math, rounded in another order. Over 30 steps
+        # that leaves up to 1.2e-6 (SGD) and 3.9e-6 (Adam) absolute between the two, the worst
+        # of 150 fresh seeds each (measured 2026-11-26); an element near zero then has a large
+        # relative difference, so the absolute bound is 2e-5, five times that worst case and
+        # still far below a wrong step (lr 0.01 moves an element by up to 0.3 here).
         (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3), True, 1e-4),
         (lambda ps: torch.optim.SGD(ps, lr=0.05), True, 1e-4),
         # epsilon after the bias correction, as torch has it: the same math.
@@ -69,9 +73,9 @@ def test_wrapper_equals_plain_torch(make_opt, update_on_kvstore, rtol):
     )
     wrapped_losses = train(wrapped, opt, x, y, 30)
     for p, q in zip(plain.parameters(), wrapped.parameters()):
-        torch.testing.assert_close(q, p, rtol=rtol, atol=rtol * 1e-2)
+        torch.testing.assert_close(q, p, rtol=rtol, atol=rtol * 0.2)
     torch.testing.assert_close(
-        torch.tensor(wrapped_losses), torch.tensor(plain_losses), rtol=rtol, atol=rtol * 1e-2
+        torch.tensor(wrapped_losses), torch.tensor(plain_losses), rtol=rtol, atol=rtol * 0.2
     )
     assert plain_losses[-1] < plain_losses[0]
 
