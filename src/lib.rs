@@ -63,7 +63,7 @@ pub use ptx_updater::{PtxUpdater, PTX_UPDATER_PARAMS};
 pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 pub use shape::{Shape, MAX_NDIM};
 pub use store::{IntoStoreKind, KvStore, PushEvent, PushHook, StoreKind, ValueList};
-pub use updater::{Adam, BoxError, Sgd, UpdateFn, Updater};
+pub use updater::{Adam, BoxError, CustomUpdater, Sgd, UpdateFn, Updater};
 
 /// The number of CUDA GPUs this process can use: 0 when there is no libcuda or no GPU. Found
 /// once, without ever panicking; `device` and `nccl` stores home keys on these GPUs.

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::ptx_text;
-use crate::updater::UpdateFn;
+use crate::updater::{CustomUpdater, UpdateFn};
 use crate::{DType, Error, Key, NDArray, Result};
 
 /// The parameter types a user PTX updater's entry declares, in order (see the module docs).
@@ -63,11 +63,13 @@ pub struct PtxUpdater {
 struct Inner {
     /// Shared by the copies `with_*` make, so a GPU's cache finds it by pointer.
     ptx: Arc<str>,
+    /// The module's CRC-32, for [`Debug`](fmt::Debug): ranks of a `dist_*` store compare it.
+    ptx_crc: u32,
     entry: String,
     dtype: DType,
     scalars: [f32; 4],
     state: usize,
-    cpu_twin: Option<Arc<UpdateFn>>,
+    cpu_twin: Option<CustomUpdater>,
     /// How many GPUs have loaded the module (shared by the copies `with_*` make).
     loads: Arc<AtomicUsize>,
 }
@@ -101,6 +103,7 @@ impl PtxUpdater {
         check_entry(&ptx, entry)?;
         Ok(PtxUpdater {
             inner: Arc::new(Inner {
+                ptx_crc: crc32fast::hash(ptx.as_bytes()),
                 ptx: ptx.into(),
                 entry: entry.to_owned(),
                 dtype,
@@ -131,10 +134,7 @@ impl PtxUpdater {
         self,
         f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
     ) -> PtxUpdater {
-        let twin: Arc<UpdateFn> = Arc::new(move |key, input, stored| {
-            f(key, input, stored);
-            Ok(())
-        });
+        let twin = CustomUpdater::infallible(f, None);
         self.rebuild(|i| i.cpu_twin = Some(twin))
     }
 
@@ -144,6 +144,7 @@ impl PtxUpdater {
         let i = &self.inner;
         let mut inner = Inner {
             ptx: i.ptx.clone(),
+            ptx_crc: i.ptx_crc,
             entry: i.entry.clone(),
             dtype: i.dtype,
             scalars: i.scalars,
@@ -179,7 +180,7 @@ impl PtxUpdater {
 
     /// The CPU twin, if one was given.
     pub fn cpu_twin(&self) -> Option<&Arc<UpdateFn>> {
-        self.inner.cpu_twin.as_ref()
+        self.inner.cpu_twin.as_ref().map(CustomUpdater::function)
     }
 
     /// How many GPUs have loaded the module so far (each loads a given PTX text and entry
@@ -206,7 +207,19 @@ impl fmt::Debug for PtxUpdater {
             .field("dtype", &self.inner.dtype)
             .field("scalars", &self.inner.scalars)
             .field("state", &self.inner.state)
-            .field("cpu_twin", &self.inner.cpu_twin.is_some())
+            // The module by its checksum: ranks with different PTX of one entry name differ.
+            .field(
+                "ptx",
+                &format_args!(
+                    "{} bytes, crc32 {:08x}",
+                    self.inner.ptx.len(),
+                    self.inner.ptx_crc
+                ),
+            )
+            .field(
+                "cpu_twin",
+                &self.inner.cpu_twin.as_ref().map(CustomUpdater::identity),
+            )
             .finish()
     }
 }

@@ -12,6 +12,7 @@
 //! [`KvStore::set_learning_rate`](crate::KvStore::set_learning_rate) and the
 //! [`schedule`](crate::schedule) module.
 
+use std::any::{type_name, TypeId};
 use std::fmt;
 use std::sync::Arc;
 
@@ -54,10 +55,72 @@ pub enum Updater {
     /// changes. It must not call the
     /// store it is set on. For keys homed on a GPU, the data goes to the host and back: this is
     /// the slow path.
-    Custom(Arc<UpdateFn>),
+    Custom(CustomUpdater),
     /// A user's own kernel in PTX for keys homed on a GPU, with an optional CPU twin for keys
     /// homed in host memory. See [`PtxUpdater`] for the entry's parameter list.
     Ptx(PtxUpdater),
+}
+
+/// A user closure as an updater ([`Updater::Custom`]), with its identity: what the ranks of a
+/// `dist_*` store compare of it before every push.
+#[derive(Clone)]
+pub struct CustomUpdater {
+    f: Arc<UpdateFn>,
+    identity: Arc<str>,
+}
+
+impl CustomUpdater {
+    /// `f`, known by its type and `label`.
+    pub(crate) fn new<F>(f: F, label: Option<&str>) -> CustomUpdater
+    where
+        F: Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        CustomUpdater {
+            identity: identity_of::<F>(label),
+            f: Arc::new(f),
+        }
+    }
+
+    /// `f`, which cannot fail, known by its own type (not the wrapper's) and `label`.
+    pub(crate) fn infallible<F>(f: F, label: Option<&str>) -> CustomUpdater
+    where
+        F: Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
+    {
+        CustomUpdater {
+            identity: identity_of::<F>(label),
+            f: Arc::new(move |key, input, stored| {
+                f(key, input, stored);
+                Ok(())
+            }),
+        }
+    }
+
+    /// The closure's type name and type id, then the label it was given: what the ranks of a
+    /// `dist_*` store compare of it. Equal identities do not prove equal closures (captured
+    /// values are seen only through the label), but different ones always fail the push.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// The closure.
+    pub fn function(&self) -> &Arc<UpdateFn> {
+        &self.f
+    }
+}
+
+/// A closure's identity: its type's name and id (the id tells apart closures that the name
+/// gives alike, as two in one function; it is the same in every process running one build of
+/// the program), then `label`.
+fn identity_of<F: 'static>(label: Option<&str>) -> Arc<str> {
+    let mut identity = format!("{} {:?}", type_name::<F>(), TypeId::of::<F>());
+    if let Some(label) = label {
+        identity.push_str(", ");
+        identity.push_str(label);
+    }
+    identity.into()
 }
 
 impl Updater {
@@ -70,11 +133,37 @@ impl Updater {
     ///     *stored += input * 2.0;
     /// });
     /// ```
-    pub fn custom(f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static) -> Updater {
-        Updater::Custom(Arc::new(move |key, input, stored| {
-            f(key, input, stored);
-            Ok(())
-        }))
+    ///
+    /// The ranks of a `dist_*` store compare its [`identity`](CustomUpdater::identity) before
+    /// every push: the closure's type, which tells apart the closures of one program but not
+    /// the values one closure captures. A closure whose captured values could differ between
+    /// ranks (a scale read from a file, a rank-dependent setting) should name them with
+    /// [`Updater::custom_labeled`].
+    pub fn custom<F>(f: F) -> Updater
+    where
+        F: Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
+    {
+        Updater::Custom(CustomUpdater::infallible(f, None))
+    }
+
+    /// [`Updater::custom`] with a `label` that joins its identity: the values the closure
+    /// captures, in words, so that ranks that captured different ones fail the push with
+    /// [`Error::Desync`] instead of computing.
+    ///
+    /// ```
+    /// use kvstore::Updater;
+    /// let scale = 2.0;
+    /// let u = Updater::custom_labeled(&format!("scale {scale}"), move |_key, input, stored| {
+    ///     *stored += input * scale;
+    /// });
+    /// # let Updater::Custom(c) = u else { unreachable!() };
+    /// assert!(c.identity().ends_with("scale 2"));
+    /// ```
+    pub fn custom_labeled<F>(label: &str, f: F) -> Updater
+    where
+        F: Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
+    {
+        Updater::Custom(CustomUpdater::infallible(f, Some(label)))
     }
 
     /// Wraps a fallible closure as an updater. An `Err` fails the push with
@@ -97,13 +186,26 @@ impl Updater {
     /// assert!(matches!(err, Error::UpdaterFailed { .. }), "{err}");
     /// # Ok::<(), kvstore::Error>(())
     /// ```
-    pub fn try_custom(
-        f: impl Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
+    pub fn try_custom<F>(f: F) -> Updater
+    where
+        F: Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
             + Send
             + Sync
             + 'static,
-    ) -> Updater {
-        Updater::Custom(Arc::new(f))
+    {
+        Updater::Custom(CustomUpdater::new(f, None))
+    }
+
+    /// [`Updater::try_custom`] with a `label` that joins its identity, as
+    /// [`Updater::custom_labeled`] has it.
+    pub fn try_custom_labeled<F>(label: &str, f: F) -> Updater
+    where
+        F: Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        Updater::Custom(CustomUpdater::new(f, Some(label)))
     }
 
     /// Checks that the parameters are in range.
@@ -265,7 +367,7 @@ impl fmt::Debug for Updater {
             Updater::Axpby { a, b } => write!(f, "Axpby {{ a: {a}, b: {b} }}"),
             Updater::Sgd(s) => write!(f, "{s:?}"),
             Updater::Adam(a) => write!(f, "{a:?}"),
-            Updater::Custom(_) => f.write_str("Custom(..)"),
+            Updater::Custom(c) => write!(f, "Custom({})", c.identity()),
             Updater::Ptx(p) => write!(f, "{p:?}"),
         }
     }

@@ -17,6 +17,7 @@ Values go in and out through DLPack, so NumPy >= 1.22, PyTorch, JAX and CuPy arr
 """
 
 from collections import namedtuple
+from contextlib import contextmanager
 
 from . import _arrays, _native, optimizer
 from . import optimizer as _optimizer
@@ -118,6 +119,18 @@ def _key_lists(key, values, op, what):
     return [key], [_as_list(values, op, what)]
 
 
+@contextmanager
+def _told(native, op):
+    """Runs the Python half of call ``op``: an error raised inside is first told to the other
+    workers of a dist store, which then fail their ``op`` with ``RankRejectedError`` instead of
+    waiting for this worker (or pairing this worker's next call with it)."""
+    try:
+        yield
+    except Exception as e:
+        native.reject(op, f"{type(e).__name__}: {e}")
+        raise
+
+
 class KVStore:
     """A key-value store: ``init`` values, ``push`` (sum, then update) and ``pull`` them.
 
@@ -160,6 +173,17 @@ class KVStore:
 
     _barrier = barrier
 
+    def agree(self, what):
+        """Checks that every worker passes the same ``what`` (a str), in a call every worker
+        makes at the same point: a ``DesyncError`` on every worker when they differ. The store
+        compares what it sees before every call (keys, shapes, dtypes, its optimizer); this is
+        for what it does not see, as a framework's optimizer settings or a data seed. Returns
+        at once in a single process."""
+        with _told(self._kv, "agree"):
+            if not isinstance(what, str):
+                raise TypeError(f"agree takes a str, got {type(what).__name__}")
+        self._kv.agree(what)
+
     def keys(self):
         """The keys, in update order (ints ascending, strs in init order)."""
         return self._kv.keys()
@@ -167,63 +191,71 @@ class KVStore:
     def init(self, key, value):
         """Puts a copy of ``value`` in under ``key``; a list of keys takes a list of values.
         Each key is initialized once."""
-        keys, values = _key_lists(key, value, "init", "values")
-        flat = []
-        for k, vs in zip(keys, values):
-            if len(vs) != 1:
-                raise InvalidArgumentError(
-                    f"init: key {k} got {len(vs)} values: init takes one value per key"
-                )
-            flat.append(_arrays.read(vs[0]))
+        with _told(self._kv, "init"):
+            keys, values = _key_lists(key, value, "init", "values")
+            flat = []
+            for k, vs in zip(keys, values):
+                if len(vs) != 1:
+                    raise InvalidArgumentError(
+                        f"init: key {k} got {len(vs)} values: init takes one value per key"
+                    )
+                flat.append(_arrays.read(vs[0]))
         self._kv.init(keys, flat)
 
     def push(self, key, value, priority=0):
         """Pushes one array or a list of arrays (from several devices) to ``key``, or one
         entry per key to a list of keys. The arrays of each key are summed, then merged into
         the stored value by the updater (assign by default)."""
-        keys, values = _key_lists(key, value, "push", "values")
-        self._kv.push(keys, [[_arrays.read(v) for v in vs] for vs in values], int(priority))
+        with _told(self._kv, "push"):
+            keys, values = _key_lists(key, value, "push", "values")
+            reads = [[_arrays.read(v) for v in vs] for vs in values]
+            priority = int(priority)
+        self._kv.push(keys, reads, priority)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies the value of ``key`` into ``out``: one array or a list of arrays, or one entry
         per key for a list of keys."""
-        if out is None:
-            raise InvalidArgumentError("pull: pass the arrays to write into as out=")
-        keys, outs = _key_lists(key, out, "pull", "outs")
-        after = []
-        capsules = [[_arrays.write(o, after) for o in os_] for os_ in outs]
-        self._kv.pull(keys, capsules, int(priority))
+        with _told(self._kv, "pull"):
+            if out is None:
+                raise InvalidArgumentError("pull: pass the arrays to write into as out=")
+            keys, outs = _key_lists(key, out, "pull", "outs")
+            after = []
+            capsules = [[_arrays.write(o, after) for o in os_] for os_ in outs]
+            priority = int(priority)
+        self._kv.pull(keys, capsules, priority)
         for f in after:
             f()
 
     def pushpull(self, key, value, out=None, priority=0):
         """``push`` then ``pull`` in one call; with no ``out`` the values are updated in place.
         For a list of keys every push is done before any pull."""
-        keys, values = _key_lists(key, value, "pushpull", "values")
-        if out is None:
-            outs = values
-        else:
-            _, outs = _key_lists(key, out, "pushpull", "outs")
-        reads = [[_arrays.read(v) for v in vs] for vs in values]
-        after = []
-        writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
+        with _told(self._kv, "pushpull"):
+            keys, values = _key_lists(key, value, "pushpull", "values")
+            if out is None:
+                outs = values
+            else:
+                _, outs = _key_lists(key, out, "pushpull", "outs")
+            reads = [[_arrays.read(v) for v in vs] for vs in values]
+            after = []
+            writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
         self._kv.pushpull(keys, reads, writes)
         for f in after:
             f()
 
     def broadcast(self, key, value, out, priority=0):
         """``init`` with ``value``, then ``pull`` into ``out``."""
-        keys, values = _key_lists(key, value, "broadcast", "values")
-        _, outs = _key_lists(key, out, "broadcast", "outs")
-        flat = []
-        for k, vs in zip(keys, values):
-            if len(vs) != 1:
-                raise InvalidArgumentError(
-                    f"broadcast: key {k} got {len(vs)} values: it takes one value per key"
-                )
-            flat.append(_arrays.read(vs[0]))
-        after = []
-        writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
+        with _told(self._kv, "broadcast"):
+            keys, values = _key_lists(key, value, "broadcast", "values")
+            _, outs = _key_lists(key, out, "broadcast", "outs")
+            flat = []
+            for k, vs in zip(keys, values):
+                if len(vs) != 1:
+                    raise InvalidArgumentError(
+                        f"broadcast: key {k} got {len(vs)} values: it takes one value per key"
+                    )
+                flat.append(_arrays.read(vs[0]))
+            after = []
+            writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
         self._kv.broadcast(keys, flat, writes)
         for f in after:
             f()
@@ -232,7 +264,12 @@ class KVStore:
         """Sets a Python function ``updater(key, input, stored)`` that merges each push: it gets
         NumPy arrays (``input``, the sum of the pushed values, and ``stored``) and changes
         ``stored`` in place, e.g. ``stored += input * 2``. ``None`` restores assign. The
-        function must not call this store."""
+        function must not call this store.
+
+        On a dist store the workers compare their updaters before every push: the function's
+        name and a hash of its code, defaults, captured values and the plain globals it reads
+        (``kvstore._updater.identity``). Workers whose updaters differ fail the push with a
+        ``DesyncError`` instead of computing apart."""
         if updater is None:
             self._kv.set_assign()
             self._updater = None
@@ -241,7 +278,7 @@ class KVStore:
             raise TypeError(f"the updater must be callable, got {type(updater).__name__}")
         from . import _updater
 
-        self._kv.set_python_updater(_updater.call, updater)
+        self._kv.set_python_updater(_updater.call, updater, _updater.identity(updater))
         self._updater = updater
 
     _set_updater = set_updater

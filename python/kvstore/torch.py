@@ -17,6 +17,10 @@ Two modes, as MXNet's Trainer has them:
   a learning rate changed in ``param_groups`` (by a scheduler) is passed on at the next step.
 - ``update_on_kvstore=False``: the store sums the gradients (``pushpull`` in place, averaged
   over the workers), and the wrapped torch optimizer steps locally. Any torch optimizer works.
+  Its type and hyperparameters are compared across the workers (``KVStore.agree``) at the
+  first step and whenever they change, so workers that would step differently fail with a
+  ``DesyncError`` instead of training apart. (Its state, as a ``load_state_dict`` on some
+  workers only, is not compared.)
 
 The default is True for SGD and Adam and False otherwise. No torch is needed to build or import
 ``kvstore``; this module imports torch when it is used.
@@ -81,6 +85,27 @@ def _translate(opt, workers):
     )
 
 
+def _settings(opt):
+    """The torch optimizer's type and every param group's hyperparameters, in words that every
+    worker writes alike."""
+
+    def plain(v):
+        if isinstance(v, torch.Tensor):
+            return v.tolist() if v.numel() <= 16 else f"tensor{tuple(v.shape)}"
+        if isinstance(v, (list, tuple)):
+            return type(v)(plain(x) for x in v)
+        return v
+
+    groups = [
+        f"{len(g['params'])} params "
+        + ", ".join(f"{k}={plain(g[k])!r}" for k in sorted(g) if k != "params")
+        for g in opt.param_groups
+    ]
+    return f"torch {type(opt).__module__}.{type(opt).__qualname__} stepping locally: " + "; ".join(
+        groups
+    )
+
+
 class DistributedOptimizer:
     """Wraps a torch optimizer so that ``step()`` goes through a kvstore.
 
@@ -112,6 +137,8 @@ class DistributedOptimizer:
         if update_on_kvstore is None:
             update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
         self.update_on_kvstore = bool(update_on_kvstore)
+        # The torch settings the workers last agreed on (update_on_kvstore=False).
+        self._agreed = None
         if self.update_on_kvstore:
             self._translated = _translate(optimizer, self.store.num_workers)
             self.store.set_optimizer(self._translated)
@@ -183,6 +210,14 @@ class DistributedOptimizer:
                 # schedulers, which warn otherwise.
                 self.optimizer._opt_called = True
             else:
+                if self.store.num_workers > 1:
+                    # Torch steps on every worker: they must step alike. Compared when changed
+                    # (a worker that changes alone calls agree where the others pushpull, and
+                    # that fails too).
+                    settings = _settings(self.optimizer)
+                    if settings != self._agreed:
+                        self.store.agree(settings)
+                        self._agreed = settings
                 self.store.pushpull(keys, grads)
                 workers = self.store.num_workers
                 if workers > 1:

@@ -90,6 +90,26 @@ fn write_back(outs: &[Vec<Imported>], scratch: &[Vec<NDArray>]) -> PyResult<()> 
     Ok(())
 }
 
+/// `r`; when it is an error, first the other workers of a dist store are told that this one
+/// will not make its call `op` (so they fail it instead of waiting for this worker). For errors
+/// found before the store is called: converting the arguments.
+fn told<T>(py: Python<'_>, kv: &Arc<KvStore>, op: &'static str, r: PyResult<T>) -> PyResult<T> {
+    if let Err(e) = &r {
+        let why = format!("{}: {e}", e.get_type(py).name()?);
+        let kv = kv.clone();
+        py.detach(move || kv.reject(op, &why));
+    }
+    r
+}
+
+/// [`told`] for work done with the GIL released.
+fn told_detached<T>(kv: &KvStore, op: &'static str, r: PyResult<T>) -> PyResult<T> {
+    if let Err(e) = &r {
+        kv.reject(op, &e.to_string());
+    }
+    r
+}
+
 /// A kvstore `KvStore`. Use `kvstore.create(...)`, which wraps it in `kvstore.KVStore`.
 #[pyclass(name = "Store", module = "kvstore._native", frozen)]
 struct PyStore {
@@ -157,14 +177,20 @@ impl PyStore {
         keys: Vec<Bound<'_, PyAny>>,
         values: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let keys = keys_from(&keys)?;
-        let values: Vec<Imported> = values.iter().map(arrays::import).collect::<PyResult<_>>()?;
         let kv = self.inner.clone();
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let values: Vec<Imported> =
+                values.iter().map(arrays::import).collect::<PyResult<_>>()?;
+            Ok((keys, values))
+        })();
+        let (keys, values) = told(py, &kv, "init", args)?;
         py.detach(move || {
-            let values: Vec<NDArray> = values
-                .iter()
-                .map(Imported::to_ndarray)
-                .collect::<PyResult<_>>()?;
+            let values: Vec<NDArray> = told_detached(
+                &kv,
+                "init",
+                values.iter().map(Imported::to_ndarray).collect(),
+            )?;
             kv.init_list(&keys, &values).map_err(errors::to_py)
         })
     }
@@ -177,11 +203,11 @@ impl PyStore {
         values: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
     ) -> PyResult<()> {
-        let keys = keys_from(&keys)?;
-        let values = import_lists(&values)?;
         let kv = self.inner.clone();
+        let args = (|| Ok((keys_from(&keys)?, import_lists(&values)?)))();
+        let (keys, values) = told(py, &kv, "push", args)?;
         py.detach(move || {
-            let values = to_ndarrays(&values)?;
+            let values = told_detached(&kv, "push", to_ndarrays(&values))?;
             let priorities = vec![priority; keys.len()];
             kv.push_list_with_priority(&keys, &values, &priorities)
                 .map_err(errors::to_py)
@@ -196,11 +222,11 @@ impl PyStore {
         outs: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
     ) -> PyResult<()> {
-        let keys = keys_from(&keys)?;
-        let outs = import_outs(&outs)?;
         let kv = self.inner.clone();
+        let args = (|| Ok((keys_from(&keys)?, import_outs(&outs)?)))();
+        let (keys, outs) = told(py, &kv, "pull", args)?;
         py.detach(move || {
-            let tmp = scratch(&outs)?;
+            let tmp = told_detached(&kv, "pull", scratch(&outs))?;
             let priorities = vec![priority; keys.len()];
             kv.pull_list_with_priority(&keys, &tmp, &priorities)
                 .map_err(errors::to_py)?;
@@ -216,13 +242,18 @@ impl PyStore {
         values: Vec<Vec<Bound<'_, PyAny>>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
-        let keys = keys_from(&keys)?;
-        let values = import_lists(&values)?;
-        let outs = import_outs(&outs)?;
         let kv = self.inner.clone();
+        let args = (|| {
+            Ok((
+                keys_from(&keys)?,
+                import_lists(&values)?,
+                import_outs(&outs)?,
+            ))
+        })();
+        let (keys, values, outs) = told(py, &kv, "pushpull", args)?;
         py.detach(move || {
-            let values = to_ndarrays(&values)?;
-            let tmp = scratch(&outs)?;
+            let prepared = (|| Ok((to_ndarrays(&values)?, scratch(&outs)?)))();
+            let (values, tmp) = told_detached(&kv, "pushpull", prepared)?;
             kv.pushpull_list(&keys, &values, &tmp)
                 .map_err(errors::to_py)?;
             write_back(&outs, &tmp)
@@ -237,16 +268,23 @@ impl PyStore {
         values: Vec<Bound<'_, PyAny>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
-        let keys = keys_from(&keys)?;
-        let values: Vec<Imported> = values.iter().map(arrays::import).collect::<PyResult<_>>()?;
-        let outs = import_outs(&outs)?;
         let kv = self.inner.clone();
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let values: Vec<Imported> =
+                values.iter().map(arrays::import).collect::<PyResult<_>>()?;
+            Ok((keys, values, import_outs(&outs)?))
+        })();
+        let (keys, values, outs) = told(py, &kv, "broadcast", args)?;
         py.detach(move || {
-            let values: Vec<NDArray> = values
-                .iter()
-                .map(Imported::to_ndarray)
-                .collect::<PyResult<_>>()?;
-            let tmp = scratch(&outs)?;
+            let prepared = (|| {
+                let values: Vec<NDArray> = values
+                    .iter()
+                    .map(Imported::to_ndarray)
+                    .collect::<PyResult<_>>()?;
+                Ok((values, scratch(&outs)?))
+            })();
+            let (values, tmp) = told_detached(&kv, "broadcast", prepared)?;
             kv.broadcast_list(&keys, &values, &tmp)
                 .map_err(errors::to_py)?;
             write_back(&outs, &tmp)
@@ -254,11 +292,30 @@ impl PyStore {
     }
 
     /// Sets a Python function as the updater: `trampoline(fn, key, input, stored, shape,
-    /// dtype)` is called for each key of a push (see `kvstore/_updater.py`).
-    fn set_python_updater(&self, trampoline: Py<PyAny>, function: Py<PyAny>) -> PyResult<()> {
+    /// dtype)` is called for each key of a push (see `kvstore/_updater.py`). `identity` is
+    /// what the workers of a dist store compare of it (`kvstore._updater.identity`).
+    fn set_python_updater(
+        &self,
+        trampoline: Py<PyAny>,
+        function: Py<PyAny>,
+        identity: &str,
+    ) -> PyResult<()> {
         self.inner
-            .set_updater(updater::python_updater(trampoline, function))
+            .set_updater(updater::python_updater(trampoline, function, identity))
             .map_err(errors::to_py)
+    }
+
+    /// Checks that every worker passes the same `what` (`DesyncError` otherwise).
+    fn agree(&self, py: Python<'_>, what: String) -> PyResult<()> {
+        let kv = self.inner.clone();
+        py.detach(move || kv.agree(&what).map_err(errors::to_py))
+    }
+
+    /// Tells the other workers that this one will not make its call `op`, because `why` (an
+    /// error the Python layer found in its arguments).
+    fn reject(&self, py: Python<'_>, op: String, why: String) {
+        let kv = self.inner.clone();
+        py.detach(move || kv.reject(&op, &why));
     }
 
     /// Back to the default updater: assign.

@@ -16,8 +16,11 @@ use pyo3::types::{PyByteArray, PyTuple};
 /// The push that runs it holds no GIL (the binding releases it around store calls), so taking
 /// it here cannot deadlock against another Python thread calling the store. The function must
 /// not call the store it is set on: the key's lock is held while it runs.
-pub fn python_updater(trampoline: Py<PyAny>, user_fn: Py<PyAny>) -> Updater {
-    Updater::try_custom(move |key, input, stored| {
+///
+/// `identity` names the function for the workers of a dist store to compare (see
+/// `kvstore._updater.identity`): every Python updater is this one closure to Rust.
+pub fn python_updater(trampoline: Py<PyAny>, user_fn: Py<PyAny>, identity: &str) -> Updater {
+    Updater::try_custom_labeled(identity, move |key, input, stored| {
         Python::attach(|py| -> Result<(), BoxError> {
             let key_obj = match key {
                 Key::Int(k) => k.into_pyobject(py)?.into_any(),

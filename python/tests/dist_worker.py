@@ -131,6 +131,140 @@ def desync_optimizer():
     say("ok desync_optimizer")
 
 
+# A global that one of the updaters below reads (desync_updater "global").
+SCALE = 2.0
+
+
+def desync_updater():
+    """Ranks whose Python updaters differ fail the push: another function (ARGS[0] "function"),
+    one closure that captured another value ("closure"), or one function reading a global that
+    differs ("global"). Each computes what the others do on rank 0, so only the identity the
+    store compares can tell."""
+    global SCALE
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    kv.init(3, np.ones(4, np.float32))
+
+    def double(key, inp, stored):
+        stored += inp * 2
+
+    def twice(key, inp, stored):
+        stored += inp + inp
+
+    def scaled(scale):
+        def update(key, inp, stored):
+            stored += inp * scale
+
+        return update
+
+    def by_global(key, inp, stored):
+        stored += inp * SCALE
+
+    how = ARGS[0]
+    if how == "function":
+        kv.set_updater(double if r == 0 else twice)
+    elif how == "closure":
+        kv.set_updater(scaled(2.0 if r == 0 else 3.0))
+    else:
+        SCALE = 2.0 if r == 0 else 3.0
+        kv.set_updater(by_global)
+    expect(kvstore.DesyncError, lambda: kv.push(3, np.ones(4, np.float32)))
+    say(f"ok desync_updater {how}")
+
+
+def same_updater():
+    """The same Python updater on every rank (a closure over a value every rank computes
+    alike) passes the check and computes: stored + 3 * sum over the ranks."""
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    init = values(99, 3, (4,), n=1)[0]
+    kv.init(3, init)
+    scale = float(n + 1)
+
+    def update(key, inp, stored):
+        stored += inp * scale
+
+    kv.set_updater(update)
+    kv.push(3, values(r, 3, (4,), n=1))
+    out = np.zeros(4, np.float32)
+    kv.pull(3, out=out)
+    want = init + scale * sum(values(q, 3, (4,), n=1)[0] for q in range(n))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    say("ok same_updater")
+
+
+def reject_python():
+    """An error the Python layer raises on one rank before the store sees the call (ARGS[0]:
+    "value", a non-array value, found in Python; "key", a float key, found by the native
+    binding) reaches the other ranks as RankRejectedError. Every rank then retries, and the
+    retries pair up: the sum is of the retried values, not of a stale call."""
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    kv.init(3, np.zeros(4, np.float32))
+    mine = values(r, 3, (4,), n=1)[0]
+    if r == 1:
+        bad = (lambda: kv.push(3, "not an array")) if ARGS[0] == "value" else (
+            lambda: kv.push(3.5, mine)
+        )
+        expect(TypeError, bad)
+    else:
+        expect(kvstore.RankRejectedError, lambda: kv.push(3, mine))
+    out = np.zeros(4, np.float32)
+    kv.pull(3, out=out)
+    np.testing.assert_array_equal(out, np.zeros(4, np.float32))
+    kv.push(3, mine)
+    kv.pull(3, out=out)
+    np.testing.assert_allclose(out, sum(values(q, 3, (4,), n=1)[0] for q in range(n)), rtol=1e-5)
+    say(f"ok reject_python {ARGS[0]}")
+
+
+def load_order():
+    """Rank 1 loads a checkpoint before setting the optimizer, the others after: the load
+    would restore the momentum on some ranks only. It fails on every rank instead."""
+    path = ARGS[0]
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    sgd = kvstore.optimizer.SGD(learning_rate=0.05, momentum=0.9)
+    kv.set_optimizer(sgd)
+    kv.init([0, 1], [np.ones(4, np.float32), np.ones(4, np.float32)])
+    kv.push([0, 1], [values(r, 0, (4,), n=1), values(r, 1, (4,), n=1)])
+    kv.save(path)
+    fresh = kvstore.create("dist_sync")
+    if r != 1:
+        fresh.set_optimizer(sgd)
+    expect(kvstore.DesyncError, lambda: fresh.load(path))
+    say("ok load_order")
+
+
+def desync_torch():
+    """DistributedOptimizer(update_on_kvstore=False): torch steps on every rank, so ranks whose
+    torch hyperparameters differ must fail. ARGS[0] "lr": rank 1 made its optimizer with
+    another learning rate; "schedule": rank 1 alone steps a scheduler after the first step."""
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    model = torch.nn.Linear(3, 2)
+    lr = 0.1 if (ARGS[0] != "lr" or r != 1) else 0.2
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), kv, update_on_kvstore=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    x, y = torch.ones(4, 3), torch.zeros(4, 2)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    if ARGS[0] == "schedule":
+        step()
+        if r == 1:
+            sched.step()
+    expect(kvstore.DesyncError, step)
+    say(f"ok desync_torch {ARGS[0]}")
+
+
 def timeout():
     kv = kvstore.create("dist_sync")
     r = kv.rank
@@ -378,6 +512,11 @@ CASES = {
     "reject": reject,
     "desync": desync,
     "desync_optimizer": desync_optimizer,
+    "desync_updater": desync_updater,
+    "same_updater": same_updater,
+    "reject_python": reject_python,
+    "load_order": load_order,
+    "desync_torch": desync_torch,
     "timeout": timeout,
     "distenv": distenv,
     "exits": exits,

@@ -141,6 +141,50 @@ def test_ranks_that_disagree_fail_with_desync(case):
 
 
 @needs_mpi
+@pytest.mark.parametrize("how", ["function", "closure", "global"])
+def test_ranks_with_different_python_updaters_fail_with_desync(how):
+    rc, out = run(2, "desync_updater", how)
+    assert oks(out, "desync_updater") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    assert rc != 0, out
+
+
+@needs_mpi
+def test_the_same_python_updater_on_every_rank_computes():
+    rc, out = run(3, "same_updater")
+    assert rc == 0, out
+    assert oks(out, "same_updater") == [0, 1, 2], out
+
+
+@needs_mpi
+@pytest.mark.parametrize("where", ["value", "key"], ids=["python", "binding"])
+def test_an_error_raised_before_the_store_reaches_the_other_ranks(where):
+    rc, out = run(3, "reject_python", where)
+    assert rc == 0, out
+    assert oks(out, "reject_python") == [0, 1, 2], out
+    assert re.search(r"^rank 1: EXPECTED TypeError", out, re.M), out
+    assert len(re.findall(r"^rank [02]: EXPECTED RankRejectedError: .*TypeError", out, re.M)) == 2, out
+
+
+@needs_mpi
+def test_setting_the_optimizer_after_a_load_on_one_rank_fails_the_load(tmp_path):
+    rc, out = run(2, "load_order", str(tmp_path / "ckpt"))
+    assert oks(out, "load_order") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    assert rc != 0, out
+
+
+@needs_mpi
+@pytest.mark.parametrize("how", ["lr", "schedule"])
+def test_torch_stepping_locally_with_different_settings_fails_with_desync(how):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "desync_torch", how)
+    assert oks(out, "desync_torch") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    assert rc != 0, out
+
+
+@needs_mpi
 def test_a_silent_rank_is_a_timeout_not_a_hang():
     rc, out = run(2, "timeout", "30", env={"KVSTORE_TIMEOUT": "3"})
     assert re.search(r"^rank 0: EXPECTED TimeoutError", out, re.M), out

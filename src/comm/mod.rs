@@ -157,7 +157,7 @@ pub(crate) fn push(
 ) -> Result<()> {
     match updater {
         Updater::Custom(f) => {
-            let updated = settle(agree, run_closure(f.as_ref(), ctx, &jobs))?;
+            let updated = settle(agree, run_closure(f.function().as_ref(), ctx, &jobs))?;
             store_results(jobs, updated)
         }
         Updater::Ptx(p) => push_ptx(p, updater, generation, ctx, jobs, agree),

@@ -38,7 +38,12 @@ impl KvStore {
         let (rank, size) = (d.rank(), d.size());
         let mut slots: Vec<Arc<Slot>> = read(&self.table).slots.values().cloned().collect();
         slots.sort_by_key(|s| s.order);
-        let mut fp = Fingerprint::new("save").note(&format!("into {}", where_is(dir)));
+        let (updater, generation) = self.active_updater();
+        // The updater too: each rank writes its shard's state under its own.
+        let mut fp = Fingerprint::new("save").note(&format!(
+            "into {}, under updater {updater:?} set by call #{generation}",
+            where_is(dir)
+        ));
         for s in &slots {
             fp.push(s.key.clone(), s.shape.dims(), s.dtype);
         }
@@ -137,7 +142,12 @@ impl KvStore {
             }
             _ => "a single file".to_owned(),
         };
-        let mut fp = Fingerprint::new("load").note(&format!("from {}, {which}", where_is(path)));
+        // The updater in force too: it decides whether the saved state is restored, so ranks
+        // that set theirs in another order relative to the load would keep mixed state.
+        let mut fp = Fingerprint::new("load").note(&format!(
+            "from {}, {which}, under updater {updater:?} set by call #{generation}",
+            where_is(path)
+        ));
         for m in reader.keys() {
             fp.push(m.key.clone(), &m.dims, m.dtype);
         }

@@ -324,6 +324,38 @@ fn one_ranks_bad_input_fails_every_rank_and_changes_nothing() {
     }
 }
 
+/// A layer above the store that rejects its own input on one rank (a binding that could not
+/// convert an argument) tells the others through `reject`: they fail that call with
+/// `RankRejected`, nothing changes, and the next call of every rank pairs up as it should.
+#[test]
+fn a_rejection_from_above_the_store_fails_the_other_ranks_call() {
+    let ranks = stores(3);
+    let keys: Vec<i32> = (0..SIZES.len() as i32).collect();
+    let results = on_ranks(&ranks, |r, kv| {
+        kv.init_list(&keys, &initial()).unwrap();
+        let first = match r {
+            2 => {
+                kv.reject("push", "TypeError: a float key");
+                Ok(())
+            }
+            _ => kv.push(0, &NDArray::ones([3])),
+        };
+        let after = pull(kv, &keys).unwrap();
+        kv.push(0, &NDArray::ones([3])).unwrap();
+        (first, after, pull(kv, &[0]).unwrap())
+    });
+    let untouched: Vec<Vec<f32>> = initial().iter().map(|a| a.to_vec().unwrap()).collect();
+    for (r, (first, after, last)) in results.into_iter().enumerate() {
+        if r != 2 {
+            let err = first.unwrap_err();
+            assert!(matches!(err, Error::RankRejected { .. }), "{err}");
+            assert!(err.to_string().contains("a float key"), "{err}");
+        }
+        assert_eq!(after, untouched, "rank {r} changed");
+        assert_eq!(last, vec![vec![3.0; 3]], "rank {r}: the next push");
+    }
+}
+
 // ---- Ranks that disagree fail, every one of them, and store nothing -----------------------
 
 /// One key's part on one rank: the key, its value, and its step and state buffers.
@@ -363,6 +395,17 @@ enum Differ {
     Store,
     /// It loads another checkpoint, of the same keys.
     CheckpointPath,
+    /// Its custom updater is another closure.
+    CustomClosure,
+    /// Its custom updater is the same closure, capturing another value it names in its label.
+    CustomLabel,
+    /// Its PTX updater has the same entry and twin but another module text.
+    PtxModule,
+    /// It set another updater before a load (the others set theirs after it, say): the load
+    /// would restore state on some ranks and not on others.
+    UpdaterAtLoad,
+    /// It passes something else to `agree`.
+    Agree,
 }
 
 /// SGD with momentum at learning rate `lr`.
@@ -372,6 +415,36 @@ fn sgd(lr: f64) -> Updater {
         momentum: 0.5,
         ..Sgd::default()
     })
+}
+
+/// One of two closures, each adding the input to the stored value: the same computation, but
+/// the ranks cannot know that, so two closures must fail.
+fn custom_closure(other: bool) -> Updater {
+    match other {
+        true => Updater::custom(|_, input, stored| *stored += input),
+        false => Updater::custom(|_, input, stored| *stored += input),
+    }
+}
+
+/// One closure capturing `scale`, named in its label.
+fn scaled_by(scale: f64) -> Updater {
+    Updater::custom_labeled(&format!("scale {scale}"), move |_, input, stored| {
+        *stored += input * scale
+    })
+}
+
+/// The example PTX updater, or the same with `sub.rn` for `add.rn` somewhere: another module
+/// of the same length.
+fn ptx_updater(other: bool) -> Updater {
+    let mut ptx = crate::PtxUpdater::EXAMPLE_SGD_F32.to_owned();
+    if other {
+        ptx = ptx.replacen("add.rn", "sub.rn", 1);
+    }
+    let p = crate::PtxUpdater::new(ptx, "sgd_f32", crate::DType::F32)
+        .expect("the example module")
+        .with_scalars([0.1, 0.0, 0.0, 0.0])
+        .with_cpu_twin(|_, input, stored| *stored += input * -0.1);
+    Updater::Ptx(p)
 }
 
 /// Runs one call on `n` ranks where rank `odd` differs in `differ`; every rank must fail it,
@@ -418,6 +491,12 @@ fn check_differing_call(n: usize, odd: usize, differ: Differ, seed: &[f32]) -> R
                     match differ {
                         Differ::SetLearningRate if me => kv.set_learning_rate(0.05).unwrap(),
                         Differ::LearningRate if me => kv.update_hyperparameters(sgd(0.2)).unwrap(),
+                        Differ::CustomClosure => kv.set_updater(custom_closure(me)).unwrap(),
+                        Differ::CustomLabel => kv
+                            .set_updater(scaled_by(if me { 3.0 } else { 2.0 }))
+                            .unwrap(),
+                        Differ::PtxModule => kv.set_updater(ptx_updater(me)).unwrap(),
+                        Differ::UpdaterAtLoad if me => kv.set_updater(Updater::Assign).unwrap(),
                         _ => {}
                     }
                     let before = snapshot(kv);
@@ -430,7 +509,8 @@ fn check_differing_call(n: usize, odd: usize, differ: Differ, seed: &[f32]) -> R
                         Differ::Op if me => kv.pull(2, &g(20)),
                         Differ::Store if me => other.push(2, &g(20)),
                         Differ::CheckpointPath if me => kv.load(dir.join("b")),
-                        Differ::CheckpointPath => kv.load(dir.join("a")),
+                        Differ::CheckpointPath | Differ::UpdaterAtLoad => kv.load(dir.join("a")),
+                        Differ::Agree => kv.agree(if me { "lr 0.2" } else { "lr 0.1" }),
                         Differ::Key => kv.push(0, &g(3)),
                         _ => kv.push(2, &g(20)),
                     };
@@ -470,6 +550,11 @@ fn one_rank_differing_in_one_field_fails_every_rank() {
         Differ::SetLearningRate,
         Differ::Store,
         Differ::CheckpointPath,
+        Differ::CustomClosure,
+        Differ::CustomLabel,
+        Differ::PtxModule,
+        Differ::UpdaterAtLoad,
+        Differ::Agree,
     ];
     let mut runner = TestRunner::new(Config {
         cases: 24,

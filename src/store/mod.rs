@@ -183,6 +183,53 @@ impl KvStore {
         self.ranks.barrier()
     }
 
+    /// Checks that every worker of a `dist_*` store passes the same `what`: a call that every
+    /// worker makes, in the same place among its store calls. [`Error::Desync`] on every
+    /// worker when they differ, naming the workers on each side; `Ok` at once in a
+    /// single-process store.
+    ///
+    /// The store compares what it sees itself (keys, shapes, dtypes, the updater and its
+    /// hyperparameters, checkpoint paths) before every call. This is for what it does not
+    /// see: a framework optimizer's hyperparameters when the framework steps, a data order
+    /// seed, a configuration file's checksum. Ranks that disagree then fail instead of
+    /// training apart.
+    ///
+    /// ```
+    /// use kvstore::KvStore;
+    /// let kv = KvStore::create("local")?;
+    /// kv.agree("torch SGD lr=0.1 momentum=0.9")?;
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn agree(&self, what: &str) -> Result<()> {
+        self.ranks.agree(what)
+    }
+
+    /// Tells the other workers of a `dist_*` store that this worker will not make its call
+    /// `op` (`"push"`, `"pull"`, ...) because its input was bad (`why`), so that they fail
+    /// that call with [`Error::RankRejected`] instead of waiting for this worker. Nothing at
+    /// all in a single-process store.
+    ///
+    /// The store does this itself for input it rejects. It is for a layer above the store
+    /// that checks its own input before calling it (a binding converting its arguments): an
+    /// error there must reach the other workers too, or a retry here would be matched with
+    /// the call they made before.
+    pub fn reject(&self, op: &str, why: &str) {
+        // The fingerprint names ops by static names: the store's own, else "call".
+        const OPS: [&str; 9] = [
+            "init",
+            "push",
+            "pull",
+            "pushpull",
+            "broadcast",
+            "save",
+            "load",
+            "barrier",
+            "agree",
+        ];
+        let op = OPS.iter().find(|&&k| k == op).copied().unwrap_or("call");
+        self.ranks.tell_rejected(op, why);
+    }
+
     /// A `dist_*` store's save of a sharded checkpoint into directory `path`; `None` for a
     /// single-process store.
     pub(crate) fn save_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {

@@ -176,23 +176,46 @@ impl Dist {
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
     /// fails the same call with [`Error::RankRejected`] instead of waiting for this one, and
     /// gives `err` back.
+    pub fn reject(&self, op: &'static str, err: Error) -> Error {
+        self.tell_rejected(op, &err.to_string());
+        err
+    }
+
+    /// Joins call `op` as a rank that rejected its input because `why` (see [`Dist::reject`]).
     ///
     /// With the check off (`KVSTORE_DIST_CHECK=0`) the other ranks cannot be told: this rank's
     /// link is shut instead ([`Link::shut`]), so that no later call of this rank is matched
     /// with the collectives the others started for this one. They time out.
-    pub fn reject(&self, op: &'static str, err: Error) -> Error {
+    pub fn tell_rejected(&self, op: &'static str, why: &str) {
         if !self.link.checks() {
             self.link.shut(format!(
                 "rank {} rejected its input for {op} with KVSTORE_DIST_CHECK=0, so the other \
-                 ranks could not be told: {err}",
+                 ranks could not be told: {why}",
                 self.rank()
             ));
-            return err;
+            return;
         }
         // This rank's own error is the one to report; the check's error only says that the
         // other ranks were told.
-        let _ = self.begin(Fingerprint::rejected(op, &err.to_string()));
-        err
+        let _ = self.begin(Fingerprint::rejected(op, why));
+    }
+
+    /// Checks that every rank passes the same `what` (see [`KvStore::agree`]).
+    ///
+    /// [`KvStore::agree`]: crate::KvStore::agree
+    pub fn agree(&self, what: &str) -> Result<()> {
+        if self.link.passes_through() {
+            return Ok(());
+        }
+        let fp = Fingerprint::new("agree").note(what).store(self.store);
+        let mut round = self.link.begin(&fp)?;
+        if self.link.checks() {
+            return Ok(()); // `begin` compared it
+        }
+        // With the per-call check off (`KVSTORE_DIST_CHECK=0`) this call compares anyway:
+        // comparing is all it is for.
+        let seq = round.seq();
+        crate::comm::fingerprint::check_across(&fp, seq, self.size(), |w| round.all_gather_words(w))
     }
 
     /// Waits until every rank has reached this barrier (bounded by `KVSTORE_TIMEOUT`).
