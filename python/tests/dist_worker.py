@@ -281,6 +281,17 @@ def timeout():
     say("ok timeout")
 
 
+def slow_create():
+    """Rank 1 creates its store only after ARGS[0] seconds: rank 0 waits inside MPI's setup,
+    which MPI cannot cancel, so after KVSTORE_TIMEOUT it must end its process (and with it the
+    job), not wait on."""
+    if int(os.environ["OMPI_COMM_WORLD_RANK"]) == 1:
+        time.sleep(float(ARGS[0]))
+    say("creating")
+    kvstore.create("dist_sync")
+    say("ok slow_create (created: the bound did not end this process)")
+
+
 def distenv():
     # Set by the test for every worker: a WORLD_SIZE that disagrees with mpirun's.
     e = expect(kvstore.DistEnvError, lambda: kvstore.create("dist_sync"))
@@ -519,6 +530,7 @@ CASES = {
     "desync_torch": desync_torch,
     "timeout": timeout,
     "distenv": distenv,
+    "slow_create": slow_create,
     "exits": exits,
     "save": save,
     "load": load,

@@ -196,6 +196,18 @@ def test_a_silent_rank_is_a_timeout_not_a_hang():
 
 
 @needs_mpi
+def test_a_rank_that_never_creates_its_store_ends_the_job_not_a_hang():
+    rc, out = run(2, "slow_create", "60", env={"KVSTORE_TIMEOUT": "3"})
+    assert re.search(r"^rank 0: creating", out, re.M), out
+    assert "creating a dist store did not finish within KVSTORE_TIMEOUT" in out, out
+    assert oks(out, "slow_create") == [], out
+    assert rc != 0, out
+    # Rank 0's exit ended the job: rank 1 was ended inside its 60 s sleep, before it ever
+    # reached its create.
+    assert not re.search(r"^rank 1: creating", out, re.M), out
+
+
+@needs_mpi
 def test_a_world_size_that_disagrees_with_mpirun_is_dist_env():
     rc, out = run(2, "distenv", env={"WORLD_SIZE": "5"})
     assert oks(out, "distenv") == [0, 1], out

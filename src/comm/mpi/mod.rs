@@ -54,6 +54,12 @@
 //! A rank that exits while others wait for it ends their wait at once (below): they get
 //! [`Error::RankExited`], naming it and how it exited.
 //!
+//! Setting up the world (`MPI_Init` and the communicator splits after it) waits for every rank
+//! too, and MPI can neither time it out nor cancel it. It is bounded by the same timeout: a
+//! rank still in it after `KVSTORE_TIMEOUT` seconds (another rank never created its store)
+//! prints why on stderr and ends its process with exit code 1, which ends the job under
+//! `mpirun`. It cannot return an error: the thread is inside MPI and may never come back.
+//!
 //! After a timeout, a desync, a rank that exited or a failed MPI call the world is
 //! **poisoned**: every later call fails at once with [`Error::DistFailed`] naming the first
 //! failure.
@@ -209,6 +215,33 @@ fn env_agrees(var: &str, mpi_value: usize, what: &str) -> Option<(String, String
     }
 }
 
+/// Ends this process if the world's setup is still running after `timeout` (see "No hang" in
+/// the module documentation). The setup is done when the returned sender is dropped.
+fn bound_setup(timeout: Duration) -> std::sync::mpsc::Sender<()> {
+    let (done, setup) = std::sync::mpsc::channel::<()>();
+    let watch = move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = setup.recv_timeout(timeout) {
+            eprintln!(
+                "kvstore: creating a dist store did not finish within KVSTORE_TIMEOUT ({} s): \
+                 MPI's setup waits for every rank, so some rank has not created its dist store \
+                 (it failed, waits on something else, or makes its calls in another order); \
+                 MPI cannot cancel the wait, so this process ends with exit code 1",
+                timeout.as_secs_f64()
+            );
+            // SAFETY: `_exit` ends the process at once, without running exit handlers, which
+            // would call into MPI while another thread of this process is inside MPI_Init.
+            unsafe { libc::_exit(1) }
+        }
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("kvstore-mpi-setup-bound".to_owned())
+        .spawn(watch)
+    {
+        eprintln!("kvstore: could not start the bound on MPI's setup ({e}); it is unbounded");
+    }
+    done
+}
+
 impl World {
     /// The process-wide world, initialising MPI on the first call. See the
     /// [module documentation](self) for the environment variables it reads.
@@ -236,6 +269,8 @@ impl World {
         let config = crate::config::Config::from_env().map_err(as_pair)?;
         let (timeout, wait_log, check) = (config.timeout, config.wait_log, config.dist_check);
 
+        // Dropped (so the bound disarmed) when this function returns, whichever way.
+        let _bound = bound_setup(timeout);
         let universe = match mpi::initialize_with_threading(Threading::Serialized) {
             Some((u, provided)) => {
                 if provided < Threading::Serialized {
