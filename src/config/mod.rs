@@ -125,11 +125,15 @@ fn seconds(
     };
     match v.trim().parse::<f64>() {
         Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
-        _ => Err(Error::DistEnv {
+        parsed => Err(Error::DistEnv {
             var: name.to_owned(),
             message: format!(
-                "'{v}' is not a positive number of seconds: set it to e.g. {example}, or unset \
-                 it for the default of {} s",
+                "'{v}' {}: set it to e.g. {example}, or unset it for the default of {} s",
+                match parsed {
+                    Ok(s) if s >= 1e9 => "is too long: the bound is below 10^9 seconds (31 years)",
+                    Ok(_) => "is not a positive number of seconds",
+                    Err(_) => "is not a number of seconds",
+                },
                 default.as_secs()
             ),
         }),
@@ -197,5 +201,15 @@ mod tests {
             let e = Config::from_vars(env(&[(name, bad)])).unwrap_err();
             assert!(e.to_string().contains(name), "{name}={bad}: {e}");
         }
+    }
+
+    #[test]
+    fn a_timeout_too_long_says_so_not_that_it_is_not_positive() {
+        let e = Config::from_vars(env(&[("KVSTORE_TIMEOUT", "1e9")])).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("too long"), "{text}");
+        assert!(!text.contains("not a positive"), "{text}");
+        let e = Config::from_vars(env(&[("KVSTORE_TIMEOUT", "-3")])).unwrap_err();
+        assert!(e.to_string().contains("not a positive"), "{e}");
     }
 }

@@ -356,6 +356,27 @@ fn a_rejection_from_above_the_store_fails_the_other_ranks_call() {
     }
 }
 
+/// After the world failed (here a desync), every later call is `DistFailed`, even one whose
+/// input this rank would reject (an unknown key): the first failure is what the user must see.
+#[test]
+fn after_a_desync_bad_input_is_dist_failed_too() {
+    let ranks = stores(2);
+    let results = on_ranks(&ranks, |r, kv| {
+        kv.init_list(&[0, 1], &[NDArray::zeros([2]), NDArray::zeros([2])])
+            .unwrap();
+        let desync = kv.push(r as i32, &NDArray::ones([2])).unwrap_err();
+        let unknown = kv.pull(7, &NDArray::zeros([2])).unwrap_err();
+        let bad_shape = kv.push(0, &NDArray::ones([5])).unwrap_err();
+        (desync, unknown, bad_shape)
+    });
+    for (r, (desync, unknown, bad_shape)) in results.into_iter().enumerate() {
+        assert!(matches!(desync, Error::Desync { .. }), "rank {r}: {desync}");
+        for e in [unknown, bad_shape] {
+            assert!(matches!(e, Error::DistFailed { .. }), "rank {r}: {e}");
+        }
+    }
+}
+
 // ---- Ranks that disagree fail, every one of them, and store nothing -----------------------
 
 /// One key's part on one rank: the key, its value, and its step and state buffers.

@@ -227,7 +227,8 @@ impl KvStore {
             "agree",
         ];
         let op = OPS.iter().find(|&&k| k == op).copied().unwrap_or("call");
-        self.ranks.tell_rejected(op, why);
+        // The other ranks were told, or (a world that failed earlier) need not be.
+        let _ = self.ranks.tell_rejected(op, why);
     }
 
     /// A `dist_*` store's save of a sharded checkpoint into directory `path`; `None` for a

@@ -176,9 +176,14 @@ impl Dist {
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
     /// fails the same call with [`Error::RankRejected`] instead of waiting for this one, and
     /// gives `err` back.
+    ///
+    /// On a world that failed earlier the error is that failure ([`Error::DistFailed`]), as
+    /// for every other call: this rank's bad input is then beside the point.
     pub fn reject(&self, op: &'static str, err: Error) -> Error {
-        self.tell_rejected(op, &err.to_string());
-        err
+        match self.tell_rejected(op, &err.to_string()) {
+            Err(failed @ Error::DistFailed { .. }) => failed,
+            _ => err,
+        }
     }
 
     /// Joins call `op` as a rank that rejected its input because `why` (see [`Dist::reject`]).
@@ -186,18 +191,18 @@ impl Dist {
     /// With the check off (`KVSTORE_DIST_CHECK=0`) the other ranks cannot be told: this rank's
     /// link is shut instead ([`Link::shut`]), so that no later call of this rank is matched
     /// with the collectives the others started for this one. They time out.
-    pub fn tell_rejected(&self, op: &'static str, why: &str) {
+    /// Returns the check's own result: an error, unless the world failed earlier (then
+    /// [`Error::DistFailed`]) or the check is off (then `Ok`).
+    pub fn tell_rejected(&self, op: &'static str, why: &str) -> Result<()> {
         if !self.link.checks() {
             self.link.shut(format!(
                 "rank {} rejected its input for {op} with KVSTORE_DIST_CHECK=0, so the other \
                  ranks could not be told: {why}",
                 self.rank()
             ));
-            return;
+            return Ok(());
         }
-        // This rank's own error is the one to report; the check's error only says that the
-        // other ranks were told.
-        let _ = self.begin(Fingerprint::rejected(op, why));
+        self.begin(Fingerprint::rejected(op, why)).map(drop)
     }
 
     /// Checks that every rank passes the same `what` (see [`KvStore::agree`]).
