@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from . import KVStore, create
+from . import KVStore, _told, create
 from . import optimizer as _kvopt
 
 
@@ -161,6 +161,25 @@ class DistributedOptimizer:
         """The wrapped optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def _check_unchanged(self):
+        """A ValueError when the optimizer's parameters, or (update_on_kvstore) any of its
+        hyperparameters but the learning rate, changed since this wrapper was made."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
+            raise ValueError(
+                "the optimizer's parameters changed after DistributedOptimizer was made (a "
+                "param group added or removed): the store holds only the first ones, so the "
+                "others would never be synchronized; make a new DistributedOptimizer"
+            )
+        if self.update_on_kvstore:
+            now = _translate(self.optimizer, self.store.num_workers)
+            if replace(now, learning_rate=self._translated.learning_rate) != self._translated:
+                raise ValueError(
+                    f"the optimizer's hyperparameters changed after DistributedOptimizer was "
+                    f"made ({self._translated} -> {now}); the store follows a changed "
+                    f"learning rate only: pass update_on_kvstore=False to step with torch"
+                )
+
     def step(self, closure=None):
         """Pushes the gradients and pulls the parameters (update_on_kvstore), or sums the
         gradients through the store and steps the wrapped optimizer. Parameters without a
@@ -169,13 +188,11 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):
-            raise ValueError(
-                "the optimizer's parameters changed after DistributedOptimizer was made (a "
-                "param group added or removed): the store holds only the first ones, so the "
-                "others would never be synchronized; make a new DistributedOptimizer"
-            )
+        # An error here, before the store is called, is told to the other workers (which
+        # then fail this step too): were it not, their step's call would pair with this
+        # worker's next one, summing gradients of different steps.
+        with _told(self.store._kv, "push" if self.update_on_kvstore else "pushpull"):
+            self._check_unchanged()
         if self.store.num_workers > 1:
             # Every worker makes the same store call every step: a parameter without a gradient
             # on this worker (unused in its part of the batch) contributes zeros, as
@@ -193,14 +210,7 @@ class DistributedOptimizer:
         keys = [k for k, _ in live]
         with torch.no_grad():
             if self.update_on_kvstore:
-                now = _translate(self.optimizer, self.store.num_workers)
                 lr = float(self.optimizer.param_groups[0]["lr"])
-                if replace(now, learning_rate=self._translated.learning_rate) != self._translated:
-                    raise ValueError(
-                        f"the optimizer's hyperparameters changed after DistributedOptimizer was "
-                        f"made ({self._translated} -> {now}); the store follows a changed "
-                        f"learning rate only: pass update_on_kvstore=False to step with torch"
-                    )
                 if lr != self._lr:  # a scheduler changed it: keep the optimizer's state
                     self.store.set_learning_rate(lr)
                     self._lr = lr

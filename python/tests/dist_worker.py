@@ -265,6 +265,39 @@ def desync_torch():
     say(f"ok desync_torch {ARGS[0]}")
 
 
+def torch_refuse():
+    """DistributedOptimizer refuses a step on rank 1 alone (its momentum changed after the
+    wrapper was made): the others get RankRejectedError for that step, and when every rank
+    steps again the steps pair up: the parameters are equal on every rank."""
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    torch.manual_seed(SEED)
+    model = torch.nn.Linear(3, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), kv)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(SEED + r))
+    y = torch.zeros(4, 2)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    step()
+    if r == 1:
+        opt.param_groups[0]["momentum"] = 0.5
+        expect(ValueError, step)
+        opt.param_groups[0]["momentum"] = 0.9
+    else:
+        expect(kvstore.RankRejectedError, step)
+    step()
+    kv.agree(" ".join(p.detach().numpy().tobytes().hex() for p in model.parameters()))
+    say("ok torch_refuse")
+
+
 def timeout():
     kv = kvstore.create("dist_sync")
     r = kv.rank
@@ -528,6 +561,7 @@ CASES = {
     "reject_python": reject_python,
     "load_order": load_order,
     "desync_torch": desync_torch,
+    "torch_refuse": torch_refuse,
     "timeout": timeout,
     "distenv": distenv,
     "slow_create": slow_create,

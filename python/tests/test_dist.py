@@ -185,6 +185,16 @@ def test_torch_stepping_locally_with_different_settings_fails_with_desync(how):
 
 
 @needs_mpi
+def test_a_step_the_torch_wrapper_refuses_on_one_rank_fails_on_every_rank():
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "torch_refuse")
+    assert rc == 0, out
+    assert oks(out, "torch_refuse") == [0, 1], out
+    assert re.search(r"^rank 1: EXPECTED ValueError", out, re.M), out
+    assert re.search(r"^rank 0: EXPECTED RankRejectedError: .*ValueError", out, re.M), out
+
+
+@needs_mpi
 def test_a_silent_rank_is_a_timeout_not_a_hang():
     rc, out = run(2, "timeout", "30", env={"KVSTORE_TIMEOUT": "3"})
     assert re.search(r"^rank 0: EXPECTED TimeoutError", out, re.M), out
