@@ -189,6 +189,11 @@ impl PtxUpdater {
         self.inner.loads.load(Ordering::Relaxed)
     }
 
+    /// The CPU twin with its identity.
+    pub(crate) fn twin(&self) -> Option<&CustomUpdater> {
+        self.inner.cpu_twin.as_ref()
+    }
+
     /// The PTX source.
     pub(crate) fn ptx(&self) -> &Arc<str> {
         &self.inner.ptx

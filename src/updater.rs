@@ -67,6 +67,9 @@ pub enum Updater {
 pub struct CustomUpdater {
     f: Arc<UpdateFn>,
     identity: Arc<str>,
+    /// Whether the identity says nothing of which function this is: a function pointer or a
+    /// `dyn Fn` (one type for every function), with no label.
+    unnamed: bool,
 }
 
 impl CustomUpdater {
@@ -80,6 +83,7 @@ impl CustomUpdater {
     {
         CustomUpdater {
             identity: identity_of::<F>(label),
+            unnamed: unnamed::<F>(label),
             f: Arc::new(f),
         }
     }
@@ -91,6 +95,7 @@ impl CustomUpdater {
     {
         CustomUpdater {
             identity: identity_of::<F>(label),
+            unnamed: unnamed::<F>(label),
             f: Arc::new(move |key, input, stored| {
                 f(key, input, stored);
                 Ok(())
@@ -109,6 +114,33 @@ impl CustomUpdater {
     pub fn function(&self) -> &Arc<UpdateFn> {
         &self.f
     }
+
+    /// An error when the ranks of a `dist_*` store could not tell this updater from another:
+    /// a function pointer or a boxed `dyn Fn` has one type for every function, so without a
+    /// label two ranks with different functions would compute apart.
+    pub(crate) fn check_named(&self) -> Result<()> {
+        match self.unnamed {
+            false => Ok(()),
+            true => Err(Error::InvalidUpdater(format!(
+                "a dist store's ranks compare their updaters, but a function pointer or a boxed \
+                 closure ({}) has one type for every function, so they could not tell two \
+                 apart: name it with Updater::custom_labeled (or try_custom_labeled), or pass \
+                 the closure itself",
+                self.identity
+            ))),
+        }
+    }
+}
+
+/// Whether `F` is one type for many functions (a function pointer, a `dyn Fn`) and no label
+/// says which.
+fn unnamed<F: 'static>(label: Option<&str>) -> bool {
+    let name = type_name::<F>();
+    label.is_none()
+        && (name.contains("dyn ")
+            || ["fn(", "for<", "unsafe ", "extern "]
+                .iter()
+                .any(|p| name.starts_with(p)))
 }
 
 /// A closure's identity: its type's name and id (the id tells apart closures that the name
@@ -206,6 +238,16 @@ impl Updater {
             + 'static,
     {
         Updater::Custom(CustomUpdater::new(f, Some(label)))
+    }
+
+    /// An error when the ranks of a `dist_*` store could not tell this updater from another
+    /// (see [`CustomUpdater`]'s `check_named`).
+    pub(crate) fn check_named(&self) -> Result<()> {
+        match self {
+            Updater::Custom(c) => c.check_named(),
+            Updater::Ptx(p) => p.twin().map_or(Ok(()), CustomUpdater::check_named),
+            _ => Ok(()),
+        }
     }
 
     /// Checks that the parameters are in range.

@@ -105,6 +105,14 @@ def _as_list(v, op, what):
     )
 
 
+def _priority(priority):
+    """``priority`` as the native call takes it: an int that fits 32 bits."""
+    p = int(priority)
+    if not -(2**31) <= p < 2**31:
+        raise OverflowError(f"priority {p} does not fit a 32-bit int")
+    return p
+
+
 def _key_lists(key, values, op, what):
     """MXNet's call forms as (keys, one list of arrays per key): ``(3, a)``, ``(3, [a, b])``,
     ``([5, 7], [a, b])`` and ``([5, 7], [[a, b], [c, d]])``."""
@@ -114,6 +122,10 @@ def _key_lists(key, values, op, what):
             raise TypeError(
                 f"{op}: {len(keys)} keys need a list of {what}, one entry per key; got "
                 f"{type(values).__name__}"
+            )
+        if len(values) != len(keys):
+            raise InvalidArgumentError(
+                f"{op}: {len(keys)} keys but {len(values)} {what}: pass one entry per key"
             )
         return keys, [_as_list(v, op, what) for v in values]
     return [key], [_as_list(values, op, what)]
@@ -127,6 +139,7 @@ def _told(native, op):
     try:
         yield
     except Exception as e:
+        # Raises DistFailedError instead when the world failed earlier.
         native.reject(op, f"{type(e).__name__}: {e}")
         raise
 
@@ -182,6 +195,7 @@ class KVStore:
         with _told(self._kv, "agree"):
             if not isinstance(what, str):
                 raise TypeError(f"agree takes a str, got {type(what).__name__}")
+            what.encode("utf-8")  # the native call takes UTF-8 (no lone surrogates)
         self._kv.agree(what)
 
     def keys(self):
@@ -209,7 +223,7 @@ class KVStore:
         with _told(self._kv, "push"):
             keys, values = _key_lists(key, value, "push", "values")
             reads = [[_arrays.read(v) for v in vs] for vs in values]
-            priority = int(priority)
+            priority = _priority(priority)
         self._kv.push(keys, reads, priority)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
@@ -221,7 +235,7 @@ class KVStore:
             keys, outs = _key_lists(key, out, "pull", "outs")
             after = []
             capsules = [[_arrays.write(o, after) for o in os_] for os_ in outs]
-            priority = int(priority)
+            priority = _priority(priority)
         self._kv.pull(keys, capsules, priority)
         for f in after:
             f()
@@ -322,12 +336,16 @@ class KVStore:
         On a dist store every rank calls it with the same ``path``, a directory: each rank
         writes its shard, and rank 0 commits the index last. The files are the Rust crate's
         own: either side loads what the other saved."""
-        self._kv.save(str(path))
+        with _told(self._kv, "save"):
+            path = str(path)
+        self._kv.save(path)
 
     def load(self, path):
         """Reads what ``save`` wrote, a file or a sharded directory saved at any number of
         workers; set the optimizer first to restore its state."""
-        self._kv.load(str(path))
+        with _told(self._kv, "load"):
+            path = str(path)
+        self._kv.load(path)
 
     save_optimizer_states = save
     load_optimizer_states = load

@@ -1,8 +1,11 @@
 """Calls a Python updater with NumPy arrays it may change in place, and names it for the
 ranks of a dist store to compare."""
 
+import functools
 import hashlib
 import types
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 
@@ -15,23 +18,28 @@ def call(fn, key, input_bytes, stored_bytes, shape, dtype):
     fn(key, inp, stored)
 
 
-# Values read whole into the identity; anything else is known by its type alone.
-_PLAIN = (int, float, complex, str, bytes, bool, type(None))
-# How deep functions that call or capture other functions are followed.
+# Values read whole into the identity, by their repr (which is the same in every process).
+_PLAIN = (int, float, complex, str, bytes, bool, type(None), range, Decimal, Fraction)
+# How deep functions that call or capture other functions, and objects' attributes, are
+# followed.
 _DEPTH = 4
+# Arrays and tensors up to this many elements are read whole; larger ones by shape and dtype.
+_MAX_ELEMENTS = 1 << 20
 
 
 def identity(fn):
     """What the ranks of a dist store compare of updater ``fn`` before every push: its name and
-    a SHA-256 of its bytecode, constants, defaults, the values its closure captured and the
-    plain values (numbers, strings, NumPy arrays) of the globals it reads, followed into the
-    functions it captures or reads, as they are when it is set.
+    a SHA-256 of its bytecode, constants and defaults, and of the values it can reach: its
+    closure's cells and the globals it reads, followed into functions, classes (their own
+    attributes), objects (their attributes), containers, NumPy arrays and torch tensors, as
+    they are when it is set. Modules are known by name only.
 
     Two ranks that set different functions, or one function that captured or reads different
     values, get different identities, so their pushes fail with a DesyncError instead of
-    computing apart. Not seen: state read through an object's attributes at call time, and
-    values changed after ``set_updater``. Ranks on different Python versions compile to
-    different bytecode, and fail too."""
+    computing apart. An updater that can reach per-rank values (an object holding its rank)
+    fails the same way: pass it only what every rank shares. Not seen: values changed after
+    ``set_updater``. Ranks on different Python versions compile to different bytecode, and
+    fail too."""
     h = hashlib.sha256()
     _feed(h, fn, _DEPTH, set())
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
@@ -40,34 +48,16 @@ def identity(fn):
 
 
 def _feed(h, obj, depth, seen):
-    """Adds ``obj`` to hash ``h``: plain values whole, functions by their code and what they
-    capture, anything else by its type."""
+    """Adds ``obj`` to hash ``h``."""
     if isinstance(obj, _PLAIN):
         h.update(f"{type(obj).__name__}:{obj!r};".encode())
         return
-    if isinstance(obj, (tuple, list, frozenset)):
-        h.update(f"{type(obj).__name__}[{len(obj)}](".encode())
-        items = sorted(obj, key=repr) if isinstance(obj, frozenset) else obj
-        for x in items:
-            _feed(h, x, depth, seen)
-        h.update(b")")
-        return
-    if isinstance(obj, dict):
-        h.update(f"dict[{len(obj)}](".encode())
-        for k in sorted(obj, key=repr):
-            _feed(h, k, depth, seen)
-            _feed(h, obj[k], depth, seen)
-        h.update(b")")
-        return
-    if isinstance(obj, np.ndarray):
-        h.update(f"ndarray {obj.dtype} {obj.shape};".encode())
-        h.update(np.ascontiguousarray(obj).tobytes())
-        return
-    if isinstance(obj, np.generic):
-        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+    if isinstance(obj, types.ModuleType):
+        # By name: a module's namespace holds per-process state (and hash-ordered sets).
+        h.update(f"module {obj.__name__};".encode())
         return
     if isinstance(obj, types.CodeType):
-        h.update(f"code {obj.co_qualname if hasattr(obj, 'co_qualname') else obj.co_name};".encode())
+        h.update(f"code {getattr(obj, 'co_qualname', obj.co_name)};".encode())
         h.update(obj.co_code)
         _feed(h, obj.co_consts, depth, seen)
         _feed(h, obj.co_names, depth, seen)
@@ -76,7 +66,28 @@ def _feed(h, obj, depth, seen):
         h.update(f"<{type(obj).__qualname__}>;".encode())
         return
     seen.add(id(obj))
-    if isinstance(obj, types.FunctionType):
+    if isinstance(obj, (tuple, list)):
+        h.update(f"{type(obj).__name__}[{len(obj)}](".encode())
+        for x in obj:
+            _feed(h, x, depth, seen)
+        h.update(b")")
+    elif isinstance(obj, (set, frozenset)):
+        h.update(f"set[{len(obj)}](".encode())
+        for x in sorted(obj, key=repr):
+            _feed(h, x, depth, seen)
+        h.update(b")")
+    elif isinstance(obj, dict):
+        h.update(f"dict[{len(obj)}](".encode())
+        for k in sorted(obj, key=repr):
+            _feed(h, k, depth, seen)
+            _feed(h, obj[k], depth, seen)
+        h.update(b")")
+    elif isinstance(obj, (np.ndarray, np.generic)):
+        _feed_array(h, np.asarray(obj), depth, seen)
+    elif _is_tensor(obj):
+        _feed_array(h, obj.detach().cpu().numpy() if obj.numel() <= _MAX_ELEMENTS else None,
+                    depth, seen, what=f"tensor {obj.dtype} {tuple(obj.shape)}")
+    elif isinstance(obj, types.FunctionType):
         h.update(f"function {obj.__module__}.{obj.__qualname__};".encode())
         _feed(h, obj.__code__, depth, seen)
         _feed(h, obj.__defaults__, depth, seen)
@@ -88,38 +99,60 @@ def _feed(h, obj, depth, seen):
                 h.update(b"<empty cell>;")
         for name in _global_names(obj.__code__):
             if name in obj.__globals__:
-                value = obj.__globals__[name]
-                if isinstance(value, (types.ModuleType, type)):
-                    h.update(f"global {name} <{type(value).__name__}>;".encode())
-                else:
-                    h.update(f"global {name}=".encode())
-                    _feed(h, value, depth - 1, seen)
-        return
-    if isinstance(obj, types.MethodType):
+                h.update(f"global {name}=".encode())
+                _feed(h, obj.__globals__[name], depth - 1, seen)
+    elif isinstance(obj, types.MethodType):
         h.update(b"method;")
         _feed(h, obj.__func__, depth, seen)
         _feed(h, obj.__self__, depth - 1, seen)
-        return
-    func = getattr(obj, "func", None)
-    if callable(func) and hasattr(obj, "args") and hasattr(obj, "keywords"):  # functools.partial
+    elif isinstance(obj, types.BuiltinMethodType):
+        # A builtin function, or a builtin method of an object (`{1, 2}.__contains__`).
+        h.update(f"builtin {obj.__qualname__};".encode())
+        _feed(h, obj.__self__, depth - 1, seen)
+    elif isinstance(obj, functools.partial):
         h.update(b"partial;")
-        _feed(h, func, depth, seen)
+        _feed(h, obj.func, depth, seen)
         _feed(h, obj.args, depth, seen)
         _feed(h, obj.keywords, depth, seen)
+    elif isinstance(obj, type):
+        # A class: its name and its own attributes (methods, class-level settings).
+        h.update(f"class {obj.__module__}.{obj.__qualname__};".encode())
+        _feed(h, {k: v for k, v in vars(obj).items() if not k.startswith("__")}, depth - 1, seen)
+    else:
+        # Any other object: its class, and its attributes (__dict__ and __slots__).
+        h.update(b"object;")
+        _feed(h, type(obj), depth - 1, seen)
+        _feed(h, _attributes(obj), depth - 1, seen)
+
+
+def _feed_array(h, a, depth, seen, what=None):
+    """An array's dtype, shape and elements (numbers by their bytes, objects one by one);
+    ``a`` None, or one over ``_MAX_ELEMENTS``, by ``what`` (its dtype and shape) alone."""
+    if a is None or a.size > _MAX_ELEMENTS:
+        h.update(f"{what or f'ndarray {a.dtype} {a.shape}'} (not read);".encode())
         return
-    # Any other object: its type, and its plain attributes (a callable object's settings).
-    h.update(f"object {type(obj).__module__}.{type(obj).__qualname__};".encode())
-    call_fn = getattr(type(obj), "__call__", None)
-    if isinstance(call_fn, types.FunctionType):
-        _feed(h, call_fn, depth - 1, seen)
-    attrs = getattr(obj, "__dict__", None)
-    if isinstance(attrs, dict):
-        _feed(h, {k: v for k, v in attrs.items() if _worth(v)}, depth - 1, seen)
+    h.update(f"ndarray {a.dtype.str} {a.shape};".encode())
+    if a.dtype.hasobject:
+        _feed(h, a.tolist(), depth - 1, seen)
+    else:
+        h.update(np.ascontiguousarray(a).tobytes())
 
 
-def _worth(value):
-    """Whether an attribute is data to compare (not a module, class or bound machinery)."""
-    return not isinstance(value, (types.ModuleType, type))
+def _is_tensor(obj):
+    """Whether ``obj`` is a torch tensor (without importing torch)."""
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "detach") and hasattr(
+        obj, "numel"
+    )
+
+
+def _attributes(obj):
+    """An object's attributes, from its ``__dict__`` and its ``__slots__``."""
+    attrs = dict(getattr(obj, "__dict__", None) or {})
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if isinstance(name, str) and hasattr(obj, name):
+                attrs.setdefault(name, getattr(obj, name))
+    return attrs
 
 
 def _global_names(code):

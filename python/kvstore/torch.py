@@ -185,14 +185,20 @@ class DistributedOptimizer:
         gradients through the store and steps the wrapped optimizer. Parameters without a
         gradient are left out, as torch optimizers do."""
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # An error here, before the store is called, is told to the other workers (which
-        # then fail this step too): were it not, their step's call would pair with this
-        # worker's next one, summing gradients of different steps.
+        # An error here, before the store is called (in the closure, or a change this wrapper
+        # refuses), is told to the other workers, which then fail this step too: were it not,
+        # their step's call would pair with this worker's next one, summing gradients of
+        # different steps.
         with _told(self.store._kv, "push" if self.update_on_kvstore else "pushpull"):
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
             self._check_unchanged()
+            if self.update_on_kvstore:
+                lr = float(self.optimizer.param_groups[0]["lr"])
+                if lr != self._lr:  # a scheduler changed it: keep the optimizer's state
+                    self.store.set_learning_rate(lr)
+                    self._lr = lr
         if self.store.num_workers > 1:
             # Every worker makes the same store call every step: a parameter without a gradient
             # on this worker (unused in its part of the batch) contributes zeros, as
@@ -210,10 +216,6 @@ class DistributedOptimizer:
         keys = [k for k, _ in live]
         with torch.no_grad():
             if self.update_on_kvstore:
-                lr = float(self.optimizer.param_groups[0]["lr"])
-                if lr != self._lr:  # a scheduler changed it: keep the optimizer's state
-                    self.store.set_learning_rate(lr)
-                    self._lr = lr
                 self.store.push(keys, grads)
                 self.store.pull(keys, out=[p.detach() for _, p in live])
                 # The wrapped optimizer did not step, but it was stepped for: tell torch's LR

@@ -93,11 +93,14 @@ fn write_back(outs: &[Vec<Imported>], scratch: &[Vec<NDArray>]) -> PyResult<()> 
 /// `r`; when it is an error, first the other workers of a dist store are told that this one
 /// will not make its call `op` (so they fail it instead of waiting for this worker). For errors
 /// found before the store is called: converting the arguments.
+/// On a world that failed earlier the error is that failure (`DistFailedError`), as for every
+/// other call.
 fn told<T>(py: Python<'_>, kv: &Arc<KvStore>, op: &'static str, r: PyResult<T>) -> PyResult<T> {
     if let Err(e) = &r {
         let why = format!("{}: {e}", e.get_type(py).name()?);
         let kv = kv.clone();
-        py.detach(move || kv.reject(op, &why));
+        py.detach(move || kv.reject(op, &why))
+            .map_err(errors::to_py)?;
     }
     r
 }
@@ -105,7 +108,7 @@ fn told<T>(py: Python<'_>, kv: &Arc<KvStore>, op: &'static str, r: PyResult<T>) 
 /// [`told`] for work done with the GIL released.
 fn told_detached<T>(kv: &KvStore, op: &'static str, r: PyResult<T>) -> PyResult<T> {
     if let Err(e) = &r {
-        kv.reject(op, &e.to_string());
+        kv.reject(op, &e.to_string()).map_err(errors::to_py)?;
     }
     r
 }
@@ -313,9 +316,10 @@ impl PyStore {
 
     /// Tells the other workers that this one will not make its call `op`, because `why` (an
     /// error the Python layer found in its arguments).
-    fn reject(&self, py: Python<'_>, op: String, why: String) {
+    /// `DistFailedError` when the world failed earlier (raise that instead).
+    fn reject(&self, py: Python<'_>, op: String, why: String) -> PyResult<()> {
         let kv = self.inner.clone();
-        py.detach(move || kv.reject(&op, &why));
+        py.detach(move || kv.reject(&op, &why).map_err(errors::to_py))
     }
 
     /// Back to the default updater: assign.

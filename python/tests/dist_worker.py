@@ -117,6 +117,9 @@ def desync():
     key = 5 if r == 1 else 3
     expect(kvstore.DesyncError, lambda: kv.push(key, np.ones(4, np.float32)))
     expect(kvstore.DistFailedError, lambda: kv.pull(3, out=np.zeros(4, np.float32)))
+    # Bad input after the failure is the failure too, wherever it is found.
+    expect(kvstore.DistFailedError, lambda: kv.push(3, "not an array"))
+    expect(kvstore.DistFailedError, lambda: kv.push(3.5, np.ones(4, np.float32)))
     say("ok desync")
 
 
@@ -160,11 +163,25 @@ def desync_updater():
     def by_global(key, inp, stored):
         stored += inp * SCALE
 
+    class Double:
+        factor = 2.0
+
+    class Triple:
+        factor = 3.0
+
+    def by_class(rule):
+        def update(key, inp, stored):
+            stored += inp * rule.factor
+
+        return update
+
     how = ARGS[0]
     if how == "function":
         kv.set_updater(double if r == 0 else twice)
     elif how == "closure":
         kv.set_updater(scaled(2.0 if r == 0 else 3.0))
+    elif how == "class":
+        kv.set_updater(by_class(Double if r == 0 else Triple))
     else:
         SCALE = 2.0 if r == 0 else 3.0
         kv.set_updater(by_global)
@@ -180,9 +197,19 @@ def same_updater():
     init = values(99, 3, (4,), n=1)[0]
     kv.init(3, init)
     scale = float(n + 1)
+    # What a closure often reaches: a module imported in the function (whose namespace holds
+    # hash-ordered sets, and each worker has its own hash seed), a set, a class.
+    import numpy as np_local
+
+    skip = {"a", "b", "c"}
+
+    class Rule:
+        factor = scale
 
     def update(key, inp, stored):
-        stored += inp * scale
+        if key in skip:
+            return
+        stored += np_local.asarray(inp) * Rule.factor
 
     kv.set_updater(update)
     kv.push(3, values(r, 3, (4,), n=1))
@@ -203,10 +230,12 @@ def reject_python():
     kv.init(3, np.zeros(4, np.float32))
     mine = values(r, 3, (4,), n=1)[0]
     if r == 1:
-        bad = (lambda: kv.push(3, "not an array")) if ARGS[0] == "value" else (
-            lambda: kv.push(3.5, mine)
-        )
-        expect(TypeError, bad)
+        bad = {
+            "value": (TypeError, lambda: kv.push(3, "not an array")),
+            "key": (TypeError, lambda: kv.push(3.5, mine)),
+            "priority": (OverflowError, lambda: kv.push(3, mine, priority=2**31)),
+        }[ARGS[0]]
+        expect(*bad)
     else:
         expect(kvstore.RankRejectedError, lambda: kv.push(3, mine))
     out = np.zeros(4, np.float32)

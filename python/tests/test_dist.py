@@ -141,7 +141,7 @@ def test_ranks_that_disagree_fail_with_desync(case):
 
 
 @needs_mpi
-@pytest.mark.parametrize("how", ["function", "closure", "global"])
+@pytest.mark.parametrize("how", ["function", "closure", "class", "global"])
 def test_ranks_with_different_python_updaters_fail_with_desync(how):
     rc, out = run(2, "desync_updater", how)
     assert oks(out, "desync_updater") == [0, 1], out
@@ -157,13 +157,17 @@ def test_the_same_python_updater_on_every_rank_computes():
 
 
 @needs_mpi
-@pytest.mark.parametrize("where", ["value", "key"], ids=["python", "binding"])
-def test_an_error_raised_before_the_store_reaches_the_other_ranks(where):
+@pytest.mark.parametrize(
+    "where,error",
+    [("value", "TypeError"), ("key", "TypeError"), ("priority", "OverflowError")],
+    ids=["python", "binding", "priority"],
+)
+def test_an_error_raised_before_the_store_reaches_the_other_ranks(where, error):
     rc, out = run(3, "reject_python", where)
     assert rc == 0, out
     assert oks(out, "reject_python") == [0, 1, 2], out
-    assert re.search(r"^rank 1: EXPECTED TypeError", out, re.M), out
-    assert len(re.findall(r"^rank [02]: EXPECTED RankRejectedError: .*TypeError", out, re.M)) == 2, out
+    assert re.search(rf"^rank 1: EXPECTED {error}", out, re.M), out
+    assert len(re.findall(rf"^rank [02]: EXPECTED RankRejectedError: .*{error}", out, re.M)) == 2, out
 
 
 @needs_mpi

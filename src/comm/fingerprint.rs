@@ -28,7 +28,8 @@ pub struct Fingerprint {
     /// Why this rank rejected its input for the call, when it did: it joins the check so the
     /// other ranks fail the same call instead of waiting for it.
     rejected: Option<String>,
-    /// What else the ranks must agree on (the updater of a push), in words.
+    /// What else the ranks must agree on (the updater of a push), in words. Hashed as given;
+    /// the description (one line per entry) escapes its line breaks and tabs.
     note: Option<String>,
     /// Which store of the process makes the call: its number on its link.
     store: u64,
@@ -81,7 +82,7 @@ impl Fingerprint {
         Fingerprint {
             op,
             entries: Vec::new(),
-            rejected: Some(why.replace(['\n', '\t'], " ")),
+            rejected: Some(why.to_owned()),
             note: None,
             store: 0,
         }
@@ -95,7 +96,7 @@ impl Fingerprint {
 
     /// Adds what else the ranks must agree on, in words (for a push, the updater's name).
     pub fn note(mut self, note: &str) -> Fingerprint {
-        self.note = Some(note.replace(['\n', '\t'], " "));
+        self.note = Some(note.to_owned());
         self
     }
 
@@ -171,12 +172,19 @@ impl Fingerprint {
             0 => self.op.to_owned(),
             n => format!("{} of store #{n}", self.op),
         };
+        // Escaped, not blanked: texts that differ only there must still read apart.
+        let one_line = |t: &str| {
+            t.replace('\\', "\\\\")
+                .replace('\n', "\\n")
+                .replace('\t', "\\t")
+        };
         let mut s = match &self.note {
-            Some(note) => format!("{seq}\t{op} ({note})"),
+            Some(note) => format!("{seq}\t{op} ({})", one_line(note)),
             None => format!("{seq}\t{op}"),
         };
         if let Some(why) = &self.rejected {
-            let _ = write!(s, "\n{REJECTED}\t{why}");
+            // A message, shown to the other ranks: its line breaks read as spaces.
+            let _ = write!(s, "\n{REJECTED}\t{}", why.replace(['\n', '\t'], " "));
         }
         for e in &self.entries {
             let _ = write!(s, "\n{}\t{:?}\t{}", typed(&e.key), e.dims, e.dtype);
@@ -444,6 +452,15 @@ mod tests {
             vec![(1, "unknown key 7 fix it".to_owned())]
         );
         assert!(rejections(&texts[..1]).is_empty());
+    }
+
+    #[test]
+    fn notes_that_differ_only_in_line_breaks_differ_and_read_apart() {
+        let a = Fingerprint::new("agree").note("lr 0.1\nwd 0");
+        let b = Fingerprint::new("agree").note("lr 0.1 wd 0");
+        assert_ne!(a.record(2), b.record(2));
+        let d = mismatch_detail(&[a.describe(2), b.describe(2)]);
+        assert!(!d.contains("hash collision"), "{d}");
     }
 
     #[test]

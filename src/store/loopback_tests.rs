@@ -334,10 +334,7 @@ fn a_rejection_from_above_the_store_fails_the_other_ranks_call() {
     let results = on_ranks(&ranks, |r, kv| {
         kv.init_list(&keys, &initial()).unwrap();
         let first = match r {
-            2 => {
-                kv.reject("push", "TypeError: a float key");
-                Ok(())
-            }
+            2 => kv.reject("push", "TypeError: a float key"),
             _ => kv.push(0, &NDArray::ones([3])),
         };
         let after = pull(kv, &keys).unwrap();
@@ -356,6 +353,39 @@ fn a_rejection_from_above_the_store_fails_the_other_ranks_call() {
     }
 }
 
+/// A function pointer or a boxed closure has one type for every function: a dist store refuses
+/// it unlabeled (its ranks could not tell two apart), and takes it labeled; a closure passed
+/// as itself is named by its own type.
+#[test]
+fn an_unnamed_function_is_refused_on_more_than_one_rank() {
+    fn add(_: &crate::Key, input: &NDArray, stored: &mut NDArray) {
+        *stored += input
+    }
+    type Boxed = Box<dyn Fn(&crate::Key, &NDArray, &mut NDArray) + Send + Sync>;
+    let pointer: fn(&crate::Key, &NDArray, &mut NDArray) = add;
+    let ranks = stores(2);
+    let results = on_ranks(&ranks, |_, kv| {
+        let boxed: Boxed = Box::new(|_, input, stored| *stored += input);
+        [
+            kv.set_updater(Updater::custom(pointer)),
+            kv.set_updater(Updater::custom(boxed)),
+            kv.set_updater(Updater::custom_labeled("add", pointer)),
+            kv.set_updater(Updater::custom(add)),
+        ]
+    });
+    for (r, got) in results.iter().enumerate() {
+        for e in [&got[0], &got[1]] {
+            let e = e.as_ref().unwrap_err();
+            assert!(matches!(e, Error::InvalidUpdater(_)), "rank {r}: {e}");
+            assert!(e.to_string().contains("custom_labeled"), "{e}");
+        }
+        assert!(got[2].is_ok() && got[3].is_ok(), "rank {r}: {got:?}");
+    }
+    // One rank alone takes any closure.
+    let local = KvStore::create("local").unwrap();
+    local.set_updater(Updater::custom(pointer)).unwrap();
+}
+
 /// After the world failed (here a desync), every later call is `DistFailed`, even one whose
 /// input this rank would reject (an unknown key): the first failure is what the user must see.
 #[test]
@@ -367,11 +397,12 @@ fn after_a_desync_bad_input_is_dist_failed_too() {
         let desync = kv.push(r as i32, &NDArray::ones([2])).unwrap_err();
         let unknown = kv.pull(7, &NDArray::zeros([2])).unwrap_err();
         let bad_shape = kv.push(0, &NDArray::ones([5])).unwrap_err();
-        (desync, unknown, bad_shape)
+        let from_above = kv.reject("push", "TypeError: not an array").unwrap_err();
+        (desync, unknown, bad_shape, from_above)
     });
-    for (r, (desync, unknown, bad_shape)) in results.into_iter().enumerate() {
+    for (r, (desync, unknown, bad_shape, from_above)) in results.into_iter().enumerate() {
         assert!(matches!(desync, Error::Desync { .. }), "rank {r}: {desync}");
-        for e in [unknown, bad_shape] {
+        for e in [unknown, bad_shape, from_above] {
             assert!(matches!(e, Error::DistFailed { .. }), "rank {r}: {e}");
         }
     }
@@ -427,6 +458,8 @@ enum Differ {
     UpdaterAtLoad,
     /// It passes something else to `agree`.
     Agree,
+    /// It passes to `agree` the same words with a line break where the others have a space.
+    AgreeLineBreak,
 }
 
 /// SGD with momentum at learning rate `lr`.
@@ -532,6 +565,9 @@ fn check_differing_call(n: usize, odd: usize, differ: Differ, seed: &[f32]) -> R
                         Differ::CheckpointPath if me => kv.load(dir.join("b")),
                         Differ::CheckpointPath | Differ::UpdaterAtLoad => kv.load(dir.join("a")),
                         Differ::Agree => kv.agree(if me { "lr 0.2" } else { "lr 0.1" }),
+                        Differ::AgreeLineBreak => {
+                            kv.agree(if me { "lr 0.1\nwd 0" } else { "lr 0.1 wd 0" })
+                        }
                         Differ::Key => kv.push(0, &g(3)),
                         _ => kv.push(2, &g(20)),
                     };
@@ -576,6 +612,7 @@ fn one_rank_differing_in_one_field_fails_every_rank() {
         Differ::PtxModule,
         Differ::UpdaterAtLoad,
         Differ::Agree,
+        Differ::AgreeLineBreak,
     ];
     let mut runner = TestRunner::new(Config {
         cases: 24,

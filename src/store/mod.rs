@@ -206,14 +206,15 @@ impl KvStore {
 
     /// Tells the other workers of a `dist_*` store that this worker will not make its call
     /// `op` (`"push"`, `"pull"`, ...) because its input was bad (`why`), so that they fail
-    /// that call with [`Error::RankRejected`] instead of waiting for this worker. Nothing at
-    /// all in a single-process store.
+    /// that call with [`Error::RankRejected`] instead of waiting for this worker. `Ok` when
+    /// they were told (and at once in a single-process store); [`Error::DistFailed`] when the
+    /// world failed earlier, which is then the error to report rather than the bad input.
     ///
     /// The store does this itself for input it rejects. It is for a layer above the store
     /// that checks its own input before calling it (a binding converting its arguments): an
     /// error there must reach the other workers too, or a retry here would be matched with
     /// the call they made before.
-    pub fn reject(&self, op: &str, why: &str) {
+    pub fn reject(&self, op: &str, why: &str) -> Result<()> {
         // The fingerprint names ops by static names: the store's own, else "call".
         const OPS: [&str; 9] = [
             "init",
@@ -227,8 +228,12 @@ impl KvStore {
             "agree",
         ];
         let op = OPS.iter().find(|&&k| k == op).copied().unwrap_or("call");
-        // The other ranks were told, or (a world that failed earlier) need not be.
-        let _ = self.ranks.tell_rejected(op, why);
+        match self.ranks.tell_rejected(op, why) {
+            Err(failed @ Error::DistFailed { .. }) => Err(failed),
+            // The check's own error (the mismatch it was made to cause) only says that the
+            // other ranks were told.
+            _ => Ok(()),
+        }
     }
 
     /// A `dist_*` store's save of a sharded checkpoint into directory `path`; `None` for a
@@ -293,6 +298,9 @@ impl KvStore {
     /// ```
     pub fn set_updater(&self, updater: Updater) -> Result<()> {
         updater.validate()?;
+        if self.num_workers() > 1 {
+            updater.check_named()?;
+        }
         let mut active = write(&self.active);
         active.hyper.check_fits(&updater)?;
         let generation = active.generation + 1;
