@@ -138,6 +138,20 @@ impl PtxUpdater {
         self.rebuild(|i| i.cpu_twin = Some(twin))
     }
 
+    /// [`PtxUpdater::with_cpu_twin`] with a `label` that joins the twin's identity: the values
+    /// it captures, in words, as [`Updater::custom_labeled`] has it, so that the ranks of a
+    /// `dist_*` store whose twins captured different ones fail the push instead of computing.
+    ///
+    /// [`Updater::custom_labeled`]: crate::Updater::custom_labeled
+    pub fn with_cpu_twin_labeled(
+        self,
+        label: &str,
+        f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
+    ) -> PtxUpdater {
+        let twin = CustomUpdater::infallible(f, Some(label));
+        self.rebuild(|i| i.cpu_twin = Some(twin))
+    }
+
     /// A copy with a change to its launch arguments or twin; the module is the same, so a GPU
     /// that loaded it already does not load it again.
     fn rebuild(self, change: impl FnOnce(&mut Inner)) -> PtxUpdater {

@@ -453,6 +453,8 @@ enum Differ {
     CustomLabel,
     /// Its PTX updater has the same entry and twin but another module text.
     PtxModule,
+    /// Its PTX updater's twin is the same closure, capturing another value it names.
+    PtxTwinLabel,
     /// It set another updater before a load (the others set theirs after it, say): the load
     /// would restore state on some ranks and not on others.
     UpdaterAtLoad,
@@ -498,6 +500,21 @@ fn ptx_updater(other: bool) -> Updater {
         .expect("the example module")
         .with_scalars([0.1, 0.0, 0.0, 0.0])
         .with_cpu_twin(|_, input, stored| *stored += input * -0.1);
+    Updater::Ptx(p)
+}
+
+/// The example PTX updater whose CPU twin captures `scale`, named in its label.
+fn ptx_twin_scaled(scale: f64) -> Updater {
+    let p = crate::PtxUpdater::new(
+        crate::PtxUpdater::EXAMPLE_SGD_F32,
+        "sgd_f32",
+        crate::DType::F32,
+    )
+    .expect("the example module")
+    .with_scalars([0.1, 0.0, 0.0, 0.0])
+    .with_cpu_twin_labeled(&format!("scale {scale}"), move |_, input, stored| {
+        *stored += input * scale
+    });
     Updater::Ptx(p)
 }
 
@@ -550,6 +567,9 @@ fn check_differing_call(n: usize, odd: usize, differ: Differ, seed: &[f32]) -> R
                             .set_updater(scaled_by(if me { 3.0 } else { 2.0 }))
                             .unwrap(),
                         Differ::PtxModule => kv.set_updater(ptx_updater(me)).unwrap(),
+                        Differ::PtxTwinLabel => kv
+                            .set_updater(ptx_twin_scaled(if me { -0.2 } else { -0.1 }))
+                            .unwrap(),
                         Differ::UpdaterAtLoad if me => kv.set_updater(Updater::Assign).unwrap(),
                         _ => {}
                     }
@@ -610,6 +630,7 @@ fn one_rank_differing_in_one_field_fails_every_rank() {
         Differ::CustomClosure,
         Differ::CustomLabel,
         Differ::PtxModule,
+        Differ::PtxTwinLabel,
         Differ::UpdaterAtLoad,
         Differ::Agree,
         Differ::AgreeLineBreak,
