@@ -22,7 +22,7 @@ def call(fn, key, input_bytes, stored_bytes, shape, dtype):
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), range, Decimal, Fraction)
 # How deep functions that call or capture other functions, and objects' attributes, are
 # followed.
-_DEPTH = 4
+_DEPTH = 8
 # Arrays and tensors up to this many elements are read whole; larger ones by shape and dtype.
 _MAX_ELEMENTS = 1 << 20
 
@@ -41,7 +41,7 @@ def identity(fn):
     ``set_updater``. Ranks on different Python versions compile to different bytecode, and
     fail too."""
     h = hashlib.sha256()
-    _feed(h, fn, _DEPTH, set())
+    _feed(h, fn, _DEPTH, {})
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     module = getattr(fn, "__module__", None) or type(fn).__module__
     return f"python {module}.{name} sha256 {h.hexdigest()[:32]}"
@@ -65,28 +65,35 @@ def _feed(h, obj, depth, seen):
     if id(obj) in seen or depth <= 0:
         h.update(f"<{type(obj).__qualname__}>;".encode())
         return
-    seen.add(id(obj))
+    # Held, not only its id: a temporary (a class's attribute dict made here) freed while the
+    # walk goes on would hand its id to the next one, which would then read as seen.
+    seen[id(obj)] = obj
     if isinstance(obj, (tuple, list)):
         h.update(f"{type(obj).__name__}[{len(obj)}](".encode())
         for x in obj:
             _feed(h, x, depth, seen)
         h.update(b")")
     elif isinstance(obj, (set, frozenset)):
+        # In the order of the elements' own digests: a repr may hold an address or follow the
+        # hash seed, and both differ between processes.
         h.update(f"set[{len(obj)}](".encode())
-        for x in sorted(obj, key=repr):
-            _feed(h, x, depth, seen)
+        for d in sorted(_digest(x, depth, seen) for x in obj):
+            h.update(d)
         h.update(b")")
     elif isinstance(obj, dict):
         h.update(f"dict[{len(obj)}](".encode())
-        for k in sorted(obj, key=repr):
-            _feed(h, k, depth, seen)
-            _feed(h, obj[k], depth, seen)
+        for d in sorted(_digest(k, depth, seen) + _digest(v, depth, seen) for k, v in obj.items()):
+            h.update(d)
         h.update(b")")
     elif isinstance(obj, (np.ndarray, np.generic)):
         _feed_array(h, np.asarray(obj), depth, seen)
     elif _is_tensor(obj):
-        _feed_array(h, obj.detach().cpu().numpy() if obj.numel() <= _MAX_ELEMENTS else None,
-                    depth, seen, what=f"tensor {obj.dtype} {tuple(obj.shape)}")
+        what = f"tensor {obj.dtype} {tuple(obj.shape)}"
+        h.update(f"{what};".encode())
+        t = obj.detach().cpu() if obj.numel() <= _MAX_ELEMENTS else None
+        if t is not None and str(t.dtype) == "torch.bfloat16":  # NumPy has no bfloat16
+            t = t.float()
+        _feed_array(h, None if t is None else t.numpy(), depth, seen, what=what)
     elif isinstance(obj, types.FunctionType):
         h.update(f"function {obj.__module__}.{obj.__qualname__};".encode())
         _feed(h, obj.__code__, depth, seen)
@@ -114,15 +121,56 @@ def _feed(h, obj, depth, seen):
         _feed(h, obj.func, depth, seen)
         _feed(h, obj.args, depth, seen)
         _feed(h, obj.keywords, depth, seen)
+    elif isinstance(obj, (staticmethod, classmethod)):
+        h.update(f"{type(obj).__name__};".encode())
+        _feed(h, obj.__func__, depth, seen)
+    elif isinstance(obj, property):
+        h.update(b"property;")
+        _feed(h, (obj.fget, obj.fset, obj.fdel), depth, seen)
     elif isinstance(obj, type):
-        # A class: its name and its own attributes (methods, class-level settings).
+        # A class: its name, and the attributes of it and its bases (methods, `__call__` too,
+        # and class-level settings), up to `object`.
         h.update(f"class {obj.__module__}.{obj.__qualname__};".encode())
-        _feed(h, {k: v for k, v in vars(obj).items() if not k.startswith("__")}, depth - 1, seen)
+        for cls in obj.__mro__:
+            if cls is object:
+                continue
+            h.update(f"base {cls.__module__}.{cls.__qualname__};".encode())
+            _feed(h, {k: v for k, v in vars(cls).items() if k not in _CLASS_NOISE}, depth - 1, seen)
     else:
-        # Any other object: its class, and its attributes (__dict__ and __slots__).
+        # Any other object: its class, its name where it has one (a builtin slot wrapper), its
+        # attributes (__dict__ and __slots__), and what it pickles as when it has no
+        # attributes (`operator.itemgetter(0)`).
         h.update(b"object;")
         _feed(h, type(obj), depth - 1, seen)
-        _feed(h, _attributes(obj), depth - 1, seen)
+        name = getattr(obj, "__qualname__", None)
+        if isinstance(name, str):
+            h.update(f"named {name};".encode())
+        attrs = _attributes(obj)
+        _feed(h, attrs, depth - 1, seen)
+        if not attrs:
+            try:
+                reduced = obj.__reduce_ex__(4)
+            except Exception:  # not picklable: its type and name are all there is
+                reduced = None
+            if isinstance(reduced, tuple):
+                _feed(h, reduced[1:3], depth - 1, seen)
+
+
+# Class attributes that every class has, or that say where it was written, not what it does.
+_CLASS_NOISE = frozenset(
+    ["__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__firstlineno__",
+     "__static_attributes__"]
+)
+
+
+def _digest(obj, depth, seen):
+    """``obj`` fed alone, as bytes: sorts the elements of sets and dicts alike in every
+    process."""
+    # Its own copy of what was seen: with a shared one, an object two elements reach would be
+    # read whole in whichever came first, and that order is what is being made independent.
+    h = hashlib.sha256()
+    _feed(h, obj, depth, dict(seen))
+    return h.digest()
 
 
 def _feed_array(h, a, depth, seen, what=None):
