@@ -105,6 +105,16 @@ def _as_list(v, op, what):
     )
 
 
+def _one_each(keys, values, op):
+    """The one value of each key, read (init and broadcast take one per key)."""
+    for k, vs in zip(keys, values):
+        if len(vs) != 1:
+            raise InvalidArgumentError(
+                f"{op}: key {k} got {len(vs)} values: {op} takes one value per key"
+            )
+    return [_arrays.read(vs[0]) for vs in values]
+
+
 def _priority(priority):
     """``priority`` as the native call takes it: an int that fits 32 bits."""
     p = int(priority)
@@ -207,13 +217,7 @@ class KVStore:
         Each key is initialized once."""
         with _told(self._kv, "init"):
             keys, values = _key_lists(key, value, "init", "values")
-            flat = []
-            for k, vs in zip(keys, values):
-                if len(vs) != 1:
-                    raise InvalidArgumentError(
-                        f"init: key {k} got {len(vs)} values: init takes one value per key"
-                    )
-                flat.append(_arrays.read(vs[0]))
+            flat = _one_each(keys, values, "init")
         self._kv.init(keys, flat)
 
     def push(self, key, value, priority=0):
@@ -261,13 +265,7 @@ class KVStore:
         with _told(self._kv, "broadcast"):
             keys, values = _key_lists(key, value, "broadcast", "values")
             _, outs = _key_lists(key, out, "broadcast", "outs")
-            flat = []
-            for k, vs in zip(keys, values):
-                if len(vs) != 1:
-                    raise InvalidArgumentError(
-                        f"broadcast: key {k} got {len(vs)} values: it takes one value per key"
-                    )
-                flat.append(_arrays.read(vs[0]))
+            flat = _one_each(keys, values, "broadcast")
             after = []
             writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
         self._kv.broadcast(keys, flat, writes)

@@ -180,10 +180,9 @@ impl Dist {
     /// On a world that failed earlier the error is that failure ([`Error::DistFailed`]), as
     /// for every other call: this rank's bad input is then beside the point.
     pub fn reject(&self, op: &'static str, err: Error) -> Error {
-        match self.tell_rejected(op, &err.to_string()) {
-            Err(failed @ Error::DistFailed { .. }) => failed,
-            _ => err,
-        }
+        self.tell_rejected(op, &err.to_string())
+            .err()
+            .unwrap_or(err)
     }
 
     /// Joins call `op` as a rank that rejected its input because `why` (see [`Dist::reject`]).
@@ -191,8 +190,9 @@ impl Dist {
     /// With the check off (`KVSTORE_DIST_CHECK=0`) the other ranks cannot be told: this rank's
     /// link is shut instead ([`Link::shut`]), so that no later call of this rank is matched
     /// with the collectives the others started for this one. They time out.
-    /// Returns the check's own result: an error, unless the world failed earlier (then
-    /// [`Error::DistFailed`]) or the check is off (then `Ok`).
+    /// `Ok` when the others were told (or could not be, with the check off);
+    /// [`Error::DistFailed`] when the world failed earlier, which is then the error to report
+    /// rather than the bad input.
     pub fn tell_rejected(&self, op: &'static str, why: &str) -> Result<()> {
         if !self.link.checks() {
             self.link.shut(format!(
@@ -202,7 +202,12 @@ impl Dist {
             ));
             return Ok(());
         }
-        self.begin(Fingerprint::rejected(op, why)).map(drop)
+        match self.begin(Fingerprint::rejected(op, why)) {
+            Err(failed @ Error::DistFailed { .. }) => Err(failed),
+            // The check's own error (the mismatch it was made to cause) only says that the
+            // other ranks were told.
+            _ => Ok(()),
+        }
     }
 
     /// Checks that every rank passes the same `what` (see [`KvStore::agree`]).
