@@ -1,15 +1,16 @@
 //! List pushes and pulls of many small keys on a GPU home: results against an independent
-//! host reference, and the number of driver calls one list call makes (it must not grow with
-//! the number of keys).
+//! host reference, the number of driver calls one list call makes (it must not grow with the
+//! number of keys), and what those calls ask of the GPU: launch grids no larger than twice the
+//! blocks that do work, and host values uploaded from pinned memory.
 //!
-//! Every test is `#[ignore = "needs a GPU"]`, as in `gpu_store.rs`. The call counts come from
-//! the stand-in driver (`tools/stand-in-driver`, its `kvstore_standin_thread_calls`); on a
-//! real driver that symbol does not exist and the count checks print `SKIPPED:`.
+//! Every test is `#[ignore = "needs a GPU"]`, as in `gpu_store.rs`. The counts come from the
+//! stand-in driver (`tools/stand-in-driver`, its `kvstore_standin_thread_calls`); on a real
+//! driver that symbol does not exist and the count checks print `SKIPPED:`.
 
 use anyhow::{ensure, Result};
 use half::{bf16, f16};
 use kvstore::__internal::BATCH_COPY_MAX_BYTES;
-use kvstore::{cpu, gpu, gpu_count, DType, Device, KvStore, NDArray};
+use kvstore::{cpu, gpu, gpu_count, DType, Device, KvStore, NDArray, Sgd, Updater};
 use rand::Rng;
 use std::collections::BTreeMap;
 
@@ -32,6 +33,20 @@ fn thread_calls() -> Option<BTreeMap<&'static str, u64>> {
     // SAFETY: a null name asks for every entry point.
     out.insert("all", unsafe { f(std::ptr::null()) });
     Some(out)
+}
+
+/// Counter `name` of the stand-in for this thread (see `tools/stand-in-driver/src/calls.rs`:
+/// "blocks launched", "blocks idle", "pageable HtoD bytes"); `None` on a real driver.
+fn thread_counter(name: &str) -> Option<u64> {
+    type Count = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
+    // SAFETY: as in `thread_calls`.
+    let lib = unsafe { libloading::Library::new("libcuda.so") }.ok()?;
+    // SAFETY: as in `thread_calls`.
+    let f: libloading::Symbol<Count> =
+        unsafe { lib.get(b"kvstore_standin_thread_calls\0") }.ok()?;
+    let c = std::ffi::CString::new(name).expect("no NUL");
+    // SAFETY: a valid NUL-terminated string.
+    Some(unsafe { f(c.as_ptr()) })
 }
 
 /// The entry points whose counts are reported.
@@ -438,5 +453,150 @@ fn pulls_of_a_few_and_of_more_small_keys_match_the_host() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// One list push of keys of many sizes through the fused multi-tensor kernel (SGD with
+/// momentum, f32 and f16 keys on gpu(0)): the launches' grids hold at most twice the blocks
+/// that do work (the stand-in counts the blocks none of whose threads touched memory). A grid
+/// sized by the largest key times the number of keys, say, fails here. The values are checked
+/// against a host reference too, so the counted launch is the one that did the update.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_multi_tensor_push_launches_at_most_twice_the_blocks_it_needs() -> Result<()> {
+    require_gpu();
+    let mut rng = rand::thread_rng();
+    let kv = KvStore::create("device")?;
+    let (lr, momentum) = (0.1f32, 0.9f32);
+    kv.set_updater(Updater::Sgd(Sgd {
+        lr: f64::from(lr),
+        momentum: f64::from(momentum),
+        ..Sgd::default()
+    }))?;
+    let sizes: Vec<usize> = (0..40)
+        .map(|i| match i % 8 {
+            0 => rng.gen_range(20_000..40_000),
+            _ => rng.gen_range(1..3_000),
+        })
+        .collect();
+    let dtypes: Vec<DType> = (0..sizes.len())
+        .map(|i| if i % 3 == 2 { DType::F16 } else { DType::F32 })
+        .collect();
+    let keys: Vec<i32> = (0..sizes.len() as i32).collect();
+    let mut want = Vec::new();
+    let mut grads = Vec::new();
+    for ((&k, &n), &dt) in keys.iter().zip(&sizes).zip(&dtypes) {
+        let w: Vec<f32> = random(n)
+            .iter()
+            .map(|&x| round_to(dt, x as f64) as f32)
+            .collect();
+        let g: Vec<f32> = random(n)
+            .iter()
+            .map(|&x| round_to(dt, x as f64) as f32)
+            .collect();
+        kv.init_on(k, &array(&w, dt, cpu(0))?, gpu(0))?;
+        // One SGD step from zero momentum: mom = momentum * 0 - lr * g; w += mom.
+        want.push(
+            w.iter()
+                .zip(&g)
+                .map(|(&w, &g)| round_to(dt, f64::from(w - lr * g)))
+                .collect::<Vec<f64>>(),
+        );
+        grads.push(array(&g, dt, gpu(0))?);
+    }
+    kv.wait_all()?;
+    let before = (
+        thread_counter("blocks launched"),
+        thread_counter("blocks idle"),
+    );
+    kv.push_list(&keys, &grads)?;
+    kv.wait_all()?;
+    let after = (
+        thread_counter("blocks launched"),
+        thread_counter("blocks idle"),
+    );
+    for (i, &k) in keys.iter().enumerate() {
+        let out = NDArray::full_on([sizes[i]], 0.0, dtypes[i], cpu(0))?;
+        kv.pull(k, &out)?;
+        let got = out.astype(DType::F64)?.to_vec::<f64>()?;
+        for (j, (&g, &w)) in got.iter().zip(&want[i]).enumerate() {
+            ensure!(
+                (g - w).abs() <= 2e-3 * w.abs().max(1.0),
+                "key {k} ({:?}, {} elements) element {j}: {g} vs {w}",
+                dtypes[i],
+                sizes[i]
+            );
+        }
+    }
+    let (Some(l0), Some(i0), Some(l1), Some(i1)) = (before.0, before.1, after.0, after.1) else {
+        println!(
+            "\nSKIPPED: a_multi_tensor_push_launches_at_most_twice_the_blocks_it_needs: no block \
+             counts (not the stand-in driver)"
+        );
+        return Ok(());
+    };
+    let (launched, idle) = (l1 - l0, i1 - i0);
+    let working = launched - idle;
+    println!(
+        "push_list of {} keys: {launched} blocks launched, {idle} idle",
+        keys.len()
+    );
+    ensure!(launched > 0, "the push launched no kernel");
+    ensure!(
+        launched <= 2 * working,
+        "the push launched {launched} blocks for {working} that did work: a grid more than twice \
+         what its data needs"
+    );
+    Ok(())
+}
+
+/// Host values go up to a GPU through pinned staging buffers, so the copy is asynchronous
+/// (from pageable memory the driver stages it synchronously, and the host waits). A value of
+/// more than two staging buffers (the store keeps two, refilled in turn) also shows a buffer
+/// refilled before the copy from it ran: the stand-in reports that race, and the value pulled
+/// back would differ.
+#[test]
+#[ignore = "needs a GPU"]
+fn host_values_go_up_through_pinned_memory() -> Result<()> {
+    require_gpu();
+    let kv = KvStore::create("device")?;
+    // 10 MiB: three staging buffers of 4 MiB.
+    let n = (10 << 20) / 4;
+    let first = random(n);
+    let second = random(n);
+    let before = thread_counter("pageable HtoD bytes");
+    kv.init_on(7, &array(&first, DType::F32, cpu(0))?, gpu(0))?;
+    let out = NDArray::full_on([n], 0.0, DType::F32, cpu(0))?;
+    kv.pull(7, &out)?;
+    ensure!(
+        out.to_vec::<f32>()? == first,
+        "init from the host: another value came back"
+    );
+    kv.push(7, &array(&second, DType::F32, cpu(0))?)?;
+    kv.pull(7, &out)?;
+    ensure!(
+        out.to_vec::<f32>()? == second,
+        "push from the host: another value came back"
+    );
+    kv.wait_all()?;
+    let after = thread_counter("pageable HtoD bytes");
+    let (Some(b), Some(a)) = (before, after) else {
+        println!(
+            "\nSKIPPED: host_values_go_up_through_pinned_memory: no copy counts (not the \
+             stand-in driver)"
+        );
+        return Ok(());
+    };
+    let pageable = a - b;
+    println!(
+        "{} MiB up from the host: {pageable} bytes from pageable memory",
+        (2 * n * 4) >> 20
+    );
+    ensure!(
+        pageable <= 64 << 10,
+        "{pageable} bytes went up from pageable memory (of {} uploaded): host values must go \
+         through the pinned staging buffers",
+        2 * n * 4
+    );
     Ok(())
 }

@@ -1355,11 +1355,16 @@ fn a_hang_inside_nccl_is_aborted_not_waited_for() -> Result<()> {
             s.spawn(move || {
                 let _ = tx.send(nccl::wait_all());
             });
-            let waited = rx.recv_timeout(Duration::from_secs(30));
+            // Half the NCCL timeout the parent sets: a wait_all that returns only when the
+            // hung call is aborted was blocked behind it (a lock the group holds).
+            let waited = rx.recv_timeout(Duration::from_secs(4));
             (push.join(), waited)
         });
         let waited = waited.map_err(|_| {
-            anyhow::anyhow!("wait_all was blocked behind the hung NCCL call for 30 s")
+            anyhow::anyhow!(
+                "wait_all was blocked behind the hung NCCL call for 4 s (of the 8 s before it \
+                 is aborted): the hung call holds a lock that wait_all needs"
+            )
         })?;
         ensure!(waited.is_ok(), "wait_all: {waited:?}");
         match pushed.map_err(|_| anyhow::anyhow!("the push panicked"))? {
@@ -1382,7 +1387,7 @@ fn a_hang_inside_nccl_is_aborted_not_waited_for() -> Result<()> {
         "a_hang_inside_nccl_is_aborted_not_waited_for",
         &[
             ("KVSTORE_STANDIN_NCCL_STALL_INIT", "1".into()),
-            ("KVSTORE_NCCL_TIMEOUT_MS", "1500".into()),
+            ("KVSTORE_NCCL_TIMEOUT_MS", "8000".into()),
             ("KVSTORE_NCCL_FORCE", "1".into()),
         ],
         &[],

@@ -592,7 +592,8 @@ impl Device for Emulated {
             .find(|(s, _)| *s == stem)
             .with_context(|| format!("no module {stem}"))?;
         let entry = module.entry(kernels::entry_name(kind, dtype))?;
-        ptx_emulator::launch(entry, &mut self.mem, grid, (kernels::BLOCK, 1, 1), args)
+        ptx_emulator::launch(entry, &mut self.mem, grid, (kernels::BLOCK, 1, 1), args)?;
+        Ok(())
     }
 
     fn free_all(&mut self) {
@@ -869,9 +870,12 @@ fn skipped(test: &str, why: &str) {
 const GPU_SIZES: &[usize] = &[1, 3, 1000, 4097, (1 << 20) + 5];
 
 /// The GPU sizes, or the emulator's when the "GPU" is the stand-in driver (its kernels run on
-/// the same interpreter; `scripts/standin-gpu-tests.sh` sets `KVSTORE_STANDIN`).
+/// the same interpreter; `scripts/standin-gpu-tests.sh` sets `KVSTORE_STANDIN`), unless
+/// `KVSTORE_STANDIN_FULL_SHAPES=1` asks for the full ones.
 fn gpu_sizes() -> &'static [usize] {
-    if std::env::var_os("KVSTORE_STANDIN").is_some() {
+    if std::env::var_os("KVSTORE_STANDIN").is_some()
+        && std::env::var("KVSTORE_STANDIN_FULL_SHAPES").as_deref() != Ok("1")
+    {
         EMULATED_SIZES
     } else {
         GPU_SIZES

@@ -112,15 +112,22 @@ impl Home {
 
 /// Whether this run is against the stand-in driver (`scripts/standin-gpu-tests.sh` sets
 /// `KVSTORE_STANDIN=1`), whose PTX interpreter runs GPU threads one after another: the largest
-/// shapes are scaled down there. A real GPU run never sets it, and keeps the full shapes.
+/// shapes are scaled down there, unless `KVSTORE_STANDIN_FULL_SHAPES=1` asks for the full ones
+/// (CI runs a few tests so, to see sizes past what the scaled shapes reach). A real GPU run
+/// never sets it, and keeps the full shapes.
 pub fn on_standin() -> bool {
     std::env::var_os("KVSTORE_STANDIN").is_some()
+}
+
+/// Whether the shapes are scaled down for the stand-in's interpreter (see [`on_standin`]).
+pub fn standin_shapes() -> bool {
+    on_standin() && std::env::var("KVSTORE_STANDIN_FULL_SHAPES").as_deref() != Ok("1")
 }
 
 impl Home {
     /// `full` elements, or `standin` on a GPU home run against the stand-in driver.
     pub fn scaled(self, full: usize, standin: usize) -> usize {
-        if self == Home::Gpu && on_standin() {
+        if self == Home::Gpu && standin_shapes() {
             standin
         } else {
             full

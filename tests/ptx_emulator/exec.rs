@@ -26,7 +26,7 @@ pub fn launch(
     grid: (u32, u32, u32),
     block: (u32, u32, u32),
     args: &[Arg],
-) -> Result<()> {
+) -> Result<Blocks> {
     let params = param_block(entry, args)?;
     let dims = |d: (u32, u32, u32)| [d.0, d.1, d.2];
     let (grid, block) = (dims(grid), dims(block));
@@ -49,9 +49,11 @@ pub fn launch(
         linear: 0,
     };
     let mut block_linear = 0u32;
+    let mut idle = 0u64;
     for bz in 0..grid[2] {
         for by in 0..grid[1] {
             for bx in 0..grid[0] {
+                let before = mem.accesses();
                 let mut tid_linear = 0u32;
                 for tz in 0..block[2] {
                     for ty in 0..block[1] {
@@ -64,11 +66,28 @@ pub fn launch(
                         }
                     }
                 }
+                if mem.accesses() == before {
+                    idle += 1;
+                }
                 block_linear += 1;
             }
         }
     }
-    Ok(())
+    Ok(Blocks {
+        launched: grid.iter().map(|&d| u64::from(d)).product(),
+        idle,
+    })
+}
+
+/// How many blocks a launch ran, and how many of them did no work: none of their threads
+/// loaded or stored global memory (they returned at a bounds check). A grid much larger than
+/// its data shows as many idle blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Blocks {
+    /// Blocks in the grid.
+    pub launched: u64,
+    /// Blocks none of whose threads touched global memory.
+    pub idle: u64,
 }
 
 /// The `.param` block: each argument at its parameter's offset; types must match.

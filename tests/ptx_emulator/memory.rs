@@ -54,6 +54,8 @@ pub struct Memory {
     launch: u64,
     /// The allocations the current launch has touched, in first-touch order.
     touched: Vec<usize>,
+    /// Kernel loads and stores so far, all launches (to tell blocks that did no work).
+    accesses: u64,
 }
 
 impl Memory {
@@ -164,6 +166,11 @@ impl Memory {
 
     /// Starts a new launch: every allocation's race records are stale from here on (each is
     /// cleared on its first access in this launch).
+    /// Kernel loads and stores so far, over every launch.
+    pub(super) fn accesses(&self) -> u64 {
+        self.accesses
+    }
+
     pub(super) fn begin_launch(&mut self) {
         self.launch += 1;
         self.touched.clear();
@@ -179,6 +186,7 @@ impl Memory {
         write: bool,
     ) -> Result<(usize, usize)> {
         let (i, off) = self.find(addr, len, what)?;
+        self.accesses += 1;
         let launch = self.launch;
         let a = &mut self.allocs[i];
         if a.launch != launch {

@@ -60,7 +60,7 @@ fn line_of(body: &str, stmt: &str) -> usize {
     1 + text.lines().position(|l| l.trim() == stmt).expect(stmt)
 }
 
-fn error_of(r: Result<()>) -> String {
+fn error_of<T: std::fmt::Debug>(r: Result<T>) -> String {
     format!("{:#}", r.expect_err("expected an error"))
 }
 
@@ -82,6 +82,24 @@ fn runs_a_small_kernel_exactly() -> Result<()> {
         let want = x.sqrt() / s + 1.5;
         assert_eq!(got.to_bits(), want.to_bits(), "element {i}");
     }
+    Ok(())
+}
+
+#[test]
+fn counts_the_blocks_that_did_no_work() -> Result<()> {
+    let m = module(SCALE)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    // n elements need ceil(n / 4) blocks of 4; the rest of the grid returns at the bounds check.
+    let n: usize = rng.gen_range(5..40);
+    let needed = n.div_ceil(4) as u64;
+    let grid = rng.gen_range(needed as u32..needed as u32 + 20);
+    let mut mem = Memory::default();
+    let a = mem.alloc(&f32s(&vec![4.0; n]));
+    let o = mem.alloc(&f32s(&vec![f32::NAN; n]));
+    let args = [Arg::U64(o), Arg::U64(a), Arg::U32(n as u32), Arg::F32(2.0)];
+    let blocks = launch(m.entry("scale")?, &mut mem, (grid, 1, 1), (4, 1, 1), &args)?;
+    assert_eq!(blocks.launched, u64::from(grid), "n {n}");
+    assert_eq!(blocks.idle, u64::from(grid) - needed, "n {n}, grid {grid}");
     Ok(())
 }
 

@@ -312,9 +312,13 @@ fn sync_ctx(st: MutexGuard<'static, State>, ctx: usize) -> Result<(), i32> {
         .filter(|&s| st.streams[s].ctx == ctx)
         .map(|s| (s, st.streams[s].enq))
         .collect();
-    let (mut st, ok) = state::wait_until(st, &|| format!("cuCtxSynchronize (gpu {ctx})"), &|st| {
-        targets.iter().all(|&(s, p)| st.streams[s].done >= p)
-    });
+    let streams: Vec<usize> = targets.iter().map(|&(s, _)| s).collect();
+    let (mut st, ok) = state::wait_until(
+        st,
+        &streams,
+        &|| format!("cuCtxSynchronize (gpu {ctx})"),
+        &|st| targets.iter().all(|&(s, p)| st.streams[s].done >= p),
+    );
     if !ok {
         return Err(cu::LAUNCH_TIMEOUT);
     }
@@ -427,7 +431,7 @@ pub extern "C" fn cuStreamDestroy_v2(stream: Handle) -> i32 {
 fn sync_stream(st: MutexGuard<'static, State>, s: usize, what: &str) -> Result<(), i32> {
     let target = st.streams[s].enq;
     let name = st.stream_name(s);
-    let (mut st, ok) = state::wait_until(st, &|| format!("{what} on {name}"), &|st| {
+    let (mut st, ok) = state::wait_until(st, &[s], &|| format!("{what} on {name}"), &|st| {
         st.streams[s].done >= target
     });
     if !ok {
@@ -457,7 +461,8 @@ pub extern "C" fn cuStreamQuery(stream: Handle) -> i32 {
     run(|| {
         let mut st = begin()?;
         let s = stream_of(&mut st, stream)?;
-        st.progress();
+        // A query runs what it asks about, as a wait does: code that asks is synchronized.
+        st.run_ready(&state::Scope::Streams(&[s]));
         let target = st.streams[s].enq;
         if st.streams[s].done < target {
             return Err(cu::NOT_READY);
@@ -565,7 +570,10 @@ pub extern "C" fn cuEventQuery(event: Handle) -> i32 {
     run(|| {
         let mut st = begin()?;
         let e = event_of(&st, event)?;
-        st.progress();
+        // A query runs what it asks about, as a wait does: code that asks is synchronized.
+        if let Some((s, _, _)) = st.events[e].recorded {
+            st.run_ready(&state::Scope::Streams(&[s]));
+        }
         event_done(&mut st, e).unwrap_or(Err(cu::NOT_READY))
     })
 }
@@ -582,6 +590,7 @@ pub extern "C" fn cuEventSynchronize(event: Handle) -> i32 {
         let name = st.stream_name(s);
         let (mut st, ok) = state::wait_until(
             st,
+            &[s],
             &|| format!("cuEventSynchronize (an event on {name})"),
             &|st| st.streams[s].done >= pos,
         );
@@ -907,6 +916,7 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: Handle) -> i32 {
         let mut st = begin()?;
         let s = stream_of(&mut st, stream)?;
         check_free(&st, "cuMemFreeAsync", ptr)?;
+        st.freeing.insert(ptr);
         let what = format!("cuMemFreeAsync({ptr:#x}) on {}", st.stream_name(s));
         let pos = st.enqueue(s, what, Work::Free { base: ptr });
         match st.take_error_at(s, pos) {
@@ -934,8 +944,14 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> i32 {
                 s
             }
         };
+        st.freeing.insert(ptr);
         let what = format!("cuMemFree({ptr:#x})");
-        let pos = st.enqueue(s, what, Work::Free { base: ptr });
+        let pos = st.enqueue(s, what.clone(), Work::Free { base: ptr });
+        let (mut st, ok) =
+            state::wait_until(st, &[s], &|| what.clone(), &|st| st.streams[s].done >= pos);
+        if !ok {
+            return Err(cu::LAUNCH_TIMEOUT);
+        }
         match st.take_error_at(s, pos) {
             cu::SUCCESS => Ok(()),
             e => Err(e),
@@ -1017,6 +1033,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
                 snapshot: data,
             }
         } else {
+            crate::calls::add(crate::calls::PAGEABLE_HTOD_BYTES, bytes as u64);
             Work::HtoD { dst, data }
         };
         enqueue_checked(&mut st, s, what, work)
@@ -1043,6 +1060,23 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
         let (_, _) = st
             .locate(src, bytes)
             .map_err(|e| reject(cu::INVALID_VALUE, format!("cuMemcpyDtoHAsync: {e}")))?;
+        if st.pinned_range(dst as usize, bytes).is_some() {
+            // Into page-locked memory the copy is asynchronous: the call returns now, and the
+            // destination holds POISON until the copy runs (see `Work::DtoHPinned`).
+            // SAFETY: `dst..dst + bytes` lies inside a live page-locked allocation of this
+            // driver (checked just above), which the caller handed to the copy.
+            unsafe { std::ptr::write_bytes(dst.cast::<u8>(), state::POISON, bytes) };
+            let what = format!(
+                "cuMemcpyDtoHAsync({src:#x}, {bytes} bytes, into pinned memory) on {}",
+                st.stream_name(s)
+            );
+            let work = Work::DtoHPinned {
+                dst: dst as usize,
+                src,
+                expect: vec![state::POISON; bytes],
+            };
+            return enqueue_checked(&mut st, s, what, work);
+        }
         let what = format!(
             "cuMemcpyDtoHAsync({src:#x}, {bytes} bytes) on {}",
             st.stream_name(s)
@@ -1058,7 +1092,8 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             },
         );
         // To pageable memory the copy is done when the call returns (CUDA's rule): wait.
-        let (mut st, ok) = state::wait_until(st, &|| name.clone(), &|st| st.streams[s].done >= pos);
+        let (mut st, ok) =
+            state::wait_until(st, &[s], &|| name.clone(), &|st| st.streams[s].done >= pos);
         if !ok {
             // Never write into the caller's buffer after this returns.
             if let Some(op) = st.streams[s].queue.iter_mut().find(|o| o.pos == pos) {
@@ -1539,6 +1574,8 @@ pub unsafe extern "C" fn cuLaunchKernel(
             })
             .collect();
         let what = format!("{call} on {}", st.stream_name(s));
+        let blocks = u64::from(gx) * u64::from(gy) * u64::from(gz);
+        crate::calls::add(crate::calls::BLOCKS_LAUNCHED, blocks);
         enqueue_checked(
             &mut st,
             s,
@@ -1548,6 +1585,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 grid: (gx, gy, gz),
                 block: (bx, by, bz),
                 args,
+                counts: crate::calls::mine(),
             },
         )
     })

@@ -252,6 +252,7 @@ fn wait_clique(st: MutexGuard<'static, State>, comm: usize) -> (MutexGuard<'stat
     let (rank, n) = (st.comms[comm].rank, st.cliques[k].nranks);
     let (st, ok) = state::wait_until(
         st,
+        &[],
         &|| {
             format!(
                 "ncclCommInitRank (rank {rank} of {n}, waiting for the other ranks, in this \
@@ -621,13 +622,8 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
         .enumerate()
         .all(|(r, p)| p.is_some() || clique.remote[r].is_some());
     if all_here {
-        let code = check_match(st, ci);
-        st.progress();
-        notify();
-        return code;
+        return check_match(st, ci);
     }
-    st.progress();
-    notify();
     nc::SUCCESS
 }
 
@@ -924,7 +920,9 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Handle, result: *mut c_int)
         if result.is_null() {
             return Err(nc::INVALID_ARGUMENT);
         }
-        st.progress();
+        if st.run_ready(&state::Scope::Due) {
+            notify();
+        }
         let k = st.comms[c].clique;
         let stalled = st.cfg.stall_init && st.comms[c].nonblocking && !st.comms[c].created;
         let state = match (&st.cliques[k].ready, st.comms[c].nonblocking) {
@@ -975,7 +973,7 @@ fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
                 }
             }
         }
-        st.progress();
+        st.run_ready(&state::Scope::Due);
         notify();
         Ok(())
     })

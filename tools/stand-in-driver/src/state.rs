@@ -73,6 +73,15 @@ pub struct Config {
     /// fraction such as 0.25 is allowed). Allocations beyond it fail with
     /// CUDA_ERROR_OUT_OF_MEMORY. Converted to bytes.
     pub mem_bytes: u64,
+    /// `KVSTORE_STANDIN_DELAY_US`: how long an operation stays queued before the device's
+    /// worker runs it, unless a host wait or query needs it first (default 20000: 20 ms, far
+    /// longer than the host takes to reach its next call, so work the host never waits for
+    /// is still pending when it looks).
+    pub delay: Duration,
+    /// `KVSTORE_STANDIN_SEED`: when set, each operation's delay is drawn from `[0, 2 * delay)`
+    /// by a generator with this seed, so runs with different seeds order unsynchronized work
+    /// differently.
+    pub seed: Option<u64>,
 }
 
 impl Config {
@@ -97,6 +106,8 @@ impl Config {
             stall_init: var::<u32>("KVSTORE_STANDIN_NCCL_STALL_INIT", 0) != 0,
             mem_bytes: (var::<f64>("KVSTORE_STANDIN_MEM_GIB", 80.0).max(0.0) * (1u64 << 30) as f64)
                 as u64,
+            delay: Duration::from_micros(var("KVSTORE_STANDIN_DELAY_US", 20_000)),
+            seed: std::env::var_os("KVSTORE_STANDIN_SEED").map(|_| var("KVSTORE_STANDIN_SEED", 0)),
         }
     }
 }
@@ -216,11 +227,22 @@ pub enum Work {
         src: usize,
         snapshot: Vec<u8>,
     },
-    /// To host memory at `dst` (the calling thread waits inside the call until it ran).
+    /// To pageable host memory at `dst` (the calling thread waits inside the call until it
+    /// ran, as CUDA's rule for pageable memory says).
     DtoH {
         dst: usize,
         src: u64,
         len: usize,
+    },
+    /// To page-locked host memory (`cuMemHostAlloc`): the call returns at once and the bytes
+    /// land when the copy runs. Until then the destination holds `expect`: [`POISON`] bytes
+    /// written at the call (what the host sees if it reads without waiting), or what an
+    /// earlier copy into the same bytes wrote since. A destination that holds anything else
+    /// when the copy runs was written by the host meanwhile: a race, reported.
+    DtoHPinned {
+        dst: usize,
+        src: u64,
+        expect: Vec<u8>,
     },
     /// `staged`: a peer copy, which needs no peer access.
     DtoD {
@@ -239,6 +261,8 @@ pub enum Work {
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         args: Vec<Arg>,
+        /// The launching thread's counters: its idle blocks are added when the kernel runs.
+        counts: Option<crate::calls::Counts>,
     },
     /// Waits until `stream` has done `upto` operations.
     Wait {
@@ -259,6 +283,21 @@ pub struct Op {
     pub vc: Vc,
     pub what: Arc<str>,
     pub work: Work,
+    /// When the device's worker may run it (a host wait runs it as soon as it is ready).
+    pub due: Instant,
+}
+
+/// What the host finds in page-locked memory that a pending device-to-host copy will write:
+/// NaN in every float type, so a read that did not wait for the copy shows in the results.
+pub const POISON: u8 = 0xff;
+
+/// Which queued operations a call runs.
+pub enum Scope<'a> {
+    /// The device's worker: operations whose delay is over, on every stream.
+    Due,
+    /// A host wait or query: everything ready on these streams, and on the streams their
+    /// front operations wait for (an event's stream, a collective's other ranks), at once.
+    Streams(&'a [usize]),
 }
 
 pub struct Stream {
@@ -409,6 +448,11 @@ pub struct State {
     pub next_unique_id: u64,
     /// Page-locked host allocations (`cuMemHostAlloc`): address -> length.
     pub pinned: std::collections::BTreeMap<usize, usize>,
+    /// The delays' generator (a splitmix64 state), with `cfg.seed`.
+    rng: u64,
+    /// Allocations whose free is queued and has not run yet: calls made after the free
+    /// refuse them, as they would the freed memory.
+    pub freeing: HashSet<u64>,
 }
 
 static STATE: OnceLock<(Mutex<State>, Condvar)> = OnceLock::new();
@@ -417,6 +461,7 @@ fn global() -> &'static (Mutex<State>, Condvar) {
     STATE.get_or_init(|| {
         let cfg = Config::from_env();
         let gpus = cfg.gpus;
+        let seed = cfg.seed.unwrap_or(0);
         let ctxs = (0..cfg.gpus)
             .map(|device| Ctx {
                 device,
@@ -446,6 +491,8 @@ fn global() -> &'static (Mutex<State>, Condvar) {
                 coll_index: HashMap::new(),
                 next_unique_id: 1,
                 pinned: Default::default(),
+                rng: seed,
+                freeing: HashSet::new(),
             }),
             Condvar::new(),
         )
@@ -462,16 +509,18 @@ pub fn notify() {
     global().1.notify_all();
 }
 
-/// Blocks (running ready work) until `done` holds. After `cfg.hang` it gives up, reports
-/// `what` and returns false.
+/// Blocks until `done` holds, running the ready work of `streams` (and of what they wait for)
+/// itself, as soon as it is ready, rather than leaving it to the device's worker. After
+/// `cfg.hang` it gives up, reports `what` and returns false.
 pub fn wait_until(
     mut st: MutexGuard<'static, State>,
+    streams: &[usize],
     what: &dyn Fn() -> String,
     done: &dyn Fn(&State) -> bool,
 ) -> (MutexGuard<'static, State>, bool) {
     let start = Instant::now();
     loop {
-        st.progress();
+        st.run_ready(&Scope::Streams(streams));
         if done(&st) {
             return (st, true);
         }
@@ -541,29 +590,48 @@ pub fn leave_folders_at_exit() {
     });
 }
 
-/// With a clique spanning processes, a thread of this process runs ready work every few
-/// milliseconds, as a GPU progresses on its own: a peer's part may arrive while every thread of
-/// this process is busy elsewhere (in MPI, say), and this process's parts must still be
-/// published for the peer.
-fn start_pump() {
+/// Starts, once, the device's worker: a thread that runs each queued operation when its delay
+/// is over (in stream order, after what it waits for), as a GPU runs work while the host goes
+/// on. With a clique spanning processes it also looks every few milliseconds for parts that
+/// other processes published, as a GPU progresses while every host thread is busy elsewhere
+/// (in MPI, say).
+pub fn start_worker() {
     static STARTED: std::sync::Once = std::sync::Once::new();
     STARTED.call_once(|| {
         let spawned = std::thread::Builder::new()
-            .name("kvstore-standin-xproc".into())
-            .spawn(|| loop {
-                std::thread::sleep(Duration::from_millis(5));
+            .name("kvstore-standin-device".into())
+            .spawn(|| {
                 let mut st = lock();
-                let before: u64 = st.streams.iter().map(|s| s.done).sum();
-                st.progress();
-                let after: u64 = st.streams.iter().map(|s| s.done).sum();
-                drop(st);
-                if after != before {
-                    notify();
+                loop {
+                    if st.run_ready(&Scope::Due) {
+                        notify();
+                    }
+                    let now = Instant::now();
+                    let xproc = st.cliques.iter().any(|c| c.ready.is_some() && c.xproc());
+                    let mut sleep = if xproc {
+                        Duration::from_millis(5)
+                    } else {
+                        Duration::from_millis(200)
+                    };
+                    if let Some(due) = st
+                        .streams
+                        .iter()
+                        .filter_map(|s| s.queue.front())
+                        .map(|o| o.due)
+                        .min()
+                    {
+                        sleep = sleep.min(due.saturating_duration_since(now));
+                    }
+                    st = global()
+                        .1
+                        .wait_timeout(st, sleep.max(Duration::from_micros(200)))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
             });
         if let Err(e) = spawned {
             report(&format!(
-                "cannot start the thread that moves data between processes: {e}"
+                "cannot start the thread that runs queued work: only host waits will run it ({e})"
             ));
         }
     });
@@ -679,6 +747,7 @@ impl State {
 
     /// Frees the allocation at `base` (its bytes, and its share of its device's memory).
     fn release(&mut self, base: u64) -> anyhow::Result<()> {
+        self.freeing.remove(&base);
         self.mem.free(base)?;
         if let Some(info) = self.allocs.remove(&base) {
             self.used[info.device] -= info.len;
@@ -761,8 +830,22 @@ impl State {
         notify();
     }
 
-    /// The device and base of the live allocation holding `[addr, addr + len)`.
+    /// The device and base of the live allocation holding `[addr, addr + len)`, for a call's
+    /// checks: an allocation whose free is queued is refused too.
     pub fn locate(&self, addr: u64, len: usize) -> Result<(usize, u64), String> {
+        let (device, base) = self.find_alloc(addr, len)?;
+        if self.freeing.contains(&base) {
+            return Err(format!(
+                "{addr:#x} is in the allocation at {base:#x}, which an earlier call freed (its \
+                 free is queued)"
+            ));
+        }
+        Ok((device, base))
+    }
+
+    /// [`State::locate`] as queued work sees it when it runs: frees queued after it do not
+    /// count.
+    fn find_alloc(&self, addr: u64, len: usize) -> Result<(usize, u64), String> {
         let (base, _) = self
             .mem
             .allocation(addr, len as u64)
@@ -770,16 +853,34 @@ impl State {
         Ok((self.allocs[&base].device, base))
     }
 
-    /// Appends an operation to stream `s` and runs whatever is ready. Returns its position.
+    /// Appends an operation to stream `s`, for the device's worker to run after its delay (or
+    /// a host wait, sooner). Returns its position.
     pub fn enqueue(&mut self, s: usize, what: String, work: Work) -> u64 {
         let (pos, _) = self.push_op(s, what, work);
-        self.progress();
-        notify();
         pos
+    }
+
+    /// The delay of the next operation: `cfg.delay`, or with a seed a draw from
+    /// `[0, 2 * cfg.delay)`.
+    fn next_delay(&mut self) -> Duration {
+        let Some(_) = self.cfg.seed else {
+            return self.cfg.delay;
+        };
+        // splitmix64
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
+        self.cfg.delay.mul_f64(2.0 * unit)
     }
 
     /// Appends an operation to stream `s` without running anything; its position and clock.
     pub fn push_op(&mut self, s: usize, what: String, work: Work) -> (u64, Vc) {
+        start_worker();
+        notify();
+        let due = Instant::now() + self.next_delay();
         let host = self.host_vc.clone();
         let st = &mut self.streams[s];
         st.vc.join(&host);
@@ -792,6 +893,7 @@ impl State {
             vc: st.vc.clone(),
             what: what.into(),
             work,
+            due,
         });
         (pos, st.vc.clone())
     }
@@ -814,45 +916,93 @@ impl State {
         first.unwrap_or(cu::SUCCESS)
     }
 
-    /// Runs every operation that is at the front of its stream and ready, until none is.
-    pub fn progress(&mut self) {
+    /// Runs the operations `scope` covers that are at the front of their streams and ready,
+    /// until none is. Returns whether any ran.
+    pub fn run_ready(&mut self, scope: &Scope) -> bool {
         self.poll_cliques();
+        let now = Instant::now();
+        let mut mine = vec![false; self.streams.len()];
+        match scope {
+            Scope::Due => mine.fill(true),
+            Scope::Streams(list) => {
+                for &s in *list {
+                    mine[s] = true;
+                }
+            }
+        }
+        let due_only = matches!(scope, Scope::Due);
+        let mut any = false;
         loop {
             let mut moved = false;
             for s in 0..self.streams.len() {
+                if !mine[s] {
+                    continue;
+                }
                 while let Some(op) = self.streams[s].queue.front() {
+                    if due_only && op.due > now {
+                        break;
+                    }
                     let ready = match op.work {
                         Work::Coll { coll, rank } => self.coll_ready(coll, rank),
                         _ => self.ready(op),
                     };
                     if !ready {
+                        // A host wait also runs what this operation waits for.
+                        if !due_only {
+                            for t in self.waits_for(s) {
+                                if !mine[t] {
+                                    mine[t] = true;
+                                    moved = true;
+                                }
+                            }
+                        }
                         break;
                     }
                     let op = self.streams[s].queue.pop_front().expect("front exists");
-                    let ctx = self.streams[s].ctx;
-                    if let Some(code) = self.ctxs[ctx].sticky {
-                        // A poisoned context runs nothing more: its queued work fails.
-                        self.streams[s].errors.push((op.pos, code));
-                    } else if let Err((code, message)) = self.execute(s, &op) {
-                        report(&format!("{}: {message}", op.what));
-                        if is_sticky(code) && matches!(op.work, Work::Launch { .. }) {
-                            report(&format!(
-                                "the context of gpu {} is now unusable (a sticky error, as \
-                                 CUDA's): every later call on it fails with this code",
-                                self.ctxs[ctx].device
-                            ));
-                            self.ctxs[ctx].sticky = Some(code);
-                        }
-                        self.streams[s].errors.push((op.pos, code));
-                    }
-                    self.streams[s].done += 1;
+                    self.run_op(s, op);
                     moved = true;
+                    any = true;
                 }
             }
             if !moved {
-                return;
+                return any;
             }
         }
+    }
+
+    /// The streams whose work the front operation of `s` waits for.
+    fn waits_for(&self, s: usize) -> Vec<usize> {
+        match self.streams[s].queue.front().map(|o| &o.work) {
+            Some(Work::Wait { stream, .. }) => vec![*stream],
+            Some(Work::Coll { coll, .. }) => self.colls[*coll]
+                .parts
+                .iter()
+                .flatten()
+                .map(|p| p.stream)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Runs one operation taken from the front of stream `s`, recording its error.
+    fn run_op(&mut self, s: usize, op: Op) {
+        let ctx = self.streams[s].ctx;
+        if let Some(code) = self.ctxs[ctx].sticky {
+            // A poisoned context runs nothing more: its queued work fails.
+            self.streams[s].errors.push((op.pos, code));
+        } else if let Err((code, message)) = self.execute(s, &op) {
+            report(&format!("{}: {message}", op.what));
+            if is_sticky(code) && matches!(op.work, Work::Launch { .. }) {
+                report(&format!(
+                    "the context of gpu {} is now unusable (a sticky error, as CUDA's): every \
+                     later call on it fails with this code",
+                    self.ctxs[ctx].device
+                ));
+                self.ctxs[ctx].sticky = Some(code);
+            }
+            self.streams[s].errors.push((op.pos, code));
+        }
+        self.streams[s].done += 1;
     }
 
     fn ready(&self, op: &Op) -> bool {
@@ -998,7 +1148,6 @@ impl State {
                 let c = &mut self.cliques[k];
                 c.remote = remote;
                 c.ready = Some(ready);
-                start_pump();
                 notify();
             }
             return;
@@ -1140,7 +1289,7 @@ impl State {
             return Ok(());
         }
         let (device, base) = self
-            .locate(addr, len)
+            .find_alloc(addr, len)
             .map_err(|e| (cu::ILLEGAL_ADDRESS, e))?;
         if !staged {
             self.check_peer(self.device_of_stream(s), device, addr)?;
@@ -1168,6 +1317,27 @@ impl State {
                  cuMemcpyPeerAsync instead"
             ),
         ))
+    }
+
+    /// A copy (operation `pos` of stream `s`) wrote `bytes` into page-locked memory at `dst`:
+    /// the copies still queued that read or write those bytes after it, in stream order or
+    /// through events, now expect them.
+    fn pinned_written(&mut self, s: usize, pos: u64, dst: usize, bytes: &[u8]) {
+        let end = dst + bytes.len();
+        for t in &mut self.streams {
+            for op in t.queue.iter_mut() {
+                let after = op.vc.get(s) >= pos;
+                let (at, seen) = match &mut op.work {
+                    Work::DtoHPinned { dst: d, expect, .. } => (*d, expect),
+                    Work::HtoDPinned { src, snapshot, .. } if after => (*src, snapshot),
+                    _ => continue,
+                };
+                let (lo, hi) = (at.max(dst), (at + seen.len()).min(end));
+                if lo < hi {
+                    seen[lo - at..hi - at].copy_from_slice(&bytes[lo - dst..hi - dst]);
+                }
+            }
+        }
     }
 
     /// The base of the page-locked allocation holding `[addr, addr + len)`, if there is one.
@@ -1228,6 +1398,38 @@ impl State {
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *dst as *mut u8, *len) };
                 Ok(())
             }
+            Work::DtoHPinned { dst, src, expect } => {
+                let len = expect.len();
+                if self.pinned_range(*dst, len).is_none() {
+                    return Err((
+                        cu::ILLEGAL_ADDRESS,
+                        format!(
+                            "{}: its pinned host destination {dst:#x} was freed before the copy \
+                             ran",
+                            op.what
+                        ),
+                    ));
+                }
+                // SAFETY: `dst..dst + len` lies inside a live page-locked allocation of this
+                // driver (checked just above).
+                let now = unsafe { std::slice::from_raw_parts_mut(*dst as *mut u8, len) };
+                if now != expect.as_slice() {
+                    return Err((
+                        cu::ILLEGAL_ADDRESS,
+                        format!(
+                            "{}: the host wrote the pinned destination before the copy into it \
+                             ran (a race between the host and the stream: wait for the copy, \
+                             with an event or a stream synchronize, before touching the buffer)",
+                            op.what
+                        ),
+                    ));
+                }
+                self.touch(*src, len, false, s, op, true)?;
+                let bytes = self.mem.read(*src, len).map_err(host)?;
+                now.copy_from_slice(&bytes);
+                self.pinned_written(s, op.pos, *dst, &bytes);
+                Ok(())
+            }
             Work::DtoD {
                 dst,
                 src,
@@ -1248,14 +1450,19 @@ impl State {
                 grid,
                 block,
                 args,
+                counts,
             } => {
                 let f = &self.functions[*func];
                 let module = f.module.clone();
                 let entry = &module.entries[f.entry];
-                emu::launch(entry, &mut self.mem, *grid, *block, args).map_err(|e| {
-                    let m = format!("{e:#}");
-                    (kernel_error_code(&m), format!("kernel {}: {m}", entry.name))
-                })?;
+                let blocks =
+                    emu::launch(entry, &mut self.mem, *grid, *block, args).map_err(|e| {
+                        let m = format!("{e:#}");
+                        (kernel_error_code(&m), format!("kernel {}: {m}", entry.name))
+                    })?;
+                if let Some(c) = counts {
+                    crate::calls::add_to(c, crate::calls::BLOCKS_IDLE, blocks.idle);
+                }
                 let device = self.device_of_stream(s);
                 for t in self.mem.touched() {
                     self.check_kernel_reach(device, t.base, t.write.is_some())?;
@@ -1342,7 +1549,7 @@ impl State {
         let check = |st: &mut State, r: usize, addr: u64, len: usize, write: bool| {
             let p = parts[r].as_ref().expect("a part of this process");
             let (_, base) = st
-                .locate(addr, len)
+                .find_alloc(addr, len)
                 .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{what}, rank {r}: {e}")))?;
             let what_r: Arc<str> = format!("{what}, rank {r}").into();
             st.access(

@@ -121,6 +121,15 @@ fn launch_copy(f: H, dst: u64, src: u64, n: u32, s: H) -> i32 {
     unsafe { cuLaunchKernel(f, 1, 1, 1, n, 1, 1, 0, s, params.as_mut_ptr(), null_mut()) }
 }
 
+/// A launch, then a wait on its stream: kernels run later, so what a kernel does wrong is
+/// reported by the next wait (as on a GPU), unless the launch itself was refused.
+fn launch_and_wait(f: H, dst: u64, src: u64, n: u32, s: H) -> i32 {
+    match launch_copy(f, dst, src, n, s) {
+        OK => cuStreamSynchronize(s),
+        refused => refused,
+    }
+}
+
 #[test]
 fn a_launch_whose_parameter_bytes_do_not_match_the_entry_is_rejected() {
     setup();
@@ -254,8 +263,14 @@ fn a_read_of_what_another_stream_writes_needs_an_event() {
     let (s1, s2) = (stream(), stream());
     let buf = alloc(16, s1);
     assert_eq!(upload(buf, &[5.0; 4], s1), OK);
-    // Stream 2 reads what stream 1 wrote (and allocated), with nothing in between.
-    assert_eq!(download(buf, 4, s2).0, ILLEGAL_STATE);
+    // Stream 2 reads what stream 1 writes (and allocates), with nothing in between. Whichever
+    // runs first, the second one's access is the race; the waits report it.
+    let (read, _) = download(buf, 4, s2);
+    let write = cuStreamSynchronize(s1);
+    assert!(
+        read == ILLEGAL_STATE || write == ILLEGAL_STATE,
+        "an unordered read and write: {read}, {write}"
+    );
 
     // With an event recorded after the write and waited for, the same read is fine.
     let buf = alloc(16, s1);
@@ -277,7 +292,12 @@ fn a_read_of_what_another_stream_writes_needs_an_event() {
         "the host wait orders everything before it"
     );
     assert_eq!(launch_copy(f, a, b, 4, s2), OK);
-    assert_eq!(download(a, 4, s1).0, ILLEGAL_STATE);
+    let (read, _) = download(a, 4, s1);
+    let write = cuStreamSynchronize(s2);
+    assert!(
+        read == ILLEGAL_STATE || write == ILLEGAL_STATE,
+        "an unordered kernel write and read: {read}, {write}"
+    );
 }
 
 /// Runs the test `name` in a child process of its own (this test binary, filtered to it) and
@@ -331,9 +351,10 @@ fn use_after_free_and_double_free_are_rejected() {
         "a copy into freed memory"
     );
     assert_eq!(cuMemFreeAsync(b, s), INVALID_VALUE, "a double free");
-    // Last: the fault poisons the context.
+    // Last: the fault poisons the context. The launch names memory whose free is queued
+    // before it on the same stream; it is refused when it runs, at the wait.
     assert_eq!(
-        launch_copy(f, a, b, 4, s),
+        launch_and_wait(f, a, b, 4, s),
         ILLEGAL_ADDRESS,
         "a kernel reading freed memory"
     );
@@ -349,13 +370,19 @@ fn a_kernel_fault_poisons_its_context_until_it_is_reset() {
     let f = copy_kernel();
     let (a, b) = (alloc(16, s), alloc(16, s));
     assert_eq!(upload(b, &[2.0; 4], s), OK);
-    assert_eq!(launch_copy(f, a, b, 4, s), OK, "a good launch first");
-    // A kernel reading address 0, outside every allocation: an illegal address.
-    assert_eq!(launch_copy(f, a, 0, 4, s), ILLEGAL_ADDRESS);
+    assert_eq!(launch_and_wait(f, a, b, 4, s), OK, "a good launch first");
+    // A kernel reading address 0, outside every allocation: an illegal address, reported by
+    // the wait after it (the launch itself returns before the kernel runs).
+    assert_eq!(launch_copy(f, a, 0, 4, s), OK);
+    assert_eq!(cuStreamSynchronize(s), ILLEGAL_ADDRESS);
     // Every later call on the context fails with the same error, whatever it is.
     assert_eq!(upload(b, &[1.0; 4], s), ILLEGAL_ADDRESS, "a copy");
     assert_eq!(download(a, 4, s).0, ILLEGAL_ADDRESS, "a copy back");
-    assert_eq!(cuStreamSynchronize(s), ILLEGAL_ADDRESS, "a stream wait");
+    assert_eq!(
+        cuStreamSynchronize(s),
+        ILLEGAL_ADDRESS,
+        "a stream wait again"
+    );
     assert_eq!(cuCtxSynchronize(), ILLEGAL_ADDRESS, "a context wait");
     assert_eq!(launch_copy(f, a, b, 4, s), ILLEGAL_ADDRESS, "a good launch");
     let mut p = 0;
@@ -408,7 +435,7 @@ fn peer_access_must_be_enabled() {
     assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
     let on0 = alloc(16, s0);
     // A kernel on gpu 0 reading gpu 1's memory, and a plain device copy from it.
-    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    assert_eq!(launch_and_wait(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
     // SAFETY: live buffers of 16 bytes.
     let r = unsafe { cuMemcpyDtoDAsync_v2(on0, on1, 16, s0) };
     assert_eq!(r, PEER_ACCESS_NOT_ENABLED);
@@ -419,11 +446,11 @@ fn peer_access_must_be_enabled() {
     assert_eq!(download(on0, 4, s0), (OK, vec![3.0; 4]));
     // Once enabled, the kernel may read plain memory...
     assert_eq!(cuCtxEnablePeerAccess(ctx[1], 0), OK);
-    assert_eq!(launch_copy(f, on0, plain1, 4, s0), OK);
+    assert_eq!(launch_and_wait(f, on0, plain1, 4, s0), OK);
     assert_eq!(download(on0, 4, s0), (OK, vec![7.0; 4]));
     // ...but not memory from a pool (cuMemAllocAsync): peer access does not cover pools
     // (CUDA programming guide, stream-ordered allocator); cuMemPoolSetAccess does.
-    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    assert_eq!(launch_and_wait(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
     let mut pool1 = null_mut();
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { cuDeviceGetDefaultMemPool(&mut pool1, 1) }, OK);
@@ -436,12 +463,12 @@ fn peer_access_must_be_enabled() {
         unsafe { cuMemPoolSetAccess(pool1, &desc, 1) }
     };
     assert_eq!(grant(1), OK, "read access for gpu 0");
-    assert_eq!(launch_copy(f, on0, on1, 4, s0), OK);
+    assert_eq!(launch_and_wait(f, on0, on1, 4, s0), OK);
     assert_eq!(download(on0, 4, s0), (OK, vec![3.0; 4]));
     // Read access does not let a kernel write there.
-    assert_eq!(launch_copy(f, on1, on0, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    assert_eq!(launch_and_wait(f, on1, on0, 4, s0), PEER_ACCESS_NOT_ENABLED);
     assert_eq!(grant(3), OK, "read and write access for gpu 0");
-    assert_eq!(launch_copy(f, on1, on0, 4, s0), OK);
+    assert_eq!(launch_and_wait(f, on1, on0, 4, s0), OK);
     let mut flags = 0;
     let gpu0 = MemLocation { kind: 1, id: 0 };
     // SAFETY: valid pointers.
@@ -449,7 +476,7 @@ fn peer_access_must_be_enabled() {
     assert_eq!(flags, 3);
     // Revoked again, and peer access alone still does not reach the pool.
     assert_eq!(grant(0), OK);
-    assert_eq!(launch_copy(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
+    assert_eq!(launch_and_wait(f, on0, on1, 4, s0), PEER_ACCESS_NOT_ENABLED);
     assert_eq!(cuCtxDisablePeerAccess(ctx[1]), OK);
 }
 
@@ -669,6 +696,111 @@ fn pinned_memory_rewritten_before_its_copy_ran_is_a_race() {
     assert_eq!(cuStreamSynchronize(streams[0]), ILLEGAL_ADDRESS);
     assert_eq!(cuMemFreeHost(p), OK);
     assert_eq!(cuMemFreeHost(p), INVALID_VALUE, "a double free");
+}
+
+/// Work runs later, on the device's worker: a copy into pinned memory returns at once, and
+/// the host sees the copy's bytes only after a wait (before it, POISON, NaN in every float
+/// type). The host writing such a destination, or rewriting a pinned source, before the copy
+/// ran is a reported race. A delay of 10 s here, so nothing runs but what a wait runs.
+#[test]
+fn copies_with_pinned_memory_run_later_and_races_with_the_host_are_reported() {
+    if !in_own_process_with(
+        "copies_with_pinned_memory_run_later_and_races_with_the_host_are_reported",
+        &[("KVSTORE_STANDIN_DELAY_US", "10000000")],
+    ) {
+        return;
+    }
+    setup();
+    let s = stream();
+    let data: Vec<f32> = (0..4).map(|i| 1.5 + i as f32).collect();
+    let dev = alloc(16, s);
+    assert_eq!(upload(dev, &data, s), OK);
+    let mut p = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemHostAlloc(&mut p, 16, 0) }, OK);
+    let pinned = p.cast::<f32>();
+    // SAFETY: `pinned` is a live pinned allocation of 4 f32; the copy writes it only inside
+    // the driver's calls (when a wait runs it), never while this thread reads.
+    let read = || unsafe { std::ptr::read_volatile(pinned.cast::<[f32; 4]>()) };
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(p, dev, 16, s) }, OK);
+    assert!(
+        read().iter().all(|x| x.is_nan()),
+        "read without a wait: {:?}",
+        read()
+    );
+    assert_eq!(cuStreamSynchronize(s), OK);
+    assert_eq!(read().to_vec(), data, "after the wait");
+
+    // The host writes the destination while the copy into it is queued.
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(p, dev, 16, s) }, OK);
+    // SAFETY: a live pinned allocation of 4 f32.
+    unsafe { pinned.write_volatile(9.0) };
+    assert_eq!(cuStreamSynchronize(s), ILLEGAL_ADDRESS);
+
+    // Two queued copies into one buffer, in stream order, are not a race.
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(p, dev, 16, s) }, OK);
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(p, dev, 16, s) }, OK);
+    assert_eq!(cuStreamSynchronize(s), OK);
+    assert_eq!(read().to_vec(), data);
+
+    // A pinned staging buffer refilled before the copy from it ran.
+    let other = alloc(16, s);
+    // SAFETY: a live pinned allocation of 4 f32.
+    unsafe { pinned.cast::<[f32; 4]>().write_volatile([3.0; 4]) };
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyHtoDAsync_v2(other, p, 16, s) }, OK);
+    // SAFETY: as above.
+    unsafe { pinned.cast::<[f32; 4]>().write_volatile([4.0; 4]) };
+    assert_eq!(cuStreamSynchronize(s), ILLEGAL_ADDRESS);
+    // Refilled only after an event says the copy ran: fine.
+    let mut ev = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuEventCreate(&mut ev, 2) }, OK);
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyHtoDAsync_v2(other, p, 16, s) }, OK);
+    assert_eq!(cuEventRecord(ev, s), OK);
+    assert_eq!(cuEventSynchronize(ev), OK);
+    // SAFETY: as above.
+    unsafe { pinned.cast::<[f32; 4]>().write_volatile([5.0; 4]) };
+    assert_eq!(download(other, 4, s), (OK, vec![4.0; 4]));
+    assert_eq!(cuMemFreeHost(p), OK);
+}
+
+/// With no wait at all, the device's worker runs queued work once its delay is over (1 ms
+/// here): a copy into pinned memory lands by itself.
+#[test]
+fn the_device_runs_queued_work_without_a_host_wait() {
+    if !in_own_process_with(
+        "the_device_runs_queued_work_without_a_host_wait",
+        &[("KVSTORE_STANDIN_DELAY_US", "1000")],
+    ) {
+        return;
+    }
+    setup();
+    let s = stream();
+    let dev = alloc(16, s);
+    assert_eq!(upload(dev, &[2.5; 4], s), OK);
+    let mut p = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemHostAlloc(&mut p, 16, 0) }, OK);
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(p, dev, 16, s) }, OK);
+    let start = std::time::Instant::now();
+    // SAFETY: a live pinned allocation of 4 f32, written by the worker while this thread only
+    // polls it (a test of exactly that).
+    let read = || unsafe { std::ptr::read_volatile(p.cast::<[f32; 4]>()) };
+    while read() != [2.5; 4] {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the copy never ran"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(cuStreamSynchronize(s), OK);
 }
 
 /// Non-blocking communicators: init and collectives return ncclInProgress, a call before the

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Injects, one at a time, the faults the stand-in driver must catch (issue 21: the seven an
+# audit found it missed) into a copy of this working tree, runs the stand-in tests that should
+# catch each, and checks that they fail; with nothing injected the same tests must pass.
+#
+# Usage: tools/stand-in-driver/inject-faults.sh [fault name...]   (default: all of them)
+# The copy and its build live in target/inject/ (about 20 minutes on a 2-core machine from
+# empty, most of it building; later runs reuse the build). Exit status 0 only when the
+# baseline passes and every fault is caught. The last result is in tools/stand-in-driver/README.md.
+#
+# THIS IS NOT A GPU RUN: every test here runs on the stand-in driver.
+set -uo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+work="$repo/target/inject"
+tree="$work/tree"
+export CARGO_TARGET_DIR="$work/target"
+mkdir -p "$work"
+
+# The copy: every tracked and untracked, not ignored, file of the working tree.
+rm -rf "$tree"
+mkdir -p "$tree"
+(cd "$repo" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -xf - -C "$tree"
+
+# name | file | perl substitution (run with -0pi: the whole file is one string) | env | test args
+# Each test command is `scripts/standin-gpu-tests.sh <test args>` with the env set.
+faults() {
+cat <<'EOF'
+dtoh_read_unsynced|src/backend/cuda/runtime.rs|s/    st\.clone_dtoh\(s\)\n/    use cudarc::driver::DevicePtr;\n    let n = s.len();\n    let p = unsafe { cudarc::driver::result::malloc_host(n * std::mem::size_of::<T>(), 0) }?.cast::<T>();\n    let host = unsafe { std::slice::from_raw_parts_mut(p, n) };\n    let (ptr, _sync) = s.device_ptr(st);\n    unsafe { cudarc::driver::result::memcpy_dtoh_async(host, ptr, st.cu_stream()) }?;\n    Ok(host.to_vec())\n/||--test gpu_smallkeys
+staging_reused_early|src/backend/cuda/runtime.rs|s/\n            buf\.done\.synchronize\(\)\.map_err\(e\(\)\)\?;//||--test gpu_smallkeys host_values_go_up_through_pinned_memory
+sm7x_loads_every_module|src/backend/cuda/runtime.rs|s/(        let mut modules = self\.modules\.lock\(\)\.unwrap_or_else\(\|e\| e\.into_inner\(\)\);\n)/$1        for &(s, t) in kernels::PTX_SOURCES {\n            if let Err(e) = modules.entry(s).or_insert_with(|| self.ctx.load_module(Ptx::from_src(t))) {\n                return Err(Error::Cuda { op: "load kernels", key: None, message: format!("loading PTX module '{s}': {:?}", e.0), source: Some(*e) });\n            }\n        }\n/|KVSTORE_STANDIN_SM=70|--test gpu_store
+bf16_in_an_sm70_file|kernels/fused_bf16.ptx|s/\.target sm_80/.target sm_70/|PTXAS=|--test gpu_store
+watchdog_lock_over_the_group|src/comm/nccl/group.rs|s/(        inflight\(\)\.deferred\.push\(f\.error\);\n    }\n)/$1    let held = inflight();\n/; s/(    drop\(guards\);\n    drop\(order\);\n)/$1    drop(held);\n/||--test gpu_store a_hang_inside_nccl_is_aborted_not_waited_for
+grid_40x_too_large|src/backend/cuda/runtime.rs|s/grid_dim: kernels::grid_dim\(total\)/grid_dim: kernels::grid_dim(total * 40)/||--test gpu_smallkeys a_multi_tensor_push_launches_at_most_twice_the_blocks_it_needs
+pageable_uploads|src/backend/cuda/runtime.rs|s/            for _ in 0\.\.2 \{\n                \/\/ SAFETY: a fresh page-locked/            for _ in 0..0 {\n                \/\/ SAFETY: a fresh page-locked/||--test gpu_smallkeys host_values_go_up_through_pinned_memory
+EOF
+}
+
+wanted=("$@")
+selected() {
+    [ ${#wanted[@]} -eq 0 ] && return 0
+    local w
+    for w in "${wanted[@]}"; do [ "$w" = "$1" ] && return 0; done
+    return 1
+}
+
+# Runs the stand-in tests `$@` in the copy with the environment words in $env_words; returns
+# their status. Bounded: a fault that hangs counts as caught, once the bound ends it.
+run_tests() {
+    local log="$1"; shift
+    (cd "$tree" && timeout 1200 env $env_words scripts/standin-gpu-tests.sh "$@") >"$log" 2>&1
+}
+
+results=()
+status=0
+declare -A seen_baseline
+while IFS='|' read -r name file subst env_words args; do
+    selected "$name" || continue
+    # The baseline: the same command with nothing injected must pass (once per command).
+    key="$env_words|$args"
+    if [ -z "${seen_baseline[$key]:-}" ]; then
+        seen_baseline[$key]=1
+        echo "=== baseline: ${env_words:+$env_words }scripts/standin-gpu-tests.sh $args"
+        # shellcheck disable=SC2086
+        if run_tests "$work/baseline-$name.log" $args; then
+            results+=("baseline for $name: passes")
+        else
+            results+=("baseline for $name: FAILS with nothing injected (see $work/baseline-$name.log)")
+            status=1
+            continue
+        fi
+    fi
+    echo "=== $name: $file"
+    cp "$repo/$file" "$tree/$file"
+    perl -0pi -e "$subst" "$tree/$file"
+    if cmp -s "$repo/$file" "$tree/$file"; then
+        results+=("$name: NOT APPLIED (the substitution matched nothing; update this script)")
+        status=1
+        continue
+    fi
+    # shellcheck disable=SC2086
+    if run_tests "$work/$name.log" $args; then
+        results+=("$name: MISSED (the tests passed with the fault in; see $work/$name.log)")
+        status=1
+    else
+        why=$(grep -m1 -E '^\[kvstore stand-in\]|panicked at|error(\[E[0-9]+\])?:|Error: ' "$work/$name.log" | cut -c1-160)
+        results+=("$name: caught (${why:-the tests failed})")
+    fi
+    cp "$repo/$file" "$tree/$file"
+done < <(faults)
+
+echo
+echo "=================================================================="
+echo "  fault injection on the stand-in driver ($(date -u +%Y-%m-%d), $(cd "$repo" && git rev-parse --short HEAD)$(cd "$repo" && git diff --quiet HEAD || echo '+changes'))"
+echo "=================================================================="
+printf '  %s\n' "${results[@]}"
+exit "$status"
