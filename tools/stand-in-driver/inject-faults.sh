@@ -25,7 +25,7 @@ mkdir -p "$tree"
 # Each test command is `scripts/standin-gpu-tests.sh <test args>` with the env set.
 faults() {
 cat <<'EOF'
-dtoh_read_unsynced|src/backend/cuda/runtime.rs|s/    st\.clone_dtoh\(s\)\n/    use cudarc::driver::DevicePtr;\n    let n = s.len();\n    let p = unsafe { cudarc::driver::result::malloc_host(n * std::mem::size_of::<T>(), 0) }?.cast::<T>();\n    let host = unsafe { std::slice::from_raw_parts_mut(p, n) };\n    let (ptr, _sync) = s.device_ptr(st);\n    unsafe { cudarc::driver::result::memcpy_dtoh_async(host, ptr, st.cu_stream()) }?;\n    Ok(host.to_vec())\n/||--test gpu_smallkeys
+dtoh_read_unsynced|src/backend/cuda/runtime.rs|s/    st\.clone_dtoh\(s\)\n/    use cudarc::driver::DevicePtr;\n    let n = s.len();\n    let p = unsafe { cudarc::driver::result::malloc_host(n * std::mem::size_of::<T>(), 0) }?.cast::<T>();\n    let host = unsafe { std::slice::from_raw_parts_mut(p, n) };\n    let (ptr, _sync) = s.device_ptr(st);\n    unsafe { cudarc::driver::result::memcpy_dtoh_async(host, ptr, st.cu_stream()) }?;\n    let mut out = Vec::with_capacity(n);\n    unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), n); out.set_len(n) };\n    Ok(out)\n/||--test gpu_smallkeys
 staging_reused_early|src/backend/cuda/runtime.rs|s/\n            buf\.done\.synchronize\(\)\.map_err\(e\(\)\)\?;//||--test gpu_smallkeys host_values_go_up_through_pinned_memory
 sm7x_loads_every_module|src/backend/cuda/runtime.rs|s/(        let mut modules = self\.modules\.lock\(\)\.unwrap_or_else\(\|e\| e\.into_inner\(\)\);\n)/$1        for &(s, t) in kernels::PTX_SOURCES {\n            if let Err(e) = modules.entry(s).or_insert_with(|| self.ctx.load_module(Ptx::from_src(t))) {\n                return Err(Error::Cuda { op: "load kernels", key: None, message: format!("loading PTX module '{s}': {:?}", e.0), source: Some(*e) });\n            }\n        }\n/|KVSTORE_STANDIN_SM=70|--test gpu_store
 bf16_in_an_sm70_file|kernels/fused_bf16.ptx|s/\.target sm_80/.target sm_70/|PTXAS=|--test gpu_store
@@ -48,6 +48,12 @@ selected() {
 run_tests() {
     local log="$1"; shift
     (cd "$tree" && timeout 1200 env $env_words scripts/standin-gpu-tests.sh "$@") >"$log" 2>&1
+}
+
+# Builds the test binaries of `$@` in the copy: a fault that does not compile is not caught.
+build_tests() {
+    local log="$1"; shift
+    (cd "$tree" && env $env_words cargo test --offline --no-run "$@") >"$log" 2>&1
 }
 
 results=()
@@ -75,6 +81,13 @@ while IFS='|' read -r name file subst env_words args; do
     if cmp -s "$repo/$file" "$tree/$file"; then
         results+=("$name: NOT APPLIED (the substitution matched nothing; update this script)")
         status=1
+        continue
+    fi
+    # shellcheck disable=SC2086
+    if ! build_tests "$work/$name.build.log" $args; then
+        results+=("$name: DID NOT BUILD (see $work/$name.build.log; update this script)")
+        status=1
+        cp "$repo/$file" "$tree/$file"
         continue
     fi
     # shellcheck disable=SC2086

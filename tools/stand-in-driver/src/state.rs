@@ -520,7 +520,10 @@ pub fn wait_until(
 ) -> (MutexGuard<'static, State>, bool) {
     let start = Instant::now();
     loop {
-        st.run_ready(&Scope::Streams(streams));
+        if st.run_ready(&Scope::Streams(streams)) {
+            // What ran may unblock work the device's worker holds.
+            notify();
+        }
         if done(&st) {
             return (st, true);
         }
@@ -613,14 +616,18 @@ pub fn start_worker() {
                     } else {
                         Duration::from_millis(200)
                     };
-                    if let Some(due) = st
+                    // The next front operation to fall due. One already due is blocked (by
+                    // an event, or a collective's other ranks): what unblocks it wakes this
+                    // thread (an enqueue, a host wait that ran work) or is polled for above.
+                    let next = st
                         .streams
                         .iter()
                         .filter_map(|s| s.queue.front())
                         .map(|o| o.due)
-                        .min()
-                    {
-                        sleep = sleep.min(due.saturating_duration_since(now));
+                        .filter(|&due| due > now)
+                        .min();
+                    if let Some(due) = next {
+                        sleep = sleep.min(due - now);
                     }
                     st = global()
                         .1
