@@ -1331,10 +1331,15 @@ pub unsafe extern "C" fn cuModuleLoadData(module: *mut Handle, image: *const c_v
                 ),
             ));
         }
+        // The driver's JIT assembles the module for the device: so does ptxas here, which
+        // says each entry's registers (and refuses what the JIT would).
+        let regs = crate::regs::of_module(text, sm)
+            .map_err(|m| reject(cu::INVALID_PTX, format!("cuModuleLoadData: {m}")))?;
         st.modules.push(LoadedModule {
             ctx: c,
             live: true,
             module: Arc::new(parsed),
+            regs,
         });
         let m = st.modules.len() - 1;
         // SAFETY: non-null out-pointer, per the API.
@@ -1368,11 +1373,16 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             .position(|e| e.name == name)
             .ok_or(cu::NOT_FOUND)?;
         let ctx = st.modules[m].ctx;
+        let regs = st.modules[m]
+            .regs
+            .as_ref()
+            .and_then(|r| r.get(&*name).copied());
         st.functions.push(state::Function {
             ctx,
             live: true,
             module,
             entry,
+            regs,
         });
         let f = st.functions.len() - 1;
         // SAFETY: non-null out-pointer, per the API.
@@ -1463,6 +1473,21 @@ pub unsafe extern "C" fn cuLaunchKernel(
         }
         if shared > 49152 {
             return Err(cu::INVALID_VALUE);
+        }
+        if let Some(r) = st.functions[func].regs {
+            let need = crate::regs::per_block(r, threads);
+            if need > crate::regs::REGISTERS_PER_BLOCK {
+                return Err(reject(
+                    cu::LAUNCH_OUT_OF_RESOURCES,
+                    format!(
+                        "{call}: a block of {threads} threads of `{}` needs {need} registers \
+                         ({r} per thread, as ptxas assembled it for this device), over the \
+                         {} a block can have",
+                        entry.name,
+                        crate::regs::REGISTERS_PER_BLOCK
+                    ),
+                ));
+            }
         }
         let size = entry
             .params
@@ -1624,6 +1649,10 @@ fn describe(code: i32) -> Option<(&'static CStr, &'static CStr)> {
         700 => (
             c"CUDA_ERROR_ILLEGAL_ADDRESS",
             c"an illegal memory access was encountered",
+        ),
+        701 => (
+            c"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+            c"too many resources requested for launch",
         ),
         702 => (
             c"CUDA_ERROR_LAUNCH_TIMEOUT",

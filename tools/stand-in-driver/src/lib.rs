@@ -24,6 +24,7 @@ pub mod emu {
 mod calls;
 pub mod driver;
 pub mod nccl;
+mod regs;
 mod state;
 pub mod xproc;
 

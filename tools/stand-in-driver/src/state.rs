@@ -27,6 +27,7 @@ pub mod cu {
     pub const NOT_FOUND: i32 = 500;
     pub const NOT_READY: i32 = 600;
     pub const ILLEGAL_ADDRESS: i32 = 700;
+    pub const LAUNCH_OUT_OF_RESOURCES: i32 = 701;
     pub const LAUNCH_TIMEOUT: i32 = 702;
     pub const PEER_ACCESS_ALREADY_ENABLED: i32 = 704;
     pub const PEER_ACCESS_NOT_ENABLED: i32 = 705;
@@ -323,6 +324,8 @@ pub struct LoadedModule {
     pub ctx: usize,
     pub live: bool,
     pub module: Arc<Module>,
+    /// Each entry's registers per thread, as ptxas assembled it (none without a ptxas).
+    pub regs: Option<crate::regs::Registers>,
 }
 
 pub struct Function {
@@ -331,6 +334,8 @@ pub struct Function {
     pub live: bool,
     pub module: Arc<Module>,
     pub entry: usize,
+    /// Its registers per thread, when ptxas said.
+    pub regs: Option<u32>,
 }
 
 /// NCCL collective kinds.

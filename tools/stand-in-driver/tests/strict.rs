@@ -519,6 +519,101 @@ fn device_memory_has_a_capacity() {
     assert_eq!(upload(b, &[1.0; 4], s), OK);
 }
 
+/// A kernel that keeps `n` loaded values live at once: every load comes before every store,
+/// and loads and stores go through two pointers that may alias, so ptxas may not reorder them
+/// (at least `n` registers per thread).
+fn wide_ptx(n: usize) -> String {
+    let mut body = String::new();
+    for i in 0..n {
+        body += &format!("ld.global.f32 %f{i}, [%rd4+{}];\n", 4 * i);
+    }
+    for i in (0..n).rev() {
+        body += &format!("st.global.f32 [%rd3+{}], %f{i};\n", 4 * i);
+    }
+    format!(
+        ".version 7.0
+.target sm_70
+.address_size 64
+.visible .entry wide(.param .u64 dst, .param .u64 src)
+{{
+.reg .b32 %r<2>;
+.reg .f32 %f<{n}>;
+.reg .b64 %rd<6>;
+ld.param.u64 %rd1, [dst];
+ld.param.u64 %rd2, [src];
+mov.u32 %r1, %tid.x;
+mul.wide.u32 %rd5, %r1, {bytes};
+add.u64 %rd3, %rd1, %rd5;
+add.u64 %rd4, %rd2, %rd5;
+{body}ret;
+}}
+",
+        bytes = 4 * n
+    )
+}
+
+/// A block whose threads need more registers than a block can have (65536 on sm_70 to
+/// sm_90, given in whole units per warp) is refused with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+/// the same kernel in smaller blocks runs. The registers are ptxas's, for the device.
+#[test]
+fn a_block_needing_more_registers_than_there_are_is_refused() {
+    let ptxas = std::env::var_os("PTXAS").filter(|p| !p.is_empty());
+    let found = std::process::Command::new(ptxas.unwrap_or_else(|| "ptxas".into()))
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        println!(
+            "\nSKIPPED: a_block_needing_more_registers_than_there_are_is_refused: no ptxas \
+             (set PTXAS, or run scripts/install-ptxas.sh)"
+        );
+        return;
+    }
+    setup();
+    let s = stream();
+    let n = 128;
+    let (r, m) = load(&wide_ptx(n));
+    assert_eq!(r, OK);
+    let mut f = null_mut();
+    let name = CString::new("wide").unwrap();
+    // SAFETY: valid module, name and out-pointer.
+    assert_eq!(unsafe { cuModuleGetFunction(&mut f, m, name.as_ptr()) }, OK);
+    let launch = |threads: u32, dst: u64, src: u64| {
+        let (mut d, mut sr) = (dst, src);
+        let mut params: [*mut c_void; 2] =
+            [(&mut d as *mut u64).cast(), (&mut sr as *mut u64).cast()];
+        // SAFETY: one pointer per parameter, each to a u64.
+        unsafe {
+            cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                s,
+                params.as_mut_ptr(),
+                null_mut(),
+            )
+        }
+    };
+    const OUT_OF_RESOURCES: i32 = 701;
+    let threads = 128u32;
+    let bytes = threads as usize * n * 4;
+    let (src, dst) = (alloc(bytes, s), alloc(bytes, s));
+    let data: Vec<f32> = (0..threads as usize * n).map(|i| i as f32 * 0.5).collect();
+    assert_eq!(upload(src, &data, s), OK);
+    assert_eq!(
+        launch(1024, dst, src),
+        OUT_OF_RESOURCES,
+        "1024 threads of over 64 registers"
+    );
+    assert_eq!(launch(threads, dst, src), OK, "{threads} threads fit");
+    assert_eq!(download(dst, data.len(), s), (OK, data));
+}
+
 #[test]
 fn launches_over_the_block_limits_are_refused() {
     setup();
