@@ -458,7 +458,7 @@ fn pulls_of_a_few_and_of_more_small_keys_match_the_host() -> Result<()> {
 
 /// One list push of keys of many sizes through the fused multi-tensor kernel (SGD with
 /// momentum, f32 and f16 keys on gpu(0)): the launches' grids hold at most twice the blocks
-/// that do work (the stand-in counts the blocks none of whose threads touched memory). A grid
+/// that do work (the stand-in counts the blocks none of whose threads stored to memory). A grid
 /// sized by the largest key times the number of keys, say, fails here. The values are checked
 /// against a host reference too, so the counted launch is the one that did the update.
 #[test]

@@ -1333,11 +1333,12 @@ fn device_store_enables_peer_access() -> Result<()> {
     Ok(())
 }
 
-/// A hang inside NCCL (here: communicator creation that never finishes, which the stand-in
-/// fakes with `KVSTORE_STANDIN_NCCL_STALL_INIT=1`) is aborted after `KVSTORE_NCCL_TIMEOUT_MS`
-/// with an error that says so, and while it hangs it holds no lock anyone else needs: another
-/// thread's `wait_all` returns meanwhile. Stand-in only: a real NCCL cannot be made to hang
-/// on purpose here.
+/// A hang inside NCCL is aborted after `KVSTORE_NCCL_TIMEOUT_MS` with an error that says so,
+/// and while it hangs it holds no lock anyone else needs: another thread's `wait_all` returns
+/// meanwhile. Two hangs, which the stand-in fakes: communicator creation that never finishes
+/// (`KVSTORE_STANDIN_NCCL_STALL_INIT=1`), and a group whose collectives never finish being
+/// issued (`KVSTORE_STANDIN_NCCL_STALL_GROUP=1`: the store polls it with the watchdog's
+/// in-flight list free). Stand-in only: a real NCCL cannot be made to hang on purpose here.
 #[test]
 #[ignore = "needs a GPU"]
 fn a_hang_inside_nccl_is_aborted_not_waited_for() -> Result<()> {
@@ -1347,26 +1348,36 @@ fn a_hang_inside_nccl_is_aborted_not_waited_for() -> Result<()> {
         let n = 100;
         kv.init_on(0, &NDArray::full_on([n], 1.0, DType::F32, cpu(0))?, gpu(0))?;
         let value = array(&random(n), &[n], DType::F32, gpu(0))?;
-        let (pushed, waited) = std::thread::scope(|s| {
-            let push = s.spawn(|| kv.push(0, &value));
-            // While the push polls the hung creation, wait_all on this thread must not block.
-            std::thread::sleep(Duration::from_millis(200));
-            let (tx, rx) = mpsc::channel();
-            s.spawn(move || {
-                let _ = tx.send(nccl::wait_all());
+        // While the push hangs (until the 8 s NCCL timeout the parent sets), another thread
+        // calls wait_all again and again: each call must return at once, since the hung call
+        // holds no lock that wait_all needs. The longest call is checked against half the
+        // timeout, a bound no wait_all reaches unless it was blocked behind the hang.
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let (pushed, longest) = std::thread::scope(|s| {
+            let push = s.spawn(|| {
+                let r = kv.push(0, &value);
+                done.store(true, std::sync::atomic::Ordering::Release);
+                r
             });
-            // Half the NCCL timeout the parent sets: a wait_all that returns only when the
-            // hung call is aborted was blocked behind it (a lock the group holds).
-            let waited = rx.recv_timeout(Duration::from_secs(4));
-            (push.join(), waited)
+            let waiter = s.spawn(|| {
+                let mut longest = Duration::ZERO;
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    let start = Instant::now();
+                    // Its result may be the hung call's error, once that is aborted.
+                    let _ = nccl::wait_all();
+                    longest = longest.max(start.elapsed());
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                longest
+            });
+            (push.join(), waiter.join())
         });
-        let waited = waited.map_err(|_| {
-            anyhow::anyhow!(
-                "wait_all was blocked behind the hung NCCL call for 4 s (of the 8 s before it \
-                 is aborted): the hung call holds a lock that wait_all needs"
-            )
-        })?;
-        ensure!(waited.is_ok(), "wait_all: {waited:?}");
+        let longest = longest.map_err(|_| anyhow::anyhow!("wait_all panicked"))?;
+        ensure!(
+            longest < Duration::from_secs(4),
+            "a wait_all was blocked behind the hung NCCL call for {longest:?} (the call is \
+             aborted after 8 s): the hung call holds a lock that wait_all needs"
+        );
         match pushed.map_err(|_| anyhow::anyhow!("the push panicked"))? {
             Err(Error::Nccl { message, .. }) => ensure!(
                 message.contains("in progress") && message.contains("aborted"),
@@ -1383,17 +1394,22 @@ fn a_hang_inside_nccl_is_aborted_not_waited_for() -> Result<()> {
         );
         return Ok(());
     }
-    let (ok, out) = run_child(
-        "a_hang_inside_nccl_is_aborted_not_waited_for",
-        &[
-            ("KVSTORE_STANDIN_NCCL_STALL_INIT", "1".into()),
-            ("KVSTORE_NCCL_TIMEOUT_MS", "8000".into()),
-            ("KVSTORE_NCCL_FORCE", "1".into()),
-        ],
-        &[],
-        Duration::from_secs(120),
-    )?;
-    ensure!(ok, "the hung NCCL call was not aborted:\n{out}");
+    for stall in [
+        "KVSTORE_STANDIN_NCCL_STALL_INIT",
+        "KVSTORE_STANDIN_NCCL_STALL_GROUP",
+    ] {
+        let (ok, out) = run_child(
+            "a_hang_inside_nccl_is_aborted_not_waited_for",
+            &[
+                (stall, "1".into()),
+                ("KVSTORE_NCCL_TIMEOUT_MS", "8000".into()),
+                ("KVSTORE_NCCL_FORCE", "1".into()),
+            ],
+            &[],
+            Duration::from_secs(120),
+        )?;
+        ensure!(ok, "{stall}=1: the hung NCCL call was not aborted:\n{out}");
+    }
     Ok(())
 }
 

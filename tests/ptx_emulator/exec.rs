@@ -53,7 +53,7 @@ pub fn launch(
     for bz in 0..grid[2] {
         for by in 0..grid[1] {
             for bx in 0..grid[0] {
-                let before = mem.accesses();
+                let before = mem.stores();
                 let mut tid_linear = 0u32;
                 for tz in 0..block[2] {
                     for ty in 0..block[1] {
@@ -66,7 +66,7 @@ pub fn launch(
                         }
                     }
                 }
-                if mem.accesses() == before {
+                if mem.stores() == before {
                     idle += 1;
                 }
                 block_linear += 1;
@@ -80,13 +80,13 @@ pub fn launch(
 }
 
 /// How many blocks a launch ran, and how many of them did no work: none of their threads
-/// loaded or stored global memory (they returned at a bounds check). A grid much larger than
-/// its data shows as many idle blocks.
+/// stored to global memory (they returned at a bounds check, perhaps after reading a table to
+/// find their work). A grid much larger than its data shows as many idle blocks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Blocks {
     /// Blocks in the grid.
     pub launched: u64,
-    /// Blocks none of whose threads touched global memory.
+    /// Blocks none of whose threads stored to global memory.
     pub idle: u64,
 }
 

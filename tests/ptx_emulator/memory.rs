@@ -54,8 +54,8 @@ pub struct Memory {
     launch: u64,
     /// The allocations the current launch has touched, in first-touch order.
     touched: Vec<usize>,
-    /// Kernel loads and stores so far, all launches (to tell blocks that did no work).
-    accesses: u64,
+    /// Kernel stores so far, all launches (to tell blocks that did no work).
+    stores: u64,
 }
 
 impl Memory {
@@ -166,9 +166,9 @@ impl Memory {
 
     /// Starts a new launch: every allocation's race records are stale from here on (each is
     /// cleared on its first access in this launch).
-    /// Kernel loads and stores so far, over every launch.
-    pub(super) fn accesses(&self) -> u64 {
-        self.accesses
+    /// Kernel stores so far, over every launch.
+    pub(super) fn stores(&self) -> u64 {
+        self.stores
     }
 
     pub(super) fn begin_launch(&mut self) {
@@ -186,7 +186,6 @@ impl Memory {
         write: bool,
     ) -> Result<(usize, usize)> {
         let (i, off) = self.find(addr, len, what)?;
-        self.accesses += 1;
         let launch = self.launch;
         let a = &mut self.allocs[i];
         if a.launch != launch {
@@ -246,6 +245,7 @@ impl Memory {
             "misaligned store of {len} bytes at {addr:#x} (needs {len}-byte alignment)"
         );
         let (a, off) = self.kernel_access(addr, len, "store", true)?;
+        self.stores += 1;
         let a = &mut self.allocs[a];
         for g in granules(off, len) {
             let (w, r) = (a.writer[g], a.reader[g]);

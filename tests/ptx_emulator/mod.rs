@@ -25,7 +25,7 @@
 //! needs, so a driver can also refuse the module on a device below it.
 //!
 //! [`launch`] runs every thread of the grid, one after another, each to its `ret`, and says
-//! how many blocks did no work (none of their threads loaded or stored global memory). That is a
+//! how many blocks did no work (none of their threads stored to global memory). That is a
 //! faithful model only for threads that do not talk to each other, so besides having no shared
 //! memory or barriers, every launch is checked for races: a thread that loads or stores global
 //! memory another thread stored in the same launch, or stores what another thread loaded, is an

@@ -21,18 +21,53 @@ rm -rf "$tree"
 mkdir -p "$tree"
 (cd "$repo" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -xf - -C "$tree"
 
-# name | file | perl substitution (run with -0pi: the whole file is one string) | env | test args
-# Each test command is `scripts/standin-gpu-tests.sh <test args>` with the env set.
+# Each fault: `fault NAME FILE 'ENV WORDS' 'TEST ARGS'`, with the perl program that injects it
+# on stdin (run with -0pi: the whole file is one string). The tests run as
+# `env ENV WORDS scripts/standin-gpu-tests.sh TEST ARGS`.
 faults() {
-cat <<'EOF'
-dtoh_read_unsynced|src/backend/cuda/runtime.rs|s/    st\.clone_dtoh\(s\)\n/    use cudarc::driver::DevicePtr;\n    let n = s.len();\n    let p = unsafe { cudarc::driver::result::malloc_host(n * std::mem::size_of::<T>(), 0) }?.cast::<T>();\n    let host = unsafe { std::slice::from_raw_parts_mut(p, n) };\n    let (ptr, _sync) = s.device_ptr(st);\n    unsafe { cudarc::driver::result::memcpy_dtoh_async(host, ptr, st.cu_stream()) }?;\n    let mut out = Vec::with_capacity(n);\n    unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), n); out.set_len(n) };\n    Ok(out)\n/||--test gpu_smallkeys
-staging_reused_early|src/backend/cuda/runtime.rs|s/\n            buf\.done\.synchronize\(\)\.map_err\(e\(\)\)\?;//||--test gpu_smallkeys host_values_go_up_through_pinned_memory
-sm7x_loads_every_module|src/backend/cuda/runtime.rs|s/(        let mut modules = self\.modules\.lock\(\)\.unwrap_or_else\(\|e\| e\.into_inner\(\)\);\n)/$1        for &(s, t) in kernels::PTX_SOURCES {\n            if let Err(e) = modules.entry(s).or_insert_with(|| self.ctx.load_module(Ptx::from_src(t))) {\n                return Err(Error::Cuda { op: "load kernels", key: None, message: format!("loading PTX module '{s}': {:?}", e.0), source: Some(*e) });\n            }\n        }\n/|KVSTORE_STANDIN_SM=70|--test gpu_store
-bf16_in_an_sm70_file|kernels/fused_bf16.ptx|s/\.target sm_80/.target sm_70/|PTXAS=|--test gpu_store
-watchdog_lock_over_the_group|src/comm/nccl/group.rs|s/(        inflight\(\)\.deferred\.push\(f\.error\);\n    }\n)/$1    let held = inflight();\n/; s/(    drop\(guards\);\n    drop\(order\);\n)/$1    drop(held);\n/||--test gpu_store a_hang_inside_nccl_is_aborted_not_waited_for
-grid_40x_too_large|src/backend/cuda/runtime.rs|s/grid_dim: kernels::grid_dim\(total\)/grid_dim: kernels::grid_dim(total * 40)/||--test gpu_smallkeys a_multi_tensor_push_launches_at_most_twice_the_blocks_it_needs
-pageable_uploads|src/backend/cuda/runtime.rs|s/            for _ in 0\.\.2 \{\n                \/\/ SAFETY: a fresh page-locked/            for _ in 0..0 {\n                \/\/ SAFETY: a fresh page-locked/||--test gpu_smallkeys host_values_go_up_through_pinned_memory
-EOF
+fault dtoh_read_unsynced src/backend/cuda/runtime.rs '' '--test gpu_smallkeys' <<'PERL'
+s/    st\.clone_dtoh\(s\)\n/    use cudarc::driver::DevicePtr;
+    let n = s.len();
+    let p = unsafe { cudarc::driver::result::malloc_host(n * std::mem::size_of::<T>(), 0) }?.cast::<T>();
+    let host = unsafe { std::slice::from_raw_parts_mut(p, n) };
+    let (ptr, _sync) = s.device_ptr(st);
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(host, ptr, st.cu_stream()) }?;
+    let mut out = Vec::with_capacity(n);
+    unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), n); out.set_len(n) };
+    Ok(out)
+/
+PERL
+fault staging_reused_early src/backend/cuda/runtime.rs '' \
+    '--test gpu_smallkeys host_values_go_up_through_pinned_memory' <<'PERL'
+s/\n            buf\.done\.synchronize\(\)\.map_err\(e\(\)\)\?;//
+PERL
+fault sm7x_loads_every_module src/backend/cuda/runtime.rs 'KVSTORE_STANDIN_SM=70' \
+    '--test gpu_store' <<'PERL'
+s/(        let mut modules = self\.modules\.lock\(\)\.unwrap_or_else\(\|e\| e\.into_inner\(\)\);\n)/$1        for &(s, t) in kernels::PTX_SOURCES {
+            if let Err(e) = modules.entry(s).or_insert_with(|| self.ctx.load_module(Ptx::from_src(t))) {
+                return Err(Error::Cuda { op: "load kernels", key: None, message: format!("loading PTX module '{s}': {:?}", e.0), source: Some(*e) });
+            }
+        }
+/
+PERL
+# PTXAS=true: neither build.rs's ptxas nor the stand-in's refuses the module first, so what is
+# tested is the stand-in's interpreter, which knows cvt.rn.bf16.f32 needs sm_80.
+fault bf16_in_an_sm70_file kernels/fused_bf16.ptx 'PTXAS=true' '--test gpu_store' <<'PERL'
+s/\.target sm_80/.target sm_70/
+PERL
+fault watchdog_lock_over_the_group src/comm/nccl/group.rs '' \
+    '--test gpu_store a_hang_inside_nccl_is_aborted_not_waited_for' <<'PERL'
+s/(        inflight\(\)\.deferred\.push\(f\.error\);\n    }\n)/$1    let held = inflight();\n/;
+s/(    drop\(guards\);\n    drop\(order\);\n)/$1    drop(held);\n/
+PERL
+fault grid_40x_too_large src/backend/cuda/runtime.rs '' \
+    '--test gpu_smallkeys a_multi_tensor_push_launches_at_most_twice_the_blocks_it_needs' <<'PERL'
+s/grid_dim: kernels::grid_dim\(total\)/grid_dim: kernels::grid_dim(total * 40)/
+PERL
+fault pageable_uploads src/backend/cuda/runtime.rs '' \
+    '--test gpu_smallkeys host_values_go_up_through_pinned_memory' <<'PERL'
+s/            for _ in 0\.\.2 \{\n(                \/\/ SAFETY: a fresh page-locked)/            for _ in 0..0 {\n$1/
+PERL
 }
 
 wanted=("$@")
@@ -43,36 +78,40 @@ selected() {
     return 1
 }
 
-# Runs the stand-in tests `$@` in the copy with the environment words in $env_words; returns
-# their status. Bounded: a fault that hangs counts as caught, once the bound ends it.
+# Runs the stand-in tests `$@` in the copy with the environment words given; returns their
+# status. Bounded: a fault that hangs counts as caught, once the bound ends it.
 run_tests() {
-    local log="$1"; shift
+    local env_words="$1" log="$2"; shift 2
+    # shellcheck disable=SC2086
     (cd "$tree" && timeout 1200 env $env_words scripts/standin-gpu-tests.sh "$@") >"$log" 2>&1
 }
 
 # Builds the test binaries of `$@` in the copy: a fault that does not compile is not caught.
 build_tests() {
-    local log="$1"; shift
+    local env_words="$1" log="$2"; shift 2
+    # shellcheck disable=SC2086
     (cd "$tree" && env $env_words cargo test --offline --no-run "$@") >"$log" 2>&1
 }
 
 results=()
 status=0
 declare -A seen_baseline
-while IFS='|' read -r name file subst env_words args; do
-    selected "$name" || continue
+fault() {
+    local name="$1" file="$2" env_words="$3" args="$4" subst
+    subst="$(cat)"
+    selected "$name" || return 0
     # The baseline: the same command with nothing injected must pass (once per command).
-    key="$env_words|$args"
+    local key="$env_words|$args"
     if [ -z "${seen_baseline[$key]:-}" ]; then
         seen_baseline[$key]=1
         echo "=== baseline: ${env_words:+$env_words }scripts/standin-gpu-tests.sh $args"
         # shellcheck disable=SC2086
-        if run_tests "$work/baseline-$name.log" $args; then
+        if run_tests "$env_words" "$work/baseline-$name.log" $args; then
             results+=("baseline for $name: passes")
         else
             results+=("baseline for $name: FAILS with nothing injected (see $work/baseline-$name.log)")
             status=1
-            continue
+            return 0
         fi
     fi
     echo "=== $name: $file"
@@ -81,25 +120,24 @@ while IFS='|' read -r name file subst env_words args; do
     if cmp -s "$repo/$file" "$tree/$file"; then
         results+=("$name: NOT APPLIED (the substitution matched nothing; update this script)")
         status=1
-        continue
+        return 0
     fi
     # shellcheck disable=SC2086
-    if ! build_tests "$work/$name.build.log" $args; then
+    if ! build_tests "$env_words" "$work/$name.build.log" $args; then
         results+=("$name: DID NOT BUILD (see $work/$name.build.log; update this script)")
         status=1
-        cp "$repo/$file" "$tree/$file"
-        continue
-    fi
     # shellcheck disable=SC2086
-    if run_tests "$work/$name.log" $args; then
+    elif run_tests "$env_words" "$work/$name.log" $args; then
         results+=("$name: MISSED (the tests passed with the fault in; see $work/$name.log)")
         status=1
     else
-        why=$(grep -m1 -E '^\[kvstore stand-in\]|panicked at|error(\[E[0-9]+\])?:|Error: ' "$work/$name.log" | cut -c1-160)
+        local why
+        why=$(grep -m1 -E '^\[kvstore stand-in\]|panicked at|^Error: ' "$work/$name.log" | cut -c1-160)
         results+=("$name: caught (${why:-the tests failed})")
     fi
     cp "$repo/$file" "$tree/$file"
-done < <(faults)
+}
+faults
 
 echo
 echo "=================================================================="

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, Once};
 pub const PAGEABLE_HTOD_BYTES: &str = "pageable HtoD bytes";
 /// Blocks in the grids of the kernels launched.
 pub const BLOCKS_LAUNCHED: &str = "blocks launched";
-/// Blocks of those that did no work: none of their threads loaded or stored global memory.
+/// Blocks of those that did no work: none of their threads stored to global memory.
 /// Counted when the kernel runs, for the thread that launched it.
 pub const BLOCKS_IDLE: &str = "blocks idle";
 

@@ -931,7 +931,9 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Handle, result: *mut c_int)
             _ if stalled => nc::IN_PROGRESS,
             (Some(Err(_)), true) => nc::INVALID_USAGE,
             _ if st.comms[c].busy > 0 => {
-                st.comms[c].busy -= 1;
+                if !st.cfg.stall_group {
+                    st.comms[c].busy -= 1;
+                }
                 nc::IN_PROGRESS
             }
             _ => st.comms[c].async_error,

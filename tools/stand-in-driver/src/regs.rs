@@ -37,10 +37,14 @@ fn ptxas() -> Option<&'static PathBuf> {
                 Some(p) if !p.is_empty() => PathBuf::from(p),
                 _ => PathBuf::from("ptxas"),
             };
+            // NVIDIA's says "ptxas: NVIDIA (R) Ptx optimizing assembler": anything else (say
+            // PTXAS=true, which skips build.rs's assembly) reports no registers.
             let runs = Command::new(&path)
                 .arg("--version")
                 .output()
-                .is_ok_and(|o| o.status.success());
+                .is_ok_and(|o| {
+                    o.status.success() && String::from_utf8_lossy(&o.stdout).contains("ptxas")
+                });
             if !runs {
                 report(
                     "no ptxas (set PTXAS, or run scripts/install-ptxas.sh): registers per thread \

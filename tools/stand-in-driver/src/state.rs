@@ -70,6 +70,11 @@ pub struct Config {
     /// created (`ncclCommGetAsyncError` answers `ncclInProgress` until it is aborted), as when
     /// NCCL's bootstrap hangs. For tests that a stalled init is aborted, not waited for.
     pub stall_init: bool,
+    /// `KVSTORE_STANDIN_NCCL_STALL_GROUP=1`: a non-blocking communicator's collectives never
+    /// finish being issued (`ncclCommGetAsyncError` answers `ncclInProgress` after its first
+    /// collective until it is aborted), as when NCCL's connection setup for a first collective
+    /// hangs on a peer. For tests that a group stalled in progress holds no lock a waiter needs.
+    pub stall_group: bool,
     /// `KVSTORE_STANDIN_MEM_GIB`: each device's memory, in GiB (default 80, an H100's; a
     /// fraction such as 0.25 is allowed). Allocations beyond it fail with
     /// CUDA_ERROR_OUT_OF_MEMORY. Converted to bytes.
@@ -105,6 +110,7 @@ impl Config {
             p2p: var::<u32>("KVSTORE_STANDIN_P2P", 1) != 0,
             hang: Duration::from_secs(var("KVSTORE_STANDIN_HANG_S", 120)),
             stall_init: var::<u32>("KVSTORE_STANDIN_NCCL_STALL_INIT", 0) != 0,
+            stall_group: var::<u32>("KVSTORE_STANDIN_NCCL_STALL_GROUP", 0) != 0,
             mem_bytes: (var::<f64>("KVSTORE_STANDIN_MEM_GIB", 80.0).max(0.0) * (1u64 << 30) as f64)
                 as u64,
             delay: Duration::from_micros(var("KVSTORE_STANDIN_DELAY_US", 20_000)),
