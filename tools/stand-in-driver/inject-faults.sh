@@ -132,7 +132,9 @@ fault() {
         status=1
     else
         local why
-        why=$(grep -m1 -E '^\[kvstore stand-in\]|panicked at|^Error: ' "$work/$name.log" | cut -c1-160)
+        # What caught it: the stand-in's report, else the failing test's error.
+        why=$({ grep -E '^\[kvstore stand-in\]' "$work/$name.log" | grep -v 'no ptxas'
+                grep -E '^Error: |panicked at' "$work/$name.log"; } | head -1 | cut -c1-200)
         results+=("$name: caught (${why:-the tests failed})")
     fi
     cp "$repo/$file" "$tree/$file"
