@@ -8,8 +8,9 @@
 #
 # Usage: scripts/standin-gpu-tests.sh [cargo test filter args...]
 #   e.g. scripts/standin-gpu-tests.sh --test gpu_store
-# Environment: KVSTORE_STANDIN_GPUS (default 2 here), KVSTORE_STANDIN_SM (default 90), and the
-# others listed in tools/stand-in-driver/src/lib.rs.
+# Environment: KVSTORE_STANDIN_GPUS (default 2 here), KVSTORE_STANDIN_SM (default 90),
+# KVSTORE_STANDIN_NCCL_SONAME (libnccl.so, or libnccl.so.2), and the others listed in
+# tools/stand-in-driver/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,9 +63,10 @@ start=$(date +%s)
 status=0
 # The strictness tests of the stand-in itself (no GPU code of the store involved).
 # They need two devices, whatever KVSTORE_STANDIN_GPUS says for the store's tests.
+# --show-output: a test that could not run says SKIPPED on its stdout.
 KVSTORE_STANDIN_GPUS=2 cargo test --release --offline --quiet \
     --manifest-path tools/stand-in-driver/Cargo.toml \
-    --target-dir target/standin-build 2>&1 | tee "$log.strict" || status=1
+    --target-dir target/standin-build -- --show-output 2>&1 | tee "$log.strict" || status=1
 # Every GPU test of the store, on the stand-in. Test threads: the stand-in serializes on one
 # lock, so more threads only add contention.
 # --show-output: the stdout of passing tests too, so their SKIPPED lines are counted.
@@ -80,6 +82,9 @@ failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
 skipped=$({ grep '^SKIPPED:' "$log" || true; } | awk -F': ' '{print $2}' | sort -u | wc -l)
 rejections=$(grep -c '^\[kvstore stand-in\]' "$log" || true)
 strict=$(grep -Eo '[0-9]+ passed' "$log.strict" | awk '{s+=$1} END {print s+0}')
+# A strictness test that could not run (no ptxas for the register check) says SKIPPED.
+strict_skipped=$({ grep '^SKIPPED:' "$log.strict" || true; } | wc -l)
+strict=$(( strict - strict_skipped ))
 strict_failed=$(grep -Eo '[0-9]+ failed' "$log.strict" | awk '{s+=$1} END {print s+0}')
 # A test that printed SKIPPED did not run its case: it is not a pass.
 ran=$(( passed - skipped ))
@@ -90,7 +95,7 @@ pageable=$(total_of "pageable HtoD bytes")
 idle_share=$(awk -v i="$idle" -v b="$blocks" 'BEGIN {printf "%.1f", b ? 100 * i / b : 0}')
 banner "summary: GPU tests ${ran} passed, ${skipped} SKIPPED (not passes), ${failed} failed, \
 ${rejections} stand-in rejections on stderr; stand-in strictness tests ${strict} passed, \
-${strict_failed} failed; \
+${strict_skipped} SKIPPED, ${strict_failed} failed; \
 kernels: ${blocks} blocks launched, ${idle} did no work (${idle_share}%); \
 ${pageable} bytes uploaded from pageable memory; ${took}s. Not a GPU result."
 grep '^SKIPPED:' "$log" | sed 's/^/    /' || true

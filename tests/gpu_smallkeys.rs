@@ -564,7 +564,10 @@ fn host_values_go_up_through_pinned_memory() -> Result<()> {
     let n = (10 << 20) / 4;
     let first = random(n);
     let second = random(n);
-    let before = thread_counter("pageable HtoD bytes");
+    let before = (
+        thread_counter("pageable HtoD bytes"),
+        thread_counter("pinned HtoD bytes"),
+    );
     kv.init_on(7, &array(&first, DType::F32, cpu(0))?, gpu(0))?;
     let out = NDArray::full_on([n], 0.0, DType::F32, cpu(0))?;
     kv.pull(7, &out)?;
@@ -579,18 +582,26 @@ fn host_values_go_up_through_pinned_memory() -> Result<()> {
         "push from the host: another value came back"
     );
     kv.wait_all()?;
-    let after = thread_counter("pageable HtoD bytes");
-    let (Some(b), Some(a)) = (before, after) else {
+    let after = (
+        thread_counter("pageable HtoD bytes"),
+        thread_counter("pinned HtoD bytes"),
+    );
+    let ((Some(b), Some(pb)), (Some(a), Some(pa))) = (before, after) else {
         println!(
             "\nSKIPPED: host_values_go_up_through_pinned_memory: no copy counts (not the \
              stand-in driver)"
         );
         return Ok(());
     };
-    let pageable = a - b;
+    let (pageable, pinned) = (a - b, pa - pb);
     println!(
-        "{} MiB up from the host: {pageable} bytes from pageable memory",
+        "{} MiB up from the host: {pageable} bytes from pageable memory, {pinned} from pinned",
         (2 * n * 4) >> 20
+    );
+    ensure!(
+        pinned >= (2 * n * 4) as u64,
+        "only {pinned} bytes went up from pinned memory on this thread, of {} uploaded",
+        2 * n * 4
     );
     ensure!(
         pageable <= 64 << 10,

@@ -164,13 +164,13 @@ impl Memory {
         bail!("{what} of {len} bytes at {addr:#x} is out of bounds: no allocation there")
     }
 
-    /// Starts a new launch: every allocation's race records are stale from here on (each is
-    /// cleared on its first access in this launch).
     /// Kernel stores so far, over every launch.
     pub(super) fn stores(&self) -> u64 {
         self.stores
     }
 
+    /// Starts a new launch: every allocation's race records are stale from here on (each is
+    /// cleared on its first access in this launch).
     pub(super) fn begin_launch(&mut self) {
         self.launch += 1;
         self.touched.clear();

@@ -1,7 +1,7 @@
 //! Call counts per exported entry point, to see how many driver and NCCL calls an operation of
 //! the store makes (the stand-in is the only place they can be observed without a GPU), and a
-//! few counters of what the calls did ([`PAGEABLE_HTOD_BYTES`], [`BLOCKS_LAUNCHED`],
-//! [`BLOCKS_IDLE`]), kept the same way under those names.
+//! few counters of what the calls did ([`PAGEABLE_HTOD_BYTES`], [`PINNED_HTOD_BYTES`],
+//! [`BLOCKS_LAUNCHED`], [`BLOCKS_IDLE`]), kept the same way under those names.
 //!
 //! - `KVSTORE_STANDIN_COUNT_CALLS=1`: at process exit, every entry point called and its count
 //!   (all threads) are printed to stderr, one `[stand-in calls] name count` line each.
@@ -20,11 +20,22 @@ use std::sync::{Arc, Mutex, Once};
 /// not `cuMemHostAlloc`'s). CUDA stages such a copy through a driver buffer, synchronously,
 /// so an upload path that should be asynchronous shows here.
 pub const PAGEABLE_HTOD_BYTES: &str = "pageable HtoD bytes";
+/// Bytes copied to a device from page-locked host memory (`cuMemHostAlloc`'s): the uploads
+/// that are asynchronous.
+pub const PINNED_HTOD_BYTES: &str = "pinned HtoD bytes";
 /// Blocks in the grids of the kernels launched.
 pub const BLOCKS_LAUNCHED: &str = "blocks launched";
 /// Blocks of those that did no work: none of their threads stored to global memory.
 /// Counted when the kernel runs, for the thread that launched it.
 pub const BLOCKS_IDLE: &str = "blocks idle";
+
+/// The counters that are not calls.
+const COUNTERS: [&str; 4] = [
+    PAGEABLE_HTOD_BYTES,
+    PINNED_HTOD_BYTES,
+    BLOCKS_LAUNCHED,
+    BLOCKS_IDLE,
+];
 
 /// Counts per name.
 pub type Counts = Arc<Mutex<BTreeMap<&'static str, u64>>>;
@@ -115,7 +126,8 @@ fn add_to_all(name: &'static str, n: u64) {
 
 /// The calls the calling thread has made so far to entry point `name` (a NUL-terminated C
 /// string), or to every entry point when `name` is null; or, for a counter's name
-/// ([`PAGEABLE_HTOD_BYTES`], [`BLOCKS_LAUNCHED`], [`BLOCKS_IDLE`]), its count for this thread.
+/// ([`PAGEABLE_HTOD_BYTES`], [`PINNED_HTOD_BYTES`], [`BLOCKS_LAUNCHED`], [`BLOCKS_IDLE`]), its
+/// count for this thread.
 ///
 /// # Safety
 /// `name` is null or a valid NUL-terminated string.
@@ -136,7 +148,7 @@ pub unsafe extern "C" fn kvstore_standin_thread_calls(name: *const c_char) -> u6
         match name {
             None => m
                 .iter()
-                .filter(|(k, _)| ![PAGEABLE_HTOD_BYTES, BLOCKS_LAUNCHED, BLOCKS_IDLE].contains(k))
+                .filter(|(k, _)| !COUNTERS.contains(k))
                 .map(|(_, v)| v)
                 .sum(),
             Some(n) => m.get(n.as_str()).copied().unwrap_or(0),

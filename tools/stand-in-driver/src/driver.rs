@@ -312,10 +312,14 @@ fn sync_ctx(st: MutexGuard<'static, State>, ctx: usize) -> Result<(), i32> {
         .filter(|&s| st.streams[s].ctx == ctx)
         .map(|s| (s, st.streams[s].enq))
         .collect();
-    let streams: Vec<usize> = targets.iter().map(|&(s, _)| s).collect();
+    // The clocks of the work waited for: not of what other threads enqueue meanwhile.
+    let clocks: Vec<state::Vc> = targets
+        .iter()
+        .map(|&(s, _)| st.streams[s].vc.clone())
+        .collect();
     let (mut st, ok) = state::wait_until(
         st,
-        &streams,
+        &targets,
         &|| format!("cuCtxSynchronize (gpu {ctx})"),
         &|st| targets.iter().all(|&(s, p)| st.streams[s].done >= p),
     );
@@ -323,9 +327,8 @@ fn sync_ctx(st: MutexGuard<'static, State>, ctx: usize) -> Result<(), i32> {
         return Err(cu::LAUNCH_TIMEOUT);
     }
     let mut first = cu::SUCCESS;
-    for &(s, p) in &targets {
-        let vc = st.streams[s].vc.clone();
-        st.host_vc.join(&vc);
+    for (&(s, p), vc) in targets.iter().zip(&clocks) {
+        st.host_vc.join(vc);
         let e = st.take_errors_upto(s, p);
         if first == cu::SUCCESS {
             first = e;
@@ -430,14 +433,16 @@ pub extern "C" fn cuStreamDestroy_v2(stream: Handle) -> i32 {
 /// Waits until stream `s` has done everything enqueued before this call.
 fn sync_stream(st: MutexGuard<'static, State>, s: usize, what: &str) -> Result<(), i32> {
     let target = st.streams[s].enq;
+    // The clock of the work waited for: not of what other threads enqueue meanwhile.
+    let vc = st.streams[s].vc.clone();
     let name = st.stream_name(s);
-    let (mut st, ok) = state::wait_until(st, &[s], &|| format!("{what} on {name}"), &|st| {
-        st.streams[s].done >= target
-    });
+    let (mut st, ok) =
+        state::wait_until(st, &[(s, target)], &|| format!("{what} on {name}"), &|st| {
+            st.streams[s].done >= target
+        });
     if !ok {
         return Err(cu::LAUNCH_TIMEOUT);
     }
-    let vc = st.streams[s].vc.clone();
     st.host_vc.join(&vc);
     match st.take_errors_upto(s, target) {
         cu::SUCCESS => Ok(()),
@@ -461,13 +466,15 @@ pub extern "C" fn cuStreamQuery(stream: Handle) -> i32 {
     run(|| {
         let mut st = begin()?;
         let s = stream_of(&mut st, stream)?;
-        // A query runs what it asks about, as a wait does: code that asks is synchronized.
-        st.run_ready(&state::Scope::Streams(&[s]));
         let target = st.streams[s].enq;
+        let vc = st.streams[s].vc.clone();
+        // A query runs what it asks about, as a wait does: code that asks is synchronized.
+        if st.run_ready(&state::Scope::Upto(&[(s, target)])) {
+            state::notify();
+        }
         if st.streams[s].done < target {
             return Err(cu::NOT_READY);
         }
-        let vc = st.streams[s].vc.clone();
         st.host_vc.join(&vc);
         match st.take_errors_upto(s, target) {
             cu::SUCCESS => Ok(()),
@@ -571,8 +578,10 @@ pub extern "C" fn cuEventQuery(event: Handle) -> i32 {
         let mut st = begin()?;
         let e = event_of(&st, event)?;
         // A query runs what it asks about, as a wait does: code that asks is synchronized.
-        if let Some((s, _, _)) = st.events[e].recorded {
-            st.run_ready(&state::Scope::Streams(&[s]));
+        if let Some((s, pos, _)) = st.events[e].recorded {
+            if st.run_ready(&state::Scope::Upto(&[(s, pos)])) {
+                state::notify();
+            }
         }
         event_done(&mut st, e).unwrap_or(Err(cu::NOT_READY))
     })
@@ -590,7 +599,7 @@ pub extern "C" fn cuEventSynchronize(event: Handle) -> i32 {
         let name = st.stream_name(s);
         let (mut st, ok) = state::wait_until(
             st,
-            &[s],
+            &[(s, pos)],
             &|| format!("cuEventSynchronize (an event on {name})"),
             &|st| st.streams[s].done >= pos,
         );
@@ -873,18 +882,36 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytes: usize) -
     unsafe { cuMemHostAlloc(pp, bytes, 0) }
 }
 
-/// Frees page-locked host memory. A copy from it still queued fails when it runs.
+/// Frees page-locked host memory, once the copies queued from or into it have run.
 #[no_mangle]
 pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> i32 {
     crate::calls::count("cuMemFreeHost");
     run(|| {
-        let mut st = begin()?;
-        let Some(bytes) = st.pinned.remove(&(p as usize)) else {
+        let st = begin()?;
+        let Some(&bytes) = st.pinned.get(&(p as usize)) else {
             return Err(reject(
                 cu::INVALID_VALUE,
                 format!("cuMemFreeHost({p:?}): not a pinned allocation (a double free?)"),
             ));
         };
+        // Freeing page-locked memory synchronizes with the device (as CUDA's does): the copies
+        // queued from or into this buffer run first.
+        let users = st.pinned_users(p as usize, bytes);
+        let (mut st, ok) = state::wait_until(
+            st,
+            &users,
+            &|| format!("cuMemFreeHost({p:?}), waiting for the copies queued with it"),
+            &|st| users.iter().all(|&(s, pos)| st.streams[s].done >= pos),
+        );
+        if !ok {
+            return Err(cu::LAUNCH_TIMEOUT);
+        }
+        if st.pinned.remove(&(p as usize)).is_none() {
+            return Err(reject(
+                cu::INVALID_VALUE,
+                format!("cuMemFreeHost({p:?}): freed by another thread meanwhile"),
+            ));
+        }
         let layout =
             std::alloc::Layout::from_size_align(bytes, 4096).map_err(|_| cu::INVALID_VALUE)?;
         // SAFETY: `p` was allocated by cuMemHostAlloc with this layout and is freed once (it
@@ -947,8 +974,9 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> i32 {
         st.freeing.insert(ptr);
         let what = format!("cuMemFree({ptr:#x})");
         let pos = st.enqueue(s, what.clone(), Work::Free { base: ptr });
-        let (mut st, ok) =
-            state::wait_until(st, &[s], &|| what.clone(), &|st| st.streams[s].done >= pos);
+        let (mut st, ok) = state::wait_until(st, &[(s, pos)], &|| what.clone(), &|st| {
+            st.streams[s].done >= pos
+        });
         if !ok {
             return Err(cu::LAUNCH_TIMEOUT);
         }
@@ -1027,6 +1055,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
             st.stream_name(s)
         );
         let work = if pinned {
+            crate::calls::add(crate::calls::PINNED_HTOD_BYTES, bytes as u64);
             Work::HtoDPinned {
                 dst,
                 src: src as usize,
@@ -1062,10 +1091,9 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             .map_err(|e| reject(cu::INVALID_VALUE, format!("cuMemcpyDtoHAsync: {e}")))?;
         if st.pinned_range(dst as usize, bytes).is_some() {
             // Into page-locked memory the copy is asynchronous: the call returns now, and the
-            // destination holds POISON until the copy runs (see `Work::DtoHPinned`).
-            // SAFETY: `dst..dst + bytes` lies inside a live page-locked allocation of this
-            // driver (checked just above), which the caller handed to the copy.
-            unsafe { std::ptr::write_bytes(dst.cast::<u8>(), state::POISON, bytes) };
+            // destination holds POISON until the copy runs (see `Work::DtoHPinned`), except
+            // the bytes a queued copy still reads or writes (those stay as they are).
+            let expect = st.poison_pinned(dst as usize, bytes);
             let what = format!(
                 "cuMemcpyDtoHAsync({src:#x}, {bytes} bytes, into pinned memory) on {}",
                 st.stream_name(s)
@@ -1073,7 +1101,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             let work = Work::DtoHPinned {
                 dst: dst as usize,
                 src,
-                expect: vec![state::POISON; bytes],
+                expect,
             };
             return enqueue_checked(&mut st, s, what, work);
         }
@@ -1082,7 +1110,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             st.stream_name(s)
         );
         let name = what.clone();
-        let pos = st.enqueue(
+        let (pos, vc) = st.push_op(
             s,
             what,
             Work::DtoH {
@@ -1092,8 +1120,9 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             },
         );
         // To pageable memory the copy is done when the call returns (CUDA's rule): wait.
-        let (mut st, ok) =
-            state::wait_until(st, &[s], &|| name.clone(), &|st| st.streams[s].done >= pos);
+        let (mut st, ok) = state::wait_until(st, &[(s, pos)], &|| name.clone(), &|st| {
+            st.streams[s].done >= pos
+        });
         if !ok {
             // Never write into the caller's buffer after this returns.
             if let Some(op) = st.streams[s].queue.iter_mut().find(|o| o.pos == pos) {
@@ -1101,7 +1130,6 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             }
             return Err(cu::LAUNCH_TIMEOUT);
         }
-        let vc = st.streams[s].vc.clone();
         st.host_vc.join(&vc);
         match st.take_errors_upto(s, pos) {
             cu::SUCCESS => Ok(()),

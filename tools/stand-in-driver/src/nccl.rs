@@ -975,7 +975,13 @@ fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
                 }
             }
         }
-        st.run_ready(&state::Scope::Due);
+        // Destroying (not aborting) a communicator flushes its queued work, as
+        // ncclCommFinalize does: parts not yet run are published to the other processes.
+        st.run_ready(if cancel {
+            &state::Scope::Due
+        } else {
+            &state::Scope::All
+        });
         notify();
         Ok(())
     })

@@ -302,9 +302,12 @@ pub const POISON: u8 = 0xff;
 pub enum Scope<'a> {
     /// The device's worker: operations whose delay is over, on every stream.
     Due,
-    /// A host wait or query: everything ready on these streams, and on the streams their
-    /// front operations wait for (an event's stream, a collective's other ranks), at once.
-    Streams(&'a [usize]),
+    /// Every operation that is ready, due or not: at exit, before an allocation fails for want
+    /// of memory a queued free would return, and when a communicator is destroyed.
+    All,
+    /// A host wait or query: the operations of these streams up to these positions, and, that
+    /// far, what they wait for (an event's stream, a collective's other ranks), at once.
+    Upto(&'a [(usize, u64)]),
 }
 
 pub struct Stream {
@@ -520,18 +523,19 @@ pub fn notify() {
     global().1.notify_all();
 }
 
-/// Blocks until `done` holds, running the ready work of `streams` (and of what they wait for)
-/// itself, as soon as it is ready, rather than leaving it to the device's worker. After
+/// Blocks until `done` holds, running the ready work of the streams in `upto`, up to their
+/// positions there (and what that waits for), itself, as soon as it is ready, rather than
+/// leaving it to the device's worker. After
 /// `cfg.hang` it gives up, reports `what` and returns false.
 pub fn wait_until(
     mut st: MutexGuard<'static, State>,
-    streams: &[usize],
+    upto: &[(usize, u64)],
     what: &dyn Fn() -> String,
     done: &dyn Fn(&State) -> bool,
 ) -> (MutexGuard<'static, State>, bool) {
     let start = Instant::now();
     loop {
-        if st.run_ready(&Scope::Streams(streams)) {
+        if st.run_ready(&Scope::Upto(upto)) {
             // What ran may unblock work the device's worker holds.
             notify();
         }
@@ -561,8 +565,8 @@ extern "C" {
     fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
 }
 
-/// At exit: this process's ranks leave the folders of the cliques whose communicators were
-/// never ended, so that the last process removes them.
+/// At exit: the work still queued runs, and this process's ranks leave the folders of the
+/// cliques whose communicators were never ended, so that the last process removes them.
 extern "C" fn leave_at_exit() {
     let Some((m, _)) = STATE.get() else { return };
     // The lock is held only briefly (waits release it), unless exit was called from another
@@ -581,6 +585,9 @@ extern "C" fn leave_at_exit() {
         break;
     }
     let Some(mut st) = st else { return };
+    // Work still queued runs now, so that its errors (a race, a fault) are reported rather
+    // than lost with the process.
+    st.run_ready(&Scope::All);
     for k in 0..st.cliques.len() {
         let c = &st.cliques[k];
         if let (false, Some(dir)) = (c.left, &c.shm) {
@@ -612,6 +619,7 @@ pub fn leave_folders_at_exit() {
 pub fn start_worker() {
     static STARTED: std::sync::Once = std::sync::Once::new();
     STARTED.call_once(|| {
+        leave_folders_at_exit();
         let spawned = std::thread::Builder::new()
             .name("kvstore-standin-device".into())
             .spawn(|| {
@@ -738,8 +746,14 @@ impl State {
     /// (`KVSTORE_STANDIN_MEM_GIB`) cannot hold it besides what is allocated already.
     pub fn alloc(&mut self, device: usize, len: usize, pooled: bool) -> Result<u64, i32> {
         let len64 = len as u64;
-        if len64 > self.cfg.mem_bytes.saturating_sub(self.used[device]) {
-            return Err(cu::OUT_OF_MEMORY);
+        let fits = |st: &State| len64 <= st.cfg.mem_bytes.saturating_sub(st.used[device]);
+        if !fits(self) {
+            // Memory whose free is queued comes back once the free runs, which a GPU would
+            // have done by now: run what is ready, and look again.
+            self.run_ready(&Scope::All);
+            if !fits(self) {
+                return Err(cu::OUT_OF_MEMORY);
+            }
         }
         // The interpreter keeps each allocation in a slot of 4 GiB.
         if len64 >= 1 << 32 {
@@ -939,12 +953,13 @@ impl State {
     pub fn run_ready(&mut self, scope: &Scope) -> bool {
         self.poll_cliques();
         let now = Instant::now();
-        let mut mine = vec![false; self.streams.len()];
+        // Per stream, the last position this call may run.
+        let mut limit = vec![0u64; self.streams.len()];
         match scope {
-            Scope::Due => mine.fill(true),
-            Scope::Streams(list) => {
-                for &s in *list {
-                    mine[s] = true;
+            Scope::Due | Scope::All => limit.fill(u64::MAX),
+            Scope::Upto(list) => {
+                for &(s, upto) in *list {
+                    limit[s] = limit[s].max(upto);
                 }
             }
         }
@@ -953,11 +968,8 @@ impl State {
         loop {
             let mut moved = false;
             for s in 0..self.streams.len() {
-                if !mine[s] {
-                    continue;
-                }
                 while let Some(op) = self.streams[s].queue.front() {
-                    if due_only && op.due > now {
+                    if op.pos > limit[s] || (due_only && op.due > now) {
                         break;
                     }
                     let ready = match op.work {
@@ -965,11 +977,11 @@ impl State {
                         _ => self.ready(op),
                     };
                     if !ready {
-                        // A host wait also runs what this operation waits for.
+                        // A host wait also runs what this operation waits for, that far.
                         if !due_only {
-                            for t in self.waits_for(s) {
-                                if !mine[t] {
-                                    mine[t] = true;
+                            for (t, upto) in self.waits_for(s) {
+                                if limit[t] < upto {
+                                    limit[t] = upto;
                                     moved = true;
                                 }
                             }
@@ -988,15 +1000,15 @@ impl State {
         }
     }
 
-    /// The streams whose work the front operation of `s` waits for.
-    fn waits_for(&self, s: usize) -> Vec<usize> {
+    /// What the front operation of `s` waits for: (stream, position) pairs.
+    fn waits_for(&self, s: usize) -> Vec<(usize, u64)> {
         match self.streams[s].queue.front().map(|o| &o.work) {
-            Some(Work::Wait { stream, .. }) => vec![*stream],
+            Some(Work::Wait { stream, upto }) => vec![(*stream, *upto)],
             Some(Work::Coll { coll, .. }) => self.colls[*coll]
                 .parts
                 .iter()
                 .flatten()
-                .map(|p| p.stream)
+                .map(|p| (p.stream, p.pos))
                 .collect(),
             _ => Vec::new(),
         }
@@ -1337,17 +1349,66 @@ impl State {
         ))
     }
 
+    /// Fills the `len` page-locked bytes at `dst` with [`POISON`] for a device-to-host copy
+    /// into them that was just asked for, except the bytes a queued copy still reads (from
+    /// pinned memory) or writes (into it): the host handed those to that copy first. Returns
+    /// what the destination holds now, which the new copy expects to find when it runs.
+    pub fn poison_pinned(&mut self, dst: usize, len: usize) -> Vec<u8> {
+        let mut busy = vec![false; len];
+        for op in self.streams.iter().flat_map(|t| t.queue.iter()) {
+            let (at, n) = match &op.work {
+                Work::DtoHPinned { dst, expect, .. } => (*dst, expect.len()),
+                Work::HtoDPinned { src, snapshot, .. } => (*src, snapshot.len()),
+                _ => continue,
+            };
+            let (lo, hi) = (at.max(dst), (at + n).min(dst + len));
+            if lo < hi {
+                busy[lo - dst..hi - dst].fill(true);
+            }
+        }
+        // SAFETY: `dst..dst + len` lies inside a live page-locked allocation of this driver
+        // (the caller checked), which the caller of the copy handed to it.
+        let now = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+        for (b, busy) in now.iter_mut().zip(busy) {
+            if !busy {
+                *b = POISON;
+            }
+        }
+        now.to_vec()
+    }
+
+    /// The queued copies from or into the `len` page-locked bytes at `at`: (stream, position).
+    pub fn pinned_users(&self, at: usize, len: usize) -> Vec<(usize, u64)> {
+        let mut users = Vec::new();
+        for (s, t) in self.streams.iter().enumerate() {
+            for op in &t.queue {
+                let (lo, n) = match &op.work {
+                    Work::DtoHPinned { dst, expect, .. } => (*dst, expect.len()),
+                    Work::HtoDPinned { src, snapshot, .. } => (*src, snapshot.len()),
+                    _ => continue,
+                };
+                if lo < at + len && at < lo + n {
+                    users.push((s, op.pos));
+                }
+            }
+        }
+        users
+    }
+
     /// A copy (operation `pos` of stream `s`) wrote `bytes` into page-locked memory at `dst`:
     /// the copies still queued that read or write those bytes after it, in stream order or
-    /// through events, now expect them.
+    /// through events, now expect them. Copies not ordered after it keep their expectation,
+    /// so that they report the race when they run.
     fn pinned_written(&mut self, s: usize, pos: u64, dst: usize, bytes: &[u8]) {
         let end = dst + bytes.len();
         for t in &mut self.streams {
             for op in t.queue.iter_mut() {
-                let after = op.vc.get(s) >= pos;
+                if op.vc.get(s) < pos {
+                    continue;
+                }
                 let (at, seen) = match &mut op.work {
                     Work::DtoHPinned { dst: d, expect, .. } => (*d, expect),
-                    Work::HtoDPinned { src, snapshot, .. } if after => (*src, snapshot),
+                    Work::HtoDPinned { src, snapshot, .. } => (*src, snapshot),
                     _ => continue,
                 };
                 let (lo, hi) = (at.max(dst), (at + seen.len()).min(end));
@@ -1371,8 +1432,10 @@ impl State {
             Work::Alloc { base, len } => self.access(*base, (0, *len), true, s, &op.vc, &op.what),
             Work::Free { base } => {
                 let len = self.mem.allocation(*base, 0).map_err(host)?.1;
-                self.touch(*base, len as usize, true, s, op, true)?;
-                self.release(*base).map_err(host)
+                // Freed even when the free races with another stream's access (reported).
+                let raced = self.touch(*base, len as usize, true, s, op, true);
+                self.release(*base).map_err(host)?;
+                raced
             }
             Work::HtoD { dst, data } => {
                 self.touch(*dst, data.len(), true, s, op, true)?;
@@ -1435,9 +1498,10 @@ impl State {
                     return Err((
                         cu::ILLEGAL_ADDRESS,
                         format!(
-                            "{}: the host wrote the pinned destination before the copy into it \
-                             ran (a race between the host and the stream: wait for the copy, \
-                             with an event or a stream synchronize, before touching the buffer)",
+                            "{}: the pinned destination changed before the copy into it ran: \
+                             the host wrote it (wait for the copy, with an event or a stream \
+                             synchronize, before touching the buffer), or another copy into it \
+                             that is not ordered with this one ran",
                             op.what
                         ),
                     ));

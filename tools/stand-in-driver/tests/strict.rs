@@ -869,6 +869,72 @@ fn copies_with_pinned_memory_run_later_and_races_with_the_host_are_reported() {
     assert_eq!(cuMemFreeHost(p), OK);
 }
 
+/// What the asynchrony must not report, and what a wait runs (a delay of 10 s: nothing runs
+/// but what a wait runs):
+/// - an upload from a pinned buffer, then a download into it, on one stream: legal;
+/// - a wait on an event runs the work before the event, not the work queued after it;
+/// - freeing a pinned buffer waits for the copies queued with it (as CUDA's free synchronizes);
+/// - two downloads into the same pinned bytes on two unordered streams: a race, reported.
+#[test]
+fn pinned_copies_in_order_pass_waits_run_what_they_wait_for_and_unordered_ones_race() {
+    if !in_own_process_with(
+        "pinned_copies_in_order_pass_waits_run_what_they_wait_for_and_unordered_ones_race",
+        &[("KVSTORE_STANDIN_DELAY_US", "10000000")],
+    ) {
+        return;
+    }
+    setup();
+    let (s, s2) = (stream(), stream());
+    let (a, b) = (alloc(16, s), alloc(16, s));
+    assert_eq!(upload(a, &[1.0; 4], s), OK);
+    let mut p = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemHostAlloc(&mut p, 16, 0) }, OK);
+    let pinned = p.cast::<[f32; 4]>();
+    // SAFETY: a live pinned allocation of 4 f32, touched by copies only inside driver calls.
+    unsafe { pinned.write_volatile([2.0; 4]) };
+    // Up from the buffer, then down into it, in stream order.
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyHtoDAsync_v2(b, p, 16, s) }, OK);
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(p, a, 16, s) }, OK);
+    let mut ev = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuEventCreate(&mut ev, 2) }, OK);
+    assert_eq!(cuEventRecord(ev, s), OK);
+    // Queued after the event: the event's wait must not run it.
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(p, b, 16, s) }, OK);
+    assert_eq!(cuEventSynchronize(ev), OK);
+    // SAFETY: as above.
+    let now = unsafe { pinned.read_volatile() };
+    assert_eq!(
+        now, [1.0; 4],
+        "the download before the event ran, the one after it did not"
+    );
+    // The free waits for the last download (which brings b, the upload's 2.0s).
+    assert_eq!(cuMemFreeHost(p), OK);
+    assert_eq!(download(b, 4, s), (OK, vec![2.0; 4]));
+
+    // Two streams download into the same pinned bytes, unordered.
+    let mut q = null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuMemHostAlloc(&mut q, 16, 0) }, OK);
+    let c = alloc(16, s2);
+    assert_eq!(upload(c, &[3.0; 4], s2), OK);
+    assert_eq!(cuStreamSynchronize(s2), OK);
+    // SAFETY: 16 live bytes on both sides.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(q, a, 16, s) }, OK);
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuMemcpyDtoHAsync_v2(q, c, 16, s2) }, OK);
+    let first = cuStreamSynchronize(s);
+    let second = cuStreamSynchronize(s2);
+    assert!(
+        first == ILLEGAL_ADDRESS || second == ILLEGAL_ADDRESS,
+        "unordered downloads into one buffer: {first}, {second}"
+    );
+}
+
 /// With no wait at all, the device's worker runs queued work once its delay is over (1 ms
 /// here): a copy into pinned memory lands by itself.
 #[test]
