@@ -67,6 +67,7 @@ status=0
 KVSTORE_STANDIN_GPUS=2 cargo test --release --offline --quiet \
     --manifest-path tools/stand-in-driver/Cargo.toml \
     --target-dir target/standin-build -- --show-output 2>&1 | tee "$log.strict" || status=1
+echo "=== the store's GPU tests"
 # Every GPU test of the store, on the stand-in. Test threads: the stand-in serializes on one
 # lock, so more threads only add contention.
 # --show-output: the stdout of passing tests too, so their SKIPPED lines are counted.
