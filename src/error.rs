@@ -453,6 +453,16 @@ pub enum Error {
         message: String,
     },
 
+    /// Gradient compression asked for what it cannot do: a threshold not above 0, a store
+    /// kind that does not compress, a call after `init`, or a key that is not float32.
+    #[error("{op}: gradient compression: {message}")]
+    Compression {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong, and what to do.
+        message: String,
+    },
+
     /// An MPI call failed, or was given buffers that do not fit the collective. A failed MPI
     /// call makes the distributed world unusable (later calls fail with [`Error::DistFailed`]);
     /// a buffer that does not fit is refused before anything is sent.

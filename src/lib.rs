@@ -33,6 +33,7 @@
 mod backend;
 pub mod checkpoint;
 mod comm;
+mod compress;
 mod config;
 mod device;
 mod dtype;
@@ -49,6 +50,7 @@ mod store;
 mod updater;
 
 pub use checkpoint::CheckpointErrorKind;
+pub use compress::Compression;
 pub use device::{cpu, gpu, Device};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

@@ -309,6 +309,43 @@ class KVStore:
         apply(self._kv)
         self._updater = optimizer
 
+    def set_gradient_compression(self, compression_params):
+        """MXNet's gradient compression, ``{'type': '2bit', 'threshold': 0.5}``: each pushed
+        value is quantized, element by element, to ``+threshold``, ``-threshold`` or 0, what that
+        drops is kept for the same key's next push (error feedback), and the quantized values
+        are summed. Init and pull are never compressed. ``threshold`` defaults to 0.5 and must
+        be above 0; compressed keys must be float32.
+
+        Call it before the first ``init``. It works on ``device`` stores in this version.
+        Anything else raises ``InvalidArgumentError``: another type, an unknown setting (MXNet
+        ignores those; a typo here would silently leave the default), a ``local`` store, or a
+        store that already holds keys."""
+        if not isinstance(compression_params, dict):
+            raise TypeError(
+                "set_gradient_compression takes a dict such as {'type': '2bit', 'threshold': "
+                f"0.5}}, got {type(compression_params).__name__}"
+            )
+        params = dict(compression_params)
+        kind = params.pop("type", None)
+        if kind != "2bit":
+            raise InvalidArgumentError(
+                f"set_gradient_compression: the type must be '2bit' (MXNet 1.9.1's one type), "
+                f"got {kind!r}: pass {{'type': '2bit', 'threshold': 0.5}}"
+            )
+        threshold = params.pop("threshold", 0.5)
+        if params:
+            raise InvalidArgumentError(
+                f"set_gradient_compression: unknown settings {sorted(params)}: the settings are "
+                "'type' and 'threshold'"
+            )
+        try:
+            threshold = float(threshold)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"set_gradient_compression: the threshold must be a number, got {threshold!r}"
+            ) from None
+        self._kv.set_gradient_compression(threshold)
+
     def set_learning_rate(self, lr):
         """Changes the optimizer's learning rate, keeping its state (momentum, moments)."""
         self._kv.set_learning_rate(float(lr))

@@ -380,6 +380,14 @@ impl PyStore {
             .map_err(errors::to_py)
     }
 
+    /// Compresses pushes with MXNet's 2-bit scheme and `threshold` (see
+    /// `kvstore::Compression`).
+    fn set_gradient_compression(&self, threshold: f32) -> PyResult<()> {
+        self.inner
+            .set_gradient_compression(kvstore::Compression::two_bit(threshold))
+            .map_err(errors::to_py)
+    }
+
     /// Changes the learning rate of SGD or Adam, keeping their state.
     fn set_learning_rate(&self, lr: f64) -> PyResult<()> {
         self.inner.set_learning_rate(lr).map_err(errors::to_py)

@@ -17,6 +17,7 @@
 //! [`HomeValue`], and the GPU probe for placement; it knows no CUDA, no NCCL and no
 //! transport: it never branches on which link it has.
 
+mod compress;
 mod dist;
 mod dist_checkpoint;
 mod entries;
@@ -34,6 +35,7 @@ use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::Dist;
 use crate::comm::{self, Ctx, KeyPush, Spread};
+use crate::compress::Compression;
 use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
 use dist::Inputs;
@@ -87,6 +89,8 @@ pub struct KvStore {
     table: RwLock<Table>,
     active: RwLock<Arc<Active>>,
     hook: RwLock<Option<Arc<PushHook>>>,
+    /// Gradient compression of pushed values (changed only while the store holds no key).
+    compression: RwLock<Compression>,
     /// Bytes of traffic from which a call on host memory splits over threads
     /// (`KVSTORE_PAR_MIN_BYTES` at creation).
     par_min_bytes: usize,
@@ -143,6 +147,7 @@ impl KvStore {
                 hyper: hyper::Settings::default(),
             })),
             hook: RwLock::new(None),
+            compression: RwLock::new(Compression::None),
             par_min_bytes,
             ranks,
         })
@@ -417,7 +422,8 @@ impl KvStore {
         // Every rank checked these keys before the call, but another thread of this process
         // may have added one since: the ranks agree before any adds a key, so that no rank's
         // table lacks keys the others have.
-        let fresh = check_new_keys(&table, &keys);
+        let fresh = check_new_keys(&table, &keys)
+            .and_then(|()| compress::check_dtypes(*read(&self.compression), &keys, values));
         let together = call.agree("init", fresh.is_ok(), "adding its keys");
         fresh?;
         together?;
@@ -564,6 +570,16 @@ impl KvStore {
         let mut call = d.begin_with(fp)?;
         let inputs = dist::sum_across(&mut *call, d, &groups, mine)?;
         let mut cells = lock_cells(&groups);
+        // Compressed pushes (a single-process `device` store): each value is quantized with
+        // its residual and decoded, and the decoded values are summed in order, as MXNet does.
+        let compression = *read(&self.compression);
+        let (inputs, residuals) = match compression.is_on() {
+            true => {
+                let (totals, residuals) = compress::decoded_totals(compression, &groups)?;
+                (Inputs::Totals(totals), Some(residuals))
+            }
+            false => (inputs, None),
+        };
         let counts = update_counts(d, &active, &groups, &cells);
         let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
         let agree: Option<comm::Agree<'_>> = match d.passes_through() {
@@ -571,6 +587,9 @@ impl KvStore {
             false => Some(&mut agree),
         };
         apply_push(&active, ctx, &groups, &inputs, &counts, &mut cells, agree)?;
+        if let Some(residuals) = residuals {
+            compress::commit(&groups, residuals);
+        }
         let done = hook
             .as_ref()
             .map(|_| pushed(&groups, &hook_steps(d, &active, &counts, &cells)));
@@ -747,6 +766,7 @@ fn insert_slots(
             spread,
             cell: RwLock::new(data),
             updates: std::sync::Mutex::new((0, 0)),
+            residuals: std::sync::Mutex::new(Vec::new()),
         };
         table.slots.insert(key, Arc::new(slot));
     }

@@ -25,6 +25,9 @@ pub(super) struct Slot {
     /// A dist store's count of the key's updates under an updater generation, kept on every
     /// rank (the step lives only where the value does): (generation, count).
     pub updates: Mutex<(u64, u64)>,
+    /// Gradient compression's residuals, one per position in a push's list of values (see
+    /// [`crate::compress`]); changed only under the cell's write lock.
+    pub residuals: Mutex<Vec<Vec<f32>>>,
 }
 
 #[derive(Default)]
@@ -115,6 +118,7 @@ pub(super) fn new_slot(
         spread: Spread::Whole { rank: 0 },
         cell: RwLock::new(cell),
         updates: Mutex::new((0, 0)),
+        residuals: Mutex::new(Vec::new()),
     }
 }
 

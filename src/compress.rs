@@ -1,0 +1,194 @@
+//! Gradient compression, as MXNet's `set_gradient_compression` does it: each pushed value is
+//! quantized before it is summed, and what quantization drops is kept in a residual (error
+//! feedback) and added to the next push of the same key from the same source.
+//!
+//! 2-bit ([`Compression::TwoBit`], MXNet 1.9.1's `"2bit"`): per element, in float32, the value
+//! is added to its residual; a residual `>= t` sends `+t` and keeps `residual - t`; one `<= -t`
+//! sends `-t` and keeps `residual + t`; any other (NaN included) sends 0 and is kept whole. The
+//! codes travel 16 to a 32-bit word: element `k` of a word (0 to 15) sits in byte `k / 4`, in
+//! the two bits starting at bit `6 - 2 * (k % 4)` of that byte, `0b11` for `+t`, `0b10` for
+//! `-t`, `0b00` for 0 (the layout of MXNet's kernels, so that words are interchangeable). A
+//! word is stored as the little-endian `u32` of its four bytes.
+
+use crate::{Error, Result};
+
+/// How a store compresses pushed values before it sums them (see
+/// [`KvStore::set_gradient_compression`](crate::KvStore::set_gradient_compression)).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Compression {
+    /// Values are summed as they are (the default).
+    #[default]
+    None,
+    /// MXNet's 2-bit compression with error feedback: each element sends `+threshold`,
+    /// `-threshold` or 0, and keeps the rest for the next push.
+    TwoBit {
+        /// The magnitude each element sends, greater than 0 (MXNet's default is 0.5).
+        threshold: f32,
+    },
+}
+
+impl Compression {
+    /// 2-bit compression with `threshold` (see [`Compression::TwoBit`]).
+    pub fn two_bit(threshold: f32) -> Compression {
+        Compression::TwoBit { threshold }
+    }
+
+    /// Whether pushes are compressed.
+    pub fn is_on(&self) -> bool {
+        !matches!(self, Compression::None)
+    }
+
+    /// An [`Error::Compression`] unless the settings are usable: a threshold above 0 (not
+    /// NaN).
+    pub(crate) fn check(&self) -> Result<()> {
+        match *self {
+            Compression::None => Ok(()),
+            Compression::TwoBit { threshold } if threshold > 0.0 => Ok(()),
+            Compression::TwoBit { threshold } => Err(Error::Compression {
+                op: "set_gradient_compression",
+                message: format!(
+                    "the 2-bit threshold must be greater than 0, got {threshold}: pass the \
+                     magnitude each element sends (MXNet's default is 0.5)"
+                ),
+            }),
+        }
+    }
+
+    /// Quantizes `value` with `residual` (updated), then decodes what was sent: the value the
+    /// store sums in place of `value`.
+    pub(crate) fn round_trip(&self, value: &[f32], residual: &mut [f32]) -> Vec<f32> {
+        match *self {
+            Compression::None => value.to_vec(),
+            Compression::TwoBit { threshold } => {
+                let mut words = vec![0u32; two_bit_words(value.len())];
+                two_bit_quantize(value, residual, threshold, &mut words);
+                let mut out = vec![0f32; value.len()];
+                two_bit_dequantize(&words, threshold, &mut out);
+                out
+            }
+        }
+    }
+}
+
+/// The 32-bit words `n` elements take in 2-bit form: 16 per word.
+pub(crate) fn two_bit_words(n: usize) -> usize {
+    n.div_ceil(16)
+}
+
+/// The shift, within a little-endian word, of element `k` (0 to 15) of that word.
+fn shift(k: usize) -> u32 {
+    (8 * (k / 4) + 6 - 2 * (k % 4)) as u32
+}
+
+/// Quantizes `grad` into `out` (one word per 16 elements, unused codes 0), adding it to
+/// `residual` and taking out what is sent. `residual` and `grad` have the same length.
+pub(crate) fn two_bit_quantize(grad: &[f32], residual: &mut [f32], t: f32, out: &mut [u32]) {
+    debug_assert_eq!(grad.len(), residual.len());
+    debug_assert_eq!(out.len(), two_bit_words(grad.len()));
+    for (w, word) in out.iter_mut().enumerate() {
+        let start = 16 * w;
+        let end = (start + 16).min(grad.len());
+        let mut bits = 0u32;
+        for i in start..end {
+            let r = residual[i] + grad[i];
+            let code = if r >= t {
+                residual[i] = r - t;
+                0b11
+            } else if r <= -t {
+                residual[i] = r + t;
+                0b10
+            } else {
+                residual[i] = r;
+                0b00
+            };
+            bits |= code << shift(i - start);
+        }
+        *word = bits;
+    }
+}
+
+/// Decodes 2-bit `words` into `out` (its length says how many elements): `+t`, `-t` or 0.
+pub(crate) fn two_bit_dequantize(words: &[u32], t: f32, out: &mut [f32]) {
+    debug_assert_eq!(words.len(), two_bit_words(out.len()));
+    for (i, o) in out.iter_mut().enumerate() {
+        let code = (words[i / 16] >> shift(i % 16)) & 0b11;
+        *o = match code {
+            0b11 => t,
+            0b10 => -t,
+            _ => 0.0,
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The example worked out from MXNet's kernel (t = 0.5, 17 elements): bytes
+    /// `E3 00 00 02 | C0 00 00 00`, and the residuals that stay.
+    #[test]
+    fn packs_as_mxnet_does() {
+        let mut grad = vec![0f32; 17];
+        grad[..4].copy_from_slice(&[0.6, -0.7, 0.2, 0.5]);
+        grad[15] = -0.5;
+        grad[16] = 1.3;
+        let mut residual = vec![0f32; 17];
+        let mut words = vec![0u32; two_bit_words(17)];
+        two_bit_quantize(&grad, &mut residual, 0.5, &mut words);
+        assert_eq!(words, [0x0200_00E3, 0x0000_00C0]);
+        assert_eq!(residual[0], 0.6f32 - 0.5);
+        assert_eq!(residual[1], -0.7f32 + 0.5);
+        assert_eq!(residual[2], 0.2);
+        assert_eq!(residual[3], 0.0);
+        assert_eq!(residual[15], 0.0);
+        assert_eq!(residual[16], 1.3f32 - 0.5);
+        let mut back = vec![f32::NAN; 17];
+        two_bit_dequantize(&words, 0.5, &mut back);
+        let mut want = vec![0f32; 17];
+        want[0] = 0.5;
+        want[1] = -0.5;
+        want[3] = 0.5;
+        want[15] = -0.5;
+        want[16] = 0.5;
+        assert_eq!(back, want);
+    }
+
+    /// What is sent plus what stays equals what came in, element by element (up to float32
+    /// rounding of the residual's sums), over many pushes of random values.
+    #[test]
+    fn sent_plus_residual_is_what_came_in() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        let t = rng.gen_range(0.05f32..2.0);
+        let n = rng.gen_range(1..200);
+        let c = Compression::two_bit(t);
+        let mut residual = vec![0f32; n];
+        let mut came = vec![0f64; n];
+        let mut sent = vec![0f64; n];
+        for _ in 0..50 {
+            let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0 * t..3.0 * t)).collect();
+            let out = c.round_trip(&g, &mut residual);
+            for i in 0..n {
+                came[i] += f64::from(g[i]);
+                sent[i] += f64::from(out[i]);
+                assert!(
+                    out[i] == 0.0 || out[i].abs() == t,
+                    "a 2-bit value is 0 or ±t"
+                );
+            }
+        }
+        for i in 0..n {
+            let drift = (came[i] - sent[i] - f64::from(residual[i])).abs();
+            assert!(drift < 1e-3 * t as f64 * 50.0, "element {i}: {drift}");
+        }
+    }
+
+    #[test]
+    fn thresholds_must_be_positive() {
+        assert!(Compression::two_bit(0.5).check().is_ok());
+        for t in [0.0, -0.5, f32::NAN] {
+            let e = Compression::two_bit(t).check().unwrap_err();
+            assert!(e.to_string().contains("greater than 0"), "{e}");
+        }
+    }
+}

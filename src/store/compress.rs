@@ -1,0 +1,163 @@
+//! Gradient compression in the store: which stores compress, the rules on when it is set and
+//! on dtypes, and a push's decoded values (each value quantized with its residual and decoded,
+//! then summed in order, as MXNet's `device` store does), with the residuals kept per key and
+//! per position in the push's list of values. The codec itself is [`crate::compress`].
+
+use std::sync::Arc;
+
+use super::groups::Group;
+use super::table::Slot;
+use super::{read, write, KvStore, StoreKind};
+use crate::compress::Compression;
+use crate::{DType, Error, Key, NDArray, Result};
+
+impl KvStore {
+    /// Compresses pushed values before they are summed, as MXNet's
+    /// `set_gradient_compression` does (see [`Compression`]). Each value of a push is quantized
+    /// with its own residual (one per key and per position in the push's list of values), the
+    /// quantized values are decoded and summed in list order, and the updater gets that sum.
+    /// Init and pull are never compressed.
+    ///
+    /// Call it before the first `init`: it is an [`Error::Compression`] once the store holds
+    /// keys, on a kind that does not compress (`local` and `nccl`, as in MXNet, and the
+    /// `dist_*` kinds in this version), for a threshold not above 0, and (at `init`) for a
+    /// key that is not float32. Residuals are not saved in checkpoints yet.
+    ///
+    /// ```
+    /// use kvstore::{Compression, KvStore, NDArray};
+    /// let kv = KvStore::create("device")?;
+    /// kv.set_gradient_compression(Compression::two_bit(0.5))?;
+    /// kv.init(0, &NDArray::zeros([4]))?;
+    /// kv.push(0, &NDArray::from_vec(vec![0.7f32, -0.2, 0.5, -0.9], [4])?)?;
+    /// let out = NDArray::zeros([4]);
+    /// kv.pull(0, &out)?;
+    /// assert_eq!(out.to_vec::<f32>()?, [0.5, 0.0, 0.5, -0.5]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn set_gradient_compression(&self, compression: Compression) -> Result<()> {
+        let op = "set_gradient_compression";
+        compression.check()?;
+        match self.kind {
+            StoreKind::Device => {}
+            StoreKind::Local | StoreKind::Nccl => {
+                return Err(Error::Compression {
+                    op,
+                    message: format!(
+                        "a '{}' store does not compress (MXNet compresses on 'device' and \
+                         dist stores): create the store as 'device'",
+                        self.name
+                    ),
+                })
+            }
+            _ => {
+                return Err(Error::Compression {
+                    op,
+                    message: format!(
+                        "not available on '{}' stores yet: compression works on 'device' \
+                         stores in this version",
+                        self.name
+                    ),
+                })
+            }
+        }
+        // Under the table's lock: no init can add a key meanwhile.
+        let table = write(&self.table);
+        if !table.slots.is_empty() {
+            return Err(Error::Compression {
+                op,
+                message: format!(
+                    "the store already holds {} keys: set the compression before the first \
+                     init (the residuals of keys pushed uncompressed would be missing)",
+                    table.slots.len()
+                ),
+            });
+        }
+        *write(&self.compression) = compression;
+        Ok(())
+    }
+
+    /// The gradient compression in force.
+    pub fn gradient_compression(&self) -> Compression {
+        *read(&self.compression)
+    }
+}
+
+/// An [`Error::Compression`] if compression is on and a value is not float32 (MXNet's 2-bit
+/// kernels work on float32 only).
+pub(super) fn check_dtypes(
+    compression: Compression,
+    keys: &[Key],
+    values: &[NDArray],
+) -> Result<()> {
+    if !compression.is_on() {
+        return Ok(());
+    }
+    match keys
+        .iter()
+        .zip(values)
+        .find(|(_, v)| v.dtype() != DType::F32)
+    {
+        None => Ok(()),
+        Some((key, v)) => Err(Error::Compression {
+            op: "init",
+            message: format!(
+                "key {key} is {}, but compressed keys must be float32 (as in MXNet): init it \
+                 with .astype(DType::F32)",
+                v.dtype()
+            ),
+        }),
+    }
+}
+
+/// A key's residuals: one per position in a push's list of values.
+type Residuals = Vec<Vec<f32>>;
+
+/// Per group, the sum of its values after compression, as an array of the key's shape on the
+/// host, and the residuals that sum leaves (to be kept with [`commit`] once the push has
+/// succeeded: a failed push changes nothing). The caller holds the groups' write locks.
+pub(super) fn decoded_totals(
+    compression: Compression,
+    groups: &[Group<'_>],
+) -> Result<(Vec<Option<NDArray>>, Vec<Residuals>)> {
+    let mut totals = Vec::with_capacity(groups.len());
+    let mut kept = Vec::with_capacity(groups.len());
+    for g in groups {
+        let n = g.slot.shape.size();
+        let mut residuals = g
+            .slot
+            .residuals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        residuals.resize(residuals.len().max(g.arrays.len()), Vec::new());
+        let mut total: Vec<f32> = Vec::new();
+        for (a, residual) in g.arrays.iter().zip(residuals.iter_mut()) {
+            if residual.is_empty() {
+                *residual = vec![0.0; n];
+            }
+            let decoded = compression.round_trip(&a.to_vec::<f32>()?, residual);
+            if total.is_empty() {
+                total = decoded;
+            } else {
+                // In list order, in float32: ((v0 + v1) + v2) + ..., as MXNet sums.
+                for (t, d) in total.iter_mut().zip(&decoded) {
+                    *t += d;
+                }
+            }
+        }
+        totals.push(Some(NDArray::from_vec(total, g.slot.shape)?));
+        kept.push(residuals);
+    }
+    Ok((totals, kept))
+}
+
+/// Keeps the residuals of a push that succeeded.
+pub(super) fn commit(groups: &[Group<'_>], residuals: Vec<Residuals>) {
+    for (g, r) in groups.iter().zip(residuals) {
+        keep(&g.slot, r);
+    }
+}
+
+fn keep(slot: &Arc<Slot>, residuals: Residuals) {
+    *slot.residuals.lock().unwrap_or_else(|e| e.into_inner()) = residuals;
+}

@@ -1,0 +1,180 @@
+//! 2-bit gradient compression against MXNet 1.9.1's own results (`tests/fixtures/mxnet_2bit.json`,
+//! written by `tests/fixtures/make_mxnet_2bit.py` with MXNet run on this machine), bit for bit,
+//! and the rules on when compression can be set.
+//!
+//! Each fixture case pushes the same values from the same number of devices into a `device`
+//! store with the same threshold, and pulls after every step. Without an updater the pulled sum
+//! must equal MXNet's to the last bit; through SGD (MXNet's `sgd_mom_update` kernel orders its
+//! float operations its own way) to within 1e-6.
+
+use anyhow::{bail, ensure, Context, Result};
+use kvstore::{
+    cpu, gpu, gpu_count, Compression, DType, Device, Error, KvStore, NDArray, Sgd, Shape, Updater,
+};
+use serde_json::Value;
+
+fn fixture() -> Result<Value> {
+    let text = include_str!("fixtures/mxnet_2bit.json");
+    Ok(serde_json::from_str(text)?)
+}
+
+fn floats(v: &Value) -> Result<Vec<f32>> {
+    v.as_array()
+        .context("a list of float32 bit patterns")?
+        .iter()
+        .map(|b| Ok(f32::from_bits(b.as_u64().context("a bit pattern")? as u32)))
+        .collect()
+}
+
+fn shape(v: &Value) -> Result<Shape> {
+    let dims = v
+        .as_array()
+        .context("a shape")?
+        .iter()
+        .map(|d| Ok(d.as_u64().context("a dimension")? as usize))
+        .collect::<Result<Vec<usize>>>()?;
+    Ok(Shape::new(&dims)?)
+}
+
+/// Runs every case with the key homed on `home` and device `d`'s values on `device(d)`.
+fn every_case(home: Device, device: impl Fn(usize) -> Device) -> Result<()> {
+    let fx = fixture()?;
+    ensure!(fx["mxnet"] == "1.9.1", "the fixture comes from MXNet 1.9.1");
+    let cases = fx["cases"].as_array().context("cases")?;
+    ensure!(cases.len() >= 10, "the fixture has its cases");
+    for (c, case) in cases.iter().enumerate() {
+        let t = f32::from_bits(case["threshold_bits"].as_u64().context("threshold")? as u32);
+        let shape = shape(&case["shape"])?;
+        let kv = KvStore::create("device")?;
+        kv.set_gradient_compression(Compression::two_bit(t))?;
+        let exact = case["optimizer"].is_null();
+        if !exact {
+            let o = &case["optimizer"];
+            kv.set_updater(Updater::Sgd(Sgd {
+                lr: o["learning_rate"].as_f64().context("lr")?,
+                momentum: o["momentum"].as_f64().context("momentum")?,
+                wd: o["wd"].as_f64().context("wd")?,
+                rescale_grad: o["rescale_grad"].as_f64().context("rescale_grad")?,
+                ..Sgd::default()
+            }))?;
+        }
+        let init = NDArray::from_vec(floats(&case["init"])?, shape)?;
+        kv.init_on(0, &init, home)?;
+        let steps = case["steps"].as_array().context("steps")?;
+        let pulled = case["pulled"].as_array().context("pulled")?;
+        for (s, (values, want)) in steps.iter().zip(pulled).enumerate() {
+            let values = values
+                .as_array()
+                .context("values")?
+                .iter()
+                .enumerate()
+                .map(|(d, v)| Ok(NDArray::from_vec_on(floats(v)?, shape, device(d))?))
+                .collect::<Result<Vec<_>>>()?;
+            kv.push(0, &values)?;
+            let out = NDArray::full(shape, 0.0);
+            kv.pull(0, &out)?;
+            let got = out.to_vec::<f32>()?;
+            for (i, (g, w)) in got.iter().zip(floats(want)?).enumerate() {
+                let same = if exact {
+                    g.to_bits() == w.to_bits()
+                } else {
+                    (g - w).abs() <= 1e-6 * w.abs().max(1.0)
+                };
+                if !same {
+                    bail!("case {c} (t = {t}, shape {shape:?}), step {s}, element {i}: {g} vs MXNet's {w}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn two_bit_pushes_match_mxnet_bit_for_bit() -> Result<()> {
+    every_case(cpu(0), cpu)
+}
+
+/// The same cases with the key on gpu(0) and the values on the GPUs in turn.
+#[test]
+#[ignore = "needs a GPU"]
+fn two_bit_pushes_on_gpus_match_mxnet_bit_for_bit() -> Result<()> {
+    assert!(gpu_count() > 0, "this test needs a GPU and none was found");
+    let n = gpu_count();
+    every_case(gpu(0), |d| gpu(d % n))
+}
+
+/// What cannot be compressed is refused with an `Error::Compression` that says what to do, and
+/// the store is left as it was.
+#[test]
+fn compression_is_refused_where_it_cannot_apply() -> Result<()> {
+    let expect = |r: kvstore::Result<()>, what: &str, says: &str| -> Result<()> {
+        match r {
+            Err(e @ Error::Compression { .. }) => {
+                ensure!(e.to_string().contains(says), "{what}: {e}");
+                Ok(())
+            }
+            other => bail!("{what}: expected a compression error, got {other:?}"),
+        }
+    };
+    for kind in ["local", "nccl"] {
+        let kv = KvStore::create(kind)?;
+        expect(
+            kv.set_gradient_compression(Compression::two_bit(0.5)),
+            kind,
+            "create the store as 'device'",
+        )?;
+        ensure!(kv.gradient_compression() == Compression::None);
+    }
+    let kv = KvStore::create("device")?;
+    for t in [0.0, -1.0, f32::NAN] {
+        expect(
+            kv.set_gradient_compression(Compression::two_bit(t)),
+            "threshold",
+            "greater than 0",
+        )?;
+    }
+    ensure!(kv.gradient_compression() == Compression::None);
+    kv.init(1, &NDArray::zeros([3]))?;
+    expect(
+        kv.set_gradient_compression(Compression::two_bit(0.5)),
+        "after init",
+        "before the first init",
+    )?;
+    ensure!(kv.gradient_compression() == Compression::None);
+
+    let kv = KvStore::create("device")?;
+    kv.set_gradient_compression(Compression::two_bit(0.25))?;
+    expect(
+        kv.init(2, &NDArray::zeros([3]).astype(DType::F16)?),
+        "float16 key",
+        "must be float32",
+    )?;
+    ensure!(kv.keys().is_empty(), "the refused init added no key");
+    Ok(())
+}
+
+/// A push that fails keeps the residuals as they were: the same push again sends what the
+/// first would have.
+#[test]
+fn a_failed_push_leaves_the_residuals_as_they_were() -> Result<()> {
+    let kv = KvStore::create("device")?;
+    kv.set_gradient_compression(Compression::two_bit(0.5))?;
+    kv.init(0, &NDArray::zeros([4]))?;
+    kv.set_updater(Updater::custom(|_key, _input, _stored| {
+        panic!("this updater fails")
+    }))?;
+    let g = NDArray::from_vec(vec![0.3f32, -0.3, 0.7, 0.1], [4])?;
+    ensure!(kv.push(0, &g).is_err(), "the push fails in the updater");
+    kv.set_updater(Updater::Assign)?;
+    kv.push(0, &g)?;
+    let out = NDArray::zeros([4]);
+    kv.pull(0, &out)?;
+    // Had the failed push kept its residuals (0.3, -0.3, 0.2, 0.1), this one would send
+    // 0.5, -0.5, 0.5, 0: it sends what a first push does.
+    ensure!(
+        out.to_vec::<f32>()? == [0.0, 0.0, 0.5, 0.0],
+        "{:?}",
+        out.to_vec::<f32>()?
+    );
+    Ok(())
+}
