@@ -54,6 +54,17 @@ impl Compression {
         }
     }
 
+    /// In words, for the ranks of a distributed store to compare.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Compression::None => "no gradient compression".to_owned(),
+            Compression::TwoBit { threshold } => format!(
+                "2-bit gradient compression, threshold {threshold} (bits {:#010x})",
+                threshold.to_bits()
+            ),
+        }
+    }
+
     /// Quantizes `value` with `residual` (updated), then decodes what was sent: the value the
     /// store sums in place of `value`.
     pub(crate) fn round_trip(&self, value: &[f32], residual: &mut [f32]) -> Vec<f32> {

@@ -323,6 +323,20 @@ fn a_failing_updater_in_a_pushpull_keeps_the_ranks_in_step_on_2_ranks() {
     healthy(2, "updater_failure", &[]);
 }
 
+/// 2-bit gradient compression across ranks equals a local `device` store that pushes every
+/// rank's value as one list with the same compression (each position keeps its own residual,
+/// as each rank does), bit for bit, over several pushes, for a whole key and a sliced one.
+#[test]
+fn compressed_pushes_equal_a_local_compressed_store_sliced_on_3_ranks() {
+    healthy(3, "compressed", &[("KVSTORE_BIGARRAY_BOUND", "1000")]);
+}
+
+/// The same on 2 ranks, every key whole.
+#[test]
+fn compressed_pushes_equal_a_local_compressed_store_unsliced_on_2_ranks() {
+    healthy(2, "compressed", &[]);
+}
+
 // --- 7. Training equivalence -----------------------------------------------------------------
 
 fn training(np: usize, bound: Option<&str>) {
@@ -375,6 +389,7 @@ fn inner() {
         "hook_steps" => case_hook_steps(),
         "updater_failure" => case_updater_failure(),
         "values_kept" => case_values_kept(),
+        "compressed" => case_compressed(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -1888,6 +1903,55 @@ fn case_schedule() {
         "schedule",
         &format!("num_update={}", dist.num_update()),
     );
+}
+
+fn case_compressed() {
+    let dist = store("dist_sync");
+    let local = KvStore::create("device").unwrap();
+    let (r, n) = (dist.rank(), dist.num_workers());
+    let t = [0.5f32, 0.3, 0.125][(seed() % 3) as usize];
+    let keys = [1, 2];
+    let lens = [7usize, 2500];
+    for kv in [&local, &dist] {
+        kv.set_gradient_compression(kvstore::Compression::two_bit(t))
+            .unwrap();
+        let init: Vec<NDArray> = (keys.iter().zip(lens))
+            .map(|(&k, len)| arr(&uniform(&[21, k as u64], len), &[len], DType::F32, 0))
+            .collect();
+        kv.init_list(&keys, &init).unwrap();
+    }
+    let grad = |step: u64, k: i32, len: usize, rank: usize| {
+        let g: Vec<f64> = uniform(&[22, step, k as u64, rank as u64], len)
+            .iter()
+            .map(|x| x * 1.5 * f64::from(t))
+            .collect();
+        arr(&g, &[len], DType::F32, 0)
+    };
+    for step in 0..5u64 {
+        let mine: Vec<NDArray> = (keys.iter().zip(lens))
+            .map(|(&k, len)| grad(step, k, len, r))
+            .collect();
+        dist.push_list(&keys, &mine).unwrap();
+        let all: Vec<Vec<NDArray>> = (keys.iter().zip(lens))
+            .map(|(&k, len)| (0..n).map(|rank| grad(step, k, len, rank)).collect())
+            .collect();
+        local.push_list(&keys, &all).unwrap();
+        for (&k, len) in keys.iter().zip(lens) {
+            let (a, b) = (NDArray::zeros([len]), NDArray::zeros([len]));
+            dist.pull(k, &a).unwrap();
+            local.pull(k, &b).unwrap();
+            let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert_eq!(
+                    x.to_bits(),
+                    y.to_bits(),
+                    "rank {r}, step {step}, key {k}, element {i}: {x} vs a local store's {y}"
+                );
+            }
+        }
+    }
+    dist.barrier().unwrap();
+    ok(&dist, "compressed", &format!("threshold={t}"));
 }
 
 fn case_hook_steps() {

@@ -5,11 +5,15 @@
 
 use std::sync::Arc;
 
+use super::dist::{part_shape, Inputs, Mine};
 use super::groups::Group;
 use super::table::Slot;
 use super::{read, write, KvStore, StoreKind};
-use crate::compress::Compression;
-use crate::{DType, Error, Key, NDArray, Result};
+use crate::comm::dist::Dist;
+use crate::comm::link::{Op, Round};
+use crate::compress::{two_bit_quantize, two_bit_words, Compression};
+use crate::host::HostData;
+use crate::{cpu, DType, Error, Key, NDArray, Result};
 
 impl KvStore {
     /// Compresses pushed values before they are summed, as MXNet's
@@ -39,6 +43,8 @@ impl KvStore {
         compression.check()?;
         match self.kind {
             StoreKind::Device => {}
+            // CPU ranks: each rank's words travel to every rank (an all-gather).
+            StoreKind::DistSync | StoreKind::DistDeviceSync if self.ranks.gpu().is_none() => {}
             StoreKind::Local | StoreKind::Nccl => {
                 return Err(Error::Compression {
                     op,
@@ -53,8 +59,8 @@ impl KvStore {
                 return Err(Error::Compression {
                     op,
                     message: format!(
-                        "not available on '{}' stores yet: compression works on 'device' \
-                         stores in this version",
+                        "not available on '{}' stores with GPU ranks yet: compression works \
+                         on 'device' stores and on dist stores of CPU ranks in this version",
                         self.name
                     ),
                 })
@@ -160,4 +166,107 @@ pub(super) fn commit(groups: &[Group<'_>], residuals: Vec<Residuals>) {
 
 fn keep(slot: &Arc<Slot>, residuals: Residuals) {
     *slot.residuals.lock().unwrap_or_else(|e| e.into_inner()) = residuals;
+}
+
+/// A compressed push's step across ranks (a `dist_*` store of CPU ranks). Each rank's
+/// contribution (the sum of its values, uncompressed, as MXNet's workers sum their devices
+/// first) is quantized with this rank's residual of the key; the ranks exchange their words
+/// in one all-gather (a sixteenth of the float32 bytes), and each rank decodes every rank's
+/// words for the part of the key it holds and sums them in rank order. Returns the totals and
+/// the residuals to keep once the push has succeeded.
+pub(super) fn sum_across(
+    call: &mut dyn Round,
+    d: &Dist,
+    compression: Compression,
+    groups: &[Group<'_>],
+    mine: Vec<Mine<'_>>,
+) -> Result<(Inputs, Vec<Residuals>)> {
+    let Compression::TwoBit { threshold } = compression else {
+        return Err(crate::comm::dist::internal(
+            "a compressed sum without compression",
+        ));
+    };
+    let (rank, size) = (d.rank(), d.size());
+    let mut words: Vec<f32> = Vec::new();
+    let mut at = Vec::with_capacity(groups.len());
+    let mut kept = Vec::with_capacity(groups.len());
+    for (g, m) in groups.iter().zip(mine) {
+        let value: Vec<f32> = match m {
+            Mine::Owned(h) => h.to_vec(),
+            Mine::Single(a) => a.to_vec::<f32>()?,
+            Mine::Summed(_) | Mine::Values => {
+                return Err(crate::comm::dist::internal(
+                    "a compressed contribution not in host memory",
+                ))
+            }
+        };
+        if value.len() != g.slot.shape.size() {
+            return Err(crate::comm::dist::internal(&format!(
+                "a compressed contribution of {} elements for a key of {}",
+                value.len(),
+                g.slot.shape.size()
+            )));
+        }
+        let mut residuals = g
+            .slot
+            .residuals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if residuals.is_empty() {
+            residuals.push(vec![0.0; value.len()]);
+        }
+        let mut packed = vec![0u32; two_bit_words(value.len())];
+        two_bit_quantize(&value, &mut residuals[0], threshold, &mut packed);
+        at.push(words.len());
+        // The words travel as float32 bit patterns: the all-gather copies them, never adds.
+        words.extend(packed.into_iter().map(f32::from_bits));
+        kept.push(residuals);
+    }
+    let per_rank = words.len();
+    let send = HostData::F32(words);
+    let recv = HostData::F32(vec![0.0; per_rank * size]);
+    let ticket = call.start(Op::AllGather, send, recv)?;
+    let (_, all) = call.land(ticket)?;
+    // The bit patterns themselves: a conversion (through f64, say) would quiet a word that
+    // reads as a signalling NaN, and change a code.
+    let all: Vec<u32> = match all {
+        HostData::F32(v) => v.into_iter().map(f32::to_bits).collect(),
+        _ => {
+            return Err(crate::comm::dist::internal(
+                "compressed words came back as another dtype",
+            ))
+        }
+    };
+    let mut totals = Vec::with_capacity(groups.len());
+    for (g, &start) in groups.iter().zip(&at) {
+        let len = g.slot.shape.size();
+        let piece = g.slot.spread.piece(len, rank, size);
+        if piece.is_empty() && !g.slot.spread.holds(rank) {
+            totals.push(None);
+            continue;
+        }
+        let n = two_bit_words(len);
+        let mut total = vec![0f32; piece.len()];
+        for r in 0..size {
+            let theirs = &all[r * per_rank + start..r * per_rank + start + n];
+            for (t, i) in total.iter_mut().zip(piece.clone()) {
+                let code = (theirs[i / 16] >> (8 * ((i % 16) / 4) + 6 - 2 * (i % 4))) & 0b11;
+                let v = match code {
+                    0b11 => threshold,
+                    0b10 => -threshold,
+                    _ => 0.0,
+                };
+                // In rank order, in float32: the first rank's value, then + each next one.
+                *t = if r == 0 { v } else { *t + v };
+            }
+        }
+        let shape = part_shape(g, total.len());
+        totals.push(Some(NDArray::from_host(
+            HostData::F32(total),
+            shape,
+            cpu(0),
+        )));
+    }
+    Ok((Inputs::Totals(totals), kept))
 }

@@ -548,7 +548,7 @@ fn fan_out<C: Deref<Target = HomeValue>>(
 
 /// The shape of this rank's part of a group's key, of `len` elements: the key's shape when it
 /// holds all of it, a flat slice otherwise.
-fn part_shape(g: &Group<'_>, len: usize) -> Shape {
+pub(super) fn part_shape(g: &Group<'_>, len: usize) -> Shape {
     match g.slot.spread {
         Spread::Whole { .. } => g.slot.shape,
         Spread::Sliced => Shape::new(&[len]).unwrap_or(g.slot.shape),

@@ -835,3 +835,137 @@ fn an_init_moves_only_the_slices_of_a_sliced_key() {
         assert_eq!(p, value);
     }
 }
+
+/// A random multiple of 1/64 in `(-bound, bound)`: sums of a few are exact in float32 in any
+/// order (a rank sums its values in the backend's order, the reference in list order).
+fn sixty_fourths(rng: &mut impl rand::Rng, bound: f32) -> f32 {
+    (rng.gen_range(-bound..bound) * 64.0).round() / 64.0
+}
+
+/// 2-bit compression on ranks, against a reference written here element by element (not the
+/// crate's codec): each rank sums its own values, adds the sum to its residual, sends `+t`,
+/// `-t` or 0 per element and keeps the rest; the stored value is the sum of what every rank
+/// sent, in rank order. A whole key and a sliced one, random values from 1 to 4 per rank, on
+/// 1 to 4 ranks, over several pushes (the residuals carry over).
+#[test]
+fn compressed_pushes_on_n_ranks_equal_a_reference() {
+    use crate::Compression;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    for n in 1..=4 {
+        let t: f32 = [0.5, 0.25, 0.3][rng.gen_range(0..3)];
+        let lens = [5usize, 37];
+        let steps: Vec<Vec<Vec<Vec<Vec<f32>>>>> = (0..4)
+            .map(|_| {
+                lens.iter()
+                    .map(|&len| {
+                        (0..n)
+                            .map(|_| {
+                                (0..rng.gen_range(1..=4))
+                                    .map(|_| {
+                                        (0..len).map(|_| sixty_fourths(&mut rng, 2.0 * t)).collect()
+                                    })
+                                    .collect()
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        // The reference: per key and rank, a residual; per step, the rank's sum in order.
+        let mut residual: Vec<Vec<Vec<f32>>> =
+            lens.iter().map(|&l| vec![vec![0.0; l]; n]).collect();
+        let mut want: Vec<Vec<Vec<f32>>> = Vec::new();
+        for step in &steps {
+            let mut stored = Vec::new();
+            for (k, per_rank) in step.iter().enumerate() {
+                let mut total = vec![0f32; lens[k]];
+                for (r, values) in per_rank.iter().enumerate() {
+                    let mut sum = values[0].clone();
+                    for v in &values[1..] {
+                        sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
+                    }
+                    for i in 0..lens[k] {
+                        let acc = residual[k][r][i] + sum[i];
+                        let sent = if acc >= t {
+                            t
+                        } else if acc <= -t {
+                            -t
+                        } else {
+                            0.0
+                        };
+                        residual[k][r][i] = acc - sent;
+                        total[i] = if r == 0 { sent } else { total[i] + sent };
+                    }
+                }
+                stored.push(total);
+            }
+            want.push(stored);
+        }
+        let ranks = stores(n);
+        let got = on_ranks(&ranks, |r, kv| {
+            kv.set_gradient_compression(Compression::two_bit(t))
+                .unwrap();
+            kv.init_list(
+                &[0, 1],
+                &[NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])],
+            )
+            .unwrap();
+            let mut pulled = Vec::new();
+            for step in &steps {
+                for (k, per_rank) in step.iter().enumerate() {
+                    let values: Vec<NDArray> = per_rank[r]
+                        .iter()
+                        .map(|v| NDArray::from_vec(v.clone(), [v.len()]).unwrap())
+                        .collect();
+                    kv.push(k as i32, &values).unwrap();
+                }
+                let outs = [NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])];
+                kv.pull_list(&[0, 1], &outs).unwrap();
+                pulled.push(
+                    outs.iter()
+                        .map(|o| o.to_vec::<f32>().unwrap())
+                        .collect::<Vec<_>>(),
+                );
+            }
+            pulled
+        });
+        for (r, pulled) in got.iter().enumerate() {
+            for (s, (p, w)) in pulled.iter().zip(&want).enumerate() {
+                assert_eq!(p, w, "{n} ranks, rank {r}, step {s} (t = {t})");
+            }
+        }
+    }
+}
+
+/// Ranks that disagree on the compression (one rank without it, or another threshold) fail
+/// their first push on every rank, and no rank stores anything.
+#[test]
+fn ranks_that_compress_differently_fail_every_rank() {
+    use crate::Compression;
+    for other in [None, Some(0.25f32)] {
+        let ranks = stores(3);
+        let outcome = on_ranks(&ranks, |r, kv| {
+            let mine = if r == 1 { other } else { Some(0.5) };
+            if let Some(t) = mine {
+                kv.set_gradient_compression(Compression::two_bit(t))
+                    .unwrap();
+            }
+            kv.init(0, &NDArray::zeros([20])).unwrap();
+            let err = kv.push(0, &NDArray::ones([20])).unwrap_err();
+            let out = NDArray::zeros([20]);
+            (err, kv.pull(0, &out).map(|()| out.to_vec::<f32>().unwrap()))
+        });
+        for (r, (err, after)) in outcome.into_iter().enumerate() {
+            assert!(
+                matches!(err, Error::Desync { .. }),
+                "rank {r}, {other:?}: {err}"
+            );
+            // After a desync the world is failed: a pull is refused too, nothing computed.
+            assert!(
+                after.is_err() || after.unwrap() == vec![0.0; 20],
+                "rank {r} changed"
+            );
+        }
+    }
+}

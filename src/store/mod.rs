@@ -565,20 +565,35 @@ impl KvStore {
             self.prepare(pulls)?;
         }
         // The ranks must agree on the whole updater too (its kind decides which collectives
-        // follow; its hyperparameters, schedule, multipliers and generation what they compute).
-        let fp = || dist::fingerprint(op, &groups).note(&active.describe());
-        let mut call = d.begin_with(fp)?;
-        let inputs = dist::sum_across(&mut *call, d, &groups, mine)?;
-        let mut cells = lock_cells(&groups);
-        // Compressed pushes (a single-process `device` store): each value is quantized with
-        // its residual and decoded, and the decoded values are summed in order, as MXNet does.
+        // follow; its hyperparameters, schedule, multipliers and generation what they compute),
+        // and on the compression (which decides the collectives).
         let compression = *read(&self.compression);
-        let (inputs, residuals) = match compression.is_on() {
-            true => {
+        let fp = || {
+            let note = match compression.is_on() {
+                true => format!("{}; {}", active.describe(), compression.describe()),
+                false => active.describe(),
+            };
+            dist::fingerprint(op, &groups).note(&note)
+        };
+        let mut call = d.begin_with(fp)?;
+        let (inputs, residuals) = match (compression.is_on(), d.passes_through()) {
+            (false, _) => (dist::sum_across(&mut *call, d, &groups, mine)?, None),
+            (true, false) => {
+                let (inputs, residuals) =
+                    compress::sum_across(&mut *call, d, compression, &groups, mine)?;
+                (inputs, Some(residuals))
+            }
+            (true, true) => (Inputs::Values, None),
+        };
+        let mut cells = lock_cells(&groups);
+        // Compressed pushes of a single-process `device` store: each value is quantized with
+        // its residual and decoded, and the decoded values are summed in order, as MXNet does.
+        let (inputs, residuals) = match (compression.is_on(), d.passes_through()) {
+            (true, true) => {
                 let (totals, residuals) = compress::decoded_totals(compression, &groups)?;
                 (Inputs::Totals(totals), Some(residuals))
             }
-            false => (inputs, None),
+            _ => (inputs, residuals),
         };
         let counts = update_counts(d, &active, &groups, &cells);
         let mut agree = |ok: bool| call.agree(op, ok, "in the updater");

@@ -315,13 +315,18 @@ impl Round for LoopRound<'_> {
                 let block = recv.len();
                 from.slice_of(rank * block..(rank + 1) * block)
             }
-            Op::AllGather => {
-                let mut all = Vec::with_capacity(send.len() * size);
+            // A copy of every rank's bits, as MPI moves bytes (no conversion: a NaN's payload,
+            // or words carried as float bit patterns, must arrive as they left).
+            Op::AllGather => with_host!(&send, _v: T => {
+                let mut all: Vec<T> = Vec::with_capacity(send.len() * size);
                 for d in &data {
-                    all.extend(d.to_vec::<f64>());
+                    all.extend_from_slice(
+                        <T as crate::Element>::slice(d)
+                            .ok_or_else(|| internal("ranks sent different dtypes"))?,
+                    );
                 }
-                HostData::F64(all).cast(send.dtype())
-            }
+                <T as crate::Element>::wrap(all)
+            }),
         };
         if recv.len() != result.len() {
             return Err(internal("a receive buffer of the wrong length"));
