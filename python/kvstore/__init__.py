@@ -316,7 +316,9 @@ class KVStore:
         are summed. Init and pull are never compressed. ``threshold`` defaults to 0.5 and must
         be above 0; compressed keys must be float32.
 
-        Call it before the first ``init``. It works on ``device`` stores in this version.
+        Call it before the first ``init``, on every worker of a dist store with the same
+        setting (a worker that differs fails the first push everywhere with ``DesyncError``).
+        It works on ``device`` stores and on ``dist_sync`` stores of CPU workers.
         Anything else raises ``InvalidArgumentError``: another type, an unknown setting (MXNet
         ignores those; a typo here would silently leave the default), a ``local`` store, or a
         store that already holds keys."""

@@ -578,7 +578,44 @@ def unused():
     say(f"ok unused on_store={on_store}")
 
 
+def two_bit_reference(contributions, threshold, residuals):
+    """What a compressed push stores: each worker's contribution added to its residual, +t,
+    -t or 0 sent per element (the rest kept), the sent values summed in worker order, all in
+    float32. ``residuals`` (one per worker) is updated."""
+    t = np.float32(threshold)
+    total = None
+    for c, r in zip(contributions, residuals):
+        r += c
+        sent = np.where(r >= t, t, np.where(r <= -t, -t, np.float32(0))).astype(np.float32)
+        r -= sent
+        total = sent if total is None else (total + sent).astype(np.float32)
+    return total
+
+
+def compressed():
+    """2-bit compression across workers: MXNet's nightly sequence (residuals that reach the
+    threshold exactly) and random values, against the reference above."""
+    kv = kvstore.create("dist_sync")
+    n, r = kv.num_workers, kv.rank
+    t = 0.5
+    kv.set_gradient_compression({"type": "2bit", "threshold": t})
+    shape = (5, 7)
+    kv.init(9, np.zeros(shape, np.float32))
+    residuals = [np.zeros(shape, np.float32) for _ in range(n)]
+    rng = np.random.default_rng([SEED, 5])
+    steps = [np.full((n,) + shape, g, np.float32) for g in (0.4, 0.1, 0.2, 0.3, 0.5, -0.5)]
+    steps += [rng.uniform(-1, 1, (n,) + shape).astype(np.float32) for _ in range(3)]
+    for step, per_worker in enumerate(steps):
+        kv.push(9, per_worker[r].copy())
+        want = two_bit_reference(per_worker, t, residuals)
+        out = np.zeros(shape, np.float32)
+        kv.pull(9, out=out)
+        assert np.array_equal(out, want), (step, out, want)
+    say(f"ok compressed threshold={t}")
+
+
 CASES = {
+    "compressed": compressed,
     "unused": unused,
     "nightly": nightly,
     "basic": basic,

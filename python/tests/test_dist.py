@@ -97,6 +97,14 @@ def test_mxnet_nightly_dist_sync_kvstore(n):
     assert oks(out, "nightly") == list(range(n)), out
 
 
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_two_bit_compression_across_workers(n):
+    rc, out = run(n, "compressed")
+    assert rc == 0, out
+    assert oks(out, "compressed") == list(range(n)), out
+
+
 TUTORIAL = os.path.join(os.path.dirname(__file__), "..", "examples", "tutorial.py")
 
 

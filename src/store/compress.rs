@@ -22,10 +22,15 @@ impl KvStore {
     /// quantized values are decoded and summed in list order, and the updater gets that sum.
     /// Init and pull are never compressed.
     ///
+    /// On a `dist_*` store of CPU ranks each rank compresses the sum of its own values with its
+    /// residual of the key (MXNet's workers sum their devices first, then compress); every
+    /// rank calls it with the same setting, or the first push fails on every rank with
+    /// [`Error::Desync`].
+    ///
     /// Call it before the first `init`: it is an [`Error::Compression`] once the store holds
-    /// keys, on a kind that does not compress (`local` and `nccl`, as in MXNet, and the
-    /// `dist_*` kinds in this version), for a threshold not above 0, and (at `init`) for a
-    /// key that is not float32. Residuals are not saved in checkpoints yet.
+    /// keys, on a kind that does not compress (`local` and `nccl`, as in MXNet, and
+    /// `dist_device_sync` on GPU ranks in this version), for a threshold not above 0, and (at
+    /// `init`) for a key that is not float32. Residuals are not saved in checkpoints yet.
     ///
     /// ```
     /// use kvstore::{Compression, KvStore, NDArray};

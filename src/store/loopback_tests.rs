@@ -969,3 +969,52 @@ fn ranks_that_compress_differently_fail_every_rank() {
         }
     }
 }
+
+/// What a compressed push moves: on 4 ranks, a key of 16,000 float32 elements travels as
+/// 1,000 words from each rank, and every rank receives the 4,000 words of all ranks, a quarter
+/// of the key's elements (`ranks / 16`; README, "Gradient compression"). The same push
+/// uncompressed receives each rank's slice of the sum, 4,000 elements, as the result of a
+/// reduce-scatter whose ring moves about three times that per rank.
+#[test]
+fn a_compressed_push_moves_a_sixteenth_of_the_key_from_each_rank() {
+    use crate::Compression;
+    let len = 16_000;
+    let received = |compress: bool| -> Vec<usize> {
+        let links = Loopback::world(4, Duration::from_secs(10));
+        let ranks = on_links(&links, |_, l| {
+            KvStore::over_loopback(l.clone(), BOUND).unwrap()
+        });
+        on_ranks(&ranks, |_, kv| {
+            if compress {
+                kv.set_gradient_compression(Compression::two_bit(0.5))
+                    .unwrap();
+            }
+            kv.init(0, &NDArray::zeros([len])).unwrap();
+        });
+        let before: Vec<usize> = links.iter().map(Loopback::received).collect();
+        on_ranks(&ranks, |r, kv| {
+            let g: Vec<f32> = (0..len)
+                .map(|i| ((i + r) % 7) as f32 / 4.0 - 0.75)
+                .collect();
+            kv.push(0, &NDArray::from_vec(g, [len]).unwrap()).unwrap();
+        });
+        links
+            .iter()
+            .zip(before)
+            .map(|(l, b)| l.received() - b)
+            .collect()
+    };
+    let compressed = received(true);
+    let plain = received(false);
+    for (r, (&c, &p)) in compressed.iter().zip(&plain).enumerate() {
+        // 4 ranks x 1000 words, plus the call's check words.
+        assert!(
+            (4 * len / 16..4 * len / 16 + 64).contains(&c),
+            "rank {r} received {c} elements in a compressed push (uncompressed: {p})"
+        );
+        assert!(
+            p >= len / 4,
+            "rank {r}: an uncompressed push receives its slice, got {p}"
+        );
+    }
+}
