@@ -122,12 +122,16 @@ pub(crate) fn two_bit_quantize(grad: &[f32], residual: &mut [f32], t: f32, out: 
 pub(crate) fn two_bit_dequantize(words: &[u32], t: f32, out: &mut [f32]) {
     debug_assert_eq!(words.len(), two_bit_words(out.len()));
     for (i, o) in out.iter_mut().enumerate() {
-        let code = (words[i / 16] >> shift(i % 16)) & 0b11;
-        *o = match code {
-            0b11 => t,
-            0b10 => -t,
-            _ => 0.0,
-        };
+        *o = two_bit_value(words, i, t);
+    }
+}
+
+/// The value element `i` of 2-bit `words` sends: `+t`, `-t` or 0.
+pub(crate) fn two_bit_value(words: &[u32], i: usize, t: f32) -> f32 {
+    match (words[i / 16] >> shift(i % 16)) & 0b11 {
+        0b11 => t,
+        0b10 => -t,
+        _ => 0.0,
     }
 }
 

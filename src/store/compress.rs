@@ -11,7 +11,7 @@ use super::table::Slot;
 use super::{read, write, KvStore, StoreKind};
 use crate::comm::dist::Dist;
 use crate::comm::link::{Op, Round};
-use crate::compress::{two_bit_quantize, two_bit_words, Compression};
+use crate::compress::{two_bit_quantize, two_bit_value, two_bit_words, Compression};
 use crate::host::HostData;
 use crate::{cpu, DType, Error, Key, NDArray, Result};
 
@@ -134,12 +134,7 @@ pub(super) fn decoded_totals(
     let mut kept = Vec::with_capacity(groups.len());
     for g in groups {
         let n = g.slot.shape.size();
-        let mut residuals = g
-            .slot
-            .residuals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let mut residuals = residuals_of(&g.slot);
         residuals.resize(residuals.len().max(g.arrays.len()), Vec::new());
         let mut total: Vec<f32> = Vec::new();
         for (a, residual) in g.arrays.iter().zip(residuals.iter_mut()) {
@@ -171,6 +166,14 @@ pub(super) fn commit(groups: &[Group<'_>], residuals: Vec<Residuals>) {
 
 fn keep(slot: &Arc<Slot>, residuals: Residuals) {
     *slot.residuals.lock().unwrap_or_else(|e| e.into_inner()) = residuals;
+}
+
+/// A copy of a key's residuals, to change and [`keep`] once the push has succeeded.
+fn residuals_of(slot: &Slot) -> Residuals {
+    slot.residuals
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
 }
 
 /// A compressed push's step across ranks (a `dist_*` store of CPU ranks). Each rank's
@@ -212,12 +215,7 @@ pub(super) fn sum_across(
                 g.slot.shape.size()
             )));
         }
-        let mut residuals = g
-            .slot
-            .residuals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let mut residuals = residuals_of(&g.slot);
         if residuals.is_empty() {
             residuals.push(vec![0.0; value.len()]);
         }
@@ -256,12 +254,7 @@ pub(super) fn sum_across(
         for r in 0..size {
             let theirs = &all[r * per_rank + start..r * per_rank + start + n];
             for (t, i) in total.iter_mut().zip(piece.clone()) {
-                let code = (theirs[i / 16] >> (8 * ((i % 16) / 4) + 6 - 2 * (i % 4))) & 0b11;
-                let v = match code {
-                    0b11 => threshold,
-                    0b10 => -threshold,
-                    _ => 0.0,
-                };
+                let v = two_bit_value(theirs, i, threshold);
                 // In rank order, in float32: the first rank's value, then + each next one.
                 *t = if r == 0 { v } else { *t + v };
             }
