@@ -285,6 +285,17 @@ pub enum Work {
     Nothing,
 }
 
+impl Work {
+    /// The page-locked host bytes a copy reads or writes when it runs: (address, length).
+    fn pinned_span(&self) -> Option<(usize, usize)> {
+        match self {
+            Work::DtoHPinned { dst, expect, .. } => Some((*dst, expect.len())),
+            Work::HtoDPinned { src, snapshot, .. } => Some((*src, snapshot.len())),
+            _ => None,
+        }
+    }
+}
+
 pub struct Op {
     pub pos: u64,
     pub vc: Vc,
@@ -1356,10 +1367,8 @@ impl State {
     pub fn poison_pinned(&mut self, dst: usize, len: usize) -> Vec<u8> {
         let mut busy = vec![false; len];
         for op in self.streams.iter().flat_map(|t| t.queue.iter()) {
-            let (at, n) = match &op.work {
-                Work::DtoHPinned { dst, expect, .. } => (*dst, expect.len()),
-                Work::HtoDPinned { src, snapshot, .. } => (*src, snapshot.len()),
-                _ => continue,
+            let Some((at, n)) = op.work.pinned_span() else {
+                continue;
             };
             let (lo, hi) = (at.max(dst), (at + n).min(dst + len));
             if lo < hi {
@@ -1382,10 +1391,8 @@ impl State {
         let mut users = Vec::new();
         for (s, t) in self.streams.iter().enumerate() {
             for op in &t.queue {
-                let (lo, n) = match &op.work {
-                    Work::DtoHPinned { dst, expect, .. } => (*dst, expect.len()),
-                    Work::HtoDPinned { src, snapshot, .. } => (*src, snapshot.len()),
-                    _ => continue,
+                let Some((lo, n)) = op.work.pinned_span() else {
+                    continue;
                 };
                 if lo < at + len && at < lo + n {
                     users.push((s, op.pos));
