@@ -305,6 +305,17 @@ pub enum Error {
         source: cudarc::driver::DriverError,
     },
 
+    /// GPU memory lent to the store by another library ([`crate::LentGpuArray`]) cannot be used
+    /// as given: it is not device memory of that GPU, the elements run past its allocation, or
+    /// its address is not aligned to the element size. Nothing was changed.
+    #[error("lend of GPU memory on {device}: {message}")]
+    ForeignMemory {
+        /// The GPU the memory was said to be on.
+        device: Device,
+        /// What does not hold, and what to do.
+        message: String,
+    },
+
     /// An internal invariant of kvstore did not hold (a buffer of the wrong length or dtype
     /// reached a copy that its callers validate). This is a bug in kvstore: please report it
     /// with the operation and message. Nothing was changed.

@@ -59,6 +59,7 @@ pub use host::HostData;
 /// candle tensors in init, push and pull (cargo feature `candle`).
 #[cfg(feature = "candle")]
 pub use interop::candle;
+pub use interop::cuda::{cuda_stream, LentGpuArray};
 pub use key::{IntoKey, Key, KeyKind};
 pub use ndarray::NDArray;
 pub use ptx_updater::{PtxUpdater, PTX_UPDATER_PARAMS};

@@ -340,6 +340,11 @@ impl NDArray {
         Arc::ptr_eq(&self.data, &other.data)
     }
 
+    /// How many handles share these elements (this one included).
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.data)
+    }
+
     /// An address that identifies the elements; locks on several arrays are taken in its order.
     pub(crate) fn storage_id(&self) -> usize {
         Arc::as_ptr(&self.data) as usize

@@ -2,3 +2,5 @@
 
 #[cfg(feature = "candle")]
 pub mod candle;
+
+pub mod cuda;

@@ -20,12 +20,12 @@ pub(crate) mod state;
 
 pub use copies::BATCH_COPY_MAX_BYTES;
 pub(crate) use copies::{copy_many, download_many, DeviceCopy};
-pub use runtime::gpu_sm;
 pub(crate) use runtime::{
     alloc_zeros, clone_dtoh, clone_htod, copy_device, cross_gpu_order, cuda_err, gpu,
     host_data_bytes, host_wait, launch_fused, launch_user, set_host_wait, stream_wait,
     synchronize_all, Gpu, GpuBuf, GpuPtr, Record, UserLaunch,
 };
+pub use runtime::{cuda_stream, gpu_sm};
 
 use crate::{DType, Error, Key, Result};
 

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -780,6 +780,101 @@ impl GpuBuf {
     pub fn fill(&mut self, value: f64) -> Result<()> {
         self.upload_into(&HostData::filled(self.dtype(), self.len(), value))
     }
+
+    /// Memory that another library allocated, as a buffer of `n` elements of `dtype` on GPU
+    /// `ordinal`, ordered on that GPU's stream. Checked first: the address must be device
+    /// memory of that GPU, aligned to the element, with `n` elements inside its allocation.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the buffer is given up with [`GpuBuf::leak`]
+    /// (dropping it would free memory the store does not own) and the store's work on the
+    /// stream has run.
+    pub(crate) unsafe fn borrow_foreign(
+        ordinal: usize,
+        dtype: DType,
+        ptr: u64,
+        n: usize,
+    ) -> Result<GpuBuf> {
+        let g = gpu(ordinal)?;
+        check_foreign(g, dtype, ptr, n)?;
+        let st = g.stream();
+        // SAFETY: `check_foreign` found `n` elements of `dtype` inside one allocation on this
+        // GPU; the caller keeps it allocated for the buffer's life and gives it up with `leak`.
+        Ok(unsafe {
+            match dtype {
+                DType::F32 => GpuBuf::F32(st.upgrade_device_ptr(ptr, n)),
+                DType::F64 => GpuBuf::F64(st.upgrade_device_ptr(ptr, n)),
+                DType::F16 => GpuBuf::F16(st.upgrade_device_ptr(ptr, n)),
+                DType::BF16 => GpuBuf::BF16(st.upgrade_device_ptr(ptr, n)),
+            }
+        })
+    }
+
+    /// Gives up the memory without freeing it: the end of a [`GpuBuf::borrow_foreign`].
+    pub(crate) fn leak(self) {
+        with_gpu!(self, s => {
+            s.leak();
+        })
+    }
+}
+
+/// Checks memory lent by another library: device memory of GPU `g` (its context is the
+/// primary one, which the CUDA runtime and so PyTorch and CuPy use), aligned to `dtype`, and
+/// `n` elements from `ptr` inside one allocation.
+fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
+    let device = Device::Gpu(g.ordinal);
+    let refuse = |message: String| Error::ForeignMemory { device, message };
+    if ptr % dtype.size() as u64 != 0 {
+        return Err(refuse(format!(
+            "address {ptr:#x} is not aligned to its {dtype} elements ({} bytes): lend an \
+             array that starts on an element",
+            dtype.size()
+        )));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    g.ctx
+        .bind_to_thread()
+        .map_err(cuda_err("lend GPU memory", None))?;
+    let mut ordinal: std::ffi::c_int = -1;
+    // SAFETY: a valid out-pointer of the attribute's type (an int for DEVICE_ORDINAL); the
+    // driver only reads `ptr`'s mapping, and refuses an address it does not know.
+    let known = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut std::ffi::c_int).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    if known != sys::CUresult::CUDA_SUCCESS || ordinal != g.ordinal as std::ffi::c_int {
+        let found = if known == sys::CUresult::CUDA_SUCCESS {
+            format!("memory of gpu({ordinal})")
+        } else {
+            format!("not device memory the driver knows ({known:?})")
+        };
+        return Err(refuse(format!(
+            "address {ptr:#x} is {found}: lend it as an array on the GPU that holds it"
+        )));
+    }
+    let (mut base, mut size) = (0u64, 0usize);
+    // SAFETY: valid out-pointers; the driver reads only its own allocation table.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    let bytes = n as u64 * dtype.size() as u64;
+    if r != sys::CUresult::CUDA_SUCCESS || ptr + bytes > base + size as u64 {
+        return Err(refuse(format!(
+            "{n} {dtype} elements from {ptr:#x} run past the allocation ({size} bytes from \
+             {base:#x}): lend an array whose elements are all inside its memory"
+        )));
+    }
+    Ok(())
+}
+
+/// The CUDA stream (`CUstream`, as an integer) on which the store orders its work on GPU
+/// `ordinal`: the `stream` to hand a DLPack producer (`__dlpack__(stream=...)`), and the
+/// stream another library waits on before it reuses memory lent to the store.
+pub fn cuda_stream(ordinal: usize) -> Result<usize> {
+    Ok(gpu(ordinal)?.stream().cu_stream() as usize)
 }
 
 /// The bytes of host data, as the GPU holds them (little-endian, no padding).

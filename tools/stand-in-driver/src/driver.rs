@@ -209,6 +209,48 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     })
 }
 
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`, the one pointer attribute modelled.
+const POINTER_DEVICE_ORDINAL: c_int = 9;
+
+/// The device whose memory holds `ptr` (attribute 9 only). An address that no live
+/// allocation holds is `CUDA_ERROR_INVALID_VALUE`, as CUDA answers for memory it does not know.
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attribute: c_int,
+    ptr: u64,
+) -> i32 {
+    crate::calls::count("cuPointerGetAttribute");
+    run(|| {
+        let st = begin()?;
+        if attribute != POINTER_DEVICE_ORDINAL {
+            return Err(cu::NOT_SUPPORTED);
+        }
+        let (device, _) = st.locate(ptr, 1).map_err(|_| cu::INVALID_VALUE)?;
+        // SAFETY: for this attribute `data` points to an int, per the API.
+        unsafe { out(data.cast::<c_int>(), device as c_int) }
+    })
+}
+
+/// The base and size of the live allocation that holds `ptr`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAddressRange_v2(
+    base: *mut u64,
+    size: *mut usize,
+    ptr: u64,
+) -> i32 {
+    crate::calls::count("cuMemGetAddressRange_v2");
+    run(|| {
+        let st = begin()?;
+        let (b, len) = st.mem.allocation(ptr, 1).map_err(|_| cu::NOT_FOUND)?;
+        // SAFETY: valid out-pointers (or null, refused by `out`), per the API.
+        unsafe {
+            out(base, b)?;
+            out(size, len as usize)
+        }
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceCanAccessPeer(can: *mut c_int, dev: c_int, peer: c_int) -> i32 {
     crate::calls::count("cuDeviceCanAccessPeer");
