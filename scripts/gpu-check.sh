@@ -95,6 +95,7 @@ if command -v maturin >/dev/null; then
     mkdir -p "$STAGE/python"
     maturin build --release -m python/Cargo.toml -o "$STAGE/python" >/dev/null 2>&1 &&
         cp python/examples/train_torch.py "$STAGE/python/" &&
+        cp -r python/tests "$STAGE/python/tests" &&
         echo "staged $(ls "$STAGE"/python/*.whl)"
 else
     echo "== no maturin here: the Python wheel is not staged (pip install maturin)"
@@ -237,6 +238,16 @@ if ls "$HERE"/python/*.whl >/dev/null 2>&1 && python3 -c "import torch" 2>/dev/n
     [ "$rc" -ne 0 ] && FAILED=1
     printf '%-28s rc=%s (%s GPU workers; %s -> %s)\n' python-train_torch "$rc" "${gpus:-1}" \
         "$first" "$last" | tee -a "$SUMMARY"
+    pack
+    # torch CUDA tensors lent to the store in place (pytest is in the GPU machine's image).
+    echo "== python: pytest test_torch_cuda.py"
+    (cd "$HERE/python/tests" && PYTHONPATH="$HERE/site" timeout "${TEST_TIMEOUT:-300}" \
+        python3 -m pytest -q -rs -p no:cacheprovider test_torch_cuda.py) \
+        >"$LOG/python-test_torch_cuda.log" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] && FAILED=1
+    printf '%-28s rc=%s (%s)\n' python-test_torch_cuda "$rc" \
+        "$(tail -n 1 "$LOG/python-test_torch_cuda.log")" | tee -a "$SUMMARY"
     pack
 fi
 if [ "${TORCH_BENCH:-0}" = 1 ]; then

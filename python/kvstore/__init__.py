@@ -105,14 +105,14 @@ def _as_list(v, op, what):
     )
 
 
-def _one_each(keys, values, op):
+def _one_each(keys, values, op, lent):
     """The one value of each key, read (init and broadcast take one per key)."""
     for k, vs in zip(keys, values):
         if len(vs) != 1:
             raise InvalidArgumentError(
                 f"{op}: key {k} got {len(vs)} values: {op} takes one value per key"
             )
-    return [_arrays.read(vs[0]) for vs in values]
+    return [_arrays.read(vs[0], lent) for vs in values]
 
 
 def _priority(priority):
@@ -215,20 +215,28 @@ class KVStore:
     def init(self, key, value):
         """Puts a copy of ``value`` in under ``key``; a list of keys takes a list of values.
         Each key is initialized once."""
-        with _told(self._kv, "init"):
-            keys, values = _key_lists(key, value, "init", "values")
-            flat = _one_each(keys, values, "init")
-        self._kv.init(keys, flat)
+        lent = []
+        try:
+            with _told(self._kv, "init"):
+                keys, values = _key_lists(key, value, "init", "values")
+                flat = _one_each(keys, values, "init", lent)
+            self._kv.init(keys, flat)
+        finally:
+            _arrays.end_lends(lent)
 
     def push(self, key, value, priority=0):
         """Pushes one array or a list of arrays (from several devices) to ``key``, or one
         entry per key to a list of keys. The arrays of each key are summed, then merged into
         the stored value by the updater (assign by default)."""
-        with _told(self._kv, "push"):
-            keys, values = _key_lists(key, value, "push", "values")
-            reads = [[_arrays.read(v) for v in vs] for vs in values]
-            priority = _priority(priority)
-        self._kv.push(keys, reads, priority)
+        lent = []
+        try:
+            with _told(self._kv, "push"):
+                keys, values = _key_lists(key, value, "push", "values")
+                reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
+                priority = _priority(priority)
+            self._kv.push(keys, reads, priority)
+        finally:
+            _arrays.end_lends(lent)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies the value of ``key`` into ``out``: one array or a list of arrays, or one entry
@@ -237,10 +245,14 @@ class KVStore:
             if out is None:
                 raise InvalidArgumentError("pull: pass the arrays to write into as out=")
             keys, outs = _key_lists(key, out, "pull", "outs")
-            after = []
-            capsules = [[_arrays.write(o, after) for o in os_] for os_ in outs]
-            priority = _priority(priority)
-        self._kv.pull(keys, capsules, priority)
+        after, lent = [], []
+        try:
+            with _told(self._kv, "pull"):
+                capsules = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
+                priority = _priority(priority)
+            self._kv.pull(keys, capsules, priority)
+        finally:
+            _arrays.end_lends(lent)
         for f in after:
             f()
 
@@ -253,10 +265,14 @@ class KVStore:
                 outs = values
             else:
                 _, outs = _key_lists(key, out, "pushpull", "outs")
-            reads = [[_arrays.read(v) for v in vs] for vs in values]
-            after = []
-            writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
-        self._kv.pushpull(keys, reads, writes)
+        after, lent = [], []
+        try:
+            with _told(self._kv, "pushpull"):
+                reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
+                writes = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
+            self._kv.pushpull(keys, reads, writes)
+        finally:
+            _arrays.end_lends(lent)
         for f in after:
             f()
 
@@ -265,10 +281,14 @@ class KVStore:
         with _told(self._kv, "broadcast"):
             keys, values = _key_lists(key, value, "broadcast", "values")
             _, outs = _key_lists(key, out, "broadcast", "outs")
-            flat = _one_each(keys, values, "broadcast")
-            after = []
-            writes = [[_arrays.write(o, after) for o in os_] for os_ in outs]
-        self._kv.broadcast(keys, flat, writes)
+        after, lent = [], []
+        try:
+            with _told(self._kv, "broadcast"):
+                flat = _one_each(keys, values, "broadcast", lent)
+                writes = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
+            self._kv.broadcast(keys, flat, writes)
+        finally:
+            _arrays.end_lends(lent)
         for f in after:
             f()
 

@@ -2,8 +2,15 @@
 
 Anything with ``__dlpack__`` is an array: NumPy >= 1.22, PyTorch, JAX, CuPy. Host arrays are
 handed to the native module as DLPack capsules, which it reads (push) or writes (pull) in place.
-Arrays on a GPU or another device are staged through host memory with the framework's own copy,
-which orders itself after the framework's current stream.
+
+PyTorch CUDA tensors are lent to the store in place, with no copy, and DLPack's stream
+handshake: the capsule is exported with the store's stream for the tensor's GPU
+(``__dlpack__(stream=...)``), so torch's pending work on the tensor runs first; after the call
+torch's current stream waits for the store's, and the tensor is recorded on the store's stream
+(``record_stream``), so neither torch's next kernels nor its allocator touch the memory before
+the store is done with it. A tensor that is not contiguous is read through a contiguous copy,
+and written through one that is copied back. Arrays of other libraries on a GPU are staged
+through host memory with the library's own copy, which orders itself after its current stream.
 """
 
 from . import _native
@@ -50,6 +57,39 @@ def _capsule(arr, write):
         return np.array(arr, copy=True).__dlpack__()
 
 
+def _is_torch_cuda(arr):
+    return type(arr).__module__.startswith("torch") and bool(getattr(arr, "is_cuda", False))
+
+
+def _lend(t, lent):
+    """A capsule of torch CUDA tensor ``t``'s own memory, exported on the store's stream."""
+    import torch
+
+    stream = _native.cuda_stream(t.device.index)
+    lent.append(t)
+    # torch orders the export after the current stream of the current device: make that the
+    # tensor's.
+    with torch.cuda.device(t.device):
+        try:
+            return t.__dlpack__(stream=stream, max_version=_native.DLPACK_MAX_VERSION)
+        except TypeError:
+            return t.__dlpack__(stream=stream)
+
+
+def end_lends(lent):
+    """After a store call with lent torch tensors: torch's current stream on each tensor's GPU
+    waits for the store's stream, and the allocator keeps each tensor's memory until the store's
+    work on it has run."""
+    if not lent:
+        return
+    import torch
+
+    for t in lent:
+        store = torch.cuda.ExternalStream(_native.cuda_stream(t.device.index), device=t.device)
+        torch.cuda.current_stream(t.device).wait_stream(store)
+        t.record_stream(store)
+
+
 def _to_host(arr):
     if hasattr(arr, "cpu"):  # torch
         return arr.detach().cpu()
@@ -60,22 +100,26 @@ def _to_host(arr):
     return np.asarray(arr)
 
 
-def read(arr):
-    """A capsule to read ``arr``'s elements from."""
+def read(arr, lent):
+    """A capsule to read ``arr``'s elements from. A torch CUDA tensor is lent and appended to
+    ``lent``, for ``end_lends`` after the call."""
     if not is_array(arr):
         raise TypeError(
             f"expected an array with __dlpack__ (NumPy, PyTorch, JAX, CuPy), got "
             f"{type(arr).__name__}"
         )
     arr = _detached(arr)
+    if _is_torch_cuda(arr):
+        return _lend(arr.contiguous(), lent)
     if _device_type(arr) not in (_CPU, _CUDA_HOST):
         arr = _to_host(arr)
     return _capsule(arr, write=False)
 
 
-def write(arr, after):
-    """A capsule to write ``arr``'s elements into. For a device array, a host copy is written
-    and a function that copies it back is appended to ``after``."""
+def write(arr, after, lent):
+    """A capsule to write ``arr``'s elements into. A contiguous torch CUDA tensor is lent (and
+    appended to ``lent``); for another device array, a copy is written and a function that
+    copies it back is appended to ``after``, to run after ``end_lends``."""
     if not is_array(arr):
         raise TypeError(
             f"expected an array with __dlpack__ (NumPy, PyTorch, CuPy) as out, got "
@@ -84,6 +128,14 @@ def write(arr, after):
     arr = _detached(arr)
     if _device_type(arr) in (_CPU, _CUDA_HOST):
         return _capsule(arr, write=True)
+    if _is_torch_cuda(arr):
+        if arr.is_contiguous():
+            return _lend(arr, lent)
+        import torch
+
+        tmp = torch.empty_like(arr, memory_format=torch.contiguous_format)
+        after.append(lambda: arr.copy_(tmp))
+        return _lend(tmp, lent)
     if hasattr(arr, "copy_"):  # torch
         host = arr.cpu()
         after.append(lambda: arr.copy_(host))

@@ -1,47 +1,79 @@
 //! Arrays from Python: DLPack capsules read into kvstore [`NDArray`]s, and kvstore arrays
 //! written back into the memory of a capsule (a pull's `out`).
 //!
-//! The Python side (`kvstore/_arrays.py`) negotiates `__dlpack__` with the producer and hands
-//! over capsules of host memory; this module reads and writes their elements, contiguous or
-//! strided, in any of kvstore's dtypes.
+//! The Python side (`kvstore/_arrays.py`) negotiates `__dlpack__` with the producer. Capsules of
+//! host memory are read and written here element by element, contiguous or strided, in any of
+//! kvstore's dtypes. Capsules of CUDA memory (contiguous PyTorch tensors, exported with the
+//! store's stream) are lent to the store in place ([`LentGpuArray`]): nothing is copied.
 
 use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDeviceType};
 use dlpark::python::ImportedDlpack;
 use dlpark::TensorRef;
 use half::{bf16, f16};
-use kvstore::{DType, NDArray, Shape};
+use kvstore::{DType, LentGpuArray, NDArray, Shape};
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 /// A Python array imported through DLPack: the owning capsule contents. Dropping it calls the
 /// producer's deleter, which releases the producer's reference to its buffer.
 pub struct Imported {
+    /// The memory lent to the store, for a CUDA array. Declared first, so it is dropped (and
+    /// the lend ended) before the capsule's deleter lets the producer's buffer go.
+    lent: Option<LentGpuArray>,
     tensor: ImportedDlpack,
     dtype: DType,
     shape: Shape,
 }
 
+/// DLPack's device type of CUDA device memory (`kDLCUDA`).
+const DL_CUDA: DLDeviceType = DLDeviceType(2);
+
 // Imported only holds dlpark's `Managed` tensors, which dlpark declares `Send + Sync`; the
 // struct is moved into `Python::detach` closures so copies run without the GIL.
 
-/// Imports one DLPack capsule (or any object with `__dlpack__`) of host memory.
+/// Imports one DLPack capsule (or any object with `__dlpack__`): host memory, or contiguous CUDA
+/// memory, which is lent to the store on its GPU.
 pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Imported> {
     let tensor = dlpark::python::from_dlpack(obj.as_borrowed(), None, None)?;
     let view = tensor
         .validate()
         .map_err(|e| PyValueError::new_err(format!("invalid DLPack tensor: {e}")))?;
-    let device = view.device().device_type;
-    if device != DLDeviceType::CPU && device != DLDeviceType::CUDAHOST {
-        return Err(PyTypeError::new_err(format!(
-            "kvstore reads and writes host memory through DLPack, but this array is on DLPack \
-             device type {}: copy it to the CPU first",
-            device.0
-        )));
-    }
+    let device = view.device();
     let dtype = dtype_of(view.dtype())?;
     let dims: Vec<usize> = view.shape().iter().map(|&d| d as usize).collect();
     let shape = Shape::try_from(dims.as_slice()).map_err(crate::errors::to_py)?;
+    let lent = match device.device_type {
+        DLDeviceType::CPU | DLDeviceType::CUDAHOST => None,
+        DL_CUDA => {
+            if !view.is_compact().unwrap_or(false) {
+                return Err(PyTypeError::new_err(
+                    "kvstore lends CUDA arrays in place only when their elements are \
+                     contiguous (row-major): pass tensor.contiguous()",
+                ));
+            }
+            // SAFETY: validated above; DLPack's `data + byte_offset` is the first element.
+            let ptr = unsafe { view.offset_bytes_ptr() }
+                .map_err(|e| PyValueError::new_err(format!("invalid DLPack tensor: {e}")))?;
+            // SAFETY: the capsule, owned by the `Imported` built below, keeps the producer's
+            // buffer alive until after the lend ends (`lent` is dropped first); the Python
+            // side exported it with the store's stream (the producer's work on it is ordered
+            // before the store's) and orders the producer's later use after the store's
+            // stream (`kvstore/_arrays.py`); no clone of the array outlives the call.
+            let lent =
+                unsafe { LentGpuArray::new(ptr as u64, device.device_id as usize, dtype, shape) }
+                    .map_err(crate::errors::to_py)?;
+            Some(lent)
+        }
+        other => {
+            return Err(PyTypeError::new_err(format!(
+                "kvstore reads and writes host memory and CUDA memory through DLPack, but this \
+                 array is on DLPack device type {}: copy it to the CPU first",
+                other.0
+            )))
+        }
+    };
     Ok(Imported {
+        lent,
         tensor,
         dtype,
         shape,
@@ -67,8 +99,12 @@ fn dtype_of(t: DLDataType) -> PyResult<DType> {
 }
 
 impl Imported {
-    /// A kvstore array on `cpu(0)` holding a copy of the elements (one pass over memory).
+    /// A kvstore array holding the elements: the lent memory itself for a CUDA array, else a
+    /// copy on `cpu(0)` (one pass over memory).
     pub fn to_ndarray(&self) -> PyResult<NDArray> {
+        if let Some(lent) = &self.lent {
+            return Ok(lent.array().clone());
+        }
         let view = self.view()?;
         let array = match self.dtype {
             DType::F32 => NDArray::from_vec(gather::<f32>(&view)?, self.shape),
@@ -80,8 +116,12 @@ impl Imported {
     }
 
     /// A kvstore array of this array's shape and dtype, for a pull to write into before
-    /// [`Imported::write_from`] copies it here. Its elements are zeros.
+    /// [`Imported::write_from`] copies it here: zeros, or the lent memory itself for a CUDA
+    /// array.
     pub fn scratch(&self) -> PyResult<NDArray> {
+        if let Some(lent) = &self.lent {
+            return Ok(lent.array().clone());
+        }
         let n = self.shape.size();
         let array = match self.dtype {
             DType::F32 => NDArray::from_vec(vec![0f32; n], self.shape),
@@ -106,9 +146,13 @@ impl Imported {
         })
     }
 
-    /// Copies `src` (this array's shape and dtype) into this array's memory. The caller has
-    /// called [`Imported::check_writable`].
+    /// Copies `src` (this array's shape and dtype) into this array's memory; nothing for a
+    /// CUDA array, which the store wrote in place. The caller has called
+    /// [`Imported::check_writable`].
     pub fn write_from(&self, src: &NDArray) -> PyResult<()> {
+        if self.lent.is_some() {
+            return Ok(());
+        }
         let view = self.view()?;
         match self.dtype {
             DType::F32 => scatter(&view, &host_vec::<f32>(src)?),

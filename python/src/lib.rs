@@ -434,5 +434,13 @@ fn kvstore_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
             dlpark::ffi::DLPACK_MINOR_VERSION,
         ),
     )?;
+    m.add_function(wrap_pyfunction!(cuda_stream, m)?)?;
     Ok(())
+}
+
+/// The CUDA stream (as an integer) on which the store works on GPU `device_id`: the `stream`
+/// handed to `__dlpack__` when a CUDA array is lent, and the stream its owner waits on after.
+#[pyfunction]
+fn cuda_stream(device_id: usize) -> PyResult<usize> {
+    kvstore::cuda_stream(device_id).map_err(errors::to_py)
 }
