@@ -165,6 +165,10 @@ class KVStore:
     def __init__(self, name="local"):
         self._kv = _open(name)
         self._updater = None
+        # The Python updater set with set_updater, and its identity as the workers last agreed
+        # on it (a dist store compares it again before every push: see _check_python_updater).
+        self._python_updater = None
+        self._python_identity = None
 
     def __repr__(self):
         return f"<kvstore.KVStore type={self.type!r} keys={len(self._kv.keys())}>"
@@ -234,6 +238,7 @@ class KVStore:
                 keys, values = _key_lists(key, value, "push", "values")
                 reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
                 priority = _priority(priority)
+            self._check_python_updater()
             self._kv.push(keys, reads, priority)
         finally:
             _arrays.end_lends(lent)
@@ -270,6 +275,7 @@ class KVStore:
             with _told(self._kv, "pushpull"):
                 reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
                 writes = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
+            self._check_python_updater()
             self._kv.pushpull(keys, reads, writes)
         finally:
             _arrays.end_lends(lent)
@@ -304,14 +310,32 @@ class KVStore:
         ``DesyncError`` instead of computing apart."""
         if updater is None:
             self._kv.set_assign()
-            self._updater = None
+            self._updater = self._python_updater = self._python_identity = None
             return
         if not callable(updater):
             raise TypeError(f"the updater must be callable, got {type(updater).__name__}")
         from . import _updater
 
-        self._kv.set_python_updater(_updater.call, updater, _updater.identity(updater))
-        self._updater = updater
+        identity = _updater.identity(updater)
+        self._kv.set_python_updater(_updater.call, updater, identity)
+        self._updater = self._python_updater = updater
+        self._python_identity = identity
+
+    def _check_python_updater(self):
+        """On a dist store with a Python updater: what it reads may have changed since it was
+        set (a global learning rate, a captured list). Its identity is computed again before
+        every push; when it changed, the workers agree on the new one first, so workers that
+        changed it differently, or only some of them, fail with a DesyncError (a worker that
+        agrees where the others push fails too) instead of computing apart."""
+        fn = self._python_updater
+        if fn is None or self._kv.num_workers < 2:
+            return
+        from . import _updater
+
+        identity = _updater.identity(fn)
+        if identity != self._python_identity:
+            self._kv.agree(f"the Python updater is now {identity}")
+            self._python_identity = identity
 
     _set_updater = set_updater
 
@@ -328,6 +352,7 @@ class KVStore:
             )
         apply(self._kv)
         self._updater = optimizer
+        self._python_updater = self._python_identity = None
 
     def set_gradient_compression(self, compression_params):
         """MXNet's gradient compression, ``{'type': '2bit', 'threshold': 0.5}``: each pushed

@@ -18,14 +18,16 @@ Two modes, as MXNet's Trainer has them:
 - ``update_on_kvstore=False``: the store sums the gradients (``pushpull`` in place, averaged
   over the workers), and the wrapped torch optimizer steps locally. Any torch optimizer works.
   Its type and hyperparameters are compared across the workers (``KVStore.agree``) at the
-  first step and whenever they change, so workers that would step differently fail with a
-  ``DesyncError`` instead of training apart. (Its state, as a ``load_state_dict`` on some
-  workers only, is not compared.)
+  first step and whenever they change, and so is its state (a SHA-256 of every state tensor's
+  bytes) at the first step and after every ``load_state_dict``, through the wrapper or on the
+  torch optimizer itself: workers that would step differently fail with a ``DesyncError``
+  instead of training apart.
 
 The default is True for SGD and Adam and False otherwise. No torch is needed to build or import
 ``kvstore``; this module imports torch when it is used.
 """
 
+import hashlib
 from dataclasses import replace
 
 import torch
@@ -106,6 +108,26 @@ def _settings(opt):
     )
 
 
+def _state_digest(opt):
+    """A SHA-256 of the torch optimizer's state: for each parameter (in ``param_groups``
+    order) its state entries by name, tensors by dtype, shape and bytes. Equal on workers that
+    will step alike; one copy to the host of the state (about the model's size, or twice it)."""
+    h = hashlib.sha256()
+    order = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    entries = sorted(opt.state.items(), key=lambda kv: order.get(id(kv[0]), -1))
+    for p, state in entries:
+        h.update(f"param {order.get(id(p), -1)};".encode())
+        for name in sorted(state, key=str):
+            v = state[name]
+            if isinstance(v, torch.Tensor):
+                t = v.detach().reshape(-1).contiguous()
+                h.update(f"{name} {v.dtype} {tuple(v.shape)};".encode())
+                h.update(t.view(torch.uint8).cpu().numpy().tobytes())
+            else:
+                h.update(f"{name} {v!r};".encode())
+    return h.hexdigest()
+
+
 class DistributedOptimizer:
     """Wraps a torch optimizer so that ``step()`` goes through a kvstore.
 
@@ -137,8 +159,11 @@ class DistributedOptimizer:
         if update_on_kvstore is None:
             update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
         self.update_on_kvstore = bool(update_on_kvstore)
-        # The torch settings the workers last agreed on (update_on_kvstore=False).
+        # The torch settings the workers last agreed on (update_on_kvstore=False), and the
+        # optimizer's state dict they last compared: torch's load_state_dict replaces it with a
+        # new one, so a state that is not this object is compared again at the next step.
         self._agreed = None
+        self._state_checked = None
         if self.update_on_kvstore:
             self._translated = _translate(optimizer, self.store.num_workers)
             self.store.set_optimizer(self._translated)
@@ -156,6 +181,11 @@ class DistributedOptimizer:
     def param_groups(self):
         """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
+
+    def load_state_dict(self, state_dict):
+        """The wrapped optimizer's ``load_state_dict``. With ``update_on_kvstore=False`` on
+        several workers, the loaded state is compared across them at the next step."""
+        self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none=True):
         """The wrapped optimizer's ``zero_grad``."""
@@ -230,6 +260,13 @@ class DistributedOptimizer:
                     if settings != self._agreed:
                         self.store.agree(settings)
                         self._agreed = settings
+                    # Its state too, at the first step and after a load_state_dict (which
+                    # replaces the state dict): momentum loaded on some workers only would
+                    # step them apart.
+                    if self.optimizer.state is not self._state_checked:
+                        digest = _state_digest(self.optimizer)
+                        self.store.agree(f"torch optimizer state sha256 {digest}")
+                        self._state_checked = self.optimizer.state
                 self.store.pushpull(keys, grads)
                 workers = self.store.num_workers
                 if workers > 1:

@@ -220,6 +220,40 @@ def same_updater():
     say("ok same_updater")
 
 
+def updater_changed():
+    """A value a Python updater reads changes after set_updater (the global SCALE here). On
+    every rank alike ("all"): the next push agrees on the new identity and computes with the
+    new value. On one rank only ("one"): the next push fails with a DesyncError on every rank,
+    where before it summed with 2 on some ranks and 3 on others."""
+    global SCALE
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    init = values(99, 3, (4,), n=1)[0]
+    kv.init(3, init)
+    SCALE = 2.0
+
+    def by_global(key, inp, stored):
+        stored += inp * SCALE
+
+    kv.set_updater(by_global)
+    kv.push(3, values(r, 3, (4,), n=1))
+    total = sum(values(q, 3, (4,), n=1)[0].astype(np.float64) for q in range(n))
+    want = init + 2.0 * total
+    if ARGS[0] == "one":
+        if r == 1:
+            SCALE = 3.0
+        expect(kvstore.DesyncError, lambda: kv.push(3, values(r, 3, (4,), n=1)))
+    else:
+        SCALE = 3.0
+        kv.push(3, values(r, 3, (4,), n=1))
+        want = want + 3.0 * total
+    out = np.zeros(4, np.float32)
+    if ARGS[0] == "all":
+        kv.pull(3, out=out)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    say(f"ok updater_changed {ARGS[0]}")
+
+
 def reject_python():
     """An error the Python layer raises on one rank before the store sees the call (ARGS[0]:
     "value", a non-array value, found in Python; "key", a float key, found by the native
@@ -292,6 +326,53 @@ def desync_torch():
             sched.step()
     expect(kvstore.DesyncError, step)
     say(f"ok desync_torch {ARGS[0]}")
+
+
+def torch_state():
+    """DistributedOptimizer(update_on_kvstore=False) with Adam: after two steps every rank
+    saves its state; then ARGS[0] "all": every rank loads the same state back (through the
+    wrapper) and steps on, its parameters equal on every rank; "one": rank 1 alone loads a state
+    whose first moments it changed ("inner": through the torch optimizer itself, not the
+    wrapper), and the next step fails with a DesyncError on every rank."""
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    torch.manual_seed(SEED)
+    model = torch.nn.Linear(3, 2)
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), kv, update_on_kvstore=False)
+    g = torch.Generator().manual_seed(SEED + r)
+    x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    step()
+    step()
+    saved = opt.state_dict()
+    how = ARGS[0]
+    if how == "all":
+        opt.load_state_dict(saved)
+        step()
+        # Rank 0's parameters, summed with zeros from the others, equal every rank's own.
+        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        kv.init(1000, np.zeros(mine.size, np.float32))
+        kv.push(1000, mine * (1 if r == 0 else 0))
+        out = np.zeros(mine.size, np.float32)
+        kv.pull(1000, out=out)
+        assert np.array_equal(out, mine), (out, mine)
+    else:
+        if r == 1:
+            for st in saved["state"].values():
+                st["exp_avg"] = st["exp_avg"] * 0.5
+            target = opt.optimizer if how == "inner" else opt
+            target.load_state_dict(saved)
+        expect(kvstore.DesyncError, step)
+    say(f"ok torch_state {how}")
 
 
 def torch_refuse():
@@ -624,10 +705,12 @@ CASES = {
     "desync_optimizer": desync_optimizer,
     "desync_updater": desync_updater,
     "same_updater": same_updater,
+    "updater_changed": updater_changed,
     "reject_python": reject_python,
     "load_order": load_order,
     "desync_torch": desync_torch,
     "torch_refuse": torch_refuse,
+    "torch_state": torch_state,
     "timeout": timeout,
     "distenv": distenv,
     "slow_create": slow_create,

@@ -165,6 +165,21 @@ def test_the_same_python_updater_on_every_rank_computes():
 
 
 @needs_mpi
+def test_a_python_updater_whose_values_change_alike_computes_with_the_new_ones():
+    rc, out = run(2, "updater_changed", "all")
+    assert rc == 0, out
+    assert oks(out, "updater_changed") == [0, 1], out
+
+
+@needs_mpi
+def test_a_python_updater_whose_values_change_on_one_rank_fails_with_desync():
+    rc, out = run(2, "updater_changed", "one")
+    assert oks(out, "updater_changed") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    assert rc != 0, out
+
+
+@needs_mpi
 @pytest.mark.parametrize(
     "where,error",
     [("value", "TypeError"), ("key", "TypeError"), ("priority", "OverflowError")],
@@ -192,6 +207,24 @@ def test_torch_stepping_locally_with_different_settings_fails_with_desync(how):
     pytest.importorskip("torch", reason="SKIPPED: torch not installed")
     rc, out = run(2, "desync_torch", how)
     assert oks(out, "desync_torch") == [0, 1], out
+    assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    assert rc != 0, out
+
+
+@needs_mpi
+def test_torch_state_loaded_alike_on_every_rank_steps_on():
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "torch_state", "all")
+    assert rc == 0, out
+    assert oks(out, "torch_state") == [0, 1], out
+
+
+@needs_mpi
+@pytest.mark.parametrize("how", ["wrapper", "inner"])
+def test_torch_state_loaded_on_one_rank_only_fails_with_desync(how):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "torch_state", how)
+    assert oks(out, "torch_state") == [0, 1], out
     assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
     assert rc != 0, out
 
