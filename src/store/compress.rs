@@ -48,7 +48,7 @@ impl KvStore {
         compression.check()?;
         match self.kind {
             StoreKind::Device => {}
-            // CPU ranks: each rank's words travel to every rank (an all-gather).
+            // CPU ranks: each rank's words of a part travel to its holder (an all-to-all).
             StoreKind::DistSync | StoreKind::DistDeviceSync if self.ranks.gpu().is_none() => {}
             StoreKind::Local | StoreKind::Nccl => {
                 return Err(Error::Compression {
@@ -178,9 +178,10 @@ fn residuals_of(slot: &Slot) -> Residuals {
 
 /// A compressed push's step across ranks (a `dist_*` store of CPU ranks). Each rank's
 /// contribution (the sum of its values, uncompressed, as MXNet's workers sum their devices
-/// first) is quantized with this rank's residual of the key; the ranks exchange their words
-/// in one all-gather (a sixteenth of the float32 bytes), and each rank decodes every rank's
-/// words for the part of the key it holds and sums them in rank order. Returns the totals and
+/// first) is quantized with this rank's residual of the key; each rank sends every rank the
+/// words of the part of the key that rank holds, in one all-to-all (about a sixteenth of the
+/// key's float32 bytes leaves and reaches each rank), and each rank decodes every rank's words
+/// for its part and sums them in rank order. Returns the totals and
 /// the residuals to keep once the push has succeeded.
 pub(super) fn sum_across(
     call: &mut dyn Round,
@@ -195,8 +196,7 @@ pub(super) fn sum_across(
         ));
     };
     let (rank, size) = (d.rank(), d.size());
-    let mut words: Vec<f32> = Vec::new();
-    let mut at = Vec::with_capacity(groups.len());
+    let mut packed_keys = Vec::with_capacity(groups.len());
     let mut kept = Vec::with_capacity(groups.len());
     for (g, m) in groups.iter().zip(mine) {
         let value: Vec<f32> = match m {
@@ -221,15 +221,36 @@ pub(super) fn sum_across(
         }
         let mut packed = vec![0u32; two_bit_words(value.len())];
         two_bit_quantize(&value, &mut residuals[0], threshold, &mut packed);
-        at.push(words.len());
-        // The words travel as float32 bit patterns: the all-gather copies them, never adds.
-        words.extend(packed.into_iter().map(f32::from_bits));
+        packed_keys.push(packed);
         kept.push(residuals);
     }
-    let per_rank = words.len();
-    let send = HostData::F32(words);
-    let recv = HostData::F32(vec![0.0; per_rank * size]);
-    let ticket = call.start(Op::AllGather, send, recv)?;
+    // Each rank sends every other rank only the words of the parts that rank holds, in one
+    // all-to-all of equal blocks (the longest block sets the length; the rest is padding, little
+    // where keys are sliced or spread over the ranks). Block `r`: for each key `r` holds, the
+    // words covering its part. Every rank lays the blocks out alike (the fingerprint made the
+    // keys, shapes and spreads the same), so each knows where its words are in every block.
+    let words_of = |g: &Group<'_>, r: usize| -> std::ops::Range<usize> {
+        let piece = g.slot.spread.piece(g.slot.shape.size(), r, size);
+        match piece.is_empty() {
+            true => 0..0,
+            false => piece.start / 16..piece.end.div_ceil(16),
+        }
+    };
+    let block_len = |r: usize| groups.iter().map(|g| words_of(g, r).len()).sum::<usize>();
+    let block = (0..size).map(block_len).max().unwrap_or(0);
+    let mut send = vec![0f32; block * size];
+    for r in 0..size {
+        let mut at = r * block;
+        for (g, packed) in groups.iter().zip(&packed_keys) {
+            // The words travel as float32 bit patterns: the all-to-all copies them, never adds.
+            for &w in &packed[words_of(g, r)] {
+                send[at] = f32::from_bits(w);
+                at += 1;
+            }
+        }
+    }
+    let recv = HostData::F32(vec![0.0; block * size]);
+    let ticket = call.start(Op::AllToAll, HostData::F32(send), recv)?;
     let (_, all) = call.land(ticket)?;
     // The bit patterns themselves: a conversion (through f64, say) would quiet a word that
     // reads as a signalling NaN, and change a code.
@@ -242,23 +263,26 @@ pub(super) fn sum_across(
         }
     };
     let mut totals = Vec::with_capacity(groups.len());
-    for (g, &start) in groups.iter().zip(&at) {
+    let mut at = 0;
+    for g in groups {
         let len = g.slot.shape.size();
         let piece = g.slot.spread.piece(len, rank, size);
         if piece.is_empty() && !g.slot.spread.holds(rank) {
             totals.push(None);
             continue;
         }
-        let n = two_bit_words(len);
+        let words = words_of(g, rank);
+        let first = 16 * words.start;
         let mut total = vec![0f32; piece.len()];
         for r in 0..size {
-            let theirs = &all[r * per_rank + start..r * per_rank + start + n];
+            let theirs = &all[r * block + at..r * block + at + words.len()];
             for (t, i) in total.iter_mut().zip(piece.clone()) {
-                let v = two_bit_value(theirs, i, threshold);
+                let v = two_bit_value(theirs, i - first, threshold);
                 // In rank order, in float32: the first rank's value, then + each next one.
                 *t = if r == 0 { v } else { *t + v };
             }
         }
+        at += words.len();
         let shape = part_shape(g, total.len());
         totals.push(Some(NDArray::from_host(
             HostData::F32(total),

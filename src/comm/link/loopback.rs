@@ -327,6 +327,20 @@ impl Round for LoopRound<'_> {
                 }
                 <T as crate::Element>::wrap(all)
             }),
+            // Block `rank` of every rank's buffer, in rank order, bit for bit.
+            Op::AllToAll => with_host!(&send, _v: T => {
+                let block = send.len() / size.max(1);
+                let mut mine: Vec<T> = Vec::with_capacity(send.len());
+                for d in &data {
+                    let theirs = <T as crate::Element>::slice(d)
+                        .ok_or_else(|| internal("ranks sent different dtypes"))?;
+                    let piece = theirs
+                        .get(rank * block..(rank + 1) * block)
+                        .ok_or_else(|| internal("ranks sent all-to-all blocks of different lengths"))?;
+                    mine.extend_from_slice(piece);
+                }
+                <T as crate::Element>::wrap(mine)
+            }),
         };
         if recv.len() != result.len() {
             return Err(internal("a receive buffer of the wrong length"));

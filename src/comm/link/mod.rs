@@ -42,6 +42,9 @@ pub(crate) enum Op {
     /// Block `r` of the root's send buffer into rank `r`'s receive buffer (the other ranks'
     /// send buffers are empty).
     Scatter { root: usize },
+    /// Block `r` of every rank's send buffer (`size` equal blocks) into rank `r`'s receive
+    /// buffer, in rank order: an all-to-all.
+    AllToAll,
 }
 
 impl Op {
@@ -53,6 +56,7 @@ impl Op {
             Op::Reduce { .. } | Op::Broadcast { .. } | Op::Scatter { .. } => 0,
             Op::ReduceScatter => len / size.max(1),
             Op::AllGather => len * size,
+            Op::AllToAll => len,
         }
     }
 }

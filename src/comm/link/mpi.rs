@@ -114,6 +114,7 @@ impl Round for MpiRound {
             Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
             Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
             Op::Scatter { root } => typed!(|s, r| call.scatter(s, r, root)?),
+            Op::AllToAll => typed!(|s, r| call.all_to_all(s, r)?),
         };
         self.flights.push(Some(flight));
         Ok(Ticket(self.flights.len() - 1))

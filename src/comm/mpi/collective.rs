@@ -117,6 +117,7 @@ pub(super) enum Coll {
     ReduceScatter,
     AllGather,
     Scatter { root: usize },
+    AllToAll,
     Barrier,
     Fingerprint,
 }
@@ -129,6 +130,7 @@ impl std::fmt::Display for Coll {
             Coll::ReduceScatter => f.write_str("reduce-scatter"),
             Coll::AllGather => f.write_str("all-gather"),
             Coll::Scatter { root } => write!(f, "scatter from rank {root}"),
+            Coll::AllToAll => f.write_str("all-to-all"),
             Coll::Barrier => f.write_str("barrier"),
             Coll::Fingerprint => f.write_str("fingerprint check (an all-gather)"),
         }
@@ -419,6 +421,40 @@ impl Call {
         // communicator is valid.
         let rc = unsafe {
             ffi::MPI_Iallgather(
+                raw::ptr(&p.send),
+                n,
+                T::datatype(),
+                raw::ptr_mut(&mut p.recv),
+                n,
+                T::datatype(),
+                self.st.data.0,
+                &mut p.req.0,
+            )
+        };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// Starts an all-to-all of equal blocks (`MPI_Ialltoall`): `send` and `recv` each hold
+    /// `size` blocks of one length; block `r` of `send` goes to rank `r`, and block `s` of
+    /// `recv` comes from rank `s`.
+    pub fn all_to_all<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
+        let size = self.world.size;
+        if recv.len() != send.len() || send.len() % size != 0 {
+            return Err(self.misuse(format!(
+                "all-to-all: send and receive buffers must hold {size} equal blocks each, but \
+                 they have {} and {} elements",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let n = raw::count(self.op, send.len() / size)?;
+        let bytes = recv.len() * std::mem::size_of::<T>();
+        let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
+        // SAFETY: both buffers hold size × n elements of T's MPI datatype (checked above) and
+        // live in `p` until completion or are leaked; the communicator is valid.
+        let rc = unsafe {
+            ffi::MPI_Ialltoall(
                 raw::ptr(&p.send),
                 n,
                 T::datatype(),
