@@ -9,8 +9,15 @@
 //! the two bits starting at bit `6 - 2 * (k % 4)` of that byte, `0b11` for `+t`, `0b10` for
 //! `-t`, `0b00` for 0 (the layout of MXNet's kernels, so that words are interchangeable). A
 //! word is stored as the little-endian `u32` of its four bytes.
+//!
+//! 16-bit ([`Compression::Half`], not in MXNet): per element, in float32, the value is added to
+//! its residual, the sum is rounded to the nearest bfloat16 or float16 (ties to even), that is
+//! sent, and the rounding error stays in the residual. A sum that is not finite, or rounds to
+//! an infinity (float16 past ±65504), is sent as it rounds and leaves a residual of 0.
 
-use crate::{Error, Result};
+use half::{bf16, f16};
+
+use crate::{DType, Error, Result};
 
 /// How a store compresses pushed values before it sums them (see
 /// [`KvStore::set_gradient_compression`](crate::KvStore::set_gradient_compression)).
@@ -25,12 +32,30 @@ pub enum Compression {
         /// The magnitude each element sends, greater than 0 (MXNet's default is 0.5).
         threshold: f32,
     },
+    /// A 16-bit wire with error feedback: each element sends its value plus residual rounded
+    /// to `dtype`, and keeps the rounding error for the next push. Half the bytes of float32;
+    /// not an MXNet setting.
+    Half {
+        /// [`DType::BF16`] (float32's range, 8 bits of mantissa) or [`DType::F16`] (10 bits,
+        /// values up to ±65504).
+        dtype: DType,
+    },
 }
 
 impl Compression {
     /// 2-bit compression with `threshold` (see [`Compression::TwoBit`]).
     pub fn two_bit(threshold: f32) -> Compression {
         Compression::TwoBit { threshold }
+    }
+
+    /// The bfloat16 wire (see [`Compression::Half`]).
+    pub fn bf16() -> Compression {
+        Compression::Half { dtype: DType::BF16 }
+    }
+
+    /// The float16 wire (see [`Compression::Half`]).
+    pub fn fp16() -> Compression {
+        Compression::Half { dtype: DType::F16 }
     }
 
     /// Whether pushes are compressed.
@@ -51,6 +76,16 @@ impl Compression {
                      magnitude each element sends (MXNet's default is 0.5)"
                 ),
             }),
+            Compression::Half {
+                dtype: DType::BF16 | DType::F16,
+            } => Ok(()),
+            Compression::Half { dtype } => Err(Error::Compression {
+                op: "set_gradient_compression",
+                message: format!(
+                    "a 16-bit wire is bfloat16 or float16, got {dtype}: use \
+                     Compression::bf16() or Compression::fp16()"
+                ),
+            }),
         }
     }
 
@@ -62,6 +97,9 @@ impl Compression {
                 "2-bit gradient compression, threshold {threshold} (bits {:#010x})",
                 threshold.to_bits()
             ),
+            Compression::Half { dtype } => {
+                format!("{dtype} wire with error feedback")
+            }
         }
     }
 
@@ -77,8 +115,61 @@ impl Compression {
                 two_bit_dequantize(&words, threshold, &mut out);
                 out
             }
+            Compression::Half { dtype } => match dtype {
+                DType::F16 => half_encode::<f16>(value, residual)
+                    .iter()
+                    .map(|h| h.to_f32())
+                    .collect(),
+                _ => half_encode::<bf16>(value, residual)
+                    .iter()
+                    .map(|h| h.to_f32())
+                    .collect(),
+            },
         }
     }
+}
+
+/// A 16-bit float type of the wire: `bf16` or `f16`.
+pub(crate) trait HalfWire: crate::Element + Copy {
+    /// The nearest value (ties to even).
+    fn round(x: f32) -> Self;
+    /// Its float32 value (exact).
+    fn widen(self) -> f32;
+}
+
+impl HalfWire for bf16 {
+    fn round(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl HalfWire for f16 {
+    fn round(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Rounds `value` plus `residual` to `H`, element by element, keeping the rounding error in
+/// `residual` (0 where the sum or what it rounds to is not finite): what the 16-bit wire sends.
+pub(crate) fn half_encode<H: HalfWire>(value: &[f32], residual: &mut [f32]) -> Vec<H> {
+    debug_assert_eq!(value.len(), residual.len());
+    value
+        .iter()
+        .zip(residual.iter_mut())
+        .map(|(&v, r)| {
+            let acc = *r + v;
+            let sent = H::round(acc);
+            let back = sent.widen();
+            *r = if back.is_finite() { acc - back } else { 0.0 };
+            sent
+        })
+        .collect()
 }
 
 /// The 32-bit words `n` elements take in 2-bit form: 16 per word.

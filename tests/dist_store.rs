@@ -323,9 +323,10 @@ fn a_failing_updater_in_a_pushpull_keeps_the_ranks_in_step_on_2_ranks() {
     healthy(2, "updater_failure", &[]);
 }
 
-/// 2-bit gradient compression across ranks equals a local `device` store that pushes every
-/// rank's value as one list with the same compression (each position keeps its own residual,
-/// as each rank does), bit for bit, over several pushes, for a whole key and a sliced one.
+/// Gradient compression across ranks (2-bit, and the bfloat16 and float16 wires) equals a local
+/// `device` store that pushes every rank's value as one list with the same compression (each
+/// position keeps its own residual, as each rank does), bit for bit, over several pushes, for a
+/// whole key and a sliced one.
 #[test]
 fn compressed_pushes_equal_a_local_compressed_store_sliced_on_3_ranks() {
     healthy(3, "compressed", &[("KVSTORE_BIGARRAY_BOUND", "1000")]);
@@ -1906,15 +1907,31 @@ fn case_schedule() {
 }
 
 fn case_compressed() {
+    let t = [0.5f32, 0.3, 0.125][(seed() % 3) as usize];
+    for compression in [
+        kvstore::Compression::two_bit(t),
+        kvstore::Compression::bf16(),
+        kvstore::Compression::fp16(),
+    ] {
+        compressed_like_a_local_store(compression, t);
+    }
+    let kv = store("dist_sync");
+    kv.barrier().unwrap();
+    ok(
+        &kv,
+        "compressed",
+        &format!("threshold={t} and the 16-bit wires"),
+    );
+}
+
+fn compressed_like_a_local_store(compression: kvstore::Compression, t: f32) {
     let dist = store("dist_sync");
     let local = KvStore::create("device").unwrap();
     let (r, n) = (dist.rank(), dist.num_workers());
-    let t = [0.5f32, 0.3, 0.125][(seed() % 3) as usize];
     let keys = [1, 2];
     let lens = [7usize, 2500];
     for kv in [&local, &dist] {
-        kv.set_gradient_compression(kvstore::Compression::two_bit(t))
-            .unwrap();
+        kv.set_gradient_compression(compression).unwrap();
         let init: Vec<NDArray> = (keys.iter().zip(lens))
             .map(|(&k, len)| arr(&uniform(&[21, k as u64], len), &[len], DType::F32, 0))
             .collect();
@@ -1945,13 +1962,13 @@ fn case_compressed() {
                 assert_eq!(
                     x.to_bits(),
                     y.to_bits(),
-                    "rank {r}, step {step}, key {k}, element {i}: {x} vs a local store's {y}"
+                    "rank {r}, step {step}, key {k}, element {i} ({compression:?}): {x} vs a \
+                     local store's {y}"
                 );
             }
         }
     }
     dist.barrier().unwrap();
-    ok(&dist, "compressed", &format!("threshold={t}"));
 }
 
 fn case_hook_steps() {

@@ -101,8 +101,8 @@ fn push_from_and_pull_into_lent_memory() -> Result<()> {
 }
 
 /// Memory the store cannot use is refused before anything runs: an address inside no
-/// allocation, elements past the end of the allocation, an address not aligned to the
-/// element, and (with two GPUs) memory of another GPU.
+/// allocation, elements past the end of the allocation (its last byte is not device memory),
+/// an address not aligned to the element, and (with two GPUs) memory of another GPU.
 #[test]
 #[ignore = "needs a GPU"]
 fn unusable_memory_is_refused_and_nothing_is_lent() -> Result<()> {
@@ -125,7 +125,7 @@ fn unusable_memory_is_refused_and_nothing_is_lent() -> Result<()> {
     refused(
         unsafe { LentGpuArray::new(p, 0, DType::F32, [101]) },
         "one element too many",
-        "run past the allocation",
+        "the last byte",
     )?;
     refused(
         unsafe { LentGpuArray::new(p + 2, 0, DType::F32, [10]) },

@@ -165,10 +165,6 @@ class KVStore:
     def __init__(self, name="local"):
         self._kv = _open(name)
         self._updater = None
-        # The Python updater set with set_updater, and its identity as the workers last agreed
-        # on it (a dist store compares it again before every push: see _check_python_updater).
-        self._python_updater = None
-        self._python_identity = None
 
     def __repr__(self):
         return f"<kvstore.KVStore type={self.type!r} keys={len(self._kv.keys())}>"
@@ -219,29 +215,28 @@ class KVStore:
     def init(self, key, value):
         """Puts a copy of ``value`` in under ``key``; a list of keys takes a list of values.
         Each key is initialized once."""
-        lent = []
+        lent = _arrays.Lends()
         try:
             with _told(self._kv, "init"):
                 keys, values = _key_lists(key, value, "init", "values")
                 flat = _one_each(keys, values, "init", lent)
             self._kv.init(keys, flat)
         finally:
-            _arrays.end_lends(lent)
+            self._end(lent)
 
     def push(self, key, value, priority=0):
         """Pushes one array or a list of arrays (from several devices) to ``key``, or one
         entry per key to a list of keys. The arrays of each key are summed, then merged into
         the stored value by the updater (assign by default)."""
-        lent = []
+        lent = _arrays.Lends()
         try:
             with _told(self._kv, "push"):
                 keys, values = _key_lists(key, value, "push", "values")
                 reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
                 priority = _priority(priority)
-            self._check_python_updater()
             self._kv.push(keys, reads, priority)
         finally:
-            _arrays.end_lends(lent)
+            self._end(lent)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies the value of ``key`` into ``out``: one array or a list of arrays, or one entry
@@ -250,14 +245,14 @@ class KVStore:
             if out is None:
                 raise InvalidArgumentError("pull: pass the arrays to write into as out=")
             keys, outs = _key_lists(key, out, "pull", "outs")
-        after, lent = [], []
+        after, lent = [], _arrays.Lends()
         try:
             with _told(self._kv, "pull"):
                 capsules = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
                 priority = _priority(priority)
             self._kv.pull(keys, capsules, priority)
         finally:
-            _arrays.end_lends(lent)
+            self._end(lent)
         for f in after:
             f()
 
@@ -270,15 +265,14 @@ class KVStore:
                 outs = values
             else:
                 _, outs = _key_lists(key, out, "pushpull", "outs")
-        after, lent = [], []
+        after, lent = [], _arrays.Lends()
         try:
             with _told(self._kv, "pushpull"):
                 reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
                 writes = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
-            self._check_python_updater()
             self._kv.pushpull(keys, reads, writes)
         finally:
-            _arrays.end_lends(lent)
+            self._end(lent)
         for f in after:
             f()
 
@@ -287,16 +281,31 @@ class KVStore:
         with _told(self._kv, "broadcast"):
             keys, values = _key_lists(key, value, "broadcast", "values")
             _, outs = _key_lists(key, out, "broadcast", "outs")
-        after, lent = [], []
+        after, lent = [], _arrays.Lends()
         try:
             with _told(self._kv, "broadcast"):
                 flat = _one_each(keys, values, "broadcast", lent)
                 writes = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
             self._kv.broadcast(keys, flat, writes)
         finally:
-            _arrays.end_lends(lent)
+            self._end(lent)
         for f in after:
             f()
+
+    def _end(self, lent):
+        """After a call with lent torch tensors: torch ordered after the store (``Lends.end``),
+        and on an ``nccl`` store a wait for the store's GPU work, which raises the error of a
+        collective aborted in the background (it surfaced in the host copies when CUDA tensors
+        were staged)."""
+        lent.end()
+        if lent.tensors and self.type == "nccl":
+            self.wait_all()
+
+    def wait_all(self):
+        """Waits until the store's work on its GPUs has run, and raises the error of any that
+        failed (an aborted NCCL collective, a kernel fault). Calls on host arrays wait
+        themselves; torch CUDA tensors are ordered by their streams instead (see README)."""
+        self._kv.wait_all()
 
     def set_updater(self, updater):
         """Sets a Python function ``updater(key, input, stored)`` that merges each push: it gets
@@ -310,32 +319,14 @@ class KVStore:
         ``DesyncError`` instead of computing apart."""
         if updater is None:
             self._kv.set_assign()
-            self._updater = self._python_updater = self._python_identity = None
+            self._updater = None
             return
         if not callable(updater):
             raise TypeError(f"the updater must be callable, got {type(updater).__name__}")
         from . import _updater
 
-        identity = _updater.identity(updater)
-        self._kv.set_python_updater(_updater.call, updater, identity)
-        self._updater = self._python_updater = updater
-        self._python_identity = identity
-
-    def _check_python_updater(self):
-        """On a dist store with a Python updater: what it reads may have changed since it was
-        set (a global learning rate, a captured list). Its identity is computed again before
-        every push; when it changed, the workers agree on the new one first, so workers that
-        changed it differently, or only some of them, fail with a DesyncError (a worker that
-        agrees where the others push fails too) instead of computing apart."""
-        fn = self._python_updater
-        if fn is None or self._kv.num_workers < 2:
-            return
-        from . import _updater
-
-        identity = _updater.identity(fn)
-        if identity != self._python_identity:
-            self._kv.agree(f"the Python updater is now {identity}")
-            self._python_identity = identity
+        self._kv.set_python_updater(_updater.call, updater, _updater.identity(updater))
+        self._updater = updater
 
     _set_updater = set_updater
 
@@ -352,7 +343,6 @@ class KVStore:
             )
         apply(self._kv)
         self._updater = optimizer
-        self._python_updater = self._python_identity = None
 
     def set_gradient_compression(self, compression_params):
         """MXNet's gradient compression, ``{'type': '2bit', 'threshold': 0.5}``: each pushed
@@ -360,6 +350,10 @@ class KVStore:
         drops is kept for the same key's next push (error feedback), and the quantized values
         are summed. Init and pull are never compressed. ``threshold`` defaults to 0.5 and must
         be above 0; compressed keys must be float32.
+
+        ``{'type': 'bf16'}`` or ``{'type': 'fp16'}`` (not MXNet settings) send each element
+        rounded to bfloat16 or float16 instead, half the bytes of float32, and keep the rounding
+        error for the next push in the same way.
 
         Call it before the first ``init``, on every worker of a dist store with the same
         setting (a worker that differs fails the first push everywhere with ``DesyncError``).
@@ -374,16 +368,17 @@ class KVStore:
             )
         params = dict(compression_params)
         kind = params.pop("type", None)
-        if kind != "2bit":
+        if kind not in ("2bit", "bf16", "fp16"):
             raise InvalidArgumentError(
                 f"set_gradient_compression: the type must be '2bit' (MXNet 1.9.1's one type), "
-                f"got {kind!r}: pass {{'type': '2bit', 'threshold': 0.5}}"
+                f"'bf16' or 'fp16', got {kind!r}: pass {{'type': '2bit', 'threshold': 0.5}}"
             )
-        threshold = params.pop("threshold", 0.5)
+        threshold = params.pop("threshold", 0.5) if kind == "2bit" else 0.5
         if params:
+            allowed = "'type' and 'threshold'" if kind == "2bit" else "'type' alone"
             raise InvalidArgumentError(
-                f"set_gradient_compression: unknown settings {sorted(params)}: the settings are "
-                "'type' and 'threshold'"
+                f"set_gradient_compression: unknown settings {sorted(params)}: the settings of "
+                f"{kind!r} are {allowed}"
             )
         try:
             threshold = float(threshold)
@@ -391,7 +386,7 @@ class KVStore:
             raise InvalidArgumentError(
                 f"set_gradient_compression: the threshold must be a number, got {threshold!r}"
             ) from None
-        self._kv.set_gradient_compression(threshold)
+        self._kv.set_gradient_compression(kind, threshold)
 
     def set_learning_rate(self, lr):
         """Changes the optimizer's learning rate, keeping its state (momentum, moments)."""

@@ -61,33 +61,56 @@ def _is_torch_cuda(arr):
     return type(arr).__module__.startswith("torch") and bool(getattr(arr, "is_cuda", False))
 
 
-def _lend(t, lent):
-    """A capsule of torch CUDA tensor ``t``'s own memory, exported on the store's stream."""
-    import torch
+class Lends:
+    """The torch CUDA tensors lent to one store call, and what to do once it returns."""
 
-    stream = _native.cuda_stream(t.device.index)
-    lent.append(t)
-    # torch orders the export after the current stream of the current device: make that the
-    # tensor's.
-    with torch.cuda.device(t.device):
-        try:
-            return t.__dlpack__(stream=stream, max_version=_native.DLPACK_MAX_VERSION)
-        except TypeError:
-            return t.__dlpack__(stream=stream)
+    def __init__(self):
+        self.tensors = []  # (tensor, written by the call)
+        self.device = None  # torch's current device before the first lend
 
+    def lend(self, t, written):
+        """A capsule of torch CUDA tensor ``t``'s own memory, exported on the store's stream."""
+        import torch
 
-def end_lends(lent):
-    """After a store call with lent torch tensors: torch's current stream on each tensor's GPU
-    waits for the store's stream, and the allocator keeps each tensor's memory until the store's
-    work on it has run."""
-    if not lent:
-        return
-    import torch
+        if self.device is None:
+            self.device = torch.cuda.current_device()
+        stream = _native.cuda_stream(t.device.index)
+        self.tensors.append((t, written))
+        # torch orders the export after the current stream of the current device: make that
+        # the tensor's.
+        with torch.cuda.device(t.device):
+            try:
+                return t.__dlpack__(stream=stream, max_version=_native.DLPACK_MAX_VERSION)
+            except TypeError:
+                return t.__dlpack__(stream=stream)
 
-    for t in lent:
-        store = torch.cuda.ExternalStream(_native.cuda_stream(t.device.index), device=t.device)
-        torch.cuda.current_stream(t.device).wait_stream(store)
-        t.record_stream(store)
+    def end(self):
+        """After the call: torch's current stream on each GPU waits once for the store's; the
+        allocator keeps each tensor's memory until the store's work on it has run; an out's
+        version counter moves, as an in-place write's does (autograd then refuses a backward
+        through a value the pull replaced); torch's current device is what it was (the store
+        makes its own GPU's context current on the calling thread)."""
+        if not self.tensors:
+            return
+        import torch
+
+        stores = {}
+        for t, _ in self.tensors:
+            if t.device not in stores:
+                store = torch.cuda.ExternalStream(
+                    _native.cuda_stream(t.device.index), device=t.device
+                )
+                torch.cuda.current_stream(t.device).wait_stream(store)
+                stores[t.device] = store
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        for t, written in self.tensors:
+            t.record_stream(stores[t.device])
+            if written:
+                if bump is not None:
+                    bump(t)
+                else:
+                    t.add_(0)
+        torch.cuda.set_device(self.device)
 
 
 def _to_host(arr):
@@ -101,8 +124,8 @@ def _to_host(arr):
 
 
 def read(arr, lent):
-    """A capsule to read ``arr``'s elements from. A torch CUDA tensor is lent and appended to
-    ``lent``, for ``end_lends`` after the call."""
+    """A capsule to read ``arr``'s elements from. A torch CUDA tensor is lent, through
+    ``lent`` (a ``Lends``; call its ``end`` after the call)."""
     if not is_array(arr):
         raise TypeError(
             f"expected an array with __dlpack__ (NumPy, PyTorch, JAX, CuPy), got "
@@ -110,16 +133,16 @@ def read(arr, lent):
         )
     arr = _detached(arr)
     if _is_torch_cuda(arr):
-        return _lend(arr.contiguous(), lent)
+        return lent.lend(arr.contiguous(), written=False)
     if _device_type(arr) not in (_CPU, _CUDA_HOST):
         arr = _to_host(arr)
     return _capsule(arr, write=False)
 
 
 def write(arr, after, lent):
-    """A capsule to write ``arr``'s elements into. A contiguous torch CUDA tensor is lent (and
-    appended to ``lent``); for another device array, a copy is written and a function that
-    copies it back is appended to ``after``, to run after ``end_lends``."""
+    """A capsule to write ``arr``'s elements into. A contiguous torch CUDA tensor is lent
+    through ``lent``; for another device array, a copy is written and a function that copies it
+    back is appended to ``after``, to run after ``lent.end()``."""
     if not is_array(arr):
         raise TypeError(
             f"expected an array with __dlpack__ (NumPy, PyTorch, CuPy) as out, got "
@@ -130,12 +153,12 @@ def write(arr, after, lent):
         return _capsule(arr, write=True)
     if _is_torch_cuda(arr):
         if arr.is_contiguous():
-            return _lend(arr, lent)
+            return lent.lend(arr, written=True)
         import torch
 
         tmp = torch.empty_like(arr, memory_format=torch.contiguous_format)
         after.append(lambda: arr.copy_(tmp))
-        return _lend(tmp, lent)
+        return lent.lend(tmp, written=False)
     if hasattr(arr, "copy_"):  # torch
         host = arr.cpu()
         after.append(lambda: arr.copy_(host))

@@ -32,14 +32,16 @@ def identity(fn):
     a SHA-256 of its bytecode, constants and defaults, and of the values it can reach: its
     closure's cells and the globals it reads, followed into functions, classes (their own
     attributes), objects (their attributes), containers, NumPy arrays and torch tensors, as
-    they are when it is called. Modules are known by name only.
+    they are when it is set. Modules are known by name only.
 
     Two ranks that set different functions, or one function that captured or reads different
     values, get different identities, so their pushes fail with a DesyncError instead of
     computing apart. An updater that can reach per-rank values (an object holding its rank)
-    fails the same way: pass it only what every rank shares. ``KVStore`` computes it again
-    before every push, so values changed after ``set_updater`` are compared too. Ranks on
-    different Python versions compile to different bytecode, and fail too."""
+    fails the same way: pass it only what every rank shares. Not seen: values changed after
+    ``set_updater``. They cannot be compared at every push: an updater that keeps state (a
+    momentum dict, MXNet's ``Updater.states``, a step count) changes it on the rank that holds
+    each key only, so that state differs across ranks by design. Ranks on different Python
+    versions compile to different bytecode, and fail too."""
     h = hashlib.sha256()
     _feed(h, fn, _DEPTH, {})
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__

@@ -21,7 +21,8 @@ Two modes, as MXNet's Trainer has them:
   first step and whenever they change, and so is its state (a SHA-256 of every state tensor's
   bytes) at the first step and after every ``load_state_dict``, through the wrapper or on the
   torch optimizer itself: workers that would step differently fail with a ``DesyncError``
-  instead of training apart.
+  instead of training apart. (A state changed in place, as ``opt.state[p]['exp_avg'].zero_()``
+  on some workers, is not seen.)
 
 The default is True for SGD and Adam and False otherwise. No torch is needed to build or import
 ``kvstore``; this module imports torch when it is used.
@@ -113,18 +114,31 @@ def _state_digest(opt):
     order) its state entries by name, tensors by dtype, shape and bytes. Equal on workers that
     will step alike; one copy to the host of the state (about the model's size, or twice it)."""
     h = hashlib.sha256()
+
+    def feed(v):
+        # Tensors by their bytes (never their repr, which names the worker's own GPU), and
+        # containers walked, as LBFGS and others keep lists of tensors.
+        if isinstance(v, torch.Tensor):
+            t = v.detach().reshape(-1).contiguous()
+            h.update(f"tensor {v.dtype} {tuple(v.shape)};".encode())
+            h.update(t.view(torch.uint8).cpu().numpy().tobytes())
+        elif isinstance(v, (list, tuple)):
+            h.update(f"{type(v).__name__} {len(v)};".encode())
+            for x in v:
+                feed(x)
+        elif isinstance(v, dict):
+            h.update(f"dict {len(v)};".encode())
+            for k in sorted(v, key=repr):
+                h.update(f"{k!r}:".encode())
+                feed(v[k])
+        else:
+            h.update(f"{type(v).__name__} {v!r};".encode())
+
     order = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     entries = sorted(opt.state.items(), key=lambda kv: order.get(id(kv[0]), -1))
     for p, state in entries:
         h.update(f"param {order.get(id(p), -1)};".encode())
-        for name in sorted(state, key=str):
-            v = state[name]
-            if isinstance(v, torch.Tensor):
-                t = v.detach().reshape(-1).contiguous()
-                h.update(f"{name} {v.dtype} {tuple(v.shape)};".encode())
-                h.update(t.view(torch.uint8).cpu().numpy().tobytes())
-            else:
-                h.update(f"{name} {v!r};".encode())
+        feed(dict(state))
     return h.hexdigest()
 
 
@@ -159,11 +173,15 @@ class DistributedOptimizer:
         if update_on_kvstore is None:
             update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
         self.update_on_kvstore = bool(update_on_kvstore)
-        # The torch settings the workers last agreed on (update_on_kvstore=False), and the
-        # optimizer's state dict they last compared: torch's load_state_dict replaces it with a
-        # new one, so a state that is not this object is compared again at the next step.
+        # The torch settings the workers last agreed on (update_on_kvstore=False), and whether
+        # the optimizer's state is to be compared at the next step: at the first, and after a
+        # load_state_dict (seen by torch's post-hook, and, where torch has none, by the state
+        # dict's id, since torch's load replaces the dict; no reference is kept to the old one).
         self._agreed = None
-        self._state_checked = None
+        self._state_due = True
+        self._state_id = id(optimizer.state)
+        if hasattr(optimizer, "register_load_state_dict_post_hook"):
+            optimizer.register_load_state_dict_post_hook(self._state_loaded)
         if self.update_on_kvstore:
             self._translated = _translate(optimizer, self.store.num_workers)
             self.store.set_optimizer(self._translated)
@@ -186,6 +204,10 @@ class DistributedOptimizer:
         """The wrapped optimizer's ``load_state_dict``. With ``update_on_kvstore=False`` on
         several workers, the loaded state is compared across them at the next step."""
         self.optimizer.load_state_dict(state_dict)
+        self._state_due = True
+
+    def _state_loaded(self, _optimizer):
+        self._state_due = True
 
     def zero_grad(self, set_to_none=True):
         """The wrapped optimizer's ``zero_grad``."""
@@ -263,10 +285,14 @@ class DistributedOptimizer:
                     # Its state too, at the first step and after a load_state_dict (which
                     # replaces the state dict): momentum loaded on some workers only would
                     # step them apart.
-                    if self.optimizer.state is not self._state_checked:
-                        digest = _state_digest(self.optimizer)
+                    if self._state_due or id(self.optimizer.state) != self._state_id:
+                        # A failure here (the host copy) is told to the other workers,
+                        # which are in the agree below.
+                        with _told(self.store._kv, "agree"):
+                            digest = _state_digest(self.optimizer)
                         self.store.agree(f"torch optimizer state sha256 {digest}")
-                        self._state_checked = self.optimizer.state
+                        self._state_due = False
+                        self._state_id = id(self.optimizer.state)
                 self.store.pushpull(keys, grads)
                 workers = self.store.num_workers
                 if workers > 1:

@@ -45,7 +45,8 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Imported> {
     let lent = match device.device_type {
         DLDeviceType::CPU | DLDeviceType::CUDAHOST => None,
         DL_CUDA => {
-            if !view.is_compact().unwrap_or(false) {
+            let strides = view.strides_or_compact().unwrap_or_default();
+            if !row_major(view.shape(), &strides) {
                 return Err(PyTypeError::new_err(
                     "kvstore lends CUDA arrays in place only when their elements are \
                      contiguous (row-major): pass tensor.contiguous()",
@@ -78,6 +79,20 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Imported> {
         dtype,
         shape,
     })
+}
+
+/// Whether `strides` (in elements) lay `shape` out in row-major order with no gaps. The stride
+/// of a dimension of size 0 or 1 does not matter (torch exports such strides as 1, whatever
+/// the tensor's own).
+fn row_major(shape: &[i64], strides: &[i64]) -> bool {
+    let mut next = 1i64;
+    for (&d, &s) in shape.iter().zip(strides).rev() {
+        if d > 1 && s != next {
+            return false;
+        }
+        next = next.saturating_mul(d);
+    }
+    true
 }
 
 /// kvstore's dtype for a DLPack dtype; a `TypeError` naming the supported ones otherwise.

@@ -153,6 +153,12 @@ impl PyStore {
         self.inner.local_rank()
     }
 
+    /// Waits for the store's GPU work (see `KvStore::wait_all`).
+    fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
+        let kv = self.inner.clone();
+        py.detach(move || kv.wait_all().map_err(errors::to_py))
+    }
+
     /// Waits until every worker is here (bounded by `KVSTORE_TIMEOUT`).
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         let kv = self.inner.clone();
@@ -380,11 +386,21 @@ impl PyStore {
             .map_err(errors::to_py)
     }
 
-    /// Compresses pushes with MXNet's 2-bit scheme and `threshold` (see
-    /// `kvstore::Compression`).
-    fn set_gradient_compression(&self, threshold: f32) -> PyResult<()> {
+    /// Compresses pushes (see `kvstore::Compression`): `kind` is "2bit" (MXNet's scheme, with
+    /// `threshold`), "bf16" or "fp16" (a 16-bit wire with error feedback).
+    fn set_gradient_compression(&self, kind: &str, threshold: f32) -> PyResult<()> {
+        let compression = match kind {
+            "2bit" => kvstore::Compression::two_bit(threshold),
+            "bf16" => kvstore::Compression::bf16(),
+            "fp16" => kvstore::Compression::fp16(),
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "unknown compression type {other:?}: '2bit', 'bf16' or 'fp16'"
+                )))
+            }
+        };
         self.inner
-            .set_gradient_compression(kvstore::Compression::two_bit(threshold))
+            .set_gradient_compression(compression)
             .map_err(errors::to_py)
     }
 

@@ -70,3 +70,44 @@ def test_bad_settings_are_refused():
     with pytest.raises(kvstore.InvalidArgumentError, match="float32"):
         kv.init(4, np.zeros(4, dtype=np.float16))
     assert kv.keys() == []
+
+
+def _round_half(x, kind):
+    """``x`` (float32) rounded to the nearest bfloat16 or float16, ties to even, as float32."""
+    if kind == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_a_16_bit_wire_keeps_the_rounding_error_for_the_next_push(kind):
+    """Each value plus its residual is rounded to 16 bits; the error stays for the same key's
+    next push from the same position; the rounded values are summed in list order. Against a
+    NumPy reference, bit for bit, over several pushes of fresh random values."""
+    rng = np.random.default_rng()
+    kv = kvstore.create("device")
+    kv.set_gradient_compression({"type": kind})
+    shape, devices = (7, 9), 3
+    kv.init(4, np.zeros(shape, np.float32))
+    residual = [np.zeros(shape, np.float32) for _ in range(devices)]
+    for _ in range(4):
+        values = [rng.standard_normal(shape).astype(np.float32) for _ in range(devices)]
+        kv.push(4, values)
+        total = None
+        for d, v in enumerate(values):
+            acc = residual[d] + v
+            sent = _round_half(acc, kind)
+            residual[d] = acc - sent
+            total = sent if total is None else total + sent
+        out = np.full(shape, np.nan, np.float32)
+        kv.pull(4, out=out)
+        assert np.array_equal(out, total)
+        assert not np.array_equal(out, sum(values)), "nothing was rounded"
+
+
+def test_a_16_bit_wire_takes_no_threshold():
+    kv = kvstore.create("device")
+    with pytest.raises(kvstore.InvalidArgumentError, match="'type' alone"):
+        kv.set_gradient_compression({"type": "bf16", "threshold": 0.5})

@@ -100,3 +100,47 @@ def test_a_cpu_store_takes_cuda_tensors_too():
     out = torch.zeros(1000, device="cuda")
     kv.pull("w", out=out)
     assert torch.equal(out.cpu(), 2 * v)
+
+
+def test_tensors_with_size_one_dimensions_are_lent(no_staging):
+    """torch calls a (1, 4) view of a transposed (4, 1) tensor contiguous, and its DLPack
+    export gives both dimensions stride 1: the lend accepts it (a size-1 dimension's stride
+    does not matter)."""
+    seed = int.from_bytes(np.random.bytes(4), "little")
+    v = rand((4, 1), seed).float().cuda().t()
+    assert v.is_contiguous() and v.shape == (1, 4)
+    kv = kvstore.create("device")
+    kv.init(2, torch.zeros(1, 4, device="cuda"))
+    kv.push(2, v)
+    out = torch.empty(4, 1, device="cuda").t()
+    kv.pull(2, out=out)
+    assert torch.equal(out, v)
+
+
+def test_a_pull_into_a_weight_used_by_autograd_is_seen_by_backward():
+    """A pull writes the out in place, as copy_ would: a backward through a value the pull
+    replaced fails, as torch makes it fail for any in-place write, instead of silently using
+    the new values."""
+    kv = kvstore.create("device")
+    w = torch.ones(8, device="cuda", requires_grad=True)
+    kv.init(6, torch.full((8,), 2.0, device="cuda"))
+    y = (w * w).sum()
+    kv.pull(6, out=w)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_a_tensor_over_several_allocator_chunks_is_lent(no_staging):
+    """96 MiB: with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the GPU run runs this
+    file with it too) torch maps it over several physical chunks, which the driver reports
+    as separate allocations; the lend checks the first and the last byte, not one range."""
+    seed = int.from_bytes(np.random.bytes(4), "little")
+    n = 24 << 20
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    v = torch.randn(n, device="cuda", generator=g)
+    kv = kvstore.create("device")
+    kv.init(1, torch.zeros(n, device="cuda"))
+    kv.push(1, v)
+    out = torch.empty(n, device="cuda")
+    kv.pull(1, out=out)
+    assert torch.equal(out, v)

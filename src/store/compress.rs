@@ -11,9 +11,10 @@ use super::table::Slot;
 use super::{read, write, KvStore, StoreKind};
 use crate::comm::dist::Dist;
 use crate::comm::link::{Op, Round};
-use crate::compress::{two_bit_quantize, two_bit_value, two_bit_words, Compression};
+use crate::compress::{half_encode, two_bit_quantize, two_bit_value, two_bit_words, Compression};
 use crate::host::HostData;
 use crate::{cpu, DType, Error, Key, NDArray, Result};
+use half::{bf16, f16};
 
 impl KvStore {
     /// Compresses pushed values before they are summed, as MXNet's
@@ -178,11 +179,11 @@ fn residuals_of(slot: &Slot) -> Residuals {
 
 /// A compressed push's step across ranks (a `dist_*` store of CPU ranks). Each rank's
 /// contribution (the sum of its values, uncompressed, as MXNet's workers sum their devices
-/// first) is quantized with this rank's residual of the key; each rank sends every rank the
-/// words of the part of the key that rank holds, in one all-to-all (about a sixteenth of the
-/// key's float32 bytes leaves and reaches each rank), and each rank decodes every rank's words
-/// for its part and sums them in rank order. Returns the totals and
-/// the residuals to keep once the push has succeeded.
+/// first) is encoded with this rank's residual of the key (2-bit words, or 16-bit floats); each
+/// rank sends every rank the encoded part of the key that rank holds, in one all-to-all (for
+/// 2-bit about a sixteenth of the key's float32 bytes leaves and reaches each rank, for 16-bit
+/// about half), and each rank decodes every rank's part and sums them in rank order. Returns
+/// the totals and the residuals to keep once the push has succeeded.
 pub(super) fn sum_across(
     call: &mut dyn Round,
     d: &Dist,
@@ -190,13 +191,8 @@ pub(super) fn sum_across(
     groups: &[Group<'_>],
     mine: Vec<Mine<'_>>,
 ) -> Result<(Inputs, Vec<Residuals>)> {
-    let Compression::TwoBit { threshold } = compression else {
-        return Err(crate::comm::dist::internal(
-            "a compressed sum without compression",
-        ));
-    };
-    let (rank, size) = (d.rank(), d.size());
-    let mut packed_keys = Vec::with_capacity(groups.len());
+    let size = d.size();
+    let mut values = Vec::with_capacity(groups.len());
     let mut kept = Vec::with_capacity(groups.len());
     for (g, m) in groups.iter().zip(mine) {
         let value: Vec<f32> = match m {
@@ -219,49 +215,97 @@ pub(super) fn sum_across(
         if residuals.is_empty() {
             residuals.push(vec![0.0; value.len()]);
         }
-        let mut packed = vec![0u32; two_bit_words(value.len())];
-        two_bit_quantize(&value, &mut residuals[0], threshold, &mut packed);
-        packed_keys.push(packed);
+        values.push(value);
         kept.push(residuals);
     }
-    // Each rank sends every other rank only the words of the parts that rank holds, in one
-    // all-to-all of equal blocks (the longest block sets the length; the rest is padding, little
-    // where keys are sliced or spread over the ranks). Block `r`: for each key `r` holds, the
-    // words covering its part. Every rank lays the blocks out alike (the fingerprint made the
-    // keys, shapes and spreads the same), so each knows where its words are in every block.
-    let words_of = |g: &Group<'_>, r: usize| -> std::ops::Range<usize> {
-        let piece = g.slot.spread.piece(g.slot.shape.size(), r, size);
-        match piece.is_empty() {
-            true => 0..0,
-            false => piece.start / 16..piece.end.div_ceil(16),
-        }
-    };
-    let block_len = |r: usize| groups.iter().map(|g| words_of(g, r).len()).sum::<usize>();
-    let block = (0..size).map(block_len).max().unwrap_or(0);
-    let mut send = vec![0f32; block * size];
-    for r in 0..size {
-        let mut at = r * block;
-        for (g, packed) in groups.iter().zip(&packed_keys) {
+    let piece = |g: &Group<'_>, r: usize| g.slot.spread.piece(g.slot.shape.size(), r, size);
+    let totals = match compression {
+        Compression::TwoBit { threshold } => {
+            // The words covering a part: 16 elements to a word, from the key's first element.
+            let span = |g: &Group<'_>, r: usize| {
+                let p = piece(g, r);
+                match p.is_empty() {
+                    true => 0..0,
+                    false => p.start / 16..p.end.div_ceil(16),
+                }
+            };
             // The words travel as float32 bit patterns: the all-to-all copies them, never adds.
-            for &w in &packed[words_of(g, r)] {
-                send[at] = f32::from_bits(w);
-                at += 1;
-            }
+            let encoded: Vec<Vec<f32>> = values
+                .iter()
+                .zip(kept.iter_mut())
+                .map(|(v, r)| {
+                    let mut words = vec![0u32; two_bit_words(v.len())];
+                    two_bit_quantize(v, &mut r[0], threshold, &mut words);
+                    words.into_iter().map(f32::from_bits).collect()
+                })
+                .collect();
+            exchange(call, d, groups, &encoded, span, |seg, start, i| {
+                // The bit patterns themselves: a conversion (through f64, say) would quiet a
+                // word that reads as a signalling NaN, and change a code.
+                let word = seg[(i - 16 * start) / 16].to_bits();
+                two_bit_value(&[word], (i - 16 * start) % 16, threshold)
+            })?
         }
-    }
-    let recv = HostData::F32(vec![0.0; block * size]);
-    let ticket = call.start(Op::AllToAll, HostData::F32(send), recv)?;
-    let (_, all) = call.land(ticket)?;
-    // The bit patterns themselves: a conversion (through f64, say) would quiet a word that
-    // reads as a signalling NaN, and change a code.
-    let all: Vec<u32> = match all {
-        HostData::F32(v) => v.into_iter().map(f32::to_bits).collect(),
-        _ => {
+        Compression::Half { dtype: DType::F16 } => {
+            let encoded: Vec<Vec<f16>> = (values.iter().zip(kept.iter_mut()))
+                .map(|(v, r)| half_encode(v, &mut r[0]))
+                .collect();
+            exchange(call, d, groups, &encoded, piece, |seg, start, i| {
+                seg[i - start].to_f32()
+            })?
+        }
+        Compression::Half { .. } => {
+            let encoded: Vec<Vec<bf16>> = (values.iter().zip(kept.iter_mut()))
+                .map(|(v, r)| half_encode(v, &mut r[0]))
+                .collect();
+            exchange(call, d, groups, &encoded, piece, |seg, start, i| {
+                seg[i - start].to_f32()
+            })?
+        }
+        Compression::None => {
             return Err(crate::comm::dist::internal(
-                "compressed words came back as another dtype",
+                "a compressed sum without compression",
             ))
         }
     };
+    Ok((Inputs::Totals(totals), kept))
+}
+
+/// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
+/// of `T`), and `span(g, r)` the units that carry the part of key `g` rank `r` holds. Block `r`
+/// of the send buffer holds, key by key, the spans of the keys `r` holds; blocks are of equal
+/// length (the longest sets it; the rest is padding). Every rank lays them out alike (the
+/// fingerprint made the keys, shapes and spreads the same), so each finds its spans in every
+/// rank's block. `value(seg, span_start, i)` decodes element `i` of a key from a span. Returns,
+/// per key, the part this rank holds summed over the ranks in rank order, in float32 (`None`
+/// where it holds none).
+fn exchange<T: crate::Element + Copy>(
+    call: &mut dyn Round,
+    d: &Dist,
+    groups: &[Group<'_>],
+    encoded: &[Vec<T>],
+    span: impl Fn(&Group<'_>, usize) -> std::ops::Range<usize>,
+    value: impl Fn(&[T], usize, usize) -> f32,
+) -> Result<Vec<Option<NDArray>>> {
+    let (rank, size) = (d.rank(), d.size());
+    let block_len = |r: usize| groups.iter().map(|g| span(g, r).len()).sum::<usize>();
+    let block = (0..size).map(block_len).max().unwrap_or(0);
+    let zero = T::from_f64(0.0);
+    let mut send = vec![zero; block * size];
+    for r in 0..size {
+        let mut at = r * block;
+        for (g, e) in groups.iter().zip(encoded) {
+            let s = &e[span(g, r)];
+            send[at..at + s.len()].copy_from_slice(s);
+            at += s.len();
+        }
+    }
+    let recv = T::wrap(vec![zero; block * size]);
+    let ticket = call.start(Op::AllToAll, T::wrap(send), recv)?;
+    let (_, all) = call.land(ticket)?;
+    let all = T::slice(&all).ok_or_else(|| {
+        crate::comm::dist::internal("compressed values came back as another dtype")
+    })?;
     let mut totals = Vec::with_capacity(groups.len());
     let mut at = 0;
     for g in groups {
@@ -271,18 +315,17 @@ pub(super) fn sum_across(
             totals.push(None);
             continue;
         }
-        let words = words_of(g, rank);
-        let first = 16 * words.start;
+        let mine = span(g, rank);
         let mut total = vec![0f32; piece.len()];
         for r in 0..size {
-            let theirs = &all[r * block + at..r * block + at + words.len()];
+            let seg = &all[r * block + at..r * block + at + mine.len()];
             for (t, i) in total.iter_mut().zip(piece.clone()) {
-                let v = two_bit_value(theirs, i - first, threshold);
+                let v = value(seg, mine.start, i);
                 // In rank order, in float32: the first rank's value, then + each next one.
                 *t = if r == 0 { v } else { *t + v };
             }
         }
-        at += words.len();
+        at += mine.len();
         let shape = part_shape(g, total.len());
         totals.push(Some(NDArray::from_host(
             HostData::F32(total),
@@ -290,5 +333,5 @@ pub(super) fn sum_across(
             cpu(0),
         )));
     }
-    Ok((Inputs::Totals(totals), kept))
+    Ok(totals)
 }

@@ -842,11 +842,12 @@ fn sixty_fourths(rng: &mut impl rand::Rng, bound: f32) -> f32 {
     (rng.gen_range(-bound..bound) * 64.0).round() / 64.0
 }
 
-/// 2-bit compression on ranks, against a reference written here element by element (not the
-/// crate's codec): each rank sums its own values, adds the sum to its residual, sends `+t`,
-/// `-t` or 0 per element and keeps the rest; the stored value is the sum of what every rank
-/// sent, in rank order. A whole key and a sliced one, random values from 1 to 4 per rank, on
-/// 1 to 4 ranks, over several pushes (the residuals carry over).
+/// Compression on ranks (2-bit, and the bfloat16 and float16 wires), against a reference
+/// written here element by element (not the crate's codec): each rank sums its own values, adds
+/// the sum to its residual, sends `+t`, `-t` or 0 per element (2-bit) or the nearest 16-bit
+/// float, and keeps the rest; the stored value is the sum of what every rank sent, in rank
+/// order. A whole key and a sliced one, random values from 1 to 4 per rank, on 1 to 4 ranks,
+/// over several pushes (the residuals carry over).
 #[test]
 fn compressed_pushes_on_n_ranks_equal_a_reference() {
     use crate::Compression;
@@ -854,85 +855,111 @@ fn compressed_pushes_on_n_ranks_equal_a_reference() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
     for n in 1..=4 {
         let t: f32 = [0.5, 0.25, 0.3][rng.gen_range(0..3)];
-        let lens = [5usize, 37];
-        let steps: Vec<Vec<Vec<Vec<Vec<f32>>>>> = (0..4)
-            .map(|_| {
-                lens.iter()
-                    .map(|&len| {
-                        (0..n)
-                            .map(|_| {
-                                (0..rng.gen_range(1..=4))
-                                    .map(|_| {
-                                        (0..len).map(|_| sixty_fourths(&mut rng, 2.0 * t)).collect()
-                                    })
-                                    .collect()
-                            })
-                            .collect()
-                    })
-                    .collect()
-            })
-            .collect();
-        // The reference: per key and rank, a residual; per step, the rank's sum in order.
-        let mut residual: Vec<Vec<Vec<f32>>> =
-            lens.iter().map(|&l| vec![vec![0.0; l]; n]).collect();
-        let mut want: Vec<Vec<Vec<f32>>> = Vec::new();
-        for step in &steps {
-            let mut stored = Vec::new();
-            for (k, per_rank) in step.iter().enumerate() {
-                let mut total = vec![0f32; lens[k]];
-                for (r, values) in per_rank.iter().enumerate() {
-                    let mut sum = values[0].clone();
-                    for v in &values[1..] {
-                        sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
-                    }
-                    for i in 0..lens[k] {
-                        let acc = residual[k][r][i] + sum[i];
-                        let sent = if acc >= t {
-                            t
-                        } else if acc <= -t {
-                            -t
-                        } else {
-                            0.0
-                        };
-                        residual[k][r][i] = acc - sent;
-                        total[i] = if r == 0 { sent } else { total[i] + sent };
-                    }
-                }
-                stored.push(total);
-            }
-            want.push(stored);
-        }
-        let ranks = stores(n);
-        let got = on_ranks(&ranks, |r, kv| {
-            kv.set_gradient_compression(Compression::two_bit(t))
-                .unwrap();
-            kv.init_list(
-                &[0, 1],
-                &[NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])],
-            )
-            .unwrap();
-            let mut pulled = Vec::new();
+        for compression in [
+            Compression::two_bit(t),
+            Compression::bf16(),
+            Compression::fp16(),
+        ] {
+            // What one element sends, by the rules written out (README, "Gradient
+            // compression"), and what stays.
+            let send = |acc: f32| -> (f32, f32) {
+                let sent = match compression {
+                    Compression::TwoBit { .. } if acc >= t => t,
+                    Compression::TwoBit { .. } if acc <= -t => -t,
+                    Compression::TwoBit { .. } => 0.0,
+                    Compression::Half {
+                        dtype: crate::DType::F16,
+                    } => half::f16::from_f32(acc).to_f32(),
+                    _ => half::bf16::from_f32(acc).to_f32(),
+                };
+                (sent, if sent.is_finite() { acc - sent } else { 0.0 })
+            };
+            let lens = [5usize, 37];
+            let steps: Vec<Vec<Vec<Vec<Vec<f32>>>>> = (0..4)
+                .map(|_| {
+                    lens.iter()
+                        .map(|&len| {
+                            (0..n)
+                                .map(|_| {
+                                    (0..rng.gen_range(1..=4))
+                                        .map(|_| match compression {
+                                            Compression::TwoBit { .. } => (0..len)
+                                                .map(|_| sixty_fourths(&mut rng, 2.0 * t))
+                                                .collect(),
+                                            // Multiples of 1/1024: a rank's sum is exact
+                                            // in any order, and needs more bits than a
+                                            // bfloat16 or float16 keeps.
+                                            _ => (0..len)
+                                                .map(|_| {
+                                                    (rng.gen_range(-3.0f32..3.0) * 1024.0).round()
+                                                        / 1024.0
+                                                })
+                                                .collect(),
+                                        })
+                                        .collect()
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            // The reference: per key and rank, a residual; per step, the rank's sum in order.
+            let mut residual: Vec<Vec<Vec<f32>>> =
+                lens.iter().map(|&l| vec![vec![0.0; l]; n]).collect();
+            let mut want: Vec<Vec<Vec<f32>>> = Vec::new();
             for step in &steps {
+                let mut stored = Vec::new();
                 for (k, per_rank) in step.iter().enumerate() {
-                    let values: Vec<NDArray> = per_rank[r]
-                        .iter()
-                        .map(|v| NDArray::from_vec(v.clone(), [v.len()]).unwrap())
-                        .collect();
-                    kv.push(k as i32, &values).unwrap();
+                    let mut total = vec![0f32; lens[k]];
+                    for (r, values) in per_rank.iter().enumerate() {
+                        let mut sum = values[0].clone();
+                        for v in &values[1..] {
+                            sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
+                        }
+                        for i in 0..lens[k] {
+                            let (sent, kept) = send(residual[k][r][i] + sum[i]);
+                            residual[k][r][i] = kept;
+                            total[i] = if r == 0 { sent } else { total[i] + sent };
+                        }
+                    }
+                    stored.push(total);
                 }
-                let outs = [NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])];
-                kv.pull_list(&[0, 1], &outs).unwrap();
-                pulled.push(
-                    outs.iter()
-                        .map(|o| o.to_vec::<f32>().unwrap())
-                        .collect::<Vec<_>>(),
-                );
+                want.push(stored);
             }
-            pulled
-        });
-        for (r, pulled) in got.iter().enumerate() {
-            for (s, (p, w)) in pulled.iter().zip(&want).enumerate() {
-                assert_eq!(p, w, "{n} ranks, rank {r}, step {s} (t = {t})");
+            let ranks = stores(n);
+            let got = on_ranks(&ranks, |r, kv| {
+                kv.set_gradient_compression(compression).unwrap();
+                kv.init_list(
+                    &[0, 1],
+                    &[NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])],
+                )
+                .unwrap();
+                let mut pulled = Vec::new();
+                for step in &steps {
+                    for (k, per_rank) in step.iter().enumerate() {
+                        let values: Vec<NDArray> = per_rank[r]
+                            .iter()
+                            .map(|v| NDArray::from_vec(v.clone(), [v.len()]).unwrap())
+                            .collect();
+                        kv.push(k as i32, &values).unwrap();
+                    }
+                    let outs = [NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])];
+                    kv.pull_list(&[0, 1], &outs).unwrap();
+                    pulled.push(
+                        outs.iter()
+                            .map(|o| o.to_vec::<f32>().unwrap())
+                            .collect::<Vec<_>>(),
+                    );
+                }
+                pulled
+            });
+            for (r, pulled) in got.iter().enumerate() {
+                for (s, (p, w)) in pulled.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        p, w,
+                        "{n} ranks, rank {r}, step {s} ({compression:?}, t = {t})"
+                    );
+                }
             }
         }
     }

@@ -819,8 +819,10 @@ impl GpuBuf {
 }
 
 /// Checks memory lent by another library: device memory of GPU `g` (its context is the
-/// primary one, which the CUDA runtime and so PyTorch and CuPy use), aligned to `dtype`, and
-/// `n` elements from `ptr` inside one allocation.
+/// primary one, which the CUDA runtime and so PyTorch and CuPy use) at its first and its last
+/// byte, aligned to `dtype`. The two ends are asked of the driver apart, not one allocation's
+/// range: PyTorch's expandable segments map one tensor over several physical chunks, and the
+/// driver reports a chunk as the allocation.
 fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
     let device = Device::Gpu(g.ordinal);
     let refuse = |message: String| Error::ForeignMemory { device, message };
@@ -837,34 +839,28 @@ fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
     g.ctx
         .bind_to_thread()
         .map_err(cuda_err("lend GPU memory", None))?;
-    let mut ordinal: std::ffi::c_int = -1;
-    // SAFETY: a valid out-pointer of the attribute's type (an int for DEVICE_ORDINAL); the
-    // driver only reads `ptr`'s mapping, and refuses an address it does not know.
-    let known = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut ordinal as *mut std::ffi::c_int).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
-        )
-    };
-    if known != sys::CUresult::CUDA_SUCCESS || ordinal != g.ordinal as std::ffi::c_int {
-        let found = if known == sys::CUresult::CUDA_SUCCESS {
-            format!("memory of gpu({ordinal})")
-        } else {
-            format!("not device memory the driver knows ({known:?})")
+    let last = ptr + (n * dtype.size()) as u64 - 1;
+    for (what, at) in [("address", ptr), ("last byte", last)] {
+        let mut ordinal: std::ffi::c_int = -1;
+        // SAFETY: a valid out-pointer of the attribute's type (an int for DEVICE_ORDINAL); the
+        // driver only reads `at`'s mapping, and refuses an address it does not know.
+        let known = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut std::ffi::c_int).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                at,
+            )
+        };
+        if known == sys::CUresult::CUDA_SUCCESS && ordinal == g.ordinal as std::ffi::c_int {
+            continue;
+        }
+        let found = match known == sys::CUresult::CUDA_SUCCESS {
+            true => format!("memory of gpu({ordinal})"),
+            false => format!("not device memory the driver knows ({known:?})"),
         };
         return Err(refuse(format!(
-            "address {ptr:#x} is {found}: lend it as an array on the GPU that holds it"
-        )));
-    }
-    let (mut base, mut size) = (0u64, 0usize);
-    // SAFETY: valid out-pointers; the driver reads only its own allocation table.
-    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-    let bytes = n as u64 * dtype.size() as u64;
-    if r != sys::CUresult::CUDA_SUCCESS || ptr + bytes > base + size as u64 {
-        return Err(refuse(format!(
-            "{n} {dtype} elements from {ptr:#x} run past the allocation ({size} bytes from \
-             {base:#x}): lend an array whose elements are all inside its memory"
+            "the {what} {at:#x} of {n} {dtype} elements from {ptr:#x} is {found}: lend an \
+             array whose elements all lie in memory of the GPU that holds it"
         )));
     }
     Ok(())
