@@ -34,9 +34,10 @@
 //! with it on and off for its cost), `KVSTORE_BIGARRAY_BOUND` as for the store.
 //!
 //! Options: `--sizes 4K,64K,1M,...`, `--reps N` (every size), `--small-only`, `--no-small`,
-//! `--store-only` (skip the raw collectives, for a profile), and `--breakdown`: the steps of a
+//! `--store-only` (skip the raw collectives, for a profile), `--breakdown`: the steps of a
 //! store push and pull replayed one by one on the transport, each timed alone (see
-//! [`breakdown`]).
+//! [`breakdown`]), and `--compression`: a push of one key into three stores, uncompressed,
+//! 2-bit and bfloat16, interleaved, with the bytes each rank sends (see [`compression`]).
 
 use std::time::Instant;
 
@@ -105,6 +106,8 @@ struct Options {
     store_only: bool,
     /// Time the steps of a push and a pull one by one instead.
     breakdown: bool,
+    /// Time compressed pushes against uncompressed ones instead.
+    compression: bool,
 }
 
 fn parse_args() -> Options {
@@ -115,6 +118,7 @@ fn parse_args() -> Options {
         reps: None,
         store_only: false,
         breakdown: false,
+        compression: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -131,9 +135,10 @@ fn parse_args() -> Options {
             "--no-small" => o.small = false,
             "--store-only" => o.store_only = true,
             "--breakdown" => o.breakdown = true,
+            "--compression" => o.compression = true,
             other => panic!(
                 "unknown argument '{other}'; use --sizes 4K,64K,1M,..., --reps N, --small-only, \
-                 --no-small, --store-only, --breakdown"
+                 --no-small, --store-only, --breakdown, --compression"
             ),
         }
     }
@@ -170,6 +175,19 @@ fn main() -> kvstore::Result<()> {
     if o.breakdown {
         for &bytes in &o.sizes {
             breakdown(&b, bytes)?;
+        }
+        return Ok(());
+    }
+    if o.compression {
+        if lead {
+            println!(
+                "| ranks | size | key | f32 push | 2-bit push | bf16 push | 2-bit/f32 time | \
+                 bf16/f32 time | bytes sent per rank: f32 / 2-bit / bf16 | reps |"
+            );
+            println!("|---|---|---|---|---|---|---|---|---|---|");
+        }
+        for &bytes in &o.sizes {
+            compression(&b, bytes)?;
         }
         return Ok(());
     }
@@ -661,6 +679,96 @@ fn breakdown(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
         for (name, v) in steps.iter().zip(&m) {
             println!("| {name} | {} |", fmt_time(*v));
         }
+    }
+    Ok(())
+}
+
+/// A push of one key of `bytes` bytes into three `dist_sync` stores, the same key in each:
+/// uncompressed, 2-bit (threshold 0.5) and the bfloat16 wire. Each repetition pushes into all
+/// three after a barrier each, in an order that rotates; a sample is the slowest rank's time,
+/// and each cell the median. The gradients are fresh values of ±0.25 to ±1, so that 2-bit
+/// sends some of them. Bytes sent per rank, counted from the algorithms: an uncompressed
+/// sliced push is a ring reduce-scatter (`(size - 1) / size` of the key's float32 bytes), a
+/// whole one a reduce to rank 0 (the key's bytes from every other rank); a compressed push an
+/// all-to-all of the parts (`(size - 1) / size` of the key in 2-bit words or bfloat16).
+fn compression(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
+    use kvstore::Compression;
+    let Bench {
+        comm,
+        rank,
+        size,
+        bound,
+        reps,
+        ..
+    } = *b;
+    let n = (bytes / 4 / size).max(1) * size;
+    let sliced = size > 1 && n > bound;
+    let reps = reps.unwrap_or(match bytes {
+        b if b <= 1 << 20 => 30,
+        b if b <= 16 << 20 => 8,
+        _ => 5,
+    });
+    let settings = [
+        Compression::None,
+        Compression::two_bit(0.5),
+        Compression::bf16(),
+    ];
+    let mut stores = Vec::new();
+    for c in settings {
+        let kv = KvStore::create("dist_sync")?;
+        kv.set_gradient_compression(c)?;
+        kv.init(0, &NDArray::from_vec(vec![0.0f32; n], [n])?)?;
+        stores.push(kv);
+    }
+    let grad: Vec<f32> = (0..n)
+        .map(|i| {
+            let x = ((i * 2654435761 + rank * 40503) % 1000) as f32 / 1000.0;
+            (0.25 + 0.75 * x) * if i % 3 == 0 { -1.0 } else { 1.0 }
+        })
+        .collect();
+    let grad = NDArray::from_vec(grad, [n])?;
+    let mut t: [Vec<f64>; 3] = Default::default();
+    for rep in 0..=reps {
+        let mut s = [0.0f64; 3];
+        for k in 0..3 {
+            let which = (k + rep) % 3;
+            s[which] = timed(comm, || stores[which].push(0, &grad))?;
+        }
+        let s = slowest(comm, &s);
+        if rep > 0 {
+            for (col, v) in t.iter_mut().zip(s) {
+                col.push(v);
+            }
+        }
+    }
+    if rank == 0 {
+        let [f, w, h] = t.map(median);
+        let share = (size - 1) as f64 / size as f64;
+        let (bf, bw, bh) = match sliced {
+            true => (
+                share * (n * 4) as f64,
+                share * (n.div_ceil(16) * 4) as f64,
+                share * (n * 2) as f64,
+            ),
+            false => (
+                (n * 4) as f64,
+                share * (n.div_ceil(16) * 4) as f64,
+                share * (n * 2) as f64,
+            ),
+        };
+        println!(
+            "| {size} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {} / {} / {} | {reps} |",
+            label(bytes),
+            if sliced { "sliced" } else { "whole" },
+            fmt_time(f),
+            fmt_time(w),
+            fmt_time(h),
+            w / f,
+            h / f,
+            label(bf as usize),
+            label(bw as usize),
+            label(bh as usize),
+        );
     }
     Ok(())
 }
