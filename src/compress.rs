@@ -115,18 +115,18 @@ impl Compression {
                 two_bit_dequantize(&words, threshold, &mut out);
                 out
             }
-            Compression::Half { dtype } => match dtype {
-                DType::F16 => half_encode::<f16>(value, residual)
-                    .iter()
-                    .map(|h| h.to_f32())
-                    .collect(),
-                _ => half_encode::<bf16>(value, residual)
-                    .iter()
-                    .map(|h| h.to_f32())
-                    .collect(),
-            },
+            Compression::Half { dtype: DType::F16 } => half_round_trip::<f16>(value, residual),
+            Compression::Half { .. } => half_round_trip::<bf16>(value, residual),
         }
     }
+}
+
+/// What the 16-bit wire sends for `value` with `residual` (updated), as float32.
+fn half_round_trip<H: HalfWire>(value: &[f32], residual: &mut [f32]) -> Vec<f32> {
+    half_encode::<H>(value, residual)
+        .into_iter()
+        .map(H::widen)
+        .collect()
 }
 
 /// A 16-bit float type of the wire: `bf16` or `f16`.

@@ -11,7 +11,9 @@ use super::table::Slot;
 use super::{read, write, KvStore, StoreKind};
 use crate::comm::dist::Dist;
 use crate::comm::link::{Op, Round};
-use crate::compress::{half_encode, two_bit_quantize, two_bit_value, two_bit_words, Compression};
+use crate::compress::{
+    half_encode, two_bit_quantize, two_bit_value, two_bit_words, Compression, HalfWire,
+};
 use crate::host::HostData;
 use crate::{cpu, DType, Error, Key, NDArray, Result};
 use half::{bf16, f16};
@@ -247,20 +249,10 @@ pub(super) fn sum_across(
             })?
         }
         Compression::Half { dtype: DType::F16 } => {
-            let encoded: Vec<Vec<f16>> = (values.iter().zip(kept.iter_mut()))
-                .map(|(v, r)| half_encode(v, &mut r[0]))
-                .collect();
-            exchange(call, d, groups, &encoded, piece, |seg, start, i| {
-                seg[i - start].to_f32()
-            })?
+            half_across::<f16>(call, d, groups, &values, &mut kept, piece)?
         }
         Compression::Half { .. } => {
-            let encoded: Vec<Vec<bf16>> = (values.iter().zip(kept.iter_mut()))
-                .map(|(v, r)| half_encode(v, &mut r[0]))
-                .collect();
-            exchange(call, d, groups, &encoded, piece, |seg, start, i| {
-                seg[i - start].to_f32()
-            })?
+            half_across::<bf16>(call, d, groups, &values, &mut kept, piece)?
         }
         Compression::None => {
             return Err(crate::comm::dist::internal(
@@ -269,6 +261,24 @@ pub(super) fn sum_across(
         }
     };
     Ok((Inputs::Totals(totals), kept))
+}
+
+/// The 16-bit wire's step across ranks: each key's value plus residual rounded to `H` (the
+/// residuals in `kept` updated), the parts exchanged, decoded and summed.
+fn half_across<H: HalfWire>(
+    call: &mut dyn Round,
+    d: &Dist,
+    groups: &[Group<'_>],
+    values: &[Vec<f32>],
+    kept: &mut [Residuals],
+    piece: impl Fn(&Group<'_>, usize) -> std::ops::Range<usize>,
+) -> Result<Vec<Option<NDArray>>> {
+    let encoded: Vec<Vec<H>> = (values.iter().zip(kept.iter_mut()))
+        .map(|(v, r)| half_encode(v, &mut r[0]))
+        .collect();
+    exchange(call, d, groups, &encoded, piece, |seg, start, i| {
+        seg[i - start].widen()
+    })
 }
 
 /// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
