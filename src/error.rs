@@ -306,8 +306,8 @@ pub enum Error {
     },
 
     /// GPU memory lent to the store by another library ([`crate::LentGpuArray`]) cannot be used
-    /// as given: it is not device memory of that GPU, the elements run past its allocation, or
-    /// its address is not aligned to the element size. Nothing was changed.
+    /// as given: its first or last byte is not device memory of that GPU, or its address is
+    /// not aligned to the element size. Nothing was changed.
     #[error("lend of GPU memory on {device}: {message}")]
     ForeignMemory {
         /// The GPU the memory was said to be on.

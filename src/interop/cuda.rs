@@ -42,15 +42,15 @@ impl LentGpuArray {
     /// Lends `shape.size()` elements of `dtype` at device address `ptr` on GPU `ordinal`,
     /// consecutive in row-major order.
     ///
-    /// The address is checked with the driver: it must be memory of that GPU, aligned to the
-    /// element, with every element inside its allocation; otherwise
+    /// The address is checked with the driver: its first and last byte must be memory of that
+    /// GPU, and it must be aligned to the element; otherwise
     /// [`Error::ForeignMemory`](crate::Error::ForeignMemory) and nothing is lent.
     ///
     /// # Safety
     /// - The memory stays allocated until this value is dropped and the store's stream for
     ///   `ordinal` has run the work queued on it meanwhile.
     /// - While it is lent, the owner does not touch the memory out of order with the store's
-    ///   stream (see the module docs).
+    ///   stream (the two orders above).
     /// - No clone of [`LentGpuArray::array`] outlives this value. (If one does, the end of the
     ///   lend gives it a copy in the store's own memory; if that copy fails, the process is
     ///   aborted, since the clone would otherwise free memory that is not the store's.)

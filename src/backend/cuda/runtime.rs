@@ -783,7 +783,7 @@ impl GpuBuf {
 
     /// Memory that another library allocated, as a buffer of `n` elements of `dtype` on GPU
     /// `ordinal`, ordered on that GPU's stream. Checked first: the address must be device
-    /// memory of that GPU, aligned to the element, with `n` elements inside its allocation.
+    /// memory of that GPU at its first and last byte, aligned to the element.
     ///
     /// # Safety
     /// The memory must stay allocated until the buffer is given up with [`GpuBuf::leak`]

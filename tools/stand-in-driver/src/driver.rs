@@ -232,25 +232,6 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
     })
 }
 
-/// The base and size of the live allocation that holds `ptr`.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemGetAddressRange_v2(
-    base: *mut u64,
-    size: *mut usize,
-    ptr: u64,
-) -> i32 {
-    crate::calls::count("cuMemGetAddressRange_v2");
-    run(|| {
-        let st = begin()?;
-        let (b, len) = st.mem.allocation(ptr, 1).map_err(|_| cu::NOT_FOUND)?;
-        // SAFETY: valid out-pointers (or null, refused by `out`), per the API.
-        unsafe {
-            out(base, b)?;
-            out(size, len as usize)
-        }
-    })
-}
-
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceCanAccessPeer(can: *mut c_int, dev: c_int, peer: c_int) -> i32 {
     crate::calls::count("cuDeviceCanAccessPeer");
