@@ -965,18 +965,24 @@ fn compressed_pushes_on_n_ranks_equal_a_reference() {
     }
 }
 
-/// Ranks that disagree on the compression (one rank without it, or another threshold) fail
-/// their first push on every rank, and no rank stores anything.
+/// Ranks that disagree on the compression (one rank without it, another threshold, another
+/// wire: 2-bit, bfloat16, float16) fail their first push on every rank, and no rank stores
+/// anything.
 #[test]
 fn ranks_that_compress_differently_fail_every_rank() {
     use crate::Compression;
-    for other in [None, Some(0.25f32)] {
+    for (same, other) in [
+        (Compression::two_bit(0.5), Compression::None),
+        (Compression::two_bit(0.5), Compression::two_bit(0.25)),
+        (Compression::two_bit(0.5), Compression::bf16()),
+        (Compression::bf16(), Compression::fp16()),
+        (Compression::fp16(), Compression::None),
+    ] {
         let ranks = stores(3);
         let outcome = on_ranks(&ranks, |r, kv| {
-            let mine = if r == 1 { other } else { Some(0.5) };
-            if let Some(t) = mine {
-                kv.set_gradient_compression(Compression::two_bit(t))
-                    .unwrap();
+            let mine = if r == 1 { other } else { same };
+            if mine.is_on() {
+                kv.set_gradient_compression(mine).unwrap();
             }
             kv.init(0, &NDArray::zeros([20])).unwrap();
             let err = kv.push(0, &NDArray::ones([20])).unwrap_err();
@@ -986,7 +992,7 @@ fn ranks_that_compress_differently_fail_every_rank() {
         for (r, (err, after)) in outcome.into_iter().enumerate() {
             assert!(
                 matches!(err, Error::Desync { .. }),
-                "rank {r}, {other:?}: {err}"
+                "rank {r}, {same:?} against {other:?}: {err}"
             );
             // After a desync the world is failed: a pull is refused too, nothing computed.
             assert!(
