@@ -464,6 +464,17 @@ pub enum Error {
         message: String,
     },
 
+    /// A row-sparse value that does not fit its key, or a call that mixes row-sparse and dense:
+    /// a row id out of range, rows of the wrong shape or dtype, a row-sparse push to a dense
+    /// key or a dense push to a row-sparse one.
+    #[error("{op}: {message}")]
+    RowSparse {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong, and what to do.
+        message: String,
+    },
+
     /// Gradient compression asked for what it cannot do: a threshold not above 0, a store
     /// kind that does not compress, a call after `init`, or a key that is not float32.
     #[error("{op}: gradient compression: {message}")]

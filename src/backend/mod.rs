@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod probe;
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use cpu::push::{push_fused, ReadSet};
 use cpu::state::State;
@@ -27,7 +28,7 @@ use cuda::{has_kernel, CrossGpu};
 use crate::host::{with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::Hyper;
-use crate::{DType, Device, Key, NDArray, PtxUpdater, Result, Shape, Updater};
+use crate::{row_sparse, DType, Device, Error, Key, NDArray, PtxUpdater, Result, Shape, Updater};
 
 /// A key's fixed facts, as the backends need them.
 pub(crate) struct KeyFacts<'a> {
@@ -181,6 +182,82 @@ impl HomeValue {
         Ok(())
     }
 
+    /// Elements `segs` of the value, and of its updater state for `generation`, as a value of
+    /// their own in host memory: the compact form a row-sparse push updates (the rows it
+    /// carries), to give back with [`HomeValue::scatter`]. A GPU home is read whole.
+    pub fn gather(&self, generation: u64, segs: &[Range<usize>]) -> Result<HomeValue> {
+        let (value, state): (Cow<'_, HostData>, Option<HostState>) = match &self.place {
+            Place::Host(h) => {
+                let state = (self.state.as_ref())
+                    .filter(|s| s.generation == generation)
+                    .map(|s| (s.step, s.bufs.clone()));
+                (Cow::Borrowed(h), state)
+            }
+            Place::Gpu(_) => {
+                let (v, s) = self.to_host(generation)?;
+                (Cow::Owned(v), s)
+            }
+        };
+        let n = value.len();
+        // State of another length (a race, a bad checkpoint) is not this value's: start afresh.
+        let state = state
+            .filter(|(_, bufs)| bufs.iter().all(|b| b.len() == n))
+            .map(|(step, bufs)| State {
+                generation,
+                step,
+                bufs: bufs.iter().map(|b| row_sparse::gather(b, segs)).collect(),
+            });
+        Ok(HomeValue {
+            place: Place::Host(row_sparse::gather(&value, segs)),
+            state,
+        })
+    }
+
+    /// Writes `compact`, a [`HomeValue::gather`] of `segs` after its update, back into `segs`
+    /// of the value and of its state for `generation` (state the value lacked starts at zero
+    /// elsewhere). `clear`: the rest of the value becomes zero first (an assign).
+    pub fn scatter(
+        &mut self,
+        generation: u64,
+        segs: &[Range<usize>],
+        compact: HomeValue,
+        clear: bool,
+    ) -> Result<()> {
+        let HomeValue {
+            place: Place::Host(rows),
+            state: rows_state,
+        } = compact
+        else {
+            return Err(Error::Internal {
+                op: "push",
+                message: "a row-sparse update's rows were not in host memory".to_owned(),
+            });
+        };
+        let write = |value: &mut HostData, state: Option<State>| {
+            if clear {
+                *value = HostData::filled(value.dtype(), value.len(), 0.0);
+            }
+            row_sparse::scatter(&rows, segs, value);
+            merge_state(state, rows_state, segs, value.len(), generation)
+        };
+        match &mut self.place {
+            Place::Host(h) => {
+                self.state = write(h, self.state.take());
+                Ok(())
+            }
+            Place::Gpu(_) => {
+                let (mut value, state) = self.to_host(generation)?;
+                let state = state.map(|(step, bufs)| State {
+                    generation,
+                    step,
+                    bufs,
+                });
+                let state = write(&mut value, state).map(|s| (s.step, s.bufs));
+                self.load(value, generation, state)
+            }
+        }
+    }
+
     /// Sets the host updater state as it is, unchecked (tests of state of the wrong shape).
     #[cfg(test)]
     pub(crate) fn set_host_state(&mut self, generation: u64, step: u64, bufs: Vec<HostData>) {
@@ -190,6 +267,41 @@ impl HomeValue {
             bufs,
         });
     }
+}
+
+/// The state of a value of `len` elements after a row-sparse update: `old`, with `rows` (the
+/// updated state of elements `segs`) written into it, and `rows`' step. State `old` lacks, or
+/// that is not of `generation` and this shape, starts at zero.
+fn merge_state(
+    old: Option<State>,
+    rows: Option<State>,
+    segs: &[Range<usize>],
+    len: usize,
+    generation: u64,
+) -> Option<State> {
+    let Some(rows) = rows else {
+        return old;
+    };
+    let fits = |s: &State| {
+        s.generation == generation
+            && s.bufs.len() == rows.bufs.len()
+            && (s.bufs.iter().zip(&rows.bufs))
+                .all(|(b, r)| b.len() == len && b.dtype() == r.dtype())
+    };
+    let mut bufs = match old.filter(fits) {
+        Some(s) => s.bufs,
+        None => (rows.bufs.iter())
+            .map(|r| HostData::filled(r.dtype(), len, 0.0))
+            .collect(),
+    };
+    for (b, r) in bufs.iter_mut().zip(&rows.bufs) {
+        row_sparse::scatter(r, segs, b);
+    }
+    Some(State {
+        generation,
+        step: rows.step,
+        bufs,
+    })
 }
 
 /// Loads a user PTX updater on `home` (when it is a GPU), so a broken module fails a push

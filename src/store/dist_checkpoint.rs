@@ -240,6 +240,7 @@ impl KvStore {
             new_data,
             &homes,
             &new_spreads,
+            false,
         );
         // Every rank keeps every key's update count, whoever holds its state.
         for m in reader.keys() {

@@ -26,6 +26,7 @@ mod hook;
 mod kind;
 #[cfg(test)]
 mod loopback_tests;
+mod rows;
 mod table;
 mod validate;
 
@@ -365,7 +366,7 @@ impl KvStore {
     /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
     /// key first (see [`KvStore::init`]).
     pub fn init_list<K: IntoKey + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
-        self.init_with_homes(keys, values, None)
+        self.init_with_homes(keys, values, None, false)
     }
 
     /// As [`KvStore::init`], with the home chosen by the caller: `cpu(i)` keeps the value in
@@ -390,7 +391,7 @@ impl KvStore {
         let checked = check_len("init", keys.len(), homes.len(), "homes")
             .and_then(|()| homes.iter().try_for_each(|&h| probe::check_device(h)));
         checked.map_err(|e| self.rejected("init", e))?;
-        self.init_with_homes(keys, values, Some(homes))
+        self.init_with_homes(keys, values, Some(homes), false)
     }
 
     fn init_with_homes<K: IntoKey + Clone>(
@@ -398,6 +399,7 @@ impl KvStore {
         keys: &[K],
         values: &[NDArray],
         homes: Option<&[Device]>,
+        row_sparse: bool,
     ) -> Result<()> {
         let keys = check_len("init", keys.len(), values.len(), "values")
             .and_then(|()| to_keys(keys))
@@ -415,7 +417,11 @@ impl KvStore {
         let prepared = check_new_keys(&read(&self.table), &keys)
             .and_then(|()| dist::rank0_values(d, values, any_gpu_home));
         let mine = prepared.map_err(|e| d.reject("init", e))?;
-        let mut call = d.begin_with(|| dist::init_fingerprint(&keys, values))?;
+        let fp = || match row_sparse {
+            true => dist::init_fingerprint(&keys, values).note("row_sparse"),
+            false => dist::init_fingerprint(&keys, values),
+        };
+        let mut call = d.begin_with(fp)?;
         // The table is held from here to the end: the keys are placed before the values move
         // (a sliced key's value moves as slices), and nothing else changes the table meanwhile.
         let mut table = write(&self.table);
@@ -445,7 +451,10 @@ impl KvStore {
                 return Err(e);
             }
         };
-        insert_slots(&mut table, keys, &kinds_of(values), data, &placed, &spreads);
+        let kinds = kinds_of(values);
+        insert_slots(
+            &mut table, keys, &kinds, data, &placed, &spreads, row_sparse,
+        );
         Ok(())
     }
 
@@ -758,6 +767,7 @@ fn insert_slots(
     data: Vec<HomeValue>,
     homes: &[Device],
     spreads: &[Spread],
+    row_sparse: bool,
 ) {
     let parts = kinds.iter().zip(data).zip(homes).zip(spreads);
     for (key, (((&(shape, dtype), data), &home), &spread)) in keys.into_iter().zip(parts) {
@@ -782,6 +792,7 @@ fn insert_slots(
             cell: RwLock::new(data),
             updates: std::sync::Mutex::new((0, 0)),
             residuals: std::sync::Mutex::new(Vec::new()),
+            row_sparse,
         };
         table.slots.insert(key, Arc::new(slot));
     }

@@ -28,6 +28,9 @@ pub(super) struct Slot {
     /// Gradient compression's residuals, one per position in a push's list of values (see
     /// [`crate::compress`]); changed only under the cell's write lock.
     pub residuals: Mutex<Vec<Vec<f32>>>,
+    /// Whether the key holds a row-sparse value: pushed by rows (`push_row_sparse`), never as
+    /// a dense array.
+    pub row_sparse: bool,
 }
 
 #[derive(Default)]
@@ -119,6 +122,7 @@ pub(super) fn new_slot(
         cell: RwLock::new(cell),
         updates: Mutex::new((0, 0)),
         residuals: Mutex::new(Vec::new()),
+        row_sparse: false,
     }
 }
 

@@ -28,6 +28,16 @@ pub(super) fn check_len(
 /// Pushed values must match the key's shape and dtype exactly.
 pub(super) fn check_values(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
     for g in groups {
+        if g.slot.row_sparse {
+            return Err(Error::RowSparse {
+                op,
+                message: format!(
+                    "key {} holds a row-sparse value: push its rows as RowSparse values with \
+                     push_row_sparse (a dense push would replace rows it does not mean to)",
+                    g.slot.key
+                ),
+            });
+        }
         check_arrays(
             op,
             &g.slot.key,

@@ -1,0 +1,244 @@
+//! Row-sparse values: some rows of an array of two or more dimensions, by row id. MXNet's
+//! `RowSparseNDArray`, as ids plus the rows they name ([`RowSparse`]), and the host-side
+//! arithmetic on them: summing a push's values by row, and reading rows out of a dense value.
+
+use crate::host::{with_host, HostData};
+use crate::{Element, Error, NDArray, Result, Shape};
+
+/// Rows of an array, by id: `rows[i]` is row `ids[i]` of an array whose other rows are zero
+/// (MXNet's `RowSparseNDArray`). `rows` has one row per id and the array's row shape: for an
+/// embedding of shape `[n, d]`, `rows` is `[ids.len(), d]`.
+///
+/// Ids may come in any order and repeat; a push sums the rows of repeated ids.
+///
+/// ```
+/// use kvstore::{NDArray, RowSparse};
+/// let rows = NDArray::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2])?;
+/// let grad = RowSparse::new(vec![7, 2], rows)?;
+/// assert_eq!(grad.ids(), &[7, 2]);
+/// assert!(RowSparse::new(vec![7], NDArray::zeros([2, 2])).is_err());
+/// # Ok::<(), kvstore::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct RowSparse {
+    ids: Vec<u64>,
+    rows: NDArray,
+}
+
+impl RowSparse {
+    /// Rows `rows` (one per id, along the first dimension) under row ids `ids`. An
+    /// [`Error::RowSparse`] when `rows` is not at least one-dimensional with `ids.len()` rows.
+    pub fn new(ids: Vec<u64>, rows: NDArray) -> Result<RowSparse> {
+        let dims = rows.shape().dims().to_vec();
+        if dims.first() != Some(&ids.len()) {
+            return Err(Error::RowSparse {
+                op: "RowSparse::new",
+                message: format!(
+                    "{} row ids but rows of shape {dims:?}: give one row per id, along the \
+                     first dimension",
+                    ids.len()
+                ),
+            });
+        }
+        Ok(RowSparse { ids, rows })
+    }
+
+    /// The row ids, in the order given.
+    pub fn ids(&self) -> &[u64] {
+        &self.ids
+    }
+
+    /// The rows, one per id.
+    pub fn rows(&self) -> &NDArray {
+        &self.rows
+    }
+
+    /// The ids and the rows.
+    pub fn into_parts(self) -> (Vec<u64>, NDArray) {
+        (self.ids, self.rows)
+    }
+
+    /// The dense array of `shape` this stands for: its rows at their ids (repeated ids
+    /// summed), zeros elsewhere, in host memory.
+    pub fn to_dense(&self, shape: impl Into<Shape>) -> Result<NDArray> {
+        let shape = shape.into();
+        check_rows("to_dense", &self.ids, &self.rows, shape, None)?;
+        let width = row_width(shape);
+        let merged = merge(&[self], width)?;
+        let mut dense = HostData::try_filled(self.rows.dtype(), shape.size(), 0.0)?;
+        let segs: Vec<_> = (merged.ids.iter())
+            .map(|&id| id as usize * width..(id as usize + 1) * width)
+            .collect();
+        scatter(&merged.rows, &segs, &mut dense);
+        Ok(NDArray::from_host(dense, shape, crate::cpu(0)))
+    }
+}
+
+/// The elements of one row of an array of `shape` (its first dimension is the rows).
+pub(crate) fn row_width(shape: Shape) -> usize {
+    shape.dims().iter().skip(1).product()
+}
+
+/// Checks that `rows` under `ids` fit an array of `shape` (and of `dtype`, when given): a row
+/// shape equal to the array's, ids below its row count. An [`Error::RowSparse`] saying which.
+pub(crate) fn check_rows(
+    op: &'static str,
+    ids: &[u64],
+    rows: &NDArray,
+    shape: Shape,
+    dtype: Option<crate::DType>,
+) -> Result<()> {
+    let fail = |message: String| Err(Error::RowSparse { op, message });
+    if shape.ndim() < 2 {
+        return fail(format!(
+            "row-sparse values need two or more dimensions (rows, then each row's shape), \
+             not {:?}",
+            shape.dims()
+        ));
+    }
+    let (want, got) = (&shape.dims()[1..], rows.shape());
+    if got.dims().len() != shape.ndim() || &got.dims()[1..] != want {
+        return fail(format!(
+            "rows of shape {:?} for an array of shape {:?}: each row must have shape {want:?}",
+            got.dims(),
+            shape.dims()
+        ));
+    }
+    if let Some(dtype) = dtype.filter(|&d| d != rows.dtype()) {
+        return fail(format!(
+            "rows of dtype {} for a key of dtype {dtype}: convert them with .astype",
+            rows.dtype()
+        ));
+    }
+    let n = shape.dims()[0] as u64;
+    if let Some(&bad) = ids.iter().find(|&&id| id >= n) {
+        return fail(format!(
+            "row id {bad} is out of range: the array has {n} rows (ids 0 to {})",
+            n.saturating_sub(1)
+        ));
+    }
+    Ok(())
+}
+
+/// Rows by sorted, distinct id: `rows` holds `ids.len()` rows of `width` elements.
+pub(crate) struct Merged {
+    pub ids: Vec<u64>,
+    pub rows: HostData,
+}
+
+/// The sum of `values` by row (checked rows of `width` elements, of one dtype): each distinct
+/// id once, ascending, its rows added in the order they come (value by value, then within a
+/// value), in the dtype's own arithmetic.
+pub(crate) fn merge(values: &[&RowSparse], width: usize) -> Result<Merged> {
+    let dtype = match values.first() {
+        Some(v) => v.rows.dtype(),
+        None => {
+            return Ok(Merged {
+                ids: Vec::new(),
+                rows: HostData::filled(crate::DType::F32, 0, 0.0),
+            })
+        }
+    };
+    let hosts = values
+        .iter()
+        .map(|v| v.rows.with_host(HostData::clone))
+        .collect::<Result<Vec<HostData>>>()?;
+    let mut ids: Vec<u64> = values.iter().flat_map(|v| v.ids.iter().copied()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut rows = HostData::try_filled(dtype, ids.len() * width, 0.0)?;
+    let mut seen = vec![false; ids.len()];
+    for (v, host) in values.iter().zip(&hosts) {
+        for (i, id) in v.ids.iter().enumerate() {
+            let at = ids.binary_search(id).expect("every id was collected");
+            let src = i * width..(i + 1) * width;
+            let dst = at * width..(at + 1) * width;
+            add_row(host, src, &mut rows, dst, !seen[at]);
+            seen[at] = true;
+        }
+    }
+    Ok(Merged { ids, rows })
+}
+
+/// `dst[dst_range] (+)= src[src_range]`: a copy when `first`, else an addition in the dtype's
+/// arithmetic (as a dense push sums).
+pub(crate) fn add_row(
+    src: &HostData,
+    src_range: std::ops::Range<usize>,
+    dst: &mut HostData,
+    dst_range: std::ops::Range<usize>,
+    first: bool,
+) {
+    with_host!(dst, d: T => {
+        let s = T::slice(src).expect("rows of one dtype");
+        let (s, d) = (&s[src_range], &mut d[dst_range]);
+        if first {
+            d.copy_from_slice(s);
+        } else {
+            for (d, &s) in d.iter_mut().zip(s) {
+                *d = T::from_acc(d.to_acc() + s.to_acc());
+            }
+        }
+    })
+}
+
+/// The elements of `segs` of `data`, one after another.
+pub(crate) fn gather(data: &HostData, segs: &[std::ops::Range<usize>]) -> HostData {
+    with_host!(data, v: T => {
+        let mut out = Vec::with_capacity(segs.iter().map(|s| s.len()).sum());
+        for s in segs {
+            out.extend_from_slice(&v[s.clone()]);
+        }
+        T::wrap(out)
+    })
+}
+
+/// Writes `compact` (the elements of `segs`, one after another, as [`gather`] reads them) back
+/// into `segs` of `data` (of the same dtype).
+pub(crate) fn scatter(compact: &HostData, segs: &[std::ops::Range<usize>], data: &mut HostData) {
+    with_host!(data, d: T => {
+        let c = T::slice(compact).expect("rows of the value's dtype");
+        let mut at = 0;
+        for s in segs {
+            d[s.clone()].copy_from_slice(&c[at..at + s.len()]);
+            at += s.len();
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_sums_repeated_ids_in_order_and_sorts() {
+        let a = RowSparse::new(
+            vec![3, 0, 3],
+            NDArray::from_vec(vec![1f32, 2., 10., 20., 100., 200.], [3, 2]).unwrap(),
+        )
+        .unwrap();
+        let b = RowSparse::new(
+            vec![1, 0],
+            NDArray::from_vec(vec![5f32, 6., 7., 8.], [2, 2]).unwrap(),
+        )
+        .unwrap();
+        let m = merge(&[&a, &b], 2).unwrap();
+        assert_eq!(m.ids, vec![0, 1, 3]);
+        assert_eq!(m.rows.to_vec::<f32>(), vec![17., 28., 5., 6., 101., 202.]);
+        let dense = a.to_dense([4, 2]).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(dense, vec![10., 20., 0., 0., 0., 0., 101., 202.]);
+    }
+
+    #[test]
+    fn rows_that_do_not_fit_are_refused() {
+        let rows = NDArray::zeros([2, 3]);
+        let ok = |ids: &[u64], shape: &[usize]| {
+            check_rows("t", ids, &rows, Shape::new(shape).unwrap(), None).is_ok()
+        };
+        assert!(ok(&[0, 4], &[5, 3]));
+        assert!(!ok(&[0, 5], &[5, 3]), "id out of range");
+        assert!(!ok(&[0, 1], &[5, 4]), "wrong width");
+        assert!(!ok(&[0, 1], &[6]), "one dimension");
+        assert!(!ok(&[0, 1], &[5, 3, 1]), "wrong row shape");
+    }
+}

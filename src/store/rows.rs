@@ -1,0 +1,606 @@
+//! Row-sparse keys (MXNet's `row_sparse` storage): their init, their push by rows with lazy
+//! updates, and `row_sparse_pull`. A row-sparse key keeps a dense value on its home; a push
+//! carries only some rows, and the updater runs on those rows alone (MXNet's
+//! `lazy_update=True`). On ranks, rows travel in compact form, only to and from the ranks that
+//! hold them, in one all-to-all.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::dist;
+use super::groups::{issue_order, lock_cells, Group};
+use super::hook::{call_hook, pushed};
+use super::table::Slot;
+use super::validate::{check_len, to_keys};
+use super::{hook_steps, hyper, read, update_counts, KvStore};
+use crate::backend::{HomeValue, KeyFacts};
+use crate::comm::dist::Dist;
+use crate::comm::link::{Op, Round};
+use crate::comm::{self, KeyPush};
+use crate::host::HostData;
+use crate::row_sparse::{add_row, check_rows, gather, merge, row_width, Merged};
+use crate::{cpu, DType, Error, IntoKey, NDArray, Result, RowSparse, Shape, Updater};
+
+impl KvStore {
+    /// Puts a copy of `value` in under `key` as a row-sparse key (MXNet's `row_sparse`
+    /// storage): an array of two or more dimensions whose first dimension is its rows, such as
+    /// an embedding. It is pushed by rows ([`KvStore::push_row_sparse`]) and read by rows
+    /// ([`KvStore::row_sparse_pull`]) or whole ([`KvStore::pull`]); a dense push to it is an
+    /// [`Error::RowSparse`].
+    ///
+    /// Row-sparse keys are not compressed (an [`Error::Compression`] when compression is on,
+    /// as in MXNet) and, in this version, not available on `dist_*` stores of GPU ranks.
+    pub fn init_row_sparse(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
+        self.init_row_sparse_list(&[self.key_for("init", key)?], std::slice::from_ref(value))
+    }
+
+    /// Initializes many row-sparse keys at once (see [`KvStore::init_row_sparse`]): all of
+    /// them, or none on error.
+    pub fn init_row_sparse_list<K: IntoKey + Clone>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+    ) -> Result<()> {
+        let checked = (|| {
+            if read(&self.compression).is_on() {
+                return Err(Error::Compression {
+                    op: "init",
+                    message: "row-sparse keys are not compressed (as in MXNet): use a store \
+                              without gradient compression for them"
+                        .to_owned(),
+                });
+            }
+            if self.kind.is_dist() && self.ranks.gpu().is_some() {
+                return Err(Error::RowSparse {
+                    op: "init",
+                    message: format!(
+                        "row-sparse keys are not available on '{}' stores of GPU ranks yet: \
+                         use a dist store of CPU ranks, or a 'device' store",
+                        self.name
+                    ),
+                });
+            }
+            for v in values {
+                if v.shape().ndim() < 2 {
+                    return Err(Error::RowSparse {
+                        op: "init",
+                        message: format!(
+                            "a row-sparse key needs two or more dimensions (rows, then each \
+                             row's shape), not {:?}: init it with init for a dense key",
+                            v.shape().dims()
+                        ),
+                    });
+                }
+            }
+            Ok(())
+        })();
+        checked.map_err(|e| self.rejected("init", e))?;
+        self.init_with_homes(keys, values, None, true)
+    }
+
+    /// Whether `key` is a row-sparse key ([`KvStore::init_row_sparse`]).
+    pub fn is_row_sparse(&self, key: impl IntoKey) -> Result<bool> {
+        Ok(read(&self.table).get("meta", &key.into_key()?)?.row_sparse)
+    }
+
+    /// Pushes row-sparse values to a row-sparse key: their rows are summed by id (repeated ids
+    /// too), and the updater runs on the rows present only, MXNet's lazy update: SGD's weight
+    /// decay and momentum and Adam's moments change on those rows, and the other rows keep
+    /// their values and state. The key's step (Adam's `t`) counts every push. A closure
+    /// updater gets the rows present as arrays of shape `[rows, ...]`. With no updater set
+    /// (assign) the value becomes the sum: its rows at their ids, zeros elsewhere, as in MXNet.
+    ///
+    /// Errors ([`Error::RowSparse`], nothing changed): a dense key, a row id out of range,
+    /// rows of another row shape or dtype.
+    ///
+    /// ```
+    /// use kvstore::{KvStore, NDArray, RowSparse, Sgd, Updater};
+    /// let kv = KvStore::create("local")?;
+    /// kv.init_row_sparse("emb", &NDArray::ones([4, 2]))?;
+    /// kv.set_updater(Updater::Sgd(Sgd { lr: 0.5, ..Sgd::default() }))?;
+    /// let grad = RowSparse::new(vec![2], NDArray::full([1, 2], 1.0))?;
+    /// kv.push_row_sparse("emb", &[grad])?;
+    /// let got = kv.row_sparse_pull("emb", &[2, 0])?;
+    /// assert_eq!(got.ids(), &[0, 2]);
+    /// assert_eq!(got.rows().to_vec::<f32>()?, [1.0, 1.0, 0.5, 0.5]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn push_row_sparse(&self, key: impl IntoKey, values: &[RowSparse]) -> Result<()> {
+        self.push_row_sparse_list(&[self.key_for("push", key)?], &[values])
+    }
+
+    /// Pushes row-sparse values to many keys at once (see [`KvStore::push_row_sparse`]). A key
+    /// listed more than once gets the sum of all its values. All or nothing.
+    pub fn push_row_sparse_list<K: IntoKey + Clone, V: AsRef<[RowSparse]>>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<()> {
+        let op = "push";
+        let (groups, merged) = self
+            .row_groups(op, keys, values)
+            .and_then(|groups| {
+                let merged = (groups.iter())
+                    .map(|(g, v)| merge(v, row_width(g.slot.shape)))
+                    .collect::<Result<Vec<Merged>>>()?;
+                Ok((groups.into_iter().map(|(g, _)| g).collect(), merged))
+            })
+            .map_err(|e| self.rejected(op, e))?;
+        self.push_rows(op, groups, merged)
+    }
+
+    /// Rows `row_ids` of a row-sparse key: each distinct id once, ascending (as MXNet's
+    /// `row_sparse_pull` dedups and sorts them), with its rows, in host memory. Ids out of
+    /// range are an [`Error::RowSparse`]. Rows not pushed since an assign read as zeros.
+    pub fn row_sparse_pull(&self, key: impl IntoKey, row_ids: &[u64]) -> Result<RowSparse> {
+        let op = "pull";
+        let checked = (|| {
+            let key = key.into_key()?;
+            let slot = read(&self.table).get(op, &key)?;
+            if !slot.row_sparse {
+                return Err(Error::RowSparse {
+                    op,
+                    message: format!(
+                        "key {key} is dense: read it with pull (row_sparse_pull is for keys \
+                         initialized with init_row_sparse)"
+                    ),
+                });
+            }
+            let n = slot.shape.dims()[0] as u64;
+            if let Some(&bad) = row_ids.iter().find(|&&id| id >= n) {
+                return Err(Error::RowSparse {
+                    op,
+                    message: format!(
+                        "row id {bad} is out of range: key {key} has {n} rows (ids 0 to {})",
+                        n.saturating_sub(1)
+                    ),
+                });
+            }
+            Ok(slot)
+        })();
+        let slot = checked.map_err(|e| self.rejected(op, e))?;
+        let mut ids = row_ids.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        let group = [Group {
+            slot: slot.clone(),
+            arrays: Vec::new(),
+            priority: 0,
+        }];
+        let d = &self.ranks;
+        let mut call = d.begin_with(|| dist::fingerprint(op, &group).note("row_sparse"))?;
+        let cell = read(&slot.cell);
+        let width = row_width(slot.shape);
+        let rows = match d.passes_through() {
+            true => gather(&*cell.value_to_host()?, &whole_rows(&ids, width)),
+            false => pull_across(&mut *call, d, &slot, &cell, &ids)?,
+        };
+        let mut dims = slot.shape.dims().to_vec();
+        dims[0] = ids.len();
+        RowSparse::new(ids, NDArray::from_host(rows, Shape::new(&dims)?, cpu(0)))
+    }
+
+    /// Looks up the keys of a row-sparse push, merges repeats, and checks every value: groups
+    /// in key order (the lock order), each with its values.
+    fn row_groups<'a, K: IntoKey + Clone, V: AsRef<[RowSparse]>>(
+        &self,
+        op: &'static str,
+        keys: &[K],
+        values: &'a [V],
+    ) -> Result<Vec<(Group<'a>, Vec<&'a RowSparse>)>> {
+        check_len(op, keys.len(), values.len(), "values")?;
+        let keys = to_keys(keys)?;
+        let table = read(&self.table);
+        let mut groups: Vec<(Group<'a>, Vec<&'a RowSparse>)> = Vec::new();
+        for (key, list) in keys.iter().zip(values) {
+            let slot = table.get(op, key)?;
+            let list = list.as_ref();
+            if !slot.row_sparse {
+                return Err(Error::RowSparse {
+                    op,
+                    message: format!(
+                        "key {key} is dense: push it with push (push_row_sparse is for keys \
+                         initialized with init_row_sparse)"
+                    ),
+                });
+            }
+            if list.is_empty() {
+                return Err(Error::Empty {
+                    op,
+                    key: key.clone(),
+                    what: "values",
+                });
+            }
+            for v in list {
+                check_rows(op, v.ids(), v.rows(), slot.shape, Some(slot.dtype))
+                    .map_err(|e| e.with_key(key))?;
+            }
+            match groups.iter_mut().find(|(g, _)| Arc::ptr_eq(&g.slot, &slot)) {
+                Some((g, vs)) => {
+                    g.arrays.extend(list.iter().map(RowSparse::rows));
+                    vs.extend(list);
+                }
+                None => groups.push((
+                    Group {
+                        slot,
+                        arrays: list.iter().map(RowSparse::rows).collect(),
+                        priority: 0,
+                    },
+                    list.iter().collect(),
+                )),
+            }
+        }
+        groups.sort_by_key(|(g, _)| g.slot.order);
+        Ok(groups)
+    }
+
+    /// The push of checked row-sparse `groups`, with each group's values summed by row on this
+    /// process (`merged`): the rows across ranks to the ranks that hold them, the lazy update
+    /// there, then the hook.
+    fn push_rows(
+        &self,
+        op: &'static str,
+        groups: Vec<Group<'_>>,
+        merged: Vec<Merged>,
+    ) -> Result<()> {
+        let (d, ctx) = (&self.ranks, self.ctx());
+        let active = read(&self.active).clone();
+        let hook = read(&self.hook).clone();
+        let fp = || {
+            let note = format!("row_sparse; {}", active.describe());
+            dist::fingerprint(op, &groups).note(&note)
+        };
+        let mut call = d.begin_with(fp)?;
+        let parts: Vec<Option<Part>> = match d.passes_through() {
+            true => (groups.iter().zip(merged))
+                .map(|(g, m)| Some(whole_part(g.slot.shape, m)))
+                .collect(),
+            false => push_across(&mut *call, d, &groups, merged)?,
+        };
+        let mut cells = lock_cells(&groups);
+        let counts = update_counts(d, &active, &groups, &cells);
+        let hypers = hyper::for_push(&active, &groups, &counts);
+        // Each part's rows and their state, as values of their own: the update runs on them,
+        // and they go back into the cells only once every key's update has succeeded.
+        let gathered: Result<Vec<Option<(HomeValue, NDArray)>>> = (parts.iter().zip(&cells))
+            .map(|(part, cell)| {
+                let Some(p) = part else { return Ok(None) };
+                let rows = cell.gather(active.generation, &p.segs)?;
+                let grad = NDArray::from_host(p.grad.clone(), p.shape, cpu(0));
+                Ok(Some((rows, grad)))
+            })
+            .collect();
+        let ok = gathered.is_ok();
+        if !d.passes_through() {
+            call.agree(op, ok, "reading its rows")?;
+        }
+        let (mut rows, grad_arrays): (Vec<Option<HomeValue>>, Vec<Option<NDArray>>) = gathered?
+            .into_iter()
+            .map(|p| match p {
+                Some((r, g)) => (Some(r), Some(g)),
+                None => (None, None),
+            })
+            .unzip();
+        let grads: Vec<Option<[&NDArray; 1]>> = grad_arrays
+            .iter()
+            .map(|g| g.as_ref().map(|g| [g]))
+            .collect();
+        {
+            let mut jobs = Vec::with_capacity(groups.len());
+            let mut taken: Vec<Option<&mut HomeValue>> =
+                rows.iter_mut().map(Option::as_mut).collect();
+            for i in issue_order(&groups) {
+                let (Some(value), Some(grad), Some(part)) = (taken[i].take(), &grads[i], &parts[i])
+                else {
+                    continue;
+                };
+                jobs.push(KeyPush {
+                    facts: KeyFacts {
+                        key: &groups[i].slot.key,
+                        shape: part.shape,
+                        dtype: groups[i].slot.dtype,
+                        home: cpu(0),
+                    },
+                    value,
+                    values: grad,
+                    hyper: hypers.of(i),
+                });
+            }
+            let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
+            let agree: Option<comm::Agree<'_>> = match d.passes_through() {
+                true => None,
+                false => Some(&mut agree),
+            };
+            comm::push(&active.updater, active.generation, ctx, jobs, agree)?;
+        }
+        let clear = matches!(active.updater, Updater::Assign);
+        for ((cell, part), rows) in cells.iter_mut().zip(&parts).zip(rows) {
+            if let (Some(p), Some(rows)) = (part, rows) {
+                cell.scatter(active.generation, &p.segs, rows, clear)?;
+            }
+        }
+        hypers.commit(&active);
+        for (g, &c) in groups.iter().zip(&counts) {
+            g.slot.set_updates(active.generation, c + 1);
+        }
+        let done = hook
+            .as_ref()
+            .map(|_| pushed(&groups, &hook_steps(d, &active, &counts, &cells)));
+        drop(cells);
+        drop(call);
+        call_hook(hook.as_deref(), &active, done)
+    }
+}
+
+/// The rows of a key this rank updates in a push: element ranges of its part of the value
+/// (offsets in its cell), and their summed gradient, one range after another.
+struct Part {
+    segs: Vec<Range<usize>>,
+    grad: HostData,
+    /// The gradient's shape: `[rows, ...]` for whole rows, flat for parts of rows.
+    shape: Shape,
+}
+
+/// The element ranges of whole rows `ids`, `width` elements each.
+fn whole_rows(ids: &[u64], width: usize) -> Vec<Range<usize>> {
+    (ids.iter())
+        .map(|&id| id as usize * width..(id as usize + 1) * width)
+        .collect()
+}
+
+/// A key's part when this rank holds the whole value: every merged row.
+fn whole_part(shape: Shape, m: Merged) -> Part {
+    let mut dims = shape.dims().to_vec();
+    dims[0] = m.ids.len();
+    Part {
+        segs: whole_rows(&m.ids, row_width(shape)),
+        shape: Shape::new(&dims).unwrap_or(shape),
+        grad: m.rows,
+    }
+}
+
+/// The elements of row `id` (of `width`) inside `piece`, as absolute element offsets (empty
+/// when the row and the piece do not meet).
+fn cut(id: u64, width: usize, piece: &Range<usize>) -> Range<usize> {
+    let row = id as usize * width..(id as usize + 1) * width;
+    let start = row.start.max(piece.start);
+    let end = row.end.min(piece.end).max(start);
+    start..end
+}
+
+/// Every rank's row ids of a call, per key: gathered with two word all-gathers (the counts,
+/// then the ids, padded to the longest list).
+struct AllIds {
+    keys: usize,
+    counts: Vec<u64>,
+    stride: usize,
+    words: Vec<u64>,
+}
+
+impl AllIds {
+    fn gather(call: &mut dyn Round, mine: &[&[u64]]) -> Result<AllIds> {
+        let counts_mine: Vec<u64> = mine.iter().map(|ids| ids.len() as u64).collect();
+        let counts = call.all_gather_words(&counts_mine)?;
+        let keys = mine.len();
+        let stride = (counts.chunks(keys.max(1)))
+            .map(|c| c.iter().sum::<u64>() as usize)
+            .max()
+            .unwrap_or(0);
+        let mut words: Vec<u64> = mine.iter().flat_map(|ids| ids.iter().copied()).collect();
+        words.resize(stride, 0);
+        let words = call.all_gather_words(&words)?;
+        Ok(AllIds {
+            keys,
+            counts,
+            stride,
+            words,
+        })
+    }
+
+    /// Rank `r`'s ids of key `k`.
+    fn of(&self, r: usize, k: usize) -> &[u64] {
+        let counts = &self.counts[r * self.keys..(r + 1) * self.keys];
+        let start = r * self.stride + counts[..k].iter().sum::<u64>() as usize;
+        &self.words[start..start + counts[k] as usize]
+    }
+}
+
+/// A row-sparse push's step across ranks. Every rank learns every rank's row ids; each rank
+/// sends each holder, in one all-to-all per dtype, the elements of its rows that fall in the
+/// holder's part of the key (nothing else moves); each holder sums what it gets by row id, in
+/// rank order. Returns, per key, the part this rank updates (`None` where it holds none).
+fn push_across(
+    call: &mut dyn Round,
+    d: &Dist,
+    groups: &[Group<'_>],
+    merged: Vec<Merged>,
+) -> Result<Vec<Option<Part>>> {
+    let (rank, size) = (d.rank(), d.size());
+    let mine: Vec<&[u64]> = merged.iter().map(|m| m.ids.as_slice()).collect();
+    let ids = AllIds::gather(call, &mine)?;
+    let piece = |k: usize, r: usize| {
+        let slot = &groups[k].slot;
+        slot.spread.piece(slot.shape.size(), r, size)
+    };
+    let mut parts: Vec<Option<Part>> = (0..groups.len()).map(|_| None).collect();
+    for dtype in dtypes(groups) {
+        let keys: Vec<usize> = (0..groups.len())
+            .filter(|&k| groups[k].slot.dtype == dtype)
+            .collect();
+        // Elements rank `s` sends rank `h`: its rows' cuts by `h`'s part, key by key.
+        let block_len = |s: usize, h: usize| -> usize {
+            (keys.iter())
+                .map(|&k| {
+                    let (w, p) = (row_width(groups[k].slot.shape), piece(k, h));
+                    ids.of(s, k)
+                        .iter()
+                        .map(|&id| cut(id, w, &p).len())
+                        .sum::<usize>()
+                })
+                .sum()
+        };
+        let block = (0..size)
+            .flat_map(|s| (0..size).map(move |h| (s, h)))
+            .map(|(s, h)| block_len(s, h))
+            .max()
+            .unwrap_or(0);
+        let mut send = HostData::try_filled(dtype, block * size, 0.0)?;
+        for h in 0..size {
+            let mut at = h * block;
+            for &k in &keys {
+                let (w, p) = (row_width(groups[k].slot.shape), piece(k, h));
+                for (i, &id) in merged[k].ids.iter().enumerate() {
+                    let c = cut(id, w, &p);
+                    let from = i * w + (c.start - id as usize * w);
+                    add_row(
+                        &merged[k].rows,
+                        from..from + c.len(),
+                        &mut send,
+                        at..at + c.len(),
+                        true,
+                    );
+                    at += c.len();
+                }
+            }
+        }
+        let recv = HostData::try_filled(dtype, block * size, 0.0)?;
+        let ticket = call.start(Op::AllToAll, send, recv)?;
+        let (_, all) = call.land(ticket)?;
+        // What this rank holds of each key, summed by row id in rank order.
+        let mut at: Vec<usize> = (0..size).map(|s| s * block).collect();
+        for &k in &keys {
+            let g = &groups[k];
+            let p = piece(k, rank);
+            if !g.slot.spread.holds(rank) {
+                continue;
+            }
+            let w = row_width(g.slot.shape);
+            let mut held: Vec<u64> = (0..size)
+                .flat_map(|s| ids.of(s, k).iter().copied())
+                .filter(|&id| !cut(id, w, &p).is_empty())
+                .collect();
+            held.sort_unstable();
+            held.dedup();
+            let segs: Vec<Range<usize>> = (held.iter())
+                .map(|&id| {
+                    let c = cut(id, w, &p);
+                    c.start - p.start..c.end - p.start
+                })
+                .collect();
+            let mut offset = Vec::with_capacity(segs.len() + 1);
+            offset.push(0);
+            for s in &segs {
+                offset.push(offset.last().copied().unwrap_or(0) + s.len());
+            }
+            let mut grad = HostData::try_filled(dtype, *offset.last().unwrap_or(&0), 0.0)?;
+            let mut seen = vec![false; held.len()];
+            for (s, at) in at.iter_mut().enumerate() {
+                for &id in ids.of(s, k) {
+                    let c = cut(id, w, &p);
+                    if c.is_empty() {
+                        continue;
+                    }
+                    let j = held.binary_search(&id).map_err(|_| {
+                        crate::comm::dist::internal("a row-sparse row id missing from the union")
+                    })?;
+                    let dst = offset[j]..offset[j] + c.len();
+                    add_row(&all, *at..*at + c.len(), &mut grad, dst, !seen[j]);
+                    seen[j] = true;
+                    *at += c.len();
+                }
+            }
+            let whole = segs.iter().all(|s| s.len() == w) && p.len() == g.slot.shape.size();
+            let shape = match whole {
+                true => {
+                    let mut dims = g.slot.shape.dims().to_vec();
+                    dims[0] = held.len();
+                    Shape::new(&dims)?
+                }
+                false => Shape::new(&[grad.len()])?,
+            };
+            parts[k] = Some(Part { segs, grad, shape });
+        }
+    }
+    // Ranks that hold a key but got no rows of it still update it (its step counts every
+    // push; an assign clears it).
+    for (k, g) in groups.iter().enumerate() {
+        if parts[k].is_none() && g.slot.spread.holds(rank) {
+            parts[k] = Some(Part {
+                segs: Vec::new(),
+                grad: HostData::filled(g.slot.dtype, 0, 0.0),
+                shape: Shape::new(&[0])?,
+            });
+        }
+    }
+    Ok(parts)
+}
+
+/// A `row_sparse_pull`'s step across ranks: every rank learns every rank's ids; each holder
+/// sends each rank, in one all-to-all, the elements of the rows it asked for that fall in the
+/// holder's part; each rank puts its rows together from those pieces.
+fn pull_across(
+    call: &mut dyn Round,
+    d: &Dist,
+    slot: &Slot,
+    cell: &HomeValue,
+    ids: &[u64],
+) -> Result<HostData> {
+    let (rank, size) = (d.rank(), d.size());
+    let all = AllIds::gather(call, &[ids])?;
+    let (len, w, dtype) = (slot.shape.size(), row_width(slot.shape), slot.dtype);
+    let piece = |r: usize| slot.spread.piece(len, r, size);
+    let block_len = |h: usize, r: usize| -> usize {
+        let p = piece(h);
+        all.of(r, 0).iter().map(|&id| cut(id, w, &p).len()).sum()
+    };
+    let block = (0..size)
+        .flat_map(|h| (0..size).map(move |r| (h, r)))
+        .map(|(h, r)| block_len(h, r))
+        .max()
+        .unwrap_or(0);
+    let mut send = HostData::try_filled(dtype, block * size, 0.0)?;
+    let mine = piece(rank);
+    if slot.spread.holds(rank) && !mine.is_empty() {
+        let value = cell.value_to_host()?;
+        for r in 0..size {
+            let mut at = r * block;
+            for &id in all.of(r, 0) {
+                let c = cut(id, w, &mine);
+                let from = c.start - mine.start;
+                add_row(
+                    &value,
+                    from..from + c.len(),
+                    &mut send,
+                    at..at + c.len(),
+                    true,
+                );
+                at += c.len();
+            }
+        }
+    }
+    let recv = HostData::try_filled(dtype, block * size, 0.0)?;
+    let ticket = call.start(Op::AllToAll, send, recv)?;
+    let (_, got) = call.land(ticket)?;
+    let mut rows = HostData::try_filled(dtype, ids.len() * w, 0.0)?;
+    for h in 0..size {
+        let (p, mut at) = (piece(h), h * block);
+        for (j, &id) in ids.iter().enumerate() {
+            let c = cut(id, w, &p);
+            let dst = j * w + (c.start - id as usize * w);
+            add_row(&got, at..at + c.len(), &mut rows, dst..dst + c.len(), true);
+            at += c.len();
+        }
+    }
+    Ok(rows)
+}
+
+/// The distinct dtypes of `groups`, in order of first appearance.
+fn dtypes(groups: &[Group<'_>]) -> Vec<DType> {
+    let mut out: Vec<DType> = Vec::new();
+    for g in groups {
+        if !out.contains(&g.slot.dtype) {
+            out.push(g.slot.dtype);
+        }
+    }
+    out
+}
