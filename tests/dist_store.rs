@@ -338,6 +338,26 @@ fn compressed_pushes_equal_a_local_compressed_store_unsliced_on_2_ranks() {
     healthy(2, "compressed", &[]);
 }
 
+/// Row-sparse training of an embedding across ranks: lazy SGD with momentum equals a local
+/// store pushed every rank's rows as one list, bit for bit, and plain SGD on the rows equals
+/// dense training (zeros in the rows not pushed) on the same data, at every step, with rows
+/// travelling only to the ranks that hold them; `row_sparse_pull` of random ids agrees.
+#[test]
+fn row_sparse_training_equals_a_local_store_and_dense_training_sliced_on_3_ranks() {
+    healthy(3, "row_sparse", &[("KVSTORE_BIGARRAY_BOUND", "1000")]);
+}
+
+/// The same on 2 ranks, the embedding whole on one rank, and on 4 ranks sliced.
+#[test]
+fn row_sparse_training_equals_a_local_store_unsliced_on_2_ranks() {
+    healthy(2, "row_sparse", &[]);
+}
+
+#[test]
+fn row_sparse_training_equals_a_local_store_sliced_on_4_ranks() {
+    healthy(4, "row_sparse", &[("KVSTORE_BIGARRAY_BOUND", "1000")]);
+}
+
 // --- 7. Training equivalence -----------------------------------------------------------------
 
 fn training(np: usize, bound: Option<&str>) {
@@ -391,6 +411,7 @@ fn inner() {
         "updater_failure" => case_updater_failure(),
         "values_kept" => case_values_kept(),
         "compressed" => case_compressed(),
+        "row_sparse" => case_row_sparse(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -1969,6 +1990,137 @@ fn compressed_like_a_local_store(compression: kvstore::Compression, t: f32) {
         }
     }
     dist.barrier().unwrap();
+}
+
+fn case_row_sparse() {
+    use kvstore::RowSparse;
+    // 3005 elements: sliced, rows straddle the slices at 3 and 4 ranks.
+    let (rows, width) = (601usize, 5usize);
+    let dist = store("dist_sync");
+    let local = KvStore::create("local").unwrap();
+    let (r, n) = (dist.rank(), dist.num_workers());
+    let momentum = Updater::Sgd(Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        wd: 0.01,
+        ..Sgd::default()
+    });
+    let plain = Updater::Sgd(Sgd {
+        lr: 0.1,
+        ..Sgd::default()
+    });
+    let init = arr(&uniform(&[31], rows * width), &[rows, width], DType::F32, 0);
+    // Keys: 1 (lazy SGD with momentum, row-sparse), 2 (plain SGD, row-sparse), 3 (plain SGD,
+    // dense). The dense key lives in its own store (an updater is per store).
+    let dense = store("dist_sync");
+    for kv in [&dist, &local] {
+        kv.init_row_sparse_list(&[1, 2], &[init.clone(), init.clone()])
+            .unwrap();
+    }
+    dense.init(3, &init).unwrap();
+    dense.set_updater(plain.clone()).unwrap();
+    // A rank's rows at a step: ids repeat, and each rank touches its own part of the table
+    // more often (as a data-parallel batch of an embedding does).
+    let grad = |step: u64, rank: usize| -> (Vec<u64>, Vec<f64>) {
+        let u = uniform(&[32, step, rank as u64], 40);
+        let ids: Vec<u64> = u
+            .iter()
+            .map(|x| ((x + 1.0) * 0.5 * rows as f64) as u64 % rows as u64)
+            .collect();
+        (ids, uniform(&[33, step, rank as u64], 40 * width))
+    };
+    let sparse = |(ids, data): (Vec<u64>, Vec<f64>)| {
+        let k = ids.len();
+        RowSparse::new(ids, arr(&data, &[k, width], DType::F32, 0)).unwrap()
+    };
+    let pulled = |kv: &KvStore, key: i32| {
+        let out = NDArray::zeros([rows, width]);
+        kv.pull(key, &out).unwrap();
+        out.to_vec::<f32>().unwrap()
+    };
+    for (kv, u) in [(&dist, &momentum), (&local, &momentum)] {
+        kv.set_updater(u.clone()).unwrap();
+    }
+    for step in 0..6u64 {
+        let mine = sparse(grad(step, r));
+        dist.push_row_sparse(1, std::slice::from_ref(&mine))
+            .unwrap();
+        // Each rank sums its own repeated rows first, then the ranks are summed in rank order
+        // (as dense pushes sum a rank's devices first): the local store gets each rank's rows
+        // summed the same way, in float32, in the order they come.
+        let summed = |(ids, data): (Vec<u64>, Vec<f64>)| {
+            let mut rows: BTreeMap<u64, Vec<f32>> = BTreeMap::new();
+            for (j, &id) in ids.iter().enumerate() {
+                let row = data[j * width..(j + 1) * width].iter().map(|&x| x as f32);
+                match rows.get_mut(&id) {
+                    Some(acc) => acc.iter_mut().zip(row).for_each(|(a, x)| *a += x),
+                    None => {
+                        rows.insert(id, row.collect());
+                    }
+                }
+            }
+            let data: Vec<f64> = rows.values().flatten().map(|&x| f64::from(x)).collect();
+            (rows.keys().copied().collect::<Vec<u64>>(), data)
+        };
+        let all: Vec<RowSparse> = (0..n)
+            .map(|rank| sparse(summed(grad(step, rank))))
+            .collect();
+        local.push_row_sparse(1, &all).unwrap();
+        let (a, b) = (pulled(&dist, 1), pulled(&local, 1));
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(
+                x.to_bits(),
+                y.to_bits(),
+                "rank {r}, step {step}, element {i}: {x} vs a local store's {y}"
+            );
+        }
+        let ids: Vec<u64> = uniform(&[34, step, r as u64], 7)
+            .iter()
+            .map(|x| ((x + 1.0) * 0.5 * rows as f64) as u64 % rows as u64)
+            .collect();
+        let got = dist.row_sparse_pull(1, &ids).unwrap();
+        let want = local.row_sparse_pull(1, &ids).unwrap();
+        assert_eq!(got.ids(), want.ids());
+        assert_eq!(
+            got.rows().to_vec::<f32>().unwrap(),
+            want.rows().to_vec::<f32>().unwrap(),
+            "rank {r}, step {step}: row_sparse_pull of {ids:?}"
+        );
+    }
+    // Plain SGD on rows against dense training with the same gradients.
+    dist.set_updater(plain).unwrap();
+    let mut touched = vec![false; rows];
+    for step in 10..14u64 {
+        let (ids, data) = grad(step, r);
+        let mut full = vec![0.0f64; rows * width];
+        for (j, &id) in ids.iter().enumerate() {
+            for c in 0..width {
+                full[id as usize * width + c] += data[j * width + c];
+            }
+        }
+        dist.push_row_sparse(2, &[sparse((ids, data))]).unwrap();
+        dense
+            .push(3, &arr(&full, &[rows, width], DType::F32, 0))
+            .unwrap();
+        for rank in 0..n {
+            grad(step, rank)
+                .0
+                .iter()
+                .for_each(|&id| touched[id as usize] = true);
+        }
+        let (a, b) = (pulled(&dist, 2), pulled(&dense, 3));
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                "rank {r}, step {step}, element {i} (row {} touched: {}): {x} vs dense {y}",
+                i / width,
+                touched[i / width]
+            );
+        }
+    }
+    dist.barrier().unwrap();
+    let count = touched.iter().filter(|&&t| t).count();
+    ok(&dist, "row_sparse", &format!("rows_touched={count}/{rows}"));
 }
 
 fn case_hook_steps() {

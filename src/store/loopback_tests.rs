@@ -22,11 +22,11 @@ use crate::comm::link::loopback::Loopback;
 use crate::{Adam, Error, KvStore, NDArray, Sgd, Updater};
 
 /// Keys of more elements than this are sliced over every rank in these tests.
-const BOUND: usize = 8;
+pub(super) const BOUND: usize = 8;
 
 /// The loopback stores of `n` ranks, one per rank (created together: creating one is a call
 /// of every rank).
-fn stores(n: usize) -> Vec<KvStore> {
+pub(super) fn stores(n: usize) -> Vec<KvStore> {
     let links = Loopback::world(n, Duration::from_secs(10));
     on_links(&links, |_, l| {
         KvStore::over_loopback(l.clone(), BOUND).expect("a store")
@@ -34,7 +34,10 @@ fn stores(n: usize) -> Vec<KvStore> {
 }
 
 /// Runs `f` on every rank's link, each in its own thread; the results in rank order.
-fn on_links<R: Send>(links: &[Loopback], f: impl Fn(usize, &Loopback) -> R + Sync) -> Vec<R> {
+pub(super) fn on_links<R: Send>(
+    links: &[Loopback],
+    f: impl Fn(usize, &Loopback) -> R + Sync,
+) -> Vec<R> {
     std::thread::scope(|s| {
         let handles: Vec<_> = (links.iter().enumerate())
             .map(|(r, l)| {
@@ -50,7 +53,10 @@ fn on_links<R: Send>(links: &[Loopback], f: impl Fn(usize, &Loopback) -> R + Syn
 }
 
 /// Runs `f` on every rank's store, each in its own thread; the results in rank order.
-fn on_ranks<R: Send>(stores: &[KvStore], f: impl Fn(usize, &KvStore) -> R + Sync) -> Vec<R> {
+pub(super) fn on_ranks<R: Send>(
+    stores: &[KvStore],
+    f: impl Fn(usize, &KvStore) -> R + Sync,
+) -> Vec<R> {
     std::thread::scope(|s| {
         let handles: Vec<_> = stores
             .iter()

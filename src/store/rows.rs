@@ -90,6 +90,11 @@ impl KvStore {
     /// updater gets the rows present as arrays of shape `[rows, ...]`. With no updater set
     /// (assign) the value becomes the sum: its rows at their ids, zeros elsewhere, as in MXNet.
     ///
+    /// On a `dist_*` store every rank sums its own values first, then the ranks' sums are added
+    /// in rank order (as a dense push sums a rank's devices first), and each rank that holds a
+    /// part of the key gets only the rows, or the parts of rows, that fall in its part: a big
+    /// key is sliced over the ranks by elements, and a row may straddle two slices.
+    ///
     /// Errors ([`Error::RowSparse`], nothing changed): a dense key, a row id out of range,
     /// rows of another row shape or dtype.
     ///
@@ -451,6 +456,9 @@ fn push_across(
                 let (w, p) = (row_width(groups[k].slot.shape), piece(k, h));
                 for (i, &id) in merged[k].ids.iter().enumerate() {
                     let c = cut(id, w, &p);
+                    if c.is_empty() {
+                        continue;
+                    }
                     let from = i * w + (c.start - id as usize * w);
                     add_row(
                         &merged[k].rows,
@@ -481,6 +489,8 @@ fn push_across(
                 .collect();
             held.sort_unstable();
             held.dedup();
+            // A holder that got no rows still runs the update (on no rows): the key's step
+            // counts every push, and an assign clears its part.
             let segs: Vec<Range<usize>> = (held.iter())
                 .map(|&id| {
                     let c = cut(id, w, &p);
@@ -521,17 +531,6 @@ fn push_across(
             parts[k] = Some(Part { segs, grad, shape });
         }
     }
-    // Ranks that hold a key but got no rows of it still update it (its step counts every
-    // push; an assign clears it).
-    for (k, g) in groups.iter().enumerate() {
-        if parts[k].is_none() && g.slot.spread.holds(rank) {
-            parts[k] = Some(Part {
-                segs: Vec::new(),
-                grad: HostData::filled(g.slot.dtype, 0, 0.0),
-                shape: Shape::new(&[0])?,
-            });
-        }
-    }
     Ok(parts)
 }
 
@@ -566,6 +565,9 @@ fn pull_across(
             let mut at = r * block;
             for &id in all.of(r, 0) {
                 let c = cut(id, w, &mine);
+                if c.is_empty() {
+                    continue;
+                }
                 let from = c.start - mine.start;
                 add_row(
                     &value,
@@ -586,6 +588,9 @@ fn pull_across(
         let (p, mut at) = (piece(h), h * block);
         for (j, &id) in ids.iter().enumerate() {
             let c = cut(id, w, &p);
+            if c.is_empty() {
+                continue;
+            }
             let dst = j * w + (c.start - id as usize * w);
             add_row(&got, at..at + c.len(), &mut rows, dst..dst + c.len(), true);
             at += c.len();

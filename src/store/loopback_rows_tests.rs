@@ -1,0 +1,249 @@
+//! Row-sparse keys on the loopback link: N ranks as N threads, in `cargo test`.
+//!
+//! Pushed rows are multiples of 1/4 of at most 8 in magnitude, so their float sums are exact in
+//! any order: the ranks sum in another order than the local store does, and the results must
+//! still be equal bit for bit.
+
+use std::time::Duration;
+
+use rand::prelude::*;
+
+use super::loopback_tests::{on_links, on_ranks, stores, BOUND};
+use crate::comm::link::loopback::Loopback;
+use crate::{Adam, DType, Error, KvStore, NDArray, RowSparse, Sgd, Shape, Updater};
+
+/// The keys: a sliced float32 key whose rows straddle the ranks' slices, a whole key, and a
+/// sliced float64 key (a second dtype, a second all-to-all).
+const KEYS: [(i32, [usize; 2], DType); 3] = [
+    (0, [7, 3], DType::F32),
+    (1, [2, 3], DType::F32),
+    (2, [5, 4], DType::F64),
+];
+
+fn quarters(rng: &mut StdRng, n: usize, dtype: DType) -> NDArray {
+    let v: Vec<f32> = (0..n)
+        .map(|_| rng.gen_range(-32..=32) as f32 / 4.0)
+        .collect();
+    NDArray::from_vec(v, [n]).unwrap().astype(dtype).unwrap()
+}
+
+fn reshaped(a: NDArray, dims: &[usize]) -> NDArray {
+    let host = a.with_host(|h| h.clone()).unwrap();
+    NDArray::from_host(host, Shape::new(dims).unwrap(), crate::cpu(0))
+}
+
+/// Random row-sparse values for every key: 1 or 2 per key, ids repeating, some empty.
+fn values(rng: &mut StdRng) -> Vec<Vec<RowSparse>> {
+    KEYS.iter()
+        .map(|&(_, [rows, width], dtype)| {
+            (0..rng.gen_range(1..3))
+                .map(|_| {
+                    let n = if rng.gen_bool(0.2) {
+                        0
+                    } else {
+                        rng.gen_range(1..5)
+                    };
+                    let ids = (0..n).map(|_| rng.gen_range(0..rows as u64)).collect();
+                    let data = reshaped(quarters(rng, n * width, dtype), &[n, width]);
+                    RowSparse::new(ids, data).unwrap()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn dense(kv: &KvStore, key: i32) -> Result<Vec<f64>, Error> {
+    let out = NDArray::zeros(kv.meta(key)?.0).astype(kv.meta(key)?.1)?;
+    kv.pull(key, &out)?;
+    out.to_vec::<f64>()
+}
+
+fn rows_of(kv: &KvStore, key: i32, ids: &[u64]) -> Result<(Vec<u64>, Vec<f64>), Error> {
+    let got = kv.row_sparse_pull(key, ids)?;
+    Ok((got.ids().to_vec(), got.rows().to_vec::<f64>()?))
+}
+
+/// Random row-sparse pushes on 1 to 4 ranks, through assign, lazy SGD with momentum and lazy
+/// Adam, give every rank, at every step, what one local store gives when it is pushed every
+/// rank's values as one list: dense pulls and `row_sparse_pull`s of random ids, bit for bit.
+#[test]
+fn row_sparse_pushes_on_n_ranks_equal_a_local_store() {
+    let updaters = [
+        Updater::Assign,
+        Updater::Sgd(Sgd {
+            lr: 0.25,
+            momentum: 0.5,
+            wd: 0.125,
+            ..Sgd::default()
+        }),
+        Updater::Adam(Adam {
+            lr: 0.125,
+            wd: 0.25,
+            ..Adam::default()
+        }),
+    ];
+    let mut rng = StdRng::from_entropy();
+    for n in 1..=4 {
+        for updater in &updaters {
+            let ranks = stores(n);
+            let local = KvStore::create("local").unwrap();
+            let keys: Vec<i32> = KEYS.iter().map(|k| k.0).collect();
+            let inits: Vec<NDArray> = (KEYS.iter())
+                .map(|&(_, dims, dtype)| {
+                    reshaped(quarters(&mut rng, dims[0] * dims[1], dtype), &dims)
+                })
+                .collect();
+            local.init_row_sparse_list(&keys, &inits).unwrap();
+            local.set_updater(updater.clone()).unwrap();
+            on_ranks(&ranks, |_, kv| {
+                kv.init_row_sparse_list(&keys, &inits).unwrap();
+                kv.set_updater(updater.clone()).unwrap();
+            });
+            for step in 0..4 {
+                let pushed: Vec<Vec<Vec<RowSparse>>> = (0..n).map(|_| values(&mut rng)).collect();
+                let asked: Vec<Vec<u64>> = (0..n)
+                    .map(|_| {
+                        (0..rng.gen_range(0..6))
+                            .map(|_| rng.gen_range(0..2))
+                            .collect()
+                    })
+                    .collect();
+                let got = on_ranks(&ranks, |r, kv| {
+                    kv.push_row_sparse_list(&keys, &pushed[r]).unwrap();
+                    let whole: Vec<Vec<f64>> =
+                        keys.iter().map(|&k| dense(kv, k).unwrap()).collect();
+                    let rows: Vec<_> = keys
+                        .iter()
+                        .map(|&k| rows_of(kv, k, &asked[r]).unwrap())
+                        .collect();
+                    (whole, rows)
+                });
+                let all: Vec<Vec<RowSparse>> = (0..KEYS.len())
+                    .map(|k| pushed.iter().flat_map(|p| p[k].iter().cloned()).collect())
+                    .collect();
+                local.push_row_sparse_list(&keys, &all).unwrap();
+                for (r, (whole, rows)) in got.into_iter().enumerate() {
+                    for (i, &k) in keys.iter().enumerate() {
+                        let what =
+                            format!("{n} ranks, {updater:?}, step {step}, rank {r}, key {k}");
+                        assert_eq!(whole[i], dense(&local, k).unwrap(), "{what}");
+                        assert_eq!(rows[i], rows_of(&local, k, &asked[r]).unwrap(), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Ranks that disagree fail every rank and change nothing: one rank pushes another key, one
+/// inits a key dense that the others init row-sparse, one pulls rows where the others pull
+/// whole, one pushes a row id out of range.
+#[test]
+fn ranks_that_disagree_on_row_sparse_calls_fail_every_rank() {
+    type Call = fn(usize, &KvStore) -> Result<(), Error>;
+    let cases: [(&str, Call); 4] = [
+        ("another key", |r, kv| {
+            kv.push_row_sparse(
+                if r == 1 { 1 } else { 0 },
+                &[RowSparse::new(vec![0], NDArray::ones([1, 3]))?],
+            )
+        }),
+        ("dense against row-sparse init", |r, kv| match r {
+            1 => kv.init(9, &NDArray::zeros([7, 3])),
+            _ => kv.init_row_sparse(9, &NDArray::zeros([7, 3])),
+        }),
+        ("rows against a whole pull", |r, kv| match r {
+            1 => kv.pull(0, &NDArray::zeros([7, 3])),
+            _ => kv.row_sparse_pull(0, &[1]).map(drop),
+        }),
+        ("an id out of range on one rank", |r, kv| {
+            let id = if r == 1 { 7 } else { 6 };
+            kv.push_row_sparse(0, &[RowSparse::new(vec![id], NDArray::ones([1, 3]))?])
+        }),
+    ];
+    for (what, call) in cases {
+        let ranks = stores(3);
+        let outcome = on_ranks(&ranks, |r, kv| {
+            kv.init_row_sparse_list(
+                &[0, 1],
+                &[NDArray::full([7, 3], 0.5), NDArray::full([7, 3], 0.5)],
+            )
+            .unwrap();
+            kv.set_updater(Updater::Sgd(Sgd {
+                lr: 0.5,
+                ..Sgd::default()
+            }))
+            .unwrap();
+            let err = call(r, kv);
+            let after: Result<Vec<Vec<f64>>, Error> =
+                [0, 1].iter().map(|&k| dense(kv, k)).collect();
+            (err, after)
+        });
+        for (r, (err, after)) in outcome.into_iter().enumerate() {
+            let err = err.expect_err(what);
+            let expected = match (what, r) {
+                ("an id out of range on one rank", 1) => matches!(err, Error::RowSparse { .. }),
+                ("an id out of range on one rank", _) => matches!(err, Error::RankRejected { .. }),
+                _ => matches!(err, Error::Desync { .. }),
+            };
+            assert!(expected, "{what}: rank {r}: {err}");
+            if let Ok(after) = after {
+                assert!(
+                    after.iter().all(|v| v.iter().all(|&x| x == 0.5)),
+                    "{what}: rank {r} changed"
+                );
+            }
+        }
+    }
+}
+
+/// What a row-sparse push moves: on 4 ranks, a key of 4,000 rows of 16 sliced in four, each
+/// rank pushing 8 rows: each rank receives only the elements of pushed rows that fall in its
+/// slice (at most 4 ranks x 8 rows x 16, padded to the longest block), not its 16,000-element
+/// slice as a dense push does.
+#[test]
+fn a_row_sparse_push_moves_only_the_rows() {
+    let (rows, width) = (4000, 16);
+    let links = Loopback::world(4, Duration::from_secs(10));
+    let ranks = on_links(&links, |_, l| {
+        KvStore::over_loopback(l.clone(), BOUND).unwrap()
+    });
+    on_ranks(&ranks, |_, kv| {
+        kv.init_row_sparse(0, &NDArray::zeros([rows, width]))
+            .unwrap();
+        kv.init(1, &NDArray::zeros([rows, width])).unwrap();
+    });
+    let received = |sparse: bool| -> Vec<usize> {
+        let before: Vec<usize> = links.iter().map(Loopback::received).collect();
+        on_ranks(&ranks, |r, kv| match sparse {
+            true => {
+                let ids: Vec<u64> = (0..8)
+                    .map(|i| (r as u64 * 997 + i * 501) % rows as u64)
+                    .collect();
+                kv.push_row_sparse(
+                    0,
+                    &[RowSparse::new(ids, NDArray::ones([8, width])).unwrap()],
+                )
+                .unwrap()
+            }
+            false => kv.push(1, &NDArray::ones([rows, width])).unwrap(),
+        });
+        links
+            .iter()
+            .zip(before)
+            .map(|(l, b)| l.received() - b)
+            .collect()
+    };
+    let sparse = received(true);
+    let plain = received(false);
+    for (r, (&s, &p)) in sparse.iter().zip(&plain).enumerate() {
+        assert!(
+            s <= 4 * 8 * width * 4,
+            "rank {r} received {s} elements for 32 rows"
+        );
+        assert!(
+            p >= rows * width / 4,
+            "rank {r}: a dense push receives its slice, got {p}"
+        );
+    }
+}
