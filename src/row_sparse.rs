@@ -2,6 +2,7 @@
 //! `RowSparseNDArray`, as ids plus the rows they name ([`RowSparse`]), and the host-side
 //! arithmetic on them: summing a push's values by row, and reading rows out of a dense value.
 
+use crate::backend::cpu::push::ReadSet;
 use crate::host::{with_host, HostData};
 use crate::{Element, Error, NDArray, Result, Shape};
 
@@ -139,10 +140,10 @@ pub(crate) fn merge(values: &[&RowSparse], width: usize) -> Result<Merged> {
             })
         }
     };
-    let hosts = values
-        .iter()
-        .map(|v| v.rows.with_host(HostData::clone))
-        .collect::<Result<Vec<HostData>>>()?;
+    // Read in place (each array locked once; rows on a GPU are copied to the host).
+    let arrays: Vec<&NDArray> = values.iter().map(|v| &v.rows).collect();
+    let reads = ReadSet::lock(&arrays)?;
+    let hosts: Vec<&HostData> = arrays.iter().map(|a| reads.host(a)).collect();
     let mut ids: Vec<u64> = values.iter().flat_map(|v| v.ids.iter().copied()).collect();
     ids.sort_unstable();
     ids.dedup();

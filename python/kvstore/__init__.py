@@ -19,7 +19,7 @@ Values go in and out through DLPack, so NumPy >= 1.22, PyTorch, JAX and CuPy arr
 from collections import namedtuple
 from contextlib import contextmanager
 
-from . import _arrays, _native, optimizer
+from . import _arrays, _native, _row_sparse, optimizer
 from . import optimizer as _optimizer
 from ._errors import (
     CheckpointError,
@@ -39,6 +39,7 @@ from ._errors import (
     RankExitedError,
     RankFailedError,
     RankRejectedError,
+    RowSparseError,
     ShapeMismatchError,
     TimeoutError,
     UnknownKeyError,
@@ -78,7 +79,11 @@ __all__ = [
     "DistFailedError",
     "DistEnvError",
     "MpiError",
+    "RowSparse",
+    "RowSparseError",
 ]
+
+RowSparse = _row_sparse.RowSparse
 
 Context = namedtuple("Context", ["device_type", "device_id"])
 Context.__doc__ = """A device name, as MXNet's ``mx.cpu(i)``. NumPy and torch arrays carry their
@@ -96,7 +101,7 @@ def gpu(device_id=0):
 
 
 def _as_list(v, op, what):
-    if _arrays.is_array(v):
+    if _arrays.is_array(v) or _row_sparse.is_sparse(v):
         return [v]
     if isinstance(v, (list, tuple)):
         return list(v)
@@ -128,7 +133,11 @@ def _key_lists(key, values, op, what):
     ``([5, 7], [a, b])`` and ``([5, 7], [[a, b], [c, d]])``."""
     if isinstance(key, (list, tuple)):
         keys = list(key)
-        if _arrays.is_array(values) or not isinstance(values, (list, tuple)):
+        if (
+            _arrays.is_array(values)
+            or _row_sparse.is_sparse(values)
+            or not isinstance(values, (list, tuple))
+        ):
             raise TypeError(
                 f"{op}: {len(keys)} keys need a list of {what}, one entry per key; got "
                 f"{type(values).__name__}"
@@ -139,6 +148,70 @@ def _key_lists(key, values, op, what):
             )
         return keys, [_as_list(v, op, what) for v in values]
     return [key], [_as_list(values, op, what)]
+
+
+def _np():
+    import numpy
+
+    return numpy
+
+
+def _all_or_none_sparse(values, op):
+    """Whether the values of a call are row-sparse: all of them, or none (an error else)."""
+    flags = [_row_sparse.is_sparse(v) for vs in values for v in vs]
+    if any(flags) and not all(flags):
+        raise RowSparseError(
+            f"{op}: a call mixes row-sparse and dense values: make one call for each"
+        )
+    return bool(flags) and all(flags)
+
+
+def _sparse_lists(key, values, op):
+    """``push_row_sparse``'s call forms as (keys, a list of row-sparse values per key): a tuple
+    is one ``(ids, rows)`` pair, never a list of values."""
+
+    def entries(v):
+        if isinstance(v, tuple) or _row_sparse.is_sparse(v):
+            return [v]
+        if isinstance(v, list):
+            return v
+        raise TypeError(
+            f"{op}: a row-sparse value is a kvstore.RowSparse, a SciPy sparse matrix or an "
+            f"(ids, rows) pair, or a list of them; got {type(v).__name__}"
+        )
+
+    if isinstance(key, (list, tuple)):
+        keys = list(key)
+        if not isinstance(values, list) or len(values) != len(keys):
+            raise InvalidArgumentError(
+                f"{op}: {len(keys)} keys need a list of {len(keys)} entries, one per key"
+            )
+        return keys, [entries(v) for v in values]
+    return [key], [entries(values)]
+
+
+def _fill_rows(out, got):
+    """Writes a ``row_sparse_pull``'s rows into ``out``: nothing for ``None``, the parts of a
+    :class:`RowSparse`, or rows at their ids with zeros elsewhere for a dense array."""
+    if out is None:
+        return
+    if isinstance(out, RowSparse):
+        out.ids, out.rows, out.shape = got.ids, got.rows, got.shape
+        return
+    if tuple(getattr(out, "shape", ())) != got.shape:
+        raise ShapeMismatchError(
+            f"row_sparse_pull: out has shape {tuple(getattr(out, 'shape', ()))}, the key "
+            f"{got.shape}"
+        )
+    if type(out).__module__.startswith("torch"):
+        import torch
+
+        out.zero_()
+        idx = torch.as_tensor(got.ids.astype("int64"), device=out.device)
+        out[idx] = torch.as_tensor(got.rows, device=out.device, dtype=out.dtype)
+        return
+    out[...] = 0
+    out[got.ids.astype("int64")] = got.rows
 
 
 @contextmanager
@@ -219,19 +292,118 @@ class KVStore:
         try:
             with _told(self._kv, "init"):
                 keys, values = _key_lists(key, value, "init", "values")
+                sparse = _all_or_none_sparse(values, "init")
+                if sparse:
+                    values = [[_row_sparse.from_value(v).to_dense() for v in vs] for vs in values]
                 flat = _one_each(keys, values, "init", lent)
-            self._kv.init(keys, flat)
+            if sparse:
+                self._kv.init_row_sparse(keys, flat)
+            else:
+                self._kv.init(keys, flat)
         finally:
             self._end(lent)
+
+    def init_row_sparse(self, key, value):
+        """Puts a copy of the dense array ``value`` in under ``key`` as a row-sparse key (two
+        or more dimensions; the first is its rows): ``init`` with a :class:`RowSparse` or a
+        SciPy sparse matrix does the same with its dense form. A row-sparse key is pushed by
+        rows (``push`` with row-sparse values, or ``push_row_sparse``) and read by rows
+        (``row_sparse_pull``) or whole (``pull``)."""
+        lent = _arrays.Lends()
+        try:
+            with _told(self._kv, "init"):
+                keys, values = _key_lists(key, value, "init", "values")
+                flat = _one_each(keys, values, "init", lent)
+            self._kv.init_row_sparse(keys, flat)
+        finally:
+            self._end(lent)
+
+    def push_row_sparse(self, key, value):
+        """Pushes row-sparse values to row-sparse keys: per key, one value or a list of them
+        (from several devices), each a :class:`RowSparse`, a SciPy sparse matrix or an
+        ``(ids, rows)`` pair. The rows are summed by id and the optimizer updates the rows
+        present only (MXNet's ``lazy_update``): other rows keep their values and state.
+        ``push`` takes :class:`RowSparse` and SciPy values the same way."""
+        with _told(self._kv, "push"):
+            keys, values = _sparse_lists(key, value, "push")
+        self._push_rows(keys, values)
+
+    def _push_rows(self, keys, values):
+        lent = _arrays.Lends()
+        try:
+            with _told(self._kv, "push"):
+                pairs = []
+                for vs in values:
+                    rs = [_row_sparse.from_value(v) for v in vs]
+                    pairs.append([(r.ids.tolist(), _arrays.read(r.rows, lent)) for r in rs])
+            self._kv.push_row_sparse(keys, pairs)
+        finally:
+            self._end(lent)
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """Rows ``row_ids`` of a row-sparse key (MXNet's ``row_sparse_pull``; the ids are
+        deduplicated and sorted). With ``out=None`` it returns them as a :class:`RowSparse`;
+        a dense NumPy array or torch tensor of the key's shape as ``out`` gets those rows and
+        zeros elsewhere (what MXNet's row-sparse out holds); a :class:`RowSparse` out is
+        replaced. A list of outs takes one id array each, or shares one."""
+        with _told(self._kv, "pull"):
+            if row_ids is None:
+                raise InvalidArgumentError("row_sparse_pull: pass the rows to fetch as row_ids=")
+            shape, dtype, sparse = self._kv.meta(key)
+            if not sparse:
+                raise RowSparseError(
+                    f"row_sparse_pull: key {key!r} is dense: read it with pull "
+                    "(row_sparse_pull is for row-sparse keys)"
+                )
+            single = not isinstance(out, (list, tuple))
+            outs = [out] if single else list(out)
+            per_out = isinstance(row_ids, (list, tuple)) and all(
+                _np().ndim(r) >= 1 for r in row_ids
+            ) and len(row_ids) > 0 and not single
+            ids_list = list(row_ids) if per_out else [row_ids] * len(outs)
+            if len(ids_list) != len(outs):
+                raise InvalidArgumentError(
+                    f"row_sparse_pull: {len(outs)} outs but {len(ids_list)} row_ids"
+                )
+        results = [self._pull_rows(key, shape, dtype, ids) for ids in ids_list]
+        for o, r in zip(outs, results):
+            _fill_rows(o, r)
+        if single and out is None:
+            return results[0]
+        return None
+
+    def _pull_rows(self, key, shape, dtype, row_ids):
+        np = _np()
+        with _told(self._kv, "pull"):
+            ids = _row_sparse._host(row_ids)
+            ids = np.asarray(ids).ravel()
+            if ids.size and not np.issubdtype(ids.dtype, np.integer):
+                raise RowSparseError(f"row ids must be ints, got {ids.dtype}")
+            if ids.size and ids.min() < 0:
+                raise RowSparseError(f"row id {int(ids.min())} is negative")
+            ids = np.unique(ids).astype(np.uint64)
+            if dtype == "bfloat16":
+                raise RowSparseError(
+                    "row_sparse_pull returns NumPy arrays, which have no bfloat16: keep "
+                    "row-sparse keys float32, float16 or float64"
+                )
+            rows = np.zeros((len(ids),) + tuple(shape[1:]), dtype=dtype)
+            capsule = _arrays.write(rows, [], _arrays.Lends())
+        self._kv.row_sparse_pull(key, ids.tolist(), capsule)
+        return RowSparse(ids, rows, shape)
 
     def push(self, key, value, priority=0):
         """Pushes one array or a list of arrays (from several devices) to ``key``, or one
         entry per key to a list of keys. The arrays of each key are summed, then merged into
         the stored value by the updater (assign by default)."""
+        with _told(self._kv, "push"):
+            keys, values = _key_lists(key, value, "push", "values")
+            sparse = _all_or_none_sparse(values, "push")
+        if sparse:
+            return self._push_rows(keys, values)
         lent = _arrays.Lends()
         try:
             with _told(self._kv, "push"):
-                keys, values = _key_lists(key, value, "push", "values")
                 reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
                 priority = _priority(priority)
             self._kv.push(keys, reads, priority)

@@ -46,6 +46,11 @@ class InvalidArgumentError(Error, ValueError):
     out-of-range updater parameters, and the like."""
 
 
+class RowSparseError(Error, ValueError):
+    """A row-sparse value that does not fit its key (a row id out of range, rows of another
+    shape or dtype), or a call that mixes row-sparse and dense keys."""
+
+
 class UpdaterError(Error, RuntimeError):
     """The updater failed on a key; a Python updater's own exception is the ``__cause__``."""
 

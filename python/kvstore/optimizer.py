@@ -9,6 +9,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+def _check_lazy(optimizer):
+    """Row-sparse pushes update the rows present only (MXNet's ``lazy_update=True``, its
+    default); ``lazy_update`` changes nothing for dense keys."""
+    if not optimizer.lazy_update:
+        from ._errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            "lazy_update=False (updating every row on a row-sparse push) is not supported: "
+            "row-sparse pushes update the rows present only; push dense gradients to a dense "
+            "key to update every row"
+        )
+
+
 @dataclass
 class SGD:
     """Stochastic gradient descent, with optional momentum:
@@ -19,8 +32,10 @@ class SGD:
     wd: float = 0.0
     rescale_grad: float = 1.0
     clip_gradient: Optional[float] = None
+    lazy_update: bool = True
 
     def _apply(self, native):
+        _check_lazy(self)
         native.set_sgd(
             float(self.learning_rate),
             float(self.momentum),
@@ -44,8 +59,10 @@ class Adam:
     rescale_grad: float = 1.0
     clip_gradient: Optional[float] = None
     epsilon_after_correction: bool = False
+    lazy_update: bool = True
 
     def _apply(self, native):
+        _check_lazy(self)
         native.set_adam(
             float(self.learning_rate),
             float(self.beta1),

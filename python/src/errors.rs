@@ -36,6 +36,7 @@ fn class_name(e: &Error) -> &'static str {
         Error::DistEnv { .. } => "DistEnvError",
         Error::UpdaterPanicked { .. } | Error::UpdaterFailed { .. } => "UpdaterError",
         Error::Checkpoint { .. } => "CheckpointError",
+        Error::RowSparse { .. } => "RowSparseError",
         Error::OutOfMemory { .. } => "DeviceOutOfMemoryError",
         Error::Cuda { .. }
         | Error::Nccl { .. }

@@ -11,7 +11,7 @@ mod updater;
 
 use std::sync::Arc;
 
-use kvstore::{Adam, Key, KvStore, NDArray, Sgd, Updater};
+use kvstore::{Adam, Key, KvStore, NDArray, RowSparse, Sgd, Updater};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString};
@@ -202,6 +202,98 @@ impl PyStore {
             )?;
             kv.init_list(&keys, &values).map_err(errors::to_py)
         })
+    }
+
+    /// `init_row_sparse(keys, values)`: one capsule per key, each key row-sparse.
+    fn init_row_sparse(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let kv = self.inner.clone();
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let values: Vec<Imported> =
+                values.iter().map(arrays::import).collect::<PyResult<_>>()?;
+            Ok((keys, values))
+        })();
+        let (keys, values) = told(py, &kv, "init", args)?;
+        py.detach(move || {
+            let values: Vec<NDArray> = told_detached(
+                &kv,
+                "init",
+                values.iter().map(Imported::to_ndarray).collect(),
+            )?;
+            kv.init_row_sparse_list(&keys, &values)
+                .map_err(errors::to_py)
+        })
+    }
+
+    /// `push_row_sparse(keys, values)`: per key, a list of (row ids, rows capsule) pairs.
+    fn push_row_sparse(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Vec<(Vec<u64>, Bound<'_, PyAny>)>>,
+    ) -> PyResult<()> {
+        let kv = self.inner.clone();
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let values = (values.iter())
+                .map(|l| {
+                    l.iter()
+                        .map(|(ids, rows)| Ok((ids.clone(), arrays::import(rows)?)))
+                        .collect::<PyResult<Vec<_>>>()
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            Ok((keys, values))
+        })();
+        let (keys, values) = told(py, &kv, "push", args)?;
+        py.detach(move || {
+            let converted = (values.into_iter())
+                .map(|l| {
+                    (l.into_iter())
+                        .map(|(ids, rows)| {
+                            RowSparse::new(ids, rows.to_ndarray()?).map_err(errors::to_py)
+                        })
+                        .collect::<PyResult<Vec<RowSparse>>>()
+                })
+                .collect::<PyResult<Vec<_>>>();
+            let values = told_detached(&kv, "push", converted)?;
+            kv.push_row_sparse_list(&keys, &values)
+                .map_err(errors::to_py)
+        })
+    }
+
+    /// `row_sparse_pull(key, ids, out)`: rows `ids` (distinct, ascending) into `out`, a capsule
+    /// of shape `[len(ids), ...]` and the key's dtype.
+    fn row_sparse_pull(
+        &self,
+        py: Python<'_>,
+        key: Bound<'_, PyAny>,
+        ids: Vec<u64>,
+        out: Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let kv = self.inner.clone();
+        let args = (|| {
+            let mut out = arrays::import(&out)?;
+            out.check_writable()?;
+            Ok((key_from(&key)?, out))
+        })();
+        let (key, out) = told(py, &kv, "pull", args)?;
+        py.detach(move || {
+            let got = kv.row_sparse_pull(key, &ids).map_err(errors::to_py)?;
+            out.write_from(got.rows())
+        })
+    }
+
+    /// `meta(key)`: the key's shape, dtype name, and whether it is row-sparse.
+    fn meta(&self, key: Bound<'_, PyAny>) -> PyResult<(Vec<usize>, String, bool)> {
+        let key = key_from(&key)?;
+        let (shape, dtype, _) = self.inner.meta(key.clone()).map_err(errors::to_py)?;
+        let sparse = self.inner.is_row_sparse(key).map_err(errors::to_py)?;
+        Ok((shape.dims().to_vec(), dtype.name().to_owned(), sparse))
     }
 
     /// `push(keys, values, priority)`: a list of capsules per key.

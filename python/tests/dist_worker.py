@@ -719,7 +719,62 @@ def compressed():
     say(f"ok compressed threshold={t}")
 
 
+def row_sparse():
+    """MXNet's nightly dist_sync_kvstore.py row-sparse checks on this API: with MXNet's `test`
+    optimizer (stored += 2 * sum) as a Python updater, each worker sets row rank % 2 of an rsp
+    key (float32 and float16) to rank + 1; after round i, row x is
+    1 + 2 * (i + 1) * sum(rank + 1 for ranks with rank % 2 == x), checked by row_sparse_pull of
+    random ids (rows not asked for are 0 in the out). A big (1200, 1200) key, sliced over the
+    workers, where worker r pushes every 2(r+1)-th row of a 30 % selection. An empty push
+    leaves the value alone; a pull of no rows gives zeros."""
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    rate = 2.0
+
+    def test_optimizer(key, input, stored):
+        stored += rate * input
+
+    kv.set_updater(test_optimizer)
+    small = (4, 3)
+    kv.init(["9", "10"], [kvstore.RowSparse(np.arange(4), np.ones(small, d), small)
+                          for d in (np.float32, np.float16)])
+    big = (1200, 1200)
+    kv.init_row_sparse("big", np.ones(big, np.float32))
+    sel = np.sort(np.random.default_rng([SEED, 9]).choice(big[0], 360, replace=False))
+    rng = np.random.default_rng([SEED, 10, r])
+    for i in range(3):
+        for key, d in (("9", np.float32), ("10", np.float16)):
+            row = np.full((1, 3), r + 1, d)
+            kv.push(key, kvstore.RowSparse([r % 2], row, small))
+        mine = sel[:: 2 * (r + 1)]
+        kv.push("big", kvstore.RowSparse(mine, np.full((len(mine), big[1]), r + 1, np.float32), big))
+        for key, d in (("9", np.float32), ("10", np.float16)):
+            ids = rng.integers(0, 4, size=3)
+            out = np.full(small, 9, d)
+            kv.row_sparse_pull(key, out=out, row_ids=ids)
+            want = np.zeros(small, d)
+            for x in np.unique(ids):
+                want[x] = 1 + rate * (i + 1) * sum(q + 1 for q in range(n) if q % 2 == x)
+            assert np.array_equal(out, want), (key, i, out, want)
+        ids = np.unique(np.concatenate([rng.choice(sel, 20), rng.integers(0, big[0], 5)]))
+        got = kv.row_sparse_pull("big", row_ids=ids)
+        for x, row in zip(got.ids, got.rows):
+            w = 1 + rate * (i + 1) * sum(q + 1 for q in range(n) if x in sel[:: 2 * (q + 1)])
+            assert (row == w).all(), ("big", i, x, row[:3], w)
+    before = np.zeros(small, np.float32)
+    kv.pull("9", out=before)
+    kv.push("9", kvstore.RowSparse(np.array([], np.int64), np.zeros((0, 3), np.float32), small))
+    after = np.zeros(small, np.float32)
+    kv.pull("9", out=after)
+    assert np.array_equal(before, after), (before, after)
+    out = np.full(small, 3, np.float32)
+    kv.row_sparse_pull("9", out=out, row_ids=np.array([], np.int64))
+    assert (out == 0).all(), out
+    say(f"ok row_sparse ({n} workers)")
+
+
 CASES = {
+    "row_sparse": row_sparse,
     "compressed": compressed,
     "unused": unused,
     "nightly": nightly,

@@ -105,6 +105,14 @@ def test_two_bit_compression_across_workers(n):
     assert oks(out, "compressed") == list(range(n)), out
 
 
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_row_sparse_keys_across_workers(n):
+    rc, out = run(n, "row_sparse")
+    assert rc == 0, out
+    assert oks(out, "row_sparse") == list(range(n)), out
+
+
 TUTORIAL = os.path.join(os.path.dirname(__file__), "..", "examples", "tutorial.py")
 
 

@@ -186,16 +186,19 @@ impl HomeValue {
     /// their own in host memory: the compact form a row-sparse push updates (the rows it
     /// carries), to give back with [`HomeValue::scatter`]. A GPU home is read whole.
     pub fn gather(&self, generation: u64, segs: &[Range<usize>]) -> Result<HomeValue> {
-        let (value, state): (Cow<'_, HostData>, Option<HostState>) = match &self.place {
+        // A host home is read in place (its state too: only the rows are copied).
+        let downloaded;
+        let (value, state): (&HostData, Option<(u64, &[HostData])>) = match &self.place {
             Place::Host(h) => {
                 let state = (self.state.as_ref())
                     .filter(|s| s.generation == generation)
-                    .map(|s| (s.step, s.bufs.clone()));
-                (Cow::Borrowed(h), state)
+                    .map(|s| (s.step, s.bufs.as_slice()));
+                (h, state)
             }
             Place::Gpu(_) => {
-                let (v, s) = self.to_host(generation)?;
-                (Cow::Owned(v), s)
+                downloaded = self.to_host(generation)?;
+                let state = (downloaded.1.as_ref()).map(|(step, bufs)| (*step, bufs.as_slice()));
+                (&downloaded.0, state)
             }
         };
         let n = value.len();
@@ -208,7 +211,7 @@ impl HomeValue {
                 bufs: bufs.iter().map(|b| row_sparse::gather(b, segs)).collect(),
             });
         Ok(HomeValue {
-            place: Place::Host(row_sparse::gather(&value, segs)),
+            place: Place::Host(row_sparse::gather(value, segs)),
             state,
         })
     }

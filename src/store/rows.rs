@@ -256,7 +256,7 @@ impl KvStore {
             dist::fingerprint(op, &groups).note(&note)
         };
         let mut call = d.begin_with(fp)?;
-        let parts: Vec<Option<Part>> = match d.passes_through() {
+        let mut parts: Vec<Option<Part>> = match d.passes_through() {
             true => (groups.iter().zip(merged))
                 .map(|(g, m)| Some(whole_part(g.slot.shape, m)))
                 .collect(),
@@ -267,12 +267,12 @@ impl KvStore {
         let hypers = hyper::for_push(&active, &groups, &counts);
         // Each part's rows and their state, as values of their own: the update runs on them,
         // and they go back into the cells only once every key's update has succeeded.
-        let gathered: Result<Vec<Option<(HomeValue, NDArray)>>> = (parts.iter().zip(&cells))
+        let gathered: Result<Vec<Option<(HomeValue, NDArray)>>> = (parts.iter_mut().zip(&cells))
             .map(|(part, cell)| {
                 let Some(p) = part else { return Ok(None) };
                 let rows = cell.gather(active.generation, &p.segs)?;
-                let grad = NDArray::from_host(p.grad.clone(), p.shape, cpu(0));
-                Ok(Some((rows, grad)))
+                let grad = std::mem::replace(&mut p.grad, HostData::F32(Vec::new()));
+                Ok(Some((rows, NDArray::from_host(grad, p.shape, cpu(0)))))
             })
             .collect();
         let ok = gathered.is_ok();
