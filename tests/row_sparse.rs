@@ -444,3 +444,61 @@ fn a_compressed_store_refuses_row_sparse_keys() -> Result<()> {
     ensure!(kv.keys().is_empty());
     Ok(())
 }
+
+/// A checkpoint keeps a key row-sparse, with its lazy optimizer state: a fresh store that
+/// loads it continues exactly as the saved one, and a store holding the key dense refuses it.
+#[test]
+fn a_checkpoint_keeps_a_key_row_sparse() -> Result<()> {
+    let mut rng = StdRng::from_entropy();
+    let dir = std::env::temp_dir().join(format!("kvstore-rsp-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("rsp.safetensors");
+    let sgd = Updater::Sgd(Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Sgd::default()
+    });
+    let init: Vec<f32> = (0..24).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let push = |kv: &KvStore, rng: &mut StdRng| -> Result<()> {
+        let g: Vec<f32> = (0..6).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let ids = vec![rng.gen_range(0..8), rng.gen_range(0..8)];
+        kv.push_row_sparse("e", &[RowSparse::new(ids, NDArray::from_vec(g, [2, 3])?)?])?;
+        Ok(())
+    };
+    let saved = KvStore::create("local")?;
+    saved.init_row_sparse("e", &NDArray::from_vec(init.clone(), [8, 3])?)?;
+    saved.set_updater(sgd.clone())?;
+    push(&saved, &mut rng)?;
+    saved.save(&path)?;
+    let loaded = KvStore::create("device")?;
+    loaded.set_updater(sgd.clone())?;
+    loaded.load(&path)?;
+    ensure!(loaded.is_row_sparse("e")?, "the load made the key dense");
+    ensure!(matches!(
+        loaded.push("e", &NDArray::zeros([8, 3])).unwrap_err(),
+        Error::RowSparse { .. }
+    ));
+    let seed: u64 = rng.gen();
+    let (mut a, mut b) = (StdRng::seed_from_u64(seed), StdRng::seed_from_u64(seed));
+    for _ in 0..3 {
+        push(&saved, &mut a)?;
+        push(&loaded, &mut b)?;
+    }
+    let (x, y) = (NDArray::zeros([8, 3]), NDArray::zeros([8, 3]));
+    saved.pull("e", &x)?;
+    loaded.pull("e", &y)?;
+    ensure!(
+        x.to_vec::<f32>()? == y.to_vec::<f32>()?,
+        "the loaded store went another way"
+    );
+    let dense = KvStore::create("local")?;
+    dense.init("e", &NDArray::zeros([8, 3]))?;
+    let err = dense.load(&path).unwrap_err();
+    ensure!(
+        matches!(&err, Error::Checkpoint { kind, .. } if *kind == kvstore::CheckpointErrorKind::Mismatch),
+        "{err}"
+    );
+    ensure!(!dense.is_row_sparse("e")?);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -100,6 +100,28 @@ pub(super) fn encode(
             dims.clone(),
             to_bytes(&e.value),
         ));
+        if e.row_sparse {
+            meta.insert(format!("row_sparse/{}", e.key), "1".into());
+        }
+        if !e.residuals.is_empty() {
+            meta.insert(
+                format!("residuals/{}", e.key),
+                e.residuals.len().to_string(),
+            );
+            for (i, r) in e.residuals.iter().enumerate() {
+                // A position never pushed keeps no residual: written as zeros.
+                let r = match r.len() == e.shape.size() {
+                    true => crate::HostData::F32(r.clone()),
+                    false => crate::HostData::filled(crate::DType::F32, e.shape.size(), 0.0),
+                };
+                tensors.push((
+                    format!("residual/{}/{i}", e.key),
+                    st_dtype(r.dtype()),
+                    dims.clone(),
+                    to_bytes(&r),
+                ));
+            }
+        }
         // The store exports only state of the updater in force, one buffer per name.
         if let Some(state) = e.state.as_ref().filter(|s| s.bufs.len() == names.len()) {
             meta.insert(format!("step/{}", e.key), state.step.to_string());
@@ -278,8 +300,10 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
     }
     let spelled: HashSet<String> = keys.iter().map(Key::to_string).collect();
     if let Some(name) = meta.keys().find(|name| {
-        name.strip_prefix("step/")
-            .is_some_and(|k| !spelled.contains(k))
+        ["step/", "row_sparse/", "residuals/"]
+            .iter()
+            .filter_map(|p| name.strip_prefix(p))
+            .any(|k| !spelled.contains(k))
     }) {
         return Err(format!("metadata entry '{name}' belongs to no key in the metadata").into());
     }
@@ -313,11 +337,34 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
                 Some(EntryState { step, bufs })
             }
         };
+        let row_sparse = match meta.get(&format!("row_sparse/{key}")).map(String::as_str) {
+            None => false,
+            Some("1") => true,
+            Some(other) => {
+                return Err(format!("metadata row_sparse/{key} = '{other}' is not 1").into())
+            }
+        };
+        let mut residuals = Vec::new();
+        if let Some(count) = meta.get(&format!("residuals/{key}")) {
+            let count: usize = count
+                .parse()
+                .ok()
+                .filter(|&n| n <= file.names().len())
+                .ok_or_else(|| format!("metadata residuals/{key} = '{count}' is not a count"))?;
+            for i in 0..count {
+                let name = format!("residual/{key}/{i}");
+                let (_, r) = read_tensor(&file, &name, Some(DType::F32), Some(shape))?;
+                used.insert(name);
+                residuals.push(r.to_vec::<f32>());
+            }
+        }
         entries.push(Entry {
             key,
             shape,
             value,
             state,
+            row_sparse,
+            residuals,
         });
     }
     if let Some(extra) = file.names().into_iter().find(|n| !used.contains(*n)) {

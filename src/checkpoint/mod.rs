@@ -20,6 +20,8 @@
 //! | `updater`        | the updater's [`name`](crate::Updater::name)               |
 //! | `state_names`    | the state buffer names, comma-separated                   |
 //! | `step/<key>`     | the key's step count, for keys that have updater state    |
+//! | `row_sparse/<key>` | `1` for a row-sparse key ([`KvStore::init_row_sparse`]); absent for a dense one |
+//! | `residuals/<key>` | the number of gradient-compression residuals of the key (one per position in a push's list of values), each a float32 tensor `residual/<key>/<i>` of the key's shape; absent when it has none |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, see [below](#checksums) |
 //!
 //! Keys are spelled as [`Key`](crate::Key)'s `Display` writes them; an int key in any other spelling
@@ -89,14 +91,16 @@
 //! | `token`        | the save's token, as in `index`                                   |
 //! | `key_kind`     | `int`, `str`, or `none` for a shard with no keys                  |
 //! | `updater`, `state_names` | as in the single file, the same in every shard          |
-//! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s>`          |
+//! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, as in the single file |
 //!
 //! `order` is the key's place in update order (distinct per key; keys are listed by it),
 //! `start..end` the element range this shard holds, `dims` the whole key's dims (empty for a
 //! scalar), and `step` the updater step count, present exactly when the key has updater state
-//! (then the shard has one `state/<key>/<name>` per state name). Every shard of a key records
-//! the same `order`, `dims`, dtype and `step`. Keys are spelled canonically, as in the single
+//! (then the shard has one `state/<key>/<name>` per state name), and `sparse=1` marks a
+//! row-sparse key. Every shard of a key records the same `order`, `dims`, dtype, `step` and
+//! `sparse`. A shard holds no compression residuals: each rank's are its own, so after a load
+//! they start at zero. Keys are spelled canonically, as in the single
 //! file.
 //!
 //! ```

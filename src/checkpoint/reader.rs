@@ -326,9 +326,14 @@ fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize
         .contains_key("step")
         .then(|| count("step"))
         .transpose()?;
+    let row_sparse = match fields.get("sparse") {
+        None => false,
+        Some(&"1") => true,
+        Some(_) => return Err(bad("sparse is not 1")),
+    };
     if fields
         .keys()
-        .any(|f| !["order", "start", "end", "dims", "step"].contains(f))
+        .any(|f| !["order", "start", "end", "dims", "step", "sparse"].contains(f))
     {
         return Err(bad("unknown field"));
     }
@@ -343,6 +348,7 @@ fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize
         order,
         step: step.unwrap_or(0),
         has_state: step.is_some(),
+        row_sparse,
     };
     Ok((meta, start..end))
 }
@@ -774,6 +780,7 @@ fn open_file(path: &Path) -> Result<Reader> {
                 order,
                 step: e.state.as_ref().map_or(0, |s| s.step),
                 has_state: e.state.is_some(),
+                row_sparse: e.row_sparse,
             },
             range: 0..e.shape.size(),
             file: 0,
@@ -938,6 +945,9 @@ impl Reader {
                     step: meta.step,
                     bufs,
                 }),
+                row_sparse: meta.row_sparse,
+                // A sharded checkpoint holds no residuals (each rank's are its own).
+                residuals: Vec::new(),
             });
         }
         Ok(entries)

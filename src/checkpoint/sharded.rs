@@ -97,6 +97,8 @@ pub(crate) struct KeyMeta {
     /// Whether the key has updater state (one buffer per state name); a key pushed to under
     /// the updater in force has, a key never pushed to has not.
     pub has_state: bool,
+    /// Whether the key is row-sparse (written `sparse=1`; absent for a dense key).
+    pub row_sparse: bool,
 }
 
 impl KeyMeta {
@@ -338,6 +340,9 @@ fn encode_shard(
         );
         if m.has_state {
             spec.push_str(&format!(" step={}", m.step));
+        }
+        if m.row_sparse {
+            spec.push_str(" sparse=1");
         }
         meta.insert(format!("piece/{key}"), spec);
         tensors.push((

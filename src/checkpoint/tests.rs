@@ -108,6 +108,7 @@ fn truths(rng: &mut StdRng, updater: &Updater, count: usize, string_keys: bool) 
                     order: orders[i],
                     step: if has_state { rng.gen_range(1..1000) } else { 0 },
                     has_state,
+                    row_sparse: rng.gen_bool(0.3),
                 },
                 value: random(rng, n, dtype),
                 state,
@@ -582,6 +583,7 @@ fn save_store_sharded(dir: &Path, rng: &mut StdRng, kv: &KvStore, world: usize) 
                 order,
                 step: e.state.as_ref().map_or(0, |s| s.step),
                 has_state: e.state.is_some(),
+                row_sparse: e.row_sparse,
             },
             value: e.value.to_vec(),
             state: e

@@ -33,7 +33,9 @@ impl KvStore {
     /// Call it before the first `init`: it is an [`Error::Compression`] once the store holds
     /// keys, on a kind that does not compress (`local` and `nccl`, as in MXNet, and
     /// `dist_device_sync` on GPU ranks in this version), for a threshold not above 0, and (at
-    /// `init`) for a key that is not float32. Residuals are not saved in checkpoints yet.
+    /// `init`) for a key that is not float32. A checkpoint of a `device` store (one file)
+    /// carries the residuals, and a load restores them with the values; a dist store's sharded
+    /// checkpoint holds none (each rank's are its own), so they start at zero after its load.
     ///
     /// ```
     /// use kvstore::{Compression, KvStore, NDArray};

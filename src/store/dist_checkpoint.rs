@@ -93,6 +93,7 @@ impl KvStore {
                         order,
                         step: state.as_ref().map_or(0, |s| s.0),
                         has_state: state.is_some(),
+                        row_sparse: slot.row_sparse,
                     },
                     range,
                     value: host(value),
@@ -212,6 +213,7 @@ impl KvStore {
         let mut new_kinds = Vec::new();
         let mut new_data = Vec::new();
         let mut new_spreads = Vec::new();
+        let mut new_sparse = Vec::new();
         let mut next_cell = 0;
         for (m, (spread, part)) in reader.keys().iter().zip(parts) {
             let (value, state) = match part {
@@ -228,6 +230,7 @@ impl KvStore {
                 new_kinds.push((Shape::new(&m.dims)?, m.dtype));
                 new_data.push(cell);
                 new_spreads.push(spread);
+                new_sparse.push(m.row_sparse);
             }
         }
         drop(cells);
@@ -240,7 +243,7 @@ impl KvStore {
             new_data,
             &homes,
             &new_spreads,
-            false,
+            &new_sparse,
         );
         // Every rank keeps every key's update count, whoever holds its state.
         for m in reader.keys() {
@@ -274,6 +277,9 @@ impl KvStore {
                         m.key, m.dims, m.dtype, slot.shape, slot.dtype
                     ))
                     .at(path));
+                }
+                if let Some(why) = super::entries::storage_mismatch(&m.key, m.row_sparse, slot) {
+                    return Err(Problem::mismatch(why).at(path));
                 }
             }
         }

@@ -18,6 +18,25 @@ pub(crate) struct Entry {
     pub value: HostData,
     /// The state kept for the updater in force, if the key has any.
     pub state: Option<EntryState>,
+    /// Whether the key is row-sparse.
+    pub row_sparse: bool,
+    /// Gradient compression's residuals of the key, one per position in a push's list of
+    /// values (empty when the key has none).
+    pub residuals: Vec<Vec<f32>>,
+}
+
+/// Why a checkpoint's key cannot load into the store's `slot` of the same name: one is
+/// row-sparse and the other dense. `None` when they agree.
+pub(super) fn storage_mismatch(key: &Key, file_sparse: bool, slot: &Slot) -> Option<String> {
+    let name = |sparse: bool| if sparse { "row-sparse" } else { "dense" };
+    (file_sparse != slot.row_sparse).then(|| {
+        format!(
+            "key {key}: the file holds it {} but the store holds it {}: load it into a store \
+             without this key, or with the key initialized as the file has it",
+            name(file_sparse),
+            name(slot.row_sparse)
+        )
+    })
 }
 
 /// A key's updater state: the step count and one buffer per name in `Updater::state_names`.
@@ -61,6 +80,12 @@ impl KvStore {
                     shape: slot.shape,
                     value,
                     state: state.map(|(step, bufs)| EntryState { step, bufs }),
+                    row_sparse: slot.row_sparse,
+                    residuals: slot
+                        .residuals
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -116,6 +141,9 @@ impl KvStore {
                         slot.dtype
                     )));
                 }
+                if let Some(why) = storage_mismatch(&e.key, e.row_sparse, slot) {
+                    return Err(mismatch(why));
+                }
             }
             // The cells of the keys the store has, in ascending key order; `cell_of[i]` is
             // entry i's place among them.
@@ -157,31 +185,39 @@ impl KvStore {
             let mut gpu_bytes = table.gpu_bytes.clone();
             let mut made: Vec<Slot> = Vec::with_capacity(new.len());
             if on_gpus {
-                let arrays: Vec<(NDArray, Option<EntryState>, Key)> = new
+                let arrays: Vec<(NDArray, Entry)> = new
                     .into_iter()
-                    .map(|e| {
-                        let a = NDArray::from_host(e.value, e.shape, Device::Cpu(0));
-                        (a, e.state, e.key)
+                    .map(|mut e| {
+                        let value = std::mem::replace(&mut e.value, HostData::F32(Vec::new()));
+                        (NDArray::from_host(value, e.shape, Device::Cpu(0)), e)
                     })
                     .collect();
-                let values: Vec<NDArray> = arrays.iter().map(|(a, _, _)| a.clone()).collect();
+                let values: Vec<NDArray> = arrays.iter().map(|(a, _)| a.clone()).collect();
                 let homes = place_by_size(&mut gpu_bytes, gpus, &values);
-                for ((a, state, key), home) in arrays.into_iter().zip(homes) {
-                    let value = copy_home(&a, home, &key)?;
-                    let cell = loaded_cell(value, state, generation)?;
-                    made.push(new_slot(key, a.shape(), a.dtype(), home, cell));
+                for ((a, e), home) in arrays.into_iter().zip(homes) {
+                    let value = copy_home(&a, home, &e.key)?;
+                    let cell = loaded_cell(value, e.state, generation)?;
+                    let slot = new_slot(e.key, a.shape(), a.dtype(), home, cell);
+                    made.push(with_extras(slot, e.row_sparse, e.residuals));
                 }
             } else {
                 for e in new {
                     let dtype = e.value.dtype();
                     let cell = loaded_cell(HomeValue::from_host(e.value), e.state, generation)?;
-                    made.push(new_slot(e.key, e.shape, dtype, Device::Cpu(0), cell));
+                    let slot = new_slot(e.key, e.shape, dtype, Device::Cpu(0), cell);
+                    made.push(with_extras(slot, e.row_sparse, e.residuals));
                 }
             }
 
             // Keys the store has: changed under their locks, before any new key appears.
             for (place, e) in old {
                 load_into(&mut cells[place], e.value, e.state, generation)?;
+                // The residuals come with the values they belong to (none in the file: none).
+                *have[place]
+                    .1
+                    .residuals
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = e.residuals;
             }
 
             // New keys appear, complete, in one step.
@@ -199,6 +235,13 @@ impl KvStore {
             return Ok(());
         }
     }
+}
+
+/// A loaded key's slot with the file's storage kind and residuals.
+fn with_extras(mut slot: Slot, row_sparse: bool, residuals: Vec<Vec<f32>>) -> Slot {
+    slot.row_sparse = row_sparse;
+    slot.residuals = std::sync::Mutex::new(residuals);
+    slot
 }
 
 /// A checkpoint's state in the backends' form.

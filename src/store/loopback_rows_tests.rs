@@ -247,3 +247,41 @@ fn a_row_sparse_push_moves_only_the_rows() {
         );
     }
 }
+
+/// A sharded checkpoint keeps a key row-sparse: it loads row-sparse into fresh ranks and into a
+/// single-process store, and a store holding the key dense refuses it on every rank.
+#[test]
+fn a_sharded_checkpoint_keeps_a_key_row_sparse() {
+    let dir = std::env::temp_dir().join(format!("kvstore-rsp-sharded-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let value =
+        NDArray::from_vec((0..21).map(|i| i as f32 / 4.0).collect::<Vec<_>>(), [7, 3]).unwrap();
+    let saved = stores(3);
+    on_ranks(&saved, |_, kv| {
+        kv.init_row_sparse(0, &value).unwrap();
+        kv.init(1, &value).unwrap();
+        kv.save(&dir).unwrap();
+    });
+    let loaded = stores(2);
+    on_ranks(&loaded, |_, kv| {
+        kv.load(&dir).unwrap();
+        assert!(kv.is_row_sparse(0).unwrap() && !kv.is_row_sparse(1).unwrap());
+        assert_eq!(dense(kv, 0).unwrap(), value.to_vec::<f64>().unwrap());
+    });
+    let local = KvStore::create("local").unwrap();
+    local.load(&dir).unwrap();
+    assert!(local.is_row_sparse(0).unwrap() && !local.is_row_sparse(1).unwrap());
+    let dense_ranks = stores(2);
+    let errs = on_ranks(&dense_ranks, |_, kv| {
+        kv.init(0, &NDArray::zeros([7, 3])).unwrap();
+        kv.load(&dir).unwrap_err()
+    });
+    for e in errs {
+        assert!(
+            matches!(e, Error::Checkpoint { .. } | Error::RankRejected { .. }),
+            "{e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -454,9 +454,8 @@ impl KvStore {
             }
         };
         let kinds = kinds_of(values);
-        insert_slots(
-            &mut table, keys, &kinds, data, &placed, &spreads, row_sparse,
-        );
+        let sparse = vec![row_sparse; keys.len()];
+        insert_slots(&mut table, keys, &kinds, data, &placed, &spreads, &sparse);
         Ok(())
     }
 
@@ -769,10 +768,17 @@ fn insert_slots(
     data: Vec<HomeValue>,
     homes: &[Device],
     spreads: &[Spread],
-    row_sparse: bool,
+    row_sparse: &[bool],
 ) {
-    let parts = kinds.iter().zip(data).zip(homes).zip(spreads);
-    for (key, (((&(shape, dtype), data), &home), &spread)) in keys.into_iter().zip(parts) {
+    let parts = kinds
+        .iter()
+        .zip(data)
+        .zip(homes)
+        .zip(spreads)
+        .zip(row_sparse);
+    for (key, ((((&(shape, dtype), data), &home), &spread), &row_sparse)) in
+        keys.into_iter().zip(parts)
+    {
         let order = match &key {
             Key::Int(k) => i64::from(*k),
             Key::Str(_) => {
