@@ -12,7 +12,7 @@ use anyhow::{ensure, Result};
 use kvstore::__internal::gpu_sm;
 use kvstore::__internal::nccl::{self, MultiRank};
 use kvstore::gpu_count;
-use kvstore::{cpu, gpu, Adam, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
+use kvstore::{cpu, gpu, Adam, DType, Device, Error, KvStore, NDArray, RowSparse, Sgd, Updater};
 use rand::Rng;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -1186,9 +1186,19 @@ fn out_of_memory_is_a_typed_error_and_changes_nothing() -> Result<()> {
         momentum: 0.9,
         ..Sgd::default()
     }))?;
+    let (small, big) = (1000, 1 << 20);
+    // Row-sparse keys 10 (small) and 11 (4 MiB), pushed once: a row-sparse push on a GPU home
+    // makes each key's new value on the GPU before it changes any, so a push of both in which
+    // key 11's runs out of memory must leave key 10 as it was too.
+    let rsp_dims = [[100usize, 4], [big / 4, 4]];
+    let rsp: Vec<NDArray> = (rsp_dims.iter())
+        .map(|d| array(&random(d[0] * 4), d, DType::F32, cpu(0)))
+        .collect::<Result<_>>()?;
+    // First, so that the 4 MiB key is placed on gpu(0) (the emptiest, lowest ordinal).
+    kv.init_row_sparse_list(&[10, 11], &rsp)?;
+    assert_eq!(kv.meta(11)?.2, gpu(0));
     // Key 1: small, pushed once before the filling (its state exists). Key 2: 4 MiB, never
     // pushed, so its first push must allocate 4 MiB of state.
-    let (small, big) = (1000, 1 << 20);
     kv.init_on(
         1,
         &array(&random(small), &[small], DType::F32, cpu(0))?,
@@ -1205,6 +1215,20 @@ fn out_of_memory_is_a_typed_error_and_changes_nothing() -> Result<()> {
         Ok(out.to_vec()?)
     };
     let one_before = pull(1, small)?;
+    let row = || -> Result<Vec<RowSparse>> {
+        Ok(vec![RowSparse::new(
+            vec![0],
+            array(&random(4), &[1, 4], DType::F32, gpu(0))?,
+        )?])
+    };
+    kv.push_row_sparse_list(&[10, 11], &[row()?, row()?])?;
+    let rows_before = |kv: &KvStore| -> Result<Vec<Vec<f32>>> {
+        [10, 11]
+            .iter()
+            .map(|&k| Ok(kv.row_sparse_pull(k, &[0, 1])?.rows().to_vec::<f32>()?))
+            .collect()
+    };
+    let rsp_before = rows_before(&kv)?;
     kv.wait_all()?;
 
     // Fill gpu(0) until the driver refuses 1 MiB, with the driver's own allocations: an array
@@ -1255,6 +1279,11 @@ fn out_of_memory_is_a_typed_error_and_changes_nothing() -> Result<()> {
         4 * big,
     );
     is_oom(kv.push(2, &pushed), "the first momentum push", 4 * big);
+    is_oom(
+        kv.push_row_sparse_list(&[10, 11], &[row()?, row()?]),
+        "a row-sparse push whose 4 MiB key's new value does not fit",
+        4 * big,
+    );
     let text = kv
         .push(2, &pushed)
         .expect_err("still no memory")
@@ -1278,7 +1307,13 @@ fn out_of_memory_is_a_typed_error_and_changes_nothing() -> Result<()> {
         "key 2 after the failed pushes",
     );
     assert_close(&pull(1, small)?, &one_before, 0.0, "key 1");
+    assert_eq!(
+        rows_before(&kv)?,
+        rsp_before,
+        "the failed row-sparse push changed a key"
+    );
     kv.init_on(3, &host_value, gpu(0))?;
+    kv.push_row_sparse_list(&[10, 11], &[row()?, row()?])?;
     kv.push(1, &array(&random(small), &[small], DType::F32, gpu(0))?)?;
     kv.wait_all()?;
     Ok(())

@@ -502,3 +502,25 @@ fn a_checkpoint_keeps_a_key_row_sparse() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// A load cannot add a row-sparse key where `init_row_sparse` would refuse one: into a store
+/// with gradient compression it is a Mismatch, and the store stays empty.
+#[test]
+fn a_load_cannot_add_a_row_sparse_key_to_a_compressed_store() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("kvstore-rsp-compress-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("rsp.safetensors");
+    let saved = KvStore::create("local")?;
+    saved.init_row_sparse(0, &NDArray::ones([4, 2]))?;
+    saved.save(&path)?;
+    let kv = KvStore::create("device")?;
+    kv.set_gradient_compression(kvstore::Compression::two_bit(0.5))?;
+    let err = kv.load(&path).unwrap_err();
+    ensure!(
+        matches!(&err, Error::Checkpoint { kind, .. } if *kind == kvstore::CheckpointErrorKind::Mismatch),
+        "{err}"
+    );
+    ensure!(kv.keys().is_empty(), "the refused load added a key");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -333,8 +333,18 @@ class KVStore:
         try:
             with _told(self._kv, "push"):
                 pairs = []
-                for vs in values:
+                for k, vs in zip(keys, values):
                     rs = [_row_sparse.from_value(v) for v in vs]
+                    shape = tuple(self._kv.meta(k)[0])
+                    for r in rs:
+                        ids = _np().asarray(r.ids)
+                        if ids.size and ids.astype("int64").min() < 0:
+                            raise RowSparseError(f"push: key {k!r}: a row id is negative")
+                        if r.shape_given and r.shape != shape:
+                            raise ShapeMismatchError(
+                                f"push: key {k!r} has shape {shape}, but a row-sparse value "
+                                f"stands for an array of shape {r.shape}"
+                            )
                     pairs.append([(r.ids.tolist(), _arrays.read(r.rows, lent)) for r in rs])
             self._kv.push_row_sparse(keys, pairs)
         finally:
@@ -365,6 +375,13 @@ class KVStore:
                 raise InvalidArgumentError(
                     f"row_sparse_pull: {len(outs)} outs but {len(ids_list)} row_ids"
                 )
+            # Every out checked before any is written.
+            for o in outs:
+                got = tuple(getattr(o, "shape", ()))
+                if o is not None and not isinstance(o, RowSparse) and got != tuple(shape):
+                    raise ShapeMismatchError(
+                        f"row_sparse_pull: out has shape {got}, the key {tuple(shape)}"
+                    )
         results = [self._pull_rows(key, shape, dtype, ids) for ids in ids_list]
         for o, r in zip(outs, results):
             _fill_rows(o, r)
@@ -399,6 +416,7 @@ class KVStore:
         with _told(self._kv, "push"):
             keys, values = _key_lists(key, value, "push", "values")
             sparse = _all_or_none_sparse(values, "push")
+            priority = _priority(priority)
         if sparse:
             return self._push_rows(keys, values)
         lent = _arrays.Lends()

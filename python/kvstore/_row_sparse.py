@@ -15,7 +15,7 @@ class RowSparse:
     that holds the rows (``max(ids) + 1`` rows)."""
 
     def __init__(self, ids, rows, shape=None):
-        ids = np.asarray(ids)
+        ids = np.asarray(_host(ids))
         if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
             raise RowSparseError(
                 f"row ids must be a 1-D array of ints, got {ids.dtype} of shape {ids.shape}"
@@ -28,11 +28,22 @@ class RowSparse:
                 f"{ids.size} row ids but rows of shape {rows_shape}: give one row per id, "
                 "along the first axis"
             )
+        self.shape_given = shape is not None
         if shape is None:
             shape = (int(ids.max()) + 1 if ids.size else 0,) + rows_shape[1:]
+        shape = tuple(int(d) for d in shape)
+        if len(shape) < 2 or tuple(rows_shape[1:]) != shape[1:]:
+            raise RowSparseError(
+                f"rows of shape {rows_shape} for an array of shape {shape}: each row must "
+                f"have shape {shape[1:]}, and the array two or more dimensions"
+            )
+        if ids.size and ids.max() >= shape[0]:
+            raise RowSparseError(
+                f"row id {int(ids.max())} is out of range: the array has {shape[0]} rows"
+            )
         self.ids = ids.astype(np.uint64)
         self.rows = rows
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = shape
 
     def __repr__(self):
         return f"<kvstore.RowSparse {len(self.ids)} rows of shape {self.shape}>"

@@ -159,7 +159,7 @@ def test_bad_row_sparse_input_is_a_typed_error_and_changes_nothing():
     pushed = good.rows.copy()
     bad = [
         lambda: kv.push(0, rsp([6], np.ones((1, 4)), shape)),  # out of range
-        lambda: kv.push(0, rsp([0], np.ones((1, 5)), (6, 5))),  # wrong width
+        lambda: kv.push_row_sparse(0, (np.array([0]), np.ones((1, 5), np.float32))),  # width
         lambda: kv.push(1, good),  # row-sparse to a dense key
         lambda: kv.push(0, np.ones(shape, dtype=np.float32)),  # dense to a row-sparse key
         lambda: kv.push(0, [good, np.ones(shape, dtype=np.float32)]),  # mixed
@@ -171,6 +171,21 @@ def test_bad_row_sparse_input_is_a_typed_error_and_changes_nothing():
     for i, call in enumerate(bad):
         with pytest.raises(kvstore.RowSparseError):
             call()
+    # Values that stand for an array of another shape than the key's, and outs of another
+    # shape: nothing is written, not even to the outs before the bad one.
+    sp = pytest.importorskip("scipy.sparse")
+    with pytest.raises(kvstore.ShapeMismatchError):
+        kv.push(0, rsp([0], np.ones((1, 5)), (6, 5)))
+    with pytest.raises(kvstore.ShapeMismatchError):
+        kv.push(0, sp.csr_matrix(np.ones((3, 4), np.float32)))
+    first = np.full(shape, 7.0, np.float32)
+    with pytest.raises(kvstore.ShapeMismatchError):
+        kv.row_sparse_pull(0, out=[first, np.zeros((6, 5), np.float32)], row_ids=[0])
+    assert (first == 7.0).all(), "an out was written before the bad one was found"
+    with pytest.raises((TypeError, ValueError)):
+        kv.push(0, good, priority="x")
+    with pytest.raises(kvstore.RowSparseError):
+        kvstore.RowSparse([5], np.ones((1, 4)), (3, 4))  # id past the declared shape
     for a, b in zip(snapshot(kv, [0, 1], shape), before):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(good.rows, pushed)

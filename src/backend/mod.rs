@@ -216,16 +216,19 @@ impl HomeValue {
         })
     }
 
-    /// Writes `compact`, a [`HomeValue::gather`] of `segs` after its update, back into `segs`
+    /// `compact`, a [`HomeValue::gather`] of `segs` after its update, written back into `segs`
     /// of the value and of its state for `generation` (state the value lacked starts at zero
-    /// elsewhere). `clear`: the rest of the value becomes zero first (an assign).
+    /// elsewhere); `clear`: the rest of the value becomes zero first (an assign). Returns the
+    /// updated value without changing this one, so that a push of several keys changes none
+    /// until every key's new value exists ([`Scattered::commit`] cannot fail): a host home's is
+    /// written in place at the commit, a GPU home's is a new value on its GPU, uploaded here.
     pub fn scatter(
-        &mut self,
+        &self,
         generation: u64,
-        segs: &[Range<usize>],
+        segs: Vec<Range<usize>>,
         compact: HomeValue,
         clear: bool,
-    ) -> Result<()> {
+    ) -> Result<Scattered> {
         let HomeValue {
             place: Place::Host(rows),
             state: rows_state,
@@ -236,29 +239,28 @@ impl HomeValue {
                 message: "a row-sparse update's rows were not in host memory".to_owned(),
             });
         };
-        let write = |value: &mut HostData, state: Option<State>| {
-            if clear {
-                *value = HostData::filled(value.dtype(), value.len(), 0.0);
-            }
-            row_sparse::scatter(&rows, segs, value);
-            merge_state(state, rows_state, segs, value.len(), generation)
+        let Place::Gpu(c) = &self.place else {
+            return Ok(Scattered::Host {
+                segs,
+                rows,
+                rows_state,
+                clear,
+                generation,
+            });
         };
-        match &mut self.place {
-            Place::Host(h) => {
-                self.state = write(h, self.state.take());
-                Ok(())
-            }
-            Place::Gpu(_) => {
-                let (mut value, state) = self.to_host(generation)?;
-                let state = state.map(|(step, bufs)| State {
-                    generation,
-                    step,
-                    bufs,
-                });
-                let state = write(&mut value, state).map(|s| (s.step, s.bufs));
-                self.load(value, generation, state)
-            }
-        }
+        let (mut value, state) = self.to_host(generation)?;
+        let state = state.map(|(step, bufs)| State {
+            generation,
+            step,
+            bufs,
+        });
+        write_rows(&mut value, &segs, &rows, clear);
+        let state = merge_state(state, rows_state, &segs, value.len(), generation);
+        let shape = Shape::new(&[value.len()])?;
+        let array = NDArray::from_host(value, shape, Device::Cpu(0));
+        let mut fresh = HomeValue::copy_of(&array, Device::Gpu(c.buf.ordinal()))?;
+        fresh.set_state(generation, state.map(|s| (s.step, s.bufs)))?;
+        Ok(Scattered::Gpu(fresh))
     }
 
     /// Sets the host updater state as it is, unchecked (tests of state of the wrong shape).
@@ -270,6 +272,51 @@ impl HomeValue {
             bufs,
         });
     }
+}
+
+/// A row-sparse update ready to go into its value: [`Scattered::commit`] puts it there.
+pub(crate) enum Scattered {
+    /// Rows to write into a host home's value and state, in place.
+    Host {
+        segs: Vec<Range<usize>>,
+        rows: HostData,
+        rows_state: Option<State>,
+        clear: bool,
+        generation: u64,
+    },
+    /// A GPU home's new value, complete on its GPU.
+    Gpu(HomeValue),
+}
+
+impl Scattered {
+    /// Puts the update into `home` (the value it was made from); cannot fail.
+    pub fn commit(self, home: &mut HomeValue) {
+        match self {
+            Scattered::Gpu(fresh) => *home = fresh,
+            Scattered::Host {
+                segs,
+                rows,
+                rows_state,
+                clear,
+                generation,
+            } => {
+                let HomeValue { place, state } = home;
+                let Place::Host(value) = place else {
+                    unreachable!("a host update is made from a host home")
+                };
+                write_rows(value, &segs, &rows, clear);
+                *state = merge_state(state.take(), rows_state, &segs, value.len(), generation);
+            }
+        }
+    }
+}
+
+/// Writes `rows` into `segs` of `value`, after zeroing it when `clear` (an assign).
+fn write_rows(value: &mut HostData, segs: &[Range<usize>], rows: &HostData, clear: bool) {
+    if clear {
+        *value = HostData::filled(value.dtype(), value.len(), 0.0);
+    }
+    row_sparse::scatter(rows, segs, value);
 }
 
 /// The state of a value of `len` elements after a row-sparse update: `old`, with `rows` (the

@@ -339,7 +339,14 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
         };
         let row_sparse = match meta.get(&format!("row_sparse/{key}")).map(String::as_str) {
             None => false,
-            Some("1") => true,
+            Some("1") if shape.ndim() >= 2 => true,
+            Some("1") => {
+                return Err(format!(
+                    "metadata row_sparse/{key} marks a key of shape {shape} row-sparse, but a \
+                     row-sparse key has two or more dimensions"
+                )
+                .into())
+            }
             Some(other) => {
                 return Err(format!("metadata row_sparse/{key} = '{other}' is not 1").into())
             }

@@ -328,7 +328,8 @@ fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize
         .transpose()?;
     let row_sparse = match fields.get("sparse") {
         None => false,
-        Some(&"1") => true,
+        Some(&"1") if dims.len() >= 2 => true,
+        Some(&"1") => return Err(bad("a row-sparse key has two or more dimensions")),
         Some(_) => return Err(bad("sparse is not 1")),
     };
     if fields

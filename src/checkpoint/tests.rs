@@ -100,6 +100,7 @@ fn truths(rng: &mut StdRng, updater: &Updater, count: usize, string_keys: bool) 
             } else {
                 Key::Int(i as i32 * 7 - 20)
             };
+            let row_sparse = dims.len() >= 2 && rng.gen_bool(0.3);
             Truth {
                 meta: KeyMeta {
                     key,
@@ -108,7 +109,7 @@ fn truths(rng: &mut StdRng, updater: &Updater, count: usize, string_keys: bool) 
                     order: orders[i],
                     step: if has_state { rng.gen_range(1..1000) } else { 0 },
                     has_state,
-                    row_sparse: rng.gen_bool(0.3),
+                    row_sparse,
                 },
                 value: random(rng, n, dtype),
                 state,
@@ -1123,4 +1124,36 @@ fn reads_by_range_verify_the_chunks_they_touch() {
     }
     super::checksum::TEST_CHUNK.with(|c| c.set(None));
     fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A key the file marks row-sparse must have two or more dimensions: a file that marks a 1-D
+/// key (hand-made: `save` never writes one) is invalid, in a single file and in a shard's
+/// piece, instead of a key no row-sparse call could use.
+#[test]
+fn a_row_sparse_key_of_one_dimension_is_invalid() {
+    use crate::store::{Entry, EntryState};
+    let entry = |dims: &[usize]| Entry {
+        key: Key::Int(3),
+        shape: crate::Shape::new(dims).unwrap(),
+        value: crate::HostData::filled(DType::F32, dims.iter().product(), 0.5),
+        state: None::<EntryState>,
+        row_sparse: true,
+        residuals: Vec::new(),
+    };
+    let encode = |e| {
+        super::file::encode(Some(crate::KeyKind::Int), &Updater::Assign, &[e])
+            .unwrap_or_else(|_| panic!("encoded"))
+    };
+    assert!(super::file::decode(&encode(entry(&[2, 3])), &Updater::Assign).is_ok());
+    let bad = encode(entry(&[6]));
+    let err = super::file::decode(&bad, &Updater::Assign)
+        .err()
+        .expect("refused");
+    match err.at(Path::new("x")) {
+        Error::Checkpoint { kind, message, .. } => {
+            assert_eq!(kind, CheckpointErrorKind::Invalid, "{message}");
+            assert!(message.contains("two or more dimensions"), "{message}");
+        }
+        other => panic!("{other}"),
+    }
 }

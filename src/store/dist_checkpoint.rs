@@ -247,6 +247,12 @@ impl KvStore {
         );
         // Every rank keeps every key's update count, whoever holds its state.
         for m in reader.keys() {
+            if m.row_sparse && !table.slots.contains_key(&m.key) {
+                if let Some(refusal) = self.row_sparse_refusal("load") {
+                    let why = format!("key {} is row-sparse: {refusal}", m.key);
+                    return Err(Problem::mismatch(why).at(path));
+                }
+            }
             if let Some(slot) = table.slots.get(&m.key) {
                 let count = if fits && m.has_state { m.step } else { 0 };
                 slot.set_updates(generation, count);

@@ -129,6 +129,11 @@ impl KvStore {
                     .collect()
             };
             for (e, slot) in entries.iter().zip(&found) {
+                if slot.is_none() && e.row_sparse {
+                    if let Some(refusal) = self.row_sparse_refusal("load") {
+                        return Err(mismatch(format!("key {} is row-sparse: {refusal}", e.key)));
+                    }
+                }
                 let Some(slot) = slot else { continue };
                 if slot.shape != e.shape || slot.dtype != e.value.dtype() {
                     return Err(mismatch(format!(

@@ -13,7 +13,7 @@ use super::hook::{call_hook, pushed};
 use super::table::Slot;
 use super::validate::{check_len, to_keys};
 use super::{hook_steps, hyper, read, update_counts, KvStore};
-use crate::backend::{HomeValue, KeyFacts};
+use crate::backend::{HomeValue, KeyFacts, Scattered};
 use crate::comm::dist::Dist;
 use crate::comm::link::{Op, Round};
 use crate::comm::{self, KeyPush};
@@ -42,23 +42,8 @@ impl KvStore {
         values: &[NDArray],
     ) -> Result<()> {
         let checked = (|| {
-            if read(&self.compression).is_on() {
-                return Err(Error::Compression {
-                    op: "init",
-                    message: "row-sparse keys are not compressed (as in MXNet): use a store \
-                              without gradient compression for them"
-                        .to_owned(),
-                });
-            }
-            if self.kind.is_dist() && self.ranks.gpu().is_some() {
-                return Err(Error::RowSparse {
-                    op: "init",
-                    message: format!(
-                        "row-sparse keys are not available on '{}' stores of GPU ranks yet: \
-                         use a dist store of CPU ranks, or a 'device' store",
-                        self.name
-                    ),
-                });
+            if let Some(refusal) = self.row_sparse_refusal("init") {
+                return Err(refusal);
             }
             for v in values {
                 if v.shape().ndim() < 2 {
@@ -78,6 +63,28 @@ impl KvStore {
         self.init_with_homes(keys, values, None, true)
     }
 
+    /// Why this store cannot hold row-sparse keys, or `None` when it can: gradient compression
+    /// is on (row-sparse keys are not compressed, as in MXNet), or it is a dist store of GPU
+    /// ranks (not yet). `init_row_sparse` and a load of row-sparse keys both ask.
+    pub(super) fn row_sparse_refusal(&self, op: &'static str) -> Option<Error> {
+        if read(&self.compression).is_on() {
+            return Some(Error::Compression {
+                op,
+                message: "row-sparse keys are not compressed (as in MXNet): use a store \
+                          without gradient compression for them"
+                    .to_owned(),
+            });
+        }
+        (self.kind.is_dist() && self.ranks.gpu().is_some()).then(|| Error::RowSparse {
+            op,
+            message: format!(
+                "row-sparse keys are not available on '{}' stores of GPU ranks yet: use a dist \
+                 store of CPU ranks, or a 'device' store",
+                self.name
+            ),
+        })
+    }
+
     /// Whether `key` is a row-sparse key ([`KvStore::init_row_sparse`]).
     pub fn is_row_sparse(&self, key: impl IntoKey) -> Result<bool> {
         Ok(read(&self.table).get("meta", &key.into_key()?)?.row_sparse)
@@ -87,13 +94,18 @@ impl KvStore {
     /// too), and the updater runs on the rows present only, MXNet's lazy update: SGD's weight
     /// decay and momentum and Adam's moments change on those rows, and the other rows keep
     /// their values and state. The key's step (Adam's `t`) counts every push. A closure
-    /// updater gets the rows present as arrays of shape `[rows, ...]`. With no updater set
+    /// updater gets the rows present as arrays of shape `[rows, ...]`; on a `dist_*` store's
+    /// sliced key, as for a dense sliced key, each rank's closure gets the parts of those rows
+    /// in its slice, flattened (a row may straddle two slices), so a closure there must work
+    /// element by element. With no updater set
     /// (assign) the value becomes the sum: its rows at their ids, zeros elsewhere, as in MXNet.
     ///
     /// On a `dist_*` store every rank sums its own values first, then the ranks' sums are added
     /// in rank order (as a dense push sums a rank's devices first), and each rank that holds a
     /// part of the key gets only the rows, or the parts of rows, that fall in its part: a big
-    /// key is sliced over the ranks by elements, and a row may straddle two slices.
+    /// key is sliced over the ranks by elements, and a row may straddle two slices. The
+    /// all-to-all's blocks are of equal length, so each pair of ranks exchanges as many
+    /// elements as the busiest pair (padding), never more than the rows pushed.
     ///
     /// Errors ([`Error::RowSparse`], nothing changed): a dense key, a row id out of range,
     /// rows of another row shape or dtype.
@@ -318,10 +330,20 @@ impl KvStore {
             };
             comm::push(&active.updater, active.generation, ctx, jobs, agree)?;
         }
+        // Every key's new value first (a GPU home's on its GPU, where that can fail), then
+        // all of them into their cells, so that a failure changes no key.
         let clear = matches!(active.updater, Updater::Assign);
-        for ((cell, part), rows) in cells.iter_mut().zip(&parts).zip(rows) {
-            if let (Some(p), Some(rows)) = (part, rows) {
-                cell.scatter(active.generation, &p.segs, rows, clear)?;
+        let scattered: Vec<Option<Scattered>> = (cells.iter().zip(parts).zip(rows))
+            .map(|((cell, part), rows)| match (part, rows) {
+                (Some(p), Some(rows)) => cell
+                    .scatter(active.generation, p.segs, rows, clear)
+                    .map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        for (cell, s) in cells.iter_mut().zip(scattered) {
+            if let Some(s) = s {
+                s.commit(cell);
             }
         }
         hypers.commit(&active);
@@ -449,7 +471,59 @@ fn push_across(
             .map(|(s, h)| block_len(s, h))
             .max()
             .unwrap_or(0);
-        let mut send = HostData::try_filled(dtype, block * size, 0.0)?;
+        // What this rank holds of each key: the rows any rank pushed that meet its part, and
+        // where each lands in the summed gradient. Known from the ids alone, so that every
+        // buffer is allocated, and the ranks agree that it was, before any rows move (a rank
+        // that could not allocate must not leave the others waiting in the all-to-all).
+        struct Held {
+            k: usize,
+            piece: Range<usize>,
+            ids: Vec<u64>,
+            segs: Vec<Range<usize>>,
+            offset: Vec<usize>,
+        }
+        let held: Vec<Held> = (keys.iter())
+            .filter(|&&k| groups[k].slot.spread.holds(rank))
+            .map(|&k| {
+                let (w, p) = (row_width(groups[k].slot.shape), piece(k, rank));
+                let mut ids: Vec<u64> = (0..size)
+                    .flat_map(|s| ids.of(s, k).iter().copied())
+                    .filter(|&id| !cut(id, w, &p).is_empty())
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                // A holder that got no rows still runs the update (on no rows): the key's
+                // step counts every push, and an assign clears its part.
+                let segs: Vec<Range<usize>> = (ids.iter())
+                    .map(|&id| {
+                        let c = cut(id, w, &p);
+                        c.start - p.start..c.end - p.start
+                    })
+                    .collect();
+                let mut offset = vec![0];
+                for s in &segs {
+                    offset.push(offset.last().copied().unwrap_or(0) + s.len());
+                }
+                Held {
+                    k,
+                    piece: p,
+                    ids,
+                    segs,
+                    offset,
+                }
+            })
+            .collect();
+        let buffers = (|| {
+            let send = HostData::try_filled(dtype, block * size, 0.0)?;
+            let recv = HostData::try_filled(dtype, block * size, 0.0)?;
+            let grads = (held.iter())
+                .map(|h| HostData::try_filled(dtype, *h.offset.last().unwrap_or(&0), 0.0))
+                .collect::<Result<Vec<HostData>>>()?;
+            Ok((send, recv, grads))
+        })();
+        let together = call.agree("push", buffers.is_ok(), "allocating the rows' buffers");
+        let (mut send, recv, mut grads) = buffers?;
+        together?;
         for h in 0..size {
             let mut at = h * block;
             for &k in &keys {
@@ -460,75 +534,58 @@ fn push_across(
                         continue;
                     }
                     let from = i * w + (c.start - id as usize * w);
-                    add_row(
-                        &merged[k].rows,
-                        from..from + c.len(),
-                        &mut send,
-                        at..at + c.len(),
-                        true,
-                    );
+                    let to = at..at + c.len();
+                    add_row(&merged[k].rows, from..from + c.len(), &mut send, to, true);
                     at += c.len();
                 }
             }
         }
-        let recv = HostData::try_filled(dtype, block * size, 0.0)?;
         let ticket = call.start(Op::AllToAll, send, recv)?;
         let (_, all) = call.land(ticket)?;
-        // What this rank holds of each key, summed by row id in rank order.
+        // Each sender's block holds, key by key, the cuts of its rows by this rank's part:
+        // summed by row id, in rank order.
         let mut at: Vec<usize> = (0..size).map(|s| s * block).collect();
+        let mut next_held = held.iter().zip(grads.iter_mut()).peekable();
         for &k in &keys {
-            let g = &groups[k];
-            let p = piece(k, rank);
-            if !g.slot.spread.holds(rank) {
+            let w = row_width(groups[k].slot.shape);
+            let Some((h, grad)) = next_held.next_if(|(h, _)| h.k == k) else {
+                // Not held here: nothing of it was sent to this rank.
                 continue;
-            }
-            let w = row_width(g.slot.shape);
-            let mut held: Vec<u64> = (0..size)
-                .flat_map(|s| ids.of(s, k).iter().copied())
-                .filter(|&id| !cut(id, w, &p).is_empty())
-                .collect();
-            held.sort_unstable();
-            held.dedup();
-            // A holder that got no rows still runs the update (on no rows): the key's step
-            // counts every push, and an assign clears its part.
-            let segs: Vec<Range<usize>> = (held.iter())
-                .map(|&id| {
-                    let c = cut(id, w, &p);
-                    c.start - p.start..c.end - p.start
-                })
-                .collect();
-            let mut offset = Vec::with_capacity(segs.len() + 1);
-            offset.push(0);
-            for s in &segs {
-                offset.push(offset.last().copied().unwrap_or(0) + s.len());
-            }
-            let mut grad = HostData::try_filled(dtype, *offset.last().unwrap_or(&0), 0.0)?;
-            let mut seen = vec![false; held.len()];
+            };
+            let mut seen = vec![false; h.ids.len()];
             for (s, at) in at.iter_mut().enumerate() {
                 for &id in ids.of(s, k) {
-                    let c = cut(id, w, &p);
+                    let c = cut(id, w, &h.piece);
                     if c.is_empty() {
                         continue;
                     }
-                    let j = held.binary_search(&id).map_err(|_| {
+                    let j = h.ids.binary_search(&id).map_err(|_| {
                         crate::comm::dist::internal("a row-sparse row id missing from the union")
                     })?;
-                    let dst = offset[j]..offset[j] + c.len();
-                    add_row(&all, *at..*at + c.len(), &mut grad, dst, !seen[j]);
+                    let dst = h.offset[j]..h.offset[j] + c.len();
+                    add_row(&all, *at..*at + c.len(), grad, dst, !seen[j]);
                     seen[j] = true;
                     *at += c.len();
                 }
             }
-            let whole = segs.iter().all(|s| s.len() == w) && p.len() == g.slot.shape.size();
+        }
+        for (h, grad) in held.into_iter().zip(grads) {
+            let g = &groups[h.k];
+            let whole = h.segs.iter().all(|s| s.len() == row_width(g.slot.shape))
+                && h.piece.len() == g.slot.shape.size();
             let shape = match whole {
                 true => {
                     let mut dims = g.slot.shape.dims().to_vec();
-                    dims[0] = held.len();
+                    dims[0] = h.ids.len();
                     Shape::new(&dims)?
                 }
                 false => Shape::new(&[grad.len()])?,
             };
-            parts[k] = Some(Part { segs, grad, shape });
+            parts[h.k] = Some(Part {
+                segs: h.segs,
+                grad,
+                shape,
+            });
         }
     }
     Ok(parts)
@@ -557,7 +614,16 @@ fn pull_across(
         .map(|(h, r)| block_len(h, r))
         .max()
         .unwrap_or(0);
-    let mut send = HostData::try_filled(dtype, block * size, 0.0)?;
+    // Every buffer allocated, and the ranks agreed that it was, before any rows move.
+    let buffers = (|| {
+        let send = HostData::try_filled(dtype, block * size, 0.0)?;
+        let recv = HostData::try_filled(dtype, block * size, 0.0)?;
+        let rows = HostData::try_filled(dtype, ids.len() * w, 0.0)?;
+        Ok::<_, Error>((send, recv, rows))
+    })();
+    let together = call.agree("pull", buffers.is_ok(), "allocating the rows' buffers");
+    let (mut send, recv, mut rows) = buffers?;
+    together?;
     let mine = piece(rank);
     if slot.spread.holds(rank) && !mine.is_empty() {
         let value = cell.value_to_host()?;
@@ -580,10 +646,8 @@ fn pull_across(
             }
         }
     }
-    let recv = HostData::try_filled(dtype, block * size, 0.0)?;
     let ticket = call.start(Op::AllToAll, send, recv)?;
     let (_, got) = call.land(ticket)?;
-    let mut rows = HostData::try_filled(dtype, ids.len() * w, 0.0)?;
     for h in 0..size {
         let (p, mut at) = (piece(h), h * block);
         for (j, &id) in ids.iter().enumerate() {
