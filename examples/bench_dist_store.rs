@@ -39,7 +39,7 @@
 //! [`breakdown`]), `--compression`: a push of one key into three stores, uncompressed,
 //! 2-bit and bfloat16, interleaved, with the bytes each rank sends (see [`compression`]), and
 //! `--row-sparse ROWS`: an embedding of ROWS x 64 float32 with 1 % of its rows touched per
-//! step, pushed and pulled dense and by rows (see [`row_sparse`]).
+//! step (`--density P` for P %), pushed and pulled dense and by rows (see [`row_sparse`]).
 
 use std::time::Instant;
 
@@ -112,6 +112,8 @@ struct Options {
     compression: bool,
     /// Time an embedding of this many rows dense and row-sparse instead.
     row_sparse: Option<usize>,
+    /// The percentage of its rows each rank touches per step (`--density`, default 1).
+    density: f64,
 }
 
 fn parse_args() -> Options {
@@ -124,6 +126,7 @@ fn parse_args() -> Options {
         breakdown: false,
         compression: false,
         row_sparse: None,
+        density: 1.0,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -142,6 +145,7 @@ fn parse_args() -> Options {
             "--breakdown" => o.breakdown = true,
             "--compression" => o.compression = true,
             "--row-sparse" => o.row_sparse = args.next().and_then(|v| v.parse().ok()),
+            "--density" => o.density = args.next().and_then(|v| v.parse().ok()).unwrap_or(1.0),
             other => panic!(
                 "unknown argument '{other}'; use --sizes 4K,64K,1M,..., --reps N, --small-only, \
                  --no-small, --store-only, --breakdown, --compression, --row-sparse ROWS"
@@ -185,7 +189,7 @@ fn main() -> kvstore::Result<()> {
         return Ok(());
     }
     if let Some(rows) = o.row_sparse {
-        return row_sparse(&b, rows);
+        return row_sparse(&b, rows, o.density);
     }
     if o.compression {
         if lead {
@@ -783,14 +787,14 @@ fn compression(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
 }
 
 /// An embedding of `rows` x 64 float32 (SGD with momentum in the store), each rank touching
-/// 1 % of the rows per step (fresh random ids, repeats allowed), in two `dist_sync` stores:
+/// `density` % of the rows per step (fresh random ids, repeats allowed), in two `dist_sync` stores:
 /// one dense (the step pushes the whole gradient, zeros in the rows not touched, and pulls the
 /// whole table) and one row-sparse (the step pushes the touched rows and pulls the rows of
 /// the next batch with `row_sparse_pull`). Both first push every row once (the steady state of
 /// a long training, where the optimizer state of every row exists). Interleaved, a sample is
 /// the slowest rank's time, each cell the median. Then, on rank 0 alone, the same in a
 /// single-process `local` store.
-fn row_sparse(b: &Bench<'_>, rows: usize) -> kvstore::Result<()> {
+fn row_sparse(b: &Bench<'_>, rows: usize, density: f64) -> kvstore::Result<()> {
     use kvstore::{RowSparse, Sgd, Updater};
     let Bench {
         comm,
@@ -801,7 +805,7 @@ fn row_sparse(b: &Bench<'_>, rows: usize) -> kvstore::Result<()> {
         ..
     } = *b;
     let width = 64;
-    let touched = (rows / 100).max(1);
+    let touched = ((rows as f64 * density / 100.0) as usize).max(1);
     let reps = reps.unwrap_or(7);
     let sgd = Updater::Sgd(Sgd {
         lr: 0.01,
