@@ -111,14 +111,22 @@ pub(crate) fn check_rows(
             rows.dtype()
         ));
     }
-    let n = shape.dims()[0] as u64;
-    if let Some(&bad) = ids.iter().find(|&&id| id >= n) {
-        return fail(format!(
-            "row id {bad} is out of range: the array has {n} rows (ids 0 to {})",
-            n.saturating_sub(1)
-        ));
+    check_ids(op, ids, shape.dims()[0] as u64)
+}
+
+/// Checks that every id names one of `rows` rows: an [`Error::RowSparse`] naming the first
+/// that does not.
+pub(crate) fn check_ids(op: &'static str, ids: &[u64], rows: u64) -> Result<()> {
+    match ids.iter().find(|&&id| id >= rows) {
+        None => Ok(()),
+        Some(&bad) => Err(Error::RowSparse {
+            op,
+            message: format!(
+                "row id {bad} is out of range: the array has {rows} rows (ids 0 to {})",
+                rows.saturating_sub(1)
+            ),
+        }),
     }
-    Ok(())
 }
 
 /// Rows by sorted, distinct id: `rows` holds `ids.len()` rows of `width` elements.

@@ -113,6 +113,38 @@ fn told_detached<T>(kv: &KvStore, op: &'static str, r: PyResult<T>) -> PyResult<
     r
 }
 
+impl PyStore {
+    /// An init of dense or row-sparse keys, one capsule per key.
+    fn init_keys(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Bound<'_, PyAny>>,
+        row_sparse: bool,
+    ) -> PyResult<()> {
+        let kv = self.inner.clone();
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let values: Vec<Imported> =
+                values.iter().map(arrays::import).collect::<PyResult<_>>()?;
+            Ok((keys, values))
+        })();
+        let (keys, values) = told(py, &kv, "init", args)?;
+        py.detach(move || {
+            let values: Vec<NDArray> = told_detached(
+                &kv,
+                "init",
+                values.iter().map(Imported::to_ndarray).collect(),
+            )?;
+            match row_sparse {
+                true => kv.init_row_sparse_list(&keys, &values),
+                false => kv.init_list(&keys, &values),
+            }
+            .map_err(errors::to_py)
+        })
+    }
+}
+
 /// A kvstore `KvStore`. Use `kvstore.create(...)`, which wraps it in `kvstore.KVStore`.
 #[pyclass(name = "Store", module = "kvstore._native", frozen)]
 struct PyStore {
@@ -186,22 +218,7 @@ impl PyStore {
         keys: Vec<Bound<'_, PyAny>>,
         values: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
-        let args = (|| {
-            let keys = keys_from(&keys)?;
-            let values: Vec<Imported> =
-                values.iter().map(arrays::import).collect::<PyResult<_>>()?;
-            Ok((keys, values))
-        })();
-        let (keys, values) = told(py, &kv, "init", args)?;
-        py.detach(move || {
-            let values: Vec<NDArray> = told_detached(
-                &kv,
-                "init",
-                values.iter().map(Imported::to_ndarray).collect(),
-            )?;
-            kv.init_list(&keys, &values).map_err(errors::to_py)
-        })
+        self.init_keys(py, keys, values, false)
     }
 
     /// `init_row_sparse(keys, values)`: one capsule per key, each key row-sparse.
@@ -211,23 +228,7 @@ impl PyStore {
         keys: Vec<Bound<'_, PyAny>>,
         values: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
-        let args = (|| {
-            let keys = keys_from(&keys)?;
-            let values: Vec<Imported> =
-                values.iter().map(arrays::import).collect::<PyResult<_>>()?;
-            Ok((keys, values))
-        })();
-        let (keys, values) = told(py, &kv, "init", args)?;
-        py.detach(move || {
-            let values: Vec<NDArray> = told_detached(
-                &kv,
-                "init",
-                values.iter().map(Imported::to_ndarray).collect(),
-            )?;
-            kv.init_row_sparse_list(&keys, &values)
-                .map_err(errors::to_py)
-        })
+        self.init_keys(py, keys, values, true)
     }
 
     /// `push_row_sparse(keys, values)`: per key, a list of (row ids, rows capsule) pairs.

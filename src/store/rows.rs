@@ -18,7 +18,7 @@ use crate::comm::dist::Dist;
 use crate::comm::link::{Op, Round};
 use crate::comm::{self, KeyPush};
 use crate::host::HostData;
-use crate::row_sparse::{add_row, check_rows, gather, merge, row_width, Merged};
+use crate::row_sparse::{add_row, check_ids, check_rows, gather, merge, row_width, Merged};
 use crate::{cpu, DType, Error, IntoKey, NDArray, Result, RowSparse, Shape, Updater};
 
 impl KvStore {
@@ -163,16 +163,7 @@ impl KvStore {
                     ),
                 });
             }
-            let n = slot.shape.dims()[0] as u64;
-            if let Some(&bad) = row_ids.iter().find(|&&id| id >= n) {
-                return Err(Error::RowSparse {
-                    op,
-                    message: format!(
-                        "row id {bad} is out of range: key {key} has {n} rows (ids 0 to {})",
-                        n.saturating_sub(1)
-                    ),
-                });
-            }
+            check_ids(op, row_ids, slot.shape.dims()[0] as u64)?;
             Ok(slot)
         })();
         let slot = checked.map_err(|e| self.rejected(op, e))?;
