@@ -116,6 +116,36 @@ fn a_skipped_call_times_out_without_the_check_on_2_ranks() {
 }
 
 #[test]
+fn a_blocking_collective_that_a_rank_never_joins_ends_the_job_after_the_timeout() {
+    // Every rank agrees on the call, then one never starts its blocking reduce: the watchdog
+    // of the ranks inside it logs, then ends their processes, and mpirun ends the job, long
+    // before the absent rank wakes up.
+    let env = [("KVSTORE_TIMEOUT", "3"), ("KVSTORE_WAIT_LOG_SECS", "1")];
+    let t = Instant::now();
+    let Some(job) = launch(Some(2), "blocking_stall", &env, Duration::from_secs(60)) else {
+        return;
+    };
+    assert!(!job.killed, "the job must end by itself\n{job}");
+    assert_ne!(job.code, Some(0), "{job}");
+    assert!(t.elapsed() < Duration::from_secs(25), "ended late\n{job}");
+    for needle in [
+        "rank 0: call #1 (push) has been inside its blocking reduce to rank 0 for",
+        "a rank is slow inside it or stopped",
+        "longer than KVSTORE_TIMEOUT (3 s)",
+        "this process ends with exit code 1",
+    ] {
+        assert!(
+            job.stderr.contains(needle),
+            "'{needle}' not in stderr\n{job}"
+        );
+    }
+    assert!(
+        job.stdout.lines().all(|l| !l.contains("OK blocking_stall")),
+        "no rank can finish\n{job}"
+    );
+}
+
+#[test]
 fn a_rank_killed_by_sigkill_ends_the_job_non_zero() {
     let env = [("KVSTORE_TIMEOUT", "10")];
     let Some(job) = launch(Some(3), "sigkill", &env, Duration::from_secs(40)) else {
@@ -306,6 +336,7 @@ fn inner() {
         "fail_after_exit" => case_fail_after_exit(),
         "slow_rank" => case_slow_rank(),
         "bad_wait_log" => case_bad_wait_log(),
+        "blocking_stall" => case_blocking_stall(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -354,7 +385,8 @@ fn poisoned<T: Element>(n: usize) -> Vec<T> {
     vec![T::from_f64(f64::NAN); n]
 }
 
-fn run_dtype<T: Element + Wire>(w: &'static World, round: u64) {
+/// One round of every collective in `T`, non-blocking or `blocking` (`Call::set_blocking`).
+fn run_dtype<T: Element + Wire>(w: &'static World, round: u64, blocking: bool) {
     let (r, size) = (w.rank(), w.size());
     let block = [37, 1_001, 65_536][round as usize];
     let n = block * size;
@@ -364,6 +396,7 @@ fn run_dtype<T: Element + Wire>(w: &'static World, round: u64) {
     // Reduce to a root that moves with the round.
     let root = (round as usize + 1) % size;
     let mut call = w.begin(&fp("push")).expect("begin");
+    call.set_blocking(blocking);
     let mine = data::<T>(r, tag, n);
     let recv = if r == root { poisoned(n) } else { Vec::new() };
     let p = call.reduce_sum(mine.clone(), recv, root).expect("reduce");
@@ -377,6 +410,7 @@ fn run_dtype<T: Element + Wire>(w: &'static World, round: u64) {
     // Broadcast from another root; the others start from NaN.
     let root = round as usize % size;
     let mut call = w.begin(&fp("pull")).expect("begin");
+    call.set_blocking(blocking);
     let buf = if r == root {
         data::<T>(root, tag + 100, n)
     } else {
@@ -395,6 +429,7 @@ fn run_dtype<T: Element + Wire>(w: &'static World, round: u64) {
     // Reduce-scatter, then all-gather, both started before either is waited for, and polled
     // once with test.
     let mut call = w.begin(&fp("pushpull")).expect("begin");
+    call.set_blocking(blocking);
     let p1 = call
         .reduce_scatter(data::<T>(r, tag + 200, n), poisoned(block))
         .expect("reduce-scatter");
@@ -418,11 +453,11 @@ fn run_dtype<T: Element + Wire>(w: &'static World, round: u64) {
 
 fn case_collectives() {
     let w = World::get().expect("the world");
-    for round in 0..3 {
-        run_dtype::<f32>(w, round);
-        run_dtype::<f64>(w, round);
-        run_dtype::<f16>(w, round);
-        run_dtype::<bf16>(w, round);
+    for (round, blocking) in (0..3).flat_map(|r| [(r, false), (r, true)]) {
+        run_dtype::<f32>(w, round, blocking);
+        run_dtype::<f64>(w, round, blocking);
+        run_dtype::<f16>(w, round, blocking);
+        run_dtype::<bf16>(w, round, blocking);
     }
     // A buffer that does not fit is refused before anything is sent, and does not poison.
     let mut call = w.begin(&Fingerprint::new("bad")).expect("begin");
@@ -504,6 +539,26 @@ fn case_skip() {
         .expect("poisoned");
     assert!(matches!(later, Error::DistFailed { .. }), "{later}");
     ok(w, "skip", &format!("{e} || then: {later}"));
+}
+
+fn case_blocking_stall() {
+    let w = World::get().expect("the world");
+    let mut call = w
+        .begin(&Fingerprint::new("push").entry(1, &[1024], DType::F32))
+        .expect("begin");
+    if w.rank() == 1 {
+        std::thread::sleep(Duration::from_secs(40));
+        ok(w, "blocking_stall", "(must not happen)");
+        return;
+    }
+    call.set_blocking(true);
+    let recv = vec![0f32; 1024];
+    let p = call.reduce_sum(vec![1f32; 1024], recv, 0);
+    ok(
+        w,
+        "blocking_stall",
+        &format!("(must not happen: {:?})", p.is_ok()),
+    );
 }
 
 fn case_sigkill() {

@@ -72,14 +72,24 @@ impl Link for MpiLink {
         Ok(Box::new(MpiRound {
             call: self.world.begin(fp)?,
             flights: Vec::new(),
+            agreed: self.world.check_enabled(),
         }))
     }
 }
 
 /// One call on the MPI world, with its collectives in flight.
+///
+/// A reduce runs blocking (see [`blocking_wins`]) when every rank has just agreed to start it:
+/// the fingerprint check at the call's start, or a word exchange ([`Round::agree`]), with no
+/// collective landed since. A store's step between an agreement and the collectives after it
+/// cannot fail on one rank alone (it fails on every rank, in the agreement, or not at all).
+/// Every other collective, and every one with `KVSTORE_DIST_CHECK=0`, runs non-blocking,
+/// polled within the timeout.
 struct MpiRound {
     call: Call,
     flights: Vec<Option<Flight>>,
+    /// Whether every rank has agreed to the collectives started next.
+    agreed: bool,
 }
 
 /// A started collective, of any dtype.
@@ -96,6 +106,7 @@ impl Round for MpiRound {
     }
 
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
+        self.call.set_blocking(self.agreed && blocking_wins(op));
         let call = &mut self.call;
         macro_rules! typed {
             (|$s:ident, $r:ident| $e:expr) => {
@@ -116,6 +127,7 @@ impl Round for MpiRound {
             Op::Scatter { root } => typed!(|s, r| call.scatter(s, r, root)?),
             Op::AllToAll => typed!(|s, r| call.all_to_all(s, r)?),
         };
+        self.call.set_blocking(false);
         self.flights.push(Some(flight));
         Ok(Ticket(self.flights.len() - 1))
     }
@@ -123,6 +135,9 @@ impl Round for MpiRound {
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
         let flight = (self.flights.get_mut(ticket.0).and_then(Option::take))
             .ok_or_else(|| internal("a collective landed twice"))?;
+        // The store works on what landed, which may fail on this rank only: the next
+        // collectives need a new agreement.
+        self.agreed = false;
         let call = &mut self.call;
         Ok(match flight {
             Flight::F32(p) => wrap(call.wait(p)?),
@@ -133,17 +148,32 @@ impl Round for MpiRound {
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
-        self.call.all_gather_u64(mine)
+        let words = self.call.all_gather_u64(mine)?;
+        self.agreed = true;
+        Ok(words)
     }
 
     fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>> {
         let p = self.call.broadcast(words, root)?;
+        self.agreed = false;
         Ok(self.call.wait(p)?.recv)
     }
 
     fn barrier(&mut self) -> Result<()> {
-        self.call.barrier()
+        self.call.barrier()?;
+        self.agreed = true;
+        Ok(())
     }
+}
+
+/// Whether Open MPI's blocking algorithm for `op` (the `tuned` component) beats its
+/// non-blocking one (`libnbc`, polled), as measured side by side on the same buffers
+/// (`examples/bench_dist_store`, BENCHMARKS.md "Blocking or not"): a reduce is 2–3× faster
+/// blocking from 4 KiB to 1 MiB at 2–4 ranks; a broadcast and an all-gather are as fast or
+/// faster non-blocking (an all-gather of 16 MiB at 3 ranks 3× faster), and a reduce-scatter of
+/// 16 MiB is mixed (faster blocking at 3 ranks, slower at 2 and 4).
+fn blocking_wins(op: Op) -> bool {
+    matches!(op, Op::Reduce { .. })
 }
 
 /// The buffers of a finished collective: (send, result). A broadcast's result is its one

@@ -9,7 +9,7 @@
 //! reduce-scatter of f16/bf16 widens the input to f32, sums f32 partial sums across ranks, and
 //! rounds the result once. Copies (broadcast, all-gather) move their bits as `u16`.
 
-use std::os::raw::c_int;
+use std::os::raw::{c_int, c_void};
 use std::time::Instant;
 
 use half::{bf16, f16};
@@ -205,6 +205,23 @@ impl<T: Wire> Pending<T> {
         }
     }
 
+    /// The buffers and datatype a sum travels in: the f32 partial sums where
+    /// [`Wire::SUM_IN_F32`], else the buffers themselves.
+    fn sum_buffers(&mut self) -> (*const c_void, *mut c_void, ffi::MPI_Datatype) {
+        match T::SUM_IN_F32 {
+            true => (
+                raw::ptr(&self.wide_send),
+                raw::ptr_mut(&mut self.wide_recv),
+                f32::datatype(),
+            ),
+            false => (
+                raw::ptr(&self.send),
+                raw::ptr_mut(&mut self.recv),
+                T::datatype(),
+            ),
+        }
+    }
+
     /// Takes the buffers out of a completed collective, rounding f32 sums to `T` once.
     fn finish(mut self) -> Done<T> {
         debug_assert!(self.req.is_null());
@@ -251,6 +268,22 @@ impl Call {
         }
     }
 
+    /// Makes the collectives this call starts from now on MPI's blocking ones (`on`), or its
+    /// non-blocking ones, which the call polls (the default). A blocking collective cannot be
+    /// timed out or cancelled: turn it on only where every rank has just agreed, in this call,
+    /// to start the same collectives next, with nothing that can fail on one rank in between.
+    /// The [watchdog](super::blocking) then bounds it. Where the watchdog cannot run, the
+    /// collectives stay non-blocking.
+    pub fn set_blocking(&mut self, on: bool) {
+        let w = self.world;
+        self.blocking = on && w.watchdog.running(w.rank, w.timeout, w.wait_log);
+    }
+
+    /// Runs the blocking collective `f`, of `coll`, under the watchdog.
+    fn bound(&self, coll: Coll, f: impl FnOnce() -> c_int) -> c_int {
+        self.world.watchdog.bound((self.seq, self.op, coll), f)
+    }
+
     /// Records the result of starting a collective: an MPI error poisons the world.
     fn started(&self, rc: c_int) -> Result<()> {
         raw::check(self.op, rc).inspect_err(|e| self.world.poison_with(e.to_string()))
@@ -279,40 +312,25 @@ impl Call {
         let mut p = Pending::new(self, Coll::Reduce { root }, send, recv, bytes);
         p.is_root = is_root;
         let comm = self.st.data.0;
-        let rc = if T::SUM_IN_F32 {
+        if T::SUM_IN_F32 {
             p.wide_send = widen(&p.send);
             if is_root {
                 p.wide_recv = vec![0.0; p.send.len()];
             }
-            // SAFETY: both buffers hold `n` f32s (the receive buffer only matters at the root,
-            // where it was sized above) and live in `p` until the request completes or is leaked
-            // by `Pending::drop`; the communicator is valid; `root` < size.
-            unsafe {
-                ffi::MPI_Ireduce(
-                    raw::ptr(&p.wide_send),
-                    raw::ptr_mut(&mut p.wide_recv),
-                    n,
-                    f32::datatype(),
-                    raw::op_sum(),
-                    root as c_int,
-                    comm,
-                    &mut p.req.0,
-                )
-            }
-        } else {
-            // SAFETY: as above, with `n` elements of `T` in each buffer, of T's MPI datatype.
-            unsafe {
-                ffi::MPI_Ireduce(
-                    raw::ptr(&p.send),
-                    raw::ptr_mut(&mut p.recv),
-                    n,
-                    T::datatype(),
-                    raw::op_sum(),
-                    root as c_int,
-                    comm,
-                    &mut p.req.0,
-                )
-            }
+        }
+        let (send, recv, dt) = p.sum_buffers();
+        let (root_c, sum) = (root as c_int, raw::op_sum());
+        // SAFETY: both buffers hold `n` elements of `dt` (the receive buffer only matters at
+        // the root, where it was sized above) and live in `p`'s vectors, which stay where they
+        // are until the request completes or `Pending::drop` leaks them; the communicator is
+        // valid; `root` < size.
+        let rc = match self.blocking {
+            true => self.bound(p.coll, || unsafe {
+                ffi::MPI_Reduce(send, recv, n, dt, sum, root_c, comm)
+            }),
+            false => unsafe {
+                ffi::MPI_Ireduce(send, recv, n, dt, sum, root_c, comm, &mut p.req.0)
+            },
         };
         self.started(rc)?;
         Ok(p)
@@ -325,17 +343,19 @@ impl Call {
         let n = raw::count(self.op, buf.len())?;
         let bytes = buf.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Broadcast { root }, Vec::new(), buf, bytes);
+        let (buf, dt, root_c, comm) = (
+            raw::ptr_mut(&mut p.recv),
+            T::datatype(),
+            root as c_int,
+            self.st.data.0,
+        );
         // SAFETY: the buffer holds `n` elements of T's MPI datatype and lives in `p` until the
         // request completes or is leaked; the communicator is valid; `root` < size.
-        let rc = unsafe {
-            ffi::MPI_Ibcast(
-                raw::ptr_mut(&mut p.recv),
-                n,
-                T::datatype(),
-                root as c_int,
-                self.st.data.0,
-                &mut p.req.0,
-            )
+        let rc = match self.blocking {
+            true => self.bound(p.coll, || unsafe {
+                ffi::MPI_Bcast(buf, n, dt, root_c, comm)
+            }),
+            false => unsafe { ffi::MPI_Ibcast(buf, n, dt, root_c, comm, &mut p.req.0) },
         };
         self.started(rc)?;
         Ok(p)
@@ -358,35 +378,22 @@ impl Call {
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
         let comm = self.st.data.0;
-        let rc = if T::SUM_IN_F32 {
+        if T::SUM_IN_F32 {
             p.wide_send = widen(&p.send);
             p.wide_recv = vec![0.0; p.recv.len()];
-            // SAFETY: the send buffer holds size × n f32s and the receive buffer n (checked
-            // above); both live in `p` until completion or are leaked; the communicator is valid.
-            unsafe {
-                ffi::MPI_Ireduce_scatter_block(
-                    raw::ptr(&p.wide_send),
-                    raw::ptr_mut(&mut p.wide_recv),
-                    n,
-                    f32::datatype(),
-                    raw::op_sum(),
-                    comm,
-                    &mut p.req.0,
-                )
-            }
-        } else {
-            // SAFETY: as above, in elements of T's MPI datatype.
-            unsafe {
-                ffi::MPI_Ireduce_scatter_block(
-                    raw::ptr(&p.send),
-                    raw::ptr_mut(&mut p.recv),
-                    n,
-                    T::datatype(),
-                    raw::op_sum(),
-                    comm,
-                    &mut p.req.0,
-                )
-            }
+        }
+        let (send, recv, dt) = p.sum_buffers();
+        let sum = raw::op_sum();
+        // SAFETY: the send buffer holds size × n elements of `dt` and the receive buffer n
+        // (checked above); both live in `p`'s vectors until completion or are leaked; the
+        // communicator is valid.
+        let rc = match self.blocking {
+            true => self.bound(p.coll, || unsafe {
+                ffi::MPI_Reduce_scatter_block(send, recv, n, dt, sum, comm)
+            }),
+            false => unsafe {
+                ffi::MPI_Ireduce_scatter_block(send, recv, n, dt, sum, comm, &mut p.req.0)
+            },
         };
         self.started(rc)?;
         Ok(p)
@@ -416,20 +423,20 @@ impl Call {
         let n = raw::count(self.op, send.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, coll, send, recv, bytes);
+        let (send, recv, dt, comm) = (
+            raw::ptr(&p.send),
+            raw::ptr_mut(&mut p.recv),
+            T::datatype(),
+            self.st.data.0,
+        );
         // SAFETY: the send buffer holds n elements and the receive buffer size × n (checked
         // above), of T's MPI datatype; both live in `p` until completion or are leaked; the
         // communicator is valid.
-        let rc = unsafe {
-            ffi::MPI_Iallgather(
-                raw::ptr(&p.send),
-                n,
-                T::datatype(),
-                raw::ptr_mut(&mut p.recv),
-                n,
-                T::datatype(),
-                self.st.data.0,
-                &mut p.req.0,
-            )
+        let rc = match self.blocking {
+            true => self.bound(p.coll, || unsafe {
+                ffi::MPI_Allgather(send, n, dt, recv, n, dt, comm)
+            }),
+            false => unsafe { ffi::MPI_Iallgather(send, n, dt, recv, n, dt, comm, &mut p.req.0) },
         };
         self.started(rc)?;
         Ok(p)
@@ -451,19 +458,19 @@ impl Call {
         let n = raw::count(self.op, send.len() / size)?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
+        let (send, recv, dt, comm) = (
+            raw::ptr(&p.send),
+            raw::ptr_mut(&mut p.recv),
+            T::datatype(),
+            self.st.data.0,
+        );
         // SAFETY: both buffers hold size × n elements of T's MPI datatype (checked above) and
         // live in `p` until completion or are leaked; the communicator is valid.
-        let rc = unsafe {
-            ffi::MPI_Ialltoall(
-                raw::ptr(&p.send),
-                n,
-                T::datatype(),
-                raw::ptr_mut(&mut p.recv),
-                n,
-                T::datatype(),
-                self.st.data.0,
-                &mut p.req.0,
-            )
+        let rc = match self.blocking {
+            true => self.bound(p.coll, || unsafe {
+                ffi::MPI_Alltoall(send, n, dt, recv, n, dt, comm)
+            }),
+            false => unsafe { ffi::MPI_Ialltoall(send, n, dt, recv, n, dt, comm, &mut p.req.0) },
         };
         self.started(rc)?;
         Ok(p)
@@ -492,22 +499,19 @@ impl Call {
         let n = raw::count(self.op, recv.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Scatter { root }, send, recv, bytes);
+        let (send, recv, dt) = (raw::ptr(&p.send), raw::ptr_mut(&mut p.recv), T::datatype());
+        let (root_c, comm) = (root as c_int, self.st.data.0);
         // SAFETY: at the root the send buffer holds size × n elements (checked above), and the
         // receive buffer n on every rank, of T's MPI datatype (MPI reads the send buffer only at
         // the root); both live in `p` until completion or are leaked; the communicator is
         // valid; `root` < size.
-        let rc = unsafe {
-            ffi::MPI_Iscatter(
-                raw::ptr(&p.send),
-                n,
-                T::datatype(),
-                raw::ptr_mut(&mut p.recv),
-                n,
-                T::datatype(),
-                root as c_int,
-                self.st.data.0,
-                &mut p.req.0,
-            )
+        let rc = match self.blocking {
+            true => self.bound(p.coll, || unsafe {
+                ffi::MPI_Scatter(send, n, dt, recv, n, dt, root_c, comm)
+            }),
+            false => unsafe {
+                ffi::MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm, &mut p.req.0)
+            },
         };
         self.started(rc)?;
         Ok(p)

@@ -29,7 +29,10 @@
 //! differing key or call and the ranks on each side. Then the call starts non-blocking
 //! collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
 //! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::immediate_barrier`]) and waits for
-//! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]).
+//! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank
+//! has just agreed to start the same collectives, a call may run them blocking instead
+//! ([`Call::set_blocking`]): they complete before they return, bounded by a watchdog thread
+//! ([`blocking`]) that ends the process after the timeout.
 //!
 //! # No hang, and no kill for a slow rank
 //!
@@ -111,6 +114,7 @@
 //!
 //! A bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
 
+mod blocking;
 mod collective;
 mod control;
 mod exit;
@@ -155,6 +159,8 @@ pub struct World {
     universe: Mutex<Option<Universe>>,
     /// The number of distributed stores created in this process so far.
     stores: std::sync::atomic::AtomicU64,
+    /// The bound on blocking collectives.
+    watchdog: blocking::Watchdog,
 }
 
 /// What the state mutex guards.
@@ -343,6 +349,7 @@ impl World {
             env_error,
             universe: Mutex::new(universe),
             stores: std::sync::atomic::AtomicU64::new(0),
+            watchdog: blocking::Watchdog::new(),
         })
     }
 
@@ -487,6 +494,7 @@ impl World {
             op: fp.op(),
             keys: fp.keys(),
             summary: fp.summary(),
+            blocking: false,
         };
         call.st.seq += 1;
         call.seq = call.st.seq;
@@ -533,6 +541,8 @@ pub struct Call {
     op: &'static str,
     keys: Vec<Key>,
     summary: String,
+    /// Whether collectives start blocking ([`Call::set_blocking`]).
+    blocking: bool,
 }
 
 impl Call {

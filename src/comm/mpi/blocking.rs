@@ -1,0 +1,131 @@
+//! The bound on a blocking collective.
+//!
+//! Open MPI's blocking collectives (the `tuned` component) are up to 4× faster on medium
+//! messages than the non-blocking ones the transport can poll (`libnbc`), so a call moves its
+//! data with a blocking collective where every rank has just agreed to make it (see
+//! [`Call::set_blocking`](super::Call::set_blocking)). A blocking collective cannot be polled,
+//! timed out or cancelled: this watchdog, a thread of its own, bounds it instead, as PyTorch's
+//! NCCL watchdog does. A blocking collective that lasts longer than `KVSTORE_WAIT_LOG_SECS` is
+//! logged; one that lasts longer than `KVSTORE_TIMEOUT` ends this process with exit code 1,
+//! after saying why on stderr, and `mpirun` then ends the job. It can only happen when a rank
+//! died or stopped inside the transfer after agreeing to it.
+
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::collective::Coll;
+use super::control;
+
+/// A blocking collective in progress.
+#[derive(Clone, Copy)]
+struct InFlight {
+    start: Instant,
+    seq: u64,
+    op: &'static str,
+    coll: Coll,
+    /// How many "still inside" logs were written for it.
+    logged: u32,
+}
+
+/// The blocking collective of this process in progress, if any, and the watchdog bounding it.
+pub(super) struct Watchdog {
+    now: Mutex<Option<InFlight>>,
+    /// Whether the watchdog's thread runs (set when first asked).
+    running: OnceLock<bool>,
+}
+
+impl Watchdog {
+    pub(super) fn new() -> Watchdog {
+        Watchdog {
+            now: Mutex::new(None),
+            running: OnceLock::new(),
+        }
+    }
+
+    /// Whether blocking collectives are bounded: starts the watchdog's thread on the first
+    /// call. Where the thread cannot start, collectives stay non-blocking.
+    pub(super) fn running(
+        &'static self,
+        rank: usize,
+        timeout: Duration,
+        wait_log: Duration,
+    ) -> bool {
+        *self
+            .running
+            .get_or_init(|| self.spawn(rank, timeout, wait_log))
+    }
+
+    /// Runs `f`, a blocking collective `coll` of call `seq` (`op`), under the watchdog (which
+    /// must be [running](Watchdog::running)).
+    pub(super) fn bound<R>(
+        &self,
+        (seq, op, coll): (u64, &'static str, Coll),
+        f: impl FnOnce() -> R,
+    ) -> R {
+        *self.lock() = Some(InFlight {
+            start: Instant::now(),
+            seq,
+            op,
+            coll,
+            logged: 0,
+        });
+        let r = f();
+        *self.lock() = None;
+        r
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<InFlight>> {
+        self.now.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn spawn(&'static self, rank: usize, timeout: Duration, wait_log: Duration) -> bool {
+        let tick = (timeout / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let watch = move || loop {
+            std::thread::sleep(tick);
+            let mut now = self.lock();
+            let Some(f) = now.as_mut() else {
+                continue;
+            };
+            let waited = f.start.elapsed();
+            let inside = format!(
+                "kvstore: rank {rank}: call #{} ({}) has been inside its blocking {} for {:.0} s",
+                f.seq,
+                f.op,
+                f.coll,
+                waited.as_secs_f64()
+            );
+            if waited > timeout {
+                eprintln!(
+                    "{inside}, longer than KVSTORE_TIMEOUT ({} s). Every rank agreed to make \
+                     this transfer, so a rank died or stopped inside it; MPI cannot cancel it, \
+                     so this process ends with exit code 1",
+                    timeout.as_secs_f64()
+                );
+                // SAFETY: `_exit` ends the process at once, without exit handlers, which would
+                // call into MPI while another thread of this process is inside a collective.
+                unsafe { libc::_exit(1) }
+            }
+            if waited >= wait_log * (f.logged + 1) {
+                f.logged += 1;
+                control::warn(&format!(
+                    "{inside}; every rank agreed to make it, so a rank is slow inside it or \
+                     stopped; it ends this process after KVSTORE_TIMEOUT ({} s)",
+                    timeout.as_secs_f64()
+                ));
+            }
+        };
+        match std::thread::Builder::new()
+            .name("kvstore-mpi-watchdog".to_owned())
+            .spawn(watch)
+        {
+            Ok(_) => true,
+            Err(e) => {
+                control::warn(&format!(
+                    "kvstore: could not start the watchdog of blocking collectives ({e}); the \
+                     transport keeps to its non-blocking ones"
+                ));
+                false
+            }
+        }
+    }
+}
