@@ -420,6 +420,9 @@ pub(crate) fn push(
 pub(crate) struct HomePull<'a> {
     pub key: &'a Key,
     pub value: &'a HomeValue,
+    /// The key's elements of a host `value` that several keys share (a dist pull receives
+    /// small keys packed into one buffer); `None`: all of it.
+    pub part: Option<std::ops::Range<usize>>,
     pub outs: &'a [&'a NDArray],
 }
 
@@ -433,7 +436,12 @@ pub(crate) fn pull(
     let mut gpu_jobs = Vec::new();
     for job in jobs {
         match &job.value.place {
-            Place::Host(h) => cpu::pull::pull_into(h, job.outs, par_min_bytes)?,
+            Place::Host(h) => cpu::pull::pull_into(h, job.part.clone(), job.outs, par_min_bytes)?,
+            Place::Gpu(_) if job.part.is_some() => {
+                return Err(crate::comm::link::internal(
+                    "a GPU value shared by several keys",
+                ))
+            }
             Place::Gpu(c) => gpu_jobs.push(PullJob {
                 key: job.key,
                 cell: c,

@@ -31,7 +31,7 @@
 //! every rank; it runs on the ranks that hold each key.
 
 use std::collections::HashMap;
-use std::ops::Deref;
+use std::ops::{Deref, Range};
 use std::sync::{Once, RwLockWriteGuard};
 
 use super::groups::{issue_order, Group};
@@ -395,7 +395,8 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
     cells: &[C],
 ) -> Result<()> {
     if d.passes_through() {
-        return fan_out(ctx, groups, cells, &[]);
+        let whole: Vec<(&HomeValue, _)> = cells.iter().map(|c| (&**c, None)).collect();
+        return fan_out(ctx, groups, &whole, &[]);
     }
     if let Some(rc) = d.gpu() {
         let pieces = groups
@@ -418,7 +419,7 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
             .iter()
             .map(|a| HomeValue::copy_of(a, d.home()))
             .collect::<Result<Vec<_>>>()?;
-        let values: Vec<&HomeValue> = values.iter().collect();
+        let values: Vec<(&HomeValue, _)> = values.iter().map(|v| (v, None)).collect();
         return fan_out(ctx, groups, &values, &[]);
     }
     // This rank's parts, read where they are (host values are borrowed, not copied).
@@ -449,7 +450,7 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
             }),
         })
         .collect();
-    let mut gathered = match dist::gather(call, (d.rank(), d.size()), d.pool(), pieces) {
+    let gathered = match dist::gather_shared(call, (d.rank(), d.size()), d.pool(), pieces) {
         Ok(g) => g,
         Err(e) => {
             // A lent out's storage may be lost with the failed transfer: zeros of its length
@@ -458,18 +459,31 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
             return Err(e);
         }
     };
-    // The lent outs get their storage back, holding the value.
+    // The lent outs get their storage back, holding the value (each travelled in a buffer of
+    // its own).
+    let dist::Gathered { mut bufs, at } = gathered;
     let mut in_place = vec![false; groups.len()];
     for (i, out) in lent.iter_mut().enumerate() {
         if let Some(Storage::Host(h)) = out.as_deref_mut() {
-            std::mem::swap(h, &mut gathered[i]);
+            std::mem::swap(h, &mut bufs[at[i].0]);
             in_place[i] = true;
         }
     }
     drop(lent);
-    let values: Vec<HomeValue> = gathered.into_iter().map(HomeValue::from_host).collect();
-    let pulled = fan_out(ctx, groups, &values.iter().collect::<Vec<_>>(), &in_place);
-    // The whole values' buffers serve the next call.
+    // The other keys are copied into their outs from where they arrived (packed keys from
+    // their shared buffer).
+    let lens: Vec<usize> = bufs.iter().map(HostData::len).collect();
+    let values: Vec<HomeValue> = bufs.into_iter().map(HomeValue::from_host).collect();
+    let parts: Vec<(&HomeValue, Option<Range<usize>>)> = at
+        .into_iter()
+        .map(|(b, range)| {
+            let whole = range == (0..lens[b]);
+            (&values[b], (!whole).then_some(range))
+        })
+        .collect();
+    let pulled = fan_out(ctx, groups, &parts, &in_place);
+    drop(parts);
+    // The received buffers serve the next call.
     for v in values {
         if let Ok(h) = v.into_host() {
             d.pool().give(h);
@@ -526,12 +540,13 @@ fn refill(groups: &[Group<'_>], lent: &mut [Option<RwLockWriteGuard<'_, Storage>
     }
 }
 
-/// Copies every group's whole value (`values`, in group order) into its outs, in issue order,
-/// except the groups `done` marks (their outs hold the value already).
-fn fan_out<C: Deref<Target = HomeValue>>(
+/// Copies every group's whole value (`values`, in group order: a value, or the group's
+/// elements of a value several groups share) into its outs, in issue order, except the groups
+/// `done` marks (their outs hold the value already).
+fn fan_out(
     ctx: comm::Ctx,
     groups: &[Group<'_>],
-    values: &[C],
+    values: &[(&HomeValue, Option<Range<usize>>)],
     done: &[bool],
 ) -> Result<()> {
     let jobs: Vec<HomePull<'_>> = issue_order(groups)
@@ -539,7 +554,8 @@ fn fan_out<C: Deref<Target = HomeValue>>(
         .filter(|&i| !done.get(i).copied().unwrap_or(false))
         .map(|i| HomePull {
             key: &groups[i].slot.key,
-            value: &values[i],
+            value: values[i].0,
+            part: values[i].1.clone(),
             outs: &groups[i].arrays,
         })
         .collect();

@@ -1,20 +1,34 @@
 //! Pulls from host memory: the stored value copied (and converted) into every out. The mirror
 //! of `cuda::pull`.
 
+use std::ops::Range;
 use std::sync::RwLockWriteGuard;
+
+use crate::comm::link::internal;
 
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::{Element, NDArray, Result};
 
-/// Copies `src` into every out. Outs that share elements are written once. Outs on a GPU get
-/// a host-to-GPU copy.
-pub(crate) fn pull_into(src: &HostData, outs: &[&NDArray], par_min_bytes: usize) -> Result<()> {
+/// Copies `src` (or its elements `part`) into every out. Outs that share elements are written
+/// once. Outs on a GPU get a host-to-GPU copy.
+pub(crate) fn pull_into(
+    src: &HostData,
+    part: Option<Range<usize>>,
+    outs: &[&NDArray],
+    par_min_bytes: usize,
+) -> Result<()> {
+    let part = part.unwrap_or(0..src.len());
+    if part.end > src.len() || part.start > part.end {
+        return Err(internal("a pull's part lies outside its value"));
+    }
+    let whole = part == (0..src.len());
     let mut outs = outs.to_vec();
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
     let mut guards: Vec<RwLockWriteGuard<'_, Storage>> = outs.iter().map(|a| a.write()).collect();
-    with_host!(src, s: T => {
+    with_host!(src, all: T => {
+        let s = &all[part.clone()];
         let mut same: Vec<&mut [T]> = Vec::with_capacity(guards.len());
         for g in guards.iter_mut() {
             match &mut **g {
@@ -22,13 +36,14 @@ pub(crate) fn pull_into(src: &HostData, outs: &[&NDArray], par_min_bytes: usize)
                     if h.dtype() == T::DTYPE {
                         same.push(T::slice_mut(h).expect("dtype was just checked"));
                     } else {
-                        convert_into(s.as_slice(), h);
+                        convert_into(s, h);
                     }
                 }
-                Storage::Gpu(b) => b.upload_into(src)?,
+                Storage::Gpu(b) if whole => b.upload_into(src)?,
+                Storage::Gpu(b) => b.upload_into(&src.slice_of(part.clone()))?,
             }
         }
-        super::broadcast(s.as_slice(), same, par_min_bytes);
+        super::broadcast(s, same, par_min_bytes);
     });
     Ok(())
 }

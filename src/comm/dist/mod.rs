@@ -356,15 +356,46 @@ pub(crate) fn receives_in_place(spread: Spread, len: usize, dtype: DType, size: 
     }
 }
 
-/// Brings every key's whole value to every rank, from where it lives. The values come from
-/// `pool`; give them back when done.
+/// Brings every key's whole value to every rank, from where it lives, each in a buffer of its
+/// own. The values come from `pool`; give them back when done.
 pub(crate) fn gather(
+    round: &mut dyn Round,
+    ranks: (usize, usize),
+    pool: &Pool,
+    pieces: Vec<Piece<'_>>,
+) -> Result<Vec<HostData>> {
+    let n = pieces.len();
+    let Gathered { bufs, at } = gather_shared(round, ranks, pool, pieces)?;
+    let mut members: Vec<Members> = bufs.iter().map(|_| Vec::new()).collect();
+    for (i, (b, range)) in at.into_iter().enumerate() {
+        members[b].push((i, range));
+    }
+    let mut out: Vec<Option<HostData>> = (0..n).map(|_| None).collect();
+    for (recv, members) in bufs.into_iter().zip(members) {
+        share(pool, recv, members, |_| true, &mut out);
+    }
+    out.into_iter()
+        .map(|d| d.ok_or_else(|| internal("gather: a key got no value")))
+        .collect()
+}
+
+/// What [`gather_shared`] brings: the buffers received (from the pool; give them back when
+/// done), and where each key's whole value is in them: (buffer, elements).
+pub(crate) struct Gathered {
+    pub bufs: Vec<HostData>,
+    pub at: Vec<(usize, Range<usize>)>,
+}
+
+/// [`gather`], with the keys that travelled packed left where they arrived: a pull copies them
+/// into its outs from there, with no buffer of their own (for 1000 small keys, that is 1000
+/// allocations, and the page faults of the memory the allocator gives back in between).
+pub(crate) fn gather_shared(
     round: &mut dyn Round,
     (rank, size): (usize, usize),
     pool: &Pool,
     mut pieces: Vec<Piece<'_>>,
-) -> Result<Vec<HostData>> {
-    let mut out: Vec<Option<HostData>> = (0..pieces.len()).map(|_| None).collect();
+) -> Result<Gathered> {
+    let mut at: Vec<Option<(usize, Range<usize>)>> = (0..pieces.len()).map(|_| None).collect();
     let mut plan = Plan::new(pool);
     // This rank's part of each key, or a buffer of the right length that MPI fills in.
     let mine = |p: &Piece<'_>, len: usize, room: usize| match p.data {
@@ -417,12 +448,18 @@ pub(crate) fn gather(
         }
     }
     let done = plan.run(round, (rank, size))?;
-    for (recv, members) in done {
-        share(pool, recv, members, |_| true, &mut out);
+    let mut bufs = Vec::with_capacity(done.len());
+    for (b, (recv, members)) in done.into_iter().enumerate() {
+        for (i, range) in members {
+            at[i] = Some((b, range));
+        }
+        bufs.push(recv);
     }
-    out.into_iter()
-        .map(|d| d.ok_or_else(|| internal("gather: a key got no value")))
-        .collect()
+    let at = at
+        .into_iter()
+        .map(|a| a.ok_or_else(|| internal("gather: a key got no value")))
+        .collect::<Result<_>>()?;
+    Ok(Gathered { bufs, at })
 }
 
 /// One sliced key of an init: rank 0's value (on rank 0), and the key's length and dtype.
