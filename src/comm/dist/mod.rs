@@ -16,9 +16,11 @@
 //! keys, shapes and dtypes (which the fingerprint check compares) and on where keys live (which
 //! every rank computes alike).
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::RwLockReadGuard;
 
 mod gpu;
 mod pool;
@@ -29,6 +31,7 @@ use super::nccl::RankComm;
 use super::spread::{slice_block, Spread};
 use crate::config::Config;
 use crate::host::HostData;
+use crate::ndarray::Storage;
 use crate::{DType, Device, Element, Error, NDArray, Result};
 pub(crate) use pool::{Pool, DEFAULT_POOL_BYTES};
 
@@ -298,6 +301,7 @@ pub(crate) fn reduce(
 ) -> Result<Vec<Option<HostData>>> {
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
     let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
+    let lent = read_in_place(&sums);
     let mut plan = Plan::new(pool);
     for s in &sums {
         if let Spread::Whole { rank: root } = s.spread {
@@ -317,10 +321,15 @@ pub(crate) fn reduce(
                 pad(&mut send, block * size);
                 plan.transfer(Op::ReduceScatter, send, None, vec![(i, 0..mine)]);
             }
-            Spread::Whole { rank: root } if bytes >= PACK_MAX_BYTES => {
-                let send = s.data.into_buffer(pool, len)?;
-                plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)]);
-            }
+            Spread::Whole { rank: root } if bytes >= PACK_MAX_BYTES => match lent[i].as_deref() {
+                Some(Storage::Host(h)) => {
+                    plan.transfer_borrowed(Op::Reduce { root }, h, vec![(i, 0..len)])
+                }
+                _ => {
+                    let send = s.data.into_buffer(pool, len)?;
+                    plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)]);
+                }
+            },
             Spread::Whole { rank: root } => {
                 s.data.read(|h| plan.pack(Op::Reduce { root }, i, h))?;
             }
@@ -331,6 +340,29 @@ pub(crate) fn reduce(
         share(pool, recv, members, |i| holds[i], &mut out);
     }
     Ok(out)
+}
+
+/// Read locks on the caller's values that travel alone to a whole key's home, per sum: sent
+/// from where they are, if the link can (MPI only reads them), else copied. A value that
+/// several sums name is copied instead: two read locks on one array from one thread could
+/// deadlock behind a waiting writer.
+fn read_in_place<'a>(sums: &[Sum<'a>]) -> Vec<Option<RwLockReadGuard<'a, Storage>>> {
+    let alone = |s: &Sum<'_>| {
+        matches!(s.spread, Spread::Whole { .. })
+            && s.data.len() * s.data.dtype().size() >= PACK_MAX_BYTES
+    };
+    let mut uses: HashMap<usize, usize> = HashMap::new();
+    for s in sums {
+        if let SumData::Value(a) = s.data {
+            *uses.entry(a.storage_id()).or_default() += 1;
+        }
+    }
+    sums.iter()
+        .map(|s| match s.data {
+            SumData::Value(a) if alone(s) && uses[&a.storage_id()] == 1 => Some(a.read()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// One key of a gather: this rank's piece of the value (the whole value on the home of a whole
@@ -549,18 +581,18 @@ pub(crate) fn gather_on_gpus(rc: &RankComm, pieces: Vec<GpuPiece>) -> Result<Vec
 type Members = Vec<(usize, Range<usize>)>;
 
 /// The collectives of one call, in the order every rank starts them.
-struct Plan<'p> {
+struct Plan<'p, 'a> {
     pool: &'p Pool,
     /// Transfers of one key each, in key order.
-    alone: Vec<Transfer>,
+    alone: Vec<Transfer<'a>>,
     /// Packed transfers by (op, dtype), each filled in key order.
     packed: BTreeMap<(Op, &'static str), (HostData, Members)>,
     /// The elements each packed transfer will hold, so its buffer is taken once, whole.
     sizes: BTreeMap<(Op, &'static str), usize>,
 }
 
-impl<'p> Plan<'p> {
-    fn new(pool: &'p Pool) -> Plan<'p> {
+impl<'p, 'a> Plan<'p, 'a> {
+    fn new(pool: &'p Pool) -> Plan<'p, 'a> {
         Plan {
             pool,
             alone: Vec::new(),
@@ -583,8 +615,18 @@ impl<'p> Plan<'p> {
     fn transfer(&mut self, op: Op, send: HostData, recv: Option<HostData>, members: Members) {
         self.alone.push(Transfer {
             op,
-            send,
+            send: Cow::Owned(send),
             recv,
+            members,
+        });
+    }
+
+    /// A transfer of one buffer the caller keeps (read where it is, if the link can).
+    fn transfer_borrowed(&mut self, op: Op, send: &'a HostData, members: Members) {
+        self.alone.push(Transfer {
+            op,
+            send: Cow::Borrowed(send),
+            recv: None,
             members,
         });
     }
@@ -626,7 +668,7 @@ impl<'p> Plan<'p> {
         let transfers = self.alone.into_iter().chain(self.packed.into_iter().map(
             |((op, _), (send, members))| Transfer {
                 op,
-                send,
+                send: Cow::Owned(send),
                 recv: None,
                 members,
             },
@@ -638,7 +680,10 @@ impl<'p> Plan<'p> {
                 Some(r) => r,
                 None => pool.take(t.send.dtype(), len, len),
             };
-            let flight = round.start(t.op, t.send, recv)?;
+            let flight = match t.send {
+                Cow::Owned(send) => round.start(t.op, send, recv)?,
+                Cow::Borrowed(send) => round.start_borrowed(t.op, send, recv)?,
+            };
             flights.push((flight, t.members));
         }
         let mut done = Vec::with_capacity(flights.len());
@@ -653,9 +698,9 @@ impl<'p> Plan<'p> {
 
 /// One transfer of a [`Plan`]: the collective, its send buffer, the buffer to receive into
 /// when given, and which keys' elements its result holds.
-struct Transfer {
+struct Transfer<'a> {
     op: Op,
-    send: HostData,
+    send: Cow<'a, HostData>,
     recv: Option<HostData>,
     members: Members,
 }

@@ -106,6 +106,12 @@ pub(crate) trait Round {
     /// Starts `op` with this rank's `send` buffer, receiving into `recv` (of
     /// [`Op::recv_len`] elements, the dtype of `send`).
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket>;
+    /// [`Round::start`] from a send buffer the caller keeps (a caller's own array, which is
+    /// never lent): a link that can move it in place does, one that cannot copies it (this
+    /// default). The send buffer that [`Round::land`] gives back is then empty.
+    fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
+        self.start(op, send.clone(), recv)
+    }
     /// Waits (bounded) for a started collective: its (send, result) buffers. A broadcast's
     /// result is its one buffer.
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)>;

@@ -92,12 +92,14 @@ struct MpiRound {
     agreed: bool,
 }
 
-/// A started collective, of any dtype.
+/// A started collective, of any dtype, or one that ran blocking from a borrowed buffer: its
+/// (send, result) buffers.
 enum Flight {
     F32(Pending<f32>),
     F64(Pending<f64>),
     F16(Pending<f16>),
     BF16(Pending<bf16>),
+    Landed(HostData, HostData),
 }
 
 impl Round for MpiRound {
@@ -132,6 +134,31 @@ impl Round for MpiRound {
         Ok(Ticket(self.flights.len() - 1))
     }
 
+    fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
+        // Only a blocking collective is done with the borrowed buffer when it returns.
+        let Op::Reduce { root } = op else {
+            return self.start(op, send.clone(), recv);
+        };
+        self.call.set_blocking(self.agreed && blocking_wins(op));
+        if !self.call.is_blocking() {
+            return self.start(op, send.clone(), recv);
+        }
+        let call = &mut self.call;
+        let landed = match (send, recv) {
+            (HostData::F32(s), HostData::F32(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
+            (HostData::F64(s), HostData::F64(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
+            (HostData::F16(s), HostData::F16(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
+            (HostData::BF16(s), HostData::BF16(r)) => {
+                call.reduce_sum_borrowed(s, r, root).map(wrap)
+            }
+            _ => Err(internal("a receive buffer of another dtype")),
+        };
+        self.call.set_blocking(false);
+        let (send, recv) = landed?;
+        self.flights.push(Some(Flight::Landed(send, recv)));
+        Ok(Ticket(self.flights.len() - 1))
+    }
+
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
         let flight = (self.flights.get_mut(ticket.0).and_then(Option::take))
             .ok_or_else(|| internal("a collective landed twice"))?;
@@ -144,6 +171,7 @@ impl Round for MpiRound {
             Flight::F64(p) => wrap(call.wait(p)?),
             Flight::F16(p) => wrap(call.wait(p)?),
             Flight::BF16(p) => wrap(call.wait(p)?),
+            Flight::Landed(send, recv) => (send, recv),
         })
     }
 

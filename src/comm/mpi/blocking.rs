@@ -10,7 +10,7 @@
 //! after saying why on stderr, and `mpirun` then ends the job. It can only happen when a rank
 //! died or stopped inside the transfer after agreeing to it.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::collective::Coll;
@@ -27,62 +27,28 @@ struct InFlight {
     logged: u32,
 }
 
-/// The blocking collective of this process in progress, if any, and the watchdog bounding it.
+/// The blocking collective of this process in progress, if any, shared with the watchdog's
+/// thread.
 pub(super) struct Watchdog {
-    now: Mutex<Option<InFlight>>,
-    /// Whether the watchdog's thread runs (set when first asked).
-    running: OnceLock<bool>,
+    now: Arc<Mutex<Option<InFlight>>>,
 }
 
 impl Watchdog {
-    pub(super) fn new() -> Watchdog {
-        Watchdog {
-            now: Mutex::new(None),
-            running: OnceLock::new(),
-        }
-    }
-
-    /// Whether blocking collectives are bounded: starts the watchdog's thread on the first
-    /// call. Where the thread cannot start, collectives stay non-blocking.
-    pub(super) fn running(
-        &'static self,
+    /// Starts the watchdog's thread for rank `rank`, or says why it could not. The world
+    /// fails to set up without it: ranks must agree on which collectives run blocking (MPI
+    /// does not match a blocking collective with a non-blocking one), so no rank may fall back
+    /// alone.
+    pub(super) fn start(
         rank: usize,
         timeout: Duration,
         wait_log: Duration,
-    ) -> bool {
-        *self
-            .running
-            .get_or_init(|| self.spawn(rank, timeout, wait_log))
-    }
-
-    /// Runs `f`, a blocking collective `coll` of call `seq` (`op`), under the watchdog (which
-    /// must be [running](Watchdog::running)).
-    pub(super) fn bound<R>(
-        &self,
-        (seq, op, coll): (u64, &'static str, Coll),
-        f: impl FnOnce() -> R,
-    ) -> R {
-        *self.lock() = Some(InFlight {
-            start: Instant::now(),
-            seq,
-            op,
-            coll,
-            logged: 0,
-        });
-        let r = f();
-        *self.lock() = None;
-        r
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<InFlight>> {
-        self.now.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn spawn(&'static self, rank: usize, timeout: Duration, wait_log: Duration) -> bool {
+    ) -> Result<Watchdog, String> {
+        let now: Arc<Mutex<Option<InFlight>>> = Arc::new(Mutex::new(None));
+        let shared = now.clone();
         let tick = (timeout / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let watch = move || loop {
             std::thread::sleep(tick);
-            let mut now = self.lock();
+            let mut now = lock(&shared);
             let Some(f) = now.as_mut() else {
                 continue;
             };
@@ -114,18 +80,34 @@ impl Watchdog {
                 ));
             }
         };
-        match std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("kvstore-mpi-watchdog".to_owned())
             .spawn(watch)
-        {
-            Ok(_) => true,
-            Err(e) => {
-                control::warn(&format!(
-                    "kvstore: could not start the watchdog of blocking collectives ({e}); the \
-                     transport keeps to its non-blocking ones"
-                ));
-                false
-            }
-        }
+            .map(|_| Watchdog { now })
+            .map_err(|e| {
+                format!("could not start the watchdog thread of blocking collectives: {e}")
+            })
     }
+
+    /// Runs `f`, a blocking collective `coll` of call `seq` (`op`), under the watchdog.
+    pub(super) fn bound<R>(
+        &self,
+        (seq, op, coll): (u64, &'static str, Coll),
+        f: impl FnOnce() -> R,
+    ) -> R {
+        *lock(&self.now) = Some(InFlight {
+            start: Instant::now(),
+            seq,
+            op,
+            coll,
+            logged: 0,
+        });
+        let r = f();
+        *lock(&self.now) = None;
+        r
+    }
+}
+
+fn lock(m: &Mutex<Option<InFlight>>) -> MutexGuard<'_, Option<InFlight>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -272,11 +272,15 @@ impl Call {
     /// non-blocking ones, which the call polls (the default). A blocking collective cannot be
     /// timed out or cancelled: turn it on only where every rank has just agreed, in this call,
     /// to start the same collectives next, with nothing that can fail on one rank in between.
-    /// The [watchdog](super::blocking) then bounds it. Where the watchdog cannot run, the
-    /// collectives stay non-blocking.
+    /// A watchdog thread then bounds it. Every rank must choose alike: MPI does
+    /// not match a blocking collective with a non-blocking one.
     pub fn set_blocking(&mut self, on: bool) {
-        let w = self.world;
-        self.blocking = on && w.watchdog.running(w.rank, w.timeout, w.wait_log);
+        self.blocking = on;
+    }
+
+    /// Whether collectives start blocking now ([`Call::set_blocking`]).
+    pub fn is_blocking(&self) -> bool {
+        self.blocking
     }
 
     /// Runs the blocking collective `f`, of `coll`, under the watchdog.
@@ -334,6 +338,58 @@ impl Call {
         };
         self.started(rc)?;
         Ok(p)
+    }
+
+    /// [`Call::reduce_sum`] from a borrowed send buffer, for a call that runs blocking
+    /// ([`Call::set_blocking`]): MPI only reads `send`, and is done with it when this returns,
+    /// so it needs no buffer of its own. [`Done::send`] comes back empty. f16/bf16 are widened
+    /// into a buffer of their own, as always.
+    pub fn reduce_sum_borrowed<T: Wire>(
+        &mut self,
+        send: &[T],
+        recv: Vec<T>,
+        root: usize,
+    ) -> Result<Done<T>> {
+        if !self.blocking {
+            return Err(self.misuse(
+                "a reduce from a borrowed buffer must run blocking: a non-blocking one could \
+                 outlive the borrow"
+                    .to_owned(),
+            ));
+        }
+        if T::SUM_IN_F32 {
+            let p = self.reduce_sum(send.to_vec(), recv, root)?;
+            let recv = self.wait(p)?.recv;
+            return Ok(Done {
+                send: Vec::new(),
+                recv,
+            });
+        }
+        self.check_root(root)?;
+        let is_root = root == self.world.rank;
+        if is_root && recv.len() != send.len() {
+            return Err(self.misuse(format!(
+                "reduce: the root's receive buffer has {} elements but the send buffer {}",
+                recv.len(),
+                send.len()
+            )));
+        }
+        let n = raw::count(self.op, send.len())?;
+        let mut recv = recv;
+        let (sp, rp, dt) = (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype());
+        let (root_c, sum, comm) = (root as c_int, raw::op_sum(), self.st.data.0);
+        // SAFETY: both buffers hold `n` elements of T's MPI datatype (the receive buffer only
+        // matters at the root, where it was sized above); the call is blocking, so MPI is done
+        // with both when it returns, while `send` is still borrowed and `recv` still owned
+        // here; the communicator is valid; `root` < size.
+        let rc = self.bound(Coll::Reduce { root }, || unsafe {
+            ffi::MPI_Reduce(sp, rp, n, dt, sum, root_c, comm)
+        });
+        self.started(rc)?;
+        Ok(Done {
+            send: Vec::new(),
+            recv,
+        })
     }
 
     /// Starts a broadcast of `buf` from rank `root` (`MPI_Ibcast`): every rank passes a buffer

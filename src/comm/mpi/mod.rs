@@ -32,7 +32,7 @@
 //! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank
 //! has just agreed to start the same collectives, a call may run them blocking instead
 //! ([`Call::set_blocking`]): they complete before they return, bounded by a watchdog thread
-//! ([`blocking`]) that ends the process after the timeout.
+//! (`src/comm/mpi/blocking.rs`) that ends the process after the timeout.
 //!
 //! # No hang, and no kill for a slow rank
 //!
@@ -317,6 +317,8 @@ impl World {
             eprintln!("kvstore: could not register the MPI exit hook; MPI will not be finalized");
         }
 
+        let watchdog = blocking::Watchdog::start(rank, timeout, wait_log)
+            .map_err(|e| ("MPI".to_owned(), e))?;
         let env_error = env_agrees("RANK", rank, "rank")
             .or_else(|| env_agrees("WORLD_SIZE", size, "world size"))
             .or_else(|| env_agrees("LOCAL_RANK", local_rank, "local rank"))
@@ -349,7 +351,7 @@ impl World {
             env_error,
             universe: Mutex::new(universe),
             stores: std::sync::atomic::AtomicU64::new(0),
-            watchdog: blocking::Watchdog::new(),
+            watchdog,
         })
     }
 
