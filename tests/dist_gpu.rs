@@ -141,6 +141,45 @@ fn a_launch_without_mpi_with_a_bad_variable_names_it() {
 // The ranks' side.
 // ---------------------------------------------------------------------------------------------
 
+/// A list push and pull of 1000 small keys (and a big one) on GPU ranks: the values match a
+/// host reference, and, on the stand-in driver, the push is one NCCL reduce per (home rank,
+/// dtype) plus one per big key, and the pull one broadcast each, not one per key.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_list_of_1000_keys_is_a_handful_of_nccl_calls_on_2_ranks() {
+    let n = 2;
+    if let Err(why) = ranks_fit(n) {
+        println!("SKIPPED: a_list_of_1000_keys_is_a_handful_of_nccl_calls_on_2_ranks: {why}");
+        return;
+    }
+    let env = env_with(&[("KVSTORE_TIMEOUT", "120")]);
+    let Some(job) = launch(
+        Some(n),
+        "many_keys",
+        &as_refs(&env),
+        Duration::from_secs(400),
+    ) else {
+        return;
+    };
+    check(&job, n, "many_keys");
+    if job.stdout.contains("SKIPPED") {
+        println!("SKIPPED: the NCCL call count (no stand-in driver: the count is its own)\n{job}");
+    }
+}
+
+/// The calls this thread has made to the stand-in's `name`; `None` on a real driver.
+fn standin_calls(name: &str) -> Option<u64> {
+    type Count = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
+    // SAFETY: loading the libcuda.so the store already loaded (the same mapping).
+    let lib = unsafe { libloading::Library::new("libcuda.so") }.ok()?;
+    // SAFETY: the stand-in exports this symbol with exactly this signature.
+    let f: libloading::Symbol<Count> =
+        unsafe { lib.get(b"kvstore_standin_thread_calls\0") }.ok()?;
+    let c = std::ffi::CString::new(name).expect("no NUL");
+    // SAFETY: a valid NUL-terminated string.
+    Some(unsafe { f(c.as_ptr()) })
+}
+
 #[test]
 #[ignore = "run on every rank by the other tests"]
 fn inner() {
@@ -151,6 +190,7 @@ fn inner() {
     };
     match case.as_str() {
         "gpu_store" => case_gpu_store(),
+        "many_keys" => case_many_keys(),
         "bad_env" => case_bad_env(),
         other => panic!("unknown case {other}"),
     }
@@ -271,6 +311,78 @@ fn case_gpu_store() {
         let _ = std::fs::remove_dir_all(&dir);
     }
     ok_line(r, n, "gpu_store", &format!("gpu={mine}"));
+}
+
+fn case_many_keys() {
+    use rand::{Rng, SeedableRng};
+    let kv = KvStore::create("dist_device_sync").expect("a dist_device_sync store");
+    let (r, n) = (kv.rank(), kv.num_workers());
+    let mine = gpu(kv.local_rank() % gpu_count());
+    // 1000 small keys of two dtypes and a few lengths, and one key big enough to travel alone.
+    let mut lens: Vec<(usize, DType)> = (0..1000)
+        .map(|i| (1 + i % 13, if i % 5 == 0 { DType::F16 } else { DType::F32 }))
+        .collect();
+    lens.push((70_000, DType::F32));
+    let keys: Vec<i32> = (0..lens.len() as i32).collect();
+    let random = |seed: u64, len: usize| -> Vec<f64> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        // Multiples of 1/8 in [-4, 4): sums of two are exact in f16.
+        (0..len)
+            .map(|_| rng.gen_range(-32..32) as f64 / 8.0)
+            .collect()
+    };
+    let init: Vec<NDArray> = lens
+        .iter()
+        .enumerate()
+        .map(|(k, &(len, dt))| NDArray::from_f64(&random(k as u64, len), [len], dt, mine).unwrap())
+        .collect();
+    kv.init_list(&keys, &init).unwrap();
+    // No updater: a push stores the sum of every rank's values.
+    let grad = |rank: usize, k: usize, len: usize| {
+        random(1_000_000 + 10_000 * rank as u64 + k as u64, len)
+    };
+    let values: Vec<NDArray> = lens
+        .iter()
+        .enumerate()
+        .map(|(k, &(len, dt))| NDArray::from_f64(&grad(r, k, len), [len], dt, mine).unwrap())
+        .collect();
+    let before = standin_calls("ncclReduce");
+    kv.push_list(&keys, &values).unwrap();
+    let reduces = standin_calls("ncclReduce").zip(before).map(|(a, b)| a - b);
+    let outs: Vec<NDArray> = lens
+        .iter()
+        .map(|&(len, dt)| NDArray::full_on([len], -7.0, dt, mine).unwrap())
+        .collect();
+    let before = standin_calls("ncclBroadcast");
+    kv.pull_list(&keys, &outs).unwrap();
+    let broadcasts = standin_calls("ncclBroadcast")
+        .zip(before)
+        .map(|(a, b)| a - b);
+    for (k, (&(len, _), out)) in lens.iter().zip(&outs).enumerate() {
+        let got = out.to_vec::<f64>().unwrap();
+        let parts: Vec<Vec<f64>> = (0..n).map(|rank| grad(rank, k, len)).collect();
+        for (i, got) in got.iter().enumerate() {
+            let want: f64 = parts.iter().map(|p| p[i]).sum();
+            assert_eq!(*got, want, "rank {r}: key {k}[{i}]");
+        }
+    }
+    // Homes × dtypes packed buffers, and the big key alone.
+    let most = (2 * n + 1) as u64;
+    let detail = match (reduces, broadcasts) {
+        (Some(red), Some(bc)) => {
+            assert!(
+                red <= most,
+                "rank {r}: the push made {red} NCCL reduces, more than {most}"
+            );
+            assert!(
+                bc <= most,
+                "rank {r}: the pull made {bc} NCCL broadcasts, more than {most}"
+            );
+            format!("reduces={red} broadcasts={bc}")
+        }
+        _ => "SKIPPED: the NCCL call count (not the stand-in driver)".to_owned(),
+    };
+    ok_line(r, n, "many_keys", &detail);
 }
 
 fn case_bad_env() {

@@ -67,7 +67,7 @@ pub use group::collectives_issued;
 pub(crate) use group::{run, Job, Kind};
 #[doc(hidden)]
 pub use multi_rank::MultiRank;
-pub use ranks::RankComm;
+pub use ranks::{InPlace, RankComm, GROUP_MAX};
 
 /// How often a host wait polls events and NCCL's async errors.
 pub(crate) const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_micros(200);

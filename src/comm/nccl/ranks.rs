@@ -50,6 +50,41 @@ use crate::comm::launch::LaunchEnv;
 use crate::ndarray::Storage;
 use crate::{Device, Error, Key, NDArray, Result};
 
+/// The most collectives [`RankComm::group`] issues in one NCCL group.
+pub const GROUP_MAX: usize = 256;
+
+/// One collective of [`RankComm::group`], in place on an array on the rank's GPU.
+pub enum InPlace<'a> {
+    /// Sums every rank's `buf` into rank `root`'s.
+    Reduce {
+        /// The buffer.
+        buf: &'a NDArray,
+        /// The rank that receives the sum.
+        root: usize,
+    },
+    /// Copies rank `root`'s `buf` into every rank's.
+    Broadcast {
+        /// The buffer.
+        buf: &'a NDArray,
+        /// The rank whose buffer is copied.
+        root: usize,
+    },
+}
+
+impl InPlace<'_> {
+    fn buf(&self) -> &NDArray {
+        match self {
+            InPlace::Reduce { buf, .. } | InPlace::Broadcast { buf, .. } => buf,
+        }
+    }
+
+    fn root(&self) -> usize {
+        match self {
+            InPlace::Reduce { root, .. } | InPlace::Broadcast { root, .. } => *root,
+        }
+    }
+}
+
 /// A communicator of one rank among the processes of a job.
 pub struct RankComm {
     rank: usize,
@@ -312,6 +347,75 @@ impl RankComm {
                 )
             }
         })
+    }
+
+    /// Issues `ops` in order, in NCCL groups of at most [`GROUP_MAX`] collectives, each group
+    /// one call: one wait for all of its collectives instead of one per collective. Every
+    /// array must be distinct and on this rank's GPU.
+    pub fn group(&self, ops: &[InPlace<'_>]) -> Result<()> {
+        let op = "NCCL collectives across ranks";
+        for chunk in ops.chunks(GROUP_MAX) {
+            let mut seen = std::collections::HashSet::new();
+            for o in chunk {
+                self.check_root(op, o.root())?;
+                if !seen.insert(o.buf().storage_id()) {
+                    return Err(self.misuse(op, "an array named twice in one group".to_owned()));
+                }
+            }
+            let guards: Vec<_> = chunk.iter().map(|o| o.buf().write()).collect();
+            let items = guards
+                .iter()
+                .zip(chunk)
+                .map(|(g, o)| {
+                    let b = self.buf(op, g)?;
+                    let reduce = matches!(o, InPlace::Reduce { .. });
+                    Ok((b.ptr(), b.len(), nccl_dtype(b.dtype()), o.root(), reduce))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            self.call(op, &[], |lib, comm, stream| {
+                result::group_start(lib)?;
+                let mut first = Ok(());
+                for &(p, n, dt, root, reduce) in &items {
+                    let issued = match reduce {
+                        // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
+                        // rank's GPU, write-locked for the call, and freed on the runtime
+                        // stream, which waits for this one; NCCL allows it in place; `call`
+                        // hands over the live communicator, under `state`'s lock, and this
+                        // rank's own stream.
+                        true => unsafe {
+                            result::reduce(
+                                lib,
+                                p as *const c_void,
+                                p as *mut c_void,
+                                n,
+                                dt,
+                                NCCL_SUM,
+                                root,
+                                comm,
+                                stream,
+                            )
+                        },
+                        // SAFETY: as for the reduce.
+                        false => unsafe {
+                            result::broadcast(
+                                lib,
+                                p as *const c_void,
+                                p as *mut c_void,
+                                n,
+                                dt,
+                                root,
+                                comm,
+                                stream,
+                            )
+                        },
+                    };
+                    first = first.and(issued);
+                }
+                // The group is always ended, even after a failed call inside it.
+                first.and(result::group_end(lib))
+            })?;
+        }
+        Ok(())
     }
 
     /// Waits until every collective issued so far has finished. Each collective call already
