@@ -92,6 +92,7 @@
 //! | `key_kind`     | `int`, `str`, or `none` for a shard with no keys                  |
 //! | `updater`, `state_names` | as in the single file, the same in every shard          |
 //! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` |
+//! | `residuals/<key>` | `count=<c> len=<n>`: the saving rank's own gradient-compression residuals of the key, `c` float32 tensors `residual/<key>/<i>` of the whole key's `n` elements; absent when it has none |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, as in the single file |
 //!
 //! `order` is the key's place in update order (distinct per key; keys are listed by it),
@@ -99,9 +100,10 @@
 //! scalar), and `step` the updater step count, present exactly when the key has updater state
 //! (then the shard has one `state/<key>/<name>` per state name), and `sparse=1` marks a
 //! row-sparse key. Every shard of a key records the same `order`, `dims`, dtype, `step` and
-//! `sparse`. A shard holds no compression residuals: each rank's are its own, so after a load
-//! they start at zero. Keys are spelled canonically, as in the single
-//! file.
+//! `sparse`. A shard's residuals are its rank's own, of every key that rank pushed (homed
+//! there or not): a load by as many ranks gives rank `r` those of shard `r`; after a load by
+//! another number of ranks, or into a single-process store, they start at zero. Keys are
+//! spelled canonically, as in the single file.
 //!
 //! ```
 //! use kvstore::{KvStore, NDArray, Sgd, Updater};
@@ -149,7 +151,9 @@ use file::{decode, encode};
 #[allow(unused_imports)] // the crate-internal API of sharded checkpoints, for the dist store
 pub(crate) use reader::{open, read_index, Reader};
 #[allow(unused_imports)]
-pub(crate) use sharded::{commit, next_generation, write_shard, KeyMeta, Piece, SaveId};
+pub(crate) use sharded::{
+    commit, next_generation, write_shard, KeyMeta, KeyResiduals, Piece, SaveId,
+};
 
 use crate::{Error, KvStore, Result};
 

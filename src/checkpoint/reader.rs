@@ -16,8 +16,8 @@ use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 use super::checksum::{self, Sums};
 use super::file::{acc_dtype, decode_all, from_bytes, parse_key};
 use super::sharded::{
-    generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, Piece, INDEX_FORMAT,
-    INDEX_FORMAT_1, SHARD_FORMAT, SHARD_FORMAT_1,
+    generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
+    INDEX_FORMAT, INDEX_FORMAT_1, SHARD_FORMAT, SHARD_FORMAT_1,
 };
 use super::{not_safetensors, Problem};
 use crate::store::{Entry, EntryState};
@@ -132,6 +132,9 @@ pub(crate) struct ShardHeader {
     updater: String,
     state_names: Vec<String>,
     pieces: Vec<Held>,
+    /// The saving rank's compression residuals: per key, its length and one tensor per
+    /// position.
+    residuals: Vec<(Key, usize, Vec<Span>)>,
 }
 
 /// An open file, read at offsets.
@@ -529,9 +532,36 @@ fn check_shard(
             state,
         });
     }
+    let mut residuals = Vec::new();
+    for (name, spec) in md {
+        let Some(text) = name.strip_prefix("residuals/") else {
+            continue;
+        };
+        let key = parse_key(kind, text)?;
+        let (count, len) = parse_residuals(spec).ok_or_else(|| {
+            Problem::invalid(format!(
+                "metadata {name} = '{spec}' is not 'count=<n> len=<n>'"
+            ))
+        })?;
+        let mut spans = Vec::with_capacity(count);
+        for i in 0..count {
+            let name = format!("residual/{text}/{i}");
+            let (_, span) = tensor_span(
+                meta,
+                data_start,
+                sums.as_ref(),
+                &name,
+                Some(DType::F32),
+                len,
+            )?;
+            used.insert(name);
+            spans.push(span);
+        }
+        residuals.push((key, len, spans));
+    }
     if let Some(extra) = meta.tensors().keys().find(|n| !used.contains(*n)) {
         return Err(Problem::invalid(format!(
-            "tensor '{extra}' belongs to no piece in the metadata"
+            "tensor '{extra}' belongs to no piece or residual in the metadata"
         )));
     }
     Ok(ShardHeader {
@@ -542,7 +572,21 @@ fn check_shard(
         updater,
         state_names,
         pieces,
+        residuals,
     })
+}
+
+/// The fields of a `residuals/<key>` metadata entry: `count=<c> len=<n>`.
+fn parse_residuals(spec: &str) -> Option<(usize, usize)> {
+    let (count, len) = spec.split_once(' ')?;
+    let number = |text: Option<&str>| {
+        let text = text?;
+        text.parse::<usize>().ok().filter(|n| n.to_string() == text)
+    };
+    Some((
+        number(count.strip_prefix("count="))?,
+        number(len.strip_prefix("len="))?,
+    ))
 }
 
 impl ShardHeader {
@@ -562,6 +606,8 @@ struct Assembled {
     keys: Vec<KeyMeta>,
     /// The pieces of `keys[i]`, by range start.
     held: Vec<Vec<Held>>,
+    /// Each shard's residuals, by file.
+    residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
 }
 
 /// Checks that `shards` agree with each other and together hold every element of every key
@@ -581,7 +627,9 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
     let mut place: HashMap<Key, usize> = HashMap::new();
     let mut keys: Vec<KeyMeta> = Vec::new();
     let mut lists: Vec<Vec<Held>> = Vec::new();
+    let mut residuals = Vec::with_capacity(shards.len());
     for (file, shard) in shards.into_iter().enumerate() {
+        residuals.push(shard.residuals);
         if shard.updater != updater || shard.state_names != state_names {
             return Err(invalid(format!(
                 "shard {} was saved under updater {} {:?} but shard 0 under {updater} \
@@ -669,6 +717,7 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
         state_names,
         keys: sorted_keys,
         held,
+        residuals,
     })
 }
 
@@ -682,6 +731,10 @@ pub(crate) struct Reader {
     place: HashMap<Key, usize>,
     held: Vec<Vec<Held>>,
     files: Vec<ShardFile>,
+    /// Each shard's residuals, by file (a shard's file is its rank).
+    residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
+    /// The number of ranks that saved a sharded checkpoint; `None` for a single file.
+    world: Option<usize>,
 }
 
 /// Opens a checkpoint: a directory with a committed sharded checkpoint, or a single file
@@ -732,7 +785,7 @@ fn open_dir(dir: &Path) -> Result<Reader> {
             dir.display()
         );
     }
-    Ok(Reader::new(dir, a, files))
+    Ok(Reader::new(dir, a, files, Some(index.world)))
 }
 
 fn open_file(path: &Path) -> Result<Reader> {
@@ -801,6 +854,7 @@ fn open_file(path: &Path) -> Result<Reader> {
         updater: decoded.updater,
         state_names: decoded.state_names,
         pieces,
+        residuals: Vec::new(),
     };
     let a = assemble(path, vec![header])?;
     let files = vec![ShardFile {
@@ -808,11 +862,11 @@ fn open_file(path: &Path) -> Result<Reader> {
         file,
         chunk: chunk.unwrap_or(1),
     }];
-    Ok(Reader::new(path, a, files))
+    Ok(Reader::new(path, a, files, None))
 }
 
 impl Reader {
-    fn new(path: &Path, a: Assembled, files: Vec<ShardFile>) -> Reader {
+    fn new(path: &Path, a: Assembled, files: Vec<ShardFile>, world: Option<usize>) -> Reader {
         let place = a
             .keys
             .iter()
@@ -828,7 +882,42 @@ impl Reader {
             place,
             held: a.held,
             files,
+            residuals: a.residuals,
+            world,
         }
+    }
+
+    /// The compression residuals rank `rank` of `world` saved in a sharded checkpoint, per
+    /// key: `None` for a single file (whose residuals come with [`Reader::entries`]) or a
+    /// checkpoint that another number of ranks saved (each rank's residuals are its own, so
+    /// they do not carry over to another world).
+    pub(crate) fn rank_residuals(
+        &self,
+        rank: usize,
+        world: usize,
+    ) -> Result<Option<Vec<KeyResiduals>>> {
+        if self.world != Some(world) {
+            return Ok(None);
+        }
+        let (Some(file), Some(saved)) = (self.files.get(rank), self.residuals.get(rank)) else {
+            return Ok(None);
+        };
+        let mut out = Vec::with_capacity(saved.len());
+        for (key, len, spans) in saved {
+            let mut residuals = Vec::with_capacity(spans.len());
+            for span in spans {
+                let mut bytes = vec![0u8; len * 4];
+                file.read_tensor(span, 0, &mut bytes)
+                    .map_err(|e| e.at(&file.path))?;
+                residuals.push(from_bytes(DType::F32, &bytes).to_vec::<f32>());
+            }
+            out.push(KeyResiduals {
+                key: key.clone(),
+                len: *len,
+                residuals,
+            });
+        }
+        Ok(Some(out))
     }
 
     /// Every key of the checkpoint, whole, in update order.
@@ -947,7 +1036,7 @@ impl Reader {
                     bufs,
                 }),
                 row_sparse: meta.row_sparse,
-                // A sharded checkpoint holds no residuals (each rank's are its own).
+                // A shard's residuals are its rank's own: a store of one process takes none.
                 residuals: Vec::new(),
             });
         }

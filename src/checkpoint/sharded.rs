@@ -30,7 +30,7 @@ use super::checksum;
 use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
 use super::reader::{check_cover, read_index, read_shard_header};
 use super::Problem;
-use crate::{DType, Error, Key, NDArray, Result, Updater};
+use crate::{DType, Error, HostData, Key, NDArray, Result, Updater};
 
 /// The `format` metadata entry of every shard file this version writes.
 pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/2";
@@ -106,6 +106,16 @@ impl KeyMeta {
     pub(crate) fn size(&self) -> usize {
         self.dims.iter().product()
     }
+}
+
+/// One key's gradient-compression residuals on the rank that saves them: one per position of
+/// a push's list of values, each of the whole key's `len` elements (an empty one, a position
+/// never pushed, is saved as zeros).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct KeyResiduals {
+    pub key: Key,
+    pub len: usize,
+    pub residuals: Vec<Vec<f32>>,
 }
 
 /// One contiguous element range of one key: its value and updater state there.
@@ -246,10 +256,12 @@ pub(crate) fn write_shard(
     world: usize,
     updater: &Updater,
     pieces: &[Piece],
+    residuals: &[KeyResiduals],
 ) -> Result<()> {
     let gen_dir = generation_dir(dir, save.generation);
     let path = shard_path(&gen_dir, rank, world);
-    let bytes = encode_shard(save, rank, world, updater, pieces).map_err(|p| p.at(&path))?;
+    let bytes =
+        encode_shard(save, rank, world, updater, pieces, residuals).map_err(|p| p.at(&path))?;
     fs::create_dir_all(&gen_dir).map_err(|e| write_error(&gen_dir, e))?;
     sync_dir(dir).map_err(|e| write_error(dir, e))?;
     write_atomic(&path, &bytes).map_err(|e| write_error(&path, e))
@@ -262,6 +274,7 @@ fn encode_shard(
     world: usize,
     updater: &Updater,
     pieces: &[Piece],
+    residuals: &[KeyResiduals],
 ) -> std::result::Result<Vec<u8>, Problem> {
     if rank >= world {
         return Err(Problem::invalid(format!(
@@ -361,6 +374,42 @@ fn encode_shard(
                 len,
                 buf.with_host(to_bytes)
                     .map_err(|e| Problem::invalid(format!("key {key}: reading {name}: {e}")))?,
+            ));
+        }
+    }
+    for r in residuals {
+        let key = &r.key;
+        if kind.is_some_and(|k| k != key.kind()) {
+            return Err(Problem::invalid(format!(
+                "the residuals of key {key} are of another key kind than the pieces"
+            )));
+        }
+        if let Some(bad) = r
+            .residuals
+            .iter()
+            .find(|v| !v.is_empty() && v.len() != r.len)
+        {
+            return Err(Problem::invalid(format!(
+                "key {key}: a residual of {} elements, expected {}",
+                bad.len(),
+                r.len
+            )));
+        }
+        meta.insert(
+            format!("residuals/{key}"),
+            format!("count={} len={}", r.residuals.len(), r.len),
+        );
+        for (i, v) in r.residuals.iter().enumerate() {
+            // A position never pushed keeps no residual: written as zeros.
+            let v = match v.is_empty() {
+                true => vec![0.0; r.len],
+                false => v.clone(),
+            };
+            tensors.push((
+                format!("residual/{key}/{i}"),
+                DType::F32,
+                r.len,
+                to_bytes(&HostData::F32(v)),
             ));
         }
     }

@@ -166,7 +166,7 @@ fn save(dir: &Path, rng: &mut StdRng, updater: &Updater, truths: &[Truth], world
             .into_iter()
             .map(|(i, r)| piece(&truths[i], updater.state_names(), r))
             .collect();
-        write_shard(dir, g, rank, world, updater, &pieces).unwrap();
+        write_shard(dir, g, rank, world, updater, &pieces, &[]).unwrap();
     }
     commit(dir, g, world).unwrap();
     g.generation
@@ -256,7 +256,7 @@ fn a_save_killed_part_way_leaves_the_previous_checkpoint() {
             .into_iter()
             .map(|(i, r)| piece(&new[i], updater.state_names(), r))
             .collect();
-        write_shard(&dir, g, rank, 3, &updater, &pieces).unwrap();
+        write_shard(&dir, g, rank, 3, &updater, &pieces, &[]).unwrap();
     }
     check_reads(&dir, &mut rng, &updater, &old, 2);
 
@@ -267,7 +267,7 @@ fn a_save_killed_part_way_leaves_the_previous_checkpoint() {
         .map(|t| piece(t, updater.state_names(), 0..t.meta.size()))
         .collect();
     super::fail_writes_after(Some(100));
-    let e = write_shard(&dir, g, 0, 1, &updater, &pieces).unwrap_err();
+    let e = write_shard(&dir, g, 0, 1, &updater, &pieces, &[]).unwrap_err();
     super::fail_writes_after(None);
     assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Io);
     assert!(!shard_path(&generation_dir(&dir, g.generation), 0, 1).exists());
@@ -281,14 +281,14 @@ fn a_save_killed_part_way_leaves_the_previous_checkpoint() {
 
     // 3. A shard missing at commit: NotFound, and the index still points at the old one.
     let g = next_generation(&dir).unwrap();
-    write_shard(&dir, g, 0, 2, &updater, &pieces).unwrap();
+    write_shard(&dir, g, 0, 2, &updater, &pieces, &[]).unwrap();
     let e = commit(&dir, g, 2).unwrap_err();
     assert_eq!(checkpoint_kind(e), CheckpointErrorKind::NotFound);
     check_reads(&dir, &mut rng, &updater, &old, 1);
 
     // 4. A truncated shard at commit: Invalid, the old index.
     let g = next_generation(&dir).unwrap();
-    write_shard(&dir, g, 0, 1, &updater, &pieces).unwrap();
+    write_shard(&dir, g, 0, 1, &updater, &pieces, &[]).unwrap();
     let path = shard_path(&generation_dir(&dir, g.generation), 0, 1);
     let bytes = fs::read(&path).unwrap();
     fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
@@ -308,7 +308,7 @@ fn commit_ranges(dir: &Path, t: &Truth, ranges: &[Range<usize>]) -> crate::Resul
     let world = ranges.len();
     for (rank, r) in ranges.iter().enumerate() {
         let pieces = vec![piece(t, &[], r.clone())];
-        write_shard(dir, g, rank, world, &Updater::Assign, &pieces).unwrap();
+        write_shard(dir, g, rank, world, &Updater::Assign, &pieces, &[]).unwrap();
     }
     commit(dir, g, world)
 }
@@ -359,11 +359,12 @@ fn shards_that_disagree_fail_the_commit() {
         2,
         &updater,
         &[piece(&t, updater.state_names(), 0..4)],
+        &[],
     )
     .unwrap();
     let mut other = piece(&t, updater.state_names(), 4..8);
     other.meta.step = 4;
-    write_shard(&dir, g, 1, 2, &updater, &[other]).unwrap();
+    write_shard(&dir, g, 1, 2, &updater, &[other], &[]).unwrap();
     let e = commit(&dir, g, 2).unwrap_err();
     assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
     // Another updater on one rank.
@@ -375,11 +376,12 @@ fn shards_that_disagree_fail_the_commit() {
         2,
         &updater,
         &[piece(&t, updater.state_names(), 0..4)],
+        &[],
     )
     .unwrap();
     let mut plain = piece(&t, &[], 4..8);
     plain.meta.has_state = false;
-    write_shard(&dir, g, 1, 2, &Updater::Assign, &[plain]).unwrap();
+    write_shard(&dir, g, 1, 2, &Updater::Assign, &[plain], &[]).unwrap();
     let e = commit(&dir, g, 2).unwrap_err();
     assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid);
     assert_eq!(
@@ -431,11 +433,11 @@ fn bad_pieces_are_errors_and_write_nothing() {
         ("state name", vec![renamed]),
         ("twice", vec![good.clone(), good.clone()]),
     ] {
-        let e = write_shard(&dir, SOME_SAVE, 0, 1, &updater, &pieces).unwrap_err();
+        let e = write_shard(&dir, SOME_SAVE, 0, 1, &updater, &pieces, &[]).unwrap_err();
         assert_eq!(checkpoint_kind(e), CheckpointErrorKind::Invalid, "{what}");
     }
     assert!(
-        write_shard(&dir, SOME_SAVE, 1, 1, &updater, &[good]).is_err(),
+        write_shard(&dir, SOME_SAVE, 1, 1, &updater, &[good], &[]).is_err(),
         "rank >= world"
     );
     assert!(!generation_dir(&dir, 0).exists());
@@ -710,6 +712,7 @@ fn two_jobs_saving_at_once_never_share_a_generation() {
         world,
         &updater,
         &pieces_of(&a, &updater, &held[0]),
+        &[],
     )
     .unwrap();
     write_shard(
@@ -719,6 +722,7 @@ fn two_jobs_saving_at_once_never_share_a_generation() {
         world,
         &updater,
         &pieces_of(&b, &updater, &held[0]),
+        &[],
     )
     .unwrap();
     write_shard(
@@ -728,6 +732,7 @@ fn two_jobs_saving_at_once_never_share_a_generation() {
         world,
         &updater,
         &pieces_of(&b, &updater, &held[1]),
+        &[],
     )
     .unwrap();
     write_shard(
@@ -737,6 +742,7 @@ fn two_jobs_saving_at_once_never_share_a_generation() {
         world,
         &updater,
         &pieces_of(&a, &updater, &held[1]),
+        &[],
     )
     .unwrap();
     // Job B commits first, then job A. A commit may fail (its generation was taken from under
@@ -781,6 +787,7 @@ fn a_commit_rejects_a_shard_of_another_save() {
         world,
         &updater,
         &pieces_of(&a, &updater, &held[0]),
+        &[],
     )
     .unwrap();
     write_shard(
@@ -790,6 +797,7 @@ fn a_commit_rejects_a_shard_of_another_save() {
         world,
         &updater,
         &pieces_of(&a, &updater, &held[1]),
+        &[],
     )
     .unwrap();
     // Another job, that never claimed this generation (an older kvstore, or one handed the
@@ -805,6 +813,7 @@ fn a_commit_rejects_a_shard_of_another_save() {
         world,
         &updater,
         &pieces_of(&b, &updater, &held[1]),
+        &[],
     )
     .unwrap();
     let e = commit(&dir, ga, world).unwrap_err();
@@ -825,7 +834,16 @@ fn a_load_rejects_a_generation_with_a_shard_of_another_save() {
     let held = layout(&mut rng, &a, world);
     let ga = next_generation(&dir).unwrap();
     for (rank, h) in held.iter().enumerate() {
-        write_shard(&dir, ga, rank, world, &updater, &pieces_of(&a, &updater, h)).unwrap();
+        write_shard(
+            &dir,
+            ga,
+            rank,
+            world,
+            &updater,
+            &pieces_of(&a, &updater, h),
+            &[],
+        )
+        .unwrap();
     }
     commit(&dir, ga, world).unwrap();
     // A store holding job A's checkpoint.
@@ -861,6 +879,7 @@ fn a_load_rejects_a_generation_with_a_shard_of_another_save() {
         world,
         &updater,
         &pieces_of(&b, &updater, &held[1]),
+        &[],
     )
     .unwrap();
     let e = open(&dir).map(|_| ()).unwrap_err();
@@ -1010,6 +1029,7 @@ fn a_flipped_bit_in_a_shards_header_is_an_error_and_changes_nothing() {
             world,
             &updater,
             &pieces_of(&t, &updater, &held),
+            &[],
         )
         .unwrap();
     }

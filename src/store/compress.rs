@@ -35,7 +35,8 @@ impl KvStore {
     /// `dist_device_sync` on GPU ranks in this version), for a threshold not above 0, and (at
     /// `init`) for a key that is not float32. A checkpoint of a `device` store (one file)
     /// carries the residuals, and a load restores them with the values; a dist store's sharded
-    /// checkpoint holds none (each rank's are its own), so they start at zero after its load.
+    /// checkpoint carries each rank's own, restored by a load by as many ranks (they start at
+    /// zero after a load by another number of ranks).
     ///
     /// ```
     /// use kvstore::{Compression, KvStore, NDArray};

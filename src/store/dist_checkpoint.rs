@@ -16,7 +16,7 @@ use std::sync::{Arc, RwLockWriteGuard};
 use super::table::{place_on_ranks, Slot};
 use super::{insert_slots, read, write, KvStore};
 use crate::backend::HomeValue;
-use crate::checkpoint::{self, KeyMeta, Piece, Problem, Reader};
+use crate::checkpoint::{self, KeyMeta, KeyResiduals, Piece, Problem, Reader};
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::Spread;
 use crate::host::HostData;
@@ -109,7 +109,19 @@ impl KvStore {
                     },
                 });
             }
-            checkpoint::write_shard(dir, save, rank, size, &active.updater, &pieces)
+            // This rank's compression residuals, of every key it pushed (homed here or not).
+            let residuals: Vec<KeyResiduals> = slots
+                .iter()
+                .filter_map(|slot| {
+                    let r = slot.residuals.lock().unwrap_or_else(|p| p.into_inner());
+                    (!r.is_empty()).then(|| KeyResiduals {
+                        key: slot.key.clone(),
+                        len: slot.shape.size(),
+                        residuals: r.clone(),
+                    })
+                })
+                .collect();
+            checkpoint::write_shard(dir, save, rank, size, &active.updater, &pieces, &residuals)
         })();
         drop(cells);
         let together = call.agree("save", written.is_ok(), "writing its shard");
@@ -198,8 +210,29 @@ impl KvStore {
                 Ok((spread, Some((piece.value.into_host()?, state))))
             })
             .collect::<Result<Vec<_>>>();
-        let together = call.agree("load", read_parts.is_ok(), "reading its parts");
-        let parts = read_parts?;
+        // This rank's compression residuals, where the checkpoint was saved by as many ranks.
+        let residuals = read_parts.and_then(|parts| {
+            let residuals = reader.rank_residuals(rank, size)?;
+            for r in residuals.iter().flatten() {
+                let len = reader
+                    .keys()
+                    .iter()
+                    .find(|m| m.key == r.key)
+                    .map(KeyMeta::size);
+                if len.is_some_and(|len| len != r.len) {
+                    return Err(Problem::invalid(format!(
+                        "key {}: this rank's residuals have {} elements, the key {}",
+                        r.key,
+                        r.len,
+                        len.unwrap_or(0)
+                    ))
+                    .at(path));
+                }
+            }
+            Ok((parts, residuals))
+        });
+        let together = call.agree("load", residuals.is_ok(), "reading its parts");
+        let (parts, residuals) = residuals?;
         together?;
         // Apply: existing keys under their write locks, then the new keys, in one step.
         let existing: Vec<Arc<Slot>> = reader
@@ -245,6 +278,19 @@ impl KvStore {
             &new_spreads,
             &new_sparse,
         );
+        // The loaded keys' residuals: this rank's own from the checkpoint, or none (they start
+        // at zero) where it has none for a key or was saved by another number of ranks.
+        let mut saved: std::collections::HashMap<Key, Vec<Vec<f32>>> = residuals
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| (r.key, r.residuals))
+            .collect();
+        for m in reader.keys() {
+            if let Some(slot) = table.slots.get(&m.key) {
+                *slot.residuals.lock().unwrap_or_else(|p| p.into_inner()) =
+                    saved.remove(&m.key).unwrap_or_default();
+            }
+        }
         // Every rank keeps every key's update count, whoever holds its state.
         for m in reader.keys() {
             if m.row_sparse && !table.slots.contains_key(&m.key) {
