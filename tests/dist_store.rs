@@ -289,6 +289,26 @@ fn a_rank_that_skips_a_push_times_out_the_others_without_the_check_on_2_ranks() 
     skipped(2, "0", Some("10"));
 }
 
+/// A rank that arrives in a push after another rank timed out in it gets a typed error, as
+/// that rank does: the fingerprint check completes on it (the timed-out rank's part of it was
+/// sent), but the push's reduce must not run blocking for a rank that gave the call up, or its
+/// watchdog would end the late rank's process instead.
+#[test]
+fn a_rank_late_to_a_push_another_rank_gave_up_gets_an_error_not_killed() {
+    let env = [("KVSTORE_TIMEOUT", "2")];
+    let Some(job) = run(2, "late", &env, 40) else {
+        return;
+    };
+    assert!(!job.killed, "the job must end by itself\n{job}");
+    job.assert_ok(&[0], 2, "late", &["timed out"]);
+    let late = job.ok_line(1, 2, "late");
+    assert!(
+        late.is_some(),
+        "the late rank must get its error, not be ended\n{job}"
+    );
+    assert!(!job.stderr.contains("inside its blocking"), "{job}");
+}
+
 #[test]
 fn a_rank_killed_by_sigkill_mid_run_ends_the_job_non_zero_on_4_ranks() {
     let env = [("KVSTORE_TIMEOUT", "10")];
@@ -404,6 +424,7 @@ fn inner() {
         "bad_input" => case_bad_input(),
         "desync" => case_desync(),
         "skip" => case_skip(),
+        "late" => case_late(),
         "sigkill" => case_sigkill(),
         "train" => case_train(),
         "schedule" => case_schedule(),
@@ -513,6 +534,23 @@ fn store(kind: &str) -> KvStore {
     // The local rank is the launcher's, which need not follow the world rank's order.
     assert!(kv.rank() < kv.num_workers() && kv.local_rank() < kv.num_workers());
     kv
+}
+
+fn case_late() {
+    let kv = store("dist_sync");
+    let n = 1 << 12;
+    kv.init(0, &NDArray::zeros([n])).unwrap();
+    let t = std::time::Instant::now();
+    if kv.rank() == 1 {
+        // Rank 0 times out in the push's check (KVSTORE_TIMEOUT=2) before this rank comes.
+        std::thread::sleep(Duration::from_millis(2500));
+    }
+    let e = kv.push(0, &NDArray::ones([n])).unwrap_err();
+    if kv.rank() == 0 {
+        // Handling its error while rank 1 is in the push.
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    ok(&kv, "late", &format!("after {:?}: {e}", t.elapsed()));
 }
 
 fn ok(kv: &KvStore, case: &str, detail: &str) {

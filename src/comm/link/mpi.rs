@@ -69,10 +69,14 @@ impl Link for MpiLink {
     }
 
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
+        let mut call = self.world.begin(fp)?;
+        // The check is an agreement only if no rank gave the call up meanwhile: a rank that
+        // timed out in it still let its part of the check complete on the others.
+        let agreed = self.world.check_enabled() && !call.peer_timed_out();
         Ok(Box::new(MpiRound {
-            call: self.world.begin(fp)?,
+            call,
             flights: Vec::new(),
-            agreed: self.world.check_enabled(),
+            agreed,
         }))
     }
 }
@@ -121,16 +125,19 @@ impl Round for MpiRound {
                 }
             };
         }
-        let flight = match op {
-            Op::Reduce { root } => typed!(|s, r| call.reduce_sum(s, r, root)?),
-            Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
-            Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
-            Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
-            Op::Scatter { root } => typed!(|s, r| call.scatter(s, r, root)?),
-            Op::AllToAll => typed!(|s, r| call.all_to_all(s, r)?),
-        };
+        let flight = (|| -> Result<Flight> {
+            Ok(match op {
+                Op::Reduce { root } => typed!(|s, r| call.reduce_sum(s, r, root)?),
+                Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
+                Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
+                Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
+                Op::Scatter { root } => typed!(|s, r| call.scatter(s, r, root)?),
+                Op::AllToAll => typed!(|s, r| call.all_to_all(s, r)?),
+            })
+        })();
+        // Off again whatever happened: the round's word exchanges never run blocking.
         self.call.set_blocking(false);
-        self.flights.push(Some(flight));
+        self.flights.push(Some(flight?));
         Ok(Ticket(self.flights.len() - 1))
     }
 

@@ -10,6 +10,7 @@
 //! after saying why on stderr, and `mpirun` then ends the job. It can only happen when a rank
 //! died or stopped inside the transfer after agreeing to it.
 
+use std::io::Write;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -48,8 +49,9 @@ impl Watchdog {
         let tick = (timeout / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let watch = move || loop {
             std::thread::sleep(tick);
-            let mut now = lock(&shared);
-            let Some(f) = now.as_mut() else {
+            // A copy: nothing below runs under the lock, which the collective's thread takes
+            // again when it returns (a logger that blocks must not hold it up).
+            let Some(f) = *lock(&shared) else {
                 continue;
             };
             let waited = f.start.elapsed();
@@ -61,7 +63,9 @@ impl Watchdog {
                 waited.as_secs_f64()
             );
             if waited > timeout {
-                eprintln!(
+                // Written whatever happens to stderr (a closed pipe must not stop the exit).
+                let _ = writeln!(
+                    std::io::stderr(),
                     "{inside}, longer than KVSTORE_TIMEOUT ({} s). Every rank agreed to make \
                      this transfer, so a rank died or stopped inside it; MPI cannot cancel it, \
                      so this process ends with exit code 1",
@@ -72,7 +76,9 @@ impl Watchdog {
                 unsafe { libc::_exit(1) }
             }
             if waited >= wait_log * (f.logged + 1) {
-                f.logged += 1;
+                if let Some(now) = lock(&shared).as_mut().filter(|now| now.seq == f.seq) {
+                    now.logged = f.logged + 1;
+                }
                 control::warn(&format!(
                     "{inside}; every rank agreed to make it, so a rank is slow inside it or \
                      stopped; it ends this process after KVSTORE_TIMEOUT ({} s)",

@@ -39,7 +39,8 @@ const TEXT_AT: usize = 24;
 
 /// What a silent rank is probably doing.
 const SILENT_WHY: &str = "busy outside kvstore: computing, loading data or writing files; or \
-                          hung, or dead";
+                          inside a blocking transfer of kvstore's, which cannot answer; or hung, \
+                          or dead";
 
 /// One control record: what a rank says about itself.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -122,6 +122,7 @@ mod poll;
 mod raw;
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::os::raw::c_int;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -227,7 +228,9 @@ fn bound_setup(timeout: Duration) -> std::sync::mpsc::Sender<()> {
     let (done, setup) = std::sync::mpsc::channel::<()>();
     let watch = move || {
         if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = setup.recv_timeout(timeout) {
-            eprintln!(
+            // Written whatever happens to stderr (a closed pipe must not stop the exit).
+            let _ = writeln!(
+                std::io::stderr(),
                 "kvstore: creating a dist store did not finish within KVSTORE_TIMEOUT ({} s): \
                  MPI's setup waits for every rank, so some rank has not created its dist store \
                  (it failed, waits on something else, or makes its calls in another order); \
@@ -567,6 +570,15 @@ impl Call {
             self.world.poison_with(err.to_string());
         }
         checked
+    }
+
+    /// Whether another rank has timed out in this call: its question has arrived. It gave up
+    /// the call's collectives, so no transfer of this call may run blocking (it would never
+    /// join). Answers the questions that have arrived.
+    pub fn peer_timed_out(&mut self) -> bool {
+        self.st.answer_queries(self.world);
+        let seq = self.seq;
+        self.st.heard.values().any(|r| r.timed_out && r.seq == seq)
     }
 
     /// A blocking, bounded all-gather of a few `u64`s on the data communicator.
