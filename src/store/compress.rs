@@ -203,7 +203,7 @@ pub(super) fn sum_across(
         let value: Vec<f32> = match m {
             Mine::Owned(h) => h.to_vec(),
             Mine::Single(a) => a.to_vec::<f32>()?,
-            Mine::Summed(_) | Mine::Values => {
+            Mine::Summed(_) => {
                 return Err(crate::comm::dist::internal(
                     "a compressed contribution not in host memory",
                 ))

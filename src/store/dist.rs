@@ -83,15 +83,16 @@ pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
     }
 }
 
-/// This rank's contribution to a key of a push: its values' sum, its one value itself, or
-/// (one rank alone) its values as they are, for the backend to sum and update in one pass.
+/// This rank's contribution to a key of a push on ranks: its values' sum, or its one value
+/// itself. (One rank alone has none: its values pass through to the backend, which sums and
+/// updates in one pass.)
 pub(super) enum Mine<'a> {
     /// The sum, on this rank's GPU.
     Summed(NDArray),
     /// The sum, in host memory.
     Owned(HostData),
+    /// The one value pushed, in host memory, of the key's dtype.
     Single(&'a NDArray),
-    Values,
 }
 
 impl Mine<'_> {
@@ -101,9 +102,7 @@ impl Mine<'_> {
         match self {
             Mine::Summed(a) => Ok(a),
             Mine::Single(a) => a.copy(),
-            Mine::Owned(_) | Mine::Values => {
-                Err(dist::internal("a host contribution on a link of GPU ranks"))
-            }
+            Mine::Owned(_) => Err(dist::internal("a host contribution on a link of GPU ranks")),
         }
     }
 }
@@ -289,16 +288,19 @@ pub(super) fn keep_part(
 
 /// Before a push's call: this process's contribution to each key. Reading a value may fail.
 /// On host ranks, a key pushed one value in host memory (checked: of its dtype) is read where
-/// it is; otherwise this rank's values are summed first. One rank alone sums nothing here.
+/// it is; otherwise this rank's values are summed first. One rank alone sums nothing here, and
+/// needs no list: its values pass through ([`sum_across`] gives [`Inputs::Values`]).
 pub(super) fn contributions<'g>(
     d: &Dist,
     ctx: comm::Ctx,
     groups: &[Group<'g>],
 ) -> Result<Vec<Mine<'g>>> {
+    if d.passes_through() {
+        return Ok(Vec::new());
+    }
     groups
         .iter()
         .map(|g| match g.arrays.as_slice() {
-            _ if d.passes_through() => Ok(Mine::Values),
             [a] if d.gpu().is_none() && !a.device().is_gpu() => Ok(Mine::Single(a)),
             _ => {
                 let len = g.slot.shape.size();
@@ -344,9 +346,7 @@ pub(super) fn sum_across(
             let data = match s {
                 Mine::Owned(h) => SumData::Owned(h),
                 Mine::Single(a) => SumData::Value(a),
-                Mine::Summed(_) | Mine::Values => {
-                    return Err(dist::internal("a contribution not in host memory"))
-                }
+                Mine::Summed(_) => return Err(dist::internal("a contribution not in host memory")),
             };
             Ok(Sum {
                 data,
