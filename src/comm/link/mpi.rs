@@ -84,8 +84,9 @@ impl Link for MpiLink {
 /// One call on the MPI world, with its collectives in flight.
 ///
 /// A reduce runs blocking (see [`blocking_wins`]) when every rank has just agreed to start it:
-/// the fingerprint check at the call's start, or a word exchange (`agree`, [`Round::all_gather_words`]), with no
-/// collective landed since. A store's step between an agreement and the collectives after it
+/// the fingerprint check at the call's start, or a word exchange (`agree`,
+/// [`Round::all_gather_words`]), with no collective landed since, and no rank's timeout in
+/// this call heard of. A store's step between an agreement and the collectives after it
 /// cannot fail on one rank alone (it fails on every rank, in the agreement, or not at all).
 /// Every other collective, and every one with `KVSTORE_DIST_CHECK=0`, runs non-blocking,
 /// polled within the timeout.
