@@ -662,6 +662,25 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
             lists[i].push(p);
         }
     }
+    // Residuals of keys the checkpoint holds, each of its key's length.
+    for (file, saved) in residuals.iter().enumerate() {
+        for (key, len, _) in saved {
+            match place.get(key).map(|&i| keys[i].size()) {
+                Some(size) if size == *len => {}
+                Some(size) => {
+                    return Err(invalid(format!(
+                        "shard {file}: the residuals of key {key} have {len} elements, the key \
+                         {size}"
+                    )))
+                }
+                None => {
+                    return Err(invalid(format!(
+                        "shard {file}: residuals of key {key}, which no shard holds"
+                    )))
+                }
+            }
+        }
+    }
     // Update order: distinct places.
     let mut orders: HashMap<usize, &Key> = HashMap::with_capacity(keys.len());
     for k in &keys {

@@ -30,7 +30,7 @@ use super::checksum;
 use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
 use super::reader::{check_cover, read_index, read_shard_header};
 use super::Problem;
-use crate::{DType, Error, HostData, Key, NDArray, Result, Updater};
+use crate::{DType, Error, Key, NDArray, Result, Updater};
 
 /// The `format` metadata entry of every shard file this version writes.
 pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/2";
@@ -282,7 +282,11 @@ fn encode_shard(
         )));
     }
     let names = updater.state_names();
-    let kind = pieces.first().map(|p| p.meta.key.kind());
+    // A rank that holds no key may still hold residuals (of keys it pushed): they name the kind.
+    let kind = (pieces.iter().map(|p| &p.meta.key))
+        .chain(residuals.iter().map(|r| &r.key))
+        .next()
+        .map(Key::kind);
     let mut meta: HashMap<String, String> = HashMap::new();
     meta.insert("format".into(), SHARD_FORMAT.into());
     meta.insert("generation".into(), save.generation.to_string());
@@ -381,7 +385,7 @@ fn encode_shard(
         let key = &r.key;
         if kind.is_some_and(|k| k != key.kind()) {
             return Err(Problem::invalid(format!(
-                "the residuals of key {key} are of another key kind than the pieces"
+                "the residuals of key {key} are of another key kind than the shard's other keys"
             )));
         }
         if let Some(bad) = r
@@ -401,16 +405,11 @@ fn encode_shard(
         );
         for (i, v) in r.residuals.iter().enumerate() {
             // A position never pushed keeps no residual: written as zeros.
-            let v = match v.is_empty() {
-                true => vec![0.0; r.len],
-                false => v.clone(),
+            let bytes = match v.is_empty() {
+                true => vec![0u8; r.len * 4],
+                false => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             };
-            tensors.push((
-                format!("residual/{key}/{i}"),
-                DType::F32,
-                r.len,
-                to_bytes(&HostData::F32(v)),
-            ));
+            tensors.push((format!("residual/{key}/{i}"), DType::F32, r.len, bytes));
         }
     }
     checksum::add_entries(

@@ -10,8 +10,8 @@ use rand::prelude::*;
 
 use super::reader::open;
 use super::sharded::{
-    commit, generation_dir, index_path, next_generation, shard_path, write_shard, KeyMeta, Piece,
-    SaveId,
+    commit, generation_dir, index_path, next_generation, shard_path, write_shard, KeyMeta,
+    KeyResiduals, Piece, SaveId,
 };
 use super::CheckpointErrorKind;
 use crate::{Adam, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
@@ -1176,4 +1176,105 @@ fn a_row_sparse_key_of_one_dimension_is_invalid() {
         }
         other => panic!("{other}"),
     }
+}
+
+/// Each rank's residuals come back from its own shard, exactly, for as many ranks; another
+/// number of ranks gets none. Residuals of another length than their key, or of a key no shard
+/// holds, make the checkpoint invalid at commit.
+#[test]
+fn a_shards_residuals_come_back_to_its_rank_only() {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    let updater = Updater::Assign;
+    let dir = temp_dir("residuals");
+    let keys = truths(&mut rng, &updater, 3, false);
+    let world = 2;
+    let held = layout(&mut rng, &keys, world);
+    let mine = |rank: usize, rng: &mut StdRng| -> Vec<KeyResiduals> {
+        let mut out = Vec::new();
+        for t in keys.iter() {
+            if !rng.gen_bool(0.7) {
+                continue;
+            }
+            let n = t.meta.size();
+            // Position 1 never pushed on rank 1: saved as zeros.
+            let residuals = (0..2)
+                .map(|i| match (rank, i) {
+                    (1, 1) => Vec::new(),
+                    _ => (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect(),
+                })
+                .collect();
+            out.push(KeyResiduals {
+                key: t.meta.key.clone(),
+                len: n,
+                residuals,
+            });
+        }
+        out
+    };
+    let saved: Vec<Vec<KeyResiduals>> = (0..world).map(|r| mine(r, &mut rng)).collect();
+    let g = next_generation(&dir).unwrap();
+    for (rank, h) in held.iter().enumerate() {
+        let pieces = pieces_of(&keys, &updater, h);
+        write_shard(&dir, g, rank, world, &updater, &pieces, &saved[rank]).unwrap();
+    }
+    commit(&dir, g, world).unwrap();
+    let reader = open(&dir).unwrap();
+    for (rank, want) in saved.iter().enumerate() {
+        let got = reader.rank_residuals(rank, world).unwrap().unwrap();
+        let want: Vec<KeyResiduals> = want
+            .iter()
+            .map(|r| KeyResiduals {
+                residuals: (r.residuals.iter())
+                    .map(|v| {
+                        if v.is_empty() {
+                            vec![0.0; r.len]
+                        } else {
+                            v.clone()
+                        }
+                    })
+                    .collect(),
+                ..r.clone()
+            })
+            .collect();
+        assert_eq!(got.len(), want.len(), "rank {rank}");
+        for w in &want {
+            assert!(
+                got.contains(w),
+                "rank {rank}: {:?} missing from {got:?}",
+                w.key
+            );
+        }
+    }
+    assert!(reader.rank_residuals(0, world + 1).unwrap().is_none());
+
+    let bad_len = KeyResiduals {
+        key: keys[0].meta.key.clone(),
+        len: keys[0].meta.size() + 1,
+        residuals: vec![vec![0.5; keys[0].meta.size() + 1]],
+    };
+    let no_key = KeyResiduals {
+        key: Key::Int(1_000_000),
+        len: 3,
+        residuals: vec![vec![0.5; 3]],
+    };
+    for bad in [bad_len, no_key] {
+        let g = next_generation(&dir).unwrap();
+        for (rank, h) in held.iter().enumerate() {
+            let pieces = pieces_of(&keys, &updater, h);
+            let r = if rank == 1 {
+                vec![bad.clone()]
+            } else {
+                Vec::new()
+            };
+            write_shard(&dir, g, rank, world, &updater, &pieces, &r).unwrap();
+        }
+        let e = commit(&dir, g, world).unwrap_err();
+        assert_eq!(
+            checkpoint_kind(e),
+            CheckpointErrorKind::Invalid,
+            "{:?}",
+            bad.key
+        );
+    }
+    let _ = fs::remove_dir_all(&dir);
 }

@@ -211,26 +211,8 @@ impl KvStore {
             })
             .collect::<Result<Vec<_>>>();
         // This rank's compression residuals, where the checkpoint was saved by as many ranks.
-        let residuals = read_parts.and_then(|parts| {
-            let residuals = reader.rank_residuals(rank, size)?;
-            for r in residuals.iter().flatten() {
-                let len = reader
-                    .keys()
-                    .iter()
-                    .find(|m| m.key == r.key)
-                    .map(KeyMeta::size);
-                if len.is_some_and(|len| len != r.len) {
-                    return Err(Problem::invalid(format!(
-                        "key {}: this rank's residuals have {} elements, the key {}",
-                        r.key,
-                        r.len,
-                        len.unwrap_or(0)
-                    ))
-                    .at(path));
-                }
-            }
-            Ok((parts, residuals))
-        });
+        let residuals =
+            read_parts.and_then(|parts| Ok((parts, reader.rank_residuals(rank, size)?)));
         let together = call.agree("load", residuals.is_ok(), "reading its parts");
         let (parts, residuals) = residuals?;
         together?;

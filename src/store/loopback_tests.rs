@@ -1062,14 +1062,14 @@ fn a_compressed_push_moves_a_sixteenth_of_the_key_from_each_rank() {
 /// A compressed dist run saved to a sharded checkpoint and resumed by as many ranks continues
 /// bit for bit: each rank's residuals come back from its own shard. Resumed by another number
 /// of ranks, the values load and the residuals start at zero. Random values, a whole key and a
-/// sliced one, 2-bit and bfloat16, on 2 and 3 ranks.
+/// sliced one, or two whole keys (then on 3 ranks one rank holds no key, only residuals), 2-bit
+/// and bfloat16, on 2 and 3 ranks.
 #[test]
 fn a_sharded_checkpoint_carries_each_ranks_residuals() {
     use crate::Compression;
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
-    let lens = [5usize, 37];
-    for n in [2usize, 3] {
+    for (lens, n) in [([5usize, 37], 2usize), ([5, 37], 3), ([5, 6], 3)] {
         for compression in [Compression::two_bit(0.5), Compression::bf16()] {
             // steps[s][k][r]: rank r's value of key k at step s.
             let steps: Vec<Vec<Vec<Vec<f32>>>> = (0..4)
@@ -1089,19 +1089,20 @@ fn a_sharded_checkpoint_carries_each_ranks_residuals() {
                         .collect()
                 })
                 .collect();
-            let push = |kv: &KvStore, r: usize, from: usize| {
-                for step in &steps[from..] {
+            // Rank r's pushes of `steps`.
+            let push = |kv: &KvStore, r: usize, steps: &[Vec<Vec<Vec<f32>>>]| {
+                for step in steps {
                     for (k, per_rank) in step.iter().enumerate() {
                         let v = &per_rank[r];
                         kv.push(k as i32, &NDArray::from_vec(v.clone(), [v.len()]).unwrap())
                             .unwrap();
                     }
                 }
+            };
+            let pull = |kv: &KvStore| {
                 let outs = [NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])];
                 kv.pull_list(&[0, 1], &outs).unwrap();
-                outs.iter()
-                    .map(|o| o.to_vec::<f32>().unwrap())
-                    .collect::<Vec<_>>()
+                outs.map(|o| o.to_vec::<f32>().unwrap())
             };
             let dir = temp_dir("residuals");
             // The uninterrupted run, saved after two steps.
@@ -1113,29 +1114,24 @@ fn a_sharded_checkpoint_carries_each_ranks_residuals() {
                     &[NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])],
                 )
                 .unwrap();
-                for step in &steps[..2] {
-                    for (k, per_rank) in step.iter().enumerate() {
-                        let v = &per_rank[r];
-                        kv.push(k as i32, &NDArray::from_vec(v.clone(), [v.len()]).unwrap())
-                            .unwrap();
-                    }
-                }
+                push(kv, r, &steps[..2]);
                 kv.save(&dir).unwrap();
-                push(kv, r, 2)
+                push(kv, r, &steps[2..]);
+                pull(kv)
             });
             // Resumed from the checkpoint by as many ranks.
             let resumed = on_ranks(&stores(n), |r, kv| {
                 kv.set_gradient_compression(compression).unwrap();
                 kv.load(&dir).unwrap();
-                push(kv, r, 2)
+                push(kv, r, &steps[2..]);
+                pull(kv)
             });
             assert_eq!(resumed, whole, "{n} ranks, {compression:?}");
             // By one rank more: the values load, the residuals start at zero.
             let more = on_ranks(&stores(n + 1), |_, kv| {
                 kv.set_gradient_compression(compression).unwrap();
                 kv.load(&dir).unwrap();
-                let outs = [NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])];
-                kv.pull_list(&[0, 1], &outs).unwrap();
+                let values = pull(kv);
                 let residuals: Vec<usize> = [0, 1]
                     .iter()
                     .map(|&k| {
@@ -1145,13 +1141,11 @@ fn a_sharded_checkpoint_carries_each_ranks_residuals() {
                         r.len()
                     })
                     .collect();
-                (outs.map(|o| o.to_vec::<f32>().unwrap()), residuals)
+                (values, residuals)
             });
             let saved = on_ranks(&stores(n), |_, kv| {
                 kv.load(&dir).unwrap();
-                let outs = [NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])];
-                kv.pull_list(&[0, 1], &outs).unwrap();
-                outs.map(|o| o.to_vec::<f32>().unwrap())
+                pull(kv)
             });
             for (values, residuals) in more {
                 assert_eq!(values, saved[0], "{} ranks load what {n} saved", n + 1);
