@@ -23,6 +23,8 @@ pub(crate) fn pull_into(
         return Err(internal("a pull's part lies outside its value"));
     }
     let whole = part == (0..src.len());
+    // The part, in a buffer of its own, for outs on a GPU (made once, for the first).
+    let mut upload: Option<HostData> = None;
     let mut outs = outs.to_vec();
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
@@ -40,7 +42,9 @@ pub(crate) fn pull_into(
                     }
                 }
                 Storage::Gpu(b) if whole => b.upload_into(src)?,
-                Storage::Gpu(b) => b.upload_into(&src.slice_of(part.clone()))?,
+                Storage::Gpu(b) => {
+                    b.upload_into(upload.get_or_insert_with(|| src.slice_of(part.clone())))?
+                }
             }
         }
         super::broadcast(s, same, par_min_bytes);

@@ -147,10 +147,10 @@ impl Round for MpiRound {
         let Op::Reduce { root } = op else {
             return self.start(op, send.clone(), recv);
         };
-        self.call.set_blocking(self.agreed && blocking_wins(op));
-        if !self.call.is_blocking() {
+        if !(self.agreed && blocking_wins(op)) {
             return self.start(op, send.clone(), recv);
         }
+        self.call.set_blocking(true);
         let call = &mut self.call;
         let landed = match (send, recv) {
             (HostData::F32(s), HostData::F32(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),

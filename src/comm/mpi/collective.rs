@@ -278,11 +278,6 @@ impl Call {
         self.blocking = on;
     }
 
-    /// Whether collectives start blocking now ([`Call::set_blocking`]).
-    pub fn is_blocking(&self) -> bool {
-        self.blocking
-    }
-
     /// Runs the blocking collective `f`, of `coll`, under the watchdog.
     fn bound(&self, coll: Coll, f: impl FnOnce() -> c_int) -> c_int {
         self.world.watchdog.bound((self.seq, self.op, coll), f)
@@ -302,16 +297,7 @@ impl Call {
         recv: Vec<T>,
         root: usize,
     ) -> Result<Pending<T>> {
-        self.check_root(root)?;
-        let is_root = root == self.world.rank;
-        if is_root && recv.len() != send.len() {
-            return Err(self.misuse(format!(
-                "reduce: the root's receive buffer has {} elements but the send buffer {}",
-                recv.len(),
-                send.len()
-            )));
-        }
-        let n = raw::count(self.op, send.len())?;
+        let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Reduce { root }, send, recv, bytes);
         p.is_root = is_root;
@@ -340,6 +326,20 @@ impl Call {
         Ok(p)
     }
 
+    /// Checks a reduce's buffers (`send` and `recv` elements) and root: the element count as
+    /// MPI's `int`, and whether this rank is the root. At the root `recv` must be as long as
+    /// `send`; elsewhere it is not touched.
+    fn reduce_fits(&self, send: usize, recv: usize, root: usize) -> Result<(c_int, bool)> {
+        self.check_root(root)?;
+        let is_root = root == self.world.rank;
+        if is_root && recv != send {
+            return Err(self.misuse(format!(
+                "reduce: the root's receive buffer has {recv} elements but the send buffer {send}"
+            )));
+        }
+        Ok((raw::count(self.op, send)?, is_root))
+    }
+
     /// [`Call::reduce_sum`] from a borrowed send buffer, for a call that runs blocking
     /// ([`Call::set_blocking`]): MPI only reads `send`, and is done with it when this returns,
     /// so it needs no buffer of its own. [`Done::send`] comes back empty. f16/bf16 are widened
@@ -365,16 +365,7 @@ impl Call {
                 recv,
             });
         }
-        self.check_root(root)?;
-        let is_root = root == self.world.rank;
-        if is_root && recv.len() != send.len() {
-            return Err(self.misuse(format!(
-                "reduce: the root's receive buffer has {} elements but the send buffer {}",
-                recv.len(),
-                send.len()
-            )));
-        }
-        let n = raw::count(self.op, send.len())?;
+        let (n, _) = self.reduce_fits(send.len(), recv.len(), root)?;
         let mut recv = recv;
         let (sp, rp, dt) = (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype());
         let (root_c, sum, comm) = (root as c_int, raw::op_sum(), self.st.data.0);
