@@ -233,6 +233,12 @@ fn a_new_save_replaces_the_old_and_removes_its_generation() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Makes `t` a 1-D key of `n` elements; a 1-D key is never row-sparse.
+fn set_one_dim(t: &mut Truth, n: usize) {
+    t.meta.dims = vec![n];
+    t.meta.row_sparse = false;
+}
+
 fn checkpoint_kind(e: Error) -> CheckpointErrorKind {
     match e {
         Error::Checkpoint { kind, .. } => kind,
@@ -318,7 +324,7 @@ fn overlaps_and_gaps_fail_the_commit() {
     let mut rng = StdRng::from_entropy();
     let dir = temp_dir("cover");
     let mut t = truths(&mut rng, &Updater::Assign, 1, false).remove(0);
-    t.meta.dims = vec![10];
+    set_one_dim(&mut t, 10);
     t.value = random(&mut rng, 10, t.meta.dtype);
     commit_ranges(&dir, &t, &[0..4, 4..10]).unwrap();
     #[allow(clippy::single_range_in_vec_init)] // one rank's range
@@ -344,7 +350,7 @@ fn shards_that_disagree_fail_the_commit() {
     let dir = temp_dir("disagree");
     let updater = adam();
     let mut t = truths(&mut rng, &updater, 1, false).remove(0);
-    t.meta.dims = vec![8];
+    set_one_dim(&mut t, 8);
     t.meta.has_state = true;
     t.meta.step = 3;
     t.value = random(&mut rng, 8, t.meta.dtype);
@@ -404,7 +410,7 @@ fn bad_pieces_are_errors_and_write_nothing() {
     let dir = temp_dir("badpieces");
     let updater = adam();
     let mut t = truths(&mut rng, &updater, 1, false).remove(0);
-    t.meta.dims = vec![6];
+    set_one_dim(&mut t, 6);
     t.meta.has_state = true;
     t.value = random(&mut rng, 6, t.meta.dtype);
     t.state = (0..2)
@@ -1093,7 +1099,7 @@ fn reads_by_range_verify_the_chunks_they_touch() {
 
     let mut t = truths(&mut rng, &updater, 1, false).remove(0);
     let n = 37;
-    t.meta.dims = vec![n];
+    set_one_dim(&mut t, n);
     t.meta.has_state = true;
     t.meta.step = 5;
     t.value = random(&mut rng, n, t.meta.dtype);
