@@ -441,6 +441,26 @@ pub enum Error {
         detail: String,
     },
 
+    /// A call queued on an [`AsyncKvStore`](crate::AsyncKvStore) failed; `source` is its
+    /// error. Returned by the next wait on one of its keys, or on any key of a call that was
+    /// not run because of it (`skipped` calls were not run), and by `wait_all`.
+    #[error(
+        "asynchronous call {call} failed: {source}{}",
+        match skipped {
+            0 => String::new(),
+            n => format!("; {n} later call(s) were not run: wait_all() returns this error, then queue them again"),
+        }
+    )]
+    Async {
+        /// The call, with its number in issue order (`"#3 push [w1]"`).
+        call: String,
+        /// Later calls that were not run because of it.
+        skipped: usize,
+        /// The call's error.
+        #[source]
+        source: std::sync::Arc<Error>,
+    },
+
     /// A distributed call after the distributed world failed (a timeout, a desync, a rank that
     /// exited, or an MPI error). Restart the job; `first` is the first failure.
     #[error(
@@ -585,6 +605,24 @@ impl Error {
                 None => format!("{on}{:?}", e.0),
             },
             source: Some(e),
+        }
+    }
+
+    /// The error itself, or for an [`Error::Async`] the queued call's own error: match on this
+    /// to handle a queued call's failure as the same call's synchronous one.
+    ///
+    /// ```
+    /// use kvstore::{AsyncKvStore, Error, KvStore, NDArray};
+    /// let kv = AsyncKvStore::new(KvStore::create("local")?);
+    /// kv.pull(3, &NDArray::zeros([2]), 0);
+    /// let e = kv.wait_all().unwrap_err();
+    /// assert!(matches!(e.root(), Error::UnknownKey { .. }));
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Async { source, .. } => source.root(),
+            other => other,
         }
     }
 

@@ -26,7 +26,7 @@ pub(super) const BOUND: usize = 8;
 
 /// The loopback stores of `n` ranks, one per rank (created together: creating one is a call
 /// of every rank).
-pub(super) fn stores(n: usize) -> Vec<KvStore> {
+pub(crate) fn stores(n: usize) -> Vec<KvStore> {
     let links = Loopback::world(n, Duration::from_secs(10));
     on_links(&links, |_, l| {
         KvStore::over_loopback(l.clone(), BOUND).expect("a store")

@@ -27,7 +27,7 @@ mod kind;
 #[cfg(test)]
 mod loopback_rows_tests;
 #[cfg(test)]
-mod loopback_tests;
+pub(crate) mod loopback_tests;
 mod rows;
 mod table;
 mod validate;

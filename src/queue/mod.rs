@@ -1,0 +1,503 @@
+//! [`AsyncKvStore`]: a store whose calls return at once and run on a worker thread, as MXNet's
+//! engine ran KVStore calls, so that communication overlaps the caller's compute.
+//!
+//! One worker per store runs the calls one at a time ([`pending`] holds the order rule). The
+//! worker reports what each call did: the first failure is kept, and later calls are not run
+//! until a [`AsyncKvStore::wait_all`] has returned it, so a call never runs on what a failed
+//! call left behind.
+
+mod pending;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashSet;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::store::ValueList;
+use crate::{Error, IntoKey, Key, KvStore, NDArray, Result};
+use pending::Pending;
+
+/// A call the worker runs: what it does to the store.
+type Run = Box<dyn FnOnce(&KvStore) -> Result<()> + Send>;
+
+/// A queued call.
+struct Call {
+    /// The store operation, as [`KvStore::reject`] names it to the other ranks.
+    op: &'static str,
+    /// The call in words, for errors and the timeline.
+    what: String,
+    queued: Instant,
+    run: Run,
+}
+
+/// The first failure since the last [`AsyncKvStore::wait_all`].
+struct Failure {
+    what: String,
+    error: Arc<Error>,
+    /// Calls not run because of it.
+    skipped: usize,
+}
+
+impl Failure {
+    fn to_error(&self) -> Error {
+        Error::Async {
+            call: self.what.clone(),
+            skipped: self.skipped,
+            source: self.error.clone(),
+        }
+    }
+}
+
+/// When one call ran: see [`AsyncKvStore::set_timeline`].
+#[derive(Clone, Debug)]
+pub struct CallSpan {
+    /// The call in words, with its number in issue order: `"#3 push [w1, b1]"`.
+    pub call: String,
+    /// When it was issued.
+    pub queued: Instant,
+    /// When the worker started it.
+    pub started: Instant,
+    /// When it finished.
+    pub finished: Instant,
+    /// Whether it ran and succeeded (false for a failed call, and one not run after a failure).
+    pub ok: bool,
+}
+
+struct State {
+    pending: Pending<Call>,
+    next_id: u64,
+    failure: Option<Failure>,
+    /// Keys of calls that failed or were not run since the last `wait_all`.
+    failed_keys: HashSet<Key>,
+    /// Set when the store is dropped: the worker runs what is queued, then ends.
+    closing: bool,
+    timeline: Option<Vec<CallSpan>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled when a call is queued, when one finishes, and on close.
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait<'a>(&self, guard: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.changed.wait(guard).unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A store whose `push`, `pull` and `pushpull` return at once and run in the background, in
+/// the order they were issued, on one worker thread per store: MXNet's asynchronous KVStore
+/// calls. A training loop can push each layer's gradients as soon as backward produces them
+/// and go on computing while they travel and the store's updater runs.
+///
+/// **The contract, as MXNet's `wait_to_read`:** the arrays passed to a call are shared with the
+/// worker (an [`NDArray`] is a handle) until the call is done. Do not write a push's values,
+/// nor read or write a pull's outs, before [`AsyncKvStore::wait`] on their key or
+/// [`AsyncKvStore::wait_all`] has returned.
+///
+/// **Order.** Calls run one at a time in issue order. On a single-process store, calls given
+/// different priorities may pass one another: the worker starts the waiting call of highest
+/// priority (MXNet: `priority = -layer index`) that no older waiting call shares a key with,
+/// so the calls on any one key still run in issue order. On a store of several ranks, calls
+/// always run in issue order, since the ranks' collectives must match and each rank's queue
+/// fills at its own pace: give every rank the same sequence of calls.
+///
+/// **Errors.** A call's error is kept and returned, as [`Error::Async`] naming the call, by
+/// the next [`AsyncKvStore::wait`] on one of its keys or [`AsyncKvStore::wait_all`]. After a
+/// failure the later calls are not run (on a dist store each is refused to the other ranks, so
+/// their calls fail too instead of waiting), until `wait_all` has returned the failure.
+/// Nothing is dropped silently: a store dropped with a failure no wait returned logs it.
+///
+/// Calls made directly on [`AsyncKvStore::store`] are not ordered with queued ones: call
+/// `wait_all` first, as for `init`, `set_updater` or `save`.
+///
+/// ```
+/// use kvstore::{AsyncKvStore, KvStore, NDArray};
+/// let kv = KvStore::create("local")?;
+/// kv.init_list(&[0, 1], &[NDArray::zeros([2]), NDArray::zeros([3])])?;
+/// let kv = AsyncKvStore::new(kv);
+/// kv.push(0, &NDArray::ones([2]), 0); // returns at once
+/// kv.push(1, &NDArray::full([3], 2.0), 0);
+/// let out = NDArray::zeros([3]);
+/// kv.pull(1, &out, 0);
+/// kv.wait(1)?; // the push and the pull of key 1 are done
+/// assert_eq!(out.to_vec::<f32>()?, vec![2.0; 3]);
+/// kv.pull(7, &out, 0); // an unknown key: the error comes at the wait
+/// assert!(matches!(kv.wait_all(), Err(kvstore::Error::Async { .. })));
+/// # Ok::<(), kvstore::Error>(())
+/// ```
+pub struct AsyncKvStore {
+    store: Arc<KvStore>,
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl AsyncKvStore {
+    /// Starts a worker for `store`: initialize keys and set the updater first, on the store,
+    /// or later through [`AsyncKvStore::store`] after [`AsyncKvStore::wait_all`].
+    pub fn new(store: impl Into<Arc<KvStore>>) -> AsyncKvStore {
+        let store = store.into();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                pending: Pending::default(),
+                next_id: 1,
+                failure: None,
+                failed_keys: HashSet::new(),
+                closing: false,
+                timeline: None,
+            }),
+            changed: Condvar::new(),
+        });
+        let by_priority = store.num_workers() == 1;
+        let worker = {
+            let (store, shared) = (store.clone(), shared.clone());
+            std::thread::Builder::new()
+                .name("kvstore-async".into())
+                .spawn(move || work(&store, &shared, by_priority))
+        };
+        // Without a thread, every call runs on the caller's thread as it is issued (see
+        // `submit`): the order and the errors are the same.
+        let worker = match worker {
+            Ok(w) => Some(w),
+            Err(e) => {
+                log::warn!("kvstore: no worker thread ({e}); asynchronous calls run at once");
+                None
+            }
+        };
+        AsyncKvStore {
+            store,
+            shared,
+            worker,
+        }
+    }
+
+    /// The store underneath, for calls that are not queued (`init`, `set_updater`, `save`,
+    /// ...). They are not ordered with queued calls: [`AsyncKvStore::wait_all`] first.
+    pub fn store(&self) -> &KvStore {
+        &self.store
+    }
+
+    /// Queues `run`, a call of store operation `op` (`"push"`, `"pull"`, `"pushpull"`, ...,
+    /// the names of [`KvStore::reject`]) on `keys`, described as `what` in errors and the
+    /// timeline. For adapters that queue their own work around a store call (the Python
+    /// package copies a pull's result into the caller's memory this way). `run` must make the
+    /// store call it names, since on a dist store the other ranks make it too.
+    pub fn submit(
+        &self,
+        op: &'static str,
+        keys: Vec<Key>,
+        priority: i32,
+        what: impl fmt::Display,
+        run: impl FnOnce(&KvStore) -> Result<()> + Send + 'static,
+    ) {
+        let mut state = self.shared.lock();
+        let id = state.next_id;
+        state.next_id += 1;
+        let call = Call {
+            op,
+            what: format!("#{id} {what}"),
+            queued: Instant::now(),
+            run: Box::new(run),
+        };
+        state.pending.push(keys, priority, call);
+        if self.worker.is_none() {
+            // No worker: run it here, now (the queue holds only this call).
+            let (keys, call) = state.pending.next(false).expect("the call just queued");
+            drop(state);
+            finish(&self.store, &self.shared, keys, call);
+            return;
+        }
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+
+    /// Queues a push of `values` to `key` ([`KvStore::push`]).
+    pub fn push<V: ValueList + ?Sized>(&self, key: impl IntoKey, values: &V, priority: i32) {
+        let values = values.arrays().to_vec();
+        self.queue_keys("push", [key], priority, move |kv, keys| {
+            kv.push_list(keys, &[values])
+        });
+    }
+
+    /// Queues a push to many keys at once ([`KvStore::push_list`]).
+    pub fn push_list<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        priority: i32,
+    ) {
+        let values = owned(values);
+        self.queue_keys("push", keys.iter().cloned(), priority, move |kv, keys| {
+            kv.push_list(keys, &values)
+        });
+    }
+
+    /// Queues a pull of `key` into `outs` ([`KvStore::pull`]).
+    pub fn pull<V: ValueList + ?Sized>(&self, key: impl IntoKey, outs: &V, priority: i32) {
+        let outs = outs.arrays().to_vec();
+        self.queue_keys("pull", [key], priority, move |kv, keys| {
+            kv.pull_list(keys, &[outs])
+        });
+    }
+
+    /// Queues a pull of many keys at once ([`KvStore::pull_list`]).
+    pub fn pull_list<K: IntoKey + Clone, V: ValueList>(
+        &self,
+        keys: &[K],
+        outs: &[V],
+        priority: i32,
+    ) {
+        let outs = owned(outs);
+        self.queue_keys("pull", keys.iter().cloned(), priority, move |kv, keys| {
+            kv.pull_list(keys, &outs)
+        });
+    }
+
+    /// Queues a push of `values` to `key`, then a pull of the result into `outs`, as one step
+    /// ([`KvStore::pushpull`]; pass the values as the outs to update them in place).
+    pub fn pushpull<V: ValueList + ?Sized, O: ValueList + ?Sized>(
+        &self,
+        key: impl IntoKey,
+        values: &V,
+        outs: &O,
+        priority: i32,
+    ) {
+        let (values, outs) = (values.arrays().to_vec(), outs.arrays().to_vec());
+        self.queue_keys("pushpull", [key], priority, move |kv, keys| {
+            kv.pushpull_list(keys, &[values], &[outs])
+        });
+    }
+
+    /// Queues a push and pull of many keys as one step ([`KvStore::pushpull_list`]).
+    pub fn pushpull_list<K: IntoKey + Clone, V: ValueList, O: ValueList>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        outs: &[O],
+        priority: i32,
+    ) {
+        let (values, outs) = (owned(values), owned(outs));
+        self.queue_keys(
+            "pushpull",
+            keys.iter().cloned(),
+            priority,
+            move |kv, keys| kv.pushpull_list(keys, &values, &outs),
+        );
+    }
+
+    /// Queues `run` on the converted `keys`. A key that does not convert fails the call when
+    /// it runs, refused to the other ranks as a synchronous call's would be.
+    fn queue_keys<K: IntoKey>(
+        &self,
+        op: &'static str,
+        keys: impl IntoIterator<Item = K>,
+        priority: i32,
+        run: impl FnOnce(&KvStore, &[Key]) -> Result<()> + Send + 'static,
+    ) {
+        match keys
+            .into_iter()
+            .map(IntoKey::into_key)
+            .collect::<Result<Vec<Key>>>()
+        {
+            Ok(keys) => {
+                let what = format!("{op} {}", list(&keys));
+                self.submit(op, keys.clone(), priority, what, move |kv| run(kv, &keys))
+            }
+            // No keys: a fence, so it fails in its place in the order.
+            Err(e) => self.submit(
+                op,
+                Vec::new(),
+                priority,
+                format!("{op} (bad key)"),
+                move |kv| {
+                    kv.reject(op, &e.to_string())?;
+                    Err(e)
+                },
+            ),
+        }
+    }
+
+    /// Waits until every queued call on `key` is done; the first failure since the last
+    /// [`AsyncKvStore::wait_all`] if one of them failed or was not run because of it. The
+    /// wait is as long as the calls before it take (each is bounded, on a dist store by
+    /// `KVSTORE_TIMEOUT`).
+    pub fn wait(&self, key: impl IntoKey) -> Result<()> {
+        let key = key.into_key()?;
+        let mut state = self.shared.lock();
+        while state.pending.is_busy(&key) {
+            state = self.shared.wait(state);
+        }
+        match &state.failure {
+            Some(f) if state.failed_keys.contains(&key) => Err(f.to_error()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits until every queued call is done, then for the store's GPU work
+    /// ([`KvStore::wait_all`]). Returns the first failure since the last `wait_all`, and from
+    /// then on queued calls run again.
+    pub fn wait_all(&self) -> Result<()> {
+        let mut state = self.shared.lock();
+        while !state.pending.is_idle() {
+            state = self.shared.wait(state);
+        }
+        let failure = state.failure.take();
+        state.failed_keys.clear();
+        drop(state);
+        match failure {
+            Some(f) => Err(f.to_error()),
+            None => self.store.wait_all(),
+        }
+    }
+
+    /// Starts (`true`) or stops recording when each call ran; [`AsyncKvStore::take_timeline`]
+    /// gives the record. Off by default.
+    pub fn set_timeline(&self, on: bool) {
+        let mut state = self.shared.lock();
+        match (on, state.timeline.is_some()) {
+            (true, false) => state.timeline = Some(Vec::new()),
+            (false, _) => state.timeline = None,
+            (true, true) => {}
+        }
+    }
+
+    /// The calls finished since the timeline was started or last taken, in the order they
+    /// finished; empty when it is off.
+    pub fn take_timeline(&self) -> Vec<CallSpan> {
+        let mut state = self.shared.lock();
+        state
+            .timeline
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for AsyncKvStore {
+    /// Runs what is queued, then ends the worker. A failure no wait returned is logged.
+    fn drop(&mut self) {
+        self.shared.lock().closing = true;
+        self.shared.changed.notify_all();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+        if let Some(f) = self.shared.lock().failure.take() {
+            log::error!(
+                "kvstore: an asynchronous call failed and no wait returned it: {}",
+                f.to_error()
+            );
+        }
+    }
+}
+
+impl fmt::Debug for AsyncKvStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AsyncKvStore")
+            .field("store", &self.store.type_name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The worker: takes calls in order and runs them until the store is dropped.
+fn work(store: &KvStore, shared: &Shared, by_priority: bool) {
+    loop {
+        let mut state = shared.lock();
+        let (keys, call) = loop {
+            if let Some(next) = state.pending.next(by_priority) {
+                break next;
+            }
+            if state.closing {
+                return;
+            }
+            state = shared.wait(state);
+        };
+        drop(state);
+        finish(store, shared, keys, call);
+    }
+}
+
+/// Runs one call taken from the queue (or, after a failure, refuses it), and records the end.
+fn finish(store: &KvStore, shared: &Shared, keys: Vec<Key>, call: Call) {
+    let started = Instant::now();
+    let failed_before = shared.lock().failure.as_ref().map(|f| f.what.clone());
+    let result = match failed_before {
+        Some(first) => {
+            // The other ranks are told, so that their same call fails instead of waiting.
+            let why = format!("not run: the earlier asynchronous call {first} failed");
+            let _ = store.reject(call.op, &why);
+            Err(None)
+        }
+        None => match catch_unwind(AssertUnwindSafe(|| (call.run)(store))) {
+            Ok(r) => r.map_err(Some),
+            Err(panic) => Err(Some(Error::Internal {
+                op: call.op,
+                message: format!("an asynchronous call panicked: {}", panic_message(&panic)),
+            })),
+        },
+    };
+    let finished = Instant::now();
+    let mut state = shared.lock();
+    let ok = result.is_ok();
+    match result {
+        Ok(()) => {}
+        Err(Some(error)) => {
+            state.failure.get_or_insert(Failure {
+                what: call.what.clone(),
+                error: Arc::new(error),
+                skipped: 0,
+            });
+        }
+        Err(None) => {
+            if let Some(f) = state.failure.as_mut() {
+                f.skipped += 1;
+            }
+        }
+    }
+    if !ok {
+        state.failed_keys.extend(keys.iter().cloned());
+    }
+    if let Some(t) = state.timeline.as_mut() {
+        t.push(CallSpan {
+            call: call.what,
+            queued: call.queued,
+            started,
+            finished,
+            ok,
+        });
+    }
+    state.pending.done(&keys);
+    drop(state);
+    shared.changed.notify_all();
+}
+
+/// The text of a panic's payload.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Owned handles of every array of `lists`.
+fn owned<V: ValueList>(lists: &[V]) -> Vec<Vec<NDArray>> {
+    lists.iter().map(|v| v.arrays().to_vec()).collect()
+}
+
+/// Keys in words: `[3, w1]`, shortened past eight.
+fn list(keys: &[Key]) -> String {
+    let shown: Vec<String> = keys.iter().take(8).map(|k| k.to_string()).collect();
+    match keys.len() {
+        n if n > 8 => format!("[{}, ... ({n} keys)]", shown.join(", ")),
+        _ => format!("[{}]", shown.join(", ")),
+    }
+}
