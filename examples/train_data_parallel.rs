@@ -30,11 +30,24 @@
 //!   mpirun --oversubscribe -np 4 target/release/examples/train_data_parallel --kind dist_sync
 //! ```
 //!
+//! **Overlap** (`--overlap`): backward hands each layer's gradients to an [`AsyncKvStore`] as
+//! soon as it has them, so they are summed across ranks and the optimizer runs on them while
+//! backward computes the layers below; the parameters are pulled at the end of the step. Every
+//! other step is run the plain way (one blocking `push_list`, then `pull_list`), and the run
+//! ends with the median time of each kind of step, side by side, and their ratio. Both kinds
+//! push the same sums, so the parameters are the same as without `--overlap`.
+//!
+//! ```text
+//! mpirun --oversubscribe -np 2 target/release/examples/train_data_parallel --kind dist_sync --overlap 1
+//! ```
+//!
+//! [`AsyncKvStore`]: kvstore::AsyncKvStore
+//!
 //! Options: `--devices N` (4; 1 per rank for `dist_*` kinds), `--optimizer sgd|adam` (sgd),
 //! `--epochs E` (20), `--batch B` (128, the global batch over all ranks), `--lr LR` (0.1 for
 //! sgd, 0.01 for adam), `--kind KIND` or `--kvstore KIND` (device), `--samples S` per class
 //! (1000), `--seed SEED` (7), `--check 0|1` (1 for `dist_*` kinds, 0 otherwise),
-//! `--tolerance T` (1e-4). Devices are `gpu(0..N)` when this machine has N GPUs and the kind is
+//! `--tolerance T` (1e-4), `--overlap 0|1` (0). Devices are `gpu(0..N)` when this machine has N GPUs and the kind is
 //! not `dist_*`, else the logical CPU devices `cpu(0..N)`.
 
 mod mlp;
@@ -44,7 +57,9 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvstore::gpu_count;
-use kvstore::{cpu, gpu, Adam, DType, Device, KvStore, NDArray, Sgd, StoreKind, Updater};
+use kvstore::{
+    cpu, gpu, Adam, AsyncKvStore, DType, Device, KvStore, NDArray, Sgd, StoreKind, Updater,
+};
 use mlp::{shard, DataParallel, Dataset};
 
 struct Options {
@@ -58,12 +73,13 @@ struct Options {
     seed: u64,
     check: Option<bool>,
     tolerance: f64,
+    overlap: bool,
 }
 
 const USAGE: &str = "usage: train_data_parallel [--devices N (4; 1 per rank for dist_*)] \
 [--optimizer sgd|adam (sgd)] [--epochs E (20)] [--batch B (128)] [--lr LR (0.1 sgd, 0.01 adam)] \
 [--kind|--kvstore KIND (device)] [--samples S per class (1000)] [--seed SEED (7)] \
-[--check 0|1 (1 for dist_*)] [--tolerance T (1e-4)]";
+[--check 0|1 (1 for dist_*)] [--tolerance T (1e-4)] [--overlap 0|1 (0)]";
 
 fn parse_args() -> anyhow::Result<Options> {
     let mut o = Options {
@@ -77,6 +93,7 @@ fn parse_args() -> anyhow::Result<Options> {
         seed: 7,
         check: None,
         tolerance: 1e-4,
+        overlap: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -99,6 +116,7 @@ fn parse_args() -> anyhow::Result<Options> {
             "--seed" => o.seed = value.parse().with_context(bad)?,
             "--check" => o.check = Some(value.parse::<u8>().with_context(bad)? != 0),
             "--tolerance" => o.tolerance = value.parse().with_context(bad)?,
+            "--overlap" => o.overlap = value.parse::<u8>().with_context(bad)? != 0,
             _ => bail!("unknown option {flag}\n{USAGE}"),
         }
     }
@@ -194,6 +212,9 @@ fn main() -> anyhow::Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps {msg}")
             .context("progress bar template")?,
     );
+    // With --overlap: the queue the overlapped steps push through, and each kind's step times.
+    let queue = o.overlap.then(|| AsyncKvStore::new(model.kv.clone()));
+    let (mut blocking_s, mut overlapped_s) = (Vec::new(), Vec::new());
     let start = Instant::now();
     let mut seen = 0usize;
     for epoch in 1..=o.epochs {
@@ -201,7 +222,22 @@ fn main() -> anyhow::Result<()> {
         for s in 0..steps {
             let batch = train.batch(s * o.batch..(s + 1) * o.batch);
             // This rank's shard of the global batch (the whole batch in one process).
-            let (l, c) = model.step(shard(batch, rank, ranks))?;
+            let mine = shard(batch, rank, ranks);
+            let t = Instant::now();
+            let (l, c) = match &queue {
+                // Every other step overlapped: the same step on every rank, as the calls of
+                // the ranks must match.
+                Some(q) if s % 2 == 0 => {
+                    let r = model.step_overlapped(q, mine)?;
+                    overlapped_s.push(t.elapsed().as_secs_f64());
+                    r
+                }
+                _ => {
+                    let r = model.step(mine)?;
+                    blocking_s.push(t.elapsed().as_secs_f64());
+                    r
+                }
+            };
             loss += l;
             correct += c;
             seen += o.batch;
@@ -231,6 +267,22 @@ fn main() -> anyhow::Result<()> {
             "done: {seen} samples in {elapsed:.2} s, {:.0} samples/s",
             seen as f64 / elapsed
         );
+        let blocking = median_ms(&mut blocking_s);
+        match median_ms(&mut overlapped_s) {
+            Some(overlapped) => println!(
+                "step time, median of this rank's steps: overlapped {overlapped:.3} ms ({} steps), \
+                 blocking {:.3} ms ({} steps): overlap is {:.2}x as fast",
+                overlapped_s.len(),
+                blocking.unwrap_or(f64::NAN),
+                blocking_s.len(),
+                blocking.unwrap_or(f64::NAN) / overlapped
+            ),
+            None => println!(
+                "step time, median of this rank's steps: {:.3} ms ({} steps, blocking)",
+                blocking.unwrap_or(f64::NAN),
+                blocking_s.len()
+            ),
+        }
     }
 
     if lead && o.check.unwrap_or(kind.is_dist()) {
@@ -274,4 +326,11 @@ fn main() -> anyhow::Result<()> {
         println!("equal within the tolerance");
     }
     Ok(())
+}
+
+/// The median of `seconds`, in milliseconds; `None` for none.
+fn median_ms(seconds: &mut [f64]) -> Option<f64> {
+    seconds.sort_by(f64::total_cmp);
+    let n = seconds.len();
+    (n > 0).then(|| 1e3 * (seconds[(n - 1) / 2] + seconds[n / 2]) / 2.0)
 }

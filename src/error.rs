@@ -441,6 +441,17 @@ pub enum Error {
         detail: String,
     },
 
+    /// An argument that a layer above the store (a language binding) could not convert, so
+    /// the store never saw the call: the error of a queued call whose arguments were refused,
+    /// told to the other ranks in the call's place.
+    #[error("{op}: {message}")]
+    Argument {
+        /// The operation.
+        op: &'static str,
+        /// What was wrong, as the layer above said it.
+        message: String,
+    },
+
     /// A call queued on an [`AsyncKvStore`](crate::AsyncKvStore) failed; `source` is its
     /// error. Returned by the next wait on one of its keys, or on any key of a call that was
     /// not run because of it (`skipped` calls were not run), and by `wait_all`.

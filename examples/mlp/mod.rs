@@ -9,7 +9,9 @@
 
 #![allow(dead_code)]
 
-use kvstore::{DType, Device, KvStore, NDArray, Shape, Updater};
+use std::sync::{Arc, Mutex};
+
+use kvstore::{AsyncKvStore, DType, Device, KvStore, NDArray, Shape, Updater};
 use rayon::prelude::*;
 
 /// Input features per sample (x, y of a point in the plane).
@@ -146,6 +148,24 @@ pub struct Pass {
 
 /// A forward pass and, when `backward`, the gradients of the summed loss.
 pub fn pass(params: &[Vec<f32>], batch: Batch<'_>, backward: bool) -> Pass {
+    let mut grads = vec![Vec::new(); if backward { 6 } else { 0 }];
+    let (loss_sum, correct) = pass_each(params, batch, backward, |k, g| grads[k] = g);
+    Pass {
+        loss_sum,
+        correct,
+        grads,
+    }
+}
+
+/// A forward pass and, when `backward`, the gradients of the summed loss, each given to
+/// `on_grad(k, gradient of parameter k)` as soon as backward has it: the last layer's first
+/// (keys 4, 5, then 2, 3, then 0, 1). Returns the summed loss and the number correct.
+pub fn pass_each(
+    params: &[Vec<f32>],
+    batch: Batch<'_>,
+    backward: bool,
+    mut on_grad: impl FnMut(usize, Vec<f32>),
+) -> (f64, usize) {
     let [w1, b1, w2, b2, w3, b3] = params else {
         panic!("an MLP has 6 parameter tensors, got {}", params.len());
     };
@@ -173,28 +193,20 @@ pub fn pass(params: &[Vec<f32>], batch: Batch<'_>, backward: bool) -> Pass {
         row[label] -= 1.0;
     }
     if !backward {
-        return Pass {
-            loss_sum,
-            correct,
-            grads: Vec::new(),
-        };
+        return (loss_sum, correct);
     }
 
-    let gw3 = matmul_tn(&h2, &d3, n, HIDDEN, CLASSES);
-    let gb3 = column_sums(&d3, CLASSES);
+    on_grad(4, matmul_tn(&h2, &d3, n, HIDDEN, CLASSES));
+    on_grad(5, column_sums(&d3, CLASSES));
     let mut d2 = matmul_nt(&d3, w3, n, CLASSES, HIDDEN);
     relu_mask(&mut d2, &h2);
-    let gw2 = matmul_tn(&h1, &d2, n, HIDDEN, HIDDEN);
-    let gb2 = column_sums(&d2, HIDDEN);
+    on_grad(2, matmul_tn(&h1, &d2, n, HIDDEN, HIDDEN));
+    on_grad(3, column_sums(&d2, HIDDEN));
     let mut d1 = matmul_nt(&d2, w2, n, HIDDEN, HIDDEN);
     relu_mask(&mut d1, &h1);
-    let gw1 = matmul_tn(batch.x, &d1, n, INPUTS, HIDDEN);
-    let gb1 = column_sums(&d1, HIDDEN);
-    Pass {
-        loss_sum,
-        correct,
-        grads: vec![gw1, gb1, gw2, gb2, gw3, gb3],
-    }
+    on_grad(0, matmul_tn(batch.x, &d1, n, INPUTS, HIDDEN));
+    on_grad(1, column_sums(&d1, HIDDEN));
+    (loss_sum, correct)
 }
 
 /// `x @ w + b` for `x: n x k`, `w: k x m`.
@@ -274,7 +286,7 @@ fn relu_mask(grad: &mut [f32], activation: &[f32]) {
 /// updated parameters back into every device's copy with ONE `pull_list`.
 pub struct DataParallel {
     /// The store that sums the gradients and runs the optimizer.
-    pub kv: KvStore,
+    pub kv: Arc<KvStore>,
     /// One device per shard.
     pub devices: Vec<Device>,
     /// `params[k][d]`: parameter `k` on device `d`.
@@ -312,7 +324,7 @@ impl DataParallel {
             .collect::<kvstore::Result<Vec<_>>>()?;
         kv.pull_list(&keys, &params)?;
         Ok(DataParallel {
-            kv,
+            kv: Arc::new(kv),
             devices,
             params,
             keys,
@@ -348,6 +360,84 @@ impl DataParallel {
         }
         self.kv.push_list(&self.keys, &grads)?;
         self.kv.pull_list(&self.keys, &self.params)?;
+        Ok((loss, correct))
+    }
+
+    /// One training step as [`DataParallel::step`], with communication overlapping backward:
+    /// each parameter's gradients are pushed through `queue` (an [`AsyncKvStore`] over
+    /// [`DataParallel::kv`]) as soon as every device has computed them, while backward goes on
+    /// with the layers below; then every parameter is pulled, and the step waits for it all.
+    /// The same pushes as `step`'s one `push_list`, key by key, so the same parameters.
+    pub fn step_overlapped(
+        &self,
+        queue: &AsyncKvStore,
+        batch: Batch<'_>,
+    ) -> kvstore::Result<(f64, usize)> {
+        let n = self.devices.len();
+        // grads[k][d]: device d's gradient of parameter k, until the key is pushed. The device
+        // that completes a key pushes it, under the lock: each device gives its keys in one
+        // order, so keys complete in that order on every rank, and the ranks' queued calls
+        // match.
+        let grads: Mutex<Vec<Vec<Option<NDArray>>>> =
+            Mutex::new(vec![vec![None; n]; self.keys.len()]);
+        let device = |d: usize| -> kvstore::Result<(f64, usize)> {
+            let params = self.device_params(d)?;
+            let mut failed = None;
+            let on_grad = |k: usize, g: Vec<f32>| {
+                let g = NDArray::from_vec(g, shape(&param_shapes()[k]))
+                    .and_then(|g| g.to_device(self.devices[d]));
+                let g = match g {
+                    Ok(g) => g,
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        return;
+                    }
+                };
+                let mut grads = grads.lock().unwrap_or_else(|e| e.into_inner());
+                grads[k][d] = Some(g);
+                if grads[k].iter().all(Option::is_some) {
+                    let values: Vec<NDArray> =
+                        grads[k].iter_mut().filter_map(Option::take).collect();
+                    // MXNet's priority: the first layers, needed first, highest.
+                    queue.push(self.keys[k], &values, -(k as i32));
+                }
+            };
+            let done = pass_each(&params, shard(batch, d, n), true, on_grad);
+            failed.map_or(Ok(done), Err)
+        };
+        // Device 0 on this thread, the others on threads of their own.
+        let results: Vec<kvstore::Result<(f64, usize)>> = std::thread::scope(|s| {
+            let others: Vec<_> = (1..n).map(|d| s.spawn(move || device(d))).collect();
+            let mut all = vec![device(0)];
+            all.extend(others.into_iter().map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(kvstore::Error::Internal {
+                        op: "step",
+                        message: "a device's backward pass panicked".into(),
+                    })
+                })
+            }));
+            all
+        });
+        let (mut loss, mut correct) = (0.0, 0);
+        let mut failed = None;
+        for r in results {
+            match r {
+                Ok((l, c)) => {
+                    loss += l;
+                    correct += c;
+                }
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        if let Some(e) = failed {
+            // A key some device could not give is never pushed: on a dist store the other
+            // ranks' push of it then fails. The pushes queued before it still run.
+            let _ = queue.wait_all();
+            return Err(e);
+        }
+        queue.pull_list(&self.keys, &self.params, 0);
+        queue.wait_all()?;
         Ok((loss, correct))
     }
 

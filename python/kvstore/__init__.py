@@ -85,6 +85,13 @@ __all__ = [
 
 RowSparse = _row_sparse.RowSparse
 
+
+def clock():
+    """Seconds on the scale of ``KVStore.take_timeline``'s times, to put the caller's own
+    events on one timeline with the store's calls."""
+    return _native.clock()
+
+
 Context = namedtuple("Context", ["device_type", "device_id"])
 Context.__doc__ = """A device name, as MXNet's ``mx.cpu(i)``. NumPy and torch arrays carry their
 own device, so the store needs none; it is here so that tutorial code ports line by line."""
@@ -238,6 +245,9 @@ class KVStore:
     def __init__(self, name="local"):
         self._kv = _open(name)
         self._updater = None
+        # Queued calls that lent torch CUDA tensors or copy results back (see ``_finish``):
+        # (keys, Lends, functions to run after).
+        self._queued = []
 
     def __repr__(self):
         return f"<kvstore.KVStore type={self.type!r} keys={len(self._kv.keys())}>"
@@ -482,6 +492,107 @@ class KVStore:
         for f in after:
             f()
 
+    # Asynchronous calls: MXNet's push and pull returned at once and ran in the background.
+
+    def push_async(self, key, value, priority=0):
+        """``push``, queued: returns at once, and the store's worker runs it in the background,
+        in issue order (on one process, calls of higher ``priority`` may pass waiting calls on
+        other keys). Host arrays are copied before it returns; a torch CUDA tensor is read in
+        place when the call runs, so do not write it before ``wait``. An error comes from the
+        next ``wait`` on one of its keys, or ``wait_all`` (or any blocking call on the store),
+        raised as the call's own error would be; calls queued after a failed one are not run
+        until ``wait_all`` has raised it."""
+        with self._told_async("push", priority):
+            keys, values = _key_lists(key, value, "push", "values")
+            if _all_or_none_sparse(values, "push"):
+                raise InvalidArgumentError(
+                    "push_async takes dense arrays: push row-sparse values with push"
+                )
+            priority = _priority(priority)
+            lent = _arrays.Lends()
+            reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
+        self._kv.push_async(keys, reads, priority)
+        self._track(keys, lent, [])
+
+    def pull_async(self, key, out=None, priority=0):
+        """``pull``, queued: ``out`` is written when the call runs. Read it only after
+        ``wait(key)`` or ``wait_all()``. Errors as for ``push_async``."""
+        with self._told_async("pull", priority):
+            if out is None:
+                raise InvalidArgumentError("pull_async: pass the arrays to write into as out=")
+            keys, outs = _key_lists(key, out, "pull", "outs")
+            priority = _priority(priority)
+            after, lent = [], _arrays.Lends()
+            capsules = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
+        self._kv.pull_async(keys, capsules, priority)
+        self._track(keys, lent, after)
+
+    def pushpull_async(self, key, value, out=None, priority=0):
+        """``pushpull``, queued (with no ``out``, the values are updated in place when it
+        runs). Host values are copied before it returns; read the outs only after ``wait``."""
+        with self._told_async("pushpull", priority):
+            keys, values = _key_lists(key, value, "pushpull", "values")
+            if out is None:
+                outs = values
+            else:
+                _, outs = _key_lists(key, out, "pushpull", "outs")
+            priority = _priority(priority)
+            after, lent = [], _arrays.Lends()
+            reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
+            writes = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
+        self._kv.pushpull_async(keys, reads, writes, priority)
+        self._track(keys, lent, after)
+
+    def wait(self, key):
+        """Waits until every queued call on ``key`` has run. Raises the first error of a queued
+        call since the last ``wait_all``, if one of ``key``'s calls failed or was not run
+        because of it."""
+        try:
+            self._kv.wait(key)
+        finally:
+            self._finish(lambda keys: key in keys)
+
+    def set_timeline(self, on=True):
+        """Starts (or, with False, stops) recording when each queued call ran."""
+        self._kv.set_timeline(bool(on))
+
+    def take_timeline(self):
+        """The queued calls finished since the timeline was started or last taken: a list of
+        ``(call, queued, started, finished, ok)``, times in seconds on ``kvstore.clock()``'s
+        scale."""
+        return self._kv.take_timeline()
+
+    @contextmanager
+    def _told_async(self, op, priority):
+        """As ``_told``, for a queued call: an error in its arguments is raised now, and the
+        call is queued as refused, so that every worker's queue fails the same call."""
+        try:
+            yield
+        except Exception as e:
+            try:
+                p = _priority(priority)
+            except Exception:
+                p = 0
+            self._kv.refuse_async(op, f"{type(e).__name__}: {e}", p)
+            raise
+
+    def _track(self, keys, lent, after):
+        if lent.tensors or after:
+            self._queued.append((list(keys), lent, after))
+
+    def _finish(self, done):
+        """Ends the lends and runs the copies back of the queued calls ``done(keys)`` selects
+        (their calls have run)."""
+        keep = []
+        for keys, lent, after in self._queued:
+            if done(keys):
+                lent.end()
+                for f in after:
+                    f()
+            else:
+                keep.append((keys, lent, after))
+        self._queued = keep
+
     def _end(self, lent):
         """After a call with lent torch tensors: torch ordered after the store (``Lends.end``),
         and on an ``nccl`` store a wait for the store's GPU work, which raises the error of a
@@ -492,10 +603,15 @@ class KVStore:
             self.wait_all()
 
     def wait_all(self):
-        """Waits until the store's work on its GPUs has run, and raises the error of any that
-        failed (an aborted NCCL collective, a kernel fault). Calls on host arrays wait
-        themselves; torch CUDA tensors are ordered by their streams instead (see README)."""
-        self._kv.wait_all()
+        """Waits until every queued call (``push_async``, ...) has run, then until the store's
+        work on its GPUs has, and raises the first error of a queued call since the last
+        ``wait_all``, or of GPU work (an aborted NCCL collective, a kernel fault). Blocking
+        calls on host arrays wait themselves; torch CUDA tensors are ordered by their streams
+        instead (see README)."""
+        try:
+            self._kv.wait_all()
+        finally:
+            self._finish(lambda keys: True)
 
     def set_updater(self, updater):
         """Sets a Python function ``updater(key, input, stored)`` that merges each push: it gets

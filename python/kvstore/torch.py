@@ -26,6 +26,17 @@ Two modes, as MXNet's Trainer has them:
 
 The default is True for SGD and Adam and False otherwise. No torch is needed to build or import
 ``kvstore``; this module imports torch when it is used.
+
+``overlap=True`` moves the communication into the backward pass. A hook on each parameter
+(``register_post_accumulate_grad_hook``) marks its gradient ready. Parameters are put in buckets
+of about ``bucket_mb`` MiB, in reverse order, as backward reaches them. Each bucket is queued on
+the store (``push_async``, or ``pushpull_async`` with ``update_on_kvstore=False``) once its
+gradients are ready and the buckets before it are queued. So every worker queues the same calls
+in the same order, and the store sums each bucket (and with ``update_on_kvstore=True`` runs the
+optimizer on it, on each key's home: ZeRO-1 with the optimizer in the store) while backward
+computes the layers below. ``step()`` queues what is left, pulls the parameters, and waits. The
+results are those of ``overlap=False``. Call ``step()`` after each ``backward()``: a gradient
+accumulated again after its bucket was queued raises.
 """
 
 import hashlib
@@ -151,7 +162,16 @@ class DistributedOptimizer:
     ``param_groups``, ``state_dict``) is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer, store=None, *, named_parameters=None, update_on_kvstore=None):
+    def __init__(
+        self,
+        optimizer,
+        store=None,
+        *,
+        named_parameters=None,
+        update_on_kvstore=None,
+        overlap=False,
+        bucket_mb=1.0,
+    ):
         if store is None:
             store = create("local")
         if not isinstance(store, KVStore):
@@ -191,6 +211,9 @@ class DistributedOptimizer:
             self.store.init(self._keys, params)
             # Every worker starts from the store's parameters (a no-op in one process).
             self.store.pull(self._keys, out=params)
+        self.overlap = bool(overlap)
+        if self.overlap:
+            self._start_overlap(float(bucket_mb))
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
@@ -232,11 +255,154 @@ class DistributedOptimizer:
                     f"learning rate only: pass update_on_kvstore=False to step with torch"
                 )
 
+    def _agree_torch_step(self):
+        """With update_on_kvstore=False on several workers: torch steps on every worker, so
+        they must step alike. Its settings are compared when changed (a worker that changes
+        alone calls agree where the others call the store, and that fails too); its state at
+        the first step and after a load_state_dict (which replaces the state dict), since
+        momentum loaded on some workers only would step them apart."""
+        if self.store.num_workers == 1:
+            return
+        settings = _settings(self.optimizer)
+        if settings != self._agreed:
+            self.store.agree(settings)
+            self._agreed = settings
+        if self._state_due or id(self.optimizer.state) != self._state_id:
+            # A failure here (the host copy) is told to the other workers, which are in the
+            # agree below.
+            with _told(self.store._kv, "agree"):
+                digest = _state_digest(self.optimizer)
+            self.store.agree(f"torch optimizer state sha256 {digest}")
+            self._state_due = False
+            self._state_id = id(self.optimizer.state)
+
+    # Overlap: buckets queued from gradient hooks while backward runs.
+
+    def _start_overlap(self, bucket_mb):
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            raise RuntimeError("overlap=True needs torch >= 2.1 (register_post_accumulate_grad_hook)")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        cap = bucket_mb * 2**20
+        # Buckets of parameter indices, in reverse order (backward reaches the last layers
+        # first), closed once they hold cap bytes. The same on every worker: the model is.
+        self._buckets, bucket, size = [], [], 0
+        for i in reversed(range(len(self._params))):
+            p = self._params[i]
+            bucket.append(i)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self._buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._buckets.append(bucket)
+        self._ready = [False] * len(self._params)
+        self._queued_keys = []  # indices of the parameters queued this step
+        self._next = 0  # the first bucket not queued yet
+        self._begun = False  # whether this step's first bucket was queued
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+            for i, p in enumerate(self._params)
+        ]
+
+    def _grad_ready(self, i):
+        """Parameter ``i``'s gradient is accumulated: queue every bucket now complete."""
+        if self._ready[i]:
+            raise RuntimeError(
+                f"the gradient of parameter {self._keys[i]!r} was accumulated again after it "
+                f"was queued (several backward passes before step()): with overlap=True call "
+                f"step() after each backward, or pass overlap=False"
+            )
+        self._ready[i] = True
+        while self._next < len(self._buckets) and all(
+            self._ready[j] for j in self._buckets[self._next]
+        ):
+            self._queue_bucket(self._buckets[self._next])
+            self._next += 1
+
+    def _begin(self):
+        """Before this step's first bucket is queued: the checks and the learning rate that
+        ``step()`` applies before pushing (a scheduler's change since the last step)."""
+        if self._begun:
+            return
+        self._begun = True
+        with _told(self.store._kv, "push" if self.update_on_kvstore else "pushpull"):
+            self._check_unchanged()
+            if self.update_on_kvstore:
+                lr = float(self.optimizer.param_groups[0]["lr"])
+                if lr != self._lr:
+                    self.store.set_learning_rate(lr)
+                    self._lr = lr
+
+    def _queue_bucket(self, bucket):
+        self._begin()
+        multi = self.store.num_workers > 1
+        if multi:
+            # As in step(): every worker makes the same call; a missing gradient is zeros.
+            for j in bucket:
+                if self._params[j].grad is None:
+                    self._params[j].grad = torch.zeros_like(self._params[j])
+        live = [j for j in bucket if self._params[j].grad is not None]
+        if not live:
+            return
+        keys = [self._keys[j] for j in live]
+        grads = [self._params[j].grad for j in live]
+        # MXNet's priority: the first layers, needed first by the next forward, highest.
+        priority = -min(live)
+        with torch.no_grad():
+            if self.update_on_kvstore:
+                self.store.push_async(keys, grads, priority=priority)
+            else:
+                self.store.pushpull_async(keys, grads, priority=priority)
+        self._queued_keys.extend(live)
+
+    def _step_overlapped(self, loss):
+        """``step()`` with overlap: queue what backward did not, then finish the step."""
+        for i, p in enumerate(self._params):
+            # A parameter backward never reached: on several workers its zeros go in its
+            # bucket; in one process it is left out, as torch optimizers leave it.
+            if not self._ready[i]:
+                self._ready[i] = True
+        while self._next < len(self._buckets):
+            self._queue_bucket(self._buckets[self._next])
+            self._next += 1
+        queued = sorted(self._queued_keys)
+        self._queued_keys = []
+        self._ready = [False] * len(self._params)
+        self._next = 0
+        self._begun = False
+        if not queued:
+            self.store.wait_all()
+            return loss
+        with torch.no_grad():
+            if self.update_on_kvstore:
+                self.store.pull_async(
+                    [self._keys[i] for i in queued],
+                    out=[self._params[i].detach() for i in queued],
+                )
+                self.store.wait_all()
+                self.optimizer._opt_called = True
+            else:
+                # (agree is a blocking call: it waits for the queued pushpulls first.)
+                self._agree_torch_step()
+                self.store.wait_all()
+                workers = self.store.num_workers
+                if workers > 1:
+                    for i in queued:
+                        self._params[i].grad.div_(workers)
+                self.optimizer.step()
+        return loss
+
     def step(self, closure=None):
         """Pushes the gradients and pulls the parameters (update_on_kvstore), or sums the
         gradients through the store and steps the wrapped optimizer. Parameters without a
         gradient are left out, as torch optimizers do."""
         loss = None
+        if self.overlap:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            return self._step_overlapped(loss)
         # An error here, before the store is called (in the closure, or a change this wrapper
         # refuses), is told to the other workers, which then fail this step too: were it not,
         # their step's call would pair with this worker's next one, summing gradients of
@@ -274,25 +440,7 @@ class DistributedOptimizer:
                 # schedulers, which warn otherwise.
                 self.optimizer._opt_called = True
             else:
-                if self.store.num_workers > 1:
-                    # Torch steps on every worker: they must step alike. Compared when changed
-                    # (a worker that changes alone calls agree where the others pushpull, and
-                    # that fails too).
-                    settings = _settings(self.optimizer)
-                    if settings != self._agreed:
-                        self.store.agree(settings)
-                        self._agreed = settings
-                    # Its state too, at the first step and after a load_state_dict (which
-                    # replaces the state dict): momentum loaded on some workers only would
-                    # step them apart.
-                    if self._state_due or id(self.optimizer.state) != self._state_id:
-                        # A failure here (the host copy) is told to the other workers,
-                        # which are in the agree below.
-                        with _told(self.store._kv, "agree"):
-                            digest = _state_digest(self.optimizer)
-                        self.store.agree(f"torch optimizer state sha256 {digest}")
-                        self._state_due = False
-                        self._state_id = id(self.optimizer.state)
+                self._agree_torch_step()
                 self.store.pushpull(keys, grads)
                 workers = self.store.num_workers
                 if workers > 1:

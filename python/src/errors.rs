@@ -11,7 +11,8 @@ use pyo3::types::PyType;
 
 /// The name of the `kvstore._errors` class for an error.
 fn class_name(e: &Error) -> &'static str {
-    match e {
+    // A queued call's error is raised as that call's own would be, with the queue's message.
+    match e.root() {
         Error::UnknownKey { .. } => "UnknownKeyError",
         Error::DuplicateInit { .. } => "DuplicateInitError",
         Error::ShapeMismatch { .. } => "ShapeMismatchError",
@@ -60,7 +61,7 @@ pub fn to_py(e: Error) -> PyErr {
             Ok(class) => PyErr::from_type(class, e.to_string()),
             Err(_) => PyRuntimeError::new_err(e.to_string()),
         };
-        if let Error::UpdaterFailed { source, .. } = &e {
+        if let Error::UpdaterFailed { source, .. } = e.root() {
             if let Some(cause) = source.downcast_ref::<PyErr>() {
                 err.set_cause(py, Some(cause.clone_ref(py)));
             }

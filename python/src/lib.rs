@@ -9,9 +9,10 @@ mod arrays;
 mod errors;
 mod updater;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
-use kvstore::{Adam, Key, KvStore, NDArray, RowSparse, Sgd, Updater};
+use kvstore::{Adam, AsyncKvStore, Key, KvStore, NDArray, RowSparse, Sgd, Updater};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString};
@@ -90,6 +91,30 @@ fn write_back(outs: &[Vec<Imported>], scratch: &[Vec<NDArray>]) -> PyResult<()> 
     Ok(())
 }
 
+/// Keys in words for a queued call: `[3, w1]`, shortened past eight.
+fn key_list(keys: &[Key]) -> String {
+    let shown: Vec<String> = keys.iter().take(8).map(|k| k.to_string()).collect();
+    match keys.len() {
+        n if n > 8 => format!("[{}, ... ({n} keys)]", shown.join(", ")),
+        _ => format!("[{}]", shown.join(", ")),
+    }
+}
+
+/// The instant `clock()` counts from, for timelines.
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// A Python error in a queued call (copying a pull's result into the caller's array, after
+/// its checks passed), as the store's error.
+fn queued_py_error(op: &'static str, e: PyErr) -> kvstore::Error {
+    kvstore::Error::Internal {
+        op,
+        message: format!("writing the result into the caller's array failed: {e}"),
+    }
+}
+
 /// `r`; when it is an error, first the other workers of a dist store are told that this one
 /// will not make its call `op` (so they fail it instead of waiting for this worker). For errors
 /// found before the store is called: converting the arguments.
@@ -114,6 +139,61 @@ fn told_detached<T>(kv: &KvStore, op: &'static str, r: PyResult<T>) -> PyResult<
 }
 
 impl PyStore {
+    /// The queue of the `*_async` calls (started on first use).
+    fn queue(&self) -> &AsyncKvStore {
+        self.queue
+            .get_or_init(|| AsyncKvStore::new(self.inner.clone()))
+    }
+
+    /// The store, once every queued call is done, for a blocking call: it goes after them, as
+    /// issued. The error of a queued call that failed, if one did (see `wait_all`).
+    fn store(&self, py: Python<'_>) -> PyResult<Arc<KvStore>> {
+        if let Some(q) = self.queue.get() {
+            py.detach(|| q.wait_all()).map_err(errors::to_py)?;
+        }
+        Ok(self.inner.clone())
+    }
+
+    /// Queues `run` on the converted `args`. Arguments that did not convert raise here, and
+    /// the call is queued as a failure in its place, told to the other workers when it runs,
+    /// so the queues of every worker fail the same call.
+    fn queue_call<A: Send + 'static>(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        priority: i32,
+        args: PyResult<(Vec<Key>, A)>,
+        run: impl FnOnce(&KvStore, &[Key], A) -> kvstore::Result<()> + Send + 'static,
+    ) -> PyResult<()> {
+        let queue = self.queue();
+        match args {
+            Ok((keys, a)) => {
+                let what = format!("{op} {}", key_list(&keys));
+                let ks = keys.clone();
+                py.detach(|| queue.submit(op, ks, priority, what, move |kv| run(kv, &keys, a)));
+                Ok(())
+            }
+            Err(e) => {
+                let message = format!("{}: {e}", e.get_type(py).name()?);
+                self.queue_refusal(py, op, priority, message);
+                Err(e)
+            }
+        }
+    }
+
+    /// Queues call `op` as refused because `message`: when it runs, the other workers are told
+    /// (their same call fails) and it fails here too, so later queued calls are not run.
+    fn queue_refusal(&self, py: Python<'_>, op: &'static str, priority: i32, message: String) {
+        let queue = self.queue();
+        let what = format!("{op} (arguments refused: {message})");
+        py.detach(|| {
+            queue.submit(op, Vec::new(), priority, what, move |kv| {
+                kv.reject(op, &message)?;
+                Err(kvstore::Error::Argument { op, message })
+            })
+        });
+    }
+
     /// An init of dense or row-sparse keys, one capsule per key.
     fn init_keys(
         &self,
@@ -122,7 +202,7 @@ impl PyStore {
         values: Vec<Bound<'_, PyAny>>,
         row_sparse: bool,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         let args = (|| {
             let keys = keys_from(&keys)?;
             let values: Vec<Imported> =
@@ -149,6 +229,8 @@ impl PyStore {
 #[pyclass(name = "Store", module = "kvstore._native", frozen)]
 struct PyStore {
     inner: Arc<KvStore>,
+    /// The worker of the `*_async` calls, started by the first of them.
+    queue: OnceLock<AsyncKvStore>,
 }
 
 #[pymethods]
@@ -158,6 +240,7 @@ impl PyStore {
     fn new(name: &str) -> PyResult<Self> {
         Ok(PyStore {
             inner: Arc::new(KvStore::create(name).map_err(errors::to_py)?),
+            queue: OnceLock::new(),
         })
     }
 
@@ -185,15 +268,136 @@ impl PyStore {
         self.inner.local_rank()
     }
 
-    /// Waits for the store's GPU work (see `KvStore::wait_all`).
+    /// Waits for every queued call, then for the store's GPU work (see
+    /// `AsyncKvStore::wait_all`); the first error of a queued call since the last `wait_all`.
     fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
-        let kv = self.inner.clone();
-        py.detach(move || kv.wait_all().map_err(errors::to_py))
+        match self.queue.get() {
+            Some(q) => py.detach(|| q.wait_all()),
+            None => {
+                let kv = self.inner.clone();
+                py.detach(move || kv.wait_all())
+            }
+        }
+        .map_err(errors::to_py)
+    }
+
+    /// Waits until every queued call on `key` is done; the first error of a queued call since
+    /// the last `wait_all` if one of them failed or was not run because of it.
+    fn wait(&self, py: Python<'_>, key: Bound<'_, PyAny>) -> PyResult<()> {
+        let key = key_from(&key)?;
+        match self.queue.get() {
+            Some(q) => py.detach(|| q.wait(key)).map_err(errors::to_py),
+            None => Ok(()),
+        }
+    }
+
+    /// Queues a push (see `push`); returns at once.
+    fn push_async(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Vec<Bound<'_, PyAny>>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        // The values are copied now: the caller may reuse its arrays at once.
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let imported = import_lists(&values)?;
+            Ok((keys, py.detach(|| to_ndarrays(&imported))?))
+        })();
+        self.queue_call(py, "push", priority, args, |kv, keys, values| {
+            kv.push_list(keys, &values)
+        })
+    }
+
+    /// Queues a pull (see `pull`) into the outs, which are written when it runs: read them
+    /// only after `wait` on the key or `wait_all`.
+    fn pull_async(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        outs: Vec<Vec<Bound<'_, PyAny>>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let outs = import_outs(&outs)?;
+            let tmp = scratch(&outs)?;
+            Ok((keys, (outs, tmp)))
+        })();
+        self.queue_call(py, "pull", priority, args, |kv, keys, (outs, tmp)| {
+            kv.pull_list(keys, &tmp)?;
+            write_back(&outs, &tmp).map_err(|e| queued_py_error("pull", e))
+        })
+    }
+
+    /// Queues a pushpull (see `pushpull`): the values are copied now, the outs written when it
+    /// runs.
+    fn pushpull_async(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Vec<Bound<'_, PyAny>>>,
+        outs: Vec<Vec<Bound<'_, PyAny>>>,
+        priority: i32,
+    ) -> PyResult<()> {
+        let args = (|| {
+            let keys = keys_from(&keys)?;
+            let imported = import_lists(&values)?;
+            let values = py.detach(|| to_ndarrays(&imported))?;
+            let outs = import_outs(&outs)?;
+            let tmp = scratch(&outs)?;
+            Ok((keys, (values, outs, tmp)))
+        })();
+        self.queue_call(
+            py,
+            "pushpull",
+            priority,
+            args,
+            |kv, keys, (values, outs, tmp)| {
+                kv.pushpull_list(keys, &values, &tmp)?;
+                write_back(&outs, &tmp).map_err(|e| queued_py_error("pushpull", e))
+            },
+        )
+    }
+
+    /// Queues call `op` ("push", "pull" or "pushpull") as refused, for an error the Python
+    /// layer found in its arguments: the other workers' same call fails when it runs.
+    fn refuse_async(&self, py: Python<'_>, op: &str, why: String, priority: i32) {
+        let op = match op {
+            "push" => "push",
+            "pull" => "pull",
+            "pushpull" => "pushpull",
+            _ => "call",
+        };
+        self.queue_refusal(py, op, priority, why);
+    }
+
+    /// Starts (`True`) or stops recording when each queued call ran (`take_timeline`).
+    fn set_timeline(&self, on: bool) {
+        self.queue().set_timeline(on);
+    }
+
+    /// The queued calls finished since the timeline was started or last taken: tuples of
+    /// (call, queued, started, finished, ok), times in seconds on `clock()`'s scale.
+    fn take_timeline(&self) -> Vec<(String, f64, f64, f64, bool)> {
+        let secs = |t: Instant| t.saturating_duration_since(epoch()).as_secs_f64();
+        (self.queue().take_timeline().into_iter())
+            .map(|c| {
+                (
+                    c.call,
+                    secs(c.queued),
+                    secs(c.started),
+                    secs(c.finished),
+                    c.ok,
+                )
+            })
+            .collect()
     }
 
     /// Waits until every worker is here (bounded by `KVSTORE_TIMEOUT`).
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         py.detach(move || kv.barrier().map_err(errors::to_py))
     }
 
@@ -238,7 +442,7 @@ impl PyStore {
         keys: Vec<Bound<'_, PyAny>>,
         values: Vec<Vec<(Vec<u64>, Bound<'_, PyAny>)>>,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         let args = (|| {
             let keys = keys_from(&keys)?;
             let values = (values.iter())
@@ -276,7 +480,7 @@ impl PyStore {
         ids: Vec<u64>,
         out: Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         let args = (|| {
             let mut out = arrays::import(&out)?;
             out.check_writable()?;
@@ -305,7 +509,7 @@ impl PyStore {
         values: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         let args = (|| Ok((keys_from(&keys)?, import_lists(&values)?)))();
         let (keys, values) = told(py, &kv, "push", args)?;
         py.detach(move || {
@@ -324,7 +528,7 @@ impl PyStore {
         outs: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         let args = (|| Ok((keys_from(&keys)?, import_outs(&outs)?)))();
         let (keys, outs) = told(py, &kv, "pull", args)?;
         py.detach(move || {
@@ -344,7 +548,7 @@ impl PyStore {
         values: Vec<Vec<Bound<'_, PyAny>>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         let args = (|| {
             Ok((
                 keys_from(&keys)?,
@@ -370,7 +574,7 @@ impl PyStore {
         values: Vec<Bound<'_, PyAny>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         let args = (|| {
             let keys = keys_from(&keys)?;
             let values: Vec<Imported> =
@@ -398,18 +602,19 @@ impl PyStore {
     /// what the workers of a dist store compare of it (`kvstore._updater.identity`).
     fn set_python_updater(
         &self,
+        py: Python<'_>,
         trampoline: Py<PyAny>,
         function: Py<PyAny>,
         identity: &str,
     ) -> PyResult<()> {
-        self.inner
+        self.store(py)?
             .set_updater(updater::python_updater(trampoline, function, identity))
             .map_err(errors::to_py)
     }
 
     /// Checks that every worker passes the same `what` (`DesyncError` otherwise).
     fn agree(&self, py: Python<'_>, what: String) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         py.detach(move || kv.agree(&what).map_err(errors::to_py))
     }
 
@@ -417,13 +622,13 @@ impl PyStore {
     /// error the Python layer found in its arguments).
     /// `DistFailedError` when the world failed earlier (raise that instead).
     fn reject(&self, py: Python<'_>, op: String, why: String) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         py.detach(move || kv.reject(&op, &why).map_err(errors::to_py))
     }
 
     /// Back to the default updater: assign.
-    fn set_assign(&self) -> PyResult<()> {
-        self.inner
+    fn set_assign(&self, py: Python<'_>) -> PyResult<()> {
+        self.store(py)?
             .set_updater(Updater::Assign)
             .map_err(errors::to_py)
     }
@@ -432,6 +637,7 @@ impl PyStore {
     #[pyo3(signature = (lr, momentum, wd, rescale_grad, clip_gradient))]
     fn set_sgd(
         &self,
+        py: Python<'_>,
         lr: f64,
         momentum: f64,
         wd: f64,
@@ -445,7 +651,7 @@ impl PyStore {
             rescale_grad,
             clip_gradient,
         };
-        self.inner
+        self.store(py)?
             .set_updater(Updater::Sgd(sgd))
             .map_err(errors::to_py)
     }
@@ -455,6 +661,7 @@ impl PyStore {
     #[allow(clippy::too_many_arguments)]
     fn set_adam(
         &self,
+        py: Python<'_>,
         lr: f64,
         beta1: f64,
         beta2: f64,
@@ -474,14 +681,14 @@ impl PyStore {
             clip_gradient,
             epsilon_after_correction,
         };
-        self.inner
+        self.store(py)?
             .set_updater(Updater::Adam(adam))
             .map_err(errors::to_py)
     }
 
     /// Compresses pushes (see `kvstore::Compression`): `kind` is "2bit" (MXNet's scheme, with
     /// `threshold`), "bf16" or "fp16" (a 16-bit wire with error feedback).
-    fn set_gradient_compression(&self, kind: &str, threshold: f32) -> PyResult<()> {
+    fn set_gradient_compression(&self, py: Python<'_>, kind: &str, threshold: f32) -> PyResult<()> {
         let compression = match kind {
             "2bit" => kvstore::Compression::two_bit(threshold),
             "bf16" => kvstore::Compression::bf16(),
@@ -492,14 +699,14 @@ impl PyStore {
                 )))
             }
         };
-        self.inner
+        self.store(py)?
             .set_gradient_compression(compression)
             .map_err(errors::to_py)
     }
 
     /// Changes the learning rate of SGD or Adam, keeping their state.
-    fn set_learning_rate(&self, lr: f64) -> PyResult<()> {
-        self.inner.set_learning_rate(lr).map_err(errors::to_py)
+    fn set_learning_rate(&self, py: Python<'_>, lr: f64) -> PyResult<()> {
+        self.store(py)?.set_learning_rate(lr).map_err(errors::to_py)
     }
 
     /// The learning rate of the updater in force, if it has one.
@@ -510,19 +717,19 @@ impl PyStore {
 
     /// The largest update count of any key.
     #[getter]
-    fn num_update(&self) -> u64 {
-        self.inner.num_update()
+    fn num_update(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.store(py)?.num_update())
     }
 
     /// Writes every value and updater state to `path` (safetensors).
     fn save(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         py.detach(move || kv.save(&path).map_err(errors::to_py))
     }
 
     /// Reads every value and updater state from `path`.
     fn load(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
-        let kv = self.inner.clone();
+        let kv = self.store(py)?;
         py.detach(move || kv.load(&path).map_err(errors::to_py))
     }
 }
@@ -544,6 +751,8 @@ fn kvstore_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ),
     )?;
     m.add_function(wrap_pyfunction!(cuda_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(clock, m)?)?;
+    epoch(); // timelines count from the import
     Ok(())
 }
 
@@ -552,4 +761,11 @@ fn kvstore_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[pyfunction]
 fn cuda_stream(device_id: usize) -> PyResult<usize> {
     kvstore::cuda_stream(device_id).map_err(errors::to_py)
+}
+
+/// Seconds on the scale of `take_timeline`'s times: for timelines that mix the store's calls
+/// with the caller's own events.
+#[pyfunction]
+fn clock() -> f64 {
+    epoch().elapsed().as_secs_f64()
 }
