@@ -343,6 +343,21 @@ fn a_failing_updater_in_a_pushpull_keeps_the_ranks_in_step_on_2_ranks() {
     healthy(2, "updater_failure", &[]);
 }
 
+/// Queued calls (`AsyncKvStore`) on real MPI ranks: every rank queues its pushes and pulls at
+/// its own pace (rank 0 all rounds at once, the others a round at a time) and with priorities
+/// of its own, and still pulls the sum over the ranks; one rank's bad queued push fails every
+/// rank's wait, stops the calls queued after it, and changes nothing.
+#[test]
+fn queued_calls_equal_the_sums_and_fail_together_on_2_ranks() {
+    healthy(2, "async", &[]);
+}
+
+/// The same with the big key sliced over 3 ranks.
+#[test]
+fn queued_calls_equal_the_sums_and_fail_together_sliced_on_3_ranks() {
+    healthy(3, "async", &[("KVSTORE_BIGARRAY_BOUND", "100000")]);
+}
+
 /// Gradient compression across ranks (2-bit, and the bfloat16 and float16 wires) equals a local
 /// `device` store that pushes every rank's value as one list with the same compression (each
 /// position keeps its own residual, as each rank does), bit for bit, over several pushes, for a
@@ -433,6 +448,7 @@ fn inner() {
         "values_kept" => case_values_kept(),
         "compressed" => case_compressed(),
         "row_sparse" => case_row_sparse(),
+        "async" => case_async(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -2280,4 +2296,74 @@ fn case_updater_failure() {
     assert_eq!(get(&o), vec![n as f64; 3]);
     kv.barrier().unwrap();
     ok(&kv, "updater_failure", "");
+}
+
+/// See `queued_calls_equal_the_sums_and_fail_together_on_2_ranks`.
+fn case_async() {
+    let kv = store("dist_sync");
+    let (r, n) = (kv.rank(), kv.num_workers());
+    let lens = [400_000usize, 1 << 12, 10];
+    let keys = [0, 1, 2];
+    let init: Vec<NDArray> = lens.iter().map(|&l| NDArray::zeros([l])).collect();
+    kv.init_list(&keys, &init).unwrap();
+    let kv = kvstore::AsyncKvStore::new(kv);
+    // Rank q's value of key k in round t: quarters, so float32 sums are exact in any order.
+    let value = |t: u64, k: usize, q: usize| -> Vec<f64> {
+        (uniform(&[40, t, k as u64, q as u64], lens[k]).iter())
+            .map(|x| (x * 32.0).round() / 4.0)
+            .collect()
+    };
+    let mut rng = StdRng::seed_from_u64(seed() ^ r as u64);
+    let rounds = 3u64;
+    let mut pulled = Vec::new();
+    for t in 1..=rounds {
+        let values: Vec<NDArray> = (0..3)
+            .map(|k| arr(&value(t, k, r), &[lens[k]], DType::F32, 0))
+            .collect();
+        // Priorities of this rank's own: a dist store runs its calls in issue order anyway.
+        kv.push_list(&keys, &values, rng.gen_range(-5..5));
+        let outs: Vec<NDArray> = lens.iter().map(|&l| NDArray::zeros([l])).collect();
+        kv.pull_list(&keys, &outs, rng.gen_range(-5..5));
+        pulled.push(outs);
+        if r != 0 {
+            kv.wait_all().unwrap();
+        }
+    }
+    kv.wait_all().unwrap();
+    for (t, outs) in (1..=rounds).zip(&pulled) {
+        for (k, o) in outs.iter().enumerate() {
+            let mut want = vec![0.0; lens[k]];
+            for q in 0..n {
+                add_into(&mut want, &value(t, k, q));
+            }
+            assert_eq!(get(o), want, "rank {r}: key {k}, round {t}");
+        }
+    }
+    // One rank's bad push: every rank's wait fails; the push queued after it is not run.
+    let before: Vec<Vec<f64>> = pulled.last().unwrap().iter().map(get).collect();
+    let bad = if r == n - 1 { 11 } else { 10 };
+    kv.push(2, &NDArray::ones([bad]), 0);
+    kv.push(1, &NDArray::ones([lens[1]]), 0);
+    let e = kv.wait_all().unwrap_err();
+    match e.root() {
+        Error::ShapeMismatch { .. } if r == n - 1 => {}
+        Error::RankRejected { .. } if r != n - 1 => {}
+        other => panic!("rank {r}: expected this rank's own error or RankRejected, got {other}"),
+    }
+    assert!(
+        matches!(e, Error::Async { skipped: 1, .. }),
+        "rank {r}: {e}"
+    );
+    let outs: Vec<NDArray> = lens.iter().map(|&l| NDArray::zeros([l])).collect();
+    kv.pull_list(&keys, &outs, 0);
+    kv.wait_all().unwrap();
+    for (k, o) in outs.iter().enumerate() {
+        assert_eq!(
+            get(o),
+            before[k],
+            "rank {r}: key {k} changed by a failed call"
+        );
+    }
+    kv.store().barrier().unwrap();
+    ok(kv.store(), "async", "");
 }
