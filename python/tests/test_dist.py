@@ -285,10 +285,11 @@ def test_a_rank_that_exits_ends_the_others_with_an_error():
 
 
 @needs_mpi
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlap"])
 @pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
-def test_parameters_without_a_gradient_keep_the_workers_in_step(update_on_kvstore):
+def test_parameters_without_a_gradient_keep_the_workers_in_step(update_on_kvstore, overlap):
     pytest.importorskip("torch", reason="SKIPPED: torch not installed")
-    rc, out = run(2, "unused", update_on_kvstore)
+    rc, out = run(2, "unused", update_on_kvstore, overlap)
     assert rc == 0, out
     assert oks(out, "unused") == [0, 1], out
 
@@ -317,6 +318,19 @@ def test_distributed_optimizer_equals_one_process_and_ddp(kind, update_on_kvstor
     rc, out = run(n, "optimizer", kind, update_on_kvstore)
     assert rc == 0, out
     assert oks(out, "optimizer") == list(range(n)), out
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
+def test_overlapped_distributed_optimizer_equals_the_blocking_one_one_process_and_ddp(
+    update_on_kvstore, n
+):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(n, "optimizer", "sgd", update_on_kvstore, "1")
+    assert rc == 0, out
+    assert oks(out, "optimizer") == list(range(n)), out
+    assert "overlap=True" in out, out
 
 
 def test_without_the_mpi_link_the_error_says_how_to_install_it():
