@@ -86,12 +86,6 @@ __all__ = [
 RowSparse = _row_sparse.RowSparse
 
 
-def clock():
-    """Seconds on the scale of ``KVStore.take_timeline``'s times, to put the caller's own
-    events on one timeline with the store's calls."""
-    return _native.clock()
-
-
 Context = namedtuple("Context", ["device_type", "device_id"])
 Context.__doc__ = """A device name, as MXNet's ``mx.cpu(i)``. NumPy and torch arrays carry their
 own device, so the store needs none; it is here so that tutorial code ports line by line."""
@@ -558,9 +552,13 @@ class KVStore:
 
     def take_timeline(self):
         """The queued calls finished since the timeline was started or last taken: a list of
-        ``(call, queued, started, finished, ok)``, times in seconds on ``kvstore.clock()``'s
-        scale."""
+        ``(call, queued, started, finished, ok)``, times in seconds on ``clock()``'s scale."""
         return self._kv.take_timeline()
+
+    def clock(self):
+        """Seconds on the scale of ``take_timeline``'s times, to put the caller's own events
+        on one timeline with the store's calls."""
+        return self._kv.clock()
 
     @contextmanager
     def _told_async(self, op, priority):

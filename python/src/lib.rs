@@ -373,6 +373,12 @@ impl PyStore {
         self.queue_refusal(py, op, priority, why);
     }
 
+    /// Seconds on the scale of `take_timeline`'s times: for timelines that mix the store's
+    /// calls with the caller's own events.
+    fn clock(&self) -> f64 {
+        epoch().elapsed().as_secs_f64()
+    }
+
     /// Starts (`True`) or stops recording when each queued call ran (`take_timeline`).
     fn set_timeline(&self, on: bool) {
         self.queue().set_timeline(on);
@@ -751,7 +757,6 @@ fn kvstore_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ),
     )?;
     m.add_function(wrap_pyfunction!(cuda_stream, m)?)?;
-    m.add_function(wrap_pyfunction!(clock, m)?)?;
     epoch(); // timelines count from the import
     Ok(())
 }
@@ -761,11 +766,4 @@ fn kvstore_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[pyfunction]
 fn cuda_stream(device_id: usize) -> PyResult<usize> {
     kvstore::cuda_stream(device_id).map_err(errors::to_py)
-}
-
-/// Seconds on the scale of `take_timeline`'s times: for timelines that mix the store's calls
-/// with the caller's own events.
-#[pyfunction]
-fn clock() -> f64 {
-    epoch().elapsed().as_secs_f64()
 }

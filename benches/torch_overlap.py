@@ -1,0 +1,178 @@
+"""Step time of data-parallel torch training on CPU ranks: DistributedDataParallel (gloo)
+against kvstore.torch.DistributedOptimizer, blocking and with overlap=True (issue 18).
+
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 \\
+      mpirun --oversubscribe -np 2 python benches/torch_overlap.py --model mlp --json out.json
+
+Each rank trains three copies of one model on its own batch: DDP (gloo allreduce, its own
+bucketing and overlap), the kvstore wrapper stepping blocking (push everything, pull
+everything, in step()) and the wrapper with overlap (buckets pushed from backward's hooks). The
+modes take turns, a few steps each, for --rounds rounds, so that the machine's noise falls on
+all of them alike. A step is zero_grad + forward + backward + step, timed on every rank; the
+figure per step is the slowest rank's, and the table gives each mode's median and its ratio to
+DDP's. All three use SGD with momentum, so they train the same model the same way.
+
+It then records one overlapped step's timeline on rank 0: when backward started and ended, and
+when each bucket's push was queued, started and finished on the store's worker. A push that
+starts before backward ends is communication overlapping compute.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import kvstore
+from kvstore.torch import DistributedOptimizer
+
+
+def model_of(name):
+    if name == "mlp":
+        return torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(784, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 10),
+        ), (1, 28, 28)
+    if name == "cnn":
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(32, 64, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(64 * 8 * 8, 128),
+            torch.nn.ReLU(),
+            torch.nn.Linear(128, 10),
+        ), (3, 32, 32)
+    raise SystemExit(f"unknown model {name}: mlp or cnn")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mlp")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=5, help="steps per mode per round")
+    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    torch.set_num_threads(1)
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ.get('KVSTORE_BENCH_PORT', '29533')}",
+        rank=r,
+        world_size=n,
+    )
+    torch.manual_seed(0)
+    base, shape = model_of(a.model)
+    g = torch.Generator().manual_seed(1 + r)
+    x = torch.randn(a.batch, *shape, generator=g)
+    y = torch.randint(0, 10, (a.batch,), generator=g)
+    params = sum(p.numel() for p in base.parameters())
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    blocking_model, overlap_model = copy.deepcopy(base), copy.deepcopy(base)
+    modes = {
+        "ddp_gloo": (ddp, sgd(ddp)),
+        "kvstore_blocking": (
+            blocking_model,
+            DistributedOptimizer(sgd(blocking_model), kvstore.create("dist_sync")),
+        ),
+        "kvstore_overlap": (
+            overlap_model,
+            DistributedOptimizer(
+                sgd(overlap_model), kvstore.create("dist_sync"), overlap=True,
+                bucket_mb=a.bucket_mb,
+            ),
+        ),
+    }
+
+    def step(m, opt):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+
+    for m, opt in modes.values():  # warm-up
+        for _ in range(2):
+            step(m, opt)
+    times = {k: [] for k in modes}
+    for _ in range(a.rounds):
+        for name, (m, opt) in modes.items():
+            for _ in range(a.steps):
+                dist.barrier()
+                t = time.perf_counter()
+                step(m, opt)
+                times[name].append(time.perf_counter() - t)
+    # The slowest rank's time of each step.
+    mine = torch.tensor([times[k] for k in modes], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    slowest = {k: mine[i].tolist() for i, k in enumerate(modes)}
+
+    # One overlapped step's timeline, on every rank (rank 0's is printed).
+    m, opt = modes["kvstore_overlap"]
+    opt.store.set_timeline(True)
+    opt.store.take_timeline()
+    marks = {}
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(m(x), y)
+    marks["backward_start"] = opt.store.clock()
+    loss.backward()
+    marks["backward_end"] = opt.store.clock()
+    opt.step()
+    marks["step_end"] = opt.store.clock()
+    calls = opt.store.take_timeline()
+    opt.store.set_timeline(False)
+    dist.destroy_process_group()
+
+    if r != 0:
+        return
+    ddp_median = statistics.median(slowest["ddp_gloo"])
+    result = {
+        "model": a.model,
+        "params": params,
+        "ranks": n,
+        "batch_per_rank": a.batch,
+        "bucket_mb": a.bucket_mb,
+        "steps_per_mode": len(slowest["ddp_gloo"]),
+        "median_ms": {k: 1e3 * statistics.median(v) for k, v in slowest.items()},
+        "timeline": {"marks": marks, "calls": calls},
+    }
+    print(f"{a.model}: {params} parameters, {n} ranks, batch {a.batch} per rank, "
+          f"{result['steps_per_mode']} steps per mode (slowest rank per step)")
+    for k, v in slowest.items():
+        med = statistics.median(v)
+        print(f"  {k:18s} median {1e3 * med:8.3f} ms   DDP / this = {ddp_median / med:5.2f}x")
+    t0 = marks["backward_start"]
+    print(f"  timeline of one overlapped step on rank 0 (ms from backward's start): backward "
+          f"ends at {1e3 * (marks['backward_end'] - t0):.3f}, step ends at "
+          f"{1e3 * (marks['step_end'] - t0):.3f}")
+    overlapping = 0
+    for call, queued, started, finished, ok in calls:
+        during = started < marks["backward_end"]
+        overlapping += during and " push " in call
+        print(f"    {call:34s} queued {1e3 * (queued - t0):8.3f}  ran {1e3 * (started - t0):8.3f} "
+              f"-> {1e3 * (finished - t0):8.3f}{'  (during backward)' if during else ''}")
+    print(f"  pushes that started while backward ran: {overlapping}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
