@@ -364,19 +364,19 @@ impl DataParallel {
     }
 
     /// One training step as [`DataParallel::step`], with communication overlapping backward:
-    /// each parameter's gradients are pushed through `queue` (an [`AsyncKvStore`] over
+    /// each layer's gradients are pushed through `queue` (an [`AsyncKvStore`] over
     /// [`DataParallel::kv`]) as soon as every device has computed them, while backward goes on
     /// with the layers below; then every parameter is pulled, and the step waits for it all.
-    /// The same pushes as `step`'s one `push_list`, key by key, so the same parameters.
+    /// The same sums as `step`'s one `push_list`, layer by layer, so the same parameters.
     pub fn step_overlapped(
         &self,
         queue: &AsyncKvStore,
         batch: Batch<'_>,
     ) -> kvstore::Result<(f64, usize)> {
         let n = self.devices.len();
-        // grads[k][d]: device d's gradient of parameter k, until the key is pushed. The device
-        // that completes a key pushes it, under the lock: each device gives its keys in one
-        // order, so keys complete in that order on every rank, and the ranks' queued calls
+        // grads[k][d]: device d's gradient of parameter k, until it is pushed. The device that
+        // completes a layer pushes it, under the lock: each device gives its keys in one
+        // order, so layers complete in that order on every rank, and the ranks' queued calls
         // match.
         let grads: Mutex<Vec<Vec<Option<NDArray>>>> =
             Mutex::new(vec![vec![None; n]; self.keys.len()]);
@@ -395,11 +395,16 @@ impl DataParallel {
                 };
                 let mut grads = grads.lock().unwrap_or_else(|e| e.into_inner());
                 grads[k][d] = Some(g);
-                if grads[k].iter().all(Option::is_some) {
-                    let values: Vec<NDArray> =
-                        grads[k].iter_mut().filter_map(Option::take).collect();
+                // A layer (its weight 2l and bias 2l + 1) goes out in one push once every
+                // device has both.
+                let layer = [k & !1, k | 1];
+                if layer.iter().all(|&j| grads[j].iter().all(Option::is_some)) {
+                    let values: Vec<Vec<NDArray>> = (layer.iter())
+                        .map(|&j| grads[j].iter_mut().filter_map(Option::take).collect())
+                        .collect();
+                    let keys = [self.keys[layer[0]], self.keys[layer[1]]];
                     // MXNet's priority: the first layers, needed first, highest.
-                    queue.push(self.keys[k], &values, -(k as i32));
+                    queue.push_list(&keys, &values, -(layer[0] as i32));
                 }
             };
             let done = pass_each(&params, shard(batch, d, n), true, on_grad);
