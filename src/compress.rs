@@ -16,6 +16,7 @@
 //! an infinity (float16 past ±65504), is sent as it rounds and leaves a residual of 0.
 
 use half::{bf16, f16};
+use std::ops::Range;
 
 use crate::{DType, Error, Result};
 
@@ -187,37 +188,104 @@ fn shift(k: usize) -> u32 {
 pub(crate) fn two_bit_quantize(grad: &[f32], residual: &mut [f32], t: f32, out: &mut [u32]) {
     debug_assert_eq!(grad.len(), residual.len());
     debug_assert_eq!(out.len(), two_bit_words(grad.len()));
-    for (w, word) in out.iter_mut().enumerate() {
-        let start = 16 * w;
-        let end = (start + 16).min(grad.len());
-        let mut bits = 0u32;
-        for i in start..end {
-            let r = residual[i] + grad[i];
-            let code = if r >= t {
-                residual[i] = r - t;
-                0b11
-            } else if r <= -t {
-                residual[i] = r + t;
-                0b10
-            } else {
-                residual[i] = r;
-                0b00
-            };
-            bits |= code << shift(i - start);
-        }
-        *word = bits;
+    // Whole words of 16 elements, then the last one: a fixed-length body the compiler turns
+    // into vector selects.
+    let whole = grad.len() / 16;
+    let (g_body, g_tail) = grad.split_at(16 * whole);
+    let (r_body, r_tail) = residual.split_at_mut(16 * whole);
+    for ((g, r), word) in g_body
+        .chunks_exact(16)
+        .zip(r_body.chunks_exact_mut(16))
+        .zip(out.iter_mut())
+    {
+        *word = quantize_word(g, r, t);
     }
+    if !g_tail.is_empty() {
+        out[whole] = quantize_word(g_tail, r_tail, t);
+    }
+}
+
+/// The word of up to 16 elements: each code `0b11` (sends `+t`), `0b10` (`-t`) or 0, with
+/// the residual updated as MXNet's kernel does.
+#[inline(always)]
+fn quantize_word(grad: &[f32], residual: &mut [f32], t: f32) -> u32 {
+    let mut bits = 0u32;
+    for (k, (&g, r)) in grad.iter().zip(residual.iter_mut()).enumerate() {
+        let sum = *r + g;
+        let (up, down) = (sum >= t, sum <= -t);
+        *r = if up {
+            sum - t
+        } else if down {
+            sum + t
+        } else {
+            sum
+        };
+        let code = (u32::from(up) * 0b11) | (u32::from(down) * 0b10);
+        bits |= code << shift(k);
+    }
+    bits
 }
 
 /// Decodes 2-bit `words` into `out` (its length says how many elements): `+t`, `-t` or 0.
 pub(crate) fn two_bit_dequantize(words: &[u32], t: f32, out: &mut [f32]) {
     debug_assert_eq!(words.len(), two_bit_words(out.len()));
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = two_bit_value(words, i, t);
+    two_bit_decode(words, &TwoBitTable::new(t), 0..out.len(), out);
+}
+
+/// The four values of every byte of 2-bit codes, for one threshold: decoding is a lookup per
+/// byte.
+pub(crate) struct TwoBitTable([[f32; 4]; 256]);
+
+impl TwoBitTable {
+    pub(crate) fn new(t: f32) -> TwoBitTable {
+        let value = |code: usize| match code {
+            0b11 => t,
+            0b10 => -t,
+            _ => 0.0,
+        };
+        let mut table = [[0.0; 4]; 256];
+        for (byte, four) in table.iter_mut().enumerate() {
+            for (j, v) in four.iter_mut().enumerate() {
+                *v = value((byte >> (6 - 2 * j)) & 0b11);
+            }
+        }
+        TwoBitTable(table)
+    }
+}
+
+/// Decodes elements `range` of the 2-bit `words`, whose first word holds elements 0 to 15,
+/// into `out` (`range.len()` long).
+pub(crate) fn two_bit_decode(
+    words: &[u32],
+    table: &TwoBitTable,
+    range: Range<usize>,
+    out: &mut [f32],
+) {
+    debug_assert_eq!(out.len(), range.len());
+    // Byte b of the words (little-endian) holds elements 4b to 4b + 3.
+    let byte = |b: usize| (words[b / 4] >> (8 * (b % 4))) as u8 as usize;
+    let mut i = range.start;
+    let mut o = 0;
+    while i < range.end && i % 4 != 0 {
+        out[o] = table.0[byte(i / 4)][i % 4];
+        i += 1;
+        o += 1;
+    }
+    let fours = (range.end - i) / 4;
+    for (n, chunk) in out[o..o + 4 * fours].chunks_exact_mut(4).enumerate() {
+        chunk.copy_from_slice(&table.0[byte(i / 4 + n)]);
+    }
+    i += 4 * fours;
+    o += 4 * fours;
+    while i < range.end {
+        out[o] = table.0[byte(i / 4)][i % 4];
+        i += 1;
+        o += 1;
     }
 }
 
 /// The value element `i` of 2-bit `words` sends: `+t`, `-t` or 0.
+#[cfg(test)]
 pub(crate) fn two_bit_value(words: &[u32], i: usize, t: f32) -> f32 {
     match (words[i / 16] >> shift(i % 16)) & 0b11 {
         0b11 => t,
@@ -286,6 +354,46 @@ mod tests {
         for i in 0..n {
             let drift = (came[i] - sent[i] - f64::from(residual[i])).abs();
             assert!(drift < 1e-3 * t as f64 * 50.0, "element {i}: {drift}");
+        }
+    }
+
+    /// The word-at-a-time quantizer and the table decoder against the per-element rule,
+    /// bit for bit, on random lengths, values and ranges.
+    #[test]
+    fn fast_codec_equals_the_element_rule() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        for _ in 0..200 {
+            let t = rng.gen_range(0.05f32..2.0);
+            let n = rng.gen_range(1..300);
+            let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0 * t..3.0 * t)).collect();
+            let r0: Vec<f32> = (0..n).map(|_| rng.gen_range(-t..t)).collect();
+            let (mut r, mut words) = (r0.clone(), vec![0u32; two_bit_words(n)]);
+            two_bit_quantize(&g, &mut r, t, &mut words);
+            for i in 0..n {
+                let sum = r0[i] + g[i];
+                let (code, left) = if sum >= t {
+                    (0b11, sum - t)
+                } else if sum <= -t {
+                    (0b10, sum + t)
+                } else {
+                    (0, sum)
+                };
+                assert_eq!((words[i / 16] >> shift(i % 16)) & 0b11, code, "element {i}");
+                assert_eq!(r[i].to_bits(), left.to_bits(), "element {i}");
+            }
+            let table = TwoBitTable::new(t);
+            let a = rng.gen_range(0..n);
+            let b = rng.gen_range(a..=n);
+            let mut out = vec![f32::NAN; b - a];
+            two_bit_decode(&words, &table, a..b, &mut out);
+            for (o, i) in out.iter().zip(a..b) {
+                assert_eq!(
+                    o.to_bits(),
+                    two_bit_value(&words, i, t).to_bits(),
+                    "element {i}"
+                );
+            }
         }
     }
 

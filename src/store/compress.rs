@@ -12,7 +12,8 @@ use super::{read, write, KvStore, StoreKind};
 use crate::comm::dist::Dist;
 use crate::comm::link::{Op, Round};
 use crate::compress::{
-    half_encode, two_bit_quantize, two_bit_value, two_bit_words, Compression, HalfWire,
+    half_encode, two_bit_decode, two_bit_quantize, two_bit_words, Compression, HalfWire,
+    TwoBitTable,
 };
 use crate::host::HostData;
 use crate::{cpu, DType, Error, Key, NDArray, Result};
@@ -244,11 +245,15 @@ pub(super) fn sum_across(
                     words.into_iter().map(f32::from_bits).collect()
                 })
                 .collect();
-            exchange(call, d, groups, &encoded, span, |seg, start, i| {
+            let table = TwoBitTable::new(threshold);
+            let mut words = Vec::new();
+            exchange(call, d, groups, &encoded, span, |seg, start, range, out| {
                 // The bit patterns themselves: a conversion (through f64, say) would quiet a
                 // word that reads as a signalling NaN, and change a code.
-                let word = seg[(i - 16 * start) / 16].to_bits();
-                two_bit_value(&[word], (i - 16 * start) % 16, threshold)
+                words.clear();
+                words.extend(seg.iter().map(|w| w.to_bits()));
+                let first = 16 * start;
+                two_bit_decode(&words, &table, range.start - first..range.end - first, out);
             })?
         }
         Compression::Half { dtype: DType::F16 } => {
@@ -279,9 +284,21 @@ fn half_across<H: HalfWire>(
     let encoded: Vec<Vec<H>> = (values.iter().zip(kept.iter_mut()))
         .map(|(v, r)| half_encode(v, &mut r[0]))
         .collect();
-    exchange(call, d, groups, &encoded, piece, |seg, start, i| {
-        seg[i - start].widen()
-    })
+    exchange(
+        call,
+        d,
+        groups,
+        &encoded,
+        piece,
+        |seg, start, range, out| {
+            for (o, h) in out
+                .iter_mut()
+                .zip(&seg[range.start - start..range.end - start])
+            {
+                *o = h.widen();
+            }
+        },
+    )
 }
 
 /// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
@@ -289,7 +306,8 @@ fn half_across<H: HalfWire>(
 /// of the send buffer holds, key by key, the spans of the keys `r` holds; blocks are of equal
 /// length (the longest sets it; the rest is padding). Every rank lays them out alike (the
 /// fingerprint made the keys, shapes and spreads the same), so each finds its spans in every
-/// rank's block. `value(seg, span_start, i)` decodes element `i` of a key from a span. Returns,
+/// rank's block. `decode(seg, span_start, elements, out)` decodes a key's `elements` from a
+/// span into `out`. Returns,
 /// per key, the part this rank holds summed over the ranks in rank order, in float32 (`None`
 /// where it holds none).
 fn exchange<T: crate::Element + Copy>(
@@ -298,7 +316,7 @@ fn exchange<T: crate::Element + Copy>(
     groups: &[Group<'_>],
     encoded: &[Vec<T>],
     span: impl Fn(&Group<'_>, usize) -> std::ops::Range<usize>,
-    value: impl Fn(&[T], usize, usize) -> f32,
+    mut decode: impl FnMut(&[T], usize, std::ops::Range<usize>, &mut [f32]),
 ) -> Result<Vec<Option<NDArray>>> {
     let (rank, size) = (d.rank(), d.size());
     let block_len = |r: usize| groups.iter().map(|g| span(g, r).len()).sum::<usize>();
@@ -330,12 +348,17 @@ fn exchange<T: crate::Element + Copy>(
         }
         let mine = span(g, rank);
         let mut total = vec![0f32; piece.len()];
+        let mut next = vec![0f32; if size > 1 { piece.len() } else { 0 }];
         for r in 0..size {
             let seg = &all[r * block + at..r * block + at + mine.len()];
-            for (t, i) in total.iter_mut().zip(piece.clone()) {
-                let v = value(seg, mine.start, i);
-                // In rank order, in float32: the first rank's value, then + each next one.
-                *t = if r == 0 { v } else { *t + v };
+            // In rank order, in float32: the first rank's value, then + each next one.
+            if r == 0 {
+                decode(seg, mine.start, piece.clone(), &mut total);
+            } else {
+                decode(seg, mine.start, piece.clone(), &mut next);
+                for (t, v) in total.iter_mut().zip(&next) {
+                    *t += v;
+                }
             }
         }
         at += mine.len();
