@@ -246,15 +246,29 @@ pub(super) fn sum_across(
                 })
                 .collect();
             let table = TwoBitTable::new(threshold);
-            let mut words = Vec::new();
-            exchange(call, d, groups, &encoded, span, |seg, start, range, out| {
-                // The bit patterns themselves: a conversion (through f64, say) would quiet a
-                // word that reads as a signalling NaN, and change a code.
-                words.clear();
-                words.extend(seg.iter().map(|w| w.to_bits()));
-                let first = 16 * start;
-                two_bit_decode(&words, &table, range.start - first..range.end - first, out);
-            })?
+            let (mut words, mut row) = (Vec::new(), Vec::new());
+            exchange(
+                call,
+                d,
+                groups,
+                &encoded,
+                span,
+                |seg, start, range, total, add| {
+                    // The bit patterns themselves: a conversion (through f64, say) would quiet a
+                    // word that reads as a signalling NaN, and change a code.
+                    words.clear();
+                    words.extend(seg.iter().map(|w| w.to_bits()));
+                    let elements = range.start - 16 * start..range.end - 16 * start;
+                    if !add {
+                        return two_bit_decode(&words, &table, elements, total);
+                    }
+                    row.resize(total.len(), 0.0);
+                    two_bit_decode(&words, &table, elements, &mut row);
+                    for (t, v) in total.iter_mut().zip(&row) {
+                        *t += v;
+                    }
+                },
+            )?
         }
         Compression::Half { dtype: DType::F16 } => {
             half_across::<f16>(call, d, groups, &values, &mut kept, piece)?
@@ -290,12 +304,11 @@ fn half_across<H: HalfWire>(
         groups,
         &encoded,
         piece,
-        |seg, start, range, out| {
-            for (o, h) in out
-                .iter_mut()
-                .zip(&seg[range.start - start..range.end - start])
-            {
-                *o = h.widen();
+        |seg, start, range, total, add| {
+            let seg = &seg[range.start - start..range.end - start];
+            match add {
+                false => total.iter_mut().zip(seg).for_each(|(t, h)| *t = h.widen()),
+                true => total.iter_mut().zip(seg).for_each(|(t, h)| *t += h.widen()),
             }
         },
     )
@@ -306,8 +319,8 @@ fn half_across<H: HalfWire>(
 /// of the send buffer holds, key by key, the spans of the keys `r` holds; blocks are of equal
 /// length (the longest sets it; the rest is padding). Every rank lays them out alike (the
 /// fingerprint made the keys, shapes and spreads the same), so each finds its spans in every
-/// rank's block. `decode(seg, span_start, elements, out)` decodes a key's `elements` from a
-/// span into `out`. Returns,
+/// rank's block. `decode(seg, span_start, elements, total, add)` decodes a key's `elements`
+/// from a span into `total`, or with `add` adds them to it. Returns,
 /// per key, the part this rank holds summed over the ranks in rank order, in float32 (`None`
 /// where it holds none).
 fn exchange<T: crate::Element + Copy>(
@@ -316,7 +329,7 @@ fn exchange<T: crate::Element + Copy>(
     groups: &[Group<'_>],
     encoded: &[Vec<T>],
     span: impl Fn(&Group<'_>, usize) -> std::ops::Range<usize>,
-    mut decode: impl FnMut(&[T], usize, std::ops::Range<usize>, &mut [f32]),
+    mut decode: impl FnMut(&[T], usize, std::ops::Range<usize>, &mut [f32], bool),
 ) -> Result<Vec<Option<NDArray>>> {
     let (rank, size) = (d.rank(), d.size());
     let block_len = |r: usize| groups.iter().map(|g| span(g, r).len()).sum::<usize>();
@@ -348,18 +361,10 @@ fn exchange<T: crate::Element + Copy>(
         }
         let mine = span(g, rank);
         let mut total = vec![0f32; piece.len()];
-        let mut next = vec![0f32; if size > 1 { piece.len() } else { 0 }];
         for r in 0..size {
             let seg = &all[r * block + at..r * block + at + mine.len()];
             // In rank order, in float32: the first rank's value, then + each next one.
-            if r == 0 {
-                decode(seg, mine.start, piece.clone(), &mut total);
-            } else {
-                decode(seg, mine.start, piece.clone(), &mut next);
-                for (t, v) in total.iter_mut().zip(&next) {
-                    *t += v;
-                }
-            }
+            decode(seg, mine.start, piece.clone(), &mut total, r > 0);
         }
         at += mine.len();
         let shape = part_shape(g, total.len());
