@@ -233,6 +233,15 @@ struct PyStore {
     queue: OnceLock<AsyncKvStore>,
 }
 
+impl Drop for PyStore {
+    /// Runs the queued calls without the GIL: one may run a Python updater, which takes it.
+    fn drop(&mut self) {
+        if let Some(queue) = self.queue.take() {
+            Python::attach(|py| py.detach(move || drop(queue)));
+        }
+    }
+}
+
 #[pymethods]
 impl PyStore {
     /// A store of kind `name` ('local', 'device', 'nccl', or an alias).

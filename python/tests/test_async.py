@@ -225,3 +225,29 @@ def test_a_second_backward_before_step_is_refused_with_overlap():
     torch.nn.functional.mse_loss(model(x), y).backward()
     with pytest.raises(RuntimeError, match="accumulated again"):
         torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def test_dropping_a_store_with_queued_python_updates_does_not_hang():
+    # The queued pushes run a Python updater, which needs the GIL; dropping the store with
+    # them queued must run them without holding it. In a child, so a hang fails this test
+    # instead of the run.
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np, kvstore
+seen = []
+def add(key, value, stored):
+    seen.append(key)
+    stored += value
+kv = kvstore.create('local')
+kv.init(0, np.zeros(1000, np.float32))
+kv.set_updater(add)
+for _ in range(20):
+    kv.push_async(0, np.ones(1000, np.float32))
+del kv
+assert len(seen) == 20, seen
+print('ok')
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

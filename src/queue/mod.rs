@@ -332,6 +332,7 @@ impl AsyncKvStore {
     /// `KVSTORE_TIMEOUT`).
     pub fn wait(&self, key: impl IntoKey) -> Result<()> {
         let key = key.into_key()?;
+        self.not_on_worker("wait")?;
         let mut state = self.shared.lock();
         while state.pending.is_busy(&key) {
             state = self.shared.wait(state);
@@ -346,6 +347,7 @@ impl AsyncKvStore {
     /// ([`KvStore::wait_all`]). Returns the first failure since the last `wait_all`, and from
     /// then on queued calls run again.
     pub fn wait_all(&self) -> Result<()> {
+        self.not_on_worker("wait_all")?;
         let mut state = self.shared.lock();
         while !state.pending.is_idle() {
             state = self.shared.wait(state);
@@ -356,6 +358,20 @@ impl AsyncKvStore {
         match failure {
             Some(f) => Err(f.to_error()),
             None => self.store.wait_all(),
+        }
+    }
+
+    /// An error for a wait made by a queued call itself (a custom updater that waits on the
+    /// store it runs in): it would wait for itself forever.
+    fn not_on_worker(&self, op: &'static str) -> Result<()> {
+        match &self.worker {
+            Some(w) if w.thread().id() == std::thread::current().id() => {
+                Err(Error::InvalidUpdater(format!(
+                    "{op} was called from a queued call (a custom updater, say) on the store \
+                     that runs it, and would wait for itself forever: wait outside the updater"
+                )))
+            }
+            _ => Ok(()),
         }
     }
 

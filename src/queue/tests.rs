@@ -453,3 +453,26 @@ fn finals2(kv: &KvStore) -> Vec<Vec<f32>> {
         })
         .collect()
 }
+
+/// A custom updater that waits on the queue running it gets an error, not a hang.
+#[test]
+fn a_wait_from_inside_a_queued_call_is_an_error_not_a_hang() {
+    let kv = KvStore::create("local").unwrap();
+    kv.init(0, &NDArray::zeros([2])).unwrap();
+    let handle: Arc<Mutex<Option<Arc<AsyncKvStore>>>> = Arc::new(Mutex::new(None));
+    let seen = Arc::new(Mutex::new(None));
+    let (h, log) = (handle.clone(), seen.clone());
+    kv.set_updater(Updater::custom(move |_, input, stored| {
+        let q = h.lock().unwrap().clone().expect("the queue");
+        *log.lock().unwrap() = Some(q.wait_all().map_err(|e| e.to_string()));
+        *stored += input;
+    }))
+    .unwrap();
+    let q = Arc::new(AsyncKvStore::new(kv));
+    *handle.lock().unwrap() = Some(q.clone());
+    q.push(0, &NDArray::ones([2]), 0);
+    q.wait(0).unwrap();
+    let got = seen.lock().unwrap().take().expect("the updater ran");
+    assert!(got.unwrap_err().contains("wait for itself"));
+    *handle.lock().unwrap() = None; // the updater's handle, so the queue is dropped here
+}
