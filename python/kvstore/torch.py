@@ -36,7 +36,11 @@ in the same order, and the store sums each bucket (and with ``update_on_kvstore=
 optimizer on it, on each key's home: ZeRO-1 with the optimizer in the store) while backward
 computes the layers below. ``step()`` queues what is left, pulls the parameters, and waits. The
 results are those of ``overlap=False``. Call ``step()`` after each ``backward()``: a gradient
-accumulated again after its bucket was queued raises.
+accumulated again after its bucket was queued raises. When torch steps
+(``update_on_kvstore=False``), backward's end waits for the sums and averages them, as DDP's
+does, so code between ``backward()`` and ``step()`` (clipping, a GradScaler) sees the averaged
+gradients. When the store steps, it has used each gradient as backward made it: a gradient or
+learning rate changed after backward makes ``step()`` raise a ValueError.
 """
 
 import hashlib
@@ -298,6 +302,11 @@ class DistributedOptimizer:
             self._buckets.append(bucket)
         self._ready = [False] * len(self._params)
         self._queued_keys = []  # indices of the parameters queued this step
+        # (the store steps) A copy of each gradient as it was queued, to see a change made
+        # after (clipping, a GradScaler's unscale, which leaves the version counter alone).
+        self._pushed = {}
+        self._reduced = False  # (torch steps) backward's end waited for the sums
+        self._waiting = False  # (torch steps) backward's end is to wait for them
         self._next = 0  # the first bucket not queued yet
         self._begun = False  # whether this step's first bucket was queued
         self._hooks = [
@@ -310,10 +319,16 @@ class DistributedOptimizer:
         if self._ready[i]:
             raise RuntimeError(
                 f"the gradient of parameter {self._keys[i]!r} was accumulated again after it "
-                f"was queued (several backward passes before step()): with overlap=True call "
-                f"step() after each backward, or pass overlap=False"
+                f"was queued (several backward passes before step(), or a step() that was "
+                f"skipped, as a GradScaler skips it on inf or NaN gradients, which the store "
+                f"had then already applied): with overlap=True call step() after each "
+                f"backward, or pass overlap=False"
             )
         self._ready[i] = True
+        if not self.update_on_kvstore and not self._waiting:
+            # Torch steps: backward's end waits for the sums, as DDP's does.
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._waiting = True
         while self._next < len(self._buckets) and all(
             self._ready[j] for j in self._buckets[self._next]
         ):
@@ -322,7 +337,8 @@ class DistributedOptimizer:
 
     def _begin(self):
         """Before this step's first bucket is queued: the checks and the learning rate that
-        ``step()`` applies before pushing (a scheduler's change since the last step)."""
+        ``step()`` applies before pushing (a scheduler's change since the last step). When torch
+        steps, backward's end waits for the sums (see ``_grad_ready``)."""
         if self._begun:
             return
         self._begun = True
@@ -355,43 +371,90 @@ class DistributedOptimizer:
             else:
                 self.store.pushpull_async(keys, grads, priority=priority)
         self._queued_keys.extend(live)
+        if self.update_on_kvstore:
+            for j in live:
+                self._pushed[j] = self._params[j].grad.detach().clone()
 
-    def _step_overlapped(self, loss):
-        """``step()`` with overlap: queue what backward did not, then finish the step."""
-        for i, p in enumerate(self._params):
-            # A parameter backward never reached: on several workers its zeros go in its
-            # bucket; in one process it is left out, as torch optimizers leave it.
-            if not self._ready[i]:
-                self._ready[i] = True
+    def _queue_rest(self):
+        """Queues the buckets backward did not: a parameter it never reached goes as zeros on
+        several workers (every worker makes the same calls), and is left out in one process."""
+        for i in range(len(self._params)):
+            self._ready[i] = True
         while self._next < len(self._buckets):
             self._queue_bucket(self._buckets[self._next])
             self._next += 1
-        queued = sorted(self._queued_keys)
-        self._queued_keys = []
-        self._ready = [False] * len(self._params)
-        self._next = 0
-        self._begun = False
-        if not queued:
-            self.store.wait_all()
-            return loss
-        with torch.no_grad():
-            if self.update_on_kvstore:
-                self.store.pull_async(
-                    [self._keys[i] for i in queued],
-                    out=[self._params[i].detach() for i in queued],
-                )
+
+    def _backward_done(self):
+        """(torch steps) The end of backward: every bucket queued, the sums in, averaged over
+        the workers. Code between ``backward()`` and ``step()`` (gradient clipping, a
+        GradScaler's unscale) then sees the averaged gradients, as with DDP."""
+        self._queue_rest()
+        # (agree is a blocking call: it waits for the queued pushpulls first.)
+        self._agree_torch_step()
+        self.store.wait_all()
+        workers = self.store.num_workers
+        if workers > 1:
+            with torch.no_grad():
+                for i in self._queued_keys:
+                    self._params[i].grad.div_(workers)
+        self._reduced = True
+
+    def _check_untouched(self):
+        """(the store steps) A ValueError when a gradient or the learning rate changed after
+        backward queued it: the store already applied the gradients as backward made them."""
+        changed = [
+            self._keys[i]
+            for i in self._queued_keys
+            if self._params[i].grad is None or not torch.equal(self._params[i].grad, self._pushed[i])
+        ]
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if changed or lr != self._lr:
+            what = (
+                f"the gradients of {changed[:5]} changed" if changed else
+                f"the learning rate changed to {lr}"
+            )
+            raise ValueError(
+                f"{what} after backward had pushed them (gradient clipping, a GradScaler's "
+                f"unscale, a warmup setting lr before step()): with overlap=True and "
+                f"update_on_kvstore=True the store runs the optimizer on each gradient as "
+                f"backward makes it, so this step already used the unchanged values and the "
+                f"model's parameters were not updated. Change the learning rate before "
+                f"backward, or pass update_on_kvstore=False (torch steps on gradients averaged "
+                f"at the end of backward, as with DDP)"
+            )
+
+    def _step_overlapped(self, loss):
+        """``step()`` with overlap: queue what backward did not, then finish the step."""
+        try:
+            if not self.update_on_kvstore:
+                if not self._reduced:  # no backward since the last step
+                    self._backward_done()
+                with torch.no_grad():
+                    self.optimizer.step()
+                return loss
+            self._queue_rest()
+            queued = sorted(self._queued_keys)
+            if queued:
                 self.store.wait_all()
+                self._check_untouched()
+                with torch.no_grad():
+                    self.store.pull_async(
+                        [self._keys[i] for i in queued],
+                        out=[self._params[i].detach() for i in queued],
+                    )
+                    self.store.wait_all()
                 self.optimizer._opt_called = True
             else:
-                # (agree is a blocking call: it waits for the queued pushpulls first.)
-                self._agree_torch_step()
                 self.store.wait_all()
-                workers = self.store.num_workers
-                if workers > 1:
-                    for i in queued:
-                        self._params[i].grad.div_(workers)
-                self.optimizer.step()
-        return loss
+            return loss
+        finally:
+            self._queued_keys = []
+            self._pushed = {}
+            self._ready = [False] * len(self._params)
+            self._next = 0
+            self._begun = False
+            self._reduced = False
+            self._waiting = False
 
     def step(self, closure=None):
         """Pushes the gradients and pulls the parameters (update_on_kvstore), or sums the

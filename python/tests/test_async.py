@@ -251,3 +251,53 @@ print('ok')
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_a_failed_queued_call_is_reported_when_the_store_is_dropped_unwaited():
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np, kvstore
+kv = kvstore.create('local')
+kv.init(0, np.zeros(4, np.float32))
+kv.push_async(0, np.ones(5, np.float32))   # the wrong shape: fails on the worker
+del kv
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "no wait returned it" in r.stderr and "push [0]" in r.stderr, r.stderr
+
+
+def clip(torch, model):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+
+
+@pytest.mark.parametrize("update_on_kvstore", [True, False], ids=["store-steps", "torch-steps"])
+def test_gradient_clipping_between_backward_and_step_with_overlap(update_on_kvstore):
+    # Torch steps: backward's end waits for the (averaged) sums, so clipping after it applies,
+    # as in the blocking wrapper. The store steps: it already ran the optimizer on the
+    # gradients as backward made them, so a change after backward raises instead of being lost.
+    from kvstore.torch import DistributedOptimizer
+
+    torch, x, y, plain = torch_problem(fresh_seed())
+    blocking, overlapped = copy.deepcopy(plain), copy.deepcopy(plain)
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    a = DistributedOptimizer(sgd(blocking), update_on_kvstore=update_on_kvstore)
+    b = DistributedOptimizer(
+        sgd(overlapped), update_on_kvstore=update_on_kvstore, overlap=True, bucket_mb=1e-6
+    )
+    for model, opt in ((blocking, a), (overlapped, b)):
+        for _ in range(4):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            clip(torch, model)
+            if update_on_kvstore and opt is b:
+                with pytest.raises(ValueError, match="changed after backward"):
+                    opt.step()
+                return
+            opt.step()
+    for q, r in zip(blocking.parameters(), overlapped.parameters()):
+        torch.testing.assert_close(r, q, rtol=0, atol=0)

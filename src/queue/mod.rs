@@ -12,6 +12,7 @@ mod tests;
 
 use std::collections::HashSet;
 use std::fmt;
+use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -399,19 +400,33 @@ impl AsyncKvStore {
 }
 
 impl Drop for AsyncKvStore {
-    /// Runs what is queued, then ends the worker. A failure no wait returned is logged.
+    /// Runs what is queued, then ends the worker. A failure no wait returned is written to
+    /// stderr. Dropped by a queued call itself (an updater holding the last handle), it lets
+    /// the worker finish the queue on its own.
     fn drop(&mut self) {
         self.shared.lock().closing = true;
         self.shared.changed.notify_all();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
+        match self.worker.take() {
+            Some(w) if w.thread().id() == std::thread::current().id() => return,
+            Some(w) => {
+                let _ = w.join();
+            }
+            None => {}
         }
-        if let Some(f) = self.shared.lock().failure.take() {
-            log::error!(
-                "kvstore: an asynchronous call failed and no wait returned it: {}",
-                f.to_error()
-            );
-        }
+        report_unseen(&self.shared);
+    }
+}
+
+/// Writes a failure that no wait returned to stderr (and the log): an error is never dropped
+/// unseen.
+fn report_unseen(shared: &Shared) {
+    if let Some(f) = shared.lock().failure.take() {
+        let e = f.to_error();
+        log::error!("kvstore: an asynchronous call failed and no wait returned it: {e}");
+        let _ = writeln!(
+            std::io::stderr(),
+            "kvstore: an asynchronous call failed and no wait returned it: {e}"
+        );
     }
 }
 
@@ -432,6 +447,9 @@ fn work(store: &KvStore, shared: &Shared, by_priority: bool) {
                 break next;
             }
             if state.closing {
+                drop(state);
+                // Dropped from a queued call, the store could not report this itself.
+                report_unseen(shared);
                 return;
             }
             state = shared.wait(state);

@@ -115,6 +115,15 @@ fn run_sync(kv: &KvStore, program: &[Call]) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>
 
 /// The same, queued: every call issued at once, then one wait.
 fn run_async(kv: &AsyncKvStore, program: &[Call]) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>) {
+    run_queued(kv, program, || {})
+}
+
+/// The program queued, with `after_each()` after each call is queued, then one wait.
+fn run_queued(
+    kv: &AsyncKvStore,
+    program: &[Call],
+    mut after_each: impl FnMut(),
+) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>) {
     let mut all_outs = Vec::new();
     for c in program {
         let o = outs(c);
@@ -124,6 +133,7 @@ fn run_async(kv: &AsyncKvStore, program: &[Call]) -> (Vec<Vec<Vec<f32>>>, Vec<Ve
             _ => kv.pushpull_list(&c.keys, &values(c), &o, c.priority),
         }
         all_outs.push(o);
+        after_each();
     }
     kv.wait_all().unwrap();
     let pulled = (all_outs.iter())
@@ -363,25 +373,15 @@ fn queued_calls_on_loopback_ranks_equal_a_local_store() {
                                 })
                             });
                         }
-                        let mut all_outs = Vec::new();
-                        for c in p {
-                            let o = outs(c);
-                            match c.op {
-                                "push" => kv.push_list(&c.keys, &values(c), c.priority),
-                                "pull" => kv.pull_list(&c.keys, &o, c.priority),
-                                _ => kv.pushpull_list(&c.keys, &values(c), &o, c.priority),
-                            }
-                            all_outs.push(o);
+                        let mut queued = 0;
+                        run_queued(&kv, p, || {
+                            queued += 1;
                             if r != 0 {
                                 kv.wait_all().unwrap();
+                            } else if queued == p.len() {
+                                let _ = go.send(());
                             }
-                        }
-                        let _ = go.send(());
-                        kv.wait_all().unwrap();
-                        let pulled: Vec<Vec<Vec<f32>>> = (all_outs.iter())
-                            .map(|o| o.iter().map(|a| a.to_vec().unwrap()).collect())
-                            .collect();
-                        (pulled, finals(kv.store()))
+                        })
                     })
                 })
                 .collect();
@@ -475,4 +475,47 @@ fn a_wait_from_inside_a_queued_call_is_an_error_not_a_hang() {
     let got = seen.lock().unwrap().take().expect("the updater ran");
     assert!(got.unwrap_err().contains("wait for itself"));
     *handle.lock().unwrap() = None; // the updater's handle, so the queue is dropped here
+}
+
+/// A queued call that drops the last handle of its own queue (an updater holding it) does not
+/// panic: the worker finishes the queue on its own.
+#[test]
+fn a_queue_dropped_by_its_own_call_finishes_its_calls() {
+    let kv = KvStore::create("local").unwrap();
+    kv.init(0, &NDArray::zeros([2])).unwrap();
+    let handle: Arc<Mutex<Option<AsyncKvStore>>> = Arc::new(Mutex::new(None));
+    let h = handle.clone();
+    kv.set_updater(Updater::custom(move |_, input, stored| {
+        // The last handle of the queue, dropped on its own worker (a panic here would fail
+        // the push, and the sum below would miss it).
+        drop(h.lock().unwrap().take());
+        *stored += input;
+    }))
+    .unwrap();
+    let kv = Arc::new(kv);
+    let q = AsyncKvStore::new(kv.clone());
+    let (go, gate) = mpsc::channel::<()>();
+    // Held until the handle is in place, so the updater finds it.
+    q.submit("call", Vec::new(), 0, "hold", move |_| {
+        gate.recv_timeout(BOUND).map_err(|e| Error::Internal {
+            op: "hold",
+            message: e.to_string(),
+        })
+    });
+    q.push(0, &NDArray::ones([2]), 0);
+    q.push(0, &NDArray::ones([2]), 0);
+    *handle.lock().unwrap() = Some(q);
+    go.send(()).unwrap();
+    let out = NDArray::zeros([2]);
+    for _ in 0..2000 {
+        kv.pull(0, &out).unwrap();
+        if out.to_vec::<f32>().unwrap() == vec![2.0, 2.0] {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!(
+        "the queued pushes did not both run: {:?}",
+        out.to_vec::<f32>().unwrap()
+    );
 }
