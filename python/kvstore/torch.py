@@ -44,6 +44,7 @@ learning rate changed after backward makes ``step()`` raise a ValueError.
 """
 
 import hashlib
+import threading
 from dataclasses import replace
 
 import torch
@@ -309,13 +310,20 @@ class DistributedOptimizer:
         self._waiting = False  # (torch steps) backward's end is to wait for them
         self._next = 0  # the first bucket not queued yet
         self._begun = False  # whether this step's first bucket was queued
+        self._hook_lock = threading.Lock()
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
             for i, p in enumerate(self._params)
         ]
 
     def _grad_ready(self, i):
-        """Parameter ``i``'s gradient is accumulated: queue every bucket now complete."""
+        """Parameter ``i``'s gradient is accumulated: queue every bucket now complete. Under a
+        lock: autograd may run hooks on one thread per device, and a bucket must be queued
+        once."""
+        with self._hook_lock:
+            self._grad_ready_locked(i)
+
+    def _grad_ready_locked(self, i):
         if self._ready[i]:
             raise RuntimeError(
                 f"the gradient of parameter {self._keys[i]!r} was accumulated again after it "

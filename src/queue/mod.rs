@@ -10,6 +10,7 @@ mod pending;
 #[cfg(test)]
 mod tests;
 
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::fmt;
 use std::io::Write;
@@ -365,14 +366,12 @@ impl AsyncKvStore {
     /// An error for a wait made by a queued call itself (a custom updater that waits on the
     /// store it runs in): it would wait for itself forever.
     fn not_on_worker(&self, op: &'static str) -> Result<()> {
-        match &self.worker {
-            Some(w) if w.thread().id() == std::thread::current().id() => {
-                Err(Error::InvalidUpdater(format!(
-                    "{op} was called from a queued call (a custom updater, say) on the store \
+        match IN_CALL.with(Cell::get) {
+            true => Err(Error::InvalidUpdater(format!(
+                "{op} was called from a queued call (a custom updater, say) on the store \
                      that runs it, and would wait for itself forever: wait outside the updater"
-                )))
-            }
-            _ => Ok(()),
+            ))),
+            false => Ok(()),
         }
     }
 
@@ -459,6 +458,12 @@ fn work(store: &KvStore, shared: &Shared, by_priority: bool) {
     }
 }
 
+thread_local! {
+    /// Whether this thread is running a queued call (the worker, or a caller when there is
+    /// none): a wait there would wait for itself.
+    static IN_CALL: Cell<bool> = const { Cell::new(false) };
+}
+
 /// Runs one call taken from the queue (or, after a failure, refuses it), and records the end.
 fn finish(store: &KvStore, shared: &Shared, keys: Vec<Key>, call: Call) {
     let started = Instant::now();
@@ -470,13 +475,18 @@ fn finish(store: &KvStore, shared: &Shared, keys: Vec<Key>, call: Call) {
             let _ = store.reject(call.op, &why);
             Err(None)
         }
-        None => match catch_unwind(AssertUnwindSafe(|| (call.run)(store))) {
-            Ok(r) => r.map_err(Some),
-            Err(panic) => Err(Some(Error::Internal {
-                op: call.op,
-                message: format!("an asynchronous call panicked: {}", panic_message(&panic)),
-            })),
-        },
+        None => {
+            IN_CALL.with(|c| c.set(true));
+            let ran = catch_unwind(AssertUnwindSafe(|| (call.run)(store)));
+            IN_CALL.with(|c| c.set(false));
+            match ran {
+                Ok(r) => r.map_err(Some),
+                Err(panic) => Err(Some(Error::Internal {
+                    op: call.op,
+                    message: format!("an asynchronous call panicked: {}", panic_message(&panic)),
+                })),
+            }
+        }
     };
     let finished = Instant::now();
     let mut state = shared.lock();
