@@ -451,7 +451,12 @@ fn every_world_size_loads_and_trains_on(h: Home) {
             fresh.set_updater(Updater::Assign).unwrap();
             fresh.load(&sharded).unwrap();
             fresh.set_updater(updater.clone()).unwrap();
-            let stateful = truths.iter().find(|t| t.state.is_some() && t.size() > 0);
+            // The stateful key with the most elements: in a one-element f16 or bf16 key the
+            // state's effect can round away (seen in CI: 2.90625 both ways).
+            let stateful = truths
+                .iter()
+                .filter(|t| t.state.is_some() && t.size() > 1)
+                .max_by_key(|t| t.size());
             if let Some(t) = stateful {
                 let c = store_on(h, updater);
                 c.load(&sharded).unwrap();
