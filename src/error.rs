@@ -672,6 +672,16 @@ fn sticky_fault(code: cudarc::driver::sys::cudaError_enum) -> Option<&'static st
     })
 }
 
+/// The text of a caught panic's payload (`panic!` makes a `&str` or a `String`). Pass the
+/// payload itself (`&*boxed`), not the box: a `&Box<dyn Any>` downcasts to neither.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a text message".to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -91,15 +91,6 @@ fn write_back(outs: &[Vec<Imported>], scratch: &[Vec<NDArray>]) -> PyResult<()> 
     Ok(())
 }
 
-/// Keys in words for a queued call: `[3, w1]`, shortened past eight.
-fn key_list(keys: &[Key]) -> String {
-    let shown: Vec<String> = keys.iter().take(8).map(|k| k.to_string()).collect();
-    match keys.len() {
-        n if n > 8 => format!("[{}, ... ({n} keys)]", shown.join(", ")),
-        _ => format!("[{}]", shown.join(", ")),
-    }
-}
-
 /// The instant `clock()` counts from, for timelines.
 fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
@@ -168,9 +159,8 @@ impl PyStore {
         let queue = self.queue();
         match args {
             Ok((keys, a)) => {
-                let what = format!("{op} {}", key_list(&keys));
                 let ks = keys.clone();
-                py.detach(|| queue.submit(op, ks, priority, what, move |kv| run(kv, &keys, a)));
+                py.detach(|| queue.submit(op, ks, priority, move |kv| run(kv, &keys, a)));
                 Ok(())
             }
             Err(e) => {
@@ -185,13 +175,8 @@ impl PyStore {
     /// (their same call fails) and it fails here too, so later queued calls are not run.
     fn queue_refusal(&self, py: Python<'_>, op: &'static str, priority: i32, message: String) {
         let queue = self.queue();
-        let what = format!("{op} (arguments refused: {message})");
-        py.detach(|| {
-            queue.submit(op, Vec::new(), priority, what, move |kv| {
-                kv.reject(op, &message)?;
-                Err(kvstore::Error::Argument { op, message })
-            })
-        });
+        let error = kvstore::Error::Argument { op, message };
+        py.detach(|| queue.refuse(op, priority, error));
     }
 
     /// An init of dense or row-sparse keys, one capsule per key.

@@ -189,7 +189,7 @@ impl AsyncKvStore {
     }
 
     /// Queues `run`, a call of store operation `op` (`"push"`, `"pull"`, `"pushpull"`, ...,
-    /// the names of [`KvStore::reject`]) on `keys`, described as `what` in errors and the
+    /// the names of [`KvStore::reject`]) on `keys`, named "`op` [keys]" in errors and the
     /// timeline. For adapters that queue their own work around a store call (the Python
     /// package copies a pull's result into the caller's memory this way). `run` must make the
     /// store call it names, since on a dist store the other ranks make it too.
@@ -198,7 +198,30 @@ impl AsyncKvStore {
         op: &'static str,
         keys: Vec<Key>,
         priority: i32,
-        what: impl fmt::Display,
+        run: impl FnOnce(&KvStore) -> Result<()> + Send + 'static,
+    ) {
+        let what = format!("{op} {}", list(&keys));
+        self.queue(op, keys, priority, what, run);
+    }
+
+    /// Queues call `op` as refused with `error` (its arguments were bad, found before the
+    /// store was called): when its turn comes, the other ranks of a dist store are told
+    /// ([`KvStore::reject`]), so their same call fails too, and it fails here with `error`,
+    /// so later queued calls are not run. It has no keys, so no call passes it.
+    pub fn refuse(&self, op: &'static str, priority: i32, error: Error) {
+        let what = format!("{op} (refused: {error})");
+        self.queue(op, Vec::new(), priority, what, move |kv| {
+            kv.reject(op, &error.to_string())?;
+            Err(error)
+        });
+    }
+
+    fn queue(
+        &self,
+        op: &'static str,
+        keys: Vec<Key>,
+        priority: i32,
+        what: String,
         run: impl FnOnce(&KvStore) -> Result<()> + Send + 'static,
     ) {
         let mut state = self.shared.lock();
@@ -310,21 +333,9 @@ impl AsyncKvStore {
             .map(IntoKey::into_key)
             .collect::<Result<Vec<Key>>>()
         {
-            Ok(keys) => {
-                let what = format!("{op} {}", list(&keys));
-                self.submit(op, keys.clone(), priority, what, move |kv| run(kv, &keys))
-            }
+            Ok(keys) => self.submit(op, keys.clone(), priority, move |kv| run(kv, &keys)),
             // No keys: a fence, so it fails in its place in the order.
-            Err(e) => self.submit(
-                op,
-                Vec::new(),
-                priority,
-                format!("{op} (bad key)"),
-                move |kv| {
-                    kv.reject(op, &e.to_string())?;
-                    Err(e)
-                },
-            ),
+            Err(e) => self.refuse(op, priority, e),
         }
     }
 
@@ -483,7 +494,10 @@ fn finish(store: &KvStore, shared: &Shared, keys: Vec<Key>, call: Call) {
                 Ok(r) => r.map_err(Some),
                 Err(panic) => Err(Some(Error::Internal {
                     op: call.op,
-                    message: format!("an asynchronous call panicked: {}", panic_message(&panic)),
+                    message: format!(
+                        "an asynchronous call panicked: {}",
+                        crate::error::panic_message(&*panic)
+                    ),
                 })),
             }
         }
@@ -521,15 +535,6 @@ fn finish(store: &KvStore, shared: &Shared, keys: Vec<Key>, call: Call) {
     state.pending.done(&keys);
     drop(state);
     shared.changed.notify_all();
-}
-
-/// The text of a panic's payload.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// Owned handles of every array of `lists`.

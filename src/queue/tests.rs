@@ -284,7 +284,7 @@ fn a_bad_key_and_a_panicking_call_are_errors_at_the_wait() {
     kv.push(1i64 << 40, &NDArray::ones([1]), 0);
     let e = kv.wait_all().unwrap_err();
     assert!(matches!(e, Error::Async { .. }), "{e}");
-    kv.submit("call", vec![Key::Int(4)], 0, "boom", |_| panic!("boom"));
+    kv.submit("call", vec![Key::Int(4)], 0, |_| panic!("boom"));
     let e = kv.wait(4).unwrap_err();
     assert!(matches!(e.root(), Error::Internal { .. }), "{e}");
     assert!(e.to_string().contains("boom"), "{e}");
@@ -366,7 +366,7 @@ fn queued_calls_on_loopback_ranks_equal_a_local_store() {
                         // between the ranks, as they do when ranks compute at different speeds.
                         let (go, gate) = mpsc::channel::<()>();
                         if r == 0 {
-                            kv.submit("call", Vec::new(), 0, "hold", move |_| {
+                            kv.submit("call", Vec::new(), 0, move |_| {
                                 gate.recv_timeout(BOUND).map_err(|e| Error::Internal {
                                     op: "hold",
                                     message: e.to_string(),
@@ -496,7 +496,7 @@ fn a_queue_dropped_by_its_own_call_finishes_its_calls() {
     let q = AsyncKvStore::new(kv.clone());
     let (go, gate) = mpsc::channel::<()>();
     // Held until the handle is in place, so the updater finds it.
-    q.submit("call", Vec::new(), 0, "hold", move |_| {
+    q.submit("call", Vec::new(), 0, move |_| {
         gate.recv_timeout(BOUND).map_err(|e| Error::Internal {
             op: "hold",
             message: e.to_string(),

@@ -95,7 +95,7 @@ pub(crate) fn push_closure(
     catch_unwind(AssertUnwindSafe(|| f(key.key, &merged, &mut stored)))
         .map_err(|panic| Error::UpdaterPanicked {
             key: key.key.clone(),
-            message: panic_message(panic.as_ref()),
+            message: crate::error::panic_message(panic.as_ref()),
         })?
         .map_err(|source| Error::UpdaterFailed {
             key: key.key.clone(),
@@ -121,16 +121,6 @@ pub(crate) fn push_closure(
         });
     }
     stored.into_host()
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a non-string panic payload".to_owned()
-    }
 }
 
 /// Read locks on a set of arrays, each taken once, in address order. Arrays on a GPU are
