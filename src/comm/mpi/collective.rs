@@ -40,6 +40,9 @@ pub trait Wire: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     fn to_f32(self) -> f32;
     /// Rounds from f32, to nearest (only used when [`Wire::SUM_IN_F32`]).
     fn from_f32(v: f32) -> Self;
+    /// `self + other`, as `MPI_SUM` adds (the reduce-scatter sums on this rank; f16 and bf16
+    /// are summed in f32 there, so theirs is never used).
+    fn add(self, other: Self) -> Self;
 }
 
 impl Wire for f32 {
@@ -53,6 +56,9 @@ impl Wire for f32 {
     fn from_f32(v: f32) -> Self {
         v
     }
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
 }
 
 impl Wire for f64 {
@@ -65,6 +71,9 @@ impl Wire for f64 {
     }
     fn from_f32(v: f32) -> Self {
         f64::from(v)
+    }
+    fn add(self, other: Self) -> Self {
+        self + other
     }
 }
 
@@ -80,6 +89,9 @@ impl Wire for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
+    fn add(self, other: Self) -> Self {
+        f16::from_f32(self.to_f32() + other.to_f32())
+    }
 }
 
 impl Wire for bf16 {
@@ -94,6 +106,9 @@ impl Wire for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
+    fn add(self, other: Self) -> Self {
+        bf16::from_f32(self.to_f32() + other.to_f32())
+    }
 }
 
 impl Wire for u64 {
@@ -107,7 +122,14 @@ impl Wire for u64 {
     fn from_f32(v: f32) -> Self {
         v as u64
     }
+    fn add(self, other: Self) -> Self {
+        self.wrapping_add(other)
+    }
 }
+
+/// The tag of the reduce-scatter's messages (the data communicator carries no other
+/// point-to-point messages).
+const REDUCE_SCATTER_TAG: c_int = 0x4b56;
 
 /// Which collective, for messages.
 #[derive(Clone, Copy, Debug)]
@@ -143,7 +165,9 @@ impl std::fmt::Display for Coll {
 pub struct Pending<T: Wire> {
     world: &'static World,
     seq: u64,
-    req: Request,
+    /// Its requests: one for a collective, one per peer and direction for the reduce-scatter
+    /// (point to point, see [`Call::reduce_scatter`]).
+    reqs: Vec<Request>,
     coll: Coll,
     /// Whether this rank receives the result of a reduce (it is the root).
     is_root: bool,
@@ -151,6 +175,10 @@ pub struct Pending<T: Wire> {
     recv: Vec<T>,
     wide_send: Vec<f32>,
     wide_recv: Vec<f32>,
+    /// The reduce-scatter's blocks from the other ranks, in rank order (this rank's left out):
+    /// of `T`, or of f32 partial sums where [`Wire::SUM_IN_F32`].
+    staged: Vec<T>,
+    wide_staged: Vec<f32>,
     bytes: usize,
     start: Instant,
 }
@@ -173,7 +201,7 @@ pub struct Done<T> {
 
 impl<T: Wire> Drop for Pending<T> {
     fn drop(&mut self) {
-        if self.req.is_null() {
+        if self.reqs.iter().all(|r| r.is_null()) {
             return;
         }
         // MPI may still read or write these: never free them.
@@ -181,6 +209,8 @@ impl<T: Wire> Drop for Pending<T> {
         std::mem::forget(std::mem::take(&mut self.recv));
         std::mem::forget(std::mem::take(&mut self.wide_send));
         std::mem::forget(std::mem::take(&mut self.wide_recv));
+        std::mem::forget(std::mem::take(&mut self.staged));
+        std::mem::forget(std::mem::take(&mut self.wide_staged));
         self.world.poison_with(format!(
             "the {} of call #{} was abandoned before it completed",
             self.coll, self.seq
@@ -193,13 +223,15 @@ impl<T: Wire> Pending<T> {
         Pending {
             world: call.world,
             seq: call.seq,
-            req: Request::null(),
+            reqs: vec![Request::null()],
             coll,
             is_root: false,
             send,
             recv,
             wide_send: Vec::new(),
             wide_recv: Vec::new(),
+            staged: Vec::new(),
+            wide_staged: Vec::new(),
             bytes,
             start: Instant::now(),
         }
@@ -222,9 +254,22 @@ impl<T: Wire> Pending<T> {
         }
     }
 
-    /// Takes the buffers out of a completed collective, rounding f32 sums to `T` once.
+    /// Takes the buffers out of a completed collective: sums a reduce-scatter's blocks, and
+    /// rounds f32 sums to `T` once.
     fn finish(mut self) -> Done<T> {
-        debug_assert!(self.req.is_null());
+        debug_assert!(self.reqs.iter().all(|r| r.is_null()));
+        if let Coll::ReduceScatter = self.coll {
+            let rank = self.world.rank;
+            match T::SUM_IN_F32 {
+                true => sum_blocks(
+                    &mut self.wide_recv,
+                    &self.wide_send,
+                    &self.wide_staged,
+                    rank,
+                ),
+                false => sum_blocks(&mut self.recv, &self.send, &self.staged, rank),
+            }
+        }
         if T::SUM_IN_F32 {
             let rounds = match self.coll {
                 Coll::Reduce { .. } => self.is_root,
@@ -240,6 +285,28 @@ impl<T: Wire> Pending<T> {
         Done {
             send: std::mem::take(&mut self.send),
             recv: std::mem::take(&mut self.recv),
+        }
+    }
+}
+
+/// Sums block `rank` of `send` and the other ranks' blocks (`staged`, in rank order without
+/// `rank`) into `out`, in rank order: rank 0's block, plus rank 1's, and so on. Every element
+/// of the sum is added in the same order, whichever rank holds it.
+fn sum_blocks<S: Wire>(out: &mut [S], send: &[S], staged: &[S], rank: usize) {
+    let n = out.len();
+    if n == 0 {
+        return;
+    }
+    let size = send.len() / n;
+    let block = |r: usize| match r.cmp(&rank) {
+        std::cmp::Ordering::Equal => &send[r * n..(r + 1) * n],
+        std::cmp::Ordering::Less => &staged[r * n..(r + 1) * n],
+        std::cmp::Ordering::Greater => &staged[(r - 1) * n..r * n],
+    };
+    out.copy_from_slice(block(0));
+    for r in 1..size {
+        for (o, &x) in out.iter_mut().zip(block(r)) {
+            *o = o.add(x);
         }
     }
 }
@@ -319,7 +386,7 @@ impl Call {
                 ffi::MPI_Reduce(send, recv, n, dt, sum, root_c, comm)
             }),
             false => unsafe {
-                ffi::MPI_Ireduce(send, recv, n, dt, sum, root_c, comm, &mut p.req.0)
+                ffi::MPI_Ireduce(send, recv, n, dt, sum, root_c, comm, &mut p.reqs[0].0)
             },
         };
         self.started(rc)?;
@@ -402,47 +469,106 @@ impl Call {
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Bcast(buf, n, dt, root_c, comm)
             }),
-            false => unsafe { ffi::MPI_Ibcast(buf, n, dt, root_c, comm, &mut p.req.0) },
+            false => unsafe { ffi::MPI_Ibcast(buf, n, dt, root_c, comm, &mut p.reqs[0].0) },
         };
         self.started(rc)?;
         Ok(p)
     }
 
-    /// Starts a reduce-scatter of equal blocks (`MPI_Ireduce_scatter_block`): `send` holds
-    /// `size` blocks of `recv.len()` elements; rank `r` receives the sum over ranks of block `r`.
-    /// f16/bf16 are summed as f32 partial sums and rounded once.
+    /// Starts a reduce-scatter of equal blocks: `send` holds `size` blocks of `recv.len()`
+    /// elements; rank `r` receives the sum over ranks of block `r`, added in rank order. f16 and
+    /// bf16 are summed as f32 partial sums and rounded once.
+    ///
+    /// It is point to point, not `MPI_Reduce_scatter_block`: each rank sends block `r` straight
+    /// to rank `r` and receives its own block from every other rank (`MPI_Isend`/`MPI_Irecv`),
+    /// and [`Call::wait`] sums them. Each byte crosses once, all at the same time. Open MPI 4.1's
+    /// reduce-scatter, blocking or not, was 2–3× slower from 16 MiB at 2–4 ranks (BENCHMARKS.md,
+    /// "A reduce-scatter of its own"). It never runs blocking: it is polled like any
+    /// non-blocking collective, so its wait is bounded. Every rank must start its
+    /// reduce-scatters in the same order, as with collectives (MPI matches the messages of one
+    /// pair of ranks in the order they were posted).
     pub fn reduce_scatter<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
-        if send.len() != recv.len() * self.world.size {
+        let size = self.world.size;
+        if send.len() != recv.len() * size {
             return Err(self.misuse(format!(
                 "reduce-scatter: the send buffer has {} elements but must hold {} blocks of {} \
                  (the receive buffer's length)",
                 send.len(),
-                self.world.size,
+                size,
                 recv.len()
             )));
         }
-        let n = raw::count(self.op, recv.len())?;
+        let n = recv.len();
+        let count = raw::count(self.op, n)?;
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
-        let comm = self.st.data.0;
-        if T::SUM_IN_F32 {
-            p.wide_send = widen(&p.send);
-            p.wide_recv = vec![0.0; p.recv.len()];
-        }
-        let (send, recv, dt) = p.sum_buffers();
-        let sum = raw::op_sum();
-        // SAFETY: the send buffer holds size × n elements of `dt` and the receive buffer n
-        // (checked above); both live in `p`'s vectors until completion or are leaked; the
-        // communicator is valid.
-        let rc = match self.blocking {
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Reduce_scatter_block(send, recv, n, dt, sum, comm)
-            }),
-            false => unsafe {
-                ffi::MPI_Ireduce_scatter_block(send, recv, n, dt, sum, comm, &mut p.req.0)
-            },
+        let rank = self.world.rank;
+        let others = (size - 1) * n;
+        let dt = match T::SUM_IN_F32 {
+            true => {
+                p.wide_send = widen(&p.send);
+                p.wide_recv = vec![0.0; n];
+                p.wide_staged = vec![0.0; others];
+                f32::datatype()
+            }
+            false => {
+                p.staged = vec![T::default(); others];
+                T::datatype()
+            }
         };
-        self.started(rc)?;
+        let (send_ptr, staged_ptr, width) = match T::SUM_IN_F32 {
+            true => (
+                raw::ptr(&p.wide_send),
+                raw::ptr_mut(&mut p.wide_staged).cast::<u8>(),
+                std::mem::size_of::<f32>(),
+            ),
+            false => (
+                raw::ptr(&p.send),
+                raw::ptr_mut(&mut p.staged).cast::<u8>(),
+                std::mem::size_of::<T>(),
+            ),
+        };
+        let comm = self.st.data.0;
+        p.reqs = vec![Request::null(); 2 * (size - 1)];
+        let (recvs, sends) = p.reqs.split_at_mut(size - 1);
+        // Receives first, so no send waits for its receive to be posted.
+        for (k, req) in recvs.iter_mut().enumerate() {
+            let from = if k < rank { k } else { k + 1 };
+            // SAFETY: `staged` holds (size - 1) × n elements of `dt`; block k starts k × n
+            // elements in and holds n. It lives in `p` until the request completes or
+            // `Pending::drop` leaks it. The communicator is valid and `from` < size.
+            let rc = unsafe {
+                ffi::MPI_Irecv(
+                    staged_ptr.add(k * n * width).cast(),
+                    count,
+                    dt,
+                    from as c_int,
+                    REDUCE_SCATTER_TAG,
+                    comm,
+                    &mut req.0,
+                )
+            };
+            self.started(rc)?;
+        }
+        // Each rank starts with its next rank up, so no rank is everyone's first.
+        for (j, req) in sends.iter_mut().enumerate() {
+            let to = (rank + 1 + j) % size;
+            // SAFETY: the send buffer holds size × n elements of `dt` (checked above); block
+            // `to` starts `to` × n elements in. It lives in `p` until the request completes or
+            // is leaked. The communicator is valid and `to` < size.
+            let rc = unsafe {
+                ffi::MPI_Isend(
+                    send_ptr.cast::<u8>().add(to * n * width).cast(),
+                    count,
+                    dt,
+                    to as c_int,
+                    REDUCE_SCATTER_TAG,
+                    comm,
+                    &mut req.0,
+                )
+            };
+            self.started(rc)?;
+        }
         Ok(p)
     }
 
@@ -483,7 +609,9 @@ impl Call {
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Allgather(send, n, dt, recv, n, dt, comm)
             }),
-            false => unsafe { ffi::MPI_Iallgather(send, n, dt, recv, n, dt, comm, &mut p.req.0) },
+            false => unsafe {
+                ffi::MPI_Iallgather(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
+            },
         };
         self.started(rc)?;
         Ok(p)
@@ -517,7 +645,9 @@ impl Call {
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Alltoall(send, n, dt, recv, n, dt, comm)
             }),
-            false => unsafe { ffi::MPI_Ialltoall(send, n, dt, recv, n, dt, comm, &mut p.req.0) },
+            false => unsafe {
+                ffi::MPI_Ialltoall(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
+            },
         };
         self.started(rc)?;
         Ok(p)
@@ -557,7 +687,7 @@ impl Call {
                 ffi::MPI_Scatter(send, n, dt, recv, n, dt, root_c, comm)
             }),
             false => unsafe {
-                ffi::MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm, &mut p.req.0)
+                ffi::MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm, &mut p.reqs[0].0)
             },
         };
         self.started(rc)?;
@@ -568,7 +698,7 @@ impl Call {
     pub fn immediate_barrier(&mut self) -> Result<Pending<f32>> {
         let mut p = Pending::new(self, Coll::Barrier, Vec::new(), Vec::new(), 0);
         // SAFETY: the communicator is valid and `p.req` is a valid out-pointer.
-        let rc = unsafe { ffi::MPI_Ibarrier(self.st.data.0, &mut p.req.0) };
+        let rc = unsafe { ffi::MPI_Ibarrier(self.st.data.0, &mut p.reqs[0].0) };
         self.started(rc)?;
         Ok(p)
     }
@@ -583,7 +713,7 @@ impl Call {
     /// [`Call::wait`], which then returns at once.
     pub fn test<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<bool> {
         self.same_call(p)?;
-        let r = self.st.test(std::slice::from_mut(&mut p.req), self.op);
+        let r = self.st.test(&mut p.reqs, self.op);
         if let Err(e) = &r {
             self.world.poison_with(e.to_string());
         }
@@ -608,7 +738,7 @@ impl Call {
             return Ok(Vec::new());
         };
         let bytes = ps.iter().map(|p| p.bytes).sum();
-        let mut reqs: Vec<Request> = ps.iter().map(|p| p.req).collect();
+        let mut reqs: Vec<Request> = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
         let what = match ps.as_slice() {
             [one] => one.coll.to_string(),
             [first, ..] => format!("{} (and {} more collectives)", first.coll, ps.len() - 1),
@@ -616,8 +746,11 @@ impl Call {
         };
         // On an error the pendings are dropped unfinished: their buffers leak, as they must.
         self.poll(&mut reqs, bytes, start, &what)?;
-        for (p, r) in ps.iter_mut().zip(reqs) {
-            p.req = r;
+        let mut done = reqs.into_iter();
+        for p in &mut ps {
+            for r in &mut p.reqs {
+                *r = done.next().unwrap_or_else(Request::null);
+            }
         }
         Ok(ps.into_iter().map(Pending::finish).collect())
     }
@@ -631,6 +764,56 @@ impl Call {
                  in the call that started it",
                 p.coll, p.seq, self.seq
             )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Whichever rank holds a block, its sum is rank 0's part plus rank 1's, and so on: checked
+    /// against that fold written out, on values where another order gives another sum.
+    #[test]
+    fn a_reduce_scatter_adds_in_rank_order_on_every_rank() {
+        let mut rng = rand::rngs::StdRng::from_entropy();
+        let (size, n) = (4, 5);
+        // Rank r's send buffer: `size` blocks of n. Element 0 of every block is 1e8, 1, -1e8,
+        // 1 across the ranks: 1 in rank order, 0 in reverse order.
+        let sends: Vec<Vec<f32>> = (0..size)
+            .map(|r| {
+                (0..size * n)
+                    .map(|i| match i % n {
+                        0 => [1e8, 1.0, -1e8, 1.0][r],
+                        _ => rng.gen_range(-1e4..1e4),
+                    })
+                    .collect()
+            })
+            .collect();
+        for owner in 0..size {
+            let block = |r: usize| &sends[r][owner * n..(owner + 1) * n];
+            let staged: Vec<f32> = (0..size)
+                .filter(|&r| r != owner)
+                .flat_map(|r| block(r).to_vec())
+                .collect();
+            let mut got = vec![f32::NAN; n];
+            sum_blocks(&mut got, &sends[owner], &staged, owner);
+            let reversed: Vec<f32> = (0..n)
+                .map(|i| block(3)[i] + block(2)[i] + block(1)[i] + block(0)[i])
+                .collect();
+            let mut in_order = block(0).to_vec();
+            for r in 1..size {
+                for (a, b) in in_order.iter_mut().zip(block(r)) {
+                    *a += b;
+                }
+            }
+            assert_eq!(got, in_order, "rank {owner}'s block");
+            assert_eq!(
+                got[0], 1.0,
+                "rank {owner}'s block: 1e8 + 1 - 1e8 + 1 in rank order"
+            );
+            assert_ne!(reversed[0], got[0], "the order shows");
         }
     }
 }
