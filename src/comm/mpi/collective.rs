@@ -174,11 +174,9 @@ pub struct Pending<T: Wire> {
     send: Vec<T>,
     recv: Vec<T>,
     wide_send: Vec<f32>,
+    /// The f32 partial sums where [`Wire::SUM_IN_F32`]. A reduce-scatter's receive buffer
+    /// (this one, or `recv`) holds the other ranks' blocks after its own until it is summed.
     wide_recv: Vec<f32>,
-    /// The reduce-scatter's blocks from the other ranks, in rank order (this rank's left out):
-    /// of `T`, or of f32 partial sums where [`Wire::SUM_IN_F32`].
-    staged: Vec<T>,
-    wide_staged: Vec<f32>,
     bytes: usize,
     start: Instant,
 }
@@ -209,8 +207,6 @@ impl<T: Wire> Drop for Pending<T> {
         std::mem::forget(std::mem::take(&mut self.recv));
         std::mem::forget(std::mem::take(&mut self.wide_send));
         std::mem::forget(std::mem::take(&mut self.wide_recv));
-        std::mem::forget(std::mem::take(&mut self.staged));
-        std::mem::forget(std::mem::take(&mut self.wide_staged));
         self.world.poison_with(format!(
             "the {} of call #{} was abandoned before it completed",
             self.coll, self.seq
@@ -230,8 +226,6 @@ impl<T: Wire> Pending<T> {
             recv,
             wide_send: Vec::new(),
             wide_recv: Vec::new(),
-            staged: Vec::new(),
-            wide_staged: Vec::new(),
             bytes,
             start: Instant::now(),
         }
@@ -259,15 +253,10 @@ impl<T: Wire> Pending<T> {
     fn finish(mut self) -> Done<T> {
         debug_assert!(self.reqs.iter().all(|r| r.is_null()));
         if let Coll::ReduceScatter = self.coll {
-            let rank = self.world.rank;
+            let (rank, size) = (self.world.rank, self.world.size);
             match T::SUM_IN_F32 {
-                true => sum_blocks(
-                    &mut self.wide_recv,
-                    &self.wide_send,
-                    &self.wide_staged,
-                    rank,
-                ),
-                false => sum_blocks(&mut self.recv, &self.send, &self.staged, rank),
+                true => sum_blocks(&mut self.wide_recv, &self.wide_send, (rank, size)),
+                false => sum_blocks(&mut self.recv, &self.send, (rank, size)),
             }
         }
         if T::SUM_IN_F32 {
@@ -289,17 +278,17 @@ impl<T: Wire> Pending<T> {
     }
 }
 
-/// Sums block `rank` of `send` and the other ranks' blocks (`staged`, in rank order without
-/// `rank`) into `out`, in rank order: rank 0's block, plus rank 1's, and so on. Every element
-/// of the sum is added in the same order, whichever rank holds it.
-fn sum_blocks<S: Wire>(out: &mut [S], send: &[S], staged: &[S], rank: usize) {
-    let n = out.len();
-    if n == 0 {
-        return;
-    }
-    let size = send.len() / n;
+/// A reduce-scatter's sum on `rank` of `size`: `recv` holds room for the result (one block),
+/// then the other ranks' blocks in rank order (`rank`'s own is block `rank` of `send`). Sums
+/// them in rank order, rank 0's block plus rank 1's and so on, into the first block, and
+/// shortens `recv` to it. Every element of the sum is added in the same order, whichever rank
+/// holds it.
+fn sum_blocks<S: Wire>(recv: &mut Vec<S>, send: &[S], (rank, size): (usize, usize)) {
+    let n = send.len() / size;
+    let (out, staged) = recv.split_at_mut(n);
     let block = |r: usize| match r.cmp(&rank) {
         std::cmp::Ordering::Equal => &send[r * n..(r + 1) * n],
+        // Block r of the staged blocks is r's, below `rank`, and r - 1 is r's above it.
         std::cmp::Ordering::Less => &staged[r * n..(r + 1) * n],
         std::cmp::Ordering::Greater => &staged[(r - 1) * n..r * n],
     };
@@ -309,6 +298,7 @@ fn sum_blocks<S: Wire>(out: &mut [S], send: &[S], staged: &[S], rank: usize) {
             *o = o.add(x);
         }
     }
+    recv.truncate(n);
 }
 
 fn widen<T: Wire>(v: &[T]) -> Vec<f32> {
@@ -503,43 +493,47 @@ impl Call {
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
         let rank = self.world.rank;
-        let others = (size - 1) * n;
-        let dt = match T::SUM_IN_F32 {
+        // The receive buffer holds the other ranks' blocks after its own until they are
+        // summed: it grows to `size` blocks (in the room it came with, if it has it: the store
+        // passes a pooled buffer, so a big push touches no fresh pages). Zeros, not left
+        // unwritten, whatever a peer sends.
+        let (recv_ptr, dt, width) = match T::SUM_IN_F32 {
             true => {
                 p.wide_send = widen(&p.send);
-                p.wide_recv = vec![0.0; n];
-                p.wide_staged = vec![0.0; others];
-                f32::datatype()
+                p.wide_recv = vec![0.0; size * n];
+                (
+                    raw::ptr_mut(&mut p.wide_recv).cast::<u8>(),
+                    f32::datatype(),
+                    std::mem::size_of::<f32>(),
+                )
             }
             false => {
-                p.staged = vec![T::default(); others];
-                T::datatype()
+                p.recv.resize(size * n, T::default());
+                (
+                    raw::ptr_mut(&mut p.recv).cast::<u8>(),
+                    T::datatype(),
+                    std::mem::size_of::<T>(),
+                )
             }
         };
-        let (send_ptr, staged_ptr, width) = match T::SUM_IN_F32 {
-            true => (
-                raw::ptr(&p.wide_send),
-                raw::ptr_mut(&mut p.wide_staged).cast::<u8>(),
-                std::mem::size_of::<f32>(),
-            ),
-            false => (
-                raw::ptr(&p.send),
-                raw::ptr_mut(&mut p.staged).cast::<u8>(),
-                std::mem::size_of::<T>(),
-            ),
-        };
+        let send_ptr = match T::SUM_IN_F32 {
+            true => raw::ptr(&p.wide_send),
+            false => raw::ptr(&p.send),
+        }
+        .cast::<u8>();
         let comm = self.st.data.0;
         p.reqs = vec![Request::null(); 2 * (size - 1)];
         let (recvs, sends) = p.reqs.split_at_mut(size - 1);
         // Receives first, so no send waits for its receive to be posted.
         for (k, req) in recvs.iter_mut().enumerate() {
             let from = if k < rank { k } else { k + 1 };
-            // SAFETY: `staged` holds (size - 1) × n elements of `dt`; block k starts k × n
-            // elements in and holds n. It lives in `p` until the request completes or
-            // `Pending::drop` leaks it. The communicator is valid and `from` < size.
+            // SAFETY: the receive buffer holds size × n elements of `dt` (resized above); the
+            // staged block k starts (k + 1) × n elements in and holds n. It lives in `p` until
+            // the request completes or `Pending::drop` leaks it. The communicator is valid and
+            // `from` < size.
             let rc = unsafe {
                 ffi::MPI_Irecv(
-                    staged_ptr.add(k * n * width).cast(),
+                    recv_ptr.add((k + 1) * n * width).cast(),
                     count,
                     dt,
                     from as c_int,
@@ -558,7 +552,7 @@ impl Call {
             // is leaked. The communicator is valid and `to` < size.
             let rc = unsafe {
                 ffi::MPI_Isend(
-                    send_ptr.cast::<u8>().add(to * n * width).cast(),
+                    send_ptr.add(to * n * width).cast(),
                     count,
                     dt,
                     to as c_int,
@@ -793,12 +787,14 @@ mod tests {
             .collect();
         for owner in 0..size {
             let block = |r: usize| &sends[r][owner * n..(owner + 1) * n];
-            let staged: Vec<f32> = (0..size)
-                .filter(|&r| r != owner)
-                .flat_map(|r| block(r).to_vec())
-                .collect();
-            let mut got = vec![f32::NAN; n];
-            sum_blocks(&mut got, &sends[owner], &staged, owner);
+            // As MPI leaves it: room for the result, then the other ranks' blocks.
+            let mut got: Vec<f32> = vec![f32::NAN; n];
+            got.extend(
+                (0..size)
+                    .filter(|&r| r != owner)
+                    .flat_map(|r| block(r).to_vec()),
+            );
+            sum_blocks(&mut got, &sends[owner], (owner, size));
             let reversed: Vec<f32> = (0..n)
                 .map(|i| block(3)[i] + block(2)[i] + block(1)[i] + block(0)[i])
                 .collect();
