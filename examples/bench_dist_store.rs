@@ -40,6 +40,8 @@
 //! 2-bit and bfloat16, interleaved, with the bytes each rank sends (see [`compression`]), and
 //! `--row-sparse ROWS`: an embedding of ROWS x 64 float32 with 1 % of its rows touched per
 //! step (`--density P` for P %), pushed and pulled dense and by rows (see [`row_sparse`]).
+//! `--dtype float16|bfloat16` makes the store's one-key values 16-bit (the same element
+//! count, so half the bytes a size names; the raw collectives stay float32).
 
 use std::time::Instant;
 
@@ -114,6 +116,9 @@ struct Options {
     row_sparse: Option<usize>,
     /// The percentage of its rows each rank touches per step (`--density`, default 1).
     density: f64,
+    /// The dtype of the store's one-key values (`--dtype`, default f32; the raw collectives
+    /// stay f32).
+    dtype: DType,
 }
 
 fn parse_args() -> Options {
@@ -127,6 +132,7 @@ fn parse_args() -> Options {
         compression: false,
         row_sparse: None,
         density: 1.0,
+        dtype: DType::F32,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -146,9 +152,17 @@ fn parse_args() -> Options {
             "--compression" => o.compression = true,
             "--row-sparse" => o.row_sparse = args.next().and_then(|v| v.parse().ok()),
             "--density" => o.density = args.next().and_then(|v| v.parse().ok()).unwrap_or(1.0),
+            "--dtype" => {
+                let v = args.next().unwrap_or_default();
+                o.dtype = [DType::F32, DType::F16, DType::BF16]
+                    .into_iter()
+                    .find(|d| d.name() == v)
+                    .unwrap_or_else(|| panic!("bad dtype '{v}': float32, float16 or bfloat16"));
+            }
             other => panic!(
                 "unknown argument '{other}'; use --sizes 4K,64K,1M,..., --reps N, --small-only, \
-                 --no-small, --store-only, --breakdown, --compression, --row-sparse ROWS"
+                 --no-small, --store-only, --breakdown, --compression, --row-sparse ROWS, \
+                 --dtype float32|float16|bfloat16"
             ),
         }
     }
@@ -173,12 +187,14 @@ fn main() -> kvstore::Result<()> {
         bound,
         reps: o.reps,
         store_only: o.store_only,
+        dtype: o.dtype,
     };
     let lead = rank == 0;
     if lead {
         println!(
-            "# {size} ranks, f32, fingerprint check {check}, KVSTORE_BIGARRAY_BOUND {bound}; \
-             medians of the slowest rank's time"
+            "# {size} ranks, {} (the store's one-key values; raw MPI in f32), fingerprint check \
+             {check}, KVSTORE_BIGARRAY_BOUND {bound}; medians of the slowest rank's time",
+            o.dtype.name()
         );
     }
 
@@ -232,6 +248,7 @@ struct Bench<'a> {
     bound: usize,
     reps: Option<usize>,
     store_only: bool,
+    dtype: DType,
 }
 
 /// Push and pull of one key of `bytes` bytes, next to the raw collectives.
@@ -244,6 +261,7 @@ fn one_key(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
         bound,
         reps,
         store_only,
+        ..
     } = *b;
     let n = (bytes / 4 / size).max(1) * size;
     let block = n / size;
@@ -257,9 +275,10 @@ fn one_key(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
     });
 
     let kv = KvStore::create("dist_sync")?;
-    kv.init(0, &NDArray::from_vec(vec![1.0f32; n], [n])?)?;
-    let grad = NDArray::from_vec(vec![rank as f32 + 1.0; n], [n])?;
-    let out = NDArray::from_vec(vec![0.0f32; n], [n])?;
+    let dtype = b.dtype;
+    kv.init(0, &NDArray::from_vec(vec![1.0f32; n], [n])?.astype(dtype)?)?;
+    let grad = NDArray::from_vec(vec![rank as f32 + 1.0; n], [n])?.astype(dtype)?;
+    let out = NDArray::from_vec(vec![0.0f32; n], [n])?.astype(dtype)?;
     let mut send = vec![rank as f32 + 1.0; n];
     let mut recv = vec![0.0f32; n];
     let mut small = vec![rank as f32 + 1.0; block];
@@ -338,7 +357,7 @@ fn one_key(b: &Bench<'_>, bytes: usize) -> kvstore::Result<()> {
     }
     // The pull must have brought the stored value: 1 after init, then the sum of pushes.
     let want = (size * (size + 1) / 2) as f32;
-    let got = out.to_vec::<f32>()?;
+    let got = out.astype(DType::F32)?.to_vec::<f32>()?;
     assert!(
         got.iter().all(|&v| v == want),
         "pull returned {} (and maybe more) instead of {want}",

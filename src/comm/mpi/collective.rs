@@ -5,9 +5,10 @@
 //! buffers later, so they must not go back to the caller; they are leaked instead. Owned buffers
 //! also make every collective zero-copy for f32 and f64.
 //!
-//! f16 and bf16 have no MPI sum. The store's rule is "sum in f32, round once", so a reduce or
-//! reduce-scatter of f16/bf16 widens the input to f32, sums f32 partial sums across ranks, and
-//! rounds the result once. Copies (broadcast, all-gather) move their bits as `u16`.
+//! f16 and bf16 have no MPI sum. The store's rule is "sum in f32, round once", so a reduce of
+//! f16/bf16 widens the input to f32, sums f32 partial sums across ranks, and rounds the result
+//! once; the reduce-scatter (the store's own, point to point) moves the 16-bit values and sums
+//! them in f32 where they arrive. Copies (broadcast, all-gather) move their bits as `u16`.
 
 use std::os::raw::{c_int, c_void};
 use std::time::Instant;
@@ -31,7 +32,8 @@ mod sealed {
 /// An element type the transport can move: `f32`, `f64`, `half::f16`, `half::bf16` (and `u64`
 /// for its own records).
 pub trait Wire: Copy + Default + Send + Sync + 'static + sealed::Sealed {
-    /// Whether a sum travels as f32 partial sums (f16, bf16) instead of in the type itself.
+    /// Whether a sum is made in f32 (f16, bf16) instead of in the type itself: a reduce's
+    /// partial sums travel as f32.
     const SUM_IN_F32: bool;
     /// The MPI datatype the elements travel as when copied, and when summed unless
     /// [`Wire::SUM_IN_F32`].
@@ -174,8 +176,7 @@ pub struct Pending<T: Wire> {
     send: Vec<T>,
     recv: Vec<T>,
     wide_send: Vec<f32>,
-    /// The f32 partial sums where [`Wire::SUM_IN_F32`]. A reduce-scatter's receive buffer
-    /// (this one, or `recv`) holds the other ranks' blocks after its own until it is summed.
+    /// The f32 partial sums of a reduce where [`Wire::SUM_IN_F32`].
     wide_recv: Vec<f32>,
     bytes: usize,
     start: Instant,
@@ -249,20 +250,19 @@ impl<T: Wire> Pending<T> {
     }
 
     /// Takes the buffers out of a completed collective: sums a reduce-scatter's blocks, and
-    /// rounds f32 sums to `T` once.
+    /// rounds a reduce's f32 sums to `T` once.
     fn finish(mut self) -> Done<T> {
         debug_assert!(self.reqs.iter().all(|r| r.is_null()));
         if let Coll::ReduceScatter = self.coll {
-            let (rank, size) = (self.world.rank, self.world.size);
-            match T::SUM_IN_F32 {
-                true => sum_blocks(&mut self.wide_recv, &self.wide_send, (rank, size)),
-                false => sum_blocks(&mut self.recv, &self.send, (rank, size)),
-            }
+            sum_blocks(
+                &mut self.recv,
+                &self.send,
+                (self.world.rank, self.world.size),
+            );
         }
         if T::SUM_IN_F32 {
             let rounds = match self.coll {
                 Coll::Reduce { .. } => self.is_root,
-                Coll::ReduceScatter => true,
                 _ => false,
             };
             if rounds {
@@ -282,8 +282,8 @@ impl<T: Wire> Pending<T> {
 /// then the other ranks' blocks in rank order (`rank`'s own is block `rank` of `send`). Sums
 /// them in rank order, rank 0's block plus rank 1's and so on, into the first block, and
 /// shortens `recv` to it. Every element of the sum is added in the same order, whichever rank
-/// holds it.
-fn sum_blocks<S: Wire>(recv: &mut Vec<S>, send: &[S], (rank, size): (usize, usize)) {
+/// holds it. f16 and bf16 are summed in f32 and rounded once, a chunk at a time.
+fn sum_blocks<T: Wire>(recv: &mut Vec<T>, send: &[T], (rank, size): (usize, usize)) {
     let n = send.len() / size;
     let (out, staged) = recv.split_at_mut(n);
     let block = |r: usize| match r.cmp(&rank) {
@@ -292,10 +292,30 @@ fn sum_blocks<S: Wire>(recv: &mut Vec<S>, send: &[S], (rank, size): (usize, usiz
         std::cmp::Ordering::Less => &staged[r * n..(r + 1) * n],
         std::cmp::Ordering::Greater => &staged[(r - 1) * n..r * n],
     };
-    out.copy_from_slice(block(0));
-    for r in 1..size {
-        for (o, &x) in out.iter_mut().zip(block(r)) {
-            *o = o.add(x);
+    if T::SUM_IN_F32 {
+        const CHUNK: usize = 2048;
+        let mut acc = [0f32; CHUNK];
+        for start in (0..n).step_by(CHUNK) {
+            let end = (start + CHUNK).min(n);
+            let acc = &mut acc[..end - start];
+            for (a, x) in acc.iter_mut().zip(&block(0)[start..end]) {
+                *a = x.to_f32();
+            }
+            for r in 1..size {
+                for (a, x) in acc.iter_mut().zip(&block(r)[start..end]) {
+                    *a += x.to_f32();
+                }
+            }
+            for (o, &a) in out[start..end].iter_mut().zip(acc.iter()) {
+                *o = T::from_f32(a);
+            }
+        }
+    } else {
+        out.copy_from_slice(block(0));
+        for r in 1..size {
+            for (o, &x) in out.iter_mut().zip(block(r)) {
+                *o = o.add(x);
+            }
         }
     }
     recv.truncate(n);
@@ -467,7 +487,7 @@ impl Call {
 
     /// Starts a reduce-scatter of equal blocks: `send` holds `size` blocks of `recv.len()`
     /// elements; rank `r` receives the sum over ranks of block `r`, added in rank order. f16 and
-    /// bf16 are summed as f32 partial sums and rounded once.
+    /// bf16 travel as they are and are summed in f32, rounded once.
     ///
     /// It is point to point, not `MPI_Reduce_scatter_block`: each rank sends block `r` straight
     /// to rank `r` and receives its own block from every other rank (`MPI_Isend`/`MPI_Irecv`),
@@ -496,31 +516,12 @@ impl Call {
         // The receive buffer holds the other ranks' blocks after its own until they are
         // summed: it grows to `size` blocks (in the room it came with, if it has it: the store
         // passes a pooled buffer, so a big push touches no fresh pages). Zeros, not left
-        // unwritten, whatever a peer sends.
-        let (recv_ptr, dt, width) = match T::SUM_IN_F32 {
-            true => {
-                p.wide_send = widen(&p.send);
-                p.wide_recv = vec![0.0; size * n];
-                (
-                    raw::ptr_mut(&mut p.wide_recv).cast::<u8>(),
-                    f32::datatype(),
-                    std::mem::size_of::<f32>(),
-                )
-            }
-            false => {
-                p.recv.resize(size * n, T::default());
-                (
-                    raw::ptr_mut(&mut p.recv).cast::<u8>(),
-                    T::datatype(),
-                    std::mem::size_of::<T>(),
-                )
-            }
-        };
-        let send_ptr = match T::SUM_IN_F32 {
-            true => raw::ptr(&p.wide_send),
-            false => raw::ptr(&p.send),
-        }
-        .cast::<u8>();
+        // unwritten, whatever a peer sends. f16 and bf16 travel as they are (each rank's part
+        // is already rounded to them) and are summed in f32 on arrival.
+        p.recv.resize(size * n, T::default());
+        let (dt, width) = (T::datatype(), std::mem::size_of::<T>());
+        let recv_ptr = raw::ptr_mut(&mut p.recv).cast::<u8>();
+        let send_ptr = raw::ptr(&p.send).cast::<u8>();
         let comm = self.st.data.0;
         p.reqs = vec![Request::null(); 2 * (size - 1)];
         let (recvs, sends) = p.reqs.split_at_mut(size - 1);
@@ -810,6 +811,45 @@ mod tests {
                 "rank {owner}'s block: 1e8 + 1 - 1e8 + 1 in rank order"
             );
             assert_ne!(reversed[0], got[0], "the order shows");
+        }
+    }
+
+    /// bf16 blocks are summed in f32 and rounded once: 256 + 1 + 1 is 258 (in bf16 steps it
+    /// would stay 256, as 257 rounds to even), and random blocks match that rule written out.
+    #[test]
+    fn a_bf16_reduce_scatter_sums_in_f32_and_rounds_once() {
+        let mut rng = rand::rngs::StdRng::from_entropy();
+        let (size, n) = (3, 4100);
+        let sends: Vec<Vec<bf16>> = (0..size)
+            .map(|r| {
+                (0..size * n)
+                    .map(|i| match i % n {
+                        0 => bf16::from_f32([256.0, 1.0, 1.0][r]),
+                        _ => bf16::from_f32(rng.gen_range(-300.0..300.0)),
+                    })
+                    .collect()
+            })
+            .collect();
+        for owner in 0..size {
+            let block = |r: usize| &sends[r][owner * n..(owner + 1) * n];
+            let mut got: Vec<bf16> = vec![bf16::NAN; n];
+            got.extend(
+                (0..size)
+                    .filter(|&r| r != owner)
+                    .flat_map(|r| block(r).to_vec()),
+            );
+            sum_blocks(&mut got, &sends[owner], (owner, size));
+            let want: Vec<bf16> = (0..n)
+                .map(|i| bf16::from_f32((0..size).map(|r| block(r)[i].to_f32()).sum()))
+                .collect();
+            assert_eq!(got.len(), n);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits()),
+                "rank {owner}'s block"
+            );
+            assert_eq!(got[0].to_f32(), 258.0);
         }
     }
 }
