@@ -137,12 +137,34 @@ impl PyStore {
     }
 
     /// The store, once every queued call is done, for a blocking call: it goes after them, as
-    /// issued. The error of a queued call that failed, if one did (see `wait_all`).
+    /// issued. The error of a queued call that failed, if one did (see `wait_all`). For calls
+    /// that only this worker makes (setters, counters).
     fn store(&self, py: Python<'_>) -> PyResult<Arc<KvStore>> {
         if let Some(q) = self.queue.get() {
             py.detach(|| q.wait_all()).map_err(errors::to_py)?;
         }
         Ok(self.inner.clone())
+    }
+
+    /// [`PyStore::store`] for a call `op` that every worker of a dist store makes: when a queued
+    /// call failed, this worker will not make it, so the other workers are told
+    /// ([`KvStore::reject`]) and their same call fails at once, naming the failure, instead of
+    /// waiting for this worker until the timeout. (A failure every worker's queue met is told
+    /// by every worker: their refusals meet each other, as their calls would have.)
+    fn store_for(&self, py: Python<'_>, op: &'static str) -> PyResult<Arc<KvStore>> {
+        let Some(q) = self.queue.get() else {
+            return Ok(self.inner.clone());
+        };
+        match py.detach(|| q.wait_all()) {
+            Ok(()) => Ok(self.inner.clone()),
+            Err(e) => {
+                let why = format!("an asynchronous call before it failed on this worker: {e}");
+                // The queued call's error is the one to raise, whatever telling found (a world
+                // that failed earlier already fails the others' calls).
+                let _ = py.detach(|| self.inner.reject(op, &why));
+                Err(errors::to_py(e))
+            }
+        }
     }
 
     /// Queues `run` on the converted `args`. Arguments that did not convert raise here, and
@@ -187,7 +209,7 @@ impl PyStore {
         values: Vec<Bound<'_, PyAny>>,
         row_sparse: bool,
     ) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "init")?;
         let args = (|| {
             let keys = keys_from(&keys)?;
             let values: Vec<Imported> =
@@ -397,7 +419,7 @@ impl PyStore {
 
     /// Waits until every worker is here (bounded by `KVSTORE_TIMEOUT`).
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "barrier")?;
         py.detach(move || kv.barrier().map_err(errors::to_py))
     }
 
@@ -442,7 +464,7 @@ impl PyStore {
         keys: Vec<Bound<'_, PyAny>>,
         values: Vec<Vec<(Vec<u64>, Bound<'_, PyAny>)>>,
     ) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "push")?;
         let args = (|| {
             let keys = keys_from(&keys)?;
             let values = (values.iter())
@@ -480,7 +502,7 @@ impl PyStore {
         ids: Vec<u64>,
         out: Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "pull")?;
         let args = (|| {
             let mut out = arrays::import(&out)?;
             out.check_writable()?;
@@ -509,7 +531,7 @@ impl PyStore {
         values: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
     ) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "push")?;
         let args = (|| Ok((keys_from(&keys)?, import_lists(&values)?)))();
         let (keys, values) = told(py, &kv, "push", args)?;
         py.detach(move || {
@@ -528,7 +550,7 @@ impl PyStore {
         outs: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
     ) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "pull")?;
         let args = (|| Ok((keys_from(&keys)?, import_outs(&outs)?)))();
         let (keys, outs) = told(py, &kv, "pull", args)?;
         py.detach(move || {
@@ -548,7 +570,7 @@ impl PyStore {
         values: Vec<Vec<Bound<'_, PyAny>>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "pushpull")?;
         let args = (|| {
             Ok((
                 keys_from(&keys)?,
@@ -574,7 +596,7 @@ impl PyStore {
         values: Vec<Bound<'_, PyAny>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "broadcast")?;
         let args = (|| {
             let keys = keys_from(&keys)?;
             let values: Vec<Imported> =
@@ -614,7 +636,7 @@ impl PyStore {
 
     /// Checks that every worker passes the same `what` (`DesyncError` otherwise).
     fn agree(&self, py: Python<'_>, what: String) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "agree")?;
         py.detach(move || kv.agree(&what).map_err(errors::to_py))
     }
 
@@ -723,13 +745,13 @@ impl PyStore {
 
     /// Writes every value and updater state to `path` (safetensors).
     fn save(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "save")?;
         py.detach(move || kv.save(&path).map_err(errors::to_py))
     }
 
     /// Reads every value and updater state from `path`.
     fn load(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
-        let kv = self.store(py)?;
+        let kv = self.store_for(py, "load")?;
         py.detach(move || kv.load(&path).map_err(errors::to_py))
     }
 }

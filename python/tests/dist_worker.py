@@ -792,6 +792,35 @@ def row_sparse():
     say(f"ok row_sparse ({n} workers)")
 
 
+def async_local_failure():
+    """A queued push whose Python updater fails (on the key's home, which tells the others:
+    every worker's queue holds the failure). Worker 0 takes its failure with wait_all; worker
+    1 does not, so its next blocking call, a pull, raises the failure without making the
+    pull. Worker 0's pull must then fail at once, naming it, not wait for worker 1 until
+    KVSTORE_TIMEOUT. Then the workers are in step: the next pull brings the stored value,
+    unchanged by the failed update."""
+    kv = kvstore.create("dist_sync")
+    r = kv.rank
+    init = values(99, 3, (4,), n=1)[0]
+    kv.init(3, init)
+
+    def update(key, inp, stored):
+        raise ValueError("this updater fails where it runs")
+
+    kv.set_updater(update)
+    kv.push_async(3, values(r, 3, (4,), n=1))
+    out = np.zeros(4, np.float32)
+    if r == 0:
+        expect(kvstore.Error, kv.wait_all)
+        e = expect(kvstore.RankRejectedError, lambda: kv.pull(3, out=out))
+        assert "asynchronous call before it failed" in str(e), e
+    else:
+        expect(kvstore.Error, lambda: kv.pull(3, out=out))
+    kv.pull(3, out=out)
+    np.testing.assert_array_equal(out, init)
+    say("ok async_local_failure")
+
+
 CASES = {
     "row_sparse": row_sparse,
     "compressed": compressed,
@@ -817,6 +846,7 @@ CASES = {
     "save": save,
     "load": load,
     "optimizer": optimizer,
+    "async_local_failure": async_local_failure,
 }
 
 if __name__ == "__main__":

@@ -147,6 +147,17 @@ def test_a_rank_with_bad_input_gets_its_error_the_others_rank_rejected():
 
 
 @needs_mpi
+def test_a_blocking_call_refused_for_a_queued_failure_fails_at_once_on_the_other_workers():
+    # Before the fix the other worker's pull waited for the home until KVSTORE_TIMEOUT and
+    # ended in TimeoutError; 60 s keeps that failure inside the test's bound.
+    rc, out = run(2, "async_local_failure", env={"KVSTORE_TIMEOUT": "60"})
+    assert rc == 0, out
+    assert oks(out, "async_local_failure") == [0, 1], out
+    assert re.search(r"^rank 0: EXPECTED RankRejectedError", out, re.M), out
+    assert "TimeoutError" not in out, out
+
+
+@needs_mpi
 @pytest.mark.parametrize("case", ["desync", "desync_optimizer"], ids=["call", "learning-rate"])
 def test_ranks_that_disagree_fail_with_desync(case):
     rc, out = run(2, case)
