@@ -249,6 +249,39 @@ impl<T: Wire> Pending<T> {
         }
     }
 
+    /// Checks that a completed reduce-scatter received a whole block from every other rank
+    /// (`statuses`: one per request, the receives first). A rank that sent a shorter block
+    /// disagrees on the key's size (only `KVSTORE_DIST_CHECK=0` lets such a call reach the
+    /// transfer), and summing would silently use the zeros in its place; a longer one is
+    /// MPI's truncation error already.
+    fn received_in_full(&self, statuses: &[ffi::MPI_Status], op: &'static str) -> Result<()> {
+        let Coll::ReduceScatter = self.coll else {
+            return Ok(());
+        };
+        let (rank, size) = (self.world.rank, self.world.size);
+        let want = self.send.len() / size;
+        for (k, status) in statuses.iter().take(size - 1).enumerate() {
+            let mut got: c_int = 0;
+            // SAFETY: `status` is the status MPI_Testall wrote for this completed receive, and
+            // the datatype is the one it received.
+            let rc = unsafe { ffi::MPI_Get_count(status, T::datatype(), &mut got) };
+            raw::check(op, rc)?;
+            if usize::try_from(got).ok() != Some(want) {
+                let from = if k < rank { k } else { k + 1 };
+                return Err(Error::Mpi {
+                    op,
+                    message: format!(
+                        "reduce-scatter of call #{}: rank {from} sent a block of {got} \
+                         elements where rank {rank} expected {want}: the ranks disagree on the \
+                         key's size (with KVSTORE_DIST_CHECK=0 nothing compared it first)",
+                        self.seq
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Takes the buffers out of a completed collective: sums a reduce-scatter's blocks, and
     /// rounds a reduce's f32 sums to `T` once.
     fn finish(mut self) -> Done<T> {
@@ -319,6 +352,12 @@ fn sum_blocks<T: Wire>(recv: &mut Vec<T>, send: &[T], (rank, size): (usize, usiz
         }
     }
     recv.truncate(n);
+}
+
+/// `n` statuses for MPI to fill.
+fn no_statuses(n: usize) -> Vec<ffi::MPI_Status> {
+    // SAFETY: `MPI_Status` is a plain C struct of integers, for which all zeros is a value.
+    (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
 }
 
 fn widen<T: Wire>(v: &[T]) -> Vec<f32> {
@@ -496,7 +535,12 @@ impl Call {
     /// "A reduce-scatter of its own"). It never runs blocking: it is polled like any
     /// non-blocking collective, so its wait is bounded. Every rank must start its
     /// reduce-scatters in the same order, as with collectives (MPI matches the messages of one
-    /// pair of ranks in the order they were posted).
+    /// pair of ranks in the order they were posted). A block shorter or longer than this rank
+    /// expects (ranks that disagree on the size) is an error at the wait, never a sum.
+    ///
+    /// Memory: the receive buffer holds every rank's block until they are summed, so a push
+    /// holds about twice the key in transfer buffers (send and receive), where MPI's needed a
+    /// key and a block; one that times out leaks both, as every abandoned transfer does.
     pub fn reduce_scatter<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
         let size = self.world.size;
         if send.len() != recv.len() * size {
@@ -708,7 +752,14 @@ impl Call {
     /// [`Call::wait`], which then returns at once.
     pub fn test<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<bool> {
         self.same_call(p)?;
-        let r = self.st.test(&mut p.reqs, self.op);
+        let mut statuses = no_statuses(p.reqs.len());
+        let r = self
+            .st
+            .test(&mut p.reqs, Some(&mut statuses), self.op)
+            .and_then(|done| match done {
+                true => p.received_in_full(&statuses, self.op).map(|()| true),
+                false => Ok(false),
+            });
         if let Err(e) = &r {
             self.world.poison_with(e.to_string());
         }
@@ -734,13 +785,29 @@ impl Call {
         };
         let bytes = ps.iter().map(|p| p.bytes).sum();
         let mut reqs: Vec<Request> = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
+        // Those that [`Call::test`] found complete were checked there; their statuses now
+        // are empty ones.
+        let fresh: Vec<bool> = ps
+            .iter()
+            .map(|p| p.reqs.iter().any(|r| !r.is_null()))
+            .collect();
+        let mut statuses = no_statuses(reqs.len());
         let what = match ps.as_slice() {
             [one] => one.coll.to_string(),
             [first, ..] => format!("{} (and {} more collectives)", first.coll, ps.len() - 1),
             [] => String::new(),
         };
         // On an error the pendings are dropped unfinished: their buffers leak, as they must.
-        self.poll(&mut reqs, bytes, start, &what)?;
+        self.poll(&mut reqs, &mut statuses, bytes, start, &what)?;
+        let mut at = 0;
+        for (p, fresh) in ps.iter().zip(fresh) {
+            let mine = &statuses[at..at + p.reqs.len()];
+            at += p.reqs.len();
+            if fresh {
+                p.received_in_full(mine, self.op)
+                    .inspect_err(|e| self.world.poison_with(e.to_string()))?;
+            }
+        }
         let mut done = reqs.into_iter();
         for p in &mut ps {
             for r in &mut p.reqs {

@@ -235,7 +235,7 @@ impl State {
         let mut keep = Vec::new();
         for (mut req, buf) in std::mem::take(&mut self.outbox) {
             if !matches!(
-                self.test(std::slice::from_mut(&mut req), "report"),
+                self.test(std::slice::from_mut(&mut req), None, "report"),
                 Ok(true)
             ) {
                 keep.push((req, buf));

@@ -269,7 +269,7 @@ impl State {
         loop {
             // On an early return the barrier stays pending: the caller aborts the job.
             if self
-                .test(std::slice::from_mut(&mut req), "exit")
+                .test(std::slice::from_mut(&mut req), None, "exit")
                 .map_err(|e| e.to_string())?
             {
                 return Ok(());

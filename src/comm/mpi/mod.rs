@@ -517,23 +517,66 @@ impl World {
 
 impl State {
     /// One `MPI_Testall`: whether all of `reqs` have completed (completed ones become null).
-    fn test(&mut self, reqs: &mut [Request], op: &'static str) -> Result<bool> {
+    /// When they have, `statuses` (one per request, if given) holds how each completed.
+    fn test(
+        &mut self,
+        reqs: &mut [Request],
+        statuses: Option<&mut [ffi::MPI_Status]>,
+        op: &'static str,
+    ) -> Result<bool> {
         let mut flag: c_int = 0;
         let n = raw::count(op, reqs.len())?;
+        let (statuses, given) = match statuses {
+            Some(s) if s.len() == reqs.len() => (s.as_mut_ptr(), Some(&*s)),
+            Some(_) => {
+                return Err(Error::Internal {
+                    op,
+                    message: "a test with statuses, but not one per request".to_owned(),
+                })
+            }
+            // SAFETY: RSMPI_STATUSES_IGNORE is a constant that rsmpi's C shim exports; reading
+            // it has no side effect.
+            None => (unsafe { ffi::RSMPI_STATUSES_IGNORE }, None),
+        };
         // SAFETY: `Request` is `#[repr(transparent)]` over `MPI_Request`, so the slice is an
-        // array of `n` requests that MPI may update in place; statuses are ignored. Every
-        // request was started on a communicator that is still valid.
+        // array of `n` requests that MPI may update in place; `statuses` is an array of `n`
+        // statuses it may write, or MPI_STATUSES_IGNORE. Every request was started on a
+        // communicator that is still valid.
         let rc = unsafe {
             ffi::MPI_Testall(
                 n,
                 reqs.as_mut_ptr().cast::<ffi::MPI_Request>(),
                 &mut flag,
-                ffi::RSMPI_STATUSES_IGNORE,
+                statuses,
             )
         };
+        if rc == ffi::MPI_ERR_IN_STATUS as c_int {
+            if let Some(e) = given.and_then(|s| status_error(s, op)) {
+                return Err(e);
+            }
+        }
         raw::check(op, rc)?;
         Ok(flag != 0)
     }
+}
+
+/// The error of the first request in `statuses` that failed (after `MPI_ERR_IN_STATUS`),
+/// with what it means where the transport can say: a truncated message is a rank that sent
+/// more than this rank expected.
+fn status_error(statuses: &[ffi::MPI_Status], op: &'static str) -> Option<Error> {
+    let failed = statuses.iter().find(|s| {
+        s.MPI_ERROR != ffi::MPI_SUCCESS as c_int && s.MPI_ERROR != ffi::MPI_ERR_PENDING as c_int
+    })?;
+    let what = raw::error_string(failed.MPI_ERROR);
+    let message = match failed.MPI_ERROR == ffi::MPI_ERR_TRUNCATE as c_int {
+        true => format!(
+            "rank {} sent more than this rank expected ({what}): the ranks disagree on a key's \
+             size (with KVSTORE_DIST_CHECK=0 nothing compared it first)",
+            failed.MPI_SOURCE
+        ),
+        false => format!("a transfer with rank {} failed: {what}", failed.MPI_SOURCE),
+    };
+    Some(Error::Mpi { op, message })
 }
 
 /// One store call in progress: holds the world's state lock, so calls never interleave. Start
@@ -597,6 +640,7 @@ impl Call {
     fn poll(
         &mut self,
         reqs: &mut [Request],
+        statuses: &mut [ffi::MPI_Status],
         bytes: usize,
         start: Instant,
         what: &str,
@@ -605,7 +649,7 @@ impl Call {
         let mut last_service = start;
         let mut watch: Option<Watch> = None;
         loop {
-            match self.st.test(reqs, self.op) {
+            match self.st.test(reqs, Some(&mut *statuses), self.op) {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => {
