@@ -189,7 +189,7 @@ impl AsyncKvStore {
     }
 
     /// Queues `run`, a call of store operation `op` (`"push"`, `"pull"`, `"pushpull"`, ...,
-    /// the names of [`KvStore::reject`]) on `keys`, named "`op` [keys]" in errors and the
+    /// the names of [`KvStore::reject`]) on `keys`, named "`op` \[keys\]" in errors and the
     /// timeline. For adapters that queue their own work around a store call (the Python
     /// package copies a pull's result into the caller's memory this way). `run` must make the
     /// store call it names, since on a dist store the other ranks make it too.
