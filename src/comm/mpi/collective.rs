@@ -129,6 +129,11 @@ impl Wire for u64 {
     }
 }
 
+/// The most bytes each of the f32 buffers of a blocking f16/bf16 reduce that the world keeps
+/// for the next one (a whole key's sum; keys over `KVSTORE_BIGARRAY_BOUND` are sliced, so
+/// 4 MiB at the default bound).
+const KEPT_WIDE_BYTES: usize = 64 << 20;
+
 /// The tag of the reduce-scatter's messages (the data communicator carries no other
 /// point-to-point messages).
 const REDUCE_SCATTER_TAG: c_int = 0x4b56;
@@ -283,8 +288,9 @@ impl<T: Wire> Pending<T> {
     }
 
     /// Takes the buffers out of a completed collective: sums a reduce-scatter's blocks, and
-    /// rounds a reduce's f32 sums to `T` once.
-    fn finish(mut self) -> Done<T> {
+    /// rounds a reduce's f32 sums to `T` once. The f32 buffers come back too, for the next
+    /// f16/bf16 reduce.
+    fn finish(mut self) -> (Done<T>, (Vec<f32>, Vec<f32>)) {
         debug_assert!(self.reqs.iter().all(|r| r.is_null()));
         if let Coll::ReduceScatter = self.coll {
             sum_blocks(
@@ -304,10 +310,15 @@ impl<T: Wire> Pending<T> {
                 }
             }
         }
-        Done {
+        let wide = (
+            std::mem::take(&mut self.wide_send),
+            std::mem::take(&mut self.wide_recv),
+        );
+        let done = Done {
             send: std::mem::take(&mut self.send),
             recv: std::mem::take(&mut self.recv),
-        }
+        };
+        (done, wide)
     }
 }
 
@@ -358,10 +369,6 @@ fn sum_blocks<T: Wire>(recv: &mut Vec<T>, send: &[T], (rank, size): (usize, usiz
 fn no_statuses(n: usize) -> Vec<ffi::MPI_Status> {
     // SAFETY: `MPI_Status` is a plain C struct of integers, for which all zeros is a value.
     (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
-}
-
-fn widen<T: Wire>(v: &[T]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
 }
 
 impl Call {
@@ -419,10 +426,15 @@ impl Call {
         p.is_root = is_root;
         let comm = self.st.data.0;
         if T::SUM_IN_F32 {
-            p.wide_send = widen(&p.send);
+            // The f32 buffers of an earlier reduce, whose pages are mapped already.
+            let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
+            wide_send.clear();
+            wide_send.extend(p.send.iter().map(|x| x.to_f32()));
+            wide_recv.clear();
             if is_root {
-                p.wide_recv = vec![0.0; p.send.len()];
+                wide_recv.resize(p.send.len(), 0.0);
             }
+            (p.wide_send, p.wide_recv) = (wide_send, wide_recv);
         }
         let (send, recv, dt) = p.sum_buffers();
         let (root_c, sum) = (root as c_int, raw::op_sum());
@@ -473,15 +485,10 @@ impl Call {
                     .to_owned(),
             ));
         }
+        let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
         if T::SUM_IN_F32 {
-            let p = self.reduce_sum(send.to_vec(), recv, root)?;
-            let recv = self.wait(p)?.recv;
-            return Ok(Done {
-                send: Vec::new(),
-                recv,
-            });
+            return self.reduce_wide_blocking(send, recv, root, (n, is_root));
         }
-        let (n, _) = self.reduce_fits(send.len(), recv.len(), root)?;
         let mut recv = recv;
         let (sp, rp, dt) = (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype());
         let (root_c, sum, comm) = (root as c_int, raw::op_sum(), self.st.data.0);
@@ -493,6 +500,63 @@ impl Call {
             ffi::MPI_Reduce(sp, rp, n, dt, sum, root_c, comm)
         });
         self.started(rc)?;
+        Ok(Done {
+            send: Vec::new(),
+            recv,
+        })
+    }
+
+    /// Keeps a finished reduce's f32 buffers for the next f16/bf16 reduce, unless they hold
+    /// more than [`KEPT_WIDE_BYTES`] or are emptier than the ones kept.
+    fn keep_wide(&mut self, wide: (Vec<f32>, Vec<f32>)) {
+        let room = |w: &(Vec<f32>, Vec<f32>)| w.0.capacity() + w.1.capacity();
+        let fits = (wide.0.capacity().max(wide.1.capacity())) * std::mem::size_of::<f32>()
+            <= KEPT_WIDE_BYTES;
+        if fits && room(&wide) > room(&self.st.wide) {
+            self.st.wide = wide;
+        }
+    }
+
+    /// [`Call::reduce_sum_borrowed`] of f16/bf16: widened straight from the borrowed buffer into
+    /// f32 partial sums, reduced blocking, rounded once at the root. The f32 buffers are kept
+    /// in the world's state for the next such reduce (up to [`KEPT_WIDE_BYTES`] each): a
+    /// blocking reduce is done with them when it returns, and fresh ones cost a page fault
+    /// per 4 KiB on every push (a 256 K-element bf16 push took 5x an f32 one's time).
+    fn reduce_wide_blocking<T: Wire>(
+        &mut self,
+        send: &[T],
+        recv: Vec<T>,
+        root: usize,
+        (n, is_root): (c_int, bool),
+    ) -> Result<Done<T>> {
+        let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
+        wide_send.clear();
+        wide_send.extend(send.iter().map(|x| x.to_f32()));
+        wide_recv.clear();
+        if is_root {
+            wide_recv.resize(send.len(), 0.0);
+        }
+        let (sp, rp) = (raw::ptr(&wide_send), raw::ptr_mut(&mut wide_recv));
+        let (dt, root_c, sum, comm) = (
+            f32::datatype(),
+            root as c_int,
+            raw::op_sum(),
+            self.st.data.0,
+        );
+        // SAFETY: both buffers hold `n` f32 (the receive buffer only matters at the root, where
+        // it was sized above); the call is blocking, so MPI is done with both when it returns,
+        // and both are still owned here; the communicator is valid; `root` < size.
+        let rc = self.bound(Coll::Reduce { root }, || unsafe {
+            ffi::MPI_Reduce(sp, rp, n, dt, sum, root_c, comm)
+        });
+        self.started(rc)?;
+        let mut recv = recv;
+        if is_root {
+            for (o, &s) in recv.iter_mut().zip(&wide_recv) {
+                *o = T::from_f32(s);
+            }
+        }
+        self.keep_wide((wide_send, wide_recv));
         Ok(Done {
             send: Vec::new(),
             recv,
@@ -814,7 +878,13 @@ impl Call {
                 *r = done.next().unwrap_or_else(Request::null);
             }
         }
-        Ok(ps.into_iter().map(Pending::finish).collect())
+        let mut done = Vec::with_capacity(ps.len());
+        for p in ps {
+            let (d, wide) = p.finish();
+            self.keep_wide(wide);
+            done.push(d);
+        }
+        Ok(done)
     }
 
     fn same_call<T: Wire>(&self, p: &Pending<T>) -> Result<()> {

@@ -187,6 +187,9 @@ struct State {
     caused_by: Option<(usize, String)>,
     /// Sent control records whose sends may not have completed: kept alive, never freed early.
     outbox: Vec<(Request, Box<[u8; REPORT_BYTES]>)>,
+    /// The f32 partial sums of the last blocking f16/bf16 reduce (send, receive), kept for the
+    /// next one so that its pages are mapped already (see [`Call::reduce_sum_borrowed`]).
+    wide: (Vec<f32>, Vec<f32>),
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
@@ -349,6 +352,7 @@ impl World {
                 closed: false,
                 caused_by: None,
                 outbox: Vec::new(),
+                wide: (Vec::new(), Vec::new()),
             }),
             poison: Mutex::new(poison),
             env_error,
