@@ -254,15 +254,21 @@ impl<T: Wire> Pending<T> {
         }
     }
 
+    /// Whether its receives' counts are checked when it completes (a reduce-scatter's: see
+    /// [`Pending::received_in_full`]).
+    fn counts_received(&self) -> bool {
+        matches!(self.coll, Coll::ReduceScatter)
+    }
+
     /// Checks that a completed reduce-scatter received a whole block from every other rank
     /// (`statuses`: one per request, the receives first). A rank that sent a shorter block
     /// disagrees on the key's size (only `KVSTORE_DIST_CHECK=0` lets such a call reach the
     /// transfer), and summing would silently use the zeros in its place; a longer one is
     /// MPI's truncation error already.
     fn received_in_full(&self, statuses: &[ffi::MPI_Status], op: &'static str) -> Result<()> {
-        let Coll::ReduceScatter = self.coll else {
+        if !self.counts_received() {
             return Ok(());
-        };
+        }
         let (rank, size) = (self.world.rank, self.world.size);
         let want = self.send.len() / size;
         for (k, status) in statuses.iter().take(size - 1).enumerate() {
@@ -426,15 +432,7 @@ impl Call {
         p.is_root = is_root;
         let comm = self.st.data.0;
         if T::SUM_IN_F32 {
-            // The f32 buffers of an earlier reduce, whose pages are mapped already.
-            let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
-            wide_send.clear();
-            wide_send.extend(p.send.iter().map(|x| x.to_f32()));
-            wide_recv.clear();
-            if is_root {
-                wide_recv.resize(p.send.len(), 0.0);
-            }
-            (p.wide_send, p.wide_recv) = (wide_send, wide_recv);
+            (p.wide_send, p.wide_recv) = self.widened(&p.send, is_root);
         }
         let (send, recv, dt) = p.sum_buffers();
         let (root_c, sum) = (root as c_int, raw::op_sum());
@@ -506,6 +504,20 @@ impl Call {
         })
     }
 
+    /// The f32 buffers of an f16/bf16 reduce of `send`: `send` widened, and at the root zeros
+    /// for the sum. They are the ones an earlier reduce kept ([`Call::keep_wide`]), whose pages
+    /// are mapped already.
+    fn widened<T: Wire>(&mut self, send: &[T], is_root: bool) -> (Vec<f32>, Vec<f32>) {
+        let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
+        wide_send.clear();
+        wide_send.extend(send.iter().map(|x| x.to_f32()));
+        wide_recv.clear();
+        if is_root {
+            wide_recv.resize(send.len(), 0.0);
+        }
+        (wide_send, wide_recv)
+    }
+
     /// Keeps a finished reduce's f32 buffers for the next f16/bf16 reduce, unless they hold
     /// more than [`KEPT_WIDE_BYTES`] or are emptier than the ones kept.
     fn keep_wide(&mut self, wide: (Vec<f32>, Vec<f32>)) {
@@ -529,13 +541,7 @@ impl Call {
         root: usize,
         (n, is_root): (c_int, bool),
     ) -> Result<Done<T>> {
-        let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
-        wide_send.clear();
-        wide_send.extend(send.iter().map(|x| x.to_f32()));
-        wide_recv.clear();
-        if is_root {
-            wide_recv.resize(send.len(), 0.0);
-        }
+        let (wide_send, mut wide_recv) = self.widened(send, is_root);
         let (sp, rp) = (raw::ptr(&wide_send), raw::ptr_mut(&mut wide_recv));
         let (dt, root_c, sum, comm) = (
             f32::datatype(),
@@ -816,10 +822,12 @@ impl Call {
     /// [`Call::wait`], which then returns at once.
     pub fn test<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<bool> {
         self.same_call(p)?;
-        let mut statuses = no_statuses(p.reqs.len());
+        // Statuses only where there are counts to check: no allocation per call otherwise.
+        let mut statuses = no_statuses(if p.counts_received() { p.reqs.len() } else { 0 });
+        let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
         let r = self
             .st
-            .test(&mut p.reqs, Some(&mut statuses), self.op)
+            .test(&mut p.reqs, given, self.op)
             .and_then(|done| match done {
                 true => p.received_in_full(&statuses, self.op).map(|()| true),
                 false => Ok(false),
@@ -849,26 +857,31 @@ impl Call {
         };
         let bytes = ps.iter().map(|p| p.bytes).sum();
         let mut reqs: Vec<Request> = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
-        // Those that [`Call::test`] found complete were checked there; their statuses now
-        // are empty ones.
-        let fresh: Vec<bool> = ps
+        // The received counts to check: of reduce-scatters not yet complete (those that
+        // [`Call::test`] found complete were checked there, and their statuses now are empty
+        // ones). Statuses only then: no allocation per call otherwise.
+        let check: Vec<bool> = ps
             .iter()
-            .map(|p| p.reqs.iter().any(|r| !r.is_null()))
+            .map(|p| p.counts_received() && p.reqs.iter().any(|r| !r.is_null()))
             .collect();
-        let mut statuses = no_statuses(reqs.len());
+        let mut statuses = no_statuses(match check.contains(&true) {
+            true => reqs.len(),
+            false => 0,
+        });
         let what = match ps.as_slice() {
             [one] => one.coll.to_string(),
             [first, ..] => format!("{} (and {} more collectives)", first.coll, ps.len() - 1),
             [] => String::new(),
         };
         // On an error the pendings are dropped unfinished: their buffers leak, as they must.
-        self.poll(&mut reqs, &mut statuses, bytes, start, &what)?;
+        let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
+        self.poll(&mut reqs, given, bytes, start, &what)?;
         let mut at = 0;
-        for (p, fresh) in ps.iter().zip(fresh) {
-            let mine = &statuses[at..at + p.reqs.len()];
-            at += p.reqs.len();
-            if fresh {
-                p.received_in_full(mine, self.op)
+        for (p, check) in ps.iter().zip(check) {
+            let range = at..at + p.reqs.len();
+            at = range.end;
+            if check {
+                p.received_in_full(&statuses[range], self.op)
                     .inspect_err(|e| self.world.poison_with(e.to_string()))?;
             }
         }

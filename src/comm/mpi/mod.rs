@@ -635,7 +635,8 @@ impl Call {
         Ok(self.wait(p)?.recv)
     }
 
-    /// Polls `reqs` until all complete, within the timeout counted from `start`. Once the wait
+    /// Polls `reqs` until all complete, within the timeout counted from `start` (`statuses`,
+    /// when given, one per request, then says how each completed). Once the wait
     /// has lasted [`poll::SLEEP_MAX`], it also, at most that often, answers the other ranks'
     /// questions, reads their exit records (a rank gone for good ends the wait with
     /// [`Error::RankExited`]), and logs every `KVSTORE_WAIT_LOG_SECS` whom it waits for. On a
@@ -644,7 +645,7 @@ impl Call {
     fn poll(
         &mut self,
         reqs: &mut [Request],
-        statuses: &mut [ffi::MPI_Status],
+        mut statuses: Option<&mut [ffi::MPI_Status]>,
         bytes: usize,
         start: Instant,
         what: &str,
@@ -653,7 +654,7 @@ impl Call {
         let mut last_service = start;
         let mut watch: Option<Watch> = None;
         loop {
-            match self.st.test(reqs, Some(&mut *statuses), self.op) {
+            match self.st.test(reqs, statuses.as_deref_mut(), self.op) {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => {
