@@ -156,14 +156,7 @@ impl Fingerprint {
 
     /// "pull of key 5", "push of keys 3, 5, 7", "push of 12 keys (3, 5, 7, ...)".
     pub fn summary(&self) -> String {
-        summary(
-            self.op,
-            &self
-                .entries
-                .iter()
-                .map(|e| e.key.to_string())
-                .collect::<Vec<_>>(),
-        )
+        summary_of(self.op, self.entries.iter().map(|e| &e.key))
     }
 
     /// The full description for call number `seq`, one line per entry, exchanged on a mismatch.
@@ -277,6 +270,16 @@ pub(crate) fn mismatch_error(op: &'static str, seq: u64, texts: &[String]) -> Er
 }
 
 /// The words for an op and its keys.
+/// [`Fingerprint::summary`] of a call of `op` with `keys`.
+pub(crate) fn summary_of<'k>(op: &str, keys: impl ExactSizeIterator<Item = &'k Key>) -> String {
+    let n = keys.len();
+    let first: Vec<String> = keys.take(4).map(Key::to_string).collect();
+    match n {
+        0..=4 => summary(op, &first),
+        _ => format!("{op} of {n} keys ({}, ...)", first[..3].join(", ")),
+    }
+}
+
 fn summary(op: &str, keys: &[String]) -> String {
     match keys.len() {
         0 => op.to_owned(),

@@ -249,11 +249,7 @@ impl KvStore {
         let updater = active.updater.clone();
         let mut hyper = active.hyper.clone();
         hyper.scheduler = scheduler;
-        *active = Arc::new(Active {
-            updater,
-            generation: active.generation,
-            hyper,
-        });
+        *active = Arc::new(Active::new(updater, active.generation, hyper));
         Ok(())
     }
 
@@ -354,22 +350,18 @@ impl KvStore {
             mults.remove(&key);
         }
         hyper.mults = Arc::new(mults);
-        *active = Arc::new(Active {
-            updater: active.updater.clone(),
-            generation: active.generation,
+        *active = Arc::new(Active::new(
+            active.updater.clone(),
+            active.generation,
             hyper,
-        });
+        ));
         Ok(())
     }
 }
 
 /// Puts `updater` in force with the same generation, so every key keeps its state and step.
 fn replace_keeping_state(active: &mut RwLockWriteGuard<'_, Arc<Active>>, updater: Updater) {
-    let next = Active {
-        updater,
-        generation: active.generation,
-        hyper: active.hyper.clone(),
-    };
+    let next = Active::new(updater, active.generation, active.hyper.clone());
     **active = Arc::new(next);
 }
 

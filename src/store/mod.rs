@@ -59,18 +59,32 @@ pub(super) struct Active {
     generation: u64,
     /// The learning-rate schedule, per-key multipliers and update count.
     hyper: hyper::Settings,
+    /// [`Active::describe`], made once: an `Active` never changes (a change makes a new one).
+    described: std::sync::OnceLock<String>,
 }
 
 impl Active {
+    fn new(updater: Updater, generation: u64, hyper: hyper::Settings) -> Active {
+        Active {
+            updater,
+            generation,
+            hyper,
+            described: std::sync::OnceLock::new(),
+        }
+    }
+
     /// Everything about the updater that decides what a push computes, in words: the ranks of
-    /// a distributed store compare it before every push.
-    fn describe(&self) -> String {
-        format!(
-            "updater {:?}, set by call #{}, {}",
-            self.updater,
-            self.generation,
-            self.hyper.describe()
-        )
+    /// a distributed store compare it before every push. Made on the first push after a
+    /// change, not on every push (the multipliers may name every key).
+    fn describe(&self) -> &str {
+        self.described.get_or_init(|| {
+            format!(
+                "updater {:?}, set by call #{}, {}",
+                self.updater,
+                self.generation,
+                self.hyper.describe()
+            )
+        })
     }
 }
 
@@ -144,11 +158,11 @@ impl KvStore {
             name,
             kind,
             table: RwLock::new(Table::default()),
-            active: RwLock::new(Arc::new(Active {
-                updater: Updater::Assign,
-                generation: 0,
-                hyper: hyper::Settings::default(),
-            })),
+            active: RwLock::new(Arc::new(Active::new(
+                Updater::Assign,
+                0,
+                hyper::Settings::default(),
+            ))),
             hook: RwLock::new(None),
             compression: RwLock::new(Compression::None),
             par_min_bytes,
@@ -307,11 +321,7 @@ impl KvStore {
         let mut active = write(&self.active);
         active.hyper.check_fits(&updater)?;
         let generation = active.generation + 1;
-        *active = Arc::new(Active {
-            updater,
-            generation,
-            hyper: active.hyper.restarted(),
-        });
+        *active = Arc::new(Active::new(updater, generation, active.hyper.restarted()));
         Ok(())
     }
 
@@ -581,7 +591,7 @@ impl KvStore {
         let fp = || {
             let note = match compression.is_on() {
                 true => format!("{}; {}", active.describe(), compression.describe()),
-                false => active.describe(),
+                false => active.describe().to_owned(),
             };
             dist::fingerprint(op, &groups).note(&note)
         };

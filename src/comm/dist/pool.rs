@@ -4,8 +4,9 @@
 //! and receive buffers of the collectives, the local sums and the copies a pull sends all come
 //! from here and go back here.
 //!
-//! At most `KVSTORE_DIST_POOL_BYTES` bytes are kept (default 1 GiB); buffers under 64 KiB are
-//! not kept (the allocator keeps those mapped anyway).
+//! At most `KVSTORE_DIST_POOL_BYTES` bytes are kept (default 1 GiB). Small buffers (under
+//! 64 KiB) are kept too, at most [`SMALL_KEPT`] of them: a call on small keys then takes its
+//! buffers from here as well, with no allocation and no zeroing of a fresh buffer.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -15,8 +16,17 @@ use crate::{DType, Element, Error, Result};
 /// The default of `KVSTORE_DIST_POOL_BYTES`.
 pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
 
-/// Buffers smaller than this are not worth keeping.
-const MIN_KEPT_BYTES: usize = 64 << 10;
+/// Buffers smaller than this are small: at most [`SMALL_KEPT`] of them are kept.
+const SMALL_BYTES: usize = 64 << 10;
+
+/// The most small buffers kept: a call's transfers need a few each (send and receive per
+/// packed bucket).
+const SMALL_KEPT: usize = 32;
+
+/// A kept buffer serves a request of `need` bytes only if its room is at most twice that
+/// plus this much: a small key never holds a big key's buffer (whose next push would then
+/// fault its pages in afresh).
+const SLACK_BYTES: usize = 64 << 10;
 
 /// Host buffers kept between calls.
 pub(crate) struct Pool {
@@ -69,7 +79,11 @@ impl Pool {
             return with_room(dtype, 0, 0);
         }
         let mut bufs = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let fits = |b: &HostData| b.dtype() == dtype && room_bytes(b) >= room * dtype.size();
+        let need = room * dtype.size();
+        let fits = |b: &HostData| {
+            let have = room_bytes(b);
+            b.dtype() == dtype && have >= need && have <= 2 * need + SLACK_BYTES
+        };
         let best = bufs
             .iter()
             .enumerate()
@@ -88,15 +102,21 @@ impl Pool {
         buf
     }
 
-    /// Keeps `buf` for a later [`Pool::take`], within the pool's bound (the oldest buffers go
-    /// first).
+    /// Keeps `buf` for a later [`Pool::take`], within the pool's bounds: `max_bytes` in all,
+    /// and [`SMALL_KEPT`] small buffers (the oldest buffers go first).
     pub fn give(&self, buf: HostData) {
         let bytes = room_bytes(&buf);
-        if bytes < MIN_KEPT_BYTES || bytes > self.max_bytes {
+        if bytes == 0 || bytes > self.max_bytes {
             return;
         }
         let mut bufs = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
         bufs.push(buf);
+        let is_small = |b: &HostData| room_bytes(b) < SMALL_BYTES;
+        if bytes < SMALL_BYTES && bufs.iter().filter(|b| is_small(b)).count() > SMALL_KEPT {
+            if let Some(oldest) = bufs.iter().position(is_small) {
+                bufs.remove(oldest);
+            }
+        }
         let mut total: usize = bufs.iter().map(room_bytes).sum();
         while total > self.max_bytes {
             let old = bufs.remove(0);
@@ -146,13 +166,38 @@ mod tests {
         pool.give(b);
         let c = pool.take(DType::F64, 10, 10);
         assert_eq!(pool.bufs.lock().unwrap().len(), 1);
-        pool.give(c); // too small to keep
-        assert_eq!(pool.bufs.lock().unwrap().len(), 1);
+        pool.give(c); // small buffers are kept too
+        assert_eq!(pool.bufs.lock().unwrap().len(), 2);
         // Past the bound, the oldest buffers go.
         for _ in 0..4 {
             pool.give(with_room(DType::F32, 0, 250_000));
         }
         let kept: usize = pool.bufs.lock().unwrap().iter().map(room_bytes).sum();
         assert!(kept <= 3 << 20, "{kept}");
+    }
+
+    #[test]
+    fn small_buffers_are_kept_up_to_their_count_and_never_take_a_big_one() {
+        let pool = Pool::with_max_bytes(64 << 20);
+        // A small request does not take a big buffer; a big one does.
+        pool.give(with_room(DType::F32, 0, 1 << 20));
+        let small = pool.take(DType::F32, 1024, 1024);
+        assert_eq!(room_bytes(&small), 4096);
+        assert_eq!(pool.bufs.lock().unwrap().len(), 1);
+        let big = pool.take(DType::F32, 600_000, 600_000);
+        assert!(room_bytes(&big) >= 4 << 20);
+        assert!(pool.bufs.lock().unwrap().is_empty());
+        // A small buffer comes back at the length asked, with no fresh allocation.
+        pool.give(small);
+        let again = pool.take(DType::F32, 1000, 1024);
+        assert_eq!((again.len(), room_bytes(&again)), (1000, 4096));
+        // At most SMALL_KEPT small buffers stay; the big one is not counted among them.
+        pool.give(big);
+        for _ in 0..SMALL_KEPT + 10 {
+            pool.give(with_room(DType::F32, 0, 256));
+        }
+        let bufs = pool.bufs.lock().unwrap();
+        let small = bufs.iter().filter(|b| room_bytes(b) < SMALL_BYTES).count();
+        assert_eq!((small, bufs.len()), (SMALL_KEPT, SMALL_KEPT + 1));
     }
 }

@@ -840,26 +840,43 @@ impl Call {
 
     /// Waits for `p` (bounded by the timeout, counted from its start) and gives its buffers
     /// back.
-    pub fn wait<T: Wire>(&mut self, p: Pending<T>) -> Result<Done<T>> {
-        let mut done = self.wait_all(vec![p])?;
-        done.pop()
-            .ok_or_else(|| self.misuse("wait: nothing completed".to_owned()))
+    pub fn wait<T: Wire>(&mut self, mut p: Pending<T>) -> Result<Done<T>> {
+        self.same_call(&p)?;
+        let coll = p.coll;
+        let what = move || coll.to_string();
+        // A reduce-scatter's received counts are checked, unless [`Call::test`] found it
+        // complete and checked them already (its statuses now would be empty ones).
+        let check = p.counts_received() && p.reqs.iter().any(|r| !r.is_null());
+        let mut statuses = no_statuses(if check { p.reqs.len() } else { 0 });
+        let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
+        // On an error `p` is dropped unfinished: its buffers leak, as they must.
+        self.poll(&mut p.reqs, given, p.bytes, p.start, &what)?;
+        if check {
+            p.received_in_full(&statuses, self.op)
+                .inspect_err(|e| self.world.poison_with(e.to_string()))?;
+        }
+        let (done, wide) = p.finish();
+        self.keep_wide(wide);
+        Ok(done)
     }
 
     /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
     /// gives their buffers back, in order.
     pub fn wait_all<T: Wire>(&mut self, mut ps: Vec<Pending<T>>) -> Result<Vec<Done<T>>> {
+        if ps.len() <= 1 {
+            return ps.pop().map_or(Ok(Vec::new()), |p| Ok(vec![self.wait(p)?]));
+        }
         for p in &ps {
             self.same_call(p)?;
         }
-        let Some(start) = ps.iter().map(|p| p.start).min() else {
-            return Ok(Vec::new());
-        };
+        let start = ps
+            .iter()
+            .map(|p| p.start)
+            .min()
+            .unwrap_or_else(Instant::now);
         let bytes = ps.iter().map(|p| p.bytes).sum();
         let mut reqs: Vec<Request> = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
-        // The received counts to check: of reduce-scatters not yet complete (those that
-        // [`Call::test`] found complete were checked there, and their statuses now are empty
-        // ones). Statuses only then: no allocation per call otherwise.
+        // The received counts to check, as in [`Call::wait`].
         let check: Vec<bool> = ps
             .iter()
             .map(|p| p.counts_received() && p.reqs.iter().any(|r| !r.is_null()))
@@ -868,11 +885,8 @@ impl Call {
             true => reqs.len(),
             false => 0,
         });
-        let what = match ps.as_slice() {
-            [one] => one.coll.to_string(),
-            [first, ..] => format!("{} (and {} more collectives)", first.coll, ps.len() - 1),
-            [] => String::new(),
-        };
+        let (first, more) = (ps[0].coll, ps.len() - 1);
+        let what = move || format!("{first} (and {more} more collectives)");
         // On an error the pendings are dropped unfinished: their buffers leak, as they must.
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
         self.poll(&mut reqs, given, bytes, start, &what)?;

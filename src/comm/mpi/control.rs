@@ -15,6 +15,7 @@
 //! between the tests of a wait, at most every [`poll::SLEEP_MAX`](super::poll::SLEEP_MAX), so a
 //! call that completes at once never reads the control communicator.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::os::raw::c_int;
 use std::time::{Duration, Instant};
@@ -24,6 +25,63 @@ use mpi::ffi;
 use super::raw::{self, Request};
 use super::{is_are, State, World};
 use crate::comm::fingerprint;
+use crate::Key;
+
+/// Where this rank is, for its answers to other ranks: the number of its last call, the call
+/// (op and keys) while it is in one, and where in it or between calls. The words are made only
+/// when a rank asks or a wait is logged, never on a call's way.
+pub(super) struct Here {
+    pub(super) seq: u64,
+    call: Option<(&'static str, Vec<Key>)>,
+    /// Where in the call ("in its broadcast from rank 0"), or where between calls.
+    at: Cow<'static, str>,
+}
+
+impl Here {
+    /// Outside any call (`at`: "between calls", "at its exit").
+    pub(super) fn idle(seq: u64, at: &'static str) -> Here {
+        Here {
+            seq,
+            call: None,
+            at: Cow::Borrowed(at),
+        }
+    }
+
+    /// In call `seq`, of `op` with `keys`.
+    pub(super) fn in_call(seq: u64, op: &'static str, keys: Vec<Key>) -> Here {
+        Here {
+            seq,
+            call: Some((op, keys)),
+            at: Cow::Borrowed(""),
+        }
+    }
+
+    /// Says where in the call this rank is.
+    pub(super) fn set_at(&mut self, at: String) {
+        self.at = Cow::Owned(at);
+    }
+
+    /// The call's keys (none outside a call).
+    pub(super) fn keys(&self) -> &[Key] {
+        self.call.as_ref().map_or(&[], |(_, keys)| keys)
+    }
+
+    /// The call in words: "push of key 3" (outside a call, where this rank is).
+    pub(super) fn summary(&self) -> String {
+        match &self.call {
+            Some((op, keys)) => fingerprint::summary_of(op, keys.iter()),
+            None => self.at.to_string(),
+        }
+    }
+
+    /// Where this rank is, in words: "push of key 3, in its reduce to rank 0".
+    pub(super) fn text(&self) -> String {
+        match (&self.call, self.at.is_empty()) {
+            (Some(_), true) | (None, _) => self.summary(),
+            (Some(_), false) => format!("{}, {}", self.summary(), self.at),
+        }
+    }
+}
 
 /// "Where are you?", with where the asker is.
 pub(super) const TAG_WHERE: c_int = 1;
@@ -147,9 +205,9 @@ impl State {
     pub(super) fn answer_queries(&mut self, world: &World) {
         while let Some((src, question)) = self.receive(TAG_WHERE) {
             let answer = Report {
-                seq: self.here.0,
+                seq: self.here.seq,
                 query: question.query,
-                text: self.here.1.clone(),
+                text: self.here.text(),
                 ..Report::default()
             };
             if question.timed_out {
@@ -310,9 +368,9 @@ impl Watch {
             None if now >= self.next => {
                 let query = st.new_query();
                 let question = Report {
-                    seq: st.here.0,
+                    seq: st.here.seq,
                     query,
-                    text: st.here.1.clone(),
+                    text: st.here.text(),
                     ..Report::default()
                 };
                 st.ask_all(world, &question);

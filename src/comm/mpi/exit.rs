@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
-use super::control::{self, Watch};
+use super::control::{self, Here, Watch};
 use super::poll::{self, Backoff};
 use super::raw::{self, Request};
 use super::{State, World, WORLD};
@@ -262,7 +262,7 @@ impl State {
         // `req` is a valid out-pointer.
         let rc = unsafe { ffi::MPI_Ibarrier(self.control.0, &mut req.0) };
         raw::check("exit", rc).map_err(|e| e.to_string())?;
-        self.here = (self.seq, "at its exit".to_owned());
+        self.here = Here::idle(self.seq, "at its exit");
         let start = Instant::now();
         let mut backoff = Backoff::new(start, 0);
         let mut watch = Watch::new(world, start);

@@ -136,7 +136,7 @@ pub use crate::comm::launch::DEFAULT_TIMEOUT;
 pub use collective::{Done, Pending, Wire};
 
 use crate::{Error, Key, Result};
-use control::{Report, Watch, Whereabouts, REPORT_BYTES, TAG_HERE, TAG_WHERE};
+use control::{Here, Report, Watch, Whereabouts, REPORT_BYTES, TAG_HERE, TAG_WHERE};
 use poll::Backoff;
 use raw::{Comm, Request};
 
@@ -172,8 +172,8 @@ struct State {
     control: Comm,
     /// The number of the last call begun.
     seq: u64,
-    /// Where this rank is, for answers to other ranks: (call number, what it waits for).
-    here: (u64, String),
+    /// Where this rank is, for answers to other ranks.
+    here: Here,
     /// The questions of ranks that timed out, heard while waiting, by rank: their reports.
     heard: BTreeMap<usize, Report>,
     /// The exit records of the ranks that have exited, by rank.
@@ -345,7 +345,7 @@ impl World {
                 data,
                 control,
                 seq: 0,
-                here: (0, "not in a call".to_owned()),
+                here: Here::idle(0, "not in a call"),
                 heard: BTreeMap::new(),
                 exits: BTreeMap::new(),
                 next_query: 0,
@@ -501,13 +501,11 @@ impl World {
             st,
             seq: 0,
             op: fp.op(),
-            keys: fp.keys(),
-            summary: fp.summary(),
             blocking: false,
         };
         call.st.seq += 1;
         call.seq = call.st.seq;
-        call.st.here = (call.seq, call.summary.clone());
+        call.st.here = Here::in_call(call.seq, fp.op(), fp.keys());
         if let Some(e) = call.exited_error() {
             self.poison_with(e.to_string());
             return Err(e);
@@ -591,8 +589,6 @@ pub struct Call {
     st: MutexGuard<'static, State>,
     seq: u64,
     op: &'static str,
-    keys: Vec<Key>,
-    summary: String,
     /// Whether collectives start blocking ([`Call::set_blocking`]).
     blocking: bool,
 }
@@ -648,11 +644,13 @@ impl Call {
         mut statuses: Option<&mut [ffi::MPI_Status]>,
         bytes: usize,
         start: Instant,
-        what: &str,
+        what: &dyn Fn() -> String,
     ) -> Result<()> {
         let mut backoff = Backoff::new(start, bytes);
         let mut last_service = start;
         let mut watch: Option<Watch> = None;
+        // What this wait is for, in words: made once the wait is long, never on a quick one.
+        let mut said: Option<String> = None;
         loop {
             match self.st.test(reqs, statuses.as_deref_mut(), self.op) {
                 Ok(true) => return Ok(()),
@@ -668,9 +666,10 @@ impl Call {
             let now = Instant::now();
             if now.duration_since(last_service) >= poll::SLEEP_MAX {
                 last_service = now;
+                let what = said.get_or_insert_with(what);
                 if watch.is_none() {
                     // A long wait: say where it is to the ranks that ask.
-                    self.st.here.1 = format!("{}, in its {what}", self.summary);
+                    self.st.here.set_at(format!("in its {what}"));
                 }
                 self.st.service(self.world);
                 if let Some(err) = self.exited_error() {
@@ -682,7 +681,7 @@ impl Call {
                     control::warn(&control::wait_line(
                         (self.world.rank, self.world.size),
                         self.seq,
-                        &self.summary,
+                        &self.st.here.summary(),
                         what,
                         now.duration_since(start),
                         &answers,
@@ -691,7 +690,8 @@ impl Call {
                 }
             }
             if now.duration_since(start) > self.world.timeout {
-                let err = self.diagnose(what);
+                let what = said.get_or_insert_with(what).clone();
+                let err = self.diagnose(&what);
                 self.world.poison_with(err.to_string());
                 return Err(err);
             }
@@ -726,7 +726,7 @@ impl Call {
     /// reports for a grace period, and builds the error.
     fn diagnose(&mut self, what: &str) -> Error {
         let world = self.world;
-        let here = format!("{}, in its {what}", self.summary);
+        let here = format!("{}, in its {what}", self.st.here.summary());
         let query = self.st.new_query();
         let question = Report {
             seq: self.seq,
@@ -736,7 +736,9 @@ impl Call {
             ..Report::default()
         };
         self.st.ask_all(world, &question);
-        self.st.here.1 = format!("{here}, where it timed out");
+        self.st
+            .here
+            .set_at(format!("in its {what}, where it timed out"));
         let mut reports = std::mem::take(&mut self.st.heard);
         let end = Instant::now() + world.grace();
         while reports.len() + 1 < world.size && Instant::now() < end {
@@ -750,7 +752,7 @@ impl Call {
                 let answer = Report {
                     seq: self.seq,
                     query: other.query,
-                    text: self.st.here.1.clone(),
+                    text: self.st.here.text(),
                     ..Report::default()
                 };
                 self.st.send_report(world, src, TAG_HERE, &answer);
@@ -762,7 +764,7 @@ impl Call {
         timeout_error(
             self.op,
             self.seq,
-            self.keys.clone(),
+            self.st.here.keys().to_vec(),
             (world.rank, world.size),
             &reports,
             what,
@@ -773,7 +775,7 @@ impl Call {
 
 impl Drop for Call {
     fn drop(&mut self) {
-        self.st.here = (self.seq, "between calls".to_owned());
+        self.st.here = Here::idle(self.seq, "between calls");
     }
 }
 
