@@ -23,10 +23,10 @@ const SMALL_BYTES: usize = 64 << 10;
 /// packed bucket).
 const SMALL_KEPT: usize = 32;
 
-/// A kept buffer serves a request of `need` bytes only if its room is at most twice that
-/// plus this much: a small key never holds a big key's buffer (whose next push would then
-/// fault its pages in afresh).
-const SLACK_BYTES: usize = 64 << 10;
+/// A small request (under [`SMALL_BYTES`]) takes a kept buffer of at most this much room:
+/// a small key never holds a big key's buffer (whose next push would then fault its pages in
+/// afresh).
+const SMALL_TAKES_AT_MOST: usize = 4 * SMALL_BYTES;
 
 /// Host buffers kept between calls.
 pub(crate) struct Pool {
@@ -82,7 +82,9 @@ impl Pool {
         let need = room * dtype.size();
         let fits = |b: &HostData| {
             let have = room_bytes(b);
-            b.dtype() == dtype && have >= need && have <= 2 * need + SLACK_BYTES
+            b.dtype() == dtype
+                && have >= need
+                && (need >= SMALL_BYTES || have <= SMALL_TAKES_AT_MOST)
         };
         let best = bufs
             .iter()
