@@ -57,7 +57,7 @@ pub(super) fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     // these casts only rename the element types of the same slices and rule (same size,
     // alignment and length, same lifetimes); every u16 bit pattern is a valid f16/bf16.
     let (values, stored, s0, s1, rule) = unsafe {
-        let values: Vec<&[u16]> = values
+        let values: super::Few<&[u16]> = values
             .iter()
             .map(|v| std::slice::from_raw_parts(v.as_ptr().cast::<u16>(), v.len()))
             .collect();

@@ -26,6 +26,10 @@ use num_traits::{Float, One, Zero};
 use crate::dtype::{DType, Element};
 use crate::updater::{clip, Rule};
 
+/// The few values, outs or locks of one key, on the stack up to four (a key is pushed from,
+/// and pulled into, a handful of devices).
+pub(crate) type Few<T> = smallvec::SmallVec<[T; 4]>;
+
 #[cfg(target_arch = "x86_64")]
 mod half16;
 pub(crate) mod pull;
@@ -79,7 +83,7 @@ fn grain(len: usize, bytes: usize) -> usize {
 
 /// A push on one key: values to sum, the stored value, and up to two state buffers.
 pub(crate) struct PushJob<'a, T: Element> {
-    pub values: Vec<&'a [T]>,
+    pub values: Few<&'a [T]>,
     pub stored: &'a mut [T],
     pub state: [&'a mut [T::Acc]; 2],
 }
@@ -99,7 +103,7 @@ pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, par_min
     // Assigning one f32/f64 value is a copy (their accumulator is the type itself, so the
     // round trip through it is the identity, bit for bit): the copy loop is faster.
     if let (Rule::Assign, [value], DType::F32 | DType::F64) = (rule, &job.values[..], T::DTYPE) {
-        return broadcast(value, vec![job.stored], par_min_bytes);
+        return broadcast(value, smallvec::smallvec![job.stored], par_min_bytes);
     }
     let bytes = job.bytes();
     match pool_for(bytes, par_min_bytes) {
@@ -177,16 +181,30 @@ fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
 
 /// The portable loop for every dtype (bfloat16 too when the CPU lacks AVX2 or F16C).
 fn push_seq_generic<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
+    // A small key's sum lives in a small block: the whole block is zeroed first, and zeroing
+    // 1024 accumulators for a key of 256 elements was most of the work of a push of many
+    // small keys.
+    match job.stored.len() <= SMALL_BLOCK {
+        true => push_seq_blocks::<T, SMALL_BLOCK>(job, rule),
+        false => push_seq_blocks::<T, BLOCK>(job, rule),
+    }
+}
+
+/// The elements of the block of a key of at most this many elements.
+const SMALL_BLOCK: usize = 256;
+
+/// [`push_seq_generic`], `B` elements at a time.
+fn push_seq_blocks<T: Element, const B: usize>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     let PushJob {
         values,
         stored,
         state: [s0, s1],
     } = job;
-    let mut acc = [T::Acc::zero(); BLOCK];
+    let mut acc = [T::Acc::zero(); B];
     let n = stored.len();
     let mut start = 0;
     while start < n {
-        let end = (start + BLOCK).min(n);
+        let end = (start + B).min(n);
         let acc = &mut acc[..end - start];
         sum_block(&values, start..end, acc);
         let w = &mut stored[start..end];
@@ -212,7 +230,7 @@ fn push_seq_f16<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     // accumulator type is f32; so `T` is `f16` and `T::Acc` is `f32`, and these casts only
     // rename the types of the same slices and rule (same layout, same lengths, same lifetimes).
     let (values, stored, s0, s1, rule) = unsafe {
-        let values: Vec<&[f16]> = values
+        let values: Few<&[f16]> = values
             .iter()
             .map(|v| std::slice::from_raw_parts(v.as_ptr().cast::<f16>(), v.len()))
             .collect();
@@ -346,7 +364,7 @@ fn update_block<T: Element>(
 /// updater.
 pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T], par_min_bytes: usize) {
     let job = PushJob {
-        values: values.to_vec(),
+        values: values.iter().copied().collect(),
         stored: dst,
         state: [&mut [], &mut []],
     };
@@ -357,7 +375,7 @@ pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T], par_min_bytes
 /// moving at least `par_min_bytes` split their work over the pool.
 pub(crate) fn broadcast<T: Copy + Send + Sync>(
     src: &[T],
-    outs: Vec<&mut [T]>,
+    outs: Few<&mut [T]>,
     par_min_bytes: usize,
 ) {
     let bytes = std::mem::size_of_val(src).saturating_mul(outs.len() + 1);
@@ -370,20 +388,20 @@ pub(crate) fn broadcast<T: Copy + Send + Sync>(
     }
 }
 
-fn broadcast_par<T: Copy + Send + Sync>(src: &[T], outs: Vec<&mut [T]>, grain: usize) {
+fn broadcast_par<T: Copy + Send + Sync>(src: &[T], outs: Few<&mut [T]>, grain: usize) {
     if src.len() <= grain {
         return broadcast_seq(src, outs);
     }
     let mid = (src.len() / 2 / BLOCK * BLOCK).max(BLOCK);
     let (lo_s, hi_s) = src.split_at(mid);
-    let (lo, hi): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| o.split_at_mut(mid)).unzip();
+    let (lo, hi): (Few<_>, Few<_>) = outs.into_iter().map(|o| o.split_at_mut(mid)).unzip();
     rayon::join(
         || broadcast_par(lo_s, lo, grain),
         || broadcast_par(hi_s, hi, grain),
     );
 }
 
-fn broadcast_seq<T: Copy>(src: &[T], mut outs: Vec<&mut [T]>) {
+fn broadcast_seq<T: Copy>(src: &[T], mut outs: Few<&mut [T]>) {
     if let [out] = outs.as_mut_slice() {
         return out.copy_from_slice(src);
     }

@@ -6,6 +6,7 @@ use std::sync::RwLockWriteGuard;
 
 use crate::comm::link::internal;
 
+use super::Few;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::{Element, NDArray, Result};
@@ -25,13 +26,13 @@ pub(crate) fn pull_into(
     let whole = part == (0..src.len());
     // The part, in a buffer of its own, for outs on a GPU (made once, for the first).
     let mut upload: Option<HostData> = None;
-    let mut outs = outs.to_vec();
+    let mut outs: Few<&NDArray> = outs.iter().copied().collect();
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
-    let mut guards: Vec<RwLockWriteGuard<'_, Storage>> = outs.iter().map(|a| a.write()).collect();
+    let mut guards: Few<RwLockWriteGuard<'_, Storage>> = outs.iter().map(|a| a.write()).collect();
     with_host!(src, all: T => {
         let s = &all[part.clone()];
-        let mut same: Vec<&mut [T]> = Vec::with_capacity(guards.len());
+        let mut same: Few<&mut [T]> = Few::with_capacity(guards.len());
         for g in guards.iter_mut() {
             match &mut **g {
                 Storage::Host(h) => {

@@ -5,7 +5,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::RwLockReadGuard;
 
 use super::state::State;
-use super::PushJob;
+use super::{Few, PushJob};
 use crate::backend::KeyFacts;
 use crate::host::{with_host, HostData};
 use crate::ndarray::Storage;
@@ -47,7 +47,7 @@ pub(crate) fn push_fused<T: Element>(
     let rule = updater
         .rule_with::<T::Acc>(state.step, hyper)
         .expect("custom updaters take the other path");
-    let values: Vec<&[T]> = arrays
+    let values: Few<&[T]> = arrays
         .iter()
         .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
         .collect();
@@ -126,7 +126,7 @@ pub(crate) fn push_closure(
 /// Read locks on a set of arrays, each taken once, in address order. Arrays on a GPU are
 /// copied to the host instead (the host path of a push).
 pub(crate) struct ReadSet<'a> {
-    guards: Vec<(usize, Held<'a>)>,
+    guards: Few<(usize, Held<'a>)>,
 }
 
 enum Held<'a> {
@@ -136,7 +136,7 @@ enum Held<'a> {
 
 impl<'a> ReadSet<'a> {
     pub fn lock(arrays: &[&'a NDArray]) -> Result<ReadSet<'a>> {
-        let mut uniq = arrays.to_vec();
+        let mut uniq: Few<&NDArray> = arrays.iter().copied().collect();
         uniq.sort_by_key(|a| a.storage_id());
         uniq.dedup_by_key(|a| a.storage_id());
         let guards = uniq
