@@ -15,7 +15,7 @@ use crate::{DType, Error, Key, Result};
 #[derive(Clone, Debug, PartialEq)]
 struct Entry {
     key: Key,
-    dims: Vec<usize>,
+    dims: smallvec::SmallVec<[usize; 4]>,
     dtype: DType,
 }
 
@@ -104,9 +104,14 @@ impl Fingerprint {
     pub fn push(&mut self, key: Key, dims: &[usize], dtype: DType) {
         self.entries.push(Entry {
             key,
-            dims: dims.to_vec(),
+            dims: dims.iter().copied().collect(),
             dtype,
         });
+    }
+
+    /// Makes room for `n` more entries.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.entries.reserve(n);
     }
 
     /// The op name.

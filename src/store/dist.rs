@@ -140,6 +140,7 @@ fn root_of(spread: Spread) -> usize {
 /// The fingerprint of a call of `op` on `groups`: each key with its shape and dtype.
 pub(super) fn fingerprint(op: &'static str, groups: &[Group<'_>]) -> Fingerprint {
     let mut fp = Fingerprint::new(op);
+    fp.reserve(groups.len());
     for g in groups {
         fp.push(g.slot.key.clone(), g.slot.shape.dims(), g.slot.dtype);
     }

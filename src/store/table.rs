@@ -1,7 +1,7 @@
 //! The key table: each key's slot (its fixed facts, and its value behind a lock), key order,
 //! and where new keys are homed.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::{HomeValue, KeyFacts};
@@ -36,7 +36,7 @@ pub(super) struct Slot {
 #[derive(Default)]
 pub(super) struct Table {
     pub key_kind: Option<KeyKind>,
-    pub slots: HashMap<Key, Arc<Slot>>,
+    pub slots: FxHashMap<Key, Arc<Slot>>,
     pub next_str_order: i64,
     /// The `init_seq` of the next key initialized.
     pub next_init_seq: u64,

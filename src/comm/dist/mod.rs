@@ -351,6 +351,10 @@ fn read_in_place<'a>(sums: &[Sum<'a>]) -> Vec<Option<RwLockReadGuard<'a, Storage
         matches!(s.spread, Spread::Whole { .. })
             && s.data.len() * s.data.dtype().size() >= PACK_MAX_BYTES
     };
+    // Most calls of many small keys send none alone: count array uses only when needed.
+    if !sums.iter().any(alone) {
+        return sums.iter().map(|_| None).collect();
+    }
     let mut uses: HashMap<usize, usize> = HashMap::new();
     for s in sums {
         if let SumData::Value(a) = s.data {

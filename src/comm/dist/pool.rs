@@ -30,8 +30,44 @@ const SMALL_TAKES_AT_MOST: usize = 4 * SMALL_BYTES;
 
 /// Host buffers kept between calls.
 pub(crate) struct Pool {
-    bufs: Mutex<Vec<HostData>>,
+    bufs: Mutex<Kept>,
     max_bytes: usize,
+}
+
+/// The buffers a pool keeps, oldest first, with their count of small ones and their bytes
+/// (kept up to date, so that a call that gives back a buffer per key never re-counts them).
+#[derive(Default)]
+struct Kept {
+    bufs: Vec<HostData>,
+    small: usize,
+    bytes: usize,
+}
+
+impl Kept {
+    fn remove(&mut self, i: usize) -> HostData {
+        let b = self.bufs.remove(i);
+        self.forget(&b);
+        b
+    }
+
+    fn swap_remove(&mut self, i: usize) -> HostData {
+        let b = self.bufs.swap_remove(i);
+        self.forget(&b);
+        b
+    }
+
+    fn forget(&mut self, b: &HostData) {
+        let bytes = room_bytes(b);
+        self.bytes -= bytes;
+        self.small -= usize::from(bytes < SMALL_BYTES);
+    }
+
+    fn push(&mut self, b: HostData) {
+        let bytes = room_bytes(&b);
+        self.bytes += bytes;
+        self.small += usize::from(bytes < SMALL_BYTES);
+        self.bufs.push(b);
+    }
 }
 
 /// The bytes a buffer holds room for.
@@ -66,7 +102,7 @@ impl Pool {
     /// A pool that keeps at most `max_bytes` bytes.
     pub fn with_max_bytes(max_bytes: usize) -> Pool {
         Pool {
-            bufs: Mutex::new(Vec::new()),
+            bufs: Mutex::new(Kept::default()),
             max_bytes,
         }
     }
@@ -87,6 +123,7 @@ impl Pool {
                 && (need >= SMALL_BYTES || have <= SMALL_TAKES_AT_MOST)
         };
         let best = bufs
+            .bufs
             .iter()
             .enumerate()
             .filter(|(_, b)| fits(b))
@@ -104,25 +141,23 @@ impl Pool {
         buf
     }
 
-    /// Keeps `buf` for a later [`Pool::take`], within the pool's bounds: `max_bytes` in all,
-    /// and [`SMALL_KEPT`] small buffers (the oldest buffers go first).
+    /// Keeps `buf` for a later [`Pool::take`], within the pool's bounds: `max_bytes` in all
+    /// (the oldest buffers go first), and [`SMALL_KEPT`] small buffers (a small one given when
+    /// that many are kept is freed).
     pub fn give(&self, buf: HostData) {
         let bytes = room_bytes(&buf);
         if bytes == 0 || bytes > self.max_bytes {
             return;
         }
-        let mut bufs = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        bufs.push(buf);
-        let is_small = |b: &HostData| room_bytes(b) < SMALL_BYTES;
-        if bytes < SMALL_BYTES && bufs.iter().filter(|b| is_small(b)).count() > SMALL_KEPT {
-            if let Some(oldest) = bufs.iter().position(is_small) {
-                bufs.remove(oldest);
-            }
+        let mut kept = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        // A call that gives back a small buffer per key (the totals of a push of many keys)
+        // fills the small ones' room once; the rest are freed as they come, in O(1).
+        if bytes < SMALL_BYTES && kept.small >= SMALL_KEPT {
+            return;
         }
-        let mut total: usize = bufs.iter().map(room_bytes).sum();
-        while total > self.max_bytes {
-            let old = bufs.remove(0);
-            total -= room_bytes(&old);
+        kept.push(buf);
+        while kept.bytes > self.max_bytes {
+            kept.remove(0);
         }
     }
 }
@@ -153,28 +188,25 @@ mod tests {
 
     #[test]
     fn buffers_come_back_with_their_room_and_the_bound_holds() {
-        let pool = Pool {
-            bufs: Mutex::new(Vec::new()),
-            max_bytes: 3 << 20,
-        };
+        let pool = Pool::with_max_bytes(3 << 20);
         let a = pool.take(DType::F32, 100_000, 250_000);
         assert_eq!((a.len(), room_bytes(&a) >= 1_000_000), (100_000, true));
         pool.give(a);
         // The kept buffer serves a request that fits its room, at the length asked.
         let b = pool.take(DType::F32, 200_000, 200_000);
         assert_eq!(b.len(), 200_000);
-        assert!(pool.bufs.lock().unwrap().is_empty());
+        assert!(pool.bufs.lock().unwrap().bufs.is_empty());
         // Another dtype does not take it.
         pool.give(b);
         let c = pool.take(DType::F64, 10, 10);
-        assert_eq!(pool.bufs.lock().unwrap().len(), 1);
+        assert_eq!(pool.bufs.lock().unwrap().bufs.len(), 1);
         pool.give(c); // small buffers are kept too
-        assert_eq!(pool.bufs.lock().unwrap().len(), 2);
+        assert_eq!(pool.bufs.lock().unwrap().bufs.len(), 2);
         // Past the bound, the oldest buffers go.
         for _ in 0..4 {
             pool.give(with_room(DType::F32, 0, 250_000));
         }
-        let kept: usize = pool.bufs.lock().unwrap().iter().map(room_bytes).sum();
+        let kept: usize = pool.bufs.lock().unwrap().bufs.iter().map(room_bytes).sum();
         assert!(kept <= 3 << 20, "{kept}");
     }
 
@@ -185,10 +217,10 @@ mod tests {
         pool.give(with_room(DType::F32, 0, 1 << 20));
         let small = pool.take(DType::F32, 1024, 1024);
         assert_eq!(room_bytes(&small), 4096);
-        assert_eq!(pool.bufs.lock().unwrap().len(), 1);
+        assert_eq!(pool.bufs.lock().unwrap().bufs.len(), 1);
         let big = pool.take(DType::F32, 600_000, 600_000);
         assert!(room_bytes(&big) >= 4 << 20);
-        assert!(pool.bufs.lock().unwrap().is_empty());
+        assert!(pool.bufs.lock().unwrap().bufs.is_empty());
         // A small buffer comes back at the length asked, with no fresh allocation.
         pool.give(small);
         let again = pool.take(DType::F32, 1000, 1024);
@@ -198,8 +230,15 @@ mod tests {
         for _ in 0..SMALL_KEPT + 10 {
             pool.give(with_room(DType::F32, 0, 256));
         }
-        let bufs = pool.bufs.lock().unwrap();
-        let small = bufs.iter().filter(|b| room_bytes(b) < SMALL_BYTES).count();
-        assert_eq!((small, bufs.len()), (SMALL_KEPT, SMALL_KEPT + 1));
+        let kept = pool.bufs.lock().unwrap();
+        let small = kept
+            .bufs
+            .iter()
+            .filter(|b| room_bytes(b) < SMALL_BYTES)
+            .count();
+        assert_eq!((small, kept.bufs.len()), (SMALL_KEPT, SMALL_KEPT + 1));
+        // The counts kept alongside agree with the buffers.
+        let bytes: usize = kept.bufs.iter().map(room_bytes).sum();
+        assert_eq!((kept.small, kept.bytes), (small, bytes));
     }
 }
