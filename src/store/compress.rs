@@ -202,6 +202,8 @@ pub(super) fn sum_across(
     let mut kept = Vec::with_capacity(groups.len());
     for (g, m) in groups.iter().zip(mine) {
         let value: Vec<f32> = match m {
+            // This rank's own sum, moved rather than copied (compressed keys are float32).
+            Mine::Owned(HostData::F32(v)) => v,
             Mine::Owned(h) => h.to_vec(),
             Mine::Single(a) => a.to_vec::<f32>()?,
             Mine::Summed(_) => {
