@@ -274,7 +274,6 @@ pub(crate) fn mismatch_error(op: &'static str, seq: u64, texts: &[String]) -> Er
     Error::RankRejected { op, seq, detail }
 }
 
-/// The words for an op and its keys.
 /// [`Fingerprint::summary`] of a call of `op` with `keys`.
 pub(crate) fn summary_of<'k>(op: &str, keys: impl ExactSizeIterator<Item = &'k Key>) -> String {
     let n = keys.len();
@@ -285,6 +284,7 @@ pub(crate) fn summary_of<'k>(op: &str, keys: impl ExactSizeIterator<Item = &'k K
     }
 }
 
+/// The words for an op and its (at most four) keys.
 fn summary(op: &str, keys: &[String]) -> String {
     match keys.len() {
         0 => op.to_owned(),

@@ -849,7 +849,8 @@ impl Call {
         let check = p.counts_received() && p.reqs.iter().any(|r| !r.is_null());
         let mut statuses = no_statuses(if check { p.reqs.len() } else { 0 });
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
-        // On an error `p` is dropped unfinished: its buffers leak, as they must.
+        // On an error `p` is dropped: its buffers leak while MPI may still use them (a request
+        // still pending), and are freed once every request has completed.
         self.poll(&mut p.reqs, given, p.bytes, p.start, &what)?;
         if check {
             p.received_in_full(&statuses, self.op)
