@@ -337,7 +337,13 @@ fn exchange<T: crate::Element + Copy>(
     let block_len = |r: usize| groups.iter().map(|g| span(g, r).len()).sum::<usize>();
     let block = (0..size).map(block_len).max().unwrap_or(0);
     let zero = T::from_f64(0.0);
-    let mut send = vec![zero; block * size];
+    // Both buffers from the pool: a big key's push does not fault in fresh pages every time.
+    let pool = d.pool();
+    let mut send_buf = pool.take(T::DTYPE, block * size, block * size);
+    let send = T::slice_mut(&mut send_buf)
+        .ok_or_else(|| crate::comm::dist::internal("a pooled buffer of another dtype"))?;
+    // The padding travels too: zeros, never an earlier call's words.
+    send.fill(zero);
     for r in 0..size {
         let mut at = r * block;
         for (g, e) in groups.iter().zip(encoded) {
@@ -346,10 +352,11 @@ fn exchange<T: crate::Element + Copy>(
             at += s.len();
         }
     }
-    let recv = T::wrap(vec![zero; block * size]);
-    let ticket = call.start(Op::AllToAll, T::wrap(send), recv)?;
-    let (_, all) = call.land(ticket)?;
-    let all = T::slice(&all).ok_or_else(|| {
+    let recv = pool.take(T::DTYPE, block * size, block * size);
+    let ticket = call.start(Op::AllToAll, send_buf, recv)?;
+    let (sent, received) = call.land(ticket)?;
+    pool.give(sent);
+    let all = T::slice(&received).ok_or_else(|| {
         crate::comm::dist::internal("compressed values came back as another dtype")
     })?;
     let mut totals = Vec::with_capacity(groups.len());
@@ -362,19 +369,20 @@ fn exchange<T: crate::Element + Copy>(
             continue;
         }
         let mine = span(g, rank);
-        let mut total = vec![0f32; piece.len()];
+        // Pooled too (the push gives it back once the updater has run); the first rank's
+        // decode writes every element.
+        let mut total_buf = pool.take(DType::F32, piece.len(), piece.len());
+        let total = <f32 as crate::Element>::slice_mut(&mut total_buf)
+            .ok_or_else(|| crate::comm::dist::internal("a pooled buffer of another dtype"))?;
         for r in 0..size {
             let seg = &all[r * block + at..r * block + at + mine.len()];
             // In rank order, in float32: the first rank's value, then + each next one.
-            decode(seg, mine.start, piece.clone(), &mut total, r > 0);
+            decode(seg, mine.start, piece.clone(), total, r > 0);
         }
         at += mine.len();
         let shape = part_shape(g, total.len());
-        totals.push(Some(NDArray::from_host(
-            HostData::F32(total),
-            shape,
-            cpu(0),
-        )));
+        totals.push(Some(NDArray::from_host(total_buf, shape, cpu(0))));
     }
+    pool.give(received);
     Ok(totals)
 }
