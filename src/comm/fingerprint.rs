@@ -95,8 +95,8 @@ impl Fingerprint {
     }
 
     /// Adds what else the ranks must agree on, in words (for a push, the updater's name).
-    pub fn note(mut self, note: &str) -> Fingerprint {
-        self.note = Some(note.to_owned());
+    pub fn note(mut self, note: impl Into<String>) -> Fingerprint {
+        self.note = Some(note.into());
         self
     }
 
@@ -274,19 +274,21 @@ pub(crate) fn mismatch_error(op: &'static str, seq: u64, texts: &[String]) -> Er
     Error::RankRejected { op, seq, detail }
 }
 
-/// [`Fingerprint::summary`] of a call of `op` with `keys`.
+/// [`Fingerprint::summary`] of a call of `op` with `keys` (only the first few are written out).
 pub(crate) fn summary_of<'k>(op: &str, keys: impl ExactSizeIterator<Item = &'k Key>) -> String {
     let n = keys.len();
     let first: Vec<String> = keys.take(4).map(Key::to_string).collect();
-    match n {
-        0..=4 => summary(op, &first),
-        _ => format!("{op} of {n} keys ({}, ...)", first[..3].join(", ")),
-    }
+    summary_n(op, n, &first)
 }
 
-/// The words for an op and its (at most four) keys.
+/// The words for an op and its keys.
 fn summary(op: &str, keys: &[String]) -> String {
-    match keys.len() {
+    summary_n(op, keys.len(), keys)
+}
+
+/// The words for an op and its `n` keys, of which `keys` are the first (at least four, or all).
+fn summary_n(op: &str, n: usize, keys: &[String]) -> String {
+    match n {
         0 => op.to_owned(),
         1 => format!("{op} of key {}", keys[0]),
         2..=4 => format!("{op} of keys {}", keys.join(", ")),

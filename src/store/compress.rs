@@ -16,7 +16,7 @@ use crate::compress::{
     TwoBitTable,
 };
 use crate::host::HostData;
-use crate::{cpu, DType, Error, Key, NDArray, Result};
+use crate::{cpu, DType, Element, Error, Key, NDArray, Result};
 use half::{bf16, f16};
 
 impl KvStore {
@@ -325,7 +325,7 @@ fn half_across<H: HalfWire>(
 /// from a span into `total`, or with `add` adds them to it. Returns,
 /// per key, the part this rank holds summed over the ranks in rank order, in float32 (`None`
 /// where it holds none).
-fn exchange<T: crate::Element + Copy>(
+fn exchange<T: Element + Copy>(
     call: &mut dyn Round,
     d: &Dist,
     groups: &[Group<'_>],
@@ -372,7 +372,7 @@ fn exchange<T: crate::Element + Copy>(
         // Pooled too (the push gives it back once the updater has run); the first rank's
         // decode writes every element.
         let mut total_buf = pool.take(DType::F32, piece.len(), piece.len());
-        let total = <f32 as crate::Element>::slice_mut(&mut total_buf)
+        let total = f32::slice_mut(&mut total_buf)
             .ok_or_else(|| crate::comm::dist::internal("a pooled buffer of another dtype"))?;
         for r in 0..size {
             let seg = &all[r * block + at..r * block + at + mine.len()];

@@ -40,7 +40,7 @@ impl KvStore {
         slots.sort_by_key(|s| s.order);
         let (updater, generation) = self.active_updater();
         // The updater too: each rank writes its shard's state under its own.
-        let mut fp = Fingerprint::new("save").note(&format!(
+        let mut fp = Fingerprint::new("save").note(format!(
             "into {}, under updater {updater:?} set by call #{generation}",
             where_is(dir)
         ));
@@ -157,7 +157,7 @@ impl KvStore {
         };
         // The updater in force too: it decides whether the saved state is restored, so ranks
         // that set theirs in another order relative to the load would keep mixed state.
-        let mut fp = Fingerprint::new("load").note(&format!(
+        let mut fp = Fingerprint::new("load").note(format!(
             "from {}, {which}, under updater {updater:?} set by call #{generation}",
             where_is(path)
         ));

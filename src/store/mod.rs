@@ -593,7 +593,7 @@ impl KvStore {
                 true => format!("{}; {}", active.describe(), compression.describe()),
                 false => active.describe().to_owned(),
             };
-            dist::fingerprint(op, &groups).note(&note)
+            dist::fingerprint(op, &groups).note(note)
         };
         let mut call = d.begin_with(fp)?;
         let (inputs, residuals) = match (compression.is_on(), d.passes_through()) {

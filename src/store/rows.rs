@@ -256,7 +256,7 @@ impl KvStore {
         let hook = read(&self.hook).clone();
         let fp = || {
             let note = format!("row_sparse; {}", active.describe());
-            dist::fingerprint(op, &groups).note(&note)
+            dist::fingerprint(op, &groups).note(note)
         };
         let mut call = d.begin_with(fp)?;
         let mut parts: Vec<Option<Part>> = match d.passes_through() {

@@ -98,7 +98,7 @@ impl Dist {
             dist.pool.max_bytes(),
             dist.link.settings()
         );
-        dist.begin(Fingerprint::new("create").note(&setup))?;
+        dist.begin(Fingerprint::new("create").note(setup))?;
         Ok(dist)
     }
 

@@ -44,22 +44,13 @@ struct Kept {
 }
 
 impl Kept {
+    /// Takes buffer `i` out, keeping the others oldest first.
     fn remove(&mut self, i: usize) -> HostData {
         let b = self.bufs.remove(i);
-        self.forget(&b);
-        b
-    }
-
-    fn swap_remove(&mut self, i: usize) -> HostData {
-        let b = self.bufs.swap_remove(i);
-        self.forget(&b);
-        b
-    }
-
-    fn forget(&mut self, b: &HostData) {
-        let bytes = room_bytes(b);
+        let bytes = room_bytes(&b);
         self.bytes -= bytes;
         self.small -= usize::from(bytes < SMALL_BYTES);
+        b
     }
 
     fn push(&mut self, b: HostData) {
@@ -130,7 +121,7 @@ impl Pool {
             .min_by_key(|(_, b)| room_bytes(b))
             .map(|(i, _)| i);
         let mut buf = match best {
-            Some(i) => bufs.swap_remove(i),
+            Some(i) => bufs.remove(i),
             None => {
                 drop(bufs);
                 return with_room(dtype, len, room);

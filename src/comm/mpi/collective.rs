@@ -260,6 +260,13 @@ impl<T: Wire> Pending<T> {
         matches!(self.coll, Coll::ReduceScatter)
     }
 
+    /// Whether its received counts are still to be checked at its wait: not yet complete
+    /// (one that [`Call::test`] found complete was checked there, and its statuses now would be
+    /// empty ones).
+    fn counts_unchecked(&self) -> bool {
+        self.counts_received() && self.reqs.iter().any(|r| !r.is_null())
+    }
+
     /// Checks that a completed reduce-scatter received a whole block from every other rank
     /// (`statuses`: one per request, the receives first). A rank that sent a shorter block
     /// disagrees on the key's size (only `KVSTORE_DIST_CHECK=0` lets such a call reach the
@@ -844,9 +851,7 @@ impl Call {
         self.same_call(&p)?;
         let coll = p.coll;
         let what = move || coll.to_string();
-        // A reduce-scatter's received counts are checked, unless [`Call::test`] found it
-        // complete and checked them already (its statuses now would be empty ones).
-        let check = p.counts_received() && p.reqs.iter().any(|r| !r.is_null());
+        let check = p.counts_unchecked();
         let mut statuses = no_statuses(if check { p.reqs.len() } else { 0 });
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
         // On an error `p` is dropped: its buffers leak while MPI may still use them (a request
@@ -856,9 +861,14 @@ impl Call {
             p.received_in_full(&statuses, self.op)
                 .inspect_err(|e| self.world.poison_with(e.to_string()))?;
         }
+        Ok(self.finished(p))
+    }
+
+    /// The buffers of a completed `p`; its f32 buffers are kept for the next f16/bf16 reduce.
+    fn finished<T: Wire>(&mut self, p: Pending<T>) -> Done<T> {
         let (done, wide) = p.finish();
         self.keep_wide(wide);
-        Ok(done)
+        done
     }
 
     /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
@@ -877,11 +887,7 @@ impl Call {
             .unwrap_or_else(Instant::now);
         let bytes = ps.iter().map(|p| p.bytes).sum();
         let mut reqs: Vec<Request> = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
-        // The received counts to check, as in [`Call::wait`].
-        let check: Vec<bool> = ps
-            .iter()
-            .map(|p| p.counts_received() && p.reqs.iter().any(|r| !r.is_null()))
-            .collect();
+        let check: Vec<bool> = ps.iter().map(Pending::counts_unchecked).collect();
         let mut statuses = no_statuses(match check.contains(&true) {
             true => reqs.len(),
             false => 0,
@@ -906,13 +912,7 @@ impl Call {
                 *r = done.next().unwrap_or_else(Request::null);
             }
         }
-        let mut done = Vec::with_capacity(ps.len());
-        for p in ps {
-            let (d, wide) = p.finish();
-            self.keep_wide(wide);
-            done.push(d);
-        }
-        Ok(done)
+        Ok(ps.into_iter().map(|p| self.finished(p)).collect())
     }
 
     fn same_call<T: Wire>(&self, p: &Pending<T>) -> Result<()> {
