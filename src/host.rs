@@ -133,7 +133,7 @@ impl HostData {
 /// Copies `src` into `dst`, converting each element to `dst`'s dtype. Lengths must match.
 pub(crate) fn convert_into<T: Element>(src: &[T], dst: &mut HostData) {
     if let Some(d) = T::slice_mut(dst) {
-        d.copy_from_slice(src);
+        crate::memcopy::copy(d, src);
         return;
     }
     with_host!(dst, d: U => {

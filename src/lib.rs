@@ -41,6 +41,7 @@ mod error;
 mod host;
 mod interop;
 mod key;
+mod memcopy;
 mod ndarray;
 mod ptx_text;
 pub mod ptx_updater;

@@ -182,7 +182,7 @@ pub(crate) fn add_row(
         let s = T::slice(src).expect("rows of one dtype");
         let (s, d) = (&s[src_range], &mut d[dst_range]);
         if first {
-            d.copy_from_slice(s);
+            crate::memcopy::copy(d, s);
         } else {
             for (d, &s) in d.iter_mut().zip(s) {
                 *d = T::from_acc(d.to_acc() + s.to_acc());
@@ -196,7 +196,7 @@ pub(crate) fn gather(data: &HostData, segs: &[std::ops::Range<usize>]) -> HostDa
     with_host!(data, v: T => {
         let mut out = Vec::with_capacity(segs.iter().map(|s| s.len()).sum());
         for s in segs {
-            out.extend_from_slice(&v[s.clone()]);
+            crate::memcopy::extend(&mut out, &v[s.clone()]);
         }
         T::wrap(out)
     })
@@ -209,7 +209,7 @@ pub(crate) fn scatter(compact: &HostData, segs: &[std::ops::Range<usize>], data:
         let c = T::slice(compact).expect("rows of the value's dtype");
         let mut at = 0;
         for s in segs {
-            d[s.clone()].copy_from_slice(&c[at..at + s.len()]);
+            crate::memcopy::copy(&mut d[s.clone()], &c[at..at + s.len()]);
             at += s.len();
         }
     })

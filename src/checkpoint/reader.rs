@@ -187,7 +187,7 @@ impl ShardFile {
                 self.read_at(span.start + cs as u64, &mut buf).map_err(io)?;
                 checksum::verify_chunks(&span.name, &buf, cs, sums, chunk)?;
                 let (a, b) = (cs.max(from), ce.min(to));
-                out[a - from..b - from].copy_from_slice(&buf[a - cs..b - cs]);
+                crate::memcopy::copy(&mut out[a - from..b - from], &buf[a - cs..b - cs]);
                 c += 1;
             }
         }

@@ -348,7 +348,7 @@ fn exchange<T: Element + Copy>(
         let mut at = r * block;
         for (g, e) in groups.iter().zip(encoded) {
             let s = &e[span(g, r)];
-            send[at..at + s.len()].copy_from_slice(s);
+            crate::memcopy::copy(&mut send[at..at + s.len()], s);
             at += s.len();
         }
     }

@@ -403,12 +403,12 @@ fn broadcast_par<T: Copy + Send + Sync>(src: &[T], outs: Few<&mut [T]>, grain: u
 
 fn broadcast_seq<T: Copy>(src: &[T], mut outs: Few<&mut [T]>) {
     if let [out] = outs.as_mut_slice() {
-        return out.copy_from_slice(src);
+        return crate::memcopy::copy(out, src);
     }
     for (i, block) in src.chunks(4 * BLOCK).enumerate() {
         let start = i * 4 * BLOCK;
         for out in outs.iter_mut() {
-            out[start..start + block.len()].copy_from_slice(block);
+            crate::memcopy::copy(&mut out[start..start + block.len()], block);
         }
     }
 }

@@ -723,7 +723,7 @@ fn pad(data: &mut HostData, len: usize) {
 /// Appends `more` to `buf`; both have the same dtype (packed transfers are per dtype).
 fn append(buf: &mut HostData, more: &HostData) {
     crate::host::with_host!(buf, v: T => match T::slice(more) {
-        Some(m) => v.extend_from_slice(m),
+        Some(m) => crate::memcopy::extend(v, m),
         None => v.extend(more.to_vec::<T>()),
     });
 }

@@ -368,7 +368,7 @@ fn sum_blocks<T: Wire>(recv: &mut Vec<T>, send: &[T], (rank, size): (usize, usiz
             }
         }
     } else {
-        out.copy_from_slice(block(0));
+        crate::memcopy::copy(out, block(0));
         for r in 1..size {
             for (o, &x) in out.iter_mut().zip(block(r)) {
                 *o = o.add(x);
