@@ -104,27 +104,33 @@ impl Compression {
         }
     }
 
-    /// Quantizes `value` with `residual` (updated), then decodes what was sent: the value the
-    /// store sums in place of `value`.
-    pub(crate) fn round_trip(&self, value: &[f32], residual: &mut [f32]) -> Vec<f32> {
+    /// Quantizes `value` with `residual`, writing the residual that stays into `left`, then
+    /// decodes what was sent: the value the store sums in place of `value`.
+    pub(crate) fn round_trip(&self, value: &[f32], residual: &[f32], left: &mut [f32]) -> Vec<f32> {
         match *self {
-            Compression::None => value.to_vec(),
+            Compression::None => {
+                left.fill(0.0);
+                value.to_vec()
+            }
             Compression::TwoBit { threshold } => {
                 let mut words = vec![0u32; two_bit_words(value.len())];
-                two_bit_quantize(value, residual, threshold, &mut words);
+                two_bit_quantize(value, residual, left, threshold, &mut words);
                 let mut out = vec![0f32; value.len()];
                 two_bit_dequantize(&words, threshold, &mut out);
                 out
             }
-            Compression::Half { dtype: DType::F16 } => half_round_trip::<f16>(value, residual),
-            Compression::Half { .. } => half_round_trip::<bf16>(value, residual),
+            Compression::Half { dtype: DType::F16 } => {
+                half_round_trip::<f16>(value, residual, left)
+            }
+            Compression::Half { .. } => half_round_trip::<bf16>(value, residual, left),
         }
     }
 }
 
-/// What the 16-bit wire sends for `value` with `residual` (updated), as float32.
-fn half_round_trip<H: HalfWire>(value: &[f32], residual: &mut [f32]) -> Vec<f32> {
-    half_encode::<H>(value, residual)
+/// What the 16-bit wire sends for `value` with `residual`, as float32 (the residual that
+/// stays in `left`).
+fn half_round_trip<H: HalfWire>(value: &[f32], residual: &[f32], left: &mut [f32]) -> Vec<f32> {
+    half_encode::<H>(value, residual, left)
         .into_iter()
         .map(H::widen)
         .collect()
@@ -156,18 +162,24 @@ impl HalfWire for f16 {
     }
 }
 
-/// Rounds `value` plus `residual` to `H`, element by element, keeping the rounding error in
-/// `residual` (0 where the sum or what it rounds to is not finite): what the 16-bit wire sends.
-pub(crate) fn half_encode<H: HalfWire>(value: &[f32], residual: &mut [f32]) -> Vec<H> {
+/// Rounds `value` plus `residual` to `H`, element by element, writing the rounding error into
+/// `left` (0 where the sum or what it rounds to is not finite): what the 16-bit wire sends.
+pub(crate) fn half_encode<H: HalfWire>(
+    value: &[f32],
+    residual: &[f32],
+    left: &mut [f32],
+) -> Vec<H> {
     debug_assert_eq!(value.len(), residual.len());
+    debug_assert_eq!(value.len(), left.len());
     value
         .iter()
-        .zip(residual.iter_mut())
-        .map(|(&v, r)| {
-            let acc = *r + v;
+        .zip(residual)
+        .zip(left.iter_mut())
+        .map(|((&v, &r), l)| {
+            let acc = r + v;
             let sent = H::round(acc);
             let back = sent.widen();
-            *r = if back.is_finite() { acc - back } else { 0.0 };
+            *l = if back.is_finite() { acc - back } else { 0.0 };
             sent
         })
         .collect()
@@ -183,37 +195,46 @@ fn shift(k: usize) -> u32 {
     (8 * (k / 4) + 6 - 2 * (k % 4)) as u32
 }
 
-/// Quantizes `grad` into `out` (one word per 16 elements, unused codes 0), adding it to
-/// `residual` and taking out what is sent. `residual` and `grad` have the same length.
-pub(crate) fn two_bit_quantize(grad: &[f32], residual: &mut [f32], t: f32, out: &mut [u32]) {
+/// Quantizes `grad` plus `residual` into `out` (one word per 16 elements, unused codes 0),
+/// writing what is not sent into `left`. `grad`, `residual` and `left` have the same length.
+pub(crate) fn two_bit_quantize(
+    grad: &[f32],
+    residual: &[f32],
+    left: &mut [f32],
+    t: f32,
+    out: &mut [u32],
+) {
     debug_assert_eq!(grad.len(), residual.len());
+    debug_assert_eq!(grad.len(), left.len());
     debug_assert_eq!(out.len(), two_bit_words(grad.len()));
     // Whole words of 16 elements, then the last one: a fixed-length body the compiler turns
     // into vector selects.
     let whole = grad.len() / 16;
     let (g_body, g_tail) = grad.split_at(16 * whole);
-    let (r_body, r_tail) = residual.split_at_mut(16 * whole);
-    for ((g, r), word) in g_body
+    let (r_body, r_tail) = residual.split_at(16 * whole);
+    let (l_body, l_tail) = left.split_at_mut(16 * whole);
+    for (((g, r), l), word) in g_body
         .chunks_exact(16)
-        .zip(r_body.chunks_exact_mut(16))
+        .zip(r_body.chunks_exact(16))
+        .zip(l_body.chunks_exact_mut(16))
         .zip(out.iter_mut())
     {
-        *word = quantize_word(g, r, t);
+        *word = quantize_word(g, r, l, t);
     }
     if !g_tail.is_empty() {
-        out[whole] = quantize_word(g_tail, r_tail, t);
+        out[whole] = quantize_word(g_tail, r_tail, l_tail, t);
     }
 }
 
 /// The word of up to 16 elements: each code `0b11` (sends `+t`), `0b10` (`-t`) or 0, with
-/// the residual updated as MXNet's kernel does.
+/// the residual that stays written into `left`, as MXNet's kernel updates it.
 #[inline(always)]
-fn quantize_word(grad: &[f32], residual: &mut [f32], t: f32) -> u32 {
+fn quantize_word(grad: &[f32], residual: &[f32], left: &mut [f32], t: f32) -> u32 {
     let mut bits = 0u32;
-    for (k, (&g, r)) in grad.iter().zip(residual.iter_mut()).enumerate() {
-        let sum = *r + g;
+    for (k, ((&g, &r), l)) in grad.iter().zip(residual).zip(left.iter_mut()).enumerate() {
+        let sum = r + g;
         let (up, down) = (sum >= t, sum <= -t);
-        *r = if up {
+        *l = if up {
             sum - t
         } else if down {
             sum + t
@@ -306,9 +327,9 @@ mod tests {
         grad[..4].copy_from_slice(&[0.6, -0.7, 0.2, 0.5]);
         grad[15] = -0.5;
         grad[16] = 1.3;
-        let mut residual = vec![0f32; 17];
+        let mut residual = vec![f32::NAN; 17];
         let mut words = vec![0u32; two_bit_words(17)];
-        two_bit_quantize(&grad, &mut residual, 0.5, &mut words);
+        two_bit_quantize(&grad, &[0.0; 17], &mut residual, 0.5, &mut words);
         assert_eq!(words, [0x0200_00E3, 0x0000_00C0]);
         assert_eq!(residual[0], 0.6f32 - 0.5);
         assert_eq!(residual[1], -0.7f32 + 0.5);
@@ -341,7 +362,9 @@ mod tests {
         let mut sent = vec![0f64; n];
         for _ in 0..50 {
             let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0 * t..3.0 * t)).collect();
-            let out = c.round_trip(&g, &mut residual);
+            let mut left = vec![f32::NAN; n];
+            let out = c.round_trip(&g, &residual, &mut left);
+            residual = left;
             for i in 0..n {
                 came[i] += f64::from(g[i]);
                 sent[i] += f64::from(out[i]);
@@ -368,8 +391,8 @@ mod tests {
             let n = rng.gen_range(1..300);
             let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0 * t..3.0 * t)).collect();
             let r0: Vec<f32> = (0..n).map(|_| rng.gen_range(-t..t)).collect();
-            let (mut r, mut words) = (r0.clone(), vec![0u32; two_bit_words(n)]);
-            two_bit_quantize(&g, &mut r, t, &mut words);
+            let (mut r, mut words) = (vec![f32::NAN; n], vec![0u32; two_bit_words(n)]);
+            two_bit_quantize(&g, &r0, &mut r, t, &mut words);
             for i in 0..n {
                 let sum = r0[i] + g[i];
                 let (code, left) = if sum >= t {

@@ -3,13 +3,12 @@
 //! then summed in order, as MXNet's `device` store does), with the residuals kept per key and
 //! per position in the push's list of values. The codec itself is [`crate::compress`].
 
-use std::sync::Arc;
+use std::sync::{Mutex, MutexGuard};
 
 use super::dist::{part_shape, Inputs, Mine};
 use super::groups::Group;
-use super::table::Slot;
 use super::{read, write, KvStore, StoreKind};
-use crate::comm::dist::Dist;
+use crate::comm::dist::{Dist, Pool};
 use crate::comm::link::{Op, Round};
 use crate::compress::{
     half_encode, two_bit_decode, two_bit_quantize, two_bit_words, Compression, HalfWire,
@@ -136,19 +135,23 @@ type Residuals = Vec<Vec<f32>>;
 pub(super) fn decoded_totals(
     compression: Compression,
     groups: &[Group<'_>],
+    pool: &Pool,
 ) -> Result<(Vec<Option<NDArray>>, Vec<Residuals>)> {
     let mut totals = Vec::with_capacity(groups.len());
     let mut kept = Vec::with_capacity(groups.len());
     for g in groups {
         let n = g.slot.shape.size();
-        let mut residuals = residuals_of(&g.slot);
-        residuals.resize(residuals.len().max(g.arrays.len()), Vec::new());
+        let committed = lock(&g.slot.residuals);
+        let positions = committed.len().max(g.arrays.len());
+        let mut left = take_residuals(pool, positions, n);
+        let zeros = match committed.len() < g.arrays.len() {
+            true => vec![0.0; n],
+            false => Vec::new(),
+        };
         let mut total: Vec<f32> = Vec::new();
-        for (a, residual) in g.arrays.iter().zip(residuals.iter_mut()) {
-            if residual.is_empty() {
-                *residual = vec![0.0; n];
-            }
-            let decoded = compression.round_trip(&a.to_vec::<f32>()?, residual);
+        for (i, (a, l)) in g.arrays.iter().zip(left.iter_mut()).enumerate() {
+            let residual = committed.get(i).map_or(&zeros[..], |r| &r[..]);
+            let decoded = compression.round_trip(&a.to_vec::<f32>()?, residual, l);
             if total.is_empty() {
                 total = decoded;
             } else {
@@ -158,29 +161,40 @@ pub(super) fn decoded_totals(
                 }
             }
         }
+        // Positions this push did not fill keep their residuals.
+        for (l, r) in left.iter_mut().zip(committed.iter()).skip(g.arrays.len()) {
+            crate::memcopy::copy(l, r);
+        }
         totals.push(Some(NDArray::from_vec(total, g.slot.shape)?));
-        kept.push(residuals);
+        kept.push(left);
     }
     Ok((totals, kept))
 }
 
-/// Keeps the residuals of a push that succeeded.
-pub(super) fn commit(groups: &[Group<'_>], residuals: Vec<Residuals>) {
+/// Keeps the residuals of a push that succeeded; the ones they replace go back to `pool`.
+pub(super) fn commit(groups: &[Group<'_>], residuals: Vec<Residuals>, pool: &Pool) {
     for (g, r) in groups.iter().zip(residuals) {
-        keep(&g.slot, r);
+        let old = std::mem::replace(&mut *lock(&g.slot.residuals), r);
+        for r in old {
+            pool.give(HostData::F32(r));
+        }
     }
 }
 
-fn keep(slot: &Arc<Slot>, residuals: Residuals) {
-    *slot.residuals.lock().unwrap_or_else(|e| e.into_inner()) = residuals;
+fn lock(residuals: &Mutex<Residuals>) -> MutexGuard<'_, Residuals> {
+    residuals.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A copy of a key's residuals, to change and [`keep`] once the push has succeeded.
-fn residuals_of(slot: &Slot) -> Residuals {
-    slot.residuals
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone()
+/// Buffers for `positions` residuals of `n` elements, from `pool` (a push writes its new
+/// residuals there instead of changing a copy of the kept ones). Their contents are
+/// unspecified: the quantizers write every element.
+fn take_residuals(pool: &Pool, positions: usize, n: usize) -> Residuals {
+    (0..positions)
+        .map(|_| match pool.take(DType::F32, n, n) {
+            HostData::F32(v) => v,
+            other => vec![0.0; other.len()],
+        })
+        .collect()
 }
 
 /// A compressed push's step across ranks (a `dist_*` store of CPU ranks). Each rank's
@@ -199,7 +213,6 @@ pub(super) fn sum_across(
 ) -> Result<(Inputs, Vec<Residuals>)> {
     let size = d.size();
     let mut values = Vec::with_capacity(groups.len());
-    let mut kept = Vec::with_capacity(groups.len());
     for (g, m) in groups.iter().zip(mine) {
         let value: Vec<f32> = match m {
             // This rank's own sum, moved rather than copied (compressed keys are float32).
@@ -219,13 +232,30 @@ pub(super) fn sum_across(
                 g.slot.shape.size()
             )));
         }
-        let mut residuals = residuals_of(&g.slot);
-        if residuals.is_empty() {
-            residuals.push(vec![0.0; value.len()]);
-        }
         values.push(value);
-        kept.push(residuals);
     }
+    // Each key's kept residual (a rank compresses one value per key: position 0), read under
+    // its lock (the caller holds the keys' write locks); zeros before the key's first push.
+    // The new residuals are written into pooled buffers, kept by `commit` on success.
+    let committed: Vec<MutexGuard<'_, Residuals>> =
+        groups.iter().map(|g| lock(&g.slot.residuals)).collect();
+    let zeros: Vec<Vec<f32>> = (committed.iter().zip(&values))
+        .map(|(c, v)| match c.first() {
+            Some(r) if r.len() == v.len() => Vec::new(),
+            _ => vec![0.0; v.len()],
+        })
+        .collect();
+    let residual = |k: usize| -> &[f32] {
+        match committed[k].first() {
+            Some(r) if r.len() == values[k].len() => r,
+            _ => &zeros[k],
+        }
+    };
+    let pool = d.pool();
+    let mut kept: Vec<Residuals> = values
+        .iter()
+        .map(|v| take_residuals(pool, 1, v.len()))
+        .collect();
     let piece = |g: &Group<'_>, r: usize| g.slot.spread.piece(g.slot.shape.size(), r, size);
     let totals = match compression {
         Compression::TwoBit { threshold } => {
@@ -238,12 +268,10 @@ pub(super) fn sum_across(
                 }
             };
             // The words travel as float32 bit patterns: the all-to-all copies them, never adds.
-            let encoded: Vec<Vec<f32>> = values
-                .iter()
-                .zip(kept.iter_mut())
-                .map(|(v, r)| {
+            let encoded: Vec<Vec<f32>> = (values.iter().zip(kept.iter_mut()).enumerate())
+                .map(|(k, (v, l))| {
                     let mut words = vec![0u32; two_bit_words(v.len())];
-                    two_bit_quantize(v, &mut r[0], threshold, &mut words);
+                    two_bit_quantize(v, residual(k), &mut l[0], threshold, &mut words);
                     words.into_iter().map(f32::from_bits).collect()
                 })
                 .collect();
@@ -273,10 +301,10 @@ pub(super) fn sum_across(
             )?
         }
         Compression::Half { dtype: DType::F16 } => {
-            half_across::<f16>(call, d, groups, &values, &mut kept, piece)?
+            half_across::<f16>(call, d, groups, &values, residual, &mut kept, piece)?
         }
         Compression::Half { .. } => {
-            half_across::<bf16>(call, d, groups, &values, &mut kept, piece)?
+            half_across::<bf16>(call, d, groups, &values, residual, &mut kept, piece)?
         }
         Compression::None => {
             return Err(crate::comm::dist::internal(
@@ -289,16 +317,17 @@ pub(super) fn sum_across(
 
 /// The 16-bit wire's step across ranks: each key's value plus residual rounded to `H` (the
 /// residuals in `kept` updated), the parts exchanged, decoded and summed.
-fn half_across<H: HalfWire>(
+fn half_across<'r, H: HalfWire>(
     call: &mut dyn Round,
     d: &Dist,
     groups: &[Group<'_>],
     values: &[Vec<f32>],
+    residual: impl Fn(usize) -> &'r [f32],
     kept: &mut [Residuals],
     piece: impl Fn(&Group<'_>, usize) -> std::ops::Range<usize>,
 ) -> Result<Vec<Option<NDArray>>> {
-    let encoded: Vec<Vec<H>> = (values.iter().zip(kept.iter_mut()))
-        .map(|(v, r)| half_encode(v, &mut r[0]))
+    let encoded: Vec<Vec<H>> = (values.iter().zip(kept.iter_mut()).enumerate())
+        .map(|(k, (v, l))| half_encode(v, residual(k), &mut l[0]))
         .collect();
     exchange(
         call,

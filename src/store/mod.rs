@@ -610,7 +610,7 @@ impl KvStore {
         // its residual and decoded, and the decoded values are summed in order, as MXNet does.
         let (inputs, residuals) = match (compression.is_on(), d.passes_through()) {
             (true, true) => {
-                let (totals, residuals) = compress::decoded_totals(compression, &groups)?;
+                let (totals, residuals) = compress::decoded_totals(compression, &groups, d.pool())?;
                 (Inputs::Totals(totals), Some(residuals))
             }
             _ => (inputs, residuals),
@@ -623,7 +623,7 @@ impl KvStore {
         };
         apply_push(&active, ctx, &groups, &inputs, &counts, &mut cells, agree)?;
         if let Some(residuals) = residuals {
-            compress::commit(&groups, residuals);
+            compress::commit(&groups, residuals, d.pool());
         }
         let done = hook
             .as_ref()
