@@ -69,10 +69,8 @@ impl Link for MpiLink {
     }
 
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
-        let mut call = self.world.begin(fp)?;
-        // The check is an agreement only if no rank gave the call up meanwhile: a rank that
-        // timed out in it still let its part of the check complete on the others.
-        let agreed = self.world.check_enabled() && !call.peer_timed_out();
+        let call = self.world.begin(fp)?;
+        let agreed = self.world.check_enabled();
         Ok(Box::new(MpiRound {
             call,
             flights: Vec::new(),
@@ -107,13 +105,24 @@ enum Flight {
     Landed(HostData, HostData),
 }
 
+impl MpiRound {
+    /// Whether `op` runs blocking: every rank has agreed to start it, the blocking algorithm
+    /// wins for it, and no rank has given this call up meanwhile (a rank that timed out in it
+    /// still let its part of the agreement complete on the others). The last is asked only
+    /// here, just before a blocking start, so a call with none (a pull) never probes for it.
+    fn may_block(&mut self, op: Op) -> bool {
+        self.agreed && blocking_wins(op) && !self.call.peer_timed_out()
+    }
+}
+
 impl Round for MpiRound {
     fn seq(&self) -> u64 {
         self.call.seq()
     }
 
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
-        self.call.set_blocking(self.agreed && blocking_wins(op));
+        let blocking = self.may_block(op);
+        self.call.set_blocking(blocking);
         let call = &mut self.call;
         macro_rules! typed {
             (|$s:ident, $r:ident| $e:expr) => {
@@ -147,7 +156,7 @@ impl Round for MpiRound {
         let Op::Reduce { root } = op else {
             return self.start(op, send.clone(), recv);
         };
-        if !(self.agreed && blocking_wins(op)) {
+        if !self.may_block(op) {
             return self.start(op, send.clone(), recv);
         }
         self.call.set_blocking(true);
