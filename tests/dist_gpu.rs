@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use kvstore::{gpu, gpu_count, DType, Device, Error, KvStore, NDArray, Sgd, Updater};
+use kvstore::{gpu, gpu_count, DType, Device, Error, KvStore, NDArray, Sgd, Shape, Updater};
 
 mod common;
 use common::mpi_job::{launch, launch_without_mpi, ok_line, Job, CASE_VAR};
@@ -167,6 +167,32 @@ fn a_list_of_1000_keys_is_a_handful_of_nccl_calls_on_2_ranks() {
     }
 }
 
+/// Keys over `KVSTORE_BIGARRAY_BOUND` on GPU ranks: each rank holds and updates its own slice,
+/// a push is one NCCL reduce-scatter per such key and a pull one all-gather, and the values
+/// (SGD with momentum over three rounds, from values on the GPU and in host memory) match a
+/// host reference; a sharded save of the slices loads whole into a single-process store.
+#[test]
+#[ignore = "needs a GPU"]
+fn big_keys_are_sliced_over_gpu_ranks_on_2_and_3_ranks() {
+    for n in [2, 3] {
+        if let Err(why) = ranks_fit(n) {
+            println!("SKIPPED: big_keys_are_sliced_over_gpu_ranks on {n} ranks: {why}");
+            continue;
+        }
+        let mut env = env_with(&[("KVSTORE_TIMEOUT", "120"), ("KVSTORE_BIGARRAY_BOUND", "64")]);
+        env.push(("KVT_SEED", rand::random::<u64>().to_string()));
+        let Some(job) = launch(Some(n), "sliced", &as_refs(&env), Duration::from_secs(400)) else {
+            return;
+        };
+        check(&job, n, "sliced");
+        if job.stdout.contains("SKIPPED") {
+            println!(
+                "SKIPPED: the NCCL call count (no stand-in driver: the count is its own)\n{job}"
+            );
+        }
+    }
+}
+
 /// The calls this thread has made to the stand-in's `name`; `None` on a real driver.
 fn standin_calls(name: &str) -> Option<u64> {
     type Count = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
@@ -191,6 +217,7 @@ fn inner() {
     match case.as_str() {
         "gpu_store" => case_gpu_store(),
         "many_keys" => case_many_keys(),
+        "sliced" => case_sliced(),
         "bad_env" => case_bad_env(),
         other => panic!("unknown case {other}"),
     }
@@ -383,6 +410,149 @@ fn case_many_keys() {
         _ => "SKIPPED: the NCCL call count (not the stand-in driver)".to_owned(),
     };
     ok_line(r, n, "many_keys", &detail);
+}
+
+fn case_sliced() {
+    use rand::{Rng, SeedableRng};
+    let kv = KvStore::create("dist_device_sync").expect("a dist_device_sync store");
+    let (r, n) = (kv.rank(), kv.num_workers());
+    let mine = gpu(kv.local_rank() % gpu_count());
+    let seed: u64 = std::env::var("KVT_SEED")
+        .expect("KVT_SEED")
+        .parse()
+        .expect("a seed");
+    // Two keys over the bound of 64 elements (lengths that leave the last slice shorter), one
+    // under it.
+    let shapes: Vec<Shape> = [&[1001][..], &[33, 31], &[10]]
+        .iter()
+        .map(|d| Shape::new(d).unwrap())
+        .collect();
+    let keys = [0, 1, 2];
+    let sliced = 2;
+    let random = |salt: u64, len: usize| -> Vec<f64> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ salt);
+        (0..len)
+            .map(|_| rng.gen_range(-32..32) as f64 / 8.0)
+            .collect()
+    };
+    let len = |k: usize| shapes[k].size();
+    // Rank 0's values win; the others pass something else.
+    let init: Vec<NDArray> = (0..keys.len())
+        .map(|k| {
+            let v = match r {
+                0 => random(k as u64, len(k)),
+                _ => vec![-99.0; len(k)],
+            };
+            NDArray::from_f64(&v, shapes[k], DType::F32, mine).unwrap()
+        })
+        .collect();
+    let before = standin_calls("ncclBroadcast");
+    kv.init_list(&keys, &init).unwrap();
+    // An init scatters each sliced key, a broadcast per slice but rank 0's own (NCCL has no
+    // scatter), and sends the small key packed.
+    let init_broadcasts = standin_calls("ncclBroadcast")
+        .zip(before)
+        .map(|(a, b)| a - b);
+    let (lr, momentum) = (0.1, 0.9);
+    kv.set_updater(Updater::Sgd(Sgd {
+        lr,
+        momentum,
+        ..Sgd::default()
+    }))
+    .unwrap();
+    let grad = |rank: usize, k: usize, round: usize| {
+        random(
+            1_000 + 100 * round as u64 + 10 * rank as u64 + k as u64,
+            len(k),
+        )
+    };
+    let mut w: Vec<Vec<f64>> = (0..keys.len()).map(|k| random(k as u64, len(k))).collect();
+    let mut m: Vec<Vec<f64>> = (0..keys.len()).map(|k| vec![0.0; len(k)]).collect();
+    let calls = |name: &str| standin_calls(name);
+    let mut counts = Vec::new();
+    for round in 0..3 {
+        // Each rank pushes half of its gradient from its GPU and half from host memory.
+        let values: Vec<Vec<NDArray>> = (0..keys.len())
+            .map(|k| {
+                let half: Vec<f64> = grad(r, k, round).iter().map(|x| x / 2.0).collect();
+                vec![
+                    NDArray::from_f64(&half, shapes[k], DType::F32, mine).unwrap(),
+                    NDArray::from_f64(&half, shapes[k], DType::F32, Device::Cpu(0)).unwrap(),
+                ]
+            })
+            .collect();
+        let before = calls("ncclReduceScatter");
+        kv.push_list(&keys, &values).unwrap();
+        counts.push(calls("ncclReduceScatter").zip(before).map(|(a, b)| a - b));
+        for k in 0..keys.len() {
+            let total: Vec<f64> = (0..len(k))
+                .map(|i| (0..n).map(|rank| grad(rank, k, round)[i]).sum())
+                .collect();
+            for i in 0..len(k) {
+                m[k][i] = momentum * m[k][i] - lr * total[i];
+                w[k][i] += m[k][i];
+            }
+        }
+        let on_gpu: Vec<NDArray> = (0..keys.len())
+            .map(|k| NDArray::full_on(shapes[k], -7.0, DType::F32, mine).unwrap())
+            .collect();
+        let on_host: Vec<NDArray> = (0..keys.len())
+            .map(|k| NDArray::zeros(shapes[k]).astype(DType::F64).unwrap())
+            .collect();
+        let outs: Vec<Vec<NDArray>> = (0..keys.len())
+            .map(|k| vec![on_gpu[k].clone(), on_host[k].clone()])
+            .collect();
+        let before = calls("ncclAllGather");
+        kv.pull_list(&keys, &outs).unwrap();
+        counts.push(calls("ncclAllGather").zip(before).map(|(a, b)| a - b));
+        for k in 0..keys.len() {
+            for out in &outs[k] {
+                let got = out.to_vec::<f64>().unwrap();
+                for (i, (&got, &want)) in got.iter().zip(&w[k]).enumerate() {
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "rank {r} round {round} key {k}[{i}] on {}: {got} vs {want}",
+                        out.device()
+                    );
+                }
+            }
+        }
+    }
+    // A sharded save of the slices, loaded back whole into a single-process store.
+    let dir = std::path::PathBuf::from(std::env::var("KVT_DIR").expect("the checkpoint folder"));
+    kv.barrier().unwrap();
+    kv.save(&dir).unwrap();
+    kv.barrier().unwrap();
+    let local = KvStore::create("local").unwrap();
+    local.load(&dir).unwrap();
+    for k in 0..keys.len() {
+        let out = NDArray::zeros(shapes[k]).astype(DType::F64).unwrap();
+        local.pull(keys[k], &out).unwrap();
+        for (got, want) in out.to_vec::<f64>().unwrap().iter().zip(&w[k]) {
+            assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0));
+        }
+    }
+    kv.barrier().unwrap();
+    if r == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    // One reduce-scatter per sliced key and push, one all-gather per sliced key and pull.
+    let detail = match (
+        counts.iter().copied().collect::<Option<Vec<u64>>>(),
+        init_broadcasts,
+    ) {
+        (Some(c), Some(init)) => {
+            assert!(
+                c.iter().all(|&c| c == sliced),
+                "rank {r}: NCCL reduce-scatters and all-gathers per call {c:?}, not {sliced} each"
+            );
+            let want = sliced * (n as u64 - 1) + 1;
+            assert_eq!(init, want, "rank {r}: the init's NCCL broadcasts");
+            format!("collectives={c:?} init_broadcasts={init}")
+        }
+        _ => "SKIPPED: the NCCL call count (not the stand-in driver)".to_owned(),
+    };
+    ok_line(r, n, "sliced", &detail);
 }
 
 fn case_bad_env() {

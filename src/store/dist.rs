@@ -127,14 +127,8 @@ pub(super) enum Rank0<'a> {
     Gpu(NDArray),
     /// This rank's slice of a sliced key, in host memory.
     Part(HostData),
-}
-
-/// The home rank of a key that lives whole on one rank.
-fn root_of(spread: Spread) -> usize {
-    match spread {
-        Spread::Whole { rank } => rank,
-        Spread::Sliced => 0,
-    }
+    /// This rank's slice of a sliced key, on the GPU of a GPU rank.
+    GpuPart(NDArray),
 }
 
 /// The fingerprint of a call of `op` on `groups`: each key with its shape and dtype.
@@ -193,21 +187,35 @@ pub(super) fn from_rank0<'a>(
             .collect();
     }
     if let Some(rc) = d.gpu() {
-        let pieces = values
+        // Whole keys go to every rank (packed, as a pull does); a sliced key is scattered.
+        let (mut whole, mut sliced) = (Vec::new(), Vec::new());
+        for ((v, m), s) in values.iter().zip(mine).zip(spreads) {
+            let data = match m {
+                Some(Rank0::Gpu(a)) => Some(a),
+                _ => None,
+            };
+            match s {
+                Spread::Sliced => sliced.push((data, v.size(), v.dtype())),
+                Spread::Whole { .. } => whole.push(GpuPiece {
+                    data,
+                    shape: v.shape(),
+                    dtype: v.dtype(),
+                    root: 0,
+                }),
+            }
+        }
+        let mut whole = dist::gather_on_gpus(rc, whole)?.into_iter();
+        let mut sliced = dist::scatter_on_gpus(rc, sliced)?.into_iter();
+        return spreads
             .iter()
-            .zip(mine)
-            .map(|(v, m)| GpuPiece {
-                data: match m {
-                    Some(Rank0::Gpu(a)) => Some(a),
-                    _ => None,
-                },
-                shape: v.shape(),
-                dtype: v.dtype(),
-                root: 0,
+            .map(|s| {
+                let got = match s {
+                    Spread::Whole { .. } => whole.next().map(Rank0::Gpu),
+                    Spread::Sliced => sliced.next().map(Rank0::GpuPart),
+                };
+                got.ok_or_else(|| dist::internal("an init key got no value"))
             })
             .collect();
-        let arrays = dist::gather_on_gpus(rc, pieces)?;
-        return Ok(arrays.into_iter().map(Rank0::Gpu).collect());
     }
     // Whole keys go to every rank (packed, as a pull does); a sliced key is scattered, each
     // rank receiving its own slice only, so an init never holds a big key whole on every rank.
@@ -261,6 +269,7 @@ pub(super) fn keep_part(
 ) -> Result<HomeValue> {
     match whole {
         Rank0::Caller(v) => HomeValue::copy_of(v, home).map_err(|e| e.with_key(key)),
+        Rank0::GpuPart(p) => HomeValue::copy_of(&p, home),
         Rank0::Gpu(a) if spread.holds(d.rank()) => HomeValue::copy_of(&a, home),
         Rank0::Part(p) if p.capacity() == p.len() => keep(d, p),
         Rank0::Part(p) => {
@@ -332,13 +341,27 @@ pub(super) fn sum_across(
         return Ok(Inputs::Values);
     }
     if let Some(rc) = d.gpu() {
-        let sums = mine
-            .into_iter()
-            .map(Mine::into_array)
-            .zip(groups.iter().map(|g| root_of(g.slot.spread)))
-            .map(|(a, r)| Ok((a?, r)))
+        // Whole keys are reduced onto their home rank (packed where small); sliced keys are
+        // reduce-scattered, each rank left with the total of its slice.
+        let (mut whole, mut sliced) = (Vec::new(), Vec::new());
+        for (g, m) in groups.iter().zip(mine) {
+            match g.slot.spread {
+                Spread::Sliced => sliced.push(m.into_array()?),
+                Spread::Whole { rank } => whole.push((m.into_array()?, rank)),
+            }
+        }
+        let mut whole = dist::reduce_on_gpus(rc, whole)?.into_iter();
+        let mut sliced = dist::reduce_scatter_on_gpus(rc, sliced)?.into_iter();
+        let totals = groups
+            .iter()
+            .map(|g| match g.slot.spread {
+                // Flat, of the slice's length: the shape of a sliced key's part.
+                Spread::Sliced => sliced.next().map(Some),
+                Spread::Whole { .. } => whole.next(),
+            })
+            .map(|t| t.ok_or_else(|| dist::internal("a GPU push lost a key's total")))
             .collect::<Result<Vec<_>>>()?;
-        return Ok(Inputs::Totals(dist::reduce_on_gpus(rc, sums)?));
+        return Ok(Inputs::Totals(totals));
     }
     let sums = groups
         .iter()
@@ -400,12 +423,17 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
         return fan_out(ctx, groups, &whole, &[]);
     }
     if let Some(rc) = d.gpu() {
-        let pieces = groups
-            .iter()
-            .zip(cells)
-            .map(|(g, cell)| {
-                let root = root_of(g.slot.spread);
-                Ok(GpuPiece {
+        // Whole keys are broadcast from their home (packed where small); sliced keys are
+        // all-gathered from every rank's slice.
+        let (mut pieces, mut parts) = (Vec::new(), Vec::new());
+        for (g, cell) in groups.iter().zip(cells) {
+            let len = g.slot.shape.size();
+            match g.slot.spread {
+                Spread::Sliced => {
+                    let mine = g.slot.spread.piece(len, d.rank(), d.size()).len();
+                    parts.push((cell.to_array(part_shape(g, mine))?, len));
+                }
+                Spread::Whole { rank: root } => pieces.push(GpuPiece {
                     data: match root == d.rank() {
                         true => Some(cell.to_array(g.slot.shape)?),
                         false => None,
@@ -413,12 +441,21 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
                     shape: g.slot.shape,
                     dtype: g.slot.dtype,
                     root,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let values = dist::gather_on_gpus(rc, pieces)?
+                }),
+            }
+        }
+        let mut whole = dist::gather_on_gpus(rc, pieces)?.into_iter();
+        let mut sliced = dist::all_gather_on_gpus(rc, parts)?.into_iter();
+        let values = groups
             .iter()
-            .map(|a| HomeValue::copy_of(a, d.home()))
+            .map(|g| {
+                let value = match g.slot.spread {
+                    Spread::Sliced => sliced.next(),
+                    Spread::Whole { .. } => whole.next(),
+                };
+                let value = value.ok_or_else(|| dist::internal("a GPU pull lost a key"))?;
+                HomeValue::copy_of(&value, d.home())
+            })
             .collect::<Result<Vec<_>>>()?;
         let values: Vec<(&HomeValue, _)> = values.iter().map(|v| (v, None)).collect();
         return fan_out(ctx, groups, &values, &[]);

@@ -1,7 +1,9 @@
 //! Across ranks on GPUs (`dist_device_sync` on a machine with GPUs): NCCL between the ranks, one
 //! GPU per rank.
 //!
-//! Every key is whole on its home rank here (no slicing). Keys of fewer than
+//! A key of more than the big-array bound is sliced over the ranks: a push is one NCCL
+//! reduce-scatter per key ([`reduce_scatter`]), a pull one all-gather ([`all_gather`]), an init
+//! a broadcast per slice ([`scatter`]). Other keys are whole on their home rank. Keys of fewer than
 //! [`PACK_MAX_BYTES`] travel packed, as on CPU ranks: one device buffer per (home rank, dtype),
 //! filled and emptied by batched device copies ([`copy_many`]), so a list push of 1000 small
 //! keys is one NCCL reduce per home rank and dtype, not 1000. Bigger keys travel alone, in
@@ -11,10 +13,12 @@
 //! on each NCCL call.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use super::super::nccl::{InPlace, RankComm};
 use super::PACK_MAX_BYTES;
 use crate::backend::cuda::{copy_many, DeviceCopy, GpuPtr};
+use crate::comm::spread::{slice_block, slice_range};
 use crate::ndarray::Storage;
 use crate::{DType, Device, NDArray, Result, Shape};
 
@@ -215,6 +219,119 @@ pub(super) fn gather(rc: &RankComm, mut pieces: Vec<GpuPiece>) -> Result<Vec<NDA
     }
     copy_many(&copies)?;
     Ok(values)
+}
+
+/// A copy of elements `range` of `a` (an array on this rank's GPU), as a flat array of its own.
+pub(super) fn slice(a: &NDArray, range: Range<usize>) -> Result<NDArray> {
+    let gpu = a.device();
+    let part = NDArray::full_on(Shape::new(&[range.len()])?, 0.0, a.dtype(), gpu)?;
+    copy_many(&[copy(&part, 0, a, range.start, range.len(), a.dtype())?])?;
+    Ok(part)
+}
+
+/// `a` laid out in a buffer of `len` elements (its own elements first, zeros after), on its
+/// GPU: `a` itself when it is that long already.
+fn padded(a: NDArray, len: usize) -> Result<NDArray> {
+    if a.size() == len {
+        return Ok(a);
+    }
+    let buf = NDArray::full_on(Shape::new(&[len])?, 0.0, a.dtype(), a.device())?;
+    copy_many(&[copy(&buf, 0, &a, 0, a.size(), a.dtype())?])?;
+    Ok(buf)
+}
+
+/// Sums every rank's `sums` (each a sliced key's sum on this rank's GPU, of the key's whole
+/// length) and leaves each rank its slice of the total ([`slice_range`]), as a flat array:
+/// one NCCL reduce-scatter per key, over the key padded to a block per rank.
+pub(super) fn reduce_scatter(rc: &RankComm, sums: Vec<NDArray>) -> Result<Vec<NDArray>> {
+    let (rank, size) = (rc.rank(), rc.size());
+    sums.into_iter()
+        .map(|sum| {
+            let len = sum.size();
+            let block = slice_block(len, size);
+            let send = padded(sum, block * size)?;
+            let recv = NDArray::full_on(Shape::new(&[block])?, 0.0, send.dtype(), send.device())?;
+            rc.reduce_scatter(&send, &recv)?;
+            let mine = slice_range(len, size, rank);
+            match mine.len() == block {
+                true => Ok(recv),
+                false => slice(&recv, 0..mine.len()),
+            }
+        })
+        .collect()
+}
+
+/// Rank 0's value of sliced keys, scattered: each rank gets its own slice of each key, flat, on
+/// its GPU. `values`: each key's whole value on rank 0 (`None` elsewhere), its length and
+/// dtype. NCCL has no scatter, so each slice goes out in a broadcast of its own from rank 0,
+/// and a rank that does not keep it receives it into one scratch block: no rank but rank 0
+/// ever holds more than a block of a key beyond its own slice.
+pub(super) fn scatter(
+    rc: &RankComm,
+    values: Vec<(Option<NDArray>, usize, DType)>,
+) -> Result<Vec<NDArray>> {
+    let (rank, size) = (rc.rank(), rc.size());
+    let gpu = Device::Gpu(rc.ordinal());
+    values
+        .into_iter()
+        .map(|(whole, len, dtype)| {
+            let block = slice_block(len, size);
+            let flat = |n: usize| NDArray::full_on(Shape::new(&[n])?, 0.0, dtype, gpu);
+            let scratch = flat(block)?;
+            let mut kept = None;
+            for to in 0..size {
+                let range = slice_range(len, size, to);
+                let buf = match to == rank {
+                    true => flat(range.len())?,
+                    false => scratch_of(&scratch, range.len())?,
+                };
+                if let (0, Some(w)) = (rank, &whole) {
+                    copy_many(&[copy(&buf, 0, w, range.start, range.len(), dtype)?])?;
+                }
+                if to != 0 {
+                    rc.broadcast(&buf, 0)?;
+                }
+                if to == rank {
+                    kept = Some(buf);
+                }
+            }
+            kept.ok_or_else(|| super::internal("a scattered key left this rank no slice"))
+        })
+        .collect()
+}
+
+/// `scratch` (a block) as a buffer of `len` elements: itself, or its first elements copied
+/// out when a slice is shorter (the last ranks' slices).
+fn scratch_of(scratch: &NDArray, len: usize) -> Result<NDArray> {
+    match scratch.size() == len {
+        true => Ok(scratch.clone()),
+        false => slice(scratch, 0..len),
+    }
+}
+
+/// Every rank's slice of sliced keys, on every rank's GPU: `parts` holds this rank's slice of
+/// each key and the key's whole length. One NCCL all-gather per key, over blocks padded to
+/// one length.
+pub(super) fn all_gather(rc: &RankComm, parts: Vec<(NDArray, usize)>) -> Result<Vec<NDArray>> {
+    let size = rc.size();
+    parts
+        .into_iter()
+        .map(|(part, len)| {
+            let block = slice_block(len, size);
+            let send = padded(part, block)?;
+            let recv = NDArray::full_on(
+                Shape::new(&[block * size])?,
+                0.0,
+                send.dtype(),
+                send.device(),
+            )?;
+            rc.all_gather(&send, &recv)?;
+            match block * size == len {
+                true => Ok(recv),
+                false => slice(&recv, 0..len),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

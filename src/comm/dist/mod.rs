@@ -156,9 +156,13 @@ impl Dist {
         self.link.local_rank()
     }
 
-    /// Whether a key of `len` elements is sliced over every rank (never on GPU ranks).
+    /// Whether a key of `len` elements is sliced over every rank: more than
+    /// `KVSTORE_BIGARRAY_BOUND` elements, on more than one rank. On GPU ranks every rank's
+    /// slice must also hold an element (a GPU keeps no empty arrays).
     pub fn is_sliced(&self, len: usize) -> bool {
-        self.gpu().is_none() && self.size() > 1 && len > self.bound
+        let size = self.size();
+        let every_rank_holds = || slice_block(len, size) * (size - 1) < len;
+        size > 1 && len > self.bound && (self.gpu().is_none() || every_rank_holds())
     }
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
@@ -579,6 +583,30 @@ pub(crate) fn reduce_on_gpus(
 /// [`gather`] on GPU ranks: every key's value from its home rank to every rank's GPU.
 pub(crate) fn gather_on_gpus(rc: &RankComm, pieces: Vec<GpuPiece>) -> Result<Vec<NDArray>> {
     gpu::gather(rc, pieces)
+}
+
+/// [`reduce`] of sliced keys on GPU ranks: each key's sum (on this rank's GPU, whole) summed
+/// across ranks, this rank's slice of the total returned (flat, on its GPU).
+pub(crate) fn reduce_scatter_on_gpus(rc: &RankComm, sums: Vec<NDArray>) -> Result<Vec<NDArray>> {
+    gpu::reduce_scatter(rc, sums)
+}
+
+/// [`gather`] of sliced keys on GPU ranks: each key's slices, from every rank, whole on every
+/// rank's GPU. `parts`: this rank's slice of each key, with the key's length.
+pub(crate) fn all_gather_on_gpus(
+    rc: &RankComm,
+    parts: Vec<(NDArray, usize)>,
+) -> Result<Vec<NDArray>> {
+    gpu::all_gather(rc, parts)
+}
+
+/// [`scatter`] on GPU ranks: rank 0's value of each sliced key (`None` elsewhere, with the
+/// key's length and dtype), each rank receiving only its own slice.
+pub(crate) fn scatter_on_gpus(
+    rc: &RankComm,
+    values: Vec<(Option<NDArray>, usize, DType)>,
+) -> Result<Vec<NDArray>> {
+    gpu::scatter(rc, values)
 }
 
 /// Which keys a transfer's result holds: (key index, elements of the result).
