@@ -525,11 +525,24 @@ fn case_sliced() {
     kv.barrier().unwrap();
     let local = KvStore::create("local").unwrap();
     local.load(&dir).unwrap();
+    // And into a fresh store of the same ranks, which slices the big keys again.
+    let again = KvStore::create("dist_device_sync").unwrap();
+    again.load(&dir).unwrap();
     for k in 0..keys.len() {
         let out = NDArray::zeros(shapes[k]).astype(DType::F64).unwrap();
         local.pull(keys[k], &out).unwrap();
-        for (got, want) in out.to_vec::<f64>().unwrap().iter().zip(&w[k]) {
-            assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0));
+        let on_gpu = NDArray::full_on(shapes[k], -7.0, DType::F32, mine).unwrap();
+        again.pull(keys[k], &on_gpu).unwrap();
+        for got in [
+            out.to_vec::<f64>().unwrap(),
+            on_gpu.to_vec::<f64>().unwrap(),
+        ] {
+            for (got, want) in got.iter().zip(&w[k]) {
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{got} vs {want}"
+                );
+            }
         }
     }
     kv.barrier().unwrap();
