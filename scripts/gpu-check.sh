@@ -83,7 +83,7 @@ if [ -e /usr/lib/x86_64-linux-gnu/libmpi.so ] || command -v mpicc >/dev/null; th
         while read -r lib; do cp -L "$lib" "$STAGE/lib/"; done
     echo "staged $(ls "$STAGE/lib" | wc -l) MPI runtime libraries in $STAGE/lib"
     # GPU ranks against raw NCCL (issue 18): run by run.sh under mpirun, where the machine has
-    # mpirun and two GPUs (or NCCL >= 2.30 with several ranks per GPU).
+    # mpirun and two GPUs or more.
     cargo build --release --features mpi --example bench_gpu_ranks --message-format=json 2>/dev/null |
         executables | while read -r kind name path; do
             [ "$name" = bench_gpu_ranks ] && stage "$STAGE" "$kind" "$name" "$path"
@@ -286,17 +286,17 @@ for b in "$HERE"/benches/*; do
     [ "$rc" -ne 0 ] && FAILED=1
     printf '%-28s rc=%s (bench; results in bench-%s.log)\n' "$name" "$rc" "$name" | tee -a "$SUMMARY"
 done
-# GPU ranks against raw NCCL on the same GPUs: needs mpirun and a GPU per rank (or NCCL >= 2.30,
-# which lets two ranks share one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1).
+# GPU ranks against raw NCCL on the same GPUs: needs mpirun and a GPU per rank, two at least
+# (ranks sharing a GPU would time the sharing).
 if [ -x "$HERE/bench_gpu_ranks" ] && [ "${SKIP_BENCHES:-0}" != 1 ]; then
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
     if ! command -v mpirun >/dev/null; then
         echo "bench_gpu_ranks              SKIPPED: no mpirun on this machine" | tee -a "$SUMMARY"
-    elif [ "${gpus:-0}" -lt 2 ] && [ "${NCCL_MULTI_RANK_GPU_ENABLE:-0}" != 1 ]; then
-        echo "bench_gpu_ranks              SKIPPED: $gpus GPU (two ranks need two, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1)" | tee -a "$SUMMARY"
+    elif [ "${gpus:-0}" -lt 2 ]; then
+        echo "bench_gpu_ranks              SKIPPED: $gpus GPU (a GPU per rank; two ranks at least)" | tee -a "$SUMMARY"
     else
         echo "== bench_gpu_ranks"
-        np=$(( gpus < 2 ? 2 : gpus ))
+        np=$gpus
         LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout "${BENCH_TIMEOUT:-400}" \
             mpirun --allow-run-as-root -np "$np" "$HERE/bench_gpu_ranks" >"$LOG/bench-gpu-ranks.log" 2>&1
         rc=$?
