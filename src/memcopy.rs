@@ -1,25 +1,26 @@
 //! Copies of host memory that stay fast whatever the two addresses are.
 //!
 //! `memcpy` in glibc up to at least 2.36 moves medium blocks (from about 2 KiB to the L2
-//! size) with `rep movsb`. On AMD Zen CPUs (FSRM), `rep movsb` is 15–30× slower when the
-//! destination sits just above the source modulo a 4 KiB page (1–63 bytes): each store then
-//! falsely aliases a load still in flight. Measured on this project's build machine (AMD
-//! EPYC, glibc 2.36): a 64 KiB copy took 22–36 µs at such a distance against 1.4 µs at any
-//! other, a 4 KiB copy 2.1 µs against 0.08 µs. Two arrays from `malloc` land at such a
-//! distance often (a page-aligned buffer and one that starts 16 bytes into a page), so a
-//! pull's copy into the caller's array was slow or fast from one run to the next, by what
-//! the process had allocated before.
+//! size) with `rep movsb`. On AMD Zen CPUs (FSRM), `rep movsb` is slow when the destination
+//! sits just above the source modulo a 4 KiB page: 15–30× slower at 1–31 bytes (each store
+//! then falsely aliases a load still in flight), and up to 1.7× (64 KiB) or 5× (4 KiB) at a
+//! few hundred bytes. Measured on this project's build machine (AMD EPYC, glibc 2.36;
+//! `benches/results/memcopy_2026-11-27/`): a 64 KiB copy took 22–54 µs at a distance of
+//! 8–24 bytes against 1.4 µs at 0, a 4 KiB copy 1.6–2.4 µs against 0.06 µs. Two arrays from
+//! `malloc` land at such a distance often (a page-aligned buffer and one that starts 16 bytes
+//! into a page), so a pull's copy into the caller's array was slow or fast from one run to
+//! the next, by what the process had allocated before.
 //!
 //! At those distances the copy below runs backward, in blocks small enough that `memcpy`
 //! moves them with vector registers: loads then run ahead of the stores that could alias
-//! them. 64 KiB at a distance of 16 bytes: 1.4 µs, as fast as a copy at any other distance.
+//! them. 64 KiB at a distance of 16 bytes: 1.3–1.7 µs, as fast as a copy at any other distance.
 
 /// The block of a backward copy, in bytes: below glibc's smallest `rep movsb` threshold
 /// (2,112 bytes on the build machine, 2 KiB and more elsewhere).
 const BLOCK_BYTES: usize = 2048;
 
-/// Destinations this many bytes or fewer above the source, modulo a page, are copied
-/// backward. 1–31 bytes measured 15–30× slower forward, 32–255 up to 1.4×.
+/// Destinations at most this many bytes above the source, modulo a page, are copied
+/// backward: the slow window measured above (severe to 31 bytes, milder to a few hundred).
 const SHORT_DISTANCE: usize = 255;
 
 /// The page size of the aliasing: 4 KiB on x86-64.
@@ -33,37 +34,45 @@ pub(crate) fn copy<T: Copy>(dst: &mut [T], src: &[T]) {
         src.len(),
         "copy between slices of different lengths"
     );
-    if !aliases(
-        dst.as_ptr() as usize,
-        src.as_ptr() as usize,
-        size_of_val(src),
-    ) {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let per = (BLOCK_BYTES / size_of::<T>().max(1)).max(1);
-    let mut end = src.len();
-    while end > 0 {
-        let start = end.saturating_sub(per);
-        dst[start..end].copy_from_slice(&src[start..end]);
-        end = start;
-    }
+    // SAFETY: `dst` and `src` are valid for `src.len()` elements, and a `&mut` slice cannot
+    // overlap a shared one.
+    unsafe { copy_raw(dst.as_mut_ptr(), src.as_ptr(), src.len()) }
 }
 
 /// Appends `src` to `v`, as `v.extend_from_slice(src)`.
 pub(crate) fn extend<T: Copy>(v: &mut Vec<T>, src: &[T]) {
     let at = v.len();
     v.reserve(src.len());
-    let spare = &mut v.spare_capacity_mut()[..src.len()];
-    // SAFETY: `MaybeUninit<T>` has the layout of `T`, and `T: Copy` has no drop, so viewing
-    // the spare capacity as `&mut [T]` to write into it is sound: nothing reads it before the
-    // copy below writes every element.
-    let spare: &mut [T] =
-        unsafe { std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<T>(), spare.len()) };
-    copy(spare, src);
-    // SAFETY: the `src.len()` elements after `at` were reserved above and have just been
-    // written.
-    unsafe { v.set_len(at + src.len()) };
+    // SAFETY: `reserve` made room for `src.len()` elements after `at`; `src` cannot overlap
+    // `v`'s spare room, which nothing else refers to.
+    unsafe {
+        copy_raw(v.as_mut_ptr().add(at), src.as_ptr(), src.len());
+        // The `src.len()` elements after `at` were reserved above and have just been written.
+        v.set_len(at + src.len());
+    }
+}
+
+/// Copies `len` elements from `src` to `dst`: forward, or backward in blocks where the
+/// destination lies a short distance above the source.
+///
+/// # Safety
+/// `src` must be valid for reads and `dst` for writes of `len` elements, and they must not
+/// overlap.
+unsafe fn copy_raw<T: Copy>(dst: *mut T, src: *const T, len: usize) {
+    let width = size_of::<T>();
+    if !aliases(dst as usize, src as usize, len * width) {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        return;
+    }
+    let per = (BLOCK_BYTES / width.max(1)).max(1);
+    let mut end = len;
+    while end > 0 {
+        let start = end.saturating_sub(per);
+        // SAFETY: `start..end` lies within the `len` elements of the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(start), dst.add(start), end - start) };
+        end = start;
+    }
 }
 
 /// Whether a forward copy of `bytes` bytes from `src` to `dst` would meet the slow case.
@@ -129,12 +138,25 @@ mod tests {
     }
 
     #[test]
-    fn extend_appends() {
-        let mut v = vec![1.0f32, 2.0];
-        let more: Vec<f32> = (0..5000).map(|i| i as f32 * 0.5 - 7.0).collect();
-        extend(&mut v, &more);
-        assert_eq!(v.len(), 5002);
-        assert_eq!(&v[..2], &[1.0, 2.0]);
-        assert_eq!(&v[2..], &more[..]);
+    fn extend_appends_forward_and_backward() {
+        let more: Vec<f32> = (0..PAGE as u32 + 5000)
+            .map(|i| i as f32 * 0.5 - 7.0)
+            .collect();
+        for distance in [0, 16, 252, 300] {
+            let mut v = vec![1.0f32, 2.0];
+            v.reserve(5000);
+            // The source placed `distance` bytes below the spare room, modulo a page.
+            let spare = v.as_ptr() as usize + 8;
+            let gap = spare.wrapping_sub(more.as_ptr() as usize + distance) % PAGE;
+            let src = &more[gap / 4..gap / 4 + 5000];
+            let backward = (1..=SHORT_DISTANCE).contains(&distance);
+            assert_eq!(aliases(spare, src.as_ptr() as usize, 20_000), backward);
+            let room = v.capacity();
+            extend(&mut v, src);
+            assert_eq!(v.capacity(), room, "extend moved the vector");
+            assert_eq!(v.len(), 5002);
+            assert_eq!(&v[..2], &[1.0, 2.0]);
+            assert_eq!(&v[2..], src);
+        }
     }
 }

@@ -248,3 +248,55 @@ fn a_checkpoint_carries_the_residuals() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// A `device` store's list pushes whose number of values changes from push to push: each
+/// position keeps its own residual, also through the pushes that leave it out (3 values, then
+/// 1, then 3 again: positions 1 and 2 carry their residuals across). Fresh random values,
+/// against a reference of MXNet's 2-bit rule written here.
+#[test]
+fn a_position_a_push_leaves_out_keeps_its_residual() -> Result<()> {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (t, n) = (0.5f32, 37);
+    let kv = KvStore::create("device")?;
+    kv.set_gradient_compression(Compression::two_bit(t))?;
+    kv.init(0, &NDArray::zeros([n]))?;
+    let mut residual: Vec<Vec<f32>> = Vec::new();
+    for count in [2usize, 1, 3, 1, 2, 1, 3] {
+        let values: Vec<Vec<f32>> = (0..count)
+            .map(|_| (0..n).map(|_| rng.gen_range(-0.75f32..0.75)).collect())
+            .collect();
+        if residual.len() < count {
+            residual.resize(count, vec![0.0; n]);
+        }
+        // The reference: each value plus its position's residual, quantized to ±t or 0, the
+        // rest kept; the quantized values summed in list order (the default updater assigns).
+        let mut want = vec![0f32; n];
+        for (p, v) in values.iter().enumerate() {
+            for i in 0..n {
+                let acc = residual[p][i] + v[i];
+                let sent = match acc {
+                    a if a >= t => t,
+                    a if a <= -t => -t,
+                    _ => 0.0,
+                };
+                residual[p][i] = acc - sent;
+                want[i] = if p == 0 { sent } else { want[i] + sent };
+            }
+        }
+        let arrays: Vec<NDArray> = values
+            .iter()
+            .map(|v| NDArray::from_vec(v.clone(), [n]))
+            .collect::<kvstore::Result<_>>()?;
+        kv.push(0, &arrays)?;
+        let out = NDArray::zeros([n]);
+        kv.pull(0, &out)?;
+        ensure!(
+            out.to_vec::<f32>()? == want,
+            "seed {seed}: a push of {count} values pulled {:?}, want {want:?}",
+            out.to_vec::<f32>()?
+        );
+    }
+    Ok(())
+}

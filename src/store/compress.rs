@@ -9,7 +9,7 @@ use super::dist::{part_shape, Inputs, Mine};
 use super::groups::Group;
 use super::{read, write, KvStore, StoreKind};
 use crate::comm::dist::{Dist, Pool};
-use crate::comm::link::{Op, Round};
+use crate::comm::link::Round;
 use crate::compress::{
     half_encode, two_bit_decode, two_bit_quantize, two_bit_words, Compression, HalfWire,
     TwoBitTable,
@@ -186,11 +186,12 @@ fn lock(residuals: &Mutex<Residuals>) -> MutexGuard<'_, Residuals> {
 }
 
 /// Buffers for `positions` residuals of `n` elements, from `pool` (a push writes its new
-/// residuals there instead of changing a copy of the kept ones). Their contents are
+/// residuals there instead of changing a copy of the kept ones), each of exactly `n` elements'
+/// room: a key keeps its residual, so it must never hold a bigger buffer. Their contents are
 /// unspecified: the quantizers write every element.
 fn take_residuals(pool: &Pool, positions: usize, n: usize) -> Residuals {
     (0..positions)
-        .map(|_| match pool.take(DType::F32, n, n) {
+        .map(|_| match pool.take_exact(DType::F32, n) {
             HostData::F32(v) => v,
             other => vec![0.0; other.len()],
         })
@@ -235,7 +236,8 @@ pub(super) fn sum_across(
         values.push(value);
     }
     // Each key's kept residual (a rank compresses one value per key: position 0), read under
-    // its lock (the caller holds the keys' write locks); zeros before the key's first push.
+    // its lock (the call, which holds the rank's lock, keeps every other reader out); zeros
+    // before the key's first push.
     // The new residuals are written into pooled buffers, kept by `commit` on success.
     let committed: Vec<MutexGuard<'_, Residuals>> =
         groups.iter().map(|g| lock(&g.slot.residuals)).collect();
@@ -347,8 +349,8 @@ fn half_across<'r, H: HalfWire>(
 
 /// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
 /// of `T`), and `span(g, r)` the units that carry the part of key `g` rank `r` holds. Block `r`
-/// of the send buffer holds, key by key, the spans of the keys `r` holds; blocks are of equal
-/// length (the longest sets it; the rest is padding). Every rank lays them out alike (the
+/// of the send buffer holds, key by key, the spans of the keys `r` holds, and nothing more:
+/// blocks are of unequal lengths, and no padding travels. Every rank lays them out alike (the
 /// fingerprint made the keys, shapes and spreads the same), so each finds its spans in every
 /// rank's block. `decode(seg, span_start, elements, total, add)` decodes a key's `elements`
 /// from a span into `total`, or with `add` adds them to it. Returns,
@@ -363,18 +365,20 @@ fn exchange<T: Element + Copy>(
     mut decode: impl FnMut(&[T], usize, std::ops::Range<usize>, &mut [f32], bool),
 ) -> Result<Vec<Option<NDArray>>> {
     let (rank, size) = (d.rank(), d.size());
-    let block_len = |r: usize| groups.iter().map(|g| span(g, r).len()).sum::<usize>();
-    let block = (0..size).map(block_len).max().unwrap_or(0);
-    let zero = T::from_f64(0.0);
+    // What every rank sends rank `r`: the spans of the keys `r` holds, the same on every rank.
+    let lens: Vec<usize> = (0..size)
+        .map(|r| groups.iter().map(|g| span(g, r).len()).sum())
+        .collect();
+    let block = lens[rank];
     // Both buffers from the pool: a big key's push does not fault in fresh pages every time.
+    // The all-to-all moves unequal blocks, so no rank sends padding.
     let pool = d.pool();
-    let mut send_buf = pool.take(T::DTYPE, block * size, block * size);
+    let total: usize = lens.iter().sum();
+    let mut send_buf = pool.take(T::DTYPE, total, total);
     let send = T::slice_mut(&mut send_buf)
         .ok_or_else(|| crate::comm::dist::internal("a pooled buffer of another dtype"))?;
-    // The padding travels too: zeros, never an earlier call's words.
-    send.fill(zero);
+    let mut at = 0;
     for r in 0..size {
-        let mut at = r * block;
         for (g, e) in groups.iter().zip(encoded) {
             let s = &e[span(g, r)];
             crate::memcopy::copy(&mut send[at..at + s.len()], s);
@@ -382,7 +386,7 @@ fn exchange<T: Element + Copy>(
         }
     }
     let recv = pool.take(T::DTYPE, block * size, block * size);
-    let ticket = call.start(Op::AllToAll, send_buf, recv)?;
+    let ticket = call.start_all_to_all_v(send_buf, &lens, recv)?;
     let (sent, received) = call.land(ticket)?;
     pool.give(sent);
     let all = T::slice(&received).ok_or_else(|| {

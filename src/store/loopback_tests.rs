@@ -1059,6 +1059,44 @@ fn a_compressed_push_moves_a_sixteenth_of_the_key_from_each_rank() {
     }
 }
 
+/// A compressed push of a whole key moves its words to the key's home and nothing else: the
+/// all-to-all's blocks are of unequal lengths, so the ranks that hold no part of the key
+/// receive no padding (a 2-bit key of 16,000 elements: 4 × 1,000 words to the home, none
+/// elsewhere, where equal blocks would have sent every rank 4,000).
+#[test]
+fn a_compressed_push_of_a_whole_key_sends_no_padding() {
+    use crate::Compression;
+    let len = 16_000;
+    let links = Loopback::world(4, Duration::from_secs(10));
+    let ranks = on_links(&links, |_, l| {
+        KvStore::over_loopback(l.clone(), 1_000_000).unwrap()
+    });
+    on_ranks(&ranks, |_, kv| {
+        kv.set_gradient_compression(Compression::two_bit(0.5))
+            .unwrap();
+        kv.init(0, &NDArray::zeros([len])).unwrap();
+    });
+    let before: Vec<usize> = links.iter().map(Loopback::received).collect();
+    on_ranks(&ranks, |r, kv| {
+        let g: Vec<f32> = (0..len)
+            .map(|i| ((i * 3 + r) % 11) as f32 / 4.0 - 1.25)
+            .collect();
+        kv.push(0, &NDArray::from_vec(g, [len]).unwrap()).unwrap();
+    });
+    let got: Vec<usize> = (links.iter().zip(before))
+        .map(|(l, b)| l.received() - b)
+        .collect();
+    // The call's check words aside (under 64 elements per rank).
+    let home: Vec<usize> = (0..4).filter(|&r| got[r] >= 64).collect();
+    assert_eq!(home.len(), 1, "one rank is the key's home: {got:?}");
+    let h = home[0];
+    assert!(
+        (4 * len / 16..4 * len / 16 + 64).contains(&got[h]),
+        "the home received {} elements: {got:?}",
+        got[h]
+    );
+}
+
 /// A compressed dist run saved to a sharded checkpoint and resumed by as many ranks continues
 /// bit for bit: each rank's residuals come back from its own shard. Resumed by another number
 /// of ranks, the values load and the residuals start at zero. Random values, a whole key and a

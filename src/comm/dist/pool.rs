@@ -102,22 +102,39 @@ impl Pool {
     /// so that it can grow that far without moving. Its contents are unspecified.
     pub fn take(&self, dtype: DType, len: usize, room: usize) -> HostData {
         let room = room.max(len);
+        let need = room * dtype.size();
+        self.take_fitting(dtype, len, room, |have| {
+            have >= need && (need >= SMALL_BYTES || have <= SMALL_TAKES_AT_MOST)
+        })
+    }
+
+    /// A buffer of `len` elements of `dtype` with room for exactly `len`: for what a store keeps
+    /// beyond the call (a key's compression residual), which owns exactly its size, never a
+    /// bigger buffer's spare room. A kept buffer of that room, or a fresh one. Its contents are
+    /// unspecified.
+    pub fn take_exact(&self, dtype: DType, len: usize) -> HostData {
+        let need = len * dtype.size();
+        self.take_fitting(dtype, len, len, |have| have == need)
+    }
+
+    /// The smallest kept buffer of `dtype` whose room in bytes `fits`, at `len` elements, or a
+    /// fresh one with room for `room`.
+    fn take_fitting(
+        &self,
+        dtype: DType,
+        len: usize,
+        room: usize,
+        fits: impl Fn(usize) -> bool,
+    ) -> HostData {
         if room == 0 {
             return with_room(dtype, 0, 0);
         }
         let mut bufs = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let need = room * dtype.size();
-        let fits = |b: &HostData| {
-            let have = room_bytes(b);
-            b.dtype() == dtype
-                && have >= need
-                && (need >= SMALL_BYTES || have <= SMALL_TAKES_AT_MOST)
-        };
         let best = bufs
             .bufs
             .iter()
             .enumerate()
-            .filter(|(_, b)| fits(b))
+            .filter(|(_, b)| b.dtype() == dtype && fits(room_bytes(b)))
             .min_by_key(|(_, b)| room_bytes(b))
             .map(|(i, _)| i);
         let mut buf = match best {
@@ -176,6 +193,27 @@ pub(crate) fn copy_into(dst: &mut HostData, src: &HostData) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exact_take_never_gets_a_bigger_buffer() {
+        let pool = Pool::with_max_bytes(64 << 20);
+        pool.give(with_room(DType::F32, 10, 2_000_000));
+        let a = pool.take_exact(DType::F32, 20_000);
+        assert_eq!((a.len(), room_bytes(&a)), (20_000, 80_000));
+        assert_eq!(
+            pool.bufs.lock().unwrap().bufs.len(),
+            1,
+            "the big buffer stays kept"
+        );
+        pool.give(a);
+        let b = pool.take_exact(DType::F32, 20_000);
+        assert_eq!(room_bytes(&b), 80_000);
+        assert_eq!(
+            pool.bufs.lock().unwrap().bufs.len(),
+            1,
+            "the exact one was taken"
+        );
+    }
 
     #[test]
     fn buffers_come_back_with_their_room_and_the_bound_holds() {

@@ -179,8 +179,18 @@ struct LoopRound<'a> {
     op: &'static str,
     keys: Vec<Key>,
     summary: String,
-    /// Started collectives: (exchange, op, send, receive buffer).
-    flights: Vec<Option<(u64, Op, HostData, HostData)>>,
+    /// Started collectives.
+    flights: Vec<Option<Flight>>,
+}
+
+/// A started collective: its exchange, op, send and receive buffers, and the block lengths of
+/// an all-to-all of unequal blocks (empty for every other collective).
+struct Flight {
+    id: u64,
+    op: Op,
+    send: HostData,
+    recv: HostData,
+    lens: Vec<usize>,
 }
 
 impl LoopRound<'_> {
@@ -274,12 +284,37 @@ impl Round for LoopRound<'_> {
             ));
         }
         let id = self.deposit(Payload::Data(send.clone()));
-        self.flights.push(Some((id, op, send, recv)));
+        self.flights.push(Some(Flight {
+            id,
+            op,
+            send,
+            recv,
+            lens: Vec::new(),
+        }));
         Ok(Ticket(self.flights.len() - 1))
     }
 
+    fn start_all_to_all_v(
+        &mut self,
+        send: HostData,
+        lens: &[usize],
+        recv: HostData,
+    ) -> Result<Ticket> {
+        let ticket = self.start(Op::AllToAll, send, recv)?;
+        if let Some(Some(flight)) = self.flights.get_mut(ticket.0) {
+            flight.lens = lens.to_vec();
+        }
+        Ok(ticket)
+    }
+
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
-        let (id, op, send, recv) = (self.flights.get_mut(ticket.0).and_then(Option::take))
+        let Flight {
+            id,
+            op,
+            send,
+            recv,
+            lens,
+        } = (self.flights.get_mut(ticket.0).and_then(Option::take))
             .ok_or_else(|| internal("a collective landed twice"))?;
         let all = self.collect(id, &format!("{op:?}"))?;
         let data: Vec<&HostData> = all
@@ -326,6 +361,21 @@ impl Round for LoopRound<'_> {
                     );
                 }
                 <T as crate::Element>::wrap(all)
+            }),
+            // Block `rank` of every rank's buffer, blocks of `lens`, in rank order, bit for bit.
+            Op::AllToAll if !lens.is_empty() => with_host!(&send, _v: T => {
+                let start: usize = lens.iter().take(rank).sum();
+                let mine = start..start + lens.get(rank).copied().unwrap_or(0);
+                let mut got: Vec<T> = Vec::with_capacity(mine.len() * size);
+                for d in &data {
+                    let theirs = <T as crate::Element>::slice(d)
+                        .ok_or_else(|| internal("ranks sent different dtypes"))?;
+                    let piece = theirs
+                        .get(mine.clone())
+                        .ok_or_else(|| internal("ranks sent all-to-all blocks of different lengths"))?;
+                    got.extend_from_slice(piece);
+                }
+                <T as crate::Element>::wrap(got)
             }),
             // Block `rank` of every rank's buffer, in rank order, bit for bit.
             Op::AllToAll => with_host!(&send, _v: T => {

@@ -112,6 +112,16 @@ pub(crate) trait Round {
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
         self.start(op, send.clone(), recv)
     }
+    /// Starts an all-to-all of unequal blocks: every rank sends rank `r` `lens[r]` elements
+    /// (the same `lens` on every rank; `send` holds the blocks for ranks 0, 1, ... one after
+    /// another) and receives `size` blocks of `lens[rank]` into `recv`, block `s` from rank
+    /// `s`. No block is padded to the longest.
+    fn start_all_to_all_v(
+        &mut self,
+        send: HostData,
+        lens: &[usize],
+        recv: HostData,
+    ) -> Result<Ticket>;
     /// Waits (bounded) for a started collective: its (send, result) buffers. A broadcast's
     /// result is its one buffer.
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)>;

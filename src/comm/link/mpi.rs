@@ -176,6 +176,24 @@ impl Round for MpiRound {
         Ok(Ticket(self.flights.len() - 1))
     }
 
+    fn start_all_to_all_v(
+        &mut self,
+        send: HostData,
+        lens: &[usize],
+        recv: HostData,
+    ) -> Result<Ticket> {
+        let call = &mut self.call;
+        let flight = match (send, recv) {
+            (HostData::F32(s), HostData::F32(r)) => Flight::F32(call.all_to_all_v(s, lens, r)?),
+            (HostData::F64(s), HostData::F64(r)) => Flight::F64(call.all_to_all_v(s, lens, r)?),
+            (HostData::F16(s), HostData::F16(r)) => Flight::F16(call.all_to_all_v(s, lens, r)?),
+            (HostData::BF16(s), HostData::BF16(r)) => Flight::BF16(call.all_to_all_v(s, lens, r)?),
+            _ => return Err(internal("a receive buffer of another dtype")),
+        };
+        self.flights.push(Some(flight));
+        Ok(Ticket(self.flights.len() - 1))
+    }
+
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
         let flight = (self.flights.get_mut(ticket.0).and_then(Option::take))
             .ok_or_else(|| internal("a collective landed twice"))?;

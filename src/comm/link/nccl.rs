@@ -136,6 +136,17 @@ impl Round for NcclRound<'_> {
         ))
     }
 
+    fn start_all_to_all_v(
+        &mut self,
+        _send: HostData,
+        _lens: &[usize],
+        _recv: HostData,
+    ) -> Result<Ticket> {
+        Err(super::internal(
+            "a host-memory collective on a NCCL-only link",
+        ))
+    }
+
     fn land(&mut self, _ticket: Ticket) -> Result<(HostData, HostData)> {
         Err(super::internal(
             "a host-memory collective on a NCCL-only link",

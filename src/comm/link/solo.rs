@@ -61,6 +61,15 @@ impl Round for SoloRound {
         Ok(Ticket(self.landed.len() - 1))
     }
 
+    fn start_all_to_all_v(
+        &mut self,
+        send: HostData,
+        _lens: &[usize],
+        recv: HostData,
+    ) -> Result<Ticket> {
+        self.start(Op::AllToAll, send, recv)
+    }
+
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
         (self.landed.get_mut(ticket.0).and_then(Option::take))
             .ok_or_else(|| super::internal("a collective landed twice"))

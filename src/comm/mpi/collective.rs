@@ -183,6 +183,9 @@ pub struct Pending<T: Wire> {
     wide_send: Vec<f32>,
     /// The f32 partial sums of a reduce where [`Wire::SUM_IN_F32`].
     wide_recv: Vec<f32>,
+    /// The counts and displacements of an all-to-all of unequal blocks, which MPI reads until
+    /// the collective completes.
+    counts: Vec<c_int>,
     bytes: usize,
     start: Instant,
 }
@@ -213,6 +216,7 @@ impl<T: Wire> Drop for Pending<T> {
         std::mem::forget(std::mem::take(&mut self.recv));
         std::mem::forget(std::mem::take(&mut self.wide_send));
         std::mem::forget(std::mem::take(&mut self.wide_recv));
+        std::mem::forget(std::mem::take(&mut self.counts));
         self.world.poison_with(format!(
             "the {} of call #{} was abandoned before it completed",
             self.coll, self.seq
@@ -232,6 +236,7 @@ impl<T: Wire> Pending<T> {
             recv,
             wide_send: Vec::new(),
             wide_recv: Vec::new(),
+            counts: Vec::new(),
             bytes,
             start: Instant::now(),
         }
@@ -763,6 +768,91 @@ impl Call {
             }),
             false => unsafe {
                 ffi::MPI_Ialltoall(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
+            },
+        };
+        self.started(rc)?;
+        Ok(p)
+    }
+
+    /// Starts an all-to-all of unequal blocks (`MPI_Ialltoallv`): every rank sends rank `r`
+    /// `lens[r]` elements (the same `lens` on every rank), so `send` holds the blocks for ranks
+    /// 0, 1, ... one after another, and `recv` holds `size` blocks of `lens[rank]`, block `s`
+    /// from rank `s`. Only what a rank needs travels: no block is padded to the longest.
+    pub fn all_to_all_v<T: Wire>(
+        &mut self,
+        send: Vec<T>,
+        lens: &[usize],
+        recv: Vec<T>,
+    ) -> Result<Pending<T>> {
+        let (rank, size) = (self.world.rank, self.world.size);
+        let mine = lens.get(rank).copied().unwrap_or(0);
+        if lens.len() != size
+            || send.len() != lens.iter().sum::<usize>()
+            || recv.len() != mine * size
+        {
+            return Err(self.misuse(format!(
+                "all-to-all: {} block lengths for {size} ranks, a send buffer of {} elements \
+                 for blocks of {} and a receive buffer of {} for {size} blocks of {mine}",
+                lens.len(),
+                send.len(),
+                lens.iter().sum::<usize>(),
+                recv.len()
+            )));
+        }
+        // Send counts, send displacements, receive counts, receive displacements.
+        let count = |n: usize| raw::count(self.op, n);
+        let starts = lens.iter().scan(0, |at, &len| {
+            let start = *at;
+            *at += len;
+            Some(start)
+        });
+        let counts: Vec<c_int> = (lens.iter().map(|&len| count(len)))
+            .chain(starts.map(count))
+            .chain((0..size).map(|_| count(mine)))
+            .chain((0..size).map(|s| count(s * mine)))
+            .collect::<Result<_>>()?;
+        let bytes = (send.len() + recv.len()) * std::mem::size_of::<T>() / 2;
+        let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
+        p.counts = counts;
+        let (send, recv, dt, comm) = (
+            raw::ptr(&p.send),
+            raw::ptr_mut(&mut p.recv),
+            T::datatype(),
+            self.st.data.0,
+        );
+        let at = |k: usize| p.counts[k * size..].as_ptr();
+        let (send_counts, send_displs, recv_counts, recv_displs) = (at(0), at(1), at(2), at(3));
+        // SAFETY: `send` holds the sum of `lens` elements and `recv` size × lens[rank] (checked
+        // above), of T's MPI datatype; the four arrays of `size` counts and displacements stay
+        // in `p.counts` (never resized) until completion, or are leaked with the buffers;
+        // every block lies inside its buffer by construction; the communicator is valid.
+        let rc = match self.blocking {
+            true => self.bound(p.coll, || unsafe {
+                ffi::MPI_Alltoallv(
+                    send,
+                    send_counts,
+                    send_displs,
+                    dt,
+                    recv,
+                    recv_counts,
+                    recv_displs,
+                    dt,
+                    comm,
+                )
+            }),
+            false => unsafe {
+                ffi::MPI_Ialltoallv(
+                    send,
+                    send_counts,
+                    send_displs,
+                    dt,
+                    recv,
+                    recv_counts,
+                    recv_displs,
+                    dt,
+                    comm,
+                    &mut p.reqs[0].0,
+                )
             },
         };
         self.started(rc)?;
