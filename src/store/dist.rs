@@ -269,7 +269,7 @@ pub(super) fn keep_part(
 ) -> Result<HomeValue> {
     match whole {
         Rank0::Caller(v) => HomeValue::copy_of(v, home).map_err(|e| e.with_key(key)),
-        Rank0::GpuPart(p) => HomeValue::copy_of(&p, home),
+        Rank0::GpuPart(p) => HomeValue::copy_of(&p, home).map_err(|e| e.with_key(key)),
         Rank0::Gpu(a) if spread.holds(d.rank()) => HomeValue::copy_of(&a, home),
         Rank0::Part(p) if p.capacity() == p.len() => keep(d, p),
         Rank0::Part(p) => {

@@ -300,6 +300,13 @@ impl Round for LoopRound<'_> {
         lens: &[usize],
         recv: HostData,
     ) -> Result<Ticket> {
+        let (rank, size) = (self.link.rank, self.link.hub.size);
+        if lens.len() != size
+            || send.len() != lens.iter().sum::<usize>()
+            || recv.len() != lens[rank] * size
+        {
+            return Err(internal("all-to-all blocks that do not fit their buffers"));
+        }
         let ticket = self.start(Op::AllToAll, send, recv)?;
         if let Some(Some(flight)) = self.flights.get_mut(ticket.0) {
             flight.lens = lens.to_vec();
