@@ -527,6 +527,13 @@ fn case_sliced() {
     local.load(&dir).unwrap();
     // And into a fresh store of the same ranks, which slices the big keys again.
     let again = KvStore::create("dist_device_sync").unwrap();
+    again
+        .set_updater(Updater::Sgd(Sgd {
+            lr,
+            momentum,
+            ..Sgd::default()
+        }))
+        .unwrap();
     again.load(&dir).unwrap();
     for k in 0..keys.len() {
         let out = NDArray::zeros(shapes[k]).astype(DType::F64).unwrap();
@@ -543,6 +550,33 @@ fn case_sliced() {
                     "{got} vs {want}"
                 );
             }
+        }
+    }
+    // One more step on the reloaded store: each rank's momentum slice came back with its values.
+    let round = 3;
+    let values: Vec<NDArray> = (0..keys.len())
+        .map(|k| NDArray::from_f64(&grad(r, k, round), shapes[k], DType::F32, mine).unwrap())
+        .collect();
+    again.push_list(&keys, &values).unwrap();
+    for k in 0..keys.len() {
+        for i in 0..len(k) {
+            let total: f64 = (0..n).map(|rank| grad(rank, k, round)[i]).sum();
+            m[k][i] = momentum * m[k][i] - lr * total;
+            w[k][i] += m[k][i];
+        }
+        let on_gpu = NDArray::full_on(shapes[k], -7.0, DType::F32, mine).unwrap();
+        again.pull(keys[k], &on_gpu).unwrap();
+        for (i, (got, want)) in on_gpu
+            .to_vec::<f64>()
+            .unwrap()
+            .iter()
+            .zip(&w[k])
+            .enumerate()
+        {
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "rank {r}: key {k}[{i}] after the reload's step: {got} vs {want}"
+            );
         }
     }
     kv.barrier().unwrap();
