@@ -353,13 +353,25 @@ fn half_across<'r, H: HalfWire>(
 /// would not fit, every rank (they all compute the same) pads every block to the longest
 /// instead, whose all-to-all needs only one block's count to fit.
 fn all_to_all_blocks(lens: &[usize]) -> (Vec<usize>, bool) {
-    let fits = |n: usize| n <= i32::MAX as usize;
+    let fits = |n: usize| n <= count_max();
     let longest = lens.iter().copied().max().unwrap_or(0);
     let total: usize = lens.iter().sum();
     match fits(total) && fits(longest.saturating_mul(lens.len())) {
         true => (lens.to_vec(), true),
         false => (vec![longest; lens.len()], false),
     }
+}
+
+/// The most elements an MPI count or displacement holds (a C `int`).
+#[cfg(not(test))]
+fn count_max() -> usize {
+    i32::MAX as usize
+}
+
+/// [`count_max`], lowered per thread by tests so that the padded all-to-all runs too.
+#[cfg(test)]
+fn count_max() -> usize {
+    tests::COUNT_MAX.with(|m| m.get())
 }
 
 /// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
@@ -444,8 +456,14 @@ fn exchange<T: Element + Copy>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::all_to_all_blocks;
+
+    thread_local! {
+        /// This thread's stand-in for MPI's largest count (see `count_max`).
+        pub(in crate::store) static COUNT_MAX: std::cell::Cell<usize> =
+            const { std::cell::Cell::new(i32::MAX as usize) };
+    }
 
     #[test]
     fn blocks_travel_unequal_unless_mpi_counts_would_overflow() {

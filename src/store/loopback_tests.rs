@@ -1097,6 +1097,72 @@ fn a_compressed_push_of_a_whole_key_sends_no_padding() {
     );
 }
 
+/// Where MPI's `int` counts could not hold the unequal blocks' displacements, the compressed
+/// all-to-all pads every block to the longest instead: the same values arrive, bit for bit,
+/// with more elements on the wire. The limit is lowered for the test (3 ranks, a whole key and
+/// a sliced one, 2-bit and bfloat16, random values).
+#[test]
+fn the_padded_all_to_all_gives_the_same_values_as_the_unequal_one() {
+    use crate::Compression;
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let lens = [300usize, 5000];
+    for compression in [Compression::two_bit(0.5), Compression::bf16()] {
+        let run = |limit: usize| -> (Vec<Vec<f32>>, Vec<usize>) {
+            let links = Loopback::world(3, Duration::from_secs(10));
+            let ranks = on_links(&links, |_, l| {
+                KvStore::over_loopback(l.clone(), 1000).unwrap()
+            });
+            let before: Vec<usize> = links.iter().map(Loopback::received).collect();
+            let pulled = on_ranks(&ranks, |r, kv| {
+                super::compress::tests::COUNT_MAX.with(|m| m.set(limit));
+                kv.set_gradient_compression(compression).unwrap();
+                let keys = [0, 1];
+                let zeros: Vec<NDArray> = lens.iter().map(|&n| NDArray::zeros([n])).collect();
+                kv.init_list(&keys, &zeros).unwrap();
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ r as u64);
+                for _ in 0..3 {
+                    let grads: Vec<NDArray> = lens
+                        .iter()
+                        .map(|&n| {
+                            let g: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                            NDArray::from_vec(g, [n]).unwrap()
+                        })
+                        .collect();
+                    kv.push_list(&keys, &grads).unwrap();
+                }
+                let outs: Vec<NDArray> = lens.iter().map(|&n| NDArray::zeros([n])).collect();
+                kv.pull_list(&keys, &outs).unwrap();
+                outs.iter()
+                    .flat_map(|o| o.to_vec::<f32>().unwrap())
+                    .collect::<Vec<f32>>()
+            });
+            let moved = (links.iter().zip(before))
+                .map(|(l, b)| l.received() - b)
+                .collect();
+            (pulled, moved)
+        };
+        let (unequal, unequal_moved) = run(i32::MAX as usize);
+        let (padded, padded_moved) = run(10);
+        assert!(
+            unequal.iter().flatten().any(|&v| v != 0.0),
+            "the pushes stored something"
+        );
+        for (a, b) in unequal.iter().zip(&padded) {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(a),
+                bits(b),
+                "seed {seed}, {compression:?}: padded blocks changed the values"
+            );
+        }
+        assert!(
+            padded_moved.iter().sum::<usize>() > unequal_moved.iter().sum::<usize>(),
+            "padding moves more: {padded_moved:?} against {unequal_moved:?}"
+        );
+    }
+}
+
 /// A compressed dist run saved to a sharded checkpoint and resumed by as many ranks continues
 /// bit for bit: each rank's residuals come back from its own shard. Resumed by another number
 /// of ranks, the values load and the residuals start at zero. Random values, a whole key and a
