@@ -51,55 +51,8 @@ use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// The slowest rank's time of each sample.
-fn slowest(comm: &SimpleCommunicator, local: &[f64]) -> Vec<f64> {
-    let mut out = vec![0.0; local.len()];
-    comm.all_reduce_into(local, &mut out[..], SystemOperation::max());
-    out
-}
-
-/// Times `f` after a barrier.
-fn timed(
-    comm: &SimpleCommunicator,
-    f: impl FnOnce() -> kvstore::Result<()>,
-) -> kvstore::Result<f64> {
-    comm.barrier();
-    let t = Instant::now();
-    f()?;
-    Ok(t.elapsed().as_secs_f64())
-}
-
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last()? {
-        'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
-        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
-        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>().ok().map(|n| n * mult)
-}
-
-fn label(bytes: usize) -> String {
-    match bytes {
-        b if b >= 1 << 20 => format!("{}M", b >> 20),
-        b if b >= 1 << 10 => format!("{}K", b >> 10),
-        b => format!("{b}B"),
-    }
-}
-
-fn fmt_time(t: f64) -> String {
-    if t < 1e-3 {
-        format!("{:.1} µs", t * 1e6)
-    } else {
-        format!("{:.2} ms", t * 1e3)
-    }
-}
+mod dist_bench;
+use dist_bench::{fmt_time, label, median, parse_size, slowest, timed};
 
 struct Options {
     sizes: Vec<usize>,

@@ -1,0 +1,62 @@
+//! What the dist benches share (`bench_dist_store`, `bench_gpu_ranks`): the slowest rank's
+//! time of a sample, timing from a barrier, and the sizes they read and print.
+
+use std::time::Instant;
+
+use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+/// The median of `v`.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The slowest rank's time of each sample.
+pub fn slowest(comm: &SimpleCommunicator, local: &[f64]) -> Vec<f64> {
+    let mut out = vec![0.0; local.len()];
+    comm.all_reduce_into(local, &mut out[..], SystemOperation::max());
+    out
+}
+
+/// Times `f` after a barrier.
+pub fn timed(
+    comm: &SimpleCommunicator,
+    f: impl FnOnce() -> kvstore::Result<()>,
+) -> kvstore::Result<f64> {
+    comm.barrier();
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// A size such as `4096`, `64K`, `16M` or `1G`, in bytes.
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last()? {
+        'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
+        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
+        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok().map(|n| n * mult)
+}
+
+/// `bytes` as the benches print it: `4K`, `16M`.
+pub fn label(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 20 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 => format!("{}K", b >> 10),
+        b => format!("{b}B"),
+    }
+}
+
+/// A time in µs or ms.
+pub fn fmt_time(t: f64) -> String {
+    if t < 1e-3 {
+        format!("{:.1} µs", t * 1e6)
+    } else {
+        format!("{:.2} ms", t * 1e3)
+    }
+}
