@@ -360,6 +360,25 @@ impl NDArray {
         self.data.write().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The storage, moved out when this is the only handle to it; the array back otherwise.
+    pub(crate) fn into_storage(self) -> std::result::Result<Storage, NDArray> {
+        let NDArray {
+            data,
+            shape,
+            dtype,
+            device,
+        } = self;
+        match Arc::try_unwrap(data) {
+            Ok(lock) => Ok(lock.into_inner().unwrap_or_else(|e| e.into_inner())),
+            Err(data) => Err(NDArray {
+                data,
+                shape,
+                dtype,
+                device,
+            }),
+        }
+    }
+
     /// The elements as host data: moved out when this is the only handle to host elements,
     /// copied otherwise (a custom updater may have kept a clone, or assigned an array of its
     /// own; a GPU array is downloaded).

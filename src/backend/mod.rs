@@ -76,6 +76,28 @@ impl HomeValue {
         Ok(HomeValue { place, state: None })
     }
 
+    /// `value` kept for a key homed on `home`, with no updater state yet: its storage moved in
+    /// where `value` is its only handle and already lives on `home` (a transfer's fresh
+    /// buffer), copied otherwise.
+    pub fn from_array(value: NDArray, home: Device) -> Result<HomeValue> {
+        let in_place = match (home, value.device()) {
+            (Device::Gpu(i), Device::Gpu(j)) => i == j,
+            (Device::Cpu(_), Device::Cpu(_)) => true,
+            _ => false,
+        };
+        if !in_place {
+            return HomeValue::copy_of(&value, home);
+        }
+        match value.into_storage() {
+            Ok(Storage::Host(h)) => Ok(HomeValue::from_host(h)),
+            Ok(Storage::Gpu(b)) => Ok(HomeValue {
+                place: Place::Gpu(GpuCell::new(b)),
+                state: None,
+            }),
+            Err(shared) => HomeValue::copy_of(&shared, home),
+        }
+    }
+
     /// Whether the value lives on a GPU.
     pub fn is_gpu(&self) -> bool {
         matches!(self.place, Place::Gpu(_))

@@ -269,7 +269,7 @@ pub(super) fn keep_part(
 ) -> Result<HomeValue> {
     match whole {
         Rank0::Caller(v) => HomeValue::copy_of(v, home).map_err(|e| e.with_key(key)),
-        Rank0::GpuPart(p) => HomeValue::copy_of(&p, home).map_err(|e| e.with_key(key)),
+        Rank0::GpuPart(p) => HomeValue::from_array(p, home).map_err(|e| e.with_key(key)),
         Rank0::Gpu(a) if spread.holds(d.rank()) => HomeValue::copy_of(&a, home),
         Rank0::Part(p) if p.capacity() == p.len() => keep(d, p),
         Rank0::Part(p) => {
@@ -454,7 +454,7 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
                     Spread::Whole { .. } => whole.next(),
                 };
                 let value = value.ok_or_else(|| dist::internal("a GPU pull lost a key"))?;
-                HomeValue::copy_of(&value, d.home())
+                HomeValue::from_array(value, d.home())
             })
             .collect::<Result<Vec<_>>>()?;
         let values: Vec<(&HomeValue, _)> = values.iter().map(|v| (v, None)).collect();
