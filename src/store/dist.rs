@@ -131,6 +131,26 @@ pub(super) enum Rank0<'a> {
     GpuPart(NDArray),
 }
 
+/// A GPU call's results for its whole keys and for its sliced keys (each in the keys' order),
+/// back in the order of the keys' `spreads`.
+fn in_key_order<T>(
+    spreads: impl IntoIterator<Item = Spread>,
+    whole: impl IntoIterator<Item = T>,
+    sliced: impl IntoIterator<Item = T>,
+) -> Result<Vec<T>> {
+    let (mut whole, mut sliced) = (whole.into_iter(), sliced.into_iter());
+    spreads
+        .into_iter()
+        .map(|s| {
+            let got = match s {
+                Spread::Whole { .. } => whole.next(),
+                Spread::Sliced => sliced.next(),
+            };
+            got.ok_or_else(|| dist::internal("a GPU call lost a key's result"))
+        })
+        .collect()
+}
+
 /// The fingerprint of a call of `op` on `groups`: each key with its shape and dtype.
 pub(super) fn fingerprint(op: &'static str, groups: &[Group<'_>]) -> Fingerprint {
     let mut fp = Fingerprint::new(op);
@@ -204,18 +224,11 @@ pub(super) fn from_rank0<'a>(
                 }),
             }
         }
-        let mut whole = dist::gather_on_gpus(rc, whole)?.into_iter();
-        let mut sliced = dist::scatter_on_gpus(rc, sliced)?.into_iter();
-        return spreads
-            .iter()
-            .map(|s| {
-                let got = match s {
-                    Spread::Whole { .. } => whole.next().map(Rank0::Gpu),
-                    Spread::Sliced => sliced.next().map(Rank0::GpuPart),
-                };
-                got.ok_or_else(|| dist::internal("an init key got no value"))
-            })
-            .collect();
+        let whole = dist::gather_on_gpus(rc, whole)?.into_iter().map(Rank0::Gpu);
+        let sliced = dist::scatter_on_gpus(rc, sliced)?
+            .into_iter()
+            .map(Rank0::GpuPart);
+        return in_key_order(spreads.iter().copied(), whole, sliced);
     }
     // Whole keys go to every rank (packed, as a pull does); a sliced key is scattered, each
     // rank receiving its own slice only, so an init never holds a big key whole on every rank.
@@ -350,18 +363,13 @@ pub(super) fn sum_across(
                 Spread::Whole { rank } => whole.push((m.into_array()?, rank)),
             }
         }
-        let mut whole = dist::reduce_on_gpus(rc, whole)?.into_iter();
-        let mut sliced = dist::reduce_scatter_on_gpus(rc, sliced)?.into_iter();
-        let totals = groups
-            .iter()
-            .map(|g| match g.slot.spread {
-                // Flat, of the slice's length: the shape of a sliced key's part.
-                Spread::Sliced => sliced.next().map(Some),
-                Spread::Whole { .. } => whole.next(),
-            })
-            .map(|t| t.ok_or_else(|| dist::internal("a GPU push lost a key's total")))
-            .collect::<Result<Vec<_>>>()?;
-        return Ok(Inputs::Totals(totals));
+        let whole = dist::reduce_on_gpus(rc, whole)?;
+        // Flat, of the slice's length: the shape of a sliced key's part.
+        let sliced = dist::reduce_scatter_on_gpus(rc, sliced)?
+            .into_iter()
+            .map(Some);
+        let spreads = groups.iter().map(|g| g.slot.spread);
+        return Ok(Inputs::Totals(in_key_order(spreads, whole, sliced)?));
     }
     let sums = groups
         .iter()
@@ -444,18 +452,11 @@ pub(super) fn pull_parts<C: Deref<Target = HomeValue>>(
                 }),
             }
         }
-        let mut whole = dist::gather_on_gpus(rc, pieces)?.into_iter();
-        let mut sliced = dist::all_gather_on_gpus(rc, parts)?.into_iter();
-        let values = groups
-            .iter()
-            .map(|g| {
-                let value = match g.slot.spread {
-                    Spread::Sliced => sliced.next(),
-                    Spread::Whole { .. } => whole.next(),
-                };
-                let value = value.ok_or_else(|| dist::internal("a GPU pull lost a key"))?;
-                HomeValue::from_array(value, d.home())
-            })
+        let whole = dist::gather_on_gpus(rc, pieces)?;
+        let sliced = dist::all_gather_on_gpus(rc, parts)?;
+        let values = in_key_order(groups.iter().map(|g| g.slot.spread), whole, sliced)?
+            .into_iter()
+            .map(|value| HomeValue::from_array(value, d.home()))
             .collect::<Result<Vec<_>>>()?;
         let values: Vec<(&HomeValue, _)> = values.iter().map(|v| (v, None)).collect();
         return fan_out(ctx, groups, &values, &[]);

@@ -281,9 +281,11 @@ pub(super) fn scatter(
             let mut kept = None;
             for to in 0..size {
                 let range = slice_range(len, size, to);
-                let buf = match to == rank {
-                    true => flat(range.len())?,
-                    false => scratch_of(&scratch, range.len())?,
+                // Another rank's slice lands in the scratch block (or, where that slice is
+                // shorter, in a buffer of its length).
+                let buf = match (to == rank, range.len() == block) {
+                    (false, true) => scratch.clone(),
+                    _ => flat(range.len())?,
                 };
                 if let (0, Some(w)) = (rank, &whole) {
                     copy_many(&[copy(&buf, 0, w, range.start, range.len(), dtype)?])?;
@@ -298,15 +300,6 @@ pub(super) fn scatter(
             kept.ok_or_else(|| super::internal("a scattered key left this rank no slice"))
         })
         .collect()
-}
-
-/// `scratch` (a block) as a buffer of `len` elements: itself, or its first elements copied
-/// out when a slice is shorter (the last ranks' slices).
-fn scratch_of(scratch: &NDArray, len: usize) -> Result<NDArray> {
-    match scratch.size() == len {
-        true => Ok(scratch.clone()),
-        false => slice(scratch, 0..len),
-    }
 }
 
 /// Every rank's slice of sliced keys, on every rank's GPU: `parts` holds this rank's slice of
