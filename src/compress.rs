@@ -109,7 +109,7 @@ impl Compression {
     pub(crate) fn round_trip(&self, value: &[f32], residual: &[f32], left: &mut [f32]) -> Vec<f32> {
         match *self {
             Compression::None => {
-                left.fill(0.0);
+                crate::memcopy::copy(left, residual);
                 value.to_vec()
             }
             Compression::TwoBit { threshold } => {

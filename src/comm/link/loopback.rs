@@ -369,8 +369,13 @@ impl Round for LoopRound<'_> {
                 }
                 <T as crate::Element>::wrap(all)
             }),
-            // Block `rank` of every rank's buffer, blocks of `lens`, in rank order, bit for bit.
-            Op::AllToAll if !lens.is_empty() => with_host!(&send, _v: T => {
+            // Block `rank` of every rank's buffer, in rank order, bit for bit: blocks of `lens`,
+            // or of equal lengths where none were given.
+            Op::AllToAll => with_host!(&send, _v: T => {
+                let lens = match lens.is_empty() {
+                    true => vec![send.len() / size.max(1); size],
+                    false => lens,
+                };
                 let start: usize = lens.iter().take(rank).sum();
                 let mine = start..start + lens.get(rank).copied().unwrap_or(0);
                 let mut got: Vec<T> = Vec::with_capacity(mine.len() * size);
@@ -383,20 +388,6 @@ impl Round for LoopRound<'_> {
                     got.extend_from_slice(piece);
                 }
                 <T as crate::Element>::wrap(got)
-            }),
-            // Block `rank` of every rank's buffer, in rank order, bit for bit.
-            Op::AllToAll => with_host!(&send, _v: T => {
-                let block = send.len() / size.max(1);
-                let mut mine: Vec<T> = Vec::with_capacity(send.len());
-                for d in &data {
-                    let theirs = <T as crate::Element>::slice(d)
-                        .ok_or_else(|| internal("ranks sent different dtypes"))?;
-                    let piece = theirs
-                        .get(rank * block..(rank + 1) * block)
-                        .ok_or_else(|| internal("ranks sent all-to-all blocks of different lengths"))?;
-                    mine.extend_from_slice(piece);
-                }
-                <T as crate::Element>::wrap(mine)
             }),
         };
         if recv.len() != result.len() {
