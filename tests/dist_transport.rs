@@ -451,6 +451,29 @@ fn run_dtype<T: Element + Wire>(w: &'static World, round: u64, blocking: bool) {
             T::DTYPE
         );
     }
+    drop(call);
+
+    // An all-to-all whose every pair of ranks has its own block length (some empty): rank
+    // `s` sends rank `d` `len(s, d)` elements of its data for `d`.
+    let len = |s: usize, d: usize| ((s * 7 + d * 3 + round as usize) % 5) * (block / 4 + 1);
+    let lens: Vec<usize> = (0..size)
+        .flat_map(|s| (0..size).map(move |d| len(s, d)))
+        .collect();
+    let for_rank = |s: usize, d: usize| data::<T>(s, tag + 400 + d as u64, len(s, d));
+    let send: Vec<T> = (0..size).flat_map(|d| for_rank(r, d)).collect();
+    let mut call = w.begin(&fp("alltoallv")).expect("begin");
+    call.set_blocking(blocking);
+    let p = call
+        .all_to_all_v(
+            send.clone(),
+            &lens,
+            poisoned((0..size).map(|s| len(s, r)).sum()),
+        )
+        .expect("all-to-all");
+    let Done { send: back, recv } = call.wait(p).expect("all-to-all wait");
+    assert_eq!(back, send, "an all-to-all gives the input back unchanged");
+    let want: Vec<T> = (0..size).flat_map(|s| for_rank(s, r)).collect();
+    assert_eq!(recv, want, "all-to-all of unequal blocks {:?}", T::DTYPE);
     call.barrier().expect("barrier");
 }
 

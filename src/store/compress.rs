@@ -8,8 +8,8 @@ use std::sync::{Mutex, MutexGuard};
 use super::dist::{part_shape, Inputs, Mine};
 use super::groups::Group;
 use super::{read, write, KvStore, StoreKind};
-use crate::comm::dist::{Dist, Pool};
-use crate::comm::link::{Op, Round};
+use crate::comm::dist::{Blocks, Dist, Pool};
+use crate::comm::link::Round;
 use crate::compress::{
     half_encode, two_bit_decode, two_bit_quantize, two_bit_words, Compression, HalfWire,
     TwoBitTable,
@@ -347,38 +347,11 @@ fn half_across<'r, H: HalfWire>(
     )
 }
 
-/// The blocks of a compressed push's all-to-all, given what every rank sends each rank
-/// (`lens`, the same on every rank), and whether they travel at those unequal lengths. MPI
-/// takes the counts and displacements of unequal blocks as C `int`s; where the displacements
-/// would not fit, every rank (they all compute the same) pads every block to the longest
-/// instead, whose all-to-all needs only one block's count to fit.
-fn all_to_all_blocks(lens: &[usize]) -> (Vec<usize>, bool) {
-    let fits = |n: usize| n <= count_max();
-    let longest = lens.iter().copied().max().unwrap_or(0);
-    let total: usize = lens.iter().sum();
-    match fits(total) && fits(longest.saturating_mul(lens.len())) {
-        true => (lens.to_vec(), true),
-        false => (vec![longest; lens.len()], false),
-    }
-}
-
-/// The most elements an MPI count or displacement holds (a C `int`).
-#[cfg(not(test))]
-fn count_max() -> usize {
-    i32::MAX as usize
-}
-
-/// [`count_max`], lowered per thread by tests so that the padded all-to-all runs too.
-#[cfg(test)]
-fn count_max() -> usize {
-    tests::COUNT_MAX.with(|m| m.get())
-}
-
 /// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
 /// of `T`), and `span(g, r)` the units that carry the part of key `g` rank `r` holds. Block `r`
 /// of the send buffer holds, key by key, the spans of the keys `r` holds, and nothing more:
 /// blocks are of unequal lengths, and no padding travels (except past MPI's `int` counts:
-/// [`all_to_all_blocks`]). Every rank lays them out alike (the
+/// [`Blocks`]). Every rank lays them out alike (the
 /// fingerprint made the keys, shapes and spreads the same), so each finds its spans in every
 /// rank's block. `decode(seg, span_start, elements, total, add)` decodes a key's `elements`
 /// from a span into `total`, or with `add` adds them to it. Returns,
@@ -397,31 +370,26 @@ fn exchange<T: Element + Copy>(
     let lens: Vec<usize> = (0..size)
         .map(|r| groups.iter().map(|g| span(g, r).len()).sum())
         .collect();
-    let (blocks, unequal) = all_to_all_blocks(&lens);
-    let block = blocks[rank];
+    let blocks = Blocks::to_each(&lens)?;
     // Both buffers from the pool: a big key's push does not fault in fresh pages every time.
     let pool = d.pool();
-    let total: usize = blocks.iter().sum();
+    let total = blocks.send_len(rank);
     let mut send_buf = pool.take(T::DTYPE, total, total);
     let send = T::slice_mut(&mut send_buf)
         .ok_or_else(|| crate::comm::dist::internal("a pooled buffer of another dtype"))?;
-    let mut at = 0;
-    for (r, &room) in blocks.iter().enumerate() {
-        let end = at + room;
+    for r in 0..size {
+        let (mut at, end) = (blocks.send_at(rank, r), blocks.send_at(rank, r + 1));
         for (g, e) in groups.iter().zip(encoded) {
             let s = &e[span(g, r)];
             crate::memcopy::copy(&mut send[at..at + s.len()], s);
             at += s.len();
         }
-        // Padding, where blocks are equal: zeros, never an earlier call's words.
+        // Padding, where blocks are padded: zeros, never an earlier call's words.
         send[at..end].fill(T::from_f64(0.0));
-        at = end;
     }
-    let recv = pool.take(T::DTYPE, block * size, block * size);
-    let ticket = match unequal {
-        true => call.start_all_to_all_v(send_buf, &blocks, recv)?,
-        false => call.start(Op::AllToAll, send_buf, recv)?,
-    };
+    let received_len = blocks.recv_len(rank);
+    let recv = pool.take(T::DTYPE, received_len, received_len);
+    let ticket = blocks.start(call, send_buf, recv)?;
     let (sent, received) = call.land(ticket)?;
     pool.give(sent);
     let all = T::slice(&received).ok_or_else(|| {
@@ -443,7 +411,8 @@ fn exchange<T: Element + Copy>(
         let total = f32::slice_mut(&mut total_buf)
             .ok_or_else(|| crate::comm::dist::internal("a pooled buffer of another dtype"))?;
         for r in 0..size {
-            let seg = &all[r * block + at..r * block + at + mine.len()];
+            let from = blocks.recv_at(r, rank) + at;
+            let seg = &all[from..from + mine.len()];
             // In rank order, in float32: the first rank's value, then + each next one.
             decode(seg, mine.start, piece.clone(), total, r > 0);
         }
@@ -453,30 +422,4 @@ fn exchange<T: Element + Copy>(
     }
     pool.give(received);
     Ok(totals)
-}
-
-#[cfg(test)]
-pub(super) mod tests {
-    use super::all_to_all_blocks;
-
-    thread_local! {
-        /// This thread's stand-in for MPI's largest count (see `count_max`).
-        pub(in crate::store) static COUNT_MAX: std::cell::Cell<usize> =
-            const { std::cell::Cell::new(i32::MAX as usize) };
-    }
-
-    #[test]
-    fn blocks_travel_unequal_unless_mpi_counts_would_overflow() {
-        assert_eq!(all_to_all_blocks(&[5, 0, 3]), (vec![5, 0, 3], true));
-        assert_eq!(all_to_all_blocks(&[]), (vec![], true));
-        // A receive displacement of 2 × 1.1e9 overflows an int: equal blocks instead.
-        let big = 1_100_000_000;
-        assert_eq!(
-            all_to_all_blocks(&[big, 50_000_000, 50_000_000]),
-            (vec![big; 3], false)
-        );
-        // Every block fits, the sum does not.
-        let half = 800_000_000;
-        assert_eq!(all_to_all_blocks(&[half; 3]), (vec![half; 3], false));
-    }
 }

@@ -248,6 +248,91 @@ fn a_row_sparse_push_moves_only_the_rows() {
     }
 }
 
+/// The blocks of a row-sparse push and pull have their own lengths: on 3 ranks, rank 0 pushes
+/// 50 rows that fall in rank 2's slice and the others one row each in rank 0's, then rank 0
+/// pulls 40 rows of rank 1's slice and the others one row each. Each rank receives exactly the
+/// elements of those rows (padded to the busiest pair, every rank would receive 3 × 800 on the
+/// push), and the rows arrive where they belong.
+#[test]
+fn row_sparse_blocks_carry_no_padding() {
+    let (rows, width) = (3000usize, 16usize);
+    let seed: u64 = rand::random();
+    let links = Loopback::world(3, Duration::from_secs(10));
+    let ranks = on_links(&links, |_, l| {
+        KvStore::over_loopback(l.clone(), BOUND).unwrap()
+    });
+    on_ranks(&ranks, |_, kv| {
+        kv.init_row_sparse(0, &NDArray::zeros([rows, width]))
+            .unwrap()
+    });
+    // Rank 0's rows are 2000..2050 (rank 2's slice); rank r > 0 pushes row r (rank 0's).
+    let pushed_ids = |r: usize| -> Vec<u64> {
+        match r {
+            0 => (2000..2050).collect(),
+            r => vec![r as u64],
+        }
+    };
+    let pushed: Vec<Vec<f32>> = (0..3)
+        .map(|r| {
+            let mut rng = StdRng::seed_from_u64(seed ^ r as u64);
+            (0..pushed_ids(r).len() * width)
+                .map(|_| rng.gen_range(-8.0..8.0))
+                .collect()
+        })
+        .collect();
+    let moved = |f: &(dyn Fn(usize, &KvStore) + Sync)| -> Vec<usize> {
+        let before: Vec<usize> = links.iter().map(Loopback::received).collect();
+        on_ranks(&ranks, |r, kv| f(r, kv));
+        (links.iter().zip(before))
+            .map(|(l, b)| l.received() - b)
+            .collect()
+    };
+    let push = moved(&|r, kv| {
+        let ids = pushed_ids(r);
+        let data = NDArray::from_vec(pushed[r].clone(), [ids.len(), width]).unwrap();
+        kv.push_row_sparse(0, &[RowSparse::new(ids, data).unwrap()])
+            .unwrap()
+    });
+    assert_eq!(
+        push,
+        [2 * width, 0, 50 * width],
+        "seed {seed}: elements received"
+    );
+    // Rank 0 asks for rows 1000..1040 (rank 1's slice, never pushed: zeros), and rows 2010
+    // and 1 (pushed by rank 0 and rank 1); ranks 1 and 2 for row 2049.
+    let pulled_ids = |r: usize| -> Vec<u64> {
+        match r {
+            0 => (1000..1040).chain([2010, 1]).collect(),
+            _ => vec![2049],
+        }
+    };
+    let pulls: std::sync::Mutex<Vec<(Vec<u64>, Vec<f32>)>> =
+        std::sync::Mutex::new(vec![(Vec::new(), Vec::new()); 3]);
+    let pull = moved(&|r, kv| {
+        let got = kv.row_sparse_pull(0, &pulled_ids(r)).unwrap();
+        pulls.lock().unwrap()[r] = (got.ids().to_vec(), got.rows().to_vec::<f32>().unwrap());
+    });
+    assert_eq!(
+        pull,
+        [42 * width, width, width],
+        "seed {seed}: elements received"
+    );
+    let row = |r: usize, i: usize| pushed[r][i * width..(i + 1) * width].to_vec();
+    let pulls = pulls.into_inner().unwrap();
+    let mut want0: Vec<f32> = row(1, 0);
+    want0.extend(vec![0.0; 40 * width]);
+    want0.extend(row(0, 10));
+    let ids0: Vec<u64> = [1].into_iter().chain(1000..1040).chain([2010]).collect();
+    assert_eq!(pulls[0], (ids0, want0), "seed {seed}: rank 0's rows");
+    for (r, got) in pulls.iter().enumerate().skip(1) {
+        assert_eq!(
+            got,
+            &(vec![2049], row(0, 49)),
+            "seed {seed}: rank {r}'s row"
+        );
+    }
+}
+
 /// A sharded checkpoint keeps a key row-sparse: it loads row-sparse into fresh ranks and into a
 /// single-process store, and a store holding the key dense refuses it on every rank.
 #[test]

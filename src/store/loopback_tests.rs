@@ -1115,7 +1115,7 @@ fn the_padded_all_to_all_gives_the_same_values_as_the_unequal_one() {
             });
             let before: Vec<usize> = links.iter().map(Loopback::received).collect();
             let pulled = on_ranks(&ranks, |r, kv| {
-                super::compress::tests::COUNT_MAX.with(|m| m.set(limit));
+                crate::comm::dist::blocks_tests::COUNT_MAX.with(|m| m.set(limit));
                 kv.set_gradient_compression(compression).unwrap();
                 let keys = [0, 1];
                 let zeros: Vec<NDArray> = lens.iter().map(|&n| NDArray::zeros([n])).collect();

@@ -14,8 +14,8 @@ use super::table::Slot;
 use super::validate::{check_len, to_keys};
 use super::{hook_steps, hyper, read, update_counts, KvStore};
 use crate::backend::{HomeValue, KeyFacts, Scattered};
-use crate::comm::dist::Dist;
-use crate::comm::link::{Op, Round};
+use crate::comm::dist::{Blocks, Dist};
+use crate::comm::link::Round;
 use crate::comm::{self, KeyPush};
 use crate::host::HostData;
 use crate::row_sparse::{add_row, check_ids, check_rows, gather, merge, row_width, Merged};
@@ -103,9 +103,9 @@ impl KvStore {
     /// On a `dist_*` store every rank sums its own values first, then the ranks' sums are added
     /// in rank order (as a dense push sums a rank's devices first), and each rank that holds a
     /// part of the key gets only the rows, or the parts of rows, that fall in its part: a big
-    /// key is sliced over the ranks by elements, and a row may straddle two slices. The
-    /// all-to-all's blocks are of equal length, so each pair of ranks exchanges as many
-    /// elements as the busiest pair (padding), never more than the rows pushed.
+    /// key is sliced over the ranks by elements, and a row may straddle two slices. Each pair
+    /// of ranks exchanges exactly those elements: every rank knows every rank's row ids, so
+    /// the all-to-all's blocks have their own lengths and carry no padding.
     ///
     /// Errors ([`Error::RowSparse`], nothing changed): a dense key, a row id out of range,
     /// rows of another row shape or dtype.
@@ -457,11 +457,13 @@ fn push_across(
                 })
                 .sum()
         };
-        let block = (0..size)
-            .flat_map(|s| (0..size).map(move |h| (s, h)))
-            .map(|(s, h)| block_len(s, h))
-            .max()
-            .unwrap_or(0);
+        let blocks = Blocks::new(
+            size,
+            (0..size)
+                .flat_map(|s| (0..size).map(move |h| (s, h)))
+                .map(|(s, h)| block_len(s, h))
+                .collect(),
+        )?;
         // What this rank holds of each key: the rows any rank pushed that meet its part, and
         // where each lands in the summed gradient. Known from the ids alone, so that every
         // buffer is allocated, and the ranks agree that it was, before any rows move (a rank
@@ -505,8 +507,8 @@ fn push_across(
             })
             .collect();
         let buffers = (|| {
-            let send = HostData::try_filled(dtype, block * size, 0.0)?;
-            let recv = HostData::try_filled(dtype, block * size, 0.0)?;
+            let send = HostData::try_filled(dtype, blocks.send_len(rank), 0.0)?;
+            let recv = HostData::try_filled(dtype, blocks.recv_len(rank), 0.0)?;
             let grads = (held.iter())
                 .map(|h| HostData::try_filled(dtype, *h.offset.last().unwrap_or(&0), 0.0))
                 .collect::<Result<Vec<HostData>>>()?;
@@ -516,7 +518,7 @@ fn push_across(
         let (mut send, recv, mut grads) = buffers?;
         together?;
         for h in 0..size {
-            let mut at = h * block;
+            let mut at = blocks.send_at(rank, h);
             for &k in &keys {
                 let (w, p) = (row_width(groups[k].slot.shape), piece(k, h));
                 for (i, &id) in merged[k].ids.iter().enumerate() {
@@ -531,11 +533,11 @@ fn push_across(
                 }
             }
         }
-        let ticket = call.start(Op::AllToAll, send, recv)?;
+        let ticket = blocks.start(call, send, recv)?;
         let (_, all) = call.land(ticket)?;
         // Each sender's block holds, key by key, the cuts of its rows by this rank's part:
         // summed by row id, in rank order.
-        let mut at: Vec<usize> = (0..size).map(|s| s * block).collect();
+        let mut at: Vec<usize> = (0..size).map(|s| blocks.recv_at(s, rank)).collect();
         let mut next_held = held.iter().zip(grads.iter_mut()).peekable();
         for &k in &keys {
             let w = row_width(groups[k].slot.shape);
@@ -600,15 +602,17 @@ fn pull_across(
         let p = piece(h);
         all.of(r, 0).iter().map(|&id| cut(id, w, &p).len()).sum()
     };
-    let block = (0..size)
-        .flat_map(|h| (0..size).map(move |r| (h, r)))
-        .map(|(h, r)| block_len(h, r))
-        .max()
-        .unwrap_or(0);
+    let blocks = Blocks::new(
+        size,
+        (0..size)
+            .flat_map(|h| (0..size).map(move |r| (h, r)))
+            .map(|(h, r)| block_len(h, r))
+            .collect(),
+    )?;
     // Every buffer allocated, and the ranks agreed that it was, before any rows move.
     let buffers = (|| {
-        let send = HostData::try_filled(dtype, block * size, 0.0)?;
-        let recv = HostData::try_filled(dtype, block * size, 0.0)?;
+        let send = HostData::try_filled(dtype, blocks.send_len(rank), 0.0)?;
+        let recv = HostData::try_filled(dtype, blocks.recv_len(rank), 0.0)?;
         let rows = HostData::try_filled(dtype, ids.len() * w, 0.0)?;
         Ok::<_, Error>((send, recv, rows))
     })();
@@ -619,7 +623,7 @@ fn pull_across(
     if slot.spread.holds(rank) && !mine.is_empty() {
         let value = cell.value_to_host()?;
         for r in 0..size {
-            let mut at = r * block;
+            let mut at = blocks.send_at(rank, r);
             for &id in all.of(r, 0) {
                 let c = cut(id, w, &mine);
                 if c.is_empty() {
@@ -637,10 +641,10 @@ fn pull_across(
             }
         }
     }
-    let ticket = call.start(Op::AllToAll, send, recv)?;
+    let ticket = blocks.start(call, send, recv)?;
     let (_, got) = call.land(ticket)?;
     for h in 0..size {
-        let (p, mut at) = (piece(h), h * block);
+        let (p, mut at) = (piece(h), blocks.recv_at(h, rank));
         for (j, &id) in ids.iter().enumerate() {
             let c = cut(id, w, &p);
             if c.is_empty() {

@@ -22,6 +22,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::sync::RwLockReadGuard;
 
+mod blocks;
 mod gpu;
 mod pool;
 
@@ -33,6 +34,9 @@ use crate::config::Config;
 use crate::host::HostData;
 use crate::ndarray::Storage;
 use crate::{DType, Device, Element, Error, NDArray, Result};
+#[cfg(test)]
+pub(crate) use blocks::tests as blocks_tests;
+pub(crate) use blocks::Blocks;
 pub(crate) use pool::{Pool, DEFAULT_POOL_BYTES};
 
 pub(crate) use gpu::GpuPiece;

@@ -301,10 +301,9 @@ impl Round for LoopRound<'_> {
         recv: HostData,
     ) -> Result<Ticket> {
         let (rank, size) = (self.link.rank, self.link.hub.size);
-        if lens.len() != size
-            || send.len() != lens.iter().sum::<usize>()
-            || recv.len() != lens[rank] * size
-        {
+        let row: usize = lens.iter().skip(rank * size).take(size).sum();
+        let column: usize = lens.iter().skip(rank).step_by(size.max(1)).sum();
+        if lens.len() != size * size || send.len() != row || recv.len() != column {
             return Err(internal("all-to-all blocks that do not fit their buffers"));
         }
         let ticket = self.start(Op::AllToAll, send, recv)?;
@@ -369,22 +368,23 @@ impl Round for LoopRound<'_> {
                 }
                 <T as crate::Element>::wrap(all)
             }),
-            // Block `rank` of every rank's buffer, in rank order, bit for bit: blocks of `lens`,
-            // or of equal lengths where none were given.
+            // Block `rank` of every rank's buffer, in rank order, bit for bit: rank `s`'s
+            // block for rank `r` of `lens[s * size + r]` elements, or of equal lengths where
+            // no lengths were given.
             Op::AllToAll => with_host!(&send, _v: T => {
                 let lens = match lens.is_empty() {
-                    true => vec![send.len() / size.max(1); size],
+                    true => vec![send.len() / size.max(1); size * size],
                     false => lens,
                 };
-                let start: usize = lens.iter().take(rank).sum();
-                let mine = start..start + lens.get(rank).copied().unwrap_or(0);
-                let mut got: Vec<T> = Vec::with_capacity(mine.len() * size);
-                for d in &data {
+                let mut got: Vec<T> = Vec::with_capacity(recv.len());
+                for (s, d) in data.iter().enumerate() {
+                    let row = &lens[s * size..(s + 1) * size];
+                    let start: usize = row[..rank].iter().sum();
                     let theirs = <T as crate::Element>::slice(d)
                         .ok_or_else(|| internal("ranks sent different dtypes"))?;
                     let piece = theirs
-                        .get(mine.clone())
-                        .ok_or_else(|| internal("ranks sent all-to-all blocks of different lengths"))?;
+                        .get(start..start + row[rank])
+                        .ok_or_else(|| internal("ranks sent all-to-all blocks of other lengths"))?;
                     got.extend_from_slice(piece);
                 }
                 <T as crate::Element>::wrap(got)

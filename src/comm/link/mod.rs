@@ -112,10 +112,11 @@ pub(crate) trait Round {
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
         self.start(op, send.clone(), recv)
     }
-    /// Starts an all-to-all of unequal blocks: every rank sends rank `r` `lens[r]` elements
-    /// (the same `lens` on every rank; `send` holds the blocks for ranks 0, 1, ... one after
-    /// another) and receives `size` blocks of `lens[rank]` into `recv`, block `s` from rank
-    /// `s`. No block is padded to the longest.
+    /// Starts an all-to-all of blocks of their own lengths: rank `s` sends rank `r`
+    /// `lens[s * size + r]` elements (every rank passes the same `size × size` lengths).
+    /// `send` holds this rank's blocks for ranks 0, 1, ... one after another, and `recv`
+    /// receives the blocks for this rank from ranks 0, 1, ... one after another. No block is
+    /// padded to the longest ([`crate::comm::dist::Blocks`] lays them out).
     fn start_all_to_all_v(
         &mut self,
         send: HostData,

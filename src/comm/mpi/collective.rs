@@ -774,10 +774,11 @@ impl Call {
         Ok(p)
     }
 
-    /// Starts an all-to-all of unequal blocks (`MPI_Ialltoallv`): every rank sends rank `r`
-    /// `lens[r]` elements (the same `lens` on every rank), so `send` holds the blocks for ranks
-    /// 0, 1, ... one after another, and `recv` holds `size` blocks of `lens[rank]`, block `s`
-    /// from rank `s`. Only what a rank needs travels: no block is padded to the longest.
+    /// Starts an all-to-all of blocks of their own lengths (`MPI_Ialltoallv`): rank `s` sends
+    /// rank `r` `lens[s * size + r]` elements (the same `size × size` lengths on every rank),
+    /// so `send` holds this rank's blocks for ranks 0, 1, ... one after another, and `recv`
+    /// the blocks for this rank from ranks 0, 1, ... Only what a rank needs travels: no block
+    /// is padded to the longest.
     pub fn all_to_all_v<T: Wire>(
         &mut self,
         send: Vec<T>,
@@ -785,31 +786,38 @@ impl Call {
         recv: Vec<T>,
     ) -> Result<Pending<T>> {
         let (rank, size) = (self.world.rank, self.world.size);
-        let mine = lens.get(rank).copied().unwrap_or(0);
-        if lens.len() != size
-            || send.len() != lens.iter().sum::<usize>()
-            || recv.len() != mine * size
+        let sent: Vec<usize> = lens.iter().skip(rank * size).take(size).copied().collect();
+        let received: Vec<usize> = lens.iter().skip(rank).step_by(size).copied().collect();
+        if lens.len() != size * size
+            || send.len() != sent.iter().sum::<usize>()
+            || recv.len() != received.iter().sum::<usize>()
         {
             return Err(self.misuse(format!(
-                "all-to-all: {} block lengths for {size} ranks, a send buffer of {} elements \
-                 for blocks of {} and a receive buffer of {} for {size} blocks of {mine}",
+                "all-to-all: {} block lengths for {size} ranks (one per pair), a send buffer of \
+                 {} elements for blocks of {} and a receive buffer of {} for blocks of {}",
                 lens.len(),
                 send.len(),
-                lens.iter().sum::<usize>(),
-                recv.len()
+                sent.iter().sum::<usize>(),
+                recv.len(),
+                received.iter().sum::<usize>()
             )));
         }
         // Send counts, send displacements, receive counts, receive displacements.
         let count = |n: usize| raw::count(self.op, n);
-        let starts = lens.iter().scan(0, |at, &len| {
-            let start = *at;
-            *at += len;
-            Some(start)
-        });
-        let counts: Vec<c_int> = (lens.iter().map(|&len| count(len)))
-            .chain(starts.map(count))
-            .chain((0..size).map(|_| count(mine)))
-            .chain((0..size).map(|s| count(s * mine)))
+        let starts = |lens: &[usize]| -> Vec<usize> {
+            lens.iter()
+                .scan(0, |at, &len| {
+                    let start = *at;
+                    *at += len;
+                    Some(start)
+                })
+                .collect()
+        };
+        let counts: Vec<c_int> = (sent.iter().copied())
+            .chain(starts(&sent))
+            .chain(received.iter().copied())
+            .chain(starts(&received))
+            .map(count)
             .collect::<Result<_>>()?;
         let bytes = (send.len() + recv.len()) * std::mem::size_of::<T>() / 2;
         let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
@@ -822,8 +830,8 @@ impl Call {
         );
         let at = |k: usize| p.counts[k * size..].as_ptr();
         let (send_counts, send_displs, recv_counts, recv_displs) = (at(0), at(1), at(2), at(3));
-        // SAFETY: `send` holds the sum of `lens` elements and `recv` size × lens[rank] (checked
-        // above), of T's MPI datatype; the four arrays of `size` counts and displacements stay
+        // SAFETY: `send` holds the sum of this rank's sent lengths and `recv` of its received
+        // ones (checked above), of T's MPI datatype; the four arrays of `size` counts and displacements stay
         // in `p.counts` (never resized) until completion, or are leaked with the buffers;
         // every block lies inside its buffer by construction; the communicator is valid.
         let rc = match self.blocking {

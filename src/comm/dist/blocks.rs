@@ -1,0 +1,148 @@
+//! The blocks of an all-to-all: how many elements each rank sends each rank, and where each
+//! block lies in the send and receive buffers.
+//!
+//! Blocks travel at their own lengths (`MPI_Ialltoallv`), so nothing but what a rank needs
+//! reaches it. MPI takes the counts and displacements of unequal blocks as C `int`s; where a
+//! rank's buffer would be too long for them, every block is padded to the longest instead
+//! (`MPI_Ialltoall` needs only one block's count to fit). Every rank decides from the same
+//! lengths, so all take the same collective.
+
+use super::internal;
+use super::link::{Op, Round, Ticket};
+use crate::host::HostData;
+use crate::Result;
+
+/// The blocks of one all-to-all, the same on every rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Blocks {
+    size: usize,
+    /// Elements rank `s` sends rank `r`: `lens[s * size + r]`.
+    lens: Vec<usize>,
+    /// The length every block is padded to, where the unequal blocks' displacements would not
+    /// fit MPI's `int`s.
+    padded_to: Option<usize>,
+}
+
+impl Blocks {
+    /// Blocks of `lens[s * size + r]` elements from rank `s` to rank `r` (every rank passes
+    /// the same `size × size` lengths).
+    pub fn new(size: usize, lens: Vec<usize>) -> Result<Blocks> {
+        if lens.len() != size * size {
+            return Err(internal(
+                "all-to-all lengths that are not one per pair of ranks",
+            ));
+        }
+        let fits = |n: usize| n <= count_max();
+        let sent = |s: usize| lens[s * size..(s + 1) * size].iter().sum::<usize>();
+        let received = |r: usize| (0..size).map(|s| lens[s * size + r]).sum::<usize>();
+        let unequal_fits = (0..size).all(|r| fits(sent(r)) && fits(received(r)));
+        let padded_to = match unequal_fits {
+            true => None,
+            false => Some(lens.iter().copied().max().unwrap_or(0)),
+        };
+        Ok(Blocks {
+            size,
+            lens,
+            padded_to,
+        })
+    }
+
+    /// Blocks where every rank sends rank `r` `lens[r]` elements.
+    pub fn to_each(lens: &[usize]) -> Result<Blocks> {
+        let size = lens.len();
+        Blocks::new(size, lens.repeat(size))
+    }
+
+    /// The elements of rank `s`'s block for rank `r` (its padding excluded).
+    pub fn len(&self, s: usize, r: usize) -> usize {
+        self.lens[s * self.size + r]
+    }
+
+    /// The room rank `s`'s block for rank `r` takes in the buffers: its length, or the
+    /// longest block's where blocks are padded.
+    pub fn room(&self, s: usize, r: usize) -> usize {
+        self.padded_to.unwrap_or_else(|| self.len(s, r))
+    }
+
+    /// Where rank `s`'s block for rank `r` starts in `s`'s send buffer.
+    pub fn send_at(&self, s: usize, r: usize) -> usize {
+        (0..r).map(|q| self.room(s, q)).sum()
+    }
+
+    /// The length of rank `s`'s send buffer.
+    pub fn send_len(&self, s: usize) -> usize {
+        self.send_at(s, self.size)
+    }
+
+    /// Where rank `s`'s block starts in rank `r`'s receive buffer.
+    pub fn recv_at(&self, s: usize, r: usize) -> usize {
+        (0..s).map(|q| self.room(q, r)).sum()
+    }
+
+    /// The length of rank `r`'s receive buffer.
+    pub fn recv_len(&self, r: usize) -> usize {
+        self.recv_at(self.size, r)
+    }
+
+    /// Starts the all-to-all on `call`: `send` of [`Blocks::send_len`] elements, laid out by
+    /// [`Blocks::send_at`], and `recv` of [`Blocks::recv_len`] (this rank's).
+    pub fn start(&self, call: &mut dyn Round, send: HostData, recv: HostData) -> Result<Ticket> {
+        match self.padded_to {
+            None => call.start_all_to_all_v(send, &self.lens, recv),
+            Some(_) => call.start(Op::AllToAll, send, recv),
+        }
+    }
+}
+
+/// The most elements an MPI count or displacement holds (a C `int`).
+#[cfg(not(test))]
+fn count_max() -> usize {
+    i32::MAX as usize
+}
+
+/// [`count_max`], lowered per thread by tests so that the padded all-to-all runs too.
+#[cfg(test)]
+fn count_max() -> usize {
+    tests::COUNT_MAX.with(|m| m.get())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::Blocks;
+
+    thread_local! {
+        /// This thread's stand-in for MPI's largest count (see `count_max`).
+        pub(crate) static COUNT_MAX: std::cell::Cell<usize> =
+            const { std::cell::Cell::new(i32::MAX as usize) };
+    }
+
+    #[test]
+    fn blocks_travel_unequal_unless_mpi_counts_would_overflow() {
+        let b = Blocks::to_each(&[5, 0, 3]).unwrap();
+        assert_eq!(b.room(0, 1), 0);
+        assert_eq!((b.send_len(1), b.recv_len(0), b.recv_len(1)), (8, 15, 0));
+        assert_eq!((b.send_at(2, 2), b.recv_at(2, 2)), (5, 6));
+        assert_eq!(Blocks::to_each(&[]).unwrap().recv_len(0), 0);
+        // A receive buffer of 3 × 1.1e9 overflows an int: equal blocks instead.
+        let big = 1_100_000_000;
+        let b = Blocks::to_each(&[big, 50_000_000, 50_000_000]).unwrap();
+        assert_eq!((b.room(0, 1), b.len(0, 1)), (big, 50_000_000));
+        assert_eq!((b.send_len(0), b.recv_at(2, 1)), (3 * big, 2 * big));
+    }
+
+    #[test]
+    fn each_pair_of_ranks_has_its_own_length() {
+        // Rank 0 sends ranks 0, 1, 2: 1, 7, 0; rank 1: 2, 0, 4; rank 2: 0, 3, 5.
+        let b = Blocks::new(3, vec![1, 7, 0, 2, 0, 4, 0, 3, 5]).unwrap();
+        assert_eq!((0..3).map(|s| b.send_len(s)).collect::<Vec<_>>(), [8, 6, 8]);
+        assert_eq!(
+            (0..3).map(|r| b.recv_len(r)).collect::<Vec<_>>(),
+            [3, 10, 9]
+        );
+        assert_eq!(
+            (b.send_at(1, 2), b.recv_at(2, 1), b.recv_at(1, 2)),
+            (2, 7, 0)
+        );
+        assert!(Blocks::new(2, vec![1, 2, 3]).is_err());
+    }
+}
