@@ -35,7 +35,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use half::f16;
+use half::{bf16, f16};
 use kvstore::{
     cpu, Adam, DType, Device, Error, Key, KvStore, NDArray, Sgd, Shape, StoreKind, Updater,
 };
@@ -393,6 +393,23 @@ fn row_sparse_training_equals_a_local_store_sliced_on_4_ranks() {
     healthy(4, "row_sparse", &[("KVSTORE_BIGARRAY_BOUND", "1000")]);
 }
 
+/// A push's sum is rank 0's value plus rank 1's and so on, in that order, bit for bit, however
+/// its key travels: alone, packed with others, in one list or in its own call (MPI's own reduce
+/// picks its order of additions by message size, so a key's sum depended on its neighbours).
+fn in_rank_order(np: usize) {
+    healthy(np, "in_order", &[]);
+}
+
+#[test]
+fn a_push_sums_the_ranks_in_rank_order_however_packed_on_3_ranks() {
+    in_rank_order(3);
+}
+
+#[test]
+fn a_push_sums_the_ranks_in_rank_order_however_packed_on_4_ranks() {
+    in_rank_order(4);
+}
+
 // --- 7. Training equivalence -----------------------------------------------------------------
 
 fn training(np: usize, bound: Option<&str>) {
@@ -449,6 +466,7 @@ fn inner() {
         "compressed" => case_compressed(),
         "row_sparse" => case_row_sparse(),
         "async" => case_async(),
+        "in_order" => case_in_order(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -2366,4 +2384,91 @@ fn case_async() {
     }
     kv.store().barrier().unwrap();
     ok(kv.store(), "async", "");
+}
+
+/// See [`in_rank_order`]: keys packed (small), alone (over 256 KiB, sent from the caller's
+/// array) and of bfloat16 (summed in float32, rounded once), with values of magnitudes from
+/// 1e-3 to 1e3 so that another order of additions gives other bits.
+fn case_in_order() {
+    let kv = store("dist_sync");
+    let (r, n) = (kv.rank(), kv.num_workers());
+    let keys: [(i32, usize, DType); 5] = [
+        (0, 7, DType::F32),
+        (1, 5000, DType::F32),
+        (2, 70_000, DType::F32),
+        (3, 3000, DType::BF16),
+        (4, 90_000, DType::BF16),
+    ];
+    let value = |round: u64, k: i32, len: usize, rank: usize| -> Vec<f64> {
+        let scale = uniform(&[41, round, k as u64, rank as u64], len);
+        uniform(&[40, round, k as u64, rank as u64], len)
+            .iter()
+            .zip(scale)
+            .map(|(u, s)| u * 10f64.powi((3.0 * s).round() as i32))
+            .collect()
+    };
+    // Rank 0's value plus rank 1's and so on, in float32, rounded once to the key's dtype.
+    let want = |round: u64, k: i32, len: usize, dtype: DType| -> Vec<f64> {
+        let as_dtype = |v: &[f64]| arr(v, &[v.len()], dtype, 0).to_vec::<f32>().unwrap();
+        let mut acc = as_dtype(&value(round, k, len, 0));
+        for rank in 1..n {
+            for (a, x) in acc.iter_mut().zip(as_dtype(&value(round, k, len, rank))) {
+                *a += x;
+            }
+        }
+        match dtype {
+            DType::BF16 => acc
+                .into_iter()
+                .map(|a| bf16::from_f32(a).to_f64())
+                .collect(),
+            _ => acc.into_iter().map(f64::from).collect(),
+        }
+    };
+    let zeros: Vec<NDArray> = keys
+        .iter()
+        .map(|&(_, len, d)| full(&[len], 0.0, d, 0))
+        .collect();
+    let ids: Vec<i32> = keys.iter().map(|k| k.0).collect();
+    kv.init_list(&ids, &zeros).unwrap();
+    let mine = |round: u64| -> Vec<NDArray> {
+        keys.iter()
+            .map(|&(k, len, d)| arr(&value(round, k, len, r), &[len], d, 0))
+            .collect()
+    };
+    let check = |round: u64, how: &str| {
+        for &(k, len, d) in &keys {
+            let out = poisoned(&[len], d, 0);
+            kv.pull(k, &out).unwrap();
+            let got = out.to_vec::<f64>().unwrap();
+            let want = want(round, k, len, d);
+            let differ = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.to_bits() != w.to_bits());
+            assert_eq!(
+                differ.count(),
+                0,
+                "round {round} ({how}), key {k}: elements not the rank-order sum"
+            );
+        }
+    };
+    // Each key in a call of its own.
+    for (&(k, _, _), v) in keys.iter().zip(mine(0)) {
+        kv.push(k, &v).unwrap();
+    }
+    check(0, "one call per key");
+    // Every key in one list.
+    kv.push_list(&ids, &mine(1)).unwrap();
+    check(1, "one list");
+    // In another order, the small keys in a call of their own.
+    let values = mine(2);
+    kv.push_list(&[4, 2], &[values[4].clone(), values[2].clone()])
+        .unwrap();
+    kv.push_list(
+        &[3, 1, 0],
+        &[values[3].clone(), values[1].clone(), values[0].clone()],
+    )
+    .unwrap();
+    check(2, "two lists");
+    ok(&kv, "in_order", "");
 }

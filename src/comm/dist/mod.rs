@@ -712,15 +712,9 @@ impl<'p, 'a> Plan<'p, 'a> {
         let mut flights = Vec::new();
         for t in transfers {
             let len = t.op.recv_len(t.send.len(), rank, size);
-            // A reduce-scatter's receive buffer has room for every rank's block: the MPI link
-            // receives them there before it sums them.
-            let room = match t.op {
-                Op::ReduceScatter => t.send.len(),
-                _ => len,
-            };
             let recv = match t.recv {
                 Some(r) => r,
-                None => pool.take(t.send.dtype(), len, room),
+                None => pool.take(t.send.dtype(), len, len),
             };
             let flight = match t.send {
                 Cow::Owned(send) => round.start(t.op, send, recv)?,

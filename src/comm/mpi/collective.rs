@@ -129,6 +129,59 @@ impl Wire for u64 {
     }
 }
 
+/// The buffers the other ranks' blocks of a reduce-scatter, or of a reduce in rank order at its
+/// root, are received into, one per element type, kept from one to the next (up to
+/// [`KEPT_STAGED_BYTES`]): a push's receives then write into pages that are mapped already,
+/// and no zeros are written first (the receive buffer stays the size of the result).
+#[derive(Default)]
+pub(super) struct Staged {
+    f32: Vec<f32>,
+    f64: Vec<f64>,
+    f16: Vec<f16>,
+    bf16: Vec<bf16>,
+    u64: Vec<u64>,
+}
+
+impl Staged {
+    /// The kept buffer of `T`, taken out, with `len` elements (its contents are whatever
+    /// earlier receives left, or zeros where it grew).
+    fn take<T: Wire>(&mut self, len: usize) -> Vec<T> {
+        let mut v = self.of::<T>().map(std::mem::take).unwrap_or_default();
+        v.resize(len, T::default());
+        v
+    }
+
+    /// Keeps `v` for the next [`Staged::take`] of `T`, unless it holds more than
+    /// [`KEPT_STAGED_BYTES`] or less than the one kept.
+    fn keep<T: Wire>(&mut self, v: Vec<T>) {
+        if let Some(kept) = self.of::<T>() {
+            if v.capacity() * std::mem::size_of::<T>() <= KEPT_STAGED_BYTES
+                && v.capacity() >= kept.capacity()
+            {
+                *kept = v;
+            }
+        }
+    }
+
+    /// The kept buffer of `T`: every `Wire` type has one here (the trait is sealed to these
+    /// five).
+    fn of<T: Wire>(&mut self) -> Option<&mut Vec<T>> {
+        let Staged {
+            f32,
+            f64,
+            f16,
+            bf16,
+            u64,
+        } = self;
+        let any: [&mut dyn std::any::Any; 5] = [f32, f64, f16, bf16, u64];
+        any.into_iter().find_map(|v| v.downcast_mut::<Vec<T>>())
+    }
+}
+
+/// The most bytes of the other ranks' blocks the world keeps per element type (see
+/// [`Staged`]).
+const KEPT_STAGED_BYTES: usize = 64 << 20;
+
 /// The most bytes each of the f32 buffers of a blocking f16/bf16 reduce that the world keeps
 /// for the next one (a whole key's sum; keys over `KVSTORE_BIGARRAY_BOUND` are sliced, so
 /// 4 MiB at the default bound).
@@ -138,10 +191,15 @@ const KEPT_WIDE_BYTES: usize = 64 << 20;
 /// point-to-point messages).
 const REDUCE_SCATTER_TAG: c_int = 0x4b56;
 
+/// The tag of a reduce's messages where it sums in rank order ([`Call::reduce_sum`] on three
+/// ranks or more).
+const REDUCE_IN_ORDER_TAG: c_int = 0x4b57;
+
 /// Which collective, for messages.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Coll {
     Reduce { root: usize },
+    ReduceInOrder { root: usize },
     Broadcast { root: usize },
     ReduceScatter,
     AllGather,
@@ -155,6 +213,7 @@ impl std::fmt::Display for Coll {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Coll::Reduce { root } => write!(f, "reduce to rank {root}"),
+            Coll::ReduceInOrder { root } => write!(f, "reduce to rank {root} (in rank order)"),
             Coll::Broadcast { root } => write!(f, "broadcast from rank {root}"),
             Coll::ReduceScatter => f.write_str("reduce-scatter"),
             Coll::AllGather => f.write_str("all-gather"),
@@ -186,6 +245,11 @@ pub struct Pending<T: Wire> {
     /// The counts and displacements of an all-to-all of unequal blocks, which MPI reads until
     /// the collective completes.
     counts: Vec<c_int>,
+    /// The other ranks' blocks of a reduce-scatter, or of a reduce in rank order at its root,
+    /// in rank order (from the world's [`Staged`] buffers, and back there when done).
+    staged: Vec<T>,
+    /// Whether every receive of the staged blocks completed with its whole block.
+    whole: bool,
     bytes: usize,
     start: Instant,
 }
@@ -217,6 +281,7 @@ impl<T: Wire> Drop for Pending<T> {
         std::mem::forget(std::mem::take(&mut self.wide_send));
         std::mem::forget(std::mem::take(&mut self.wide_recv));
         std::mem::forget(std::mem::take(&mut self.counts));
+        std::mem::forget(std::mem::take(&mut self.staged));
         self.world.poison_with(format!(
             "the {} of call #{} was abandoned before it completed",
             self.coll, self.seq
@@ -237,6 +302,8 @@ impl<T: Wire> Pending<T> {
             wide_send: Vec::new(),
             wide_recv: Vec::new(),
             counts: Vec::new(),
+            staged: Vec::new(),
+            whole: false,
             bytes,
             start: Instant::now(),
         }
@@ -262,7 +329,11 @@ impl<T: Wire> Pending<T> {
     /// Whether its receives' counts are checked when it completes (a reduce-scatter's: see
     /// [`Pending::received_in_full`]).
     fn counts_received(&self) -> bool {
-        matches!(self.coll, Coll::ReduceScatter)
+        match self.coll {
+            Coll::ReduceScatter => true,
+            Coll::ReduceInOrder { .. } => self.is_root,
+            _ => false,
+        }
     }
 
     /// Whether its received counts are still to be checked at its wait: not yet complete
@@ -272,17 +343,18 @@ impl<T: Wire> Pending<T> {
         self.counts_received() && self.reqs.iter().any(|r| !r.is_null())
     }
 
-    /// Checks that a completed reduce-scatter received a whole block from every other rank
-    /// (`statuses`: one per request, the receives first). A rank that sent a shorter block
-    /// disagrees on the key's size (only `KVSTORE_DIST_CHECK=0` lets such a call reach the
-    /// transfer), and summing would silently use the zeros in its place; a longer one is
-    /// MPI's truncation error already.
-    fn received_in_full(&self, statuses: &[ffi::MPI_Status], op: &'static str) -> Result<()> {
+    /// Checks that a completed reduce-scatter, or the root of a reduce in rank order, received
+    /// a whole block from every other rank (`statuses`: one per request, the receives first).
+    /// A rank that sent a shorter block disagrees on the key's size (only
+    /// `KVSTORE_DIST_CHECK=0` lets such a call reach the transfer), and summing would silently
+    /// use the zeros in its place; a longer one is MPI's truncation error already.
+    fn received_in_full(&mut self, statuses: &[ffi::MPI_Status], op: &'static str) -> Result<()> {
         if !self.counts_received() {
             return Ok(());
         }
         let (rank, size) = (self.world.rank, self.world.size);
-        let want = self.send.len() / size;
+        // One block from every other rank.
+        let want = self.staged.len() / (size - 1).max(1);
         for (k, status) in statuses.iter().take(size - 1).enumerate() {
             let mut got: c_int = 0;
             // SAFETY: `status` is the status MPI_Testall wrote for this completed receive, and
@@ -294,28 +366,55 @@ impl<T: Wire> Pending<T> {
                 return Err(Error::Mpi {
                     op,
                     message: format!(
-                        "reduce-scatter of call #{}: rank {from} sent a block of {got} \
-                         elements where rank {rank} expected {want}: the ranks disagree on the \
-                         key's size (with KVSTORE_DIST_CHECK=0 nothing compared it first)",
-                        self.seq
+                        "{} of call #{}: rank {from} sent a block of {got} elements where rank \
+                         {rank} expected {want}: the ranks disagree on the key's size (with \
+                         KVSTORE_DIST_CHECK=0 nothing compared it first)",
+                        self.coll, self.seq
                     ),
                 });
             }
         }
+        self.whole = true;
         Ok(())
     }
 
-    /// Takes the buffers out of a completed collective: sums a reduce-scatter's blocks, and
-    /// rounds a reduce's f32 sums to `T` once. The f32 buffers come back too, for the next
+    /// An error unless every staged block was received whole (a [`Call::test`] that found one
+    /// short already failed; waiting for it again must fail too, not hand out its buffers).
+    fn staged_whole(&self, op: &'static str) -> Result<()> {
+        match self.staged.is_empty() || self.whole {
+            true => Ok(()),
+            false => Err(Error::Mpi {
+                op,
+                message: format!(
+                    "the {} of call #{} received a block of the wrong length (see the error \
+                     its test gave)",
+                    self.coll, self.seq
+                ),
+            }),
+        }
+    }
+
+    /// Takes the buffers out of a completed collective: sums a reduce-scatter's blocks (or a
+    /// reduce's in rank order, at its root), and rounds a reduce's f32 sums to `T` once. The
+    /// staged blocks' buffer goes back to `kept`; the f32 buffers come back too, for the next
     /// f16/bf16 reduce.
-    fn finish(mut self) -> (Done<T>, (Vec<f32>, Vec<f32>)) {
+    fn finish(mut self, kept: &mut Staged) -> (Done<T>, (Vec<f32>, Vec<f32>)) {
         debug_assert!(self.reqs.iter().all(|r| r.is_null()));
-        if let Coll::ReduceScatter = self.coll {
-            sum_blocks(
-                &mut self.recv,
-                &self.send,
-                (self.world.rank, self.world.size),
-            );
+        let (rank, size) = (self.world.rank, self.world.size);
+        // Waits hand out no buffers of a collective whose blocks were short
+        // (`staged_whole`): the staged blocks are summed only when whole.
+        let whole = self.staged.is_empty() || self.whole;
+        match self.coll {
+            _ if !whole => {}
+            Coll::ReduceScatter => {
+                let n = self.recv.len();
+                let own = &self.send[rank * n..(rank + 1) * n];
+                sum_blocks(&mut self.recv, own, &self.staged, (rank, size));
+            }
+            Coll::ReduceInOrder { .. } if self.is_root => {
+                sum_blocks(&mut self.recv, &self.send, &self.staged, (rank, size));
+            }
+            _ => {}
         }
         if T::SUM_IN_F32 {
             let rounds = match self.coll {
@@ -336,26 +435,28 @@ impl<T: Wire> Pending<T> {
             send: std::mem::take(&mut self.send),
             recv: std::mem::take(&mut self.recv),
         };
+        kept.keep(std::mem::take(&mut self.staged));
         (done, wide)
     }
 }
 
-/// A reduce-scatter's sum on `rank` of `size`: `recv` holds room for the result (one block),
-/// then the other ranks' blocks in rank order (`rank`'s own is block `rank` of `send`). Sums
-/// them in rank order, rank 0's block plus rank 1's and so on, into the first block, and
-/// shortens `recv` to it. Every element of the sum is added in the same order, whichever rank
-/// holds it. f16 and bf16 are summed in f32 and rounded once, a chunk at a time.
-fn sum_blocks<T: Wire>(recv: &mut Vec<T>, send: &[T], (rank, size): (usize, usize)) {
-    let n = send.len() / size;
-    let (out, staged) = recv.split_at_mut(n);
+/// The sum of a reduce-scatter's block, or of a reduce in rank order at its root, on `rank` of
+/// `size`, into `out`: `own` is this rank's block and `staged` the other ranks' blocks in rank
+/// order. Adds them in rank order, rank 0's block plus rank 1's and so on. Every element of the
+/// sum is added in the same order, whichever rank holds it and whatever else its message
+/// carried. f16 and bf16 are summed in f32 and rounded once.
+fn sum_blocks<T: Wire>(out: &mut [T], own: &[T], staged: &[T], (rank, size): (usize, usize)) {
+    let n = own.len();
     let block = |r: usize| match r.cmp(&rank) {
-        std::cmp::Ordering::Equal => &send[r * n..(r + 1) * n],
+        std::cmp::Ordering::Equal => own,
         // Block r of the staged blocks is r's, below `rank`, and r - 1 is r's above it.
         std::cmp::Ordering::Less => &staged[r * n..(r + 1) * n],
         std::cmp::Ordering::Greater => &staged[(r - 1) * n..r * n],
     };
+    // A chunk at a time, so that the partial sums stay in the cache while every block is
+    // added to them (each element's order is the same).
+    const CHUNK: usize = 2048;
     if T::SUM_IN_F32 {
-        const CHUNK: usize = 2048;
         let mut acc = [0f32; CHUNK];
         for start in (0..n).step_by(CHUNK) {
             let end = (start + CHUNK).min(n);
@@ -373,14 +474,17 @@ fn sum_blocks<T: Wire>(recv: &mut Vec<T>, send: &[T], (rank, size): (usize, usiz
             }
         }
     } else {
-        crate::memcopy::copy(out, block(0));
-        for r in 1..size {
-            for (o, &x) in out.iter_mut().zip(block(r)) {
-                *o = o.add(x);
+        for start in (0..n).step_by(CHUNK) {
+            let end = (start + CHUNK).min(n);
+            let out = &mut out[start..end];
+            crate::memcopy::copy(out, &block(0)[start..end]);
+            for r in 1..size {
+                for (o, &x) in out.iter_mut().zip(&block(r)[start..end]) {
+                    *o = o.add(x);
+                }
             }
         }
     }
-    recv.truncate(n);
 }
 
 /// `n` statuses for MPI to fill.
@@ -429,15 +533,25 @@ impl Call {
         raw::check(self.op, rc).inspect_err(|e| self.world.poison_with(e.to_string()))
     }
 
-    /// Starts a sum of every rank's `send` into `recv` on rank `root` (`MPI_Ireduce`). At the
-    /// root `recv` must be as long as `send`; elsewhere it is not touched (pass `Vec::new()`).
-    /// f16/bf16 are summed as f32 partial sums and rounded once at the root.
+    /// Starts a sum of every rank's `send` into `recv` on rank `root`. At the root `recv` must
+    /// be as long as `send`; elsewhere it is not touched (pass `Vec::new()`). f16/bf16 are
+    /// summed in f32 and rounded once at the root.
+    ///
+    /// Each element's sum is the same bits whatever else the message carries, so a key's
+    /// value does not depend on which keys were packed with it:
+    /// - on two ranks it is `MPI_Ireduce` (`a0 + a1` is the same float in either order);
+    /// - on three or more it is rank 0's value plus rank 1's and so on, in that order
+    ///   ([`Call::reduce_in_order`]). `MPI_Reduce` picks its algorithm, so its order of
+    ///   additions, by message size.
     pub fn reduce_sum<T: Wire>(
         &mut self,
         send: Vec<T>,
         recv: Vec<T>,
         root: usize,
     ) -> Result<Pending<T>> {
+        if self.world.size >= 3 {
+            return self.reduce_in_order(send, recv, root);
+        }
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Reduce { root }, send, recv, bytes);
@@ -495,6 +609,9 @@ impl Call {
                     .to_owned(),
             ));
         }
+        if self.world.size >= 3 {
+            return self.reduce_in_order_blocking(send, recv, root);
+        }
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
         if T::SUM_IN_F32 {
             return self.reduce_wide_blocking(send, recv, root, (n, is_root));
@@ -513,6 +630,154 @@ impl Call {
         Ok(Done {
             send: Vec::new(),
             recv,
+        })
+    }
+
+    /// Starts a reduce of `send` to `root` that adds in rank order, point to point: every other
+    /// rank sends its buffer to the root (`MPI_Isend`), the root receives them (`MPI_Irecv`,
+    /// into a buffer the world keeps), and its wait adds rank 0's, rank 1's, ... values into
+    /// `recv`. Where the call runs blocking ([`Call::set_blocking`]) the requests complete
+    /// here, under the watchdog. f16 and bf16 travel as they are and are summed in f32,
+    /// rounded once.
+    fn reduce_in_order<T: Wire>(
+        &mut self,
+        send: Vec<T>,
+        recv: Vec<T>,
+        root: usize,
+    ) -> Result<Pending<T>> {
+        let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
+        let bytes = send.len() * std::mem::size_of::<T>();
+        let coll = Coll::ReduceInOrder { root };
+        let mut p = Pending::new(self, coll, send, recv, bytes);
+        p.is_root = is_root;
+        let (dt, comm) = (T::datatype(), self.st.data.0);
+        if !is_root {
+            // SAFETY: the send buffer holds `n` elements of `dt` (checked by `reduce_fits`) and
+            // lives in `p` until the request completes or `Pending::drop` leaks it; the
+            // communicator is valid and `root` < size.
+            let rc = unsafe {
+                ffi::MPI_Isend(
+                    raw::ptr(&p.send),
+                    n,
+                    dt,
+                    root as c_int,
+                    REDUCE_IN_ORDER_TAG,
+                    comm,
+                    &mut p.reqs[0].0,
+                )
+            };
+            self.started(rc)?;
+        } else {
+            p.reqs = vec![Request::null(); self.world.size - 1];
+            let len = p.send.len();
+            self.receive_staged(&mut p, (len, n), REDUCE_IN_ORDER_TAG)?;
+        }
+        if self.blocking {
+            self.complete_blocking(&mut p)?;
+        }
+        Ok(p)
+    }
+
+    /// Completes every request of `p` at once (`MPI_Waitall`, under the watchdog), as a
+    /// blocking collective does, and checks what its receives got. Its wait then only
+    /// finishes it.
+    fn complete_blocking<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<()> {
+        let mut statuses = no_statuses(p.reqs.len());
+        let (reqs, stats) = (
+            p.reqs.as_mut_ptr().cast::<ffi::MPI_Request>(),
+            statuses.as_mut_ptr(),
+        );
+        let count = raw::count(self.op, p.reqs.len())?;
+        // SAFETY: `Request` is `#[repr(transparent)]` over `MPI_Request`, so `reqs` is an
+        // array of `count` requests, started on `p`'s buffers, which live until they complete
+        // (or are leaked with `p` if this fails); `statuses` has one per request.
+        let rc = self.bound(p.coll, || unsafe { ffi::MPI_Waitall(count, reqs, stats) });
+        self.started(rc)?;
+        p.reqs.iter_mut().for_each(|r| *r = Request::null());
+        p.received_in_full(&statuses, self.op)
+            .inspect_err(|e| self.world.poison_with(e.to_string()))
+    }
+
+    /// Posts the receives of every other rank's block of `len` elements (`n` as MPI's count),
+    /// with `tag`, into `p.staged` (from the world's kept buffers), in rank order; their
+    /// requests are the first `size - 1` of `p.reqs`.
+    fn receive_staged<T: Wire>(
+        &mut self,
+        p: &mut Pending<T>,
+        (len, n): (usize, c_int),
+        tag: c_int,
+    ) -> Result<()> {
+        let (rank, size) = (self.world.rank, self.world.size);
+        p.staged = self.st.staged.take::<T>((size - 1) * len);
+        let (dt, width, comm) = (T::datatype(), std::mem::size_of::<T>(), self.st.data.0);
+        let staged = raw::ptr_mut(&mut p.staged).cast::<u8>();
+        for (k, req) in p.reqs.iter_mut().take(size - 1).enumerate() {
+            let from = if k < rank { k } else { k + 1 };
+            // SAFETY: `p.staged` holds (size - 1) × len elements of `dt` (taken above); block k
+            // starts k × len elements in and holds len (`n`). It lives in `p` until the request
+            // completes or `Pending::drop` leaks it. The communicator is valid and `from` <
+            // size.
+            let rc = unsafe {
+                ffi::MPI_Irecv(
+                    staged.add(k * len * width).cast(),
+                    n,
+                    dt,
+                    from as c_int,
+                    tag,
+                    comm,
+                    &mut req.0,
+                )
+            };
+            self.started(rc)?;
+        }
+        Ok(())
+    }
+
+    /// [`Call::reduce_in_order`] from a borrowed send buffer, blocking under the watchdog:
+    /// another rank sends with `MPI_Send`, the root receives with `MPI_Waitall`, so MPI is done
+    /// with `send` when this returns.
+    fn reduce_in_order_blocking<T: Wire>(
+        &mut self,
+        send: &[T],
+        recv: Vec<T>,
+        root: usize,
+    ) -> Result<Done<T>> {
+        let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
+        let coll = Coll::ReduceInOrder { root };
+        let (dt, comm) = (T::datatype(), self.st.data.0);
+        if !is_root {
+            // SAFETY: `send` holds `n` elements of `dt` (checked by `reduce_fits`) and stays
+            // borrowed until the blocking send returns, when MPI is done with it; the
+            // communicator is valid and `root` < size.
+            let rc = self.bound(coll, || unsafe {
+                ffi::MPI_Send(
+                    raw::ptr(send),
+                    n,
+                    dt,
+                    root as c_int,
+                    REDUCE_IN_ORDER_TAG,
+                    comm,
+                )
+            });
+            self.started(rc)?;
+            return Ok(Done {
+                send: Vec::new(),
+                recv,
+            });
+        }
+        let bytes = std::mem::size_of_val(send);
+        let mut p = Pending::new(self, coll, Vec::new(), recv, bytes);
+        p.is_root = true;
+        p.reqs = vec![Request::null(); self.world.size - 1];
+        self.receive_staged(&mut p, (send.len(), n), REDUCE_IN_ORDER_TAG)?;
+        self.complete_blocking(&mut p)?;
+        let (rank, size) = (self.world.rank, self.world.size);
+        let (mut out, staged) = (std::mem::take(&mut p.recv), std::mem::take(&mut p.staged));
+        sum_blocks(&mut out, send, &staged, (rank, size));
+        self.st.staged.keep(staged);
+        Ok(Done {
+            send: Vec::new(),
+            recv: out,
         })
     }
 
@@ -639,38 +904,16 @@ impl Call {
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
         let rank = self.world.rank;
-        // The receive buffer holds the other ranks' blocks after its own until they are
-        // summed: it grows to `size` blocks (in the room it came with, if it has it: the store
-        // passes a pooled buffer, so a big push touches no fresh pages). Zeros, not left
-        // unwritten, whatever a peer sends. f16 and bf16 travel as they are (each rank's part
-        // is already rounded to them) and are summed in f32 on arrival.
-        p.recv.resize(size * n, T::default());
+        // The other ranks' blocks are received into a buffer the world keeps between calls,
+        // so a big push touches no fresh pages; the result is summed into `recv`. f16 and bf16
+        // travel as they are (each rank's part is already rounded to them) and are summed in
+        // f32 on arrival.
+        p.reqs = vec![Request::null(); 2 * (size - 1)];
+        self.receive_staged(&mut p, (n, count), REDUCE_SCATTER_TAG)?;
         let (dt, width) = (T::datatype(), std::mem::size_of::<T>());
-        let recv_ptr = raw::ptr_mut(&mut p.recv).cast::<u8>();
         let send_ptr = raw::ptr(&p.send).cast::<u8>();
         let comm = self.st.data.0;
-        p.reqs = vec![Request::null(); 2 * (size - 1)];
-        let (recvs, sends) = p.reqs.split_at_mut(size - 1);
-        // Receives first, so no send waits for its receive to be posted.
-        for (k, req) in recvs.iter_mut().enumerate() {
-            let from = if k < rank { k } else { k + 1 };
-            // SAFETY: the receive buffer holds size × n elements of `dt` (resized above); the
-            // staged block k starts (k + 1) × n elements in and holds n. It lives in `p` until
-            // the request completes or `Pending::drop` leaks it. The communicator is valid and
-            // `from` < size.
-            let rc = unsafe {
-                ffi::MPI_Irecv(
-                    recv_ptr.add((k + 1) * n * width).cast(),
-                    count,
-                    dt,
-                    from as c_int,
-                    REDUCE_SCATTER_TAG,
-                    comm,
-                    &mut req.0,
-                )
-            };
-            self.started(rc)?;
-        }
+        let sends = &mut p.reqs[size - 1..];
         // Each rank starts with its next rank up, so no rank is everyone's first.
         for (j, req) in sends.iter_mut().enumerate() {
             let to = (rank + 1 + j) % size;
@@ -959,12 +1202,13 @@ impl Call {
             p.received_in_full(&statuses, self.op)
                 .inspect_err(|e| self.world.poison_with(e.to_string()))?;
         }
+        p.staged_whole(self.op)?;
         Ok(self.finished(p))
     }
 
     /// The buffers of a completed `p`; its f32 buffers are kept for the next f16/bf16 reduce.
     fn finished<T: Wire>(&mut self, p: Pending<T>) -> Done<T> {
-        let (done, wide) = p.finish();
+        let (done, wide) = p.finish(&mut self.st.staged);
         self.keep_wide(wide);
         done
     }
@@ -996,13 +1240,14 @@ impl Call {
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
         self.poll(&mut reqs, given, bytes, start, &what)?;
         let mut at = 0;
-        for (p, check) in ps.iter().zip(check) {
+        for (p, check) in ps.iter_mut().zip(check) {
             let range = at..at + p.reqs.len();
             at = range.end;
             if check {
                 p.received_in_full(&statuses[range], self.op)
                     .inspect_err(|e| self.world.poison_with(e.to_string()))?;
             }
+            p.staged_whole(self.op)?;
         }
         let mut done = reqs.into_iter();
         for p in &mut ps {
@@ -1051,14 +1296,13 @@ mod tests {
             .collect();
         for owner in 0..size {
             let block = |r: usize| &sends[r][owner * n..(owner + 1) * n];
-            // As MPI leaves it: room for the result, then the other ranks' blocks.
+            // As MPI leaves them: the other ranks' blocks, in rank order.
+            let staged: Vec<f32> = (0..size)
+                .filter(|&r| r != owner)
+                .flat_map(|r| block(r).to_vec())
+                .collect();
             let mut got: Vec<f32> = vec![f32::NAN; n];
-            got.extend(
-                (0..size)
-                    .filter(|&r| r != owner)
-                    .flat_map(|r| block(r).to_vec()),
-            );
-            sum_blocks(&mut got, &sends[owner], (owner, size));
+            sum_blocks(&mut got, block(owner), &staged, (owner, size));
             let reversed: Vec<f32> = (0..n)
                 .map(|i| block(3)[i] + block(2)[i] + block(1)[i] + block(0)[i])
                 .collect();
@@ -1095,13 +1339,12 @@ mod tests {
             .collect();
         for owner in 0..size {
             let block = |r: usize| &sends[r][owner * n..(owner + 1) * n];
+            let staged: Vec<bf16> = (0..size)
+                .filter(|&r| r != owner)
+                .flat_map(|r| block(r).to_vec())
+                .collect();
             let mut got: Vec<bf16> = vec![bf16::NAN; n];
-            got.extend(
-                (0..size)
-                    .filter(|&r| r != owner)
-                    .flat_map(|r| block(r).to_vec()),
-            );
-            sum_blocks(&mut got, &sends[owner], (owner, size));
+            sum_blocks(&mut got, block(owner), &staged, (owner, size));
             let want: Vec<bf16> = (0..n)
                 .map(|i| bf16::from_f32((0..size).map(|r| block(r)[i].to_f32()).sum()))
                 .collect();

@@ -190,6 +190,9 @@ struct State {
     /// The f32 partial sums of the last blocking f16/bf16 reduce (send, receive), kept for the
     /// next one so that its pages are mapped already (see [`Call::reduce_sum_borrowed`]).
     wide: (Vec<f32>, Vec<f32>),
+    /// The other ranks' blocks of the last reduce-scatter and reduce in rank order, per type,
+    /// kept for the next one (see [`collective::Staged`]).
+    staged: collective::Staged,
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
@@ -353,6 +356,7 @@ impl World {
                 caused_by: None,
                 outbox: Vec::new(),
                 wide: (Vec::new(), Vec::new()),
+                staged: collective::Staged::default(),
             }),
             poison: Mutex::new(poison),
             env_error,
