@@ -131,12 +131,102 @@ macro_rules! element {
 
 element!(f32, F32, f32, |x| x, |a| a, |v| v as f32);
 element!(f64, F64, f64, |x| x, |a| a, |v| v);
-element!(f16, F16, f32, f16::to_f32, f16::from_f32, f16::from_f64);
 element!(
-    bf16,
-    BF16,
+    f16,
+    F16,
     f32,
-    bf16::to_f32,
-    bf16::from_f32,
-    bf16::from_f64
+    f16::to_f32,
+    f16::from_f32,
+    |v| f16::from_f32(to_f32_odd(v))
 );
+element!(bf16, BF16, f32, bf16::to_f32, bf16::from_f32, |v| {
+    bf16::from_f32(to_f32_odd(v))
+});
+
+/// `v` rounded to f32 toward zero, with the last bit set where that lost anything ("round to
+/// odd"). Rounding this to nearest even in a type of at most 22 significant bits (f16, bf16)
+/// gives exactly `v` rounded to nearest even in that type: the odd last bit keeps a value just
+/// above a tie above it. `half`'s own conversions from f64 round twice and can land a value
+/// just above a tie on the tie's even side (half-rs#151, #116).
+fn to_f32_odd(v: f64) -> f32 {
+    let f = v as f32;
+    if f64::from(f) == v || !f.is_finite() || v.is_nan() {
+        return f;
+    }
+    let mut bits = f.to_bits();
+    // `as` rounded to nearest: step back toward zero where it rounded away from zero (the
+    // magnitude is in the low 31 bits, so one less is the next value toward zero).
+    if f64::from(f).abs() > v.abs() {
+        bits -= 1;
+    }
+    f32::from_bits(bits | 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The nearest value of `T` to `v` (ties to the even bit pattern), found among the
+    /// neighbours of a first guess by comparing exact f64 distances: a reference that rounds
+    /// nothing itself.
+    fn nearest<T: Element>(v: f64, bits: impl Fn(T) -> u16, from_bits: impl Fn(u16) -> T) -> T {
+        let guess = bits(T::from_f64(v));
+        let candidates = [guess.wrapping_sub(1), guess, guess.wrapping_add(1)]
+            .map(&from_bits)
+            .into_iter()
+            .filter(|c| c.to_f64().is_finite() && c.to_f64().signum() == v.signum());
+        candidates
+            .min_by(|a, b| {
+                let (da, db) = ((a.to_f64() - v).abs(), (b.to_f64() - v).abs());
+                da.total_cmp(&db).then((bits(*a) & 1).cmp(&(bits(*b) & 1)))
+            })
+            .unwrap_or_else(|| T::from_f64(v))
+    }
+
+    /// Conversions from f64 round to nearest even, in particular values just above a tie
+    /// between two neighbours (which `half`'s own conversion rounds down), and random values.
+    #[test]
+    fn conversions_from_f64_round_to_nearest_even() {
+        let mut rng = rand::rngs::StdRng::from_entropy();
+        // 353.0000915527344 lies just above the tie 353 between bf16's 352 and 354.
+        assert_eq!(
+            <bf16 as Element>::from_f64(353.000_091_552_734_4).to_f32(),
+            354.0
+        );
+        assert_eq!(<f16 as Element>::from_f64(2049.0001).to_f32(), 2050.0);
+        for _ in 0..20_000 {
+            // Finite, positive bit patterns of both types (below 0x7b00: no infinity nearby).
+            let a = rng.gen_range(1u16..0x7b00);
+            let sign = if rng.gen_bool(0.5) { 1.0 } else { -1.0 };
+            // Just above, at, or just below the tie between two neighbours, or anywhere.
+            let tiny = rng.gen_range(1.0..2.0) * 2f64.powi(-rng.gen_range(20..50));
+            for (lo, hi) in [
+                (f16::from_bits(a).to_f64(), f16::from_bits(a + 1).to_f64()),
+                (bf16::from_bits(a).to_f64(), bf16::from_bits(a + 1).to_f64()),
+            ] {
+                let tie = (lo + hi) / 2.0;
+                for v in [
+                    tie * (1.0 + tiny),
+                    tie,
+                    tie * (1.0 - tiny),
+                    rng.gen_range(lo..hi),
+                ] {
+                    let v = sign * v;
+                    // f16 within its finite range (past it, both round to infinity).
+                    if v.abs() < 65504.0 {
+                        let want = nearest::<f16>(v, f16::to_bits, f16::from_bits);
+                        let got = <f16 as Element>::from_f64(v);
+                        assert_eq!(got.to_bits(), want.to_bits(), "f16 of {v:e}");
+                    }
+                    let want = nearest::<bf16>(v, bf16::to_bits, bf16::from_bits);
+                    assert_eq!(
+                        <bf16 as Element>::from_f64(v).to_bits(),
+                        want.to_bits(),
+                        "bf16 of {v:e}"
+                    );
+                }
+            }
+        }
+    }
+}

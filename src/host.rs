@@ -72,8 +72,8 @@ impl HostData {
         match dtype {
             DType::F32 => HostData::F32(vec![value as f32; len]),
             DType::F64 => HostData::F64(vec![value; len]),
-            DType::F16 => HostData::F16(vec![f16::from_f64(value); len]),
-            DType::BF16 => HostData::BF16(vec![bf16::from_f64(value); len]),
+            DType::F16 => HostData::F16(vec![<f16 as Element>::from_f64(value); len]),
+            DType::BF16 => HostData::BF16(vec![<bf16 as Element>::from_f64(value); len]),
         }
     }
 
