@@ -234,7 +234,10 @@ impl Round for MpiRound {
 /// (`examples/bench_dist_store`, BENCHMARKS.md "Blocking or not"): a reduce is 2–3× faster
 /// blocking from 4 KiB to 1 MiB at 2–4 ranks; a broadcast and an all-gather are as fast or
 /// faster non-blocking (an all-gather of 16 MiB at 3 ranks 3× faster), and a reduce-scatter of
-/// 16 MiB is mixed (faster blocking at 3 ranks, slower at 2 and 4).
+/// 16 MiB is mixed (faster blocking at 3 ranks, slower at 2 and 4). On three ranks or more a
+/// reduce is the store's own, point to point in rank order; blocking, its sends and receives
+/// complete in one `MPI_Waitall` instead of being polled (BENCHMARKS.md, "Sums in rank
+/// order").
 fn blocking_wins(op: Op) -> bool {
     matches!(op, Op::Reduce { .. })
 }

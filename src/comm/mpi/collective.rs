@@ -5,10 +5,11 @@
 //! buffers later, so they must not go back to the caller; they are leaked instead. Owned buffers
 //! also make every collective zero-copy for f32 and f64.
 //!
-//! f16 and bf16 have no MPI sum. The store's rule is "sum in f32, round once", so a reduce of
-//! f16/bf16 widens the input to f32, sums f32 partial sums across ranks, and rounds the result
-//! once; the reduce-scatter (the store's own, point to point) moves the 16-bit values and sums
-//! them in f32 where they arrive. Copies (broadcast, all-gather) move their bits as `u16`.
+//! f16 and bf16 have no MPI sum. The store's rule is "sum in f32, round once": on two ranks a
+//! reduce of f16/bf16 widens the input to f32, sums f32 partial sums with `MPI_Reduce`, and
+//! rounds the result once; the reduce in rank order (three ranks or more) and the reduce-scatter
+//! (both the store's own, point to point) move the 16-bit values and sum them in f32 where they
+//! arrive. Copies (broadcast, all-gather) move their bits as `u16`.
 
 use std::os::raw::{c_int, c_void};
 use std::time::Instant;
@@ -130,42 +131,62 @@ impl Wire for u64 {
 }
 
 /// The buffers the other ranks' blocks of a reduce-scatter, or of a reduce in rank order at its
-/// root, are received into, one per element type, kept from one to the next (up to
-/// [`KEPT_STAGED_BYTES`]): a push's receives then write into pages that are mapped already,
-/// and no zeros are written first (the receive buffer stays the size of the result).
+/// root, are received into, per element type, kept from one call to the next (up to
+/// [`KEPT_STAGED_BYTES`] per type): the receive buffer stays the size of the result, and a
+/// push's receives write into pages that are mapped already, with no zeros written first. A
+/// buffer over that size is allocated (and zeroed) for its call alone.
 #[derive(Default)]
 pub(super) struct Staged {
-    f32: Vec<f32>,
-    f64: Vec<f64>,
-    f16: Vec<f16>,
-    bf16: Vec<bf16>,
-    u64: Vec<u64>,
+    f32: Vec<Vec<f32>>,
+    f64: Vec<Vec<f64>>,
+    f16: Vec<Vec<f16>>,
+    bf16: Vec<Vec<bf16>>,
+    u64: Vec<Vec<u64>>,
 }
 
 impl Staged {
-    /// The kept buffer of `T`, taken out, with `len` elements (its contents are whatever
-    /// earlier receives left, or zeros where it grew).
+    /// A buffer of `T` with `len` elements: the smallest kept one with room for them, else
+    /// the biggest kept one grown (its contents are whatever earlier receives left, and zeros
+    /// where it grew).
     fn take<T: Wire>(&mut self, len: usize) -> Vec<T> {
-        let mut v = self.of::<T>().map(std::mem::take).unwrap_or_default();
+        let mut v = match self.of::<T>() {
+            Some(kept) => {
+                let fits = (kept.iter().enumerate())
+                    .filter(|(_, v)| v.capacity() >= len)
+                    .min_by_key(|(_, v)| v.capacity())
+                    .map(|(i, _)| i);
+                let biggest = (kept.iter().enumerate())
+                    .max_by_key(|(_, v)| v.capacity())
+                    .map(|(i, _)| i);
+                fits.or(biggest).map(|i| kept.swap_remove(i))
+            }
+            None => None,
+        }
+        .unwrap_or_default();
         v.resize(len, T::default());
         v
     }
 
-    /// Keeps `v` for the next [`Staged::take`] of `T`, unless it holds more than
-    /// [`KEPT_STAGED_BYTES`] or less than the one kept.
+    /// Keeps `v` for a later [`Staged::take`] of `T`, within [`KEPT_STAGED_BYTES`] for the
+    /// type (the smallest kept buffers go first).
     fn keep<T: Wire>(&mut self, v: Vec<T>) {
-        if let Some(kept) = self.of::<T>() {
-            if v.capacity() * std::mem::size_of::<T>() <= KEPT_STAGED_BYTES
-                && v.capacity() >= kept.capacity()
-            {
-                *kept = v;
-            }
+        let bytes = |v: &Vec<T>| v.capacity() * std::mem::size_of::<T>();
+        let Some(kept) = self.of::<T>() else {
+            return;
+        };
+        if v.capacity() == 0 || bytes(&v) > KEPT_STAGED_BYTES {
+            return;
+        }
+        kept.push(v);
+        kept.sort_by_key(|v| std::cmp::Reverse(v.capacity()));
+        while kept.iter().map(bytes).sum::<usize>() > KEPT_STAGED_BYTES {
+            kept.pop();
         }
     }
 
-    /// The kept buffer of `T`: every `Wire` type has one here (the trait is sealed to these
-    /// five).
-    fn of<T: Wire>(&mut self) -> Option<&mut Vec<T>> {
+    /// The kept buffers of `T`: every `Wire` type has its list here (the trait is sealed to
+    /// these five).
+    fn of<T: Wire>(&mut self) -> Option<&mut Vec<Vec<T>>> {
         let Staged {
             f32,
             f64,
@@ -174,12 +195,14 @@ impl Staged {
             u64,
         } = self;
         let any: [&mut dyn std::any::Any; 5] = [f32, f64, f16, bf16, u64];
-        any.into_iter().find_map(|v| v.downcast_mut::<Vec<T>>())
+        any.into_iter()
+            .find_map(|v| v.downcast_mut::<Vec<Vec<T>>>())
     }
 }
 
-/// The most bytes of the other ranks' blocks the world keeps per element type (see
-/// [`Staged`]).
+/// The most bytes of buffers for the other ranks' blocks the world keeps per element type (see
+/// [`Staged`]): a whole key's blocks at the default `KVSTORE_BIGARRAY_BOUND` (4 MiB per rank),
+/// and a sliced key's of up to 64 MiB on two ranks.
 const KEPT_STAGED_BYTES: usize = 64 << 20;
 
 /// The most bytes each of the f32 buffers of a blocking f16/bf16 reduce that the world keeps
@@ -187,13 +210,14 @@ const KEPT_STAGED_BYTES: usize = 64 << 20;
 /// 4 MiB at the default bound).
 const KEPT_WIDE_BYTES: usize = 64 << 20;
 
-/// The tag of the reduce-scatter's messages (the data communicator carries no other
-/// point-to-point messages).
-const REDUCE_SCATTER_TAG: c_int = 0x4b56;
-
-/// The tag of a reduce's messages where it sums in rank order ([`Call::reduce_sum`] on three
-/// ranks or more).
-const REDUCE_IN_ORDER_TAG: c_int = 0x4b57;
+/// The point-to-point messages of the data communicator: the reduce-scatter's, and a reduce's
+/// where it sums in rank order ([`Call::reduce_sum`] on three ranks or more). Each message's
+/// tag also carries its call's number ([`Call::tag`]).
+#[derive(Clone, Copy)]
+enum Tagged {
+    ReduceScatter = 0,
+    ReduceInOrder = 1,
+}
 
 /// Which collective, for messages.
 #[derive(Clone, Copy, Debug)]
@@ -523,6 +547,14 @@ impl Call {
         self.blocking = on;
     }
 
+    /// The tag of this call's point-to-point messages of `kind`: the kind and the call's
+    /// number (modulo 8192; tags up to 16383, under the 32767 every MPI allows), so a message
+    /// left over from another call, or from a rank that disagrees on a call's kind with the
+    /// check off, never matches this call's receives.
+    fn tag(&self, kind: Tagged) -> c_int {
+        (kind as c_int) + 2 * (self.seq % 8192) as c_int
+    }
+
     /// Runs the blocking collective `f`, of `coll`, under the watchdog.
     fn bound(&self, coll: Coll, f: impl FnOnce() -> c_int) -> c_int {
         self.world.watchdog.bound((self.seq, self.op, coll), f)
@@ -594,8 +626,8 @@ impl Call {
 
     /// [`Call::reduce_sum`] from a borrowed send buffer, for a call that runs blocking
     /// ([`Call::set_blocking`]): MPI only reads `send`, and is done with it when this returns,
-    /// so it needs no buffer of its own. [`Done::send`] comes back empty. f16/bf16 are widened
-    /// into a buffer of their own, as always.
+    /// so it needs no buffer of its own. [`Done::send`] comes back empty. On two ranks f16/bf16
+    /// are widened into f32 buffers of their own; on three or more they travel as they are.
     pub fn reduce_sum_borrowed<T: Wire>(
         &mut self,
         send: &[T],
@@ -661,7 +693,7 @@ impl Call {
                     n,
                     dt,
                     root as c_int,
-                    REDUCE_IN_ORDER_TAG,
+                    self.tag(Tagged::ReduceInOrder),
                     comm,
                     &mut p.reqs[0].0,
                 )
@@ -670,7 +702,7 @@ impl Call {
         } else {
             p.reqs = vec![Request::null(); self.world.size - 1];
             let len = p.send.len();
-            self.receive_staged(&mut p, (len, n), REDUCE_IN_ORDER_TAG)?;
+            self.receive_staged(&mut p, (len, n), self.tag(Tagged::ReduceInOrder))?;
         }
         if self.blocking {
             self.complete_blocking(&mut p)?;
@@ -755,7 +787,7 @@ impl Call {
                     n,
                     dt,
                     root as c_int,
-                    REDUCE_IN_ORDER_TAG,
+                    self.tag(Tagged::ReduceInOrder),
                     comm,
                 )
             });
@@ -769,7 +801,7 @@ impl Call {
         let mut p = Pending::new(self, coll, Vec::new(), recv, bytes);
         p.is_root = true;
         p.reqs = vec![Request::null(); self.world.size - 1];
-        self.receive_staged(&mut p, (send.len(), n), REDUCE_IN_ORDER_TAG)?;
+        self.receive_staged(&mut p, (send.len(), n), self.tag(Tagged::ReduceInOrder))?;
         self.complete_blocking(&mut p)?;
         let (rank, size) = (self.world.rank, self.world.size);
         let (mut out, staged) = (std::mem::take(&mut p.recv), std::mem::take(&mut p.staged));
@@ -885,9 +917,10 @@ impl Call {
     /// pair of ranks in the order they were posted). A block shorter or longer than this rank
     /// expects (ranks that disagree on the size) is an error at the wait, never a sum.
     ///
-    /// Memory: the receive buffer holds every rank's block until they are summed, so a push
-    /// holds about twice the key in transfer buffers (send and receive), where MPI's needed a
-    /// key and a block; one that times out leaks both, as every abandoned transfer does.
+    /// Memory: the other ranks' blocks are received into a buffer the world keeps between calls
+    /// ([`Staged`]) until they are summed into `recv`, so a push holds about twice the key in
+    /// transfer buffers (send, and the received blocks), where MPI's needed a key and a block;
+    /// one that times out leaks all three buffers, as every abandoned transfer does.
     pub fn reduce_scatter<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
         let size = self.world.size;
         if send.len() != recv.len() * size {
@@ -909,7 +942,7 @@ impl Call {
         // travel as they are (each rank's part is already rounded to them) and are summed in
         // f32 on arrival.
         p.reqs = vec![Request::null(); 2 * (size - 1)];
-        self.receive_staged(&mut p, (n, count), REDUCE_SCATTER_TAG)?;
+        self.receive_staged(&mut p, (n, count), self.tag(Tagged::ReduceScatter))?;
         let (dt, width) = (T::datatype(), std::mem::size_of::<T>());
         let send_ptr = raw::ptr(&p.send).cast::<u8>();
         let comm = self.st.data.0;
@@ -926,7 +959,7 @@ impl Call {
                     count,
                     dt,
                     to as c_int,
-                    REDUCE_SCATTER_TAG,
+                    self.tag(Tagged::ReduceScatter),
                     comm,
                     &mut req.0,
                 )
@@ -1170,15 +1203,18 @@ impl Call {
     /// [`Call::wait`], which then returns at once.
     pub fn test<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<bool> {
         self.same_call(p)?;
-        // Statuses only where there are counts to check: no allocation per call otherwise.
-        let mut statuses = no_statuses(if p.counts_received() { p.reqs.len() } else { 0 });
+        // Statuses only where there are counts still to check (not once the requests have
+        // completed: a blocking start, or an earlier test, checked them): no allocation per
+        // call otherwise.
+        let check = p.counts_unchecked();
+        let mut statuses = no_statuses(if check { p.reqs.len() } else { 0 });
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
         let r = self
             .st
             .test(&mut p.reqs, given, self.op)
-            .and_then(|done| match done {
+            .and_then(|done| match done && check {
                 true => p.received_in_full(&statuses, self.op).map(|()| true),
-                false => Ok(false),
+                false => Ok(done),
             });
         if let Err(e) = &r {
             self.world.poison_with(e.to_string());
@@ -1319,6 +1355,33 @@ mod tests {
             );
             assert_ne!(reversed[0], got[0], "the order shows");
         }
+    }
+
+    /// The kept buffers: a take gets the smallest that fits (its old contents stay, no zeros
+    /// written), else the biggest grown; the bytes kept per type stay within the bound, the
+    /// smallest going first.
+    #[test]
+    fn staged_buffers_are_reused_within_their_bound() {
+        let mut st = Staged::default();
+        st.keep(vec![1.0f32; 1000]);
+        st.keep(vec![2.0f32; 10]);
+        st.keep(vec![3.0f64; 10]);
+        let small = st.take::<f32>(8);
+        assert_eq!((small.len(), small[0]), (8, 2.0));
+        let big = st.take::<f32>(2000);
+        assert_eq!((big.len(), big[0], big[1999]), (2000, 1.0, 0.0));
+        assert!(st.take::<f32>(5).capacity() >= 5, "none kept: a fresh one");
+        assert_eq!(st.take::<f64>(10)[9], 3.0);
+        let n = KEPT_STAGED_BYTES / 4 / 2;
+        for fill in [1.0f32, 2.0, 3.0] {
+            let mut v = Vec::with_capacity(n);
+            v.resize(n, fill);
+            st.keep(v);
+        }
+        let kept: usize = st.f32.iter().map(|v| v.capacity() * 4).sum();
+        assert!(kept <= KEPT_STAGED_BYTES && st.f32.len() == 2, "{kept} bytes kept");
+        st.keep(vec![0.0f32; KEPT_STAGED_BYTES / 4 + 1]);
+        assert_eq!(st.f32.len(), 2, "a buffer over the bound is not kept");
     }
 
     /// bf16 blocks are summed in f32 and rounded once: 256 + 1 + 1 is 258 (in bf16 steps it
