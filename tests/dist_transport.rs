@@ -405,7 +405,10 @@ fn run_dtype<T: Element + Wire>(w: &'static World, round: u64, blocking: bool) {
     let mut p = call.reduce_sum(mine.clone(), recv, root).expect("reduce");
     // A test first (a blocking reduce has completed already: the test says so, no error).
     let done = call.test(&mut p).expect("reduce test");
-    assert!(done || !blocking, "a blocking reduce is done when it returns");
+    assert!(
+        done || !blocking,
+        "a blocking reduce is done when it returns"
+    );
     let Done { send, recv } = call.wait(p).expect("reduce wait");
     assert_eq!(send, mine, "reduce gives the input back unchanged");
     if r == root {

@@ -370,7 +370,7 @@ fn exchange<T: Element + Copy>(
     let lens: Vec<usize> = (0..size)
         .map(|r| groups.iter().map(|g| span(g, r).len()).sum())
         .collect();
-    let blocks = Blocks::to_each(&lens)?;
+    let blocks = Blocks::to_each(&lens);
     // Both buffers from the pool: a big key's push does not fault in fresh pages every time.
     let pool = d.pool();
     let total = blocks.send_len(rank);

@@ -457,13 +457,7 @@ fn push_across(
                 })
                 .sum()
         };
-        let blocks = Blocks::new(
-            size,
-            (0..size)
-                .flat_map(|s| (0..size).map(move |h| (s, h)))
-                .map(|(s, h)| block_len(s, h))
-                .collect(),
-        )?;
+        let blocks = Blocks::from_fn(size, block_len);
         // What this rank holds of each key: the rows any rank pushed that meet its part, and
         // where each lands in the summed gradient. Known from the ids alone, so that every
         // buffer is allocated, and the ranks agree that it was, before any rows move (a rank
@@ -602,13 +596,7 @@ fn pull_across(
         let p = piece(h);
         all.of(r, 0).iter().map(|&id| cut(id, w, &p).len()).sum()
     };
-    let blocks = Blocks::new(
-        size,
-        (0..size)
-            .flat_map(|h| (0..size).map(move |r| (h, r)))
-            .map(|(h, r)| block_len(h, r))
-            .collect(),
-    )?;
+    let blocks = Blocks::from_fn(size, block_len);
     // Every buffer allocated, and the ranks agreed that it was, before any rows move.
     let buffers = (|| {
         let send = HostData::try_filled(dtype, blocks.send_len(rank), 0.0)?;

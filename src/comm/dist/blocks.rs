@@ -7,7 +7,6 @@
 //! (`MPI_Ialltoall` needs only one block's count to fit). Every rank decides from the same
 //! lengths, so all take the same collective.
 
-use super::internal;
 use super::link::{Op, Round, Ticket};
 use crate::host::HostData;
 use crate::Result;
@@ -24,14 +23,9 @@ pub(crate) struct Blocks {
 }
 
 impl Blocks {
-    /// Blocks of `lens[s * size + r]` elements from rank `s` to rank `r` (every rank passes
-    /// the same `size × size` lengths).
-    pub fn new(size: usize, lens: Vec<usize>) -> Result<Blocks> {
-        if lens.len() != size * size {
-            return Err(internal(
-                "all-to-all lengths that are not one per pair of ranks",
-            ));
-        }
+    /// Blocks of `lens[s * size + r]` elements from rank `s` to rank `r` (`size × size`
+    /// lengths, the same on every rank), padded where MPI's `int`s could not take them.
+    fn fitted(size: usize, lens: Vec<usize>) -> Blocks {
         let fits = |n: usize| n <= count_max();
         let sent = |s: usize| lens[s * size..(s + 1) * size].iter().sum::<usize>();
         let received = |r: usize| (0..size).map(|s| lens[s * size + r]).sum::<usize>();
@@ -40,17 +34,22 @@ impl Blocks {
             true => None,
             false => Some(lens.iter().copied().max().unwrap_or(0)),
         };
-        Ok(Blocks {
+        Blocks {
             size,
             lens,
             padded_to,
-        })
+        }
+    }
+
+    /// Blocks of `len(s, r)` elements from rank `s` to rank `r`, for `size` ranks.
+    pub fn from_fn(size: usize, len: impl Fn(usize, usize) -> usize) -> Blocks {
+        let lens = (0..size * size).map(|i| len(i / size, i % size)).collect();
+        Blocks::fitted(size, lens)
     }
 
     /// Blocks where every rank sends rank `r` `lens[r]` elements.
-    pub fn to_each(lens: &[usize]) -> Result<Blocks> {
-        let size = lens.len();
-        Blocks::new(size, lens.repeat(size))
+    pub fn to_each(lens: &[usize]) -> Blocks {
+        Blocks::from_fn(lens.len(), |_, r| lens[r])
     }
 
     /// The elements of rank `s`'s block for rank `r` (its padding excluded).
@@ -118,14 +117,14 @@ pub(crate) mod tests {
 
     #[test]
     fn blocks_travel_unequal_unless_mpi_counts_would_overflow() {
-        let b = Blocks::to_each(&[5, 0, 3]).unwrap();
+        let b = Blocks::to_each(&[5, 0, 3]);
         assert_eq!(b.room(0, 1), 0);
         assert_eq!((b.send_len(1), b.recv_len(0), b.recv_len(1)), (8, 15, 0));
         assert_eq!((b.send_at(2, 2), b.recv_at(2, 2)), (5, 6));
-        assert_eq!(Blocks::to_each(&[]).unwrap().recv_len(0), 0);
+        assert_eq!(Blocks::to_each(&[]).recv_len(0), 0);
         // A receive buffer of 3 × 1.1e9 overflows an int: equal blocks instead.
         let big = 1_100_000_000;
-        let b = Blocks::to_each(&[big, 50_000_000, 50_000_000]).unwrap();
+        let b = Blocks::to_each(&[big, 50_000_000, 50_000_000]);
         assert_eq!((b.room(0, 1), b.len(0, 1)), (big, 50_000_000));
         assert_eq!((b.send_len(0), b.recv_at(2, 1)), (3 * big, 2 * big));
     }
@@ -133,7 +132,8 @@ pub(crate) mod tests {
     #[test]
     fn each_pair_of_ranks_has_its_own_length() {
         // Rank 0 sends ranks 0, 1, 2: 1, 7, 0; rank 1: 2, 0, 4; rank 2: 0, 3, 5.
-        let b = Blocks::new(3, vec![1, 7, 0, 2, 0, 4, 0, 3, 5]).unwrap();
+        let lens = [1, 7, 0, 2, 0, 4, 0, 3, 5];
+        let b = Blocks::from_fn(3, |s, r| lens[s * 3 + r]);
         assert_eq!((0..3).map(|s| b.send_len(s)).collect::<Vec<_>>(), [8, 6, 8]);
         assert_eq!(
             (0..3).map(|r| b.recv_len(r)).collect::<Vec<_>>(),
@@ -143,6 +143,5 @@ pub(crate) mod tests {
             (b.send_at(1, 2), b.recv_at(2, 1), b.recv_at(1, 2)),
             (2, 7, 0)
         );
-        assert!(Blocks::new(2, vec![1, 2, 3]).is_err());
     }
 }

@@ -1379,7 +1379,10 @@ mod tests {
             st.keep(v);
         }
         let kept: usize = st.f32.iter().map(|v| v.capacity() * 4).sum();
-        assert!(kept <= KEPT_STAGED_BYTES && st.f32.len() == 2, "{kept} bytes kept");
+        assert!(
+            kept <= KEPT_STAGED_BYTES && st.f32.len() == 2,
+            "{kept} bytes kept"
+        );
         st.keep(vec![0.0f32; KEPT_STAGED_BYTES / 4 + 1]);
         assert_eq!(st.f32.len(), 2, "a buffer over the bound is not kept");
     }
