@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# A: 8771f29 (before the rank-order reduce), B: 34daaed (after), built as in ab_three_builds.sh.
+# usage: ./ab_1M_push.sh ROUNDS > ab_1M_push.jsonl
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
 A=/work/ab-old-target/release/examples/bench_dist_store
 B=/work/main/target/release/examples/bench_dist_store

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A: 8771f29 (before the rank-order reduce), B: 34daaed (after), C: B with blocking_wins also true for
+# broadcasts (dropped); each built with `cargo build --release --features mpi --example bench_dist_store`
+# in its own worktree and target dir. usage: ./ab_three_builds.sh ROUNDS > ab_three_builds.jsonl
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
 A=/work/ab-old-target/release/examples/bench_dist_store
 B=/work/main/target/release/examples/bench_dist_store
