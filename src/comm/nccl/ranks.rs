@@ -21,10 +21,11 @@
 //!
 //! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`). Every call
 //! polls `ncclCommGetAsyncError` and its stream with the `KVSTORE_TIMEOUT` bound (default
-//! [`launch::DEFAULT_TIMEOUT`], 30 minutes). A rank that stops calling, or dies, leaves the others' collectives without progress:
-//! when the bound passes they abort the communicator (`ncclCommAbort`, which ends its kernels)
-//! and return [`Error::Timeout`] naming the op and keys. The communicator is unusable after a
-//! failure: later calls return [`Error::DistFailed`].
+//! [`launch::DEFAULT_TIMEOUT`], 30 minutes). A rank that stops calling, or dies, leaves the
+//! others' collectives without progress: when the bound passes they abort the communicator
+//! (`ncclCommAbort`, which ends its kernels and waits for them to exit, so the call's arrays are
+//! free to go) and return [`Error::Timeout`] naming the op and keys. The communicator is
+//! unusable after a failure: later calls return [`Error::DistFailed`].
 //!
 //! # Streams
 //!
@@ -251,9 +252,10 @@ impl RankComm {
         let (sp, rp) = (s.ptr(), r.ptr());
         self.call(op, &[], |lib, comm, stream| {
             // SAFETY: both addresses name live buffers of `n` elements of the dtype on this
-            // rank's GPU, locked for the call, and freed on the runtime stream, which waits
-            // for this one; `call` hands over the live communicator, under `state`'s lock,
-            // and this rank's own stream.
+            // rank's GPU, locked for the call, which returns only once the collective is done
+            // or the communicator is aborted (abort synchronizes NCCL's stream first,
+            // nccl#1462); `call` hands over the live communicator, under `state`'s lock, and
+            // this rank's own stream.
             unsafe {
                 result::reduce(
                     lib,
@@ -378,8 +380,10 @@ impl RankComm {
                 for &(p, n, dt, root, reduce) in &items {
                     let issued = match reduce {
                         // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
-                        // rank's GPU, write-locked for the call, and freed on the runtime
-                        // stream, which waits for this one; NCCL allows it in place; `call`
+                        // rank's GPU, write-locked for the call, which returns only once this
+                        // stream's work is done or the communicator is aborted (abort
+                        // synchronizes NCCL's stream before it returns, nccl#1462), so the
+                        // buffer outlives the collective; NCCL allows it in place; `call`
                         // hands over the live communicator, under `state`'s lock, and this
                         // rank's own stream.
                         true => unsafe {
