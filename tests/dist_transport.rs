@@ -339,6 +339,8 @@ fn inner() {
         "blocking_stall" => case_blocking_stall(),
         "rs_edges" => case_rs_edges(),
         "rs_mismatch" => case_rs_mismatch(),
+        "reduce_short" => case_reduce_mismatch(false),
+        "reduce_long" => case_reduce_mismatch(true),
         "rs_kill" => case_rs_kill(),
         other => panic!("unknown case {other}"),
     }
@@ -789,6 +791,29 @@ fn ranks_that_disagree_on_a_reduce_scatter_size_all_fail_without_the_check_on_2_
     }
 }
 
+#[test]
+fn a_reduce_in_rank_order_whose_ranks_disagree_on_the_size_never_sums_on_3_ranks() {
+    // The reduce on three ranks or more is point to point into the root: a rank that sends
+    // fewer elements than the root expects, or more, must fail the root, never give it a sum.
+    // The senders hold nothing of the result; they may end Ok.
+    for case in ["reduce_short", "reduce_long"] {
+        let Some(job) = rs_job(3, case, &[("KVSTORE_TIMEOUT", "3")]) else {
+            return;
+        };
+        for r in 0..3 {
+            for l in job.lines(r) {
+                assert!(!l.contains("WRONG"), "{case}, rank {r}: {l}\n{job}");
+            }
+        }
+        assert!(
+            job.lines(0)
+                .iter()
+                .any(|l| l.contains("ROOT RESULT error") && l.contains("disagree on")),
+            "{case}: the root did not fail naming why\n{job}"
+        );
+    }
+}
+
 /// The sum over ranks 0, 1, … in that order, as the reduce-scatter promises (f16/bf16 in f32,
 /// rounded once).
 fn rank_order_sum<T: Element + Wire>(
@@ -980,4 +1005,33 @@ fn case_rs_kill() {
         }
     }
     ok(w, "rs_kill", "(must not happen)");
+}
+
+/// See `a_reduce_in_rank_order_whose_ranks_disagree_on_the_size_never_sums_on_3_ranks`: a
+/// reduce to rank 0 where rank 2 sends 4 elements and the others 8, or (`long`) where the root
+/// expects 4 and the others send 8.
+fn case_reduce_mismatch(long: bool) {
+    let w = World::get().expect("the world");
+    let (r, size) = (w.rank(), w.size());
+    let short = if long { 0 } else { 2 };
+    let n = if r == short { 4 } else { 8 };
+    let send: Vec<f32> = (0..n).map(|i| (100 * (r + 1) + i) as f32).collect();
+    let fp = Fingerprint::new("push").entry(0, &[1], DType::F32);
+    let recv = if r == 0 {
+        vec![f32::NAN; n]
+    } else {
+        Vec::new()
+    };
+    let res = w.begin(&fp).and_then(|mut call| {
+        let p = call.reduce_sum(send, recv, 0)?;
+        call.wait(p)
+    });
+    let line = match (res, r) {
+        (Ok(d), 0) => format!("ROOT RESULT Ok {:?} (WRONG: the sizes disagree)", d.recv),
+        (Ok(_), _) => "RESULT Ok (a sender)".to_owned(),
+        (Err(e), 0) => format!("ROOT RESULT error: {e}"),
+        (Err(e), _) => format!("RESULT error: {e}"),
+    };
+    println!("KVT rank={r} size={size} {line}");
+    ok(w, "reduce_mismatch", "");
 }
