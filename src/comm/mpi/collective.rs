@@ -201,8 +201,8 @@ impl Staged {
 }
 
 /// The most bytes of buffers for the other ranks' blocks the world keeps per element type (see
-/// [`Staged`]): a whole key's blocks at the default `KVSTORE_BIGARRAY_BOUND` (4 MiB per rank),
-/// and a sliced key's of up to 64 MiB on two ranks.
+/// [`Staged`]): at the default `KVSTORE_BIGARRAY_BOUND`, a whole f32 key's blocks (4 MiB per
+/// other rank) on up to 17 ranks, or a sliced f32 key of up to 128 MiB on two ranks.
 const KEPT_STAGED_BYTES: usize = 64 << 20;
 
 /// The most bytes each of the f32 buffers of a blocking f16/bf16 reduce that the world keeps
@@ -555,6 +555,13 @@ impl Call {
         (kind as c_int) + 2 * (self.seq % 8192) as c_int
     }
 
+    /// Whether a reduce is the store's own, point to point in rank order: on three ranks or
+    /// more, where MPI's order of additions depends on the message size (on two, `a0 + a1`
+    /// is the same float in either order, and `MPI_Reduce` serves).
+    fn sums_in_rank_order(&self) -> bool {
+        self.world.size >= 3
+    }
+
     /// Runs the blocking collective `f`, of `coll`, under the watchdog.
     fn bound(&self, coll: Coll, f: impl FnOnce() -> c_int) -> c_int {
         self.world.watchdog.bound((self.seq, self.op, coll), f)
@@ -581,7 +588,7 @@ impl Call {
         recv: Vec<T>,
         root: usize,
     ) -> Result<Pending<T>> {
-        if self.world.size >= 3 {
+        if self.sums_in_rank_order() {
             return self.reduce_in_order(send, recv, root);
         }
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
@@ -641,7 +648,7 @@ impl Call {
                     .to_owned(),
             ));
         }
-        if self.world.size >= 3 {
+        if self.sums_in_rank_order() {
             return self.reduce_in_order_blocking(send, recv, root);
         }
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
@@ -1107,9 +1114,10 @@ impl Call {
         let at = |k: usize| p.counts[k * size..].as_ptr();
         let (send_counts, send_displs, recv_counts, recv_displs) = (at(0), at(1), at(2), at(3));
         // SAFETY: `send` holds the sum of this rank's sent lengths and `recv` of its received
-        // ones (checked above), of T's MPI datatype; the four arrays of `size` counts and displacements stay
-        // in `p.counts` (never resized) until completion, or are leaked with the buffers;
-        // every block lies inside its buffer by construction; the communicator is valid.
+        // ones (checked above), of T's MPI datatype; the four arrays of `size` counts and
+        // displacements stay in `p.counts` (never resized) until completion, or are leaked
+        // with the buffers; every block lies inside its buffer by construction; the
+        // communicator is valid.
         let rc = match self.blocking {
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Alltoallv(
