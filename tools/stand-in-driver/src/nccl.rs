@@ -13,7 +13,7 @@ use std::sync::MutexGuard;
 
 use crate::state::{
     self, handle, lock, nc, nccl_elem_size, notify, report, unhandle, Clique, Coll, CollKind, Comm,
-    Kind, Part, State, Work,
+    Kind, Part, Peers, State, Work,
 };
 
 type Handle = *mut c_void;
@@ -604,12 +604,22 @@ fn issue(st: &mut State, comm: usize, part: Part) -> i32 {
     }
     st.cliques[k].next_seq[rank] += 1;
     let s = part.stream;
-    let what = format!(
-        "nccl {:?} (rank {rank} of {nranks}, {} elements) on {}",
-        part.kind,
-        part.count,
-        st.stream_name(s)
-    );
+    let what = if part.kind == CollKind::SendRecv {
+        format!(
+            "nccl SendRecv (rank {rank} of {nranks}, sends {:?}, receives {:?} elements per \
+             peer) on {}",
+            part.peers.send_counts(),
+            part.peers.recv_counts(),
+            st.stream_name(s)
+        )
+    } else {
+        format!(
+            "nccl {:?} (rank {rank} of {nranks}, {} elements) on {}",
+            part.kind,
+            part.count,
+            st.stream_name(s)
+        )
+    };
     st.colls[ci].parts[rank] = Some(part);
     let (pos, vc) = st.push_op(s, what, Work::Coll { coll: ci, rank });
     if let Some(p) = st.colls[ci].parts[rank].as_mut() {
@@ -641,9 +651,27 @@ fn check_match(st: &mut State, ci: usize) -> i32 {
     let p0 = crate::xproc::Header::of(first);
     let mismatch = parts
         .iter()
-        .find_map(|(r, p)| crate::xproc::differ(&crate::xproc::Header::of(p), &p0).map(|d| (r, d)));
+        .find_map(|(r, p)| {
+            crate::xproc::differ(&crate::xproc::Header::of(p), &p0)
+                .map(|d| format!("rank {r} and rank {r0} differ in {d}"))
+        })
+        .or_else(|| {
+            // Point-to-point: what each rank sends each peer is what that peer receives from
+            // it (the pairs of this process; those with ranks of other processes are checked
+            // when their files arrive).
+            (p0.kind == CollKind::SendRecv)
+                .then(|| {
+                    let n = st.colls[ci].parts.len();
+                    let (mut sends, mut recvs) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+                    for (r, p) in &parts {
+                        (sends[*r], recvs[*r]) = (p.peers.send_counts(), p.peers.recv_counts());
+                    }
+                    state::p2p_mismatch(&sends, &recvs)
+                })
+                .flatten()
+        });
     let k = st.colls[ci].clique;
-    if let Some((r, d)) = mismatch {
+    if let Some(d) = mismatch {
         st.colls[ci].cancelled.fill(true);
         for c in st.cliques[k].comms.clone().into_iter().flatten() {
             st.comms[c].async_error = nc::INVALID_USAGE;
@@ -651,12 +679,24 @@ fn check_match(st: &mut State, ci: usize) -> i32 {
         return reject(
             nc::INVALID_USAGE,
             format!(
-                "collective #{} of clique {k}: rank {r} and rank {r0} differ in {d}; every rank \
-                 must make the same call (real NCCL would hang or corrupt memory). The \
-                 communicators now report ncclInvalidUsage from ncclCommGetAsyncError",
-                st.colls[ci].seq
+                "collective #{} of clique {k} ({:?}): {d}; every rank must make the same call \
+                 (real NCCL would hang or corrupt memory). The communicators now report \
+                 ncclInvalidUsage from ncclCommGetAsyncError",
+                st.colls[ci].seq, p0.kind
             ),
         );
+    }
+    if p0.kind == CollKind::SendRecv {
+        // A rank is ordered after the ranks it receives bytes from.
+        for (_, p) in &parts {
+            let from = p.peers.recv_counts();
+            for (q, pq) in &parts {
+                if from[*q] > 0 {
+                    st.streams[p.stream].vc.join(&pq.vc);
+                }
+            }
+        }
+        return nc::SUCCESS;
     }
     let root = p0.root as usize;
     for (r, p) in &parts {
@@ -676,6 +716,38 @@ fn check_match(st: &mut State, ci: usize) -> i32 {
         }
     }
     nc::SUCCESS
+}
+
+/// Checks that a call's `what` buffer of `bytes` bytes at `ptr` lies in one live allocation on
+/// the rank's device (nothing to check for 0 bytes).
+fn check_buffer(
+    st: &State,
+    call: &str,
+    rank: usize,
+    device: usize,
+    what: &str,
+    ptr: u64,
+    bytes: usize,
+) -> Result<(), i32> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let (d, _) = st.locate(ptr, bytes).map_err(|e| {
+        reject(
+            nc::INVALID_ARGUMENT,
+            format!("{call} (rank {rank}) {what} buffer: {e}"),
+        )
+    })?;
+    if d != device {
+        return Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!(
+                "{call} (rank {rank}): the {what} buffer {ptr:#x} is on gpu {d}, the rank on \
+                 gpu {device}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Validates and issues (or defers, inside a group) one collective call.
@@ -732,29 +804,14 @@ fn collective(
             CollKind::AllReduce => (count * es, count * es),
             CollKind::AllGather => (count * es, count * es * nranks),
             CollKind::ReduceScatter => (count * es * nranks, count * es),
+            // Point-to-point calls are checked by `p2p`, never here.
+            CollKind::SendRecv => (0, 0),
         };
         for (what, ptr, bytes) in [
             ("send", send as u64, send_bytes),
             ("receive", recv as u64, recv_bytes),
         ] {
-            if bytes == 0 {
-                continue;
-            }
-            let (d, _) = st.locate(ptr, bytes).map_err(|e| {
-                reject(
-                    nc::INVALID_ARGUMENT,
-                    format!("{call} (rank {rank}) {what} buffer: {e}"),
-                )
-            })?;
-            if d != device {
-                return Err(reject(
-                    nc::INVALID_ARGUMENT,
-                    format!(
-                        "{call} (rank {rank}): the {what} buffer {ptr:#x} is on gpu {d}, the \
-                         rank on gpu {device}"
-                    ),
-                ));
-            }
+            check_buffer(&st, call, rank, device, what, ptr, bytes)?;
         }
         let part = Part {
             kind,
@@ -769,6 +826,7 @@ fn collective(
             vc: Default::default(),
             thread: std::thread::current().id(),
             grouped: in_group(),
+            peers: Peers::default(),
         };
         if part.grouped {
             drop(st);
@@ -906,6 +964,206 @@ pub extern "C" fn ncclReduceScatter(
         dtype,
         op,
         0,
+        comm,
+        stream,
+    )
+}
+
+/// Validates one `ncclSend` (`send`) or `ncclRecv` and adds its block to this thread's
+/// point-to-point part of the communicator: inside a group, the part deferred with the
+/// communicator's first point-to-point call of the group (made then, at that position among
+/// the group's calls); outside a group, a part of its own, issued at once.
+#[allow(clippy::too_many_arguments)]
+fn p2p(
+    call: &str,
+    send: bool,
+    buf: u64,
+    count: usize,
+    dtype: c_int,
+    peer: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    run(|| {
+        let mut st = lock();
+        let c = comm_of(&st, comm, call)?;
+        check_settled(&st, c, call)?;
+        let s = st
+            .stream(stream)
+            .map_err(|_| reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream")))?;
+        let (device, rank) = (st.comms[c].device, st.comms[c].rank);
+        let nranks = st.cliques[st.comms[c].clique].nranks;
+        if st.device_of_stream(s) != device {
+            return Err(reject(
+                nc::INVALID_ARGUMENT,
+                format!(
+                    "{call}: rank {rank}'s device is gpu {device}, but the stream is {}",
+                    st.stream_name(s)
+                ),
+            ));
+        }
+        let es = nccl_elem_size(dtype)
+            .ok_or_else(|| reject(nc::INVALID_ARGUMENT, format!("{call}: datatype {dtype}")))?;
+        if peer < 0 || peer as usize >= nranks {
+            return Err(reject(
+                nc::INVALID_ARGUMENT,
+                format!("{call} (rank {rank}): peer {peer} with {nranks} ranks"),
+            ));
+        }
+        let peer = peer as usize;
+        let what = if send { "send" } else { "receive" };
+        let bytes = count.checked_mul(es).ok_or_else(|| {
+            reject(
+                nc::INVALID_ARGUMENT,
+                format!("{call} (rank {rank}): {count} elements"),
+            )
+        })?;
+        check_buffer(&st, call, rank, device, what, buf, bytes)?;
+        // Adds this call's block to `part`, this thread's part of the communicator.
+        let add = |st: &State, part: &mut Part| -> Result<(), i32> {
+            if part.stream != s {
+                return Err(reject(
+                    nc::INVALID_USAGE,
+                    format!(
+                        "{call} (rank {rank}, peer {peer}): on {}, but this group's first \
+                         ncclSend/ncclRecv on the communicator was on {}; the stand-in takes \
+                         one stream per communicator for the point-to-point calls of one group \
+                         (stricter than NCCL)",
+                        st.stream_name(s),
+                        st.stream_name(part.stream)
+                    ),
+                ));
+            }
+            if part.dtype != dtype {
+                return Err(reject(
+                    nc::INVALID_USAGE,
+                    format!(
+                        "{call} (rank {rank}, peer {peer}): datatype {dtype}, but this group's \
+                         first ncclSend/ncclRecv on the communicator has {}; the stand-in takes \
+                         one datatype per communicator for the point-to-point calls of one \
+                         group (stricter than NCCL)",
+                        part.dtype
+                    ),
+                ));
+            }
+            let slot = if send {
+                &mut part.peers.sends[peer]
+            } else {
+                &mut part.peers.recvs[peer]
+            };
+            if let Some((_, earlier)) = *slot {
+                return Err(reject(
+                    nc::INVALID_USAGE,
+                    format!(
+                        "{call} (rank {rank}): a second {what} {} peer {peer} in one group \
+                         ({count} elements; the first was {earlier}); the stand-in takes one \
+                         block per peer and direction in the point-to-point calls of one group \
+                         on one communicator (stricter than NCCL, which would queue both)",
+                        if send { "to" } else { "from" }
+                    ),
+                ));
+            }
+            *slot = Some((buf, count));
+            if send {
+                part.count += count;
+            }
+            Ok(())
+        };
+        let grouped = in_group();
+        let fresh = || Part {
+            kind: CollKind::SendRecv,
+            send: 0,
+            recv: 0,
+            count: 0,
+            dtype,
+            op: 0,
+            root: 0,
+            stream: s,
+            pos: 0,
+            vc: Default::default(),
+            thread: std::thread::current().id(),
+            grouped,
+            peers: Peers::new(nranks),
+        };
+        if grouped {
+            return GROUP.with(|g| {
+                let mut g = g.borrow_mut();
+                let deferred = g.1.iter_mut().find_map(|d| match d {
+                    Deferred::Coll { comm, part }
+                        if *comm == c && part.kind == CollKind::SendRecv =>
+                    {
+                        Some(part)
+                    }
+                    _ => None,
+                });
+                match deferred {
+                    Some(part) => add(&st, part),
+                    None => {
+                        let mut part = fresh();
+                        add(&st, &mut part)?;
+                        g.1.push(Deferred::Coll { comm: c, part });
+                        Ok(())
+                    }
+                }
+            });
+        }
+        let mut part = fresh();
+        add(&st, &mut part)?;
+        match issue(&mut st, c, part) {
+            nc::SUCCESS if st.comms[c].nonblocking => {
+                st.comms[c].busy = 1;
+                Err(nc::IN_PROGRESS)
+            }
+            nc::SUCCESS => Ok(()),
+            e => Err(e),
+        }
+    })
+}
+
+/// `ncclSend`: `count` elements of `datatype` at `sendbuff` to rank `peer`. Issued with the
+/// thread's other point-to-point calls on the communicator in the same group as one part of a
+/// collective of kind `SendRecv` (see `p2p`; a count of 0 needs no buffer).
+#[no_mangle]
+pub extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    crate::calls::count("ncclSend");
+    p2p(
+        "ncclSend",
+        true,
+        sendbuff as u64,
+        count,
+        datatype,
+        peer,
+        comm,
+        stream,
+    )
+}
+
+/// `ncclRecv`: `count` elements of `datatype` from rank `peer` into `recvbuff`, as
+/// [`ncclSend`]'s counterpart.
+#[no_mangle]
+pub extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> i32 {
+    crate::calls::count("ncclRecv");
+    p2p(
+        "ncclRecv",
+        false,
+        recvbuff as u64,
+        count,
+        datatype,
+        peer,
         comm,
         stream,
     )

@@ -366,6 +366,59 @@ pub enum CollKind {
     AllReduce,
     AllGather,
     ReduceScatter,
+    /// `ncclSend` and `ncclRecv`: all the point-to-point calls one thread makes on one
+    /// communicator inside one group (or one such call outside a group) are one part, and the
+    /// parts are matched like those of other collectives (see `Peers`).
+    SendRecv,
+}
+
+/// The blocks of a point-to-point part ([`CollKind::SendRecv`]), indexed by peer: (address,
+/// elements) of what the rank sends to that peer and of what it receives from it; `None` where
+/// it named no such block (the same as 0 elements). Empty for the other kinds.
+#[derive(Clone, Debug, Default)]
+pub struct Peers {
+    pub sends: Vec<Option<(u64, usize)>>,
+    pub recvs: Vec<Option<(u64, usize)>>,
+}
+
+impl Peers {
+    /// No block to or from any of `n` ranks yet.
+    pub fn new(n: usize) -> Peers {
+        Peers {
+            sends: vec![None; n],
+            recvs: vec![None; n],
+        }
+    }
+
+    /// The elements sent to each peer (0 where none was named).
+    pub fn send_counts(&self) -> Vec<usize> {
+        self.sends.iter().map(|b| b.map_or(0, |(_, c)| c)).collect()
+    }
+
+    /// The elements received from each peer (0 where none was named).
+    pub fn recv_counts(&self) -> Vec<usize> {
+        self.recvs.iter().map(|b| b.map_or(0, |(_, c)| c)).collect()
+    }
+}
+
+/// The first disagreement of a point-to-point collective: an ordered pair of ranks `(a, b)`
+/// where what `a` sends to `b` (`sends[a][b]`) is not what `b` receives from `a`
+/// (`recvs[b][a]`). Ranks whose counts are unknown (empty rows) are skipped.
+pub fn p2p_mismatch(sends: &[Vec<usize>], recvs: &[Vec<usize>]) -> Option<String> {
+    for (a, to) in sends.iter().enumerate() {
+        for (b, &sent) in to.iter().enumerate() {
+            let Some(&got) = recvs.get(b).and_then(|from| from.get(a)) else {
+                continue;
+            };
+            if sent != got {
+                return Some(format!(
+                    "rank {a} sends {sent} elements to rank {b} (peer {b}), but rank {b} receives \
+                     {got} elements from rank {a} (peer {a})"
+                ));
+            }
+        }
+    }
+    None
 }
 
 /// One rank's part of a collective, as issued.
@@ -383,6 +436,9 @@ pub struct Part {
     pub vc: Vc,
     pub thread: ThreadId,
     pub grouped: bool,
+    /// [`CollKind::SendRecv`]: the blocks sent and received, per peer (`count` is then the
+    /// elements sent in all, `send` and `recv` are 0).
+    pub peers: Peers,
 }
 
 pub struct Coll {
@@ -1133,7 +1189,20 @@ impl State {
             let Some(p) = p else { continue };
             let es = nccl_elem_size(p.dtype).expect("checked at issue");
             let len = send_len(p.kind, p.count * es, n, r, p.root);
-            let data = if len > 0 {
+            let data = if p.kind == CollKind::SendRecv {
+                // The per-peer counts, then the blocks sent, in peer order.
+                let mut blocks = Vec::with_capacity(len);
+                for (q, b) in p.peers.sends.iter().enumerate() {
+                    if let Some((addr, count)) = b.filter(|&(_, c)| c > 0) {
+                        let bytes = self
+                            .mem
+                            .read(addr, count * es)
+                            .map_err(|e| format!("rank {r}'s send buffer for peer {q}: {e:#}"))?;
+                        blocks.extend_from_slice(&bytes);
+                    }
+                }
+                crate::xproc::p2p_payload(&p.peers.send_counts(), &p.peers.recv_counts(), &blocks)
+            } else if len > 0 {
                 self.mem
                     .read(p.send, len)
                     .map_err(|e| format!("rank {r}'s send buffer: {e:#}"))?
@@ -1580,6 +1649,9 @@ impl State {
     /// against this process's parts first). Only this process's ranks receive.
     fn run_collective(&mut self, coll: usize) -> Result<(), (i32, String)> {
         let parts: Vec<Option<Part>> = self.colls[coll].parts.clone();
+        if parts.iter().flatten().any(|p| p.kind == CollKind::SendRecv) {
+            return self.run_send_recv(coll);
+        }
         let (k, seq) = (self.colls[coll].clique, self.colls[coll].seq);
         let n = parts.len();
         let (r0, p0) = parts
@@ -1622,33 +1694,12 @@ impl State {
                 *slot = Some(data);
             }
             if let Some(d) = mismatch {
-                let message = format!(
-                    "collective #{seq} of clique {k}: {d}; every rank must make the same call \
-                     (real NCCL would hang or corrupt memory). The communicators of this process \
-                     now report ncclInvalidUsage from ncclCommGetAsyncError"
-                );
-                self.cliques[k].broken = true;
-                for c in self.cliques[k].comms.clone().into_iter().flatten() {
-                    self.comms[c].async_error = nc::INVALID_USAGE;
-                }
-                self.colls[coll].cancelled.fill(true);
-                return Err((cu::LAUNCH_FAILED, message));
+                return Err(self.refuse_remote(coll, &d));
             }
         }
         let check = |st: &mut State, r: usize, addr: u64, len: usize, write: bool| {
             let p = parts[r].as_ref().expect("a part of this process");
-            let (_, base) = st
-                .find_alloc(addr, len)
-                .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{what}, rank {r}: {e}")))?;
-            let what_r: Arc<str> = format!("{what}, rank {r}").into();
-            st.access(
-                base,
-                (addr - base, addr - base + len as u64),
-                write,
-                p.stream,
-                &p.vc,
-                &what_r,
-            )
+            st.part_access(p, r, &what, addr, len, write)
         };
         // What each rank sends: read here (after the race check) or published by its process.
         let mut inputs: Vec<Vec<u8>> = vec![Vec::new(); n];
@@ -1686,6 +1737,7 @@ impl State {
             CollKind::AllGather => Some(inputs.concat()),
             CollKind::Broadcast => Some(inputs[root].clone()),
             CollKind::ReduceScatter => None,
+            CollKind::SendRecv => unreachable!("run_send_recv moves point-to-point data"),
         };
         for (r, p) in parts.iter().enumerate() {
             let Some(p) = p.as_ref().filter(|_| receives(r)) else {
@@ -1703,6 +1755,158 @@ impl State {
             };
             self.mem
                 .write(p.recv, &out)
+                .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
+        }
+        Ok(())
+    }
+}
+
+impl State {
+    /// Refuses collective `coll` after the parts of other processes disagreed with this
+    /// process's (`d` says how): every part of it is cancelled, the clique is broken, and this
+    /// process's communicators report ncclInvalidUsage. Returns the stream operation's error.
+    fn refuse_remote(&mut self, coll: usize, d: &str) -> (i32, String) {
+        let (k, seq) = (self.colls[coll].clique, self.colls[coll].seq);
+        let message = format!(
+            "collective #{seq} of clique {k}: {d}; every rank must make the same call (real \
+             NCCL would hang or corrupt memory). The communicators of this process now report \
+             ncclInvalidUsage from ncclCommGetAsyncError"
+        );
+        self.cliques[k].broken = true;
+        for c in self.cliques[k].comms.clone().into_iter().flatten() {
+            self.comms[c].async_error = nc::INVALID_USAGE;
+        }
+        self.colls[coll].cancelled.fill(true);
+        (cu::LAUNCH_FAILED, message)
+    }
+
+    /// Checks and records an access of `len` bytes at `addr` by rank `r`'s part `p` of a
+    /// collective (`what` names it), as its stream's operation: `write` for what it receives.
+    fn part_access(
+        &mut self,
+        p: &Part,
+        r: usize,
+        what: &str,
+        addr: u64,
+        len: usize,
+        write: bool,
+    ) -> Result<(), (i32, String)> {
+        let (_, base) = self
+            .find_alloc(addr, len)
+            .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{what}, rank {r}: {e}")))?;
+        let what_r: Arc<str> = format!("{what}, rank {r}").into();
+        self.access(
+            base,
+            (addr - base, addr - base + len as u64),
+            write,
+            p.stream,
+            &p.vc,
+            &what_r,
+        )
+    }
+
+    /// Moves the data of point-to-point collective `coll` (`ncclSend` / `ncclRecv`): every
+    /// receiving rank of this process gets, from each peer it receives from, exactly the block
+    /// that peer sends it (bytes, copied). The parts of ranks in other processes come from
+    /// their files (per-peer counts, then the blocks sent, in peer order); every pair of ranks
+    /// is checked first, here too, so every process sees a disagreement.
+    fn run_send_recv(&mut self, coll: usize) -> Result<(), (i32, String)> {
+        let parts: Vec<Option<Part>> = self.colls[coll].parts.clone();
+        let (k, seq) = (self.colls[coll].clique, self.colls[coll].seq);
+        let n = parts.len();
+        let (r0, p0) = parts
+            .iter()
+            .enumerate()
+            .find_map(|(r, p)| p.clone().map(|p| (r, p)))
+            .expect("a part of this process");
+        let es = nccl_elem_size(p0.dtype).expect("checked at issue");
+        let what = format!("nccl SendRecv (collective #{seq} over {n} ranks, clique {k})");
+        // Per rank: the elements it sends to and receives from each peer (empty: unknown).
+        let mut sends: Vec<Vec<usize>> = vec![Vec::new(); n];
+        let mut recvs: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (r, p) in parts.iter().enumerate() {
+            if let Some(p) = p {
+                sends[r] = p.peers.send_counts();
+                recvs[r] = p.peers.recv_counts();
+            }
+        }
+        // The blocks ranks of other processes send, concatenated in peer order.
+        let mut remote: Vec<Vec<u8>> = vec![Vec::new(); n];
+        if let (true, Some(dir)) = (self.cliques[k].xproc(), self.cliques[k].shm.clone()) {
+            let mine = crate::xproc::Header::of(&p0);
+            let mut mismatch = None;
+            for r in 0..n {
+                let Some(f) = self.cliques[k].remote[r] else {
+                    continue;
+                };
+                let (h, data) =
+                    crate::xproc::take(&dir, seq, r).map_err(|m| (cu::LAUNCH_FAILED, m))?;
+                if mismatch.is_some() {
+                    continue;
+                }
+                if let Some(d) = crate::xproc::differ(&h, &mine) {
+                    mismatch = Some(format!(
+                        "rank {r} (process {}) and rank {r0} differ in {d}",
+                        f.pid
+                    ));
+                    continue;
+                }
+                match crate::xproc::p2p_split(&data, n, h.count, es) {
+                    Ok((s, rc, blocks)) => {
+                        (sends[r], recvs[r]) = (s, rc);
+                        remote[r] = blocks.to_vec();
+                    }
+                    Err(m) => mismatch = Some(format!("rank {r} (process {}): {m}", f.pid)),
+                }
+            }
+            if let Some(d) = mismatch.or_else(|| p2p_mismatch(&sends, &recvs)) {
+                return Err(self.refuse_remote(coll, &d));
+            }
+        }
+        // block[q][r]: what rank q sends rank r, where r is of this process. This process's
+        // senders' blocks are read (for every peer, as the kernel reads them) after the race
+        // check; other processes' come from their files.
+        let mut block: Vec<Vec<Vec<u8>>> = vec![vec![Vec::new(); n]; n];
+        for q in 0..n {
+            match &parts[q] {
+                Some(p) => {
+                    for (r, b) in p.peers.sends.iter().enumerate() {
+                        let Some((addr, count)) = b.filter(|&(_, c)| c > 0) else {
+                            continue;
+                        };
+                        self.part_access(p, q, &what, addr, count * es, false)?;
+                        block[q][r] = self
+                            .mem
+                            .read(addr, count * es)
+                            .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
+                    }
+                }
+                None => {
+                    let mut at = 0;
+                    for r in 0..n {
+                        let len = sends[q].get(r).copied().unwrap_or(0) * es;
+                        if parts[r].is_some() {
+                            block[q][r] = remote[q][at..at + len].to_vec();
+                        }
+                        at += len;
+                    }
+                }
+            }
+        }
+        let mut writes = Vec::new();
+        for (r, p) in parts.iter().enumerate() {
+            let Some(p) = p else { continue };
+            for (q, b) in p.peers.recvs.iter().enumerate() {
+                let Some((addr, count)) = b.filter(|&(_, c)| c > 0) else {
+                    continue;
+                };
+                self.part_access(p, r, &what, addr, count * es, true)?;
+                writes.push((addr, std::mem::take(&mut block[q][r])));
+            }
+        }
+        for (addr, bytes) in writes {
+            self.mem
+                .write(addr, &bytes)
                 .map_err(|e| (cu::ILLEGAL_ADDRESS, format!("{e:#}")))?;
         }
         Ok(())

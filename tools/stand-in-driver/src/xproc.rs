@@ -12,11 +12,16 @@
 //! - `seen-<r>`: rank `r` saw every rank's file. Joining ends when every rank has said so
 //!   (as NCCL's bootstrap is a collective: no rank's init returns before all have met).
 //! - `c<seq>-from<r>-to<pid>`: rank `r`'s part of collective `seq` for the process `pid`: a
-//!   header (kind, count, datatype, operation, root) and the bytes rank `r` sends (nothing for
-//!   a broadcast's other ranks). Written when every part of this process is at the front of
-//!   its stream (the moment a GPU would start the kernel), read and deleted by `pid` when it
-//!   runs the collective. A process reads every other rank's header, so a mismatch is seen by
-//!   every rank, not only the ones that receive data.
+//!   header (kind, count, datatype, operation, root, length) and the bytes rank `r` sends
+//!   (nothing for a broadcast's other ranks). For `ncclSend` / `ncclRecv` (kind 6,
+//!   `SendRecv`) the header's count is the elements the rank sends in all, and the bytes after
+//!   the header are a table of `2 * nranks` little-endian u64 (the elements it sends to each
+//!   peer, in peer order, then the elements it receives from each peer), then its send blocks
+//!   concatenated in peer order; the header's length covers both. The other kinds' files are
+//!   unchanged. Written when every part of this process is at the front of its stream (the
+//!   moment a GPU would start the kernel), read and deleted by `pid` when it runs the
+//!   collective. A process reads every other rank's header, so a mismatch is seen by every
+//!   rank, not only the ones that receive data.
 //! - `left-<r>`: rank `r`'s communicator ended. The last process to leave (every rank left or
 //!   its process is gone) removes the folder.
 //!
@@ -183,7 +188,9 @@ impl Header {
 pub fn differ(p: &Header, p0: &Header) -> Option<String> {
     if p.kind != p0.kind {
         Some(format!("the kind ({:?} vs {:?})", p.kind, p0.kind))
-    } else if p.count != p0.count {
+    } else if p.count != p0.count && p.kind != CollKind::SendRecv {
+        // Point-to-point ranks send different totals: their pairs are checked instead
+        // (`state::p2p_mismatch`).
         Some(format!("the count ({} vs {})", p.count, p0.count))
     } else if p.dtype != p0.dtype {
         Some(format!("the datatype ({} vs {})", p.dtype, p0.dtype))
@@ -210,6 +217,7 @@ fn kind_code(k: CollKind) -> u32 {
         CollKind::AllReduce => 3,
         CollKind::AllGather => 4,
         CollKind::ReduceScatter => 5,
+        CollKind::SendRecv => 6,
     }
 }
 
@@ -220,6 +228,7 @@ fn kind_of(code: u32) -> Option<CollKind> {
         3 => CollKind::AllReduce,
         4 => CollKind::AllGather,
         5 => CollKind::ReduceScatter,
+        6 => CollKind::SendRecv,
         _ => return None,
     })
 }
@@ -278,6 +287,50 @@ pub fn take(dir: &Path, seq: u64, from: usize) -> Result<(Header, Vec<u8>), Stri
         return Err(bad());
     }
     Ok((h, bytes[HEADER_BYTES..].to_vec()))
+}
+
+/// The bytes of a point-to-point part after its header: `sends` (elements to each peer) and
+/// `recvs` (elements from each peer) as `2 * nranks` little-endian u64, then `blocks`, the
+/// blocks sent, concatenated in peer order.
+pub fn p2p_payload(sends: &[usize], recvs: &[usize], blocks: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(8 * (sends.len() + recvs.len()) + blocks.len());
+    for &c in sends.iter().chain(recvs) {
+        bytes.extend_from_slice(&(c as u64).to_le_bytes());
+    }
+    bytes.extend_from_slice(blocks);
+    bytes
+}
+
+/// A point-to-point part read back: (elements sent to each peer, elements received from each
+/// peer, the blocks sent, concatenated in peer order).
+pub type P2pPart<'a> = (Vec<usize>, Vec<usize>, &'a [u8]);
+
+/// Splits what [`p2p_payload`] wrote for a clique of `n` ranks into (elements sent to each
+/// peer, elements received from each peer, the blocks sent), checking it against the header's
+/// `count` (elements sent in all) and the element size `es`.
+pub fn p2p_split(data: &[u8], n: usize, count: usize, es: usize) -> Result<P2pPart<'_>, String> {
+    let table = 16 * n;
+    if data.len() < table {
+        return Err(format!(
+            "its point-to-point part holds {} bytes, less than the table of counts of {n} ranks",
+            data.len()
+        ));
+    }
+    let counts: Vec<usize> = data[..table]
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+        .collect();
+    let (sends, recvs) = counts.split_at(n);
+    let total: usize = sends.iter().sum();
+    let blocks = &data[table..];
+    if total != count || blocks.len() != total * es {
+        return Err(format!(
+            "its point-to-point part says {count} elements sent, its table {total}, and it \
+             holds {} bytes of blocks ({es} per element)",
+            blocks.len()
+        ));
+    }
+    Ok((sends.to_vec(), recvs.to_vec(), blocks))
 }
 
 /// Marks `ranks` as having left the clique; removes the folder when every rank left or its

@@ -39,6 +39,24 @@ fn data(seed: u64, rank: usize, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// Elements rank `a` sends rank `b` in the all-to-all-v (`[a][b]`), the same in every process:
+/// unequal, 0 to 299, rank 0 sends nothing to rank 1 and the last rank nothing to rank 0, and
+/// each rank sends itself a block.
+fn p2p_counts(seed: u64, n: usize) -> Vec<Vec<usize>> {
+    let mut counts: Vec<Vec<usize>> = (0..n)
+        .map(|a| {
+            let v = data(seed ^ 0x5eed, a, n);
+            v.iter().map(|x| ((x + 1.0) * 150.0) as usize).collect()
+        })
+        .collect();
+    counts[0][1] = 0;
+    counts[n - 1][0] = 0;
+    for (a, row) in counts.iter_mut().enumerate() {
+        row[a] = row[a].max(1);
+    }
+    counts
+}
+
 fn env_usize(name: &str) -> usize {
     std::env::var(name)
         .unwrap_or_else(|_| panic!("{name} is set for the children"))
@@ -293,6 +311,82 @@ fn child() {
             assert_eq!(cuStreamSynchronize(r.s), OK, "abort drains the stream");
             println!("XPROC TIMEOUT SEEN rank {}", r.rank);
         }
+        "alltoallv" => {
+            // Every rank sends counts[r][p] elements to each peer p (itself included) and
+            // receives counts[p][r] from each, in one group, as kvstore's alltoallv does.
+            let counts = p2p_counts(seed, n);
+            let total: usize = counts[r.rank].iter().sum();
+            let mine = data(seed, r.rank, total);
+            let x = upload(&r, &mine);
+            let got_len: usize = (0..n).map(|p| counts[p][r.rank]).sum();
+            let y = upload(&r, &vec![f32::NAN; got_len]);
+            let soff = |a: usize, b: usize| counts[a][..b].iter().sum::<usize>();
+            let roff = |a: usize, b: usize| (0..a).map(|q| counts[q][b]).sum::<usize>();
+            // Zero counts go with a null pointer, as NCCL allows.
+            let at = |base: u64, elems: usize, count: usize| {
+                if count == 0 {
+                    0
+                } else {
+                    base + 4 * elems as u64
+                }
+            };
+            assert_eq!(ncclGroupStart(), OK);
+            for (p, &c) in counts[r.rank].iter().enumerate() {
+                let cr = counts[p][r.rank];
+                let out = at(x, soff(r.rank, p), c) as *const c_void;
+                let e = ncclSend(out, c, NCCL_FLOAT32, p as c_int, r.comm, r.s);
+                assert_eq!(e, OK, "{}", last_error());
+                let into = at(y, roff(p, r.rank), cr) as *mut c_void;
+                let e = ncclRecv(into, cr, NCCL_FLOAT32, p as c_int, r.comm, r.s);
+                assert_eq!(e, OK, "{}", last_error());
+            }
+            done(&r, ncclGroupEnd());
+            let (e, got) = download(&r, y, got_len);
+            assert_eq!(e, OK);
+            for p in 0..n {
+                let theirs = data(seed, p, counts[p].iter().sum());
+                for i in 0..counts[p][r.rank] {
+                    let (g, w) = (got[roff(p, r.rank) + i], theirs[soff(p, r.rank) + i]);
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "rank {}, element {i} of its block from rank {p} (counts {counts:?})",
+                        r.rank
+                    );
+                }
+            }
+            if r.nonblocking {
+                done(&r, ncclCommFinalize(r.comm));
+            }
+            assert_eq!(ncclCommDestroy(r.comm), OK);
+            println!("XPROC OK rank {} counts {counts:?}", r.rank);
+        }
+        "alltoallv_mismatch" => {
+            // Rank 0 sends 5 elements to rank 1, which receives 4.
+            let x = upload(&r, &data(seed, r.rank, 8));
+            let (peer, send, recv) = match r.rank {
+                0 => (1, 5, 0),
+                _ => (0, 0, 4),
+            };
+            assert_eq!(ncclGroupStart(), OK);
+            let e = ncclSend(x as *const c_void, send, NCCL_FLOAT32, peer, r.comm, r.s);
+            assert_eq!(e, OK);
+            let e = ncclRecv(x as *mut c_void, recv, NCCL_FLOAT32, peer, r.comm, r.s);
+            assert_eq!(e, OK);
+            // Issuing is accepted: the other process's part is not known yet.
+            assert_eq!(ncclGroupEnd(), OK);
+            assert_eq!(
+                cuStreamSynchronize(r.s),
+                LAUNCH_FAILED,
+                "the sync reports it"
+            );
+            assert_eq!(
+                async_error(&r),
+                NCCL_INVALID_USAGE,
+                "the communicator reports it"
+            );
+            println!("XPROC MISMATCH SEEN rank {}", r.rank);
+        }
         "two_on_one_gpu" => {
             // Reached only when the communicator was made (the switch is on).
             println!("XPROC OK rank {}", r.rank);
@@ -533,4 +627,53 @@ fn a_peer_that_stops_calling_is_an_error_after_the_hang_bound() {
         out[1].0,
         out[1].1
     );
+}
+
+#[test]
+fn an_all_to_all_v_across_processes_matches_a_host_reference() {
+    if is_child() {
+        return child();
+    }
+    for (n, nonblocking) in [(2, "0"), (3, "0"), (3, "1")] {
+        let devices: Vec<usize> = (0..n).map(|r| r % 2).collect();
+        let out = ranks(
+            "an_all_to_all_v_across_processes_matches_a_host_reference",
+            &devices,
+            &[
+                ("XPROC_CASE", "alltoallv"),
+                ("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
+                ("XPROC_NONBLOCKING", nonblocking),
+            ],
+        );
+        for (r, (code, text)) in out.iter().enumerate() {
+            assert!(
+                *code == Some(0) && text.contains(&format!("XPROC OK rank {r}")),
+                "{n} ranks (non-blocking: {nonblocking}), rank {r} exited {code:?}:\n{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_send_count_that_differs_from_the_receive_across_processes_is_rejected() {
+    if is_child() {
+        return child();
+    }
+    let out = ranks(
+        "a_send_count_that_differs_from_the_receive_across_processes_is_rejected",
+        &[0, 1],
+        &[("XPROC_CASE", "alltoallv_mismatch")],
+    );
+    for (r, (code, text)) in out.iter().enumerate() {
+        assert!(
+            *code == Some(0) && text.contains(&format!("XPROC MISMATCH SEEN rank {r}")),
+            "rank {r} exited {code:?}:\n{text}"
+        );
+        assert!(
+            text.contains("[kvstore stand-in]")
+                && text.contains("rank 0 sends 5 elements to rank 1")
+                && text.contains("rank 1 receives 4 elements from rank 0"),
+            "rank {r} names the mismatch:\n{text}"
+        );
+    }
 }
