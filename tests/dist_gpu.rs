@@ -193,6 +193,40 @@ fn big_keys_are_sliced_over_gpu_ranks_on_2_and_3_ranks() {
     }
 }
 
+/// Gradient compression (2-bit and the bfloat16 wire) and row-sparse keys on GPU ranks, each
+/// against a reference written here element by element, with a key sliced over the ranks and
+/// one whole on a rank: under `mpirun` (the words and rows travel over MPI through host
+/// memory) and started without MPI (they travel in NCCL sends and receives, one group per
+/// all-to-all). On the stand-in driver the launch without MPI also counts the sends.
+#[test]
+#[ignore = "needs a GPU"]
+fn compression_and_row_sparse_keys_on_gpu_ranks() {
+    for (n, mpi) in [(2, true), (3, true), (2, false), (3, false)] {
+        if let Err(why) = ranks_fit(n) {
+            println!("SKIPPED: compression and row_sparse on {n} GPU ranks: {why}");
+            continue;
+        }
+        for wire in ["2bit", "bf16", "rows"] {
+            let mut env = env_with(&[
+                ("KVSTORE_TIMEOUT", "120"),
+                ("KVSTORE_BIGARRAY_BOUND", "64"),
+                ("KVT_WIRE", wire),
+            ]);
+            env.push(("KVT_SEED", rand::random::<u64>().to_string()));
+            let bound = Duration::from_secs(400);
+            let job = match mpi {
+                true => match launch(Some(n), "sparse_compressed", &as_refs(&env), bound) {
+                    Some(job) => job,
+                    None => return,
+                },
+                false => launch_without_mpi(n, "sparse_compressed", &as_refs(&env), bound),
+            };
+            check(&job, n, "sparse_compressed");
+            job.assert_ok(&(0..n).collect::<Vec<_>>(), n, "sparse_compressed", &[wire]);
+        }
+    }
+}
+
 /// The calls this thread has made to the stand-in's `name`; `None` on a real driver.
 fn standin_calls(name: &str) -> Option<u64> {
     type Count = unsafe extern "C" fn(*const std::ffi::c_char) -> u64;
@@ -219,6 +253,7 @@ fn inner() {
         "many_keys" => case_many_keys(),
         "sliced" => case_sliced(),
         "bad_env" => case_bad_env(),
+        "sparse_compressed" => case_sparse_compressed(),
         other => panic!("unknown case {other}"),
     }
 }
@@ -611,4 +646,272 @@ fn case_bad_env() {
         other => panic!("{other:?}"),
     }
     ok_line(0, 1, "bad_env", "");
+}
+
+/// One store with `KVT_WIRE`'s setting: 2-bit compression (threshold 0.5), the bfloat16 wire,
+/// or row-sparse keys (no compression). Keys: one of 40 × 7 elements, sliced over the ranks
+/// (the bound is 64), and one of 6 × 3, whole on a rank. Every value is fresh for the run's
+/// seed; every rank recomputes every rank's pushes for the reference.
+fn case_sparse_compressed() {
+    use half::bf16;
+    use kvstore::{Compression, RowSparse};
+    use rand::{Rng, SeedableRng};
+    let wire = std::env::var("KVT_WIRE").expect("KVT_WIRE");
+    let seed: u64 = std::env::var("KVT_SEED")
+        .expect("KVT_SEED")
+        .parse()
+        .expect("a seed");
+    let kv = KvStore::create("dist_device_sync").expect("a dist_device_sync store");
+    let (r, n) = (kv.rank(), kv.num_workers());
+    let mine = gpu(kv.local_rank() % gpu_count());
+    let shapes = [Shape::new(&[40, 7]).unwrap(), Shape::new(&[6, 3]).unwrap()];
+    let keys = [0, 1];
+    let random = |salt: u64, len: usize| -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ salt.wrapping_mul(0x9E37_79B9));
+        (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
+    };
+    let init: Vec<Vec<f32>> = (0..2)
+        .map(|k| random(k, shapes[k as usize].size()))
+        .collect();
+    let on = |v: &[f32], shape: Shape, device: Device| {
+        NDArray::from_vec(v.to_vec(), shape)
+            .unwrap()
+            .to_device(device)
+            .unwrap()
+    };
+    // Pulls both keys into an out on this rank's GPU and one in host memory, and compares
+    // each element with `want`, bit for bit.
+    let pull_equals = |want: &[Vec<f32>], what: &str| {
+        for k in 0..2 {
+            for device in [mine, Device::Cpu(0)] {
+                let out = on(&vec![-7.0; shapes[k].size()], shapes[k], device);
+                kv.pull(keys[k], &out).unwrap();
+                let got = out.to_vec::<f32>().unwrap();
+                for (i, (g, w)) in got.iter().zip(&want[k]).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "rank {r} {what}: key {k}[{i}] on {device} is {g}, expected {w}"
+                    );
+                }
+            }
+        }
+    };
+    if wire == "rows" {
+        kv.init_row_sparse_list(
+            &keys,
+            &[on(&init[0], shapes[0], mine), on(&init[1], shapes[1], mine)],
+        )
+        .unwrap();
+        let rows_of = |k: usize| shapes[k].dims()[0];
+        let width = |k: usize| shapes[k].dims()[1];
+        // Rank `q`'s push of round `round` to key `k`: some rows (one id twice, so the push
+        // sums it), their values.
+        let push_of = |q: usize, k: usize, round: usize| -> (Vec<u64>, Vec<f32>) {
+            let salt = 1_000 + 100 * round as u64 + 10 * q as u64 + k as u64;
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ salt);
+            let mut ids: Vec<u64> = (0..rows_of(k) / 3)
+                .map(|_| rng.gen_range(0..rows_of(k) as u64))
+                .collect();
+            ids.push(ids[0]);
+            let rows = random(salt, ids.len() * width(k));
+            (ids, rows)
+        };
+        let mut w = init.clone();
+        let lr = 0.25f32;
+        for round in 0..3 {
+            // Round 0 assigns (no updater: the value becomes the sum, zeros elsewhere); then
+            // SGD, lazily: only the rows some rank pushed change.
+            if round == 1 {
+                kv.set_updater(Updater::Sgd(Sgd {
+                    lr: lr.into(),
+                    ..Sgd::default()
+                }))
+                .unwrap();
+            }
+            let pushes: Vec<Vec<RowSparse>> = (0..2)
+                .map(|k| {
+                    let (ids, rows) = push_of(r, k, round);
+                    let dims = [ids.len(), width(k)];
+                    let device = if k == 0 { mine } else { Device::Cpu(0) };
+                    let rows = on(&rows, Shape::new(&dims).unwrap(), device);
+                    vec![RowSparse::new(ids, rows).unwrap()]
+                })
+                .collect();
+            kv.push_row_sparse_list(&keys, &pushes).unwrap();
+            for (k, wk) in w.iter_mut().enumerate() {
+                // The sum per row, rank by rank in rank order, each rank's own rows first
+                // summed in their order.
+                let wd = width(k);
+                let mut by_rank: Vec<std::collections::BTreeMap<u64, Vec<f32>>> = Vec::new();
+                for q in 0..n {
+                    let (ids, rows) = push_of(q, k, round);
+                    let mut own = std::collections::BTreeMap::new();
+                    for (j, id) in ids.iter().enumerate() {
+                        let row = &rows[j * wd..(j + 1) * wd];
+                        let acc: &mut Vec<f32> = own.entry(*id).or_insert_with(|| vec![0.0; wd]);
+                        for (a, x) in acc.iter_mut().zip(row) {
+                            *a += x;
+                        }
+                    }
+                    by_rank.push(own);
+                }
+                let mut sum: std::collections::BTreeMap<u64, Vec<f32>> = Default::default();
+                for own in &by_rank {
+                    for (id, row) in own {
+                        match sum.get_mut(id) {
+                            None => {
+                                sum.insert(*id, row.clone());
+                            }
+                            Some(acc) => acc.iter_mut().zip(row).for_each(|(a, x)| *a += x),
+                        }
+                    }
+                }
+                if round == 0 {
+                    wk.iter_mut().for_each(|x| *x = 0.0);
+                }
+                for (id, g) in &sum {
+                    let row = &mut wk[*id as usize * wd..(*id as usize + 1) * wd];
+                    for (x, g) in row.iter_mut().zip(g) {
+                        *x = match round {
+                            0 => *g,
+                            _ => *x - lr * g,
+                        };
+                    }
+                }
+            }
+            if round == 0 {
+                pull_equals(&w, &format!("round {round} (assign)"));
+                continue;
+            }
+            // SGD's arithmetic may be fused: within 1 ulp-ish of the reference.
+            for k in 0..2 {
+                let out = on(&vec![-7.0; shapes[k].size()], shapes[k], mine);
+                kv.pull(keys[k], &out).unwrap();
+                let got = out.to_vec::<f32>().unwrap();
+                for (i, (g, want)) in got.iter().zip(&w[k]).enumerate() {
+                    assert!(
+                        (g - want).abs() <= 1e-6 * want.abs().max(1.0),
+                        "rank {r} round {round}: key {k}[{i}] is {g}, expected {want}"
+                    );
+                }
+                // The rows rank 0 pushed this round, and row 0, read by rows.
+                let mut ids = push_of(0, k, round).0;
+                ids.push(0);
+                let got = kv.row_sparse_pull(keys[k], &ids).unwrap();
+                ids.sort_unstable();
+                ids.dedup();
+                assert_eq!(
+                    got.ids(),
+                    &ids[..],
+                    "rank {r}: the ids row_sparse_pull gives"
+                );
+                let rows = got.rows().to_vec::<f32>().unwrap();
+                for (j, id) in ids.iter().enumerate() {
+                    let wd = width(k);
+                    let want = &w[k][*id as usize * wd..(*id as usize + 1) * wd];
+                    for (g, w) in rows[j * wd..(j + 1) * wd].iter().zip(want) {
+                        assert!(
+                            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                            "row {id}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+        ok_line(r, n, "sparse_compressed", &format!("rows {}", sends_seen()));
+        return;
+    }
+    let compression = match wire.as_str() {
+        "2bit" => Compression::two_bit(0.5),
+        "bf16" => Compression::bf16(),
+        other => panic!("unknown KVT_WIRE {other}"),
+    };
+    kv.set_gradient_compression(compression).unwrap();
+    kv.init_list(
+        &keys,
+        &[on(&init[0], shapes[0], mine), on(&init[1], shapes[1], mine)],
+    )
+    .unwrap();
+    // What a rank sends of `x` (value plus residual), and the residual it keeps.
+    let send = |x: f32| -> (f32, f32) {
+        let sent = match wire.as_str() {
+            "2bit" if x >= 0.5 => 0.5,
+            "2bit" if x <= -0.5 => -0.5,
+            "2bit" => 0.0,
+            _ => bf16::from_f32(x).to_f32(),
+        };
+        (sent, x - sent)
+    };
+    // Every rank's residual of every key, as the reference keeps them.
+    let mut residual: Vec<Vec<Vec<f32>>> = (0..n)
+        .map(|_| (0..2).map(|k| vec![0.0; shapes[k].size()]).collect())
+        .collect();
+    for round in 0..3 {
+        // Rank `q`'s pushed values of key `k`: one for key 0, two for key 1 (which the rank
+        // sums, in float32, before it compresses).
+        let values_of = |q: usize, k: usize| -> Vec<Vec<f32>> {
+            let salt = 1_000 + 100 * round + 10 * q as u64 + k as u64;
+            let len = shapes[k].size();
+            match k {
+                0 => vec![random(salt, len)],
+                _ => vec![random(salt, len), random(salt + 5_000, len)],
+            }
+        };
+        let grad = |q: usize, k: usize| -> Vec<f32> {
+            let vs = values_of(q, k);
+            (0..shapes[k].size())
+                .map(|i| vs.iter().skip(1).fold(vs[0][i], |acc, v| acc + v[i]))
+                .collect()
+        };
+        // This rank's push: key 0 from its GPU, key 1 from its GPU and from host memory.
+        let values: Vec<Vec<NDArray>> = (0..2)
+            .map(|k| {
+                let devices = [mine, Device::Cpu(0)];
+                (values_of(r, k).iter().zip(devices))
+                    .map(|(v, d)| on(v, shapes[k], d))
+                    .collect()
+            })
+            .collect();
+        kv.push_list(&keys, &values).unwrap();
+        // No updater (assign): each key becomes the sum of what every rank sent, in rank order.
+        let mut want: Vec<Vec<f32>> = (0..2).map(|k| vec![0.0; shapes[k].size()]).collect();
+        for (q, res) in residual.iter_mut().enumerate() {
+            for k in 0..2 {
+                let g = grad(q, k);
+                for i in 0..g.len() {
+                    let (sent, left) = send(g[i] + res[k][i]);
+                    res[k][i] = left;
+                    want[k][i] = match q {
+                        0 => sent,
+                        _ => want[k][i] + sent,
+                    };
+                }
+            }
+        }
+        pull_equals(&want, &format!("{wire} round {round}"));
+    }
+    ok_line(
+        r,
+        n,
+        "sparse_compressed",
+        &format!("{wire} {}", sends_seen()),
+    );
+}
+
+/// On the stand-in driver: the NCCL sends this rank made, which must be some where the ranks
+/// were started without MPI (the all-to-alls go over NCCL) and none under `mpirun` (they go
+/// over MPI).
+fn sends_seen() -> String {
+    let Some(sends) = standin_calls("ncclSend") else {
+        return "SKIPPED: the NCCL send count (not the stand-in driver)".to_owned();
+    };
+    let without_mpi = std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none();
+    assert_eq!(
+        sends > 0,
+        without_mpi,
+        "{sends} NCCL sends on ranks started {} MPI",
+        if without_mpi { "without" } else { "by" }
+    );
+    format!("nccl_sends={sends}")
 }

@@ -131,6 +131,30 @@ fn check_collectives(comm: &RankComm, seed: u64, dtype: DType, tol: f64) -> Resu
     let want: Vec<f64> = all.iter().flat_map(|d| d[..n].to_vec()).collect();
     close(&host(&recv)?, &want, 0.0, "all-gather")?;
 
+    // All-to-all of blocks of their own lengths (some empty, one to this rank itself): rank s
+    // sends rank t `count(s, t)` elements, taken from its data at `start(s, t)`.
+    let count = |s: usize, t: usize| ((seed as usize >> 3) + 5 * s + 3 * t) % 7;
+    let start = |s: usize, t: usize| (0..t).map(|q| count(s, q)).sum::<usize>();
+    let sends: Vec<usize> = (0..size).map(|t| count(r, t)).collect();
+    let receives: Vec<usize> = (0..size).map(|s| count(s, r)).collect();
+    let (sent, received) = (sends.iter().sum::<usize>(), receives.iter().sum::<usize>());
+    let send = on_gpu(&mine[..sent.max(1)], dtype, ordinal)?;
+    let recv = on_gpu(&vec![f64::NAN; received.max(1)], dtype, ordinal)?;
+    comm.all_to_all_v(&send, &sends, &recv, &receives)?;
+    let want: Vec<f64> = (0..size)
+        .flat_map(|s| all[s][start(s, r)..start(s, r) + count(s, r)].to_vec())
+        .collect();
+    close(&host(&recv)?[..received], &want, 0.0, "all-to-all-v")?;
+    // Counts that do not fit the buffers are refused before anything is sent.
+    let too_many: Vec<usize> = sends.iter().map(|c| c + 1).collect();
+    let e = comm
+        .all_to_all_v(&send, &too_many, &recv, &receives)
+        .unwrap_err();
+    ensure!(
+        matches!(e, Error::Nccl { .. }),
+        "counts past the buffer: {e}"
+    );
+
     // Misuse is refused before anything is sent, and the communicator stays usable.
     let short = on_gpu(&mine[..n - 1], dtype, ordinal)?;
     let e = comm.reduce_scatter(&send, &short).unwrap_err();

@@ -25,14 +25,15 @@ impl KvStore {
     /// quantized values are decoded and summed in list order, and the updater gets that sum.
     /// Init and pull are never compressed.
     ///
-    /// On a `dist_*` store of CPU ranks each rank compresses the sum of its own values with its
-    /// residual of the key (MXNet's workers sum their devices first, then compress); every
-    /// rank calls it with the same setting, or the first push fails on every rank with
-    /// [`Error::Desync`].
+    /// On a `dist_*` store each rank compresses the sum of its own values with its residual of
+    /// the key (MXNet's workers sum their devices first, then compress), on the host (GPU
+    /// ranks read their sum back first, and their words travel through host memory: the
+    /// all-to-all over MPI, or over NCCL for ranks started without MPI); every rank calls it
+    /// with the same setting, or the first push fails on every rank with [`Error::Desync`].
     ///
     /// Call it before the first `init`: it is an [`Error::Compression`] once the store holds
-    /// keys, on a kind that does not compress (`local` and `nccl`, as in MXNet, and
-    /// `dist_device_sync` on GPU ranks in this version), for a threshold not above 0, and (at
+    /// keys, on a kind that does not compress (`local` and `nccl`, as in MXNet), for a
+    /// threshold not above 0, and (at
     /// `init`) for a key that is not float32. A checkpoint of a `device` store (one file)
     /// carries the residuals, and a load restores them with the values; a dist store's sharded
     /// checkpoint carries each rank's own, restored by a load by as many ranks (they start at
@@ -52,30 +53,15 @@ impl KvStore {
     pub fn set_gradient_compression(&self, compression: Compression) -> Result<()> {
         let op = "set_gradient_compression";
         compression.check()?;
-        match self.kind {
-            StoreKind::Device => {}
-            // CPU ranks: each rank's words of a part travel to its holder (an all-to-all).
-            StoreKind::DistSync | StoreKind::DistDeviceSync if self.ranks.gpu().is_none() => {}
-            StoreKind::Local | StoreKind::Nccl => {
-                return Err(Error::Compression {
-                    op,
-                    message: format!(
-                        "a '{}' store does not compress (MXNet compresses on 'device' and \
-                         dist stores): create the store as 'device'",
-                        self.name
-                    ),
-                })
-            }
-            _ => {
-                return Err(Error::Compression {
-                    op,
-                    message: format!(
-                        "not available on '{}' stores with GPU ranks yet: compression works \
-                         on 'device' stores and on dist stores of CPU ranks in this version",
-                        self.name
-                    ),
-                })
-            }
+        if let StoreKind::Local | StoreKind::Nccl = self.kind {
+            return Err(Error::Compression {
+                op,
+                message: format!(
+                    "a '{}' store does not compress (MXNet compresses on 'device' and dist \
+                     stores): create the store as 'device'",
+                    self.name
+                ),
+            });
         }
         // Under the table's lock: no init can add a key meanwhile.
         let table = write(&self.table);
@@ -198,9 +184,9 @@ fn take_residuals(pool: &Pool, positions: usize, n: usize) -> Residuals {
         .collect()
 }
 
-/// A compressed push's step across ranks (a `dist_*` store of CPU ranks). Each rank's
-/// contribution (the sum of its values, uncompressed, as MXNet's workers sum their devices
-/// first) is encoded with this rank's residual of the key (2-bit words, or 16-bit floats); each
+/// A compressed push's step across ranks (a `dist_*` store). Each rank's contribution (the
+/// sum of its values, uncompressed, as MXNet's workers sum their devices first; read back
+/// from a GPU rank's GPU) is encoded with this rank's residual of the key (2-bit words, or 16-bit floats); each
 /// rank sends every rank the encoded part of the key that rank holds, in one all-to-all (for
 /// 2-bit about a sixteenth of the key's float32 bytes leaves and reaches each rank, for 16-bit
 /// about half), and each rank decodes every rank's part and sums them in rank order. Returns
@@ -220,11 +206,8 @@ pub(super) fn sum_across(
             Mine::Owned(HostData::F32(v)) => v,
             Mine::Owned(h) => h.to_vec(),
             Mine::Single(a) => a.to_vec::<f32>()?,
-            Mine::Summed(_) => {
-                return Err(crate::comm::dist::internal(
-                    "a compressed contribution not in host memory",
-                ))
-            }
+            // A GPU rank's sum, read back: the words are made on the host.
+            Mine::Summed(a) => a.to_vec::<f32>()?,
         };
         if value.len() != g.slot.shape.size() {
             return Err(crate::comm::dist::internal(&format!(

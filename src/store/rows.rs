@@ -29,7 +29,7 @@ impl KvStore {
     /// [`Error::RowSparse`].
     ///
     /// Row-sparse keys are not compressed (an [`Error::Compression`] when compression is on,
-    /// as in MXNet) and, in this version, not available on `dist_*` stores of GPU ranks.
+    /// as in MXNet). On a GPU home, and on GPU ranks, the rows go through host memory.
     pub fn init_row_sparse(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
         self.init_row_sparse_list(&[self.key_for("init", key)?], std::slice::from_ref(value))
     }
@@ -64,24 +64,14 @@ impl KvStore {
     }
 
     /// Why this store cannot hold row-sparse keys, or `None` when it can: gradient compression
-    /// is on (row-sparse keys are not compressed, as in MXNet), or it is a dist store of GPU
-    /// ranks (not yet). `init_row_sparse` and a load of row-sparse keys both ask.
+    /// is on (row-sparse keys are not compressed, as in MXNet). `init_row_sparse` and a load of
+    /// row-sparse keys both ask.
     pub(super) fn row_sparse_refusal(&self, op: &'static str) -> Option<Error> {
-        if read(&self.compression).is_on() {
-            return Some(Error::Compression {
-                op,
-                message: "row-sparse keys are not compressed (as in MXNet): use a store \
-                          without gradient compression for them"
-                    .to_owned(),
-            });
-        }
-        (self.kind.is_dist() && self.ranks.gpu().is_some()).then(|| Error::RowSparse {
+        read(&self.compression).is_on().then(|| Error::Compression {
             op,
-            message: format!(
-                "row-sparse keys are not available on '{}' stores of GPU ranks yet: use a dist \
-                 store of CPU ranks, or a 'device' store",
-                self.name
-            ),
+            message: "row-sparse keys are not compressed (as in MXNet): use a store without \
+                      gradient compression for them"
+                .to_owned(),
         })
     }
 

@@ -11,12 +11,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::{Link, Op, Round, Ticket};
+use crate::backend::cuda::GpuBuf;
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::comm::launch::LaunchEnv;
 use crate::comm::nccl::RankComm;
 use crate::config::Config;
 use crate::host::HostData;
-use crate::{DType, Device, Error, NDArray, Result};
+use crate::{DType, Device, Error, NDArray, Result, Shape};
 
 /// Whether this process was started by a launcher without MPI: `WORLD_SIZE` is set and no MPI
 /// launcher's variables are.
@@ -104,6 +105,7 @@ impl Link for NcclLink {
             rc: &self.rc,
             seq,
             _serial: st,
+            landed: Vec::new(),
         };
         if self.check {
             let size = self.rc.size();
@@ -123,6 +125,49 @@ struct NcclRound<'a> {
     rc: &'a RankComm,
     seq: u64,
     _serial: MutexGuard<'a, (u64, Option<String>)>,
+    /// The (send, received) host buffers of each all-to-all started, until landed.
+    landed: Vec<Option<(HostData, HostData)>>,
+}
+
+impl NcclRound<'_> {
+    /// An all-to-all of host buffers over NCCL (compressed pushes and row-sparse keys: their
+    /// blocks are made and read on the host): `send` goes to this rank's GPU, travels as one
+    /// NCCL group of a send and a receive per rank, and what arrived comes back into host
+    /// memory. It is done when this returns; [`Round::land`] hands the buffers over.
+    fn all_to_all(
+        &mut self,
+        send: HostData,
+        sends: Vec<usize>,
+        recv: HostData,
+        receives: Vec<usize>,
+    ) -> Result<Ticket> {
+        let (sent, received) = (sends.iter().sum::<usize>(), receives.iter().sum::<usize>());
+        if sent > send.len() || received != recv.len() || send.dtype() != recv.dtype() {
+            return Err(super::internal(&format!(
+                "an all-to-all of {sent} and {received} elements on buffers of {} and {}",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let ordinal = self.rc.ordinal();
+        // A GPU keeps no empty arrays: an empty side is one unused element.
+        let on_gpu = |h: &HostData| match h.len() {
+            0 => NDArray::full_on([1], 0.0, h.dtype(), Device::Gpu(ordinal)),
+            n => Ok(NDArray::from_gpu(
+                GpuBuf::upload(ordinal, h)?,
+                Shape::new(&[n])?,
+            )),
+        };
+        let (send_gpu, recv_gpu) = (on_gpu(&send)?, on_gpu(&recv)?);
+        self.rc
+            .all_to_all_v(&send_gpu, &sends, &recv_gpu, &receives)?;
+        let got = match received {
+            0 => recv,
+            _ => recv_gpu.into_host()?,
+        };
+        self.landed.push(Some((send, got)));
+        Ok(Ticket(self.landed.len() - 1))
+    }
 }
 
 impl Round for NcclRound<'_> {
@@ -130,27 +175,40 @@ impl Round for NcclRound<'_> {
         self.seq
     }
 
-    fn start(&mut self, _op: Op, _send: HostData, _recv: HostData) -> Result<Ticket> {
-        Err(super::internal(
-            "a host-memory collective on a NCCL-only link",
-        ))
+    fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
+        // Only the all-to-all of equal blocks (the padded form of `Blocks`) moves host data
+        // here; the other collectives of GPU ranks run on the GPU arrays themselves.
+        let Op::AllToAll = op else {
+            return Err(super::internal(&format!(
+                "a host-memory {op:?} on a NCCL-only link"
+            )));
+        };
+        let size = self.rc.size();
+        let each = vec![send.len() / size.max(1); size];
+        self.all_to_all(send, each.clone(), recv, each)
     }
 
     fn start_all_to_all_v(
         &mut self,
-        _send: HostData,
-        _lens: &[usize],
-        _recv: HostData,
+        send: HostData,
+        lens: &[usize],
+        recv: HostData,
     ) -> Result<Ticket> {
-        Err(super::internal(
-            "a host-memory collective on a NCCL-only link",
-        ))
+        let (rank, size) = (self.rc.rank(), self.rc.size());
+        if lens.len() != size * size {
+            return Err(super::internal(
+                "all-to-all lengths not one per pair of ranks",
+            ));
+        }
+        let sends = lens[rank * size..(rank + 1) * size].to_vec();
+        let receives = (0..size).map(|s| lens[s * size + rank]).collect();
+        self.all_to_all(send, sends, recv, receives)
     }
 
-    fn land(&mut self, _ticket: Ticket) -> Result<(HostData, HostData)> {
-        Err(super::internal(
-            "a host-memory collective on a NCCL-only link",
-        ))
+    fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
+        (self.landed.get_mut(ticket.0))
+            .and_then(Option::take)
+            .ok_or_else(|| super::internal("a ticket landed twice, or never started"))
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {

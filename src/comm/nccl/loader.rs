@@ -143,6 +143,10 @@ pub struct Nccl {
     #[allow(clippy::type_complexity)]
     pub all_gather:
         unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> R,
+    /// `ncclSend` (send, count, datatype, peer, comm, stream).
+    pub send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, *mut c_void) -> R,
+    /// `ncclRecv` (recv, count, datatype, peer, comm, stream).
+    pub recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> R,
 }
 
 // SAFETY: the table holds function pointers into a library that stays loaded for the process
@@ -197,6 +201,8 @@ impl Nccl {
             broadcast: sym!("ncclBroadcast"),
             reduce_scatter: sym!("ncclReduceScatter"),
             all_gather: sym!("ncclAllGather"),
+            send: sym!("ncclSend"),
+            recv: sym!("ncclRecv"),
             _lib: lib,
         })
     }

@@ -351,6 +351,75 @@ impl RankComm {
         })
     }
 
+    /// An all-to-all of blocks of their own lengths: this rank sends `send_counts[p]` elements
+    /// to rank `p` (its blocks lie one after another in `send`, for ranks 0, 1, ...), and
+    /// receives `recv_counts[p]` from rank `p` (likewise in `recv`). One NCCL group of a send
+    /// and a receive per rank, this one included; a block may be empty (NCCL >= 2.12.10 takes
+    /// zero-byte transfers, and every rank always issues all of its, so the ranks' groups
+    /// match). Each rank's `send_counts[p]` must be rank `p`'s `recv_counts` of it.
+    pub fn all_to_all_v(
+        &self,
+        send: &NDArray,
+        send_counts: &[usize],
+        recv: &NDArray,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let op = "NCCL all-to-all across ranks";
+        self.check_distinct(op, send, recv)?;
+        self.check_len(op, "send_counts", send_counts.len(), self.size)?;
+        self.check_len(op, "recv_counts", recv_counts.len(), self.size)?;
+        let (s, r) = (send.read(), recv.write());
+        let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
+        self.check_dtype(op, s, r)?;
+        let (sent, received) = (send_counts.iter().sum(), recv_counts.iter().sum());
+        if s.len() < sent || r.len() < received {
+            return Err(self.misuse(
+                op,
+                format!(
+                    "blocks of {sent} and {received} elements for buffers of {} and {}",
+                    s.len(),
+                    r.len()
+                ),
+            ));
+        }
+        let (dt, es) = (nccl_dtype(s.dtype()), s.dtype().size() as u64);
+        let starts = |counts: &[usize]| -> Vec<u64> {
+            let mut at = 0u64;
+            (counts.iter())
+                .map(|&c| {
+                    let start = at;
+                    at += c as u64 * es;
+                    start
+                })
+                .collect()
+        };
+        let (sp, rp) = (s.ptr(), r.ptr());
+        let (send_at, recv_at) = (starts(send_counts), starts(recv_counts));
+        self.call(op, &[], |lib, comm, stream| {
+            result::group_start(lib)?;
+            let mut first = Ok(());
+            for p in 0..self.size {
+                // SAFETY: each block lies inside its buffer (the counts' sums were checked
+                // against the lengths), on this rank's GPU, locked for the call, which returns
+                // only once this stream's work is done or the communicator is aborted (abort
+                // synchronizes NCCL's stream first, nccl#1462); `call` hands over the live
+                // communicator, under `state`'s lock, and this rank's own stream.
+                let sent = unsafe {
+                    let at = (sp + send_at[p]) as *const c_void;
+                    result::send(lib, at, send_counts[p], dt, p, comm, stream)
+                };
+                // SAFETY: as for the send; the receive buffer is another array (checked).
+                let received = unsafe {
+                    let at = (rp + recv_at[p]) as *mut c_void;
+                    result::recv(lib, at, recv_counts[p], dt, p, comm, stream)
+                };
+                first = first.and(sent).and(received);
+            }
+            // The group is always ended, even after a failed call inside it.
+            first.and(result::group_end(lib))
+        })
+    }
+
     /// Issues `ops` in order, in NCCL groups of at most [`GROUP_MAX`] collectives, each group
     /// one call: one wait for all of its collectives instead of one per collective. Every
     /// array must be distinct and on this rank's GPU.

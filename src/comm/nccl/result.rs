@@ -360,6 +360,47 @@ pub(crate) unsafe fn all_gather(
     accepted(lib, code, comm)
 }
 
+/// `ncclSend`: sends `count` elements of `send` to rank `peer`, which receives them with a
+/// matching [`recv`]. Inside a group, with the matching receives, it is one step of an
+/// all-to-all.
+///
+/// # Safety
+///
+/// As for [`reduce`]: a live communicator and stream, and a device buffer of `count` elements
+/// of `datatype` on the rank's GPU that outlives the transfer on `stream`.
+pub(crate) unsafe fn send(
+    lib: &Nccl,
+    send: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: usize,
+    comm: Comm,
+    stream: *mut c_void,
+) -> std::result::Result<(), NcclError> {
+    // SAFETY: the communicator, stream and buffer are as this function's contract says.
+    let code = unsafe { (lib.send)(send, count, datatype, peer as c_int, comm, stream) };
+    accepted(lib, code, comm)
+}
+
+/// `ncclRecv`: receives `count` elements from rank `peer`'s matching [`send`] into `recv`.
+///
+/// # Safety
+///
+/// As for [`send`], with `recv` written.
+pub(crate) unsafe fn recv(
+    lib: &Nccl,
+    recv: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: usize,
+    comm: Comm,
+    stream: *mut c_void,
+) -> std::result::Result<(), NcclError> {
+    // SAFETY: the communicator, stream and buffer are as this function's contract says.
+    let code = unsafe { (lib.recv)(recv, count, datatype, peer as c_int, comm, stream) };
+    accepted(lib, code, comm)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
