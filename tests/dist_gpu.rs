@@ -195,13 +195,18 @@ fn big_keys_are_sliced_over_gpu_ranks_on_2_and_3_ranks() {
 
 /// Gradient compression (2-bit and the bfloat16 wire) and row-sparse keys on GPU ranks, each
 /// against a reference written here element by element, with a key sliced over the ranks and
-/// one whole on a rank: under `mpirun` (the words and rows travel over MPI through host
-/// memory) and started without MPI (they travel in NCCL sends and receives, one group per
-/// all-to-all). On the stand-in driver the launch without MPI also counts the sends.
+/// one whole on a rank, on 1, 2 and 3 ranks: under `mpirun` (the words and rows travel over
+/// MPI through host memory) and started without MPI (they travel in NCCL sends and receives,
+/// one group per all-to-all). On the stand-in driver the launch without MPI also counts the
+/// sends.
 #[test]
 #[ignore = "needs a GPU"]
 fn compression_and_row_sparse_keys_on_gpu_ranks() {
-    for (n, mpi) in [(2, true), (3, true), (2, false), (3, false)] {
+    // One rank too: its all-to-alls are a send and a receive to itself (a one-GPU machine).
+    for (n, mpi) in [1, 2, 3, 1, 2, 3]
+        .into_iter()
+        .zip([true, true, true, false, false, false])
+    {
         if let Err(why) = ranks_fit(n) {
             println!("SKIPPED: compression and row_sparse on {n} GPU ranks: {why}");
             continue;
