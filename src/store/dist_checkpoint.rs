@@ -275,12 +275,6 @@ impl KvStore {
         }
         // Every rank keeps every key's update count, whoever holds its state.
         for m in reader.keys() {
-            if m.row_sparse && !table.slots.contains_key(&m.key) {
-                if let Some(refusal) = self.row_sparse_refusal("load") {
-                    let why = format!("key {} is row-sparse: {refusal}", m.key);
-                    return Err(Problem::mismatch(why).at(path));
-                }
-            }
             if let Some(slot) = table.slots.get(&m.key) {
                 let count = if fits && m.has_state { m.step } else { 0 };
                 slot.set_updates(generation, count);
@@ -289,8 +283,8 @@ impl KvStore {
         Ok(())
     }
 
-    /// Checks that a checkpoint's keys fit the store: the key kind, and the shape and dtype of
-    /// every key the store has.
+    /// Checks that a checkpoint's keys fit the store: the key kind, the shape, dtype and storage
+    /// of every key the store has, and that it can hold the new row-sparse keys.
     fn check_fits(&self, reader: &Reader, path: &Path) -> Result<()> {
         let table = read(&self.table);
         if let (Some(store), Some(file)) = (table.key_kind, reader.key_kind()) {
@@ -313,6 +307,12 @@ impl KvStore {
                     .at(path));
                 }
                 if let Some(why) = super::entries::storage_mismatch(&m.key, m.row_sparse, slot) {
+                    return Err(Problem::mismatch(why).at(path));
+                }
+            } else if m.row_sparse {
+                // A new row-sparse key this store cannot hold (it compresses).
+                if let Some(refusal) = self.row_sparse_refusal("load") {
+                    let why = format!("key {} is row-sparse: {refusal}", m.key);
                     return Err(Problem::mismatch(why).at(path));
                 }
             }

@@ -334,7 +334,8 @@ fn row_sparse_blocks_carry_no_padding() {
 }
 
 /// A sharded checkpoint keeps a key row-sparse: it loads row-sparse into fresh ranks and into a
-/// single-process store, and a store holding the key dense refuses it on every rank.
+/// single-process store, and a store holding the key dense, or compressing, refuses it on
+/// every rank.
 #[test]
 fn a_sharded_checkpoint_keeps_a_key_row_sparse() {
     let dir = std::env::temp_dir().join(format!("kvstore-rsp-sharded-{}", std::process::id()));
@@ -361,6 +362,25 @@ fn a_sharded_checkpoint_keeps_a_key_row_sparse() {
     let errs = on_ranks(&dense_ranks, |_, kv| {
         kv.init(0, &NDArray::zeros([7, 3])).unwrap();
         kv.load(&dir).unwrap_err()
+    });
+    for e in errs {
+        assert!(
+            matches!(e, Error::Checkpoint { .. } | Error::RankRejected { .. }),
+            "{e}"
+        );
+    }
+    // Ranks that compress refuse the row-sparse key on every rank, and hold nothing after.
+    let compressing = stores(2);
+    let errs = on_ranks(&compressing, |_, kv| {
+        kv.set_gradient_compression(crate::Compression::two_bit(0.5))
+            .unwrap();
+        let e = kv.load(&dir).unwrap_err();
+        assert!(
+            kv.keys().is_empty(),
+            "a refused load left keys: {:?}",
+            kv.keys()
+        );
+        e
     });
     for e in errs {
         assert!(
