@@ -222,7 +222,10 @@ fn compression_and_row_sparse_keys_on_gpu_ranks() {
             let job = match mpi {
                 true => match launch(Some(n), "sparse_compressed", &as_refs(&env), bound) {
                     Some(job) => job,
-                    None => return,
+                    None => {
+                        println!("SKIPPED: compression and row_sparse under mpirun: no mpirun");
+                        continue;
+                    }
                 },
                 false => launch_without_mpi(n, "sparse_compressed", &as_refs(&env), bound),
             };
@@ -675,6 +678,14 @@ fn case_sparse_compressed() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ salt.wrapping_mul(0x9E37_79B9));
         (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
     };
+    // Values from 2^-10 to 2^10 in size: their float32 sums round, so an order of additions
+    // other than the reference's shows.
+    let wide = |salt: u64, len: usize| -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ salt.wrapping_mul(0x85EB_CA6B));
+        (0..len)
+            .map(|_| rng.gen_range(-1.0f32..1.0) * 2f32.powi(rng.gen_range(-10..=10)))
+            .collect()
+    };
     let init: Vec<Vec<f32>> = (0..2)
         .map(|k| random(k, shapes[k as usize].size()))
         .collect();
@@ -715,6 +726,10 @@ fn case_sparse_compressed() {
         let push_of = |q: usize, k: usize, round: usize| -> (Vec<u64>, Vec<f32>) {
             let salt = 1_000 + 100 * round as u64 + 10 * q as u64 + k as u64;
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ salt);
+            // In the last round the last rank pushes no rows to key 1.
+            if round == 2 && k == 1 && q + 1 == n && n > 1 {
+                return (Vec::new(), Vec::new());
+            }
             let mut ids: Vec<u64> = (0..rows_of(k) / 3)
                 .map(|_| rng.gen_range(0..rows_of(k) as u64))
                 .collect();
@@ -723,13 +738,16 @@ fn case_sparse_compressed() {
             (ids, rows)
         };
         let mut w = init.clone();
-        let lr = 0.25f32;
+        // SGD's momentum, per element: it changes on the rows pushed only, as the values do.
+        let mut m: Vec<Vec<f32>> = (0..2).map(|k| vec![0.0; shapes[k].size()]).collect();
+        let (lr, momentum) = (0.25f32, 0.5f32);
         for round in 0..3 {
             // Round 0 assigns (no updater: the value becomes the sum, zeros elsewhere); then
-            // SGD, lazily: only the rows some rank pushed change.
+            // SGD with momentum, lazily: only the rows some rank pushed change.
             if round == 1 {
                 kv.set_updater(Updater::Sgd(Sgd {
                     lr: lr.into(),
+                    momentum: momentum.into(),
                     ..Sgd::default()
                 }))
                 .unwrap();
@@ -744,7 +762,7 @@ fn case_sparse_compressed() {
                 })
                 .collect();
             kv.push_row_sparse_list(&keys, &pushes).unwrap();
-            for (k, wk) in w.iter_mut().enumerate() {
+            for (k, (wk, mk)) in w.iter_mut().zip(m.iter_mut()).enumerate() {
                 // The sum per row, rank by rank in rank order, each rank's own rows first
                 // summed in their order.
                 let wd = width(k);
@@ -776,12 +794,14 @@ fn case_sparse_compressed() {
                     wk.iter_mut().for_each(|x| *x = 0.0);
                 }
                 for (id, g) in &sum {
-                    let row = &mut wk[*id as usize * wd..(*id as usize + 1) * wd];
-                    for (x, g) in row.iter_mut().zip(g) {
-                        *x = match round {
-                            0 => *g,
-                            _ => *x - lr * g,
-                        };
+                    let at = *id as usize * wd..(*id as usize + 1) * wd;
+                    for ((x, v), g) in wk[at.clone()].iter_mut().zip(&mut mk[at]).zip(g) {
+                        if round == 0 {
+                            *x = *g;
+                            continue;
+                        }
+                        *v = momentum * *v - lr * g;
+                        *x += *v;
                     }
                 }
             }
@@ -789,14 +809,15 @@ fn case_sparse_compressed() {
                 pull_equals(&w, &format!("round {round} (assign)"));
                 continue;
             }
-            // SGD's arithmetic may be fused: within 1 ulp-ish of the reference.
+            // SGD's arithmetic may be fused or ordered otherwise: within rounding of the
+            // reference.
             for k in 0..2 {
                 let out = on(&vec![-7.0; shapes[k].size()], shapes[k], mine);
                 kv.pull(keys[k], &out).unwrap();
                 let got = out.to_vec::<f32>().unwrap();
                 for (i, (g, want)) in got.iter().zip(&w[k]).enumerate() {
                     assert!(
-                        (g - want).abs() <= 1e-6 * want.abs().max(1.0),
+                        (g - want).abs() <= 1e-5 * want.abs().max(1.0),
                         "rank {r} round {round}: key {k}[{i}] is {g}, expected {want}"
                     );
                 }
@@ -817,7 +838,7 @@ fn case_sparse_compressed() {
                     let want = &w[k][*id as usize * wd..(*id as usize + 1) * wd];
                     for (g, w) in rows[j * wd..(j + 1) * wd].iter().zip(want) {
                         assert!(
-                            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
                             "row {id}: {g} vs {w}"
                         );
                     }
@@ -853,14 +874,14 @@ fn case_sparse_compressed() {
         .map(|_| (0..2).map(|k| vec![0.0; shapes[k].size()]).collect())
         .collect();
     for round in 0..3 {
-        // Rank `q`'s pushed values of key `k`: one for key 0, two for key 1 (which the rank
-        // sums, in float32, before it compresses).
+        // Rank `q`'s pushed values of key `k`: one for key 0, three for key 1 (which the rank
+        // sums in list order, in float32, before it compresses).
         let values_of = |q: usize, k: usize| -> Vec<Vec<f32>> {
             let salt = 1_000 + 100 * round + 10 * q as u64 + k as u64;
             let len = shapes[k].size();
             match k {
-                0 => vec![random(salt, len)],
-                _ => vec![random(salt, len), random(salt + 5_000, len)],
+                0 => vec![wide(salt, len)],
+                _ => (0..3).map(|j| wide(salt + 5_000 * j, len)).collect(),
             }
         };
         let grad = |q: usize, k: usize| -> Vec<f32> {
@@ -869,10 +890,10 @@ fn case_sparse_compressed() {
                 .map(|i| vs.iter().skip(1).fold(vs[0][i], |acc, v| acc + v[i]))
                 .collect()
         };
-        // This rank's push: key 0 from its GPU, key 1 from its GPU and from host memory.
+        // This rank's push: key 0 from its GPU, key 1 from its GPU, host memory and its GPU.
         let values: Vec<Vec<NDArray>> = (0..2)
             .map(|k| {
-                let devices = [mine, Device::Cpu(0)];
+                let devices = [mine, Device::Cpu(0), mine];
                 (values_of(r, k).iter().zip(devices))
                     .map(|(v, d)| on(v, shapes[k], d))
                     .collect()

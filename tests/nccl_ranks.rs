@@ -133,7 +133,10 @@ fn check_collectives(comm: &RankComm, seed: u64, dtype: DType, tol: f64) -> Resu
 
     // All-to-all of blocks of their own lengths (some empty, one to this rank itself): rank s
     // sends rank t `count(s, t)` elements, taken from its data at `start(s, t)`.
-    let count = |s: usize, t: usize| ((seed as usize >> 3) + 5 * s + 3 * t) % 7;
+    let count = |s: usize, t: usize| match (s + t + seed as usize) % size {
+        0 => 0,
+        _ => 1 + ((seed as usize >> 3) + 5 * s + 3 * t) % 6,
+    };
     let start = |s: usize, t: usize| (0..t).map(|q| count(s, q)).sum::<usize>();
     let sends: Vec<usize> = (0..size).map(|t| count(r, t)).collect();
     let receives: Vec<usize> = (0..size).map(|s| count(s, r)).collect();

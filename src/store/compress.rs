@@ -186,7 +186,7 @@ fn take_residuals(pool: &Pool, positions: usize, n: usize) -> Residuals {
 
 /// A compressed push's step across ranks (a `dist_*` store). Each rank's contribution (the
 /// sum of its values, uncompressed, as MXNet's workers sum their devices first; read back
-/// from a GPU rank's GPU) is encoded with this rank's residual of the key (2-bit words, or 16-bit floats); each
+/// from a GPU rank's GPU before the call) is encoded with this rank's residual of the key (2-bit words, or 16-bit floats); each
 /// rank sends every rank the encoded part of the key that rank holds, in one all-to-all (for
 /// 2-bit about a sixteenth of the key's float32 bytes leaves and reaches each rank, for 16-bit
 /// about half), and each rank decodes every rank's part and sums them in rank order. Returns
@@ -206,8 +206,12 @@ pub(super) fn sum_across(
             Mine::Owned(HostData::F32(v)) => v,
             Mine::Owned(h) => h.to_vec(),
             Mine::Single(a) => a.to_vec::<f32>()?,
-            // A GPU rank's sum, read back: the words are made on the host.
-            Mine::Summed(a) => a.to_vec::<f32>()?,
+            // GPU ranks read their sums back before the call (`contributions`).
+            Mine::Summed(_) => {
+                return Err(crate::comm::dist::internal(
+                    "a compressed contribution not in host memory",
+                ))
+            }
         };
         if value.len() != g.slot.shape.size() {
             return Err(crate::comm::dist::internal(&format!(

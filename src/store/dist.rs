@@ -313,10 +313,15 @@ pub(super) fn keep_part(
 /// On host ranks, a key pushed one value in host memory (checked: of its dtype) is read where
 /// it is; otherwise this rank's values are summed first. One rank alone sums nothing here, and
 /// needs no list: its values pass through ([`sum_across`] gives [`Inputs::Values`]).
+///
+/// `on_host`: the call works on the sums in host memory (a compressed push makes its words
+/// there), so a GPU rank reads its sums back here, before the call, where a failure is a
+/// rejection every rank hears of rather than a rank missing from a collective.
 pub(super) fn contributions<'g>(
     d: &Dist,
     ctx: comm::Ctx,
     groups: &[Group<'g>],
+    on_host: bool,
 ) -> Result<Vec<Mine<'g>>> {
     if d.passes_through() {
         return Ok(Vec::new());
@@ -334,8 +339,8 @@ pub(super) fn contributions<'g>(
                 let facts = g.slot.facts();
                 let sum = comm::local_sum(ctx, &facts, &g.arrays, d.home(), scratch)?;
                 match d.gpu() {
-                    Some(_) => Ok(Mine::Summed(sum)),
-                    None => sum.into_host().map(Mine::Owned),
+                    Some(_) if !on_host => Ok(Mine::Summed(sum)),
+                    _ => sum.into_host().map(Mine::Owned),
                 }
             }
         })

@@ -577,7 +577,9 @@ impl KvStore {
         pulls: Option<&[Group<'_>]>,
     ) -> Result<()> {
         let (d, ctx) = (&self.ranks, self.ctx());
-        let mine = dist::contributions(d, ctx, &groups).map_err(|e| d.reject(op, e))?;
+        let compression = *read(&self.compression);
+        let mine = dist::contributions(d, ctx, &groups, compression.is_on())
+            .map_err(|e| d.reject(op, e))?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
         self.prepare(&groups)?;
@@ -587,7 +589,6 @@ impl KvStore {
         // The ranks must agree on the whole updater too (its kind decides which collectives
         // follow; its hyperparameters, schedule, multipliers and generation what they compute),
         // and on the compression (which decides the collectives).
-        let compression = *read(&self.compression);
         let fp = || {
             let note = match compression.is_on() {
                 true => format!("{}; {}", active.describe(), compression.describe()),

@@ -314,14 +314,22 @@ impl KvStore {
         // Every key's new value first (a GPU home's on its GPU, where that can fail), then
         // all of them into their cells, so that a failure changes no key.
         let clear = matches!(active.updater, Updater::Assign);
-        let scattered: Vec<Option<Scattered>> = (cells.iter().zip(parts).zip(rows))
+        let scattered: Result<Vec<Option<Scattered>>> = (cells.iter().zip(parts).zip(rows))
             .map(|((cell, part), rows)| match (part, rows) {
                 (Some(p), Some(rows)) => cell
                     .scatter(active.generation, p.segs, rows, clear)
                     .map(Some),
                 _ => Ok(None),
             })
-            .collect::<Result<_>>()?;
+            .collect();
+        // On GPU ranks making the new values can fail on one rank (its GPU's memory): every
+        // rank commits, or none does.
+        let together = match d.gpu() {
+            Some(_) => call.agree(op, scattered.is_ok(), "writing its new rows"),
+            None => Ok(()),
+        };
+        let scattered: Vec<Option<Scattered>> = scattered?;
+        together?;
         for (cell, s) in cells.iter_mut().zip(scattered) {
             if let Some(s) = s {
                 s.commit(cell);
@@ -587,19 +595,21 @@ fn pull_across(
         all.of(r, 0).iter().map(|&id| cut(id, w, &p).len()).sum()
     };
     let blocks = Blocks::from_fn(size, block_len);
-    // Every buffer allocated, and the ranks agreed that it was, before any rows move.
+    let mine = piece(rank);
+    let holds = slot.spread.holds(rank) && !mine.is_empty();
+    // Every buffer allocated, and this rank's part read (a GPU rank's read back), and the
+    // ranks agreed that it was, before any rows move.
     let buffers = (|| {
         let send = HostData::try_filled(dtype, blocks.send_len(rank), 0.0)?;
         let recv = HostData::try_filled(dtype, blocks.recv_len(rank), 0.0)?;
         let rows = HostData::try_filled(dtype, ids.len() * w, 0.0)?;
-        Ok::<_, Error>((send, recv, rows))
+        let value = holds.then(|| cell.value_to_host()).transpose()?;
+        Ok::<_, Error>((send, recv, rows, value))
     })();
     let together = call.agree("pull", buffers.is_ok(), "allocating the rows' buffers");
-    let (mut send, recv, mut rows) = buffers?;
+    let (mut send, recv, mut rows, value) = buffers?;
     together?;
-    let mine = piece(rank);
-    if slot.spread.holds(rank) && !mine.is_empty() {
-        let value = cell.value_to_host()?;
+    if let Some(value) = value {
         for r in 0..size {
             let mut at = blocks.send_at(rank, r);
             for &id in all.of(r, 0) {

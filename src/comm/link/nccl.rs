@@ -158,15 +158,30 @@ impl NcclRound<'_> {
                 Shape::new(&[n])?,
             )),
         };
-        let (send_gpu, recv_gpu) = (on_gpu(&send)?, on_gpu(&recv)?);
+        // Every rank has its buffers on its GPU before any joins the group, and has its
+        // result back in host memory before any goes on: a rank that failed either step
+        // must not leave the others waiting in NCCL, or going on without it.
+        let staged = on_gpu(&send).and_then(|s| Ok((s, on_gpu(&recv)?)));
+        let together = self.agree_on("staging its all-to-all on its GPU", staged.is_ok());
+        let (send_gpu, recv_gpu) = staged?;
+        together?;
         self.rc
             .all_to_all_v(&send_gpu, &sends, &recv_gpu, &receives)?;
         let got = match received {
-            0 => recv,
-            _ => recv_gpu.into_host()?,
+            0 => Ok(recv),
+            _ => recv_gpu.into_host(),
         };
+        let together = self.agree_on("reading its all-to-all back from its GPU", got.is_ok());
+        let got = got?;
+        together?;
         self.landed.push(Some((send, got)));
         Ok(Ticket(self.landed.len() - 1))
+    }
+
+    /// Whether every rank succeeded at `what`, given this rank's `ok` (see `Round::agree`).
+    fn agree_on(&mut self, what: &str, ok: bool) -> Result<()> {
+        let round: &mut dyn Round = self;
+        round.agree("all-to-all", ok, what)
     }
 }
 
