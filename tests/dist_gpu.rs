@@ -197,8 +197,9 @@ fn big_keys_are_sliced_over_gpu_ranks_on_2_and_3_ranks() {
 /// against a reference written here element by element, with a key sliced over the ranks and
 /// one whole on a rank, on 1, 2 and 3 ranks: under `mpirun` (the words and rows travel over
 /// MPI through host memory) and started without MPI (they travel in NCCL sends and receives,
-/// one group per all-to-all). On the stand-in driver the launch without MPI also counts the
-/// sends.
+/// one group per all-to-all). A sharded save loads into a single-process store and, under
+/// mpirun, into a fresh store of the ranks, whose next push continues from the saved residuals
+/// and momentum. On the stand-in driver the launch without MPI also counts the sends.
 #[test]
 #[ignore = "needs a GPU"]
 fn compression_and_row_sparse_keys_on_gpu_ranks() {
@@ -697,7 +698,7 @@ fn case_sparse_compressed() {
     };
     // Pulls both keys into an out on this rank's GPU and one in host memory, and compares
     // each element with `want`, bit for bit.
-    let pull_equals = |want: &[Vec<f32>], what: &str| {
+    let pull_equals = |kv: &KvStore, want: &[Vec<f32>], what: &str| {
         for k in 0..2 {
             for device in [mine, Device::Cpu(0)] {
                 let out = on(&vec![-7.0; shapes[k].size()], shapes[k], device);
@@ -741,16 +742,42 @@ fn case_sparse_compressed() {
         // SGD's momentum, per element: it changes on the rows pushed only, as the values do.
         let mut m: Vec<Vec<f32>> = (0..2).map(|k| vec![0.0; shapes[k].size()]).collect();
         let (lr, momentum) = (0.25f32, 0.5f32);
-        for round in 0..3 {
+        let sgd = Updater::Sgd(Sgd {
+            lr: lr.into(),
+            momentum: momentum.into(),
+            ..Sgd::default()
+        });
+        // As for compression: round 3, under mpirun, pushes to a store loaded from a sharded
+        // save, whose momentum comes back with the values.
+        let mut reloaded: Option<(KvStore, Option<KvStore>)> = None;
+        for round in 0..4 {
+            if round == 3 {
+                let (local, again) = reloaded.insert(save_and_reload(&kv, |s| {
+                    s.set_updater(sgd.clone()).unwrap()
+                }));
+                for k in keys {
+                    assert!(local.is_row_sparse(k).unwrap(), "key {k} loads row-sparse");
+                }
+                let loaded: Vec<Vec<f32>> = (0..2)
+                    .map(|k| {
+                        let out = NDArray::zeros(shapes[k]);
+                        local.pull(keys[k], &out).unwrap();
+                        out.to_vec::<f32>().unwrap()
+                    })
+                    .collect();
+                assert_eq!(loaded, w, "rank {r}: the values a local store loads");
+                if again.is_none() {
+                    break;
+                }
+            }
+            let store = match &reloaded {
+                Some((_, Some(again))) => again,
+                _ => &kv,
+            };
             // Round 0 assigns (no updater: the value becomes the sum, zeros elsewhere); then
             // SGD with momentum, lazily: only the rows some rank pushed change.
             if round == 1 {
-                kv.set_updater(Updater::Sgd(Sgd {
-                    lr: lr.into(),
-                    momentum: momentum.into(),
-                    ..Sgd::default()
-                }))
-                .unwrap();
+                kv.set_updater(sgd.clone()).unwrap();
             }
             let pushes: Vec<Vec<RowSparse>> = (0..2)
                 .map(|k| {
@@ -761,7 +788,7 @@ fn case_sparse_compressed() {
                     vec![RowSparse::new(ids, rows).unwrap()]
                 })
                 .collect();
-            kv.push_row_sparse_list(&keys, &pushes).unwrap();
+            store.push_row_sparse_list(&keys, &pushes).unwrap();
             for (k, (wk, mk)) in w.iter_mut().zip(m.iter_mut()).enumerate() {
                 // The sum per row, rank by rank in rank order, each rank's own rows first
                 // summed in their order.
@@ -806,14 +833,14 @@ fn case_sparse_compressed() {
                 }
             }
             if round == 0 {
-                pull_equals(&w, &format!("round {round} (assign)"));
+                pull_equals(store, &w, &format!("round {round} (assign)"));
                 continue;
             }
             // SGD's arithmetic may be fused or ordered otherwise: within rounding of the
             // reference.
             for k in 0..2 {
                 let out = on(&vec![-7.0; shapes[k].size()], shapes[k], mine);
-                kv.pull(keys[k], &out).unwrap();
+                store.pull(keys[k], &out).unwrap();
                 let got = out.to_vec::<f32>().unwrap();
                 for (i, (g, want)) in got.iter().zip(&w[k]).enumerate() {
                     assert!(
@@ -824,7 +851,7 @@ fn case_sparse_compressed() {
                 // The rows rank 0 pushed this round, and row 0, read by rows.
                 let mut ids = push_of(0, k, round).0;
                 ids.push(0);
-                let got = kv.row_sparse_pull(keys[k], &ids).unwrap();
+                let got = store.row_sparse_pull(keys[k], &ids).unwrap();
                 ids.sort_unstable();
                 ids.dedup();
                 assert_eq!(
@@ -873,7 +900,25 @@ fn case_sparse_compressed() {
     let mut residual: Vec<Vec<Vec<f32>>> = (0..n)
         .map(|_| (0..2).map(|k| vec![0.0; shapes[k].size()]).collect())
         .collect();
-    for round in 0..3 {
+    // Rounds 0 to 2 on `kv`; then a sharded save, loaded into a single-process store (the
+    // values) and, under mpirun, into a fresh store of the same ranks, which round 3 pushes to:
+    // each rank's residuals come back from its shard, so it sends what `kv` would have sent.
+    let mut reloaded: Option<(KvStore, Option<KvStore>)> = None;
+    let mut want: Vec<Vec<f32>> = Vec::new();
+    for round in 0..4 {
+        if round == 3 {
+            let (local, again) = reloaded.insert(save_and_reload(&kv, |s| {
+                s.set_gradient_compression(compression).unwrap()
+            }));
+            pull_equals(local, &want, &format!("{wire} loaded into a local store"));
+            if again.is_none() {
+                break;
+            }
+        }
+        let store = match &reloaded {
+            Some((_, Some(again))) => again,
+            _ => &kv,
+        };
         // Rank `q`'s pushed values of key `k`: one for key 0, three for key 1 (which the rank
         // sums in list order, in float32, before it compresses).
         let values_of = |q: usize, k: usize| -> Vec<Vec<f32>> {
@@ -899,9 +944,9 @@ fn case_sparse_compressed() {
                     .collect()
             })
             .collect();
-        kv.push_list(&keys, &values).unwrap();
+        store.push_list(&keys, &values).unwrap();
         // No updater (assign): each key becomes the sum of what every rank sent, in rank order.
-        let mut want: Vec<Vec<f32>> = (0..2).map(|k| vec![0.0; shapes[k].size()]).collect();
+        want = (0..2).map(|k| vec![0.0; shapes[k].size()]).collect();
         for (q, res) in residual.iter_mut().enumerate() {
             for k in 0..2 {
                 let g = grad(q, k);
@@ -915,7 +960,7 @@ fn case_sparse_compressed() {
                 }
             }
         }
-        pull_equals(&want, &format!("{wire} round {round}"));
+        pull_equals(store, &want, &format!("{wire} round {round}"));
     }
     ok_line(
         r,
@@ -923,6 +968,30 @@ fn case_sparse_compressed() {
         "sparse_compressed",
         &format!("{wire} {}", sends_seen()),
     );
+}
+
+/// Saves `kv` (sharded) to `KVT_DIR`, and loads the save into a single-process store and,
+/// under mpirun, into a fresh `dist_device_sync` store of the same ranks (`setup` first: its
+/// compression, its updater). The folder is gone when this returns.
+fn save_and_reload(kv: &KvStore, setup: impl Fn(&KvStore)) -> (KvStore, Option<KvStore>) {
+    let dir = std::path::PathBuf::from(std::env::var("KVT_DIR").expect("the checkpoint folder"));
+    kv.barrier().unwrap();
+    kv.save(&dir).unwrap();
+    kv.barrier().unwrap();
+    let local = KvStore::create("local").unwrap();
+    local.load(&dir).unwrap();
+    // A second store of GPU ranks started without MPI would join NCCL again with the same id.
+    let again = std::env::var_os("OMPI_COMM_WORLD_SIZE").map(|_| {
+        let again = KvStore::create("dist_device_sync").unwrap();
+        setup(&again);
+        again.load(&dir).unwrap();
+        again
+    });
+    kv.barrier().unwrap();
+    if kv.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    (local, again)
 }
 
 /// On the stand-in driver: the NCCL sends this rank made, which must be some where the ranks
