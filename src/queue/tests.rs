@@ -245,7 +245,10 @@ fn a_local_store_runs_waiting_calls_by_priority_keeping_each_keys_order() {
 fn an_error_surfaces_at_the_wait_and_stops_later_calls_until_wait_all() {
     let kv = AsyncKvStore::new(initialized("local", &mut StdRng::from_entropy()));
     let before = finals(kv.store());
-    let g = NDArray::ones([LENS[0]]);
+    // Gradients of 2: with weight decay 0.125 the update is 2 + w / 8, never 0 for the initial
+    // values in [-8, 8] (a gradient of 1 left a value of -8 unchanged, a test that failed one
+    // run in 65).
+    let g = NDArray::full([LENS[0]], 2.0);
     kv.push(0, &g, 0);
     kv.wait(0).unwrap();
     let after_first = finals(kv.store());
@@ -272,7 +275,7 @@ fn an_error_surfaces_at_the_wait_and_stops_later_calls_until_wait_all() {
     assert_eq!(finals(kv.store()), after_first);
     assert_ne!(after_first, before);
     // Returned once: the queue runs again.
-    kv.push(1, &NDArray::ones([LENS[1]]), 0);
+    kv.push(1, &NDArray::full([LENS[1]], 2.0), 0);
     kv.wait_all().unwrap();
     assert_ne!(finals(kv.store())[1], after_first[1]);
 }
