@@ -750,6 +750,55 @@ fn check_buffer(
     Ok(())
 }
 
+/// Who makes a collective or point-to-point call, once its communicator, stream and datatype
+/// are checked: the communicator, the stream, the rank's device, the rank, the clique's size
+/// and the datatype's element size.
+struct Caller {
+    c: usize,
+    s: usize,
+    device: usize,
+    rank: usize,
+    nranks: usize,
+    es: usize,
+}
+
+/// Checks what every NCCL data call names: a live, settled communicator, a CUDA stream on the
+/// rank's device, and a known datatype.
+fn caller(
+    st: &mut State,
+    call: &str,
+    comm: Handle,
+    stream: Handle,
+    dtype: c_int,
+) -> Result<Caller, i32> {
+    let c = comm_of(st, comm, call)?;
+    check_settled(st, c, call)?;
+    let s = st
+        .stream(stream)
+        .map_err(|_| reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream")))?;
+    let (device, rank) = (st.comms[c].device, st.comms[c].rank);
+    let nranks = st.cliques[st.comms[c].clique].nranks;
+    if st.device_of_stream(s) != device {
+        return Err(reject(
+            nc::INVALID_ARGUMENT,
+            format!(
+                "{call}: rank {rank}'s device is gpu {device}, but the stream is {}",
+                st.stream_name(s)
+            ),
+        ));
+    }
+    let es = nccl_elem_size(dtype)
+        .ok_or_else(|| reject(nc::INVALID_ARGUMENT, format!("{call}: datatype {dtype}")))?;
+    Ok(Caller {
+        c,
+        s,
+        device,
+        rank,
+        nranks,
+        es,
+    })
+}
+
 /// Validates and issues (or defers, inside a group) one collective call.
 #[allow(clippy::too_many_arguments)]
 fn collective(
@@ -766,24 +815,14 @@ fn collective(
 ) -> i32 {
     run(|| {
         let mut st = lock();
-        let c = comm_of(&st, comm, call)?;
-        check_settled(&st, c, call)?;
-        let s = st
-            .stream(stream)
-            .map_err(|_| reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream")))?;
-        let (device, rank) = (st.comms[c].device, st.comms[c].rank);
-        let nranks = st.cliques[st.comms[c].clique].nranks;
-        if st.device_of_stream(s) != device {
-            return Err(reject(
-                nc::INVALID_ARGUMENT,
-                format!(
-                    "{call}: rank {rank}'s device is gpu {device}, but the stream is {}",
-                    st.stream_name(s)
-                ),
-            ));
-        }
-        let es = nccl_elem_size(dtype)
-            .ok_or_else(|| reject(nc::INVALID_ARGUMENT, format!("{call}: datatype {dtype}")))?;
+        let Caller {
+            c,
+            s,
+            device,
+            rank,
+            nranks,
+            es,
+        } = caller(&mut st, call, comm, stream, dtype)?;
         if !(0..=4).contains(&op) {
             return Err(reject(
                 nc::INVALID_ARGUMENT,
@@ -986,24 +1025,14 @@ fn p2p(
 ) -> i32 {
     run(|| {
         let mut st = lock();
-        let c = comm_of(&st, comm, call)?;
-        check_settled(&st, c, call)?;
-        let s = st
-            .stream(stream)
-            .map_err(|_| reject(nc::INVALID_ARGUMENT, format!("{call}: not a CUDA stream")))?;
-        let (device, rank) = (st.comms[c].device, st.comms[c].rank);
-        let nranks = st.cliques[st.comms[c].clique].nranks;
-        if st.device_of_stream(s) != device {
-            return Err(reject(
-                nc::INVALID_ARGUMENT,
-                format!(
-                    "{call}: rank {rank}'s device is gpu {device}, but the stream is {}",
-                    st.stream_name(s)
-                ),
-            ));
-        }
-        let es = nccl_elem_size(dtype)
-            .ok_or_else(|| reject(nc::INVALID_ARGUMENT, format!("{call}: datatype {dtype}")))?;
+        let Caller {
+            c,
+            s,
+            device,
+            rank,
+            nranks,
+            es,
+        } = caller(&mut st, call, comm, stream, dtype)?;
         if peer < 0 || peer as usize >= nranks {
             return Err(reject(
                 nc::INVALID_ARGUMENT,
