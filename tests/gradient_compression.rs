@@ -300,3 +300,27 @@ fn a_position_a_push_leaves_out_keeps_its_residual() -> Result<()> {
     }
     Ok(())
 }
+
+/// A store that compresses refuses a checkpoint's key that is not float32, as its init would,
+/// with an error that says what to do, and holds nothing after.
+#[test]
+fn a_compressing_store_refuses_to_load_a_key_that_is_not_float32() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("kvstore-cmp-f16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("f16.safetensors");
+    let saved = KvStore::create("local")?;
+    let v: Vec<f32> = (0..12).map(|i| i as f32 / 8.0 - 0.7).collect();
+    saved.init(0, &NDArray::from_vec(v, [12])?.astype(kvstore::DType::F16)?)?;
+    saved.save(&path)?;
+    let kv = KvStore::create("device")?;
+    kv.set_gradient_compression(Compression::two_bit(0.5))?;
+    let e = kv.load(&path).unwrap_err();
+    let text = e.to_string();
+    ensure!(
+        text.contains("float32") && text.contains("without gradient compression"),
+        "{text}"
+    );
+    ensure!(kv.keys().is_empty(), "a refused load left keys");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

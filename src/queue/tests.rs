@@ -254,7 +254,7 @@ fn an_error_surfaces_at_the_wait_and_stops_later_calls_until_wait_all() {
     let after_first = finals(kv.store());
     kv.pull(99, &g, 0); // unknown
     kv.push(0, &g, 0); // not run
-    kv.push(1, &NDArray::ones([LENS[1]]), 0); // not run
+    kv.push(1, &NDArray::full([LENS[1]], 2.0), 0); // not run
     kv.wait(2).unwrap(); // no call on key 2 failed
     let e = kv.wait(0).unwrap_err();
     match &e {

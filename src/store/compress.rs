@@ -92,24 +92,37 @@ pub(super) fn check_dtypes(
     keys: &[Key],
     values: &[NDArray],
 ) -> Result<()> {
-    if !compression.is_on() {
-        return Ok(());
-    }
-    match keys
-        .iter()
-        .zip(values)
-        .find(|(_, v)| v.dtype() != DType::F32)
+    match (keys.iter().zip(values))
+        .find_map(|(key, v)| dtype_refusal(compression, "init", key, v.dtype(), "init"))
     {
         None => Ok(()),
-        Some((key, v)) => Err(Error::Compression {
-            op: "init",
-            message: format!(
-                "key {key} is {}, but compressed keys must be float32 (as in MXNet): init it \
-                 with .astype(DType::F32)",
-                v.dtype()
-            ),
-        }),
+        Some(e) => Err(e),
     }
+}
+
+/// The rule on dtypes under compression, for an init and for a load: an
+/// [`Error::Compression`] when compression is on and `key` is not float32 (MXNet's 2-bit
+/// kernels work on float32 only), or `None`. `how`: how the key came ("init", "load").
+pub(super) fn dtype_refusal(
+    compression: Compression,
+    op: &'static str,
+    key: &Key,
+    dtype: DType,
+    how: &str,
+) -> Option<Error> {
+    if !compression.is_on() || dtype == DType::F32 {
+        return None;
+    }
+    let fix = match how {
+        "init" => "init it with .astype(DType::F32)",
+        _ => "load it into a store without gradient compression, or save it as float32",
+    };
+    Some(Error::Compression {
+        op,
+        message: format!(
+            "key {key} is {dtype}, but compressed keys must be float32 (as in MXNet): {fix}"
+        ),
+    })
 }
 
 /// A key's residuals: one per position in a push's list of values.

@@ -309,11 +309,19 @@ impl KvStore {
                 if let Some(why) = super::entries::storage_mismatch(&m.key, m.row_sparse, slot) {
                     return Err(Problem::mismatch(why).at(path));
                 }
-            } else if m.row_sparse {
-                // A new row-sparse key this store cannot hold (it compresses).
-                if let Some(refusal) = self.row_sparse_refusal("load") {
+            } else {
+                // A new key this store cannot hold because it compresses: row-sparse, or not
+                // float32.
+                let sparse_refusal = m.row_sparse.then(|| self.row_sparse_refusal("load"));
+                if let Some(refusal) = sparse_refusal.flatten() {
                     let why = format!("key {} is row-sparse: {refusal}", m.key);
                     return Err(Problem::mismatch(why).at(path));
+                }
+                let compression = *read(&self.compression);
+                let refusal =
+                    super::compress::dtype_refusal(compression, "load", &m.key, m.dtype, "load");
+                if let Some(refusal) = refusal {
+                    return Err(Problem::mismatch(refusal.to_string()).at(path));
                 }
             }
         }

@@ -134,6 +134,14 @@ impl KvStore {
                         return Err(mismatch(format!("key {} is row-sparse: {refusal}", e.key)));
                     }
                 }
+                if slot.is_none() {
+                    let (compression, dtype) = (*read(&self.compression), e.value.dtype());
+                    let refusal =
+                        super::compress::dtype_refusal(compression, "load", &e.key, dtype, "load");
+                    if let Some(refusal) = refusal {
+                        return Err(mismatch(refusal.to_string()));
+                    }
+                }
                 let Some(slot) = slot else { continue };
                 if slot.shape != e.shape || slot.dtype != e.value.dtype() {
                     return Err(mismatch(format!(

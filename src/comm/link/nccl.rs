@@ -103,6 +103,7 @@ impl Link for NcclLink {
         let seq = st.0;
         let mut round = NcclRound {
             rc: &self.rc,
+            op: fp.op(),
             seq,
             _serial: st,
             landed: Vec::new(),
@@ -123,6 +124,8 @@ impl Link for NcclLink {
 /// One call over NCCL; holds the link's lock, so calls never interleave.
 struct NcclRound<'a> {
     rc: &'a RankComm,
+    /// The store call's op ("push", "pull", ...), for the errors of its agreements.
+    op: &'static str,
     seq: u64,
     _serial: MutexGuard<'a, (u64, Option<String>)>,
     /// The (send, received) host buffers of each all-to-all started, until landed.
@@ -142,13 +145,15 @@ impl NcclRound<'_> {
         receives: Vec<usize>,
     ) -> Result<Ticket> {
         let (sent, received) = (sends.iter().sum::<usize>(), receives.iter().sum::<usize>());
-        if sent > send.len() || received != recv.len() || send.dtype() != recv.dtype() {
-            return Err(super::internal(&format!(
-                "an all-to-all of {sent} and {received} elements on buffers of {} and {}",
-                send.len(),
-                recv.len()
-            )));
-        }
+        let fits =
+            match sent <= send.len() && received == recv.len() && send.dtype() == recv.dtype() {
+                true => Ok(()),
+                false => Err(super::internal(&format!(
+                    "an all-to-all of {sent} and {received} elements on buffers of {} and {}",
+                    send.len(),
+                    recv.len()
+                ))),
+            };
         let ordinal = self.rc.ordinal();
         // A GPU keeps no empty arrays: an empty side is one unused element.
         let on_gpu = |h: &HostData| match h.len() {
@@ -161,7 +166,7 @@ impl NcclRound<'_> {
         // Every rank has its buffers on its GPU before any joins the group, and has its
         // result back in host memory before any goes on: a rank that failed either step
         // must not leave the others waiting in NCCL, or going on without it.
-        let staged = on_gpu(&send).and_then(|s| Ok((s, on_gpu(&recv)?)));
+        let staged = fits.and_then(|()| Ok((on_gpu(&send)?, on_gpu(&recv)?)));
         let together = self.agree_on("staging its all-to-all on its GPU", staged.is_ok());
         let (send_gpu, recv_gpu) = staged?;
         together?;
@@ -180,8 +185,9 @@ impl NcclRound<'_> {
 
     /// Whether every rank succeeded at `what`, given this rank's `ok` (see `Round::agree`).
     fn agree_on(&mut self, what: &str, ok: bool) -> Result<()> {
+        let op = self.op;
         let round: &mut dyn Round = self;
-        round.agree("all-to-all", ok, what)
+        round.agree(op, ok, what)
     }
 }
 
