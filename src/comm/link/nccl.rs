@@ -105,14 +105,14 @@ impl Link for NcclLink {
             rc: &self.rc,
             op: fp.op(),
             seq,
-            _serial: st,
+            serial: st,
             landed: Vec::new(),
         };
         if self.check {
             let size = self.rc.size();
             if let Err(e) = check_across(fp, seq, size, |w| round.all_gather_words(w)) {
                 if matches!(e, Error::Desync { .. }) {
-                    round._serial.1 = Some(e.to_string());
+                    round.serial.1 = Some(e.to_string());
                 }
                 return Err(e);
             }
@@ -127,7 +127,8 @@ struct NcclRound<'a> {
     /// The store call's op ("push", "pull", ...), for the errors of its agreements.
     op: &'static str,
     seq: u64,
-    _serial: MutexGuard<'a, (u64, Option<String>)>,
+    /// The link's state, locked: calls never interleave, and a failure shuts the link.
+    serial: MutexGuard<'a, (u64, Option<String>)>,
     /// The (send, received) host buffers of each all-to-all started, until landed.
     landed: Vec<Option<(HostData, HostData)>>,
 }
@@ -183,6 +184,16 @@ impl NcclRound<'_> {
         Ok(Ticket(self.landed.len() - 1))
     }
 
+    /// `got`, and on an error shuts the link: a rank that failed its part of a word exchange
+    /// (its GPU buffers, say, before NCCL ever ran) is out of step with the others, and must
+    /// fail its later calls at once rather than meet their collectives with other ones.
+    fn shut_on_error<T>(&mut self, got: Result<T>) -> Result<T> {
+        if let Err(e) = &got {
+            self.serial.1.get_or_insert_with(|| e.to_string());
+        }
+        got
+    }
+
     /// Whether every rank succeeded at `what`, given this rank's `ok` (see `Round::agree`).
     fn agree_on(&mut self, what: &str, ok: bool) -> Result<()> {
         let op = self.op;
@@ -234,15 +245,19 @@ impl Round for NcclRound<'_> {
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
         let pieces: Vec<f32> = mine.iter().flat_map(|&w| split(w)).collect();
-        Ok(join_words(&all_gather_f32(self.rc, &pieces)?))
+        let got = all_gather_f32(self.rc, &pieces);
+        self.shut_on_error(got).map(|g| join_words(&g))
     }
 
     fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>> {
         let n = words.len();
         let pieces: Vec<f32> = words.iter().flat_map(|&w| split(w)).collect();
-        let buf = NDArray::from_vec_on(pieces, [n * 4], Device::Gpu(self.rc.ordinal()))?;
-        self.rc.broadcast(&buf, root)?;
-        Ok(join_words(&buf.to_vec::<f32>()?))
+        let got = (|| {
+            let buf = NDArray::from_vec_on(pieces, [n * 4], Device::Gpu(self.rc.ordinal()))?;
+            self.rc.broadcast(&buf, root)?;
+            buf.to_vec::<f32>()
+        })();
+        self.shut_on_error(got).map(|g| join_words(&g))
     }
 }
 
