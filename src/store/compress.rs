@@ -93,7 +93,7 @@ pub(super) fn check_dtypes(
     values: &[NDArray],
 ) -> Result<()> {
     match (keys.iter().zip(values))
-        .find_map(|(key, v)| dtype_refusal(compression, "init", key, v.dtype(), "init"))
+        .find_map(|(key, v)| dtype_refusal(compression, "init", key, v.dtype()))
     {
         None => Ok(()),
         Some(e) => Err(e),
@@ -102,18 +102,17 @@ pub(super) fn check_dtypes(
 
 /// The rule on dtypes under compression, for an init and for a load: an
 /// [`Error::Compression`] when compression is on and `key` is not float32 (MXNet's 2-bit
-/// kernels work on float32 only), or `None`. `how`: how the key came ("init", "load").
+/// kernels work on float32 only), or `None`. `op`: how the key came ("init", "load").
 pub(super) fn dtype_refusal(
     compression: Compression,
     op: &'static str,
     key: &Key,
     dtype: DType,
-    how: &str,
 ) -> Option<Error> {
     if !compression.is_on() || dtype == DType::F32 {
         return None;
     }
-    let fix = match how {
+    let fix = match op {
         "init" => "init it with .astype(DType::F32)",
         _ => "load it into a store without gradient compression, or save it as float32",
     };

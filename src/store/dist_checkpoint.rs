@@ -318,8 +318,7 @@ impl KvStore {
                     return Err(Problem::mismatch(why).at(path));
                 }
                 let compression = *read(&self.compression);
-                let refusal =
-                    super::compress::dtype_refusal(compression, "load", &m.key, m.dtype, "load");
+                let refusal = super::compress::dtype_refusal(compression, "load", &m.key, m.dtype);
                 if let Some(refusal) = refusal {
                     return Err(Problem::mismatch(refusal.to_string()).at(path));
                 }

@@ -137,7 +137,7 @@ impl KvStore {
                 if slot.is_none() {
                     let (compression, dtype) = (*read(&self.compression), e.value.dtype());
                     let refusal =
-                        super::compress::dtype_refusal(compression, "load", &e.key, dtype, "load");
+                        super::compress::dtype_refusal(compression, "load", &e.key, dtype);
                     if let Some(refusal) = refusal {
                         return Err(mismatch(refusal.to_string()));
                     }
