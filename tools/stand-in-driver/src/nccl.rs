@@ -799,6 +799,19 @@ fn caller(
     })
 }
 
+/// Issues a part made outside a group at once: `ncclInProgress` on a non-blocking
+/// communicator (which is busy until polled), as NCCL returns it.
+fn issue_now(st: &mut State, c: usize, part: Part) -> Result<(), i32> {
+    match issue(st, c, part) {
+        nc::SUCCESS if st.comms[c].nonblocking => {
+            st.comms[c].busy = 1;
+            Err(nc::IN_PROGRESS)
+        }
+        nc::SUCCESS => Ok(()),
+        e => Err(e),
+    }
+}
+
 /// Validates and issues (or defers, inside a group) one collective call.
 #[allow(clippy::too_many_arguments)]
 fn collective(
@@ -872,14 +885,7 @@ fn collective(
             GROUP.with(|g| g.borrow_mut().1.push(Deferred::Coll { comm: c, part }));
             return Ok(());
         }
-        match issue(&mut st, c, part) {
-            nc::SUCCESS if st.comms[c].nonblocking => {
-                st.comms[c].busy = 1;
-                Err(nc::IN_PROGRESS)
-            }
-            nc::SUCCESS => Ok(()),
-            e => Err(e),
-        }
+        issue_now(&mut st, c, part)
     })
 }
 
@@ -1138,14 +1144,7 @@ fn p2p(
         }
         let mut part = fresh();
         add(&st, &mut part)?;
-        match issue(&mut st, c, part) {
-            nc::SUCCESS if st.comms[c].nonblocking => {
-                st.comms[c].busy = 1;
-                Err(nc::IN_PROGRESS)
-            }
-            nc::SUCCESS => Ok(()),
-            e => Err(e),
-        }
+        issue_now(&mut st, c, part)
     })
 }
 
