@@ -551,7 +551,7 @@ fn lend_arrays<'g>(
                     g.slot.spread,
                     g.slot.shape.size(),
                     g.slot.dtype,
-                    d.size(),
+                    (d.size(), groups.len()),
                 )
         }
         _ => false,

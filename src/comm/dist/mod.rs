@@ -9,7 +9,8 @@
 //!   all-gather: the traffic of one allreduce, as ZeRO-1 has it.
 //! - Small whole keys travel packed, one buffer per (home rank, dtype): a list push of many
 //!   small keys is one reduce per home rank and dtype, a list pull one broadcast each. Keys from
-//!   [`PACK_MAX_BYTES`] up travel alone, in their own buffer, with no copy into a bucket.
+//!   [`PACK_MAX_BYTES`] up, and a call's only key, travel alone, in their own buffer, with no
+//!   copy into a bucket ([`travels_alone`]).
 //!
 //! All the collectives of a call are started before any is waited for, so they overlap. Every
 //! rank starts the same collectives in the same order: the order depends only on the call's
@@ -46,6 +47,15 @@ pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
 
 /// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
 pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
+
+/// Whether a whole key of `bytes` bytes, in a call of `keys` keys, travels alone, in a buffer
+/// of its own (sent from, and received into, the caller's arrays where it can), rather than
+/// packed with the call's other small keys of its home and dtype: a big key, or a call's only
+/// key, which a bucket would only copy. Every rank decides alike: the call's keys, shapes and
+/// dtypes are in its fingerprint.
+pub(crate) fn travels_alone(bytes: usize, keys: usize) -> bool {
+    bytes >= PACK_MAX_BYTES || keys == 1
+}
 
 /// A store's link to the other ranks, with what the store's calls across ranks need: the
 /// bound from which keys are sliced, and host buffers kept between calls.
@@ -309,11 +319,12 @@ pub(crate) fn reduce(
 ) -> Result<Vec<Option<HostData>>> {
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
     let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
+    let keys = sums.len();
     let lent = read_in_place(&sums);
     let mut plan = Plan::new(pool);
     for s in &sums {
         if let Spread::Whole { rank: root } = s.spread {
-            if s.data.len() * s.data.dtype().size() < PACK_MAX_BYTES {
+            if !travels_alone(s.data.len() * s.data.dtype().size(), keys) {
                 plan.reserve_len(Op::Reduce { root }, s.data.dtype(), s.data.len());
             }
         }
@@ -329,15 +340,17 @@ pub(crate) fn reduce(
                 pad(&mut send, block * size);
                 plan.transfer(Op::ReduceScatter, send, None, vec![(i, 0..mine)]);
             }
-            Spread::Whole { rank: root } if bytes >= PACK_MAX_BYTES => match lent[i].as_deref() {
-                Some(Storage::Host(h)) => {
-                    plan.transfer_borrowed(Op::Reduce { root }, h, vec![(i, 0..len)])
+            Spread::Whole { rank: root } if travels_alone(bytes, keys) => {
+                match lent[i].as_deref() {
+                    Some(Storage::Host(h)) => {
+                        plan.transfer_borrowed(Op::Reduce { root }, h, vec![(i, 0..len)])
+                    }
+                    _ => {
+                        let send = s.data.into_buffer(pool, len)?;
+                        plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)]);
+                    }
                 }
-                _ => {
-                    let send = s.data.into_buffer(pool, len)?;
-                    plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)]);
-                }
-            },
+            }
             Spread::Whole { rank: root } => {
                 s.data.read(|h| plan.pack(Op::Reduce { root }, i, h))?;
             }
@@ -357,7 +370,7 @@ pub(crate) fn reduce(
 fn read_in_place<'a>(sums: &[Sum<'a>]) -> Vec<Option<RwLockReadGuard<'a, Storage>>> {
     let alone = |s: &Sum<'_>| {
         matches!(s.spread, Spread::Whole { .. })
-            && s.data.len() * s.data.dtype().size() >= PACK_MAX_BYTES
+            && travels_alone(s.data.len() * s.data.dtype().size(), sums.len())
     };
     // Most calls of many small keys send none alone: count array uses only when needed.
     if !sums.iter().any(alone) {
@@ -390,13 +403,19 @@ pub(crate) struct Piece<'a> {
     pub into: Option<HostData>,
 }
 
-/// Whether a key of `len` elements of `dtype` spread as `spread` over `size` ranks travels in
-/// a buffer of its own that can be its destination: a sliced key whose slices fill it exactly,
-/// or a whole key too big to pack. [`gather`] then receives it into [`Piece::into`] when given.
-pub(crate) fn receives_in_place(spread: Spread, len: usize, dtype: DType, size: usize) -> bool {
+/// Whether a key of `len` elements of `dtype` spread as `spread` over `size` ranks, in a call
+/// of `keys` keys, travels in a buffer of its own that can be its destination: a sliced key
+/// whose slices fill it exactly, or a whole key that [`travels_alone`]. [`gather`] then
+/// receives it into [`Piece::into`] when given.
+pub(crate) fn receives_in_place(
+    spread: Spread,
+    len: usize,
+    dtype: DType,
+    (size, keys): (usize, usize),
+) -> bool {
     match spread {
         Spread::Sliced => len % size.max(1) == 0,
-        Spread::Whole { .. } => len * dtype.size() >= PACK_MAX_BYTES,
+        Spread::Whole { .. } => travels_alone(len * dtype.size(), keys),
     }
 }
 
@@ -450,16 +469,16 @@ pub(crate) fn gather_shared(
         }
         _ => pool.take(p.dtype, len, room),
     };
+    let keys = pieces.len();
     for p in &pieces {
         if let Spread::Whole { rank: root } = p.spread {
-            let len = p.len * p.dtype.size();
-            if len < PACK_MAX_BYTES {
+            if !travels_alone(p.len * p.dtype.size(), keys) {
                 plan.reserve_len(Op::Broadcast { root }, p.dtype, p.len);
             }
         }
     }
     for (i, p) in pieces.iter_mut().enumerate() {
-        let into = match receives_in_place(p.spread, p.len, p.dtype, size) {
+        let into = match receives_in_place(p.spread, p.len, p.dtype, (size, keys)) {
             true => p
                 .into
                 .take()
@@ -473,7 +492,7 @@ pub(crate) fn gather_shared(
                 pad(&mut send, block);
                 plan.transfer(Op::AllGather, send, into, vec![(i, 0..p.len)]);
             }
-            Spread::Whole { rank: root } if p.len * p.dtype.size() >= PACK_MAX_BYTES => {
+            Spread::Whole { rank: root } if travels_alone(p.len * p.dtype.size(), keys) => {
                 let data = match (into, p.data) {
                     // The home copies its value into the destination and sends from there.
                     (Some(mut buf), Some(d)) if p.spread.holds(rank) => {
@@ -667,30 +686,37 @@ impl<'p, 'a> Plan<'p, 'a> {
         });
     }
 
-    /// The packed transfer of `op` and `dtype`, made on first use with room for all of it.
-    fn bucket(&mut self, op: Op, dtype: DType) -> &mut (HostData, Members) {
+    /// The packed transfer of `op` and `dtype`, made on first use with room for all of it: empty
+    /// when the keys' values are appended to it, or already of its full length when it only
+    /// receives (a kept buffer then keeps its old contents, which MPI overwrites, instead of
+    /// being zeroed on every call).
+    fn bucket(&mut self, op: Op, dtype: DType, receives: bool) -> &mut (HostData, Members) {
         let room = self.sizes.get(&(op, dtype.name())).copied().unwrap_or(0);
         let pool = self.pool;
+        let len = if receives { room } else { 0 };
         self.packed
             .entry((op, dtype.name()))
-            .or_insert_with(|| (pool.take(dtype, 0, room), Vec::new()))
+            .or_insert_with(|| (pool.take(dtype, len, room), Vec::new()))
     }
 
     /// Appends key `i`'s `data` to the packed transfer of `op` and its dtype.
     fn pack(&mut self, op: Op, i: usize, data: &HostData) {
-        let (buf, members) = self.bucket(op, data.dtype());
-        let start = buf.len();
+        let (buf, members) = self.bucket(op, data.dtype(), false);
+        let start = packed_len(members);
+        truncate(buf, start);
         append(buf, data);
         members.push((i, start..buf.len()));
     }
 
-    /// Appends `len` elements (whose values do not matter: MPI writes them) for key `i` to the
+    /// Places `len` elements (whose values do not matter: MPI writes them) for key `i` in the
     /// packed transfer of `op` and `dtype`.
     fn pack_len(&mut self, op: Op, i: usize, dtype: DType, len: usize) {
-        let (buf, members) = self.bucket(op, dtype);
-        let start = buf.len();
-        pad(buf, start + len);
-        members.push((i, start..buf.len()));
+        let (buf, members) = self.bucket(op, dtype, true);
+        let start = packed_len(members);
+        if buf.len() < start + len {
+            pad(buf, start + len);
+        }
+        members.push((i, start..start + len));
     }
 
     /// Starts every transfer, then waits for all of them. Returns each transfer's result with
@@ -702,11 +728,14 @@ impl<'p, 'a> Plan<'p, 'a> {
     ) -> Result<Vec<(HostData, Members)>> {
         let pool = self.pool;
         let transfers = self.alone.into_iter().chain(self.packed.into_iter().map(
-            |((op, _), (send, members))| Transfer {
-                op,
-                send: Cow::Owned(send),
-                recv: None,
-                members,
+            |((op, _), (mut send, members))| {
+                truncate(&mut send, packed_len(&members));
+                Transfer {
+                    op,
+                    send: Cow::Owned(send),
+                    recv: None,
+                    members,
+                }
             },
         ));
         let mut flights = Vec::new();
@@ -739,6 +768,16 @@ struct Transfer<'a> {
     send: Cow<'a, HostData>,
     recv: Option<HostData>,
     members: Members,
+}
+
+/// The elements a packed transfer's members take up so far.
+fn packed_len(members: &Members) -> usize {
+    members.last().map_or(0, |(_, range)| range.end)
+}
+
+/// Shortens `data` to at most `len` elements.
+fn truncate(data: &mut HostData, len: usize) {
+    crate::host::with_host!(data, v: T => v.truncate(len));
 }
 
 /// Extends `data` with zeros to `len` elements.
