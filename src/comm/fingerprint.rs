@@ -38,21 +38,36 @@ pub struct Fingerprint {
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
 pub(crate) type Record = [u64; 4];
 
-/// 64-bit FNV-1a, written out so that every rank, whatever its Rust version, hashes alike.
-struct Fnv(u64);
+/// A 64-bit hash that takes a word at a time, written out so that every rank, whatever its
+/// Rust version, hashes alike. Each step (xor the word in, multiply by an odd constant, fold
+/// the high half down) is a bijection of the word for a given state, so a call that differs
+/// in one word always hashes differently. A word at a time, not a byte: the records of a call
+/// of 1000 keys took 3 % of its time with byte-wise FNV-1a.
+struct Hash64(u64);
 
-impl Fnv {
-    fn new() -> Fnv {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-    fn bytes(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 ^= u64::from(x);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
+impl Hash64 {
+    fn new() -> Hash64 {
+        Hash64(0xcbf2_9ce4_8422_2325)
     }
     fn u64(&mut self, v: u64) {
-        self.bytes(&v.to_le_bytes());
+        let h = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = h ^ (h >> 32);
+    }
+    /// `b`'s length, then its bytes, eight to a word (the last word padded with zeros).
+    fn bytes(&mut self, b: &[u8]) {
+        self.u64(b.len() as u64);
+        let words = b.chunks_exact(8);
+        let rest = words.remainder();
+        for w in words {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(w);
+            self.u64(u64::from_le_bytes(word));
+        }
+        if !rest.is_empty() {
+            let mut word = [0u8; 8];
+            word[..rest.len()].copy_from_slice(rest);
+            self.u64(u64::from_le_bytes(word));
+        }
     }
 }
 
@@ -126,23 +141,21 @@ impl Fingerprint {
 
     /// The fixed-size record for call number `seq`.
     pub(crate) fn record(&self, seq: u64) -> Record {
-        let mut op = Fnv::new();
+        let mut op = Hash64::new();
         op.u64(self.store);
         op.bytes(self.op.as_bytes());
         if let Some(note) = &self.note {
-            op.bytes(b" ");
             op.bytes(note.as_bytes());
         }
-        let mut all = Fnv::new();
+        let mut all = Hash64::new();
         for e in &self.entries {
             match &e.key {
                 Key::Int(i) => {
-                    all.bytes(&[0]);
-                    all.bytes(&i.to_le_bytes());
+                    all.u64(0);
+                    all.u64(*i as u64);
                 }
                 Key::Str(s) => {
-                    all.bytes(&[1]);
-                    all.u64(s.len() as u64);
+                    all.u64(1);
                     all.bytes(s.as_bytes());
                 }
             }
@@ -153,7 +166,7 @@ impl Fingerprint {
             all.bytes(e.dtype.name().as_bytes());
         }
         if let Some(why) = &self.rejected {
-            all.bytes(b"rejected");
+            all.u64(2);
             all.bytes(why.as_bytes());
         }
         [seq, op.0, self.entries.len() as u64, all.0]
@@ -445,6 +458,40 @@ mod tests {
         let str_key = Fingerprint::new("push").entry("3", &[2], DType::F32);
         let int_key = Fingerprint::new("push").entry(3, &[2], DType::F32);
         assert_ne!(str_key.record(1), int_key.record(1));
+    }
+
+    #[test]
+    fn records_tell_apart_what_a_word_wise_hash_could_blur() {
+        let keys = |ks: &[&str]| {
+            ks.iter()
+                .fold(Fingerprint::new("pull"), |f, k| {
+                    f.entry(*k, &[4], DType::F32)
+                })
+                .record(1)
+        };
+        // Where one string ends and the next starts; a string that fills whole words.
+        assert_ne!(keys(&["ab", "c"]), keys(&["a", "bc"]));
+        assert_ne!(keys(&["weights1"]), keys(&["weights1\0"]));
+        assert_ne!(keys(&["weights1"]), keys(&["weights2"]));
+        // Dims that differ only in their high bits, or only by moving between entries.
+        assert_ne!(fp(5, &[1 << 40]).record(1), fp(5, &[1 << 41]).record(1));
+        assert_ne!(fp(5, &[2, 3]).record(1), fp(5, &[2, 3, 1]).record(1));
+        // Negative int keys, and the store, the note and the op.
+        assert_ne!(fp(-1, &[2]).record(1), fp(1, &[2]).record(1));
+        assert_ne!(
+            fp(5, &[2]).store(1).record(1),
+            fp(5, &[2]).store(2).record(1)
+        );
+        assert_ne!(fp(5, &[2]).note("sgd").record(1), fp(5, &[2]).record(1));
+        assert_ne!(fp(5, &[2]).note("").record(1), fp(5, &[2]).record(1));
+        assert_ne!(
+            fp(5, &[2]).note("sgd lr 0.1").record(1),
+            fp(5, &[2]).note("sgd lr 0.2").record(1)
+        );
+        let pull = Fingerprint::new("pull")
+            .entry(3, &[2], DType::F32)
+            .entry(5, &[2], DType::F32);
+        assert_ne!(pull.record(1), fp(5, &[2]).record(1));
     }
 
     #[test]
