@@ -210,13 +210,30 @@ impl KvStore {
                 Ok((spread, Some((piece.value.into_host()?, state))))
             })
             .collect::<Result<Vec<_>>>();
+        // Every key's new cell, made where the store keeps its values (uploaded, on GPU ranks)
+        // before the ranks agree: what can fail on one rank alone (out of GPU memory) fails
+        // every rank here, with no key changed. A key already held briefly takes its memory
+        // twice, until its new cell replaces the old.
+        let made = read_parts.and_then(|parts| {
+            (reader.keys().iter().zip(parts))
+                .map(|(m, (spread, part))| {
+                    let (value, state) = match part {
+                        Some((v, s)) => (v, s),
+                        None => (HostData::filled(m.dtype, 0, 0.0), None),
+                    };
+                    let mut cell = super::dist::keep(d, value)?;
+                    cell.set_state(generation, state)?;
+                    Ok((spread, Shape::new(&m.dims)?, cell))
+                })
+                .collect::<Result<Vec<_>>>()
+        });
         // This rank's compression residuals, where the checkpoint was saved by as many ranks.
-        let residuals =
-            read_parts.and_then(|parts| Ok((parts, reader.rank_residuals(rank, size)?)));
-        let together = call.agree("load", residuals.is_ok(), "reading its parts");
-        let (parts, residuals) = residuals?;
+        let residuals = made.and_then(|made| Ok((made, reader.rank_residuals(rank, size)?)));
+        let together = call.agree("load", residuals.is_ok(), "making its parts");
+        let (made, residuals) = residuals?;
         together?;
-        // Apply: existing keys under their write locks, then the new keys, in one step.
+        // Apply, with nothing left that can fail: existing keys under their write locks, then
+        // the new keys, in one step.
         let existing: Vec<Arc<Slot>> = reader
             .keys()
             .iter()
@@ -230,19 +247,13 @@ impl KvStore {
         let mut new_spreads = Vec::new();
         let mut new_sparse = Vec::new();
         let mut next_cell = 0;
-        for (m, (spread, part)) in reader.keys().iter().zip(parts) {
-            let (value, state) = match part {
-                Some((v, s)) => (v, s),
-                None => (HostData::filled(m.dtype, 0, 0.0), None),
-            };
+        for (m, (spread, shape, cell)) in reader.keys().iter().zip(made) {
             if table.slots.contains_key(&m.key) {
-                cells[next_cell].load(value, generation, state)?;
+                *cells[next_cell] = cell;
                 next_cell += 1;
             } else {
-                let mut cell = super::dist::keep(d, value)?;
-                cell.set_state(generation, state)?;
                 new_keys.push(m.key.clone());
-                new_kinds.push((Shape::new(&m.dims)?, m.dtype));
+                new_kinds.push((shape, m.dtype));
                 new_data.push(cell);
                 new_spreads.push(spread);
                 new_sparse.push(m.row_sparse);
