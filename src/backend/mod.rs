@@ -54,6 +54,27 @@ enum Place {
 /// A checkpoint's form of updater state: the step count and one host buffer per state name.
 pub(crate) type HostState = (u64, Vec<HostData>);
 
+/// A checkpoint's value and updater state made ready for one cell ([`HomeValue::stage_load`]).
+pub(crate) struct StagedLoad {
+    value: HostData,
+    state: StagedState,
+}
+
+/// Where a [`StagedLoad`]'s state goes: the cell's host state, or its GPU state.
+enum StagedState {
+    Host(Option<State>),
+    Gpu(cuda::state::StagedState),
+}
+
+/// A checkpoint's state as host state of updater `generation`.
+fn host_state(generation: u64, state: Option<HostState>) -> Option<State> {
+    state.map(|(step, bufs)| State {
+        generation,
+        step,
+        bufs,
+    })
+}
+
 impl HomeValue {
     /// A value in host memory, with no updater state yet.
     pub fn from_host(value: HostData) -> HomeValue {
@@ -132,18 +153,11 @@ impl HomeValue {
 
     /// Replaces the updater state with a checkpoint's, as state of updater `generation`.
     pub fn set_state(&mut self, generation: u64, state: Option<HostState>) -> Result<()> {
-        let host_state = |state: Option<HostState>| {
-            state.map(|(step, bufs)| State {
-                generation,
-                step,
-                bufs,
-            })
-        };
         match &mut self.place {
             Place::Gpu(c) if has_kernel(c.buf.dtype()) => {
                 c.set_state_from_host(generation, state)?
             }
-            _ => self.state = host_state(state),
+            _ => self.state = host_state(generation, state),
         }
         Ok(())
     }
@@ -155,11 +169,56 @@ impl HomeValue {
         generation: u64,
         state: Option<HostState>,
     ) -> Result<()> {
+        let staged = self.stage_load(value, generation, state)?;
+        self.commit_load(staged)
+    }
+
+    /// Makes a checkpoint's value and updater state (for updater `generation`) ready to
+    /// replace this cell's: whatever can fail for want of memory happens here (the GPU buffers
+    /// of a state the cell has no room for), and [`HomeValue::commit_load`] then puts them in
+    /// without allocating, the value into the cell's own buffer. The cell is not changed.
+    pub fn stage_load(
+        &self,
+        value: HostData,
+        generation: u64,
+        state: Option<HostState>,
+    ) -> Result<StagedLoad> {
+        let state = match &self.place {
+            Place::Gpu(c) => {
+                if value.len() != c.buf.len() {
+                    return Err(Error::Internal {
+                        op: "load",
+                        message: format!("{} elements for a value of {}", value.len(), c.buf.len()),
+                    });
+                }
+                match has_kernel(c.buf.dtype()) {
+                    true => StagedState::Gpu(c.stage_state(generation, state)?),
+                    false => StagedState::Host(host_state(generation, state)),
+                }
+            }
+            Place::Host(_) => StagedState::Host(host_state(generation, state)),
+        };
+        Ok(StagedLoad { value, state })
+    }
+
+    /// Puts in a load staged by [`HomeValue::stage_load`] on this cell. Allocates no GPU
+    /// memory: on a GPU home it fails only where the GPU itself does.
+    pub fn commit_load(&mut self, staged: StagedLoad) -> Result<()> {
         match &mut self.place {
-            Place::Host(h) => *h = value,
-            Place::Gpu(c) => c.buf.upload_into(&value)?,
+            Place::Host(h) => *h = staged.value,
+            Place::Gpu(c) => c.buf.upload_into(&staged.value)?,
         }
-        self.set_state(generation, state)
+        match (staged.state, &mut self.place) {
+            (StagedState::Gpu(s), Place::Gpu(c)) => c.commit_state(s),
+            (StagedState::Host(s), _) => {
+                self.state = s;
+                Ok(())
+            }
+            (StagedState::Gpu(_), Place::Host(_)) => Err(Error::Internal {
+                op: "load",
+                message: "a GPU state staged for a value in host memory".to_owned(),
+            }),
+        }
     }
 
     /// The value in host memory: borrowed from a host home, copied from a GPU.

@@ -15,7 +15,7 @@ use std::sync::{Arc, RwLockWriteGuard};
 
 use super::table::{place_on_ranks, Slot};
 use super::{insert_slots, read, write, KvStore};
-use crate::backend::HomeValue;
+use crate::backend::{HomeValue, StagedLoad};
 use crate::checkpoint::{self, KeyMeta, KeyResiduals, Piece, Problem, Reader};
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::Spread;
@@ -210,20 +210,33 @@ impl KvStore {
                 Ok((spread, Some((piece.value.into_host()?, state))))
             })
             .collect::<Result<Vec<_>>>();
-        // Every key's new cell, made where the store keeps its values (uploaded, on GPU ranks)
-        // before the ranks agree: what can fail on one rank alone (out of GPU memory) fails
-        // every rank here, with no key changed. A key already held briefly takes its memory
-        // twice, until its new cell replaces the old.
+        // Every key's new value and state, made ready before the ranks agree: what can fail on
+        // one rank alone (out of GPU memory) fails every rank here, with no key changed. A new
+        // key gets its cell; a key already held gets what its cell cannot take in place (state
+        // buffers it lacks), and is written under its lock, taken now.
+        let existing: Vec<Arc<Slot>> = reader
+            .keys()
+            .iter()
+            .filter_map(|m| table.slots.get(&m.key).cloned())
+            .collect();
+        let mut cells: Vec<RwLockWriteGuard<'_, HomeValue>> =
+            existing.iter().map(|s| write(&s.cell)).collect();
         let made = read_parts.and_then(|parts| {
+            let mut next_cell = 0;
             (reader.keys().iter().zip(parts))
                 .map(|(m, (spread, part))| {
                     let (value, state) = match part {
                         Some((v, s)) => (v, s),
                         None => (HostData::filled(m.dtype, 0, 0.0), None),
                     };
+                    if table.slots.contains_key(&m.key) {
+                        let staged = cells[next_cell].stage_load(value, generation, state)?;
+                        next_cell += 1;
+                        return Ok(Made::Held(staged));
+                    }
                     let mut cell = super::dist::keep(d, value)?;
                     cell.set_state(generation, state)?;
-                    Ok((spread, Shape::new(&m.dims)?, cell))
+                    Ok(Made::New(spread, Shape::new(&m.dims)?, cell))
                 })
                 .collect::<Result<Vec<_>>>()
         });
@@ -232,31 +245,30 @@ impl KvStore {
         let together = call.agree("load", residuals.is_ok(), "making its parts");
         let (made, residuals) = residuals?;
         together?;
-        // Apply, with nothing left that can fail: existing keys under their write locks, then
-        // the new keys, in one step.
-        let existing: Vec<Arc<Slot>> = reader
-            .keys()
-            .iter()
-            .filter_map(|m| table.slots.get(&m.key).cloned())
-            .collect();
-        let mut cells: Vec<RwLockWriteGuard<'_, HomeValue>> =
-            existing.iter().map(|s| write(&s.cell)).collect();
+        // Apply, in one step: existing keys under their write locks (this allocates nothing,
+        // and fails only where the GPU itself does), then the new keys.
         let mut new_keys = Vec::new();
         let mut new_kinds = Vec::new();
         let mut new_data = Vec::new();
         let mut new_spreads = Vec::new();
         let mut new_sparse = Vec::new();
-        let mut next_cell = 0;
-        for (m, (spread, shape, cell)) in reader.keys().iter().zip(made) {
-            if table.slots.contains_key(&m.key) {
-                *cells[next_cell] = cell;
-                next_cell += 1;
-            } else {
-                new_keys.push(m.key.clone());
-                new_kinds.push((shape, m.dtype));
-                new_data.push(cell);
-                new_spreads.push(spread);
-                new_sparse.push(m.row_sparse);
+        let mut held = cells.iter_mut();
+        for (m, made) in reader.keys().iter().zip(made) {
+            match made {
+                Made::Held(staged) => {
+                    let cell = held.next().ok_or_else(|| Error::Internal {
+                        op: "load",
+                        message: "more keys held than cells locked".to_owned(),
+                    })?;
+                    cell.commit_load(staged)?;
+                }
+                Made::New(spread, shape, cell) => {
+                    new_keys.push(m.key.clone());
+                    new_kinds.push((shape, m.dtype));
+                    new_data.push(cell);
+                    new_spreads.push(spread);
+                    new_sparse.push(m.row_sparse);
+                }
             }
         }
         drop(cells);
@@ -337,4 +349,12 @@ impl KvStore {
         }
         Ok(())
     }
+}
+
+/// One key of a load, made ready before the ranks agree.
+enum Made {
+    /// A key the store holds: its value and state, staged for its cell.
+    Held(StagedLoad),
+    /// A new key: where it lives, its shape, and its cell.
+    New(Spread, Shape, HomeValue),
 }

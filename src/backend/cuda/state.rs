@@ -64,9 +64,22 @@ impl GpuCell {
         generation: u64,
         state: Option<(u64, Vec<HostData>)>,
     ) -> Result<()> {
+        let staged = self.stage_state(generation, state)?;
+        self.commit_state(staged)
+    }
+
+    /// Makes a checkpoint's updater state (host buffers, `float32`, one per state name) ready
+    /// to replace this cell's, for updater `generation`: the GPU memory it needs is allocated
+    /// here, and [`GpuCell::commit_state`] puts it in without allocating. Where the cell already
+    /// holds as many state buffers, the state will be copied into them (a load needs no second
+    /// copy of the store's state); otherwise new buffers are made, holding it.
+    pub fn stage_state(
+        &self,
+        generation: u64,
+        state: Option<(u64, Vec<HostData>)>,
+    ) -> Result<StagedState> {
         let Some((step, bufs)) = state else {
-            self.state = None;
-            return Ok(());
+            return Ok(StagedState(Staged::Clear));
         };
         // The kernels index the state with the value's length: never hand them a shorter one.
         if let Some(b) = bufs.iter().find(|b| b.len() != self.buf.len()) {
@@ -79,6 +92,17 @@ impl GpuCell {
                 ),
             });
         }
+        if self
+            .state
+            .as_ref()
+            .is_some_and(|s| s.bufs.len() == bufs.len())
+        {
+            return Ok(StagedState(Staged::InPlace {
+                generation,
+                step,
+                bufs,
+            }));
+        }
         let stream = self.buf.stream();
         let bufs = bufs
             .iter()
@@ -87,13 +111,66 @@ impl GpuCell {
                 super::clone_htod(stream, &v).map_err(cuda_err("copy state to GPU", None))
             })
             .collect::<Result<Vec<_>>>()?;
-        self.state = Some(GpuState {
+        Ok(StagedState(Staged::New(GpuState {
             generation,
             step,
             bufs,
-        });
+        })))
+    }
+
+    /// Puts in a state staged by [`GpuCell::stage_state`] on this cell. Allocates nothing: it
+    /// fails only where the GPU itself does.
+    pub fn commit_state(&mut self, staged: StagedState) -> Result<()> {
+        match staged.0 {
+            Staged::Clear => self.state = None,
+            Staged::New(state) => self.state = Some(state),
+            Staged::InPlace {
+                generation,
+                step,
+                bufs,
+            } => {
+                let stream = self.buf.stream().clone();
+                let state = match self.state.as_mut() {
+                    Some(s) if s.bufs.len() == bufs.len() => s,
+                    _ => {
+                        return Err(Error::Internal {
+                            op: "copy state to GPU",
+                            message: "the cell's state changed between staging and commit"
+                                .to_owned(),
+                        })
+                    }
+                };
+                for (dst, src) in state.bufs.iter_mut().zip(&bufs) {
+                    let v: Vec<f32> = src.to_vec();
+                    if !v.is_empty() {
+                        stream
+                            .memcpy_htod(&v, dst)
+                            .map_err(cuda_err("copy state to GPU", None))?;
+                    }
+                }
+                state.generation = generation;
+                state.step = step;
+            }
+        }
         Ok(())
     }
+}
+
+/// A checkpoint's updater state made ready for one cell ([`GpuCell::stage_state`]).
+pub(crate) struct StagedState(Staged);
+
+/// What a [`StagedState`] holds.
+enum Staged {
+    /// No state: the cell's is dropped.
+    Clear,
+    /// New buffers, holding the state.
+    New(GpuState),
+    /// The state, to copy into the cell's own buffers, which are as many.
+    InPlace {
+        generation: u64,
+        step: u64,
+        bufs: Vec<HostData>,
+    },
 }
 
 /// Gives every cell an updater state for `generation` with `names` f32 buffers (zeros where it
