@@ -535,7 +535,11 @@ impl KvStore {
         self.pull_list(&[self.key_for("pull", key)?], &[outs.arrays()])
     }
 
-    /// Pulls many keys at once, from one consistent snapshot of them. All or nothing.
+    /// Pulls many keys at once, from one consistent snapshot of them. All or nothing: a call
+    /// refused (bad input, on any rank) leaves every out as it was. One exception, on a
+    /// `dist_*` store: a transfer that fails midway (a rank gone, or past `KVSTORE_TIMEOUT`,
+    /// after which the store refuses every call) may leave zeros in the outs it was receiving
+    /// into directly (a call's only key, or a big key, with one out in host memory).
     pub fn pull_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
