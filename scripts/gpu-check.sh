@@ -192,8 +192,10 @@ for t in "$HERE"/tests/*; do
         >"$LOG/test-$name.log" 2>&1
     rc=$?
     [ "$rc" -eq 124 ] && echo "TIMED OUT after ${TEST_TIMEOUT:-300} s" >>"$LOG/test-$name.log"
-    passed=$(grep -Eo '[0-9]+ passed' "$LOG/test-$name.log" | tail -n 1 | cut -d' ' -f1)
-    failed=$(grep -Eo '[0-9]+ failed' "$LOG/test-$name.log" | tail -n 1 | cut -d' ' -f1)
+    # From libtest's "test result:" line only: a test's own output may say "3 failed".
+    result=$(grep -a '^test result:' "$LOG/test-$name.log" | tail -n 1)
+    passed=$(echo "$result" | grep -Eo '[0-9]+ passed' | cut -d' ' -f1)
+    failed=$(echo "$result" | grep -Eo '[0-9]+ failed' | cut -d' ' -f1)
     # Distinct tests that printed SKIPPED (a test may print it once per case it skips).
     # With --nocapture a test's line may read "test x ... SKIPPED: x: why": match anywhere.
     skipped=$(grep -o 'SKIPPED: .*' "$LOG/test-$name.log" | awk -F': ' '{print $2}' | sort -u | wc -l)

@@ -77,16 +77,18 @@ KVSTORE_STANDIN_TOTALS="$totals" cargo test --offline --no-fail-fast "$@" -- --i
     --show-output --test-threads "${KVSTORE_STANDIN_THREADS:-2}" 2>&1 | tee "$log" || status=1
 took=$(( $(date +%s) - start ))
 
-passed=$(grep -Eo '[0-9]+ passed' "$log" | awk '{s+=$1} END {print s+0}')
-failed=$(grep -Eo '[0-9]+ failed' "$log" | awk '{s+=$1} END {print s+0}')
+# Counted from libtest's "test result:" lines only: a test's own output may say "3 failed".
+count() { { grep -a '^test result:' "$1" || true; } | grep -Eo "[0-9]+ $2" | awk '{s+=$1} END {print s+0}'; }
+passed=$(count "$log" passed)
+failed=$(count "$log" failed)
 # Distinct tests that printed SKIPPED (a test may print it once per case it skips).
 skipped=$({ grep '^SKIPPED:' "$log" || true; } | awk -F': ' '{print $2}' | sort -u | wc -l)
 rejections=$(grep -c '^\[kvstore stand-in\]' "$log" || true)
-strict=$(grep -Eo '[0-9]+ passed' "$log.strict" | awk '{s+=$1} END {print s+0}')
+strict=$(count "$log.strict" passed)
 # A strictness test that could not run (no ptxas for the register check) says SKIPPED.
 strict_skipped=$({ grep '^SKIPPED:' "$log.strict" || true; } | wc -l)
 strict=$(( strict - strict_skipped ))
-strict_failed=$(grep -Eo '[0-9]+ failed' "$log.strict" | awk '{s+=$1} END {print s+0}')
+strict_failed=$(count "$log.strict" failed)
 # A test that printed SKIPPED did not run its case: it is not a pass.
 ran=$(( passed - skipped ))
 total_of() { awk -F'\t' -v k="$1" '$1 == k {s += $2} END {print s + 0}' "$totals" 2>/dev/null || echo 0; }
