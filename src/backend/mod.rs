@@ -162,17 +162,6 @@ impl HomeValue {
         Ok(())
     }
 
-    /// Replaces the value and the updater state with a checkpoint's.
-    pub fn load(
-        &mut self,
-        value: HostData,
-        generation: u64,
-        state: Option<HostState>,
-    ) -> Result<()> {
-        let staged = self.stage_load(value, generation, state)?;
-        self.commit_load(staged)
-    }
-
     /// Makes a checkpoint's value and updater state (for updater `generation`) ready to
     /// replace this cell's: whatever can fail for want of memory happens here (the GPU buffers
     /// of a state the cell has no room for), and [`HomeValue::commit_load`] then puts them in
@@ -433,6 +422,15 @@ fn merge_state(
         step: rows.step,
         bufs,
     })
+}
+
+/// Waits until the GPU of `home` has done the work queued on it, so that an error it latched (a
+/// kernel that failed) is reported now, not by the next copy; nothing for a host home.
+pub(crate) fn settle(home: Device) -> Result<()> {
+    match home {
+        Device::Gpu(i) => cuda::host_wait(cuda::gpu(i)?),
+        Device::Cpu(_) => Ok(()),
+    }
 }
 
 /// Loads a user PTX updater on `home` (when it is a GPU), so a broken module fails a push

@@ -222,6 +222,9 @@ impl KvStore {
         let mut cells: Vec<RwLockWriteGuard<'_, HomeValue>> =
             existing.iter().map(|s| write(&s.cell)).collect();
         let made = read_parts.and_then(|parts| {
+            // A fault the GPU latched earlier fails every rank here, not this rank's commit
+            // after the agreement.
+            crate::backend::settle(d.home())?;
             let mut next_cell = 0;
             (reader.keys().iter().zip(parts))
                 .map(|(m, (spread, part))| {

@@ -222,15 +222,25 @@ impl KvStore {
                 }
             }
 
-            // Keys the store has: changed under their locks, before any new key appears.
-            for (place, e) in old {
-                load_into(&mut cells[place], e.value, e.state, generation)?;
+            // Keys the store has: every one staged first (what can fail for want of GPU memory
+            // fails here, with no key changed), then changed under their locks, before any new
+            // key appears.
+            let staged = old
+                .into_iter()
+                .map(|(place, e)| {
+                    let state = host_state(e.state);
+                    let staged = cells[place].stage_load(e.value, generation, state)?;
+                    Ok((place, staged, e.residuals))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for (place, staged, residuals) in staged {
+                cells[place].commit_load(staged)?;
                 // The residuals come with the values they belong to (none in the file: none).
                 *have[place]
                     .1
                     .residuals
                     .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = e.residuals;
+                    .unwrap_or_else(|p| p.into_inner()) = residuals;
             }
 
             // New keys appear, complete, in one step.
@@ -270,14 +280,4 @@ fn loaded_cell(
 ) -> Result<HomeValue> {
     value.set_state(generation, host_state(state))?;
     Ok(value)
-}
-
-/// Replaces the value and state of a key the store has with a checkpoint's.
-fn load_into(
-    cell: &mut HomeValue,
-    value: HostData,
-    state: Option<EntryState>,
-    generation: u64,
-) -> Result<()> {
-    cell.load(value, generation, host_state(state))
 }

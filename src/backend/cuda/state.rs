@@ -92,11 +92,12 @@ impl GpuCell {
                 ),
             });
         }
-        if self
-            .state
-            .as_ref()
-            .is_some_and(|s| s.bufs.len() == bufs.len())
-        {
+        // The cell's own buffers take the state where they are as many, each of the value's
+        // length (checked here, before any agreement, not by the copy after it).
+        let room = |s: &GpuState| {
+            s.bufs.len() == bufs.len() && s.bufs.iter().all(|b| b.len() == self.buf.len())
+        };
+        if self.state.as_ref().is_some_and(room) {
             return Ok(StagedState(Staged::InPlace {
                 generation,
                 step,
