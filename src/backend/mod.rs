@@ -153,13 +153,35 @@ impl HomeValue {
 
     /// Replaces the updater state with a checkpoint's, as state of updater `generation`.
     pub fn set_state(&mut self, generation: u64, state: Option<HostState>) -> Result<()> {
-        match &mut self.place {
+        let staged = self.stage_state(generation, state)?;
+        self.commit_state(staged)
+    }
+
+    /// A checkpoint's state made ready for this cell, where the cell keeps its state: on its
+    /// GPU (new buffers allocated here where the cell lacks them), or in host memory (a host
+    /// home, and kernel-less dtypes on a GPU).
+    fn stage_state(&self, generation: u64, state: Option<HostState>) -> Result<StagedState> {
+        Ok(match &self.place {
             Place::Gpu(c) if has_kernel(c.buf.dtype()) => {
-                c.set_state_from_host(generation, state)?
+                StagedState::Gpu(c.stage_state(generation, state)?)
             }
-            _ => self.state = host_state(generation, state),
+            _ => StagedState::Host(host_state(generation, state)),
+        })
+    }
+
+    /// Puts in a state staged by [`HomeValue::stage_state`]; allocates nothing.
+    fn commit_state(&mut self, staged: StagedState) -> Result<()> {
+        match (staged, &mut self.place) {
+            (StagedState::Gpu(s), Place::Gpu(c)) => c.commit_state(s),
+            (StagedState::Host(s), _) => {
+                self.state = s;
+                Ok(())
+            }
+            (StagedState::Gpu(_), Place::Host(_)) => Err(Error::Internal {
+                op: "updater state",
+                message: "a GPU state staged for a value in host memory".to_owned(),
+            }),
         }
-        Ok(())
     }
 
     /// Makes a checkpoint's value and updater state (for updater `generation`) ready to
@@ -172,21 +194,15 @@ impl HomeValue {
         generation: u64,
         state: Option<HostState>,
     ) -> Result<StagedLoad> {
-        let state = match &self.place {
-            Place::Gpu(c) => {
-                if value.len() != c.buf.len() {
-                    return Err(Error::Internal {
-                        op: "load",
-                        message: format!("{} elements for a value of {}", value.len(), c.buf.len()),
-                    });
-                }
-                match has_kernel(c.buf.dtype()) {
-                    true => StagedState::Gpu(c.stage_state(generation, state)?),
-                    false => StagedState::Host(host_state(generation, state)),
-                }
+        if let Place::Gpu(c) = &self.place {
+            if value.len() != c.buf.len() {
+                return Err(Error::Internal {
+                    op: "load",
+                    message: format!("{} elements for a value of {}", value.len(), c.buf.len()),
+                });
             }
-            Place::Host(_) => StagedState::Host(host_state(generation, state)),
-        };
+        }
+        let state = self.stage_state(generation, state)?;
         Ok(StagedLoad { value, state })
     }
 
@@ -197,17 +213,7 @@ impl HomeValue {
             Place::Host(h) => *h = staged.value,
             Place::Gpu(c) => c.buf.upload_into(&staged.value)?,
         }
-        match (staged.state, &mut self.place) {
-            (StagedState::Gpu(s), Place::Gpu(c)) => c.commit_state(s),
-            (StagedState::Host(s), _) => {
-                self.state = s;
-                Ok(())
-            }
-            (StagedState::Gpu(_), Place::Host(_)) => Err(Error::Internal {
-                op: "load",
-                message: "a GPU state staged for a value in host memory".to_owned(),
-            }),
-        }
+        self.commit_state(staged.state)
     }
 
     /// The value in host memory: borrowed from a host home, copied from a GPU.

@@ -57,19 +57,8 @@ impl GpuCell {
         Ok(Some((state.step, bufs)))
     }
 
-    /// Replaces the updater state with host buffers (`float32`, one per state name) for
-    /// updater `generation`, or clears it.
-    pub fn set_state_from_host(
-        &mut self,
-        generation: u64,
-        state: Option<(u64, Vec<HostData>)>,
-    ) -> Result<()> {
-        let staged = self.stage_state(generation, state)?;
-        self.commit_state(staged)
-    }
-
-    /// Makes a checkpoint's updater state (host buffers, `float32`, one per state name) ready
-    /// to replace this cell's, for updater `generation`: the GPU memory it needs is allocated
+    /// Makes a checkpoint's updater state (host buffers, `float32`, one per state name; `None`
+    /// clears it) ready to replace this cell's, for updater `generation`: the GPU memory it needs is allocated
     /// here, and [`GpuCell::commit_state`] puts it in without allocating. Where the cell already
     /// holds as many state buffers, the state will be copied into them (a load needs no second
     /// copy of the store's state); otherwise new buffers are made, holding it.
