@@ -455,6 +455,9 @@ pub(crate) struct HomePush<'a> {
     pub values: &'a [&'a NDArray],
     /// The learning rate and weight decay of this key in this push (built-in rules).
     pub hyper: Hyper,
+    /// Whether `values` are the push's own arrays (totals across ranks), never the caller's: a
+    /// value assigned whole may then be taken instead of copied.
+    pub owned: bool,
 }
 
 /// Applies a validated push with a built-in or PTX updater (PTX: GPU homes only) to `jobs`, in
@@ -474,6 +477,11 @@ pub(crate) fn push(
         let HomeValue { place, state } = job.value;
         match place {
             Place::Host(value) => {
+                if job.owned
+                    && cpu::push::take_assigned(updater, generation, job.values, value, state)
+                {
+                    continue;
+                }
                 let reads = ReadSet::lock(job.values)?;
                 with_host!(value, stored: T => push_fused::<T>(updater, generation, par_min_bytes, job.hyper, &reads, job.values, stored, state));
             }

@@ -112,6 +112,8 @@ pub(crate) struct KeyPush<'a> {
     pub value: &'a mut HomeValue,
     pub values: &'a [&'a NDArray],
     pub hyper: Hyper,
+    /// Whether `values` are the push's own arrays, never the caller's (see [`HomePush::owned`]).
+    pub owned: bool,
 }
 
 impl<'a> KeyPush<'a> {
@@ -121,6 +123,7 @@ impl<'a> KeyPush<'a> {
             value: self.value,
             values: self.values,
             hyper: self.hyper,
+            owned: self.owned,
         }
     }
 }
@@ -294,6 +297,7 @@ pub(crate) fn local_sum(
         value: &mut sum,
         values,
         hyper: Hyper::default(),
+        owned: false,
     };
     backend::push(
         &Updater::Assign,

@@ -909,6 +909,7 @@ fn apply_push(
             value,
             values,
             hyper: hypers.of(i),
+            owned: matches!(inputs, Inputs::Totals(_)),
         });
     }
     comm::push(&active.updater, active.generation, ctx, jobs, agree)?;

@@ -302,6 +302,7 @@ impl KvStore {
                     value,
                     values: grad,
                     hyper: hypers.of(i),
+                    owned: false,
                 });
             }
             let mut agree = |ok: bool| call.agree(op, ok, "in the updater");

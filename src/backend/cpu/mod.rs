@@ -97,12 +97,17 @@ impl<T: Element> PushJob<'_, T> {
     }
 }
 
+/// Whether assigning one value of `dtype` is a copy of its bits: f32 and f64, whose
+/// accumulator is the type itself, so the round trip through it is the identity. A push that
+/// assigns one such value copies it with the copy loop (faster), or takes its buffer.
+pub(crate) fn assign_is_copy(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64)
+}
+
 /// Runs one push: `stored = rule(sum(values), stored, state)`, element by element. Calls
 /// moving at least `par_min_bytes` split their work over the pool.
 pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, par_min_bytes: usize) {
-    // Assigning one f32/f64 value is a copy (their accumulator is the type itself, so the
-    // round trip through it is the identity, bit for bit): the copy loop is faster.
-    if let (Rule::Assign, [value], DType::F32 | DType::F64) = (rule, &job.values[..], T::DTYPE) {
+    if let (Rule::Assign, [value], true) = (rule, &job.values[..], assign_is_copy(T::DTYPE)) {
         return broadcast(value, smallvec::smallvec![job.stored], par_min_bytes);
     }
     let bytes = job.bytes();

@@ -24,25 +24,7 @@ pub(crate) fn push_fused<T: Element>(
     stored: &mut [T],
     state: &mut Option<State>,
 ) {
-    let names = updater.state_names();
-    // State is used only when it is this updater's and has its shape: one accumulator buffer
-    // of the value's length per state name. Anything else (a race, a bad checkpoint) would
-    // hand the kernel a short buffer; it starts afresh instead.
-    let acc = <T::Acc as Element>::DTYPE;
-    let current = matches!(state, Some(s) if s.generation == generation
-        && s.bufs.len() == names.len()
-        && s.bufs.iter().all(|b| b.dtype() == acc && b.len() == stored.len()));
-    let state = match state {
-        Some(s) if current => s,
-        _ => state.insert(State {
-            generation,
-            step: 0,
-            bufs: names
-                .iter()
-                .map(|_| HostData::filled(<T::Acc as Element>::DTYPE, stored.len(), 0.0))
-                .collect(),
-        }),
-    };
+    let state = current_state::<T>(updater, generation, stored.len(), state);
     state.step += 1;
     let rule = updater
         .rule_with::<T::Acc>(state.step, hyper)
@@ -62,6 +44,67 @@ pub(crate) fn push_fused<T: Element>(
         state: [s0, s1],
     };
     super::push(job, &rule, par_min_bytes);
+}
+
+/// The state of `updater` (of set_updater call `generation`) for a value of `len` elements,
+/// fresh unless `state` is already its: one accumulator buffer of the value's length per state
+/// name. Anything else (a race, a bad checkpoint) would hand the kernel a short buffer; it
+/// starts afresh instead.
+fn current_state<'s, T: Element>(
+    updater: &Updater,
+    generation: u64,
+    len: usize,
+    state: &'s mut Option<State>,
+) -> &'s mut State {
+    let names = updater.state_names();
+    let acc = <T::Acc as Element>::DTYPE;
+    let current = matches!(state, Some(s) if s.generation == generation
+        && s.bufs.len() == names.len()
+        && s.bufs.iter().all(|b| b.dtype() == acc && b.len() == len));
+    if !current {
+        *state = None;
+    }
+    state.get_or_insert_with(|| State {
+        generation,
+        step: 0,
+        bufs: names
+            .iter()
+            .map(|_| HostData::filled(acc, len, 0.0))
+            .collect(),
+    })
+}
+
+/// A push of `values` that assigns one value whole ([`Updater::Assign`], a dtype whose
+/// assignment is a copy), done by taking that value's buffer for `stored` and leaving the old
+/// one in its place, with no copy: for a push's own totals (never a caller's array). Only a
+/// buffer of the stored value's room is taken, so the store never holds more memory than
+/// before. Returns whether it did; `false` changes nothing.
+pub(crate) fn take_assigned(
+    updater: &Updater,
+    generation: u64,
+    values: &[&NDArray],
+    stored: &mut HostData,
+    state: &mut Option<State>,
+) -> bool {
+    let ([value], Updater::Assign) = (values, updater) else {
+        return false;
+    };
+    if !super::assign_is_copy(stored.dtype()) {
+        return false;
+    }
+    let mut storage = value.write();
+    let Storage::Host(total) = &mut *storage else {
+        return false;
+    };
+    if total.dtype() != stored.dtype()
+        || total.len() != stored.len()
+        || total.capacity() != stored.capacity()
+    {
+        return false;
+    }
+    std::mem::swap(total, stored);
+    with_host!(stored, v: T => current_state::<T>(updater, generation, v.len(), state).step += 1);
+    true
 }
 
 /// Runs a closure updater on a copy of the stored value of `key`; returns the new value.
@@ -165,5 +208,81 @@ impl<'a> ReadSet<'a> {
                 Storage::Gpu(_) => unreachable!("GPU arrays are held as copies"),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+    use rand::Rng;
+
+    use super::*;
+    use crate::updater::Sgd;
+
+    fn random(n: usize) -> Vec<f32> {
+        let mut rng = rand::thread_rng();
+        (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
+    }
+
+    fn array(h: HostData) -> NDArray {
+        let n = h.len();
+        NDArray::from_host(h, crate::Shape::new(&[n]).unwrap(), crate::cpu(0))
+    }
+
+    #[test]
+    fn an_assigned_total_is_taken_and_the_old_value_left_in_its_place() {
+        let (old, new) = (random(1000), random(1000));
+        let total = array(HostData::F32(new.clone()));
+        let mut stored = HostData::F32(old.clone());
+        let mut state = None;
+        assert!(take_assigned(
+            &Updater::Assign,
+            3,
+            &[&total],
+            &mut stored,
+            &mut state
+        ));
+        assert_eq!(stored, HostData::F32(new));
+        assert_eq!(total.to_vec::<f32>().unwrap(), old);
+        let state = state.expect("the step is counted, as a copy counts it");
+        assert_eq!((state.generation, state.step), (3, 1));
+    }
+
+    #[test]
+    fn a_total_is_copied_not_taken_unless_it_is_one_assigned_f32_or_f64_of_the_same_room() {
+        let old = random(1000);
+        let same = || array(HostData::F32(random(1000)));
+        let mut bigger = random(1000);
+        bigger.reserve_exact(1000);
+        let cases: Vec<(Updater, Vec<NDArray>)> = vec![
+            (Updater::Sgd(Sgd::default()), vec![same()]),
+            (Updater::Assign, vec![same(), same()]),
+            (Updater::Assign, vec![array(HostData::F32(bigger))]),
+            (Updater::Assign, vec![array(HostData::F32(random(999)))]),
+        ];
+        for (updater, values) in cases {
+            let before: Vec<Vec<f32>> = values.iter().map(|v| v.to_vec().unwrap()).collect();
+            let refs: Vec<&NDArray> = values.iter().collect();
+            let mut stored = HostData::F32(old.clone());
+            let mut state = None;
+            assert!(!take_assigned(&updater, 1, &refs, &mut stored, &mut state));
+            assert_eq!(stored, HostData::F32(old.clone()));
+            assert!(state.is_none());
+            let after: Vec<Vec<f32>> = values.iter().map(|v| v.to_vec().unwrap()).collect();
+            assert_eq!(after, before);
+        }
+        // float16 assigns through its accumulator, so it is never taken.
+        let halves = |v: Vec<f32>| HostData::F16(v.into_iter().map(f16::from_f32).collect());
+        let total = array(halves(random(1000)));
+        let mut stored = halves(old);
+        let kept = stored.clone();
+        assert!(!take_assigned(
+            &Updater::Assign,
+            1,
+            &[&total],
+            &mut stored,
+            &mut None
+        ));
+        assert_eq!(stored, kept);
     }
 }
