@@ -909,6 +909,9 @@ fn apply_push(
             value,
             values,
             hyper: hypers.of(i),
+            // Totals are always the push's own buffers, one per group, never a caller's array
+            // (`dist::sum_across`, `compress::sum_across` and `compress::decoded_totals` make
+            // them): the backend may take one instead of copying it.
             owned: matches!(inputs, Inputs::Totals(_)),
         });
     }
