@@ -75,7 +75,10 @@ impl Ctx {
 /// before the store takes any key lock: one per set of GPUs (the home and the GPUs of the
 /// arrays) of a key homed on a GPU. Building one can block, and nothing may block under a lock
 /// the watchdog or another call waits on.
-pub(crate) fn prepare(ctx: Ctx, keys: &[(KeyFacts<'_>, &[&NDArray])]) -> Result<()> {
+pub(crate) fn prepare<'k>(
+    ctx: Ctx,
+    keys: impl IntoIterator<Item = (KeyFacts<'k>, &'k [&'k NDArray])>,
+) -> Result<()> {
     if !ctx.use_nccl {
         return Ok(());
     }

@@ -48,10 +48,14 @@ impl<T: ValueList + ?Sized> ValueList for &T {
     }
 }
 
+/// A key's arrays in one call: held inline up to two (most calls give a key one array per
+/// device of a process), so a call of many keys allocates nothing per key for them.
+pub(super) type Arrays<'a> = smallvec::SmallVec<[&'a NDArray; 2]>;
+
 /// A key and the arrays an operation gives it, merged over repeats of the key.
 pub(super) struct Group<'a> {
     pub slot: Arc<Slot>,
-    pub arrays: Vec<&'a NDArray>,
+    pub arrays: Arrays<'a>,
     /// Work for higher priorities is issued first (the highest, over repeats of the key).
     pub priority: i32,
 }

@@ -162,7 +162,7 @@ impl KvStore {
         ids.dedup();
         let group = [Group {
             slot: slot.clone(),
-            arrays: Vec::new(),
+            arrays: Default::default(),
             priority: 0,
         }];
         let d = &self.ranks;

@@ -85,6 +85,13 @@ impl Pool {
         Ok(pool.clone())
     }
 
+    /// Whether buffers of `bytes` bytes are kept between calls with no bound on their count
+    /// (only on the pool's bytes): a buffer that goes back to the pool then serves the next call
+    /// instead of going back to the allocator.
+    pub fn keeps(bytes: usize) -> bool {
+        bytes >= SMALL_BYTES
+    }
+
     /// The most bytes the pool keeps.
     pub fn max_bytes(&self) -> usize {
         self.max_bytes
