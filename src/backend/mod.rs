@@ -455,8 +455,8 @@ pub(crate) struct HomePush<'a> {
     pub values: &'a [&'a NDArray],
     /// The learning rate and weight decay of this key in this push (built-in rules).
     pub hyper: Hyper,
-    /// Whether `values` are the push's own arrays (totals across ranks), never the caller's: a
-    /// value assigned whole may then be taken instead of copied.
+    /// Whether the push may take a value assigned whole instead of copying it: given only for
+    /// the push's own arrays (totals across ranks), never the caller's.
     pub owned: bool,
 }
 

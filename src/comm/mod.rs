@@ -115,7 +115,7 @@ pub(crate) struct KeyPush<'a> {
     pub value: &'a mut HomeValue,
     pub values: &'a [&'a NDArray],
     pub hyper: Hyper,
-    /// Whether `values` are the push's own arrays, never the caller's (see [`HomePush::owned`]).
+    /// Whether the push may take a value instead of copying it (see [`HomePush::owned`]).
     pub owned: bool,
 }
 
