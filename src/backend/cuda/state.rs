@@ -58,10 +58,11 @@ impl GpuCell {
     }
 
     /// Makes a checkpoint's updater state (host buffers, `float32`, one per state name; `None`
-    /// clears it) ready to replace this cell's, for updater `generation`: the GPU memory it needs is allocated
-    /// here, and [`GpuCell::commit_state`] puts it in without allocating. Where the cell already
-    /// holds as many state buffers, the state will be copied into them (a load needs no second
-    /// copy of the store's state); otherwise new buffers are made, holding it.
+    /// clears it) ready to replace this cell's, for updater `generation`: the GPU memory it
+    /// needs is allocated here, and [`GpuCell::commit_state`] puts it in without allocating.
+    /// Where the cell already holds as many state buffers, the state will be copied into them (a
+    /// load needs no second copy of the store's state); otherwise new buffers are made, holding
+    /// it.
     pub fn stage_state(
         &self,
         generation: u64,
