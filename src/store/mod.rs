@@ -913,7 +913,7 @@ fn apply_push(
             // allocation on every push, and the allocator, trimming the memory freed, would fault
             // it in again on the next (measured: a push of 1000 keys of 1 KiB went slower).
             owned: matches!(inputs, Inputs::Totals(_))
-                && Pool::keeps(shape.size() * g.slot.dtype.size()),
+                && values.iter().all(|v| Pool::keeps(v.nbytes())),
         });
     }
     comm::push(&active.updater, active.generation, ctx, jobs, agree)?;
