@@ -240,7 +240,7 @@ class KVStore:
         self._kv = _open(name)
         self._updater = None
         # Queued calls that lent torch CUDA tensors or copy results back (see ``_finish``):
-        # (keys, Lends, functions to run after).
+        # (keys, Lends, functions to run after, the native call's outcome).
         self._queued = []
 
     def __repr__(self):
@@ -284,6 +284,28 @@ class KVStore:
                 raise TypeError(f"agree takes a str, got {type(what).__name__}")
             what.encode("utf-8")  # the native call takes UTF-8 (no lone surrogates)
         self._kv.agree(what)
+
+    def any_of(self, what, flags):
+        """For each of ``flags`` (bools), whether any worker passed True: a call every worker
+        makes at the same point, with as many flags and the same ``what`` (a str), else a
+        ``DesyncError`` on every worker. The flags themselves in a single process."""
+        with _told(self._kv, "agree"):
+            if not isinstance(what, str):
+                raise TypeError(f"any_of takes a str, got {type(what).__name__}")
+            what.encode("utf-8")
+            flags = [bool(f) for f in flags]
+        return self._kv.any_of(what, flags)
+
+    def set_tag(self, tag):
+        """Sets a tag (a str, or None for none) that the check of every later call carries:
+        workers whose tags differ fail the call with ``DesyncError``, whose message shows each
+        side's tag. A framework wrapper puts its step count here, so that a worker that skipped
+        a step fails at its next call instead of pairing it with another step's. A queued call
+        carries the tag in force when it runs: set it while no call is queued. No effect in a
+        single process."""
+        if tag is not None and not isinstance(tag, str):
+            raise TypeError(f"set_tag takes a str or None, got {type(tag).__name__}")
+        self._kv.set_tag(tag)
 
     def keys(self):
         """The keys, in update order (ints ascending, strs in init order)."""
@@ -505,8 +527,8 @@ class KVStore:
             priority = _priority(priority)
             lent = _arrays.Lends()
             reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
-        self._kv.push_async(keys, reads, priority)
-        self._track(keys, lent, [])
+        done = self._kv.push_async(keys, reads, priority)
+        self._track(keys, lent, [], done)
 
     def pull_async(self, key, out=None, priority=0):
         """``pull``, queued: ``out`` is written when the call runs. Read it only after
@@ -518,8 +540,8 @@ class KVStore:
             priority = _priority(priority)
             after, lent = [], _arrays.Lends()
             capsules = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
-        self._kv.pull_async(keys, capsules, priority)
-        self._track(keys, lent, after)
+        done = self._kv.pull_async(keys, capsules, priority)
+        self._track(keys, lent, after, done)
 
     def pushpull_async(self, key, value, out=None, priority=0):
         """``pushpull``, queued (with no ``out``, the values are updated in place when it
@@ -534,8 +556,8 @@ class KVStore:
             after, lent = [], _arrays.Lends()
             reads = [[_arrays.read(v, lent) for v in vs] for vs in values]
             writes = [[_arrays.write(o, after, lent) for o in os_] for os_ in outs]
-        self._kv.pushpull_async(keys, reads, writes, priority)
-        self._track(keys, lent, after)
+        done = self._kv.pushpull_async(keys, reads, writes, priority)
+        self._track(keys, lent, after, done)
 
     def wait(self, key):
         """Waits until every queued call on ``key`` has run. Raises the first error of a queued
@@ -574,21 +596,23 @@ class KVStore:
             self._kv.refuse_async(op, f"{type(e).__name__}: {e}", p)
             raise
 
-    def _track(self, keys, lent, after):
+    def _track(self, keys, lent, after, done):
         if lent.tensors or after:
-            self._queued.append((list(keys), lent, after))
+            self._queued.append((list(keys), lent, after, done))
 
-    def _finish(self, done):
-        """Ends the lends and runs the copies back of the queued calls ``done(keys)`` selects
-        (their calls have run)."""
+    def _finish(self, over):
+        """Ends the lends of the queued calls ``over(keys)`` selects (their calls are over), and
+        copies their results back into the caller's arrays, for the calls that succeeded only:
+        a failed call, or one not run after it, leaves the caller's arrays as they were."""
         keep = []
-        for keys, lent, after in self._queued:
-            if done(keys):
+        for keys, lent, after, done in self._queued:
+            if over(keys):
                 lent.end()
-                for f in after:
-                    f()
+                if done.ok():
+                    for f in after:
+                        f()
             else:
-                keep.append((keys, lent, after))
+                keep.append((keys, lent, after, done))
         self._queued = keep
 
     def _end(self, lent):

@@ -9,6 +9,7 @@ mod arrays;
 mod errors;
 mod updater;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -18,6 +19,20 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString};
 
 use arrays::Imported;
+
+/// A queued call's outcome, for the Python half: `ok()` once it ran and succeeded. A call that
+/// failed, or was not run because an earlier one failed, stays not ok, and its results are not
+/// copied into the caller's arrays.
+#[pyclass(frozen)]
+struct Done(Arc<AtomicBool>);
+
+#[pymethods]
+impl Done {
+    /// Whether the call ran and succeeded.
+    fn ok(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
 
 /// A key from Python: an `int` (or anything with `__index__`, such as a NumPy integer) or a
 /// `str`. `bool` is refused, as it is almost always a mistake.
@@ -177,13 +192,21 @@ impl PyStore {
         priority: i32,
         args: PyResult<(Vec<Key>, A)>,
         run: impl FnOnce(&KvStore, &[Key], A) -> kvstore::Result<()> + Send + 'static,
-    ) -> PyResult<()> {
+    ) -> PyResult<Done> {
         let queue = self.queue();
         match args {
             Ok((keys, a)) => {
                 let ks = keys.clone();
-                py.detach(|| queue.submit(op, ks, priority, move |kv| run(kv, &keys, a)));
-                Ok(())
+                let done = Arc::new(AtomicBool::new(false));
+                let flag = done.clone();
+                py.detach(|| {
+                    queue.submit(op, ks, priority, move |kv| {
+                        run(kv, &keys, a)?;
+                        flag.store(true, Ordering::Release);
+                        Ok(())
+                    })
+                });
+                Ok(Done(done))
             }
             Err(e) => {
                 let message = format!("{}: {e}", e.get_type(py).name()?);
@@ -314,7 +337,7 @@ impl PyStore {
         keys: Vec<Bound<'_, PyAny>>,
         values: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
-    ) -> PyResult<()> {
+    ) -> PyResult<Done> {
         // The values are copied now: the caller may reuse its arrays at once.
         let args = (|| {
             let keys = keys_from(&keys)?;
@@ -334,7 +357,7 @@ impl PyStore {
         keys: Vec<Bound<'_, PyAny>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
-    ) -> PyResult<()> {
+    ) -> PyResult<Done> {
         let args = (|| {
             let keys = keys_from(&keys)?;
             let outs = import_outs(&outs)?;
@@ -356,7 +379,7 @@ impl PyStore {
         values: Vec<Vec<Bound<'_, PyAny>>>,
         outs: Vec<Vec<Bound<'_, PyAny>>>,
         priority: i32,
-    ) -> PyResult<()> {
+    ) -> PyResult<Done> {
         let args = (|| {
             let keys = keys_from(&keys)?;
             let imported = import_lists(&values)?;
@@ -638,6 +661,17 @@ impl PyStore {
     fn agree(&self, py: Python<'_>, what: String) -> PyResult<()> {
         let kv = self.store_for(py, "agree")?;
         py.detach(move || kv.agree(&what).map_err(errors::to_py))
+    }
+
+    /// For each flag, whether any worker passed True (see `KvStore::any_of`).
+    fn any_of(&self, py: Python<'_>, what: String, flags: Vec<bool>) -> PyResult<Vec<bool>> {
+        let kv = self.store_for(py, "agree")?;
+        py.detach(move || kv.any_of(&what, &flags).map_err(errors::to_py))
+    }
+
+    /// Sets the tag every later call's check carries (see `KvStore::set_tag`).
+    fn set_tag(&self, tag: Option<String>) {
+        self.inner.set_tag(tag.as_deref());
     }
 
     /// Tells the other workers that this one will not make its call `op`, because `why` (an

@@ -8,6 +8,7 @@
 //! differing key (or call) and the ranks on each side.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use crate::{DType, Error, Key, Result};
 
@@ -33,6 +34,9 @@ pub struct Fingerprint {
     note: Option<String>,
     /// Which store of the process makes the call: its number on its link.
     store: u64,
+    /// The caller's tag in force for the call (see [`crate::KvStore::set_tag`]): a framework's
+    /// step count, so that ranks at different steps fail instead of pairing their calls.
+    tag: Option<Arc<str>>,
 }
 
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
@@ -90,12 +94,19 @@ impl Fingerprint {
             rejected: None,
             note: None,
             store: 0,
+            tag: None,
         }
     }
 
     /// The call as made by store number `store` of its link.
     pub fn store(mut self, store: u64) -> Fingerprint {
         self.store = store;
+        self
+    }
+
+    /// The call as made under the caller's tag `tag` (none: no tag).
+    pub fn tag(mut self, tag: Option<Arc<str>>) -> Fingerprint {
+        self.tag = tag;
         self
     }
 
@@ -108,6 +119,7 @@ impl Fingerprint {
             rejected: Some(why.to_owned()),
             note: None,
             store: 0,
+            tag: None,
         }
     }
 
@@ -155,6 +167,10 @@ impl Fingerprint {
         if let Some(note) = &self.note {
             op.bytes(note.as_bytes());
         }
+        if let Some(tag) = &self.tag {
+            op.u64(3);
+            op.bytes(tag.as_bytes());
+        }
         let mut all = Hash64::new();
         for e in &self.entries {
             match &e.key {
@@ -201,6 +217,9 @@ impl Fingerprint {
             Some(note) => format!("{seq}\t{op} ({})", one_line(note)),
             None => format!("{seq}\t{op}"),
         };
+        if let Some(tag) = &self.tag {
+            let _ = write!(s, " [{}]", one_line(tag));
+        }
         if let Some(why) = &self.rejected {
             // A message, shown to the other ranks: its line breaks read as spaces.
             let _ = write!(s, "\n{REJECTED}\t{}", why.replace(['\n', '\t'], " "));

@@ -226,6 +226,35 @@ impl KvStore {
         self.ranks.agree(what)
     }
 
+    /// For each of `flags`, whether any worker of a `dist_*` store passed `true`: a call that
+    /// every worker makes at the same point among its store calls, with as many flags and the
+    /// same `what` (else [`Error::Desync`] on every worker). The flags themselves; at once, in
+    /// a single-process store.
+    ///
+    /// A framework's wrapper asks with it which parameters got a gradient on any worker, so
+    /// that every worker then pushes the same keys.
+    ///
+    /// ```
+    /// use kvstore::KvStore;
+    /// let kv = KvStore::create("local")?;
+    /// assert_eq!(kv.any_of("used", &[true, false])?, [true, false]);
+    /// # Ok::<(), kvstore::Error>(())
+    /// ```
+    pub fn any_of(&self, what: &str, flags: &[bool]) -> Result<Vec<bool>> {
+        self.ranks.any_of(what, flags)
+    }
+
+    /// Sets a tag that the check of every later call of a `dist_*` store carries, until it is
+    /// set again (`None`: no tag): workers whose tags differ fail the call with
+    /// [`Error::Desync`], whose message shows each side's tag. A framework puts its step count
+    /// here, so that a worker that skipped a step fails at its next call instead of summing
+    /// its gradients with another step's. A queued call (see [`crate::AsyncKvStore`]) carries
+    /// the tag in force when it runs: set it while no call is queued. No effect in a
+    /// single-process store.
+    pub fn set_tag(&self, tag: Option<&str>) {
+        self.ranks.set_tag(tag);
+    }
+
     /// Tells the other workers of a `dist_*` store that this worker will not make its call
     /// `op` (`"push"`, `"pull"`, ...) because its input was bad (`why`), so that they fail
     /// that call with [`Error::RankRejected`] instead of waiting for this worker. `Ok` when

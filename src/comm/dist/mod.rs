@@ -20,8 +20,8 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::RwLockReadGuard;
+use std::sync::{Arc, Mutex};
 
 mod blocks;
 mod gpu;
@@ -67,6 +67,8 @@ pub(crate) struct Dist {
     pool: Arc<Pool>,
     /// This store's number on its link, in every fingerprint: calls of two stores never match.
     store: u64,
+    /// The caller's tag, in every fingerprint from when it is set (see [`Dist::set_tag`]).
+    tag: Mutex<Option<Arc<str>>>,
 }
 
 impl Dist {
@@ -77,6 +79,7 @@ impl Dist {
             bound: DEFAULT_BIGARRAY_BOUND,
             pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
+            tag: Mutex::new(None),
         }
     }
 
@@ -104,6 +107,7 @@ impl Dist {
             bound,
             pool,
             store,
+            tag: Mutex::new(None),
         };
         let setup = format!(
             "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, {}",
@@ -191,7 +195,19 @@ impl Dist {
         if self.link.passes_through() {
             return self.link.begin(&Fingerprint::new("local"));
         }
-        self.link.begin(&fp().store(self.store))
+        self.link.begin(&fp().store(self.store).tag(self.tag()))
+    }
+
+    /// Sets the tag that every later call's fingerprint carries (`None`: no tag), so that
+    /// ranks whose tags differ fail the call with [`Error::Desync`] (see
+    /// [`crate::KvStore::set_tag`]).
+    pub fn set_tag(&self, tag: Option<&str>) {
+        *self.tag.lock().unwrap_or_else(|e| e.into_inner()) = tag.map(Arc::from);
+    }
+
+    /// The tag in force.
+    fn tag(&self) -> Option<Arc<str>> {
+        self.tag.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
@@ -238,15 +254,48 @@ impl Dist {
         if self.link.passes_through() {
             return Ok(());
         }
-        let fp = Fingerprint::new("agree").note(what).store(self.store);
-        let mut round = self.link.begin(&fp)?;
-        if self.link.checks() {
-            return Ok(()); // `begin` compared it
+        let fp = Fingerprint::new("agree")
+            .note(what)
+            .store(self.store)
+            .tag(self.tag());
+        self.begin_compared(&fp).map(drop)
+    }
+
+    /// For each of `flags`, whether any rank passed `true` (see [`crate::KvStore::any_of`]).
+    pub fn any_of(&self, what: &str, flags: &[bool]) -> Result<Vec<bool>> {
+        if self.link.passes_through() {
+            return Ok(flags.to_vec());
         }
-        // With the per-call check off (`KVSTORE_DIST_CHECK=0`) this call compares anyway:
-        // comparing is all it is for.
-        let seq = round.seq();
-        crate::comm::fingerprint::check_across(&fp, seq, self.size(), |w| round.all_gather_words(w))
+        let note = format!("{what} ({} flags)", flags.len());
+        let fp = Fingerprint::new("any_of")
+            .note(note)
+            .store(self.store)
+            .tag(self.tag());
+        let mut round = self.begin_compared(&fp)?;
+        let mut words = vec![0u64; flags.len().div_ceil(64)];
+        for (i, _) in flags.iter().enumerate().filter(|(_, &f)| f) {
+            words[i / 64] |= 1 << (i % 64);
+        }
+        let all = round.all_gather_words(&words)?;
+        let any = |i: usize| {
+            all.chunks(words.len().max(1))
+                .any(|w| w.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1))
+        };
+        Ok((0..flags.len()).map(any).collect())
+    }
+
+    /// Begins a call whose fingerprint is compared across ranks even with the per-call check
+    /// off (`KVSTORE_DIST_CHECK=0`): comparing is what `agree` is for, and `any_of` gathers
+    /// words of a length the fingerprint holds.
+    fn begin_compared(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
+        let mut round = self.link.begin(fp)?;
+        if !self.link.checks() {
+            let seq = round.seq();
+            crate::comm::fingerprint::check_across(fp, seq, self.size(), |w| {
+                round.all_gather_words(w)
+            })?;
+        }
+        Ok(round)
     }
 
     /// Waits until every rank has reached this barrier (bounded by `KVSTORE_TIMEOUT`).
