@@ -301,3 +301,61 @@ def test_gradient_clipping_between_backward_and_step_with_overlap(update_on_kvst
             opt.step()
     for q, r in zip(blocking.parameters(), overlapped.parameters()):
         torch.testing.assert_close(r, q, rtol=0, atol=0)
+
+
+class DeviceArray:
+    """An array on a device the store cannot write in place (as a CuPy or non-CUDA torch
+    array): the Python half pulls into a host copy and copies it back after the call. Records
+    every copy back."""
+
+    def __init__(self, values):
+        self.values = np.array(values)
+        self.copied = 0
+
+    def __dlpack__(self, **kw):
+        raise AssertionError("a device array is never exported in place")
+
+    def __dlpack_device__(self):
+        return (13, 0)  # kDLExtDev: neither host memory nor CUDA
+
+    def get(self):
+        return self.values.copy()
+
+    def set(self, host):
+        self.values[...] = host
+        self.copied += 1
+
+
+def test_a_failed_queued_pull_never_copies_back_into_the_callers_array():
+    rng = np.random.default_rng(fresh_seed())
+    kv = kvstore.create("local")
+    init = quarters(rng, 6)
+    kv.init(1, init)
+    before = quarters(rng, 6)
+    # A pull of an unknown key fails when it runs: the out keeps its values, and nothing is
+    # copied into it, by wait_all nor by wait.
+    for by_key in (False, True):
+        out = DeviceArray(before)
+        kv.pull_async(2, out=out)
+        if by_key:
+            with pytest.raises(kvstore.UnknownKeyError):
+                kv.wait(2)
+            assert out.copied == 0
+        # (wait raises a failed call's error until wait_all has raised it.)
+        with pytest.raises(kvstore.UnknownKeyError):
+            kv.wait_all()
+        assert out.copied == 0
+        np.testing.assert_array_equal(out.values, before)
+    # A call not run because an earlier one failed: no copy either.
+    out = DeviceArray(before)
+    kv.pull_async(2, out=DeviceArray(before))
+    kv.pull_async(1, out=out)
+    with pytest.raises(kvstore.UnknownKeyError):
+        kv.wait_all()
+    assert out.copied == 0
+    np.testing.assert_array_equal(out.values, before)
+    # And a pull that succeeds is copied back.
+    kv.pull_async(1, out=out)
+    kv.wait_all()
+    assert out.copied == 1
+    np.testing.assert_array_equal(out.values, init)
