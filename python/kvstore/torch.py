@@ -1,55 +1,69 @@
-"""PyTorch integration: an optimizer wrapper that synchronizes through a kvstore.
+"""PyTorch integration: an optimizer wrapper that synchronizes through a kvstore, with the
+contract of ``DistributedDataParallel``.
 
     import torch, kvstore
     from kvstore.torch import DistributedOptimizer
 
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                               kvstore.create('local'))
-    loss.backward()
-    opt.step()        # push the gradients, then pull the parameters
+                               kvstore.create('dist_sync'),
+                               named_parameters=model.named_parameters())
+    loss.backward()   # the gradients are summed across the workers
+    opt.step()        # the update
     opt.zero_grad()
 
 Two modes, as MXNet's Trainer has them:
 
-- ``update_on_kvstore=True``: the store runs the optimizer. ``step()`` pushes every gradient
-  and pulls every parameter back. The torch optimizer's hyperparameters are translated to the
-  store's SGD or Adam (``torch.optim.SGD`` with momentum and weight decay, ``torch.optim.Adam``);
-  a learning rate changed in ``param_groups`` (by a scheduler) is passed on at the next step.
-- ``update_on_kvstore=False``: the store sums the gradients (``pushpull`` in place, averaged
-  over the workers), and the wrapped torch optimizer steps locally. Any torch optimizer works.
-  Its type and hyperparameters are compared across the workers (``KVStore.agree``) at the
-  first step and whenever they change, and so is its state (a SHA-256 of every state tensor's
-  bytes) at the first step and after every ``load_state_dict``, through the wrapper or on the
-  torch optimizer itself: workers that would step differently fail with a ``DesyncError``
-  instead of training apart. (A state changed in place, as ``opt.state[p]['exp_avg'].zero_()``
-  on some workers, is not seen.)
+- ``update_on_kvstore=False``: torch steps. At the end of every ``backward()`` the gradients are
+  averaged over the workers (``pushpull``), as DDP averages them, so everything between
+  ``backward()`` and ``step()`` (a GradScaler's inf check and unscale, gradient clipping, a
+  user's own code) sees the same averaged gradients on every worker, and every worker steps,
+  or skips, alike. Any torch optimizer works; its type, hyperparameters and state are compared
+  across the workers (``KVStore.agree``) when they change: at the first step, after a
+  ``load_state_dict``, after a scheduler's change. (A state changed in place, as
+  ``opt.state[p]['exp_avg'].zero_()`` on some workers, is not seen.)
+- ``update_on_kvstore=True``: the store runs the optimizer (ZeRO-1: each key's state on its
+  home). ``step()`` pushes the gradients and pulls the parameters. ``torch.optim.SGD`` (with
+  momentum and weight decay) and ``torch.optim.Adam`` are translated to the store's; a learning
+  rate changed in ``param_groups`` (by a scheduler) is passed on at the next step. The store
+  sums the gradients as backward made them, so this mode refuses what must change them first:
+  a GradScaler, and gradient clipping or any other change to the gradients between
+  ``backward()`` and ``step()`` raise a ``ValueError`` naming ``update_on_kvstore=False``.
 
 The default is True for SGD and Adam and False otherwise. No torch is needed to build or import
 ``kvstore``; this module imports torch when it is used.
 
+Parameters that get no gradient are never moved, as with DDP and plain torch: a frozen
+parameter (``requires_grad=False``) is never pushed, and a parameter that got no gradient on
+any worker in a step keeps ``.grad`` as it was (``None``) and is not pushed; one that got a
+gradient on some workers only is summed with zeros from the others
+(``find_unused_parameters=True``). ``no_sync()`` accumulates gradients locally over several
+backward passes, as DDP's does; the next backward outside it synchronizes.
+
+Every call the wrapper makes carries its count of backward passes and steps into the store's
+check (``KVStore.set_tag``): a worker that skipped a ``step()`` or a backward, or ran out of
+batches before the others (DDP's ``join`` has no equivalent here), fails the next call on every
+worker with a ``DesyncError``, instead of summing gradients of different steps.
+
 ``overlap=True`` moves the communication into the backward pass. A hook on each parameter
 (``register_post_accumulate_grad_hook``) marks its gradient ready. Parameters are put in buckets
 of about ``bucket_mb`` MiB, in reverse order, as backward reaches them. Each bucket is queued on
-the store (``push_async``, or ``pushpull_async`` with ``update_on_kvstore=False``) once its
-gradients are ready and the buckets before it are queued. So every worker queues the same calls
-in the same order, and the store sums each bucket (and with ``update_on_kvstore=True`` runs the
-optimizer on it, on each key's home: ZeRO-1 with the optimizer in the store) while backward
-computes the layers below. ``step()`` queues what is left, pulls the parameters, and waits. The
-results are those of ``overlap=False``. Call ``step()`` after each ``backward()``: a gradient
-accumulated again after its bucket was queued raises. When torch steps
-(``update_on_kvstore=False``), backward's end waits for the sums and averages them, as DDP's
-does, so code between ``backward()`` and ``step()`` (clipping, a GradScaler) sees the averaged
-gradients. When the store steps, it has used each gradient as backward made it: a gradient or
-learning rate changed after backward makes ``step()`` raise a ValueError.
+the store (``pushpull_async``, or ``push_async`` with ``update_on_kvstore=True``) once its
+gradients are ready and the buckets before it are queued, and the store sums it while backward
+computes the layers below. The results are those of ``overlap=False``. With
+``update_on_kvstore=True`` the store has then run the optimizer on each bucket during backward:
+call ``step()`` after each backward (``no_sync()`` to accumulate), and use it only where every
+parameter that gets a gradient on one worker gets one on every worker (a parameter used on some
+workers only raises a ``DesyncError`` there; one used on none is fine).
 """
 
+import contextlib
 import hashlib
 import threading
 from dataclasses import replace
 
 import torch
 
-from . import KVStore, _told, create
+from . import DesyncError, KVStore, _told, create
 from . import optimizer as _kvopt
 
 
@@ -159,12 +173,18 @@ def _state_digest(opt):
 
 
 class DistributedOptimizer:
-    """Wraps a torch optimizer so that ``step()`` goes through a kvstore.
+    """Wraps a torch optimizer so that its gradients are summed through a kvstore, as
+    ``DistributedDataParallel`` sums them (see the module's doc for the contract).
 
     Parameters are the store's keys: their names when ``named_parameters`` is given (as
     ``model.named_parameters()``), else their positions in ``param_groups`` (0, 1, ...). The
-    constructor initializes the store with the current parameters. Everything else (``zero_grad``,
-    ``param_groups``, ``state_dict``) is the wrapped optimizer's.
+    constructor initializes the store with the current parameters, frozen ones included (a
+    checkpoint names them all), and every worker starts from the store's. Everything else
+    (``zero_grad``, ``param_groups``, ``state_dict``) is the wrapped optimizer's.
+
+    ``broadcast_buffers=True`` (DDP's default: rank 0's BatchNorm statistics copied to every
+    worker) is not supported and raises a ValueError: keep buffers equal with
+    ``torch.nn.SyncBatchNorm`` or by averaging them through the store yourself.
     """
 
     def __init__(
@@ -176,11 +196,19 @@ class DistributedOptimizer:
         update_on_kvstore=None,
         overlap=False,
         bucket_mb=1.0,
+        broadcast_buffers=False,
     ):
         if store is None:
             store = create("local")
         if not isinstance(store, KVStore):
             raise TypeError(f"store must be a kvstore.KVStore, got {type(store).__name__}")
+        if broadcast_buffers:
+            raise ValueError(
+                "broadcast_buffers=True is not supported by kvstore.torch (the wrapper sees the "
+                "optimizer's parameters, not the model's buffers): keep BatchNorm statistics "
+                "equal with torch.nn.SyncBatchNorm, or average the buffers through the store "
+                "yourself; pass broadcast_buffers=False"
+            )
         self.optimizer = optimizer
         self.store = store
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -198,6 +226,11 @@ class DistributedOptimizer:
         if update_on_kvstore is None:
             update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
         self.update_on_kvstore = bool(update_on_kvstore)
+        self.overlap = bool(overlap)
+        if self.overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            raise RuntimeError("overlap=True needs torch >= 2.1 (register_post_accumulate_grad_hook)")
+        if self.overlap and not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         # The torch settings the workers last agreed on (update_on_kvstore=False), and whether
         # the optimizer's state is to be compared at the next step: at the first, and after a
         # load_state_dict (seen by torch's post-hook, and, where torch has none, by the state
@@ -216,9 +249,21 @@ class DistributedOptimizer:
             self.store.init(self._keys, params)
             # Every worker starts from the store's parameters (a no-op in one process).
             self.store.pull(self._keys, out=params)
-        self.overlap = bool(overlap)
-        if self.overlap:
-            self._start_overlap(float(bucket_mb))
+        # Counts that go into every call's check (set_tag): backward passes begun, steps made.
+        self._backwards = 0
+        self._steps = 0
+        self._tag = None
+        self._lock = threading.Lock()  # autograd may run hooks on one thread per device
+        self._in_backward = False
+        self._no_sync = False
+        self._synced = False  # (torch steps) the gradients were averaged since the last step
+        self._norms = {}  # (store steps) each gradient's norm when backward left it
+        self._hooked = [False] * len(self._params)
+        self._hooks = []
+        self._bucket_mb = float(bucket_mb)
+        self._buckets = []
+        self._reset_overlap()
+        self._hook_new_parameters()
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
@@ -227,6 +272,12 @@ class DistributedOptimizer:
     def param_groups(self):
         """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
+
+    @property
+    def _step_supports_amp_scaling(self):
+        # A GradScaler then hands itself to step() instead of skipping it on one worker: with
+        # the store stepping, step() refuses it on every worker (see _refuse_scaler).
+        return self.update_on_kvstore
 
     def load_state_dict(self, state_dict):
         """The wrapped optimizer's ``load_state_dict``. With ``update_on_kvstore=False`` on
@@ -240,6 +291,175 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none=True):
         """The wrapped optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate their gradients locally, with no communication,
+        as DDP's ``no_sync``: the first backward after it synchronizes the sum."""
+        old = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    # The check's tag, and the errors that name what a mismatch means.
+
+    def _set_tag(self):
+        tag = f"kvstore.torch backward {self._backwards} step {self._steps}"
+        if tag != self._tag:
+            self.store.set_tag(tag)
+            self._tag = tag
+
+    @contextlib.contextmanager
+    def _explained(self):
+        """Re-raises a DesyncError of the wrapper's calls with what it means for the loop."""
+        try:
+            yield
+        except DesyncError as e:
+            if "kvstore.torch" not in str(e) or "what differs" in str(e):
+                raise
+            raise DesyncError(
+                f"{e}. What differs: the workers reached this call after different numbers of "
+                f"backward passes or steps: a worker skipped step() (its own if), ran a "
+                f"backward the others did not, or ran out of batches first (kvstore.torch has "
+                f"no join() for uneven inputs: give every worker as many batches, as "
+                f"DistributedSampler(drop_last=True) does). With overlap=True and "
+                f"update_on_kvstore=True it also means a parameter got a gradient on some "
+                f"workers only: pass overlap=False or update_on_kvstore=False"
+            ) from e
+
+    # Hooks: every backward pass is counted, and what it reached recorded.
+
+    def _hook_new_parameters(self):
+        """Hooks every trainable parameter not hooked yet (at the start, and parameters made
+        trainable later), and puts it in a bucket."""
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return  # torch < 2.1: backward is not seen; step() synchronizes
+        new = False
+        for i, p in enumerate(self._params):
+            if not self._hooked[i] and p.requires_grad:
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+                )
+                self._hooked[i] = True
+                new = True
+        if new and self.overlap:
+            self._make_buckets(self._bucket_mb)
+
+    def _grad_ready(self, i):
+        with self._lock:
+            if not self._in_backward:
+                self._backward_begins()
+            if self.overlap and not self._no_sync and self._pushes():
+                self._ready[i] = True
+                self._queue_ready_buckets()
+
+    def _backward_begins(self):
+        if self.overlap and self.update_on_kvstore and self._next > 0 and not self._no_sync:
+            # The store already ran the optimizer on the last backward's buckets: a second
+            # backward would push its sum again. Every worker is told (a worker that skipped
+            # step() meets the others' step here: DesyncError on each).
+            self.store.agree("kvstore.torch: a backward pass before step(), after the last "
+                             "backward's gradients were pushed")
+            raise RuntimeError(
+                "a backward pass began after the last one's gradients were pushed and before "
+                "step(): with overlap=True and update_on_kvstore=True the store runs the "
+                "optimizer on each backward's gradients, so call step() after each backward, "
+                "accumulate under opt.no_sync(), or pass overlap=False"
+            )
+        self._in_backward = True
+        self._backwards += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self):
+        """The end of a backward pass. Torch steps: the gradients are averaged now (unless in
+        no_sync), so what runs before step() sees them as DDP's users do. The store steps: each
+        gradient's norm is kept, to see a change made before step() (with overlap, after
+        backward pushed some of them)."""
+        self._in_backward = False
+        if self.update_on_kvstore:
+            self._norms = self._grad_norms(
+                [i for i, p in enumerate(self._params) if p.grad is not None]
+            )
+            return
+        if not self._no_sync:
+            with self._explained():
+                self._sync_grads()
+
+    # One worker's use of the parameters, and the workers' together.
+
+    def _pushes(self):
+        """Whether gradients go through the store: with several workers, or the store
+        stepping."""
+        return self.update_on_kvstore or self.store.num_workers > 1
+
+    def _local_use(self):
+        """Which parameters have a gradient on this worker: trainable, with a ``.grad`` (as a
+        torch optimizer sees it: a frozen parameter, or one backward did not reach since
+        ``zero_grad()``, has none)."""
+        return [p.requires_grad and p.grad is not None for p in self._params]
+
+    def _used_anywhere(self, mine):
+        """For each parameter, whether it has a gradient on any worker (``mine``: on this one).
+        One small call, whose check carries the counts."""
+        if self.store.num_workers == 1:
+            return mine
+        self._set_tag()
+        return self.store.any_of("kvstore.torch: parameters with a gradient", mine)
+
+    def _fill(self, indices):
+        """A zero gradient for each of ``indices`` that has none (used on another worker);
+        the indices filled."""
+        filled = [i for i in indices if self._params[i].grad is None]
+        for i in filled:
+            self._params[i].grad = torch.zeros_like(self._params[i])
+        return filled
+
+    # Torch steps: the gradients averaged at the end of backward.
+
+    def _sync_grads(self):
+        """Averages the gradients of every parameter used on any worker, in place."""
+        try:
+            if self.overlap:
+                self._finish_overlapped_sync()
+            elif self.store.num_workers > 1:
+                self._agree_torch_step()
+                used = [i for i, u in enumerate(self._used_anywhere(self._local_use())) if u]
+                self._fill(used)
+                if used:
+                    grads = [self._params[i].grad for i in used]
+                    with torch.no_grad():
+                        self.store.pushpull([self._keys[i] for i in used], grads)
+                        for g in grads:
+                            g.div_(self.store.num_workers)
+        finally:
+            self._reset_overlap()
+        self._synced = True
+
+    def _agree_torch_step(self):
+        """With update_on_kvstore=False on several workers: torch steps on every worker, so
+        they must step alike. Its settings are compared when changed (a worker that changes
+        alone calls agree where the others call the store, and that fails too); its state at
+        the first step and after a load_state_dict (which replaces the state dict), since
+        momentum loaded on some workers only would step them apart."""
+        if self.store.num_workers == 1:
+            return
+        self._set_tag()
+        with _told(self.store._kv, "agree"):
+            self._check_unchanged()
+        settings = _settings(self.optimizer)
+        if settings != self._agreed:
+            self.store.agree(settings)
+            self._agreed = settings
+        if self._state_due or id(self.optimizer.state) != self._state_id:
+            # A failure here (the host copy) is told to the other workers, which are in the
+            # agree below.
+            with _told(self.store._kv, "agree"):
+                digest = _state_digest(self.optimizer)
+            self.store.agree(f"torch optimizer state sha256 {digest}")
+            self._state_due = False
+            self._state_id = id(self.optimizer.state)
 
     def _check_unchanged(self):
         """A ValueError when the optimizer's parameters, or (update_on_kvstore) any of its
@@ -260,40 +480,60 @@ class DistributedOptimizer:
                     f"learning rate only: pass update_on_kvstore=False to step with torch"
                 )
 
-    def _agree_torch_step(self):
-        """With update_on_kvstore=False on several workers: torch steps on every worker, so
-        they must step alike. Its settings are compared when changed (a worker that changes
-        alone calls agree where the others call the store, and that fails too); its state at
-        the first step and after a load_state_dict (which replaces the state dict), since
-        momentum loaded on some workers only would step them apart."""
-        if self.store.num_workers == 1:
-            return
-        settings = _settings(self.optimizer)
-        if settings != self._agreed:
-            self.store.agree(settings)
-            self._agreed = settings
-        if self._state_due or id(self.optimizer.state) != self._state_id:
-            # A failure here (the host copy) is told to the other workers, which are in the
-            # agree below.
-            with _told(self.store._kv, "agree"):
-                digest = _state_digest(self.optimizer)
-            self.store.agree(f"torch optimizer state sha256 {digest}")
-            self._state_due = False
-            self._state_id = id(self.optimizer.state)
+    # The store steps: what must not have happened between backward and step().
 
-    # Overlap: buckets queued from gradient hooks while backward runs.
+    @staticmethod
+    def _norm_of(grads):
+        if hasattr(torch, "_foreach_norm"):
+            return torch._foreach_norm(grads)
+        return [g.norm() for g in grads]
 
-    def _start_overlap(self, bucket_mb):
-        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            raise RuntimeError("overlap=True needs torch >= 2.1 (register_post_accumulate_grad_hook)")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    def _grad_norms(self, indices):
+        """Each gradient's norm, by parameter index: a change of scale (clipping, unscaling)
+        changes it."""
+        grads = [self._params[i].grad.detach() for i in indices]
+        with torch.no_grad():
+            return dict(zip(indices, (n.clone() for n in self._norm_of(grads)))) if grads else {}
+
+    def _refuse_changes(self, scaler):
+        """(the store steps) A ValueError for a GradScaler, and for a gradient changed since
+        backward made it (clipping, a GradScaler's unscale_, a user's own change)."""
+        if scaler:
+            raise ValueError(
+                "update_on_kvstore=True cannot take a GradScaler: the store runs the optimizer "
+                "on the sum of the gradients as backward made them, so it can neither unscale "
+                "them nor skip a step whose averaged gradient is not finite on every worker. "
+                "Pass update_on_kvstore=False (torch steps on the averaged gradients, as with "
+                "DDP)"
+            )
+        changed = [
+            self._keys[i]
+            for i, n in self._norms.items()
+            if self._params[i].grad is None
+            or not torch.equal(self._norm_of([self._params[i].grad.detach()])[0], n)
+        ]
+        if changed:
+            raise ValueError(
+                f"the gradients of {changed[:5]} changed between backward() and step() "
+                f"(gradient clipping, a GradScaler's unscale_, a change of your own): with "
+                f"update_on_kvstore=True the store sums the gradients as backward made them "
+                f"and steps on the sum, so it cannot clip by the global norm or skip a step. "
+                f"Pass update_on_kvstore=False (torch steps on the gradients averaged at the "
+                f"end of backward, as with DDP)"
+            )
+
+    # Overlap: buckets queued from the hooks while backward runs.
+
+    def _make_buckets(self, bucket_mb):
+        """Buckets of the hooked parameters' indices, in reverse order (backward reaches the last
+        layers first), closed once they hold ``bucket_mb`` MiB. The same on every worker: the
+        model is."""
         cap = bucket_mb * 2**20
-        # Buckets of parameter indices, in reverse order (backward reaches the last layers
-        # first), closed once they hold cap bytes. The same on every worker: the model is.
         self._buckets, bucket, size = [], [], 0
         for i in reversed(range(len(self._params))):
             p = self._params[i]
+            if not self._hooked[i]:
+                continue
             bucket.append(i)
             size += p.numel() * p.element_size()
             if size >= cap:
@@ -301,74 +541,28 @@ class DistributedOptimizer:
                 bucket, size = [], 0
         if bucket:
             self._buckets.append(bucket)
+
+    def _reset_overlap(self):
         self._ready = [False] * len(self._params)
-        self._queued_keys = []  # indices of the parameters queued this step
-        # (the store steps) A copy of each gradient as it was queued, to see a change made
-        # after (clipping, a GradScaler's unscale, which leaves the version counter alone).
-        self._pushed = {}
-        self._reduced = False  # (torch steps) backward's end waited for the sums
-        self._waiting = False  # (torch steps) backward's end is to wait for them
+        self._queued = []  # indices of the parameters queued since the last synchronization
         self._next = 0  # the first bucket not queued yet
-        self._begun = False  # whether this step's first bucket was queued
-        self._hook_lock = threading.Lock()
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
-            for i, p in enumerate(self._params)
-        ]
 
-    def _grad_ready(self, i):
-        """Parameter ``i``'s gradient is accumulated: queue every bucket now complete. Under a
-        lock: autograd may run hooks on one thread per device, and a bucket must be queued
-        once."""
-        with self._hook_lock:
-            self._grad_ready_locked(i)
-
-    def _grad_ready_locked(self, i):
-        if self._ready[i]:
-            raise RuntimeError(
-                f"the gradient of parameter {self._keys[i]!r} was accumulated again after it "
-                f"was queued (several backward passes before step(), or a step() that was "
-                f"skipped, as a GradScaler skips it on inf or NaN gradients, which the store "
-                f"had then already applied): with overlap=True call step() after each "
-                f"backward, or pass overlap=False"
-            )
-        self._ready[i] = True
-        if not self.update_on_kvstore and not self._waiting:
-            # Torch steps: backward's end waits for the sums, as DDP's does.
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-            self._waiting = True
+    def _queue_ready_buckets(self):
         while self._next < len(self._buckets) and all(
             self._ready[j] for j in self._buckets[self._next]
         ):
             self._queue_bucket(self._buckets[self._next])
             self._next += 1
 
-    def _begin(self):
-        """Before this step's first bucket is queued: the checks and the learning rate that
-        ``step()`` applies before pushing (a scheduler's change since the last step). When torch
-        steps, backward's end waits for the sums (see ``_grad_ready``)."""
-        if self._begun:
-            return
-        self._begun = True
-        with _told(self.store._kv, "push" if self.update_on_kvstore else "pushpull"):
-            self._check_unchanged()
-            if self.update_on_kvstore:
-                lr = float(self.optimizer.param_groups[0]["lr"])
-                if lr != self._lr:
-                    self.store.set_learning_rate(lr)
-                    self._lr = lr
-
-    def _queue_bucket(self, bucket):
-        self._begin()
-        multi = self.store.num_workers > 1
-        if multi:
-            # As in step(): every worker makes the same call; a missing gradient is zeros.
-            for j in bucket:
-                if self._params[j].grad is None:
-                    self._params[j].grad = torch.zeros_like(self._params[j])
-        live = [j for j in bucket if self._params[j].grad is not None]
+    def _queue_bucket(self, bucket, used=None):
+        """Queues a bucket's gradients: all of them when queued from backward's hooks (each is
+        ready), else those in ``used``, with zeros for the ones this worker has none of."""
+        live = bucket if used is None else [j for j in bucket if used[j]]
         if not live:
-            return
+            return []
+        if not self._queued:
+            self._begin_overlapped()
+        filled = self._fill(live)
         keys = [self._keys[j] for j in live]
         grads = [self._params[j].grad for j in live]
         # MXNet's priority: the first layers, needed first by the next forward, highest.
@@ -378,144 +572,118 @@ class DistributedOptimizer:
                 self.store.push_async(keys, grads, priority=priority)
             else:
                 self.store.pushpull_async(keys, grads, priority=priority)
-        self._queued_keys.extend(live)
+        self._queued.extend(live)
+        return filled
+
+    def _begin_overlapped(self):
+        """Before the first bucket of a backward: the tag, and the checks and the learning
+        rate that ``step()`` applies before pushing."""
+        self._set_tag()
         if self.update_on_kvstore:
-            for j in live:
-                self._pushed[j] = self._params[j].grad.detach().clone()
+            with _told(self.store._kv, "push"):
+                self._check_unchanged()
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            if lr != self._lr:
+                self.store.set_learning_rate(lr)
+                self._lr = lr
+        else:
+            self._agree_torch_step()
 
-    def _queue_rest(self):
-        """Queues the buckets backward did not: a parameter it never reached goes as zeros on
-        several workers (every worker makes the same calls), and is left out in one process."""
-        for i in range(len(self._params)):
-            self._ready[i] = True
+    def _queue_rest(self, used):
+        """Queues the buckets backward did not complete: the parameters in ``used`` (None:
+        all), with zeros for those without a gradient here; the parameters given zeros."""
+        filled = []
         while self._next < len(self._buckets):
-            self._queue_bucket(self._buckets[self._next])
+            filled += self._queue_bucket(self._buckets[self._next], used)
             self._next += 1
+        return filled
 
-    def _backward_done(self):
-        """(torch steps) The end of backward: every bucket queued, the sums in, averaged over
-        the workers. Code between ``backward()`` and ``step()`` (gradient clipping, a
-        GradScaler's unscale) then sees the averaged gradients, as with DDP."""
-        self._queue_rest()
-        # (agree is a blocking call: it waits for the queued pushpulls first.)
-        self._agree_torch_step()
+    def _finish_overlapped_sync(self):
+        """(torch steps) The end of backward: the rest queued, every bucket's parameters in it
+        (so every worker queues the same calls, whatever it used), the sums in, averaged. Then
+        a parameter used on no worker gets back the ``None`` gradient it had."""
+        if self.store.num_workers == 1:
+            return
+        mine = self._local_use()
+        filled = self._queue_rest(None)
         self.store.wait_all()
-        workers = self.store.num_workers
-        if workers > 1:
-            with torch.no_grad():
-                for i in self._queued_keys:
-                    self._params[i].grad.div_(workers)
-        self._reduced = True
+        used = self._used_anywhere(mine)
+        with torch.no_grad():
+            for i in self._queued:
+                self._params[i].grad.div_(self.store.num_workers)
+        for i in filled:
+            if not used[i]:
+                self._params[i].grad = None
 
-    def _check_untouched(self):
-        """(the store steps) A ValueError when a gradient or the learning rate changed after
-        backward queued it: the store already applied the gradients as backward made them."""
-        changed = [
-            self._keys[i]
-            for i in self._queued_keys
-            if self._params[i].grad is None or not torch.equal(self._params[i].grad, self._pushed[i])
-        ]
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if changed or lr != self._lr:
-            what = (
-                f"the gradients of {changed[:5]} changed" if changed else
-                f"the learning rate changed to {lr}"
-            )
-            raise ValueError(
-                f"{what} after backward had pushed them (gradient clipping, a GradScaler's "
-                f"unscale, a warmup setting lr before step()): with overlap=True and "
-                f"update_on_kvstore=True the store runs the optimizer on each gradient as "
-                f"backward makes it, so this step already used the unchanged values and the "
-                f"model's parameters were not updated. Change the learning rate before "
-                f"backward, or pass update_on_kvstore=False (torch steps on gradients averaged "
-                f"at the end of backward, as with DDP)"
-            )
-
-    def _step_overlapped(self, loss):
-        """``step()`` with overlap: queue what backward did not, then finish the step."""
-        try:
-            if not self.update_on_kvstore:
-                if not self._reduced:  # no backward since the last step
-                    self._backward_done()
-                with torch.no_grad():
-                    self.optimizer.step()
-                return loss
-            self._queue_rest()
-            queued = sorted(self._queued_keys)
-            if queued:
-                self.store.wait_all()
-                self._check_untouched()
-                with torch.no_grad():
-                    self.store.pull_async(
-                        [self._keys[i] for i in queued],
-                        out=[self._params[i].detach() for i in queued],
-                    )
-                    self.store.wait_all()
-                self.optimizer._opt_called = True
-            else:
-                self.store.wait_all()
-            return loss
-        finally:
-            self._queued_keys = []
-            self._pushed = {}
-            self._ready = [False] * len(self._params)
-            self._next = 0
-            self._begun = False
-            self._reduced = False
-            self._waiting = False
+    # step()
 
     def step(self, closure=None):
-        """Pushes the gradients and pulls the parameters (update_on_kvstore), or sums the
-        gradients through the store and steps the wrapped optimizer. Parameters without a
-        gradient are left out, as torch optimizers do."""
+        """Steps the wrapped optimizer on the gradients averaged at the end of backward
+        (update_on_kvstore=False), or pushes the gradients and pulls the parameters. Parameters
+        that got no gradient on any worker are left as they are."""
+        scaler = "grad_scale" in vars(self) or "found_inf" in vars(self)
         loss = None
-        if self.overlap:
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            return self._step_overlapped(loss)
-        # An error here, before the store is called (in the closure, or a change this wrapper
-        # refuses), is told to the other workers, which then fail this step too: were it not,
-        # their step's call would pair with this worker's next one, summing gradients of
-        # different steps.
-        with _told(self.store._kv, "push" if self.update_on_kvstore else "pushpull"):
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self._check_unchanged()
-            if self.update_on_kvstore:
-                lr = float(self.optimizer.param_groups[0]["lr"])
-                if lr != self._lr:  # a scheduler changed it: keep the optimizer's state
-                    self.store.set_learning_rate(lr)
-                    self._lr = lr
-        if self.store.num_workers > 1:
-            # Every worker makes the same store call every step: a parameter without a gradient
-            # on this worker (unused in its part of the batch) contributes zeros, as
-            # DistributedDataParallel(find_unused_parameters=True) does.
-            live = list(zip(self._keys, self._params))
-            for p in self._params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in self._params]
-        else:
-            live = [(k, p) for k, p in zip(self._keys, self._params) if p.grad is not None]
-            grads = [p.grad for _, p in live]
-        if not live:
-            return loss
-        keys = [k for k, _ in live]
-        with torch.no_grad():
-            if self.update_on_kvstore:
-                self.store.push(keys, grads)
-                self.store.pull(keys, out=[p.detach() for _, p in live])
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            with self._explained():
+                if self.update_on_kvstore:
+                    self._step_on_store(scaler)
+                else:
+                    if not self._synced:
+                        # No backward synchronized since the last step (none ran here, or
+                        # all ran in no_sync): the other workers make this call too.
+                        self._sync_grads()
+                    with torch.no_grad():
+                        self.optimizer.step()
+        finally:
+            self._steps += 1
+            self._synced = False
+            self._hook_new_parameters()
+        return loss
+
+    def _step_on_store(self, scaler):
+        # An error before the store is called (a change this wrapper refuses) is told to the
+        # other workers, which then fail this step too: were it not, their step's call would
+        # pair with this worker's next one, summing gradients of different steps.
+        try:
+            with _told(self.store._kv, "push"):
+                self._refuse_changes(scaler)
+                if not self.overlap:
+                    self._check_unchanged()
+                    lr = float(self.optimizer.param_groups[0]["lr"])
+                    if lr != self._lr:  # a scheduler changed it: keep the optimizer's state
+                        self.store.set_learning_rate(lr)
+                        self._lr = lr
+            mine = self._local_use()
+            if self.overlap:
+                # The parameters used on any worker (after this worker's queued buckets, which
+                # every worker queued alike where each used the same parameters).
+                self._queue_rest(self._used_anywhere(mine))
+                pushed = sorted(self._queued)
+            else:
+                pushed = [i for i, u in enumerate(self._used_anywhere(mine)) if u]
+                self._fill(pushed)
+                if pushed:
+                    self._set_tag()
+                    with torch.no_grad():
+                        self.store.push(
+                            [self._keys[i] for i in pushed], [self._params[i].grad for i in pushed]
+                        )
+            if pushed:
+                with torch.no_grad():
+                    outs = [self._params[i].detach() for i in pushed]
+                    if self.overlap:
+                        self.store.pull_async([self._keys[i] for i in pushed], out=outs)
+                        self.store.wait_all()
+                    else:
+                        self.store.pull([self._keys[i] for i in pushed], out=outs)
                 # The wrapped optimizer did not step, but it was stepped for: tell torch's LR
                 # schedulers, which warn otherwise.
                 self.optimizer._opt_called = True
-            else:
-                self._agree_torch_step()
-                self.store.pushpull(keys, grads)
-                workers = self.store.num_workers
-                if workers > 1:
-                    for g in grads:
-                        g.div_(workers)
-                self.optimizer.step()
-        return loss
+            elif self.overlap:
+                self.store.wait_all()
+        finally:
+            self._norms = {}
+            self._reset_overlap()

@@ -668,7 +668,10 @@ def nightly():
 def unused():
     """A parameter without a gradient on one worker (unused in its part of the batch) must not
     put the workers out of step: each step's weights are the same on every worker, and equal a
-    reference that sums the gradients each worker had (zeros for none)."""
+    reference that sums the gradients each worker had (zeros for none). At step 2 worker 1's
+    loss is zero, and v has a gradient on no worker (so it stays as it was). With overlap=True
+    and update_on_kvstore=True, v used on some workers only is refused (DesyncError on every
+    worker, naming the options)."""
     import torch
     from kvstore.torch import DistributedOptimizer
 
@@ -686,14 +689,22 @@ def unused():
     want_w, want_v = torch.zeros(3), torch.zeros(2)
     for step in range(4):
         opt.zero_grad()
-        # Worker `step % n` skips v, and at step 2 worker 1 has no gradient at all.
-        skip_all = step == 2 and r == 1 % n
-        uses_v = step % n != r
-        if not skip_all:
-            loss = (w * (r + 1 + step)).sum()
-            if uses_v:
-                loss = loss + (v * (r + 2)).sum()
-            loss.backward()
+        # Worker `step % n` skips v, and at step 2 worker 1 has a zero loss (no v either).
+        idle = step == 2 and r == 1 % n
+        uses_v = step % n != r and not idle
+        loss = (w * (0 if idle else r + 1 + step)).sum()
+        if uses_v:
+            loss = loss + (v * (r + 2)).sum()
+        if on_store and overlap and step == 0 and n > 1:
+            # v used on some workers only, and its bucket queued from backward on those.
+            def refused():
+                loss.backward()
+                opt.step()
+            e = expect(kvstore.DesyncError, refused)
+            assert "update_on_kvstore=False" in str(e) and "overlap=False" in str(e), e
+            say("ok unused (refused: a parameter used on some workers only)")
+            return
+        loss.backward()
         opt.step()
         gw = sum(0 if (step == 2 and q == 1 % n) else (q + 1 + step) for q in range(n))
         gv = sum(0 if (step == 2 and q == 1 % n) or step % n == q else (q + 2) for q in range(n))
@@ -702,6 +713,169 @@ def unused():
         torch.testing.assert_close(w.detach(), want_w, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(v.detach(), want_v, rtol=1e-6, atol=1e-6)
     say(f"ok unused on_store={on_store} overlap={overlap}")
+
+
+class _Net:
+    """A model for the DDP contract: two trained layers, a frozen one, one that no worker
+    uses, and one used on some workers at some steps."""
+
+    @staticmethod
+    def make(torch, g):
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(6, 16)
+                self.b = torch.nn.Linear(16, 3)
+                self.frozen = torch.nn.Linear(3, 3)
+                self.never = torch.nn.Linear(3, 3)
+                self.some = torch.nn.Linear(3, 3)
+
+            def forward(self, x, use_some):
+                h = self.frozen(self.b(torch.tanh(self.a(x))))
+                return h + self.some(h) if use_some else h
+
+        net = Net()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        net.frozen.requires_grad_(False)
+        return net
+
+
+def contract():
+    """kvstore.torch.DistributedOptimizer against DistributedDataParallel (gloo,
+    find_unused_parameters=True) with the same scaler, clipping and accumulation, 20 steps:
+    equal within 1e-5. ARGS: update_on_kvstore, overlap, feature ("plain", "scaler", "clip",
+    "nosync"). With update_on_kvstore=True a scaler and clipping are refused on every worker,
+    naming update_on_kvstore=False. Frozen and unused parameters never move."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    on_store, overlap, feature = ARGS[0] == "1", ARGS[1] == "1", ARGS[2]
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    g = torch.Generator().manual_seed(SEED)
+    per, steps = 8, 20
+    x = torch.randn(steps, n * per, 6, generator=g)
+    y = torch.randn(steps, n * per, 3, generator=g)
+    model = _Net.make(torch, g)
+    mine = slice(r * per, (r + 1) * per)
+
+    def use_some(step, rank):
+        # Used on some workers only, but on every worker or none with overlap and the store
+        # stepping (which refuses the first: see unused()).
+        return step % 3 != 0 if (on_store and overlap) else (step + rank) % 3 != 0
+
+    def run(m, opt, scaler, no_sync):
+        for step in range(steps):
+            xs = x[step, mine].clone()
+            if feature == "scaler" and step == 2 and r == n - 1:
+                xs[0, 0] = float("inf")  # an overflow on one worker only
+            opt.zero_grad()
+            halves = (xs[: per // 2], xs[per // 2:]), (y[step, mine][: per // 2], y[step, mine][per // 2:])
+            parts = list(zip(*halves)) if feature == "nosync" else [(xs, y[step, mine])]
+            for k, (xp, yp) in enumerate(parts):
+                ctx = no_sync() if k < len(parts) - 1 else _nullcontext()
+                with ctx:
+                    loss = torch.nn.functional.mse_loss(m(xp, use_some(step, r)), yp)
+                    (scaler.scale(loss) if scaler else loss).backward()
+            if feature == "clip":
+                if scaler:
+                    scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.requires_grad], 0.05)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        return scaler.get_scale() if scaler else None
+
+    def make_scaler():
+        return torch.amp.GradScaler("cpu", init_scale=2.0**8) if feature == "scaler" else None
+
+    ours = copy.deepcopy(model)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2),
+        kvstore.create("dist_sync"), named_parameters=ours.named_parameters(),
+        update_on_kvstore=on_store, overlap=overlap, bucket_mb=1e-4,
+    )
+    if on_store and feature in ("scaler", "clip"):
+        e = expect(ValueError, lambda: run(ours, opt, make_scaler(), opt.no_sync))
+        assert "update_on_kvstore=False" in str(e), e
+        say(f"ok contract {feature} refused (update_on_kvstore=True overlap={overlap})")
+        return
+    our_scale = run(ours, opt, make_scaler(), opt.no_sync)
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['KVSTORE_TEST_PORT']}", rank=r,
+        world_size=n,
+    )
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(model), find_unused_parameters=True
+    )
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
+    ddp_scale = run(ddp, ddp_opt, make_scaler(), ddp.no_sync)
+    dist.destroy_process_group()
+
+    assert our_scale == ddp_scale, (our_scale, ddp_scale)
+    if feature == "scaler":
+        # The overflow on one worker made every worker skip step 2 and halve its scale.
+        assert our_scale < 2.0**8, our_scale
+    for (name, p), d, p0 in zip(
+        ours.named_parameters(), ddp.module.parameters(), model.parameters()
+    ):
+        torch.testing.assert_close(p, d, rtol=0, atol=1e-5, msg=lambda m: f"{name} vs DDP: {m}")
+        if name.startswith(("frozen.", "never.")):
+            assert torch.equal(p, p0), f"{name} moved"
+        else:
+            assert (p - p0).abs().max().item() > 1e-3, f"{name} did not move"
+    say(f"ok contract {feature} update_on_kvstore={on_store} overlap={overlap}")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def skip_step():
+    """A worker that skips step() by its own if (at step 2, the last worker) fails the next
+    call of every worker with DesyncError, never summing gradients of different steps."""
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    on_store, overlap = ARGS[0] == "1", ARGS[1] == "1"
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    g = torch.Generator().manual_seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), kv,
+        update_on_kvstore=on_store, overlap=overlap, bucket_mb=1e-4,
+    )
+    x = torch.randn(6, 5, 4, generator=g)
+    failed_at = None
+    for step in range(6):
+        try:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[step] * (r + 1)), torch.zeros(5, 2)).backward()
+            if step == 2 and r == n - 1:
+                continue  # the user's own if
+            opt.step()
+        except kvstore.DesyncError as e:
+            say(f"EXPECTED DesyncError at step {step}: {e}")
+            assert "backward" in str(e) and "step" in str(e), e
+            failed_at = step
+            break
+    assert failed_at in (2, 3), failed_at
+    say(f"ok skip_step update_on_kvstore={on_store} overlap={overlap}")
 
 
 def two_bit_reference(contributions, threshold, residuals):
@@ -827,6 +1001,8 @@ CASES = {
     "row_sparse": row_sparse,
     "compressed": compressed,
     "unused": unused,
+    "contract": contract,
+    "skip_step": skip_step,
     "nightly": nightly,
     "basic": basic,
     "reject": reject,

@@ -145,3 +145,88 @@ def test_hyperparameters_the_store_cannot_follow_are_refused():
     opt.optimizer.add_param_group({"params": [extra]})
     with pytest.raises(ValueError, match="parameters changed"):
         train(model, opt, x, y, 1)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+@pytest.mark.parametrize("update_on_kvstore", [False, True], ids=["local-step", "on-store"])
+def test_frozen_and_unused_parameters_never_move(update_on_kvstore, overlap):
+    # Weight decay and momentum would move a parameter pushed with a zero gradient.
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    x, y, model = make_problem(seed)
+    frozen = torch.nn.Linear(2, 2)
+    unused = torch.nn.Linear(2, 2)
+    frozen.requires_grad_(False)
+    params = list(model.parameters()) + list(frozen.parameters()) + list(unused.parameters())
+    before = [p.detach().clone() for p in params]
+    opt = DistributedOptimizer(
+        torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2), kvstore.create("local"),
+        update_on_kvstore=update_on_kvstore, overlap=overlap, bucket_mb=1e-4,
+    )
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(frozen(model(x)), y).backward()
+        opt.step()
+    for p, b in zip(params[-4:], before[-4:]):
+        assert torch.equal(p.detach(), b)
+    assert all(p.grad is None for p in params[-4:])
+    assert not torch.equal(params[0].detach(), before[0])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+@pytest.mark.parametrize("update_on_kvstore", [False, True], ids=["local-step", "on-store"])
+def test_no_sync_accumulates_as_one_backward(update_on_kvstore, overlap):
+    seed = fresh_seed()
+    x, y, plain = make_problem(seed)
+    wrapped = copy.deepcopy(plain)
+    popt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    wopt = DistributedOptimizer(
+        torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9), kvstore.create("local"),
+        update_on_kvstore=update_on_kvstore, overlap=overlap, bucket_mb=1e-4,
+    )
+    for _ in range(4):
+        for m, opt, sync in ((plain, popt, None), (wrapped, wopt, wopt.no_sync)):
+            opt.zero_grad()
+            for k, half in enumerate((slice(0, 32), slice(32, 64))):
+                loss = torch.nn.functional.mse_loss(m(x[half]), y[half])
+                if sync is not None and k == 0:
+                    with sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            opt.step()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_broadcast_buffers_is_refused_naming_the_option():
+    _, _, model = make_problem(1)
+    with pytest.raises(ValueError, match="broadcast_buffers"):
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"),
+            broadcast_buffers=True,
+        )
+
+
+def test_a_grad_scaler_and_clipping_are_refused_when_the_store_steps():
+    x, y, model = make_problem(fresh_seed())
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"),
+        update_on_kvstore=True,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    with pytest.raises(ValueError, match="update_on_kvstore=False"):
+        scaler.step(opt)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"),
+        update_on_kvstore=True,
+    )
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(ValueError, match="update_on_kvstore=False"):
+        opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
