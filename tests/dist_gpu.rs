@@ -398,7 +398,28 @@ fn grad(rank: usize, key: i32, round: usize, n: usize) -> Vec<f64> {
 }
 
 fn case_gpu_store() {
+    let comm_id = std::env::var_os("NCCL_COMM_ID");
     let kv = KvStore::create("dist_device_sync").expect("a dist_device_sync store");
+    // Making the store changed nothing process-wide: NCCL_COMM_ID is as it was, and, when it
+    // was unset, a later NCCL communicator of this process (torch.distributed's) is not forced
+    // onto the store's address: two plain ids differ (with NCCL_COMM_ID set, NCCL and the
+    // stand-in derive both from the address and a fixed magic).
+    assert_eq!(
+        std::env::var_os("NCCL_COMM_ID"),
+        comm_id,
+        "making the store changed NCCL_COMM_ID"
+    );
+    if comm_id.is_none() {
+        use kvstore::__internal::nccl::RankComm;
+        let (a, b) = (
+            RankComm::unique_id().unwrap(),
+            RankComm::unique_id().unwrap(),
+        );
+        assert_ne!(
+            a.0, b.0,
+            "two plain ncclGetUniqueId calls after the store was made gave the same id"
+        );
+    }
     let (r, n) = (kv.rank(), kv.num_workers());
     let mine = gpu(kv.local_rank() % gpu_count());
     let len = 6;

@@ -304,7 +304,9 @@ fn a_rank_that_stops_calling_fails_the_others_within_the_timeout() -> Result<()>
 /// The child side of the process tests: a rank started with a torchrun-like environment.
 fn child_rank() -> Result<()> {
     let seed: u64 = std::env::var("KVSTORE_TEST_SEED")?.parse()?;
+    let before = std::env::var_os("NCCL_COMM_ID");
     let comm = RankComm::from_env()?;
+    left_nothing_behind(before)?;
     check_collectives(&comm, seed, DType::F32, 1e-6)?;
     if std::env::var("KVSTORE_TEST_DIE_RANK").ok() == Some(comm.rank().to_string()) {
         // SIGKILL: no destructor, no exit hook, as an OOM kill or a crashed node.
@@ -332,6 +334,117 @@ fn child_rank() -> Result<()> {
     Ok(())
 }
 
+/// Checks, in a rank that has just joined, that joining changed nothing process-wide:
+/// `NCCL_COMM_ID` is as it was before (`before`), and, when it was unset, a later
+/// communicator of the process is not forced onto the job's address: two plain
+/// `ncclGetUniqueId` calls give two different ids (with `NCCL_COMM_ID` set, NCCL, and the
+/// stand-in, derive both from the address and a fixed magic, so they are equal).
+fn left_nothing_behind(before: Option<std::ffi::OsString>) -> Result<()> {
+    let now = std::env::var_os("NCCL_COMM_ID");
+    ensure!(
+        now == before,
+        "joining changed NCCL_COMM_ID from {before:?} to {now:?}: the variable is process-wide \
+         and forces every later NCCL communicator onto one address"
+    );
+    if before.is_none() {
+        let (a, b) = (RankComm::unique_id()?, RankComm::unique_id()?);
+        ensure!(
+            a.0 != b.0,
+            "two plain ncclGetUniqueId calls after joining gave the same id: later \
+             communicators of this process are forced onto one address"
+        );
+    }
+    Ok(())
+}
+
+/// Two free TCP ports in a row on 127.0.0.1: `MASTER_PORT`, and the rendezvous's after it.
+fn free_port_pair() -> Result<u16> {
+    for _ in 0..100 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let port = l.local_addr()?.port();
+        if port < u16::MAX - 1 && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no two free ports in a row on 127.0.0.1")
+}
+
+/// Child processes of a test, killed if the test ends before they do.
+struct Ranks(Vec<(std::process::Child, std::path::PathBuf)>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for (child, _) in &mut self.0 {
+            if child.try_wait().ok().flatten().is_none() {
+                child.kill().ok();
+                child.wait().ok();
+            }
+        }
+    }
+}
+
+/// Starts rank `r` of `n` of `test` in a child process, as torchrun would (`MASTER_PORT`
+/// `port`, the run's `seed`, and `extra`), its output going to a file of its own.
+fn spawn_rank(
+    test: &str,
+    r: usize,
+    n: usize,
+    port: u16,
+    seed: u64,
+    extra: &[(&str, String)],
+) -> Result<(std::process::Child, std::path::PathBuf)> {
+    let log = std::env::temp_dir().join(format!(
+        "kvstore-nccl-rank-{}-{r}-{seed}-{}.log",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let out = std::fs::File::create(&log)?;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args([
+        test,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ])
+    .env("KVSTORE_TEST_CHILD", "1")
+    .env("KVSTORE_TEST_SEED", seed.to_string())
+    .env("RANK", r.to_string())
+    .env("WORLD_SIZE", n.to_string())
+    .env("LOCAL_RANK", (r % gpu_count()).to_string())
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", port.to_string())
+    .env_remove("NCCL_COMM_ID")
+    .env_remove("TORCHELASTIC_RUN_ID")
+    .env_remove("KVSTORE_JOB_TOKEN")
+    .stdout(out.try_clone()?)
+    .stderr(out);
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    Ok((cmd.spawn()?, log))
+}
+
+/// Waits for child `i` of `ranks` until `deadline`; its exit code (None: killed by a signal)
+/// and output. A child still running at the deadline is a hang: an error with its output.
+fn wait_rank(ranks: &mut Ranks, i: usize, deadline: Instant) -> Result<(Option<i32>, String)> {
+    let (child, log) = &mut ranks.0[i];
+    let code = loop {
+        if let Some(status) = child.try_wait()? {
+            break status.code();
+        }
+        if Instant::now() > deadline {
+            child.kill().ok();
+            child.wait().ok();
+            let text = std::fs::read_to_string(&*log).unwrap_or_default();
+            bail!("a rank was still running at the test's bound: a hang. Its output:\n{text}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Ok((code, std::fs::read_to_string(&*log).unwrap_or_default()))
+}
+
 /// Starts `n` ranks of this test in child processes, as torchrun would, and returns each
 /// one's exit code (None: killed by a signal) and output. Every child is killed after `limit`.
 fn launch(
@@ -340,61 +453,14 @@ fn launch(
     extra: &[(&str, String)],
     limit: Duration,
 ) -> Result<Vec<(Option<i32>, String)>> {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?.port()
-    };
+    let port = free_port_pair()?;
     let seed: u64 = rand::random();
-    let dir = std::env::temp_dir();
-    let mut children = Vec::new();
+    let mut ranks = Ranks(Vec::new());
     for r in 0..n {
-        let log = dir.join(format!(
-            "kvstore-nccl-rank-{}-{r}-{seed}.log",
-            std::process::id()
-        ));
-        let out = std::fs::File::create(&log)?;
-        let mut cmd = std::process::Command::new(std::env::current_exe()?);
-        cmd.args([
-            test,
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("KVSTORE_TEST_CHILD", "1")
-        .env("KVSTORE_TEST_SEED", seed.to_string())
-        .env("RANK", r.to_string())
-        .env("WORLD_SIZE", n.to_string())
-        .env("LOCAL_RANK", (r % gpu_count()).to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env_remove("NCCL_COMM_ID")
-        .stdout(out.try_clone()?)
-        .stderr(out);
-        for (k, v) in extra {
-            cmd.env(k, v);
-        }
-        children.push((cmd.spawn()?, log));
+        ranks.0.push(spawn_rank(test, r, n, port, seed, extra)?);
     }
     let deadline = Instant::now() + limit;
-    let mut results = Vec::new();
-    for (mut child, log) in children {
-        let code = loop {
-            if let Some(status) = child.try_wait()? {
-                break status.code();
-            }
-            if Instant::now() > deadline {
-                child.kill().ok();
-                child.wait().ok();
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                bail!("a rank was still running after {limit:?}: a hang. Its output:\n{text}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        results.push((code, std::fs::read_to_string(&log).unwrap_or_default()));
-    }
-    Ok(results)
+    (0..n).map(|i| wait_rank(&mut ranks, i, deadline)).collect()
 }
 
 /// Why ranks in separate processes cannot run here, if they cannot. (The stand-in driver
@@ -465,5 +531,83 @@ fn a_killed_rank_ends_the_others_with_an_error_not_a_hang() -> Result<()> {
         *code == Some(3) && out.contains("CHILD FAILED rank 0"),
         "rank 0 should fail with a clear error, exited {code:?}:\n{out}"
     );
+    Ok(())
+}
+
+/// The child side of the intruder test: a process of another job (another token) that tries to
+/// join rank 0's job as rank 1. It must be refused with an error naming the token's variable.
+fn intruder() -> Result<()> {
+    match RankComm::from_env() {
+        Ok(_) => {
+            println!("INTRUDER JOINED: a rank of another job was let into the communicator");
+            std::process::exit(4);
+        }
+        Err(Error::DistEnv { var, message }) if var == "KVSTORE_JOB_TOKEN" => {
+            println!("INTRUDER REFUSED: {var}: {message}");
+            Ok(())
+        }
+        Err(e) => {
+            println!("INTRUDER FAILED otherwise: {e:?}");
+            std::process::exit(5);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_rank_of_another_job_is_refused_and_the_job_still_forms() -> Result<()> {
+    if std::env::var_os("KVSTORE_TEST_CHILD").is_some() {
+        if std::env::var_os("KVSTORE_TEST_INTRUDER").is_some() {
+            return intruder();
+        }
+        return child_rank();
+    }
+    require_gpu();
+    let n = 2;
+    if let Some(why) = cannot_spawn(n) {
+        skipped(
+            "a_rank_of_another_job_is_refused_and_the_job_still_forms",
+            &why,
+        );
+        return Ok(());
+    }
+    let test = "a_rank_of_another_job_is_refused_and_the_job_still_forms";
+    let port = free_port_pair()?;
+    let seed: u64 = rand::random();
+    let job = [
+        (
+            "KVSTORE_JOB_TOKEN",
+            format!("job-{}", rand::random::<u64>()),
+        ),
+        ("KVSTORE_TIMEOUT", "90".to_owned()),
+    ];
+    let other = [
+        (
+            "KVSTORE_JOB_TOKEN",
+            format!("other-{}", rand::random::<u64>()),
+        ),
+        ("KVSTORE_TIMEOUT", "90".to_owned()),
+        ("KVSTORE_TEST_INTRUDER", "1".to_owned()),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut ranks = Ranks(Vec::new());
+    // Rank 0 first, then the intruder as rank 1 (it retries until rank 0 listens), and the
+    // job's own rank 1 only once the intruder is done: it cannot have taken the place first.
+    ranks.0.push(spawn_rank(test, 0, n, port, seed, &job)?);
+    ranks.0.push(spawn_rank(test, 1, n, port, seed, &other)?);
+    let (code, out) = wait_rank(&mut ranks, 1, deadline)?;
+    ensure!(
+        code == Some(0) && out.contains("INTRUDER REFUSED") && out.contains("another job"),
+        "the rank of another job should be refused naming KVSTORE_JOB_TOKEN, exited \
+         {code:?}:\n{out}"
+    );
+    ranks.0.push(spawn_rank(test, 1, n, port, seed, &job)?);
+    for (i, r) in [(0, 0), (2, 1)] {
+        let (code, out) = wait_rank(&mut ranks, i, deadline)?;
+        ensure!(
+            code == Some(0) && out.contains(&format!("CHILD OK rank {r}")),
+            "rank {r} exited with {code:?}:\n{out}"
+        );
+    }
     Ok(())
 }

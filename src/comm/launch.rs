@@ -102,7 +102,7 @@ impl LaunchEnv {
             .ok_or_else(|| Error::DistEnv {
                 var: "MASTER_PORT".to_owned(),
                 message: format!(
-                    "is {port}: use a free TCP port from 1 to 65534 (kvstore's NCCL bootstrap \
+                    "is {port}: use a free TCP port from 1 to 65534 (kvstore's NCCL rendezvous \
                      listens on the port after it)"
                 ),
             })?;
@@ -115,16 +115,11 @@ impl LaunchEnv {
         })
     }
 
-    /// The address NCCL's own bootstrap listens on, as `NCCL_COMM_ID` spells it: rank 0's host
-    /// and the port after `MASTER_PORT` (the launcher keeps `MASTER_PORT` for itself). IPv6
-    /// addresses go in brackets.
-    pub fn nccl_comm_id(&self) -> String {
-        let port = self.master_port + 1;
-        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
-            format!("[{}]:{port}", self.master_addr)
-        } else {
-            format!("{}:{port}", self.master_addr)
-        }
+    /// Where rank 0 hands the NCCL id to the other ranks (kvstore's rendezvous, see
+    /// `comm::nccl::rendezvous`): rank 0's host and the port after `MASTER_PORT` (the launcher
+    /// keeps `MASTER_PORT` for itself).
+    pub fn rendezvous_addr(&self) -> (&str, u16) {
+        (&self.master_addr, self.master_port + 1)
     }
 }
 
@@ -160,13 +155,7 @@ mod tests {
     fn a_torchrun_environment_is_read() {
         let l = LaunchEnv::from_vars(env(&GOOD)).unwrap();
         assert_eq!((l.rank, l.world_size, l.local_rank), (3, 4, 1));
-        assert_eq!(l.nccl_comm_id(), "10.0.0.7:29501");
-        let mut v6 = GOOD;
-        v6[3] = ("MASTER_ADDR", "fe80::1");
-        assert_eq!(
-            LaunchEnv::from_vars(env(&v6)).unwrap().nccl_comm_id(),
-            "[fe80::1]:29501"
-        );
+        assert_eq!(l.rendezvous_addr(), ("10.0.0.7", 29501));
     }
 
     #[test]

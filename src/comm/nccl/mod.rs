@@ -28,9 +28,9 @@
 //!   aborted and dropped from the cache, and an [`Error::Nccl`](crate::Error::Nccl) names the
 //!   keys. A watchdog thread polls the same way every 100 ms, so a stalled collective is
 //!   aborted even while every user thread is blocked inside the driver.
-//! - [`RankComm`] is NCCL across processes (one rank per process, bootstrapped over MPI or
-//!   from a torchrun-style environment through `NCCL_COMM_ID`): the engine of
-//!   `dist_device_sync`.
+//! - [`RankComm`] is NCCL across processes (one rank per process, bootstrapped over MPI, or
+//!   from a torchrun-style environment through `rendezvous`, which hands rank 0's id to the
+//!   ranks that present the job's token): the engine of `dist_device_sync`.
 //! - `KVSTORE_NCCL_FORCE=1` makes a `nccl` store use NCCL even for a key whose values are all
 //!   on its home GPU: a one-rank communicator reduces them and broadcasts the pulls, so every
 //!   NCCL call the store makes runs on a one-GPU machine too (for tests).
@@ -46,6 +46,7 @@
 //! - `watchdog`: work in flight, host waits, and the thread that aborts stalled collectives.
 //! - `group`: one call's reduces and broadcasts, issued in one group.
 //! - `ranks`: [`RankComm`], NCCL across processes.
+//! - `rendezvous`: the job-token rendezvous of a launch without MPI (std's TCP, one module).
 //! - `multi_rank`: test support, not part of the API: several ranks on one GPU.
 
 // Every `unsafe` block in this module says why it is sound.
@@ -57,6 +58,7 @@ mod group;
 pub mod loader;
 mod multi_rank;
 mod ranks;
+mod rendezvous;
 mod result;
 mod watchdog;
 

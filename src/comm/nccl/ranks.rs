@@ -3,19 +3,19 @@
 //!
 //! # Bootstrap
 //!
-//! Every rank needs the same `ncclUniqueId`. Two launches are supported, with no TCP code of
-//! kvstore's own:
+//! Every rank needs the same `ncclUniqueId`. Two launches are supported:
 //! - **`mpirun`**: rank 0 calls [`RankComm::unique_id`], the 128 bytes travel to every rank
 //!   over MPI (as nccl-tests does it), and every rank calls [`RankComm::join`].
 //! - **No MPI** (`torchrun --no-python`, srun wrappers): [`RankComm::from_env`] reads `RANK`,
-//!   `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` ([`LaunchEnv`]), and lets
-//!   NCCL's own bootstrap exchange the id. With `NCCL_COMM_ID=host:port` set, NCCL's
-//!   `ncclGetUniqueId` opens no socket: it only writes that address and a fixed magic into the
-//!   id, so every rank computes the same id by itself; and the `ncclCommInitRank` of rank 0
-//!   starts the bootstrap root listening on that address, to which the other ranks connect
-//!   (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`, and the `NCCL_COMM_ID` branch of
-//!   `ncclCommInitRankDev` in `src/init.cc`). `from_env` sets `NCCL_COMM_ID` to
-//!   `MASTER_ADDR:(MASTER_PORT + 1)` unless the user has set it.
+//!   `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` ([`LaunchEnv`]). Rank 0 makes
+//!   a plain id (`ncclGetUniqueId`, a random magic) and hands it to the other ranks through
+//!   kvstore's job-token rendezvous at `MASTER_ADDR:(MASTER_PORT + 1)`
+//!   ([`rendezvous`](super::rendezvous): a peer must present the job's token,
+//!   `TORCHELASTIC_RUN_ID` or `KVSTORE_JOB_TOKEN`). Nothing is set in the process's
+//!   environment, so later NCCL communicators of the process (torch.distributed's) are left
+//!   alone. If the user has set `NCCL_COMM_ID`, NCCL's own bootstrap is used instead, as the
+//!   user asked: every rank computes the same id from that address, and rank 0's
+//!   `ncclCommInitRank` listens there (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`).
 //!
 //! # No hang
 //!
@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 
 use super::loader::{Comm, Config, Nccl, UniqueId};
+use super::rendezvous::{self, JobToken, Root};
 use super::result::{self, lib, nccl_dtype, During, NcclError, Status, NCCL_SUM};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
@@ -182,14 +183,30 @@ impl RankComm {
                 ),
             });
         }
-        if std::env::var_os("NCCL_COMM_ID").is_none() {
-            // NCCL reads the variable in `ncclGetUniqueId` and `ncclCommInitRank`, both below.
-            // Setting it races only with another thread's setenv (glibc never frees old
-            // environment strings, so concurrent readers stay valid).
-            std::env::set_var("NCCL_COMM_ID", launch.nccl_comm_id());
+        let ordinal = launch.local_rank % gpus;
+        let op = "join NCCL ranks";
+        // A missing or too old NCCL fails here, before any rank waits for another.
+        result::require_comm_init_rank_config(lib(op, &[])?).during(op, &[])?;
+        if std::env::var_os("NCCL_COMM_ID").is_some() {
+            // The user's own choice: NCCL's bootstrap at that address, as NCCL documents it.
+            let id = RankComm::unique_id()?;
+            return RankComm::join(id, launch.rank, launch.world_size, ordinal);
         }
-        let id = RankComm::unique_id()?;
-        RankComm::join(id, launch.rank, launch.world_size, launch.local_rank % gpus)
+        let deadline = Instant::now() + crate::config::Config::from_env()?.timeout;
+        let make_id = || RankComm::unique_id().map(|id| id.0.map(|c| c as u8));
+        let bytes = if launch.world_size == 1 {
+            make_id()?
+        } else {
+            let token = JobToken::from_process()?;
+            let (host, port) = launch.rendezvous_addr();
+            if launch.rank == 0 {
+                Root::bind(host, port)?.serve(&token, launch.world_size, deadline, make_id)?
+            } else {
+                rendezvous::fetch(host, port, &token, launch.rank, launch.world_size, deadline)?
+            }
+        };
+        let id = UniqueId(bytes.map(|b| b as std::ffi::c_char));
+        RankComm::join(id, launch.rank, launch.world_size, ordinal)
     }
 
     /// This process's rank.
