@@ -1,13 +1,15 @@
 //! The single-file format that [`KvStore::save`](crate::KvStore::save) writes: one safetensors
 //! file holding every key whole. See the [module docs](super) for its layout.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
 use half::{bf16, f16};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, TensorInfo, TensorView};
 
+use super::bounded;
 use super::checksum::{self, Sums};
-use super::{not_safetensors, Problem, FORMAT, FORMAT_1};
+use super::{Problem, FORMAT, FORMAT_1};
 use crate::store::{Entry, EntryState};
 use crate::{DType, Key, KeyKind, Shape, Updater};
 
@@ -169,6 +171,8 @@ pub(super) struct Decoded {
     /// The checksums of its tensors, all verified; `None` for a file of format 1, which has
     /// none.
     pub sums: Option<Sums>,
+    /// Its header, where the tensors are.
+    pub header: bounded::Header,
 }
 
 impl Decoded {
@@ -199,21 +203,16 @@ pub(super) fn decode(
 
 /// Parses and checks a whole checkpoint, keeping every key's state. The header's checksum is
 /// verified before anything in the header is believed, and every tensor's data before any is
-/// read.
+/// read; every count in the header is checked against what the file holds before anything is
+/// sized by it (see [`bounded`]).
 pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> {
-    // The header as its length says, when the file is that long; anything else fails below.
-    let header_end = bytes
-        .get(..8)
-        .and_then(|n| usize::try_from(u64::from_le_bytes(n.try_into().ok()?)).ok())
-        .and_then(|n| n.checked_add(8))
-        .filter(|&end| end <= bytes.len());
-    let sealed = match header_end {
-        Some(end) => checksum::verify_header(&bytes[..end])?,
-        None => false,
+    let header = bounded::read_header(bytes.len() as u64, |r| Ok(Cow::Borrowed(slice(bytes, r)?)))?;
+    let tensors = Tensors {
+        header: &header,
+        bytes,
     };
-    let file = SafeTensors::deserialize(bytes).map_err(not_safetensors)?;
-    let (_, header) = SafeTensors::read_metadata(bytes).map_err(not_safetensors)?;
     let meta = header
+        .meta
         .metadata()
         .as_ref()
         .ok_or("the file has no metadata: it was not written by KvStore::save")?;
@@ -222,57 +221,136 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
             .map(String::as_str)
             .ok_or_else(|| format!("metadata entry '{name}' is missing"))
     };
-    let sums = match get("format")? {
+    let sums = verified_sums(get("format")?, header.sealed, meta, &tensors)?;
+    let kind = parse_kind(get("key_kind")?)?;
+    let keys = keys_in_order(meta, kind, get("keys")?)?;
+    let file_updater = get("updater")?;
+    let state_names = bounded::state_names(get("state_names")?)?;
+
+    let mut used: HashSet<String> = HashSet::new();
+    let entries = keys
+        .into_iter()
+        .map(|key| decode_entry(&tensors, meta, key, &state_names, &mut used))
+        .collect::<std::result::Result<Vec<_>, Problem>>()?;
+    if let Some(extra) = header
+        .meta
+        .tensors()
+        .into_keys()
+        .find(|n| !used.contains(n))
+    {
+        return Err(format!("tensor '{extra}' belongs to no key in the metadata").into());
+    }
+    Ok(Decoded {
+        kind,
+        updater: file_updater.to_owned(),
+        state_names,
+        entries,
+        sums,
+        header,
+    })
+}
+
+/// The bytes `range` of `bytes`; a range outside them (which [`bounded::read_header`] rules
+/// out) is an error, not a panic.
+fn slice(bytes: &[u8], range: std::ops::Range<u64>) -> std::result::Result<&[u8], Problem> {
+    usize::try_from(range.start)
+        .ok()
+        .zip(usize::try_from(range.end).ok())
+        .and_then(|(s, e)| bytes.get(s..e))
+        .ok_or_else(|| Problem::invalid("a range beyond the file's end: the file is corrupt"))
+}
+
+/// A single file's tensors: its header's record of each, over the file's bytes.
+struct Tensors<'a> {
+    header: &'a bounded::Header,
+    bytes: &'a [u8],
+}
+
+impl<'a> Tensors<'a> {
+    /// The record and bytes of tensor `name`, if the file has it.
+    fn get(&self, name: &str) -> Option<(&'a TensorInfo, std::result::Result<&'a [u8], Problem>)> {
+        let info = self.header.meta.info(name)?;
+        Some((info, slice(self.bytes, self.header.span(info))))
+    }
+
+    /// Every tensor's name and bytes.
+    fn all(&self) -> std::result::Result<Vec<(String, &'a [u8])>, Problem> {
+        (self.header.meta.tensors().into_iter())
+            .map(|(name, info)| Ok((name, slice(self.bytes, self.header.span(info))?)))
+            .collect()
+    }
+}
+
+/// The checksums of a file of format `format`, every tensor verified against them: `None` for
+/// a file of format 1, which has none. `sealed` tells whether the header's checksum entry was
+/// there (and matched).
+fn verified_sums(
+    format: &str,
+    sealed: bool,
+    meta: &HashMap<String, String>,
+    tensors: &Tensors<'_>,
+) -> std::result::Result<Option<Sums>, Problem> {
+    match format {
         FORMAT if sealed => {
-            let tensors = file.tensors();
-            let sums = checksum::parse_sums(
-                meta,
-                tensors.iter().map(|(n, t)| (n.as_str(), t.data().len())),
-            )?;
-            checksum::verify_all(&sums, tensors.iter().map(|(n, t)| (n.as_str(), t.data())))?;
-            Some(sums)
+            let all = tensors.all()?;
+            let lens = all.iter().map(|(n, d)| (n.as_str(), d.len()));
+            let sums = checksum::parse_sums(meta, lens)?;
+            checksum::verify_all(&sums, all.iter().map(|(n, d)| (n.as_str(), *d)))?;
+            Ok(Some(sums))
         }
-        FORMAT => {
-            return Err(format!(
-                "metadata entry '{}' (the header's checksum) is missing: the file is corrupt; \
-                 restore it from a copy, or save again",
-                checksum::HEADER_ENTRY
-            )
-            .into())
-        }
-        FORMAT_1 if !checksum::has_entries(meta) => None,
-        FORMAT_1 => {
-            return Err(
-                "a file of format 1 with checksum entries: the file is corrupt; \
-                        restore it from a copy, or save again"
-                    .into(),
-            )
-        }
-        other => {
-            return Err(format!(
-                "metadata format is '{other}', expected '{FORMAT}' (or '{FORMAT_1}'): it was \
-                 not written by KvStore::save of this or the previous format"
-            )
-            .into())
-        }
-    };
-    let kind = match get("key_kind")? {
-        "int" => Some(KeyKind::Int),
-        "str" => Some(KeyKind::Str),
-        "none" => None,
-        other => return Err(format!("metadata key_kind '{other}' is not int, str or none").into()),
-    };
-    let count_text = get("keys")?;
-    let count: usize = count_text
-        .parse()
+        FORMAT => Err(format!(
+            "metadata entry '{}' (the header's checksum) is missing: the file is corrupt; \
+             restore it from a copy, or save again",
+            checksum::HEADER_ENTRY
+        )
+        .into()),
+        FORMAT_1 if !checksum::has_entries(meta) => Ok(None),
+        FORMAT_1 => Err(
+            "a file of format 1 with checksum entries: the file is corrupt; \
+                         restore it from a copy, or save again"
+                .into(),
+        ),
+        other => Err(format!(
+            "metadata format is '{other}', expected '{FORMAT}' (or '{FORMAT_1}'): it was not \
+             written by KvStore::save of this or the previous format"
+        )
+        .into()),
+    }
+}
+
+/// The key kind of a `key_kind` metadata entry: `None` for a file with no keys.
+pub(super) fn parse_kind(text: &str) -> std::result::Result<Option<KeyKind>, Problem> {
+    match text {
+        "int" => Ok(Some(KeyKind::Int)),
+        "str" => Ok(Some(KeyKind::Str)),
+        "none" => Ok(None),
+        other => Err(format!("metadata key_kind '{other}' is not int, str or none").into()),
+    }
+}
+
+/// The keys of a single file in update order, from its `keys` count (`count_text`) and its
+/// `order/<key>` entries; checked to be distinct, and every `step/`, `row_sparse/` and
+/// `residuals/` entry to name one of them.
+fn keys_in_order(
+    meta: &HashMap<String, String>,
+    kind: Option<KeyKind>,
+    count_text: &str,
+) -> std::result::Result<Vec<Key>, Problem> {
+    let count = count_text
+        .parse::<u64>()
         .ok()
         // Each key has an `order/` entry, so a larger count cannot be right (and must not
         // size an allocation).
-        .filter(|&n| n <= meta.len())
-        .ok_or_else(|| format!("metadata keys '{count_text}' is not a plausible key count"))?;
-
-    // Keys in update order, from `order/<key>`. Each key is spelled one way only (its
-    // canonical form), so no two entries name one key.
+        .and_then(|n| bounded::count(n, 1, meta.len() as u64))
+        .ok_or_else(|| {
+            format!(
+                "metadata keys '{count_text}' is not a plausible key count (the header has {} \
+                 entries, one per key at least): the file is corrupt; restore it from a copy, \
+                 or save again",
+                meta.len()
+            )
+        })?;
+    // Each key is spelled one way only (its canonical form), so no two entries name one key.
     let mut ordered: Vec<Option<Key>> = vec![None; count];
     for (name, value) in meta {
         let Some(text) = name.strip_prefix("order/") else {
@@ -307,82 +385,77 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
     }) {
         return Err(format!("metadata entry '{name}' belongs to no key in the metadata").into());
     }
+    Ok(keys)
+}
 
-    let file_updater = get("updater")?;
-    let state_names: Vec<&str> = match get("state_names")? {
-        "" => Vec::new(),
-        names => names.split(',').collect(),
-    };
-
-    let mut used: HashSet<String> = HashSet::new();
-    let mut entries = Vec::with_capacity(keys.len());
-    for key in keys {
-        let name = format!("value/{key}");
-        let (shape, value) = read_tensor(&file, &name, None, None)?;
+/// One key of a single file: its value, its state (one buffer per name of `state_names`, where
+/// the file has a step count for it), its storage and its residuals. The names of the tensors
+/// read are added to `used`.
+fn decode_entry(
+    tensors: &Tensors<'_>,
+    meta: &HashMap<String, String>,
+    key: Key,
+    state_names: &[String],
+    used: &mut HashSet<String>,
+) -> std::result::Result<Entry, Problem> {
+    let mut read = |name: String, dtype: Option<DType>, shape: Option<Shape>| {
+        let got = read_tensor(tensors, &name, dtype, shape);
         used.insert(name);
-        let state = match meta.get(&format!("step/{key}")) {
-            None => None,
-            Some(step) => {
-                let step: u64 = step
-                    .parse()
-                    .map_err(|_| format!("metadata step/{key} = '{step}' is not a count"))?;
-                let mut bufs = Vec::with_capacity(state_names.len());
-                for s in &state_names {
-                    let name = format!("state/{key}/{s}");
-                    let acc = acc_dtype(value.dtype());
-                    let (_, buf) = read_tensor(&file, &name, Some(acc), Some(shape))?;
-                    used.insert(name);
-                    bufs.push(buf);
-                }
-                Some(EntryState { step, bufs })
-            }
-        };
-        let row_sparse = match meta.get(&format!("row_sparse/{key}")).map(String::as_str) {
-            None => false,
-            Some("1") if shape.ndim() >= 2 => true,
-            Some("1") => {
-                return Err(format!(
-                    "metadata row_sparse/{key} marks a key of shape {shape} row-sparse, but a \
-                     row-sparse key has two or more dimensions"
+        got
+    };
+    let (shape, value) = read(format!("value/{key}"), None, None)?;
+    let state = match meta.get(&format!("step/{key}")) {
+        None => None,
+        Some(step) => {
+            let step = bounded::step(step).ok_or_else(|| {
+                format!(
+                    "metadata step/{key} = '{step}' is not a count from 0 to {}",
+                    bounded::MAX_STEP
                 )
-                .into())
-            }
-            Some(other) => {
-                return Err(format!("metadata row_sparse/{key} = '{other}' is not 1").into())
-            }
-        };
-        let mut residuals = Vec::new();
-        if let Some(count) = meta.get(&format!("residuals/{key}")) {
-            let count: usize = count
-                .parse()
-                .ok()
-                .filter(|&n| n <= file.names().len())
-                .ok_or_else(|| format!("metadata residuals/{key} = '{count}' is not a count"))?;
-            for i in 0..count {
-                let name = format!("residual/{key}/{i}");
-                let (_, r) = read_tensor(&file, &name, Some(DType::F32), Some(shape))?;
-                used.insert(name);
-                residuals.push(r.to_vec::<f32>());
-            }
+            })?;
+            let acc = Some(acc_dtype(value.dtype()));
+            let bufs = (state_names.iter())
+                .map(|s| Ok(read(format!("state/{key}/{s}"), acc, Some(shape))?.1))
+                .collect::<std::result::Result<Vec<_>, Problem>>()?;
+            Some(EntryState { step, bufs })
         }
-        entries.push(Entry {
-            key,
-            shape,
-            value,
-            state,
-            row_sparse,
-            residuals,
-        });
+    };
+    let row_sparse = match meta.get(&format!("row_sparse/{key}")).map(String::as_str) {
+        None => false,
+        Some("1") if shape.ndim() >= 2 => true,
+        Some("1") => {
+            return Err(format!(
+                "metadata row_sparse/{key} marks a key of shape {shape} row-sparse, but a \
+                 row-sparse key has two or more dimensions"
+            )
+            .into())
+        }
+        Some(other) => return Err(format!("metadata row_sparse/{key} = '{other}' is not 1").into()),
+    };
+    let mut residuals = Vec::new();
+    if let Some(text) = meta.get(&format!("residuals/{key}")) {
+        // One tensor each: a count above the file's tensors cannot be right.
+        let present = tensors.header.meta.tensors().len() as u64;
+        let count = (text.parse::<u64>().ok())
+            .and_then(|n| bounded::count(n, 1, present))
+            .ok_or_else(|| {
+                format!(
+                    "metadata residuals/{key} = '{text}' is not a count of the file's {present} \
+                     tensors: the file is corrupt; restore it from a copy, or save again"
+                )
+            })?;
+        for i in 0..count {
+            let name = format!("residual/{key}/{i}");
+            residuals.push(read(name, Some(DType::F32), Some(shape))?.1.to_vec::<f32>());
+        }
     }
-    if let Some(extra) = file.names().into_iter().find(|n| !used.contains(*n)) {
-        return Err(format!("tensor '{extra}' belongs to no key in the metadata").into());
-    }
-    Ok(Decoded {
-        kind,
-        updater: file_updater.to_owned(),
-        state_names: state_names.into_iter().map(str::to_owned).collect(),
-        entries,
-        sums,
+    Ok(Entry {
+        key,
+        shape,
+        value,
+        state,
+        row_sparse,
+        residuals,
     })
 }
 
@@ -410,19 +483,20 @@ pub(super) fn parse_key(kind: Option<KeyKind>, text: &str) -> std::result::Resul
 
 /// Reads tensor `name`, checking its dtype and shape when given.
 fn read_tensor(
-    file: &SafeTensors<'_>,
+    tensors: &Tensors<'_>,
     name: &str,
     dtype: Option<DType>,
     shape: Option<Shape>,
 ) -> std::result::Result<(Shape, crate::HostData), Problem> {
-    let t = file
-        .tensor(name)
-        .map_err(|_| format!("tensor '{name}' is missing"))?;
+    let (info, data) = tensors
+        .get(name)
+        .ok_or_else(|| format!("tensor '{name}' is missing"))?;
+    let data = data?;
     let got = DType::ALL
         .into_iter()
-        .find(|&d| st_dtype(d) == t.dtype())
-        .ok_or_else(|| format!("tensor '{name}' has unsupported dtype {:?}", t.dtype()))?;
-    let got_shape = Shape::new(t.shape()).map_err(|e| format!("tensor '{name}': {e}"))?;
+        .find(|&d| st_dtype(d) == info.dtype)
+        .ok_or_else(|| format!("tensor '{name}' has unsupported dtype {:?}", info.dtype))?;
+    let got_shape = Shape::new(&info.shape).map_err(|e| format!("tensor '{name}': {e}"))?;
     if let Some(want) = dtype.filter(|&d| d != got) {
         return Err(format!("tensor '{name}' is {got}, expected {want}").into());
     }
@@ -432,7 +506,7 @@ fn read_tensor(
     let len = got_shape
         .size()
         .checked_mul(got.size())
-        .filter(|&n| n == t.data().len())
+        .filter(|&n| n == data.len())
         .ok_or_else(|| format!("tensor '{name}' has the wrong number of bytes"))?;
-    Ok((got_shape, from_bytes(got, &t.data()[..len])))
+    Ok((got_shape, from_bytes(got, &data[..len])))
 }

@@ -18,7 +18,7 @@
 //! | `keys`           | the number of keys                                        |
 //! | `order/<key>`    | the key's place in update order, `0..keys`               |
 //! | `updater`        | the updater's [`name`](crate::Updater::name)               |
-//! | `state_names`    | the state buffer names, comma-separated                   |
+//! | `state_names`    | the state buffer names, comma-separated, distinct         |
 //! | `step/<key>`     | the key's step count, for keys that have updater state    |
 //! | `row_sparse/<key>` | `1` for a row-sparse key ([`KvStore::init_row_sparse`]); absent for a dense one |
 //! | `residuals/<key>` | the number of gradient-compression residuals of the key (one per position in a push's list of values), each a float32 tensor `residual/<key>/<i>` of the key's shape; absent when it has none |
@@ -127,8 +127,21 @@
 //! # std::fs::remove_dir_all(&dir).unwrap();
 //! # Ok::<(), kvstore::Error>(())
 //! ```
+//!
+//! # Bounds
+//!
+//! No checkpoint file can make a load allocate more than the files hold: every length or count
+//! a file declares (the header's length, `keys`, a `residuals` count, the `world` an index
+//! names) is checked against the bytes, header entries, tensors or shard files that are there
+//! before anything is sized by it. A file that declares more is [`CheckpointErrorKind::Invalid`]
+//! (an index that names more shards than its generation holds is
+//! [`CheckpointErrorKind::NotFound`], as a missing shard is); it never aborts the process.
+//! Two more rules keep a load from growing past its files, or a later push from failing: the
+//! state buffer names are distinct (a name given twice would read its tensors twice over), and
+//! a step count is at most 2^63 - 1 (every push adds one to it).
 
 mod atomic;
+mod bounded;
 mod checksum;
 mod file;
 // The writing side and `Reader::read` serve the dist store, which saves and loads by piece;

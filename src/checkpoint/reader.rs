@@ -5,26 +5,25 @@
 //! Opening reads only the index and the shards' headers; [`Reader::read`] then reads just the
 //! bytes of the range asked for, from whichever shards hold them.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, Read};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+use safetensors::tensor::Dtype;
 
+use super::bounded;
 use super::checksum::{self, Sums};
-use super::file::{acc_dtype, decode_all, from_bytes, parse_key};
+use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind};
 use super::sharded::{
     generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
     INDEX_FORMAT, INDEX_FORMAT_1, SHARD_FORMAT, SHARD_FORMAT_1,
 };
-use super::{not_safetensors, Problem};
+use super::Problem;
 use crate::store::{Entry, EntryState};
 use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updater};
-
-/// The largest safetensors header read (the safetensors crate's own bound).
-const MAX_HEADER: u64 = 100_000_000;
 
 /// What `dir/index` says: the committed generation, the world size that wrote it, and the
 /// token of the save that wrote it.
@@ -210,6 +209,25 @@ impl ShardFile {
             file.read_exact(buf)
         }
     }
+
+    /// Reads and checks the file's safetensors header through the shared bounded reader (see
+    /// [`bounded::read_header`]): where its data starts, the parsed header, and whether the
+    /// header's checksum was there (and matched: a mismatch is an error, found before the
+    /// header is parsed). The file's length is checked against the header's tensors, so a
+    /// truncated file is caught here.
+    fn read_header(&self) -> std::result::Result<bounded::Header, Problem> {
+        let len = self
+            .file
+            .metadata()
+            .map_err(|e| Problem::io(true, e))?
+            .len();
+        bounded::read_header(len, |range| {
+            let mut buf = vec![0u8; (range.end - range.start) as usize];
+            self.read_at(range.start, &mut buf)
+                .map_err(|e| Problem::io(true, e))?;
+            Ok(Cow::Owned(buf))
+        })
+    }
 }
 
 /// The dtype of a safetensors dtype, if the store has it.
@@ -236,8 +254,8 @@ fn open_shard(
     generation: u64,
     rank: usize,
     world: usize,
-) -> Result<(ShardHeader, File)> {
-    let mut file = File::open(path).map_err(|e| {
+) -> Result<(ShardHeader, ShardFile)> {
+    let file = File::open(path).map_err(|e| {
         let missing = e.kind() == io::ErrorKind::NotFound;
         let p = Problem::io(true, e);
         if missing {
@@ -251,48 +269,17 @@ fn open_shard(
         }
         .at(path)
     })?;
-    let (data_start, meta, sealed) = read_header(&mut file).map_err(|p| p.at(path))?;
-    let header =
-        check_shard(data_start, &meta, sealed, generation, rank, world).map_err(|p| p.at(path))?;
-    Ok((header, file))
-}
-
-/// Reads the safetensors header of `file`: where its data starts, the parsed header, and
-/// whether the header's checksum was there (and matched: a mismatch is an error, found before
-/// the header is parsed). The file's length is checked against the header's tensors, so a
-/// truncated file is caught here.
-fn read_header(file: &mut File) -> std::result::Result<(u64, Metadata, bool), Problem> {
-    let file_len = file.metadata().map_err(|e| Problem::io(true, e))?.len();
-    let truncated = || Problem::invalid("the shard is truncated or corrupt: save again");
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len).map_err(|_| truncated())?;
-    let n = u64::from_le_bytes(len);
-    if n > MAX_HEADER || n.saturating_add(8) > file_len {
-        return Err(truncated());
-    }
-    let mut header = vec![0u8; 8 + n as usize];
-    header[..8].copy_from_slice(&len);
-    file.read_exact(&mut header[8..])
-        .map_err(|e| Problem::io(true, e))?;
-    let sealed = checksum::verify_header(&header)?;
-    let meta: Metadata = serde_json::from_slice(&header[8..]).map_err(|e| Problem {
-        kind: super::CheckpointErrorKind::Invalid,
-        message: "the shard's header is not valid safetensors JSON (corrupt?): save again"
-            .to_owned(),
-        source: Some(Box::new(e)),
-    })?;
-    // The furthest tensor end, not `data_len` (the last tensor's end by offset), so that every
-    // tensor lies within the file.
-    let data_len = meta
-        .tensors()
-        .values()
-        .map(|info| info.data_offsets.1 as u64)
-        .max()
-        .unwrap_or(0);
-    if 8 + n + data_len != file_len {
-        return Err(truncated());
-    }
-    Ok((8 + n, meta, sealed))
+    let mut file = ShardFile {
+        path: path.to_owned(),
+        file,
+        chunk: 1,
+    };
+    let checked = file
+        .read_header()
+        .and_then(|h| check_shard(&h, generation, rank, world))
+        .map_err(|p| p.at(path))?;
+    file.chunk = checked.chunk.unwrap_or(1);
+    Ok((checked, file))
 }
 
 /// The fields of a `piece/<key>` metadata entry.
@@ -325,10 +312,15 @@ fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize
     };
     Shape::new(&dims).map_err(|e| bad(&e.to_string()))?;
     let (order, start, end) = (index("order")?, index("start")?, index("end")?);
-    let step = fields
-        .contains_key("step")
-        .then(|| count("step"))
-        .transpose()?;
+    let step = match fields.get("step") {
+        None => None,
+        Some(text) => Some(bounded::step(text).ok_or_else(|| {
+            bad(&format!(
+                "step is not a count from 0 to {}",
+                bounded::MAX_STEP
+            ))
+        })?),
+    };
     let row_sparse = match fields.get("sparse") {
         None => false,
         Some(&"1") if dims.len() >= 2 => true,
@@ -361,14 +353,14 @@ fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize
 /// the store has when `dtype` is `None`), with its checksums from `sums` (`None` in a file of
 /// format 1).
 fn tensor_span(
-    meta: &Metadata,
-    data_start: u64,
+    header: &bounded::Header,
     sums: Option<&Sums>,
     name: &str,
     dtype: Option<DType>,
     len: usize,
 ) -> std::result::Result<(DType, Span), Problem> {
-    let info = meta
+    let info = header
+        .meta
         .info(name)
         .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
     let got = dtype_of(info.dtype).ok_or_else(|| {
@@ -384,7 +376,11 @@ fn tensor_span(
         )));
     }
     let (s, e) = info.data_offsets;
-    if info.shape != [len] || len.checked_mul(got.size()) != Some(e.wrapping_sub(s)) || s > e {
+    // `len` elements of `got`, counted against the tensor's bytes before any multiplication.
+    let bytes = bounded::Cursor::new(e.saturating_sub(s) as u64);
+    let fits = (bytes.count(len as u64, got.size() as u64, "elements").ok())
+        .is_some_and(|n| e.checked_sub(s) == Some(n * got.size()));
+    if info.shape != [len] || !fits {
         return Err(Problem::invalid(format!(
             "tensor '{name}' has shape {:?} and {} bytes, expected [{len}] of {got}",
             info.shape,
@@ -400,29 +396,48 @@ fn tensor_span(
         ),
         None => None,
     };
+    let span = header.span(info);
     Ok((
         got,
         Span {
             name: name.to_owned(),
-            start: data_start + s as u64,
-            end: data_start + e as u64,
+            start: span.start,
+            end: span.end,
             sums,
         },
     ))
 }
 
-/// Checks a shard's parsed header against its place and its own tensors. `sealed` tells
+/// A shard's tensors: its checked header, and the checksums of its tensors (`None` in a shard
+/// of format 1).
+struct ShardTensors<'a> {
+    header: &'a bounded::Header,
+    sums: Option<&'a Sums>,
+}
+
+impl ShardTensors<'_> {
+    /// Tensor `name`, checked by [`tensor_span`] to be 1-D `len` elements of `dtype`.
+    fn span(
+        &self,
+        name: &str,
+        dtype: Option<DType>,
+        len: usize,
+    ) -> std::result::Result<(DType, Span), Problem> {
+        tensor_span(self.header, self.sums, name, dtype, len)
+    }
+}
+
+/// Checks a shard's parsed header against its place and its own tensors. `header.sealed` tells
 /// whether the header's checksum entry was there (and matched): a shard of this version's
 /// format must have it, a shard of format 1 must have no checksum entries.
 fn check_shard(
-    data_start: u64,
-    meta: &Metadata,
-    sealed: bool,
+    header: &bounded::Header,
     generation: u64,
     rank: usize,
     world: usize,
 ) -> std::result::Result<ShardHeader, Problem> {
-    let md = meta
+    let md = header
+        .meta
         .metadata()
         .as_ref()
         .ok_or("the shard has no metadata: it was not written by a sharded save")?;
@@ -431,41 +446,7 @@ fn check_shard(
             .map(String::as_str)
             .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
     };
-    let (token, sums) = match get("format")? {
-        SHARD_FORMAT if !sealed => {
-            return Err(Problem::invalid(format!(
-                "metadata entry '{}' (the header's checksum) is missing: the shard is corrupt; \
-                 save again",
-                checksum::HEADER_ENTRY
-            )))
-        }
-        SHARD_FORMAT => {
-            let text = get("token")?;
-            let token = parse_token(text).ok_or_else(|| {
-                Problem::invalid(format!(
-                    "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
-                ))
-            })?;
-            let tensors = meta.tensors();
-            let lens = tensors.iter().map(|(name, info)| {
-                let (s, e) = info.data_offsets;
-                (name.as_str(), e.saturating_sub(s))
-            });
-            (Some(token), Some(checksum::parse_sums(md, lens)?))
-        }
-        SHARD_FORMAT_1 if !md.contains_key("token") && !checksum::has_entries(md) => (None, None),
-        SHARD_FORMAT_1 => {
-            return Err(Problem::invalid(
-                "a shard of format 1 with a token or checksum entries: the shard is corrupt; \
-                 save again",
-            ))
-        }
-        other => {
-            return Err(Problem::invalid(format!(
-                "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_1}')"
-            )))
-        }
-    };
+    let (token, sums) = shard_format(header, md, get("format")?)?;
     for (name, want) in [
         ("generation", generation.to_string()),
         ("rank", rank.to_string()),
@@ -479,87 +460,17 @@ fn check_shard(
             )));
         }
     }
-    let kind = match get("key_kind")? {
-        "int" => Some(KeyKind::Int),
-        "str" => Some(KeyKind::Str),
-        "none" => None,
-        other => {
-            return Err(Problem::invalid(format!(
-                "metadata key_kind '{other}' is not int, str or none"
-            )))
-        }
-    };
+    let kind = parse_kind(get("key_kind")?)?;
     let updater = get("updater")?.to_owned();
-    let state_names: Vec<String> = match get("state_names")? {
-        "" => Vec::new(),
-        names => names.split(',').map(str::to_owned).collect(),
+    let state_names = bounded::state_names(get("state_names")?)?;
+    let tensors = ShardTensors {
+        header,
+        sums: sums.as_ref(),
     };
     let mut used: HashSet<String> = HashSet::new();
-    let mut pieces = Vec::new();
-    for (name, spec) in md {
-        let Some(text) = name.strip_prefix("piece/") else {
-            continue;
-        };
-        let key = parse_key(kind, text)?;
-        let (mut km, range) = parse_spec(key, spec)?;
-        let value_name = format!("value/{text}");
-        let (dtype, value) = tensor_span(
-            meta,
-            data_start,
-            sums.as_ref(),
-            &value_name,
-            None,
-            range.len(),
-        )?;
-        km.dtype = dtype;
-        used.insert(value_name);
-        let mut state = Vec::new();
-        if km.has_state {
-            for s in &state_names {
-                let name = format!("state/{text}/{s}");
-                let acc = Some(acc_dtype(dtype));
-                let (_, span) =
-                    tensor_span(meta, data_start, sums.as_ref(), &name, acc, range.len())?;
-                used.insert(name);
-                state.push(span);
-            }
-        }
-        pieces.push(Held {
-            meta: km,
-            range,
-            file: 0,
-            value,
-            state,
-        });
-    }
-    let mut residuals = Vec::new();
-    for (name, spec) in md {
-        let Some(text) = name.strip_prefix("residuals/") else {
-            continue;
-        };
-        let key = parse_key(kind, text)?;
-        let (count, len) = parse_residuals(spec).ok_or_else(|| {
-            Problem::invalid(format!(
-                "metadata {name} = '{spec}' is not 'count=<n> len=<n>'"
-            ))
-        })?;
-        let mut spans = Vec::with_capacity(count);
-        for i in 0..count {
-            let name = format!("residual/{text}/{i}");
-            let (_, span) = tensor_span(
-                meta,
-                data_start,
-                sums.as_ref(),
-                &name,
-                Some(DType::F32),
-                len,
-            )?;
-            used.insert(name);
-            spans.push(span);
-        }
-        residuals.push((key, len, spans));
-    }
-    if let Some(extra) = meta.tensors().keys().find(|n| !used.contains(*n)) {
+    let pieces = shard_pieces(&tensors, md, kind, &state_names, &mut used)?;
+    let residuals = shard_residuals(&tensors, md, kind, &mut used)?;
+    if let Some(extra) = header.meta.tensors().keys().find(|n| !used.contains(*n)) {
         return Err(Problem::invalid(format!(
             "tensor '{extra}' belongs to no piece or residual in the metadata"
         )));
@@ -576,16 +487,140 @@ fn check_shard(
     })
 }
 
-/// The fields of a `residuals/<key>` metadata entry: `count=<c> len=<n>`.
-fn parse_residuals(spec: &str) -> Option<(usize, usize)> {
+/// The token and the checksums of a shard of format `format` (`None` for a shard of format 1,
+/// which has neither), checked against its header.
+fn shard_format(
+    header: &bounded::Header,
+    md: &HashMap<String, String>,
+    format: &str,
+) -> std::result::Result<(Option<u64>, Option<Sums>), Problem> {
+    match format {
+        SHARD_FORMAT if !header.sealed => Err(Problem::invalid(format!(
+            "metadata entry '{}' (the header's checksum) is missing: the shard is corrupt; \
+             save again",
+            checksum::HEADER_ENTRY
+        ))),
+        SHARD_FORMAT => {
+            let text = (md.get("token").map(String::as_str))
+                .ok_or_else(|| Problem::invalid("metadata entry 'token' is missing"))?;
+            let token = parse_token(text).ok_or_else(|| {
+                Problem::invalid(format!(
+                    "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
+                ))
+            })?;
+            let tensors = header.meta.tensors();
+            let lens = tensors.iter().map(|(name, info)| {
+                let (s, e) = info.data_offsets;
+                (name.as_str(), e.saturating_sub(s))
+            });
+            Ok((Some(token), Some(checksum::parse_sums(md, lens)?)))
+        }
+        SHARD_FORMAT_1 if !md.contains_key("token") && !checksum::has_entries(md) => {
+            Ok((None, None))
+        }
+        SHARD_FORMAT_1 => Err(Problem::invalid(
+            "a shard of format 1 with a token or checksum entries: the shard is corrupt; save \
+             again",
+        )),
+        other => Err(Problem::invalid(format!(
+            "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_1}')"
+        ))),
+    }
+}
+
+/// The pieces a shard's `piece/<key>` entries name, each checked against its tensors (the
+/// value, and one state buffer per name of `state_names` where the piece has state), whose
+/// names are added to `used`.
+fn shard_pieces(
+    tensors: &ShardTensors<'_>,
+    md: &HashMap<String, String>,
+    kind: Option<KeyKind>,
+    state_names: &[String],
+    used: &mut HashSet<String>,
+) -> std::result::Result<Vec<Held>, Problem> {
+    let mut pieces = Vec::new();
+    for (name, spec) in md {
+        let Some(text) = name.strip_prefix("piece/") else {
+            continue;
+        };
+        let key = parse_key(kind, text)?;
+        let (mut km, range) = parse_spec(key, spec)?;
+        let value_name = format!("value/{text}");
+        let (dtype, value) = tensors.span(&value_name, None, range.len())?;
+        km.dtype = dtype;
+        used.insert(value_name);
+        let mut state = Vec::new();
+        if km.has_state {
+            for s in state_names {
+                let name = format!("state/{text}/{s}");
+                let (_, span) = tensors.span(&name, Some(acc_dtype(dtype)), range.len())?;
+                used.insert(name);
+                state.push(span);
+            }
+        }
+        pieces.push(Held {
+            meta: km,
+            range,
+            file: 0,
+            value,
+            state,
+        });
+    }
+    Ok(pieces)
+}
+
+/// The residuals a shard's `residuals/<key>` entries name: per key, its length and one tensor
+/// per position, whose names are added to `used`. Each count is checked against the shard's
+/// tensors (one each) before anything is sized by it.
+fn shard_residuals(
+    tensors: &ShardTensors<'_>,
+    md: &HashMap<String, String>,
+    kind: Option<KeyKind>,
+    used: &mut HashSet<String>,
+) -> std::result::Result<Vec<(Key, usize, Vec<Span>)>, Problem> {
+    let present = tensors.header.meta.tensors().len() as u64;
+    let mut residuals = Vec::new();
+    for (name, spec) in md {
+        let Some(text) = name.strip_prefix("residuals/") else {
+            continue;
+        };
+        let key = parse_key(kind, text)?;
+        let (count, len) = parse_residuals(spec).ok_or_else(|| {
+            Problem::invalid(format!(
+                "metadata {name} = '{spec}' is not 'count=<n> len=<n>'"
+            ))
+        })?;
+        let count = bounded::count(count, 1, present).ok_or_else(|| {
+            Problem::invalid(format!(
+                "metadata {name} = '{spec}' declares {count} residual tensors, but the shard \
+                 has {present} tensors in all: it is corrupt; restore it from a copy, or save \
+                 again"
+            ))
+        })?;
+        let mut spans = Vec::with_capacity(count);
+        for i in 0..count {
+            let name = format!("residual/{text}/{i}");
+            let (_, span) = tensors.span(&name, Some(DType::F32), len)?;
+            used.insert(name);
+            spans.push(span);
+        }
+        residuals.push((key, len, spans));
+    }
+    Ok(residuals)
+}
+
+/// The fields of a `residuals/<key>` metadata entry, `count=<c> len=<n>`: the count as it is
+/// written (for [`bounded::count`] to check), the length as an element count.
+fn parse_residuals(spec: &str) -> Option<(u64, usize)> {
     let (count, len) = spec.split_once(' ')?;
     let number = |text: Option<&str>| {
         let text = text?;
-        text.parse::<usize>().ok().filter(|n| n.to_string() == text)
+        text.parse::<u64>().ok().filter(|n| n.to_string() == text)
     };
+    let len = number(len.strip_prefix("len="))?;
     Some((
         number(count.strip_prefix("count="))?,
-        number(len.strip_prefix("len="))?,
+        usize::try_from(len).ok()?,
     ))
 }
 
@@ -772,6 +807,7 @@ pub(crate) fn open(path: &Path) -> Result<Reader> {
 fn open_dir(dir: &Path) -> Result<Reader> {
     let index = read_index(dir)?;
     let gen_dir = generation_dir(dir, index.generation);
+    shards_present(&gen_dir, &index)?;
     let mut shards = Vec::with_capacity(index.world);
     let mut files = Vec::with_capacity(index.world);
     for rank in 0..index.world {
@@ -791,9 +827,8 @@ fn open_dir(dir: &Path) -> Result<Reader> {
             ))
             .at(&path));
         }
-        let chunk = header.chunk.unwrap_or(1);
         shards.push(header);
-        files.push(ShardFile { path, file, chunk });
+        files.push(file);
     }
     let a = assemble(&gen_dir, shards)?;
     if index.token.is_none() {
@@ -807,6 +842,41 @@ fn open_dir(dir: &Path) -> Result<Reader> {
     Ok(Reader::new(dir, a, files, Some(index.world)))
 }
 
+/// Checks that generation directory `gen_dir` holds a shard file for every rank of the world
+/// the index names, before anything is sized by that count: an index naming more shards than
+/// there are (a corrupt or crafted world of 10^13) is kind `NotFound`, as a missing shard is.
+fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
+    let world = index.world;
+    let suffix = format!("-of-{world}.safetensors");
+    // Spelled as `shard_path` spells it, so that `shard-01-of-2` does not count as rank 1.
+    let is_shard = |name: &str| {
+        (name.strip_prefix("shard-"))
+            .and_then(|n| n.strip_suffix(&suffix))
+            .and_then(|r| r.parse::<usize>().ok().filter(|v| v.to_string() == r))
+            .is_some_and(|r| r < world)
+    };
+    let present = match fs::read_dir(gen_dir) {
+        Ok(entries) => entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|name| is_shard(name))
+            .count(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(Problem::io(true, e).at(gen_dir)),
+    };
+    if bounded::count(world as u64, 1, present as u64).is_some() {
+        return Ok(());
+    }
+    let missing = io::Error::from(io::ErrorKind::NotFound);
+    Err(Problem::io(true, missing)
+        .with_message(format!(
+            "the index names {world} shards of generation {}, but {present} of them are there: \
+             the others are missing (deleted, or the index is corrupt); load another \
+             checkpoint, or save again",
+            index.generation
+        ))
+        .at(gen_dir))
+}
+
 fn open_file(path: &Path) -> Result<Reader> {
     // Read through the handle that later reads by range, so both see one file even if a save
     // replaces it meanwhile.
@@ -815,13 +885,10 @@ fn open_file(path: &Path) -> Result<Reader> {
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).map_err(io)?;
     let decoded = decode_all(&bytes).map_err(|p| p.at(path))?;
-    let (n, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| not_safetensors(e).at(path))?;
-    let data_start = 8 + n as u64;
     let mut pieces = Vec::with_capacity(decoded.entries.len());
     for (order, e) in decoded.entries.iter().enumerate() {
         let span = |name: String| {
-            let info = meta
-                .info(&name)
+            let info = (decoded.header.meta.info(&name))
                 .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")).at(path))?;
             let sums = match &decoded.sums {
                 Some(all) => Some(all.tensors.get(&name).cloned().ok_or_else(|| {
@@ -829,9 +896,10 @@ fn open_file(path: &Path) -> Result<Reader> {
                 })?),
                 None => None,
             };
+            let at = decoded.header.span(info);
             Ok(Span {
-                start: data_start + info.data_offsets.0 as u64,
-                end: data_start + info.data_offsets.1 as u64,
+                start: at.start,
+                end: at.end,
                 name,
                 sums,
             })
@@ -925,7 +993,11 @@ impl Reader {
         for (key, len, spans) in saved {
             let mut residuals = Vec::with_capacity(spans.len());
             for span in spans {
-                let mut bytes = vec![0u8; len * 4];
+                // Checked when the shard was opened; checked again where it sizes a buffer.
+                let n = bounded::Cursor::new(span.end - span.start)
+                    .count(*len as u64, 4, "residual elements")
+                    .map_err(|p| p.at(&file.path))?;
+                let mut bytes = vec![0u8; n * 4];
                 file.read_tensor(span, 0, &mut bytes)
                     .map_err(|e| e.at(&file.path))?;
                 residuals.push(from_bytes(DType::F32, &bytes).to_vec::<f32>());
