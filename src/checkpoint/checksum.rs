@@ -16,6 +16,10 @@ pub(super) const CHUNK_ENTRY: &str = "crc32_chunk";
 /// The prefix of the metadata entries that hold the checksums of a tensor: `crc32/<tensor>`.
 pub(super) const TENSOR_PREFIX: &str = "crc32/";
 
+/// The name of the last line of an index this version writes: `crc32 <8 hex digits>`, the
+/// CRC-32 of every byte of the index before that line.
+pub(super) const INDEX_ENTRY: &str = "crc32";
+
 /// The chunk size this version writes: 1 MiB, so a read by range reads at most 1 MiB more
 /// than it asked for at each end, and the list of checksums is 9 bytes per MiB of data.
 const CHUNK: usize = 1 << 20;
@@ -128,6 +132,35 @@ pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
         ));
     }
     Ok(true)
+}
+
+/// `text`, the lines of an index each ending in a newline, with its checksum line added.
+pub(super) fn seal_index(text: &str) -> String {
+    format!("{text}{INDEX_ENTRY} {}\n", crc_text(crc(text.as_bytes())))
+}
+
+/// Verifies the checksum line that ends an index's `text` (a newline after it is optional):
+/// `Ok(Some(body))`, the text before that line, when it matches; `Ok(None)` when the last line
+/// is not a checksum line; an `Invalid` problem when it does not match.
+pub(super) fn verify_index(text: &str) -> Result<Option<&str>, Problem> {
+    let trimmed = text.strip_suffix('\n').unwrap_or(text);
+    let (body, last) = match trimmed.rfind('\n') {
+        Some(at) => trimmed.split_at(at + 1),
+        None => ("", trimmed),
+    };
+    let Some(digits) = last
+        .strip_prefix(INDEX_ENTRY)
+        .and_then(|d| d.strip_prefix(' '))
+    else {
+        return Ok(None);
+    };
+    if parse_crc(digits) != Some(crc(body.as_bytes())) {
+        return Err(Problem::invalid(
+            "the checksum of the index does not match: the index is corrupt (a flipped bit on \
+             disk or in a copy?); restore it from a copy, or save again",
+        ));
+    }
+    Ok(Some(body))
 }
 
 /// The checksum entries of a file, parsed and checked against its tensors.

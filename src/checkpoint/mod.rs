@@ -61,8 +61,10 @@
 //! <dir>/gen-<G>/shard-<rank>-of-<world>.safetensors
 //! ```
 //!
-//! `index` is four lines of text: `kvstore-checkpoint-index/2`, `generation <G>`, `world <W>`
-//! and `token <T>`. A save claims a fresh generation: rank 0 creates its folder with a create
+//! `index` is five lines of text: `kvstore-checkpoint-index/3`, `generation <G>`, `world <W>`,
+//! `token <T>` and `crc32 <C>`, where `C` is the CRC-32 of the four lines before it (their
+//! newlines included), written as 8 lowercase hex digits; a load verifies it before it believes
+//! anything in the index. A save claims a fresh generation: rank 0 creates its folder with a create
 //! that fails if the folder exists, taking the next number if it does, so two saves into one
 //! directory at once (a restarted job while the old one still runs) never share a
 //! generation. It also mints the save's token, a random 64-bit number written as 16 lowercase
@@ -77,7 +79,9 @@
 //!
 //! Checkpoints of format 1 (an `index` of the first three lines, `kvstore-checkpoint-index/1`,
 //! and shards of format `kvstore-shard/1`, with no token and no checksums) still load, with a
-//! warning in the log that they cannot tell a corrupt byte or a shard of another save.
+//! warning in the log that they cannot tell a corrupt byte or a shard of another save. So do
+//! checkpoints whose index is of format 2 (`kvstore-checkpoint-index/2`, the first four lines,
+//! with no checksum line), with a warning that a corrupt index would go unnoticed.
 //!
 //! Each shard holds, for every key it has, one contiguous range of the key's row-major
 //! flattened value (the whole key, or one slice of it), as 1-D tensors `value/<key>` and

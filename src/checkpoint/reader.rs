@@ -19,7 +19,7 @@ use super::checksum::{self, Sums};
 use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind};
 use super::sharded::{
     generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
-    INDEX_FORMAT, INDEX_FORMAT_1, SHARD_FORMAT, SHARD_FORMAT_1,
+    INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT, SHARD_FORMAT_1,
 };
 use super::Problem;
 use crate::store::{Entry, EntryState};
@@ -35,10 +35,14 @@ pub(crate) struct Index {
     /// The token every shard of the generation carries; `None` in an index of format 1, whose
     /// shards carry none.
     pub token: Option<u64>,
+    /// Whether the index carried a checksum (and it matched); an index of an earlier format
+    /// has none.
+    pub verified: bool,
 }
 
-/// Reads and checks `dir/index` (this version's format, or format 1, which names no token).
-/// No index is kind `NotFound`; a malformed one `Invalid`.
+/// Reads and checks `dir/index`: this version's format, whose checksum is verified before
+/// anything in it is believed, or an earlier one (format 2, which has no checksum, or format
+/// 1, which names no token either). No index is kind `NotFound`; a malformed one `Invalid`.
 pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     let path = index_path(dir);
     let text = match fs::read_to_string(&path) {
@@ -56,16 +60,27 @@ pub(crate) fn read_index(dir: &Path) -> Result<Index> {
         }
         Err(e) => return Err(Problem::io(true, e).at(&path)),
     };
+    parse_index(&text).map_err(|p| p.at(&path))
+}
+
+/// An index from its text; see [`read_index`].
+fn parse_index(text: &str) -> std::result::Result<Index, Problem> {
     let bad = || {
         Problem::invalid(format!(
             "the index is corrupt: expected the lines '{INDEX_FORMAT}', 'generation <n>', \
-             'world <n>' and 'token <16 hex digits>'; restore it from a copy, or save again"
+             'world <n>', 'token <16 hex digits>' and '{} <8 hex digits>'; restore it from a \
+             copy, or save again",
+            checksum::INDEX_ENTRY
         ))
-        .at(&path)
     };
-    let lines: Vec<&str> = text.lines().collect();
+    let (body, verified) = match text.lines().next() {
+        Some(INDEX_FORMAT) => (checksum::verify_index(text)?.ok_or_else(bad)?, true),
+        _ => (text, false),
+    };
+    let lines: Vec<&str> = body.lines().collect();
     let (generation, world, token) = match lines[..] {
-        [INDEX_FORMAT, generation, world, token] => (generation, world, Some(token)),
+        [INDEX_FORMAT, generation, world, token] if verified => (generation, world, Some(token)),
+        [INDEX_FORMAT_2, generation, world, token] => (generation, world, Some(token)),
         [INDEX_FORMAT_1, generation, world] => (generation, world, None),
         _ => return Err(bad()),
     };
@@ -78,6 +93,7 @@ pub(crate) fn read_index(dir: &Path) -> Result<Index> {
         field(line, name).and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
     };
     let generation = number(generation, "generation").ok_or_else(bad)?;
+    // Only a count: what it may size is bounded by the shards there (see `open_dir`).
     let world = number(world, "world")
         .and_then(|w| usize::try_from(w).ok())
         .filter(|&w| w > 0)
@@ -94,6 +110,7 @@ pub(crate) fn read_index(dir: &Path) -> Result<Index> {
         generation,
         world,
         token,
+        verified,
     })
 }
 
@@ -836,6 +853,13 @@ fn open_dir(dir: &Path) -> Result<Reader> {
             "{}: a sharded checkpoint of format 1, whose shards carry no checksums and no save \
              token, so a corrupt byte or a shard of another save would go unnoticed; it loads \
              unverified. Save it again to write the current format",
+            dir.display()
+        );
+    } else if !index.verified {
+        log::warn!(
+            "{}: the index of this sharded checkpoint has no checksum (an earlier version wrote \
+             it), so a corrupt index would go unnoticed; it loads unverified. Save it again to \
+             write the current format",
             dir.display()
         );
     }

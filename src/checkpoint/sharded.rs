@@ -39,7 +39,10 @@ pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/2";
 pub(crate) const SHARD_FORMAT_1: &str = "kvstore-shard/1";
 
 /// The first line of every index file this version writes.
-pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/2";
+pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/3";
+
+/// The first line of index files of the previous version, which carry no checksum; still read.
+pub(crate) const INDEX_FORMAT_2: &str = "kvstore-checkpoint-index/2";
 
 /// The first line of index files of the previous version, which name no token; still read.
 pub(crate) const INDEX_FORMAT_1: &str = "kvstore-checkpoint-index/1";
@@ -467,10 +470,10 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     }
     check_cover(&gen_dir, shards)?;
     let previous = read_index(dir).ok().map(|i| i.generation);
-    let index = format!(
+    let index = checksum::seal_index(&format!(
         "{INDEX_FORMAT}\ngeneration {generation}\nworld {world}\ntoken {}\n",
         token_text(save.token)
-    );
+    ));
     let path = index_path(dir);
     write_atomic(&path, index.as_bytes()).map_err(|e| write_error(&path, e))?;
     // The generations up to the previous checkpoint are no longer reachable; a failure to
