@@ -167,6 +167,8 @@ use atomic::write_atomic;
 use file::{decode, encode};
 #[allow(unused_imports)] // the crate-internal API of sharded checkpoints, for the dist store
 pub(crate) use reader::{open, read_index, Reader};
+#[doc(hidden)]
+pub use sharded::save_sharded;
 #[allow(unused_imports)]
 pub(crate) use sharded::{
     commit, next_generation, write_shard, KeyMeta, KeyResiduals, Piece, SaveId,

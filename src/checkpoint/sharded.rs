@@ -30,7 +30,7 @@ use super::checksum;
 use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
 use super::reader::{check_cover, read_index, read_shard_header};
 use super::Problem;
-use crate::{DType, Error, Key, NDArray, Result, Updater};
+use crate::{DType, Device, Error, Key, NDArray, Result, Updater};
 
 /// The `format` metadata entry of every shard file this version writes.
 pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/2";
@@ -487,4 +487,79 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Test hook: saves `kv` as a sharded checkpoint of `world` ranks in directory `dir`, through
+/// the writer and the commit that the ranks of a `dist` store use: keys of `world` elements or
+/// more sliced evenly over the ranks, smaller ones whole on one rank each in turn, and the
+/// store's compression residuals saved as every rank's own. For tests of sharded checkpoints
+/// (a load by another world size, corrupt shards) without a `dist` store.
+#[doc(hidden)]
+pub fn save_sharded(kv: &crate::KvStore, dir: impl AsRef<Path>, world: usize) -> Result<()> {
+    let dir = dir.as_ref();
+    if world == 0 {
+        return Err(Problem::invalid("a sharded save needs a world of one rank or more").at(dir));
+    }
+    let (_, updater, entries) = kv.export_entries()?;
+    let residuals: Vec<KeyResiduals> = (entries.iter())
+        .filter(|e| !e.residuals.is_empty())
+        .map(|e| KeyResiduals {
+            key: e.key.clone(),
+            len: e.shape.size(),
+            residuals: e.residuals.clone(),
+        })
+        .collect();
+    let save = next_generation(dir)?;
+    for rank in 0..world {
+        let pieces = (entries.iter().enumerate())
+            .filter_map(|(order, e)| {
+                let range = rank_range(e.shape.size(), order, rank, world)?;
+                Some(entry_piece(e, order, range, &updater))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        write_shard(dir, save, rank, world, &updater, &pieces, &residuals)?;
+    }
+    commit(dir, save, world)
+}
+
+/// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in
+/// [`save_sharded`]'s layout, if any.
+fn rank_range(size: usize, order: usize, rank: usize, world: usize) -> Option<Range<usize>> {
+    if size >= world {
+        return Some(size * rank / world..size * (rank + 1) / world);
+    }
+    (order % world == rank).then_some(0..size)
+}
+
+/// Elements `range` of entry `e`, the `order`-th key, as a piece: its value, and its state
+/// where it has state for `updater`.
+fn entry_piece(
+    e: &crate::store::Entry,
+    order: usize,
+    range: Range<usize>,
+    updater: &Updater,
+) -> Result<Piece> {
+    let flat = crate::Shape::new(&[range.len()])?;
+    let part =
+        |h: &crate::HostData| NDArray::from_host(h.slice_of(range.clone()), flat, Device::Cpu(0));
+    let state = match &e.state {
+        Some(s) => (updater.state_names().iter().map(|n| n.to_string()))
+            .zip(s.bufs.iter().map(part))
+            .collect(),
+        None => Vec::new(),
+    };
+    Ok(Piece {
+        meta: KeyMeta {
+            key: e.key.clone(),
+            dims: e.shape.dims().to_vec(),
+            dtype: e.value.dtype(),
+            order,
+            step: e.state.as_ref().map_or(0, |s| s.step),
+            has_state: e.state.is_some(),
+            row_sparse: e.row_sparse,
+        },
+        range: range.clone(),
+        value: part(&e.value),
+        state,
+    })
 }
