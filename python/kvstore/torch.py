@@ -39,6 +39,9 @@ gradient on some workers only is summed with zeros from the others
 (``find_unused_parameters=True``). ``no_sync()`` accumulates gradients locally over several
 backward passes, as DDP's does; the next backward outside it synchronizes.
 
+``buffers=model.named_buffers()`` keeps the model's buffers (BatchNorm's running statistics)
+equal to worker 0's, as DDP's ``broadcast_buffers=True`` does.
+
 Every call the wrapper makes carries its count of backward passes and steps into the store's
 check (``KVStore.set_tag``): a worker that skipped a ``step()`` or a backward, or ran out of
 batches before the others (DDP's ``join`` has no equivalent here), fails the next call on every
@@ -182,9 +185,13 @@ class DistributedOptimizer:
     checkpoint names them all), and every worker starts from the store's. Everything else
     (``zero_grad``, ``param_groups``, ``state_dict``) is the wrapped optimizer's.
 
-    ``broadcast_buffers=True`` (DDP's default: rank 0's BatchNorm statistics copied to every
-    worker) is not supported and raises a ValueError: keep buffers equal with
-    ``torch.nn.SyncBatchNorm`` or by averaging them through the store yourself.
+    ``buffers`` (``model.named_buffers()``, or a list of tensors) are kept equal across the
+    workers as DDP's ``broadcast_buffers=True`` keeps them: worker 0's values are copied to
+    every worker at the start and after every ``step()`` (BatchNorm's running statistics), so
+    each forward starts from worker 0's, as with DDP. They go through a second store of the same
+    kind (integer buffers as float64, exact up to 2**53). ``broadcast_buffers=True`` without
+    ``buffers`` raises a ValueError, since the wrapper sees the optimizer's parameters, not the
+    model's buffers.
     """
 
     def __init__(
@@ -196,18 +203,17 @@ class DistributedOptimizer:
         update_on_kvstore=None,
         overlap=False,
         bucket_mb=1.0,
-        broadcast_buffers=False,
+        buffers=None,
+        broadcast_buffers=None,
     ):
         if store is None:
             store = create("local")
         if not isinstance(store, KVStore):
             raise TypeError(f"store must be a kvstore.KVStore, got {type(store).__name__}")
-        if broadcast_buffers:
+        if broadcast_buffers and buffers is None:
             raise ValueError(
-                "broadcast_buffers=True is not supported by kvstore.torch (the wrapper sees the "
-                "optimizer's parameters, not the model's buffers): keep BatchNorm statistics "
-                "equal with torch.nn.SyncBatchNorm, or average the buffers through the store "
-                "yourself; pass broadcast_buffers=False"
+                "broadcast_buffers=True needs the model's buffers (the wrapper sees the "
+                "optimizer's parameters only): pass buffers=model.named_buffers()"
             )
         self.optimizer = optimizer
         self.store = store
@@ -264,6 +270,9 @@ class DistributedOptimizer:
         self._buckets = []
         self._reset_overlap()
         self._hook_new_parameters()
+        self._buffers = None
+        if buffers is not None and broadcast_buffers is not False:
+            self._start_buffers(buffers)
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
@@ -302,6 +311,48 @@ class DistributedOptimizer:
             yield
         finally:
             self._no_sync = old
+
+    # Buffers: worker 0's, on every worker.
+
+    def _start_buffers(self, buffers):
+        pairs = [(n, b) for n, b in (
+            (x if isinstance(x, tuple) else (i, x)) for i, x in enumerate(buffers)
+        )]
+        if any(not isinstance(b, torch.Tensor) for _, b in pairs):
+            raise TypeError("buffers takes model.named_buffers() or a list of tensors")
+        self._buffers = [b for _, b in pairs]
+        if self.store.num_workers == 1 or not self._buffers:
+            return
+        # A store of its own: it only assigns (the parameters' store may run an optimizer).
+        self._buffer_store = create(self.store.type)
+        self._buffer_keys = [n for n, _ in pairs]
+        self._buffer_store.set_tag("kvstore.torch buffers at the start")
+        with torch.no_grad():
+            self._buffer_store.init(self._buffer_keys, self._buffer_values())
+        self._pull_buffers()
+
+    def _buffer_values(self):
+        """The buffers as the store carries them: floats as they are, others as float64."""
+        return [b.detach() if b.is_floating_point() else b.detach().double() for b in self._buffers]
+
+    def _pull_buffers(self):
+        with torch.no_grad():
+            outs = [torch.empty_like(v) for v in self._buffer_values()]
+            self._buffer_store.pull(self._buffer_keys, out=outs)
+            for b, o in zip(self._buffers, outs):
+                b.copy_(o)
+
+    def _broadcast_buffers(self):
+        """Worker 0's buffers on every worker: the others push zeros, and the sum is kept."""
+        if self._buffers is None or self.store.num_workers == 1 or not self._buffers:
+            return
+        self._buffer_store.set_tag(f"kvstore.torch buffers after step {self._steps}")
+        with torch.no_grad():
+            values = self._buffer_values()
+            if self.store.rank != 0:
+                values = [torch.zeros_like(v) for v in values]
+            self._buffer_store.push(self._buffer_keys, values)
+        self._pull_buffers()
 
     # The check's tag, and the errors that name what a mismatch means.
 
@@ -641,6 +692,7 @@ class DistributedOptimizer:
             self._steps += 1
             self._synced = False
             self._hook_new_parameters()
+        self._broadcast_buffers()
         return loss
 
     def _step_on_store(self, scaler):

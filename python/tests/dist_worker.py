@@ -836,6 +836,63 @@ def contract():
     say(f"ok contract {feature} update_on_kvstore={on_store} overlap={overlap}")
 
 
+def buffers():
+    """BatchNorm's running statistics kept as DDP's broadcast_buffers keeps them: every worker
+    starts each step from worker 0's. Parameters equal DDP's within 1e-5 after 20 steps, and
+    the buffers are worker 0's on every worker (on worker 0, DDP's own). ARGS: update_on_kvstore."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    on_store = ARGS[0] == "1"
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    g = torch.Generator().manual_seed(SEED)
+    per, steps = 8, 20
+    x = torch.randn(steps, n * per, 6, generator=g) * 2 + 1
+    y = torch.randn(steps, n * per, 3, generator=g)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
+    mine = slice(r * per, (r + 1) * per)
+    # Each worker's own statistics at the start, as if each had warmed up on its own data.
+    with torch.no_grad():
+        model[1].running_mean.copy_(torch.randn(16, generator=torch.Generator().manual_seed(r)))
+
+    def run(m, opt):
+        for step in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x[step, mine]), y[step, mine]).backward()
+            opt.step()
+
+    ours = copy.deepcopy(model)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9), kvstore.create("dist_sync"),
+        named_parameters=ours.named_parameters(), update_on_kvstore=on_store,
+        buffers=ours.named_buffers(),
+    )
+    run(ours, opt)
+    kv = kvstore.create("dist_sync")
+    kv.agree(" ".join(b.numpy().tobytes().hex() for b in ours.buffers()))
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['KVSTORE_TEST_PORT']}", rank=r,
+        world_size=n,
+    )
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    run(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+    dist.destroy_process_group()
+    for (name, p), d in zip(ours.named_parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(p, d, rtol=0, atol=1e-5, msg=lambda m: f"{name} vs DDP: {m}")
+    if r == 0:
+        for (name, b), d in zip(ours.named_buffers(), ddp.module.buffers()):
+            torch.testing.assert_close(b, d, rtol=0, atol=1e-5, msg=lambda m: f"{name} vs DDP: {m}")
+    say(f"ok buffers update_on_kvstore={on_store}")
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -1002,6 +1059,7 @@ CASES = {
     "compressed": compressed,
     "unused": unused,
     "contract": contract,
+    "buffers": buffers,
     "skip_step": skip_step,
     "nightly": nightly,
     "basic": basic,

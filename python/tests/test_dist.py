@@ -329,6 +329,15 @@ def test_the_torch_wrapper_keeps_ddps_contract(update_on_kvstore, overlap, featu
 
 
 @needs_mpi
+@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
+def test_the_torch_wrapper_broadcasts_buffers_as_ddp(update_on_kvstore):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "buffers", update_on_kvstore)
+    assert rc == 0, out
+    assert oks(out, "buffers") == [0, 1], out
+
+
+@needs_mpi
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlap"])
 @pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
