@@ -317,6 +317,29 @@ def test_save_and_load(tmp_path, rng):
         other.load(tmp_path / "missing.safetensors")
 
 
+def test_a_crafted_70_byte_index_is_an_error_not_an_abort(tmp_path):
+    # An index that names 10^13 shards: it once made the process abort (exit 134) trying to
+    # allocate for them. In a child, so an abort fails this test instead of the run.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    index = b"kvstore-checkpoint-index/1\ngeneration 1844674407\nworld 10000000000000\n"
+    assert len(index) == 70
+    (ckpt / "index").write_bytes(index)
+    code = textwrap.dedent(
+        f"""
+        import kvstore as kv
+        store = kv.create('local')
+        try:
+            store.load({str(ckpt)!r})
+        except kv.CheckpointError as e:
+            print('CheckpointError', e)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "CheckpointError" in p.stdout, (p.returncode, p.stdout, p.stderr)
+    assert "10000000000000 shards" in p.stdout, p.stdout
+
+
 def test_the_gil_is_released_during_store_calls():
     """Thread A's push holds key 3's lock inside a Python updater that waits for an event.
     The main thread then pulls key 3 and blocks on that lock. Thread B sets the event. If the
