@@ -66,7 +66,7 @@ from dataclasses import replace
 
 import torch
 
-from . import DesyncError, KVStore, _told, create
+from . import DesyncError, KVStore, RankExitedError, _told, create
 from . import optimizer as _kvopt
 
 
@@ -364,9 +364,18 @@ class DistributedOptimizer:
 
     @contextlib.contextmanager
     def _explained(self):
-        """Re-raises a DesyncError of the wrapper's calls with what it means for the loop."""
+        """Re-raises a DesyncError or RankExitedError of the wrapper's calls with what it
+        means for the loop."""
         try:
             yield
+        except RankExitedError as e:
+            if "kvstore.torch" in str(e):
+                raise
+            raise RankExitedError(
+                f"{e}. kvstore.torch: if that worker ran out of batches before this one, give "
+                f"every worker as many batches (DistributedSampler(drop_last=True)): there is "
+                f"no join() for uneven inputs"
+            ) from e
         except DesyncError as e:
             if "kvstore.torch" not in str(e) or "what differs" in str(e):
                 raise

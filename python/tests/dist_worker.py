@@ -893,6 +893,38 @@ def buffers():
     say(f"ok buffers update_on_kvstore={on_store}")
 
 
+def uneven():
+    """Uneven inputs: the last worker runs out of batches a step early and exits. The others'
+    next call fails with RankExitedError naming what to do (kvstore.torch has no join()).
+    ARGS: update_on_kvstore."""
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    kv = kvstore.create("dist_sync")
+    r, n = kv.rank, kv.num_workers
+    model = torch.nn.Linear(4, 2)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), kv, update_on_kvstore=ARGS[0] == "1"
+    )
+    x = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(SEED + r))
+    batches = 2 if r == n - 1 else 3
+
+    def train():
+        for step in range(batches):
+            opt.zero_grad()
+            model(x[step]).pow(2).mean().backward()
+            opt.step()
+
+    if r == n - 1:
+        train()
+        say("ok uneven (ran out of batches)")
+        return
+    e = expect(kvstore.RankExitedError, train)
+    assert "join()" in str(e) and "drop_last" in str(e), e
+    say("ok uneven")
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -1059,6 +1091,7 @@ CASES = {
     "compressed": compressed,
     "unused": unused,
     "contract": contract,
+    "uneven": uneven,
     "buffers": buffers,
     "skip_step": skip_step,
     "nightly": nightly,

@@ -330,6 +330,15 @@ def test_the_torch_wrapper_keeps_ddps_contract(update_on_kvstore, overlap, featu
 
 @needs_mpi
 @pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
+def test_uneven_inputs_fail_with_an_error_that_names_what_to_do(update_on_kvstore):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "uneven", update_on_kvstore)
+    assert oks(out, "uneven") == [0, 1], out
+    assert "EXPECTED RankExitedError" in out, out
+
+
+@needs_mpi
+@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
 def test_the_torch_wrapper_broadcasts_buffers_as_ddp(update_on_kvstore):
     pytest.importorskip("torch", reason="SKIPPED: torch not installed")
     rc, out = run(2, "buffers", update_on_kvstore)
