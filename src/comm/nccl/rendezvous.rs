@@ -55,6 +55,10 @@ const RETRY: Duration = Duration::from_millis(50);
 const POLL: Duration = Duration::from_millis(5);
 /// The name of the operation in errors.
 const OP: &str = "NCCL rendezvous";
+/// The most connections rank 0 waits on for a hello at once.
+const MAX_PENDING: usize = 256;
+/// The most refusals rank 0 remembers for its timeout's message.
+const MAX_REFUSED: usize = 8;
 
 /// Why rank 0 refused a peer (the code of a refusal).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,7 +192,10 @@ impl Root {
             .map_err(|e| {
                 env(
                     "MASTER_ADDR",
-                    format!("'{host}' does not resolve on rank 0 ({e}): use rank 0's host name or address"),
+                    format!(
+                        "'{host}' does not resolve on rank 0 ({e}): use rank 0's host name or \
+                         address"
+                    ),
                 )
             })?
             .collect();
@@ -261,11 +268,15 @@ impl Root {
                 return Err(e);
             }
             let mut busy = false;
-            loop {
+            // At most a round of connections at a time, so the deadline is checked however
+            // many arrive.
+            for _ in 0..64 {
                 match self.listener.accept() {
                     Ok((stream, peer)) => {
                         busy = true;
-                        if stream.set_nonblocking(true).is_ok() {
+                        // A flood of connections is dropped beyond a bound (the real ranks
+                        // retry until the deadline); so is one that cannot be made non-blocking.
+                        if pending.len() < MAX_PENDING && stream.set_nonblocking(true).is_ok() {
                             pending.push(Pending {
                                 stream,
                                 buf: Vec::new(),
@@ -309,6 +320,9 @@ impl Root {
                 }
             }
             pending = still;
+            if refused.len() > MAX_REFUSED {
+                refused.drain(..refused.len() - MAX_REFUSED);
+            }
             // A peer that hung up after its hello (it failed, or was restarted) frees its rank.
             for (rank, slot) in joined.iter_mut().enumerate().skip(1) {
                 if slot.as_ref().is_some_and(hung_up) {
