@@ -301,6 +301,65 @@ fn a_rank_that_stops_calling_fails_the_others_within_the_timeout() -> Result<()>
     })
 }
 
+/// After a collective is aborted, its arrays may go at once: the caller frees them (on the
+/// GPU's runtime stream) as soon as the call returns its error. Rank 1 never joins an
+/// all-gather and keeps its communicator alive, so rank 0's abort is not the last of this
+/// process, and NCCL's abort then waits for nothing (its host wait on the kernels is done only
+/// by the process's last rank, in `commReclaim`). The stand-in's aborted part reads and writes
+/// its buffers when it runs: a free not ordered after it is reported as a race, which the next
+/// host wait on that GPU returns.
+#[test]
+#[ignore = "needs a GPU"]
+fn the_arrays_of_an_aborted_collective_may_be_freed_at_once() -> Result<()> {
+    require_gpu();
+    let n = 2;
+    if let Some(why) = cannot_place(n) {
+        skipped(
+            "the_arrays_of_an_aborted_collective_may_be_freed_at_once",
+            &why,
+        );
+        return Ok(());
+    }
+    let seed: u64 = rand::random();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let done_rx = std::sync::Arc::new(std::sync::Mutex::new(done_rx));
+    in_threads(n, Duration::from_secs(90), move |mut comm| {
+        comm.set_timeout(Duration::from_secs(1));
+        let ordinal = comm.ordinal();
+        if comm.rank() == 1 {
+            let rx = done_rx.lock().unwrap_or_else(|e| e.into_inner());
+            rx.recv_timeout(Duration::from_secs(60))
+                .context("rank 0 never finished")?;
+            return Ok(());
+        }
+        let len = 1031;
+        let x = on_gpu(&data(seed, 0, len), DType::F32, ordinal)?;
+        let all = on_gpu(&vec![f64::NAN; len * n], DType::F32, ordinal)?;
+        let res = comm.all_gather(&x, &all);
+        drop((x, all));
+        // A round trip on the same GPU waits for its runtime stream, where the frees went.
+        let fresh = data(seed ^ 0x5eed, 0, 4099);
+        let back = on_gpu(&fresh, DType::F64, ordinal).and_then(|a| host(&a));
+        done_tx.send(()).ok();
+        let Err(err) = res else {
+            bail!("an all-gather that rank 1 never joins returned Ok");
+        };
+        ensure!(
+            matches!(err, Error::Timeout { .. }),
+            "expected a timeout, got: {err}"
+        );
+        let back = back.context(
+            "the GPU failed after the aborted collective's arrays were freed (a race with the \
+             aborted kernel, or a use after free)",
+        )?;
+        ensure!(
+            back == fresh,
+            "the round trip after the abort changed the values"
+        );
+        Ok(())
+    })
+}
+
 /// The child side of the process tests: a rank started with a torchrun-like environment.
 fn child_rank() -> Result<()> {
     let seed: u64 = std::env::var("KVSTORE_TEST_SEED")?.parse()?;

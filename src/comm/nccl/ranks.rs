@@ -23,9 +23,11 @@
 //! polls `ncclCommGetAsyncError` and its stream with the `KVSTORE_TIMEOUT` bound (default
 //! [`launch::DEFAULT_TIMEOUT`], 30 minutes). A rank that stops calling, or dies, leaves the
 //! others' collectives without progress: when the bound passes they abort the communicator
-//! (`ncclCommAbort`, which ends its kernels and waits for them to exit, so the call's arrays are
-//! free to go) and return [`Error::Timeout`] naming the op and keys. The communicator is
-//! unusable after a failure: later calls return [`Error::DistFailed`].
+//! (`ncclCommAbort`, which tells its kernels to end; the GPU's runtime stream is then made to
+//! wait for this rank's stream, so no array of the call is freed or reused before the aborted
+//! kernels are done with it, see `order_after_abort`) and return [`Error::Timeout`] naming the
+//! op and keys. The communicator is unusable after a failure: later calls return
+//! [`Error::DistFailed`].
 //!
 //! # Streams
 //!
@@ -269,10 +271,10 @@ impl RankComm {
         let (sp, rp) = (s.ptr(), r.ptr());
         self.call(op, &[], |lib, comm, stream| {
             // SAFETY: both addresses name live buffers of `n` elements of the dtype on this
-            // rank's GPU, locked for the call, which returns only once the collective is done
-            // or the communicator is aborted (abort synchronizes NCCL's stream first,
-            // nccl#1462); `call` hands over the live communicator, under `state`'s lock, and
-            // this rank's own stream.
+            // rank's GPU, locked for the call, which returns only once the collective is done,
+            // or once the communicator is aborted and the runtime stream (where the buffers are
+            // freed or reused) waits for this rank's stream (`order_after_abort`); `call` hands
+            // over the live communicator, under `state`'s lock, and this rank's own stream.
             unsafe {
                 result::reduce(
                     lib,
@@ -418,9 +420,10 @@ impl RankComm {
             for p in 0..self.size {
                 // SAFETY: each block lies inside its buffer (the counts' sums were checked
                 // against the lengths), on this rank's GPU, locked for the call, which returns
-                // only once this stream's work is done or the communicator is aborted (abort
-                // synchronizes NCCL's stream first, nccl#1462); `call` hands over the live
-                // communicator, under `state`'s lock, and this rank's own stream.
+                // only once this stream's work is done, or once the communicator is aborted and
+                // the runtime stream waits for this rank's stream (`order_after_abort`); `call`
+                // hands over the live communicator, under `state`'s lock, and this rank's own
+                // stream.
                 let sent = unsafe {
                     let at = (sp + send_at[p]) as *const c_void;
                     result::send(lib, at, send_counts[p], dt, p, comm, stream)
@@ -467,11 +470,11 @@ impl RankComm {
                     let issued = match reduce {
                         // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
                         // rank's GPU, write-locked for the call, which returns only once this
-                        // stream's work is done or the communicator is aborted (abort
-                        // synchronizes NCCL's stream before it returns, nccl#1462), so the
-                        // buffer outlives the collective; NCCL allows it in place; `call`
-                        // hands over the live communicator, under `state`'s lock, and this
-                        // rank's own stream.
+                        // stream's work is done, or once the communicator is aborted and the
+                        // runtime stream, where buffers are freed or reused, waits for this
+                        // rank's stream (`order_after_abort`), so the buffer outlives the
+                        // collective; NCCL allows it in place; `call` hands over the live
+                        // communicator, under `state`'s lock, and this rank's own stream.
                         true => unsafe {
                             result::reduce(
                                 lib,
@@ -645,8 +648,30 @@ impl RankComm {
                 // for the other ranks. Its result adds nothing to `error`.
                 let _ = unsafe { result::comm_abort(lib, self.comm) };
             }
+            self.order_after_abort(op);
         }
         error
+    }
+
+    /// Puts whatever the aborted collectives still did with the call's arrays before all later
+    /// work on the GPU's runtime stream, where every array is freed (`cuMemFreeAsync`) or
+    /// reused. `ncclCommAbort` waits for NCCL's kernels only when it ends the process's last
+    /// rank of the communicator (`commReclaim` calls `commDestroySync`, which synchronizes the
+    /// device stream, which has waited on an event after each kernel: NCCL's `src/init.cc` and
+    /// `src/enqueue.cc`); an abort of another rank of the process (several ranks in one
+    /// process, as tests make them) only sets the abort flag, and the kernels end later. The
+    /// runtime stream now waits for this rank's stream, so a free can never come first. It
+    /// costs no host wait; the aborted kernels end on their own (the flag), so the wait ends.
+    fn order_after_abort(&self, op: &'static str) {
+        let joined =
+            cuda::gpu(self.ordinal).and_then(|gpu| stream_wait(gpu.stream(), &self.stream));
+        if let Err(e) = joined {
+            // A GPU that cannot record or wait for an event has failed as a whole (a sticky
+            // error): its memory goes with its context, and every later call fails.
+            log::error!(
+                "kvstore: {op}: ordering the GPU's stream after the NCCL abort failed: {e}"
+            );
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -1236,6 +1236,14 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: Handle, result: *mut c_int)
 /// Ends a communicator: its rank's parts of collectives that have not run are cancelled (they
 /// complete without moving data, as aborted NCCL kernels end), so its streams drain. The other
 /// ranks' parts of those collectives stay blocked until they end their communicators too.
+///
+/// An abort of the last live communicator this process has in its clique then waits on the host
+/// until the cancelled parts of this process's ranks have run, as NCCL's does: `ncclCommAbort`
+/// runs `commReclaim`, which, for the process's last rank of the communicator only, calls
+/// `commDestroySync`, whose `ncclStrongStreamSynchronize(deviceStream)` waits for every kernel
+/// NCCL launched (the device stream waits on an event recorded after each, in
+/// `ncclLaunchFinish`). An abort of any other rank returns without waiting: its aborted
+/// part's buffers are not yet free to go.
 fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
     run(|| {
         let mut st = lock();
@@ -1244,8 +1252,9 @@ fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
         let k = st.comms[c].clique;
         let clique = &st.cliques[k];
         let ours: Vec<usize> = clique.comms.iter().flatten().copied().collect();
+        let last = ours.iter().all(|&x| !st.comms[x].live);
         if let (false, Some(dir)) = (clique.left, &clique.shm) {
-            if ours.iter().all(|&x| !st.comms[x].live) {
+            if last {
                 // The last communicator of this process in the clique: its ranks leave the
                 // folder (the last process to leave removes it).
                 let ranks: Vec<usize> = ours.iter().map(|&x| st.comms[x].rank).collect();
@@ -1269,6 +1278,39 @@ fn end_comm(call: &str, comm: Handle, cancel: bool) -> i32 {
             &state::Scope::All
         });
         notify();
+        if !(cancel && last) {
+            return Ok(());
+        }
+        // The host wait of NCCL's abort of the process's last rank (above): every cancelled
+        // part of this process's ranks in the clique, up to its position on its stream.
+        let ranks: Vec<usize> = ours.iter().map(|&x| st.comms[x].rank).collect();
+        let parts: Vec<(usize, u64, state::Vc)> = st
+            .colls
+            .iter()
+            .filter(|coll| coll.clique == k && !coll.executed)
+            .flat_map(|coll| {
+                ranks.iter().filter_map(|&r| {
+                    let p = coll.parts[r].as_ref().filter(|_| coll.cancelled[r])?;
+                    Some((p.stream, p.pos, p.vc.clone()))
+                })
+            })
+            .filter(|&(s, pos, _)| st.streams[s].done < pos)
+            .collect();
+        if parts.is_empty() {
+            return Ok(());
+        }
+        let upto: Vec<(usize, u64)> = parts.iter().map(|&(s, pos, _)| (s, pos)).collect();
+        let (mut st, ok) = state::wait_until(
+            st,
+            &upto,
+            &|| format!("{call} (waiting for the aborted parts of this process's ranks)"),
+            &|st| upto.iter().all(|&(s, pos)| st.streams[s].done >= pos),
+        );
+        if ok {
+            for (_, _, vc) in &parts {
+                st.host_vc.join(vc);
+            }
+        }
         Ok(())
     })
 }

@@ -1345,8 +1345,17 @@ impl State {
         vc: &Vc,
         what: &Arc<str>,
     ) -> Result<(), (i32, String)> {
-        let device = self.allocs[&base].device;
-        let info = self.allocs.get_mut(&base).expect("live allocation");
+        let Some(info) = self.allocs.get_mut(&base) else {
+            // Its free ran first: a free on another stream not ordered after this operation.
+            return Err((
+                cu::ILLEGAL_ADDRESS,
+                format!(
+                    "the allocation at {base:#x} was freed before this operation ran (`{what}`): \
+                     a free on another stream with nothing ordering it after this"
+                ),
+            ));
+        };
+        let device = info.device;
         for r in &info.accesses {
             let overlap = r.lo < hi && lo < r.hi;
             if r.stream != s && overlap && (r.write || write) && r.clock > vc.get(r.stream) {
@@ -1635,13 +1644,57 @@ impl State {
             }
             Work::Coll { coll, rank } => {
                 let c = &self.colls[*coll];
-                if c.executed || c.cancelled[*rank] {
+                if c.executed {
                     return Ok(());
+                }
+                if c.cancelled[*rank] {
+                    return self.aborted_part(*coll, *rank);
                 }
                 self.colls[*coll].executed = true;
                 self.run_collective(*coll)
             }
         }
+    }
+
+    /// Rank `rank`'s cancelled part of collective `coll` runs: it moves no data, but an aborted
+    /// NCCL kernel may have read and written its buffers before it saw the abort flag, so the
+    /// part reads what it sends and writes what it receives, as the stream's operation. A free
+    /// or reuse of those buffers not ordered after it (by stream order, an event, or a host wait
+    /// such as the one `ncclCommAbort` of a process's last rank does) is a race, and memory
+    /// freed before it ran is a use after free.
+    fn aborted_part(&mut self, coll: usize, rank: usize) -> Result<(), (i32, String)> {
+        let Some(p) = self.colls[coll].parts[rank].clone() else {
+            return Ok(());
+        };
+        let n = self.colls[coll].parts.len();
+        let seq = self.colls[coll].seq;
+        let what = format!(
+            "aborted nccl {:?} (collective #{seq} over {n} ranks)",
+            p.kind
+        );
+        let es = nccl_elem_size(p.dtype).expect("checked at issue");
+        let mut spans: Vec<(u64, usize, bool)> = Vec::new();
+        if p.kind == CollKind::SendRecv {
+            for (blocks, write) in [(&p.peers.sends, false), (&p.peers.recvs, true)] {
+                for &(addr, count) in blocks.iter().flatten() {
+                    spans.push((addr, count * es, write));
+                }
+            }
+        } else {
+            let bytes = p.count * es;
+            spans.push((p.send, send_len(p.kind, bytes, n, rank, p.root), false));
+            if p.kind != CollKind::Reduce || rank == p.root as usize {
+                let len = match p.kind {
+                    CollKind::AllGather => bytes * n,
+                    _ => bytes,
+                };
+                spans.push((p.recv, len, true));
+            }
+        }
+        for (addr, len, write) in spans.into_iter().filter(|s| s.1 > 0) {
+            self.part_access(&p, rank, &what, addr, len, write)?;
+        }
+        Ok(())
     }
 
     /// Moves a collective's data, every rank's part at once (all are at their streams' fronts;

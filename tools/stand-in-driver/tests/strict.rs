@@ -750,6 +750,47 @@ fn one_thread_driving_two_ranks_needs_a_group() {
     assert_eq!(cuStreamSynchronize(streams[0]), OK);
 }
 
+/// An aborted part still reads and writes its buffers (an aborted NCCL kernel may have, before
+/// it saw the abort flag): freeing them on another stream with nothing ordering the free after
+/// it is a race, or a use after free. The abort of the process's last rank of the clique waits
+/// for the aborted parts on the host, as NCCL's `commReclaim` does, and orders the free.
+#[test]
+fn buffers_of_an_aborted_part_need_ordering_unless_the_last_rank_was_aborted() {
+    let ctx = setup();
+    for last_first in [false, true] {
+        let (comms, streams, bufs) = two_ranks(ctx);
+        assert_eq!(cuCtxSetCurrent(ctx[0]), OK);
+        // The buffer's allocation and upload are done and ordered before what follows.
+        assert_eq!(cuStreamSynchronize(streams[0]), OK);
+        // Rank 0 reduces alone: rank 1 never comes, so its part stays blocked until the abort.
+        assert_eq!(reduce(bufs[0], bufs[0], 64, 1, comms[0], streams[0]), OK);
+        if last_first {
+            // Rank 1 goes first, so aborting rank 0 ends the process's last rank: it waits.
+            assert_eq!(ncclCommAbort(comms[1]), OK);
+            assert_eq!(ncclCommAbort(comms[0]), OK);
+        } else {
+            assert_eq!(ncclCommAbort(comms[0]), OK);
+        }
+        let other = stream();
+        assert_eq!(cuMemFreeAsync(bufs[0], other), OK);
+        let freed = cuStreamSynchronize(other);
+        let aborted = cuStreamSynchronize(streams[0]);
+        if last_first {
+            assert_eq!(
+                (freed, aborted),
+                (OK, OK),
+                "the last rank's abort ordered the free"
+            );
+        } else {
+            assert!(
+                freed == ILLEGAL_STATE || aborted == ILLEGAL_ADDRESS,
+                "a free racing with an aborted part: {freed}, {aborted}"
+            );
+            assert_eq!(ncclCommAbort(comms[1]), OK);
+        }
+    }
+}
+
 #[test]
 fn two_ranks_on_one_gpu_need_nccl_2_30_and_the_switch() {
     setup();
