@@ -27,7 +27,10 @@ Two modes, as MXNet's Trainer has them:
   rate changed in ``param_groups`` (by a scheduler) is passed on at the next step. The store
   sums the gradients as backward made them, so this mode refuses what must change them first:
   a GradScaler, and gradient clipping or any other change to the gradients between
-  ``backward()`` and ``step()`` raise a ``ValueError`` naming ``update_on_kvstore=False``.
+  ``backward()`` and ``step()`` raise a ``ValueError`` naming ``update_on_kvstore=False``. The
+  optimizer's state is in the store: checkpoint it with ``store.save``. With momentum, a
+  changed learning rate applies to new gradients only (MXNet's rule; torch also rescales the
+  momentum).
 
 The default is True for SGD and Adam and False otherwise. No torch is needed to build or import
 ``kvstore``; this module imports torch when it is used.
@@ -109,6 +112,11 @@ def _translate(opt, workers):
         )
     if first["amsgrad"]:
         raise ValueError("the store's Adam has no AMSGrad: pass update_on_kvstore=False")
+    if groups[0].get("decoupled_weight_decay", False):
+        raise ValueError(
+            "the store's Adam has L2 weight decay, not decoupled (AdamW): pass "
+            "update_on_kvstore=False"
+        )
     beta1, beta2 = first["betas"]
     return _kvopt.Adam(
         learning_rate=float(first["lr"]),
@@ -119,6 +127,23 @@ def _translate(opt, workers):
         rescale_grad=1.0 / workers,
         epsilon_after_correction=True,
     )
+
+
+def _with_grad(closure):
+    def run():
+        with torch.enable_grad():
+            return closure()
+
+    return run
+
+
+def _translatable(opt):
+    """Whether the store can run ``opt`` (the default of ``update_on_kvstore``)."""
+    try:
+        _translate(opt, 1)
+    except ValueError:
+        return False
+    return True
 
 
 def _settings(opt):
@@ -210,6 +235,12 @@ class DistributedOptimizer:
             store = create("local")
         if not isinstance(store, KVStore):
             raise TypeError(f"store must be a kvstore.KVStore, got {type(store).__name__}")
+        if getattr(store, "_torch_wrapper", False):
+            raise ValueError(
+                "this store already synchronizes another DistributedOptimizer: the store holds "
+                "one optimizer and one step count, so give each DistributedOptimizer a store of "
+                "its own (kvstore.create(...) again)"
+            )
         if broadcast_buffers and buffers is None:
             raise ValueError(
                 "broadcast_buffers=True needs the model's buffers (the wrapper sees the "
@@ -217,6 +248,7 @@ class DistributedOptimizer:
             )
         self.optimizer = optimizer
         self.store = store
+        store._torch_wrapper = True
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         if named_parameters is not None:
             names = {id(p): n for n, p in named_parameters}
@@ -230,7 +262,7 @@ class DistributedOptimizer:
         else:
             self._keys = list(range(len(self._params)))
         if update_on_kvstore is None:
-            update_on_kvstore = type(optimizer) in (torch.optim.SGD, torch.optim.Adam)
+            update_on_kvstore = _translatable(optimizer)
         self.update_on_kvstore = bool(update_on_kvstore)
         self.overlap = bool(overlap)
         if self.overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
@@ -298,8 +330,33 @@ class DistributedOptimizer:
         self._state_due = True
 
     def zero_grad(self, set_to_none=True):
-        """The wrapped optimizer's ``zero_grad``."""
+        """The wrapped optimizer's ``zero_grad``. After a backward that raised (and was
+        caught, to skip the batch), it also drops what that backward left."""
+        self._abandon_backward()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _abandon_backward(self):
+        """A backward that began and never ended (an exception inside it, caught): its end
+        callback never runs, so its state is dropped here, its queued calls waited for."""
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        pushed = self.overlap and self.update_on_kvstore and bool(self._queued)
+        try:
+            if self._queued:
+                with self._explained():
+                    self.store.wait_all()
+        finally:
+            self._reset_overlap()
+            self._norms = {}
+        if pushed:
+            with _told(self.store._kv, "push"):
+                raise RuntimeError(
+                    "a backward pass raised after it had pushed some gradients: with "
+                    "overlap=True and update_on_kvstore=True the store already stepped on "
+                    "them, so the model and the store differ now; load the last checkpoint. "
+                    "Pass overlap=False to skip failed batches"
+                )
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -457,8 +514,16 @@ class DistributedOptimizer:
     def _local_use(self):
         """Which parameters have a gradient on this worker: trainable, with a ``.grad`` (as a
         torch optimizer sees it: a frozen parameter, or one backward did not reach since
-        ``zero_grad()``, has none)."""
-        return [p.requires_grad and p.grad is not None for p in self._params]
+        ``zero_grad()``, has none). A sparse gradient is refused, on every worker."""
+        use = [p.requires_grad and p.grad is not None for p in self._params]
+        sparse = [self._keys[i] for i, u in enumerate(use) if u and self._params[i].grad.is_sparse]
+        if sparse:
+            with _told(self.store._kv, "agree"):
+                raise TypeError(
+                    f"the gradients of {sparse[:5]} are sparse (nn.Embedding(sparse=True)): "
+                    f"kvstore.torch sums dense gradients; make the layer dense (sparse=False)"
+                )
+        return use
 
     def _used_anywhere(self, mine):
         """For each parameter, whether it has a gradient on any worker (``mine``: on this one).
@@ -656,6 +721,13 @@ class DistributedOptimizer:
         while self._next < len(self._buckets):
             filled += self._queue_bucket(self._buckets[self._next], used)
             self._next += 1
+        # Parameters made trainable since the last step have no hook yet (they get one at
+        # step()): one bucket of their own, last.
+        unhooked = [
+            i for i, p in enumerate(self._params) if p.requires_grad and not self._hooked[i]
+        ]
+        if unhooked:
+            filled += self._queue_bucket(unhooked, used)
         return filled
 
     def _finish_overlapped_sync(self):
@@ -682,14 +754,19 @@ class DistributedOptimizer:
         (update_on_kvstore=False), or pushes the gradients and pulls the parameters. Parameters
         that got no gradient on any worker are left as they are."""
         scaler = "grad_scale" in vars(self) or "found_inf" in vars(self)
+        self._abandon_backward()
         loss = None
-        if closure is not None:
+        if closure is not None and self.update_on_kvstore:
             with torch.enable_grad():
                 loss = closure()
         try:
             with self._explained():
                 if self.update_on_kvstore:
                     self._step_on_store(scaler)
+                elif closure is not None:
+                    # The optimizer calls it (LBFGS, more than once): each backward in it is
+                    # averaged at its end.
+                    loss = self.optimizer.step(_with_grad(closure))
                 else:
                     if not self._synced:
                         # No backward synchronized since the last step (none ran here, or

@@ -925,6 +925,74 @@ def uneven():
     say("ok uneven")
 
 
+def recover():
+    """A backward that raises on every worker at step 1 (caught: the batch skipped, as an
+    OOM guard does) and a layer unfrozen at step 3 (fine-tuning): the workers stay equal to
+    one process on the whole batch. ARGS: update_on_kvstore, overlap. With both on, the failed
+    backward had pushed buckets: a RuntimeError on every worker instead."""
+    import copy
+
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    torch.set_num_threads(1)
+    on_store, overlap = ARGS[0] == "1", ARGS[1] == "1"
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    g = torch.Generator().manual_seed(SEED)
+    per, steps = 8, 8
+    x = torch.randn(steps, n * per, 4, generator=g)
+    y = torch.randn(steps, n * per, 2, generator=g)
+    torch.manual_seed(SEED)  # the same model on every worker, for the reference
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("boom")
+
+    def train(m, opt, rows):
+        for step in range(steps):
+            opt.zero_grad()
+            if step == 3:
+                m[0].requires_grad_(True)
+            if step == 1:
+                try:
+                    # (x requires grad, so Boom is in the graph under the frozen layer; the
+                    # last layer's gradients are made, and with overlap pushed, before it.)
+                    xs = x[step, rows].clone().requires_grad_()
+                    out = m[2](Boom.apply(m[1](m[0](xs))))
+                    torch.nn.functional.mse_loss(out, y[step, rows]).backward()
+                except RuntimeError as e:
+                    assert "boom" in str(e), e
+                    continue
+            torch.nn.functional.mse_loss(m(x[step, rows]), y[step, rows]).backward()
+            opt.step()
+
+    ours = copy.deepcopy(model)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), kvstore.create("dist_sync"),
+        update_on_kvstore=on_store, overlap=overlap, bucket_mb=1e-5,
+    )
+    if on_store and overlap:
+        e = expect(RuntimeError, lambda: train(ours, opt, slice(r * per, (r + 1) * per)))
+        assert "load the last checkpoint" in str(e), e
+        say("ok recover (refused: a failed backward had pushed)")
+        return
+    train(ours, opt, slice(r * per, (r + 1) * per))
+    whole = copy.deepcopy(model)
+    train(whole, torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9), slice(0, n * per))
+    for p, q, p0 in zip(ours.parameters(), whole.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+        assert (p - p0).abs().max().item() > 1e-3
+    say(f"ok recover update_on_kvstore={on_store} overlap={overlap}")
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -1091,6 +1159,7 @@ CASES = {
     "compressed": compressed,
     "unused": unused,
     "contract": contract,
+    "recover": recover,
     "uneven": uneven,
     "buffers": buffers,
     "skip_step": skip_step,

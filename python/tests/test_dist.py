@@ -329,6 +329,19 @@ def test_the_torch_wrapper_keeps_ddps_contract(update_on_kvstore, overlap, featu
 
 
 @needs_mpi
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlap"])
+@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
+def test_a_failed_backward_and_a_layer_unfrozen_later_keep_the_workers_right(
+    update_on_kvstore, overlap
+):
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "recover", update_on_kvstore, overlap)
+    assert oks(out, "recover") == [0, 1], out
+    if not (update_on_kvstore == "1" and overlap == "1"):
+        assert rc == 0, out
+
+
+@needs_mpi
 @pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
 def test_uneven_inputs_fail_with_an_error_that_names_what_to_do(update_on_kvstore):
     pytest.importorskip("torch", reason="SKIPPED: torch not installed")

@@ -230,3 +230,58 @@ def test_a_grad_scaler_and_clipping_are_refused_when_the_store_steps():
         opt.step()
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
+
+
+def test_adamw_is_stepped_by_torch_not_translated_to_the_stores_l2_adam():
+    x, y, plain = make_problem(fresh_seed())
+    wrapped = copy.deepcopy(plain)
+    make = lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)  # noqa: E731
+    opt = DistributedOptimizer(make(wrapped.parameters()), kvstore.create("local"))
+    assert not opt.update_on_kvstore
+    train(plain, make(plain.parameters()), x, y, 5)
+    train(wrapped, opt, x, y, 5)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="AdamW"):
+        DistributedOptimizer(make(wrapped.parameters()), kvstore.create("local"), update_on_kvstore=True)
+
+
+def test_two_wrappers_on_one_store_are_refused():
+    _, _, a = make_problem(1)
+    _, _, b = make_problem(2)
+    kv = kvstore.create("local")
+    DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), kv, named_parameters=[
+        (f"a{i}", p) for i, p in enumerate(a.parameters())
+    ])
+    with pytest.raises(ValueError, match="store of its own"):
+        DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.1), kv)
+
+
+def test_a_closure_reaches_the_optimizer_that_calls_it_lbfgs():
+    x, y, plain = make_problem(fresh_seed())
+    wrapped = copy.deepcopy(plain)
+
+    def closure_for(m, opt):
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+        return closure
+
+    popt = torch.optim.LBFGS(plain.parameters(), lr=0.5, max_iter=4)
+    wopt = DistributedOptimizer(torch.optim.LBFGS(wrapped.parameters(), lr=0.5, max_iter=4))
+    for _ in range(3):
+        popt.step(closure_for(plain, popt))
+        wopt.step(closure_for(wrapped, wopt))
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_sparse_gradients_are_refused_with_what_to_do():
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), kvstore.create("local"),
+                               update_on_kvstore=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse=False"):
+        opt.step()
