@@ -938,15 +938,7 @@ fn open_file(path: &Path) -> Result<Reader> {
             None => Vec::new(),
         };
         pieces.push(Held {
-            meta: KeyMeta {
-                key: e.key.clone(),
-                dims: e.shape.dims().to_vec(),
-                dtype: e.value.dtype(),
-                order,
-                step: e.state.as_ref().map_or(0, |s| s.step),
-                has_state: e.state.is_some(),
-                row_sparse: e.row_sparse,
-            },
+            meta: KeyMeta::of(e, order),
             range: 0..e.shape.size(),
             file: 0,
             value,

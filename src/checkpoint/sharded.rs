@@ -105,6 +105,19 @@ pub(crate) struct KeyMeta {
 }
 
 impl KeyMeta {
+    /// The description of entry `e`, the `order`-th key in update order.
+    pub(crate) fn of(e: &crate::store::Entry, order: usize) -> KeyMeta {
+        KeyMeta {
+            key: e.key.clone(),
+            dims: e.shape.dims().to_vec(),
+            dtype: e.value.dtype(),
+            order,
+            step: e.state.as_ref().map_or(0, |s| s.step),
+            has_state: e.state.is_some(),
+            row_sparse: e.row_sparse,
+        }
+    }
+
     /// The number of elements of the whole value.
     pub(crate) fn size(&self) -> usize {
         self.dims.iter().product()
@@ -549,15 +562,7 @@ fn entry_piece(
         None => Vec::new(),
     };
     Ok(Piece {
-        meta: KeyMeta {
-            key: e.key.clone(),
-            dims: e.shape.dims().to_vec(),
-            dtype: e.value.dtype(),
-            order,
-            step: e.state.as_ref().map_or(0, |s| s.step),
-            has_state: e.state.is_some(),
-            row_sparse: e.row_sparse,
-        },
+        meta: KeyMeta::of(e, order),
         range: range.clone(),
         value: part(&e.value),
         state,
