@@ -302,7 +302,7 @@ class DistributedOptimizer:
         self._buckets = []
         self._reset_overlap()
         self._hook_new_parameters()
-        self._buffers = None
+        self._buffer_store = None  # (several workers, with buffers) the buffers' own store
         if buffers is not None and broadcast_buffers is not False:
             self._start_buffers(buffers)
 
@@ -317,7 +317,7 @@ class DistributedOptimizer:
     @property
     def _step_supports_amp_scaling(self):
         # A GradScaler then hands itself to step() instead of skipping it on one worker: with
-        # the store stepping, step() refuses it on every worker (see _refuse_scaler).
+        # the store stepping, step() refuses it on every worker (see _refuse_changes).
         return self.update_on_kvstore
 
     def load_state_dict(self, state_dict):
@@ -372,13 +372,11 @@ class DistributedOptimizer:
     # Buffers: worker 0's, on every worker.
 
     def _start_buffers(self, buffers):
-        pairs = [(n, b) for n, b in (
-            (x if isinstance(x, tuple) else (i, x)) for i, x in enumerate(buffers)
-        )]
+        pairs = [x if isinstance(x, tuple) else (i, x) for i, x in enumerate(buffers)]
         if any(not isinstance(b, torch.Tensor) for _, b in pairs):
             raise TypeError("buffers takes model.named_buffers() or a list of tensors")
         self._buffers = [b for _, b in pairs]
-        if self.store.num_workers == 1 or not self._buffers:
+        if self.store.num_workers == 1 or not pairs:
             return
         # A store of its own: it only assigns (the parameters' store may run an optimizer).
         self._buffer_store = create(self.store.type)
@@ -393,15 +391,20 @@ class DistributedOptimizer:
         return [b.detach() if b.is_floating_point() else b.detach().double() for b in self._buffers]
 
     def _pull_buffers(self):
+        """Pulls into the float buffers in place, and the others through a float64 copy."""
         with torch.no_grad():
-            outs = [torch.empty_like(v) for v in self._buffer_values()]
+            outs = [
+                b if b.is_floating_point() else torch.empty_like(b, dtype=torch.float64)
+                for b in self._buffers
+            ]
             self._buffer_store.pull(self._buffer_keys, out=outs)
             for b, o in zip(self._buffers, outs):
-                b.copy_(o)
+                if o is not b:
+                    b.copy_(o)
 
     def _broadcast_buffers(self):
         """Worker 0's buffers on every worker: the others push zeros, and the sum is kept."""
-        if self._buffers is None or self.store.num_workers == 1 or not self._buffers:
+        if self._buffer_store is None:
             return
         self._buffer_store.set_tag(f"kvstore.torch buffers after step {self._steps}")
         with torch.no_grad():
@@ -607,18 +610,14 @@ class DistributedOptimizer:
 
     # The store steps: what must not have happened between backward and step().
 
-    @staticmethod
-    def _norm_of(grads):
-        if hasattr(torch, "_foreach_norm"):
-            return torch._foreach_norm(grads)
-        return [g.norm() for g in grads]
-
     def _grad_norms(self, indices):
-        """Each gradient's norm, by parameter index: a change of scale (clipping, unscaling)
-        changes it."""
+        """Each gradient's norm, by parameter index, in one pass over them: a change of scale
+        (clipping, unscaling) changes it."""
         grads = [self._params[i].grad.detach() for i in indices]
+        if not grads:
+            return {}
         with torch.no_grad():
-            return dict(zip(indices, (n.clone() for n in self._norm_of(grads)))) if grads else {}
+            return dict(zip(indices, torch._foreach_norm(grads)))
 
     def _refuse_changes(self, scaler):
         """(the store steps) A ValueError for a GradScaler, and for a gradient changed since
@@ -631,11 +630,9 @@ class DistributedOptimizer:
                 "Pass update_on_kvstore=False (torch steps on the averaged gradients, as with "
                 "DDP)"
             )
+        now = self._grad_norms([i for i in self._norms if self._params[i].grad is not None])
         changed = [
-            self._keys[i]
-            for i, n in self._norms.items()
-            if self._params[i].grad is None
-            or not torch.equal(self._norm_of([self._params[i].grad.detach()])[0], n)
+            self._keys[i] for i, n in self._norms.items() if i not in now or not torch.equal(now[i], n)
         ]
         if changed:
             raise ValueError(
@@ -804,7 +801,6 @@ class DistributedOptimizer:
                 pushed = [i for i, u in enumerate(self._used_anywhere(mine)) if u]
                 self._fill(pushed)
                 if pushed:
-                    self._set_tag()
                     with torch.no_grad():
                         self.store.push(
                             [self._keys[i] for i in pushed], [self._params[i].grad for i in pushed]
