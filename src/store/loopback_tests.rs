@@ -1263,3 +1263,82 @@ fn a_sharded_checkpoint_carries_each_ranks_residuals() {
         }
     }
 }
+
+#[test]
+fn any_of_is_each_flag_ored_over_the_ranks() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+    for n in 1..=4 {
+        let len = rng.gen_range(0..200);
+        let flags: Vec<Vec<bool>> = (0..n)
+            .map(|_| (0..len).map(|_| rng.gen_bool(0.2)).collect())
+            .collect();
+        let want: Vec<bool> = (0..len).map(|i| flags.iter().any(|f| f[i])).collect();
+        let kvs = stores(n);
+        let got = on_ranks(&kvs, |r, kv| kv.any_of("used", &flags[r]));
+        for g in got {
+            assert_eq!(g.unwrap(), want, "{n} ranks, {len} flags");
+        }
+    }
+}
+
+#[test]
+fn ranks_whose_any_of_differs_fail_every_rank() {
+    let kvs = stores(3);
+    // One rank passes one flag more, another a different `what`.
+    let got = on_ranks(&kvs, |r, kv| match r {
+        1 => kv.any_of("used", &[true, false, true]),
+        _ => kv.any_of("used", &[true, false]),
+    });
+    assert!(
+        got.iter().all(|g| matches!(g, Err(Error::Desync { .. }))),
+        "{got:?}"
+    );
+    let kvs = stores(2);
+    let got = on_ranks(&kvs, |r, kv| {
+        kv.any_of(if r == 0 { "a" } else { "b" }, &[true])
+    });
+    assert!(
+        got.iter().all(|g| matches!(g, Err(Error::Desync { .. }))),
+        "{got:?}"
+    );
+}
+
+#[test]
+fn ranks_with_different_tags_fail_every_rank_and_store_nothing() {
+    let kvs = stores(3);
+    let init = NDArray::from_vec(vec![0.25f32, -1.5, 2.0], [3]).unwrap();
+    on_ranks(&kvs, |_, kv| kv.init(7, &init).unwrap());
+    // Equal tags: the push goes through.
+    on_ranks(&kvs, |_, kv| {
+        kv.set_tag(Some("step 1"));
+        kv.push(7, &NDArray::from_vec(vec![0.5f32, 0.5, 0.5], [3]).unwrap())
+            .unwrap();
+    });
+    // Rank 2 a step behind: every rank fails, the message shows both tags, nothing stored.
+    let before: Vec<_> = kvs.iter().map(snapshot).collect();
+    let got = on_ranks(&kvs, |r, kv| {
+        kv.set_tag(Some(if r == 2 { "step 1" } else { "step 2" }));
+        kv.push(7, &NDArray::from_vec(vec![1.0f32, 1.0, 1.0], [3]).unwrap())
+    });
+    for g in &got {
+        match g {
+            Err(Error::Desync { detail, .. }) => {
+                assert!(
+                    detail.contains("[step 1]") && detail.contains("[step 2]"),
+                    "{detail}"
+                )
+            }
+            other => panic!("expected Desync, got {other:?}"),
+        }
+    }
+    let after: Vec<_> = kvs.iter().map(snapshot).collect();
+    assert_eq!(before, after);
+    // The value is the first push's: three ranks' halves (the push assigns the sum).
+    let home = before
+        .iter()
+        .flatten()
+        .find(|p| p.0 == "7")
+        .expect("key 7's home");
+    assert_eq!(home.1, vec![1.5f64, 1.5, 1.5]);
+}

@@ -277,11 +277,13 @@ impl Dist {
             words[i / 64] |= 1 << (i % 64);
         }
         let all = round.all_gather_words(&words)?;
-        let any = |i: usize| {
-            all.chunks(words.len().max(1))
-                .any(|w| w.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 == 1))
-        };
-        Ok((0..flags.len()).map(any).collect())
+        // Every rank's words ORed together.
+        for rank in all.chunks(words.len().max(1)) {
+            words.iter_mut().zip(rank).for_each(|(w, r)| *w |= r);
+        }
+        Ok((0..flags.len())
+            .map(|i| words[i / 64] >> (i % 64) & 1 == 1)
+            .collect())
     }
 
     /// Begins a call whose fingerprint is compared across ranks even with the per-call check
