@@ -5,7 +5,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use super::dist::{part_shape, Inputs, Mine};
+use super::across::{part_shape, Inputs, Mine};
 use super::groups::Group;
 use super::{read, write, KvStore, StoreKind};
 use crate::comm::dist::{Blocks, Dist, Pool};
@@ -125,7 +125,7 @@ pub(super) fn dtype_refusal(
 }
 
 /// A key's residuals: one per position in a push's list of values.
-type Residuals = Vec<Vec<f32>>;
+pub(super) type Residuals = Vec<Vec<f32>>;
 
 /// Per group, the sum of its values after compression, as an array of the key's shape on the
 /// host, and the residuals that sum leaves (to be kept with [`commit`] once the push has

@@ -237,7 +237,7 @@ impl KvStore {
                         next_cell += 1;
                         return Ok(Made::Held(staged));
                     }
-                    let mut cell = super::dist::keep(d, value)?;
+                    let mut cell = super::across::keep(d, value)?;
                     cell.set_state(generation, state)?;
                     Ok(Made::New(spread, Shape::new(&m.dims)?, cell))
                 })

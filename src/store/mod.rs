@@ -17,8 +17,8 @@
 //! [`HomeValue`], and the GPU probe for placement; it knows no CUDA, no NCCL and no
 //! transport: it never branches on which link it has.
 
+mod across;
 mod compress;
-mod dist;
 mod dist_checkpoint;
 mod entries;
 mod groups;
@@ -41,15 +41,15 @@ use crate::comm::{self, Ctx, KeyPush, Spread};
 use crate::compress::Compression;
 use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
-use dist::Inputs;
+use across::{Across, Inputs};
 
 pub(crate) use entries::{Entry, EntryState};
 pub use groups::ValueList;
 use groups::{issue_order, lock_cells, Group};
-use hook::{call_hook, cell_steps, pushed};
+use hook::{call_hook, pushed};
 pub use hook::{PushEvent, PushHook};
 pub use kind::{IntoStoreKind, StoreKind};
-use table::{place_by_size, place_on_ranks, Slot, Table};
+use table::{Slot, Table};
 use validate::{check_arrays, check_len, check_outs, check_values, to_keys};
 mod hyper;
 
@@ -113,6 +113,8 @@ pub struct KvStore {
     par_min_bytes: usize,
     /// The link to the other ranks: one rank alone for the single-process kinds.
     ranks: Dist,
+    /// How values cross `ranks`, chosen once when the store is created.
+    across: Box<dyn Across>,
 }
 
 impl KvStore {
@@ -147,12 +149,17 @@ impl KvStore {
             });
         }
         let config = Config::from_env()?;
-        let ranks = dist::connect(kind, &name, &config)?;
+        let ranks = across::connect(kind, &name, &config)?;
         KvStore::with_ranks(kind, name, ranks, &config)
     }
 
-    /// A store of `kind`, named `name`, over `ranks`.
-    fn with_ranks(kind: StoreKind, name: String, ranks: Dist, config: &Config) -> Result<KvStore> {
+    /// A store of `kind`, named `name`, over `ranks`, which its values cross as `across` says.
+    fn with_ranks(
+        kind: StoreKind,
+        name: String,
+        (ranks, across): (Dist, Box<dyn Across>),
+        config: &Config,
+    ) -> Result<KvStore> {
         let par_min_bytes = config.par_min_bytes;
         Ok(KvStore {
             name,
@@ -167,6 +174,7 @@ impl KvStore {
             compression: RwLock::new(Compression::None),
             par_min_bytes,
             ranks,
+            across,
         })
     }
 
@@ -442,22 +450,17 @@ impl KvStore {
         let keys = check_len("init", keys.len(), values.len(), "values")
             .and_then(|()| to_keys(keys))
             .map_err(|e| self.rejected("init", e))?;
-        let d = &self.ranks;
-        let gpus = probe::gpu_count();
-        let any_gpu_home = d.passes_through()
-            && match homes {
-                Some(h) => h.iter().any(|d| d.is_gpu()),
-                None => self.kind != StoreKind::Local && gpus > 0,
-            };
+        let (d, across) = (&self.ranks, &*self.across);
+        let any_gpu_home = across.gpu_homes(self.kind, homes);
         // Before the call: rank 0's values, read or copied (that may fail). Host homes are
         // copied here, outside the table lock, so big inits do not stall other keys' lookups;
         // GPU homes are copied under the lock, once the homes are placed.
         let prepared = check_new_keys(&read(&self.table), &keys)
-            .and_then(|()| dist::rank0_values(d, values, any_gpu_home));
+            .and_then(|()| across.rank0_values(d, values, any_gpu_home));
         let mine = prepared.map_err(|e| d.reject("init", e))?;
         let fp = || match row_sparse {
-            true => dist::init_fingerprint(&keys, values).note("row_sparse"),
-            false => dist::init_fingerprint(&keys, values),
+            true => across::init_fingerprint(&keys, values).note("row_sparse"),
+            false => across::init_fingerprint(&keys, values),
         };
         let mut call = d.begin_with(fp)?;
         // The table is held from here to the end: the keys are placed before the values move
@@ -472,13 +475,13 @@ impl KvStore {
         fresh?;
         together?;
         let loads = (table.rank_bytes.clone(), table.gpu_bytes.clone());
-        let (placed, spreads) = self.place(&mut table, values, homes, any_gpu_home);
+        let (placed, spreads) = across.place(d, &mut table, values, homes, any_gpu_home);
         let parts = (|| {
-            let whole = dist::from_rank0(&mut *call, d, values, &spreads, mine)?;
+            let whole = across.rank0_to_all(&mut *call, d, values, &spreads, mine)?;
             let parts = whole.into_iter().zip(&spreads).zip(&placed).zip(values);
             parts
                 .zip(&keys)
-                .map(|((((w, &s), &home), v), key)| dist::keep_part(d, w, s, home, v, key))
+                .map(|((((w, &s), &home), v), key)| across::keep_part(d, w, s, home, v, key))
                 .collect::<Result<Vec<HomeValue>>>()
         })();
         let data = match parts {
@@ -493,40 +496,6 @@ impl KvStore {
         let sparse = vec![row_sparse; keys.len()];
         insert_slots(&mut table, keys, &kinds, data, &placed, &spreads, &sparse);
         Ok(())
-    }
-
-    /// Where the keys of an init live: each key's home device, and which ranks hold it. One
-    /// rank alone homes keys on the GPUs given, or largest first on the least loaded GPU
-    /// (`to_gpu`), or in host memory; ranks place keys on ranks by size, in their own home.
-    fn place(
-        &self,
-        table: &mut Table,
-        values: &[NDArray],
-        homes: Option<&[Device]>,
-        to_gpu: bool,
-    ) -> (Vec<Device>, Vec<Spread>) {
-        let d = &self.ranks;
-        if !d.passes_through() {
-            let sizes: Vec<(usize, bool)> = values
-                .iter()
-                .map(|v| (v.nbytes(), d.is_sliced(v.size())))
-                .collect();
-            let spreads = place_on_ranks(&mut table.rank_bytes, d.size(), &sizes);
-            return (vec![d.home(); values.len()], spreads);
-        }
-        let gpus = probe::gpu_count();
-        let placed: Vec<Device> = match homes {
-            Some(h) => h.to_vec(),
-            None if to_gpu => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
-            None => vec![Device::Cpu(0); values.len()],
-        };
-        table.gpu_bytes.resize(gpus, 0);
-        for (v, home) in values.iter().zip(&placed) {
-            if let Device::Gpu(i) = *home {
-                table.gpu_bytes[i] += v.nbytes();
-            }
-        }
-        (placed, vec![Spread::Whole { rank: 0 }; values.len()])
     }
 
     /// Pushes one or more values to `key`: they are summed, and the updater merges the sum into
@@ -590,10 +559,11 @@ impl KvStore {
             .map_err(|e| self.rejected("pull", e))?;
         let d = &self.ranks;
         self.prepare(&groups)?;
-        let mut call = d.begin_with(|| dist::fingerprint("pull", &groups))?;
+        let mut call = d.begin_with(|| across::fingerprint("pull", &groups))?;
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
-        dist::pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
+        let cells: Vec<&HomeValue> = cells.iter().map(|c| &**c).collect();
+        (self.across).pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
     }
 
     /// The one push of every store, on checked `groups` (`op` is `push` or `pushpull`): this
@@ -606,9 +576,9 @@ impl KvStore {
         groups: Vec<Group<'_>>,
         pulls: Option<&[Group<'_>]>,
     ) -> Result<()> {
-        let (d, ctx) = (&self.ranks, self.ctx());
+        let (d, across, ctx) = (&self.ranks, &*self.across, self.ctx());
         let compression = *read(&self.compression);
-        let mine = dist::contributions(d, ctx, &groups, compression.is_on())
+        let mine = (across.contributions(d, ctx, &groups, compression.is_on()))
             .map_err(|e| d.reject(op, e))?;
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
@@ -624,48 +594,31 @@ impl KvStore {
                 true => format!("{}; {}", active.describe(), compression.describe()),
                 false => active.describe().to_owned(),
             };
-            dist::fingerprint(op, &groups).note(note)
+            across::fingerprint(op, &groups).note(note)
         };
         let mut call = d.begin_with(fp)?;
-        let (inputs, residuals) = match (compression.is_on(), d.passes_through()) {
-            (false, _) => (dist::sum_across(&mut *call, d, &groups, mine)?, None),
-            (true, false) => {
-                let (inputs, residuals) =
-                    compress::sum_across(&mut *call, d, compression, &groups, mine)?;
-                (inputs, Some(residuals))
-            }
-            (true, true) => (Inputs::Values, None),
-        };
+        let summed = across.sum_across(&mut *call, d, compression, &groups, mine)?;
         let mut cells = lock_cells(&groups);
-        // Compressed pushes of a single-process `device` store: each value is quantized with
-        // its residual and decoded, and the decoded values are summed in order, as MXNet does.
-        let (inputs, residuals) = match (compression.is_on(), d.passes_through()) {
-            (true, true) => {
-                let (totals, residuals) = compress::decoded_totals(compression, &groups, d.pool())?;
-                (Inputs::Totals(totals), Some(residuals))
-            }
-            _ => (inputs, residuals),
-        };
-        let counts = update_counts(d, &active, &groups, &cells);
+        let (inputs, residuals) = across.locked_inputs(d, compression, &groups, summed)?;
+        let counts = across.update_counts(&active, &groups, &cells);
         let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
-        let agree: Option<comm::Agree<'_>> = match d.passes_through() {
-            true => None,
-            false => Some(&mut agree),
-        };
-        apply_push(&active, ctx, &groups, &inputs, &counts, &mut cells, agree)?;
+        apply_push(
+            &active, ctx, &groups, &inputs, &counts, &mut cells, &mut agree,
+        )?;
         if let Some(residuals) = residuals {
             compress::commit(&groups, residuals, d.pool());
         }
         let done = hook
             .as_ref()
-            .map(|_| pushed(&groups, &hook_steps(d, &active, &counts, &cells)));
+            .map(|_| pushed(&groups, &across.hook_steps(&active, &counts, &cells)));
         if let Some(pulls) = pulls {
             // `pushes` and `pulls` hold the same distinct keys in the same order.
-            dist::pull_parts(&mut *call, d, ctx, pulls, &cells)?;
+            let values: Vec<&HomeValue> = cells.iter().map(|c| &**c).collect();
+            across.pull_parts(&mut *call, d, ctx, pulls, &values)?;
         }
         drop(cells);
         drop(call);
-        dist::recycle(d, inputs);
+        across::recycle(d, inputs);
         call_hook(hook.as_deref(), &active, done)
     }
 
@@ -857,44 +810,6 @@ fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<HomeValue> {
     HomeValue::copy_of(value, home).map_err(|e| e.with_key(key))
 }
 
-/// Each group's update count so far under the updater in force: the step in the key's cell
-/// for one rank alone; ranks keep the count of every key on every rank (a cell holds state
-/// only where the key's value is), so every rank computes the same learning rate.
-fn update_counts(
-    d: &Dist,
-    active: &Active,
-    groups: &[Group<'_>],
-    cells: &[RwLockWriteGuard<'_, HomeValue>],
-) -> Vec<u64> {
-    match d.passes_through() {
-        true => cells
-            .iter()
-            .map(|c| c.step(active.generation).unwrap_or(0))
-            .collect(),
-        false => groups
-            .iter()
-            .map(|g| g.slot.updates(active.generation))
-            .collect(),
-    }
-}
-
-/// Each group's step after a push, for the push hook: the cell's step for one rank alone;
-/// on ranks, the count (every rank alike), or none for a closure updater, which keeps no step.
-fn hook_steps(
-    d: &Dist,
-    active: &Active,
-    counts: &[u64],
-    cells: &[RwLockWriteGuard<'_, HomeValue>],
-) -> Vec<Option<u64>> {
-    match d.passes_through() {
-        true => cell_steps(active, cells),
-        false => counts
-            .iter()
-            .map(|&c| (!matches!(active.updater, Updater::Custom(_))).then_some(c + 1))
-            .collect(),
-    }
-}
-
 /// Applies a validated push to every group this rank holds, in issue order, through the comm
 /// pipeline (`inputs`: what the updater takes for each; `counts`: each group's update count so
 /// far), and then records the call's update counts. `agree`, on ranks: see [`comm::push`].
@@ -905,7 +820,7 @@ fn apply_push(
     inputs: &Inputs,
     counts: &[u64],
     cells: &mut [RwLockWriteGuard<'_, HomeValue>],
-    agree: Option<comm::Agree<'_>>,
+    agree: comm::Agree<'_>,
 ) -> Result<()> {
     let hypers = hyper::for_push(active, groups, counts);
     let totals: Vec<Option<[&NDArray; 1]>> = match inputs {
@@ -936,7 +851,7 @@ fn apply_push(
             values,
             hyper: hypers.of(i),
             // Totals are always the push's own buffers, one per group, never a caller's array
-            // (`dist::sum_across`, `compress::sum_across` and `compress::decoded_totals` make
+            // (the ways' `sum_across`, `compress::sum_across` and `compress::decoded_totals` make
             // them): the backend may take one instead of copying it. Only one the pool keeps
             // between calls: taking small ones would move every small key's value into a fresh
             // allocation on every push, and the allocator, trimming the memory freed, would fault
@@ -945,7 +860,7 @@ fn apply_push(
                 && values.iter().all(|v| Pool::keeps(v.nbytes())),
         });
     }
-    comm::push(&active.updater, active.generation, ctx, jobs, agree)?;
+    comm::push(&active.updater, active.generation, ctx, jobs, Some(agree))?;
     hypers.commit(active);
     for (g, &c) in groups.iter().zip(counts) {
         g.slot.set_updates(active.generation, c + 1);
@@ -1059,13 +974,16 @@ impl KvStore {
         bound: usize,
     ) -> Result<KvStore> {
         let ranks = Dist::over(Box::new(link), bound)?;
+        let across = across::over(&ranks);
         let config = Config::from_vars(|_| None)?;
-        KvStore::with_ranks(StoreKind::DistSync, "dist_sync".to_owned(), ranks, &config)
+        let name = "dist_sync".to_owned();
+        KvStore::with_ranks(StoreKind::DistSync, name, (ranks, across), &config)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::table::place_by_size;
     use super::*;
     use crate::host::HostData;
 

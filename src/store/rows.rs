@@ -7,18 +7,18 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::dist;
+use super::across;
 use super::groups::{issue_order, lock_cells, Group};
 use super::hook::{call_hook, pushed};
 use super::table::Slot;
 use super::validate::{check_len, to_keys};
-use super::{hook_steps, hyper, read, update_counts, KvStore};
+use super::{hyper, read, KvStore};
 use crate::backend::{HomeValue, KeyFacts, Scattered};
 use crate::comm::dist::{Blocks, Dist};
 use crate::comm::link::Round;
 use crate::comm::{self, KeyPush};
 use crate::host::HostData;
-use crate::row_sparse::{add_row, check_ids, check_rows, gather, merge, row_width, Merged};
+use crate::row_sparse::{add_row, check_ids, check_rows, merge, row_width, Merged};
 use crate::{cpu, DType, Error, IntoKey, NDArray, Result, RowSparse, Shape, Updater};
 
 impl KvStore {
@@ -166,13 +166,9 @@ impl KvStore {
             priority: 0,
         }];
         let d = &self.ranks;
-        let mut call = d.begin_with(|| dist::fingerprint(op, &group).note("row_sparse"))?;
+        let mut call = d.begin_with(|| across::fingerprint(op, &group).note("row_sparse"))?;
         let cell = read(&slot.cell);
-        let width = row_width(slot.shape);
-        let rows = match d.passes_through() {
-            true => gather(&*cell.value_to_host()?, &whole_rows(&ids, width)),
-            false => pull_across(&mut *call, d, &slot, &cell, &ids)?,
-        };
+        let rows = (self.across).rows_pulled(&mut *call, d, &slot, &cell, &ids)?;
         let mut dims = slot.shape.dims().to_vec();
         dims[0] = ids.len();
         RowSparse::new(ids, NDArray::from_host(rows, Shape::new(&dims)?, cpu(0)))
@@ -241,22 +237,17 @@ impl KvStore {
         groups: Vec<Group<'_>>,
         merged: Vec<Merged>,
     ) -> Result<()> {
-        let (d, ctx) = (&self.ranks, self.ctx());
+        let (d, across, ctx) = (&self.ranks, &*self.across, self.ctx());
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
         let fp = || {
             let note = format!("row_sparse; {}", active.describe());
-            dist::fingerprint(op, &groups).note(note)
+            across::fingerprint(op, &groups).note(note)
         };
         let mut call = d.begin_with(fp)?;
-        let mut parts: Vec<Option<Part>> = match d.passes_through() {
-            true => (groups.iter().zip(merged))
-                .map(|(g, m)| Some(whole_part(g.slot.shape, m)))
-                .collect(),
-            false => push_across(&mut *call, d, &groups, merged)?,
-        };
+        let mut parts = across.rows_across(&mut *call, d, &groups, merged)?;
         let mut cells = lock_cells(&groups);
-        let counts = update_counts(d, &active, &groups, &cells);
+        let counts = across.update_counts(&active, &groups, &cells);
         let hypers = hyper::for_push(&active, &groups, &counts);
         // Each part's rows and their state, as values of their own: the update runs on them,
         // and they go back into the cells only once every key's update has succeeded.
@@ -268,11 +259,10 @@ impl KvStore {
                 Ok(Some((rows, NDArray::from_host(grad, p.shape, cpu(0)))))
             })
             .collect();
-        let ok = gathered.is_ok();
-        if !d.passes_through() {
-            call.agree(op, ok, "reading its rows")?;
-        }
-        let (mut rows, grad_arrays): (Vec<Option<HomeValue>>, Vec<Option<NDArray>>) = gathered?
+        let together = call.agree(op, gathered.is_ok(), "reading its rows");
+        let gathered = gathered?;
+        together?;
+        let (mut rows, grad_arrays): (Vec<Option<HomeValue>>, Vec<Option<NDArray>>) = gathered
             .into_iter()
             .map(|p| match p {
                 Some((r, g)) => (Some(r), Some(g)),
@@ -306,11 +296,13 @@ impl KvStore {
                 });
             }
             let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
-            let agree: Option<comm::Agree<'_>> = match d.passes_through() {
-                true => None,
-                false => Some(&mut agree),
-            };
-            comm::push(&active.updater, active.generation, ctx, jobs, agree)?;
+            comm::push(
+                &active.updater,
+                active.generation,
+                ctx,
+                jobs,
+                Some(&mut agree),
+            )?;
         }
         // Every key's new value first (a GPU home's on its GPU, where that can fail), then
         // all of them into their cells, so that a failure changes no key.
@@ -323,12 +315,9 @@ impl KvStore {
                 _ => Ok(None),
             })
             .collect();
-        // On GPU ranks making the new values can fail on one rank (its GPU's memory): every
-        // rank commits, or none does.
-        let together = match d.gpu() {
-            Some(_) => call.agree(op, scattered.is_ok(), "writing its new rows"),
-            None => Ok(()),
-        };
+        // Making the new values can fail on one rank (a GPU's memory): every rank commits, or
+        // none does.
+        let together = call.agree(op, scattered.is_ok(), "writing its new rows");
         let scattered: Vec<Option<Scattered>> = scattered?;
         together?;
         for (cell, s) in cells.iter_mut().zip(scattered) {
@@ -342,7 +331,7 @@ impl KvStore {
         }
         let done = hook
             .as_ref()
-            .map(|_| pushed(&groups, &hook_steps(d, &active, &counts, &cells)));
+            .map(|_| pushed(&groups, &across.hook_steps(&active, &counts, &cells)));
         drop(cells);
         drop(call);
         call_hook(hook.as_deref(), &active, done)
@@ -351,7 +340,7 @@ impl KvStore {
 
 /// The rows of a key this rank updates in a push: element ranges of its part of the value
 /// (offsets in its cell), and their summed gradient, one range after another.
-struct Part {
+pub(super) struct Part {
     segs: Vec<Range<usize>>,
     grad: HostData,
     /// The gradient's shape: `[rows, ...]` for whole rows, flat for parts of rows.
@@ -359,14 +348,14 @@ struct Part {
 }
 
 /// The element ranges of whole rows `ids`, `width` elements each.
-fn whole_rows(ids: &[u64], width: usize) -> Vec<Range<usize>> {
+pub(super) fn whole_rows(ids: &[u64], width: usize) -> Vec<Range<usize>> {
     (ids.iter())
         .map(|&id| id as usize * width..(id as usize + 1) * width)
         .collect()
 }
 
 /// A key's part when this rank holds the whole value: every merged row.
-fn whole_part(shape: Shape, m: Merged) -> Part {
+pub(super) fn whole_part(shape: Shape, m: Merged) -> Part {
     let mut dims = shape.dims().to_vec();
     dims[0] = m.ids.len();
     Part {
@@ -426,7 +415,7 @@ impl AllIds {
 /// sends each holder, in one all-to-all per dtype, the elements of its rows that fall in the
 /// holder's part of the key (nothing else moves); each holder sums what it gets by row id, in
 /// rank order. Returns, per key, the part this rank updates (`None` where it holds none).
-fn push_across(
+pub(super) fn push_across(
     call: &mut dyn Round,
     d: &Dist,
     groups: &[Group<'_>],
@@ -580,7 +569,7 @@ fn push_across(
 /// A `row_sparse_pull`'s step across ranks: every rank learns every rank's ids; each holder
 /// sends each rank, in one all-to-all, the elements of the rows it asked for that fall in the
 /// holder's part; each rank puts its rows together from those pieces.
-fn pull_across(
+pub(super) fn pull_across(
     call: &mut dyn Round,
     d: &Dist,
     slot: &Slot,

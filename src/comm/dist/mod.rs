@@ -69,6 +69,10 @@ pub(crate) struct Dist {
     store: u64,
     /// The caller's tag, in every fingerprint from when it is set (see [`Dist::set_tag`]).
     tag: Mutex<Option<Arc<str>>>,
+    /// NCCL between the ranks' GPUs, when the ranks keep their values on GPUs.
+    gpus: Option<Arc<RankComm>>,
+    /// One rank alone (the single-process kinds): calls compare nothing.
+    alone: bool,
 }
 
 impl Dist {
@@ -80,6 +84,8 @@ impl Dist {
             pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
             tag: Mutex::new(None),
+            gpus: None,
+            alone: true,
         }
     }
 
@@ -100,7 +106,8 @@ impl Dist {
     /// store at the same point of its calls, and the ranks compare the crate version, the
     /// bound, the pool size and the link's settings (the check switch, the timeout). A
     /// difference is [`Error::Desync`] on every rank, naming the settings.
-    fn joined(link: Box<dyn Link>, bound: usize, pool: Arc<Pool>) -> Result<Dist> {
+    fn joined(joined: link::Joined, bound: usize, pool: Arc<Pool>) -> Result<Dist> {
+        let link::Joined { link, gpus } = joined;
         let store = link.next_store_id();
         let dist = Dist {
             link,
@@ -108,6 +115,8 @@ impl Dist {
             pool,
             store,
             tag: Mutex::new(None),
+            gpus,
+            alone: false,
         };
         let setup = format!(
             "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, {}",
@@ -123,7 +132,8 @@ impl Dist {
     /// A store's link over `link` (tests: the loopback link), with the defaults.
     #[cfg(test)]
     pub fn over(link: Box<dyn Link>, bound: usize) -> Result<Dist> {
-        Dist::joined(link, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
+        let joined = link::Joined { link, gpus: None };
+        Dist::joined(joined, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
     }
 
     /// Host buffers kept between calls: take a call's big buffers from here, and give them
@@ -141,19 +151,21 @@ impl Dist {
         }
     }
 
-    /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs.
-    pub fn gpu(&self) -> Option<&RankComm> {
-        self.link.gpu()
+    /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs: the store
+    /// chooses how its values cross ranks from this once, when it is created.
+    pub fn gpus(&self) -> Option<Arc<RankComm>> {
+        self.gpus.clone()
     }
 
-    /// Whether values pass through unchanged (one rank alone).
-    pub fn passes_through(&self) -> bool {
-        self.link.passes_through()
+    /// One rank alone (the single-process kinds): the store chooses how its values cross ranks
+    /// from this once, when it is created.
+    pub fn is_alone(&self) -> bool {
+        self.alone
     }
 
     /// Where this rank keeps its parts of the values: its GPU, or host memory.
     pub fn home(&self) -> Device {
-        match self.gpu() {
+        match &self.gpus {
             Some(rc) => Device::Gpu(rc.ordinal()),
             None => Device::Cpu(0),
         }
@@ -180,7 +192,7 @@ impl Dist {
     pub fn is_sliced(&self, len: usize) -> bool {
         let size = self.size();
         let every_rank_holds = || slice_block(len, size) * (size - 1) < len;
-        size > 1 && len > self.bound && (self.gpu().is_none() || every_rank_holds())
+        size > 1 && len > self.bound && (self.gpus.is_none() || every_rank_holds())
     }
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
@@ -192,7 +204,7 @@ impl Dist {
     /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared: one rank
     /// alone makes none, so a local store's call pays nothing for it.
     pub fn begin_with(&self, fp: impl FnOnce() -> Fingerprint) -> Result<Box<dyn Round + '_>> {
-        if self.link.passes_through() {
+        if self.alone {
             return self.link.begin(&Fingerprint::new("local"));
         }
         self.link.begin(&fp().store(self.store).tag(self.tag()))
@@ -251,7 +263,7 @@ impl Dist {
     ///
     /// [`KvStore::agree`]: crate::KvStore::agree
     pub fn agree(&self, what: &str) -> Result<()> {
-        if self.link.passes_through() {
+        if self.alone {
             return Ok(());
         }
         let fp = Fingerprint::new("agree")
@@ -263,7 +275,7 @@ impl Dist {
 
     /// For each of `flags`, whether any rank passed `true` (see [`crate::KvStore::any_of`]).
     pub fn any_of(&self, what: &str, flags: &[bool]) -> Result<Vec<bool>> {
-        if self.link.passes_through() {
+        if self.alone {
             return Ok(flags.to_vec());
         }
         let note = format!("{what} ({} flags)", flags.len());

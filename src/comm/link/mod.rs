@@ -23,6 +23,8 @@ pub(crate) mod nccl;
 pub(crate) mod solo;
 
 use super::fingerprint::{ranks, Fingerprint};
+use std::sync::Arc;
+
 use super::nccl::RankComm;
 use crate::config::Config;
 use crate::host::HostData;
@@ -72,15 +74,6 @@ pub(crate) trait Link: Send + Sync {
     fn size(&self) -> usize;
     /// This process's rank among the ranks on its machine.
     fn local_rank(&self) -> usize;
-    /// NCCL between the ranks' GPUs, when the ranks keep their values on GPUs.
-    fn gpu(&self) -> Option<&RankComm> {
-        None
-    }
-    /// Whether values pass through unchanged (one rank, no transfer): the store then hands the
-    /// caller's arrays to the backend, which fuses the sum with the update.
-    fn passes_through(&self) -> bool {
-        false
-    }
     /// A number for a new store on this link: stores created in the same order get the same
     /// number on every rank, so a call of one store never matches another store's.
     fn next_store_id(&self) -> u64;
@@ -165,23 +158,40 @@ pub(crate) fn internal(what: &str) -> Error {
     }
 }
 
+/// A joined link, and the NCCL communicator of the ranks' GPUs when they keep their values on
+/// GPUs (the link uses it too: over NCCL alone it carries the checks).
+pub(crate) struct Joined {
+    pub link: Box<dyn Link>,
+    pub gpus: Option<Arc<RankComm>>,
+}
+
 /// Joins the link of a distributed store. `on_gpu`: the ranks keep their values on GPUs
 /// (`dist_device_sync` on a machine with GPUs) and move them over NCCL. Ranks started without
 /// MPI (`WORLD_SIZE` set, no MPI launcher's variables) use NCCL alone.
-pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Box<dyn Link>> {
+pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Joined> {
     if on_gpu && nccl::launched_without_mpi() {
-        return Ok(Box::new(nccl::NcclLink::from_env(config)?));
+        let link = nccl::NcclLink::from_env(config)?;
+        let gpus = Some(link.gpus());
+        return Ok(Joined {
+            link: Box::new(link),
+            gpus,
+        });
     }
     connect_mpi(on_gpu)
 }
 
 #[cfg(feature = "mpi")]
-fn connect_mpi(on_gpu: bool) -> Result<Box<dyn Link>> {
-    Ok(Box::new(mpi::MpiLink::join(on_gpu)?))
+fn connect_mpi(on_gpu: bool) -> Result<Joined> {
+    let link = mpi::MpiLink::join(on_gpu)?;
+    let gpus = link.gpus();
+    Ok(Joined {
+        link: Box::new(link),
+        gpus,
+    })
 }
 
 #[cfg(not(feature = "mpi"))]
-fn connect_mpi(on_gpu: bool) -> Result<Box<dyn Link>> {
+fn connect_mpi(on_gpu: bool) -> Result<Joined> {
     let gpu_note = match on_gpu {
         true => {
             ", or start GPU ranks without MPI as torchrun does (RANK, WORLD_SIZE, \

@@ -1,6 +1,8 @@
 //! The MPI link (`mpirun`): CPU ranks move host buffers over the MPI transport; GPU ranks
 //! join an NCCL communicator whose id travels over MPI, and keep MPI for the checks.
 
+use std::sync::Arc;
+
 use half::{bf16, f16};
 
 use super::{internal, Link, Op, Round, Ticket};
@@ -15,7 +17,7 @@ use crate::{Element, Error, Result};
 /// The MPI world, and NCCL between the ranks' GPUs when they keep their values there.
 pub(crate) struct MpiLink {
     world: &'static World,
-    gpu: Option<RankComm>,
+    gpu: Option<Arc<RankComm>>,
 }
 
 impl MpiLink {
@@ -24,10 +26,15 @@ impl MpiLink {
     pub fn join(on_gpu: bool) -> Result<MpiLink> {
         let world = World::get()?;
         let gpu = match on_gpu {
-            true => Some(join_nccl_over_mpi(world)?),
+            true => Some(Arc::new(join_nccl_over_mpi(world)?)),
             false => None,
         };
         Ok(MpiLink { world, gpu })
+    }
+
+    /// The NCCL communicator of the ranks' GPUs, for GPU ranks.
+    pub fn gpus(&self) -> Option<Arc<RankComm>> {
+        self.gpu.clone()
     }
 }
 
@@ -42,10 +49,6 @@ impl Link for MpiLink {
 
     fn local_rank(&self) -> usize {
         self.world.local_rank()
-    }
-
-    fn gpu(&self) -> Option<&RankComm> {
-        self.gpu.as_ref()
     }
 
     fn next_store_id(&self) -> u64 {

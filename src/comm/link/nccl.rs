@@ -8,7 +8,7 @@
 //! which aborts the communicator on a timeout.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Link, Op, Round, Ticket};
 use crate::backend::cuda::GpuBuf;
@@ -34,7 +34,7 @@ pub(crate) fn launched_without_mpi() -> bool {
 
 /// GPU ranks joined by NCCL alone.
 pub(crate) struct NcclLink {
-    rc: RankComm,
+    rc: Arc<RankComm>,
     check: bool,
     local_rank: usize,
     /// The last call begun, and the first failure (the link refuses calls after a desync).
@@ -48,12 +48,17 @@ impl NcclLink {
         let launch = LaunchEnv::from_process()?;
         let check = config.dist_check;
         Ok(NcclLink {
-            rc: RankComm::from_env()?,
+            rc: Arc::new(RankComm::from_env()?),
             check,
             local_rank: launch.local_rank,
             calls: Mutex::new((0, None)),
             stores: AtomicU64::new(0),
         })
+    }
+
+    /// The NCCL communicator of the ranks' GPUs.
+    pub fn gpus(&self) -> Arc<RankComm> {
+        self.rc.clone()
     }
 }
 
@@ -68,10 +73,6 @@ impl Link for NcclLink {
 
     fn local_rank(&self) -> usize {
         self.local_rank
-    }
-
-    fn gpu(&self) -> Option<&RankComm> {
-        Some(&self.rc)
     }
 
     fn next_store_id(&self) -> u64 {

@@ -23,10 +23,6 @@ impl Link for Solo {
         0
     }
 
-    fn passes_through(&self) -> bool {
-        true
-    }
-
     fn next_store_id(&self) -> u64 {
         0
     }

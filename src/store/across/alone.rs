@@ -1,0 +1,187 @@
+//! One rank alone (the single-process kinds): values pass through unchanged, so the backend
+//! sums a push's values and updates the stored value in one pass.
+
+use std::sync::RwLockWriteGuard;
+
+use super::{fan_out, Across, Inputs, Mine, Rank0, Summed};
+use crate::backend::{probe, HomeValue};
+use crate::comm::dist::{self, Dist};
+use crate::comm::link::Round;
+use crate::comm::{self, Spread};
+use crate::compress::Compression;
+use crate::host::HostData;
+use crate::row_sparse::{gather, row_width, Merged};
+use crate::store::groups::Group;
+use crate::store::hook::cell_steps;
+use crate::store::rows::{whole_part, whole_rows, Part};
+use crate::store::table::{place_by_size, Slot, Table};
+use crate::store::{compress, Active, StoreKind};
+use crate::{Device, NDArray, Result};
+
+/// One rank alone.
+pub(crate) struct Alone;
+
+impl Across for Alone {
+    fn gpu_homes(&self, kind: StoreKind, homes: Option<&[Device]>) -> bool {
+        match homes {
+            Some(h) => h.iter().any(|d| d.is_gpu()),
+            None => kind != StoreKind::Local && probe::gpu_count() > 0,
+        }
+    }
+
+    /// Keys go where the caller says, or on this process's GPUs by size (`to_gpu`), or in host
+    /// memory; they are never sliced.
+    fn place(
+        &self,
+        _d: &Dist,
+        table: &mut Table,
+        values: &[NDArray],
+        homes: Option<&[Device]>,
+        to_gpu: bool,
+    ) -> (Vec<Device>, Vec<Spread>) {
+        let gpus = probe::gpu_count();
+        let placed: Vec<Device> = match homes {
+            Some(h) => h.to_vec(),
+            None if to_gpu => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
+            None => vec![Device::Cpu(0); values.len()],
+        };
+        table.gpu_bytes.resize(gpus, 0);
+        for (v, home) in values.iter().zip(&placed) {
+            if let Device::Gpu(i) = *home {
+                table.gpu_bytes[i] += v.nbytes();
+            }
+        }
+        (placed, vec![Spread::Whole { rank: 0 }; values.len()])
+    }
+
+    /// Host homes are copied here, outside the table lock; keys homed on a GPU (`to_gpu`) are
+    /// copied there once placed.
+    fn rank0_values<'a>(
+        &self,
+        _d: &Dist,
+        values: &'a [NDArray],
+        to_gpu: bool,
+    ) -> Result<Vec<Option<Rank0<'a>>>> {
+        values
+            .iter()
+            .map(|v| match to_gpu {
+                true => Ok(Some(Rank0::Caller(v))),
+                false => Ok(Some(Rank0::Host(v.with_host(HostData::clone)?))),
+            })
+            .collect()
+    }
+
+    fn rank0_to_all<'a>(
+        &self,
+        _call: &mut dyn Round,
+        _d: &Dist,
+        _values: &[NDArray],
+        _spreads: &[Spread],
+        mine: Vec<Option<Rank0<'a>>>,
+    ) -> Result<Vec<Rank0<'a>>> {
+        mine.into_iter()
+            .map(|m| m.ok_or_else(|| dist::internal("one rank without its own value")))
+            .collect()
+    }
+
+    /// None: the values pass through to the backend.
+    fn contributions<'g>(
+        &self,
+        _d: &Dist,
+        _ctx: comm::Ctx,
+        _groups: &[Group<'g>],
+        _on_host: bool,
+    ) -> Result<Vec<Mine<'g>>> {
+        Ok(Vec::new())
+    }
+
+    fn sum_across(
+        &self,
+        _call: &mut dyn Round,
+        _d: &Dist,
+        _compression: Compression,
+        _groups: &[Group<'_>],
+        _mine: Vec<Mine<'_>>,
+    ) -> Result<Summed> {
+        Ok((Inputs::Values, None))
+    }
+
+    /// A compressed push quantizes each value with its residual and decodes it, and the
+    /// decoded values are summed in order, as MXNet does: under the keys' locks, since the
+    /// residuals change.
+    fn locked_inputs(
+        &self,
+        d: &Dist,
+        compression: Compression,
+        groups: &[Group<'_>],
+        summed: Summed,
+    ) -> Result<Summed> {
+        if !compression.is_on() {
+            return Ok(summed);
+        }
+        let (totals, residuals) = compress::decoded_totals(compression, groups, d.pool())?;
+        Ok((Inputs::Totals(totals), Some(residuals)))
+    }
+
+    /// The counts kept with each value's updater state.
+    fn update_counts(
+        &self,
+        active: &Active,
+        _groups: &[Group<'_>],
+        cells: &[RwLockWriteGuard<'_, HomeValue>],
+    ) -> Vec<u64> {
+        cells
+            .iter()
+            .map(|c| c.step(active.generation).unwrap_or(0))
+            .collect()
+    }
+
+    fn hook_steps(
+        &self,
+        active: &Active,
+        _counts: &[u64],
+        cells: &[RwLockWriteGuard<'_, HomeValue>],
+    ) -> Vec<Option<u64>> {
+        cell_steps(active, cells)
+    }
+
+    /// Straight from the cells into the outs.
+    fn pull_parts(
+        &self,
+        _call: &mut dyn Round,
+        _d: &Dist,
+        ctx: comm::Ctx,
+        groups: &[Group<'_>],
+        cells: &[&HomeValue],
+    ) -> Result<()> {
+        let whole: Vec<(&HomeValue, _)> = cells.iter().map(|&c| (c, None)).collect();
+        fan_out(ctx, groups, &whole, &[])
+    }
+
+    /// Every merged row, of the whole value.
+    fn rows_across(
+        &self,
+        _call: &mut dyn Round,
+        _d: &Dist,
+        groups: &[Group<'_>],
+        merged: Vec<Merged>,
+    ) -> Result<Vec<Option<Part>>> {
+        Ok((groups.iter().zip(merged))
+            .map(|(g, m)| Some(whole_part(g.slot.shape, m)))
+            .collect())
+    }
+
+    fn rows_pulled(
+        &self,
+        _call: &mut dyn Round,
+        _d: &Dist,
+        slot: &Slot,
+        cell: &HomeValue,
+        ids: &[u64],
+    ) -> Result<HostData> {
+        Ok(gather(
+            &*cell.value_to_host()?,
+            &whole_rows(ids, row_width(slot.shape)),
+        ))
+    }
+}

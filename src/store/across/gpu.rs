@@ -1,0 +1,181 @@
+//! Ranks that keep their values on their GPUs: values move over NCCL between the GPUs, packed
+//! where small; big keys are reduce-scattered and all-gathered.
+
+use std::sync::Arc;
+
+use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0, Summed};
+use crate::backend::HomeValue;
+use crate::comm::dist::{self, Dist, GpuPiece};
+use crate::comm::link::Round;
+use crate::comm::nccl::RankComm;
+use crate::comm::{self, Spread};
+use crate::compress::Compression;
+use crate::store::compress;
+use crate::store::groups::Group;
+use crate::{NDArray, Result};
+
+/// Ranks with their values on their GPUs (`dist_device_sync` with GPUs), joined by `0`.
+pub(crate) struct GpuRanks(pub Arc<RankComm>);
+
+impl Across for GpuRanks {
+    fn rank0_values<'a>(
+        &self,
+        d: &Dist,
+        values: &'a [NDArray],
+        _to_gpu: bool,
+    ) -> Result<Vec<Option<Rank0<'a>>>> {
+        values
+            .iter()
+            .map(|v| match d.rank() {
+                0 => Ok(Some(Rank0::Gpu(v.to_device(d.home())?))),
+                _ => Ok(None),
+            })
+            .collect()
+    }
+
+    fn rank0_to_all<'a>(
+        &self,
+        _call: &mut dyn Round,
+        _d: &Dist,
+        values: &[NDArray],
+        spreads: &[Spread],
+        mine: Vec<Option<Rank0<'a>>>,
+    ) -> Result<Vec<Rank0<'a>>> {
+        let rc = &*self.0;
+        // Whole keys go to every rank (packed, as a pull does); a sliced key is scattered.
+        let (mut whole, mut sliced) = (Vec::new(), Vec::new());
+        for ((v, m), s) in values.iter().zip(mine).zip(spreads) {
+            let data = match m {
+                Some(Rank0::Gpu(a)) => Some(a),
+                _ => None,
+            };
+            match s {
+                Spread::Sliced => sliced.push((data, v.size(), v.dtype())),
+                Spread::Whole { .. } => whole.push(GpuPiece {
+                    data,
+                    shape: v.shape(),
+                    dtype: v.dtype(),
+                    root: 0,
+                }),
+            }
+        }
+        let whole = dist::gather_on_gpus(rc, whole)?.into_iter().map(Rank0::Gpu);
+        let sliced = dist::scatter_on_gpus(rc, sliced)?
+            .into_iter()
+            .map(Rank0::GpuPart);
+        in_key_order(spreads.iter().copied(), whole, sliced)
+    }
+
+    fn contributions<'g>(
+        &self,
+        d: &Dist,
+        ctx: comm::Ctx,
+        groups: &[Group<'g>],
+        on_host: bool,
+    ) -> Result<Vec<Mine<'g>>> {
+        // This rank's values are summed on its GPU (a single value too: a collective may
+        // overwrite its buffer).
+        groups
+            .iter()
+            .map(|g| {
+                let facts = g.slot.facts();
+                let sum = comm::local_sum(ctx, &facts, &g.arrays, d.home(), None)?;
+                match on_host {
+                    false => Ok(Mine::Summed(sum)),
+                    true => sum.into_host().map(Mine::Owned),
+                }
+            })
+            .collect()
+    }
+
+    fn sum_across(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        compression: Compression,
+        groups: &[Group<'_>],
+        mine: Vec<Mine<'_>>,
+    ) -> Result<Summed> {
+        if compression.is_on() {
+            let (inputs, residuals) = compress::sum_across(call, d, compression, groups, mine)?;
+            return Ok((inputs, Some(residuals)));
+        }
+        let rc = &*self.0;
+        // Whole keys are reduced onto their home rank (packed where small); sliced keys are
+        // reduce-scattered, each rank left with the total of its slice.
+        let (mut whole, mut sliced) = (Vec::new(), Vec::new());
+        for (g, m) in groups.iter().zip(mine) {
+            match g.slot.spread {
+                Spread::Sliced => sliced.push(m.into_array()?),
+                Spread::Whole { rank } => whole.push((m.into_array()?, rank)),
+            }
+        }
+        let whole = dist::reduce_on_gpus(rc, whole)?;
+        // Flat, of the slice's length: the shape of a sliced key's part.
+        let sliced = dist::reduce_scatter_on_gpus(rc, sliced)?
+            .into_iter()
+            .map(Some);
+        let spreads = groups.iter().map(|g| g.slot.spread);
+        Ok((Inputs::Totals(in_key_order(spreads, whole, sliced)?), None))
+    }
+
+    fn pull_parts(
+        &self,
+        _call: &mut dyn Round,
+        d: &Dist,
+        ctx: comm::Ctx,
+        groups: &[Group<'_>],
+        cells: &[&HomeValue],
+    ) -> Result<()> {
+        let rc = &*self.0;
+        // Whole keys are broadcast from their home (packed where small); sliced keys are
+        // all-gathered from every rank's slice.
+        let (mut pieces, mut parts) = (Vec::new(), Vec::new());
+        for (g, cell) in groups.iter().zip(cells) {
+            let len = g.slot.shape.size();
+            match g.slot.spread {
+                Spread::Sliced => {
+                    let mine = g.slot.spread.piece(len, d.rank(), d.size()).len();
+                    parts.push((cell.to_array(part_shape(g, mine))?, len));
+                }
+                Spread::Whole { rank: root } => pieces.push(GpuPiece {
+                    data: match root == d.rank() {
+                        true => Some(cell.to_array(g.slot.shape)?),
+                        false => None,
+                    },
+                    shape: g.slot.shape,
+                    dtype: g.slot.dtype,
+                    root,
+                }),
+            }
+        }
+        let whole = dist::gather_on_gpus(rc, pieces)?;
+        let sliced = dist::all_gather_on_gpus(rc, parts)?;
+        let values = in_key_order(groups.iter().map(|g| g.slot.spread), whole, sliced)?
+            .into_iter()
+            .map(|value| HomeValue::from_array(value, d.home()))
+            .collect::<Result<Vec<_>>>()?;
+        let values: Vec<(&HomeValue, _)> = values.iter().map(|v| (v, None)).collect();
+        fan_out(ctx, groups, &values, &[])
+    }
+}
+
+/// A GPU call's results for its whole keys and for its sliced keys (each in the keys' order),
+/// back in the order of the keys' `spreads`.
+fn in_key_order<T>(
+    spreads: impl IntoIterator<Item = Spread>,
+    whole: impl IntoIterator<Item = T>,
+    sliced: impl IntoIterator<Item = T>,
+) -> Result<Vec<T>> {
+    let (mut whole, mut sliced) = (whole.into_iter(), sliced.into_iter());
+    spreads
+        .into_iter()
+        .map(|s| {
+            let got = match s {
+                Spread::Whole { .. } => whole.next(),
+                Spread::Sliced => sliced.next(),
+            };
+            got.ok_or_else(|| dist::internal("a GPU call lost a key's result"))
+        })
+        .collect()
+}

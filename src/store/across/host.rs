@@ -1,0 +1,286 @@
+//! Ranks that keep their values in host memory: values move over the link's collectives on
+//! host buffers ([`comm::dist`] plans them: packed where small, sliced where big).
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::RwLockWriteGuard;
+
+use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0, Summed};
+use crate::backend::HomeValue;
+use crate::comm::dist::{self, Dist, Piece, Scattered, Sum, SumData};
+use crate::comm::link::Round;
+use crate::comm::{self, Spread};
+use crate::compress::Compression;
+use crate::host::HostData;
+use crate::ndarray::Storage;
+use crate::store::compress;
+use crate::store::groups::Group;
+use crate::{cpu, NDArray, Result};
+
+/// Ranks with their values in host memory (`dist_sync`; `dist_device_sync` without a GPU).
+pub(crate) struct HostRanks;
+
+impl Across for HostRanks {
+    fn rank0_values<'a>(
+        &self,
+        d: &Dist,
+        values: &'a [NDArray],
+        _to_gpu: bool,
+    ) -> Result<Vec<Option<Rank0<'a>>>> {
+        values
+            .iter()
+            .map(|v| match d.rank() {
+                0 => Ok(Some(Rank0::Host(v.with_host(HostData::clone)?))),
+                _ => Ok(None),
+            })
+            .collect()
+    }
+
+    fn rank0_to_all<'a>(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        values: &[NDArray],
+        spreads: &[Spread],
+        mine: Vec<Option<Rank0<'a>>>,
+    ) -> Result<Vec<Rank0<'a>>> {
+        // Whole keys go to every rank (packed, as a pull does); a sliced key is scattered, each
+        // rank receiving its own slice only, so an init never holds a big key whole on every rank.
+        fn host<'m>(m: &'m Option<Rank0<'_>>) -> Option<&'m HostData> {
+            match m {
+                Some(Rank0::Host(h)) => Some(h),
+                _ => None,
+            }
+        }
+        let ranks = (d.rank(), d.size());
+        let (mut whole, mut sliced) = (Vec::new(), Vec::new());
+        for ((v, m), s) in values.iter().zip(&mine).zip(spreads) {
+            match s {
+                Spread::Whole { .. } => whole.push(Piece {
+                    data: host(m),
+                    len: v.size(),
+                    dtype: v.dtype(),
+                    spread: Spread::Whole { rank: 0 },
+                    into: None,
+                }),
+                Spread::Sliced => sliced.push(Scattered {
+                    data: host(m),
+                    len: v.size(),
+                    dtype: v.dtype(),
+                }),
+            }
+        }
+        let mut whole = dist::gather(call, ranks, d.pool(), whole)?.into_iter();
+        let mut sliced = dist::scatter(call, ranks, d.pool(), sliced)?.into_iter();
+        spreads
+            .iter()
+            .map(|s| {
+                let got = match s {
+                    Spread::Whole { .. } => whole.next().map(Rank0::Host),
+                    Spread::Sliced => sliced.next().map(Rank0::Part),
+                };
+                got.ok_or_else(|| dist::internal("an init key got no value"))
+            })
+            .collect()
+    }
+
+    fn contributions<'g>(
+        &self,
+        d: &Dist,
+        ctx: comm::Ctx,
+        groups: &[Group<'g>],
+        _on_host: bool,
+    ) -> Result<Vec<Mine<'g>>> {
+        // A key pushed one value in host memory (checked: of its dtype) is read where it is;
+        // otherwise this rank's values are summed first.
+        groups
+            .iter()
+            .map(|g| match g.arrays.as_slice() {
+                [a] if !a.device().is_gpu() => Ok(Mine::Single(a)),
+                _ => {
+                    let len = g.slot.shape.size();
+                    let scratch = Some(d.pool().take(g.slot.dtype, len, d.room(len)));
+                    let facts = g.slot.facts();
+                    let sum = comm::local_sum(ctx, &facts, &g.arrays, d.home(), scratch)?;
+                    sum.into_host().map(Mine::Owned)
+                }
+            })
+            .collect()
+    }
+
+    fn sum_across(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        compression: Compression,
+        groups: &[Group<'_>],
+        mine: Vec<Mine<'_>>,
+    ) -> Result<Summed> {
+        if compression.is_on() {
+            let (inputs, residuals) = compress::sum_across(call, d, compression, groups, mine)?;
+            return Ok((inputs, Some(residuals)));
+        }
+        let sums = groups
+            .iter()
+            .zip(mine)
+            .map(|(g, s)| {
+                let data = match s {
+                    Mine::Owned(h) => SumData::Owned(h),
+                    Mine::Single(a) => SumData::Value(a),
+                    Mine::Summed(_) => {
+                        return Err(dist::internal("a contribution not in host memory"))
+                    }
+                };
+                Ok(Sum {
+                    data,
+                    spread: g.slot.spread,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // The caller's values are read, never lent: a transfer that fails cannot lose them.
+        let totals = dist::reduce(call, (d.rank(), d.size()), d.pool(), sums)?;
+        Ok((
+            Inputs::Totals(
+                totals
+                    .into_iter()
+                    .zip(groups)
+                    .map(|(t, g)| {
+                        t.map(|t| {
+                            let shape = part_shape(g, t.len());
+                            NDArray::from_host(t, shape, cpu(0))
+                        })
+                    })
+                    .collect(),
+            ),
+            None,
+        ))
+    }
+
+    fn pull_parts(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        ctx: comm::Ctx,
+        groups: &[Group<'_>],
+        cells: &[&HomeValue],
+    ) -> Result<()> {
+        // This rank's parts, read where they are (host values are borrowed, not copied).
+        let parts = groups
+            .iter()
+            .zip(cells)
+            .map(|(g, cell)| match g.slot.spread.holds(d.rank()) {
+                true => cell.value_to_host().map(Some),
+                false => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // A key's only out, in host memory and of the key's dtype, and no other key's out, receives
+        // the value itself, with no copy afterwards: its storage is lent to the transfer under its
+        // write lock.
+        let mut lent = lend_arrays(d, groups);
+        let pieces = groups
+            .iter()
+            .zip(&parts)
+            .zip(lent.iter_mut())
+            .map(|((g, part), lent)| Piece {
+                data: part.as_deref(),
+                len: g.slot.shape.size(),
+                dtype: g.slot.dtype,
+                spread: g.slot.spread,
+                into: lent.as_mut().and_then(|out| match &mut **out {
+                    Storage::Host(h) => {
+                        Some(std::mem::replace(h, HostData::filled(h.dtype(), 0, 0.0)))
+                    }
+                    Storage::Gpu(_) => None,
+                }),
+            })
+            .collect();
+        let gathered = match dist::gather_shared(call, (d.rank(), d.size()), d.pool(), pieces) {
+            Ok(g) => g,
+            Err(e) => {
+                // A lent out's storage may be lost with the failed transfer: zeros of its length
+                // keep the array whole.
+                refill(groups, &mut lent);
+                return Err(e);
+            }
+        };
+        // The lent outs get their storage back, holding the value (each travelled in a buffer of
+        // its own).
+        let dist::Gathered { mut bufs, at } = gathered;
+        let mut in_place = vec![false; groups.len()];
+        for (i, out) in lent.iter_mut().enumerate() {
+            if let Some(Storage::Host(h)) = out.as_deref_mut() {
+                std::mem::swap(h, &mut bufs[at[i].0]);
+                in_place[i] = true;
+            }
+        }
+        drop(lent);
+        // The other keys are copied into their outs from where they arrived (packed keys from
+        // their shared buffer).
+        let lens: Vec<usize> = bufs.iter().map(HostData::len).collect();
+        let values: Vec<HomeValue> = bufs.into_iter().map(HomeValue::from_host).collect();
+        let parts: Vec<(&HomeValue, Option<Range<usize>>)> = at
+            .into_iter()
+            .map(|(b, range)| {
+                let whole = range == (0..lens[b]);
+                (&values[b], (!whole).then_some(range))
+            })
+            .collect();
+        let pulled = fan_out(ctx, groups, &parts, &in_place);
+        drop(parts);
+        // The received buffers serve the next call.
+        for v in values {
+            if let Ok(h) = v.into_host() {
+                d.pool().give(h);
+            }
+        }
+        pulled
+    }
+}
+
+/// Write locks on the outs that receive their key's value in place, per group of a pull: the
+/// key's only out, in host memory, of its dtype, named by no other key of the call, for a key
+/// whose value travels in a buffer of its own.
+fn lend_arrays<'g>(
+    d: &Dist,
+    groups: &'g [Group<'_>],
+) -> Vec<Option<RwLockWriteGuard<'g, Storage>>> {
+    let candidate = |g: &Group<'_>| match g.arrays.as_slice() {
+        [a] => {
+            a.dtype() == g.slot.dtype
+                && !a.device().is_gpu()
+                && dist::receives_in_place(
+                    g.slot.spread,
+                    g.slot.shape.size(),
+                    g.slot.dtype,
+                    (d.size(), groups.len()),
+                )
+        }
+        _ => false,
+    };
+    // Most calls of many small keys have no candidate: count array uses only when needed.
+    if !groups.iter().any(candidate) {
+        return groups.iter().map(|_| None).collect();
+    }
+    let mut uses: HashMap<usize, usize> = HashMap::new();
+    for a in groups.iter().flat_map(|g| &g.arrays) {
+        *uses.entry(a.storage_id()).or_default() += 1;
+    }
+    groups
+        .iter()
+        .map(|g| match g.arrays.as_slice() {
+            [a] if candidate(g) && uses[&a.storage_id()] == 1 => Some(a.write()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Gives every lent array that has no storage back (its transfer failed) zeros of its length.
+fn refill(groups: &[Group<'_>], lent: &mut [Option<RwLockWriteGuard<'_, Storage>>]) {
+    for (g, out) in groups.iter().zip(lent.iter_mut()) {
+        if let Some(Storage::Host(h)) = out.as_deref_mut() {
+            if h.len() != g.slot.shape.size() {
+                *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
+            }
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! How a store's values cross ranks: one trait, [`Across`], chosen once when the store is
+//! created ([`connect`]), with one file per way.
+//!
+//! - [`alone`]: one rank alone (the single-process kinds). Values pass through unchanged, so
+//!   the backend fuses the sum with the update; compressed values are decoded under the keys'
+//!   locks.
+//! - [`host`]: ranks that keep their values in host memory (`dist_sync`, and
+//!   `dist_device_sync` without a GPU). Values move over the link's collectives
+//!   ([`comm::dist`] plans them), packed where small, sliced where big.
+//! - [`gpu`]: ranks that keep their values on their GPUs (`dist_device_sync` with GPUs). Values
+//!   move over NCCL between the GPUs.
+//!
+//! The store calls the same steps, in the same order, whichever way it has; it never asks
+//! which. Row-sparse rows and compressed values travel in host memory on every kind of ranks.
+//!
+//! Every rank keeps the whole key table (names, shapes, dtypes, and which ranks hold each key),
+//! and, in each slot, only its own part of the value: the whole value of the keys it homes, its
+//! slice of each sliced key, nothing of the others. The updater and its state run where the
+//! value is, so optimizer state is sharded over the ranks (ZeRO-1).
+//!
+//! - **init**: rank 0's values go to every rank, which keeps its part. Keys are placed on ranks
+//!   largest first, each on the rank holding the fewest bytes; keys of more than
+//!   `KVSTORE_BIGARRAY_BOUND` elements are sliced over every rank.
+//! - **push**: each rank sums its own values, the sums are summed across ranks onto where the
+//!   key lives ([`comm::dist::reduce`]), and the updater runs there, once per key.
+//! - **pull**: the value goes from where it lives to every rank ([`comm::dist::gather`]), then
+//!   into the outs.
+//!
+//! Every rank also counts every key's updates, homed there or not, so a learning-rate schedule
+//! gives every rank the same rate.
+//!
+//! Each call first checks its input on this rank. A rank that rejects its input tells the
+//! others in the call's fingerprint check, so every rank fails the same call
+//! ([`Error::RankRejected`] on the others) and nothing changes anywhere. An updater that can
+//! fail (a closure) computes every key's new value, then the ranks compare notes, and nothing
+//! is stored unless every rank's updater succeeded ([`Error::RankFailed`] on the others).
+//!
+//! Every rank must make the same calls, with the same keys, shapes and dtypes, in the same
+//! order: the collectives of MPI (and NCCL) match calls by their order. Set the same updater on
+//! every rank; it runs on the ranks that hold each key.
+
+mod alone;
+mod gpu;
+mod host;
+
+use std::ops::Range;
+use std::sync::{Once, RwLockWriteGuard};
+
+use super::compress::Residuals;
+use super::groups::{issue_order, Group};
+use super::rows::{self, Part};
+use super::table::{place_on_ranks, Slot, Table};
+use super::{Active, StoreKind};
+use crate::backend::{probe, HomePull, HomeValue};
+use crate::comm::dist::{self, Dist};
+use crate::comm::fingerprint::Fingerprint;
+use crate::comm::link::Round;
+use crate::comm::{self, Spread};
+use crate::compress::Compression;
+use crate::config::Config;
+use crate::host::HostData;
+use crate::row_sparse::Merged;
+use crate::{cpu, Device, Error, Key, NDArray, Result, Shape, Updater};
+
+/// How a store's values cross ranks (see the module doc). Every method is one step of a store
+/// call; the defaults are those of ranks (host and GPU alike).
+pub(super) trait Across: Send + Sync {
+    /// Whether an init with `homes` (`None`: placed by the store) puts some key on a GPU of
+    /// this process, to be copied there once placed (one rank alone only: ranks keep their
+    /// values where [`Dist::home`] says).
+    fn gpu_homes(&self, _kind: StoreKind, _homes: Option<&[Device]>) -> bool {
+        false
+    }
+
+    /// Where an init's new keys live: each one's home device, and how it spreads over ranks
+    /// (whole on the rank holding the fewest bytes, largest first; sliced when big). The
+    /// table's loads grow by the keys placed.
+    fn place(
+        &self,
+        d: &Dist,
+        table: &mut Table,
+        values: &[NDArray],
+        _homes: Option<&[Device]>,
+        _to_gpu: bool,
+    ) -> (Vec<Device>, Vec<Spread>) {
+        let sizes: Vec<(usize, bool)> = values
+            .iter()
+            .map(|v| (v.nbytes(), d.is_sliced(v.size())))
+            .collect();
+        let spreads = place_on_ranks(&mut table.rank_bytes, d.size(), &sizes);
+        (vec![d.home(); values.len()], spreads)
+    }
+
+    /// Before an init's call: rank 0's values, read (or copied where it keeps them), since that
+    /// may fail. `to_gpu`: [`Across::gpu_homes`].
+    fn rank0_values<'a>(
+        &self,
+        d: &Dist,
+        values: &'a [NDArray],
+        to_gpu: bool,
+    ) -> Result<Vec<Option<Rank0<'a>>>>;
+
+    /// An init's step across ranks: rank 0's values (`mine` on rank 0) to every rank.
+    fn rank0_to_all<'a>(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        values: &[NDArray],
+        spreads: &[Spread],
+        mine: Vec<Option<Rank0<'a>>>,
+    ) -> Result<Vec<Rank0<'a>>>;
+
+    /// Before a push's call: this process's contribution to each key. Reading a value may
+    /// fail. `on_host`: the call works on the sums in host memory (a compressed push makes its
+    /// words there), so they are read back before the call, where a failure is a rejection
+    /// every rank hears of rather than a rank missing from a collective.
+    fn contributions<'g>(
+        &self,
+        d: &Dist,
+        ctx: comm::Ctx,
+        groups: &[Group<'g>],
+        on_host: bool,
+    ) -> Result<Vec<Mine<'g>>>;
+
+    /// A push's step across ranks, before the keys are locked: every rank's contributions
+    /// (`mine`) summed onto where each key lives, and, compressed, the residuals to keep once
+    /// the push has succeeded.
+    fn sum_across(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        compression: Compression,
+        groups: &[Group<'_>],
+        mine: Vec<Mine<'_>>,
+    ) -> Result<Summed>;
+
+    /// What the updater takes, once the keys are locked: `summed` itself, unless this way
+    /// still has work that needs the keys' locks.
+    fn locked_inputs(
+        &self,
+        _d: &Dist,
+        _compression: Compression,
+        _groups: &[Group<'_>],
+        summed: Summed,
+    ) -> Result<Summed> {
+        Ok(summed)
+    }
+
+    /// Each key's update count before this push, for the schedule and the step (every rank
+    /// counts every key's updates, held there or not).
+    fn update_counts(
+        &self,
+        active: &Active,
+        groups: &[Group<'_>],
+        _cells: &[RwLockWriteGuard<'_, HomeValue>],
+    ) -> Vec<u64> {
+        groups
+            .iter()
+            .map(|g| g.slot.updates(active.generation))
+            .collect()
+    }
+
+    /// Each key's step after this push, for the push hook (`None`: a closure, which keeps no
+    /// step).
+    fn hook_steps(
+        &self,
+        active: &Active,
+        counts: &[u64],
+        _cells: &[RwLockWriteGuard<'_, HomeValue>],
+    ) -> Vec<Option<u64>> {
+        counts
+            .iter()
+            .map(|&c| (!matches!(active.updater, Updater::Custom(_))).then_some(c + 1))
+            .collect()
+    }
+
+    /// A pull's step across ranks, and the copies into the outs: every group's value from where
+    /// it lives (this rank's parts are in `cells`) to every rank, and into the group's outs.
+    fn pull_parts(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        ctx: comm::Ctx,
+        groups: &[Group<'_>],
+        cells: &[&HomeValue],
+    ) -> Result<()>;
+
+    /// A row-sparse push's step across ranks: per key, the part this rank updates (`None`
+    /// where it holds none), from every rank's rows summed by process (`merged`).
+    fn rows_across(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        groups: &[Group<'_>],
+        merged: Vec<Merged>,
+    ) -> Result<Vec<Option<Part>>> {
+        rows::push_across(call, d, groups, merged)
+    }
+
+    /// A `row_sparse_pull`'s step across ranks: the rows `ids` of a key (this rank's part is
+    /// `cell`), put together on this rank.
+    fn rows_pulled(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        slot: &Slot,
+        cell: &HomeValue,
+        ids: &[u64],
+    ) -> Result<HostData> {
+        rows::pull_across(call, d, slot, cell, ids)
+    }
+}
+
+/// A push's totals across ranks, and the residuals a compressed push keeps once it succeeds.
+pub(super) type Summed = (Inputs, Option<Vec<Residuals>>);
+
+/// The link of a store of `kind` (named `name`), and how its values cross it, chosen here
+/// once: one rank alone for the single-process kinds; the distributed world for the `dist_*`
+/// kinds, where `dist_device_sync` on a machine with GPUs keeps each rank's values on its GPU
+/// and moves them over NCCL.
+pub(super) fn connect(
+    kind: StoreKind,
+    name: &str,
+    config: &Config,
+) -> Result<(Dist, Box<dyn Across>)> {
+    let d = link(kind, name, config)?;
+    let across: Box<dyn Across> = match (d.is_alone(), d.gpus()) {
+        (true, _) => Box::new(alone::Alone),
+        (false, Some(rc)) => Box::new(gpu::GpuRanks(rc)),
+        (false, None) => Box::new(host::HostRanks),
+    };
+    Ok((d, across))
+}
+
+/// How the values of a store on the ranks of `d` cross them (tests: the loopback link).
+#[cfg(test)]
+pub(super) fn over(d: &Dist) -> Box<dyn Across> {
+    match d.gpus() {
+        Some(rc) => Box::new(gpu::GpuRanks(rc)),
+        None => Box::new(host::HostRanks),
+    }
+}
+
+/// The link of a store of `kind` (see [`connect`]).
+fn link(kind: StoreKind, name: &str, config: &Config) -> Result<Dist> {
+    if !kind.is_dist() {
+        return Ok(Dist::solo());
+    }
+    let on_gpu = kind == StoreKind::DistDeviceSync && probe::gpu_count() > 0;
+    if kind == StoreKind::DistDeviceSync && !on_gpu {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            log::warn!(
+                "kvstore: no GPU found; '{name}' keeps its values in host memory and behaves \
+                 as 'dist_sync'"
+            )
+        });
+    }
+    Dist::connect(on_gpu, config).map_err(|e| match e {
+        Error::KindUnavailable { reason, .. } => Error::KindUnavailable {
+            kind: name.to_owned(),
+            reason,
+        },
+        e => e,
+    })
+}
+
+/// This rank's part of a key, `part` (host data), kept where the store keeps its values.
+pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
+    match d.home() {
+        Device::Cpu(_) => Ok(HomeValue::from_host(part)),
+        home => {
+            let flat = Shape::new(&[part.len()])?;
+            HomeValue::copy_of(&NDArray::from_host(part, flat, cpu(0)), home)
+        }
+    }
+}
+
+/// This rank's contribution to a key of a push on ranks: its values' sum, or its one value
+/// itself. (One rank alone has none: its values pass through to the backend, which sums and
+/// updates in one pass.)
+pub(super) enum Mine<'a> {
+    /// The sum, on this rank's GPU.
+    Summed(NDArray),
+    /// The sum, in host memory.
+    Owned(HostData),
+    /// The one value pushed, in host memory, of the key's dtype.
+    Single(&'a NDArray),
+}
+
+impl Mine<'_> {
+    /// The contribution as an array of its own, which a collective may overwrite (a single
+    /// value is copied: it is the caller's).
+    fn into_array(self) -> Result<NDArray> {
+        match self {
+            Mine::Summed(a) => Ok(a),
+            Mine::Single(a) => a.copy(),
+            Mine::Owned(_) => Err(dist::internal("a host contribution on a link of GPU ranks")),
+        }
+    }
+}
+
+/// What the updater takes for each key of a push on this rank.
+pub(super) enum Inputs {
+    /// The caller's values, summed by the backend with the update (one rank alone).
+    Values,
+    /// Per group, the total across ranks of what this rank holds of the key (`None` where it
+    /// holds nothing), as an array of the shape of its part.
+    Totals(Vec<Option<NDArray>>),
+}
+
+/// Rank 0's value of a key being initialized, as this rank receives it.
+pub(super) enum Rank0<'a> {
+    /// The caller's value itself (one rank alone; keys homed on a GPU are copied there once
+    /// placed).
+    Caller(&'a NDArray),
+    /// In host memory.
+    Host(HostData),
+    /// On the GPU of a GPU rank.
+    Gpu(NDArray),
+    /// This rank's slice of a sliced key, in host memory.
+    Part(HostData),
+    /// This rank's slice of a sliced key, on the GPU of a GPU rank.
+    GpuPart(NDArray),
+}
+
+/// The fingerprint of a call of `op` on `groups`: each key with its shape and dtype.
+pub(super) fn fingerprint(op: &'static str, groups: &[Group<'_>]) -> Fingerprint {
+    let mut fp = Fingerprint::new(op);
+    fp.reserve(groups.len());
+    for g in groups {
+        fp.push(g.slot.key.clone(), g.slot.shape.dims(), g.slot.dtype);
+    }
+    fp
+}
+
+/// The fingerprint of an init of `keys` with `values`.
+pub(super) fn init_fingerprint(keys: &[Key], values: &[NDArray]) -> Fingerprint {
+    let mut fp = Fingerprint::new("init");
+    for (key, v) in keys.iter().zip(values) {
+        fp.push(key.clone(), v.shape().dims(), v.dtype());
+    }
+    fp
+}
+
+/// This rank's part of a key initialized with `whole`, kept on `home` where the key's spread
+/// says this rank holds some of it.
+pub(super) fn keep_part(
+    d: &Dist,
+    whole: Rank0<'_>,
+    spread: Spread,
+    home: Device,
+    value: &NDArray,
+    key: &Key,
+) -> Result<HomeValue> {
+    match whole {
+        Rank0::Caller(v) => HomeValue::copy_of(v, home).map_err(|e| e.with_key(key)),
+        Rank0::GpuPart(p) => HomeValue::from_array(p, home).map_err(|e| e.with_key(key)),
+        Rank0::Gpu(a) if spread.holds(d.rank()) => HomeValue::copy_of(&a, home),
+        Rank0::Part(p) if p.capacity() == p.len() => keep(d, p),
+        Rank0::Part(p) => {
+            let part = p.slice_of(0..p.len());
+            d.pool().give(p);
+            keep(d, part)
+        }
+        Rank0::Gpu(_) => Ok(HomeValue::from_host(HostData::filled(
+            value.dtype(),
+            0,
+            0.0,
+        ))),
+        Rank0::Host(w) => {
+            // A stored value owns exactly its size: a transfer's buffer (from the pool, with
+            // room for bigger keys) is copied out of and goes back to the pool.
+            let mine = spread.piece(w.len(), d.rank(), d.size());
+            if mine.len() == w.len() && w.capacity() == w.len() {
+                return keep(d, w);
+            }
+            let part = w.slice_of(mine);
+            d.pool().give(w);
+            keep(d, part)
+        }
+    }
+}
+
+/// Gives the host buffers of a push's totals back to the pool, for the next call.
+pub(super) fn recycle(d: &Dist, inputs: Inputs) {
+    let Inputs::Totals(totals) = inputs else {
+        return;
+    };
+    for total in totals.into_iter().flatten() {
+        if !total.device().is_gpu() {
+            if let Ok(h) = total.into_host() {
+                d.pool().give(h);
+            }
+        }
+    }
+}
+
+/// Copies every group's whole value (`values`, in group order: a value, or the group's
+/// elements of a value several groups share) into its outs, in issue order, except the groups
+/// `done` marks (their outs hold the value already).
+fn fan_out(
+    ctx: comm::Ctx,
+    groups: &[Group<'_>],
+    values: &[(&HomeValue, Option<Range<usize>>)],
+    done: &[bool],
+) -> Result<()> {
+    let jobs: Vec<HomePull<'_>> = issue_order(groups)
+        .into_iter()
+        .filter(|&i| !done.get(i).copied().unwrap_or(false))
+        .map(|i| HomePull {
+            key: &groups[i].slot.key,
+            value: values[i].0,
+            part: values[i].1.clone(),
+            outs: &groups[i].arrays,
+        })
+        .collect();
+    comm::pull(ctx, &jobs)
+}
+
+/// The shape of this rank's part of a group's key, of `len` elements: the key's shape when it
+/// holds all of it, a flat slice otherwise.
+pub(super) fn part_shape(g: &Group<'_>, len: usize) -> Shape {
+    match g.slot.spread {
+        Spread::Whole { .. } => g.slot.shape,
+        Spread::Sliced => Shape::new(&[len]).unwrap_or(g.slot.shape),
+    }
+}
