@@ -6,6 +6,7 @@ names exists, and an anchor (`#...`) names a heading of the target file (GitHub'
     scripts/check-doc-links.py FILE...    # those files only
 
 Prints each broken link as `file:line: target (why)` and exits 1 if there is one."""
+import os
 import re
 import sys
 from pathlib import Path
@@ -58,9 +59,9 @@ def check(path):
         file_part, _, anchor = target.partition("#")
         dest = (path.parent / file_part).resolve() if file_part else path
         if not dest.exists():
-            bad.append(f"{path.relative_to(ROOT)}:{no}: {target} (no such file)")
+            bad.append(f"{os.path.relpath(path, ROOT)}:{no}: {target} (no such file)")
         elif anchor and dest.suffix == ".md" and anchor not in slugs(dest):
-            bad.append(f"{path.relative_to(ROOT)}:{no}: {target} (no such heading)")
+            bad.append(f"{os.path.relpath(path, ROOT)}:{no}: {target} (no such heading)")
     return bad
 
 
