@@ -235,7 +235,7 @@ pub enum Error {
         key: Key,
         /// The updater's error.
         #[source]
-        source: crate::updater::BoxError,
+        source: BoxError,
     },
 
     /// The CUDA driver failed (copy, module load, launch, synchronize), or a GPU did not finish
@@ -529,6 +529,14 @@ pub enum Error {
 }
 
 impl Error {
+    /// An error for a broken invariant of the crate, rather than a panic.
+    pub(crate) fn internal(what: &str) -> Error {
+        Error::Mpi {
+            op: "dist",
+            message: format!("internal error: {what}; please report it"),
+        }
+    }
+
     /// Names `key` in a GPU error that has no key yet; other errors are returned as they are.
     pub(crate) fn with_key(self, key: &Key) -> Error {
         match self {
@@ -811,3 +819,6 @@ mod tests {
         ));
     }
 }
+
+/// The error a fallible custom updater returns: any error type, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

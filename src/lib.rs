@@ -56,7 +56,7 @@ pub use checkpoint::CheckpointErrorKind;
 pub use compress::Compression;
 pub use device::{cpu, gpu, Device};
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{BoxError, Error, Result};
 #[doc(hidden)]
 pub use host::HostData;
 /// candle tensors in init, push and pull (cargo feature `candle`).
@@ -71,7 +71,7 @@ pub use row_sparse::RowSparse;
 pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 pub use shape::{Shape, MAX_NDIM};
 pub use store::{IntoStoreKind, KvStore, PushEvent, PushHook, StoreKind, ValueList};
-pub use updater::{Adam, BoxError, CustomUpdater, Sgd, UpdateFn, Updater};
+pub use updater::{Adam, CustomUpdater, Sgd, UpdateFn, Updater};
 
 /// The number of CUDA GPUs this process can use: 0 when there is no libcuda or no GPU. Found
 /// once, without ever panicking; `device` and `nccl` stores home keys on these GPUs.

@@ -2,9 +2,9 @@
 //! `RowSparseNDArray`, as ids plus the rows they name ([`RowSparse`]), and the host-side
 //! arithmetic on them: summing a push's values by row, and reading rows out of a dense value.
 
-use crate::backend::cpu::push::ReadSet;
-use crate::host::{with_host, HostData};
-use crate::{Element, Error, NDArray, Result, Shape};
+use crate::backend::cpu::rows::{merge, scatter};
+use crate::host::HostData;
+use crate::{Error, NDArray, Result, Shape};
 
 /// Rows of an array, by id: `rows[i]` is row `ids[i]` of an array whose other rows are zero
 /// (MXNet's `RowSparseNDArray`). `rows` has one row per id and the array's row shape: for an
@@ -65,7 +65,7 @@ impl RowSparse {
         let shape = shape.into();
         check_rows("to_dense", &self.ids, &self.rows, shape, None)?;
         let width = row_width(shape);
-        let merged = merge(&[self], width)?;
+        let merged = merge(&[(&self.ids, &self.rows)], width)?;
         let mut dense = HostData::try_filled(self.rows.dtype(), shape.size(), 0.0)?;
         let segs: Vec<_> = (merged.ids.iter())
             .map(|&id| id as usize * width..(id as usize + 1) * width)
@@ -129,92 +129,6 @@ pub(crate) fn check_ids(op: &'static str, ids: &[u64], rows: u64) -> Result<()> 
     }
 }
 
-/// Rows by sorted, distinct id: `rows` holds `ids.len()` rows of `width` elements.
-pub(crate) struct Merged {
-    pub ids: Vec<u64>,
-    pub rows: HostData,
-}
-
-/// The sum of `values` by row (checked rows of `width` elements, of one dtype): each distinct
-/// id once, ascending, its rows added in the order they come (value by value, then within a
-/// value), in the dtype's own arithmetic.
-pub(crate) fn merge(values: &[&RowSparse], width: usize) -> Result<Merged> {
-    let dtype = match values.first() {
-        Some(v) => v.rows.dtype(),
-        None => {
-            return Ok(Merged {
-                ids: Vec::new(),
-                rows: HostData::filled(crate::DType::F32, 0, 0.0),
-            })
-        }
-    };
-    // Read in place (each array locked once; rows on a GPU are copied to the host).
-    let arrays: Vec<&NDArray> = values.iter().map(|v| &v.rows).collect();
-    let reads = ReadSet::lock(&arrays)?;
-    let hosts: Vec<&HostData> = arrays.iter().map(|a| reads.host(a)).collect();
-    let mut ids: Vec<u64> = values.iter().flat_map(|v| v.ids.iter().copied()).collect();
-    ids.sort_unstable();
-    ids.dedup();
-    let mut rows = HostData::try_filled(dtype, ids.len() * width, 0.0)?;
-    let mut seen = vec![false; ids.len()];
-    for (v, host) in values.iter().zip(&hosts) {
-        for (i, id) in v.ids.iter().enumerate() {
-            let at = ids.binary_search(id).expect("every id was collected");
-            let src = i * width..(i + 1) * width;
-            let dst = at * width..(at + 1) * width;
-            add_row(host, src, &mut rows, dst, !seen[at]);
-            seen[at] = true;
-        }
-    }
-    Ok(Merged { ids, rows })
-}
-
-/// `dst[dst_range] (+)= src[src_range]`: a copy when `first`, else an addition in the dtype's
-/// arithmetic (as a dense push sums).
-pub(crate) fn add_row(
-    src: &HostData,
-    src_range: std::ops::Range<usize>,
-    dst: &mut HostData,
-    dst_range: std::ops::Range<usize>,
-    first: bool,
-) {
-    with_host!(dst, d: T => {
-        let s = T::slice(src).expect("rows of one dtype");
-        let (s, d) = (&s[src_range], &mut d[dst_range]);
-        if first {
-            crate::memcopy::copy(d, s);
-        } else {
-            for (d, &s) in d.iter_mut().zip(s) {
-                *d = T::from_acc(d.to_acc() + s.to_acc());
-            }
-        }
-    })
-}
-
-/// The elements of `segs` of `data`, one after another.
-pub(crate) fn gather(data: &HostData, segs: &[std::ops::Range<usize>]) -> HostData {
-    with_host!(data, v: T => {
-        let mut out = Vec::with_capacity(segs.iter().map(|s| s.len()).sum());
-        for s in segs {
-            crate::memcopy::extend(&mut out, &v[s.clone()]);
-        }
-        T::wrap(out)
-    })
-}
-
-/// Writes `compact` (the elements of `segs`, one after another, as [`gather`] reads them) back
-/// into `segs` of `data` (of the same dtype).
-pub(crate) fn scatter(compact: &HostData, segs: &[std::ops::Range<usize>], data: &mut HostData) {
-    with_host!(data, d: T => {
-        let c = T::slice(compact).expect("rows of the value's dtype");
-        let mut at = 0;
-        for s in segs {
-            crate::memcopy::copy(&mut d[s.clone()], &c[at..at + s.len()]);
-            at += s.len();
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,7 +145,7 @@ mod tests {
             NDArray::from_vec(vec![5f32, 6., 7., 8.], [2, 2]).unwrap(),
         )
         .unwrap();
-        let m = merge(&[&a, &b], 2).unwrap();
+        let m = merge(&[(a.ids(), a.rows()), (b.ids(), b.rows())], 2).unwrap();
         assert_eq!(m.ids, vec![0, 1, 3]);
         assert_eq!(m.rows.to_vec::<f32>(), vec![17., 28., 5., 6., 101., 202.]);
         let dense = a.to_dense([4, 2]).unwrap().to_vec::<f32>().unwrap();

@@ -21,8 +21,7 @@ use num_traits::Float;
 use crate::dtype::Element;
 use crate::{Error, Key, NDArray, PtxUpdater, Result};
 
-/// The error a fallible custom updater returns: any error type, boxed.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub use crate::error::BoxError;
 
 /// The signature of a custom updater: `(key, merged input, stored value)`. An `Err` fails the
 /// push with [`Error::UpdaterFailed`] and changes nothing. [`Updater::custom`] wraps a closure

@@ -28,7 +28,7 @@ use cuda::{has_kernel, CrossGpu};
 use crate::host::{with_host, HostData};
 use crate::ndarray::Storage;
 use crate::updater::Hyper;
-use crate::{row_sparse, DType, Device, Error, Key, NDArray, PtxUpdater, Result, Shape, Updater};
+use crate::{DType, Device, Error, Key, NDArray, PtxUpdater, Result, Shape, Updater};
 
 /// A key's fixed facts, as the backends need them.
 pub(crate) struct KeyFacts<'a> {
@@ -284,10 +284,10 @@ impl HomeValue {
             .map(|(step, bufs)| State {
                 generation,
                 step,
-                bufs: bufs.iter().map(|b| row_sparse::gather(b, segs)).collect(),
+                bufs: bufs.iter().map(|b| cpu::rows::gather(b, segs)).collect(),
             });
         Ok(HomeValue {
-            place: Place::Host(row_sparse::gather(value, segs)),
+            place: Place::Host(cpu::rows::gather(value, segs)),
             state,
         })
     }
@@ -392,7 +392,7 @@ fn write_rows(value: &mut HostData, segs: &[Range<usize>], rows: &HostData, clea
     if clear {
         *value = HostData::filled(value.dtype(), value.len(), 0.0);
     }
-    row_sparse::scatter(rows, segs, value);
+    cpu::rows::scatter(rows, segs, value);
 }
 
 /// The state of a value of `len` elements after a row-sparse update: `old`, with `rows` (the
@@ -421,7 +421,7 @@ fn merge_state(
             .collect(),
     };
     for (b, r) in bufs.iter_mut().zip(&rows.bufs) {
-        row_sparse::scatter(r, segs, b);
+        cpu::rows::scatter(r, segs, b);
     }
     Some(State {
         generation,
@@ -531,9 +531,7 @@ pub(crate) fn pull(
         match &job.value.place {
             Place::Host(h) => cpu::pull::pull_into(h, job.part.clone(), job.outs, par_min_bytes)?,
             Place::Gpu(_) if job.part.is_some() => {
-                return Err(crate::comm::link::internal(
-                    "a GPU value shared by several keys",
-                ))
+                return Err(Error::internal("a GPU value shared by several keys"))
             }
             Place::Gpu(c) => gpu_jobs.push(PullJob {
                 key: job.key,

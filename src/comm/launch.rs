@@ -2,28 +2,14 @@
 //! how often it says that it is waiting.
 //!
 //! - `KVSTORE_TIMEOUT`: seconds any wait of a distributed store may last (default
-//!   [`DEFAULT_TIMEOUT`], 30 minutes).
+//!   [`DEFAULT_TIMEOUT`](crate::config::DEFAULT_TIMEOUT), 30 minutes).
 //! - `KVSTORE_WAIT_LOG_SECS`: while a wait lasts, every this many seconds a rank logs whom it
-//!   waits for and where they are (default [`DEFAULT_WAIT_LOG`], one minute).
+//!   waits for and where they are (default [`DEFAULT_WAIT_LOG`](crate::config::DEFAULT_WAIT_LOG), one minute).
 //! - A launch without MPI (`torchrun --no-python`, srun wrappers) sets `RANK`, `WORLD_SIZE`,
 //!   `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`, as torchrun does. [`LaunchEnv`] reads
 //!   them, and says which one is missing or wrong.
 
-use std::time::Duration;
-
 use crate::{Error, Result};
-
-/// How long a distributed wait may last when `KVSTORE_TIMEOUT` is unset: 30 minutes, the
-/// default of PyTorch's `init_process_group` (its NCCL backend waits 10 minutes). A slow rank is
-/// not a dead one: a validation pass, a data load or a checkpoint write on one rank makes the
-/// others wait that long in their next call, and a real training job must survive it. A dead
-/// rank ends the job sooner: `mpirun` notices it, and a rank that exits tells the others (see
-/// `comm::mpi`).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
-
-/// How often a rank says that it is still waiting when `KVSTORE_WAIT_LOG_SECS` is unset: once a
-/// minute.
-pub const DEFAULT_WAIT_LOG: Duration = Duration::from_secs(60);
 
 /// A rank as a launcher without MPI describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]

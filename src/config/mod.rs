@@ -19,10 +19,30 @@ pub(crate) mod nccl;
 
 use std::time::Duration;
 
-use crate::backend::cpu::PAR_MIN_BYTES;
-use crate::comm::dist::{DEFAULT_BIGARRAY_BOUND, DEFAULT_POOL_BYTES};
-use crate::comm::launch::{DEFAULT_TIMEOUT, DEFAULT_WAIT_LOG};
 use crate::{Error, Result};
+
+/// Below this many bytes of traffic (read + written) a call runs on the calling thread: waking
+/// the pool costs more than it saves. Measured with `cargo bench --bench threshold`. A store
+/// reads its own threshold from `KVSTORE_PAR_MIN_BYTES` when it is created (this when unset).
+pub const PAR_MIN_BYTES: usize = 1 << 20;
+
+/// The default of `KVSTORE_BIGARRAY_BOUND`: keys of more elements are sliced over every rank.
+pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
+
+/// The default of `KVSTORE_DIST_POOL_BYTES`.
+pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
+
+/// How long a distributed wait may last when `KVSTORE_TIMEOUT` is unset: 30 minutes, the
+/// default of PyTorch's `init_process_group` (its NCCL backend waits 10 minutes). A slow rank is
+/// not a dead one: a validation pass, a data load or a checkpoint write on one rank makes the
+/// others wait that long in their next call, and a real training job must survive it. A dead
+/// rank ends the job sooner: `mpirun` notices it, and a rank that exits tells the others (see
+/// `comm::mpi`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// How often a rank says that it is still waiting when `KVSTORE_WAIT_LOG_SECS` is unset: once a
+/// minute.
+pub const DEFAULT_WAIT_LOG: Duration = Duration::from_secs(60);
 
 /// What a store reads from the environment. See the [module docs](self).
 #[derive(Clone, Debug, PartialEq)]

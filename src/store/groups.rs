@@ -5,10 +5,10 @@
 use std::sync::{Arc, RwLockWriteGuard};
 
 use super::table::Slot;
-use super::validate::check_len;
+use super::validate::{check_arrays, check_len};
 use super::{read, write, KvStore};
 use crate::backend::HomeValue;
-use crate::{IntoKey, Key, NDArray, Result};
+use crate::{Error, IntoKey, Key, NDArray, Result};
 
 /// One or more arrays: what a push takes as values and a pull as outs, for one key.
 ///
@@ -115,4 +115,37 @@ pub(super) fn issue_order(groups: &[Group<'_>]) -> Vec<usize> {
 /// Write locks on the groups' cells, taken in ascending key order.
 pub(super) fn lock_cells<'a>(groups: &'a [Group<'_>]) -> Vec<RwLockWriteGuard<'a, HomeValue>> {
     groups.iter().map(|g| write(&g.slot.cell)).collect()
+}
+
+/// Pushed values must match the key's shape and dtype exactly.
+pub(super) fn check_values(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
+    for g in groups {
+        if g.slot.row_sparse {
+            return Err(Error::RowSparse {
+                op,
+                message: format!(
+                    "key {} holds a row-sparse value: push its rows as RowSparse values with \
+                     push_row_sparse (a dense push would replace rows it does not mean to)",
+                    g.slot.key
+                ),
+            });
+        }
+        check_arrays(
+            op,
+            &g.slot.key,
+            g.slot.shape,
+            Some(g.slot.dtype),
+            &g.arrays,
+            "value",
+        )?;
+    }
+    Ok(())
+}
+
+/// Outs must match the key's shape; a pull converts to the out's dtype.
+pub(super) fn check_outs(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
+    for g in groups {
+        check_arrays(op, &g.slot.key, g.slot.shape, None, &g.arrays, "out")?;
+    }
+    Ok(())
 }

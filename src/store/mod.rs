@@ -45,12 +45,12 @@ use across::{Across, Inputs};
 
 pub(crate) use entries::{Entry, EntryState};
 pub use groups::ValueList;
-use groups::{issue_order, lock_cells, Group};
+use groups::{check_outs, check_values, issue_order, lock_cells, Group};
 use hook::{call_hook, pushed};
 pub use hook::{PushEvent, PushHook};
 pub use kind::{IntoStoreKind, StoreKind};
 use table::{Slot, Table};
-use validate::{check_arrays, check_len, check_outs, check_values, to_keys};
+use validate::{check_arrays, check_len, to_keys};
 mod hyper;
 
 /// The updater in force, and which `set_updater` call set it.

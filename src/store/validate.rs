@@ -1,7 +1,6 @@
 //! Checks of a call's arguments, made before anything changes: list lengths, and each array's
 //! shape and dtype against its key.
 
-use super::groups::Group;
 use crate::{DType, Error, IntoKey, Key, NDArray, Result, Shape};
 
 pub(super) fn to_keys<K: IntoKey + Clone>(keys: &[K]) -> Result<Vec<Key>> {
@@ -21,39 +20,6 @@ pub(super) fn check_len(
             values,
             what,
         });
-    }
-    Ok(())
-}
-
-/// Pushed values must match the key's shape and dtype exactly.
-pub(super) fn check_values(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
-    for g in groups {
-        if g.slot.row_sparse {
-            return Err(Error::RowSparse {
-                op,
-                message: format!(
-                    "key {} holds a row-sparse value: push its rows as RowSparse values with \
-                     push_row_sparse (a dense push would replace rows it does not mean to)",
-                    g.slot.key
-                ),
-            });
-        }
-        check_arrays(
-            op,
-            &g.slot.key,
-            g.slot.shape,
-            Some(g.slot.dtype),
-            &g.arrays,
-            "value",
-        )?;
-    }
-    Ok(())
-}
-
-/// Outs must match the key's shape; a pull converts to the out's dtype.
-pub(super) fn check_outs(op: &'static str, groups: &[Group<'_>]) -> Result<()> {
-    for g in groups {
-        check_arrays(op, &g.slot.key, g.slot.shape, None, &g.arrays, "out")?;
     }
     Ok(())
 }

@@ -34,15 +34,13 @@ pub(crate) type Few<T> = smallvec::SmallVec<[T; 4]>;
 mod half16;
 pub(crate) mod pull;
 pub(crate) mod push;
+pub(crate) mod rows;
 pub(crate) mod state;
 
 /// Elements per block: small enough that a block of sums stays in L1.
 const BLOCK: usize = 1024;
 
-/// Below this many bytes of traffic (read + written) a call runs on the calling thread: waking
-/// the pool costs more than it saves. Measured with `cargo bench --bench threshold`. A store
-/// reads its own threshold from `KVSTORE_PAR_MIN_BYTES` when it is created (this when unset).
-pub const PAR_MIN_BYTES: usize = 1 << 20;
+pub use crate::config::PAR_MIN_BYTES;
 
 /// Split jobs until a half moves at most this many bytes.
 const PAR_GRAIN_BYTES: usize = 256 << 10;

@@ -4,12 +4,10 @@
 use std::ops::Range;
 use std::sync::RwLockWriteGuard;
 
-use crate::comm::link::internal;
-
 use super::Few;
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
-use crate::{Element, NDArray, Result};
+use crate::{Element, Error, NDArray, Result};
 
 /// Copies `src` (or its elements `part`) into every out. Outs that share elements are written
 /// once. Outs on a GPU get a host-to-GPU copy.
@@ -21,7 +19,7 @@ pub(crate) fn pull_into(
 ) -> Result<()> {
     let part = part.unwrap_or(0..src.len());
     if part.end > src.len() || part.start > part.end {
-        return Err(internal("a pull's part lies outside its value"));
+        return Err(Error::internal("a pull's part lies outside its value"));
     }
     let whole = part == (0..src.len());
     // The part, in a buffer of its own, for outs on a GPU (made once, for the first).

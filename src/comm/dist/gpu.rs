@@ -20,7 +20,7 @@ use super::PACK_MAX_BYTES;
 use crate::backend::cuda::{copy_many, DeviceCopy, GpuPtr};
 use crate::comm::spread::{slice_block, slice_range};
 use crate::ndarray::Storage;
-use crate::{DType, Device, NDArray, Result, Shape};
+use crate::{DType, Device, Error, NDArray, Result, Shape};
 
 /// Where one key travels: at element `at` of packed buffer `bucket`, or alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,7 +68,7 @@ fn address(a: &NDArray, at: usize) -> Result<GpuPtr> {
             ordinal: b.ordinal(),
             addr: b.ptr() + (at * b.dtype().size()) as u64,
         }),
-        Storage::Host(_) => Err(super::internal("a GPU rank's value in host memory")),
+        Storage::Host(_) => Err(Error::internal("a GPU rank's value in host memory")),
     }
 }
 
@@ -213,7 +213,7 @@ pub(super) fn gather(rc: &RankComm, mut pieces: Vec<GpuPiece>) -> Result<Vec<NDA
                 value
             }
             (Route::Alone, Some(buf)) => buf,
-            (Route::Alone, None) => return Err(super::internal("a key alone with no buffer")),
+            (Route::Alone, None) => return Err(Error::internal("a key alone with no buffer")),
         };
         values.push(value);
     }
@@ -297,7 +297,7 @@ pub(super) fn scatter(
                     kept = Some(buf);
                 }
             }
-            kept.ok_or_else(|| super::internal("a scattered key left this rank no slice"))
+            kept.ok_or_else(|| Error::internal("a scattered key left this rank no slice"))
         })
         .collect()
 }

@@ -38,12 +38,9 @@ use crate::{DType, Device, Element, Error, NDArray, Result};
 #[cfg(test)]
 pub(crate) use blocks::tests as blocks_tests;
 pub(crate) use blocks::Blocks;
-pub(crate) use pool::{Pool, DEFAULT_POOL_BYTES};
+pub(crate) use pool::Pool;
 
 pub(crate) use gpu::GpuPiece;
-
-/// The default of `KVSTORE_BIGARRAY_BOUND`: keys of more elements are sliced over every rank.
-pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
 
 /// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
 pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
@@ -80,7 +77,7 @@ impl Dist {
     pub fn solo() -> Dist {
         Dist {
             link: Box::new(link::solo::Solo),
-            bound: DEFAULT_BIGARRAY_BOUND,
+            bound: crate::config::DEFAULT_BIGARRAY_BOUND,
             pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
             tag: Mutex::new(None),
@@ -501,7 +498,7 @@ pub(crate) fn gather(
         share(pool, recv, members, |_| true, &mut out);
     }
     out.into_iter()
-        .map(|d| d.ok_or_else(|| internal("gather: a key got no value")))
+        .map(|d| d.ok_or_else(|| Error::internal("gather: a key got no value")))
         .collect()
 }
 
@@ -583,7 +580,7 @@ pub(crate) fn gather_shared(
     }
     let at = at
         .into_iter()
-        .map(|a| a.ok_or_else(|| internal("gather: a key got no value")))
+        .map(|a| a.ok_or_else(|| Error::internal("gather: a key got no value")))
         .collect::<Result<_>>()?;
     Ok(Gathered { bufs, at })
 }
@@ -629,7 +626,7 @@ pub(crate) fn scatter(
         share(pool, recv, members, |_| true, &mut out);
     }
     out.into_iter()
-        .map(|d| d.ok_or_else(|| internal("scatter: a key got no slice")))
+        .map(|d| d.ok_or_else(|| Error::internal("scatter: a key got no slice")))
         .collect()
 }
 
@@ -855,5 +852,3 @@ fn append(buf: &mut HostData, more: &HostData) {
         None => v.extend(more.to_vec::<T>()),
     });
 }
-
-pub(crate) use link::internal;

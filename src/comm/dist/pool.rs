@@ -13,9 +13,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::host::{convert_into, with_host, HostData};
 use crate::{DType, Element, Error, Result};
 
-/// The default of `KVSTORE_DIST_POOL_BYTES`.
-pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
-
 /// Buffers smaller than this are small: at most [`SMALL_KEPT`] of them are kept.
 const SMALL_BYTES: usize = 64 << 10;
 

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{internal, Link, Op, Round, Ticket};
+use super::{Link, Op, Round, Ticket};
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::host::{convert_into, with_host, HostData};
 use crate::{DType, Error, Key, Result};
@@ -217,7 +217,7 @@ impl LoopRound<'_> {
         loop {
             let ex = all
                 .get_mut(&id)
-                .ok_or_else(|| internal("an exchange vanished"))?;
+                .ok_or_else(|| Error::internal("an exchange vanished"))?;
             if ex.deposits.iter().all(Option::is_some) {
                 let got = ex.deposits.iter().flatten().cloned().collect();
                 ex.taken += 1;
@@ -279,7 +279,7 @@ impl Round for LoopRound<'_> {
 
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
         if self.link.stall_at == Some(op) {
-            return Err(internal(
+            return Err(Error::internal(
                 "this loopback rank stops here (a test of a stalled rank)",
             ));
         }
@@ -304,7 +304,9 @@ impl Round for LoopRound<'_> {
         let row: usize = lens.iter().skip(rank * size).take(size).sum();
         let column: usize = lens.iter().skip(rank).step_by(size.max(1)).sum();
         if lens.len() != size * size || send.len() != row || recv.len() != column {
-            return Err(internal("all-to-all blocks that do not fit their buffers"));
+            return Err(Error::internal(
+                "all-to-all blocks that do not fit their buffers",
+            ));
         }
         let ticket = self.start(Op::AllToAll, send, recv)?;
         if let Some(Some(flight)) = self.flights.get_mut(ticket.0) {
@@ -321,17 +323,21 @@ impl Round for LoopRound<'_> {
             recv,
             lens,
         } = (self.flights.get_mut(ticket.0).and_then(Option::take))
-            .ok_or_else(|| internal("a collective landed twice"))?;
+            .ok_or_else(|| Error::internal("a collective landed twice"))?;
         let all = self.collect(id, &format!("{op:?}"))?;
         let data: Vec<&HostData> = all
             .iter()
             .map(|p| match p {
                 Payload::Data(d) => Ok(d),
-                Payload::Words(_) => Err(internal("ranks mixed data and words in one exchange")),
+                Payload::Words(_) => Err(Error::internal(
+                    "ranks mixed data and words in one exchange",
+                )),
             })
             .collect::<Result<_>>()?;
         if data.iter().any(|d| d.dtype() != send.dtype()) {
-            return Err(internal("ranks sent different dtypes to one collective"));
+            return Err(Error::internal(
+                "ranks sent different dtypes to one collective",
+            ));
         }
         // Results are written into this rank's own buffers, as MPI writes them: a buffer keeps
         // the room it came with.
@@ -341,7 +347,9 @@ impl Round for LoopRound<'_> {
             Op::Reduce { root } if root == rank => sum(&data, send.dtype()),
             Op::Reduce { .. } => return Ok((send, recv)),
             Op::Broadcast { root } => {
-                let from = data.get(root).ok_or_else(|| internal("no such root"))?;
+                let from = data
+                    .get(root)
+                    .ok_or_else(|| Error::internal("no such root"))?;
                 let mut buf = send;
                 copy_into(&mut buf, from);
                 self.st.received += buf.len();
@@ -352,7 +360,9 @@ impl Round for LoopRound<'_> {
                 sum(&data, send.dtype()).slice_of(rank * block..(rank + 1) * block)
             }
             Op::Scatter { root } => {
-                let from = data.get(root).ok_or_else(|| internal("no such root"))?;
+                let from = data
+                    .get(root)
+                    .ok_or_else(|| Error::internal("no such root"))?;
                 let block = recv.len();
                 from.slice_of(rank * block..(rank + 1) * block)
             }
@@ -363,7 +373,7 @@ impl Round for LoopRound<'_> {
                 for d in &data {
                     all.extend_from_slice(
                         <T as crate::Element>::slice(d)
-                            .ok_or_else(|| internal("ranks sent different dtypes"))?,
+                            .ok_or_else(|| Error::internal("ranks sent different dtypes"))?,
                     );
                 }
                 <T as crate::Element>::wrap(all)
@@ -381,17 +391,17 @@ impl Round for LoopRound<'_> {
                     let row = &lens[s * size..(s + 1) * size];
                     let start: usize = row[..rank].iter().sum();
                     let theirs = <T as crate::Element>::slice(d)
-                        .ok_or_else(|| internal("ranks sent different dtypes"))?;
+                        .ok_or_else(|| Error::internal("ranks sent different dtypes"))?;
                     let piece = theirs
                         .get(start..start + row[rank])
-                        .ok_or_else(|| internal("ranks sent all-to-all blocks of other lengths"))?;
+                        .ok_or_else(|| Error::internal("ranks sent all-to-all blocks of other lengths"))?;
                     got.extend_from_slice(piece);
                 }
                 <T as crate::Element>::wrap(got)
             }),
         };
         if recv.len() != result.len() {
-            return Err(internal("a receive buffer of the wrong length"));
+            return Err(Error::internal("a receive buffer of the wrong length"));
         }
         copy_into(&mut recv, &result);
         self.st.received += recv.len();
@@ -405,7 +415,7 @@ impl Round for LoopRound<'_> {
         for p in all {
             match p {
                 Payload::Words(w) if w.len() == mine.len() => out.extend(w),
-                _ => return Err(internal("ranks gave different word counts")),
+                _ => return Err(Error::internal("ranks gave different word counts")),
             }
         }
         Ok(out)
@@ -416,6 +426,6 @@ impl Round for LoopRound<'_> {
         let all = self.all_gather_words(&words)?;
         all.get(root * n..(root + 1) * n)
             .map(<[u64]>::to_vec)
-            .ok_or_else(|| internal("no such root"))
+            .ok_or_else(|| Error::internal("no such root"))
     }
 }

@@ -150,14 +150,6 @@ impl dyn Round + '_ {
     }
 }
 
-/// An error for a broken invariant of the links, rather than a panic.
-pub(crate) fn internal(what: &str) -> Error {
-    Error::Mpi {
-        op: "dist",
-        message: format!("internal error: {what}; please report it"),
-    }
-}
-
 /// A joined link, and the NCCL communicator of the ranks' GPUs when they keep their values on
 /// GPUs (the link uses it too: over NCCL alone it carries the checks).
 pub(crate) struct Joined {

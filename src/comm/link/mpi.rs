@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use super::{internal, Link, Op, Round, Ticket};
+use super::{Link, Op, Round, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::mpi::{Call, Done, Pending, World};
@@ -134,7 +134,7 @@ impl Round for MpiRound {
                     (HostData::F64($s), HostData::F64($r)) => Flight::F64($e),
                     (HostData::F16($s), HostData::F16($r)) => Flight::F16($e),
                     (HostData::BF16($s), HostData::BF16($r)) => Flight::BF16($e),
-                    _ => return Err(internal("a receive buffer of another dtype")),
+                    _ => return Err(Error::internal("a receive buffer of another dtype")),
                 }
             };
         }
@@ -171,7 +171,7 @@ impl Round for MpiRound {
             (HostData::BF16(s), HostData::BF16(r)) => {
                 call.reduce_sum_borrowed(s, r, root).map(wrap)
             }
-            _ => Err(internal("a receive buffer of another dtype")),
+            _ => Err(Error::internal("a receive buffer of another dtype")),
         };
         self.call.set_blocking(false);
         let (send, recv) = landed?;
@@ -191,7 +191,7 @@ impl Round for MpiRound {
             (HostData::F64(s), HostData::F64(r)) => Flight::F64(call.all_to_all_v(s, lens, r)?),
             (HostData::F16(s), HostData::F16(r)) => Flight::F16(call.all_to_all_v(s, lens, r)?),
             (HostData::BF16(s), HostData::BF16(r)) => Flight::BF16(call.all_to_all_v(s, lens, r)?),
-            _ => return Err(internal("a receive buffer of another dtype")),
+            _ => return Err(Error::internal("a receive buffer of another dtype")),
         };
         self.flights.push(Some(flight));
         Ok(Ticket(self.flights.len() - 1))
@@ -199,7 +199,7 @@ impl Round for MpiRound {
 
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
         let flight = (self.flights.get_mut(ticket.0).and_then(Option::take))
-            .ok_or_else(|| internal("a collective landed twice"))?;
+            .ok_or_else(|| Error::internal("a collective landed twice"))?;
         // The store works on what landed, which may fail on this rank only: the next
         // collectives need a new agreement.
         self.agreed = false;

@@ -150,7 +150,7 @@ impl NcclRound<'_> {
         let fits =
             match sent <= send.len() && received == recv.len() && send.dtype() == recv.dtype() {
                 true => Ok(()),
-                false => Err(super::internal(&format!(
+                false => Err(Error::internal(&format!(
                     "an all-to-all of {sent} and {received} elements on buffers of {} and {}",
                     send.len(),
                     recv.len()
@@ -212,7 +212,7 @@ impl Round for NcclRound<'_> {
         // Only the all-to-all of equal blocks (the padded form of `Blocks`) moves host data
         // here; the other collectives of GPU ranks run on the GPU arrays themselves.
         let Op::AllToAll = op else {
-            return Err(super::internal(&format!(
+            return Err(Error::internal(&format!(
                 "a host-memory {op:?} on a NCCL-only link"
             )));
         };
@@ -229,7 +229,7 @@ impl Round for NcclRound<'_> {
     ) -> Result<Ticket> {
         let (rank, size) = (self.rc.rank(), self.rc.size());
         if lens.len() != size * size {
-            return Err(super::internal(
+            return Err(Error::internal(
                 "all-to-all lengths not one per pair of ranks",
             ));
         }
@@ -241,7 +241,7 @@ impl Round for NcclRound<'_> {
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
         (self.landed.get_mut(ticket.0))
             .and_then(Option::take)
-            .ok_or_else(|| super::internal("a ticket landed twice, or never started"))
+            .ok_or_else(|| Error::internal("a ticket landed twice, or never started"))
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {

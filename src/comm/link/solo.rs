@@ -3,7 +3,7 @@
 use super::{Link, Op, Round, Ticket};
 use crate::comm::fingerprint::Fingerprint;
 use crate::host::HostData;
-use crate::Result;
+use crate::{Error, Result};
 
 /// One rank alone. Values pass through unchanged; a collective of one rank gives its own
 /// buffer back.
@@ -68,7 +68,7 @@ impl Round for SoloRound {
 
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
         (self.landed.get_mut(ticket.0).and_then(Option::take))
-            .ok_or_else(|| super::internal("a collective landed twice"))
+            .ok_or_else(|| Error::internal("a collective landed twice"))
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {

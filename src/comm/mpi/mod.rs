@@ -132,7 +132,7 @@ use mpi::ffi;
 
 pub use crate::comm::fingerprint::Fingerprint;
 /// The default of `KVSTORE_TIMEOUT` (30 minutes): one constant for every distributed wait.
-pub use crate::comm::launch::DEFAULT_TIMEOUT;
+pub use crate::config::DEFAULT_TIMEOUT;
 pub use collective::{Done, Pending, Wire};
 
 use crate::{Error, Key, Result};

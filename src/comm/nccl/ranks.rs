@@ -21,7 +21,7 @@
 //!
 //! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`). Every call
 //! polls `ncclCommGetAsyncError` and its stream with the `KVSTORE_TIMEOUT` bound (default
-//! [`launch::DEFAULT_TIMEOUT`], 30 minutes). A rank that stops calling, or dies, leaves the
+//! [`DEFAULT_TIMEOUT`](crate::config::DEFAULT_TIMEOUT), 30 minutes). A rank that stops calling, or dies, leaves the
 //! others' collectives without progress: when the bound passes they abort the communicator
 //! (`ncclCommAbort`, which tells its kernels to end; the GPU's runtime stream is then made to
 //! wait for this rank's stream, so no array of the call is freed or reused before the aborted

@@ -3,20 +3,21 @@
 
 use std::sync::RwLockWriteGuard;
 
+use super::rows::{whole_part, whole_rows, Part};
 use super::{fan_out, Across, Inputs, Mine, Rank0, Summed};
+use crate::backend::cpu::rows::{gather, Merged};
 use crate::backend::{probe, HomeValue};
-use crate::comm::dist::{self, Dist};
+use crate::comm::dist::Dist;
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
 use crate::compress::Compression;
 use crate::host::HostData;
-use crate::row_sparse::{gather, row_width, Merged};
+use crate::row_sparse::row_width;
 use crate::store::groups::Group;
 use crate::store::hook::cell_steps;
-use crate::store::rows::{whole_part, whole_rows, Part};
 use crate::store::table::{place_by_size, Slot, Table};
 use crate::store::{compress, Active, StoreKind};
-use crate::{Device, NDArray, Result};
+use crate::{Device, Error, NDArray, Result};
 
 /// One rank alone.
 pub(crate) struct Alone;
@@ -80,7 +81,7 @@ impl Across for Alone {
         mine: Vec<Option<Rank0<'a>>>,
     ) -> Result<Vec<Rank0<'a>>> {
         mine.into_iter()
-            .map(|m| m.ok_or_else(|| dist::internal("one rank without its own value")))
+            .map(|m| m.ok_or_else(|| Error::internal("one rank without its own value")))
             .collect()
     }
 

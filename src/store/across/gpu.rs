@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::compressed;
 use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0, Summed};
 use crate::backend::HomeValue;
 use crate::comm::dist::{self, Dist, GpuPiece};
@@ -10,9 +11,8 @@ use crate::comm::link::Round;
 use crate::comm::nccl::RankComm;
 use crate::comm::{self, Spread};
 use crate::compress::Compression;
-use crate::store::compress;
 use crate::store::groups::Group;
-use crate::{NDArray, Result};
+use crate::{Error, NDArray, Result};
 
 /// Ranks with their values on their GPUs (`dist_device_sync` with GPUs), joined by `0`.
 pub(crate) struct GpuRanks(pub Arc<RankComm>);
@@ -97,7 +97,7 @@ impl Across for GpuRanks {
         mine: Vec<Mine<'_>>,
     ) -> Result<Summed> {
         if compression.is_on() {
-            let (inputs, residuals) = compress::sum_across(call, d, compression, groups, mine)?;
+            let (inputs, residuals) = compressed::sum_across(call, d, compression, groups, mine)?;
             return Ok((inputs, Some(residuals)));
         }
         let rc = &*self.0;
@@ -175,7 +175,7 @@ fn in_key_order<T>(
                 Spread::Whole { .. } => whole.next(),
                 Spread::Sliced => sliced.next(),
             };
-            got.ok_or_else(|| dist::internal("a GPU call lost a key's result"))
+            got.ok_or_else(|| Error::internal("a GPU call lost a key's result"))
         })
         .collect()
 }

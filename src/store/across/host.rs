@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::RwLockWriteGuard;
 
+use super::compressed;
 use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0, Summed};
 use crate::backend::HomeValue;
 use crate::comm::dist::{self, Dist, Piece, Scattered, Sum, SumData};
@@ -13,9 +14,8 @@ use crate::comm::{self, Spread};
 use crate::compress::Compression;
 use crate::host::HostData;
 use crate::ndarray::Storage;
-use crate::store::compress;
 use crate::store::groups::Group;
-use crate::{cpu, NDArray, Result};
+use crate::{cpu, Error, NDArray, Result};
 
 /// Ranks with their values in host memory (`dist_sync`; `dist_device_sync` without a GPU).
 pub(crate) struct HostRanks;
@@ -79,7 +79,7 @@ impl Across for HostRanks {
                     Spread::Whole { .. } => whole.next().map(Rank0::Host),
                     Spread::Sliced => sliced.next().map(Rank0::Part),
                 };
-                got.ok_or_else(|| dist::internal("an init key got no value"))
+                got.ok_or_else(|| Error::internal("an init key got no value"))
             })
             .collect()
     }
@@ -117,7 +117,7 @@ impl Across for HostRanks {
         mine: Vec<Mine<'_>>,
     ) -> Result<Summed> {
         if compression.is_on() {
-            let (inputs, residuals) = compress::sum_across(call, d, compression, groups, mine)?;
+            let (inputs, residuals) = compressed::sum_across(call, d, compression, groups, mine)?;
             return Ok((inputs, Some(residuals)));
         }
         let sums = groups
@@ -128,7 +128,7 @@ impl Across for HostRanks {
                     Mine::Owned(h) => SumData::Owned(h),
                     Mine::Single(a) => SumData::Value(a),
                     Mine::Summed(_) => {
-                        return Err(dist::internal("a contribution not in host memory"))
+                        return Err(Error::internal("a contribution not in host memory"))
                     }
                 };
                 Ok(Sum {

@@ -40,27 +40,29 @@
 //! every rank; it runs on the ranks that hold each key.
 
 mod alone;
+mod compressed;
 mod gpu;
 mod host;
+mod rows;
 
 use std::ops::Range;
 use std::sync::{Once, RwLockWriteGuard};
 
 use super::compress::Residuals;
 use super::groups::{issue_order, Group};
-use super::rows::{self, Part};
 use super::table::{place_on_ranks, Slot, Table};
 use super::{Active, StoreKind};
+use crate::backend::cpu::rows::Merged;
 use crate::backend::{probe, HomePull, HomeValue};
-use crate::comm::dist::{self, Dist};
+use crate::comm::dist::Dist;
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
 use crate::compress::Compression;
 use crate::config::Config;
 use crate::host::HostData;
-use crate::row_sparse::Merged;
 use crate::{cpu, Device, Error, Key, NDArray, Result, Shape, Updater};
+pub(super) use rows::Part;
 
 /// How a store's values cross ranks (see the module doc). Every method is one step of a store
 /// call; the defaults are those of ranks (host and GPU alike).
@@ -295,7 +297,9 @@ impl Mine<'_> {
         match self {
             Mine::Summed(a) => Ok(a),
             Mine::Single(a) => a.copy(),
-            Mine::Owned(_) => Err(dist::internal("a host contribution on a link of GPU ranks")),
+            Mine::Owned(_) => Err(Error::internal(
+                "a host contribution on a link of GPU ranks",
+            )),
         }
     }
 }
