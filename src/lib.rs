@@ -44,10 +44,8 @@ mod key;
 mod memcopy;
 mod ndarray;
 mod ptx_text;
-pub mod ptx_updater;
 mod queue;
 mod row_sparse;
-pub mod schedule;
 mod shape;
 mod store;
 mod updater;
@@ -65,13 +63,14 @@ pub use interop::candle;
 pub use interop::cuda::{cuda_stream, LentGpuArray};
 pub use key::{IntoKey, Key, KeyKind};
 pub use ndarray::NDArray;
-pub use ptx_updater::{PtxUpdater, PTX_UPDATER_PARAMS};
 pub use queue::{AsyncKvStore, CallSpan};
 pub use row_sparse::RowSparse;
-pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 pub use shape::{Shape, MAX_NDIM};
 pub use store::{IntoStoreKind, KvStore, PushEvent, PushHook, StoreKind, ValueList};
-pub use updater::{Adam, CustomUpdater, Sgd, UpdateFn, Updater};
+pub use updater::{
+    Adam, CustomUpdater, Decay, LrScheduler, PtxUpdater, Sgd, UpdateFn, Updater, Warmup,
+    WarmupMode, PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS, PTX_UPDATER_PARAMS,
+};
 
 /// The number of CUDA GPUs this process can use: 0 when there is no libcuda or no GPU. Found
 /// once, without ever panicking; `device` and `nccl` stores home keys on these GPUs.

@@ -1102,7 +1102,7 @@ entry_tests! {
 /// grid-stride loop (more elements than 4096 blocks of 256 threads). Bit for bit.
 #[test]
 fn emulated_user_sgd_f32() -> Result<()> {
-    use kvstore::ptx_updater::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
+    use kvstore::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
     let module = Module::parse(kvstore::PtxUpdater::EXAMPLE_SGD_F32)?;
     let entry = module.entry("sgd_f32")?;
     let mut rng = StdRng::seed_from_u64(7);

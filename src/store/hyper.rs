@@ -221,7 +221,7 @@ impl KvStore {
 
     /// Sets the learning-rate schedule (or clears it, with `None`), keeping every key's state.
     /// It applies to the [`Sgd`](crate::Sgd) and [`Adam`](crate::Adam) updaters, whose `lr` is
-    /// its base rate, from the next push on; see [`crate::schedule`] for the formulas and how
+    /// its base rate, from the next push on; see [`crate::LrScheduler`] for the formulas and how
     /// pushes count `num_update`. It stays set across [`KvStore::set_updater`].
     ///
     /// Errors ([`Error::InvalidUpdater`], nothing changed): the updater in force has no learning

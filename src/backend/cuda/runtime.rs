@@ -22,8 +22,8 @@ use half::{bf16, f16};
 use super::kernels::{self, RuleKind};
 use crate::backend::probe;
 use crate::host::HostData;
-use crate::ptx_updater::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
 use crate::{DType, Device, Error, Key, PtxUpdater, Result};
+use crate::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
 
 /// One GPU: its context, its single stream, and its kernels (loaded on first use).
 pub struct Gpu {
@@ -403,7 +403,7 @@ impl Gpu {
     }
 }
 
-/// The device addresses and counts of one user PTX updater launch (see [`crate::ptx_updater`]).
+/// The device addresses and counts of one user PTX updater launch (see [`crate::PtxUpdater`]).
 pub(crate) struct UserLaunch {
     pub stored: u64,
     pub merged: u64,

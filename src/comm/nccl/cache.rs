@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::available;
 use super::comm_set::CommSet;
-use super::watchdog::inflight;
 use crate::backend::cuda;
 use crate::config::nccl::{self as settings, force_single, max_sets};
 use crate::{Key, Result};
@@ -75,13 +74,13 @@ pub(super) fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> 
             .or_insert_with(|| (built.clone(), tick))
             .0
             .clone();
-        let busy: Vec<Vec<usize>> = inflight().pending.iter().map(|p| p.set.clone()).collect();
         let entries: Vec<(Vec<usize>, u64, bool)> = c
             .sets
             .iter()
             .map(|(k, (s, used))| {
-                let in_use =
-                    k.as_slice() == ordinals || Arc::strong_count(s) > 1 || busy.contains(k);
+                // Work in flight holds its set (`Pending::comms`), so a busy set counts more
+                // than the cache's one reference.
+                let in_use = k.as_slice() == ordinals || Arc::strong_count(s) > 1;
                 (k.clone(), *used, in_use)
             })
             .collect();
@@ -120,16 +119,6 @@ pub fn cached_sets() -> Vec<Vec<usize>> {
     let mut v: Vec<Vec<usize>> = cache().sets.keys().cloned().collect();
     v.sort();
     v
-}
-
-/// Aborts every cached communicator and empties the cache; the next call builds afresh. Work
-/// in flight on them is ended (its keys' next wait reports nothing: the caller asked for it).
-pub fn abort_all() {
-    let sets: Vec<Arc<CommSet>> = cache().sets.drain().map(|(_, (s, _))| s).collect();
-    inflight().pending.clear();
-    for s in &sets {
-        s.abort();
-    }
 }
 
 #[cfg(test)]

@@ -63,8 +63,8 @@ mod result;
 mod watchdog;
 
 pub use crate::config::nccl::force_single;
+pub use cache::cached_sets;
 pub(crate) use cache::prepare;
-pub use cache::{abort_all, cached_sets};
 pub use group::collectives_issued;
 pub(crate) use group::{run, Job, Kind};
 #[doc(hidden)]
@@ -73,7 +73,7 @@ pub use ranks::{InPlace, RankComm, GROUP_MAX};
 
 /// How often a host wait polls events and NCCL's async errors.
 pub(crate) const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_micros(200);
-pub use watchdog::wait_all;
+pub use watchdog::{abort_all, wait_all};
 
 use std::path::PathBuf;
 use std::sync::Once;

@@ -266,3 +266,13 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
         std::thread::sleep(POLL_INTERVAL);
     }
 }
+
+/// Aborts every cached communicator and empties the cache; the next call builds afresh. Work
+/// in flight on them is ended (its keys' next wait reports nothing: the caller asked for it).
+pub fn abort_all() {
+    let sets: Vec<Arc<CommSet>> = cache().sets.drain().map(|(_, (s, _))| s).collect();
+    inflight().pending.clear();
+    for s in &sets {
+        s.abort();
+    }
+}

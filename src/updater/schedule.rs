@@ -1,44 +1,43 @@
-//! [`LrScheduler`]: the learning rate as a function of the update count, MXNet's
-//! `lr_scheduler` module (`FactorScheduler`, `MultiFactorScheduler`, `PolyScheduler`,
-//! `CosineScheduler`, each with an optional warm-up).
-//!
-//! A schedule is set on a store with [`KvStore::set_lr_scheduler`](crate::KvStore::set_lr_scheduler)
-//! and applies to the [`Sgd`](crate::Sgd) and [`Adam`](crate::Adam) updaters. Its base learning
-//! rate is the updater's `lr`, as MXNet's optimizer sets `lr_scheduler.base_lr`.
-//!
-//! The update count `num_update` is MXNet's: the largest number of updates any key has had
-//! (each key counts its own pushes; `num_update` is their running maximum), so a loop that pushes
-//! every key once per iteration, in one list call or one call per key, sees `num_update`
-//! 1, 2, 3, ... on its iterations. The first push uses `num_update = 1`.
-//!
-//! With warm-up, for `num_update < warmup.steps`:
-//!
-//! - linear: `lr = begin_lr + (base_lr - begin_lr) * num_update / warmup.steps`
-//! - constant: `lr = begin_lr`
-//!
-//! and from `warmup.steps` on, the decay below. Decays count `num_update` from 0, warm-up
-//! included (MXNet's convention), except `Poly` and `Cosine`, which start at the end of warm-up.
-//!
-//! The formulas are written from MXNet's stateful classes as closed forms of `num_update`, so
-//! the learning rate does not depend on which counts were asked for before (MXNet's `Poly` and
-//! `Cosine` keep the last value computed; here the value past `max_update` is `final_lr`, which
-//! MXNet also returns once it has seen `num_update = max_update`).
-//!
-//! ```
-//! use kvstore::{LrScheduler, WarmupMode};
-//! // 0.1, decayed by half every 10 updates, after 4 updates of linear warm-up from 0.
-//! let s = LrScheduler::factor(10, 0.5).with_warmup(4, 0.0, WarmupMode::Linear);
-//! assert_eq!(s.lr(0.1, 1), 0.025);
-//! assert_eq!(s.lr(0.1, 10), 0.1);
-//! assert_eq!(s.lr(0.1, 11), 0.05);
-//! ```
-
 use std::f64::consts::PI;
 
 use crate::{Error, Result};
 
-/// A learning-rate schedule: a [`Decay`], after an optional [`Warmup`]. See the
-/// [module docs](crate::schedule) for how the store counts updates.
+/// A learning-rate schedule: the learning rate as a function of the update count, MXNet's
+/// `lr_scheduler` module (`FactorScheduler`, `MultiFactorScheduler`, `PolyScheduler`,
+/// `CosineScheduler`, each with an optional warm-up).
+///
+/// A schedule is set on a store with [`KvStore::set_lr_scheduler`](crate::KvStore::set_lr_scheduler)
+/// and applies to the [`Sgd`](crate::Sgd) and [`Adam`](crate::Adam) updaters. Its base learning
+/// rate is the updater's `lr`, as MXNet's optimizer sets `lr_scheduler.base_lr`.
+///
+/// The update count `num_update` is MXNet's: the largest number of updates any key has had
+/// (each key counts its own pushes; `num_update` is their running maximum), so a loop that pushes
+/// every key once per iteration, in one list call or one call per key, sees `num_update`
+/// 1, 2, 3, ... on its iterations. The first push uses `num_update = 1`.
+///
+/// With warm-up, for `num_update < warmup.steps`:
+///
+/// - linear: `lr = begin_lr + (base_lr - begin_lr) * num_update / warmup.steps`
+/// - constant: `lr = begin_lr`
+///
+/// and from `warmup.steps` on, the decay below. Decays count `num_update` from 0, warm-up
+/// included (MXNet's convention), except `Poly` and `Cosine`, which start at the end of warm-up.
+///
+/// The formulas are written from MXNet's stateful classes as closed forms of `num_update`, so
+/// the learning rate does not depend on which counts were asked for before (MXNet's `Poly` and
+/// `Cosine` keep the last value computed; here the value past `max_update` is `final_lr`, which
+/// MXNet also returns once it has seen `num_update = max_update`).
+///
+/// ```
+/// use kvstore::{LrScheduler, WarmupMode};
+/// // 0.1, decayed by half every 10 updates, after 4 updates of linear warm-up from 0.
+/// let s = LrScheduler::factor(10, 0.5).with_warmup(4, 0.0, WarmupMode::Linear);
+/// assert_eq!(s.lr(0.1, 1), 0.025);
+/// assert_eq!(s.lr(0.1, 10), 0.1);
+/// assert_eq!(s.lr(0.1, 11), 0.05);
+/// ```
+///
+/// It is a [`Decay`], after an optional [`Warmup`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct LrScheduler {
     /// The learning rate from the end of warm-up on.

@@ -10,7 +10,7 @@
 //! for f32, f16 and bf16 keys (and the GPU kernels), f64 for f64 keys. To change them while
 //! keeping every key's state, see [`KvStore::update_hyperparameters`](crate::KvStore::update_hyperparameters),
 //! [`KvStore::set_learning_rate`](crate::KvStore::set_learning_rate) and the
-//! [`schedule`](crate::schedule) module.
+//! learning-rate schedules ([`LrScheduler`]).
 
 use std::any::{type_name, TypeId};
 use std::fmt;
@@ -18,10 +18,15 @@ use std::sync::Arc;
 
 use num_traits::Float;
 
+mod ptx;
+mod schedule;
+
 use crate::dtype::Element;
-use crate::{Error, Key, NDArray, PtxUpdater, Result};
+use crate::{Error, Key, NDArray, Result};
 
 pub use crate::error::BoxError;
+pub use ptx::{PtxUpdater, PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS, PTX_UPDATER_PARAMS};
+pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 
 /// The signature of a custom updater: `(key, merged input, stored value)`. An `Err` fails the
 /// push with [`Error::UpdaterFailed`] and changes nothing. [`Updater::custom`] wraps a closure

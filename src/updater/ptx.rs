@@ -1,32 +1,3 @@
-//! [`PtxUpdater`]: a user's own update kernel, written in PTX, for keys homed on a GPU.
-//!
-//! The entry must declare exactly this parameter list ([`PTX_UPDATER_PARAMS`]):
-//!
-//! ```text
-//! .visible .entry NAME(
-//!     .param .u64 stored,  // T*        the key's value, n elements, updated in place
-//!     .param .u64 merged,  // const T*  the sum of this push's values, n elements (read only)
-//!     .param .u64 m,       // float*    state 0: n floats, zero before the key's first push;
-//!                          //           0 (a null pointer) when the updater keeps no state
-//!     .param .u64 v,       // float*    state 1: likewise; 0 when it keeps fewer than 2
-//!     .param .u64 n,       // the element count
-//!     .param .u64 step,    // this key's push count under this updater: 1, 2, 3, ...
-//!     .param .f32 s0,      // the updater's four scalars (see PtxUpdater::with_scalars)
-//!     .param .f32 s1,
-//!     .param .f32 s2,
-//!     .param .f32 s3
-//! )
-//! ```
-//!
-//! `T` is the updater's dtype (`f32`, `f16` or `bf16`; f16 and bf16 are 2-byte values). The
-//! kernel is launched once per key and push, on the key's home GPU, after the push's values
-//! are summed there, with 256 threads per block and at most 4096 blocks: it must cover `n`
-//! with a grid-stride loop. Each GPU loads the module once, on first use.
-//!
-//! Keys homed in host memory use the CPU twin given with [`PtxUpdater::with_cpu_twin`], an
-//! ordinary closure like [`Updater::custom`](crate::Updater::custom); without one, a push to
-//! such a key is an error and changes nothing.
-
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -43,6 +14,35 @@ pub const PTX_UPDATER_BLOCK: u32 = 256;
 /// Most blocks of a user updater launch (its grid-stride loop covers the rest).
 pub const PTX_UPDATER_MAX_BLOCKS: u32 = 4096;
 
+/// [`PtxUpdater`]: a user's own update kernel, written in PTX, for keys homed on a GPU.
+///
+/// The entry must declare exactly this parameter list ([`PTX_UPDATER_PARAMS`]):
+///
+/// ```text
+/// .visible .entry NAME(
+///     .param .u64 stored,  // T*        the key's value, n elements, updated in place
+///     .param .u64 merged,  // const T*  the sum of this push's values, n elements (read only)
+///     .param .u64 m,       // float*    state 0: n floats, zero before the key's first push;
+///                          //           0 (a null pointer) when the updater keeps no state
+///     .param .u64 v,       // float*    state 1: likewise; 0 when it keeps fewer than 2
+///     .param .u64 n,       // the element count
+///     .param .u64 step,    // this key's push count under this updater: 1, 2, 3, ...
+///     .param .f32 s0,      // the updater's four scalars (see PtxUpdater::with_scalars)
+///     .param .f32 s1,
+///     .param .f32 s2,
+///     .param .f32 s3
+/// )
+/// ```
+///
+/// `T` is the updater's dtype (`f32`, `f16` or `bf16`; f16 and bf16 are 2-byte values). The
+/// kernel is launched once per key and push, on the key's home GPU, after the push's values
+/// are summed there, with 256 threads per block and at most 4096 blocks: it must cover `n`
+/// with a grid-stride loop. Each GPU loads the module once, on first use.
+///
+/// Keys homed in host memory use the CPU twin given with [`PtxUpdater::with_cpu_twin`], an
+/// ordinary closure like [`Updater::custom`](crate::Updater::custom); without one, a push to
+/// such a key is an error and changes nothing.
+///
 /// A user's update kernel in PTX, with its dtype, scalars, state and optional CPU twin.
 ///
 /// ```
@@ -77,7 +77,7 @@ struct Inner {
 impl PtxUpdater {
     /// A small example module: entry `sgd_f32`, `stored -= s0 * merged` over f32 values. Used
     /// by the docs and tests; a starting point for your own.
-    pub const EXAMPLE_SGD_F32: &'static str = include_str!("../kernels/user/sgd_f32.ptx");
+    pub const EXAMPLE_SGD_F32: &'static str = include_str!("../../kernels/user/sgd_f32.ptx");
 
     /// An updater running `entry` of the PTX module `ptx` on keys of `dtype`.
     ///
