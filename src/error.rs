@@ -690,6 +690,9 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a text message".to_owned())
 }
 
+/// The error a fallible custom updater returns: any error type, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -819,6 +822,3 @@ mod tests {
         ));
     }
 }
-
-/// The error a fallible custom updater returns: any error type, boxed.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -29,6 +29,9 @@
 //! ```
 
 #![warn(missing_docs)]
+// Test and bench support (`__internal`) is what uses some items of the transports and the
+// backend; without the `test-util` feature they are unused, not dead.
+#![cfg_attr(not(feature = "test-util"), allow(dead_code, unused_imports))]
 
 mod backend;
 pub mod checkpoint;
@@ -83,8 +86,9 @@ pub fn gpu_count() -> usize {
     backend::probe::gpu_count()
 }
 
-/// Test and bench support, not part of the API: it can change in any release. Use the items
-/// at the crate root instead.
+/// Test and bench support (cargo feature `test-util`), not part of the API: it can change in
+/// any release. Use the items at the crate root instead.
+#[cfg(feature = "test-util")]
 #[doc(hidden)]
 pub mod __internal {
     pub use crate::backend::cuda::gpu_sm;

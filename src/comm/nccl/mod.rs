@@ -47,7 +47,8 @@
 //! - `group`: one call's reduces and broadcasts, issued in one group.
 //! - `ranks`: [`RankComm`], NCCL across processes.
 //! - `rendezvous`: the job-token rendezvous of a launch without MPI (std's TCP, one module).
-//! - `multi_rank`: test support, not part of the API: several ranks on one GPU.
+//! - `multi_rank`: test support (cargo feature `test-util`), not part of the API: several ranks
+//!   on one GPU.
 
 // Every `unsafe` block in this module says why it is sound.
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -56,6 +57,7 @@ mod cache;
 mod comm_set;
 mod group;
 pub mod loader;
+#[cfg(feature = "test-util")]
 mod multi_rank;
 mod ranks;
 mod rendezvous;
@@ -68,6 +70,7 @@ pub(crate) use cache::prepare;
 pub use group::collectives_issued;
 pub(crate) use group::{run, Job, Kind};
 #[doc(hidden)]
+#[cfg(feature = "test-util")]
 pub use multi_rank::MultiRank;
 pub use ranks::{InPlace, RankComm, GROUP_MAX};
 
