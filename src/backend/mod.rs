@@ -468,7 +468,7 @@ pub(crate) struct HomePush<'a> {
 pub(crate) fn push(
     updater: &Updater,
     generation: u64,
-    links: &dyn CrossGpu,
+    between: &dyn CrossGpu,
     par_min_bytes: usize,
     jobs: Vec<HomePush<'_>>,
 ) -> Result<()> {
@@ -504,7 +504,7 @@ pub(crate) fn push(
         }
     }
     if !gpu_jobs.is_empty() {
-        cuda::push::push(updater, generation, links, gpu_jobs)?;
+        cuda::push::push(updater, generation, between, gpu_jobs)?;
     }
     Ok(())
 }
@@ -522,7 +522,7 @@ pub(crate) struct HomePull<'a> {
 /// Copies every job's value into its outs, in their order: host homes at once, GPU homes
 /// enqueued together on the CUDA backend ([`cuda::pull`]).
 pub(crate) fn pull(
-    links: &dyn CrossGpu,
+    between: &dyn CrossGpu,
     par_min_bytes: usize,
     jobs: &[HomePull<'_>],
 ) -> Result<()> {
@@ -543,5 +543,5 @@ pub(crate) fn pull(
     if gpu_jobs.is_empty() {
         return Ok(());
     }
-    cuda::pull::pull(links, &gpu_jobs)
+    cuda::pull::pull(between, &gpu_jobs)
 }

@@ -1,21 +1,22 @@
-//! Comm: moving sums and copies between places, and the push and pull pipelines as data
-//! movement.
+//! Comm: moving sums and copies between places, and the update of a push's keys.
 //!
-//! A push: the values are summed within this process onto the key's home (host loops, or
-//! NCCL or peer copies between this process's GPUs), then the updater runs on the home; the
-//! backends fuse that sum with the update where they can. A pull: the home's value is
-//! broadcast to every out. Across processes (MPI, NCCL over ranks) has its place here too.
+//! In this process ([`update`], [`pull`], [`local_sum`]): a push's values are summed onto each
+//! key's home (host loops, or NCCL or peer copies between this process's GPUs), then the
+//! updater runs on the home; the backends fuse that sum with the update where they can. A pull
+//! copies the home's value into every out.
 //!
 //! - `local`: how sums and copies travel between this process's GPUs (NCCL for `nccl` stores,
-//!   else peer copies), handed to the CUDA backend as its `CrossGpu` links.
+//!   else peer copies), handed to the CUDA backend as its `CrossGpu`.
+//! - `dist`: the across-ranks plans of `dist_*` stores (sums onto each key's home rank, values
+//!   from it, slicing and packing) and the pool of transfer buffers; `spread` says which ranks
+//!   hold a key.
+//! - `link`: the link between ranks, one trait with a file per transport; `fingerprint`: what
+//!   ranks compare before a call.
 //! - [`launch`]: what a launcher says through the environment (rank, size, timeout).
-//! - [`nccl`]: NCCL between this process's GPUs: communicators per device set, grouped reduce
-//!   and broadcast, async-error polling with a timeout, and abort.
+//! - [`nccl`]: NCCL: communicators per device set, grouped reduce and broadcast, async-error
+//!   polling with a timeout, abort, and communicators of GPU ranks.
 //! - `mpi` (cargo feature `mpi`): across processes for CPU ranks: bootstrap, fingerprinted
 //!   non-blocking collectives with bounded waits, poisoning and the exit hook.
-//! - `dist` (cargo feature `mpi`): the across-ranks step of `dist_*` stores on top of `mpi`:
-//!   sums onto each key's home rank, values from it, slicing and packing; `spread` says which
-//!   ranks hold a key.
 //!
 //! It imports `backend` (memory, streams, kernels) and nothing from `store`.
 
@@ -110,7 +111,7 @@ pub(crate) fn prepare<'k>(
 
 /// One key of a push: its facts, its value on the home (locked by the store), the values to
 /// sum into it, and its hyperparameters in this push.
-pub(crate) struct KeyPush<'a> {
+pub(crate) struct KeyUpdate<'a> {
     pub facts: KeyFacts<'a>,
     pub value: &'a mut HomeValue,
     pub values: &'a [&'a NDArray],
@@ -119,7 +120,7 @@ pub(crate) struct KeyPush<'a> {
     pub owned: bool,
 }
 
-impl<'a> KeyPush<'a> {
+impl<'a> KeyUpdate<'a> {
     fn home_push(self) -> HomePush<'a> {
         HomePush {
             key: self.facts.key,
@@ -154,11 +155,11 @@ fn settle<T>(agree: Option<Agree<'_>>, own: Result<T>) -> Result<T> {
 /// `agree`, for a dist store: the updaters that can fail (closures, PTX updaters with their
 /// twins) compute every key first, then ask it whether every rank succeeded, and store nothing
 /// unless they all did. Built-in updaters do not ask.
-pub(crate) fn push(
+pub(crate) fn update(
     updater: &Updater,
     generation: u64,
     ctx: Ctx,
-    jobs: Vec<KeyPush<'_>>,
+    jobs: Vec<KeyUpdate<'_>>,
     agree: Option<Agree<'_>>,
 ) -> Result<()> {
     match updater {
@@ -172,14 +173,14 @@ pub(crate) fn push(
             generation,
             &ctx.links(),
             ctx.par_min_bytes,
-            jobs.into_iter().map(KeyPush::home_push).collect(),
+            jobs.into_iter().map(KeyUpdate::home_push).collect(),
         ),
     }
 }
 
 /// Runs closure `f` for every job, in order, on copies: nothing changes yet, so a panic or a
 /// bad result in any key leaves every key as it was.
-fn run_closure(f: &UpdateFn, ctx: Ctx, jobs: &[KeyPush<'_>]) -> Result<Vec<HostData>> {
+fn run_closure(f: &UpdateFn, ctx: Ctx, jobs: &[KeyUpdate<'_>]) -> Result<Vec<HostData>> {
     jobs.iter()
         .map(|j| {
             let value = j.value.value_to_host()?;
@@ -189,7 +190,7 @@ fn run_closure(f: &UpdateFn, ctx: Ctx, jobs: &[KeyPush<'_>]) -> Result<Vec<HostD
 }
 
 /// Stores the results of [`run_closure`].
-fn store_results(jobs: Vec<KeyPush<'_>>, results: Vec<HostData>) -> Result<()> {
+fn store_results(jobs: Vec<KeyUpdate<'_>>, results: Vec<HostData>) -> Result<()> {
     for (job, value) in jobs.into_iter().zip(results) {
         job.value.replace_value(value)?;
     }
@@ -204,10 +205,10 @@ fn push_ptx(
     updater: &Updater,
     generation: u64,
     ctx: Ctx,
-    jobs: Vec<KeyPush<'_>>,
+    jobs: Vec<KeyUpdate<'_>>,
     agree: Option<Agree<'_>>,
 ) -> Result<()> {
-    let (on_gpu, on_host): (Vec<KeyPush<'_>>, Vec<KeyPush<'_>>) =
+    let (on_gpu, on_host): (Vec<KeyUpdate<'_>>, Vec<KeyUpdate<'_>>) =
         jobs.into_iter().partition(|j| j.value.is_gpu());
     let twin_results = settle(agree, ptx_check_and_twin(p, ctx, &on_gpu, &on_host))?;
     if !on_gpu.is_empty() {
@@ -228,8 +229,8 @@ fn push_ptx(
 fn ptx_check_and_twin(
     p: &PtxUpdater,
     ctx: Ctx,
-    on_gpu: &[KeyPush<'_>],
-    on_host: &[KeyPush<'_>],
+    on_gpu: &[KeyUpdate<'_>],
+    on_host: &[KeyUpdate<'_>],
 ) -> Result<Vec<HostData>> {
     for j in on_gpu {
         let f = &j.facts;

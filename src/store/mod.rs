@@ -8,14 +8,15 @@
 //! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
 //! in ascending key order, which makes it atomic and free of deadlocks.
 //!
-//! Every kind runs the same push: validate, this process's contribution, then the store's link
-//! to the other ranks ([`crate::comm::link`], chosen once in `create`: one rank alone for the
-//! single-process kinds, whose values pass through so that the backend fuses the sum with the
-//! update) sums across ranks onto each key's home, the updater runs there, then the hook. A
-//! pull is the same path backwards: the link brings each value from where it lives, then a
-//! copy into every out. The store imports `comm` and the one boundary type of `backend`,
-//! [`HomeValue`], and the GPU probe for placement; it knows no CUDA, no NCCL and no
-//! transport: it never branches on which link it has.
+//! Every kind runs the same push: validate, this process's contribution, the sum across ranks
+//! onto each key's home, the updater there, then the hook. A pull is the same path backwards:
+//! each value from where it lives, then a copy into every out. How values cross ranks is one
+//! trait, [`across::Across`], chosen once in `create` (one rank alone for the single-process
+//! kinds, whose values pass through so that the backend fuses the sum with the update; ranks
+//! with host values; ranks with GPU values): the store calls its steps and never branches on
+//! which one it has, nor on the link or the transport. The store imports `comm` and the one
+//! boundary type of `backend`, [`HomeValue`], and the GPU probe for placement; it knows no
+//! CUDA and no NCCL.
 
 mod across;
 mod compress;
@@ -37,7 +38,7 @@ use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::{Dist, Pool};
-use crate::comm::{self, Ctx, KeyPush, Spread};
+use crate::comm::{self, Ctx, KeyUpdate, Spread};
 use crate::compress::Compression;
 use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
@@ -812,7 +813,7 @@ fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<HomeValue> {
 
 /// Applies a validated push to every group this rank holds, in issue order, through the comm
 /// pipeline (`inputs`: what the updater takes for each; `counts`: each group's update count so
-/// far), and then records the call's update counts. `agree`, on ranks: see [`comm::push`].
+/// far), and then records the call's update counts. `agree`, on ranks: see [`comm::update`].
 fn apply_push(
     active: &Active,
     ctx: Ctx,
@@ -842,7 +843,7 @@ fn apply_push(
         let Some(value) = taken[i].take() else {
             continue;
         };
-        jobs.push(KeyPush {
+        jobs.push(KeyUpdate {
             facts: KeyFacts {
                 shape,
                 ..g.slot.facts()
@@ -860,7 +861,7 @@ fn apply_push(
                 && values.iter().all(|v| Pool::keeps(v.nbytes())),
         });
     }
-    comm::push(&active.updater, active.generation, ctx, jobs, Some(agree))?;
+    comm::update(&active.updater, active.generation, ctx, jobs, Some(agree))?;
     hypers.commit(active);
     for (g, &c) in groups.iter().zip(counts) {
         g.slot.set_updates(active.generation, c + 1);

@@ -13,7 +13,7 @@ use super::validate::{check_len, to_keys};
 use super::{hyper, read, KvStore};
 use crate::backend::cpu::rows::{merge, Merged};
 use crate::backend::{HomeValue, KeyFacts, Scattered};
-use crate::comm::{self, KeyPush};
+use crate::comm::{self, KeyUpdate};
 use crate::host::HostData;
 use crate::row_sparse::{check_ids, check_rows, row_width};
 use crate::{cpu, Error, IntoKey, NDArray, Result, RowSparse, Shape, Updater};
@@ -282,7 +282,7 @@ impl KvStore {
                 else {
                     continue;
                 };
-                jobs.push(KeyPush {
+                jobs.push(KeyUpdate {
                     facts: KeyFacts {
                         key: &groups[i].slot.key,
                         shape: part.shape,
@@ -296,7 +296,7 @@ impl KvStore {
                 });
             }
             let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
-            comm::push(
+            comm::update(
                 &active.updater,
                 active.generation,
                 ctx,

@@ -27,7 +27,7 @@ pub(crate) struct PullJob<'a> {
 }
 
 /// Enqueues a validated pull from GPU homes into every job's outs.
-pub(crate) fn pull(links: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
+pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     let mut outs: Vec<&NDArray> = jobs.iter().flat_map(|j| j.outs.iter().copied()).collect();
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
@@ -123,7 +123,7 @@ pub(crate) fn pull(links: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
                 .collect(),
         });
     }
-    links.fan_out(&fanouts)?;
+    between.fan_out(&fanouts)?;
     // These read the first out on their GPU, which the fan-out (enqueued before them on that
     // GPU's stream) has written.
     copy_many(&copies)?;

@@ -72,7 +72,7 @@ impl<'a> Reads<'a> {
 pub(crate) fn push(
     updater: &Updater,
     generation: u64,
-    links: &dyn CrossGpu,
+    between: &dyn CrossGpu,
     jobs: Vec<PushJob<'_>>,
 ) -> Result<()> {
     check_kernels(updater, &jobs)?;
@@ -195,7 +195,7 @@ pub(crate) fn push(
             parts,
         })
         .collect();
-    links.sum_to_homes(sums, &mut keep)?;
+    between.sum_to_homes(sums, &mut keep)?;
     match updater {
         Updater::Ptx(p) => update_ptx(p, generation, jobs, &inputs, &mut keep)?,
         _ => update(updater, generation, jobs, &inputs)?,

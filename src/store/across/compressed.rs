@@ -24,7 +24,7 @@ use crate::{cpu, DType, Element, Error, NDArray, Result};
 /// 2-bit about a sixteenth of the key's float32 bytes leaves and reaches each rank, for 16-bit
 /// about half), and each rank decodes every rank's part and sums them in rank order. Returns
 /// the totals and the residuals to keep once the push has succeeded.
-pub(super) fn sum_across(
+pub(super) fn sum_encoded(
     call: &mut dyn Round,
     d: &Dist,
     compression: Compression,

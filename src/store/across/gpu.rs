@@ -97,7 +97,7 @@ impl Across for GpuRanks {
         mine: Vec<Mine<'_>>,
     ) -> Result<Summed> {
         if compression.is_on() {
-            let (inputs, residuals) = compressed::sum_across(call, d, compression, groups, mine)?;
+            let (inputs, residuals) = compressed::sum_encoded(call, d, compression, groups, mine)?;
             return Ok((inputs, Some(residuals)));
         }
         let rc = &*self.0;

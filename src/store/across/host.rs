@@ -117,7 +117,7 @@ impl Across for HostRanks {
         mine: Vec<Mine<'_>>,
     ) -> Result<Summed> {
         if compression.is_on() {
-            let (inputs, residuals) = compressed::sum_across(call, d, compression, groups, mine)?;
+            let (inputs, residuals) = compressed::sum_encoded(call, d, compression, groups, mine)?;
             return Ok((inputs, Some(residuals)));
         }
         let sums = groups
