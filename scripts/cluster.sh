@@ -21,7 +21,9 @@
 #   addr HOST          prints HOST's address.
 #   exec HOST CMD...   runs CMD in HOST: its network namespace, its own UTS namespace with
 #                      hostname HOST, and its own /etc/hosts naming every host. The PID stays
-#                      CMD's (exec all the way), so a signal to it reaches CMD.
+#                      CMD's (exec all the way), so a signal to it reaches CMD. Each exec (the
+#                      agent's too) appends "HOST CMD..." to the file `log` prints.
+#   log                prints the path of that record of execs.
 #   cut HOST           takes HOST's link down (both ends); restore HOST brings it back up.
 #   measure [SECONDS]  a TCP stream from each host to the next (default 2 s each); prints
 #                      "HOST RATE_MB_S" per host (MB = 10^6 bytes).
@@ -174,6 +176,8 @@ cmd_exec() {
     [ $# -ge 2 ] || die "usage: exec HOST CMD..."
     host_index "$h" >/dev/null
     shift
+    # A record of what ran where (the tests check that their ranks really ran on each host).
+    echo "$h $*" | cut -c1-300 >>"$STATE/exec.log"
     # unshare without --fork execs CMD itself; sh sets the name in the new UTS namespace.
     exec ip netns exec "$h" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$h" "$@"
 }
@@ -232,6 +236,8 @@ cmd_mpirun() {
     mpirun="${KVC_MPIRUN:-$(command -v mpirun || true)}"
     [ -n "$mpirun" ] || die "mpirun: no mpirun on PATH (set KVC_MPIRUN)"
     first="$(hosts | head -1 | cut -d' ' -f1)"
+    # Its own folder first on PATH: the daemons it starts on the hosts (orted, prted) are there.
+    export PATH="$(dirname "$mpirun"):$PATH"
     version="$("$mpirun" --version 2>/dev/null | head -1 | grep -o '[0-9][0-9.]*' | head -1 || true)"
     local cidr="$SUBNET.0.0/24" args
     if [ "${version%%.*}" -ge 5 ] 2>/dev/null; then
@@ -298,7 +304,8 @@ case "$cmd" in
     hostfile) cmd_hostfile "$@" ;;
     agent) hosts >/dev/null; echo "$STATE/agent" ;;
     mpirun) cmd_mpirun "$@" ;;
+    log) hosts >/dev/null; echo "$STATE/exec.log" ;;
     ifname) echo "$IFNAME" ;;
     cidr) echo "$SUBNET.0.0/24" ;;
-    *) die "usage: $0 [--prefix P] [--subnet A.B] up H [RATE] | down | hosts | addr HOST | exec HOST CMD... | cut HOST | restore HOST | measure [S] | place N | hostfile N | agent | mpirun ARGS... | ifname | cidr" ;;
+    *) die "usage: $0 [--prefix P] [--subnet A.B] up H [RATE] | down | hosts | addr HOST | exec HOST CMD... | cut HOST | restore HOST | measure [S] | place N | hostfile N | agent | log | mpirun ARGS... | ifname | cidr" ;;
 esac
