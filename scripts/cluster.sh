@@ -112,6 +112,7 @@ burst_of() {
     esac
     local b=$((bits / 8 / 100))
     [ "$b" -lt 65536 ] && b=65536
+    [ "$b" -gt 67108864 ] && b=67108864
     echo "$b"
 }
 
@@ -125,7 +126,9 @@ cmd_up() {
     fi
     ip netns del "${PREFIX}probe$$"
     cmd_down
-    trap 'cmd_down; echo "cluster.sh: up failed; removed what it made" >&2' ERR
+    # A half-built cluster goes away if any step below fails (set -e ends the script there).
+    UP_BUILT=0
+    trap '[ "$UP_BUILT" = 1 ] || { cmd_down; echo "cluster.sh: up failed; removed what it made" >&2; }' EXIT
     mkdir -p "$STATE"
     ip link add "${PREFIX}br" type bridge
     ip link set "${PREFIX}br" up
@@ -167,7 +170,7 @@ KVC_PREFIX='$PREFIX' KVC_SUBNET='$SUBNET' exec '$self' exec "\$host" /bin/sh -c 
 EOF
     chmod +x "$STATE/agent"
     mv "$STATE/hosts.new" "$STATE/hosts"
-    trap - ERR
+    UP_BUILT=1
     hosts
 }
 
