@@ -32,6 +32,7 @@ start=$SECONDS
 step() { echo "=== cluster step at $((SECONDS - start))s: $*"; }
 # The cluster goes away however this script ends.
 trap '"$cluster" down; rm -rf "$logs"; echo "=== cluster tests ended at $((SECONDS - start))s"' EXIT
+trap 'exit 143' TERM INT
 
 venv="${KVT_CLUSTER_VENV:-}"
 if [ -z "$venv" ] || [ ! -x "$venv/bin/mpirun" ] || ! "$venv/bin/python" -c "import kvstore, kvstore_mpi, torch" 2>/dev/null; then
