@@ -27,7 +27,9 @@
 #   log                prints the path of that record of execs.
 #   cut HOST           takes HOST's link down (both ends); restore HOST brings it back up.
 #   measure [SECONDS]  a TCP stream from each host to the next (default 2 s each); prints
-#                      "HOST RATE_MB_S" per host (MB = 10^6 bytes).
+#                      "HOST RATE MB/s ..." per host (MB = 10^6 bytes), and keeps "HOST RATE"
+#                      lines for `measured`.
+#   measured           prints the last measure's "HOST RATE" lines (for benchmarks' bounds).
 #   place N            the layout of N ranks (see KVC_LAYOUTS): one line per rank,
 #                      "RANK HOST ADDRESS LOCAL_RANK LOCAL_WORLD_SIZE".
 #   hostfile N         writes the Open MPI hostfile for N ranks and prints its path.
@@ -273,6 +275,7 @@ cmd_mpirun() {
 cmd_measure() {
     local secs="${1:-2}" n i from to port=5201
     [[ "$secs" =~ ^[0-9]+$ ]] || die "usage: measure [SECONDS]"
+    rm -f "$STATE/measured.new"
     mapfile -t all < <(hosts)
     n=${#all[@]}
     [ "$n" -ge 2 ] || die "measure needs 2 hosts or more"
@@ -304,8 +307,10 @@ while time.monotonic() < end: c.sendall(buf)
 c.close()
 ' "$toa" "$port" "$secs"
         wait "$rx"
+        echo "$from $(cat "$STATE/measure.out")" >>"$STATE/measured.new"
         echo "$from $(cat "$STATE/measure.out") MB/s (to $toh, link rate $(cat "$STATE/rate"))"
     done
+    mv "$STATE/measured.new" "$STATE/measured"
 }
 
 cmd="${1:-}"
@@ -324,7 +329,8 @@ case "$cmd" in
     agent) hosts >/dev/null; echo "$STATE/agent" ;;
     mpirun) cmd_mpirun "$@" ;;
     log) hosts >/dev/null; echo "$STATE/exec.log" ;;
+    measured) [ -f "$STATE/measured" ] || die "no measure has run on cluster '$PREFIX'"; cat "$STATE/measured" ;;
     ifname) echo "$IFNAME" ;;
     cidr) echo "$SUBNET.0.0/24" ;;
-    *) die "usage: $0 [--prefix P] [--subnet A.B] up H [RATE] | down | hosts | addr HOST | exec HOST CMD... | cut HOST | restore HOST | measure [S] | place N | hostfile N | agent | log | mpirun ARGS... | ifname | cidr" ;;
+    *) die "usage: $0 [--prefix P] [--subnet A.B] up H [RATE] | down | hosts | addr HOST | exec HOST CMD... | cut HOST | restore HOST | measure [S] | measured | place N | hostfile N | agent | log | mpirun ARGS... | ifname | cidr" ;;
 esac
