@@ -46,6 +46,11 @@
 #   on each, rank r on host r / R). Without an entry for N: N ranks over all hosts, as even as
 #   whole hosts allow (ceil(N/H) per host). A layout needing more hosts than exist is an error.
 #
+#   Tests: `trap '"$cluster" down' EXIT` right after `up`, so a failing test leaves nothing
+#   behind. tests/common/mpi_job.rs runs its jobs here when KVT_CLUSTER names this script (with
+#   the KVC_* settings exported): mpirun through `mpirun`, torchrun-style ranks through `place`
+#   and `exec`. scripts/cluster-tests.sh is the CI step.
+#
 # Exit codes: 0 ok; 2 bad usage or state; 77 the kernel refused network namespaces (printed as
 # "SKIPPED: ..."; CI on a machine that has them must treat this as a failure).
 set -euo pipefail
