@@ -135,8 +135,8 @@ ran_on "${KVC_PREFIX}0" "${KVC_PREFIX}1"
 step "python/examples/train_torch.py on 2 x 2 (PyPI's Open MPI 5)"
 # Each rank says where it runs first.
 (cd "$logs" && KVC_MPIRUN="$venv/bin/mpirun" OMPI_MCA_mpi_yield_when_idle=1 timeout 600 \
-    "$cluster" mpirun -np 4 --oversubscribe sh -c 'echo "worker $OMPI_COMM_WORLD_RANK on host $(hostname)"; exec "$0" "$1"' \
-    "$venv/bin/python" "$repo/python/examples/train_torch.py") 2>&1 | tee "$logs/torch"
+    "$cluster" mpirun -np 4 --oversubscribe sh -c 'echo "worker $OMPI_COMM_WORLD_RANK on host $(hostname)"; exec "$0" "$@"' \
+    "$venv/bin/python" "$repo/python/examples/train_torch.py" --steps 120) 2>&1 | tee "$logs/torch"
 check_log "$logs/torch"
 "$venv/bin/python" - "$logs/torch" "$h0" "$h1" <<'PY'
 import re, sys
