@@ -5,8 +5,6 @@ use std::fmt;
 use half::{bf16, f16};
 use num_traits::Float;
 
-use crate::host::HostData;
-
 /// The element type of an [`NDArray`](crate::NDArray).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
@@ -160,6 +158,19 @@ fn to_f32_odd(v: f64) -> f32 {
         bits -= 1;
     }
     f32::from_bits(bits | 1)
+}
+
+/// Elements in host memory. The variant is the dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostData {
+    /// `float32` elements.
+    F32(Vec<f32>),
+    /// `float64` elements.
+    F64(Vec<f64>),
+    /// `float16` elements.
+    F16(Vec<f16>),
+    /// `bfloat16` elements.
+    BF16(Vec<bf16>),
 }
 
 #[cfg(test)]

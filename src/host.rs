@@ -1,22 +1,12 @@
-//! Host memory: a typed vector of elements, one variant per [`DType`].
+//! Host memory: [`HostData`], a typed vector of elements (one variant per [`DType`], defined
+//! beside the element types), and what is done with it.
 
 use half::{bf16, f16};
 
 use crate::dtype::{DType, Element};
 use crate::{Error, Shape};
 
-/// Elements in host memory. The variant is the dtype.
-#[derive(Clone, Debug, PartialEq)]
-pub enum HostData {
-    /// `float32` elements.
-    F32(Vec<f32>),
-    /// `float64` elements.
-    F64(Vec<f64>),
-    /// `float16` elements.
-    F16(Vec<f16>),
-    /// `bfloat16` elements.
-    BF16(Vec<bf16>),
-}
+pub use crate::dtype::HostData;
 
 /// Runs `$body` with `$v` bound to the typed vector inside a [`HostData`], and `$t` to its
 /// element type.
