@@ -68,7 +68,9 @@ fn push_from_and_pull_into_lent_memory() -> Result<()> {
         // SAFETY: the slices stay allocated until after `wait_all` below, and the test's
         // stream does not touch them meanwhile.
         let a = unsafe { LentGpuArray::new(address(&st, &grad0), 0, DType::F32, [n])? };
+        // SAFETY: as for `a`.
         let b = unsafe { LentGpuArray::new(address(&st, &grad1), 0, DType::F32, [n])? };
+        // SAFETY: as for `a`.
         let o = unsafe { LentGpuArray::new(address(&st, &out), 0, DType::F32, [n])? };
         ensure!(a.array().device() == gpu(0), "a lent array is on its GPU");
         kv.push(7, &[a.array().clone(), b.array().clone()])?;
@@ -123,17 +125,20 @@ fn unusable_memory_is_refused_and_nothing_is_lent() -> Result<()> {
     };
     // SAFETY (each call): only checked, never lent; `s` outlives them all.
     refused(
+        // SAFETY: only checked, never lent; the memory outlives the call.
         unsafe { LentGpuArray::new(p, 0, DType::F32, [101]) },
         "one element too many",
         "the last byte",
     )?;
     refused(
+        // SAFETY: only checked, never lent; the memory outlives the call.
         unsafe { LentGpuArray::new(p + 2, 0, DType::F32, [10]) },
         "misaligned",
         "not aligned",
     )?;
     let host = [0f32; 16];
     refused(
+        // SAFETY: only checked, never lent; the memory outlives the call.
         unsafe { LentGpuArray::new(host.as_ptr() as u64, 0, DType::F32, [16]) },
         "host memory",
         "not device memory",
@@ -142,6 +147,7 @@ fn unusable_memory_is_refused_and_nothing_is_lent() -> Result<()> {
         let st1 = other_library(1)?;
         let s1 = foreign(&st1, &random(100))?;
         refused(
+            // SAFETY: only checked, never lent; the memory outlives the call.
             unsafe { LentGpuArray::new(address(&st1, &s1), 0, DType::F32, [100]) },
             "memory of gpu(1) lent as gpu(0)",
             "memory of gpu(1)",

@@ -606,9 +606,11 @@ impl Call {
         // are until the request completes or `Pending::drop` leaks them; the communicator is
         // valid; `root` < size.
         let rc = match self.blocking {
+            // SAFETY: as stated above this match, for both arms.
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Reduce(send, recv, n, dt, sum, root_c, comm)
             }),
+            // SAFETY: as stated above this match, for both arms.
             false => unsafe {
                 ffi::MPI_Ireduce(send, recv, n, dt, sum, root_c, comm, &mut p.reqs[0].0)
             },
@@ -901,9 +903,11 @@ impl Call {
         // SAFETY: the buffer holds `n` elements of T's MPI datatype and lives in `p` until the
         // request completes or is leaked; the communicator is valid; `root` < size.
         let rc = match self.blocking {
+            // SAFETY: as stated above this match, for both arms.
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Bcast(buf, n, dt, root_c, comm)
             }),
+            // SAFETY: as stated above this match, for both arms.
             false => unsafe { ffi::MPI_Ibcast(buf, n, dt, root_c, comm, &mut p.reqs[0].0) },
         };
         self.started(rc)?;
@@ -1010,9 +1014,11 @@ impl Call {
         // above), of T's MPI datatype; both live in `p` until completion or are leaked; the
         // communicator is valid.
         let rc = match self.blocking {
+            // SAFETY: as stated above this match, for both arms.
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Allgather(send, n, dt, recv, n, dt, comm)
             }),
+            // SAFETY: as stated above this match, for both arms.
             false => unsafe {
                 ffi::MPI_Iallgather(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
             },
@@ -1046,9 +1052,11 @@ impl Call {
         // SAFETY: both buffers hold size × n elements of T's MPI datatype (checked above) and
         // live in `p` until completion or are leaked; the communicator is valid.
         let rc = match self.blocking {
+            // SAFETY: as stated above this match, for both arms.
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Alltoall(send, n, dt, recv, n, dt, comm)
             }),
+            // SAFETY: as stated above this match, for both arms.
             false => unsafe {
                 ffi::MPI_Ialltoall(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
             },
@@ -1119,6 +1127,7 @@ impl Call {
         // with the buffers; every block lies inside its buffer by construction; the
         // communicator is valid.
         let rc = match self.blocking {
+            // SAFETY: as stated above this match, for both arms.
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Alltoallv(
                     send,
@@ -1132,6 +1141,7 @@ impl Call {
                     comm,
                 )
             }),
+            // SAFETY: as stated above this match, for both arms.
             false => unsafe {
                 ffi::MPI_Ialltoallv(
                     send,
@@ -1181,9 +1191,11 @@ impl Call {
         // the root); both live in `p` until completion or are leaked; the communicator is
         // valid; `root` < size.
         let rc = match self.blocking {
+            // SAFETY: as stated above this match, for both arms.
             true => self.bound(p.coll, || unsafe {
                 ffi::MPI_Scatter(send, n, dt, recv, n, dt, root_c, comm)
             }),
+            // SAFETY: as stated above this match, for both arms.
             false => unsafe {
                 ffi::MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm, &mut p.reqs[0].0)
             },
