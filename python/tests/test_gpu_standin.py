@@ -5,7 +5,8 @@ interpreter). THIS IS NOT A GPU RUN: it checks the path from Python through the 
 Runs where the stand-in is on the library path (python/ci.sh sets KVSTORE_STANDIN_LIB to its
 folder); skipped, saying so, elsewhere. Two workers are two processes whose NCCL
 communicator the stand-in joins across processes. On a real GPU, `python/examples/train_torch.py`
-under `torchrun` runs the same path (BENCHMARKS.md, GPU run 4: one worker on an H200).
+under `torchrun` runs the same path (benches/results/history/gpu.md, "Run 4": one worker on an
+H200).
 """
 
 import os

@@ -866,8 +866,8 @@ fn compressed_pushes_on_n_ranks_equal_a_reference() {
             Compression::bf16(),
             Compression::fp16(),
         ] {
-            // What one element sends, by the rules written out (README, "Gradient
-            // compression"), and what stays.
+            // What one element sends, by the rules written out (docs/compression.md), and
+            // what stays.
             let send = |acc: f32| -> (f32, f32) {
                 let sent = match compression {
                     Compression::TwoBit { .. } if acc >= t => t,
@@ -1012,7 +1012,7 @@ fn ranks_that_compress_differently_fail_every_rank() {
 /// What a compressed push moves: on 4 ranks, a key of 16,000 float32 elements sliced in four
 /// travels as 1,000 words from each rank, 250 to each holder of a slice, and every rank
 /// receives the 250 words of its slice from each rank: 1,000 words, a sixteenth of the key's
-/// elements (README, "Gradient compression"). The same push uncompressed receives each rank's
+/// elements (docs/compression.md). The same push uncompressed receives each rank's
 /// slice of the sum, 4,000 elements, as the result of a reduce-scatter whose ring moves about
 /// three times that per rank.
 #[test]
