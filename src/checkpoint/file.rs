@@ -1,5 +1,7 @@
-//! The single-file format that [`KvStore::save`](crate::KvStore::save) writes: one safetensors
-//! file holding every key whole. See the [module docs](super) for its layout.
+//! The single-file format that earlier versions' [`KvStore::save`](crate::KvStore::save) wrote
+//! for stores of one process: one safetensors file holding every key whole. Read as a world of
+//! one shard by [`super::reader`]; written only by a test hook, for tests of old files. See the
+//! [module docs](super) for its layout.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -7,11 +9,12 @@ use std::collections::{HashMap, HashSet};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, TensorInfo, TensorView};
 
+use super::atomic::write_atomic;
 use super::bounded;
 use super::checksum::{self, Sums};
+use super::entry::{Entry, EntryState};
 use super::{Problem, FORMAT, FORMAT_1};
-use crate::store::{Entry, EntryState};
-use crate::{DType, Key, KeyKind, Shape, Updater};
+use crate::{DType, Error, Key, KeyKind, Shape, Updater};
 
 /// `Dtype` of the safetensors format for a dtype.
 pub(super) fn st_dtype(dtype: DType) -> Dtype {
@@ -75,6 +78,19 @@ pub(super) fn from_bytes(dtype: DType, b: &[u8]) -> crate::HostData {
                 .collect(),
         ),
     }
+}
+
+/// Writes `entries` (every key of a store, in update order, with the key kind and the updater
+/// in force) to `path` as a single file of format 2, atomically: the format earlier versions
+/// saved, for tests that load old files.
+pub(crate) fn write_single_file(
+    path: &std::path::Path,
+    kind: Option<KeyKind>,
+    updater: &Updater,
+    entries: &[Entry],
+) -> Result<(), Error> {
+    let bytes = encode(kind, updater, entries).map_err(|p| p.at(path))?;
+    write_atomic(path, &bytes).map_err(|e| Problem::io(false, e).at(path))
 }
 
 /// The safetensors bytes of a store's entries.
@@ -173,32 +189,6 @@ pub(super) struct Decoded {
     pub sums: Option<Sums>,
     /// Its header, where the tensors are.
     pub header: bounded::Header,
-}
-
-impl Decoded {
-    /// Whether the saved state fits `updater`: the same name and state buffers.
-    pub(super) fn fits(&self, updater: &Updater) -> bool {
-        self.updater == updater.name() && self.state_names.iter().eq(updater.state_names())
-    }
-}
-
-/// Parses and checks a whole checkpoint. Every key's state is checked whatever the updater,
-/// and kept only where it fits `updater` (the same name and state buffers); see
-/// [`KvStore::load`](crate::KvStore::load).
-/// Also returns whether the file was verified by its checksums (a file of format 1 has none).
-pub(super) fn decode(
-    bytes: &[u8],
-    updater: &Updater,
-) -> std::result::Result<(Option<KeyKind>, Vec<Entry>, bool), Problem> {
-    let mut decoded = decode_all(bytes)?;
-    if !decoded.fits(updater) {
-        // State of another updater is checked, then left behind: the key starts afresh, as
-        // after set_updater.
-        for e in &mut decoded.entries {
-            e.state = None;
-        }
-    }
-    Ok((decoded.kind, decoded.entries, decoded.sums.is_some()))
 }
 
 /// Parses and checks a whole checkpoint, keeping every key's state. The header's checksum is

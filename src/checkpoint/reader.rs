@@ -16,13 +16,12 @@ use safetensors::tensor::Dtype;
 
 use super::bounded;
 use super::checksum::{self, Sums};
-use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind};
+use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind, Decoded};
 use super::sharded::{
     generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
     INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT, SHARD_FORMAT_1,
 };
 use super::Problem;
-use crate::store::{Entry, EntryState};
 use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updater};
 
 /// What `dir/index` says: the committed generation, the world size that wrote it, and the
@@ -804,8 +803,10 @@ pub(crate) struct Reader {
     files: Vec<ShardFile>,
     /// Each shard's residuals, by file (a shard's file is its rank).
     residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
-    /// The number of ranks that saved a sharded checkpoint; `None` for a single file.
-    world: Option<usize>,
+    /// The number of ranks that saved the checkpoint (a single file: one).
+    world: usize,
+    /// Which checkpoint this is, in words that differ for any two saves: see [`Reader::which`].
+    which: String,
 }
 
 /// Opens a checkpoint: a directory with a committed sharded checkpoint, or a single file
@@ -863,7 +864,15 @@ fn open_dir(dir: &Path) -> Result<Reader> {
             dir.display()
         );
     }
-    Ok(Reader::new(dir, a, files, Some(index.world)))
+    let which = match index.token {
+        Some(token) => format!(
+            "generation {} of the save with token {}",
+            index.generation,
+            token_text(token)
+        ),
+        None => format!("generation {} (format 1, no token)", index.generation),
+    };
+    Ok(Reader::new(dir, a, files, index.world, which))
 }
 
 /// Checks that generation directory `gen_dir` holds a shard file for every rank of the world
@@ -901,6 +910,8 @@ fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
         .at(gen_dir))
 }
 
+/// Opens a single file of an earlier version as a world of one shard that holds every key
+/// whole, and the file's residuals as that shard's.
 fn open_file(path: &Path) -> Result<Reader> {
     // Read through the handle that later reads by range, so both see one file even if a save
     // replaces it meanwhile.
@@ -909,30 +920,13 @@ fn open_file(path: &Path) -> Result<Reader> {
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).map_err(io)?;
     let decoded = decode_all(&bytes).map_err(|p| p.at(path))?;
+    let span = |name: String| file_span(&decoded, name).map_err(|p| p.at(path));
     let mut pieces = Vec::with_capacity(decoded.entries.len());
+    let mut residuals = Vec::new();
     for (order, e) in decoded.entries.iter().enumerate() {
-        let span = |name: String| {
-            let info = (decoded.header.meta.info(&name))
-                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")).at(path))?;
-            let sums = match &decoded.sums {
-                Some(all) => Some(all.tensors.get(&name).cloned().ok_or_else(|| {
-                    Problem::invalid(format!("tensor '{name}' has no checksums")).at(path)
-                })?),
-                None => None,
-            };
-            let at = decoded.header.span(info);
-            Ok(Span {
-                start: at.start,
-                end: at.end,
-                name,
-                sums,
-            })
-        };
         let value = span(format!("value/{}", e.key))?;
         let state = match &e.state {
-            Some(_) => decoded
-                .state_names
-                .iter()
+            Some(_) => (decoded.state_names.iter())
                 .map(|s| span(format!("state/{}/{s}", e.key)))
                 .collect::<Result<Vec<_>>>()?,
             None => Vec::new(),
@@ -944,11 +938,25 @@ fn open_file(path: &Path) -> Result<Reader> {
             value,
             state,
         });
+        if !e.residuals.is_empty() {
+            let spans = (0..e.residuals.len())
+                .map(|i| span(format!("residual/{}/{i}", e.key)))
+                .collect::<Result<Vec<_>>>()?;
+            residuals.push((e.key.clone(), e.shape.size(), spans));
+        }
     }
     let chunk = decoded.sums.as_ref().map(|s| s.chunk);
     if chunk.is_none() {
         super::warn_unverified(path);
     }
+    let header_bytes = usize::try_from(decoded.header.data_start)
+        .ok()
+        .and_then(|n| bytes.get(..n))
+        .unwrap_or(&bytes);
+    let which = format!(
+        "a single file whose header's CRC-32 is {:08x}",
+        crc32fast::hash(header_bytes)
+    );
     let header = ShardHeader {
         rank: 0,
         token: None,
@@ -957,7 +965,7 @@ fn open_file(path: &Path) -> Result<Reader> {
         updater: decoded.updater,
         state_names: decoded.state_names,
         pieces,
-        residuals: Vec::new(),
+        residuals,
     };
     let a = assemble(path, vec![header])?;
     let files = vec![ShardFile {
@@ -965,11 +973,39 @@ fn open_file(path: &Path) -> Result<Reader> {
         file,
         chunk: chunk.unwrap_or(1),
     }];
-    Ok(Reader::new(path, a, files, None))
+    Ok(Reader::new(path, a, files, 1, which))
+}
+
+/// Where tensor `name` of a decoded single file is, with its checksums (none in format 1).
+fn file_span(decoded: &Decoded, name: String) -> std::result::Result<Span, Problem> {
+    let info = (decoded.header.meta.info(&name))
+        .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
+    let sums = match &decoded.sums {
+        Some(all) => Some(
+            all.tensors
+                .get(&name)
+                .cloned()
+                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?,
+        ),
+        None => None,
+    };
+    let at = decoded.header.span(info);
+    Ok(Span {
+        start: at.start,
+        end: at.end,
+        name,
+        sums,
+    })
 }
 
 impl Reader {
-    fn new(path: &Path, a: Assembled, files: Vec<ShardFile>, world: Option<usize>) -> Reader {
+    fn new(
+        path: &Path,
+        a: Assembled,
+        files: Vec<ShardFile>,
+        world: usize,
+        which: String,
+    ) -> Reader {
         let place = a
             .keys
             .iter()
@@ -987,19 +1023,27 @@ impl Reader {
             files,
             residuals: a.residuals,
             world,
+            which,
         }
     }
 
-    /// The compression residuals rank `rank` of `world` saved in a sharded checkpoint, per
-    /// key: `None` for a single file (whose residuals come with [`Reader::entries`]) or a
+    /// Which checkpoint this is: for a directory, the generation and the token of the save that
+    /// wrote it; for a single file, the CRC-32 of its header (which holds the checksums of all
+    /// its data, or, in format 1, at least every key and dtype). Ranks compare it, so that ranks
+    /// that found different checkpoints at one path fail rather than load different values.
+    pub(crate) fn which(&self) -> &str {
+        &self.which
+    }
+
+    /// The compression residuals rank `rank` of `world` saved, per key: `None` for a
     /// checkpoint that another number of ranks saved (each rank's residuals are its own, so
-    /// they do not carry over to another world).
+    /// they do not carry over to another world). A single file is a world of one.
     pub(crate) fn rank_residuals(
         &self,
         rank: usize,
         world: usize,
     ) -> Result<Option<Vec<KeyResiduals>>> {
-        if self.world != Some(world) {
+        if self.world != world {
             return Ok(None);
         }
         let (Some(file), Some(saved)) = (self.files.get(rank), self.residuals.get(rank)) else {
@@ -1038,11 +1082,13 @@ impl Reader {
     }
 
     /// The [`name`](Updater::name) of the updater the checkpoint was saved under.
+    #[cfg(test)]
     pub(crate) fn updater_name(&self) -> &str {
         &self.updater
     }
 
     /// The state buffer names of that updater, as [`Updater::state_names`].
+    #[cfg(test)]
     pub(crate) fn state_names(&self) -> &[String] {
         &self.state_names
     }
@@ -1124,29 +1170,5 @@ impl Reader {
         let value = from_bytes(meta.dtype, &value);
         let state = state.iter().map(|b| from_bytes(acc, b)).collect();
         Ok((value, state))
-    }
-
-    /// Every key whole, in update order, as a load into a store takes them: with its state
-    /// where the state fits `updater`, without (so it starts afresh) otherwise.
-    pub(crate) fn entries(&self, updater: &Updater) -> Result<Vec<Entry>> {
-        let fits = self.state_fits(updater);
-        let mut entries = Vec::with_capacity(self.keys.len());
-        for (i, meta) in self.keys.iter().enumerate() {
-            let (value, bufs) = self.read_host(i, 0..meta.size())?;
-            let shape = Shape::new(&meta.dims)?;
-            entries.push(Entry {
-                key: meta.key.clone(),
-                shape,
-                value,
-                state: (fits && meta.has_state).then_some(EntryState {
-                    step: meta.step,
-                    bufs,
-                }),
-                row_sparse: meta.row_sparse,
-                // A shard's residuals are its rank's own: a store of one process takes none.
-                residuals: Vec::new(),
-            });
-        }
-        Ok(entries)
     }
 }

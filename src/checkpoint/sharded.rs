@@ -27,6 +27,7 @@ use safetensors::tensor::TensorView;
 
 use super::atomic::{sync_dir, write_atomic};
 use super::checksum;
+use super::entry::Entry;
 use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
 use super::reader::{check_cover, read_index, read_shard_header};
 use super::Problem;
@@ -106,7 +107,7 @@ pub(crate) struct KeyMeta {
 
 impl KeyMeta {
     /// The description of entry `e`, the `order`-th key in update order.
-    pub(crate) fn of(e: &crate::store::Entry, order: usize) -> KeyMeta {
+    pub(crate) fn of(e: &Entry, order: usize) -> KeyMeta {
         KeyMeta {
             key: e.key.clone(),
             dims: e.shape.dims().to_vec(),
@@ -502,42 +503,15 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     Ok(())
 }
 
-/// Test hook: saves `kv` as a sharded checkpoint of `world` ranks in directory `dir`, through
-/// the writer and the commit that the ranks of a `dist` store use: keys of `world` elements or
-/// more sliced evenly over the ranks, smaller ones whole on one rank each in turn, and the
-/// store's compression residuals saved as every rank's own. For tests of sharded checkpoints
-/// (a load by another world size, corrupt shards) without a `dist` store.
-#[doc(hidden)]
-pub fn save_sharded(kv: &crate::KvStore, dir: impl AsRef<Path>, world: usize) -> Result<()> {
-    let dir = dir.as_ref();
-    if world == 0 {
-        return Err(Problem::invalid("a sharded save needs a world of one rank or more").at(dir));
-    }
-    let (_, updater, entries) = kv.export_entries()?;
-    let residuals: Vec<KeyResiduals> = (entries.iter())
-        .filter(|e| !e.residuals.is_empty())
-        .map(|e| KeyResiduals {
-            key: e.key.clone(),
-            len: e.shape.size(),
-            residuals: e.residuals.clone(),
-        })
-        .collect();
-    let save = next_generation(dir)?;
-    for rank in 0..world {
-        let pieces = (entries.iter().enumerate())
-            .filter_map(|(order, e)| {
-                let range = rank_range(e.shape.size(), order, rank, world)?;
-                Some(entry_piece(e, order, range, &updater))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        write_shard(dir, save, rank, world, &updater, &pieces, &residuals)?;
-    }
-    commit(dir, save, world)
-}
-
-/// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in
-/// [`save_sharded`]'s layout, if any.
-fn rank_range(size: usize, order: usize, rank: usize, world: usize) -> Option<Range<usize>> {
+/// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in the
+/// test layout of `KvStore::save_sharded`: keys of `world` elements or more sliced evenly over
+/// the ranks, smaller ones whole on one rank each in turn; `None` where it holds none.
+pub(crate) fn rank_range(
+    size: usize,
+    order: usize,
+    rank: usize,
+    world: usize,
+) -> Option<Range<usize>> {
     if size >= world {
         return Some(size * rank / world..size * (rank + 1) / world);
     }
@@ -546,8 +520,8 @@ fn rank_range(size: usize, order: usize, rank: usize, world: usize) -> Option<Ra
 
 /// Elements `range` of entry `e`, the `order`-th key, as a piece: its value, and its state
 /// where it has state for `updater`.
-fn entry_piece(
-    e: &crate::store::Entry,
+pub(crate) fn entry_piece(
+    e: &Entry,
     order: usize,
     range: Range<usize>,
     updater: &Updater,

@@ -550,7 +550,7 @@ fn the_reader_reads_a_single_file_checkpoint() {
     let dir = temp_dir("single");
     let path = dir.join("model.safetensors");
     let (kv, keys) = trained_store(&mut rng, &adam());
-    kv.save(&path).unwrap();
+    kv.save_single_file(&path).unwrap();
     let reader = open(&path).unwrap();
     assert_eq!(reader.updater_name(), "adam");
     assert!(reader.state_names().iter().eq(["mean", "var"]));
@@ -1157,7 +1157,7 @@ fn reads_by_range_verify_the_chunks_they_touch() {
 /// piece, instead of a key no row-sparse call could use.
 #[test]
 fn a_row_sparse_key_of_one_dimension_is_invalid() {
-    use crate::store::{Entry, EntryState};
+    use super::entry::{Entry, EntryState};
     let entry = |dims: &[usize]| Entry {
         key: Key::Int(3),
         shape: crate::Shape::new(dims).unwrap(),
@@ -1170,11 +1170,9 @@ fn a_row_sparse_key_of_one_dimension_is_invalid() {
         super::file::encode(Some(crate::KeyKind::Int), &Updater::Assign, &[e])
             .unwrap_or_else(|_| panic!("encoded"))
     };
-    assert!(super::file::decode(&encode(entry(&[2, 3])), &Updater::Assign).is_ok());
+    assert!(super::file::decode_all(&encode(entry(&[2, 3]))).is_ok());
     let bad = encode(entry(&[6]));
-    let err = super::file::decode(&bad, &Updater::Assign)
-        .err()
-        .expect("refused");
+    let err = super::file::decode_all(&bad).err().expect("refused");
     match err.at(Path::new("x")) {
         Error::Checkpoint { kind, message, .. } => {
             assert_eq!(kind, CheckpointErrorKind::Invalid, "{message}");

@@ -1,7 +1,8 @@
 //! Store: [`KvStore`] and its rules. Kind names ([`kind`]), the key table and where new keys
 //! are homed ([`table`]), validation ([`validate`]), lookup with repeats merged, lock order and
 //! issue order ([`groups`]), per-key locks, the updater in force and its hyperparameters
-//! ([`hyper`]), the push hook ([`hook`]) and checkpoint export and import ([`entries`]).
+//! ([`hyper`]), the push hook ([`hook`]) and checkpoints, one save and one load for every kind
+//! ([`save_load`]).
 //!
 //! Every operation validates all of its arguments before it changes anything, so an error
 //! leaves the store exactly as it was. Each key has its own lock: operations on different keys
@@ -19,8 +20,6 @@
 
 mod compress;
 mod dist;
-mod dist_checkpoint;
-mod entries;
 mod groups;
 mod hook;
 mod kind;
@@ -29,6 +28,7 @@ mod loopback_rows_tests;
 #[cfg(test)]
 pub(crate) mod loopback_tests;
 mod rows;
+mod save_load;
 mod table;
 mod validate;
 
@@ -43,7 +43,6 @@ use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
 use dist::Inputs;
 
-pub(crate) use entries::{Entry, EntryState};
 pub use groups::ValueList;
 use groups::{issue_order, lock_cells, Group};
 use hook::{call_hook, cell_steps, pushed};
@@ -282,18 +281,6 @@ impl KvStore {
         self.ranks.tell_rejected(op, why)
     }
 
-    /// A `dist_*` store's save of a sharded checkpoint into directory `path`; `None` for a
-    /// single-process store.
-    pub(crate) fn save_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
-        self.kind.is_dist().then(|| self.dist_save(path))
-    }
-
-    /// A `dist_*` store's load of a checkpoint (any layout, any world size); `None` for a
-    /// single-process store.
-    pub(crate) fn load_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
-        self.kind.is_dist().then(|| self.dist_load(path))
-    }
-
     /// `err`, after telling the other ranks of a `dist_*` store that this rank rejected its
     /// input for `op` (so that they fail the same call instead of waiting for this rank).
     /// Only for errors found before the call's collectives begin.
@@ -472,7 +459,8 @@ impl KvStore {
         fresh?;
         together?;
         let loads = (table.rank_bytes.clone(), table.gpu_bytes.clone());
-        let (placed, spreads) = self.place(&mut table, values, homes, any_gpu_home);
+        let sizes: Vec<(usize, usize)> = values.iter().map(|v| (v.nbytes(), v.size())).collect();
+        let (placed, spreads) = self.place(&mut table, &sizes, homes, any_gpu_home);
         let parts = (|| {
             let whole = dist::from_rank0(&mut *call, d, values, &spreads, mine)?;
             let parts = whole.into_iter().zip(&spreads).zip(&placed).zip(values);
@@ -495,38 +483,39 @@ impl KvStore {
         Ok(())
     }
 
-    /// Where the keys of an init live: each key's home device, and which ranks hold it. One
-    /// rank alone homes keys on the GPUs given, or largest first on the least loaded GPU
-    /// (`to_gpu`), or in host memory; ranks place keys on ranks by size, in their own home.
+    /// Where new keys of `sizes` (each key's bytes and elements) live, as an init or a load
+    /// adds them: each key's home device, and which ranks hold it. One rank alone homes keys
+    /// on the GPUs given, or largest first on the least loaded GPU (`to_gpu`), or in host
+    /// memory; ranks place keys on ranks by size, in their own home.
     fn place(
         &self,
         table: &mut Table,
-        values: &[NDArray],
+        sizes: &[(usize, usize)],
         homes: Option<&[Device]>,
         to_gpu: bool,
     ) -> (Vec<Device>, Vec<Spread>) {
         let d = &self.ranks;
         if !d.passes_through() {
-            let sizes: Vec<(usize, bool)> = values
-                .iter()
-                .map(|v| (v.nbytes(), d.is_sliced(v.size())))
+            let sizes: Vec<(usize, bool)> = (sizes.iter())
+                .map(|&(bytes, len)| (bytes, d.is_sliced(len)))
                 .collect();
             let spreads = place_on_ranks(&mut table.rank_bytes, d.size(), &sizes);
-            return (vec![d.home(); values.len()], spreads);
+            return (vec![d.home(); sizes.len()], spreads);
         }
         let gpus = probe::gpu_count();
+        let bytes: Vec<usize> = sizes.iter().map(|&(bytes, _)| bytes).collect();
         let placed: Vec<Device> = match homes {
             Some(h) => h.to_vec(),
-            None if to_gpu => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
-            None => vec![Device::Cpu(0); values.len()],
+            None if to_gpu => place_by_size(&mut table.gpu_bytes.clone(), gpus, &bytes),
+            None => vec![Device::Cpu(0); sizes.len()],
         };
         table.gpu_bytes.resize(gpus, 0);
-        for (v, home) in values.iter().zip(&placed) {
+        for (&b, home) in bytes.iter().zip(&placed) {
             if let Device::Gpu(i) = *home {
-                table.gpu_bytes[i] += v.nbytes();
+                table.gpu_bytes[i] += b;
             }
         }
-        (placed, vec![Spread::Whole { rank: 0 }; values.len()])
+        (placed, vec![Spread::Whole { rank: 0 }; sizes.len()])
     }
 
     /// Pushes one or more values to `key`: they are summed, and the updater merges the sum into
@@ -1080,7 +1069,10 @@ mod tests {
     fn homes_are_placed_largest_first_on_the_least_loaded_gpu() {
         // Sizes in f32 elements; the reference below is worked out by hand.
         let sizes = [100usize, 4000, 250, 3000, 2000, 1000];
-        let values: Vec<NDArray> = sizes.iter().map(|&s| NDArray::zeros([s])).collect();
+        let values: Vec<usize> = sizes
+            .iter()
+            .map(|&s| NDArray::zeros([s]).nbytes())
+            .collect();
         let mut bytes = Vec::new();
         let homes = place_by_size(&mut bytes, 2, &values);
         // 4000 -> g0 (16000), 3000 -> g1 (12000), 2000 -> g1 (20000), 1000 -> g0 (20000),
@@ -1092,7 +1084,7 @@ mod tests {
         );
         assert_eq!(bytes, vec![21000, 20400]);
         // A later call continues from the loads so far.
-        let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10])]);
+        let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10]).nbytes()]);
         assert_eq!(more, vec![Device::Gpu(1)]);
     }
 
