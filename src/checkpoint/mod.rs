@@ -95,24 +95,28 @@
 //!
 //! | entry          | value                                                             |
 //! |----------------|-------------------------------------------------------------------|
-//! | `format`       | `kvstore-shard/2`                                                 |
+//! | `format`       | `kvstore-shard/3`                                                 |
 //! | `generation`, `rank`, `world` | as in the file's name                              |
 //! | `token`        | the save's token, as in `index`                                   |
 //! | `key_kind`     | `int`, `str`, or `none` for a shard with no keys                  |
 //! | `updater`, `state_names` | as in the single file, the same in every shard          |
-//! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` |
-//! | `residuals/<key>` | `count=<c> len=<n>`: the saving rank's own gradient-compression residuals of the key, `c` float32 tensors `residual/<key>/<i>` of the whole key's `n` elements; absent when it has none |
+//! | `piece/<key>`  | a JSON object: `{"order":<o>,"start":<a>,"end":<b>,"dims":[<d0>,<d1>,...],"step":<s>,"sparse":true}` |
+//! | `residuals/<key>` | a JSON object `{"count":<c>,"len":<n>}`: the saving rank's own gradient-compression residuals of the key, `c` float32 tensors `residual/<key>/<i>` of the whole key's `n` elements; absent when it has none |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, as in the single file |
 //!
 //! `order` is the key's place in update order (distinct per key; keys are listed by it),
 //! `start..end` the element range this shard holds, `dims` the whole key's dims (empty for a
 //! scalar), and `step` the updater step count, present exactly when the key has updater state
-//! (then the shard has one `state/<key>/<name>` per state name), and `sparse=1` marks a
-//! row-sparse key. Every shard of a key records the same `order`, `dims`, dtype, `step` and
+//! (then the shard has one `state/<key>/<name>` per state name), and `sparse` (`true`, or
+//! absent for a dense key) marks a row-sparse key. No other field is allowed. Every shard of a key records the same `order`, `dims`, dtype, `step` and
 //! `sparse`. A shard's residuals are its rank's own, of every key that rank pushed (homed
-//! there or not): a load by as many ranks gives rank `r` those of shard `r`; after a load by
-//! another number of ranks, or into a single-process store, they start at zero. Keys are
-//! spelled canonically, as in the single file.
+//! there or not): a load by as many ranks gives rank `r` those of shard `r` (a store of one
+//! process is one rank, and a single file one shard); after a load by another number of
+//! ranks they start at zero. Keys are spelled canonically, as in the single file.
+//!
+//! Shards of format 2 (`kvstore-shard/2`) still load: they differ only in spelling `piece/`
+//! as `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` and `residuals/` as
+//! `count=<c> len=<n>` (fields separated by single spaces, counts in canonical decimal).
 //!
 //! ```
 //! use kvstore::{KvStore, NDArray, Sgd, Updater};
@@ -156,6 +160,7 @@ mod entry;
 mod file;
 mod reader;
 mod sharded;
+mod spec;
 #[cfg(test)]
 mod tests;
 

@@ -23,18 +23,21 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use safetensors::tensor::TensorView;
-
 use super::atomic::{sync_dir, write_atomic};
 use super::checksum;
 use super::entry::Entry;
-use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
+use super::file::{acc_dtype, kind_name, serialize_sealed, to_bytes, Tensor};
 use super::reader::{check_cover, read_index, read_shard_header};
+use super::spec::{to_json, PieceSpec, ResidualSpec};
 use super::Problem;
-use crate::{DType, Device, Error, Key, NDArray, Result, Updater};
+use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
 
 /// The `format` metadata entry of every shard file this version writes.
-pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/2";
+pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/3";
+
+/// The `format` of shard files of the previous version, which spell their `piece/` and
+/// `residuals/` entries as `name=value` fields; still read.
+pub(crate) const SHARD_FORMAT_2: &str = "kvstore-shard/2";
 
 /// The `format` of shard files of the previous version, which carry no token; still read.
 pub(crate) const SHARD_FORMAT_1: &str = "kvstore-shard/1";
@@ -195,8 +198,8 @@ fn write_error(path: &Path, e: io::Error) -> Error {
 /// above every generation there, committed or not, so a save never writes into the remains of
 /// an interrupted one, and its directory is created here with an atomic create that fails if
 /// it exists: a save that finds it taken (another job saving into `dir` at the same time) takes
-/// the next number, so no two saves ever own one generation. Creates `dir` (and its parents)
-/// if it does not exist. Rank 0 calls this before a save; the store broadcasts the
+/// the next number, so no two saves ever own one generation. Creates `dir`
+/// if it does not exist (not its parents). Rank 0 calls this before a save; the store broadcasts the
 /// [`SaveId`] to the other ranks.
 pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
@@ -206,7 +209,12 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
         )
         .at(dir));
     }
-    fs::create_dir_all(dir).map_err(|e| write_error(dir, e))?;
+    // The directory itself, not its parents: a save into a folder that does not exist (a
+    // mistyped path) is an error that says so.
+    match fs::create_dir(dir) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(write_error(dir, e)),
+        _ => {}
+    }
     let found = generations(dir).map_err(|e| write_error(dir, e))?;
     let committed = match read_index(dir) {
         Ok(index) => Some(index.generation),
@@ -304,149 +312,172 @@ fn encode_shard(
         .chain(residuals.iter().map(|r| &r.key))
         .next()
         .map(Key::kind);
-    let mut meta: HashMap<String, String> = HashMap::new();
-    meta.insert("format".into(), SHARD_FORMAT.into());
-    meta.insert("generation".into(), save.generation.to_string());
-    meta.insert("token".into(), token_text(save.token));
-    meta.insert("rank".into(), rank.to_string());
-    meta.insert("world".into(), world.to_string());
-    meta.insert("key_kind".into(), kind_name(kind).into());
-    meta.insert("updater".into(), updater.name().into());
-    meta.insert("state_names".into(), names.join(","));
-
+    let mut meta = shard_meta(save, rank, world, kind, updater);
+    let mut tensors: Vec<Tensor> = Vec::new();
     let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
-    // (name, dtype, len, bytes) of every tensor.
-    let mut tensors: Vec<(String, DType, usize, Vec<u8>)> = Vec::new();
     for p in pieces {
-        let m = &p.meta;
-        let key = &m.key;
-        if Some(key.kind()) != kind {
-            return Err(Problem::invalid(format!(
-                "key {key} is of another kind than key {}: a checkpoint holds int keys or \
-                 string keys, not both",
-                pieces[0].meta.key
-            )));
-        }
-        if !seen.insert(key) {
-            return Err(Problem::invalid(format!(
-                "key {key} is given twice: a rank holds at most one piece of a key"
-            )));
-        }
-        let size = m.size();
-        if p.range.start > p.range.end || p.range.end > size {
-            return Err(Problem::invalid(format!(
-                "key {key}: range {:?} is not within its {size} elements",
-                p.range
-            )));
-        }
-        let len = p.range.len();
-        let check = |what: &str, a: &NDArray, dtype: DType| {
-            if a.dtype() != dtype || a.size() != len || a.shape().dims().len() != 1 {
-                return Err(Problem::invalid(format!(
-                    "key {key}: {what} is {} {}, expected 1-D {dtype} of {len} elements",
-                    a.shape(),
-                    a.dtype()
-                )));
-            }
-            Ok(())
-        };
-        check("the value", &p.value, m.dtype)?;
-        let state_names_given = p.state.iter().map(|(n, _)| n.as_str());
-        // An updater with no state buffers (SGD without momentum) still has a step count.
-        if (!m.has_state && !p.state.is_empty())
-            || (m.has_state && !state_names_given.eq(names.iter().copied()))
-        {
-            return Err(Problem::invalid(format!(
-                "key {key}: the state buffers must be {names:?} (the updater's state names) \
-                 when has_state is set, and none otherwise"
-            )));
-        }
-        let mut spec = format!(
-            "order={} start={} end={} dims={}",
-            m.order,
-            p.range.start,
-            p.range.end,
-            m.dims
-                .iter()
-                .map(usize::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        );
-        if m.has_state {
-            spec.push_str(&format!(" step={}", m.step));
-        }
-        if m.row_sparse {
-            spec.push_str(" sparse=1");
-        }
-        meta.insert(format!("piece/{key}"), spec);
-        tensors.push((
-            format!("value/{key}"),
-            m.dtype,
-            len,
-            p.value
-                .with_host(to_bytes)
-                .map_err(|e| Problem::invalid(format!("key {key}: reading the value: {e}")))?,
-        ));
-        for (name, buf) in &p.state {
-            check(&format!("state buffer {name}"), buf, acc_dtype(m.dtype))?;
-            tensors.push((
-                format!("state/{key}/{name}"),
-                acc_dtype(m.dtype),
-                len,
-                buf.with_host(to_bytes)
-                    .map_err(|e| Problem::invalid(format!("key {key}: reading {name}: {e}")))?,
-            ));
-        }
+        check_piece(p, kind, &names, &mut seen)?;
+        let spec = to_json(&piece_spec(p)).map_err(Problem::invalid)?;
+        meta.insert(format!("piece/{}", p.meta.key), spec);
+        tensors.extend(piece_tensors(p)?);
     }
     for r in residuals {
-        let key = &r.key;
-        if kind.is_some_and(|k| k != key.kind()) {
-            return Err(Problem::invalid(format!(
-                "the residuals of key {key} are of another key kind than the shard's other keys"
-            )));
-        }
-        if let Some(bad) = r
-            .residuals
-            .iter()
-            .find(|v| !v.is_empty() && v.len() != r.len)
-        {
-            return Err(Problem::invalid(format!(
-                "key {key}: a residual of {} elements, expected {}",
-                bad.len(),
-                r.len
-            )));
-        }
-        meta.insert(
-            format!("residuals/{key}"),
-            format!("count={} len={}", r.residuals.len(), r.len),
-        );
-        for (i, v) in r.residuals.iter().enumerate() {
-            // A position never pushed keeps no residual: written as zeros.
-            let bytes = match v.is_empty() {
-                true => vec![0u8; r.len * 4],
-                false => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            };
-            tensors.push((format!("residual/{key}/{i}"), DType::F32, r.len, bytes));
-        }
+        check_residuals(r, kind)?;
+        let spec = ResidualSpec {
+            count: r.residuals.len() as u64,
+            len: r.len as u64,
+        };
+        let spec = to_json(&spec).map_err(Problem::invalid)?;
+        meta.insert(format!("residuals/{}", r.key), spec);
+        tensors.extend(residual_tensors(r));
     }
-    checksum::add_entries(
-        &mut meta,
-        tensors
-            .iter()
-            .map(|(n, _, _, b)| (n.as_str(), b.as_slice())),
-    );
-    let views = tensors
-        .iter()
-        .map(|(name, dtype, len, bytes)| {
-            TensorView::new(st_dtype(*dtype), vec![*len], bytes)
-                .map(|v| (name.as_str(), v))
-                .map_err(|e| Problem::invalid(format!("cannot serialize tensor {name}: {e}")))
-        })
-        .collect::<std::result::Result<Vec<_>, Problem>>()?;
-    let mut bytes = safetensors::serialize(views, Some(meta))
-        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))?;
-    checksum::seal(&mut bytes)?;
-    Ok(bytes)
+    serialize_sealed(meta, &tensors)
+}
+
+/// The metadata every shard has, before its pieces and residuals.
+fn shard_meta(
+    save: SaveId,
+    rank: usize,
+    world: usize,
+    kind: Option<KeyKind>,
+    updater: &Updater,
+) -> HashMap<String, String> {
+    HashMap::from([
+        ("format".into(), SHARD_FORMAT.into()),
+        ("generation".into(), save.generation.to_string()),
+        ("token".into(), token_text(save.token)),
+        ("rank".into(), rank.to_string()),
+        ("world".into(), world.to_string()),
+        ("key_kind".into(), kind_name(kind).into()),
+        ("updater".into(), updater.name().into()),
+        ("state_names".into(), updater.state_names().join(",")),
+    ])
+}
+
+/// Checks piece `p` before it is written: a key of the shard's `kind`, not in `seen` (which it
+/// joins), a range within the key, a value and state buffers of the right dtype and length,
+/// and state buffers named `names` exactly when the key has state.
+fn check_piece<'p>(
+    p: &'p Piece,
+    kind: Option<KeyKind>,
+    names: &[&str],
+    seen: &mut HashSet<&'p Key>,
+) -> std::result::Result<(), Problem> {
+    let (m, key) = (&p.meta, &p.meta.key);
+    if Some(key.kind()) != kind {
+        return Err(Problem::invalid(format!(
+            "key {key} is of another kind than the shard's first key: a checkpoint holds int \
+             keys or string keys, not both"
+        )));
+    }
+    if !seen.insert(key) {
+        return Err(Problem::invalid(format!(
+            "key {key} is given twice: a rank holds at most one piece of a key"
+        )));
+    }
+    let size = m.size();
+    if p.range.start > p.range.end || p.range.end > size {
+        return Err(Problem::invalid(format!(
+            "key {key}: range {:?} is not within its {size} elements",
+            p.range
+        )));
+    }
+    let len = p.range.len();
+    let check = |what: &str, a: &NDArray, dtype: DType| {
+        if a.dtype() != dtype || a.size() != len || a.shape().dims().len() != 1 {
+            return Err(Problem::invalid(format!(
+                "key {key}: {what} is {} {}, expected 1-D {dtype} of {len} elements",
+                a.shape(),
+                a.dtype()
+            )));
+        }
+        Ok(())
+    };
+    check("the value", &p.value, m.dtype)?;
+    let state_names_given = p.state.iter().map(|(n, _)| n.as_str());
+    // An updater with no state buffers (SGD without momentum) still has a step count.
+    if (!m.has_state && !p.state.is_empty())
+        || (m.has_state && !state_names_given.eq(names.iter().copied()))
+    {
+        return Err(Problem::invalid(format!(
+            "key {key}: the state buffers must be {names:?} (the updater's state names) when \
+             has_state is set, and none otherwise"
+        )));
+    }
+    for (name, buf) in &p.state {
+        check(&format!("state buffer {name}"), buf, acc_dtype(m.dtype))?;
+    }
+    Ok(())
+}
+
+/// The `piece/<key>` entry of piece `p`.
+fn piece_spec(p: &Piece) -> PieceSpec {
+    let m = &p.meta;
+    PieceSpec {
+        order: m.order as u64,
+        start: p.range.start as u64,
+        end: p.range.end as u64,
+        dims: m.dims.iter().map(|&d| d as u64).collect(),
+        step: m.has_state.then_some(m.step),
+        sparse: m.row_sparse,
+    }
+}
+
+/// The tensors of checked piece `p`: its value and its state buffers, 1-D.
+fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
+    let (m, key, len) = (&p.meta, &p.meta.key, p.range.len());
+    let bytes = |what: &str, a: &NDArray| {
+        a.with_host(to_bytes)
+            .map_err(|e| Problem::invalid(format!("key {key}: reading {what}: {e}")))
+    };
+    let mut tensors = vec![Tensor {
+        name: format!("value/{key}"),
+        dtype: m.dtype,
+        shape: vec![len],
+        bytes: bytes("the value", &p.value)?,
+    }];
+    for (name, buf) in &p.state {
+        tensors.push(Tensor {
+            name: format!("state/{key}/{name}"),
+            dtype: acc_dtype(m.dtype),
+            shape: vec![len],
+            bytes: bytes(name, buf)?,
+        });
+    }
+    Ok(tensors)
+}
+
+/// Checks residuals `r` before they are written: of the shard's key `kind`, each of the key's
+/// length (or empty, a position never pushed).
+fn check_residuals(r: &KeyResiduals, kind: Option<KeyKind>) -> std::result::Result<(), Problem> {
+    let key = &r.key;
+    if kind.is_some_and(|k| k != key.kind()) {
+        return Err(Problem::invalid(format!(
+            "the residuals of key {key} are of another key kind than the shard's other keys"
+        )));
+    }
+    match (r.residuals.iter()).find(|v| !v.is_empty() && v.len() != r.len) {
+        Some(bad) => Err(Problem::invalid(format!(
+            "key {key}: a residual of {} elements, expected {}",
+            bad.len(),
+            r.len
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The tensors of checked residuals `r`, float32, one per position; a position never pushed
+/// keeps no residual and is written as zeros.
+fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
+    r.residuals.iter().enumerate().map(|(i, v)| Tensor {
+        name: format!("residual/{}/{i}", r.key),
+        dtype: DType::F32,
+        shape: vec![r.len],
+        bytes: match v.is_empty() {
+            true => vec![0u8; r.len * 4],
+            false => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        },
+    })
 }
 
 /// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned

@@ -1049,10 +1049,13 @@ fn a_flipped_bit_in_a_shards_header_is_an_error_and_changes_nothing() {
     // A step count one off: still a well-formed count, so only a checksum can tell.
     // (Searched in the JSON only: the 8-byte length before it need not be text.)
     let json = std::str::from_utf8(&good[8..header]).unwrap();
+    // A piece's entry is a JSON object inside the header's JSON, so its quotes are escaped.
+    let needle = "\\\"step\\\":";
     let at = json
-        .find("step=")
-        .expect("a piece with a step count in shard 0");
-    let end = 8 + at + json[at..].find('"').unwrap();
+        .find(needle)
+        .expect("a piece with a step count in shard 0")
+        + needle.len();
+    let end = 8 + at + json[at..].find(|c: char| !c.is_ascii_digit()).unwrap();
     let mut bad = good.clone();
     bad[end - 1] ^= 1;
     fs::write(&path, &bad).unwrap();

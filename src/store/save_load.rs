@@ -139,7 +139,9 @@ impl KvStore {
         let d = &self.ranks;
         let (updater, generation) = self.active_updater();
         let opened = checkpoint::open(path).and_then(|reader| {
-            self.check_fits(&read(&self.table), &reader, path)
+            let fits = self.check_fits(&read(&self.table), &reader, path);
+            // A corrupt checkpoint is Invalid, whatever else is wrong with it.
+            fits.or_else(|e| reader.verify().and(Err(e)))
                 .map(|()| reader)
         });
         let reader = opened.map_err(|e| d.reject("load", e))?;
