@@ -316,7 +316,7 @@ fn encode_shard(
     let mut tensors: Vec<Tensor> = Vec::new();
     let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
     for p in pieces {
-        check_piece(p, kind, &names, &mut seen)?;
+        check_piece(p, kind, names, &mut seen)?;
         let spec = to_json(&piece_spec(p)).map_err(Problem::invalid)?;
         meta.insert(format!("piece/{}", p.meta.key), spec);
         tensors.extend(piece_tensors(p)?);

@@ -18,7 +18,7 @@ use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
 use super::table::{Slot, Table};
 use super::{copy_home, insert_slots, read, write, Active, KvStore, StoreKind};
-use crate::backend::{probe, HomeValue, StagedLoad};
+use crate::backend::{probe, HomeValue, HostState, StagedLoad};
 use crate::checkpoint::{
     self, Entry, EntryState, KeyMeta, KeyResiduals, LoadStage, Piece, Problem, Reader, SaveId,
 };
@@ -551,7 +551,7 @@ fn read_part(
     m: &KeyMeta,
     range: std::ops::Range<usize>,
     fits: bool,
-) -> Result<(HostData, Option<(u64, Vec<HostData>)>)> {
+) -> Result<(HostData, Option<HostState>)> {
     let piece = reader.read(&m.key, range)?;
     let state = match fits && m.has_state {
         true => {
