@@ -140,6 +140,8 @@ struct Held {
 /// One shard's header, checked: what it holds and where.
 pub(crate) struct ShardHeader {
     rank: usize,
+    /// The CRC-32 of the shard's header bytes (see [`bounded::Header::crc`]).
+    header_crc: u32,
     /// The token of the save that wrote it; `None` for a shard of format 1.
     token: Option<u64>,
     /// The chunk size of its checksums; `None` for a shard of format 1, which has none.
@@ -475,6 +477,7 @@ fn check_shard(
     }
     Ok(ShardHeader {
         rank,
+        header_crc: header.crc,
         token,
         chunk: sums.map(|s| s.chunk),
         kind,
@@ -849,6 +852,12 @@ fn open_dir(dir: &Path) -> Result<Reader> {
         shards.push(header);
         files.push(file);
     }
+    // Every shard's header, which holds the checksums of its data (format 1: at least its keys).
+    let mut headers = crc32fast::Hasher::new();
+    for shard in &shards {
+        headers.update(&shard.header_crc.to_le_bytes());
+    }
+    let headers = headers.finalize();
     let a = assemble(&gen_dir, shards)?;
     if index.token.is_none() {
         log::warn!(
@@ -865,14 +874,12 @@ fn open_dir(dir: &Path) -> Result<Reader> {
             dir.display()
         );
     }
-    let which = match index.token {
-        Some(token) => format!(
-            "generation {} of the save with token {}",
-            index.generation,
-            token_text(token)
-        ),
-        None => format!("generation {} (format 1, no token)", index.generation),
-    };
+    let token = index.token.map_or("none (format 1)".to_owned(), token_text);
+    let which = format!(
+        "generation {} of the save with token {token}, whose shards' headers have the combined \
+         CRC-32 {headers:08x}",
+        index.generation
+    );
     Ok(Reader::new(dir, a, files, index.world, which))
 }
 
@@ -950,16 +957,13 @@ fn open_file(path: &Path) -> Result<Reader> {
     if chunk.is_none() {
         super::warn_unverified(path);
     }
-    let header_bytes = usize::try_from(decoded.header.data_start)
-        .ok()
-        .and_then(|n| bytes.get(..n))
-        .unwrap_or(&bytes);
     let which = format!(
         "a single file whose header's CRC-32 is {:08x}",
-        crc32fast::hash(header_bytes)
+        decoded.header.crc
     );
     let header = ShardHeader {
         rank: 0,
+        header_crc: decoded.header.crc,
         token: None,
         chunk,
         kind: decoded.kind,
@@ -1029,8 +1033,9 @@ impl Reader {
     }
 
     /// Which checkpoint this is: for a directory, the generation and the token of the save that
-    /// wrote it; for a single file, the CRC-32 of its header (which holds the checksums of all
-    /// its data, or, in format 1, at least every key and dtype). Ranks compare it, so that ranks
+    /// wrote it and a CRC-32 of its shards' headers; for a single file, the CRC-32 of its
+    /// header. A header holds the checksums of all its file's data (format 1: at least every
+    /// key, dtype and range), so two checkpoints whose bytes differ are told apart. Ranks compare it, so that ranks
     /// that found different checkpoints at one path fail rather than load different values.
     pub(crate) fn which(&self) -> &str {
         &self.which

@@ -204,8 +204,9 @@ fn write_error(path: &Path, e: io::Error) -> Error {
 pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
         return Err(Problem::invalid(
-            "this path is a file (a single-file checkpoint?), not a checkpoint directory: \
-             save a sharded checkpoint to a directory",
+            "this path is a file (a single-file checkpoint of an earlier version?), not a \
+             checkpoint directory: a save writes a directory, so save to another path (the \
+             file still loads)",
         )
         .at(dir));
     }

@@ -10,8 +10,8 @@ use rand::prelude::*;
 
 use super::reader::open;
 use super::sharded::{
-    commit, generation_dir, index_path, next_generation, shard_path, write_shard, KeyMeta,
-    KeyResiduals, Piece, SaveId,
+    commit, generation_dir, index_path, next_generation, shard_path, token_text, write_shard,
+    KeyMeta, KeyResiduals, Piece, SaveId,
 };
 use super::CheckpointErrorKind;
 use crate::{Adam, DType, Error, Key, KvStore, NDArray, Sgd, Updater};
@@ -1284,4 +1284,42 @@ fn a_shards_residuals_come_back_to_its_rank_only() {
         );
     }
     let _ = fs::remove_dir_all(&dir);
+}
+
+/// Ranks compare [`Reader::which`](super::Reader::which) before a load: two checkpoints that
+/// differ only in their values (the same generation, the same token, the same keys, as two
+/// ranks might find on file systems that are not shared) are told apart, and the same
+/// checkpoint opened twice is not.
+#[test]
+fn checkpoints_that_differ_only_in_values_are_told_apart() {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    let updater = adam();
+    let t = truths(&mut rng, &updater, 5, false);
+    let other = same_model_other_values(&mut rng, &t);
+    let save = SaveId {
+        generation: 3,
+        token: rng.gen(),
+    };
+    let root = temp_dir("which");
+    let write = |name: &str, truths: &[Truth]| {
+        let dir = root.join(name);
+        fs::create_dir_all(&dir).unwrap();
+        let held: Vec<(usize, Range<usize>)> = (0..truths.len())
+            .map(|i| (i, 0..truths[i].meta.size()))
+            .collect();
+        let pieces = pieces_of(truths, &updater, &held);
+        write_shard(&dir, save, 0, 1, &updater, &pieces, &[]).unwrap();
+        commit(&dir, save, 1).unwrap();
+        dir
+    };
+    let (a, b) = (write("a", &t), write("b", &other));
+    let (ra, rb) = (open(&a).unwrap(), open(&b).unwrap());
+    assert_ne!(ra.which(), rb.which());
+    assert_eq!(ra.which(), open(&a).unwrap().which());
+    assert!(
+        ra.which().contains(&token_text(save.token)),
+        "{}",
+        ra.which()
+    );
+    fs::remove_dir_all(&root).unwrap();
 }

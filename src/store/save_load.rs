@@ -122,8 +122,9 @@ impl KvStore {
     ///
     /// Every byte read is verified against the file's checksums before it is used (see the
     /// [checkpoint docs](crate::checkpoint#checksums)); a mismatch is
-    /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid). Files of format
-    /// 1, which have no checksums, load unverified, with a warning in the log.
+    /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), and so is a
+    /// corrupt checkpoint that would not fit the store either. Files of format 1, which have
+    /// no checksums, load unverified, with a warning in the log.
     ///
     /// A load is all or nothing, like the list operations: the file's keys (new ones appearing
     /// together with their values and state) all change in one step, with every key's lock
@@ -372,8 +373,9 @@ impl KvStore {
                 }
             };
             apply_parts(&mut table, reader, made, &mut cells)?;
-            drop(cells);
+            // Residuals change only under their cells' locks, still held.
             set_loaded_extras(&table, reader, residuals, updater, generation);
+            drop(cells);
             return Ok(());
         }
     }
