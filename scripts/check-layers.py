@@ -34,6 +34,7 @@ LAYERS = [
     ("backend", ["backend"]),
     ("algorithms", ["compress", "updater", "ptx_text"]),
     ("leaves", ["ndarray", "host", "memcopy", "key", "shape", "dtype", "device", "config",
+                "checkpoint_error",
                 "error"]),
 ]
 

@@ -209,7 +209,7 @@ pub enum Error {
         /// The checkpoint file.
         path: std::path::PathBuf,
         /// Which kind of failure it is.
-        kind: crate::checkpoint::CheckpointErrorKind,
+        kind: crate::checkpoint_error::CheckpointErrorKind,
         /// What went wrong, and what to do.
         message: String,
         /// The error underneath, if any: a [`std::io::Error`] or a

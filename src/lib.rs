@@ -35,6 +35,7 @@
 
 mod backend;
 pub mod checkpoint;
+mod checkpoint_error;
 mod comm;
 mod compress;
 mod config;

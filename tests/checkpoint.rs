@@ -371,12 +371,34 @@ fn store_with(h: Home, key: i32, shape: &[usize], dtype: DType, updater: Updater
     kv
 }
 
+/// The temporary files left anywhere under `dir`.
 fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".tmp-"))
-        .collect()
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            found.extend(leftovers(&e.path()));
+        }
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.contains(".tmp-") {
+            found.push(name);
+        }
+    }
+    found
+}
+
+/// The bytes of the biggest file under checkpoint directory `dir`: its shard.
+fn shard_len(dir: &Path) -> u64 {
+    let mut biggest = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let len = match e.file_type().unwrap().is_dir() {
+            true => shard_len(&e.path()),
+            false => e.metadata().unwrap().len(),
+        };
+        biggest = biggest.max(len);
+    }
+    biggest
 }
 
 /// A save whose writer fails part way leaves the previous checkpoint intact and loadable, and
@@ -389,7 +411,7 @@ fn failed_save_keeps_the_previous_checkpoint(h: Home) {
     push_round(&[&kv], &keys, &mut rng);
     kv.save(&path).unwrap();
     let saved = snapshot(&kv);
-    let len = std::fs::metadata(&path).unwrap().len();
+    let len = shard_len(&path);
 
     push_round(&[&kv], &keys, &mut rng);
     assert_ne!(snapshot(&kv), saved);
@@ -441,7 +463,9 @@ fn killed_saver_leaves_a_loadable_checkpoint(h: Home) {
             .spawn()
             .unwrap();
         let start = Instant::now();
-        while !path.exists() {
+        // The directory appears when a save claims its first generation; the checkpoint is
+        // there once the index is.
+        while !path.join("index").exists() {
             assert!(
                 start.elapsed() < Duration::from_secs(60),
                 "the child never saved"
@@ -464,7 +488,7 @@ fn killed_saver_leaves_a_loadable_checkpoint(h: Home) {
                 "round {round}: key {k} is not from save {generation}"
             );
         }
-        std::fs::remove_file(&path).unwrap();
+        std::fs::remove_dir_all(&path).unwrap();
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -525,7 +549,7 @@ fn wrong_metadata_and_tensors_are_typed_errors(h: Home) {
     let mut rng = StdRng::seed_from_u64(9);
     let (kv, keys) = filled_store(h, h.kind(), &adam(), &mut rng);
     push_round(&[&kv], &keys, &mut rng);
-    kv.save(&path).unwrap();
+    kv.save_single_file(&path).unwrap();
     let good = std::fs::read(&path).unwrap();
     let (tensors, meta) = parts(&good);
     let key = keys[1];
@@ -639,7 +663,7 @@ fn truncated_and_corrupt_files_never_panic(h: Home) {
     let mut rng = StdRng::seed_from_u64(10);
     let (kv, keys) = filled_store(h, h.kind(), &sgd(), &mut rng);
     push_round(&[&kv], &keys, &mut rng);
-    kv.save(&path).unwrap();
+    kv.save_single_file(&path).unwrap();
     let good = std::fs::read(&path).unwrap();
 
     let target = h.store();
@@ -709,7 +733,7 @@ fn a_flipped_bit_is_a_typed_error_and_changes_nothing(h: Home) {
     let mut rng = StdRng::from_entropy();
     let (kv, keys) = filled_store(h, h.kind(), &adam(), &mut rng);
     push_round(&[&kv], &keys, &mut rng);
-    kv.save(&path).unwrap();
+    kv.save_single_file(&path).unwrap();
     let good = std::fs::read(&path).unwrap();
     let target = h.store();
     target.set_updater(adam()).unwrap();
@@ -776,7 +800,7 @@ fn checksum_entries_are_checked(h: Home) {
     let mut rng = StdRng::from_entropy();
     let (kv, keys) = filled_store(h, h.kind(), &adam(), &mut rng);
     push_round(&[&kv], &keys, &mut rng);
-    kv.save(&path).unwrap();
+    kv.save_single_file(&path).unwrap();
     let (tensors, meta) = parts(&std::fs::read(&path).unwrap());
     assert_eq!(meta["format"], "kvstore-checkpoint/2");
     let views = as_views(&tensors);
@@ -906,7 +930,7 @@ fn int_key_spellings_must_be_canonical(h: Home) {
         .map(|_| h.put(&random(&mut rng, &[3], DType::F32), 0))
         .collect();
     kv.push_list(&keys, &grads).unwrap();
-    kv.save(&path).unwrap();
+    kv.save_single_file(&path).unwrap();
     let (tensors, meta) = parts(&std::fs::read(&path).unwrap());
 
     // Targets: one holding every key (a duplicate would lock a cell twice), one holding none
@@ -1297,8 +1321,13 @@ fn failures_are_told_apart_by_kind(h: Home) {
     kvstore::checkpoint::fail_writes_after(None);
     assert_checkpoint_kind(result, CheckpointErrorKind::Io, "injected write failure");
 
-    std::fs::write(&path, b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": nonsense}").unwrap();
-    let e = target.load(&path).unwrap_err();
+    let nonsense = dir.join("nonsense.safetensors");
+    std::fs::write(
+        &nonsense,
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": nonsense}",
+    )
+    .unwrap();
+    let e = target.load(&nonsense).unwrap_err();
     assert!(
         std::error::Error::source(&e)
             .is_some_and(|s| s.downcast_ref::<safetensors::SafeTensorError>().is_some()),

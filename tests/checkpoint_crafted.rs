@@ -15,7 +15,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-use kvstore::checkpoint::save_sharded;
 use kvstore::{Adam, CheckpointErrorKind, Compression, Error, Key, KvStore, NDArray, Updater};
 use safetensors::tensor::{Dtype, SafeTensors};
 
@@ -143,7 +142,7 @@ fn an_index_naming_ten_trillion_shards_is_an_error() {
     // A real checkpoint whose index names 10^13 shards, checksum and all (its shards are named
     // for a world of 2, so none of the 10^13 is there).
     let real = dir.join("real");
-    save_sharded(&trained(), &real, 2).unwrap();
+    trained().save_sharded(&real, 2).unwrap();
     let text = fs::read_to_string(real.join("index")).unwrap();
     let lines: String = text.lines().take(4).map(|l| format!("{l}\n")).collect();
     let crafted = index_3(&lines.replace("world 2", &format!("world {HUGE}")));
@@ -160,7 +159,7 @@ fn an_index_naming_ten_trillion_shards_is_an_error() {
 #[test]
 fn a_shard_declaring_ten_trillion_residuals_is_an_error() {
     let dir = temp_dir("residuals");
-    save_sharded(&trained(), &dir, 2).unwrap();
+    trained().save_sharded(&dir, 2).unwrap();
     target().load(&dir).unwrap();
     let gen = fs::read_dir(&dir)
         .unwrap()
@@ -169,11 +168,12 @@ fn a_shard_declaring_ten_trillion_residuals_is_an_error() {
         .unwrap();
     let shard = gen.join("shard-0-of-2.safetensors");
     let good = fs::read(&shard).unwrap();
+    // Shards of this version spell the entry as JSON.
     for spec in [
-        format!("count={HUGE} len=4"),
-        format!("count={} len=4", u64::MAX),
-        format!("count=1 len={HUGE}"),
-        format!("count={HUGE} len={HUGE}"),
+        format!("{{\"count\":{HUGE},\"len\":4}}"),
+        format!("{{\"count\":{},\"len\":4}}", u64::MAX),
+        format!("{{\"count\":1,\"len\":{HUGE}}}"),
+        format!("{{\"count\":{HUGE},\"len\":{HUGE}}}"),
     ] {
         fs::write(&shard, &good).unwrap();
         rewrite(&shard, |m| {
@@ -186,7 +186,10 @@ fn a_shard_declaring_ten_trillion_residuals_is_an_error() {
     // The message says what is wrong and what to do.
     fs::write(&shard, &good).unwrap();
     rewrite(&shard, |m| {
-        m.insert("residuals/0".into(), format!("count={HUGE} len=4"));
+        m.insert(
+            "residuals/0".into(),
+            format!("{{\"count\":{HUGE},\"len\":4}}"),
+        );
     });
     let (_, message) = checkpoint_error(target().load(&dir));
     assert!(
@@ -200,7 +203,7 @@ fn a_shard_declaring_ten_trillion_residuals_is_an_error() {
 fn a_single_file_declaring_ten_trillion_keys_or_residuals_is_an_error() {
     let dir = temp_dir("single");
     let path = dir.join("ckpt.safetensors");
-    trained().save(&path).unwrap();
+    trained().save_single_file(&path).unwrap();
     let good = fs::read(&path).unwrap();
     for entry in ["keys", "residuals/0", "residuals/1"] {
         for value in [
@@ -226,7 +229,7 @@ fn a_step_count_leaves_room_for_more_pushes() {
     // the first push after the load, so it is refused; 10^13 loads, and pushes on.
     let dir = temp_dir("step");
     let path = dir.join("ckpt.safetensors");
-    trained().save(&path).unwrap();
+    trained().save_single_file(&path).unwrap();
     let good = fs::read(&path).unwrap();
     for value in [u64::MAX.to_string(), (1u64 << 63).to_string()] {
         fs::write(&path, &good).unwrap();
@@ -244,7 +247,7 @@ fn a_step_count_leaves_room_for_more_pushes() {
     kv.push(0, &NDArray::full([4], 0.5)).unwrap();
     // The same in a shard's piece.
     let sharded = dir.join("sharded");
-    save_sharded(&trained(), &sharded, 1).unwrap();
+    trained().save_sharded(&sharded, 1).unwrap();
     let shard = fs::read_dir(&sharded)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -253,8 +256,9 @@ fn a_step_count_leaves_room_for_more_pushes() {
         .join("shard-0-of-1.safetensors");
     rewrite(&shard, |m| {
         let spec = m.get("piece/0").unwrap().clone();
-        let (head, _) = spec.split_once(" step=").unwrap();
-        m.insert("piece/0".into(), format!("{head} step={}", u64::MAX));
+        let mut spec: serde_json::Value = serde_json::from_str(&spec).unwrap();
+        spec["step"] = u64::MAX.into();
+        m.insert("piece/0".into(), spec.to_string());
     });
     assert_error(
         target().load(&sharded),
@@ -268,7 +272,7 @@ fn a_step_count_leaves_room_for_more_pushes() {
 fn a_header_length_beyond_the_file_is_an_error() {
     let dir = temp_dir("length");
     let path = dir.join("ckpt.safetensors");
-    trained().save(&path).unwrap();
+    trained().save_single_file(&path).unwrap();
     let good = fs::read(&path).unwrap();
     let n = u64::from_le_bytes(good[..8].try_into().unwrap());
     for len in [
@@ -285,7 +289,7 @@ fn a_header_length_beyond_the_file_is_an_error() {
     }
     // The same in a shard.
     let sharded = dir.join("sharded");
-    save_sharded(&trained(), &sharded, 1).unwrap();
+    trained().save_sharded(&sharded, 1).unwrap();
     let shard = fs::read_dir(&sharded)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -309,13 +313,13 @@ fn state_names_given_twice_are_an_error() {
     // names would make the load allocate a million times the file's state.
     let dir = temp_dir("names");
     let path = dir.join("ckpt.safetensors");
-    trained().save(&path).unwrap();
+    trained().save_single_file(&path).unwrap();
     rewrite(&path, |m| {
         m.insert("state_names".into(), "mean,var,mean".into());
     });
     assert_error(target().load(&path), CheckpointErrorKind::Invalid, "twice");
     let sharded = dir.join("sharded");
-    save_sharded(&trained(), &sharded, 1).unwrap();
+    trained().save_sharded(&sharded, 1).unwrap();
     let shard = fs::read_dir(&sharded)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -386,7 +390,7 @@ fn values(kv: &KvStore) -> Vec<(Key, Vec<f32>)> {
 fn an_index_without_a_checksum_loads_with_one_warning() {
     let dir = temp_dir("old-index");
     let kv = trained();
-    save_sharded(&kv, &dir, 2).unwrap();
+    kv.save_sharded(&dir, 2).unwrap();
     let text = fs::read_to_string(dir.join("index")).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 5, "{text}");

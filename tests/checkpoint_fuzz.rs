@@ -28,7 +28,6 @@ use std::cell::Cell;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kvstore::checkpoint::save_sharded;
 use kvstore::{Adam, Compression, DType, Error, KvStore, NDArray, RowSparse, Sgd, Shape, Updater};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -260,8 +259,8 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
 }
 
 impl Fixture {
-    /// A checkpoint of `kv`, saved into a fresh directory named for `name`: a single file, or
-    /// sharded over `world` ranks.
+    /// A checkpoint of `kv`, saved into a fresh directory named for `name`: a single file (the
+    /// format of earlier versions), or sharded over `world` ranks.
     fn new(name: &str, kv: &KvStore, world: Option<usize>, kind: &'static str) -> Fixture {
         let dir = std::env::temp_dir().join(format!("kvstore-fuzz-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
@@ -269,12 +268,13 @@ impl Fixture {
         let path = match world {
             Some(world) => {
                 let path = dir.join("sharded");
-                save_sharded(kv, &path, world).unwrap();
+                kv.save_sharded(&path, world).unwrap();
                 path
             }
             None => {
+                // The single file of earlier versions, which loads still.
                 let path = dir.join("ckpt.safetensors");
-                kv.save(&path).unwrap();
+                kv.save_single_file(&path).unwrap();
                 path
             }
         };

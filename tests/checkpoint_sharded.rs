@@ -6,8 +6,9 @@
 //! Random keys are split over 1 to 4 simulated ranks (whole keys and slices), loaded into a
 //! `local` store (and a `device` store: `gpu::*`, ignored without a GPU) and compared with the
 //! arrays they were made from; the updater state is checked by training on after the load,
-//! against the same checkpoint in the single-file format. Files of format 1 (no checksums, no
-//! tokens) still load. Then the failures: a save killed part way, missing and truncated
+//! against the same checkpoint in the single-file format. The shards are of the current format
+//! (JSON `piece/` entries); files of format 1 (no checksums, no tokens) and shards of format 2
+//! (`name=value` entries) still load. Then the failures: a save killed part way, missing and truncated
 //! shards, gaps and overlaps, corrupt indexes, key spellings that are not canonical, shards of
 //! another save, and flipped bits. Every failure is an `Error::Checkpoint` of the right kind,
 //! and leaves the store as it was.
@@ -165,7 +166,7 @@ fn token_of(g: u64) -> u64 {
 }
 
 /// Writes shard `rank` of `world` of generation `g` by hand, as the module docs describe it,
-/// marked with the generation's token, with checksums.
+/// in the current format, marked with the generation's token, with checksums.
 fn write_shard(
     dir: &Path,
     g: u64,
@@ -188,14 +189,81 @@ fn write_shard_as(
     updater: &Updater,
     pieces: &[HandPiece],
 ) {
+    let format = match token {
+        Some(_) => ShardFormat::Json,
+        None => ShardFormat::Fields,
+    };
+    write_shard_in(dir, g, token, format, rank, world, updater, pieces);
+}
+
+/// How a hand-written shard spells its `piece/` entries.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum ShardFormat {
+    /// This version's: a JSON object (`kvstore-shard/3`).
+    Json,
+    /// Earlier versions': `name=value` fields (`kvstore-shard/2` with a token,
+    /// `kvstore-shard/1` without).
+    Fields,
+}
+
+/// The `piece/` entry of `p`, spelled as `format` says.
+fn piece_entry(p: &HandPiece, format: ShardFormat) -> String {
+    let t = p.truth;
+    let step = t.state.as_ref().map(|(step, _)| *step);
+    match format {
+        ShardFormat::Json => {
+            let mut spec = serde_json::json!({
+                "order": t.order,
+                "start": p.range.start,
+                "end": p.range.end,
+                "dims": t.dims,
+            });
+            if let Some(step) = step {
+                spec["step"] = step.into();
+            }
+            spec.to_string()
+        }
+        ShardFormat::Fields => {
+            let dims: Vec<String> = t.dims.iter().map(usize::to_string).collect();
+            let mut spec = format!(
+                "order={} start={} end={} dims={}",
+                t.order,
+                p.range.start,
+                p.range.end,
+                dims.join(",")
+            );
+            if let Some(step) = step {
+                spec.push_str(&format!(" step={step}"));
+            }
+            spec
+        }
+    }
+}
+
+/// As [`write_shard_as`], in `format`.
+#[allow(clippy::too_many_arguments)]
+fn write_shard_in(
+    dir: &Path,
+    g: u64,
+    token: Option<u64>,
+    format: ShardFormat,
+    rank: usize,
+    world: usize,
+    updater: &Updater,
+    pieces: &[HandPiece],
+) {
     let names = updater.state_names();
     let mut meta: HashMap<String, String> = HashMap::new();
-    match token {
-        Some(t) => {
-            meta.insert("format".into(), "kvstore-shard/2".into());
+    match (token, format) {
+        (Some(t), _) => {
+            let name = match format {
+                ShardFormat::Json => "kvstore-shard/3",
+                ShardFormat::Fields => "kvstore-shard/2",
+            };
+            meta.insert("format".into(), name.into());
             meta.insert("token".into(), format!("{t:016x}"));
         }
-        None => {
+        (None, _) => {
             meta.insert("format".into(), "kvstore-shard/1".into());
         }
     }
@@ -214,14 +282,6 @@ fn write_shard_as(
     for p in pieces {
         let t = p.truth;
         let name = p.spelling.clone().unwrap_or_else(|| t.key.to_string());
-        let dims: Vec<String> = t.dims.iter().map(usize::to_string).collect();
-        let mut spec = format!(
-            "order={} start={} end={} dims={}",
-            t.order,
-            p.range.start,
-            p.range.end,
-            dims.join(",")
-        );
         let r = p.range.clone();
         tensors.push((
             format!("value/{name}"),
@@ -229,8 +289,7 @@ fn write_shard_as(
             r.len(),
             bytes(&t.value[r.clone()], t.dtype),
         ));
-        if let Some((step, bufs)) = &t.state {
-            spec.push_str(&format!(" step={step}"));
+        if let Some((_, bufs)) = &t.state {
             for (s, buf) in names.iter().zip(bufs) {
                 tensors.push((
                     format!("state/{name}/{s}"),
@@ -240,7 +299,7 @@ fn write_shard_as(
                 ));
             }
         }
-        meta.insert(format!("piece/{name}"), spec);
+        meta.insert(format!("piece/{name}"), piece_entry(p, format));
     }
     let shapes: Vec<[usize; 1]> = tensors.iter().map(|t| [t.2]).collect();
     let views: Vec<checkpoint_format::Tensor> = tensors
@@ -261,8 +320,19 @@ fn write_shard_as(
     .unwrap();
 }
 
-/// Writes the index, naming generation `g`'s token.
+/// Writes the index in the current format, naming generation `g`'s token, with its checksum
+/// line: the CRC-32 of the lines before it.
 fn write_index(dir: &Path, g: u64, world: usize) {
+    let body = format!(
+        "kvstore-checkpoint-index/3\ngeneration {g}\nworld {world}\ntoken {:016x}\n",
+        token_of(g)
+    );
+    let text = format!("{body}crc32 {:08x}\n", crc32fast::hash(body.as_bytes()));
+    fs::write(dir.join("index"), text).unwrap();
+}
+
+/// Writes an index of format 2, which has no checksum line.
+fn write_index_2(dir: &Path, g: u64, world: usize) {
     let text = format!(
         "kvstore-checkpoint-index/2\ngeneration {g}\nworld {world}\ntoken {:016x}\n",
         token_of(g)
@@ -766,6 +836,51 @@ fn format_1_checkpoints_still_load() {
     write_sharded(&dir, &mut rng, 3, 2, &adam(), &truths);
     write_index_1(&dir, 3, 2);
     assert_eq!(checkpoint_kind(kv.load(&dir)), CheckpointErrorKind::Invalid);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Shards of format 2 (`name=value` entries), under an index of format 3 (what the previous
+/// version saved) or of format 2 (no checksum line), still load, and so does a store of this
+/// version's save of a world of one; the current format is what the other tests write.
+#[test]
+fn format_2_checkpoints_still_load() {
+    let mut rng = StdRng::from_entropy();
+    let dir = temp_dir("format2");
+    let truths = truths(&mut rng, &sgd_momentum(), 7, true);
+    let world = 2;
+    for (g, index_2) in [(4, false), (5, true)] {
+        for rank in 0..world {
+            let pieces: Vec<HandPiece> = (truths.iter())
+                .filter(|t| t.order % world == rank)
+                .map(|t| HandPiece {
+                    truth: t,
+                    range: 0..t.size(),
+                    spelling: None,
+                })
+                .collect();
+            let token = Some(token_of(g));
+            let (updater, format) = (sgd_momentum(), ShardFormat::Fields);
+            write_shard_in(&dir, g, token, format, rank, world, &updater, &pieces);
+        }
+        match index_2 {
+            true => write_index_2(&dir, g, world),
+            false => write_index(&dir, g, world),
+        }
+        let kv = store(&sgd_momentum());
+        kv.load(&dir).unwrap();
+        assert_unchanged(&kv, &truths);
+        // A store of one process saves it again, as one shard of the current format.
+        let again = dir.join(format!("again-{g}"));
+        kv.save(&again).unwrap();
+        let shard = again.join("gen-0").join("shard-0-of-1.safetensors");
+        let (_, meta) =
+            safetensors::SafeTensors::read_metadata(&fs::read(&shard).unwrap()).unwrap();
+        let meta = meta.metadata().clone().unwrap();
+        assert_eq!(meta["format"], "kvstore-shard/3");
+        let restored = store(&sgd_momentum());
+        restored.load(&again).unwrap();
+        assert_unchanged(&restored, &truths);
+    }
     fs::remove_dir_all(&dir).unwrap();
 }
 

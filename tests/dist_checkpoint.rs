@@ -1,7 +1,7 @@
 //! Checkpoints of `dist_sync` stores move between world sizes, under `mpirun` (cargo feature
 //! `mpi`): a sharded save at 4 ranks loads at 2, at 3 and into a single-process `local` store,
-//! and a `local` store's file and a 3-rank save load at 4; a save that fails part way leaves
-//! the previous checkpoint the one a load finds.
+//! and a `local` store's save (one shard), a single file of earlier versions and a 3-rank save
+//! load at 4; a save that fails part way leaves the previous checkpoint the one a load finds.
 //!
 //! Every job trains the same model the same way, so every job can check itself against one
 //! fact: after a load, one more push of a known gradient gives bit for bit the values that the
@@ -82,12 +82,35 @@ fn a_save_at_4_ranks_loads_at_2_at_3_and_into_a_local_store() {
 #[test]
 fn a_local_file_and_a_3_rank_save_load_at_4_ranks() {
     let dir = folder("to4");
-    let file = dir.join("local.safetensors");
-    let file = file.to_str().expect("a UTF-8 path");
-    // A single process with a local store saves a single file...
-    let Some(saved) = run(None, "train_save", &[("KVT_DIR", file)]) else {
+    let local = dir.join("local");
+    let local = local.to_str().expect("a UTF-8 path");
+    // A single process with a local store saves (one shard)...
+    let Some(saved) = run(None, "train_save", &[("KVT_DIR", local)]) else {
         return;
     };
+    let got = run(
+        Some(4),
+        "load_continue",
+        &[("KVT_DIR", local), ("KVSTORE_BIGARRAY_BOUND", "100")],
+    );
+    assert_eq!(
+        got.as_deref(),
+        Some(saved.as_str()),
+        "a local store's save at 4 ranks"
+    );
+    // ...and the single file of earlier versions loads at 4 ranks too.
+    let file = dir.join("local.safetensors");
+    let file = file.to_str().expect("a UTF-8 path");
+    let single = run(
+        None,
+        "train_save",
+        &[("KVT_DIR", file), ("KVT_SINGLE_FILE", "1")],
+    );
+    assert_eq!(
+        single.as_deref(),
+        Some(saved.as_str()),
+        "one process trains alike"
+    );
     let got = run(
         Some(4),
         "load_continue",
@@ -96,7 +119,7 @@ fn a_local_file_and_a_3_rank_save_load_at_4_ranks() {
     assert_eq!(
         got.as_deref(),
         Some(saved.as_str()),
-        "local file at 4 ranks"
+        "a single file at 4 ranks"
     );
     // ...and 3 ranks save a sharded folder that 4 ranks load.
     let sharded = dir.join("ckpt3");
@@ -236,7 +259,11 @@ fn case_train_save(dir: &Path) {
     for t in 1..=3 {
         step(&kv, t);
     }
-    kv.save(dir).expect("a save");
+    // KVT_SINGLE_FILE: the single file of earlier versions, which still loads.
+    match std::env::var_os("KVT_SINGLE_FILE") {
+        Some(_) => kv.save_single_file(dir).expect("a single file"),
+        None => kv.save(dir).expect("a save"),
+    }
     step(&kv, 4);
     ok_line(
         kv.rank(),

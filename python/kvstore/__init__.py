@@ -737,17 +737,18 @@ class KVStore:
         raise ValueError(f"Unknown capability: {capability}")
 
     def save(self, path):
-        """Writes every value and the optimizer state to ``path`` (safetensors), atomically.
-        On a dist store every rank calls it with the same ``path``, a directory: each rank
-        writes its shard, and rank 0 commits the index last. The files are the Rust crate's
-        own: either side loads what the other saved."""
+        """Writes every value and the optimizer state into the directory ``path`` (created if
+        missing; safetensors shards and an index), atomically. Every rank of a dist store calls
+        it with the same ``path``: each rank writes its shard, and rank 0 commits the index
+        last; a single-process store writes one shard. The files are the Rust crate's own:
+        either side loads what the other saved."""
         with _told(self._kv, "save"):
             path = str(path)
         self._kv.save(path)
 
     def load(self, path):
-        """Reads what ``save`` wrote, a file or a sharded directory saved at any number of
-        workers; set the optimizer first to restore its state."""
+        """Reads what ``save`` wrote, a directory saved at any number of workers (or a single
+        file an earlier version saved); set the optimizer first to restore its state."""
         with _told(self._kv, "load"):
             path = str(path)
         self._kv.load(path)

@@ -108,6 +108,9 @@ pub(super) struct Header {
     pub data_start: u64,
     /// Whether the header's checksum entry was there (it matched: a mismatch is an error).
     pub sealed: bool,
+    /// The CRC-32 of the header's bytes as read (the length and the JSON): it tells two files
+    /// apart, and, where the header holds its tensors' checksums, their data too.
+    pub crc: u32,
 }
 
 impl Header {
@@ -164,6 +167,7 @@ pub(super) fn read_header<'a>(
         meta,
         data_start: body.end,
         sealed,
+        crc: crc32fast::hash(&header),
     })
 }
 

@@ -1,5 +1,7 @@
-//! The single-file format that [`KvStore::save`](crate::KvStore::save) writes: one safetensors
-//! file holding every key whole. See the [module docs](super) for its layout.
+//! The single-file format that earlier versions' [`KvStore::save`](crate::KvStore::save) wrote
+//! for stores of one process: one safetensors file holding every key whole. Read as a world of
+//! one shard by [`super::reader`]; written only by a test hook, for tests of old files. See the
+//! [module docs](super) for its layout.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -7,11 +9,12 @@ use std::collections::{HashMap, HashSet};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, TensorInfo, TensorView};
 
+use super::atomic::write_atomic;
 use super::bounded;
 use super::checksum::{self, Sums};
+use super::entry::{Entry, EntryState};
 use super::{Problem, FORMAT, FORMAT_1};
-use crate::store::{Entry, EntryState};
-use crate::{DType, Key, KeyKind, Shape, Updater};
+use crate::{DType, Error, Key, KeyKind, Shape, Updater};
 
 /// `Dtype` of the safetensors format for a dtype.
 pub(super) fn st_dtype(dtype: DType) -> Dtype {
@@ -77,84 +80,99 @@ pub(super) fn from_bytes(dtype: DType, b: &[u8]) -> crate::HostData {
     }
 }
 
-/// The safetensors bytes of a store's entries.
+/// Writes `entries` (every key of a store, in update order, with the key kind and the updater
+/// in force) to `path` as a single file of format 2, atomically: the format earlier versions
+/// saved, for tests that load old files.
+pub(crate) fn write_single_file(
+    path: &std::path::Path,
+    kind: Option<KeyKind>,
+    updater: &Updater,
+    entries: &[Entry],
+) -> Result<(), Error> {
+    let bytes = encode(kind, updater, entries).map_err(|p| p.at(path))?;
+    write_atomic(path, &bytes).map_err(|e| Problem::io(false, e).at(path))
+}
+
+/// One tensor to write: its name, dtype, shape and little-endian bytes.
+pub(super) struct Tensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+/// The safetensors bytes of a file of `tensors` and metadata `meta`, with the checksums of
+/// every tensor added to `meta` and the header's own sealed in: the last step of writing a
+/// shard (or a single file).
+pub(super) fn serialize_sealed(
+    mut meta: HashMap<String, String>,
+    tensors: &[Tensor],
+) -> std::result::Result<Vec<u8>, Problem> {
+    let named = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.bytes.as_slice()));
+    checksum::add_entries(&mut meta, named);
+    let views = (tensors.iter())
+        .map(|t| {
+            TensorView::new(st_dtype(t.dtype), t.shape.clone(), &t.bytes)
+                .map(|v| (t.name.as_str(), v))
+                .map_err(|e| Problem::invalid(format!("cannot serialize tensor {}: {e}", t.name)))
+        })
+        .collect::<std::result::Result<Vec<_>, Problem>>()?;
+    let mut bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))?;
+    checksum::seal(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The safetensors bytes of a store's entries, as a single file.
 pub(super) fn encode(
     kind: Option<KeyKind>,
     updater: &Updater,
     entries: &[Entry],
 ) -> std::result::Result<Vec<u8>, Problem> {
     let names = updater.state_names();
-    let mut meta: HashMap<String, String> = HashMap::new();
-    meta.insert("format".into(), FORMAT.into());
-    meta.insert("key_kind".into(), kind_name(kind).into());
-    meta.insert("keys".into(), entries.len().to_string());
-    meta.insert("updater".into(), updater.name().into());
-    meta.insert("state_names".into(), names.join(","));
-
-    // (name, dtype, shape, bytes) of every tensor.
-    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut meta: HashMap<String, String> = HashMap::from([
+        ("format".into(), FORMAT.into()),
+        ("key_kind".into(), kind_name(kind).into()),
+        ("keys".into(), entries.len().to_string()),
+        ("updater".into(), updater.name().into()),
+        ("state_names".into(), names.join(",")),
+    ]);
+    let mut tensors: Vec<Tensor> = Vec::new();
     for (i, e) in entries.iter().enumerate() {
         meta.insert(format!("order/{}", e.key), i.to_string());
-        let dims = e.shape.dims().to_vec();
-        tensors.push((
-            format!("value/{}", e.key),
-            st_dtype(e.value.dtype()),
-            dims.clone(),
-            to_bytes(&e.value),
-        ));
+        let tensor = |name: String, data: &crate::HostData| Tensor {
+            name,
+            dtype: data.dtype(),
+            shape: e.shape.dims().to_vec(),
+            bytes: to_bytes(data),
+        };
+        tensors.push(tensor(format!("value/{}", e.key), &e.value));
         if e.row_sparse {
             meta.insert(format!("row_sparse/{}", e.key), "1".into());
         }
         if !e.residuals.is_empty() {
-            meta.insert(
-                format!("residuals/{}", e.key),
-                e.residuals.len().to_string(),
-            );
+            let count = e.residuals.len().to_string();
+            meta.insert(format!("residuals/{}", e.key), count);
             for (i, r) in e.residuals.iter().enumerate() {
                 // A position never pushed keeps no residual: written as zeros.
                 let r = match r.len() == e.shape.size() {
                     true => crate::HostData::F32(r.clone()),
-                    false => crate::HostData::filled(crate::DType::F32, e.shape.size(), 0.0),
+                    false => crate::HostData::filled(DType::F32, e.shape.size(), 0.0),
                 };
-                tensors.push((
-                    format!("residual/{}/{i}", e.key),
-                    st_dtype(r.dtype()),
-                    dims.clone(),
-                    to_bytes(&r),
-                ));
+                tensors.push(tensor(format!("residual/{}/{i}", e.key), &r));
             }
         }
         // The store exports only state of the updater in force, one buffer per name.
         if let Some(state) = e.state.as_ref().filter(|s| s.bufs.len() == names.len()) {
             meta.insert(format!("step/{}", e.key), state.step.to_string());
             for (name, buf) in names.iter().zip(&state.bufs) {
-                tensors.push((
-                    format!("state/{}/{name}", e.key),
-                    st_dtype(buf.dtype()),
-                    dims.clone(),
-                    to_bytes(buf),
-                ));
+                tensors.push(tensor(format!("state/{}/{name}", e.key), buf));
             }
         }
     }
-    checksum::add_entries(
-        &mut meta,
-        tensors
-            .iter()
-            .map(|(n, _, _, b)| (n.as_str(), b.as_slice())),
-    );
-    let views = tensors
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            TensorView::new(*dtype, shape.clone(), bytes)
-                .map(|v| (name.as_str(), v))
-                .map_err(|e| format!("cannot serialize tensor {name}: {e}"))
-        })
-        .collect::<std::result::Result<Vec<_>, String>>()?;
-    let mut bytes = safetensors::serialize(views, Some(meta))
-        .map_err(|e| Problem::from(format!("cannot serialize: {e}")))?;
-    checksum::seal(&mut bytes)?;
-    Ok(bytes)
+    serialize_sealed(meta, &tensors)
 }
 
 /// A whole single-file checkpoint, parsed and checked, with every key's state whatever the
@@ -173,32 +191,6 @@ pub(super) struct Decoded {
     pub sums: Option<Sums>,
     /// Its header, where the tensors are.
     pub header: bounded::Header,
-}
-
-impl Decoded {
-    /// Whether the saved state fits `updater`: the same name and state buffers.
-    pub(super) fn fits(&self, updater: &Updater) -> bool {
-        self.updater == updater.name() && self.state_names.iter().eq(updater.state_names())
-    }
-}
-
-/// Parses and checks a whole checkpoint. Every key's state is checked whatever the updater,
-/// and kept only where it fits `updater` (the same name and state buffers); see
-/// [`KvStore::load`](crate::KvStore::load).
-/// Also returns whether the file was verified by its checksums (a file of format 1 has none).
-pub(super) fn decode(
-    bytes: &[u8],
-    updater: &Updater,
-) -> std::result::Result<(Option<KeyKind>, Vec<Entry>, bool), Problem> {
-    let mut decoded = decode_all(bytes)?;
-    if !decoded.fits(updater) {
-        // State of another updater is checked, then left behind: the key starts afresh, as
-        // after set_updater.
-        for e in &mut decoded.entries {
-            e.state = None;
-        }
-    }
-    Ok((decoded.kind, decoded.entries, decoded.sums.is_some()))
 }
 
 /// Parses and checks a whole checkpoint, keeping every key's state. The header's checksum is

@@ -1,12 +1,17 @@
-//! Checkpoints: [`KvStore::save`] and [`KvStore::load`], in the safetensors format.
+//! Checkpoints: [`KvStore::save`](crate::KvStore::save) and
+//! [`KvStore::load`](crate::KvStore::load), in the safetensors format. This module knows files,
+//! not stores: the store hands it pieces of values and reads pieces back.
 //!
-//! There are two layouts, and [`KvStore::load`] reads both: a **single file**, which a store
-//! in one process writes, and a **sharded directory**, which the ranks of a `dist` store write
-//! together, one shard file each. Either loads into a store of any kind and any world size.
+//! Every store, of every kind, saves one format: a **sharded directory** (see
+//! [below](#sharded-checkpoints)), one shard per rank. A store of one process is a world of one
+//! rank, and writes one shard that holds every key whole. [`KvStore::load`](crate::KvStore::load)
+//! reads that format at any world size, and still reads the **single files** that earlier
+//! versions wrote for stores of one process (formats 1 and 2, below), and sharded directories of
+//! every earlier format. Any of them loads into a store of any kind and any world size.
 //!
-//! # Single file
+//! # Single file (written by earlier versions; still read)
 //!
-//! A checkpoint holds every key's value and the updater state of every key (its buffers and
+//! A single file holds every key's value and the updater state of every key (its buffers and
 //! step count). Tensors are named `value/<key>` and `state/<key>/<name>`, where `<name>` is one
 //! of [`Updater::state_names`](crate::Updater::state_names) (`momentum`, `mean`, `var`). The
 //! safetensors metadata holds:
@@ -20,7 +25,7 @@
 //! | `updater`        | the updater's [`name`](crate::Updater::name)               |
 //! | `state_names`    | the state buffer names, comma-separated, distinct         |
 //! | `step/<key>`     | the key's step count, for keys that have updater state    |
-//! | `row_sparse/<key>` | `1` for a row-sparse key ([`KvStore::init_row_sparse`]); absent for a dense one |
+//! | `row_sparse/<key>` | `1` for a row-sparse key ([`KvStore::init_row_sparse`](crate::KvStore::init_row_sparse)); absent for a dense one |
 //! | `residuals/<key>` | the number of gradient-compression residuals of the key (one per position in a push's list of values), each a float32 tensor `residual/<key>/<i>` of the key's shape; absent when it has none |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, see [below](#checksums) |
 //!
@@ -32,7 +37,7 @@
 //!
 //! # Checksums
 //!
-//! Every file, a single file or a shard, carries checksums of all its bytes, and a load
+//! Every file, a shard or a single file, carries checksums of all its bytes, and a load
 //! verifies every byte before it uses it. They are CRC-32s (IEEE 802.3, as zlib computes
 //! them), each written as 8 lowercase hex digits, in three kinds of metadata entry:
 //!
@@ -90,30 +95,34 @@
 //!
 //! | entry          | value                                                             |
 //! |----------------|-------------------------------------------------------------------|
-//! | `format`       | `kvstore-shard/2`                                                 |
+//! | `format`       | `kvstore-shard/3`                                                 |
 //! | `generation`, `rank`, `world` | as in the file's name                              |
 //! | `token`        | the save's token, as in `index`                                   |
 //! | `key_kind`     | `int`, `str`, or `none` for a shard with no keys                  |
 //! | `updater`, `state_names` | as in the single file, the same in every shard          |
-//! | `piece/<key>`  | `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` |
-//! | `residuals/<key>` | `count=<c> len=<n>`: the saving rank's own gradient-compression residuals of the key, `c` float32 tensors `residual/<key>/<i>` of the whole key's `n` elements; absent when it has none |
+//! | `piece/<key>`  | a JSON object: `{"order":<o>,"start":<a>,"end":<b>,"dims":[<d0>,<d1>,...],"step":<s>,"sparse":true}` |
+//! | `residuals/<key>` | a JSON object `{"count":<c>,"len":<n>}`: the saving rank's own gradient-compression residuals of the key, `c` float32 tensors `residual/<key>/<i>` of the whole key's `n` elements; absent when it has none |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, as in the single file |
 //!
 //! `order` is the key's place in update order (distinct per key; keys are listed by it),
 //! `start..end` the element range this shard holds, `dims` the whole key's dims (empty for a
 //! scalar), and `step` the updater step count, present exactly when the key has updater state
-//! (then the shard has one `state/<key>/<name>` per state name), and `sparse=1` marks a
-//! row-sparse key. Every shard of a key records the same `order`, `dims`, dtype, `step` and
+//! (then the shard has one `state/<key>/<name>` per state name), and `sparse` (`true`, or
+//! absent for a dense key) marks a row-sparse key. No other field is allowed. Every shard of a key records the same `order`, `dims`, dtype, `step` and
 //! `sparse`. A shard's residuals are its rank's own, of every key that rank pushed (homed
-//! there or not): a load by as many ranks gives rank `r` those of shard `r`; after a load by
-//! another number of ranks, or into a single-process store, they start at zero. Keys are
-//! spelled canonically, as in the single file.
+//! there or not): a load by as many ranks gives rank `r` those of shard `r` (a store of one
+//! process is one rank, and a single file one shard); after a load by another number of
+//! ranks they start at zero. Keys are spelled canonically, as in the single file.
+//!
+//! Shards of format 2 (`kvstore-shard/2`) still load: they differ only in spelling `piece/`
+//! as `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` and `residuals/` as
+//! `count=<c> len=<n>` (fields separated by single spaces, counts in canonical decimal).
 //!
 //! ```
 //! use kvstore::{KvStore, NDArray, Sgd, Updater};
 //! let dir = std::env::temp_dir().join(format!("kvstore-doc-{}", std::process::id()));
 //! std::fs::create_dir_all(&dir).unwrap();
-//! let path = dir.join("model.safetensors");
+//! let path = dir.join("model");
 //!
 //! let kv = KvStore::create("local")?;
 //! kv.set_updater(Updater::Sgd(Sgd { lr: 0.1, momentum: 0.9, ..Sgd::default() }))?;
@@ -147,39 +156,34 @@
 mod atomic;
 mod bounded;
 mod checksum;
+mod entry;
 mod file;
-// The writing side and `Reader::read` serve the dist store, which saves and loads by piece;
-// a local store only loads whole keys.
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) mod reader;
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) mod sharded;
+mod layout;
+mod reader;
+mod sharded;
+mod spec;
 #[cfg(test)]
 mod tests;
 
 use std::cell::RefCell;
-use std::fs;
 use std::io;
 use std::path::Path;
 
 pub use atomic::fail_writes_after;
-use atomic::write_atomic;
-use file::{decode, encode};
-#[allow(unused_imports)] // the crate-internal API of sharded checkpoints, for the dist store
-pub(crate) use reader::{open, read_index, Reader};
-#[doc(hidden)]
-pub use sharded::save_sharded;
-#[allow(unused_imports)]
-pub(crate) use sharded::{
-    commit, next_generation, write_shard, KeyMeta, KeyResiduals, Piece, SaveId,
-};
+pub(crate) use entry::{Entry, EntryState};
+pub(crate) use file::write_single_file;
+pub(crate) use layout::{KeyMeta, KeyResiduals, Piece};
+pub(crate) use reader::{open, Reader};
+pub(crate) use sharded::{commit, entry_piece, next_generation, rank_range, write_shard, SaveId};
 
-use crate::{Error, KvStore, Result};
+pub use crate::checkpoint_error::CheckpointErrorKind;
+use crate::Error;
 
-/// The `format` entry of the metadata of every single-file checkpoint this version writes.
+/// The `format` entry of the metadata of the single-file checkpoints of the previous version,
+/// which carry checksums; still read (a store now saves a sharded directory).
 pub const FORMAT: &str = "kvstore-checkpoint/2";
 
-/// The `format` of single files of the previous version, which have no checksums; still read.
+/// The `format` of single files of the version before, which have no checksums; still read.
 const FORMAT_1: &str = "kvstore-checkpoint/1";
 
 /// Warns that the checkpoint at `path` is of format 1, whose files carry no checksums, so that
@@ -190,26 +194,6 @@ fn warn_unverified(path: &Path) {
          unnoticed; it loads unverified. Save it again to write the current format",
         path.display()
     );
-}
-
-/// What kind of failure an [`Error::Checkpoint`] is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CheckpointErrorKind {
-    /// There is no file at the path (`load`), or the directory to save into does not exist
-    /// (`save`). The source is the [`std::io::Error`].
-    NotFound,
-    /// Reading or writing failed for another reason: permissions, a full disk, a failing
-    /// device. The source is the [`std::io::Error`].
-    Io,
-    /// The file is not a checkpoint this version can read: corrupt (a checksum that does not
-    /// match), truncated, not a safetensors file, with missing or malformed metadata or
-    /// tensors, or a shard of another save than the index names. The source is the
-    /// safetensors error, when the file could not be parsed at all.
-    Invalid,
-    /// A valid checkpoint that does not fit the store: a key whose shape or dtype differs from
-    /// the store's, or keys of the other kind (int or string) than the store holds.
-    Mismatch,
 }
 
 /// A checkpoint failure before its path is attached.
@@ -310,95 +294,7 @@ pub(crate) fn not_safetensors(e: safetensors::SafeTensorError) -> Problem {
     }
 }
 
-impl KvStore {
-    /// Saves every value and every updater state to `path`, atomically.
-    ///
-    /// The checkpoint is written to a temporary file in the same directory, flushed to disk,
-    /// and renamed over `path`; then the directory is flushed. A crash or an error at any point
-    /// leaves the previous file at `path` (if any) intact; only a crash can leave the
-    /// temporary file (`.<name>.tmp-<pid>-<n>`) behind, which is safe to delete. The values are
-    /// one consistent snapshot: a push that runs concurrently is either wholly in it or not.
-    /// See the [module docs](crate::checkpoint) for the format.
-    ///
-    /// A failure is an [`Error::Checkpoint`] of kind [`CheckpointErrorKind::NotFound`] (no
-    /// such directory) or [`CheckpointErrorKind::Io`], with the I/O error as its source.
-    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        if let Some(done) = self.save_across_ranks(path) {
-            return done;
-        }
-        let (kind, updater, entries) = self.export_entries()?;
-        let bytes = encode(kind, &updater, &entries).map_err(|p| p.at(path))?;
-        write_atomic(path, &bytes).map_err(|e| Problem::io(false, e).at(path))
-    }
-
-    /// Loads a checkpoint written by [`KvStore::save`], into a store of any kind and device set,
-    /// whatever updater either was saved or is set with.
-    ///
-    /// `path` is a single file, or a directory holding a sharded checkpoint that the ranks of a
-    /// `dist` store saved, at any world size (see the [module docs](crate::checkpoint)): its
-    /// shards are put back together key by key. A directory with no committed checkpoint is
-    /// [`CheckpointErrorKind::NotFound`]; so is a shard that its index names and the directory
-    /// lacks.
-    ///
-    /// Keys the store lacks are added; keys it has must have the file's shape and dtype. What
-    /// a load brings in:
-    ///
-    /// - **Values** always load.
-    /// - **Updater state** (momentum, Adam's moments, and the step count that goes with them)
-    ///   loads when it fits the updater in force: the file was saved under an updater of the
-    ///   same [`name`](crate::Updater::name) and [`state_names`](crate::Updater::state_names) (for example
-    ///   Adam into Adam, or SGD with momentum into SGD with momentum), whatever the
-    ///   hyperparameters, so a resumed run may change its learning rate and keep its moments.
-    ///   Set the updater before `load`.
-    /// - Otherwise (SGD state into Adam, no momentum into momentum, a checkpoint saved under
-    ///   the default assign updater into any optimizer, ...) every loaded key starts its state
-    ///   afresh on its next push, exactly as after [`KvStore::set_updater`]: zero buffers and a
-    ///   step count of 0, so Adam's bias correction starts over with its fresh moments. A key
-    ///   the file holds no state for starts afresh too.
-    ///
-    /// The updater is read once per call: a [`KvStore::set_updater`] that runs during the load
-    /// is either wholly before it or, like any later `set_updater`, starts every key's state
-    /// afresh.
-    ///
-    /// Every byte read is verified against the file's checksums before it is used (see the
-    /// [module docs](crate::checkpoint#checksums)); a mismatch is
-    /// [`CheckpointErrorKind::Invalid`]. A file of the previous format, which has no
-    /// checksums, loads unverified, with a warning in the log.
-    ///
-    /// A load is all or nothing, like the list operations: the whole file is read and checked
-    /// first, and then the file's keys (new ones appearing together with their values and
-    /// state) all change in one step, with every key's lock held, so a concurrent push or pull
-    /// of the file's keys sees the store wholly before or wholly after the load. Any error is an
-    /// [`Error::Checkpoint`] whose [`kind`](CheckpointErrorKind) tells a missing file, an I/O
-    /// failure, a corrupt or invalid file and a file that does not fit the store apart, and
-    /// leaves the store as it was. (A CUDA failure while copying to a GPU home, an
-    /// [`Error::Cuda`], can leave keys already in the store partly loaded.)
-    pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        if let Some(done) = self.load_across_ranks(path) {
-            return done;
-        }
-        let (updater, generation) = self.active_updater();
-        let (kind, entries) = if path.is_dir() {
-            let reader = reader::open(path)?;
-            (reader.key_kind(), reader.entries(&updater)?)
-        } else {
-            let bytes = fs::read(path).map_err(|e| Problem::io(true, e).at(path))?;
-            let (kind, entries, verified) = decode(&bytes, &updater).map_err(|p| p.at(path))?;
-            if !verified {
-                warn_unverified(path);
-            }
-            (kind, entries)
-        };
-        run_load_hook(LoadStage::Checked);
-        self.import_entries(path, kind, entries, generation)?;
-        run_load_hook(LoadStage::Applied);
-        Ok(())
-    }
-}
-
-/// Where a [`set_load_hook`] hook runs inside [`KvStore::load`].
+/// Where a [`set_load_hook`] hook runs inside [`KvStore::load`](crate::KvStore::load).
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LoadStage {
@@ -422,7 +318,8 @@ pub fn set_load_hook(hook: Option<Box<dyn FnMut(LoadStage)>>) {
     LOAD_HOOK.with(|h| *h.borrow_mut() = hook);
 }
 
-fn run_load_hook(stage: LoadStage) {
+/// Runs the calling thread's [`set_load_hook`] hook, if any, at `stage`.
+pub(crate) fn run_load_hook(stage: LoadStage) {
     // Taken out while it runs, so a hook that loads does not run itself.
     let Some(mut hook) = LOAD_HOOK.with(|h| h.borrow_mut().take()) else {
         return;

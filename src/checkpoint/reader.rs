@@ -16,13 +16,13 @@ use safetensors::tensor::Dtype;
 
 use super::bounded;
 use super::checksum::{self, Sums};
-use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind};
-use super::sharded::{
+use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind, Decoded};
+use super::layout::{
     generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
-    INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT, SHARD_FORMAT_1,
+    INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT, SHARD_FORMAT_1, SHARD_FORMAT_2,
 };
+use super::spec::{PieceSpec, ResidualSpec, Spelling};
 use super::Problem;
-use crate::store::{Entry, EntryState};
 use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updater};
 
 /// What `dir/index` says: the committed generation, the world size that wrote it, and the
@@ -140,6 +140,8 @@ struct Held {
 /// One shard's header, checked: what it holds and where.
 pub(crate) struct ShardHeader {
     rank: usize,
+    /// The CRC-32 of the shard's header bytes (see [`bounded::Header::crc`]).
+    header_crc: u32,
     /// The token of the save that wrote it; `None` for a shard of format 1.
     token: Option<u64>,
     /// The chunk size of its checksums; `None` for a shard of format 1, which has none.
@@ -299,56 +301,34 @@ fn open_shard(
     Ok((checked, file))
 }
 
-/// The fields of a `piece/<key>` metadata entry.
-fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize>), Problem> {
-    let bad = |why: &str| Problem::invalid(format!("metadata piece/{key} = '{spec}': {why}"));
-    let mut fields: HashMap<&str, &str> = HashMap::new();
-    for field in spec.split(' ') {
-        let (name, value) = field.split_once('=').ok_or_else(|| bad("not name=value"))?;
-        if fields.insert(name, value).is_some() {
-            return Err(bad("a field is given twice"));
-        }
-    }
-    let count = |name: &str| -> std::result::Result<u64, Problem> {
-        let text = fields.get(name).ok_or_else(|| bad(&format!("no {name}")))?;
-        text.parse::<u64>()
-            .ok()
-            .filter(|n| n.to_string() == *text)
-            .ok_or_else(|| bad(&format!("{name} is not a count")))
-    };
-    let index = |name: &str| {
-        count(name).and_then(|n| usize::try_from(n).map_err(|_| bad(&format!("{name} too large"))))
-    };
-    let dims = match fields.get("dims").ok_or_else(|| bad("no dims"))? {
-        &"" => Vec::new(),
-        text => text
-            .split(',')
-            .map(|d| d.parse::<usize>().ok().filter(|n| n.to_string() == d))
-            .collect::<Option<Vec<usize>>>()
-            .ok_or_else(|| bad("dims are not counts"))?,
-    };
+/// What a `piece/<key>` metadata entry, `text`, spelled `spelling`, says: the key's whole
+/// description (its dtype is set from the value tensor by the caller) and the range held.
+fn parse_spec(
+    key: Key,
+    text: &str,
+    spelling: Spelling,
+) -> std::result::Result<(KeyMeta, Range<usize>), Problem> {
+    let bad = |why: &str| Problem::invalid(format!("metadata piece/{key} = '{text}': {why}"));
+    let spec = PieceSpec::parse(text, spelling).map_err(|why| bad(&why))?;
+    let index =
+        |name: &str, n: u64| usize::try_from(n).map_err(|_| bad(&format!("{name} too large")));
+    let dims = (spec.dims.iter())
+        .map(|&d| index("dims", d))
+        .collect::<std::result::Result<Vec<usize>, Problem>>()?;
     Shape::new(&dims).map_err(|e| bad(&e.to_string()))?;
-    let (order, start, end) = (index("order")?, index("start")?, index("end")?);
-    let step = match fields.get("step") {
-        None => None,
-        Some(text) => Some(bounded::step(text).ok_or_else(|| {
-            bad(&format!(
-                "step is not a count from 0 to {}",
-                bounded::MAX_STEP
-            ))
-        })?),
-    };
-    let row_sparse = match fields.get("sparse") {
-        None => false,
-        Some(&"1") if dims.len() >= 2 => true,
-        Some(&"1") => return Err(bad("a row-sparse key has two or more dimensions")),
-        Some(_) => return Err(bad("sparse is not 1")),
-    };
-    if fields
-        .keys()
-        .any(|f| !["order", "start", "end", "dims", "step", "sparse"].contains(f))
-    {
-        return Err(bad("unknown field"));
+    let (order, start, end) = (
+        index("order", spec.order)?,
+        index("start", spec.start)?,
+        index("end", spec.end)?,
+    );
+    if spec.step.is_some_and(|s| s > bounded::MAX_STEP) {
+        return Err(bad(&format!(
+            "step is not a count from 0 to {}",
+            bounded::MAX_STEP
+        )));
+    }
+    if spec.sparse && dims.len() < 2 {
+        return Err(bad("a row-sparse key has two or more dimensions"));
     }
     let size: usize = dims.iter().product();
     if start > end || end > size {
@@ -359,9 +339,9 @@ fn parse_spec(key: Key, spec: &str) -> std::result::Result<(KeyMeta, Range<usize
         dims,
         dtype: DType::F32, // set from the value tensor by the caller
         order,
-        step: step.unwrap_or(0),
-        has_state: step.is_some(),
-        row_sparse,
+        step: spec.step.unwrap_or(0),
+        has_state: spec.step.is_some(),
+        row_sparse: spec.sparse,
     };
     Ok((meta, start..end))
 }
@@ -430,6 +410,8 @@ fn tensor_span(
 struct ShardTensors<'a> {
     header: &'a bounded::Header,
     sums: Option<&'a Sums>,
+    /// How the shard spells its `piece/` and `residuals/` entries.
+    spelling: Spelling,
 }
 
 impl ShardTensors<'_> {
@@ -463,7 +445,7 @@ fn check_shard(
             .map(String::as_str)
             .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
     };
-    let (token, sums) = shard_format(header, md, get("format")?)?;
+    let (token, sums, spelling) = shard_format(header, md, get("format")?)?;
     for (name, want) in [
         ("generation", generation.to_string()),
         ("rank", rank.to_string()),
@@ -483,6 +465,7 @@ fn check_shard(
     let tensors = ShardTensors {
         header,
         sums: sums.as_ref(),
+        spelling,
     };
     let mut used: HashSet<String> = HashSet::new();
     let pieces = shard_pieces(&tensors, md, kind, &state_names, &mut used)?;
@@ -494,6 +477,7 @@ fn check_shard(
     }
     Ok(ShardHeader {
         rank,
+        header_crc: header.crc,
         token,
         chunk: sums.map(|s| s.chunk),
         kind,
@@ -505,19 +489,23 @@ fn check_shard(
 }
 
 /// The token and the checksums of a shard of format `format` (`None` for a shard of format 1,
-/// which has neither), checked against its header.
+/// which has neither), checked against its header, and how it spells its entries.
 fn shard_format(
     header: &bounded::Header,
     md: &HashMap<String, String>,
     format: &str,
-) -> std::result::Result<(Option<u64>, Option<Sums>), Problem> {
+) -> std::result::Result<(Option<u64>, Option<Sums>, Spelling), Problem> {
+    let spelling = match format {
+        SHARD_FORMAT => Spelling::Json,
+        _ => Spelling::Fields,
+    };
     match format {
-        SHARD_FORMAT if !header.sealed => Err(Problem::invalid(format!(
+        SHARD_FORMAT | SHARD_FORMAT_2 if !header.sealed => Err(Problem::invalid(format!(
             "metadata entry '{}' (the header's checksum) is missing: the shard is corrupt; \
              save again",
             checksum::HEADER_ENTRY
         ))),
-        SHARD_FORMAT => {
+        SHARD_FORMAT | SHARD_FORMAT_2 => {
             let text = (md.get("token").map(String::as_str))
                 .ok_or_else(|| Problem::invalid("metadata entry 'token' is missing"))?;
             let token = parse_token(text).ok_or_else(|| {
@@ -530,17 +518,18 @@ fn shard_format(
                 let (s, e) = info.data_offsets;
                 (name.as_str(), e.saturating_sub(s))
             });
-            Ok((Some(token), Some(checksum::parse_sums(md, lens)?)))
+            Ok((Some(token), Some(checksum::parse_sums(md, lens)?), spelling))
         }
         SHARD_FORMAT_1 if !md.contains_key("token") && !checksum::has_entries(md) => {
-            Ok((None, None))
+            Ok((None, None, spelling))
         }
         SHARD_FORMAT_1 => Err(Problem::invalid(
             "a shard of format 1 with a token or checksum entries: the shard is corrupt; save \
              again",
         )),
         other => Err(Problem::invalid(format!(
-            "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_1}')"
+            "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_2}' or \
+             '{SHARD_FORMAT_1}')"
         ))),
     }
 }
@@ -561,7 +550,7 @@ fn shard_pieces(
             continue;
         };
         let key = parse_key(kind, text)?;
-        let (mut km, range) = parse_spec(key, spec)?;
+        let (mut km, range) = parse_spec(key, spec, tensors.spelling)?;
         let value_name = format!("value/{text}");
         let (dtype, value) = tensors.span(&value_name, None, range.len())?;
         km.dtype = dtype;
@@ -602,11 +591,14 @@ fn shard_residuals(
             continue;
         };
         let key = parse_key(kind, text)?;
-        let (count, len) = parse_residuals(spec).ok_or_else(|| {
-            Problem::invalid(format!(
-                "metadata {name} = '{spec}' is not 'count=<n> len=<n>'"
-            ))
-        })?;
+        let parsed = ResidualSpec::parse(spec, tensors.spelling);
+        let (count, len) = (parsed.map(|r| (r.count, usize::try_from(r.len))))
+            .and_then(|(count, len)| Some((count, len.ok()?)))
+            .ok_or_else(|| {
+                Problem::invalid(format!(
+                    "metadata {name} = '{spec}' is not a residuals entry (a count and a length)"
+                ))
+            })?;
         let count = bounded::count(count, 1, present).ok_or_else(|| {
             Problem::invalid(format!(
                 "metadata {name} = '{spec}' declares {count} residual tensors, but the shard \
@@ -624,21 +616,6 @@ fn shard_residuals(
         residuals.push((key, len, spans));
     }
     Ok(residuals)
-}
-
-/// The fields of a `residuals/<key>` metadata entry, `count=<c> len=<n>`: the count as it is
-/// written (for [`bounded::count`] to check), the length as an element count.
-fn parse_residuals(spec: &str) -> Option<(u64, usize)> {
-    let (count, len) = spec.split_once(' ')?;
-    let number = |text: Option<&str>| {
-        let text = text?;
-        text.parse::<u64>().ok().filter(|n| n.to_string() == text)
-    };
-    let len = number(len.strip_prefix("len="))?;
-    Some((
-        number(count.strip_prefix("count="))?,
-        usize::try_from(len).ok()?,
-    ))
 }
 
 impl ShardHeader {
@@ -668,128 +645,154 @@ pub(crate) fn check_cover(at: &Path, shards: Vec<ShardHeader>) -> Result<()> {
     assemble(at, shards).map(|_| ())
 }
 
+/// Puts `shards` together: checks that they agree (updater, key kind, every key's record),
+/// that every residual belongs to a key of its length, that keys have distinct places in
+/// update order, and that each key's pieces cover its elements exactly once.
 fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
     let invalid = |message: String| Problem::invalid(message).at(at);
+    let mut a = gather(shards).map_err(invalid)?;
+    check_residual_keys(&a).map_err(invalid)?;
+    check_orders(&a.keys).map_err(invalid)?;
+    let mut by_order: Vec<(KeyMeta, Vec<Held>)> = std::mem::take(&mut a.keys)
+        .into_iter()
+        .zip(std::mem::take(&mut a.held))
+        .collect();
+    by_order.sort_by_key(|(meta, _)| meta.order);
+    for (meta, mut list) in by_order {
+        list.sort_by_key(|p| (p.range.start, p.range.end));
+        check_key_cover(&meta, &list).map_err(invalid)?;
+        a.keys.push(meta);
+        a.held.push(list);
+    }
+    Ok(a)
+}
+
+/// Every key of `shards` once, in the order first met, with the pieces that hold it, each
+/// piece marked with its shard's place; the shards must agree on the updater, the key kind and
+/// every key's record.
+fn gather(shards: Vec<ShardHeader>) -> std::result::Result<Assembled, String> {
     let Some(first) = shards.first() else {
-        return Err(invalid("the checkpoint has no shards".to_owned()));
+        return Err("the checkpoint has no shards".to_owned());
     };
-    let (updater, state_names) = (first.updater.clone(), first.state_names.clone());
-    let mut kind: Option<KeyKind> = None;
-    // Every key once, in the order first met, with the pieces that hold it.
+    let mut a = Assembled {
+        kind: None,
+        updater: first.updater.clone(),
+        state_names: first.state_names.clone(),
+        keys: Vec::new(),
+        held: Vec::new(),
+        residuals: Vec::with_capacity(shards.len()),
+    };
     let mut place: HashMap<Key, usize> = HashMap::new();
-    let mut keys: Vec<KeyMeta> = Vec::new();
-    let mut lists: Vec<Vec<Held>> = Vec::new();
-    let mut residuals = Vec::with_capacity(shards.len());
     for (file, shard) in shards.into_iter().enumerate() {
-        residuals.push(shard.residuals);
-        if shard.updater != updater || shard.state_names != state_names {
-            return Err(invalid(format!(
-                "shard {} was saved under updater {} {:?} but shard 0 under {updater} \
-                 {state_names:?}: the shards are from different saves",
-                shard.rank, shard.updater, shard.state_names
-            )));
+        a.residuals.push(shard.residuals);
+        if shard.updater != a.updater || shard.state_names != a.state_names {
+            return Err(format!(
+                "shard {} was saved under updater {} {:?} but shard 0 under {} {:?}: the \
+                 shards are from different saves",
+                shard.rank, shard.updater, shard.state_names, a.updater, a.state_names
+            ));
         }
         if let Some(k) = shard.kind {
-            if kind.is_some_and(|have| have != k) {
-                return Err(invalid(format!(
+            if a.kind.is_some_and(|have| have != k) {
+                return Err(format!(
                     "shard {} holds {k} keys but another shard holds the other kind",
                     shard.rank
-                )));
+                ));
             }
-            kind = Some(k);
+            a.kind = Some(k);
         }
         for mut p in shard.pieces {
             p.file = file;
             let i = *place.entry(p.meta.key.clone()).or_insert_with(|| {
-                keys.push(p.meta.clone());
-                lists.push(Vec::new());
-                keys.len() - 1
+                a.keys.push(p.meta.clone());
+                a.held.push(Vec::new());
+                a.keys.len() - 1
             });
-            if keys[i] != p.meta {
-                return Err(invalid(format!(
+            if a.keys[i] != p.meta {
+                return Err(format!(
                     "key {}: shard {} records it as {:?} but another shard as {:?}",
-                    p.meta.key, shard.rank, p.meta, keys[i]
-                )));
+                    p.meta.key, shard.rank, p.meta, a.keys[i]
+                ));
             }
-            lists[i].push(p);
+            a.held[i].push(p);
         }
     }
-    // Residuals of keys the checkpoint holds, each of its key's length.
-    for (file, saved) in residuals.iter().enumerate() {
+    Ok(a)
+}
+
+/// Checks that every shard's residuals are of a key the checkpoint holds, each of its key's
+/// length.
+fn check_residual_keys(a: &Assembled) -> std::result::Result<(), String> {
+    let size_of: HashMap<&Key, usize> = a.keys.iter().map(|k| (&k.key, k.size())).collect();
+    for (file, saved) in a.residuals.iter().enumerate() {
         for (key, len, _) in saved {
-            match place.get(key).map(|&i| keys[i].size()) {
-                Some(size) if size == *len => {}
+            match size_of.get(key) {
+                Some(size) if size == len => {}
                 Some(size) => {
-                    return Err(invalid(format!(
+                    return Err(format!(
                         "shard {file}: the residuals of key {key} have {len} elements, the key \
                          {size}"
-                    )))
+                    ))
                 }
                 None => {
-                    return Err(invalid(format!(
+                    return Err(format!(
                         "shard {file}: residuals of key {key}, which no shard holds"
-                    )))
+                    ))
                 }
             }
         }
     }
-    // Update order: distinct places.
+    Ok(())
+}
+
+/// Checks that no two keys share a place in update order.
+fn check_orders(keys: &[KeyMeta]) -> std::result::Result<(), String> {
     let mut orders: HashMap<usize, &Key> = HashMap::with_capacity(keys.len());
-    for k in &keys {
+    for k in keys {
         if let Some(other) = orders.insert(k.order, &k.key) {
-            return Err(invalid(format!(
+            return Err(format!(
                 "keys {other} and {} share place {} in update order",
                 k.key, k.order
-            )));
+            ));
         }
     }
-    let mut by_order: Vec<(KeyMeta, Vec<Held>)> = keys.into_iter().zip(lists).collect();
-    by_order.sort_by_key(|(meta, _)| meta.order);
-    let mut sorted_keys = Vec::with_capacity(by_order.len());
-    let mut held = Vec::with_capacity(by_order.len());
-    for (meta, mut list) in by_order {
-        list.sort_by_key(|p| (p.range.start, p.range.end));
-        let mut next = 0;
-        let mut last_rank = None;
-        for p in list.iter().filter(|p| !p.range.is_empty()) {
-            if p.range.start < next {
-                return Err(invalid(format!(
-                    "key {}: elements {}..{} are held by two shards ({} and {}): the shards \
-                     are from different saves or slicings",
-                    meta.key,
-                    p.range.start,
-                    next.min(p.range.end),
-                    last_rank.unwrap_or(0),
-                    p.file
-                )));
-            }
-            if p.range.start > next {
-                return Err(invalid(format!(
-                    "key {}: elements {next}..{} are in no shard",
-                    meta.key, p.range.start
-                )));
-            }
-            next = p.range.end;
-            last_rank = Some(p.file);
-        }
-        if next != meta.size() {
-            return Err(invalid(format!(
-                "key {}: elements {next}..{} are in no shard",
+    Ok(())
+}
+
+/// Checks that `list`, the pieces of key `meta` sorted by range, holds each of its elements
+/// exactly once (empty pieces aside).
+fn check_key_cover(meta: &KeyMeta, list: &[Held]) -> std::result::Result<(), String> {
+    let mut next = 0;
+    let mut last_rank = None;
+    for p in list.iter().filter(|p| !p.range.is_empty()) {
+        if p.range.start < next {
+            return Err(format!(
+                "key {}: elements {}..{} are held by two shards ({} and {}): the shards are \
+                 from different saves or slicings",
                 meta.key,
-                meta.size()
-            )));
+                p.range.start,
+                next.min(p.range.end),
+                last_rank.unwrap_or(0),
+                p.file
+            ));
         }
-        sorted_keys.push(meta);
-        held.push(list);
+        if p.range.start > next {
+            return Err(format!(
+                "key {}: elements {next}..{} are in no shard",
+                meta.key, p.range.start
+            ));
+        }
+        next = p.range.end;
+        last_rank = Some(p.file);
     }
-    Ok(Assembled {
-        kind,
-        updater,
-        state_names,
-        keys: sorted_keys,
-        held,
-        residuals,
-    })
+    if next != meta.size() {
+        return Err(format!(
+            "key {}: elements {next}..{} are in no shard",
+            meta.key,
+            meta.size()
+        ));
+    }
+    Ok(())
 }
 
 /// A checkpoint open for reading by key and element range.
@@ -804,8 +807,10 @@ pub(crate) struct Reader {
     files: Vec<ShardFile>,
     /// Each shard's residuals, by file (a shard's file is its rank).
     residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
-    /// The number of ranks that saved a sharded checkpoint; `None` for a single file.
-    world: Option<usize>,
+    /// The number of ranks that saved the checkpoint (a single file: one).
+    world: usize,
+    /// Which checkpoint this is, in words that differ for any two saves: see [`Reader::which`].
+    which: String,
 }
 
 /// Opens a checkpoint: a directory with a committed sharded checkpoint, or a single file
@@ -847,6 +852,12 @@ fn open_dir(dir: &Path) -> Result<Reader> {
         shards.push(header);
         files.push(file);
     }
+    // Every shard's header, which holds the checksums of its data (format 1: at least its keys).
+    let mut headers = crc32fast::Hasher::new();
+    for shard in &shards {
+        headers.update(&shard.header_crc.to_le_bytes());
+    }
+    let headers = headers.finalize();
     let a = assemble(&gen_dir, shards)?;
     if index.token.is_none() {
         log::warn!(
@@ -863,7 +874,13 @@ fn open_dir(dir: &Path) -> Result<Reader> {
             dir.display()
         );
     }
-    Ok(Reader::new(dir, a, files, Some(index.world)))
+    let token = index.token.map_or("none (format 1)".to_owned(), token_text);
+    let which = format!(
+        "generation {} of the save with token {token}, whose shards' headers have the combined \
+         CRC-32 {headers:08x}",
+        index.generation
+    );
+    Ok(Reader::new(dir, a, files, index.world, which))
 }
 
 /// Checks that generation directory `gen_dir` holds a shard file for every rank of the world
@@ -901,6 +918,8 @@ fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
         .at(gen_dir))
 }
 
+/// Opens a single file of an earlier version as a world of one shard that holds every key
+/// whole, and the file's residuals as that shard's.
 fn open_file(path: &Path) -> Result<Reader> {
     // Read through the handle that later reads by range, so both see one file even if a save
     // replaces it meanwhile.
@@ -909,30 +928,13 @@ fn open_file(path: &Path) -> Result<Reader> {
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).map_err(io)?;
     let decoded = decode_all(&bytes).map_err(|p| p.at(path))?;
+    let span = |name: String| file_span(&decoded, name).map_err(|p| p.at(path));
     let mut pieces = Vec::with_capacity(decoded.entries.len());
+    let mut residuals = Vec::new();
     for (order, e) in decoded.entries.iter().enumerate() {
-        let span = |name: String| {
-            let info = (decoded.header.meta.info(&name))
-                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")).at(path))?;
-            let sums = match &decoded.sums {
-                Some(all) => Some(all.tensors.get(&name).cloned().ok_or_else(|| {
-                    Problem::invalid(format!("tensor '{name}' has no checksums")).at(path)
-                })?),
-                None => None,
-            };
-            let at = decoded.header.span(info);
-            Ok(Span {
-                start: at.start,
-                end: at.end,
-                name,
-                sums,
-            })
-        };
         let value = span(format!("value/{}", e.key))?;
         let state = match &e.state {
-            Some(_) => decoded
-                .state_names
-                .iter()
+            Some(_) => (decoded.state_names.iter())
                 .map(|s| span(format!("state/{}/{s}", e.key)))
                 .collect::<Result<Vec<_>>>()?,
             None => Vec::new(),
@@ -944,20 +946,31 @@ fn open_file(path: &Path) -> Result<Reader> {
             value,
             state,
         });
+        if !e.residuals.is_empty() {
+            let spans = (0..e.residuals.len())
+                .map(|i| span(format!("residual/{}/{i}", e.key)))
+                .collect::<Result<Vec<_>>>()?;
+            residuals.push((e.key.clone(), e.shape.size(), spans));
+        }
     }
     let chunk = decoded.sums.as_ref().map(|s| s.chunk);
     if chunk.is_none() {
         super::warn_unverified(path);
     }
+    let which = format!(
+        "a single file whose header's CRC-32 is {:08x}",
+        decoded.header.crc
+    );
     let header = ShardHeader {
         rank: 0,
+        header_crc: decoded.header.crc,
         token: None,
         chunk,
         kind: decoded.kind,
         updater: decoded.updater,
         state_names: decoded.state_names,
         pieces,
-        residuals: Vec::new(),
+        residuals,
     };
     let a = assemble(path, vec![header])?;
     let files = vec![ShardFile {
@@ -965,11 +978,39 @@ fn open_file(path: &Path) -> Result<Reader> {
         file,
         chunk: chunk.unwrap_or(1),
     }];
-    Ok(Reader::new(path, a, files, None))
+    Ok(Reader::new(path, a, files, 1, which))
+}
+
+/// Where tensor `name` of a decoded single file is, with its checksums (none in format 1).
+fn file_span(decoded: &Decoded, name: String) -> std::result::Result<Span, Problem> {
+    let info = (decoded.header.meta.info(&name))
+        .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
+    let sums = match &decoded.sums {
+        Some(all) => Some(
+            all.tensors
+                .get(&name)
+                .cloned()
+                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?,
+        ),
+        None => None,
+    };
+    let at = decoded.header.span(info);
+    Ok(Span {
+        start: at.start,
+        end: at.end,
+        name,
+        sums,
+    })
 }
 
 impl Reader {
-    fn new(path: &Path, a: Assembled, files: Vec<ShardFile>, world: Option<usize>) -> Reader {
+    fn new(
+        path: &Path,
+        a: Assembled,
+        files: Vec<ShardFile>,
+        world: usize,
+        which: String,
+    ) -> Reader {
         let place = a
             .keys
             .iter()
@@ -987,19 +1028,28 @@ impl Reader {
             files,
             residuals: a.residuals,
             world,
+            which,
         }
     }
 
-    /// The compression residuals rank `rank` of `world` saved in a sharded checkpoint, per
-    /// key: `None` for a single file (whose residuals come with [`Reader::entries`]) or a
+    /// Which checkpoint this is: for a directory, the generation and the token of the save that
+    /// wrote it and a CRC-32 of its shards' headers; for a single file, the CRC-32 of its
+    /// header. A header holds the checksums of all its file's data (format 1: at least every
+    /// key, dtype and range), so two checkpoints whose bytes differ are told apart. Ranks compare it, so that ranks
+    /// that found different checkpoints at one path fail rather than load different values.
+    pub(crate) fn which(&self) -> &str {
+        &self.which
+    }
+
+    /// The compression residuals rank `rank` of `world` saved, per key: `None` for a
     /// checkpoint that another number of ranks saved (each rank's residuals are its own, so
-    /// they do not carry over to another world).
+    /// they do not carry over to another world). A single file is a world of one.
     pub(crate) fn rank_residuals(
         &self,
         rank: usize,
         world: usize,
     ) -> Result<Option<Vec<KeyResiduals>>> {
-        if self.world != Some(world) {
+        if self.world != world {
             return Ok(None);
         }
         let (Some(file), Some(saved)) = (self.files.get(rank), self.residuals.get(rank)) else {
@@ -1027,6 +1077,20 @@ impl Reader {
         Ok(Some(out))
     }
 
+    /// Reads every byte of every key's value and state, and every residual, verifying each
+    /// against its checksums, and keeps none of it: a corrupt checkpoint is
+    /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), whatever else is
+    /// wrong with it. One key at a time.
+    pub(crate) fn verify(&self) -> Result<()> {
+        for (i, meta) in self.keys.iter().enumerate() {
+            self.read_host(i, 0..meta.size())?;
+        }
+        for rank in 0..self.files.len() {
+            self.rank_residuals(rank, self.world)?;
+        }
+        Ok(())
+    }
+
     /// Every key of the checkpoint, whole, in update order.
     pub(crate) fn keys(&self) -> &[KeyMeta] {
         &self.keys
@@ -1038,11 +1102,13 @@ impl Reader {
     }
 
     /// The [`name`](Updater::name) of the updater the checkpoint was saved under.
+    #[cfg(test)]
     pub(crate) fn updater_name(&self) -> &str {
         &self.updater
     }
 
     /// The state buffer names of that updater, as [`Updater::state_names`].
+    #[cfg(test)]
     pub(crate) fn state_names(&self) -> &[String] {
         &self.state_names
     }
@@ -1124,29 +1190,5 @@ impl Reader {
         let value = from_bytes(meta.dtype, &value);
         let state = state.iter().map(|b| from_bytes(acc, b)).collect();
         Ok((value, state))
-    }
-
-    /// Every key whole, in update order, as a load into a store takes them: with its state
-    /// where the state fits `updater`, without (so it starts afresh) otherwise.
-    pub(crate) fn entries(&self, updater: &Updater) -> Result<Vec<Entry>> {
-        let fits = self.state_fits(updater);
-        let mut entries = Vec::with_capacity(self.keys.len());
-        for (i, meta) in self.keys.iter().enumerate() {
-            let (value, bufs) = self.read_host(i, 0..meta.size())?;
-            let shape = Shape::new(&meta.dims)?;
-            entries.push(Entry {
-                key: meta.key.clone(),
-                shape,
-                value,
-                state: (fits && meta.has_state).then_some(EntryState {
-                    step: meta.step,
-                    bufs,
-                }),
-                row_sparse: meta.row_sparse,
-                // A shard's residuals are its rank's own: a store of one process takes none.
-                residuals: Vec::new(),
-            });
-        }
-        Ok(entries)
     }
 }

@@ -19,33 +19,22 @@ use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use safetensors::tensor::TensorView;
-
 use super::atomic::{sync_dir, write_atomic};
 use super::checksum;
-use super::file::{acc_dtype, kind_name, st_dtype, to_bytes};
+use super::entry::Entry;
+use super::file::{acc_dtype, kind_name, serialize_sealed, to_bytes, Tensor};
+use super::layout::{
+    generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals, Piece, INDEX_FORMAT,
+    SHARD_FORMAT,
+};
 use super::reader::{check_cover, read_index, read_shard_header};
+use super::spec::{to_json, PieceSpec, ResidualSpec};
 use super::Problem;
-use crate::{DType, Device, Error, Key, NDArray, Result, Updater};
-
-/// The `format` metadata entry of every shard file this version writes.
-pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/2";
-
-/// The `format` of shard files of the previous version, which carry no token; still read.
-pub(crate) const SHARD_FORMAT_1: &str = "kvstore-shard/1";
-
-/// The first line of every index file this version writes.
-pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/3";
-
-/// The first line of index files of the previous version, which carry no checksum; still read.
-pub(crate) const INDEX_FORMAT_2: &str = "kvstore-checkpoint-index/2";
-
-/// The first line of index files of the previous version, which name no token; still read.
-pub(crate) const INDEX_FORMAT_1: &str = "kvstore-checkpoint-index/1";
+use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
 
 /// One save of a sharded checkpoint: the generation it claimed and the token that marks every
 /// shard it writes, so that shards of another save are told apart from its own.
@@ -55,18 +44,6 @@ pub(crate) struct SaveId {
     pub generation: u64,
     /// A random number, unique to the save, written into every shard and into the index.
     pub token: u64,
-}
-
-/// A token as files spell it: 16 lowercase hex digits.
-pub(crate) fn token_text(token: u64) -> String {
-    format!("{token:016x}")
-}
-
-/// A token from its spelling in a file, which must be canonical (16 lowercase hex digits).
-pub(crate) fn parse_token(text: &str) -> Option<u64> {
-    u64::from_str_radix(text, 16)
-        .ok()
-        .filter(|&t| token_text(t) == text)
 }
 
 /// A new save token: random (the standard library's per-process random hash keys), mixed with
@@ -81,87 +58,6 @@ fn new_token() -> u64 {
     h.write_u128(now.map_or(0, |d| d.as_nanos()));
     h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
     h.finish()
-}
-
-/// What a checkpoint records of one key, whole: shared by all its pieces.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct KeyMeta {
-    /// The key, canonically spelled in files as its `Display` writes it.
-    pub key: Key,
-    /// The dims of the whole value (a piece holds a range of its row-major flattening).
-    pub dims: Vec<usize>,
-    /// The value's dtype. State buffers are in its accumulator dtype (`float64` for `float64`
-    /// values, `float32` otherwise).
-    pub dtype: DType,
-    /// The key's place in update order: keys are listed by it, and no two keys share it.
-    pub order: usize,
-    /// The key's updater step count; 0 where it has no state.
-    pub step: u64,
-    /// Whether the key has updater state (one buffer per state name); a key pushed to under
-    /// the updater in force has, a key never pushed to has not.
-    pub has_state: bool,
-    /// Whether the key is row-sparse (written `sparse=1`; absent for a dense key).
-    pub row_sparse: bool,
-}
-
-impl KeyMeta {
-    /// The description of entry `e`, the `order`-th key in update order.
-    pub(crate) fn of(e: &crate::store::Entry, order: usize) -> KeyMeta {
-        KeyMeta {
-            key: e.key.clone(),
-            dims: e.shape.dims().to_vec(),
-            dtype: e.value.dtype(),
-            order,
-            step: e.state.as_ref().map_or(0, |s| s.step),
-            has_state: e.state.is_some(),
-            row_sparse: e.row_sparse,
-        }
-    }
-
-    /// The number of elements of the whole value.
-    pub(crate) fn size(&self) -> usize {
-        self.dims.iter().product()
-    }
-}
-
-/// One key's gradient-compression residuals on the rank that saves them: one per position of
-/// a push's list of values, each of the whole key's `len` elements (an empty one, a position
-/// never pushed, is saved as zeros).
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct KeyResiduals {
-    pub key: Key,
-    pub len: usize,
-    pub residuals: Vec<Vec<f32>>,
-}
-
-/// One contiguous element range of one key: its value and updater state there.
-#[derive(Clone, Debug)]
-pub(crate) struct Piece {
-    /// The key this is a piece of.
-    pub meta: KeyMeta,
-    /// The element range of the key's flattened value, within `0..meta.size()`.
-    pub range: Range<usize>,
-    /// The value over `range`: 1-D, `range.len()` elements of `meta.dtype`.
-    pub value: NDArray,
-    /// The updater state over `range`, named as [`Updater::state_names`], in that order;
-    /// empty exactly when `meta.has_state` is false. Each buffer is 1-D, `range.len()`
-    /// elements of the accumulator dtype.
-    pub state: Vec<(String, NDArray)>,
-}
-
-/// The directory of generation `generation` inside checkpoint directory `dir`.
-pub(crate) fn generation_dir(dir: &Path, generation: u64) -> PathBuf {
-    dir.join(format!("gen-{generation}"))
-}
-
-/// The shard file of `rank` of `world` inside generation directory `gen_dir`.
-pub(crate) fn shard_path(gen_dir: &Path, rank: usize, world: usize) -> PathBuf {
-    gen_dir.join(format!("shard-{rank}-of-{world}.safetensors"))
-}
-
-/// The index file of checkpoint directory `dir`.
-pub(crate) fn index_path(dir: &Path) -> PathBuf {
-    dir.join("index")
 }
 
 /// The generation a `gen-<G>` directory name stands for.
@@ -194,18 +90,24 @@ fn write_error(path: &Path, e: io::Error) -> Error {
 /// above every generation there, committed or not, so a save never writes into the remains of
 /// an interrupted one, and its directory is created here with an atomic create that fails if
 /// it exists: a save that finds it taken (another job saving into `dir` at the same time) takes
-/// the next number, so no two saves ever own one generation. Creates `dir` (and its parents)
-/// if it does not exist. Rank 0 calls this before a save; the store broadcasts the
+/// the next number, so no two saves ever own one generation. Creates `dir`
+/// if it does not exist (not its parents). Rank 0 calls this before a save; the store broadcasts the
 /// [`SaveId`] to the other ranks.
 pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
         return Err(Problem::invalid(
-            "this path is a file (a single-file checkpoint?), not a checkpoint directory: \
-             save a sharded checkpoint to a directory",
+            "this path is a file (a single-file checkpoint of an earlier version?), not a \
+             checkpoint directory: a save writes a directory, so save to another path (the \
+             file still loads)",
         )
         .at(dir));
     }
-    fs::create_dir_all(dir).map_err(|e| write_error(dir, e))?;
+    // The directory itself, not its parents: a save into a folder that does not exist (a
+    // mistyped path) is an error that says so.
+    match fs::create_dir(dir) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(write_error(dir, e)),
+        _ => {}
+    }
     let found = generations(dir).map_err(|e| write_error(dir, e))?;
     let committed = match read_index(dir) {
         Ok(index) => Some(index.generation),
@@ -303,149 +205,172 @@ fn encode_shard(
         .chain(residuals.iter().map(|r| &r.key))
         .next()
         .map(Key::kind);
-    let mut meta: HashMap<String, String> = HashMap::new();
-    meta.insert("format".into(), SHARD_FORMAT.into());
-    meta.insert("generation".into(), save.generation.to_string());
-    meta.insert("token".into(), token_text(save.token));
-    meta.insert("rank".into(), rank.to_string());
-    meta.insert("world".into(), world.to_string());
-    meta.insert("key_kind".into(), kind_name(kind).into());
-    meta.insert("updater".into(), updater.name().into());
-    meta.insert("state_names".into(), names.join(","));
-
+    let mut meta = shard_meta(save, rank, world, kind, updater);
+    let mut tensors: Vec<Tensor> = Vec::new();
     let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
-    // (name, dtype, len, bytes) of every tensor.
-    let mut tensors: Vec<(String, DType, usize, Vec<u8>)> = Vec::new();
     for p in pieces {
-        let m = &p.meta;
-        let key = &m.key;
-        if Some(key.kind()) != kind {
-            return Err(Problem::invalid(format!(
-                "key {key} is of another kind than key {}: a checkpoint holds int keys or \
-                 string keys, not both",
-                pieces[0].meta.key
-            )));
-        }
-        if !seen.insert(key) {
-            return Err(Problem::invalid(format!(
-                "key {key} is given twice: a rank holds at most one piece of a key"
-            )));
-        }
-        let size = m.size();
-        if p.range.start > p.range.end || p.range.end > size {
-            return Err(Problem::invalid(format!(
-                "key {key}: range {:?} is not within its {size} elements",
-                p.range
-            )));
-        }
-        let len = p.range.len();
-        let check = |what: &str, a: &NDArray, dtype: DType| {
-            if a.dtype() != dtype || a.size() != len || a.shape().dims().len() != 1 {
-                return Err(Problem::invalid(format!(
-                    "key {key}: {what} is {} {}, expected 1-D {dtype} of {len} elements",
-                    a.shape(),
-                    a.dtype()
-                )));
-            }
-            Ok(())
-        };
-        check("the value", &p.value, m.dtype)?;
-        let state_names_given = p.state.iter().map(|(n, _)| n.as_str());
-        // An updater with no state buffers (SGD without momentum) still has a step count.
-        if (!m.has_state && !p.state.is_empty())
-            || (m.has_state && !state_names_given.eq(names.iter().copied()))
-        {
-            return Err(Problem::invalid(format!(
-                "key {key}: the state buffers must be {names:?} (the updater's state names) \
-                 when has_state is set, and none otherwise"
-            )));
-        }
-        let mut spec = format!(
-            "order={} start={} end={} dims={}",
-            m.order,
-            p.range.start,
-            p.range.end,
-            m.dims
-                .iter()
-                .map(usize::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        );
-        if m.has_state {
-            spec.push_str(&format!(" step={}", m.step));
-        }
-        if m.row_sparse {
-            spec.push_str(" sparse=1");
-        }
-        meta.insert(format!("piece/{key}"), spec);
-        tensors.push((
-            format!("value/{key}"),
-            m.dtype,
-            len,
-            p.value
-                .with_host(to_bytes)
-                .map_err(|e| Problem::invalid(format!("key {key}: reading the value: {e}")))?,
-        ));
-        for (name, buf) in &p.state {
-            check(&format!("state buffer {name}"), buf, acc_dtype(m.dtype))?;
-            tensors.push((
-                format!("state/{key}/{name}"),
-                acc_dtype(m.dtype),
-                len,
-                buf.with_host(to_bytes)
-                    .map_err(|e| Problem::invalid(format!("key {key}: reading {name}: {e}")))?,
-            ));
-        }
+        check_piece(p, kind, names, &mut seen)?;
+        let spec = to_json(&piece_spec(p)).map_err(Problem::invalid)?;
+        meta.insert(format!("piece/{}", p.meta.key), spec);
+        tensors.extend(piece_tensors(p)?);
     }
     for r in residuals {
-        let key = &r.key;
-        if kind.is_some_and(|k| k != key.kind()) {
-            return Err(Problem::invalid(format!(
-                "the residuals of key {key} are of another key kind than the shard's other keys"
-            )));
-        }
-        if let Some(bad) = r
-            .residuals
-            .iter()
-            .find(|v| !v.is_empty() && v.len() != r.len)
-        {
-            return Err(Problem::invalid(format!(
-                "key {key}: a residual of {} elements, expected {}",
-                bad.len(),
-                r.len
-            )));
-        }
-        meta.insert(
-            format!("residuals/{key}"),
-            format!("count={} len={}", r.residuals.len(), r.len),
-        );
-        for (i, v) in r.residuals.iter().enumerate() {
-            // A position never pushed keeps no residual: written as zeros.
-            let bytes = match v.is_empty() {
-                true => vec![0u8; r.len * 4],
-                false => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            };
-            tensors.push((format!("residual/{key}/{i}"), DType::F32, r.len, bytes));
-        }
+        check_residuals(r, kind)?;
+        let spec = ResidualSpec {
+            count: r.residuals.len() as u64,
+            len: r.len as u64,
+        };
+        let spec = to_json(&spec).map_err(Problem::invalid)?;
+        meta.insert(format!("residuals/{}", r.key), spec);
+        tensors.extend(residual_tensors(r));
     }
-    checksum::add_entries(
-        &mut meta,
-        tensors
-            .iter()
-            .map(|(n, _, _, b)| (n.as_str(), b.as_slice())),
-    );
-    let views = tensors
-        .iter()
-        .map(|(name, dtype, len, bytes)| {
-            TensorView::new(st_dtype(*dtype), vec![*len], bytes)
-                .map(|v| (name.as_str(), v))
-                .map_err(|e| Problem::invalid(format!("cannot serialize tensor {name}: {e}")))
-        })
-        .collect::<std::result::Result<Vec<_>, Problem>>()?;
-    let mut bytes = safetensors::serialize(views, Some(meta))
-        .map_err(|e| Problem::invalid(format!("cannot serialize: {e}")))?;
-    checksum::seal(&mut bytes)?;
-    Ok(bytes)
+    serialize_sealed(meta, &tensors)
+}
+
+/// The metadata every shard has, before its pieces and residuals.
+fn shard_meta(
+    save: SaveId,
+    rank: usize,
+    world: usize,
+    kind: Option<KeyKind>,
+    updater: &Updater,
+) -> HashMap<String, String> {
+    HashMap::from([
+        ("format".into(), SHARD_FORMAT.into()),
+        ("generation".into(), save.generation.to_string()),
+        ("token".into(), token_text(save.token)),
+        ("rank".into(), rank.to_string()),
+        ("world".into(), world.to_string()),
+        ("key_kind".into(), kind_name(kind).into()),
+        ("updater".into(), updater.name().into()),
+        ("state_names".into(), updater.state_names().join(",")),
+    ])
+}
+
+/// Checks piece `p` before it is written: a key of the shard's `kind`, not in `seen` (which it
+/// joins), a range within the key, a value and state buffers of the right dtype and length,
+/// and state buffers named `names` exactly when the key has state.
+fn check_piece<'p>(
+    p: &'p Piece,
+    kind: Option<KeyKind>,
+    names: &[&str],
+    seen: &mut HashSet<&'p Key>,
+) -> std::result::Result<(), Problem> {
+    let (m, key) = (&p.meta, &p.meta.key);
+    if Some(key.kind()) != kind {
+        return Err(Problem::invalid(format!(
+            "key {key} is of another kind than the shard's first key: a checkpoint holds int \
+             keys or string keys, not both"
+        )));
+    }
+    if !seen.insert(key) {
+        return Err(Problem::invalid(format!(
+            "key {key} is given twice: a rank holds at most one piece of a key"
+        )));
+    }
+    let size = m.size();
+    if p.range.start > p.range.end || p.range.end > size {
+        return Err(Problem::invalid(format!(
+            "key {key}: range {:?} is not within its {size} elements",
+            p.range
+        )));
+    }
+    let len = p.range.len();
+    let check = |what: &str, a: &NDArray, dtype: DType| {
+        if a.dtype() != dtype || a.size() != len || a.shape().dims().len() != 1 {
+            return Err(Problem::invalid(format!(
+                "key {key}: {what} is {} {}, expected 1-D {dtype} of {len} elements",
+                a.shape(),
+                a.dtype()
+            )));
+        }
+        Ok(())
+    };
+    check("the value", &p.value, m.dtype)?;
+    let state_names_given = p.state.iter().map(|(n, _)| n.as_str());
+    // An updater with no state buffers (SGD without momentum) still has a step count.
+    if (!m.has_state && !p.state.is_empty())
+        || (m.has_state && !state_names_given.eq(names.iter().copied()))
+    {
+        return Err(Problem::invalid(format!(
+            "key {key}: the state buffers must be {names:?} (the updater's state names) when \
+             has_state is set, and none otherwise"
+        )));
+    }
+    for (name, buf) in &p.state {
+        check(&format!("state buffer {name}"), buf, acc_dtype(m.dtype))?;
+    }
+    Ok(())
+}
+
+/// The `piece/<key>` entry of piece `p`.
+fn piece_spec(p: &Piece) -> PieceSpec {
+    let m = &p.meta;
+    PieceSpec {
+        order: m.order as u64,
+        start: p.range.start as u64,
+        end: p.range.end as u64,
+        dims: m.dims.iter().map(|&d| d as u64).collect(),
+        step: m.has_state.then_some(m.step),
+        sparse: m.row_sparse,
+    }
+}
+
+/// The tensors of checked piece `p`: its value and its state buffers, 1-D.
+fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
+    let (m, key, len) = (&p.meta, &p.meta.key, p.range.len());
+    let bytes = |what: &str, a: &NDArray| {
+        a.with_host(to_bytes)
+            .map_err(|e| Problem::invalid(format!("key {key}: reading {what}: {e}")))
+    };
+    let mut tensors = vec![Tensor {
+        name: format!("value/{key}"),
+        dtype: m.dtype,
+        shape: vec![len],
+        bytes: bytes("the value", &p.value)?,
+    }];
+    for (name, buf) in &p.state {
+        tensors.push(Tensor {
+            name: format!("state/{key}/{name}"),
+            dtype: acc_dtype(m.dtype),
+            shape: vec![len],
+            bytes: bytes(name, buf)?,
+        });
+    }
+    Ok(tensors)
+}
+
+/// Checks residuals `r` before they are written: of the shard's key `kind`, each of the key's
+/// length (or empty, a position never pushed).
+fn check_residuals(r: &KeyResiduals, kind: Option<KeyKind>) -> std::result::Result<(), Problem> {
+    let key = &r.key;
+    if kind.is_some_and(|k| k != key.kind()) {
+        return Err(Problem::invalid(format!(
+            "the residuals of key {key} are of another key kind than the shard's other keys"
+        )));
+    }
+    match (r.residuals.iter()).find(|v| !v.is_empty() && v.len() != r.len) {
+        Some(bad) => Err(Problem::invalid(format!(
+            "key {key}: a residual of {} elements, expected {}",
+            bad.len(),
+            r.len
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The tensors of checked residuals `r`, float32, one per position; a position never pushed
+/// keeps no residual and is written as zeros.
+fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
+    r.residuals.iter().enumerate().map(|(i, v)| Tensor {
+        name: format!("residual/{}/{i}", r.key),
+        dtype: DType::F32,
+        shape: vec![r.len],
+        bytes: match v.is_empty() {
+            true => vec![0u8; r.len * 4],
+            false => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        },
+    })
 }
 
 /// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned
@@ -502,42 +427,15 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     Ok(())
 }
 
-/// Test hook: saves `kv` as a sharded checkpoint of `world` ranks in directory `dir`, through
-/// the writer and the commit that the ranks of a `dist` store use: keys of `world` elements or
-/// more sliced evenly over the ranks, smaller ones whole on one rank each in turn, and the
-/// store's compression residuals saved as every rank's own. For tests of sharded checkpoints
-/// (a load by another world size, corrupt shards) without a `dist` store.
-#[doc(hidden)]
-pub fn save_sharded(kv: &crate::KvStore, dir: impl AsRef<Path>, world: usize) -> Result<()> {
-    let dir = dir.as_ref();
-    if world == 0 {
-        return Err(Problem::invalid("a sharded save needs a world of one rank or more").at(dir));
-    }
-    let (_, updater, entries) = kv.export_entries()?;
-    let residuals: Vec<KeyResiduals> = (entries.iter())
-        .filter(|e| !e.residuals.is_empty())
-        .map(|e| KeyResiduals {
-            key: e.key.clone(),
-            len: e.shape.size(),
-            residuals: e.residuals.clone(),
-        })
-        .collect();
-    let save = next_generation(dir)?;
-    for rank in 0..world {
-        let pieces = (entries.iter().enumerate())
-            .filter_map(|(order, e)| {
-                let range = rank_range(e.shape.size(), order, rank, world)?;
-                Some(entry_piece(e, order, range, &updater))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        write_shard(dir, save, rank, world, &updater, &pieces, &residuals)?;
-    }
-    commit(dir, save, world)
-}
-
-/// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in
-/// [`save_sharded`]'s layout, if any.
-fn rank_range(size: usize, order: usize, rank: usize, world: usize) -> Option<Range<usize>> {
+/// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in the
+/// test layout of `KvStore::save_sharded`: keys of `world` elements or more sliced evenly over
+/// the ranks, smaller ones whole on one rank each in turn; `None` where it holds none.
+pub(crate) fn rank_range(
+    size: usize,
+    order: usize,
+    rank: usize,
+    world: usize,
+) -> Option<Range<usize>> {
     if size >= world {
         return Some(size * rank / world..size * (rank + 1) / world);
     }
@@ -546,8 +444,8 @@ fn rank_range(size: usize, order: usize, rank: usize, world: usize) -> Option<Ra
 
 /// Elements `range` of entry `e`, the `order`-th key, as a piece: its value, and its state
 /// where it has state for `updater`.
-fn entry_piece(
-    e: &crate::store::Entry,
+pub(crate) fn entry_piece(
+    e: &Entry,
     order: usize,
     range: Range<usize>,
     updater: &Updater,

@@ -1,7 +1,8 @@
 //! Store: [`KvStore`] and its rules. Kind names ([`kind`]), the key table and where new keys
 //! are homed ([`table`]), validation ([`validate`]), lookup with repeats merged, lock order and
 //! issue order ([`groups`]), per-key locks, the updater in force and its hyperparameters
-//! ([`hyper`]), the push hook ([`hook`]) and checkpoint export and import ([`entries`]).
+//! ([`hyper`]), the push hook ([`hook`]) and checkpoints, one save and one load for every kind
+//! ([`save_load`]).
 //!
 //! Every operation validates all of its arguments before it changes anything, so an error
 //! leaves the store exactly as it was. Each key has its own lock: operations on different keys
@@ -20,8 +21,6 @@
 
 mod across;
 mod compress;
-mod dist_checkpoint;
-mod entries;
 mod groups;
 mod hook;
 mod kind;
@@ -30,6 +29,7 @@ mod loopback_rows_tests;
 #[cfg(test)]
 pub(crate) mod loopback_tests;
 mod rows;
+mod save_load;
 mod table;
 mod validate;
 
@@ -44,7 +44,6 @@ use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
 use across::{Across, Inputs};
 
-pub(crate) use entries::{Entry, EntryState};
 pub use groups::ValueList;
 use groups::{check_outs, check_values, issue_order, lock_cells, Group};
 use hook::{call_hook, pushed};
@@ -291,18 +290,6 @@ impl KvStore {
         self.ranks.tell_rejected(op, why)
     }
 
-    /// A `dist_*` store's save of a sharded checkpoint into directory `path`; `None` for a
-    /// single-process store.
-    pub(crate) fn save_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
-        self.kind.is_dist().then(|| self.dist_save(path))
-    }
-
-    /// A `dist_*` store's load of a checkpoint (any layout, any world size); `None` for a
-    /// single-process store.
-    pub(crate) fn load_across_ranks(&self, path: &std::path::Path) -> Option<Result<()>> {
-        self.kind.is_dist().then(|| self.dist_load(path))
-    }
-
     /// `err`, after telling the other ranks of a `dist_*` store that this rank rejected its
     /// input for `op` (so that they fail the same call instead of waiting for this rank).
     /// Only for errors found before the call's collectives begin.
@@ -476,7 +463,8 @@ impl KvStore {
         fresh?;
         together?;
         let loads = (table.rank_bytes.clone(), table.gpu_bytes.clone());
-        let (placed, spreads) = across.place(d, &mut table, values, homes, any_gpu_home);
+        let sizes: Vec<(usize, usize)> = values.iter().map(|v| (v.nbytes(), v.size())).collect();
+        let (placed, spreads) = across.place(d, &mut table, &sizes, homes, any_gpu_home);
         let parts = (|| {
             let whole = across.rank0_to_all(&mut *call, d, values, &spreads, mine)?;
             let parts = whole.into_iter().zip(&spreads).zip(&placed).zip(values);
@@ -999,7 +987,10 @@ mod tests {
     fn homes_are_placed_largest_first_on_the_least_loaded_gpu() {
         // Sizes in f32 elements; the reference below is worked out by hand.
         let sizes = [100usize, 4000, 250, 3000, 2000, 1000];
-        let values: Vec<NDArray> = sizes.iter().map(|&s| NDArray::zeros([s])).collect();
+        let values: Vec<usize> = sizes
+            .iter()
+            .map(|&s| NDArray::zeros([s]).nbytes())
+            .collect();
         let mut bytes = Vec::new();
         let homes = place_by_size(&mut bytes, 2, &values);
         // 4000 -> g0 (16000), 3000 -> g1 (12000), 2000 -> g1 (20000), 1000 -> g0 (20000),
@@ -1011,7 +1002,7 @@ mod tests {
         );
         assert_eq!(bytes, vec![21000, 20400]);
         // A later call continues from the loads so far.
-        let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10])]);
+        let more = place_by_size(&mut bytes, 2, &[NDArray::zeros([10]).nbytes()]);
         assert_eq!(more, vec![Device::Gpu(1)]);
     }
 

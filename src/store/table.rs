@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::{HomeValue, KeyFacts};
 use crate::comm::Spread;
-use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Shape};
+use crate::{DType, Device, Error, Key, KeyKind, Result, Shape};
 
 /// A key's entry: fixed facts, and the value and state behind the key's lock.
 pub(super) struct Slot {
@@ -98,34 +98,6 @@ impl Table {
     }
 }
 
-/// The slot of a key a load adds; its update order (string keys) and init order are set when
-/// it is added.
-pub(super) fn new_slot(
-    key: Key,
-    shape: Shape,
-    dtype: DType,
-    home: Device,
-    cell: HomeValue,
-) -> Slot {
-    let order = match &key {
-        Key::Int(k) => i64::from(*k),
-        Key::Str(_) => 0,
-    };
-    Slot {
-        key,
-        order,
-        init_seq: 0,
-        shape,
-        dtype,
-        home,
-        spread: Spread::Whole { rank: 0 },
-        cell: RwLock::new(cell),
-        updates: Mutex::new((0, 0)),
-        residuals: Mutex::new(Vec::new()),
-        row_sparse: false,
-    }
-}
-
 /// The one placement rule, for GPUs and for ranks: items of `(bytes, sliced)`, largest first,
 /// each whole item into the bin holding the fewest bytes so far (ties to the lowest bin), a
 /// sliced item adding its share to every bin (`None`). `loads` carries the bins' bytes from
@@ -152,12 +124,8 @@ fn balance(loads: &mut Vec<usize>, bins: usize, items: &[(usize, bool)]) -> Vec<
 
 /// Homes for keys of a `device`/`nccl` init, by [`balance`] over the GPUs (MXNet's CommDevice
 /// placement: largest value first, each to the GPU with the fewest bytes so far).
-pub(super) fn place_by_size(
-    bytes: &mut Vec<usize>,
-    gpus: usize,
-    values: &[NDArray],
-) -> Vec<Device> {
-    let items: Vec<(usize, bool)> = values.iter().map(|v| (v.nbytes(), false)).collect();
+pub(super) fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, sizes: &[usize]) -> Vec<Device> {
+    let items: Vec<(usize, bool)> = sizes.iter().map(|&b| (b, false)).collect();
     balance(bytes, gpus, &items)
         .into_iter()
         .map(|g| Device::Gpu(g.unwrap_or(0)))

@@ -36,23 +36,24 @@ impl Across for Alone {
         &self,
         _d: &Dist,
         table: &mut Table,
-        values: &[NDArray],
+        sizes: &[(usize, usize)],
         homes: Option<&[Device]>,
         to_gpu: bool,
     ) -> (Vec<Device>, Vec<Spread>) {
         let gpus = probe::gpu_count();
+        let bytes: Vec<usize> = sizes.iter().map(|&(bytes, _)| bytes).collect();
         let placed: Vec<Device> = match homes {
             Some(h) => h.to_vec(),
-            None if to_gpu => place_by_size(&mut table.gpu_bytes.clone(), gpus, values),
-            None => vec![Device::Cpu(0); values.len()],
+            None if to_gpu => place_by_size(&mut table.gpu_bytes.clone(), gpus, &bytes),
+            None => vec![Device::Cpu(0); sizes.len()],
         };
         table.gpu_bytes.resize(gpus, 0);
-        for (v, home) in values.iter().zip(&placed) {
+        for (&b, home) in bytes.iter().zip(&placed) {
             if let Device::Gpu(i) = *home {
-                table.gpu_bytes[i] += v.nbytes();
+                table.gpu_bytes[i] += b;
             }
         }
-        (placed, vec![Spread::Whole { rank: 0 }; values.len()])
+        (placed, vec![Spread::Whole { rank: 0 }; sizes.len()])
     }
 
     /// Host homes are copied here, outside the table lock; keys homed on a GPU (`to_gpu`) are

@@ -74,23 +74,23 @@ pub(super) trait Across: Send + Sync {
         false
     }
 
-    /// Where an init's new keys live: each one's home device, and how it spreads over ranks
-    /// (whole on the rank holding the fewest bytes, largest first; sliced when big). The
-    /// table's loads grow by the keys placed.
+    /// Where new keys of `sizes` (each key's bytes and elements) live, as an init or a load
+    /// adds them: each one's home device, and how it spreads over ranks (whole on the rank
+    /// holding the fewest bytes, largest first; sliced when big). The table's loads grow by the
+    /// keys placed.
     fn place(
         &self,
         d: &Dist,
         table: &mut Table,
-        values: &[NDArray],
+        sizes: &[(usize, usize)],
         _homes: Option<&[Device]>,
         _to_gpu: bool,
     ) -> (Vec<Device>, Vec<Spread>) {
-        let sizes: Vec<(usize, bool)> = values
-            .iter()
-            .map(|v| (v.nbytes(), d.is_sliced(v.size())))
+        let sizes: Vec<(usize, bool)> = (sizes.iter())
+            .map(|&(bytes, len)| (bytes, d.is_sliced(len)))
             .collect();
         let spreads = place_on_ranks(&mut table.rank_bytes, d.size(), &sizes);
-        (vec![d.home(); values.len()], spreads)
+        (vec![d.home(); sizes.len()], spreads)
     }
 
     /// Before an init's call: rank 0's values, read (or copied where it keeps them), since that

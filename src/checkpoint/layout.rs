@@ -1,0 +1,121 @@
+//! The layout of a sharded checkpoint on disk, shared by its writer ([`super::sharded`]) and its
+//! reader ([`super::reader`]): the format names, the save token's spelling, the paths of the
+//! index and the shards, and what a shard records of each key.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use super::entry::Entry;
+use crate::{DType, Key, NDArray};
+
+/// The `format` metadata entry of every shard file this version writes.
+pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/3";
+
+/// The `format` of shard files of the previous version, which spell their `piece/` and
+/// `residuals/` entries as `name=value` fields; still read.
+pub(crate) const SHARD_FORMAT_2: &str = "kvstore-shard/2";
+
+/// The `format` of shard files of the previous version, which carry no token; still read.
+pub(crate) const SHARD_FORMAT_1: &str = "kvstore-shard/1";
+
+/// The first line of every index file this version writes.
+pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/3";
+
+/// The first line of index files of the previous version, which carry no checksum; still read.
+pub(crate) const INDEX_FORMAT_2: &str = "kvstore-checkpoint-index/2";
+
+/// The first line of index files of the previous version, which name no token; still read.
+pub(crate) const INDEX_FORMAT_1: &str = "kvstore-checkpoint-index/1";
+
+/// A token as files spell it: 16 lowercase hex digits.
+pub(crate) fn token_text(token: u64) -> String {
+    format!("{token:016x}")
+}
+
+/// A token from its spelling in a file, which must be canonical (16 lowercase hex digits).
+pub(crate) fn parse_token(text: &str) -> Option<u64> {
+    u64::from_str_radix(text, 16)
+        .ok()
+        .filter(|&t| token_text(t) == text)
+}
+
+/// What a checkpoint records of one key, whole: shared by all its pieces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct KeyMeta {
+    /// The key, canonically spelled in files as its `Display` writes it.
+    pub key: Key,
+    /// The dims of the whole value (a piece holds a range of its row-major flattening).
+    pub dims: Vec<usize>,
+    /// The value's dtype. State buffers are in its accumulator dtype (`float64` for `float64`
+    /// values, `float32` otherwise).
+    pub dtype: DType,
+    /// The key's place in update order: keys are listed by it, and no two keys share it.
+    pub order: usize,
+    /// The key's updater step count; 0 where it has no state.
+    pub step: u64,
+    /// Whether the key has updater state (one buffer per state name); a key pushed to under
+    /// the updater in force has, a key never pushed to has not.
+    pub has_state: bool,
+    /// Whether the key is row-sparse (written `sparse=1`; absent for a dense key).
+    pub row_sparse: bool,
+}
+
+impl KeyMeta {
+    /// The description of entry `e`, the `order`-th key in update order.
+    pub(crate) fn of(e: &Entry, order: usize) -> KeyMeta {
+        KeyMeta {
+            key: e.key.clone(),
+            dims: e.shape.dims().to_vec(),
+            dtype: e.value.dtype(),
+            order,
+            step: e.state.as_ref().map_or(0, |s| s.step),
+            has_state: e.state.is_some(),
+            row_sparse: e.row_sparse,
+        }
+    }
+
+    /// The number of elements of the whole value.
+    pub(crate) fn size(&self) -> usize {
+        self.dims.iter().product()
+    }
+}
+
+/// One key's gradient-compression residuals on the rank that saves them: one per position of
+/// a push's list of values, each of the whole key's `len` elements (an empty one, a position
+/// never pushed, is saved as zeros).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct KeyResiduals {
+    pub key: Key,
+    pub len: usize,
+    pub residuals: Vec<Vec<f32>>,
+}
+
+/// One contiguous element range of one key: its value and updater state there.
+#[derive(Clone, Debug)]
+pub(crate) struct Piece {
+    /// The key this is a piece of.
+    pub meta: KeyMeta,
+    /// The element range of the key's flattened value, within `0..meta.size()`.
+    pub range: Range<usize>,
+    /// The value over `range`: 1-D, `range.len()` elements of `meta.dtype`.
+    pub value: NDArray,
+    /// The updater state over `range`, named as [`Updater::state_names`], in that order;
+    /// empty exactly when `meta.has_state` is false. Each buffer is 1-D, `range.len()`
+    /// elements of the accumulator dtype.
+    pub state: Vec<(String, NDArray)>,
+}
+
+/// The directory of generation `generation` inside checkpoint directory `dir`.
+pub(crate) fn generation_dir(dir: &Path, generation: u64) -> PathBuf {
+    dir.join(format!("gen-{generation}"))
+}
+
+/// The shard file of `rank` of `world` inside generation directory `gen_dir`.
+pub(crate) fn shard_path(gen_dir: &Path, rank: usize, world: usize) -> PathBuf {
+    gen_dir.join(format!("shard-{rank}-of-{world}.safetensors"))
+}
+
+/// The index file of checkpoint directory `dir`.
+pub(crate) fn index_path(dir: &Path) -> PathBuf {
+    dir.join("index")
+}

@@ -1,0 +1,658 @@
+//! Checkpoints of every kind of store: one save and one load. A store of one process is a
+//! world of one rank, so it saves the sharded layout of [`crate::checkpoint`] with one shard,
+//! and loads as a rank does.
+//!
+//! - **save**: rank 0 claims a new generation and tells the others; every rank writes its
+//!   shard (the keys it homes, and its slice of every sliced key; one rank alone: every key
+//!   whole); once every rank has written, rank 0 checks the shards and commits the index. A
+//!   save that fails or stops part way never touches the index. The ranks must share the
+//!   checkpoint directory (one machine, or a shared file system).
+//! - **load**: every rank opens the checkpoint (a sharded directory of any world size, or a
+//!   single file of an earlier version), and the ranks compare which checkpoint each found.
+//!   Each rank locks the keys it has, reads the parts it holds, makes every new value ready,
+//!   and the ranks agree that every rank succeeded before any of them changes anything.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
+
+use super::table::{Slot, Table};
+use super::{copy_home, insert_slots, read, write, Active, KvStore};
+use crate::backend::{HomeValue, HostState, StagedLoad};
+use crate::checkpoint::{
+    self, Entry, EntryState, KeyMeta, KeyResiduals, LoadStage, Piece, Problem, Reader, SaveId,
+};
+use crate::comm::fingerprint::Fingerprint;
+use crate::comm::link::Round;
+use crate::comm::Spread;
+use crate::host::HostData;
+use crate::{cpu, Device, Error, Key, KeyKind, NDArray, Result, Shape, Updater};
+
+/// A checkpoint's path as the ranks compare it: canonical where it exists, so that a relative
+/// and an absolute path to the same place agree.
+fn where_is(path: &Path) -> String {
+    std::fs::canonicalize(path)
+        .unwrap_or_else(|_| path.to_owned())
+        .display()
+        .to_string()
+}
+
+/// Why a checkpoint's key cannot load into the store's `slot` of the same name: one is
+/// row-sparse and the other dense. `None` when they agree.
+fn storage_mismatch(key: &Key, file_sparse: bool, slot: &Slot) -> Option<String> {
+    let name = |sparse: bool| if sparse { "row-sparse" } else { "dense" };
+    (file_sparse != slot.row_sparse).then(|| {
+        format!(
+            "key {key}: the file holds it {} but the store holds it {}: load it into a store \
+             without this key, or with the key initialized as the file has it",
+            name(file_sparse),
+            name(slot.row_sparse)
+        )
+    })
+}
+
+/// Checkpoints: save and load.
+impl KvStore {
+    /// Saves every value and every updater state into the checkpoint directory `path`
+    /// (created if it does not exist), atomically: every rank of a `dist_*` store writes its
+    /// shard, and a store of one process writes one shard that holds every key.
+    ///
+    /// Each save writes a new generation of shards, each through a temporary file that is
+    /// flushed and renamed, and then replaces the directory's `index` file the same way. A
+    /// crash or an error at any point leaves the previous checkpoint in `path` (if any) the
+    /// one a load finds; only a crash can leave files behind, which the next save removes. The
+    /// values are one consistent snapshot: a push that runs concurrently is either wholly in it
+    /// or not. See the [checkpoint docs](crate::checkpoint) for the format.
+    ///
+    /// A failure is an [`Error::Checkpoint`] of kind
+    /// [`NotFound`](crate::CheckpointErrorKind::NotFound) (no such parent directory),
+    /// [`Io`](crate::CheckpointErrorKind::Io), with the I/O error as its source, or
+    /// [`Invalid`](crate::CheckpointErrorKind::Invalid) (`path` is a file).
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let dir = path.as_ref();
+        let d = &self.ranks;
+        let slots = self.slots_in_order();
+        let active = read(&self.active).clone();
+        // The updater too: each rank writes its shard's state under its own.
+        let mut call = d.begin_with(|| save_fingerprint(dir, &active, &slots))?;
+        let save = claim_generation(&mut *call, d.rank(), dir)?;
+        let written = self.write_own_shard(dir, save, &slots, &active);
+        let together = call.agree("save", written.is_ok(), "writing its shard");
+        written?;
+        together?;
+        let committed = match d.rank() {
+            0 => checkpoint::commit(dir, save, d.size()),
+            _ => Ok(()),
+        };
+        let together = call.agree("save", committed.is_ok(), "committing the index");
+        committed?;
+        together
+    }
+
+    /// Loads a checkpoint written by [`KvStore::save`], into a store of any kind and device set,
+    /// whatever updater either was saved or is set with.
+    ///
+    /// `path` is a checkpoint directory that a store of any world size saved (see the
+    /// [checkpoint docs](crate::checkpoint)): its shards are put back together key by key. A
+    /// single file that an earlier version saved loads too. A directory with no committed
+    /// checkpoint is [`CheckpointErrorKind::NotFound`](crate::CheckpointErrorKind::NotFound);
+    /// so is a shard that its index names and the directory lacks.
+    ///
+    /// Keys the store lacks are added; keys it has must have the file's shape and dtype. What
+    /// a load brings in:
+    ///
+    /// - **Values** always load.
+    /// - **Updater state** (momentum, Adam's moments, and the step count that goes with them)
+    ///   loads when it fits the updater in force: the file was saved under an updater of the
+    ///   same [`name`](crate::Updater::name) and [`state_names`](crate::Updater::state_names) (for example
+    ///   Adam into Adam, or SGD with momentum into SGD with momentum), whatever the
+    ///   hyperparameters, so a resumed run may change its learning rate and keep its moments.
+    ///   Set the updater before `load`.
+    /// - Otherwise (SGD state into Adam, no momentum into momentum, a checkpoint saved under
+    ///   the default assign updater into any optimizer, ...) every loaded key starts its state
+    ///   afresh on its next push, exactly as after [`KvStore::set_updater`]: zero buffers and a
+    ///   step count of 0, so Adam's bias correction starts over with its fresh moments. A key
+    ///   the file holds no state for starts afresh too.
+    /// - **Compression residuals** load where the checkpoint was saved by as many ranks as
+    ///   load it (each rank's are its own); otherwise they start at zero.
+    ///
+    /// The updater is read once per call: a [`KvStore::set_updater`] that runs during the load
+    /// is either wholly before it or, like any later `set_updater`, starts every key's state
+    /// afresh.
+    ///
+    /// Every byte read is verified against the file's checksums before it is used (see the
+    /// [checkpoint docs](crate::checkpoint#checksums)); a mismatch is
+    /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), and so is a
+    /// corrupt checkpoint that would not fit the store either. Files of format 1, which have
+    /// no checksums, load unverified, with a warning in the log.
+    ///
+    /// A load is all or nothing, like the list operations: the file's keys (new ones appearing
+    /// together with their values and state) all change in one step, with every key's lock
+    /// held, so a concurrent push or pull of the file's keys sees the store wholly before or
+    /// wholly after the load. Any error is an [`Error::Checkpoint`] whose
+    /// [`kind`](crate::CheckpointErrorKind) tells a missing file, an I/O failure, a corrupt or
+    /// invalid file and a file that does not fit the store apart, and leaves the store as it
+    /// was, on every rank. Ranks that found different checkpoints at `path` (another path, generation
+    /// or file) all fail. (A CUDA failure while copying to a GPU home, an [`Error::Cuda`], can
+    /// leave keys already in the store partly loaded.)
+    pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let d = &self.ranks;
+        let (updater, generation) = self.active_updater();
+        let opened = checkpoint::open(path).and_then(|reader| {
+            let fits = self.check_fits(&read(&self.table), &reader, path);
+            // A corrupt checkpoint is Invalid, whatever else is wrong with it.
+            fits.or_else(|e| reader.verify().and(Err(e)))
+                .map(|()| reader)
+        });
+        let reader = opened.map_err(|e| d.reject("load", e))?;
+        // The ranks must read the same checkpoint, under the same updater: it decides whether
+        // the saved state is restored.
+        let mut call = d.begin_with(|| load_fingerprint(path, &reader, &updater, generation))?;
+        checkpoint::run_load_hook(LoadStage::Checked);
+        self.load_from(&mut *call, path, &reader, &updater, generation)?;
+        checkpoint::run_load_hook(LoadStage::Applied);
+        Ok(())
+    }
+
+    /// Test hook: saves this store as a sharded checkpoint of `world` ranks in directory `dir`,
+    /// through the writer and the commit that the ranks of a `dist` store use: keys of `world`
+    /// elements or more sliced evenly over the ranks, smaller ones whole on one rank each in
+    /// turn, and the store's compression residuals saved as every rank's own. For tests of
+    /// sharded checkpoints (a load by another world size, corrupt shards) without a `dist`
+    /// store.
+    #[doc(hidden)]
+    pub fn save_sharded(&self, dir: impl AsRef<Path>, world: usize) -> Result<()> {
+        let dir = dir.as_ref();
+        if world == 0 {
+            return Err(
+                Problem::invalid("a sharded save needs a world of one rank or more").at(dir),
+            );
+        }
+        let (_, updater, entries) = self.export_entries()?;
+        let residuals: Vec<KeyResiduals> = (entries.iter())
+            .filter(|e| !e.residuals.is_empty())
+            .map(|e| KeyResiduals {
+                key: e.key.clone(),
+                len: e.shape.size(),
+                residuals: e.residuals.clone(),
+            })
+            .collect();
+        let save = checkpoint::next_generation(dir)?;
+        for rank in 0..world {
+            let pieces = (entries.iter().enumerate())
+                .filter_map(|(order, e)| {
+                    let range = checkpoint::rank_range(e.shape.size(), order, rank, world)?;
+                    Some(checkpoint::entry_piece(e, order, range, &updater))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            checkpoint::write_shard(dir, save, rank, world, &updater, &pieces, &residuals)?;
+        }
+        checkpoint::commit(dir, save, world)
+    }
+
+    /// Test hook: saves this store to `path` as one file of the single-file format 2 that
+    /// earlier versions saved (a store now saves a directory), for tests that load old files.
+    #[doc(hidden)]
+    pub fn save_single_file(&self, path: impl AsRef<Path>) -> Result<()> {
+        let (kind, updater, entries) = self.export_entries()?;
+        checkpoint::write_single_file(path.as_ref(), kind, &updater, &entries)
+    }
+
+    /// The updater in force and its generation, read together.
+    fn active_updater(&self) -> (Updater, u64) {
+        let active = read(&self.active).clone();
+        (active.updater.clone(), active.generation)
+    }
+
+    /// Every slot, in update order.
+    fn slots_in_order(&self) -> Vec<Arc<Slot>> {
+        let mut slots: Vec<Arc<Slot>> = read(&self.table).slots.values().cloned().collect();
+        slots.sort_by_key(|s| s.order);
+        slots
+    }
+
+    /// Writes this rank's shard of save `save` into `dir`: its parts of `slots` (in update
+    /// order), one consistent snapshot under every key's read lock, and its compression
+    /// residuals of every key it pushed (homed here or not).
+    fn write_own_shard(
+        &self,
+        dir: &Path,
+        save: SaveId,
+        slots: &[Arc<Slot>],
+        active: &Active,
+    ) -> Result<()> {
+        let (rank, size) = (self.ranks.rank(), self.ranks.size());
+        let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
+            slots.iter().map(|s| read(&s.cell)).collect();
+        let mut pieces = Vec::new();
+        for (order, (slot, cell)) in slots.iter().zip(&cells).enumerate() {
+            if slot.spread.holds(rank) {
+                pieces.push(own_piece(slot, cell, order, rank, size, active)?);
+            }
+        }
+        let residuals: Vec<KeyResiduals> = slots
+            .iter()
+            .filter_map(|slot| {
+                let r = slot.residuals.lock().unwrap_or_else(|p| p.into_inner());
+                (!r.is_empty()).then(|| KeyResiduals {
+                    key: slot.key.clone(),
+                    len: slot.shape.size(),
+                    residuals: r.clone(),
+                })
+            })
+            .collect();
+        let updater = &active.updater;
+        checkpoint::write_shard(dir, save, rank, size, updater, &pieces, &residuals)
+    }
+
+    /// The key kind, the updater in force, and every key in update order with copies of its
+    /// value and its state for that updater, taken as one consistent snapshot (all read locks
+    /// held together). On ranks, each key's value is this rank's part of it.
+    pub(crate) fn export_entries(&self) -> Result<(Option<KeyKind>, Updater, Vec<Entry>)> {
+        let kind = read(&self.table).key_kind;
+        let slots = self.slots_in_order();
+        let active = read(&self.active).clone();
+        let buffers = active.updater.state_names().len();
+        let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
+            slots.iter().map(|s| read(&s.cell)).collect();
+        let entries = (slots.iter().zip(&cells))
+            .map(|(slot, cell)| {
+                let (value, state) = cell.to_host(active.generation)?;
+                // Only state a push of this updater would use: one buffer per state name.
+                let state = state.filter(|(_, bufs)| bufs.len() == buffers);
+                Ok(Entry {
+                    key: slot.key.clone(),
+                    shape: slot.shape,
+                    value,
+                    state: state.map(|(step, bufs)| EntryState { step, bufs }),
+                    row_sparse: slot.row_sparse,
+                    residuals: (slot.residuals.lock())
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((kind, active.updater.clone(), entries))
+    }
+
+    /// Checks that a checkpoint's keys fit the store (`table`): the key kind, the shape, dtype
+    /// and storage of every key the store has, and that it can hold the new keys (a store that
+    /// compresses takes no row-sparse key and only float32 ones).
+    fn check_fits(&self, table: &Table, reader: &Reader, path: &Path) -> Result<()> {
+        let mismatch = |why: String| Problem::mismatch(why).at(path);
+        if let (Some(store), Some(file)) = (table.key_kind, reader.key_kind()) {
+            if store != file {
+                return Err(mismatch(format!(
+                    "the file holds {file} keys but the store holds {store} keys: load it into \
+                     a store of {file} keys"
+                )));
+            }
+        }
+        for m in reader.keys() {
+            let Some(slot) = table.slots.get(&m.key) else {
+                let sparse_refusal = m.row_sparse.then(|| self.row_sparse_refusal("load"));
+                if let Some(refusal) = sparse_refusal.flatten() {
+                    return Err(mismatch(format!("key {} is row-sparse: {refusal}", m.key)));
+                }
+                let compression = *read(&self.compression);
+                let refusal = super::compress::dtype_refusal(compression, "load", &m.key, m.dtype);
+                if let Some(refusal) = refusal {
+                    return Err(mismatch(refusal.to_string()));
+                }
+                continue;
+            };
+            if slot.shape.dims() != m.dims.as_slice() || slot.dtype != m.dtype {
+                return Err(mismatch(format!(
+                    "key {}: the file holds {} {} but the store holds {} {}: load it into a \
+                     store without this key, or with the file's shape and dtype",
+                    m.key,
+                    Shape::new(&m.dims).map_or_else(|_| format!("{:?}", m.dims), |s| s.to_string()),
+                    m.dtype,
+                    slot.shape,
+                    slot.dtype
+                )));
+            }
+            if let Some(why) = storage_mismatch(&m.key, m.row_sparse, slot) {
+                return Err(mismatch(why));
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts `reader`'s checkpoint into the store, all or nothing, as one step, in call `call`.
+    ///
+    /// Lock order, as every other operation: the cells of the keys the store has are
+    /// write-locked in ascending key order (found with a brief read of the table), and only
+    /// then is the table write-locked. Under both, new keys are placed (as init places them),
+    /// this rank's parts are read and made ready (new keys' cells on their homes, existing
+    /// keys' values staged), the ranks agree, and then every key changes and the new keys
+    /// appear, complete, in one step. Nothing ever holds the table lock while it waits for a
+    /// cell, so this cannot deadlock against push, pull, init, save or another load. A key
+    /// that a concurrent init added between the lookup and the table lock is not locked yet,
+    /// so the whole step starts over with nothing changed (each retry finds at least one more
+    /// key, so this ends).
+    fn load_from(
+        &self,
+        call: &mut dyn Round,
+        path: &Path,
+        reader: &Reader,
+        updater: &Updater,
+        generation: u64,
+    ) -> Result<()> {
+        loop {
+            let found: Vec<Option<Arc<Slot>>> = {
+                let table = read(&self.table);
+                (reader.keys().iter())
+                    .map(|m| table.slots.get(&m.key).cloned())
+                    .collect()
+            };
+            let mut cells = lock_in_key_order(&found);
+            let mut table = write(&self.table);
+            let raced = (reader.keys().iter().zip(&found))
+                .any(|(m, s)| s.is_none() && table.slots.contains_key(&m.key));
+            if raced {
+                continue;
+            }
+            let loads = (table.rank_bytes.clone(), table.gpu_bytes.clone());
+            let made = self
+                .check_fits(&table, reader, path)
+                .and_then(|()| self.make_parts(&mut table, reader, updater, generation, &cells))
+                .and_then(|made| {
+                    let residuals = reader.rank_residuals(self.ranks.rank(), self.ranks.size())?;
+                    Ok((made, residuals))
+                });
+            let together = call.agree("load", made.is_ok(), "making its parts");
+            let (made, residuals) = match (made, together) {
+                (Ok(made), Ok(())) => made,
+                (made, together) => {
+                    // Nothing was added: the placement loads are as they were.
+                    (table.rank_bytes, table.gpu_bytes) = loads;
+                    made?;
+                    return together;
+                }
+            };
+            apply_parts(&mut table, reader, made, &mut cells)?;
+            // Residuals change only under their cells' locks, still held.
+            set_loaded_extras(&table, reader, residuals, updater, generation);
+            drop(cells);
+            return Ok(());
+        }
+    }
+
+    /// Every key of `reader` made ready for this rank, in the reader's order: new keys placed
+    /// (into `table`'s loads) and their cells made on their homes, keys the store has staged
+    /// for their `cells` (none of them changes yet). What can fail on one rank alone (out of
+    /// GPU memory, a corrupt byte in its part) fails here.
+    fn make_parts(
+        &self,
+        table: &mut Table,
+        reader: &Reader,
+        updater: &Updater,
+        generation: u64,
+        cells: &[Option<RwLockWriteGuard<'_, HomeValue>>],
+    ) -> Result<Vec<Made>> {
+        let d = &self.ranks;
+        let (rank, size) = (d.rank(), d.size());
+        let fits = reader.state_fits(updater);
+        let new: Vec<&KeyMeta> = (reader.keys().iter())
+            .filter(|m| !table.slots.contains_key(&m.key))
+            .collect();
+        let sizes: Vec<(usize, usize)> = (new.iter())
+            .map(|m| (m.size() * m.dtype.size(), m.size()))
+            .collect();
+        let to_gpu = self.across.gpu_homes(self.kind, None);
+        let (homes, spreads) = (self.across).place(d, table, &sizes, None, to_gpu);
+        // A fault the GPU latched earlier fails every rank here, not this rank's commit after
+        // the agreement.
+        crate::backend::settle(d.home())?;
+        let mut placed = new.iter().zip(homes.into_iter().zip(spreads));
+        let mut made = Vec::with_capacity(reader.keys().len());
+        for (m, cell) in reader.keys().iter().zip(cells) {
+            let (home, spread) = match table.slots.get(&m.key) {
+                Some(slot) => (slot.home, slot.spread),
+                None => (placed.next().map(|(_, p)| p))
+                    .ok_or_else(|| internal("fewer placements than new keys"))?,
+            };
+            let range = spread.piece(m.size(), rank, size);
+            let (value, state) = match spread.holds(rank) {
+                true => read_part(reader, m, range, fits)?,
+                false => (HostData::filled(m.dtype, 0, 0.0), None),
+            };
+            made.push(match cell {
+                Some(cell) => Made::Held(cell.stage_load(value, generation, state)?),
+                None => {
+                    let mut cell = keep_on(home, value, &m.key)?;
+                    cell.set_state(generation, state)?;
+                    Made::New(home, spread, Shape::new(&m.dims)?, cell)
+                }
+            });
+        }
+        Ok(made)
+    }
+}
+
+/// The cells of the slots found (`None`: a key the store lacks), write-locked in ascending key
+/// order, as every operation takes them.
+fn lock_in_key_order(found: &[Option<Arc<Slot>>]) -> Vec<Option<RwLockWriteGuard<'_, HomeValue>>> {
+    let mut have: Vec<(usize, &Arc<Slot>)> = (found.iter().enumerate())
+        .filter_map(|(i, s)| Some((i, s.as_ref()?)))
+        .collect();
+    have.sort_by_key(|(_, s)| s.order);
+    let mut cells: Vec<Option<RwLockWriteGuard<'_, HomeValue>>> =
+        found.iter().map(|_| None).collect();
+    for (i, slot) in have {
+        cells[i] = Some(write(&slot.cell));
+    }
+    cells
+}
+
+/// Claims the generation of a save into `dir` on rank 0 and tells every rank, in call `call`:
+/// a failure there fails the save on every rank.
+fn claim_generation(call: &mut dyn Round, rank: usize, dir: &Path) -> Result<SaveId> {
+    // u64::MAX is never a generation: it tells the other ranks that rank 0 failed.
+    let mut words = vec![u64::MAX, 0];
+    let mut own = Ok(());
+    if rank == 0 {
+        match checkpoint::next_generation(dir) {
+            Ok(s) => words = vec![s.generation, s.token],
+            Err(e) => own = Err(e),
+        }
+    }
+    let words = call.broadcast_words(words, 0)?;
+    if words[0] == u64::MAX {
+        own?;
+        return Err(Error::RankFailed {
+            op: "save",
+            seq: call.seq(),
+            detail: "rank 0 could not start the save (its own error says why)".to_owned(),
+        });
+    }
+    Ok(SaveId {
+        generation: words[0],
+        token: words[1],
+    })
+}
+
+/// What the ranks compare before a save into `dir`: the path, the updater in force and every
+/// key.
+fn save_fingerprint(dir: &Path, active: &Active, slots: &[Arc<Slot>]) -> Fingerprint {
+    let mut fp = Fingerprint::new("save").note(format!(
+        "into {}, under updater {:?} set by call #{}",
+        where_is(dir),
+        active.updater,
+        active.generation
+    ));
+    for s in slots {
+        fp.push(s.key.clone(), s.shape.dims(), s.dtype);
+    }
+    fp
+}
+
+/// What the ranks compare before a load from `path`: the path, which checkpoint each found
+/// there (generation and save, or the single file's header), the updater in force, and every
+/// key.
+fn load_fingerprint(
+    path: &Path,
+    reader: &Reader,
+    updater: &Updater,
+    generation: u64,
+) -> Fingerprint {
+    let mut fp = Fingerprint::new("load").note(format!(
+        "from {}, {}, under updater {updater:?} set by call #{generation}",
+        where_is(path),
+        reader.which()
+    ));
+    for m in reader.keys() {
+        fp.push(m.key.clone(), &m.dims, m.dtype);
+    }
+    fp
+}
+
+/// This rank's piece of `slot`, the `order`-th key, from its `cell`: its value, and its state
+/// where it has state for the updater in force.
+fn own_piece(
+    slot: &Slot,
+    cell: &HomeValue,
+    order: usize,
+    rank: usize,
+    size: usize,
+    active: &Active,
+) -> Result<Piece> {
+    let range = slot.spread.piece(slot.shape.size(), rank, size);
+    let (value, state) = cell.to_host(active.generation)?;
+    let names = active.updater.state_names();
+    let state = state.filter(|(_, bufs)| bufs.len() == names.len());
+    let flat = Shape::new(&[range.len()])?;
+    let host = |h: HostData| NDArray::from_host(h, flat, cpu(0));
+    Ok(Piece {
+        meta: KeyMeta {
+            key: slot.key.clone(),
+            dims: slot.shape.dims().to_vec(),
+            dtype: slot.dtype,
+            order,
+            step: state.as_ref().map_or(0, |s| s.0),
+            has_state: state.is_some(),
+            row_sparse: slot.row_sparse,
+        },
+        range,
+        value: host(value),
+        state: match state {
+            Some((_, bufs)) => (names.iter().map(|n| n.to_string()))
+                .zip(bufs.into_iter().map(host))
+                .collect(),
+            None => Vec::new(),
+        },
+    })
+}
+
+/// Elements `range` of key `m` from the checkpoint, in host memory: the value, and the step
+/// and state buffers where the key has state and it `fits` the updater in force.
+fn read_part(
+    reader: &Reader,
+    m: &KeyMeta,
+    range: std::ops::Range<usize>,
+    fits: bool,
+) -> Result<(HostData, Option<HostState>)> {
+    let piece = reader.read(&m.key, range)?;
+    let state = match fits && m.has_state {
+        true => {
+            let bufs = piece.state.into_iter().map(|(_, b)| b.into_host());
+            Some((m.step, bufs.collect::<Result<Vec<HostData>>>()?))
+        }
+        false => None,
+    };
+    Ok((piece.value.into_host()?, state))
+}
+
+/// A loaded part, `part` (host data, flat), kept on `home`.
+fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
+    match home {
+        Device::Cpu(_) => Ok(HomeValue::from_host(part)),
+        home => {
+            let flat = Shape::new(&[part.len()])?;
+            copy_home(&NDArray::from_host(part, flat, cpu(0)), home, key)
+        }
+    }
+}
+
+/// Applies the parts `made` for `reader`'s keys, in one step: keys the store has under their
+/// write locks `cells` (this allocates nothing, and fails only where the GPU itself does),
+/// then the new keys, added to `table`.
+fn apply_parts(
+    table: &mut Table,
+    reader: &Reader,
+    made: Vec<Made>,
+    cells: &mut [Option<RwLockWriteGuard<'_, HomeValue>>],
+) -> Result<()> {
+    let mut new_keys = Vec::new();
+    let mut new_kinds = Vec::new();
+    let mut new_data = Vec::new();
+    let mut new_homes = Vec::new();
+    let mut new_spreads = Vec::new();
+    let mut new_sparse = Vec::new();
+    for ((m, made), cell) in reader.keys().iter().zip(made).zip(cells.iter_mut()) {
+        match (made, cell) {
+            (Made::Held(staged), Some(cell)) => cell.commit_load(staged)?,
+            (Made::New(home, spread, shape, data), None) => {
+                new_keys.push(m.key.clone());
+                new_kinds.push((shape, m.dtype));
+                new_data.push(data);
+                new_homes.push(home);
+                new_spreads.push(spread);
+                new_sparse.push(m.row_sparse);
+            }
+            _ => return Err(internal("a key made ready for a cell it does not have")),
+        }
+    }
+    insert_slots(
+        table,
+        new_keys,
+        &new_kinds,
+        new_data,
+        &new_homes,
+        &new_spreads,
+        &new_sparse,
+    );
+    Ok(())
+}
+
+/// After a load: every loaded key's residuals (this rank's own from the checkpoint, or none,
+/// so they start at zero, where it has none for a key or was saved by another number of
+/// ranks) and update count (every rank keeps every key's, whoever holds its state).
+fn set_loaded_extras(
+    table: &Table,
+    reader: &Reader,
+    residuals: Option<Vec<KeyResiduals>>,
+    updater: &Updater,
+    generation: u64,
+) {
+    let fits = reader.state_fits(updater);
+    let mut saved: HashMap<Key, Vec<Vec<f32>>> = (residuals.unwrap_or_default().into_iter())
+        .map(|r| (r.key, r.residuals))
+        .collect();
+    for m in reader.keys() {
+        if let Some(slot) = table.slots.get(&m.key) {
+            *slot.residuals.lock().unwrap_or_else(|p| p.into_inner()) =
+                saved.remove(&m.key).unwrap_or_default();
+            let count = if fits && m.has_state { m.step } else { 0 };
+            slot.set_updates(generation, count);
+        }
+    }
+}
+
+/// An error of this module's own bookkeeping.
+fn internal(message: &str) -> Error {
+    Error::Internal {
+        op: "load",
+        message: message.to_owned(),
+    }
+}
+
+/// One key of a load, made ready before the ranks agree.
+enum Made {
+    /// A key the store holds: its value and state, staged for its cell.
+    Held(StagedLoad),
+    /// A new key: its home, which ranks hold it, its shape, and its cell.
+    New(Device, Spread, Shape, HomeValue),
+}
