@@ -8,8 +8,16 @@ set -euo pipefail
 src="$(cd "$(dirname "$0")" && pwd)"
 cd "$src"
 PY="${PYTHON:-python3}"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+# KVSTORE_PY_KEEP=DIR: work in DIR (emptied first) and keep it, so that a later step can use
+# its DIR/venv (scripts/cluster-tests.sh does); by default a temporary folder, removed at exit.
+if [ -n "${KVSTORE_PY_KEEP:-}" ]; then
+    work="$KVSTORE_PY_KEEP"
+    rm -rf "$work"
+    mkdir -p "$work"
+else
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+fi
 
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings

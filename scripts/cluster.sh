@@ -16,7 +16,8 @@
 #   up H [RATE]        creates H hosts (removes an old cluster of this prefix first). RATE is a
 #                      tc rate ("1gbit", "200mbit") set with tbf on BOTH ends of every host's
 #                      veth (tbf shapes egress only), or "none" (default): unshaped.
-#   down               removes everything of this prefix (namespaces, links, /etc/netns, state).
+#   down               removes everything of this prefix (namespaces, links, /etc/netns, state),
+#                      and ends what still runs in its hosts (SIGTERM, SIGKILL after 2 s).
 #   hosts              prints "NAME ADDRESS" per host, in order.
 #   addr HOST          prints HOST's address.
 #   exec HOST CMD...   runs CMD in HOST: its network namespace, its own UTS namespace with
@@ -80,8 +81,20 @@ host_index() {
 }
 
 cmd_down() {
-    local ns
+    local ns pids
     for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${PREFIX}[0-9]+$" || true); do
+        # What still runs in a host (a rank or daemon a failed test left) ends with it:
+        # SIGTERM, then SIGKILL after 2 s.
+        pids="$(ip netns pids "$ns" 2>/dev/null || true)"
+        if [ -n "$pids" ]; then
+            kill -TERM $pids 2>/dev/null || true
+            for _ in 1 2 3 4 5 6 7 8 9 10; do
+                pids="$(ip netns pids "$ns" 2>/dev/null || true)"
+                [ -z "$pids" ] && break
+                sleep 0.2
+            done
+            [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
+        fi
         ip netns del "$ns" 2>/dev/null || true
         rm -rf "/etc/netns/$ns"
     done
@@ -112,6 +125,7 @@ burst_of() {
     esac
     local b=$((bits / 8 / 100))
     [ "$b" -lt 65536 ] && b=65536
+    [ "$b" -gt 67108864 ] && b=67108864
     echo "$b"
 }
 
@@ -125,7 +139,9 @@ cmd_up() {
     fi
     ip netns del "${PREFIX}probe$$"
     cmd_down
-    trap 'cmd_down; echo "cluster.sh: up failed; removed what it made" >&2' ERR
+    # A half-built cluster goes away if any step below fails (set -e ends the script there).
+    UP_BUILT=0
+    trap '[ "$UP_BUILT" = 1 ] || { cmd_down; echo "cluster.sh: up failed; removed what it made" >&2; }' EXIT
     mkdir -p "$STATE"
     ip link add "${PREFIX}br" type bridge
     ip link set "${PREFIX}br" up
@@ -167,7 +183,7 @@ KVC_PREFIX='$PREFIX' KVC_SUBNET='$SUBNET' exec '$self' exec "\$host" /bin/sh -c 
 EOF
     chmod +x "$STATE/agent"
     mv "$STATE/hosts.new" "$STATE/hosts"
-    trap - ERR
+    UP_BUILT=1
     hosts
 }
 

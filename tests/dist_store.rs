@@ -198,6 +198,12 @@ fn list_ops_repeats_pushpull_broadcast_and_priorities_sliced_on_3_ranks() {
     semantics(3, Some("100"));
 }
 
+/// Four ranks, as the simulated cluster's 2 hosts x 2 run them (scripts/cluster-tests.sh).
+#[test]
+fn list_ops_repeats_pushpull_broadcast_and_priorities_sliced_on_4_ranks() {
+    semantics(4, Some("100"));
+}
+
 // --- 4. Bad input on one rank ----------------------------------------------------------------
 
 #[test]

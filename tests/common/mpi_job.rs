@@ -7,6 +7,12 @@
 //!
 //! Without `mpirun` on the PATH, [`launch`] prints `SKIPPED: mpirun not found` and returns
 //! `None` (CI treats that line as a failure, since it installs Open MPI).
+//!
+//! On the simulated cluster (issue 37): with `KVT_CLUSTER` naming `scripts/cluster.sh` (and its
+//! `KVC_*` settings in the environment), a job's ranks run on the cluster's hosts instead:
+//! [`launch`] runs `cluster.sh mpirun` (mpirun in the first host, a hostfile, TCP between hosts)
+//! and [`launch_without_mpi`] starts each rank with `cluster.sh exec HOST`, placed as
+//! `cluster.sh place N` says, with `MASTER_ADDR` the first rank's host.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -132,6 +138,43 @@ pub fn ok_line(rank: usize, size: usize, case: &str, detail: &str) {
     let _ = out.flush();
 }
 
+/// The variable that names the simulated cluster's script (`scripts/cluster.sh`).
+pub const CLUSTER_VAR: &str = "KVT_CLUSTER";
+
+/// The simulated cluster's script, when the jobs run on it.
+fn cluster() -> Option<PathBuf> {
+    std::env::var_os(CLUSTER_VAR).map(PathBuf::from)
+}
+
+/// Where the cluster puts each of `n` ranks: (host, address, local rank, local world size).
+fn cluster_places(cluster: &std::path::Path, n: usize) -> Vec<(String, String, String, String)> {
+    let out = Command::new(cluster)
+        .args(["place", &n.to_string()])
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run cluster.sh place");
+    assert!(out.status.success(), "cluster.sh place {n} failed");
+    let places: Vec<_> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(
+                w.len(),
+                5,
+                "cluster.sh place: not 'RANK HOST ADDRESS LOCAL_RANK LOCAL_WORLD_SIZE': {l}"
+            );
+            (
+                w[1].to_owned(),
+                w[2].to_owned(),
+                w[3].to_owned(),
+                w[4].to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(places.len(), n, "cluster.sh place {n}: one line per rank");
+    places
+}
+
 fn mpirun() -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
@@ -151,7 +194,14 @@ pub fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Durati
     let exe = std::env::current_exe().expect("the test binary's path");
     let mut cmd = match np {
         Some(n) => {
-            let mut c = Command::new(mpirun);
+            let mut c = match cluster() {
+                Some(cluster) => {
+                    let mut c = Command::new(cluster);
+                    c.arg("mpirun");
+                    c
+                }
+                None => Command::new(mpirun),
+            };
             c.args(["--oversubscribe", "-np", &n.to_string()]);
             for (k, _) in env {
                 c.args(["-x", k]);
@@ -191,12 +241,33 @@ pub fn launch_without_mpi(n: usize, case: &str, env: &[(&str, &str)], bound: Dur
     let exe = std::env::current_exe().expect("the test binary's path");
     // A port of this test process's own (NCCL's bootstrap listens on the one after it).
     let port = 20_000 + (std::process::id() % 20_000) as u16;
-    let cmds = (0..n)
-        .map(|r| {
-            let mut cmd = Command::new(&exe);
+    // One host, or the cluster's places: (host, address, local rank, local world size).
+    let cluster = cluster();
+    let places: Vec<(Option<String>, String, String, String)> = match &cluster {
+        Some(c) => cluster_places(c, n)
+            .into_iter()
+            .map(|(h, a, l, lw)| (Some(h), a, l, lw))
+            .collect(),
+        None => (0..n)
+            .map(|r| (None, "127.0.0.1".into(), r.to_string(), n.to_string()))
+            .collect(),
+    };
+    let master = places[0].1.clone();
+    let cmds = places
+        .into_iter()
+        .enumerate()
+        .map(|(r, (host, _, local_rank, local_size))| {
+            let mut cmd = match (&cluster, host) {
+                (Some(c), Some(h)) => {
+                    let mut cmd = Command::new(c);
+                    cmd.args(["exec", &h]).arg(&exe);
+                    cmd
+                }
+                _ => Command::new(&exe),
+            };
             cmd.args(INNER_ARGS)
                 .env(CASE_VAR, case)
-                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_ADDR", &master)
                 .env("MASTER_PORT", port.to_string())
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
@@ -206,8 +277,8 @@ pub fn launch_without_mpi(n: usize, case: &str, env: &[(&str, &str)], bound: Dur
             }
             cmd.env("RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("LOCAL_WORLD_SIZE", n.to_string());
+                .env("LOCAL_RANK", local_rank)
+                .env("LOCAL_WORLD_SIZE", local_size);
             for (k, v) in env {
                 cmd.env(k, v);
             }
