@@ -1,10 +1,11 @@
 //! A test-only hook, off unless its environment variables are set: it lets a fault test act at a
 //! known point of a big transfer (cut a link, kill a host) instead of after a guessed sleep.
 //!
-//! - `KVSTORE_TEST_ANNOUNCE_BYTES=N`: the first non-blocking collective of at least `N` bytes
-//!   that this process starts (the reduce-scatter and all-gather of a sliced key, the
-//!   reduce of a key whose call could not agree to run blocking, a broadcast) prints one line
-//!   on stderr just before it starts:
+//! - `KVSTORE_TEST_ANNOUNCE_BYTES=N`: the first collective of at least `N` bytes that this
+//!   process starts with requests to poll (every non-blocking one: a sliced key's
+//!   reduce-scatter and all-gather, a broadcast, a reduce that does not run blocking; and the
+//!   root's receives of a blocking reduce over 3 or more ranks) prints one line on stderr just
+//!   before it starts:
 //!   `kvstore-test-hook: rank R (host H): call #S starts its reduce-scatter of B bytes`.
 //! - `KVSTORE_TEST_HOLD_SECS=T`: after that line the rank sleeps `T` seconds before it starts
 //!   the collective, so the other ranks are inside it, waiting for this one, when the test
@@ -37,7 +38,7 @@ fn settings() -> Option<(usize, Duration)> {
     })
 }
 
-/// Called just before a non-blocking collective (`what`) of `bytes` starts in call `seq` on
+/// Called just before a collective with requests to poll (`what`) of `bytes` starts in call `seq` on
 /// rank `rank` of host `host`: announces the first big one, and holds it (see the module
 /// documentation). Does nothing unless the hook is on.
 pub(super) fn before_collective(
