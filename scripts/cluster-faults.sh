@@ -113,6 +113,11 @@ settle() {
 no_wrong_values() { ! grep -q "WRONG VALUE" "$LOG"; }
 
 echo "=== cluster faults: logs in $LOGS"
+# The settings above are ORTE's (Open MPI 4); Open MPI 5's PRRTE has its own, not tested here.
+if ! "${KVC_MPIRUN:-mpirun}" --version 2>/dev/null | head -1 | grep -q ' 4\.'; then
+    echo "cluster-faults.sh: needs Open MPI 4's mpirun (got: $("${KVC_MPIRUN:-mpirun}" --version 2>&1 | head -1))" >&2
+    exit 1
+fi
 cargo build --features mpi --example dist_probe || exit 1
 "${C[@]}" up 2
 rc=$?
