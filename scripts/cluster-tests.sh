@@ -60,22 +60,41 @@ step "measured link rates"
 
 export KVT_CLUSTER="$cluster" KVC_LAYOUTS="4:2x2 3:3x1 2:2x1"
 exec_log="$("$cluster" log)"
-# Asserts that the last step's jobs started processes on each of the hosts named.
+# The bytes host 1 has received over its link so far.
+rx1() { "$cluster" exec "${KVC_PREFIX}1" cat /sys/class/net/"$("$cluster" ifname)"/statistics/rx_bytes; }
+rx_at_step="$(rx1)"
+# Asserts that the last step's jobs started processes on each of the hosts named, and that
+# host 1's link carried data; prints how much.
 ran_on() {
-    local h
+    local h rx
     for h in "$@"; do
         grep -q "^$h " "$exec_log" || { echo "cluster-tests.sh: nothing ran on $h" >&2; exit 1; }
     done
     : >"$exec_log"
+    rx="$(rx1)"
+    echo "--- ${KVC_PREFIX}1 received $((rx - rx_at_step)) bytes over its link in this step"
+    [ "$rx" -gt "$rx_at_step" ] || { echo "cluster-tests.sh: nothing crossed ${KVC_PREFIX}1's link" >&2; exit 1; }
+    rx_at_step="$rx"
 }
 
-step "the ranks' placement (mpirun from host ${KVC_PREFIX}0 through the rsh agent)"
-"$cluster" mpirun -np 4 sh -c 'echo "rank $OMPI_COMM_WORLD_RANK on $(hostname)"' | sort | tee "$logs/placement"
-[ "$(awk '{print $4}' "$logs/placement" | tr '\n' ' ')" = "${KVC_PREFIX}0 ${KVC_PREFIX}0 ${KVC_PREFIX}1 ${KVC_PREFIX}1 " ] || {
-    echo "cluster-tests.sh: 4 ranks are not 2 on each of 2 hosts" >&2
-    exit 1
+# Asserts that N ranks under MPIRUN (with the flags the tests give) run on the hosts WANT names,
+# rank by rank.
+placed() {
+    local mpirun="$1" n="$2" want="$3" got
+    got="$(KVC_MPIRUN="$mpirun" timeout 60 "$cluster" mpirun --oversubscribe -np "$n" \
+        sh -c 'echo "$OMPI_COMM_WORLD_RANK $(hostname)"' | sort -n | awk '{printf "%s ", $2}')"
+    echo "$n ranks under $mpirun: $got"
+    [ "$got" = "$want " ] || { echo "cluster-tests.sh: $n ranks should run on: $want" >&2; exit 1; }
 }
+step "the ranks' placement (mpirun from host ${KVC_PREFIX}0 through the rsh agent)"
+h0="${KVC_PREFIX}0" h1="${KVC_PREFIX}1" h2="${KVC_PREFIX}2"
+for m in "$(command -v mpirun)" "$venv/bin/mpirun"; do
+    placed "$m" 4 "$h0 $h0 $h1 $h1"
+    placed "$m" 3 "$h0 $h1 $h2"
+    placed "$m" 2 "$h0 $h1"
+done
 : >"$exec_log"
+rx_at_step="$(rx1)"
 
 step "dist_store on 2 x 2"
 cargo test --features mpi --test dist_store -- --exact --nocapture --test-threads 1 \
@@ -114,13 +133,17 @@ check_log "$logs/gpu"
 ran_on "${KVC_PREFIX}0" "${KVC_PREFIX}1"
 
 step "python/examples/train_torch.py on 2 x 2 (PyPI's Open MPI 5)"
+# Each rank says where it runs first.
 (cd "$logs" && KVC_MPIRUN="$venv/bin/mpirun" OMPI_MCA_mpi_yield_when_idle=1 timeout 600 \
-    "$cluster" mpirun -np 4 --oversubscribe "$venv/bin/python" "$repo/python/examples/train_torch.py") \
-    2>&1 | tee "$logs/torch"
+    "$cluster" mpirun -np 4 --oversubscribe sh -c 'echo "worker $OMPI_COMM_WORLD_RANK on host $(hostname)"; exec "$0" "$@"' \
+    "$venv/bin/python" "$repo/python/examples/train_torch.py" --steps 120) 2>&1 | tee "$logs/torch"
 check_log "$logs/torch"
-"$venv/bin/python" - "$logs/torch" <<'PY'
+"$venv/bin/python" - "$logs/torch" "$h0" "$h1" <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
+hosts = dict(re.findall(r"worker (\d) on host (\S+)", text))
+want = {"0": sys.argv[2], "1": sys.argv[2], "2": sys.argv[3], "3": sys.argv[3]}
+assert hosts == want, f"workers on {hosts}, not {want}"
 losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", text)]
 assert "4 worker(s)" in text, "not a 4-worker store"
 assert len(losses) >= 5 and losses[-1] < 0.5 * losses[0], losses

@@ -27,7 +27,9 @@
 #   log                prints the path of that record of execs.
 #   cut HOST           takes HOST's link down (both ends); restore HOST brings it back up.
 #   measure [SECONDS]  a TCP stream from each host to the next (default 2 s each); prints
-#                      "HOST RATE_MB_S" per host (MB = 10^6 bytes).
+#                      "HOST RATE MB/s ..." per host (MB = 10^6 bytes), and keeps "HOST RATE"
+#                      lines for `measured`.
+#   measured           prints the last measure's "HOST RATE" lines (for benchmarks' bounds).
 #   place N            the layout of N ranks (see KVC_LAYOUTS): one line per rank,
 #                      "RANK HOST ADDRESS LOCAL_RANK LOCAL_WORLD_SIZE".
 #   hostfile N         writes the Open MPI hostfile for N ranks and prints its path.
@@ -35,13 +37,19 @@
 #                      CMD with sh in HOST).
 #   mpirun ARGS...     runs KVC_MPIRUN inside the first host, with the hostfile for the -np (or
 #                      -n) in ARGS, the rsh agent, TCP between hosts and shared memory within a
-#                      host, on the cluster's subnet only; ARGS follow.
+#                      host, on the cluster's subnet only, and --map-by slot (ranks placed as
+#                      `place` says; ARGS must not map otherwise); ARGS follow.
 #   ifname             prints the interface name inside every host ("eth0": NCCL_SOCKET_IFNAME).
 #   cidr               prints the cluster's subnet ("A.B.0.0/24": btl_tcp_if_include).
 #
 #   Layout: KVC_LAYOUTS="4:2x2 3:3x1" says N ranks run as HxR (H hosts from the first, R ranks
 #   on each, rank r on host r / R). Without an entry for N: N ranks over all hosts, as even as
 #   whole hosts allow (ceil(N/H) per host). A layout needing more hosts than exist is an error.
+#
+#   Tests: `trap '"$cluster" down' EXIT` right after `up`, so a failing test leaves nothing
+#   behind. tests/common/mpi_job.rs runs its jobs here when KVT_CLUSTER names this script (with
+#   the KVC_* settings exported): mpirun through `mpirun`, torchrun-style ranks through `place`
+#   and `exec`. scripts/cluster-tests.sh is the CI step.
 #
 # Exit codes: 0 ok; 2 bad usage or state; 77 the kernel refused network namespaces (printed as
 # "SKIPPED: ..."; CI on a machine that has them must treat this as a failure).
@@ -256,13 +264,15 @@ cmd_mpirun() {
     export PATH="$(dirname "$mpirun"):$PATH"
     version="$("$mpirun" --version 2>/dev/null | head -1 | grep -o '[0-9][0-9.]*' | head -1 || true)"
     local cidr="$SUBNET.0.0/24" args
+    # --map-by slot: rank r on the host the hostfile's slots give it (Open MPI 5's default,
+    # with --oversubscribe, put every rank on the first host).
     if [ "${version%%.*}" -ge 5 ] 2>/dev/null; then
         # Open MPI 5: PRRTE launches (its ssh launcher's agent), the shared-memory BTL is "sm".
         args=(--hostfile "$f" --prtemca plm_ssh_agent "$STATE/agent" --prtemca plm_ssh_no_tree_spawn 1
-            --prtemca oob_tcp_if_include "$cidr" --mca btl tcp,sm,self --mca btl_tcp_if_include "$cidr")
+            --prtemca oob_tcp_if_include "$cidr" --mca btl tcp,sm,self --mca btl_tcp_if_include "$cidr" --map-by slot)
     else
         args=(--hostfile "$f" --mca plm_rsh_agent "$STATE/agent" --mca plm_rsh_no_tree_spawn 1
-            --mca oob_tcp_if_include "$cidr" --mca btl tcp,vader,self --mca btl_tcp_if_include "$cidr")
+            --mca oob_tcp_if_include "$cidr" --mca btl tcp,vader,self --mca btl_tcp_if_include "$cidr" --map-by slot)
     fi
     cmd_exec "$first" "$mpirun" "${args[@]}" "$@"
 }
@@ -270,6 +280,7 @@ cmd_mpirun() {
 cmd_measure() {
     local secs="${1:-2}" n i from to port=5201
     [[ "$secs" =~ ^[0-9]+$ ]] || die "usage: measure [SECONDS]"
+    rm -f "$STATE/measured.new"
     mapfile -t all < <(hosts)
     n=${#all[@]}
     [ "$n" -ge 2 ] || die "measure needs 2 hosts or more"
@@ -301,8 +312,10 @@ while time.monotonic() < end: c.sendall(buf)
 c.close()
 ' "$toa" "$port" "$secs"
         wait "$rx"
+        echo "$from $(cat "$STATE/measure.out")" >>"$STATE/measured.new"
         echo "$from $(cat "$STATE/measure.out") MB/s (to $toh, link rate $(cat "$STATE/rate"))"
     done
+    mv "$STATE/measured.new" "$STATE/measured"
 }
 
 cmd="${1:-}"
@@ -321,7 +334,8 @@ case "$cmd" in
     agent) hosts >/dev/null; echo "$STATE/agent" ;;
     mpirun) cmd_mpirun "$@" ;;
     log) hosts >/dev/null; echo "$STATE/exec.log" ;;
+    measured) [ -f "$STATE/measured" ] || die "no measure has run on cluster '$PREFIX'"; cat "$STATE/measured" ;;
     ifname) echo "$IFNAME" ;;
     cidr) echo "$SUBNET.0.0/24" ;;
-    *) die "usage: $0 [--prefix P] [--subnet A.B] up H [RATE] | down | hosts | addr HOST | exec HOST CMD... | cut HOST | restore HOST | measure [S] | place N | hostfile N | agent | log | mpirun ARGS... | ifname | cidr" ;;
+    *) die "usage: $0 [--prefix P] [--subnet A.B] up H [RATE] | down | hosts | addr HOST | exec HOST CMD... | cut HOST | restore HOST | measure [S] | measured | place N | hostfile N | agent | log | mpirun ARGS... | ifname | cidr" ;;
 esac
