@@ -695,7 +695,7 @@ impl Call {
                 let watch = watch.get_or_insert_with(|| Watch::new(self.world, start));
                 if let Some(answers) = watch.tick(&mut self.st, self.world) {
                     control::warn(&control::wait_line(
-                        (self.world.rank, self.world.size),
+                        (self.world.rank, self.world.size, &self.world.hosts),
                         self.seq,
                         &self.st.here.summary(),
                         what,
