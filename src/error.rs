@@ -425,9 +425,10 @@ pub enum Error {
     /// world is unusable afterwards: later calls fail with [`Error::DistFailed`], and the job ends
     /// with a non-zero exit.
     #[error(
-        "{op} (call #{seq}): rank {rank} {detail}, so this call can never complete. The \
+        "{op} (call #{seq}): rank {rank}{} {detail}, so this call can never complete. The \
          distributed world is unusable now: see rank {rank}'s own output for why it exited, fix \
-         that, and restart the job"
+         that, and restart the job",
+        match host { Some(h) => format!(" (host {h})"), None => String::new() }
     )]
     RankExited {
         /// The operation on this rank.
@@ -436,6 +437,8 @@ pub enum Error {
         seq: u64,
         /// The rank that exited.
         rank: usize,
+        /// The host it ran on, where the transport knows it.
+        host: Option<String>,
         /// How it exited ("exited with code 101 after its call #4 (its last panic: ...)"), and
         /// what to do.
         detail: String,

@@ -21,6 +21,14 @@ use rand::{Rng, SeedableRng};
 mod common;
 use common::mpi_job::launch;
 
+/// This machine's host name, as every rank of a job on it reports it.
+fn this_host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .expect("the host name")
+        .trim()
+        .to_owned()
+}
+
 fn collectives(np: usize) {
     let Some(job) = launch(Some(np), "collectives", &[], Duration::from_secs(60)) else {
         return;
@@ -95,6 +103,7 @@ fn skipped_call(np: usize, check: &str) {
             "pull (call #2) of keys [5] timed out",
             &format!("waiting for ranks [{last}]"),
             &format!("rank {last} is not responding"),
+            &format!("missing: rank {last} (host {})", this_host()),
             "first failure",
         ],
     );
@@ -219,7 +228,8 @@ fn a_failed_rank_ends_the_job(how: &str, needles: &[&str]) {
         job.took < Duration::from_secs(30),
         "the job must end well before KVSTORE_TIMEOUT=60 s, not after it\n{job}"
     );
-    let mut all = vec!["RankExited { op: ", "rank: 1", "rank 1 exited"];
+    let named = format!("rank 1 (host {}) exited", this_host());
+    let mut all = vec!["RankExited { op: ", "rank: 1", &named];
     all.extend_from_slice(needles);
     job.assert_ok(&[0, 2], 3, "rank_fails", &all);
     assert!(

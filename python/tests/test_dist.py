@@ -261,6 +261,10 @@ def test_a_step_the_torch_wrapper_refuses_on_one_rank_fails_on_every_rank():
 def test_a_silent_rank_is_a_timeout_not_a_hang():
     rc, out = run(2, "timeout", "30", env={"KVSTORE_TIMEOUT": "3"})
     assert re.search(r"^rank 0: EXPECTED TimeoutError", out, re.M), out
+    # The message names the missing rank's host (every rank's host is known from the create).
+    host = re.escape(socket.gethostname())
+    named = rf"^rank 0: EXPECTED TimeoutError: .*missing: rank 1 \(host {host}\)"
+    assert re.search(named, out, re.M), out
     assert oks(out, "timeout") == [0], out
     # Rank 0's world failed, so its exit ends the job (MPI_Abort): the silent rank is ended
     # too, long before its 30 s sleep is over, and the job fails.
@@ -291,6 +295,9 @@ def test_a_world_size_that_disagrees_with_mpirun_is_dist_env():
 def test_a_rank_that_exits_ends_the_others_with_an_error():
     rc, out = run(2, "exits")
     assert re.search(r"^rank 0: EXPECTED RankExitedError", out, re.M), out
+    host = re.escape(socket.gethostname())
+    named = rf"^rank 0: EXPECTED RankExitedError: .*rank 1 \(host {host}\) exited"
+    assert re.search(named, out, re.M), out
     assert oks(out, "exits") == [0], out
     assert rc != 0, out
 

@@ -40,11 +40,12 @@ impl Watchdog {
     /// does not match a blocking collective with a non-blocking one), so no rank may fall back
     /// alone.
     pub(super) fn start(
-        rank: usize,
+        (rank, hosts): (usize, &[String]),
         timeout: Duration,
         wait_log: Duration,
     ) -> Result<Watchdog, String> {
         let now: Arc<Mutex<Option<InFlight>>> = Arc::new(Mutex::new(None));
+        let others = others_on_hosts(rank, hosts);
         let shared = now.clone();
         let tick = (timeout / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let watch = move || loop {
@@ -67,8 +68,9 @@ impl Watchdog {
                 let _ = writeln!(
                     std::io::stderr(),
                     "{inside}, longer than KVSTORE_TIMEOUT ({} s). Every rank agreed to make \
-                     this transfer, so a rank died or stopped inside it; MPI cannot cancel it, \
-                     so this process ends with exit code 1",
+                     this transfer, so a rank died or stopped inside it, or a link to its \
+                     host is cut ({others}); MPI cannot cancel it, so this process ends with \
+                     exit code 1",
                     timeout.as_secs_f64()
                 );
                 // SAFETY: `_exit` ends the process at once, without exit handlers, which would
@@ -112,6 +114,19 @@ impl Watchdog {
         *lock(&self.now) = None;
         r
     }
+}
+
+/// The other ranks and their hosts, for the watchdog's last words, which cannot ask which rank
+/// is missing (this thread may not call MPI): "the other ranks: rank 1 (host b)" (up to 16).
+fn others_on_hosts(rank: usize, hosts: &[String]) -> String {
+    let others: Vec<usize> = (0..hosts.len()).filter(|&r| r != rank).collect();
+    if others.is_empty() || others.len() > 16 {
+        return format!("{} other ranks", others.len());
+    }
+    format!(
+        "the other ranks: {}",
+        super::hosts::ranks_on_hosts(&others, hosts)
+    )
 }
 
 fn lock(m: &Mutex<Option<InFlight>>) -> MutexGuard<'_, Option<InFlight>> {

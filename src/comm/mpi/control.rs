@@ -471,9 +471,10 @@ impl Whereabouts {
 }
 
 /// The log line of a rank that has waited `waited` in call `seq` (`summary`, e.g. "push of key
-/// 7"), in its `what`, given the other ranks' answers.
+/// 7"), in its `what`, given the other ranks' answers; the awaited ranks are named with their
+/// `hosts` (by rank).
 pub(super) fn wait_line(
-    (me, size): (usize, usize),
+    (me, size, hosts): (usize, usize, &[String]),
     seq: u64,
     summary: &str,
     what: &str,
@@ -485,7 +486,7 @@ pub(super) fn wait_line(
     let whom = if w.missing.is_empty() {
         String::new()
     } else {
-        format!(" for {}", fingerprint::ranks(&w.missing))
+        format!(" for {}", super::hosts::ranks_on_hosts(&w.missing, hosts))
     };
     let mut parts = w.parts(SILENT_WHY);
     if w.missing.is_empty() {
@@ -595,8 +596,9 @@ mod tests {
         let mut answers = BTreeMap::new();
         answers.insert(2, report(7, "push of key 7, in its reduce to rank 0"));
         answers.insert(3, report(5, "pull of key 1"));
+        let hosts = ["a", "b", "c", "d"].map(String::from);
         let line = wait_line(
-            (0, 4),
+            (0, 4, &hosts),
             7,
             "push of key 7",
             "reduce to rank 0",
@@ -605,7 +607,8 @@ mod tests {
             Duration::from_secs(1800),
         );
         for part in [
-            "kvstore: rank 0: waiting for ranks [1, 3] for 60 s now, in call #7 (push of key 7), \
+            "kvstore: rank 0: waiting for ranks 1, 3 (hosts b, d) for 60 s now, in call #7 (push \
+             of key 7), \
              in its reduce to rank 0: ",
             "rank 1 is not responding (busy outside kvstore",
             "rank 3 is at call #5 (pull of key 1)",
@@ -616,7 +619,7 @@ mod tests {
         }
         let all_here: BTreeMap<usize, Report> = [(1, report(7, "x"))].into_iter().collect();
         let line = wait_line(
-            (0, 2),
+            (0, 2, &hosts),
             7,
             "p",
             "w",

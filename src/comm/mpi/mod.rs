@@ -118,8 +118,10 @@ mod blocking;
 mod collective;
 mod control;
 mod exit;
+mod hosts;
 mod poll;
 mod raw;
+mod test_hook;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -146,6 +148,8 @@ pub struct World {
     size: usize,
     local_rank: usize,
     local_size: usize,
+    /// Every rank's host name, in rank order (see [`hosts`]): errors name a lost rank's host.
+    hosts: Vec<String>,
     timeout: Duration,
     /// How often a long wait logs whom it waits for (`KVSTORE_WAIT_LOG_SECS`).
     wait_log: Duration,
@@ -319,6 +323,7 @@ impl World {
 
         let (rank, size, local_rank, local_size, data, control) =
             Self::communicators().map_err(as_pair)?;
+        let hosts = hosts::gather(control.0, size).map_err(as_pair)?;
 
         // From here on MPI is initialised by us: the exit hook must run whatever happens.
         exit::install_panic_hook();
@@ -326,7 +331,7 @@ impl World {
             eprintln!("kvstore: could not register the MPI exit hook; MPI will not be finalized");
         }
 
-        let watchdog = blocking::Watchdog::start(rank, timeout, wait_log)
+        let watchdog = blocking::Watchdog::start((rank, &hosts), timeout, wait_log)
             .map_err(|e| ("MPI".to_owned(), e))?;
         let env_error = env_agrees("RANK", rank, "rank")
             .or_else(|| env_agrees("WORLD_SIZE", size, "world size"))
@@ -341,6 +346,7 @@ impl World {
             size,
             local_rank,
             local_size,
+            hosts,
             timeout,
             wait_log,
             check,
@@ -439,6 +445,12 @@ impl World {
     /// The number of ranks on this machine.
     pub fn local_size(&self) -> usize {
         self.local_size
+    }
+
+    /// The host name of `rank` (as that rank's `gethostname` said, cleaned; "unknown" for a
+    /// rank out of range).
+    pub fn host_of(&self, rank: usize) -> &str {
+        self.hosts.get(rank).map_or("unknown", String::as_str)
     }
 
     /// The bound of every wait (`KVSTORE_TIMEOUT`).
@@ -683,7 +695,7 @@ impl Call {
                 let watch = watch.get_or_insert_with(|| Watch::new(self.world, start));
                 if let Some(answers) = watch.tick(&mut self.st, self.world) {
                     control::warn(&control::wait_line(
-                        (self.world.rank, self.world.size),
+                        (self.world.rank, self.world.size, &self.world.hosts),
                         self.seq,
                         &self.st.here.summary(),
                         what,
@@ -722,6 +734,7 @@ impl Call {
             op: self.op,
             seq: self.seq,
             rank,
+            host: Some(self.world.host_of(rank).to_owned()),
             detail,
         })
     }
@@ -772,7 +785,7 @@ impl Call {
             (world.rank, world.size),
             &reports,
             what,
-            world.timeout,
+            (world.timeout, &world.hosts),
         )
     }
 }
@@ -784,7 +797,8 @@ impl Drop for Call {
 }
 
 /// The error of a timed-out `what` in call `seq`, from the reports of the other ranks: who is in
-/// the same call, who is elsewhere (and where), and who did not answer.
+/// the same call, who is elsewhere (and where), who did not answer, and the missing ranks'
+/// hosts (`hosts`, by rank).
 fn timeout_error(
     op: &'static str,
     seq: u64,
@@ -792,13 +806,19 @@ fn timeout_error(
     (me, size): (usize, usize),
     reports: &BTreeMap<usize, Report>,
     what: &str,
-    timeout: Duration,
+    (timeout, hosts): (Duration, &[String]),
 ) -> Error {
     let w = Whereabouts::of(seq, (me, size), reports);
     let secs = timeout.as_secs_f64();
     let mut parts = vec![format!(
         "the {what} did not complete within KVSTORE_TIMEOUT={secs} s"
     )];
+    if !w.missing.is_empty() {
+        parts.push(format!(
+            "missing: {}",
+            hosts::ranks_on_hosts(&w.missing, hosts)
+        ));
+    }
     parts.extend(w.parts("died, hung outside kvstore, or stopped making kvstore calls"));
     let missing = w.missing;
     let advice = if missing.is_empty() {
@@ -866,7 +886,10 @@ mod tests {
             (0, 5),
             &reports,
             "reduce to rank 0",
-            Duration::from_secs(3),
+            (
+                Duration::from_secs(3),
+                &["h0", "h1", "h2", "h3", "h4"].map(String::from),
+            ),
         );
         let Error::Timeout { missing, .. } = &e else {
             panic!("{e}")
@@ -876,6 +899,7 @@ mod tests {
         for part in [
             "push (call #7) of keys [3] timed out waiting for ranks [2, 3, 4]",
             "the reduce to rank 0 did not complete within KVSTORE_TIMEOUT=3 s",
+            "missing: ranks 2, 3, 4 (hosts h2, h3, h4)",
             "ranks [3, 4] are not responding",
             "rank 2 is at call #18 (pull of key 5)",
             "rank 1 is waiting in this same call",

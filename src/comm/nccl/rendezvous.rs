@@ -621,6 +621,7 @@ pub(crate) fn fetch(
                 op: OP,
                 seq: 0,
                 rank: 0,
+                host: Some(host.to_owned()),
                 detail: format!(
                     "closed the connection at {addr} before sending the NCCL id (it failed or \
                      exited, or what listens there is not a kvstore rank 0)"
@@ -683,6 +684,7 @@ pub(crate) fn fetch(
             op: OP,
             seq: 0,
             rank: 0,
+            host: Some(host.to_owned()),
             detail: format!("failed before sending the NCCL id ({why})"),
         },
         Some(Refusal::Version) | None => Error::DistEnv {

@@ -1,0 +1,113 @@
+//! Every rank's host name, known to every rank: gathered once when the world is set up, so that
+//! an error about a lost rank names the machine it ran on ("rank 1 (host node7)").
+//!
+//! A name comes from another process, so it is never trusted: each rank sends at most
+//! [`HOST_BYTES`] bytes, and every receiver keeps only letters, digits, `.`, `-` and `_` of them
+//! (anything else becomes `?`). An empty name reads as "unknown".
+
+use std::os::raw::{c_char, c_int};
+
+use mpi::ffi;
+
+use super::raw;
+use crate::Result;
+
+/// The most bytes of a host name that travel (Linux's `HOST_NAME_MAX` is 64).
+pub(super) const HOST_BYTES: usize = 64;
+
+/// This machine's host name (`gethostname`), cut to [`HOST_BYTES`] and cleaned as every
+/// receiver cleans it.
+fn this_host() -> [u8; HOST_BYTES] {
+    let mut buf = [0u8; HOST_BYTES + 1];
+    // SAFETY: `buf` is writable for `buf.len()` bytes; gethostname writes at most that many and
+    // never past them (a longer name is cut; the last byte stays 0).
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast::<c_char>(), HOST_BYTES) };
+    let mut out = [0u8; HOST_BYTES];
+    if rc == 0 {
+        out.copy_from_slice(&buf[..HOST_BYTES]);
+    }
+    out
+}
+
+/// A received name: the bytes up to the first 0, every byte outside `[A-Za-z0-9._-]` as `?`;
+/// "unknown" for none.
+pub(super) fn clean(raw: &[u8]) -> String {
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    let name: String = raw[..end.min(HOST_BYTES)]
+        .iter()
+        .map(|&b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'.' | b'-' | b'_' => b as char,
+            _ => '?',
+        })
+        .collect();
+    if name.is_empty() {
+        "unknown".to_owned()
+    } else {
+        name
+    }
+}
+
+/// Gathers every rank's host name on `comm` (blocking: it runs inside the world's setup, which
+/// is bounded as a whole), in rank order.
+pub(super) fn gather(comm: ffi::MPI_Comm, size: usize) -> Result<Vec<String>> {
+    let mine = this_host();
+    let mut all = vec![0u8; HOST_BYTES * size];
+    let n = HOST_BYTES as c_int;
+    // SAFETY: `mine` holds HOST_BYTES bytes and `all` HOST_BYTES per rank of `comm`, the
+    // communicator's size; the call is blocking, so MPI is done with both when it returns.
+    let rc = unsafe {
+        ffi::MPI_Allgather(
+            raw::ptr(&mine),
+            n,
+            ffi::RSMPI_UINT8_T,
+            raw::ptr_mut(&mut all),
+            n,
+            ffi::RSMPI_UINT8_T,
+            comm,
+        )
+    };
+    raw::check("initialise MPI (host names)", rc)?;
+    Ok(all.chunks(HOST_BYTES).map(clean).collect())
+}
+
+/// "rank 1 (host node7)", or "ranks 1, 3 (hosts node7, node9)": ranks named with their hosts.
+pub(super) fn ranks_on_hosts(ranks: &[usize], hosts: &[String]) -> String {
+    let host = |r: usize| hosts.get(r).map_or("unknown", String::as_str);
+    match ranks {
+        [r] => format!("rank {r} (host {})", host(*r)),
+        _ => format!(
+            "ranks {} (hosts {})",
+            ranks
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            ranks
+                .iter()
+                .map(|&r| host(r))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_received_name_is_cut_and_cleaned() {
+        assert_eq!(clean(b"node-7.cluster_a\0junk"), "node-7.cluster_a");
+        assert_eq!(clean(b"bad name\n\x1b[31m"), "bad?name???31m");
+        assert_eq!(clean(b"\0"), "unknown");
+        assert_eq!(clean(&[b'x'; 200]).len(), HOST_BYTES);
+    }
+
+    #[test]
+    fn ranks_are_named_with_their_hosts() {
+        let hosts = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
+        assert_eq!(ranks_on_hosts(&[1], &hosts), "rank 1 (host b)");
+        assert_eq!(ranks_on_hosts(&[0, 2], &hosts), "ranks 0, 2 (hosts a, c)");
+        assert_eq!(ranks_on_hosts(&[5], &hosts), "rank 5 (host unknown)");
+    }
+}
