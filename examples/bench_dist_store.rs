@@ -45,6 +45,7 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use kvstore::__internal::mpi::{Fingerprint, World};
 use kvstore::{DType, KvStore, NDArray};
 use mpi::collective::SystemOperation;
@@ -54,76 +55,58 @@ use mpi::traits::*;
 mod dist_bench;
 use dist_bench::{fmt_time, label, median, parse_size, slowest, timed};
 
+/// The dist store's push and pull next to raw MPI collectives (run under mpirun; see the
+/// example's docs).
+#[derive(Parser)]
+#[command(name = "bench_dist_store")]
 struct Options {
+    /// The one-key sizes, in bytes: a comma-separated list of 4096, 64K, 16M, 1G, ...
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = parse_size,
+        default_value = "4K,64K,1M,16M,64M,256M"
+    )]
     sizes: Vec<usize>,
-    small: bool,
-    big: bool,
+    /// Repetitions of every size (default: by size).
+    #[arg(long)]
     reps: Option<usize>,
+    /// Only the 1000 small keys, not the one-key table.
+    #[arg(long)]
+    small_only: bool,
+    /// Only the one-key table, not the 1000 small keys.
+    #[arg(long)]
+    no_small: bool,
     /// Skip the raw collectives (for a profile of the store's calls alone).
+    #[arg(long)]
     store_only: bool,
     /// Time the steps of a push and a pull one by one instead.
+    #[arg(long)]
     breakdown: bool,
     /// Time compressed pushes against uncompressed ones instead.
+    #[arg(long)]
     compression: bool,
     /// Time an embedding of this many rows dense and row-sparse instead.
+    #[arg(long, value_name = "ROWS")]
     row_sparse: Option<usize>,
-    /// The percentage of its rows each rank touches per step (`--density`, default 1).
+    /// The percentage of its rows each rank touches per step (with --row-sparse).
+    #[arg(long, default_value_t = 1.0)]
     density: f64,
-    /// The dtype of the store's one-key values (`--dtype`, default f32; the raw collectives
-    /// stay f32).
+    /// The dtype of the store's one-key values (the raw collectives stay float32).
+    #[arg(long, value_parser = parse_dtype, default_value = "float32")]
     dtype: DType,
 }
 
-fn parse_args() -> Options {
-    let mut o = Options {
-        sizes: [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20].to_vec(),
-        small: true,
-        big: true,
-        reps: None,
-        store_only: false,
-        breakdown: false,
-        compression: false,
-        row_sparse: None,
-        density: 1.0,
-        dtype: DType::F32,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--sizes" => {
-                let v = args.next().unwrap_or_default();
-                o.sizes = v
-                    .split(',')
-                    .map(|s| parse_size(s).unwrap_or_else(|| panic!("bad size '{s}'")))
-                    .collect();
-            }
-            "--reps" => o.reps = args.next().and_then(|v| v.parse().ok()),
-            "--small-only" => o.big = false,
-            "--no-small" => o.small = false,
-            "--store-only" => o.store_only = true,
-            "--breakdown" => o.breakdown = true,
-            "--compression" => o.compression = true,
-            "--row-sparse" => o.row_sparse = args.next().and_then(|v| v.parse().ok()),
-            "--density" => o.density = args.next().and_then(|v| v.parse().ok()).unwrap_or(1.0),
-            "--dtype" => {
-                let v = args.next().unwrap_or_default();
-                o.dtype = [DType::F32, DType::F16, DType::BF16]
-                    .into_iter()
-                    .find(|d| d.name() == v)
-                    .unwrap_or_else(|| panic!("bad dtype '{v}': float32, float16 or bfloat16"));
-            }
-            other => panic!(
-                "unknown argument '{other}'; use --sizes 4K,64K,1M,..., --reps N, --small-only, \
-                 --no-small, --store-only, --breakdown, --compression, --row-sparse ROWS, \
-                 --dtype float32|float16|bfloat16"
-            ),
-        }
-    }
-    o
+/// A float dtype by its name: float32, float16 or bfloat16.
+fn parse_dtype(name: &str) -> Result<DType, String> {
+    [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| format!("not a dtype here: '{name}'; use float32, float16 or bfloat16"))
 }
 
 fn main() -> kvstore::Result<()> {
-    let o = parse_args();
+    let o = Options::parse();
     let world = World::get()?;
     let comm = SimpleCommunicator::world();
     let (rank, size) = (world.rank(), world.size());
@@ -173,7 +156,7 @@ fn main() -> kvstore::Result<()> {
         }
         return Ok(());
     }
-    if o.big {
+    if !o.small_only {
         if lead {
             println!(
                 "| ranks | size | key | op | store | raw MPI | store/raw | raw nb+wait | store GB/s | raw GB/s | reps |"
@@ -184,7 +167,7 @@ fn main() -> kvstore::Result<()> {
             one_key(&b, bytes)?;
         }
     }
-    if o.small {
+    if !o.no_small {
         small_keys(&b)?;
     }
     Ok(())

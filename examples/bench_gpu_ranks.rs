@@ -15,6 +15,7 @@
 //! 2.30 or later and `NCCL_MULTI_RANK_GPU_ENABLE=1`). On the stand-in driver the numbers are
 //! not GPU timings; it only shows that the bench runs.
 
+use clap::Parser;
 use kvstore::__internal::mpi::World;
 use kvstore::__internal::nccl::RankComm;
 use kvstore::__internal::probe;
@@ -25,38 +26,22 @@ use mpi::traits::*;
 mod dist_bench;
 use dist_bench::{fmt_time, label, median, parse_size, slowest, timed};
 
+/// GPU ranks: the dist store's push and pull next to raw NCCL (run under mpirun; see the
+/// example's docs).
+#[derive(Parser)]
+#[command(name = "bench_gpu_ranks")]
 struct Options {
+    /// The one-key sizes, in bytes: a comma-separated list of 4096, 64K, 16M, 1G, ...
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = parse_size,
+        default_value = "4K,64K,1M,16M,256M"
+    )]
     sizes: Vec<usize>,
+    /// Repetitions of every size (default: by size).
+    #[arg(long)]
     reps: Option<usize>,
-}
-
-fn parse_args() -> Result<Options, String> {
-    let mut o = Options {
-        sizes: vec![4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],
-        reps: None,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--sizes" => {
-                let v = args.next().ok_or("--sizes needs a list: 4K,64K,1M")?;
-                o.sizes = v
-                    .split(',')
-                    .map(|s| parse_size(s).ok_or(format!("not a size: {s}")))
-                    .collect::<Result<_, _>>()?;
-            }
-            "--reps" => {
-                let v = args.next().ok_or("--reps needs a number")?;
-                o.reps = Some(v.parse().map_err(|_| format!("not a number: {v}"))?);
-            }
-            other => {
-                return Err(format!(
-                    "unknown argument {other}; use --sizes 4K,1M,... --reps N"
-                ))
-            }
-        }
-    }
-    Ok(o)
 }
 
 /// NCCL between the ranks for the raw collectives: rank 0's id sent over MPI, as nccl-tests
@@ -77,13 +62,7 @@ fn raw_comm(comm: &SimpleCommunicator, world: &World, ordinal: usize) -> kvstore
 }
 
 fn main() -> kvstore::Result<()> {
-    let o = match parse_args() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("bench_gpu_ranks: {e}");
-            std::process::exit(2);
-        }
-    };
+    let o = Options::parse();
     let world = World::get()?;
     let comm = SimpleCommunicator::world();
     let (rank, size) = (world.rank(), world.size());

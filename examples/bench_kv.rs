@@ -21,44 +21,105 @@ mod common;
 use std::io::BufRead;
 
 use anyhow::{bail, Context, Result};
-use common::{roof::Bufs, Kv, SmallKeys, Target};
+use clap::{CommandFactory, Parser};
+use common::{roof::Bufs, size::parse_size, Kv, SmallKeys, Target};
 use kvstore::{DType, Updater};
 
-/// One workload to time.
+/// One workload to time: `OP SIZE NDEV [REPS] [WARMUP] [UPDATER] [DTYPE]`, on the command line
+/// or as one line of `--serve`'s input.
+#[derive(Parser)]
+#[command(name = "bench_kv")]
 struct Cmd {
+    /// push, pull, pushpull; push_list, pull_list, push_loop, pull_loop (1000 keys of SIZE
+    /// each); roof_copy, roof_sum, roof_sum_rmw, roof_bcast.
     op: String,
+    /// Bytes per value: 4096, 64K, 16M, 1G.
+    #[arg(value_name = "SIZE", value_parser = parse_size, default_value = "16M")]
     bytes: usize,
+    /// Values per call (devices).
+    #[arg(value_name = "NDEV", default_value_t = 4)]
     n: usize,
+    /// Timed repetitions; 0 picks a count by size.
+    #[arg(default_value_t = 0)]
     reps: usize,
+    /// Untimed repetitions first.
+    #[arg(default_value_t = 3)]
     warmup: usize,
+    /// assign, axpby, sgd, sgd_mom or adam.
+    #[arg(default_value = "assign")]
     updater: String,
+    /// float32, float16 or bfloat16 (or f32, f16, bf16).
+    #[arg(value_parser = parse_dtype, default_value = "float32")]
     dtype: DType,
 }
 
+/// A dtype as a workload names it.
+fn parse_dtype(name: &str) -> std::result::Result<DType, String> {
+    match name {
+        "float32" | "f32" => Ok(DType::F32),
+        "float16" | "f16" => Ok(DType::F16),
+        "bfloat16" | "bf16" => Ok(DType::BF16),
+        other => Err(format!(
+            "unknown dtype '{other}': use float32, float16 or bfloat16"
+        )),
+    }
+}
+
+/// Times one store workload (or a roof kernel) and prints one JSON line; or many, with
+/// `--serve`, `--suite` or `--half-ab`.
+#[derive(Parser)]
+#[command(name = "bench_kv")]
+struct Cli {
+    /// Read one workload per stdin line (OP SIZE NDEV ...) and print one JSON line for each.
+    #[arg(long, exclusive = true)]
+    serve: bool,
+    /// Every store op at every size and device count, interleaved with its roof kernel,
+    /// ROUNDS times [default: 3].
+    #[arg(
+        long,
+        exclusive = true,
+        value_name = "ROUNDS",
+        num_args = 0..=1,
+        default_missing_value = "3"
+    )]
+    suite: Option<usize>,
+    /// The float16/bfloat16 A/B of the updaters (scalar against 16-wide): ROUNDS [3], SIZE
+    /// [64M], REPS [8].
+    #[arg(long, exclusive = true, value_names = ["ROUNDS", "SIZE", "REPS"], num_args = 0..=3)]
+    half_ab: Option<Vec<String>>,
+    #[command(flatten)]
+    cmd: Option<Cmd>,
+}
+
+/// `--half-ab`'s values.
+#[derive(Parser)]
+#[command(name = "bench_kv --half-ab")]
+struct HalfAb {
+    /// Rounds.
+    #[arg(default_value_t = 3)]
+    rounds: usize,
+    /// Bytes per value: 4096, 64K, 16M, 1G.
+    #[arg(value_name = "SIZE", value_parser = parse_size, default_value = "64M")]
+    bytes: usize,
+    /// Timed repetitions per round.
+    #[arg(default_value_t = 8)]
+    reps: usize,
+}
+
 impl Cmd {
+    /// The workload named by `args` (the words after `bench_kv`); REPS 0 picks a count.
     fn parse(args: &[&str]) -> Result<Cmd> {
-        let get = |i: usize, default: &str| args.get(i).copied().unwrap_or(default).to_owned();
-        let bytes = common::parse_size(&get(1, "16M"))?;
-        let reps: usize = get(3, "0").parse()?;
-        let dtype = match get(6, "float32").as_str() {
-            "float32" | "f32" => DType::F32,
-            "float16" | "f16" => DType::F16,
-            "bfloat16" | "bf16" => DType::BF16,
-            other => bail!("unknown dtype {other}"),
-        };
-        Ok(Cmd {
-            op: args.first().context("missing op")?.to_string(),
-            bytes,
-            n: get(2, "4").parse()?,
-            reps: if reps == 0 {
-                common::auto_reps(bytes)
-            } else {
-                reps
-            },
-            warmup: get(4, "3").parse()?,
-            updater: get(5, "assign"),
-            dtype,
-        })
+        let words = std::iter::once("bench_kv").chain(args.iter().copied());
+        let mut cmd = Cmd::try_parse_from(words)?;
+        cmd.resolve();
+        Ok(cmd)
+    }
+
+    /// Picks the count of repetitions by size where REPS is 0.
+    fn resolve(&mut self) {
+        if self.reps == 0 {
+            self.reps = common::auto_reps(self.bytes);
+        }
     }
 
     /// Times the workload: every rep's seconds.
@@ -191,13 +252,12 @@ fn suite(target: Target, rounds: usize) -> Result<()> {
 /// AVX2/F16C path), a push on the AVX2/F16C path (`new`). float32 runs too, as a control: its
 /// two arms are the same code. One JSON line per arm and cell;
 /// `benches/half_ab.py` makes the table.
-fn half_ab(target: Target, rounds: usize, size: &str, reps: usize) -> Result<()> {
-    let bytes = Cmd::parse(&["push", size, "4"])?.bytes;
+fn half_ab(target: Target, rounds: usize, bytes: usize, reps: usize) -> Result<()> {
     let mut roof = Bufs::new(4, bytes);
     for round in 0..rounds {
         for dtype in ["float32", "float16", "bfloat16"] {
             for (name, updater) in common::updaters() {
-                let dt = Cmd::parse(&["push", size, "4", "0", "0", name, dtype])?.dtype;
+                let dt = parse_dtype(dtype).map_err(anyhow::Error::msg)?;
                 let moved = [
                     6 * bytes,
                     common::moved_updater(&updater, 4, bytes, dt),
@@ -240,30 +300,39 @@ fn half_ab(target: Target, rounds: usize, size: &str, reps: usize) -> Result<()>
 
 fn main() -> Result<()> {
     let target = Target::from_env();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    match args.first().copied() {
-        Some("--serve") => {
-            for line in std::io::stdin().lock().lines() {
-                let line = line?;
-                let words: Vec<&str> = line.split_whitespace().collect();
-                if words.is_empty() {
-                    continue;
-                }
-                if let Err(e) = Cmd::parse(&words).and_then(|c| c.report(target, 0)) {
-                    println!("{{\"error\":\"{}\"}}", e.to_string().replace('"', "'"));
-                }
+    let cli = Cli::parse();
+    if cli.serve {
+        for line in std::io::stdin().lock().lines() {
+            let line = line?;
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if words.is_empty() {
+                continue;
             }
-            Ok(())
+            if let Err(e) = Cmd::parse(&words).and_then(|c| c.report(target, 0)) {
+                // One line per command: a usage error's first line says what is wrong.
+                let e = e.to_string();
+                let first = e.lines().next().unwrap_or_default();
+                println!("{{\"error\":\"{}\"}}", first.replace('"', "'"));
+            }
         }
-        Some("--half-ab") => half_ab(
-            target,
-            args.get(1).map_or(Ok(3), |r| r.parse())?,
-            args.get(2).copied().unwrap_or("64M"),
-            args.get(3).map_or(Ok(8), |r| r.parse())?,
-        ),
-        Some("--suite") => suite(target, args.get(1).map_or(Ok(3), |r| r.parse())?),
-        Some(_) => Cmd::parse(&args)?.report(target, 0),
-        None => bail!("usage: bench_kv OP SIZE NDEV [REPS] [WARMUP] [UPDATER] [DTYPE] | --serve | --suite [ROUNDS]"),
+        return Ok(());
+    }
+    if let Some(values) = cli.half_ab {
+        let words = std::iter::once("--half-ab").chain(values.iter().map(String::as_str));
+        let h = HalfAb::try_parse_from(words).unwrap_or_else(|e| e.exit());
+        return half_ab(target, h.rounds, h.bytes, h.reps);
+    }
+    if let Some(rounds) = cli.suite {
+        return suite(target, rounds);
+    }
+    match cli.cmd {
+        Some(mut cmd) => {
+            cmd.resolve();
+            cmd.report(target, 0)
+        }
+        None => {
+            Cli::command().print_help()?;
+            std::process::exit(2);
+        }
     }
 }

@@ -18,6 +18,7 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use kvstore::__internal::mpi::{Fingerprint, World};
 use kvstore::DType;
 use mpi::collective::SystemOperation;
@@ -36,19 +37,25 @@ fn max_over_ranks(comm: &SimpleCommunicator, local: &[f64]) -> Vec<f64> {
     out
 }
 
+/// The MPI transport next to raw rsmpi calls (run under mpirun; see the example's docs).
+#[derive(Parser)]
+#[command(name = "bench_mpi_transport")]
+struct Options {
+    /// Sizes in MiB, timed after 4 KiB (default: 16 64 256).
+    #[arg(value_name = "MiB")]
+    mib: Vec<usize>,
+}
+
 fn main() -> kvstore::Result<()> {
+    let o = Options::parse();
     let w = World::get()?;
     let comm = SimpleCommunicator::world();
     let (rank, size) = (w.rank(), w.size());
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
     let mut sizes: Vec<usize> = vec![4 << 10];
-    if args.is_empty() {
+    if o.mib.is_empty() {
         sizes.extend([16 << 20, 64 << 20, 256 << 20]);
     } else {
-        sizes.extend(args.iter().map(|m| m << 20));
+        sizes.extend(o.mib.iter().map(|m| m << 20));
     }
     if rank == 0 {
         println!(

@@ -15,6 +15,7 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use kvstore::{cpu, KvStore, NDArray};
 use rayon::prelude::*;
 
@@ -45,10 +46,17 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
     )
 }
 
+/// What a push and a pull cost from the main thread and from inside a rayon pool.
+#[derive(Parser)]
+#[command(name = "par_cost")]
+struct Options {
+    /// Timed calls per case; each line is their median.
+    #[arg(default_value_t = 7)]
+    reps: usize,
+}
+
 fn main() {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .map_or(7, |r| r.parse().expect("reps: a number"));
+    let reps = Options::parse().reps;
     for mib in [1usize, 64] {
         let elems = (mib << 20) / 4;
         let kv = KvStore::create("local").unwrap();

@@ -10,8 +10,10 @@
 //! with DejaVu Sans (`PLOT_FONT` overrides the path).
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use clap::Parser;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 use serde_json::Value;
@@ -117,11 +119,23 @@ fn panel(
     Ok(())
 }
 
+/// Draws BENCHMARKS.md's bandwidth plot from the MXNet A/B and the suite run.
+#[derive(Parser)]
+#[command(name = "plot_bench")]
+struct Options {
+    /// The A/B of ours and MXNet, from benches/mxnet_peer.py.
+    #[arg(value_name = "PEER.json")]
+    peer: PathBuf,
+    /// The suite run, from `bench_kv --suite` (one JSON object per line).
+    #[arg(value_name = "SUITE.jsonl")]
+    suite: PathBuf,
+    /// The PNG to write.
+    #[arg(value_name = "OUT.png")]
+    out: PathBuf,
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let [peer, suite, out] = args.as_slice() else {
-        anyhow::bail!("usage: plot_bench PEER.json SUITE.jsonl OUT.png");
-    };
+    let Options { peer, suite, out } = Options::parse();
     let font = std::env::var("PLOT_FONT")
         .unwrap_or_else(|_| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
     let bytes = std::fs::read(&font).with_context(|| format!("reading font {font}"))?;
@@ -202,7 +216,7 @@ fn main() -> Result<()> {
         ),
     ];
 
-    let root = BitMapBackend::new(out, (1600, 650)).into_drawing_area();
+    let root = BitMapBackend::new(&out, (1600, 650)).into_drawing_area();
     root.fill(&WHITE)?;
     let (left, right) = root.split_horizontally(800);
     panel(
@@ -212,6 +226,6 @@ fn main() -> Result<()> {
     )?;
     panel(&right, "pull: stored value copied to 4 outs (CPU)", &pull)?;
     root.present()?;
-    println!("wrote {out}");
+    println!("wrote {}", out.display());
     Ok(())
 }

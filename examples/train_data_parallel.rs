@@ -55,6 +55,7 @@ mod mlp;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvstore::gpu_count;
 use kvstore::{
@@ -62,65 +63,45 @@ use kvstore::{
 };
 use mlp::{shard, DataParallel, Dataset};
 
+/// Data-parallel training of a small MLP, the optimizer running as the store's updater (see the
+/// example's docs).
+#[derive(Parser)]
+#[command(name = "train_data_parallel")]
 struct Options {
+    /// Devices per process [default: 4; 1 per rank for dist_* kinds].
+    #[arg(long)]
     devices: Option<usize>,
+    /// The optimizer: sgd (with momentum) or adam.
+    #[arg(long, value_parser = ["sgd", "adam"], default_value = "sgd")]
     optimizer: String,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 20)]
     epochs: usize,
+    /// The global batch, over all ranks.
+    #[arg(long, default_value_t = 128)]
     batch: usize,
+    /// The learning rate [default: 0.1 for sgd, 0.01 for adam].
+    #[arg(long)]
     lr: Option<f64>,
+    /// The store kind (local, device, dist_sync, ...).
+    #[arg(long, visible_alias = "kind", default_value = "device")]
     kvstore: String,
+    /// Samples per class.
+    #[arg(long, default_value_t = 1000)]
     samples: usize,
+    /// The seed of the data set and of the initial parameters.
+    #[arg(long, default_value_t = 7)]
     seed: u64,
-    check: Option<bool>,
+    /// 1: rank 0 trains the same model in one process and fails if the parameters differ
+    /// [default: 1 for dist_* kinds, 0 otherwise].
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=1))]
+    check: Option<u8>,
+    /// The largest `max |diff| / max |param|` over the tensors that --check accepts.
+    #[arg(long, default_value_t = 1e-4)]
     tolerance: f64,
-    overlap: bool,
-}
-
-const USAGE: &str = "usage: train_data_parallel [--devices N (4; 1 per rank for dist_*)] \
-[--optimizer sgd|adam (sgd)] [--epochs E (20)] [--batch B (128)] [--lr LR (0.1 sgd, 0.01 adam)] \
-[--kind|--kvstore KIND (device)] [--samples S per class (1000)] [--seed SEED (7)] \
-[--check 0|1 (1 for dist_*)] [--tolerance T (1e-4)] [--overlap 0|1 (0)]";
-
-fn parse_args() -> anyhow::Result<Options> {
-    let mut o = Options {
-        devices: None,
-        optimizer: "sgd".into(),
-        epochs: 20,
-        batch: 128,
-        lr: None,
-        kvstore: "device".into(),
-        samples: 1000,
-        seed: 7,
-        check: None,
-        tolerance: 1e-4,
-        overlap: false,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        if flag == "--help" || flag == "-h" {
-            println!("{USAGE}");
-            std::process::exit(0);
-        }
-        let value = args
-            .next()
-            .with_context(|| format!("{flag} needs a value"))?;
-        let bad = || format!("bad value '{value}' for {flag}");
-        match flag.as_str() {
-            "--devices" => o.devices = Some(value.parse().with_context(bad)?),
-            "--optimizer" => o.optimizer = value.clone(),
-            "--epochs" => o.epochs = value.parse().with_context(bad)?,
-            "--batch" => o.batch = value.parse().with_context(bad)?,
-            "--lr" => o.lr = Some(value.parse().with_context(bad)?),
-            "--kvstore" | "--kind" => o.kvstore = value.clone(),
-            "--samples" => o.samples = value.parse().with_context(bad)?,
-            "--seed" => o.seed = value.parse().with_context(bad)?,
-            "--check" => o.check = Some(value.parse::<u8>().with_context(bad)? != 0),
-            "--tolerance" => o.tolerance = value.parse().with_context(bad)?,
-            "--overlap" => o.overlap = value.parse::<u8>().with_context(bad)? != 0,
-            _ => bail!("unknown option {flag}\n{USAGE}"),
-        }
-    }
-    Ok(o)
+    /// 1: overlap every other step's communication with backward, and compare step times.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=1), default_value_t = 0)]
+    overlap: u8,
 }
 
 /// `[loss, correct]` summed over every rank (as is, in one process): a push to a store with no
@@ -153,7 +134,7 @@ impl Totals {
 
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let o = parse_args()?;
+    let o = Options::parse();
     let kind = StoreKind::parse(&o.kvstore)?;
     let n_devices = o.devices.unwrap_or(if kind.is_dist() { 1 } else { 4 });
     let device = |i| {
@@ -213,7 +194,7 @@ fn main() -> anyhow::Result<()> {
             .context("progress bar template")?,
     );
     // With --overlap: the queue the overlapped steps push through, and each kind's step times.
-    let queue = o.overlap.then(|| AsyncKvStore::new(model.kv.clone()));
+    let queue = (o.overlap == 1).then(|| AsyncKvStore::new(model.kv.clone()));
     let (mut blocking_s, mut overlapped_s) = (Vec::new(), Vec::new());
     let start = Instant::now();
     let mut seen = 0usize;
@@ -285,7 +266,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
-    if lead && o.check.unwrap_or(kind.is_dist()) {
+    if lead && o.check.map_or(kind.is_dist(), |c| c == 1) {
         // The same training in this process alone: a `local` store, one device, whole batches.
         let reference = DataParallel::new("local", vec![cpu(0)], updater, o.seed)?;
         for _ in 0..o.epochs {

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use kvstore::{cpu, gpu, Adam, DType, Device, KvStore, NDArray, Sgd, Updater};
 
+pub mod size;
+
 /// 1 KiB.
 pub const KIB: usize = 1 << 10;
 /// 1 MiB.
@@ -81,17 +83,6 @@ pub fn size_name(bytes: usize) -> String {
     } else {
         format!("{}K", bytes / KIB)
     }
-}
-
-/// Parses `4K`, `16M`, or plain bytes.
-pub fn parse_size(s: &str) -> Result<usize> {
-    let (num, mul) = match s.as_bytes().last() {
-        Some(b'K' | b'k') => (&s[..s.len() - 1], KIB),
-        Some(b'M' | b'm') => (&s[..s.len() - 1], MIB),
-        Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    Ok(num.parse::<usize>()? * mul)
 }
 
 /// Where the store's values live.

@@ -7,6 +7,10 @@ use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+#[path = "../../benches/common/size.rs"]
+mod size;
+pub use size::parse_size;
+
 /// The median of `v`.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -29,18 +33,6 @@ pub fn timed(
     let t = Instant::now();
     f()?;
     Ok(t.elapsed().as_secs_f64())
-}
-
-/// A size such as `4096`, `64K`, `16M` or `1G`, in bytes.
-pub fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last()? {
-        'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
-        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
-        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>().ok().map(|n| n * mult)
 }
 
 /// `bytes` as the benches print it: `4K`, `16M`.

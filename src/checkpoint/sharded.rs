@@ -20,8 +20,6 @@ use std::fs;
 use std::io;
 use std::ops::Range;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::atomic::{sync_dir, write_atomic};
 use super::checksum;
@@ -46,18 +44,12 @@ pub(crate) struct SaveId {
     pub token: u64,
 }
 
-/// A new save token: random (the standard library's per-process random hash keys), mixed with
-/// the process id, the time and a counter, so that saves of two jobs, or two saves of one job,
-/// never share one.
-fn new_token() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    let now = SystemTime::now().duration_since(UNIX_EPOCH);
-    h.write_u128(now.map_or(0, |d| d.as_nanos()));
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.finish()
+/// A new save token: 64 random bits from the operating system (`getrandom`), so that saves of
+/// two jobs, or two saves of one job, share one with a chance of 2^-64. Fails (with an I/O
+/// error that names the cause) only where the system has no random source to read.
+fn new_token() -> io::Result<u64> {
+    getrandom::u64()
+        .map_err(|e| io::Error::other(format!("no random save token from the system: {e}")))
 }
 
 /// The generation a `gen-<G>` directory name stands for.
@@ -137,6 +129,7 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
             .filter(|&n| n < u64::MAX)
             .ok_or_else(|| exhausted(g))?,
     };
+    let token = new_token().map_err(|e| write_error(dir, e))?;
     loop {
         let gen_dir = generation_dir(dir, generation);
         match fs::create_dir(&gen_dir) {
@@ -152,10 +145,7 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
         }
     }
     sync_dir(dir).map_err(|e| write_error(dir, e))?;
-    Ok(SaveId {
-        generation,
-        token: new_token(),
-    })
+    Ok(SaveId { generation, token })
 }
 
 /// Writes the shard of `rank` (of `world` ranks) of save `save` into `dir`:

@@ -42,44 +42,31 @@ pub struct Fingerprint {
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
 pub(crate) type Record = [u64; 4];
 
-/// A 64-bit hash that takes a word at a time, written out so that every rank, whatever its
-/// Rust version, hashes alike. Each word is xored into the state, which then goes through
-/// MurmurHash3's 64-bit finalizer (xor-shifts and odd multiplies, each a bijection): a call
-/// that differs in one word always hashes differently, and the finalizer spreads every bit of
-/// a difference over the whole state, so differences in two words do not cancel by a simple
-/// pattern (as they did with a bare multiply-and-fold; the tests check that pattern). It is
-/// not a cryptographic hash: it guards against mistakes, not adversaries. A word at a time,
-/// not a byte: the records of a call of 1000 keys took 3 % of its time with byte-wise FNV-1a.
-struct Hash64(u64);
+/// The 64-bit hash of a record's fields: XXH3 (`xxhash-rust`), a well-known hash whose output
+/// is fixed by its specification, so every rank hashes alike whatever its Rust version or
+/// platform. Fields are framed into a buffer: a word as its 8 little-endian bytes, a byte
+/// string after its length, so where one field ends and the next starts is part of what is
+/// hashed. The buffer is hashed in one pass at the end: for 1000 entries that measured about
+/// 12 µs, against 63 µs for XXH3's streaming hasher fed field by field (and 47 µs for the
+/// word-by-word mixer this replaced). It is not a cryptographic hash: it guards against
+/// mistakes, not adversaries.
+struct Hash64(Vec<u8>);
 
 impl Hash64 {
-    fn new() -> Hash64 {
-        Hash64(0xcbf2_9ce4_8422_2325)
+    /// A hash with room for `bytes` bytes of fields.
+    fn with_capacity(bytes: usize) -> Hash64 {
+        Hash64(Vec::with_capacity(bytes))
     }
     fn u64(&mut self, v: u64) {
-        let mut h = self.0 ^ v;
-        h ^= h >> 33;
-        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        h ^= h >> 33;
-        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        h ^= h >> 33;
-        self.0 = h;
+        self.0.extend_from_slice(&v.to_le_bytes());
     }
-    /// `b`'s length, then its bytes, eight to a word (the last word padded with zeros).
+    /// `b`'s length, then its bytes.
     fn bytes(&mut self, b: &[u8]) {
         self.u64(b.len() as u64);
-        let words = b.chunks_exact(8);
-        let rest = words.remainder();
-        for w in words {
-            let mut word = [0u8; 8];
-            word.copy_from_slice(w);
-            self.u64(u64::from_le_bytes(word));
-        }
-        if !rest.is_empty() {
-            let mut word = [0u8; 8];
-            word[..rest.len()].copy_from_slice(rest);
-            self.u64(u64::from_le_bytes(word));
-        }
+        self.0.extend_from_slice(b);
+    }
+    fn digest(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(&self.0)
     }
 }
 
@@ -161,7 +148,7 @@ impl Fingerprint {
 
     /// The fixed-size record for call number `seq`.
     pub(crate) fn record(&self, seq: u64) -> Record {
-        let mut op = Hash64::new();
+        let mut op = Hash64::with_capacity(64);
         op.u64(self.store);
         op.bytes(self.op.as_bytes());
         if let Some(note) = &self.note {
@@ -171,7 +158,8 @@ impl Fingerprint {
             op.u64(3);
             op.bytes(tag.as_bytes());
         }
-        let mut all = Hash64::new();
+        // About 64 bytes an entry: a short key, two dims and the dtype's name, framed.
+        let mut all = Hash64::with_capacity(64 * self.entries.len());
         for e in &self.entries {
             match &e.key {
                 Key::Int(i) => {
@@ -193,7 +181,7 @@ impl Fingerprint {
             all.u64(2);
             all.bytes(why.as_bytes());
         }
-        [seq, op.0, self.entries.len() as u64, all.0]
+        [seq, op.digest(), self.entries.len() as u64, all.digest()]
     }
 
     /// "pull of key 5", "push of keys 3, 5, 7", "push of 12 keys (3, 5, 7, ...)".

@@ -223,8 +223,10 @@ pub fn grid_dim(total: u32) -> (u32, u32, u32) {
 
 /// One tensor of a launch: the `table` parameter points to an array of these in device memory.
 /// All pointers are device addresses (`CUdeviceptr`).
+/// Its bytes, as the host copies them to the GPU, are in the host's byte order, which is the
+/// GPU's: CUDA hosts are little-endian.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct TensorRecord {
     /// `n` elements of the dtype: read (except by `Assign`) and written.
     pub stored: u64,

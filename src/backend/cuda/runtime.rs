@@ -19,7 +19,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
 
-use super::kernels::{self, RuleKind};
+use super::kernels::{self, RuleKind, TensorRecord};
 use crate::backend::probe;
 use crate::host::HostData;
 use crate::{DType, Device, Error, Key, PtxUpdater, Result};
@@ -927,35 +927,40 @@ pub(crate) struct Record {
     pub lr_t: f32,
 }
 
-/// Bytes per record in the device table.
-const RECORD_BYTES: usize = 64;
+/// The length in bytes of a launch's device table of `records` records, `starts` block starts
+/// and `inputs` input pointers in all (see [`record_table`]).
+fn table_len(records: usize, starts: usize, inputs: usize) -> usize {
+    records * size_of::<TensorRecord>() + (starts * 4).next_multiple_of(8) + inputs * 8
+}
 
-/// The bytes of a launch's device table at device address `base`: `records.len()` 64-byte
-/// records (the ABI's layout), then `starts` (see [`kernels::block_starts`]) padded to 8
+/// The bytes of a launch's device table at device address `base`: a [`TensorRecord`] per
+/// record (the ABI's layout), then `starts` (see [`kernels::block_starts`]) padded to 8
 /// bytes, then every record's input pointers, in record order.
 pub(crate) fn record_table(base: u64, records: &[Record], starts: &[u32]) -> Vec<u8> {
     let inputs: usize = records.iter().map(|r| r.inputs.len()).sum();
-    let starts_at = records.len() * RECORD_BYTES;
-    let inputs_at = starts_at + (starts.len() * 4).next_multiple_of(8);
-    let mut host = vec![0u8; inputs_at + inputs * 8];
-    for (i, s) in starts.iter().enumerate() {
-        host[starts_at + 4 * i..starts_at + 4 * i + 4].copy_from_slice(&s.to_le_bytes());
+    let len = table_len(records.len(), starts.len(), inputs);
+    let mut host = Vec::with_capacity(len);
+    let mut next_input = base + table_len(records.len(), starts.len(), 0) as u64;
+    for r in records {
+        let record = TensorRecord {
+            stored: r.stored,
+            inputs: next_input,
+            m: r.m,
+            v: r.v,
+            n: r.n,
+            k: r.inputs.len() as u32,
+            lr_t: r.lr_t,
+            _reserved: [0; 2],
+        };
+        host.extend_from_slice(bytemuck::bytes_of(&record));
+        next_input += 8 * r.inputs.len() as u64;
     }
-    let mut next_input = inputs_at;
-    for (i, r) in records.iter().enumerate() {
-        let rec = &mut host[i * RECORD_BYTES..(i + 1) * RECORD_BYTES];
-        rec[0..8].copy_from_slice(&r.stored.to_le_bytes());
-        rec[8..16].copy_from_slice(&(base + next_input as u64).to_le_bytes());
-        rec[16..24].copy_from_slice(&r.m.to_le_bytes());
-        rec[24..32].copy_from_slice(&r.v.to_le_bytes());
-        rec[32..40].copy_from_slice(&r.n.to_le_bytes());
-        rec[40..44].copy_from_slice(&(r.inputs.len() as u32).to_le_bytes());
-        rec[44..48].copy_from_slice(&r.lr_t.to_le_bytes());
-        for p in &r.inputs {
-            host[next_input..next_input + 8].copy_from_slice(&p.to_le_bytes());
-            next_input += 8;
-        }
+    host.extend_from_slice(bytemuck::cast_slice(starts));
+    host.resize(table_len(records.len(), starts.len(), 0), 0);
+    for r in records {
+        host.extend_from_slice(bytemuck::cast_slice(&r.inputs));
     }
+    debug_assert_eq!(host.len(), len);
     host
 }
 
@@ -995,8 +1000,7 @@ pub(crate) fn launch_fused(
             continue;
         }
         let inputs: usize = batch.iter().map(|r| r.inputs.len()).sum();
-        let bytes =
-            batch.len() * RECORD_BYTES + (starts.len() * 4).next_multiple_of(8) + inputs * 8;
+        let bytes = table_len(batch.len(), starts.len(), inputs);
         let mut table = gpu.table.lock().unwrap_or_else(|e| e.into_inner());
         if table.as_ref().is_none_or(|t| t.len() < bytes) {
             // The old table is freed on this stream, after the launches that read it.
@@ -1087,6 +1091,45 @@ mod tests {
         // The pointer arrays.
         let ptrs: Vec<u64> = (0..4).map(|i| u64_at(&t, 144 + 8 * i)).collect();
         assert_eq!(ptrs, vec![0x2000, 0x3000, 0x4000, 0x9000]);
+    }
+
+    #[test]
+    fn record_table_records_read_back_as_tensor_records() {
+        let base = 0x7f00_0000_1000u64;
+        let records: Vec<Record> = (0..3u64)
+            .map(|i| Record {
+                stored: 0x1_0000 * (i + 1),
+                inputs: (0..=i).map(|j| 0x10_0000 + 0x100 * j + i).collect(),
+                m: 0x2_0000 + i,
+                v: 0x3_0000 + i,
+                n: 1000 + i,
+                lr_t: 0.5 + i as f32,
+            })
+            .collect();
+        let t = record_table(base, &records, &[0, 1, 2, 3]);
+        // 3 records, 4 starts (16 bytes), 6 input pointers.
+        assert_eq!(t.len(), 3 * 64 + 16 + 6 * 8);
+        let mut first_input = base + 3 * 64 + 16;
+        for (i, r) in records.iter().enumerate() {
+            let read: TensorRecord = bytemuck::pod_read_unaligned(&t[64 * i..64 * (i + 1)]);
+            let want = TensorRecord {
+                stored: r.stored,
+                inputs: first_input,
+                m: r.m,
+                v: r.v,
+                n: r.n,
+                k: r.inputs.len() as u32,
+                lr_t: r.lr_t,
+                _reserved: [0; 2],
+            };
+            assert_eq!(read, want, "record {i}");
+            let at = (first_input - base) as usize;
+            let ptrs: Vec<u64> = (0..r.inputs.len())
+                .map(|j| u64_at(&t, at + 8 * j))
+                .collect();
+            assert_eq!(ptrs, r.inputs, "record {i}'s inputs");
+            first_input += 8 * r.inputs.len() as u64;
+        }
     }
 
     #[test]

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::os::raw::c_int;
 use std::time::{Duration, Instant};
 
+use bytemuck::Zeroable as _;
 use mpi::ffi;
 
 use super::raw::{self, Request};
@@ -91,9 +92,39 @@ pub(super) const TAG_HERE: c_int = 2;
 pub(super) const TAG_EXIT: c_int = 3;
 /// Bytes of one control record.
 pub(super) const REPORT_BYTES: usize = 256;
-/// Where the text starts in a record: seq (8 bytes), timed-out flag, failed flag, text length
-/// (2), query number (4), cause (4; `u32::MAX` for none), 4 unused.
-const TEXT_AT: usize = 24;
+
+/// One control record as it travels: 256 bytes, every integer little-endian, no padding.
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Wire {
+    /// [`Report::seq`].
+    seq: u64,
+    /// [`Report::timed_out`]: 0 or 1.
+    timed_out: u8,
+    /// [`Report::failed`]: 0 or 1.
+    failed: u8,
+    /// How many bytes of `text` are used.
+    text_len: u16,
+    /// [`Report::query`].
+    query: u32,
+    /// [`Report::cause`]; `u32::MAX` for none.
+    cause: u32,
+    /// Zero.
+    unused: [u8; 4],
+    /// [`Report::text`] in UTF-8, cut at a character boundary to fit.
+    text: [u8; REPORT_BYTES - 24],
+}
+
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<Wire>() == REPORT_BYTES);
+    assert!(offset_of!(Wire, timed_out) == 8);
+    assert!(offset_of!(Wire, failed) == 9);
+    assert!(offset_of!(Wire, text_len) == 10);
+    assert!(offset_of!(Wire, query) == 12);
+    assert!(offset_of!(Wire, cause) == 16);
+    assert!(offset_of!(Wire, text) == 24);
+};
 
 /// What a silent rank is probably doing.
 const SILENT_WHY: &str = "busy outside kvstore: computing, loading data or writing files; or \
@@ -120,40 +151,42 @@ pub(super) struct Report {
 }
 
 impl Report {
+    /// The record's bytes, as sent (see [`Wire`]).
     pub(super) fn encode(&self) -> [u8; REPORT_BYTES] {
-        let mut b = [0u8; REPORT_BYTES];
-        b[..8].copy_from_slice(&self.seq.to_le_bytes());
-        b[8] = u8::from(self.timed_out);
-        b[9] = u8::from(self.failed);
-        let mut n = self.text.len().min(REPORT_BYTES - TEXT_AT);
+        let mut wire = Wire::zeroed();
+        let mut n = self.text.len().min(wire.text.len());
         while !self.text.is_char_boundary(n) {
             n -= 1;
         }
-        b[10..12].copy_from_slice(&(n as u16).to_le_bytes());
-        b[12..16].copy_from_slice(&self.query.to_le_bytes());
+        wire.text[..n].copy_from_slice(&self.text.as_bytes()[..n]);
+        wire.seq = self.seq.to_le();
+        wire.timed_out = u8::from(self.timed_out);
+        wire.failed = u8::from(self.failed);
+        wire.text_len = (n as u16).to_le();
+        wire.query = self.query.to_le();
         let cause = self
             .cause
             .and_then(|c| u32::try_from(c).ok())
             .unwrap_or(u32::MAX);
-        b[16..20].copy_from_slice(&cause.to_le_bytes());
-        b[TEXT_AT..TEXT_AT + n].copy_from_slice(&self.text.as_bytes()[..n]);
-        b
+        wire.cause = cause.to_le();
+        bytemuck::cast(wire)
     }
 
+    /// The report a record's bytes carry (see [`Wire`]); a text length past the record is cut
+    /// to it, and text that is not UTF-8 is read lossily.
     pub(super) fn decode(b: &[u8; REPORT_BYTES]) -> Report {
-        let mut seq = [0u8; 8];
-        seq.copy_from_slice(&b[..8]);
-        let n = (u16::from_le_bytes([b[10], b[11]]) as usize).min(REPORT_BYTES - TEXT_AT);
+        let wire: Wire = bytemuck::cast(*b);
+        let n = usize::from(u16::from_le(wire.text_len)).min(wire.text.len());
         Report {
-            seq: u64::from_le_bytes(seq),
-            timed_out: b[8] != 0,
-            failed: b[9] != 0,
-            query: u32::from_le_bytes([b[12], b[13], b[14], b[15]]),
-            cause: match u32::from_le_bytes([b[16], b[17], b[18], b[19]]) {
+            seq: u64::from_le(wire.seq),
+            timed_out: wire.timed_out != 0,
+            failed: wire.failed != 0,
+            query: u32::from_le(wire.query),
+            cause: match u32::from_le(wire.cause) {
                 u32::MAX => None,
                 c => Some(c as usize),
             },
-            text: String::from_utf8_lossy(&b[TEXT_AT..TEXT_AT + n]).into_owned(),
+            text: String::from_utf8_lossy(&wire.text[..n]).into_owned(),
         }
     }
 }
@@ -589,6 +622,34 @@ mod tests {
         let long = "é".repeat(200);
         let r = Report::decode(&report(1, &long).encode());
         assert!(long.starts_with(&r.text) && !r.text.is_empty());
+    }
+
+    #[test]
+    fn a_record_keeps_its_wire_layout() {
+        let r = Report {
+            seq: 0x0102_0304_0506_0708,
+            timed_out: true,
+            failed: false,
+            query: 0xdead_beef,
+            cause: Some(5),
+            text: "push of key 9".to_owned(),
+        };
+        let b = r.encode();
+        // The layout written out by hand: seq, the two flags, the text's length, the query,
+        // the cause, 4 unused bytes, then the text; little-endian; the rest zero.
+        let mut want = [0u8; REPORT_BYTES];
+        want[..8].copy_from_slice(&0x0102_0304_0506_0708u64.to_le_bytes());
+        want[8] = 1;
+        want[10..12].copy_from_slice(&13u16.to_le_bytes());
+        want[12..16].copy_from_slice(&0xdead_beefu32.to_le_bytes());
+        want[16..20].copy_from_slice(&5u32.to_le_bytes());
+        want[24..37].copy_from_slice(b"push of key 9");
+        assert_eq!(b, want);
+        assert_eq!(Report::decode(&want), r);
+        // A text length past the record is cut to it, not read past its end.
+        let mut long = want;
+        long[10..12].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(Report::decode(&long).text.len(), REPORT_BYTES - 24);
     }
 
     #[test]
