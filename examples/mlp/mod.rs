@@ -15,23 +15,23 @@ use kvstore::{AsyncKvStore, DType, Device, KvStore, NDArray, Shape, Updater};
 use rayon::prelude::*;
 
 /// Input features per sample (x, y of a point in the plane).
-pub const INPUTS: usize = 2;
+pub(crate) const INPUTS: usize = 2;
 /// Units in each hidden layer.
-pub const HIDDEN: usize = 64;
+pub(crate) const HIDDEN: usize = 64;
 /// Number of classes (spiral arms).
-pub const CLASSES: usize = 3;
+pub(crate) const CLASSES: usize = 3;
 
 /// A tiny deterministic generator (SplitMix64), so data and weights depend only on the seed.
-pub struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
     /// A generator seeded with `seed`.
-    pub fn new(seed: u64) -> Rng {
+    pub(crate) fn new(seed: u64) -> Rng {
         Rng(seed)
     }
 
     /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -40,12 +40,12 @@ impl Rng {
     }
 
     /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f64 {
+    pub(crate) fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// Standard normal (Box-Muller).
-    pub fn normal(&mut self) -> f64 {
+    pub(crate) fn normal(&mut self) -> f64 {
         let u1 = self.uniform().max(1e-300);
         let u2 = self.uniform();
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
@@ -53,7 +53,7 @@ impl Rng {
 }
 
 /// A classification data set: `x` is `len x INPUTS` row-major, `y` the class of each row.
-pub struct Dataset {
+pub(crate) struct Dataset {
     /// Features, row-major.
     pub x: Vec<f32>,
     /// Labels in `0..CLASSES`.
@@ -62,7 +62,7 @@ pub struct Dataset {
 
 impl Dataset {
     /// `per_class` noisy points on each of `CLASSES` interleaved spiral arms, shuffled.
-    pub fn spirals(per_class: usize, seed: u64) -> Dataset {
+    pub(crate) fn spirals(per_class: usize, seed: u64) -> Dataset {
         let mut rng = Rng::new(seed);
         let mut rows: Vec<([f32; INPUTS], usize)> = Vec::with_capacity(per_class * CLASSES);
         for class in 0..CLASSES {
@@ -86,12 +86,12 @@ impl Dataset {
     }
 
     /// The number of samples.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.y.len()
     }
 
     /// Rows `range` as a borrowed batch.
-    pub fn batch(&self, range: std::ops::Range<usize>) -> Batch<'_> {
+    pub(crate) fn batch(&self, range: std::ops::Range<usize>) -> Batch<'_> {
         Batch {
             x: &self.x[range.start * INPUTS..range.end * INPUTS],
             y: &self.y[range],
@@ -101,7 +101,7 @@ impl Dataset {
 
 /// A borrowed slice of a data set.
 #[derive(Clone, Copy)]
-pub struct Batch<'a> {
+pub(crate) struct Batch<'a> {
     /// Features, row-major, `y.len() x INPUTS`.
     pub x: &'a [f32],
     /// Labels.
@@ -109,7 +109,7 @@ pub struct Batch<'a> {
 }
 
 /// The parameter tensors, in key order: `w1, b1, w2, b2, w3, b3`. Weights are `fan_in x fan_out`.
-pub fn param_shapes() -> Vec<Vec<usize>> {
+pub(crate) fn param_shapes() -> Vec<Vec<usize>> {
     vec![
         vec![INPUTS, HIDDEN],
         vec![HIDDEN],
@@ -121,7 +121,7 @@ pub fn param_shapes() -> Vec<Vec<usize>> {
 }
 
 /// He-initialized weights and small random biases, from `seed`.
-pub fn init_params(seed: u64) -> Vec<Vec<f32>> {
+pub(crate) fn init_params(seed: u64) -> Vec<Vec<f32>> {
     let mut rng = Rng::new(seed);
     param_shapes()
         .iter()
@@ -137,7 +137,7 @@ pub fn init_params(seed: u64) -> Vec<Vec<f32>> {
 }
 
 /// What one forward and backward pass over a batch gives.
-pub struct Pass {
+pub(crate) struct Pass {
     /// Sum of the cross-entropy loss over the batch.
     pub loss_sum: f64,
     /// Number of samples classified correctly.
@@ -147,7 +147,7 @@ pub struct Pass {
 }
 
 /// A forward pass and, when `backward`, the gradients of the summed loss.
-pub fn pass(params: &[Vec<f32>], batch: Batch<'_>, backward: bool) -> Pass {
+pub(crate) fn pass(params: &[Vec<f32>], batch: Batch<'_>, backward: bool) -> Pass {
     let mut grads = vec![Vec::new(); if backward { 6 } else { 0 }];
     let (loss_sum, correct) = pass_each(params, batch, backward, |k, g| grads[k] = g);
     Pass {
@@ -160,7 +160,7 @@ pub fn pass(params: &[Vec<f32>], batch: Batch<'_>, backward: bool) -> Pass {
 /// A forward pass and, when `backward`, the gradients of the summed loss, each given to
 /// `on_grad(k, gradient of parameter k)` as soon as backward has it: the last layer's first
 /// (keys 4, 5, then 2, 3, then 0, 1). Returns the summed loss and the number correct.
-pub fn pass_each(
+pub(crate) fn pass_each(
     params: &[Vec<f32>],
     batch: Batch<'_>,
     backward: bool,
@@ -284,7 +284,7 @@ fn relu_mask(grad: &mut [f32], activation: &[f32]) {
 /// device, computes each shard's gradients in parallel (one rayon task per device), pushes every gradient of every
 /// device in ONE `push_list` (key `i` = parameter `i`, one value per device), and pulls the
 /// updated parameters back into every device's copy with ONE `pull_list`.
-pub struct DataParallel {
+pub(crate) struct DataParallel {
     /// The store that sums the gradients and runs the optimizer.
     pub kv: Arc<KvStore>,
     /// One device per shard.
@@ -297,7 +297,7 @@ pub struct DataParallel {
 impl DataParallel {
     /// A `kind` store (e.g. `"device"`) with `updater`, holding the parameters from `seed`, and a
     /// copy of them on every device.
-    pub fn new(
+    pub(crate) fn new(
         kind: &str,
         devices: Vec<Device>,
         updater: Updater,
@@ -333,13 +333,13 @@ impl DataParallel {
 
     /// One training step on `batch`; returns the summed loss and the number classified correctly
     /// (with the parameters from before the step).
-    pub fn step(&self, batch: Batch<'_>) -> kvstore::Result<(f64, usize)> {
+    pub(crate) fn step(&self, batch: Batch<'_>) -> kvstore::Result<(f64, usize)> {
         self.step_with(batch, self.devices.len())
     }
 
     /// As [`DataParallel::step`], but only the first `pushed` devices' gradients are pushed.
     /// Tests use it to check that a dropped shard is caught.
-    pub fn step_with(&self, batch: Batch<'_>, pushed: usize) -> kvstore::Result<(f64, usize)> {
+    pub(crate) fn step_with(&self, batch: Batch<'_>, pushed: usize) -> kvstore::Result<(f64, usize)> {
         let n = self.devices.len();
         // One task per device on rayon's pool (threads are reused from step to step).
         let per_device: Vec<kvstore::Result<(f64, usize, Vec<NDArray>)>> = (0..n)
@@ -368,7 +368,7 @@ impl DataParallel {
     /// [`DataParallel::kv`]) as soon as every device has computed them, while backward goes on
     /// with the layers below; then every parameter is pulled, and the step waits for it all.
     /// The same sums as `step`'s one `push_list`, layer by layer, so the same parameters.
-    pub fn step_overlapped(
+    pub(crate) fn step_overlapped(
         &self,
         queue: &AsyncKvStore,
         batch: Batch<'_>,
@@ -464,12 +464,12 @@ impl DataParallel {
     }
 
     /// Device `d`'s copy of the parameters, on the host.
-    pub fn device_params(&self, d: usize) -> kvstore::Result<Vec<Vec<f32>>> {
+    pub(crate) fn device_params(&self, d: usize) -> kvstore::Result<Vec<Vec<f32>>> {
         self.params.iter().map(|p| p[d].to_vec::<f32>()).collect()
     }
 
     /// The parameters as the store holds them.
-    pub fn stored_params(&self) -> kvstore::Result<Vec<Vec<f32>>> {
+    pub(crate) fn stored_params(&self) -> kvstore::Result<Vec<Vec<f32>>> {
         param_shapes()
             .iter()
             .zip(&self.keys)
@@ -482,7 +482,7 @@ impl DataParallel {
     }
 
     /// Mean loss and accuracy of device 0's parameters on `data`, forward only.
-    pub fn evaluate(&self, data: &Dataset) -> kvstore::Result<(f64, f64)> {
+    pub(crate) fn evaluate(&self, data: &Dataset) -> kvstore::Result<(f64, f64)> {
         let params = self.device_params(0)?;
         let p = pass(&params, data.batch(0..data.len()), false);
         let n = data.len() as f64;
@@ -491,7 +491,7 @@ impl DataParallel {
 }
 
 /// Shard `d` of `n`: a contiguous run of rows, sizes differing by at most one.
-pub fn shard(batch: Batch<'_>, d: usize, n: usize) -> Batch<'_> {
+pub(crate) fn shard(batch: Batch<'_>, d: usize, n: usize) -> Batch<'_> {
     let len = batch.y.len();
     let (start, end) = (len * d / n, len * (d + 1) / n);
     Batch {

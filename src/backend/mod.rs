@@ -12,7 +12,7 @@
 //! `comm`.
 
 pub mod cpu;
-pub mod cuda;
+pub(crate) mod cuda;
 pub mod probe;
 
 use std::borrow::Cow;
@@ -77,7 +77,7 @@ fn host_state(generation: u64, state: Option<HostState>) -> Option<State> {
 
 impl HomeValue {
     /// A value in host memory, with no updater state yet.
-    pub fn from_host(value: HostData) -> HomeValue {
+    pub(crate) fn from_host(value: HostData) -> HomeValue {
         HomeValue {
             place: Place::Host(value),
             state: None,
@@ -85,7 +85,7 @@ impl HomeValue {
     }
 
     /// A copy of `value` for a key homed on `home`, with no updater state yet.
-    pub fn copy_of(value: &NDArray, home: Device) -> Result<HomeValue> {
+    pub(crate) fn copy_of(value: &NDArray, home: Device) -> Result<HomeValue> {
         let storage = value.read();
         let place = match (home, &*storage) {
             (Device::Cpu(_), s) => Place::Host(s.host()?.into_owned()),
@@ -100,7 +100,7 @@ impl HomeValue {
     /// `value` kept for a key homed on `home`, with no updater state yet: its storage moved in
     /// where `value` is its only handle and already lives on `home` (a transfer's fresh
     /// buffer), copied otherwise.
-    pub fn from_array(value: NDArray, home: Device) -> Result<HomeValue> {
+    pub(crate) fn from_array(value: NDArray, home: Device) -> Result<HomeValue> {
         let in_place = match (home, value.device()) {
             (Device::Gpu(i), Device::Gpu(j)) => i == j,
             (Device::Cpu(_), Device::Cpu(_)) => true,
@@ -120,12 +120,12 @@ impl HomeValue {
     }
 
     /// Whether the value lives on a GPU.
-    pub fn is_gpu(&self) -> bool {
+    pub(crate) fn is_gpu(&self) -> bool {
         matches!(self.place, Place::Gpu(_))
     }
 
     /// The key's step under updater `generation`: `None` when it has no state for it.
-    pub fn step(&self, generation: u64) -> Option<u64> {
+    pub(crate) fn step(&self, generation: u64) -> Option<u64> {
         let host = self.state.as_ref().and_then(|s| s.step_of(generation));
         match &self.place {
             Place::Gpu(c) => c.step(generation).or(host),
@@ -134,7 +134,7 @@ impl HomeValue {
     }
 
     /// Host copies of the value and of its state for updater `generation` (for checkpoints).
-    pub fn to_host(&self, generation: u64) -> Result<(HostData, Option<HostState>)> {
+    pub(crate) fn to_host(&self, generation: u64) -> Result<(HostData, Option<HostState>)> {
         let host_state = || {
             self.state
                 .as_ref()
@@ -152,7 +152,7 @@ impl HomeValue {
     }
 
     /// Replaces the updater state with a checkpoint's, as state of updater `generation`.
-    pub fn set_state(&mut self, generation: u64, state: Option<HostState>) -> Result<()> {
+    pub(crate) fn set_state(&mut self, generation: u64, state: Option<HostState>) -> Result<()> {
         let staged = self.stage_state(generation, state)?;
         self.commit_state(staged)
     }
@@ -188,7 +188,7 @@ impl HomeValue {
     /// replace this cell's: whatever can fail for want of memory happens here (the GPU buffers
     /// of a state the cell has no room for), and [`HomeValue::commit_load`] then puts them in
     /// without allocating, the value into the cell's own buffer. The cell is not changed.
-    pub fn stage_load(
+    pub(crate) fn stage_load(
         &self,
         value: HostData,
         generation: u64,
@@ -208,7 +208,7 @@ impl HomeValue {
 
     /// Puts in a load staged by [`HomeValue::stage_load`] on this cell. Allocates no GPU
     /// memory: on a GPU home it fails only where the GPU itself does.
-    pub fn commit_load(&mut self, staged: StagedLoad) -> Result<()> {
+    pub(crate) fn commit_load(&mut self, staged: StagedLoad) -> Result<()> {
         match &mut self.place {
             Place::Host(h) => *h = staged.value,
             Place::Gpu(c) => c.buf.upload_into(&staged.value)?,
@@ -217,7 +217,7 @@ impl HomeValue {
     }
 
     /// The value in host memory: borrowed from a host home, copied from a GPU.
-    pub fn value_to_host(&self) -> Result<Cow<'_, HostData>> {
+    pub(crate) fn value_to_host(&self) -> Result<Cow<'_, HostData>> {
         Ok(match &self.place {
             Place::Host(h) => Cow::Borrowed(h),
             Place::Gpu(c) => Cow::Owned(c.buf.download()?),
@@ -226,7 +226,7 @@ impl HomeValue {
 
     /// The value as an array of `shape`, taken out of the home where it lives (host memory or
     /// its GPU); the updater state is dropped.
-    pub fn into_array(self, shape: Shape) -> NDArray {
+    pub(crate) fn into_array(self, shape: Shape) -> NDArray {
         match self.place {
             Place::Host(h) => NDArray::from_host(h, shape, Device::Cpu(0)),
             Place::Gpu(c) => NDArray::from_gpu(c.buf, shape),
@@ -234,7 +234,7 @@ impl HomeValue {
     }
 
     /// The value in host memory, taken out of the home (copied from a GPU).
-    pub fn into_host(self) -> Result<HostData> {
+    pub(crate) fn into_host(self) -> Result<HostData> {
         match self.place {
             Place::Host(h) => Ok(h),
             Place::Gpu(c) => c.buf.download(),
@@ -242,7 +242,7 @@ impl HomeValue {
     }
 
     /// A copy of the value as an array of `shape`, where the value lives.
-    pub fn to_array(&self, shape: Shape) -> Result<NDArray> {
+    pub(crate) fn to_array(&self, shape: Shape) -> Result<NDArray> {
         Ok(match &self.place {
             Place::Host(h) => NDArray::from_host(h.clone(), shape, Device::Cpu(0)),
             Place::Gpu(c) => NDArray::from_gpu(c.buf.copy_to(c.buf.ordinal())?, shape),
@@ -250,7 +250,7 @@ impl HomeValue {
     }
 
     /// Replaces the value (a closure updater's result), keeping the updater state.
-    pub fn replace_value(&mut self, value: HostData) -> Result<()> {
+    pub(crate) fn replace_value(&mut self, value: HostData) -> Result<()> {
         match &mut self.place {
             Place::Host(h) => *h = value,
             Place::Gpu(c) => c.buf.upload_into(&value)?,
@@ -261,7 +261,7 @@ impl HomeValue {
     /// Elements `segs` of the value, and of its updater state for `generation`, as a value of
     /// their own in host memory: the compact form a row-sparse push updates (the rows it
     /// carries), to give back with [`HomeValue::scatter`]. A GPU home is read whole.
-    pub fn gather(&self, generation: u64, segs: &[Range<usize>]) -> Result<HomeValue> {
+    pub(crate) fn gather(&self, generation: u64, segs: &[Range<usize>]) -> Result<HomeValue> {
         // A host home is read in place (its state too: only the rows are copied).
         let downloaded;
         let (value, state): (&HostData, Option<(u64, &[HostData])>) = match &self.place {
@@ -298,7 +298,7 @@ impl HomeValue {
     /// updated value without changing this one, so that a push of several keys changes none
     /// until every key's new value exists ([`Scattered::commit`] cannot fail): a host home's is
     /// written in place at the commit, a GPU home's is a new value on its GPU, uploaded here.
-    pub fn scatter(
+    pub(crate) fn scatter(
         &self,
         generation: u64,
         segs: Vec<Range<usize>>,
@@ -366,7 +366,7 @@ pub(crate) enum Scattered {
 
 impl Scattered {
     /// Puts the update into `home` (the value it was made from); cannot fail.
-    pub fn commit(self, home: &mut HomeValue) {
+    pub(crate) fn commit(self, home: &mut HomeValue) {
         match self {
             Scattered::Gpu(fresh) => *home = fresh,
             Scattered::Host {

@@ -13,7 +13,7 @@ use crate::{Error, Result};
 
 /// A rank as a launcher without MPI describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LaunchEnv {
+pub(crate) struct LaunchEnv {
     /// `RANK`: this process's rank, below `world_size`.
     pub rank: usize,
     /// `WORLD_SIZE`: the number of ranks.
@@ -28,13 +28,13 @@ pub struct LaunchEnv {
 
 impl LaunchEnv {
     /// Reads the launch from this process's environment.
-    pub fn from_process() -> Result<LaunchEnv> {
+    pub(crate) fn from_process() -> Result<LaunchEnv> {
         LaunchEnv::from_vars(|k| std::env::var(k).ok())
     }
 
     /// Reads the launch through `var` (a variable's value, or `None` when it is unset). An error
     /// names the first variable that is missing or wrong, and what to do.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+    pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
         let missing = |name: &str| Error::DistEnv {
             var: name.to_owned(),
             message: "is not set: start every rank with `torchrun --no-python --nproc-per-node \
@@ -104,7 +104,7 @@ impl LaunchEnv {
     /// Where rank 0 hands the NCCL id to the other ranks (kvstore's rendezvous, see
     /// `comm::nccl::rendezvous`): rank 0's host and the port after `MASTER_PORT` (the launcher
     /// keeps `MASTER_PORT` for itself).
-    pub fn rendezvous_addr(&self) -> (&str, u16) {
+    pub(crate) fn rendezvous_addr(&self) -> (&str, u16) {
         (&self.master_addr, self.master_port + 1)
     }
 }

@@ -22,7 +22,7 @@
 
 pub(crate) mod dist;
 pub(crate) mod fingerprint;
-pub mod launch;
+pub(crate) mod launch;
 pub(crate) mod link;
 mod local;
 #[cfg(feature = "mpi")]
@@ -50,7 +50,7 @@ pub(crate) struct Ctx {
 impl Ctx {
     /// How a store's calls run. `nccl_asked`: the store is a `nccl` store. On a GPU machine
     /// without a usable NCCL it warns once (what was found, how to fix it) and uses peer copies.
-    pub fn new(nccl_asked: bool, par_min_bytes: usize) -> Ctx {
+    pub(crate) fn new(nccl_asked: bool, par_min_bytes: usize) -> Ctx {
         let use_nccl = nccl_asked && probe::gpu_count() > 0 && {
             let found = nccl::available();
             if !found {

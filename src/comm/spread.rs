@@ -21,7 +21,7 @@ pub(crate) enum Spread {
 impl Spread {
     /// The part of a key of `len` elements that rank `rank` of `size` holds: all of it, a
     /// slice, or nothing.
-    pub fn piece(self, len: usize, rank: usize, size: usize) -> Range<usize> {
+    pub(crate) fn piece(self, len: usize, rank: usize, size: usize) -> Range<usize> {
         match self {
             Spread::Whole { rank: home } if home == rank => 0..len,
             Spread::Whole { .. } => 0..0,
@@ -30,7 +30,7 @@ impl Spread {
     }
 
     /// Whether rank `rank` holds a part of the key's value (the whole, or a slice).
-    pub fn holds(self, rank: usize) -> bool {
+    pub(crate) fn holds(self, rank: usize) -> bool {
         match self {
             Spread::Whole { rank: home } => home == rank,
             Spread::Sliced => true,

@@ -42,7 +42,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// How often a rank says that it is still waiting when `KVSTORE_WAIT_LOG_SECS` is unset: once a
 /// minute.
-pub const DEFAULT_WAIT_LOG: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_WAIT_LOG: Duration = Duration::from_secs(60);
 
 /// What a store reads from the environment. See the [module docs](self).
 #[derive(Clone, Debug, PartialEq)]
@@ -63,13 +63,13 @@ pub(crate) struct Config {
 
 impl Config {
     /// The configuration of this process's environment now.
-    pub fn from_env() -> Result<Config> {
+    pub(crate) fn from_env() -> Result<Config> {
         Config::from_vars(|k| std::env::var(k).ok())
     }
 
     /// The configuration `var` gives (a variable's value, or `None` when it is unset); the
     /// error names the first variable that is wrong.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
+    pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
         Ok(Config {
             par_min_bytes: count(
                 &var,

@@ -3,4 +3,4 @@
 #[cfg(feature = "candle")]
 pub mod candle;
 
-pub mod cuda;
+pub(crate) mod cuda;

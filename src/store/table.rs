@@ -48,7 +48,7 @@ pub(super) struct Table {
 
 impl Slot {
     /// A dist store's count of the key's updates under updater `generation`.
-    pub fn updates(&self, generation: u64) -> u64 {
+    pub(super) fn updates(&self, generation: u64) -> u64 {
         let u = self.updates.lock().unwrap_or_else(|p| p.into_inner());
         if u.0 == generation {
             u.1
@@ -58,12 +58,12 @@ impl Slot {
     }
 
     /// Sets a dist store's count of the key's updates under updater `generation`.
-    pub fn set_updates(&self, generation: u64, count: u64) {
+    pub(super) fn set_updates(&self, generation: u64, count: u64) {
         *self.updates.lock().unwrap_or_else(|p| p.into_inner()) = (generation, count);
     }
 
     /// The key's fixed facts, for the backends.
-    pub fn facts(&self) -> KeyFacts<'_> {
+    pub(super) fn facts(&self) -> KeyFacts<'_> {
         KeyFacts {
             key: &self.key,
             shape: self.shape,
@@ -74,7 +74,7 @@ impl Slot {
 }
 
 impl Table {
-    pub fn check_kind(&self, op: &'static str, key: &Key) -> Result<()> {
+    pub(super) fn check_kind(&self, op: &'static str, key: &Key) -> Result<()> {
         match self.key_kind {
             Some(store) if store != key.kind() => Err(Error::MixedKeyTypes {
                 op,
@@ -86,7 +86,7 @@ impl Table {
         }
     }
 
-    pub fn get(&self, op: &'static str, key: &Key) -> Result<Arc<Slot>> {
+    pub(super) fn get(&self, op: &'static str, key: &Key) -> Result<Arc<Slot>> {
         self.check_kind(op, key)?;
         self.slots
             .get(key)

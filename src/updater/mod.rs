@@ -24,7 +24,7 @@ mod schedule;
 use crate::dtype::Element;
 use crate::{Error, Key, NDArray, Result};
 
-pub use crate::error::BoxError;
+pub(crate) use crate::error::BoxError;
 pub use ptx::{PtxUpdater, PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS, PTX_UPDATER_PARAMS};
 pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 

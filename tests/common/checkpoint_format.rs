@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use safetensors::tensor::{Dtype, TensorView};
 
 /// The chunk size of the checksums that tests write: small, so that tensors span many chunks.
-pub const CHUNK: usize = 16;
+pub(crate) const CHUNK: usize = 16;
 
 /// One tensor to write: name, dtype, shape, data.
-pub type Tensor<'a> = (&'a str, Dtype, &'a [usize], &'a [u8]);
+pub(crate) type Tensor<'a> = (&'a str, Dtype, &'a [usize], &'a [u8]);
 
 /// The checksum entries' prefix, chunk entry and header entry.
 const PREFIX: &str = "crc32/";
@@ -20,7 +20,7 @@ const HEADER_ENTRY: &str = "header_crc32";
 
 /// `meta` with its checksum entries (any there are dropped) made afresh for `tensors`: the
 /// chunk size, every tensor's chunk checksums, and the header's checksum as `00000000`.
-pub fn with_checksums(
+pub(crate) fn with_checksums(
     tensors: &[Tensor],
     mut meta: HashMap<String, String>,
 ) -> HashMap<String, String> {
@@ -39,7 +39,7 @@ pub fn with_checksums(
 
 /// The safetensors file of `tensors` and `meta`, with fresh checksum entries: a file that
 /// passes every checksum.
-pub fn sealed(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
+pub(crate) fn sealed(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
     let meta = with_checksums(tensors, meta);
     with_header_checksum(tensors, meta)
 }
@@ -47,7 +47,7 @@ pub fn sealed(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
 /// The safetensors file of `tensors` and `meta` as they are, with the header's checksum filled
 /// in where `meta` holds it as `00000000` (the CRC-32 of the 8-byte length and the JSON header,
 /// padding included, as written with the placeholder).
-pub fn with_header_checksum(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
+pub(crate) fn with_header_checksum(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
     let mut bytes = plain(tensors, meta);
     let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let pattern = format!("\"{HEADER_ENTRY}\":\"00000000\"");
@@ -63,7 +63,7 @@ pub fn with_header_checksum(tensors: &[Tensor], meta: HashMap<String, String>) -
 }
 
 /// The safetensors file of `tensors` and `meta` as they are: no checksum filled in.
-pub fn plain(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
+pub(crate) fn plain(tensors: &[Tensor], meta: HashMap<String, String>) -> Vec<u8> {
     let views: Vec<(&str, TensorView)> = tensors
         .iter()
         .map(|(n, d, s, b)| (*n, TensorView::new(*d, s.to_vec(), b).unwrap()))

@@ -8,15 +8,15 @@
 #![allow(dead_code)]
 
 #[cfg(feature = "mpi")]
-pub mod mpi_job;
-pub mod reference;
+pub(crate) mod mpi_job;
+pub(crate) mod reference;
 
 use kvstore::gpu_count;
 use kvstore::{cpu, gpu, DType, Device, KvStore, NDArray, Shape};
 
 /// Where a test's store keeps its values, and where the test's own arrays live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Home {
+pub(crate) enum Home {
     /// A `local` store: values homed in host memory; the test's arrays on `cpu(0)`, `cpu(1)`, ...
     Cpu,
     /// A `device` store: every key homed on a GPU; the test's arrays on `gpu(i % gpu_count())`,
@@ -27,7 +27,7 @@ pub enum Home {
 
 impl Home {
     /// The store kind whose keys live on this home: `local` or `device`.
-    pub fn kind(self) -> &'static str {
+    pub(crate) fn kind(self) -> &'static str {
         match self {
             Home::Cpu => "local",
             Home::Gpu => "device",
@@ -36,7 +36,7 @@ impl Home {
 
     /// Every store kind that keeps its keys on this home on this machine: without a GPU, the
     /// GPU kinds fall back to the CPU home and are listed with it.
-    pub fn kinds(self) -> Vec<&'static str> {
+    pub(crate) fn kinds(self) -> Vec<&'static str> {
         let gpu_kinds = ["device", "local_allreduce_device", "nccl"];
         match self {
             Home::Cpu if gpu_count() == 0 => {
@@ -50,13 +50,13 @@ impl Home {
     }
 
     /// A fresh store of [`Home::kind`].
-    pub fn store(self) -> KvStore {
+    pub(crate) fn store(self) -> KvStore {
         self.require();
         KvStore::create(self.kind()).unwrap()
     }
 
     /// A fresh store of `kind`, which must be one of [`Home::kinds`].
-    pub fn store_of(self, kind: &str) -> KvStore {
+    pub(crate) fn store_of(self, kind: &str) -> KvStore {
         self.require();
         assert!(
             self.kinds().contains(&kind),
@@ -66,7 +66,7 @@ impl Home {
     }
 
     /// The device of the test's `i`-th array: `cpu(i)`, or `gpu(i % gpu_count())`.
-    pub fn dev(self, i: usize) -> Device {
+    pub(crate) fn dev(self, i: usize) -> Device {
         match self {
             Home::Cpu => cpu(i),
             Home::Gpu => {
@@ -77,7 +77,7 @@ impl Home {
     }
 
     /// Where a store of this home puts a key when the caller does not say.
-    pub fn is_home(self, device: Device) -> bool {
+    pub(crate) fn is_home(self, device: Device) -> bool {
         match self {
             Home::Cpu => matches!(device, Device::Cpu(_)),
             Home::Gpu => matches!(device, Device::Gpu(_)),
@@ -85,17 +85,17 @@ impl Home {
     }
 
     /// An f32 array of `shape` filled with `v` on the `i`-th device.
-    pub fn full(self, shape: impl Into<Shape>, v: f64, i: usize) -> NDArray {
+    pub(crate) fn full(self, shape: impl Into<Shape>, v: f64, i: usize) -> NDArray {
         self.full_typed(shape, v, DType::F32, i)
     }
 
     /// An array of `shape` and `dtype` filled with `v` on the `i`-th device.
-    pub fn full_typed(self, shape: impl Into<Shape>, v: f64, dtype: DType, i: usize) -> NDArray {
+    pub(crate) fn full_typed(self, shape: impl Into<Shape>, v: f64, dtype: DType, i: usize) -> NDArray {
         NDArray::full_on(shape, v, dtype, self.dev(i)).unwrap()
     }
 
     /// `a`, copied to the `i`-th device.
-    pub fn put(self, a: &NDArray, i: usize) -> NDArray {
+    pub(crate) fn put(self, a: &NDArray, i: usize) -> NDArray {
         a.to_device(self.dev(i)).unwrap()
     }
 
@@ -115,18 +115,18 @@ impl Home {
 /// shapes are scaled down there, unless `KVSTORE_STANDIN_FULL_SHAPES=1` asks for the full ones
 /// (CI runs a few tests so, to see sizes past what the scaled shapes reach). A real GPU run
 /// never sets it, and keeps the full shapes.
-pub fn on_standin() -> bool {
+pub(crate) fn on_standin() -> bool {
     std::env::var_os("KVSTORE_STANDIN").is_some()
 }
 
 /// Whether the shapes are scaled down for the stand-in's interpreter (see [`on_standin`]).
-pub fn standin_shapes() -> bool {
+pub(crate) fn standin_shapes() -> bool {
     on_standin() && std::env::var("KVSTORE_STANDIN_FULL_SHAPES").as_deref() != Ok("1")
 }
 
 impl Home {
     /// `full` elements, or `standin` on a GPU home run against the stand-in driver.
-    pub fn scaled(self, full: usize, standin: usize) -> usize {
+    pub(crate) fn scaled(self, full: usize, standin: usize) -> usize {
         if self == Home::Gpu && standin_shapes() {
             standin
         } else {
@@ -170,7 +170,7 @@ const CHILD: &str = "KVSTORE_TEST_CHILD";
 /// CUDA's fault errors are sticky, so the process's context on that GPU is unusable
 /// afterwards, and no other test may share the process; and for one that needs a setting the
 /// stand-in driver reads once per process (`KVSTORE_STANDIN_MEM_GIB`).
-pub fn in_own_process(name: &str, env: &[(&str, &str)], limit: std::time::Duration) -> bool {
+pub(crate) fn in_own_process(name: &str, env: &[(&str, &str)], limit: std::time::Duration) -> bool {
     if std::env::var(CHILD).is_ok_and(|t| t == name) {
         return true;
     }

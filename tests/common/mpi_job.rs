@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The environment variable that names the case `inner` runs.
-pub const CASE_VAR: &str = "KVT_CASE";
+pub(crate) const CASE_VAR: &str = "KVT_CASE";
 
 /// Variables a job never inherits from the test's own environment (a launcher's, or kvstore's
 /// settings): a job sees only what its `env` sets.
@@ -41,7 +41,7 @@ const CLEARED: [&str; 9] = [
 static JOBS: Mutex<()> = Mutex::new(());
 
 /// What a job did.
-pub struct Job {
+pub(crate) struct Job {
     /// The exit code; `None` if it was killed by a signal (or by the bound).
     pub code: Option<i32>,
     /// Whether the bound killed it.
@@ -53,7 +53,7 @@ pub struct Job {
 
 impl Job {
     /// The `KVT` lines of `rank`.
-    pub fn lines(&self, rank: usize) -> Vec<&str> {
+    pub(crate) fn lines(&self, rank: usize) -> Vec<&str> {
         let tag = format!("KVT rank={rank} ");
         // libtest may print "test inner ... " on the same line first.
         self.stdout
@@ -63,14 +63,14 @@ impl Job {
     }
 
     /// The OK line of `rank` for `case`, if it printed one.
-    pub fn ok_line(&self, rank: usize, size: usize, case: &str) -> Option<&str> {
+    pub(crate) fn ok_line(&self, rank: usize, size: usize, case: &str) -> Option<&str> {
         let want = format!("KVT rank={rank} size={size} OK {case} ");
         self.lines(rank).into_iter().find(|l| l.starts_with(&want))
     }
 
     /// Asserts that each of `ranks` printed an OK line for `case` containing every one of
     /// `needles`, and returns those lines.
-    pub fn assert_ok(
+    pub(crate) fn assert_ok(
         &self,
         ranks: &[usize],
         size: usize,
@@ -93,7 +93,7 @@ impl Job {
 
     /// Asserts that the job ended by itself with exit code 0 and that every one of its `np`
     /// ranks reported OK for `case`.
-    pub fn assert_healthy(&self, np: usize, case: &str) -> Vec<&str> {
+    pub(crate) fn assert_healthy(&self, np: usize, case: &str) -> Vec<&str> {
         assert!(!self.killed, "the job ran past its bound\n{self}");
         let ranks: Vec<usize> = (0..np).collect();
         let lines = self.assert_ok(&ranks, np, case, &[]);
@@ -102,7 +102,7 @@ impl Job {
     }
 
     /// Asserts that no rank reported OK for `case`.
-    pub fn assert_no_ok(&self, case: &str) {
+    pub(crate) fn assert_no_ok(&self, case: &str) {
         let tag = format!(" OK {case} ");
         assert!(
             self.stdout.lines().all(|l| !l.contains(&tag)),
@@ -126,7 +126,7 @@ impl std::fmt::Display for Job {
 }
 
 /// What a rank prints when its part of `case` passed; `detail` is free text for the outer test.
-pub fn ok_line(rank: usize, size: usize, case: &str, detail: &str) {
+pub(crate) fn ok_line(rank: usize, size: usize, case: &str, detail: &str) {
     use std::io::Write;
     // One write of the whole line: `println!` hands a long line over in pieces, and another
     // rank's output (they share mpirun's stdout) can land between them, so the outer test
@@ -139,7 +139,7 @@ pub fn ok_line(rank: usize, size: usize, case: &str, detail: &str) {
 }
 
 /// The variable that names the simulated cluster's script (`scripts/cluster.sh`).
-pub const CLUSTER_VAR: &str = "KVT_CLUSTER";
+pub(crate) const CLUSTER_VAR: &str = "KVT_CLUSTER";
 
 /// The simulated cluster's script, when the jobs run on it.
 fn cluster() -> Option<PathBuf> {
@@ -184,7 +184,7 @@ fn mpirun() -> Option<PathBuf> {
 
 /// Runs `case` on `np` ranks under mpirun (or on one process without mpirun when `np` is
 /// `None`), with `env` added, killing it after `bound`. Returns `None` when there is no mpirun.
-pub fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Duration) -> Option<Job> {
+pub(crate) fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Duration) -> Option<Job> {
     let mpirun = mpirun();
     let Some(mpirun) = mpirun else {
         eprintln!("SKIPPED: mpirun not found");
@@ -236,7 +236,7 @@ pub fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Durati
 /// each with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
 /// `MASTER_PORT` set, and `env` added; all of them are killed after `bound`. The job's exit code
 /// is the first non-zero one among the processes (`None` if one was killed by a signal).
-pub fn launch_without_mpi(n: usize, case: &str, env: &[(&str, &str)], bound: Duration) -> Job {
+pub(crate) fn launch_without_mpi(n: usize, case: &str, env: &[(&str, &str)], bound: Duration) -> Job {
     let _one_at_a_time = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let exe = std::env::current_exe().expect("the test binary's path");
     // A port of this test process's own (NCCL's bootstrap listens on the one after it).

@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use kvstore::{DType, Updater};
 
 /// `x` rounded to `dtype`, as `NDArray::from_f64` rounds it.
-pub fn round_to(dtype: DType, x: f64) -> f64 {
+pub(crate) fn round_to(dtype: DType, x: f64) -> f64 {
     match dtype {
         DType::F32 => f64::from(x as f32),
         DType::F64 => x,
@@ -16,12 +16,12 @@ pub fn round_to(dtype: DType, x: f64) -> f64 {
 }
 
 /// Every element of `v` rounded to `dtype`.
-pub fn rounded(dtype: DType, v: &[f64]) -> Vec<f64> {
+pub(crate) fn rounded(dtype: DType, v: &[f64]) -> Vec<f64> {
     v.iter().map(|&x| round_to(dtype, x)).collect()
 }
 
 /// `g` clipped to `[-c, c]` when a bound is given.
-pub fn clip(g: f64, c: Option<f64>) -> f64 {
+pub(crate) fn clip(g: f64, c: Option<f64>) -> f64 {
     match c {
         Some(c) => g.clamp(-c, c),
         None => g,
@@ -31,7 +31,7 @@ pub fn clip(g: f64, c: Option<f64>) -> f64 {
 /// A key in the reference: its weight (rounded to `dtype`), updater state in f64, and the
 /// step count.
 #[derive(Clone)]
-pub struct RefKey {
+pub(crate) struct RefKey {
     pub dtype: DType,
     pub w: Vec<f64>,
     pub m: Vec<f64>,
@@ -41,7 +41,7 @@ pub struct RefKey {
 
 impl RefKey {
     /// A key holding `w`, rounded to `dtype`, with no state yet.
-    pub fn new(dtype: DType, w: Vec<f64>) -> RefKey {
+    pub(crate) fn new(dtype: DType, w: Vec<f64>) -> RefKey {
         let n = w.len();
         RefKey {
             dtype,
@@ -53,7 +53,7 @@ impl RefKey {
     }
 
     /// State and step count start afresh, as after `set_updater`.
-    pub fn reset_state(&mut self) {
+    pub(crate) fn reset_state(&mut self) {
         self.m.iter_mut().for_each(|x| *x = 0.0);
         self.v.iter_mut().for_each(|x| *x = 0.0);
         self.t = 0;
@@ -64,7 +64,7 @@ impl RefKey {
     /// The hyperparameters are f64; the store hands them to the math of f32, f16 and bf16 keys
     /// rounded to f32 (MXNet's kernels take float32 scalars), except Adam's step size, which it
     /// computes in f64 from the unrounded ones and rounds once.
-    pub fn step(&mut self, u: &Updater, g: &[f64]) {
+    pub(crate) fn step(&mut self, u: &Updater, g: &[f64]) {
         self.t += 1;
         let dtype = self.dtype;
         let p = |x: f64| {

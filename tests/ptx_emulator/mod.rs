@@ -62,6 +62,6 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-pub use exec::{launch, Arg};
-pub use memory::Memory;
-pub use parse::Module;
+pub(crate) use exec::{launch, Arg};
+pub(crate) use memory::Memory;
+pub(crate) use parse::Module;

@@ -8,18 +8,18 @@ use std::collections::HashMap;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 
 /// A register: an index into a thread's register file.
-pub type Reg = u16;
+pub(super) type Reg = u16;
 
 /// A source operand: a register, or an immediate already in the register's bit pattern.
 #[derive(Clone, Copy, Debug)]
-pub enum Src {
+pub(crate) enum Src {
     Reg(Reg),
     Imm(u64),
 }
 
 /// f32 arithmetic, each rounded to nearest even (`.rn`).
 #[derive(Clone, Copy, Debug)]
-pub enum FloatOp {
+pub(crate) enum FloatOp {
     Add,
     Sub,
     Mul,
@@ -28,7 +28,7 @@ pub enum FloatOp {
 
 /// Unsigned integer and bit operations on 32 or 64 bits.
 #[derive(Clone, Copy, Debug)]
-pub enum IntOp {
+pub(crate) enum IntOp {
     Add,
     Sub,
     Min,
@@ -40,7 +40,7 @@ pub enum IntOp {
 
 /// `setp` comparisons; on f32 all are ordered (false when either side is NaN).
 #[derive(Clone, Copy, Debug)]
-pub enum Cmp {
+pub(crate) enum Cmp {
     Eq,
     Ne,
     Lt,
@@ -51,7 +51,7 @@ pub enum Cmp {
 
 /// The conversions `cvt` supports.
 #[derive(Clone, Copy, Debug)]
-pub enum Cvt {
+pub(crate) enum Cvt {
     /// `cvt.u64.u32`: zero extension.
     U64FromU32,
     /// `cvt.f32.f16`: exact.
@@ -66,7 +66,7 @@ pub enum Cvt {
 
 /// The type of a move, compare, select, load or store: its width and, for f32, how it compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ty {
+pub(crate) enum Ty {
     B16,
     U32,
     U64,
@@ -75,7 +75,7 @@ pub enum Ty {
 
 impl Ty {
     /// Width in bits.
-    pub fn bits(self) -> u32 {
+    pub(crate) fn bits(self) -> u32 {
         match self {
             Ty::B16 => 16,
             Ty::U32 | Ty::F32 => 32,
@@ -84,7 +84,7 @@ impl Ty {
     }
 
     /// Width in bytes.
-    pub fn bytes(self) -> u64 {
+    pub(crate) fn bytes(self) -> u64 {
         u64::from(self.bits() / 8)
     }
 
@@ -102,7 +102,7 @@ impl Ty {
 
 /// A special register: `%tid`, `%ntid`, `%ctaid` or `%nctaid`, with its dimension (x = 0).
 #[derive(Clone, Copy, Debug)]
-pub enum Special {
+pub(crate) enum Special {
     Tid(usize),
     Ntid(usize),
     Ctaid(usize),
@@ -111,7 +111,7 @@ pub enum Special {
 
 /// One decoded instruction (without its guard).
 #[derive(Clone, Debug)]
-pub enum Op {
+pub(crate) enum Op {
     Float(FloatOp, Reg, Src, Src),
     Sqrt(Reg, Src),
     Neg(Reg, Src),
@@ -138,11 +138,11 @@ pub enum Op {
 }
 
 /// A guard predicate: `@%p` is `Some((p, false))`, `@!%p` is `Some((p, true))`.
-pub type Guard = Option<(Reg, bool)>;
+pub(super) type Guard = Option<(Reg, bool)>;
 
 /// An instruction, its guard and its source.
 #[derive(Clone, Debug)]
-pub struct Instr {
+pub(crate) struct Instr {
     pub guard: Guard,
     pub op: Op,
     /// 1-based line in the PTX text.
@@ -153,7 +153,7 @@ pub struct Instr {
 
 /// A kernel parameter and where it lies in the parameter block.
 #[derive(Clone, Debug)]
-pub struct Param {
+pub(crate) struct Param {
     pub name: String,
     pub ty: Ty,
     pub offset: u64,
@@ -161,7 +161,7 @@ pub struct Param {
 
 /// One `.entry`: its parameters, registers and code.
 #[derive(Clone, Debug)]
-pub struct Entry {
+pub(crate) struct Entry {
     pub name: String,
     pub params: Vec<Param>,
     /// Name and width of every register; width 1 is a predicate.
@@ -174,7 +174,7 @@ pub struct Entry {
 
 /// A parsed PTX module: its `.version`, its `.target`, and its entries, in order.
 #[derive(Clone, Debug)]
-pub struct Module {
+pub(crate) struct Module {
     /// `.version` as major * 10 + minor (`7.1` is 71).
     pub version: u32,
     /// The number of `.target sm_NN`.
@@ -189,7 +189,7 @@ pub struct Module {
 /// version (major * 10 + minor), from the "PTX ISA notes" and "Target ISA notes" of the PTX
 /// ISA manual; `what` names the feature as ptxas does.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Needs {
+pub(crate) struct Needs {
     pub what: &'static str,
     pub sm: u32,
     pub isa: u32,
@@ -241,7 +241,7 @@ fn parse_target(t: &str) -> Option<u32> {
 impl Module {
     /// Parses `text`; any directive, instruction or operand outside the supported subset is an
     /// error naming its line.
-    pub fn parse(text: &str) -> Result<Module> {
+    pub(crate) fn parse(text: &str) -> Result<Module> {
         let mut lines = text
             .lines()
             .enumerate()
@@ -331,7 +331,7 @@ impl Module {
     }
 
     /// The entry called `name`.
-    pub fn entry(&self, name: &str) -> Result<&Entry> {
+    pub(crate) fn entry(&self, name: &str) -> Result<&Entry> {
         self.entries
             .iter()
             .find(|e| e.name == name)
@@ -888,7 +888,7 @@ fn special(s: &str) -> Option<Special> {
 }
 
 /// The all-ones value of `bits` bits (1 to 64).
-pub fn mask(bits: u32) -> u64 {
+pub(super) fn mask(bits: u32) -> u64 {
     u64::MAX >> (64 - bits)
 }
 

@@ -178,7 +178,7 @@ enum Held<'a> {
 }
 
 impl<'a> ReadSet<'a> {
-    pub fn lock(arrays: &[&'a NDArray]) -> Result<ReadSet<'a>> {
+    pub(crate) fn lock(arrays: &[&'a NDArray]) -> Result<ReadSet<'a>> {
         let mut uniq: Few<&NDArray> = arrays.iter().copied().collect();
         uniq.sort_by_key(|a| a.storage_id());
         uniq.dedup_by_key(|a| a.storage_id());
@@ -196,7 +196,7 @@ impl<'a> ReadSet<'a> {
         Ok(ReadSet { guards })
     }
 
-    pub fn host(&self, a: &NDArray) -> &HostData {
+    pub(crate) fn host(&self, a: &NDArray) -> &HostData {
         let i = self
             .guards
             .binary_search_by_key(&a.storage_id(), |(id, _)| *id)

@@ -16,7 +16,7 @@ pub(crate) struct State {
 
 impl State {
     /// The step count of updater `generation`, if this state is its.
-    pub fn step_of(&self, generation: u64) -> Option<u64> {
+    pub(crate) fn step_of(&self, generation: u64) -> Option<u64> {
         (self.generation == generation).then_some(self.step)
     }
 }

@@ -26,7 +26,7 @@ use crate::{DType, Device, Error, Key, PtxUpdater, Result};
 use crate::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
 
 /// One GPU: its context, its single stream, and its kernels (loaded on first use).
-pub struct Gpu {
+pub(crate) struct Gpu {
     ordinal: usize,
     /// The compute capability, as major * 10 + minor (70 for an sm_70 GPU).
     sm: u32,
@@ -81,22 +81,22 @@ impl Drop for Pinned {
 
 impl Gpu {
     /// The CUDA ordinal.
-    pub fn ordinal(&self) -> usize {
+    pub(crate) fn ordinal(&self) -> usize {
         self.ordinal
     }
 
     /// The one stream every operation on this GPU goes on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 
     /// The context.
-    pub fn context(&self) -> &Arc<CudaContext> {
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
     /// The compute capability, as major * 10 + minor (80 for an A100, 90 for an H100).
-    pub fn sm(&self) -> u32 {
+    pub(crate) fn sm(&self) -> u32 {
         self.sm
     }
 
@@ -124,7 +124,7 @@ impl Gpu {
     }
 
     /// Waits for everything enqueued on this GPU's stream.
-    pub fn synchronize(&self) -> Result<()> {
+    pub(crate) fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
             .map_err(cuda_err("synchronize", None))
@@ -454,7 +454,7 @@ type Gpus = Vec<OnceLock<std::result::Result<Gpu, DriverError>>>;
 static GPUS: OnceLock<Gpus> = OnceLock::new();
 
 /// The GPU with ordinal `i`, opened on first use; `DeviceNotFound` when there is no such GPU.
-pub fn gpu(i: usize) -> Result<&'static Gpu> {
+pub(crate) fn gpu(i: usize) -> Result<&'static Gpu> {
     let n = probe::gpu_count();
     if i >= n {
         return Err(Error::DeviceNotFound {
@@ -476,7 +476,7 @@ pub fn gpu_sm(i: usize) -> Result<u32> {
 
 /// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work
 /// with its timeout (see [`host_wait`]). A no-op without GPUs.
-pub fn synchronize_all() -> Result<()> {
+pub(crate) fn synchronize_all() -> Result<()> {
     for slot in GPUS.get().into_iter().flatten() {
         if let Some(Ok(g)) = slot.get() {
             host_wait(g)?;
@@ -586,7 +586,7 @@ pub(crate) fn clone_dtoh<T: DeviceRepr>(
 
 /// Elements on one GPU, one variant per dtype.
 #[derive(Debug)]
-pub enum GpuBuf {
+pub(crate) enum GpuBuf {
     /// `float32` elements.
     F32(CudaSlice<f32>),
     /// `float64` elements.
@@ -611,7 +611,7 @@ macro_rules! with_gpu {
 
 impl GpuBuf {
     /// The dtype of the elements.
-    pub fn dtype(&self) -> DType {
+    pub(crate) fn dtype(&self) -> DType {
         match self {
             GpuBuf::F32(_) => DType::F32,
             GpuBuf::F64(_) => DType::F64,
@@ -621,22 +621,22 @@ impl GpuBuf {
     }
 
     /// The number of elements.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         with_gpu!(self, s => s.len())
     }
 
     /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// The GPU ordinal the elements live on.
-    pub fn ordinal(&self) -> usize {
+    pub(crate) fn ordinal(&self) -> usize {
         with_gpu!(self, s => s.ordinal())
     }
 
     /// The stream the buffer belongs to (its GPU's single stream).
-    pub fn stream(&self) -> &Arc<CudaStream> {
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         with_gpu!(self, s => s.stream())
     }
 
@@ -649,7 +649,7 @@ impl GpuBuf {
     }
 
     /// Zeros of `dtype` on GPU `ordinal`.
-    pub fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
+    pub(crate) fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
         let e = alloc_err("alloc", ordinal, n * dtype.size());
         Ok(match dtype {
@@ -681,7 +681,7 @@ impl GpuBuf {
 
     /// A copy of host data on GPU `ordinal`, same dtype, sent through pinned staging buffers
     /// (see [`Gpu::upload_bytes`]).
-    pub fn upload(ordinal: usize, data: &HostData) -> Result<GpuBuf> {
+    pub(crate) fn upload(ordinal: usize, data: &HostData) -> Result<GpuBuf> {
         let mut b = GpuBuf::scratch(ordinal, data.dtype(), data.len())?;
         b.upload_into(data)?;
         Ok(b)
@@ -689,7 +689,7 @@ impl GpuBuf {
 
     /// Overwrites the elements with host data, converted to this buffer's dtype, through
     /// pinned staging buffers (see [`Gpu::upload_bytes`]).
-    pub fn upload_into(&mut self, data: &HostData) -> Result<()> {
+    pub(crate) fn upload_into(&mut self, data: &HostData) -> Result<()> {
         if data.len() != self.len() {
             return Err(Error::Internal {
                 op: "copy to GPU",
@@ -711,7 +711,7 @@ impl GpuBuf {
 
     /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
     /// work in flight with its timeout (see [`host_wait`]).
-    pub fn download(&self) -> Result<HostData> {
+    pub(crate) fn download(&self) -> Result<HostData> {
         host_wait(gpu(self.ordinal())?)?;
         let e = || cuda_err("copy to host", None);
         let data = match self {
@@ -726,7 +726,7 @@ impl GpuBuf {
     }
 
     /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy).
-    pub fn copy_to(&self, ordinal: usize) -> Result<GpuBuf> {
+    pub(crate) fn copy_to(&self, ordinal: usize) -> Result<GpuBuf> {
         let mut out = GpuBuf::zeros(ordinal, self.dtype(), self.len())?;
         out.copy_from(self)?;
         Ok(out)
@@ -737,7 +737,7 @@ impl GpuBuf {
     /// The copy runs on this buffer's stream. For a peer copy, this stream first waits for
     /// `src`'s stream, and `src`'s stream then waits for the copy, so a later write or free of
     /// `src` cannot overtake it.
-    pub fn copy_from(&mut self, src: &GpuBuf) -> Result<()> {
+    pub(crate) fn copy_from(&mut self, src: &GpuBuf) -> Result<()> {
         let e = || cuda_err("copy between GPUs", None);
         // cudarc asserts (panics) on a length mismatch; report it instead.
         if src.len() != self.len() {
@@ -777,7 +777,7 @@ impl GpuBuf {
     }
 
     /// Sets every element to `value`.
-    pub fn fill(&mut self, value: f64) -> Result<()> {
+    pub(crate) fn fill(&mut self, value: f64) -> Result<()> {
         self.upload_into(&HostData::filled(self.dtype(), self.len(), value))
     }
 

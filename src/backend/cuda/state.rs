@@ -25,12 +25,12 @@ pub(super) struct GpuState {
 
 impl GpuCell {
     /// A cell holding `buf`, with no updater state yet.
-    pub fn new(buf: GpuBuf) -> GpuCell {
+    pub(crate) fn new(buf: GpuBuf) -> GpuCell {
         GpuCell { buf, state: None }
     }
 
     /// The step count of updater `generation`: `None` when the key has no state for it.
-    pub fn step(&self, generation: u64) -> Option<u64> {
+    pub(crate) fn step(&self, generation: u64) -> Option<u64> {
         self.state
             .as_ref()
             .filter(|s| s.generation == generation)
@@ -39,7 +39,7 @@ impl GpuCell {
 
     /// The step count and state buffers of updater `generation`, copied to the host (for
     /// checkpoints); `None` when the key has no state for it.
-    pub fn state_to_host(&self, generation: u64) -> Result<Option<(u64, Vec<HostData>)>> {
+    pub(crate) fn state_to_host(&self, generation: u64) -> Result<Option<(u64, Vec<HostData>)>> {
         let Some(state) = self.state.as_ref().filter(|s| s.generation == generation) else {
             return Ok(None);
         };
@@ -63,7 +63,7 @@ impl GpuCell {
     /// Where the cell already holds as many state buffers, the state will be copied into them (a
     /// load needs no second copy of the store's state); otherwise new buffers are made, holding
     /// it.
-    pub fn stage_state(
+    pub(crate) fn stage_state(
         &self,
         generation: u64,
         state: Option<(u64, Vec<HostData>)>,
@@ -111,7 +111,7 @@ impl GpuCell {
 
     /// Puts in a state staged by [`GpuCell::stage_state`] on this cell. Allocates nothing: it
     /// fails only where the GPU itself does.
-    pub fn commit_state(&mut self, staged: StagedState) -> Result<()> {
+    pub(crate) fn commit_state(&mut self, staged: StagedState) -> Result<()> {
         match staged.0 {
             Staged::Clear => self.state = None,
             Staged::New(state) => self.state = Some(state),

@@ -42,50 +42,50 @@ impl Blocks {
     }
 
     /// Blocks of `len(s, r)` elements from rank `s` to rank `r`, for `size` ranks.
-    pub fn from_fn(size: usize, len: impl Fn(usize, usize) -> usize) -> Blocks {
+    pub(crate) fn from_fn(size: usize, len: impl Fn(usize, usize) -> usize) -> Blocks {
         let lens = (0..size * size).map(|i| len(i / size, i % size)).collect();
         Blocks::fitted(size, lens)
     }
 
     /// Blocks where every rank sends rank `r` `lens[r]` elements.
-    pub fn to_each(lens: &[usize]) -> Blocks {
+    pub(crate) fn to_each(lens: &[usize]) -> Blocks {
         Blocks::from_fn(lens.len(), |_, r| lens[r])
     }
 
     /// The elements of rank `s`'s block for rank `r` (its padding excluded).
-    pub fn len(&self, s: usize, r: usize) -> usize {
+    pub(crate) fn len(&self, s: usize, r: usize) -> usize {
         self.lens[s * self.size + r]
     }
 
     /// The room rank `s`'s block for rank `r` takes in the buffers: its length, or the
     /// longest block's where blocks are padded.
-    pub fn room(&self, s: usize, r: usize) -> usize {
+    pub(crate) fn room(&self, s: usize, r: usize) -> usize {
         self.padded_to.unwrap_or_else(|| self.len(s, r))
     }
 
     /// Where rank `s`'s block for rank `r` starts in `s`'s send buffer.
-    pub fn send_at(&self, s: usize, r: usize) -> usize {
+    pub(crate) fn send_at(&self, s: usize, r: usize) -> usize {
         (0..r).map(|q| self.room(s, q)).sum()
     }
 
     /// The length of rank `s`'s send buffer.
-    pub fn send_len(&self, s: usize) -> usize {
+    pub(crate) fn send_len(&self, s: usize) -> usize {
         self.send_at(s, self.size)
     }
 
     /// Where rank `s`'s block starts in rank `r`'s receive buffer.
-    pub fn recv_at(&self, s: usize, r: usize) -> usize {
+    pub(crate) fn recv_at(&self, s: usize, r: usize) -> usize {
         (0..s).map(|q| self.room(q, r)).sum()
     }
 
     /// The length of rank `r`'s receive buffer.
-    pub fn recv_len(&self, r: usize) -> usize {
+    pub(crate) fn recv_len(&self, r: usize) -> usize {
         self.recv_at(self.size, r)
     }
 
     /// Starts the all-to-all on `call`: `send` of [`Blocks::send_len`] elements, laid out by
     /// [`Blocks::send_at`], and `recv` of [`Blocks::recv_len`] (this rank's).
-    pub fn start(&self, call: &mut dyn Round, send: HostData, recv: HostData) -> Result<Ticket> {
+    pub(crate) fn start(&self, call: &mut dyn Round, send: HostData, recv: HostData) -> Result<Ticket> {
         match self.padded_to {
             None => call.start_all_to_all_v(send, &self.lens, recv),
             Some(_) => call.start(Op::AllToAll, send, recv),

@@ -74,7 +74,7 @@ pub(crate) struct Dist {
 
 impl Dist {
     /// One rank alone: the single-process kinds.
-    pub fn solo() -> Dist {
+    pub(crate) fn solo() -> Dist {
         Dist {
             link: Box::new(link::solo::Solo),
             bound: crate::config::DEFAULT_BIGARRAY_BOUND,
@@ -94,7 +94,7 @@ impl Dist {
     ///   the NCCL id travels over MPI; started without MPI (`RANK`, `WORLD_SIZE`,
     ///   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them), NCCL's own
     ///   bootstrap exchanges it and NCCL carries everything, MPI is never initialised.
-    pub fn connect(on_gpu: bool, config: &Config) -> Result<Dist> {
+    pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Dist> {
         let pool = Pool::process(config.pool_bytes)?;
         Dist::joined(link::connect(on_gpu, config)?, config.bigarray_bound, pool)
     }
@@ -128,20 +128,20 @@ impl Dist {
 
     /// A store's link over `link` (tests: the loopback link), with the defaults.
     #[cfg(test)]
-    pub fn over(link: Box<dyn Link>, bound: usize) -> Result<Dist> {
+    pub(crate) fn over(link: Box<dyn Link>, bound: usize) -> Result<Dist> {
         let joined = link::Joined { link, gpus: None };
         Dist::joined(joined, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
     }
 
     /// Host buffers kept between calls: take a call's big buffers from here, and give them
     /// back when done.
-    pub fn pool(&self) -> &Pool {
+    pub(crate) fn pool(&self) -> &Pool {
         &self.pool
     }
 
     /// The room a buffer of a key of `len` elements needs for its transfers: a sliced key's
     /// send buffer is padded to one block per rank.
-    pub fn room(&self, len: usize) -> usize {
+    pub(crate) fn room(&self, len: usize) -> usize {
         match self.is_sliced(len) {
             true => slice_block(len, self.size()) * self.size(),
             false => len,
@@ -150,18 +150,18 @@ impl Dist {
 
     /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs: the store
     /// chooses how its values cross ranks from this once, when it is created.
-    pub fn gpus(&self) -> Option<Arc<RankComm>> {
+    pub(crate) fn gpus(&self) -> Option<Arc<RankComm>> {
         self.gpus.clone()
     }
 
     /// One rank alone (the single-process kinds): the store chooses how its values cross ranks
     /// from this once, when it is created.
-    pub fn is_alone(&self) -> bool {
+    pub(crate) fn is_alone(&self) -> bool {
         self.alone
     }
 
     /// Where this rank keeps its parts of the values: its GPU, or host memory.
-    pub fn home(&self) -> Device {
+    pub(crate) fn home(&self) -> Device {
         match &self.gpus {
             Some(rc) => Device::Gpu(rc.ordinal()),
             None => Device::Cpu(0),
@@ -169,24 +169,24 @@ impl Dist {
     }
 
     /// This process's rank.
-    pub fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.link.rank()
     }
 
     /// The number of ranks.
-    pub fn size(&self) -> usize {
+    pub(crate) fn size(&self) -> usize {
         self.link.size()
     }
 
     /// This process's rank among the ranks on its machine.
-    pub fn local_rank(&self) -> usize {
+    pub(crate) fn local_rank(&self) -> usize {
         self.link.local_rank()
     }
 
     /// Whether a key of `len` elements is sliced over every rank: more than
     /// `KVSTORE_BIGARRAY_BOUND` elements, on more than one rank. On GPU ranks every rank's
     /// slice must also hold an element (a GPU keeps no empty arrays).
-    pub fn is_sliced(&self, len: usize) -> bool {
+    pub(crate) fn is_sliced(&self, len: usize) -> bool {
         let size = self.size();
         let every_rank_holds = || slice_block(len, size) * (size - 1) < len;
         size > 1 && len > self.bound && (self.gpus.is_none() || every_rank_holds())
@@ -194,13 +194,13 @@ impl Dist {
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
     /// [`Link::begin`]).
-    pub fn begin(&self, fp: Fingerprint) -> Result<Box<dyn Round + '_>> {
+    pub(crate) fn begin(&self, fp: Fingerprint) -> Result<Box<dyn Round + '_>> {
         self.begin_with(|| fp)
     }
 
     /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared: one rank
     /// alone makes none, so a local store's call pays nothing for it.
-    pub fn begin_with(&self, fp: impl FnOnce() -> Fingerprint) -> Result<Box<dyn Round + '_>> {
+    pub(crate) fn begin_with(&self, fp: impl FnOnce() -> Fingerprint) -> Result<Box<dyn Round + '_>> {
         if self.alone {
             return self.link.begin(&Fingerprint::new("local"));
         }
@@ -210,7 +210,7 @@ impl Dist {
     /// Sets the tag that every later call's fingerprint carries (`None`: no tag), so that
     /// ranks whose tags differ fail the call with [`Error::Desync`] (see
     /// [`crate::KvStore::set_tag`]).
-    pub fn set_tag(&self, tag: Option<&str>) {
+    pub(crate) fn set_tag(&self, tag: Option<&str>) {
         *self.tag.lock().unwrap_or_else(|e| e.into_inner()) = tag.map(Arc::from);
     }
 
@@ -225,7 +225,7 @@ impl Dist {
     ///
     /// On a world that failed earlier the error is that failure ([`Error::DistFailed`]), as
     /// for every other call: this rank's bad input is then beside the point.
-    pub fn reject(&self, op: &'static str, err: Error) -> Error {
+    pub(crate) fn reject(&self, op: &'static str, err: Error) -> Error {
         self.tell_rejected(op, &err.to_string())
             .err()
             .unwrap_or(err)
@@ -239,7 +239,7 @@ impl Dist {
     /// `Ok` when the others were told (or could not be, with the check off);
     /// [`Error::DistFailed`] when the world failed earlier, which is then the error to report
     /// rather than the bad input.
-    pub fn tell_rejected(&self, op: &'static str, why: &str) -> Result<()> {
+    pub(crate) fn tell_rejected(&self, op: &'static str, why: &str) -> Result<()> {
         if !self.link.checks() {
             self.link.shut(format!(
                 "rank {} rejected its input for {op} with KVSTORE_DIST_CHECK=0, so the other \
@@ -259,7 +259,7 @@ impl Dist {
     /// Checks that every rank passes the same `what` (see [`KvStore::agree`]).
     ///
     /// [`KvStore::agree`]: crate::KvStore::agree
-    pub fn agree(&self, what: &str) -> Result<()> {
+    pub(crate) fn agree(&self, what: &str) -> Result<()> {
         if self.alone {
             return Ok(());
         }
@@ -271,7 +271,7 @@ impl Dist {
     }
 
     /// For each of `flags`, whether any rank passed `true` (see [`crate::KvStore::any_of`]).
-    pub fn any_of(&self, what: &str, flags: &[bool]) -> Result<Vec<bool>> {
+    pub(crate) fn any_of(&self, what: &str, flags: &[bool]) -> Result<Vec<bool>> {
         if self.alone {
             return Ok(flags.to_vec());
         }
@@ -310,7 +310,7 @@ impl Dist {
     }
 
     /// Waits until every rank has reached this barrier (bounded by `KVSTORE_TIMEOUT`).
-    pub fn barrier(&self) -> Result<()> {
+    pub(crate) fn barrier(&self) -> Result<()> {
         let mut round = self.begin(Fingerprint::new("barrier"))?;
         round.barrier()
     }

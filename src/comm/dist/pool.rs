@@ -68,7 +68,7 @@ impl Pool {
     /// holds per process: made by the first store, keeping at most `max_bytes` bytes
     /// (`KVSTORE_DIST_POOL_BYTES` of that store's configuration). A later store whose
     /// configuration asks for another bound is an error naming the variable, not ignored.
-    pub fn process(max_bytes: usize) -> Result<Arc<Pool>> {
+    pub(crate) fn process(max_bytes: usize) -> Result<Arc<Pool>> {
         static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
         let pool = POOL.get_or_init(|| Arc::new(Pool::with_max_bytes(max_bytes)));
         if pool.max_bytes != max_bytes {
@@ -85,17 +85,17 @@ impl Pool {
     /// Whether buffers of `bytes` bytes are kept between calls with no bound on their count
     /// (only on the pool's bytes): a buffer that goes back to the pool then serves the next call
     /// instead of going back to the allocator.
-    pub fn keeps(bytes: usize) -> bool {
+    pub(crate) fn keeps(bytes: usize) -> bool {
         bytes >= SMALL_BYTES
     }
 
     /// The most bytes the pool keeps.
-    pub fn max_bytes(&self) -> usize {
+    pub(crate) fn max_bytes(&self) -> usize {
         self.max_bytes
     }
 
     /// A pool that keeps at most `max_bytes` bytes.
-    pub fn with_max_bytes(max_bytes: usize) -> Pool {
+    pub(crate) fn with_max_bytes(max_bytes: usize) -> Pool {
         Pool {
             bufs: Mutex::new(Kept::default()),
             max_bytes,
@@ -104,7 +104,7 @@ impl Pool {
 
     /// A buffer of `len` elements of `dtype`, with room for `room` elements (at least `len`)
     /// so that it can grow that far without moving. Its contents are unspecified.
-    pub fn take(&self, dtype: DType, len: usize, room: usize) -> HostData {
+    pub(crate) fn take(&self, dtype: DType, len: usize, room: usize) -> HostData {
         let room = room.max(len);
         let need = room * dtype.size();
         self.take_fitting(dtype, len, room, |have| {
@@ -116,7 +116,7 @@ impl Pool {
     /// beyond the call (a key's compression residual), which owns exactly its size, never a
     /// bigger buffer's spare room. A kept buffer of that room, or a fresh one. Its contents are
     /// unspecified.
-    pub fn take_exact(&self, dtype: DType, len: usize) -> HostData {
+    pub(crate) fn take_exact(&self, dtype: DType, len: usize) -> HostData {
         let need = len * dtype.size();
         self.take_fitting(dtype, len, len, |have| have == need)
     }
@@ -156,7 +156,7 @@ impl Pool {
     /// Keeps `buf` for a later [`Pool::take`], within the pool's bounds: `max_bytes` in all
     /// (the oldest buffers go first), and [`SMALL_KEPT`] small buffers (a small one given when
     /// that many are kept is freed).
-    pub fn give(&self, buf: HostData) {
+    pub(crate) fn give(&self, buf: HostData) {
         let bytes = room_bytes(&buf);
         if bytes == 0 || bytes > self.max_bytes {
             return;

@@ -66,7 +66,7 @@ pub(crate) struct Loopback {
 impl Loopback {
     /// The `size` ranks of a new loopback world, in rank order; every wait is bounded by
     /// `timeout`.
-    pub fn world(size: usize, timeout: Duration) -> Vec<Loopback> {
+    pub(crate) fn world(size: usize, timeout: Duration) -> Vec<Loopback> {
         let hub = Arc::new(Hub {
             size,
             timeout,
@@ -88,13 +88,13 @@ impl Loopback {
 impl Loopback {
     /// This rank, stopping at its first collective `op`: it never joins it (the other ranks
     /// time out) and its own call fails.
-    pub fn stalling_at(mut self, op: Op) -> Loopback {
+    pub(crate) fn stalling_at(mut self, op: Op) -> Loopback {
         self.stall_at = Some(op);
         self
     }
 
     /// The elements this rank has received from data collectives so far.
-    pub fn received(&self) -> usize {
+    pub(crate) fn received(&self) -> usize {
         self.state
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -102,7 +102,7 @@ impl Loopback {
     }
 
     /// This rank with the per-call fingerprint check off (`KVSTORE_DIST_CHECK=0`).
-    pub fn unchecked(mut self) -> Loopback {
+    pub(crate) fn unchecked(mut self) -> Loopback {
         self.check = false;
         self
     }

@@ -52,7 +52,7 @@ pub(crate) enum Op {
 impl Op {
     /// The elements the receive buffer of `op` holds on `rank` of `size`, for a send buffer of
     /// `len` elements (a scatter's receive buffer is always given: its length is its own).
-    pub fn recv_len(self, len: usize, rank: usize, size: usize) -> usize {
+    pub(crate) fn recv_len(self, len: usize, rank: usize, size: usize) -> usize {
         match self {
             Op::Reduce { root } if root == rank => len,
             Op::Reduce { .. } | Op::Broadcast { .. } | Op::Scatter { .. } => 0,
@@ -133,7 +133,7 @@ impl dyn Round + '_ {
     /// Whether every rank succeeded at its part `what` of call `op`, given this rank's `ok`:
     /// `Ok` when all did, else [`Error::RankFailed`] naming the ranks that did not (each of
     /// them has its own error). Return this rank's own error first.
-    pub fn agree(&mut self, op: &'static str, ok: bool, what: &str) -> Result<()> {
+    pub(crate) fn agree(&mut self, op: &'static str, ok: bool, what: &str) -> Result<()> {
         let flags = self.all_gather_words(&[u64::from(ok)])?;
         let failed: Vec<usize> = (flags.iter().enumerate())
             .filter(|(_, &ok)| ok != 1)

@@ -23,7 +23,7 @@ pub(crate) struct MpiLink {
 impl MpiLink {
     /// Joins the MPI world (initialised once per process) and, for GPU ranks, an NCCL
     /// communicator of every rank.
-    pub fn join(on_gpu: bool) -> Result<MpiLink> {
+    pub(super) fn join(on_gpu: bool) -> Result<MpiLink> {
         let world = World::get()?;
         let gpu = match on_gpu {
             true => Some(Arc::new(join_nccl_over_mpi(world)?)),
@@ -33,7 +33,7 @@ impl MpiLink {
     }
 
     /// The NCCL communicator of the ranks' GPUs, for GPU ranks.
-    pub fn gpus(&self) -> Option<Arc<RankComm>> {
+    pub(super) fn gpus(&self) -> Option<Arc<RankComm>> {
         self.gpu.clone()
     }
 }

@@ -44,7 +44,7 @@ pub(crate) struct NcclLink {
 
 impl NcclLink {
     /// Joins the NCCL communicator of every rank the launcher's environment describes.
-    pub fn from_env(config: &Config) -> Result<NcclLink> {
+    pub(crate) fn from_env(config: &Config) -> Result<NcclLink> {
         let launch = LaunchEnv::from_process()?;
         let check = config.dist_check;
         Ok(NcclLink {
@@ -57,7 +57,7 @@ impl NcclLink {
     }
 
     /// The NCCL communicator of the ranks' GPUs.
-    pub fn gpus(&self) -> Arc<RankComm> {
+    pub(crate) fn gpus(&self) -> Arc<RankComm> {
         self.rc.clone()
     }
 }

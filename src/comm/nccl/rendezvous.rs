@@ -99,12 +99,12 @@ pub(crate) struct JobToken {
 
 impl JobToken {
     /// The token of this process's environment.
-    pub fn from_process() -> Result<JobToken> {
+    pub(super) fn from_process() -> Result<JobToken> {
         JobToken::from_vars(|k| std::env::var(k).ok())
     }
 
     /// `TORCHELASTIC_RUN_ID` when set and not empty, else `KVSTORE_JOB_TOKEN`, else the default.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<JobToken> {
+    pub(super) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<JobToken> {
         for name in ["TORCHELASTIC_RUN_ID", "KVSTORE_JOB_TOKEN"] {
             let Some(value) = var(name).filter(|v| !v.is_empty()) else {
                 continue;
@@ -181,7 +181,7 @@ impl Root {
     /// Listens at `host:port` (an address of `host`; the unspecified address of its family when
     /// `host` is not an address of this machine). A port in use is an [`Error::DistEnv`] naming
     /// `MASTER_PORT`.
-    pub fn bind(host: &str, port: u16) -> Result<Root> {
+    pub(super) fn bind(host: &str, port: u16) -> Result<Root> {
         let addr = format!("{host}:{port}");
         let env = |var: &str, message: String| Error::DistEnv {
             var: var.to_owned(),
@@ -239,7 +239,7 @@ impl Root {
 
     /// The port it listens on (the one asked for, or the one the system picked for port 0).
     #[cfg(test)]
-    pub fn port(&self) -> u16 {
+    pub(super) fn port(&self) -> u16 {
         self.listener.local_addr().map_or(0, |a| a.port())
     }
 
@@ -248,7 +248,7 @@ impl Root {
     /// check are refused and not counted. If `deadline` passes first, an [`Error::Timeout`]
     /// names the ranks that never came; if `make_id` fails, the peers are told, and its error is
     /// returned.
-    pub fn serve(
+    pub(super) fn serve(
         self,
         token: &JobToken,
         size: usize,
