@@ -29,9 +29,12 @@
 //! ```
 
 #![warn(missing_docs)]
-// Test and bench support (`__internal`) is what uses some items of the transports and the
-// backend; without the `test-util` feature they are unused, not dead.
-#![cfg_attr(not(feature = "test-util"), allow(dead_code, unused_imports))]
+// Test and bench support (`__internal`) is what uses, and reaches, some items of the
+// transports and the backend; without the `test-util` feature they are unused, not dead.
+#![cfg_attr(
+    not(feature = "test-util"),
+    allow(dead_code, unused_imports, unreachable_pub)
+)]
 
 mod backend;
 pub mod checkpoint;

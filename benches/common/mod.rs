@@ -13,20 +13,20 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use kvstore::{cpu, gpu, Adam, DType, Device, KvStore, NDArray, Sgd, Updater};
 
-pub mod size;
+pub(crate) mod size;
 
 /// 1 KiB.
-pub const KIB: usize = 1 << 10;
+pub(crate) const KIB: usize = 1 << 10;
 /// 1 MiB.
-pub const MIB: usize = 1 << 20;
+pub(crate) const MIB: usize = 1 << 20;
 
 /// `KVSTORE_BENCH_QUICK=1` shrinks the matrix (CI-like runs).
-pub fn quick() -> bool {
+pub(crate) fn quick() -> bool {
     std::env::var("KVSTORE_BENCH_QUICK").is_ok_and(|v| v == "1")
 }
 
 /// Value sizes in bytes.
-pub fn sizes() -> Vec<usize> {
+pub(crate) fn sizes() -> Vec<usize> {
     if quick() {
         vec![4 * KIB, MIB, 16 * MIB]
     } else {
@@ -35,7 +35,7 @@ pub fn sizes() -> Vec<usize> {
 }
 
 /// Device counts.
-pub fn dev_counts() -> Vec<usize> {
+pub(crate) fn dev_counts() -> Vec<usize> {
     if quick() {
         vec![1, 4]
     } else {
@@ -45,7 +45,7 @@ pub fn dev_counts() -> Vec<usize> {
 
 /// Devices the `smallkeys` and `updater` benches push from: `KVSTORE_BENCH_DEVS`, else 4 (on the
 /// GPU target, as many GPUs as there are, at most 4, so a one-GPU machine runs them too).
-pub fn many_devs(target: Target) -> usize {
+pub(crate) fn many_devs(target: Target) -> usize {
     if let Some(n) = std::env::var("KVSTORE_BENCH_DEVS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -59,7 +59,7 @@ pub fn many_devs(target: Target) -> usize {
 }
 
 /// The bytes of one key in the `smallkeys` bench: `KVSTORE_BENCH_SMALL_KIB` KiB, else 1 KiB.
-pub fn small_key_bytes() -> usize {
+pub(crate) fn small_key_bytes() -> usize {
     std::env::var("KVSTORE_BENCH_SMALL_KIB")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -68,7 +68,7 @@ pub fn small_key_bytes() -> usize {
 }
 
 /// The size the updater benches use.
-pub fn updater_size() -> usize {
+pub(crate) fn updater_size() -> usize {
     if quick() {
         16 * MIB
     } else {
@@ -77,7 +77,7 @@ pub fn updater_size() -> usize {
 }
 
 /// A size as `4K`, `64K`, `1M`, `256M`.
-pub fn size_name(bytes: usize) -> String {
+pub(crate) fn size_name(bytes: usize) -> String {
     if bytes >= MIB {
         format!("{}M", bytes / MIB)
     } else {
@@ -87,7 +87,7 @@ pub fn size_name(bytes: usize) -> String {
 
 /// Where the store's values live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
+pub(crate) enum Target {
     /// A `local` store with `cpu(i)` devices.
     Cpu,
     /// A `device` (or `nccl`, with `KVSTORE_BENCH_STORE=nccl`) store with `gpu(i)` devices.
@@ -96,7 +96,7 @@ pub enum Target {
 
 impl Target {
     /// `KVSTORE_BENCH_DEVICE=gpu|cpu`, or GPU when the probe finds one.
-    pub fn from_env() -> Target {
+    pub(crate) fn from_env() -> Target {
         match std::env::var("KVSTORE_BENCH_DEVICE").as_deref() {
             Ok("gpu") => Target::Gpu,
             Ok("cpu") => Target::Cpu,
@@ -106,7 +106,7 @@ impl Target {
     }
 
     /// The store kind name.
-    pub fn store(self) -> String {
+    pub(crate) fn store(self) -> String {
         match self {
             Target::Cpu => "local".to_owned(),
             Target::Gpu => std::env::var("KVSTORE_BENCH_STORE").unwrap_or_else(|_| "device".into()),
@@ -114,7 +114,7 @@ impl Target {
     }
 
     /// Device `i`.
-    pub fn device(self, i: usize) -> Device {
+    pub(crate) fn device(self, i: usize) -> Device {
         match self {
             Target::Cpu => cpu(i),
             Target::Gpu => gpu(i),
@@ -122,7 +122,7 @@ impl Target {
     }
 
     /// Whether `n` distinct devices exist. Never touches CUDA without a driver.
-    pub fn has(self, n: usize) -> bool {
+    pub(crate) fn has(self, n: usize) -> bool {
         match self {
             Target::Cpu => true,
             Target::Gpu => kvstore::gpu_count() >= n,
@@ -130,7 +130,7 @@ impl Target {
     }
 
     /// `cpu` or `gpu`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Target::Cpu => "cpu",
             Target::Gpu => "gpu",
@@ -139,7 +139,7 @@ impl Target {
 }
 
 /// One key, its `n` pushed values and `n` outs.
-pub struct Kv {
+pub(crate) struct Kv {
     /// The store.
     pub kv: KvStore,
     /// One value per device.
@@ -150,7 +150,7 @@ pub struct Kv {
 
 impl Kv {
     /// A store of `target`'s kind holding key 0 of `bytes` bytes of `dtype`, with `updater`.
-    pub fn new(
+    pub(crate) fn new(
         target: Target,
         n: usize,
         bytes: usize,
@@ -174,21 +174,21 @@ impl Kv {
     }
 
     /// `kv.push(0, values)`, then wait.
-    pub fn push(&self) -> Result<()> {
+    pub(crate) fn push(&self) -> Result<()> {
         self.kv.push(0, &self.values)?;
         self.kv.wait_all()?;
         Ok(())
     }
 
     /// `kv.pull(0, outs)`, then wait.
-    pub fn pull(&self) -> Result<()> {
+    pub(crate) fn pull(&self) -> Result<()> {
         self.kv.pull(0, &self.outs)?;
         self.kv.wait_all()?;
         Ok(())
     }
 
     /// `kv.pushpull(0, values, outs)`, then wait.
-    pub fn pushpull(&self) -> Result<()> {
+    pub(crate) fn pushpull(&self) -> Result<()> {
         self.kv.pushpull(0, &self.values, &self.outs)?;
         self.kv.wait_all()?;
         Ok(())
@@ -197,7 +197,7 @@ impl Kv {
 
 /// Bytes a push, pull or pushpull of `n` values of `bytes` moves at the least: push reads `n`
 /// values and writes the stored one, `(n+1)·S`; pull reads it and writes `n` outs, `(n+1)·S`.
-pub fn moved(op: &str, n: usize, bytes: usize) -> usize {
+pub(crate) fn moved(op: &str, n: usize, bytes: usize) -> usize {
     match op {
         "push" | "pull" => (n + 1) * bytes,
         "pushpull" => 2 * (n + 1) * bytes,
@@ -206,7 +206,7 @@ pub fn moved(op: &str, n: usize, bytes: usize) -> usize {
 }
 
 /// The built-in updaters the updater benches cover.
-pub fn updaters() -> Vec<(&'static str, Updater)> {
+pub(crate) fn updaters() -> Vec<(&'static str, Updater)> {
     vec![
         ("assign", Updater::Assign),
         ("axpby", Updater::Axpby { a: 0.9, b: 0.1 }),
@@ -224,7 +224,7 @@ pub fn updaters() -> Vec<(&'static str, Updater)> {
 
 /// Bytes a push with `updater` moves at the least: `n` values read, the stored value read (except
 /// for assign) and written, and each state buffer (in f32 for the half types) read and written.
-pub fn moved_updater(updater: &Updater, n: usize, bytes: usize, dtype: DType) -> usize {
+pub(crate) fn moved_updater(updater: &Updater, n: usize, bytes: usize, dtype: DType) -> usize {
     let len = bytes / dtype.size();
     let acc = if dtype == DType::F64 { 8 } else { 4 };
     let stored = if matches!(updater, Updater::Assign) {
@@ -236,10 +236,10 @@ pub fn moved_updater(updater: &Updater, n: usize, bytes: usize, dtype: DType) ->
 }
 
 /// The dtypes the updater benches cover.
-pub const UPDATER_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+pub(crate) const UPDATER_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
 /// 1000 keys of 1 KiB, each pushed from `n` devices and pulled into `n` outs.
-pub struct SmallKeys {
+pub(crate) struct SmallKeys {
     /// The store.
     pub kv: KvStore,
     /// Keys 0..count.
@@ -252,7 +252,7 @@ pub struct SmallKeys {
 
 impl SmallKeys {
     /// `count` keys of `bytes` f32 bytes each, `n` devices.
-    pub fn new(target: Target, count: usize, bytes: usize, n: usize) -> Result<SmallKeys> {
+    pub(crate) fn new(target: Target, count: usize, bytes: usize, n: usize) -> Result<SmallKeys> {
         if !target.has(n) {
             bail!("{n} {} devices are not available", target.name());
         }
@@ -282,21 +282,21 @@ impl SmallKeys {
     }
 
     /// One `push_list` call for every key.
-    pub fn push_list(&self) -> Result<()> {
+    pub(crate) fn push_list(&self) -> Result<()> {
         self.kv.push_list(&self.keys, &self.values)?;
         self.kv.wait_all()?;
         Ok(())
     }
 
     /// One `pull_list` call for every key.
-    pub fn pull_list(&self) -> Result<()> {
+    pub(crate) fn pull_list(&self) -> Result<()> {
         self.kv.pull_list(&self.keys, &self.outs)?;
         self.kv.wait_all()?;
         Ok(())
     }
 
     /// One `push` call per key.
-    pub fn push_loop(&self) -> Result<()> {
+    pub(crate) fn push_loop(&self) -> Result<()> {
         for (k, v) in self.keys.iter().zip(&self.values) {
             self.kv.push(*k, v)?;
         }
@@ -305,7 +305,7 @@ impl SmallKeys {
     }
 
     /// One `pull` call per key.
-    pub fn pull_loop(&self) -> Result<()> {
+    pub(crate) fn pull_loop(&self) -> Result<()> {
         for (k, o) in self.keys.iter().zip(&self.outs) {
             self.kv.pull(*k, o)?;
         }
@@ -315,7 +315,7 @@ impl SmallKeys {
 }
 
 /// Times `reps` calls of `f` after `warmup` untimed ones; returns every rep's seconds.
-pub fn time_reps(
+pub(crate) fn time_reps(
     warmup: usize,
     reps: usize,
     mut f: impl FnMut() -> Result<()>,
@@ -333,7 +333,7 @@ pub fn time_reps(
 }
 
 /// The median of `xs`.
-pub fn median(xs: &[f64]) -> f64 {
+pub(crate) fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -347,7 +347,7 @@ pub fn median(xs: &[f64]) -> f64 {
 }
 
 /// Timed reps that fit the size: many for small values, few for 256 MiB.
-pub fn auto_reps(bytes: usize) -> usize {
+pub(crate) fn auto_reps(bytes: usize) -> usize {
     match bytes {
         b if b <= 64 * KIB => 200,
         b if b <= MIB => 100,
@@ -358,7 +358,7 @@ pub fn auto_reps(bytes: usize) -> usize {
 }
 
 /// Measurement time and sample count for criterion at a size: cheap for the big ones.
-pub fn criterion_budget(bytes: usize) -> (Duration, usize) {
+pub(crate) fn criterion_budget(bytes: usize) -> (Duration, usize) {
     match bytes {
         b if b >= 64 * MIB => (Duration::from_secs(2), 10),
         b if b >= 16 * MIB => (Duration::from_secs(2), 20),
@@ -367,7 +367,7 @@ pub fn criterion_budget(bytes: usize) -> (Duration, usize) {
 }
 
 /// The memory-bandwidth roof: the store's access patterns on plain `f32` vectors, both cores.
-pub mod roof {
+pub(crate) mod roof {
     use rayon::prelude::*;
 
     /// Elements per parallel chunk (128 KiB of f32).
@@ -378,7 +378,7 @@ pub mod roof {
     const SEQ_BYTES: usize = 1 << 20;
 
     /// Buffers for one roof kernel: `n` inputs and `n` outputs of `len` f32 each.
-    pub struct Bufs {
+    pub(crate) struct Bufs {
         /// Inputs (the values of a push).
         pub srcs: Vec<Vec<f32>>,
         /// Outputs (the outs of a pull).
@@ -389,7 +389,7 @@ pub mod roof {
 
     impl Bufs {
         /// `n` inputs and outputs of `bytes` bytes.
-        pub fn new(n: usize, bytes: usize) -> Bufs {
+        pub(crate) fn new(n: usize, bytes: usize) -> Bufs {
             let len = bytes / 4;
             Bufs {
                 srcs: (0..n).map(|i| vec![0.25 * (i + 1) as f32; len]).collect(),
@@ -399,13 +399,13 @@ pub mod roof {
         }
 
         /// `one = src[0]`: 2 words per element.
-        pub fn copy(&mut self) {
+        pub(crate) fn copy(&mut self) {
             let src = &self.srcs[0];
             run_chunks(&mut self.one, 2, |r, d| d.copy_from_slice(&src[r]));
         }
 
         /// `one = Σ srcs`: n+1 words per element (push with assign).
-        pub fn sum(&mut self) {
+        pub(crate) fn sum(&mut self) {
             let srcs = &self.srcs;
             run_chunks(&mut self.one, srcs.len() + 1, |r, d| {
                 for (b, d) in d.chunks_mut(BLOCK).enumerate() {
@@ -422,7 +422,7 @@ pub mod roof {
 
         /// `one = 0.9·one + Σ srcs`: n+2 words per element (push with an updater that reads
         /// the stored value).
-        pub fn sum_rmw(&mut self) {
+        pub(crate) fn sum_rmw(&mut self) {
             let srcs = &self.srcs;
             run_chunks(&mut self.one, srcs.len() + 2, |r, d| {
                 let mut acc = [0f32; BLOCK];
@@ -444,7 +444,7 @@ pub mod roof {
 
         /// Every `dsts[i] = one`, each block read once and written n times: n+1 words per
         /// element (pull into n).
-        pub fn bcast(&mut self) {
+        pub(crate) fn bcast(&mut self) {
             let one = &self.one;
             let len = one.len();
             let words = self.dsts.len() + 1;
@@ -498,7 +498,7 @@ pub mod roof {
 
 /// Seconds per device-to-device copy of `bytes` on gpu(0), the median of `reps`, using cudarc
 /// directly. An error, never a panic, when there is no GPU.
-pub fn gpu_d2d_copy(bytes: usize, reps: usize) -> Result<Vec<f64>> {
+pub(crate) fn gpu_d2d_copy(bytes: usize, reps: usize) -> Result<Vec<f64>> {
     if kvstore::gpu_count() == 0 {
         bail!("no GPU: the D2D copy roof is skipped");
     }

@@ -2,7 +2,7 @@
 
 /// A size such as `4096`, `64K`, `16M` or `1G` (binary multiples, either case), in bytes; as a
 /// clap value parser, or alone.
-pub fn parse_size(s: &str) -> Result<usize, String> {
+pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let (num, mult) = match t.as_bytes().last() {
         Some(b'K' | b'k') => (&t[..t.len() - 1], 1usize << 10),

@@ -9,23 +9,23 @@ use mpi::traits::*;
 
 #[path = "../../benches/common/size.rs"]
 mod size;
-pub use size::parse_size;
+pub(crate) use size::parse_size;
 
 /// The median of `v`.
-pub fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
 /// The slowest rank's time of each sample.
-pub fn slowest(comm: &SimpleCommunicator, local: &[f64]) -> Vec<f64> {
+pub(crate) fn slowest(comm: &SimpleCommunicator, local: &[f64]) -> Vec<f64> {
     let mut out = vec![0.0; local.len()];
     comm.all_reduce_into(local, &mut out[..], SystemOperation::max());
     out
 }
 
 /// Times `f` after a barrier.
-pub fn timed(
+pub(crate) fn timed(
     comm: &SimpleCommunicator,
     f: impl FnOnce() -> kvstore::Result<()>,
 ) -> kvstore::Result<f64> {
@@ -36,7 +36,7 @@ pub fn timed(
 }
 
 /// `bytes` as the benches print it: `4K`, `16M`.
-pub fn label(bytes: usize) -> String {
+pub(crate) fn label(bytes: usize) -> String {
     match bytes {
         b if b >= 1 << 20 => format!("{}M", b >> 20),
         b if b >= 1 << 10 => format!("{}K", b >> 10),
@@ -45,7 +45,7 @@ pub fn label(bytes: usize) -> String {
 }
 
 /// A time in µs or ms.
-pub fn fmt_time(t: f64) -> String {
+pub(crate) fn fmt_time(t: f64) -> String {
     if t < 1e-3 {
         format!("{:.1} µs", t * 1e6)
     } else {

@@ -339,7 +339,11 @@ impl DataParallel {
 
     /// As [`DataParallel::step`], but only the first `pushed` devices' gradients are pushed.
     /// Tests use it to check that a dropped shard is caught.
-    pub(crate) fn step_with(&self, batch: Batch<'_>, pushed: usize) -> kvstore::Result<(f64, usize)> {
+    pub(crate) fn step_with(
+        &self,
+        batch: Batch<'_>,
+        pushed: usize,
+    ) -> kvstore::Result<(f64, usize)> {
         let n = self.devices.len();
         // One task per device on rayon's pool (threads are reused from step to step).
         let per_device: Vec<kvstore::Result<(f64, usize, Vec<NDArray>)>> = (0..n)

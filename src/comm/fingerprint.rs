@@ -7,6 +7,9 @@
 //! description in text, from which every rank builds the same message naming the first
 //! differing key (or call) and the ranks on each side.
 
+// `pub` for the MPI transport's test and bench support (`__internal::mpi`).
+#![cfg_attr(not(feature = "mpi"), allow(unreachable_pub))]
+
 use std::fmt::Write as _;
 use std::sync::Arc;
 

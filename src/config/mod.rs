@@ -38,6 +38,8 @@ pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
 /// others wait that long in their next call, and a real training job must survive it. A dead
 /// rank ends the job sooner: `mpirun` notices it, and a rank that exits tells the others (see
 /// `comm::mpi`).
+// `pub` for the MPI transport's test and bench support (`__internal::mpi`).
+#[cfg_attr(not(feature = "mpi"), allow(unreachable_pub))]
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// How often a rank says that it is still waiting when `KVSTORE_WAIT_LOG_SECS` is unset: once a

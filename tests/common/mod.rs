@@ -90,7 +90,13 @@ impl Home {
     }
 
     /// An array of `shape` and `dtype` filled with `v` on the `i`-th device.
-    pub(crate) fn full_typed(self, shape: impl Into<Shape>, v: f64, dtype: DType, i: usize) -> NDArray {
+    pub(crate) fn full_typed(
+        self,
+        shape: impl Into<Shape>,
+        v: f64,
+        dtype: DType,
+        i: usize,
+    ) -> NDArray {
         NDArray::full_on(shape, v, dtype, self.dev(i)).unwrap()
     }
 

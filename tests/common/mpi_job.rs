@@ -184,7 +184,12 @@ fn mpirun() -> Option<PathBuf> {
 
 /// Runs `case` on `np` ranks under mpirun (or on one process without mpirun when `np` is
 /// `None`), with `env` added, killing it after `bound`. Returns `None` when there is no mpirun.
-pub(crate) fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound: Duration) -> Option<Job> {
+pub(crate) fn launch(
+    np: Option<usize>,
+    case: &str,
+    env: &[(&str, &str)],
+    bound: Duration,
+) -> Option<Job> {
     let mpirun = mpirun();
     let Some(mpirun) = mpirun else {
         eprintln!("SKIPPED: mpirun not found");
@@ -236,7 +241,12 @@ pub(crate) fn launch(np: Option<usize>, case: &str, env: &[(&str, &str)], bound:
 /// each with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
 /// `MASTER_PORT` set, and `env` added; all of them are killed after `bound`. The job's exit code
 /// is the first non-zero one among the processes (`None` if one was killed by a signal).
-pub(crate) fn launch_without_mpi(n: usize, case: &str, env: &[(&str, &str)], bound: Duration) -> Job {
+pub(crate) fn launch_without_mpi(
+    n: usize,
+    case: &str,
+    env: &[(&str, &str)],
+    bound: Duration,
+) -> Job {
     let _one_at_a_time = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let exe = std::env::current_exe().expect("the test binary's path");
     // A port of this test process's own (NCCL's bootstrap listens on the one after it).

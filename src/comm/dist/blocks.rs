@@ -85,7 +85,12 @@ impl Blocks {
 
     /// Starts the all-to-all on `call`: `send` of [`Blocks::send_len`] elements, laid out by
     /// [`Blocks::send_at`], and `recv` of [`Blocks::recv_len`] (this rank's).
-    pub(crate) fn start(&self, call: &mut dyn Round, send: HostData, recv: HostData) -> Result<Ticket> {
+    pub(crate) fn start(
+        &self,
+        call: &mut dyn Round,
+        send: HostData,
+        recv: HostData,
+    ) -> Result<Ticket> {
         match self.padded_to {
             None => call.start_all_to_all_v(send, &self.lens, recv),
             Some(_) => call.start(Op::AllToAll, send, recv),

@@ -200,7 +200,10 @@ impl Dist {
 
     /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared: one rank
     /// alone makes none, so a local store's call pays nothing for it.
-    pub(crate) fn begin_with(&self, fp: impl FnOnce() -> Fingerprint) -> Result<Box<dyn Round + '_>> {
+    pub(crate) fn begin_with(
+        &self,
+        fp: impl FnOnce() -> Fingerprint,
+    ) -> Result<Box<dyn Round + '_>> {
         if self.alone {
             return self.link.begin(&Fingerprint::new("local"));
         }
