@@ -57,7 +57,7 @@ mod shape;
 mod store;
 mod updater;
 
-pub use checkpoint::CheckpointErrorKind;
+pub use checkpoint_error::CheckpointErrorKind;
 pub use compress::Compression;
 pub use device::{cpu, gpu, Device};
 pub use dtype::{DType, Element};

@@ -14,7 +14,7 @@ thread_local! {
 
 /// Makes every checkpoint save on the calling thread fail with an I/O error after writing
 /// `bytes` bytes of the temporary file (`None` turns this off). For tests of interrupted saves.
-#[doc(hidden)]
+#[cfg(feature = "test-util")]
 pub fn fail_writes_after(bytes: Option<u64>) {
     FAIL_AFTER.with(|f| f.set(bytes));
 }

@@ -159,24 +159,30 @@ mod checksum;
 mod entry;
 mod file;
 mod layout;
+mod load_hook;
 mod reader;
 mod sharded;
 mod spec;
 #[cfg(test)]
 mod tests;
 
-use std::cell::RefCell;
 use std::io;
 use std::path::Path;
 
+#[cfg(feature = "test-util")]
 pub use atomic::fail_writes_after;
 pub(crate) use entry::{Entry, EntryState};
 pub(crate) use file::write_single_file;
 pub(crate) use layout::{KeyMeta, KeyResiduals, Piece};
+pub(crate) use load_hook::run_load_hook;
+#[cfg(not(feature = "test-util"))]
+pub(crate) use load_hook::LoadStage;
+#[cfg(feature = "test-util")]
+pub use load_hook::{set_load_hook, LoadStage};
 pub(crate) use reader::{open, Reader};
 pub(crate) use sharded::{commit, entry_piece, next_generation, rank_range, write_shard, SaveId};
 
-pub use crate::checkpoint_error::CheckpointErrorKind;
+pub(crate) use crate::checkpoint_error::CheckpointErrorKind;
 use crate::Error;
 
 /// The `format` entry of the metadata of the single-file checkpoints of the previous version,
@@ -292,43 +298,4 @@ pub(crate) fn not_safetensors(e: safetensors::SafeTensorError) -> Problem {
             .to_owned(),
         source: Some(Box::new(e)),
     }
-}
-
-/// Where a [`set_load_hook`] hook runs inside [`KvStore::load`](crate::KvStore::load).
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LoadStage {
-    /// The file is read and checked against the updater in force; the store is unchanged.
-    Checked,
-    /// The file's keys are in the store, with their values and state; the load returns next.
-    Applied,
-}
-
-type LoadHook = Box<dyn FnMut(LoadStage)>;
-
-thread_local! {
-    /// Test hook: runs at each [`LoadStage`] of the loads of this thread.
-    static LOAD_HOOK: RefCell<Option<LoadHook>> = const { RefCell::new(None) };
-}
-
-/// Test hook: runs `hook` at each [`LoadStage`] of every later `load` on the calling thread, with
-/// no lock of the store held (`None` turns it off). For tests of loads that race other calls.
-#[doc(hidden)]
-pub fn set_load_hook(hook: Option<Box<dyn FnMut(LoadStage)>>) {
-    LOAD_HOOK.with(|h| *h.borrow_mut() = hook);
-}
-
-/// Runs the calling thread's [`set_load_hook`] hook, if any, at `stage`.
-pub(crate) fn run_load_hook(stage: LoadStage) {
-    // Taken out while it runs, so a hook that loads does not run itself.
-    let Some(mut hook) = LOAD_HOOK.with(|h| h.borrow_mut().take()) else {
-        return;
-    };
-    hook(stage);
-    LOAD_HOOK.with(|h| {
-        let mut slot = h.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(hook);
-        }
-    });
 }

@@ -161,6 +161,7 @@ impl KvStore {
     /// turn, and the store's compression residuals saved as every rank's own. For tests of
     /// sharded checkpoints (a load by another world size, corrupt shards) without a `dist`
     /// store.
+    #[cfg(feature = "test-util")]
     #[doc(hidden)]
     pub fn save_sharded(&self, dir: impl AsRef<Path>, world: usize) -> Result<()> {
         let dir = dir.as_ref();
@@ -193,6 +194,7 @@ impl KvStore {
 
     /// Test hook: saves this store to `path` as one file of the single-file format 2 that
     /// earlier versions saved (a store now saves a directory), for tests that load old files.
+    #[cfg(feature = "test-util")]
     #[doc(hidden)]
     pub fn save_single_file(&self, path: impl AsRef<Path>) -> Result<()> {
         let (kind, updater, entries) = self.export_entries()?;
