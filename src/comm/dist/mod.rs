@@ -456,7 +456,7 @@ fn read_in_place<'a>(sums: &[Sum<'a>]) -> Vec<Option<RwLockReadGuard<'a, Storage
 /// One key of a gather: this rank's piece of the value (the whole value on the home of a whole
 /// key, this rank's slice of a sliced key, nothing elsewhere), the key's length and dtype, and
 /// where it lives.
-pub(crate) struct Piece<'a> {
+pub(crate) struct GatherPiece<'a> {
     pub data: Option<&'a HostData>,
     pub len: usize,
     pub dtype: DType,
@@ -469,7 +469,7 @@ pub(crate) struct Piece<'a> {
 /// Whether a key of `len` elements of `dtype` spread as `spread` over `size` ranks, in a call
 /// of `keys` keys, travels in a buffer of its own that can be its destination: a sliced key
 /// whose slices fill it exactly, or a whole key that [`travels_alone`]. [`gather`] then
-/// receives it into [`Piece::into`] when given.
+/// receives it into [`GatherPiece::into`] when given.
 pub(crate) fn receives_in_place(
     spread: Spread,
     len: usize,
@@ -488,7 +488,7 @@ pub(crate) fn gather(
     round: &mut dyn Round,
     ranks: (usize, usize),
     pool: &Pool,
-    pieces: Vec<Piece<'_>>,
+    pieces: Vec<GatherPiece<'_>>,
 ) -> Result<Vec<HostData>> {
     let n = pieces.len();
     let Gathered { bufs, at } = gather_shared(round, ranks, pool, pieces)?;
@@ -519,12 +519,12 @@ pub(crate) fn gather_shared(
     round: &mut dyn Round,
     (rank, size): (usize, usize),
     pool: &Pool,
-    mut pieces: Vec<Piece<'_>>,
+    mut pieces: Vec<GatherPiece<'_>>,
 ) -> Result<Gathered> {
     let mut at: Vec<Option<(usize, Range<usize>)>> = (0..pieces.len()).map(|_| None).collect();
     let mut plan = Plan::new(pool);
     // This rank's part of each key, or a buffer of the right length that MPI fills in.
-    let mine = |p: &Piece<'_>, len: usize, room: usize| match p.data {
+    let mine = |p: &GatherPiece<'_>, len: usize, room: usize| match p.data {
         Some(d) if p.spread.holds(rank) => {
             let mut buf = pool.take(p.dtype, d.len(), room);
             pool::copy_into(&mut buf, d);

@@ -8,7 +8,7 @@ use std::sync::RwLockWriteGuard;
 use super::compressed;
 use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0, Summed};
 use crate::backend::HomeValue;
-use crate::comm::dist::{self, Dist, Piece, Scattered, Sum, SumData};
+use crate::comm::dist::{self, Dist, GatherPiece, Scattered, Sum, SumData};
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
 use crate::compress::Compression;
@@ -56,7 +56,7 @@ impl Across for HostRanks {
         let (mut whole, mut sliced) = (Vec::new(), Vec::new());
         for ((v, m), s) in values.iter().zip(&mine).zip(spreads) {
             match s {
-                Spread::Whole { .. } => whole.push(Piece {
+                Spread::Whole { .. } => whole.push(GatherPiece {
                     data: host(m),
                     len: v.size(),
                     dtype: v.dtype(),
@@ -181,7 +181,7 @@ impl Across for HostRanks {
             .iter()
             .zip(&parts)
             .zip(lent.iter_mut())
-            .map(|((g, part), lent)| Piece {
+            .map(|((g, part), lent)| GatherPiece {
                 data: part.as_deref(),
                 len: g.slot.shape.size(),
                 dtype: g.slot.dtype,
