@@ -6,8 +6,9 @@
 # INTERFACE (stable: other scripts and tests call it; change only by adding)
 #
 #   Settings (environment, or the flags --prefix P / --subnet A.B before the command):
-#     KVC_PREFIX  name prefix (default "kv"). Hosts are P0, P1, ... (namespace name = hostname),
-#                 the bridge is Pbr, the root-side veths Pv0, Pv1, ...
+#     KVC_PREFIX  name prefix (default "kv"; 1-8 of [a-z0-9], first and last a letter, so
+#                 that no prefix's hosts are another's). Hosts are P0, P1, ... (namespace
+#                 name = hostname), the bridge is Pbr, the root-side veths Pv0, Pv1, ...
 #     KVC_SUBNET  first two octets (default "10.76"): host i is A.B.0.(i+1)/24.
 #     KVC_MPIRUN  the mpirun that `mpirun` runs (default: the one on PATH). Open MPI 4 (ORTE)
 #                 and 5 (PRRTE) are both understood.
@@ -71,7 +72,9 @@ STATE="/run/kvcluster/$PREFIX"
 IFNAME=eth0
 
 die() { echo "cluster.sh: $*" >&2; exit 2; }
-[[ "$PREFIX" =~ ^[a-z][a-z0-9]{0,7}$ ]] || die "KVC_PREFIX must be 1-8 lowercase letters/digits, starting with a letter (got '$PREFIX')"
+# Not ending in a digit: the hosts of prefix "kv1" (kv10, kv11, ...) would be hosts of "kv" too,
+# and `down` (or `up`) of one cluster would remove the other's.
+[[ "$PREFIX" =~ ^[a-z]([a-z0-9]{0,6}[a-z])?$ ]] || die "KVC_PREFIX must be 1-8 lowercase letters/digits, starting and ending with a letter (got '$PREFIX')"
 [[ "$SUBNET" =~ ^[0-9]{1,3}\.[0-9]{1,3}$ ]] || die "KVC_SUBNET must be two octets such as 10.76 (got '$SUBNET')"
 
 # The hosts of the running cluster, "NAME ADDRESS" per line.
@@ -105,6 +108,14 @@ cmd_down() {
         fi
         ip netns del "$ns" 2>/dev/null || true
         rm -rf "/etc/netns/$ns"
+    done
+    # What a run killed half-way left: a host's /etc/netns folder without its namespace, the
+    # probe namespace of an `up`.
+    for ns in $(ls /etc/netns 2>/dev/null | grep -E "^${PREFIX}[0-9]+$" || true); do
+        rm -rf "/etc/netns/$ns"
+    done
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${PREFIX}probe[0-9]+$" || true); do
+        ip netns del "$ns" 2>/dev/null || true
     done
     # Deleting a namespace deletes its veth end, and with it the pair; a leftover root end
     # (from a half-built cluster) goes here.
