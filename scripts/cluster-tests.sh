@@ -60,8 +60,10 @@ step "measured link rates"
 
 export KVT_CLUSTER="$cluster" KVC_LAYOUTS="4:2x2 3:3x1 2:2x1"
 exec_log="$("$cluster" log)"
-# The bytes host 1 has received over its link so far.
-rx1() { "$cluster" exec "${KVC_PREFIX}1" cat /sys/class/net/"$("$cluster" ifname)"/statistics/rx_bytes; }
+# The bytes host 1 has received over its link so far. Read with `ip netns exec`, not through
+# `cluster.sh exec`, which records every exec in the log `ran_on` reads: a record of this read
+# would say that something ran on host 1 whatever the job did.
+rx1() { ip netns exec "${KVC_PREFIX}1" cat /sys/class/net/"$("$cluster" ifname)"/statistics/rx_bytes; }
 rx_at_step="$(rx1)"
 # Asserts that the last step's jobs started processes on each of the hosts named, and that
 # host 1's link carried data; prints how much.
