@@ -57,6 +57,9 @@ rc=0
 [ "$rc" -eq 0 ] || exit "$rc"
 step "measured link rates"
 "$cluster" measure 2 | tee "$logs/rates"
+# tbf is in place: no link carried more than 1 Gbit/s (125 MB/s) and its burst. (An upper
+# bound only: a loaded machine may measure less, never more.)
+awk '{ r = $2 + 0; if (r <= 0 || r > 131) { print "cluster-tests.sh: " $1 " measured " $2 " MB/s on a 1gbit link: not shaped" > "/dev/stderr"; bad = 1 } } END { exit bad }' "$logs/rates"
 
 export KVT_CLUSTER="$cluster" KVC_LAYOUTS="4:2x2 3:3x1 2:2x1"
 exec_log="$("$cluster" log)"
