@@ -315,8 +315,16 @@ impl<T: Wire> Drop for Pending<T> {
 
 impl<T: Wire> Pending<T> {
     fn new(call: &Call, coll: Coll, send: Vec<T>, recv: Vec<T>, bytes: usize) -> Pending<T> {
-        let w = call.world;
-        super::test_hook::before_collective((w.rank, w.host_of(w.rank)), call.seq, &coll, bytes);
+        #[cfg(feature = "test-util")]
+        {
+            let w = call.world;
+            super::test_hook::before_collective(
+                (w.rank, w.host_of(w.rank)),
+                call.seq,
+                &coll,
+                bytes,
+            );
+        }
         Pending {
             world: call.world,
             seq: call.seq,

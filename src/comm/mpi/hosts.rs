@@ -18,10 +18,12 @@ pub(super) const HOST_BYTES: usize = 64;
 /// This machine's host name (`gethostname`), cut to [`HOST_BYTES`] and cleaned as every
 /// receiver cleans it.
 fn this_host() -> [u8; HOST_BYTES] {
+    // Room for a name of HOST_BYTES (Linux's longest) and its 0: glibc refuses a buffer of
+    // exactly HOST_BYTES for such a name (ENAMETOOLONG), which made it "unknown".
     let mut buf = [0u8; HOST_BYTES + 1];
-    // SAFETY: `buf` is writable for `buf.len()` bytes; gethostname writes at most that many and
-    // never past them (a longer name is cut; the last byte stays 0).
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast::<c_char>(), HOST_BYTES) };
+    // SAFETY: `buf` is writable for `buf.len()` bytes, the length passed; gethostname writes at
+    // most that many.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast::<c_char>(), buf.len()) };
     let mut out = [0u8; HOST_BYTES];
     if rc == 0 {
         out.copy_from_slice(&buf[..HOST_BYTES]);

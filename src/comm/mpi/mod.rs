@@ -121,6 +121,9 @@ mod exit;
 mod hosts;
 mod poll;
 mod raw;
+// Only in test builds (the crate's own tests and examples enable test-util): a library built
+// for users never reads the hook's variables.
+#[cfg(feature = "test-util")]
 mod test_hook;
 
 use std::collections::BTreeMap;

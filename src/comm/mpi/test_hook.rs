@@ -11,8 +11,9 @@
 //!   the collective, so the other ranks are inside it, waiting for this one, when the test
 //!   acts on the line.
 //!
-//! Neither is read by anything else, and a bad value turns the hook off. Used by
-//! `scripts/cluster-faults.sh`.
+//! Neither is read by anything else, and a bad value turns the hook off. The hook exists only
+//! with the `test-util` feature (on in the crate's own tests and examples, off in a library
+//! built for users). Used by `scripts/cluster-faults.sh`, through `examples/dist_probe.rs`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -29,11 +30,13 @@ fn settings() -> Option<(usize, Duration)> {
             .trim()
             .parse()
             .ok()?;
-        let hold = std::env::var("KVSTORE_TEST_HOLD_SECS")
-            .ok()
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s >= 0.0)
-            .map_or(Duration::ZERO, Duration::from_secs_f64);
+        // Unset: no hold. Set but not a number of seconds that a Duration holds (negative,
+        // NaN, 1e300: `Duration::from_secs_f64` would panic): the hook is off, as the module
+        // says, so a test that relies on the hold fails for want of its line.
+        let hold = match std::env::var("KVSTORE_TEST_HOLD_SECS") {
+            Err(_) => Duration::ZERO,
+            Ok(v) => Duration::try_from_secs_f64(v.trim().parse::<f64>().ok()?).ok()?,
+        };
         Some((bytes, hold))
     })
 }
