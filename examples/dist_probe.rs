@@ -17,7 +17,9 @@
 //!   host=H DONE` at the end.
 //! - `save`: as `push`, and key 1 holds the step number; after each step the store is saved to
 //!   the sharded checkpoint `--dir` (`PROBE rank=R host=H SAVING S` before the save, `SAVED S`
-//!   after it).
+//!   after it). With `--hold-save R:S:T`, rank `R` sleeps `T` seconds after it prints
+//!   `SAVING S`, before its save: the other ranks are then inside save `S`, waiting for it, so
+//!   a test can kill a host's ranks while a save is under way, not after a guessed sleep.
 //! - `verify`: one process, no MPI job: loads `--dir` into a `local` store, reads the step `S`
 //!   it holds and checks key 0 against the reference sum of `--ranks` ranks at step `S`. Prints
 //!   `PROBE VERIFIED step=S max_err=E`.
@@ -39,6 +41,8 @@ struct Args {
     seed: u64,
     dir: String,
     ranks: usize,
+    /// `--hold-save R:S:T`: (rank, step, seconds).
+    hold_save: Option<(usize, u64, f64)>,
 }
 
 fn args() -> Result<Args> {
@@ -49,6 +53,7 @@ fn args() -> Result<Args> {
         seed: 1,
         dir: String::new(),
         ranks: 0,
+        hold_save: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -60,10 +65,24 @@ fn args() -> Result<Args> {
             "--seed" => a.seed = v.parse()?,
             "--dir" => a.dir = v,
             "--ranks" => a.ranks = v.parse()?,
+            "--hold-save" => a.hold_save = Some(hold_save(&v)?),
             _ => bail!("unknown option {flag}"),
         }
     }
     Ok(a)
+}
+
+/// `R:S:T` of `--hold-save`: rank, step, seconds (finite, 0 to 600).
+fn hold_save(v: &str) -> Result<(usize, u64, f64)> {
+    let parts: Vec<&str> = v.split(':').collect();
+    let [r, s, t] = parts[..] else {
+        bail!("--hold-save takes RANK:STEP:SECONDS, got {v}");
+    };
+    let secs: f64 = t.parse()?;
+    if !(0.0..=600.0).contains(&secs) {
+        bail!("--hold-save: {secs} seconds is not in 0 to 600");
+    }
+    Ok((r.parse()?, s.parse()?, secs))
 }
 
 /// Rank `rank`'s values at step `step`: multiples of 2^-22 in [-1, 1) from a splitmix64 stream
@@ -102,12 +121,15 @@ fn compare(got: &[f32], want: &[f64], what: &str) -> Result<f64> {
     if got.len() != want.len() {
         bail!("{what}: {} values, expected {}", got.len(), want.len());
     }
+    // A NaN (an element the store never wrote: `out` starts as NaN) is a wrong value too;
+    // `f64::max` would drop it, so it is counted as infinitely far off.
     let err = got
         .iter()
         .zip(want)
         .map(|(&g, &w)| (f64::from(g) - w).abs())
+        .map(|e| if e.is_nan() { f64::INFINITY } else { e })
         .fold(0f64, f64::max);
-    if err.is_nan() || err > TOLERANCE {
+    if err > TOLERANCE {
         bail!("{what}: WRONG VALUE, off by {err:e} from the reference");
     }
     Ok(err)
@@ -139,6 +161,10 @@ fn run(a: &Args, kv: &KvStore, tag: &str, save: bool) -> Result<()> {
         println!("{tag} step={step} OK max_err={err:e}");
         if save {
             println!("{tag} SAVING {step}");
+            if a.hold_save.is_some_and(|(r, s, _)| r == rank && s == step) {
+                let secs = a.hold_save.map_or(0.0, |(_, _, t)| t);
+                std::thread::sleep(std::time::Duration::from_secs_f64(secs));
+            }
             kv.save(&a.dir)?;
             println!("{tag} SAVED {step}");
         }
@@ -149,6 +175,9 @@ fn run(a: &Args, kv: &KvStore, tag: &str, save: bool) -> Result<()> {
 
 /// Loads `--dir` into a local store and checks it against the reference at the step it holds.
 fn verify(a: &Args) -> Result<()> {
+    if a.ranks == 0 {
+        bail!("verify needs --ranks N (N >= 1): the reference is the sum of N ranks' values");
+    }
     let kv = KvStore::create("local")?;
     kv.load(&a.dir)?;
     let step_out = NDArray::from_vec(vec![f32::NAN], [1])?;
