@@ -97,14 +97,24 @@ kill_ranks() {
     echo "$n"
 }
 
-# After a case: brings the lost host back and waits (at most 30 s) until nothing of the job is
-# left in it; says what was left when the job ended.
+# After a case: fails if anything of the job is still on the surviving host 10 s after mpirun
+# ended; brings the lost host back and waits (at most 30 s) until nothing of the job is left in
+# it; says what was left there when the job ended.
 settle() {
-    local left
+    local left end
+    # mpirun has ended: nothing of the job may stay on the surviving host (a rank or daemon
+    # there would be a hang that mpirun's exit hid).
+    end=$((SECONDS + 10))
+    while [ -n "$(ip netns pids "${PREFIX}0")" ] && [ $SECONDS -lt $end ]; do sleep 0.2; done
+    left="$(for p in $(ip netns pids "${PREFIX}0"); do cat "/proc/$p/comm" 2>/dev/null; done | sort | uniq -c | tr -s ' ' | tr '\n' ',')"
+    if [ -n "$left" ]; then
+        fail "$1: left in ${PREFIX}0 10 s after mpirun ended: $left"
+        ip netns pids "${PREFIX}0" | xargs -r kill -9
+    fi
     left="$(for p in $(ip netns pids "$LOST"); do cat "/proc/$p/comm" 2>/dev/null; done | sort | uniq -c | tr -s ' ' | tr '\n' ',')"
     [ -n "$left" ] && echo "  left in $LOST when mpirun ended (before the link came back): $left"
     "${C[@]}" restore "$LOST"
-    local end=$((SECONDS + 30))
+    end=$((SECONDS + 30))
     while [ -n "$(ip netns pids "$LOST")" ] && [ $SECONDS -lt $end ]; do sleep 0.2; done
     if [ -n "$(ip netns pids "$LOST")" ]; then
         fail "$1: processes still in $LOST 30 s after its link came back"
