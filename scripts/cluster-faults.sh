@@ -276,5 +276,10 @@ for c in "${cases[@]}"; do
 done
 
 echo "=== cluster faults: $passed passed, $failed failed of ${#cases[@]} (logs in $LOGS)"
-# Every case must have passed: one that ended without a verdict is a failure too.
-[ $failed -eq 0 ] && [ $passed -eq ${#cases[@]} ]
+# Every case must have passed: one that ended without a verdict is a failure too. The logs
+# (and the save case's checkpoint) stay only for a failure.
+if [ $failed -eq 0 ] && [ $passed -eq ${#cases[@]} ]; then
+    rm -rf "$LOGS"
+    exit 0
+fi
+exit 1
