@@ -262,8 +262,9 @@ cmd_hostfile() {
 
 cmd_mpirun() {
     local n="" prev="" a mpirun first f version
+    # The first -np: a later "-n 10" may be the program's own flag.
     for a in "$@"; do
-        case "$prev" in -np | -n | --np) n="$a" ;; esac
+        case "$prev" in -np | -n | --np) n="$a"; break ;; esac
         prev="$a"
     done
     [ -n "$n" ] || die "mpirun: give -np N"
