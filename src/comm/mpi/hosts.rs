@@ -105,6 +105,14 @@ mod tests {
         assert_eq!(clean(&[b'x'; 200]).len(), HOST_BYTES);
     }
 
+    /// This machine's name as the kernel has it, even at Linux's longest, 64 bytes (run under
+    /// `unshare --uts` with such a name to see it: it once read as "unknown").
+    #[test]
+    fn this_host_is_the_kernels_name() {
+        let want = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        assert_eq!(clean(&this_host()), clean(want.trim().as_bytes()));
+    }
+
     #[test]
     fn ranks_are_named_with_their_hosts() {
         let hosts = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
