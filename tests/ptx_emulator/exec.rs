@@ -8,7 +8,7 @@ use super::parse::{mask, Cmp, Cvt, Entry, FloatOp, Instr, IntOp, Op, Reg, Specia
 
 /// A kernel argument, in the order of the entry's `.param` list.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Arg {
+pub enum Arg {
     U64(u64),
     U32(u32),
     F32(f32),
@@ -20,7 +20,7 @@ const STEP_LIMIT: u64 = 100_000_000;
 /// Launches `entry` on `grid` blocks of `block` threads with `args`: runs every thread, in
 /// order, to its end. Fails on the first error (bad access, race, uninitialized register...),
 /// naming the instruction, its line and the thread.
-pub(crate) fn launch(
+pub fn launch(
     entry: &Entry,
     mem: &mut Memory,
     grid: (u32, u32, u32),
@@ -83,7 +83,7 @@ pub(crate) fn launch(
 /// stored to global memory (they returned at a bounds check, perhaps after reading a table to
 /// find their work). A grid much larger than its data shows as many idle blocks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Blocks {
+pub struct Blocks {
     /// Blocks in the grid.
     pub launched: u64,
     /// Blocks none of whose threads stored to global memory.

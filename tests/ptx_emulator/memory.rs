@@ -39,7 +39,7 @@ struct Alloc {
 /// (offsets from the allocation's base).
 #[allow(dead_code)] // used by the stand-in driver (tools/stand-in-driver)
 #[derive(Clone, Debug)]
-pub(crate) struct Touch {
+pub struct Touch {
     pub base: u64,
     pub read: Option<(u64, u64)>,
     pub write: Option<(u64, u64)>,
@@ -48,7 +48,7 @@ pub(crate) struct Touch {
 /// Device memory for the emulator. Host reads and writes (between launches) are bounds checked;
 /// kernel accesses are also checked for alignment and for races between threads.
 #[derive(Default)]
-pub(crate) struct Memory {
+pub struct Memory {
     allocs: Vec<Alloc>,
     /// Counts launches; 0 before the first.
     launch: u64,
@@ -60,13 +60,13 @@ pub(crate) struct Memory {
 
 impl Memory {
     /// A new allocation holding `bytes`; returns its base address (256-byte aligned).
-    pub(crate) fn alloc(&mut self, bytes: &[u8]) -> u64 {
+    pub fn alloc(&mut self, bytes: &[u8]) -> u64 {
         self.alloc_owned(bytes.to_vec())
     }
 
     /// A new allocation of `len` bytes, each `fill`; returns its base address.
     #[allow(dead_code)] // used by the stand-in driver (tools/stand-in-driver)
-    pub(crate) fn alloc_filled(&mut self, len: usize, fill: u8) -> u64 {
+    pub fn alloc_filled(&mut self, len: usize, fill: u8) -> u64 {
         self.alloc_owned(vec![fill; len])
     }
 
@@ -89,7 +89,7 @@ impl Memory {
     /// Frees the allocation starting at `base`. Its address is never handed out again, so any
     /// later access to it is reported as a use after free.
     #[allow(dead_code)] // used by the stand-in driver (tools/stand-in-driver)
-    pub(crate) fn free(&mut self, base: u64) -> Result<()> {
+    pub fn free(&mut self, base: u64) -> Result<()> {
         let (a, off) = self.find(base, 0, "free")?;
         ensure!(
             off == 0,
@@ -106,14 +106,14 @@ impl Memory {
 
     /// The base and length of the live allocation holding `[addr, addr + len)`.
     #[allow(dead_code)] // used by the stand-in driver (tools/stand-in-driver)
-    pub(crate) fn allocation(&self, addr: u64, len: u64) -> Result<(u64, u64)> {
+    pub fn allocation(&self, addr: u64, len: u64) -> Result<(u64, u64)> {
         let (a, _) = self.find(addr, len, "access")?;
         Ok((self.allocs[a].base, self.allocs[a].bytes.len() as u64))
     }
 
     /// What the last launch read and wrote, per allocation it touched.
     #[allow(dead_code)] // used by the stand-in driver (tools/stand-in-driver)
-    pub(crate) fn touched(&self) -> Vec<Touch> {
+    pub fn touched(&self) -> Vec<Touch> {
         self.touched
             .iter()
             .map(|&i| {
@@ -128,14 +128,14 @@ impl Memory {
     }
 
     /// Copies `data` to `addr`, which must lie inside one allocation with all of `data`.
-    pub(crate) fn write(&mut self, addr: u64, data: &[u8]) -> Result<()> {
+    pub fn write(&mut self, addr: u64, data: &[u8]) -> Result<()> {
         let (a, off) = self.find(addr, data.len() as u64, "host write")?;
         self.allocs[a].bytes[off..off + data.len()].copy_from_slice(data);
         Ok(())
     }
 
     /// `len` bytes from `addr`, which must lie inside one allocation.
-    pub(crate) fn read(&self, addr: u64, len: usize) -> Result<Vec<u8>> {
+    pub fn read(&self, addr: u64, len: usize) -> Result<Vec<u8>> {
         let (a, off) = self.find(addr, len as u64, "host read")?;
         Ok(self.allocs[a].bytes[off..off + len].to_vec())
     }

@@ -56,12 +56,16 @@
 //! ptxas or the driver's JIT make of the text (build.rs assembles every file with ptxas), launch
 //! limits, or the driver and the CUDA runtime.
 
+// Shared by path with tools/stand-in-driver, whose library re-exports these items: they are
+// `pub` for it, though the test crates here reach them only within the crate.
+#![allow(unreachable_pub)]
+
 mod exec;
 mod memory;
 mod parse;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use exec::{launch, Arg};
-pub(crate) use memory::Memory;
-pub(crate) use parse::Module;
+pub use exec::{launch, Arg};
+pub use memory::Memory;
+pub use parse::Module;

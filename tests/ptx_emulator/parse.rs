@@ -8,18 +8,18 @@ use std::collections::HashMap;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 
 /// A register: an index into a thread's register file.
-pub(super) type Reg = u16;
+pub type Reg = u16;
 
 /// A source operand: a register, or an immediate already in the register's bit pattern.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Src {
+pub enum Src {
     Reg(Reg),
     Imm(u64),
 }
 
 /// f32 arithmetic, each rounded to nearest even (`.rn`).
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum FloatOp {
+pub enum FloatOp {
     Add,
     Sub,
     Mul,
@@ -28,7 +28,7 @@ pub(crate) enum FloatOp {
 
 /// Unsigned integer and bit operations on 32 or 64 bits.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum IntOp {
+pub enum IntOp {
     Add,
     Sub,
     Min,
@@ -40,7 +40,7 @@ pub(crate) enum IntOp {
 
 /// `setp` comparisons; on f32 all are ordered (false when either side is NaN).
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Cmp {
+pub enum Cmp {
     Eq,
     Ne,
     Lt,
@@ -51,7 +51,7 @@ pub(crate) enum Cmp {
 
 /// The conversions `cvt` supports.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Cvt {
+pub enum Cvt {
     /// `cvt.u64.u32`: zero extension.
     U64FromU32,
     /// `cvt.f32.f16`: exact.
@@ -66,7 +66,7 @@ pub(crate) enum Cvt {
 
 /// The type of a move, compare, select, load or store: its width and, for f32, how it compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Ty {
+pub enum Ty {
     B16,
     U32,
     U64,
@@ -75,7 +75,7 @@ pub(crate) enum Ty {
 
 impl Ty {
     /// Width in bits.
-    pub(crate) fn bits(self) -> u32 {
+    pub fn bits(self) -> u32 {
         match self {
             Ty::B16 => 16,
             Ty::U32 | Ty::F32 => 32,
@@ -84,7 +84,7 @@ impl Ty {
     }
 
     /// Width in bytes.
-    pub(crate) fn bytes(self) -> u64 {
+    pub fn bytes(self) -> u64 {
         u64::from(self.bits() / 8)
     }
 
@@ -102,7 +102,7 @@ impl Ty {
 
 /// A special register: `%tid`, `%ntid`, `%ctaid` or `%nctaid`, with its dimension (x = 0).
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Special {
+pub enum Special {
     Tid(usize),
     Ntid(usize),
     Ctaid(usize),
@@ -111,7 +111,7 @@ pub(crate) enum Special {
 
 /// One decoded instruction (without its guard).
 #[derive(Clone, Debug)]
-pub(crate) enum Op {
+pub enum Op {
     Float(FloatOp, Reg, Src, Src),
     Sqrt(Reg, Src),
     Neg(Reg, Src),
@@ -138,11 +138,11 @@ pub(crate) enum Op {
 }
 
 /// A guard predicate: `@%p` is `Some((p, false))`, `@!%p` is `Some((p, true))`.
-pub(super) type Guard = Option<(Reg, bool)>;
+pub type Guard = Option<(Reg, bool)>;
 
 /// An instruction, its guard and its source.
 #[derive(Clone, Debug)]
-pub(crate) struct Instr {
+pub struct Instr {
     pub guard: Guard,
     pub op: Op,
     /// 1-based line in the PTX text.
@@ -153,7 +153,7 @@ pub(crate) struct Instr {
 
 /// A kernel parameter and where it lies in the parameter block.
 #[derive(Clone, Debug)]
-pub(crate) struct Param {
+pub struct Param {
     pub name: String,
     pub ty: Ty,
     pub offset: u64,
@@ -161,7 +161,7 @@ pub(crate) struct Param {
 
 /// One `.entry`: its parameters, registers and code.
 #[derive(Clone, Debug)]
-pub(crate) struct Entry {
+pub struct Entry {
     pub name: String,
     pub params: Vec<Param>,
     /// Name and width of every register; width 1 is a predicate.
@@ -174,7 +174,7 @@ pub(crate) struct Entry {
 
 /// A parsed PTX module: its `.version`, its `.target`, and its entries, in order.
 #[derive(Clone, Debug)]
-pub(crate) struct Module {
+pub struct Module {
     /// `.version` as major * 10 + minor (`7.1` is 71).
     pub version: u32,
     /// The number of `.target sm_NN`.
@@ -189,7 +189,7 @@ pub(crate) struct Module {
 /// version (major * 10 + minor), from the "PTX ISA notes" and "Target ISA notes" of the PTX
 /// ISA manual; `what` names the feature as ptxas does.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Needs {
+pub struct Needs {
     pub what: &'static str,
     pub sm: u32,
     pub isa: u32,
@@ -241,7 +241,7 @@ fn parse_target(t: &str) -> Option<u32> {
 impl Module {
     /// Parses `text`; any directive, instruction or operand outside the supported subset is an
     /// error naming its line.
-    pub(crate) fn parse(text: &str) -> Result<Module> {
+    pub fn parse(text: &str) -> Result<Module> {
         let mut lines = text
             .lines()
             .enumerate()
@@ -331,7 +331,7 @@ impl Module {
     }
 
     /// The entry called `name`.
-    pub(crate) fn entry(&self, name: &str) -> Result<&Entry> {
+    pub fn entry(&self, name: &str) -> Result<&Entry> {
         self.entries
             .iter()
             .find(|e| e.name == name)
@@ -888,7 +888,7 @@ fn special(s: &str) -> Option<Special> {
 }
 
 /// The all-ones value of `bits` bits (1 to 64).
-pub(super) fn mask(bits: u32) -> u64 {
+pub fn mask(bits: u32) -> u64 {
     u64::MAX >> (64 - bits)
 }
 
