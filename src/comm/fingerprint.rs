@@ -13,6 +13,8 @@
 use std::fmt::Write as _;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::{DType, Error, Key, Result};
 
 /// One entry of a call: a key with the shape and dtype of its value.
@@ -53,12 +55,13 @@ pub(crate) type Record = [u64; 4];
 /// 12 µs, against 63 µs for XXH3's streaming hasher fed field by field (and 47 µs for the
 /// word-by-word mixer this replaced). It is not a cryptographic hash: it guards against
 /// mistakes, not adversaries.
-struct Hash64(Vec<u8>);
+/// Records of a few keys fit in the inline buffer: a call's fingerprint then allocates nothing.
+struct Hash64(SmallVec<[u8; 256]>);
 
 impl Hash64 {
     /// A hash with room for `bytes` bytes of fields.
     fn with_capacity(bytes: usize) -> Hash64 {
-        Hash64(Vec::with_capacity(bytes))
+        Hash64(SmallVec::with_capacity(bytes))
     }
     fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
