@@ -97,6 +97,8 @@ impl Across for Alone {
         Ok(Vec::new())
     }
 
+    /// Nothing to sum: the values pass through, compressed or not (compressed ones are decoded
+    /// under the keys' locks, [`Across::locked_inputs`]).
     fn sum_across(
         &self,
         _call: &mut dyn Round,
@@ -106,6 +108,16 @@ impl Across for Alone {
         _mine: Vec<Mine<'_>>,
     ) -> Result<Summed> {
         Ok((Inputs::Values, None))
+    }
+
+    fn sum_dense(
+        &self,
+        _call: &mut dyn Round,
+        _d: &Dist,
+        _groups: &[Group<'_>],
+        _mine: Vec<Mine<'_>>,
+    ) -> Result<Inputs> {
+        Ok(Inputs::Values)
     }
 
     /// A compressed push quantizes each value with its residual and decodes it, and the

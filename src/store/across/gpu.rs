@@ -3,14 +3,12 @@
 
 use std::sync::Arc;
 
-use super::compressed;
-use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0, Summed};
+use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0};
 use crate::backend::HomeValue;
 use crate::comm::dist::{self, Dist, GpuPiece};
 use crate::comm::link::Round;
 use crate::comm::nccl::RankComm;
 use crate::comm::{self, Spread};
-use crate::compress::Compression;
 use crate::store::groups::Group;
 use crate::{Error, NDArray, Result};
 
@@ -88,18 +86,13 @@ impl Across for GpuRanks {
             .collect()
     }
 
-    fn sum_across(
+    fn sum_dense(
         &self,
-        call: &mut dyn Round,
-        d: &Dist,
-        compression: Compression,
+        _call: &mut dyn Round,
+        _d: &Dist,
         groups: &[Group<'_>],
         mine: Vec<Mine<'_>>,
-    ) -> Result<Summed> {
-        if compression.is_on() {
-            let (inputs, residuals) = compressed::sum_encoded(call, d, compression, groups, mine)?;
-            return Ok((inputs, Some(residuals)));
-        }
+    ) -> Result<Inputs> {
         let rc = &*self.0;
         // Whole keys are reduced onto their home rank (packed where small); sliced keys are
         // reduce-scattered, each rank left with the total of its slice.
@@ -116,7 +109,7 @@ impl Across for GpuRanks {
             .into_iter()
             .map(Some);
         let spreads = groups.iter().map(|g| g.slot.spread);
-        Ok((Inputs::Totals(in_key_order(spreads, whole, sliced)?), None))
+        Ok(Inputs::Totals(in_key_order(spreads, whole, sliced)?))
     }
 
     fn pull_parts(

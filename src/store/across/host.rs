@@ -5,13 +5,11 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::RwLockWriteGuard;
 
-use super::compressed;
-use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0, Summed};
+use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0};
 use crate::backend::HomeValue;
 use crate::comm::dist::{self, Dist, GatherPiece, Scattered, Sum, SumData};
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
-use crate::compress::Compression;
 use crate::host::HostData;
 use crate::ndarray::Storage;
 use crate::store::groups::Group;
@@ -108,18 +106,13 @@ impl Across for HostRanks {
             .collect()
     }
 
-    fn sum_across(
+    fn sum_dense(
         &self,
         call: &mut dyn Round,
         d: &Dist,
-        compression: Compression,
         groups: &[Group<'_>],
         mine: Vec<Mine<'_>>,
-    ) -> Result<Summed> {
-        if compression.is_on() {
-            let (inputs, residuals) = compressed::sum_encoded(call, d, compression, groups, mine)?;
-            return Ok((inputs, Some(residuals)));
-        }
+    ) -> Result<Inputs> {
         let sums = groups
             .iter()
             .zip(mine)
@@ -139,20 +132,17 @@ impl Across for HostRanks {
             .collect::<Result<Vec<_>>>()?;
         // The caller's values are read, never lent: a transfer that fails cannot lose them.
         let totals = dist::reduce(call, (d.rank(), d.size()), d.pool(), sums)?;
-        Ok((
-            Inputs::Totals(
-                totals
-                    .into_iter()
-                    .zip(groups)
-                    .map(|(t, g)| {
-                        t.map(|t| {
-                            let shape = part_shape(g, t.len());
-                            NDArray::from_host(t, shape, cpu(0))
-                        })
+        Ok(Inputs::Totals(
+            totals
+                .into_iter()
+                .zip(groups)
+                .map(|(t, g)| {
+                    t.map(|t| {
+                        let shape = part_shape(g, t.len());
+                        NDArray::from_host(t, shape, cpu(0))
                     })
-                    .collect(),
-            ),
-            None,
+                })
+                .collect(),
         ))
     }
 

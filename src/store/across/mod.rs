@@ -126,7 +126,8 @@ pub(super) trait Across: Send + Sync {
 
     /// A push's step across ranks, before the keys are locked: every rank's contributions
     /// (`mine`) summed onto where each key lives, and, compressed, the residuals to keep once
-    /// the push has succeeded.
+    /// the push has succeeded. Compressed values travel encoded, in host memory, on every kind
+    /// of ranks; the rest as [`Across::sum_dense`] says.
     fn sum_across(
         &self,
         call: &mut dyn Round,
@@ -134,7 +135,22 @@ pub(super) trait Across: Send + Sync {
         compression: Compression,
         groups: &[Group<'_>],
         mine: Vec<Mine<'_>>,
-    ) -> Result<Summed>;
+    ) -> Result<Summed> {
+        if compression.is_on() {
+            let (inputs, residuals) = compressed::sum_encoded(call, d, compression, groups, mine)?;
+            return Ok((inputs, Some(residuals)));
+        }
+        Ok((self.sum_dense(call, d, groups, mine)?, None))
+    }
+
+    /// [`Across::sum_across`] for uncompressed values.
+    fn sum_dense(
+        &self,
+        call: &mut dyn Round,
+        d: &Dist,
+        groups: &[Group<'_>],
+        mine: Vec<Mine<'_>>,
+    ) -> Result<Inputs>;
 
     /// What the updater takes, once the keys are locked: `summed` itself, unless this way
     /// still has work that needs the keys' locks.
