@@ -27,7 +27,25 @@ pub(super) const BOUND: usize = 8;
 /// The loopback stores of `n` ranks, one per rank (created together: creating one is a call
 /// of every rank).
 pub(crate) fn stores(n: usize) -> Vec<KvStore> {
+    stores_on(Lane::Host, n)
+}
+
+/// How the values of a loopback world's stores cross its ranks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Lane {
+    /// In host buffers, as ranks that keep their values in host memory move them.
+    Host,
+    /// In place in the arrays that hold them, as GPU ranks move theirs (here in host memory).
+    InPlace,
+}
+
+/// [`stores`], crossing ranks as `lane` says.
+pub(crate) fn stores_on(lane: Lane, n: usize) -> Vec<KvStore> {
     let links = Loopback::world(n, Duration::from_secs(10));
+    let links: Vec<Loopback> = match lane {
+        Lane::Host => links,
+        Lane::InPlace => links.into_iter().map(Loopback::moving_in_place).collect(),
+    };
     on_links(&links, |_, l| {
         KvStore::over_loopback(l.clone(), BOUND).expect("a store")
     })
@@ -230,11 +248,16 @@ fn run(kv: &KvStore, rank: Option<usize>, call: &Call, dir: &Path) -> Result<Vec
 
 /// Runs `program` on `n` loopback ranks and on a local store; checks every pull.
 fn check_program(n: usize, program: &[Call]) -> Result<(), TestCaseError> {
+    check_program_on(Lane::Host, n, program)
+}
+
+/// [`check_program`], with the ranks' values crossing as `lane` says.
+fn check_program_on(lane: Lane, n: usize, program: &[Call]) -> Result<(), TestCaseError> {
     let dir = temp_dir("program");
     let keys: Vec<i32> = (0..SIZES.len() as i32).collect();
     let local = KvStore::create("local").expect("a local store");
     local.init_list(&keys, &initial()).expect("init");
-    let ranks = stores(n);
+    let ranks = stores_on(lane, n);
     let results = on_ranks(&ranks, |r, kv| {
         kv.init_list(&keys, &initial())?;
         let mut pulled = Vec::new();
@@ -262,9 +285,10 @@ fn check_program(n: usize, program: &[Call]) -> Result<(), TestCaseError> {
             prop_assert_eq!(
                 bits(g),
                 bits(w),
-                "rank {} of {}, after call {} ({:?})",
+                "rank {} of {} ({:?}), after call {} ({:?})",
                 r,
                 n,
+                lane,
                 i,
                 program.get(i)
             );
@@ -286,8 +310,28 @@ fn a_random_program_on_n_ranks_equals_one_local_store() {
         .unwrap();
 }
 
+/// The random programs of [`a_random_program_on_n_ranks_equals_one_local_store`], on ranks
+/// that move their values in place, as GPU ranks do (the GPU ranks' way of crossing ranks:
+/// packing by home and dtype, reduce-scatter and all-gather of sliced keys, the init's scatter
+/// by broadcasts), here on arrays in host memory.
+#[test]
+fn a_random_program_on_n_ranks_moving_values_in_place_equals_one_local_store() {
+    let mut runner = TestRunner::new(Config {
+        cases: 32,
+        ..Config::default()
+    });
+    let strategy =
+        (1usize..=5).prop_flat_map(|n| (Just(n), proptest::collection::vec(call(n), 1..12)));
+    runner
+        .run(&strategy, |(n, program)| {
+            check_program_on(Lane::InPlace, n, &program)
+        })
+        .unwrap();
+}
+
 /// A whole key and a sliced key, on 3 ranks: the sums and updates of every rank land where
-/// the keys live, and every rank pulls the same values as a local store.
+/// the keys live, and every rank pulls the same values as a local store, in host buffers and
+/// in place.
 #[test]
 fn sliced_and_whole_keys_on_3_ranks_equal_a_local_store() {
     let program = vec![
@@ -303,7 +347,8 @@ fn sliced_and_whole_keys_on_3_ranks_equal_a_local_store() {
         Call::Pull(vec![3, 0]),
         Call::PushPull(vec![(4, vec![vec![0.25; 37]; 3], vec![0, 1, 2])]),
     ];
-    check_program(3, &program).unwrap();
+    check_program_on(Lane::Host, 3, &program).unwrap();
+    check_program_on(Lane::InPlace, 3, &program).unwrap();
 }
 
 /// Bad input on one rank: that rank gets its own error, the others `RankRejected`, and

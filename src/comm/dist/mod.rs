@@ -24,12 +24,11 @@ use std::sync::RwLockReadGuard;
 use std::sync::{Arc, Mutex};
 
 mod blocks;
-mod gpu;
+pub(crate) mod in_place;
 mod pool;
 
 use super::fingerprint::Fingerprint;
 use super::link::{self, Link, Op, Round};
-use super::nccl::RankComm;
 use super::spread::{slice_block, Spread};
 use crate::config::Config;
 use crate::host::HostData;
@@ -39,8 +38,6 @@ use crate::{DType, Device, Element, Error, NDArray, Result};
 pub(crate) use blocks::tests as blocks_tests;
 pub(crate) use blocks::Blocks;
 pub(crate) use pool::Pool;
-
-pub(crate) use gpu::GpuPiece;
 
 /// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
 pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
@@ -66,8 +63,9 @@ pub(crate) struct Dist {
     store: u64,
     /// The caller's tag, in every fingerprint from when it is set (see [`Dist::set_tag`]).
     tag: Mutex<Option<Arc<str>>>,
-    /// NCCL between the ranks' GPUs, when the ranks keep their values on GPUs.
-    gpus: Option<Arc<RankComm>>,
+    /// Where the ranks keep their values when the link moves them in place there (GPU ranks'
+    /// GPUs; see [`Link::in_place_home`]).
+    in_place: Option<Device>,
     /// One rank alone (the single-process kinds): calls compare nothing.
     alone: bool,
 }
@@ -81,7 +79,7 @@ impl Dist {
             pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
             tag: Mutex::new(None),
-            gpus: None,
+            in_place: None,
             alone: true,
         }
     }
@@ -103,16 +101,16 @@ impl Dist {
     /// store at the same point of its calls, and the ranks compare the crate version, the
     /// bound, the pool size and the link's settings (the check switch, the timeout). A
     /// difference is [`Error::Desync`] on every rank, naming the settings.
-    fn joined(joined: link::Joined, bound: usize, pool: Arc<Pool>) -> Result<Dist> {
-        let link::Joined { link, gpus } = joined;
+    fn joined(link: Box<dyn Link>, bound: usize, pool: Arc<Pool>) -> Result<Dist> {
         let store = link.next_store_id();
+        let in_place = link.in_place_home();
         let dist = Dist {
             link,
             bound,
             pool,
             store,
             tag: Mutex::new(None),
-            gpus,
+            in_place,
             alone: false,
         };
         let setup = format!(
@@ -129,8 +127,7 @@ impl Dist {
     /// A store's link over `link` (tests: the loopback link), with the defaults.
     #[cfg(test)]
     pub(crate) fn over(link: Box<dyn Link>, bound: usize) -> Result<Dist> {
-        let joined = link::Joined { link, gpus: None };
-        Dist::joined(joined, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
+        Dist::joined(link, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
     }
 
     /// Host buffers kept between calls: take a call's big buffers from here, and give them
@@ -148,10 +145,11 @@ impl Dist {
         }
     }
 
-    /// NCCL between the ranks' GPUs, when this store keeps its values on GPUs: the store
-    /// chooses how its values cross ranks from this once, when it is created.
-    pub(crate) fn gpus(&self) -> Option<Arc<RankComm>> {
-        self.gpus.clone()
+    /// Whether the link moves this store's values in place where the ranks keep them (GPU
+    /// ranks), rather than in host buffers: the store chooses how its values cross ranks from
+    /// this once, when it is created.
+    pub(crate) fn moves_in_place(&self) -> bool {
+        self.in_place.is_some()
     }
 
     /// One rank alone (the single-process kinds): the store chooses how its values cross ranks
@@ -162,10 +160,7 @@ impl Dist {
 
     /// Where this rank keeps its parts of the values: its GPU, or host memory.
     pub(crate) fn home(&self) -> Device {
-        match &self.gpus {
-            Some(rc) => Device::Gpu(rc.ordinal()),
-            None => Device::Cpu(0),
-        }
+        self.in_place.unwrap_or(Device::Cpu(0))
     }
 
     /// This process's rank.
@@ -184,12 +179,12 @@ impl Dist {
     }
 
     /// Whether a key of `len` elements is sliced over every rank: more than
-    /// `KVSTORE_BIGARRAY_BOUND` elements, on more than one rank. On GPU ranks every rank's
-    /// slice must also hold an element (a GPU keeps no empty arrays).
+    /// `KVSTORE_BIGARRAY_BOUND` elements, on more than one rank. Where values move in place
+    /// (GPU ranks) every rank's slice must also hold an element (a GPU keeps no empty arrays).
     pub(crate) fn is_sliced(&self, len: usize) -> bool {
         let size = self.size();
         let every_rank_holds = || slice_block(len, size) * (size - 1) < len;
-        size > 1 && len > self.bound && (self.gpus.is_none() || every_rank_holds())
+        size > 1 && len > self.bound && (self.in_place.is_none() || every_rank_holds())
     }
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
@@ -655,44 +650,6 @@ fn share(
             pool.give(recv);
         }
     }
-}
-
-/// [`reduce`] on GPU ranks: each key's sum (on this rank's GPU) with its home rank. Returns the
-/// total on the home rank.
-pub(crate) fn reduce_on_gpus(
-    rc: &RankComm,
-    sums: Vec<(NDArray, usize)>,
-) -> Result<Vec<Option<NDArray>>> {
-    gpu::reduce(rc, sums)
-}
-
-/// [`gather`] on GPU ranks: every key's value from its home rank to every rank's GPU.
-pub(crate) fn gather_on_gpus(rc: &RankComm, pieces: Vec<GpuPiece>) -> Result<Vec<NDArray>> {
-    gpu::gather(rc, pieces)
-}
-
-/// [`reduce`] of sliced keys on GPU ranks: each key's sum (on this rank's GPU, whole) summed
-/// across ranks, this rank's slice of the total returned (flat, on its GPU).
-pub(crate) fn reduce_scatter_on_gpus(rc: &RankComm, sums: Vec<NDArray>) -> Result<Vec<NDArray>> {
-    gpu::reduce_scatter(rc, sums)
-}
-
-/// [`gather`] of sliced keys on GPU ranks: each key's slices, from every rank, whole on every
-/// rank's GPU. `parts`: this rank's slice of each key, with the key's length.
-pub(crate) fn all_gather_on_gpus(
-    rc: &RankComm,
-    parts: Vec<(NDArray, usize)>,
-) -> Result<Vec<NDArray>> {
-    gpu::all_gather(rc, parts)
-}
-
-/// [`scatter`] on GPU ranks: rank 0's value of each sliced key (`None` elsewhere, with the
-/// key's length and dtype), each rank receiving only its own slice.
-pub(crate) fn scatter_on_gpus(
-    rc: &RankComm,
-    values: Vec<(Option<NDArray>, usize, DType)>,
-) -> Result<Vec<NDArray>> {
-    gpu::scatter(rc, values)
 }
 
 /// Which keys a transfer's result holds: (key index, elements of the result).

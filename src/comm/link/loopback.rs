@@ -12,10 +12,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Link, Op, Round, Ticket};
+use super::{ArrayOp, Link, Op, Round, Ticket};
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::host::{convert_into, with_host, HostData};
-use crate::{DType, Error, Key, Result};
+use crate::ndarray::Storage;
+use crate::{DType, Device, Error, Key, Result};
 
 /// What a rank puts into an exchange.
 #[derive(Clone)]
@@ -61,6 +62,9 @@ pub(crate) struct Loopback {
     check: bool,
     /// A collective this rank never joins (tests of a rank that stops): it fails to start it.
     stall_at: Option<Op>,
+    /// Whether the ranks keep their values in arrays that move in place ([`Round::in_place`]),
+    /// as GPU ranks do, here in host memory.
+    in_place: bool,
 }
 
 impl Loopback {
@@ -80,6 +84,7 @@ impl Loopback {
                 state: Arc::default(),
                 check: true,
                 stall_at: None,
+                in_place: false,
             })
             .collect()
     }
@@ -99,6 +104,13 @@ impl Loopback {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .received
+    }
+
+    /// This rank keeping its values in arrays that move in place, as GPU ranks keep theirs on
+    /// their GPUs: a store over it crosses ranks the way GPU ranks do, on host memory.
+    pub(crate) fn moving_in_place(mut self) -> Loopback {
+        self.in_place = true;
+        self
     }
 
     /// This rank with the per-call fingerprint check off (`KVSTORE_DIST_CHECK=0`).
@@ -133,6 +145,10 @@ impl Link for Loopback {
 
     fn settings(&self) -> String {
         format!("check {}, timeout {:?}", self.check, self.hub.timeout)
+    }
+
+    fn in_place_home(&self) -> Option<Device> {
+        self.in_place.then_some(Device::Cpu(0))
     }
 
     fn shut(&self, why: String) {
@@ -406,6 +422,36 @@ impl Round for LoopRound<'_> {
         copy_into(&mut recv, &result);
         self.st.received += recv.len();
         Ok((send, recv))
+    }
+
+    fn in_place(&mut self, ops: &[ArrayOp<'_>]) -> Result<()> {
+        // Every op starts before any lands, as an NCCL group goes out; results are written
+        // into the arrays that receive them.
+        let (rank, size) = (self.link.rank, self.link.hub.size);
+        let mut flights = Vec::with_capacity(ops.len());
+        for o in ops {
+            let (op, send, into) = match *o {
+                ArrayOp::Reduce { buf, root } => {
+                    (Op::Reduce { root }, buf, (root == rank).then_some(buf))
+                }
+                ArrayOp::Broadcast { buf, root } => (Op::Broadcast { root }, buf, Some(buf)),
+                ArrayOp::ReduceScatter { send, recv } => (Op::ReduceScatter, send, Some(recv)),
+                ArrayOp::AllGather { send, recv } => (Op::AllGather, send, Some(recv)),
+            };
+            let data = send.read().host()?.into_owned();
+            let len = op.recv_len(data.len(), rank, size);
+            let recv = HostData::filled(data.dtype(), len, 0.0);
+            flights.push((self.start(op, data, recv)?, into));
+        }
+        for (ticket, into) in flights {
+            let (_, got) = self.land(ticket)?;
+            let Some(a) = into else { continue };
+            match &mut *a.write() {
+                Storage::Host(h) if h.len() == got.len() => *h = got,
+                _ => return Err(Error::internal("an in-place result that does not fit")),
+            }
+        }
+        Ok(())
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {

@@ -23,12 +23,11 @@ pub(crate) mod nccl;
 pub(crate) mod solo;
 
 use super::fingerprint::{ranks, Fingerprint};
-use std::sync::Arc;
 
-use super::nccl::RankComm;
+use super::nccl::{InPlace, RankComm};
 use crate::config::Config;
 use crate::host::HostData;
-use crate::{Error, Result};
+use crate::{Device, Error, NDArray, Result};
 
 /// A collective on host buffers, as a [`Round`] starts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -63,6 +62,24 @@ impl Op {
     }
 }
 
+/// A collective on arrays where the ranks keep their values, as [`Round::in_place`] runs it.
+pub(crate) enum ArrayOp<'a> {
+    /// The element-wise sum of every rank's `buf`, into rank `root`'s.
+    Reduce { buf: &'a NDArray, root: usize },
+    /// Rank `root`'s `buf`, into every rank's.
+    Broadcast { buf: &'a NDArray, root: usize },
+    /// The element-wise sum of every rank's `send`; rank `r` receives block `r` into `recv`.
+    ReduceScatter {
+        send: &'a NDArray,
+        recv: &'a NDArray,
+    },
+    /// Every rank's `send`, in rank order, into every rank's `recv`.
+    AllGather {
+        send: &'a NDArray,
+        recv: &'a NDArray,
+    },
+}
+
 /// A collective started by [`Round::start`], to give to [`Round::land`].
 pub(crate) struct Ticket(pub usize);
 
@@ -84,6 +101,11 @@ pub(crate) trait Link: Send + Sync {
     /// The link's own settings the ranks must agree on, in words.
     fn settings(&self) -> String {
         String::new()
+    }
+    /// Where this rank keeps its values when the link moves them in place there
+    /// ([`Round::in_place`]): GPU ranks' GPUs. `None`: values cross in host buffers.
+    fn in_place_home(&self) -> Option<Device> {
+        None
     }
     /// Shuts the link after `why`: every later call fails with [`Error::DistFailed`].
     fn shut(&self, why: String);
@@ -123,6 +145,14 @@ pub(crate) trait Round {
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>>;
     /// Rank `root`'s `words`, on every rank (every rank passes as many).
     fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>>;
+    /// Runs `ops`, in order, on arrays where [`Link::in_place_home`] says the ranks keep their
+    /// values, and waits (bounded) for all of them. Links that move no values in place have
+    /// none (this default).
+    fn in_place(&mut self, _ops: &[ArrayOp<'_>]) -> Result<()> {
+        Err(Error::internal(
+            "a link of host buffers asked to move arrays in place",
+        ))
+    }
     /// Waits until every rank is here.
     fn barrier(&mut self) -> Result<()> {
         self.all_gather_words(&[1]).map(drop)
@@ -150,40 +180,23 @@ impl dyn Round + '_ {
     }
 }
 
-/// A joined link, and the NCCL communicator of the ranks' GPUs when they keep their values on
-/// GPUs (the link uses it too: over NCCL alone it carries the checks).
-pub(crate) struct Joined {
-    pub link: Box<dyn Link>,
-    pub gpus: Option<Arc<RankComm>>,
-}
-
 /// Joins the link of a distributed store. `on_gpu`: the ranks keep their values on GPUs
 /// (`dist_device_sync` on a machine with GPUs) and move them over NCCL. Ranks started without
 /// MPI (`WORLD_SIZE` set, no MPI launcher's variables) use NCCL alone.
-pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Joined> {
+pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Box<dyn Link>> {
     if on_gpu && nccl::launched_without_mpi() {
-        let link = nccl::NcclLink::from_env(config)?;
-        let gpus = Some(link.gpus());
-        return Ok(Joined {
-            link: Box::new(link),
-            gpus,
-        });
+        return Ok(Box::new(nccl::NcclLink::from_env(config)?));
     }
     connect_mpi(on_gpu)
 }
 
 #[cfg(feature = "mpi")]
-fn connect_mpi(on_gpu: bool) -> Result<Joined> {
-    let link = mpi::MpiLink::join(on_gpu)?;
-    let gpus = link.gpus();
-    Ok(Joined {
-        link: Box::new(link),
-        gpus,
-    })
+fn connect_mpi(on_gpu: bool) -> Result<Box<dyn Link>> {
+    Ok(Box::new(mpi::MpiLink::join(on_gpu)?))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn connect_mpi(on_gpu: bool) -> Result<Joined> {
+fn connect_mpi(on_gpu: bool) -> Result<Box<dyn Link>> {
     let gpu_note = match on_gpu {
         true => {
             ", or start GPU ranks without MPI as torchrun does (RANK, WORLD_SIZE, \
@@ -199,4 +212,25 @@ fn connect_mpi(on_gpu: bool) -> Result<Joined> {
              `mpirun -np N`{gpu_note}"
         ),
     })
+}
+
+/// [`Round::in_place`] over NCCL between the ranks' GPUs: each run of reduces and broadcasts in
+/// NCCL groups (one wait each), the others one call each.
+fn in_place_over_nccl(rc: &RankComm, ops: &[ArrayOp<'_>]) -> Result<()> {
+    let mut group = Vec::new();
+    for op in ops {
+        match *op {
+            ArrayOp::Reduce { buf, root } => group.push(InPlace::Reduce { buf, root }),
+            ArrayOp::Broadcast { buf, root } => group.push(InPlace::Broadcast { buf, root }),
+            ArrayOp::ReduceScatter { send, recv } => {
+                rc.group(&std::mem::take(&mut group))?;
+                rc.reduce_scatter(send, recv)?;
+            }
+            ArrayOp::AllGather { send, recv } => {
+                rc.group(&std::mem::take(&mut group))?;
+                rc.all_gather(send, recv)?;
+            }
+        }
+    }
+    rc.group(&group)
 }

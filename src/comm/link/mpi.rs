@@ -5,14 +5,14 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use super::{Link, Op, Round, Ticket};
+use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::mpi::{Call, Done, Pending, World};
 use crate::comm::nccl::loader::UniqueId;
 use crate::comm::nccl::RankComm;
 use crate::host::HostData;
-use crate::{Element, Error, Result};
+use crate::{Device, Element, Error, Result};
 
 /// The MPI world, and NCCL between the ranks' GPUs when they keep their values there.
 pub(crate) struct MpiLink {
@@ -30,11 +30,6 @@ impl MpiLink {
             false => None,
         };
         Ok(MpiLink { world, gpu })
-    }
-
-    /// The NCCL communicator of the ranks' GPUs, for GPU ranks.
-    pub(super) fn gpus(&self) -> Option<Arc<RankComm>> {
-        self.gpu.clone()
     }
 }
 
@@ -67,6 +62,10 @@ impl Link for MpiLink {
         )
     }
 
+    fn in_place_home(&self) -> Option<Device> {
+        self.gpu.as_ref().map(|rc| Device::Gpu(rc.ordinal()))
+    }
+
     fn shut(&self, why: String) {
         self.world.poison_with(why);
     }
@@ -76,6 +75,7 @@ impl Link for MpiLink {
         let agreed = self.world.check_enabled();
         Ok(Box::new(MpiRound {
             call,
+            gpu: self.gpu.as_deref(),
             flights: Vec::new(),
             agreed,
         }))
@@ -91,8 +91,10 @@ impl Link for MpiLink {
 /// cannot fail on one rank alone (it fails on every rank, in the agreement, or not at all).
 /// Every other collective, and every one with `KVSTORE_DIST_CHECK=0`, runs non-blocking,
 /// polled within the timeout.
-struct MpiRound {
+struct MpiRound<'a> {
     call: Call,
+    /// NCCL between the ranks' GPUs, for GPU ranks.
+    gpu: Option<&'a RankComm>,
     flights: Vec<Option<Flight>>,
     /// Whether every rank has agreed to the collectives started next.
     agreed: bool,
@@ -108,7 +110,7 @@ enum Flight {
     Landed(HostData, HostData),
 }
 
-impl MpiRound {
+impl MpiRound<'_> {
     /// Whether `op` runs blocking: every rank has agreed to start it, the blocking algorithm
     /// wins for it, and no rank has given this call up meanwhile (a rank that timed out in it
     /// still let its part of the agreement complete on the others). The last is asked only
@@ -118,7 +120,7 @@ impl MpiRound {
     }
 }
 
-impl Round for MpiRound {
+impl Round for MpiRound<'_> {
     fn seq(&self) -> u64 {
         self.call.seq()
     }
@@ -211,6 +213,15 @@ impl Round for MpiRound {
             Flight::BF16(p) => wrap(call.wait(p)?),
             Flight::Landed(send, recv) => (send, recv),
         })
+    }
+
+    fn in_place(&mut self, ops: &[ArrayOp<'_>]) -> Result<()> {
+        // A rank may fail its part alone: the next reduce is no longer agreed to.
+        self.agreed = false;
+        match self.gpu {
+            Some(rc) => in_place_over_nccl(rc, ops),
+            None => Err(Error::internal("host ranks asked to move arrays in place")),
+        }
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {

@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Link, Op, Round, Ticket};
+use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Ticket};
 use crate::backend::cuda::GpuBuf;
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::comm::launch::LaunchEnv;
@@ -55,11 +55,6 @@ impl NcclLink {
             stores: AtomicU64::new(0),
         })
     }
-
-    /// The NCCL communicator of the ranks' GPUs.
-    pub(crate) fn gpus(&self) -> Arc<RankComm> {
-        self.rc.clone()
-    }
 }
 
 impl Link for NcclLink {
@@ -85,6 +80,10 @@ impl Link for NcclLink {
 
     fn settings(&self) -> String {
         format!("check {}, timeout {:?}", self.check, self.rc.timeout())
+    }
+
+    fn in_place_home(&self) -> Option<Device> {
+        Some(Device::Gpu(self.rc.ordinal()))
     }
 
     fn shut(&self, why: String) {
@@ -242,6 +241,10 @@ impl Round for NcclRound<'_> {
         (self.landed.get_mut(ticket.0))
             .and_then(Option::take)
             .ok_or_else(|| Error::internal("a ticket landed twice, or never started"))
+    }
+
+    fn in_place(&mut self, ops: &[ArrayOp<'_>]) -> Result<()> {
+        in_place_over_nccl(self.rc, ops)
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {

@@ -1,19 +1,19 @@
-//! Ranks that keep their values on their GPUs: values move over NCCL between the GPUs, packed
-//! where small; big keys are reduce-scattered and all-gathered.
-
-use std::sync::Arc;
+//! Ranks that keep their values on their GPUs: the link moves values in place there (NCCL
+//! between the GPUs; in tests, the loopback link on host memory), packed where small; big keys
+//! are reduce-scattered and all-gathered.
 
 use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0};
 use crate::backend::HomeValue;
-use crate::comm::dist::{self, Dist, GpuPiece};
+use crate::comm::dist::in_place::{self, Piece};
+use crate::comm::dist::Dist;
 use crate::comm::link::Round;
-use crate::comm::nccl::RankComm;
 use crate::comm::{self, Spread};
 use crate::store::groups::Group;
 use crate::{Error, NDArray, Result};
 
-/// Ranks with their values on their GPUs (`dist_device_sync` with GPUs), joined by `0`.
-pub(crate) struct GpuRanks(pub Arc<RankComm>);
+/// Ranks with their values on their GPUs (`dist_device_sync` with GPUs), where the link moves
+/// them in place.
+pub(crate) struct GpuRanks;
 
 impl Across for GpuRanks {
     fn rank0_values<'a>(
@@ -33,13 +33,12 @@ impl Across for GpuRanks {
 
     fn rank0_to_all<'a>(
         &self,
-        _call: &mut dyn Round,
-        _d: &Dist,
+        call: &mut dyn Round,
+        d: &Dist,
         values: &[NDArray],
         spreads: &[Spread],
         mine: Vec<Option<Rank0<'a>>>,
     ) -> Result<Vec<Rank0<'a>>> {
-        let rc = &*self.0;
         // Whole keys go to every rank (packed, as a pull does); a sliced key is scattered.
         let (mut whole, mut sliced) = (Vec::new(), Vec::new());
         for ((v, m), s) in values.iter().zip(mine).zip(spreads) {
@@ -49,7 +48,7 @@ impl Across for GpuRanks {
             };
             match s {
                 Spread::Sliced => sliced.push((data, v.size(), v.dtype())),
-                Spread::Whole { .. } => whole.push(GpuPiece {
+                Spread::Whole { .. } => whole.push(Piece {
                     data,
                     shape: v.shape(),
                     dtype: v.dtype(),
@@ -57,8 +56,10 @@ impl Across for GpuRanks {
                 }),
             }
         }
-        let whole = dist::gather_on_gpus(rc, whole)?.into_iter().map(Rank0::Gpu);
-        let sliced = dist::scatter_on_gpus(rc, sliced)?
+        let whole = in_place::gather(call, d, whole)?
+            .into_iter()
+            .map(Rank0::Gpu);
+        let sliced = in_place::scatter(call, d, sliced)?
             .into_iter()
             .map(Rank0::GpuPart);
         in_key_order(spreads.iter().copied(), whole, sliced)
@@ -88,12 +89,11 @@ impl Across for GpuRanks {
 
     fn sum_dense(
         &self,
-        _call: &mut dyn Round,
-        _d: &Dist,
+        call: &mut dyn Round,
+        d: &Dist,
         groups: &[Group<'_>],
         mine: Vec<Mine<'_>>,
     ) -> Result<Inputs> {
-        let rc = &*self.0;
         // Whole keys are reduced onto their home rank (packed where small); sliced keys are
         // reduce-scattered, each rank left with the total of its slice.
         let (mut whole, mut sliced) = (Vec::new(), Vec::new());
@@ -103,9 +103,9 @@ impl Across for GpuRanks {
                 Spread::Whole { rank } => whole.push((m.into_array()?, rank)),
             }
         }
-        let whole = dist::reduce_on_gpus(rc, whole)?;
+        let whole = in_place::reduce(call, d, whole)?;
         // Flat, of the slice's length: the shape of a sliced key's part.
-        let sliced = dist::reduce_scatter_on_gpus(rc, sliced)?
+        let sliced = in_place::reduce_scatter(call, d, sliced)?
             .into_iter()
             .map(Some);
         let spreads = groups.iter().map(|g| g.slot.spread);
@@ -114,13 +114,12 @@ impl Across for GpuRanks {
 
     fn pull_parts(
         &self,
-        _call: &mut dyn Round,
+        call: &mut dyn Round,
         d: &Dist,
         ctx: comm::Ctx,
         groups: &[Group<'_>],
         cells: &[&HomeValue],
     ) -> Result<()> {
-        let rc = &*self.0;
         // Whole keys are broadcast from their home (packed where small); sliced keys are
         // all-gathered from every rank's slice.
         let (mut pieces, mut parts) = (Vec::new(), Vec::new());
@@ -131,7 +130,7 @@ impl Across for GpuRanks {
                     let mine = g.slot.spread.piece(len, d.rank(), d.size()).len();
                     parts.push((cell.to_array(part_shape(g, mine))?, len));
                 }
-                Spread::Whole { rank: root } => pieces.push(GpuPiece {
+                Spread::Whole { rank: root } => pieces.push(Piece {
                     data: match root == d.rank() {
                         true => Some(cell.to_array(g.slot.shape)?),
                         false => None,
@@ -142,8 +141,8 @@ impl Across for GpuRanks {
                 }),
             }
         }
-        let whole = dist::gather_on_gpus(rc, pieces)?;
-        let sliced = dist::all_gather_on_gpus(rc, parts)?;
+        let whole = in_place::gather(call, d, pieces)?;
+        let sliced = in_place::all_gather(call, d, parts)?;
         let values = in_key_order(groups.iter().map(|g| g.slot.spread), whole, sliced)?
             .into_iter()
             .map(|value| HomeValue::from_array(value, d.home()))

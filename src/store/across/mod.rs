@@ -242,20 +242,19 @@ pub(super) fn connect(
     config: &Config,
 ) -> Result<(Dist, Box<dyn Across>)> {
     let d = link(kind, name, config)?;
-    let across: Box<dyn Across> = match (d.is_alone(), d.gpus()) {
-        (true, _) => Box::new(alone::Alone),
-        (false, Some(rc)) => Box::new(gpu::GpuRanks(rc)),
-        (false, None) => Box::new(host::HostRanks),
+    let across = match d.is_alone() {
+        true => Box::new(alone::Alone),
+        false => over(&d),
     };
     Ok((d, across))
 }
 
-/// How the values of a store on the ranks of `d` cross them (tests: the loopback link).
-#[cfg(test)]
+/// How the values of a store on the ranks of `d` cross them: in place where the link moves
+/// them so (GPU ranks), else in host buffers.
 pub(super) fn over(d: &Dist) -> Box<dyn Across> {
-    match d.gpus() {
-        Some(rc) => Box::new(gpu::GpuRanks(rc)),
-        None => Box::new(host::HostRanks),
+    match d.moves_in_place() {
+        true => Box::new(gpu::GpuRanks),
+        false => Box::new(host::HostRanks),
     }
 }
 
