@@ -36,13 +36,14 @@ mod validate;
 use std::collections::HashSet;
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crate::backend::cpu::rows::Merged;
 use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::{Dist, Pool};
 use crate::comm::{self, Ctx, KeyUpdate, Spread};
 use crate::compress::Compression;
 use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
-use across::{Across, Inputs};
+use across::{Across, Arrived, Inputs, Sent};
 
 pub use groups::ValueList;
 use groups::{check_outs, check_values, issue_order, lock_cells, Group};
@@ -537,7 +538,7 @@ impl KvStore {
         let groups = groups
             .and_then(|g| check_values("push", &g).map(|()| g))
             .map_err(|e| self.rejected("push", e))?;
-        self.push_call("push", groups, None)
+        self.push_call("push", groups, None, None)
     }
 
     /// Validates and applies a pull of looked-up groups (or the error of looking them up), from
@@ -556,47 +557,71 @@ impl KvStore {
     }
 
     /// The one push of every store, on checked `groups` (`op` is `push` or `pushpull`): this
-    /// process's contribution, the sum across ranks onto each key's home, the updater there,
-    /// then, for a pushpull, the pull of `pulls` (the same keys) in the same call, and the
-    /// hook.
+    /// process's contribution (the values, or, for row-sparse keys, their `rows` summed by
+    /// row), the sum across ranks onto where each key lives, the updater there, then, for a
+    /// pushpull, the pull of `pulls` (the same keys) in the same call, and the hook.
     fn push_call(
         &self,
         op: &'static str,
         groups: Vec<Group<'_>>,
         pulls: Option<&[Group<'_>]>,
+        rows: Option<Vec<Merged>>,
     ) -> Result<()> {
         let (d, across, ctx) = (&self.ranks, &*self.across, self.ctx());
         let compression = *read(&self.compression);
-        let mine = (across.contributions(d, ctx, &groups, compression.is_on()))
-            .map_err(|e| d.reject(op, e))?;
+        let sent = match rows {
+            Some(merged) => Sent::Rows(merged),
+            None => Sent::Dense {
+                mine: (across.contributions(d, ctx, &groups, compression.is_on()))
+                    .map_err(|e| d.reject(op, e))?,
+                compression,
+            },
+        };
         let active = read(&self.active).clone();
         let hook = read(&self.hook).clone();
-        self.prepare(&groups)?;
+        if let Sent::Dense { .. } = sent {
+            self.prepare(&groups)?;
+        }
         if let Some(pulls) = pulls {
             self.prepare(pulls)?;
         }
         // The ranks must agree on the whole updater too (its kind decides which collectives
         // follow; its hyperparameters, schedule, multipliers and generation what they compute),
-        // and on the compression (which decides the collectives).
-        let fp = || {
-            let note = match compression.is_on() {
-                true => format!("{}; {}", active.describe(), compression.describe()),
-                false => active.describe().to_owned(),
-            };
-            across::fingerprint(op, &groups).note(note)
+        // and on what travels (which decides the collectives).
+        let note = match &sent {
+            Sent::Rows(_) => format!("row_sparse; {}", active.describe()),
+            Sent::Dense { .. } if compression.is_on() => {
+                format!("{}; {}", active.describe(), compression.describe())
+            }
+            Sent::Dense { .. } => active.describe().to_owned(),
         };
-        let mut call = d.begin_with(fp)?;
-        let summed = across.sum_across(&mut *call, d, compression, &groups, mine)?;
+        let mut call = d.begin_with(|| across::fingerprint(op, &groups).note(note))?;
+        let arrived = across.sum_across(&mut *call, d, &groups, sent)?;
         let mut cells = lock_cells(&groups);
-        let (inputs, residuals) = across.locked_inputs(d, compression, &groups, summed)?;
-        let counts = across.update_counts(&active, &groups, &cells);
-        let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
-        apply_push(
-            &active, ctx, &groups, &inputs, &counts, &mut cells, &mut agree,
-        )?;
-        if let Some(residuals) = residuals {
-            compress::commit(&groups, residuals, d.pool());
-        }
+        let mut totals = None;
+        let counts = match arrived {
+            Arrived::Dense(summed) => {
+                let (inputs, residuals) = across.locked_inputs(d, compression, &groups, summed)?;
+                let counts = across.update_counts(&active, &groups, &cells);
+                let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
+                apply_push(
+                    &active, ctx, &groups, &inputs, &counts, &mut cells, &mut agree,
+                )?;
+                if let Some(residuals) = residuals {
+                    compress::commit(&groups, residuals, d.pool());
+                }
+                totals = Some(inputs);
+                counts
+            }
+            Arrived::Rows(parts) => {
+                let counts = across.update_counts(&active, &groups, &cells);
+                let mut agree = |ok: bool, what: &str| call.agree(op, ok, what);
+                rows::apply_rows(
+                    &active, ctx, &groups, parts, &counts, &mut cells, &mut agree,
+                )?;
+                counts
+            }
+        };
         let done = hook
             .as_ref()
             .map(|_| pushed(&groups, &across.hook_steps(&active, &counts, &cells)));
@@ -607,7 +632,9 @@ impl KvStore {
         }
         drop(cells);
         drop(call);
-        across::recycle(d, inputs);
+        if let Some(inputs) = totals {
+            across::recycle(d, inputs);
+        }
         call_hook(hook.as_deref(), &active, done)
     }
 
@@ -651,7 +678,7 @@ impl KvStore {
             Ok((pushes, pulls))
         })();
         let (pushes, pulls) = checked.map_err(|e| self.rejected("pushpull", e))?;
-        self.push_call("pushpull", pushes, Some(&pulls))
+        self.push_call("pushpull", pushes, Some(&pulls), None)
     }
 
     /// Pushes every key, then pulls every key's result back into its own values, as one atomic

@@ -4,16 +4,15 @@
 //! `lazy_update=True`). On ranks, rows travel in compact form, only to and from the ranks that
 //! hold them, in one all-to-all.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLockWriteGuard};
 
-use super::across;
-use super::groups::{issue_order, lock_cells, Group};
-use super::hook::{call_hook, pushed};
+use super::across::{self, Part};
+use super::groups::{issue_order, Group};
 use super::validate::{check_len, to_keys};
-use super::{hyper, read, KvStore};
+use super::{hyper, read, Active, KvStore};
 use crate::backend::cpu::rows::{merge, Merged};
 use crate::backend::{HomeValue, KeyFacts, Scattered};
-use crate::comm::{self, KeyUpdate};
+use crate::comm::{self, Ctx, KeyUpdate};
 use crate::host::HostData;
 use crate::row_sparse::{check_ids, check_rows, row_width};
 use crate::{cpu, Error, IntoKey, NDArray, Result, RowSparse, Shape, Updater};
@@ -133,7 +132,7 @@ impl KvStore {
                 Ok((groups.into_iter().map(|(g, _)| g).collect(), merged))
             })
             .map_err(|e| self.rejected(op, e))?;
-        self.push_rows(op, groups, merged)
+        self.push_call(op, groups, None, Some(merged))
     }
 
     /// Rows `row_ids` of a row-sparse key: each distinct id once, ascending (as MXNet's
@@ -227,113 +226,92 @@ impl KvStore {
         groups.sort_by_key(|(g, _)| g.slot.order);
         Ok(groups)
     }
+}
 
-    /// The push of checked row-sparse `groups`, with each group's values summed by row on this
-    /// process (`merged`): the rows across ranks to the ranks that hold them, the lazy update
-    /// there, then the hook.
-    fn push_rows(
-        &self,
-        op: &'static str,
-        groups: Vec<Group<'_>>,
-        merged: Vec<Merged>,
-    ) -> Result<()> {
-        let (d, across, ctx) = (&self.ranks, &*self.across, self.ctx());
-        let active = read(&self.active).clone();
-        let hook = read(&self.hook).clone();
-        let fp = || {
-            let note = format!("row_sparse; {}", active.describe());
-            across::fingerprint(op, &groups).note(note)
+/// The update of a row-sparse push on this rank, its keys locked (`cells`): each key's `parts`
+/// (the rows this rank updates), their rows and state read out of the cells, the updater run
+/// on them, and the new rows written back only once every key's update has succeeded on every
+/// rank. `counts`: each key's update count so far. `agree(ok, what)`: whether every rank
+/// succeeded at `what`, given this rank's `ok` ([`Round::agree`](crate::comm::link::Round)).
+pub(super) fn apply_rows(
+    active: &Active,
+    ctx: Ctx,
+    groups: &[Group<'_>],
+    mut parts: Vec<Option<Part>>,
+    counts: &[u64],
+    cells: &mut [RwLockWriteGuard<'_, HomeValue>],
+    agree: &mut dyn FnMut(bool, &str) -> Result<()>,
+) -> Result<()> {
+    let hypers = hyper::for_push(active, groups, counts);
+    // Each part's rows and their state, as values of their own: the update runs on them, and
+    // they go back into the cells only once every key's update has succeeded.
+    let gathered: Result<Vec<Option<(HomeValue, NDArray)>>> = (parts.iter_mut().zip(&*cells))
+        .map(|(part, cell)| {
+            let Some(p) = part else { return Ok(None) };
+            let rows = cell.gather(active.generation, &p.segs)?;
+            let grad = std::mem::replace(&mut p.grad, HostData::F32(Vec::new()));
+            Ok(Some((rows, NDArray::from_host(grad, p.shape, cpu(0)))))
+        })
+        .collect();
+    let together = agree(gathered.is_ok(), "reading its rows");
+    let gathered = gathered?;
+    together?;
+    let (mut rows, grads): (Vec<Option<HomeValue>>, Vec<Option<NDArray>>) = gathered
+        .into_iter()
+        .map(|p| p.map_or((None, None), |(r, g)| (Some(r), Some(g))))
+        .unzip();
+    let grads: Vec<Option<[&NDArray; 1]>> = grads.iter().map(|g| g.as_ref().map(|g| [g])).collect();
+    let mut taken: Vec<Option<&mut HomeValue>> = rows.iter_mut().map(Option::as_mut).collect();
+    let mut jobs = Vec::with_capacity(groups.len());
+    for i in issue_order(groups) {
+        let (Some(value), Some(grad), Some(part)) = (taken[i].take(), &grads[i], &parts[i]) else {
+            continue;
         };
-        let mut call = d.begin_with(fp)?;
-        let mut parts = across.rows_across(&mut *call, d, &groups, merged)?;
-        let mut cells = lock_cells(&groups);
-        let counts = across.update_counts(&active, &groups, &cells);
-        let hypers = hyper::for_push(&active, &groups, &counts);
-        // Each part's rows and their state, as values of their own: the update runs on them,
-        // and they go back into the cells only once every key's update has succeeded.
-        let gathered: Result<Vec<Option<(HomeValue, NDArray)>>> = (parts.iter_mut().zip(&cells))
-            .map(|(part, cell)| {
-                let Some(p) = part else { return Ok(None) };
-                let rows = cell.gather(active.generation, &p.segs)?;
-                let grad = std::mem::replace(&mut p.grad, HostData::F32(Vec::new()));
-                Ok(Some((rows, NDArray::from_host(grad, p.shape, cpu(0)))))
-            })
-            .collect();
-        let together = call.agree(op, gathered.is_ok(), "reading its rows");
-        let gathered = gathered?;
-        together?;
-        let (mut rows, grad_arrays): (Vec<Option<HomeValue>>, Vec<Option<NDArray>>) = gathered
-            .into_iter()
-            .map(|p| match p {
-                Some((r, g)) => (Some(r), Some(g)),
-                None => (None, None),
-            })
-            .unzip();
-        let grads: Vec<Option<[&NDArray; 1]>> = grad_arrays
-            .iter()
-            .map(|g| g.as_ref().map(|g| [g]))
-            .collect();
-        {
-            let mut jobs = Vec::with_capacity(groups.len());
-            let mut taken: Vec<Option<&mut HomeValue>> =
-                rows.iter_mut().map(Option::as_mut).collect();
-            for i in issue_order(&groups) {
-                let (Some(value), Some(grad), Some(part)) = (taken[i].take(), &grads[i], &parts[i])
-                else {
-                    continue;
-                };
-                jobs.push(KeyUpdate {
-                    facts: KeyFacts {
-                        key: &groups[i].slot.key,
-                        shape: part.shape,
-                        dtype: groups[i].slot.dtype,
-                        home: cpu(0),
-                    },
-                    value,
-                    values: grad,
-                    hyper: hypers.of(i),
-                    owned: false,
-                });
-            }
-            let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
-            comm::update(
-                &active.updater,
-                active.generation,
-                ctx,
-                jobs,
-                Some(&mut agree),
-            )?;
-        }
-        // Every key's new value first (a GPU home's on its GPU, where that can fail), then
-        // all of them into their cells, so that a failure changes no key.
-        let clear = matches!(active.updater, Updater::Assign);
-        let scattered: Result<Vec<Option<Scattered>>> = (cells.iter().zip(parts).zip(rows))
-            .map(|((cell, part), rows)| match (part, rows) {
-                (Some(p), Some(rows)) => cell
-                    .scatter(active.generation, p.segs, rows, clear)
-                    .map(Some),
-                _ => Ok(None),
-            })
-            .collect();
-        // Making the new values can fail on one rank (a GPU's memory): every rank commits, or
-        // none does.
-        let together = call.agree(op, scattered.is_ok(), "writing its new rows");
-        let scattered: Vec<Option<Scattered>> = scattered?;
-        together?;
-        for (cell, s) in cells.iter_mut().zip(scattered) {
-            if let Some(s) = s {
-                s.commit(cell);
-            }
-        }
-        hypers.commit(&active);
-        for (g, &c) in groups.iter().zip(&counts) {
-            g.slot.set_updates(active.generation, c + 1);
-        }
-        let done = hook
-            .as_ref()
-            .map(|_| pushed(&groups, &across.hook_steps(&active, &counts, &cells)));
-        drop(cells);
-        drop(call);
-        call_hook(hook.as_deref(), &active, done)
+        jobs.push(KeyUpdate {
+            facts: KeyFacts {
+                key: &groups[i].slot.key,
+                shape: part.shape,
+                dtype: groups[i].slot.dtype,
+                home: cpu(0),
+            },
+            value,
+            values: grad,
+            hyper: hypers.of(i),
+            owned: false,
+        });
     }
+    let mut in_updater = |ok: bool| agree(ok, "in the updater");
+    comm::update(
+        &active.updater,
+        active.generation,
+        ctx,
+        jobs,
+        Some(&mut in_updater),
+    )?;
+    // Every key's new value first (a GPU home's on its GPU, where that can fail), then all of
+    // them into their cells, so that a failure changes no key.
+    let clear = matches!(active.updater, Updater::Assign);
+    let scattered: Result<Vec<Option<Scattered>>> = (cells.iter().zip(parts).zip(rows))
+        .map(|((cell, part), rows)| match (part, rows) {
+            (Some(p), Some(rows)) => cell
+                .scatter(active.generation, p.segs, rows, clear)
+                .map(Some),
+            _ => Ok(None),
+        })
+        .collect();
+    // Making the new values can fail on one rank (a GPU's memory): every rank commits, or
+    // none does.
+    let together = agree(scattered.is_ok(), "writing its new rows");
+    let scattered: Vec<Option<Scattered>> = scattered?;
+    together?;
+    for (cell, s) in cells.iter_mut().zip(scattered) {
+        if let Some(s) = s {
+            s.commit(cell);
+        }
+    }
+    hypers.commit(active);
+    for (g, &c) in groups.iter().zip(counts) {
+        g.slot.set_updates(active.generation, c + 1);
+    }
+    Ok(())
 }

@@ -3,9 +3,9 @@
 
 use std::sync::RwLockWriteGuard;
 
-use super::rows::{whole_part, whole_rows, Part};
-use super::{fan_out, Across, Inputs, Mine, Rank0, Summed};
-use crate::backend::cpu::rows::{gather, Merged};
+use super::rows::{whole_part, whole_rows};
+use super::{fan_out, Across, Arrived, Inputs, Mine, Rank0, Sent, Summed};
+use crate::backend::cpu::rows::gather;
 use crate::backend::{probe, HomeValue};
 use crate::comm::dist::Dist;
 use crate::comm::link::Round;
@@ -97,17 +97,24 @@ impl Across for Alone {
         Ok(Vec::new())
     }
 
-    /// Nothing to sum: the values pass through, compressed or not (compressed ones are decoded
-    /// under the keys' locks, [`Across::locked_inputs`]).
+    /// Nothing to sum: dense values pass through, compressed or not (compressed ones are
+    /// decoded under the keys' locks, [`Across::locked_inputs`]); each key's merged rows are
+    /// rows of its whole value.
     fn sum_across(
         &self,
         _call: &mut dyn Round,
         _d: &Dist,
-        _compression: Compression,
-        _groups: &[Group<'_>],
-        _mine: Vec<Mine<'_>>,
-    ) -> Result<Summed> {
-        Ok((Inputs::Values, None))
+        groups: &[Group<'_>],
+        sent: Sent<'_>,
+    ) -> Result<Arrived> {
+        match sent {
+            Sent::Dense { .. } => Ok(Arrived::Dense((Inputs::Values, None))),
+            Sent::Rows(merged) => Ok(Arrived::Rows(
+                (groups.iter().zip(merged))
+                    .map(|(g, m)| Some(whole_part(g.slot.shape, m)))
+                    .collect(),
+            )),
+        }
     }
 
     fn sum_dense(
@@ -170,19 +177,6 @@ impl Across for Alone {
     ) -> Result<()> {
         let whole: Vec<(&HomeValue, _)> = cells.iter().map(|&c| (c, None)).collect();
         fan_out(ctx, groups, &whole, &[])
-    }
-
-    /// Every merged row, of the whole value.
-    fn rows_across(
-        &self,
-        _call: &mut dyn Round,
-        _d: &Dist,
-        groups: &[Group<'_>],
-        merged: Vec<Merged>,
-    ) -> Result<Vec<Option<Part>>> {
-        Ok((groups.iter().zip(merged))
-            .map(|(g, m)| Some(whole_part(g.slot.shape, m)))
-            .collect())
     }
 
     fn rows_pulled(

@@ -125,22 +125,27 @@ pub(super) trait Across: Send + Sync {
     ) -> Result<Vec<Mine<'g>>>;
 
     /// A push's step across ranks, before the keys are locked: every rank's contributions
-    /// (`mine`) summed onto where each key lives, and, compressed, the residuals to keep once
-    /// the push has succeeded. Compressed values travel encoded, in host memory, on every kind
-    /// of ranks; the rest as [`Across::sum_dense`] says.
+    /// (`sent`) summed onto where each key lives. Compressed values travel encoded, in host
+    /// memory, on every kind of ranks, as do rows; the rest as [`Across::sum_dense`] says.
     fn sum_across(
         &self,
         call: &mut dyn Round,
         d: &Dist,
-        compression: Compression,
         groups: &[Group<'_>],
-        mine: Vec<Mine<'_>>,
-    ) -> Result<Summed> {
-        if compression.is_on() {
-            let (inputs, residuals) = compressed::sum_encoded(call, d, compression, groups, mine)?;
-            return Ok((inputs, Some(residuals)));
+        sent: Sent<'_>,
+    ) -> Result<Arrived> {
+        match sent {
+            Sent::Dense { mine, compression } if compression.is_on() => {
+                let (inputs, residuals) =
+                    compressed::sum_encoded(call, d, compression, groups, mine)?;
+                Ok(Arrived::Dense((inputs, Some(residuals))))
+            }
+            Sent::Dense { mine, .. } => {
+                let inputs = self.sum_dense(call, d, groups, mine)?;
+                Ok(Arrived::Dense((inputs, None)))
+            }
+            Sent::Rows(merged) => rows::push_across(call, d, groups, merged).map(Arrived::Rows),
         }
-        Ok((self.sum_dense(call, d, groups, mine)?, None))
     }
 
     /// [`Across::sum_across`] for uncompressed values.
@@ -203,18 +208,6 @@ pub(super) trait Across: Send + Sync {
         cells: &[&HomeValue],
     ) -> Result<()>;
 
-    /// A row-sparse push's step across ranks: per key, the part this rank updates (`None`
-    /// where it holds none), from every rank's rows summed by process (`merged`).
-    fn rows_across(
-        &self,
-        call: &mut dyn Round,
-        d: &Dist,
-        groups: &[Group<'_>],
-        merged: Vec<Merged>,
-    ) -> Result<Vec<Option<Part>>> {
-        rows::push_across(call, d, groups, merged)
-    }
-
     /// A `row_sparse_pull`'s step across ranks: the rows `ids` of a key (this rank's part is
     /// `cell`), put together on this rank.
     fn rows_pulled(
@@ -231,6 +224,25 @@ pub(super) trait Across: Send + Sync {
 
 /// A push's totals across ranks, and the residuals a compressed push keeps once it succeeds.
 pub(super) type Summed = (Inputs, Option<Vec<Residuals>>);
+
+/// What a push sends across ranks.
+pub(super) enum Sent<'g> {
+    /// This process's contribution to each key, and the compression it travels with.
+    Dense {
+        mine: Vec<Mine<'g>>,
+        compression: Compression,
+    },
+    /// Each row-sparse key's rows, summed by row on this process.
+    Rows(Vec<Merged>),
+}
+
+/// What a push's step across ranks leaves on this rank, for the updater.
+pub(super) enum Arrived {
+    /// Dense totals (and a compressed push's residuals).
+    Dense(Summed),
+    /// Per row-sparse key, the rows this rank updates.
+    Rows(Vec<Option<Part>>),
+}
 
 /// The link of a store of `kind` (named `name`), and how its values cross it, chosen here
 /// once: one rank alone for the single-process kinds; the distributed world for the `dist_*`
