@@ -83,6 +83,17 @@ struct Copy<'a> {
     len: usize,
 }
 
+/// A copy of `len` elements from `src` (element `from`) into `dst` (element `to`).
+fn copy<'a>(dst: &'a NDArray, to: usize, src: &'a NDArray, from: usize, len: usize) -> Copy<'a> {
+    Copy {
+        dst,
+        to,
+        src,
+        from,
+        len,
+    }
+}
+
 /// Runs `copies`, in order: batched device copies on GPUs ([`copy_many`]), plain ones in host
 /// memory.
 fn copy_all(copies: &[Copy<'_>]) -> Result<()> {
@@ -142,13 +153,7 @@ pub(crate) fn reduce(
     let mut copies = Vec::new();
     for ((sum, _), route) in sums.iter().zip(&plan.routes) {
         if let Route::Packed { bucket, at } = *route {
-            copies.push(Copy {
-                dst: &packed[bucket],
-                to: at,
-                src: sum,
-                from: 0,
-                len: sum.size(),
-            });
+            copies.push(copy(&packed[bucket], at, sum, 0, sum.size()));
         }
     }
     copy_all(&copies)?;
@@ -173,13 +178,7 @@ pub(crate) fn reduce(
     let mut copies = Vec::new();
     for ((total, (sum, _)), route) in totals.iter().zip(&sums).zip(&plan.routes) {
         if let (Some(total), Route::Packed { bucket, at }) = (total, *route) {
-            copies.push(Copy {
-                dst: total,
-                to: 0,
-                src: &packed[bucket],
-                from: at,
-                len: sum.size(),
-            });
+            copies.push(copy(total, 0, &packed[bucket], at, sum.size()));
         }
     }
     copy_all(&copies)?;
@@ -219,13 +218,9 @@ pub(crate) fn gather(round: &mut dyn Round, d: &Dist, pieces: Vec<Piece>) -> Res
     }
     let copies: Vec<Copy<'_>> = (mine.iter().zip(&plan.routes))
         .filter_map(|(data, route)| match (route, data) {
-            (Route::Packed { bucket, at }, Some(v)) => Some(Copy {
-                dst: &packed[*bucket],
-                to: *at,
-                src: v,
-                from: 0,
-                len: v.size(),
-            }),
+            (Route::Packed { bucket, at }, Some(v)) => {
+                Some(copy(&packed[*bucket], *at, v, 0, v.size()))
+            }
             _ => None,
         })
         .collect();
@@ -246,13 +241,7 @@ pub(crate) fn gather(round: &mut dyn Round, d: &Dist, pieces: Vec<Piece>) -> Res
     // Every rank takes each packed key's value out of its buffer.
     let copies: Vec<Copy<'_>> = (alone.iter().zip(&plan.routes))
         .filter_map(|((value, _), route)| match *route {
-            Route::Packed { bucket, at } => Some(Copy {
-                dst: value,
-                to: 0,
-                src: &packed[bucket],
-                from: at,
-                len: value.size(),
-            }),
+            Route::Packed { bucket, at } => Some(copy(value, 0, &packed[bucket], at, value.size())),
             Route::Alone => None,
         })
         .collect();
@@ -263,13 +252,7 @@ pub(crate) fn gather(round: &mut dyn Round, d: &Dist, pieces: Vec<Piece>) -> Res
 /// A copy of elements `range` of `a`, as a flat array of its own in the same place.
 fn slice(a: &NDArray, range: Range<usize>) -> Result<NDArray> {
     let part = NDArray::full_on(Shape::new(&[range.len()])?, 0.0, a.dtype(), a.device())?;
-    copy_all(&[Copy {
-        dst: &part,
-        to: 0,
-        src: a,
-        from: range.start,
-        len: range.len(),
-    }])?;
+    copy_all(&[copy(&part, 0, a, range.start, range.len())])?;
     Ok(part)
 }
 
@@ -280,13 +263,7 @@ fn padded(a: NDArray, len: usize) -> Result<NDArray> {
         return Ok(a);
     }
     let buf = NDArray::full_on(Shape::new(&[len])?, 0.0, a.dtype(), a.device())?;
-    copy_all(&[Copy {
-        dst: &buf,
-        to: 0,
-        src: &a,
-        from: 0,
-        len: a.size(),
-    }])?;
+    copy_all(&[copy(&buf, 0, &a, 0, a.size())])?;
     Ok(buf)
 }
 
@@ -348,13 +325,7 @@ pub(crate) fn scatter(
                     _ => flat(range.len())?,
                 };
                 if let (0, Some(w)) = (rank, &whole) {
-                    copy_all(&[Copy {
-                        dst: &buf,
-                        to: 0,
-                        src: w,
-                        from: range.start,
-                        len: range.len(),
-                    }])?;
+                    copy_all(&[copy(&buf, 0, w, range.start, range.len())])?;
                 }
                 if to != 0 {
                     round.in_place(&[ArrayOp::Broadcast { buf: &buf, root: 0 }])?;

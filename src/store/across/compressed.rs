@@ -32,29 +32,7 @@ pub(super) fn sum_encoded(
     mine: Vec<Mine<'_>>,
 ) -> Result<(Inputs, Vec<Residuals>)> {
     let size = d.size();
-    let mut values = Vec::with_capacity(groups.len());
-    for (g, m) in groups.iter().zip(mine) {
-        let value: Vec<f32> = match m {
-            // This rank's own sum, moved rather than copied (compressed keys are float32).
-            Mine::Owned(HostData::F32(v)) => v,
-            Mine::Owned(h) => h.to_vec(),
-            Mine::Single(a) => a.to_vec::<f32>()?,
-            // GPU ranks read their sums back before the call (`contributions`).
-            Mine::Summed(_) => {
-                return Err(Error::internal(
-                    "a compressed contribution not in host memory",
-                ))
-            }
-        };
-        if value.len() != g.slot.shape.size() {
-            return Err(Error::internal(&format!(
-                "a compressed contribution of {} elements for a key of {}",
-                value.len(),
-                g.slot.shape.size()
-            )));
-        }
-        values.push(value);
-    }
+    let values = host_values(groups, mine)?;
     // Each key's kept residual (a rank compresses one value per key: position 0), read under
     // its lock (the call, which holds the rank's lock, keeps every other reader out); zeros
     // before the key's first push.
@@ -81,46 +59,7 @@ pub(super) fn sum_encoded(
     let piece = |g: &Group<'_>, r: usize| g.slot.spread.piece(g.slot.shape.size(), r, size);
     let totals = match compression {
         Compression::TwoBit { threshold } => {
-            // The words covering a part: 16 elements to a word, from the key's first element.
-            let span = |g: &Group<'_>, r: usize| {
-                let p = piece(g, r);
-                match p.is_empty() {
-                    true => 0..0,
-                    false => p.start / 16..p.end.div_ceil(16),
-                }
-            };
-            // The words travel as float32 bit patterns: the all-to-all copies them, never adds.
-            let encoded: Vec<Vec<f32>> = (values.iter().zip(kept.iter_mut()).enumerate())
-                .map(|(k, (v, l))| {
-                    let mut words = vec![0u32; two_bit_words(v.len())];
-                    two_bit_quantize(v, residual(k), &mut l[0], threshold, &mut words);
-                    words.into_iter().map(f32::from_bits).collect()
-                })
-                .collect();
-            let table = TwoBitTable::new(threshold);
-            let (mut words, mut row) = (Vec::new(), Vec::new());
-            exchange(
-                call,
-                d,
-                groups,
-                &encoded,
-                span,
-                |seg, start, range, total, add| {
-                    // The bit patterns themselves: a conversion (through f64, say) would quiet a
-                    // word that reads as a signalling NaN, and change a code.
-                    words.clear();
-                    words.extend(seg.iter().map(|w| w.to_bits()));
-                    let elements = range.start - 16 * start..range.end - 16 * start;
-                    if !add {
-                        return two_bit_decode(&words, &table, elements, total);
-                    }
-                    row.resize(total.len(), 0.0);
-                    two_bit_decode(&words, &table, elements, &mut row);
-                    for (t, v) in total.iter_mut().zip(&row) {
-                        *t += v;
-                    }
-                },
-            )?
+            two_bit_across(call, d, groups, &values, residual, &mut kept, threshold)?
         }
         Compression::Half { dtype: DType::F16 } => {
             half_across::<f16>(call, d, groups, &values, residual, &mut kept, piece)?
@@ -131,6 +70,88 @@ pub(super) fn sum_encoded(
         Compression::None => return Err(Error::internal("a compressed sum without compression")),
     };
     Ok((Inputs::Totals(totals), kept))
+}
+
+/// Each key's contribution in host memory, as float32 (compressed keys are float32).
+fn host_values(groups: &[Group<'_>], mine: Vec<Mine<'_>>) -> Result<Vec<Vec<f32>>> {
+    let mut values = Vec::with_capacity(groups.len());
+    for (g, m) in groups.iter().zip(mine) {
+        let value: Vec<f32> = match m {
+            // This rank's own sum, moved rather than copied.
+            Mine::Owned(HostData::F32(v)) => v,
+            Mine::Owned(h) => h.to_vec(),
+            Mine::Single(a) => a.to_vec::<f32>()?,
+            // GPU ranks read their sums back before the call (`contributions`).
+            Mine::Summed(_) => {
+                return Err(Error::internal(
+                    "a compressed contribution not in host memory",
+                ))
+            }
+        };
+        if value.len() != g.slot.shape.size() {
+            return Err(Error::internal(&format!(
+                "a compressed contribution of {} elements for a key of {}",
+                value.len(),
+                g.slot.shape.size()
+            )));
+        }
+        values.push(value);
+    }
+    Ok(values)
+}
+
+/// The 2-bit wire's step across ranks: each key's value plus residual quantized to 2-bit words
+/// (the residuals in `kept` updated), the words covering each part exchanged, decoded and
+/// summed.
+fn two_bit_across<'r>(
+    call: &mut dyn Round,
+    d: &Dist,
+    groups: &[Group<'_>],
+    values: &[Vec<f32>],
+    residual: impl Fn(usize) -> &'r [f32],
+    kept: &mut [Residuals],
+    threshold: f32,
+) -> Result<Vec<Option<NDArray>>> {
+    // The words covering a part: 16 elements to a word, from the key's first element.
+    let span = |g: &Group<'_>, r: usize| {
+        let p = g.slot.spread.piece(g.slot.shape.size(), r, d.size());
+        match p.is_empty() {
+            true => 0..0,
+            false => p.start / 16..p.end.div_ceil(16),
+        }
+    };
+    // The words travel as float32 bit patterns: the all-to-all copies them, never adds.
+    let encoded: Vec<Vec<f32>> = (values.iter().zip(kept.iter_mut()).enumerate())
+        .map(|(k, (v, l))| {
+            let mut words = vec![0u32; two_bit_words(v.len())];
+            two_bit_quantize(v, residual(k), &mut l[0], threshold, &mut words);
+            words.into_iter().map(f32::from_bits).collect()
+        })
+        .collect();
+    let table = TwoBitTable::new(threshold);
+    let (mut words, mut row) = (Vec::new(), Vec::new());
+    exchange(
+        call,
+        d,
+        groups,
+        &encoded,
+        span,
+        |seg, start, range, total, add| {
+            // The bit patterns themselves: a conversion (through f64, say) would quiet a word
+            // that reads as a signalling NaN, and change a code.
+            words.clear();
+            words.extend(seg.iter().map(|w| w.to_bits()));
+            let elements = range.start - 16 * start..range.end - 16 * start;
+            if !add {
+                return two_bit_decode(&words, &table, elements, total);
+            }
+            row.resize(total.len(), 0.0);
+            two_bit_decode(&words, &table, elements, &mut row);
+            for (t, v) in total.iter_mut().zip(&row) {
+                *t += v;
+            }
+        },
+    )
 }
 
 /// The 16-bit wire's step across ranks: each key's value plus residual rounded to `H` (the

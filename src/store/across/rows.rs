@@ -86,6 +86,96 @@ impl AllIds {
     }
 }
 
+/// What a rank holds of a key in a row-sparse push: the rows any rank pushed that meet its
+/// part (`piece` of the key's elements), and where each lands in the summed gradient.
+struct Held {
+    k: usize,
+    piece: Range<usize>,
+    ids: Vec<u64>,
+    segs: Vec<Range<usize>>,
+    offset: Vec<usize>,
+}
+
+impl Held {
+    /// Key `k`'s rows (of `w` elements) that meet `piece`, from every rank's ids.
+    fn of(k: usize, w: usize, piece: Range<usize>, all: &AllIds, size: usize) -> Held {
+        let mut ids: Vec<u64> = (0..size)
+            .flat_map(|s| all.of(s, k).iter().copied())
+            .filter(|&id| !cut(id, w, &piece).is_empty())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        // A holder that got no rows still runs the update (on no rows): the key's step counts
+        // every push, and an assign clears its part.
+        let segs: Vec<Range<usize>> = (ids.iter())
+            .map(|&id| {
+                let c = cut(id, w, &piece);
+                c.start - piece.start..c.end - piece.start
+            })
+            .collect();
+        let mut offset = vec![0];
+        for s in &segs {
+            offset.push(offset.last().copied().unwrap_or(0) + s.len());
+        }
+        Held {
+            k,
+            piece,
+            ids,
+            segs,
+            offset,
+        }
+    }
+
+    /// Sums into `grad`, by row id in rank order, the cuts of this key's rows (of `w`
+    /// elements) by this rank's part that each sender's block of `all` holds at `at` (moved
+    /// past them).
+    fn sum_received(
+        &self,
+        grad: &mut HostData,
+        all: &HostData,
+        at: &mut [usize],
+        ids: &AllIds,
+        w: usize,
+    ) -> Result<()> {
+        let mut seen = vec![false; self.ids.len()];
+        for (s, at) in at.iter_mut().enumerate() {
+            for &id in ids.of(s, self.k) {
+                let c = cut(id, w, &self.piece);
+                if c.is_empty() {
+                    continue;
+                }
+                let j = (self.ids.binary_search(&id))
+                    .map_err(|_| Error::internal("a row-sparse row id missing from the union"))?;
+                let dst = self.offset[j]..self.offset[j] + c.len();
+                add_row(all, *at..*at + c.len(), grad, dst, !seen[j]);
+                seen[j] = true;
+                *at += c.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// The part this rank updates, with its summed gradient `grad`, of a key of `shape`: whole
+    /// rows keep the key's row shape, parts of rows are flat.
+    fn into_part(self, grad: HostData, shape: Shape) -> Result<Part> {
+        let whole = self.segs.iter().all(|s| s.len() == row_width(shape))
+            && self.piece.len() == shape.size();
+        let shape = match whole {
+            true => {
+                let mut dims = shape.dims().to_vec();
+                dims[0] = self.ids.len();
+                Shape::new(&dims)?
+            }
+            false => Shape::new(&[grad.len()])?,
+        };
+        Ok(Part {
+            segs: self.segs,
+            grad,
+            shape,
+        })
+    }
+}
+
 /// A row-sparse push's step across ranks. Every rank learns every rank's row ids; each rank
 /// sends each holder, in one all-to-all per dtype, the elements of its rows that fall in the
 /// holder's part of the key (nothing else moves); each holder sums what it gets by row id, in
@@ -103,6 +193,7 @@ pub(super) fn push_across(
         let slot = &groups[k].slot;
         slot.spread.piece(slot.shape.size(), r, size)
     };
+    let width = |k: usize| row_width(groups[k].slot.shape);
     let mut parts: Vec<Option<Part>> = (0..groups.len()).map(|_| None).collect();
     for dtype in dtypes(groups) {
         let keys: Vec<usize> = (0..groups.len())
@@ -112,7 +203,7 @@ pub(super) fn push_across(
         let block_len = |s: usize, h: usize| -> usize {
             (keys.iter())
                 .map(|&k| {
-                    let (w, p) = (row_width(groups[k].slot.shape), piece(k, h));
+                    let (w, p) = (width(k), piece(k, h));
                     ids.of(s, k)
                         .iter()
                         .map(|&id| cut(id, w, &p).len())
@@ -121,47 +212,12 @@ pub(super) fn push_across(
                 .sum()
         };
         let blocks = Blocks::from_fn(size, block_len);
-        // What this rank holds of each key: the rows any rank pushed that meet its part, and
-        // where each lands in the summed gradient. Known from the ids alone, so that every
-        // buffer is allocated, and the ranks agree that it was, before any rows move (a rank
-        // that could not allocate must not leave the others waiting in the all-to-all).
-        struct Held {
-            k: usize,
-            piece: Range<usize>,
-            ids: Vec<u64>,
-            segs: Vec<Range<usize>>,
-            offset: Vec<usize>,
-        }
+        // What this rank holds of each key, known from the ids alone, so that every buffer is
+        // allocated, and the ranks agree that it was, before any rows move (a rank that could
+        // not allocate must not leave the others waiting in the all-to-all).
         let held: Vec<Held> = (keys.iter())
             .filter(|&&k| groups[k].slot.spread.holds(rank))
-            .map(|&k| {
-                let (w, p) = (row_width(groups[k].slot.shape), piece(k, rank));
-                let mut ids: Vec<u64> = (0..size)
-                    .flat_map(|s| ids.of(s, k).iter().copied())
-                    .filter(|&id| !cut(id, w, &p).is_empty())
-                    .collect();
-                ids.sort_unstable();
-                ids.dedup();
-                // A holder that got no rows still runs the update (on no rows): the key's
-                // step counts every push, and an assign clears its part.
-                let segs: Vec<Range<usize>> = (ids.iter())
-                    .map(|&id| {
-                        let c = cut(id, w, &p);
-                        c.start - p.start..c.end - p.start
-                    })
-                    .collect();
-                let mut offset = vec![0];
-                for s in &segs {
-                    offset.push(offset.last().copied().unwrap_or(0) + s.len());
-                }
-                Held {
-                    k,
-                    piece: p,
-                    ids,
-                    segs,
-                    offset,
-                }
-            })
+            .map(|&k| Held::of(k, width(k), piece(k, rank), &ids, size))
             .collect();
         let buffers = (|| {
             let send = HostData::try_filled(dtype, blocks.send_len(rank), 0.0)?;
@@ -177,7 +233,7 @@ pub(super) fn push_across(
         for h in 0..size {
             let mut at = blocks.send_at(rank, h);
             for &k in &keys {
-                let (w, p) = (row_width(groups[k].slot.shape), piece(k, h));
+                let (w, p) = (width(k), piece(k, h));
                 for (i, &id) in merged[k].ids.iter().enumerate() {
                     let c = cut(id, w, &p);
                     if c.is_empty() {
@@ -197,45 +253,14 @@ pub(super) fn push_across(
         let mut at: Vec<usize> = (0..size).map(|s| blocks.recv_at(s, rank)).collect();
         let mut next_held = held.iter().zip(grads.iter_mut()).peekable();
         for &k in &keys {
-            let w = row_width(groups[k].slot.shape);
-            let Some((h, grad)) = next_held.next_if(|(h, _)| h.k == k) else {
-                // Not held here: nothing of it was sent to this rank.
-                continue;
-            };
-            let mut seen = vec![false; h.ids.len()];
-            for (s, at) in at.iter_mut().enumerate() {
-                for &id in ids.of(s, k) {
-                    let c = cut(id, w, &h.piece);
-                    if c.is_empty() {
-                        continue;
-                    }
-                    let j = h.ids.binary_search(&id).map_err(|_| {
-                        Error::internal("a row-sparse row id missing from the union")
-                    })?;
-                    let dst = h.offset[j]..h.offset[j] + c.len();
-                    add_row(&all, *at..*at + c.len(), grad, dst, !seen[j]);
-                    seen[j] = true;
-                    *at += c.len();
-                }
+            // Not held here: nothing of it was sent to this rank.
+            if let Some((h, grad)) = next_held.next_if(|(h, _)| h.k == k) {
+                h.sum_received(grad, &all, &mut at, &ids, width(k))?;
             }
         }
         for (h, grad) in held.into_iter().zip(grads) {
-            let g = &groups[h.k];
-            let whole = h.segs.iter().all(|s| s.len() == row_width(g.slot.shape))
-                && h.piece.len() == g.slot.shape.size();
-            let shape = match whole {
-                true => {
-                    let mut dims = g.slot.shape.dims().to_vec();
-                    dims[0] = h.ids.len();
-                    Shape::new(&dims)?
-                }
-                false => Shape::new(&[grad.len()])?,
-            };
-            parts[h.k] = Some(Part {
-                segs: h.segs,
-                grad,
-                shape,
-            });
+            let k = h.k;
+            parts[k] = Some(h.into_part(grad, groups[k].slot.shape)?);
         }
     }
     Ok(parts)
