@@ -633,7 +633,7 @@ impl KvStore {
         drop(cells);
         drop(call);
         if let Some(inputs) = totals {
-            across::recycle(d, inputs);
+            across.recycle(d, inputs);
         }
         call_hook(hook.as_deref(), &active, done)
     }

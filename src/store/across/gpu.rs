@@ -112,6 +112,9 @@ impl Across for GpuRanks {
         Ok(Inputs::Totals(in_key_order(spreads, whole, sliced)?))
     }
 
+    /// The totals are on the GPUs: dropped.
+    fn recycle(&self, _d: &Dist, _inputs: Inputs) {}
+
     fn pull_parts(
         &self,
         call: &mut dyn Round,

@@ -208,6 +208,19 @@ pub(super) trait Across: Send + Sync {
         cells: &[&HomeValue],
     ) -> Result<()>;
 
+    /// After a push: gives the host buffers of its totals back to the pool, for the next call
+    /// (ways whose totals are not host buffers drop them).
+    fn recycle(&self, d: &Dist, inputs: Inputs) {
+        let Inputs::Totals(totals) = inputs else {
+            return;
+        };
+        for total in totals.into_iter().flatten() {
+            if let Ok(h) = total.into_host() {
+                d.pool().give(h);
+            }
+        }
+    }
+
     /// A `row_sparse_pull`'s step across ranks: the rows `ids` of a key (this rank's part is
     /// `cell`), put together on this rank.
     fn rows_pulled(
@@ -409,20 +422,6 @@ pub(super) fn keep_part(
             let part = w.slice_of(mine);
             d.pool().give(w);
             keep(d, part)
-        }
-    }
-}
-
-/// Gives the host buffers of a push's totals back to the pool, for the next call.
-pub(super) fn recycle(d: &Dist, inputs: Inputs) {
-    let Inputs::Totals(totals) = inputs else {
-        return;
-    };
-    for total in totals.into_iter().flatten() {
-        if !total.device().is_gpu() {
-            if let Ok(h) = total.into_host() {
-                d.pool().give(h);
-            }
         }
     }
 }
