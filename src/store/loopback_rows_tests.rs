@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use rand::prelude::*;
 
-use super::loopback_tests::{on_links, on_ranks, stores, BOUND};
+use super::loopback_tests::{on_links, on_ranks, stores, stores_on, Lane, BOUND};
 use crate::comm::link::loopback::Loopback;
 use crate::{Adam, DType, Error, KvStore, NDArray, RowSparse, Sgd, Shape, Updater};
 
@@ -66,6 +66,7 @@ fn rows_of(kv: &KvStore, key: i32, ids: &[u64]) -> Result<(Vec<u64>, Vec<f64>), 
 /// Random row-sparse pushes on 1 to 4 ranks, through assign, lazy SGD with momentum and lazy
 /// Adam, give every rank, at every step, what one local store gives when it is pushed every
 /// rank's values as one list: dense pulls and `row_sparse_pull`s of random ids, bit for bit.
+/// The ranks cross in host buffers and in the GPU ranks' way (in place), in turn.
 #[test]
 fn row_sparse_pushes_on_n_ranks_equal_a_local_store() {
     let updaters = [
@@ -84,8 +85,8 @@ fn row_sparse_pushes_on_n_ranks_equal_a_local_store() {
     ];
     let mut rng = StdRng::from_entropy();
     for n in 1..=4 {
-        for updater in &updaters {
-            let ranks = stores(n);
+        for (u, updater) in updaters.iter().enumerate() {
+            let ranks = stores_on([Lane::Host, Lane::InPlace][(n + u) % 2], n);
             let local = KvStore::create("local").unwrap();
             let keys: Vec<i32> = KEYS.iter().map(|k| k.0).collect();
             let inits: Vec<NDArray> = (KEYS.iter())

@@ -898,7 +898,7 @@ fn sixty_fourths(rng: &mut impl rand::Rng, bound: f32) -> f32 {
 /// the sum to its residual, sends `+t`, `-t` or 0 per element (2-bit) or the nearest 16-bit
 /// float, and keeps the rest; the stored value is the sum of what every rank sent, in rank
 /// order. A whole key and a sliced one, random values from 1 to 4 per rank, on 1 to 4 ranks,
-/// over several pushes (the residuals carry over).
+/// over several pushes (the residuals carry over), on both ways of crossing ranks.
 #[test]
 fn compressed_pushes_on_n_ranks_equal_a_reference() {
     use crate::Compression;
@@ -977,7 +977,9 @@ fn compressed_pushes_on_n_ranks_equal_a_reference() {
                 }
                 want.push(stored);
             }
-            let ranks = stores(n);
+            // Host buffers and the GPU ranks' in-place way, in turn.
+            let lane = [Lane::Host, Lane::InPlace][n % 2];
+            let ranks = stores_on(lane, n);
             let got = on_ranks(&ranks, |r, kv| {
                 kv.set_gradient_compression(compression).unwrap();
                 kv.init_list(
