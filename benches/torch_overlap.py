@@ -72,7 +72,9 @@ def main():
     n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{os.environ.get('KVSTORE_BENCH_PORT', '29533')}",
+        # Across hosts (scripts/cluster.sh) DDP's gloo meets at the first host, MASTER_ADDR.
+        init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
+        f"{os.environ.get('KVSTORE_BENCH_PORT', '29533')}",
         rank=r,
         world_size=n,
     )
