@@ -48,87 +48,37 @@ pub trait Wire: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     fn add(self, other: Self) -> Self;
 }
 
-impl Wire for f32 {
-    const SUM_IN_F32: bool = false;
-    fn datatype() -> ffi::MPI_Datatype {
-        raw::datatype::<f32>()
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    fn add(self, other: Self) -> Self {
-        self + other
-    }
+/// Implements [`Wire`] for `$t`, which travels as `$bits` (f16 and bf16 are
+/// `#[repr(transparent)]` over their `u16` bits), with its conversions and `MPI_SUM`'s addition.
+macro_rules! wire {
+    ($t:ty as $bits:ty, wide: $wide:expr, $to:expr, $from:expr, $add:expr) => {
+        impl Wire for $t {
+            const SUM_IN_F32: bool = $wide;
+            fn datatype() -> ffi::MPI_Datatype {
+                raw::datatype::<$bits>()
+            }
+            fn to_f32(self) -> f32 {
+                $to(self)
+            }
+            fn from_f32(v: f32) -> Self {
+                $from(v)
+            }
+            fn add(self, other: Self) -> Self {
+                $add(self, other)
+            }
+        }
+    };
 }
 
-impl Wire for f64 {
-    const SUM_IN_F32: bool = false;
-    fn datatype() -> ffi::MPI_Datatype {
-        raw::datatype::<f64>()
-    }
-    fn to_f32(self) -> f32 {
-        self as f32
-    }
-    fn from_f32(v: f32) -> Self {
-        f64::from(v)
-    }
-    fn add(self, other: Self) -> Self {
-        self + other
-    }
-}
-
-impl Wire for f16 {
-    const SUM_IN_F32: bool = true;
-    fn datatype() -> ffi::MPI_Datatype {
-        // `half::f16` is `#[repr(transparent)]` over its `u16` bits.
-        raw::datatype::<u16>()
-    }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-    fn add(self, other: Self) -> Self {
-        f16::from_f32(self.to_f32() + other.to_f32())
-    }
-}
-
-impl Wire for bf16 {
-    const SUM_IN_F32: bool = true;
-    fn datatype() -> ffi::MPI_Datatype {
-        // `half::bf16` is `#[repr(transparent)]` over its `u16` bits.
-        raw::datatype::<u16>()
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-    fn add(self, other: Self) -> Self {
-        bf16::from_f32(self.to_f32() + other.to_f32())
-    }
-}
-
-impl Wire for u64 {
-    const SUM_IN_F32: bool = false;
-    fn datatype() -> ffi::MPI_Datatype {
-        raw::datatype::<u64>()
-    }
-    fn to_f32(self) -> f32 {
-        self as f32
-    }
-    fn from_f32(v: f32) -> Self {
-        v as u64
-    }
-    fn add(self, other: Self) -> Self {
-        self.wrapping_add(other)
-    }
-}
+wire!(f32 as f32, wide: false, |x| x, |v| v, |a, b| a + b);
+wire!(f64 as f64, wide: false, |x| x as f32, f64::from, |a, b| a + b);
+wire!(u64 as u64, wide: false, |x| x as f32, |v| v as u64, u64::wrapping_add);
+wire!(f16 as u16, wide: true, f16::to_f32, f16::from_f32, |a: f16, b: f16| {
+    f16::from_f32(a.to_f32() + b.to_f32())
+});
+wire!(bf16 as u16, wide: true, bf16::to_f32, bf16::from_f32, |a: bf16, b: bf16| {
+    bf16::from_f32(a.to_f32() + b.to_f32())
+});
 
 /// The buffers the other ranks' blocks of a reduce-scatter, or of a reduce in rank order at its
 /// root, are received into, per element type, kept from one call to the next (up to
@@ -343,6 +293,11 @@ impl<T: Wire> Pending<T> {
         }
     }
 
+    /// The send and receive buffers, as MPI takes them.
+    fn ptrs(&mut self) -> (*const c_void, *mut c_void) {
+        (raw::ptr(&self.send), raw::ptr_mut(&mut self.recv))
+    }
+
     /// The buffers and datatype a sum travels in: the f32 partial sums where
     /// [`Wire::SUM_IN_F32`], else the buffers themselves.
     fn sum_buffers(&mut self) -> (*const c_void, *mut c_void, ffi::MPI_Datatype) {
@@ -352,11 +307,10 @@ impl<T: Wire> Pending<T> {
                 raw::ptr_mut(&mut self.wide_recv),
                 f32::datatype(),
             ),
-            false => (
-                raw::ptr(&self.send),
-                raw::ptr_mut(&mut self.recv),
-                T::datatype(),
-            ),
+            false => {
+                let (send, recv) = self.ptrs();
+                (send, recv, T::datatype())
+            }
         }
     }
 
@@ -450,15 +404,9 @@ impl<T: Wire> Pending<T> {
             }
             _ => {}
         }
-        if T::SUM_IN_F32 {
-            let rounds = match self.coll {
-                Coll::Reduce { .. } => self.is_root,
-                _ => false,
-            };
-            if rounds {
-                for (o, &s) in self.recv.iter_mut().zip(&self.wide_recv) {
-                    *o = T::from_f32(s);
-                }
+        if T::SUM_IN_F32 && self.is_root && matches!(self.coll, Coll::Reduce { .. }) {
+            for (o, &s) in self.recv.iter_mut().zip(&self.wide_recv) {
+                *o = T::from_f32(s);
             }
         }
         let wide = (
@@ -525,6 +473,23 @@ fn sum_blocks<T: Wire>(out: &mut [T], own: &[T], staged: &[T], (rank, size): (us
 fn no_statuses(n: usize) -> Vec<ffi::MPI_Status> {
     // SAFETY: `MPI_Status` is a plain C struct of integers, for which all zeros is a value.
     (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
+}
+
+/// Starts `$p`'s collective on `$args`: MPI's blocking `$blocking` under the watchdog where the
+/// call runs blocking ([`Call::set_blocking`]), else the non-blocking `$immediate` with `$p`'s
+/// request; records the result and gives `$p` back. Where it is invoked, a `// SAFETY:` comment
+/// says why the call is sound for both.
+macro_rules! start {
+    ($call:ident, $p:ident, $blocking:ident | $immediate:ident ($($arg:expr),*)) => {{
+        let rc = match $call.blocking {
+            // SAFETY: as stated where the macro is invoked.
+            true => $call.bound($p.coll, || unsafe { ffi::$blocking($($arg),*) }),
+            // SAFETY: as stated where the macro is invoked.
+            false => unsafe { ffi::$immediate($($arg,)* &mut $p.reqs[0].0) },
+        };
+        $call.started(rc)?;
+        Ok($p)
+    }};
 }
 
 impl Call {
@@ -615,18 +580,11 @@ impl Call {
         // the root, where it was sized above) and live in `p`'s vectors, which stay where they
         // are until the request completes or `Pending::drop` leaks them; the communicator is
         // valid; `root` < size.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Reduce(send, recv, n, dt, sum, root_c, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Ireduce(send, recv, n, dt, sum, root_c, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Reduce | MPI_Ireduce(send, recv, n, dt, sum, root_c, comm)
+        )
     }
 
     /// Checks a reduce's buffers (`send` and `recv` elements) and root: the element count as
@@ -645,12 +603,16 @@ impl Call {
 
     /// [`Call::reduce_sum`] from a borrowed send buffer, for a call that runs blocking
     /// ([`Call::set_blocking`]): MPI only reads `send`, and is done with it when this returns,
-    /// so it needs no buffer of its own. [`Done::send`] comes back empty. On two ranks f16/bf16
-    /// are widened into f32 buffers of their own; on three or more they travel as they are.
+    /// so it needs no buffer of its own. [`Done::send`] comes back empty. On three or more ranks
+    /// f16/bf16 travel as they are. On two they are widened straight from the borrowed buffer
+    /// into f32 partial sums, reduced, and rounded once at the root; those f32 buffers are kept
+    /// in the world's state for the next such reduce (up to [`KEPT_WIDE_BYTES`] each): a
+    /// blocking reduce is done with them when it returns, and fresh ones cost a page fault per
+    /// 4 KiB on every push (a 256 K-element bf16 push took 5x an f32 one's time).
     pub fn reduce_sum_borrowed<T: Wire>(
         &mut self,
         send: &[T],
-        recv: Vec<T>,
+        mut recv: Vec<T>,
         root: usize,
     ) -> Result<Done<T>> {
         if !self.blocking {
@@ -664,20 +626,35 @@ impl Call {
             return self.reduce_in_order_blocking(send, recv, root);
         }
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
-        if T::SUM_IN_F32 {
-            return self.reduce_wide_blocking(send, recv, root, (n, is_root));
-        }
-        let mut recv = recv;
-        let (sp, rp, dt) = (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype());
+        let (wide_send, mut wide_recv) = match T::SUM_IN_F32 {
+            true => self.widened(send, is_root),
+            false => Default::default(),
+        };
+        let (sp, rp, dt) = match T::SUM_IN_F32 {
+            true => (
+                raw::ptr(&wide_send),
+                raw::ptr_mut(&mut wide_recv),
+                f32::datatype(),
+            ),
+            false => (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype()),
+        };
         let (root_c, sum, comm) = (root as c_int, raw::op_sum(), self.st.data.0);
-        // SAFETY: both buffers hold `n` elements of T's MPI datatype (the receive buffer only
-        // matters at the root, where it was sized above); the call is blocking, so MPI is done
-        // with both when it returns, while `send` is still borrowed and `recv` still owned
-        // here; the communicator is valid; `root` < size.
+        // SAFETY: both buffers hold `n` elements of `dt` (the receive buffer only matters at the
+        // root, where it was sized above); the call is blocking, so MPI is done with both when
+        // it returns, while `send` is still borrowed and the others still owned here; the
+        // communicator is valid; `root` < size.
         let rc = self.bound(Coll::Reduce { root }, || unsafe {
             ffi::MPI_Reduce(sp, rp, n, dt, sum, root_c, comm)
         });
         self.started(rc)?;
+        if T::SUM_IN_F32 && is_root {
+            for (o, &s) in recv.iter_mut().zip(&wide_recv) {
+                *o = T::from_f32(s);
+            }
+        }
+        if T::SUM_IN_F32 {
+            self.keep_wide((wide_send, wide_recv));
+        }
         Ok(Done {
             send: Vec::new(),
             recv,
@@ -857,46 +834,6 @@ impl Call {
         }
     }
 
-    /// [`Call::reduce_sum_borrowed`] of f16/bf16: widened straight from the borrowed buffer into
-    /// f32 partial sums, reduced blocking, rounded once at the root. The f32 buffers are kept
-    /// in the world's state for the next such reduce (up to [`KEPT_WIDE_BYTES`] each): a
-    /// blocking reduce is done with them when it returns, and fresh ones cost a page fault
-    /// per 4 KiB on every push (a 256 K-element bf16 push took 5x an f32 one's time).
-    fn reduce_wide_blocking<T: Wire>(
-        &mut self,
-        send: &[T],
-        recv: Vec<T>,
-        root: usize,
-        (n, is_root): (c_int, bool),
-    ) -> Result<Done<T>> {
-        let (wide_send, mut wide_recv) = self.widened(send, is_root);
-        let (sp, rp) = (raw::ptr(&wide_send), raw::ptr_mut(&mut wide_recv));
-        let (dt, root_c, sum, comm) = (
-            f32::datatype(),
-            root as c_int,
-            raw::op_sum(),
-            self.st.data.0,
-        );
-        // SAFETY: both buffers hold `n` f32 (the receive buffer only matters at the root, where
-        // it was sized above); the call is blocking, so MPI is done with both when it returns,
-        // and both are still owned here; the communicator is valid; `root` < size.
-        let rc = self.bound(Coll::Reduce { root }, || unsafe {
-            ffi::MPI_Reduce(sp, rp, n, dt, sum, root_c, comm)
-        });
-        self.started(rc)?;
-        let mut recv = recv;
-        if is_root {
-            for (o, &s) in recv.iter_mut().zip(&wide_recv) {
-                *o = T::from_f32(s);
-            }
-        }
-        self.keep_wide((wide_send, wide_recv));
-        Ok(Done {
-            send: Vec::new(),
-            recv,
-        })
-    }
-
     /// Starts a broadcast of `buf` from rank `root` (`MPI_Ibcast`): every rank passes a buffer
     /// of the same length and gets the root's data back in [`Done::recv`].
     pub fn broadcast<T: Wire>(&mut self, buf: Vec<T>, root: usize) -> Result<Pending<T>> {
@@ -904,24 +841,10 @@ impl Call {
         let n = raw::count(self.op, buf.len())?;
         let bytes = buf.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Broadcast { root }, Vec::new(), buf, bytes);
-        let (buf, dt, root_c, comm) = (
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            root as c_int,
-            self.st.data.0,
-        );
+        let (buf, dt, root_c, comm) = (p.ptrs().1, T::datatype(), root as c_int, self.st.data.0);
         // SAFETY: the buffer holds `n` elements of T's MPI datatype and lives in `p` until the
         // request completes or is leaked; the communicator is valid; `root` < size.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Bcast(buf, n, dt, root_c, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe { ffi::MPI_Ibcast(buf, n, dt, root_c, comm, &mut p.reqs[0].0) },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(self, p, MPI_Bcast | MPI_Ibcast(buf, n, dt, root_c, comm))
     }
 
     /// Starts a reduce-scatter of equal blocks: `send` holds `size` blocks of `recv.len()`
@@ -1014,27 +937,15 @@ impl Call {
         let n = raw::count(self.op, send.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, coll, send, recv, bytes);
-        let (send, recv, dt, comm) = (
-            raw::ptr(&p.send),
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            self.st.data.0,
-        );
+        let ((send, recv), dt, comm) = (p.ptrs(), T::datatype(), self.st.data.0);
         // SAFETY: the send buffer holds n elements and the receive buffer size × n (checked
         // above), of T's MPI datatype; both live in `p` until completion or are leaked; the
         // communicator is valid.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Allgather(send, n, dt, recv, n, dt, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Iallgather(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Allgather | MPI_Iallgather(send, n, dt, recv, n, dt, comm)
+        )
     }
 
     /// Starts an all-to-all of equal blocks (`MPI_Ialltoall`): `send` and `recv` each hold
@@ -1053,26 +964,14 @@ impl Call {
         let n = raw::count(self.op, send.len() / size)?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
-        let (send, recv, dt, comm) = (
-            raw::ptr(&p.send),
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            self.st.data.0,
-        );
+        let ((send, recv), dt, comm) = (p.ptrs(), T::datatype(), self.st.data.0);
         // SAFETY: both buffers hold size × n elements of T's MPI datatype (checked above) and
         // live in `p` until completion or are leaked; the communicator is valid.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Alltoall(send, n, dt, recv, n, dt, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Ialltoall(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Alltoall | MPI_Ialltoall(send, n, dt, recv, n, dt, comm)
+        )
     }
 
     /// Starts an all-to-all of blocks of their own lengths (`MPI_Ialltoallv`): rank `s` sends
@@ -1123,12 +1022,7 @@ impl Call {
         let bytes = (send.len() + recv.len()) * std::mem::size_of::<T>() / 2;
         let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
         p.counts = counts;
-        let (send, recv, dt, comm) = (
-            raw::ptr(&p.send),
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            self.st.data.0,
-        );
+        let ((send, recv), dt, comm) = (p.ptrs(), T::datatype(), self.st.data.0);
         let at = |k: usize| p.counts[k * size..].as_ptr();
         let (send_counts, send_displs, recv_counts, recv_displs) = (at(0), at(1), at(2), at(3));
         // SAFETY: `send` holds the sum of this rank's sent lengths and `recv` of its received
@@ -1136,10 +1030,11 @@ impl Call {
         // displacements stay in `p.counts` (never resized) until completion, or are leaked
         // with the buffers; every block lies inside its buffer by construction; the
         // communicator is valid.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Alltoallv(
+        start!(
+            self,
+            p,
+            MPI_Alltoallv
+                | MPI_Ialltoallv(
                     send,
                     send_counts,
                     send_displs,
@@ -1148,27 +1043,9 @@ impl Call {
                     recv_counts,
                     recv_displs,
                     dt,
-                    comm,
+                    comm
                 )
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Ialltoallv(
-                    send,
-                    send_counts,
-                    send_displs,
-                    dt,
-                    recv,
-                    recv_counts,
-                    recv_displs,
-                    dt,
-                    comm,
-                    &mut p.reqs[0].0,
-                )
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        )
     }
 
     /// Starts a scatter of equal blocks from rank `root` (`MPI_Iscatter`): at the root `send`
@@ -1194,24 +1071,17 @@ impl Call {
         let n = raw::count(self.op, recv.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Scatter { root }, send, recv, bytes);
-        let (send, recv, dt) = (raw::ptr(&p.send), raw::ptr_mut(&mut p.recv), T::datatype());
+        let ((send, recv), dt) = (p.ptrs(), T::datatype());
         let (root_c, comm) = (root as c_int, self.st.data.0);
         // SAFETY: at the root the send buffer holds size × n elements (checked above), and the
         // receive buffer n on every rank, of T's MPI datatype (MPI reads the send buffer only at
         // the root); both live in `p` until completion or are leaked; the communicator is
         // valid; `root` < size.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Scatter(send, n, dt, recv, n, dt, root_c, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Scatter | MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm)
+        )
     }
 
     /// Starts a barrier (`MPI_Ibarrier`) on the store's communicator.
