@@ -3,12 +3,10 @@
 
 use std::sync::Arc;
 
-use half::{bf16, f16};
-
 use super::{Link, Op, Round, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
-use crate::comm::mpi::{Call, Done, Pending, World};
+use crate::comm::mpi::{Call, Done, Pending, Wire, World};
 use crate::comm::nccl::loader::UniqueId;
 use crate::comm::nccl::RankComm;
 use crate::host::HostData;
@@ -101,11 +99,39 @@ struct MpiRound {
 /// A started collective, of any dtype, or one that ran blocking from a borrowed buffer: its
 /// (send, result) buffers.
 enum Flight {
-    F32(Pending<f32>),
-    F64(Pending<f64>),
-    F16(Pending<f16>),
-    BF16(Pending<bf16>),
+    Started(Box<dyn Started>),
     Landed(HostData, HostData),
+}
+
+/// A started collective of one dtype.
+trait Started {
+    /// Waits for it in `call`, the call that started it: its (send, result) buffers.
+    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)>;
+}
+
+impl<T: Wire + Element> Started for Pending<T> {
+    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)> {
+        call.wait(*self).map(wrap)
+    }
+}
+
+/// A started collective as a [`Flight`].
+fn started<T: Wire + Element>(p: Pending<T>) -> Flight {
+    Flight::Started(Box::new(p))
+}
+
+/// `$e` on the send and receive buffers (`$s`, `$r`) of the dtype they share, its result
+/// through `$out`; buffers of two dtypes are an internal error.
+macro_rules! typed {
+    ($send:expr, $recv:expr, $out:expr, |$s:ident, $r:ident| $e:expr) => {
+        match ($send, $recv) {
+            (HostData::F32($s), HostData::F32($r)) => $e.map($out),
+            (HostData::F64($s), HostData::F64($r)) => $e.map($out),
+            (HostData::F16($s), HostData::F16($r)) => $e.map($out),
+            (HostData::BF16($s), HostData::BF16($r)) => $e.map($out),
+            _ => Err(Error::internal("a receive buffer of another dtype")),
+        }
+    };
 }
 
 impl MpiRound {
@@ -115,6 +141,12 @@ impl MpiRound {
     /// here, just before a blocking start, so a call with none (a pull) never probes for it.
     fn may_block(&mut self, op: Op) -> bool {
         self.agreed && blocking_wins(op) && !self.call.peer_timed_out()
+    }
+
+    /// Keeps `flight` until it lands: its ticket.
+    fn fly(&mut self, flight: Flight) -> Ticket {
+        self.flights.push(Some(flight));
+        Ticket(self.flights.len() - 1)
     }
 }
 
@@ -127,31 +159,17 @@ impl Round for MpiRound {
         let blocking = self.may_block(op);
         self.call.set_blocking(blocking);
         let call = &mut self.call;
-        macro_rules! typed {
-            (|$s:ident, $r:ident| $e:expr) => {
-                match (send, recv) {
-                    (HostData::F32($s), HostData::F32($r)) => Flight::F32($e),
-                    (HostData::F64($s), HostData::F64($r)) => Flight::F64($e),
-                    (HostData::F16($s), HostData::F16($r)) => Flight::F16($e),
-                    (HostData::BF16($s), HostData::BF16($r)) => Flight::BF16($e),
-                    _ => return Err(Error::internal("a receive buffer of another dtype")),
-                }
-            };
-        }
-        let flight = (|| -> Result<Flight> {
-            Ok(match op {
-                Op::Reduce { root } => typed!(|s, r| call.reduce_sum(s, r, root)?),
-                Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
-                Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
-                Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
-                Op::Scatter { root } => typed!(|s, r| call.scatter(s, r, root)?),
-                Op::AllToAll => typed!(|s, r| call.all_to_all(s, r)?),
-            })
-        })();
+        let flight = match op {
+            Op::Reduce { root } => typed!(send, recv, started, |s, r| call.reduce_sum(s, r, root)),
+            Op::Broadcast { root } => typed!(send, recv, started, |s, _r| call.broadcast(s, root)),
+            Op::ReduceScatter => typed!(send, recv, started, |s, r| call.reduce_scatter(s, r)),
+            Op::AllGather => typed!(send, recv, started, |s, r| call.all_gather(s, r)),
+            Op::Scatter { root } => typed!(send, recv, started, |s, r| call.scatter(s, r, root)),
+            Op::AllToAll => typed!(send, recv, started, |s, r| call.all_to_all(s, r)),
+        };
         // Off again whatever happened: the round's word exchanges never run blocking.
         self.call.set_blocking(false);
-        self.flights.push(Some(flight?));
-        Ok(Ticket(self.flights.len() - 1))
+        Ok(self.fly(flight?))
     }
 
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
@@ -164,19 +182,11 @@ impl Round for MpiRound {
         }
         self.call.set_blocking(true);
         let call = &mut self.call;
-        let landed = match (send, recv) {
-            (HostData::F32(s), HostData::F32(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
-            (HostData::F64(s), HostData::F64(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
-            (HostData::F16(s), HostData::F16(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
-            (HostData::BF16(s), HostData::BF16(r)) => {
-                call.reduce_sum_borrowed(s, r, root).map(wrap)
-            }
-            _ => Err(Error::internal("a receive buffer of another dtype")),
-        };
+        let landed = typed!(send, recv, wrap, |s, r| call
+            .reduce_sum_borrowed(s, r, root));
         self.call.set_blocking(false);
         let (send, recv) = landed?;
-        self.flights.push(Some(Flight::Landed(send, recv)));
-        Ok(Ticket(self.flights.len() - 1))
+        Ok(self.fly(Flight::Landed(send, recv)))
     }
 
     fn start_all_to_all_v(
@@ -186,15 +196,8 @@ impl Round for MpiRound {
         recv: HostData,
     ) -> Result<Ticket> {
         let call = &mut self.call;
-        let flight = match (send, recv) {
-            (HostData::F32(s), HostData::F32(r)) => Flight::F32(call.all_to_all_v(s, lens, r)?),
-            (HostData::F64(s), HostData::F64(r)) => Flight::F64(call.all_to_all_v(s, lens, r)?),
-            (HostData::F16(s), HostData::F16(r)) => Flight::F16(call.all_to_all_v(s, lens, r)?),
-            (HostData::BF16(s), HostData::BF16(r)) => Flight::BF16(call.all_to_all_v(s, lens, r)?),
-            _ => return Err(Error::internal("a receive buffer of another dtype")),
-        };
-        self.flights.push(Some(flight));
-        Ok(Ticket(self.flights.len() - 1))
+        let flight = typed!(send, recv, started, |s, r| call.all_to_all_v(s, lens, r));
+        Ok(self.fly(flight?))
     }
 
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
@@ -203,14 +206,10 @@ impl Round for MpiRound {
         // The store works on what landed, which may fail on this rank only: the next
         // collectives need a new agreement.
         self.agreed = false;
-        let call = &mut self.call;
-        Ok(match flight {
-            Flight::F32(p) => wrap(call.wait(p)?),
-            Flight::F64(p) => wrap(call.wait(p)?),
-            Flight::F16(p) => wrap(call.wait(p)?),
-            Flight::BF16(p) => wrap(call.wait(p)?),
-            Flight::Landed(send, recv) => (send, recv),
-        })
+        match flight {
+            Flight::Started(p) => p.land(&mut self.call),
+            Flight::Landed(send, recv) => Ok((send, recv)),
+        }
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
