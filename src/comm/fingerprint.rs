@@ -107,12 +107,8 @@ impl Fingerprint {
     /// differs from every accepted call, so every rank fails the same call together.
     pub fn rejected(op: &'static str, why: &str) -> Fingerprint {
         Fingerprint {
-            op,
-            entries: Vec::new(),
             rejected: Some(why.to_owned()),
-            note: None,
-            store: 0,
-            tag: None,
+            ..Fingerprint::new(op)
         }
     }
 
@@ -381,10 +377,10 @@ fn mismatch_detail(texts: &[String]) -> String {
         return "the ranks' records differ but their descriptions agree (a hash collision?)"
             .to_owned();
     }
-    let mut parts = Vec::new();
-    for (b, rb) in rest {
-        parts.push(compare(a, &ranks(ra), b, &ranks(rb)));
-    }
+    let parts: Vec<String> = rest
+        .iter()
+        .map(|(b, rb)| compare(a, &ranks(ra), b, &ranks(rb)))
+        .collect();
     parts.join("; ")
 }
 
@@ -432,23 +428,15 @@ fn compare(a: &Described, ra: &str, b: &Described, rb: &str) -> String {
                     a.op, x.0, x.2, y.2
                 )
             }
-            (Some(x), None) => {
+            (Some(x), None) | (None, Some(x)) => {
+                let on = if i < a.entries.len() { ra } else { rb };
                 return format!(
-                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {ra}",
+                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {on}",
                     a.op,
                     a.entries.len(),
                     b.entries.len(),
                     x.0
-                )
-            }
-            (None, Some(y)) => {
-                return format!(
-                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {rb}",
-                    a.op,
-                    a.entries.len(),
-                    b.entries.len(),
-                    y.0
-                )
+                );
             }
             (None, None) => break,
         }
