@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use mpi::ffi;
+use smallvec::SmallVec;
 
 use super::raw::{self, Request};
 use super::{Call, World};
@@ -679,26 +680,18 @@ impl Call {
         let mut p = Pending::new(self, coll, send, recv, bytes);
         p.is_root = is_root;
         let (dt, comm) = (T::datatype(), self.st.data.0);
+        let (root_c, tag) = (root as c_int, self.tag(Tagged::ReduceInOrder));
         if !is_root {
+            let (buf, req) = (raw::ptr(&p.send), &mut p.reqs[0].0);
             // SAFETY: the send buffer holds `n` elements of `dt` (checked by `reduce_fits`) and
             // lives in `p` until the request completes or `Pending::drop` leaks it; the
             // communicator is valid and `root` < size.
-            let rc = unsafe {
-                ffi::MPI_Isend(
-                    raw::ptr(&p.send),
-                    n,
-                    dt,
-                    root as c_int,
-                    self.tag(Tagged::ReduceInOrder),
-                    comm,
-                    &mut p.reqs[0].0,
-                )
-            };
+            let rc = unsafe { ffi::MPI_Isend(buf, n, dt, root_c, tag, comm, req) };
             self.started(rc)?;
         } else {
             p.reqs = vec![Request::null(); self.world.size - 1];
             let len = p.send.len();
-            self.receive_staged(&mut p, (len, n), self.tag(Tagged::ReduceInOrder))?;
+            self.receive_staged(&mut p, (len, n), tag)?;
         }
         if self.blocking {
             self.complete_blocking(&mut p)?;
@@ -740,21 +733,14 @@ impl Call {
         let (dt, width, comm) = (T::datatype(), std::mem::size_of::<T>(), self.st.data.0);
         let staged = raw::ptr_mut(&mut p.staged).cast::<u8>();
         for (k, req) in p.reqs.iter_mut().take(size - 1).enumerate() {
-            let from = if k < rank { k } else { k + 1 };
+            let from = (if k < rank { k } else { k + 1 }) as c_int;
             // SAFETY: `p.staged` holds (size - 1) × len elements of `dt` (taken above); block k
             // starts k × len elements in and holds len (`n`). It lives in `p` until the request
             // completes or `Pending::drop` leaks it. The communicator is valid and `from` <
             // size.
             let rc = unsafe {
-                ffi::MPI_Irecv(
-                    staged.add(k * len * width).cast(),
-                    n,
-                    dt,
-                    from as c_int,
-                    tag,
-                    comm,
-                    &mut req.0,
-                )
+                let block = staged.add(k * len * width).cast();
+                ffi::MPI_Irecv(block, n, dt, from, tag, comm, &mut req.0)
             };
             self.started(rc)?;
         }
@@ -772,20 +758,14 @@ impl Call {
     ) -> Result<Done<T>> {
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
         let coll = Coll::ReduceInOrder { root };
-        let (dt, comm) = (T::datatype(), self.st.data.0);
+        let (dt, comm, buf) = (T::datatype(), self.st.data.0, raw::ptr(send));
+        let (root_c, tag) = (root as c_int, self.tag(Tagged::ReduceInOrder));
         if !is_root {
             // SAFETY: `send` holds `n` elements of `dt` (checked by `reduce_fits`) and stays
             // borrowed until the blocking send returns, when MPI is done with it; the
             // communicator is valid and `root` < size.
             let rc = self.bound(coll, || unsafe {
-                ffi::MPI_Send(
-                    raw::ptr(send),
-                    n,
-                    dt,
-                    root as c_int,
-                    self.tag(Tagged::ReduceInOrder),
-                    comm,
-                )
+                ffi::MPI_Send(buf, n, dt, root_c, tag, comm)
             });
             self.started(rc)?;
             return Ok(Done {
@@ -797,7 +777,7 @@ impl Call {
         let mut p = Pending::new(self, coll, Vec::new(), recv, bytes);
         p.is_root = true;
         p.reqs = vec![Request::null(); self.world.size - 1];
-        self.receive_staged(&mut p, (send.len(), n), self.tag(Tagged::ReduceInOrder))?;
+        self.receive_staged(&mut p, (send.len(), n), tag)?;
         self.complete_blocking(&mut p)?;
         let (rank, size) = (self.world.rank, self.world.size);
         let (mut out, staged) = (std::mem::take(&mut p.recv), std::mem::take(&mut p.staged));
@@ -886,7 +866,8 @@ impl Call {
         // travel as they are (each rank's part is already rounded to them) and are summed in
         // f32 on arrival.
         p.reqs = vec![Request::null(); 2 * (size - 1)];
-        self.receive_staged(&mut p, (n, count), self.tag(Tagged::ReduceScatter))?;
+        let tag = self.tag(Tagged::ReduceScatter);
+        self.receive_staged(&mut p, (n, count), tag)?;
         let (dt, width) = (T::datatype(), std::mem::size_of::<T>());
         let send_ptr = raw::ptr(&p.send).cast::<u8>();
         let comm = self.st.data.0;
@@ -898,15 +879,8 @@ impl Call {
             // `to` starts `to` × n elements in. It lives in `p` until the request completes or
             // is leaked. The communicator is valid and `to` < size.
             let rc = unsafe {
-                ffi::MPI_Isend(
-                    send_ptr.add(to * n * width).cast(),
-                    count,
-                    dt,
-                    to as c_int,
-                    self.tag(Tagged::ReduceScatter),
-                    comm,
-                    &mut req.0,
-                )
+                let block = send_ptr.add(to * n * width).cast();
+                ffi::MPI_Isend(block, count, dt, to as c_int, tag, comm, &mut req.0)
             };
             self.started(rc)?;
         }
@@ -1084,18 +1058,13 @@ impl Call {
         )
     }
 
-    /// Starts a barrier (`MPI_Ibarrier`) on the store's communicator.
-    pub fn immediate_barrier(&mut self) -> Result<Pending<f32>> {
-        let mut p = Pending::new(self, Coll::Barrier, Vec::new(), Vec::new(), 0);
-        // SAFETY: the communicator is valid and `p.req` is a valid out-pointer.
+    /// A barrier (`MPI_Ibarrier` on the store's communicator), waited for (bounded by the
+    /// timeout).
+    pub fn barrier(&mut self) -> Result<()> {
+        let mut p = Pending::<f32>::new(self, Coll::Barrier, Vec::new(), Vec::new(), 0);
+        // SAFETY: the communicator is valid and `p.reqs[0]` is a valid out-pointer.
         let rc = unsafe { ffi::MPI_Ibarrier(self.st.data.0, &mut p.reqs[0].0) };
         self.started(rc)?;
-        Ok(p)
-    }
-
-    /// A barrier, waited for (bounded by the timeout).
-    pub fn barrier(&mut self) -> Result<()> {
-        let p = self.immediate_barrier()?;
         self.wait(p).map(drop)
     }
 
@@ -1125,21 +1094,15 @@ impl Call {
     /// Waits for `p` (bounded by the timeout, counted from its start) and gives its buffers
     /// back.
     pub fn wait<T: Wire>(&mut self, mut p: Pending<T>) -> Result<Done<T>> {
-        self.same_call(&p)?;
-        let coll = p.coll;
-        let what = move || coll.to_string();
-        let check = p.counts_unchecked();
-        let mut statuses = no_statuses(if check { p.reqs.len() } else { 0 });
-        let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
-        // On an error `p` is dropped: its buffers leak while MPI may still use them (a request
-        // still pending), and are freed once every request has completed.
-        self.poll(&mut p.reqs, given, p.bytes, p.start, &what)?;
-        if check {
-            p.received_in_full(&statuses, self.op)
-                .inspect_err(|e| self.world.poison_with(e.to_string()))?;
-        }
-        p.staged_whole(self.op)?;
+        self.complete(std::slice::from_mut(&mut p))?;
         Ok(self.finished(p))
+    }
+
+    /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
+    /// gives their buffers back, in order.
+    pub fn wait_all<T: Wire>(&mut self, mut ps: Vec<Pending<T>>) -> Result<Vec<Done<T>>> {
+        self.complete(&mut ps)?;
+        Ok(ps.into_iter().map(|p| self.finished(p)).collect())
     }
 
     /// The buffers of a completed `p`; its f32 buffers are kept for the next f16/bf16 reduce.
@@ -1149,33 +1112,37 @@ impl Call {
         done
     }
 
-    /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
-    /// gives their buffers back, in order.
-    pub fn wait_all<T: Wire>(&mut self, mut ps: Vec<Pending<T>>) -> Result<Vec<Done<T>>> {
-        if ps.len() <= 1 {
-            return ps.pop().map_or(Ok(Vec::new()), |p| Ok(vec![self.wait(p)?]));
-        }
-        for p in &ps {
+    /// Polls every request of `ps` until all complete (see [`Call::wait_all`]), and checks what
+    /// their receives got. On an error the caller drops `ps` unfinished: buffers that MPI may
+    /// still use (a request still pending) leak, as they must.
+    fn complete<T: Wire>(&mut self, ps: &mut [Pending<T>]) -> Result<()> {
+        for p in ps.iter() {
             self.same_call(p)?;
         }
-        let start = ps
-            .iter()
-            .map(|p| p.start)
-            .min()
-            .unwrap_or_else(Instant::now);
+        let Some(first) = ps.first() else {
+            return Ok(());
+        };
+        let start = ps.iter().map(|p| p.start).min().unwrap_or(first.start);
         let bytes = ps.iter().map(|p| p.bytes).sum();
-        let mut reqs: Vec<Request> = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
-        let check: Vec<bool> = ps.iter().map(Pending::counts_unchecked).collect();
-        let mut statuses = no_statuses(match check.contains(&true) {
-            true => reqs.len(),
-            false => 0,
-        });
-        let (first, more) = (ps[0].coll, ps.len() - 1);
-        let what = move || format!("{first} (and {more} more collectives)");
-        // On an error the pendings are dropped unfinished: their buffers leak, as they must.
+        let (coll, more) = (first.coll, ps.len() - 1);
+        let what = move || match more {
+            0 => coll.to_string(),
+            _ => format!("{coll} (and {more} more collectives)"),
+        };
+        let check: SmallVec<[bool; 4]> = ps.iter().map(Pending::counts_unchecked).collect();
+        // One collective is polled in place; several, on a copy of all their requests.
+        let mut joined: Vec<Request> = Vec::new();
+        let reqs: &mut [Request] = match more {
+            0 => &mut ps[0].reqs,
+            _ => {
+                joined = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
+                &mut joined
+            }
+        };
+        let mut statuses = no_statuses(if check.contains(&true) { reqs.len() } else { 0 });
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
-        self.poll(&mut reqs, given, bytes, start, &what)?;
-        let mut at = 0;
+        self.poll(reqs, given, bytes, start, &what)?;
+        let (mut done, mut at) = (joined.into_iter(), 0);
         for (p, check) in ps.iter_mut().zip(check) {
             let range = at..at + p.reqs.len();
             at = range.end;
@@ -1184,14 +1151,12 @@ impl Call {
                     .inspect_err(|e| self.world.poison_with(e.to_string()))?;
             }
             p.staged_whole(self.op)?;
-        }
-        let mut done = reqs.into_iter();
-        for p in &mut ps {
-            for r in &mut p.reqs {
-                *r = done.next().unwrap_or_else(Request::null);
+            if more > 0 {
+                p.reqs
+                    .fill_with(|| done.next().unwrap_or_else(Request::null));
             }
         }
-        Ok(ps.into_iter().map(|p| self.finished(p)).collect())
+        Ok(())
     }
 
     fn same_call<T: Wire>(&self, p: &Pending<T>) -> Result<()> {
