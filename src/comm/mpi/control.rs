@@ -198,10 +198,11 @@ impl State {
         self.next_query
     }
 
-    /// Asks every other rank where it is ([`TAG_WHERE`]); `report` says where this one is.
-    pub(super) fn ask_all(&mut self, world: &World, report: &Report) {
+    /// Sends `report` with `tag` to every other rank: with [`TAG_WHERE`], asks where they are
+    /// (`report` says where this one is).
+    pub(super) fn send_all(&mut self, world: &World, tag: c_int, report: &Report) {
         for r in (0..world.size).filter(|&r| r != world.rank) {
-            self.send_report(world, r, TAG_WHERE, report);
+            self.send_report(world, r, tag, report);
         }
     }
 
@@ -221,9 +222,7 @@ impl State {
             text: text.to_owned(),
             ..Report::default()
         };
-        for r in (0..world.size).filter(|&r| r != world.rank) {
-            self.send_report(world, r, TAG_EXIT, &report);
-        }
+        self.send_all(world, TAG_EXIT, &report);
     }
 
     /// What a wait does between its tests: answers the questions of other ranks and records
@@ -287,6 +286,7 @@ impl State {
     pub(super) fn receive(&mut self, tag: c_int) -> Option<(usize, Report)> {
         let mut flag: c_int = 0;
         let mut buf = [0u8; REPORT_BYTES];
+        let (bytes, dt, comm) = (REPORT_BYTES as c_int, raw::datatype::<u8>(), self.control.0);
         // SAFETY: an all-zero MPI_Status is a valid value of this plain C struct; MPI overwrites
         // it.
         let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
@@ -294,26 +294,12 @@ impl State {
         // the receive only runs when a matching message is already there, so it does not block,
         // and `buf` holds REPORT_BYTES bytes, the size of every control record.
         unsafe {
-            let rc = ffi::MPI_Iprobe(
-                ffi::RSMPI_ANY_SOURCE,
-                tag,
-                self.control.0,
-                &mut flag,
-                &mut status,
-            );
+            let rc = ffi::MPI_Iprobe(ffi::RSMPI_ANY_SOURCE, tag, comm, &mut flag, &mut status);
             if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
                 return None;
             }
-            let src = status.MPI_SOURCE;
-            let rc = ffi::MPI_Recv(
-                buf.as_mut_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                src,
-                tag,
-                self.control.0,
-                ffi::RSMPI_STATUS_IGNORE,
-            );
+            let (src, ignore) = (status.MPI_SOURCE, ffi::RSMPI_STATUS_IGNORE);
+            let rc = ffi::MPI_Recv(buf.as_mut_ptr().cast(), bytes, dt, src, tag, comm, ignore);
             if rc != ffi::MPI_SUCCESS as c_int {
                 return None;
             }
@@ -341,20 +327,12 @@ impl State {
         self.flush_outbox();
         let buf = Box::new(report.encode());
         let mut req = Request::null();
+        let (bytes, dt, comm) = (REPORT_BYTES as c_int, raw::datatype::<u8>(), self.control.0);
+        let (ptr, to) = (buf.as_ptr().cast(), dest as c_int);
         // SAFETY: `buf` is a heap buffer of REPORT_BYTES bytes that stays in the outbox (and is
         // never freed while the send may be pending: an unfinished entry is only dropped when
         // the process ends); the control communicator and `dest` (< size) are valid.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                buf.as_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                dest as c_int,
-                tag,
-                self.control.0,
-                &mut req.0,
-            )
-        };
+        let rc = unsafe { ffi::MPI_Isend(ptr, bytes, dt, to, tag, comm, &mut req.0) };
         if rc == ffi::MPI_SUCCESS as c_int {
             self.outbox.push((req, buf));
         } else {
@@ -406,7 +384,7 @@ impl Watch {
                     text: st.here.text(),
                     ..Report::default()
                 };
-                st.ask_all(world, &question);
+                st.send_all(world, TAG_WHERE, &question);
                 self.asked = Some((query, now));
                 self.answers.clear();
                 None
@@ -432,6 +410,7 @@ impl Watch {
 }
 
 /// Where the other ranks are, as a rank in call `seq` sees it from their reports.
+#[derive(Default)]
 pub(super) struct Whereabouts {
     /// The ranks that are not in this call: silent, or at another call.
     pub(super) missing: Vec<usize>,
@@ -450,12 +429,7 @@ impl Whereabouts {
         (me, size): (usize, usize),
         reports: &BTreeMap<usize, Report>,
     ) -> Whereabouts {
-        let mut w = Whereabouts {
-            missing: Vec::new(),
-            silent: Vec::new(),
-            elsewhere: Vec::new(),
-            same: Vec::new(),
-        };
+        let mut w = Whereabouts::default();
         for r in (0..size).filter(|&r| r != me) {
             match reports.get(&r) {
                 None => {

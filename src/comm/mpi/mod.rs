@@ -28,7 +28,7 @@
 //! of a 32-byte record. A mismatch is [`Error::Desync`] on every rank, naming the first
 //! differing key or call and the ranks on each side. Then the call starts non-blocking
 //! collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
-//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::immediate_barrier`]) and waits for
+//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::barrier`]) and waits for
 //! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank
 //! has just agreed to start the same collectives, a call may run them blocking instead
 //! ([`Call::set_blocking`]): they complete before they return, bounded by a watchdog thread
@@ -105,14 +105,8 @@
 //!
 //! # Environment
 //!
-//! - `KVSTORE_TIMEOUT`: seconds every wait in a call may last (a positive number; default
-//!   1800).
-//! - `KVSTORE_WAIT_LOG_SECS`: seconds between two "still waiting" logs of one wait (a positive
-//!   number; default 60).
-//! - `KVSTORE_DIST_CHECK`: `0` (or `false`, `off`) turns the per-call fingerprint check off;
-//!   `1` (`true`, `on`, the default) keeps it.
-//!
-//! A bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
+//! `KVSTORE_TIMEOUT`, `KVSTORE_WAIT_LOG_SECS` and `KVSTORE_DIST_CHECK` (see [`crate::config`]);
+//! a bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
 
 mod blocking;
 mod collective;
@@ -269,17 +263,15 @@ impl World {
     /// [module documentation](self) for the environment variables it reads.
     pub fn get() -> Result<&'static World> {
         match WORLD.get_or_init(World::init) {
-            Ok(w) => match &w.env_error {
-                Some((var, message)) => Err(Error::DistEnv {
-                    var: var.clone(),
-                    message: message.clone(),
-                }),
-                None => Ok(w),
-            },
-            Err((var, message)) => Err(Error::DistEnv {
+            Ok(World {
+                env_error: Some((var, message)),
+                ..
+            })
+            | Err((var, message)) => Err(Error::DistEnv {
                 var: var.clone(),
                 message: message.clone(),
             }),
+            Ok(w) => Ok(w),
         }
     }
 
@@ -293,36 +285,26 @@ impl World {
 
         // Dropped (so the bound disarmed) when this function returns, whichever way.
         let _bound = bound_setup(timeout);
-        let universe = match mpi::initialize_with_threading(Threading::Serialized) {
-            Some((u, provided)) => {
-                if provided < Threading::Serialized {
-                    return Err((
-                        "MPI".to_owned(),
-                        format!(
-                            "this MPI library provides thread level {provided:?} but kvstore \
-                             needs MPI_THREAD_SERIALIZED; use an MPI built with thread support \
-                             (Open MPI and MPICH are)"
-                        ),
-                    ));
-                }
-                Some(u)
-            }
-            None => {
-                // Someone else initialised MPI: use it, but leave finalizing to them.
-                let level = mpi::environment::threading_support();
-                if level < Threading::Serialized {
-                    return Err((
-                        "MPI".to_owned(),
-                        format!(
-                            "MPI was initialised by someone else with thread level {level:?}; \
-                             kvstore needs MPI_THREAD_SERIALIZED: initialise it with \
-                             mpi::initialize_with_threading(Threading::Serialized) or higher"
-                        ),
-                    ));
-                }
-                None
-            }
+        // Without a universe someone else initialised MPI: use it, but leave finalizing to them.
+        let (universe, level) = match mpi::initialize_with_threading(Threading::Serialized) {
+            Some((u, provided)) => (Some(u), provided),
+            None => (None, mpi::environment::threading_support()),
         };
+        if level < Threading::Serialized {
+            let message = match universe {
+                Some(_) => format!(
+                    "this MPI library provides thread level {level:?} but kvstore needs \
+                     MPI_THREAD_SERIALIZED; use an MPI built with thread support (Open MPI and \
+                     MPICH are)"
+                ),
+                None => format!(
+                    "MPI was initialised by someone else with thread level {level:?}; kvstore \
+                     needs MPI_THREAD_SERIALIZED: initialise it with \
+                     mpi::initialize_with_threading(Threading::Serialized) or higher"
+                ),
+            };
+            return Err(("MPI".to_owned(), message));
+        }
 
         let (rank, size, local_rank, local_size, data, control) =
             Self::communicators().map_err(as_pair)?;
@@ -395,16 +377,9 @@ impl World {
                 .and_then(|l| c_int::try_from(l).ok())
                 .unwrap_or(rank);
             let mut local: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
-            raw::check(
-                OP,
-                ffi::MPI_Comm_split_type(
-                    world,
-                    ffi::RSMPI_COMM_TYPE_SHARED,
-                    key,
-                    ffi::RSMPI_INFO_NULL,
-                    &mut local,
-                ),
-            )?;
+            let (shared, info) = (ffi::RSMPI_COMM_TYPE_SHARED, ffi::RSMPI_INFO_NULL);
+            let split = ffi::MPI_Comm_split_type(world, shared, key, info, &mut local);
+            raw::check(OP, split)?;
             raw::check(OP, ffi::MPI_Comm_rank(local, &mut local_rank))?;
             raw::check(OP, ffi::MPI_Comm_size(local, &mut local_size))?;
             raw::check(OP, ffi::MPI_Comm_free(&mut local))?;
@@ -417,13 +392,13 @@ impl World {
                 )?;
                 Ok(Comm(c))
             };
-            let data = dup()?;
-            let control = dup()?;
+            let (data, control) = (dup()?, dup()?);
+            let u = |v: c_int| v as usize;
             Ok((
-                rank as usize,
-                size as usize,
-                local_rank as usize,
-                local_size as usize,
+                u(rank),
+                u(size),
+                u(local_rank),
+                u(local_size),
                 data,
                 control,
             ))
@@ -563,14 +538,7 @@ impl State {
         // array of `n` requests that MPI may update in place; `statuses` is an array of `n`
         // statuses it may write, or MPI_STATUSES_IGNORE. Every request was started on a
         // communicator that is still valid.
-        let rc = unsafe {
-            ffi::MPI_Testall(
-                n,
-                reqs.as_mut_ptr().cast::<ffi::MPI_Request>(),
-                &mut flag,
-                statuses,
-            )
-        };
+        let rc = unsafe { ffi::MPI_Testall(n, reqs.as_mut_ptr().cast(), &mut flag, statuses) };
         if rc == ffi::MPI_ERR_IN_STATUS as c_int {
             if let Some(e) = given.and_then(|s| status_error(s, op)) {
                 return Err(e);
@@ -755,7 +723,7 @@ impl Call {
             text: here.clone(),
             ..Report::default()
         };
-        self.st.ask_all(world, &question);
+        self.st.send_all(world, TAG_WHERE, &question);
         self.st
             .here
             .set_at(format!("in its {what}, where it timed out"));
@@ -824,21 +792,17 @@ fn timeout_error(
     }
     parts.extend(w.parts("died, hung outside kvstore, or stopped making kvstore calls"));
     let missing = w.missing;
-    let advice = if missing.is_empty() {
-        "every rank is in this call, so their collectives do not match (is \
-             KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
-             KVSTORE_TIMEOUT"
-            .to_owned()
-    } else {
-        format!(
-            "every rank must make the same kvstore calls in the same order; if {} only \
-                 slow, raise KVSTORE_TIMEOUT",
-            if missing.len() == 1 {
-                "that rank is"
-            } else {
-                "those ranks are"
-            }
-        )
+    let advice = match missing.len() {
+        0 => "every rank is in this call, so their collectives do not match (is \
+              KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
+              KVSTORE_TIMEOUT"
+            .to_owned(),
+        n => format!(
+            "every rank must make the same kvstore calls in the same order; if {} {} only \
+             slow, raise KVSTORE_TIMEOUT",
+            if n == 1 { "that rank" } else { "those ranks" },
+            is_are(&missing)
+        ),
     };
     Error::Timeout {
         op,
