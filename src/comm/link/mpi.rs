@@ -281,24 +281,19 @@ fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
 
 /// The 128 bytes of an NCCL id as 16 words, for MPI.
 fn pack(id: &UniqueId) -> Vec<u64> {
-    id.0.chunks(8)
-        .map(|c| {
-            let mut b = [0u8; 8];
-            for (o, &x) in b.iter_mut().zip(c) {
-                *o = x as u8;
-            }
-            u64::from_le_bytes(b)
-        })
+    let bytes: &[u8] = bytemuck::cast_slice(&id.0);
+    // Each chunk is 8 bytes: 128 is a multiple of 8.
+    (bytes.chunks_exact(8))
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
         .collect()
 }
 
 /// The NCCL id from the 16 words of [`pack`].
 fn unpack(words: &[u64]) -> UniqueId {
     let mut id = UniqueId([0; 128]);
-    for (chunk, w) in id.0.chunks_mut(8).zip(words) {
-        for (o, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
-            *o = b as _;
-        }
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut id.0);
+    for (chunk, w) in bytes.chunks_exact_mut(8).zip(words) {
+        chunk.copy_from_slice(&w.to_le_bytes());
     }
     id
 }

@@ -214,9 +214,8 @@ pub struct Pending<T: Wire> {
     is_root: bool,
     send: Vec<T>,
     recv: Vec<T>,
-    wide_send: Vec<f32>,
-    /// The f32 partial sums of a reduce where [`Wire::SUM_IN_F32`].
-    wide_recv: Vec<f32>,
+    /// The f32 (send, partial sums) of a reduce where [`Wire::SUM_IN_F32`].
+    wide: (Vec<f32>, Vec<f32>),
     /// The counts and displacements of an all-to-all of unequal blocks, which MPI reads until
     /// the collective completes.
     counts: Vec<c_int>,
@@ -253,8 +252,7 @@ impl<T: Wire> Drop for Pending<T> {
         // MPI may still read or write these: never free them.
         std::mem::forget(std::mem::take(&mut self.send));
         std::mem::forget(std::mem::take(&mut self.recv));
-        std::mem::forget(std::mem::take(&mut self.wide_send));
-        std::mem::forget(std::mem::take(&mut self.wide_recv));
+        std::mem::forget(std::mem::take(&mut self.wide));
         std::mem::forget(std::mem::take(&mut self.counts));
         std::mem::forget(std::mem::take(&mut self.staged));
         self.world.poison_with(format!(
@@ -284,8 +282,7 @@ impl<T: Wire> Pending<T> {
             is_root: false,
             send,
             recv,
-            wide_send: Vec::new(),
-            wide_recv: Vec::new(),
+            wide: Default::default(),
             counts: Vec::new(),
             staged: Vec::new(),
             whole: false,
@@ -304,8 +301,8 @@ impl<T: Wire> Pending<T> {
     fn sum_buffers(&mut self) -> (*const c_void, *mut c_void, ffi::MPI_Datatype) {
         match T::SUM_IN_F32 {
             true => (
-                raw::ptr(&self.wide_send),
-                raw::ptr_mut(&mut self.wide_recv),
+                raw::ptr(&self.wide.0),
+                raw::ptr_mut(&mut self.wide.1),
                 f32::datatype(),
             ),
             false => {
@@ -406,14 +403,11 @@ impl<T: Wire> Pending<T> {
             _ => {}
         }
         if T::SUM_IN_F32 && self.is_root && matches!(self.coll, Coll::Reduce { .. }) {
-            for (o, &s) in self.recv.iter_mut().zip(&self.wide_recv) {
+            for (o, &s) in self.recv.iter_mut().zip(&self.wide.1) {
                 *o = T::from_f32(s);
             }
         }
-        let wide = (
-            std::mem::take(&mut self.wide_send),
-            std::mem::take(&mut self.wide_recv),
-        );
+        let wide = std::mem::take(&mut self.wide);
         let done = Done {
             send: std::mem::take(&mut self.send),
             recv: std::mem::take(&mut self.recv),
@@ -427,7 +421,7 @@ impl<T: Wire> Pending<T> {
 /// `size`, into `out`: `own` is this rank's block and `staged` the other ranks' blocks in rank
 /// order. Adds them in rank order, rank 0's block plus rank 1's and so on. Every element of the
 /// sum is added in the same order, whichever rank holds it and whatever else its message
-/// carried. f16 and bf16 are summed in f32 and rounded once.
+/// carried.
 fn sum_blocks<T: Wire>(out: &mut [T], own: &[T], staged: &[T], (rank, size): (usize, usize)) {
     let n = own.len();
     let block = |r: usize| match r.cmp(&rank) {
@@ -549,8 +543,7 @@ impl Call {
     }
 
     /// Starts a sum of every rank's `send` into `recv` on rank `root`. At the root `recv` must
-    /// be as long as `send`; elsewhere it is not touched (pass `Vec::new()`). f16/bf16 are
-    /// summed in f32 and rounded once at the root.
+    /// be as long as `send`; elsewhere it is not touched (pass `Vec::new()`).
     ///
     /// Each element's sum is the same bits whatever else the message carries, so a key's
     /// value does not depend on which keys were packed with it:
@@ -573,7 +566,7 @@ impl Call {
         p.is_root = is_root;
         let comm = self.st.data.0;
         if T::SUM_IN_F32 {
-            (p.wide_send, p.wide_recv) = self.widened(&p.send, is_root);
+            p.wide = self.widened(&p.send, is_root);
         }
         let (send, recv, dt) = p.sum_buffers();
         let (root_c, sum) = (root as c_int, raw::op_sum());
@@ -666,8 +659,7 @@ impl Call {
     /// rank sends its buffer to the root (`MPI_Isend`), the root receives them (`MPI_Irecv`,
     /// into a buffer the world keeps), and its wait adds rank 0's, rank 1's, ... values into
     /// `recv`. Where the call runs blocking ([`Call::set_blocking`]) the requests complete
-    /// here, under the watchdog. f16 and bf16 travel as they are and are summed in f32,
-    /// rounded once.
+    /// here, under the watchdog.
     fn reduce_in_order<T: Wire>(
         &mut self,
         send: Vec<T>,
@@ -790,8 +782,7 @@ impl Call {
     }
 
     /// The f32 buffers of an f16/bf16 reduce of `send`: `send` widened, and at the root zeros
-    /// for the sum. They are the ones an earlier reduce kept ([`Call::keep_wide`]), whose pages
-    /// are mapped already.
+    /// for the sum, in the ones an earlier reduce kept ([`Call::keep_wide`]).
     fn widened<T: Wire>(&mut self, send: &[T], is_root: bool) -> (Vec<f32>, Vec<f32>) {
         let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
         wide_send.clear();
@@ -828,8 +819,7 @@ impl Call {
     }
 
     /// Starts a reduce-scatter of equal blocks: `send` holds `size` blocks of `recv.len()`
-    /// elements; rank `r` receives the sum over ranks of block `r`, added in rank order. f16 and
-    /// bf16 travel as they are and are summed in f32, rounded once.
+    /// elements; rank `r` receives the sum over ranks of block `r`, added in rank order.
     ///
     /// It is point to point, not `MPI_Reduce_scatter_block`: each rank sends block `r` straight
     /// to rank `r` and receives its own block from every other rank (`MPI_Isend`/`MPI_Irecv`),
@@ -861,10 +851,6 @@ impl Call {
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
         let rank = self.world.rank;
-        // The other ranks' blocks are received into a buffer the world keeps between calls,
-        // so a big push touches no fresh pages; the result is summed into `recv`. f16 and bf16
-        // travel as they are (each rank's part is already rounded to them) and are summed in
-        // f32 on arrival.
         p.reqs = vec![Request::null(); 2 * (size - 1)];
         let tag = self.tag(Tagged::ReduceScatter);
         self.receive_staged(&mut p, (n, count), tag)?;
