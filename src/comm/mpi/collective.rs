@@ -98,22 +98,15 @@ pub(super) struct Staged {
 impl Staged {
     /// A buffer of `T` with `len` elements: the smallest kept one with room for them, else
     /// the biggest kept one grown (its contents are whatever earlier receives left, and zeros
-    /// where it grew).
+    /// where it grew). The kept buffers stay in order, biggest first ([`Staged::keep`] sorts).
     fn take<T: Wire>(&mut self, len: usize) -> Vec<T> {
         let mut v = match self.of::<T>() {
-            Some(kept) => {
-                let fits = (kept.iter().enumerate())
-                    .filter(|(_, v)| v.capacity() >= len)
-                    .min_by_key(|(_, v)| v.capacity())
-                    .map(|(i, _)| i);
-                let biggest = (kept.iter().enumerate())
-                    .max_by_key(|(_, v)| v.capacity())
-                    .map(|(i, _)| i);
-                fits.or(biggest).map(|i| kept.swap_remove(i))
+            Some(kept) if !kept.is_empty() => {
+                let smallest_fit = kept.iter().rposition(|v| v.capacity() >= len);
+                kept.remove(smallest_fit.unwrap_or(0))
             }
-            None => None,
-        }
-        .unwrap_or_default();
+            _ => Vec::new(),
+        };
         v.resize(len, T::default());
         v
     }

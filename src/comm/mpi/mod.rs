@@ -24,9 +24,8 @@
 //!
 //! [`World::begin`] starts a store call: it numbers it (the call sequence number, the same on
 //! every rank of a correct program) and, unless `KVSTORE_DIST_CHECK=0`, compares the call's
-//! [`Fingerprint`] (op, keys, shapes, dtypes, sequence number) across ranks with one all-gather
-//! of a 32-byte record. A mismatch is [`Error::Desync`] on every rank, naming the first
-//! differing key or call and the ranks on each side. Then the call starts non-blocking
+//! [`Fingerprint`] across ranks ([`crate::comm::fingerprint`]): a mismatch is
+//! [`Error::Desync`] on every rank. Then the call starts non-blocking
 //! collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
 //! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::barrier`]) and waits for
 //! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank
@@ -53,9 +52,6 @@
 //! error, [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is:
 //! "rank 2 is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
 //! collective are leaked on purpose: MPI may still write to them.
-//!
-//! A rank that exits while others wait for it ends their wait at once (below): they get
-//! [`Error::RankExited`], naming it and how it exited.
 //!
 //! Setting up the world (`MPI_Init` and the communicator splits after it) waits for every rank
 //! too, and MPI can neither time it out nor cancel it. It is bounded by the same timeout: a
