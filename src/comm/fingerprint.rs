@@ -305,24 +305,17 @@ pub(crate) fn mismatch_error(op: &'static str, seq: u64, texts: &[String]) -> Er
 }
 
 /// [`Fingerprint::summary`] of a call of `op` with `keys` (only the first few are written out).
-pub(crate) fn summary_of<'k>(op: &str, keys: impl ExactSizeIterator<Item = &'k Key>) -> String {
+pub(crate) fn summary_of<K: std::fmt::Display>(
+    op: &str,
+    keys: impl ExactSizeIterator<Item = K>,
+) -> String {
     let n = keys.len();
-    let first: Vec<String> = keys.take(4).map(Key::to_string).collect();
-    summary_n(op, n, &first)
-}
-
-/// The words for an op and its keys.
-fn summary(op: &str, keys: &[String]) -> String {
-    summary_n(op, keys.len(), keys)
-}
-
-/// The words for an op and its `n` keys, of which `keys` are the first (at least four, or all).
-fn summary_n(op: &str, n: usize, keys: &[String]) -> String {
+    let first: Vec<String> = keys.take(4).map(|k| k.to_string()).collect();
     match n {
         0 => op.to_owned(),
-        1 => format!("{op} of key {}", keys[0]),
-        2..=4 => format!("{op} of keys {}", keys.join(", ")),
-        n => format!("{op} of {n} keys ({}, ...)", keys[..3].join(", ")),
+        1 => format!("{op} of key {}", first[0]),
+        2..=4 => format!("{op} of keys {}", first.join(", ")),
+        n => format!("{op} of {n} keys ({}, ...)", first[..3].join(", ")),
     }
 }
 
@@ -333,6 +326,13 @@ struct Described {
     op: String,
     /// (key, shape, dtype) as text.
     entries: Vec<(String, String, String)>,
+}
+
+impl Described {
+    /// The call in words, as [`Fingerprint::summary`] says it.
+    fn summary(&self) -> String {
+        summary_of(&self.op, self.entries.iter().map(|e| &e.0))
+    }
 }
 
 fn parse(text: &str) -> Described {
@@ -384,27 +384,19 @@ fn mismatch_detail(texts: &[String]) -> String {
     parts.join("; ")
 }
 
-fn keys_of(d: &Described) -> Vec<String> {
-    d.entries.iter().map(|e| e.0.clone()).collect()
-}
-
 /// The first difference between two groups' descriptions.
 fn compare(a: &Described, ra: &str, b: &Described, rb: &str) -> String {
     if a.seq != b.seq {
         return format!(
             "{ra} at call #{} ({}) but {rb} at call #{} ({}): a rank skipped or added a call",
             a.seq,
-            summary(&a.op, &keys_of(a)),
+            a.summary(),
             b.seq,
-            summary(&b.op, &keys_of(b)),
+            b.summary(),
         );
     }
     if a.op != b.op {
-        return format!(
-            "{} on {ra}, {} on {rb}",
-            summary(&a.op, &keys_of(a)),
-            summary(&b.op, &keys_of(b)),
-        );
+        return format!("{} on {ra}, {} on {rb}", a.summary(), b.summary(),);
     }
     let n = a.entries.len().max(b.entries.len());
     for i in 0..n {

@@ -75,6 +75,16 @@ impl Here {
         }
     }
 
+    /// Where this rank is, as the record that asks or answers question `query`.
+    pub(super) fn report(&self, query: u32) -> Report {
+        Report {
+            seq: self.seq,
+            query,
+            text: self.text(),
+            ..Report::default()
+        }
+    }
+
     /// Where this rank is, in words: "push of key 3, in its reduce to rank 0".
     pub(super) fn text(&self) -> String {
         match (&self.call, self.at.is_empty()) {
@@ -236,12 +246,7 @@ impl State {
     /// question of a rank that timed out is also kept, as that rank's report.
     pub(super) fn answer_queries(&mut self, world: &World) {
         while let Some((src, question)) = self.receive(TAG_WHERE) {
-            let answer = Report {
-                seq: self.here.seq,
-                query: question.query,
-                text: self.here.text(),
-                ..Report::default()
-            };
+            let answer = self.here.report(question.query);
             if question.timed_out {
                 self.heard.insert(src, question);
             }
@@ -378,12 +383,7 @@ impl Watch {
         match self.asked {
             None if now >= self.next => {
                 let query = st.new_query();
-                let question = Report {
-                    seq: st.here.seq,
-                    query,
-                    text: st.here.text(),
-                    ..Report::default()
-                };
+                let question = st.here.report(query);
                 st.send_all(world, TAG_WHERE, &question);
                 self.asked = Some((query, now));
                 self.answers.clear();

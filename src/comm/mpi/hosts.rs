@@ -65,21 +65,14 @@ pub(super) fn gather(comm: ffi::MPI_Comm, size: usize) -> Result<Vec<String>> {
 
 /// "rank 1 (host node7)", or "ranks 1, 3 (hosts node7, node9)": ranks named with their hosts.
 pub(super) fn ranks_on_hosts(ranks: &[usize], hosts: &[String]) -> String {
-    let host = |r: usize| hosts.get(r).map_or("unknown", String::as_str);
+    let host = |r: usize| hosts.get(r).map_or("unknown", String::as_str).to_owned();
+    let list = |f: &dyn Fn(usize) -> String| ranks.iter().map(|&r| f(r)).collect::<Vec<_>>();
     match ranks {
         [r] => format!("rank {r} (host {})", host(*r)),
         _ => format!(
             "ranks {} (hosts {})",
-            ranks
-                .iter()
-                .map(usize::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
-            ranks
-                .iter()
-                .map(|&r| host(r))
-                .collect::<Vec<_>>()
-                .join(", ")
+            list(&|r| r.to_string()).join(", "),
+            list(&host).join(", ")
         ),
     }
 }

@@ -733,12 +733,7 @@ impl Call {
                 }
             } else if let Some((src, other)) = self.st.receive(TAG_WHERE) {
                 // Another rank asks too: its question says where it is. Answer it.
-                let answer = Report {
-                    seq: self.seq,
-                    query: other.query,
-                    text: self.st.here.text(),
-                    ..Report::default()
-                };
+                let answer = self.st.here.report(other.query);
                 self.st.send_report(world, src, TAG_HERE, &answer);
                 reports.insert(src, other);
             } else {
