@@ -449,10 +449,7 @@ impl World {
 
     /// The first failure, if the world is poisoned.
     pub fn failure(&self) -> Option<String> {
-        self.poison
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.poison).clone()
     }
 
     /// A number for a new store on this world: the count of stores created before it.
@@ -463,7 +460,7 @@ impl World {
 
     /// Records the first failure; later calls fail with [`Error::DistFailed`].
     pub(crate) fn poison_with(&self, message: String) {
-        let mut p = self.poison.lock().unwrap_or_else(|p| p.into_inner());
+        let mut p = lock(&self.poison);
         if p.is_none() {
             *p = Some(message);
         }
@@ -476,7 +473,7 @@ impl World {
     /// [`Error::RankExited`] if a rank has exited without making this call; [`Error::Desync`] if
     /// the ranks disagree; [`Error::Timeout`] if a rank does not join within the timeout.
     pub fn begin(&'static self, fp: &Fingerprint) -> Result<Call> {
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let st = lock(&self.state);
         if let Some(first) = self.failure() {
             return Err(Error::DistFailed { op: fp.op(), first });
         }
@@ -805,6 +802,11 @@ fn timeout_error(
             parts.join("; ")
         ),
     }
+}
+
+/// Locks `m`, also after a thread panicked while holding it (its value is used as it is).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// "is" for one rank, "are" for several.
