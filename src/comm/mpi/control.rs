@@ -314,16 +314,14 @@ impl State {
 
     /// Forgets the sends of the outbox that have completed; returns whether it is empty.
     pub(super) fn flush_outbox(&mut self) -> bool {
-        let mut keep = Vec::new();
-        for (mut req, buf) in std::mem::take(&mut self.outbox) {
-            if !matches!(
-                self.test(std::slice::from_mut(&mut req), None, "report"),
+        let mut outbox = std::mem::take(&mut self.outbox);
+        outbox.retain_mut(|(req, _)| {
+            !matches!(
+                self.test(std::slice::from_mut(req), None, "report"),
                 Ok(true)
-            ) {
-                keep.push((req, buf));
-            }
-        }
-        self.outbox = keep;
+            )
+        });
+        self.outbox = outbox;
         self.outbox.is_empty()
     }
 

@@ -190,17 +190,12 @@ impl World {
     fn exit_failure(&self, status: Option<c_int>, st: &State) -> Option<Failing> {
         let poison = self.failure();
         let panic = lock(&LAST_PANIC).clone();
-        let failed_status = match status {
-            Some(code) => code != 0,
-            None => panic.is_some(),
-        };
+        let failed_status = status.map_or(panic.is_some(), |code| code != 0);
         if !failed_status && poison.is_none() {
             return None;
         }
-        let code = match status {
-            Some(code) if code != 0 => code,
-            _ => 1,
-        };
+        let nonzero = status.filter(|&code| code != 0);
+        let code = nonzero.unwrap_or(1);
         if let Some((cause, text)) = &st.caused_by {
             return Some(Failing {
                 code,
@@ -209,9 +204,9 @@ impl World {
             });
         }
         let seq = st.seq;
-        let mut text = match status {
-            Some(code) if code != 0 => format!("exited with code {code} after its call #{seq}"),
-            _ => format!("exited after its call #{seq}"),
+        let mut text = match nonzero {
+            Some(code) => format!("exited with code {code} after its call #{seq}"),
+            None => format!("exited after its call #{seq}"),
         };
         if failed_status {
             if let Some(p) = panic {

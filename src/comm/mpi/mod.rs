@@ -36,15 +36,11 @@
 //! # No hang, and no kill for a slow rank
 //!
 //! Every wait in a call is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`],
-//! 30 minutes, as PyTorch's `init_process_group`; its NCCL backend waits 10). A slow rank is not
-//! a dead one: a validation pass, a data load or a checkpoint write on one rank makes the others
-//! wait that long in their next call, and a training job must survive it. While a wait lasts,
-//! every `KVSTORE_WAIT_LOG_SECS` (default 60 s) the waiting rank asks the other ranks where they
-//! are and logs whom it waits for and where they are, as a warning through `log`, or on stderr
-//! when no logger takes warnings: "kvstore: rank 0: waiting for rank 1 for 60 s now, in call #7
-//! (push of key 3), in its reduce to rank 0: rank 1 is not responding (busy outside kvstore
-//! ...); rank 2 is waiting in this same call". A rank that is waiting in a kvstore call or at its
-//! exit answers at once; a rank busy outside kvstore does not.
+//! whose documentation says why a slow rank is not a dead one). While a wait lasts, every
+//! `KVSTORE_WAIT_LOG_SECS` the waiting rank asks the other ranks where they are and logs whom it
+//! waits for and where they are (the line is in docs/dist.md), as a warning through `log`, or on
+//! stderr when no logger takes warnings. A rank that is waiting in a kvstore call or at its exit
+//! answers at once; a rank busy outside kvstore does not.
 //!
 //! A pending MPI collective can be neither finished nor cancelled, so on a timeout the rank
 //! tells every other rank where it is (call number and what it waits for) on the control
