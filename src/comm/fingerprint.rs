@@ -107,12 +107,8 @@ impl Fingerprint {
     /// differs from every accepted call, so every rank fails the same call together.
     pub fn rejected(op: &'static str, why: &str) -> Fingerprint {
         Fingerprint {
-            op,
-            entries: Vec::new(),
             rejected: Some(why.to_owned()),
-            note: None,
-            store: 0,
-            tag: None,
+            ..Fingerprint::new(op)
         }
     }
 
@@ -309,24 +305,17 @@ pub(crate) fn mismatch_error(op: &'static str, seq: u64, texts: &[String]) -> Er
 }
 
 /// [`Fingerprint::summary`] of a call of `op` with `keys` (only the first few are written out).
-pub(crate) fn summary_of<'k>(op: &str, keys: impl ExactSizeIterator<Item = &'k Key>) -> String {
+pub(crate) fn summary_of<K: std::fmt::Display>(
+    op: &str,
+    keys: impl ExactSizeIterator<Item = K>,
+) -> String {
     let n = keys.len();
-    let first: Vec<String> = keys.take(4).map(Key::to_string).collect();
-    summary_n(op, n, &first)
-}
-
-/// The words for an op and its keys.
-fn summary(op: &str, keys: &[String]) -> String {
-    summary_n(op, keys.len(), keys)
-}
-
-/// The words for an op and its `n` keys, of which `keys` are the first (at least four, or all).
-fn summary_n(op: &str, n: usize, keys: &[String]) -> String {
+    let first: Vec<String> = keys.take(4).map(|k| k.to_string()).collect();
     match n {
         0 => op.to_owned(),
-        1 => format!("{op} of key {}", keys[0]),
-        2..=4 => format!("{op} of keys {}", keys.join(", ")),
-        n => format!("{op} of {n} keys ({}, ...)", keys[..3].join(", ")),
+        1 => format!("{op} of key {}", first[0]),
+        2..=4 => format!("{op} of keys {}", first.join(", ")),
+        n => format!("{op} of {n} keys ({}, ...)", first[..3].join(", ")),
     }
 }
 
@@ -337,6 +326,13 @@ struct Described {
     op: String,
     /// (key, shape, dtype) as text.
     entries: Vec<(String, String, String)>,
+}
+
+impl Described {
+    /// The call in words, as [`Fingerprint::summary`] says it.
+    fn summary(&self) -> String {
+        summary_of(&self.op, self.entries.iter().map(|e| &e.0))
+    }
 }
 
 fn parse(text: &str) -> Described {
@@ -381,15 +377,11 @@ fn mismatch_detail(texts: &[String]) -> String {
         return "the ranks' records differ but their descriptions agree (a hash collision?)"
             .to_owned();
     }
-    let mut parts = Vec::new();
-    for (b, rb) in rest {
-        parts.push(compare(a, &ranks(ra), b, &ranks(rb)));
-    }
+    let parts: Vec<String> = rest
+        .iter()
+        .map(|(b, rb)| compare(a, &ranks(ra), b, &ranks(rb)))
+        .collect();
     parts.join("; ")
-}
-
-fn keys_of(d: &Described) -> Vec<String> {
-    d.entries.iter().map(|e| e.0.clone()).collect()
 }
 
 /// The first difference between two groups' descriptions.
@@ -398,17 +390,13 @@ fn compare(a: &Described, ra: &str, b: &Described, rb: &str) -> String {
         return format!(
             "{ra} at call #{} ({}) but {rb} at call #{} ({}): a rank skipped or added a call",
             a.seq,
-            summary(&a.op, &keys_of(a)),
+            a.summary(),
             b.seq,
-            summary(&b.op, &keys_of(b)),
+            b.summary(),
         );
     }
     if a.op != b.op {
-        return format!(
-            "{} on {ra}, {} on {rb}",
-            summary(&a.op, &keys_of(a)),
-            summary(&b.op, &keys_of(b)),
-        );
+        return format!("{} on {ra}, {} on {rb}", a.summary(), b.summary(),);
     }
     let n = a.entries.len().max(b.entries.len());
     for i in 0..n {
@@ -432,23 +420,15 @@ fn compare(a: &Described, ra: &str, b: &Described, rb: &str) -> String {
                     a.op, x.0, x.2, y.2
                 )
             }
-            (Some(x), None) => {
+            (Some(x), None) | (None, Some(x)) => {
+                let on = if i < a.entries.len() { ra } else { rb };
                 return format!(
-                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {ra}",
+                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {on}",
                     a.op,
                     a.entries.len(),
                     b.entries.len(),
                     x.0
-                )
-            }
-            (None, Some(y)) => {
-                return format!(
-                    "{}: {} keys on {ra}, {} on {rb}; the first extra key is {} on {rb}",
-                    a.op,
-                    a.entries.len(),
-                    b.entries.len(),
-                    y.0
-                )
+                );
             }
             (None, None) => break,
         }

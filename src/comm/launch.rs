@@ -35,62 +35,60 @@ impl LaunchEnv {
     /// Reads the launch through `var` (a variable's value, or `None` when it is unset). An error
     /// names the first variable that is missing or wrong, and what to do.
     pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
-        let missing = |name: &str| Error::DistEnv {
+        let bad = |name: &str, message: String| Error::DistEnv {
             var: name.to_owned(),
-            message: "is not set: start every rank with `torchrun --no-python --nproc-per-node \
-                      N prog` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and \
-                      MASTER_PORT), set them yourself, or start the job with `mpirun -np N`"
-                .to_owned(),
+            message,
+        };
+        let missing = |name: &str| {
+            let how = "is not set: start every rank with `torchrun --no-python --nproc-per-node \
+                       N prog` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and \
+                       MASTER_PORT), set them yourself, or start the job with `mpirun -np N`";
+            bad(name, how.to_owned())
         };
         let number = |name: &str| -> Result<usize> {
             let v = var(name).ok_or_else(|| missing(name))?;
-            v.trim().parse::<usize>().map_err(|_| Error::DistEnv {
-                var: name.to_owned(),
-                message: format!("'{v}' is not a non-negative whole number"),
-            })
+            (v.trim().parse::<usize>())
+                .map_err(|_| bad(name, format!("'{v}' is not a non-negative whole number")))
         };
         let world_size = number("WORLD_SIZE")?;
         if world_size == 0 {
-            return Err(Error::DistEnv {
-                var: "WORLD_SIZE".to_owned(),
-                message: "is 0: a job has at least one rank".to_owned(),
-            });
+            return Err(bad(
+                "WORLD_SIZE",
+                "is 0: a job has at least one rank".to_owned(),
+            ));
         }
         let rank = number("RANK")?;
         if rank >= world_size {
-            return Err(Error::DistEnv {
-                var: "RANK".to_owned(),
-                message: format!(
-                    "is {rank}, but WORLD_SIZE is {world_size}: ranks run from 0 to \
-                     {}; the launcher's variables disagree",
-                    world_size - 1
+            let last = world_size - 1;
+            return Err(bad(
+                "RANK",
+                format!(
+                    "is {rank}, but WORLD_SIZE is {world_size}: ranks run from 0 to {last}; the \
+                     launcher's variables disagree"
                 ),
-            });
+            ));
         }
         let local_rank = number("LOCAL_RANK")?;
         if local_rank > rank {
-            return Err(Error::DistEnv {
-                var: "LOCAL_RANK".to_owned(),
-                message: format!(
-                    "is {local_rank}, above RANK {rank}: a rank's local rank on its machine \
-                     is at most its rank; the launcher's variables disagree"
+            return Err(bad(
+                "LOCAL_RANK",
+                format!(
+                    "is {local_rank}, above RANK {rank}: a rank's local rank on its machine is \
+                     at most its rank; the launcher's variables disagree"
                 ),
-            });
+            ));
         }
         let master_addr = var("MASTER_ADDR")
             .map(|a| a.trim().to_owned())
             .filter(|a| !a.is_empty())
             .ok_or_else(|| missing("MASTER_ADDR"))?;
         let port = number("MASTER_PORT")?;
-        let master_port = u16::try_from(port)
-            .ok()
+        let master_port = (u16::try_from(port).ok())
             .filter(|&p| p > 0 && p < u16::MAX)
-            .ok_or_else(|| Error::DistEnv {
-                var: "MASTER_PORT".to_owned(),
-                message: format!(
-                    "is {port}: use a free TCP port from 1 to 65534 (kvstore's NCCL rendezvous \
-                     listens on the port after it)"
-                ),
+            .ok_or_else(|| {
+                let why = "use a free TCP port from 1 to 65534 (kvstore's NCCL rendezvous \
+                           listens on the port after it)";
+                bad("MASTER_PORT", format!("is {port}: {why}"))
             })?;
         Ok(LaunchEnv {
             rank,

@@ -3,12 +3,10 @@
 
 use std::sync::Arc;
 
-use half::{bf16, f16};
-
 use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
-use crate::comm::mpi::{Call, Done, Pending, World};
+use crate::comm::mpi::{Call, Done, Pending, Wire, World};
 use crate::comm::nccl::loader::UniqueId;
 use crate::comm::nccl::RankComm;
 use crate::host::HostData;
@@ -103,11 +101,39 @@ struct MpiRound<'a> {
 /// A started collective, of any dtype, or one that ran blocking from a borrowed buffer: its
 /// (send, result) buffers.
 enum Flight {
-    F32(Pending<f32>),
-    F64(Pending<f64>),
-    F16(Pending<f16>),
-    BF16(Pending<bf16>),
+    Started(Box<dyn Started>),
     Landed(HostData, HostData),
+}
+
+/// A started collective of one dtype.
+trait Started {
+    /// Waits for it in `call`, the call that started it: its (send, result) buffers.
+    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)>;
+}
+
+impl<T: Wire + Element> Started for Pending<T> {
+    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)> {
+        call.wait(*self).map(wrap)
+    }
+}
+
+/// A started collective as a [`Flight`].
+fn started<T: Wire + Element>(p: Pending<T>) -> Flight {
+    Flight::Started(Box::new(p))
+}
+
+/// `$e` on the send and receive buffers (`$s`, `$r`) of the dtype they share, its result
+/// through `$out`; buffers of two dtypes are an internal error.
+macro_rules! typed {
+    ($send:expr, $recv:expr, $out:expr, |$s:ident, $r:ident| $e:expr) => {
+        match ($send, $recv) {
+            (HostData::F32($s), HostData::F32($r)) => $e.map($out),
+            (HostData::F64($s), HostData::F64($r)) => $e.map($out),
+            (HostData::F16($s), HostData::F16($r)) => $e.map($out),
+            (HostData::BF16($s), HostData::BF16($r)) => $e.map($out),
+            _ => Err(Error::internal("a receive buffer of another dtype")),
+        }
+    };
 }
 
 impl MpiRound<'_> {
@@ -117,6 +143,12 @@ impl MpiRound<'_> {
     /// here, just before a blocking start, so a call with none (a pull) never probes for it.
     fn may_block(&mut self, op: Op) -> bool {
         self.agreed && blocking_wins(op) && !self.call.peer_timed_out()
+    }
+
+    /// Keeps `flight` until it lands: its ticket.
+    fn fly(&mut self, flight: Flight) -> Ticket {
+        self.flights.push(Some(flight));
+        Ticket(self.flights.len() - 1)
     }
 }
 
@@ -129,31 +161,17 @@ impl Round for MpiRound<'_> {
         let blocking = self.may_block(op);
         self.call.set_blocking(blocking);
         let call = &mut self.call;
-        macro_rules! typed {
-            (|$s:ident, $r:ident| $e:expr) => {
-                match (send, recv) {
-                    (HostData::F32($s), HostData::F32($r)) => Flight::F32($e),
-                    (HostData::F64($s), HostData::F64($r)) => Flight::F64($e),
-                    (HostData::F16($s), HostData::F16($r)) => Flight::F16($e),
-                    (HostData::BF16($s), HostData::BF16($r)) => Flight::BF16($e),
-                    _ => return Err(Error::internal("a receive buffer of another dtype")),
-                }
-            };
-        }
-        let flight = (|| -> Result<Flight> {
-            Ok(match op {
-                Op::Reduce { root } => typed!(|s, r| call.reduce_sum(s, r, root)?),
-                Op::Broadcast { root } => typed!(|s, _r| call.broadcast(s, root)?),
-                Op::ReduceScatter => typed!(|s, r| call.reduce_scatter(s, r)?),
-                Op::AllGather => typed!(|s, r| call.all_gather(s, r)?),
-                Op::Scatter { root } => typed!(|s, r| call.scatter(s, r, root)?),
-                Op::AllToAll => typed!(|s, r| call.all_to_all(s, r)?),
-            })
-        })();
+        let flight = match op {
+            Op::Reduce { root } => typed!(send, recv, started, |s, r| call.reduce_sum(s, r, root)),
+            Op::Broadcast { root } => typed!(send, recv, started, |s, _r| call.broadcast(s, root)),
+            Op::ReduceScatter => typed!(send, recv, started, |s, r| call.reduce_scatter(s, r)),
+            Op::AllGather => typed!(send, recv, started, |s, r| call.all_gather(s, r)),
+            Op::Scatter { root } => typed!(send, recv, started, |s, r| call.scatter(s, r, root)),
+            Op::AllToAll => typed!(send, recv, started, |s, r| call.all_to_all(s, r)),
+        };
         // Off again whatever happened: the round's word exchanges never run blocking.
         self.call.set_blocking(false);
-        self.flights.push(Some(flight?));
-        Ok(Ticket(self.flights.len() - 1))
+        Ok(self.fly(flight?))
     }
 
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
@@ -166,19 +184,11 @@ impl Round for MpiRound<'_> {
         }
         self.call.set_blocking(true);
         let call = &mut self.call;
-        let landed = match (send, recv) {
-            (HostData::F32(s), HostData::F32(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
-            (HostData::F64(s), HostData::F64(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
-            (HostData::F16(s), HostData::F16(r)) => call.reduce_sum_borrowed(s, r, root).map(wrap),
-            (HostData::BF16(s), HostData::BF16(r)) => {
-                call.reduce_sum_borrowed(s, r, root).map(wrap)
-            }
-            _ => Err(Error::internal("a receive buffer of another dtype")),
-        };
+        let landed = typed!(send, recv, wrap, |s, r| call
+            .reduce_sum_borrowed(s, r, root));
         self.call.set_blocking(false);
         let (send, recv) = landed?;
-        self.flights.push(Some(Flight::Landed(send, recv)));
-        Ok(Ticket(self.flights.len() - 1))
+        Ok(self.fly(Flight::Landed(send, recv)))
     }
 
     fn start_all_to_all_v(
@@ -188,15 +198,8 @@ impl Round for MpiRound<'_> {
         recv: HostData,
     ) -> Result<Ticket> {
         let call = &mut self.call;
-        let flight = match (send, recv) {
-            (HostData::F32(s), HostData::F32(r)) => Flight::F32(call.all_to_all_v(s, lens, r)?),
-            (HostData::F64(s), HostData::F64(r)) => Flight::F64(call.all_to_all_v(s, lens, r)?),
-            (HostData::F16(s), HostData::F16(r)) => Flight::F16(call.all_to_all_v(s, lens, r)?),
-            (HostData::BF16(s), HostData::BF16(r)) => Flight::BF16(call.all_to_all_v(s, lens, r)?),
-            _ => return Err(Error::internal("a receive buffer of another dtype")),
-        };
-        self.flights.push(Some(flight));
-        Ok(Ticket(self.flights.len() - 1))
+        let flight = typed!(send, recv, started, |s, r| call.all_to_all_v(s, lens, r));
+        Ok(self.fly(flight?))
     }
 
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)> {
@@ -205,14 +208,10 @@ impl Round for MpiRound<'_> {
         // The store works on what landed, which may fail on this rank only: the next
         // collectives need a new agreement.
         self.agreed = false;
-        let call = &mut self.call;
-        Ok(match flight {
-            Flight::F32(p) => wrap(call.wait(p)?),
-            Flight::F64(p) => wrap(call.wait(p)?),
-            Flight::F16(p) => wrap(call.wait(p)?),
-            Flight::BF16(p) => wrap(call.wait(p)?),
-            Flight::Landed(send, recv) => (send, recv),
-        })
+        match flight {
+            Flight::Started(p) => p.land(&mut self.call),
+            Flight::Landed(send, recv) => Ok((send, recv)),
+        }
     }
 
     fn in_place(&mut self, ops: &[ArrayOp<'_>]) -> Result<()> {
@@ -293,24 +292,19 @@ fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
 
 /// The 128 bytes of an NCCL id as 16 words, for MPI.
 fn pack(id: &UniqueId) -> Vec<u64> {
-    id.0.chunks(8)
-        .map(|c| {
-            let mut b = [0u8; 8];
-            for (o, &x) in b.iter_mut().zip(c) {
-                *o = x as u8;
-            }
-            u64::from_le_bytes(b)
-        })
+    let bytes: &[u8] = bytemuck::cast_slice(&id.0);
+    // Each chunk is 8 bytes: 128 is a multiple of 8.
+    (bytes.chunks_exact(8))
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
         .collect()
 }
 
 /// The NCCL id from the 16 words of [`pack`].
 fn unpack(words: &[u64]) -> UniqueId {
     let mut id = UniqueId([0; 128]);
-    for (chunk, w) in id.0.chunks_mut(8).zip(words) {
-        for (o, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
-            *o = b as _;
-        }
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut id.0);
+    for (chunk, w) in bytes.chunks_exact_mut(8).zip(words) {
+        chunk.copy_from_slice(&w.to_le_bytes());
     }
     id
 }

@@ -11,11 +11,11 @@
 //! died or stopped inside the transfer after agreeing to it.
 
 use std::io::Write;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::collective::Coll;
-use super::control;
+use super::{control, lock};
 
 /// A blocking collective in progress.
 #[derive(Clone, Copy)]
@@ -127,8 +127,4 @@ fn others_on_hosts(rank: usize, hosts: &[String]) -> String {
         "the other ranks: {}",
         super::hosts::ranks_on_hosts(&others, hosts)
     )
-}
-
-fn lock(m: &Mutex<Option<InFlight>>) -> MutexGuard<'_, Option<InFlight>> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use mpi::ffi;
+use smallvec::SmallVec;
 
 use super::raw::{self, Request};
 use super::{Call, World};
@@ -48,87 +49,37 @@ pub trait Wire: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     fn add(self, other: Self) -> Self;
 }
 
-impl Wire for f32 {
-    const SUM_IN_F32: bool = false;
-    fn datatype() -> ffi::MPI_Datatype {
-        raw::datatype::<f32>()
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    fn add(self, other: Self) -> Self {
-        self + other
-    }
+/// Implements [`Wire`] for `$t`, which travels as `$bits` (f16 and bf16 are
+/// `#[repr(transparent)]` over their `u16` bits), with its conversions and `MPI_SUM`'s addition.
+macro_rules! wire {
+    ($t:ty as $bits:ty, wide: $wide:expr, $to:expr, $from:expr, $add:expr) => {
+        impl Wire for $t {
+            const SUM_IN_F32: bool = $wide;
+            fn datatype() -> ffi::MPI_Datatype {
+                raw::datatype::<$bits>()
+            }
+            fn to_f32(self) -> f32 {
+                $to(self)
+            }
+            fn from_f32(v: f32) -> Self {
+                $from(v)
+            }
+            fn add(self, other: Self) -> Self {
+                $add(self, other)
+            }
+        }
+    };
 }
 
-impl Wire for f64 {
-    const SUM_IN_F32: bool = false;
-    fn datatype() -> ffi::MPI_Datatype {
-        raw::datatype::<f64>()
-    }
-    fn to_f32(self) -> f32 {
-        self as f32
-    }
-    fn from_f32(v: f32) -> Self {
-        f64::from(v)
-    }
-    fn add(self, other: Self) -> Self {
-        self + other
-    }
-}
-
-impl Wire for f16 {
-    const SUM_IN_F32: bool = true;
-    fn datatype() -> ffi::MPI_Datatype {
-        // `half::f16` is `#[repr(transparent)]` over its `u16` bits.
-        raw::datatype::<u16>()
-    }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-    fn add(self, other: Self) -> Self {
-        f16::from_f32(self.to_f32() + other.to_f32())
-    }
-}
-
-impl Wire for bf16 {
-    const SUM_IN_F32: bool = true;
-    fn datatype() -> ffi::MPI_Datatype {
-        // `half::bf16` is `#[repr(transparent)]` over its `u16` bits.
-        raw::datatype::<u16>()
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-    fn add(self, other: Self) -> Self {
-        bf16::from_f32(self.to_f32() + other.to_f32())
-    }
-}
-
-impl Wire for u64 {
-    const SUM_IN_F32: bool = false;
-    fn datatype() -> ffi::MPI_Datatype {
-        raw::datatype::<u64>()
-    }
-    fn to_f32(self) -> f32 {
-        self as f32
-    }
-    fn from_f32(v: f32) -> Self {
-        v as u64
-    }
-    fn add(self, other: Self) -> Self {
-        self.wrapping_add(other)
-    }
-}
+wire!(f32 as f32, wide: false, |x| x, |v| v, |a, b| a + b);
+wire!(f64 as f64, wide: false, |x| x as f32, f64::from, |a, b| a + b);
+wire!(u64 as u64, wide: false, |x| x as f32, |v| v as u64, u64::wrapping_add);
+wire!(f16 as u16, wide: true, f16::to_f32, f16::from_f32, |a: f16, b: f16| {
+    f16::from_f32(a.to_f32() + b.to_f32())
+});
+wire!(bf16 as u16, wide: true, bf16::to_f32, bf16::from_f32, |a: bf16, b: bf16| {
+    bf16::from_f32(a.to_f32() + b.to_f32())
+});
 
 /// The buffers the other ranks' blocks of a reduce-scatter, or of a reduce in rank order at its
 /// root, are received into, per element type, kept from one call to the next (up to
@@ -147,22 +98,15 @@ pub(super) struct Staged {
 impl Staged {
     /// A buffer of `T` with `len` elements: the smallest kept one with room for them, else
     /// the biggest kept one grown (its contents are whatever earlier receives left, and zeros
-    /// where it grew).
+    /// where it grew). The kept buffers stay in order, biggest first ([`Staged::keep`] sorts).
     fn take<T: Wire>(&mut self, len: usize) -> Vec<T> {
         let mut v = match self.of::<T>() {
-            Some(kept) => {
-                let fits = (kept.iter().enumerate())
-                    .filter(|(_, v)| v.capacity() >= len)
-                    .min_by_key(|(_, v)| v.capacity())
-                    .map(|(i, _)| i);
-                let biggest = (kept.iter().enumerate())
-                    .max_by_key(|(_, v)| v.capacity())
-                    .map(|(i, _)| i);
-                fits.or(biggest).map(|i| kept.swap_remove(i))
+            Some(kept) if !kept.is_empty() => {
+                let smallest_fit = kept.iter().rposition(|v| v.capacity() >= len);
+                kept.remove(smallest_fit.unwrap_or(0))
             }
-            None => None,
-        }
-        .unwrap_or_default();
+            _ => Vec::new(),
+        };
         v.resize(len, T::default());
         v
     }
@@ -263,9 +207,8 @@ pub struct Pending<T: Wire> {
     is_root: bool,
     send: Vec<T>,
     recv: Vec<T>,
-    wide_send: Vec<f32>,
-    /// The f32 partial sums of a reduce where [`Wire::SUM_IN_F32`].
-    wide_recv: Vec<f32>,
+    /// The f32 (send, partial sums) of a reduce where [`Wire::SUM_IN_F32`].
+    wide: (Vec<f32>, Vec<f32>),
     /// The counts and displacements of an all-to-all of unequal blocks, which MPI reads until
     /// the collective completes.
     counts: Vec<c_int>,
@@ -302,8 +245,7 @@ impl<T: Wire> Drop for Pending<T> {
         // MPI may still read or write these: never free them.
         std::mem::forget(std::mem::take(&mut self.send));
         std::mem::forget(std::mem::take(&mut self.recv));
-        std::mem::forget(std::mem::take(&mut self.wide_send));
-        std::mem::forget(std::mem::take(&mut self.wide_recv));
+        std::mem::forget(std::mem::take(&mut self.wide));
         std::mem::forget(std::mem::take(&mut self.counts));
         std::mem::forget(std::mem::take(&mut self.staged));
         self.world.poison_with(format!(
@@ -333,8 +275,7 @@ impl<T: Wire> Pending<T> {
             is_root: false,
             send,
             recv,
-            wide_send: Vec::new(),
-            wide_recv: Vec::new(),
+            wide: Default::default(),
             counts: Vec::new(),
             staged: Vec::new(),
             whole: false,
@@ -343,20 +284,24 @@ impl<T: Wire> Pending<T> {
         }
     }
 
+    /// The send and receive buffers, as MPI takes them.
+    fn ptrs(&mut self) -> (*const c_void, *mut c_void) {
+        (raw::ptr(&self.send), raw::ptr_mut(&mut self.recv))
+    }
+
     /// The buffers and datatype a sum travels in: the f32 partial sums where
     /// [`Wire::SUM_IN_F32`], else the buffers themselves.
     fn sum_buffers(&mut self) -> (*const c_void, *mut c_void, ffi::MPI_Datatype) {
         match T::SUM_IN_F32 {
             true => (
-                raw::ptr(&self.wide_send),
-                raw::ptr_mut(&mut self.wide_recv),
+                raw::ptr(&self.wide.0),
+                raw::ptr_mut(&mut self.wide.1),
                 f32::datatype(),
             ),
-            false => (
-                raw::ptr(&self.send),
-                raw::ptr_mut(&mut self.recv),
-                T::datatype(),
-            ),
+            false => {
+                let (send, recv) = self.ptrs();
+                (send, recv, T::datatype())
+            }
         }
     }
 
@@ -450,21 +395,12 @@ impl<T: Wire> Pending<T> {
             }
             _ => {}
         }
-        if T::SUM_IN_F32 {
-            let rounds = match self.coll {
-                Coll::Reduce { .. } => self.is_root,
-                _ => false,
-            };
-            if rounds {
-                for (o, &s) in self.recv.iter_mut().zip(&self.wide_recv) {
-                    *o = T::from_f32(s);
-                }
+        if T::SUM_IN_F32 && self.is_root && matches!(self.coll, Coll::Reduce { .. }) {
+            for (o, &s) in self.recv.iter_mut().zip(&self.wide.1) {
+                *o = T::from_f32(s);
             }
         }
-        let wide = (
-            std::mem::take(&mut self.wide_send),
-            std::mem::take(&mut self.wide_recv),
-        );
+        let wide = std::mem::take(&mut self.wide);
         let done = Done {
             send: std::mem::take(&mut self.send),
             recv: std::mem::take(&mut self.recv),
@@ -478,7 +414,7 @@ impl<T: Wire> Pending<T> {
 /// `size`, into `out`: `own` is this rank's block and `staged` the other ranks' blocks in rank
 /// order. Adds them in rank order, rank 0's block plus rank 1's and so on. Every element of the
 /// sum is added in the same order, whichever rank holds it and whatever else its message
-/// carried. f16 and bf16 are summed in f32 and rounded once.
+/// carried.
 fn sum_blocks<T: Wire>(out: &mut [T], own: &[T], staged: &[T], (rank, size): (usize, usize)) {
     let n = own.len();
     let block = |r: usize| match r.cmp(&rank) {
@@ -525,6 +461,23 @@ fn sum_blocks<T: Wire>(out: &mut [T], own: &[T], staged: &[T], (rank, size): (us
 fn no_statuses(n: usize) -> Vec<ffi::MPI_Status> {
     // SAFETY: `MPI_Status` is a plain C struct of integers, for which all zeros is a value.
     (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
+}
+
+/// Starts `$p`'s collective on `$args`: MPI's blocking `$blocking` under the watchdog where the
+/// call runs blocking ([`Call::set_blocking`]), else the non-blocking `$immediate` with `$p`'s
+/// request; records the result and gives `$p` back. Where it is invoked, a `// SAFETY:` comment
+/// says why the call is sound for both.
+macro_rules! start {
+    ($call:ident, $p:ident, $blocking:ident | $immediate:ident ($($arg:expr),*)) => {{
+        let rc = match $call.blocking {
+            // SAFETY: as stated where the macro is invoked.
+            true => $call.bound($p.coll, || unsafe { ffi::$blocking($($arg),*) }),
+            // SAFETY: as stated where the macro is invoked.
+            false => unsafe { ffi::$immediate($($arg,)* &mut $p.reqs[0].0) },
+        };
+        $call.started(rc)?;
+        Ok($p)
+    }};
 }
 
 impl Call {
@@ -583,8 +536,7 @@ impl Call {
     }
 
     /// Starts a sum of every rank's `send` into `recv` on rank `root`. At the root `recv` must
-    /// be as long as `send`; elsewhere it is not touched (pass `Vec::new()`). f16/bf16 are
-    /// summed in f32 and rounded once at the root.
+    /// be as long as `send`; elsewhere it is not touched (pass `Vec::new()`).
     ///
     /// Each element's sum is the same bits whatever else the message carries, so a key's
     /// value does not depend on which keys were packed with it:
@@ -607,7 +559,7 @@ impl Call {
         p.is_root = is_root;
         let comm = self.st.data.0;
         if T::SUM_IN_F32 {
-            (p.wide_send, p.wide_recv) = self.widened(&p.send, is_root);
+            p.wide = self.widened(&p.send, is_root);
         }
         let (send, recv, dt) = p.sum_buffers();
         let (root_c, sum) = (root as c_int, raw::op_sum());
@@ -615,18 +567,11 @@ impl Call {
         // the root, where it was sized above) and live in `p`'s vectors, which stay where they
         // are until the request completes or `Pending::drop` leaks them; the communicator is
         // valid; `root` < size.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Reduce(send, recv, n, dt, sum, root_c, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Ireduce(send, recv, n, dt, sum, root_c, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Reduce | MPI_Ireduce(send, recv, n, dt, sum, root_c, comm)
+        )
     }
 
     /// Checks a reduce's buffers (`send` and `recv` elements) and root: the element count as
@@ -645,12 +590,16 @@ impl Call {
 
     /// [`Call::reduce_sum`] from a borrowed send buffer, for a call that runs blocking
     /// ([`Call::set_blocking`]): MPI only reads `send`, and is done with it when this returns,
-    /// so it needs no buffer of its own. [`Done::send`] comes back empty. On two ranks f16/bf16
-    /// are widened into f32 buffers of their own; on three or more they travel as they are.
+    /// so it needs no buffer of its own. [`Done::send`] comes back empty. On three or more ranks
+    /// f16/bf16 travel as they are. On two they are widened straight from the borrowed buffer
+    /// into f32 partial sums, reduced, and rounded once at the root; those f32 buffers are kept
+    /// in the world's state for the next such reduce (up to [`KEPT_WIDE_BYTES`] each): a
+    /// blocking reduce is done with them when it returns, and fresh ones cost a page fault per
+    /// 4 KiB on every push (a 256 K-element bf16 push took 5x an f32 one's time).
     pub fn reduce_sum_borrowed<T: Wire>(
         &mut self,
         send: &[T],
-        recv: Vec<T>,
+        mut recv: Vec<T>,
         root: usize,
     ) -> Result<Done<T>> {
         if !self.blocking {
@@ -664,20 +613,35 @@ impl Call {
             return self.reduce_in_order_blocking(send, recv, root);
         }
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
-        if T::SUM_IN_F32 {
-            return self.reduce_wide_blocking(send, recv, root, (n, is_root));
-        }
-        let mut recv = recv;
-        let (sp, rp, dt) = (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype());
+        let (wide_send, mut wide_recv) = match T::SUM_IN_F32 {
+            true => self.widened(send, is_root),
+            false => Default::default(),
+        };
+        let (sp, rp, dt) = match T::SUM_IN_F32 {
+            true => (
+                raw::ptr(&wide_send),
+                raw::ptr_mut(&mut wide_recv),
+                f32::datatype(),
+            ),
+            false => (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype()),
+        };
         let (root_c, sum, comm) = (root as c_int, raw::op_sum(), self.st.data.0);
-        // SAFETY: both buffers hold `n` elements of T's MPI datatype (the receive buffer only
-        // matters at the root, where it was sized above); the call is blocking, so MPI is done
-        // with both when it returns, while `send` is still borrowed and `recv` still owned
-        // here; the communicator is valid; `root` < size.
+        // SAFETY: both buffers hold `n` elements of `dt` (the receive buffer only matters at the
+        // root, where it was sized above); the call is blocking, so MPI is done with both when
+        // it returns, while `send` is still borrowed and the others still owned here; the
+        // communicator is valid; `root` < size.
         let rc = self.bound(Coll::Reduce { root }, || unsafe {
             ffi::MPI_Reduce(sp, rp, n, dt, sum, root_c, comm)
         });
         self.started(rc)?;
+        if T::SUM_IN_F32 && is_root {
+            for (o, &s) in recv.iter_mut().zip(&wide_recv) {
+                *o = T::from_f32(s);
+            }
+        }
+        if T::SUM_IN_F32 {
+            self.keep_wide((wide_send, wide_recv));
+        }
         Ok(Done {
             send: Vec::new(),
             recv,
@@ -688,8 +652,7 @@ impl Call {
     /// rank sends its buffer to the root (`MPI_Isend`), the root receives them (`MPI_Irecv`,
     /// into a buffer the world keeps), and its wait adds rank 0's, rank 1's, ... values into
     /// `recv`. Where the call runs blocking ([`Call::set_blocking`]) the requests complete
-    /// here, under the watchdog. f16 and bf16 travel as they are and are summed in f32,
-    /// rounded once.
+    /// here, under the watchdog.
     fn reduce_in_order<T: Wire>(
         &mut self,
         send: Vec<T>,
@@ -702,26 +665,18 @@ impl Call {
         let mut p = Pending::new(self, coll, send, recv, bytes);
         p.is_root = is_root;
         let (dt, comm) = (T::datatype(), self.st.data.0);
+        let (root_c, tag) = (root as c_int, self.tag(Tagged::ReduceInOrder));
         if !is_root {
+            let (buf, req) = (raw::ptr(&p.send), &mut p.reqs[0].0);
             // SAFETY: the send buffer holds `n` elements of `dt` (checked by `reduce_fits`) and
             // lives in `p` until the request completes or `Pending::drop` leaks it; the
             // communicator is valid and `root` < size.
-            let rc = unsafe {
-                ffi::MPI_Isend(
-                    raw::ptr(&p.send),
-                    n,
-                    dt,
-                    root as c_int,
-                    self.tag(Tagged::ReduceInOrder),
-                    comm,
-                    &mut p.reqs[0].0,
-                )
-            };
+            let rc = unsafe { ffi::MPI_Isend(buf, n, dt, root_c, tag, comm, req) };
             self.started(rc)?;
         } else {
             p.reqs = vec![Request::null(); self.world.size - 1];
             let len = p.send.len();
-            self.receive_staged(&mut p, (len, n), self.tag(Tagged::ReduceInOrder))?;
+            self.receive_staged(&mut p, (len, n), tag)?;
         }
         if self.blocking {
             self.complete_blocking(&mut p)?;
@@ -763,21 +718,14 @@ impl Call {
         let (dt, width, comm) = (T::datatype(), std::mem::size_of::<T>(), self.st.data.0);
         let staged = raw::ptr_mut(&mut p.staged).cast::<u8>();
         for (k, req) in p.reqs.iter_mut().take(size - 1).enumerate() {
-            let from = if k < rank { k } else { k + 1 };
+            let from = (if k < rank { k } else { k + 1 }) as c_int;
             // SAFETY: `p.staged` holds (size - 1) × len elements of `dt` (taken above); block k
             // starts k × len elements in and holds len (`n`). It lives in `p` until the request
             // completes or `Pending::drop` leaks it. The communicator is valid and `from` <
             // size.
             let rc = unsafe {
-                ffi::MPI_Irecv(
-                    staged.add(k * len * width).cast(),
-                    n,
-                    dt,
-                    from as c_int,
-                    tag,
-                    comm,
-                    &mut req.0,
-                )
+                let block = staged.add(k * len * width).cast();
+                ffi::MPI_Irecv(block, n, dt, from, tag, comm, &mut req.0)
             };
             self.started(rc)?;
         }
@@ -795,20 +743,14 @@ impl Call {
     ) -> Result<Done<T>> {
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
         let coll = Coll::ReduceInOrder { root };
-        let (dt, comm) = (T::datatype(), self.st.data.0);
+        let (dt, comm, buf) = (T::datatype(), self.st.data.0, raw::ptr(send));
+        let (root_c, tag) = (root as c_int, self.tag(Tagged::ReduceInOrder));
         if !is_root {
             // SAFETY: `send` holds `n` elements of `dt` (checked by `reduce_fits`) and stays
             // borrowed until the blocking send returns, when MPI is done with it; the
             // communicator is valid and `root` < size.
             let rc = self.bound(coll, || unsafe {
-                ffi::MPI_Send(
-                    raw::ptr(send),
-                    n,
-                    dt,
-                    root as c_int,
-                    self.tag(Tagged::ReduceInOrder),
-                    comm,
-                )
+                ffi::MPI_Send(buf, n, dt, root_c, tag, comm)
             });
             self.started(rc)?;
             return Ok(Done {
@@ -820,7 +762,7 @@ impl Call {
         let mut p = Pending::new(self, coll, Vec::new(), recv, bytes);
         p.is_root = true;
         p.reqs = vec![Request::null(); self.world.size - 1];
-        self.receive_staged(&mut p, (send.len(), n), self.tag(Tagged::ReduceInOrder))?;
+        self.receive_staged(&mut p, (send.len(), n), tag)?;
         self.complete_blocking(&mut p)?;
         let (rank, size) = (self.world.rank, self.world.size);
         let (mut out, staged) = (std::mem::take(&mut p.recv), std::mem::take(&mut p.staged));
@@ -833,8 +775,7 @@ impl Call {
     }
 
     /// The f32 buffers of an f16/bf16 reduce of `send`: `send` widened, and at the root zeros
-    /// for the sum. They are the ones an earlier reduce kept ([`Call::keep_wide`]), whose pages
-    /// are mapped already.
+    /// for the sum, in the ones an earlier reduce kept ([`Call::keep_wide`]).
     fn widened<T: Wire>(&mut self, send: &[T], is_root: bool) -> (Vec<f32>, Vec<f32>) {
         let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
         wide_send.clear();
@@ -857,46 +798,6 @@ impl Call {
         }
     }
 
-    /// [`Call::reduce_sum_borrowed`] of f16/bf16: widened straight from the borrowed buffer into
-    /// f32 partial sums, reduced blocking, rounded once at the root. The f32 buffers are kept
-    /// in the world's state for the next such reduce (up to [`KEPT_WIDE_BYTES`] each): a
-    /// blocking reduce is done with them when it returns, and fresh ones cost a page fault
-    /// per 4 KiB on every push (a 256 K-element bf16 push took 5x an f32 one's time).
-    fn reduce_wide_blocking<T: Wire>(
-        &mut self,
-        send: &[T],
-        recv: Vec<T>,
-        root: usize,
-        (n, is_root): (c_int, bool),
-    ) -> Result<Done<T>> {
-        let (wide_send, mut wide_recv) = self.widened(send, is_root);
-        let (sp, rp) = (raw::ptr(&wide_send), raw::ptr_mut(&mut wide_recv));
-        let (dt, root_c, sum, comm) = (
-            f32::datatype(),
-            root as c_int,
-            raw::op_sum(),
-            self.st.data.0,
-        );
-        // SAFETY: both buffers hold `n` f32 (the receive buffer only matters at the root, where
-        // it was sized above); the call is blocking, so MPI is done with both when it returns,
-        // and both are still owned here; the communicator is valid; `root` < size.
-        let rc = self.bound(Coll::Reduce { root }, || unsafe {
-            ffi::MPI_Reduce(sp, rp, n, dt, sum, root_c, comm)
-        });
-        self.started(rc)?;
-        let mut recv = recv;
-        if is_root {
-            for (o, &s) in recv.iter_mut().zip(&wide_recv) {
-                *o = T::from_f32(s);
-            }
-        }
-        self.keep_wide((wide_send, wide_recv));
-        Ok(Done {
-            send: Vec::new(),
-            recv,
-        })
-    }
-
     /// Starts a broadcast of `buf` from rank `root` (`MPI_Ibcast`): every rank passes a buffer
     /// of the same length and gets the root's data back in [`Done::recv`].
     pub fn broadcast<T: Wire>(&mut self, buf: Vec<T>, root: usize) -> Result<Pending<T>> {
@@ -904,29 +805,14 @@ impl Call {
         let n = raw::count(self.op, buf.len())?;
         let bytes = buf.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Broadcast { root }, Vec::new(), buf, bytes);
-        let (buf, dt, root_c, comm) = (
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            root as c_int,
-            self.st.data.0,
-        );
+        let (buf, dt, root_c, comm) = (p.ptrs().1, T::datatype(), root as c_int, self.st.data.0);
         // SAFETY: the buffer holds `n` elements of T's MPI datatype and lives in `p` until the
         // request completes or is leaked; the communicator is valid; `root` < size.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Bcast(buf, n, dt, root_c, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe { ffi::MPI_Ibcast(buf, n, dt, root_c, comm, &mut p.reqs[0].0) },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(self, p, MPI_Bcast | MPI_Ibcast(buf, n, dt, root_c, comm))
     }
 
     /// Starts a reduce-scatter of equal blocks: `send` holds `size` blocks of `recv.len()`
-    /// elements; rank `r` receives the sum over ranks of block `r`, added in rank order. f16 and
-    /// bf16 travel as they are and are summed in f32, rounded once.
+    /// elements; rank `r` receives the sum over ranks of block `r`, added in rank order.
     ///
     /// It is point to point, not `MPI_Reduce_scatter_block`: each rank sends block `r` straight
     /// to rank `r` and receives its own block from every other rank (`MPI_Isend`/`MPI_Irecv`),
@@ -958,12 +844,9 @@ impl Call {
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
         let rank = self.world.rank;
-        // The other ranks' blocks are received into a buffer the world keeps between calls,
-        // so a big push touches no fresh pages; the result is summed into `recv`. f16 and bf16
-        // travel as they are (each rank's part is already rounded to them) and are summed in
-        // f32 on arrival.
         p.reqs = vec![Request::null(); 2 * (size - 1)];
-        self.receive_staged(&mut p, (n, count), self.tag(Tagged::ReduceScatter))?;
+        let tag = self.tag(Tagged::ReduceScatter);
+        self.receive_staged(&mut p, (n, count), tag)?;
         let (dt, width) = (T::datatype(), std::mem::size_of::<T>());
         let send_ptr = raw::ptr(&p.send).cast::<u8>();
         let comm = self.st.data.0;
@@ -975,15 +858,8 @@ impl Call {
             // `to` starts `to` × n elements in. It lives in `p` until the request completes or
             // is leaked. The communicator is valid and `to` < size.
             let rc = unsafe {
-                ffi::MPI_Isend(
-                    send_ptr.add(to * n * width).cast(),
-                    count,
-                    dt,
-                    to as c_int,
-                    self.tag(Tagged::ReduceScatter),
-                    comm,
-                    &mut req.0,
-                )
+                let block = send_ptr.add(to * n * width).cast();
+                ffi::MPI_Isend(block, count, dt, to as c_int, tag, comm, &mut req.0)
             };
             self.started(rc)?;
         }
@@ -1014,27 +890,15 @@ impl Call {
         let n = raw::count(self.op, send.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, coll, send, recv, bytes);
-        let (send, recv, dt, comm) = (
-            raw::ptr(&p.send),
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            self.st.data.0,
-        );
+        let ((send, recv), dt, comm) = (p.ptrs(), T::datatype(), self.st.data.0);
         // SAFETY: the send buffer holds n elements and the receive buffer size × n (checked
         // above), of T's MPI datatype; both live in `p` until completion or are leaked; the
         // communicator is valid.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Allgather(send, n, dt, recv, n, dt, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Iallgather(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Allgather | MPI_Iallgather(send, n, dt, recv, n, dt, comm)
+        )
     }
 
     /// Starts an all-to-all of equal blocks (`MPI_Ialltoall`): `send` and `recv` each hold
@@ -1053,26 +917,14 @@ impl Call {
         let n = raw::count(self.op, send.len() / size)?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
-        let (send, recv, dt, comm) = (
-            raw::ptr(&p.send),
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            self.st.data.0,
-        );
+        let ((send, recv), dt, comm) = (p.ptrs(), T::datatype(), self.st.data.0);
         // SAFETY: both buffers hold size × n elements of T's MPI datatype (checked above) and
         // live in `p` until completion or are leaked; the communicator is valid.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Alltoall(send, n, dt, recv, n, dt, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Ialltoall(send, n, dt, recv, n, dt, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Alltoall | MPI_Ialltoall(send, n, dt, recv, n, dt, comm)
+        )
     }
 
     /// Starts an all-to-all of blocks of their own lengths (`MPI_Ialltoallv`): rank `s` sends
@@ -1123,12 +975,7 @@ impl Call {
         let bytes = (send.len() + recv.len()) * std::mem::size_of::<T>() / 2;
         let mut p = Pending::new(self, Coll::AllToAll, send, recv, bytes);
         p.counts = counts;
-        let (send, recv, dt, comm) = (
-            raw::ptr(&p.send),
-            raw::ptr_mut(&mut p.recv),
-            T::datatype(),
-            self.st.data.0,
-        );
+        let ((send, recv), dt, comm) = (p.ptrs(), T::datatype(), self.st.data.0);
         let at = |k: usize| p.counts[k * size..].as_ptr();
         let (send_counts, send_displs, recv_counts, recv_displs) = (at(0), at(1), at(2), at(3));
         // SAFETY: `send` holds the sum of this rank's sent lengths and `recv` of its received
@@ -1136,10 +983,11 @@ impl Call {
         // displacements stay in `p.counts` (never resized) until completion, or are leaked
         // with the buffers; every block lies inside its buffer by construction; the
         // communicator is valid.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Alltoallv(
+        start!(
+            self,
+            p,
+            MPI_Alltoallv
+                | MPI_Ialltoallv(
                     send,
                     send_counts,
                     send_displs,
@@ -1148,27 +996,9 @@ impl Call {
                     recv_counts,
                     recv_displs,
                     dt,
-                    comm,
+                    comm
                 )
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Ialltoallv(
-                    send,
-                    send_counts,
-                    send_displs,
-                    dt,
-                    recv,
-                    recv_counts,
-                    recv_displs,
-                    dt,
-                    comm,
-                    &mut p.reqs[0].0,
-                )
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        )
     }
 
     /// Starts a scatter of equal blocks from rank `root` (`MPI_Iscatter`): at the root `send`
@@ -1194,38 +1024,26 @@ impl Call {
         let n = raw::count(self.op, recv.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::Scatter { root }, send, recv, bytes);
-        let (send, recv, dt) = (raw::ptr(&p.send), raw::ptr_mut(&mut p.recv), T::datatype());
+        let ((send, recv), dt) = (p.ptrs(), T::datatype());
         let (root_c, comm) = (root as c_int, self.st.data.0);
         // SAFETY: at the root the send buffer holds size × n elements (checked above), and the
         // receive buffer n on every rank, of T's MPI datatype (MPI reads the send buffer only at
         // the root); both live in `p` until completion or are leaked; the communicator is
         // valid; `root` < size.
-        let rc = match self.blocking {
-            // SAFETY: as stated above this match, for both arms.
-            true => self.bound(p.coll, || unsafe {
-                ffi::MPI_Scatter(send, n, dt, recv, n, dt, root_c, comm)
-            }),
-            // SAFETY: as stated above this match, for both arms.
-            false => unsafe {
-                ffi::MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm, &mut p.reqs[0].0)
-            },
-        };
-        self.started(rc)?;
-        Ok(p)
+        start!(
+            self,
+            p,
+            MPI_Scatter | MPI_Iscatter(send, n, dt, recv, n, dt, root_c, comm)
+        )
     }
 
-    /// Starts a barrier (`MPI_Ibarrier`) on the store's communicator.
-    pub fn immediate_barrier(&mut self) -> Result<Pending<f32>> {
-        let mut p = Pending::new(self, Coll::Barrier, Vec::new(), Vec::new(), 0);
-        // SAFETY: the communicator is valid and `p.req` is a valid out-pointer.
+    /// A barrier (`MPI_Ibarrier` on the store's communicator), waited for (bounded by the
+    /// timeout).
+    pub fn barrier(&mut self) -> Result<()> {
+        let mut p = Pending::<f32>::new(self, Coll::Barrier, Vec::new(), Vec::new(), 0);
+        // SAFETY: the communicator is valid and `p.reqs[0]` is a valid out-pointer.
         let rc = unsafe { ffi::MPI_Ibarrier(self.st.data.0, &mut p.reqs[0].0) };
         self.started(rc)?;
-        Ok(p)
-    }
-
-    /// A barrier, waited for (bounded by the timeout).
-    pub fn barrier(&mut self) -> Result<()> {
-        let p = self.immediate_barrier()?;
         self.wait(p).map(drop)
     }
 
@@ -1255,21 +1073,15 @@ impl Call {
     /// Waits for `p` (bounded by the timeout, counted from its start) and gives its buffers
     /// back.
     pub fn wait<T: Wire>(&mut self, mut p: Pending<T>) -> Result<Done<T>> {
-        self.same_call(&p)?;
-        let coll = p.coll;
-        let what = move || coll.to_string();
-        let check = p.counts_unchecked();
-        let mut statuses = no_statuses(if check { p.reqs.len() } else { 0 });
-        let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
-        // On an error `p` is dropped: its buffers leak while MPI may still use them (a request
-        // still pending), and are freed once every request has completed.
-        self.poll(&mut p.reqs, given, p.bytes, p.start, &what)?;
-        if check {
-            p.received_in_full(&statuses, self.op)
-                .inspect_err(|e| self.world.poison_with(e.to_string()))?;
-        }
-        p.staged_whole(self.op)?;
+        self.complete(std::slice::from_mut(&mut p))?;
         Ok(self.finished(p))
+    }
+
+    /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
+    /// gives their buffers back, in order.
+    pub fn wait_all<T: Wire>(&mut self, mut ps: Vec<Pending<T>>) -> Result<Vec<Done<T>>> {
+        self.complete(&mut ps)?;
+        Ok(ps.into_iter().map(|p| self.finished(p)).collect())
     }
 
     /// The buffers of a completed `p`; its f32 buffers are kept for the next f16/bf16 reduce.
@@ -1279,33 +1091,37 @@ impl Call {
         done
     }
 
-    /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
-    /// gives their buffers back, in order.
-    pub fn wait_all<T: Wire>(&mut self, mut ps: Vec<Pending<T>>) -> Result<Vec<Done<T>>> {
-        if ps.len() <= 1 {
-            return ps.pop().map_or(Ok(Vec::new()), |p| Ok(vec![self.wait(p)?]));
-        }
-        for p in &ps {
+    /// Polls every request of `ps` until all complete (see [`Call::wait_all`]), and checks what
+    /// their receives got. On an error the caller drops `ps` unfinished: buffers that MPI may
+    /// still use (a request still pending) leak, as they must.
+    fn complete<T: Wire>(&mut self, ps: &mut [Pending<T>]) -> Result<()> {
+        for p in ps.iter() {
             self.same_call(p)?;
         }
-        let start = ps
-            .iter()
-            .map(|p| p.start)
-            .min()
-            .unwrap_or_else(Instant::now);
+        let Some(first) = ps.first() else {
+            return Ok(());
+        };
+        let start = ps.iter().map(|p| p.start).min().unwrap_or(first.start);
         let bytes = ps.iter().map(|p| p.bytes).sum();
-        let mut reqs: Vec<Request> = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
-        let check: Vec<bool> = ps.iter().map(Pending::counts_unchecked).collect();
-        let mut statuses = no_statuses(match check.contains(&true) {
-            true => reqs.len(),
-            false => 0,
-        });
-        let (first, more) = (ps[0].coll, ps.len() - 1);
-        let what = move || format!("{first} (and {more} more collectives)");
-        // On an error the pendings are dropped unfinished: their buffers leak, as they must.
+        let (coll, more) = (first.coll, ps.len() - 1);
+        let what = move || match more {
+            0 => coll.to_string(),
+            _ => format!("{coll} (and {more} more collectives)"),
+        };
+        let check: SmallVec<[bool; 4]> = ps.iter().map(Pending::counts_unchecked).collect();
+        // One collective is polled in place; several, on a copy of all their requests.
+        let mut joined: Vec<Request> = Vec::new();
+        let reqs: &mut [Request] = match more {
+            0 => &mut ps[0].reqs,
+            _ => {
+                joined = ps.iter().flat_map(|p| p.reqs.iter().copied()).collect();
+                &mut joined
+            }
+        };
+        let mut statuses = no_statuses(if check.contains(&true) { reqs.len() } else { 0 });
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
-        self.poll(&mut reqs, given, bytes, start, &what)?;
-        let mut at = 0;
+        self.poll(reqs, given, bytes, start, &what)?;
+        let (mut done, mut at) = (joined.into_iter(), 0);
         for (p, check) in ps.iter_mut().zip(check) {
             let range = at..at + p.reqs.len();
             at = range.end;
@@ -1314,14 +1130,12 @@ impl Call {
                     .inspect_err(|e| self.world.poison_with(e.to_string()))?;
             }
             p.staged_whole(self.op)?;
-        }
-        let mut done = reqs.into_iter();
-        for p in &mut ps {
-            for r in &mut p.reqs {
-                *r = done.next().unwrap_or_else(Request::null);
+            if more > 0 {
+                p.reqs
+                    .fill_with(|| done.next().unwrap_or_else(Request::null));
             }
         }
-        Ok(ps.into_iter().map(|p| self.finished(p)).collect())
+        Ok(())
     }
 
     fn same_call<T: Wire>(&self, p: &Pending<T>) -> Result<()> {

@@ -75,6 +75,16 @@ impl Here {
         }
     }
 
+    /// Where this rank is, as the record that asks or answers question `query`.
+    pub(super) fn report(&self, query: u32) -> Report {
+        Report {
+            seq: self.seq,
+            query,
+            text: self.text(),
+            ..Report::default()
+        }
+    }
+
     /// Where this rank is, in words: "push of key 3, in its reduce to rank 0".
     pub(super) fn text(&self) -> String {
         match (&self.call, self.at.is_empty()) {
@@ -198,10 +208,11 @@ impl State {
         self.next_query
     }
 
-    /// Asks every other rank where it is ([`TAG_WHERE`]); `report` says where this one is.
-    pub(super) fn ask_all(&mut self, world: &World, report: &Report) {
+    /// Sends `report` with `tag` to every other rank: with [`TAG_WHERE`], asks where they are
+    /// (`report` says where this one is).
+    pub(super) fn send_all(&mut self, world: &World, tag: c_int, report: &Report) {
         for r in (0..world.size).filter(|&r| r != world.rank) {
-            self.send_report(world, r, TAG_WHERE, report);
+            self.send_report(world, r, tag, report);
         }
     }
 
@@ -221,9 +232,7 @@ impl State {
             text: text.to_owned(),
             ..Report::default()
         };
-        for r in (0..world.size).filter(|&r| r != world.rank) {
-            self.send_report(world, r, TAG_EXIT, &report);
-        }
+        self.send_all(world, TAG_EXIT, &report);
     }
 
     /// What a wait does between its tests: answers the questions of other ranks and records
@@ -237,12 +246,7 @@ impl State {
     /// question of a rank that timed out is also kept, as that rank's report.
     pub(super) fn answer_queries(&mut self, world: &World) {
         while let Some((src, question)) = self.receive(TAG_WHERE) {
-            let answer = Report {
-                seq: self.here.seq,
-                query: question.query,
-                text: self.here.text(),
-                ..Report::default()
-            };
+            let answer = self.here.report(question.query);
             if question.timed_out {
                 self.heard.insert(src, question);
             }
@@ -287,6 +291,7 @@ impl State {
     pub(super) fn receive(&mut self, tag: c_int) -> Option<(usize, Report)> {
         let mut flag: c_int = 0;
         let mut buf = [0u8; REPORT_BYTES];
+        let (bytes, dt, comm) = (REPORT_BYTES as c_int, raw::datatype::<u8>(), self.control.0);
         // SAFETY: an all-zero MPI_Status is a valid value of this plain C struct; MPI overwrites
         // it.
         let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
@@ -294,26 +299,12 @@ impl State {
         // the receive only runs when a matching message is already there, so it does not block,
         // and `buf` holds REPORT_BYTES bytes, the size of every control record.
         unsafe {
-            let rc = ffi::MPI_Iprobe(
-                ffi::RSMPI_ANY_SOURCE,
-                tag,
-                self.control.0,
-                &mut flag,
-                &mut status,
-            );
+            let rc = ffi::MPI_Iprobe(ffi::RSMPI_ANY_SOURCE, tag, comm, &mut flag, &mut status);
             if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
                 return None;
             }
-            let src = status.MPI_SOURCE;
-            let rc = ffi::MPI_Recv(
-                buf.as_mut_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                src,
-                tag,
-                self.control.0,
-                ffi::RSMPI_STATUS_IGNORE,
-            );
+            let (src, ignore) = (status.MPI_SOURCE, ffi::RSMPI_STATUS_IGNORE);
+            let rc = ffi::MPI_Recv(buf.as_mut_ptr().cast(), bytes, dt, src, tag, comm, ignore);
             if rc != ffi::MPI_SUCCESS as c_int {
                 return None;
             }
@@ -323,16 +314,14 @@ impl State {
 
     /// Forgets the sends of the outbox that have completed; returns whether it is empty.
     pub(super) fn flush_outbox(&mut self) -> bool {
-        let mut keep = Vec::new();
-        for (mut req, buf) in std::mem::take(&mut self.outbox) {
-            if !matches!(
-                self.test(std::slice::from_mut(&mut req), None, "report"),
+        let mut outbox = std::mem::take(&mut self.outbox);
+        outbox.retain_mut(|(req, _)| {
+            !matches!(
+                self.test(std::slice::from_mut(req), None, "report"),
                 Ok(true)
-            ) {
-                keep.push((req, buf));
-            }
-        }
-        self.outbox = keep;
+            )
+        });
+        self.outbox = outbox;
         self.outbox.is_empty()
     }
 
@@ -341,20 +330,12 @@ impl State {
         self.flush_outbox();
         let buf = Box::new(report.encode());
         let mut req = Request::null();
+        let (bytes, dt, comm) = (REPORT_BYTES as c_int, raw::datatype::<u8>(), self.control.0);
+        let (ptr, to) = (buf.as_ptr().cast(), dest as c_int);
         // SAFETY: `buf` is a heap buffer of REPORT_BYTES bytes that stays in the outbox (and is
         // never freed while the send may be pending: an unfinished entry is only dropped when
         // the process ends); the control communicator and `dest` (< size) are valid.
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                buf.as_ptr().cast(),
-                REPORT_BYTES as c_int,
-                raw::datatype::<u8>(),
-                dest as c_int,
-                tag,
-                self.control.0,
-                &mut req.0,
-            )
-        };
+        let rc = unsafe { ffi::MPI_Isend(ptr, bytes, dt, to, tag, comm, &mut req.0) };
         if rc == ffi::MPI_SUCCESS as c_int {
             self.outbox.push((req, buf));
         } else {
@@ -400,13 +381,8 @@ impl Watch {
         match self.asked {
             None if now >= self.next => {
                 let query = st.new_query();
-                let question = Report {
-                    seq: st.here.seq,
-                    query,
-                    text: st.here.text(),
-                    ..Report::default()
-                };
-                st.ask_all(world, &question);
+                let question = st.here.report(query);
+                st.send_all(world, TAG_WHERE, &question);
                 self.asked = Some((query, now));
                 self.answers.clear();
                 None
@@ -432,6 +408,7 @@ impl Watch {
 }
 
 /// Where the other ranks are, as a rank in call `seq` sees it from their reports.
+#[derive(Default)]
 pub(super) struct Whereabouts {
     /// The ranks that are not in this call: silent, or at another call.
     pub(super) missing: Vec<usize>,
@@ -450,12 +427,7 @@ impl Whereabouts {
         (me, size): (usize, usize),
         reports: &BTreeMap<usize, Report>,
     ) -> Whereabouts {
-        let mut w = Whereabouts {
-            missing: Vec::new(),
-            silent: Vec::new(),
-            elsewhere: Vec::new(),
-            same: Vec::new(),
-        };
+        let mut w = Whereabouts::default();
         for r in (0..size).filter(|&r| r != me) {
             match reports.get(&r) {
                 None => {

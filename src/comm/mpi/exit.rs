@@ -10,7 +10,7 @@ use mpi::ffi;
 use super::control::{self, Here, Watch};
 use super::poll::{self, Backoff};
 use super::raw::{self, Request};
-use super::{State, World, WORLD};
+use super::{lock, State, World, WORLD};
 
 /// The last panic of this process ("panicked at file:line:col: message"), recorded by the panic
 /// hook; told to the other ranks when the process then exits with an error.
@@ -69,11 +69,6 @@ fn describe(info: &std::panic::PanicHookInfo<'_>) -> String {
         text.push_str("...");
     }
     text
-}
-
-/// The last panic recorded by the panic hook.
-fn last_panic() -> Option<String> {
-    LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -185,12 +180,7 @@ impl World {
         }
         drop(st);
         // Dropping rsmpi's universe calls MPI_Finalize.
-        let universe = self
-            .universe
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        drop(universe);
+        drop(lock(&self.universe).take());
     }
 
     /// Whether this process fails at its exit: it exits with a non-zero status, or (where the
@@ -199,18 +189,13 @@ impl World {
     /// rank's exit.
     fn exit_failure(&self, status: Option<c_int>, st: &State) -> Option<Failing> {
         let poison = self.failure();
-        let panic = last_panic();
-        let failed_status = match status {
-            Some(code) => code != 0,
-            None => panic.is_some(),
-        };
+        let panic = lock(&LAST_PANIC).clone();
+        let failed_status = status.map_or(panic.is_some(), |code| code != 0);
         if !failed_status && poison.is_none() {
             return None;
         }
-        let code = match status {
-            Some(code) if code != 0 => code,
-            _ => 1,
-        };
+        let nonzero = status.filter(|&code| code != 0);
+        let code = nonzero.unwrap_or(1);
         if let Some((cause, text)) = &st.caused_by {
             return Some(Failing {
                 code,
@@ -219,9 +204,9 @@ impl World {
             });
         }
         let seq = st.seq;
-        let mut text = match status {
-            Some(code) if code != 0 => format!("exited with code {code} after its call #{seq}"),
-            _ => format!("exited after its call #{seq}"),
+        let mut text = match nonzero {
+            Some(code) => format!("exited with code {code} after its call #{seq}"),
+            None => format!("exited after its call #{seq}"),
         };
         if failed_status {
             if let Some(p) = panic {

@@ -54,41 +54,25 @@ pub(super) fn clean(raw: &[u8]) -> String {
 pub(super) fn gather(comm: ffi::MPI_Comm, size: usize) -> Result<Vec<String>> {
     let mine = this_host();
     let mut all = vec![0u8; HOST_BYTES * size];
-    let n = HOST_BYTES as c_int;
+    let (n, dt) = (HOST_BYTES as c_int, raw::datatype::<u8>());
+    let (sp, rp) = (raw::ptr(&mine), raw::ptr_mut(&mut all));
     // SAFETY: `mine` holds HOST_BYTES bytes and `all` HOST_BYTES per rank of `comm`, the
     // communicator's size; the call is blocking, so MPI is done with both when it returns.
-    let rc = unsafe {
-        ffi::MPI_Allgather(
-            raw::ptr(&mine),
-            n,
-            ffi::RSMPI_UINT8_T,
-            raw::ptr_mut(&mut all),
-            n,
-            ffi::RSMPI_UINT8_T,
-            comm,
-        )
-    };
+    let rc = unsafe { ffi::MPI_Allgather(sp, n, dt, rp, n, dt, comm) };
     raw::check("initialise MPI (host names)", rc)?;
     Ok(all.chunks(HOST_BYTES).map(clean).collect())
 }
 
 /// "rank 1 (host node7)", or "ranks 1, 3 (hosts node7, node9)": ranks named with their hosts.
 pub(super) fn ranks_on_hosts(ranks: &[usize], hosts: &[String]) -> String {
-    let host = |r: usize| hosts.get(r).map_or("unknown", String::as_str);
+    let host = |r: usize| hosts.get(r).map_or("unknown", String::as_str).to_owned();
+    let list = |f: &dyn Fn(usize) -> String| ranks.iter().map(|&r| f(r)).collect::<Vec<_>>();
     match ranks {
         [r] => format!("rank {r} (host {})", host(*r)),
         _ => format!(
             "ranks {} (hosts {})",
-            ranks
-                .iter()
-                .map(usize::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
-            ranks
-                .iter()
-                .map(|&r| host(r))
-                .collect::<Vec<_>>()
-                .join(", ")
+            list(&|r| r.to_string()).join(", "),
+            list(&host).join(", ")
         ),
     }
 }

@@ -24,11 +24,10 @@
 //!
 //! [`World::begin`] starts a store call: it numbers it (the call sequence number, the same on
 //! every rank of a correct program) and, unless `KVSTORE_DIST_CHECK=0`, compares the call's
-//! [`Fingerprint`] (op, keys, shapes, dtypes, sequence number) across ranks with one all-gather
-//! of a 32-byte record. A mismatch is [`Error::Desync`] on every rank, naming the first
-//! differing key or call and the ranks on each side. Then the call starts non-blocking
+//! [`Fingerprint`] across ranks ([`crate::comm::fingerprint`]): a mismatch is
+//! [`Error::Desync`] on every rank. Then the call starts non-blocking
 //! collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
-//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::immediate_barrier`]) and waits for
+//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::barrier`]) and waits for
 //! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank
 //! has just agreed to start the same collectives, a call may run them blocking instead
 //! ([`Call::set_blocking`]): they complete before they return, bounded by a watchdog thread
@@ -37,15 +36,11 @@
 //! # No hang, and no kill for a slow rank
 //!
 //! Every wait in a call is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`],
-//! 30 minutes, as PyTorch's `init_process_group`; its NCCL backend waits 10). A slow rank is not
-//! a dead one: a validation pass, a data load or a checkpoint write on one rank makes the others
-//! wait that long in their next call, and a training job must survive it. While a wait lasts,
-//! every `KVSTORE_WAIT_LOG_SECS` (default 60 s) the waiting rank asks the other ranks where they
-//! are and logs whom it waits for and where they are, as a warning through `log`, or on stderr
-//! when no logger takes warnings: "kvstore: rank 0: waiting for rank 1 for 60 s now, in call #7
-//! (push of key 3), in its reduce to rank 0: rank 1 is not responding (busy outside kvstore
-//! ...); rank 2 is waiting in this same call". A rank that is waiting in a kvstore call or at its
-//! exit answers at once; a rank busy outside kvstore does not.
+//! whose documentation says why a slow rank is not a dead one). While a wait lasts, every
+//! `KVSTORE_WAIT_LOG_SECS` the waiting rank asks the other ranks where they are and logs whom it
+//! waits for and where they are (the line is in docs/dist.md), as a warning through `log`, or on
+//! stderr when no logger takes warnings. A rank that is waiting in a kvstore call or at its exit
+//! answers at once; a rank busy outside kvstore does not.
 //!
 //! A pending MPI collective can be neither finished nor cancelled, so on a timeout the rank
 //! tells every other rank where it is (call number and what it waits for) on the control
@@ -53,9 +48,6 @@
 //! error, [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is:
 //! "rank 2 is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
 //! collective are leaked on purpose: MPI may still write to them.
-//!
-//! A rank that exits while others wait for it ends their wait at once (below): they get
-//! [`Error::RankExited`], naming it and how it exited.
 //!
 //! Setting up the world (`MPI_Init` and the communicator splits after it) waits for every rank
 //! too, and MPI can neither time it out nor cancel it. It is bounded by the same timeout: a
@@ -105,14 +97,8 @@
 //!
 //! # Environment
 //!
-//! - `KVSTORE_TIMEOUT`: seconds every wait in a call may last (a positive number; default
-//!   1800).
-//! - `KVSTORE_WAIT_LOG_SECS`: seconds between two "still waiting" logs of one wait (a positive
-//!   number; default 60).
-//! - `KVSTORE_DIST_CHECK`: `0` (or `false`, `off`) turns the per-call fingerprint check off;
-//!   `1` (`true`, `on`, the default) keeps it.
-//!
-//! A bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
+//! `KVSTORE_TIMEOUT`, `KVSTORE_WAIT_LOG_SECS` and `KVSTORE_DIST_CHECK` (see [`crate::config`]);
+//! a bad value of any of them is [`Error::DistEnv`] naming the variable, from [`World::get`].
 
 mod blocking;
 mod collective;
@@ -269,17 +255,15 @@ impl World {
     /// [module documentation](self) for the environment variables it reads.
     pub fn get() -> Result<&'static World> {
         match WORLD.get_or_init(World::init) {
-            Ok(w) => match &w.env_error {
-                Some((var, message)) => Err(Error::DistEnv {
-                    var: var.clone(),
-                    message: message.clone(),
-                }),
-                None => Ok(w),
-            },
-            Err((var, message)) => Err(Error::DistEnv {
+            Ok(World {
+                env_error: Some((var, message)),
+                ..
+            })
+            | Err((var, message)) => Err(Error::DistEnv {
                 var: var.clone(),
                 message: message.clone(),
             }),
+            Ok(w) => Ok(w),
         }
     }
 
@@ -293,36 +277,26 @@ impl World {
 
         // Dropped (so the bound disarmed) when this function returns, whichever way.
         let _bound = bound_setup(timeout);
-        let universe = match mpi::initialize_with_threading(Threading::Serialized) {
-            Some((u, provided)) => {
-                if provided < Threading::Serialized {
-                    return Err((
-                        "MPI".to_owned(),
-                        format!(
-                            "this MPI library provides thread level {provided:?} but kvstore \
-                             needs MPI_THREAD_SERIALIZED; use an MPI built with thread support \
-                             (Open MPI and MPICH are)"
-                        ),
-                    ));
-                }
-                Some(u)
-            }
-            None => {
-                // Someone else initialised MPI: use it, but leave finalizing to them.
-                let level = mpi::environment::threading_support();
-                if level < Threading::Serialized {
-                    return Err((
-                        "MPI".to_owned(),
-                        format!(
-                            "MPI was initialised by someone else with thread level {level:?}; \
-                             kvstore needs MPI_THREAD_SERIALIZED: initialise it with \
-                             mpi::initialize_with_threading(Threading::Serialized) or higher"
-                        ),
-                    ));
-                }
-                None
-            }
+        // Without a universe someone else initialised MPI: use it, but leave finalizing to them.
+        let (universe, level) = match mpi::initialize_with_threading(Threading::Serialized) {
+            Some((u, provided)) => (Some(u), provided),
+            None => (None, mpi::environment::threading_support()),
         };
+        if level < Threading::Serialized {
+            let message = match universe {
+                Some(_) => format!(
+                    "this MPI library provides thread level {level:?} but kvstore needs \
+                     MPI_THREAD_SERIALIZED; use an MPI built with thread support (Open MPI and \
+                     MPICH are)"
+                ),
+                None => format!(
+                    "MPI was initialised by someone else with thread level {level:?}; kvstore \
+                     needs MPI_THREAD_SERIALIZED: initialise it with \
+                     mpi::initialize_with_threading(Threading::Serialized) or higher"
+                ),
+            };
+            return Err(("MPI".to_owned(), message));
+        }
 
         let (rank, size, local_rank, local_size, data, control) =
             Self::communicators().map_err(as_pair)?;
@@ -395,16 +369,9 @@ impl World {
                 .and_then(|l| c_int::try_from(l).ok())
                 .unwrap_or(rank);
             let mut local: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
-            raw::check(
-                OP,
-                ffi::MPI_Comm_split_type(
-                    world,
-                    ffi::RSMPI_COMM_TYPE_SHARED,
-                    key,
-                    ffi::RSMPI_INFO_NULL,
-                    &mut local,
-                ),
-            )?;
+            let (shared, info) = (ffi::RSMPI_COMM_TYPE_SHARED, ffi::RSMPI_INFO_NULL);
+            let split = ffi::MPI_Comm_split_type(world, shared, key, info, &mut local);
+            raw::check(OP, split)?;
             raw::check(OP, ffi::MPI_Comm_rank(local, &mut local_rank))?;
             raw::check(OP, ffi::MPI_Comm_size(local, &mut local_size))?;
             raw::check(OP, ffi::MPI_Comm_free(&mut local))?;
@@ -417,13 +384,13 @@ impl World {
                 )?;
                 Ok(Comm(c))
             };
-            let data = dup()?;
-            let control = dup()?;
+            let (data, control) = (dup()?, dup()?);
+            let u = |v: c_int| v as usize;
             Ok((
-                rank as usize,
-                size as usize,
-                local_rank as usize,
-                local_size as usize,
+                u(rank),
+                u(size),
+                u(local_rank),
+                u(local_size),
                 data,
                 control,
             ))
@@ -478,10 +445,7 @@ impl World {
 
     /// The first failure, if the world is poisoned.
     pub fn failure(&self) -> Option<String> {
-        self.poison
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.poison).clone()
     }
 
     /// A number for a new store on this world: the count of stores created before it.
@@ -492,7 +456,7 @@ impl World {
 
     /// Records the first failure; later calls fail with [`Error::DistFailed`].
     pub(crate) fn poison_with(&self, message: String) {
-        let mut p = self.poison.lock().unwrap_or_else(|p| p.into_inner());
+        let mut p = lock(&self.poison);
         if p.is_none() {
             *p = Some(message);
         }
@@ -505,7 +469,7 @@ impl World {
     /// [`Error::RankExited`] if a rank has exited without making this call; [`Error::Desync`] if
     /// the ranks disagree; [`Error::Timeout`] if a rank does not join within the timeout.
     pub fn begin(&'static self, fp: &Fingerprint) -> Result<Call> {
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let st = lock(&self.state);
         if let Some(first) = self.failure() {
             return Err(Error::DistFailed { op: fp.op(), first });
         }
@@ -563,14 +527,7 @@ impl State {
         // array of `n` requests that MPI may update in place; `statuses` is an array of `n`
         // statuses it may write, or MPI_STATUSES_IGNORE. Every request was started on a
         // communicator that is still valid.
-        let rc = unsafe {
-            ffi::MPI_Testall(
-                n,
-                reqs.as_mut_ptr().cast::<ffi::MPI_Request>(),
-                &mut flag,
-                statuses,
-            )
-        };
+        let rc = unsafe { ffi::MPI_Testall(n, reqs.as_mut_ptr().cast(), &mut flag, statuses) };
         if rc == ffi::MPI_ERR_IN_STATUS as c_int {
             if let Some(e) = given.and_then(|s| status_error(s, op)) {
                 return Err(e);
@@ -755,7 +712,7 @@ impl Call {
             text: here.clone(),
             ..Report::default()
         };
-        self.st.ask_all(world, &question);
+        self.st.send_all(world, TAG_WHERE, &question);
         self.st
             .here
             .set_at(format!("in its {what}, where it timed out"));
@@ -769,12 +726,7 @@ impl Call {
                 }
             } else if let Some((src, other)) = self.st.receive(TAG_WHERE) {
                 // Another rank asks too: its question says where it is. Answer it.
-                let answer = Report {
-                    seq: self.seq,
-                    query: other.query,
-                    text: self.st.here.text(),
-                    ..Report::default()
-                };
+                let answer = self.st.here.report(other.query);
                 self.st.send_report(world, src, TAG_HERE, &answer);
                 reports.insert(src, other);
             } else {
@@ -824,21 +776,17 @@ fn timeout_error(
     }
     parts.extend(w.parts("died, hung outside kvstore, or stopped making kvstore calls"));
     let missing = w.missing;
-    let advice = if missing.is_empty() {
-        "every rank is in this call, so their collectives do not match (is \
-             KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
-             KVSTORE_TIMEOUT"
-            .to_owned()
-    } else {
-        format!(
-            "every rank must make the same kvstore calls in the same order; if {} only \
-                 slow, raise KVSTORE_TIMEOUT",
-            if missing.len() == 1 {
-                "that rank is"
-            } else {
-                "those ranks are"
-            }
-        )
+    let advice = match missing.len() {
+        0 => "every rank is in this call, so their collectives do not match (is \
+              KVSTORE_DIST_CHECK=0 hiding a desync?) or the transfer needs more than \
+              KVSTORE_TIMEOUT"
+            .to_owned(),
+        n => format!(
+            "every rank must make the same kvstore calls in the same order; if {} {} only \
+             slow, raise KVSTORE_TIMEOUT",
+            if n == 1 { "that rank" } else { "those ranks" },
+            is_are(&missing)
+        ),
     };
     Error::Timeout {
         op,
@@ -850,6 +798,11 @@ fn timeout_error(
             parts.join("; ")
         ),
     }
+}
+
+/// Locks `m`, also after a thread panicked while holding it (its value is used as it is).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// "is" for one rank, "are" for several.

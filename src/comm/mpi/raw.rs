@@ -71,11 +71,8 @@ pub(super) fn error_string(code: c_int) -> String {
     if rc != ffi::MPI_SUCCESS as c_int {
         return format!("MPI error code {code}");
     }
-    let bytes: Vec<u8> = buf[..len.clamp(0, buf.len() as c_int) as usize]
-        .iter()
-        .map(|&c| c as u8)
-        .collect();
-    format!("{} (code {code})", String::from_utf8_lossy(&bytes))
+    let text: &[u8] = bytemuck::cast_slice(&buf[..len.clamp(0, buf.len() as c_int) as usize]);
+    format!("{} (code {code})", String::from_utf8_lossy(text))
 }
 
 /// The MPI datatype of a Rust type rsmpi knows.
