@@ -541,51 +541,14 @@ impl Error {
     }
 
     /// Names `key` in a GPU error that has no key yet; other errors are returned as they are.
-    pub(crate) fn with_key(self, key: &Key) -> Error {
-        match self {
-            Error::Cuda {
-                op,
-                key: None,
-                message,
-                source,
-            } => Error::Cuda {
-                op,
-                key: Some(key.clone()),
-                message,
-                source,
-            },
-            Error::OutOfMemory {
-                op,
-                key: None,
-                device,
-                requested,
-                source,
-            } => Error::OutOfMemory {
-                op,
-                key: Some(key.clone()),
-                device,
-                requested,
-                source,
-            },
-            Error::GpuArch {
-                op,
-                key: None,
-                what,
-                device,
-                have,
-                need,
-                fix,
-            } => Error::GpuArch {
-                op,
-                key: Some(key.clone()),
-                what,
-                device,
-                have,
-                need,
-                fix,
-            },
-            other => other,
+    pub(crate) fn with_key(mut self, key: &Key) -> Error {
+        if let Error::Cuda { key: k @ None, .. }
+        | Error::OutOfMemory { key: k @ None, .. }
+        | Error::GpuArch { key: k @ None, .. } = &mut self
+        {
+            *k = Some(key.clone());
         }
+        self
     }
 
     /// The error for a failed driver call during `op` (on GPU `ordinal`, when known):
@@ -608,10 +571,7 @@ impl Error {
                 source: e,
             };
         }
-        let on = match ordinal {
-            Some(i) => format!("gpu({i}): "),
-            None => String::new(),
-        };
+        let on = ordinal.map(|i| format!("gpu({i}): ")).unwrap_or_default();
         Error::Cuda {
             op,
             key: None,

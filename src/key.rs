@@ -42,33 +42,33 @@ impl Key {
     }
 }
 
+/// `From` and [`IntoKey`] for each type that names a key without a range to check.
+macro_rules! key_from {
+    ($($t:ty => |$k:ident| $key:expr),* $(,)?) => {$(
+        impl From<$t> for Key {
+            fn from($k: $t) -> Key {
+                $key
+            }
+        }
+
+        impl IntoKey for $t {
+            fn into_key(self) -> Result<Key> {
+                Ok(Key::from(self))
+            }
+        }
+    )*};
+}
+
+key_from!(
+    &str => |k| Key::Str(k.to_owned()),
+    String => |k| Key::Str(k),
+    &String => |k| Key::Str(k.clone()),
+    &Key => |k| k.clone(),
+);
+
 impl From<i32> for Key {
     fn from(k: i32) -> Key {
         Key::Int(k)
-    }
-}
-
-impl From<&str> for Key {
-    fn from(k: &str) -> Key {
-        Key::Str(k.to_owned())
-    }
-}
-
-impl From<String> for Key {
-    fn from(k: String) -> Key {
-        Key::Str(k)
-    }
-}
-
-impl From<&String> for Key {
-    fn from(k: &String) -> Key {
-        Key::Str(k.clone())
-    }
-}
-
-impl From<&Key> for Key {
-    fn from(k: &Key) -> Key {
-        k.clone()
     }
 }
 
@@ -101,30 +101,6 @@ pub trait IntoKey {
 impl IntoKey for Key {
     fn into_key(self) -> Result<Key> {
         Ok(self)
-    }
-}
-
-impl IntoKey for &Key {
-    fn into_key(self) -> Result<Key> {
-        Ok(self.clone())
-    }
-}
-
-impl IntoKey for &str {
-    fn into_key(self) -> Result<Key> {
-        Ok(Key::Str(self.to_owned()))
-    }
-}
-
-impl IntoKey for String {
-    fn into_key(self) -> Result<Key> {
-        Ok(Key::Str(self))
-    }
-}
-
-impl IntoKey for &String {
-    fn into_key(self) -> Result<Key> {
-        Ok(Key::Str(self.clone()))
     }
 }
 

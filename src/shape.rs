@@ -102,10 +102,7 @@ macro_rules! shape_from_array {
             /// If the product of the dimensions is over `isize::MAX`; [`Shape::new`] returns
             /// an error instead.
             fn from(a: [usize; $n]) -> Shape {
-                match Shape::new(&a) {
-                    Ok(s) => s,
-                    Err(e) => panic!("{e}"),
-                }
+                Shape::new(&a).unwrap_or_else(|e| panic!("{e}"))
             }
         }
         impl From<&[usize; $n]> for Shape {

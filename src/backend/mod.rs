@@ -209,10 +209,7 @@ impl HomeValue {
     /// Puts in a load staged by [`HomeValue::stage_load`] on this cell. Allocates no GPU
     /// memory: on a GPU home it fails only where the GPU itself does.
     pub(crate) fn commit_load(&mut self, staged: StagedLoad) -> Result<()> {
-        match &mut self.place {
-            Place::Host(h) => *h = staged.value,
-            Place::Gpu(c) => c.buf.upload_into(&staged.value)?,
-        }
+        self.replace_value(staged.value)?;
         self.commit_state(staged.state)
     }
 
@@ -325,11 +322,7 @@ impl HomeValue {
             });
         };
         let (mut value, state) = self.to_host(generation)?;
-        let state = state.map(|(step, bufs)| State {
-            generation,
-            step,
-            bufs,
-        });
+        let state = host_state(generation, state);
         write_rows(&mut value, &segs, &rows, clear);
         let state = merge_state(state, rows_state, &segs, value.len(), generation);
         let shape = Shape::new(&[value.len()])?;

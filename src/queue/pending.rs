@@ -59,8 +59,6 @@ impl<T> Pending<T> {
     pub(super) fn next(&mut self, by_priority: bool) -> Option<(Vec<Key>, T)> {
         let at = if by_priority {
             self.first_by_priority()?
-        } else if self.waiting.is_empty() {
-            return None;
         } else {
             0
         };

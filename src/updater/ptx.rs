@@ -60,6 +60,7 @@ pub struct PtxUpdater {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     /// Shared by the copies `with_*` make, so a GPU's cache finds it by pointer.
     ptx: Arc<str>,
@@ -155,17 +156,7 @@ impl PtxUpdater {
     /// A copy with a change to its launch arguments or twin; the module is the same, so a GPU
     /// that loaded it already does not load it again.
     fn rebuild(self, change: impl FnOnce(&mut Inner)) -> PtxUpdater {
-        let i = &self.inner;
-        let mut inner = Inner {
-            ptx: i.ptx.clone(),
-            ptx_crc: i.ptx_crc,
-            entry: i.entry.clone(),
-            dtype: i.dtype,
-            scalars: i.scalars,
-            state: i.state,
-            cpu_twin: i.cpu_twin.clone(),
-            loads: i.loads.clone(),
-        };
+        let mut inner = Inner::clone(&self.inner);
         change(&mut inner);
         PtxUpdater {
             inner: Arc::new(inner),
@@ -221,23 +212,20 @@ impl PtxUpdater {
 
 impl fmt::Debug for PtxUpdater {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = &self.inner;
         f.debug_struct("PtxUpdater")
-            .field("entry", &self.inner.entry)
-            .field("dtype", &self.inner.dtype)
-            .field("scalars", &self.inner.scalars)
-            .field("state", &self.inner.state)
+            .field("entry", &i.entry)
+            .field("dtype", &i.dtype)
+            .field("scalars", &i.scalars)
+            .field("state", &i.state)
             // The module by its checksum: ranks with different PTX of one entry name differ.
             .field(
                 "ptx",
-                &format_args!(
-                    "{} bytes, crc32 {:08x}",
-                    self.inner.ptx.len(),
-                    self.inner.ptx_crc
-                ),
+                &format_args!("{} bytes, crc32 {:08x}", i.ptx.len(), i.ptx_crc),
             )
             .field(
                 "cpu_twin",
-                &self.inner.cpu_twin.as_ref().map(CustomUpdater::identity),
+                &i.cpu_twin.as_ref().map(CustomUpdater::identity),
             )
             .finish()
     }
