@@ -42,41 +42,32 @@ impl Key {
     }
 }
 
-/// `From` and [`IntoKey`] for each type that names a key without a range to check.
+/// `From` for each type that names a key without a range to check, and [`IntoKey`] for those
+/// that have no impl of their own (the integers have `int_keys`).
 macro_rules! key_from {
-    ($($t:ty => |$k:ident| $key:expr),* $(,)?) => {$(
-        impl From<$t> for Key {
+    ($($t:ty => |$k:ident| $key:expr),* ; $($into:ty),*) => {
+        $(impl From<$t> for Key {
             fn from($k: $t) -> Key {
                 $key
             }
-        }
-
-        impl IntoKey for $t {
+        })*
+        $(impl IntoKey for $into {
             fn into_key(self) -> Result<Key> {
                 Ok(Key::from(self))
             }
-        }
-    )*};
+        })*
+    };
 }
 
 key_from!(
+    i32 => |k| Key::Int(k),
+    &i32 => |k| Key::Int(*k),
     &str => |k| Key::Str(k.to_owned()),
     String => |k| Key::Str(k),
     &String => |k| Key::Str(k.clone()),
-    &Key => |k| k.clone(),
+    &Key => |k| k.clone();
+    &str, String, &String, &Key
 );
-
-impl From<i32> for Key {
-    fn from(k: i32) -> Key {
-        Key::Int(k)
-    }
-}
-
-impl From<&i32> for Key {
-    fn from(k: &i32) -> Key {
-        Key::Int(*k)
-    }
-}
 
 /// What names a key: [`Key`] and `&Key`, `&str`, `String` and `&String`, and every
 /// integer type (`i8`..`i64`, `u8`..`u64`, `isize`, `usize`, and references to them).

@@ -218,10 +218,7 @@ impl NDArray {
             (Storage::Host(h), Device::Gpu(i)) => {
                 Ok(NDArray::from_gpu(GpuBuf::upload(i, h)?, self.shape))
             }
-            (storage, device) => {
-                let data = storage.host()?.into_owned();
-                NDArray::place(data, self.shape, device)
-            }
+            (storage, device) => NDArray::place(storage.host()?.into_owned(), self.shape, device),
         }
     }
 
@@ -457,11 +454,8 @@ fn axpy<T: Element>(y: &mut [T], x: &[T], alpha: f64) {
 
 impl fmt::Debug for NDArray {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "NDArray({}, {}, {}, {})",
-            self, self.shape, self.dtype, self.device
-        )
+        let (shape, dtype, device) = (self.shape, self.dtype, self.device);
+        write!(f, "NDArray({self}, {shape}, {dtype}, {device})")
     }
 }
 
@@ -471,15 +465,13 @@ impl fmt::Display for NDArray {
         if self.size() == 0 {
             return f.write_str("[]");
         }
-        let values: Vec<f64> = match self.to_vec() {
-            Ok(v) => v,
-            Err(e) => return write!(f, "<unreadable: {e}>"),
-        };
-        let text: Vec<String> = values
-            .iter()
-            .map(|&x| format_element(x, self.dtype))
-            .collect();
-        write_nested(f, self.shape.dims(), &text, 0)
+        match self.to_vec::<f64>() {
+            Ok(v) => {
+                let text: Vec<String> = v.iter().map(|&x| format_element(x, self.dtype)).collect();
+                write_nested(f, self.shape.dims(), &text, 0)
+            }
+            Err(e) => write!(f, "<unreadable: {e}>"),
+        }
     }
 }
 
@@ -505,15 +497,14 @@ fn write_nested(
         return f.write_str(text.first().map_or("", String::as_str));
     };
     let inner: usize = rest.iter().product();
+    let between = match rest.len() {
+        0 => " ".to_owned(),
+        d => "\n".repeat(d) + &" ".repeat(depth + 1),
+    };
     f.write_str("[")?;
     for i in 0..n {
         if i > 0 {
-            if rest.is_empty() {
-                f.write_str(" ")?;
-            } else {
-                f.write_str(&"\n".repeat(rest.len()))?;
-                f.write_str(&" ".repeat(depth + 1))?;
-            }
+            f.write_str(&between)?;
         }
         write_nested(f, rest, &text[i * inner..(i + 1) * inner], depth + 1)?;
     }
@@ -534,10 +525,7 @@ impl Mul<f64> for &NDArray {
 
 impl Mul<f64> for NDArray {
     type Output = NDArray;
-    /// A new array, `self * s`.
-    ///
-    /// # Panics
-    /// As `&NDArray * f64`; [`NDArray::try_mul`] returns an error instead.
+    /// A new array, `self * s`. Panics as `&NDArray * f64` does.
     fn mul(self, s: f64) -> NDArray {
         &self * s
     }
@@ -545,10 +533,7 @@ impl Mul<f64> for NDArray {
 
 impl Neg for &NDArray {
     type Output = NDArray;
-    /// A new array, `-self`.
-    ///
-    /// # Panics
-    /// As `&NDArray * f64`; `try_mul(-1.0)` returns an error instead.
+    /// A new array, `-self`. Panics as `&NDArray * f64` does; `try_mul(-1.0)` returns an error.
     fn neg(self) -> NDArray {
         self * -1.0
     }
@@ -556,10 +541,7 @@ impl Neg for &NDArray {
 
 impl Neg for NDArray {
     type Output = NDArray;
-    /// A new array, `-self`.
-    ///
-    /// # Panics
-    /// As `&NDArray * f64`; `try_mul(-1.0)` returns an error instead.
+    /// A new array, `-self`. Panics as `&NDArray * f64` does; `try_mul(-1.0)` returns an error.
     fn neg(self) -> NDArray {
         &self * -1.0
     }
@@ -590,10 +572,7 @@ macro_rules! binary_ops {
             }
         }
         impl $assign_trait<NDArray> for NDArray {
-            /// In place, elementwise.
-            ///
-            /// # Panics
-            /// As the `&NDArray` form; [`NDArray::add_scaled`] returns an error instead.
+            /// In place, elementwise. Panics as the `&NDArray` form does.
             fn $assign_method(&mut self, rhs: NDArray) {
                 $assign_trait::$assign_method(self, &rhs)
             }
@@ -612,10 +591,7 @@ macro_rules! binary_ops {
         }
         impl $trait<NDArray> for NDArray {
             type Output = NDArray;
-            /// A new array, elementwise.
-            ///
-            /// # Panics
-            /// As the `&NDArray` form; [`NDArray::axpby`] returns an error instead.
+            /// A new array, elementwise. Panics as the `&NDArray` form does.
             fn $method(self, rhs: NDArray) -> NDArray {
                 $trait::$method(&self, &rhs)
             }

@@ -143,14 +143,8 @@ impl fmt::Display for Shape {
         match self.dims() {
             [d] => write!(f, "({d},)"),
             dims => {
-                f.write_str("(")?;
-                for (i, d) in dims.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str(", ")?;
-                    }
-                    write!(f, "{d}")?;
-                }
-                f.write_str(")")
+                let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+                write!(f, "({})", dims.join(", "))
             }
         }
     }

@@ -396,12 +396,11 @@ impl Drop for AsyncKvStore {
     fn drop(&mut self) {
         self.shared.lock().closing = true;
         self.shared.changed.notify_all();
-        match self.worker.take() {
-            Some(w) if w.thread().id() == std::thread::current().id() => return,
-            Some(w) => {
-                let _ = w.join();
+        if let Some(w) = self.worker.take() {
+            if w.thread().id() == std::thread::current().id() {
+                return;
             }
-            None => {}
+            let _ = w.join();
         }
         report_unseen(&self.shared);
     }

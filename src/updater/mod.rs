@@ -243,16 +243,13 @@ impl Updater {
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidUpdater(what));
         match self {
-            Updater::Assign | Updater::Custom(_) => Ok(()),
             Updater::Ptx(p) if p.state_buffers() > 2 => bad(format!(
                 "a PTX updater keeps at most 2 state buffers (m and v), got {}",
                 p.state_buffers()
             )),
-            Updater::Ptx(_) => Ok(()),
             Updater::Axpby { a, b } if !(a.is_finite() && b.is_finite()) => {
                 bad(format!("axpby needs finite a and b, got a={a}, b={b}"))
             }
-            Updater::Axpby { .. } => Ok(()),
             Updater::Sgd(s) => {
                 check_common(s.lr, s.wd, s.rescale_grad, s.clip_gradient)?;
                 let m = s.momentum;
@@ -271,6 +268,9 @@ impl Updater {
                 if !(a.epsilon > 0.0 && a.epsilon.is_finite()) {
                     return bad(format!("adam epsilon must be positive, got {}", a.epsilon));
                 }
+                Ok(())
+            }
+            Updater::Assign | Updater::Axpby { .. } | Updater::Custom(_) | Updater::Ptx(_) => {
                 Ok(())
             }
         }

@@ -87,10 +87,8 @@ impl PtxUpdater {
     /// compiled by the driver when a GPU first uses it; a compile error then fails that push.
     /// A trailing NUL (as NVRTC's output has) is dropped; any other NUL is refused.
     pub fn new(ptx: impl Into<String>, entry: &str, dtype: DType) -> Result<PtxUpdater> {
-        let mut ptx = ptx.into();
-        while ptx.ends_with('\0') {
-            ptx.pop();
-        }
+        let ptx = ptx.into();
+        let ptx = ptx.trim_end_matches('\0');
         if ptx.contains('\0') || entry.contains('\0') {
             return Err(Error::InvalidUpdater(
                 "the PTX text or the entry name contains a NUL character".to_owned(),
@@ -101,7 +99,7 @@ impl PtxUpdater {
                 "a PTX updater works on f32, f16 or bf16 keys, not f64".to_owned(),
             ));
         }
-        check_entry(&ptx, entry)?;
+        check_entry(ptx, entry)?;
         Ok(PtxUpdater {
             inner: Arc::new(Inner {
                 ptx_crc: crc32fast::hash(ptx.as_bytes()),
@@ -135,8 +133,7 @@ impl PtxUpdater {
         self,
         f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
     ) -> PtxUpdater {
-        let twin = CustomUpdater::infallible(f, None);
-        self.rebuild(|i| i.cpu_twin = Some(twin))
+        self.rebuild(|i| i.cpu_twin = Some(CustomUpdater::infallible(f, None)))
     }
 
     /// [`PtxUpdater::with_cpu_twin`] with a `label` that joins the twin's identity: the values
@@ -149,8 +146,7 @@ impl PtxUpdater {
         label: &str,
         f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
     ) -> PtxUpdater {
-        let twin = CustomUpdater::infallible(f, Some(label));
-        self.rebuild(|i| i.cpu_twin = Some(twin))
+        self.rebuild(|i| i.cpu_twin = Some(CustomUpdater::infallible(f, Some(label))))
     }
 
     /// A copy with a change to its launch arguments or twin; the module is the same, so a GPU

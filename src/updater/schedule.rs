@@ -268,16 +268,10 @@ impl LrScheduler {
             }
             Decay::Poly {
                 max_update,
-                pwr,
                 final_lr,
-            } => {
-                if n > *max_update {
-                    return *final_lr;
-                }
-                let done = (n - w.steps) as f64 / (max_update - w.steps) as f64;
-                final_lr + (base_lr - final_lr) * (1.0 - done).powf(*pwr)
+                ..
             }
-            Decay::Cosine {
+            | Decay::Cosine {
                 max_update,
                 final_lr,
             } => {
@@ -285,7 +279,11 @@ impl LrScheduler {
                     return *final_lr;
                 }
                 let done = (n - w.steps) as f64 / (max_update - w.steps) as f64;
-                final_lr + (base_lr - final_lr) * (1.0 + (PI * done).cos()) / 2.0
+                let left = match &self.decay {
+                    Decay::Poly { pwr, .. } => (1.0 - done).powf(*pwr),
+                    _ => (1.0 + (PI * done).cos()) / 2.0,
+                };
+                final_lr + (base_lr - final_lr) * left
             }
         }
     }

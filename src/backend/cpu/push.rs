@@ -35,12 +35,7 @@ pub(crate) fn push_fused<T: Element>(
     });
     let s0 = bufs.next().unwrap_or_default();
     let s1 = bufs.next().unwrap_or_default();
-    let job = PushJob {
-        values,
-        stored,
-        state: [s0, s1],
-    };
-    super::push(job, &rule, par_min_bytes);
+    super::push(PushJob::new(values, stored, [s0, s1]), &rule, par_min_bytes);
 }
 
 /// The state of `updater` (of set_updater call `generation`) for a value of `len` elements,
