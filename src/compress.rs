@@ -98,9 +98,7 @@ impl Compression {
                 "2-bit gradient compression, threshold {threshold} (bits {:#010x})",
                 threshold.to_bits()
             ),
-            Compression::Half { dtype } => {
-                format!("{dtype} wire with error feedback")
-            }
+            Compression::Half { dtype } => format!("{dtype} wire with error feedback"),
         }
     }
 
@@ -136,31 +134,20 @@ fn half_round_trip<H: HalfWire>(value: &[f32], residual: &[f32], left: &mut [f32
         .collect()
 }
 
-/// A 16-bit float type of the wire: `bf16` or `f16`.
-pub(crate) trait HalfWire: crate::Element + Copy {
+/// A 16-bit float type of the wire: `bf16` or `f16`, whose accumulator is float32.
+pub(crate) trait HalfWire: crate::Element<Acc = f32> {
     /// The nearest value (ties to even).
-    fn round(x: f32) -> Self;
+    fn round(x: f32) -> Self {
+        Self::from_acc(x)
+    }
     /// Its float32 value (exact).
-    fn widen(self) -> f32;
-}
-
-impl HalfWire for bf16 {
-    fn round(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
     fn widen(self) -> f32 {
-        self.to_f32()
+        self.to_acc()
     }
 }
 
-impl HalfWire for f16 {
-    fn round(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-}
+impl HalfWire for bf16 {}
+impl HalfWire for f16 {}
 
 /// Rounds `value` plus `residual` to `H`, element by element, writing the rounding error into
 /// `left` (0 where the sum or what it rounds to is not finite): what the 16-bit wire sends.

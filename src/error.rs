@@ -199,11 +199,9 @@ pub enum Error {
     #[error("invalid updater: {0}")]
     InvalidUpdater(String),
 
-    /// A checkpoint could not be written or read, or does not fit the store. `kind` tells a
-    /// missing file from an I/O failure, a corrupt or invalid file, and a valid file that does
-    /// not fit the store; `source` is the underlying [`std::io::Error`] or safetensors error,
-    /// where there is one (also returned by [`std::error::Error::source`]). A failed `load`
-    /// changes nothing; a failed `save` leaves any previous file at `path` as it was.
+    /// A checkpoint could not be written or read, or does not fit the store (`kind` says which).
+    /// A failed `load` changes nothing; a failed `save` leaves any previous file at `path` as it
+    /// was.
     #[error("checkpoint {}: {message}", path.display())]
     Checkpoint {
         /// The checkpoint file.
@@ -341,8 +339,7 @@ pub enum Error {
 
     /// The ranks of a distributed store disagree on a call (its op, keys, shapes, dtypes or
     /// place in the sequence of calls). Every rank gets this error for the same call, before any
-    /// data moves. The distributed world is unusable afterwards: later calls fail with
-    /// [`Error::DistFailed`], and the job ends with a non-zero exit.
+    /// data moves. Then the world is unusable ([`Error::DistFailed`]; the job exits non-zero).
     #[error(
         "{op} (call #{seq}): the ranks disagree on this call: {detail}; every rank must make the \
          same kvstore calls, with the same keys, shapes and dtypes, in the same order"
@@ -396,9 +393,8 @@ pub enum Error {
         reason: String,
     },
 
-    /// A collective of a distributed store did not complete within `KVSTORE_TIMEOUT`. The
-    /// distributed world is unusable afterwards: later calls fail with [`Error::DistFailed`], and
-    /// the job ends with a non-zero exit.
+    /// A collective of a distributed store did not complete within `KVSTORE_TIMEOUT`. Then the
+    /// world is unusable ([`Error::DistFailed`]; the job exits non-zero).
     #[error(
         "{op} (call #{seq}) of keys [{}] timed out{}: {detail}",
         keys.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(", "),
@@ -421,9 +417,8 @@ pub enum Error {
 
     /// Another rank of a distributed store exited before making this call: it failed (it
     /// panicked, exited with a non-zero code, or its own distributed world had failed), or it
-    /// exited normally with calls still to make. The call can never complete. The distributed
-    /// world is unusable afterwards: later calls fail with [`Error::DistFailed`], and the job ends
-    /// with a non-zero exit.
+    /// exited normally with calls still to make. The call can never complete. Then the world is
+    /// unusable ([`Error::DistFailed`]; the job exits non-zero).
     #[error(
         "{op} (call #{seq}): rank {rank}{} {detail}, so this call can never complete. The \
          distributed world is unusable now: see rank {rank}'s own output for why it exited, fix \
@@ -541,51 +536,14 @@ impl Error {
     }
 
     /// Names `key` in a GPU error that has no key yet; other errors are returned as they are.
-    pub(crate) fn with_key(self, key: &Key) -> Error {
-        match self {
-            Error::Cuda {
-                op,
-                key: None,
-                message,
-                source,
-            } => Error::Cuda {
-                op,
-                key: Some(key.clone()),
-                message,
-                source,
-            },
-            Error::OutOfMemory {
-                op,
-                key: None,
-                device,
-                requested,
-                source,
-            } => Error::OutOfMemory {
-                op,
-                key: Some(key.clone()),
-                device,
-                requested,
-                source,
-            },
-            Error::GpuArch {
-                op,
-                key: None,
-                what,
-                device,
-                have,
-                need,
-                fix,
-            } => Error::GpuArch {
-                op,
-                key: Some(key.clone()),
-                what,
-                device,
-                have,
-                need,
-                fix,
-            },
-            other => other,
+    pub(crate) fn with_key(mut self, key: &Key) -> Error {
+        if let Error::Cuda { key: k @ None, .. }
+        | Error::OutOfMemory { key: k @ None, .. }
+        | Error::GpuArch { key: k @ None, .. } = &mut self
+        {
+            *k = Some(key.clone());
         }
+        self
     }
 
     /// The error for a failed driver call during `op` (on GPU `ordinal`, when known):
@@ -608,10 +566,7 @@ impl Error {
                 source: e,
             };
         }
-        let on = match ordinal {
-            Some(i) => format!("gpu({i}): "),
-            None => String::new(),
-        };
+        let on = ordinal.map(|i| format!("gpu({i}): ")).unwrap_or_default();
         Error::Cuda {
             op,
             key: None,
@@ -652,12 +607,7 @@ impl Error {
     /// like): the context it happened in is unusable for the rest of the process, so every
     /// later GPU call on that device fails too.
     pub fn is_sticky_gpu_fault(&self) -> bool {
-        match self {
-            Error::Cuda {
-                source: Some(e), ..
-            } => sticky_fault(e.0).is_some(),
-            _ => false,
-        }
+        matches!(self, Error::Cuda { source: Some(e), .. } if sticky_fault(e.0).is_some())
     }
 }
 

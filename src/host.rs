@@ -12,27 +12,16 @@ pub use crate::dtype::HostData;
 /// element type.
 macro_rules! with_host {
     ($data:expr, $v:ident: $t:ident => $body:expr) => {
+        $crate::host::with_host!(@each $data, $v, $t, $body;
+            F32 f32, F64 f64, F16 half::f16, BF16 half::bf16)
+    };
+    (@each $data:expr, $v:ident, $t:ident, $body:expr; $($variant:ident $ty:ty),*) => {
         match $data {
-            $crate::host::HostData::F32($v) => {
+            $($crate::host::HostData::$variant($v) => {
                 #[allow(dead_code)]
-                type $t = f32;
+                type $t = $ty;
                 $body
-            }
-            $crate::host::HostData::F64($v) => {
-                #[allow(dead_code)]
-                type $t = f64;
-                $body
-            }
-            $crate::host::HostData::F16($v) => {
-                #[allow(dead_code)]
-                type $t = half::f16;
-                $body
-            }
-            $crate::host::HostData::BF16($v) => {
-                #[allow(dead_code)]
-                type $t = half::bf16;
-                $body
-            }
+            })*
         }
     };
 }
@@ -45,10 +34,7 @@ impl HostData {
     /// If `len` elements of `dtype` would take more than `isize::MAX` bytes (Rust's
     /// "capacity overflow"); check first with [`Shape::nbytes`](crate::Shape::nbytes).
     pub fn filled(dtype: DType, len: usize, value: f64) -> HostData {
-        match HostData::try_filled(dtype, len, value) {
-            Ok(h) => h,
-            Err(e) => panic!("{e}"),
-        }
+        HostData::try_filled(dtype, len, value).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// [`HostData::filled`], with an [`Error::ShapeTooLarge`] instead of a panic when `len`
@@ -69,12 +55,7 @@ impl HostData {
 
     /// The dtype of the elements.
     pub fn dtype(&self) -> DType {
-        match self {
-            HostData::F32(_) => DType::F32,
-            HostData::F64(_) => DType::F64,
-            HostData::F16(_) => DType::F16,
-            HostData::BF16(_) => DType::BF16,
-        }
+        with_host!(self, _v: T => T::DTYPE)
     }
 
     /// The number of elements.

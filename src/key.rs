@@ -42,41 +42,32 @@ impl Key {
     }
 }
 
-impl From<i32> for Key {
-    fn from(k: i32) -> Key {
-        Key::Int(k)
-    }
+/// `From` for each type that names a key without a range to check, and [`IntoKey`] for those
+/// that have no impl of their own (the integers have `int_keys`).
+macro_rules! key_from {
+    ($($t:ty => |$k:ident| $key:expr),* ; $($into:ty),*) => {
+        $(impl From<$t> for Key {
+            fn from($k: $t) -> Key {
+                $key
+            }
+        })*
+        $(impl IntoKey for $into {
+            fn into_key(self) -> Result<Key> {
+                Ok(Key::from(self))
+            }
+        })*
+    };
 }
 
-impl From<&str> for Key {
-    fn from(k: &str) -> Key {
-        Key::Str(k.to_owned())
-    }
-}
-
-impl From<String> for Key {
-    fn from(k: String) -> Key {
-        Key::Str(k)
-    }
-}
-
-impl From<&String> for Key {
-    fn from(k: &String) -> Key {
-        Key::Str(k.clone())
-    }
-}
-
-impl From<&Key> for Key {
-    fn from(k: &Key) -> Key {
-        k.clone()
-    }
-}
-
-impl From<&i32> for Key {
-    fn from(k: &i32) -> Key {
-        Key::Int(*k)
-    }
-}
+key_from!(
+    i32 => |k| Key::Int(k),
+    &i32 => |k| Key::Int(*k),
+    &str => |k| Key::Str(k.to_owned()),
+    String => |k| Key::Str(k),
+    &String => |k| Key::Str(k.clone()),
+    &Key => |k| k.clone();
+    &str, String, &String, &Key
+);
 
 /// What names a key: [`Key`] and `&Key`, `&str`, `String` and `&String`, and every
 /// integer type (`i8`..`i64`, `u8`..`u64`, `isize`, `usize`, and references to them).
@@ -101,30 +92,6 @@ pub trait IntoKey {
 impl IntoKey for Key {
     fn into_key(self) -> Result<Key> {
         Ok(self)
-    }
-}
-
-impl IntoKey for &Key {
-    fn into_key(self) -> Result<Key> {
-        Ok(self.clone())
-    }
-}
-
-impl IntoKey for &str {
-    fn into_key(self) -> Result<Key> {
-        Ok(Key::Str(self.to_owned()))
-    }
-}
-
-impl IntoKey for String {
-    fn into_key(self) -> Result<Key> {
-        Ok(Key::Str(self))
-    }
-}
-
-impl IntoKey for &String {
-    fn into_key(self) -> Result<Key> {
-        Ok(Key::Str(self.clone()))
     }
 }
 

@@ -106,10 +106,7 @@ impl NDArray {
     /// # Panics
     /// As [`NDArray::zeros`]; [`NDArray::try_full`] returns an error instead.
     pub fn full(shape: impl Into<Shape>, value: f64) -> NDArray {
-        match NDArray::try_full(shape, value) {
-            Ok(a) => a,
-            Err(e) => panic!("{e}"),
-        }
+        NDArray::try_full(shape, value).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// [`NDArray::zeros`], with an error instead of a panic when the shape is too large.
@@ -172,12 +169,7 @@ impl NDArray {
     /// ```
     pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>) -> Result<NDArray> {
         let shape = shape.into();
-        if data.len() != shape.size() {
-            return Err(Error::DataLength {
-                len: data.len(),
-                shape: Box::new(shape),
-            });
-        }
+        check_len(data.len(), shape)?;
         Ok(NDArray::from_host(T::wrap(data), shape, Device::Cpu(0)))
     }
 
@@ -226,10 +218,7 @@ impl NDArray {
             (Storage::Host(h), Device::Gpu(i)) => {
                 Ok(NDArray::from_gpu(GpuBuf::upload(i, h)?, self.shape))
             }
-            (storage, device) => {
-                let data = storage.host()?.into_owned();
-                NDArray::place(data, self.shape, device)
-            }
+            (storage, device) => NDArray::place(storage.host()?.into_owned(), self.shape, device),
         }
     }
 
@@ -284,13 +273,7 @@ impl NDArray {
 
     /// `self *= s`, in place. Arrays on a GPU go through the host and back (slow).
     pub fn scale(&self, s: f64) -> Result<()> {
-        self.modify_host(|h| with_host!(h, v: T => scale(v, s)))
-    }
-
-    /// Runs `f` on the host elements under the write lock; a GPU array is copied to the host
-    /// and back.
-    fn modify_host(&self, f: impl FnOnce(&mut HostData)) -> Result<()> {
-        modify_locked(&mut self.write(), f)
+        modify_locked(&mut self.write(), |h| with_host!(h, v: T => scale(v, s)))
     }
 
     /// A new array `self * s`: `&a * s` with an error instead of a panic (a GPU array that
@@ -362,20 +345,9 @@ impl NDArray {
 
     /// The storage, moved out when this is the only handle to it; the array back otherwise.
     pub(crate) fn into_storage(self) -> std::result::Result<Storage, NDArray> {
-        let NDArray {
-            data,
-            shape,
-            dtype,
-            device,
-        } = self;
-        match Arc::try_unwrap(data) {
+        match Arc::try_unwrap(self.data) {
             Ok(lock) => Ok(lock.into_inner().unwrap_or_else(|e| e.into_inner())),
-            Err(data) => Err(NDArray {
-                data,
-                shape,
-                dtype,
-                device,
-            }),
+            Err(data) => Err(NDArray { data, ..self }),
         }
     }
 
@@ -383,21 +355,13 @@ impl NDArray {
     /// copied otherwise (a custom updater may have kept a clone, or assigned an array of its
     /// own; a GPU array is downloaded).
     pub(crate) fn into_host(self) -> Result<HostData> {
-        match Arc::try_unwrap(self.data) {
-            Ok(lock) => match lock.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                Storage::Host(h) => Ok(h),
-                Storage::Gpu(b) => b.download(),
-            },
-            Err(shared) => match &*shared.read().unwrap_or_else(|e| e.into_inner()) {
-                Storage::Host(h) => Ok(h.clone()),
-                Storage::Gpu(b) => b.download(),
-            },
+        match self.into_storage() {
+            Ok(Storage::Host(h)) => Ok(h),
+            Ok(Storage::Gpu(b)) => b.download(),
+            Err(shared) => Ok(shared.read().host()?.into_owned()),
         }
     }
-}
 
-/// Constructors that place data on a given device, and that take `f64` data with a dtype tag.
-impl NDArray {
     /// An array on `device` holding `data` in row-major order; its dtype is `T`'s. An error if
     /// the length is not `shape`'s size or the device does not exist. On a CPU device the
     /// vector is taken as is; on a GPU it is copied there.
@@ -490,11 +454,8 @@ fn axpy<T: Element>(y: &mut [T], x: &[T], alpha: f64) {
 
 impl fmt::Debug for NDArray {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "NDArray({}, {}, {}, {})",
-            self, self.shape, self.dtype, self.device
-        )
+        let (shape, dtype, device) = (self.shape, self.dtype, self.device);
+        write!(f, "NDArray({self}, {shape}, {dtype}, {device})")
     }
 }
 
@@ -504,15 +465,13 @@ impl fmt::Display for NDArray {
         if self.size() == 0 {
             return f.write_str("[]");
         }
-        let values: Vec<f64> = match self.to_vec() {
-            Ok(v) => v,
-            Err(e) => return write!(f, "<unreadable: {e}>"),
-        };
-        let text: Vec<String> = values
-            .iter()
-            .map(|&x| format_element(x, self.dtype))
-            .collect();
-        write_nested(f, self.shape.dims(), &text, 0)
+        match self.to_vec::<f64>() {
+            Ok(v) => {
+                let text: Vec<String> = v.iter().map(|&x| format_element(x, self.dtype)).collect();
+                write_nested(f, self.shape.dims(), &text, 0)
+            }
+            Err(e) => write!(f, "<unreadable: {e}>"),
+        }
     }
 }
 
@@ -538,15 +497,14 @@ fn write_nested(
         return f.write_str(text.first().map_or("", String::as_str));
     };
     let inner: usize = rest.iter().product();
+    let between = match rest.len() {
+        0 => " ".to_owned(),
+        d => "\n".repeat(d) + &" ".repeat(depth + 1),
+    };
     f.write_str("[")?;
     for i in 0..n {
         if i > 0 {
-            if rest.is_empty() {
-                f.write_str(" ")?;
-            } else {
-                f.write_str(&"\n".repeat(rest.len()))?;
-                f.write_str(&" ".repeat(depth + 1))?;
-            }
+            f.write_str(&between)?;
         }
         write_nested(f, rest, &text[i * inner..(i + 1) * inner], depth + 1)?;
     }
@@ -561,19 +519,13 @@ impl Mul<f64> for &NDArray {
     /// If the array is on a GPU and the copy or the scaling fails (a CUDA error);
     /// [`NDArray::try_mul`] returns the error instead. Host arrays never panic.
     fn mul(self, s: f64) -> NDArray {
-        match self.try_mul(s) {
-            Ok(a) => a,
-            Err(e) => panic!("{e}"),
-        }
+        self.try_mul(s).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
 impl Mul<f64> for NDArray {
     type Output = NDArray;
-    /// A new array, `self * s`.
-    ///
-    /// # Panics
-    /// As `&NDArray * f64`; [`NDArray::try_mul`] returns an error instead.
+    /// A new array, `self * s`. Panics as `&NDArray * f64` does.
     fn mul(self, s: f64) -> NDArray {
         &self * s
     }
@@ -581,10 +533,7 @@ impl Mul<f64> for NDArray {
 
 impl Neg for &NDArray {
     type Output = NDArray;
-    /// A new array, `-self`.
-    ///
-    /// # Panics
-    /// As `&NDArray * f64`; `try_mul(-1.0)` returns an error instead.
+    /// A new array, `-self`. Panics as `&NDArray * f64` does; `try_mul(-1.0)` returns an error.
     fn neg(self) -> NDArray {
         self * -1.0
     }
@@ -592,10 +541,7 @@ impl Neg for &NDArray {
 
 impl Neg for NDArray {
     type Output = NDArray;
-    /// A new array, `-self`.
-    ///
-    /// # Panics
-    /// As `&NDArray * f64`; `try_mul(-1.0)` returns an error instead.
+    /// A new array, `-self`. Panics as `&NDArray * f64` does; `try_mul(-1.0)` returns an error.
     fn neg(self) -> NDArray {
         &self * -1.0
     }
@@ -608,9 +554,7 @@ impl MulAssign<f64> for NDArray {
     /// If the array is on a GPU and the scaling fails (a CUDA error); [`NDArray::scale`]
     /// returns the error instead. Host arrays never panic.
     fn mul_assign(&mut self, s: f64) {
-        if let Err(e) = self.scale(s) {
-            panic!("{e}");
-        }
+        self.scale(s).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
@@ -623,16 +567,12 @@ macro_rules! binary_ops {
             /// If the operands differ in shape or dtype, or a GPU operand fails (a CUDA error);
             /// [`NDArray::add_scaled`] returns an error instead.
             fn $assign_method(&mut self, rhs: &NDArray) {
-                if let Err(e) = self.add_scaled(rhs, $sign) {
-                    panic!("{e}");
-                }
+                self.add_scaled(rhs, $sign)
+                    .unwrap_or_else(|e| panic!("{e}"))
             }
         }
         impl $assign_trait<NDArray> for NDArray {
-            /// In place, elementwise.
-            ///
-            /// # Panics
-            /// As the `&NDArray` form; [`NDArray::add_scaled`] returns an error instead.
+            /// In place, elementwise. Panics as the `&NDArray` form does.
             fn $assign_method(&mut self, rhs: NDArray) {
                 $assign_trait::$assign_method(self, &rhs)
             }
@@ -645,18 +585,13 @@ macro_rules! binary_ops {
             /// If the operands differ in shape or dtype, or a GPU operand fails (a CUDA error);
             /// [`NDArray::axpby`] returns an error instead.
             fn $method(self, rhs: &NDArray) -> NDArray {
-                match self.axpby(1.0, rhs, $sign) {
-                    Ok(a) => a,
-                    Err(e) => panic!("{e}"),
-                }
+                self.axpby(1.0, rhs, $sign)
+                    .unwrap_or_else(|e| panic!("{e}"))
             }
         }
         impl $trait<NDArray> for NDArray {
             type Output = NDArray;
-            /// A new array, elementwise.
-            ///
-            /// # Panics
-            /// As the `&NDArray` form; [`NDArray::axpby`] returns an error instead.
+            /// A new array, elementwise. Panics as the `&NDArray` form does.
             fn $method(self, rhs: NDArray) -> NDArray {
                 $trait::$method(&self, &rhs)
             }

@@ -102,10 +102,7 @@ macro_rules! shape_from_array {
             /// If the product of the dimensions is over `isize::MAX`; [`Shape::new`] returns
             /// an error instead.
             fn from(a: [usize; $n]) -> Shape {
-                match Shape::new(&a) {
-                    Ok(s) => s,
-                    Err(e) => panic!("{e}"),
-                }
+                Shape::new(&a).unwrap_or_else(|e| panic!("{e}"))
             }
         }
         impl From<&[usize; $n]> for Shape {
@@ -146,14 +143,8 @@ impl fmt::Display for Shape {
         match self.dims() {
             [d] => write!(f, "({d},)"),
             dims => {
-                f.write_str("(")?;
-                for (i, d) in dims.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str(", ")?;
-                    }
-                    write!(f, "{d}")?;
-                }
-                f.write_str(")")
+                let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+                write!(f, "({})", dims.join(", "))
             }
         }
     }

@@ -101,11 +101,8 @@ impl HomeValue {
     /// where `value` is its only handle and already lives on `home` (a transfer's fresh
     /// buffer), copied otherwise.
     pub(crate) fn from_array(value: NDArray, home: Device) -> Result<HomeValue> {
-        let in_place = match (home, value.device()) {
-            (Device::Gpu(i), Device::Gpu(j)) => i == j,
-            (Device::Cpu(_), Device::Cpu(_)) => true,
-            _ => false,
-        };
+        // Every cpu(i) is host memory.
+        let in_place = home == value.device() || !(home.is_gpu() || value.device().is_gpu());
         if !in_place {
             return HomeValue::copy_of(&value, home);
         }
@@ -126,19 +123,22 @@ impl HomeValue {
 
     /// The key's step under updater `generation`: `None` when it has no state for it.
     pub(crate) fn step(&self, generation: u64) -> Option<u64> {
-        let host = self.state.as_ref().and_then(|s| s.step_of(generation));
+        let host = self.host_state_of(generation).map(|s| s.step);
         match &self.place {
             Place::Gpu(c) => c.step(generation).or(host),
             Place::Host(_) => host,
         }
     }
 
+    /// The host updater state, when it is updater `generation`'s.
+    fn host_state_of(&self, generation: u64) -> Option<&State> {
+        self.state.as_ref().filter(|s| s.generation == generation)
+    }
+
     /// Host copies of the value and of its state for updater `generation` (for checkpoints).
     pub(crate) fn to_host(&self, generation: u64) -> Result<(HostData, Option<HostState>)> {
         let host_state = || {
-            self.state
-                .as_ref()
-                .filter(|s| s.generation == generation)
+            self.host_state_of(generation)
                 .map(|s| (s.step, s.bufs.clone()))
         };
         Ok(match &self.place {
@@ -209,10 +209,7 @@ impl HomeValue {
     /// Puts in a load staged by [`HomeValue::stage_load`] on this cell. Allocates no GPU
     /// memory: on a GPU home it fails only where the GPU itself does.
     pub(crate) fn commit_load(&mut self, staged: StagedLoad) -> Result<()> {
-        match &mut self.place {
-            Place::Host(h) => *h = staged.value,
-            Place::Gpu(c) => c.buf.upload_into(&staged.value)?,
-        }
+        self.replace_value(staged.value)?;
         self.commit_state(staged.state)
     }
 
@@ -266,10 +263,8 @@ impl HomeValue {
         let downloaded;
         let (value, state): (&HostData, Option<(u64, &[HostData])>) = match &self.place {
             Place::Host(h) => {
-                let state = (self.state.as_ref())
-                    .filter(|s| s.generation == generation)
-                    .map(|s| (s.step, s.bufs.as_slice()));
-                (h, state)
+                let state = self.host_state_of(generation);
+                (h, state.map(|s| (s.step, s.bufs.as_slice())))
             }
             Place::Gpu(_) => {
                 downloaded = self.to_host(generation)?;
@@ -325,11 +320,7 @@ impl HomeValue {
             });
         };
         let (mut value, state) = self.to_host(generation)?;
-        let state = state.map(|(step, bufs)| State {
-            generation,
-            step,
-            bufs,
-        });
+        let state = host_state(generation, state);
         write_rows(&mut value, &segs, &rows, clear);
         let state = merge_state(state, rows_state, &segs, value.len(), generation);
         let shape = Shape::new(&[value.len()])?;
@@ -463,7 +454,7 @@ pub(crate) struct HomePush<'a> {
 /// Applies a validated push with a built-in or PTX updater (PTX: GPU homes only) to `jobs`, in
 /// their order: host homes at once, with the fused CPU loop; GPU homes enqueued together on
 /// the CUDA backend ([`cuda::push`]), except the slow path of dtypes without a kernel
-/// (`float64`), which updates a host copy and copies it back. `links`: how sums travel between
+/// (`float64`), which updates a host copy and copies it back. `between`: how sums travel between
 /// GPUs (`comm`'s choice).
 pub(crate) fn push(
     updater: &Updater,

@@ -16,10 +16,7 @@ pub fn gpu_count() -> usize {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return 0;
         }
-        match cudarc::driver::CudaContext::device_count() {
-            Ok(n) if n > 0 => n as usize,
-            _ => 0,
-        }
+        cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
     })
 }
 

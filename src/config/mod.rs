@@ -72,93 +72,84 @@ impl Config {
     /// The configuration `var` gives (a variable's value, or `None` when it is unset); the
     /// error names the first variable that is wrong.
     pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let v = Vars(var);
         Ok(Config {
-            par_min_bytes: count(
-                &var,
+            par_min_bytes: v.count(
                 "KVSTORE_PAR_MIN_BYTES",
                 PAR_MIN_BYTES,
                 "bytes (0 = always split over threads)",
             )?,
-            bigarray_bound: count(
-                &var,
+            bigarray_bound: v.count(
                 "KVSTORE_BIGARRAY_BOUND",
                 DEFAULT_BIGARRAY_BOUND,
                 "elements (keys with more are sliced over every rank)",
             )?,
-            pool_bytes: count(
-                &var,
+            pool_bytes: v.count(
                 "KVSTORE_DIST_POOL_BYTES",
                 DEFAULT_POOL_BYTES,
                 "bytes (0 keeps no buffers between calls)",
             )?,
-            dist_check: switch(&var, "KVSTORE_DIST_CHECK", true)?,
-            timeout: seconds(&var, "KVSTORE_TIMEOUT", DEFAULT_TIMEOUT, "1800")?,
-            wait_log: seconds(&var, "KVSTORE_WAIT_LOG_SECS", DEFAULT_WAIT_LOG, "60")?,
+            dist_check: v.switch("KVSTORE_DIST_CHECK", true)?,
+            timeout: v.seconds("KVSTORE_TIMEOUT", DEFAULT_TIMEOUT, "1800")?,
+            wait_log: v.seconds("KVSTORE_WAIT_LOG_SECS", DEFAULT_WAIT_LOG, "60")?,
         })
     }
 }
 
-/// A whole number (`what` says of what) in `name`, or `default` when it is unset.
-fn count(
-    var: &impl Fn(&str) -> Option<String>,
-    name: &'static str,
-    default: usize,
-    what: &'static str,
-) -> Result<usize> {
-    let Some(v) = var(name) else {
-        return Ok(default);
-    };
-    v.trim().parse().map_err(|_| Error::InvalidEnv {
-        var: name,
-        value: v,
-        expected: what,
-    })
-}
+/// The variables as a reader gives them: a value, or `None` when unset.
+struct Vars<F>(F);
 
-/// A switch in `name`: `0`, `false`, `off`, `no` or `1`, `true`, `on`, `yes`; `default` when
-/// it is unset.
-fn switch(
-    var: &impl Fn(&str) -> Option<String>,
-    name: &'static str,
-    default: bool,
-) -> Result<bool> {
-    let Some(v) = var(name) else {
-        return Ok(default);
-    };
-    match v.trim().to_ascii_lowercase().as_str() {
-        "0" | "false" | "off" | "no" => Ok(false),
-        "1" | "true" | "on" | "yes" | "" => Ok(true),
-        _ => Err(Error::DistEnv {
-            var: name.to_owned(),
-            message: format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
-        }),
+impl<F: Fn(&str) -> Option<String>> Vars<F> {
+    /// A whole number (`what` says of what) in `name`, or `default` when it is unset.
+    fn count(&self, name: &'static str, default: usize, what: &'static str) -> Result<usize> {
+        let Some(v) = (self.0)(name) else {
+            return Ok(default);
+        };
+        v.trim().parse().map_err(|_| Error::InvalidEnv {
+            var: name,
+            value: v,
+            expected: what,
+        })
     }
-}
 
-/// A positive number of seconds (below 10⁹) in `name`, or `default` when it is unset.
-fn seconds(
-    var: &impl Fn(&str) -> Option<String>,
-    name: &'static str,
-    default: Duration,
-    example: &str,
-) -> Result<Duration> {
-    let Some(v) = var(name) else {
-        return Ok(default);
-    };
-    match v.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
-        parsed => Err(Error::DistEnv {
-            var: name.to_owned(),
-            message: format!(
-                "'{v}' {}: set it to e.g. {example}, or unset it for the default of {} s",
-                match parsed {
-                    Ok(s) if s >= 1e9 => "is too long: the bound is below 10^9 seconds (31 years)",
-                    Ok(_) => "is not a positive number of seconds",
-                    Err(_) => "is not a number of seconds",
-                },
-                default.as_secs()
-            ),
-        }),
+    /// A switch in `name`: `0`, `false`, `off`, `no` or `1`, `true`, `on`, `yes`; `default`
+    /// when it is unset.
+    fn switch(&self, name: &'static str, default: bool) -> Result<bool> {
+        let Some(v) = (self.0)(name) else {
+            return Ok(default);
+        };
+        match v.trim().to_ascii_lowercase().as_str() {
+            "0" | "false" | "off" | "no" => Ok(false),
+            "1" | "true" | "on" | "yes" | "" => Ok(true),
+            _ => Err(Error::DistEnv {
+                var: name.to_owned(),
+                message: format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
+            }),
+        }
+    }
+
+    /// A positive number of seconds (below 10⁹) in `name`, or `default` when it is unset.
+    fn seconds(&self, name: &'static str, default: Duration, example: &str) -> Result<Duration> {
+        let Some(v) = (self.0)(name) else {
+            return Ok(default);
+        };
+        match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+            parsed => Err(Error::DistEnv {
+                var: name.to_owned(),
+                message: format!(
+                    "'{v}' {}: set it to e.g. {example}, or unset it for the default of {} s",
+                    match parsed {
+                        Ok(s) if s >= 1e9 => {
+                            "is too long: the bound is below 10^9 seconds (31 years)"
+                        }
+                        Ok(_) => "is not a positive number of seconds",
+                        Err(_) => "is not a number of seconds",
+                    },
+                    default.as_secs()
+                ),
+            }),
+        }
     }
 }
 

@@ -101,7 +101,7 @@ fn max_sets_from(
 }
 
 /// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS` as the
-/// process first reads it , else 60 s. A value that is not a whole
+/// process first reads it, else 60 s. A value that is not a whole
 /// number of milliseconds is an [`Error::InvalidEnv`] naming it, at every call.
 pub(crate) fn timeout() -> Result<Duration> {
     static TIMEOUT: OnceLock<std::result::Result<Duration, Invalid>> = OnceLock::new();

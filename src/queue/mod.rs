@@ -69,9 +69,11 @@ pub struct CallSpan {
     pub ok: bool,
 }
 
+#[derive(Default)]
 struct State {
     pending: Pending<Call>,
-    next_id: u64,
+    /// The number of the last call queued (calls count from 1).
+    last_id: u64,
     failure: Option<Failure>,
     /// Keys of calls that failed or were not run since the last `wait_all`.
     failed_keys: HashSet<Key>,
@@ -80,6 +82,7 @@ struct State {
     timeline: Option<Vec<CallSpan>>,
 }
 
+#[derive(Default)]
 struct Shared {
     state: Mutex<State>,
     /// Signalled when a call is queued, when one finishes, and on close.
@@ -148,33 +151,18 @@ impl AsyncKvStore {
     /// or later through [`AsyncKvStore::store`] after [`AsyncKvStore::wait_all`].
     pub fn new(store: impl Into<Arc<KvStore>>) -> AsyncKvStore {
         let store = store.into();
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                pending: Pending::default(),
-                next_id: 1,
-                failure: None,
-                failed_keys: HashSet::new(),
-                closing: false,
-                timeline: None,
-            }),
-            changed: Condvar::new(),
-        });
+        let shared = Arc::new(Shared::default());
         let by_priority = store.num_workers() == 1;
-        let worker = {
-            let (store, shared) = (store.clone(), shared.clone());
-            std::thread::Builder::new()
-                .name("kvstore-async".into())
-                .spawn(move || work(&store, &shared, by_priority))
-        };
+        let (s, sh) = (store.clone(), shared.clone());
         // Without a thread, every call runs on the caller's thread as it is issued (see
         // `submit`): the order and the errors are the same.
-        let worker = match worker {
-            Ok(w) => Some(w),
-            Err(e) => {
-                log::warn!("kvstore: no worker thread ({e}); asynchronous calls run at once");
-                None
-            }
-        };
+        let worker = std::thread::Builder::new()
+            .name("kvstore-async".into())
+            .spawn(move || work(&s, &sh, by_priority))
+            .map_err(|e| {
+                log::warn!("kvstore: no worker thread ({e}); asynchronous calls run at once")
+            })
+            .ok();
         AsyncKvStore {
             store,
             shared,
@@ -225,8 +213,8 @@ impl AsyncKvStore {
         run: impl FnOnce(&KvStore) -> Result<()> + Send + 'static,
     ) {
         let mut state = self.shared.lock();
-        let id = state.next_id;
-        state.next_id += 1;
+        state.last_id += 1;
+        let id = state.last_id;
         let call = Call {
             op,
             what: format!("#{id} {what}"),
@@ -377,35 +365,27 @@ impl AsyncKvStore {
     /// An error for a wait made by a queued call itself (a custom updater that waits on the
     /// store it runs in): it would wait for itself forever.
     fn not_on_worker(&self, op: &'static str) -> Result<()> {
-        match IN_CALL.with(Cell::get) {
-            true => Err(Error::InvalidUpdater(format!(
+        if IN_CALL.with(Cell::get) {
+            return Err(Error::InvalidUpdater(format!(
                 "{op} was called from a queued call (a custom updater, say) on the store \
                      that runs it, and would wait for itself forever: wait outside the updater"
-            ))),
-            false => Ok(()),
+            )));
         }
+        Ok(())
     }
 
     /// Starts (`true`) or stops recording when each call ran; [`AsyncKvStore::take_timeline`]
     /// gives the record. Off by default.
     pub fn set_timeline(&self, on: bool) {
         let mut state = self.shared.lock();
-        match (on, state.timeline.is_some()) {
-            (true, false) => state.timeline = Some(Vec::new()),
-            (false, _) => state.timeline = None,
-            (true, true) => {}
-        }
+        state.timeline = on.then(|| state.timeline.take().unwrap_or_default());
     }
 
     /// The calls finished since the timeline was started or last taken, in the order they
     /// finished; empty when it is off.
     pub fn take_timeline(&self) -> Vec<CallSpan> {
-        let mut state = self.shared.lock();
-        state
-            .timeline
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
+        let timeline = self.shared.lock().timeline.as_mut().map(std::mem::take);
+        timeline.unwrap_or_default()
     }
 }
 
@@ -416,12 +396,11 @@ impl Drop for AsyncKvStore {
     fn drop(&mut self) {
         self.shared.lock().closing = true;
         self.shared.changed.notify_all();
-        match self.worker.take() {
-            Some(w) if w.thread().id() == std::thread::current().id() => return,
-            Some(w) => {
-                let _ = w.join();
+        if let Some(w) = self.worker.take() {
+            if w.thread().id() == std::thread::current().id() {
+                return;
             }
-            None => {}
+            let _ = w.join();
         }
         report_unseen(&self.shared);
     }
@@ -431,12 +410,12 @@ impl Drop for AsyncKvStore {
 /// unseen.
 fn report_unseen(shared: &Shared) {
     if let Some(f) = shared.lock().failure.take() {
-        let e = f.to_error();
-        log::error!("kvstore: an asynchronous call failed and no wait returned it: {e}");
-        let _ = writeln!(
-            std::io::stderr(),
-            "kvstore: an asynchronous call failed and no wait returned it: {e}"
+        let text = format!(
+            "kvstore: an asynchronous call failed and no wait returned it: {}",
+            f.to_error()
         );
+        log::error!("{text}");
+        let _ = writeln!(std::io::stderr(), "{text}");
     }
 }
 
@@ -505,23 +484,19 @@ fn finish(store: &KvStore, shared: &Shared, keys: Vec<Key>, call: Call) {
     let finished = Instant::now();
     let mut state = shared.lock();
     let ok = result.is_ok();
-    match result {
-        Ok(()) => {}
-        Err(Some(error)) => {
-            state.failure.get_or_insert(Failure {
-                what: call.what.clone(),
-                error: Arc::new(error),
-                skipped: 0,
-            });
-        }
-        Err(None) => {
-            if let Some(f) = state.failure.as_mut() {
-                f.skipped += 1;
-            }
-        }
-    }
-    if !ok {
+    if let Err(error) = result {
         state.failed_keys.extend(keys.iter().cloned());
+        match (error, state.failure.as_mut()) {
+            (Some(error), None) => {
+                state.failure = Some(Failure {
+                    what: call.what.clone(),
+                    error: Arc::new(error),
+                    skipped: 0,
+                })
+            }
+            (None, Some(f)) => f.skipped += 1,
+            _ => {}
+        }
     }
     if let Some(t) = state.timeline.as_mut() {
         t.push(CallSpan {

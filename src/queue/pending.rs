@@ -38,12 +38,9 @@ impl<T> Default for Pending<T> {
 
 impl<T> Pending<T> {
     /// Queues a call on `keys` (each counted once, however often it is named).
-    pub(super) fn push(&mut self, keys: Vec<Key>, priority: i32, item: T) {
+    pub(super) fn push(&mut self, mut keys: Vec<Key>, priority: i32, item: T) {
         let mut seen = HashSet::new();
-        let keys: Vec<Key> = keys
-            .into_iter()
-            .filter(|k| seen.insert(k.clone()))
-            .collect();
+        keys.retain(|k| seen.insert(k.clone()));
         for k in &keys {
             *self.busy.entry(k.clone()).or_insert(0) += 1;
         }
@@ -59,8 +56,6 @@ impl<T> Pending<T> {
     pub(super) fn next(&mut self, by_priority: bool) -> Option<(Vec<Key>, T)> {
         let at = if by_priority {
             self.first_by_priority()?
-        } else if self.waiting.is_empty() {
-            return None;
         } else {
             0
         };

@@ -76,6 +76,7 @@ impl Settings {
 }
 
 /// The learning rate and weight decay of each key of one push call, and the call's update count.
+#[derive(Default)]
 pub(super) struct PushHypers {
     per_key: Vec<Hyper>,
     num_update: u64,
@@ -104,10 +105,7 @@ impl PushHypers {
 pub(super) fn for_push(active: &Active, groups: &[Group<'_>], steps: &[u64]) -> PushHypers {
     let updater = &active.updater;
     if !updater.has_lr() {
-        return PushHypers {
-            per_key: Vec::new(),
-            num_update: 0,
-        };
+        return PushHypers::default();
     }
     let most = steps.iter().copied().max().unwrap_or(0) + 1;
     let num_update = most.max(active.hyper.num_update.load(Ordering::Relaxed));
@@ -169,7 +167,7 @@ impl KvStore {
             other => return Err(no_lr(&other)),
         };
         updater.validate()?;
-        replace_keeping_state(&mut active, updater);
+        replace(&mut active, |u, _| *u = updater);
         Ok(())
     }
 
@@ -215,7 +213,7 @@ impl KvStore {
             )));
         }
         active.hyper.check_fits(&updater)?;
-        replace_keeping_state(&mut active, updater);
+        replace(&mut active, |u, _| *u = updater);
         Ok(())
     }
 
@@ -246,10 +244,7 @@ impl KvStore {
             }
             s.validate(active.updater.hyper().lr)?;
         }
-        let updater = active.updater.clone();
-        let mut hyper = active.hyper.clone();
-        hyper.scheduler = scheduler;
-        *active = Arc::new(Active::new(updater, active.generation, hyper));
+        replace(&mut active, |_, hyper| hyper.scheduler = scheduler);
         Ok(())
     }
 
@@ -342,27 +337,26 @@ impl KvStore {
         }
         read(&self.table).get(op, &key)?;
         let mut active = write(&self.active);
-        let mut hyper = active.hyper.clone();
-        let mut mults = (*hyper.mults).clone();
+        let mut mults = (*active.hyper.mults).clone();
         let m = mults.entry(key.clone()).or_default();
         *field(m) = mult;
         if *m == Mult::default() {
             mults.remove(&key);
         }
-        hyper.mults = Arc::new(mults);
-        *active = Arc::new(Active::new(
-            active.updater.clone(),
-            active.generation,
-            hyper,
-        ));
+        replace(&mut active, |_, hyper| hyper.mults = Arc::new(mults));
         Ok(())
     }
 }
 
-/// Puts `updater` in force with the same generation, so every key keeps its state and step.
-fn replace_keeping_state(active: &mut RwLockWriteGuard<'_, Arc<Active>>, updater: Updater) {
-    let next = Active::new(updater, active.generation, active.hyper.clone());
-    **active = Arc::new(next);
+/// Puts the updater and settings in force as `change` leaves them, with the same generation, so
+/// every key keeps its state and step.
+fn replace(
+    active: &mut RwLockWriteGuard<'_, Arc<Active>>,
+    change: impl FnOnce(&mut Updater, &mut Settings),
+) {
+    let (mut updater, mut hyper) = (active.updater.clone(), active.hyper.clone());
+    change(&mut updater, &mut hyper);
+    **active = Arc::new(Active::new(updater, active.generation, hyper));
 }
 
 fn no_lr(updater: &Updater) -> Error {

@@ -31,8 +31,7 @@ pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 /// The signature of a custom updater: `(key, merged input, stored value)`. An `Err` fails the
 /// push with [`Error::UpdaterFailed`] and changes nothing. [`Updater::custom`] wraps a closure
 /// that returns `()`, [`Updater::try_custom`] one that returns a `Result`.
-pub type UpdateFn =
-    dyn Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError> + Send + Sync;
+pub type UpdateFn = dyn Fn(&Key, &NDArray, &mut NDArray) -> Result<(), BoxError> + Send + Sync;
 
 /// How a push changes a key's stored value. The input is the sum of every value pushed to the
 /// key in that call.
@@ -56,9 +55,8 @@ pub enum Updater {
     ///
     /// It runs on a copy of the stored value, which replaces the stored value only when the
     /// closure returns `Ok`; if it returns an error or panics, the push fails and nothing
-    /// changes. It must not call the
-    /// store it is set on. For keys homed on a GPU, the data goes to the host and back: this is
-    /// the slow path.
+    /// changes. It must not call the store it is set on. For keys homed on a GPU, the data goes
+    /// to the host and back: this is the slow path.
     Custom(CustomUpdater),
     /// A user's own kernel in PTX for keys homed on a GPU, with an optional CPU twin for keys
     /// homed in host memory. See [`PtxUpdater`] for the entry's parameter list.
@@ -80,10 +78,7 @@ impl CustomUpdater {
     /// `f`, known by its type and `label`.
     pub(crate) fn new<F>(f: F, label: Option<&str>) -> CustomUpdater
     where
-        F: Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
-            + Send
-            + Sync
-            + 'static,
+        F: Fn(&Key, &NDArray, &mut NDArray) -> Result<(), BoxError> + Send + Sync + 'static,
     {
         CustomUpdater {
             identity: identity_of::<F>(label),
@@ -123,16 +118,16 @@ impl CustomUpdater {
     /// a function pointer or a boxed `dyn Fn` has one type for every function, so without a
     /// label two ranks with different functions would compute apart.
     pub(crate) fn check_named(&self) -> Result<()> {
-        match self.unnamed {
-            false => Ok(()),
-            true => Err(Error::InvalidUpdater(format!(
-                "a dist store's ranks compare their updaters, but a function pointer or a boxed \
-                 closure ({}) has one type for every function, so they could not tell two \
-                 apart: name it with Updater::custom_labeled (or try_custom_labeled), or pass \
-                 the closure itself",
-                self.identity
-            ))),
+        if !self.unnamed {
+            return Ok(());
         }
+        Err(Error::InvalidUpdater(format!(
+            "a dist store's ranks compare their updaters, but a function pointer or a boxed \
+             closure ({}) has one type for every function, so they could not tell two apart: \
+             name it with Updater::custom_labeled (or try_custom_labeled), or pass the closure \
+             itself",
+            self.identity
+        )))
     }
 }
 
@@ -151,12 +146,8 @@ fn unnamed<F: 'static>(label: Option<&str>) -> bool {
 /// gives alike, as two in one function; it is the same in every process running one build of
 /// the program), then `label`.
 fn identity_of<F: 'static>(label: Option<&str>) -> Arc<str> {
-    let mut identity = format!("{} {:?}", type_name::<F>(), TypeId::of::<F>());
-    if let Some(label) = label {
-        identity.push_str(", ");
-        identity.push_str(label);
-    }
-    identity.into()
+    let label = label.map(|l| format!(", {l}")).unwrap_or_default();
+    format!("{} {:?}{label}", type_name::<F>(), TypeId::of::<F>()).into()
 }
 
 impl Updater {
@@ -224,10 +215,7 @@ impl Updater {
     /// ```
     pub fn try_custom<F>(f: F) -> Updater
     where
-        F: Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
-            + Send
-            + Sync
-            + 'static,
+        F: Fn(&Key, &NDArray, &mut NDArray) -> Result<(), BoxError> + Send + Sync + 'static,
     {
         Updater::Custom(CustomUpdater::new(f, None))
     }
@@ -236,10 +224,7 @@ impl Updater {
     /// [`Updater::custom_labeled`] has it.
     pub fn try_custom_labeled<F>(label: &str, f: F) -> Updater
     where
-        F: Fn(&Key, &NDArray, &mut NDArray) -> std::result::Result<(), BoxError>
-            + Send
-            + Sync
-            + 'static,
+        F: Fn(&Key, &NDArray, &mut NDArray) -> Result<(), BoxError> + Send + Sync + 'static,
     {
         Updater::Custom(CustomUpdater::new(f, Some(label)))
     }
@@ -258,23 +243,18 @@ impl Updater {
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidUpdater(what));
         match self {
-            Updater::Assign | Updater::Custom(_) => Ok(()),
             Updater::Ptx(p) if p.state_buffers() > 2 => bad(format!(
                 "a PTX updater keeps at most 2 state buffers (m and v), got {}",
                 p.state_buffers()
             )),
-            Updater::Ptx(_) => Ok(()),
             Updater::Axpby { a, b } if !(a.is_finite() && b.is_finite()) => {
                 bad(format!("axpby needs finite a and b, got a={a}, b={b}"))
             }
-            Updater::Axpby { .. } => Ok(()),
             Updater::Sgd(s) => {
                 check_common(s.lr, s.wd, s.rescale_grad, s.clip_gradient)?;
-                if !(0.0..1.0).contains(&s.momentum) {
-                    return bad(format!(
-                        "sgd momentum must be in [0, 1), got {}",
-                        s.momentum
-                    ));
+                let m = s.momentum;
+                if !(0.0..1.0).contains(&m) {
+                    return bad(format!("sgd momentum must be in [0, 1), got {m}"));
                 }
                 Ok(())
             }
@@ -288,6 +268,9 @@ impl Updater {
                 if !(a.epsilon > 0.0 && a.epsilon.is_finite()) {
                     return bad(format!("adam epsilon must be positive, got {}", a.epsilon));
                 }
+                Ok(())
+            }
+            Updater::Assign | Updater::Axpby { .. } | Updater::Custom(_) | Updater::Ptx(_) => {
                 Ok(())
             }
         }

@@ -60,6 +60,7 @@ pub struct PtxUpdater {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     /// Shared by the copies `with_*` make, so a GPU's cache finds it by pointer.
     ptx: Arc<str>,
@@ -86,10 +87,8 @@ impl PtxUpdater {
     /// compiled by the driver when a GPU first uses it; a compile error then fails that push.
     /// A trailing NUL (as NVRTC's output has) is dropped; any other NUL is refused.
     pub fn new(ptx: impl Into<String>, entry: &str, dtype: DType) -> Result<PtxUpdater> {
-        let mut ptx = ptx.into();
-        while ptx.ends_with('\0') {
-            ptx.pop();
-        }
+        let ptx = ptx.into();
+        let ptx = ptx.trim_end_matches('\0');
         if ptx.contains('\0') || entry.contains('\0') {
             return Err(Error::InvalidUpdater(
                 "the PTX text or the entry name contains a NUL character".to_owned(),
@@ -100,7 +99,7 @@ impl PtxUpdater {
                 "a PTX updater works on f32, f16 or bf16 keys, not f64".to_owned(),
             ));
         }
-        check_entry(&ptx, entry)?;
+        check_entry(ptx, entry)?;
         Ok(PtxUpdater {
             inner: Arc::new(Inner {
                 ptx_crc: crc32fast::hash(ptx.as_bytes()),
@@ -134,8 +133,7 @@ impl PtxUpdater {
         self,
         f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
     ) -> PtxUpdater {
-        let twin = CustomUpdater::infallible(f, None);
-        self.rebuild(|i| i.cpu_twin = Some(twin))
+        self.rebuild(|i| i.cpu_twin = Some(CustomUpdater::infallible(f, None)))
     }
 
     /// [`PtxUpdater::with_cpu_twin`] with a `label` that joins the twin's identity: the values
@@ -148,24 +146,13 @@ impl PtxUpdater {
         label: &str,
         f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
     ) -> PtxUpdater {
-        let twin = CustomUpdater::infallible(f, Some(label));
-        self.rebuild(|i| i.cpu_twin = Some(twin))
+        self.rebuild(|i| i.cpu_twin = Some(CustomUpdater::infallible(f, Some(label))))
     }
 
     /// A copy with a change to its launch arguments or twin; the module is the same, so a GPU
     /// that loaded it already does not load it again.
     fn rebuild(self, change: impl FnOnce(&mut Inner)) -> PtxUpdater {
-        let i = &self.inner;
-        let mut inner = Inner {
-            ptx: i.ptx.clone(),
-            ptx_crc: i.ptx_crc,
-            entry: i.entry.clone(),
-            dtype: i.dtype,
-            scalars: i.scalars,
-            state: i.state,
-            cpu_twin: i.cpu_twin.clone(),
-            loads: i.loads.clone(),
-        };
+        let mut inner = Inner::clone(&self.inner);
         change(&mut inner);
         PtxUpdater {
             inner: Arc::new(inner),
@@ -221,23 +208,20 @@ impl PtxUpdater {
 
 impl fmt::Debug for PtxUpdater {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = &self.inner;
         f.debug_struct("PtxUpdater")
-            .field("entry", &self.inner.entry)
-            .field("dtype", &self.inner.dtype)
-            .field("scalars", &self.inner.scalars)
-            .field("state", &self.inner.state)
+            .field("entry", &i.entry)
+            .field("dtype", &i.dtype)
+            .field("scalars", &i.scalars)
+            .field("state", &i.state)
             // The module by its checksum: ranks with different PTX of one entry name differ.
             .field(
                 "ptx",
-                &format_args!(
-                    "{} bytes, crc32 {:08x}",
-                    self.inner.ptx.len(),
-                    self.inner.ptx_crc
-                ),
+                &format_args!("{} bytes, crc32 {:08x}", i.ptx.len(), i.ptx_crc),
             )
             .field(
                 "cpu_twin",
-                &self.inner.cpu_twin.as_ref().map(CustomUpdater::identity),
+                &i.cpu_twin.as_ref().map(CustomUpdater::identity),
             )
             .finish()
     }

@@ -47,8 +47,8 @@ pub struct LrScheduler {
 }
 
 /// How the learning rate ramps up over the first updates (MXNet's `warmup_steps`,
-/// `warmup_begin_lr`, `warmup_mode`).
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// `warmup_begin_lr`, `warmup_mode`). The default is none.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Warmup {
     /// Updates `0..steps` are warm-up; 0 means no warm-up.
     pub steps: u64,
@@ -58,21 +58,11 @@ pub struct Warmup {
     pub mode: WarmupMode,
 }
 
-impl Default for Warmup {
-    /// No warm-up.
-    fn default() -> Warmup {
-        Warmup {
-            steps: 0,
-            begin_lr: 0.0,
-            mode: WarmupMode::Linear,
-        }
-    }
-}
-
 /// The shape of the warm-up (MXNet's `warmup_mode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WarmupMode {
     /// `begin_lr + (base_lr - begin_lr) * num_update / steps`.
+    #[default]
     Linear,
     /// `begin_lr`.
     Constant,
@@ -278,16 +268,10 @@ impl LrScheduler {
             }
             Decay::Poly {
                 max_update,
-                pwr,
                 final_lr,
-            } => {
-                if n > *max_update {
-                    return *final_lr;
-                }
-                let done = (n - w.steps) as f64 / (max_update - w.steps) as f64;
-                final_lr + (base_lr - final_lr) * (1.0 - done).powf(*pwr)
+                ..
             }
-            Decay::Cosine {
+            | Decay::Cosine {
                 max_update,
                 final_lr,
             } => {
@@ -295,7 +279,11 @@ impl LrScheduler {
                     return *final_lr;
                 }
                 let done = (n - w.steps) as f64 / (max_update - w.steps) as f64;
-                final_lr + (base_lr - final_lr) * (1.0 + (PI * done).cos()) / 2.0
+                let left = match &self.decay {
+                    Decay::Poly { pwr, .. } => (1.0 - done).powf(*pwr),
+                    _ => (1.0 + (PI * done).cos()) / 2.0,
+                };
+                final_lr + (base_lr - final_lr) * left
             }
         }
     }

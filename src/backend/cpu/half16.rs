@@ -47,11 +47,7 @@ pub(super) fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
         T::DTYPE
     );
     assert!(available(), "the 16-bit fast path needs AVX2 and F16C");
-    let PushJob {
-        values,
-        stored,
-        state: [s0, s1],
-    } = job;
+    let (values, stored, [s0, s1]) = job.parts();
     // SAFETY: `Element` is sealed; its only types with DTYPE F16 and BF16 are `half::f16` and
     // `half::bf16`, both `repr(transparent)` over `u16`, and their accumulator type is f32. So
     // these casts only rename the element types of the same slices and rule (same size,

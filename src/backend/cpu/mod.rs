@@ -86,7 +86,33 @@ pub(crate) struct PushJob<'a, T: Element> {
     pub state: [&'a mut [T::Acc]; 2],
 }
 
-impl<T: Element> PushJob<'_, T> {
+/// A [`PushJob`]'s values, stored value and state buffers.
+type JobParts<'a, T> = (
+    Few<&'a [T]>,
+    &'a mut [T],
+    [&'a mut [<T as Element>::Acc]; 2],
+);
+
+impl<'a, T: Element> PushJob<'a, T> {
+    /// A push of the sum of `values` into `stored`, with `state` (a buffer is empty when the
+    /// updater keeps none).
+    pub(crate) fn new(
+        values: Few<&'a [T]>,
+        stored: &'a mut [T],
+        state: [&'a mut [T::Acc]; 2],
+    ) -> Self {
+        PushJob {
+            values,
+            stored,
+            state,
+        }
+    }
+
+    /// The values, the stored value and the two state buffers.
+    fn parts(self) -> JobParts<'a, T> {
+        (self.values, self.stored, self.state)
+    }
+
     fn bytes(&self) -> usize {
         let words = self.values.len() + 2;
         let state = self.state.iter().filter(|s| !s.is_empty()).count() * 2;
@@ -125,25 +151,13 @@ fn push_par<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, grain: usize) 
     }
     // At least one block, so both halves shrink even when `n` is under two blocks.
     let mid = (n / 2 / BLOCK * BLOCK).max(BLOCK);
-    let PushJob {
-        values,
-        stored,
-        state: [s0, s1],
-    } = job;
+    let (values, stored, [s0, s1]) = job.parts();
     let (lo_v, hi_v) = values.iter().map(|v| v.split_at(mid)).unzip();
     let (lo_w, hi_w) = stored.split_at_mut(mid);
     let (lo_0, hi_0) = split_state(s0, mid);
     let (lo_1, hi_1) = split_state(s1, mid);
-    let lo = PushJob {
-        values: lo_v,
-        stored: lo_w,
-        state: [lo_0, lo_1],
-    };
-    let hi = PushJob {
-        values: hi_v,
-        stored: hi_w,
-        state: [hi_0, hi_1],
-    };
+    let lo = PushJob::new(lo_v, lo_w, [lo_0, lo_1]);
+    let hi = PushJob::new(hi_v, hi_w, [hi_0, hi_1]);
     rayon::join(|| push_par(lo, rule, grain), || push_par(hi, rule, grain));
 }
 
@@ -198,11 +212,7 @@ const SMALL_BLOCK: usize = 256;
 
 /// [`push_seq_generic`], `B` elements at a time.
 fn push_seq_blocks<T: Element, const B: usize>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
-    let PushJob {
-        values,
-        stored,
-        state: [s0, s1],
-    } = job;
+    let (values, stored, [s0, s1]) = job.parts();
     let mut acc = [T::Acc::zero(); B];
     let n = stored.len();
     let mut start = 0;
@@ -224,11 +234,7 @@ fn push_seq_blocks<T: Element, const B: usize>(job: PushJob<'_, T>, rule: &Rule<
 /// `f16::to_f32`/`from_f32` and the slice conversions round identically, so results are the same.
 fn push_seq_f16<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     debug_assert_eq!(T::DTYPE, DType::F16);
-    let PushJob {
-        values,
-        stored,
-        state: [s0, s1],
-    } = job;
+    let (values, stored, [s0, s1]) = job.parts();
     // SAFETY: `Element` is sealed and `half::f16` is its only type with DTYPE F16, whose
     // accumulator type is f32; so `T` is `f16` and `T::Acc` is `f32`, and these casts only
     // rename the types of the same slices and rule (same layout, same lengths, same lifetimes).
@@ -366,11 +372,7 @@ fn update_block<T: Element>(
 /// `dst = Σ values`, in the accumulator type and rounded once: the merged input of a custom
 /// updater.
 pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T], par_min_bytes: usize) {
-    let job = PushJob {
-        values: values.iter().copied().collect(),
-        stored: dst,
-        state: [&mut [], &mut []],
-    };
+    let job = PushJob::new(values.iter().copied().collect(), dst, [&mut [], &mut []]);
     push(job, &Rule::Assign, par_min_bytes);
 }
 

@@ -29,21 +29,13 @@ pub(crate) fn push_fused<T: Element>(
     let rule = updater
         .rule_with::<T::Acc>(state.step, hyper)
         .expect("custom updaters take the other path");
-    let values: Few<&[T]> = arrays
-        .iter()
-        .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
-        .collect();
+    let values = reads.slices(arrays);
     let mut bufs = state.bufs.iter_mut().map(|b| {
         <T::Acc as Element>::slice_mut(b).expect("state is kept in the accumulator dtype")
     });
     let s0 = bufs.next().unwrap_or_default();
     let s1 = bufs.next().unwrap_or_default();
-    let job = PushJob {
-        values,
-        stored,
-        state: [s0, s1],
-    };
-    super::push(job, &rule, par_min_bytes);
+    super::push(PushJob::new(values, stored, [s0, s1]), &rule, par_min_bytes);
 }
 
 /// The state of `updater` (of set_updater call `generation`) for a value of `len` elements,
@@ -118,10 +110,7 @@ pub(crate) fn push_closure(
     let merged = {
         let reads = ReadSet::lock(arrays)?;
         with_host!(value, v: T => {
-            let values: Vec<&[T]> = arrays
-                .iter()
-                .map(|a| T::slice(reads.host(a)).expect("value dtypes were checked"))
-                .collect();
+            let values = reads.slices::<T>(arrays);
             let mut sum = v.clone();
             super::sum_into(&values, &mut sum, par_min_bytes);
             T::wrap(sum)
@@ -194,6 +183,12 @@ impl<'a> ReadSet<'a> {
             })
             .collect::<Result<_>>()?;
         Ok(ReadSet { guards })
+    }
+
+    /// The elements of each of `arrays` (all locked here, all of dtype `T`).
+    pub(crate) fn slices<T: Element>(&self, arrays: &[&NDArray]) -> Few<&[T]> {
+        let slice = |a: &&NDArray| T::slice(self.host(a)).expect("value dtypes were checked");
+        arrays.iter().map(slice).collect()
     }
 
     pub(crate) fn host(&self, a: &NDArray) -> &HostData {

@@ -15,15 +15,10 @@ pub(crate) struct Merged {
 /// id once, ascending, its rows added in the order they come (value by value, then within a
 /// value), in the dtype's own arithmetic.
 pub(crate) fn merge(values: &[(&[u64], &NDArray)], width: usize) -> Result<Merged> {
-    let dtype = match values.first() {
-        Some((_, rows)) => rows.dtype(),
-        None => {
-            return Ok(Merged {
-                ids: Vec::new(),
-                rows: HostData::filled(crate::DType::F32, 0, 0.0),
-            })
-        }
-    };
+    // No values: no ids, and no rows of float32.
+    let dtype = values
+        .first()
+        .map_or(crate::DType::F32, |(_, rows)| rows.dtype());
     // Read in place (each array locked once; rows on a GPU are copied to the host).
     let arrays: Vec<&NDArray> = values.iter().map(|&(_, rows)| rows).collect();
     let reads = ReadSet::lock(&arrays)?;

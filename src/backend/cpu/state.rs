@@ -13,10 +13,3 @@ pub(crate) struct State {
     /// One buffer per name in `Updater::state_names`, in the accumulator dtype.
     pub bufs: Vec<HostData>,
 }
-
-impl State {
-    /// The step count of updater `generation`, if this state is its.
-    pub(crate) fn step_of(&self, generation: u64) -> Option<u64> {
-        (self.generation == generation).then_some(self.step)
-    }
-}
