@@ -307,15 +307,11 @@ fn link(kind: StoreKind, name: &str, config: &Config) -> Result<Dist> {
     })
 }
 
-/// This rank's part of a key, `part` (host data), kept where the store keeps its values.
+/// This rank's part of a key, `part` (host data), kept where the store keeps its values
+/// (moved in where that is host memory).
 pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
-    match d.home() {
-        Device::Cpu(_) => Ok(HomeValue::from_host(part)),
-        home => {
-            let flat = Shape::new(&[part.len()])?;
-            HomeValue::copy_of(&NDArray::from_host(part, flat, cpu(0)), home)
-        }
-    }
+    let flat = Shape::new(&[part.len()])?;
+    HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), d.home())
 }
 
 /// This rank's contribution to a key of a push on ranks: its values' sum, or its one value
