@@ -16,7 +16,7 @@ use safetensors::tensor::Dtype;
 
 use super::bounded;
 use super::checksum::{self, Sums};
-use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind, Decoded};
+use super::file::{acc_dtype, check_file, from_bytes, parse_key, parse_kind};
 use super::layout::{
     generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
     INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT, SHARD_FORMAT_1, SHARD_FORMAT_2,
@@ -117,7 +117,7 @@ fn parse_index(text: &str) -> std::result::Result<Index, Problem> {
 /// One tensor of a file: where its bytes are (absolute offsets `start..end`), and their
 /// checksums.
 #[derive(Clone, Debug)]
-struct Span {
+pub(super) struct Span {
     /// The tensor's name, for errors.
     name: String,
     start: u64,
@@ -127,32 +127,36 @@ struct Span {
     sums: Option<Vec<u32>>,
 }
 
+/// One key's compression residuals as a file holds them: the key, its length, and one tensor
+/// per position.
+pub(super) type Saved = (Key, usize, Vec<Span>);
+
 /// One piece as a shard file holds it: where its value and state bytes are.
-struct Held {
-    meta: KeyMeta,
-    range: Range<usize>,
+pub(super) struct Held {
+    pub(super) meta: KeyMeta,
+    pub(super) range: Range<usize>,
     /// The shard it is in: its place among the reader's files, which is its rank.
-    file: usize,
-    value: Span,
-    state: Vec<Span>,
+    pub(super) file: usize,
+    pub(super) value: Span,
+    pub(super) state: Vec<Span>,
 }
 
-/// One shard's header, checked: what it holds and where.
+/// One shard's header, checked: what it holds and where. A single file reads as shard 0 of
+/// one, with no token.
 pub(crate) struct ShardHeader {
-    rank: usize,
+    pub(super) rank: usize,
     /// The CRC-32 of the shard's header bytes (see [`bounded::Header::crc`]).
-    header_crc: u32,
+    pub(super) header_crc: u32,
     /// The token of the save that wrote it; `None` for a shard of format 1.
-    token: Option<u64>,
+    pub(super) token: Option<u64>,
     /// The chunk size of its checksums; `None` for a shard of format 1, which has none.
-    chunk: Option<usize>,
-    kind: Option<KeyKind>,
-    updater: String,
-    state_names: Vec<String>,
-    pieces: Vec<Held>,
-    /// The saving rank's compression residuals: per key, its length and one tensor per
-    /// position.
-    residuals: Vec<(Key, usize, Vec<Span>)>,
+    pub(super) chunk: Option<usize>,
+    pub(super) kind: Option<KeyKind>,
+    pub(super) updater: String,
+    pub(super) state_names: Vec<String>,
+    pub(super) pieces: Vec<Held>,
+    /// The saving rank's compression residuals.
+    pub(super) residuals: Vec<Saved>,
 }
 
 /// An open file, read at offsets.
@@ -346,83 +350,89 @@ fn parse_spec(
     Ok((meta, start..end))
 }
 
-/// The absolute span of tensor `name`, checked to be 1-D `len` elements of `dtype` (any dtype
-/// the store has when `dtype` is `None`), with its checksums from `sums` (`None` in a file of
-/// format 1).
-fn tensor_span(
-    header: &bounded::Header,
-    sums: Option<&Sums>,
-    name: &str,
-    dtype: Option<DType>,
-    len: usize,
-) -> std::result::Result<(DType, Span), Problem> {
-    let info = header
-        .meta
-        .info(name)
-        .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
-    let got = dtype_of(info.dtype).ok_or_else(|| {
-        Problem::invalid(format!(
-            "tensor '{name}' has unsupported dtype {:?}",
-            info.dtype
-        ))
-    })?;
-    if dtype.is_some_and(|d| d != got) {
-        return Err(Problem::invalid(format!(
-            "tensor '{name}' is {got}, expected {}",
-            dtype.unwrap_or(got)
-        )));
-    }
-    let (s, e) = info.data_offsets;
-    // `len` elements of `got`, counted against the tensor's bytes before any multiplication.
-    let bytes = bounded::Cursor::new(e.saturating_sub(s) as u64);
-    let fits = (bytes.count(len as u64, got.size() as u64, "elements").ok())
-        .is_some_and(|n| e.checked_sub(s) == Some(n * got.size()));
-    if info.shape != [len] || !fits {
-        return Err(Problem::invalid(format!(
-            "tensor '{name}' has shape {:?} and {} bytes, expected [{len}] of {got}",
-            info.shape,
-            e.wrapping_sub(s)
-        )));
-    }
-    let sums = match sums {
-        Some(all) => Some(
-            all.tensors
-                .get(name)
-                .cloned()
-                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?,
-        ),
-        None => None,
-    };
-    let span = header.span(info);
-    Ok((
-        got,
-        Span {
-            name: name.to_owned(),
-            start: span.start,
-            end: span.end,
-            sums,
-        },
-    ))
-}
-
-/// A shard's tensors: its checked header, and the checksums of its tensors (`None` in a shard
-/// of format 1).
-struct ShardTensors<'a> {
-    header: &'a bounded::Header,
+/// A file's tensors as its header records them, with their checksums (`None` in a file of
+/// format 1), and the names of those claimed so far by the entries that name them.
+pub(super) struct Tensors<'a> {
+    pub header: &'a bounded::Header,
     sums: Option<&'a Sums>,
-    /// How the shard spells its `piece/` and `residuals/` entries.
-    spelling: Spelling,
+    claimed: HashSet<String>,
 }
 
-impl ShardTensors<'_> {
-    /// Tensor `name`, checked by [`tensor_span`] to be 1-D `len` elements of `dtype`.
-    fn span(
-        &self,
-        name: &str,
+impl<'a> Tensors<'a> {
+    /// The tensors of `header`, none claimed yet.
+    pub(super) fn new(header: &'a bounded::Header, sums: Option<&'a Sums>) -> Tensors<'a> {
+        Tensors {
+            header,
+            sums,
+            claimed: HashSet::new(),
+        }
+    }
+
+    /// Claims tensor `name`, checked to have shape `dims` (validated by the caller) and
+    /// `dtype` (any dtype the store has when `None`): its dtype and absolute span, with its
+    /// checksums.
+    pub(super) fn claim(
+        &mut self,
+        name: String,
         dtype: Option<DType>,
-        len: usize,
+        dims: &[usize],
     ) -> std::result::Result<(DType, Span), Problem> {
-        tensor_span(self.header, self.sums, name, dtype, len)
+        let info = (self.header.meta.info(&name))
+            .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
+        let got = dtype_of(info.dtype).ok_or_else(|| {
+            Problem::invalid(format!(
+                "tensor '{name}' has unsupported dtype {:?}",
+                info.dtype
+            ))
+        })?;
+        if let Some(want) = dtype.filter(|&d| d != got) {
+            return Err(Problem::invalid(format!(
+                "tensor '{name}' is {got}, expected {want}"
+            )));
+        }
+        let (s, e) = info.data_offsets;
+        // The elements of `dims`, counted against the tensor's bytes before any multiplication.
+        let len = dims.iter().product::<usize>() as u64;
+        let bytes = bounded::Cursor::new(e.saturating_sub(s) as u64);
+        let fits = (bytes.count(len, got.size() as u64, "elements").ok())
+            .is_some_and(|n| e.checked_sub(s) == Some(n * got.size()));
+        if info.shape != dims || !fits {
+            return Err(Problem::invalid(format!(
+                "tensor '{name}' has shape {:?} and {} bytes, expected {dims:?} of {got}",
+                info.shape,
+                e.wrapping_sub(s)
+            )));
+        }
+        let sums =
+            match self.sums {
+                Some(all) => Some(all.tensors.get(&name).cloned().ok_or_else(|| {
+                    Problem::invalid(format!("tensor '{name}' has no checksums"))
+                })?),
+                None => None,
+            };
+        let span = self.header.span(info);
+        self.claimed.insert(name.clone());
+        let (start, end) = (span.start, span.end);
+        Ok((
+            got,
+            Span {
+                name,
+                start,
+                end,
+                sums,
+            },
+        ))
+    }
+
+    /// Checks that every tensor of the file was claimed: one that was not belongs to no
+    /// `owner` (what claims tensors, in words) in the metadata.
+    pub(super) fn all_claimed(&self, owner: &str) -> std::result::Result<(), Problem> {
+        match (self.header.meta.tensors().keys()).find(|n| !self.claimed.contains(*n)) {
+            Some(extra) => Err(Problem::invalid(format!(
+                "tensor '{extra}' belongs to no {owner} in the metadata"
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -462,19 +472,10 @@ fn check_shard(
     let kind = parse_kind(get("key_kind")?)?;
     let updater = get("updater")?.to_owned();
     let state_names = bounded::state_names(get("state_names")?)?;
-    let tensors = ShardTensors {
-        header,
-        sums: sums.as_ref(),
-        spelling,
-    };
-    let mut used: HashSet<String> = HashSet::new();
-    let pieces = shard_pieces(&tensors, md, kind, &state_names, &mut used)?;
-    let residuals = shard_residuals(&tensors, md, kind, &mut used)?;
-    if let Some(extra) = header.meta.tensors().keys().find(|n| !used.contains(*n)) {
-        return Err(Problem::invalid(format!(
-            "tensor '{extra}' belongs to no piece or residual in the metadata"
-        )));
-    }
+    let mut tensors = Tensors::new(header, sums.as_ref());
+    let pieces = shard_pieces(&mut tensors, md, spelling, kind, &state_names)?;
+    let residuals = shard_residuals(&mut tensors, md, spelling, kind)?;
+    tensors.all_claimed("piece or residual")?;
     Ok(ShardHeader {
         rank,
         header_crc: header.crc,
@@ -534,15 +535,15 @@ fn shard_format(
     }
 }
 
-/// The pieces a shard's `piece/<key>` entries name, each checked against its tensors (the
-/// value, and one state buffer per name of `state_names` where the piece has state), whose
-/// names are added to `used`.
+/// The pieces a shard's `piece/<key>` entries, spelled `spelling`, name, each checked against
+/// the tensors it claims (the value, and one state buffer per name of `state_names` where the
+/// piece has state).
 fn shard_pieces(
-    tensors: &ShardTensors<'_>,
+    tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
+    spelling: Spelling,
     kind: Option<KeyKind>,
     state_names: &[String],
-    used: &mut HashSet<String>,
 ) -> std::result::Result<Vec<Held>, Problem> {
     let mut pieces = Vec::new();
     for (name, spec) in md {
@@ -550,18 +551,15 @@ fn shard_pieces(
             continue;
         };
         let key = parse_key(kind, text)?;
-        let (mut km, range) = parse_spec(key, spec, tensors.spelling)?;
-        let value_name = format!("value/{text}");
-        let (dtype, value) = tensors.span(&value_name, None, range.len())?;
+        let (mut km, range) = parse_spec(key, spec, spelling)?;
+        let dims = [range.len()];
+        let (dtype, value) = tensors.claim(format!("value/{text}"), None, &dims)?;
         km.dtype = dtype;
-        used.insert(value_name);
         let mut state = Vec::new();
         if km.has_state {
             for s in state_names {
                 let name = format!("state/{text}/{s}");
-                let (_, span) = tensors.span(&name, Some(acc_dtype(dtype)), range.len())?;
-                used.insert(name);
-                state.push(span);
+                state.push(tensors.claim(name, Some(acc_dtype(dtype)), &dims)?.1);
             }
         }
         pieces.push(Held {
@@ -575,15 +573,15 @@ fn shard_pieces(
     Ok(pieces)
 }
 
-/// The residuals a shard's `residuals/<key>` entries name: per key, its length and one tensor
-/// per position, whose names are added to `used`. Each count is checked against the shard's
-/// tensors (one each) before anything is sized by it.
+/// The residuals a shard's `residuals/<key>` entries, spelled `spelling`, name: per key, its
+/// length and the tensor it claims for each position. Each count is checked against the
+/// shard's tensors (one each) before anything is sized by it.
 fn shard_residuals(
-    tensors: &ShardTensors<'_>,
+    tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
+    spelling: Spelling,
     kind: Option<KeyKind>,
-    used: &mut HashSet<String>,
-) -> std::result::Result<Vec<(Key, usize, Vec<Span>)>, Problem> {
+) -> std::result::Result<Vec<Saved>, Problem> {
     let present = tensors.header.meta.tensors().len() as u64;
     let mut residuals = Vec::new();
     for (name, spec) in md {
@@ -591,7 +589,7 @@ fn shard_residuals(
             continue;
         };
         let key = parse_key(kind, text)?;
-        let parsed = ResidualSpec::parse(spec, tensors.spelling);
+        let parsed = ResidualSpec::parse(spec, spelling);
         let (count, len) = (parsed.map(|r| (r.count, usize::try_from(r.len))))
             .and_then(|(count, len)| Some((count, len.ok()?)))
             .ok_or_else(|| {
@@ -606,13 +604,13 @@ fn shard_residuals(
                  again"
             ))
         })?;
-        let mut spans = Vec::with_capacity(count);
-        for i in 0..count {
-            let name = format!("residual/{text}/{i}");
-            let (_, span) = tensors.span(&name, Some(DType::F32), len)?;
-            used.insert(name);
-            spans.push(span);
-        }
+        let spans = (0..count)
+            .map(|i| {
+                Ok(tensors
+                    .claim(format!("residual/{text}/{i}"), Some(DType::F32), &[len])?
+                    .1)
+            })
+            .collect::<std::result::Result<Vec<_>, Problem>>()?;
         residuals.push((key, len, spans));
     }
     Ok(residuals)
@@ -636,7 +634,7 @@ struct Assembled {
     /// The pieces of `keys[i]`, by range start.
     held: Vec<Vec<Held>>,
     /// Each shard's residuals, by file.
-    residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
+    residuals: Vec<Vec<Saved>>,
 }
 
 /// Checks that `shards` agree with each other and together hold every element of every key
@@ -798,15 +796,12 @@ fn check_key_cover(meta: &KeyMeta, list: &[Held]) -> std::result::Result<(), Str
 /// A checkpoint open for reading by key and element range.
 pub(crate) struct Reader {
     path: PathBuf,
-    kind: Option<KeyKind>,
-    updater: String,
-    state_names: Vec<String>,
-    keys: Vec<KeyMeta>,
+    /// Every key, the pieces that hold it and each shard's residuals (a shard's file is its
+    /// rank).
+    all: Assembled,
+    /// Each key's place in `all.keys`.
     place: HashMap<Key, usize>,
-    held: Vec<Vec<Held>>,
     files: Vec<ShardFile>,
-    /// Each shard's residuals, by file (a shard's file is its rank).
-    residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
     /// The number of ranks that saved the checkpoint (a single file: one).
     world: usize,
     /// Which checkpoint this is, in words that differ for any two saves: see [`Reader::which`].
@@ -927,51 +922,15 @@ fn open_file(path: &Path) -> Result<Reader> {
     let mut file = File::open(path).map_err(io)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).map_err(io)?;
-    let decoded = decode_all(&bytes).map_err(|p| p.at(path))?;
-    let span = |name: String| file_span(&decoded, name).map_err(|p| p.at(path));
-    let mut pieces = Vec::with_capacity(decoded.entries.len());
-    let mut residuals = Vec::new();
-    for (order, e) in decoded.entries.iter().enumerate() {
-        let value = span(format!("value/{}", e.key))?;
-        let state = match &e.state {
-            Some(_) => (decoded.state_names.iter())
-                .map(|s| span(format!("state/{}/{s}", e.key)))
-                .collect::<Result<Vec<_>>>()?,
-            None => Vec::new(),
-        };
-        pieces.push(Held {
-            meta: KeyMeta::of(e, order),
-            range: 0..e.shape.size(),
-            file: 0,
-            value,
-            state,
-        });
-        if !e.residuals.is_empty() {
-            let spans = (0..e.residuals.len())
-                .map(|i| span(format!("residual/{}/{i}", e.key)))
-                .collect::<Result<Vec<_>>>()?;
-            residuals.push((e.key.clone(), e.shape.size(), spans));
-        }
-    }
-    let chunk = decoded.sums.as_ref().map(|s| s.chunk);
+    let header = check_file(&bytes).map_err(|p| p.at(path))?;
+    let chunk = header.chunk;
     if chunk.is_none() {
         super::warn_unverified(path);
     }
     let which = format!(
         "a single file whose header's CRC-32 is {:08x}",
-        decoded.header.crc
+        header.header_crc
     );
-    let header = ShardHeader {
-        rank: 0,
-        header_crc: decoded.header.crc,
-        token: None,
-        chunk,
-        kind: decoded.kind,
-        updater: decoded.updater,
-        state_names: decoded.state_names,
-        pieces,
-        residuals,
-    };
     let a = assemble(path, vec![header])?;
     let files = vec![ShardFile {
         path: path.to_owned(),
@@ -981,52 +940,22 @@ fn open_file(path: &Path) -> Result<Reader> {
     Ok(Reader::new(path, a, files, 1, which))
 }
 
-/// Where tensor `name` of a decoded single file is, with its checksums (none in format 1).
-fn file_span(decoded: &Decoded, name: String) -> std::result::Result<Span, Problem> {
-    let info = (decoded.header.meta.info(&name))
-        .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
-    let sums = match &decoded.sums {
-        Some(all) => Some(
-            all.tensors
-                .get(&name)
-                .cloned()
-                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?,
-        ),
-        None => None,
-    };
-    let at = decoded.header.span(info);
-    Ok(Span {
-        start: at.start,
-        end: at.end,
-        name,
-        sums,
-    })
-}
-
 impl Reader {
     fn new(
         path: &Path,
-        a: Assembled,
+        all: Assembled,
         files: Vec<ShardFile>,
         world: usize,
         which: String,
     ) -> Reader {
-        let place = a
-            .keys
-            .iter()
-            .enumerate()
+        let place = (all.keys.iter().enumerate())
             .map(|(i, k)| (k.key.clone(), i))
             .collect();
         Reader {
             path: path.to_owned(),
-            kind: a.kind,
-            updater: a.updater,
-            state_names: a.state_names,
-            keys: a.keys,
+            all,
             place,
-            held: a.held,
             files,
-            residuals: a.residuals,
             world,
             which,
         }
@@ -1052,7 +981,7 @@ impl Reader {
         if self.world != world {
             return Ok(None);
         }
-        let (Some(file), Some(saved)) = (self.files.get(rank), self.residuals.get(rank)) else {
+        let (Some(file), Some(saved)) = (self.files.get(rank), self.all.residuals.get(rank)) else {
             return Ok(None);
         };
         let mut out = Vec::with_capacity(saved.len());
@@ -1082,7 +1011,7 @@ impl Reader {
     /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), whatever else is
     /// wrong with it. One key at a time.
     pub(crate) fn verify(&self) -> Result<()> {
-        for (i, meta) in self.keys.iter().enumerate() {
+        for (i, meta) in self.all.keys.iter().enumerate() {
             self.read_host(i, 0..meta.size())?;
         }
         for rank in 0..self.files.len() {
@@ -1093,29 +1022,29 @@ impl Reader {
 
     /// Every key of the checkpoint, whole, in update order.
     pub(crate) fn keys(&self) -> &[KeyMeta] {
-        &self.keys
+        &self.all.keys
     }
 
     /// The key kind: `None` for a checkpoint with no keys.
     pub(crate) fn key_kind(&self) -> Option<KeyKind> {
-        self.kind
+        self.all.kind
     }
 
     /// The [`name`](Updater::name) of the updater the checkpoint was saved under.
     #[cfg(test)]
     pub(crate) fn updater_name(&self) -> &str {
-        &self.updater
+        &self.all.updater
     }
 
     /// The state buffer names of that updater, as [`Updater::state_names`].
     #[cfg(test)]
     pub(crate) fn state_names(&self) -> &[String] {
-        &self.state_names
+        &self.all.state_names
     }
 
     /// Whether the saved state fits `updater`: the same name and state buffers.
     pub(crate) fn state_fits(&self, updater: &Updater) -> bool {
-        self.updater == updater.name() && self.state_names.iter().eq(updater.state_names())
+        self.all.updater == updater.name() && self.all.state_names.iter().eq(updater.state_names())
     }
 
     /// Elements `range` of `key`: its value and (where the key has state) its state buffers, in
@@ -1125,10 +1054,8 @@ impl Reader {
         let i = self.index_of(key)?;
         let (value, state) = self.read_host(i, range.clone())?;
         let shape = Shape::new(&[range.len()])?;
-        let meta = self.keys[i].clone();
-        let state = self
-            .state_names
-            .iter()
+        let meta = self.all.keys[i].clone();
+        let state = (self.all.state_names.iter())
             .cloned()
             .zip(state)
             .map(|(n, b)| (n, NDArray::from_host(b, shape, Device::Cpu(0))))
@@ -1150,7 +1077,7 @@ impl Reader {
     /// Elements `range` of `keys[i]` as host data: the value and its state buffers (none where
     /// the key has no state).
     fn read_host(&self, i: usize, range: Range<usize>) -> Result<(HostData, Vec<HostData>)> {
-        let meta = &self.keys[i];
+        let meta = &self.all.keys[i];
         if range.start > range.end || range.end > meta.size() {
             return Err(Problem::mismatch(format!(
                 "key {}: range {range:?} is not within its {} elements",
@@ -1162,13 +1089,13 @@ impl Reader {
         let (vsize, acc) = (meta.dtype.size(), acc_dtype(meta.dtype));
         let asize = acc.size();
         let buffers = if meta.has_state {
-            self.state_names.len()
+            self.all.state_names.len()
         } else {
             0
         };
         let mut value = vec![0u8; range.len() * vsize];
         let mut state = vec![vec![0u8; range.len() * asize]; buffers];
-        for p in &self.held[i] {
+        for p in &self.all.held[i] {
             let (lo, hi) = (p.range.start.max(range.start), p.range.end.min(range.end));
             if lo >= hi {
                 continue;
