@@ -233,10 +233,50 @@ pub(super) fn parse_sums<'a>(
     })
 }
 
-/// Whether the metadata `md` has any checksum entry (a file of format 1 has none).
-pub(super) fn has_entries(md: &HashMap<String, String>) -> bool {
-    md.keys()
-        .any(|k| k == HEADER_ENTRY || k == CHUNK_ENTRY || k.starts_with(TENSOR_PREFIX))
+/// The checksums of a file whose header is `header` and metadata `md`, by its `format` entry:
+/// `Some` for a format of `sealed` (this version's first), whose header's checksum must have
+/// been there (and matched); `None` for `bare`, format 1, which must have no checksum entries
+/// and none of `bare_lacks` (a shard's token). `what` names the file in errors.
+pub(super) fn format_sums(
+    header: &super::bounded::Header,
+    md: &HashMap<String, String>,
+    format: &str,
+    (sealed, bare): (&[&str], &str),
+    bare_lacks: &[&str],
+    what: &str,
+) -> Result<Option<Sums>, Problem> {
+    let corrupt = format!("the {what} is corrupt; restore it from a copy, or save again");
+    if sealed.contains(&format) {
+        if !header.sealed {
+            return Err(Problem::invalid(format!(
+                "metadata entry '{HEADER_ENTRY}' (the header's checksum) is missing: {corrupt}"
+            )));
+        }
+        let lens = (header.meta.tensors().into_iter()).map(|(name, info)| {
+            (
+                name,
+                info.data_offsets.1.saturating_sub(info.data_offsets.0),
+            )
+        });
+        let lens: Vec<(String, usize)> = lens.collect();
+        return parse_sums(md, lens.iter().map(|(n, l)| (n.as_str(), *l))).map(Some);
+    }
+    let marked = md.keys().any(|k| {
+        k == HEADER_ENTRY
+            || k == CHUNK_ENTRY
+            || k.starts_with(TENSOR_PREFIX)
+            || bare_lacks.contains(&k.as_str())
+    });
+    match format {
+        _ if format != bare => Err(Problem::invalid(format!(
+            "metadata format is '{format}', expected one of {sealed:?} or '{bare}': it was not \
+             written by a save of this or an earlier version"
+        ))),
+        _ if marked => Err(Problem::invalid(format!(
+            "a {what} of format 1 with checksum entries or a token: {corrupt}"
+        ))),
+        _ => Ok(None),
+    }
 }
 
 /// Verifies `data`, which starts at byte `from` of tensor `name` at a chunk boundary and ends
@@ -262,22 +302,6 @@ pub(super) fn verify_chunks(
                 start + piece.len()
             )));
         }
-    }
-    Ok(())
-}
-
-/// Verifies the whole data of every tensor of a file held in memory: `tensors` gives each
-/// one's name and data.
-pub(super) fn verify_all<'a>(
-    sums: &Sums,
-    tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
-) -> Result<(), Problem> {
-    for (name, data) in tensors {
-        let list = sums
-            .tensors
-            .get(name)
-            .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?;
-        verify_chunks(name, data, 0, list, sums.chunk)?;
     }
     Ok(())
 }

@@ -57,28 +57,18 @@ pub(super) fn to_bytes(data: &crate::HostData) -> Vec<u8> {
 
 /// Host elements of `dtype` from little-endian bytes; the length is checked by the caller.
 pub(super) fn from_bytes(dtype: DType, b: &[u8]) -> crate::HostData {
+    fn each<const N: usize, T>(b: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
+        // `chunks_exact` yields chunks of `N` bytes only, so every conversion succeeds.
+        (b.chunks_exact(N))
+            .filter_map(|c| c.try_into().ok().map(f))
+            .collect()
+    }
     use crate::HostData as H;
     match dtype {
-        DType::F32 => H::F32(
-            b.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ),
-        DType::F64 => H::F64(
-            b.chunks_exact(8)
-                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect(),
-        ),
-        DType::F16 => H::F16(
-            b.chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
-        DType::BF16 => H::BF16(
-            b.chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
+        DType::F32 => H::F32(each(b, f32::from_le_bytes)),
+        DType::F64 => H::F64(each(b, f64::from_le_bytes)),
+        DType::F16 => H::F16(each(b, f16::from_le_bytes)),
+        DType::BF16 => H::BF16(each(b, bf16::from_le_bytes)),
     }
 }
 
@@ -231,42 +221,22 @@ fn slice(bytes: &[u8], range: std::ops::Range<u64>) -> std::result::Result<&[u8]
 }
 
 /// The checksums of a file of format `format`, every tensor of `bytes` verified against them:
-/// `None` for a file of format 1, which has none. `header.sealed` tells whether the header's
-/// checksum entry was there (and matched).
+/// `None` for a file of format 1, which has none.
 fn verified_sums(
     format: &str,
     header: &bounded::Header,
     meta: &HashMap<String, String>,
     bytes: &[u8],
 ) -> std::result::Result<Option<Sums>, Problem> {
-    match format {
-        FORMAT if header.sealed => {
-            let all = (header.meta.tensors().into_iter())
-                .map(|(name, info)| Ok((name, slice(bytes, header.span(info))?)))
-                .collect::<std::result::Result<Vec<_>, Problem>>()?;
-            let lens = all.iter().map(|(n, d)| (n.as_str(), d.len()));
-            let sums = checksum::parse_sums(meta, lens)?;
-            checksum::verify_all(&sums, all.iter().map(|(n, d)| (n.as_str(), *d)))?;
-            Ok(Some(sums))
+    let sums = checksum::format_sums(header, meta, format, (&[FORMAT], FORMAT_1), &[], "file")?;
+    if let Some(sums) = &sums {
+        for (name, info) in header.meta.tensors() {
+            let list = sums.tensors.get(&name).map_or(&[][..], Vec::as_slice);
+            let data = slice(bytes, header.span(info))?;
+            checksum::verify_chunks(&name, data, 0, list, sums.chunk)?;
         }
-        FORMAT => Err(format!(
-            "metadata entry '{}' (the header's checksum) is missing: the file is corrupt; \
-             restore it from a copy, or save again",
-            checksum::HEADER_ENTRY
-        )
-        .into()),
-        FORMAT_1 if !checksum::has_entries(meta) => Ok(None),
-        FORMAT_1 => Err(
-            "a file of format 1 with checksum entries: the file is corrupt; \
-                         restore it from a copy, or save again"
-                .into(),
-        ),
-        other => Err(format!(
-            "metadata format is '{other}', expected '{FORMAT}' (or '{FORMAT_1}'): it was not \
-             written by KvStore::save of this or the previous format"
-        )
-        .into()),
     }
+    Ok(sums)
 }
 
 /// The key kind of a `key_kind` metadata entry: `None` for a file with no keys.

@@ -210,22 +210,23 @@ pub(crate) struct Problem {
 }
 
 impl Problem {
-    /// A file that is not a valid checkpoint.
-    pub(crate) fn invalid(message: impl Into<String>) -> Problem {
+    /// A failure of `kind`, with no source.
+    fn new(kind: CheckpointErrorKind, message: impl Into<String>) -> Problem {
         Problem {
-            kind: CheckpointErrorKind::Invalid,
+            kind,
             message: message.into(),
             source: None,
         }
     }
 
+    /// A file that is not a valid checkpoint.
+    pub(crate) fn invalid(message: impl Into<String>) -> Problem {
+        Problem::new(CheckpointErrorKind::Invalid, message)
+    }
+
     /// A valid checkpoint that does not fit the store.
     pub(crate) fn mismatch(message: impl Into<String>) -> Problem {
-        Problem {
-            kind: CheckpointErrorKind::Mismatch,
-            message: message.into(),
-            source: None,
-        }
+        Problem::new(CheckpointErrorKind::Mismatch, message)
     }
 
     /// The same failure with another message.
@@ -260,9 +261,8 @@ impl Problem {
             ),
         };
         Problem {
-            kind,
-            message,
             source: Some(Box::new(e)),
+            ..Problem::new(kind, message)
         }
     }
 
@@ -292,10 +292,10 @@ impl From<&str> for Problem {
 /// An unparsable file: [`CheckpointErrorKind::Invalid`] with the safetensors error as source.
 pub(crate) fn not_safetensors(e: safetensors::SafeTensorError) -> Problem {
     Problem {
-        kind: CheckpointErrorKind::Invalid,
-        message: "not a valid safetensors file (corrupt or truncated?): restore it from a copy, \
-                  or save it again"
-            .to_owned(),
         source: Some(Box::new(e)),
+        ..Problem::invalid(
+            "not a valid safetensors file (corrupt or truncated?): restore it from a copy, or \
+             save it again",
+        )
     }
 }

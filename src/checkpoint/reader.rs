@@ -314,40 +314,29 @@ fn parse_spec(
 ) -> std::result::Result<(KeyMeta, Range<usize>), Problem> {
     let bad = |why: &str| Problem::invalid(format!("metadata piece/{key} = '{text}': {why}"));
     let spec = PieceSpec::parse(text, spelling).map_err(|why| bad(&why))?;
-    let index =
-        |name: &str, n: u64| usize::try_from(n).map_err(|_| bad(&format!("{name} too large")));
-    let dims = (spec.dims.iter())
-        .map(|&d| index("dims", d))
-        .collect::<std::result::Result<Vec<usize>, Problem>>()?;
-    Shape::new(&dims).map_err(|e| bad(&e.to_string()))?;
-    let (order, start, end) = (
-        index("order", spec.order)?,
-        index("start", spec.start)?,
-        index("end", spec.end)?,
-    );
+    let shape = Shape::new(&spec.dims).map_err(|e| bad(&e.to_string()))?;
     if spec.step.is_some_and(|s| s > bounded::MAX_STEP) {
         return Err(bad(&format!(
             "step is not a count from 0 to {}",
             bounded::MAX_STEP
         )));
     }
-    if spec.sparse && dims.len() < 2 {
+    if spec.sparse && shape.ndim() < 2 {
         return Err(bad("a row-sparse key has two or more dimensions"));
     }
-    let size: usize = dims.iter().product();
-    if start > end || end > size {
+    if spec.start > spec.end || spec.end > shape.size() {
         return Err(bad("the range is not within the key's elements"));
     }
     let meta = KeyMeta {
         key,
-        dims,
+        dims: spec.dims,
         dtype: DType::F32, // set from the value tensor by the caller
-        order,
+        order: spec.order,
         step: spec.step.unwrap_or(0),
         has_state: spec.step.is_some(),
         row_sparse: spec.sparse,
     };
-    Ok((meta, start..end))
+    Ok((meta, spec.start..spec.end))
 }
 
 /// A file's tensors as its header records them, with their checksums (`None` in a file of
@@ -496,43 +485,23 @@ fn shard_format(
     md: &HashMap<String, String>,
     format: &str,
 ) -> std::result::Result<(Option<u64>, Option<Sums>, Spelling), Problem> {
+    let formats = (&[SHARD_FORMAT, SHARD_FORMAT_2][..], SHARD_FORMAT_1);
+    let Some(sums) = checksum::format_sums(header, md, format, formats, &["token"], "shard")?
+    else {
+        return Ok((None, None, Spelling::Fields));
+    };
+    let text = (md.get("token").map(String::as_str))
+        .ok_or_else(|| Problem::invalid("metadata entry 'token' is missing"))?;
+    let token = parse_token(text).ok_or_else(|| {
+        Problem::invalid(format!(
+            "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
+        ))
+    })?;
     let spelling = match format {
         SHARD_FORMAT => Spelling::Json,
         _ => Spelling::Fields,
     };
-    match format {
-        SHARD_FORMAT | SHARD_FORMAT_2 if !header.sealed => Err(Problem::invalid(format!(
-            "metadata entry '{}' (the header's checksum) is missing: the shard is corrupt; \
-             save again",
-            checksum::HEADER_ENTRY
-        ))),
-        SHARD_FORMAT | SHARD_FORMAT_2 => {
-            let text = (md.get("token").map(String::as_str))
-                .ok_or_else(|| Problem::invalid("metadata entry 'token' is missing"))?;
-            let token = parse_token(text).ok_or_else(|| {
-                Problem::invalid(format!(
-                    "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
-                ))
-            })?;
-            let tensors = header.meta.tensors();
-            let lens = tensors.iter().map(|(name, info)| {
-                let (s, e) = info.data_offsets;
-                (name.as_str(), e.saturating_sub(s))
-            });
-            Ok((Some(token), Some(checksum::parse_sums(md, lens)?), spelling))
-        }
-        SHARD_FORMAT_1 if !md.contains_key("token") && !checksum::has_entries(md) => {
-            Ok((None, None, spelling))
-        }
-        SHARD_FORMAT_1 => Err(Problem::invalid(
-            "a shard of format 1 with a token or checksum entries: the shard is corrupt; save \
-             again",
-        )),
-        other => Err(Problem::invalid(format!(
-            "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_2}' or \
-             '{SHARD_FORMAT_1}')"
-        ))),
-    }
+    Ok((Some(token), Some(sums), spelling))
 }
 
 /// The pieces a shard's `piece/<key>` entries, spelled `spelling`, name, each checked against
@@ -589,14 +558,11 @@ fn shard_residuals(
             continue;
         };
         let key = parse_key(kind, text)?;
-        let parsed = ResidualSpec::parse(spec, spelling);
-        let (count, len) = (parsed.map(|r| (r.count, usize::try_from(r.len))))
-            .and_then(|(count, len)| Some((count, len.ok()?)))
-            .ok_or_else(|| {
-                Problem::invalid(format!(
-                    "metadata {name} = '{spec}' is not a residuals entry (a count and a length)"
-                ))
-            })?;
+        let ResidualSpec { count, len } = ResidualSpec::parse(spec, spelling).ok_or_else(|| {
+            Problem::invalid(format!(
+                "metadata {name} = '{spec}' is not a residuals entry (a count and a length)"
+            ))
+        })?;
         let count = bounded::count(count, 1, present).ok_or_else(|| {
             Problem::invalid(format!(
                 "metadata {name} = '{spec}' declares {count} residual tensors, but the shard \
@@ -606,9 +572,8 @@ fn shard_residuals(
         })?;
         let spans = (0..count)
             .map(|i| {
-                Ok(tensors
-                    .claim(format!("residual/{text}/{i}"), Some(DType::F32), &[len])?
-                    .1)
+                let name = format!("residual/{text}/{i}");
+                Ok(tensors.claim(name, Some(DType::F32), &[len])?.1)
             })
             .collect::<std::result::Result<Vec<_>, Problem>>()?;
         residuals.push((key, len, spans));
