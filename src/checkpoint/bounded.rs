@@ -32,6 +32,12 @@ pub(super) fn count(n: u64, each: u64, present: u64) -> Option<usize> {
     usize::try_from(n).ok()
 }
 
+/// A count as files spell it: decimal, canonical (no sign, no leading zeros), so that no two
+/// spellings name one number.
+pub(super) fn count_of<T: std::str::FromStr + ToString>(text: &str) -> Option<T> {
+    text.parse::<T>().ok().filter(|n| n.to_string() == text)
+}
+
 /// The largest updater step count a reader accepts: `i64::MAX`. A step count sizes nothing,
 /// but every push adds one to it, so a count that leaves no room for more pushes (a corrupt or
 /// crafted `18446744073709551615`) would overflow on the first push after the load; below this
@@ -41,9 +47,7 @@ pub(super) const MAX_STEP: u64 = i64::MAX as u64;
 /// A step count from its decimal spelling in a file (canonical: no sign, no leading zeros), if
 /// it is one within [`MAX_STEP`].
 pub(super) fn step(text: &str) -> Option<u64> {
-    text.parse::<u64>()
-        .ok()
-        .filter(|&n| n <= MAX_STEP && n.to_string() == text)
+    count_of(text).filter(|&n| n <= MAX_STEP)
 }
 
 /// A count that [`count`] refused: the file declares `n` of `what`, more than `limit` (what

@@ -175,17 +175,15 @@ pub(super) struct Sums {
 /// Parses the checksum entries of the metadata `md` of a file whose tensors are `tensors`
 /// (each one's name and data length in bytes): the chunk size, and the checksums of every
 /// tensor, one per chunk; an entry for a tensor the file lacks is an error.
-pub(super) fn parse_sums<'a>(
+pub(super) fn parse_sums(
     md: &HashMap<String, String>,
-    tensors: impl IntoIterator<Item = (&'a str, usize)>,
+    tensors: impl IntoIterator<Item = (String, usize)>,
 ) -> Result<Sums, Problem> {
     let text = md
         .get(CHUNK_ENTRY)
         .ok_or_else(|| Problem::invalid(format!("metadata entry '{CHUNK_ENTRY}' is missing")))?;
-    let chunk = text
-        .parse::<usize>()
-        .ok()
-        .filter(|&c| c.to_string() == *text && (1..=MAX_CHUNK).contains(&c))
+    let chunk = (super::bounded::count_of(text))
+        .filter(|c| (1..=MAX_CHUNK).contains(c))
         .ok_or_else(|| {
             Problem::invalid(format!(
                 "metadata {CHUNK_ENTRY} = '{text}' is not a chunk size from 1 to {MAX_CHUNK}"
@@ -217,7 +215,7 @@ pub(super) fn parse_sums<'a>(
                 len.div_ceil(chunk)
             )));
         }
-        sums.insert(name.to_owned(), list);
+        sums.insert(name, list);
     }
     if let Some(stray) = md.keys().find(|k| {
         k.strip_prefix(TENSOR_PREFIX)
@@ -253,13 +251,10 @@ pub(super) fn format_sums(
             )));
         }
         let lens = (header.meta.tensors().into_iter()).map(|(name, info)| {
-            (
-                name,
-                info.data_offsets.1.saturating_sub(info.data_offsets.0),
-            )
+            let (start, end) = info.data_offsets;
+            (name, end.saturating_sub(start))
         });
-        let lens: Vec<(String, usize)> = lens.collect();
-        return parse_sums(md, lens.iter().map(|(n, l)| (n.as_str(), *l))).map(Some);
+        return parse_sums(md, lens).map(Some);
     }
     let marked = md.keys().any(|k| {
         k == HEADER_ENTRY

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
 
-use super::bounded;
+use super::bounded::{self, count_of};
 use super::checksum::{self, Sums};
 use super::file::{acc_dtype, check_file, from_bytes, parse_key, parse_kind};
 use super::layout::{
@@ -84,28 +84,17 @@ fn parse_index(text: &str) -> std::result::Result<Index, Problem> {
         [INDEX_FORMAT_1, generation, world] => (generation, world, None),
         _ => return Err(bad()),
     };
-    let field = |line: &'_ str, name: &str| -> Option<String> {
-        line.strip_prefix(name)
-            .and_then(|n| n.strip_prefix(' '))
-            .map(str::to_owned)
-    };
-    let number = |line: &str, name: &str| {
-        field(line, name).and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
-    };
-    let generation = number(generation, "generation").ok_or_else(bad)?;
+    let field =
+        |line: &str, name: &str| Some(line.strip_prefix(name)?.strip_prefix(' ')?.to_owned());
+    let generation =
+        (field(generation, "generation").and_then(|n| count_of(&n))).ok_or_else(bad)?;
     // Only a count: what it may size is bounded by the shards there (see `open_dir`).
-    let world = number(world, "world")
-        .and_then(|w| usize::try_from(w).ok())
+    let world = (field(world, "world").and_then(|w| count_of::<usize>(&w)))
         .filter(|&w| w > 0)
         .ok_or_else(bad)?;
-    let token = match token {
-        Some(line) => Some(
-            field(line, "token")
-                .and_then(|t| parse_token(&t))
-                .ok_or_else(bad)?,
-        ),
-        None => None,
-    };
+    let token = (token.map(|line| field(line, "token").and_then(|t| parse_token(&t))))
+        .map(|t| t.ok_or_else(bad))
+        .transpose()?;
     Ok(Index {
         generation,
         world,
@@ -160,7 +149,7 @@ pub(crate) struct ShardHeader {
 }
 
 /// An open file, read at offsets.
-struct ShardFile {
+pub(super) struct ShardFile {
     path: PathBuf,
     file: File,
     /// The chunk size of its checksums (unused in a file of format 1, which has none).
@@ -262,17 +251,7 @@ fn dtype_of(d: Dtype) -> Option<DType> {
 
 /// Opens the shard at `path` and reads and checks its header: that it is shard `rank` of
 /// `world` of generation `generation`, and that its tensors match its pieces.
-pub(crate) fn read_shard_header(
-    path: &Path,
-    generation: u64,
-    rank: usize,
-    world: usize,
-) -> Result<ShardHeader> {
-    let (header, _) = open_shard(path, generation, rank, world)?;
-    Ok(header)
-}
-
-fn open_shard(
+pub(super) fn open_shard(
     path: &Path,
     generation: u64,
     rank: usize,
@@ -581,14 +560,6 @@ fn shard_residuals(
     Ok(residuals)
 }
 
-impl ShardHeader {
-    /// The token of the save that wrote the shard; `None` for a shard of format 1, which
-    /// carries none.
-    pub(crate) fn token(&self) -> Option<u64> {
-        self.token
-    }
-}
-
 /// Every key of a checkpoint, whole, and the pieces that hold it.
 struct Assembled {
     kind: Option<KeyKind>,
@@ -813,11 +784,10 @@ fn open_dir(dir: &Path) -> Result<Reader> {
         files.push(file);
     }
     // Every shard's header, which holds the checksums of its data (format 1: at least its keys).
-    let mut headers = crc32fast::Hasher::new();
-    for shard in &shards {
-        headers.update(&shard.header_crc.to_le_bytes());
-    }
-    let headers = headers.finalize();
+    let crcs: Vec<u8> = (shards.iter())
+        .flat_map(|s| s.header_crc.to_le_bytes())
+        .collect();
+    let headers = crc32fast::hash(&crcs);
     let a = assemble(&gen_dir, shards)?;
     if index.token.is_none() {
         log::warn!(
@@ -853,7 +823,7 @@ fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
     let is_shard = |name: &str| {
         (name.strip_prefix("shard-"))
             .and_then(|n| n.strip_suffix(&suffix))
-            .and_then(|r| r.parse::<usize>().ok().filter(|v| v.to_string() == r))
+            .and_then(count_of::<usize>)
             .is_some_and(|r| r < world)
     };
     let present = match fs::read_dir(gen_dir) {

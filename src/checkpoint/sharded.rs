@@ -22,6 +22,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use super::atomic::{sync_dir, write_atomic};
+use super::bounded::count_of;
 use super::checksum;
 use super::entry::Entry;
 use super::file::{acc_dtype, kind_name, serialize_sealed, to_bytes, Tensor};
@@ -29,7 +30,7 @@ use super::layout::{
     generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals, Piece, INDEX_FORMAT,
     SHARD_FORMAT,
 };
-use super::reader::{check_cover, read_index, read_shard_header};
+use super::reader::{check_cover, open_shard, read_index};
 use super::spec::{to_json, PieceSpec, ResidualSpec};
 use super::{CheckpointErrorKind, Problem};
 use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
@@ -54,11 +55,7 @@ fn new_token() -> io::Result<u64> {
 
 /// The generation a `gen-<G>` directory name stands for.
 fn parse_generation_dir(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("gen-")?;
-    digits
-        .parse::<u64>()
-        .ok()
-        .filter(|g| g.to_string() == digits)
+    count_of(name.strip_prefix("gen-")?)
 }
 
 /// Every generation directory in `dir`.
@@ -176,7 +173,16 @@ fn encode_shard(
         .chain(residuals.iter().map(|r| &r.key))
         .next()
         .map(Key::kind);
-    let mut meta = shard_meta(save, rank, world, kind, updater);
+    let mut meta: HashMap<String, String> = HashMap::from([
+        ("format".into(), SHARD_FORMAT.into()),
+        ("generation".into(), save.generation.to_string()),
+        ("token".into(), token_text(save.token)),
+        ("rank".into(), rank.to_string()),
+        ("world".into(), world.to_string()),
+        ("key_kind".into(), kind_name(kind).into()),
+        ("updater".into(), updater.name().into()),
+        ("state_names".into(), names.join(",")),
+    ]);
     let mut tensors: Vec<Tensor> = Vec::new();
     let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
     for p in pieces {
@@ -196,26 +202,6 @@ fn encode_shard(
         tensors.extend(residual_tensors(r));
     }
     serialize_sealed(meta, &tensors)
-}
-
-/// The metadata every shard has, before its pieces and residuals.
-fn shard_meta(
-    save: SaveId,
-    rank: usize,
-    world: usize,
-    kind: Option<KeyKind>,
-    updater: &Updater,
-) -> HashMap<String, String> {
-    HashMap::from([
-        ("format".into(), SHARD_FORMAT.into()),
-        ("generation".into(), save.generation.to_string()),
-        ("token".into(), token_text(save.token)),
-        ("rank".into(), rank.to_string()),
-        ("world".into(), world.to_string()),
-        ("key_kind".into(), kind_name(kind).into()),
-        ("updater".into(), updater.name().into()),
-        ("state_names".into(), updater.state_names().join(",")),
-    ])
 }
 
 /// Checks piece `p` before it is written: a key of the shard's `kind`, not in `seen` (which it
@@ -356,14 +342,14 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     let mut shards = Vec::with_capacity(world);
     for rank in 0..world {
         let path = shard_path(&gen_dir, rank, world);
-        let header = read_shard_header(&path, generation, rank, world)?;
-        if header.token() != Some(save.token) {
+        let (header, _) = open_shard(&path, generation, rank, world)?;
+        if header.token != Some(save.token) {
             return Err(Problem::invalid(format!(
                 "shard {rank} of {world} was written by another save (token {}; this save's is \
                  {}): two jobs are saving into this directory at once (a restarted job while \
                  the old one still runs?), or a shard was copied in; give each job its own \
                  checkpoint directory and save again. The previous checkpoint is unchanged",
-                header.token().map_or("none".to_owned(), token_text),
+                header.token.map_or("none".to_owned(), token_text),
                 token_text(save.token)
             ))
             .at(&path));

@@ -7,6 +7,8 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::bounded::count_of;
+
 /// How a shard spells its entries: by its format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Spelling {
@@ -75,11 +77,6 @@ impl ResidualSpec {
             Spelling::Fields => residuals_of_fields(text),
         }
     }
-}
-
-/// A count as the fields spell it: decimal, canonical (no sign, no leading zeros).
-fn count_of<T: std::str::FromStr + ToString>(text: &str) -> Option<T> {
-    text.parse::<T>().ok().filter(|n| n.to_string() == text)
 }
 
 /// A piece's `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` fields.

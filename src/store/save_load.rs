@@ -255,19 +255,16 @@ impl KvStore {
         let kind = read(&self.table).key_kind;
         let slots = self.slots_in_order();
         let active = read(&self.active).clone();
-        let buffers = active.updater.state_names().len();
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             slots.iter().map(|s| read(&s.cell)).collect();
         let entries = (slots.iter().zip(&cells))
             .map(|(slot, cell)| {
-                let (value, state) = cell.to_host(active.generation)?;
-                // Only state a push of this updater would use: one buffer per state name.
-                let state = state.filter(|(_, bufs)| bufs.len() == buffers);
+                let (value, state) = host_copy(cell, &active)?;
                 Ok(Entry {
                     key: slot.key.clone(),
                     shape: slot.shape,
                     value,
-                    state: state.map(|(step, bufs)| EntryState { step, bufs }),
+                    state,
                     row_sparse: slot.row_sparse,
                     residuals: (slot.residuals.lock())
                         .unwrap_or_else(|e| e.into_inner())
@@ -522,9 +519,8 @@ fn own_piece(
     active: &Active,
 ) -> Result<Piece> {
     let range = slot.spread.piece(slot.shape.size(), rank, size);
-    let (value, state) = cell.to_host(active.generation)?;
-    let names = active.updater.state_names();
-    let state = state.filter(|(_, bufs)| bufs.len() == names.len());
+    let (value, state) = host_copy(cell, active)?;
+    let names = active.updater.state_names().iter().map(|n| n.to_string());
     let flat = Shape::new(&[range.len()])?;
     let host = |h: HostData| NDArray::from_host(h, flat, cpu(0));
     Ok(Piece {
@@ -533,19 +529,25 @@ fn own_piece(
             dims: slot.shape.dims().to_vec(),
             dtype: slot.dtype,
             order,
-            step: state.as_ref().map_or(0, |s| s.0),
+            step: state.as_ref().map_or(0, |s| s.step),
             has_state: state.is_some(),
             row_sparse: slot.row_sparse,
         },
         range,
         value: host(value),
-        state: match state {
-            Some((_, bufs)) => (names.iter().map(|n| n.to_string()))
-                .zip(bufs.into_iter().map(host))
-                .collect(),
-            None => Vec::new(),
-        },
+        state: state.map_or_else(Vec::new, |s| {
+            names.zip(s.bufs.into_iter().map(host)).collect()
+        }),
     })
+}
+
+/// Copies of `cell`'s value (on ranks, this rank's part of it) and of its state for the
+/// updater in force: only state a push of that updater would use, one buffer per state name.
+fn host_copy(cell: &HomeValue, active: &Active) -> Result<(HostData, Option<EntryState>)> {
+    let (value, state) = cell.to_host(active.generation)?;
+    let buffers = active.updater.state_names().len();
+    let state = state.filter(|(_, bufs)| bufs.len() == buffers);
+    Ok((value, state.map(|(step, bufs)| EntryState { step, bufs })))
 }
 
 /// Elements `range` of key `m` from the checkpoint, in host memory: the value, and the step
