@@ -192,16 +192,6 @@ pub const FORMAT: &str = "kvstore-checkpoint/2";
 /// The `format` of single files of the version before, which have no checksums; still read.
 const FORMAT_1: &str = "kvstore-checkpoint/1";
 
-/// Warns that the checkpoint at `path` is of format 1, whose files carry no checksums, so that
-/// a corrupt byte in it would go unnoticed.
-fn warn_unverified(path: &Path) {
-    log::warn!(
-        "{}: a checkpoint of format 1, which has no checksums, so a corrupt byte in it would go \
-         unnoticed; it loads unverified. Save it again to write the current format",
-        path.display()
-    );
-}
-
 /// A checkpoint failure before its path is attached.
 pub(crate) struct Problem {
     kind: CheckpointErrorKind,

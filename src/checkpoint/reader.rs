@@ -12,11 +12,9 @@ use std::io::{self, Read};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::Dtype;
-
 use super::bounded::{self, count_of};
 use super::checksum::{self, Sums};
-use super::file::{acc_dtype, check_file, from_bytes, parse_key, parse_kind};
+use super::file::{acc_dtype, check_file, from_bytes, parse_key, parse_kind, st_dtype};
 use super::layout::{
     generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
     INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT, SHARD_FORMAT_1, SHARD_FORMAT_2,
@@ -242,13 +240,6 @@ impl ShardFile {
     }
 }
 
-/// The dtype of a safetensors dtype, if the store has it.
-fn dtype_of(d: Dtype) -> Option<DType> {
-    DType::ALL
-        .into_iter()
-        .find(|&t| super::file::st_dtype(t) == d)
-}
-
 /// Opens the shard at `path` and reads and checks its header: that it is shard `rank` of
 /// `world` of generation `generation`, and that its tensors match its pieces.
 pub(super) fn open_shard(
@@ -347,7 +338,8 @@ impl<'a> Tensors<'a> {
     ) -> std::result::Result<(DType, Span), Problem> {
         let info = (self.header.meta.info(&name))
             .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
-        let got = dtype_of(info.dtype).ok_or_else(|| {
+        let got = DType::ALL.into_iter().find(|&t| st_dtype(t) == info.dtype);
+        let got = got.ok_or_else(|| {
             Problem::invalid(format!(
                 "tensor '{name}' has unsupported dtype {:?}",
                 info.dtype
@@ -860,7 +852,11 @@ fn open_file(path: &Path) -> Result<Reader> {
     let header = check_file(&bytes).map_err(|p| p.at(path))?;
     let chunk = header.chunk;
     if chunk.is_none() {
-        super::warn_unverified(path);
+        log::warn!(
+            "{}: a checkpoint of format 1, which has no checksums, so a corrupt byte in it would \
+             go unnoticed; it loads unverified. Save it again to write the current format",
+            path.display()
+        );
     }
     let which = format!(
         "a single file whose header's CRC-32 is {:08x}",
@@ -986,7 +982,9 @@ impl Reader {
     /// [`Reader::state_names`] order, read from whichever shards hold them. A key the
     /// checkpoint lacks, or a range outside the key, is kind `Mismatch`; a read failure `Io`.
     pub(crate) fn read(&self, key: &Key, range: Range<usize>) -> Result<Piece> {
-        let i = self.index_of(key)?;
+        let i = self.place.get(key).copied().ok_or_else(|| {
+            Problem::mismatch(format!("key {key} is not in this checkpoint")).at(&self.path)
+        })?;
         let (value, state) = self.read_host(i, range.clone())?;
         let shape = Shape::new(&[range.len()])?;
         let meta = self.all.keys[i].clone();
@@ -1000,12 +998,6 @@ impl Reader {
             range,
             value: NDArray::from_host(value, shape, Device::Cpu(0)),
             state,
-        })
-    }
-
-    fn index_of(&self, key: &Key) -> Result<usize> {
-        self.place.get(key).copied().ok_or_else(|| {
-            Problem::mismatch(format!("key {key} is not in this checkpoint")).at(&self.path)
         })
     }
 

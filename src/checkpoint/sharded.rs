@@ -45,14 +45,6 @@ pub(crate) struct SaveId {
     pub token: u64,
 }
 
-/// A new save token: 64 random bits from the operating system (`getrandom`), so that saves of
-/// two jobs, or two saves of one job, share one with a chance of 2^-64. Fails (with an I/O
-/// error that names the cause) only where the system has no random source to read.
-fn new_token() -> io::Result<u64> {
-    getrandom::u64()
-        .map_err(|e| io::Error::other(format!("no random save token from the system: {e}")))
-}
-
 /// The generation a `gen-<G>` directory name stands for.
 fn parse_generation_dir(name: &str) -> Option<u64> {
     count_of(name.strip_prefix("gen-")?)
@@ -112,7 +104,12 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
         })
     };
     let mut generation = top.map_or(Ok(0), after)?;
-    let token = new_token().map_err(|e| write_error(dir, e))?;
+    // 64 random bits from the operating system, so that saves of two jobs, or two saves of one
+    // job, share a token with a chance of 2^-64; this fails only where it has no random source.
+    let token = getrandom::u64().map_err(|e| {
+        let e = io::Error::other(format!("no random save token from the system: {e}"));
+        write_error(dir, e)
+    })?;
     loop {
         let gen_dir = generation_dir(dir, generation);
         match fs::create_dir(&gen_dir) {

@@ -138,7 +138,8 @@ impl KvStore {
     pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let d = &self.ranks;
-        let (updater, generation) = self.active_updater();
+        let active = read(&self.active).clone();
+        let (updater, generation) = (active.updater.clone(), active.generation);
         let opened = checkpoint::open(path).and_then(|reader| {
             let fits = self.check_fits(&read(&self.table), &reader, path);
             // A corrupt checkpoint is Invalid, whatever else is wrong with it.
@@ -199,12 +200,6 @@ impl KvStore {
     pub fn save_single_file(&self, path: impl AsRef<Path>) -> Result<()> {
         let (kind, updater, entries) = self.export_entries()?;
         checkpoint::write_single_file(path.as_ref(), kind, &updater, &entries)
-    }
-
-    /// The updater in force and its generation, read together.
-    fn active_updater(&self) -> (Updater, u64) {
-        let active = read(&self.active).clone();
-        (active.updater.clone(), active.generation)
     }
 
     /// Every slot, in update order.
