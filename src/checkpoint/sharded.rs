@@ -184,7 +184,16 @@ fn encode_shard(
     let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
     for p in pieces {
         check_piece(p, kind, names, &mut seen)?;
-        let spec = to_json(&piece_spec(p)).map_err(Problem::invalid)?;
+        let (m, range) = (&p.meta, &p.range);
+        let spec = PieceSpec {
+            order: m.order,
+            start: range.start,
+            end: range.end,
+            dims: m.dims.clone(),
+            step: m.has_state.then_some(m.step),
+            sparse: m.row_sparse,
+        };
+        let spec = to_json(&spec).map_err(Problem::invalid)?;
         meta.insert(format!("piece/{}", p.meta.key), spec);
         tensors.extend(piece_tensors(p)?);
     }
@@ -255,19 +264,6 @@ fn check_piece<'p>(
         check(&format!("state buffer {name}"), buf, acc_dtype(m.dtype))?;
     }
     Ok(())
-}
-
-/// The `piece/<key>` entry of piece `p`.
-fn piece_spec(p: &Piece) -> PieceSpec {
-    let m = &p.meta;
-    PieceSpec {
-        order: m.order,
-        start: p.range.start,
-        end: p.range.end,
-        dims: m.dims.clone(),
-        step: m.has_state.then_some(m.step),
-        sparse: m.row_sparse,
-    }
 }
 
 /// The tensors of checked piece `p`: its value and its state buffers, 1-D.

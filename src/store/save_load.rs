@@ -37,20 +37,6 @@ fn where_is(path: &Path) -> String {
         .to_string()
 }
 
-/// Why a checkpoint's key cannot load into the store's `slot` of the same name: one is
-/// row-sparse and the other dense. `None` when they agree.
-fn storage_mismatch(key: &Key, file_sparse: bool, slot: &Slot) -> Option<String> {
-    let name = |sparse: bool| if sparse { "row-sparse" } else { "dense" };
-    (file_sparse != slot.row_sparse).then(|| {
-        format!(
-            "key {key}: the file holds it {} but the store holds it {}: load it into a store \
-             without this key, or with the key initialized as the file has it",
-            name(file_sparse),
-            name(slot.row_sparse)
-        )
-    })
-}
-
 /// Checkpoints: save and load.
 impl KvStore {
     /// Saves every value and every updater state into the checkpoint directory `path`
@@ -307,8 +293,15 @@ impl KvStore {
                     slot.dtype
                 )));
             }
-            if let Some(why) = storage_mismatch(&m.key, m.row_sparse, slot) {
-                return Err(mismatch(why));
+            if m.row_sparse != slot.row_sparse {
+                let name = |sparse: bool| if sparse { "row-sparse" } else { "dense" };
+                return Err(mismatch(format!(
+                    "key {}: the file holds it {} but the store holds it {}: load it into a \
+                     store without this key, or with the key initialized as the file has it",
+                    m.key,
+                    name(m.row_sparse),
+                    name(slot.row_sparse)
+                )));
             }
         }
         Ok(())
