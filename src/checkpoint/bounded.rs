@@ -16,6 +16,7 @@ use std::ops::Range;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::SafeTensorError;
 
+use super::layout::count_of;
 use super::{checksum, not_safetensors, Problem};
 
 /// The largest header a reader accepts (the safetensors crate's own bound).
@@ -30,12 +31,6 @@ pub(super) fn count(n: u64, each: u64, present: u64) -> Option<usize> {
         return None;
     }
     usize::try_from(n).ok()
-}
-
-/// A count as files spell it: decimal, canonical (no sign, no leading zeros), so that no two
-/// spellings name one number.
-pub(super) fn count_of<T: std::str::FromStr + ToString>(text: &str) -> Option<T> {
-    text.parse::<T>().ok().filter(|n| n.to_string() == text)
 }
 
 /// The largest updater step count a reader accepts: `i64::MAX`. A step count sizes nothing,

@@ -5,6 +5,8 @@
 
 use std::collections::HashMap;
 
+use safetensors::tensor::Metadata;
+
 use super::Problem;
 
 /// The metadata entry that holds the header's checksum.
@@ -182,7 +184,7 @@ pub(super) fn parse_sums(
     let text = md
         .get(CHUNK_ENTRY)
         .ok_or_else(|| Problem::invalid(format!("metadata entry '{CHUNK_ENTRY}' is missing")))?;
-    let chunk = (super::bounded::count_of(text))
+    let chunk = (super::layout::count_of(text))
         .filter(|c| (1..=MAX_CHUNK).contains(c))
         .ok_or_else(|| {
             Problem::invalid(format!(
@@ -231,12 +233,12 @@ pub(super) fn parse_sums(
     })
 }
 
-/// The checksums of a file whose header is `header` and metadata `md`, by its `format` entry:
-/// `Some` for a format of `sealed` (this version's first), whose header's checksum must have
-/// been there (and matched); `None` for `bare`, format 1, which must have no checksum entries
-/// and none of `bare_lacks` (a shard's token). `what` names the file in errors.
+/// The checksums of a file whose header records `tensors` and metadata `md`, by its `format`
+/// entry: `Some` for a format of `sealed` (this version's first), whose header's checksum must
+/// have been there (and matched: `sealed_header`); `None` for `bare`, format 1, which must have
+/// no checksum entries and none of `bare_lacks` (a shard's token). `what` names the file.
 pub(super) fn format_sums(
-    header: &super::bounded::Header,
+    (tensors, sealed_header): (&Metadata, bool),
     md: &HashMap<String, String>,
     format: &str,
     (sealed, bare): (&[&str], &str),
@@ -245,12 +247,12 @@ pub(super) fn format_sums(
 ) -> Result<Option<Sums>, Problem> {
     let corrupt = format!("the {what} is corrupt; restore it from a copy, or save again");
     if sealed.contains(&format) {
-        if !header.sealed {
+        if !sealed_header {
             return Err(Problem::invalid(format!(
                 "metadata entry '{HEADER_ENTRY}' (the header's checksum) is missing: {corrupt}"
             )));
         }
-        let lens = (header.meta.tensors().into_iter()).map(|(name, info)| {
+        let lens = (tensors.tensors().into_iter()).map(|(name, info)| {
             let (start, end) = info.data_offsets;
             (name, end.saturating_sub(start))
         });

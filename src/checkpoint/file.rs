@@ -7,34 +7,16 @@ use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
 use half::{bf16, f16};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::TensorView;
 
 use super::atomic::write_atomic;
 use super::bounded;
 use super::checksum::{self, Sums};
 use super::entry::Entry;
-use super::layout::KeyMeta;
-use super::reader::{Held, Saved, ShardHeader, Tensors};
+use super::held::{Held, Saved, ShardHeader, Tensors};
+use super::layout::{acc_dtype, st_dtype, KeyMeta};
 use super::{Problem, FORMAT, FORMAT_1};
 use crate::{DType, Error, Key, KeyKind, Shape, Updater};
-
-/// `Dtype` of the safetensors format for a dtype.
-pub(super) fn st_dtype(dtype: DType) -> Dtype {
-    match dtype {
-        DType::F32 => Dtype::F32,
-        DType::F64 => Dtype::F64,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-    }
-}
-
-/// The dtype updater state is kept in for values of `dtype`.
-pub(super) fn acc_dtype(dtype: DType) -> DType {
-    match dtype {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    }
-}
 
 pub(super) fn kind_name(kind: Option<KeyKind>) -> &'static str {
     match kind {
@@ -228,7 +210,14 @@ fn verified_sums(
     meta: &HashMap<String, String>,
     bytes: &[u8],
 ) -> std::result::Result<Option<Sums>, Problem> {
-    let sums = checksum::format_sums(header, meta, format, (&[FORMAT], FORMAT_1), &[], "file")?;
+    let sums = checksum::format_sums(
+        (&header.meta, header.sealed),
+        meta,
+        format,
+        (&[FORMAT], FORMAT_1),
+        &[],
+        "file",
+    )?;
     if let Some(sums) = &sums {
         for (name, info) in header.meta.tensors() {
             let list = sums.tensors.get(&name).map_or(&[][..], Vec::as_slice);

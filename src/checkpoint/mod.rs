@@ -158,6 +158,7 @@ mod bounded;
 mod checksum;
 mod entry;
 mod file;
+mod held;
 mod layout;
 mod load_hook;
 mod reader;

@@ -22,13 +22,12 @@ use std::ops::Range;
 use std::path::Path;
 
 use super::atomic::{sync_dir, write_atomic};
-use super::bounded::count_of;
 use super::checksum;
 use super::entry::Entry;
-use super::file::{acc_dtype, kind_name, serialize_sealed, to_bytes, Tensor};
+use super::file::{kind_name, serialize_sealed, to_bytes, Tensor};
 use super::layout::{
-    generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals, Piece, INDEX_FORMAT,
-    SHARD_FORMAT,
+    acc_dtype, count_of, generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals,
+    Piece, INDEX_FORMAT, SHARD_FORMAT,
 };
 use super::reader::{check_cover, open_shard, read_index};
 use super::spec::{to_json, PieceSpec, ResidualSpec};

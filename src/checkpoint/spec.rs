@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::bounded::count_of;
+use super::layout::count_of;
 
 /// How a shard spells its entries: by its format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
