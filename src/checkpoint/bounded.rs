@@ -16,6 +16,7 @@ use std::ops::Range;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::SafeTensorError;
 
+use super::layout::count_of;
 use super::{checksum, not_safetensors, Problem};
 
 /// The largest header a reader accepts (the safetensors crate's own bound).
@@ -41,9 +42,7 @@ pub(super) const MAX_STEP: u64 = i64::MAX as u64;
 /// A step count from its decimal spelling in a file (canonical: no sign, no leading zeros), if
 /// it is one within [`MAX_STEP`].
 pub(super) fn step(text: &str) -> Option<u64> {
-    text.parse::<u64>()
-        .ok()
-        .filter(|&n| n <= MAX_STEP && n.to_string() == text)
+    count_of(text).filter(|&n| n <= MAX_STEP)
 }
 
 /// A count that [`count`] refused: the file declares `n` of `what`, more than `limit` (what

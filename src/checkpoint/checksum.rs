@@ -5,6 +5,8 @@
 
 use std::collections::HashMap;
 
+use safetensors::tensor::Metadata;
+
 use super::Problem;
 
 /// The metadata entry that holds the header's checksum.
@@ -175,17 +177,15 @@ pub(super) struct Sums {
 /// Parses the checksum entries of the metadata `md` of a file whose tensors are `tensors`
 /// (each one's name and data length in bytes): the chunk size, and the checksums of every
 /// tensor, one per chunk; an entry for a tensor the file lacks is an error.
-pub(super) fn parse_sums<'a>(
+pub(super) fn parse_sums(
     md: &HashMap<String, String>,
-    tensors: impl IntoIterator<Item = (&'a str, usize)>,
+    tensors: impl IntoIterator<Item = (String, usize)>,
 ) -> Result<Sums, Problem> {
     let text = md
         .get(CHUNK_ENTRY)
         .ok_or_else(|| Problem::invalid(format!("metadata entry '{CHUNK_ENTRY}' is missing")))?;
-    let chunk = text
-        .parse::<usize>()
-        .ok()
-        .filter(|&c| c.to_string() == *text && (1..=MAX_CHUNK).contains(&c))
+    let chunk = (super::layout::count_of(text))
+        .filter(|c| (1..=MAX_CHUNK).contains(c))
         .ok_or_else(|| {
             Problem::invalid(format!(
                 "metadata {CHUNK_ENTRY} = '{text}' is not a chunk size from 1 to {MAX_CHUNK}"
@@ -217,7 +217,7 @@ pub(super) fn parse_sums<'a>(
                 len.div_ceil(chunk)
             )));
         }
-        sums.insert(name.to_owned(), list);
+        sums.insert(name, list);
     }
     if let Some(stray) = md.keys().find(|k| {
         k.strip_prefix(TENSOR_PREFIX)
@@ -233,10 +233,47 @@ pub(super) fn parse_sums<'a>(
     })
 }
 
-/// Whether the metadata `md` has any checksum entry (a file of format 1 has none).
-pub(super) fn has_entries(md: &HashMap<String, String>) -> bool {
-    md.keys()
-        .any(|k| k == HEADER_ENTRY || k == CHUNK_ENTRY || k.starts_with(TENSOR_PREFIX))
+/// The checksums of a file whose header records `tensors` and metadata `md`, by its `format`
+/// entry: `Some` for a format of `sealed` (this version's first), whose header's checksum must
+/// have been there (and matched: `sealed_header`); `None` for `bare`, format 1, which must have
+/// no checksum entries and none of `bare_lacks` (a shard's token). `what` names the file.
+pub(super) fn format_sums(
+    (tensors, sealed_header): (&Metadata, bool),
+    md: &HashMap<String, String>,
+    format: &str,
+    (sealed, bare): (&[&str], &str),
+    bare_lacks: &[&str],
+    what: &str,
+) -> Result<Option<Sums>, Problem> {
+    let corrupt = format!("the {what} is corrupt; restore it from a copy, or save again");
+    if sealed.contains(&format) {
+        if !sealed_header {
+            return Err(Problem::invalid(format!(
+                "metadata entry '{HEADER_ENTRY}' (the header's checksum) is missing: {corrupt}"
+            )));
+        }
+        let lens = (tensors.tensors().into_iter()).map(|(name, info)| {
+            let (start, end) = info.data_offsets;
+            (name, end.saturating_sub(start))
+        });
+        return parse_sums(md, lens).map(Some);
+    }
+    let marked = md.keys().any(|k| {
+        k == HEADER_ENTRY
+            || k == CHUNK_ENTRY
+            || k.starts_with(TENSOR_PREFIX)
+            || bare_lacks.contains(&k.as_str())
+    });
+    match format {
+        _ if format != bare => Err(Problem::invalid(format!(
+            "metadata format is '{format}', expected one of {sealed:?} or '{bare}': it was not \
+             written by a save of this or an earlier version"
+        ))),
+        _ if marked => Err(Problem::invalid(format!(
+            "a {what} of format 1 with checksum entries or a token: {corrupt}"
+        ))),
+        _ => Ok(None),
+    }
 }
 
 /// Verifies `data`, which starts at byte `from` of tensor `name` at a chunk boundary and ends
@@ -262,22 +299,6 @@ pub(super) fn verify_chunks(
                 start + piece.len()
             )));
         }
-    }
-    Ok(())
-}
-
-/// Verifies the whole data of every tensor of a file held in memory: `tensors` gives each
-/// one's name and data.
-pub(super) fn verify_all<'a>(
-    sums: &Sums,
-    tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
-) -> Result<(), Problem> {
-    for (name, data) in tensors {
-        let list = sums
-            .tensors
-            .get(name)
-            .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?;
-        verify_chunks(name, data, 0, list, sums.chunk)?;
     }
     Ok(())
 }

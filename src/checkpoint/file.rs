@@ -7,32 +7,16 @@ use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
 use half::{bf16, f16};
-use safetensors::tensor::{Dtype, TensorInfo, TensorView};
+use safetensors::tensor::TensorView;
 
 use super::atomic::write_atomic;
 use super::bounded;
 use super::checksum::{self, Sums};
-use super::entry::{Entry, EntryState};
+use super::entry::Entry;
+use super::held::{Held, Saved, ShardHeader, Tensors};
+use super::layout::{acc_dtype, st_dtype, KeyMeta};
 use super::{Problem, FORMAT, FORMAT_1};
 use crate::{DType, Error, Key, KeyKind, Shape, Updater};
-
-/// `Dtype` of the safetensors format for a dtype.
-pub(super) fn st_dtype(dtype: DType) -> Dtype {
-    match dtype {
-        DType::F32 => Dtype::F32,
-        DType::F64 => Dtype::F64,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-    }
-}
-
-/// The dtype updater state is kept in for values of `dtype`.
-pub(super) fn acc_dtype(dtype: DType) -> DType {
-    match dtype {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    }
-}
 
 pub(super) fn kind_name(kind: Option<KeyKind>) -> &'static str {
     match kind {
@@ -55,28 +39,18 @@ pub(super) fn to_bytes(data: &crate::HostData) -> Vec<u8> {
 
 /// Host elements of `dtype` from little-endian bytes; the length is checked by the caller.
 pub(super) fn from_bytes(dtype: DType, b: &[u8]) -> crate::HostData {
+    fn each<const N: usize, T>(b: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
+        // `chunks_exact` yields chunks of `N` bytes only, so every conversion succeeds.
+        (b.chunks_exact(N))
+            .filter_map(|c| c.try_into().ok().map(f))
+            .collect()
+    }
     use crate::HostData as H;
     match dtype {
-        DType::F32 => H::F32(
-            b.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ),
-        DType::F64 => H::F64(
-            b.chunks_exact(8)
-                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect(),
-        ),
-        DType::F16 => H::F16(
-            b.chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
-        DType::BF16 => H::BF16(
-            b.chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]))
-                .collect(),
-        ),
+        DType::F32 => H::F32(each(b, f32::from_le_bytes)),
+        DType::F64 => H::F64(each(b, f64::from_le_bytes)),
+        DType::F16 => H::F16(each(b, f16::from_le_bytes)),
+        DType::BF16 => H::BF16(each(b, bf16::from_le_bytes)),
     }
 }
 
@@ -175,34 +149,13 @@ pub(super) fn encode(
     serialize_sealed(meta, &tensors)
 }
 
-/// A whole single-file checkpoint, parsed and checked, with every key's state whatever the
-/// updater.
-pub(super) struct Decoded {
-    /// The key kind (`None` for an empty store).
-    pub kind: Option<KeyKind>,
-    /// The name of the updater it was saved under.
-    pub updater: String,
-    /// That updater's state buffer names.
-    pub state_names: Vec<String>,
-    /// Every key, in update order.
-    pub entries: Vec<Entry>,
-    /// The checksums of its tensors, all verified; `None` for a file of format 1, which has
-    /// none.
-    pub sums: Option<Sums>,
-    /// Its header, where the tensors are.
-    pub header: bounded::Header,
-}
-
-/// Parses and checks a whole checkpoint, keeping every key's state. The header's checksum is
-/// verified before anything in the header is believed, and every tensor's data before any is
-/// read; every count in the header is checked against what the file holds before anything is
-/// sized by it (see [`bounded`]).
-pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> {
+/// Checks a whole single file, `bytes`: its header, every tensor's data against its checksums
+/// (the file is in memory), its keys in update order and the tensors of each. It reads as
+/// shard 0 of one, with no token, that holds every key whole. The header's checksum is
+/// verified before anything in the header is believed, and every count in it is checked
+/// against what the file holds before anything is sized by it (see [`bounded`]).
+pub(super) fn check_file(bytes: &[u8]) -> std::result::Result<ShardHeader, Problem> {
     let header = bounded::read_header(bytes.len() as u64, |r| Ok(Cow::Borrowed(slice(bytes, r)?)))?;
-    let tensors = Tensors {
-        header: &header,
-        bytes,
-    };
     let meta = header
         .meta
         .metadata()
@@ -213,32 +166,29 @@ pub(super) fn decode_all(bytes: &[u8]) -> std::result::Result<Decoded, Problem> 
             .map(String::as_str)
             .ok_or_else(|| format!("metadata entry '{name}' is missing"))
     };
-    let sums = verified_sums(get("format")?, header.sealed, meta, &tensors)?;
+    let sums = verified_sums(get("format")?, &header, meta, bytes)?;
     let kind = parse_kind(get("key_kind")?)?;
     let keys = keys_in_order(meta, kind, get("keys")?)?;
-    let file_updater = get("updater")?;
+    let updater = get("updater")?.to_owned();
     let state_names = bounded::state_names(get("state_names")?)?;
-
-    let mut used: HashSet<String> = HashSet::new();
-    let entries = keys
-        .into_iter()
-        .map(|key| decode_entry(&tensors, meta, key, &state_names, &mut used))
-        .collect::<std::result::Result<Vec<_>, Problem>>()?;
-    if let Some(extra) = header
-        .meta
-        .tensors()
-        .into_keys()
-        .find(|n| !used.contains(n))
-    {
-        return Err(format!("tensor '{extra}' belongs to no key in the metadata").into());
+    let mut tensors = Tensors::new(&header, sums.as_ref());
+    let (mut pieces, mut residuals) = (Vec::with_capacity(keys.len()), Vec::new());
+    for (order, key) in keys.into_iter().enumerate() {
+        let (piece, saved) = check_key(&mut tensors, meta, key, order, &state_names)?;
+        pieces.push(piece);
+        residuals.extend(saved);
     }
-    Ok(Decoded {
+    tensors.all_claimed("key")?;
+    Ok(ShardHeader {
+        rank: 0,
+        header_crc: header.crc,
+        token: None,
+        chunk: sums.map(|s| s.chunk),
         kind,
-        updater: file_updater.to_owned(),
+        updater,
         state_names,
-        entries,
-        sums,
-        header,
+        pieces,
+        residuals,
     })
 }
 
@@ -252,62 +202,30 @@ fn slice(bytes: &[u8], range: std::ops::Range<u64>) -> std::result::Result<&[u8]
         .ok_or_else(|| Problem::invalid("a range beyond the file's end: the file is corrupt"))
 }
 
-/// A single file's tensors: its header's record of each, over the file's bytes.
-struct Tensors<'a> {
-    header: &'a bounded::Header,
-    bytes: &'a [u8],
-}
-
-impl<'a> Tensors<'a> {
-    /// The record and bytes of tensor `name`, if the file has it.
-    fn get(&self, name: &str) -> Option<(&'a TensorInfo, std::result::Result<&'a [u8], Problem>)> {
-        let info = self.header.meta.info(name)?;
-        Some((info, slice(self.bytes, self.header.span(info))))
-    }
-
-    /// Every tensor's name and bytes.
-    fn all(&self) -> std::result::Result<Vec<(String, &'a [u8])>, Problem> {
-        (self.header.meta.tensors().into_iter())
-            .map(|(name, info)| Ok((name, slice(self.bytes, self.header.span(info))?)))
-            .collect()
-    }
-}
-
-/// The checksums of a file of format `format`, every tensor verified against them: `None` for
-/// a file of format 1, which has none. `sealed` tells whether the header's checksum entry was
-/// there (and matched).
+/// The checksums of a file of format `format`, every tensor of `bytes` verified against them:
+/// `None` for a file of format 1, which has none.
 fn verified_sums(
     format: &str,
-    sealed: bool,
+    header: &bounded::Header,
     meta: &HashMap<String, String>,
-    tensors: &Tensors<'_>,
+    bytes: &[u8],
 ) -> std::result::Result<Option<Sums>, Problem> {
-    match format {
-        FORMAT if sealed => {
-            let all = tensors.all()?;
-            let lens = all.iter().map(|(n, d)| (n.as_str(), d.len()));
-            let sums = checksum::parse_sums(meta, lens)?;
-            checksum::verify_all(&sums, all.iter().map(|(n, d)| (n.as_str(), *d)))?;
-            Ok(Some(sums))
+    let sums = checksum::format_sums(
+        (&header.meta, header.sealed),
+        meta,
+        format,
+        (&[FORMAT], FORMAT_1),
+        &[],
+        "file",
+    )?;
+    if let Some(sums) = &sums {
+        for (name, info) in header.meta.tensors() {
+            let list = sums.tensors.get(&name).map_or(&[][..], Vec::as_slice);
+            let data = slice(bytes, header.span(info))?;
+            checksum::verify_chunks(&name, data, 0, list, sums.chunk)?;
         }
-        FORMAT => Err(format!(
-            "metadata entry '{}' (the header's checksum) is missing: the file is corrupt; \
-             restore it from a copy, or save again",
-            checksum::HEADER_ENTRY
-        )
-        .into()),
-        FORMAT_1 if !checksum::has_entries(meta) => Ok(None),
-        FORMAT_1 => Err(
-            "a file of format 1 with checksum entries: the file is corrupt; \
-                         restore it from a copy, or save again"
-                .into(),
-        ),
-        other => Err(format!(
-            "metadata format is '{other}', expected '{FORMAT}' (or '{FORMAT_1}'): it was not \
-             written by KvStore::save of this or the previous format"
-        )
-        .into()),
     }
+    Ok(sums)
 }
 
 /// The key kind of a `key_kind` metadata entry: `None` for a file with no keys.
@@ -380,38 +298,38 @@ fn keys_in_order(
     Ok(keys)
 }
 
-/// One key of a single file: its value, its state (one buffer per name of `state_names`, where
-/// the file has a step count for it), its storage and its residuals. The names of the tensors
-/// read are added to `used`.
-fn decode_entry(
-    tensors: &Tensors<'_>,
+/// Key `key`, the `order`-th in update order, of a single file: the piece that holds it whole
+/// (its value, and one state buffer per name of `state_names` where the file has a step count
+/// for it), and its residuals, if it has any, each checked against the tensors it claims.
+fn check_key(
+    tensors: &mut Tensors<'_>,
     meta: &HashMap<String, String>,
     key: Key,
+    order: usize,
     state_names: &[String],
-    used: &mut HashSet<String>,
-) -> std::result::Result<Entry, Problem> {
-    let mut read = |name: String, dtype: Option<DType>, shape: Option<Shape>| {
-        let got = read_tensor(tensors, &name, dtype, shape);
-        used.insert(name);
-        got
-    };
-    let (shape, value) = read(format!("value/{key}"), None, None)?;
-    let state = match meta.get(&format!("step/{key}")) {
+) -> std::result::Result<(Held, Option<Saved>), Problem> {
+    let name = format!("value/{key}");
+    let info =
+        (tensors.header.meta.info(&name)).ok_or_else(|| format!("tensor '{name}' is missing"))?;
+    let shape = Shape::new(&info.shape).map_err(|e| format!("tensor '{name}': {e}"))?;
+    let dims = shape.dims();
+    let (dtype, value) = tensors.claim(name, None, dims)?;
+    let step = match meta.get(&format!("step/{key}")) {
         None => None,
-        Some(step) => {
-            let step = bounded::step(step).ok_or_else(|| {
-                format!(
-                    "metadata step/{key} = '{step}' is not a count from 0 to {}",
-                    bounded::MAX_STEP
-                )
-            })?;
-            let acc = Some(acc_dtype(value.dtype()));
-            let bufs = (state_names.iter())
-                .map(|s| Ok(read(format!("state/{key}/{s}"), acc, Some(shape))?.1))
-                .collect::<std::result::Result<Vec<_>, Problem>>()?;
-            Some(EntryState { step, bufs })
-        }
+        Some(step) => Some(bounded::step(step).ok_or_else(|| {
+            format!(
+                "metadata step/{key} = '{step}' is not a count from 0 to {}",
+                bounded::MAX_STEP
+            )
+        })?),
     };
+    let mut state = Vec::new();
+    if step.is_some() {
+        for s in state_names {
+            let acc = Some(acc_dtype(dtype));
+            state.push(tensors.claim(format!("state/{key}/{s}"), acc, dims)?.1);
+        }
+    }
     let row_sparse = match meta.get(&format!("row_sparse/{key}")).map(String::as_str) {
         None => false,
         Some("1") if shape.ndim() >= 2 => true,
@@ -424,31 +342,45 @@ fn decode_entry(
         }
         Some(other) => return Err(format!("metadata row_sparse/{key} = '{other}' is not 1").into()),
     };
-    let mut residuals = Vec::new();
-    if let Some(text) = meta.get(&format!("residuals/{key}")) {
-        // One tensor each: a count above the file's tensors cannot be right.
-        let present = tensors.header.meta.tensors().len() as u64;
-        let count = (text.parse::<u64>().ok())
-            .and_then(|n| bounded::count(n, 1, present))
-            .ok_or_else(|| {
-                format!(
-                    "metadata residuals/{key} = '{text}' is not a count of the file's {present} \
-                     tensors: the file is corrupt; restore it from a copy, or save again"
-                )
-            })?;
-        for i in 0..count {
-            let name = format!("residual/{key}/{i}");
-            residuals.push(read(name, Some(DType::F32), Some(shape))?.1.to_vec::<f32>());
+    let residuals = match meta.get(&format!("residuals/{key}")) {
+        None => None,
+        Some(text) => {
+            // One tensor each: a count above the file's tensors cannot be right.
+            let present = tensors.header.meta.tensors().len() as u64;
+            let count = (text.parse::<u64>().ok())
+                .and_then(|n| bounded::count(n, 1, present))
+                .ok_or_else(|| {
+                    format!(
+                        "metadata residuals/{key} = '{text}' is not a count of the file's \
+                         {present} tensors: the file is corrupt; restore it from a copy, or \
+                         save again"
+                    )
+                })?;
+            let spans = (0..count)
+                .map(|i| {
+                    let name = format!("residual/{key}/{i}");
+                    Ok(tensors.claim(name, Some(DType::F32), dims)?.1)
+                })
+                .collect::<std::result::Result<Vec<_>, Problem>>()?;
+            Some((key.clone(), shape.size(), spans))
         }
-    }
-    Ok(Entry {
-        key,
-        shape,
+    };
+    let piece = Held {
+        meta: KeyMeta {
+            key,
+            dims: dims.to_vec(),
+            dtype,
+            order,
+            step: step.unwrap_or(0),
+            has_state: step.is_some(),
+            row_sparse,
+        },
+        range: 0..shape.size(),
+        file: 0,
         value,
         state,
-        row_sparse,
-        residuals,
-    })
+    };
+    Ok((piece, residuals))
 }
 
 /// A key from its spelling in the file. Int keys must be spelled canonically (as `save`
@@ -471,34 +403,4 @@ pub(super) fn parse_key(kind: Option<KeyKind>, text: &str) -> std::result::Resul
         Some(KeyKind::Str) => Ok(Key::Str(text.to_owned())),
         None => Err(format!("key '{text}' in a file whose key_kind is none").into()),
     }
-}
-
-/// Reads tensor `name`, checking its dtype and shape when given.
-fn read_tensor(
-    tensors: &Tensors<'_>,
-    name: &str,
-    dtype: Option<DType>,
-    shape: Option<Shape>,
-) -> std::result::Result<(Shape, crate::HostData), Problem> {
-    let (info, data) = tensors
-        .get(name)
-        .ok_or_else(|| format!("tensor '{name}' is missing"))?;
-    let data = data?;
-    let got = DType::ALL
-        .into_iter()
-        .find(|&d| st_dtype(d) == info.dtype)
-        .ok_or_else(|| format!("tensor '{name}' has unsupported dtype {:?}", info.dtype))?;
-    let got_shape = Shape::new(&info.shape).map_err(|e| format!("tensor '{name}': {e}"))?;
-    if let Some(want) = dtype.filter(|&d| d != got) {
-        return Err(format!("tensor '{name}' is {got}, expected {want}").into());
-    }
-    if let Some(want) = shape.filter(|&s| s != got_shape) {
-        return Err(format!("tensor '{name}' has shape {got_shape}, expected {want}").into());
-    }
-    let len = got_shape
-        .size()
-        .checked_mul(got.size())
-        .filter(|&n| n == data.len())
-        .ok_or_else(|| format!("tensor '{name}' has the wrong number of bytes"))?;
-    Ok((got_shape, from_bytes(got, &data[..len])))
 }

@@ -1,9 +1,12 @@
-//! The layout of a sharded checkpoint on disk, shared by its writer ([`super::sharded`]) and its
-//! reader ([`super::reader`]): the format names, the save token's spelling, the paths of the
-//! index and the shards, and what a shard records of each key.
+//! The layout of a checkpoint on disk, shared by its writers ([`super::sharded`],
+//! [`super::file`]) and its reader ([`super::reader`]): the format names, how tokens, counts and
+//! dtypes are spelled, the paths of the index and the shards, and what a shard records of each
+//! key.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+
+use safetensors::tensor::Dtype;
 
 use super::entry::Entry;
 use crate::{DType, Key, NDArray};
@@ -118,4 +121,28 @@ pub(crate) fn shard_path(gen_dir: &Path, rank: usize, world: usize) -> PathBuf {
 /// The index file of checkpoint directory `dir`.
 pub(crate) fn index_path(dir: &Path) -> PathBuf {
     dir.join("index")
+}
+
+/// `Dtype` of the safetensors format for a dtype.
+pub(super) fn st_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::F32 => Dtype::F32,
+        DType::F64 => Dtype::F64,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+    }
+}
+
+/// The dtype updater state is kept in for values of `dtype`.
+pub(super) fn acc_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// A count as files spell it: decimal, canonical (no sign, no leading zeros), so that no two
+/// spellings name one number.
+pub(super) fn count_of<T: std::str::FromStr + ToString>(text: &str) -> Option<T> {
+    text.parse::<T>().ok().filter(|n| n.to_string() == text)
 }

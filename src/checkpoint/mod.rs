@@ -158,6 +158,7 @@ mod bounded;
 mod checksum;
 mod entry;
 mod file;
+mod held;
 mod layout;
 mod load_hook;
 mod reader;
@@ -192,16 +193,6 @@ pub const FORMAT: &str = "kvstore-checkpoint/2";
 /// The `format` of single files of the version before, which have no checksums; still read.
 const FORMAT_1: &str = "kvstore-checkpoint/1";
 
-/// Warns that the checkpoint at `path` is of format 1, whose files carry no checksums, so that
-/// a corrupt byte in it would go unnoticed.
-fn warn_unverified(path: &Path) {
-    log::warn!(
-        "{}: a checkpoint of format 1, which has no checksums, so a corrupt byte in it would go \
-         unnoticed; it loads unverified. Save it again to write the current format",
-        path.display()
-    );
-}
-
 /// A checkpoint failure before its path is attached.
 pub(crate) struct Problem {
     kind: CheckpointErrorKind,
@@ -210,22 +201,23 @@ pub(crate) struct Problem {
 }
 
 impl Problem {
-    /// A file that is not a valid checkpoint.
-    pub(crate) fn invalid(message: impl Into<String>) -> Problem {
+    /// A failure of `kind`, with no source.
+    fn new(kind: CheckpointErrorKind, message: impl Into<String>) -> Problem {
         Problem {
-            kind: CheckpointErrorKind::Invalid,
+            kind,
             message: message.into(),
             source: None,
         }
     }
 
+    /// A file that is not a valid checkpoint.
+    pub(crate) fn invalid(message: impl Into<String>) -> Problem {
+        Problem::new(CheckpointErrorKind::Invalid, message)
+    }
+
     /// A valid checkpoint that does not fit the store.
     pub(crate) fn mismatch(message: impl Into<String>) -> Problem {
-        Problem {
-            kind: CheckpointErrorKind::Mismatch,
-            message: message.into(),
-            source: None,
-        }
+        Problem::new(CheckpointErrorKind::Mismatch, message)
     }
 
     /// The same failure with another message.
@@ -260,9 +252,8 @@ impl Problem {
             ),
         };
         Problem {
-            kind,
-            message,
             source: Some(Box::new(e)),
+            ..Problem::new(kind, message)
         }
     }
 
@@ -292,10 +283,10 @@ impl From<&str> for Problem {
 /// An unparsable file: [`CheckpointErrorKind::Invalid`] with the safetensors error as source.
 pub(crate) fn not_safetensors(e: safetensors::SafeTensorError) -> Problem {
     Problem {
-        kind: CheckpointErrorKind::Invalid,
-        message: "not a valid safetensors file (corrupt or truncated?): restore it from a copy, \
-                  or save it again"
-            .to_owned(),
         source: Some(Box::new(e)),
+        ..Problem::invalid(
+            "not a valid safetensors file (corrupt or truncated?): restore it from a copy, or \
+             save it again",
+        )
     }
 }

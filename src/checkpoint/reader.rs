@@ -6,20 +6,20 @@
 //! bytes of the range asked for, from whichever shards hold them.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{self, Read};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::Dtype;
-
 use super::bounded;
 use super::checksum::{self, Sums};
-use super::file::{acc_dtype, decode_all, from_bytes, parse_key, parse_kind, Decoded};
+use super::file::{check_file, from_bytes, parse_key, parse_kind};
+use super::held::{Held, Saved, ShardHeader, Span, Tensors};
 use super::layout::{
-    generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta, KeyResiduals, Piece,
-    INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT, SHARD_FORMAT_1, SHARD_FORMAT_2,
+    acc_dtype, count_of, generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta,
+    KeyResiduals, Piece, INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT,
+    SHARD_FORMAT_1, SHARD_FORMAT_2,
 };
 use super::spec::{PieceSpec, ResidualSpec, Spelling};
 use super::Problem;
@@ -84,28 +84,17 @@ fn parse_index(text: &str) -> std::result::Result<Index, Problem> {
         [INDEX_FORMAT_1, generation, world] => (generation, world, None),
         _ => return Err(bad()),
     };
-    let field = |line: &'_ str, name: &str| -> Option<String> {
-        line.strip_prefix(name)
-            .and_then(|n| n.strip_prefix(' '))
-            .map(str::to_owned)
-    };
-    let number = |line: &str, name: &str| {
-        field(line, name).and_then(|n| n.parse::<u64>().ok().filter(|v| v.to_string() == n))
-    };
-    let generation = number(generation, "generation").ok_or_else(bad)?;
+    let field =
+        |line: &str, name: &str| Some(line.strip_prefix(name)?.strip_prefix(' ')?.to_owned());
+    let generation =
+        (field(generation, "generation").and_then(|n| count_of(&n))).ok_or_else(bad)?;
     // Only a count: what it may size is bounded by the shards there (see `open_dir`).
-    let world = number(world, "world")
-        .and_then(|w| usize::try_from(w).ok())
+    let world = (field(world, "world").and_then(|w| count_of::<usize>(&w)))
         .filter(|&w| w > 0)
         .ok_or_else(bad)?;
-    let token = match token {
-        Some(line) => Some(
-            field(line, "token")
-                .and_then(|t| parse_token(&t))
-                .ok_or_else(bad)?,
-        ),
-        None => None,
-    };
+    let token = (token.map(|line| field(line, "token").and_then(|t| parse_token(&t))))
+        .map(|t| t.ok_or_else(bad))
+        .transpose()?;
     Ok(Index {
         generation,
         world,
@@ -114,49 +103,8 @@ fn parse_index(text: &str) -> std::result::Result<Index, Problem> {
     })
 }
 
-/// One tensor of a file: where its bytes are (absolute offsets `start..end`), and their
-/// checksums.
-#[derive(Clone, Debug)]
-struct Span {
-    /// The tensor's name, for errors.
-    name: String,
-    start: u64,
-    end: u64,
-    /// The checksum of every chunk of the tensor's bytes (chunks of the file's chunk size);
-    /// `None` in a file of format 1, which has none.
-    sums: Option<Vec<u32>>,
-}
-
-/// One piece as a shard file holds it: where its value and state bytes are.
-struct Held {
-    meta: KeyMeta,
-    range: Range<usize>,
-    /// The shard it is in: its place among the reader's files, which is its rank.
-    file: usize,
-    value: Span,
-    state: Vec<Span>,
-}
-
-/// One shard's header, checked: what it holds and where.
-pub(crate) struct ShardHeader {
-    rank: usize,
-    /// The CRC-32 of the shard's header bytes (see [`bounded::Header::crc`]).
-    header_crc: u32,
-    /// The token of the save that wrote it; `None` for a shard of format 1.
-    token: Option<u64>,
-    /// The chunk size of its checksums; `None` for a shard of format 1, which has none.
-    chunk: Option<usize>,
-    kind: Option<KeyKind>,
-    updater: String,
-    state_names: Vec<String>,
-    pieces: Vec<Held>,
-    /// The saving rank's compression residuals: per key, its length and one tensor per
-    /// position.
-    residuals: Vec<(Key, usize, Vec<Span>)>,
-}
-
 /// An open file, read at offsets.
-struct ShardFile {
+pub(super) struct ShardFile {
     path: PathBuf,
     file: File,
     /// The chunk size of its checksums (unused in a file of format 1, which has none).
@@ -249,26 +197,9 @@ impl ShardFile {
     }
 }
 
-/// The dtype of a safetensors dtype, if the store has it.
-fn dtype_of(d: Dtype) -> Option<DType> {
-    DType::ALL
-        .into_iter()
-        .find(|&t| super::file::st_dtype(t) == d)
-}
-
 /// Opens the shard at `path` and reads and checks its header: that it is shard `rank` of
 /// `world` of generation `generation`, and that its tensors match its pieces.
-pub(crate) fn read_shard_header(
-    path: &Path,
-    generation: u64,
-    rank: usize,
-    world: usize,
-) -> Result<ShardHeader> {
-    let (header, _) = open_shard(path, generation, rank, world)?;
-    Ok(header)
-}
-
-fn open_shard(
+pub(super) fn open_shard(
     path: &Path,
     generation: u64,
     rank: usize,
@@ -310,120 +241,29 @@ fn parse_spec(
 ) -> std::result::Result<(KeyMeta, Range<usize>), Problem> {
     let bad = |why: &str| Problem::invalid(format!("metadata piece/{key} = '{text}': {why}"));
     let spec = PieceSpec::parse(text, spelling).map_err(|why| bad(&why))?;
-    let index =
-        |name: &str, n: u64| usize::try_from(n).map_err(|_| bad(&format!("{name} too large")));
-    let dims = (spec.dims.iter())
-        .map(|&d| index("dims", d))
-        .collect::<std::result::Result<Vec<usize>, Problem>>()?;
-    Shape::new(&dims).map_err(|e| bad(&e.to_string()))?;
-    let (order, start, end) = (
-        index("order", spec.order)?,
-        index("start", spec.start)?,
-        index("end", spec.end)?,
-    );
+    let shape = Shape::new(&spec.dims).map_err(|e| bad(&e.to_string()))?;
     if spec.step.is_some_and(|s| s > bounded::MAX_STEP) {
         return Err(bad(&format!(
             "step is not a count from 0 to {}",
             bounded::MAX_STEP
         )));
     }
-    if spec.sparse && dims.len() < 2 {
+    if spec.sparse && shape.ndim() < 2 {
         return Err(bad("a row-sparse key has two or more dimensions"));
     }
-    let size: usize = dims.iter().product();
-    if start > end || end > size {
+    if spec.start > spec.end || spec.end > shape.size() {
         return Err(bad("the range is not within the key's elements"));
     }
     let meta = KeyMeta {
         key,
-        dims,
+        dims: spec.dims,
         dtype: DType::F32, // set from the value tensor by the caller
-        order,
+        order: spec.order,
         step: spec.step.unwrap_or(0),
         has_state: spec.step.is_some(),
         row_sparse: spec.sparse,
     };
-    Ok((meta, start..end))
-}
-
-/// The absolute span of tensor `name`, checked to be 1-D `len` elements of `dtype` (any dtype
-/// the store has when `dtype` is `None`), with its checksums from `sums` (`None` in a file of
-/// format 1).
-fn tensor_span(
-    header: &bounded::Header,
-    sums: Option<&Sums>,
-    name: &str,
-    dtype: Option<DType>,
-    len: usize,
-) -> std::result::Result<(DType, Span), Problem> {
-    let info = header
-        .meta
-        .info(name)
-        .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
-    let got = dtype_of(info.dtype).ok_or_else(|| {
-        Problem::invalid(format!(
-            "tensor '{name}' has unsupported dtype {:?}",
-            info.dtype
-        ))
-    })?;
-    if dtype.is_some_and(|d| d != got) {
-        return Err(Problem::invalid(format!(
-            "tensor '{name}' is {got}, expected {}",
-            dtype.unwrap_or(got)
-        )));
-    }
-    let (s, e) = info.data_offsets;
-    // `len` elements of `got`, counted against the tensor's bytes before any multiplication.
-    let bytes = bounded::Cursor::new(e.saturating_sub(s) as u64);
-    let fits = (bytes.count(len as u64, got.size() as u64, "elements").ok())
-        .is_some_and(|n| e.checked_sub(s) == Some(n * got.size()));
-    if info.shape != [len] || !fits {
-        return Err(Problem::invalid(format!(
-            "tensor '{name}' has shape {:?} and {} bytes, expected [{len}] of {got}",
-            info.shape,
-            e.wrapping_sub(s)
-        )));
-    }
-    let sums = match sums {
-        Some(all) => Some(
-            all.tensors
-                .get(name)
-                .cloned()
-                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?,
-        ),
-        None => None,
-    };
-    let span = header.span(info);
-    Ok((
-        got,
-        Span {
-            name: name.to_owned(),
-            start: span.start,
-            end: span.end,
-            sums,
-        },
-    ))
-}
-
-/// A shard's tensors: its checked header, and the checksums of its tensors (`None` in a shard
-/// of format 1).
-struct ShardTensors<'a> {
-    header: &'a bounded::Header,
-    sums: Option<&'a Sums>,
-    /// How the shard spells its `piece/` and `residuals/` entries.
-    spelling: Spelling,
-}
-
-impl ShardTensors<'_> {
-    /// Tensor `name`, checked by [`tensor_span`] to be 1-D `len` elements of `dtype`.
-    fn span(
-        &self,
-        name: &str,
-        dtype: Option<DType>,
-        len: usize,
-    ) -> std::result::Result<(DType, Span), Problem> {
-        tensor_span(self.header, self.sums, name, dtype, len)
-    }
+    Ok((meta, spec.start..spec.end))
 }
 
 /// Checks a shard's parsed header against its place and its own tensors. `header.sealed` tells
@@ -462,19 +302,10 @@ fn check_shard(
     let kind = parse_kind(get("key_kind")?)?;
     let updater = get("updater")?.to_owned();
     let state_names = bounded::state_names(get("state_names")?)?;
-    let tensors = ShardTensors {
-        header,
-        sums: sums.as_ref(),
-        spelling,
-    };
-    let mut used: HashSet<String> = HashSet::new();
-    let pieces = shard_pieces(&tensors, md, kind, &state_names, &mut used)?;
-    let residuals = shard_residuals(&tensors, md, kind, &mut used)?;
-    if let Some(extra) = header.meta.tensors().keys().find(|n| !used.contains(*n)) {
-        return Err(Problem::invalid(format!(
-            "tensor '{extra}' belongs to no piece or residual in the metadata"
-        )));
-    }
+    let mut tensors = Tensors::new(header, sums.as_ref());
+    let pieces = shard_pieces(&mut tensors, md, spelling, kind, &state_names)?;
+    let residuals = shard_residuals(&mut tensors, md, spelling, kind)?;
+    tensors.all_claimed("piece or residual")?;
     Ok(ShardHeader {
         rank,
         header_crc: header.crc,
@@ -495,54 +326,41 @@ fn shard_format(
     md: &HashMap<String, String>,
     format: &str,
 ) -> std::result::Result<(Option<u64>, Option<Sums>, Spelling), Problem> {
+    let formats = (&[SHARD_FORMAT, SHARD_FORMAT_2][..], SHARD_FORMAT_1);
+    let Some(sums) = checksum::format_sums(
+        (&header.meta, header.sealed),
+        md,
+        format,
+        formats,
+        &["token"],
+        "shard",
+    )?
+    else {
+        return Ok((None, None, Spelling::Fields));
+    };
+    let text = (md.get("token").map(String::as_str))
+        .ok_or_else(|| Problem::invalid("metadata entry 'token' is missing"))?;
+    let token = parse_token(text).ok_or_else(|| {
+        Problem::invalid(format!(
+            "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
+        ))
+    })?;
     let spelling = match format {
         SHARD_FORMAT => Spelling::Json,
         _ => Spelling::Fields,
     };
-    match format {
-        SHARD_FORMAT | SHARD_FORMAT_2 if !header.sealed => Err(Problem::invalid(format!(
-            "metadata entry '{}' (the header's checksum) is missing: the shard is corrupt; \
-             save again",
-            checksum::HEADER_ENTRY
-        ))),
-        SHARD_FORMAT | SHARD_FORMAT_2 => {
-            let text = (md.get("token").map(String::as_str))
-                .ok_or_else(|| Problem::invalid("metadata entry 'token' is missing"))?;
-            let token = parse_token(text).ok_or_else(|| {
-                Problem::invalid(format!(
-                    "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
-                ))
-            })?;
-            let tensors = header.meta.tensors();
-            let lens = tensors.iter().map(|(name, info)| {
-                let (s, e) = info.data_offsets;
-                (name.as_str(), e.saturating_sub(s))
-            });
-            Ok((Some(token), Some(checksum::parse_sums(md, lens)?), spelling))
-        }
-        SHARD_FORMAT_1 if !md.contains_key("token") && !checksum::has_entries(md) => {
-            Ok((None, None, spelling))
-        }
-        SHARD_FORMAT_1 => Err(Problem::invalid(
-            "a shard of format 1 with a token or checksum entries: the shard is corrupt; save \
-             again",
-        )),
-        other => Err(Problem::invalid(format!(
-            "metadata format is '{other}', expected '{SHARD_FORMAT}' (or '{SHARD_FORMAT_2}' or \
-             '{SHARD_FORMAT_1}')"
-        ))),
-    }
+    Ok((Some(token), Some(sums), spelling))
 }
 
-/// The pieces a shard's `piece/<key>` entries name, each checked against its tensors (the
-/// value, and one state buffer per name of `state_names` where the piece has state), whose
-/// names are added to `used`.
+/// The pieces a shard's `piece/<key>` entries, spelled `spelling`, name, each checked against
+/// the tensors it claims (the value, and one state buffer per name of `state_names` where the
+/// piece has state).
 fn shard_pieces(
-    tensors: &ShardTensors<'_>,
+    tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
+    spelling: Spelling,
     kind: Option<KeyKind>,
     state_names: &[String],
-    used: &mut HashSet<String>,
 ) -> std::result::Result<Vec<Held>, Problem> {
     let mut pieces = Vec::new();
     for (name, spec) in md {
@@ -550,18 +368,15 @@ fn shard_pieces(
             continue;
         };
         let key = parse_key(kind, text)?;
-        let (mut km, range) = parse_spec(key, spec, tensors.spelling)?;
-        let value_name = format!("value/{text}");
-        let (dtype, value) = tensors.span(&value_name, None, range.len())?;
+        let (mut km, range) = parse_spec(key, spec, spelling)?;
+        let dims = [range.len()];
+        let (dtype, value) = tensors.claim(format!("value/{text}"), None, &dims)?;
         km.dtype = dtype;
-        used.insert(value_name);
         let mut state = Vec::new();
         if km.has_state {
             for s in state_names {
                 let name = format!("state/{text}/{s}");
-                let (_, span) = tensors.span(&name, Some(acc_dtype(dtype)), range.len())?;
-                used.insert(name);
-                state.push(span);
+                state.push(tensors.claim(name, Some(acc_dtype(dtype)), &dims)?.1);
             }
         }
         pieces.push(Held {
@@ -575,15 +390,15 @@ fn shard_pieces(
     Ok(pieces)
 }
 
-/// The residuals a shard's `residuals/<key>` entries name: per key, its length and one tensor
-/// per position, whose names are added to `used`. Each count is checked against the shard's
-/// tensors (one each) before anything is sized by it.
+/// The residuals a shard's `residuals/<key>` entries, spelled `spelling`, name: per key, its
+/// length and the tensor it claims for each position. Each count is checked against the
+/// shard's tensors (one each) before anything is sized by it.
 fn shard_residuals(
-    tensors: &ShardTensors<'_>,
+    tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
+    spelling: Spelling,
     kind: Option<KeyKind>,
-    used: &mut HashSet<String>,
-) -> std::result::Result<Vec<(Key, usize, Vec<Span>)>, Problem> {
+) -> std::result::Result<Vec<Saved>, Problem> {
     let present = tensors.header.meta.tensors().len() as u64;
     let mut residuals = Vec::new();
     for (name, spec) in md {
@@ -591,14 +406,11 @@ fn shard_residuals(
             continue;
         };
         let key = parse_key(kind, text)?;
-        let parsed = ResidualSpec::parse(spec, tensors.spelling);
-        let (count, len) = (parsed.map(|r| (r.count, usize::try_from(r.len))))
-            .and_then(|(count, len)| Some((count, len.ok()?)))
-            .ok_or_else(|| {
-                Problem::invalid(format!(
-                    "metadata {name} = '{spec}' is not a residuals entry (a count and a length)"
-                ))
-            })?;
+        let ResidualSpec { count, len } = ResidualSpec::parse(spec, spelling).ok_or_else(|| {
+            Problem::invalid(format!(
+                "metadata {name} = '{spec}' is not a residuals entry (a count and a length)"
+            ))
+        })?;
         let count = bounded::count(count, 1, present).ok_or_else(|| {
             Problem::invalid(format!(
                 "metadata {name} = '{spec}' declares {count} residual tensors, but the shard \
@@ -606,24 +418,15 @@ fn shard_residuals(
                  again"
             ))
         })?;
-        let mut spans = Vec::with_capacity(count);
-        for i in 0..count {
-            let name = format!("residual/{text}/{i}");
-            let (_, span) = tensors.span(&name, Some(DType::F32), len)?;
-            used.insert(name);
-            spans.push(span);
-        }
+        let spans = (0..count)
+            .map(|i| {
+                let name = format!("residual/{text}/{i}");
+                Ok(tensors.claim(name, Some(DType::F32), &[len])?.1)
+            })
+            .collect::<std::result::Result<Vec<_>, Problem>>()?;
         residuals.push((key, len, spans));
     }
     Ok(residuals)
-}
-
-impl ShardHeader {
-    /// The token of the save that wrote the shard; `None` for a shard of format 1, which
-    /// carries none.
-    pub(crate) fn token(&self) -> Option<u64> {
-        self.token
-    }
 }
 
 /// Every key of a checkpoint, whole, and the pieces that hold it.
@@ -636,7 +439,7 @@ struct Assembled {
     /// The pieces of `keys[i]`, by range start.
     held: Vec<Vec<Held>>,
     /// Each shard's residuals, by file.
-    residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
+    residuals: Vec<Vec<Saved>>,
 }
 
 /// Checks that `shards` agree with each other and together hold every element of every key
@@ -798,15 +601,12 @@ fn check_key_cover(meta: &KeyMeta, list: &[Held]) -> std::result::Result<(), Str
 /// A checkpoint open for reading by key and element range.
 pub(crate) struct Reader {
     path: PathBuf,
-    kind: Option<KeyKind>,
-    updater: String,
-    state_names: Vec<String>,
-    keys: Vec<KeyMeta>,
+    /// Every key, the pieces that hold it and each shard's residuals (a shard's file is its
+    /// rank).
+    all: Assembled,
+    /// Each key's place in `all.keys`.
     place: HashMap<Key, usize>,
-    held: Vec<Vec<Held>>,
     files: Vec<ShardFile>,
-    /// Each shard's residuals, by file (a shard's file is its rank).
-    residuals: Vec<Vec<(Key, usize, Vec<Span>)>>,
     /// The number of ranks that saved the checkpoint (a single file: one).
     world: usize,
     /// Which checkpoint this is, in words that differ for any two saves: see [`Reader::which`].
@@ -853,11 +653,10 @@ fn open_dir(dir: &Path) -> Result<Reader> {
         files.push(file);
     }
     // Every shard's header, which holds the checksums of its data (format 1: at least its keys).
-    let mut headers = crc32fast::Hasher::new();
-    for shard in &shards {
-        headers.update(&shard.header_crc.to_le_bytes());
-    }
-    let headers = headers.finalize();
+    let crcs: Vec<u8> = (shards.iter())
+        .flat_map(|s| s.header_crc.to_le_bytes())
+        .collect();
+    let headers = crc32fast::hash(&crcs);
     let a = assemble(&gen_dir, shards)?;
     if index.token.is_none() {
         log::warn!(
@@ -893,7 +692,7 @@ fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
     let is_shard = |name: &str| {
         (name.strip_prefix("shard-"))
             .and_then(|n| n.strip_suffix(&suffix))
-            .and_then(|r| r.parse::<usize>().ok().filter(|v| v.to_string() == r))
+            .and_then(count_of::<usize>)
             .is_some_and(|r| r < world)
     };
     let present = match fs::read_dir(gen_dir) {
@@ -927,51 +726,19 @@ fn open_file(path: &Path) -> Result<Reader> {
     let mut file = File::open(path).map_err(io)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).map_err(io)?;
-    let decoded = decode_all(&bytes).map_err(|p| p.at(path))?;
-    let span = |name: String| file_span(&decoded, name).map_err(|p| p.at(path));
-    let mut pieces = Vec::with_capacity(decoded.entries.len());
-    let mut residuals = Vec::new();
-    for (order, e) in decoded.entries.iter().enumerate() {
-        let value = span(format!("value/{}", e.key))?;
-        let state = match &e.state {
-            Some(_) => (decoded.state_names.iter())
-                .map(|s| span(format!("state/{}/{s}", e.key)))
-                .collect::<Result<Vec<_>>>()?,
-            None => Vec::new(),
-        };
-        pieces.push(Held {
-            meta: KeyMeta::of(e, order),
-            range: 0..e.shape.size(),
-            file: 0,
-            value,
-            state,
-        });
-        if !e.residuals.is_empty() {
-            let spans = (0..e.residuals.len())
-                .map(|i| span(format!("residual/{}/{i}", e.key)))
-                .collect::<Result<Vec<_>>>()?;
-            residuals.push((e.key.clone(), e.shape.size(), spans));
-        }
-    }
-    let chunk = decoded.sums.as_ref().map(|s| s.chunk);
+    let header = check_file(&bytes).map_err(|p| p.at(path))?;
+    let chunk = header.chunk;
     if chunk.is_none() {
-        super::warn_unverified(path);
+        log::warn!(
+            "{}: a checkpoint of format 1, which has no checksums, so a corrupt byte in it would \
+             go unnoticed; it loads unverified. Save it again to write the current format",
+            path.display()
+        );
     }
     let which = format!(
         "a single file whose header's CRC-32 is {:08x}",
-        decoded.header.crc
+        header.header_crc
     );
-    let header = ShardHeader {
-        rank: 0,
-        header_crc: decoded.header.crc,
-        token: None,
-        chunk,
-        kind: decoded.kind,
-        updater: decoded.updater,
-        state_names: decoded.state_names,
-        pieces,
-        residuals,
-    };
     let a = assemble(path, vec![header])?;
     let files = vec![ShardFile {
         path: path.to_owned(),
@@ -981,52 +748,22 @@ fn open_file(path: &Path) -> Result<Reader> {
     Ok(Reader::new(path, a, files, 1, which))
 }
 
-/// Where tensor `name` of a decoded single file is, with its checksums (none in format 1).
-fn file_span(decoded: &Decoded, name: String) -> std::result::Result<Span, Problem> {
-    let info = (decoded.header.meta.info(&name))
-        .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
-    let sums = match &decoded.sums {
-        Some(all) => Some(
-            all.tensors
-                .get(&name)
-                .cloned()
-                .ok_or_else(|| Problem::invalid(format!("tensor '{name}' has no checksums")))?,
-        ),
-        None => None,
-    };
-    let at = decoded.header.span(info);
-    Ok(Span {
-        start: at.start,
-        end: at.end,
-        name,
-        sums,
-    })
-}
-
 impl Reader {
     fn new(
         path: &Path,
-        a: Assembled,
+        all: Assembled,
         files: Vec<ShardFile>,
         world: usize,
         which: String,
     ) -> Reader {
-        let place = a
-            .keys
-            .iter()
-            .enumerate()
+        let place = (all.keys.iter().enumerate())
             .map(|(i, k)| (k.key.clone(), i))
             .collect();
         Reader {
             path: path.to_owned(),
-            kind: a.kind,
-            updater: a.updater,
-            state_names: a.state_names,
-            keys: a.keys,
+            all,
             place,
-            held: a.held,
             files,
-            residuals: a.residuals,
             world,
             which,
         }
@@ -1052,7 +789,7 @@ impl Reader {
         if self.world != world {
             return Ok(None);
         }
-        let (Some(file), Some(saved)) = (self.files.get(rank), self.residuals.get(rank)) else {
+        let (Some(file), Some(saved)) = (self.files.get(rank), self.all.residuals.get(rank)) else {
             return Ok(None);
         };
         let mut out = Vec::with_capacity(saved.len());
@@ -1082,7 +819,7 @@ impl Reader {
     /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), whatever else is
     /// wrong with it. One key at a time.
     pub(crate) fn verify(&self) -> Result<()> {
-        for (i, meta) in self.keys.iter().enumerate() {
+        for (i, meta) in self.all.keys.iter().enumerate() {
             self.read_host(i, 0..meta.size())?;
         }
         for rank in 0..self.files.len() {
@@ -1093,42 +830,42 @@ impl Reader {
 
     /// Every key of the checkpoint, whole, in update order.
     pub(crate) fn keys(&self) -> &[KeyMeta] {
-        &self.keys
+        &self.all.keys
     }
 
     /// The key kind: `None` for a checkpoint with no keys.
     pub(crate) fn key_kind(&self) -> Option<KeyKind> {
-        self.kind
+        self.all.kind
     }
 
     /// The [`name`](Updater::name) of the updater the checkpoint was saved under.
     #[cfg(test)]
     pub(crate) fn updater_name(&self) -> &str {
-        &self.updater
+        &self.all.updater
     }
 
     /// The state buffer names of that updater, as [`Updater::state_names`].
     #[cfg(test)]
     pub(crate) fn state_names(&self) -> &[String] {
-        &self.state_names
+        &self.all.state_names
     }
 
     /// Whether the saved state fits `updater`: the same name and state buffers.
     pub(crate) fn state_fits(&self, updater: &Updater) -> bool {
-        self.updater == updater.name() && self.state_names.iter().eq(updater.state_names())
+        self.all.updater == updater.name() && self.all.state_names.iter().eq(updater.state_names())
     }
 
     /// Elements `range` of `key`: its value and (where the key has state) its state buffers, in
     /// [`Reader::state_names`] order, read from whichever shards hold them. A key the
     /// checkpoint lacks, or a range outside the key, is kind `Mismatch`; a read failure `Io`.
     pub(crate) fn read(&self, key: &Key, range: Range<usize>) -> Result<Piece> {
-        let i = self.index_of(key)?;
+        let i = self.place.get(key).copied().ok_or_else(|| {
+            Problem::mismatch(format!("key {key} is not in this checkpoint")).at(&self.path)
+        })?;
         let (value, state) = self.read_host(i, range.clone())?;
         let shape = Shape::new(&[range.len()])?;
-        let meta = self.keys[i].clone();
-        let state = self
-            .state_names
-            .iter()
+        let meta = self.all.keys[i].clone();
+        let state = (self.all.state_names.iter())
             .cloned()
             .zip(state)
             .map(|(n, b)| (n, NDArray::from_host(b, shape, Device::Cpu(0))))
@@ -1141,16 +878,10 @@ impl Reader {
         })
     }
 
-    fn index_of(&self, key: &Key) -> Result<usize> {
-        self.place.get(key).copied().ok_or_else(|| {
-            Problem::mismatch(format!("key {key} is not in this checkpoint")).at(&self.path)
-        })
-    }
-
     /// Elements `range` of `keys[i]` as host data: the value and its state buffers (none where
     /// the key has no state).
     fn read_host(&self, i: usize, range: Range<usize>) -> Result<(HostData, Vec<HostData>)> {
-        let meta = &self.keys[i];
+        let meta = &self.all.keys[i];
         if range.start > range.end || range.end > meta.size() {
             return Err(Problem::mismatch(format!(
                 "key {}: range {range:?} is not within its {} elements",
@@ -1162,13 +893,13 @@ impl Reader {
         let (vsize, acc) = (meta.dtype.size(), acc_dtype(meta.dtype));
         let asize = acc.size();
         let buffers = if meta.has_state {
-            self.state_names.len()
+            self.all.state_names.len()
         } else {
             0
         };
         let mut value = vec![0u8; range.len() * vsize];
         let mut state = vec![vec![0u8; range.len() * asize]; buffers];
-        for p in &self.held[i] {
+        for p in &self.all.held[i] {
             let (lo, hi) = (p.range.start.max(range.start), p.range.end.min(range.end));
             if lo >= hi {
                 continue;

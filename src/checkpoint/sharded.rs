@@ -24,14 +24,14 @@ use std::path::Path;
 use super::atomic::{sync_dir, write_atomic};
 use super::checksum;
 use super::entry::Entry;
-use super::file::{acc_dtype, kind_name, serialize_sealed, to_bytes, Tensor};
+use super::file::{kind_name, serialize_sealed, to_bytes, Tensor};
 use super::layout::{
-    generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals, Piece, INDEX_FORMAT,
-    SHARD_FORMAT,
+    acc_dtype, count_of, generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals,
+    Piece, INDEX_FORMAT, SHARD_FORMAT,
 };
-use super::reader::{check_cover, read_index, read_shard_header};
+use super::reader::{check_cover, open_shard, read_index};
 use super::spec::{to_json, PieceSpec, ResidualSpec};
-use super::Problem;
+use super::{CheckpointErrorKind, Problem};
 use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
 
 /// One save of a sharded checkpoint: the generation it claimed and the token that marks every
@@ -44,33 +44,18 @@ pub(crate) struct SaveId {
     pub token: u64,
 }
 
-/// A new save token: 64 random bits from the operating system (`getrandom`), so that saves of
-/// two jobs, or two saves of one job, share one with a chance of 2^-64. Fails (with an I/O
-/// error that names the cause) only where the system has no random source to read.
-fn new_token() -> io::Result<u64> {
-    getrandom::u64()
-        .map_err(|e| io::Error::other(format!("no random save token from the system: {e}")))
-}
-
 /// The generation a `gen-<G>` directory name stands for.
 fn parse_generation_dir(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("gen-")?;
-    digits
-        .parse::<u64>()
-        .ok()
-        .filter(|g| g.to_string() == digits)
+    count_of(name.strip_prefix("gen-")?)
 }
 
 /// Every generation directory in `dir`.
 fn generations(dir: &Path) -> io::Result<Vec<u64>> {
-    let mut found = Vec::new();
-    for entry in fs::read_dir(dir)? {
-        let entry = entry?;
-        if let Some(g) = entry.file_name().to_str().and_then(parse_generation_dir) {
-            found.push(g);
-        }
-    }
-    Ok(found)
+    let names = fs::read_dir(dir)?.map(|e| Ok(e?.file_name()));
+    let names = names.collect::<io::Result<Vec<_>>>()?;
+    Ok((names.iter())
+        .filter_map(|n| parse_generation_dir(n.to_str()?))
+        .collect())
 }
 
 /// An I/O failure on `path` while saving.
@@ -78,13 +63,11 @@ fn write_error(path: &Path, e: io::Error) -> Error {
     Problem::io(false, e).at(path)
 }
 
-/// Claims a new generation for a save into `dir`, and mints the save's token. The generation is
-/// above every generation there, committed or not, so a save never writes into the remains of
-/// an interrupted one, and its directory is created here with an atomic create that fails if
-/// it exists: a save that finds it taken (another job saving into `dir` at the same time) takes
-/// the next number, so no two saves ever own one generation. Creates `dir`
-/// if it does not exist (not its parents). Rank 0 calls this before a save; the store broadcasts the
-/// [`SaveId`] to the other ranks.
+/// Claims a new generation for a save into `dir` (created if it does not exist, not its
+/// parents), and mints the save's token. The generation is above every one there, committed or
+/// not, so a save never writes into the remains of an interrupted one; its directory is made
+/// by a create that fails if it exists, and a save that finds it taken (another job saving
+/// into `dir` at once) takes the next number.
 pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
         return Err(Problem::invalid(
@@ -103,44 +86,35 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     let found = generations(dir).map_err(|e| write_error(dir, e))?;
     let committed = match read_index(dir) {
         Ok(index) => Some(index.generation),
-        Err(Error::Checkpoint {
-            kind: super::CheckpointErrorKind::NotFound,
-            ..
-        }) => None,
         // A corrupt index is replaced by the next commit; the generations on disk suffice.
         Err(Error::Checkpoint {
-            kind: super::CheckpointErrorKind::Invalid,
+            kind: CheckpointErrorKind::NotFound | CheckpointErrorKind::Invalid,
             ..
         }) => None,
         Err(e) => return Err(e),
     };
     let top = found.into_iter().chain(committed).max();
-    let exhausted = |g: u64| {
-        Problem::invalid(format!(
-            "the generation counter is exhausted (gen-{g}): save to a new directory"
-        ))
-        .at(dir)
-    };
     // u64::MAX is never a generation: the dist store sends it to mean "no generation".
-    let mut generation = match top {
-        None => 0,
-        Some(g) => g
-            .checked_add(1)
-            .filter(|&n| n < u64::MAX)
-            .ok_or_else(|| exhausted(g))?,
+    let after = |g: u64| {
+        (g.checked_add(1).filter(|&n| n < u64::MAX)).ok_or_else(|| {
+            let why =
+                format!("the generation counter is exhausted (gen-{g}): save to a new directory");
+            Problem::invalid(why).at(dir)
+        })
     };
-    let token = new_token().map_err(|e| write_error(dir, e))?;
+    let mut generation = top.map_or(Ok(0), after)?;
+    // 64 random bits from the operating system, so that saves of two jobs, or two saves of one
+    // job, share a token with a chance of 2^-64; this fails only where it has no random source.
+    let token = getrandom::u64().map_err(|e| {
+        let e = io::Error::other(format!("no random save token from the system: {e}"));
+        write_error(dir, e)
+    })?;
     loop {
         let gen_dir = generation_dir(dir, generation);
         match fs::create_dir(&gen_dir) {
             Ok(()) => break,
             // Taken by another save since the directory was listed: the next one.
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                generation = generation
-                    .checked_add(1)
-                    .filter(|&n| n < u64::MAX)
-                    .ok_or_else(|| exhausted(generation))?;
-            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => generation = after(generation)?,
             Err(e) => return Err(write_error(&gen_dir, e)),
         }
     }
@@ -195,37 +169,7 @@ fn encode_shard(
         .chain(residuals.iter().map(|r| &r.key))
         .next()
         .map(Key::kind);
-    let mut meta = shard_meta(save, rank, world, kind, updater);
-    let mut tensors: Vec<Tensor> = Vec::new();
-    let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
-    for p in pieces {
-        check_piece(p, kind, names, &mut seen)?;
-        let spec = to_json(&piece_spec(p)).map_err(Problem::invalid)?;
-        meta.insert(format!("piece/{}", p.meta.key), spec);
-        tensors.extend(piece_tensors(p)?);
-    }
-    for r in residuals {
-        check_residuals(r, kind)?;
-        let spec = ResidualSpec {
-            count: r.residuals.len() as u64,
-            len: r.len as u64,
-        };
-        let spec = to_json(&spec).map_err(Problem::invalid)?;
-        meta.insert(format!("residuals/{}", r.key), spec);
-        tensors.extend(residual_tensors(r));
-    }
-    serialize_sealed(meta, &tensors)
-}
-
-/// The metadata every shard has, before its pieces and residuals.
-fn shard_meta(
-    save: SaveId,
-    rank: usize,
-    world: usize,
-    kind: Option<KeyKind>,
-    updater: &Updater,
-) -> HashMap<String, String> {
-    HashMap::from([
+    let mut meta: HashMap<String, String> = HashMap::from([
         ("format".into(), SHARD_FORMAT.into()),
         ("generation".into(), save.generation.to_string()),
         ("token".into(), token_text(save.token)),
@@ -233,8 +177,36 @@ fn shard_meta(
         ("world".into(), world.to_string()),
         ("key_kind".into(), kind_name(kind).into()),
         ("updater".into(), updater.name().into()),
-        ("state_names".into(), updater.state_names().join(",")),
-    ])
+        ("state_names".into(), names.join(",")),
+    ]);
+    let mut tensors: Vec<Tensor> = Vec::new();
+    let mut seen: HashSet<&Key> = HashSet::with_capacity(pieces.len());
+    for p in pieces {
+        check_piece(p, kind, names, &mut seen)?;
+        let (m, range) = (&p.meta, &p.range);
+        let spec = PieceSpec {
+            order: m.order,
+            start: range.start,
+            end: range.end,
+            dims: m.dims.clone(),
+            step: m.has_state.then_some(m.step),
+            sparse: m.row_sparse,
+        };
+        let spec = to_json(&spec).map_err(Problem::invalid)?;
+        meta.insert(format!("piece/{}", p.meta.key), spec);
+        tensors.extend(piece_tensors(p)?);
+    }
+    for r in residuals {
+        check_residuals(r, kind)?;
+        let spec = ResidualSpec {
+            count: r.residuals.len() as u64,
+            len: r.len,
+        };
+        let spec = to_json(&spec).map_err(Problem::invalid)?;
+        meta.insert(format!("residuals/{}", r.key), spec);
+        tensors.extend(residual_tensors(r));
+    }
+    serialize_sealed(meta, &tensors)
 }
 
 /// Checks piece `p` before it is written: a key of the shard's `kind`, not in `seen` (which it
@@ -291,19 +263,6 @@ fn check_piece<'p>(
         check(&format!("state buffer {name}"), buf, acc_dtype(m.dtype))?;
     }
     Ok(())
-}
-
-/// The `piece/<key>` entry of piece `p`.
-fn piece_spec(p: &Piece) -> PieceSpec {
-    let m = &p.meta;
-    PieceSpec {
-        order: m.order as u64,
-        start: p.range.start as u64,
-        end: p.range.end as u64,
-        dims: m.dims.iter().map(|&d| d as u64).collect(),
-        step: m.has_state.then_some(m.step),
-        sparse: m.row_sparse,
-    }
 }
 
 /// The tensors of checked piece `p`: its value and its state buffers, 1-D.
@@ -363,18 +322,11 @@ fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
     })
 }
 
-/// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned
-/// (rank 0 calls it).
-///
-/// Reads every shard's header and checks that every shard carries the save's token (a shard
-/// another save wrote into this generation is rejected), that the shards agree (updater, key
-/// kind, every key's dims, dtype, order and step) and that together they cover every element
-/// of every key exactly once. Then it replaces `dir/index` atomically (a temporary file,
-/// flushed, renamed, and the directory flushed) to point at the generation and name the
-/// token, and removes, best effort, the generations up to the one the index named before
-/// (older leftovers of interrupted saves go with them; a generation above that one may be
-/// another job's save in progress, and is left to a later commit). On any error the index,
-/// and so the checkpoint a load finds, is unchanged: a missing shard is kind `NotFound`, a
+/// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned:
+/// checks every shard's header (the save's token, and that the shards agree and cover every
+/// key exactly once), replaces `dir/index` atomically, and removes, best effort, the
+/// generations up to the one the index named before (one above it may be another job's save
+/// in progress). On any error the index is unchanged: a missing shard is kind `NotFound`, a
 /// corrupt or foreign one or a gap or overlap `Invalid`.
 pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     let generation = save.generation;
@@ -382,14 +334,14 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     let mut shards = Vec::with_capacity(world);
     for rank in 0..world {
         let path = shard_path(&gen_dir, rank, world);
-        let header = read_shard_header(&path, generation, rank, world)?;
-        if header.token() != Some(save.token) {
+        let (header, _) = open_shard(&path, generation, rank, world)?;
+        if header.token != Some(save.token) {
             return Err(Problem::invalid(format!(
                 "shard {rank} of {world} was written by another save (token {}; this save's is \
                  {}): two jobs are saving into this directory at once (a restarted job while \
                  the old one still runs?), or a shard was copied in; give each job its own \
                  checkpoint directory and save again. The previous checkpoint is unchanged",
-                header.token().map_or("none".to_owned(), token_text),
+                header.token.map_or("none".to_owned(), token_text),
                 token_text(save.token)
             ))
             .at(&path));

@@ -7,6 +7,8 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::layout::count_of;
+
 /// How a shard spells its entries: by its format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Spelling {
@@ -22,13 +24,13 @@ pub(super) enum Spelling {
 #[serde(deny_unknown_fields)]
 pub(super) struct PieceSpec {
     /// The key's place in update order.
-    pub order: u64,
+    pub order: usize,
     /// The first element of the range.
-    pub start: u64,
+    pub start: usize,
     /// One past the last element of the range.
-    pub end: u64,
+    pub end: usize,
     /// The whole key's dims (empty for a scalar).
-    pub dims: Vec<u64>,
+    pub dims: Vec<usize>,
     /// The updater's step count, present exactly when the key has updater state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
@@ -45,7 +47,7 @@ pub(super) struct ResidualSpec {
     /// The number of `residual/<key>/<i>` tensors.
     pub count: u64,
     /// The elements of each.
-    pub len: u64,
+    pub len: usize,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -77,11 +79,6 @@ impl ResidualSpec {
     }
 }
 
-/// A count as the fields spell it: decimal, canonical (no sign, no leading zeros).
-fn count_of(text: &str) -> Option<u64> {
-    text.parse::<u64>().ok().filter(|n| n.to_string() == text)
-}
-
 /// A piece's `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` fields.
 fn piece_of_fields(text: &str) -> Result<PieceSpec, String> {
     let mut fields: HashMap<&str, &str> = HashMap::new();
@@ -96,14 +93,14 @@ fn piece_of_fields(text: &str) -> Result<PieceSpec, String> {
     {
         return Err(format!("unknown field {f}"));
     }
-    let count = |name: &str| -> Result<u64, String> {
+    let count = |name: &str| -> Result<usize, String> {
         let text = fields.get(name).ok_or_else(|| format!("no {name}"))?;
         count_of(text).ok_or_else(|| format!("{name} is not a count"))
     };
     let dims = match *fields.get("dims").ok_or("no dims")? {
         "" => Vec::new(),
         text => (text.split(',').map(count_of))
-            .collect::<Option<Vec<u64>>>()
+            .collect::<Option<Vec<usize>>>()
             .ok_or("dims are not counts")?,
     };
     let step = match fields.get("step") {

@@ -1173,9 +1173,9 @@ fn a_row_sparse_key_of_one_dimension_is_invalid() {
         super::file::encode(Some(crate::KeyKind::Int), &Updater::Assign, &[e])
             .unwrap_or_else(|_| panic!("encoded"))
     };
-    assert!(super::file::decode_all(&encode(entry(&[2, 3]))).is_ok());
+    assert!(super::file::check_file(&encode(entry(&[2, 3]))).is_ok());
     let bad = encode(entry(&[6]));
-    let err = super::file::decode_all(&bad).err().expect("refused");
+    let err = super::file::check_file(&bad).err().expect("refused");
     match err.at(Path::new("x")) {
         Error::Checkpoint { kind, message, .. } => {
             assert_eq!(kind, CheckpointErrorKind::Invalid, "{message}");

@@ -37,20 +37,6 @@ fn where_is(path: &Path) -> String {
         .to_string()
 }
 
-/// Why a checkpoint's key cannot load into the store's `slot` of the same name: one is
-/// row-sparse and the other dense. `None` when they agree.
-fn storage_mismatch(key: &Key, file_sparse: bool, slot: &Slot) -> Option<String> {
-    let name = |sparse: bool| if sparse { "row-sparse" } else { "dense" };
-    (file_sparse != slot.row_sparse).then(|| {
-        format!(
-            "key {key}: the file holds it {} but the store holds it {}: load it into a store \
-             without this key, or with the key initialized as the file has it",
-            name(file_sparse),
-            name(slot.row_sparse)
-        )
-    })
-}
-
 /// Checkpoints: save and load.
 impl KvStore {
     /// Saves every value and every updater state into the checkpoint directory `path`
@@ -138,7 +124,8 @@ impl KvStore {
     pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let d = &self.ranks;
-        let (updater, generation) = self.active_updater();
+        let active = read(&self.active).clone();
+        let (updater, generation) = (active.updater.clone(), active.generation);
         let opened = checkpoint::open(path).and_then(|reader| {
             let fits = self.check_fits(&read(&self.table), &reader, path);
             // A corrupt checkpoint is Invalid, whatever else is wrong with it.
@@ -201,12 +188,6 @@ impl KvStore {
         checkpoint::write_single_file(path.as_ref(), kind, &updater, &entries)
     }
 
-    /// The updater in force and its generation, read together.
-    fn active_updater(&self) -> (Updater, u64) {
-        let active = read(&self.active).clone();
-        (active.updater.clone(), active.generation)
-    }
-
     /// Every slot, in update order.
     fn slots_in_order(&self) -> Vec<Arc<Slot>> {
         let mut slots: Vec<Arc<Slot>> = read(&self.table).slots.values().cloned().collect();
@@ -255,19 +236,16 @@ impl KvStore {
         let kind = read(&self.table).key_kind;
         let slots = self.slots_in_order();
         let active = read(&self.active).clone();
-        let buffers = active.updater.state_names().len();
         let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
             slots.iter().map(|s| read(&s.cell)).collect();
         let entries = (slots.iter().zip(&cells))
             .map(|(slot, cell)| {
-                let (value, state) = cell.to_host(active.generation)?;
-                // Only state a push of this updater would use: one buffer per state name.
-                let state = state.filter(|(_, bufs)| bufs.len() == buffers);
+                let (value, state) = host_copy(cell, &active)?;
                 Ok(Entry {
                     key: slot.key.clone(),
                     shape: slot.shape,
                     value,
-                    state: state.map(|(step, bufs)| EntryState { step, bufs }),
+                    state,
                     row_sparse: slot.row_sparse,
                     residuals: (slot.residuals.lock())
                         .unwrap_or_else(|e| e.into_inner())
@@ -315,8 +293,15 @@ impl KvStore {
                     slot.dtype
                 )));
             }
-            if let Some(why) = storage_mismatch(&m.key, m.row_sparse, slot) {
-                return Err(mismatch(why));
+            if m.row_sparse != slot.row_sparse {
+                let name = |sparse: bool| if sparse { "row-sparse" } else { "dense" };
+                return Err(mismatch(format!(
+                    "key {}: the file holds it {} but the store holds it {}: load it into a \
+                     store without this key, or with the key initialized as the file has it",
+                    m.key,
+                    name(m.row_sparse),
+                    name(slot.row_sparse)
+                )));
             }
         }
         Ok(())
@@ -522,9 +507,8 @@ fn own_piece(
     active: &Active,
 ) -> Result<Piece> {
     let range = slot.spread.piece(slot.shape.size(), rank, size);
-    let (value, state) = cell.to_host(active.generation)?;
-    let names = active.updater.state_names();
-    let state = state.filter(|(_, bufs)| bufs.len() == names.len());
+    let (value, state) = host_copy(cell, active)?;
+    let names = active.updater.state_names().iter().map(|n| n.to_string());
     let flat = Shape::new(&[range.len()])?;
     let host = |h: HostData| NDArray::from_host(h, flat, cpu(0));
     Ok(Piece {
@@ -533,19 +517,25 @@ fn own_piece(
             dims: slot.shape.dims().to_vec(),
             dtype: slot.dtype,
             order,
-            step: state.as_ref().map_or(0, |s| s.0),
+            step: state.as_ref().map_or(0, |s| s.step),
             has_state: state.is_some(),
             row_sparse: slot.row_sparse,
         },
         range,
         value: host(value),
-        state: match state {
-            Some((_, bufs)) => (names.iter().map(|n| n.to_string()))
-                .zip(bufs.into_iter().map(host))
-                .collect(),
-            None => Vec::new(),
-        },
+        state: state.map_or_else(Vec::new, |s| {
+            names.zip(s.bufs.into_iter().map(host)).collect()
+        }),
     })
+}
+
+/// Copies of `cell`'s value (on ranks, this rank's part of it) and of its state for the
+/// updater in force: only state a push of that updater would use, one buffer per state name.
+fn host_copy(cell: &HomeValue, active: &Active) -> Result<(HostData, Option<EntryState>)> {
+    let (value, state) = cell.to_host(active.generation)?;
+    let buffers = active.updater.state_names().len();
+    let state = state.filter(|(_, bufs)| bufs.len() == buffers);
+    Ok((value, state.map(|(step, bufs)| EntryState { step, bufs })))
 }
 
 /// Elements `range` of key `m` from the checkpoint, in host memory: the value, and the step

@@ -1,0 +1,144 @@
+//! A checkpoint file's header, checked, as the reader uses it: where each piece's and
+//! residual's tensors are, with their checksums. Shards and single files alike are read into
+//! these, through [`Tensors`], the one check of a tensor against what its entry says.
+
+use std::collections::HashSet;
+use std::ops::Range;
+
+use super::bounded;
+use super::checksum::Sums;
+use super::layout::{st_dtype, KeyMeta};
+use super::Problem;
+use crate::{DType, Key, KeyKind};
+
+/// One tensor of a file: where its bytes are (absolute offsets `start..end`), and their
+/// checksums.
+#[derive(Clone, Debug)]
+pub(super) struct Span {
+    /// The tensor's name, for errors.
+    pub(super) name: String,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    /// The checksum of every chunk of the tensor's bytes (chunks of the file's chunk size);
+    /// `None` in a file of format 1, which has none.
+    pub(super) sums: Option<Vec<u32>>,
+}
+
+/// One key's compression residuals as a file holds them: the key, its length, and one tensor
+/// per position.
+pub(super) type Saved = (Key, usize, Vec<Span>);
+
+/// One piece as a shard file holds it: where its value and state bytes are.
+pub(super) struct Held {
+    pub(super) meta: KeyMeta,
+    pub(super) range: Range<usize>,
+    /// The shard it is in: its place among the reader's files, which is its rank.
+    pub(super) file: usize,
+    pub(super) value: Span,
+    pub(super) state: Vec<Span>,
+}
+
+/// One shard's header, checked: what it holds and where. A single file reads as shard 0 of
+/// one, with no token.
+pub(crate) struct ShardHeader {
+    pub(super) rank: usize,
+    /// The CRC-32 of the shard's header bytes (see [`bounded::Header::crc`]).
+    pub(super) header_crc: u32,
+    /// The token of the save that wrote it; `None` for a shard of format 1.
+    pub(super) token: Option<u64>,
+    /// The chunk size of its checksums; `None` for a shard of format 1, which has none.
+    pub(super) chunk: Option<usize>,
+    pub(super) kind: Option<KeyKind>,
+    pub(super) updater: String,
+    pub(super) state_names: Vec<String>,
+    pub(super) pieces: Vec<Held>,
+    /// The saving rank's compression residuals.
+    pub(super) residuals: Vec<Saved>,
+}
+
+/// A file's tensors as its header records them, with their checksums (`None` in a file of
+/// format 1), and the names of those claimed so far by the entries that name them.
+pub(super) struct Tensors<'a> {
+    pub header: &'a bounded::Header,
+    sums: Option<&'a Sums>,
+    claimed: HashSet<String>,
+}
+
+impl<'a> Tensors<'a> {
+    /// The tensors of `header`, none claimed yet.
+    pub(super) fn new(header: &'a bounded::Header, sums: Option<&'a Sums>) -> Tensors<'a> {
+        Tensors {
+            header,
+            sums,
+            claimed: HashSet::new(),
+        }
+    }
+
+    /// Claims tensor `name`, checked to have shape `dims` (validated by the caller) and
+    /// `dtype` (any dtype the store has when `None`): its dtype and absolute span, with its
+    /// checksums.
+    pub(super) fn claim(
+        &mut self,
+        name: String,
+        dtype: Option<DType>,
+        dims: &[usize],
+    ) -> std::result::Result<(DType, Span), Problem> {
+        let info = (self.header.meta.info(&name))
+            .ok_or_else(|| Problem::invalid(format!("tensor '{name}' is missing")))?;
+        let got = DType::ALL.into_iter().find(|&t| st_dtype(t) == info.dtype);
+        let got = got.ok_or_else(|| {
+            Problem::invalid(format!(
+                "tensor '{name}' has unsupported dtype {:?}",
+                info.dtype
+            ))
+        })?;
+        if let Some(want) = dtype.filter(|&d| d != got) {
+            return Err(Problem::invalid(format!(
+                "tensor '{name}' is {got}, expected {want}"
+            )));
+        }
+        let (s, e) = info.data_offsets;
+        // The elements of `dims`, counted against the tensor's bytes before any multiplication.
+        let len = dims.iter().product::<usize>() as u64;
+        let bytes = bounded::Cursor::new(e.saturating_sub(s) as u64);
+        let fits = (bytes.count(len, got.size() as u64, "elements").ok())
+            .is_some_and(|n| e.checked_sub(s) == Some(n * got.size()));
+        if info.shape != dims || !fits {
+            return Err(Problem::invalid(format!(
+                "tensor '{name}' has shape {:?} and {} bytes, expected {dims:?} of {got}",
+                info.shape,
+                e.wrapping_sub(s)
+            )));
+        }
+        let sums =
+            match self.sums {
+                Some(all) => Some(all.tensors.get(&name).cloned().ok_or_else(|| {
+                    Problem::invalid(format!("tensor '{name}' has no checksums"))
+                })?),
+                None => None,
+            };
+        let span = self.header.span(info);
+        self.claimed.insert(name.clone());
+        let (start, end) = (span.start, span.end);
+        Ok((
+            got,
+            Span {
+                name,
+                start,
+                end,
+                sums,
+            },
+        ))
+    }
+
+    /// Checks that every tensor of the file was claimed: one that was not belongs to no
+    /// `owner` (what claims tensors, in words) in the metadata.
+    pub(super) fn all_claimed(&self, owner: &str) -> std::result::Result<(), Problem> {
+        match (self.header.meta.tensors().keys()).find(|n| !self.claimed.contains(*n)) {
+            Some(extra) => Err(Problem::invalid(format!(
+                "tensor '{extra}' belongs to no {owner} in the metadata"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
