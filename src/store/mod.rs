@@ -821,11 +821,6 @@ fn kinds_of(values: &[NDArray]) -> Vec<(Shape, DType)> {
     values.iter().map(|v| (v.shape(), v.dtype())).collect()
 }
 
-/// A copy of `value` for a key homed on `home`.
-fn copy_home(value: &NDArray, home: Device, key: &Key) -> Result<HomeValue> {
-    HomeValue::copy_of(value, home).map_err(|e| e.with_key(key))
-}
-
 /// Applies a validated push to every group this rank holds, in issue order, through the comm
 /// pipeline (`inputs`: what the updater takes for each; `counts`: each group's update count so
 /// far), and then records the call's update counts. `agree`, on ranks: see [`comm::update`].

@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
 use super::table::{Slot, Table};
-use super::{copy_home, insert_slots, read, write, Active, KvStore};
+use super::{insert_slots, read, write, Active, KvStore};
 use crate::backend::{HomeValue, HostState, StagedLoad};
 use crate::checkpoint::{
     self, Entry, EntryState, KeyMeta, KeyResiduals, LoadStage, Piece, Problem, Reader, SaveId,
@@ -557,15 +557,11 @@ fn read_part(
     Ok((piece.value.into_host()?, state))
 }
 
-/// A loaded part, `part` (host data, flat), kept on `home`.
+/// A loaded part, `part` (host data, flat), kept on `home` (moved in where that is host
+/// memory).
 fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
-    match home {
-        Device::Cpu(_) => Ok(HomeValue::from_host(part)),
-        home => {
-            let flat = Shape::new(&[part.len()])?;
-            copy_home(&NDArray::from_host(part, flat, cpu(0)), home, key)
-        }
-    }
+    let flat = Shape::new(&[part.len()])?;
+    HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), home).map_err(|e| e.with_key(key))
 }
 
 /// Applies the parts `made` for `reader`'s keys, in one step: keys the store has under their
