@@ -342,9 +342,7 @@ impl Gpu {
         functions.insert(name, f.clone());
         Ok(f)
     }
-}
 
-impl Gpu {
     /// A user PTX updater's entry, loading its module on this GPU on first use: once per PTX
     /// text and entry, however many updaters share them.
     pub(crate) fn user_function(&self, p: &PtxUpdater) -> Result<CudaFunction> {
@@ -428,18 +426,14 @@ pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<(
         block_dim: (PTX_UPDATER_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    let [s0, s1, s2, s3] = p.scalars();
+    let scalars = p.scalars();
     let mut args = gpu.stream().launch_builder(&func);
-    args.arg(&a.stored)
-        .arg(&a.merged)
-        .arg(&a.m)
-        .arg(&a.v)
-        .arg(&a.n)
-        .arg(&a.step)
-        .arg(&s0)
-        .arg(&s1)
-        .arg(&s2)
-        .arg(&s3);
+    for addr_or_count in [&a.stored, &a.merged, &a.m, &a.v, &a.n, &a.step] {
+        args.arg(addr_or_count);
+    }
+    for s in &scalars {
+        args.arg(s);
+    }
     // SAFETY: `PtxUpdater::new` checked that the entry declares exactly this parameter list
     // (six u64, four f32). `stored` and `merged` name live buffers of `n` elements of the
     // updater's dtype on this GPU, `m` and `v` live f32 buffers of `n` elements or 0, all kept
@@ -609,6 +603,18 @@ macro_rules! with_gpu {
     };
 }
 
+// The [`GpuBuf`] of `$dtype`'s variant around `$make`, whose element type the variant decides.
+macro_rules! gpu_of {
+    ($dtype:expr, $make:expr) => {
+        match $dtype {
+            DType::F32 => GpuBuf::F32($make),
+            DType::F64 => GpuBuf::F64($make),
+            DType::F16 => GpuBuf::F16($make),
+            DType::BF16 => GpuBuf::BF16($make),
+        }
+    };
+}
+
 impl GpuBuf {
     /// The dtype of the elements.
     pub(crate) fn dtype(&self) -> DType {
@@ -652,12 +658,7 @@ impl GpuBuf {
     pub(crate) fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
         let e = alloc_err("alloc", ordinal, n * dtype.size());
-        Ok(match dtype {
-            DType::F32 => GpuBuf::F32(alloc_zeros(st, n).map_err(e)?),
-            DType::F64 => GpuBuf::F64(alloc_zeros(st, n).map_err(e)?),
-            DType::F16 => GpuBuf::F16(alloc_zeros(st, n).map_err(e)?),
-            DType::BF16 => GpuBuf::BF16(alloc_zeros(st, n).map_err(e)?),
-        })
+        Ok(gpu_of!(dtype, alloc_zeros(st, n).map_err(e)?))
     }
 
     /// A buffer of `n` elements on GPU `ordinal` whose contents are not initialized: for
@@ -669,14 +670,7 @@ impl GpuBuf {
         // SAFETY: `alloc` returns uninitialized device memory; every caller overwrites all `n`
         // elements with work enqueued on this stream before any read enqueued after it, and
         // the elements are plain floats, valid for any bit pattern.
-        Ok(unsafe {
-            match dtype {
-                DType::F32 => GpuBuf::F32(alloc_uninit(st, n).map_err(e)?),
-                DType::F64 => GpuBuf::F64(alloc_uninit(st, n).map_err(e)?),
-                DType::F16 => GpuBuf::F16(alloc_uninit(st, n).map_err(e)?),
-                DType::BF16 => GpuBuf::BF16(alloc_uninit(st, n).map_err(e)?),
-            }
-        })
+        Ok(unsafe { gpu_of!(dtype, alloc_uninit(st, n).map_err(e)?) })
     }
 
     /// A copy of host data on GPU `ordinal`, same dtype, sent through pinned staging buffers
@@ -700,13 +694,7 @@ impl GpuBuf {
             return Ok(());
         }
         let data = data.cast(self.dtype());
-        let bytes = match &data {
-            HostData::F32(v) => host_bytes(v),
-            HostData::F64(v) => host_bytes(v),
-            HostData::F16(v) => host_bytes(v),
-            HostData::BF16(v) => host_bytes(v),
-        };
-        gpu(self.ordinal())?.upload_bytes(self.ptr(), bytes)
+        gpu(self.ordinal())?.upload_bytes(self.ptr(), host_data_bytes(&data))
     }
 
     /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
@@ -800,14 +788,7 @@ impl GpuBuf {
         let st = g.stream();
         // SAFETY: `check_foreign` found `n` elements of `dtype` inside one allocation on this
         // GPU; the caller keeps it allocated for the buffer's life and gives it up with `leak`.
-        Ok(unsafe {
-            match dtype {
-                DType::F32 => GpuBuf::F32(st.upgrade_device_ptr(ptr, n)),
-                DType::F64 => GpuBuf::F64(st.upgrade_device_ptr(ptr, n)),
-                DType::F16 => GpuBuf::F16(st.upgrade_device_ptr(ptr, n)),
-                DType::BF16 => GpuBuf::BF16(st.upgrade_device_ptr(ptr, n)),
-            }
-        })
+        Ok(unsafe { gpu_of!(dtype, st.upgrade_device_ptr(ptr, n)) })
     }
 
     /// Gives up the memory without freeing it: the end of a [`GpuBuf::borrow_foreign`].

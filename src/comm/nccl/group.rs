@@ -2,7 +2,6 @@
 //! cached communicators of their device sets, on the GPUs' runtime streams, and handed to the
 //! watchdog as work in flight.
 
-use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
@@ -10,7 +9,7 @@ use std::time::Instant;
 use super::cache::{cache, get_set};
 use super::comm_set::CommSet;
 use super::loader::Nccl;
-use super::result::{self, lib, nccl_dtype, During, NCCL_SUM};
+use super::result::{self, lib, During, On};
 use super::watchdog::{fail, inflight, start_watchdog, Pending};
 use crate::backend::cuda::{cross_gpu_order, cuda_err};
 use crate::config::nccl::timeout;
@@ -165,39 +164,21 @@ fn issue(
             .binary_search(&job.devices)
             .expect("every job's set is in the list");
         for (rank, r) in sets[at].ranks.iter().enumerate() {
-            let dt = nccl_dtype(job.dtype);
-            let stream = r.stream.cu_stream() as *mut c_void;
-            let res = match &job.kind {
-                // SAFETY: the addresses name live device buffers of `job.n` elements of
-                // `job.dtype` on this rank's GPU (kept alive by the caller, freed on this
-                // stream, so after the collective); `r.comm` is a live communicator used under
-                // its set's call lock; `stream` is its rank's live runtime stream.
-                Kind::Reduce { sends, recv, root } => unsafe {
-                    result::reduce(
-                        lib,
-                        sends[rank] as *const c_void,
-                        if rank == *root { *recv } else { 0 } as *mut c_void,
-                        job.n,
-                        dt,
-                        NCCL_SUM,
-                        *root,
-                        r.comm,
-                        stream,
-                    )
-                },
-                // SAFETY: as for reduce.
-                Kind::Broadcast { send, recvs, root } => unsafe {
-                    result::broadcast(
-                        lib,
-                        if rank == *root { *send } else { 0 } as *const c_void,
-                        recvs[rank] as *mut c_void,
-                        job.n,
-                        dt,
-                        *root,
-                        r.comm,
-                        stream,
-                    )
-                },
+            let (on, n, dt) = (On::new(lib, r.comm, &r.stream), job.n, job.dtype);
+            let only_root = |p: u64, root: usize| if rank == root { p } else { 0 };
+            // SAFETY: the addresses name live device buffers of `job.n` elements of `job.dtype`
+            // on this rank's GPU (kept alive by the caller, freed on this stream, so after the
+            // collective); `r.comm` is a live communicator used under its set's call lock;
+            // `r.stream` is its rank's live runtime stream.
+            let res = unsafe {
+                match &job.kind {
+                    Kind::Reduce { sends, recv, root } => {
+                        result::reduce(on, sends[rank], only_root(*recv, *root), n, dt, *root)
+                    }
+                    Kind::Broadcast { send, recvs, root } => {
+                        result::broadcast(on, only_root(*send, *root), recvs[rank], n, dt, *root)
+                    }
+                }
             };
             first = first.and(res.during(op, std::slice::from_ref(&job.key)));
         }

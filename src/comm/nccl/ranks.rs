@@ -39,7 +39,6 @@
 //! Every rank must make the same calls, in the same order, with the same sizes: that is NCCL's
 //! contract. The store checks a fingerprint of each call before its collectives.
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -47,12 +46,12 @@ use cudarc::driver::CudaStream;
 
 use super::loader::{Comm, Config, Nccl, UniqueId};
 use super::rendezvous::{self, JobToken, Root};
-use super::result::{self, lib, nccl_dtype, During, NcclError, Status, NCCL_SUM};
+use super::result::{self, lib, During, NcclError, On, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
 use crate::comm::launch::LaunchEnv;
 use crate::ndarray::Storage;
-use crate::{Device, Error, Key, NDArray, Result};
+use crate::{DType, Device, Error, Key, NDArray, Result};
 
 /// The most collectives [`RankComm::group`] issues in one NCCL group.
 pub const GROUP_MAX: usize = 256;
@@ -245,49 +244,24 @@ impl RankComm {
         if send.storage_id() == recv.storage_id() {
             let b = recv.write();
             let b = self.buf(op, &b)?;
-            let (n, dt, p) = (b.len(), nccl_dtype(b.dtype()), b.ptr());
-            return self.call(op, &[], |lib, comm, stream| {
-                // SAFETY: as below, with one buffer in place (NCCL allows send == recv).
-                unsafe {
-                    result::reduce(
-                        lib,
-                        p as *const c_void,
-                        p as *mut c_void,
-                        n,
-                        dt,
-                        NCCL_SUM,
-                        root,
-                        comm,
-                        stream,
-                    )
-                }
+            let (n, dt, p) = (b.len(), b.dtype(), b.ptr());
+            // SAFETY: as below, with one buffer in place (NCCL allows send == recv).
+            return self.call(op, &[], |on| unsafe {
+                result::reduce(on, p, p, n, dt, root)
             });
         }
         let (s, r) = (send.read(), recv.write());
         let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
         self.check_len(op, "recv", r.len(), s.len())?;
         self.check_dtype(op, s, r)?;
-        let (n, dt) = (s.len(), nccl_dtype(s.dtype()));
-        let (sp, rp) = (s.ptr(), r.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: both addresses name live buffers of `n` elements of the dtype on this
-            // rank's GPU, locked for the call, which returns only once the collective is done,
-            // or once the communicator is aborted and the runtime stream (where the buffers are
-            // freed or reused) waits for this rank's stream (`order_after_abort`); `call` hands
-            // over the live communicator, under `state`'s lock, and this rank's own stream.
-            unsafe {
-                result::reduce(
-                    lib,
-                    sp as *const c_void,
-                    rp as *mut c_void,
-                    n,
-                    dt,
-                    NCCL_SUM,
-                    root,
-                    comm,
-                    stream,
-                )
-            }
+        let (n, dt, sp, rp) = (s.len(), s.dtype(), s.ptr(), r.ptr());
+        // SAFETY: both addresses name live buffers of `n` elements of the dtype on this rank's
+        // GPU, locked for the call, which returns only once the collective is done, or once the
+        // communicator is aborted and the runtime stream (where the buffers are freed or reused)
+        // waits for this rank's stream (`order_after_abort`); `call` hands over the live
+        // communicator, under `state`'s lock, and this rank's own stream.
+        self.call(op, &[], |on| unsafe {
+            result::reduce(on, sp, rp, n, dt, root)
         })
     }
 
@@ -297,77 +271,54 @@ impl RankComm {
         self.check_root(op, root)?;
         let b = buf.write();
         let b = self.buf(op, &b)?;
-        let (n, dt, p) = (b.len(), nccl_dtype(b.dtype()), b.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: as in `reduce_sum`; NCCL allows the buffer in place.
-            unsafe {
-                result::broadcast(
-                    lib,
-                    p as *const c_void,
-                    p as *mut c_void,
-                    n,
-                    dt,
-                    root,
-                    comm,
-                    stream,
-                )
-            }
+        let (n, dt, p) = (b.len(), b.dtype(), b.ptr());
+        // SAFETY: as in `reduce_sum`; NCCL allows the buffer in place.
+        self.call(op, &[], |on| unsafe {
+            result::broadcast(on, p, p, n, dt, root)
         })
     }
 
     /// Sums every rank's `send` and leaves slice `rank` of the sum in `recv`: `send` holds
     /// `size` contiguous slices of `recv`'s length.
     pub fn reduce_scatter(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
-        let op = "NCCL reduce-scatter across ranks";
-        self.check_distinct(op, send, recv)?;
-        let (s, r) = (send.read(), recv.write());
-        let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
-        self.check_len(op, "send", s.len(), r.len() * self.size)?;
-        self.check_dtype(op, s, r)?;
-        let (n, dt) = (r.len(), nccl_dtype(r.dtype()));
-        let (sp, rp) = (s.ptr(), r.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: as in `reduce_sum`, with `send` of `n * size` elements.
-            unsafe {
-                result::reduce_scatter(
-                    lib,
-                    sp as *const c_void,
-                    rp as *mut c_void,
-                    n,
-                    dt,
-                    NCCL_SUM,
-                    comm,
-                    stream,
-                )
-            }
-        })
+        // SAFETY: as in `reduce_sum`, with `send` of `n * size` elements.
+        let issue = |on: On, sp, rp, n, dt| unsafe { result::reduce_scatter(on, sp, rp, n, dt) };
+        self.sliced(
+            "NCCL reduce-scatter across ranks",
+            send,
+            recv,
+            "send",
+            issue,
+        )
     }
 
     /// Gathers every rank's `send` into `recv`, in rank order: `recv` holds `size` slices of
     /// `send`'s length.
     pub fn all_gather(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
-        let op = "NCCL all-gather across ranks";
+        // SAFETY: as in `reduce_sum`, with `recv` of `n * size` elements.
+        let issue = |on: On, sp, rp, n, dt| unsafe { result::all_gather(on, sp, rp, n, dt) };
+        self.sliced("NCCL all-gather across ranks", send, recv, "recv", issue)
+    }
+
+    /// Checks `send` and `recv` (distinct arrays of one dtype on this rank's GPU, `whole` of
+    /// them, "send" or "recv", holding `size` slices of the other's length) and issues
+    /// `issue(on, send, recv, slice length, dtype)` on their addresses.
+    fn sliced(
+        &self,
+        op: &'static str,
+        send: &NDArray,
+        recv: &NDArray,
+        whole: &str,
+        issue: impl FnOnce(On, u64, u64, usize, DType) -> std::result::Result<(), NcclError>,
+    ) -> Result<()> {
         self.check_distinct(op, send, recv)?;
         let (s, r) = (send.read(), recv.write());
         let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
-        self.check_len(op, "recv", r.len(), s.len() * self.size)?;
+        let (part, all) = if whole == "send" { (r, s) } else { (s, r) };
+        self.check_len(op, whole, all.len(), part.len() * self.size)?;
         self.check_dtype(op, s, r)?;
-        let (n, dt) = (s.len(), nccl_dtype(s.dtype()));
-        let (sp, rp) = (s.ptr(), r.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: as in `reduce_sum`, with `recv` of `n * size` elements.
-            unsafe {
-                result::all_gather(
-                    lib,
-                    sp as *const c_void,
-                    rp as *mut c_void,
-                    n,
-                    dt,
-                    comm,
-                    stream,
-                )
-            }
-        })
+        let (n, dt, sp, rp) = (part.len(), s.dtype(), s.ptr(), r.ptr());
+        self.call(op, &[], |on| issue(on, sp, rp, n, dt))
     }
 
     /// An all-to-all of blocks of their own lengths: this rank sends `send_counts[p]` elements
@@ -401,7 +352,7 @@ impl RankComm {
                 ),
             ));
         }
-        let (dt, es) = (nccl_dtype(s.dtype()), s.dtype().size() as u64);
+        let (dt, es) = (s.dtype(), s.dtype().size() as u64);
         let starts = |counts: &[usize]| -> Vec<u64> {
             let mut at = 0u64;
             (counts.iter())
@@ -414,8 +365,8 @@ impl RankComm {
         };
         let (sp, rp) = (s.ptr(), r.ptr());
         let (send_at, recv_at) = (starts(send_counts), starts(recv_counts));
-        self.call(op, &[], |lib, comm, stream| {
-            result::group_start(lib)?;
+        self.call(op, &[], |on| {
+            result::group_start(on.lib)?;
             let mut first = Ok(());
             for p in 0..self.size {
                 // SAFETY: each block lies inside its buffer (the counts' sums were checked
@@ -424,19 +375,13 @@ impl RankComm {
                 // the runtime stream waits for this rank's stream (`order_after_abort`); `call`
                 // hands over the live communicator, under `state`'s lock, and this rank's own
                 // stream.
-                let sent = unsafe {
-                    let at = (sp + send_at[p]) as *const c_void;
-                    result::send(lib, at, send_counts[p], dt, p, comm, stream)
-                };
+                let sent = unsafe { result::send(on, sp + send_at[p], send_counts[p], dt, p) };
                 // SAFETY: as for the send; the receive buffer is another array (checked).
-                let received = unsafe {
-                    let at = (rp + recv_at[p]) as *mut c_void;
-                    result::recv(lib, at, recv_counts[p], dt, p, comm, stream)
-                };
+                let received = unsafe { result::recv(on, rp + recv_at[p], recv_counts[p], dt, p) };
                 first = first.and(sent).and(received);
             }
             // The group is always ended, even after a failed call inside it.
-            first.and(result::group_end(lib))
+            first.and(result::group_end(on.lib))
         })
     }
 
@@ -460,52 +405,30 @@ impl RankComm {
                 .map(|(g, o)| {
                     let b = self.buf(op, g)?;
                     let reduce = matches!(o, InPlace::Reduce { .. });
-                    Ok((b.ptr(), b.len(), nccl_dtype(b.dtype()), o.root(), reduce))
+                    Ok((b.ptr(), b.len(), b.dtype(), o.root(), reduce))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            self.call(op, &[], |lib, comm, stream| {
-                result::group_start(lib)?;
+            self.call(op, &[], |on| {
+                result::group_start(on.lib)?;
                 let mut first = Ok(());
                 for &(p, n, dt, root, reduce) in &items {
-                    let issued = match reduce {
-                        // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
-                        // rank's GPU, write-locked for the call, which returns only once this
-                        // stream's work is done, or once the communicator is aborted and the
-                        // runtime stream, where buffers are freed or reused, waits for this
-                        // rank's stream (`order_after_abort`), so the buffer outlives the
-                        // collective; NCCL allows it in place; `call` hands over the live
-                        // communicator, under `state`'s lock, and this rank's own stream.
-                        true => unsafe {
-                            result::reduce(
-                                lib,
-                                p as *const c_void,
-                                p as *mut c_void,
-                                n,
-                                dt,
-                                NCCL_SUM,
-                                root,
-                                comm,
-                                stream,
-                            )
-                        },
-                        // SAFETY: as for the reduce.
-                        false => unsafe {
-                            result::broadcast(
-                                lib,
-                                p as *const c_void,
-                                p as *mut c_void,
-                                n,
-                                dt,
-                                root,
-                                comm,
-                                stream,
-                            )
-                        },
+                    // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
+                    // rank's GPU, write-locked for the call, which returns only once this
+                    // stream's work is done, or once the communicator is aborted and the
+                    // runtime stream, where buffers are freed or reused, waits for this rank's
+                    // stream (`order_after_abort`), so the buffer outlives the collective; NCCL
+                    // allows it in place; `call` hands over the live communicator, under
+                    // `state`'s lock, and this rank's own stream.
+                    let issued = unsafe {
+                        match reduce {
+                            true => result::reduce(on, p, p, n, dt, root),
+                            false => result::broadcast(on, p, p, n, dt, root),
+                        }
                     };
                     first = first.and(issued);
                 }
                 // The group is always ended, even after a failed call inside it.
-                first.and(result::group_end(lib))
+                first.and(result::group_end(on.lib))
             })?;
         }
         Ok(())
@@ -559,7 +482,7 @@ impl RankComm {
         &self,
         op: &'static str,
         keys: &[Key],
-        issue: impl FnOnce(&Nccl, Comm, *mut c_void) -> std::result::Result<(), NcclError>,
+        issue: impl FnOnce(On) -> std::result::Result<(), NcclError>,
     ) -> Result<()> {
         let lib = lib(op, keys)?;
         let mut st = self.lock();
@@ -573,7 +496,7 @@ impl RankComm {
         let gpu = cuda::gpu(self.ordinal)?;
         stream_wait(&self.stream, gpu.stream())?;
         gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
-        let issued = issue(lib, self.comm, self.stream.cu_stream() as *mut c_void)
+        let issued = issue(On::new(lib, self.comm, &self.stream))
             .during(op, keys)
             .and_then(|()| self.settle(lib, op, keys, Instant::now() + self.timeout));
         if let Err(e) = issued {
