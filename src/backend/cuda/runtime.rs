@@ -22,7 +22,7 @@ use half::{bf16, f16};
 use super::kernels::{self, RuleKind, TensorRecord};
 use crate::backend::probe;
 use crate::host::HostData;
-use crate::{DType, Device, Error, Key, PtxUpdater, Result};
+use crate::{DType, Device, Element, Error, Key, PtxUpdater, Result};
 use crate::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
 
 /// One GPU: its context, its single stream, and its kernels (loaded on first use).
@@ -306,7 +306,7 @@ impl Gpu {
             return Ok(f.clone());
         }
         let stem = kernels::module_for(rule, dtype);
-        let Some(&(_, text)) = kernels::PTX_SOURCES.iter().find(|(s, _)| *s == stem) else {
+        let Some(text) = kernels::ptx_source(stem) else {
             return Err(Error::Cuda {
                 op: "load kernels",
                 key: None,
@@ -654,6 +654,16 @@ impl GpuBuf {
         })
     }
 
+    /// The device address of the first element, on its GPU.
+    pub(crate) fn at(&self) -> GpuPtr {
+        GpuPtr::new(self.ordinal(), self.ptr())
+    }
+
+    /// The size of the elements in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+
     /// Zeros of `dtype` on GPU `ordinal`.
     pub(crate) fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
@@ -701,67 +711,19 @@ impl GpuBuf {
     /// work in flight with its timeout (see [`host_wait`]).
     pub(crate) fn download(&self) -> Result<HostData> {
         host_wait(gpu(self.ordinal())?)?;
-        let e = || cuda_err("copy to host", None);
-        let data = match self {
-            GpuBuf::F32(s) => HostData::F32(clone_dtoh(s.stream(), s).map_err(e())?),
-            GpuBuf::F64(s) => HostData::F64(clone_dtoh(s.stream(), s).map_err(e())?),
-            GpuBuf::F16(s) => HostData::F16(clone_dtoh(s.stream(), s).map_err(e())?),
-            GpuBuf::BF16(s) => HostData::BF16(clone_dtoh(s.stream(), s).map_err(e())?),
-        };
+        let e = cuda_err("copy to host", None);
+        let data = with_gpu!(self, s => Element::wrap(clone_dtoh(s.stream(), s).map_err(e)?));
         // A copy to pageable memory returns once it is done (CUDA's rule), and
         // `host_wait` above already surfaced any earlier error.
         Ok(data)
     }
 
-    /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy).
+    /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy), ordered
+    /// against both streams as [`copy_device`] orders it.
     pub(crate) fn copy_to(&self, ordinal: usize) -> Result<GpuBuf> {
-        let mut out = GpuBuf::zeros(ordinal, self.dtype(), self.len())?;
-        out.copy_from(self)?;
+        let out = GpuBuf::scratch(ordinal, self.dtype(), self.len())?;
+        copy_device(out.at(), self.at(), self.bytes())?;
         Ok(out)
-    }
-
-    /// Overwrites the elements with `src`'s (same dtype and length), from any GPU.
-    ///
-    /// The copy runs on this buffer's stream. For a peer copy, this stream first waits for
-    /// `src`'s stream, and `src`'s stream then waits for the copy, so a later write or free of
-    /// `src` cannot overtake it.
-    pub(crate) fn copy_from(&mut self, src: &GpuBuf) -> Result<()> {
-        let e = || cuda_err("copy between GPUs", None);
-        // cudarc asserts (panics) on a length mismatch; report it instead.
-        if src.len() != self.len() {
-            return Err(Error::Internal {
-                op: "copy between GPUs",
-                message: format!("{} elements into a buffer of {}", src.len(), self.len()),
-            });
-        }
-        if src.is_empty() && self.dtype() == src.dtype() {
-            return Ok(());
-        }
-        let dst_stream = self.stream().clone();
-        let src_stream = src.stream().clone();
-        if self.ordinal() != src.ordinal() {
-            gpu(self.ordinal())?.enable_peer(gpu(src.ordinal())?);
-        }
-        // cudarc makes the two streams wait on each other for a copy between GPUs.
-        let _order = cross_gpu_order();
-        match (self, src) {
-            (GpuBuf::F32(d), GpuBuf::F32(s)) => dst_stream.memcpy_dtod(s, d),
-            (GpuBuf::F64(d), GpuBuf::F64(s)) => dst_stream.memcpy_dtod(s, d),
-            (GpuBuf::F16(d), GpuBuf::F16(s)) => dst_stream.memcpy_dtod(s, d),
-            (GpuBuf::BF16(d), GpuBuf::BF16(s)) => dst_stream.memcpy_dtod(s, d),
-            (d, s) => {
-                return Err(Error::Internal {
-                    op: "copy between GPUs",
-                    message: format!("dtype {} into {}", s.dtype(), d.dtype()),
-                })
-            }
-        }
-        .map_err(e())?;
-        if !Arc::ptr_eq(&dst_stream, &src_stream) {
-            let done = dst_stream.record_event(None).map_err(e())?;
-            src_stream.wait(&done).map_err(e())?;
-        }
-        Ok(())
     }
 
     /// Sets every element to `value`.
@@ -1128,6 +1090,13 @@ mod tests {
 pub(crate) struct GpuPtr {
     pub ordinal: usize,
     pub addr: u64,
+}
+
+impl GpuPtr {
+    /// `addr` on GPU `ordinal`.
+    pub(crate) fn new(ordinal: usize, addr: u64) -> GpuPtr {
+        GpuPtr { ordinal, addr }
+    }
 }
 
 /// Copies `bytes` from `src` to `dst` on `dst`'s stream, ordered against `src`'s stream both

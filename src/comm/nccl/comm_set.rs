@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 
 use super::loader::{self, Comm, Config, Nccl};
-use super::result::{self, lib, During, Status};
+use super::result::{self, lib, nccl_error, During, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
 use crate::config::nccl::timeout;
-use crate::{Error, Key, Result};
+use crate::{Key, Result};
 
 /// One rank: a raw communicator and the stream its collectives go on.
 pub(super) struct Rank {
@@ -100,11 +100,11 @@ impl CommSet {
         let mut calls = set.lock();
         let ready = first.and_then(|()| {
             if set.ranks.len() != n {
-                return Err(Error::Nccl {
+                return Err(nccl_error(
                     op,
-                    keys: keys.to_vec(),
-                    message: format!("only {} of {n} communicators were created", set.ranks.len()),
-                });
+                    keys,
+                    format!("only {} of {n} communicators were created", set.ranks.len()),
+                ));
             }
             set.settle(lib, op, keys, Instant::now() + set.timeout)
         });
@@ -144,22 +144,22 @@ impl CommSet {
                 return Ok(());
             }
             if self.abort_requested.load(Ordering::Acquire) {
-                return Err(Error::Nccl {
+                return Err(nccl_error(
                     op,
-                    keys: keys.to_vec(),
-                    message: "aborted by the NCCL watchdog while in progress".to_owned(),
-                });
+                    keys,
+                    "aborted by the NCCL watchdog while in progress".to_owned(),
+                ));
             }
             if Instant::now() > deadline {
-                return Err(Error::Nccl {
+                return Err(nccl_error(
                     op,
-                    keys: keys.to_vec(),
-                    message: format!(
+                    keys,
+                    format!(
                         "still in progress after {:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
                          communicators were aborted",
                         self.timeout
                     ),
-                });
+                ));
             }
             std::thread::sleep(POLL_INTERVAL);
         }

@@ -9,11 +9,11 @@ use std::time::Instant;
 use super::cache::{cache, get_set};
 use super::comm_set::CommSet;
 use super::loader::Nccl;
-use super::result::{self, lib, During, On};
+use super::result::{self, lib, nccl_error, During, On};
 use super::watchdog::{fail, inflight, start_watchdog, Pending};
 use crate::backend::cuda::{cross_gpu_order, cuda_err};
 use crate::config::nccl::timeout;
-use crate::{DType, Error, Key, Result};
+use crate::{DType, Key, Result};
 
 /// What one key's collective does. Ranks are indices into the job's `devices`.
 pub(crate) enum Kind {
@@ -81,12 +81,11 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     // Always in ascending set order, so two calls never wait on each other's locks.
     let mut guards: Vec<MutexGuard<'_, bool>> = sets.iter().map(|s| s.lock()).collect();
     let mut result = if guards.iter().any(|g| **g) {
-        Err(Error::Nccl {
+        Err(nccl_error(
             op,
-            keys: all_keys.clone(),
-            message: "the communicators were aborted after an earlier failure; retry the call"
-                .to_owned(),
-        })
+            &all_keys,
+            "the communicators were aborted after an earlier failure; retry the call".to_owned(),
+        ))
     } else {
         issue(lib, &set_keys, &sets, op, jobs)
     };

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::comm_set::{CommSet, Rank};
-use super::result::{self, lib, During, NcclError, On};
+use super::result::{self, lib, nccl_error, During, NcclError, On};
 use super::watchdog::all_complete;
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
@@ -40,11 +40,7 @@ impl MultiRank {
     pub fn new(ordinal: usize, nranks: usize) -> Result<MultiRank> {
         let op = "create multi-rank communicator";
         let gpu = cuda::gpu(ordinal)?;
-        let unsupported = |message: String| Error::Nccl {
-            op,
-            keys: vec![],
-            message,
-        };
+        let unsupported = |message: String| nccl_error(op, &[], message);
         let lib = lib(op, &[])?;
         if lib.version < 23000 {
             return Err(unsupported(format!(
@@ -147,11 +143,11 @@ impl MultiRank {
     }
 
     fn bad_args(&self, op: &'static str, what: &str) -> Error {
-        Error::Nccl {
+        nccl_error(
             op,
-            keys: vec![],
-            message: format!("expected {what} ({} ranks)", self.ranks().len()),
-        }
+            &[],
+            format!("expected {what} ({} ranks)", self.ranks().len()),
+        )
     }
 
     /// `root` must name a rank (indexing with it would panic otherwise).
@@ -226,11 +222,7 @@ impl MultiRank {
                 break e;
             }
             if past(deadline) {
-                break Error::Nccl {
-                    op,
-                    keys: vec![],
-                    message: format!("no progress after {:?}", self.timeout),
-                };
+                break nccl_error(op, &[], format!("no progress after {:?}", self.timeout));
             }
             std::thread::sleep(POLL_INTERVAL);
         };
@@ -251,21 +243,17 @@ impl MultiRank {
         } else {
             "the communicators were aborted but their streams are still busy"
         };
-        Err(Error::Nccl {
-            op,
-            keys: vec![],
-            message: format!("{message}; {after}"),
-        })
+        Err(nccl_error(op, &[], format!("{message}; {after}")))
     }
 
     fn aborted_error(&self, op: &'static str) -> Error {
-        Error::Nccl {
+        nccl_error(
             op,
-            keys: vec![],
-            message: "these communicators were aborted after an earlier failure; create a \
+            &[],
+            "these communicators were aborted after an earlier failure; create a \
                       new MultiRank"
                 .to_owned(),
-        }
+        )
     }
 
     /// Fails once the communicators have been aborted.

@@ -46,7 +46,7 @@ use cudarc::driver::CudaStream;
 
 use super::loader::{Comm, Config, Nccl, UniqueId};
 use super::rendezvous::{self, JobToken, Root};
-use super::result::{self, lib, During, NcclError, On, Status};
+use super::result::{self, lib, nccl_error, During, NcclError, On, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
 use crate::comm::launch::LaunchEnv;
@@ -654,11 +654,7 @@ impl RankComm {
 
     /// Arguments that do not fit a collective: refused before anything is sent.
     fn misuse(&self, op: &'static str, what: String) -> Error {
-        Error::Nccl {
-            op,
-            keys: vec![],
-            message: format!("{what}; nothing was sent"),
-        }
+        nccl_error(op, &[], format!("{what}; nothing was sent"))
     }
 }
 

@@ -23,11 +23,13 @@ use crate::{DType, Error, Key, Result};
 /// The loaded NCCL, or an error naming `op` and `keys` that says what was looked for and how
 /// to fix it.
 pub(crate) fn lib(op: &'static str, keys: &[Key]) -> Result<&'static Nccl> {
-    loader::library().map_err(|e| Error::Nccl {
-        op,
-        keys: keys.to_vec(),
-        message: e.to_string(),
-    })
+    loader::library().map_err(|e| nccl_error(op, keys, e.to_string()))
+}
+
+/// The crate's [`Error::Nccl`]: `message`, during `op` on `keys`.
+pub(crate) fn nccl_error(op: &'static str, keys: &[Key], message: String) -> Error {
+    let keys = keys.to_vec();
+    Error::Nccl { op, keys, message }
 }
 
 /// What an accepted NCCL call reports.
@@ -73,11 +75,7 @@ impl NcclError {
 
     /// The crate's error for this failure, during `op` on `keys`.
     pub(crate) fn during(self, op: &'static str, keys: &[Key]) -> Error {
-        Error::Nccl {
-            op,
-            keys: keys.to_vec(),
-            message: self.message,
-        }
+        nccl_error(op, keys, self.message)
     }
 }
 
