@@ -225,33 +225,12 @@ impl Drop for CommSet {
         let Ok(lib) = loader::library() else {
             return;
         };
-        // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
-        let mut ok = true;
-        if lib.comm_finalize.is_some() {
-            for r in &self.ranks {
-                // SAFETY: a live communicator of this set (not aborted: checked above), under
-                // `calls`.
-                ok &= unsafe { result::comm_finalize(lib, r.comm) }.is_ok();
-            }
-            ok = ok
-                && self
-                    .settle(
-                        lib,
-                        "destroy NCCL communicator",
-                        &[],
-                        Instant::now() + self.timeout,
-                    )
-                    .is_ok();
-        }
-        if !ok {
-            self.abort_locked(&mut calls);
-            return;
-        }
-        for r in &self.ranks {
-            // SAFETY: finalized above, destroyed exactly once, here (`calls` is set below, so
-            // nothing aborts or uses it after); its result is of no use to a drop.
-            let _ = unsafe { result::comm_destroy(lib, r.comm) };
-        }
+        let comms: Vec<Comm> = self.ranks.iter().map(|r| r.comm).collect();
+        let op = "destroy NCCL communicator";
+        let settle = || (self.settle(lib, op, &[], Instant::now() + self.timeout)).is_ok();
+        // SAFETY: live communicators of this set (not aborted: checked above), under `calls`,
+        // which is set just below, so nothing aborts or uses them after.
+        unsafe { result::close(lib, &comms, settle) };
         *calls = true;
     }
 }

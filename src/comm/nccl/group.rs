@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
-use super::cache::{cache, get_set};
+use super::cache::{forget, get_set};
 use super::comm_set::CommSet;
 use super::loader::Nccl;
 use super::result::{self, lib, nccl_error, During, On};
@@ -89,29 +89,21 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     } else {
         issue(lib, &set_keys, &sets, op, jobs)
     };
-    if result.is_ok() {
-        let deadline = Instant::now() + limit;
-        for (s, k) in sets.iter().zip(&set_keys) {
-            result = result.and_then(|()| s.settle(lib, op, &keys_of(k), deadline));
-        }
+    let deadline = Instant::now() + limit;
+    for (s, k) in sets.iter().zip(&set_keys) {
+        result = result.and_then(|()| s.settle(lib, op, &keys_of(k), deadline));
     }
-    let mut events = Vec::with_capacity(sets.len());
-    if result.is_ok() {
-        for s in &sets {
-            let mut evs = Vec::with_capacity(s.ranks.len());
-            for r in &s.ranks {
-                match r.stream.record_event(None) {
-                    Ok(e) => evs.push(e),
-                    Err(e) => {
-                        result = Err(cuda_err("record NCCL event", None)(e));
-                        break;
-                    }
-                }
-            }
-            events.push(evs);
-        }
-    }
-    if result.is_err() {
+    let events = result.and_then(|()| {
+        let record = |s: &Arc<CommSet>| {
+            s.ranks
+                .iter()
+                .map(|r| r.stream.record_event(None))
+                .collect()
+        };
+        let events: std::result::Result<Vec<Vec<_>>, _> = sets.iter().map(record).collect();
+        events.map_err(cuda_err("record NCCL event", None))
+    });
+    if events.is_err() {
         // A failed group leaves the communicators in an unknown state: abort them all.
         for (s, g) in sets.iter().zip(guards.iter_mut()) {
             s.abort_locked(g);
@@ -119,15 +111,11 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     }
     drop(guards);
     drop(order);
-    if result.is_err() {
-        let mut c = cache();
+    let events = events.inspect_err(|_| {
         for (k, s) in set_keys.iter().zip(&sets) {
-            if c.sets.get(k).is_some_and(|(x, _)| Arc::ptr_eq(x, s)) {
-                c.sets.remove(k);
-            }
+            forget(k, s);
         }
-        return result;
-    }
+    })?;
     ISSUED.fetch_add(jobs.len() as u64, Ordering::Relaxed);
     let mut c = inflight();
     for ((k, s), events) in set_keys.iter().zip(sets).zip(events) {

@@ -157,9 +157,7 @@ impl RankComm {
         // Joining is a collective too: a rank that never comes is a timeout, not a hang.
         let mut st = this.lock();
         let ready = this.settle(lib, op, &[], Instant::now() + timeout);
-        if let Err(e) = ready {
-            return Err(this.fail(&mut st, op, &[], e));
-        }
+        ready.map_err(|e| this.fail(&mut st, op, &[], e))?;
         drop(st);
         Ok(this)
     }
@@ -452,26 +450,19 @@ impl RankComm {
     /// timeout. A stall or an error aborts the communicator.
     fn wait_done(&self, st: &mut State, op: &'static str, keys: &[Key]) -> Result<()> {
         let lib = lib(op, keys)?;
-        let done = match self.stream.record_event(None) {
-            Ok(e) => e,
-            Err(e) => return Err(self.fail(st, op, keys, cuda_err(op, None)(e))),
-        };
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            match done.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(self.fail(st, op, keys, cuda_err(op, None)(e))),
+        let waited = (|| {
+            let done = self.stream.record_event(None).map_err(cuda_err(op, None))?;
+            let deadline = Instant::now() + self.timeout;
+            while !done.try_is_complete().map_err(cuda_err(op, None))? {
+                self.async_error(lib, op, keys)?;
+                if Instant::now() > deadline {
+                    return Err(self.stall(op, keys));
+                }
+                std::thread::sleep(POLL_INTERVAL);
             }
-            if let Err(e) = self.async_error(lib, op, keys) {
-                return Err(self.fail(st, op, keys, e));
-            }
-            if Instant::now() > deadline {
-                let stall = self.stall(op, keys);
-                return Err(self.fail(st, op, keys, stall));
-            }
-            std::thread::sleep(POLL_INTERVAL);
-        }
+            Ok(())
+        })();
+        waited.map_err(|e| self.fail(st, op, keys, e))
     }
 
     /// Issues one collective on this rank's stream, after the runtime stream's work, polls
@@ -499,9 +490,7 @@ impl RankComm {
         let issued = issue(On::new(lib, self.comm, &self.stream))
             .during(op, keys)
             .and_then(|()| self.settle(lib, op, keys, Instant::now() + self.timeout));
-        if let Err(e) = issued {
-            return Err(self.fail(&mut st, op, keys, e));
-        }
+        issued.map_err(|e| self.fail(&mut st, op, keys, e))?;
         self.wait_done(&mut st, op, keys)
     }
 
@@ -667,25 +656,10 @@ impl Drop for RankComm {
         let Ok(lib) = super::loader::library() else {
             return;
         };
-        // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
-        let finalized = if lib.comm_finalize.is_some() {
-            // SAFETY: a live communicator (`failed` is unset), used under `state`'s lock; only
-            // destroyed or aborted after this.
-            unsafe { result::comm_finalize(lib, self.comm) }.is_ok()
-                && self
-                    .settle(lib, "close NCCL ranks", &[], Instant::now() + self.timeout)
-                    .is_ok()
-        } else {
-            true
-        };
-        // SAFETY: the communicator is destroyed (or aborted) once, here, and never used again;
-        // a drop has no use for the result.
-        let _ = unsafe {
-            if finalized {
-                result::comm_destroy(lib, self.comm)
-            } else {
-                result::comm_abort(lib, self.comm)
-            }
-        };
+        let op = "close NCCL ranks";
+        let settle = || (self.settle(lib, op, &[], Instant::now() + self.timeout)).is_ok();
+        // SAFETY: a live communicator (`failed` is unset), used under `state`'s lock, and never
+        // again after the drop.
+        unsafe { result::close(lib, &[self.comm], settle) };
     }
 }

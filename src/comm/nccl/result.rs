@@ -251,6 +251,34 @@ pub(crate) unsafe fn comm_abort(lib: &Nccl, comm: Comm) -> std::result::Result<(
     accepted(lib, code, std::ptr::null_mut())
 }
 
+/// Ends communicators that are done with: finalizes them where this NCCL can, waits with
+/// `settle` (which says whether it succeeded) for the finalization, then destroys them; aborts
+/// them instead when either step fails.
+///
+/// # Safety
+///
+/// `comms` are live communicators, used by nothing else now, and never used after this.
+pub(crate) unsafe fn close(lib: &Nccl, comms: &[Comm], settle: impl FnOnce() -> bool) {
+    let mut ok = true;
+    if lib.comm_finalize.is_some() {
+        for &c in comms {
+            // SAFETY: live and not in use elsewhere (this function's contract).
+            ok &= unsafe { comm_finalize(lib, c) }.is_ok();
+        }
+        ok = ok && settle();
+    }
+    for &c in comms {
+        // SAFETY: each is destroyed or aborted once, here, and never used again (this
+        // function's contract); closing has no use for the result.
+        let _ = unsafe {
+            match ok {
+                true => comm_destroy(lib, c),
+                false => comm_abort(lib, c),
+            }
+        };
+    }
+}
+
 /// `ncclGroupStart`: the calls until [`group_end`] on this thread form one group.
 pub(crate) fn group_start(lib: &Nccl) -> std::result::Result<(), NcclError> {
     // SAFETY: no arguments; an open group only defers the calls made inside it.

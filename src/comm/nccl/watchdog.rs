@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaEvent;
 
 use super::available;
-use super::cache::cache;
+use super::cache::{cache, forget};
 use super::comm_set::CommSet;
 use super::result::nccl_error;
 use super::POLL_INTERVAL;
@@ -105,15 +105,7 @@ pub(super) fn inflight() -> MutexGuard<'static, Inflight> {
 
 /// Aborts a failed set and drops it from the cache (if it is still the cached one).
 pub(super) fn fail(f: &Failure) {
-    {
-        let mut c = cache();
-        if c.sets
-            .get(&f.set)
-            .is_some_and(|(s, _)| Arc::ptr_eq(s, &f.comms))
-        {
-            c.sets.remove(&f.set);
-        }
-    }
+    forget(&f.set, &f.comms);
     f.comms.abort();
 }
 
