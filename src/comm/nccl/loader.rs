@@ -239,13 +239,9 @@ pub fn library() -> Result<&'static Nccl, &'static NotFound> {
 fn load(candidates: &[Candidate]) -> Result<Nccl, NotFound> {
     let mut tried = Vec::new();
     for c in candidates {
-        let what = match c {
-            Candidate::Path(p) => p.display().to_string(),
-            Candidate::Name(n) => format!("{n} (by the loader's search)"),
-        };
-        let path = match c {
-            Candidate::Path(p) => p.clone(),
-            Candidate::Name(n) => PathBuf::from(n),
+        let (what, path) = match c {
+            Candidate::Path(p) => (p.display().to_string(), p.clone()),
+            Candidate::Name(n) => (format!("{n} (by the loader's search)"), PathBuf::from(n)),
         };
         match Nccl::open(&path) {
             Ok(lib) if lib.version >= MIN_VERSION => return Ok(lib),

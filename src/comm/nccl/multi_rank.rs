@@ -247,13 +247,9 @@ impl MultiRank {
     }
 
     fn aborted_error(&self, op: &'static str) -> Error {
-        nccl_error(
-            op,
-            &[],
-            "these communicators were aborted after an earlier failure; create a \
-                      new MultiRank"
-                .to_owned(),
-        )
+        let message = "these communicators were aborted after an earlier failure; create a new \
+                       MultiRank";
+        nccl_error(op, &[], message.to_owned())
     }
 
     /// Fails once the communicators have been aborted.
