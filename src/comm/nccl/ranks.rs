@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 
 use super::loader::{Comm, Config, Nccl, UniqueId};
-use super::rendezvous::{self, JobToken, Root};
+use super::rendezvous::{self, dist_env, JobToken, Root};
 use super::result::{self, lib, nccl_error, During, NcclError, On, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
@@ -127,10 +127,10 @@ impl RankComm {
     pub fn join(id: UniqueId, rank: usize, size: usize, ordinal: usize) -> Result<RankComm> {
         let op = "join NCCL ranks";
         if rank >= size {
-            return Err(Error::DistEnv {
-                var: "RANK".to_owned(),
-                message: format!("rank {rank} of a job of {size} ranks: ranks run below the size"),
-            });
+            return Err(dist_env(
+                "RANK",
+                format!("rank {rank} of a job of {size} ranks: ranks run below the size"),
+            ));
         }
         let timeout = crate::config::Config::from_env()?.timeout;
         let lib = lib(op, &[])?;
@@ -172,15 +172,15 @@ impl RankComm {
         // machine); then local ranks wrap around the GPUs.
         let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
         if launch.local_rank >= gpus && !(shared && gpus > 0) {
-            return Err(Error::DistEnv {
-                var: "LOCAL_RANK".to_owned(),
-                message: format!(
+            return Err(dist_env(
+                "LOCAL_RANK",
+                format!(
                     "is {}, but this machine has {}: start at most one rank per GPU on each \
                      machine (torchrun --nproc-per-node), or limit CUDA_VISIBLE_DEVICES",
                     launch.local_rank,
                     crate::backend::probe::describe_gpus()
                 ),
-            });
+            ));
         }
         let ordinal = launch.local_rank % gpus;
         let op = "join NCCL ranks";

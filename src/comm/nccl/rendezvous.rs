@@ -144,7 +144,7 @@ impl JobToken {
 }
 
 /// The crate's [`Error::DistEnv`]: `var` is to fix, as `message` says.
-fn dist_env(var: &str, message: String) -> Error {
+pub(super) fn dist_env(var: &str, message: String) -> Error {
     let var = var.to_owned();
     Error::DistEnv { var, message }
 }
