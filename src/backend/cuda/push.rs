@@ -180,9 +180,10 @@ fn upload_host_values(
     Ok(offsets.into_iter().map(addrs).collect())
 }
 
-/// Sums made into scratch by `assign` launches, one launch per (GPU, dtype).
+/// Sums made into scratch by `assign` launches, one launch per (GPU, dtype): keyed by the
+/// GPU and the dtype's tag (`DType` is not ordered).
 #[derive(Default)]
-struct Presums(BTreeMap<(usize, DTypeKey), Vec<Record>>);
+struct Presums(BTreeMap<(usize, u8), (DType, Vec<Record>)>);
 
 impl Presums {
     /// Scratch of `n` elements of `dtype` on GPU `d` (kept in `keep`) that [`Presums::launch`]
@@ -196,23 +197,21 @@ impl Presums {
     ) -> Result<u64> {
         let scratch = GpuBuf::scratch(d, dtype, n).map_err(with_key(key))?;
         let stored = scratch.ptr();
-        self.0
-            .entry((d, DTypeKey(dtype)))
-            .or_default()
-            .push(Record {
-                stored,
-                inputs,
-                n: n as u64,
-                ..Record::default()
-            });
+        let (_, records) = (self.0.entry((d, dtype as u8))).or_insert((dtype, Vec::new()));
+        records.push(Record {
+            stored,
+            inputs,
+            n: n as u64,
+            ..Record::default()
+        });
         keep.push(scratch);
         Ok(stored)
     }
 
     /// Enqueues the sums.
     fn launch(&self) -> Result<()> {
-        for ((d, dt), records) in &self.0 {
-            launch_fused(gpu(*d)?, RuleKind::Assign, dt.0, &[], records)?;
+        for (&(d, _), (dtype, records)) in &self.0 {
+            launch_fused(gpu(d)?, RuleKind::Assign, *dtype, &[], records)?;
         }
         Ok(())
     }
@@ -247,27 +246,12 @@ fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
     Ok(())
 }
 
-/// `DType` ordered, for map keys.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct DTypeKey(DType);
+/// One fused launch being built: the rule, the dtype, its scalars, and the tensors.
+type Launch = (RuleKind, DType, Vec<f32>, Vec<Record>);
 
-impl PartialOrd for DTypeKey {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for DTypeKey {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.0 as u8).cmp(&(other.0 as u8))
-    }
-}
-
-/// One fused launch being built: the rule, its scalars, and the tensors.
-type Launch = (RuleKind, Vec<f32>, Vec<Record>);
-
-/// Launches are grouped by home GPU, dtype and the bits of their f32 scalars.
-type LaunchKey = (usize, DTypeKey, Vec<u32>);
+/// Launches are grouped by home GPU, dtype (its tag: `DType` is not ordered) and the bits of
+/// their f32 scalars.
+type LaunchKey = (usize, u8, Vec<u32>);
 
 /// The fused update: one launch per (home GPU, dtype, scalars) for every key of the call. Keys
 /// share their scalars unless per-key multipliers make their learning rate or weight decay
@@ -303,13 +287,13 @@ fn update(
         };
         let bits = scalars.iter().map(|s| s.to_bits()).collect();
         launches
-            .entry((home, DTypeKey(dtype), bits))
-            .or_insert_with(|| (kind, scalars, Vec::new()))
-            .2
+            .entry((home, dtype as u8, bits))
+            .or_insert_with(|| (kind, dtype, scalars, Vec::new()))
+            .3
             .push(record);
     }
-    for ((home, dt, _), (kind, scalars, records)) in &launches {
-        launch_fused(gpu(*home)?, *kind, dt.0, scalars, records)?;
+    for (&(home, ..), (kind, dtype, scalars, records)) in &launches {
+        launch_fused(gpu(home)?, *kind, *dtype, scalars, records)?;
     }
     Ok(())
 }

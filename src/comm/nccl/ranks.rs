@@ -11,11 +11,10 @@
 //!   a plain id (`ncclGetUniqueId`, a random magic) and hands it to the other ranks through
 //!   kvstore's job-token rendezvous at `MASTER_ADDR:(MASTER_PORT + 1)`
 //!   ([`rendezvous`](super::rendezvous): a peer must present the job's token,
-//!   `TORCHELASTIC_RUN_ID` or `KVSTORE_JOB_TOKEN`). Nothing is set in the process's
-//!   environment, so later NCCL communicators of the process (torch.distributed's) are left
-//!   alone. If the user has set `NCCL_COMM_ID`, NCCL's own bootstrap is used instead, as the
-//!   user asked: every rank computes the same id from that address, and rank 0's
-//!   `ncclCommInitRank` listens there (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`).
+//!   `TORCHELASTIC_RUN_ID` or `KVSTORE_JOB_TOKEN`; nothing is set in the environment). If the
+//!   user has set `NCCL_COMM_ID`, NCCL's own bootstrap is used instead, as the user asked:
+//!   every rank computes the same id from that address, and rank 0's `ncclCommInitRank`
+//!   listens there (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`).
 //!
 //! # No hang
 //!
