@@ -40,41 +40,28 @@
 //!
 //! Not in this build: a tensor on a candle CUDA device is refused with
 //! [`CandleError::UnsupportedDevice`]; move it with `tensor.to_device(&Device::Cpu)` (one copy
-//! each way). A zero-copy GPU path is possible in principle, with the same lending scheme:
-//! candle-core 0.11.1 depends on cudarc 0.19.10, the version kvstore uses, so the
-//! `CudaSlice<T>` in `CudaStorage::slice` (a public field) is the type kvstore's GPU buffers
-//! hold, and an `InplaceOp1::cuda_fwd` gets `&mut CudaStorage` under the tensor's write lock.
-//! It is not built because:
-//! - candle-core's `cuda` feature cannot be built together with kvstore. Tried for issue 17
-//!   with nvcc 11.8 (Debian `non-free`, `scripts/install-cuda-toolkit.sh`) and a feature
-//!   `candle-cuda = ["candle", "candle-core/cuda"]`: `cargo build --release --features
-//!   candle-cuda` stops in cudarc's build script, before any kernel is compiled, with
+//! each way). The same lending would work in principle (candle-core 0.11.1 uses cudarc 0.19.10,
+//! as kvstore does; `CudaStorage::slice` is a public `CudaSlice<T>`; `InplaceOp1::cuda_fwd` gets
+//! `&mut CudaStorage` under the tensor's write lock). Tried for issue 17, it is not built:
+//! - The two cannot be built together: with a feature `candle-cuda = ["candle",
+//!   "candle-core/cuda"]`, cudarc's build script stops, before any kernel is compiled, with
 //!   "Both `dynamic-loading` and `dynamic-linking` features are active, this is a bug".
-//!   candle-core 0.11.1 asks cudarc for `dynamic-linking` (libcuda, cuBLAS, cuBLASLt, cuRAND
-//!   and NVRTC linked at build time, so its binaries do not start without them); kvstore asks
-//!   for `dynamic-loading` (dlopen at run time, which is what lets a machine with no GPU run
-//!   the CPU half and the stand-in driver stand in for libcuda). Cargo unifies the features of
-//!   the one cudarc both use, and cudarc refuses the pair. No nvcc version changes that.
-//! - nvcc 11.8 cannot build candle-kernels 0.11.1 for sm_90: its build helper (cudaforge 0.1.6)
-//!   turns `CUDA_COMPUTE_CAP=90` into `sm_90a` and offers no way to ask for plain `sm_90`, and
-//!   nvcc 11.8 stops with "nvcc fatal : Unsupported gpu architecture 'compute_90a'" (the `a`
-//!   targets came with CUDA 12.0). Built alone with `CUDA_COMPUTE_CAP=89`, nvcc 11.8
-//!   compiles all of it with no warning (11 PTX modules, PTX ISA 7.8, and the 15 MoE/GGUF
-//!   kernels linked statically; 27 minutes on the 2-core development machine). An H100's
-//!   driver would JIT the compute_89 PTX, but the static kernels are sm_89 machine code only
-//!   and do not load on sm_90.
-//! - candle runs its work on a stream of its own (`CudaContext::new_stream`), kvstore on one
-//!   stream per GPU. A lend needs an event recorded on candle's stream and waited on by
-//!   kvstore's before the store touches the slice, and the reverse before it is moved back;
-//!   that has to be run on a GPU to be trusted, and was not.
+//!   candle-core asks cudarc for `dynamic-linking` (libcuda, cuBLAS, cuBLASLt, cuRAND and NVRTC
+//!   linked at build time); kvstore for `dynamic-loading` (dlopen at run time, so a machine
+//!   without a GPU runs the CPU half, and the stand-in driver stands in for libcuda). Cargo
+//!   unifies the features of the one cudarc, and cudarc refuses the pair, whatever the nvcc.
+//! - nvcc 11.8 (Debian `non-free`, `scripts/install-cuda-toolkit.sh`) cannot build
+//!   candle-kernels 0.11.1 for sm_90: cudaforge 0.1.6 turns `CUDA_COMPUTE_CAP=90` into
+//!   `sm_90a`, which came with CUDA 12.0 ("nvcc fatal : Unsupported gpu architecture
+//!   'compute_90a'"). With `CUDA_COMPUTE_CAP=89` all of it builds (27 minutes on 2 cores), but
+//!   its static MoE/GGUF kernels are sm_89 machine code, which does not load on sm_90.
+//! - candle works on a stream of its own, kvstore on one per GPU: a lend needs an event each
+//!   way between them, which has to be run on a GPU to be trusted, and was not.
 //!
-//! Getting there needs candle to offer `dynamic-loading` (or a `candle-cuda` build of kvstore
-//! that gives it up, with libcuda, cuBLAS and NCCL then linked into every binary) and a CUDA 12
-//! toolkit for `sm_90a`.
-//!
-//! Both libraries retain the primary context (`CudaContext::new`), so the pointers would be
-//! valid across them; nothing here needs `upgrade_device_ptr`/`leak()`, because a lent slice
-//! is moved, not aliased.
+//! Getting there needs candle to offer `dynamic-loading` (or a kvstore build that links libcuda,
+//! cuBLAS and NCCL into every binary) and a CUDA 12 toolkit for `sm_90a`. Both libraries retain
+//! the primary context, so the pointers would be valid across them, and a lent slice is moved,
+//! not aliased (no `upgrade_device_ptr`/`leak()`).
 //!
 //! # Ownership (why there is no `unsafe` here)
 //!

@@ -149,11 +149,7 @@ fn copy_wave(copies: &[DeviceCopy]) -> Result<()> {
     }
     for ((ordinal, _), (dtype, records, sources)) in &launches {
         let d = gpu(*ordinal)?;
-        if sources.is_empty() {
-            launch_fused(d, RuleKind::Assign, *dtype, &[], records)?;
-            continue;
-        }
-        let _order = cross_gpu_order();
+        let _order = (!sources.is_empty()).then(cross_gpu_order);
         for &s in sources {
             stream_wait(d.stream(), gpu(s)?.stream())?;
         }
@@ -172,7 +168,7 @@ pub(crate) fn download_many(bufs: &[&GpuBuf]) -> Result<Vec<HostData>> {
     // Per GPU: (index, byte offset in the gather buffer) of each small buffer, and the bytes.
     let mut gathers: BTreeMap<usize, (Vec<(usize, usize)>, usize)> = BTreeMap::new();
     for (i, b) in bufs.iter().enumerate() {
-        let bytes = b.len() * b.dtype().size();
+        let bytes = b.bytes();
         if b.is_empty() || bytes > BATCH_COPY_MAX_BYTES || !super::has_kernel(b.dtype()) {
             out[i] = Some(b.download()?);
             continue;
@@ -188,15 +184,9 @@ pub(crate) fn download_many(bufs: &[&GpuBuf]) -> Result<Vec<HostData>> {
         let copies: Vec<DeviceCopy> = items
             .iter()
             .map(|&(i, at)| DeviceCopy {
-                dst: GpuPtr {
-                    ordinal,
-                    addr: base + at as u64,
-                },
-                src: GpuPtr {
-                    ordinal,
-                    addr: bufs[i].ptr(),
-                },
-                bytes: bufs[i].len() * bufs[i].dtype().size(),
+                dst: GpuPtr::new(ordinal, base + at as u64),
+                src: bufs[i].at(),
+                bytes: bufs[i].bytes(),
                 dtype: bufs[i].dtype(),
             })
             .collect();
@@ -206,7 +196,7 @@ pub(crate) fn download_many(bufs: &[&GpuBuf]) -> Result<Vec<HostData>> {
         let bytes = host_data_bytes(&gathered);
         for &(i, at) in &items {
             let b = bufs[i];
-            let seg = &bytes[at..at + b.len() * b.dtype().size()];
+            let seg = &bytes[at..at + b.bytes()];
             out[i] = Some(from_le_bytes(b.dtype(), seg));
         }
     }

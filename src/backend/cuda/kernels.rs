@@ -124,29 +124,22 @@ pub fn has_kernels(dtype: DType) -> bool {
 /// For f64, which has no kernels (see [`has_kernels`]), this is a `fused_<rule>_f64` that no
 /// module defines, so loading it fails with the driver's "not found" error.
 pub fn entry_name(rule: RuleKind, dtype: DType) -> &'static str {
-    use DType::*;
-    use RuleKind::*;
-    match (rule, dtype) {
-        (Assign, F32) => "fused_assign_f32",
-        (Assign, F16) => "fused_assign_f16",
-        (Assign, BF16) => "fused_assign_bf16",
-        (Assign, F64) => "fused_assign_f64",
-        (Axpby, F32) => "fused_axpby_f32",
-        (Axpby, F16) => "fused_axpby_f16",
-        (Axpby, BF16) => "fused_axpby_bf16",
-        (Axpby, F64) => "fused_axpby_f64",
-        (Sgd, F32) => "fused_sgd_f32",
-        (Sgd, F16) => "fused_sgd_f16",
-        (Sgd, BF16) => "fused_sgd_bf16",
-        (Sgd, F64) => "fused_sgd_f64",
-        (SgdMom, F32) => "fused_sgd_mom_f32",
-        (SgdMom, F16) => "fused_sgd_mom_f16",
-        (SgdMom, BF16) => "fused_sgd_mom_bf16",
-        (SgdMom, F64) => "fused_sgd_mom_f64",
-        (Adam, F32) => "fused_adam_f32",
-        (Adam, F16) => "fused_adam_f16",
-        (Adam, BF16) => "fused_adam_bf16",
-        (Adam, F64) => "fused_adam_f64",
+    macro_rules! by_dtype {
+        ($rule:literal) => {
+            match dtype {
+                DType::F32 => concat!("fused_", $rule, "_f32"),
+                DType::F16 => concat!("fused_", $rule, "_f16"),
+                DType::BF16 => concat!("fused_", $rule, "_bf16"),
+                DType::F64 => concat!("fused_", $rule, "_f64"),
+            }
+        };
+    }
+    match rule {
+        RuleKind::Assign => by_dtype!("assign"),
+        RuleKind::Axpby => by_dtype!("axpby"),
+        RuleKind::Sgd => by_dtype!("sgd"),
+        RuleKind::SgdMom => by_dtype!("sgd_mom"),
+        RuleKind::Adam => by_dtype!("adam"),
     }
 }
 

@@ -20,6 +20,8 @@ pub(crate) mod state;
 
 pub use copies::BATCH_COPY_MAX_BYTES;
 pub(crate) use copies::{copy_many, download_many, DeviceCopy};
+/// Element type checks for the fast path: every dtype but f64 has a PTX kernel.
+pub(crate) use kernels::has_kernels as has_kernel;
 pub(crate) use runtime::{
     alloc_zeros, clone_dtoh, clone_htod, copy_device, cross_gpu_order, cuda_err, gpu,
     host_data_bytes, host_wait, launch_fused, launch_user, set_host_wait, stream_wait,
@@ -61,11 +63,6 @@ pub(crate) trait CrossGpu {
 
     /// Copies each key's value from its home into its first out on every GPU.
     fn fan_out(&self, fanouts: &[Fanout<'_>]) -> Result<()>;
-}
-
-/// Element type checks for the fast path: every dtype but f64 has a PTX kernel.
-pub(crate) fn has_kernel(dtype: DType) -> bool {
-    dtype != DType::F64
 }
 
 /// Names `key` in an error.

@@ -12,6 +12,7 @@
 //! per home GPU for the small keys).
 
 use std::collections::BTreeMap;
+use std::sync::RwLockWriteGuard;
 
 use super::state::GpuCell;
 use super::{copy_many, download_many, with_key, CrossGpu, DeviceCopy, Fanout, GpuBuf, GpuPtr};
@@ -26,12 +27,15 @@ pub(crate) struct PullJob<'a> {
     pub outs: &'a [&'a NDArray],
 }
 
+/// Write locks on the outs of a pull, each taken once, sorted by storage id.
+type Locked<'a> = Vec<(usize, RwLockWriteGuard<'a, Storage>)>;
+
 /// Enqueues a validated pull from GPU homes into every job's outs.
 pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     let mut outs: Vec<&NDArray> = jobs.iter().flat_map(|j| j.outs.iter().copied()).collect();
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
-    let mut guards: Vec<_> = outs.iter().map(|a| (a.storage_id(), a.write())).collect();
+    let mut guards: Locked<'_> = outs.iter().map(|a| (a.storage_id(), a.write())).collect();
     // Keys with an out on the host or of another dtype: one copy of the value on the host each,
     // all fetched together (one wait and one device-to-host copy per home GPU for the small ones).
     let needs_host: Vec<bool> = jobs
@@ -39,10 +43,8 @@ pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
         .map(|job| {
             let dtype = job.cell.buf.dtype();
             job.outs.iter().any(|a| {
-                let i = guards
-                    .binary_search_by_key(&a.storage_id(), |(g, _)| *g)
-                    .expect("every out was locked");
-                !matches!(&*guards[i].1, Storage::Gpu(b) if b.dtype() == dtype)
+                let out = &*guards[locked(&guards, a.storage_id())].1;
+                !matches!(out, Storage::Gpu(b) if b.dtype() == dtype)
             })
         })
         .collect();
@@ -58,70 +60,13 @@ pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     // Per key: further outs on a GPU, copied from the first out there once it is written.
     let mut copies: Vec<DeviceCopy> = Vec::new();
     for (job, need) in jobs.iter().zip(needs_host) {
-        let home = job.cell.buf.ordinal();
-        let dtype = job.cell.buf.dtype();
-        let n = job.cell.buf.len();
-        let mut ids: Vec<usize> = job.outs.iter().map(|a| a.storage_id()).collect();
-        ids.sort_unstable();
-        ids.dedup();
         let host_copy: Option<HostData> = if need { host_copies.next() } else { None };
-        let mut firsts: BTreeMap<usize, u64> = BTreeMap::new();
-        for id in ids {
-            let i = guards
-                .binary_search_by_key(&id, |(g, _)| *g)
-                .expect("every out was locked");
-            match &mut *guards[i].1 {
-                Storage::Gpu(b) if b.dtype() == dtype => {
-                    let dst = GpuPtr {
-                        ordinal: b.ordinal(),
-                        addr: b.ptr(),
-                    };
-                    match firsts.get(&dst.ordinal) {
-                        // On the home GPU straight from the value (which no pull writes), so
-                        // an out that another key of the call also fills cannot be read
-                        // in between; on another GPU from the first out there.
-                        Some(&first) => copies.push(DeviceCopy {
-                            dst,
-                            src: GpuPtr {
-                                ordinal: dst.ordinal,
-                                addr: if dst.ordinal == home {
-                                    job.cell.buf.ptr()
-                                } else {
-                                    first
-                                },
-                            },
-                            bytes: n * dtype.size(),
-                            dtype,
-                        }),
-                        None => {
-                            firsts.insert(dst.ordinal, dst.addr);
-                        }
-                    }
-                }
-                other => {
-                    let h = host_copy.as_ref().expect("fetched for this key");
-                    match other {
-                        Storage::Host(out) => {
-                            with_host!(h, s: T => convert_into(s.as_slice(), out))
-                        }
-                        Storage::Gpu(b) => b.upload_into(h).map_err(with_key(job.key))?,
-                    }
-                }
-            }
-        }
-        fanouts.push(Fanout {
-            key: job.key,
-            dtype,
-            n,
-            src: GpuPtr {
-                ordinal: home,
-                addr: job.cell.buf.ptr(),
-            },
-            firsts: firsts
-                .into_iter()
-                .map(|(ordinal, addr)| GpuPtr { ordinal, addr })
-                .collect(),
-        });
+        fanouts.push(fill_outs(
+            job,
+            &mut guards,
+            host_copy.as_ref(),
+            &mut copies,
+        )?);
     }
     between.fan_out(&fanouts)?;
     // These read the first out on their GPU, which the fan-out (enqueued before them on that
@@ -129,4 +74,78 @@ pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     copy_many(&copies)?;
     drop(guards);
     Ok(())
+}
+
+/// Where the out of storage id `id` is in `guards`.
+fn locked(guards: &Locked<'_>, id: usize) -> usize {
+    guards
+        .binary_search_by_key(&id, |(g, _)| *g)
+        .expect("every out was locked")
+}
+
+/// Fills what of `job`'s outs needs no link: outs on the host or of another dtype from
+/// `host_copy`, and further outs on a GPU by copies added to `copies`. Returns the key's
+/// fan-out: the first out on each GPU, for the links to fill from the home.
+fn fill_outs<'j>(
+    job: &PullJob<'j>,
+    guards: &mut Locked<'_>,
+    host_copy: Option<&HostData>,
+    copies: &mut Vec<DeviceCopy>,
+) -> Result<Fanout<'j>> {
+    let (home, dtype, n) = (
+        job.cell.buf.ordinal(),
+        job.cell.buf.dtype(),
+        job.cell.buf.len(),
+    );
+    let mut ids: Vec<usize> = job.outs.iter().map(|a| a.storage_id()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut firsts: BTreeMap<usize, u64> = BTreeMap::new();
+    for id in ids {
+        let i = locked(guards, id);
+        match &mut *guards[i].1 {
+            Storage::Gpu(b) if b.dtype() == dtype => {
+                let dst = b.at();
+                match firsts.get(&dst.ordinal) {
+                    // On the home GPU straight from the value (which no pull writes), so an out
+                    // that another key of the call also fills cannot be read in between; on
+                    // another GPU from the first out there.
+                    Some(&first) => {
+                        let from = if dst.ordinal == home {
+                            job.cell.buf.ptr()
+                        } else {
+                            first
+                        };
+                        let src = GpuPtr::new(dst.ordinal, from);
+                        let bytes = n * dtype.size();
+                        copies.push(DeviceCopy {
+                            dst,
+                            src,
+                            bytes,
+                            dtype,
+                        });
+                    }
+                    None => {
+                        firsts.insert(dst.ordinal, dst.addr);
+                    }
+                }
+            }
+            Storage::Host(out) => {
+                let h = host_copy.expect("fetched for this key");
+                with_host!(h, s: T => convert_into(s.as_slice(), out))
+            }
+            Storage::Gpu(b) => {
+                let h = host_copy.expect("fetched for this key");
+                b.upload_into(h).map_err(with_key(job.key))?
+            }
+        }
+    }
+    let firsts = firsts.into_iter().map(|(d, addr)| GpuPtr::new(d, addr));
+    Ok(Fanout {
+        key: job.key,
+        dtype,
+        n,
+        src: job.cell.buf.at(),
+        firsts: firsts.collect(),
+    })
 }

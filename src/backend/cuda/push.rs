@@ -17,8 +17,6 @@
 use std::collections::BTreeMap;
 use std::sync::RwLockReadGuard;
 
-use cudarc::driver::{CudaSlice, DevicePtr};
-
 use super::kernels::{self, RuleKind};
 use super::state::{make_states, GpuCell};
 use super::{
@@ -80,108 +78,41 @@ pub(crate) fn push(
     // Scratch buffers: alive until every launch and copy using them is enqueued; they are
     // freed on their own GPU's stream, so after those.
     let mut keep: Vec<GpuBuf> = Vec::new();
+    let host_inputs = upload_host_values(&jobs, &reads, &mut keep)?;
     // Per key: the k inputs on the home GPU.
     let mut inputs: Vec<Vec<u64>> = Vec::with_capacity(jobs.len());
-    // Pre-sums on non-home GPUs: (ordinal, dtype) -> assign records.
-    let mut presums: BTreeMap<(usize, DTypeKey), Vec<Record>> = BTreeMap::new();
+    // Several values on one non-home GPU are summed there first.
+    let mut presums = Presums::default();
     // Per key: partial sums on other GPUs (one address per GPU), to move to the home.
     let mut partials: Vec<Vec<GpuPtr>> = Vec::with_capacity(jobs.len());
-
-    // The kernel sums its k inputs in f32 in this order. Host values are not summed on the
-    // host (f16 and bf16 sums must round once, as on the CPU home): they go up side by side,
-    // each padded to 16 bytes so the kernel's vector loads apply, and each is an input. Every
-    // key's host values for one home GPU go up in ONE buffer and one copy (not one per key).
-    let mut uploads: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
-    // Per key: where its host values start in its home's upload, and the bytes between them.
-    let mut host_at: Vec<(usize, usize)> = Vec::with_capacity(jobs.len());
-    for job in &jobs {
-        let stride = (job.cell.buf.len() * job.cell.buf.dtype().size()).next_multiple_of(16);
-        if !job
-            .values
-            .iter()
-            .any(|v| matches!(reads.get(v), Storage::Host(_)))
-        {
-            host_at.push((0, stride));
-            continue;
-        }
-        // (A home whose keys are all empty still gets a buffer: every input is a live address.)
-        let up = uploads.entry(job.cell.buf.ordinal()).or_default();
-        host_at.push((up.len(), stride));
-        for v in job.values {
-            if let Storage::Host(h) = reads.get(v) {
-                let bytes = host_data_bytes(h);
-                up.extend_from_slice(bytes);
-                up.resize(up.len() + stride - bytes.len(), 0);
-            }
-        }
-    }
-    let mut bases: BTreeMap<usize, u64> = BTreeMap::new();
-    for (&home, bytes) in &uploads {
-        // f32 only as a unit of bytes (a multiple of 16): the segments hold the keys' dtypes.
-        let up = GpuBuf::scratch(home, DType::F32, bytes.len() / 4)?;
-        gpu(home)?.upload_bytes(up.ptr(), bytes)?;
-        bases.insert(home, up.ptr());
-        keep.push(up);
-    }
-
-    for (job, &(at, stride)) in jobs.iter().zip(&host_at) {
-        let home = job.cell.buf.ordinal();
-        let dtype = job.cell.buf.dtype();
-        let n = job.cell.buf.len();
-        let hosts = job
-            .values
-            .iter()
-            .filter(|v| matches!(reads.get(v), Storage::Host(_)))
-            .count();
-        let host_inputs: Vec<u64> = match bases.get(&home) {
-            Some(&base) => (0..hosts)
-                .map(|i| base + (at + i * stride) as u64)
-                .collect(),
-            None => Vec::new(),
-        };
-        let mut host_inputs = host_inputs.into_iter();
+    for (job, host) in jobs.iter().zip(host_inputs) {
+        let (home, dtype, n) = (
+            job.cell.buf.ordinal(),
+            job.cell.buf.dtype(),
+            job.cell.buf.len(),
+        );
+        let mut host = host.into_iter();
         let mut on_home = Vec::new();
         let mut others: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
         for v in job.values {
             match reads.get(v) {
-                Storage::Host(_) => on_home.push(host_inputs.next().expect("one per host value")),
+                Storage::Host(_) => on_home.push(host.next().expect("one per host value")),
                 Storage::Gpu(b) if b.ordinal() == home => on_home.push(b.ptr()),
                 Storage::Gpu(b) => others.entry(b.ordinal()).or_default().push(b.ptr()),
             }
         }
         let mut parts = Vec::new();
         for (d, ptrs) in others {
-            if ptrs.len() == 1 {
-                parts.push(GpuPtr {
-                    ordinal: d,
-                    addr: ptrs[0],
-                });
-                continue;
-            }
-            let scratch = GpuBuf::scratch(d, dtype, n).map_err(with_key(job.key))?;
-            parts.push(GpuPtr {
-                ordinal: d,
-                addr: scratch.ptr(),
-            });
-            presums
-                .entry((d, DTypeKey(dtype)))
-                .or_default()
-                .push(Record {
-                    stored: scratch.ptr(),
-                    inputs: ptrs,
-                    n: n as u64,
-                    ..Record::default()
-                });
-            keep.push(scratch);
+            let addr = match ptrs[..] {
+                [one] => one,
+                _ => presums.add(job.key, (d, dtype, n), ptrs, &mut keep)?,
+            };
+            parts.push(GpuPtr::new(d, addr));
         }
         inputs.push(on_home);
         partials.push(parts);
     }
-
-    for ((d, dt), records) in &presums {
-        launch_fused(gpu(*d)?, RuleKind::Assign, dt.0, &[], records)?;
-    }
-
+    presums.launch()?;
     let sums = jobs
         .iter()
         .zip(inputs.iter_mut())
@@ -203,6 +134,87 @@ pub(crate) fn push(
     drop(keep);
     drop(reads);
     Ok(())
+}
+
+/// Sends the keys' host values up to their home GPUs; returns, per key, their addresses there.
+///
+/// The kernel sums its k inputs in f32 in order. Host values are not summed on the host (f16
+/// and bf16 sums must round once, as on the CPU home): they go up side by side, each padded to
+/// 16 bytes so the kernel's vector loads apply, and each is an input. Every key's host values
+/// for one home GPU go up in ONE buffer and one copy (not one per key), kept in `keep`.
+fn upload_host_values(
+    jobs: &[PushJob<'_>],
+    reads: &Reads<'_>,
+    keep: &mut Vec<GpuBuf>,
+) -> Result<Vec<Vec<u64>>> {
+    let mut uploads: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
+    // Per key: its home, and where each of its host values starts in the home's upload.
+    let mut offsets: Vec<(usize, Vec<usize>)> = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let home = job.cell.buf.ordinal();
+        let stride = job.cell.buf.bytes().next_multiple_of(16);
+        let mut at = Vec::new();
+        for v in job.values {
+            if let Storage::Host(h) = reads.get(v) {
+                // (A home whose keys are all empty still gets a buffer: every input is a live
+                // address.)
+                let up = uploads.entry(home).or_default();
+                at.push(up.len());
+                let bytes = host_data_bytes(h);
+                up.extend_from_slice(bytes);
+                up.resize(up.len() + stride - bytes.len(), 0);
+            }
+        }
+        offsets.push((home, at));
+    }
+    let mut bases: BTreeMap<usize, u64> = BTreeMap::new();
+    for (&home, bytes) in &uploads {
+        // f32 only as a unit of bytes (a multiple of 16): the segments hold the keys' dtypes.
+        let up = GpuBuf::scratch(home, DType::F32, bytes.len() / 4)?;
+        gpu(home)?.upload_bytes(up.ptr(), bytes)?;
+        bases.insert(home, up.ptr());
+        keep.push(up);
+    }
+    let addrs =
+        |(home, at): (usize, Vec<usize>)| at.iter().map(|&a| bases[&home] + a as u64).collect();
+    Ok(offsets.into_iter().map(addrs).collect())
+}
+
+/// Sums made into scratch by `assign` launches, one launch per (GPU, dtype): keyed by the
+/// GPU and the dtype's tag (`DType` is not ordered).
+#[derive(Default)]
+struct Presums(BTreeMap<(usize, u8), (DType, Vec<Record>)>);
+
+impl Presums {
+    /// Scratch of `n` elements of `dtype` on GPU `d` (kept in `keep`) that [`Presums::launch`]
+    /// fills with the sum of `inputs`; returns its address.
+    fn add(
+        &mut self,
+        key: &Key,
+        (d, dtype, n): (usize, DType, usize),
+        inputs: Vec<u64>,
+        keep: &mut Vec<GpuBuf>,
+    ) -> Result<u64> {
+        let scratch = GpuBuf::scratch(d, dtype, n).map_err(with_key(key))?;
+        let stored = scratch.ptr();
+        let (_, records) = (self.0.entry((d, dtype as u8))).or_insert((dtype, Vec::new()));
+        records.push(Record {
+            stored,
+            inputs,
+            n: n as u64,
+            ..Record::default()
+        });
+        keep.push(scratch);
+        Ok(stored)
+    }
+
+    /// Enqueues the sums.
+    fn launch(&self) -> Result<()> {
+        for (&(d, _), (dtype, records)) in &self.0 {
+            launch_fused(gpu(d)?, RuleKind::Assign, *dtype, &[], records)?;
+        }
+        Ok(())
+    }
 }
 
 /// Loads every kernel the push needs before anything changes, so a missing or broken module
@@ -234,27 +246,12 @@ fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
     Ok(())
 }
 
-/// `DType` ordered, for map keys.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct DTypeKey(DType);
+/// One fused launch being built: the rule, the dtype, its scalars, and the tensors.
+type Launch = (RuleKind, DType, Vec<f32>, Vec<Record>);
 
-impl PartialOrd for DTypeKey {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for DTypeKey {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.0 as u8).cmp(&(other.0 as u8))
-    }
-}
-
-/// One fused launch being built: the rule, its scalars, and the tensors.
-type Launch = (RuleKind, Vec<f32>, Vec<Record>);
-
-/// Launches are grouped by home GPU, dtype and the bits of their f32 scalars.
-type LaunchKey = (usize, DTypeKey, Vec<u32>);
+/// Launches are grouped by home GPU, dtype (its tag: `DType` is not ordered) and the bits of
+/// their f32 scalars.
+type LaunchKey = (usize, u8, Vec<u32>);
 
 /// The fused update: one launch per (home GPU, dtype, scalars) for every key of the call. Keys
 /// share their scalars unless per-key multipliers make their learning rate or weight decay
@@ -274,32 +271,29 @@ fn update(
     for (job, ins) in jobs.into_iter().zip(inputs) {
         let home = job.cell.buf.ordinal();
         let dtype = job.cell.buf.dtype();
-        let n = job.cell.buf.len();
         let state = job.cell.state.as_mut().expect("states are made first");
-        state.step += 1;
+        let (step, m, v) = state.advance();
         let rule = updater
-            .rule_with::<f32>(state.step, job.hyper)
+            .rule_with::<f32>(step, job.hyper)
             .expect("custom updaters take the host path");
         let (kind, scalars, lr_t) = kernels::scalars(&rule);
-        let st = gpu(home)?.stream();
-        let addr = |s: &CudaSlice<f32>| s.device_ptr(st).0;
         let record = Record {
             stored: job.cell.buf.ptr(),
             inputs: ins.clone(),
-            m: state.bufs.first().map_or(0, addr),
-            v: state.bufs.get(1).map_or(0, addr),
-            n: n as u64,
+            m,
+            v,
+            n: job.cell.buf.len() as u64,
             lr_t: lr_t.unwrap_or(0.0),
         };
         let bits = scalars.iter().map(|s| s.to_bits()).collect();
         launches
-            .entry((home, DTypeKey(dtype), bits))
-            .or_insert_with(|| (kind, scalars, Vec::new()))
-            .2
+            .entry((home, dtype as u8, bits))
+            .or_insert_with(|| (kind, dtype, scalars, Vec::new()))
+            .3
             .push(record);
     }
-    for ((home, dt, _), (kind, scalars, records)) in &launches {
-        launch_fused(gpu(*home)?, *kind, dt.0, scalars, records)?;
+    for (&(home, ..), (kind, dtype, scalars, records)) in &launches {
+        launch_fused(gpu(home)?, *kind, *dtype, scalars, records)?;
     }
     Ok(())
 }
@@ -319,49 +313,33 @@ fn update_ptx(
         generation,
         p.state_buffers(),
     )?;
-    let mut sums: BTreeMap<(usize, DTypeKey), Vec<Record>> = BTreeMap::new();
+    let mut sums = Presums::default();
     let mut merged = Vec::with_capacity(jobs.len());
     for (job, ins) in jobs.iter().zip(inputs) {
-        if let [one] = ins.as_slice() {
-            merged.push(*one);
-            continue;
-        }
-        let (home, dtype, n) = (
-            job.cell.buf.ordinal(),
-            job.cell.buf.dtype(),
-            job.cell.buf.len(),
-        );
-        let scratch = GpuBuf::scratch(home, dtype, n).map_err(with_key(job.key))?;
-        merged.push(scratch.ptr());
-        sums.entry((home, DTypeKey(dtype)))
-            .or_default()
-            .push(Record {
-                stored: scratch.ptr(),
-                inputs: ins.clone(),
-                n: n as u64,
-                ..Record::default()
-            });
-        keep.push(scratch);
+        let b = &job.cell.buf;
+        merged.push(match ins[..] {
+            [one] => one,
+            _ => sums.add(
+                job.key,
+                (b.ordinal(), b.dtype(), b.len()),
+                ins.clone(),
+                keep,
+            )?,
+        });
     }
-    for ((d, dt), records) in &sums {
-        launch_fused(gpu(*d)?, RuleKind::Assign, dt.0, &[], records)?;
-    }
+    sums.launch()?;
     for (job, merged) in jobs.into_iter().zip(merged) {
-        let home = job.cell.buf.ordinal();
-        let n = job.cell.buf.len();
         let state = job.cell.state.as_mut().expect("states are made first");
-        state.step += 1;
-        let st = gpu(home)?.stream();
-        let addr = |s: &CudaSlice<f32>| s.device_ptr(st).0;
+        let (step, m, v) = state.advance();
         let launch = UserLaunch {
             stored: job.cell.buf.ptr(),
             merged,
-            m: state.bufs.first().map_or(0, addr),
-            v: state.bufs.get(1).map_or(0, addr),
-            n: n as u64,
-            step: state.step,
+            m,
+            v,
+            n: job.cell.buf.len() as u64,
+            step,
         };
-        launch_user(gpu(home)?, p, &launch).map_err(with_key(job.key))?;
+        launch_user(gpu(job.cell.buf.ordinal())?, p, &launch).map_err(with_key(job.key))?;
     }
     Ok(())
 }

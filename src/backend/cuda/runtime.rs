@@ -22,7 +22,7 @@ use half::{bf16, f16};
 use super::kernels::{self, RuleKind, TensorRecord};
 use crate::backend::probe;
 use crate::host::HostData;
-use crate::{DType, Device, Error, Key, PtxUpdater, Result};
+use crate::{DType, Device, Element, Error, Key, PtxUpdater, Result};
 use crate::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
 
 /// One GPU: its context, its single stream, and its kernels (loaded on first use).
@@ -306,7 +306,7 @@ impl Gpu {
             return Ok(f.clone());
         }
         let stem = kernels::module_for(rule, dtype);
-        let Some(&(_, text)) = kernels::PTX_SOURCES.iter().find(|(s, _)| *s == stem) else {
+        let Some(text) = kernels::ptx_source(stem) else {
             return Err(Error::Cuda {
                 op: "load kernels",
                 key: None,
@@ -342,9 +342,7 @@ impl Gpu {
         functions.insert(name, f.clone());
         Ok(f)
     }
-}
 
-impl Gpu {
     /// A user PTX updater's entry, loading its module on this GPU on first use: once per PTX
     /// text and entry, however many updaters share them.
     pub(crate) fn user_function(&self, p: &PtxUpdater) -> Result<CudaFunction> {
@@ -428,18 +426,14 @@ pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<(
         block_dim: (PTX_UPDATER_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    let [s0, s1, s2, s3] = p.scalars();
+    let scalars = p.scalars();
     let mut args = gpu.stream().launch_builder(&func);
-    args.arg(&a.stored)
-        .arg(&a.merged)
-        .arg(&a.m)
-        .arg(&a.v)
-        .arg(&a.n)
-        .arg(&a.step)
-        .arg(&s0)
-        .arg(&s1)
-        .arg(&s2)
-        .arg(&s3);
+    for addr_or_count in [&a.stored, &a.merged, &a.m, &a.v, &a.n, &a.step] {
+        args.arg(addr_or_count);
+    }
+    for s in &scalars {
+        args.arg(s);
+    }
     // SAFETY: `PtxUpdater::new` checked that the entry declares exactly this parameter list
     // (six u64, four f32). `stored` and `merged` name live buffers of `n` elements of the
     // updater's dtype on this GPU, `m` and `v` live f32 buffers of `n` elements or 0, all kept
@@ -609,6 +603,18 @@ macro_rules! with_gpu {
     };
 }
 
+// The [`GpuBuf`] of `$dtype`'s variant around `$make`, whose element type the variant decides.
+macro_rules! gpu_of {
+    ($dtype:expr, $make:expr) => {
+        match $dtype {
+            DType::F32 => GpuBuf::F32($make),
+            DType::F64 => GpuBuf::F64($make),
+            DType::F16 => GpuBuf::F16($make),
+            DType::BF16 => GpuBuf::BF16($make),
+        }
+    };
+}
+
 impl GpuBuf {
     /// The dtype of the elements.
     pub(crate) fn dtype(&self) -> DType {
@@ -648,16 +654,21 @@ impl GpuBuf {
         })
     }
 
+    /// The device address of the first element, on its GPU.
+    pub(crate) fn at(&self) -> GpuPtr {
+        GpuPtr::new(self.ordinal(), self.ptr())
+    }
+
+    /// The size of the elements in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+
     /// Zeros of `dtype` on GPU `ordinal`.
     pub(crate) fn zeros(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
         let e = alloc_err("alloc", ordinal, n * dtype.size());
-        Ok(match dtype {
-            DType::F32 => GpuBuf::F32(alloc_zeros(st, n).map_err(e)?),
-            DType::F64 => GpuBuf::F64(alloc_zeros(st, n).map_err(e)?),
-            DType::F16 => GpuBuf::F16(alloc_zeros(st, n).map_err(e)?),
-            DType::BF16 => GpuBuf::BF16(alloc_zeros(st, n).map_err(e)?),
-        })
+        Ok(gpu_of!(dtype, alloc_zeros(st, n).map_err(e)?))
     }
 
     /// A buffer of `n` elements on GPU `ordinal` whose contents are not initialized: for
@@ -669,14 +680,7 @@ impl GpuBuf {
         // SAFETY: `alloc` returns uninitialized device memory; every caller overwrites all `n`
         // elements with work enqueued on this stream before any read enqueued after it, and
         // the elements are plain floats, valid for any bit pattern.
-        Ok(unsafe {
-            match dtype {
-                DType::F32 => GpuBuf::F32(alloc_uninit(st, n).map_err(e)?),
-                DType::F64 => GpuBuf::F64(alloc_uninit(st, n).map_err(e)?),
-                DType::F16 => GpuBuf::F16(alloc_uninit(st, n).map_err(e)?),
-                DType::BF16 => GpuBuf::BF16(alloc_uninit(st, n).map_err(e)?),
-            }
-        })
+        Ok(unsafe { gpu_of!(dtype, alloc_uninit(st, n).map_err(e)?) })
     }
 
     /// A copy of host data on GPU `ordinal`, same dtype, sent through pinned staging buffers
@@ -700,80 +704,26 @@ impl GpuBuf {
             return Ok(());
         }
         let data = data.cast(self.dtype());
-        let bytes = match &data {
-            HostData::F32(v) => host_bytes(v),
-            HostData::F64(v) => host_bytes(v),
-            HostData::F16(v) => host_bytes(v),
-            HostData::BF16(v) => host_bytes(v),
-        };
-        gpu(self.ordinal())?.upload_bytes(self.ptr(), bytes)
+        gpu(self.ordinal())?.upload_bytes(self.ptr(), host_data_bytes(&data))
     }
 
     /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
     /// work in flight with its timeout (see [`host_wait`]).
     pub(crate) fn download(&self) -> Result<HostData> {
         host_wait(gpu(self.ordinal())?)?;
-        let e = || cuda_err("copy to host", None);
-        let data = match self {
-            GpuBuf::F32(s) => HostData::F32(clone_dtoh(s.stream(), s).map_err(e())?),
-            GpuBuf::F64(s) => HostData::F64(clone_dtoh(s.stream(), s).map_err(e())?),
-            GpuBuf::F16(s) => HostData::F16(clone_dtoh(s.stream(), s).map_err(e())?),
-            GpuBuf::BF16(s) => HostData::BF16(clone_dtoh(s.stream(), s).map_err(e())?),
-        };
+        let e = cuda_err("copy to host", None);
+        let data = with_gpu!(self, s => Element::wrap(clone_dtoh(s.stream(), s).map_err(e)?));
         // A copy to pageable memory returns once it is done (CUDA's rule), and
         // `host_wait` above already surfaced any earlier error.
         Ok(data)
     }
 
-    /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy).
+    /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy), ordered
+    /// against both streams as [`copy_device`] orders it.
     pub(crate) fn copy_to(&self, ordinal: usize) -> Result<GpuBuf> {
-        let mut out = GpuBuf::zeros(ordinal, self.dtype(), self.len())?;
-        out.copy_from(self)?;
+        let out = GpuBuf::scratch(ordinal, self.dtype(), self.len())?;
+        copy_device(out.at(), self.at(), self.bytes())?;
         Ok(out)
-    }
-
-    /// Overwrites the elements with `src`'s (same dtype and length), from any GPU.
-    ///
-    /// The copy runs on this buffer's stream. For a peer copy, this stream first waits for
-    /// `src`'s stream, and `src`'s stream then waits for the copy, so a later write or free of
-    /// `src` cannot overtake it.
-    pub(crate) fn copy_from(&mut self, src: &GpuBuf) -> Result<()> {
-        let e = || cuda_err("copy between GPUs", None);
-        // cudarc asserts (panics) on a length mismatch; report it instead.
-        if src.len() != self.len() {
-            return Err(Error::Internal {
-                op: "copy between GPUs",
-                message: format!("{} elements into a buffer of {}", src.len(), self.len()),
-            });
-        }
-        if src.is_empty() && self.dtype() == src.dtype() {
-            return Ok(());
-        }
-        let dst_stream = self.stream().clone();
-        let src_stream = src.stream().clone();
-        if self.ordinal() != src.ordinal() {
-            gpu(self.ordinal())?.enable_peer(gpu(src.ordinal())?);
-        }
-        // cudarc makes the two streams wait on each other for a copy between GPUs.
-        let _order = cross_gpu_order();
-        match (self, src) {
-            (GpuBuf::F32(d), GpuBuf::F32(s)) => dst_stream.memcpy_dtod(s, d),
-            (GpuBuf::F64(d), GpuBuf::F64(s)) => dst_stream.memcpy_dtod(s, d),
-            (GpuBuf::F16(d), GpuBuf::F16(s)) => dst_stream.memcpy_dtod(s, d),
-            (GpuBuf::BF16(d), GpuBuf::BF16(s)) => dst_stream.memcpy_dtod(s, d),
-            (d, s) => {
-                return Err(Error::Internal {
-                    op: "copy between GPUs",
-                    message: format!("dtype {} into {}", s.dtype(), d.dtype()),
-                })
-            }
-        }
-        .map_err(e())?;
-        if !Arc::ptr_eq(&dst_stream, &src_stream) {
-            let done = dst_stream.record_event(None).map_err(e())?;
-            src_stream.wait(&done).map_err(e())?;
-        }
-        Ok(())
     }
 
     /// Sets every element to `value`.
@@ -800,14 +750,7 @@ impl GpuBuf {
         let st = g.stream();
         // SAFETY: `check_foreign` found `n` elements of `dtype` inside one allocation on this
         // GPU; the caller keeps it allocated for the buffer's life and gives it up with `leak`.
-        Ok(unsafe {
-            match dtype {
-                DType::F32 => GpuBuf::F32(st.upgrade_device_ptr(ptr, n)),
-                DType::F64 => GpuBuf::F64(st.upgrade_device_ptr(ptr, n)),
-                DType::F16 => GpuBuf::F16(st.upgrade_device_ptr(ptr, n)),
-                DType::BF16 => GpuBuf::BF16(st.upgrade_device_ptr(ptr, n)),
-            }
-        })
+        Ok(unsafe { gpu_of!(dtype, st.upgrade_device_ptr(ptr, n)) })
     }
 
     /// Gives up the memory without freeing it: the end of a [`GpuBuf::borrow_foreign`].
@@ -1147,6 +1090,13 @@ mod tests {
 pub(crate) struct GpuPtr {
     pub ordinal: usize,
     pub addr: u64,
+}
+
+impl GpuPtr {
+    /// `addr` on GPU `ordinal`.
+    pub(crate) fn new(ordinal: usize, addr: u64) -> GpuPtr {
+        GpuPtr { ordinal, addr }
+    }
 }
 
 /// Copies `bytes` from `src` to `dst` on `dst`'s stream, ordered against `src`'s stream both

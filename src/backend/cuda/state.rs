@@ -1,7 +1,7 @@
 //! Keys homed on a GPU: the stored value and the updater state, the mirror of
 //! [`cpu::state`](crate::backend::cpu::state).
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::{cuda_err, gpu, GpuBuf};
 use crate::host::HostData;
@@ -21,6 +21,20 @@ pub(super) struct GpuState {
     pub generation: u64,
     pub step: u64,
     pub bufs: Vec<CudaSlice<f32>>,
+}
+
+impl GpuState {
+    /// Counts one more step; returns the new step count and the device addresses of the `m`
+    /// and `v` buffers (0 where the updater keeps none).
+    pub(super) fn advance(&mut self) -> (u64, u64, u64) {
+        self.step += 1;
+        let addr = |s: &CudaSlice<f32>| s.device_ptr(s.stream()).0;
+        let (m, v) = (
+            self.bufs.first().map_or(0, addr),
+            self.bufs.get(1).map_or(0, addr),
+        );
+        (self.step, m, v)
+    }
 }
 
 impl GpuCell {

@@ -30,6 +30,17 @@ pub(super) fn cache() -> MutexGuard<'static, Cache> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
+/// Drops `comms` from the cache, if it is still the cached set of `ordinals`.
+pub(super) fn forget(ordinals: &[usize], comms: &Arc<CommSet>) {
+    let mut c = cache();
+    if c.sets
+        .get(ordinals)
+        .is_some_and(|(s, _)| Arc::ptr_eq(s, comms))
+    {
+        c.sets.remove(ordinals);
+    }
+}
+
 /// Which of `entries` (key, last use, in use) to evict so that at most `cap` remain: the least
 /// recently used first, never one in use (so more than `cap` may remain).
 fn lru_victims<K: Clone>(entries: &[(K, u64, bool)], cap: usize) -> Vec<K> {

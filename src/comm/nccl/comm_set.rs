@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 
 use super::loader::{self, Comm, Config, Nccl};
-use super::result::{self, lib, During, Status};
+use super::result::{self, lib, nccl_error, During, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
 use crate::config::nccl::timeout;
-use crate::{Error, Key, Result};
+use crate::{Key, Result};
 
 /// One rank: a raw communicator and the stream its collectives go on.
 pub(super) struct Rank {
@@ -100,11 +100,11 @@ impl CommSet {
         let mut calls = set.lock();
         let ready = first.and_then(|()| {
             if set.ranks.len() != n {
-                return Err(Error::Nccl {
+                return Err(nccl_error(
                     op,
-                    keys: keys.to_vec(),
-                    message: format!("only {} of {n} communicators were created", set.ranks.len()),
-                });
+                    keys,
+                    format!("only {} of {n} communicators were created", set.ranks.len()),
+                ));
             }
             set.settle(lib, op, keys, Instant::now() + set.timeout)
         });
@@ -144,22 +144,22 @@ impl CommSet {
                 return Ok(());
             }
             if self.abort_requested.load(Ordering::Acquire) {
-                return Err(Error::Nccl {
+                return Err(nccl_error(
                     op,
-                    keys: keys.to_vec(),
-                    message: "aborted by the NCCL watchdog while in progress".to_owned(),
-                });
+                    keys,
+                    "aborted by the NCCL watchdog while in progress".to_owned(),
+                ));
             }
             if Instant::now() > deadline {
-                return Err(Error::Nccl {
+                return Err(nccl_error(
                     op,
-                    keys: keys.to_vec(),
-                    message: format!(
+                    keys,
+                    format!(
                         "still in progress after {:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
                          communicators were aborted",
                         self.timeout
                     ),
-                });
+                ));
             }
             std::thread::sleep(POLL_INTERVAL);
         }
@@ -225,33 +225,12 @@ impl Drop for CommSet {
         let Ok(lib) = loader::library() else {
             return;
         };
-        // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
-        let mut ok = true;
-        if lib.comm_finalize.is_some() {
-            for r in &self.ranks {
-                // SAFETY: a live communicator of this set (not aborted: checked above), under
-                // `calls`.
-                ok &= unsafe { result::comm_finalize(lib, r.comm) }.is_ok();
-            }
-            ok = ok
-                && self
-                    .settle(
-                        lib,
-                        "destroy NCCL communicator",
-                        &[],
-                        Instant::now() + self.timeout,
-                    )
-                    .is_ok();
-        }
-        if !ok {
-            self.abort_locked(&mut calls);
-            return;
-        }
-        for r in &self.ranks {
-            // SAFETY: finalized above, destroyed exactly once, here (`calls` is set below, so
-            // nothing aborts or uses it after); its result is of no use to a drop.
-            let _ = unsafe { result::comm_destroy(lib, r.comm) };
-        }
+        let comms: Vec<Comm> = self.ranks.iter().map(|r| r.comm).collect();
+        let op = "destroy NCCL communicator";
+        let settle = || (self.settle(lib, op, &[], Instant::now() + self.timeout)).is_ok();
+        // SAFETY: live communicators of this set (not aborted: checked above), under `calls`,
+        // which is set just below, so nothing aborts or uses them after.
+        unsafe { result::close(lib, &comms, settle) };
         *calls = true;
     }
 }

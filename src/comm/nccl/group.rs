@@ -2,19 +2,18 @@
 //! cached communicators of their device sets, on the GPUs' runtime streams, and handed to the
 //! watchdog as work in flight.
 
-use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
-use super::cache::{cache, get_set};
+use super::cache::{forget, get_set};
 use super::comm_set::CommSet;
 use super::loader::Nccl;
-use super::result::{self, lib, nccl_dtype, During, NCCL_SUM};
+use super::result::{self, lib, nccl_error, During, On};
 use super::watchdog::{fail, inflight, start_watchdog, Pending};
 use crate::backend::cuda::{cross_gpu_order, cuda_err};
 use crate::config::nccl::timeout;
-use crate::{DType, Error, Key, Result};
+use crate::{DType, Key, Result};
 
 /// What one key's collective does. Ranks are indices into the job's `devices`.
 pub(crate) enum Kind {
@@ -82,38 +81,29 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     // Always in ascending set order, so two calls never wait on each other's locks.
     let mut guards: Vec<MutexGuard<'_, bool>> = sets.iter().map(|s| s.lock()).collect();
     let mut result = if guards.iter().any(|g| **g) {
-        Err(Error::Nccl {
+        Err(nccl_error(
             op,
-            keys: all_keys.clone(),
-            message: "the communicators were aborted after an earlier failure; retry the call"
-                .to_owned(),
-        })
+            &all_keys,
+            "the communicators were aborted after an earlier failure; retry the call".to_owned(),
+        ))
     } else {
         issue(lib, &set_keys, &sets, op, jobs)
     };
-    if result.is_ok() {
-        let deadline = Instant::now() + limit;
-        for (s, k) in sets.iter().zip(&set_keys) {
-            result = result.and_then(|()| s.settle(lib, op, &keys_of(k), deadline));
-        }
+    let deadline = Instant::now() + limit;
+    for (s, k) in sets.iter().zip(&set_keys) {
+        result = result.and_then(|()| s.settle(lib, op, &keys_of(k), deadline));
     }
-    let mut events = Vec::with_capacity(sets.len());
-    if result.is_ok() {
-        for s in &sets {
-            let mut evs = Vec::with_capacity(s.ranks.len());
-            for r in &s.ranks {
-                match r.stream.record_event(None) {
-                    Ok(e) => evs.push(e),
-                    Err(e) => {
-                        result = Err(cuda_err("record NCCL event", None)(e));
-                        break;
-                    }
-                }
-            }
-            events.push(evs);
-        }
-    }
-    if result.is_err() {
+    let events = result.and_then(|()| {
+        let record = |s: &Arc<CommSet>| {
+            s.ranks
+                .iter()
+                .map(|r| r.stream.record_event(None))
+                .collect()
+        };
+        let events: std::result::Result<Vec<Vec<_>>, _> = sets.iter().map(record).collect();
+        events.map_err(cuda_err("record NCCL event", None))
+    });
+    if events.is_err() {
         // A failed group leaves the communicators in an unknown state: abort them all.
         for (s, g) in sets.iter().zip(guards.iter_mut()) {
             s.abort_locked(g);
@@ -121,15 +111,11 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     }
     drop(guards);
     drop(order);
-    if result.is_err() {
-        let mut c = cache();
+    let events = events.inspect_err(|_| {
         for (k, s) in set_keys.iter().zip(&sets) {
-            if c.sets.get(k).is_some_and(|(x, _)| Arc::ptr_eq(x, s)) {
-                c.sets.remove(k);
-            }
+            forget(k, s);
         }
-        return result;
-    }
+    })?;
     ISSUED.fetch_add(jobs.len() as u64, Ordering::Relaxed);
     let mut c = inflight();
     for ((k, s), events) in set_keys.iter().zip(sets).zip(events) {
@@ -165,39 +151,21 @@ fn issue(
             .binary_search(&job.devices)
             .expect("every job's set is in the list");
         for (rank, r) in sets[at].ranks.iter().enumerate() {
-            let dt = nccl_dtype(job.dtype);
-            let stream = r.stream.cu_stream() as *mut c_void;
-            let res = match &job.kind {
-                // SAFETY: the addresses name live device buffers of `job.n` elements of
-                // `job.dtype` on this rank's GPU (kept alive by the caller, freed on this
-                // stream, so after the collective); `r.comm` is a live communicator used under
-                // its set's call lock; `stream` is its rank's live runtime stream.
-                Kind::Reduce { sends, recv, root } => unsafe {
-                    result::reduce(
-                        lib,
-                        sends[rank] as *const c_void,
-                        if rank == *root { *recv } else { 0 } as *mut c_void,
-                        job.n,
-                        dt,
-                        NCCL_SUM,
-                        *root,
-                        r.comm,
-                        stream,
-                    )
-                },
-                // SAFETY: as for reduce.
-                Kind::Broadcast { send, recvs, root } => unsafe {
-                    result::broadcast(
-                        lib,
-                        if rank == *root { *send } else { 0 } as *const c_void,
-                        recvs[rank] as *mut c_void,
-                        job.n,
-                        dt,
-                        *root,
-                        r.comm,
-                        stream,
-                    )
-                },
+            let (on, n, dt) = (On::new(lib, r.comm, &r.stream), job.n, job.dtype);
+            let only_root = |p: u64, root: usize| if rank == root { p } else { 0 };
+            // SAFETY: the addresses name live device buffers of `job.n` elements of `job.dtype`
+            // on this rank's GPU (kept alive by the caller, freed on this stream, so after the
+            // collective); `r.comm` is a live communicator used under its set's call lock;
+            // `r.stream` is its rank's live runtime stream.
+            let res = unsafe {
+                match &job.kind {
+                    Kind::Reduce { sends, recv, root } => {
+                        result::reduce(on, sends[rank], only_root(*recv, *root), n, dt, *root)
+                    }
+                    Kind::Broadcast { send, recvs, root } => {
+                        result::broadcast(on, only_root(*send, *root), recvs[rank], n, dt, *root)
+                    }
+                }
             };
             first = first.and(res.during(op, std::slice::from_ref(&job.key)));
         }

@@ -76,6 +76,12 @@ pub const SUCCESS: c_int = 0;
 pub const IN_PROGRESS: c_int = 7;
 
 type R = c_int;
+/// A device buffer a collective reads.
+type Src = *const c_void;
+/// A device buffer a collective writes.
+type Dst = *mut c_void;
+/// A `cudaStream_t`.
+type Stream = *mut c_void;
 
 /// The NCCL functions kvstore calls, resolved from one library.
 pub struct Nccl {
@@ -105,48 +111,18 @@ pub struct Nccl {
     pub group_start: unsafe extern "C" fn() -> R,
     /// `ncclGroupEnd`.
     pub group_end: unsafe extern "C" fn() -> R,
-    /// `ncclReduce`.
-    #[allow(clippy::type_complexity)]
-    pub reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        c_int,
-        Comm,
-        *mut c_void,
-    ) -> R,
-    /// `ncclBroadcast`.
-    #[allow(clippy::type_complexity)]
-    pub broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        Comm,
-        *mut c_void,
-    ) -> R,
+    /// `ncclReduce` (send, recv, count, datatype, op, root, comm, stream).
+    pub reduce: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, c_int, Comm, Stream) -> R,
+    /// `ncclBroadcast` (send, recv, count, datatype, root, comm, stream).
+    pub broadcast: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
     /// `ncclReduceScatter` (send, recv, recvcount, datatype, op, comm, stream).
-    #[allow(clippy::type_complexity)]
-    pub reduce_scatter: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        Comm,
-        *mut c_void,
-    ) -> R,
+    pub reduce_scatter: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
     /// `ncclAllGather` (send, recv, sendcount, datatype, comm, stream).
-    #[allow(clippy::type_complexity)]
-    pub all_gather:
-        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> R,
+    pub all_gather: unsafe extern "C" fn(Src, Dst, usize, c_int, Comm, Stream) -> R,
     /// `ncclSend` (send, count, datatype, peer, comm, stream).
-    pub send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, Comm, *mut c_void) -> R,
+    pub send: unsafe extern "C" fn(Src, usize, c_int, c_int, Comm, Stream) -> R,
     /// `ncclRecv` (recv, count, datatype, peer, comm, stream).
-    pub recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> R,
+    pub recv: unsafe extern "C" fn(Dst, usize, c_int, c_int, Comm, Stream) -> R,
 }
 
 // SAFETY: the table holds function pointers into a library that stays loaded for the process
@@ -263,13 +239,9 @@ pub fn library() -> Result<&'static Nccl, &'static NotFound> {
 fn load(candidates: &[Candidate]) -> Result<Nccl, NotFound> {
     let mut tried = Vec::new();
     for c in candidates {
-        let what = match c {
-            Candidate::Path(p) => p.display().to_string(),
-            Candidate::Name(n) => format!("{n} (by the loader's search)"),
-        };
-        let path = match c {
-            Candidate::Path(p) => p.clone(),
-            Candidate::Name(n) => PathBuf::from(n),
+        let (what, path) = match c {
+            Candidate::Path(p) => (p.display().to_string(), p.clone()),
+            Candidate::Name(n) => (format!("{n} (by the loader's search)"), PathBuf::from(n)),
         };
         match Nccl::open(&path) {
             Ok(lib) if lib.version >= MIN_VERSION => return Ok(lib),

@@ -6,15 +6,13 @@
 //! because it is built from the crate-private [`CommSet`]; the store never uses it.
 
 use std::cell::Cell;
-use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::comm_set::{CommSet, Rank};
-use super::loader::Nccl;
-use super::result::{self, lib, nccl_dtype, During, NcclError, NCCL_SUM};
+use super::result::{self, lib, nccl_error, During, NcclError, On};
 use super::watchdog::all_complete;
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
@@ -42,11 +40,7 @@ impl MultiRank {
     pub fn new(ordinal: usize, nranks: usize) -> Result<MultiRank> {
         let op = "create multi-rank communicator";
         let gpu = cuda::gpu(ordinal)?;
-        let unsupported = |message: String| Error::Nccl {
-            op,
-            keys: vec![],
-            message,
-        };
+        let unsupported = |message: String| nccl_error(op, &[], message);
         let lib = lib(op, &[])?;
         if lib.version < 23000 {
             return Err(unsupported(format!(
@@ -89,29 +83,14 @@ impl MultiRank {
         let recv: CudaSlice<f32> =
             cuda::alloc_zeros(&self.ranks()[root].stream, n).map_err(cuda_err(op, None))?;
         let recv_ptr = device_addr(&recv, &self.ranks()[root].stream);
-        let send_ptrs: Vec<u64> = bufs
-            .iter()
-            .zip(self.ranks())
-            .map(|(b, r)| device_addr(b, &r.stream))
-            .collect();
-        self.group(op, |lib, rank, r| {
+        let send_ptrs = self.device_addrs(&bufs);
+        self.group(op, |on, rank| {
+            let recv = if rank == root { recv_ptr } else { 0 };
             // SAFETY: every address names a live buffer of `n` f32 on this GPU; the buffers
             // outlive the call and are only read back after `sync` below (and freed on their
-            // rank's stream, so after the collective); `r.comm` is a live communicator of this
-            // set, used under its call lock (`group` holds it); `r.stream` is its rank's.
-            unsafe {
-                result::reduce(
-                    lib,
-                    send_ptrs[rank] as *const c_void,
-                    if rank == root { recv_ptr } else { 0 } as *mut c_void,
-                    n,
-                    nccl_dtype(DType::F32),
-                    NCCL_SUM,
-                    root,
-                    r.comm,
-                    r.stream.cu_stream() as *mut c_void,
-                )
-            }
+            // rank's stream, so after the collective); `on.comm` is a live communicator of this
+            // set, used under its call lock (`group` holds it); `on.stream` is its rank's.
+            unsafe { result::reduce(on, send_ptrs[rank], recv, n, DType::F32, root) }
         })?;
         self.sync(op)?;
         cuda::clone_dtoh(&self.ranks()[root].stream, &recv).map_err(cuda_err(op, None))
@@ -132,26 +111,12 @@ impl MultiRank {
                 .push(cuda::clone_htod(&r.stream, &vec![f32::NAN; n]).map_err(cuda_err(op, None))?);
         }
         let send_ptr = device_addr(&send, &self.ranks()[root].stream);
-        let recv_ptrs: Vec<u64> = recvs
-            .iter()
-            .zip(self.ranks())
-            .map(|(b, r)| device_addr(b, &r.stream))
-            .collect();
+        let recv_ptrs = self.device_addrs(&recvs);
         // The uploads above ran on each rank's stream; NCCL calls go on the same streams.
-        self.group(op, |lib, rank, r| {
+        self.group(op, |on, rank| {
+            let send = if rank == root { send_ptr } else { 0 };
             // SAFETY: as in `reduce_f32`.
-            unsafe {
-                result::broadcast(
-                    lib,
-                    if rank == root { send_ptr } else { 0 } as *const c_void,
-                    recv_ptrs[rank] as *mut c_void,
-                    n,
-                    nccl_dtype(DType::F32),
-                    root,
-                    r.comm,
-                    r.stream.cu_stream() as *mut c_void,
-                )
-            }
+            unsafe { result::broadcast(on, send, recv_ptrs[rank], n, DType::F32, root) }
         })?;
         self.sync(op)?;
         recvs
@@ -178,11 +143,11 @@ impl MultiRank {
     }
 
     fn bad_args(&self, op: &'static str, what: &str) -> Error {
-        Error::Nccl {
+        nccl_error(
             op,
-            keys: vec![],
-            message: format!("expected {what} ({} ranks)", self.ranks().len()),
-        }
+            &[],
+            format!("expected {what} ({} ranks)", self.ranks().len()),
+        )
     }
 
     /// `root` must name a rank (indexing with it would panic otherwise).
@@ -191,6 +156,12 @@ impl MultiRank {
             return Err(self.bad_args(op, &format!("a root below the rank count, got {root}")));
         }
         Ok(())
+    }
+
+    /// The device address of each rank's buffer.
+    fn device_addrs(&self, bufs: &[CudaSlice<f32>]) -> Vec<u64> {
+        let ranks = bufs.iter().zip(self.ranks());
+        ranks.map(|(b, r)| device_addr(b, &r.stream)).collect()
     }
 
     fn upload_all(&self, sends: &[Vec<f32>]) -> Result<Vec<CudaSlice<f32>>> {
@@ -206,7 +177,7 @@ impl MultiRank {
     fn group(
         &self,
         op: &'static str,
-        call: impl Fn(&Nccl, usize, &Rank) -> std::result::Result<(), NcclError>,
+        call: impl Fn(On, usize) -> std::result::Result<(), NcclError>,
     ) -> Result<()> {
         // No `cross_gpu_order` here: these ranks use streams of their own, which no other
         // work waits on.
@@ -219,7 +190,7 @@ impl MultiRank {
         result::group_start(lib).during(op, &[])?;
         let mut first = Ok(());
         for (rank, r) in self.ranks().iter().enumerate() {
-            first = first.and(call(lib, rank, r).during(op, &[]));
+            first = first.and(call(On::new(lib, r.comm, &r.stream), rank).during(op, &[]));
         }
         first = first.and(result::group_end(lib).during(op, &[]));
         let deadline = Instant::now() + self.timeout;
@@ -251,11 +222,7 @@ impl MultiRank {
                 break e;
             }
             if past(deadline) {
-                break Error::Nccl {
-                    op,
-                    keys: vec![],
-                    message: format!("no progress after {:?}", self.timeout),
-                };
+                break nccl_error(op, &[], format!("no progress after {:?}", self.timeout));
             }
             std::thread::sleep(POLL_INTERVAL);
         };
@@ -276,21 +243,13 @@ impl MultiRank {
         } else {
             "the communicators were aborted but their streams are still busy"
         };
-        Err(Error::Nccl {
-            op,
-            keys: vec![],
-            message: format!("{message}; {after}"),
-        })
+        Err(nccl_error(op, &[], format!("{message}; {after}")))
     }
 
     fn aborted_error(&self, op: &'static str) -> Error {
-        Error::Nccl {
-            op,
-            keys: vec![],
-            message: "these communicators were aborted after an earlier failure; create a \
-                      new MultiRank"
-                .to_owned(),
-        }
+        let message = "these communicators were aborted after an earlier failure; create a new \
+                       MultiRank";
+        nccl_error(op, &[], message.to_owned())
     }
 
     /// Fails once the communicators have been aborted.
@@ -330,23 +289,11 @@ impl MultiRank {
                 return Err(self.aborted_error(op));
             }
             // Rank 0 alone, outside a group (one rank's part; the others never come).
+            let on = On::new(lib, self.ranks()[0].comm, stream);
             // SAFETY: `ptr` names a live buffer of `n` f32 on this GPU, used in place (NCCL
             // allows send == recv); it is freed on this stream, so after the aborted kernel.
             // Rank 0's communicator is live (checked just above) and used under `calls`.
-            unsafe {
-                result::reduce(
-                    lib,
-                    ptr as *const c_void,
-                    ptr as *mut c_void,
-                    n,
-                    nccl_dtype(DType::F32),
-                    NCCL_SUM,
-                    0,
-                    self.ranks()[0].comm,
-                    stream.cu_stream() as *mut c_void,
-                )
-            }
-            .during(op, &[])?;
+            unsafe { result::reduce(on, ptr, ptr, n, DType::F32, 0) }.during(op, &[])?;
         }
         self.sync(op)
     }

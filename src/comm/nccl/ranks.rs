@@ -11,11 +11,10 @@
 //!   a plain id (`ncclGetUniqueId`, a random magic) and hands it to the other ranks through
 //!   kvstore's job-token rendezvous at `MASTER_ADDR:(MASTER_PORT + 1)`
 //!   ([`rendezvous`](super::rendezvous): a peer must present the job's token,
-//!   `TORCHELASTIC_RUN_ID` or `KVSTORE_JOB_TOKEN`). Nothing is set in the process's
-//!   environment, so later NCCL communicators of the process (torch.distributed's) are left
-//!   alone. If the user has set `NCCL_COMM_ID`, NCCL's own bootstrap is used instead, as the
-//!   user asked: every rank computes the same id from that address, and rank 0's
-//!   `ncclCommInitRank` listens there (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`).
+//!   `TORCHELASTIC_RUN_ID` or `KVSTORE_JOB_TOKEN`; nothing is set in the environment). If the
+//!   user has set `NCCL_COMM_ID`, NCCL's own bootstrap is used instead, as the user asked:
+//!   every rank computes the same id from that address, and rank 0's `ncclCommInitRank`
+//!   listens there (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`).
 //!
 //! # No hang
 //!
@@ -39,20 +38,19 @@
 //! Every rank must make the same calls, in the same order, with the same sizes: that is NCCL's
 //! contract. The store checks a fingerprint of each call before its collectives.
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
 
 use super::loader::{Comm, Config, Nccl, UniqueId};
-use super::rendezvous::{self, JobToken, Root};
-use super::result::{self, lib, nccl_dtype, During, NcclError, Status, NCCL_SUM};
+use super::rendezvous::{self, dist_env, JobToken, Root};
+use super::result::{self, lib, nccl_error, During, NcclError, On, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
 use crate::comm::launch::LaunchEnv;
 use crate::ndarray::Storage;
-use crate::{Device, Error, Key, NDArray, Result};
+use crate::{DType, Device, Error, Key, NDArray, Result};
 
 /// The most collectives [`RankComm::group`] issues in one NCCL group.
 pub const GROUP_MAX: usize = 256;
@@ -128,10 +126,10 @@ impl RankComm {
     pub fn join(id: UniqueId, rank: usize, size: usize, ordinal: usize) -> Result<RankComm> {
         let op = "join NCCL ranks";
         if rank >= size {
-            return Err(Error::DistEnv {
-                var: "RANK".to_owned(),
-                message: format!("rank {rank} of a job of {size} ranks: ranks run below the size"),
-            });
+            return Err(dist_env(
+                "RANK",
+                format!("rank {rank} of a job of {size} ranks: ranks run below the size"),
+            ));
         }
         let timeout = crate::config::Config::from_env()?.timeout;
         let lib = lib(op, &[])?;
@@ -158,9 +156,7 @@ impl RankComm {
         // Joining is a collective too: a rank that never comes is a timeout, not a hang.
         let mut st = this.lock();
         let ready = this.settle(lib, op, &[], Instant::now() + timeout);
-        if let Err(e) = ready {
-            return Err(this.fail(&mut st, op, &[], e));
-        }
+        ready.map_err(|e| this.fail(&mut st, op, &[], e))?;
         drop(st);
         Ok(this)
     }
@@ -175,15 +171,15 @@ impl RankComm {
         // machine); then local ranks wrap around the GPUs.
         let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
         if launch.local_rank >= gpus && !(shared && gpus > 0) {
-            return Err(Error::DistEnv {
-                var: "LOCAL_RANK".to_owned(),
-                message: format!(
+            return Err(dist_env(
+                "LOCAL_RANK",
+                format!(
                     "is {}, but this machine has {}: start at most one rank per GPU on each \
                      machine (torchrun --nproc-per-node), or limit CUDA_VISIBLE_DEVICES",
                     launch.local_rank,
                     crate::backend::probe::describe_gpus()
                 ),
-            });
+            ));
         }
         let ordinal = launch.local_rank % gpus;
         let op = "join NCCL ranks";
@@ -245,49 +241,24 @@ impl RankComm {
         if send.storage_id() == recv.storage_id() {
             let b = recv.write();
             let b = self.buf(op, &b)?;
-            let (n, dt, p) = (b.len(), nccl_dtype(b.dtype()), b.ptr());
-            return self.call(op, &[], |lib, comm, stream| {
-                // SAFETY: as below, with one buffer in place (NCCL allows send == recv).
-                unsafe {
-                    result::reduce(
-                        lib,
-                        p as *const c_void,
-                        p as *mut c_void,
-                        n,
-                        dt,
-                        NCCL_SUM,
-                        root,
-                        comm,
-                        stream,
-                    )
-                }
+            let (n, dt, p) = (b.len(), b.dtype(), b.ptr());
+            // SAFETY: as below, with one buffer in place (NCCL allows send == recv).
+            return self.call(op, &[], |on| unsafe {
+                result::reduce(on, p, p, n, dt, root)
             });
         }
         let (s, r) = (send.read(), recv.write());
         let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
         self.check_len(op, "recv", r.len(), s.len())?;
         self.check_dtype(op, s, r)?;
-        let (n, dt) = (s.len(), nccl_dtype(s.dtype()));
-        let (sp, rp) = (s.ptr(), r.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: both addresses name live buffers of `n` elements of the dtype on this
-            // rank's GPU, locked for the call, which returns only once the collective is done,
-            // or once the communicator is aborted and the runtime stream (where the buffers are
-            // freed or reused) waits for this rank's stream (`order_after_abort`); `call` hands
-            // over the live communicator, under `state`'s lock, and this rank's own stream.
-            unsafe {
-                result::reduce(
-                    lib,
-                    sp as *const c_void,
-                    rp as *mut c_void,
-                    n,
-                    dt,
-                    NCCL_SUM,
-                    root,
-                    comm,
-                    stream,
-                )
-            }
+        let (n, dt, sp, rp) = (s.len(), s.dtype(), s.ptr(), r.ptr());
+        // SAFETY: both addresses name live buffers of `n` elements of the dtype on this rank's
+        // GPU, locked for the call, which returns only once the collective is done, or once the
+        // communicator is aborted and the runtime stream (where the buffers are freed or reused)
+        // waits for this rank's stream (`order_after_abort`); `call` hands over the live
+        // communicator, under `state`'s lock, and this rank's own stream.
+        self.call(op, &[], |on| unsafe {
+            result::reduce(on, sp, rp, n, dt, root)
         })
     }
 
@@ -297,77 +268,54 @@ impl RankComm {
         self.check_root(op, root)?;
         let b = buf.write();
         let b = self.buf(op, &b)?;
-        let (n, dt, p) = (b.len(), nccl_dtype(b.dtype()), b.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: as in `reduce_sum`; NCCL allows the buffer in place.
-            unsafe {
-                result::broadcast(
-                    lib,
-                    p as *const c_void,
-                    p as *mut c_void,
-                    n,
-                    dt,
-                    root,
-                    comm,
-                    stream,
-                )
-            }
+        let (n, dt, p) = (b.len(), b.dtype(), b.ptr());
+        // SAFETY: as in `reduce_sum`; NCCL allows the buffer in place.
+        self.call(op, &[], |on| unsafe {
+            result::broadcast(on, p, p, n, dt, root)
         })
     }
 
     /// Sums every rank's `send` and leaves slice `rank` of the sum in `recv`: `send` holds
     /// `size` contiguous slices of `recv`'s length.
     pub fn reduce_scatter(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
-        let op = "NCCL reduce-scatter across ranks";
-        self.check_distinct(op, send, recv)?;
-        let (s, r) = (send.read(), recv.write());
-        let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
-        self.check_len(op, "send", s.len(), r.len() * self.size)?;
-        self.check_dtype(op, s, r)?;
-        let (n, dt) = (r.len(), nccl_dtype(r.dtype()));
-        let (sp, rp) = (s.ptr(), r.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: as in `reduce_sum`, with `send` of `n * size` elements.
-            unsafe {
-                result::reduce_scatter(
-                    lib,
-                    sp as *const c_void,
-                    rp as *mut c_void,
-                    n,
-                    dt,
-                    NCCL_SUM,
-                    comm,
-                    stream,
-                )
-            }
-        })
+        // SAFETY: as in `reduce_sum`, with `send` of `n * size` elements.
+        let issue = |on: On, sp, rp, n, dt| unsafe { result::reduce_scatter(on, sp, rp, n, dt) };
+        self.sliced(
+            "NCCL reduce-scatter across ranks",
+            send,
+            recv,
+            "send",
+            issue,
+        )
     }
 
     /// Gathers every rank's `send` into `recv`, in rank order: `recv` holds `size` slices of
     /// `send`'s length.
     pub fn all_gather(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
-        let op = "NCCL all-gather across ranks";
+        // SAFETY: as in `reduce_sum`, with `recv` of `n * size` elements.
+        let issue = |on: On, sp, rp, n, dt| unsafe { result::all_gather(on, sp, rp, n, dt) };
+        self.sliced("NCCL all-gather across ranks", send, recv, "recv", issue)
+    }
+
+    /// Checks `send` and `recv` (distinct arrays of one dtype on this rank's GPU, `whole` of
+    /// them, "send" or "recv", holding `size` slices of the other's length) and issues
+    /// `issue(on, send, recv, slice length, dtype)` on their addresses.
+    fn sliced(
+        &self,
+        op: &'static str,
+        send: &NDArray,
+        recv: &NDArray,
+        whole: &str,
+        issue: impl FnOnce(On, u64, u64, usize, DType) -> std::result::Result<(), NcclError>,
+    ) -> Result<()> {
         self.check_distinct(op, send, recv)?;
         let (s, r) = (send.read(), recv.write());
         let (s, r) = (self.buf(op, &s)?, self.buf(op, &r)?);
-        self.check_len(op, "recv", r.len(), s.len() * self.size)?;
+        let (part, all) = if whole == "send" { (r, s) } else { (s, r) };
+        self.check_len(op, whole, all.len(), part.len() * self.size)?;
         self.check_dtype(op, s, r)?;
-        let (n, dt) = (s.len(), nccl_dtype(s.dtype()));
-        let (sp, rp) = (s.ptr(), r.ptr());
-        self.call(op, &[], |lib, comm, stream| {
-            // SAFETY: as in `reduce_sum`, with `recv` of `n * size` elements.
-            unsafe {
-                result::all_gather(
-                    lib,
-                    sp as *const c_void,
-                    rp as *mut c_void,
-                    n,
-                    dt,
-                    comm,
-                    stream,
-                )
-            }
-        })
+        let (n, dt, sp, rp) = (part.len(), s.dtype(), s.ptr(), r.ptr());
+        self.call(op, &[], |on| issue(on, sp, rp, n, dt))
     }
 
     /// An all-to-all of blocks of their own lengths: this rank sends `send_counts[p]` elements
@@ -401,7 +349,7 @@ impl RankComm {
                 ),
             ));
         }
-        let (dt, es) = (nccl_dtype(s.dtype()), s.dtype().size() as u64);
+        let (dt, es) = (s.dtype(), s.dtype().size() as u64);
         let starts = |counts: &[usize]| -> Vec<u64> {
             let mut at = 0u64;
             (counts.iter())
@@ -414,8 +362,8 @@ impl RankComm {
         };
         let (sp, rp) = (s.ptr(), r.ptr());
         let (send_at, recv_at) = (starts(send_counts), starts(recv_counts));
-        self.call(op, &[], |lib, comm, stream| {
-            result::group_start(lib)?;
+        self.call(op, &[], |on| {
+            result::group_start(on.lib)?;
             let mut first = Ok(());
             for p in 0..self.size {
                 // SAFETY: each block lies inside its buffer (the counts' sums were checked
@@ -424,19 +372,13 @@ impl RankComm {
                 // the runtime stream waits for this rank's stream (`order_after_abort`); `call`
                 // hands over the live communicator, under `state`'s lock, and this rank's own
                 // stream.
-                let sent = unsafe {
-                    let at = (sp + send_at[p]) as *const c_void;
-                    result::send(lib, at, send_counts[p], dt, p, comm, stream)
-                };
+                let sent = unsafe { result::send(on, sp + send_at[p], send_counts[p], dt, p) };
                 // SAFETY: as for the send; the receive buffer is another array (checked).
-                let received = unsafe {
-                    let at = (rp + recv_at[p]) as *mut c_void;
-                    result::recv(lib, at, recv_counts[p], dt, p, comm, stream)
-                };
+                let received = unsafe { result::recv(on, rp + recv_at[p], recv_counts[p], dt, p) };
                 first = first.and(sent).and(received);
             }
             // The group is always ended, even after a failed call inside it.
-            first.and(result::group_end(lib))
+            first.and(result::group_end(on.lib))
         })
     }
 
@@ -460,52 +402,30 @@ impl RankComm {
                 .map(|(g, o)| {
                     let b = self.buf(op, g)?;
                     let reduce = matches!(o, InPlace::Reduce { .. });
-                    Ok((b.ptr(), b.len(), nccl_dtype(b.dtype()), o.root(), reduce))
+                    Ok((b.ptr(), b.len(), b.dtype(), o.root(), reduce))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            self.call(op, &[], |lib, comm, stream| {
-                result::group_start(lib)?;
+            self.call(op, &[], |on| {
+                result::group_start(on.lib)?;
                 let mut first = Ok(());
                 for &(p, n, dt, root, reduce) in &items {
-                    let issued = match reduce {
-                        // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
-                        // rank's GPU, write-locked for the call, which returns only once this
-                        // stream's work is done, or once the communicator is aborted and the
-                        // runtime stream, where buffers are freed or reused, waits for this
-                        // rank's stream (`order_after_abort`), so the buffer outlives the
-                        // collective; NCCL allows it in place; `call` hands over the live
-                        // communicator, under `state`'s lock, and this rank's own stream.
-                        true => unsafe {
-                            result::reduce(
-                                lib,
-                                p as *const c_void,
-                                p as *mut c_void,
-                                n,
-                                dt,
-                                NCCL_SUM,
-                                root,
-                                comm,
-                                stream,
-                            )
-                        },
-                        // SAFETY: as for the reduce.
-                        false => unsafe {
-                            result::broadcast(
-                                lib,
-                                p as *const c_void,
-                                p as *mut c_void,
-                                n,
-                                dt,
-                                root,
-                                comm,
-                                stream,
-                            )
-                        },
+                    // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
+                    // rank's GPU, write-locked for the call, which returns only once this
+                    // stream's work is done, or once the communicator is aborted and the
+                    // runtime stream, where buffers are freed or reused, waits for this rank's
+                    // stream (`order_after_abort`), so the buffer outlives the collective; NCCL
+                    // allows it in place; `call` hands over the live communicator, under
+                    // `state`'s lock, and this rank's own stream.
+                    let issued = unsafe {
+                        match reduce {
+                            true => result::reduce(on, p, p, n, dt, root),
+                            false => result::broadcast(on, p, p, n, dt, root),
+                        }
                     };
                     first = first.and(issued);
                 }
                 // The group is always ended, even after a failed call inside it.
-                first.and(result::group_end(lib))
+                first.and(result::group_end(on.lib))
             })?;
         }
         Ok(())
@@ -529,26 +449,19 @@ impl RankComm {
     /// timeout. A stall or an error aborts the communicator.
     fn wait_done(&self, st: &mut State, op: &'static str, keys: &[Key]) -> Result<()> {
         let lib = lib(op, keys)?;
-        let done = match self.stream.record_event(None) {
-            Ok(e) => e,
-            Err(e) => return Err(self.fail(st, op, keys, cuda_err(op, None)(e))),
-        };
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            match done.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(self.fail(st, op, keys, cuda_err(op, None)(e))),
+        let waited = (|| {
+            let done = self.stream.record_event(None).map_err(cuda_err(op, None))?;
+            let deadline = Instant::now() + self.timeout;
+            while !done.try_is_complete().map_err(cuda_err(op, None))? {
+                self.async_error(lib, op, keys)?;
+                if Instant::now() > deadline {
+                    return Err(self.stall(op, keys));
+                }
+                std::thread::sleep(POLL_INTERVAL);
             }
-            if let Err(e) = self.async_error(lib, op, keys) {
-                return Err(self.fail(st, op, keys, e));
-            }
-            if Instant::now() > deadline {
-                let stall = self.stall(op, keys);
-                return Err(self.fail(st, op, keys, stall));
-            }
-            std::thread::sleep(POLL_INTERVAL);
-        }
+            Ok(())
+        })();
+        waited.map_err(|e| self.fail(st, op, keys, e))
     }
 
     /// Issues one collective on this rank's stream, after the runtime stream's work, polls
@@ -559,7 +472,7 @@ impl RankComm {
         &self,
         op: &'static str,
         keys: &[Key],
-        issue: impl FnOnce(&Nccl, Comm, *mut c_void) -> std::result::Result<(), NcclError>,
+        issue: impl FnOnce(On) -> std::result::Result<(), NcclError>,
     ) -> Result<()> {
         let lib = lib(op, keys)?;
         let mut st = self.lock();
@@ -573,12 +486,10 @@ impl RankComm {
         let gpu = cuda::gpu(self.ordinal)?;
         stream_wait(&self.stream, gpu.stream())?;
         gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
-        let issued = issue(lib, self.comm, self.stream.cu_stream() as *mut c_void)
+        let issued = issue(On::new(lib, self.comm, &self.stream))
             .during(op, keys)
             .and_then(|()| self.settle(lib, op, keys, Instant::now() + self.timeout));
-        if let Err(e) = issued {
-            return Err(self.fail(&mut st, op, keys, e));
-        }
+        issued.map_err(|e| self.fail(&mut st, op, keys, e))?;
         self.wait_done(&mut st, op, keys)
     }
 
@@ -731,11 +642,7 @@ impl RankComm {
 
     /// Arguments that do not fit a collective: refused before anything is sent.
     fn misuse(&self, op: &'static str, what: String) -> Error {
-        Error::Nccl {
-            op,
-            keys: vec![],
-            message: format!("{what}; nothing was sent"),
-        }
+        nccl_error(op, &[], format!("{what}; nothing was sent"))
     }
 }
 
@@ -748,25 +655,10 @@ impl Drop for RankComm {
         let Ok(lib) = super::loader::library() else {
             return;
         };
-        // Finalize (non-blocking: polled with the timeout), then destroy; abort on trouble.
-        let finalized = if lib.comm_finalize.is_some() {
-            // SAFETY: a live communicator (`failed` is unset), used under `state`'s lock; only
-            // destroyed or aborted after this.
-            unsafe { result::comm_finalize(lib, self.comm) }.is_ok()
-                && self
-                    .settle(lib, "close NCCL ranks", &[], Instant::now() + self.timeout)
-                    .is_ok()
-        } else {
-            true
-        };
-        // SAFETY: the communicator is destroyed (or aborted) once, here, and never used again;
-        // a drop has no use for the result.
-        let _ = unsafe {
-            if finalized {
-                result::comm_destroy(lib, self.comm)
-            } else {
-                result::comm_abort(lib, self.comm)
-            }
-        };
+        let op = "close NCCL ranks";
+        let settle = || (self.settle(lib, op, &[], Instant::now() + self.timeout)).is_ok();
+        // SAFETY: a live communicator (`failed` is unset), used under `state`'s lock, and never
+        // again after the drop.
+        unsafe { result::close(lib, &[self.comm], settle) };
     }
 }

@@ -73,15 +73,10 @@ enum Refusal {
 
 impl Refusal {
     fn from_code(code: u8) -> Option<Refusal> {
-        [
-            Refusal::Token,
-            Refusal::Version,
-            Refusal::WorldSize,
-            Refusal::Rank,
-            Refusal::Rank0Failed,
-        ]
-        .into_iter()
-        .find(|r| *r as u8 == code)
+        use Refusal::*;
+        [Token, Version, WorldSize, Rank, Rank0Failed]
+            .into_iter()
+            .find(|r| *r as u8 == code)
     }
 }
 
@@ -110,13 +105,13 @@ impl JobToken {
                 continue;
             };
             if value.len() > MAX_TOKEN {
-                return Err(Error::DistEnv {
-                    var: name.to_owned(),
-                    message: format!(
+                return Err(dist_env(
+                    name,
+                    format!(
                         "is {} bytes long: a job token has at most {MAX_TOKEN}",
                         value.len()
                     ),
-                });
+                ));
             }
             return Ok(JobToken {
                 var: name,
@@ -146,6 +141,12 @@ impl JobToken {
             format!("the token from {}", self.var)
         }
     }
+}
+
+/// The crate's [`Error::DistEnv`]: `var` is to fix, as `message` says.
+pub(super) fn dist_env(var: &str, message: String) -> Error {
+    let var = var.to_owned();
+    Error::DistEnv { var, message }
 }
 
 /// A host as `to_socket_addrs` takes it: IPv6 brackets removed.
@@ -183,14 +184,10 @@ impl Root {
     /// `MASTER_PORT`.
     pub(super) fn bind(host: &str, port: u16) -> Result<Root> {
         let addr = format!("{host}:{port}");
-        let env = |var: &str, message: String| Error::DistEnv {
-            var: var.to_owned(),
-            message,
-        };
         let addrs: Vec<SocketAddr> = (bare_host(host), port)
             .to_socket_addrs()
             .map_err(|e| {
-                env(
+                dist_env(
                     "MASTER_ADDR",
                     format!(
                         "'{host}' does not resolve on rank 0 ({e}): use rank 0's host name or \
@@ -219,7 +216,7 @@ impl Root {
             }
         }
         let why = last.map_or_else(|| "no address".to_owned(), |e| e.to_string());
-        Err(env(
+        Err(dist_env(
             "MASTER_PORT",
             format!(
                 "rank 0 cannot listen at {addr} (MASTER_PORT + 1), where kvstore hands the \
@@ -230,10 +227,9 @@ impl Root {
     }
 
     fn ready(listener: TcpListener, addr: String) -> Result<Root> {
-        listener.set_nonblocking(true).map_err(|e| Error::DistEnv {
-            var: "MASTER_PORT".to_owned(),
-            message: format!("rank 0's listener at {addr}: {e}"),
-        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| dist_env("MASTER_PORT", format!("rank 0's listener at {addr}: {e}")))?;
         Ok(Root { listener, addr })
     }
 
@@ -350,10 +346,7 @@ impl Root {
                 return Err(e);
             }
         };
-        let mut reply = Vec::with_capacity(MAGIC.len() + 1 + ID_LEN);
-        reply.extend_from_slice(&MAGIC);
-        reply.push(0);
-        reply.extend_from_slice(&id);
+        let reply = [&MAGIC[..], &[0], &id].concat();
         for mut s in peers {
             let sent = s
                 .set_nonblocking(false)
@@ -371,19 +364,10 @@ impl Root {
     /// The error of a rendezvous whose deadline passed.
     fn timeout(&self, joined: &[Option<TcpStream>], refused: &[String]) -> Error {
         let missing: Vec<usize> = (1..joined.len()).filter(|&r| joined[r].is_none()).collect();
-        let refusals = if refused.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; refused meanwhile: {}",
-                refused
-                    .iter()
-                    .rev()
-                    .take(4)
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
+        let last: Vec<&str> = refused.iter().rev().take(4).map(String::as_str).collect();
+        let refusals = match last.is_empty() {
+            true => String::new(),
+            false => format!("; refused meanwhile: {}", last.join(", ")),
         };
         Error::Timeout {
             op: OP,
@@ -538,11 +522,8 @@ fn check(
 /// Sends a refusal, as far as the peer takes it in a second (it is dropped either way).
 fn refuse(stream: &TcpStream, code: Refusal, why: &str) {
     let why = &why.as_bytes()[..why.len().min(4096)];
-    let mut out = Vec::with_capacity(MAGIC.len() + 3 + why.len());
-    out.extend_from_slice(&MAGIC);
-    out.push(code as u8);
-    out.extend_from_slice(&(why.len() as u16).to_le_bytes());
-    out.extend_from_slice(why);
+    let len = (why.len() as u16).to_le_bytes();
+    let out = [&MAGIC[..], &[code as u8], &len, why].concat();
     let mut s = stream;
     let _ = s
         .set_nonblocking(false)
@@ -591,17 +572,9 @@ pub(crate) fn fetch(
             )));
         }
         match (bare_host(host), port).to_socket_addrs() {
-            Ok(addrs) => {
-                let mut got = None;
-                for a in addrs {
-                    match TcpStream::connect_timeout(&a, left(deadline).min(HELLO_WAIT)) {
-                        Ok(s) => {
-                            got = Some(s);
-                            break;
-                        }
-                        Err(e) => last = e.to_string(),
-                    }
-                }
+            Ok(mut addrs) => {
+                let connect = |a| TcpStream::connect_timeout(&a, left(deadline).min(HELLO_WAIT));
+                let got = addrs.find_map(|a| connect(a).map_err(|e| last = e.to_string()).ok());
                 if let Some(s) = got {
                     break s;
                 }
@@ -628,10 +601,10 @@ pub(crate) fn fetch(
                 ),
             }
         } else {
-            Error::DistEnv {
-                var: "MASTER_ADDR".to_owned(),
-                message: format!("the rendezvous with rank 0 at {addr} failed: {e}"),
-            }
+            dist_env(
+                "MASTER_ADDR",
+                format!("the rendezvous with rank 0 at {addr} failed: {e}"),
+            )
         }
     };
     let _ = stream.set_nodelay(true);
@@ -642,13 +615,13 @@ pub(crate) fn fetch(
     let mut head = [0u8; MAGIC.len() + 1];
     read_full(&mut stream, &mut head, deadline).map_err(io)?;
     if head[..MAGIC.len()] != MAGIC {
-        return Err(Error::DistEnv {
-            var: "MASTER_PORT".to_owned(),
-            message: format!(
+        return Err(dist_env(
+            "MASTER_PORT",
+            format!(
                 "what answers at {addr} (MASTER_PORT + 1) is not a kvstore rank 0: pick a \
                  MASTER_PORT whose next port is free"
             ),
-        });
+        ));
     }
     let code = head[MAGIC.len()];
     if code == 0 {
@@ -662,24 +635,24 @@ pub(crate) fn fetch(
     read_full(&mut stream, &mut why, deadline).map_err(io)?;
     let why = String::from_utf8_lossy(&why);
     Err(match Refusal::from_code(code) {
-        Some(Refusal::Token) => Error::DistEnv {
-            var: token.var.to_owned(),
-            message: format!(
+        Some(Refusal::Token) => dist_env(
+            token.var,
+            format!(
                 "rank 0 at {addr} refused this rank: {why}. This rank uses {}. Rank 0 belongs \
                  to another job (a rank of an earlier job still running, or two jobs on one \
                  MASTER_ADDR:MASTER_PORT): give every rank of a job the same \
                  TORCHELASTIC_RUN_ID or KVSTORE_JOB_TOKEN, and each job its own MASTER_PORT",
                 token.describe()
             ),
-        },
-        Some(Refusal::WorldSize) => Error::DistEnv {
-            var: "WORLD_SIZE".to_owned(),
-            message: format!("rank 0 at {addr} refused this rank: {why}"),
-        },
-        Some(Refusal::Rank) => Error::DistEnv {
-            var: "RANK".to_owned(),
-            message: format!("rank 0 at {addr} refused this rank: {why}"),
-        },
+        ),
+        Some(r @ (Refusal::WorldSize | Refusal::Rank)) => {
+            let var = if r == Refusal::Rank {
+                "RANK"
+            } else {
+                "WORLD_SIZE"
+            };
+            dist_env(var, format!("rank 0 at {addr} refused this rank: {why}"))
+        }
         Some(Refusal::Rank0Failed) => Error::RankExited {
             op: OP,
             seq: 0,
@@ -687,13 +660,13 @@ pub(crate) fn fetch(
             host: Some(host.to_owned()),
             detail: format!("failed before sending the NCCL id ({why})"),
         },
-        Some(Refusal::Version) | None => Error::DistEnv {
-            var: "MASTER_PORT".to_owned(),
-            message: format!(
+        Some(Refusal::Version) | None => dist_env(
+            "MASTER_PORT",
+            format!(
                 "rank 0 at {addr} refused this rank (code {code}): {why}; every rank must run \
                  the same kvstore"
             ),
-        },
+        ),
     })
 }
 

@@ -15,17 +15,21 @@
 
 use std::ffi::{c_int, c_void, CStr};
 
+use cudarc::driver::CudaStream;
+
 use super::loader::{self, Comm, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
 use crate::{DType, Error, Key, Result};
 
 /// The loaded NCCL, or an error naming `op` and `keys` that says what was looked for and how
 /// to fix it.
 pub(crate) fn lib(op: &'static str, keys: &[Key]) -> Result<&'static Nccl> {
-    loader::library().map_err(|e| Error::Nccl {
-        op,
-        keys: keys.to_vec(),
-        message: e.to_string(),
-    })
+    loader::library().map_err(|e| nccl_error(op, keys, e.to_string()))
+}
+
+/// The crate's [`Error::Nccl`]: `message`, during `op` on `keys`.
+pub(crate) fn nccl_error(op: &'static str, keys: &[Key], message: String) -> Error {
+    let keys = keys.to_vec();
+    Error::Nccl { op, keys, message }
 }
 
 /// What an accepted NCCL call reports.
@@ -71,11 +75,7 @@ impl NcclError {
 
     /// The crate's error for this failure, during `op` on `keys`.
     pub(crate) fn during(self, op: &'static str, keys: &[Key]) -> Error {
-        Error::Nccl {
-            op,
-            keys: keys.to_vec(),
-            message: self.message,
-        }
+        nccl_error(op, keys, self.message)
     }
 }
 
@@ -108,10 +108,10 @@ fn accepted(lib: &Nccl, code: c_int, comm: Comm) -> std::result::Result<(), Nccl
 }
 
 /// `ncclSum`.
-pub(crate) const NCCL_SUM: c_int = 0;
+const NCCL_SUM: c_int = 0;
 
 /// The NCCL element type of a dtype (`ncclDataType_t`).
-pub(crate) fn nccl_dtype(dtype: DType) -> c_int {
+fn nccl_dtype(dtype: DType) -> c_int {
     match dtype {
         DType::F16 => 6,
         DType::F32 => 7,
@@ -251,6 +251,34 @@ pub(crate) unsafe fn comm_abort(lib: &Nccl, comm: Comm) -> std::result::Result<(
     accepted(lib, code, std::ptr::null_mut())
 }
 
+/// Ends communicators that are done with: finalizes them where this NCCL can, waits with
+/// `settle` (which says whether it succeeded) for the finalization, then destroys them; aborts
+/// them instead when either step fails.
+///
+/// # Safety
+///
+/// `comms` are live communicators, used by nothing else now, and never used after this.
+pub(crate) unsafe fn close(lib: &Nccl, comms: &[Comm], settle: impl FnOnce() -> bool) {
+    let mut ok = true;
+    if lib.comm_finalize.is_some() {
+        for &c in comms {
+            // SAFETY: live and not in use elsewhere (this function's contract).
+            ok &= unsafe { comm_finalize(lib, c) }.is_ok();
+        }
+        ok = ok && settle();
+    }
+    for &c in comms {
+        // SAFETY: each is destroyed or aborted once, here, and never used again (this
+        // function's contract); closing has no use for the result.
+        let _ = unsafe {
+            match ok {
+                true => comm_destroy(lib, c),
+                false => comm_abort(lib, c),
+            }
+        };
+    }
+}
+
 /// `ncclGroupStart`: the calls until [`group_end`] on this thread form one group.
 pub(crate) fn group_start(lib: &Nccl) -> std::result::Result<(), NcclError> {
     // SAFETY: no arguments; an open group only defers the calls made inside it.
@@ -265,31 +293,51 @@ pub(crate) fn group_end(lib: &Nccl) -> std::result::Result<(), NcclError> {
     accepted(lib, code, std::ptr::null_mut())
 }
 
-/// `ncclReduce`: reduces every rank's `send` with `op` into `recv` on rank `root` (only the
+/// Where a collective is issued: a live communicator and a live stream of its rank's GPU (a
+/// `CUstream`).
+#[derive(Clone, Copy)]
+pub(crate) struct On<'a> {
+    /// The loaded NCCL.
+    pub lib: &'a Nccl,
+    /// The rank's communicator.
+    pub comm: Comm,
+    /// The stream the collective is enqueued on.
+    pub stream: *mut c_void,
+}
+
+impl<'a> On<'a> {
+    /// `comm` with `stream`.
+    pub(crate) fn new(lib: &'a Nccl, comm: Comm, stream: &CudaStream) -> On<'a> {
+        let stream = stream.cu_stream() as *mut c_void;
+        On { lib, comm, stream }
+    }
+}
+
+/// `ncclReduce` with `ncclSum`: sums every rank's `send` into `recv` on rank `root` (only the
 /// root's `recv` is used).
 ///
 /// # Safety
 ///
-/// `comm` is a live communicator with no call on it running concurrently, and `stream` a live
-/// stream of the rank's GPU. `send` (and, on the root, `recv`) are device addresses on that GPU
-/// of `count` elements of `datatype`, which stay allocated until the collective is done on
-/// `stream`; `recv` may equal `send`.
-#[allow(clippy::too_many_arguments)]
+/// `on.comm` is a live communicator with no call on it running concurrently, and `on.stream` a
+/// live stream of the rank's GPU. `send` (and, on the root, `recv`) are device addresses on that
+/// GPU of `count` elements of `dtype`, which stay allocated until the collective is done on the
+/// stream; `recv` may equal `send`.
 pub(crate) unsafe fn reduce(
-    lib: &Nccl,
-    send: *const c_void,
-    recv: *mut c_void,
+    on: On,
+    send: u64,
+    recv: u64,
     count: usize,
-    datatype: c_int,
-    op: c_int,
+    dtype: DType,
     root: usize,
-    comm: Comm,
-    stream: *mut c_void,
 ) -> std::result::Result<(), NcclError> {
+    let (dt, root) = (nccl_dtype(dtype), root as c_int);
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code =
-        unsafe { (lib.reduce)(send, recv, count, datatype, op, root as c_int, comm, stream) };
-    accepted(lib, code, comm)
+    let code = unsafe {
+        (on.lib.reduce)(
+            send as _, recv as _, count, dt, NCCL_SUM, root, on.comm, on.stream,
+        )
+    };
+    accepted(on.lib, code, on.comm)
 }
 
 /// `ncclBroadcast`: copies `send` on rank `root` into every rank's `recv` (only the root's
@@ -298,45 +346,43 @@ pub(crate) unsafe fn reduce(
 /// # Safety
 ///
 /// As for [`reduce`]: a live communicator and stream, and device buffers of `count` elements
-/// of `datatype` on the rank's GPU (`send` only on the root) that outlive the collective on
-/// `stream`; `recv` may equal `send`.
-#[allow(clippy::too_many_arguments)]
+/// of `dtype` on the rank's GPU (`send` only on the root) that outlive the collective on the
+/// stream; `recv` may equal `send`.
 pub(crate) unsafe fn broadcast(
-    lib: &Nccl,
-    send: *const c_void,
-    recv: *mut c_void,
+    on: On,
+    send: u64,
+    recv: u64,
     count: usize,
-    datatype: c_int,
+    dtype: DType,
     root: usize,
-    comm: Comm,
-    stream: *mut c_void,
 ) -> std::result::Result<(), NcclError> {
+    let (dt, root) = (nccl_dtype(dtype), root as c_int);
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code = unsafe { (lib.broadcast)(send, recv, count, datatype, root as c_int, comm, stream) };
-    accepted(lib, code, comm)
+    let code =
+        unsafe { (on.lib.broadcast)(send as _, recv as _, count, dt, root, on.comm, on.stream) };
+    accepted(on.lib, code, on.comm)
 }
 
-/// `ncclReduceScatter`: reduces every rank's `send` (`recv_count` elements per rank, in rank
-/// order) with `op`, leaving this rank's slice of the result in `recv`.
+/// `ncclReduceScatter` with `ncclSum`: sums every rank's `send` (`recv_count` elements per
+/// rank, in rank order), leaving this rank's slice of the sum in `recv`.
 ///
 /// # Safety
 ///
 /// As for [`reduce`], with `send` of `recv_count * nranks` elements and `recv` of
 /// `recv_count`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn reduce_scatter(
-    lib: &Nccl,
-    send: *const c_void,
-    recv: *mut c_void,
+    on: On,
+    send: u64,
+    recv: u64,
     recv_count: usize,
-    datatype: c_int,
-    op: c_int,
-    comm: Comm,
-    stream: *mut c_void,
+    dtype: DType,
 ) -> std::result::Result<(), NcclError> {
+    let (n, dt) = (recv_count, nccl_dtype(dtype));
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code = unsafe { (lib.reduce_scatter)(send, recv, recv_count, datatype, op, comm, stream) };
-    accepted(lib, code, comm)
+    let code = unsafe {
+        (on.lib.reduce_scatter)(send as _, recv as _, n, dt, NCCL_SUM, on.comm, on.stream)
+    };
+    accepted(on.lib, code, on.comm)
 }
 
 /// `ncclAllGather`: gathers every rank's `send` (`send_count` elements) into every rank's
@@ -347,39 +393,37 @@ pub(crate) unsafe fn reduce_scatter(
 /// As for [`reduce`], with `send` of `send_count` elements and `recv` of
 /// `send_count * nranks`.
 pub(crate) unsafe fn all_gather(
-    lib: &Nccl,
-    send: *const c_void,
-    recv: *mut c_void,
+    on: On,
+    send: u64,
+    recv: u64,
     send_count: usize,
-    datatype: c_int,
-    comm: Comm,
-    stream: *mut c_void,
+    dtype: DType,
 ) -> std::result::Result<(), NcclError> {
+    let (n, dt) = (send_count, nccl_dtype(dtype));
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code = unsafe { (lib.all_gather)(send, recv, send_count, datatype, comm, stream) };
-    accepted(lib, code, comm)
+    let code = unsafe { (on.lib.all_gather)(send as _, recv as _, n, dt, on.comm, on.stream) };
+    accepted(on.lib, code, on.comm)
 }
 
-/// `ncclSend`: sends `count` elements of `send` to rank `peer`, which receives them with a
+/// `ncclSend`: sends `count` elements at `send` to rank `peer`, which receives them with a
 /// matching [`recv`]. Inside a group, with the matching receives, it is one step of an
 /// all-to-all.
 ///
 /// # Safety
 ///
 /// As for [`reduce`]: a live communicator and stream, and a device buffer of `count` elements
-/// of `datatype` on the rank's GPU that outlives the transfer on `stream`.
+/// of `dtype` on the rank's GPU that outlives the transfer on the stream.
 pub(crate) unsafe fn send(
-    lib: &Nccl,
-    send: *const c_void,
+    on: On,
+    send: u64,
     count: usize,
-    datatype: c_int,
+    dtype: DType,
     peer: usize,
-    comm: Comm,
-    stream: *mut c_void,
 ) -> std::result::Result<(), NcclError> {
+    let (dt, peer) = (nccl_dtype(dtype), peer as c_int);
     // SAFETY: the communicator, stream and buffer are as this function's contract says.
-    let code = unsafe { (lib.send)(send, count, datatype, peer as c_int, comm, stream) };
-    accepted(lib, code, comm)
+    let code = unsafe { (on.lib.send)(send as _, count, dt, peer, on.comm, on.stream) };
+    accepted(on.lib, code, on.comm)
 }
 
 /// `ncclRecv`: receives `count` elements from rank `peer`'s matching [`send`] into `recv`.
@@ -388,17 +432,16 @@ pub(crate) unsafe fn send(
 ///
 /// As for [`send`], with `recv` written.
 pub(crate) unsafe fn recv(
-    lib: &Nccl,
-    recv: *mut c_void,
+    on: On,
+    recv: u64,
     count: usize,
-    datatype: c_int,
+    dtype: DType,
     peer: usize,
-    comm: Comm,
-    stream: *mut c_void,
 ) -> std::result::Result<(), NcclError> {
+    let (dt, peer) = (nccl_dtype(dtype), peer as c_int);
     // SAFETY: the communicator, stream and buffer are as this function's contract says.
-    let code = unsafe { (lib.recv)(recv, count, datatype, peer as c_int, comm, stream) };
-    accepted(lib, code, comm)
+    let code = unsafe { (on.lib.recv)(recv as _, count, dt, peer, on.comm, on.stream) };
+    accepted(on.lib, code, on.comm)
 }
 
 #[cfg(test)]

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaEvent;
 
 use super::available;
-use super::cache::cache;
+use super::cache::{cache, forget};
 use super::comm_set::CommSet;
+use super::result::nccl_error;
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
 use crate::config::nccl::timeout;
@@ -104,15 +105,7 @@ pub(super) fn inflight() -> MutexGuard<'static, Inflight> {
 
 /// Aborts a failed set and drops it from the cache (if it is still the cached one).
 pub(super) fn fail(f: &Failure) {
-    {
-        let mut c = cache();
-        if c.sets
-            .get(&f.set)
-            .is_some_and(|(s, _)| Arc::ptr_eq(s, &f.comms))
-        {
-            c.sets.remove(&f.set);
-        }
-    }
+    forget(&f.set, &f.comms);
     f.comms.abort();
 }
 
@@ -138,15 +131,15 @@ impl Inflight {
             let limit = p.comms.timeout();
             match all_complete(&p.events, p.op) {
                 Ok(true) => false,
-                Ok(false) if p.issued.elapsed() > limit => fail(Error::Nccl {
-                    op: p.op,
-                    keys: p.keys.clone(),
-                    message: format!(
+                Ok(false) if p.issued.elapsed() > limit => fail(nccl_error(
+                    p.op,
+                    &p.keys,
+                    format!(
                         "no progress after {limit:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
                          communicator for GPUs {:?} was aborted",
                         p.set
                     ),
-                }),
+                )),
                 Ok(false) => true,
                 Err(e) => fail(e),
             }
@@ -245,11 +238,10 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
             fail(&f);
             // The pushing thread hears of it from wait_all; this reader, when its GPU was in
             // the set, gets an error of its own.
-            let mine = f.set.contains(&gpu.ordinal()).then(|| Error::Nccl {
-                op,
-                keys: f.keys.clone(),
-                message: f.error.to_string(),
-            });
+            let mine = f
+                .set
+                .contains(&gpu.ordinal())
+                .then(|| nccl_error(op, &f.keys, f.error.to_string()));
             inflight().deferred.push(f.error);
             if let Some(e) = mine {
                 return Err(e);
