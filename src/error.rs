@@ -546,6 +546,37 @@ impl Error {
         self
     }
 
+    /// `Ok` when argument `what` of `op` fits `key`, of `shape` and (when known) `dtype`;
+    /// else [`Error::ShapeMismatch`] or, for the right shape, [`Error::DTypeMismatch`].
+    pub(crate) fn check_fit(
+        op: &'static str,
+        key: &Key,
+        what: impl std::fmt::Display,
+        shape: Shape,
+        dtype: Option<DType>,
+        got: &crate::NDArray,
+    ) -> Result<()> {
+        if got.shape() != shape {
+            return Err(Error::ShapeMismatch {
+                op,
+                key: key.clone(),
+                what: what.to_string(),
+                expected: Box::new(shape),
+                got: Box::new(got.shape()),
+            });
+        }
+        match dtype.filter(|&d| d != got.dtype()) {
+            Some(expected) => Err(Error::DTypeMismatch {
+                op,
+                key: key.clone(),
+                what: what.to_string(),
+                expected,
+                got: got.dtype(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The error for a failed driver call during `op` (on GPU `ordinal`, when known):
     /// [`Error::OutOfMemory`] for `CUDA_ERROR_OUT_OF_MEMORY`, [`Error::Cuda`] otherwise, keeping
     /// the driver's error as the source. `requested` is the size of the allocation, when the
