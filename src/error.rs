@@ -535,6 +535,14 @@ impl Error {
         }
     }
 
+    /// [`Error::DistEnv`]: environment variable `var` is to fix, as `message` says.
+    pub(crate) fn dist_env(var: &str, message: impl Into<String>) -> Error {
+        Error::DistEnv {
+            var: var.to_owned(),
+            message: message.into(),
+        }
+    }
+
     /// Names `key` in a GPU error that has no key yet; other errors are returned as they are.
     pub(crate) fn with_key(mut self, key: &Key) -> Error {
         if let Error::Cuda { key: k @ None, .. }

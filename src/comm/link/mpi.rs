@@ -282,10 +282,8 @@ fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
     drop(call);
     made?;
     if words.iter().all(|&w| w == 0) {
-        return Err(Error::DistEnv {
-            var: "NCCL".to_owned(),
-            message: "rank 0 could not create an NCCL id (its own error says why)".to_owned(),
-        });
+        let why = "rank 0 could not create an NCCL id (its own error says why)";
+        return Err(Error::dist_env("NCCL", why));
     }
     RankComm::join(unpack(&words), world.rank(), world.size(), ordinal)
 }
