@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{ArrayOp, Link, Op, Round, Ticket};
+use super::{ArrayOp, Link, Op, Round, Seat, Ticket};
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
@@ -88,9 +88,7 @@ impl Loopback {
             })
             .collect()
     }
-}
 
-impl Loopback {
     /// This rank, stopping at its first collective `op`: it never joins it (the other ranks
     /// time out) and its own call fails.
     pub(crate) fn stalling_at(mut self, op: Op) -> Loopback {
@@ -121,30 +119,20 @@ impl Loopback {
 }
 
 impl Link for Loopback {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.hub.size
-    }
-
-    fn local_rank(&self) -> usize {
-        self.rank
+    fn seat(&self) -> Seat {
+        Seat {
+            rank: self.rank,
+            size: self.hub.size,
+            local_rank: self.rank,
+            check: self.check,
+            timeout: self.hub.timeout,
+        }
     }
 
     fn next_store_id(&self) -> u64 {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         st.stores += 1;
         st.stores - 1
-    }
-
-    fn checks(&self) -> bool {
-        self.check
-    }
-
-    fn settings(&self) -> String {
-        format!("check {}, timeout {:?}", self.check, self.hub.timeout)
     }
 
     fn in_place_home(&self) -> Option<Device> {

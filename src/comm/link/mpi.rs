@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Ticket};
+use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Seat, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::mpi::{Call, Done, Pending, Wire, World};
@@ -32,32 +32,19 @@ impl MpiLink {
 }
 
 impl Link for MpiLink {
-    fn rank(&self) -> usize {
-        self.world.rank()
-    }
-
-    fn size(&self) -> usize {
-        self.world.size()
-    }
-
-    fn local_rank(&self) -> usize {
-        self.world.local_rank()
+    fn seat(&self) -> Seat {
+        let w = self.world;
+        Seat {
+            rank: w.rank(),
+            size: w.size(),
+            local_rank: w.local_rank(),
+            check: w.check_enabled(),
+            timeout: w.timeout(),
+        }
     }
 
     fn next_store_id(&self) -> u64 {
         self.world.next_store_id()
-    }
-
-    fn checks(&self) -> bool {
-        self.world.check_enabled()
-    }
-
-    fn settings(&self) -> String {
-        format!(
-            "check {}, timeout {:?}",
-            self.world.check_enabled(),
-            self.world.timeout()
-        )
     }
 
     fn in_place_home(&self) -> Option<Device> {
