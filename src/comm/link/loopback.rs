@@ -346,14 +346,16 @@ impl Round for LoopRound<'_> {
         // Results are written into this rank's own buffers, as MPI writes them: a buffer keeps
         // the room it came with.
         let (rank, size) = (self.link.rank, self.link.hub.size);
+        let at_root = |root: usize| {
+            data.get(root)
+                .ok_or_else(|| Error::internal("no such root"))
+        };
         let mut recv = recv;
         let result = match op {
             Op::Reduce { root } if root == rank => sum(&data, send.dtype()),
             Op::Reduce { .. } => return Ok((send, recv)),
             Op::Broadcast { root } => {
-                let from = data
-                    .get(root)
-                    .ok_or_else(|| Error::internal("no such root"))?;
+                let from = at_root(root)?;
                 let mut buf = send;
                 copy_into(&mut buf, from);
                 self.st.received += buf.len();
@@ -364,9 +366,7 @@ impl Round for LoopRound<'_> {
                 sum(&data, send.dtype()).slice_of(rank * block..(rank + 1) * block)
             }
             Op::Scatter { root } => {
-                let from = data
-                    .get(root)
-                    .ok_or_else(|| Error::internal("no such root"))?;
+                let from = at_root(root)?;
                 let block = recv.len();
                 from.slice_of(rank * block..(rank + 1) * block)
             }

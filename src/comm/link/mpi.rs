@@ -163,12 +163,9 @@ impl Round for MpiRound<'_> {
 
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
         // Only a blocking collective is done with the borrowed buffer when it returns.
-        let Op::Reduce { root } = op else {
+        let (Op::Reduce { root }, true) = (op, self.may_block(op)) else {
             return self.start(op, send.clone(), recv);
         };
-        if !self.may_block(op) {
-            return self.start(op, send.clone(), recv);
-        }
         self.call.set_blocking(true);
         let call = &mut self.call;
         let landed = typed!(send, recv, wrap, |s, r| call
