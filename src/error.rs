@@ -535,6 +535,14 @@ impl Error {
         }
     }
 
+    /// [`Error::DistEnv`]: environment variable `var` is to fix, as `message` says.
+    pub(crate) fn dist_env(var: &str, message: impl Into<String>) -> Error {
+        Error::DistEnv {
+            var: var.to_owned(),
+            message: message.into(),
+        }
+    }
+
     /// Names `key` in a GPU error that has no key yet; other errors are returned as they are.
     pub(crate) fn with_key(mut self, key: &Key) -> Error {
         if let Error::Cuda { key: k @ None, .. }
@@ -544,6 +552,37 @@ impl Error {
             *k = Some(key.clone());
         }
         self
+    }
+
+    /// `Ok` when argument `what` of `op` fits `key`, of `shape` and (when known) `dtype`;
+    /// else [`Error::ShapeMismatch`] or, for the right shape, [`Error::DTypeMismatch`].
+    pub(crate) fn check_fit(
+        op: &'static str,
+        key: &Key,
+        what: impl std::fmt::Display,
+        shape: Shape,
+        dtype: Option<DType>,
+        got: &crate::NDArray,
+    ) -> Result<()> {
+        if got.shape() != shape {
+            return Err(Error::ShapeMismatch {
+                op,
+                key: key.clone(),
+                what: what.to_string(),
+                expected: Box::new(shape),
+                got: Box::new(got.shape()),
+            });
+        }
+        match dtype.filter(|&d| d != got.dtype()) {
+            Some(expected) => Err(Error::DTypeMismatch {
+                op,
+                key: key.clone(),
+                what: what.to_string(),
+                expected,
+                got: got.dtype(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The error for a failed driver call during `op` (on GPU `ordinal`, when known):

@@ -35,24 +35,21 @@ impl LaunchEnv {
     /// Reads the launch through `var` (a variable's value, or `None` when it is unset). An error
     /// names the first variable that is missing or wrong, and what to do.
     pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
-        let bad = |name: &str, message: String| Error::DistEnv {
-            var: name.to_owned(),
-            message,
-        };
         let missing = |name: &str| {
             let how = "is not set: start every rank with `torchrun --no-python --nproc-per-node \
                        N prog` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and \
                        MASTER_PORT), set them yourself, or start the job with `mpirun -np N`";
-            bad(name, how.to_owned())
+            Error::dist_env(name, how.to_owned())
         };
         let number = |name: &str| -> Result<usize> {
             let v = var(name).ok_or_else(|| missing(name))?;
-            (v.trim().parse::<usize>())
-                .map_err(|_| bad(name, format!("'{v}' is not a non-negative whole number")))
+            (v.trim().parse::<usize>()).map_err(|_| {
+                Error::dist_env(name, format!("'{v}' is not a non-negative whole number"))
+            })
         };
         let world_size = number("WORLD_SIZE")?;
         if world_size == 0 {
-            return Err(bad(
+            return Err(Error::dist_env(
                 "WORLD_SIZE",
                 "is 0: a job has at least one rank".to_owned(),
             ));
@@ -60,7 +57,7 @@ impl LaunchEnv {
         let rank = number("RANK")?;
         if rank >= world_size {
             let last = world_size - 1;
-            return Err(bad(
+            return Err(Error::dist_env(
                 "RANK",
                 format!(
                     "is {rank}, but WORLD_SIZE is {world_size}: ranks run from 0 to {last}; the \
@@ -70,7 +67,7 @@ impl LaunchEnv {
         }
         let local_rank = number("LOCAL_RANK")?;
         if local_rank > rank {
-            return Err(bad(
+            return Err(Error::dist_env(
                 "LOCAL_RANK",
                 format!(
                     "is {local_rank}, above RANK {rank}: a rank's local rank on its machine is \
@@ -88,7 +85,7 @@ impl LaunchEnv {
             .ok_or_else(|| {
                 let why = "use a free TCP port from 1 to 65534 (kvstore's NCCL rendezvous \
                            listens on the port after it)";
-                bad("MASTER_PORT", format!("is {port}: {why}"))
+                Error::dist_env("MASTER_PORT", format!("is {port}: {why}"))
             })?;
         Ok(LaunchEnv {
             rank,

@@ -121,10 +121,10 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
         match v.trim().to_ascii_lowercase().as_str() {
             "0" | "false" | "off" | "no" => Ok(false),
             "1" | "true" | "on" | "yes" | "" => Ok(true),
-            _ => Err(Error::DistEnv {
-                var: name.to_owned(),
-                message: format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
-            }),
+            _ => Err(Error::dist_env(
+                name,
+                format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
+            )),
         }
     }
 
@@ -135,9 +135,9 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
         };
         match v.trim().parse::<f64>() {
             Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
-            parsed => Err(Error::DistEnv {
-                var: name.to_owned(),
-                message: format!(
+            parsed => Err(Error::dist_env(
+                name,
+                format!(
                     "'{v}' {}: set it to e.g. {example}, or unset it for the default of {} s",
                     match parsed {
                         Ok(s) if s >= 1e9 => {
@@ -148,7 +148,7 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
                     },
                     default.as_secs()
                 ),
-            }),
+            )),
         }
     }
 }

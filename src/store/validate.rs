@@ -41,24 +41,7 @@ pub(super) fn check_arrays(
         });
     }
     for (i, a) in arrays.iter().enumerate() {
-        if a.shape() != shape {
-            return Err(Error::ShapeMismatch {
-                op,
-                key: key.clone(),
-                what: format!("{what} {i}"),
-                expected: Box::new(shape),
-                got: Box::new(a.shape()),
-            });
-        }
-        if let Some(dtype) = dtype.filter(|&d| d != a.dtype()) {
-            return Err(Error::DTypeMismatch {
-                op,
-                key: key.clone(),
-                what: format!("{what} {i}"),
-                expected: dtype,
-                got: a.dtype(),
-            });
-        }
+        Error::check_fit(op, key, format_args!("{what} {i}"), shape, dtype, a)?;
     }
     Ok(())
 }

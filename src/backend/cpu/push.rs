@@ -133,25 +133,8 @@ pub(crate) fn push_closure(
             key: key.key.clone(),
             source,
         })?;
-    let what = "the updater's result".to_owned();
-    if stored.shape() != key.shape {
-        return Err(Error::ShapeMismatch {
-            op: "push",
-            key: key.key.clone(),
-            what,
-            expected: Box::new(key.shape),
-            got: Box::new(stored.shape()),
-        });
-    }
-    if stored.dtype() != key.dtype {
-        return Err(Error::DTypeMismatch {
-            op: "push",
-            key: key.key.clone(),
-            what,
-            expected: key.dtype,
-            got: stored.dtype(),
-        });
-    }
+    let (what, dtype) = ("the updater's result", Some(key.dtype));
+    Error::check_fit("push", key.key, what, key.shape, dtype, &stored)?;
     stored.into_host()
 }
 

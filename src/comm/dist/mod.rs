@@ -113,12 +113,15 @@ impl Dist {
             in_place,
             alone: false,
         };
+        let seat = dist.link.seat();
         let setup = format!(
-            "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, {}",
+            "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, check {}, \
+             timeout {:?}",
             env!("CARGO_PKG_VERSION"),
             dist.bound,
             dist.pool.max_bytes(),
-            dist.link.settings()
+            seat.check,
+            seat.timeout
         );
         dist.begin(Fingerprint::new("create").note(setup))?;
         Ok(dist)
@@ -165,17 +168,17 @@ impl Dist {
 
     /// This process's rank.
     pub(crate) fn rank(&self) -> usize {
-        self.link.rank()
+        self.link.seat().rank
     }
 
     /// The number of ranks.
     pub(crate) fn size(&self) -> usize {
-        self.link.size()
+        self.link.seat().size
     }
 
     /// This process's rank among the ranks on its machine.
     pub(crate) fn local_rank(&self) -> usize {
-        self.link.local_rank()
+        self.link.seat().local_rank
     }
 
     /// Whether a key of `len` elements is sliced over every rank: more than
@@ -238,7 +241,7 @@ impl Dist {
     /// [`Error::DistFailed`] when the world failed earlier, which is then the error to report
     /// rather than the bad input.
     pub(crate) fn tell_rejected(&self, op: &'static str, why: &str) -> Result<()> {
-        if !self.link.checks() {
+        if !self.link.seat().check {
             self.link.shut(format!(
                 "rank {} rejected its input for {op} with KVSTORE_DIST_CHECK=0, so the other \
                  ranks could not be told: {why}",
@@ -298,7 +301,7 @@ impl Dist {
     /// words of a length the fingerprint holds.
     fn begin_compared(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
         let mut round = self.link.begin(fp)?;
-        if !self.link.checks() {
+        if !self.link.seat().check {
             let seq = round.seq();
             crate::comm::fingerprint::check_across(fp, seq, self.size(), |w| {
                 round.all_gather_words(w)

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{ArrayOp, Link, Op, Round, Ticket};
+use super::{ArrayOp, Link, Op, Round, Seat, Ticket};
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
@@ -88,9 +88,7 @@ impl Loopback {
             })
             .collect()
     }
-}
 
-impl Loopback {
     /// This rank, stopping at its first collective `op`: it never joins it (the other ranks
     /// time out) and its own call fails.
     pub(crate) fn stalling_at(mut self, op: Op) -> Loopback {
@@ -121,30 +119,20 @@ impl Loopback {
 }
 
 impl Link for Loopback {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.hub.size
-    }
-
-    fn local_rank(&self) -> usize {
-        self.rank
+    fn seat(&self) -> Seat {
+        Seat {
+            rank: self.rank,
+            size: self.hub.size,
+            local_rank: self.rank,
+            check: self.check,
+            timeout: self.hub.timeout,
+        }
     }
 
     fn next_store_id(&self) -> u64 {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         st.stores += 1;
         st.stores - 1
-    }
-
-    fn checks(&self) -> bool {
-        self.check
-    }
-
-    fn settings(&self) -> String {
-        format!("check {}, timeout {:?}", self.check, self.hub.timeout)
     }
 
     fn in_place_home(&self) -> Option<Device> {
@@ -358,14 +346,16 @@ impl Round for LoopRound<'_> {
         // Results are written into this rank's own buffers, as MPI writes them: a buffer keeps
         // the room it came with.
         let (rank, size) = (self.link.rank, self.link.hub.size);
+        let at_root = |root: usize| {
+            data.get(root)
+                .ok_or_else(|| Error::internal("no such root"))
+        };
         let mut recv = recv;
         let result = match op {
             Op::Reduce { root } if root == rank => sum(&data, send.dtype()),
             Op::Reduce { .. } => return Ok((send, recv)),
             Op::Broadcast { root } => {
-                let from = data
-                    .get(root)
-                    .ok_or_else(|| Error::internal("no such root"))?;
+                let from = at_root(root)?;
                 let mut buf = send;
                 copy_into(&mut buf, from);
                 self.st.received += buf.len();
@@ -376,9 +366,7 @@ impl Round for LoopRound<'_> {
                 sum(&data, send.dtype()).slice_of(rank * block..(rank + 1) * block)
             }
             Op::Scatter { root } => {
-                let from = data
-                    .get(root)
-                    .ok_or_else(|| Error::internal("no such root"))?;
+                let from = at_root(root)?;
                 let block = recv.len();
                 from.slice_of(rank * block..(rank + 1) * block)
             }

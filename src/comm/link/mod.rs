@@ -22,6 +22,8 @@ mod mpi;
 pub(crate) mod nccl;
 pub(crate) mod solo;
 
+use std::time::Duration;
+
 use super::fingerprint::{ranks, Fingerprint};
 
 use super::nccl::{InPlace, RankComm};
@@ -80,28 +82,31 @@ pub(crate) enum ArrayOp<'a> {
     },
 }
 
+/// Where a rank sits in its job, and the link's settings the ranks must agree on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Seat {
+    /// This process's rank.
+    pub(crate) rank: usize,
+    /// The number of ranks.
+    pub(crate) size: usize,
+    /// This process's rank among the ranks on its machine.
+    pub(crate) local_rank: usize,
+    /// Whether calls compare their fingerprints (`KVSTORE_DIST_CHECK`, on by default).
+    pub(crate) check: bool,
+    /// The bound on every wait (`KVSTORE_TIMEOUT`).
+    pub(crate) timeout: Duration,
+}
+
 /// A collective started by [`Round::start`], to give to [`Round::land`].
 pub(crate) struct Ticket(pub usize);
 
 /// The connection of a store to the other ranks of its job.
 pub(crate) trait Link: Send + Sync {
-    /// This process's rank.
-    fn rank(&self) -> usize;
-    /// The number of ranks.
-    fn size(&self) -> usize;
-    /// This process's rank among the ranks on its machine.
-    fn local_rank(&self) -> usize;
+    /// Where this rank sits in its job, and the link's settings.
+    fn seat(&self) -> Seat;
     /// A number for a new store on this link: stores created in the same order get the same
     /// number on every rank, so a call of one store never matches another store's.
     fn next_store_id(&self) -> u64;
-    /// Whether calls compare their fingerprints (`KVSTORE_DIST_CHECK`, on by default).
-    fn checks(&self) -> bool {
-        true
-    }
-    /// The link's own settings the ranks must agree on, in words.
-    fn settings(&self) -> String {
-        String::new()
-    }
     /// Where this rank keeps its values when the link moves them in place there
     /// ([`Round::in_place`]): GPU ranks' GPUs. `None`: values cross in host buffers.
     fn in_place_home(&self) -> Option<Device> {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Ticket};
+use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Seat, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::mpi::{Call, Done, Pending, Wire, World};
@@ -32,32 +32,19 @@ impl MpiLink {
 }
 
 impl Link for MpiLink {
-    fn rank(&self) -> usize {
-        self.world.rank()
-    }
-
-    fn size(&self) -> usize {
-        self.world.size()
-    }
-
-    fn local_rank(&self) -> usize {
-        self.world.local_rank()
+    fn seat(&self) -> Seat {
+        let w = self.world;
+        Seat {
+            rank: w.rank(),
+            size: w.size(),
+            local_rank: w.local_rank(),
+            check: w.check_enabled(),
+            timeout: w.timeout(),
+        }
     }
 
     fn next_store_id(&self) -> u64 {
         self.world.next_store_id()
-    }
-
-    fn checks(&self) -> bool {
-        self.world.check_enabled()
-    }
-
-    fn settings(&self) -> String {
-        format!(
-            "check {}, timeout {:?}",
-            self.world.check_enabled(),
-            self.world.timeout()
-        )
     }
 
     fn in_place_home(&self) -> Option<Device> {
@@ -176,12 +163,9 @@ impl Round for MpiRound<'_> {
 
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
         // Only a blocking collective is done with the borrowed buffer when it returns.
-        let Op::Reduce { root } = op else {
+        let (Op::Reduce { root }, true) = (op, self.may_block(op)) else {
             return self.start(op, send.clone(), recv);
         };
-        if !self.may_block(op) {
-            return self.start(op, send.clone(), recv);
-        }
         self.call.set_blocking(true);
         let call = &mut self.call;
         let landed = typed!(send, recv, wrap, |s, r| call
@@ -282,10 +266,8 @@ fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
     drop(call);
     made?;
     if words.iter().all(|&w| w == 0) {
-        return Err(Error::DistEnv {
-            var: "NCCL".to_owned(),
-            message: "rank 0 could not create an NCCL id (its own error says why)".to_owned(),
-        });
+        let why = "rank 0 could not create an NCCL id (its own error says why)";
+        return Err(Error::dist_env("NCCL", why));
     }
     RankComm::join(unpack(&words), world.rank(), world.size(), ordinal)
 }

@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Ticket};
+use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Seat, Ticket};
 use crate::backend::cuda::GpuBuf;
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::comm::launch::LaunchEnv;
@@ -35,8 +35,7 @@ pub(crate) fn launched_without_mpi() -> bool {
 /// GPU ranks joined by NCCL alone.
 pub(crate) struct NcclLink {
     rc: Arc<RankComm>,
-    check: bool,
-    local_rank: usize,
+    seat: Seat,
     /// The last call begun, and the first failure (the link refuses calls after a desync).
     calls: Mutex<(u64, Option<String>)>,
     stores: AtomicU64,
@@ -46,11 +45,17 @@ impl NcclLink {
     /// Joins the NCCL communicator of every rank the launcher's environment describes.
     pub(crate) fn from_env(config: &Config) -> Result<NcclLink> {
         let launch = LaunchEnv::from_process()?;
-        let check = config.dist_check;
-        Ok(NcclLink {
-            rc: Arc::new(RankComm::from_env()?),
-            check,
+        let rc = RankComm::from_env()?;
+        let seat = Seat {
+            rank: rc.rank(),
+            size: rc.size(),
             local_rank: launch.local_rank,
+            check: config.dist_check,
+            timeout: rc.timeout(),
+        };
+        Ok(NcclLink {
+            rc: Arc::new(rc),
+            seat,
             calls: Mutex::new((0, None)),
             stores: AtomicU64::new(0),
         })
@@ -58,28 +63,12 @@ impl NcclLink {
 }
 
 impl Link for NcclLink {
-    fn rank(&self) -> usize {
-        self.rc.rank()
-    }
-
-    fn size(&self) -> usize {
-        self.rc.size()
-    }
-
-    fn local_rank(&self) -> usize {
-        self.local_rank
+    fn seat(&self) -> Seat {
+        self.seat
     }
 
     fn next_store_id(&self) -> u64 {
         self.stores.fetch_add(1, Ordering::Relaxed)
-    }
-
-    fn checks(&self) -> bool {
-        self.check
-    }
-
-    fn settings(&self) -> String {
-        format!("check {}, timeout {:?}", self.check, self.rc.timeout())
     }
 
     fn in_place_home(&self) -> Option<Device> {
@@ -108,8 +97,8 @@ impl Link for NcclLink {
             serial: st,
             landed: Vec::new(),
         };
-        if self.check {
-            let size = self.rc.size();
+        if self.seat.check {
+            let size = self.seat.size;
             if let Err(e) = check_across(fp, seq, size, |w| round.all_gather_words(w)) {
                 if matches!(e, Error::Desync { .. }) {
                     round.serial.1 = Some(e.to_string());

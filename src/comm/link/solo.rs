@@ -1,6 +1,8 @@
 //! The link of the single-process kinds: one rank, nothing to exchange.
 
-use super::{Link, Op, Round, Ticket};
+use std::time::Duration;
+
+use super::{Link, Op, Round, Seat, Ticket};
 use crate::comm::fingerprint::Fingerprint;
 use crate::host::HostData;
 use crate::{Error, Result};
@@ -11,16 +13,15 @@ use crate::{Error, Result};
 pub(crate) struct Solo;
 
 impl Link for Solo {
-    fn rank(&self) -> usize {
-        0
-    }
-
-    fn size(&self) -> usize {
-        1
-    }
-
-    fn local_rank(&self) -> usize {
-        0
+    fn seat(&self) -> Seat {
+        Seat {
+            rank: 0,
+            size: 1,
+            local_rank: 0,
+            check: true,
+            // One rank alone never waits.
+            timeout: Duration::ZERO,
+        }
     }
 
     fn next_store_id(&self) -> u64 {

@@ -259,10 +259,7 @@ impl World {
                 env_error: Some((var, message)),
                 ..
             })
-            | Err((var, message)) => Err(Error::DistEnv {
-                var: var.clone(),
-                message: message.clone(),
-            }),
+            | Err((var, message)) => Err(Error::dist_env(var, message.clone())),
             Ok(w) => Ok(w),
         }
     }

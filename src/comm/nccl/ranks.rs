@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 
 use super::loader::{Comm, Config, Nccl, UniqueId};
-use super::rendezvous::{self, dist_env, JobToken, Root};
+use super::rendezvous::{self, JobToken, Root};
 use super::result::{self, lib, nccl_error, During, NcclError, On, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
@@ -126,7 +126,7 @@ impl RankComm {
     pub fn join(id: UniqueId, rank: usize, size: usize, ordinal: usize) -> Result<RankComm> {
         let op = "join NCCL ranks";
         if rank >= size {
-            return Err(dist_env(
+            return Err(Error::dist_env(
                 "RANK",
                 format!("rank {rank} of a job of {size} ranks: ranks run below the size"),
             ));
@@ -171,7 +171,7 @@ impl RankComm {
         // machine); then local ranks wrap around the GPUs.
         let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
         if launch.local_rank >= gpus && !(shared && gpus > 0) {
-            return Err(dist_env(
+            return Err(Error::dist_env(
                 "LOCAL_RANK",
                 format!(
                     "is {}, but this machine has {}: start at most one rank per GPU on each \

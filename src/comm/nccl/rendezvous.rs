@@ -105,7 +105,7 @@ impl JobToken {
                 continue;
             };
             if value.len() > MAX_TOKEN {
-                return Err(dist_env(
+                return Err(Error::dist_env(
                     name,
                     format!(
                         "is {} bytes long: a job token has at most {MAX_TOKEN}",
@@ -141,12 +141,6 @@ impl JobToken {
             format!("the token from {}", self.var)
         }
     }
-}
-
-/// The crate's [`Error::DistEnv`]: `var` is to fix, as `message` says.
-pub(super) fn dist_env(var: &str, message: String) -> Error {
-    let var = var.to_owned();
-    Error::DistEnv { var, message }
 }
 
 /// A host as `to_socket_addrs` takes it: IPv6 brackets removed.
@@ -187,7 +181,7 @@ impl Root {
         let addrs: Vec<SocketAddr> = (bare_host(host), port)
             .to_socket_addrs()
             .map_err(|e| {
-                dist_env(
+                Error::dist_env(
                     "MASTER_ADDR",
                     format!(
                         "'{host}' does not resolve on rank 0 ({e}): use rank 0's host name or \
@@ -216,7 +210,7 @@ impl Root {
             }
         }
         let why = last.map_or_else(|| "no address".to_owned(), |e| e.to_string());
-        Err(dist_env(
+        Err(Error::dist_env(
             "MASTER_PORT",
             format!(
                 "rank 0 cannot listen at {addr} (MASTER_PORT + 1), where kvstore hands the \
@@ -227,9 +221,9 @@ impl Root {
     }
 
     fn ready(listener: TcpListener, addr: String) -> Result<Root> {
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| dist_env("MASTER_PORT", format!("rank 0's listener at {addr}: {e}")))?;
+        listener.set_nonblocking(true).map_err(|e| {
+            Error::dist_env("MASTER_PORT", format!("rank 0's listener at {addr}: {e}"))
+        })?;
         Ok(Root { listener, addr })
     }
 
@@ -601,7 +595,7 @@ pub(crate) fn fetch(
                 ),
             }
         } else {
-            dist_env(
+            Error::dist_env(
                 "MASTER_ADDR",
                 format!("the rendezvous with rank 0 at {addr} failed: {e}"),
             )
@@ -615,7 +609,7 @@ pub(crate) fn fetch(
     let mut head = [0u8; MAGIC.len() + 1];
     read_full(&mut stream, &mut head, deadline).map_err(io)?;
     if head[..MAGIC.len()] != MAGIC {
-        return Err(dist_env(
+        return Err(Error::dist_env(
             "MASTER_PORT",
             format!(
                 "what answers at {addr} (MASTER_PORT + 1) is not a kvstore rank 0: pick a \
@@ -635,7 +629,7 @@ pub(crate) fn fetch(
     read_full(&mut stream, &mut why, deadline).map_err(io)?;
     let why = String::from_utf8_lossy(&why);
     Err(match Refusal::from_code(code) {
-        Some(Refusal::Token) => dist_env(
+        Some(Refusal::Token) => Error::dist_env(
             token.var,
             format!(
                 "rank 0 at {addr} refused this rank: {why}. This rank uses {}. Rank 0 belongs \
@@ -651,7 +645,7 @@ pub(crate) fn fetch(
             } else {
                 "WORLD_SIZE"
             };
-            dist_env(var, format!("rank 0 at {addr} refused this rank: {why}"))
+            Error::dist_env(var, format!("rank 0 at {addr} refused this rank: {why}"))
         }
         Some(Refusal::Rank0Failed) => Error::RankExited {
             op: OP,
@@ -660,7 +654,7 @@ pub(crate) fn fetch(
             host: Some(host.to_owned()),
             detail: format!("failed before sending the NCCL id ({why})"),
         },
-        Some(Refusal::Version) | None => dist_env(
+        Some(Refusal::Version) | None => Error::dist_env(
             "MASTER_PORT",
             format!(
                 "rank 0 at {addr} refused this rank (code {code}): {why}; every rank must run \
