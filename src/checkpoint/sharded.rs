@@ -266,28 +266,24 @@ fn check_piece<'p>(
     Ok(())
 }
 
-/// The tensors of checked piece `p`: its value and its state buffers, 1-D.
+/// The tensors of checked piece `p`: its value and its state buffers, 1-D, each of the dtype
+/// [`check_piece`] found.
 fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
-    let (m, key, len) = (&p.meta, &p.meta.key, p.range.len());
-    let bytes = |what: &str, a: &NDArray| {
-        a.with_host(to_le_bytes)
-            .map_err(|e| Problem::invalid(format!("key {key}: reading {what}: {e}")))
-    };
-    let mut tensors = vec![Tensor {
-        name: format!("value/{key}"),
-        dtype: m.dtype,
-        shape: vec![len],
-        bytes: bytes("the value", &p.value)?,
-    }];
-    for (name, buf) in &p.state {
-        tensors.push(Tensor {
-            name: format!("state/{key}/{name}"),
-            dtype: acc_dtype(m.dtype),
+    let (key, len) = (&p.meta.key, p.range.len());
+    let tensor = |name: String, what: &str, a: &NDArray| {
+        let bytes = (a.with_host(to_le_bytes))
+            .map_err(|e| Problem::invalid(format!("key {key}: reading {what}: {e}")))?;
+        Ok(Tensor {
+            name,
+            dtype: a.dtype(),
             shape: vec![len],
-            bytes: bytes(name, buf)?,
-        });
-    }
-    Ok(tensors)
+            bytes,
+        })
+    };
+    let value = tensor(format!("value/{key}"), "the value", &p.value);
+    let state =
+        (p.state.iter()).map(|(name, buf)| tensor(format!("state/{key}/{name}"), name, buf));
+    std::iter::once(value).chain(state).collect()
 }
 
 /// Checks residuals `r` before they are written: of the shard's key `kind`, each of the key's
