@@ -159,12 +159,7 @@ impl KvStore {
         }
         let (_, updater, entries) = self.export_entries()?;
         let residuals: Vec<KeyResiduals> = (entries.iter())
-            .filter(|e| !e.residuals.is_empty())
-            .map(|e| KeyResiduals {
-                key: e.key.clone(),
-                len: e.shape.size(),
-                residuals: e.residuals.clone(),
-            })
+            .filter_map(|e| KeyResiduals::of(&e.key, e.shape.size(), &e.residuals))
             .collect();
         let save = checkpoint::next_generation(dir)?;
         for rank in 0..world {
@@ -214,16 +209,8 @@ impl KvStore {
                 pieces.push(own_piece(slot, cell, order, rank, size, active)?);
             }
         }
-        let residuals: Vec<KeyResiduals> = slots
-            .iter()
-            .filter_map(|slot| {
-                let r = lock(&slot.residuals);
-                (!r.is_empty()).then(|| KeyResiduals {
-                    key: slot.key.clone(),
-                    len: slot.shape.size(),
-                    residuals: r.clone(),
-                })
-            })
+        let residuals: Vec<KeyResiduals> = (slots.iter())
+            .filter_map(|s| KeyResiduals::of(&s.key, s.shape.size(), &lock(&s.residuals)))
             .collect();
         let updater = &active.updater;
         checkpoint::write_shard(dir, save, rank, size, updater, &pieces, &residuals)
