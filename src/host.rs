@@ -113,3 +113,54 @@ pub(crate) fn convert_into<T: Element>(src: &[T], dst: &mut HostData) {
         }
     })
 }
+
+/// The little-endian bytes of host elements.
+pub(crate) fn to_le_bytes(data: &HostData) -> Vec<u8> {
+    match data {
+        HostData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        HostData::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        HostData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        HostData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Host elements of `dtype` from their little-endian bytes; the length is checked by the
+/// caller (a trailing part of an element is dropped).
+pub(crate) fn from_le_bytes(dtype: DType, bytes: &[u8]) -> HostData {
+    fn each<const N: usize, T>(bytes: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
+        // `chunks_exact` yields chunks of `N` bytes only, so every conversion succeeds.
+        (bytes.chunks_exact(N))
+            .filter_map(|c| c.try_into().ok().map(f))
+            .collect()
+    }
+    match dtype {
+        DType::F32 => HostData::F32(each(bytes, f32::from_le_bytes)),
+        DType::F64 => HostData::F64(each(bytes, f64::from_le_bytes)),
+        DType::F16 => HostData::F16(each(bytes, f16::from_le_bytes)),
+        DType::BF16 => HostData::BF16(each(bytes, bf16::from_le_bytes)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn le_bytes_round_trip_every_dtype() {
+        let xs = [1.5f32, -0.25, 3.0e-3, 7.0];
+        let f32s: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert!(matches!(from_le_bytes(DType::F32, &f32s), HostData::F32(v) if v == xs));
+        let f64s: Vec<u8> = xs
+            .iter()
+            .flat_map(|&x| f64::from(x).to_le_bytes())
+            .collect();
+        assert!(matches!(from_le_bytes(DType::F64, &f64s),
+            HostData::F64(v) if v.iter().zip(&xs).all(|(a, &b)| *a == f64::from(b))));
+        let h: Vec<f16> = xs.iter().map(|&x| f16::from_f32(x)).collect();
+        let hb: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert!(matches!(from_le_bytes(DType::F16, &hb), HostData::F16(v) if v == h));
+        let b: Vec<bf16> = xs.iter().map(|&x| bf16::from_f32(x)).collect();
+        let bb: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert!(matches!(from_le_bytes(DType::BF16, &bb), HostData::BF16(v) if v == b));
+    }
+}

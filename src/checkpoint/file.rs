@@ -6,7 +6,6 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
-use half::{bf16, f16};
 use safetensors::tensor::TensorView;
 
 use super::atomic::write_atomic;
@@ -16,6 +15,7 @@ use super::entry::Entry;
 use super::held::{Held, Saved, ShardHeader, Tensors};
 use super::layout::{acc_dtype, st_dtype, KeyMeta};
 use super::{Problem, FORMAT, FORMAT_1};
+use crate::host::to_le_bytes;
 use crate::{DType, Error, Key, KeyKind, Shape, Updater};
 
 pub(super) fn kind_name(kind: Option<KeyKind>) -> &'static str {
@@ -23,34 +23,6 @@ pub(super) fn kind_name(kind: Option<KeyKind>) -> &'static str {
         Some(KeyKind::Int) => "int",
         Some(KeyKind::Str) => "str",
         None => "none",
-    }
-}
-
-/// Little-endian bytes of host elements.
-pub(super) fn to_bytes(data: &crate::HostData) -> Vec<u8> {
-    use crate::HostData as H;
-    match data {
-        H::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        H::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        H::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        H::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
-}
-
-/// Host elements of `dtype` from little-endian bytes; the length is checked by the caller.
-pub(super) fn from_bytes(dtype: DType, b: &[u8]) -> crate::HostData {
-    fn each<const N: usize, T>(b: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
-        // `chunks_exact` yields chunks of `N` bytes only, so every conversion succeeds.
-        (b.chunks_exact(N))
-            .filter_map(|c| c.try_into().ok().map(f))
-            .collect()
-    }
-    use crate::HostData as H;
-    match dtype {
-        DType::F32 => H::F32(each(b, f32::from_le_bytes)),
-        DType::F64 => H::F64(each(b, f64::from_le_bytes)),
-        DType::F16 => H::F16(each(b, f16::from_le_bytes)),
-        DType::BF16 => H::BF16(each(b, bf16::from_le_bytes)),
     }
 }
 
@@ -120,7 +92,7 @@ pub(super) fn encode(
             name,
             dtype: data.dtype(),
             shape: e.shape.dims().to_vec(),
-            bytes: to_bytes(data),
+            bytes: to_le_bytes(data),
         };
         tensors.push(tensor(format!("value/{}", e.key), &e.value));
         if e.row_sparse {

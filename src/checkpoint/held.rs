@@ -110,25 +110,19 @@ impl<'a> Tensors<'a> {
                 e.wrapping_sub(s)
             )));
         }
-        let sums =
-            match self.sums {
-                Some(all) => Some(all.tensors.get(&name).cloned().ok_or_else(|| {
-                    Problem::invalid(format!("tensor '{name}' has no checksums"))
-                })?),
-                None => None,
-            };
-        let span = self.header.span(info);
+        let no_sums = || Problem::invalid(format!("tensor '{name}' has no checksums"));
+        let sums = (self.sums)
+            .map(|all| all.tensors.get(&name).cloned().ok_or_else(no_sums))
+            .transpose()?;
+        let Range { start, end } = self.header.span(info);
         self.claimed.insert(name.clone());
-        let (start, end) = (span.start, span.end);
-        Ok((
-            got,
-            Span {
-                name,
-                start,
-                end,
-                sums,
-            },
-        ))
+        let span = Span {
+            name,
+            start,
+            end,
+            sums,
+        };
+        Ok((got, span))
     }
 
     /// Checks that every tensor of the file was claimed: one that was not belongs to no

@@ -93,6 +93,17 @@ pub(crate) struct KeyResiduals {
     pub residuals: Vec<Vec<f32>>,
 }
 
+impl KeyResiduals {
+    /// The residuals of `key`, of `len` elements each: `None` where it has none.
+    pub(crate) fn of(key: &Key, len: usize, residuals: &[Vec<f32>]) -> Option<KeyResiduals> {
+        (!residuals.is_empty()).then(|| KeyResiduals {
+            key: key.clone(),
+            len,
+            residuals: residuals.to_vec(),
+        })
+    }
+}
+
 /// One contiguous element range of one key: its value and updater state there.
 #[derive(Clone, Debug)]
 pub(crate) struct Piece {

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use super::bounded;
 use super::checksum::{self, Sums};
-use super::file::{check_file, from_bytes, parse_key, parse_kind};
+use super::file::{check_file, parse_key, parse_kind};
 use super::held::{Held, Saved, ShardHeader, Span, Tensors};
 use super::layout::{
     acc_dtype, count_of, generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta,
@@ -23,6 +23,7 @@ use super::layout::{
 };
 use super::spec::{PieceSpec, ResidualSpec, Spelling};
 use super::Problem;
+use crate::host::from_le_bytes;
 use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updater};
 
 /// What `dir/index` says: the committed generation, the world size that wrote it, and the
@@ -803,7 +804,7 @@ impl Reader {
                 let mut bytes = vec![0u8; n * 4];
                 file.read_tensor(span, 0, &mut bytes)
                     .map_err(|e| e.at(&file.path))?;
-                residuals.push(from_bytes(DType::F32, &bytes).to_vec::<f32>());
+                residuals.push(from_le_bytes(DType::F32, &bytes).to_vec::<f32>());
             }
             out.push(KeyResiduals {
                 key: key.clone(),
@@ -918,8 +919,8 @@ impl Reader {
                 read(span, asize, out)?;
             }
         }
-        let value = from_bytes(meta.dtype, &value);
-        let state = state.iter().map(|b| from_bytes(acc, b)).collect();
+        let value = from_le_bytes(meta.dtype, &value);
+        let state = state.iter().map(|b| from_le_bytes(acc, b)).collect();
         Ok((value, state))
     }
 }

@@ -24,7 +24,7 @@ use std::path::Path;
 use super::atomic::{sync_dir, write_atomic};
 use super::checksum;
 use super::entry::Entry;
-use super::file::{kind_name, serialize_sealed, to_bytes, Tensor};
+use super::file::{kind_name, serialize_sealed, Tensor};
 use super::layout::{
     acc_dtype, count_of, generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals,
     Piece, INDEX_FORMAT, SHARD_FORMAT,
@@ -32,6 +32,7 @@ use super::layout::{
 use super::reader::{check_cover, open_shard, read_index};
 use super::spec::{to_json, PieceSpec, ResidualSpec};
 use super::{CheckpointErrorKind, Problem};
+use crate::host::to_le_bytes;
 use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
 
 /// One save of a sharded checkpoint: the generation it claimed and the token that marks every
@@ -265,28 +266,24 @@ fn check_piece<'p>(
     Ok(())
 }
 
-/// The tensors of checked piece `p`: its value and its state buffers, 1-D.
+/// The tensors of checked piece `p`: its value and its state buffers, 1-D, each of the dtype
+/// [`check_piece`] found.
 fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
-    let (m, key, len) = (&p.meta, &p.meta.key, p.range.len());
-    let bytes = |what: &str, a: &NDArray| {
-        a.with_host(to_bytes)
-            .map_err(|e| Problem::invalid(format!("key {key}: reading {what}: {e}")))
-    };
-    let mut tensors = vec![Tensor {
-        name: format!("value/{key}"),
-        dtype: m.dtype,
-        shape: vec![len],
-        bytes: bytes("the value", &p.value)?,
-    }];
-    for (name, buf) in &p.state {
-        tensors.push(Tensor {
-            name: format!("state/{key}/{name}"),
-            dtype: acc_dtype(m.dtype),
+    let (key, len) = (&p.meta.key, p.range.len());
+    let tensor = |name: String, what: &str, a: &NDArray| {
+        let bytes = (a.with_host(to_le_bytes))
+            .map_err(|e| Problem::invalid(format!("key {key}: reading {what}: {e}")))?;
+        Ok(Tensor {
+            name,
+            dtype: a.dtype(),
             shape: vec![len],
-            bytes: bytes(name, buf)?,
-        });
-    }
-    Ok(tensors)
+            bytes,
+        })
+    };
+    let value = tensor(format!("value/{key}"), "the value", &p.value);
+    let state =
+        (p.state.iter()).map(|(name, buf)| tensor(format!("state/{key}/{name}"), name, buf));
+    std::iter::once(value).chain(state).collect()
 }
 
 /// Checks residuals `r` before they are written: of the shard's key `kind`, each of the key's

@@ -39,7 +39,7 @@ use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::backend::cpu::rows::Merged;
 use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::{Dist, Pool};
-use crate::comm::{self, Ctx, KeyUpdate, Spread};
+use crate::comm::{self, Ctx, KeyUpdate};
 use crate::compress::Compression;
 use crate::config::Config;
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
@@ -50,7 +50,7 @@ use groups::{check_outs, check_values, issue_order, lock_cells, Group};
 use hook::{call_hook, pushed};
 pub use hook::{PushEvent, PushHook};
 pub use kind::{IntoStoreKind, StoreKind};
-use table::{Slot, Table};
+use table::{NewKey, Slot, Table};
 use validate::{check_arrays, check_len, to_keys};
 mod hyper;
 
@@ -482,9 +482,18 @@ impl KvStore {
                 return Err(e);
             }
         };
-        let kinds = kinds_of(values);
-        let sparse = vec![row_sparse; keys.len()];
-        insert_slots(&mut table, keys, &kinds, data, &placed, &spreads, &sparse);
+        let new = (keys.into_iter().zip(values).zip(data))
+            .zip(placed.into_iter().zip(spreads))
+            .map(|(((key, v), cell), (home, spread))| NewKey {
+                key,
+                shape: v.shape(),
+                dtype: v.dtype(),
+                home,
+                spread,
+                row_sparse,
+                cell,
+            });
+        table.insert(new);
         Ok(())
     }
 
@@ -767,58 +776,6 @@ fn check_new_keys(table: &Table, keys: &[Key]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Adds the slots of an init's checked keys: each key with its shape and dtype (`kinds`), this
-/// rank's part of the value (`data`), its home device and which ranks hold it.
-fn insert_slots(
-    table: &mut Table,
-    keys: Vec<Key>,
-    kinds: &[(Shape, DType)],
-    data: Vec<HomeValue>,
-    homes: &[Device],
-    spreads: &[Spread],
-    row_sparse: &[bool],
-) {
-    let parts = kinds
-        .iter()
-        .zip(data)
-        .zip(homes)
-        .zip(spreads)
-        .zip(row_sparse);
-    for (key, ((((&(shape, dtype), data), &home), &spread), &row_sparse)) in
-        keys.into_iter().zip(parts)
-    {
-        let order = match &key {
-            Key::Int(k) => i64::from(*k),
-            Key::Str(_) => {
-                table.next_str_order += 1;
-                table.next_str_order
-            }
-        };
-        table.key_kind = Some(key.kind());
-        let init_seq = table.next_init_seq;
-        table.next_init_seq += 1;
-        let slot = Slot {
-            key: key.clone(),
-            order,
-            init_seq,
-            shape,
-            dtype,
-            home,
-            spread,
-            cell: RwLock::new(data),
-            updates: std::sync::Mutex::new((0, 0)),
-            residuals: std::sync::Mutex::new(Vec::new()),
-            row_sparse,
-        };
-        table.slots.insert(key, Arc::new(slot));
-    }
-}
-
-/// The shape and dtype of each value.
-fn kinds_of(values: &[NDArray]) -> Vec<(Shape, DType)> {
-    values.iter().map(|v| (v.shape(), v.dtype())).collect()
 }
 
 /// Applies a validated push to every group this rank holds, in issue order, through the comm

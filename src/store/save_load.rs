@@ -16,15 +16,15 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
-use super::table::{Slot, Table};
-use super::{insert_slots, read, write, Active, KvStore};
+use super::compress::lock;
+use super::table::{NewKey, Slot, Table};
+use super::{read, write, Active, KvStore};
 use crate::backend::{HomeValue, HostState, StagedLoad};
 use crate::checkpoint::{
     self, Entry, EntryState, KeyMeta, KeyResiduals, LoadStage, Piece, Problem, Reader, SaveId,
 };
 use crate::comm::fingerprint::Fingerprint;
 use crate::comm::link::Round;
-use crate::comm::Spread;
 use crate::host::HostData;
 use crate::{cpu, Device, Error, Key, KeyKind, NDArray, Result, Shape, Updater};
 
@@ -159,12 +159,7 @@ impl KvStore {
         }
         let (_, updater, entries) = self.export_entries()?;
         let residuals: Vec<KeyResiduals> = (entries.iter())
-            .filter(|e| !e.residuals.is_empty())
-            .map(|e| KeyResiduals {
-                key: e.key.clone(),
-                len: e.shape.size(),
-                residuals: e.residuals.clone(),
-            })
+            .filter_map(|e| KeyResiduals::of(&e.key, e.shape.size(), &e.residuals))
             .collect();
         let save = checkpoint::next_generation(dir)?;
         for rank in 0..world {
@@ -214,16 +209,8 @@ impl KvStore {
                 pieces.push(own_piece(slot, cell, order, rank, size, active)?);
             }
         }
-        let residuals: Vec<KeyResiduals> = slots
-            .iter()
-            .filter_map(|slot| {
-                let r = slot.residuals.lock().unwrap_or_else(|p| p.into_inner());
-                (!r.is_empty()).then(|| KeyResiduals {
-                    key: slot.key.clone(),
-                    len: slot.shape.size(),
-                    residuals: r.clone(),
-                })
-            })
+        let residuals: Vec<KeyResiduals> = (slots.iter())
+            .filter_map(|s| KeyResiduals::of(&s.key, s.shape.size(), &lock(&s.residuals)))
             .collect();
         let updater = &active.updater;
         checkpoint::write_shard(dir, save, rank, size, updater, &pieces, &residuals)
@@ -247,9 +234,7 @@ impl KvStore {
                     value,
                     state,
                     row_sparse: slot.row_sparse,
-                    residuals: (slot.residuals.lock())
-                        .unwrap_or_else(|e| e.into_inner())
-                        .clone(),
+                    residuals: lock(&slot.residuals).clone(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -359,7 +344,7 @@ impl KvStore {
                     return together;
                 }
             };
-            apply_parts(&mut table, reader, made, &mut cells)?;
+            apply_parts(&mut table, made, &mut cells)?;
             // Residuals change only under their cells' locks, still held.
             set_loaded_extras(&table, reader, residuals, updater, generation);
             drop(cells);
@@ -411,7 +396,15 @@ impl KvStore {
                 None => {
                     let mut cell = keep_on(home, value, &m.key)?;
                     cell.set_state(generation, state)?;
-                    Made::New(home, spread, Shape::new(&m.dims)?, cell)
+                    Made::New(NewKey {
+                        key: m.key.clone(),
+                        shape: Shape::new(&m.dims)?,
+                        dtype: m.dtype,
+                        home,
+                        spread,
+                        row_sparse: m.row_sparse,
+                        cell,
+                    })
                 }
             });
         }
@@ -564,44 +557,23 @@ fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
     HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), home).map_err(|e| e.with_key(key))
 }
 
-/// Applies the parts `made` for `reader`'s keys, in one step: keys the store has under their
+/// Applies the parts `made` for a checkpoint's keys (one each, in its order), in one step: keys the store has under their
 /// write locks `cells` (this allocates nothing, and fails only where the GPU itself does),
 /// then the new keys, added to `table`.
 fn apply_parts(
     table: &mut Table,
-    reader: &Reader,
     made: Vec<Made>,
     cells: &mut [Option<RwLockWriteGuard<'_, HomeValue>>],
 ) -> Result<()> {
     let mut new_keys = Vec::new();
-    let mut new_kinds = Vec::new();
-    let mut new_data = Vec::new();
-    let mut new_homes = Vec::new();
-    let mut new_spreads = Vec::new();
-    let mut new_sparse = Vec::new();
-    for ((m, made), cell) in reader.keys().iter().zip(made).zip(cells.iter_mut()) {
+    for (made, cell) in made.into_iter().zip(cells.iter_mut()) {
         match (made, cell) {
             (Made::Held(staged), Some(cell)) => cell.commit_load(staged)?,
-            (Made::New(home, spread, shape, data), None) => {
-                new_keys.push(m.key.clone());
-                new_kinds.push((shape, m.dtype));
-                new_data.push(data);
-                new_homes.push(home);
-                new_spreads.push(spread);
-                new_sparse.push(m.row_sparse);
-            }
+            (Made::New(new), None) => new_keys.push(new),
             _ => return Err(internal("a key made ready for a cell it does not have")),
         }
     }
-    insert_slots(
-        table,
-        new_keys,
-        &new_kinds,
-        new_data,
-        &new_homes,
-        &new_spreads,
-        &new_sparse,
-    );
+    table.insert(new_keys);
     Ok(())
 }
 
@@ -621,8 +593,7 @@ fn set_loaded_extras(
         .collect();
     for m in reader.keys() {
         if let Some(slot) = table.slots.get(&m.key) {
-            *slot.residuals.lock().unwrap_or_else(|p| p.into_inner()) =
-                saved.remove(&m.key).unwrap_or_default();
+            *lock(&slot.residuals) = saved.remove(&m.key).unwrap_or_default();
             let count = if fits && m.has_state { m.step } else { 0 };
             slot.set_updates(generation, count);
         }
@@ -641,6 +612,6 @@ fn internal(message: &str) -> Error {
 enum Made {
     /// A key the store holds: its value and state, staged for its cell.
     Held(StagedLoad),
-    /// A new key: its home, which ranks hold it, its shape, and its cell.
-    New(Device, Spread, Shape, HomeValue),
+    /// A new key, to add to the table.
+    New(NewKey),
 }

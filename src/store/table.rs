@@ -33,6 +33,18 @@ pub(super) struct Slot {
     pub row_sparse: bool,
 }
 
+/// A key to add to the table ([`Table::insert`]): its fixed facts, and this rank's part of
+/// its value (all of it in a single process).
+pub(super) struct NewKey {
+    pub key: Key,
+    pub shape: Shape,
+    pub dtype: DType,
+    pub home: Device,
+    pub spread: Spread,
+    pub row_sparse: bool,
+    pub cell: HomeValue,
+}
+
 #[derive(Default)]
 pub(super) struct Table {
     pub key_kind: Option<KeyKind>,
@@ -74,6 +86,37 @@ impl Slot {
 }
 
 impl Table {
+    /// Adds the slots of checked new keys, in order: a string key's update order and every
+    /// key's init order follow the keys added before.
+    pub(super) fn insert(&mut self, keys: impl IntoIterator<Item = NewKey>) {
+        for new in keys {
+            let order = match &new.key {
+                Key::Int(k) => i64::from(*k),
+                Key::Str(_) => {
+                    self.next_str_order += 1;
+                    self.next_str_order
+                }
+            };
+            self.key_kind = Some(new.key.kind());
+            let init_seq = self.next_init_seq;
+            self.next_init_seq += 1;
+            let slot = Slot {
+                key: new.key.clone(),
+                order,
+                init_seq,
+                shape: new.shape,
+                dtype: new.dtype,
+                home: new.home,
+                spread: new.spread,
+                cell: RwLock::new(new.cell),
+                updates: Mutex::new((0, 0)),
+                residuals: Mutex::new(Vec::new()),
+                row_sparse: new.row_sparse,
+            };
+            self.slots.insert(new.key, Arc::new(slot));
+        }
+    }
+
     pub(super) fn check_kind(&self, op: &'static str, key: &Key) -> Result<()> {
         match self.key_kind {
             Some(store) if store != key.kind() => Err(Error::MixedKeyTypes {

@@ -22,14 +22,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use half::{bf16, f16};
-
 use super::kernels::RuleKind;
 use super::{
     copy_device, cross_gpu_order, gpu, host_data_bytes, launch_fused, stream_wait, GpuBuf, GpuPtr,
     Record,
 };
-use crate::host::HostData;
+use crate::host::{from_le_bytes, HostData};
 use crate::{DType, Result};
 
 /// The largest copy (in bytes) that `copy_many` batches into a kernel launch; larger ones
@@ -204,44 +202,4 @@ pub(crate) fn download_many(bufs: &[&GpuBuf]) -> Result<Vec<HostData>> {
         .into_iter()
         .map(|h| h.expect("every buffer was downloaded"))
         .collect())
-}
-
-/// Host elements of `dtype` from their little-endian bytes.
-fn from_le_bytes(dtype: DType, bytes: &[u8]) -> HostData {
-    fn each<const N: usize, T>(bytes: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
-        bytes
-            .chunks_exact(N)
-            .map(|c| f(c.try_into().expect("chunks of N")))
-            .collect()
-    }
-    match dtype {
-        DType::F32 => HostData::F32(each(bytes, f32::from_le_bytes)),
-        DType::F64 => HostData::F64(each(bytes, f64::from_le_bytes)),
-        DType::F16 => HostData::F16(each(bytes, f16::from_le_bytes)),
-        DType::BF16 => HostData::BF16(each(bytes, bf16::from_le_bytes)),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn le_bytes_round_trip_every_dtype() {
-        let xs = [1.5f32, -0.25, 3.0e-3, 7.0];
-        let f32s: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
-        assert!(matches!(from_le_bytes(DType::F32, &f32s), HostData::F32(v) if v == xs));
-        let f64s: Vec<u8> = xs
-            .iter()
-            .flat_map(|&x| f64::from(x).to_le_bytes())
-            .collect();
-        assert!(matches!(from_le_bytes(DType::F64, &f64s),
-            HostData::F64(v) if v.iter().zip(&xs).all(|(a, &b)| *a == f64::from(b))));
-        let h: Vec<f16> = xs.iter().map(|&x| f16::from_f32(x)).collect();
-        let hb: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
-        assert!(matches!(from_le_bytes(DType::F16, &hb), HostData::F16(v) if v == h));
-        let b: Vec<bf16> = xs.iter().map(|&x| bf16::from_f32(x)).collect();
-        let bb: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
-        assert!(matches!(from_le_bytes(DType::BF16, &bb), HostData::BF16(v) if v == b));
-    }
 }

@@ -251,10 +251,7 @@ impl Root {
         while joined.iter().skip(1).any(Option::is_none) {
             if Instant::now() > deadline {
                 let e = self.timeout(&joined, &refused);
-                let why = format!("rank 0 gave up: {e}");
-                for s in joined.iter().flatten() {
-                    refuse(s, Refusal::Rank0Failed, &why);
-                }
+                refuse_all(joined.iter().flatten(), &format!("rank 0 gave up: {e}"));
                 return Err(e);
             }
             let mut busy = false;
@@ -333,20 +330,13 @@ impl Root {
         let id = match make_id() {
             Ok(id) => id,
             Err(e) => {
-                let why = format!("rank 0 could not make the NCCL id: {e}");
-                for s in &peers {
-                    refuse(s, Refusal::Rank0Failed, &why);
-                }
+                refuse_all(&peers, &format!("rank 0 could not make the NCCL id: {e}"));
                 return Err(e);
             }
         };
         let reply = [&MAGIC[..], &[0], &id].concat();
-        for mut s in peers {
-            let sent = s
-                .set_nonblocking(false)
-                .and_then(|()| s.set_write_timeout(Some(left(deadline).min(HELLO_WAIT))))
-                .and_then(|()| s.write_all(&reply));
-            if let Err(e) = sent {
+        for s in &peers {
+            if let Err(e) = send(s, &reply, left(deadline).min(HELLO_WAIT)) {
                 // Its rank will not join the communicator: NCCL's init times out instead.
                 log::warn!("kvstore: {OP}: sending the NCCL id to a rank failed: {e}");
             }
@@ -518,11 +508,21 @@ fn refuse(stream: &TcpStream, code: Refusal, why: &str) {
     let why = &why.as_bytes()[..why.len().min(4096)];
     let len = (why.len() as u16).to_le_bytes();
     let out = [&MAGIC[..], &[code as u8], &len, why].concat();
-    let mut s = stream;
-    let _ = s
-        .set_nonblocking(false)
-        .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(1))))
-        .and_then(|()| s.write_all(&out));
+    let _ = send(stream, &out, Duration::from_secs(1));
+}
+
+/// Refuses every one of `streams` with [`Refusal::Rank0Failed`] and `why`.
+fn refuse_all<'a>(streams: impl IntoIterator<Item = &'a TcpStream>, why: &str) {
+    for s in streams {
+        refuse(s, Refusal::Rank0Failed, why);
+    }
+}
+
+/// Sends `bytes` on `stream`, blocking at most `wait`.
+fn send(mut stream: &TcpStream, bytes: &[u8], wait: Duration) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_write_timeout(Some(wait))?;
+    stream.write_all(bytes)
 }
 
 /// Whether a peer that said hello has hung up (or sent more than its hello), without blocking.
