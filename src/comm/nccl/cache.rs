@@ -64,16 +64,10 @@ pub(super) fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> 
             return Ok(set.clone());
         }
     }
-    let mut streams = Vec::with_capacity(ordinals.len());
-    for &o in ordinals {
-        streams.push(cuda::gpu(o)?.stream().clone());
-    }
-    let built = Arc::new(CommSet::init(
-        ordinals,
-        streams,
-        "create NCCL communicator",
-        keys,
-    )?);
+    let op = "create NCCL communicator";
+    let streams = ordinals.iter().map(|&o| Ok(cuda::gpu(o)?.stream().clone()));
+    let streams = streams.collect::<Result<Vec<_>>>()?;
+    let built = Arc::new(CommSet::init(ordinals, streams, op, keys)?);
     let (set, evicted) = {
         let mut c = cache();
         c.tick += 1;

@@ -1,6 +1,7 @@
 //! The non-blocking communicators of one set of GPUs (one rank each), made in one group, and
 //! the rules for using them: every call under the set's own mutex, polling with a bound, an
-//! abort that the watchdog can ask for, and finalize-then-destroy on drop.
+//! abort that the watchdog can ask for, and finalize-then-destroy on drop. The one core of
+//! both the store's device sets and [`RankComm`](super::RankComm) (a set of one rank).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -13,7 +14,7 @@ use super::result::{self, lib, nccl_error, During, Status};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
 use crate::config::nccl::timeout;
-use crate::{Key, Result};
+use crate::{Error, Key, Result};
 
 /// One rank: a raw communicator and the stream its collectives go on.
 pub(super) struct Rank {
@@ -28,13 +29,24 @@ pub(super) struct Rank {
 pub(super) struct CommSet {
     /// The ranks, in rank order.
     pub(super) ranks: Vec<Rank>,
-    /// Serializes every call on these communicators; `true` once they are aborted.
-    calls: Mutex<bool>,
+    /// Serializes every call on these communicators.
+    calls: Mutex<Calls>,
     /// Set by the watchdog: whoever polls these communicators stops and aborts them.
     abort_requested: AtomicBool,
-    /// `KVSTORE_NCCL_TIMEOUT_MS` as it was when the set was made: how long its creation, a
-    /// group on it, or its finalization may stay in progress.
-    timeout: Duration,
+    /// How long its creation, a call on it, or its finalization may stay in progress
+    /// (`KVSTORE_NCCL_TIMEOUT_MS` as it was when a store's set was made).
+    pub(super) timeout: Duration,
+}
+
+/// What the holder of a set's call lock sees.
+#[derive(Default)]
+pub(super) struct Calls {
+    /// `true` once the communicators are aborted.
+    pub(super) aborted: bool,
+    /// Calls made so far (the first is 1), where the user counts them.
+    pub(super) seq: u64,
+    /// The first failure (the communicators were aborted), where the user keeps it.
+    pub(super) failed: Option<String>,
 }
 
 // SAFETY: `CommSet` holds raw `ncclComm_t` handles, which Rust cannot see are thread-safe.
@@ -86,17 +98,10 @@ impl CommSet {
             first = first.and(r.during(op, keys));
         }
         first = first.and(result::group_end(lib).during(op, keys));
-        let set = CommSet {
-            ranks: comms
-                .into_iter()
-                .zip(streams)
-                .filter(|(c, _)| !c.is_null())
-                .map(|(comm, stream)| Rank { comm, stream })
-                .collect(),
-            calls: Mutex::new(false),
-            abort_requested: AtomicBool::new(false),
-            timeout: limit,
-        };
+        let ranks = (comms.into_iter().zip(streams))
+            .filter(|(c, _)| !c.is_null())
+            .map(|(comm, stream)| Rank { comm, stream });
+        let set = CommSet::new(ranks.collect(), limit);
         let mut calls = set.lock();
         let ready = first.and_then(|()| {
             if set.ranks.len() != n {
@@ -115,20 +120,50 @@ impl CommSet {
         ready.map(|()| set)
     }
 
-    /// Locks the set for a call; the flag is `true` once the set is aborted.
-    pub(super) fn lock(&self) -> MutexGuard<'_, bool> {
+    /// A set of the live communicators `ranks`, none of them aborted.
+    pub(super) fn new(ranks: Vec<Rank>, timeout: Duration) -> CommSet {
+        CommSet {
+            ranks,
+            calls: Mutex::default(),
+            abort_requested: AtomicBool::new(false),
+            timeout,
+        }
+    }
+
+    /// Locks the set for a call.
+    pub(super) fn lock(&self) -> MutexGuard<'_, Calls> {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Polls every rank with `ncclCommGetAsyncError` until none is in progress. An error, an
-    /// abort the watchdog asked for, or `deadline` ends it with an error (the caller, which
-    /// holds `calls`, aborts).
+    /// [`Self::settle_or`], with the set's own error for a stall.
     pub(super) fn settle(
         &self,
         lib: &Nccl,
         op: &'static str,
         keys: &[Key],
         deadline: Instant,
+    ) -> Result<()> {
+        let stall = || {
+            let detail = "(KVSTORE_NCCL_TIMEOUT_MS); the communicators were aborted";
+            nccl_error(
+                op,
+                keys,
+                format!("still in progress after {:?} {detail}", self.timeout),
+            )
+        };
+        self.settle_or(lib, op, keys, deadline, stall)
+    }
+
+    /// Polls every rank with `ncclCommGetAsyncError` until none is in progress. An error, an
+    /// abort the watchdog asked for, or `deadline` (then the error is `stall`'s) ends it with
+    /// an error (the caller, which holds `calls`, aborts).
+    pub(super) fn settle_or(
+        &self,
+        lib: &Nccl,
+        op: &'static str,
+        keys: &[Key],
+        deadline: Instant,
+        stall: impl FnOnce() -> Error,
     ) -> Result<()> {
         loop {
             let mut busy = false;
@@ -151,23 +186,15 @@ impl CommSet {
                 ));
             }
             if Instant::now() > deadline {
-                return Err(nccl_error(
-                    op,
-                    keys,
-                    format!(
-                        "still in progress after {:?} (KVSTORE_NCCL_TIMEOUT_MS); the \
-                         communicators were aborted",
-                        self.timeout
-                    ),
-                ));
+                return Err(stall());
             }
             std::thread::sleep(POLL_INTERVAL);
         }
     }
 
     /// Aborts every rank, once (the caller holds `calls`).
-    pub(super) fn abort_locked(&self, aborted: &mut bool) {
-        if std::mem::replace(aborted, true) {
+    pub(super) fn abort_locked(&self, calls: &mut Calls) {
+        if std::mem::replace(&mut calls.aborted, true) {
             return;
         }
         let Ok(lib) = loader::library() else {
@@ -179,12 +206,6 @@ impl CommSet {
             // waiting for (possibly stuck) work. Its result is of no use: the set is gone.
             let _ = unsafe { result::comm_abort(lib, r.comm) };
         }
-    }
-
-    /// How long work on this set may stay in progress (`KVSTORE_NCCL_TIMEOUT_MS` when it was
-    /// made).
-    pub(super) fn timeout(&self) -> Duration {
-        self.timeout
     }
 
     /// Asks whoever is polling these communicators to stop, then aborts them. The holder of
@@ -201,15 +222,23 @@ impl CommSet {
         let Ok(calls) = self.calls.try_lock() else {
             return Ok(());
         };
-        if *calls {
-            return Ok(());
+        match loader::library() {
+            Ok(lib) if !calls.aborted => self.async_error_locked(lib, op, keys),
+            _ => Ok(()),
         }
-        let Ok(lib) = loader::library() else {
-            return Ok(());
-        };
+    }
+
+    /// The first asynchronous error any rank reports, if any (the caller holds `calls` and
+    /// checked that the set is not aborted).
+    pub(super) fn async_error_locked(
+        &self,
+        lib: &Nccl,
+        op: &'static str,
+        keys: &[Key],
+    ) -> Result<()> {
         for r in &self.ranks {
-            // SAFETY: a live communicator of this set (not aborted: checked above), used under
-            // `calls`.
+            // SAFETY: a live communicator of this set (not aborted: the caller checked), used
+            // under `calls`.
             unsafe { result::comm_get_async_error(lib, r.comm) }.during(op, keys)?;
         }
         Ok(())
@@ -219,7 +248,7 @@ impl CommSet {
 impl Drop for CommSet {
     fn drop(&mut self) {
         let mut calls = self.lock();
-        if *calls {
+        if calls.aborted {
             return;
         }
         let Ok(lib) = loader::library() else {
@@ -231,6 +260,6 @@ impl Drop for CommSet {
         // SAFETY: live communicators of this set (not aborted: checked above), under `calls`,
         // which is set just below, so nothing aborts or uses them after.
         unsafe { result::close(lib, &comms, settle) };
-        *calls = true;
+        calls.aborted = true;
     }
 }

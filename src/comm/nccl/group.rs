@@ -3,7 +3,7 @@
 //! watchdog as work in flight.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::cache::{forget, get_set};
@@ -79,8 +79,8 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     }
     let order = cross_gpu_order();
     // Always in ascending set order, so two calls never wait on each other's locks.
-    let mut guards: Vec<MutexGuard<'_, bool>> = sets.iter().map(|s| s.lock()).collect();
-    let mut result = if guards.iter().any(|g| **g) {
+    let mut guards: Vec<_> = sets.iter().map(|s| s.lock()).collect();
+    let mut result = if guards.iter().any(|g| g.aborted) {
         Err(nccl_error(
             op,
             &all_keys,

@@ -16,7 +16,6 @@ use super::result::{self, lib, nccl_error, During, NcclError, On};
 use super::watchdog::all_complete;
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
-use crate::config::nccl::timeout;
 use crate::{DType, Error, Result};
 
 /// Several NCCL ranks on ONE GPU, for tests on one-GPU machines.
@@ -28,8 +27,6 @@ use crate::{DType, Error, Result};
 pub struct MultiRank {
     ordinal: usize,
     set: CommSet,
-    /// How long a call waits for the ranks before it aborts them.
-    timeout: Duration,
     /// `CommSet` is `Sync`, but a `MultiRank` is used from one thread at a time.
     _not_sync: std::marker::PhantomData<Cell<()>>,
 }
@@ -61,7 +58,6 @@ impl MultiRank {
         Ok(MultiRank {
             ordinal,
             set,
-            timeout: timeout()?,
             _not_sync: std::marker::PhantomData,
         })
     }
@@ -139,7 +135,7 @@ impl MultiRank {
     /// Sets how long a call waits for the ranks before it aborts them (by default
     /// `KVSTORE_NCCL_TIMEOUT_MS`, or 60 s).
     pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
+        self.set.timeout = timeout;
     }
 
     fn bad_args(&self, op: &'static str, what: &str) -> Error {
@@ -183,7 +179,7 @@ impl MultiRank {
         // work waits on.
         let lib = lib(op, &[])?;
         let mut calls = self.set.lock();
-        if *calls {
+        if calls.aborted {
             return Err(self.aborted_error(op));
         }
         // The matching group end is always called below.
@@ -193,7 +189,7 @@ impl MultiRank {
             first = first.and(call(On::new(lib, r.comm, &r.stream), rank).during(op, &[]));
         }
         first = first.and(result::group_end(lib).during(op, &[]));
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.set.timeout;
         first = first.and_then(|()| self.set.settle(lib, op, &[], deadline));
         if first.is_err() {
             self.set.abort_locked(&mut calls);
@@ -206,7 +202,7 @@ impl MultiRank {
     /// given one more timeout to drain, and every later call fails.
     fn sync(&self, op: &'static str) -> Result<()> {
         let past = |d: Option<Instant>| d.is_some_and(|d| Instant::now() > d);
-        let deadline = Instant::now().checked_add(self.timeout);
+        let deadline = Instant::now().checked_add(self.set.timeout);
         let events = self
             .ranks()
             .iter()
@@ -222,12 +218,12 @@ impl MultiRank {
                 break e;
             }
             if past(deadline) {
-                break nccl_error(op, &[], format!("no progress after {:?}", self.timeout));
+                break nccl_error(op, &[], format!("no progress after {:?}", self.set.timeout));
             }
             std::thread::sleep(POLL_INTERVAL);
         };
         self.set.abort();
-        let drain = Instant::now().checked_add(self.timeout);
+        let drain = Instant::now().checked_add(self.set.timeout);
         let drained = loop {
             match all_complete(&events, op) {
                 Ok(false) if !past(drain) => std::thread::sleep(POLL_INTERVAL),
@@ -254,7 +250,7 @@ impl MultiRank {
 
     /// Fails once the communicators have been aborted.
     fn check_live(&self, op: &'static str) -> Result<()> {
-        if *self.set.lock() {
+        if self.set.lock().aborted {
             return Err(self.aborted_error(op));
         }
         Ok(())
@@ -285,7 +281,7 @@ impl MultiRank {
         let lib = lib(op, &[])?;
         {
             let calls = self.set.lock();
-            if *calls {
+            if calls.aborted {
                 return Err(self.aborted_error(op));
             }
             // Rank 0 alone, outside a group (one rank's part; the others never come).

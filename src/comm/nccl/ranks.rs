@@ -38,14 +38,13 @@
 //! Every rank must make the same calls, in the same order, with the same sizes: that is NCCL's
 //! contract. The store checks a fingerprint of each call before its collectives.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::CudaStream;
-
+use super::comm_set::{Calls, CommSet, Rank};
 use super::loader::{Comm, Config, Nccl, UniqueId};
 use super::rendezvous::{self, JobToken, Root};
-use super::result::{self, lib, nccl_error, During, NcclError, On, Status};
+use super::result::{self, lib, nccl_error, During, NcclError, On};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
 use crate::comm::launch::LaunchEnv;
@@ -92,26 +91,10 @@ pub struct RankComm {
     rank: usize,
     size: usize,
     ordinal: usize,
-    comm: Comm,
-    stream: Arc<CudaStream>,
-    timeout: Duration,
-    /// Serializes the calls; holds the first failure once there is one.
-    state: Mutex<State>,
+    /// The communicator and its stream, a set of one rank: its call lock serializes the calls
+    /// and counts them, and holds the first failure once there is one.
+    set: CommSet,
 }
-
-#[derive(Default)]
-struct State {
-    /// Calls made so far (the first is 1).
-    seq: u64,
-    /// The first failure; the communicator was aborted.
-    failed: Option<String>,
-}
-
-// SAFETY: `comm` is a raw `ncclComm_t`. NCCL allows a communicator to be used from any thread
-// as long as calls on it are not concurrent; every call on it is made while holding `state`.
-unsafe impl Send for RankComm {}
-// SAFETY: as above: shared use goes through the `state` mutex.
-unsafe impl Sync for RankComm {}
 
 impl RankComm {
     /// A fresh id for a job, made by rank 0 and sent to the others (over MPI, for instance).
@@ -144,18 +127,16 @@ impl RankComm {
         // outlive the call.
         unsafe { result::comm_init_rank_config(lib, &mut comm, size, id, rank, &mut config) }
             .during(op, &[])?;
+        let set = CommSet::new(vec![Rank { comm, stream }], timeout);
         let this = RankComm {
             rank,
             size,
             ordinal,
-            comm,
-            stream,
-            timeout,
-            state: Mutex::new(State::default()),
+            set,
         };
         // Joining is a collective too: a rank that never comes is a timeout, not a hang.
-        let mut st = this.lock();
-        let ready = this.settle(lib, op, &[], Instant::now() + timeout);
+        let mut st = this.set.lock();
+        let ready = this.settle(lib, op, &[]);
         ready.map_err(|e| this.fail(&mut st, op, &[], e))?;
         drop(st);
         Ok(this)
@@ -224,13 +205,13 @@ impl RankComm {
 
     /// How long a call waits for the other ranks before it aborts the communicator.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.set.timeout
     }
 
     /// Sets how long a call waits for the other ranks before it aborts the communicator (by
     /// default `KVSTORE_TIMEOUT`).
     pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
+        self.set.timeout = timeout;
     }
 
     /// Sums every rank's `send` into `recv` on rank `root`. `recv` is only written on the root;
@@ -256,7 +237,7 @@ impl RankComm {
         // GPU, locked for the call, which returns only once the collective is done, or once the
         // communicator is aborted and the runtime stream (where the buffers are freed or reused)
         // waits for this rank's stream (`order_after_abort`); `call` hands over the live
-        // communicator, under `state`'s lock, and this rank's own stream.
+        // communicator, under the set's call lock, and this rank's own stream.
         self.call(op, &[], |on| unsafe {
             result::reduce(on, sp, rp, n, dt, root)
         })
@@ -370,7 +351,7 @@ impl RankComm {
                 // against the lengths), on this rank's GPU, locked for the call, which returns
                 // only once this stream's work is done, or once the communicator is aborted and
                 // the runtime stream waits for this rank's stream (`order_after_abort`); `call`
-                // hands over the live communicator, under `state`'s lock, and this rank's own
+                // hands over the live communicator, under the set's call lock, and this rank's own
                 // stream.
                 let sent = unsafe { result::send(on, sp + send_at[p], send_counts[p], dt, p) };
                 // SAFETY: as for the send; the receive buffer is another array (checked).
@@ -415,7 +396,7 @@ impl RankComm {
                     // runtime stream, where buffers are freed or reused, waits for this rank's
                     // stream (`order_after_abort`), so the buffer outlives the collective; NCCL
                     // allows it in place; `call` hands over the live communicator, under
-                    // `state`'s lock, and this rank's own stream.
+                    // the set's call lock, and this rank's own stream.
                     let issued = unsafe {
                         match reduce {
                             true => result::reduce(on, p, p, n, dt, root),
@@ -435,25 +416,20 @@ impl RankComm {
     /// returns only when its collective is done, so this only reports a failure, if any.
     pub fn synchronize(&self) -> Result<()> {
         let op = "wait for NCCL ranks";
-        let mut st = self.lock();
-        if let Some(first) = &st.failed {
-            return Err(Error::DistFailed {
-                op,
-                first: first.clone(),
-            });
-        }
+        let mut st = self.live(op)?;
         self.wait_done(&mut st, op, &[])
     }
 
     /// Polls this rank's stream until its work is done, and NCCL for errors, for at most the
     /// timeout. A stall or an error aborts the communicator.
-    fn wait_done(&self, st: &mut State, op: &'static str, keys: &[Key]) -> Result<()> {
+    fn wait_done(&self, st: &mut Calls, op: &'static str, keys: &[Key]) -> Result<()> {
         let lib = lib(op, keys)?;
         let waited = (|| {
-            let done = self.stream.record_event(None).map_err(cuda_err(op, None))?;
-            let deadline = Instant::now() + self.timeout;
+            let done = self.one().stream.record_event(None);
+            let done = done.map_err(cuda_err(op, None))?;
+            let deadline = Instant::now() + self.set.timeout;
             while !done.try_is_complete().map_err(cuda_err(op, None))? {
-                self.async_error(lib, op, keys)?;
+                self.set.async_error_locked(lib, op, keys)?;
                 if Instant::now() > deadline {
                     return Err(self.stall(op, keys));
                 }
@@ -475,44 +451,40 @@ impl RankComm {
         issue: impl FnOnce(On) -> std::result::Result<(), NcclError>,
     ) -> Result<()> {
         let lib = lib(op, keys)?;
-        let mut st = self.lock();
-        if let Some(first) = &st.failed {
-            return Err(Error::DistFailed {
-                op,
-                first: first.clone(),
-            });
-        }
+        let mut st = self.live(op)?;
         st.seq += 1;
-        let gpu = cuda::gpu(self.ordinal)?;
-        stream_wait(&self.stream, gpu.stream())?;
+        let (gpu, one) = (cuda::gpu(self.ordinal)?, self.one());
+        stream_wait(&one.stream, gpu.stream())?;
         gpu.context().bind_to_thread().map_err(cuda_err(op, None))?;
-        let issued = issue(On::new(lib, self.comm, &self.stream))
+        let issued = issue(On::new(lib, one.comm, &one.stream))
             .during(op, keys)
-            .and_then(|()| self.settle(lib, op, keys, Instant::now() + self.timeout));
+            .and_then(|()| self.settle(lib, op, keys));
         issued.map_err(|e| self.fail(&mut st, op, keys, e))?;
         self.wait_done(&mut st, op, keys)
     }
 
-    /// Polls until the communicator is no longer in progress, or `deadline` passes.
-    fn settle(&self, lib: &Nccl, op: &'static str, keys: &[Key], deadline: Instant) -> Result<()> {
-        loop {
-            // SAFETY: a live communicator (callers check `failed`, set when it is aborted),
-            // used under `state`'s lock.
-            match unsafe { result::comm_get_async_error(lib, self.comm) }.during(op, keys)? {
-                Status::Done => return Ok(()),
-                Status::InProgress if Instant::now() > deadline => return Err(self.stall(op, keys)),
-                Status::InProgress => std::thread::sleep(POLL_INTERVAL),
-            }
+    /// Locks the communicator for a call; [`Error::DistFailed`] once a call has failed.
+    fn live(&self, op: &'static str) -> Result<MutexGuard<'_, Calls>> {
+        let st = self.set.lock();
+        match &st.failed {
+            Some(first) => Err(Error::DistFailed {
+                op,
+                first: first.clone(),
+            }),
+            None => Ok(st),
         }
     }
 
-    /// The communicator's asynchronous error, if it has one.
-    fn async_error(&self, lib: &Nccl, op: &'static str, keys: &[Key]) -> Result<()> {
-        // SAFETY: a live communicator (callers check `failed`, set when it is aborted), used
-        // under `state`'s lock.
-        unsafe { result::comm_get_async_error(lib, self.comm) }
-            .during(op, keys)
-            .map(drop)
+    /// The communicator and its stream.
+    fn one(&self) -> &Rank {
+        &self.set.ranks[0]
+    }
+
+    /// Polls until the communicator is no longer in progress, for at most the timeout.
+    fn settle(&self, lib: &Nccl, op: &'static str, keys: &[Key]) -> Result<()> {
+        let deadline = Instant::now() + self.set.timeout;
+        self.set
+            .settle_or(lib, op, keys, deadline, || self.stall(op, keys))
     }
 
     /// The error of a collective that made no progress within the timeout ([`Self::fail`]
@@ -527,14 +499,14 @@ impl RankComm {
                 "no progress for {:?} (KVSTORE_TIMEOUT) among {} NCCL ranks: a rank stopped \
                  calling kvstore, called something else, or died; this rank ({}) aborted the \
                  communicator. Every rank must make the same calls in the same order",
-                self.timeout, self.size, self.rank
+                self.set.timeout, self.size, self.rank
             ),
         }
     }
 
     /// Aborts the communicator after `error`, remembers it, and returns it (with the call's
     /// sequence number where the error has one).
-    fn fail(&self, st: &mut State, op: &'static str, keys: &[Key], error: Error) -> Error {
+    fn fail(&self, st: &mut Calls, op: &'static str, keys: &[Key], error: Error) -> Error {
         let error = match error {
             Error::Timeout {
                 seq: 0,
@@ -553,12 +525,8 @@ impl RankComm {
         };
         if st.failed.is_none() {
             st.failed = Some(error.to_string());
-            if let Ok(lib) = super::loader::library() {
-                // SAFETY: the communicator is live and aborted once (`failed` was unset, and is
-                // set now, so nothing uses it after); abort ends its kernels without waiting
-                // for the other ranks. Its result adds nothing to `error`.
-                let _ = unsafe { result::comm_abort(lib, self.comm) };
-            }
+            // Abort ends the kernels without waiting for the other ranks.
+            self.set.abort_locked(st);
             self.order_after_abort(op);
         }
         error
@@ -575,7 +543,7 @@ impl RankComm {
     /// costs no host wait; the aborted kernels end on their own (the flag), so the wait ends.
     fn order_after_abort(&self, op: &'static str) {
         let joined =
-            cuda::gpu(self.ordinal).and_then(|gpu| stream_wait(gpu.stream(), &self.stream));
+            cuda::gpu(self.ordinal).and_then(|gpu| stream_wait(gpu.stream(), &self.one().stream));
         if let Err(e) = joined {
             // A GPU that cannot record or wait for an event has failed as a whole (a sticky
             // error): its memory goes with its context, and every later call fails.
@@ -583,10 +551,6 @@ impl RankComm {
                 "kvstore: {op}: ordering the GPU's stream after the NCCL abort failed: {e}"
             );
         }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The GPU buffer of `array`, which must be on this rank's GPU.
@@ -643,22 +607,5 @@ impl RankComm {
     /// Arguments that do not fit a collective: refused before anything is sent.
     fn misuse(&self, op: &'static str, what: String) -> Error {
         nccl_error(op, &[], format!("{what}; nothing was sent"))
-    }
-}
-
-impl Drop for RankComm {
-    fn drop(&mut self) {
-        let st = self.lock();
-        if st.failed.is_some() {
-            return;
-        }
-        let Ok(lib) = super::loader::library() else {
-            return;
-        };
-        let op = "close NCCL ranks";
-        let settle = || (self.settle(lib, op, &[], Instant::now() + self.timeout)).is_ok();
-        // SAFETY: a live communicator (`failed` is unset), used under `state`'s lock, and never
-        // again after the drop.
-        unsafe { result::close(lib, &[self.comm], settle) };
     }
 }

@@ -128,7 +128,7 @@ impl Inflight {
             if let Err(e) = p.comms.async_error(p.op, &p.keys) {
                 return fail(e);
             }
-            let limit = p.comms.timeout();
+            let limit = p.comms.timeout;
             match all_complete(&p.events, p.op) {
                 Ok(true) => false,
                 Ok(false) if p.issued.elapsed() > limit => fail(nccl_error(
