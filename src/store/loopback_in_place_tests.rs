@@ -102,6 +102,13 @@ fn check_every_dtype(lane: Lane, n: usize, bound: usize, keys: &[(i32, usize, DT
         let mut twice = values.clone();
         twice.push(values[1].clone());
         kv.push_list(&twice_ids, &twice).unwrap();
+        for (k, v) in values.iter().enumerate() {
+            assert_eq!(
+                v.to_vec::<f64>().unwrap(),
+                pushed[r][k],
+                "rank {r}'s pushed array"
+            );
+        }
         let after_push = pull(kv, false);
         let values = arrays(&again[r]);
         kv.pushpull_list(&ids, &values, &values).unwrap();
@@ -353,4 +360,46 @@ fn the_ranks_waiting_on_a_stalled_one_see_a_timeout() {
         kv.push(0, &NDArray::ones([20])).unwrap_err()
     });
     assert!(matches!(got[0], Error::Timeout { .. }), "{}", got[0]);
+}
+
+/// A pushpull whose outs are the pushed arrays of other keys (key `k`'s result lands in the array
+/// pushed to key `k + 1`), on the GPU ranks' way: every push reads its array before any pull
+/// writes one, so each out holds its key's sum of what was pushed.
+#[test]
+fn a_pushpull_into_arrays_pushed_to_other_keys_reads_every_value_first() {
+    let mut rng = StdRng::from_entropy();
+    // Keys of one dtype and length, whole and sliced: any array fits any key.
+    let keys = [
+        (0, 12, DType::F32),
+        (1, 12, DType::F32),
+        (2, 12, DType::F32),
+    ];
+    let ids: Vec<i32> = keys.iter().map(|k| k.0).collect();
+    for n in [1, 3, 5] {
+        for bound in [BOUND, 64] {
+            let links = Loopback::world(n, Duration::from_secs(10));
+            let ranks = on_links(&links, |_, l| {
+                KvStore::over_loopback(l.clone().moving_in_place(), bound).unwrap()
+            });
+            let pushed = per_rank(&mut rng, n, &keys);
+            let got = on_ranks(&ranks, |r, kv| {
+                kv.init_list(&ids, &vec![NDArray::zeros([12]); 3]).unwrap();
+                let values: Vec<NDArray> = pushed[r].iter().map(|v| array(v, DType::F32)).collect();
+                let outs: Vec<NDArray> = (0..3).map(|k| values[(k + 1) % 3].clone()).collect();
+                kv.pushpull_list(&ids, &values, &outs).unwrap();
+                outs.iter()
+                    .map(|o| o.to_vec::<f64>().unwrap())
+                    .collect::<Vec<_>>()
+            });
+            for (r, got) in got.iter().enumerate() {
+                for k in 0..3 {
+                    assert_eq!(
+                        got[k],
+                        total(&pushed, k),
+                        "rank {r} of {n}, key {k}, bound {bound}"
+                    );
+                }
+            }
+        }
+    }
 }
