@@ -403,3 +403,64 @@ fn a_pushpull_into_arrays_pushed_to_other_keys_reads_every_value_first() {
         }
     }
 }
+
+/// An updater that fails on one rank only (for the one slice, or the one whole key, whose sum
+/// holds a marked element), on the GPU ranks' way: every rank fails the push, no rank's store
+/// changes, and the next push (unmarked) gives every rank the sums.
+#[test]
+fn an_updater_failing_on_one_rank_moving_in_place_fails_every_rank_and_keeps_the_store() {
+    let mut rng = StdRng::from_entropy();
+    let ids: Vec<i32> = KEYS.iter().map(|k| k.0).collect();
+    let marked = 1000.0;
+    let updater = Updater::try_custom(move |_key, input, stored| {
+        if input.to_vec::<f64>()?.iter().any(|v| v.abs() >= marked / 2.0) {
+            return Err("a marked element".into());
+        }
+        stored.add_scaled(input, 1.0)?;
+        Ok(())
+    });
+    for n in 2..=5 {
+        // (key index, element): the last element of a sliced key (on the last rank holding
+        // some of it), the first of another, and a whole key (on its home).
+        for (k, at) in [(2, 36), (5, 0), (3, 4), (1, 8)] {
+            let ranks = stores_on(Lane::InPlace, n);
+            let init = per_rank(&mut rng, 1, &KEYS).remove(0);
+            let mut pushed = per_rank(&mut rng, n, &KEYS);
+            pushed[n - 1][k][at] = marked;
+            let next = per_rank(&mut rng, n, &KEYS);
+            let got = on_ranks(&ranks, |r, kv| {
+                let arrays = |v: &[Vec<f64>]| -> Vec<NDArray> {
+                    (v.iter().zip(&KEYS))
+                        .map(|(v, &(_, _, d))| array(v, d))
+                        .collect()
+                };
+                kv.init_list(&ids, &arrays(&init)).unwrap();
+                kv.set_updater(updater.clone()).unwrap();
+                let before = snapshot(kv);
+                let e = kv.push_list(&ids, &arrays(&pushed[r])).err();
+                let kept = before == snapshot(kv);
+                let outs = arrays(&next[r]);
+                kv.pushpull_list(&ids, &outs, &outs).unwrap();
+                let after: Vec<Vec<f64>> = outs.iter().map(|o| o.to_vec().unwrap()).collect();
+                (e, kept, after)
+            });
+            for (r, (e, kept, after)) in got.into_iter().enumerate() {
+                let what = format!("rank {r} of {n}, key {} marked at {at}", KEYS[k].0);
+                assert!(
+                    matches!(
+                        e,
+                        Some(Error::UpdaterFailed { .. } | Error::RankFailed { .. })
+                    ),
+                    "{what}: {e:?}"
+                );
+                assert!(kept, "{what}: the failed push changed the store");
+                for (j, got) in after.iter().enumerate() {
+                    let want: Vec<f64> = (init[j].iter().zip(total(&next, j)))
+                        .map(|(a, b)| a + b)
+                        .collect();
+                    assert_eq!(*got, want, "{what}: key {} after", KEYS[j].0);
+                }
+            }
+        }
+    }
+}
