@@ -413,7 +413,11 @@ fn an_updater_failing_on_one_rank_moving_in_place_fails_every_rank_and_keeps_the
     let ids: Vec<i32> = KEYS.iter().map(|k| k.0).collect();
     let marked = 1000.0;
     let updater = Updater::try_custom(move |_key, input, stored| {
-        if input.to_vec::<f64>()?.iter().any(|v| v.abs() >= marked / 2.0) {
+        if input
+            .to_vec::<f64>()?
+            .iter()
+            .any(|v| v.abs() >= marked / 2.0)
+        {
             return Err("a marked element".into());
         }
         stored.add_scaled(input, 1.0)?;
@@ -461,6 +465,24 @@ fn an_updater_failing_on_one_rank_moving_in_place_fails_every_rank_and_keeps_the
                     assert_eq!(*got, want, "{what}: key {} after", KEYS[j].0);
                 }
             }
+        }
+    }
+}
+
+/// Bounds so small that keys of a few elements are sliced over more ranks than they have
+/// elements (most ranks keep nothing of them), the GPU ranks' way and in host buffers.
+#[test]
+fn keys_sliced_over_more_ranks_than_elements_on_1_to_5_ranks() {
+    let keys = [
+        (0, 1, DType::F32),
+        (1, 2, DType::F16),
+        (2, 3, DType::BF16),
+        (3, 4, DType::F64),
+    ];
+    for n in 1..=5 {
+        for bound in [0, 1] {
+            check_every_dtype(Lane::InPlace, n, bound, &keys);
+            check_every_dtype(Lane::Host, n, bound, &keys);
         }
     }
 }
