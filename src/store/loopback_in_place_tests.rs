@@ -486,3 +486,80 @@ fn keys_sliced_over_more_ranks_than_elements_on_1_to_5_ranks() {
         }
     }
 }
+
+thread_local! {
+    /// Whether the updater fails on this thread (one rank's thread, in the test below).
+    static FAIL_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Compressed pushpulls into the pushed arrays on the GPU ranks' way, with one push between them
+/// whose updater fails on one rank: every rank fails it, and afterwards every rank pulls, bit
+/// for bit, what a world that never made the failed push pulls (so the failed push kept no
+/// residual and no value on any rank).
+#[test]
+fn a_failed_compressed_push_moving_in_place_leaves_no_residual() {
+    use crate::Compression;
+    let mut rng = StdRng::from_entropy();
+    let updater = Updater::try_custom(|_key, input, stored| {
+        if FAIL_HERE.with(|f| f.get()) {
+            return Err("this rank's updater fails".into());
+        }
+        stored.add_scaled(input, 1.0)?;
+        Ok(())
+    });
+    let keys = [(0, 5, DType::F32), (1, 37, DType::F32), (2, 12, DType::F32)];
+    let ids: Vec<i32> = keys.iter().map(|k| k.0).collect();
+    for compression in [
+        Compression::two_bit(0.5),
+        Compression::fp16(),
+        Compression::bf16(),
+    ] {
+        for n in [2, 3, 5] {
+            let steps: Vec<Vec<Vec<Vec<f64>>>> =
+                (0..3).map(|_| per_rank(&mut rng, n, &keys)).collect();
+            let failed = per_rank(&mut rng, n, &keys);
+            let init = per_rank(&mut rng, 1, &keys).remove(0);
+            let run = |with_failure: bool| {
+                let ranks = stores_on(Lane::InPlace, n);
+                on_ranks(&ranks, |r, kv| {
+                    let arrays = |v: &[Vec<f64>]| -> Vec<NDArray> {
+                        v.iter().map(|v| array(v, DType::F32)).collect()
+                    };
+                    kv.set_gradient_compression(compression).unwrap();
+                    kv.init_list(&ids, &arrays(&init)).unwrap();
+                    kv.set_updater(updater.clone()).unwrap();
+                    let mut pulled = Vec::new();
+                    for (s, step) in steps.iter().enumerate() {
+                        if with_failure && s == 1 {
+                            FAIL_HERE.with(|f| f.set(r == n - 1));
+                            let e = kv.push_list(&ids, &arrays(&failed[r]));
+                            FAIL_HERE.with(|f| f.set(false));
+                            assert!(
+                                matches!(
+                                    e,
+                                    Err(Error::UpdaterFailed { .. } | Error::RankFailed { .. })
+                                ),
+                                "rank {r} of {n} ({compression:?}): {e:?}"
+                            );
+                        }
+                        let values = arrays(&step[r]);
+                        kv.pushpull_list_in_place(&ids, &values).unwrap();
+                        pulled.push(
+                            (values.iter())
+                                .map(|v| v.to_vec::<f32>().unwrap())
+                                .collect::<Vec<_>>(),
+                        );
+                    }
+                    pulled
+                })
+            };
+            let (got, want) = (run(true), run(false));
+            assert_eq!(got, want, "{n} ranks ({compression:?})");
+            // And the reference moved: the pushes changed the values.
+            assert_ne!(
+                want[0][0][1],
+                init[1].iter().map(|&v| v as f32).collect::<Vec<_>>()
+            );
+        }
+    }
+}
