@@ -16,8 +16,9 @@ use crate::comm::link::loopback::Loopback;
 use crate::comm::link::Op;
 use crate::{DType, Error, KvStore, NDArray, Sgd, Updater};
 
-/// The keys: (key, length, dtype). With [`BOUND`] 8, keys 1, 2 and 5 are sliced: key 1 (9
-/// elements) leaves rank 3 of 4 no element, key 5 (12) leaves rank 4 of 5 none.
+/// The keys: (key, length, dtype). With [`BOUND`] 8, keys 1, 2 and 5 are above the bound: key 1
+/// (9 elements) would leave rank 3 of 4 no element, key 5 (12) rank 4 of 5. In host buffers they
+/// are sliced so; the GPU ranks' way keeps such a key whole (a GPU keeps no empty arrays).
 const KEYS: [(i32, usize, DType); 6] = [
     (0, 3, DType::F16),
     (1, 9, DType::BF16),
@@ -134,8 +135,8 @@ fn check_every_dtype(lane: Lane, n: usize, bound: usize, keys: &[(i32, usize, DT
     }
 }
 
-/// Every dtype in one list call, keys sliced so that a rank keeps nothing, on 1 to 5 ranks, the
-/// GPU ranks' way and (for comparison) in host buffers.
+/// Every dtype in one list call, keys above the bound whose slices would leave a rank nothing,
+/// on 1 to 5 ranks, the GPU ranks' way and in host buffers.
 #[test]
 fn every_dtype_and_empty_slices_on_1_to_5_ranks_moving_in_place() {
     for n in 1..=5 {
@@ -469,8 +470,9 @@ fn an_updater_failing_on_one_rank_moving_in_place_fails_every_rank_and_keeps_the
     }
 }
 
-/// Bounds so small that keys of a few elements are sliced over more ranks than they have
-/// elements (most ranks keep nothing of them), the GPU ranks' way and in host buffers.
+/// Bounds so small that keys of a few elements are above them on more ranks than they have
+/// elements: in host buffers most ranks keep nothing of them; the GPU ranks' way keeps them
+/// whole.
 #[test]
 fn keys_sliced_over_more_ranks_than_elements_on_1_to_5_ranks() {
     let keys = [
@@ -560,6 +562,52 @@ fn a_failed_compressed_push_moving_in_place_leaves_no_residual() {
                 want[0][0][1],
                 init[1].iter().map(|&v| v as f32).collect::<Vec<_>>()
             );
+        }
+    }
+}
+
+/// A rank whose own part of an in-place collective failed (here it never joins a
+/// reduce-scatter) is out of step with the others, who still wait in it: its next call must fail
+/// at once, never meet their pending collective with one of its own. With the per-call check off
+/// nothing else stands between them: rank 1's next call (a pull, whose all-gather would land in
+/// rank 0's pending reduce-scatter) once gave rank 0's push a sum of rank 1's pulled slice, with
+/// no error.
+#[test]
+fn a_rank_that_failed_its_part_in_place_fails_its_next_call_at_once() {
+    for check in [false, true] {
+        let links = Loopback::world(2, Duration::from_millis(1500));
+        let links: Vec<Loopback> = (links.into_iter().enumerate())
+            .map(|(r, l)| {
+                let l = if check { l } else { l.unchecked() };
+                let l = l.moving_in_place();
+                if r == 1 {
+                    l.stalling_at(Op::ReduceScatter)
+                } else {
+                    l
+                }
+            })
+            .collect();
+        let ranks = on_links(&links, |_, l| {
+            KvStore::over_loopback(l.clone(), BOUND).unwrap()
+        });
+        let init: Vec<f32> = (0..20).map(|i| i as f32 / 4.0 + 1.0).collect();
+        let got = on_ranks(&ranks, |r, kv| {
+            kv.init(0, &NDArray::from_vec(init.clone(), [20]).unwrap())
+                .unwrap();
+            let pushed = kv.push(0, &NDArray::ones([20]));
+            // Rank 1 goes on to its next call; rank 0 is still in its push.
+            let next = match r {
+                1 => Some(kv.pull(0, &NDArray::zeros([20]))),
+                _ => None,
+            };
+            (pushed, next)
+        });
+        let what = format!("check {check}");
+        assert!(got[0].0.is_err(), "{what}: rank 0's push succeeded");
+        assert!(got[1].0.is_err(), "{what}: rank 1's push succeeded");
+        match &got[1].1 {
+            Some(Err(Error::DistFailed { .. })) => {}
+            other => panic!("{what}: rank 1's next call: {other:?}"),
         }
     }
 }
