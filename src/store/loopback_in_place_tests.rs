@@ -393,9 +393,9 @@ fn a_pushpull_into_arrays_pushed_to_other_keys_reads_every_value_first() {
                     .collect::<Vec<_>>()
             });
             for (r, got) in got.iter().enumerate() {
-                for k in 0..3 {
+                for (k, got) in got.iter().enumerate() {
                     assert_eq!(
-                        got[k],
+                        *got,
                         total(&pushed, k),
                         "rank {r} of {n}, key {k}, bound {bound}"
                     );
