@@ -466,7 +466,7 @@ type Part = (String, Vec<f64>, Option<(u64, Vec<Vec<f64>>)>);
 
 /// This rank's parts of every key (values and state), read where they are: what a call that
 /// failed must have left alone.
-fn snapshot(kv: &KvStore) -> Vec<Part> {
+pub(super) fn snapshot(kv: &KvStore) -> Vec<Part> {
     let (_, _, entries) = kv.export_entries().expect("this rank's parts");
     entries
         .into_iter()

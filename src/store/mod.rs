@@ -25,6 +25,8 @@ mod groups;
 mod hook;
 mod kind;
 #[cfg(test)]
+mod loopback_in_place_tests;
+#[cfg(test)]
 mod loopback_rows_tests;
 #[cfg(test)]
 pub(crate) mod loopback_tests;

@@ -277,6 +277,10 @@ fn sum(parts: &[&HostData], dtype: DType) -> HostData {
 }
 
 impl Round for LoopRound<'_> {
+    fn shut_link(&mut self, why: String) {
+        self.st.failed.get_or_insert(why);
+    }
+
     fn seq(&self) -> u64 {
         self.seq
     }

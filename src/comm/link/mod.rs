@@ -158,6 +158,10 @@ pub(crate) trait Round {
             "a link of host buffers asked to move arrays in place",
         ))
     }
+    /// Shuts this round's link after `why`, as [`Link::shut`] does (which a round in progress
+    /// must not call: it holds the link's call lock): every later call fails with
+    /// [`Error::DistFailed`].
+    fn shut_link(&mut self, why: String);
     /// Waits until every rank is here.
     fn barrier(&mut self) -> Result<()> {
         self.all_gather_words(&[1]).map(drop)
@@ -165,6 +169,24 @@ pub(crate) trait Round {
 }
 
 impl dyn Round + '_ {
+    /// Gives back `got`, and on an error shuts this rank's link ([`Round::shut_link`]): a rank
+    /// that failed its part of a call after the call's check (one of its collectives, or a step
+    /// between two) may have left the others waiting in a collective it never joined, so its
+    /// later calls must fail at once ([`Error::DistFailed`]) rather than meet that collective
+    /// with one of their own (collectives match by their order alone: over NCCL, and with the
+    /// check off).
+    pub(crate) fn out_of_step_on_error<T>(&mut self, got: Result<T>) -> Result<T> {
+        if let Err(e) = &got {
+            let why = format!(
+                "this rank failed its part of call #{} midway, so it is out of step with the \
+                 others: {e}",
+                self.seq()
+            );
+            self.shut_link(why);
+        }
+        got
+    }
+
     /// Whether every rank succeeded at its part `what` of call `op`, given this rank's `ok`:
     /// `Ok` when all did, else [`Error::RankFailed`] naming the ranks that did not (each of
     /// them has its own error). Return this rank's own error first.

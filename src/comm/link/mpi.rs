@@ -140,6 +140,10 @@ impl MpiRound<'_> {
 }
 
 impl Round for MpiRound<'_> {
+    fn shut_link(&mut self, why: String) {
+        self.call.world().poison_with(why);
+    }
+
     fn seq(&self) -> u64 {
         self.call.seq()
     }

@@ -192,6 +192,10 @@ impl NcclRound<'_> {
 }
 
 impl Round for NcclRound<'_> {
+    fn shut_link(&mut self, why: String) {
+        self.serial.1.get_or_insert(why);
+    }
+
     fn seq(&self) -> u64 {
         self.seq
     }
