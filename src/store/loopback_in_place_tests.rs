@@ -136,9 +136,11 @@ fn check_every_dtype(lane: Lane, n: usize, bound: usize, keys: &[(i32, usize, DT
 }
 
 /// Every dtype in one list call, keys above the bound whose slices would leave a rank nothing,
-/// on 1 to 5 ranks, the GPU ranks' way and in host buffers.
+/// on 1 to 5 ranks, the GPU ranks' way and in host buffers. (The GPU ranks' way keeps such a
+/// key whole, [`crate::comm::dist::Dist::is_sliced`]; only host buffers slice it with a rank
+/// left empty.)
 #[test]
-fn every_dtype_and_empty_slices_on_1_to_5_ranks_moving_in_place() {
+fn every_dtype_and_short_sliced_keys_on_1_to_5_ranks_both_ways() {
     for n in 1..=5 {
         check_every_dtype(Lane::InPlace, n, BOUND, &KEYS);
         check_every_dtype(Lane::Host, n, BOUND, &KEYS);
