@@ -599,14 +599,18 @@ impl KvStore {
         // The ranks must agree on the whole updater too (its kind decides which collectives
         // follow; its hyperparameters, schedule, multipliers and generation what they compute),
         // and on what travels (which decides the collectives).
-        let note = match &sent {
-            Sent::Rows(_) => format!("row_sparse; {}", active.describe()),
-            Sent::Dense { .. } if compression.is_on() => {
-                format!("{}; {}", active.describe(), compression.describe())
-            }
-            Sent::Dense { .. } => active.describe().to_owned(),
+        // Made only where the fingerprint is compared: one rank alone makes none.
+        let fp = || {
+            let note = match &sent {
+                Sent::Rows(_) => format!("row_sparse; {}", active.describe()),
+                Sent::Dense { .. } if compression.is_on() => {
+                    format!("{}; {}", active.describe(), compression.describe())
+                }
+                Sent::Dense { .. } => active.describe().to_owned(),
+            };
+            across::fingerprint(op, &groups).note(note)
         };
-        let mut call = d.begin_with(|| across::fingerprint(op, &groups).note(note))?;
+        let mut call = d.begin_with(fp)?;
         let arrived = across.sum_across(&mut *call, d, &groups, sent)?;
         let mut cells = lock_cells(&groups);
         let mut totals = None;
