@@ -19,8 +19,7 @@ pub(crate) struct MpiLink {
 }
 
 impl MpiLink {
-    /// Joins the MPI world (initialised once per process) and, for GPU ranks, an NCCL
-    /// communicator of every rank.
+    /// Joins the MPI world and, for GPU ranks, an NCCL communicator of every rank.
     pub(super) fn join(on_gpu: bool) -> Result<MpiLink> {
         let world = World::get()?;
         let gpu = match on_gpu {
@@ -69,13 +68,11 @@ impl Link for MpiLink {
 
 /// One call on the MPI world, with its collectives in flight.
 ///
-/// A reduce runs blocking (see [`blocking_wins`]) when every rank has just agreed to start it:
-/// the fingerprint check at the call's start, or a word exchange (`agree`,
-/// [`Round::all_gather_words`]), with no collective landed since, and no rank's timeout in
-/// this call heard of. A store's step between an agreement and the collectives after it
-/// cannot fail on one rank alone (it fails on every rank, in the agreement, or not at all).
-/// Every other collective, and every one with `KVSTORE_DIST_CHECK=0`, runs non-blocking,
-/// polled within the timeout.
+/// A reduce runs blocking ([`blocking_wins`]) when every rank has just agreed to start it (the
+/// fingerprint check, or a word exchange, [`Round::all_gather_words`]), with no collective
+/// landed since and no rank's timeout in this call heard of: a store's step between an
+/// agreement and its collectives fails on every rank or on none. Every other collective, and
+/// every one with `KVSTORE_DIST_CHECK=0`, is polled within the timeout.
 struct MpiRound<'a> {
     call: Call,
     /// NCCL between the ranks' GPUs, for GPU ranks.
@@ -85,32 +82,21 @@ struct MpiRound<'a> {
     agreed: bool,
 }
 
-/// A started collective, of any dtype, or one that ran blocking from a borrowed buffer: its
-/// (send, result) buffers.
+/// A collective's (send, result) buffers, once it lands in the call that started it.
+type Landing = Box<dyn FnOnce(&mut Call) -> Result<(HostData, HostData)>>;
+
+/// A started collective of any dtype, or the buffers of one that ran blocking when borrowed.
 enum Flight {
-    Started(Box<dyn Started>),
+    Started(Landing),
     Landed(HostData, HostData),
 }
 
-/// A started collective of one dtype.
-trait Started {
-    /// Waits for it in `call`, the call that started it: its (send, result) buffers.
-    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)>;
-}
-
-impl<T: Wire + Element> Started for Pending<T> {
-    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)> {
-        call.wait(*self).map(wrap)
-    }
-}
-
-/// A started collective as a [`Flight`].
+/// A started collective as a [`Flight`]: it lands when its call waits for it.
 fn started<T: Wire + Element>(p: Pending<T>) -> Flight {
-    Flight::Started(Box::new(p))
+    Flight::Started(Box::new(move |call: &mut Call| call.wait(p).map(wrap)))
 }
 
-/// `$e` on the send and receive buffers (`$s`, `$r`) of the dtype they share, its result
-/// through `$out`; buffers of two dtypes are an internal error.
+/// `$e` on the buffers `$s` and `$r` of one dtype, through `$out` (two dtypes: an error).
 macro_rules! typed {
     ($send:expr, $recv:expr, $out:expr, |$s:ident, $r:ident| $e:expr) => {
         match ($send, $recv) {
@@ -124,15 +110,14 @@ macro_rules! typed {
 }
 
 impl MpiRound<'_> {
-    /// Whether `op` runs blocking: every rank has agreed to start it, the blocking algorithm
-    /// wins for it, and no rank has given this call up meanwhile (a rank that timed out in it
-    /// still let its part of the agreement complete on the others). The last is asked only
-    /// here, just before a blocking start, so a call with none (a pull) never probes for it.
+    /// Whether `op` runs blocking: every rank agreed to start it, blocking wins for it, and no
+    /// rank gave this call up meanwhile (a rank that timed out still let the agreement complete
+    /// on the others). Asked last, so a call with no blocking start (a pull) never probes.
     fn may_block(&mut self, op: Op) -> bool {
         self.agreed && blocking_wins(op) && !self.call.peer_timed_out()
     }
 
-    /// Keeps `flight` until it lands: its ticket.
+    /// Keeps `flight` until it lands; returns its ticket.
     fn fly(&mut self, flight: Flight) -> Ticket {
         self.flights.push(Some(flight));
         Ticket(self.flights.len() - 1)
@@ -197,7 +182,7 @@ impl Round for MpiRound<'_> {
         // collectives need a new agreement.
         self.agreed = false;
         match flight {
-            Flight::Started(p) => p.land(&mut self.call),
+            Flight::Started(land) => land(&mut self.call),
             Flight::Landed(send, recv) => Ok((send, recv)),
         }
     }
@@ -230,27 +215,23 @@ impl Round for MpiRound<'_> {
     }
 }
 
-/// Whether Open MPI's blocking algorithm for `op` (the `tuned` component) beats its
-/// non-blocking one (`libnbc`, polled), as measured side by side on the same buffers
-/// (`examples/bench_dist_store`, BENCHMARKS.md "Blocking or not"): a reduce is 2–3× faster
-/// blocking from 4 KiB to 1 MiB at 2–4 ranks; a broadcast and an all-gather are as fast or
-/// faster non-blocking (an all-gather of 16 MiB at 3 ranks 3× faster), and a reduce-scatter of
-/// 16 MiB is mixed (faster blocking at 3 ranks, slower at 2 and 4). On three ranks or more a
-/// reduce is the store's own, point to point in rank order; blocking, its sends and receives
-/// complete in one `MPI_Waitall` instead of being polled (BENCHMARKS.md, "Sums in rank
+/// Whether Open MPI's blocking algorithm for `op` (`tuned`) beats its polled non-blocking one
+/// (`libnbc`), measured side by side (`examples/bench_dist_store`, BENCHMARKS.md "Blocking or
+/// not"): a reduce is 2–3× faster blocking from 4 KiB to 1 MiB at 2–4 ranks; a broadcast and
+/// an all-gather are as fast or faster non-blocking (an all-gather of 16 MiB at 3 ranks 3×
+/// faster); a reduce-scatter of 16 MiB is mixed. On three ranks or more a blocking reduce (the
+/// store's own, in rank order) completes in one `MPI_Waitall` (BENCHMARKS.md, "Sums in rank
 /// order").
 fn blocking_wins(op: Op) -> bool {
     matches!(op, Op::Reduce { .. })
 }
 
-/// The buffers of a finished collective: (send, result). A broadcast's result is its one
-/// buffer, which the transport hands back as `recv`.
+/// The (send, result) buffers of a finished collective (a broadcast's one buffer is `recv`).
 fn wrap<T: Element>(done: Done<T>) -> (HostData, HostData) {
     (T::wrap(done.send), T::wrap(done.recv))
 }
 
-/// Joins the NCCL communicator of every rank of `world`, on the GPU this rank's local rank
-/// picks (`local_rank % GPUs`).
+/// Joins the NCCL communicator of every rank, on GPU `local_rank % GPUs`.
 fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
     let gpus = probe::gpu_count();
     let ordinal = world.local_rank() % gpus.max(1);
@@ -276,23 +257,18 @@ fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
     RankComm::join(unpack(&words), world.rank(), world.size(), ordinal)
 }
 
-/// The 128 bytes of an NCCL id as 16 words, for MPI.
+/// The 128 bytes of an NCCL id as 16 little-endian words, for MPI.
 fn pack(id: &UniqueId) -> Vec<u64> {
-    let bytes: &[u8] = bytemuck::cast_slice(&id.0);
-    // Each chunk is 8 bytes: 128 is a multiple of 8.
-    (bytes.chunks_exact(8))
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .collect()
+    bytemuck::cast::<_, [u64; 16]>(id.0)
+        .map(u64::from_le)
+        .to_vec()
 }
 
-/// The NCCL id from the 16 words of [`pack`].
+/// The NCCL id from the 16 words of [`pack`] (missing words read as zeros).
 fn unpack(words: &[u64]) -> UniqueId {
-    let mut id = UniqueId([0; 128]);
-    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut id.0);
-    for (chunk, w) in bytes.chunks_exact_mut(8).zip(words) {
-        chunk.copy_from_slice(&w.to_le_bytes());
-    }
-    id
+    let mut all = [0u64; 16];
+    all.iter_mut().zip(words).for_each(|(a, w)| *a = w.to_le());
+    UniqueId(bytemuck::cast(all))
 }
 
 #[cfg(test)]

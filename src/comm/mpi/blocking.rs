@@ -1,14 +1,12 @@
 //! The bound on a blocking collective.
 //!
-//! Open MPI's blocking collectives (the `tuned` component) are up to 4× faster on medium
-//! messages than the non-blocking ones the transport can poll (`libnbc`), so a call moves its
-//! data with a blocking collective where every rank has just agreed to make it (see
-//! [`Call::set_blocking`](super::Call::set_blocking)). A blocking collective cannot be polled,
-//! timed out or cancelled: this watchdog, a thread of its own, bounds it instead, as PyTorch's
-//! NCCL watchdog does. A blocking collective that lasts longer than `KVSTORE_WAIT_LOG_SECS` is
-//! logged; one that lasts longer than `KVSTORE_TIMEOUT` ends this process with exit code 1,
-//! after saying why on stderr, and `mpirun` then ends the job. It can only happen when a rank
-//! died or stopped inside the transfer after agreeing to it.
+//! Open MPI's blocking collectives (`tuned`) are up to 4× faster on medium messages than the
+//! non-blocking ones the transport polls (`libnbc`), so a call runs a collective blocking where
+//! every rank has just agreed to make it ([`Call::set_blocking`](super::Call::set_blocking)).
+//! Such a collective cannot be polled, timed out or cancelled, so this watchdog thread bounds
+//! it, as PyTorch's NCCL watchdog does: past `KVSTORE_WAIT_LOG_SECS` it is logged; past
+//! `KVSTORE_TIMEOUT` (a rank died or stopped inside it after agreeing) this process says why
+//! on stderr and ends with exit code 1, and `mpirun` then ends the job.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -28,17 +26,15 @@ struct InFlight {
     logged: u32,
 }
 
-/// The blocking collective of this process in progress, if any, shared with the watchdog's
-/// thread.
+/// The blocking collective in progress, if any, shared with the watchdog's thread.
 pub(super) struct Watchdog {
     now: Arc<Mutex<Option<InFlight>>>,
 }
 
 impl Watchdog {
-    /// Starts the watchdog's thread for rank `rank`, or says why it could not. The world
-    /// fails to set up without it: ranks must agree on which collectives run blocking (MPI
-    /// does not match a blocking collective with a non-blocking one), so no rank may fall back
-    /// alone.
+    /// Starts the watchdog's thread for rank `rank`, or says why it could not: the world then
+    /// fails to set up, as no rank may alone fall back to non-blocking collectives (MPI does
+    /// not match a blocking collective with a non-blocking one).
     pub(super) fn start(
         (rank, hosts): (usize, &[String]),
         timeout: Duration,
@@ -116,8 +112,8 @@ impl Watchdog {
     }
 }
 
-/// The other ranks and their hosts, for the watchdog's last words, which cannot ask which rank
-/// is missing (this thread may not call MPI): "the other ranks: rank 1 (host b)" (up to 16).
+/// The other ranks and their hosts (up to 16), for the watchdog's last words, which cannot ask
+/// which rank is missing (this thread may not call MPI): "the other ranks: rank 1 (host b)".
 fn others_on_hosts(rank: usize, hosts: &[String]) -> String {
     let others: Vec<usize> = (0..hosts.len()).filter(|&r| r != rank).collect();
     if others.is_empty() || others.len() > 16 {

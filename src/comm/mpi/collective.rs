@@ -1,15 +1,13 @@
 //! Non-blocking collectives on owned host buffers, and waiting for them.
 //!
-//! A collective takes its buffers by value and gives them back when it completes ([`Done`]):
-//! a collective that times out can never be finished or cancelled, and MPI may write into its
-//! buffers later, so they must not go back to the caller; they are leaked instead. Owned buffers
-//! also make every collective zero-copy for f32 and f64.
+//! A collective owns its buffers until it completes ([`Done`] gives them back): one that times
+//! out can never be finished or cancelled, so MPI may still write into them, and they are
+//! leaked. Owned buffers also make f32 and f64 zero-copy.
 //!
-//! f16 and bf16 have no MPI sum. The store's rule is "sum in f32, round once": on two ranks a
-//! reduce of f16/bf16 widens the input to f32, sums f32 partial sums with `MPI_Reduce`, and
-//! rounds the result once; the reduce in rank order (three ranks or more) and the reduce-scatter
-//! (both the store's own, point to point) move the 16-bit values and sum them in f32 where they
-//! arrive. Copies (broadcast, all-gather) move their bits as `u16`.
+//! f16 and bf16 have no MPI sum; the rule is "sum in f32, round once". A two-rank reduce widens
+//! them to f32 for `MPI_Reduce` and rounds the sum once; the store's own point-to-point sums
+//! (the reduce in rank order, the reduce-scatter) move 16-bit values and sum them in f32 where
+//! they arrive. Copies move the bits as `u16`.
 
 use std::os::raw::{c_int, c_void};
 use std::time::Instant;
@@ -31,21 +29,17 @@ mod sealed {
     impl Sealed for u64 {}
 }
 
-/// An element type the transport can move: `f32`, `f64`, `half::f16`, `half::bf16` (and `u64`
-/// for its own records).
+/// An element type the transport moves: `f32`, `f64`, `half::f16`, `half::bf16` (and `u64`).
 pub trait Wire: Copy + Default + Send + Sync + 'static + sealed::Sealed {
-    /// Whether a sum is made in f32 (f16, bf16) instead of in the type itself: a reduce's
-    /// partial sums travel as f32.
+    /// Whether sums are made in f32 (f16, bf16): a reduce's partial sums travel as f32.
     const SUM_IN_F32: bool;
-    /// The MPI datatype the elements travel as when copied, and when summed unless
-    /// [`Wire::SUM_IN_F32`].
+    /// The MPI datatype the elements travel as (copied, or summed unless [`Wire::SUM_IN_F32`]).
     fn datatype() -> ffi::MPI_Datatype;
-    /// Widens to f32 (only used when [`Wire::SUM_IN_F32`]).
+    /// Widens to f32 (used only when [`Wire::SUM_IN_F32`]).
     fn to_f32(self) -> f32;
-    /// Rounds from f32, to nearest (only used when [`Wire::SUM_IN_F32`]).
+    /// Rounds from f32 to nearest (used only when [`Wire::SUM_IN_F32`]).
     fn from_f32(v: f32) -> Self;
-    /// `self + other`, as `MPI_SUM` adds (the reduce-scatter sums on this rank; f16 and bf16
-    /// are summed in f32 there, so theirs is never used).
+    /// `self + other`, as `MPI_SUM` adds (unused where [`Wire::SUM_IN_F32`]).
     fn add(self, other: Self) -> Self;
 }
 
@@ -81,11 +75,10 @@ wire!(bf16 as u16, wide: true, bf16::to_f32, bf16::from_f32, |a: bf16, b: bf16| 
     bf16::from_f32(a.to_f32() + b.to_f32())
 });
 
-/// The buffers the other ranks' blocks of a reduce-scatter, or of a reduce in rank order at its
-/// root, are received into, per element type, kept from one call to the next (up to
-/// [`KEPT_STAGED_BYTES`] per type): the receive buffer stays the size of the result, and a
-/// push's receives write into pages that are mapped already, with no zeros written first. A
-/// buffer over that size is allocated (and zeroed) for its call alone.
+/// Per element type, the buffers that receive the other ranks' blocks (of a reduce-scatter, or
+/// at the root of a reduce in rank order), kept between calls up to [`KEPT_STAGED_BYTES`] per
+/// type, so that receives land in pages already mapped, with no zeros written first. A bigger
+/// buffer is allocated (and zeroed) for its call alone.
 #[derive(Default)]
 pub(super) struct Staged {
     f32: Vec<Vec<f32>>,
@@ -96,9 +89,7 @@ pub(super) struct Staged {
 }
 
 impl Staged {
-    /// A buffer of `T` with `len` elements: the smallest kept one with room for them, else
-    /// the biggest kept one grown (its contents are whatever earlier receives left, and zeros
-    /// where it grew). The kept buffers stay in order, biggest first ([`Staged::keep`] sorts).
+    /// A buffer of `len`: the smallest kept one that fits, else the biggest, grown with zeros.
     fn take<T: Wire>(&mut self, len: usize) -> Vec<T> {
         let mut v = match self.of::<T>() {
             Some(kept) if !kept.is_empty() => {
@@ -111,8 +102,7 @@ impl Staged {
         v
     }
 
-    /// Keeps `v` for a later [`Staged::take`] of `T`, within [`KEPT_STAGED_BYTES`] for the
-    /// type (the smallest kept buffers go first).
+    /// Keeps `v` for a later [`Staged::take`], within [`KEPT_STAGED_BYTES`] (smallest go first).
     fn keep<T: Wire>(&mut self, v: Vec<T>) {
         let bytes = |v: &Vec<T>| v.capacity() * std::mem::size_of::<T>();
         let Some(kept) = self.of::<T>() else {
@@ -128,19 +118,16 @@ impl Staged {
         }
     }
 
-    /// The kept buffers of `T`: every `Wire` type has its list here (the trait is sealed to
-    /// these five).
+    /// The kept buffers of `T` (the sealed trait has these five types).
     fn of<T: Wire>(&mut self) -> Option<&mut Vec<Vec<T>>> {
-        let Staged {
-            f32,
-            f64,
-            f16,
-            bf16,
-            u64,
-        } = self;
-        let any: [&mut dyn std::any::Any; 5] = [f32, f64, f16, bf16, u64];
-        any.into_iter()
-            .find_map(|v| v.downcast_mut::<Vec<Vec<T>>>())
+        let any: [&mut dyn std::any::Any; 5] = [
+            &mut self.f32,
+            &mut self.f64,
+            &mut self.f16,
+            &mut self.bf16,
+            &mut self.u64,
+        ];
+        any.into_iter().find_map(|v| v.downcast_mut())
     }
 }
 
@@ -149,14 +136,11 @@ impl Staged {
 /// other rank) on up to 17 ranks, or a sliced f32 key of up to 128 MiB on two ranks.
 const KEPT_STAGED_BYTES: usize = 64 << 20;
 
-/// The most bytes each of the f32 buffers of a blocking f16/bf16 reduce that the world keeps
-/// for the next one (a whole key's sum; keys over `KVSTORE_BIGARRAY_BOUND` are sliced, so
-/// 4 MiB at the default bound).
+/// The most bytes of each f32 buffer of a blocking f16/bf16 reduce kept for the next one (a
+/// whole key's sum: keys over `KVSTORE_BIGARRAY_BOUND` are sliced, so 4 MiB by default).
 const KEPT_WIDE_BYTES: usize = 64 << 20;
 
-/// The point-to-point messages of the data communicator: the reduce-scatter's, and a reduce's
-/// where it sums in rank order ([`Call::reduce_sum`] on three ranks or more). Each message's
-/// tag also carries its call's number ([`Call::tag`]).
+/// The kinds of point-to-point message; each tag also carries its call's number ([`Call::tag`]).
 #[derive(Clone, Copy)]
 enum Tagged {
     ReduceScatter = 0,
@@ -193,14 +177,13 @@ impl std::fmt::Display for Coll {
     }
 }
 
-/// A started collective. Finish it with [`Call::wait`] or [`Call::wait_all`] (or poll it with
-/// [`Call::test`]) within the same call. Dropping it unfinished leaks its buffers (MPI may still
-/// write into them) and poisons the world.
+/// A started collective: finish it with [`Call::wait`] or [`Call::wait_all`] (poll it with
+/// [`Call::test`]) in the same call. Dropped unfinished, it leaks its buffers and poisons the
+/// world.
 pub struct Pending<T: Wire> {
     world: &'static World,
     seq: u64,
-    /// Its requests: one for a collective, one per peer and direction for the reduce-scatter
-    /// (point to point, see [`Call::reduce_scatter`]).
+    /// One request for a collective; one per message for the point-to-point ones.
     reqs: Vec<Request>,
     coll: Coll,
     /// Whether this rank receives the result of a reduce (it is the root).
@@ -209,11 +192,9 @@ pub struct Pending<T: Wire> {
     recv: Vec<T>,
     /// The f32 (send, partial sums) of a reduce where [`Wire::SUM_IN_F32`].
     wide: (Vec<f32>, Vec<f32>),
-    /// The counts and displacements of an all-to-all of unequal blocks, which MPI reads until
-    /// the collective completes.
+    /// An all-to-all-v's counts and displacements, which MPI reads until completion.
     counts: Vec<c_int>,
-    /// The other ranks' blocks of a reduce-scatter, or of a reduce in rank order at its root,
-    /// in rank order (from the world's [`Staged`] buffers, and back there when done).
+    /// The other ranks' blocks, in rank order (a [`Staged`] buffer, given back when done).
     staged: Vec<T>,
     /// Whether every receive of the staged blocks completed with its whole block.
     whole: bool,
@@ -289,8 +270,7 @@ impl<T: Wire> Pending<T> {
         (raw::ptr(&self.send), raw::ptr_mut(&mut self.recv))
     }
 
-    /// The buffers and datatype a sum travels in: the f32 partial sums where
-    /// [`Wire::SUM_IN_F32`], else the buffers themselves.
+    /// The buffers and datatype a sum travels in (the f32 ones where [`Wire::SUM_IN_F32`]).
     fn sum_buffers(&mut self) -> (*const c_void, *mut c_void, ffi::MPI_Datatype) {
         match T::SUM_IN_F32 {
             true => (
@@ -305,8 +285,7 @@ impl<T: Wire> Pending<T> {
         }
     }
 
-    /// Whether its receives' counts are checked when it completes (a reduce-scatter's: see
-    /// [`Pending::received_in_full`]).
+    /// Whether its receives' counts are checked ([`Pending::received_in_full`]).
     fn counts_received(&self) -> bool {
         match self.coll {
             Coll::ReduceScatter => true,
@@ -315,24 +294,21 @@ impl<T: Wire> Pending<T> {
         }
     }
 
-    /// Whether its received counts are still to be checked at its wait: not yet complete
-    /// (one that [`Call::test`] found complete was checked there, and its statuses now would be
-    /// empty ones).
+    /// Whether its counts are still to check: not once complete (the test that saw it did).
     fn counts_unchecked(&self) -> bool {
         self.counts_received() && self.reqs.iter().any(|r| !r.is_null())
     }
 
-    /// Checks that a completed reduce-scatter, or the root of a reduce in rank order, received
-    /// a whole block from every other rank (`statuses`: one per request, the receives first).
-    /// A rank that sent a shorter block disagrees on the key's size (only
-    /// `KVSTORE_DIST_CHECK=0` lets such a call reach the transfer), and summing would silently
-    /// use the zeros in its place; a longer one is MPI's truncation error already.
+    /// Checks that a completed reduce-scatter, or the root of a reduce in rank order, got a
+    /// whole block from every other rank (`statuses`: one per request, receives first). A
+    /// shorter block means the ranks disagree on the key's size (only `KVSTORE_DIST_CHECK=0`
+    /// lets that reach the transfer) and summing would use zeros in its place; a longer one is
+    /// MPI's truncation error.
     fn received_in_full(&mut self, statuses: &[ffi::MPI_Status], op: &'static str) -> Result<()> {
         if !self.counts_received() {
             return Ok(());
         }
         let (rank, size) = (self.world.rank, self.world.size);
-        // One block from every other rank.
         let want = self.staged.len() / (size - 1).max(1);
         for (k, status) in statuses.iter().take(size - 1).enumerate() {
             let mut got: c_int = 0;
@@ -373,10 +349,9 @@ impl<T: Wire> Pending<T> {
         }
     }
 
-    /// Takes the buffers out of a completed collective: sums a reduce-scatter's blocks (or a
-    /// reduce's in rank order, at its root), and rounds a reduce's f32 sums to `T` once. The
-    /// staged blocks' buffer goes back to `kept`; the f32 buffers come back too, for the next
-    /// f16/bf16 reduce.
+    /// Takes the buffers out of a completed collective: sums the staged blocks and rounds an
+    /// f16/bf16 reduce's f32 sum once. The staged buffer goes back to `kept`; the f32 buffers
+    /// are returned, for the next f16/bf16 reduce.
     fn finish(mut self, kept: &mut Staged) -> (Done<T>, (Vec<f32>, Vec<f32>)) {
         debug_assert!(self.reqs.iter().all(|r| r.is_null()));
         let (rank, size) = (self.world.rank, self.world.size);
@@ -410,11 +385,9 @@ impl<T: Wire> Pending<T> {
     }
 }
 
-/// The sum of a reduce-scatter's block, or of a reduce in rank order at its root, on `rank` of
-/// `size`, into `out`: `own` is this rank's block and `staged` the other ranks' blocks in rank
-/// order. Adds them in rank order, rank 0's block plus rank 1's and so on. Every element of the
-/// sum is added in the same order, whichever rank holds it and whatever else its message
-/// carried.
+/// Sums one block over the ranks into `out`, on `rank` of `size` (`own`: this rank's block;
+/// `staged`: the others', in rank order), adding rank 0's block, then rank 1's, and so on: the
+/// same order for every element, whichever rank holds it and whatever its message carried.
 fn sum_blocks<T: Wire>(out: &mut [T], own: &[T], staged: &[T], (rank, size): (usize, usize)) {
     let n = own.len();
     let block = |r: usize| match r.cmp(&rank) {
@@ -463,10 +436,9 @@ fn no_statuses(n: usize) -> Vec<ffi::MPI_Status> {
     (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
 }
 
-/// Starts `$p`'s collective on `$args`: MPI's blocking `$blocking` under the watchdog where the
-/// call runs blocking ([`Call::set_blocking`]), else the non-blocking `$immediate` with `$p`'s
-/// request; records the result and gives `$p` back. Where it is invoked, a `// SAFETY:` comment
-/// says why the call is sound for both.
+/// Starts `$p`'s collective: `$blocking` under the watchdog where the call runs blocking
+/// ([`Call::set_blocking`]), else `$immediate` with `$p`'s request; gives `$p` back. A
+/// `// SAFETY:` comment where it is invoked says why both are sound.
 macro_rules! start {
     ($call:ident, $p:ident, $blocking:ident | $immediate:ident ($($arg:expr),*)) => {{
         let rc = match $call.blocking {
@@ -489,6 +461,18 @@ impl Call {
         }
     }
 
+    /// An error unless `buf`'s `len` is one block per rank of the `other` buffer's `block`.
+    fn holds_blocks(&self, buf: &str, len: usize, block: usize, other: &str) -> Result<()> {
+        let size = self.world.size;
+        if block.checked_mul(size) == Some(len) {
+            return Ok(());
+        }
+        Err(self.misuse(format!(
+            "{buf} has {len} elements but must hold {size} blocks of {block} (the {other} \
+             buffer's length)"
+        )))
+    }
+
     fn check_root(&self, root: usize) -> Result<()> {
         if root < self.world.size {
             Ok(())
@@ -500,27 +484,23 @@ impl Call {
         }
     }
 
-    /// Makes the collectives this call starts from now on MPI's blocking ones (`on`), or its
-    /// non-blocking ones, which the call polls (the default). A blocking collective cannot be
-    /// timed out or cancelled: turn it on only where every rank has just agreed, in this call,
-    /// to start the same collectives next, with nothing that can fail on one rank in between.
-    /// A watchdog thread then bounds it. Every rank must choose alike: MPI does
-    /// not match a blocking collective with a non-blocking one.
+    /// Makes the collectives this call starts next blocking (`on`) or polled (the default). A
+    /// blocking one cannot be timed out or cancelled (a watchdog bounds it): turn it on only
+    /// where every rank has just agreed, in this call, to start the same collectives, with
+    /// nothing that can fail on one rank in between. Every rank must choose alike: MPI does not
+    /// match a blocking collective with a non-blocking one.
     pub fn set_blocking(&mut self, on: bool) {
         self.blocking = on;
     }
 
-    /// The tag of this call's point-to-point messages of `kind`: the kind and the call's
-    /// number (modulo 8192; tags up to 16383, under the 32767 every MPI allows), so a message
-    /// left over from another call, or from a rank that disagrees on a call's kind with the
-    /// check off, never matches this call's receives.
+    /// The tag of this call's point-to-point messages of `kind`: the kind and the call's number
+    /// modulo 8192 (at most 16383; every MPI allows 32767), so a message of another call, or of
+    /// a rank that disagrees with the check off, never matches this call's receives.
     fn tag(&self, kind: Tagged) -> c_int {
         (kind as c_int) + 2 * (self.seq % 8192) as c_int
     }
 
-    /// Whether a reduce is the store's own, point to point in rank order: on three ranks or
-    /// more, where MPI's order of additions depends on the message size (on two, `a0 + a1`
-    /// is the same float in either order, and `MPI_Reduce` serves).
+    /// Whether a reduce adds in rank order, point to point (see [`Call::reduce_sum`]).
     fn sums_in_rank_order(&self) -> bool {
         self.world.size >= 3
     }
@@ -535,15 +515,11 @@ impl Call {
         raw::check(self.op, rc).inspect_err(|e| self.world.poison_with(e.to_string()))
     }
 
-    /// Starts a sum of every rank's `send` into `recv` on rank `root`. At the root `recv` must
-    /// be as long as `send`; elsewhere it is not touched (pass `Vec::new()`).
-    ///
-    /// Each element's sum is the same bits whatever else the message carries, so a key's
-    /// value does not depend on which keys were packed with it:
-    /// - on two ranks it is `MPI_Ireduce` (`a0 + a1` is the same float in either order);
-    /// - on three or more it is rank 0's value plus rank 1's and so on, in that order
-    ///   ([`Call::reduce_in_order`]). `MPI_Reduce` picks its algorithm, so its order of
-    ///   additions, by message size.
+    /// Starts a sum of every rank's `send` into `recv` at rank `root` (as long as `send` there;
+    /// elsewhere pass `Vec::new()`). Each element's sum is the same bits whatever else the
+    /// message carries: on two ranks it is `MPI_Ireduce` (`a0 + a1` is the same float in either
+    /// order); on three or more it adds in rank order ([`Call::reduce_in_order`]), as
+    /// `MPI_Reduce` picks its algorithm, so its order of additions, by message size.
     pub fn reduce_sum<T: Wire>(
         &mut self,
         send: Vec<T>,
@@ -574,9 +550,7 @@ impl Call {
         )
     }
 
-    /// Checks a reduce's buffers (`send` and `recv` elements) and root: the element count as
-    /// MPI's `int`, and whether this rank is the root. At the root `recv` must be as long as
-    /// `send`; elsewhere it is not touched.
+    /// Checks a reduce's root and buffers: its count for MPI, and whether this rank is the root.
     fn reduce_fits(&self, send: usize, recv: usize, root: usize) -> Result<(c_int, bool)> {
         self.check_root(root)?;
         let is_root = root == self.world.rank;
@@ -589,13 +563,10 @@ impl Call {
     }
 
     /// [`Call::reduce_sum`] from a borrowed send buffer, for a call that runs blocking
-    /// ([`Call::set_blocking`]): MPI only reads `send`, and is done with it when this returns,
-    /// so it needs no buffer of its own. [`Done::send`] comes back empty. On three or more ranks
-    /// f16/bf16 travel as they are. On two they are widened straight from the borrowed buffer
-    /// into f32 partial sums, reduced, and rounded once at the root; those f32 buffers are kept
-    /// in the world's state for the next such reduce (up to [`KEPT_WIDE_BYTES`] each): a
-    /// blocking reduce is done with them when it returns, and fresh ones cost a page fault per
-    /// 4 KiB on every push (a 256 K-element bf16 push took 5x an f32 one's time).
+    /// ([`Call::set_blocking`]): MPI is done with `send` when this returns. [`Done::send`] comes
+    /// back empty. On two ranks f16/bf16 are widened from `send` into f32 buffers that the world
+    /// keeps for the next such reduce (up to [`KEPT_WIDE_BYTES`] each): fresh ones cost a page
+    /// fault per 4 KiB on every push (a 256 K-element bf16 push took 5x an f32 one's time).
     pub fn reduce_sum_borrowed<T: Wire>(
         &mut self,
         send: &[T],
@@ -613,16 +584,16 @@ impl Call {
             return self.reduce_in_order_blocking(send, recv, root);
         }
         let (n, is_root) = self.reduce_fits(send.len(), recv.len(), root)?;
-        let (wide_send, mut wide_recv) = match T::SUM_IN_F32 {
-            true => self.widened(send, is_root),
-            false => Default::default(),
-        };
+        let (mut wide_send, mut wide_recv): (Vec<f32>, Vec<f32>) = Default::default();
         let (sp, rp, dt) = match T::SUM_IN_F32 {
-            true => (
-                raw::ptr(&wide_send),
-                raw::ptr_mut(&mut wide_recv),
-                f32::datatype(),
-            ),
+            true => {
+                (wide_send, wide_recv) = self.widened(send, is_root);
+                (
+                    raw::ptr(&wide_send),
+                    raw::ptr_mut(&mut wide_recv),
+                    f32::datatype(),
+                )
+            }
             false => (raw::ptr(send), raw::ptr_mut(&mut recv), T::datatype()),
         };
         let (root_c, sum, comm) = (root as c_int, raw::op_sum(), self.st.data.0);
@@ -639,20 +610,17 @@ impl Call {
                 *o = T::from_f32(s);
             }
         }
-        if T::SUM_IN_F32 {
-            self.keep_wide((wide_send, wide_recv));
-        }
+        // Empty unless SUM_IN_F32: then a no-op.
+        self.keep_wide((wide_send, wide_recv));
         Ok(Done {
             send: Vec::new(),
             recv,
         })
     }
 
-    /// Starts a reduce of `send` to `root` that adds in rank order, point to point: every other
-    /// rank sends its buffer to the root (`MPI_Isend`), the root receives them (`MPI_Irecv`,
-    /// into a buffer the world keeps), and its wait adds rank 0's, rank 1's, ... values into
-    /// `recv`. Where the call runs blocking ([`Call::set_blocking`]) the requests complete
-    /// here, under the watchdog.
+    /// Starts a reduce of `send` to `root` in rank order, point to point: the root receives the
+    /// others' buffers into a [`Staged`] one and its wait adds rank 0's, rank 1's, ... values
+    /// into `recv`. Where the call runs blocking, the requests complete here, under the watchdog.
     fn reduce_in_order<T: Wire>(
         &mut self,
         send: Vec<T>,
@@ -684,9 +652,7 @@ impl Call {
         Ok(p)
     }
 
-    /// Completes every request of `p` at once (`MPI_Waitall`, under the watchdog), as a
-    /// blocking collective does, and checks what its receives got. Its wait then only
-    /// finishes it.
+    /// Completes `p`'s requests (`MPI_Waitall`, under the watchdog); checks what they received.
     fn complete_blocking<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<()> {
         let mut statuses = no_statuses(p.reqs.len());
         let (reqs, stats) = (
@@ -704,9 +670,8 @@ impl Call {
             .inspect_err(|e| self.world.poison_with(e.to_string()))
     }
 
-    /// Posts the receives of every other rank's block of `len` elements (`n` as MPI's count),
-    /// with `tag`, into `p.staged` (from the world's kept buffers), in rank order; their
-    /// requests are the first `size - 1` of `p.reqs`.
+    /// Receives every other rank's block of `len` (`n` for MPI) with `tag` into `p.staged`, in
+    /// rank order, on the first `size - 1` requests of `p`.
     fn receive_staged<T: Wire>(
         &mut self,
         p: &mut Pending<T>,
@@ -732,9 +697,7 @@ impl Call {
         Ok(())
     }
 
-    /// [`Call::reduce_in_order`] from a borrowed send buffer, blocking under the watchdog:
-    /// another rank sends with `MPI_Send`, the root receives with `MPI_Waitall`, so MPI is done
-    /// with `send` when this returns.
+    /// [`Call::reduce_in_order`] from a borrowed send buffer, blocking under the watchdog.
     fn reduce_in_order_blocking<T: Wire>(
         &mut self,
         send: &[T],
@@ -774,8 +737,7 @@ impl Call {
         })
     }
 
-    /// The f32 buffers of an f16/bf16 reduce of `send`: `send` widened, and at the root zeros
-    /// for the sum, in the ones an earlier reduce kept ([`Call::keep_wide`]).
+    /// The kept f32 buffers, for a reduce of `send`: `send` widened, and at the root zeros.
     fn widened<T: Wire>(&mut self, send: &[T], is_root: bool) -> (Vec<f32>, Vec<f32>) {
         let (mut wide_send, mut wide_recv) = std::mem::take(&mut self.st.wide);
         wide_send.clear();
@@ -787,8 +749,7 @@ impl Call {
         (wide_send, wide_recv)
     }
 
-    /// Keeps a finished reduce's f32 buffers for the next f16/bf16 reduce, unless they hold
-    /// more than [`KEPT_WIDE_BYTES`] or are emptier than the ones kept.
+    /// Keeps a reduce's f32 buffers for the next, unless too big or emptier than those kept.
     fn keep_wide(&mut self, wide: (Vec<f32>, Vec<f32>)) {
         let room = |w: &(Vec<f32>, Vec<f32>)| w.0.capacity() + w.1.capacity();
         let fits = (wide.0.capacity().max(wide.1.capacity())) * std::mem::size_of::<f32>()
@@ -798,8 +759,7 @@ impl Call {
         }
     }
 
-    /// Starts a broadcast of `buf` from rank `root` (`MPI_Ibcast`): every rank passes a buffer
-    /// of the same length and gets the root's data back in [`Done::recv`].
+    /// Starts a broadcast of the root's `buf` into every rank's `buf` of its length (`MPI_Ibcast`).
     pub fn broadcast<T: Wire>(&mut self, buf: Vec<T>, root: usize) -> Result<Pending<T>> {
         self.check_root(root)?;
         let n = raw::count(self.op, buf.len())?;
@@ -814,31 +774,17 @@ impl Call {
     /// Starts a reduce-scatter of equal blocks: `send` holds `size` blocks of `recv.len()`
     /// elements; rank `r` receives the sum over ranks of block `r`, added in rank order.
     ///
-    /// It is point to point, not `MPI_Reduce_scatter_block`: each rank sends block `r` straight
-    /// to rank `r` and receives its own block from every other rank (`MPI_Isend`/`MPI_Irecv`),
-    /// and [`Call::wait`] sums them. Each byte crosses once, all at the same time. Open MPI 4.1's
-    /// reduce-scatter, blocking or not, was 2–3× slower from 16 MiB at 2–4 ranks (BENCHMARKS.md,
-    /// "A reduce-scatter of its own"). It never runs blocking: it is polled like any
-    /// non-blocking collective, so its wait is bounded. Every rank must start its
-    /// reduce-scatters in the same order, as with collectives (MPI matches the messages of one
-    /// pair of ranks in the order they were posted). A block shorter or longer than this rank
-    /// expects (ranks that disagree on the size) is an error at the wait, never a sum.
-    ///
-    /// Memory: the other ranks' blocks are received into a buffer the world keeps between calls
-    /// ([`Staged`]) until they are summed into `recv`, so a push holds about twice the key in
-    /// transfer buffers (send, and the received blocks), where MPI's needed a key and a block;
-    /// one that times out leaks all three buffers, as every abandoned transfer does.
+    /// Point to point: each rank sends block `r` to rank `r` and receives its own from every
+    /// other rank into a [`Staged`] buffer, and [`Call::wait`] sums them; each byte crosses
+    /// once. Open MPI 4.1's `MPI_Reduce_scatter_block`, blocking or not, was 2–3× slower from
+    /// 16 MiB at 2–4 ranks (BENCHMARKS.md, "A reduce-scatter of its own"). Always polled, so
+    /// bounded. Ranks must start their reduce-scatters in the same order (MPI matches a pair's
+    /// messages in the order posted); a block of the wrong length is an error, never a sum. A
+    /// push holds about twice the key in transfer buffers (MPI's needed a key and a block).
     pub fn reduce_scatter<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
         let size = self.world.size;
-        if send.len() != recv.len() * size {
-            return Err(self.misuse(format!(
-                "reduce-scatter: the send buffer has {} elements but must hold {} blocks of {} \
-                 (the receive buffer's length)",
-                send.len(),
-                size,
-                recv.len()
-            )));
-        }
+        let what = "reduce-scatter: the send buffer";
+        self.holds_blocks(what, send.len(), recv.len(), "receive")?;
         let n = recv.len();
         let count = raw::count(self.op, n)?;
         let bytes = send.len() * std::mem::size_of::<T>();
@@ -866,8 +812,7 @@ impl Call {
         Ok(p)
     }
 
-    /// Starts an all-gather of equal blocks (`MPI_Iallgather`): `recv` must hold `size` blocks
-    /// of `send.len()` elements and gets rank `r`'s block at block `r`.
+    /// Starts an all-gather (`MPI_Iallgather`): block `r` of `recv` gets rank `r`'s `send`.
     pub fn all_gather<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
         self.all_gather_as(send, recv, Coll::AllGather)
     }
@@ -878,15 +823,8 @@ impl Call {
         recv: Vec<T>,
         coll: Coll,
     ) -> Result<Pending<T>> {
-        if recv.len() != send.len() * self.world.size {
-            return Err(self.misuse(format!(
-                "all-gather: the receive buffer has {} elements but must hold {} blocks of {} \
-                 (the send buffer's length)",
-                recv.len(),
-                self.world.size,
-                send.len()
-            )));
-        }
+        let what = "all-gather: the receive buffer";
+        self.holds_blocks(what, recv.len(), send.len(), "send")?;
         let n = raw::count(self.op, send.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, coll, send, recv, bytes);
@@ -901,9 +839,8 @@ impl Call {
         )
     }
 
-    /// Starts an all-to-all of equal blocks (`MPI_Ialltoall`): `send` and `recv` each hold
-    /// `size` blocks of one length; block `r` of `send` goes to rank `r`, and block `s` of
-    /// `recv` comes from rank `s`.
+    /// Starts an all-to-all of equal blocks (`MPI_Ialltoall`): block `r` of `send` goes to rank
+    /// `r`, block `s` of `recv` comes from rank `s`.
     pub fn all_to_all<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
         let size = self.world.size;
         if recv.len() != send.len() || send.len() % size != 0 {
@@ -927,11 +864,9 @@ impl Call {
         )
     }
 
-    /// Starts an all-to-all of blocks of their own lengths (`MPI_Ialltoallv`): rank `s` sends
-    /// rank `r` `lens[s * size + r]` elements (the same `size × size` lengths on every rank),
-    /// so `send` holds this rank's blocks for ranks 0, 1, ... one after another, and `recv`
-    /// the blocks for this rank from ranks 0, 1, ... Only what a rank needs travels: no block
-    /// is padded to the longest.
+    /// Starts an all-to-all of blocks of their own lengths (`MPI_Ialltoallv`, no padding): rank
+    /// `s` sends rank `r` `lens[s * size + r]` elements (the same lengths on every rank); `send`
+    /// holds this rank's blocks for ranks 0, 1, ..., and `recv` its blocks from ranks 0, 1, ...
     pub fn all_to_all_v<T: Wire>(
         &mut self,
         send: Vec<T>,
@@ -1011,15 +946,9 @@ impl Call {
         root: usize,
     ) -> Result<Pending<T>> {
         self.check_root(root)?;
-        let is_root = root == self.world.rank;
-        if is_root && send.len() != recv.len() * self.world.size {
-            return Err(self.misuse(format!(
-                "scatter: the root's send buffer has {} elements but must hold {} blocks of {} \
-                 (the receive buffer's length)",
-                send.len(),
-                self.world.size,
-                recv.len()
-            )));
+        if root == self.world.rank {
+            let what = "scatter: the root's send buffer";
+            self.holds_blocks(what, send.len(), recv.len(), "receive")?;
         }
         let n = raw::count(self.op, recv.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
@@ -1037,8 +966,7 @@ impl Call {
         )
     }
 
-    /// A barrier (`MPI_Ibarrier` on the store's communicator), waited for (bounded by the
-    /// timeout).
+    /// A barrier (`MPI_Ibarrier`), waited for within the timeout.
     pub fn barrier(&mut self) -> Result<()> {
         let mut p = Pending::<f32>::new(self, Coll::Barrier, Vec::new(), Vec::new(), 0);
         // SAFETY: the communicator is valid and `p.reqs[0]` is a valid out-pointer.
@@ -1047,13 +975,10 @@ impl Call {
         self.wait(p).map(drop)
     }
 
-    /// Whether `p` has completed (one `MPI_Test`, never blocks). Wait for it afterwards with
-    /// [`Call::wait`], which then returns at once.
+    /// Whether `p` has completed (one `MPI_Test`); [`Call::wait`] for it then returns at once.
     pub fn test<T: Wire>(&mut self, p: &mut Pending<T>) -> Result<bool> {
         self.same_call(p)?;
-        // Statuses only where there are counts still to check (not once the requests have
-        // completed: a blocking start, or an earlier test, checked them): no allocation per
-        // call otherwise.
+        // Statuses only where counts are still to check: no allocation per call otherwise.
         let check = p.counts_unchecked();
         let mut statuses = no_statuses(if check { p.reqs.len() } else { 0 });
         let given = (!statuses.is_empty()).then_some(&mut statuses[..]);
@@ -1064,21 +989,16 @@ impl Call {
                 true => p.received_in_full(&statuses, self.op).map(|()| true),
                 false => Ok(done),
             });
-        if let Err(e) = &r {
-            self.world.poison_with(e.to_string());
-        }
-        r
+        r.inspect_err(|e| self.world.poison_with(e.to_string()))
     }
 
-    /// Waits for `p` (bounded by the timeout, counted from its start) and gives its buffers
-    /// back.
+    /// Waits for `p` (within the timeout, from its start) and gives its buffers back.
     pub fn wait<T: Wire>(&mut self, mut p: Pending<T>) -> Result<Done<T>> {
         self.complete(std::slice::from_mut(&mut p))?;
         Ok(self.finished(p))
     }
 
-    /// Waits for all of `ps` (bounded by the timeout, counted from the earliest start) and
-    /// gives their buffers back, in order.
+    /// Waits for all of `ps` (within the timeout, from the first start); their buffers, in order.
     pub fn wait_all<T: Wire>(&mut self, mut ps: Vec<Pending<T>>) -> Result<Vec<Done<T>>> {
         self.complete(&mut ps)?;
         Ok(ps.into_iter().map(|p| self.finished(p)).collect())
@@ -1091,9 +1011,8 @@ impl Call {
         done
     }
 
-    /// Polls every request of `ps` until all complete (see [`Call::wait_all`]), and checks what
-    /// their receives got. On an error the caller drops `ps` unfinished: buffers that MPI may
-    /// still use (a request still pending) leak, as they must.
+    /// Polls `ps` until all complete and checks what they received. On an error the caller
+    /// drops `ps`, leaking the buffers of requests still pending.
     fn complete<T: Wire>(&mut self, ps: &mut [Pending<T>]) -> Result<()> {
         for p in ps.iter() {
             self.same_call(p)?;

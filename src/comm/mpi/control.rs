@@ -2,16 +2,15 @@
 //! collectives, to say where they are and that they exit.
 //!
 //! - **"Where are you?"** ([`TAG_WHERE`]): a rank whose wait timed out, or that logs a long
-//!   wait, asks every other rank. A rank that is waiting in a kvstore call, or at its exit,
-//!   answers ([`TAG_HERE`]) with its call number and what it waits for; a rank busy outside
-//!   kvstore (computing, loading data) does not answer until its next wait.
-//! - **"I am exiting"** ([`TAG_EXIT`]): every rank sends one to every other rank when its process
-//!   exits: after which call, and whether it failed (it panicked, exited non-zero, or its
-//!   distributed world had failed). A rank waiting in a call that the exited rank will never
-//!   make stops waiting at once.
+//!   wait, asks every other rank. A rank waiting in a kvstore call or at its exit answers
+//!   ([`TAG_HERE`]) with its call number and what it waits for; a rank busy outside kvstore
+//!   answers at its next wait.
+//! - **"I am exiting"** ([`TAG_EXIT`]): every rank sends one to every other rank at its exit:
+//!   after which call, and whether it failed. A rank waiting in a call that the exited rank
+//!   will never make stops waiting at once.
 //!
-//! Every record is [`REPORT_BYTES`] long and is sent without waiting (`MPI_Isend`); its buffer
-//! stays in the state's outbox until the send completes. Records are read with `MPI_Iprobe`
+//! Every record is [`REPORT_BYTES`] long and sent without waiting (`MPI_Isend`) from a buffer
+//! kept in the state's outbox until the send completes. Records are read with `MPI_Iprobe`
 //! between the tests of a wait, at most every [`poll::SLEEP_MAX`](super::poll::SLEEP_MAX), so a
 //! call that completes at once never reads the control communicator.
 
@@ -28,9 +27,9 @@ use super::{is_are, State, World};
 use crate::comm::fingerprint;
 use crate::Key;
 
-/// Where this rank is, for its answers to other ranks: the number of its last call, the call
-/// (op and keys) while it is in one, and where in it or between calls. The words are made only
-/// when a rank asks or a wait is logged, never on a call's way.
+/// Where this rank is, for its answers: its last call's number, the call (op and keys) while
+/// in one, and where in it or between calls. Put in words only when a rank asks or a wait is
+/// logged, never on a call's way.
 pub(super) struct Here {
     pub(super) seq: u64,
     call: Option<(&'static str, Vec<Key>)>,
@@ -57,7 +56,7 @@ impl Here {
         }
     }
 
-    /// Says where in the call this rank is.
+    /// Sets where in the call this rank is.
     pub(super) fn set_at(&mut self, at: String) {
         self.at = Cow::Owned(at);
     }
@@ -75,21 +74,18 @@ impl Here {
         }
     }
 
-    /// Where this rank is, as the record that asks or answers question `query`.
+    /// Where this rank is ("push of key 3, in its reduce to rank 0"), as the record that asks
+    /// or answers question `query`.
     pub(super) fn report(&self, query: u32) -> Report {
+        let text = match (&self.call, self.at.is_empty()) {
+            (Some(_), false) => format!("{}, {}", self.summary(), self.at),
+            _ => self.summary(),
+        };
         Report {
             seq: self.seq,
             query,
-            text: self.text(),
+            text,
             ..Report::default()
-        }
-    }
-
-    /// Where this rank is, in words: "push of key 3, in its reduce to rank 0".
-    pub(super) fn text(&self) -> String {
-        match (&self.call, self.at.is_empty()) {
-            (Some(_), true) | (None, _) => self.summary(),
-            (Some(_), false) => format!("{}, {}", self.summary(), self.at),
         }
     }
 }
@@ -103,25 +99,21 @@ pub(super) const TAG_EXIT: c_int = 3;
 /// Bytes of one control record.
 pub(super) const REPORT_BYTES: usize = 256;
 
-/// One control record as it travels: 256 bytes, every integer little-endian, no padding.
+/// One control record as it travels: [`REPORT_BYTES`] bytes, integers little-endian, no padding.
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct Wire {
-    /// [`Report::seq`].
     seq: u64,
-    /// [`Report::timed_out`]: 0 or 1.
+    /// 0 or 1, as `failed`.
     timed_out: u8,
-    /// [`Report::failed`]: 0 or 1.
     failed: u8,
     /// How many bytes of `text` are used.
     text_len: u16,
-    /// [`Report::query`].
     query: u32,
-    /// [`Report::cause`]; `u32::MAX` for none.
+    /// `u32::MAX` for none.
     cause: u32,
-    /// Zero.
     unused: [u8; 4],
-    /// [`Report::text`] in UTF-8, cut at a character boundary to fit.
+    /// UTF-8, cut at a character boundary to fit.
     text: [u8; REPORT_BYTES - 24],
 }
 
@@ -148,13 +140,11 @@ pub(super) struct Report {
     pub(super) seq: u64,
     /// The sender timed out in that call.
     pub(super) timed_out: bool,
-    /// (An exit record.) The sender failed: it panicked, exited with a non-zero code, or its
-    /// distributed world had failed.
+    /// (An exit record.) The sender panicked, exited non-zero, or its world had failed.
     pub(super) failed: bool,
     /// The number of the question a [`TAG_WHERE`] asks and its [`TAG_HERE`] answers.
     pub(super) query: u32,
-    /// (An exit record.) The rank whose exit made the sender fail, when that is why it failed:
-    /// the record then relays that rank's exit, in `text`.
+    /// (An exit record.) The rank whose exit made the sender fail; `text` relays that exit.
     pub(super) cause: Option<usize>,
     /// Where the sender is, or how it exited, in words.
     pub(super) text: String,
@@ -164,10 +154,7 @@ impl Report {
     /// The record's bytes, as sent (see [`Wire`]).
     pub(super) fn encode(&self) -> [u8; REPORT_BYTES] {
         let mut wire = Wire::zeroed();
-        let mut n = self.text.len().min(wire.text.len());
-        while !self.text.is_char_boundary(n) {
-            n -= 1;
-        }
+        let n = cut(&self.text, wire.text.len()).len();
         wire.text[..n].copy_from_slice(&self.text.as_bytes()[..n]);
         wire.seq = self.seq.to_le();
         wire.timed_out = u8::from(self.timed_out);
@@ -182,8 +169,7 @@ impl Report {
         bytemuck::cast(wire)
     }
 
-    /// The report a record's bytes carry (see [`Wire`]); a text length past the record is cut
-    /// to it, and text that is not UTF-8 is read lossily.
+    /// The report a record's bytes carry, with its text cut to the record and read lossily.
     pub(super) fn decode(b: &[u8; REPORT_BYTES]) -> Report {
         let wire: Wire = bytemuck::cast(*b);
         let n = usize::from(u16::from_le(wire.text_len)).min(wire.text.len());
@@ -208,16 +194,14 @@ impl State {
         self.next_query
     }
 
-    /// Sends `report` with `tag` to every other rank: with [`TAG_WHERE`], asks where they are
-    /// (`report` says where this one is).
+    /// Sends `report` with `tag` to every other rank.
     pub(super) fn send_all(&mut self, world: &World, tag: c_int, report: &Report) {
         for r in (0..world.size).filter(|&r| r != world.rank) {
             self.send_report(world, r, tag, report);
         }
     }
 
-    /// Tells every other rank that this one exits ([`TAG_EXIT`]): whether it failed, because
-    /// of which rank's exit (if that is why), and how, in words.
+    /// Tells every other rank that this one exits ([`TAG_EXIT`]), and how.
     pub(super) fn tell_exit(
         &mut self,
         world: &World,
@@ -235,15 +219,13 @@ impl State {
         self.send_all(world, TAG_EXIT, &report);
     }
 
-    /// What a wait does between its tests: answers the questions of other ranks and records
-    /// their exit records.
+    /// What a wait does between its tests: answers other ranks' questions, hears their exits.
     pub(super) fn service(&mut self, world: &World) {
         self.answer_queries(world);
         self.hear_exits();
     }
 
-    /// Answers every pending "where are you?" from another rank with where this rank is. The
-    /// question of a rank that timed out is also kept, as that rank's report.
+    /// Answers every pending "where are you?", keeping those of ranks that timed out.
     pub(super) fn answer_queries(&mut self, world: &World) {
         while let Some((src, question)) = self.receive(TAG_WHERE) {
             let answer = self.here.report(question.query);
@@ -261,9 +243,9 @@ impl State {
         }
     }
 
-    /// A rank that exited without making call `seq` (the last call it began is earlier), with
-    /// the exit record that says so. A rank that failed in or after call `seq` is not one: its
-    /// part of the call may be done, and its `MPI_Abort` ends the job soon anyway.
+    /// A rank that exited without making call `seq` (its last call is earlier), with its exit
+    /// record. One that failed in or after call `seq` is not: its part may be done, and its
+    /// `MPI_Abort` ends the job soon anyway.
     pub(super) fn gone(&self, seq: u64) -> Option<(usize, &Report)> {
         self.first_exit(|rep| rep.seq < seq)
     }
@@ -273,9 +255,7 @@ impl State {
         self.first_exit(|rep| rep.failed)
     }
 
-    /// The first exit record that `pick`s, and the rank it names. A rank that failed because
-    /// another one exited relays that rank's exit: the rank named is then the one that exited
-    /// first. Records of ranks that exited first themselves are preferred.
+    /// The first exit record that `pick`s (unrelayed ones first) and the rank that exited first.
     fn first_exit(&self, pick: impl Fn(&Report) -> bool) -> Option<(usize, &Report)> {
         let first = |relayed: bool| {
             self.exits
@@ -348,9 +328,7 @@ impl State {
     }
 }
 
-/// The "still waiting" log of one wait. Every [`World::wait_log`] it asks the other ranks where
-/// they are; once they have all answered, or a short window has passed, it hands their answers
-/// to the caller, which logs them.
+/// The "still waiting" log of one wait: asks the others where they are every [`World::wait_log`].
 pub(super) struct Watch {
     every: Duration,
     next: Instant,
@@ -370,8 +348,7 @@ impl Watch {
         }
     }
 
-    /// Called between the tests of a wait: asks when it is time, and returns the answers (by
-    /// rank) once a round is complete. Never blocks.
+    /// Asks when it is time; returns the answers (by rank) once a round is complete. No wait.
     pub(super) fn tick(
         &mut self,
         st: &mut State,
@@ -437,15 +414,12 @@ impl Whereabouts {
                 Some(rep) if rep.seq == seq => w.same.push(r),
                 Some(rep) => {
                     w.missing.push(r);
+                    let timed_out = rep.timed_out.then_some(" and timed out there");
                     w.elsewhere.push(format!(
                         "rank {r} is at call #{} ({}){}",
                         rep.seq,
                         rep.text,
-                        if rep.timed_out {
-                            " and timed out there"
-                        } else {
-                            ""
-                        }
+                        timed_out.unwrap_or_default()
                     ));
                 }
             }
@@ -455,14 +429,7 @@ impl Whereabouts {
 
     /// The sentences of a message: who is silent (and `why`), who is elsewhere, who is here.
     pub(super) fn parts(&self, why: &str) -> Vec<String> {
-        let mut parts = Vec::new();
-        if !self.silent.is_empty() {
-            parts.push(format!(
-                "{} {} not responding ({why})",
-                fingerprint::ranks(&self.silent),
-                is_are(&self.silent)
-            ));
-        }
+        let mut parts: Vec<String> = silent(&self.silent, why).into_iter().collect();
         parts.extend(self.elsewhere.iter().cloned());
         if !self.same.is_empty() {
             parts.push(format!(
@@ -475,9 +442,14 @@ impl Whereabouts {
     }
 }
 
+/// "ranks 1, 3 are not responding (`why`)", unless `ranks` is empty.
+fn silent(ranks: &[usize], why: &str) -> Option<String> {
+    let (list, verb) = (fingerprint::ranks(ranks), is_are(ranks));
+    (!ranks.is_empty()).then(|| format!("{list} {verb} not responding ({why})"))
+}
+
 /// The log line of a rank that has waited `waited` in call `seq` (`summary`, e.g. "push of key
-/// 7"), in its `what`, given the other ranks' answers; the awaited ranks are named with their
-/// `hosts` (by rank).
+/// 7"), in its `what`, given the other ranks' answers and their `hosts`.
 pub(super) fn wait_line(
     (me, size, hosts): (usize, usize, &[String]),
     seq: u64,
@@ -510,8 +482,7 @@ pub(super) fn wait_line(
     )
 }
 
-/// The log line of a rank that has waited `waited` at its exit (after call `seq`) for the ranks
-/// that have not reached theirs (`awaited`), given the answers of the other ranks.
+/// The log line of a rank at its exit after call `seq`, waiting for the `awaited` ranks.
 pub(super) fn exit_line(
     me: usize,
     seq: u64,
@@ -519,23 +490,15 @@ pub(super) fn exit_line(
     waited: Duration,
     answers: &BTreeMap<usize, Report>,
 ) -> String {
-    let mut silent = Vec::new();
-    let mut parts = Vec::new();
+    let (mut quiet, mut parts) = (Vec::new(), Vec::new());
     for &r in awaited {
         match answers.get(&r) {
             Some(rep) => parts.push(format!("rank {r} is at call #{} ({})", rep.seq, rep.text)),
-            None => silent.push(r),
+            None => quiet.push(r),
         }
     }
-    if !silent.is_empty() {
-        parts.insert(
-            0,
-            format!(
-                "{} {} not responding ({SILENT_WHY})",
-                fingerprint::ranks(&silent),
-                is_are(&silent)
-            ),
-        );
+    if let Some(silent) = silent(&quiet, SILENT_WHY) {
+        parts.insert(0, silent);
     }
     format!(
         "kvstore: rank {me}: at its exit after call #{seq}, waiting for {} for {} s now: {}. \
@@ -560,10 +523,17 @@ pub(super) fn warn(msg: &str) {
 /// Writes `msg` and a newline to stderr in one `write`, so that the lines of ranks that share
 /// `mpirun`'s stderr do not interleave (`eprintln!` may write a line in pieces).
 pub(super) fn say(msg: &str) {
-    let mut line = String::with_capacity(msg.len() + 1);
-    line.push_str(msg);
-    line.push('\n');
+    let line = format!("{msg}\n");
     let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}
+
+/// The longest start of `text` of at most `max` bytes that ends at a character boundary.
+pub(super) fn cut(text: &str, max: usize) -> &str {
+    let mut n = text.len().min(max);
+    while !text.is_char_boundary(n) {
+        n -= 1;
+    }
+    &text[..n]
 }
 
 #[cfg(test)]

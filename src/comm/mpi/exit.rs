@@ -12,19 +12,16 @@ use super::poll::{self, Backoff};
 use super::raw::{self, Request};
 use super::{lock, State, World, WORLD};
 
-/// The last panic of this process ("panicked at file:line:col: message"), recorded by the panic
-/// hook; told to the other ranks when the process then exits with an error.
+/// The last panic of this process, recorded by the panic hook, for the exit record.
 static LAST_PANIC: Mutex<Option<String>> = Mutex::new(None);
 
 /// The most bytes of a panic message that are kept.
 const PANIC_TEXT: usize = 160;
 
-/// How long a healthy rank, after the exit barrier, waits for the exit records still on their
-/// way and for its own sends to complete.
+/// How long a healthy rank waits after the exit barrier for records and sends to complete.
 const SETTLE: Duration = Duration::from_secs(5);
 
-/// Chains a panic hook in front of the current one (once per process) that records the panic
-/// in [`LAST_PANIC`]. The previous hook still runs, so panics print as before.
+/// Chains a panic hook that records the panic in [`LAST_PANIC`] (once per process).
 pub(super) fn install_panic_hook() {
     static ONCE: Once = Once::new();
     // `take_hook` and `set_hook` panic when called from a panicking thread.
@@ -52,21 +49,11 @@ fn describe(info: &std::panic::PanicHookInfo<'_>) -> String {
         .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("(a panic with a payload that is not text)");
     let mut text = match info.location() {
-        Some(l) => format!(
-            "panicked at {}:{}:{}: {message}",
-            l.file(),
-            l.line(),
-            l.column()
-        ),
+        Some(at) => format!("panicked at {at}: {message}"),
         None => format!("panicked: {message}"),
     };
     if text.len() > PANIC_TEXT {
-        let mut n = PANIC_TEXT;
-        while !text.is_char_boundary(n) {
-            n -= 1;
-        }
-        text.truncate(n);
-        text.push_str("...");
+        text = format!("{}...", control::cut(&text, PANIC_TEXT));
     }
     text
 }
@@ -74,14 +61,10 @@ fn describe(info: &std::panic::PanicHookInfo<'_>) -> String {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 extern "C" {
     /// glibc's `on_exit(3)`: as `atexit`, but the function is given the exit status.
-    fn on_exit(
-        function: extern "C" fn(c_int, *mut std::os::raw::c_void),
-        arg: *mut std::os::raw::c_void,
-    ) -> c_int;
+    fn on_exit(function: extern "C" fn(c_int, *mut libc::c_void), arg: *mut libc::c_void) -> c_int;
 }
 
-/// Registers the exit hook: with `on_exit` on glibc, which tells it the exit status; with
-/// `atexit` elsewhere. Returns whether the C library took it.
+/// Registers the exit hook (`on_exit` on glibc, else `atexit`); whether the C library took it.
 pub(super) fn register() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: `hook_with_status` is an `extern "C" fn(int, void *)` that never unwinds (it
@@ -107,8 +90,7 @@ extern "C" fn hook() {
     run(None);
 }
 
-/// Runs [`World::at_exit`]. Nothing may unwind out of an `extern "C"` function: a panic aborts
-/// the job.
+/// Runs [`World::at_exit`]; a panic aborts the job (nothing may unwind out of `extern "C"`).
 fn run(status: Option<c_int>) {
     let r = std::panic::catch_unwind(|| {
         if let Some(Ok(w)) = WORLD.get() {
@@ -121,9 +103,8 @@ fn run(status: Option<c_int>) {
 }
 
 impl World {
-    /// Runs at process exit (`status`: the exit status, where the C library says it). A rank
-    /// that fails tells the others and aborts the job; a healthy rank tells the others, waits
-    /// for them to reach their own exit, and finalizes MPI.
+    /// Runs at process exit (`status`, where the C library says it): see "Exit" in the module
+    /// documentation of [`comm::mpi`](super).
     fn at_exit(&self, status: Option<c_int>) {
         // A call still running on another thread at exit: waiting for it could take the whole
         // timeout, and the other ranks expect its collectives; end the job.
@@ -156,8 +137,7 @@ impl World {
                 self.rank
             ));
             st.tell_exit(self, true, cause, &text);
-            // Give the other ranks a moment to hear of it and report it in their own errors:
-            // until every rank reaches its exit, for at most one grace period.
+            // Let the other ranks hear of it and report it in their own errors.
             let _ = st.exit_wait(self, Some(self.grace()));
             raw::abort(code);
         }
@@ -183,10 +163,9 @@ impl World {
         drop(lock(&self.universe).take());
     }
 
-    /// Whether this process fails at its exit: it exits with a non-zero status, or (where the
-    /// status is unknown) it panicked, or its distributed world failed. `st` gives the last call
-    /// it began, and the rank whose exit made it fail, if one did: the record then relays that
-    /// rank's exit.
+    /// Whether this process fails at its exit: a non-zero status, or (where the status is
+    /// unknown) a panic, or a failed world. A failure caused by another rank's exit
+    /// (`st.caused_by`) relays that exit.
     fn exit_failure(&self, status: Option<c_int>, st: &State) -> Option<Failing> {
         let poison = self.failure();
         let panic = lock(&LAST_PANIC).clone();
@@ -208,10 +187,8 @@ impl World {
             Some(code) => format!("exited with code {code} after its call #{seq}"),
             None => format!("exited after its call #{seq}"),
         };
-        if failed_status {
-            if let Some(p) = panic {
-                text.push_str(&format!("; its last panic: {p}"));
-            }
+        if let Some(p) = panic.filter(|_| failed_status) {
+            text.push_str(&format!("; its last panic: {p}"));
         }
         if let Some(first) = poison {
             text.push_str(&format!("; its distributed world had failed: {first}"));
@@ -230,17 +207,15 @@ struct Failing {
     code: c_int,
     /// The rank whose exit made it fail, if that is why.
     cause: Option<usize>,
-    /// How it (or the cause) exited, for the exit record: "exited with code 101 after its call
-    /// #4; its last panic: ...".
+    /// How it (or the cause) exited: "exited with code 101 after its call #4; ...".
     text: String,
 }
 
 impl State {
-    /// Waits at this rank's exit until every rank has reached its own (an `MPI_Ibarrier` on the
-    /// control communicator), answering the other ranks' questions and recording their exit
-    /// records meanwhile. With a `limit` (a failing rank), for at most that long. Without one (a
-    /// healthy rank), for as long as it takes, logging every `KVSTORE_WAIT_LOG_SECS` whom it
-    /// waits for; it gives up at once if another rank's exit record says that rank failed.
+    /// Waits until every rank has reached its exit (an `MPI_Ibarrier` on the control
+    /// communicator), answering questions and hearing exits meanwhile: a failing rank for at
+    /// most `limit`; a healthy one (no limit) as long as it takes, logging whom it waits for,
+    /// unless an exit record says another rank failed.
     fn exit_wait(&mut self, world: &World, limit: Option<Duration>) -> Result<(), String> {
         let mut req = Request::null();
         // SAFETY: the control communicator is valid until `at_exit` frees it after this barrier;
@@ -292,9 +267,9 @@ impl State {
         }
     }
 
-    /// After the exit barrier of a healthy rank: reads the exit records still on their way
-    /// (every rank sent its own before it entered the barrier) and lets this rank's own sends
-    /// complete, for at most [`SETTLE`]. Fails if a record says that its rank failed.
+    /// After a healthy rank's exit barrier: reads the exit records still on their way (each rank
+    /// sent its own before the barrier) and lets this rank's sends complete, for at most
+    /// [`SETTLE`]. Fails if a record says that its rank failed.
     fn settle_exit(&mut self, world: &World) -> Result<(), String> {
         let end = Instant::now() + SETTLE;
         loop {
@@ -311,8 +286,7 @@ impl State {
         }
     }
 
-    /// Why this healthy rank must end the job at its exit: an exit record says that a rank
-    /// failed (`me` is this rank, which a record may name as the cause of another's failure).
+    /// Why this healthy rank (`me`) must end the job at its exit: a rank failed.
     fn failed_peer(&self, me: usize) -> Option<String> {
         let (r, rep) = self.failed()?;
         Some(if r == me {

@@ -1,9 +1,7 @@
-//! Every rank's host name, known to every rank: gathered once when the world is set up, so that
-//! an error about a lost rank names the machine it ran on ("rank 1 (host node7)").
-//!
-//! A name comes from another process, so it is never trusted: each rank sends at most
-//! [`HOST_BYTES`] bytes, and every receiver keeps only letters, digits, `.`, `-` and `_` of them
-//! (anything else becomes `?`). An empty name reads as "unknown".
+//! Every rank's host name, gathered once at setup so that an error about a lost rank names its
+//! machine ("rank 1 (host node7)"). A name from another process is never trusted: at most
+//! [`HOST_BYTES`] bytes travel, and the receiver keeps only letters, digits, `.`, `-` and `_`
+//! (anything else becomes `?`); an empty name reads as "unknown".
 
 use std::os::raw::{c_char, c_int};
 
@@ -15,8 +13,7 @@ use crate::Result;
 /// The most bytes of a host name that travel (Linux's `HOST_NAME_MAX` is 64).
 pub(super) const HOST_BYTES: usize = 64;
 
-/// This machine's host name (`gethostname`), cut to [`HOST_BYTES`] and cleaned as every
-/// receiver cleans it.
+/// This machine's host name (`gethostname`), cut to [`HOST_BYTES`].
 fn this_host() -> [u8; HOST_BYTES] {
     // Room for a name of HOST_BYTES (Linux's longest) and its 0: glibc refuses a buffer of
     // exactly HOST_BYTES for such a name (ENAMETOOLONG), which made it "unknown".
@@ -31,8 +28,7 @@ fn this_host() -> [u8; HOST_BYTES] {
     out
 }
 
-/// A received name: the bytes up to the first 0, every byte outside `[A-Za-z0-9._-]` as `?`;
-/// "unknown" for none.
+/// A received name: up to the first 0, bytes outside `[A-Za-z0-9._-]` as `?`; or "unknown".
 pub(super) fn clean(raw: &[u8]) -> String {
     let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
     let name: String = raw[..end.min(HOST_BYTES)]
@@ -49,8 +45,7 @@ pub(super) fn clean(raw: &[u8]) -> String {
     }
 }
 
-/// Gathers every rank's host name on `comm` (blocking: it runs inside the world's setup, which
-/// is bounded as a whole), in rank order.
+/// Every rank's host name on `comm`, in rank order (blocking, inside the bounded setup).
 pub(super) fn gather(comm: ffi::MPI_Comm, size: usize) -> Result<Vec<String>> {
     let mine = this_host();
     let mut all = vec![0u8; HOST_BYTES * size];

@@ -2,58 +2,47 @@
 //!
 //! # The world
 //!
-//! [`World::get`] initialises MPI once per process and returns the process-wide [`World`]: rank,
-//! size, and the local rank and size on this machine (from a shared-memory split of the world
-//! communicator). A binary started without `mpirun` is a one-rank world (MPI singleton init).
-//! The store's collectives run on a communicator duplicated from `MPI_COMM_WORLD` for kvstore
-//! alone; a second duplicate carries the control messages of a failure (below). Both return MPI
-//! errors instead of aborting (`MPI_ERRORS_RETURN`).
+//! [`World::get`] initialises MPI once per process (a binary started without `mpirun` is a
+//! one-rank world) and returns the process-wide [`World`]: rank, size, and the local rank and
+//! size on this machine (from a shared-memory split). The store's collectives run on a
+//! duplicate of `MPI_COMM_WORLD`; a second duplicate carries the control records of a failure
+//! (below). Both return MPI errors instead of aborting (`MPI_ERRORS_RETURN`). If `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK` or `LOCAL_WORLD_SIZE` is set (torchrun, srun wrappers) and
+//! disagrees with MPI, [`World::get`] fails with [`Error::DistEnv`] naming the variable.
 //!
-//! If `RANK`, `WORLD_SIZE`, `LOCAL_RANK` or `LOCAL_WORLD_SIZE` is set (torchrun, srun wrappers)
-//! and disagrees with MPI, [`World::get`] fails with [`Error::DistEnv`] naming the variable.
-//!
-//! **Threads.** The store is `Send + Sync`, so MPI is initialised with `MPI_THREAD_SERIALIZED`
-//! and every MPI call the transport makes is serialised behind the world's one state mutex. Not
-//! `MPI_THREAD_MULTIPLE`, because collectives on a communicator must be issued in the same order
-//! on every rank: the store has to serialise its calls anyway, so the mutex costs nothing that
-//! is not already needed, and it avoids MULTIPLE's locking on every MPI call (and MPI builds
-//! without it). A [`Call`] holds that mutex from [`World::begin`] until it is dropped, so one
-//! store call's collectives are never interleaved with another's.
+//! **Threads.** The store is `Send + Sync`, so MPI runs at `MPI_THREAD_SERIALIZED` and every
+//! MPI call is made under the world's one state mutex. Collectives must be issued in the same
+//! order on every rank, so the store serialises its calls anyway; `MPI_THREAD_MULTIPLE` would
+//! add locking to every MPI call (and some MPI builds lack it). A [`Call`] holds the mutex from
+//! [`World::begin`] until it is dropped, so one call's collectives never interleave another's.
 //!
 //! # One call
 //!
-//! [`World::begin`] starts a store call: it numbers it (the call sequence number, the same on
-//! every rank of a correct program) and, unless `KVSTORE_DIST_CHECK=0`, compares the call's
-//! [`Fingerprint`] across ranks ([`crate::comm::fingerprint`]): a mismatch is
-//! [`Error::Desync`] on every rank. Then the call starts non-blocking
-//! collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
-//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::barrier`]) and waits for
-//! them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank
-//! has just agreed to start the same collectives, a call may run them blocking instead
-//! ([`Call::set_blocking`]): they complete before they return, bounded by a watchdog thread
-//! (`src/comm/mpi/blocking.rs`) that ends the process after the timeout.
+//! [`World::begin`] numbers a store call (the same number on every rank of a correct program)
+//! and, unless `KVSTORE_DIST_CHECK=0`, compares its [`Fingerprint`] across ranks
+//! ([`crate::comm::fingerprint`]): a mismatch is [`Error::Desync`] on every rank. The call then
+//! starts non-blocking collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
+//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::barrier`], ...) and waits for them
+//! ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank has
+//! just agreed to start the same collectives, they may run blocking ([`Call::set_blocking`]),
+//! bounded by a watchdog thread (`blocking.rs`) that ends the process after the timeout.
 //!
 //! # No hang, and no kill for a slow rank
 //!
-//! Every wait in a call is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`],
-//! whose documentation says why a slow rank is not a dead one). While a wait lasts, every
-//! `KVSTORE_WAIT_LOG_SECS` the waiting rank asks the other ranks where they are and logs whom it
-//! waits for and where they are (the line is in docs/dist.md), as a warning through `log`, or on
-//! stderr when no logger takes warnings. A rank that is waiting in a kvstore call or at its exit
-//! answers at once; a rank busy outside kvstore does not.
+//! Every wait is bounded by `KVSTORE_TIMEOUT` seconds (default [`DEFAULT_TIMEOUT`], whose
+//! documentation says why a slow rank is not a dead one). Every `KVSTORE_WAIT_LOG_SECS` of a
+//! wait, the rank asks the others where they are and logs it (the line is in docs/dist.md) as
+//! a `log` warning, or on stderr without a logger. A rank waiting in a kvstore call or at its
+//! exit answers at once; one busy outside kvstore does not.
 //!
 //! A pending MPI collective can be neither finished nor cancelled, so on a timeout the rank
-//! tells every other rank where it is (call number and what it waits for) on the control
-//! communicator and listens for a grace period (half the timeout, between 0.5 and 5 s). The
-//! error, [`Error::Timeout`], names the op, the keys, the missing ranks, and where each one is:
-//! "rank 2 is at call #18 (pull of key 5)", or "not responding". The buffers of the abandoned
-//! collective are leaked on purpose: MPI may still write to them.
+//! tells the others where it is and listens for a grace period (half the timeout, 0.5 to 5 s).
+//! [`Error::Timeout`] names the op, the keys, the missing ranks and where each one is ("rank 2
+//! is at call #18 (pull of key 5)", or "not responding"). The abandoned buffers are leaked.
 //!
-//! Setting up the world (`MPI_Init` and the communicator splits after it) waits for every rank
-//! too, and MPI can neither time it out nor cancel it. It is bounded by the same timeout: a
-//! rank still in it after `KVSTORE_TIMEOUT` seconds (another rank never created its store)
-//! prints why on stderr and ends its process with exit code 1, which ends the job under
-//! `mpirun`. It cannot return an error: the thread is inside MPI and may never come back.
+//! MPI's setup (`MPI_Init` and the splits after it) waits for every rank and cannot be
+//! cancelled either: a rank still in it after `KVSTORE_TIMEOUT` says why on stderr and ends
+//! its process with exit code 1 (it cannot return: its thread is inside MPI).
 //!
 //! After a timeout, a desync, a rank that exited or a failed MPI call the world is
 //! **poisoned**: every later call fails at once with [`Error::DistFailed`] naming the first
@@ -61,39 +50,31 @@
 //!
 //! # Exit
 //!
-//! A world kept in a static is never dropped, so [`World::get`] registers an exit hook. It runs
-//! on `exit` and on return from `main` (a panic that unwinds out of `main` too: Rust then exits
-//! with code 101), not on a signal or `abort`. On glibc it is registered with `on_exit`, which
-//! tells it the exit status; elsewhere with `atexit`, where the status is unknown. A panic hook,
-//! chained in front of the one already set, records the process's last panic. At exit, every
-//! rank first tells every other rank on the control communicator that it exits, after which
-//! call, and whether it failed. Then:
+//! A world in a static is never dropped, so [`World::get`] registers an exit hook (glibc's
+//! `on_exit`, which gives the exit status; `atexit` elsewhere). It runs on `exit` and on return
+//! from `main` (also after a panic unwinds out of it: code 101), not on a signal or `abort`; a
+//! chained panic hook records the last panic. At exit every rank tells every other rank, on
+//! the control communicator, that it exits, after which call, and whether it failed. Then:
 //!
-//! - **A rank that fails** (a non-zero exit status; where the status is unknown, a recorded
-//!   panic; or a poisoned world) prints why, waits for the other ranks to reach their own exit
-//!   for at most one grace period (so that those waiting in a call can report it), and calls
-//!   `MPI_Abort` with its exit status (1 for a poisoned world that exits 0): `mpirun` ends the
-//!   job at once, with that code. (Open MPI 4.1's `mpirun` lets the other ranks run on when a
-//!   rank finalizes and then exits non-zero, so a failing rank never finalizes.)
-//! - **A healthy rank** (exit status 0, world not poisoned) waits for every other rank to reach
-//!   its exit (an `MPI_Ibarrier` on the control communicator), frees its communicators and calls
-//!   `MPI_Finalize`: the job ends cleanly. A normal exit is not a failure, so this wait has **no
-//!   time limit**: a rank still working (writing the model, say) is never killed by another
-//!   rank's normal exit. While it waits, the rank answers the others' questions and logs every
-//!   `KVSTORE_WAIT_LOG_SECS` whom it waits for. It cannot hang forever on a dead rank: `mpirun`
-//!   ends the job when a rank dies or exits without finalizing. It aborts the job at once if
-//!   another rank's exit record says that rank failed.
-//! - **The other ranks**, while waiting in a call, read the exit records: a rank that exited
-//!   (failed or not) after a call earlier than the one they wait in will never make it, so it
-//!   ends their wait at once with [`Error::RankExited`] and poisons their world; their own exit
-//!   then aborts the job. A rank that exited in or after this very call is no reason to stop:
-//!   its part of the call may be done, and if it failed, its `MPI_Abort` ends the job within
-//!   seconds. A rank that fails because another one exited relays that rank's exit in its own
-//!   record, so every rank names the rank that exited first.
+//! - **A failing rank** (non-zero exit status; where it is unknown, a recorded panic; or a
+//!   poisoned world) says why, waits at most one grace period for the others to reach their
+//!   exit (so that those in a call can report it), and calls `MPI_Abort` with its exit status
+//!   (1 for a poisoned world exiting 0). It never finalizes: Open MPI 4.1's `mpirun` lets the
+//!   other ranks run on when a rank finalizes and then exits non-zero.
+//! - **A healthy rank** waits for every rank to reach its exit (an `MPI_Ibarrier` on the
+//!   control communicator), frees its communicators and calls `MPI_Finalize`. This wait has
+//!   **no time limit**, so a rank still working (writing the model, say) is never killed by
+//!   another's normal exit; it answers questions and logs whom it waits for meanwhile, aborts
+//!   at once if an exit record says a rank failed, and `mpirun` ends the job if a rank dies.
+//! - **A rank waiting in a call** that an exited rank never made (its last call is earlier)
+//!   fails with [`Error::RankExited`], poisoning its world, so its own exit aborts the job. A
+//!   rank that exited in or after this call is no reason to stop: its part may be done, and if
+//!   it failed, its `MPI_Abort` ends the job. A rank that fails because another exited relays
+//!   that exit in its own record, so every rank names the first.
 //!
-//! A call still running on another thread when the process exits makes the hook abort the job
-//! after two seconds. A rank killed by a signal is noticed by `mpirun`, which ends the job with a
-//! non-zero exit; the survivors' own timeout is the backstop.
+//! A call still running on another thread at exit makes the hook abort the job after two
+//! seconds. `mpirun` ends the job when a rank is killed by a signal; the survivors' own timeout
+//! is the backstop.
 //!
 //! # Environment
 //!
@@ -107,8 +88,7 @@ mod exit;
 mod hosts;
 mod poll;
 mod raw;
-// Only in test builds (the crate's own tests and examples enable test-util): a library built
-// for users never reads the hook's variables.
+// Only with test-util (the crate's tests and examples): a user's build never reads its variables.
 #[cfg(feature = "test-util")]
 mod test_hook;
 
@@ -167,7 +147,7 @@ struct State {
     seq: u64,
     /// Where this rank is, for answers to other ranks.
     here: Here,
-    /// The questions of ranks that timed out, heard while waiting, by rank: their reports.
+    /// The questions of ranks that timed out, heard while waiting, by rank.
     heard: BTreeMap<usize, Report>,
     /// The exit records of the ranks that have exited, by rank.
     exits: BTreeMap<usize, Report>,
@@ -175,26 +155,22 @@ struct State {
     next_query: u32,
     /// Set by the exit hook: no call may begin any more.
     closed: bool,
-    /// The rank whose exit failed this one's world first, and how it exited (the detail of
-    /// the [`Error::RankExited`]): relayed in this rank's own exit record.
+    /// The rank whose exit failed this world first, and how, relayed in this rank's exit.
     caused_by: Option<(usize, String)>,
     /// Sent control records whose sends may not have completed: kept alive, never freed early.
     outbox: Vec<(Request, Box<[u8; REPORT_BYTES]>)>,
-    /// The f32 partial sums of the last blocking f16/bf16 reduce (send, receive), kept for the
-    /// next one so that its pages are mapped already (see [`Call::reduce_sum_borrowed`]).
+    /// The f32 buffers of the last blocking f16/bf16 reduce ([`Call::reduce_sum_borrowed`]).
     wide: (Vec<f32>, Vec<f32>),
-    /// The other ranks' blocks of the last reduce-scatter and reduce in rank order, per type,
-    /// kept for the next one (see [`collective::Staged`]).
+    /// The buffers of the other ranks' blocks, kept between calls ([`collective::Staged`]).
     staged: collective::Staged,
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
 
-/// The local rank an MPI launcher gave this process, where it says: Open MPI's
-/// `OMPI_COMM_WORLD_LOCAL_RANK`, or MPICH's (Hydra's) `MPI_LOCALRANKID`. The store's local rank
-/// follows it, so that it picks the GPU the user's script picks from the same variable; Open
-/// MPI 5 does not always number a machine's ranks in the order of their world ranks. A value
-/// that is not a number is ignored here (the ranks are then numbered by world rank).
+/// The local rank an MPI launcher gave this process: Open MPI's `OMPI_COMM_WORLD_LOCAL_RANK`,
+/// or MPICH's (Hydra's) `MPI_LOCALRANKID`. The store's local rank follows it, so that it picks
+/// the GPU the user's script picks from the same variable (Open MPI 5 does not always number a
+/// machine's ranks in world-rank order). A value that is not a number is ignored.
 fn mpi_launcher_local_rank() -> Option<usize> {
     ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"]
         .iter()
@@ -204,25 +180,19 @@ fn mpi_launcher_local_rank() -> Option<usize> {
 /// Compares an environment variable a launcher may set with what MPI says.
 fn env_agrees(var: &str, mpi_value: usize, what: &str) -> Option<(String, String)> {
     let v = std::env::var(var).ok()?;
-    match v.trim().parse::<usize>() {
-        Ok(n) if n == mpi_value => None,
-        Ok(n) => Some((
-            var.to_owned(),
-            format!(
-                "{var}={n} but MPI says this process's {what} is {mpi_value}: the launcher's \
-                 variables and MPI disagree (was this process started without mpirun, or with \
-                 a stale {var}?); start every rank with `mpirun -np N`, or unset {var}"
-            ),
-        )),
-        Err(_) => Some((
-            var.to_owned(),
-            format!("'{v}' is not a number; unset {var} or set it to {mpi_value}"),
-        )),
-    }
+    let message = match v.trim().parse::<usize>() {
+        Ok(n) if n == mpi_value => return None,
+        Ok(n) => format!(
+            "{var}={n} but MPI says this process's {what} is {mpi_value}: the launcher's \
+             variables and MPI disagree (was this process started without mpirun, or with a \
+             stale {var}?); start every rank with `mpirun -np N`, or unset {var}"
+        ),
+        Err(_) => format!("'{v}' is not a number; unset {var} or set it to {mpi_value}"),
+    };
+    Some((var.to_owned(), message))
 }
 
-/// Ends this process if the world's setup is still running after `timeout` (see "No hang" in
-/// the module documentation). The setup is done when the returned sender is dropped.
+/// Ends this process if the world's setup lasts past `timeout`, until the sender is dropped.
 fn bound_setup(timeout: Duration) -> std::sync::mpsc::Sender<()> {
     let (done, setup) = std::sync::mpsc::channel::<()>();
     let watch = move || {
@@ -251,8 +221,7 @@ fn bound_setup(timeout: Duration) -> std::sync::mpsc::Sender<()> {
 }
 
 impl World {
-    /// The process-wide world, initialising MPI on the first call. See the
-    /// [module documentation](self) for the environment variables it reads.
+    /// The process-wide world, initialising MPI on the first call (see [the module](self)).
     pub fn get() -> Result<&'static World> {
         match WORLD.get_or_init(World::init) {
             Ok(World {
@@ -272,7 +241,7 @@ impl World {
         let config = crate::config::Config::from_env().map_err(as_pair)?;
         let (timeout, wait_log, check) = (config.timeout, config.wait_log, config.dist_check);
 
-        // Dropped (so the bound disarmed) when this function returns, whichever way.
+        // Disarmed when dropped, as this function returns.
         let _bound = bound_setup(timeout);
         // Without a universe someone else initialised MPI: use it, but leave finalizing to them.
         let (universe, level) = match mpi::initialize_with_threading(Threading::Serialized) {
@@ -295,7 +264,7 @@ impl World {
             return Err(("MPI".to_owned(), message));
         }
 
-        let (rank, size, local_rank, local_size, data, control) =
+        let ([rank, size, local_rank, local_size], data, control) =
             Self::communicators().map_err(as_pair)?;
         let hosts = hosts::gather(control.0, size).map_err(as_pair)?;
 
@@ -347,12 +316,9 @@ impl World {
     }
 
     /// Rank, size, local rank and size, and the two duplicated communicators.
-    fn communicators() -> Result<(usize, usize, usize, usize, Comm, Comm)> {
+    fn communicators() -> Result<([usize; 4], Comm, Comm)> {
         const OP: &str = "initialise MPI";
-        let mut rank: c_int = 0;
-        let mut size: c_int = 0;
-        let mut local_rank: c_int = 0;
-        let mut local_size: c_int = 0;
+        let [mut rank, mut size, mut local_rank, mut local_size]: [c_int; 4] = [0; 4];
         // SAFETY: MPI is initialised (above); every out-pointer is a valid local; the world
         // communicator and the constants are handles rsmpi's C shim exports. The local
         // communicator is freed before returning.
@@ -381,16 +347,8 @@ impl World {
                 )?;
                 Ok(Comm(c))
             };
-            let (data, control) = (dup()?, dup()?);
-            let u = |v: c_int| v as usize;
-            Ok((
-                u(rank),
-                u(size),
-                u(local_rank),
-                u(local_size),
-                data,
-                control,
-            ))
+            let counts = [rank, size, local_rank, local_size].map(|v| v as usize);
+            Ok((counts, dup()?, dup()?))
         }
     }
 
@@ -414,8 +372,7 @@ impl World {
         self.local_size
     }
 
-    /// The host name of `rank` (as that rank's `gethostname` said, cleaned; "unknown" for a
-    /// rank out of range).
+    /// The host name of `rank` (its `gethostname`, cleaned; "unknown" out of range).
     pub fn host_of(&self, rank: usize) -> &str {
         self.hosts.get(rank).map_or("unknown", String::as_str)
     }
@@ -423,11 +380,6 @@ impl World {
     /// The bound of every wait (`KVSTORE_TIMEOUT`).
     pub fn timeout(&self) -> Duration {
         self.timeout
-    }
-
-    /// How often a long wait logs whom it waits for (`KVSTORE_WAIT_LOG_SECS`).
-    pub fn wait_log_interval(&self) -> Duration {
-        self.wait_log
     }
 
     /// Whether calls are fingerprinted across ranks (`KVSTORE_DIST_CHECK`).
@@ -459,14 +411,13 @@ impl World {
         }
     }
 
-    /// Begins a store call: takes the world's state lock (waiting for another thread's call to
-    /// end), numbers the call, and, unless the check is off, compares `fp` across ranks.
-    ///
-    /// Errors: [`Error::DistFailed`] if the world is poisoned (or the process is exiting);
-    /// [`Error::RankExited`] if a rank has exited without making this call; [`Error::Desync`] if
-    /// the ranks disagree; [`Error::Timeout`] if a rank does not join within the timeout.
+    /// Begins a store call: takes the state lock (waiting for another thread's call), numbers
+    /// the call and, unless the check is off, compares `fp` across ranks. Errors:
+    /// [`Error::DistFailed`] if the world is poisoned or the process is exiting;
+    /// [`Error::RankExited`] if a rank exited without making this call; [`Error::Desync`] if the
+    /// ranks disagree; [`Error::Timeout`] if a rank does not join within the timeout.
     pub fn begin(&'static self, fp: &Fingerprint) -> Result<Call> {
-        let st = lock(&self.state);
+        let mut st = lock(&self.state);
         if let Some(first) = self.failure() {
             return Err(Error::DistFailed { op: fp.op(), first });
         }
@@ -476,15 +427,14 @@ impl World {
                 first: "the process is exiting: its distributed world is closed".to_owned(),
             });
         }
+        st.seq += 1;
         let mut call = Call {
             world: self,
+            seq: st.seq,
             st,
-            seq: 0,
             op: fp.op(),
             blocking: false,
         };
-        call.st.seq += 1;
-        call.seq = call.st.seq;
         call.st.here = Here::in_call(call.seq, fp.op(), fp.keys());
         if let Some(e) = call.exited_error() {
             self.poison_with(e.to_string());
@@ -498,8 +448,7 @@ impl World {
 }
 
 impl State {
-    /// One `MPI_Testall`: whether all of `reqs` have completed (completed ones become null).
-    /// When they have, `statuses` (one per request, if given) holds how each completed.
+    /// One `MPI_Testall`: whether all of `reqs` completed (then null; `statuses` say how).
     fn test(
         &mut self,
         reqs: &mut [Request],
@@ -535,9 +484,8 @@ impl State {
     }
 }
 
-/// The error of the first request in `statuses` that failed (after `MPI_ERR_IN_STATUS`),
-/// with what it means where the transport can say: a truncated message is a rank that sent
-/// more than this rank expected.
+/// The error of the first request in `statuses` that failed (after `MPI_ERR_IN_STATUS`); a
+/// truncated message is a rank that sent more than this rank expected.
 fn status_error(statuses: &[ffi::MPI_Status], op: &'static str) -> Option<Error> {
     let failed = statuses.iter().find(|s| {
         s.MPI_ERROR != ffi::MPI_SUCCESS as c_int && s.MPI_ERROR != ffi::MPI_ERR_PENDING as c_int
@@ -554,9 +502,7 @@ fn status_error(statuses: &[ffi::MPI_Status], op: &'static str) -> Option<Error>
     Some(Error::Mpi { op, message })
 }
 
-/// One store call in progress: holds the world's state lock, so calls never interleave. Start
-/// collectives with its methods and wait for them before dropping it. See the
-/// [module documentation](self).
+/// One store call, holding the state lock: wait for the collectives it starts before dropping it.
 pub struct Call {
     world: &'static World,
     st: MutexGuard<'static, State>,
@@ -588,9 +534,7 @@ impl Call {
         checked
     }
 
-    /// Whether another rank has timed out in this call: its question has arrived. It gave up
-    /// the call's collectives, so no transfer of this call may run blocking (it would never
-    /// join). Answers the questions that have arrived.
+    /// Whether another rank timed out in this call (its question arrived): nothing may block.
     pub fn peer_timed_out(&mut self) -> bool {
         self.st.answer_queries(self.world);
         let seq = self.seq;
@@ -604,13 +548,11 @@ impl Call {
         Ok(self.wait(p)?.recv)
     }
 
-    /// Polls `reqs` until all complete, within the timeout counted from `start` (`statuses`,
-    /// when given, one per request, then says how each completed). Once the wait
-    /// has lasted [`poll::SLEEP_MAX`], it also, at most that often, answers the other ranks'
-    /// questions, reads their exit records (a rank gone for good ends the wait with
-    /// [`Error::RankExited`]), and logs every `KVSTORE_WAIT_LOG_SECS` whom it waits for. On a
-    /// timeout, finds out where the other ranks are, poisons the world and returns
-    /// [`Error::Timeout`].
+    /// Polls `reqs` until all complete, within the timeout counted from `start` (`statuses`, one
+    /// per request, then say how each completed). At most every [`poll::SLEEP_MAX`] it also
+    /// answers the other ranks' questions, reads their exit records (a rank gone for good ends
+    /// the wait with [`Error::RankExited`]), and logs every `KVSTORE_WAIT_LOG_SECS` whom it waits
+    /// for. On a timeout it finds out where the others are and poisons the world.
     fn poll(
         &mut self,
         reqs: &mut [Request],
@@ -625,13 +567,9 @@ impl Call {
         // What this wait is for, in words: made once the wait is long, never on a quick one.
         let mut said: Option<String> = None;
         loop {
-            match self.st.test(reqs, statuses.as_deref_mut(), self.op) {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => {
-                    self.world.poison_with(e.to_string());
-                    return Err(e);
-                }
+            let done = self.st.test(reqs, statuses.as_deref_mut(), self.op);
+            if done.inspect_err(|e| self.world.poison_with(e.to_string()))? {
+                return Ok(());
             }
             if backoff.pause() == poll::Phase::Spin {
                 continue;
@@ -671,8 +609,7 @@ impl Call {
         }
     }
 
-    /// The error of this call if a rank has exited without making it (see [`State::gone`]); it
-    /// is kept as the cause of this rank's failure.
+    /// The error, kept as this rank's cause, if a rank exited without making this call.
     fn exited_error(&mut self) -> Option<Error> {
         let (rank, rep) = self.st.gone(self.seq)?;
         let detail = if rep.failed {
@@ -696,18 +633,14 @@ impl Call {
         })
     }
 
-    /// After a timeout in `what`: tells every rank where this one is, listens for their
-    /// reports for a grace period, and builds the error.
+    /// After a timeout in `what`: asks where the others are, for a grace period; the error.
     fn diagnose(&mut self, what: &str) -> Error {
         let world = self.world;
-        let here = format!("{}, in its {what}", self.st.here.summary());
         let query = self.st.new_query();
+        self.st.here.set_at(format!("in its {what}"));
         let question = Report {
-            seq: self.seq,
             timed_out: true,
-            query,
-            text: here.clone(),
-            ..Report::default()
+            ..self.st.here.report(query)
         };
         self.st.send_all(world, TAG_WHERE, &question);
         self.st
@@ -748,9 +681,8 @@ impl Drop for Call {
     }
 }
 
-/// The error of a timed-out `what` in call `seq`, from the reports of the other ranks: who is in
-/// the same call, who is elsewhere (and where), who did not answer, and the missing ranks'
-/// hosts (`hosts`, by rank).
+/// The error of a timed-out `what` in call `seq`, from the other ranks' reports: who is in this
+/// call, who is elsewhere (and where), who did not answer, and the missing ranks' hosts.
 fn timeout_error(
     op: &'static str,
     seq: u64,

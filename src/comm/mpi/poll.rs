@@ -1,16 +1,15 @@
 //! How a rank waits for a non-blocking MPI operation without taking the CPU its peers need.
 //!
-//! MPI makes progress on shared memory only inside MPI calls, so a rank that sleeps too early
-//! stalls a large transfer; a rank that spins takes a core from an oversubscribed peer. The wait
-//! therefore goes through three phases:
+//! MPI progresses shared-memory transfers only inside MPI calls, so a rank that sleeps too early
+//! stalls a large transfer, and one that spins takes a core from an oversubscribed peer. A wait
+//! goes through three phases:
 //!
 //! 1. **spin** for [`SPIN`] (a small message completes here: no added latency);
 //! 2. **yield** ([`std::thread::yield_now`] between tests, as Open MPI's own blocking calls do
 //!    with `mpi_yield_when_idle`) for as long as the transfer itself may take: [`YIELD_MIN`], or
 //!    [`YIELD_NS_PER_BYTE`] per byte for large buffers;
-//! 3. **sleep** between tests, starting at [`SLEEP_MIN`] and doubling up to [`SLEEP_MAX`]: the
-//!    rank is now waiting for a peer that is elsewhere (computing, late, or gone), and gives its
-//!    core away.
+//! 3. **sleep** between tests, from [`SLEEP_MIN`] doubling up to [`SLEEP_MAX`]: the peer is
+//!    elsewhere (computing, late, or gone), and the rank gives its core away.
 
 use std::time::{Duration, Instant};
 

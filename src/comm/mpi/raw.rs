@@ -1,9 +1,7 @@
-//! The few MPI C calls the transport makes itself, as thin wrappers: handles that may cross
-//! threads, error codes turned into messages, and the MPI datatypes and operation it needs.
-//!
-//! rsmpi's safe collectives tie a request to a scope and panic when a request is dropped
-//! unfinished. A collective that times out can never be finished or cancelled, so the transport
-//! owns its requests and buffers itself and calls the C functions directly.
+//! Thin wrappers of the MPI C API the transport calls directly: handles that may cross
+//! threads, error codes as messages, datatypes and `MPI_SUM`. rsmpi's safe collectives panic
+//! when a request is dropped unfinished, and one that timed out can never finish, so the
+//! transport owns its requests and buffers itself.
 
 use std::os::raw::{c_char, c_int, c_void};
 
@@ -24,8 +22,7 @@ unsafe impl Send for Comm {}
 // SAFETY: as for `Send`: shared references only hand the identifier to calls made under the mutex.
 unsafe impl Sync for Comm {}
 
-/// A request handle of a non-blocking operation. Transparent, so a slice of them is an array
-/// of `MPI_Request` for `MPI_Testall`.
+/// A request handle; transparent, so a slice of them is an array of `MPI_Request`.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
 pub(super) struct Request(pub(super) ffi::MPI_Request);
@@ -106,16 +103,15 @@ pub(super) fn count(op: &'static str, n: usize) -> Result<c_int> {
     })
 }
 
-/// `MPI_Abort` on the world communicator: ends every process of the job with `code` (`mpirun`
-/// then exits with it). Called from the exit hook too, so it never calls `exit` itself.
+/// `MPI_Abort`: ends the job with `code`. Never calls `exit` (exit hooks call this).
 pub(super) fn abort(code: c_int) -> ! {
     // SAFETY: MPI_Abort may be called at any time after MPI_Init and from any thread; the world
     // communicator handle is a constant that rsmpi's C shim exports.
     unsafe {
         ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code);
     }
-    // MPI_Abort does not return on any implementation we know. If it does, end this process
-    // without running exit hooks: `exit` from inside an exit hook is undefined behaviour.
+    // MPI_Abort should not return; if it does, end without exit hooks (`exit` inside an exit
+    // hook is undefined behaviour).
     // SAFETY: `_exit` ends the process at once; it is async-signal-safe and never returns.
     unsafe { libc::_exit(if code == 0 { 1 } else { code }) }
 }

@@ -1,19 +1,15 @@
 //! A test-only hook, off unless its environment variables are set: it lets a fault test act at a
 //! known point of a big transfer (cut a link, kill a host) instead of after a guessed sleep.
 //!
-//! - `KVSTORE_TEST_ANNOUNCE_BYTES=N`: the first collective of at least `N` bytes that this
-//!   process starts with requests to poll (every non-blocking one: a sliced key's
-//!   reduce-scatter and all-gather, a broadcast, a reduce that does not run blocking; and the
-//!   root's receives of a blocking reduce over 3 or more ranks) prints one line on stderr just
-//!   before it starts:
+//! - `KVSTORE_TEST_ANNOUNCE_BYTES=N`: the first collective of at least `N` bytes with requests
+//!   to poll (every non-blocking one, and the root's receives of a blocking reduce over 3 or
+//!   more ranks) prints one line on stderr just before it starts:
 //!   `kvstore-test-hook: rank R (host H): call #S starts its reduce-scatter of B bytes`.
-//! - `KVSTORE_TEST_HOLD_SECS=T`: after that line the rank sleeps `T` seconds before it starts
-//!   the collective, so the other ranks are inside it, waiting for this one, when the test
-//!   acts on the line.
+//! - `KVSTORE_TEST_HOLD_SECS=T`: the rank then sleeps `T` seconds before it starts the
+//!   collective, so the other ranks wait inside it when the test acts on the line.
 //!
-//! Neither is read by anything else, and a bad value turns the hook off. The hook exists only
-//! with the `test-util` feature (on in the crate's own tests and examples, off in a library
-//! built for users). Used by `scripts/cluster-faults.sh`, through `examples/dist_probe.rs`.
+//! A bad value turns the hook off. It exists only with the `test-util` feature (the crate's
+//! tests and examples). Used by `scripts/cluster-faults.sh`, through `examples/dist_probe.rs`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -30,9 +26,8 @@ fn settings() -> Option<(usize, Duration)> {
             .trim()
             .parse()
             .ok()?;
-        // Unset: no hold. Set but not a number of seconds that a Duration holds (negative,
-        // NaN, 1e300: `Duration::from_secs_f64` would panic): the hook is off, as the module
-        // says, so a test that relies on the hold fails for want of its line.
+        // Unset: no hold. Not a number of seconds a Duration holds (negative, NaN, 1e300:
+        // `from_secs_f64` would panic): the hook is off, and a test relying on it fails.
         let hold = match std::env::var("KVSTORE_TEST_HOLD_SECS") {
             Err(_) => Duration::ZERO,
             Ok(v) => Duration::try_from_secs_f64(v.trim().parse::<f64>().ok()?).ok()?,
@@ -41,9 +36,7 @@ fn settings() -> Option<(usize, Duration)> {
     })
 }
 
-/// Called just before a collective with requests to poll (`what`) of `bytes` starts in call `seq` on
-/// rank `rank` of host `host`: announces the first big one, and holds it (see the module
-/// documentation). Does nothing unless the hook is on.
+/// Announces and holds the first big polled collective (`what`), just before it starts.
 pub(super) fn before_collective(
     (rank, host): (usize, &str),
     seq: u64,
