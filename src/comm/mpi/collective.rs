@@ -131,9 +131,8 @@ impl Staged {
     }
 }
 
-/// The most bytes of buffers for the other ranks' blocks the world keeps per element type (see
-/// [`Staged`]): at the default `KVSTORE_BIGARRAY_BOUND`, a whole f32 key's blocks (4 MiB per
-/// other rank) on up to 17 ranks, or a sliced f32 key of up to 128 MiB on two ranks.
+/// The most bytes of [`Staged`] buffers kept per element type: at the default bound, a whole f32
+/// key's blocks on up to 17 ranks, or a sliced f32 key of up to 128 MiB on two ranks.
 const KEPT_STAGED_BYTES: usize = 64 << 20;
 
 /// The most bytes of each f32 buffer of a blocking f16/bf16 reduce kept for the next one (a

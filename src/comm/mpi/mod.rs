@@ -22,10 +22,9 @@
 //! and, unless `KVSTORE_DIST_CHECK=0`, compares its [`Fingerprint`] across ranks
 //! ([`crate::comm::fingerprint`]): a mismatch is [`Error::Desync`] on every rank. The call then
 //! starts non-blocking collectives on owned buffers ([`Call::reduce_sum`], [`Call::broadcast`],
-//! [`Call::reduce_scatter`], [`Call::all_gather`], [`Call::barrier`], ...) and waits for them
-//! ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]). Where every rank has
-//! just agreed to start the same collectives, they may run blocking ([`Call::set_blocking`]),
-//! bounded by a watchdog thread (`blocking.rs`) that ends the process after the timeout.
+//! ...) and waits for them ([`Call::wait`], [`Call::wait_all`]) or polls them ([`Call::test`]).
+//! Where every rank has just agreed to start the same collectives, they may run blocking
+//! ([`Call::set_blocking`]), bounded by a watchdog thread (`blocking.rs`).
 //!
 //! # No hang, and no kill for a slow rank
 //!
