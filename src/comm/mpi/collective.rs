@@ -238,15 +238,7 @@ impl<T: Wire> Drop for Pending<T> {
 impl<T: Wire> Pending<T> {
     fn new(call: &Call, coll: Coll, send: Vec<T>, recv: Vec<T>, bytes: usize) -> Pending<T> {
         #[cfg(feature = "test-util")]
-        {
-            let w = call.world;
-            super::test_hook::before_collective(
-                (w.rank, w.host_of(w.rank)),
-                call.seq,
-                &coll,
-                bytes,
-            );
-        }
+        super::test_hook::before_collective(call.world, call.seq, &coll, bytes);
         Pending {
             world: call.world,
             seq: call.seq,
@@ -727,12 +719,11 @@ impl Call {
         self.receive_staged(&mut p, (send.len(), n), tag)?;
         self.complete_blocking(&mut p)?;
         let (rank, size) = (self.world.rank, self.world.size);
-        let (mut out, staged) = (std::mem::take(&mut p.recv), std::mem::take(&mut p.staged));
-        sum_blocks(&mut out, send, &staged, (rank, size));
-        self.st.staged.keep(staged);
+        sum_blocks(&mut p.recv, send, &p.staged, (rank, size));
+        self.st.staged.keep(std::mem::take(&mut p.staged));
         Ok(Done {
             send: Vec::new(),
-            recv: out,
+            recv: std::mem::take(&mut p.recv),
         })
     }
 

@@ -161,11 +161,8 @@ impl Report {
         wire.failed = u8::from(self.failed);
         wire.text_len = (n as u16).to_le();
         wire.query = self.query.to_le();
-        let cause = self
-            .cause
-            .and_then(|c| u32::try_from(c).ok())
-            .unwrap_or(u32::MAX);
-        wire.cause = cause.to_le();
+        let cause = self.cause.and_then(|c| u32::try_from(c).ok());
+        wire.cause = cause.unwrap_or(u32::MAX).to_le();
         bytemuck::cast(wire)
     }
 

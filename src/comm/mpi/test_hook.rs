@@ -11,11 +11,12 @@
 //! A bad value turns the hook off. It exists only with the `test-util` feature (the crate's
 //! tests and examples). Used by `scripts/cluster-faults.sh`, through `examples/dist_probe.rs`.
 
+use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use super::control;
+use super::{control, World};
 
 /// The hook's settings: (announce from this many bytes, hold this long).
 fn settings() -> Option<(usize, Duration)> {
@@ -37,12 +38,7 @@ fn settings() -> Option<(usize, Duration)> {
 }
 
 /// Announces and holds the first big polled collective (`what`), just before it starts.
-pub(super) fn before_collective(
-    (rank, host): (usize, &str),
-    seq: u64,
-    what: &dyn std::fmt::Display,
-    bytes: usize,
-) {
+pub(super) fn before_collective(world: &World, seq: u64, what: &dyn Display, bytes: usize) {
     static DONE: AtomicBool = AtomicBool::new(false);
     let Some((from, hold)) = settings() else {
         return;
@@ -50,6 +46,7 @@ pub(super) fn before_collective(
     if bytes < from || DONE.swap(true, Ordering::Relaxed) {
         return;
     }
+    let (rank, host) = (world.rank, world.host_of(world.rank));
     control::say(&format!(
         "kvstore-test-hook: rank {rank} (host {host}): call #{seq} starts its {what} of {bytes} \
          bytes"
