@@ -1,16 +1,13 @@
 //! Across ranks that keep their values where the link moves them in place
-//! ([`Round::in_place`]): GPU ranks, NCCL between their GPUs (`dist_device_sync` on a machine
-//! with GPUs), and the loopback link's stand-in for them in tests, on host memory.
+//! ([`Round::in_place`]): GPU ranks, NCCL between their GPUs, and the loopback link's stand-in
+//! for them in tests, on host memory.
 //!
-//! A key of more than the big-array bound is sliced over the ranks: a push is one
-//! reduce-scatter per key ([`reduce_scatter`]), a pull one all-gather ([`all_gather`]), an init a
-//! broadcast per slice ([`scatter`]). Other keys are whole on their home rank. Keys of fewer than
-//! [`PACK_MAX_BYTES`] travel packed, as in host buffers: one buffer per (home rank, dtype),
-//! filled and emptied by batched device copies ([`copy_many`]), so a list push of 1000 small
-//! keys is one reduce per home rank and dtype, not 1000. Bigger keys travel alone, in place.
-//! Every collective of a call goes out in one [`Round::in_place`] (NCCL groups with one wait
-//! each), with no copy through host memory. The fingerprint check and the bounds on every wait
-//! are the link's.
+//! A sliced key's push is one reduce-scatter ([`reduce_scatter`]), its pull one all-gather
+//! ([`all_gather`]), its init a broadcast per slice ([`scatter`]). Whole keys of fewer than
+//! [`PACK_MAX_BYTES`] travel packed, one buffer per (home rank, dtype), filled and emptied by
+//! batched device copies ([`copy_many`]); bigger keys travel alone, in place. A call's
+//! collectives go out in one [`Round::in_place`], with no copy through host memory. The
+//! fingerprint check and the bounds on every wait are the link's.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -74,7 +71,7 @@ fn address(a: &NDArray, at: usize) -> Result<GpuPtr> {
 }
 
 /// A copy of `len` elements from `src` (element `from`) into `dst` (element `to`), arrays of
-/// one dtype in one place.
+/// one dtype in one place ([`copy`] makes one).
 struct Copy<'a> {
     dst: &'a NDArray,
     to: usize,
@@ -83,7 +80,7 @@ struct Copy<'a> {
     len: usize,
 }
 
-/// A copy of `len` elements from `src` (element `from`) into `dst` (element `to`).
+/// A [`Copy`].
 fn copy<'a>(dst: &'a NDArray, to: usize, src: &'a NDArray, from: usize, len: usize) -> Copy<'a> {
     Copy {
         dst,
@@ -298,11 +295,10 @@ pub(crate) fn reduce_scatter(
         .collect()
 }
 
-/// Rank 0's value of sliced keys, scattered: each rank gets its own slice of each key, flat,
-/// where it keeps its values. `values`: each key's whole value on rank 0 (`None` elsewhere), its
-/// length and dtype. NCCL has no scatter, so each slice goes out in a broadcast of its own from
-/// rank 0, and a rank that does not keep it receives it into one scratch block: no rank but
-/// rank 0 ever holds more than a block of a key beyond its own slice.
+/// Rank 0's value of sliced keys, scattered: each rank gets its own slice of each key, flat.
+/// `values`: each key's whole value on rank 0 (`None` elsewhere), its length and dtype. NCCL
+/// has no scatter, so each slice goes out in a broadcast of its own from rank 0, and the ranks
+/// that do not keep it receive it into one scratch block.
 pub(crate) fn scatter(
     round: &mut dyn Round,
     d: &Dist,
@@ -339,8 +335,8 @@ pub(crate) fn scatter(
         .collect()
 }
 
-/// Every rank's slice of sliced keys, on every rank: `parts` holds this rank's slice of each
-/// key and the key's whole length. One all-gather per key, over blocks padded to one length.
+/// Every rank's slice of sliced keys, on every rank (`parts`: this rank's slice of each key, and
+/// the key's length): one all-gather per key, over blocks padded to one length.
 pub(crate) fn all_gather(
     round: &mut dyn Round,
     d: &Dist,

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::RwLockWriteGuard;
 
-use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0};
+use super::{fan_out, in_key_order, on_rank0, part_shape, Across, Inputs, Mine, Rank0};
 use crate::backend::HomeValue;
 use crate::comm::dist::{self, Dist, GatherPiece, Scattered, Sum, SumData};
 use crate::comm::link::Round;
@@ -25,13 +25,9 @@ impl Across for HostRanks {
         values: &'a [NDArray],
         _to_gpu: bool,
     ) -> Result<Vec<Option<Rank0<'a>>>> {
-        values
-            .iter()
-            .map(|v| match d.rank() {
-                0 => Ok(Some(Rank0::Host(v.with_host(HostData::clone)?))),
-                _ => Ok(None),
-            })
-            .collect()
+        on_rank0(d, values, |v| {
+            Ok(Rank0::Host(v.with_host(HostData::clone)?))
+        })
     }
 
     fn rank0_to_all<'a>(
@@ -68,18 +64,14 @@ impl Across for HostRanks {
                 }),
             }
         }
-        let mut whole = dist::gather(call, ranks, d.pool(), whole)?.into_iter();
-        let mut sliced = dist::scatter(call, ranks, d.pool(), sliced)?.into_iter();
-        spreads
-            .iter()
-            .map(|s| {
-                let got = match s {
-                    Spread::Whole { .. } => whole.next().map(Rank0::Host),
-                    Spread::Sliced => sliced.next().map(Rank0::Part),
-                };
-                got.ok_or_else(|| Error::internal("an init key got no value"))
-            })
-            .collect()
+        let whole = dist::gather(call, ranks, d.pool(), whole)?;
+        let sliced = dist::scatter(call, ranks, d.pool(), sliced)?;
+        let (whole, sliced) = (whole.into_iter(), sliced.into_iter());
+        in_key_order(
+            spreads.iter().copied(),
+            whole.map(Rank0::Host),
+            sliced.map(Rank0::Part),
+        )
     }
 
     fn contributions<'g>(
