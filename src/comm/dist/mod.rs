@@ -33,7 +33,7 @@ use crate::{DType, Device, Element, Error, NDArray, Result};
 #[cfg(test)]
 pub(crate) use blocks::tests as blocks_tests;
 pub(crate) use blocks::Blocks;
-pub(crate) use pool::Pool;
+pub(crate) use pool::{copy_into, Pool};
 
 /// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
 pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
@@ -500,7 +500,7 @@ pub(crate) fn gather_shared(
     let mine = |p: &GatherPiece<'_>, len: usize, room: usize| match p.data {
         Some(d) if p.spread.holds(rank) => {
             let mut buf = pool.take(p.dtype, d.len(), room);
-            pool::copy_into(&mut buf, d);
+            copy_into(&mut buf, d);
             buf
         }
         _ => pool.take(p.dtype, len, room),
@@ -532,7 +532,7 @@ pub(crate) fn gather_shared(
                 let data = match (into, p.data) {
                     // The home copies its value into the destination and sends from there.
                     (Some(mut buf), Some(d)) if p.spread.holds(rank) => {
-                        pool::copy_into(&mut buf, d);
+                        copy_into(&mut buf, d);
                         buf
                     }
                     (Some(buf), _) => buf,

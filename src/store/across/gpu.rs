@@ -13,7 +13,7 @@ use crate::comm::dist::Dist;
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
 use crate::store::groups::Group;
-use crate::{Error, NDArray, Result};
+use crate::{NDArray, Result};
 
 /// Ranks with their values on their GPUs (`dist_device_sync` with GPUs), where the link moves
 /// them in place.
