@@ -86,16 +86,14 @@ impl Active {
 
 /// A tensor key-value store with MXNet KVStore semantics.
 ///
-/// `KvStore` is `Send + Sync` and every method takes `&self`: share it between threads with an
-/// `Arc` or a scoped borrow.
+/// `KvStore` is `Send + Sync` and every method takes `&self`.
 ///
 /// On a machine with GPUs, `device` and `nccl` stores keep each key on a home GPU (see
-/// [`KvStore::init`]). Pushes and pulls on GPU homes are enqueued on the GPUs' streams and
-/// return at once; reading an array on the host waits for its GPU, and
-/// [`KvStore::wait_all`] waits for everything (and reports NCCL failures). Custom closure
-/// updaters and `float64` keys on a GPU take a slow path through host memory. A CUDA or NCCL
-/// failure in the middle of a call can leave that call's GPU keys partly updated; validation
-/// errors never do.
+/// [`KvStore::init`]). Pushes and pulls on GPU homes return once enqueued; reading an array on
+/// the host waits for its GPU, and [`KvStore::wait_all`] waits for everything. Closure updaters
+/// and `float64` keys on a GPU take a slow path through host memory. A CUDA or NCCL failure in
+/// the middle of a call can leave that call's GPU keys partly updated; validation errors never
+/// do.
 pub struct KvStore {
     name: String,
     kind: StoreKind,
@@ -162,7 +160,7 @@ impl KvStore {
             active: RwLock::new(Arc::new(Active::new(
                 Updater::Assign,
                 0,
-                hyper::Settings::default(),
+                Default::default(),
             ))),
             hook: RwLock::new(None),
             compression: RwLock::new(Compression::None),
@@ -239,11 +237,10 @@ impl KvStore {
     }
 
     /// Sets a tag that the check of every later call of a `dist_*` store carries (`None`: no
-    /// tag): workers whose tags differ fail the call with [`Error::Desync`], which shows each
-    /// side's tag. A framework puts its step count here, so that a worker that skipped a step
-    /// fails instead of summing its gradients with another step's. A queued call (see
-    /// [`crate::AsyncKvStore`]) carries the tag in force when it runs: set it while no call is
-    /// queued. No effect in a single-process store.
+    /// tag): workers whose tags differ fail with [`Error::Desync`]. A framework puts its step
+    /// count here, so that a worker that skipped a step fails instead of summing its gradients
+    /// with another step's. A queued call ([`crate::AsyncKvStore`]) carries the tag in force
+    /// when it runs. No effect in a single-process store.
     pub fn set_tag(&self, tag: Option<&str>) {
         self.ranks.set_tag(tag);
     }
@@ -374,8 +371,7 @@ impl KvStore {
         self.init_list(&[self.key_for("init", key)?], std::slice::from_ref(value))
     }
 
-    /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
-    /// key first (see [`KvStore::init`]).
+    /// Initializes many keys at once, all or none; homes are placed largest key first.
     pub fn init_list<K: IntoKey + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
         self.init_with_homes(keys, values, None, false)
     }
@@ -486,8 +482,8 @@ impl KvStore {
         self.push_list(&[self.key_for("push", key)?], &[values.arrays()])
     }
 
-    /// Pushes to many keys at once. A key listed more than once gets the sum of all its values.
-    /// The updater runs once per distinct key, in ascending key order. All or nothing.
+    /// Pushes to many keys at once, all or nothing. A key listed more than once gets the sum of
+    /// all its values; the updater runs once per distinct key, in ascending key order.
     pub fn push_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
@@ -695,8 +691,7 @@ impl KvStore {
         )
     }
 
-    /// Initializes many keys and pulls them. All or nothing: the outs are checked before any
-    /// key is initialized.
+    /// Initializes many keys and pulls them; the outs are checked before any key is initialized.
     pub fn broadcast_list<K: IntoKey + Clone, O: ValueList>(
         &self,
         keys: &[K],

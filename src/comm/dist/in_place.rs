@@ -10,13 +10,12 @@
 //! fingerprint check and the bounds on every wait are the link's.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 
 use super::{Dist, PACK_MAX_BYTES};
 use crate::backend::cuda::{copy_many, DeviceCopy, GpuPtr};
 use crate::comm::link::{ArrayOp, Round};
 use crate::comm::spread::{slice_block, slice_range};
-use crate::host::{with_host, HostData};
+use crate::host::with_host;
 use crate::ndarray::Storage;
 use crate::{DType, Device, Element, Error, NDArray, Result, Shape};
 
@@ -110,24 +109,18 @@ fn copy_all(copies: &[Copy<'_>]) -> Result<()> {
         let (Storage::Host(dst), Storage::Host(src)) = (&mut *c.dst.write(), &*src) else {
             return Err(Error::internal("a copy from a GPU into host memory"));
         };
-        copy_host(dst, c.to, src, c.from, c.len)?;
+        with_host!(dst, d: T => {
+            let s = T::slice(src).and_then(|s| s.get(c.from..c.from + c.len));
+            match (s, d.get_mut(c.to..c.to + c.len)) {
+                (Some(s), Some(d)) => d.copy_from_slice(s),
+                _ => return Err(Error::internal("a copy outside its buffers")),
+            }
+        });
     }
     match device.is_empty() {
         true => Ok(()),
         false => copy_many(&device),
     }
-}
-
-/// [`Copy`] in host memory.
-fn copy_host(dst: &mut HostData, to: usize, src: &HostData, from: usize, len: usize) -> Result<()> {
-    with_host!(dst, d: T => {
-        let s = T::slice(src).and_then(|s| s.get(from..from + len));
-        match (s, d.get_mut(to..to + len)) {
-            (Some(s), Some(d)) => d.copy_from_slice(s),
-            _ => return Err(Error::internal("a copy outside its buffers")),
-        }
-    });
-    Ok(())
 }
 
 /// One zeroed buffer per bucket, where this rank keeps its values.
@@ -207,8 +200,7 @@ pub(crate) fn gather(round: &mut dyn Round, d: &Dist, pieces: Vec<Piece>) -> Res
         let data = p.data.filter(|_| p.root == d.rank());
         let buf = match (*route, &data) {
             (Route::Alone, Some(v)) => v.clone(),
-            (Route::Alone, None) => NDArray::full_on(p.shape, 0.0, p.dtype, d.home())?,
-            (Route::Packed { .. }, _) => NDArray::full_on(p.shape, 0.0, p.dtype, d.home())?,
+            _ => NDArray::full_on(p.shape, 0.0, p.dtype, d.home())?,
         };
         mine.push(data);
         alone.push((buf, p.root));
@@ -246,21 +238,14 @@ pub(crate) fn gather(round: &mut dyn Round, d: &Dist, pieces: Vec<Piece>) -> Res
     Ok(alone.into_iter().map(|(value, _)| value).collect())
 }
 
-/// A copy of elements `range` of `a`, as a flat array of its own in the same place.
-fn slice(a: &NDArray, range: Range<usize>) -> Result<NDArray> {
-    let part = NDArray::full_on(Shape::new(&[range.len()])?, 0.0, a.dtype(), a.device())?;
-    copy_all(&[copy(&part, 0, a, range.start, range.len())])?;
-    Ok(part)
-}
-
-/// `a` laid out in a buffer of `len` elements (its own elements first, zeros after), in the
-/// same place: `a` itself when it is that long already.
-fn padded(a: NDArray, len: usize) -> Result<NDArray> {
+/// `a` as a flat buffer of `len` elements in the same place: `a` itself when it is that long,
+/// else its first elements, then zeros.
+fn resized(a: NDArray, len: usize) -> Result<NDArray> {
     if a.size() == len {
         return Ok(a);
     }
     let buf = NDArray::full_on(Shape::new(&[len])?, 0.0, a.dtype(), a.device())?;
-    copy_all(&[copy(&buf, 0, &a, 0, a.size())])?;
+    copy_all(&[copy(&buf, 0, &a, 0, a.size().min(len))])?;
     Ok(buf)
 }
 
@@ -277,7 +262,7 @@ pub(crate) fn reduce_scatter(
     let mut pairs = Vec::with_capacity(sums.len());
     for sum in sums {
         let block = slice_block(sum.size(), size);
-        let send = padded(sum, block * size)?;
+        let send = resized(sum, block * size)?;
         let recv = NDArray::full_on(Shape::new(&[block])?, 0.0, send.dtype(), send.device())?;
         pairs.push((send, recv));
     }
@@ -286,12 +271,7 @@ pub(crate) fn reduce_scatter(
         .collect();
     round.in_place(&ops)?;
     (pairs.into_iter().zip(lens))
-        .map(
-            |((_, recv), len)| match slice_range(len, size, rank).len() {
-                mine if mine == recv.size() => Ok(recv),
-                mine => slice(&recv, 0..mine),
-            },
-        )
+        .map(|((_, recv), len)| resized(recv, slice_range(len, size, rank).len()))
         .collect()
 }
 
@@ -346,7 +326,7 @@ pub(crate) fn all_gather(
     let mut pairs = Vec::with_capacity(parts.len());
     for (part, len) in parts {
         let block = slice_block(len, size);
-        let send = padded(part, block)?;
+        let send = resized(part, block)?;
         let all = Shape::new(&[block * size])?;
         let recv = NDArray::full_on(all, 0.0, send.dtype(), send.device())?;
         pairs.push((send, recv, len));
@@ -356,10 +336,7 @@ pub(crate) fn all_gather(
         .collect();
     round.in_place(&ops)?;
     (pairs.into_iter())
-        .map(|(_, recv, len)| match recv.size() == len {
-            true => Ok(recv),
-            false => slice(&recv, 0..len),
-        })
+        .map(|(_, recv, len)| resized(recv, len))
         .collect()
 }
 

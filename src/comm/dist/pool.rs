@@ -96,8 +96,8 @@ impl Pool {
         }
     }
 
-    /// A buffer of `len` elements of `dtype`, with room for `room` elements (at least `len`)
-    /// so that it can grow that far without moving. Its contents are unspecified.
+    /// A buffer of `len` elements of `dtype` with room for `room` (at least `len`). Its contents
+    /// are unspecified.
     pub(crate) fn take(&self, dtype: DType, len: usize, room: usize) -> HostData {
         let room = room.max(len);
         let need = room * dtype.size();
@@ -145,9 +145,8 @@ impl Pool {
         buf
     }
 
-    /// Keeps `buf` for a later [`Pool::take`], within the pool's bounds: `max_bytes` in all
-    /// (the oldest buffers go first), and [`SMALL_KEPT`] small buffers (a small one given when
-    /// that many are kept is freed).
+    /// Keeps `buf` for a later [`Pool::take`], within `max_bytes` in all (the oldest go first)
+    /// and [`SMALL_KEPT`] small buffers (past that, a small one given is freed).
     pub(crate) fn give(&self, buf: HostData) {
         let bytes = room_bytes(&buf);
         if bytes == 0 || bytes > self.max_bytes {
@@ -168,17 +167,12 @@ impl Pool {
 
 /// A fresh buffer of `len` elements (zeros) with room for `room`.
 fn with_room(dtype: DType, len: usize, room: usize) -> HostData {
-    fn make<T: Element>(len: usize, room: usize) -> HostData {
-        let mut v: Vec<T> = Vec::with_capacity(room);
+    let mut buf = HostData::filled(dtype, 0, 0.0);
+    with_host!(&mut buf, v: T => {
+        v.reserve_exact(room);
         v.resize(len, T::from_f64(0.0));
-        T::wrap(v)
-    }
-    match dtype {
-        DType::F32 => make::<f32>(len, room),
-        DType::F64 => make::<f64>(len, room),
-        DType::F16 => make::<half::f16>(len, room),
-        DType::BF16 => make::<half::bf16>(len, room),
-    }
+    });
+    buf
 }
 
 /// Copies `src` into `dst`, which has its length.

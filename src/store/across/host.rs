@@ -155,9 +155,8 @@ impl Across for HostRanks {
                 false => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;
-        // A key's only out, in host memory and of the key's dtype, and no other key's out, receives
-        // the value itself, with no copy afterwards: its storage is lent to the transfer under its
-        // write lock.
+        // Outs that receive their value in place lend their storage to the transfer, under
+        // their write locks (see `lend_arrays`).
         let mut lent = lend_arrays(d, groups);
         let pieces = groups
             .iter()
@@ -181,12 +180,17 @@ impl Across for HostRanks {
             Err(e) => {
                 // A lent out's storage may be lost with the failed transfer: zeros of its length
                 // keep the array whole.
-                refill(groups, &mut lent);
+                for (g, out) in groups.iter().zip(lent.iter_mut()) {
+                    if let Some(Storage::Host(h)) = out.as_deref_mut() {
+                        if h.len() != g.slot.shape.size() {
+                            *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
+                        }
+                    }
+                }
                 return Err(e);
             }
         };
-        // The lent outs get their storage back, holding the value (each travelled in a buffer of
-        // its own).
+        // The lent outs get their storage back, holding the value.
         let dist::Gathered { mut bufs, at } = gathered;
         let mut in_place = vec![false; groups.len()];
         for (i, out) in lent.iter_mut().enumerate() {
@@ -196,8 +200,7 @@ impl Across for HostRanks {
             }
         }
         drop(lent);
-        // The other keys are copied into their outs from where they arrived (packed keys from
-        // their shared buffer).
+        // The other keys are copied into their outs from where they arrived.
         let lens: Vec<usize> = bufs.iter().map(HostData::len).collect();
         let values: Vec<HomeValue> = bufs.into_iter().map(HomeValue::from_host).collect();
         let parts: Vec<(&HomeValue, Option<Range<usize>>)> = at
@@ -254,15 +257,4 @@ fn lend_arrays<'g>(
             _ => None,
         })
         .collect()
-}
-
-/// Gives every lent array that has no storage back (its transfer failed) zeros of its length.
-fn refill(groups: &[Group<'_>], lent: &mut [Option<RwLockWriteGuard<'_, Storage>>]) {
-    for (g, out) in groups.iter().zip(lent.iter_mut()) {
-        if let Some(Storage::Host(h)) = out.as_deref_mut() {
-            if h.len() != g.slot.shape.size() {
-                *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
-            }
-        }
-    }
 }
