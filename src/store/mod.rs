@@ -248,12 +248,10 @@ impl KvStore {
     /// Tells the other workers of a `dist_*` store that this worker will not make its call
     /// `op` (`"push"`, `"pull"`, ...) because its input was bad (`why`), so that they fail
     /// it with [`Error::RankRejected`] instead of waiting. `Ok` when they were told (at once
-    /// in a single-process store); [`Error::DistFailed`] when the world failed earlier, which
-    /// is then the error to report.
+    /// in a single-process store); [`Error::DistFailed`] when the world failed earlier.
     ///
-    /// The store does this itself for input it rejects. It is for a layer above that checks
-    /// its own input (a binding converting its arguments): the other workers must hear of that
-    /// error too, or a retry would be matched with the call they made before.
+    /// The store does this itself for input it rejects. This is for a layer above that checks
+    /// its own input (a binding): else a retry would be matched with the others' last call.
     pub fn reject(&self, op: &str, why: &str) -> Result<()> {
         // The fingerprint names ops by static names: the store's own, else "call".
         const OPS: [&str; 9] = [

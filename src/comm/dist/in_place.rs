@@ -249,9 +249,8 @@ fn resized(a: NDArray, len: usize) -> Result<NDArray> {
     Ok(buf)
 }
 
-/// Sums every rank's `sums` (each a sliced key's sum, of the key's whole length) and leaves
-/// each rank its slice of the total ([`slice_range`]), as a flat array: one reduce-scatter per
-/// key, over the key padded to a block per rank.
+/// Sums every rank's `sums` (sliced keys' whole sums) and leaves each rank its slice of the
+/// total ([`slice_range`]), flat: one reduce-scatter per key, padded to a block per rank.
 pub(crate) fn reduce_scatter(
     round: &mut dyn Round,
     d: &Dist,

@@ -39,8 +39,7 @@ pub(crate) use pool::{copy_into, Pool};
 pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
 
 /// Whether a whole key of `bytes` bytes, in a call of `keys` keys, travels alone in a buffer of
-/// its own (the caller's arrays where it can) rather than packed: a big key, or a call's only
-/// key, which a bucket would only copy.
+/// its own rather than packed: a big key, or a call's only key, which a bucket would only copy.
 pub(crate) fn travels_alone(bytes: usize, keys: usize) -> bool {
     bytes >= PACK_MAX_BYTES || keys == 1
 }
@@ -77,10 +76,9 @@ impl Dist {
         }
     }
 
-    /// Joins the distributed world, with the bound and the pool size of `config`: over MPI,
-    /// and for GPU ranks (`on_gpu`) also an NCCL communicator of every rank, each on the GPU
-    /// its local rank picks. GPU ranks started without MPI (as torchrun starts them) use NCCL
-    /// alone ([`link::connect`]).
+    /// Joins the distributed world, with the bound and the pool size of `config`: over MPI and,
+    /// for GPU ranks (`on_gpu`), an NCCL communicator of every rank on the GPU its local rank
+    /// picks (NCCL alone for GPU ranks started without MPI: [`link::connect`]).
     pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Dist> {
         let pool = Pool::process(config.pool_bytes)?;
         Dist::joined(link::connect(on_gpu, config)?, config.bigarray_bound, pool)
@@ -181,8 +179,8 @@ impl Dist {
         self.begin_with(|| fp)
     }
 
-    /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared: one rank
-    /// alone makes none, so a local store's call pays nothing for it.
+    /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared (never by
+    /// one rank alone).
     pub(crate) fn begin_with(
         &self,
         fp: impl FnOnce() -> Fingerprint,
@@ -347,8 +345,7 @@ impl SumData<'_> {
 }
 
 /// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
-/// the total: the whole sum on the home of a whole key, this rank's slice of a sliced key, and
-/// `None` where this rank holds nothing of the key.
+/// the total (whole on a whole key's home, its slice of a sliced key, `None` elsewhere).
 pub(crate) fn reduce(
     round: &mut dyn Round,
     (rank, size): (usize, usize),
@@ -478,8 +475,8 @@ pub(crate) fn gather(
         .collect()
 }
 
-/// What [`gather_shared`] brings: the buffers received (from the pool; give them back when
-/// done), and where each key's whole value is in them: (buffer, elements).
+/// What [`gather_shared`] brings: the buffers received (from the pool), and where each key's
+/// whole value is in them: (buffer, elements).
 pub(crate) struct Gathered {
     pub bufs: Vec<HostData>,
     pub at: Vec<(usize, Range<usize>)>,

@@ -39,8 +39,7 @@ struct Hub {
     arrived: Condvar,
 }
 
-/// The call numbering of one rank, shared by every store of that rank (as MPI's world is
-/// shared by every store of a process).
+/// The call numbering of one rank, shared by its stores (as MPI's world is by a process's).
 #[derive(Default)]
 struct RankState {
     seq: u64,
@@ -52,8 +51,7 @@ struct RankState {
     received: usize,
 }
 
-/// One rank of a loopback world. Clones are the same rank: stores made from clones share
-/// its call numbering.
+/// One rank of a loopback world; clones are the same rank (they share its call numbering).
 #[derive(Clone)]
 pub(crate) struct Loopback {
     hub: Arc<Hub>,
@@ -67,8 +65,7 @@ pub(crate) struct Loopback {
 }
 
 impl Loopback {
-    /// The `size` ranks of a new loopback world, in rank order; every wait is bounded by
-    /// `timeout`.
+    /// The `size` ranks of a new loopback world, every wait bounded by `timeout`.
     pub(crate) fn world(size: usize, timeout: Duration) -> Vec<Loopback> {
         let hub = Arc::new(Hub {
             size,
@@ -88,8 +85,7 @@ impl Loopback {
             .collect()
     }
 
-    /// This rank, stopping at its first collective `op`: it never joins it (the other ranks
-    /// time out) and its own call fails.
+    /// This rank, never joining its first collective `op` (its call fails; the others time out).
     pub(crate) fn stalling_at(mut self, op: Op) -> Loopback {
         self.stall_at = Some(op);
         self
@@ -103,8 +99,7 @@ impl Loopback {
             .received
     }
 
-    /// This rank keeping its values in arrays that move in place, as GPU ranks do, in host
-    /// memory.
+    /// This rank keeping its values in arrays that move in place, as GPU ranks do.
     pub(crate) fn moving_in_place(mut self) -> Loopback {
         self.in_place = true;
         self
@@ -368,10 +363,9 @@ impl Round for LoopRound<'_> {
                 let block = recv.len();
                 from.slice_of(rank * block..(rank + 1) * block)
             }
-            // Every rank's buffer (an all-gather) or block `rank` of it (an all-to-all: rank `s`'s
-            // block for rank `r` of `lens[s * size + r]` elements, or of equal lengths where no
-            // lengths were given), in rank order, bit for bit, as MPI moves bytes (a NaN's
-            // payload, or words carried as float bit patterns, must arrive as they left).
+            // Every rank's buffer (all-gather) or its block for `rank` (all-to-all: `lens`, or
+            // equal blocks), in rank order, bit for bit as MPI moves bytes (a NaN's payload, or
+            // words carried as float bit patterns, must arrive as they left).
             Op::AllGather | Op::AllToAll => with_host!(&send, _v: T => {
                 let lens = match lens.is_empty() {
                     true => vec![send.len() / size.max(1); size * size],

@@ -18,11 +18,10 @@ use crate::store::groups::Group;
 use crate::{cpu, DType, Element, Error, NDArray, Result};
 
 /// A compressed push's step across ranks. Each rank's contribution (the sum of its values, as
-/// MXNet's workers sum their devices first) is encoded with this rank's residual of the key;
-/// each rank sends every rank the encoded part of the key that rank holds, in one all-to-all
-/// (2-bit: about a sixteenth of the key's float32 bytes; 16-bit: about half), and decodes and
-/// sums every rank's part in rank order. Returns the totals and the residuals to keep once the
-/// push has succeeded.
+/// MXNet's workers sum their devices first) is encoded with its residual of the key; each rank
+/// sends every rank the encoded part that rank holds, in one all-to-all (2-bit: about a
+/// sixteenth of the float32 bytes; 16-bit: about half), then decodes and sums every rank's part
+/// in rank order. Returns the totals and the residuals to keep once the push has succeeded.
 pub(super) fn sum_encoded(
     call: &mut dyn Round,
     d: &Dist,
