@@ -18,13 +18,11 @@ use crate::{cpu, Error, IntoKey, NDArray, Result, RowSparse, Shape, Updater};
 
 impl KvStore {
     /// Puts a copy of `value` in under `key` as a row-sparse key (MXNet's `row_sparse`
-    /// storage): an array of two or more dimensions whose first dimension is its rows, such as
-    /// an embedding. It is pushed by rows ([`KvStore::push_row_sparse`]) and read by rows
-    /// ([`KvStore::row_sparse_pull`]) or whole ([`KvStore::pull`]); a dense push to it is an
-    /// [`Error::RowSparse`].
-    ///
-    /// Row-sparse keys are not compressed (an [`Error::Compression`] when compression is on,
-    /// as in MXNet). On a GPU home, and on GPU ranks, the rows go through host memory.
+    /// storage): an array whose first dimension is its rows, such as an embedding. It is pushed
+    /// by rows ([`KvStore::push_row_sparse`]) and read by rows ([`KvStore::row_sparse_pull`])
+    /// or whole ([`KvStore::pull`]); a dense push to it is an [`Error::RowSparse`]. It is not
+    /// compressed (an [`Error::Compression`] when compression is on, as in MXNet). On GPUs the
+    /// rows go through host memory.
     pub fn init_row_sparse(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
         self.init_row_sparse_list(&[self.key_for("init", key)?], std::slice::from_ref(value))
     }

@@ -63,8 +63,7 @@ pub(super) trait Across: Send + Sync {
     }
 
     /// Where new keys of `sizes` (bytes, elements) live: each one's home device and spread
-    /// (whole on the rank holding the fewest bytes, largest first; sliced when big). The
-    /// table's loads grow by the keys placed.
+    /// (whole on the least loaded rank, largest first; sliced when big). Updates the loads.
     fn place(
         &self,
         d: &Dist,
@@ -144,8 +143,7 @@ pub(super) trait Across: Send + Sync {
         mine: Vec<Mine<'_>>,
     ) -> Result<Inputs>;
 
-    /// What the updater takes, once the keys are locked: `summed`, unless this way has work
-    /// that needs the locks.
+    /// What the updater takes, once the keys are locked (`summed`, unless there is more to do).
     fn locked_inputs(
         &self,
         _d: &Dist,
