@@ -2,10 +2,8 @@
 //! created, with one file per implementation.
 //!
 //! - [`solo`]: the single-process kinds. One rank; values pass through unchanged.
-//! - `mpi` (cargo feature `mpi`): CPU ranks started by `mpirun`, and GPU ranks whose NCCL id
-//!   travels over MPI.
-//! - [`nccl`]: GPU ranks started without MPI (`torchrun --no-python`, srun): NCCL carries
-//!   everything.
+//! - `mpi` (feature `mpi`): ranks started by `mpirun` (a GPU rank's NCCL id travels over MPI).
+//! - [`nccl`]: GPU ranks started without MPI (`torchrun --no-python`, srun), over NCCL alone.
 //! - `loopback` (tests only): N ranks as N threads of one process, without `mpirun`.
 //!
 //! A store call begins a numbered [`Round`], in which the ranks compare the call's

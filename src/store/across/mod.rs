@@ -240,8 +240,7 @@ pub(super) enum Arrived {
     Rows(Vec<Option<Part>>),
 }
 
-/// The link of a store of `kind` (named `name`), and how its values cross it: one rank alone
-/// for the single-process kinds, the distributed world for the `dist_*` kinds.
+/// The link of a store of `kind` (named `name`), and how its values cross it.
 pub(super) fn connect(
     kind: StoreKind,
     name: &str,
@@ -255,8 +254,7 @@ pub(super) fn connect(
     Ok((d, across))
 }
 
-/// How the values of a store cross the ranks of `d`: in place where the link moves them so
-/// (GPU ranks), else in host buffers.
+/// How the values of a store cross the ranks of `d`: in place (GPU ranks) or in host buffers.
 pub(super) fn over(d: &Dist) -> Box<dyn Across> {
     match d.moves_in_place() {
         true => Box::new(gpu::GpuRanks),
@@ -321,8 +319,7 @@ impl Mine<'_> {
 pub(super) enum Inputs {
     /// The caller's values, summed by the backend with the update (one rank alone).
     Values,
-    /// Per group, the total across ranks of what this rank holds of the key (`None` where it
-    /// holds nothing), as an array of the shape of its part.
+    /// Per group, the total across ranks of this rank's part of the key (`None`: no part).
     Totals(Vec<Option<NDArray>>),
 }
 
@@ -339,8 +336,7 @@ fn on_rank0<'a>(
         .collect()
 }
 
-/// Results of a call for its whole keys and for its sliced keys (each in the keys' order),
-/// back in the order of the keys' `spreads`.
+/// A call's results for its whole and its sliced keys, back in the order of the keys' `spreads`.
 fn in_key_order<T>(
     spreads: impl IntoIterator<Item = Spread>,
     whole: impl IntoIterator<Item = T>,
@@ -361,8 +357,7 @@ fn in_key_order<T>(
 
 /// Rank 0's value of a key being initialized, as this rank receives it.
 pub(super) enum Rank0<'a> {
-    /// The caller's value itself (one rank alone; keys homed on a GPU are copied there once
-    /// placed).
+    /// The caller's value (one rank alone; GPU homes are copied there once placed).
     Caller(&'a NDArray),
     /// In host memory.
     Host(HostData),
@@ -453,8 +448,7 @@ fn fan_out(
     comm::pull(ctx, &jobs)
 }
 
-/// The shape of this rank's part of a group's key, of `len` elements: the key's shape when it
-/// holds all of it, a flat slice otherwise.
+/// The shape of this rank's part (`len` elements) of a group's key: flat when it is a slice.
 pub(super) fn part_shape(g: &Group<'_>, len: usize) -> Shape {
     match g.slot.spread {
         Spread::Whole { .. } => g.slot.shape,
