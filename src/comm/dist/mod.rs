@@ -56,7 +56,7 @@ pub(crate) struct Dist {
     store: u64,
     /// The caller's tag, in every fingerprint from when it is set (see [`Dist::set_tag`]).
     tag: Mutex<Option<Arc<str>>>,
-    /// Where the ranks keep their values when the link moves them in place ([`Link::in_place_home`]).
+    /// Where values live when the link moves them in place ([`Link::in_place_home`]).
     in_place: Option<Device>,
     /// One rank alone (the single-process kinds): calls compare nothing.
     alone: bool,
