@@ -1,7 +1,6 @@
 //! Gradient compression in the store: which stores compress, the rules on when it is set and
-//! on dtypes, and a push's decoded values (each value quantized with its residual and decoded,
-//! then summed in order, as MXNet's `device` store does), with the residuals kept per key and
-//! per position in the push's list of values. The codec itself is [`crate::compress`].
+//! on dtypes, and a push's decoded values, with the residuals kept per key and per position in
+//! the push's list of values. The codec itself is [`crate::compress`].
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -15,23 +14,19 @@ use crate::{DType, Error, Key, NDArray, Result};
 impl KvStore {
     /// Compresses pushed values before they are summed, as MXNet's
     /// `set_gradient_compression` does (see [`Compression`]). Each value of a push is quantized
-    /// with its own residual (one per key and per position in the push's list of values), the
-    /// quantized values are decoded and summed in list order, and the updater gets that sum.
-    /// Init and pull are never compressed.
+    /// with its own residual (one per key and per position in the push's list), the quantized
+    /// values are decoded and summed in list order, and the updater gets that sum. Init and
+    /// pull are never compressed.
     ///
     /// On a `dist_*` store each rank compresses the sum of its own values with its residual of
-    /// the key (MXNet's workers sum their devices first, then compress), on the host (GPU
-    /// ranks read their sum back first, and their words travel through host memory: the
-    /// all-to-all over MPI, or over NCCL for ranks started without MPI); every rank calls it
+    /// the key, in host memory (MXNet's workers sum their devices first); every rank calls it
     /// with the same setting, or the first push fails on every rank with [`Error::Desync`].
     ///
     /// Call it before the first `init`: it is an [`Error::Compression`] once the store holds
     /// keys, on a kind that does not compress (`local` and `nccl`, as in MXNet), for a
-    /// threshold not above 0, and (at
-    /// `init`) for a key that is not float32. A checkpoint of a `device` store (one file)
-    /// carries the residuals, and a load restores them with the values; a dist store's sharded
-    /// checkpoint carries each rank's own, restored by a load by as many ranks (they start at
-    /// zero after a load by another number of ranks).
+    /// threshold not above 0, and (at `init`) for a key that is not float32. A checkpoint
+    /// carries the residuals (a dist store's, each rank's own, restored by a load by as many
+    /// ranks; they start at zero after a load by another number of ranks).
     ///
     /// ```
     /// use kvstore::{Compression, KvStore, NDArray};
@@ -79,23 +74,18 @@ impl KvStore {
     }
 }
 
-/// An [`Error::Compression`] if compression is on and a value is not float32 (MXNet's 2-bit
-/// kernels work on float32 only).
+/// [`dtype_refusal`] for the values of an init.
 pub(super) fn check_dtypes(
     compression: Compression,
     keys: &[Key],
     values: &[NDArray],
 ) -> Result<()> {
-    match (keys.iter().zip(values))
+    (keys.iter().zip(values))
         .find_map(|(key, v)| dtype_refusal(compression, "init", key, v.dtype()))
-    {
-        None => Ok(()),
-        Some(e) => Err(e),
-    }
+        .map_or(Ok(()), Err)
 }
 
-/// The rule on dtypes under compression, for an init and for a load: an
-/// [`Error::Compression`] when compression is on and `key` is not float32 (MXNet's 2-bit
+/// An [`Error::Compression`] when compression is on and `key` is not float32 (MXNet's 2-bit
 /// kernels work on float32 only), or `None`. `op`: how the key came ("init", "load").
 pub(super) fn dtype_refusal(
     compression: Compression,
@@ -121,9 +111,8 @@ pub(super) fn dtype_refusal(
 /// A key's residuals: one per position in a push's list of values.
 pub(super) type Residuals = Vec<Vec<f32>>;
 
-/// Per group, the sum of its values after compression, as an array of the key's shape on the
-/// host, and the residuals that sum leaves (to be kept with [`commit`] once the push has
-/// succeeded: a failed push changes nothing). The caller holds the groups' write locks.
+/// Per group, the sum of its values after compression, in host memory, and the residuals it
+/// leaves (kept by [`commit`] once the push has succeeded). The caller holds the groups' locks.
 pub(super) fn decoded_totals(
     compression: Compression,
     groups: &[Group<'_>],
@@ -177,9 +166,8 @@ pub(super) fn lock(residuals: &Mutex<Residuals>) -> MutexGuard<'_, Residuals> {
     residuals.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Buffers for `positions` residuals of `n` elements, from `pool` (a push writes its new
-/// residuals there instead of changing a copy of the kept ones), each of exactly `n` elements'
-/// room: a key keeps its residual, so it must never hold a bigger buffer. Their contents are
+/// Buffers for `positions` residuals of `n` elements from `pool`, each of exactly `n` elements'
+/// room (a key keeps its residual, so it must never hold a bigger buffer). Their contents are
 /// unspecified: the quantizers write every element.
 pub(super) fn take_residuals(pool: &Pool, positions: usize, n: usize) -> Residuals {
     (0..positions)

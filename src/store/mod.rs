@@ -1,23 +1,17 @@
-//! Store: [`KvStore`] and its rules. Kind names ([`kind`]), the key table and where new keys
-//! are homed ([`table`]), validation ([`validate`]), lookup with repeats merged, lock order and
-//! issue order ([`groups`]), per-key locks, the updater in force and its hyperparameters
-//! ([`hyper`]), the push hook ([`hook`]) and checkpoints, one save and one load for every kind
+//! Store: [`KvStore`] and its rules. Kind names ([`kind`]), the key table and placement
+//! ([`table`]), validation ([`validate`]), lookup, lock order and issue order ([`groups`]), the
+//! updater and its hyperparameters ([`hyper`]), the push hook ([`hook`]) and checkpoints
 //! ([`save_load`]).
 //!
-//! Every operation validates all of its arguments before it changes anything, so an error
-//! leaves the store exactly as it was. Each key has its own lock: operations on different keys
-//! run in parallel, operations on one key are serialized. A list operation takes its keys' locks
-//! in ascending key order, which makes it atomic and free of deadlocks.
+//! Every operation validates all its arguments before it changes anything, so an error leaves
+//! the store as it was. Each key has its own lock; a list operation takes its keys' locks in
+//! ascending key order, which makes it atomic and free of deadlocks.
 //!
 //! Every kind runs the same push: validate, this process's contribution, the sum across ranks
-//! onto each key's home, the updater there, then the hook. A pull is the same path backwards:
-//! each value from where it lives, then a copy into every out. How values cross ranks is one
-//! trait, [`across::Across`], chosen once in `create` (one rank alone for the single-process
-//! kinds, whose values pass through so that the backend fuses the sum with the update; ranks
-//! with host values; ranks with GPU values): the store calls its steps and never branches on
-//! which one it has, nor on the link or the transport. The store imports `comm` and the one
-//! boundary type of `backend`, [`HomeValue`], and the GPU probe for placement; it knows no
-//! CUDA and no NCCL.
+//! onto each key's home, the updater there, the hook. A pull runs the same path backwards. How
+//! values cross ranks is one trait, [`across::Across`], chosen once in `create`; the store never
+//! branches on which one it has, nor on the link. The store imports `comm`, the backend's
+//! boundary type [`HomeValue`] and the GPU probe; it knows no CUDA and no NCCL.
 
 mod across;
 mod compress;
@@ -62,7 +56,7 @@ pub(super) struct Active {
     generation: u64,
     /// The learning-rate schedule, per-key multipliers and update count.
     hyper: hyper::Settings,
-    /// [`Active::describe`], made once: an `Active` never changes (a change makes a new one).
+    /// [`Active::describe`]: an `Active` never changes (a change makes a new one).
     described: std::sync::OnceLock<String>,
 }
 
@@ -76,9 +70,8 @@ impl Active {
         }
     }
 
-    /// Everything about the updater that decides what a push computes, in words: the ranks of
-    /// a distributed store compare it before every push. Made on the first push after a
-    /// change, not on every push (the multipliers may name every key).
+    /// Everything about the updater that decides what a push computes, which the ranks compare
+    /// before every push. Made once per `Active` (the multipliers may name every key).
     fn describe(&self) -> &str {
         self.described.get_or_init(|| {
             format!(
@@ -93,16 +86,14 @@ impl Active {
 
 /// A tensor key-value store with MXNet KVStore semantics.
 ///
-/// `KvStore` is `Send + Sync` and every method takes `&self`: share it between threads with an
-/// `Arc` or a scoped borrow.
+/// `KvStore` is `Send + Sync` and every method takes `&self`.
 ///
 /// On a machine with GPUs, `device` and `nccl` stores keep each key on a home GPU (see
-/// [`KvStore::init`]). Pushes and pulls on GPU homes are enqueued on the GPUs' streams and
-/// return at once; reading an array on the host waits for its GPU, and
-/// [`KvStore::wait_all`] waits for everything (and reports NCCL failures). Custom closure
-/// updaters and `float64` keys on a GPU take a slow path through host memory. A CUDA or NCCL
-/// failure in the middle of a call can leave that call's GPU keys partly updated; validation
-/// errors never do.
+/// [`KvStore::init`]). Pushes and pulls on GPU homes return once enqueued; reading an array on
+/// the host waits for its GPU, and [`KvStore::wait_all`] waits for everything. Closure updaters
+/// and `float64` keys on a GPU take a slow path through host memory. A CUDA or NCCL failure in
+/// the middle of a call can leave that call's GPU keys partly updated; validation errors never
+/// do.
 pub struct KvStore {
     name: String,
     kind: StoreKind,
@@ -127,10 +118,9 @@ impl KvStore {
     ///
     /// With no GPU, `device` and `nccl` keep their values on the CPU (logged once).
     ///
-    /// The environment variable `KVSTORE_PAR_MIN_BYTES` (bytes read plus written, default
-    /// 1048576, 1 MiB) sets, for this store, how big a
-    /// push or pull on host memory must be to split over threads; `0` always splits. A value
-    /// that is not a whole number is an [`Error::InvalidEnv`].
+    /// `KVSTORE_PAR_MIN_BYTES` (bytes read plus written, default 1 MiB) sets how big a push or
+    /// pull on host memory must be to split over threads; `0` always splits. A value that is
+    /// not a whole number is an [`Error::InvalidEnv`].
     ///
     /// ```
     /// use kvstore::{KvStore, StoreKind};
@@ -163,7 +153,6 @@ impl KvStore {
         (ranks, across): (Dist, Box<dyn Across>),
         config: &Config,
     ) -> Result<KvStore> {
-        let par_min_bytes = config.par_min_bytes;
         Ok(KvStore {
             name,
             kind,
@@ -171,11 +160,11 @@ impl KvStore {
             active: RwLock::new(Arc::new(Active::new(
                 Updater::Assign,
                 0,
-                hyper::Settings::default(),
+                Default::default(),
             ))),
             hook: RwLock::new(None),
             compression: RwLock::new(Compression::None),
-            par_min_bytes,
+            par_min_bytes: config.par_min_bytes,
             ranks,
             across,
         })
@@ -192,14 +181,12 @@ impl KvStore {
         &self.name
     }
 
-    /// This worker's rank: 0 to `num_workers() - 1` in a `dist_*` store, always 0 in a
-    /// single-process store.
+    /// This worker's rank: 0 to `num_workers() - 1`; 0 in a single-process store.
     pub fn rank(&self) -> usize {
         self.ranks.rank()
     }
 
-    /// The number of workers (processes) of a `dist_*` store; always 1 for a single-process
-    /// store.
+    /// The number of workers (processes); 1 in a single-process store.
     pub fn num_workers(&self) -> usize {
         self.ranks.size()
     }
@@ -216,16 +203,13 @@ impl KvStore {
         self.ranks.barrier()
     }
 
-    /// Checks that every worker of a `dist_*` store passes the same `what`: a call that every
-    /// worker makes, in the same place among its store calls. [`Error::Desync`] on every
-    /// worker when they differ, naming the workers on each side; `Ok` at once in a
-    /// single-process store.
+    /// Checks that every worker of a `dist_*` store passes the same `what`, at the same place
+    /// among its store calls: [`Error::Desync`] on every worker when they differ, naming the
+    /// workers on each side; `Ok` at once in a single-process store.
     ///
-    /// The store compares what it sees itself (keys, shapes, dtypes, the updater and its
-    /// hyperparameters, checkpoint paths) before every call. This is for what it does not
-    /// see: a framework optimizer's hyperparameters when the framework steps, a data order
-    /// seed, a configuration file's checksum. Ranks that disagree then fail instead of
-    /// training apart.
+    /// The store compares what it sees itself (keys, shapes, dtypes, the updater, checkpoint
+    /// paths) before every call. This is for what it does not see: a framework optimizer's
+    /// hyperparameters, a data order seed, a configuration file's checksum.
     ///
     /// ```
     /// use kvstore::KvStore;
@@ -237,13 +221,10 @@ impl KvStore {
         self.ranks.agree(what)
     }
 
-    /// For each of `flags`, whether any worker of a `dist_*` store passed `true`: a call that
-    /// every worker makes at the same point among its store calls, with as many flags and the
-    /// same `what` (else [`Error::Desync`] on every worker). The flags themselves; at once, in
-    /// a single-process store.
-    ///
-    /// A framework's wrapper asks with it which parameters got a gradient on any worker, so
-    /// that every worker then pushes the same keys.
+    /// For each of `flags`, whether any worker of a `dist_*` store passed `true`. Every worker
+    /// calls it at the same point, with as many flags and the same `what` (else
+    /// [`Error::Desync`] on every worker). A framework's wrapper asks with it which parameters
+    /// got a gradient on any worker, so that every worker pushes the same keys.
     ///
     /// ```
     /// use kvstore::KvStore;
@@ -255,27 +236,22 @@ impl KvStore {
         self.ranks.any_of(what, flags)
     }
 
-    /// Sets a tag that the check of every later call of a `dist_*` store carries, until it is
-    /// set again (`None`: no tag): workers whose tags differ fail the call with
-    /// [`Error::Desync`], whose message shows each side's tag. A framework puts its step count
-    /// here, so that a worker that skipped a step fails at its next call instead of summing
-    /// its gradients with another step's. A queued call (see [`crate::AsyncKvStore`]) carries
-    /// the tag in force when it runs: set it while no call is queued. No effect in a
-    /// single-process store.
+    /// Sets a tag that the check of every later call of a `dist_*` store carries (`None`: no
+    /// tag): workers whose tags differ fail with [`Error::Desync`]. A framework puts its step
+    /// count here, so that a worker that skipped a step fails instead of summing its gradients
+    /// with another step's. A queued call ([`crate::AsyncKvStore`]) carries the tag in force
+    /// when it runs. No effect in a single-process store.
     pub fn set_tag(&self, tag: Option<&str>) {
         self.ranks.set_tag(tag);
     }
 
     /// Tells the other workers of a `dist_*` store that this worker will not make its call
     /// `op` (`"push"`, `"pull"`, ...) because its input was bad (`why`), so that they fail
-    /// that call with [`Error::RankRejected`] instead of waiting for this worker. `Ok` when
-    /// they were told (and at once in a single-process store); [`Error::DistFailed`] when the
-    /// world failed earlier, which is then the error to report rather than the bad input.
+    /// it with [`Error::RankRejected`] instead of waiting. `Ok` when they were told (at once
+    /// in a single-process store); [`Error::DistFailed`] when the world failed earlier.
     ///
-    /// The store does this itself for input it rejects. It is for a layer above the store
-    /// that checks its own input before calling it (a binding converting its arguments): an
-    /// error there must reach the other workers too, or a retry here would be matched with
-    /// the call they made before.
+    /// The store does this itself for input it rejects. This is for a layer above that checks
+    /// its own input (a binding): else a retry would be matched with the others' last call.
     pub fn reject(&self, op: &str, why: &str) -> Result<()> {
         // The fingerprint names ops by static names: the store's own, else "call".
         const OPS: [&str; 9] = [
@@ -293,29 +269,26 @@ impl KvStore {
         self.ranks.tell_rejected(op, why)
     }
 
-    /// `err`, after telling the other ranks of a `dist_*` store that this rank rejected its
-    /// input for `op` (so that they fail the same call instead of waiting for this rank).
-    /// Only for errors found before the call's collectives begin.
+    /// `err`, after telling the other ranks that this rank rejected its input for `op` (see
+    /// [`Dist::reject`]). Only for errors found before the call's collectives begin.
     fn rejected(&self, op: &'static str, err: Error) -> Error {
         self.ranks.reject(op, err)
     }
 
-    /// A key, or the error of converting it, told to the other ranks (see
-    /// [`KvStore::rejected`]).
+    /// A key, or the error of converting it, told to the other ranks.
     fn key_for(&self, op: &'static str, key: impl IntoKey) -> Result<Key> {
         key.into_key().map_err(|e| self.rejected(op, e))
     }
 
-    /// Waits for every operation in flight: pushes and pulls on GPU homes are enqueued on the
-    /// GPUs' streams and return at once. NCCL work is polled for asynchronous errors, with a
-    /// timeout (env `KVSTORE_NCCL_TIMEOUT_MS`, default 60 s). Without a GPU every call is
-    /// synchronous and this returns `Ok` at once.
+    /// Waits for every operation in flight (pushes and pulls on GPU homes return once
+    /// enqueued). NCCL work is polled for asynchronous errors, bounded by
+    /// `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s). Without a GPU this returns `Ok` at once.
     pub fn wait_all(&self) -> Result<()> {
         comm::wait_all()
     }
 
-    /// How this store's calls run: a `nccl` store on a GPU machine without a usable NCCL warns
-    /// once and uses peer copies.
+    /// How this store's calls run (a `nccl` store without a usable NCCL warns once and uses
+    /// peer copies).
     fn ctx(&self) -> Ctx {
         Ctx::new(self.kind == StoreKind::Nccl, self.par_min_bytes)
     }
@@ -327,10 +300,9 @@ impl KvStore {
     }
 
     /// Replaces the updater. Per-key state (momentum and the like) and the update count start
-    /// afresh on each key's next push, even for the same updater: to change hyperparameters and
-    /// keep the state, use [`KvStore::update_hyperparameters`] or
-    /// [`KvStore::set_learning_rate`]. A learning-rate schedule and per-key multipliers stay
-    /// set; an error if the schedule does not fit the new updater's `lr`.
+    /// afresh on each key's next push, even for the same updater; to keep the state, use
+    /// [`KvStore::update_hyperparameters`] or [`KvStore::set_learning_rate`]. A schedule and
+    /// per-key multipliers stay set; an error if the schedule does not fit the new `lr`.
     ///
     /// ```
     /// use kvstore::{KvStore, Sgd, Updater};
@@ -355,9 +327,7 @@ impl KvStore {
         read(&self.active).updater.clone()
     }
 
-    /// The keys in update order: int keys ascending, string keys in the order they were first
-    /// initialized (the order the updater runs in, MXNet's). See [`KvStore::keys_in_init_order`]
-    /// for the order of initialization.
+    /// The keys in update order (MXNet's): int keys ascending, string keys in init order.
     ///
     /// ```
     /// use kvstore::{Key, KvStore, NDArray};
@@ -369,19 +339,20 @@ impl KvStore {
     /// # Ok::<(), kvstore::Error>(())
     /// ```
     pub fn keys(&self) -> Vec<Key> {
-        let table = read(&self.table);
-        let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
-        slots.sort_by_key(|s| s.order);
-        slots.iter().map(|s| s.key.clone()).collect()
+        self.keys_by(|s| s.order)
     }
 
     /// The keys in the order they were initialized (by `init`, `broadcast`, a list call's key
-    /// order, or a checkpoint `load` that added them). For string keys this is also
-    /// [`KvStore::keys`]' order.
+    /// order, or a checkpoint `load` that added them).
     pub fn keys_in_init_order(&self) -> Vec<Key> {
+        self.keys_by(|s| s.init_seq)
+    }
+
+    /// Every key, sorted by `rank`.
+    fn keys_by<R: Ord>(&self, rank: impl Fn(&Slot) -> R) -> Vec<Key> {
         let table = read(&self.table);
         let mut slots: Vec<&Arc<Slot>> = table.slots.values().collect();
-        slots.sort_by_key(|s| s.init_seq);
+        slots.sort_by_key(|s| rank(s));
         slots.iter().map(|s| s.key.clone()).collect()
     }
 
@@ -391,17 +362,14 @@ impl KvStore {
         Ok((slot.shape, slot.dtype, slot.home))
     }
 
-    /// Puts a copy of `value` in under `key`. A key is initialized once.
-    ///
-    /// `device` and `nccl` stores on a machine with GPUs give the key a home GPU: the one with
-    /// the fewest bytes homed so far. `local` stores, and every store without a GPU, keep it in
-    /// host memory.
+    /// Puts a copy of `value` in under `key`, once. `device` and `nccl` stores on a machine with
+    /// GPUs home it on the GPU with the fewest bytes homed so far; the others keep it in host
+    /// memory.
     pub fn init(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
         self.init_list(&[self.key_for("init", key)?], std::slice::from_ref(value))
     }
 
-    /// Initializes many keys at once: all of them, or none on error. Homes are placed largest
-    /// key first (see [`KvStore::init`]).
+    /// Initializes many keys at once, all or none; homes are placed largest key first.
     pub fn init_list<K: IntoKey + Clone>(&self, keys: &[K], values: &[NDArray]) -> Result<()> {
         self.init_with_homes(keys, values, None, false)
     }
@@ -416,9 +384,8 @@ impl KvStore {
         )
     }
 
-    /// As [`KvStore::init_list`], with one home per key chosen by the caller. A `dist_*` store
-    /// places keys on ranks itself and keeps them in host memory: there the homes are only
-    /// checked.
+    /// As [`KvStore::init_list`], with one home per key chosen by the caller (a `dist_*` store
+    /// places keys itself and only checks the homes).
     pub fn init_list_on<K: IntoKey + Clone>(
         &self,
         keys: &[K],
@@ -443,9 +410,8 @@ impl KvStore {
             .map_err(|e| self.rejected("init", e))?;
         let (d, across) = (&self.ranks, &*self.across);
         let any_gpu_home = across.gpu_homes(self.kind, homes);
-        // Before the call: rank 0's values, read or copied (that may fail). Host homes are
-        // copied here, outside the table lock, so big inits do not stall other keys' lookups;
-        // GPU homes are copied under the lock, once the homes are placed.
+        // Rank 0's values, read or copied before the call (that may fail). Host homes are
+        // copied outside the table lock, so big inits do not stall other keys' lookups.
         let prepared = check_new_keys(&read(&self.table), &keys)
             .and_then(|()| across.rank0_values(d, values, any_gpu_home));
         let mine = prepared.map_err(|e| d.reject("init", e))?;
@@ -454,12 +420,11 @@ impl KvStore {
             false => across::init_fingerprint(&keys, values),
         };
         let mut call = d.begin_with(fp)?;
-        // The table is held from here to the end: the keys are placed before the values move
-        // (a sliced key's value moves as slices), and nothing else changes the table meanwhile.
+        // Held to the end: the keys are placed before the values move, and nothing else
+        // changes the table meanwhile.
         let mut table = write(&self.table);
-        // Every rank checked these keys before the call, but another thread of this process
-        // may have added one since: the ranks agree before any adds a key, so that no rank's
-        // table lacks keys the others have.
+        // Another thread may have added one of these keys since the check: the ranks agree
+        // before any adds a key, so that no rank's table lacks keys the others have.
         let fresh = check_new_keys(&table, &keys)
             .and_then(|()| compress::check_dtypes(*read(&self.compression), &keys, values));
         let together = call.agree("init", fresh.is_ok(), "adding its keys");
@@ -499,8 +464,7 @@ impl KvStore {
         Ok(())
     }
 
-    /// Pushes one or more values to `key`: they are summed, and the updater merges the sum into
-    /// the stored value. The values are read, never kept.
+    /// Pushes one or more values to `key`: the updater merges their sum into the stored value.
     ///
     /// ```
     /// use kvstore::{cpu, KvStore, NDArray};
@@ -516,8 +480,8 @@ impl KvStore {
         self.push_list(&[self.key_for("push", key)?], &[values.arrays()])
     }
 
-    /// Pushes to many keys at once. A key listed more than once gets the sum of all its values.
-    /// The updater runs once per distinct key, in ascending key order. All or nothing.
+    /// Pushes to many keys at once, all or nothing. A key listed more than once gets the sum of
+    /// all its values; the updater runs once per distinct key, in ascending key order.
     pub fn push_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
@@ -531,11 +495,10 @@ impl KvStore {
         self.pull_list(&[self.key_for("pull", key)?], &[outs.arrays()])
     }
 
-    /// Pulls many keys at once, from one consistent snapshot of them. All or nothing: a call
-    /// refused (bad input, on any rank) leaves every out as it was. One exception, on a
-    /// `dist_*` store: a transfer that fails midway (a rank gone, or past `KVSTORE_TIMEOUT`,
-    /// after which the store refuses every call) may leave zeros in the outs it was receiving
-    /// into directly (a call's only key, or a big key, with one out in host memory).
+    /// Pulls many keys at once, from one consistent snapshot. All or nothing, with one
+    /// exception on a `dist_*` store: a transfer that fails midway (a rank gone, or past
+    /// `KVSTORE_TIMEOUT`; the store then refuses every call) may leave zeros in the outs it
+    /// received into directly (a call's only key, or a big key, with one out in host memory).
     pub fn pull_list<K: IntoKey + Clone, V: ValueList>(
         &self,
         keys: &[K],
@@ -552,8 +515,7 @@ impl KvStore {
         self.push_call("push", groups, None, None)
     }
 
-    /// Validates and applies a pull of looked-up groups (or the error of looking them up), from
-    /// one consistent snapshot.
+    /// Validates and applies a pull of looked-up groups (or the error of looking them up).
     fn pull_groups(&self, groups: Result<Vec<Group<'_>>>) -> Result<()> {
         let groups = groups
             .and_then(|g| check_outs("pull", &g).map(|()| g))
@@ -567,10 +529,9 @@ impl KvStore {
         (self.across).pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
     }
 
-    /// The one push of every store, on checked `groups` (`op` is `push` or `pushpull`): this
-    /// process's contribution (the values, or, for row-sparse keys, their `rows` summed by
-    /// row), the sum across ranks onto where each key lives, the updater there, then, for a
-    /// pushpull, the pull of `pulls` (the same keys) in the same call, and the hook.
+    /// The one push of every store, on checked `groups` (`op`: `push` or `pushpull`): this
+    /// process's contribution (for row-sparse keys, their merged `rows`), the sum across ranks,
+    /// the updater, for a pushpull the pull of `pulls` (the same keys), and the hook.
     fn push_call(
         &self,
         op: &'static str,
@@ -596,10 +557,8 @@ impl KvStore {
         if let Some(pulls) = pulls {
             self.prepare(pulls)?;
         }
-        // The ranks must agree on the whole updater too (its kind decides which collectives
-        // follow; its hyperparameters, schedule, multipliers and generation what they compute),
-        // and on what travels (which decides the collectives).
-        // Made only where the fingerprint is compared: one rank alone makes none.
+        // The ranks must agree on the whole updater (it decides which collectives follow and
+        // what they compute) and on what travels. Made only where the fingerprint is compared.
         let fp = || {
             let note = match &sent {
                 Sent::Rows(_) => format!("row_sparse; {}", active.describe()),
@@ -653,8 +612,8 @@ impl KvStore {
         call_hook(hook.as_deref(), &active, done)
     }
 
-    /// A push, then a pull of the result into `outs`, as one atomic step. To update in place,
-    /// pass the values as the outs too, or use [`KvStore::pushpull_in_place`].
+    /// A push, then a pull of the result into `outs`, as one atomic step (see also
+    /// [`KvStore::pushpull_in_place`]).
     pub fn pushpull<V: ValueList + ?Sized, O: ValueList + ?Sized>(
         &self,
         key: impl IntoKey,
@@ -696,9 +655,8 @@ impl KvStore {
         self.push_call("pushpull", pushes, Some(&pulls), None)
     }
 
-    /// Pushes every key, then pulls every key's result back into its own values, as one atomic
-    /// step: [`KvStore::pushpull_list`] with the values as the outs (MXNet's list `pushpull`
-    /// without `out`). All or nothing.
+    /// [`KvStore::pushpull_list`] with the values as the outs (MXNet's list `pushpull` without
+    /// `out`).
     ///
     /// ```
     /// use kvstore::{KvStore, NDArray};
@@ -731,8 +689,7 @@ impl KvStore {
         )
     }
 
-    /// Initializes many keys and pulls them. All or nothing: the outs are checked before any
-    /// key is initialized.
+    /// Initializes many keys and pulls them; the outs are checked before any key is initialized.
     pub fn broadcast_list<K: IntoKey + Clone, O: ValueList>(
         &self,
         keys: &[K],
@@ -784,9 +741,9 @@ fn check_new_keys(table: &Table, keys: &[Key]) -> Result<()> {
     Ok(())
 }
 
-/// Applies a validated push to every group this rank holds, in issue order, through the comm
-/// pipeline (`inputs`: what the updater takes for each; `counts`: each group's update count so
-/// far), and then records the call's update counts. `agree`, on ranks: see [`comm::update`].
+/// Applies a validated push to every group this rank holds, in issue order (`inputs`: what the
+/// updater takes; `counts`: each group's update count so far), then records the new counts.
+/// `agree`: see [`comm::update`].
 fn apply_push(
     active: &Active,
     ctx: Ctx,
@@ -824,12 +781,10 @@ fn apply_push(
             value,
             values,
             hyper: hypers.of(i),
-            // Totals are always the push's own buffers, one per group, never a caller's array
-            // (the ways' `sum_across`, `compress::sum_across` and `compress::decoded_totals` make
-            // them): the backend may take one instead of copying it. Only one the pool keeps
-            // between calls: taking small ones would move every small key's value into a fresh
-            // allocation on every push, and the allocator, trimming the memory freed, would fault
-            // it in again on the next (measured: a push of 1000 keys of 1 KiB went slower).
+            // Totals are the push's own buffers, never a caller's: the backend may take one
+            // instead of copying it, but only one the pool keeps. Taking small ones moved every
+            // small key's value into a fresh allocation on every push, which the allocator
+            // faulted in again on the next (measured: a push of 1000 keys of 1 KiB went slower).
             owned: matches!(inputs, Inputs::Totals(_))
                 && values.iter().all(|v| Pool::keeps(v.nbytes())),
         });
@@ -868,15 +823,12 @@ impl KvStore {
         )
     }
 
-    /// Pushes to many keys at once, like [`KvStore::push_list`], issuing the work for keys of
-    /// higher priority first: the updater runs on keys in descending priority, and keys of equal
-    /// priority in ascending key order (MXNet's order, and that of `push_list`). On a GPU home
-    /// this is the order kernels and NCCL calls are enqueued in, so the gradients a training
-    /// loop needs first (its first layers) can be given the highest priority. A key listed more
-    /// than once gets the highest of its priorities.
-    ///
-    /// `priorities` has one entry per key. Locks are still taken in ascending key order, so
-    /// calls with any priorities cannot deadlock one another. All or nothing, as `push_list`.
+    /// [`KvStore::push_list`], issuing the work for keys of higher priority first; equal
+    /// priorities go in ascending key order (MXNet's). On a GPU home this is the order kernels
+    /// and NCCL calls are enqueued in, so the gradients needed first (the first layers) can be
+    /// given the highest priority. A key listed more than once gets the highest of its
+    /// priorities. `priorities` has one entry per key; locks are still taken in ascending key
+    /// order, so no priorities can deadlock.
     ///
     /// ```
     /// use std::sync::{Arc, Mutex};
@@ -914,9 +866,8 @@ impl KvStore {
         self.pull_list_with_priority(&[self.key_for("pull", key)?], &[outs.arrays()], &[priority])
     }
 
-    /// Pulls many keys at once, like [`KvStore::pull_list`], copying keys of higher priority
-    /// first; equal priorities go in ascending key order. `priorities` has one entry per key.
-    /// Locks are taken in ascending key order whatever the priorities.
+    /// [`KvStore::pull_list`], copying keys of higher priority first; equal priorities go in
+    /// ascending key order. `priorities` has one entry per key.
     ///
     /// ```
     /// use kvstore::{KvStore, NDArray};

@@ -1,7 +1,6 @@
 //! Row-sparse keys (MXNet's `row_sparse` storage): their init, their push by rows with lazy
-//! updates, and `row_sparse_pull`. A row-sparse key keeps a dense value on its home; a push
-//! carries only some rows, and the updater runs on those rows alone (MXNet's
-//! `lazy_update=True`). On ranks, rows travel in compact form, only to and from the ranks that
+//! updates (MXNet's `lazy_update=True`), and `row_sparse_pull`. A row-sparse key keeps a dense
+//! value on its home; on ranks, rows travel in compact form, only to and from the ranks that
 //! hold them, in one all-to-all.
 
 use std::sync::{Arc, RwLockWriteGuard};
@@ -19,13 +18,11 @@ use crate::{cpu, Error, IntoKey, NDArray, Result, RowSparse, Shape, Updater};
 
 impl KvStore {
     /// Puts a copy of `value` in under `key` as a row-sparse key (MXNet's `row_sparse`
-    /// storage): an array of two or more dimensions whose first dimension is its rows, such as
-    /// an embedding. It is pushed by rows ([`KvStore::push_row_sparse`]) and read by rows
-    /// ([`KvStore::row_sparse_pull`]) or whole ([`KvStore::pull`]); a dense push to it is an
-    /// [`Error::RowSparse`].
-    ///
-    /// Row-sparse keys are not compressed (an [`Error::Compression`] when compression is on,
-    /// as in MXNet). On a GPU home, and on GPU ranks, the rows go through host memory.
+    /// storage): an array whose first dimension is its rows, such as an embedding. It is pushed
+    /// by rows ([`KvStore::push_row_sparse`]) and read by rows ([`KvStore::row_sparse_pull`])
+    /// or whole ([`KvStore::pull`]); a dense push to it is an [`Error::RowSparse`]. It is not
+    /// compressed (an [`Error::Compression`] when compression is on, as in MXNet). On GPUs the
+    /// rows go through host memory.
     pub fn init_row_sparse(&self, key: impl IntoKey, value: &NDArray) -> Result<()> {
         self.init_row_sparse_list(&[self.key_for("init", key)?], std::slice::from_ref(value))
     }
@@ -59,9 +56,7 @@ impl KvStore {
         self.init_with_homes(keys, values, None, true)
     }
 
-    /// Why this store cannot hold row-sparse keys, or `None` when it can: gradient compression
-    /// is on (row-sparse keys are not compressed, as in MXNet). `init_row_sparse` and a load of
-    /// row-sparse keys both ask.
+    /// Why this store cannot hold row-sparse keys (gradient compression is on), or `None`.
     pub(super) fn row_sparse_refusal(&self, op: &'static str) -> Option<Error> {
         read(&self.compression).is_on().then(|| Error::Compression {
             op,
@@ -77,21 +72,16 @@ impl KvStore {
     }
 
     /// Pushes row-sparse values to a row-sparse key: their rows are summed by id (repeated ids
-    /// too), and the updater runs on the rows present only, MXNet's lazy update: SGD's weight
-    /// decay and momentum and Adam's moments change on those rows, and the other rows keep
-    /// their values and state. The key's step (Adam's `t`) counts every push. A closure
-    /// updater gets the rows present as arrays of shape `[rows, ...]`; on a `dist_*` store's
-    /// sliced key, as for a dense sliced key, each rank's closure gets the parts of those rows
-    /// in its slice, flattened (a row may straddle two slices), so a closure there must work
-    /// element by element. With no updater set
-    /// (assign) the value becomes the sum: its rows at their ids, zeros elsewhere, as in MXNet.
+    /// too), and the updater runs on those rows only, MXNet's lazy update: the other rows keep
+    /// their values and state. The key's step (Adam's `t`) counts every push. A closure gets the
+    /// rows as arrays of shape `[rows, ...]`; on a `dist_*` store's sliced key each rank's
+    /// closure gets the parts of those rows in its slice, flattened (a row may straddle two
+    /// slices), so it must work element by element. With no updater set (assign) the value
+    /// becomes the sum: its rows at their ids, zeros elsewhere, as in MXNet.
     ///
     /// On a `dist_*` store every rank sums its own values first, then the ranks' sums are added
-    /// in rank order (as a dense push sums a rank's devices first), and each rank that holds a
-    /// part of the key gets only the rows, or the parts of rows, that fall in its part: a big
-    /// key is sliced over the ranks by elements, and a row may straddle two slices. Each pair
-    /// of ranks exchanges exactly those elements: every rank knows every rank's row ids, so
-    /// the all-to-all's blocks have their own lengths and carry no padding.
+    /// in rank order, and each rank that holds a part of the key gets only the rows, or parts
+    /// of rows, that fall in it: exactly those elements travel, with no padding.
     ///
     /// Errors ([`Error::RowSparse`], nothing changed): a dense key, a row id out of range,
     /// rows of another row shape or dtype.
@@ -229,10 +219,9 @@ impl KvStore {
 }
 
 /// The update of a row-sparse push on this rank, its keys locked (`cells`): each key's `parts`
-/// (the rows this rank updates), their rows and state read out of the cells, the updater run
-/// on them, and the new rows written back only once every key's update has succeeded on every
-/// rank. `counts`: each key's update count so far. `agree(ok, what)`: whether every rank
-/// succeeded at `what`, given this rank's `ok` ([`Round::agree`](crate::comm::link::Round)).
+/// (the rows this rank updates) read out of the cells with their state, updated, and written
+/// back only once every key's update has succeeded on every rank. `counts`: each key's update
+/// count so far. `agree(ok, what)`: whether every rank succeeded at `what`.
 pub(super) fn apply_rows(
     active: &Active,
     ctx: Ctx,

@@ -1,11 +1,10 @@
 //! The blocks of an all-to-all: how many elements each rank sends each rank, and where each
 //! block lies in the send and receive buffers.
 //!
-//! Blocks travel at their own lengths (`MPI_Ialltoallv`), so nothing but what a rank needs
-//! reaches it. MPI takes the counts and displacements of unequal blocks as C `int`s; where a
-//! rank's buffer would be too long for them, every block is padded to the longest instead
-//! (`MPI_Ialltoall` needs only one block's count to fit). Every rank decides from the same
-//! lengths, so all take the same collective.
+//! Blocks travel at their own lengths (`MPI_Ialltoallv`). MPI takes the counts and
+//! displacements of unequal blocks as C `int`s; where a rank's buffer would be too long for
+//! them, every block is padded to the longest instead (`MPI_Ialltoall` needs only one block's
+//! count to fit). Every rank decides from the same lengths.
 
 use super::link::{Op, Round, Ticket};
 use crate::host::HostData;
@@ -23,9 +22,10 @@ pub(crate) struct Blocks {
 }
 
 impl Blocks {
-    /// Blocks of `lens[s * size + r]` elements from rank `s` to rank `r` (`size × size`
-    /// lengths, the same on every rank), padded where MPI's `int`s could not take them.
-    fn fitted(size: usize, lens: Vec<usize>) -> Blocks {
+    /// Blocks of `len(s, r)` elements from rank `s` to rank `r`, for `size` ranks (the same on
+    /// every rank), padded where MPI's `int`s could not take them.
+    pub(crate) fn from_fn(size: usize, len: impl Fn(usize, usize) -> usize) -> Blocks {
+        let lens: Vec<usize> = (0..size * size).map(|i| len(i / size, i % size)).collect();
         let fits = |n: usize| n <= count_max();
         let sent = |s: usize| lens[s * size..(s + 1) * size].iter().sum::<usize>();
         let received = |r: usize| (0..size).map(|s| lens[s * size + r]).sum::<usize>();
@@ -39,12 +39,6 @@ impl Blocks {
             lens,
             padded_to,
         }
-    }
-
-    /// Blocks of `len(s, r)` elements from rank `s` to rank `r`, for `size` ranks.
-    pub(crate) fn from_fn(size: usize, len: impl Fn(usize, usize) -> usize) -> Blocks {
-        let lens = (0..size * size).map(|i| len(i / size, i % size)).collect();
-        Blocks::fitted(size, lens)
     }
 
     /// Blocks where every rank sends rank `r` `lens[r]` elements.

@@ -1,25 +1,21 @@
 //! Across ranks that keep their values where the link moves them in place
-//! ([`Round::in_place`]): GPU ranks, NCCL between their GPUs (`dist_device_sync` on a machine
-//! with GPUs), and the loopback link's stand-in for them in tests, on host memory.
+//! ([`Round::in_place`]): GPU ranks, NCCL between their GPUs, and the loopback link's stand-in
+//! for them in tests, on host memory.
 //!
-//! A key of more than the big-array bound is sliced over the ranks: a push is one
-//! reduce-scatter per key ([`reduce_scatter`]), a pull one all-gather ([`all_gather`]), an init a
-//! broadcast per slice ([`scatter`]). Other keys are whole on their home rank. Keys of fewer than
-//! [`PACK_MAX_BYTES`] travel packed, as in host buffers: one buffer per (home rank, dtype),
-//! filled and emptied by batched device copies ([`copy_many`]), so a list push of 1000 small
-//! keys is one reduce per home rank and dtype, not 1000. Bigger keys travel alone, in place.
-//! Every collective of a call goes out in one [`Round::in_place`] (NCCL groups with one wait
-//! each), with no copy through host memory. The fingerprint check and the bounds on every wait
-//! are the link's.
+//! A sliced key's push is one reduce-scatter ([`reduce_scatter`]), its pull one all-gather
+//! ([`all_gather`]), its init a broadcast per slice ([`scatter`]). Whole keys of fewer than
+//! [`PACK_MAX_BYTES`] travel packed, one buffer per (home rank, dtype), filled and emptied by
+//! batched device copies ([`copy_many`]); bigger keys travel alone, in place. A call's
+//! collectives go out in one [`Round::in_place`], with no copy through host memory. The
+//! fingerprint check and the bounds on every wait are the link's.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 
 use super::{Dist, PACK_MAX_BYTES};
 use crate::backend::cuda::{copy_many, DeviceCopy, GpuPtr};
 use crate::comm::link::{ArrayOp, Round};
 use crate::comm::spread::{slice_block, slice_range};
-use crate::host::{with_host, HostData};
+use crate::host::with_host;
 use crate::ndarray::Storage;
 use crate::{DType, Device, Element, Error, NDArray, Result, Shape};
 
@@ -74,7 +70,7 @@ fn address(a: &NDArray, at: usize) -> Result<GpuPtr> {
 }
 
 /// A copy of `len` elements from `src` (element `from`) into `dst` (element `to`), arrays of
-/// one dtype in one place.
+/// one dtype in one place ([`copy`] makes one).
 struct Copy<'a> {
     dst: &'a NDArray,
     to: usize,
@@ -83,7 +79,7 @@ struct Copy<'a> {
     len: usize,
 }
 
-/// A copy of `len` elements from `src` (element `from`) into `dst` (element `to`).
+/// A [`Copy`].
 fn copy<'a>(dst: &'a NDArray, to: usize, src: &'a NDArray, from: usize, len: usize) -> Copy<'a> {
     Copy {
         dst,
@@ -113,24 +109,18 @@ fn copy_all(copies: &[Copy<'_>]) -> Result<()> {
         let (Storage::Host(dst), Storage::Host(src)) = (&mut *c.dst.write(), &*src) else {
             return Err(Error::internal("a copy from a GPU into host memory"));
         };
-        copy_host(dst, c.to, src, c.from, c.len)?;
+        with_host!(dst, d: T => {
+            let s = T::slice(src).and_then(|s| s.get(c.from..c.from + c.len));
+            match (s, d.get_mut(c.to..c.to + c.len)) {
+                (Some(s), Some(d)) => d.copy_from_slice(s),
+                _ => return Err(Error::internal("a copy outside its buffers")),
+            }
+        });
     }
     match device.is_empty() {
         true => Ok(()),
         false => copy_many(&device),
     }
-}
-
-/// [`Copy`] in host memory.
-fn copy_host(dst: &mut HostData, to: usize, src: &HostData, from: usize, len: usize) -> Result<()> {
-    with_host!(dst, d: T => {
-        let s = T::slice(src).and_then(|s| s.get(from..from + len));
-        match (s, d.get_mut(to..to + len)) {
-            (Some(s), Some(d)) => d.copy_from_slice(s),
-            _ => return Err(Error::internal("a copy outside its buffers")),
-        }
-    });
-    Ok(())
 }
 
 /// One zeroed buffer per bucket, where this rank keeps its values.
@@ -210,8 +200,7 @@ pub(crate) fn gather(round: &mut dyn Round, d: &Dist, pieces: Vec<Piece>) -> Res
         let data = p.data.filter(|_| p.root == d.rank());
         let buf = match (*route, &data) {
             (Route::Alone, Some(v)) => v.clone(),
-            (Route::Alone, None) => NDArray::full_on(p.shape, 0.0, p.dtype, d.home())?,
-            (Route::Packed { .. }, _) => NDArray::full_on(p.shape, 0.0, p.dtype, d.home())?,
+            _ => NDArray::full_on(p.shape, 0.0, p.dtype, d.home())?,
         };
         mine.push(data);
         alone.push((buf, p.root));
@@ -249,27 +238,19 @@ pub(crate) fn gather(round: &mut dyn Round, d: &Dist, pieces: Vec<Piece>) -> Res
     Ok(alone.into_iter().map(|(value, _)| value).collect())
 }
 
-/// A copy of elements `range` of `a`, as a flat array of its own in the same place.
-fn slice(a: &NDArray, range: Range<usize>) -> Result<NDArray> {
-    let part = NDArray::full_on(Shape::new(&[range.len()])?, 0.0, a.dtype(), a.device())?;
-    copy_all(&[copy(&part, 0, a, range.start, range.len())])?;
-    Ok(part)
-}
-
-/// `a` laid out in a buffer of `len` elements (its own elements first, zeros after), in the
-/// same place: `a` itself when it is that long already.
-fn padded(a: NDArray, len: usize) -> Result<NDArray> {
+/// `a` as a flat buffer of `len` elements in the same place: `a` itself when it is that long,
+/// else its first elements, then zeros.
+fn resized(a: NDArray, len: usize) -> Result<NDArray> {
     if a.size() == len {
         return Ok(a);
     }
     let buf = NDArray::full_on(Shape::new(&[len])?, 0.0, a.dtype(), a.device())?;
-    copy_all(&[copy(&buf, 0, &a, 0, a.size())])?;
+    copy_all(&[copy(&buf, 0, &a, 0, a.size().min(len))])?;
     Ok(buf)
 }
 
-/// Sums every rank's `sums` (each a sliced key's sum, of the key's whole length) and leaves
-/// each rank its slice of the total ([`slice_range`]), as a flat array: one reduce-scatter per
-/// key, over the key padded to a block per rank.
+/// Sums every rank's `sums` (sliced keys' whole sums) and leaves each rank its slice of the
+/// total ([`slice_range`]), flat: one reduce-scatter per key, padded to a block per rank.
 pub(crate) fn reduce_scatter(
     round: &mut dyn Round,
     d: &Dist,
@@ -280,7 +261,7 @@ pub(crate) fn reduce_scatter(
     let mut pairs = Vec::with_capacity(sums.len());
     for sum in sums {
         let block = slice_block(sum.size(), size);
-        let send = padded(sum, block * size)?;
+        let send = resized(sum, block * size)?;
         let recv = NDArray::full_on(Shape::new(&[block])?, 0.0, send.dtype(), send.device())?;
         pairs.push((send, recv));
     }
@@ -289,20 +270,14 @@ pub(crate) fn reduce_scatter(
         .collect();
     round.in_place(&ops)?;
     (pairs.into_iter().zip(lens))
-        .map(
-            |((_, recv), len)| match slice_range(len, size, rank).len() {
-                mine if mine == recv.size() => Ok(recv),
-                mine => slice(&recv, 0..mine),
-            },
-        )
+        .map(|((_, recv), len)| resized(recv, slice_range(len, size, rank).len()))
         .collect()
 }
 
-/// Rank 0's value of sliced keys, scattered: each rank gets its own slice of each key, flat,
-/// where it keeps its values. `values`: each key's whole value on rank 0 (`None` elsewhere), its
-/// length and dtype. NCCL has no scatter, so each slice goes out in a broadcast of its own from
-/// rank 0, and a rank that does not keep it receives it into one scratch block: no rank but
-/// rank 0 ever holds more than a block of a key beyond its own slice.
+/// Rank 0's value of sliced keys, scattered: each rank gets its own slice of each key, flat.
+/// `values`: each key's whole value on rank 0 (`None` elsewhere), its length and dtype. NCCL
+/// has no scatter, so each slice goes out in a broadcast of its own from rank 0, and the ranks
+/// that do not keep it receive it into one scratch block.
 pub(crate) fn scatter(
     round: &mut dyn Round,
     d: &Dist,
@@ -339,8 +314,8 @@ pub(crate) fn scatter(
         .collect()
 }
 
-/// Every rank's slice of sliced keys, on every rank: `parts` holds this rank's slice of each
-/// key and the key's whole length. One all-gather per key, over blocks padded to one length.
+/// Every rank's slice of sliced keys, on every rank (`parts`: this rank's slice of each key, and
+/// the key's length): one all-gather per key, over blocks padded to one length.
 pub(crate) fn all_gather(
     round: &mut dyn Round,
     d: &Dist,
@@ -350,7 +325,7 @@ pub(crate) fn all_gather(
     let mut pairs = Vec::with_capacity(parts.len());
     for (part, len) in parts {
         let block = slice_block(len, size);
-        let send = padded(part, block)?;
+        let send = resized(part, block)?;
         let all = Shape::new(&[block * size])?;
         let recv = NDArray::full_on(all, 0.0, send.dtype(), send.device())?;
         pairs.push((send, recv, len));
@@ -360,10 +335,7 @@ pub(crate) fn all_gather(
         .collect();
     round.in_place(&ops)?;
     (pairs.into_iter())
-        .map(|(_, recv, len)| match recv.size() == len {
-            true => Ok(recv),
-            false => slice(&recv, 0..len),
-        })
+        .map(|(_, recv, len)| resized(recv, len))
         .collect()
 }
 

@@ -1,21 +1,17 @@
-//! Across ranks: the step of a `dist_*` store's push that sums every rank's values onto each
-//! key's home rank, and the step of its pull that brings the home's value to every rank, over
-//! whichever [`Link`] joins the ranks.
+//! Across ranks: a `dist_*` store's push sums every rank's values onto each key's home rank, and
+//! its pull brings the home's value to every rank, over whichever [`Link`] joins the ranks.
 //!
 //! - A key homed whole on one rank: a push is a reduce to that rank, a pull a broadcast from it.
-//! - A sliced key (more than `KVSTORE_BIGARRAY_BOUND` elements, as MXNet's
-//!   `MXNET_KVSTORE_BIGARRAY_BOUND`; default 1 000 000): each rank holds one contiguous slice
-//!   ([`slice_range`](super::spread::slice_range)). A push is a reduce-scatter, a pull an
-//!   all-gather: the traffic of one allreduce, as ZeRO-1 has it.
-//! - Small whole keys travel packed, one buffer per (home rank, dtype): a list push of many
-//!   small keys is one reduce per home rank and dtype, a list pull one broadcast each. Keys from
-//!   [`PACK_MAX_BYTES`] up, and a call's only key, travel alone, in their own buffer, with no
-//!   copy into a bucket ([`travels_alone`]).
+//! - A sliced key (more than `KVSTORE_BIGARRAY_BOUND` elements, as MXNet's; default 1 000 000):
+//!   each rank holds one contiguous slice ([`slice_range`](super::spread::slice_range)). A push
+//!   is a reduce-scatter, a pull an all-gather: the traffic of one allreduce (ZeRO-1).
+//! - Small whole keys travel packed, one buffer per (home rank, dtype). Keys from
+//!   [`PACK_MAX_BYTES`] up, and a call's only key, travel alone in their own buffer
+//!   ([`travels_alone`]).
 //!
-//! All the collectives of a call are started before any is waited for, so they overlap. Every
-//! rank starts the same collectives in the same order: the order depends only on the call's
-//! keys, shapes and dtypes (which the fingerprint check compares) and on where keys live (which
-//! every rank computes alike).
+//! A call's collectives are all started before any is waited for, so they overlap. Every rank
+//! starts them in the same order: it depends only on the call's keys, shapes and dtypes (which
+//! the fingerprint check compares) and on where keys live (which every rank computes alike).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -37,22 +33,19 @@ use crate::{DType, Device, Element, Error, NDArray, Result};
 #[cfg(test)]
 pub(crate) use blocks::tests as blocks_tests;
 pub(crate) use blocks::Blocks;
-pub(crate) use pool::Pool;
+pub(crate) use pool::{copy_into, Pool};
 
 /// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
 pub(crate) const PACK_MAX_BYTES: usize = 256 << 10;
 
-/// Whether a whole key of `bytes` bytes, in a call of `keys` keys, travels alone, in a buffer
-/// of its own (sent from, and received into, the caller's arrays where it can), rather than
-/// packed with the call's other small keys of its home and dtype: a big key, or a call's only
-/// key, which a bucket would only copy. Every rank decides alike: the call's keys, shapes and
-/// dtypes are in its fingerprint.
+/// Whether a whole key of `bytes` bytes, in a call of `keys` keys, travels alone in a buffer of
+/// its own rather than packed: a big key, or a call's only key, which a bucket would only copy.
 pub(crate) fn travels_alone(bytes: usize, keys: usize) -> bool {
     bytes >= PACK_MAX_BYTES || keys == 1
 }
 
-/// A store's link to the other ranks, with what the store's calls across ranks need: the
-/// bound from which keys are sliced, and host buffers kept between calls.
+/// A store's link to the other ranks, with the bound from which keys are sliced and the host
+/// buffers kept between calls.
 pub(crate) struct Dist {
     link: Box<dyn Link>,
     /// Keys of more elements than this are sliced over every rank.
@@ -63,8 +56,7 @@ pub(crate) struct Dist {
     store: u64,
     /// The caller's tag, in every fingerprint from when it is set (see [`Dist::set_tag`]).
     tag: Mutex<Option<Arc<str>>>,
-    /// Where the ranks keep their values when the link moves them in place there (GPU ranks'
-    /// GPUs; see [`Link::in_place_home`]).
+    /// Where values live when the link moves them in place ([`Link::in_place_home`]).
     in_place: Option<Device>,
     /// One rank alone (the single-process kinds): calls compare nothing.
     alone: bool,
@@ -84,23 +76,17 @@ impl Dist {
         }
     }
 
-    /// Joins the distributed world, with the bound and the pool size of `config`.
-    ///
-    /// - Host-memory ranks (`on_gpu` false) join over MPI (initialised once per process).
-    /// - GPU ranks also join an NCCL communicator of every rank, each on the GPU its local rank
-    ///   picks (a collective: every rank creates its store together). Started by `mpirun`,
-    ///   the NCCL id travels over MPI; started without MPI (`RANK`, `WORLD_SIZE`,
-    ///   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun sets them), NCCL's own
-    ///   bootstrap exchanges it and NCCL carries everything, MPI is never initialised.
+    /// Joins the distributed world, with the bound and the pool size of `config`: over MPI and,
+    /// for GPU ranks (`on_gpu`), an NCCL communicator of every rank on the GPU its local rank
+    /// picks (NCCL alone for GPU ranks started without MPI: [`link::connect`]).
     pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Dist> {
         let pool = Pool::process(config.pool_bytes)?;
         Dist::joined(link::connect(on_gpu, config)?, config.bigarray_bound, pool)
     }
 
-    /// A store's link over `link`, once the ranks agree on the setup: every rank creates its
-    /// store at the same point of its calls, and the ranks compare the crate version, the
-    /// bound, the pool size and the link's settings (the check switch, the timeout). A
-    /// difference is [`Error::Desync`] on every rank, naming the settings.
+    /// A store's link over `link`, once the ranks agree on the setup (the crate version, the
+    /// bound, the pool size, the check switch, the timeout): else [`Error::Desync`] on every
+    /// rank, naming the settings.
     fn joined(link: Box<dyn Link>, bound: usize, pool: Arc<Pool>) -> Result<Dist> {
         let store = link.next_store_id();
         let in_place = link.in_place_home();
@@ -133,8 +119,7 @@ impl Dist {
         Dist::joined(link, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
     }
 
-    /// Host buffers kept between calls: take a call's big buffers from here, and give them
-    /// back when done.
+    /// Host buffers kept between calls.
     pub(crate) fn pool(&self) -> &Pool {
         &self.pool
     }
@@ -149,14 +134,12 @@ impl Dist {
     }
 
     /// Whether the link moves this store's values in place where the ranks keep them (GPU
-    /// ranks), rather than in host buffers: the store chooses how its values cross ranks from
-    /// this once, when it is created.
+    /// ranks), rather than in host buffers.
     pub(crate) fn moves_in_place(&self) -> bool {
         self.in_place.is_some()
     }
 
-    /// One rank alone (the single-process kinds): the store chooses how its values cross ranks
-    /// from this once, when it is created.
+    /// One rank alone (the single-process kinds).
     pub(crate) fn is_alone(&self) -> bool {
         self.alone
     }
@@ -196,8 +179,8 @@ impl Dist {
         self.begin_with(|| fp)
     }
 
-    /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared: one rank
-    /// alone makes none, so a local store's call pays nothing for it.
+    /// [`Dist::begin`] with the fingerprint made by `fp` only where it is compared (never by
+    /// one rank alone).
     pub(crate) fn begin_with(
         &self,
         fp: impl FnOnce() -> Fingerprint,
@@ -208,8 +191,7 @@ impl Dist {
         self.link.begin(&fp().store(self.store).tag(self.tag()))
     }
 
-    /// Sets the tag that every later call's fingerprint carries (`None`: no tag), so that
-    /// ranks whose tags differ fail the call with [`Error::Desync`] (see
+    /// Sets the tag that every later call's fingerprint carries (see
     /// [`crate::KvStore::set_tag`]).
     pub(crate) fn set_tag(&self, tag: Option<&str>) {
         *self.tag.lock().unwrap_or_else(|e| e.into_inner()) = tag.map(Arc::from);
@@ -221,11 +203,8 @@ impl Dist {
     }
 
     /// Joins call `op` as a rank that rejected its input with `err`, so that every other rank
-    /// fails the same call with [`Error::RankRejected`] instead of waiting for this one, and
-    /// gives `err` back.
-    ///
-    /// On a world that failed earlier the error is that failure ([`Error::DistFailed`]), as
-    /// for every other call: this rank's bad input is then beside the point.
+    /// fails it with [`Error::RankRejected`] instead of waiting, and gives `err` back (or, on a
+    /// world that failed earlier, that failure: [`Error::DistFailed`]).
     pub(crate) fn reject(&self, op: &'static str, err: Error) -> Error {
         self.tell_rejected(op, &err.to_string())
             .err()
@@ -234,12 +213,10 @@ impl Dist {
 
     /// Joins call `op` as a rank that rejected its input because `why` (see [`Dist::reject`]).
     ///
-    /// With the check off (`KVSTORE_DIST_CHECK=0`) the other ranks cannot be told: this rank's
-    /// link is shut instead ([`Link::shut`]), so that no later call of this rank is matched
-    /// with the collectives the others started for this one. They time out.
-    /// `Ok` when the others were told (or could not be, with the check off);
-    /// [`Error::DistFailed`] when the world failed earlier, which is then the error to report
-    /// rather than the bad input.
+    /// With the check off (`KVSTORE_DIST_CHECK=0`) the others cannot be told: this rank's link
+    /// is shut instead ([`Link::shut`]), so that no later call of it is matched with the
+    /// collectives the others started for this one (they time out). `Ok` when told (or shut);
+    /// [`Error::DistFailed`] when the world failed earlier.
     pub(crate) fn tell_rejected(&self, op: &'static str, why: &str) -> Result<()> {
         if !self.link.seat().check {
             self.link.shut(format!(
@@ -264,11 +241,7 @@ impl Dist {
         if self.alone {
             return Ok(());
         }
-        let fp = Fingerprint::new("agree")
-            .note(what)
-            .store(self.store)
-            .tag(self.tag());
-        self.begin_compared(&fp).map(drop)
+        self.begin_compared("agree", what).map(drop)
     }
 
     /// For each of `flags`, whether any rank passed `true` (see [`crate::KvStore::any_of`]).
@@ -277,11 +250,7 @@ impl Dist {
             return Ok(flags.to_vec());
         }
         let note = format!("{what} ({} flags)", flags.len());
-        let fp = Fingerprint::new("any_of")
-            .note(note)
-            .store(self.store)
-            .tag(self.tag());
-        let mut round = self.begin_compared(&fp)?;
+        let mut round = self.begin_compared("any_of", note)?;
         let mut words = vec![0u64; flags.len().div_ceil(64)];
         for (i, _) in flags.iter().enumerate().filter(|(_, &f)| f) {
             words[i / 64] |= 1 << (i % 64);
@@ -296,14 +265,22 @@ impl Dist {
             .collect())
     }
 
-    /// Begins a call whose fingerprint is compared across ranks even with the per-call check
-    /// off (`KVSTORE_DIST_CHECK=0`): comparing is what `agree` is for, and `any_of` gathers
-    /// words of a length the fingerprint holds.
-    fn begin_compared(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
-        let mut round = self.link.begin(fp)?;
+    /// Begins call `op` with `note`, compared across ranks even with the per-call check off
+    /// (`KVSTORE_DIST_CHECK=0`): comparing is what `agree` is for, and `any_of` gathers words
+    /// of a length the note holds.
+    fn begin_compared(
+        &self,
+        op: &'static str,
+        note: impl Into<String>,
+    ) -> Result<Box<dyn Round + '_>> {
+        let fp = Fingerprint::new(op)
+            .note(note)
+            .store(self.store)
+            .tag(self.tag());
+        let mut round = self.link.begin(&fp)?;
         if !self.link.seat().check {
             let seq = round.seq();
-            crate::comm::fingerprint::check_across(fp, seq, self.size(), |w| {
+            crate::comm::fingerprint::check_across(&fp, seq, self.size(), |w| {
                 round.all_gather_words(w)
             })?;
         }
@@ -317,15 +294,14 @@ impl Dist {
     }
 }
 
-/// One key of a reduce: this rank's sum of its own values (every element), and where the key
-/// lives.
+/// One key of a reduce: this rank's sum of its own values, and where the key lives.
 pub(crate) struct Sum<'a> {
     pub data: SumData<'a>,
     pub spread: Spread,
 }
 
-/// This rank's sum of a key's values: computed, or the key's one value itself (in host memory,
-/// of the key's dtype), read where it is.
+/// This rank's sum of a key's values: computed, or the key's one value (in host memory, of the
+/// key's dtype), read where it is.
 pub(crate) enum SumData<'a> {
     Owned(HostData),
     Value(&'a NDArray),
@@ -354,9 +330,8 @@ impl SumData<'_> {
         }
     }
 
-    /// The elements in a buffer of their own with room for `room` elements: a computed sum or
-    /// as it is, a value copied into a buffer from `pool` (the caller's storage never leaves
-    /// it, so a failed transfer cannot lose or change a caller's value).
+    /// The elements in a buffer of their own with room for `room`: a computed sum as it is, a
+    /// value copied into a buffer from `pool` (so a failed transfer cannot lose a caller's).
     fn into_buffer(self, pool: &Pool, room: usize) -> Result<HostData> {
         match self {
             SumData::Owned(h) => Ok(h),
@@ -370,8 +345,7 @@ impl SumData<'_> {
 }
 
 /// Sums every rank's [`Sum`]s onto where each key lives. Returns, per key, this rank's piece of
-/// the total: the whole sum on the home of a whole key, this rank's slice of a sliced key, and
-/// `None` where this rank holds nothing of the key.
+/// the total (whole on a whole key's home, its slice of a sliced key, `None` elsewhere).
 pub(crate) fn reduce(
     round: &mut dyn Round,
     (rank, size): (usize, usize),
@@ -424,10 +398,9 @@ pub(crate) fn reduce(
     Ok(out)
 }
 
-/// Read locks on the caller's values that travel alone to a whole key's home, per sum: sent
-/// from where they are, if the link can (MPI only reads them), else copied. A value that
-/// several sums name is copied instead: two read locks on one array from one thread could
-/// deadlock behind a waiting writer.
+/// Read locks on the caller's values that travel alone to a whole key's home, per sum, sent
+/// from where they are if the link can. A value that several sums name is copied instead: two
+/// read locks on one array from one thread could deadlock behind a waiting writer.
 fn read_in_place<'a>(sums: &[Sum<'a>]) -> Vec<Option<RwLockReadGuard<'a, Storage>>> {
     let alone = |s: &Sum<'_>| {
         matches!(s.spread, Spread::Whole { .. })
@@ -451,9 +424,8 @@ fn read_in_place<'a>(sums: &[Sum<'a>]) -> Vec<Option<RwLockReadGuard<'a, Storage
         .collect()
 }
 
-/// One key of a gather: this rank's piece of the value (the whole value on the home of a whole
-/// key, this rank's slice of a sliced key, nothing elsewhere), the key's length and dtype, and
-/// where it lives.
+/// One key of a gather: this rank's piece of the value (the whole value on a whole key's home,
+/// its slice of a sliced key, nothing elsewhere), the key's length and dtype, and its spread.
 pub(crate) struct GatherPiece<'a> {
     pub data: Option<&'a HostData>,
     pub len: usize,
@@ -465,9 +437,9 @@ pub(crate) struct GatherPiece<'a> {
 }
 
 /// Whether a key of `len` elements of `dtype` spread as `spread` over `size` ranks, in a call
-/// of `keys` keys, travels in a buffer of its own that can be its destination: a sliced key
-/// whose slices fill it exactly, or a whole key that [`travels_alone`]. [`gather`] then
-/// receives it into [`GatherPiece::into`] when given.
+/// of `keys` keys, travels in a buffer of its own that can be its destination
+/// ([`GatherPiece::into`]): a sliced key whose slices fill it exactly, or a whole key that
+/// [`travels_alone`].
 pub(crate) fn receives_in_place(
     spread: Spread,
     len: usize,
@@ -503,16 +475,16 @@ pub(crate) fn gather(
         .collect()
 }
 
-/// What [`gather_shared`] brings: the buffers received (from the pool; give them back when
-/// done), and where each key's whole value is in them: (buffer, elements).
+/// What [`gather_shared`] brings: the buffers received (from the pool), and where each key's
+/// whole value is in them: (buffer, elements).
 pub(crate) struct Gathered {
     pub bufs: Vec<HostData>,
     pub at: Vec<(usize, Range<usize>)>,
 }
 
-/// [`gather`], with the keys that travelled packed left where they arrived: a pull copies them
-/// into its outs from there, with no buffer of their own (for 1000 small keys, that is 1000
-/// allocations, and the page faults of the memory the allocator gives back in between).
+/// [`gather`], with the packed keys left where they arrived: a pull copies them into its outs
+/// from there, saving an allocation per key (and the page faults of memory the allocator gives
+/// back in between).
 pub(crate) fn gather_shared(
     round: &mut dyn Round,
     (rank, size): (usize, usize),
@@ -525,7 +497,7 @@ pub(crate) fn gather_shared(
     let mine = |p: &GatherPiece<'_>, len: usize, room: usize| match p.data {
         Some(d) if p.spread.holds(rank) => {
             let mut buf = pool.take(p.dtype, d.len(), room);
-            pool::copy_into(&mut buf, d);
+            copy_into(&mut buf, d);
             buf
         }
         _ => pool.take(p.dtype, len, room),
@@ -557,13 +529,13 @@ pub(crate) fn gather_shared(
                 let data = match (into, p.data) {
                     // The home copies its value into the destination and sends from there.
                     (Some(mut buf), Some(d)) if p.spread.holds(rank) => {
-                        pool::copy_into(&mut buf, d);
+                        copy_into(&mut buf, d);
                         buf
                     }
                     (Some(buf), _) => buf,
                     (None, _) => mine(p, p.len, p.len),
                 };
-                plan.alone(Op::Broadcast { root }, data, vec![(i, 0..p.len)]);
+                plan.transfer(Op::Broadcast { root }, data, None, vec![(i, 0..p.len)]);
             }
             Spread::Whole { rank: root } => match p.data {
                 Some(d) if p.spread.holds(rank) => plan.pack(Op::Broadcast { root }, i, d),
@@ -684,11 +656,6 @@ impl<'p, 'a> Plan<'p, 'a> {
         *self.sizes.entry((op, dtype.name())).or_default() += len;
     }
 
-    /// A transfer of one buffer.
-    fn alone(&mut self, op: Op, data: HostData, members: Members) {
-        self.transfer(op, data, None, members);
-    }
-
     /// A transfer of one buffer, received into `recv` when given.
     fn transfer(&mut self, op: Op, send: HostData, recv: Option<HostData>, members: Members) {
         self.alone.push(Transfer {
@@ -710,9 +677,8 @@ impl<'p, 'a> Plan<'p, 'a> {
     }
 
     /// The packed transfer of `op` and `dtype`, made on first use with room for all of it: empty
-    /// when the keys' values are appended to it, or already of its full length when it only
-    /// receives (a kept buffer then keeps its old contents, which MPI overwrites, instead of
-    /// being zeroed on every call).
+    /// when values are appended to it, of its full length when it only receives (a kept buffer
+    /// then keeps its old contents, which MPI overwrites, instead of being zeroed).
     fn bucket(&mut self, op: Op, dtype: DType, receives: bool) -> &mut (HostData, Members) {
         let room = self.sizes.get(&(op, dtype.name())).copied().unwrap_or(0);
         let pool = self.pool;

@@ -1,12 +1,10 @@
 //! Host buffers kept from one call of a dist store to the next, so that a big transfer writes
-//! into memory that is already mapped instead of paying the kernel's page faults on fresh pages
-//! every call (glibc hands big allocations back to the kernel when they are freed). The send
-//! and receive buffers of the collectives, the local sums and the copies a pull sends all come
-//! from here and go back here.
+//! into memory already mapped instead of paying page faults on fresh pages every call (glibc
+//! hands big allocations back to the kernel when they are freed). The collectives' buffers,
+//! the local sums and the copies a pull sends come from here and go back here.
 //!
-//! At most `KVSTORE_DIST_POOL_BYTES` bytes are kept (default 1 GiB). Small buffers (under
-//! 64 KiB) are kept too, at most [`SMALL_KEPT`] of them: a call on small keys then takes its
-//! buffers from here as well, with no allocation and no zeroing of a fresh buffer.
+//! At most `KVSTORE_DIST_POOL_BYTES` bytes are kept (default 1 GiB), and at most [`SMALL_KEPT`]
+//! small buffers (under 64 KiB), so that a call on small keys allocates nothing either.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -16,13 +14,11 @@ use crate::{DType, Element, Error, Result};
 /// Buffers smaller than this are small: at most [`SMALL_KEPT`] of them are kept.
 const SMALL_BYTES: usize = 64 << 10;
 
-/// The most small buffers kept: a call's transfers need a few each (send and receive per
-/// packed bucket).
+/// The most small buffers kept: a call needs a few (send and receive per packed bucket).
 const SMALL_KEPT: usize = 32;
 
-/// A small request (under [`SMALL_BYTES`]) takes a kept buffer of at most this much room:
-/// a small key never holds a big key's buffer (whose next push would then fault its pages in
-/// afresh).
+/// A small request takes a kept buffer of at most this much room: a small key never holds a
+/// big key's buffer (whose next push would then fault its pages in afresh).
 const SMALL_TAKES_AT_MOST: usize = 4 * SMALL_BYTES;
 
 /// Host buffers kept between calls.
@@ -32,7 +28,7 @@ pub(crate) struct Pool {
 }
 
 /// The buffers a pool keeps, oldest first, with their count of small ones and their bytes
-/// (kept up to date, so that a call that gives back a buffer per key never re-counts them).
+/// (kept up to date, so that giving back a buffer per key never re-counts them).
 #[derive(Default)]
 struct Kept {
     bufs: Vec<HostData>,
@@ -64,10 +60,9 @@ fn room_bytes(b: &HostData) -> usize {
 }
 
 impl Pool {
-    /// The process's pool, shared by every distributed store of the process so that the bound
-    /// holds per process: made by the first store, keeping at most `max_bytes` bytes
-    /// (`KVSTORE_DIST_POOL_BYTES` of that store's configuration). A later store whose
-    /// configuration asks for another bound is an error naming the variable, not ignored.
+    /// The process's pool, shared by its distributed stores so that the bound holds per
+    /// process, keeping at most `max_bytes` bytes (`KVSTORE_DIST_POOL_BYTES`). A later store
+    /// that asks for another bound is an error naming the variable.
     pub(crate) fn process(max_bytes: usize) -> Result<Arc<Pool>> {
         static POOL: OnceLock<Arc<Pool>> = OnceLock::new();
         let pool = POOL.get_or_init(|| Arc::new(Pool::with_max_bytes(max_bytes)));
@@ -83,8 +78,7 @@ impl Pool {
     }
 
     /// Whether buffers of `bytes` bytes are kept between calls with no bound on their count
-    /// (only on the pool's bytes): a buffer that goes back to the pool then serves the next call
-    /// instead of going back to the allocator.
+    /// (only on the pool's bytes).
     pub(crate) fn keeps(bytes: usize) -> bool {
         bytes >= SMALL_BYTES
     }
@@ -102,8 +96,8 @@ impl Pool {
         }
     }
 
-    /// A buffer of `len` elements of `dtype`, with room for `room` elements (at least `len`)
-    /// so that it can grow that far without moving. Its contents are unspecified.
+    /// A buffer of `len` elements of `dtype` with room for `room` (at least `len`). Its contents
+    /// are unspecified.
     pub(crate) fn take(&self, dtype: DType, len: usize, room: usize) -> HostData {
         let room = room.max(len);
         let need = room * dtype.size();
@@ -112,10 +106,8 @@ impl Pool {
         })
     }
 
-    /// A buffer of `len` elements of `dtype` with room for exactly `len`: for what a store keeps
-    /// beyond the call (a key's compression residual), which owns exactly its size, never a
-    /// bigger buffer's spare room. A kept buffer of that room, or a fresh one. Its contents are
-    /// unspecified.
+    /// A buffer of `len` elements of `dtype` with room for exactly `len`, for what a store keeps
+    /// beyond the call (a key's residual). Its contents are unspecified.
     pub(crate) fn take_exact(&self, dtype: DType, len: usize) -> HostData {
         let need = len * dtype.size();
         self.take_fitting(dtype, len, len, |have| have == need)
@@ -153,9 +145,8 @@ impl Pool {
         buf
     }
 
-    /// Keeps `buf` for a later [`Pool::take`], within the pool's bounds: `max_bytes` in all
-    /// (the oldest buffers go first), and [`SMALL_KEPT`] small buffers (a small one given when
-    /// that many are kept is freed).
+    /// Keeps `buf` for a later [`Pool::take`], within `max_bytes` in all (the oldest go first)
+    /// and [`SMALL_KEPT`] small buffers (past that, a small one given is freed).
     pub(crate) fn give(&self, buf: HostData) {
         let bytes = room_bytes(&buf);
         if bytes == 0 || bytes > self.max_bytes {
@@ -176,17 +167,12 @@ impl Pool {
 
 /// A fresh buffer of `len` elements (zeros) with room for `room`.
 fn with_room(dtype: DType, len: usize, room: usize) -> HostData {
-    fn make<T: Element>(len: usize, room: usize) -> HostData {
-        let mut v: Vec<T> = Vec::with_capacity(room);
+    let mut buf = HostData::filled(dtype, 0, 0.0);
+    with_host!(&mut buf, v: T => {
+        v.reserve_exact(room);
         v.resize(len, T::from_f64(0.0));
-        T::wrap(v)
-    }
-    match dtype {
-        DType::F32 => make::<f32>(len, room),
-        DType::F64 => make::<f64>(len, room),
-        DType::F16 => make::<half::f16>(len, room),
-        DType::BF16 => make::<half::bf16>(len, room),
-    }
+    });
+    buf
 }
 
 /// Copies `src` into `dst`, which has its length.

@@ -1,20 +1,20 @@
 //! The loopback link: N ranks as N threads of one process, so the rules of the distributed
-//! stores (placement, slicing, packing, the fingerprint check, agreement on rejections and
-//! failures, sharded checkpoints) run in `cargo test` in milliseconds, without `mpirun`.
+//! stores run in `cargo test` in milliseconds, without `mpirun`.
 //!
-//! Every collective is an exchange: the k-th exchange of every rank is matched with the k-th
-//! of every other rank, as MPI matches collectives by their order. A rank deposits its buffer
-//! when it starts a collective and takes its result when it lands it, once every rank has
-//! deposited; a wait longer than the hub's timeout is [`Error::Timeout`] naming the ranks that
-//! never came. Sums are taken in `float64` in rank order and rounded once.
+//! The k-th exchange of every rank is matched with the k-th of every other, as MPI matches
+//! collectives by their order. A rank deposits its buffer when it starts a collective and takes
+//! its result when it lands it, once every rank has deposited; a wait past the hub's timeout is
+//! [`Error::Timeout`] naming the ranks that never came. Sums are taken in `float64` in rank
+//! order and rounded once.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{ArrayOp, Link, Op, Round, Seat, Ticket};
+use crate::comm::dist::copy_into;
 use crate::comm::fingerprint::{check_across, Fingerprint};
-use crate::host::{convert_into, with_host, HostData};
+use crate::host::{with_host, HostData};
 use crate::ndarray::Storage;
 use crate::{DType, Device, Error, Key, Result};
 
@@ -39,8 +39,7 @@ struct Hub {
     arrived: Condvar,
 }
 
-/// The call numbering of one rank, shared by every store of that rank (as MPI's world is
-/// shared by every store of a process).
+/// The call numbering of one rank, shared by its stores (as MPI's world is by a process's).
 #[derive(Default)]
 struct RankState {
     seq: u64,
@@ -52,8 +51,7 @@ struct RankState {
     received: usize,
 }
 
-/// One rank of a loopback world. Clones are the same rank: stores made from clones share
-/// its call numbering.
+/// One rank of a loopback world; clones are the same rank (they share its call numbering).
 #[derive(Clone)]
 pub(crate) struct Loopback {
     hub: Arc<Hub>,
@@ -62,14 +60,12 @@ pub(crate) struct Loopback {
     check: bool,
     /// A collective this rank never joins (tests of a rank that stops): it fails to start it.
     stall_at: Option<Op>,
-    /// Whether the ranks keep their values in arrays that move in place ([`Round::in_place`]),
-    /// as GPU ranks do, here in host memory.
+    /// Whether the ranks keep their values in arrays that move in place ([`Round::in_place`]).
     in_place: bool,
 }
 
 impl Loopback {
-    /// The `size` ranks of a new loopback world, in rank order; every wait is bounded by
-    /// `timeout`.
+    /// The `size` ranks of a new loopback world, every wait bounded by `timeout`.
     pub(crate) fn world(size: usize, timeout: Duration) -> Vec<Loopback> {
         let hub = Arc::new(Hub {
             size,
@@ -89,8 +85,7 @@ impl Loopback {
             .collect()
     }
 
-    /// This rank, stopping at its first collective `op`: it never joins it (the other ranks
-    /// time out) and its own call fails.
+    /// This rank, never joining its first collective `op` (its call fails; the others time out).
     pub(crate) fn stalling_at(mut self, op: Op) -> Loopback {
         self.stall_at = Some(op);
         self
@@ -104,8 +99,7 @@ impl Loopback {
             .received
     }
 
-    /// This rank keeping its values in arrays that move in place, as GPU ranks keep theirs on
-    /// their GPUs: a store over it crosses ranks the way GPU ranks do, on host memory.
+    /// This rank keeping its values in arrays that move in place, as GPU ranks do.
     pub(crate) fn moving_in_place(mut self) -> Loopback {
         self.in_place = true;
         self
@@ -260,11 +254,6 @@ impl LoopRound<'_> {
     }
 }
 
-/// Copies `src` into `dst`, which has its length.
-fn copy_into(dst: &mut HostData, src: &HostData) {
-    with_host!(src, s: T => convert_into(s, dst));
-}
-
 /// The element-wise sum of `parts` (each of `dtype`), in `float64` in order, rounded once.
 fn sum(parts: &[&HostData], dtype: DType) -> HostData {
     let mut acc = vec![0f64; parts.first().map_or(0, |p| p.len())];
@@ -374,22 +363,10 @@ impl Round for LoopRound<'_> {
                 let block = recv.len();
                 from.slice_of(rank * block..(rank + 1) * block)
             }
-            // A copy of every rank's bits, as MPI moves bytes (no conversion: a NaN's payload,
-            // or words carried as float bit patterns, must arrive as they left).
-            Op::AllGather => with_host!(&send, _v: T => {
-                let mut all: Vec<T> = Vec::with_capacity(send.len() * size);
-                for d in &data {
-                    all.extend_from_slice(
-                        <T as crate::Element>::slice(d)
-                            .ok_or_else(|| Error::internal("ranks sent different dtypes"))?,
-                    );
-                }
-                <T as crate::Element>::wrap(all)
-            }),
-            // Block `rank` of every rank's buffer, in rank order, bit for bit: rank `s`'s
-            // block for rank `r` of `lens[s * size + r]` elements, or of equal lengths where
-            // no lengths were given.
-            Op::AllToAll => with_host!(&send, _v: T => {
+            // Every rank's buffer (all-gather) or its block for `rank` (all-to-all: `lens`, or
+            // equal blocks), in rank order, bit for bit as MPI moves bytes (a NaN's payload, or
+            // words carried as float bit patterns, must arrive as they left).
+            Op::AllGather | Op::AllToAll => with_host!(&send, _v: T => {
                 let lens = match lens.is_empty() {
                     true => vec![send.len() / size.max(1); size * size],
                     false => lens,
@@ -400,8 +377,11 @@ impl Round for LoopRound<'_> {
                     let start: usize = row[..rank].iter().sum();
                     let theirs = <T as crate::Element>::slice(d)
                         .ok_or_else(|| Error::internal("ranks sent different dtypes"))?;
-                    let piece = theirs
-                        .get(start..start + row[rank])
+                    let piece = match op {
+                        Op::AllGather => Some(theirs),
+                        _ => theirs.get(start..start + row[rank]),
+                    };
+                    let piece = piece
                         .ok_or_else(|| Error::internal("ranks sent all-to-all blocks of other lengths"))?;
                     got.extend_from_slice(piece);
                 }
@@ -457,13 +437,5 @@ impl Round for LoopRound<'_> {
             }
         }
         Ok(out)
-    }
-
-    fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>> {
-        let n = words.len();
-        let all = self.all_gather_words(&words)?;
-        all.get(root * n..(root + 1) * n)
-            .map(<[u64]>::to_vec)
-            .ok_or_else(|| Error::internal("no such root"))
     }
 }

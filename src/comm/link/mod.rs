@@ -1,19 +1,15 @@
 //! The link between the ranks of a store: one trait, [`Link`], chosen once when the store is
 //! created, with one file per implementation.
 //!
-//! - [`solo`]: the single-process kinds (`local`, `device`, `nccl`). One rank; it passes every
-//!   value through unchanged, so the backend still fuses the sum and the update.
-//! - `mpi` (cargo feature `mpi`): CPU ranks started by `mpirun`, and GPU ranks whose NCCL id
-//!   travels over MPI.
-//! - [`nccl`]: GPU ranks started without MPI (`torchrun --no-python`, srun): NCCL carries the
-//!   checks, the control messages and the data. It needs no MPI.
-//! - `loopback` (tests only): N ranks as N threads of one process, so the rules of the
-//!   distributed stores run in `cargo test` without `mpirun`.
+//! - [`solo`]: the single-process kinds. One rank; values pass through unchanged.
+//! - `mpi` (feature `mpi`): ranks started by `mpirun` (a GPU rank's NCCL id travels over MPI).
+//! - [`nccl`]: GPU ranks started without MPI (`torchrun --no-python`, srun), over NCCL alone.
+//! - `loopback` (tests only): N ranks as N threads of one process, without `mpirun`.
 //!
-//! A store call begins a [`Round`] on the link: the round is numbered, and the ranks compare
-//! the call's [`Fingerprint`] before any data moves. The round then starts collectives on host
-//! buffers and lands them ([`Round::start`], [`Round::land`]); [`crate::comm::dist`] plans
-//! which ones. `cfg(feature)` appears here, where a link is built, and nowhere else.
+//! A store call begins a numbered [`Round`], in which the ranks compare the call's
+//! [`Fingerprint`] before any data moves, then start and land collectives
+//! ([`Round::start`], [`Round::land`]) that [`crate::comm::dist`] plans. `cfg(feature)`
+//! appears here, where a link is built, and nowhere else.
 
 #[cfg(test)]
 pub(crate) mod loopback;
@@ -104,8 +100,8 @@ pub(crate) struct Ticket(pub usize);
 pub(crate) trait Link: Send + Sync {
     /// Where this rank sits in its job, and the link's settings.
     fn seat(&self) -> Seat;
-    /// A number for a new store on this link: stores created in the same order get the same
-    /// number on every rank, so a call of one store never matches another store's.
+    /// A number for a new store on this link, the same on every rank for stores created in the
+    /// same order, so a call of one store never matches another store's.
     fn next_store_id(&self) -> u64;
     /// Where this rank keeps its values when the link moves them in place there
     /// ([`Round::in_place`]): GPU ranks' GPUs. `None`: values cross in host buffers.
@@ -126,17 +122,15 @@ pub(crate) trait Round {
     /// Starts `op` with this rank's `send` buffer, receiving into `recv` (of
     /// [`Op::recv_len`] elements, the dtype of `send`).
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket>;
-    /// [`Round::start`] from a send buffer the caller keeps (a caller's own array, which is
-    /// never lent): a link that can move it in place does, one that cannot copies it (this
-    /// default). The send buffer that [`Round::land`] gives back is then empty.
+    /// [`Round::start`] from a send buffer the caller keeps: sent in place where the link can,
+    /// else copied (this default). [`Round::land`] then gives back an empty send buffer.
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
         self.start(op, send.clone(), recv)
     }
     /// Starts an all-to-all of blocks of their own lengths: rank `s` sends rank `r`
-    /// `lens[s * size + r]` elements (every rank passes the same `size × size` lengths).
-    /// `send` holds this rank's blocks for ranks 0, 1, ... one after another, and `recv`
-    /// receives the blocks for this rank from ranks 0, 1, ... one after another. No block is
-    /// padded to the longest ([`crate::comm::dist::Blocks`] lays them out).
+    /// `lens[s * size + r]` elements (the same `size × size` lengths on every rank). `send`
+    /// holds this rank's blocks for ranks 0, 1, ..., `recv` receives this rank's blocks from
+    /// ranks 0, 1, ..., unpadded ([`crate::comm::dist::Blocks`] lays them out).
     fn start_all_to_all_v(
         &mut self,
         send: HostData,
@@ -148,19 +142,23 @@ pub(crate) trait Round {
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)>;
     /// Every rank's `mine` (every rank gives as many words), in rank order.
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>>;
-    /// Rank `root`'s `words`, on every rank (every rank passes as many).
-    fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>>;
+    /// Rank `root`'s `words`, on every rank (every rank passes as many); by default, through
+    /// an all-gather.
+    fn broadcast_words(&mut self, words: Vec<u64>, root: usize) -> Result<Vec<u64>> {
+        let n = words.len();
+        let all = self.all_gather_words(&words)?;
+        all.get(root * n..(root + 1) * n)
+            .map(<[u64]>::to_vec)
+            .ok_or_else(|| Error::internal("no such root"))
+    }
     /// Runs `ops`, in order, on arrays where [`Link::in_place_home`] says the ranks keep their
-    /// values, and waits (bounded) for all of them. Links that move no values in place have
-    /// none (this default).
+    /// values, and waits (bounded) for all of them. An error on links without (this default).
     fn in_place(&mut self, _ops: &[ArrayOp<'_>]) -> Result<()> {
         Err(Error::internal(
             "a link of host buffers asked to move arrays in place",
         ))
     }
-    /// Shuts this round's link after `why`, as [`Link::shut`] does (which a round in progress
-    /// must not call: it holds the link's call lock): every later call fails with
-    /// [`Error::DistFailed`].
+    /// [`Link::shut`] from a round in progress (which holds the link's call lock).
     fn shut_link(&mut self, why: String);
     /// Waits until every rank is here.
     fn barrier(&mut self) -> Result<()> {
@@ -170,11 +168,10 @@ pub(crate) trait Round {
 
 impl dyn Round + '_ {
     /// Gives back `got`, and on an error shuts this rank's link ([`Round::shut_link`]): a rank
-    /// that failed its part of a call after the call's check (one of its collectives, or a step
-    /// between two) may have left the others waiting in a collective it never joined, so its
-    /// later calls must fail at once ([`Error::DistFailed`]) rather than meet that collective
-    /// with one of their own (collectives match by their order alone: over NCCL, and with the
-    /// check off).
+    /// that failed its part of a call after the check may have left the others waiting in a
+    /// collective it never joined, so its later calls must fail at once
+    /// ([`Error::DistFailed`]) rather than meet that collective with one of their own
+    /// (collectives match by their order alone: over NCCL, and with the check off).
     pub(crate) fn out_of_step_on_error<T>(&mut self, got: Result<T>) -> Result<T> {
         if let Err(e) = &got {
             let why = format!(
@@ -188,8 +185,8 @@ impl dyn Round + '_ {
     }
 
     /// Whether every rank succeeded at its part `what` of call `op`, given this rank's `ok`:
-    /// `Ok` when all did, else [`Error::RankFailed`] naming the ranks that did not (each of
-    /// them has its own error). Return this rank's own error first.
+    /// else [`Error::RankFailed`] naming the ranks that did not. Return this rank's own error
+    /// first.
     pub(crate) fn agree(&mut self, op: &'static str, ok: bool, what: &str) -> Result<()> {
         let flags = self.all_gather_words(&[u64::from(ok)])?;
         let failed: Vec<usize> = (flags.iter().enumerate())

@@ -78,8 +78,4 @@ impl Round for SoloRound {
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
         Ok(mine.to_vec())
     }
-
-    fn broadcast_words(&mut self, words: Vec<u64>, _root: usize) -> Result<Vec<u64>> {
-        Ok(words)
-    }
 }

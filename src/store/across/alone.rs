@@ -97,9 +97,8 @@ impl Across for Alone {
         Ok(Vec::new())
     }
 
-    /// Nothing to sum: dense values pass through, compressed or not (compressed ones are
-    /// decoded under the keys' locks, [`Across::locked_inputs`]); each key's merged rows are
-    /// rows of its whole value.
+    /// Nothing to sum: dense values pass through (compressed ones are decoded under the keys'
+    /// locks, [`Across::locked_inputs`]); merged rows are rows of the whole value.
     fn sum_across(
         &self,
         _call: &mut dyn Round,
@@ -127,9 +126,8 @@ impl Across for Alone {
         Ok(Inputs::Values)
     }
 
-    /// A compressed push quantizes each value with its residual and decodes it, and the
-    /// decoded values are summed in order, as MXNet does: under the keys' locks, since the
-    /// residuals change.
+    /// A compressed push's values, each quantized with its residual, decoded and summed in
+    /// order, as MXNet does: under the keys' locks, since the residuals change.
     fn locked_inputs(
         &self,
         d: &Dist,

@@ -17,13 +17,11 @@ use crate::store::compress::{lock, take_residuals, Residuals};
 use crate::store::groups::Group;
 use crate::{cpu, DType, Element, Error, NDArray, Result};
 
-/// A compressed push's step across ranks (a `dist_*` store). Each rank's contribution (the
-/// sum of its values, uncompressed, as MXNet's workers sum their devices first; read back
-/// from a GPU rank's GPU before the call) is encoded with this rank's residual of the key (2-bit words, or 16-bit floats); each
-/// rank sends every rank the encoded part of the key that rank holds, in one all-to-all (for
-/// 2-bit about a sixteenth of the key's float32 bytes leaves and reaches each rank, for 16-bit
-/// about half), and each rank decodes every rank's part and sums them in rank order. Returns
-/// the totals and the residuals to keep once the push has succeeded.
+/// A compressed push's step across ranks. Each rank's contribution (the sum of its values, as
+/// MXNet's workers sum their devices first) is encoded with its residual of the key; each rank
+/// sends every rank the encoded part that rank holds, in one all-to-all (2-bit: about a
+/// sixteenth of the float32 bytes; 16-bit: about half), then decodes and sums every rank's part
+/// in rank order. Returns the totals and the residuals to keep once the push has succeeded.
 pub(super) fn sum_encoded(
     call: &mut dyn Round,
     d: &Dist,
@@ -33,10 +31,8 @@ pub(super) fn sum_encoded(
 ) -> Result<(Inputs, Vec<Residuals>)> {
     let size = d.size();
     let values = host_values(groups, mine)?;
-    // Each key's kept residual (a rank compresses one value per key: position 0), read under
-    // its lock (the call, which holds the rank's lock, keeps every other reader out); zeros
-    // before the key's first push.
-    // The new residuals are written into pooled buffers, kept by `commit` on success.
+    // Each key's kept residual (one value per key: position 0), read under its lock; zeros
+    // before the key's first push. The new ones go into pooled buffers, kept by `commit`.
     let committed: Vec<MutexGuard<'_, Residuals>> =
         groups.iter().map(|g| lock(&g.slot.residuals)).collect();
     let zeros: Vec<Vec<f32>> = (committed.iter().zip(&values))
@@ -101,8 +97,7 @@ fn host_values(groups: &[Group<'_>], mine: Vec<Mine<'_>>) -> Result<Vec<Vec<f32>
 }
 
 /// The 2-bit wire's step across ranks: each key's value plus residual quantized to 2-bit words
-/// (the residuals in `kept` updated), the words covering each part exchanged, decoded and
-/// summed.
+/// (updating `kept`), the words covering each part exchanged, decoded and summed.
 fn two_bit_across<'r>(
     call: &mut dyn Round,
     d: &Dist,
@@ -154,8 +149,8 @@ fn two_bit_across<'r>(
     )
 }
 
-/// The 16-bit wire's step across ranks: each key's value plus residual rounded to `H` (the
-/// residuals in `kept` updated), the parts exchanged, decoded and summed.
+/// The 16-bit wire's step across ranks: each key's value plus residual rounded to `H`
+/// (updating `kept`), the parts exchanged, decoded and summed.
 fn half_across<'r, H: HalfWire>(
     call: &mut dyn Round,
     d: &Dist,
@@ -186,14 +181,11 @@ fn half_across<'r, H: HalfWire>(
 
 /// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
 /// of `T`), and `span(g, r)` the units that carry the part of key `g` rank `r` holds. Block `r`
-/// of the send buffer holds, key by key, the spans of the keys `r` holds, and nothing more:
-/// blocks are of unequal lengths, and no padding travels (except past MPI's `int` counts:
-/// [`Blocks`]). Every rank lays them out alike (the
-/// fingerprint made the keys, shapes and spreads the same), so each finds its spans in every
-/// rank's block. `decode(seg, span_start, elements, total, add)` decodes a key's `elements`
-/// from a span into `total`, or with `add` adds them to it. Returns,
-/// per key, the part this rank holds summed over the ranks in rank order, in float32 (`None`
-/// where it holds none).
+/// of the send buffer holds, key by key, the spans of the keys `r` holds, with no padding
+/// (except past MPI's `int` counts: [`Blocks`]); every rank lays them out alike.
+/// `decode(seg, span_start, elements, total, add)` decodes a key's `elements` from a span into
+/// `total`, or with `add` adds them to it. Returns, per key, the part this rank holds summed
+/// over the ranks in rank order, in float32 (`None` where it holds none).
 fn exchange<T: Element + Copy>(
     call: &mut dyn Round,
     d: &Dist,

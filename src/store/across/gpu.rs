@@ -1,19 +1,19 @@
-//! Ranks that keep their values on their GPUs: the link moves values in place there (NCCL
-//! between the GPUs; in tests, the loopback link on host memory), packed where small; big keys
-//! are reduce-scattered and all-gathered.
+//! Ranks that keep their values on their GPUs: the link moves values in place there (NCCL; in
+//! tests, the loopback link on host memory), packed where small; big keys are reduce-scattered
+//! and all-gathered.
 //!
-//! A rank that fails its part of these collectives, or a step between two of them, shuts its
-//! link (`out_of_step_on_error` on the call's round): the others may still wait in a
-//! collective it never joined, which NCCL would match with the next one it starts.
+//! A rank that fails its part of these collectives, or a step between two, shuts its link
+//! (`out_of_step_on_error`): the others may still wait in a collective it never joined, which
+//! NCCL would match with the next one it starts.
 
-use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0};
+use super::{fan_out, in_key_order, on_rank0, part_shape, Across, Inputs, Mine, Rank0};
 use crate::backend::HomeValue;
 use crate::comm::dist::in_place::{self, Piece};
 use crate::comm::dist::Dist;
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
 use crate::store::groups::Group;
-use crate::{Error, NDArray, Result};
+use crate::{NDArray, Result};
 
 /// Ranks with their values on their GPUs (`dist_device_sync` with GPUs), where the link moves
 /// them in place.
@@ -26,13 +26,7 @@ impl Across for GpuRanks {
         values: &'a [NDArray],
         _to_gpu: bool,
     ) -> Result<Vec<Option<Rank0<'a>>>> {
-        values
-            .iter()
-            .map(|v| match d.rank() {
-                0 => Ok(Some(Rank0::Gpu(v.to_device(d.home())?))),
-                _ => Ok(None),
-            })
-            .collect()
+        on_rank0(d, values, |v| Ok(Rank0::Gpu(v.to_device(d.home())?)))
     }
 
     fn rank0_to_all<'a>(
@@ -189,25 +183,5 @@ fn pull_in_place(
     in_key_order(groups.iter().map(|g| g.slot.spread), whole, sliced)?
         .into_iter()
         .map(|value| HomeValue::from_array(value, d.home()))
-        .collect()
-}
-
-/// A GPU call's results for its whole keys and for its sliced keys (each in the keys' order),
-/// back in the order of the keys' `spreads`.
-fn in_key_order<T>(
-    spreads: impl IntoIterator<Item = Spread>,
-    whole: impl IntoIterator<Item = T>,
-    sliced: impl IntoIterator<Item = T>,
-) -> Result<Vec<T>> {
-    let (mut whole, mut sliced) = (whole.into_iter(), sliced.into_iter());
-    spreads
-        .into_iter()
-        .map(|s| {
-            let got = match s {
-                Spread::Whole { .. } => whole.next(),
-                Spread::Sliced => sliced.next(),
-            };
-            got.ok_or_else(|| Error::internal("a GPU call lost a key's result"))
-        })
         .collect()
 }

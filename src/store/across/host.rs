@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::RwLockWriteGuard;
 
-use super::{fan_out, part_shape, Across, Inputs, Mine, Rank0};
+use super::{fan_out, in_key_order, on_rank0, part_shape, Across, Inputs, Mine, Rank0};
 use crate::backend::HomeValue;
 use crate::comm::dist::{self, Dist, GatherPiece, Scattered, Sum, SumData};
 use crate::comm::link::Round;
@@ -25,13 +25,9 @@ impl Across for HostRanks {
         values: &'a [NDArray],
         _to_gpu: bool,
     ) -> Result<Vec<Option<Rank0<'a>>>> {
-        values
-            .iter()
-            .map(|v| match d.rank() {
-                0 => Ok(Some(Rank0::Host(v.with_host(HostData::clone)?))),
-                _ => Ok(None),
-            })
-            .collect()
+        on_rank0(d, values, |v| {
+            Ok(Rank0::Host(v.with_host(HostData::clone)?))
+        })
     }
 
     fn rank0_to_all<'a>(
@@ -68,18 +64,14 @@ impl Across for HostRanks {
                 }),
             }
         }
-        let mut whole = dist::gather(call, ranks, d.pool(), whole)?.into_iter();
-        let mut sliced = dist::scatter(call, ranks, d.pool(), sliced)?.into_iter();
-        spreads
-            .iter()
-            .map(|s| {
-                let got = match s {
-                    Spread::Whole { .. } => whole.next().map(Rank0::Host),
-                    Spread::Sliced => sliced.next().map(Rank0::Part),
-                };
-                got.ok_or_else(|| Error::internal("an init key got no value"))
-            })
-            .collect()
+        let whole = dist::gather(call, ranks, d.pool(), whole)?;
+        let sliced = dist::scatter(call, ranks, d.pool(), sliced)?;
+        let (whole, sliced) = (whole.into_iter(), sliced.into_iter());
+        in_key_order(
+            spreads.iter().copied(),
+            whole.map(Rank0::Host),
+            sliced.map(Rank0::Part),
+        )
     }
 
     fn contributions<'g>(
@@ -163,9 +155,8 @@ impl Across for HostRanks {
                 false => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;
-        // A key's only out, in host memory and of the key's dtype, and no other key's out, receives
-        // the value itself, with no copy afterwards: its storage is lent to the transfer under its
-        // write lock.
+        // Outs that receive their value in place lend their storage to the transfer, under
+        // their write locks (see `lend_arrays`).
         let mut lent = lend_arrays(d, groups);
         let pieces = groups
             .iter()
@@ -189,12 +180,17 @@ impl Across for HostRanks {
             Err(e) => {
                 // A lent out's storage may be lost with the failed transfer: zeros of its length
                 // keep the array whole.
-                refill(groups, &mut lent);
+                for (g, out) in groups.iter().zip(lent.iter_mut()) {
+                    if let Some(Storage::Host(h)) = out.as_deref_mut() {
+                        if h.len() != g.slot.shape.size() {
+                            *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
+                        }
+                    }
+                }
                 return Err(e);
             }
         };
-        // The lent outs get their storage back, holding the value (each travelled in a buffer of
-        // its own).
+        // The lent outs get their storage back, holding the value.
         let dist::Gathered { mut bufs, at } = gathered;
         let mut in_place = vec![false; groups.len()];
         for (i, out) in lent.iter_mut().enumerate() {
@@ -204,8 +200,7 @@ impl Across for HostRanks {
             }
         }
         drop(lent);
-        // The other keys are copied into their outs from where they arrived (packed keys from
-        // their shared buffer).
+        // The other keys are copied into their outs from where they arrived.
         let lens: Vec<usize> = bufs.iter().map(HostData::len).collect();
         let values: Vec<HomeValue> = bufs.into_iter().map(HomeValue::from_host).collect();
         let parts: Vec<(&HomeValue, Option<Range<usize>>)> = at
@@ -262,15 +257,4 @@ fn lend_arrays<'g>(
             _ => None,
         })
         .collect()
-}
-
-/// Gives every lent array that has no storage back (its transfer failed) zeros of its length.
-fn refill(groups: &[Group<'_>], lent: &mut [Option<RwLockWriteGuard<'_, Storage>>]) {
-    for (g, out) in groups.iter().zip(lent.iter_mut()) {
-        if let Some(Storage::Host(h)) = out.as_deref_mut() {
-            if h.len() != g.slot.shape.size() {
-                *h = HostData::filled(g.slot.dtype, g.slot.shape.size(), 0.0);
-            }
-        }
-    }
 }

@@ -2,42 +2,31 @@
 //! created ([`connect`]), with one file per way.
 //!
 //! - [`alone`]: one rank alone (the single-process kinds). Values pass through unchanged, so
-//!   the backend fuses the sum with the update; compressed values are decoded under the keys'
-//!   locks.
+//!   the backend fuses the sum with the update.
 //! - [`host`]: ranks that keep their values in host memory (`dist_sync`, and
-//!   `dist_device_sync` without a GPU). Values move over the link's collectives
-//!   ([`comm::dist`] plans them), packed where small, sliced where big.
-//! - [`gpu`]: ranks that keep their values on their GPUs (`dist_device_sync` with GPUs). Values
-//!   move over NCCL between the GPUs.
+//!   `dist_device_sync` without a GPU), moved by the collectives [`comm::dist`] plans.
+//! - [`gpu`]: ranks that keep their values on their GPUs, moved over NCCL between the GPUs.
 //!
-//! The store calls the same steps, in the same order, whichever way it has; it never asks
-//! which. Row-sparse rows and compressed values travel in host memory on every kind of ranks.
+//! Row-sparse rows and compressed values travel in host memory on every kind of ranks.
 //!
-//! Every rank keeps the whole key table (names, shapes, dtypes, and which ranks hold each key),
-//! and, in each slot, only its own part of the value: the whole value of the keys it homes, its
-//! slice of each sliced key, nothing of the others. The updater and its state run where the
-//! value is, so optimizer state is sharded over the ranks (ZeRO-1).
+//! Every rank keeps the whole key table and, in each slot, only its own part of the value: the
+//! whole value of the keys it homes, its slice of each sliced key, nothing of the others. The
+//! updater and its state run where the value is, so optimizer state is sharded (ZeRO-1).
 //!
-//! - **init**: rank 0's values go to every rank, which keeps its part. Keys are placed on ranks
-//!   largest first, each on the rank holding the fewest bytes; keys of more than
+//! - **init**: rank 0's values go to every rank, which keeps its part. Keys are placed largest
+//!   first, each on the rank holding the fewest bytes; keys of more than
 //!   `KVSTORE_BIGARRAY_BOUND` elements are sliced over every rank.
-//! - **push**: each rank sums its own values, the sums are summed across ranks onto where the
-//!   key lives ([`comm::dist::reduce`]), and the updater runs there, once per key.
-//! - **pull**: the value goes from where it lives to every rank ([`comm::dist::gather`]), then
-//!   into the outs.
+//! - **push**: each rank sums its own values, the sums are summed onto where the key lives
+//!   ([`comm::dist::reduce`]), and the updater runs there.
+//! - **pull**: the value goes from where it lives to every rank ([`comm::dist::gather`]).
 //!
-//! Every rank also counts every key's updates, homed there or not, so a learning-rate schedule
-//! gives every rank the same rate.
-//!
-//! Each call first checks its input on this rank. A rank that rejects its input tells the
-//! others in the call's fingerprint check, so every rank fails the same call
-//! ([`Error::RankRejected`] on the others) and nothing changes anywhere. An updater that can
-//! fail (a closure) computes every key's new value, then the ranks compare notes, and nothing
-//! is stored unless every rank's updater succeeded ([`Error::RankFailed`] on the others).
+//! Every rank counts every key's updates, homed there or not, so a schedule gives every rank
+//! the same rate. A rank that rejects its input tells the others in the call's fingerprint
+//! check, so every rank fails the same call ([`Error::RankRejected`]). An updater that can fail
+//! (a closure) stores nothing unless it succeeded on every rank ([`Error::RankFailed`]).
 //!
 //! Every rank must make the same calls, with the same keys, shapes and dtypes, in the same
-//! order: the collectives of MPI (and NCCL) match calls by their order. Set the same updater on
-//! every rank; it runs on the ranks that hold each key.
+//! order: MPI and NCCL match collectives by their order.
 
 mod alone;
 mod compressed;
@@ -68,16 +57,13 @@ pub(super) use rows::Part;
 /// call; the defaults are those of ranks (host and GPU alike).
 pub(super) trait Across: Send + Sync {
     /// Whether an init with `homes` (`None`: placed by the store) puts some key on a GPU of
-    /// this process, to be copied there once placed (one rank alone only: ranks keep their
-    /// values where [`Dist::home`] says).
+    /// this process (one rank alone only: ranks keep values where [`Dist::home`] says).
     fn gpu_homes(&self, _kind: StoreKind, _homes: Option<&[Device]>) -> bool {
         false
     }
 
-    /// Where new keys of `sizes` (each key's bytes and elements) live, as an init or a load
-    /// adds them: each one's home device, and how it spreads over ranks (whole on the rank
-    /// holding the fewest bytes, largest first; sliced when big). The table's loads grow by the
-    /// keys placed.
+    /// Where new keys of `sizes` (bytes, elements) live: each one's home device and spread
+    /// (whole on the least loaded rank, largest first; sliced when big). Updates the loads.
     fn place(
         &self,
         d: &Dist,
@@ -93,8 +79,8 @@ pub(super) trait Across: Send + Sync {
         (vec![d.home(); sizes.len()], spreads)
     }
 
-    /// Before an init's call: rank 0's values, read (or copied where it keeps them), since that
-    /// may fail. `to_gpu`: [`Across::gpu_homes`].
+    /// Before an init's call: rank 0's values, read or copied (that may fail). `to_gpu`:
+    /// [`Across::gpu_homes`].
     fn rank0_values<'a>(
         &self,
         d: &Dist,
@@ -112,10 +98,10 @@ pub(super) trait Across: Send + Sync {
         mine: Vec<Option<Rank0<'a>>>,
     ) -> Result<Vec<Rank0<'a>>>;
 
-    /// Before a push's call: this process's contribution to each key. Reading a value may
-    /// fail. `on_host`: the call works on the sums in host memory (a compressed push makes its
-    /// words there), so they are read back before the call, where a failure is a rejection
-    /// every rank hears of rather than a rank missing from a collective.
+    /// Before a push's call: this process's contribution to each key. `on_host`: the call
+    /// works on the sums in host memory (a compressed push), so they are read back before the
+    /// call, where a failure is a rejection every rank hears of, not a rank missing from a
+    /// collective.
     fn contributions<'g>(
         &self,
         d: &Dist,
@@ -124,9 +110,9 @@ pub(super) trait Across: Send + Sync {
         on_host: bool,
     ) -> Result<Vec<Mine<'g>>>;
 
-    /// A push's step across ranks, before the keys are locked: every rank's contributions
-    /// (`sent`) summed onto where each key lives. Compressed values travel encoded, in host
-    /// memory, on every kind of ranks, as do rows; the rest as [`Across::sum_dense`] says.
+    /// A push's step across ranks, before the keys are locked: every rank's `sent` summed onto
+    /// where each key lives. Compressed values and rows travel in host memory; the rest as
+    /// [`Across::sum_dense`] says.
     fn sum_across(
         &self,
         call: &mut dyn Round,
@@ -157,8 +143,7 @@ pub(super) trait Across: Send + Sync {
         mine: Vec<Mine<'_>>,
     ) -> Result<Inputs>;
 
-    /// What the updater takes, once the keys are locked: `summed` itself, unless this way
-    /// still has work that needs the keys' locks.
+    /// What the updater takes, once the keys are locked (`summed`, unless there is more to do).
     fn locked_inputs(
         &self,
         _d: &Dist,
@@ -169,8 +154,7 @@ pub(super) trait Across: Send + Sync {
         Ok(summed)
     }
 
-    /// Each key's update count before this push, for the schedule and the step (every rank
-    /// counts every key's updates, held there or not).
+    /// Each key's update count before this push, for the schedule and the step.
     fn update_counts(
         &self,
         active: &Active,
@@ -197,8 +181,8 @@ pub(super) trait Across: Send + Sync {
             .collect()
     }
 
-    /// A pull's step across ranks, and the copies into the outs: every group's value from where
-    /// it lives (this rank's parts are in `cells`) to every rank, and into the group's outs.
+    /// A pull's step across ranks: every group's value from where it lives (this rank's parts
+    /// are in `cells`) into the group's outs on every rank.
     fn pull_parts(
         &self,
         call: &mut dyn Round,
@@ -208,8 +192,7 @@ pub(super) trait Across: Send + Sync {
         cells: &[&HomeValue],
     ) -> Result<()>;
 
-    /// After a push: gives the host buffers of its totals back to the pool, for the next call
-    /// (ways whose totals are not host buffers drop them).
+    /// After a push: gives the host buffers of its totals back to the pool.
     fn recycle(&self, d: &Dist, inputs: Inputs) {
         let Inputs::Totals(totals) = inputs else {
             return;
@@ -257,10 +240,7 @@ pub(super) enum Arrived {
     Rows(Vec<Option<Part>>),
 }
 
-/// The link of a store of `kind` (named `name`), and how its values cross it, chosen here
-/// once: one rank alone for the single-process kinds; the distributed world for the `dist_*`
-/// kinds, where `dist_device_sync` on a machine with GPUs keeps each rank's values on its GPU
-/// and moves them over NCCL.
+/// The link of a store of `kind` (named `name`), and how its values cross it.
 pub(super) fn connect(
     kind: StoreKind,
     name: &str,
@@ -274,8 +254,7 @@ pub(super) fn connect(
     Ok((d, across))
 }
 
-/// How the values of a store on the ranks of `d` cross them: in place where the link moves
-/// them so (GPU ranks), else in host buffers.
+/// How the values of a store cross the ranks of `d`: in place (GPU ranks) or in host buffers.
 pub(super) fn over(d: &Dist) -> Box<dyn Across> {
     match d.moves_in_place() {
         true => Box::new(gpu::GpuRanks),
@@ -307,16 +286,13 @@ fn link(kind: StoreKind, name: &str, config: &Config) -> Result<Dist> {
     })
 }
 
-/// This rank's part of a key, `part` (host data), kept where the store keeps its values
-/// (moved in where that is host memory).
+/// This rank's part of a key, `part`, kept where the store keeps its values.
 pub(super) fn keep(d: &Dist, part: HostData) -> Result<HomeValue> {
     let flat = Shape::new(&[part.len()])?;
     HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), d.home())
 }
 
-/// This rank's contribution to a key of a push on ranks: its values' sum, or its one value
-/// itself. (One rank alone has none: its values pass through to the backend, which sums and
-/// updates in one pass.)
+/// This rank's contribution to a key of a push on ranks: its values' sum, or its one value.
 pub(super) enum Mine<'a> {
     /// The sum, on this rank's GPU.
     Summed(NDArray),
@@ -327,8 +303,7 @@ pub(super) enum Mine<'a> {
 }
 
 impl Mine<'_> {
-    /// The contribution as an array of its own, which a collective may overwrite (a single
-    /// value is copied: it is the caller's).
+    /// The contribution as an array a collective may overwrite (a caller's value is copied).
     fn into_array(self) -> Result<NDArray> {
         match self {
             Mine::Summed(a) => Ok(a),
@@ -344,15 +319,45 @@ impl Mine<'_> {
 pub(super) enum Inputs {
     /// The caller's values, summed by the backend with the update (one rank alone).
     Values,
-    /// Per group, the total across ranks of what this rank holds of the key (`None` where it
-    /// holds nothing), as an array of the shape of its part.
+    /// Per group, the total across ranks of this rank's part of the key (`None`: no part).
     Totals(Vec<Option<NDArray>>),
+}
+
+/// Rank 0's values (`read` of each) on rank 0, `None` on the others.
+fn on_rank0<'a>(
+    d: &Dist,
+    values: &'a [NDArray],
+    read: impl Fn(&'a NDArray) -> Result<Rank0<'a>>,
+) -> Result<Vec<Option<Rank0<'a>>>> {
+    let rank0 = d.rank() == 0;
+    values
+        .iter()
+        .map(|v| rank0.then(|| read(v)).transpose())
+        .collect()
+}
+
+/// A call's results for its whole and its sliced keys, back in the order of the keys' `spreads`.
+fn in_key_order<T>(
+    spreads: impl IntoIterator<Item = Spread>,
+    whole: impl IntoIterator<Item = T>,
+    sliced: impl IntoIterator<Item = T>,
+) -> Result<Vec<T>> {
+    let (mut whole, mut sliced) = (whole.into_iter(), sliced.into_iter());
+    spreads
+        .into_iter()
+        .map(|s| {
+            let got = match s {
+                Spread::Whole { .. } => whole.next(),
+                Spread::Sliced => sliced.next(),
+            };
+            got.ok_or_else(|| Error::internal("a call lost a key's result"))
+        })
+        .collect()
 }
 
 /// Rank 0's value of a key being initialized, as this rank receives it.
 pub(super) enum Rank0<'a> {
-    /// The caller's value itself (one rank alone; keys homed on a GPU are copied there once
-    /// placed).
+    /// The caller's value (one rank alone; GPU homes are copied there once placed).
     Caller(&'a NDArray),
     /// In host memory.
     Host(HostData),
@@ -423,8 +428,7 @@ pub(super) fn keep_part(
 }
 
 /// Copies every group's whole value (`values`, in group order: a value, or the group's
-/// elements of a value several groups share) into its outs, in issue order, except the groups
-/// `done` marks (their outs hold the value already).
+/// elements of a shared one) into its outs, in issue order, except where `done`.
 fn fan_out(
     ctx: comm::Ctx,
     groups: &[Group<'_>],
@@ -444,8 +448,7 @@ fn fan_out(
     comm::pull(ctx, &jobs)
 }
 
-/// The shape of this rank's part of a group's key, of `len` elements: the key's shape when it
-/// holds all of it, a flat slice otherwise.
+/// The shape of this rank's part (`len` elements) of a group's key: flat when it is a slice.
 pub(super) fn part_shape(g: &Group<'_>, len: usize) -> Shape {
     match g.slot.spread {
         Spread::Whole { .. } => g.slot.shape,

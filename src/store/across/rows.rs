@@ -49,6 +49,20 @@ fn cut(id: u64, width: usize, piece: &Range<usize>) -> Range<usize> {
     start..end
 }
 
+/// The cuts of rows `ids` (of `width` elements) by `piece` that are not empty: where each
+/// starts in the rows laid out one after another, where it starts in `piece`, and its length.
+fn cuts<'a>(
+    ids: &'a [u64],
+    width: usize,
+    piece: &'a Range<usize>,
+) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+    ids.iter().enumerate().filter_map(move |(i, &id)| {
+        let c = cut(id, width, piece);
+        let in_rows = i * width + (c.start - id as usize * width);
+        (!c.is_empty()).then(|| (in_rows, c.start - piece.start, c.len()))
+    })
+}
+
 /// Every rank's row ids of a call, per key: gathered with two word all-gathers (the counts,
 /// then the ids, padded to the longest list).
 struct AllIds {
@@ -126,9 +140,8 @@ impl Held {
         }
     }
 
-    /// Sums into `grad`, by row id in rank order, the cuts of this key's rows (of `w`
-    /// elements) by this rank's part that each sender's block of `all` holds at `at` (moved
-    /// past them).
+    /// Sums into `grad`, by row id in rank order, the cuts of this key's rows (of `w` elements)
+    /// by this rank's part, found in each sender's block of `all` at `at` (moved past them).
     fn sum_received(
         &self,
         grad: &mut HostData,
@@ -212,9 +225,8 @@ pub(super) fn push_across(
                 .sum()
         };
         let blocks = Blocks::from_fn(size, block_len);
-        // What this rank holds of each key, known from the ids alone, so that every buffer is
-        // allocated, and the ranks agree that it was, before any rows move (a rank that could
-        // not allocate must not leave the others waiting in the all-to-all).
+        // Every buffer is allocated, and the ranks agree that it was, before any rows move (a
+        // rank that could not allocate must not leave the others waiting in the all-to-all).
         let held: Vec<Held> = (keys.iter())
             .filter(|&&k| groups[k].slot.spread.holds(rank))
             .map(|&k| Held::of(k, width(k), piece(k, rank), &ids, size))
@@ -234,15 +246,9 @@ pub(super) fn push_across(
             let mut at = blocks.send_at(rank, h);
             for &k in &keys {
                 let (w, p) = (width(k), piece(k, h));
-                for (i, &id) in merged[k].ids.iter().enumerate() {
-                    let c = cut(id, w, &p);
-                    if c.is_empty() {
-                        continue;
-                    }
-                    let from = i * w + (c.start - id as usize * w);
-                    let to = at..at + c.len();
-                    add_row(&merged[k].rows, from..from + c.len(), &mut send, to, true);
-                    at += c.len();
+                for (from, _, n) in cuts(&merged[k].ids, w, &p) {
+                    add_row(&merged[k].rows, from..from + n, &mut send, at..at + n, true);
+                    at += n;
                 }
             }
         }
@@ -302,20 +308,9 @@ pub(super) fn pull_across(
     if let Some(value) = value {
         for r in 0..size {
             let mut at = blocks.send_at(rank, r);
-            for &id in all.of(r, 0) {
-                let c = cut(id, w, &mine);
-                if c.is_empty() {
-                    continue;
-                }
-                let from = c.start - mine.start;
-                add_row(
-                    &value,
-                    from..from + c.len(),
-                    &mut send,
-                    at..at + c.len(),
-                    true,
-                );
-                at += c.len();
+            for (_, from, n) in cuts(all.of(r, 0), w, &mine) {
+                add_row(&value, from..from + n, &mut send, at..at + n, true);
+                at += n;
             }
         }
     }
@@ -323,14 +318,9 @@ pub(super) fn pull_across(
     let (_, got) = call.land(ticket)?;
     for h in 0..size {
         let (p, mut at) = (piece(h), blocks.recv_at(h, rank));
-        for (j, &id) in ids.iter().enumerate() {
-            let c = cut(id, w, &p);
-            if c.is_empty() {
-                continue;
-            }
-            let dst = j * w + (c.start - id as usize * w);
-            add_row(&got, at..at + c.len(), &mut rows, dst..dst + c.len(), true);
-            at += c.len();
+        for (dst, _, n) in cuts(ids, w, &p) {
+            add_row(&got, at..at + n, &mut rows, dst..dst + n, true);
+            at += n;
         }
     }
     Ok(rows)
