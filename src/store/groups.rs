@@ -48,9 +48,9 @@ impl<T: ValueList + ?Sized> ValueList for &T {
     }
 }
 
-/// A key's arrays in one call: held inline up to two (most calls give a key one array per
+/// A key's arrays in one call: held inline up to four (a call gives a key one array per
 /// device of a process), so a call of many keys allocates nothing per key for them.
-pub(super) type Arrays<'a> = smallvec::SmallVec<[&'a NDArray; 2]>;
+pub(super) type Arrays<'a> = smallvec::SmallVec<[&'a NDArray; 4]>;
 
 /// A key and the arrays an operation gives it, merged over repeats of the key.
 pub(super) struct Group<'a> {

@@ -173,8 +173,7 @@ impl Across for Alone {
         groups: &[Group<'_>],
         cells: &[&HomeValue],
     ) -> Result<()> {
-        let whole: Vec<(&HomeValue, _)> = cells.iter().map(|&c| (c, None)).collect();
-        fan_out(ctx, groups, &whole, &[])
+        fan_out(ctx, groups, |i| (cells[i], None), &[])
     }
 
     fn rows_pulled(

@@ -87,8 +87,7 @@ impl Across for GpuRanks {
     ) -> Result<()> {
         let got = pull_in_place(call, d, groups, cells);
         let values = call.out_of_step_on_error(got)?;
-        let values: Vec<(&HomeValue, _)> = values.iter().map(|v| (v, None)).collect();
-        fan_out(ctx, groups, &values, &[])
+        fan_out(ctx, groups, |i| (&values[i], None), &[])
     }
 }
 

@@ -210,7 +210,7 @@ impl Across for HostRanks {
                 (&values[b], (!whole).then_some(range))
             })
             .collect();
-        let pulled = fan_out(ctx, groups, &parts, &in_place);
+        let pulled = fan_out(ctx, groups, |i| parts[i].clone(), &in_place);
         drop(parts);
         // The received buffers serve the next call.
         for v in values {

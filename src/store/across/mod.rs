@@ -427,22 +427,25 @@ pub(super) fn keep_part(
     }
 }
 
-/// Copies every group's whole value (`values`, in group order: a value, or the group's
+/// Copies every group's whole value (`value(i)` for group `i`: a value, or the group's
 /// elements of a shared one) into its outs, in issue order, except where `done`.
-fn fan_out(
+fn fan_out<'v>(
     ctx: comm::Ctx,
     groups: &[Group<'_>],
-    values: &[(&HomeValue, Option<Range<usize>>)],
+    value: impl Fn(usize) -> (&'v HomeValue, Option<Range<usize>>),
     done: &[bool],
 ) -> Result<()> {
     let jobs: Vec<HomePull<'_>> = issue_order(groups)
         .into_iter()
         .filter(|&i| !done.get(i).copied().unwrap_or(false))
-        .map(|i| HomePull {
-            key: &groups[i].slot.key,
-            value: values[i].0,
-            part: values[i].1.clone(),
-            outs: &groups[i].arrays,
+        .map(|i| {
+            let (value, part) = value(i);
+            HomePull {
+                key: &groups[i].slot.key,
+                value,
+                part,
+                outs: &groups[i].arrays,
+            }
         })
         .collect();
     comm::pull(ctx, &jobs)
