@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use safetensors::tensor::Metadata;
 
-use super::Problem;
+use super::{layout, Problem};
 
 /// The metadata entry that holds the header's checksum.
 pub(super) const HEADER_ENTRY: &str = "header_crc32";
@@ -181,10 +181,8 @@ pub(super) fn parse_sums(
     md: &HashMap<String, String>,
     tensors: impl IntoIterator<Item = (String, usize)>,
 ) -> Result<Sums, Problem> {
-    let text = md
-        .get(CHUNK_ENTRY)
-        .ok_or_else(|| Problem::invalid(format!("metadata entry '{CHUNK_ENTRY}' is missing")))?;
-    let chunk = (super::layout::count_of(text))
+    let text = layout::entry(md, CHUNK_ENTRY)?;
+    let chunk = (layout::count_of(text))
         .filter(|c| (1..=MAX_CHUNK).contains(c))
         .ok_or_else(|| {
             Problem::invalid(format!(
@@ -194,10 +192,7 @@ pub(super) fn parse_sums(
     let mut sums = HashMap::new();
     for (name, len) in tensors {
         let entry = format!("{TENSOR_PREFIX}{name}");
-        let text = md
-            .get(&entry)
-            .ok_or_else(|| Problem::invalid(format!("metadata entry '{entry}' is missing")))?;
-        let list = match text.as_str() {
+        let list = match layout::entry(md, &entry)? {
             "" => Vec::new(),
             text => text
                 .split(',')

@@ -13,7 +13,7 @@ use super::bounded;
 use super::checksum::{self, Sums};
 use super::entry::Entry;
 use super::held::{Held, Saved, ShardHeader, Tensors};
-use super::layout::{acc_dtype, st_dtype, KeyMeta};
+use super::layout::{acc_dtype, entries_under, entry, st_dtype, KeyMeta};
 use super::{Problem, FORMAT, FORMAT_1};
 use crate::host::to_le_bytes;
 use crate::{DType, Error, Key, KeyKind, Shape, Updater};
@@ -133,11 +133,7 @@ pub(super) fn check_file(bytes: &[u8]) -> std::result::Result<ShardHeader, Probl
         .metadata()
         .as_ref()
         .ok_or("the file has no metadata: it was not written by KvStore::save")?;
-    let get = |name: &str| {
-        meta.get(name)
-            .map(String::as_str)
-            .ok_or_else(|| format!("metadata entry '{name}' is missing"))
-    };
+    let get = |name: &str| entry(meta, name);
     let sums = verified_sums(get("format")?, &header, meta, bytes)?;
     let kind = parse_kind(get("key_kind")?)?;
     let keys = keys_in_order(meta, kind, get("keys")?)?;
@@ -234,10 +230,7 @@ fn keys_in_order(
         })?;
     // Each key is spelled one way only (its canonical form), so no two entries name one key.
     let mut ordered: Vec<Option<Key>> = vec![None; count];
-    for (name, value) in meta {
-        let Some(text) = name.strip_prefix("order/") else {
-            continue;
-        };
+    for (name, text, value) in entries_under(meta, "order/") {
         let key = parse_key(kind, text)?;
         let slot = value
             .parse::<usize>()
@@ -328,12 +321,7 @@ fn check_key(
                          save again"
                     )
                 })?;
-            let spans = (0..count)
-                .map(|i| {
-                    let name = format!("residual/{key}/{i}");
-                    Ok(tensors.claim(name, Some(DType::F32), dims)?.1)
-                })
-                .collect::<std::result::Result<Vec<_>, Problem>>()?;
+            let spans = tensors.claim_residuals(&key.to_string(), count, dims)?;
             Some((key.clone(), shape.size(), spans))
         }
     };

@@ -125,6 +125,19 @@ impl<'a> Tensors<'a> {
         Ok((got, span))
     }
 
+    /// Claims the `count` float32 residual tensors `residual/<key>/<i>` of `dims`.
+    pub(super) fn claim_residuals(
+        &mut self,
+        key: &str,
+        count: usize,
+        dims: &[usize],
+    ) -> std::result::Result<Vec<Span>, Problem> {
+        let f32 = Some(DType::F32);
+        (0..count)
+            .map(|i| Ok(self.claim(format!("residual/{key}/{i}"), f32, dims)?.1))
+            .collect()
+    }
+
     /// Checks that every tensor of the file was claimed: one that was not belongs to no
     /// `owner` (what claims tensors, in words) in the metadata.
     pub(super) fn all_claimed(&self, owner: &str) -> std::result::Result<(), Problem> {

@@ -3,12 +3,14 @@
 //! dtypes are spelled, the paths of the index and the shards, and what a shard records of each
 //! key.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
 
 use super::entry::Entry;
+use super::Problem;
 use crate::{DType, Key, NDArray};
 
 /// The `format` metadata entry of every shard file this version writes.
@@ -150,6 +152,23 @@ pub(super) fn acc_dtype(dtype: DType) -> DType {
         DType::F64 => DType::F64,
         _ => DType::F32,
     }
+}
+
+/// Metadata entry `name` of `md`; a missing one is `Invalid`.
+pub(super) fn entry<'m>(md: &'m HashMap<String, String>, name: &str) -> Result<&'m str, Problem> {
+    md.get(name)
+        .map(String::as_str)
+        .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
+}
+
+/// The metadata entries of `md` named `<prefix><rest>`: each one's name, `rest` and value.
+pub(super) fn entries_under<'m>(
+    md: &'m HashMap<String, String>,
+    prefix: &'m str,
+) -> impl Iterator<Item = (&'m str, &'m str, &'m str)> {
+    (md.iter()).filter_map(move |(name, value)| {
+        Some((name.as_str(), name.strip_prefix(prefix)?, value.as_str()))
+    })
 }
 
 /// A count as files spell it: decimal, canonical (no sign, no leading zeros), so that no two

@@ -29,7 +29,7 @@ use super::layout::{
     acc_dtype, count_of, generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals,
     Piece, INDEX_FORMAT, SHARD_FORMAT,
 };
-use super::reader::{check_cover, open_shard, read_index};
+use super::reader::{assemble, open_shard, read_index};
 use super::spec::{to_json, PieceSpec, ResidualSpec};
 use super::{CheckpointErrorKind, Problem};
 use crate::host::to_le_bytes;
@@ -345,7 +345,7 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
         }
         shards.push(header);
     }
-    check_cover(&gen_dir, shards)?;
+    assemble(&gen_dir, shards)?;
     let previous = read_index(dir).ok().map(|i| i.generation);
     let index = checksum::seal_index(&format!(
         "{INDEX_FORMAT}\ngeneration {generation}\nworld {world}\ntoken {}\n",
