@@ -179,11 +179,10 @@ pub(crate) use sharded::{commit, entry_piece, next_generation, rank_range, write
 pub(crate) use crate::checkpoint_error::CheckpointErrorKind;
 use crate::Error;
 
-/// The `format` entry of the metadata of the single-file checkpoints of the previous version,
-/// which carry checksums; still read (a store now saves a sharded directory).
+/// The `format` of single files of format 2, with checksums; still read.
 pub const FORMAT: &str = "kvstore-checkpoint/2";
 
-/// The `format` of single files of the version before, which have no checksums; still read.
+/// The `format` of single files of format 1, with no checksums; still read.
 const FORMAT_1: &str = "kvstore-checkpoint/1";
 
 /// A checkpoint failure before its path is attached.

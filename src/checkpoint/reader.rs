@@ -41,22 +41,16 @@ pub(crate) struct Index {
 /// one `Invalid`.
 pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     let path = index_path(dir);
-    let text = match fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            return Err(Problem::io(true, e)
-                .with_message(
-                    "this directory holds no committed checkpoint (no index file): check the \
-                     path, or save a checkpoint there first",
-                )
-                .at(&path))
-        }
-        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-            return Err(Problem::invalid("the index is not text: it is corrupt").at(&path))
-        }
-        Err(e) => return Err(Problem::io(true, e).at(&path)),
-    };
-    parse_index(&text).map_err(|p| p.at(&path))
+    let text = fs::read_to_string(&path).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => Problem::io(true, e).with_message(
+            "this directory holds no committed checkpoint (no index file): check the path, or \
+             save a checkpoint there first",
+        ),
+        io::ErrorKind::InvalidData => Problem::invalid("the index is not text: it is corrupt"),
+        _ => Problem::io(true, e),
+    });
+    text.and_then(|text| parse_index(&text))
+        .map_err(|p| p.at(&path))
 }
 
 /// An index from its text; see [`read_index`].
@@ -230,10 +224,8 @@ fn parse_spec(
     let spec = PieceSpec::parse(text, spelling).map_err(|why| bad(&why))?;
     let shape = Shape::new(&spec.dims).map_err(|e| bad(&e.to_string()))?;
     if spec.step.is_some_and(|s| s > bounded::MAX_STEP) {
-        return Err(bad(&format!(
-            "step is not a count from 0 to {}",
-            bounded::MAX_STEP
-        )));
+        let max = bounded::MAX_STEP;
+        return Err(bad(&format!("step is not a count from 0 to {max}")));
     }
     if spec.sparse && shape.ndim() < 2 {
         return Err(bad("a row-sparse key has two or more dimensions"));
@@ -348,13 +340,9 @@ fn shard_pieces(
         let dims = [range.len()];
         let (dtype, value) = tensors.claim(format!("value/{text}"), None, &dims)?;
         km.dtype = dtype;
-        let mut state = Vec::new();
-        if km.has_state {
-            for s in state_names {
-                let name = format!("state/{text}/{s}");
-                state.push(tensors.claim(name, Some(acc_dtype(dtype)), &dims)?.1);
-            }
-        }
+        let names =
+            (state_names.iter().filter(|_| km.has_state)).map(|s| format!("state/{text}/{s}"));
+        let state = tensors.claim_each(names, acc_dtype(dtype), &dims)?;
         pieces.push(Held {
             meta: km,
             range,
@@ -390,7 +378,8 @@ fn shard_residuals(
                  again"
             ))
         })?;
-        residuals.push((key, len, tensors.claim_residuals(text, count, &[len])?));
+        let names = (0..count).map(|i| format!("residual/{text}/{i}"));
+        residuals.push((key, len, tensors.claim_each(names, DType::F32, &[len])?));
     }
     Ok(residuals)
 }
@@ -416,12 +405,19 @@ pub(super) fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled>
     let invalid = |message: String| Problem::invalid(message).at(at);
     let mut a = gather(shards).map_err(invalid)?;
     check_residual_keys(&a).map_err(invalid)?;
-    check_orders(&a.keys).map_err(invalid)?;
     let mut by_order: Vec<(KeyMeta, Vec<Held>)> = std::mem::take(&mut a.keys)
         .into_iter()
         .zip(std::mem::take(&mut a.held))
         .collect();
     by_order.sort_by_key(|(meta, _)| meta.order);
+    if let Some(w) = by_order.windows(2).find(|w| w[0].0.order == w[1].0.order) {
+        let (x, y) = (&w[0].0, &w[1].0);
+        let why = format!(
+            "keys {} and {} share place {} in update order",
+            x.key, y.key, y.order
+        );
+        return Err(invalid(why));
+    }
     for (meta, mut list) in by_order {
         list.sort_by_key(|p| (p.range.start, p.range.end));
         check_key_cover(&meta, &list).map_err(invalid)?;
@@ -507,54 +503,31 @@ fn check_residual_keys(a: &Assembled) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// Checks that no two keys share a place in update order.
-fn check_orders(keys: &[KeyMeta]) -> std::result::Result<(), String> {
-    let mut orders: HashMap<usize, &Key> = HashMap::with_capacity(keys.len());
-    for k in keys {
-        if let Some(other) = orders.insert(k.order, &k.key) {
-            return Err(format!(
-                "keys {other} and {} share place {} in update order",
-                k.key, k.order
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Checks that `list`, the pieces of key `meta` sorted by range, holds each of its elements
 /// exactly once (empty pieces aside).
 fn check_key_cover(meta: &KeyMeta, list: &[Held]) -> std::result::Result<(), String> {
-    let mut next = 0;
-    let mut last_rank = None;
+    let key = &meta.key;
+    let gap = |from, to| Err(format!("key {key}: elements {from}..{to} are in no shard"));
+    let (mut next, mut last_rank) = (0, 0);
     for p in list.iter().filter(|p| !p.range.is_empty()) {
-        if p.range.start < next {
+        let Range { start, end } = p.range;
+        if start < next {
             return Err(format!(
-                "key {}: elements {}..{} are held by two shards ({} and {}): the shards are \
-                 from different saves or slicings",
-                meta.key,
-                p.range.start,
-                next.min(p.range.end),
-                last_rank.unwrap_or(0),
+                "key {key}: elements {start}..{} are held by two shards ({last_rank} and {}): \
+                 the shards are from different saves or slicings",
+                next.min(end),
                 p.file
             ));
         }
-        if p.range.start > next {
-            return Err(format!(
-                "key {}: elements {next}..{} are in no shard",
-                meta.key, p.range.start
-            ));
+        if start > next {
+            return gap(next, start);
         }
-        next = p.range.end;
-        last_rank = Some(p.file);
+        (next, last_rank) = (end, p.file);
     }
-    if next != meta.size() {
-        return Err(format!(
-            "key {}: elements {next}..{} are in no shard",
-            meta.key,
-            meta.size()
-        ));
+    match next == meta.size() {
+        true => Ok(()),
+        false => gap(next, meta.size()),
     }
-    Ok(())
 }
 
 /// A checkpoint open for reading by key and element range.

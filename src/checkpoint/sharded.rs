@@ -1,19 +1,8 @@
-//! Sharded checkpoints, the writing side: each rank writes one shard file of a fresh generation,
-//! and rank 0 commits the generation by replacing the index. See the
-//! [module docs](super#sharded-checkpoints) for the layout.
-//!
-//! A save by a store of `world` ranks runs:
-//!
-//! 1. rank 0: [`next_generation`], which claims a fresh generation directory (an atomic
-//!    create, so no two saves ever share one) and mints the save's token; both are broadcast
-//!    to every rank as a [`SaveId`];
-//! 2. every rank: [`write_shard`] with the pieces it holds, marked with the token;
-//! 3. a barrier;
-//! 4. rank 0: [`commit`], which checks that every shard carries the save's token and that the
-//!    shards cover every key exactly once, and then points the index at the new generation.
-//!
-//! A save that stops before step 4 completes leaves the index, and so the previous checkpoint,
-//! as it was.
+//! Sharded checkpoints, the writing side (see the [module docs](super#sharded-checkpoints) for
+//! the layout). A save of `world` ranks runs [`next_generation`] on rank 0, which claims a
+//! fresh generation and mints the save's token, broadcast as a [`SaveId`]; [`write_shard`] on
+//! every rank; a barrier; and [`commit`] on rank 0, which checks the shards and points the
+//! index at the new generation. A save that stops before the commit leaves the index as it was.
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -36,7 +25,7 @@ use crate::host::to_le_bytes;
 use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
 
 /// One save of a sharded checkpoint: the generation it claimed and the token that marks every
-/// shard it writes, so that shards of another save are told apart from its own.
+/// shard it writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SaveId {
     /// The generation directory the save owns.
@@ -66,9 +55,8 @@ fn write_error(path: &Path, e: io::Error) -> Error {
 
 /// Claims a new generation for a save into `dir` (created if it does not exist, not its
 /// parents), and mints the save's token. The generation is above every one there, committed or
-/// not, so a save never writes into the remains of an interrupted one; its directory is made
-/// by a create that fails if it exists, and a save that finds it taken (another job saving
-/// into `dir` at once) takes the next number.
+/// not, so a save never writes into the remains of an interrupted one; a save that finds its
+/// directory taken (another job saving into `dir` at once) takes the next number.
 pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
         return Err(Problem::invalid(
@@ -123,15 +111,9 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     Ok(SaveId { generation, token })
 }
 
-/// Writes the shard of `rank` (of `world` ranks) of save `save` into `dir`:
-/// `dir/gen-<generation>/shard-<rank>-of-<world>.safetensors`, marked with the save's token,
-/// through a temporary file that is flushed and renamed, so a shard file is either whole or
-/// absent. `updater` is the updater in
-/// force; every piece with state must hold one buffer per [`Updater::state_names`], in order.
-/// A rank holds at most one piece of a key.
-///
-/// Bad pieces (a range outside the key, a length, dtype or state name that does not match) are
-/// [`Error::Checkpoint`] of kind `Invalid` and write nothing.
+/// Writes the shard of `rank` of `world` of `save` into `dir`, atomically. Every piece with
+/// state holds one buffer per [`Updater::state_names`] of `updater`, in order, and a rank holds
+/// at most one piece of a key: bad pieces are kind `Invalid` and write nothing.
 pub(crate) fn write_shard(
     dir: &Path,
     save: SaveId,
@@ -211,8 +193,8 @@ fn encode_shard(
 }
 
 /// Checks piece `p` before it is written: a key of the shard's `kind`, not in `seen` (which it
-/// joins), a range within the key, a value and state buffers of the right dtype and length,
-/// and state buffers named `names` exactly when the key has state.
+/// joins), a range within the key, and a value and state buffers (named `names` exactly when
+/// the key has state) of the right dtype and length.
 fn check_piece<'p>(
     p: &'p Piece,
     kind: Option<KeyKind>,
@@ -266,8 +248,7 @@ fn check_piece<'p>(
     Ok(())
 }
 
-/// The tensors of checked piece `p`: its value and its state buffers, 1-D, each of the dtype
-/// [`check_piece`] found.
+/// The tensors of checked piece `p`: its value and its state buffers, 1-D.
 fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
     let (key, len) = (&p.meta.key, p.range.len());
     let tensor = |name: String, what: &str, a: &NDArray| {
@@ -287,7 +268,7 @@ fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
 }
 
 /// Checks residuals `r` before they are written: of the shard's key `kind`, each of the key's
-/// length (or empty, a position never pushed).
+/// length or empty (a position never pushed).
 fn check_residuals(r: &KeyResiduals, kind: Option<KeyKind>) -> std::result::Result<(), Problem> {
     let key = &r.key;
     if kind.is_some_and(|k| k != key.kind()) {
@@ -305,8 +286,7 @@ fn check_residuals(r: &KeyResiduals, kind: Option<KeyKind>) -> std::result::Resu
     }
 }
 
-/// The tensors of checked residuals `r`, float32, one per position; a position never pushed
-/// keeps no residual and is written as zeros.
+/// The tensors of checked residuals `r`, one per position; one never pushed is written as zeros.
 fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
     r.residuals.iter().enumerate().map(|(i, v)| Tensor {
         name: format!("residual/{}/{i}", r.key),
@@ -319,12 +299,11 @@ fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
     })
 }
 
-/// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned:
+/// Commits `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned:
 /// checks every shard's header (the save's token, and that the shards agree and cover every
 /// key exactly once), replaces `dir/index` atomically, and removes, best effort, the
 /// generations up to the one the index named before (one above it may be another job's save
-/// in progress). On any error the index is unchanged: a missing shard is kind `NotFound`, a
-/// corrupt or foreign one or a gap or overlap `Invalid`.
+/// in progress). On any error the index is unchanged.
 pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     let generation = save.generation;
     let gen_dir = generation_dir(dir, generation);
@@ -367,8 +346,7 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
 }
 
 /// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in the
-/// test layout of `KvStore::save_sharded`: keys of `world` elements or more sliced evenly over
-/// the ranks, smaller ones whole on one rank each in turn; `None` where it holds none.
+/// test layout of `KvStore::save_sharded`; `None` where it holds none.
 pub(crate) fn rank_range(
     size: usize,
     order: usize,
@@ -381,8 +359,7 @@ pub(crate) fn rank_range(
     (order % world == rank).then_some(0..size)
 }
 
-/// Elements `range` of entry `e`, the `order`-th key, as a piece: its value, and its state
-/// where it has state for `updater`.
+/// Elements `range` of entry `e`, the `order`-th key, as a piece, with its state for `updater`.
 pub(crate) fn entry_piece(
     e: &Entry,
     order: usize,
