@@ -29,9 +29,8 @@ pub(super) fn count(n: u64, each: u64, present: u64) -> Option<usize> {
     usize::try_from(n).ok()
 }
 
-/// The largest updater step count a reader accepts: a step count sizes nothing, but every push
-/// adds one to it, so a corrupt `18446744073709551615` would overflow on the next push; below
-/// this bound, 2^63 more pushes fit.
+/// The largest step count a reader accepts: every push adds one, so a corrupt
+/// `18446744073709551615` would overflow on the next push; below this, 2^63 more fit.
 pub(super) const MAX_STEP: u64 = i64::MAX as u64;
 
 /// A step count from its canonical decimal spelling, if it is one within [`MAX_STEP`].
@@ -47,8 +46,7 @@ pub(super) fn too_many(what: &str, n: u64, limit: &str) -> Problem {
     ))
 }
 
-/// A reader's place in a file of known length: it hands out only ranges and counts that fit
-/// in the bytes after it.
+/// A reader's place in a file of known length: it hands out only what fits after it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Cursor {
     at: u64,
@@ -66,8 +64,7 @@ impl Cursor {
         self.end - self.at
     }
 
-    /// The range of the next `n` bytes (`what`, in errors), moving past them; fewer left is an
-    /// error.
+    /// The range of the next `n` bytes (`what`, in errors), moving past them.
     pub(super) fn take(&mut self, n: u64, what: &str) -> Result<Range<u64>, Problem> {
         if n > self.remaining() {
             return Err(Problem::invalid(format!(
@@ -81,8 +78,7 @@ impl Cursor {
         Ok(range)
     }
 
-    /// A count of `n` items of `size` bytes each, checked by [`count`] against the bytes after
-    /// the cursor.
+    /// A count of `n` items of `size` bytes each, checked by [`count`] against what is left.
     pub(super) fn count(&self, n: u64, size: u64, what: &str) -> Result<usize, Problem> {
         count(n, size, self.remaining()).ok_or_else(|| {
             let limit = format!("the {} bytes after it can hold", self.remaining());
@@ -112,10 +108,9 @@ impl Header {
     }
 }
 
-/// Reads the header of a checkpoint file of `len` bytes, `read` giving the bytes of a range
-/// within it. The header's length is checked against the bytes after it before anything is
-/// read by it, its checksum (where the entry is there) before anything in it is believed, and
-/// the tensors' extent against the data: a truncated or extended file is an error here.
+/// Reads the header of a file of `len` bytes through `read` (a range's bytes), checking its
+/// length before anything is read by it, its checksum (if there) before anything in it is
+/// believed, and the tensors' extent: a truncated or extended file is an error here.
 pub(super) fn read_header<'a>(
     len: u64,
     mut read: impl FnMut(Range<u64>) -> Result<Cow<'a, [u8]>, Problem>,
@@ -139,8 +134,7 @@ pub(super) fn read_header<'a>(
     let sealed = checksum::verify_header(&header)?;
     let meta: Metadata = serde_json::from_slice(&header[8..])
         .map_err(|e| not_safetensors(SafeTensorError::InvalidHeaderDeserialization(e)))?;
-    // The furthest tensor end, not `data_len` (the last tensor's end by offset), so that every
-    // tensor lies within the file.
+    // The furthest tensor end, not the last tensor's, so that every tensor lies in the file.
     let data_len = (meta.tensors().values())
         .map(|info| info.data_offsets.1 as u64)
         .max()
@@ -161,9 +155,8 @@ pub(super) fn read_header<'a>(
     })
 }
 
-/// The state buffer names of a `state_names` entry: comma-separated, none when empty, and
-/// distinct (repeated names would read one tensor again and again, allocating far more than
-/// the file holds).
+/// The state buffer names of a `state_names` entry: comma-separated, and distinct (repeated
+/// names would read one tensor again and again, allocating far more than the file holds).
 pub(super) fn state_names(text: &str) -> Result<Vec<String>, Problem> {
     if text.is_empty() {
         return Ok(Vec::new());

@@ -46,11 +46,6 @@ fn chunk_size() -> usize {
     CHUNK
 }
 
-/// The CRC-32 (IEEE 802.3, as zlib computes it) of `bytes`.
-fn crc(bytes: &[u8]) -> u32 {
-    crc32fast::hash(bytes)
-}
-
 /// A checksum as files spell it: 8 lowercase hex digits.
 fn crc_text(crc: u32) -> String {
     format!("{crc:08x}")
@@ -72,14 +67,16 @@ pub(super) fn add_entries<'a>(
     let chunk = chunk_size();
     meta.insert(CHUNK_ENTRY.into(), chunk.to_string());
     for (name, data) in tensors {
-        let sums: Vec<String> = data.chunks(chunk).map(|c| crc_text(crc(c))).collect();
+        let sums: Vec<String> = data
+            .chunks(chunk)
+            .map(|c| crc_text(crc32fast::hash(c)))
+            .collect();
         meta.insert(format!("{TENSOR_PREFIX}{name}"), sums.join(","));
     }
     meta.insert(HEADER_ENTRY.into(), PLACEHOLDER.into());
 }
 
-/// Where the 8 digits of the header's checksum lie in `header` (the 8-byte length and JSON):
-/// `None` if the entry is not there exactly once.
+/// Where the 8 digits of the header's checksum lie in `header`, if the entry is there once.
 fn header_digits(header: &[u8]) -> Option<usize> {
     let pattern = format!("\"{HEADER_ENTRY}\":\"");
     let pattern = pattern.as_bytes();
@@ -95,8 +92,7 @@ fn header_digits(header: &[u8]) -> Option<usize> {
     Some(at)
 }
 
-/// Fills in the header's checksum of the serialized file `bytes`: the CRC-32 of the header
-/// (the 8-byte length and the JSON, padding included) with the placeholder in it.
+/// Fills in the header's checksum of the serialized file `bytes` (computed with the placeholder).
 pub(super) fn seal(bytes: &mut [u8]) -> Result<(), Problem> {
     let header_end = bytes
         .get(..8)
@@ -106,14 +102,13 @@ pub(super) fn seal(bytes: &mut [u8]) -> Result<(), Problem> {
     let header = &mut bytes[..header_end];
     let at =
         header_digits(header).ok_or("cannot seal: the header checksum entry is not there once")?;
-    let sum = crc_text(crc(header));
+    let sum = crc_text(crc32fast::hash(header));
     header[at..at + PLACEHOLDER.len()].copy_from_slice(sum.as_bytes());
     Ok(())
 }
 
-/// Verifies the checksum of `header` (the 8-byte length and the JSON): `Ok(true)` when it
-/// matches, `Ok(false)` when the entry is not there (format 1, or corrupt: the caller tells
-/// which by the format), `Invalid` when it does not match.
+/// Verifies the checksum of `header`: `Ok(true)` when it matches, `Ok(false)` when the entry
+/// is not there (format 1, or corrupt: the caller tells which by the format).
 pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
     let Some(at) = header_digits(header) else {
         return Ok(false);
@@ -122,7 +117,7 @@ pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
     let stored = std::str::from_utf8(digits).ok().and_then(parse_crc);
     let mut zeroed = header.to_vec();
     zeroed[at..at + PLACEHOLDER.len()].copy_from_slice(PLACEHOLDER.as_bytes());
-    if stored != Some(crc(&zeroed)) {
+    if stored != Some(crc32fast::hash(&zeroed)) {
         return Err(Problem::invalid(
             "the checksum of the file's header does not match: the file is corrupt (a flipped \
              bit on disk or in a copy?); restore it from a copy, or save again",
@@ -133,11 +128,13 @@ pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
 
 /// `text`, the lines of an index each ending in a newline, with its checksum line added.
 pub(super) fn seal_index(text: &str) -> String {
-    format!("{text}{INDEX_ENTRY} {}\n", crc_text(crc(text.as_bytes())))
+    format!(
+        "{text}{INDEX_ENTRY} {}\n",
+        crc_text(crc32fast::hash(text.as_bytes()))
+    )
 }
 
-/// Verifies the checksum line that ends an index's `text` (a newline after it is optional):
-/// the text before that line when it matches, `None` when there is no such line.
+/// Verifies the checksum line that ends an index's `text`: the text before it, if it is there.
 pub(super) fn verify_index(text: &str) -> Result<Option<&str>, Problem> {
     let trimmed = text.strip_suffix('\n').unwrap_or(text);
     let (body, last) = match trimmed.rfind('\n') {
@@ -150,7 +147,7 @@ pub(super) fn verify_index(text: &str) -> Result<Option<&str>, Problem> {
     else {
         return Ok(None);
     };
-    if parse_crc(digits) != Some(crc(body.as_bytes())) {
+    if parse_crc(digits) != Some(crc32fast::hash(body.as_bytes())) {
         return Err(Problem::invalid(
             "the checksum of the index does not match: the index is corrupt (a flipped bit on \
              disk or in a copy?); restore it from a copy, or save again",
@@ -168,8 +165,7 @@ pub(super) struct Sums {
     pub tensors: HashMap<String, Vec<u32>>,
 }
 
-/// Parses the checksum entries of metadata `md` for `tensors` (name and length in bytes); an
-/// entry for a tensor the file lacks is an error.
+/// Parses the checksum entries of metadata `md` for `tensors` (name and length in bytes).
 pub(super) fn parse_sums(
     md: &HashMap<String, String>,
     tensors: impl IntoIterator<Item = (String, usize)>,
@@ -264,8 +260,7 @@ pub(super) fn format_sums(
     }
 }
 
-/// Verifies `data`, bytes `from..` of tensor `name` from a chunk boundary to a chunk boundary
-/// or the tensor's end, against its checksums `sums` of `chunk`-byte chunks.
+/// Verifies `data`, whole chunks of tensor `name` from its byte `from` on, against `sums`.
 pub(super) fn verify_chunks(
     name: &str,
     data: &[u8],
@@ -277,7 +272,7 @@ pub(super) fn verify_chunks(
     let first = from / chunk;
     for (i, piece) in data.chunks(chunk).enumerate() {
         let at = first + i;
-        if sums.get(at) != Some(&crc(piece)) {
+        if sums.get(at) != Some(&crc32fast::hash(piece)) {
             let start = at * chunk;
             return Err(Problem::invalid(format!(
                 "the checksum of tensor '{name}' (its bytes {start}..{}) does not match: the \

@@ -27,8 +27,7 @@ pub(super) fn kind_name(kind: Option<KeyKind>) -> &'static str {
     }
 }
 
-/// Writes `entries` (every key of a store, in update order) to `path` as a single file of
-/// format 2, atomically, for tests that load old files.
+/// Writes `entries` (in update order) to `path` as a single file of format 2, atomically.
 pub(crate) fn write_single_file(
     path: &std::path::Path,
     kind: Option<KeyKind>,
@@ -47,8 +46,7 @@ pub(super) struct Tensor {
     pub bytes: Vec<u8>,
 }
 
-/// The safetensors bytes of a file of `tensors` and metadata `meta`, with the checksums of
-/// every tensor and of the header added: the last step of writing a shard or a single file.
+/// The safetensors bytes of `tensors` and metadata `meta`, with every checksum added.
 pub(super) fn serialize_sealed(
     mut meta: HashMap<String, String>,
     tensors: &[Tensor],
@@ -120,9 +118,8 @@ pub(super) fn encode(
     serialize_sealed(meta, &tensors)
 }
 
-/// Checks a whole single file, `bytes`: its header, every tensor's data against its checksums,
-/// its keys in update order and the tensors of each. It reads as shard 0 of one, with no
-/// token, that holds every key whole.
+/// Checks a whole single file, `bytes`, every tensor's data included; it reads as shard 0 of
+/// one, with no token, that holds every key whole.
 pub(super) fn check_file(bytes: &[u8]) -> std::result::Result<ShardHeader, Problem> {
     let header = bounded::read_header(bytes.len() as u64, |r| Ok(Cow::Borrowed(slice(bytes, r)?)))?;
     let meta = header
@@ -166,8 +163,7 @@ fn slice(bytes: &[u8], range: std::ops::Range<u64>) -> std::result::Result<&[u8]
         .ok_or_else(|| Problem::invalid("a range beyond the file's end: the file is corrupt"))
 }
 
-/// The checksums of a file of `format` (`None` for format 1), with every tensor of `bytes`
-/// verified against them.
+/// The checksums of a file of `format` (`None` for format 1), every tensor verified.
 fn verified_sums(
     format: &str,
     header: &bounded::Header,
@@ -202,8 +198,7 @@ pub(super) fn parse_kind(text: &str) -> std::result::Result<Option<KeyKind>, Pro
     }
 }
 
-/// The keys of a single file in update order, from its `keys` count and `order/<key>` entries;
-/// checked to be distinct, and every `step/`, `row_sparse/` and `residuals/` entry to name one.
+/// The keys of a single file in update order, distinct, with no entry naming another key.
 fn keys_in_order(
     meta: &HashMap<String, String>,
     kind: Option<KeyKind>,
@@ -212,8 +207,7 @@ fn keys_in_order(
     let count = count_text
         .parse::<u64>()
         .ok()
-        // Each key has an `order/` entry, so a larger count cannot be right (and must not
-        // size an allocation).
+        // Each key has an `order/` entry: a larger count cannot be right.
         .and_then(|n| bounded::count(n, 1, meta.len() as u64))
         .ok_or_else(|| {
             format!(
@@ -240,8 +234,7 @@ fn keys_in_order(
         .into_iter()
         .collect::<Option<_>>()
         .ok_or_else(|| format!("metadata lists fewer than keys = {count} order entries"))?;
-    // Canonical spellings make every key distinct; checked again, as a duplicate would make
-    // the load lock one key twice.
+    // Checked again: a duplicate would make the load lock one key twice.
     let mut seen: HashSet<&Key> = HashSet::with_capacity(keys.len());
     if let Some(k) = keys.iter().find(|k| !seen.insert(*k)) {
         return Err(format!("metadata lists key {k} twice").into());
@@ -258,8 +251,7 @@ fn keys_in_order(
     Ok(keys)
 }
 
-/// Key `key`, the `order`-th, of a single file: the piece that holds it whole (with its state
-/// buffers where it has a step count) and its residuals, checked against the tensors claimed.
+/// Key `key`, the `order`-th, of a single file: its piece and residuals, checked.
 fn check_key(
     tensors: &mut Tensors<'_>,
     meta: &HashMap<String, String>,
@@ -331,8 +323,7 @@ fn check_key(
     Ok((piece, residuals))
 }
 
-/// A key from its spelling in the file; an int key must be canonical, so that no two
-/// spellings name one key.
+/// A key from its spelling in the file; an int key's must be canonical.
 pub(super) fn parse_key(kind: Option<KeyKind>, text: &str) -> std::result::Result<Key, Problem> {
     match kind {
         Some(KeyKind::Int) => text

@@ -146,6 +146,7 @@
 //! missing shard is); it never aborts the process. State buffer names are distinct (a name
 //! given twice would read its tensors twice over), and a step count is at most 2^63 - 1 (every
 //! push adds one to it).
+
 mod atomic;
 mod bounded;
 mod checksum;

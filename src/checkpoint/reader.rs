@@ -36,9 +36,8 @@ pub(crate) struct Index {
     pub verified: bool,
 }
 
-/// Reads and checks `dir/index`, of this version's format (its checksum verified before
-/// anything in it is believed) or an earlier one. No index is kind `NotFound`; a malformed
-/// one `Invalid`.
+/// Reads and checks `dir/index`, of any format. No index is kind `NotFound`; a malformed one
+/// `Invalid`.
 pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     let path = index_path(dir);
     let text = fs::read_to_string(&path).map_err(|e| match e.kind() {
@@ -103,9 +102,8 @@ pub(super) struct ShardFile {
 
 impl ShardFile {
     /// Fills `out` with the bytes of tensor `span` from its byte `from` on, verifying every
-    /// chunk they touch before any byte of it is used: the run of whole chunks inside the
-    /// range is read straight into `out` and verified there, a chunk the range starts or ends
-    /// inside is read whole into a buffer.
+    /// chunk they touch before any byte of it is used: whole chunks are read straight into
+    /// `out`, a chunk the range starts or ends inside into a buffer.
     fn read_tensor(
         &self,
         span: &Span,
@@ -167,8 +165,7 @@ impl ShardFile {
         }
     }
 
-    /// Reads and checks the file's header with [`bounded::read_header`], which also catches a
-    /// truncated file.
+    /// Reads and checks the file's header with [`bounded::read_header`].
     fn read_header(&self) -> std::result::Result<bounded::Header, Problem> {
         let len = self
             .file
@@ -184,8 +181,7 @@ impl ShardFile {
     }
 }
 
-/// Opens the shard at `path` and reads and checks its header: that it is shard `rank` of
-/// `world` of generation `generation`, and that its tensors match its pieces.
+/// Opens the shard at `path`, checking that it is shard `rank` of `world` of `generation`.
 pub(super) fn open_shard(
     path: &Path,
     generation: u64,
@@ -213,8 +209,7 @@ pub(super) fn open_shard(
     Ok((checked, file))
 }
 
-/// What a `piece/<key>` entry, `text`, says: the key's description (the caller sets its
-/// dtype, from the value tensor) and the range held.
+/// What a `piece/<key>` entry says: the key (the caller sets its dtype) and the range held.
 fn parse_spec(
     key: Key,
     text: &str,
@@ -264,11 +259,11 @@ fn check_shard(
         ("rank", rank.to_string()),
         ("world", world.to_string()),
     ] {
-        if get(name)? != want {
+        let have = get(name)?;
+        if have != want {
             return Err(Problem::invalid(format!(
-                "metadata {name} is '{}' but the file is named for {name} {want}: it was moved \
-                 or copied from another checkpoint",
-                get(name)?
+                "metadata {name} is '{have}' but the file is named for {name} {want}: it was \
+                 moved or copied from another checkpoint"
             )));
         }
     }
@@ -292,8 +287,7 @@ fn check_shard(
     })
 }
 
-/// The token and the checksums of a shard of format `format` (`None` for format 1, which has
-/// neither), checked against its header, and how it spells its entries.
+/// The token and checksums of a shard of `format` (`None` for format 1), and its spelling.
 fn shard_format(
     header: &bounded::Header,
     md: &HashMap<String, String>,
@@ -324,8 +318,7 @@ fn shard_format(
     Ok((Some(token), Some(sums), spelling))
 }
 
-/// The pieces a shard's `piece/<key>` entries name, each checked against the tensors it
-/// claims (the value, and one per state name where the piece has state).
+/// The pieces a shard's `piece/<key>` entries name, each checked against its tensors.
 fn shard_pieces(
     tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
@@ -354,8 +347,7 @@ fn shard_pieces(
     Ok(pieces)
 }
 
-/// The residuals a shard's `residuals/<key>` entries name: per key, its length and the tensor
-/// it claims for each position, the count checked against the shard's tensors first.
+/// The residuals a shard's `residuals/<key>` entries name, each count bounded first.
 fn shard_residuals(
     tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
@@ -397,10 +389,9 @@ pub(super) struct Assembled {
     residuals: Vec<Vec<Saved>>,
 }
 
-/// Puts `shards` together: checks that they agree (updater, key kind, every key's record),
-/// that every residual belongs to a key of its length, that keys have distinct places in
-/// update order, and that each key's pieces cover its elements exactly once. `at` names the
-/// checkpoint in errors.
+/// Puts `shards` together: checks that they agree, that every residual belongs to a key of its
+/// length, that keys have distinct places in update order, and that each key's pieces cover
+/// its elements exactly once. `at` names the checkpoint in errors.
 pub(super) fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
     let invalid = |message: String| Problem::invalid(message).at(at);
     let mut a = gather(shards).map_err(invalid)?;
@@ -427,8 +418,7 @@ pub(super) fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled>
     Ok(a)
 }
 
-/// Every key of `shards` once, in the order first met, with the pieces that hold it (each
-/// marked with its shard's place); the shards must agree on the updater, key kind and keys.
+/// Every key of `shards` once, with its pieces; the shards must agree on updater, kind, keys.
 fn gather(shards: Vec<ShardHeader>) -> std::result::Result<Assembled, String> {
     let Some(first) = shards.first() else {
         return Err("the checkpoint has no shards".to_owned());
@@ -503,8 +493,7 @@ fn check_residual_keys(a: &Assembled) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// Checks that `list`, the pieces of key `meta` sorted by range, holds each of its elements
-/// exactly once (empty pieces aside).
+/// Checks that `list`, the pieces of `meta` by range, holds each element exactly once.
 fn check_key_cover(meta: &KeyMeta, list: &[Held]) -> std::result::Result<(), String> {
     let key = &meta.key;
     let gap = |from, to| Err(format!("key {key}: elements {from}..{to} are in no shard"));
@@ -537,16 +526,14 @@ pub(crate) struct Reader {
     all: Assembled,
     /// Each key's place in `all.keys`.
     place: HashMap<Key, usize>,
+    /// One per rank that saved the checkpoint (a single file: one).
     files: Vec<ShardFile>,
-    /// The number of ranks that saved the checkpoint (a single file: one).
-    world: usize,
     /// Which checkpoint this is, in words that differ for any two saves: see [`Reader::which`].
     which: String,
 }
 
-/// Opens a checkpoint: a directory with a committed sharded checkpoint, or a single file. A
-/// missing path, index or shard is kind `NotFound`; anything malformed, or shards that do not
-/// cover every key exactly once, `Invalid`.
+/// Opens a checkpoint directory or single file. A missing path, index or shard is kind
+/// `NotFound`; anything malformed, or shards that do not cover every key once, `Invalid`.
 pub(crate) fn open(path: &Path) -> Result<Reader> {
     let meta = fs::metadata(path).map_err(|e| Problem::io(true, e).at(path))?;
     if meta.is_dir() {
@@ -607,7 +594,7 @@ fn open_dir(dir: &Path) -> Result<Reader> {
          CRC-32 {headers:08x}",
         index.generation
     );
-    Ok(Reader::new(dir, a, files, index.world, which))
+    Ok(Reader::new(dir, a, files, which))
 }
 
 /// A warning that the checkpoint at `path` loads unverified, and `why`.
@@ -618,9 +605,8 @@ fn warn_unverified(path: &Path, why: &str) {
     );
 }
 
-/// Checks that `gen_dir` holds a shard file for every rank of the world the index names,
-/// before anything is sized by that count: an index naming more shards than there are (a
-/// corrupt or crafted world of 10^13) is kind `NotFound`, as a missing shard is.
+/// Checks that `gen_dir` holds a shard for every rank the index names, before anything is
+/// sized by that count: naming more (a crafted world of 10^13) is `NotFound`, as a missing one.
 fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
     let world = index.world;
     let suffix = format!("-of-{world}.safetensors");
@@ -653,11 +639,9 @@ fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
         .at(gen_dir))
 }
 
-/// Opens a single file of an earlier version as a world of one shard that holds every key
-/// whole, and the file's residuals as that shard's.
+/// Opens a single file as a world of one shard that holds every key whole.
 fn open_file(path: &Path) -> Result<Reader> {
-    // Read through the handle that later reads by range, so both see one file even if a save
-    // replaces it meanwhile.
+    // Through the handle that later reads by range: one file, even if a save replaces it.
     let io = |e| Problem::io(true, e).at(path);
     let mut file = File::open(path).map_err(io)?;
     let mut bytes = Vec::new();
@@ -679,17 +663,11 @@ fn open_file(path: &Path) -> Result<Reader> {
         file,
         chunk: chunk.unwrap_or(1),
     }];
-    Ok(Reader::new(path, a, files, 1, which))
+    Ok(Reader::new(path, a, files, which))
 }
 
 impl Reader {
-    fn new(
-        path: &Path,
-        all: Assembled,
-        files: Vec<ShardFile>,
-        world: usize,
-        which: String,
-    ) -> Reader {
+    fn new(path: &Path, all: Assembled, files: Vec<ShardFile>, which: String) -> Reader {
         let place = (all.keys.iter().enumerate())
             .map(|(i, k)| (k.key.clone(), i))
             .collect();
@@ -698,28 +676,25 @@ impl Reader {
             all,
             place,
             files,
-            world,
             which,
         }
     }
 
-    /// Which checkpoint this is: for a directory, the generation, the save's token and a
-    /// CRC-32 of its shards' headers; for a single file, the CRC-32 of its header. A header
-    /// holds the checksums of its file's data (format 1: at least every key, dtype and range),
-    /// so two checkpoints whose bytes differ are told apart. Ranks compare it, so that ranks
-    /// that found different checkpoints at one path fail rather than load different values.
+    /// Which checkpoint this is: the generation, the save's token and a CRC-32 of the shards'
+    /// headers (a single file: its header's), which hold the checksums of the data (format 1:
+    /// every key, dtype and range), so checkpoints whose bytes differ are told apart. Ranks
+    /// compare it, so that ranks that found different checkpoints at one path fail.
     pub(crate) fn which(&self) -> &str {
         &self.which
     }
 
-    /// The compression residuals rank `rank` of `world` saved, per key: `None` for a
-    /// checkpoint that another number of ranks saved (a rank's residuals are its own).
+    /// The compression residuals rank `rank` of `world` saved: `None` if another world saved.
     pub(crate) fn rank_residuals(
         &self,
         rank: usize,
         world: usize,
     ) -> Result<Option<Vec<KeyResiduals>>> {
-        if self.world != world {
+        if self.files.len() != world {
             return Ok(None);
         }
         let (Some(file), Some(saved)) = (self.files.get(rank), self.all.residuals.get(rank)) else {
@@ -747,16 +722,14 @@ impl Reader {
         Ok(Some(out))
     }
 
-    /// Reads and verifies every byte of every key's value and state, and every residual, one
-    /// key at a time, keeping none: a corrupt checkpoint is
-    /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), whatever else is
-    /// wrong with it.
+    /// Reads and verifies every byte, one key at a time, keeping none: a corrupt checkpoint is
+    /// `Invalid`, whatever else is wrong with it.
     pub(crate) fn verify(&self) -> Result<()> {
         for (i, meta) in self.all.keys.iter().enumerate() {
             self.read_host(i, 0..meta.size())?;
         }
         for rank in 0..self.files.len() {
-            self.rank_residuals(rank, self.world)?;
+            self.rank_residuals(rank, self.files.len())?;
         }
         Ok(())
     }
@@ -788,9 +761,8 @@ impl Reader {
         self.all.updater == updater.name() && self.all.state_names.iter().eq(updater.state_names())
     }
 
-    /// Elements `range` of `key`: its value and (where it has state) its state buffers, in
-    /// state name order. A key the checkpoint lacks, or a range outside the key, is kind
-    /// `Mismatch`; a read failure `Io`.
+    /// Elements `range` of `key`, value and state. A key the checkpoint lacks, or a range
+    /// outside it, is kind `Mismatch`; a read failure `Io`.
     pub(crate) fn read(&self, key: &Key, range: Range<usize>) -> Result<Piece> {
         let i = self.place.get(key).copied().ok_or_else(|| {
             Problem::mismatch(format!("key {key} is not in this checkpoint")).at(&self.path)

@@ -24,8 +24,7 @@ use super::{CheckpointErrorKind, Problem};
 use crate::host::to_le_bytes;
 use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
 
-/// One save of a sharded checkpoint: the generation it claimed and the token that marks every
-/// shard it writes.
+/// One save: the generation it claimed and the token that marks every shard it writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SaveId {
     /// The generation directory the save owns.
@@ -34,17 +33,12 @@ pub(crate) struct SaveId {
     pub token: u64,
 }
 
-/// The generation a `gen-<G>` directory name stands for.
-fn parse_generation_dir(name: &str) -> Option<u64> {
-    count_of(name.strip_prefix("gen-")?)
-}
-
-/// Every generation directory in `dir`.
+/// Every generation in `dir`, by its `gen-<G>` directory.
 fn generations(dir: &Path) -> io::Result<Vec<u64>> {
     let names = fs::read_dir(dir)?.map(|e| Ok(e?.file_name()));
     let names = names.collect::<io::Result<Vec<_>>>()?;
     Ok((names.iter())
-        .filter_map(|n| parse_generation_dir(n.to_str()?))
+        .filter_map(|n| count_of(n.to_str()?.strip_prefix("gen-")?))
         .collect())
 }
 
@@ -66,8 +60,7 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
         )
         .at(dir));
     }
-    // The directory itself, not its parents: a save into a folder that does not exist (a
-    // mistyped path) is an error that says so.
+    // Not its parents: a save into a mistyped path is an error that says so.
     match fs::create_dir(dir) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(write_error(dir, e)),
         _ => {}
@@ -92,8 +85,7 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
         })
     };
     let mut generation = top.map_or(Ok(0), after)?;
-    // 64 random bits from the operating system, so that saves of two jobs, or two saves of one
-    // job, share a token with a chance of 2^-64; this fails only where it has no random source.
+    // 64 random bits from the system: two saves share a token with a chance of 2^-64.
     let token = getrandom::u64().map_err(|e| {
         let e = io::Error::other(format!("no random save token from the system: {e}"));
         write_error(dir, e)
@@ -192,9 +184,8 @@ fn encode_shard(
     serialize_sealed(meta, &tensors)
 }
 
-/// Checks piece `p` before it is written: a key of the shard's `kind`, not in `seen` (which it
-/// joins), a range within the key, and a value and state buffers (named `names` exactly when
-/// the key has state) of the right dtype and length.
+/// Checks piece `p`: of key `kind`, not in `seen` (which it joins), a range within the key,
+/// and value and state buffers (`names`, if it has state) of the right dtype and length.
 fn check_piece<'p>(
     p: &'p Piece,
     kind: Option<KeyKind>,
@@ -267,8 +258,7 @@ fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
     std::iter::once(value).chain(state).collect()
 }
 
-/// Checks residuals `r` before they are written: of the shard's key `kind`, each of the key's
-/// length or empty (a position never pushed).
+/// Checks residuals `r`: of key `kind`, each of the key's length or empty (never pushed).
 fn check_residuals(r: &KeyResiduals, kind: Option<KeyKind>) -> std::result::Result<(), Problem> {
     let key = &r.key;
     if kind.is_some_and(|k| k != key.kind()) {
@@ -299,11 +289,10 @@ fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
     })
 }
 
-/// Commits `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned:
-/// checks every shard's header (the save's token, and that the shards agree and cover every
-/// key exactly once), replaces `dir/index` atomically, and removes, best effort, the
-/// generations up to the one the index named before (one above it may be another job's save
-/// in progress). On any error the index is unchanged.
+/// Commits `save` of `world` ranks in `dir` once every shard is written: checks the shards
+/// (the save's token, and that they cover every key exactly once), replaces `dir/index`
+/// atomically, and removes the generations up to the one the index named before (one above it
+/// may be another job's save in progress). On any error the index is unchanged.
 pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     let generation = save.generation;
     let gen_dir = generation_dir(dir, generation);
@@ -332,8 +321,7 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     ));
     let path = index_path(dir);
     write_atomic(&path, index.as_bytes()).map_err(|e| write_error(&path, e))?;
-    // The generations up to the previous checkpoint are no longer reachable; a failure to
-    // remove one leaves only litter.
+    // Unreachable now; a failure to remove one leaves only litter.
     if let (Some(previous), Ok(found)) = (previous, generations(dir)) {
         for g in found
             .into_iter()
@@ -345,8 +333,7 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     Ok(())
 }
 
-/// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in the
-/// test layout of `KvStore::save_sharded`; `None` where it holds none.
+/// The range of the `order`-th key that `rank` of `world` holds in `save_sharded`'s layout.
 pub(crate) fn rank_range(
     size: usize,
     order: usize,

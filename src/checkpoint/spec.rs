@@ -100,10 +100,9 @@ fn piece_of_fields(text: &str) -> Result<PieceSpec, String> {
             .collect::<Option<Vec<usize>>>()
             .ok_or("dims are not counts")?,
     };
-    let step = match fields.get("step") {
-        None => None,
-        Some(text) => Some(count_of(text).ok_or("step is not a count")?),
-    };
+    let step = fields
+        .get("step")
+        .map(|t| count_of(t).ok_or("step is not a count"));
     let sparse = match fields.get("sparse") {
         None => false,
         Some(&"1") => true,
@@ -114,7 +113,7 @@ fn piece_of_fields(text: &str) -> Result<PieceSpec, String> {
         start: count("start")?,
         end: count("end")?,
         dims,
-        step,
+        step: step.transpose()?,
         sparse,
     })
 }

@@ -25,8 +25,7 @@ use crate::comm::link::Round;
 use crate::host::HostData;
 use crate::{cpu, Device, Error, Key, KeyKind, NDArray, Result, Shape, Updater};
 
-/// A checkpoint's path as the ranks compare it: canonical where it exists, so that a relative
-/// and an absolute path to the same place agree.
+/// A checkpoint's path as the ranks compare it: canonical where it exists.
 fn where_is(path: &Path) -> String {
     std::fs::canonicalize(path)
         .unwrap_or_else(|_| path.to_owned())
@@ -72,36 +71,29 @@ impl KvStore {
 
     /// Loads a checkpoint written by [`KvStore::save`] (a directory saved by any world size,
     /// or a single file of an earlier version; see the [checkpoint docs](crate::checkpoint))
-    /// into a store of any kind and device set. A directory with no committed checkpoint, or
-    /// lacking a shard its index names, is
-    /// [`CheckpointErrorKind::NotFound`](crate::CheckpointErrorKind::NotFound).
-    ///
-    /// Keys the store lacks are added; keys it has must have the file's shape and dtype.
+    /// into a store of any kind and device set. Keys the store lacks are added; keys it has
+    /// must have the file's shape and dtype.
     ///
     /// - **Values** always load.
     /// - **Updater state** (momentum, Adam's moments, and their step count) loads when the
     ///   file was saved under an updater of the same [`name`](crate::Updater::name) and
-    ///   [`state_names`](crate::Updater::state_names) as the one in force (Adam into Adam,
-    ///   say), whatever the hyperparameters, so a resumed run may change its
-    ///   learning rate and keep its moments. Set the updater before `load`. Otherwise, or
-    ///   where the file holds no state for a key, the key starts its state afresh on its next
-    ///   push, as after [`KvStore::set_updater`]: zero buffers and a step count of 0.
+    ///   [`state_names`](crate::Updater::state_names) as the one in force (Adam into Adam),
+    ///   whatever the hyperparameters: set the updater before `load`. Otherwise, or where the
+    ///   file holds no state for a key, the key starts its state afresh on its next push, as
+    ///   after [`KvStore::set_updater`]. The updater is read once per call (a concurrent
+    ///   `set_updater` is wholly before the load, or starts every key's state afresh).
     /// - **Compression residuals** load where as many ranks saved the checkpoint as load it
     ///   (each rank's are its own); otherwise they start at zero.
     ///
-    /// The updater is read once per call: a concurrent [`KvStore::set_updater`] is wholly
-    /// before the load or, like any later one, starts every key's state afresh.
-    ///
-    /// Every byte read is verified against the file's checksums before it is used; a mismatch
-    /// is [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), even where
-    /// the checkpoint would not fit the store either. Files of format 1 (no checksums) load
-    /// unverified, with a warning in the log.
+    /// Every byte read is verified against the file's checksums before it is used (files of
+    /// format 1, which have none, load unverified, with a warning in the log).
     ///
     /// A load is all or nothing: the file's keys (new ones with their values and state) all
     /// change in one step, under every key's lock, so a concurrent push or pull sees the store
     /// wholly before or after it. Any error is an [`Error::Checkpoint`] whose
-    /// [`kind`](crate::CheckpointErrorKind) tells a missing file, an I/O failure, an invalid
-    /// file and one that does not fit the store apart, and leaves the store as it was, on
+    /// [`kind`](crate::CheckpointErrorKind) tells a missing file or shard (`NotFound`), an I/O
+    /// failure, an invalid or corrupt file (`Invalid`, even where it would not fit the store
+    /// either) and one that does not fit the store apart, and leaves the store as it was, on
     /// every rank. Ranks that found different checkpoints at `path` all fail. (A CUDA failure
     /// while copying to a GPU home, an [`Error::Cuda`], can leave keys already in the store
     /// partly loaded.)
@@ -117,8 +109,7 @@ impl KvStore {
                 .map(|()| reader)
         });
         let reader = opened.map_err(|e| d.reject("load", e))?;
-        // The ranks must read the same checkpoint, under the same updater: it decides whether
-        // the saved state is restored.
+        // The updater decides whether the saved state is restored, so the ranks compare it too.
         let mut call = d.begin_with(|| load_fingerprint(path, &reader, &updater, generation))?;
         checkpoint::run_load_hook(LoadStage::Checked);
         self.load_from(&mut *call, path, &reader, &updater, generation)?;
@@ -156,8 +147,7 @@ impl KvStore {
         checkpoint::commit(dir, save, world)
     }
 
-    /// Test hook: saves this store to `path` as a single file of format 2, which earlier
-    /// versions saved, for tests that load old files.
+    /// Test hook: saves this store to `path` as a single file of format 2, for tests of old files.
     #[cfg(feature = "test-util")]
     #[doc(hidden)]
     pub fn save_single_file(&self, path: impl AsRef<Path>) -> Result<()> {
@@ -221,8 +211,7 @@ impl KvStore {
         Ok((kind, active.updater.clone(), entries))
     }
 
-    /// Checks that a checkpoint's keys fit `table`: the key kind, the shape, dtype and storage
-    /// of every key the store has, and that the store can hold the new keys.
+    /// Checks that a checkpoint's keys fit `table`: kind, shape, dtype and storage, new keys too.
     fn check_fits(&self, table: &Table, reader: &Reader, path: &Path) -> Result<()> {
         let mismatch = |why: String| Problem::mismatch(why).at(path);
         if let (Some(store), Some(file)) = (table.key_kind, reader.key_kind()) {
@@ -328,9 +317,8 @@ impl KvStore {
         }
     }
 
-    /// Every key of `reader` made ready for this rank, in its order: new keys placed and their
-    /// cells made on their homes, keys the store has staged for their `cells` (none changes
-    /// yet). What can fail on one rank alone (out of GPU memory, a corrupt byte) fails here.
+    /// Every key of `reader` made ready for this rank (new keys placed, the others staged for
+    /// their `cells`): what can fail on one rank alone (out of GPU memory) fails here.
     fn make_parts(
         &self,
         table: &mut Table,
@@ -350,8 +338,7 @@ impl KvStore {
             .collect();
         let to_gpu = self.across.gpu_homes(self.kind, None);
         let (homes, spreads) = (self.across).place(d, table, &sizes, None, to_gpu);
-        // A fault the GPU latched earlier fails every rank here, not this rank's commit after
-        // the agreement.
+        // A fault the GPU latched earlier fails every rank here, not this rank after agreeing.
         crate::backend::settle(d.home())?;
         let mut placed = new.iter().zip(homes.into_iter().zip(spreads));
         let mut made = Vec::with_capacity(reader.keys().len());
@@ -401,21 +388,17 @@ fn lock_in_key_order(found: &[Option<Arc<Slot>>]) -> Vec<Option<RwLockWriteGuard
     cells
 }
 
-/// Claims the generation of a save into `dir` on rank 0 and tells every rank: a failure there
-/// fails the save on every rank.
+/// Claims the generation of a save into `dir` on rank 0 and tells every rank (or its failure).
 fn claim_generation(call: &mut dyn Round, rank: usize, dir: &Path) -> Result<SaveId> {
     // u64::MAX is never a generation: it tells the other ranks that rank 0 failed.
-    let mut words = vec![u64::MAX, 0];
-    let mut own = Ok(());
-    if rank == 0 {
-        match checkpoint::next_generation(dir) {
-            Ok(s) => words = vec![s.generation, s.token],
-            Err(e) => own = Err(e),
-        }
-    }
+    let own = (rank == 0).then(|| checkpoint::next_generation(dir));
+    let words = match &own {
+        Some(Ok(s)) => vec![s.generation, s.token],
+        _ => vec![u64::MAX, 0],
+    };
     let words = call.broadcast_words(words, 0)?;
     if words[0] == u64::MAX {
-        own?;
+        own.transpose()?;
         return Err(Error::RankFailed {
             op: "save",
             seq: call.seq(),
@@ -442,8 +425,7 @@ fn save_fingerprint(dir: &Path, active: &Active, slots: &[Arc<Slot>]) -> Fingerp
     fp
 }
 
-/// What the ranks compare before a load from `path`: the path, which checkpoint each found
-/// there, the updater in force, and every key.
+/// What the ranks compare before a load: the path, the checkpoint found, the updater, every key.
 fn load_fingerprint(
     path: &Path,
     reader: &Reader,
@@ -461,8 +443,7 @@ fn load_fingerprint(
     fp
 }
 
-/// This rank's piece of `slot`, the `order`-th key, from its `cell`, with its state for the
-/// updater in force where it has any.
+/// This rank's piece of `slot`, the `order`-th key, from its `cell`, with its state if any.
 fn own_piece(
     slot: &Slot,
     cell: &HomeValue,
@@ -503,8 +484,7 @@ fn host_copy(cell: &HomeValue, active: &Active) -> Result<(HostData, Option<Entr
     Ok((value, state.map(|(step, bufs)| EntryState { step, bufs })))
 }
 
-/// Elements `range` of key `m` from the checkpoint, in host memory, with the step and state
-/// buffers where the key has state and it `fits` the updater in force.
+/// Elements `range` of key `m`, with its step and state where it has state that `fits`.
 fn read_part(
     reader: &Reader,
     m: &KeyMeta,
@@ -528,9 +508,8 @@ fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
     HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), home).map_err(|e| e.with_key(key))
 }
 
-/// Applies the parts `made` for a checkpoint's keys (one each, in its order): keys the store
-/// has under their write locks `cells` (allocating nothing, failing only where the GPU
-/// does), then the new keys, added to `table`.
+/// Applies the parts `made` (one per key, in order): keys the store has under their `cells`
+/// (allocating nothing, failing only where the GPU does), then the new keys, into `table`.
 fn apply_parts(
     table: &mut Table,
     made: Vec<Made>,
@@ -548,8 +527,7 @@ fn apply_parts(
     Ok(())
 }
 
-/// After a load: every loaded key's residuals (this rank's own from the checkpoint, or none)
-/// and update count (every rank keeps every key's, whoever holds its state).
+/// After a load: every loaded key's residuals (this rank's own, or none) and update count.
 fn set_loaded_extras(
     table: &Table,
     reader: &Reader,
