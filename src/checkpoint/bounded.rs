@@ -18,9 +18,8 @@ use super::{checksum, not_safetensors, Problem};
 /// The largest header a reader accepts (the safetensors crate's own bound).
 pub(super) const MAX_HEADER: u64 = 100_000_000;
 
-/// The rule for every count a file declares: `n` items of `each` units apiece (bytes, or
-/// entries) fit in the `present` units there. The count if they do; an item of no units counts
-/// as one, so that nothing unbounded passes.
+/// The rule for every count a file declares: `n` items of `each` units (an empty one counts as
+/// one) fit in the `present` units there. The count if they do.
 pub(super) fn count(n: u64, each: u64, present: u64) -> Option<usize> {
     let need = n.checked_mul(each.max(1))?;
     if need > present {

@@ -46,6 +46,11 @@ fn chunk_size() -> usize {
     CHUNK
 }
 
+/// The CRC-32 (IEEE 802.3, as zlib computes it) of `bytes`.
+fn crc(bytes: &[u8]) -> u32 {
+    crc32fast::hash(bytes)
+}
+
 /// A checksum as files spell it: 8 lowercase hex digits.
 fn crc_text(crc: u32) -> String {
     format!("{crc:08x}")
@@ -67,10 +72,7 @@ pub(super) fn add_entries<'a>(
     let chunk = chunk_size();
     meta.insert(CHUNK_ENTRY.into(), chunk.to_string());
     for (name, data) in tensors {
-        let sums: Vec<String> = data
-            .chunks(chunk)
-            .map(|c| crc_text(crc32fast::hash(c)))
-            .collect();
+        let sums: Vec<String> = data.chunks(chunk).map(|c| crc_text(crc(c))).collect();
         meta.insert(format!("{TENSOR_PREFIX}{name}"), sums.join(","));
     }
     meta.insert(HEADER_ENTRY.into(), PLACEHOLDER.into());
@@ -102,7 +104,7 @@ pub(super) fn seal(bytes: &mut [u8]) -> Result<(), Problem> {
     let header = &mut bytes[..header_end];
     let at =
         header_digits(header).ok_or("cannot seal: the header checksum entry is not there once")?;
-    let sum = crc_text(crc32fast::hash(header));
+    let sum = crc_text(crc(header));
     header[at..at + PLACEHOLDER.len()].copy_from_slice(sum.as_bytes());
     Ok(())
 }
@@ -117,7 +119,7 @@ pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
     let stored = std::str::from_utf8(digits).ok().and_then(parse_crc);
     let mut zeroed = header.to_vec();
     zeroed[at..at + PLACEHOLDER.len()].copy_from_slice(PLACEHOLDER.as_bytes());
-    if stored != Some(crc32fast::hash(&zeroed)) {
+    if stored != Some(crc(&zeroed)) {
         return Err(Problem::invalid(
             "the checksum of the file's header does not match: the file is corrupt (a flipped \
              bit on disk or in a copy?); restore it from a copy, or save again",
@@ -128,10 +130,7 @@ pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
 
 /// `text`, the lines of an index each ending in a newline, with its checksum line added.
 pub(super) fn seal_index(text: &str) -> String {
-    format!(
-        "{text}{INDEX_ENTRY} {}\n",
-        crc_text(crc32fast::hash(text.as_bytes()))
-    )
+    format!("{text}{INDEX_ENTRY} {}\n", crc_text(crc(text.as_bytes())))
 }
 
 /// Verifies the checksum line that ends an index's `text`: the text before it, if it is there.
@@ -147,7 +146,7 @@ pub(super) fn verify_index(text: &str) -> Result<Option<&str>, Problem> {
     else {
         return Ok(None);
     };
-    if parse_crc(digits) != Some(crc32fast::hash(body.as_bytes())) {
+    if parse_crc(digits) != Some(crc(body.as_bytes())) {
         return Err(Problem::invalid(
             "the checksum of the index does not match: the index is corrupt (a flipped bit on \
              disk or in a copy?); restore it from a copy, or save again",
@@ -217,10 +216,9 @@ pub(super) fn parse_sums(
     })
 }
 
-/// The checksums of a file whose header records `tensors` and metadata `md`, by its `format`:
-/// `Some` for a format of `sealed`, whose header's checksum must have been there
-/// (`sealed_header`); `None` for `bare`, format 1, which must have no checksum entries and none
-/// of `bare_lacks` (a shard's token). `what` names the file.
+/// The checksums of a file of `tensors` and metadata `md` by its `format`: `Some` for one of
+/// `sealed` (whose header's checksum must have been there); `None` for `bare`, format 1, which
+/// must have no checksum entries and none of `bare_lacks`. `what` names the file.
 pub(super) fn format_sums(
     (tensors, sealed_header): (&Metadata, bool),
     md: &HashMap<String, String>,
@@ -272,7 +270,7 @@ pub(super) fn verify_chunks(
     let first = from / chunk;
     for (i, piece) in data.chunks(chunk).enumerate() {
         let at = first + i;
-        if sums.get(at) != Some(&crc32fast::hash(piece)) {
+        if sums.get(at) != Some(&crc(piece)) {
             let start = at * chunk;
             return Err(Problem::invalid(format!(
                 "the checksum of tensor '{name}' (its bytes {start}..{}) does not match: the \

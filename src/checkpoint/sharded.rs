@@ -47,10 +47,9 @@ fn write_error(path: &Path, e: io::Error) -> Error {
     Problem::io(false, e).at(path)
 }
 
-/// Claims a new generation for a save into `dir` (created if it does not exist, not its
-/// parents), and mints the save's token. The generation is above every one there, committed or
-/// not, so a save never writes into the remains of an interrupted one; a save that finds its
-/// directory taken (another job saving into `dir` at once) takes the next number.
+/// Claims a new generation for a save into `dir` (created if need be) and mints its token. The
+/// generation is above every one there, so a save never writes into the remains of another;
+/// one that finds its directory taken (another job saving at once) takes the next number.
 pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
         return Err(Problem::invalid(

@@ -1,13 +1,11 @@
-//! Checkpoints of every kind of store: one save and one load. A store of one process is a
-//! world of one rank: it saves the sharded layout of [`crate::checkpoint`] with one shard, and
-//! loads as a rank does.
+//! Checkpoints of every kind of store: one save and one load, of the sharded layout of
+//! [`crate::checkpoint`] (a store of one process is a world of one rank).
 //!
 //! - **save**: rank 0 claims a new generation and tells the others; every rank writes its
 //!   shard (the keys it homes, and its slice of every sliced key); then rank 0 checks the
 //!   shards and commits the index. The ranks must share the checkpoint directory.
-//! - **load**: every rank opens the checkpoint and the ranks compare which one each found.
-//!   Each rank locks the keys it has, reads the parts it holds and makes every new value
-//!   ready, and the ranks agree that every rank succeeded before any of them changes anything.
+//! - **load**: the ranks compare which checkpoint each found; each locks the keys it has and
+//!   makes its parts ready, and the ranks agree that all succeeded before any changes anything.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -262,13 +260,11 @@ impl KvStore {
 
     /// Puts `reader`'s checkpoint into the store, all or nothing, in one step, in `call`.
     ///
-    /// Lock order, as every other operation: the cells of the keys the store has are
-    /// write-locked in ascending key order (found with a brief read of the table), then the
-    /// table. Under both, new keys are placed, this rank's parts are made ready, the ranks
-    /// agree, and every key changes and the new keys appear in one step. Nothing holds the
-    /// table lock while it waits for a cell, so this cannot deadlock. A key that a concurrent
-    /// init added between the lookup and the table lock is not locked yet, so the step starts
-    /// over with nothing changed (each retry finds at least one more key, so this ends).
+    /// Lock order, as every other operation: the cells of the keys the store has, in key order
+    /// (found with a brief read of the table), then the table; nothing holds the table lock
+    /// while it waits for a cell, so this cannot deadlock. A key that a concurrent init added
+    /// between the lookup and the table lock is not locked yet, so the step starts over with
+    /// nothing changed (each retry finds at least one more key, so this ends).
     fn load_from(
         &self,
         call: &mut dyn Round,
