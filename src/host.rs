@@ -116,12 +116,7 @@ pub(crate) fn convert_into<T: Element>(src: &[T], dst: &mut HostData) {
 
 /// The little-endian bytes of host elements.
 pub(crate) fn to_le_bytes(data: &HostData) -> Vec<u8> {
-    match data {
-        HostData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        HostData::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        HostData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        HostData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
+    with_host!(data, v: T => v.iter().flat_map(|x| x.to_le_bytes()).collect())
 }
 
 /// Host elements of `dtype` from their little-endian bytes; the length is checked by the

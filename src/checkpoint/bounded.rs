@@ -1,14 +1,10 @@
-//! The bounds that every checkpoint decode reads within: no length or count that a file
-//! declares sizes anything before it is checked against what is there after it.
-//!
-//! A corrupt or crafted file (a header length of 2^63, `count=10000000000000` residuals, an
-//! index naming 10^13 shards) is then an [`Invalid`](super::CheckpointErrorKind::Invalid)
-//! error, never an allocation that the file cannot back, which would abort the process (Rust
-//! aborts when an allocation fails; it does not panic). The rule is [`count`]: every count
-//! read from a file goes through it, directly or through [`Cursor`], which walks a file's
-//! bytes whether they are in memory (a single file) or read by range (a shard), and
-//! [`read_header`], the one reader of the safetensors header that single files and shards
-//! share.
+//! The bounds every checkpoint decode reads within: no length or count a file declares sizes
+//! anything before it is checked against what is there. A corrupt or crafted file (a header
+//! length of 2^63, 10^13 residuals, an index naming 10^13 shards) is then
+//! [`Invalid`](super::CheckpointErrorKind::Invalid), never an allocation the file cannot back,
+//! which would abort the process (a failed allocation aborts; it does not panic). Every count
+//! goes through [`count`], directly or through [`Cursor`]; [`read_header`] is the one reader of
+//! the safetensors header that single files and shards share.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -22,9 +18,8 @@ use super::{checksum, not_safetensors, Problem};
 /// The largest header a reader accepts (the safetensors crate's own bound).
 pub(super) const MAX_HEADER: u64 = 100_000_000;
 
-/// The rule for every count a file declares: `n` items of `each` units apiece (bytes, or
-/// entries of a header) fit in the `present` units that are there. The count as a `usize` if
-/// they do, `None` if not. An item of no units counts as one, so that nothing unbounded passes.
+/// The rule for every count a file declares: `n` items of `each` units (an empty one counts as
+/// one) fit in the `present` units there. The count if they do.
 pub(super) fn count(n: u64, each: u64, present: u64) -> Option<usize> {
     let need = n.checked_mul(each.max(1))?;
     if need > present {
@@ -33,20 +28,16 @@ pub(super) fn count(n: u64, each: u64, present: u64) -> Option<usize> {
     usize::try_from(n).ok()
 }
 
-/// The largest updater step count a reader accepts: `i64::MAX`. A step count sizes nothing,
-/// but every push adds one to it, so a count that leaves no room for more pushes (a corrupt or
-/// crafted `18446744073709551615`) would overflow on the first push after the load; below this
-/// bound, 2^63 more pushes fit.
+/// The largest step count a reader accepts: every push adds one, so a corrupt
+/// `18446744073709551615` would overflow on the next push; below this, 2^63 more fit.
 pub(super) const MAX_STEP: u64 = i64::MAX as u64;
 
-/// A step count from its decimal spelling in a file (canonical: no sign, no leading zeros), if
-/// it is one within [`MAX_STEP`].
+/// A step count from its canonical decimal spelling, if it is one within [`MAX_STEP`].
 pub(super) fn step(text: &str) -> Option<u64> {
     count_of(text).filter(|&n| n <= MAX_STEP)
 }
 
-/// A count that [`count`] refused: the file declares `n` of `what`, more than `limit` (what
-/// is there, in words).
+/// A count that [`count`] refused: the file declares `n` of `what`, more than `limit`.
 pub(super) fn too_many(what: &str, n: u64, limit: &str) -> Problem {
     Problem::invalid(format!(
         "the file declares {n} {what}, more than {limit}: it is corrupt, or was not written by \
@@ -54,8 +45,7 @@ pub(super) fn too_many(what: &str, n: u64, limit: &str) -> Problem {
     ))
 }
 
-/// A reader's place in a run of bytes that are all there (a file of known length): it hands
-/// out only ranges and counts that fit in the bytes after it.
+/// A reader's place in a file of known length: it hands out only what fits after it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Cursor {
     at: u64,
@@ -73,8 +63,7 @@ impl Cursor {
         self.end - self.at
     }
 
-    /// The next `n` bytes, `what` naming them in errors: their range, and the cursor moves
-    /// past them. Fewer than `n` bytes left is an error.
+    /// The range of the next `n` bytes (`what`, in errors), moving past them.
     pub(super) fn take(&mut self, n: u64, what: &str) -> Result<Range<u64>, Problem> {
         if n > self.remaining() {
             return Err(Problem::invalid(format!(
@@ -88,8 +77,7 @@ impl Cursor {
         Ok(range)
     }
 
-    /// A count of `n` items of `size` bytes each that the file declares, checked by [`count`]
-    /// against the bytes after the cursor before anything is sized by it.
+    /// A count of `n` items of `size` bytes each, checked by [`count`] against what is left.
     pub(super) fn count(&self, n: u64, size: u64, what: &str) -> Result<usize, Problem> {
         count(n, size, self.remaining()).ok_or_else(|| {
             let limit = format!("the {} bytes after it can hold", self.remaining());
@@ -98,8 +86,7 @@ impl Cursor {
     }
 }
 
-/// A checkpoint file's safetensors header, read and checked: every tensor lies within the
-/// file, and the tensors end where the file does.
+/// A checkpoint file's safetensors header, checked: the tensors end where the file does.
 pub(super) struct Header {
     /// The parsed header: the metadata and every tensor's dtype, shape and offsets.
     pub meta: Metadata,
@@ -107,8 +94,8 @@ pub(super) struct Header {
     pub data_start: u64,
     /// Whether the header's checksum entry was there (it matched: a mismatch is an error).
     pub sealed: bool,
-    /// The CRC-32 of the header's bytes as read (the length and the JSON): it tells two files
-    /// apart, and, where the header holds its tensors' checksums, their data too.
+    /// The CRC-32 of the header's bytes (the length and the JSON): it tells two files apart,
+    /// and, where the header holds its tensors' checksums, their data too.
     pub crc: u32,
 }
 
@@ -120,11 +107,9 @@ impl Header {
     }
 }
 
-/// Reads the header of a checkpoint file of `len` bytes, `read` giving the bytes of a range of
-/// the file (only ranges within it are asked for). The header's length is checked against the
-/// bytes after it before anything is read by it, the header's checksum (where the entry is
-/// there) before anything in it is believed, and the tensors' extent against the data after
-/// it: a file that is truncated or extended is an error here.
+/// Reads the header of a file of `len` bytes through `read` (a range's bytes), checking its
+/// length before anything is read by it, its checksum (if there) before anything in it is
+/// believed, and the tensors' extent: a truncated or extended file is an error here.
 pub(super) fn read_header<'a>(
     len: u64,
     mut read: impl FnMut(Range<u64>) -> Result<Cow<'a, [u8]>, Problem>,
@@ -148,8 +133,7 @@ pub(super) fn read_header<'a>(
     let sealed = checksum::verify_header(&header)?;
     let meta: Metadata = serde_json::from_slice(&header[8..])
         .map_err(|e| not_safetensors(SafeTensorError::InvalidHeaderDeserialization(e)))?;
-    // The furthest tensor end, not `data_len` (the last tensor's end by offset), so that every
-    // tensor lies within the file.
+    // The furthest tensor end, not the last tensor's, so that every tensor lies in the file.
     let data_len = (meta.tensors().values())
         .map(|info| info.data_offsets.1 as u64)
         .max()
@@ -170,9 +154,8 @@ pub(super) fn read_header<'a>(
     })
 }
 
-/// The state buffer names of a `state_names` metadata entry: comma-separated, none when empty,
-/// and distinct (a name given twice would read one tensor twice over, so that a header of
-/// repeated names could make a load allocate far more than the file holds).
+/// The state buffer names of a `state_names` entry: comma-separated, and distinct (repeated
+/// names would read one tensor again and again, allocating far more than the file holds).
 pub(super) fn state_names(text: &str) -> Result<Vec<String>, Problem> {
     if text.is_empty() {
         return Ok(Vec::new());

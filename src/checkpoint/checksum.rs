@@ -1,13 +1,12 @@
-//! Checksums of checkpoint files (single files and shards alike): a CRC-32 of the header, and
-//! CRC-32s of every tensor's data, chunk by chunk, so that a file read by range is verified
-//! chunk by chunk, and every byte is checked before it is used. See the
+//! Checksums of checkpoint files: a CRC-32 of the header, and of every tensor's data chunk by
+//! chunk, so that a file read by range is verified as it is read. See the
 //! [module docs](super#checksums) for the entries.
 
 use std::collections::HashMap;
 
 use safetensors::tensor::Metadata;
 
-use super::Problem;
+use super::{layout, Problem};
 
 /// The metadata entry that holds the header's checksum.
 pub(super) const HEADER_ENTRY: &str = "header_crc32";
@@ -18,12 +17,11 @@ pub(super) const CHUNK_ENTRY: &str = "crc32_chunk";
 /// The prefix of the metadata entries that hold the checksums of a tensor: `crc32/<tensor>`.
 pub(super) const TENSOR_PREFIX: &str = "crc32/";
 
-/// The name of the last line of an index this version writes: `crc32 <8 hex digits>`, the
-/// CRC-32 of every byte of the index before that line.
+/// The name of an index's last line: `crc32 <8 hex digits>`, of every byte before that line.
 pub(super) const INDEX_ENTRY: &str = "crc32";
 
-/// The chunk size this version writes: 1 MiB, so a read by range reads at most 1 MiB more
-/// than it asked for at each end, and the list of checksums is 9 bytes per MiB of data.
+/// The chunk size written: a read by range reads at most 1 MiB more than it asked for at each
+/// end, and the checksums take 9 bytes per MiB of data.
 const CHUNK: usize = 1 << 20;
 
 /// The largest chunk size a reader accepts, which bounds the buffer a read by range needs.
@@ -65,9 +63,8 @@ fn parse_crc(text: &str) -> Option<u32> {
         .filter(|&c| crc_text(c) == text)
 }
 
-/// Adds the checksum entries of a file about to be serialized to `meta`: the chunk size, the
-/// checksums of every tensor (`tensors` gives each one's name and data), and the header's
-/// checksum as a placeholder that [`seal`] fills in.
+/// Adds to `meta` the checksum entries of a file about to be serialized: the chunk size, the
+/// checksums of `tensors` (name and data) and a placeholder for the header's, filled by [`seal`].
 pub(super) fn add_entries<'a>(
     meta: &mut HashMap<String, String>,
     tensors: impl IntoIterator<Item = (&'a str, &'a [u8])>,
@@ -81,8 +78,7 @@ pub(super) fn add_entries<'a>(
     meta.insert(HEADER_ENTRY.into(), PLACEHOLDER.into());
 }
 
-/// Where the 8 digits of the header's checksum lie in `header` (a file's 8-byte length and
-/// JSON header): `None` if the entry is not there exactly once.
+/// Where the 8 digits of the header's checksum lie in `header`, if the entry is there once.
 fn header_digits(header: &[u8]) -> Option<usize> {
     let pattern = format!("\"{HEADER_ENTRY}\":\"");
     let pattern = pattern.as_bytes();
@@ -98,9 +94,7 @@ fn header_digits(header: &[u8]) -> Option<usize> {
     Some(at)
 }
 
-/// Fills in the header's checksum of the serialized file `bytes`, written with the entries of
-/// [`add_entries`]: the CRC-32 of the header (the 8-byte length and the JSON, padding
-/// included) as it is with the placeholder.
+/// Fills in the header's checksum of the serialized file `bytes` (computed with the placeholder).
 pub(super) fn seal(bytes: &mut [u8]) -> Result<(), Problem> {
     let header_end = bytes
         .get(..8)
@@ -115,10 +109,8 @@ pub(super) fn seal(bytes: &mut [u8]) -> Result<(), Problem> {
     Ok(())
 }
 
-/// Verifies the header's checksum of a file whose header (the 8-byte length and the JSON) is
-/// `header`, if it has the entry: `Ok(true)` when it matches, `Ok(false)` when the entry is not
-/// there (a file of format 1, or a corrupt one: the caller tells which by its format), and an
-/// `Invalid` problem when it does not match.
+/// Verifies the checksum of `header`: `Ok(true)` when it matches, `Ok(false)` when the entry
+/// is not there (format 1, or corrupt: the caller tells which by the format).
 pub(super) fn verify_header(header: &[u8]) -> Result<bool, Problem> {
     let Some(at) = header_digits(header) else {
         return Ok(false);
@@ -141,9 +133,7 @@ pub(super) fn seal_index(text: &str) -> String {
     format!("{text}{INDEX_ENTRY} {}\n", crc_text(crc(text.as_bytes())))
 }
 
-/// Verifies the checksum line that ends an index's `text` (a newline after it is optional):
-/// `Ok(Some(body))`, the text before that line, when it matches; `Ok(None)` when the last line
-/// is not a checksum line; an `Invalid` problem when it does not match.
+/// Verifies the checksum line that ends an index's `text`: the text before it, if it is there.
 pub(super) fn verify_index(text: &str) -> Result<Option<&str>, Problem> {
     let trimmed = text.strip_suffix('\n').unwrap_or(text);
     let (body, last) = match trimmed.rfind('\n') {
@@ -174,17 +164,13 @@ pub(super) struct Sums {
     pub tensors: HashMap<String, Vec<u32>>,
 }
 
-/// Parses the checksum entries of the metadata `md` of a file whose tensors are `tensors`
-/// (each one's name and data length in bytes): the chunk size, and the checksums of every
-/// tensor, one per chunk; an entry for a tensor the file lacks is an error.
+/// Parses the checksum entries of metadata `md` for `tensors` (name and length in bytes).
 pub(super) fn parse_sums(
     md: &HashMap<String, String>,
     tensors: impl IntoIterator<Item = (String, usize)>,
 ) -> Result<Sums, Problem> {
-    let text = md
-        .get(CHUNK_ENTRY)
-        .ok_or_else(|| Problem::invalid(format!("metadata entry '{CHUNK_ENTRY}' is missing")))?;
-    let chunk = (super::layout::count_of(text))
+    let text = layout::entry(md, CHUNK_ENTRY)?;
+    let chunk = (layout::count_of(text))
         .filter(|c| (1..=MAX_CHUNK).contains(c))
         .ok_or_else(|| {
             Problem::invalid(format!(
@@ -194,10 +180,7 @@ pub(super) fn parse_sums(
     let mut sums = HashMap::new();
     for (name, len) in tensors {
         let entry = format!("{TENSOR_PREFIX}{name}");
-        let text = md
-            .get(&entry)
-            .ok_or_else(|| Problem::invalid(format!("metadata entry '{entry}' is missing")))?;
-        let list = match text.as_str() {
+        let list = match layout::entry(md, &entry)? {
             "" => Vec::new(),
             text => text
                 .split(',')
@@ -233,10 +216,9 @@ pub(super) fn parse_sums(
     })
 }
 
-/// The checksums of a file whose header records `tensors` and metadata `md`, by its `format`
-/// entry: `Some` for a format of `sealed` (this version's first), whose header's checksum must
-/// have been there (and matched: `sealed_header`); `None` for `bare`, format 1, which must have
-/// no checksum entries and none of `bare_lacks` (a shard's token). `what` names the file.
+/// The checksums of a file of `tensors` and metadata `md` by its `format`: `Some` for one of
+/// `sealed` (whose header's checksum must have been there); `None` for `bare`, format 1, which
+/// must have no checksum entries and none of `bare_lacks`. `what` names the file.
 pub(super) fn format_sums(
     (tensors, sealed_header): (&Metadata, bool),
     md: &HashMap<String, String>,
@@ -276,9 +258,7 @@ pub(super) fn format_sums(
     }
 }
 
-/// Verifies `data`, which starts at byte `from` of tensor `name` at a chunk boundary and ends
-/// at a chunk boundary or at the tensor's end, against the tensor's checksums `sums` of
-/// chunks of `chunk` bytes.
+/// Verifies `data`, whole chunks of tensor `name` from its byte `from` on, against `sums`.
 pub(super) fn verify_chunks(
     name: &str,
     data: &[u8],

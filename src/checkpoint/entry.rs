@@ -1,5 +1,5 @@
-//! [`Entry`]: one key whole, as host copies, the way the single-file format holds it and a
-//! store exports it for the test hooks that write checkpoints of a chosen layout.
+//! [`Entry`]: one key whole, as host copies, as a store exports it for the test hooks that
+//! write checkpoints of a chosen layout.
 
 use crate::{HostData, Key, Shape};
 
@@ -15,12 +15,11 @@ pub(crate) struct Entry {
     pub state: Option<EntryState>,
     /// Whether the key is row-sparse.
     pub row_sparse: bool,
-    /// Gradient compression's residuals of the key, one per position in a push's list of
-    /// values (empty when the key has none).
+    /// Gradient compression's residuals, one per position in a push's list of values.
     pub residuals: Vec<Vec<f32>>,
 }
 
-/// A key's updater state: the step count and one buffer per name in `Updater::state_names`.
+/// A key's updater state.
 pub(crate) struct EntryState {
     /// The step count.
     pub step: u64,

@@ -13,11 +13,12 @@ use super::bounded;
 use super::checksum::{self, Sums};
 use super::entry::Entry;
 use super::held::{Held, Saved, ShardHeader, Tensors};
-use super::layout::{acc_dtype, st_dtype, KeyMeta};
+use super::layout::{acc_dtype, entries_under, entry, st_dtype, KeyMeta};
 use super::{Problem, FORMAT, FORMAT_1};
 use crate::host::to_le_bytes;
 use crate::{DType, Error, Key, KeyKind, Shape, Updater};
 
+/// The spelling of a `key_kind` entry.
 pub(super) fn kind_name(kind: Option<KeyKind>) -> &'static str {
     match kind {
         Some(KeyKind::Int) => "int",
@@ -26,9 +27,7 @@ pub(super) fn kind_name(kind: Option<KeyKind>) -> &'static str {
     }
 }
 
-/// Writes `entries` (every key of a store, in update order, with the key kind and the updater
-/// in force) to `path` as a single file of format 2, atomically: the format earlier versions
-/// saved, for tests that load old files.
+/// Writes `entries` (in update order) to `path` as a single file of format 2, atomically.
 pub(crate) fn write_single_file(
     path: &std::path::Path,
     kind: Option<KeyKind>,
@@ -47,9 +46,7 @@ pub(super) struct Tensor {
     pub bytes: Vec<u8>,
 }
 
-/// The safetensors bytes of a file of `tensors` and metadata `meta`, with the checksums of
-/// every tensor added to `meta` and the header's own sealed in: the last step of writing a
-/// shard (or a single file).
+/// The safetensors bytes of `tensors` and metadata `meta`, with every checksum added.
 pub(super) fn serialize_sealed(
     mut meta: HashMap<String, String>,
     tensors: &[Tensor],
@@ -121,11 +118,8 @@ pub(super) fn encode(
     serialize_sealed(meta, &tensors)
 }
 
-/// Checks a whole single file, `bytes`: its header, every tensor's data against its checksums
-/// (the file is in memory), its keys in update order and the tensors of each. It reads as
-/// shard 0 of one, with no token, that holds every key whole. The header's checksum is
-/// verified before anything in the header is believed, and every count in it is checked
-/// against what the file holds before anything is sized by it (see [`bounded`]).
+/// Checks a whole single file, `bytes`, every tensor's data included; it reads as shard 0 of
+/// one, with no token, that holds every key whole.
 pub(super) fn check_file(bytes: &[u8]) -> std::result::Result<ShardHeader, Problem> {
     let header = bounded::read_header(bytes.len() as u64, |r| Ok(Cow::Borrowed(slice(bytes, r)?)))?;
     let meta = header
@@ -133,11 +127,7 @@ pub(super) fn check_file(bytes: &[u8]) -> std::result::Result<ShardHeader, Probl
         .metadata()
         .as_ref()
         .ok_or("the file has no metadata: it was not written by KvStore::save")?;
-    let get = |name: &str| {
-        meta.get(name)
-            .map(String::as_str)
-            .ok_or_else(|| format!("metadata entry '{name}' is missing"))
-    };
+    let get = |name: &str| entry(meta, name);
     let sums = verified_sums(get("format")?, &header, meta, bytes)?;
     let kind = parse_kind(get("key_kind")?)?;
     let keys = keys_in_order(meta, kind, get("keys")?)?;
@@ -164,8 +154,7 @@ pub(super) fn check_file(bytes: &[u8]) -> std::result::Result<ShardHeader, Probl
     })
 }
 
-/// The bytes `range` of `bytes`; a range outside them (which [`bounded::read_header`] rules
-/// out) is an error, not a panic.
+/// The bytes `range` of `bytes`; a range outside them is an error, not a panic.
 fn slice(bytes: &[u8], range: std::ops::Range<u64>) -> std::result::Result<&[u8], Problem> {
     usize::try_from(range.start)
         .ok()
@@ -174,8 +163,7 @@ fn slice(bytes: &[u8], range: std::ops::Range<u64>) -> std::result::Result<&[u8]
         .ok_or_else(|| Problem::invalid("a range beyond the file's end: the file is corrupt"))
 }
 
-/// The checksums of a file of format `format`, every tensor of `bytes` verified against them:
-/// `None` for a file of format 1, which has none.
+/// The checksums of a file of `format` (`None` for format 1), every tensor verified.
 fn verified_sums(
     format: &str,
     header: &bounded::Header,
@@ -210,9 +198,7 @@ pub(super) fn parse_kind(text: &str) -> std::result::Result<Option<KeyKind>, Pro
     }
 }
 
-/// The keys of a single file in update order, from its `keys` count (`count_text`) and its
-/// `order/<key>` entries; checked to be distinct, and every `step/`, `row_sparse/` and
-/// `residuals/` entry to name one of them.
+/// The keys of a single file in update order, distinct, with no entry naming another key.
 fn keys_in_order(
     meta: &HashMap<String, String>,
     kind: Option<KeyKind>,
@@ -221,8 +207,7 @@ fn keys_in_order(
     let count = count_text
         .parse::<u64>()
         .ok()
-        // Each key has an `order/` entry, so a larger count cannot be right (and must not
-        // size an allocation).
+        // Each key has an `order/` entry: a larger count cannot be right.
         .and_then(|n| bounded::count(n, 1, meta.len() as u64))
         .ok_or_else(|| {
             format!(
@@ -234,10 +219,7 @@ fn keys_in_order(
         })?;
     // Each key is spelled one way only (its canonical form), so no two entries name one key.
     let mut ordered: Vec<Option<Key>> = vec![None; count];
-    for (name, value) in meta {
-        let Some(text) = name.strip_prefix("order/") else {
-            continue;
-        };
+    for (name, text, value) in entries_under(meta, "order/") {
         let key = parse_key(kind, text)?;
         let slot = value
             .parse::<usize>()
@@ -252,8 +234,7 @@ fn keys_in_order(
         .into_iter()
         .collect::<Option<_>>()
         .ok_or_else(|| format!("metadata lists fewer than keys = {count} order entries"))?;
-    // Canonical spellings make every key distinct; checked again, as a duplicate would make
-    // the load lock one key twice.
+    // Checked again: a duplicate would make the load lock one key twice.
     let mut seen: HashSet<&Key> = HashSet::with_capacity(keys.len());
     if let Some(k) = keys.iter().find(|k| !seen.insert(*k)) {
         return Err(format!("metadata lists key {k} twice").into());
@@ -270,9 +251,7 @@ fn keys_in_order(
     Ok(keys)
 }
 
-/// Key `key`, the `order`-th in update order, of a single file: the piece that holds it whole
-/// (its value, and one state buffer per name of `state_names` where the file has a step count
-/// for it), and its residuals, if it has any, each checked against the tensors it claims.
+/// Key `key`, the `order`-th, of a single file: its piece and residuals, checked.
 fn check_key(
     tensors: &mut Tensors<'_>,
     meta: &HashMap<String, String>,
@@ -286,22 +265,15 @@ fn check_key(
     let shape = Shape::new(&info.shape).map_err(|e| format!("tensor '{name}': {e}"))?;
     let dims = shape.dims();
     let (dtype, value) = tensors.claim(name, None, dims)?;
-    let step = match meta.get(&format!("step/{key}")) {
-        None => None,
-        Some(step) => Some(bounded::step(step).ok_or_else(|| {
-            format!(
-                "metadata step/{key} = '{step}' is not a count from 0 to {}",
-                bounded::MAX_STEP
-            )
-        })?),
-    };
-    let mut state = Vec::new();
-    if step.is_some() {
-        for s in state_names {
-            let acc = Some(acc_dtype(dtype));
-            state.push(tensors.claim(format!("state/{key}/{s}"), acc, dims)?.1);
-        }
-    }
+    let step = (meta.get(&format!("step/{key}"))).map(|step| {
+        bounded::step(step).ok_or_else(|| {
+            let max = bounded::MAX_STEP;
+            format!("metadata step/{key} = '{step}' is not a count from 0 to {max}")
+        })
+    });
+    let step = step.transpose()?;
+    let names = (state_names.iter().filter(|_| step.is_some())).map(|s| format!("state/{key}/{s}"));
+    let state = tensors.claim_each(names, acc_dtype(dtype), dims)?;
     let row_sparse = match meta.get(&format!("row_sparse/{key}")).map(String::as_str) {
         None => false,
         Some("1") if shape.ndim() >= 2 => true,
@@ -328,12 +300,8 @@ fn check_key(
                          save again"
                     )
                 })?;
-            let spans = (0..count)
-                .map(|i| {
-                    let name = format!("residual/{key}/{i}");
-                    Ok(tensors.claim(name, Some(DType::F32), dims)?.1)
-                })
-                .collect::<std::result::Result<Vec<_>, Problem>>()?;
+            let names = (0..count).map(|i| format!("residual/{key}/{i}"));
+            let spans = tensors.claim_each(names, DType::F32, dims)?;
             Some((key.clone(), shape.size(), spans))
         }
     };
@@ -355,9 +323,7 @@ fn check_key(
     Ok((piece, residuals))
 }
 
-/// A key from its spelling in the file. Int keys must be spelled canonically (as `save`
-/// writes them: no sign but `-`, no leading zeros, no spaces), so that no two spellings name
-/// one key.
+/// A key from its spelling in the file; an int key's must be canonical.
 pub(super) fn parse_key(kind: Option<KeyKind>, text: &str) -> std::result::Result<Key, Problem> {
     match kind {
         Some(KeyKind::Int) => text

@@ -1,6 +1,6 @@
 //! A checkpoint file's header, checked, as the reader uses it: where each piece's and
-//! residual's tensors are, with their checksums. Shards and single files alike are read into
-//! these, through [`Tensors`], the one check of a tensor against what its entry says.
+//! residual's tensors are, with their checksums. [`Tensors`] is the one check of a tensor
+//! against what its entry says.
 
 use std::collections::HashSet;
 use std::ops::Range;
@@ -11,42 +11,38 @@ use super::layout::{st_dtype, KeyMeta};
 use super::Problem;
 use crate::{DType, Key, KeyKind};
 
-/// One tensor of a file: where its bytes are (absolute offsets `start..end`), and their
-/// checksums.
+/// One tensor of a file: its bytes' absolute offsets `start..end`, and their checksums.
 #[derive(Clone, Debug)]
 pub(super) struct Span {
     /// The tensor's name, for errors.
     pub(super) name: String,
     pub(super) start: u64,
     pub(super) end: u64,
-    /// The checksum of every chunk of the tensor's bytes (chunks of the file's chunk size);
-    /// `None` in a file of format 1, which has none.
+    /// The checksum of every chunk of its bytes; `None` in a file of format 1.
     pub(super) sums: Option<Vec<u32>>,
 }
 
-/// One key's compression residuals as a file holds them: the key, its length, and one tensor
-/// per position.
+/// One key's compression residuals in a file: the key, its length, and one tensor per position.
 pub(super) type Saved = (Key, usize, Vec<Span>);
 
 /// One piece as a shard file holds it: where its value and state bytes are.
 pub(super) struct Held {
     pub(super) meta: KeyMeta,
     pub(super) range: Range<usize>,
-    /// The shard it is in: its place among the reader's files, which is its rank.
+    /// The shard it is in (its rank).
     pub(super) file: usize,
     pub(super) value: Span,
     pub(super) state: Vec<Span>,
 }
 
-/// One shard's header, checked: what it holds and where. A single file reads as shard 0 of
-/// one, with no token.
+/// One shard's header, checked: what it holds and where.
 pub(crate) struct ShardHeader {
     pub(super) rank: usize,
     /// The CRC-32 of the shard's header bytes (see [`bounded::Header::crc`]).
     pub(super) header_crc: u32,
     /// The token of the save that wrote it; `None` for a shard of format 1.
     pub(super) token: Option<u64>,
-    /// The chunk size of its checksums; `None` for a shard of format 1, which has none.
+    /// The chunk size of its checksums; `None` for a shard of format 1.
     pub(super) chunk: Option<usize>,
     pub(super) kind: Option<KeyKind>,
     pub(super) updater: String,
@@ -56,8 +52,7 @@ pub(crate) struct ShardHeader {
     pub(super) residuals: Vec<Saved>,
 }
 
-/// A file's tensors as its header records them, with their checksums (`None` in a file of
-/// format 1), and the names of those claimed so far by the entries that name them.
+/// A file's tensors, with their checksums, and which have been claimed so far.
 pub(super) struct Tensors<'a> {
     pub header: &'a bounded::Header,
     sums: Option<&'a Sums>,
@@ -74,9 +69,8 @@ impl<'a> Tensors<'a> {
         }
     }
 
-    /// Claims tensor `name`, checked to have shape `dims` (validated by the caller) and
-    /// `dtype` (any dtype the store has when `None`): its dtype and absolute span, with its
-    /// checksums.
+    /// Claims tensor `name`, checked to have shape `dims` and `dtype` (any the store has when
+    /// `None`): its dtype and span.
     pub(super) fn claim(
         &mut self,
         name: String,
@@ -125,8 +119,19 @@ impl<'a> Tensors<'a> {
         Ok((got, span))
     }
 
-    /// Checks that every tensor of the file was claimed: one that was not belongs to no
-    /// `owner` (what claims tensors, in words) in the metadata.
+    /// Claims the tensors `names`, each of `dtype` and shape `dims`.
+    pub(super) fn claim_each(
+        &mut self,
+        names: impl IntoIterator<Item = String>,
+        dtype: DType,
+        dims: &[usize],
+    ) -> std::result::Result<Vec<Span>, Problem> {
+        (names.into_iter())
+            .map(|name| Ok(self.claim(name, Some(dtype), dims)?.1))
+            .collect()
+    }
+
+    /// Checks that every tensor was claimed: one that was not belongs to no `owner`.
     pub(super) fn all_claimed(&self, owner: &str) -> std::result::Result<(), Problem> {
         match (self.header.meta.tensors().keys()).find(|n| !self.claimed.contains(*n)) {
             Some(extra) => Err(Problem::invalid(format!(

@@ -1,33 +1,33 @@
-//! The layout of a checkpoint on disk, shared by its writers ([`super::sharded`],
-//! [`super::file`]) and its reader ([`super::reader`]): the format names, how tokens, counts and
-//! dtypes are spelled, the paths of the index and the shards, and what a shard records of each
-//! key.
+//! The layout of a checkpoint on disk, shared by its writers and its reader: the format names,
+//! how tokens, counts and dtypes are spelled, the paths, and what is recorded of each key.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
 
 use super::entry::Entry;
+use super::Problem;
 use crate::{DType, Key, NDArray};
 
 /// The `format` metadata entry of every shard file this version writes.
 pub(crate) const SHARD_FORMAT: &str = "kvstore-shard/3";
 
-/// The `format` of shard files of the previous version, which spell their `piece/` and
-/// `residuals/` entries as `name=value` fields; still read.
+/// The `format` of earlier shard files, which spell `piece/` and `residuals/` as `name=value`
+/// fields; still read.
 pub(crate) const SHARD_FORMAT_2: &str = "kvstore-shard/2";
 
-/// The `format` of shard files of the previous version, which carry no token; still read.
+/// The `format` of earlier shard files, with no token and no checksums; still read.
 pub(crate) const SHARD_FORMAT_1: &str = "kvstore-shard/1";
 
 /// The first line of every index file this version writes.
 pub(crate) const INDEX_FORMAT: &str = "kvstore-checkpoint-index/3";
 
-/// The first line of index files of the previous version, which carry no checksum; still read.
+/// The first line of earlier index files, with no checksum; still read.
 pub(crate) const INDEX_FORMAT_2: &str = "kvstore-checkpoint-index/2";
 
-/// The first line of index files of the previous version, which name no token; still read.
+/// The first line of earlier index files, with no token either; still read.
 pub(crate) const INDEX_FORMAT_1: &str = "kvstore-checkpoint-index/1";
 
 /// A token as files spell it: 16 lowercase hex digits.
@@ -35,7 +35,7 @@ pub(crate) fn token_text(token: u64) -> String {
     format!("{token:016x}")
 }
 
-/// A token from its spelling in a file, which must be canonical (16 lowercase hex digits).
+/// A token from its canonical spelling (16 lowercase hex digits).
 pub(crate) fn parse_token(text: &str) -> Option<u64> {
     u64::from_str_radix(text, 16)
         .ok()
@@ -49,17 +49,15 @@ pub(crate) struct KeyMeta {
     pub key: Key,
     /// The dims of the whole value (a piece holds a range of its row-major flattening).
     pub dims: Vec<usize>,
-    /// The value's dtype. State buffers are in its accumulator dtype (`float64` for `float64`
-    /// values, `float32` otherwise).
+    /// The value's dtype; state buffers are in its [`acc_dtype`].
     pub dtype: DType,
     /// The key's place in update order: keys are listed by it, and no two keys share it.
     pub order: usize,
     /// The key's updater step count; 0 where it has no state.
     pub step: u64,
-    /// Whether the key has updater state (one buffer per state name); a key pushed to under
-    /// the updater in force has, a key never pushed to has not.
+    /// Whether the key has updater state (one buffer per state name).
     pub has_state: bool,
-    /// Whether the key is row-sparse (written `sparse=1`; absent for a dense key).
+    /// Whether the key is row-sparse.
     pub row_sparse: bool,
 }
 
@@ -84,8 +82,7 @@ impl KeyMeta {
 }
 
 /// One key's gradient-compression residuals on the rank that saves them: one per position of
-/// a push's list of values, each of the whole key's `len` elements (an empty one, a position
-/// never pushed, is saved as zeros).
+/// a push's list of values, each of the key's `len` elements (or empty: never pushed).
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct KeyResiduals {
     pub key: Key,
@@ -113,9 +110,8 @@ pub(crate) struct Piece {
     pub range: Range<usize>,
     /// The value over `range`: 1-D, `range.len()` elements of `meta.dtype`.
     pub value: NDArray,
-    /// The updater state over `range`, named as [`Updater::state_names`], in that order;
-    /// empty exactly when `meta.has_state` is false. Each buffer is 1-D, `range.len()`
-    /// elements of the accumulator dtype.
+    /// The updater state over `range`, named and ordered as [`Updater::state_names`] (empty
+    /// exactly when `meta.has_state` is false), each 1-D of the accumulator dtype.
     pub state: Vec<(String, NDArray)>,
 }
 
@@ -150,6 +146,23 @@ pub(super) fn acc_dtype(dtype: DType) -> DType {
         DType::F64 => DType::F64,
         _ => DType::F32,
     }
+}
+
+/// Metadata entry `name` of `md`; a missing one is `Invalid`.
+pub(super) fn entry<'m>(md: &'m HashMap<String, String>, name: &str) -> Result<&'m str, Problem> {
+    md.get(name)
+        .map(String::as_str)
+        .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
+}
+
+/// The metadata entries of `md` named `<prefix><rest>`: each one's name, `rest` and value.
+pub(super) fn entries_under<'m>(
+    md: &'m HashMap<String, String>,
+    prefix: &'m str,
+) -> impl Iterator<Item = (&'m str, &'m str, &'m str)> {
+    (md.iter()).filter_map(move |(name, value)| {
+        Some((name.as_str(), name.strip_prefix(prefix)?, value.as_str()))
+    })
 }
 
 /// A count as files spell it: decimal, canonical (no sign, no leading zeros), so that no two

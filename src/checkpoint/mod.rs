@@ -2,18 +2,17 @@
 //! [`KvStore::load`](crate::KvStore::load), in the safetensors format. This module knows files,
 //! not stores: the store hands it pieces of values and reads pieces back.
 //!
-//! Every store, of every kind, saves one format: a **sharded directory** (see
-//! [below](#sharded-checkpoints)), one shard per rank. A store of one process is a world of one
-//! rank, and writes one shard that holds every key whole. [`KvStore::load`](crate::KvStore::load)
-//! reads that format at any world size, and still reads the **single files** that earlier
-//! versions wrote for stores of one process (formats 1 and 2, below), and sharded directories of
-//! every earlier format. Any of them loads into a store of any kind and any world size.
+//! Every store saves one format: a **sharded directory** (see [below](#sharded-checkpoints)),
+//! one shard per rank; a store of one process is a world of one and writes one shard that
+//! holds every key whole. [`KvStore::load`](crate::KvStore::load) reads it at any world size,
+//! into a store of any kind, and still reads sharded directories of every earlier format and
+//! the **single files** of formats 1 and 2 that stores of one process wrote before.
 //!
 //! # Single file (written by earlier versions; still read)
 //!
-//! A single file holds every key's value and the updater state of every key (its buffers and
-//! step count). Tensors are named `value/<key>` and `state/<key>/<name>`, where `<name>` is one
-//! of [`Updater::state_names`](crate::Updater::state_names) (`momentum`, `mean`, `var`). The
+//! A single file holds every key's value and updater state (buffers and step count) as
+//! tensors `value/<key>` and `state/<key>/<name>`, where `<name>` is one of
+//! [`Updater::state_names`](crate::Updater::state_names) (`momentum`, `mean`, `var`). The
 //! safetensors metadata holds:
 //!
 //! | entry            | value                                                     |
@@ -29,17 +28,16 @@
 //! | `residuals/<key>` | the number of gradient-compression residuals of the key (one per position in a push's list of values), each a float32 tensor `residual/<key>/<i>` of the key's shape; absent when it has none |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, see [below](#checksums) |
 //!
-//! Keys are spelled as [`Key`](crate::Key)'s `Display` writes them; an int key in any other spelling
-//! (`05`, `+5`) makes the file invalid, so that no two entries can name one key.
-//!
-//! Values are stored in their own dtype (`F32`, `F64`, `F16`, `BF16`), state buffers in the
-//! accumulator dtype (`F64` for `float64` values, `F32` otherwise), little-endian.
+//! Keys are spelled as [`Key`](crate::Key)'s `Display` writes them; an int key spelled
+//! otherwise (`05`, `+5`) makes the file invalid, so that no two entries name one key. Values
+//! are in their own dtype (`F32`, `F64`, `F16`, `BF16`), state buffers in the accumulator
+//! dtype (`F64` for `float64` values, `F32` otherwise), little-endian.
 //!
 //! # Checksums
 //!
-//! Every file, a shard or a single file, carries checksums of all its bytes, and a load
-//! verifies every byte before it uses it. They are CRC-32s (IEEE 802.3, as zlib computes
-//! them), each written as 8 lowercase hex digits, in three kinds of metadata entry:
+//! Every file, shard or single file, carries CRC-32s (IEEE 802.3, as zlib computes them) of
+//! all its bytes, each written as 8 lowercase hex digits, and a load verifies every byte
+//! before it uses it:
 //!
 //! | entry            | value                                                           |
 //! |------------------|-----------------------------------------------------------------|
@@ -48,14 +46,13 @@
 //! | `crc32/<tensor>` | for every tensor, the CRC-32 of each `C`-byte chunk of its data, in order (the last one may be shorter), comma-separated; empty for a tensor of no bytes |
 //!
 //! The header's checksum is verified before anything in the header is believed. A shard is
-//! read by range, so a read reads and verifies only the chunks it touches (at most one chunk
-//! more than it needs at each end), each before any of its bytes is used. A mismatch is an
-//! [`Error::Checkpoint`] of kind [`CheckpointErrorKind::Invalid`] that names the file, and a
-//! load that meets one changes nothing.
+//! read by range: a read verifies each chunk it touches (at most one more than it needs at
+//! each end) before any of its bytes is used. A mismatch is an [`Error::Checkpoint`] of kind
+//! [`CheckpointErrorKind::Invalid`] that names the file, and the load changes nothing.
 //!
 //! Files of format 1 (`kvstore-checkpoint/1`, and the shards of format 1 below) have no
-//! checksums: they still load, unverified, with a warning in the log; save them again to
-//! write the current format. A file of format 1 with checksum entries is invalid.
+//! checksums: they load unverified, with a warning in the log; saving again writes the
+//! current format. A file of format 1 with checksum entries is invalid.
 //!
 //! # Sharded checkpoints
 //!
@@ -67,31 +64,30 @@
 //! ```
 //!
 //! `index` is five lines of text: `kvstore-checkpoint-index/3`, `generation <G>`, `world <W>`,
-//! `token <T>` and `crc32 <C>`, where `C` is the CRC-32 of the four lines before it (their
-//! newlines included), written as 8 lowercase hex digits; a load verifies it before it believes
-//! anything in the index. A save claims a fresh generation: rank 0 creates its folder with a create
-//! that fails if the folder exists, taking the next number if it does, so two saves into one
-//! directory at once (a restarted job while the old one still runs) never share a
-//! generation. It also mints the save's token, a random 64-bit number written as 16 lowercase
-//! hex digits, that marks every shard of the save. Every rank writes its shard into the
-//! generation (each through a temporary file that is flushed and renamed), then rank 0 checks
-//! that every shard carries the save's token and that the shards together hold every element
-//! of every key exactly once, and replaces `index` atomically; the generations up to the one
-//! `index` named before are removed after that. A save that stops part way never touches
-//! `index`, so the previous checkpoint stays the one a load finds; its leftovers are ignored.
-//! A load checks that every shard carries the token `index` names, so a generation holding a
-//! shard of another save is an error, never values mixed from two saves.
+//! `token <T>` and `crc32 <C>`, where `C` is the CRC-32 of the four lines before it (newlines
+//! included) as 8 lowercase hex digits, verified before anything in the index is believed.
+//!
+//! A save claims a fresh generation: rank 0 creates its folder with a create that fails if it
+//! exists, taking the next number if it does, so two saves into one directory at once (a
+//! restarted job while the old one still runs) never share a generation. Rank 0 also mints
+//! the save's token, 64 random bits as 16 lowercase hex digits, that marks every shard of the
+//! save. Every rank writes its shard (through a temporary file that is flushed and renamed);
+//! then rank 0 checks that every shard carries the token and that the shards hold every
+//! element of every key exactly once, replaces `index` atomically, and removes the
+//! generations up to the one `index` named before. A save that stops part way never touches
+//! `index`, so the previous checkpoint stays the one a load finds. A load checks that every
+//! shard carries the token `index` names, so a shard of another save is an error, never
+//! values mixed from two saves.
 //!
 //! Checkpoints of format 1 (an `index` of the first three lines, `kvstore-checkpoint-index/1`,
-//! and shards of format `kvstore-shard/1`, with no token and no checksums) still load, with a
-//! warning in the log that they cannot tell a corrupt byte or a shard of another save. So do
-//! checkpoints whose index is of format 2 (`kvstore-checkpoint-index/2`, the first four lines,
-//! with no checksum line), with a warning that a corrupt index would go unnoticed.
+//! and shards `kvstore-shard/1`, with no token and no checksums) still load, with a warning
+//! that a corrupt byte or a shard of another save would go unnoticed; so do those whose index
+//! is of format 2 (`kvstore-checkpoint-index/2`, the first four lines), with a warning that a
+//! corrupt index would go unnoticed.
 //!
 //! Each shard holds, for every key it has, one contiguous range of the key's row-major
-//! flattened value (the whole key, or one slice of it), as 1-D tensors `value/<key>` and
-//! `state/<key>/<name>` of that range's length, in the dtypes of the single file. Its
-//! metadata:
+//! flattened value (the whole key, or a slice), as 1-D tensors `value/<key>` and
+//! `state/<key>/<name>` of the range's length, in the dtypes of the single file. Its metadata:
 //!
 //! | entry          | value                                                             |
 //! |----------------|-------------------------------------------------------------------|
@@ -104,18 +100,17 @@
 //! | `residuals/<key>` | a JSON object `{"count":<c>,"len":<n>}`: the saving rank's own gradient-compression residuals of the key, `c` float32 tensors `residual/<key>/<i>` of the whole key's `n` elements; absent when it has none |
 //! | `header_crc32`, `crc32_chunk`, `crc32/<tensor>` | the checksums, as in the single file |
 //!
-//! `order` is the key's place in update order (distinct per key; keys are listed by it),
-//! `start..end` the element range this shard holds, `dims` the whole key's dims (empty for a
-//! scalar), and `step` the updater step count, present exactly when the key has updater state
-//! (then the shard has one `state/<key>/<name>` per state name), and `sparse` (`true`, or
-//! absent for a dense key) marks a row-sparse key. No other field is allowed. Every shard of a key records the same `order`, `dims`, dtype, `step` and
-//! `sparse`. A shard's residuals are its rank's own, of every key that rank pushed (homed
-//! there or not): a load by as many ranks gives rank `r` those of shard `r` (a store of one
-//! process is one rank, and a single file one shard); after a load by another number of
-//! ranks they start at zero. Keys are spelled canonically, as in the single file.
+//! In `piece/`, `order` is the key's place in update order (distinct per key), `start..end`
+//! the element range the shard holds, `dims` the whole key's dims (empty for a scalar),
+//! `step` the updater step count, present exactly when the key has updater state (then the
+//! shard has one `state/<key>/<name>` per state name), and `sparse` (`true`, or absent for a
+//! dense key) marks a row-sparse key; no other field is allowed. Every shard of a key records
+//! the same `order`, `dims`, dtype, `step` and `sparse`. A shard's residuals are its rank's
+//! own, of every key that rank pushed: a load by as many ranks gives rank `r` those of shard
+//! `r` (a single file is one shard); a load by another number of ranks starts them at zero.
 //!
-//! Shards of format 2 (`kvstore-shard/2`) still load: they differ only in spelling `piece/`
-//! as `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` and `residuals/` as
+//! Shards of format 2 (`kvstore-shard/2`) differ only in spelling `piece/` as
+//! `order=<o> start=<a> end=<b> dims=<d0>,<d1>,... step=<s> sparse=1` and `residuals/` as
 //! `count=<c> len=<n>` (fields separated by single spaces, counts in canonical decimal).
 //!
 //! ```
@@ -145,13 +140,12 @@
 //!
 //! No checkpoint file can make a load allocate more than the files hold: every length or count
 //! a file declares (the header's length, `keys`, a `residuals` count, the `world` an index
-//! names) is checked against the bytes, header entries, tensors or shard files that are there
-//! before anything is sized by it. A file that declares more is [`CheckpointErrorKind::Invalid`]
-//! (an index that names more shards than its generation holds is
-//! [`CheckpointErrorKind::NotFound`], as a missing shard is); it never aborts the process.
-//! Two more rules keep a load from growing past its files, or a later push from failing: the
-//! state buffer names are distinct (a name given twice would read its tensors twice over), and
-//! a step count is at most 2^63 - 1 (every push adds one to it).
+//! names) is checked against the bytes, entries, tensors or shard files there before anything
+//! is sized by it. A file that declares more is [`CheckpointErrorKind::Invalid`] (an index
+//! naming more shards than its generation holds is [`CheckpointErrorKind::NotFound`], as a
+//! missing shard is); it never aborts the process. State buffer names are distinct (a name
+//! given twice would read its tensors twice over), and a step count is at most 2^63 - 1 (every
+//! push adds one to it).
 
 mod atomic;
 mod bounded;
@@ -186,11 +180,10 @@ pub(crate) use sharded::{commit, entry_piece, next_generation, rank_range, write
 pub(crate) use crate::checkpoint_error::CheckpointErrorKind;
 use crate::Error;
 
-/// The `format` entry of the metadata of the single-file checkpoints of the previous version,
-/// which carry checksums; still read (a store now saves a sharded directory).
+/// The `format` of single files of format 2, with checksums; still read.
 pub const FORMAT: &str = "kvstore-checkpoint/2";
 
-/// The `format` of single files of the version before, which have no checksums; still read.
+/// The `format` of single files of format 1, with no checksums; still read.
 const FORMAT_1: &str = "kvstore-checkpoint/1";
 
 /// A checkpoint failure before its path is attached.

@@ -1,7 +1,5 @@
 //! Reading checkpoints by key and element range: a committed sharded directory (any world
-//! size, any slicing) or a single file from [`KvStore::save`](crate::KvStore::save), which
-//! reads as one shard that holds every key whole.
-//!
+//! size, any slicing) or a single file, read as one shard that holds every key whole.
 //! Opening reads only the index and the shards' headers; [`Reader::read`] then reads just the
 //! bytes of the range asked for, from whichever shards hold them.
 
@@ -17,51 +15,41 @@ use super::checksum::{self, Sums};
 use super::file::{check_file, parse_key, parse_kind};
 use super::held::{Held, Saved, ShardHeader, Span, Tensors};
 use super::layout::{
-    acc_dtype, count_of, generation_dir, index_path, parse_token, shard_path, token_text, KeyMeta,
-    KeyResiduals, Piece, INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2, SHARD_FORMAT,
-    SHARD_FORMAT_1, SHARD_FORMAT_2,
+    acc_dtype, count_of, entries_under, entry, generation_dir, index_path, parse_token, shard_path,
+    token_text, KeyMeta, KeyResiduals, Piece, INDEX_FORMAT, INDEX_FORMAT_1, INDEX_FORMAT_2,
+    SHARD_FORMAT, SHARD_FORMAT_1, SHARD_FORMAT_2,
 };
 use super::spec::{PieceSpec, ResidualSpec, Spelling};
 use super::Problem;
 use crate::host::from_le_bytes;
 use crate::{DType, Device, HostData, Key, KeyKind, NDArray, Result, Shape, Updater};
 
-/// What `dir/index` says: the committed generation, the world size that wrote it, and the
-/// token of the save that wrote it.
+/// What `dir/index` says.
 pub(crate) struct Index {
     /// The committed generation.
     pub generation: u64,
     /// The number of shards in it.
     pub world: usize,
-    /// The token every shard of the generation carries; `None` in an index of format 1, whose
-    /// shards carry none.
+    /// The token every shard of the generation carries; `None` in an index of format 1.
     pub token: Option<u64>,
-    /// Whether the index carried a checksum (and it matched); an index of an earlier format
-    /// has none.
+    /// Whether the index carried a checksum (it matched); earlier formats have none.
     pub verified: bool,
 }
 
-/// Reads and checks `dir/index`: this version's format, whose checksum is verified before
-/// anything in it is believed, or an earlier one (format 2, which has no checksum, or format
-/// 1, which names no token either). No index is kind `NotFound`; a malformed one `Invalid`.
+/// Reads and checks `dir/index`, of any format. No index is kind `NotFound`; a malformed one
+/// `Invalid`.
 pub(crate) fn read_index(dir: &Path) -> Result<Index> {
     let path = index_path(dir);
-    let text = match fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            return Err(Problem::io(true, e)
-                .with_message(
-                    "this directory holds no committed checkpoint (no index file): check the \
-                     path, or save a checkpoint there first",
-                )
-                .at(&path))
-        }
-        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-            return Err(Problem::invalid("the index is not text: it is corrupt").at(&path))
-        }
-        Err(e) => return Err(Problem::io(true, e).at(&path)),
-    };
-    parse_index(&text).map_err(|p| p.at(&path))
+    let text = fs::read_to_string(&path).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => Problem::io(true, e).with_message(
+            "this directory holds no committed checkpoint (no index file): check the path, or \
+             save a checkpoint there first",
+        ),
+        io::ErrorKind::InvalidData => Problem::invalid("the index is not text: it is corrupt"),
+        _ => Problem::io(true, e),
+    });
+    text.and_then(|text| parse_index(&text))
+        .map_err(|p| p.at(&path))
 }
 
 /// An index from its text; see [`read_index`].
@@ -113,9 +101,9 @@ pub(super) struct ShardFile {
 }
 
 impl ShardFile {
-    /// Fills `out` with the bytes of tensor `span` from its byte `from` on. Every chunk these
-    /// bytes touch is read whole and verified against its checksum before any byte of it is
-    /// copied out; whole chunks are read straight into `out`, and verified there.
+    /// Fills `out` with the bytes of tensor `span` from its byte `from` on, verifying every
+    /// chunk they touch before any byte of it is used: whole chunks are read straight into
+    /// `out`, a chunk the range starts or ends inside into a buffer.
     fn read_tensor(
         &self,
         span: &Span,
@@ -135,28 +123,27 @@ impl ShardFile {
         if out.is_empty() {
             return Ok(());
         }
-        let mut c = from / chunk;
-        while c * chunk < to {
+        // The chunks wholly inside `from..to` (the last chunk ends at `len`, and may be short).
+        let whole = from.div_ceil(chunk)..if to == len {
+            len.div_ceil(chunk)
+        } else {
+            to / chunk
+        };
+        for c in from / chunk..to.div_ceil(chunk) {
             let (cs, ce) = (c * chunk, ((c + 1) * chunk).min(len));
-            if cs >= from && ce <= to {
-                // A run of whole chunks inside the range: one read, straight into `out`.
-                let mut end = ce;
-                while end < to && (end + chunk).min(len) <= to {
-                    end = (end + chunk).min(len);
+            if whole.contains(&c) {
+                if c == whole.start {
+                    let dst = &mut out[cs - from..(whole.end * chunk).min(len) - from];
+                    self.read_at(span.start + cs as u64, dst).map_err(io)?;
+                    checksum::verify_chunks(&span.name, dst, cs, sums, chunk)?;
                 }
-                let dst = &mut out[cs - from..end - from];
-                self.read_at(span.start + cs as u64, dst).map_err(io)?;
-                checksum::verify_chunks(&span.name, dst, cs, sums, chunk)?;
-                c = end.div_ceil(chunk);
-            } else {
-                // A chunk the range starts or ends inside: read it whole, verify, copy a part.
-                let mut buf = vec![0u8; ce - cs];
-                self.read_at(span.start + cs as u64, &mut buf).map_err(io)?;
-                checksum::verify_chunks(&span.name, &buf, cs, sums, chunk)?;
-                let (a, b) = (cs.max(from), ce.min(to));
-                crate::memcopy::copy(&mut out[a - from..b - from], &buf[a - cs..b - cs]);
-                c += 1;
+                continue;
             }
+            let mut buf = vec![0u8; ce - cs];
+            self.read_at(span.start + cs as u64, &mut buf).map_err(io)?;
+            checksum::verify_chunks(&span.name, &buf, cs, sums, chunk)?;
+            let (a, b) = (cs.max(from), ce.min(to));
+            crate::memcopy::copy(&mut out[a - from..b - from], &buf[a - cs..b - cs]);
         }
         Ok(())
     }
@@ -178,11 +165,7 @@ impl ShardFile {
         }
     }
 
-    /// Reads and checks the file's safetensors header through the shared bounded reader (see
-    /// [`bounded::read_header`]): where its data starts, the parsed header, and whether the
-    /// header's checksum was there (and matched: a mismatch is an error, found before the
-    /// header is parsed). The file's length is checked against the header's tensors, so a
-    /// truncated file is caught here.
+    /// Reads and checks the file's header with [`bounded::read_header`].
     fn read_header(&self) -> std::result::Result<bounded::Header, Problem> {
         let len = self
             .file
@@ -198,28 +181,21 @@ impl ShardFile {
     }
 }
 
-/// Opens the shard at `path` and reads and checks its header: that it is shard `rank` of
-/// `world` of generation `generation`, and that its tensors match its pieces.
+/// Opens the shard at `path`, checking that it is shard `rank` of `world` of `generation`.
 pub(super) fn open_shard(
     path: &Path,
     generation: u64,
     rank: usize,
     world: usize,
 ) -> Result<(ShardHeader, ShardFile)> {
-    let file = File::open(path).map_err(|e| {
-        let missing = e.kind() == io::ErrorKind::NotFound;
-        let p = Problem::io(true, e);
-        if missing {
-            p.with_message(format!(
-                "shard {rank} of {world} of generation {generation} is missing: the save that \
-                 wrote it did not finish on every rank; load the previous checkpoint, or save \
-                 again"
-            ))
-        } else {
-            p
-        }
-        .at(path)
-    })?;
+    let file = File::open(path).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => Problem::io(true, e).with_message(format!(
+            "shard {rank} of {world} of generation {generation} is missing: the save that \
+             wrote it did not finish on every rank; load the previous checkpoint, or save again"
+        )),
+        _ => Problem::io(true, e),
+    });
+    let file = file.map_err(|p| p.at(path))?;
     let mut file = ShardFile {
         path: path.to_owned(),
         file,
@@ -233,8 +209,7 @@ pub(super) fn open_shard(
     Ok((checked, file))
 }
 
-/// What a `piece/<key>` metadata entry, `text`, spelled `spelling`, says: the key's whole
-/// description (its dtype is set from the value tensor by the caller) and the range held.
+/// What a `piece/<key>` entry says: the key (the caller sets its dtype) and the range held.
 fn parse_spec(
     key: Key,
     text: &str,
@@ -244,10 +219,8 @@ fn parse_spec(
     let spec = PieceSpec::parse(text, spelling).map_err(|why| bad(&why))?;
     let shape = Shape::new(&spec.dims).map_err(|e| bad(&e.to_string()))?;
     if spec.step.is_some_and(|s| s > bounded::MAX_STEP) {
-        return Err(bad(&format!(
-            "step is not a count from 0 to {}",
-            bounded::MAX_STEP
-        )));
+        let max = bounded::MAX_STEP;
+        return Err(bad(&format!("step is not a count from 0 to {max}")));
     }
     if spec.sparse && shape.ndim() < 2 {
         return Err(bad("a row-sparse key has two or more dimensions"));
@@ -267,9 +240,7 @@ fn parse_spec(
     Ok((meta, spec.start..spec.end))
 }
 
-/// Checks a shard's parsed header against its place and its own tensors. `header.sealed` tells
-/// whether the header's checksum entry was there (and matched): a shard of this version's
-/// format must have it, a shard of format 1 must have no checksum entries.
+/// Checks a shard's parsed header against its place and its own tensors.
 fn check_shard(
     header: &bounded::Header,
     generation: u64,
@@ -281,22 +252,18 @@ fn check_shard(
         .metadata()
         .as_ref()
         .ok_or("the shard has no metadata: it was not written by a sharded save")?;
-    let get = |name: &str| {
-        md.get(name)
-            .map(String::as_str)
-            .ok_or_else(|| Problem::invalid(format!("metadata entry '{name}' is missing")))
-    };
+    let get = |name: &str| entry(md, name);
     let (token, sums, spelling) = shard_format(header, md, get("format")?)?;
     for (name, want) in [
         ("generation", generation.to_string()),
         ("rank", rank.to_string()),
         ("world", world.to_string()),
     ] {
-        if get(name)? != want {
+        let have = get(name)?;
+        if have != want {
             return Err(Problem::invalid(format!(
-                "metadata {name} is '{}' but the file is named for {name} {want}: it was moved \
-                 or copied from another checkpoint",
-                get(name)?
+                "metadata {name} is '{have}' but the file is named for {name} {want}: it was \
+                 moved or copied from another checkpoint"
             )));
         }
     }
@@ -320,8 +287,7 @@ fn check_shard(
     })
 }
 
-/// The token and the checksums of a shard of format `format` (`None` for a shard of format 1,
-/// which has neither), checked against its header, and how it spells its entries.
+/// The token and checksums of a shard of `format` (`None` for format 1), and its spelling.
 fn shard_format(
     header: &bounded::Header,
     md: &HashMap<String, String>,
@@ -339,8 +305,7 @@ fn shard_format(
     else {
         return Ok((None, None, Spelling::Fields));
     };
-    let text = (md.get("token").map(String::as_str))
-        .ok_or_else(|| Problem::invalid("metadata entry 'token' is missing"))?;
+    let text = entry(md, "token")?;
     let token = parse_token(text).ok_or_else(|| {
         Problem::invalid(format!(
             "metadata token '{text}' is not 16 lowercase hex digits: the shard is corrupt"
@@ -353,9 +318,7 @@ fn shard_format(
     Ok((Some(token), Some(sums), spelling))
 }
 
-/// The pieces a shard's `piece/<key>` entries, spelled `spelling`, name, each checked against
-/// the tensors it claims (the value, and one state buffer per name of `state_names` where the
-/// piece has state).
+/// The pieces a shard's `piece/<key>` entries name, each checked against its tensors.
 fn shard_pieces(
     tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
@@ -364,22 +327,15 @@ fn shard_pieces(
     state_names: &[String],
 ) -> std::result::Result<Vec<Held>, Problem> {
     let mut pieces = Vec::new();
-    for (name, spec) in md {
-        let Some(text) = name.strip_prefix("piece/") else {
-            continue;
-        };
+    for (_, text, spec) in entries_under(md, "piece/") {
         let key = parse_key(kind, text)?;
         let (mut km, range) = parse_spec(key, spec, spelling)?;
         let dims = [range.len()];
         let (dtype, value) = tensors.claim(format!("value/{text}"), None, &dims)?;
         km.dtype = dtype;
-        let mut state = Vec::new();
-        if km.has_state {
-            for s in state_names {
-                let name = format!("state/{text}/{s}");
-                state.push(tensors.claim(name, Some(acc_dtype(dtype)), &dims)?.1);
-            }
-        }
+        let names =
+            (state_names.iter().filter(|_| km.has_state)).map(|s| format!("state/{text}/{s}"));
+        let state = tensors.claim_each(names, acc_dtype(dtype), &dims)?;
         pieces.push(Held {
             meta: km,
             range,
@@ -391,9 +347,7 @@ fn shard_pieces(
     Ok(pieces)
 }
 
-/// The residuals a shard's `residuals/<key>` entries, spelled `spelling`, name: per key, its
-/// length and the tensor it claims for each position. Each count is checked against the
-/// shard's tensors (one each) before anything is sized by it.
+/// The residuals a shard's `residuals/<key>` entries name, each count bounded first.
 fn shard_residuals(
     tensors: &mut Tensors<'_>,
     md: &HashMap<String, String>,
@@ -402,10 +356,7 @@ fn shard_residuals(
 ) -> std::result::Result<Vec<Saved>, Problem> {
     let present = tensors.header.meta.tensors().len() as u64;
     let mut residuals = Vec::new();
-    for (name, spec) in md {
-        let Some(text) = name.strip_prefix("residuals/") else {
-            continue;
-        };
+    for (name, text, spec) in entries_under(md, "residuals/") {
         let key = parse_key(kind, text)?;
         let ResidualSpec { count, len } = ResidualSpec::parse(spec, spelling).ok_or_else(|| {
             Problem::invalid(format!(
@@ -419,19 +370,14 @@ fn shard_residuals(
                  again"
             ))
         })?;
-        let spans = (0..count)
-            .map(|i| {
-                let name = format!("residual/{text}/{i}");
-                Ok(tensors.claim(name, Some(DType::F32), &[len])?.1)
-            })
-            .collect::<std::result::Result<Vec<_>, Problem>>()?;
-        residuals.push((key, len, spans));
+        let names = (0..count).map(|i| format!("residual/{text}/{i}"));
+        residuals.push((key, len, tensors.claim_each(names, DType::F32, &[len])?));
     }
     Ok(residuals)
 }
 
 /// Every key of a checkpoint, whole, and the pieces that hold it.
-struct Assembled {
+pub(super) struct Assembled {
     kind: Option<KeyKind>,
     updater: String,
     state_names: Vec<String>,
@@ -443,25 +389,26 @@ struct Assembled {
     residuals: Vec<Vec<Saved>>,
 }
 
-/// Checks that `shards` agree with each other and together hold every element of every key
-/// exactly once. `at` names the checkpoint in errors.
-pub(crate) fn check_cover(at: &Path, shards: Vec<ShardHeader>) -> Result<()> {
-    assemble(at, shards).map(|_| ())
-}
-
-/// Puts `shards` together: checks that they agree (updater, key kind, every key's record),
-/// that every residual belongs to a key of its length, that keys have distinct places in
-/// update order, and that each key's pieces cover its elements exactly once.
-fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
+/// Puts `shards` together: checks that they agree, that every residual belongs to a key of its
+/// length, that keys have distinct places in update order, and that each key's pieces cover
+/// its elements exactly once. `at` names the checkpoint in errors.
+pub(super) fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
     let invalid = |message: String| Problem::invalid(message).at(at);
     let mut a = gather(shards).map_err(invalid)?;
     check_residual_keys(&a).map_err(invalid)?;
-    check_orders(&a.keys).map_err(invalid)?;
     let mut by_order: Vec<(KeyMeta, Vec<Held>)> = std::mem::take(&mut a.keys)
         .into_iter()
         .zip(std::mem::take(&mut a.held))
         .collect();
     by_order.sort_by_key(|(meta, _)| meta.order);
+    if let Some(w) = by_order.windows(2).find(|w| w[0].0.order == w[1].0.order) {
+        let (x, y) = (&w[0].0, &w[1].0);
+        let why = format!(
+            "keys {} and {} share place {} in update order",
+            x.key, y.key, y.order
+        );
+        return Err(invalid(why));
+    }
     for (meta, mut list) in by_order {
         list.sort_by_key(|p| (p.range.start, p.range.end));
         check_key_cover(&meta, &list).map_err(invalid)?;
@@ -471,9 +418,7 @@ fn assemble(at: &Path, shards: Vec<ShardHeader>) -> Result<Assembled> {
     Ok(a)
 }
 
-/// Every key of `shards` once, in the order first met, with the pieces that hold it, each
-/// piece marked with its shard's place; the shards must agree on the updater, the key kind and
-/// every key's record.
+/// Every key of `shards` once, with its pieces; the shards must agree on updater, kind, keys.
 fn gather(shards: Vec<ShardHeader>) -> std::result::Result<Assembled, String> {
     let Some(first) = shards.first() else {
         return Err("the checkpoint has no shards".to_owned());
@@ -524,8 +469,7 @@ fn gather(shards: Vec<ShardHeader>) -> std::result::Result<Assembled, String> {
     Ok(a)
 }
 
-/// Checks that every shard's residuals are of a key the checkpoint holds, each of its key's
-/// length.
+/// Checks that every shard's residuals are of a key the checkpoint holds, of its length.
 fn check_residual_keys(a: &Assembled) -> std::result::Result<(), String> {
     let size_of: HashMap<&Key, usize> = a.keys.iter().map(|k| (&k.key, k.size())).collect();
     for (file, saved) in a.residuals.iter().enumerate() {
@@ -549,75 +493,47 @@ fn check_residual_keys(a: &Assembled) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// Checks that no two keys share a place in update order.
-fn check_orders(keys: &[KeyMeta]) -> std::result::Result<(), String> {
-    let mut orders: HashMap<usize, &Key> = HashMap::with_capacity(keys.len());
-    for k in keys {
-        if let Some(other) = orders.insert(k.order, &k.key) {
-            return Err(format!(
-                "keys {other} and {} share place {} in update order",
-                k.key, k.order
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Checks that `list`, the pieces of key `meta` sorted by range, holds each of its elements
-/// exactly once (empty pieces aside).
+/// Checks that `list`, the pieces of `meta` by range, holds each element exactly once.
 fn check_key_cover(meta: &KeyMeta, list: &[Held]) -> std::result::Result<(), String> {
-    let mut next = 0;
-    let mut last_rank = None;
+    let key = &meta.key;
+    let gap = |from, to| Err(format!("key {key}: elements {from}..{to} are in no shard"));
+    let (mut next, mut last_rank) = (0, 0);
     for p in list.iter().filter(|p| !p.range.is_empty()) {
-        if p.range.start < next {
+        let Range { start, end } = p.range;
+        if start < next {
             return Err(format!(
-                "key {}: elements {}..{} are held by two shards ({} and {}): the shards are \
-                 from different saves or slicings",
-                meta.key,
-                p.range.start,
-                next.min(p.range.end),
-                last_rank.unwrap_or(0),
+                "key {key}: elements {start}..{} are held by two shards ({last_rank} and {}): \
+                 the shards are from different saves or slicings",
+                next.min(end),
                 p.file
             ));
         }
-        if p.range.start > next {
-            return Err(format!(
-                "key {}: elements {next}..{} are in no shard",
-                meta.key, p.range.start
-            ));
+        if start > next {
+            return gap(next, start);
         }
-        next = p.range.end;
-        last_rank = Some(p.file);
+        (next, last_rank) = (end, p.file);
     }
-    if next != meta.size() {
-        return Err(format!(
-            "key {}: elements {next}..{} are in no shard",
-            meta.key,
-            meta.size()
-        ));
+    match next == meta.size() {
+        true => Ok(()),
+        false => gap(next, meta.size()),
     }
-    Ok(())
 }
 
 /// A checkpoint open for reading by key and element range.
 pub(crate) struct Reader {
     path: PathBuf,
-    /// Every key, the pieces that hold it and each shard's residuals (a shard's file is its
-    /// rank).
+    /// Every key, the pieces that hold it and each shard's residuals (by rank).
     all: Assembled,
     /// Each key's place in `all.keys`.
     place: HashMap<Key, usize>,
+    /// One per rank that saved the checkpoint (a single file: one).
     files: Vec<ShardFile>,
-    /// The number of ranks that saved the checkpoint (a single file: one).
-    world: usize,
     /// Which checkpoint this is, in words that differ for any two saves: see [`Reader::which`].
     which: String,
 }
 
-/// Opens a checkpoint: a directory with a committed sharded checkpoint, or a single file
-/// written by [`KvStore::save`](crate::KvStore::save) (read as one shard holding every key
-/// whole). A missing path, index or shard is kind `NotFound`; anything malformed, or shards
-/// that do not cover every key exactly once, `Invalid`.
+/// Opens a checkpoint directory or single file. A missing path, index or shard is kind
+/// `NotFound`; anything malformed, or shards that do not cover every key once, `Invalid`.
 pub(crate) fn open(path: &Path) -> Result<Reader> {
     let meta = fs::metadata(path).map_err(|e| Problem::io(true, e).at(path))?;
     if meta.is_dir() {
@@ -660,18 +576,16 @@ fn open_dir(dir: &Path) -> Result<Reader> {
     let headers = crc32fast::hash(&crcs);
     let a = assemble(&gen_dir, shards)?;
     if index.token.is_none() {
-        log::warn!(
-            "{}: a sharded checkpoint of format 1, whose shards carry no checksums and no save \
-             token, so a corrupt byte or a shard of another save would go unnoticed; it loads \
-             unverified. Save it again to write the current format",
-            dir.display()
+        warn_unverified(
+            dir,
+            "a sharded checkpoint of format 1, whose shards carry no checksums and no save \
+             token, so a corrupt byte or a shard of another save would go unnoticed",
         );
     } else if !index.verified {
-        log::warn!(
-            "{}: the index of this sharded checkpoint has no checksum (an earlier version wrote \
-             it), so a corrupt index would go unnoticed; it loads unverified. Save it again to \
-             write the current format",
-            dir.display()
+        warn_unverified(
+            dir,
+            "the index of this sharded checkpoint has no checksum (an earlier version wrote \
+             it), so a corrupt index would go unnoticed",
         );
     }
     let token = index.token.map_or("none (format 1)".to_owned(), token_text);
@@ -680,12 +594,19 @@ fn open_dir(dir: &Path) -> Result<Reader> {
          CRC-32 {headers:08x}",
         index.generation
     );
-    Ok(Reader::new(dir, a, files, index.world, which))
+    Ok(Reader::new(dir, a, files, which))
 }
 
-/// Checks that generation directory `gen_dir` holds a shard file for every rank of the world
-/// the index names, before anything is sized by that count: an index naming more shards than
-/// there are (a corrupt or crafted world of 10^13) is kind `NotFound`, as a missing shard is.
+/// A warning that the checkpoint at `path` loads unverified, and `why`.
+fn warn_unverified(path: &Path, why: &str) {
+    log::warn!(
+        "{}: {why}; it loads unverified. Save it again to write the current format",
+        path.display()
+    );
+}
+
+/// Checks that `gen_dir` holds a shard for every rank the index names, before anything is
+/// sized by that count: naming more (a crafted world of 10^13) is `NotFound`, as a missing one.
 fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
     let world = index.world;
     let suffix = format!("-of-{world}.safetensors");
@@ -718,11 +639,9 @@ fn shards_present(gen_dir: &Path, index: &Index) -> Result<()> {
         .at(gen_dir))
 }
 
-/// Opens a single file of an earlier version as a world of one shard that holds every key
-/// whole, and the file's residuals as that shard's.
+/// Opens a single file as a world of one shard that holds every key whole.
 fn open_file(path: &Path) -> Result<Reader> {
-    // Read through the handle that later reads by range, so both see one file even if a save
-    // replaces it meanwhile.
+    // Through the handle that later reads by range: one file, even if a save replaces it.
     let io = |e| Problem::io(true, e).at(path);
     let mut file = File::open(path).map_err(io)?;
     let mut bytes = Vec::new();
@@ -730,11 +649,9 @@ fn open_file(path: &Path) -> Result<Reader> {
     let header = check_file(&bytes).map_err(|p| p.at(path))?;
     let chunk = header.chunk;
     if chunk.is_none() {
-        log::warn!(
-            "{}: a checkpoint of format 1, which has no checksums, so a corrupt byte in it would \
-             go unnoticed; it loads unverified. Save it again to write the current format",
-            path.display()
-        );
+        let why = "a checkpoint of format 1, which has no checksums, so a corrupt byte in it \
+                   would go unnoticed";
+        warn_unverified(path, why);
     }
     let which = format!(
         "a single file whose header's CRC-32 is {:08x}",
@@ -746,17 +663,11 @@ fn open_file(path: &Path) -> Result<Reader> {
         file,
         chunk: chunk.unwrap_or(1),
     }];
-    Ok(Reader::new(path, a, files, 1, which))
+    Ok(Reader::new(path, a, files, which))
 }
 
 impl Reader {
-    fn new(
-        path: &Path,
-        all: Assembled,
-        files: Vec<ShardFile>,
-        world: usize,
-        which: String,
-    ) -> Reader {
+    fn new(path: &Path, all: Assembled, files: Vec<ShardFile>, which: String) -> Reader {
         let place = (all.keys.iter().enumerate())
             .map(|(i, k)| (k.key.clone(), i))
             .collect();
@@ -765,29 +676,25 @@ impl Reader {
             all,
             place,
             files,
-            world,
             which,
         }
     }
 
-    /// Which checkpoint this is: for a directory, the generation and the token of the save that
-    /// wrote it and a CRC-32 of its shards' headers; for a single file, the CRC-32 of its
-    /// header. A header holds the checksums of all its file's data (format 1: at least every
-    /// key, dtype and range), so two checkpoints whose bytes differ are told apart. Ranks compare it, so that ranks
-    /// that found different checkpoints at one path fail rather than load different values.
+    /// Which checkpoint this is: the generation, the save's token and a CRC-32 of the shards'
+    /// headers (a single file: its header's), which hold the checksums of the data (format 1:
+    /// every key, dtype and range), so checkpoints whose bytes differ are told apart. Ranks
+    /// compare it, so that ranks that found different checkpoints at one path fail.
     pub(crate) fn which(&self) -> &str {
         &self.which
     }
 
-    /// The compression residuals rank `rank` of `world` saved, per key: `None` for a
-    /// checkpoint that another number of ranks saved (each rank's residuals are its own, so
-    /// they do not carry over to another world). A single file is a world of one.
+    /// The compression residuals rank `rank` of `world` saved: `None` if another world saved.
     pub(crate) fn rank_residuals(
         &self,
         rank: usize,
         world: usize,
     ) -> Result<Option<Vec<KeyResiduals>>> {
-        if self.world != world {
+        if self.files.len() != world {
             return Ok(None);
         }
         let (Some(file), Some(saved)) = (self.files.get(rank), self.all.residuals.get(rank)) else {
@@ -815,16 +722,14 @@ impl Reader {
         Ok(Some(out))
     }
 
-    /// Reads every byte of every key's value and state, and every residual, verifying each
-    /// against its checksums, and keeps none of it: a corrupt checkpoint is
-    /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), whatever else is
-    /// wrong with it. One key at a time.
+    /// Reads and verifies every byte, one key at a time, keeping none: a corrupt checkpoint is
+    /// `Invalid`, whatever else is wrong with it.
     pub(crate) fn verify(&self) -> Result<()> {
         for (i, meta) in self.all.keys.iter().enumerate() {
             self.read_host(i, 0..meta.size())?;
         }
         for rank in 0..self.files.len() {
-            self.rank_residuals(rank, self.world)?;
+            self.rank_residuals(rank, self.files.len())?;
         }
         Ok(())
     }
@@ -856,9 +761,8 @@ impl Reader {
         self.all.updater == updater.name() && self.all.state_names.iter().eq(updater.state_names())
     }
 
-    /// Elements `range` of `key`: its value and (where the key has state) its state buffers, in
-    /// [`Reader::state_names`] order, read from whichever shards hold them. A key the
-    /// checkpoint lacks, or a range outside the key, is kind `Mismatch`; a read failure `Io`.
+    /// Elements `range` of `key`, value and state. A key the checkpoint lacks, or a range
+    /// outside it, is kind `Mismatch`; a read failure `Io`.
     pub(crate) fn read(&self, key: &Key, range: Range<usize>) -> Result<Piece> {
         let i = self.place.get(key).copied().ok_or_else(|| {
             Problem::mismatch(format!("key {key} is not in this checkpoint")).at(&self.path)
@@ -879,8 +783,7 @@ impl Reader {
         })
     }
 
-    /// Elements `range` of `keys[i]` as host data: the value and its state buffers (none where
-    /// the key has no state).
+    /// Elements `range` of `keys[i]` as host data: the value and its state buffers.
     fn read_host(&self, i: usize, range: Range<usize>) -> Result<(HostData, Vec<HostData>)> {
         let meta = &self.all.keys[i];
         if range.start > range.end || range.end > meta.size() {

@@ -1,19 +1,8 @@
-//! Sharded checkpoints, the writing side: each rank writes one shard file of a fresh generation,
-//! and rank 0 commits the generation by replacing the index. See the
-//! [module docs](super#sharded-checkpoints) for the layout.
-//!
-//! A save by a store of `world` ranks runs:
-//!
-//! 1. rank 0: [`next_generation`], which claims a fresh generation directory (an atomic
-//!    create, so no two saves ever share one) and mints the save's token; both are broadcast
-//!    to every rank as a [`SaveId`];
-//! 2. every rank: [`write_shard`] with the pieces it holds, marked with the token;
-//! 3. a barrier;
-//! 4. rank 0: [`commit`], which checks that every shard carries the save's token and that the
-//!    shards cover every key exactly once, and then points the index at the new generation.
-//!
-//! A save that stops before step 4 completes leaves the index, and so the previous checkpoint,
-//! as it was.
+//! Sharded checkpoints, the writing side (see the [module docs](super#sharded-checkpoints) for
+//! the layout). A save of `world` ranks runs [`next_generation`] on rank 0, which claims a
+//! fresh generation and mints the save's token, broadcast as a [`SaveId`]; [`write_shard`] on
+//! every rank; a barrier; and [`commit`] on rank 0, which checks the shards and points the
+//! index at the new generation. A save that stops before the commit leaves the index as it was.
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -29,14 +18,13 @@ use super::layout::{
     acc_dtype, count_of, generation_dir, index_path, shard_path, token_text, KeyMeta, KeyResiduals,
     Piece, INDEX_FORMAT, SHARD_FORMAT,
 };
-use super::reader::{check_cover, open_shard, read_index};
+use super::reader::{assemble, open_shard, read_index};
 use super::spec::{to_json, PieceSpec, ResidualSpec};
 use super::{CheckpointErrorKind, Problem};
 use crate::host::to_le_bytes;
 use crate::{DType, Device, Error, Key, KeyKind, NDArray, Result, Updater};
 
-/// One save of a sharded checkpoint: the generation it claimed and the token that marks every
-/// shard it writes, so that shards of another save are told apart from its own.
+/// One save: the generation it claimed and the token that marks every shard it writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SaveId {
     /// The generation directory the save owns.
@@ -45,17 +33,12 @@ pub(crate) struct SaveId {
     pub token: u64,
 }
 
-/// The generation a `gen-<G>` directory name stands for.
-fn parse_generation_dir(name: &str) -> Option<u64> {
-    count_of(name.strip_prefix("gen-")?)
-}
-
-/// Every generation directory in `dir`.
+/// Every generation in `dir`, by its `gen-<G>` directory.
 fn generations(dir: &Path) -> io::Result<Vec<u64>> {
     let names = fs::read_dir(dir)?.map(|e| Ok(e?.file_name()));
     let names = names.collect::<io::Result<Vec<_>>>()?;
     Ok((names.iter())
-        .filter_map(|n| parse_generation_dir(n.to_str()?))
+        .filter_map(|n| count_of(n.to_str()?.strip_prefix("gen-")?))
         .collect())
 }
 
@@ -64,11 +47,9 @@ fn write_error(path: &Path, e: io::Error) -> Error {
     Problem::io(false, e).at(path)
 }
 
-/// Claims a new generation for a save into `dir` (created if it does not exist, not its
-/// parents), and mints the save's token. The generation is above every one there, committed or
-/// not, so a save never writes into the remains of an interrupted one; its directory is made
-/// by a create that fails if it exists, and a save that finds it taken (another job saving
-/// into `dir` at once) takes the next number.
+/// Claims a new generation for a save into `dir` (created if need be) and mints its token. The
+/// generation is above every one there, so a save never writes into the remains of another;
+/// one that finds its directory taken (another job saving at once) takes the next number.
 pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     if dir.is_file() {
         return Err(Problem::invalid(
@@ -78,8 +59,7 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
         )
         .at(dir));
     }
-    // The directory itself, not its parents: a save into a folder that does not exist (a
-    // mistyped path) is an error that says so.
+    // Not its parents: a save into a mistyped path is an error that says so.
     match fs::create_dir(dir) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(write_error(dir, e)),
         _ => {}
@@ -104,8 +84,7 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
         })
     };
     let mut generation = top.map_or(Ok(0), after)?;
-    // 64 random bits from the operating system, so that saves of two jobs, or two saves of one
-    // job, share a token with a chance of 2^-64; this fails only where it has no random source.
+    // 64 random bits from the system: two saves share a token with a chance of 2^-64.
     let token = getrandom::u64().map_err(|e| {
         let e = io::Error::other(format!("no random save token from the system: {e}"));
         write_error(dir, e)
@@ -123,15 +102,9 @@ pub(crate) fn next_generation(dir: &Path) -> Result<SaveId> {
     Ok(SaveId { generation, token })
 }
 
-/// Writes the shard of `rank` (of `world` ranks) of save `save` into `dir`:
-/// `dir/gen-<generation>/shard-<rank>-of-<world>.safetensors`, marked with the save's token,
-/// through a temporary file that is flushed and renamed, so a shard file is either whole or
-/// absent. `updater` is the updater in
-/// force; every piece with state must hold one buffer per [`Updater::state_names`], in order.
-/// A rank holds at most one piece of a key.
-///
-/// Bad pieces (a range outside the key, a length, dtype or state name that does not match) are
-/// [`Error::Checkpoint`] of kind `Invalid` and write nothing.
+/// Writes the shard of `rank` of `world` of `save` into `dir`, atomically. Every piece with
+/// state holds one buffer per [`Updater::state_names`] of `updater`, in order, and a rank holds
+/// at most one piece of a key: bad pieces are kind `Invalid` and write nothing.
 pub(crate) fn write_shard(
     dir: &Path,
     save: SaveId,
@@ -210,9 +183,8 @@ fn encode_shard(
     serialize_sealed(meta, &tensors)
 }
 
-/// Checks piece `p` before it is written: a key of the shard's `kind`, not in `seen` (which it
-/// joins), a range within the key, a value and state buffers of the right dtype and length,
-/// and state buffers named `names` exactly when the key has state.
+/// Checks piece `p`: of key `kind`, not in `seen` (which it joins), a range within the key,
+/// and value and state buffers (`names`, if it has state) of the right dtype and length.
 fn check_piece<'p>(
     p: &'p Piece,
     kind: Option<KeyKind>,
@@ -266,8 +238,7 @@ fn check_piece<'p>(
     Ok(())
 }
 
-/// The tensors of checked piece `p`: its value and its state buffers, 1-D, each of the dtype
-/// [`check_piece`] found.
+/// The tensors of checked piece `p`: its value and its state buffers, 1-D.
 fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
     let (key, len) = (&p.meta.key, p.range.len());
     let tensor = |name: String, what: &str, a: &NDArray| {
@@ -286,8 +257,7 @@ fn piece_tensors(p: &Piece) -> std::result::Result<Vec<Tensor>, Problem> {
     std::iter::once(value).chain(state).collect()
 }
 
-/// Checks residuals `r` before they are written: of the shard's key `kind`, each of the key's
-/// length (or empty, a position never pushed).
+/// Checks residuals `r`: of key `kind`, each of the key's length or empty (never pushed).
 fn check_residuals(r: &KeyResiduals, kind: Option<KeyKind>) -> std::result::Result<(), Problem> {
     let key = &r.key;
     if kind.is_some_and(|k| k != key.kind()) {
@@ -305,8 +275,7 @@ fn check_residuals(r: &KeyResiduals, kind: Option<KeyKind>) -> std::result::Resu
     }
 }
 
-/// The tensors of checked residuals `r`, float32, one per position; a position never pushed
-/// keeps no residual and is written as zeros.
+/// The tensors of checked residuals `r`, one per position; one never pushed is written as zeros.
 fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
     r.residuals.iter().enumerate().map(|(i, v)| Tensor {
         name: format!("residual/{}/{i}", r.key),
@@ -319,12 +288,10 @@ fn residual_tensors(r: &KeyResiduals) -> impl Iterator<Item = Tensor> + '_ {
     })
 }
 
-/// Commits save `save` of `world` ranks in `dir`, after every rank's [`write_shard`] returned:
-/// checks every shard's header (the save's token, and that the shards agree and cover every
-/// key exactly once), replaces `dir/index` atomically, and removes, best effort, the
-/// generations up to the one the index named before (one above it may be another job's save
-/// in progress). On any error the index is unchanged: a missing shard is kind `NotFound`, a
-/// corrupt or foreign one or a gap or overlap `Invalid`.
+/// Commits `save` of `world` ranks in `dir` once every shard is written: checks the shards
+/// (the save's token, and that they cover every key exactly once), replaces `dir/index`
+/// atomically, and removes the generations up to the one the index named before (one above it
+/// may be another job's save in progress). On any error the index is unchanged.
 pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     let generation = save.generation;
     let gen_dir = generation_dir(dir, generation);
@@ -345,7 +312,7 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
         }
         shards.push(header);
     }
-    check_cover(&gen_dir, shards)?;
+    assemble(&gen_dir, shards)?;
     let previous = read_index(dir).ok().map(|i| i.generation);
     let index = checksum::seal_index(&format!(
         "{INDEX_FORMAT}\ngeneration {generation}\nworld {world}\ntoken {}\n",
@@ -353,8 +320,7 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     ));
     let path = index_path(dir);
     write_atomic(&path, index.as_bytes()).map_err(|e| write_error(&path, e))?;
-    // The generations up to the previous checkpoint are no longer reachable; a failure to
-    // remove one leaves only litter.
+    // Unreachable now; a failure to remove one leaves only litter.
     if let (Some(previous), Ok(found)) = (previous, generations(dir)) {
         for g in found
             .into_iter()
@@ -366,9 +332,7 @@ pub(crate) fn commit(dir: &Path, save: SaveId, world: usize) -> Result<()> {
     Ok(())
 }
 
-/// The range of the `order`-th key, of `size` elements, that `rank` of `world` holds in the
-/// test layout of `KvStore::save_sharded`: keys of `world` elements or more sliced evenly over
-/// the ranks, smaller ones whole on one rank each in turn; `None` where it holds none.
+/// The range of the `order`-th key that `rank` of `world` holds in `save_sharded`'s layout.
 pub(crate) fn rank_range(
     size: usize,
     order: usize,
@@ -381,8 +345,7 @@ pub(crate) fn rank_range(
     (order % world == rank).then_some(0..size)
 }
 
-/// Elements `range` of entry `e`, the `order`-th key, as a piece: its value, and its state
-/// where it has state for `updater`.
+/// Elements `range` of entry `e`, the `order`-th key, as a piece, with its state for `updater`.
 pub(crate) fn entry_piece(
     e: &Entry,
     order: usize,

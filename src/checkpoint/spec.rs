@@ -1,7 +1,6 @@
-//! The text of a shard's `piece/<key>` and `residuals/<key>` metadata entries. Shards of this
-//! version write JSON objects (serde); shards of earlier formats wrote `name=value` fields
-//! separated by spaces, which are read into the same structs. Only the spelling differs: the
-//! checks on what the fields say are made once, by the reader, on the structs.
+//! The text of a shard's `piece/<key>` and `residuals/<key>` entries: JSON objects, or in
+//! earlier formats `name=value` fields, read into the same structs; the reader checks what
+//! the fields say once, on the structs.
 
 use std::collections::HashMap;
 
@@ -18,8 +17,7 @@ pub(super) enum Spelling {
     Fields,
 }
 
-/// A `piece/<key>` entry: the element range `start..end` of the key's row-major flattened
-/// value that the shard holds, and what every piece records of the whole key.
+/// A `piece/<key>` entry: the element range `start..end` the shard holds, and the whole key.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct PieceSpec {
@@ -39,14 +37,13 @@ pub(super) struct PieceSpec {
     pub sparse: bool,
 }
 
-/// A `residuals/<key>` entry: the number of residual tensors of the key, and the whole key's
-/// number of elements, which each of them has.
+/// A `residuals/<key>` entry.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ResidualSpec {
     /// The number of `residual/<key>/<i>` tensors.
     pub count: u64,
-    /// The elements of each.
+    /// The elements of each: the whole key's.
     pub len: usize,
 }
 
@@ -103,10 +100,9 @@ fn piece_of_fields(text: &str) -> Result<PieceSpec, String> {
             .collect::<Option<Vec<usize>>>()
             .ok_or("dims are not counts")?,
     };
-    let step = match fields.get("step") {
-        None => None,
-        Some(text) => Some(count_of(text).ok_or("step is not a count")?),
-    };
+    let step = fields
+        .get("step")
+        .map(|t| count_of(t).ok_or("step is not a count"));
     let sparse = match fields.get("sparse") {
         None => false,
         Some(&"1") => true,
@@ -117,7 +113,7 @@ fn piece_of_fields(text: &str) -> Result<PieceSpec, String> {
         start: count("start")?,
         end: count("end")?,
         dims,
-        step,
+        step: step.transpose()?,
         sparse,
     })
 }

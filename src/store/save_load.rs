@@ -1,16 +1,11 @@
-//! Checkpoints of every kind of store: one save and one load. A store of one process is a
-//! world of one rank, so it saves the sharded layout of [`crate::checkpoint`] with one shard,
-//! and loads as a rank does.
+//! Checkpoints of every kind of store: one save and one load, of the sharded layout of
+//! [`crate::checkpoint`] (a store of one process is a world of one rank).
 //!
 //! - **save**: rank 0 claims a new generation and tells the others; every rank writes its
-//!   shard (the keys it homes, and its slice of every sliced key; one rank alone: every key
-//!   whole); once every rank has written, rank 0 checks the shards and commits the index. A
-//!   save that fails or stops part way never touches the index. The ranks must share the
-//!   checkpoint directory (one machine, or a shared file system).
-//! - **load**: every rank opens the checkpoint (a sharded directory of any world size, or a
-//!   single file of an earlier version), and the ranks compare which checkpoint each found.
-//!   Each rank locks the keys it has, reads the parts it holds, makes every new value ready,
-//!   and the ranks agree that every rank succeeded before any of them changes anything.
+//!   shard (the keys it homes, and its slice of every sliced key); then rank 0 checks the
+//!   shards and commits the index. The ranks must share the checkpoint directory.
+//! - **load**: the ranks compare which checkpoint each found; each locks the keys it has and
+//!   makes its parts ready, and the ranks agree that all succeeded before any changes anything.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -28,8 +23,7 @@ use crate::comm::link::Round;
 use crate::host::HostData;
 use crate::{cpu, Device, Error, Key, KeyKind, NDArray, Result, Shape, Updater};
 
-/// A checkpoint's path as the ranks compare it: canonical where it exists, so that a relative
-/// and an absolute path to the same place agree.
+/// A checkpoint's path as the ranks compare it: canonical where it exists.
 fn where_is(path: &Path) -> String {
     std::fs::canonicalize(path)
         .unwrap_or_else(|_| path.to_owned())
@@ -39,16 +33,14 @@ fn where_is(path: &Path) -> String {
 
 /// Checkpoints: save and load.
 impl KvStore {
-    /// Saves every value and every updater state into the checkpoint directory `path`
-    /// (created if it does not exist), atomically: every rank of a `dist_*` store writes its
-    /// shard, and a store of one process writes one shard that holds every key.
+    /// Saves every value and updater state into the checkpoint directory `path` (created if
+    /// it does not exist), atomically: every rank of a `dist_*` store writes its shard, and a
+    /// store of one process one shard that holds every key. See the
+    /// [checkpoint docs](crate::checkpoint) for the format.
     ///
-    /// Each save writes a new generation of shards, each through a temporary file that is
-    /// flushed and renamed, and then replaces the directory's `index` file the same way. A
-    /// crash or an error at any point leaves the previous checkpoint in `path` (if any) the
-    /// one a load finds; only a crash can leave files behind, which the next save removes. The
-    /// values are one consistent snapshot: a push that runs concurrently is either wholly in it
-    /// or not. See the [checkpoint docs](crate::checkpoint) for the format.
+    /// A crash or an error at any point leaves the previous checkpoint in `path` (if any) the
+    /// one a load finds; only a crash leaves files behind, which the next save removes. The
+    /// values are one consistent snapshot: a concurrent push is wholly in it or not.
     ///
     /// A failure is an [`Error::Checkpoint`] of kind
     /// [`NotFound`](crate::CheckpointErrorKind::NotFound) (no such parent directory),
@@ -75,52 +67,34 @@ impl KvStore {
         together
     }
 
-    /// Loads a checkpoint written by [`KvStore::save`], into a store of any kind and device set,
-    /// whatever updater either was saved or is set with.
-    ///
-    /// `path` is a checkpoint directory that a store of any world size saved (see the
-    /// [checkpoint docs](crate::checkpoint)): its shards are put back together key by key. A
-    /// single file that an earlier version saved loads too. A directory with no committed
-    /// checkpoint is [`CheckpointErrorKind::NotFound`](crate::CheckpointErrorKind::NotFound);
-    /// so is a shard that its index names and the directory lacks.
-    ///
-    /// Keys the store lacks are added; keys it has must have the file's shape and dtype. What
-    /// a load brings in:
+    /// Loads a checkpoint written by [`KvStore::save`] (a directory saved by any world size,
+    /// or a single file of an earlier version; see the [checkpoint docs](crate::checkpoint))
+    /// into a store of any kind and device set. Keys the store lacks are added; keys it has
+    /// must have the file's shape and dtype.
     ///
     /// - **Values** always load.
-    /// - **Updater state** (momentum, Adam's moments, and the step count that goes with them)
-    ///   loads when it fits the updater in force: the file was saved under an updater of the
-    ///   same [`name`](crate::Updater::name) and [`state_names`](crate::Updater::state_names) (for example
-    ///   Adam into Adam, or SGD with momentum into SGD with momentum), whatever the
-    ///   hyperparameters, so a resumed run may change its learning rate and keep its moments.
-    ///   Set the updater before `load`.
-    /// - Otherwise (SGD state into Adam, no momentum into momentum, a checkpoint saved under
-    ///   the default assign updater into any optimizer, ...) every loaded key starts its state
-    ///   afresh on its next push, exactly as after [`KvStore::set_updater`]: zero buffers and a
-    ///   step count of 0, so Adam's bias correction starts over with its fresh moments. A key
-    ///   the file holds no state for starts afresh too.
-    /// - **Compression residuals** load where the checkpoint was saved by as many ranks as
-    ///   load it (each rank's are its own); otherwise they start at zero.
+    /// - **Updater state** (momentum, Adam's moments, and their step count) loads when the
+    ///   file was saved under an updater of the same [`name`](crate::Updater::name) and
+    ///   [`state_names`](crate::Updater::state_names) as the one in force (Adam into Adam),
+    ///   whatever the hyperparameters: set the updater before `load`. Otherwise, or where the
+    ///   file holds no state for a key, the key starts its state afresh on its next push, as
+    ///   after [`KvStore::set_updater`]. The updater is read once per call (a concurrent
+    ///   `set_updater` is wholly before the load, or starts every key's state afresh).
+    /// - **Compression residuals** load where as many ranks saved the checkpoint as load it
+    ///   (each rank's are its own); otherwise they start at zero.
     ///
-    /// The updater is read once per call: a [`KvStore::set_updater`] that runs during the load
-    /// is either wholly before it or, like any later `set_updater`, starts every key's state
-    /// afresh.
+    /// Every byte read is verified against the file's checksums before it is used (files of
+    /// format 1, which have none, load unverified, with a warning in the log).
     ///
-    /// Every byte read is verified against the file's checksums before it is used (see the
-    /// [checkpoint docs](crate::checkpoint#checksums)); a mismatch is
-    /// [`CheckpointErrorKind::Invalid`](crate::CheckpointErrorKind::Invalid), and so is a
-    /// corrupt checkpoint that would not fit the store either. Files of format 1, which have
-    /// no checksums, load unverified, with a warning in the log.
-    ///
-    /// A load is all or nothing, like the list operations: the file's keys (new ones appearing
-    /// together with their values and state) all change in one step, with every key's lock
-    /// held, so a concurrent push or pull of the file's keys sees the store wholly before or
-    /// wholly after the load. Any error is an [`Error::Checkpoint`] whose
-    /// [`kind`](crate::CheckpointErrorKind) tells a missing file, an I/O failure, a corrupt or
-    /// invalid file and a file that does not fit the store apart, and leaves the store as it
-    /// was, on every rank. Ranks that found different checkpoints at `path` (another path, generation
-    /// or file) all fail. (A CUDA failure while copying to a GPU home, an [`Error::Cuda`], can
-    /// leave keys already in the store partly loaded.)
+    /// A load is all or nothing: the file's keys (new ones with their values and state) all
+    /// change in one step, under every key's lock, so a concurrent push or pull sees the store
+    /// wholly before or after it. Any error is an [`Error::Checkpoint`] whose
+    /// [`kind`](crate::CheckpointErrorKind) tells a missing file or shard (`NotFound`), an I/O
+    /// failure, an invalid or corrupt file (`Invalid`, even where it would not fit the store
+    /// either) and one that does not fit the store apart, and leaves the store as it was, on
+    /// every rank. Ranks that found different checkpoints at `path` all fail. (A CUDA failure
+    /// while copying to a GPU home, an [`Error::Cuda`], can leave keys already in the store
+    /// partly loaded.)
     pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let d = &self.ranks;
@@ -133,8 +107,7 @@ impl KvStore {
                 .map(|()| reader)
         });
         let reader = opened.map_err(|e| d.reject("load", e))?;
-        // The ranks must read the same checkpoint, under the same updater: it decides whether
-        // the saved state is restored.
+        // The updater decides whether the saved state is restored, so the ranks compare it too.
         let mut call = d.begin_with(|| load_fingerprint(path, &reader, &updater, generation))?;
         checkpoint::run_load_hook(LoadStage::Checked);
         self.load_from(&mut *call, path, &reader, &updater, generation)?;
@@ -142,12 +115,10 @@ impl KvStore {
         Ok(())
     }
 
-    /// Test hook: saves this store as a sharded checkpoint of `world` ranks in directory `dir`,
-    /// through the writer and the commit that the ranks of a `dist` store use: keys of `world`
-    /// elements or more sliced evenly over the ranks, smaller ones whole on one rank each in
-    /// turn, and the store's compression residuals saved as every rank's own. For tests of
-    /// sharded checkpoints (a load by another world size, corrupt shards) without a `dist`
-    /// store.
+    /// Test hook: saves this store as a sharded checkpoint of `world` ranks in `dir`, through
+    /// the writer and commit of a `dist` store (keys of `world` elements or more sliced evenly,
+    /// smaller ones whole on one rank each in turn; the residuals saved as every rank's own),
+    /// for tests without a `dist` store.
     #[cfg(feature = "test-util")]
     #[doc(hidden)]
     pub fn save_sharded(&self, dir: impl AsRef<Path>, world: usize) -> Result<()> {
@@ -174,8 +145,7 @@ impl KvStore {
         checkpoint::commit(dir, save, world)
     }
 
-    /// Test hook: saves this store to `path` as one file of the single-file format 2 that
-    /// earlier versions saved (a store now saves a directory), for tests that load old files.
+    /// Test hook: saves this store to `path` as a single file of format 2, for tests of old files.
     #[cfg(feature = "test-util")]
     #[doc(hidden)]
     pub fn save_single_file(&self, path: impl AsRef<Path>) -> Result<()> {
@@ -190,9 +160,8 @@ impl KvStore {
         slots
     }
 
-    /// Writes this rank's shard of save `save` into `dir`: its parts of `slots` (in update
-    /// order), one consistent snapshot under every key's read lock, and its compression
-    /// residuals of every key it pushed (homed here or not).
+    /// Writes this rank's shard of `save` into `dir`: its parts of `slots` (in update order),
+    /// one snapshot under every key's read lock, and its residuals of every key it pushed.
     fn write_own_shard(
         &self,
         dir: &Path,
@@ -217,8 +186,7 @@ impl KvStore {
     }
 
     /// The key kind, the updater in force, and every key in update order with copies of its
-    /// value and its state for that updater, taken as one consistent snapshot (all read locks
-    /// held together). On ranks, each key's value is this rank's part of it.
+    /// value (on ranks, this rank's part) and state, as one snapshot under every read lock.
     pub(crate) fn export_entries(&self) -> Result<(Option<KeyKind>, Updater, Vec<Entry>)> {
         let kind = read(&self.table).key_kind;
         let slots = self.slots_in_order();
@@ -241,9 +209,7 @@ impl KvStore {
         Ok((kind, active.updater.clone(), entries))
     }
 
-    /// Checks that a checkpoint's keys fit the store (`table`): the key kind, the shape, dtype
-    /// and storage of every key the store has, and that it can hold the new keys (a store that
-    /// compresses takes no row-sparse key and only float32 ones).
+    /// Checks that a checkpoint's keys fit `table`: kind, shape, dtype and storage, new keys too.
     fn check_fits(&self, table: &Table, reader: &Reader, path: &Path) -> Result<()> {
         let mismatch = |why: String| Problem::mismatch(why).at(path);
         if let (Some(store), Some(file)) = (table.key_kind, reader.key_kind()) {
@@ -292,18 +258,13 @@ impl KvStore {
         Ok(())
     }
 
-    /// Puts `reader`'s checkpoint into the store, all or nothing, as one step, in call `call`.
+    /// Puts `reader`'s checkpoint into the store, all or nothing, in one step, in `call`.
     ///
-    /// Lock order, as every other operation: the cells of the keys the store has are
-    /// write-locked in ascending key order (found with a brief read of the table), and only
-    /// then is the table write-locked. Under both, new keys are placed (as init places them),
-    /// this rank's parts are read and made ready (new keys' cells on their homes, existing
-    /// keys' values staged), the ranks agree, and then every key changes and the new keys
-    /// appear, complete, in one step. Nothing ever holds the table lock while it waits for a
-    /// cell, so this cannot deadlock against push, pull, init, save or another load. A key
-    /// that a concurrent init added between the lookup and the table lock is not locked yet,
-    /// so the whole step starts over with nothing changed (each retry finds at least one more
-    /// key, so this ends).
+    /// Lock order, as every other operation: the cells of the keys the store has, in key order
+    /// (found with a brief read of the table), then the table; nothing holds the table lock
+    /// while it waits for a cell, so this cannot deadlock. A key that a concurrent init added
+    /// between the lookup and the table lock is not locked yet, so the step starts over with
+    /// nothing changed (each retry finds at least one more key, so this ends).
     fn load_from(
         &self,
         call: &mut dyn Round,
@@ -352,10 +313,8 @@ impl KvStore {
         }
     }
 
-    /// Every key of `reader` made ready for this rank, in the reader's order: new keys placed
-    /// (into `table`'s loads) and their cells made on their homes, keys the store has staged
-    /// for their `cells` (none of them changes yet). What can fail on one rank alone (out of
-    /// GPU memory, a corrupt byte in its part) fails here.
+    /// Every key of `reader` made ready for this rank (new keys placed, the others staged for
+    /// their `cells`): what can fail on one rank alone (out of GPU memory) fails here.
     fn make_parts(
         &self,
         table: &mut Table,
@@ -375,8 +334,7 @@ impl KvStore {
             .collect();
         let to_gpu = self.across.gpu_homes(self.kind, None);
         let (homes, spreads) = (self.across).place(d, table, &sizes, None, to_gpu);
-        // A fault the GPU latched earlier fails every rank here, not this rank's commit after
-        // the agreement.
+        // A fault the GPU latched earlier fails every rank here, not this rank after agreeing.
         crate::backend::settle(d.home())?;
         let mut placed = new.iter().zip(homes.into_iter().zip(spreads));
         let mut made = Vec::with_capacity(reader.keys().len());
@@ -412,8 +370,7 @@ impl KvStore {
     }
 }
 
-/// The cells of the slots found (`None`: a key the store lacks), write-locked in ascending key
-/// order, as every operation takes them.
+/// The cells of the slots found (`None`: a key the store lacks), write-locked in key order.
 fn lock_in_key_order(found: &[Option<Arc<Slot>>]) -> Vec<Option<RwLockWriteGuard<'_, HomeValue>>> {
     let mut have: Vec<(usize, &Arc<Slot>)> = (found.iter().enumerate())
         .filter_map(|(i, s)| Some((i, s.as_ref()?)))
@@ -427,21 +384,17 @@ fn lock_in_key_order(found: &[Option<Arc<Slot>>]) -> Vec<Option<RwLockWriteGuard
     cells
 }
 
-/// Claims the generation of a save into `dir` on rank 0 and tells every rank, in call `call`:
-/// a failure there fails the save on every rank.
+/// Claims the generation of a save into `dir` on rank 0 and tells every rank (or its failure).
 fn claim_generation(call: &mut dyn Round, rank: usize, dir: &Path) -> Result<SaveId> {
     // u64::MAX is never a generation: it tells the other ranks that rank 0 failed.
-    let mut words = vec![u64::MAX, 0];
-    let mut own = Ok(());
-    if rank == 0 {
-        match checkpoint::next_generation(dir) {
-            Ok(s) => words = vec![s.generation, s.token],
-            Err(e) => own = Err(e),
-        }
-    }
+    let own = (rank == 0).then(|| checkpoint::next_generation(dir));
+    let words = match &own {
+        Some(Ok(s)) => vec![s.generation, s.token],
+        _ => vec![u64::MAX, 0],
+    };
     let words = call.broadcast_words(words, 0)?;
     if words[0] == u64::MAX {
-        own?;
+        own.transpose()?;
         return Err(Error::RankFailed {
             op: "save",
             seq: call.seq(),
@@ -454,8 +407,7 @@ fn claim_generation(call: &mut dyn Round, rank: usize, dir: &Path) -> Result<Sav
     })
 }
 
-/// What the ranks compare before a save into `dir`: the path, the updater in force and every
-/// key.
+/// What the ranks compare before a save into `dir`: the path, the updater and every key.
 fn save_fingerprint(dir: &Path, active: &Active, slots: &[Arc<Slot>]) -> Fingerprint {
     let mut fp = Fingerprint::new("save").note(format!(
         "into {}, under updater {:?} set by call #{}",
@@ -469,9 +421,7 @@ fn save_fingerprint(dir: &Path, active: &Active, slots: &[Arc<Slot>]) -> Fingerp
     fp
 }
 
-/// What the ranks compare before a load from `path`: the path, which checkpoint each found
-/// there (generation and save, or the single file's header), the updater in force, and every
-/// key.
+/// What the ranks compare before a load: the path, the checkpoint found, the updater, every key.
 fn load_fingerprint(
     path: &Path,
     reader: &Reader,
@@ -489,8 +439,7 @@ fn load_fingerprint(
     fp
 }
 
-/// This rank's piece of `slot`, the `order`-th key, from its `cell`: its value, and its state
-/// where it has state for the updater in force.
+/// This rank's piece of `slot`, the `order`-th key, from its `cell`, with its state if any.
 fn own_piece(
     slot: &Slot,
     cell: &HomeValue,
@@ -522,8 +471,8 @@ fn own_piece(
     })
 }
 
-/// Copies of `cell`'s value (on ranks, this rank's part of it) and of its state for the
-/// updater in force: only state a push of that updater would use, one buffer per state name.
+/// Copies of `cell`'s value (on ranks, this rank's part) and of its state for the updater in
+/// force (only state a push of it would use, one buffer per state name).
 fn host_copy(cell: &HomeValue, active: &Active) -> Result<(HostData, Option<EntryState>)> {
     let (value, state) = cell.to_host(active.generation)?;
     let buffers = active.updater.state_names().len();
@@ -531,8 +480,7 @@ fn host_copy(cell: &HomeValue, active: &Active) -> Result<(HostData, Option<Entr
     Ok((value, state.map(|(step, bufs)| EntryState { step, bufs })))
 }
 
-/// Elements `range` of key `m` from the checkpoint, in host memory: the value, and the step
-/// and state buffers where the key has state and it `fits` the updater in force.
+/// Elements `range` of key `m`, with its step and state where it has state that `fits`.
 fn read_part(
     reader: &Reader,
     m: &KeyMeta,
@@ -550,16 +498,14 @@ fn read_part(
     Ok((piece.value.into_host()?, state))
 }
 
-/// A loaded part, `part` (host data, flat), kept on `home` (moved in where that is host
-/// memory).
+/// A loaded part, `part` (flat), kept on `home`.
 fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
     let flat = Shape::new(&[part.len()])?;
     HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), home).map_err(|e| e.with_key(key))
 }
 
-/// Applies the parts `made` for a checkpoint's keys (one each, in its order), in one step: keys the store has under their
-/// write locks `cells` (this allocates nothing, and fails only where the GPU itself does),
-/// then the new keys, added to `table`.
+/// Applies the parts `made` (one per key, in order): keys the store has under their `cells`
+/// (allocating nothing, failing only where the GPU does), then the new keys, into `table`.
 fn apply_parts(
     table: &mut Table,
     made: Vec<Made>,
@@ -577,9 +523,7 @@ fn apply_parts(
     Ok(())
 }
 
-/// After a load: every loaded key's residuals (this rank's own from the checkpoint, or none,
-/// so they start at zero, where it has none for a key or was saved by another number of
-/// ranks) and update count (every rank keeps every key's, whoever holds its state).
+/// After a load: every loaded key's residuals (this rank's own, or none) and update count.
 fn set_loaded_extras(
     table: &Table,
     reader: &Reader,
