@@ -38,10 +38,9 @@ pub(crate) fn push_fused<T: Element>(
     super::push(PushJob::new(values, stored, [s0, s1]), &rule, par_min_bytes);
 }
 
-/// The state of `updater` (of set_updater call `generation`) for a value of `len` elements,
-/// fresh unless `state` is already its: one accumulator buffer of the value's length per state
-/// name. Anything else (a race, a bad checkpoint) would hand the kernel a short buffer; it
-/// starts afresh instead.
+/// The state of `updater` (set_updater call `generation`) for a value of `len` elements: one
+/// accumulator buffer of that length per state name. Anything else in `state` (a race, a bad
+/// checkpoint) would hand the loop a short buffer: it starts afresh instead.
 fn current_state<'s, T: Element>(
     updater: &Updater,
     generation: u64,
@@ -66,11 +65,10 @@ fn current_state<'s, T: Element>(
     })
 }
 
-/// A push of `values` that assigns one value whole ([`Updater::Assign`], a dtype whose
-/// assignment is a copy), done by taking that value's buffer for `stored` and leaving the old
-/// one in its place, with no copy: for a push's own totals (never a caller's array). Only a
-/// buffer of the stored value's room is taken, so the store never holds more memory than
-/// before. Returns whether it did; `false` changes nothing.
+/// A push that assigns one value whole ([`Updater::Assign`], a dtype whose assignment is a
+/// copy), done by swapping that value's buffer with `stored`: for a push's own totals, never a
+/// caller's array. Only a buffer of the same capacity is taken, so the store holds no more
+/// memory. Returns whether it did; `false` changes nothing.
 pub(crate) fn take_assigned(
     updater: &Updater,
     generation: u64,
@@ -138,8 +136,8 @@ pub(crate) fn push_closure(
     stored.into_host()
 }
 
-/// Read locks on a set of arrays, each taken once, in address order. Arrays on a GPU are
-/// copied to the host instead (the host path of a push).
+/// Read locks on a set of arrays, each taken once, in address order; arrays on a GPU are
+/// copied to the host instead.
 pub(crate) struct ReadSet<'a> {
     guards: Few<(usize, Held<'a>)>,
 }

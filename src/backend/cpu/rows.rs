@@ -11,9 +11,9 @@ pub(crate) struct Merged {
     pub rows: HostData,
 }
 
-/// The sum of `values` (each its row ids and its rows) by row (checked rows of `width` elements, of one dtype): each distinct
-/// id once, ascending, its rows added in the order they come (value by value, then within a
-/// value), in the dtype's own arithmetic.
+/// The sum of `values` (row ids and checked rows of `width` elements, of one dtype) by row:
+/// each distinct id once, ascending, its rows added in the order they come, in the dtype's
+/// own arithmetic.
 pub(crate) fn merge(values: &[(&[u64], &NDArray)], width: usize) -> Result<Merged> {
     // No values: no ids, and no rows of float32.
     let dtype = values

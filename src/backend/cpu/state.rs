@@ -1,6 +1,5 @@
-//! Updater state kept in host memory: for keys homed there, and for keys on a GPU whose dtype
-//! has no kernel (`float64`), which are updated on a host copy. The mirror of `cuda::state`'s
-//! GPU state.
+//! Updater state in host memory: for keys homed there, and GPU keys whose dtype has no kernel
+//! (`float64`). The mirror of `cuda::state`.
 
 use crate::host::HostData;
 

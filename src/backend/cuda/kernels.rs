@@ -7,11 +7,9 @@
 //! stored_t[i], m_t[i], v_t[i] = RULE(g, stored_t[i], m_t[i], v_t[i])
 //! ```
 //!
-//! with the rule's math in f32 exactly as the CPU twin, `backend::cpu`, computes it: the same
-//! operations in the same order, each rounded to nearest, no fused multiply-add, IEEE division
-//! and square root. The results are meant to equal the CPU's bit for bit, for f16 and bf16 too
-//! (both sides round the f32 result to nearest-even). Summing values on one GPU is the
-//! `Assign` rule with `k` inputs.
+//! with the rule's math in f32 as `backend::cpu` computes it (same operations and order,
+//! round to nearest, no fused multiply-add, IEEE division and square root), so results equal
+//! the CPU's bit for bit, f16 and bf16 too. Summing values on one GPU is `Assign` with `k` inputs.
 //!
 //! The entry `fused_<rule>_<dtype>` (see [`entry_name`]) is in the PTX module [`module_for`]
 //! names, and takes, in this order:
@@ -26,18 +24,16 @@
 //! clip = +inf means no clipping.
 //! ```
 //!
-//! The table holds `ntensors` 64-byte [`TensorRecord`]s, then `starts`: `ntensors + 1` u32
-//! (see [`block_starts`]), the prefix sum of the blocks each tensor needs
-//! (`ceil(n / chunk)`, 0 when `n == 0` or `k == 0`), then anything else (the input-pointer
-//! arrays). Launch with [`grid_dim`]`(starts[ntensors])` and `(BLOCK, 1, 1)`: a 1-D grid of one
-//! block per chunk of real work. Block `b` finds, by binary search, the tensor `t` with
-//! `starts[t] <= b < starts[t + 1]` ([`block_owner`] is the CPU twin) and updates its chunk
-//! `c = b - starts[t]`, elements `[c*chunk, min((c+1)*chunk, n))`, with a block-stride loop.
-//! (The grid used to be `(ceil(max_n / chunk), ntensors)`: a BERT-large push launched about
-//! 3 million blocks for 82 thousand chunks of work.) Where every pointer of a tensor is
-//! aligned at the chunk's start (16 bytes for f32 and for the state, 8 for f16/bf16) the bulk
-//! moves with 4-wide vector loads; the rest goes one element at a time. Each element is read
-//! before it is written by the same thread, so `stored` may also be one of the inputs.
+//! The table holds `ntensors` 64-byte [`TensorRecord`]s, then `starts` ([`block_starts`]:
+//! `ntensors + 1` u32, the prefix sum of each tensor's blocks), then the input-pointer arrays.
+//! Launch with [`grid_dim`]`(starts[ntensors])` and `(BLOCK, 1, 1)`: one block per chunk of
+//! real work (a `(max_n / chunk, ntensors)` grid launched 3 million blocks for BERT-large's
+//! 82 thousand chunks). Block `b` binary-searches the `t` with `starts[t] <= b < starts[t + 1]`
+//! ([`block_owner`] is the CPU twin) and updates chunk `c = b - starts[t]`, elements
+//! `[c*chunk, min((c+1)*chunk, n))`, with a block-stride loop. Where every pointer of a tensor
+//! is aligned at the chunk's start (16 bytes for f32 and the state, 8 for f16/bf16) the bulk
+//! moves with 4-wide vector loads. Each element is read before the same thread writes it, so
+//! `stored` may also be one of the inputs.
 //!
 //! `build.rs` checks every entry's parameter list against this ABI and assembles every file with
 //! `ptxas` for sm_70 (files for sm_80 and up excepted), sm_80 and sm_90.
@@ -102,16 +98,6 @@ impl RuleKind {
             RuleKind::Adam => "adam",
         }
     }
-
-    /// Whether the rule keeps the `m` state buffer (f32, one per element).
-    pub fn uses_m(self) -> bool {
-        matches!(self, RuleKind::SgdMom | RuleKind::Adam)
-    }
-
-    /// Whether the rule keeps the `v` state buffer (f32, one per element).
-    pub fn uses_v(self) -> bool {
-        self == RuleKind::Adam
-    }
 }
 
 /// Whether `dtype` has kernels: f32, f16 and bf16 do, f64 does not.
@@ -119,10 +105,8 @@ pub fn has_kernels(dtype: DType) -> bool {
     dtype != DType::F64
 }
 
-/// The entry point for `rule` on `dtype`, e.g. `fused_sgd_bf16`.
-///
-/// For f64, which has no kernels (see [`has_kernels`]), this is a `fused_<rule>_f64` that no
-/// module defines, so loading it fails with the driver's "not found" error.
+/// The entry point for `rule` on `dtype`, e.g. `fused_sgd_bf16`. No module defines the f64
+/// ones (see [`has_kernels`]).
 pub fn entry_name(rule: RuleKind, dtype: DType) -> &'static str {
     macro_rules! by_dtype {
         ($rule:literal) => {
@@ -188,9 +172,8 @@ pub fn block_starts(tensors: impl IntoIterator<Item = (u64, u32)>) -> Option<Vec
     Some(starts)
 }
 
-/// The tensor and chunk block `b` works on, as the kernels find them: the `t` with
-/// `starts[t] <= b < starts[t + 1]` (by the same binary search), and `b - starts[t]`. `None`
-/// for a block past the last one (the kernels exit).
+/// The tensor `t` and chunk `b - starts[t]` block `b` works on, by the kernels' binary
+/// search; `None` for a block past the last one (the kernels exit).
 pub fn block_owner(starts: &[u32], b: u32) -> Option<(usize, u32)> {
     let total = *starts.last()?;
     if b >= total {
@@ -214,10 +197,8 @@ pub fn grid_dim(total: u32) -> (u32, u32, u32) {
     (total, 1, 1)
 }
 
-/// One tensor of a launch: the `table` parameter points to an array of these in device memory.
-/// All pointers are device addresses (`CUdeviceptr`).
-/// Its bytes, as the host copies them to the GPU, are in the host's byte order, which is the
-/// GPU's: CUDA hosts are little-endian.
+/// One tensor of a launch: `table` points to an array of these. Pointers are device addresses;
+/// the bytes are in host order, which is the GPU's (CUDA hosts are little-endian).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct TensorRecord {

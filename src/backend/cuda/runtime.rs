@@ -1,13 +1,12 @@
 //! The per-process GPU runtime: one CUDA context and ONE stream per GPU, the PTX modules loaded
 //! once per GPU, device buffers per dtype, copies, and the fused multi-tensor launch.
 //!
-//! Ordering: every kernel, copy and NCCL call for GPU `i` goes on GPU `i`'s single stream, so
-//! stream order alone orders the operations on one GPU. cudarc's automatic per-slice events
-//! are turned off; cross-GPU dependencies use explicit events (recorded on the producer's
-//! stream, waited on by the consumer's). Reading a buffer on the host waits for its stream.
+//! Ordering: every kernel, copy and NCCL call for GPU `i` goes on its single stream, so stream
+//! order alone orders one GPU's work. cudarc's per-slice events are off; cross-GPU dependencies
+//! use explicit events. Reading a buffer on the host waits for its stream.
 //!
-//! Nothing here is touched unless [`probe::gpu_count`] says a GPU exists, so cudarc never gets
-//! the chance to panic on a missing libcuda.
+//! Nothing here runs unless [`probe::gpu_count`] finds a GPU, so cudarc cannot panic on a
+//! missing libcuda.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -32,14 +31,14 @@ pub(crate) struct Gpu {
     sm: u32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// The PTX modules, each loaded on first use: a module this GPU cannot load (bf16's
-    /// `sm_80` PTX on an sm_70 GPU) fails only the kernels in it.
+    /// The PTX modules, each loaded on first use: one this GPU cannot load (bf16's `sm_80` PTX
+    /// on an sm_70 GPU) fails only its own kernels.
     modules: Mutex<HashMap<&'static str, std::result::Result<Arc<CudaModule>, DriverError>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
     user_functions: Mutex<Vec<(Arc<str>, String, CudaFunction)>>,
-    /// The fused launches' device table, reused (grown when too small). Held from the table's
-    /// copy until its launch is enqueued, so another thread's table cannot replace it between.
+    /// The fused launches' device table, reused (grown when too small); locked from the copy
+    /// until its launch is enqueued.
     table: Mutex<Option<CudaSlice<u8>>>,
     /// Peer GPUs whose access was tried: ordinal -> whether it is enabled.
     peers: Mutex<HashMap<usize, bool>>,
@@ -50,8 +49,8 @@ pub(crate) struct Gpu {
 /// Bytes per pinned staging buffer.
 const STAGING_BYTES: usize = 4 << 20;
 
-/// Pinned staging buffers of one GPU, used in turn. Each has an event recorded after the copy
-/// that reads it; it is written again only once that event has completed.
+/// Pinned staging buffers of one GPU, used in turn; each is rewritten only once the event
+/// recorded after the copy reading it has completed.
 #[derive(Default)]
 struct Staging {
     bufs: Vec<Pinned>,
@@ -100,8 +99,8 @@ impl Gpu {
         self.sm
     }
 
-    /// Refuses PTX whose `.target` is above this GPU's architecture (the driver would fail to
-    /// load it with a bare CUDA_ERROR_NO_BINARY_FOR_GPU), with an error naming both.
+    /// Refuses PTX whose `.target` is above this GPU's architecture, naming both (the driver
+    /// would say only CUDA_ERROR_NO_BINARY_FOR_GPU).
     fn check_target(
         &self,
         op: &'static str,
@@ -153,11 +152,10 @@ impl Gpu {
         })
     }
 
-    /// Copies `src` from pageable host memory to the device address `dst` on this GPU's
-    /// stream, through pinned staging buffers, so the copy is asynchronous (a copy straight
-    /// from pageable memory makes the driver stage it synchronously). Each buffer is refilled
-    /// only after the copy that read it has completed; while the GPU copies one, the host
-    /// fills the other. Falls back to a plain copy when no pinned memory can be had.
+    /// Copies `src` from pageable host memory to device address `dst` on this GPU's stream,
+    /// through two pinned staging buffers, so the copy is asynchronous (from pageable memory
+    /// the driver stages it synchronously): the host fills one while the GPU copies the other.
+    /// Falls back to a plain copy when no pinned memory can be had.
     pub(crate) fn upload_bytes(&self, dst: u64, src: &[u8]) -> Result<()> {
         if src.is_empty() {
             return Ok(());
@@ -225,8 +223,8 @@ impl Gpu {
     }
 
     /// Enables this GPU's access to `peer`'s memory, once per pair, where
-    /// `cuDeviceCanAccessPeer` allows it, so copies between them go directly over NVLink or
-    /// PCIe instead of being staged through the host. Returns whether access is enabled.
+    /// `cuDeviceCanAccessPeer` allows it, so copies go directly over NVLink or PCIe instead of
+    /// through the host. Returns whether access is enabled.
     pub(crate) fn enable_peer(&self, peer: &Gpu) -> bool {
         if peer.ordinal == self.ordinal {
             return true;
@@ -249,7 +247,6 @@ impl Gpu {
     }
 
     fn try_enable_peer(&self, peer: &Gpu) -> bool {
-        use cudarc::driver::sys;
         let mut can = 0;
         // SAFETY: both devices are valid ordinals of this process; `can` is a valid out-pointer.
         let r = unsafe {
@@ -273,13 +270,11 @@ impl Gpu {
         self.grant_pool_access(peer)
     }
 
-    /// Lets this GPU's kernels read and write memory from `peer`'s current memory pool, where
-    /// cudarc allocates (`cuMemAllocAsync`). Peer access does not cover pool memory (CUDA
-    /// programming guide, stream-ordered allocator: pool accessibility "does not follow
-    /// cuCtxEnablePeerAccess"; `cuMemPoolSetAccess` grants it); without this, a kernel here
+    /// Lets this GPU's kernels use memory of `peer`'s current pool, where cudarc allocates
+    /// (`cuMemAllocAsync`). Peer access does not cover pool memory (CUDA programming guide:
+    /// pool accessibility "does not follow cuCtxEnablePeerAccess"); without this, a kernel here
     /// reading a buffer on `peer` faults with an illegal address.
     fn grant_pool_access(&self, peer: &Gpu) -> bool {
-        use cudarc::driver::sys;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: a valid device of this process and a valid out-pointer.
         let r = unsafe { sys::cuDeviceGetMemPool(&mut pool, peer.ctx.cu_device()) };
@@ -356,8 +351,8 @@ impl Gpu {
         {
             return Ok(f.clone());
         }
-        // The same text and entry, loaded here for another updater: share its module, and
-        // count this GPU for this updater too (once: the alias below is found by pointer).
+        // The same text and entry, loaded for another updater: share it, and count this GPU
+        // for this updater too (once: the alias pushed below is found by pointer).
         if let Some((_, _, f)) = user
             .iter()
             .find(|(ptx, entry, _)| ptx == p.ptx() && entry == p.entry())
@@ -411,8 +406,8 @@ pub(crate) struct UserLaunch {
     pub step: u64,
 }
 
-/// Launches a user PTX updater on `gpu` for one key: 256 threads per block, enough blocks to
-/// give each thread one element, at most 4096 (the kernel's grid-stride loop does the rest).
+/// Launches a user PTX updater on `gpu` for one key: a block per 256 elements, at most 4096
+/// blocks (the kernel's grid-stride loop does the rest).
 pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<()> {
     if a.n == 0 {
         return Ok(());
@@ -468,8 +463,7 @@ pub fn gpu_sm(i: usize) -> Result<u32> {
     Ok(gpu(i)?.sm())
 }
 
-/// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work
-/// with its timeout (see [`host_wait`]). A no-op without GPUs.
+/// [`host_wait`] on every GPU this process has opened (opens none).
 pub(crate) fn synchronize_all() -> Result<()> {
     for slot in GPUS.get().into_iter().flatten() {
         if let Some(Ok(g)) = slot.get() {
@@ -479,19 +473,18 @@ pub(crate) fn synchronize_all() -> Result<()> {
     Ok(())
 }
 
-/// The wait the comm layer puts in front of every host read once it has NCCL communicators
+/// The comm layer's wait before every host read once it has NCCL communicators
 /// (`comm::nccl::wait_stream`, which polls collectives in flight for errors and timeouts).
 static HOST_WAIT: OnceLock<fn(&Gpu) -> Result<()>> = OnceLock::new();
 
-/// Sets the wait every host read of a GPU's stream goes through (see [`host_wait`]). The comm
-/// layer sets it before it issues its first collective; it is set once.
+/// Sets, once, the wait of [`host_wait`]; the comm layer calls it before its first collective.
 pub(crate) fn set_host_wait(wait: fn(&Gpu) -> Result<()>) {
     let _ = HOST_WAIT.set(wait);
 }
 
 /// Waits on the host for the work enqueued so far on `gpu`'s stream: through the comm layer's
-/// wait once it has set one (so a stalled collective is aborted rather than waited on forever),
-/// else [`Gpu::synchronize`].
+/// wait once set (a stalled collective is aborted, not waited on forever), else
+/// [`Gpu::synchronize`].
 pub(crate) fn host_wait(gpu: &Gpu) -> Result<()> {
     match HOST_WAIT.get() {
         Some(wait) => wait(gpu),
@@ -512,15 +505,13 @@ pub(crate) fn cuda_err(op: &'static str, key: Option<&Key>) -> impl FnOnce(Drive
     }
 }
 
-/// Maps a driver error of a call on GPU `ordinal` that allocates `bytes` (an allocation, or a
-/// copy into a new buffer) during `op`.
+/// Maps a driver error of `op` allocating `bytes` on GPU `ordinal`.
 fn alloc_err(op: &'static str, ordinal: usize, bytes: usize) -> impl Fn(DriverError) -> Error {
     move |e| Error::from_driver(op, Some(ordinal), Some(bytes), e)
 }
 
-/// `n` uninitialized elements on `st`. The driver refuses to allocate 0 bytes
-/// (`cuMemAlloc` returns `CUDA_ERROR_INVALID_VALUE`), so an empty buffer still owns a
-/// one-element allocation; its length is 0 and it is freed like any other.
+/// `n` uninitialized elements on `st`. The driver refuses 0 bytes (`CUDA_ERROR_INVALID_VALUE`),
+/// so an empty buffer owns a one-element allocation with length 0.
 ///
 /// # Safety
 /// The elements are not initialized (as for `CudaStream::alloc`).
@@ -671,9 +662,8 @@ impl GpuBuf {
         Ok(gpu_of!(dtype, alloc_zeros(st, n).map_err(e)?))
     }
 
-    /// A buffer of `n` elements on GPU `ordinal` whose contents are not initialized: for
-    /// scratch that a kernel, copy or collective overwrites entirely before anything reads it
-    /// (all on that GPU's stream, so in that order).
+    /// `n` uninitialized elements on GPU `ordinal`: scratch that work on that GPU's stream
+    /// overwrites entirely before anything reads it.
     pub(crate) fn scratch(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
         let e = alloc_err("alloc", ordinal, n * dtype.size());
@@ -683,16 +673,14 @@ impl GpuBuf {
         Ok(unsafe { gpu_of!(dtype, alloc_uninit(st, n).map_err(e)?) })
     }
 
-    /// A copy of host data on GPU `ordinal`, same dtype, sent through pinned staging buffers
-    /// (see [`Gpu::upload_bytes`]).
+    /// A copy of host data on GPU `ordinal`, same dtype (see [`Gpu::upload_bytes`]).
     pub(crate) fn upload(ordinal: usize, data: &HostData) -> Result<GpuBuf> {
         let mut b = GpuBuf::scratch(ordinal, data.dtype(), data.len())?;
         b.upload_into(data)?;
         Ok(b)
     }
 
-    /// Overwrites the elements with host data, converted to this buffer's dtype, through
-    /// pinned staging buffers (see [`Gpu::upload_bytes`]).
+    /// Overwrites the elements with host data, converted to this buffer's dtype.
     pub(crate) fn upload_into(&mut self, data: &HostData) -> Result<()> {
         if data.len() != self.len() {
             return Err(Error::Internal {
@@ -707,8 +695,7 @@ impl GpuBuf {
         gpu(self.ordinal())?.upload_bytes(self.ptr(), host_data_bytes(&data))
     }
 
-    /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
-    /// work in flight with its timeout (see [`host_wait`]).
+    /// The elements, copied to the host after [`host_wait`] on the buffer's GPU.
     pub(crate) fn download(&self) -> Result<HostData> {
         host_wait(gpu(self.ordinal())?)?;
         let e = cuda_err("copy to host", None);
@@ -718,8 +705,7 @@ impl GpuBuf {
         Ok(data)
     }
 
-    /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy), ordered
-    /// against both streams as [`copy_device`] orders it.
+    /// A copy on GPU `ordinal` (this one or another), ordered as [`copy_device`] orders it.
     pub(crate) fn copy_to(&self, ordinal: usize) -> Result<GpuBuf> {
         let out = GpuBuf::scratch(ordinal, self.dtype(), self.len())?;
         copy_device(out.at(), self.at(), self.bytes())?;
@@ -731,9 +717,8 @@ impl GpuBuf {
         self.upload_into(&HostData::filled(self.dtype(), self.len(), value))
     }
 
-    /// Memory that another library allocated, as a buffer of `n` elements of `dtype` on GPU
-    /// `ordinal`, ordered on that GPU's stream. Checked first: the address must be device
-    /// memory of that GPU at its first and last byte, aligned to the element.
+    /// Another library's memory as a buffer of `n` elements of `dtype` on GPU `ordinal`,
+    /// checked first ([`check_foreign`]).
     ///
     /// # Safety
     /// The memory must stay allocated until the buffer is given up with [`GpuBuf::leak`]
@@ -761,11 +746,10 @@ impl GpuBuf {
     }
 }
 
-/// Checks memory lent by another library: device memory of GPU `g` (its context is the
-/// primary one, which the CUDA runtime and so PyTorch and CuPy use) at its first and its last
-/// byte, aligned to `dtype`. The two ends are asked of the driver apart, not one allocation's
-/// range: PyTorch's expandable segments map one tensor over several physical chunks, and the
-/// driver reports a chunk as the allocation.
+/// Checks memory lent by another library: device memory of GPU `g` (whose context is the
+/// primary one, as PyTorch's and CuPy's) at its first and last byte, aligned to `dtype`. The
+/// ends are asked apart, not one allocation's range: PyTorch's expandable segments map one
+/// tensor over several physical chunks, and the driver reports a chunk as the allocation.
 fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
     let device = Device::Gpu(g.ordinal);
     let refuse = |message: String| Error::ForeignMemory { device, message };
@@ -848,12 +832,10 @@ pub(crate) fn stream_wait(consumer: &CudaStream, producer: &CudaStream) -> Resul
 /// Serializes everything that orders one stream against another: NCCL groups (whose kernels on
 /// different GPUs wait for each other) and event waits between streams (peer copies).
 ///
-/// Without it, two threads could interleave: thread A enqueues its NCCL kernel on GPU 0, thread
-/// B makes GPU 1's stream wait for an event recorded on GPU 0 after that kernel, and then A
-/// enqueues its NCCL kernel on GPU 1 behind B's wait. GPU 0's kernel waits for GPU 1's, which
-/// waits for GPU 0's: a deadlock. Holding this lock over each whole group and each whole
-/// record-and-wait sequence makes them atomic with respect to one another, so every wait is
-/// either entirely before or entirely after a collective on both GPUs.
+/// Without it: thread A enqueues its NCCL kernel on GPU 0, thread B makes GPU 1's stream wait
+/// for an event after that kernel, then A enqueues its NCCL kernel on GPU 1 behind B's wait.
+/// GPU 0's kernel waits for GPU 1's, which waits for GPU 0's: a deadlock. Under this lock every
+/// wait is entirely before or after a collective on both GPUs.
 pub(crate) fn cross_gpu_order() -> std::sync::MutexGuard<'static, ()> {
     static ORDER: std::sync::Mutex<()> = std::sync::Mutex::new(());
     ORDER.lock().unwrap_or_else(|e| e.into_inner())
@@ -908,14 +890,10 @@ pub(crate) fn record_table(base: u64, records: &[Record], starts: &[u32]) -> Vec
 }
 
 /// Launches `fused_<rule>_<dtype>` on `gpu` over `records`: one launch per
-/// [`kernels::MAX_TENSORS_PER_LAUNCH`] tensors, each on a 1-D grid of one block per chunk of
-/// work (see [`kernels::block_starts`]); a batch with no work launches nothing.
-///
-/// The record table, the block starts and every tensor's input-pointer array are built in one
-/// host buffer and copied through pinned staging into the GPU's table buffer, which is reused
-/// from launch to launch (stream order puts each copy after the previous launch). The caller
-/// keeps every buffer named by a record alive; they are only freed on this GPU's stream, so
-/// after the kernel.
+/// [`kernels::MAX_TENSORS_PER_LAUNCH`] tensors, one block per chunk of work; a batch with no
+/// work launches nothing. The table ([`record_table`]) goes up through pinned staging into the
+/// GPU's reused table buffer (stream order puts each copy after the previous launch). The
+/// caller keeps every buffer a record names alive; they are freed on this stream, after it.
 pub(crate) fn launch_fused(
     gpu: &Gpu,
     rule: RuleKind,

@@ -71,12 +71,10 @@ impl GpuCell {
         Ok(Some((state.step, bufs)))
     }
 
-    /// Makes a checkpoint's updater state (host buffers, `float32`, one per state name; `None`
-    /// clears it) ready to replace this cell's, for updater `generation`: the GPU memory it
-    /// needs is allocated here, and [`GpuCell::commit_state`] puts it in without allocating.
-    /// Where the cell already holds as many state buffers, the state will be copied into them (a
-    /// load needs no second copy of the store's state); otherwise new buffers are made, holding
-    /// it.
+    /// Makes a checkpoint's updater state (`float32` host buffers, one per state name; `None`
+    /// clears it) ready to replace this cell's, for updater `generation`: any GPU memory it
+    /// needs is allocated here, so [`GpuCell::commit_state`] allocates nothing. The cell's own
+    /// buffers take it where they fit (no second copy of the store's state).
     pub(crate) fn stage_state(
         &self,
         generation: u64,
@@ -96,8 +94,7 @@ impl GpuCell {
                 ),
             });
         }
-        // The cell's own buffers take the state where they are as many, each of the value's
-        // length (checked here, before any agreement, not by the copy after it).
+        // Checked here, before any agreement, not by the copy after it.
         let room = |s: &GpuState| {
             s.bufs.len() == bufs.len() && s.bufs.iter().all(|b| b.len() == self.buf.len())
         };
@@ -178,9 +175,8 @@ enum Staged {
     },
 }
 
-/// Gives every cell an updater state for `generation` with `names` f32 buffers (zeros where it
-/// has none, or one of another updater). All are made before any step count moves, so a failed
-/// allocation leaves every key's state as it was.
+/// Gives every cell a state for `generation` with `names` f32 buffers (zeros where it has
+/// none or another updater's), before any step moves: a failed allocation changes no key.
 pub(super) fn make_states<'c>(
     cells: impl Iterator<Item = (&'c Key, &'c mut GpuCell)>,
     generation: u64,
