@@ -15,15 +15,13 @@
 /// (2,112 bytes on the build machine, 2 KiB and more elsewhere).
 const BLOCK_BYTES: usize = 2048;
 
-/// Destinations at most this many bytes above the source, modulo a page, are copied
-/// backward: the slow window measured above (severe to 31 bytes, milder to a few hundred).
+/// Destinations at most this far above the source, modulo a page, are copied backward.
 const SHORT_DISTANCE: usize = 255;
 
 /// The page size of the aliasing: 4 KiB on x86-64.
 const PAGE: usize = 4096;
 
-/// Copies `src` into `dst`, as `dst.copy_from_slice(src)`. Panics if the lengths differ, as
-/// `copy_from_slice` does.
+/// Copies `src` into `dst`, as `dst.copy_from_slice(src)` (which panics if lengths differ).
 pub(crate) fn copy<T: Copy>(dst: &mut [T], src: &[T]) {
     assert_eq!(
         dst.len(),

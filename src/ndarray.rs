@@ -85,9 +85,8 @@ impl NDArray {
     /// A `float32` array of zeros on `cpu(0)`.
     ///
     /// # Panics
-    /// If the shape's elements would take more than `isize::MAX` bytes (or its dimensions
-    /// overflow when an array of them converts to a [`Shape`]). [`NDArray::try_zeros`] returns
-    /// an error instead.
+    /// If the elements would take more than `isize::MAX` bytes, or the dimensions overflow a
+    /// [`Shape`]; [`NDArray::try_zeros`] returns an error instead.
     pub fn zeros(shape: impl Into<Shape>) -> NDArray {
         NDArray::full(shape, 0.0)
     }
@@ -203,8 +202,7 @@ impl NDArray {
         self.with_host(|h| h.to_vec())
     }
 
-    /// An independent copy on `device` (GPU to GPU: a device or peer copy on the target's
-    /// stream); an error if the device does not exist.
+    /// An independent copy on `device`; an error if the device does not exist.
     pub fn to_device(&self, device: Device) -> Result<NDArray> {
         check_device(device)?;
         let g = self.read();
@@ -217,8 +215,7 @@ impl NDArray {
         }
     }
 
-    /// An independent copy converted to `dtype`, on the same device. For a GPU array the
-    /// conversion goes through the host (slow).
+    /// An independent copy converted to `dtype`, on the same device (a GPU's via the host).
     pub fn astype(&self, dtype: DType) -> Result<NDArray> {
         let data = self.with_host(|h| h.cast(dtype))?;
         NDArray::place(data, self.shape, self.device)
@@ -246,8 +243,7 @@ impl NDArray {
         if self.shares_storage(x) {
             return self.scale(1.0 + alpha);
         }
-        // Locks in address order, as everywhere, so `a.add_scaled(&b)` and `b.add_scaled(&a)`
-        // cannot deadlock.
+        // Locks in address order, so `a.add_scaled(&b)` and `b.add_scaled(&a)` cannot deadlock.
         let (xg, mut g) = if x.storage_id() < self.storage_id() {
             let xg = x.read();
             (xg, self.write())
@@ -344,8 +340,7 @@ impl NDArray {
         }
     }
 
-    /// The elements as host data: moved out when this is the only handle to host elements,
-    /// copied otherwise (a kept clone, a GPU array).
+    /// The elements as host data: moved out where this is their only handle, else copied.
     pub(crate) fn into_host(self) -> Result<HostData> {
         match self.into_storage() {
             Ok(Storage::Host(h)) => Ok(h),

@@ -153,8 +153,7 @@ impl HomeValue {
         self.commit_state(staged)
     }
 
-    /// A checkpoint's state made ready for this cell, where it keeps its state: on its GPU, or
-    /// in host memory (host homes and kernel-less dtypes).
+    /// A checkpoint's state made ready for this cell, on its GPU or in host memory.
     fn stage_state(&self, generation: u64, state: Option<HostState>) -> Result<StagedState> {
         Ok(match &self.place {
             Place::Gpu(c) if has_kernel(c.buf.dtype()) => {
@@ -179,9 +178,8 @@ impl HomeValue {
         }
     }
 
-    /// Makes a checkpoint's value and updater state (for updater `generation`) ready to
-    /// replace this cell's, without changing it: whatever can fail for want of memory happens
-    /// here, and [`HomeValue::commit_load`] puts them in without allocating.
+    /// Makes a checkpoint's value and state (of updater `generation`) ready to replace this
+    /// cell's: what can fail for want of memory fails here, not in [`HomeValue::commit_load`].
     pub(crate) fn stage_load(
         &self,
         value: HostData,
@@ -214,8 +212,7 @@ impl HomeValue {
         })
     }
 
-    /// The value as an array of `shape`, taken out of the home where it lives (host memory or
-    /// its GPU); the updater state is dropped.
+    /// The value as an array of `shape`, where it lives; the updater state is dropped.
     pub(crate) fn into_array(self, shape: Shape) -> NDArray {
         match self.place {
             Place::Host(h) => NDArray::from_host(h, shape, Device::Cpu(0)),
@@ -281,9 +278,8 @@ impl HomeValue {
 
     /// `compact`, a [`HomeValue::gather`] of `segs` after its update, written back into `segs`
     /// of the value and its state (state the value lacked is zero elsewhere); `clear`: the rest
-    /// of the value is zeroed first (an assign). Changes nothing until [`Scattered::commit`],
-    /// which cannot fail, so a push of several keys changes none until all are ready; a GPU
-    /// home's new value is uploaded here.
+    /// of the value is zeroed first (an assign). Nothing changes until [`Scattered::commit`],
+    /// which cannot fail, so a push of several keys changes none until all are ready.
     pub(crate) fn scatter(
         &self,
         generation: u64,

@@ -112,8 +112,7 @@ pub enum CandleError {
         device: String,
     },
 
-    /// A pull out that shares storage with an earlier out of the same call, or repeats
-    /// elements (a broadcast view): the pull would write one storage twice.
+    /// A pull out that shares storage with an earlier out or repeats elements (a broadcast).
     #[error(
         "pull: out {index} shares its storage with an earlier out of the call, or repeats \
          elements (a broadcast view): pull into tensors with storage of their own \
@@ -148,11 +147,9 @@ pub fn kv_dtype(dtype: candle_core::DType) -> Option<DType> {
     }
 }
 
-/// Runs `f` with one [`NDArray`] per tensor, in order: the tensor's own storage where it can be
-/// lent (see the module docs), a copy otherwise. With [`Access::Write`], what `f` writes is in
-/// the tensors when this returns. A clone of an array that `f` keeps costs a copy.
-///
-/// [`CandleExt`] is built on this; use it directly for other calls (`pushpull`, `broadcast`).
+/// Runs `f` with one [`NDArray`] per tensor: its own storage where it can be lent, a copy
+/// otherwise; with [`Access::Write`], what `f` writes is in the tensors after. A clone `f` keeps
+/// costs a copy. For calls [`CandleExt`] lacks (`pushpull`, `broadcast`).
 pub fn with_arrays<R>(
     tensors: &[&Tensor],
     access: Access,
@@ -170,8 +167,7 @@ pub fn with_arrays<R>(
     Ok(out.expect("a lend that succeeded ran its body"))
 }
 
-/// Store calls that take candle tensors. Each is the [`KvStore`] method of the same name less
-/// `_candle`, with the same all-or-nothing semantics; see the module docs for the copies.
+/// Store calls that take candle tensors: each is the [`KvStore`] method without `_candle`.
 pub trait CandleExt {
     /// [`KvStore::init`] from a tensor.
     fn init_candle(&self, key: impl IntoKey, value: &Tensor) -> CandleResult<()>;
@@ -216,8 +212,9 @@ impl CandleExt for KvStore {
 
     fn push_candle(&self, key: impl IntoKey, values: &[Tensor]) -> CandleResult<()> {
         let key = key.into_key()?;
-        let tensors: Vec<&Tensor> = values.iter().collect();
-        with_arrays(&tensors, Access::Read, |a| self.push(key, a))
+        with_arrays(&values.iter().collect::<Vec<_>>(), Access::Read, |a| {
+            self.push(key, a)
+        })
     }
 
     fn push_list_candle<K: IntoKey + Clone, V: AsRef<[Tensor]>>(
@@ -233,8 +230,9 @@ impl CandleExt for KvStore {
 
     fn pull_candle(&self, key: impl IntoKey, outs: &[Tensor]) -> CandleResult<()> {
         let key = key.into_key()?;
-        let tensors: Vec<&Tensor> = outs.iter().collect();
-        with_arrays(&tensors, Access::Write, |a| self.pull(key, a))
+        with_arrays(&outs.iter().collect::<Vec<_>>(), Access::Write, |a| {
+            self.pull(key, a)
+        })
     }
 
     fn pull_list_candle<K: IntoKey + Clone, V: AsRef<[Tensor]>>(
@@ -272,8 +270,7 @@ fn split(arrays: &[NDArray], lens: &[usize]) -> Vec<Vec<NDArray>> {
 enum Plan {
     /// Lock the tensor's storage and lend it (or copy through its layout, under the lock).
     Lock,
-    /// An array made before any lock was taken: a copy of a read tensor that shares storage
-    /// with an earlier one or repeats elements, or the array of an empty tensor.
+    /// An array made before any lock: an aliased read tensor's copy, or an empty tensor's.
     Ready(NDArray),
 }
 
@@ -314,12 +311,8 @@ impl<'t> Lending<'t> {
             let shape = Shape::new(t.dims())?;
             shapes.push(shape);
             if t.elem_count() == 0 {
-                plans.push(Plan::Ready(NDArray::full_on(
-                    shape,
-                    0.0,
-                    dtype,
-                    Device::Cpu(0),
-                )?));
+                let empty = NDArray::full_on(shape, 0.0, dtype, Device::Cpu(0))?;
+                plans.push(Plan::Ready(empty));
                 continue;
             }
             // The address of the `Storage` inside the tensor's lock names the storage. One
@@ -380,8 +373,7 @@ impl<'t> Lending<'t> {
         }
     }
 
-    /// Lends the storage of tensor `i`, held under candle's write lock, for the rest of the
-    /// call.
+    /// Lends tensor `i`'s storage, under candle's write lock, for the rest of the call.
     fn lend_cpu(
         &self,
         i: usize,
@@ -482,8 +474,7 @@ struct Restore<'v, T: Lend> {
 impl<T: Lend> Drop for Restore<'_, T> {
     fn drop(&mut self) {
         if let Some(array) = self.array.take() {
-            // `into_host` of a host array cannot fail: it moves the Vec out, or copies it
-            // when a clone of the handle is still alive.
+            // A host array's `into_host` cannot fail: it moves the Vec out, or copies it.
             if let Ok(h) = array.into_host() {
                 *self.slot = T::take(h);
             }
@@ -553,8 +544,7 @@ fn for_each_offset(layout: &Layout, mut f: impl FnMut(usize)) {
     }
 }
 
-/// Test support, not part of the API: the address of a host array's first element, so tests
-/// can check that a lent array is the tensor's own storage. `None` for a GPU array.
+/// Test support, not API: a host array's first element's address (`None` on a GPU).
 #[doc(hidden)]
 pub fn __host_addr(a: &NDArray) -> Option<usize> {
     let g = a.read();

@@ -37,20 +37,17 @@ pub struct LentGpuArray {
 }
 
 impl LentGpuArray {
-    /// Lends `shape.size()` elements of `dtype` at device address `ptr` on GPU `ordinal`,
-    /// consecutive in row-major order.
-    ///
-    /// The driver must find the first and last byte in memory of that GPU, aligned to the
-    /// element; otherwise [`Error::ForeignMemory`](crate::Error::ForeignMemory).
+    /// Lends `shape.size()` elements of `dtype`, in row-major order, at device address `ptr`
+    /// on GPU `ordinal`: [`Error::ForeignMemory`](crate::Error::ForeignMemory) unless the
+    /// driver finds the first and last byte there, aligned to the element.
     ///
     /// # Safety
     /// - The memory stays allocated until this value is dropped and the store's stream for
     ///   `ordinal` has run the work queued on it meanwhile.
     /// - While it is lent, the owner does not touch the memory out of order with the store's
     ///   stream (the two orders above).
-    /// - No clone of [`LentGpuArray::array`] outlives this value. (If one does, the end of the
-    ///   lend gives it a copy in the store's own memory; if that copy fails, the process is
-    ///   aborted, since the clone would otherwise free memory that is not the store's.)
+    /// - No clone of [`LentGpuArray::array`] outlives this value (one that does gets a copy;
+    ///   if the copy fails, the process aborts rather than free memory not the store's).
     pub unsafe fn new(
         ptr: u64,
         ordinal: usize,

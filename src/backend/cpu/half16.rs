@@ -234,9 +234,8 @@ fn load16(s: &[u16], i: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
 }
 
-/// 16 bfloat16 to f32 as [`widen8_raw`] does, in two vectors: elements 0–3 and 8–11, and
-/// elements 4–7 and 12–15. `_mm256_packus_epi32` of the two narrowed vectors puts them back
-/// in order.
+/// 16 bfloat16 to f32 as [`widen8_raw`], in two vectors (elements 0–3 and 8–11, 4–7 and
+/// 12–15), which `_mm256_packus_epi32` of the narrowed two puts back in order.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn unpack_bf16(h: __m256i) -> (__m256, __m256) {

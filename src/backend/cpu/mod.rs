@@ -60,8 +60,7 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-/// The pool to split a call of `bytes` of traffic over, or `None` to run it on the calling
-/// thread: a small call, a call from a rayon worker (see the module docs), or no pool.
+/// The pool to split a call of `bytes` over; `None` for a small call or a rayon worker's.
 fn pool_for(bytes: usize, par_min_bytes: usize) -> Option<&'static rayon::ThreadPool> {
     if bytes < par_min_bytes || rayon::current_thread_index().is_some() {
         return None;
@@ -90,8 +89,7 @@ type JobParts<'a, T> = (
 );
 
 impl<'a, T: Element> PushJob<'a, T> {
-    /// A push of the sum of `values` into `stored`, with `state` (a buffer is empty when the
-    /// updater keeps none).
+    /// A push of the sum of `values` into `stored`, with `state` (empty buffers where none).
     pub(crate) fn new(
         values: Few<&'a [T]>,
         stored: &'a mut [T],
@@ -123,8 +121,7 @@ pub(crate) fn assign_is_copy(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64)
 }
 
-/// Runs one push: `stored = rule(sum(values), stored, state)`, element by element. Calls
-/// moving at least `par_min_bytes` split their work over the pool.
+/// Runs one push, `stored = rule(sum(values), stored, state)`, on the pool from `par_min_bytes`.
 pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, par_min_bytes: usize) {
     if let (Rule::Assign, [value], true) = (rule, &job.values[..], assign_is_copy(T::DTYPE)) {
         return broadcast(value, smallvec::smallvec![job.stored], par_min_bytes);
@@ -167,9 +164,8 @@ fn split_state<A>(s: &mut [A], mid: usize) -> (&mut [A], &mut [A]) {
 /// Whether float16/bfloat16 pushes may take the AVX2/F16C block loop (`half16`).
 static SIMD16: AtomicBool = AtomicBool::new(true);
 
-/// Lets float16 and bfloat16 pushes in this process use the AVX2/F16C loop where the CPU has
-/// it (`true`, the default) or the portable loops, which give the same bits; returns the
-/// previous setting. For benches and tests that compare the two.
+/// Lets this process's float16 and bfloat16 pushes use the AVX2/F16C loop (`true`, default)
+/// or the portable ones (the same bits, for benches); returns the previous setting.
 pub fn set_simd16(enabled: bool) -> bool {
     SIMD16.swap(enabled, Ordering::Relaxed)
 }
@@ -291,8 +287,7 @@ fn sum_block<T: Element>(values: &[&[T]], range: std::ops::Range<usize>, acc: &m
     }
 }
 
-/// Folds the summed input `g` into the stored block `w` and its state `m`, `v`. Always inlined,
-/// so in `half16`'s loop it is compiled with AVX2 too.
+/// Folds the sum `g` into the block `w` and its state `m`, `v` (inlined: AVX2 in `half16`).
 #[inline(always)]
 fn update_block<T: Element>(
     rule: &Rule<T::Acc>,
@@ -357,15 +352,13 @@ fn update_block<T: Element>(
     }
 }
 
-/// `dst = Σ values`, in the accumulator type and rounded once: the merged input of a custom
-/// updater.
+/// `dst = Σ values`, rounded once from the accumulator: a custom updater's merged input.
 pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T], par_min_bytes: usize) {
     let job = PushJob::new(values.iter().copied().collect(), dst, [&mut [], &mut []]);
     push(job, &Rule::Assign, par_min_bytes);
 }
 
-/// Copies `src` into every out: each block is read once and written to all of them. Calls
-/// moving at least `par_min_bytes` split their work over the pool.
+/// Copies `src` into every out, a block at a time, on the pool from `par_min_bytes`.
 pub(crate) fn broadcast<T: Copy + Send + Sync>(
     src: &[T],
     outs: Few<&mut [T]>,

@@ -1,5 +1,4 @@
-//! Updater state in host memory: for keys homed there, and GPU keys whose dtype has no kernel
-//! (`float64`). The mirror of `cuda::state`.
+//! Updater state in host memory: host homes, and GPU keys without a kernel (`float64`).
 
 use crate::host::HostData;
 

@@ -105,8 +105,7 @@ pub fn has_kernels(dtype: DType) -> bool {
     dtype != DType::F64
 }
 
-/// The entry point for `rule` on `dtype`, e.g. `fused_sgd_bf16`. No module defines the f64
-/// ones (see [`has_kernels`]).
+/// The entry point for `rule` on `dtype`, e.g. `fused_sgd_bf16` (no module has f64's).
 pub fn entry_name(rule: RuleKind, dtype: DType) -> &'static str {
     macro_rules! by_dtype {
         ($rule:literal) => {
@@ -127,8 +126,7 @@ pub fn entry_name(rule: RuleKind, dtype: DType) -> &'static str {
     }
 }
 
-/// The stem (in [`PTX_SOURCES`]) of the module that holds [`entry_name`]`(rule, dtype)`: one
-/// module per dtype. For f64 it is `fused_f64`, which is not in [`PTX_SOURCES`].
+/// The stem of the module of [`entry_name`]`(rule, dtype)`: one per dtype (f64's is absent).
 pub fn module_for(_rule: RuleKind, dtype: DType) -> &'static str {
     match dtype {
         DType::F32 => "fused_f32",
@@ -146,8 +144,7 @@ pub fn ptx_source(stem: &str) -> Option<&'static str> {
         .map(|(_, text)| *text)
 }
 
-/// The blocks tensor needs: `ceil(n / CHUNK)`, or 0 for a record the kernels skip
-/// (`n == 0` or `k == 0`).
+/// The blocks a tensor needs: `ceil(n / CHUNK)`, 0 when `k == 0` (the kernels skip it).
 pub fn blocks_for(n: u64, k: u32) -> u64 {
     if k == 0 {
         0
@@ -156,9 +153,8 @@ pub fn blocks_for(n: u64, k: u32) -> u64 {
     }
 }
 
-/// The `starts` array of a launch over tensors of `(n, k)`: `starts[0] = 0`, and
-/// `starts[t + 1] = starts[t] + blocks_for(n_t, k_t)`; its last entry is the grid size.
-/// `None` when the blocks in all exceed [`MAX_BLOCKS_PER_LAUNCH`].
+/// `starts` of a launch over tensors of `(n, k)`: 0, then the running sum of [`blocks_for`];
+/// `None` past [`MAX_BLOCKS_PER_LAUNCH`].
 pub fn block_starts(tensors: impl IntoIterator<Item = (u64, u32)>) -> Option<Vec<u32>> {
     let mut starts = vec![0u32];
     let mut total = 0u64;
@@ -191,8 +187,7 @@ pub fn block_owner(starts: &[u32], b: u32) -> Option<(usize, u32)> {
     Some((lo, b - starts[lo]))
 }
 
-/// The launch grid for `total` blocks (the last entry of [`block_starts`]): `(total, 1, 1)`.
-/// A launch of 0 blocks is invalid: with no work, do not launch.
+/// The grid for `total` blocks ([`block_starts`]'s last entry); 0 is invalid: do not launch.
 pub fn grid_dim(total: u32) -> (u32, u32, u32) {
     (total, 1, 1)
 }
@@ -241,8 +236,7 @@ unsafe impl cudarc::driver::DeviceRepr for TensorRecord {}
 // SAFETY: every field is an integer or a float, for which all-zero bytes are a valid value.
 unsafe impl cudarc::driver::ValidAsZeroBits for TensorRecord {}
 
-/// The kernel for one step of `rule`: its kind, its f32 scalar parameters in ABI order, and
-/// Adam's per-tensor `lr_t` (for [`TensorRecord::lr_t`]).
+/// The kernel for one step of `rule`: its kind, its f32 scalars in ABI order, Adam's `lr_t`.
 pub(crate) fn scalars(rule: &Rule<f32>) -> (RuleKind, Vec<f32>, Option<f32>) {
     match *rule {
         Rule::Assign => (RuleKind::Assign, vec![], None),

@@ -66,8 +66,7 @@ pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
         )?);
     }
     between.fan_out(&fanouts)?;
-    // These read the first out on their GPU, which the fan-out (enqueued before them on that
-    // GPU's stream) has written.
+    // These read the first out on their GPU, written by the fan-out enqueued before them.
     copy_many(&copies)?;
     drop(guards);
     Ok(())
@@ -80,19 +79,15 @@ fn locked(guards: &Locked<'_>, id: usize) -> usize {
         .expect("every out was locked")
 }
 
-/// Fills `job`'s outs that need no link: from `host_copy`, or by copies added to `copies`.
-/// Returns the key's fan-out: the first out on each GPU, for the links to fill.
+/// Fills `job`'s outs that need no link; returns the first out on each GPU, for the links.
 fn fill_outs<'j>(
     job: &PullJob<'j>,
     guards: &mut Locked<'_>,
     host_copy: Option<&HostData>,
     copies: &mut Vec<DeviceCopy>,
 ) -> Result<Fanout<'j>> {
-    let (home, dtype, n) = (
-        job.cell.buf.ordinal(),
-        job.cell.buf.dtype(),
-        job.cell.buf.len(),
-    );
+    let value = &job.cell.buf;
+    let (home, dtype, n) = (value.ordinal(), value.dtype(), value.len());
     let mut ids: Vec<usize> = job.outs.iter().map(|a| a.storage_id()).collect();
     ids.sort_unstable();
     ids.dedup();
@@ -103,9 +98,8 @@ fn fill_outs<'j>(
             Storage::Gpu(b) if b.dtype() == dtype => {
                 let dst = b.at();
                 match firsts.get(&dst.ordinal) {
-                    // On the home GPU straight from the value (which no pull writes), so an out
-                    // that another key of the call also fills cannot be read in between; on
-                    // another GPU from the first out there.
+                    // On the home GPU from the value (no pull writes it, unlike an out another
+                    // key may fill); elsewhere from the first out there.
                     Some(&first) => {
                         let from = if dst.ordinal == home {
                             job.cell.buf.ptr()

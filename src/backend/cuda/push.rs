@@ -61,8 +61,7 @@ impl<'a> Reads<'a> {
     }
 }
 
-/// Enqueues a validated push of a built-in or PTX updater on GPU homes (dtypes with kernels);
-/// `between` brings partial sums made on other GPUs home.
+/// Enqueues a validated push of a built-in or PTX updater on GPU homes (dtypes with kernels).
 pub(crate) fn push(
     updater: &Updater,
     generation: u64,
@@ -81,11 +80,8 @@ pub(crate) fn push(
     // Per key: partial sums on other GPUs (one address per GPU), to move to the home.
     let mut partials: Vec<Vec<GpuPtr>> = Vec::with_capacity(jobs.len());
     for (job, host) in jobs.iter().zip(host_inputs) {
-        let (home, dtype, n) = (
-            job.cell.buf.ordinal(),
-            job.cell.buf.dtype(),
-            job.cell.buf.len(),
-        );
+        let value = &job.cell.buf;
+        let (home, dtype, n) = (value.ordinal(), value.dtype(), value.len());
         let mut host = host.into_iter();
         let mut on_home = Vec::new();
         let mut others: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
@@ -131,10 +127,9 @@ pub(crate) fn push(
     Ok(())
 }
 
-/// Sends the keys' host values up to their home GPUs; returns, per key, their addresses there.
-/// Each is an input of its own, not summed on the host (f16 and bf16 sums round once, as on the
-/// CPU home), padded to 16 bytes for the kernel's vector loads; all of one home GPU go up in
-/// ONE buffer and copy, kept in `keep`.
+/// Sends the keys' host values home, each an input of its own (f16 and bf16 sums round once,
+/// as on the CPU), padded to 16 bytes, in ONE buffer (kept in `keep`) per GPU; returns, per
+/// key, their addresses.
 fn upload_host_values(
     jobs: &[PushJob<'_>],
     reads: &Reads<'_>,
@@ -177,8 +172,7 @@ fn upload_host_values(
 struct Presums(BTreeMap<(usize, u8), (DType, Vec<Record>)>);
 
 impl Presums {
-    /// Scratch of `n` elements of `dtype` on GPU `d` (kept in `keep`) that [`Presums::launch`]
-    /// fills with the sum of `inputs`; returns its address.
+    /// The address of scratch on GPU `d` (kept in `keep`) that will hold the sum of `inputs`.
     fn add(
         &mut self,
         key: &Key,
@@ -208,8 +202,7 @@ impl Presums {
     }
 }
 
-/// Loads every kernel the push needs before anything changes, so a missing or broken module
-/// fails the whole call with every key unchanged.
+/// Loads every kernel the push needs first, so a broken module fails it with nothing changed.
 fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
     for job in jobs {
         let home = gpu(job.cell.buf.ordinal())?;
@@ -240,13 +233,11 @@ fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
 /// One fused launch being built: the rule, the dtype, its scalars, and the tensors.
 type Launch = (RuleKind, DType, Vec<f32>, Vec<Record>);
 
-/// Launches are grouped by home GPU, dtype (its tag: `DType` is not ordered) and the bits of
-/// their f32 scalars.
+/// Launches are grouped by home GPU, dtype tag and the bits of their f32 scalars.
 type LaunchKey = (usize, u8, Vec<u32>);
 
-/// The fused update: one launch per (home GPU, dtype, scalars). Keys share their scalars
-/// unless per-key multipliers change their learning rate or weight decay (Adam's is per
-/// tensor, in the record, and never splits a launch).
+/// The fused update: one launch per (home GPU, dtype, scalars); per-key multipliers split
+/// launches, except Adam's learning rate (per tensor, in the record).
 fn update(
     updater: &Updater,
     generation: u64,

@@ -31,14 +31,12 @@ pub(crate) struct Gpu {
     sm: u32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// The PTX modules, each loaded on first use: one this GPU cannot load (bf16's `sm_80` PTX
-    /// on an sm_70 GPU) fails only its own kernels.
+    /// The PTX modules, loaded on first use: one this GPU cannot load fails only its kernels.
     modules: Mutex<HashMap<&'static str, std::result::Result<Arc<CudaModule>, DriverError>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
     user_functions: Mutex<Vec<(Arc<str>, String, CudaFunction)>>,
-    /// The fused launches' device table, reused (grown when too small); locked from the copy
-    /// until its launch is enqueued.
+    /// The fused launches' reused device table; locked from its copy until its launch.
     table: Mutex<Option<CudaSlice<u8>>>,
     /// Peer GPUs whose access was tried: ordinal -> whether it is enabled.
     peers: Mutex<HashMap<usize, bool>>,
@@ -49,8 +47,7 @@ pub(crate) struct Gpu {
 /// Bytes per pinned staging buffer.
 const STAGING_BYTES: usize = 4 << 20;
 
-/// Pinned staging buffers of one GPU, used in turn; each is rewritten only once the event
-/// recorded after the copy reading it has completed.
+/// Pinned staging buffers of one GPU, used in turn, each rewritten once its copy is done.
 #[derive(Default)]
 struct Staging {
     bufs: Vec<Pinned>,
@@ -99,8 +96,7 @@ impl Gpu {
         self.sm
     }
 
-    /// Refuses PTX whose `.target` is above this GPU's architecture, naming both (the driver
-    /// would say only CUDA_ERROR_NO_BINARY_FOR_GPU).
+    /// Refuses PTX whose `.target` is above this GPU's, naming both (not NO_BINARY_FOR_GPU).
     fn check_target(
         &self,
         op: &'static str,
@@ -132,10 +128,9 @@ impl Gpu {
     fn open(ordinal: usize) -> std::result::Result<Gpu, DriverError> {
         let ctx = CudaContext::new(ordinal)?;
         let (major, minor) = ctx.compute_capability()?;
-        // SAFETY: turning event tracking off before any slice or stream of this context exists.
-        // We order work ourselves: one stream per GPU (stream order), and explicit events for
-        // every cross-GPU dependency (peer copies, NCCL ranks on other GPUs); buffers are freed
-        // on their own GPU's stream, after every use enqueued there.
+        // SAFETY: event tracking goes off before any slice or stream of this context exists.
+        // We order work ourselves: one stream per GPU, explicit events for every cross-GPU
+        // dependency, and buffers freed on their own GPU's stream, after every use there.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         Ok(Gpu {
@@ -153,9 +148,8 @@ impl Gpu {
     }
 
     /// Copies `src` from pageable host memory to device address `dst` on this GPU's stream,
-    /// through two pinned staging buffers, so the copy is asynchronous (from pageable memory
-    /// the driver stages it synchronously): the host fills one while the GPU copies the other.
-    /// Falls back to a plain copy when no pinned memory can be had.
+    /// asynchronously through two pinned buffers (the host fills one while the GPU copies the
+    /// other), or, without pinned memory, synchronously staged by the driver.
     pub(crate) fn upload_bytes(&self, dst: u64, src: &[u8]) -> Result<()> {
         if src.is_empty() {
             return Ok(());
@@ -222,9 +216,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// Enables this GPU's access to `peer`'s memory, once per pair, where
-    /// `cuDeviceCanAccessPeer` allows it, so copies go directly over NVLink or PCIe instead of
-    /// through the host. Returns whether access is enabled.
+    /// Enables this GPU's direct access (NVLink or PCIe) to `peer`'s memory, once per pair,
+    /// where `cuDeviceCanAccessPeer` allows it; returns whether it is enabled.
     pub(crate) fn enable_peer(&self, peer: &Gpu) -> bool {
         if peer.ordinal == self.ordinal {
             return true;
@@ -338,8 +331,7 @@ impl Gpu {
         Ok(f)
     }
 
-    /// A user PTX updater's entry, loading its module on this GPU on first use: once per PTX
-    /// text and entry, however many updaters share them.
+    /// A user PTX updater's entry, loaded here once per PTX text and entry.
     pub(crate) fn user_function(&self, p: &PtxUpdater) -> Result<CudaFunction> {
         let mut user = self
             .user_functions
@@ -362,21 +354,12 @@ impl Gpu {
             user.push((p.ptx().clone(), p.entry().to_owned(), f.clone()));
             return Ok(f);
         }
-        let err = |e: DriverError| match Error::from_driver(
-            "load PTX updater",
-            Some(self.ordinal),
-            None,
-            e,
-        ) {
-            Error::Cuda {
-                op, key, source, ..
-            } => Error::Cuda {
-                op,
-                key,
-                message: format!("entry '{}' on gpu({}): {:?}", p.entry(), self.ordinal, e.0),
-                source,
-            },
-            other => other,
+        let err = |e: DriverError| {
+            let mut err = Error::from_driver("load PTX updater", Some(self.ordinal), None, e);
+            if let Error::Cuda { message, .. } = &mut err {
+                *message = format!("entry '{}' on gpu({}): {:?}", p.entry(), self.ordinal, e.0);
+            }
+            err
         };
         self.check_target(
             "load PTX updater",
@@ -406,8 +389,7 @@ pub(crate) struct UserLaunch {
     pub step: u64,
 }
 
-/// Launches a user PTX updater on `gpu` for one key: a block per 256 elements, at most 4096
-/// blocks (the kernel's grid-stride loop does the rest).
+/// Launches a user PTX updater on `gpu` for one key (its grid-stride loop covers the rest).
 pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<()> {
     if a.n == 0 {
         return Ok(());
@@ -429,11 +411,10 @@ pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<(
     for s in &scalars {
         args.arg(s);
     }
-    // SAFETY: `PtxUpdater::new` checked that the entry declares exactly this parameter list
-    // (six u64, four f32). `stored` and `merged` name live buffers of `n` elements of the
-    // updater's dtype on this GPU, `m` and `v` live f32 buffers of `n` elements or 0, all kept
-    // alive by the caller and freed on this stream after the launch. What the user's code
-    // does with them is the user's contract (documented in `ptx_updater`).
+    // SAFETY: `PtxUpdater::new` checked the entry's parameters (six u64, four f32). `stored`
+    // and `merged` name live buffers of `n` elements of its dtype on this GPU, `m` and `v` live
+    // f32 buffers of `n` or 0, kept alive by the caller and freed on this stream after the
+    // launch. What the user's code does with them is the user's contract (`ptx_updater`).
     unsafe { args.launch(cfg) }.map_err(cuda_err("launch PTX updater", None))?;
     Ok(())
 }
@@ -482,9 +463,8 @@ pub(crate) fn set_host_wait(wait: fn(&Gpu) -> Result<()>) {
     let _ = HOST_WAIT.set(wait);
 }
 
-/// Waits on the host for the work enqueued so far on `gpu`'s stream: through the comm layer's
-/// wait once set (a stalled collective is aborted, not waited on forever), else
-/// [`Gpu::synchronize`].
+/// Waits on the host for `gpu`'s stream: through the comm layer's wait once set (a stalled
+/// collective is aborted, not waited on forever), else [`Gpu::synchronize`].
 pub(crate) fn host_wait(gpu: &Gpu) -> Result<()> {
     match HOST_WAIT.get() {
         Some(wait) => wait(gpu),
@@ -492,8 +472,7 @@ pub(crate) fn host_wait(gpu: &Gpu) -> Result<()> {
     }
 }
 
-/// Maps a driver error during `op` (on `key`) to [`Error::Cuda`], or [`Error::OutOfMemory`]
-/// for an out-of-memory error, keeping the driver's error as the source.
+/// Maps a driver error during `op` (on `key`) to [`Error::Cuda`] or [`Error::OutOfMemory`].
 pub(crate) fn cuda_err(op: &'static str, key: Option<&Key>) -> impl FnOnce(DriverError) -> Error {
     let key = key.cloned();
     move |e| {
@@ -572,13 +551,9 @@ pub(crate) fn clone_dtoh<T: DeviceRepr>(
 /// Elements on one GPU, one variant per dtype.
 #[derive(Debug)]
 pub(crate) enum GpuBuf {
-    /// `float32` elements.
     F32(CudaSlice<f32>),
-    /// `float64` elements.
     F64(CudaSlice<f64>),
-    /// `float16` elements.
     F16(CudaSlice<f16>),
-    /// `bfloat16` elements.
     BF16(CudaSlice<bf16>),
 }
 
@@ -639,10 +614,7 @@ impl GpuBuf {
 
     /// The device address of the first element (no synchronization: see the module docs).
     pub(crate) fn ptr(&self) -> u64 {
-        with_gpu!(self, s => {
-            let (p, _sync) = s.device_ptr(s.stream());
-            p
-        })
+        with_gpu!(self, s => s.device_ptr(s.stream()).0)
     }
 
     /// The device address of the first element, on its GPU.
@@ -662,8 +634,7 @@ impl GpuBuf {
         Ok(gpu_of!(dtype, alloc_zeros(st, n).map_err(e)?))
     }
 
-    /// `n` uninitialized elements on GPU `ordinal`: scratch that work on that GPU's stream
-    /// overwrites entirely before anything reads it.
+    /// `n` uninitialized elements on GPU `ordinal`, for work there to overwrite before reads.
     pub(crate) fn scratch(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
         let e = alloc_err("alloc", ordinal, n * dtype.size());
@@ -793,9 +764,8 @@ fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// The CUDA stream (`CUstream`, as an integer) on which the store orders its work on GPU
-/// `ordinal`: the `stream` to hand a DLPack producer (`__dlpack__(stream=...)`), and the
-/// stream another library waits on before it reuses memory lent to the store.
+/// The store's CUDA stream (`CUstream`, as an integer) on GPU `ordinal`: the `stream` to hand a
+/// DLPack producer, and the one to wait on before reusing memory lent to the store.
 pub fn cuda_stream(ordinal: usize) -> Result<usize> {
     Ok(gpu(ordinal)?.stream().cu_stream() as usize)
 }
@@ -817,9 +787,7 @@ fn host_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
-/// Makes `consumer` wait for everything enqueued so far on `producer` (no-op for one stream).
-///
-/// Callers hold [`cross_gpu_order`] around the whole sequence this is part of.
+/// Makes `consumer` wait for the work enqueued on `producer`, under [`cross_gpu_order`].
 pub(crate) fn stream_wait(consumer: &CudaStream, producer: &CudaStream) -> Result<()> {
     if consumer.cu_stream() == producer.cu_stream() {
         return Ok(());
@@ -852,15 +820,13 @@ pub(crate) struct Record {
     pub lr_t: f32,
 }
 
-/// The length in bytes of a launch's device table of `records` records, `starts` block starts
-/// and `inputs` input pointers in all (see [`record_table`]).
+/// The bytes of a [`record_table`] of `records`, `starts` and `inputs` input pointers in all.
 fn table_len(records: usize, starts: usize, inputs: usize) -> usize {
     records * size_of::<TensorRecord>() + (starts * 4).next_multiple_of(8) + inputs * 8
 }
 
-/// The bytes of a launch's device table at device address `base`: a [`TensorRecord`] per
-/// record (the ABI's layout), then `starts` (see [`kernels::block_starts`]) padded to 8
-/// bytes, then every record's input pointers, in record order.
+/// The bytes of a launch's table at device address `base`: a [`TensorRecord`] per record,
+/// `starts` padded to 8 bytes, then every record's input pointers, in order.
 pub(crate) fn record_table(base: u64, records: &[Record], starts: &[u32]) -> Vec<u8> {
     let inputs: usize = records.iter().map(|r| r.inputs.len()).sum();
     let len = table_len(records.len(), starts.len(), inputs);
@@ -933,8 +899,7 @@ pub(crate) fn launch_fused(
             *table = Some(fresh);
         }
         let buf = table.as_ref().expect("allocated just above");
-        let (base, _sync) = buf.device_ptr(stream);
-        drop(_sync);
+        let base = buf.device_ptr(stream).0;
         let host = record_table(base, batch, &starts);
         gpu.upload_bytes(base, &host)?;
         let cfg = LaunchConfig {
@@ -949,12 +914,10 @@ pub(crate) fn launch_fused(
         for s in scalars {
             args.arg(s);
         }
-        // SAFETY: the argument list is the ABI's (u64 table, u32 ntensors, u32 chunk, then the
-        // rule's f32 scalars, which `kernels::scalars` gives in ABI order). The table holds
-        // `ntensors` 64-byte records whose pointers name live buffers of `n` elements on this
-        // GPU (the caller keeps them alive; frees are ordered after this launch on this stream),
-        // then the block starts whose last entry is the grid size. The table buffer is only
-        // rewritten by a later copy on this stream (after this kernel), under the same lock.
+        // SAFETY: the arguments are the ABI's (table, ntensors, chunk, then the rule's scalars
+        // in `kernels::scalars`' order). The table holds `ntensors` records naming live buffers
+        // of `n` elements on this GPU (freed on this stream, after the launch), then the block
+        // starts, the last the grid size; only a later copy on this stream rewrites it.
         unsafe { args.launch(cfg) }.map_err(e())?;
         drop(table);
     }
