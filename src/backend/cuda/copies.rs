@@ -2,14 +2,12 @@
 //! not one or more per key: each driver call costs microseconds, more than moving a few KiB.
 //!
 //! - [`copy_many`]: per (destination GPU, dtype), [`BATCH_MIN_COPIES`] or more copies of at
-//!   most [`BATCH_COPY_MAX_BYTES`] go into one launch of the push's fused `assign` kernel, one
-//!   input per record. With one input it is a copy: f16 and bf16 go through f32 and back, exact
-//!   for every value (only a NaN's payload may not survive). A source on another GPU is read
-//!   over peer access where allowed. Larger copies, copies without peer access, and f64 (no
-//!   kernel) keep their own `cuMemcpy*Async`: the call costs nothing next to the copy.
-//! - [`download_many`]: the small buffers on one GPU are gathered by [`copy_many`] into one
-//!   scratch buffer (16-byte aligned offsets), which goes to the host in ONE copy after ONE
-//!   wait per GPU; larger ones are downloaded one by one.
+//!   most [`BATCH_COPY_MAX_BYTES`] go into one launch of the fused `assign` kernel, one input
+//!   per record: exact for every value (f16 and bf16 go through f32; a NaN's payload may not
+//!   survive), reading other GPUs over peer access. Larger copies, copies without peer access,
+//!   and f64 keep their own `cuMemcpy*Async`.
+//! - [`download_many`]: one GPU's small buffers are gathered by [`copy_many`] into one scratch
+//!   buffer, which goes to the host in ONE copy after ONE wait; larger ones go one by one.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -280,8 +280,7 @@ fn update(
     Ok(())
 }
 
-/// The PTX updater's step: each key's inputs are summed into scratch (one `assign` launch per
-/// home GPU and dtype; one input passes as is), then the user's kernel runs once per key.
+/// The PTX updater's step: each key's inputs summed into scratch, then the user's kernel.
 fn update_ptx(
     p: &PtxUpdater,
     generation: u64,

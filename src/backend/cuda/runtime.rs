@@ -454,8 +454,7 @@ pub(crate) fn synchronize_all() -> Result<()> {
     Ok(())
 }
 
-/// The comm layer's wait before every host read once it has NCCL communicators
-/// (`comm::nccl::wait_stream`, which polls collectives in flight for errors and timeouts).
+/// The comm layer's wait before host reads (`comm::nccl::wait_stream`: polls collectives).
 static HOST_WAIT: OnceLock<fn(&Gpu) -> Result<()>> = OnceLock::new();
 
 /// Sets, once, the wait of [`host_wait`]; the comm layer calls it before its first collective.
