@@ -4,8 +4,8 @@ use std::fmt;
 
 /// Where an array's elements live.
 ///
-/// `Cpu(i)` are MXNet's logical CPU devices (`mx.cpu(i)`): all of them are host memory, and the
-/// index only tells values apart, as several GPUs would. `Gpu(i)` is CUDA device ordinal `i`.
+/// `Cpu(i)` are MXNet's logical CPU devices (`mx.cpu(i)`), all host memory; the index only
+/// tells values apart. `Gpu(i)` is CUDA device ordinal `i`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Device {
     /// Logical CPU device `i` (host memory).

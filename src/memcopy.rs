@@ -1,33 +1,27 @@
 //! Copies of host memory that stay fast whatever the two addresses are.
 //!
-//! `memcpy` in glibc up to at least 2.36 moves medium blocks (from about 2 KiB to the L2
-//! size) with `rep movsb`. On AMD Zen CPUs (FSRM), `rep movsb` is slow when the destination
-//! sits just above the source modulo a 4 KiB page: 15–30× slower at 1–31 bytes (each store
-//! then falsely aliases a load still in flight), and up to 1.7× (64 KiB) or 5× (4 KiB) at a
-//! few hundred bytes. Measured on this project's build machine (AMD EPYC, glibc 2.36;
-//! `benches/results/memcopy_2026-11-27/`): a 64 KiB copy took 22–54 µs at a distance of
-//! 8–24 bytes against 1.4 µs at 0, a 4 KiB copy 1.6–2.4 µs against 0.06 µs. Two arrays from
-//! `malloc` land at such a distance often (a page-aligned buffer and one that starts 16 bytes
-//! into a page), so a pull's copy into the caller's array was slow or fast from one run to
-//! the next, by what the process had allocated before.
+//! glibc's `memcpy` (to at least 2.36) moves medium blocks (about 2 KiB to the L2 size) with
+//! `rep movsb`, which on AMD Zen (FSRM) is slow when the destination sits just above the source
+//! modulo a 4 KiB page (each store falsely aliases a load in flight): 15–30× at 1–31 bytes, up
+//! to 1.7× (64 KiB) or 5× (4 KiB) at a few hundred. On the build machine (AMD EPYC, glibc 2.36;
+//! `benches/results/memcopy_2026-11-27/`) a 64 KiB copy took 22–54 µs at a distance of 8–24
+//! bytes against 1.4 µs at 0; 4 KiB, 1.6–2.4 µs against 0.06 µs. `malloc` often gives two arrays
+//! such a distance, so a pull into the caller's array was slow or fast by chance.
 //!
-//! At those distances the copy below runs backward, in blocks small enough that `memcpy`
-//! moves them with vector registers: loads then run ahead of the stores that could alias
-//! them. 64 KiB at a distance of 16 bytes: 1.3–1.7 µs, as fast as a copy at any other distance.
+//! At those distances the copy runs backward, in blocks `memcpy` moves with vector registers,
+//! whose loads run ahead of the stores: 64 KiB at 16 bytes takes 1.3–1.7 µs, as at any distance.
 
 /// The block of a backward copy, in bytes: below glibc's smallest `rep movsb` threshold
 /// (2,112 bytes on the build machine, 2 KiB and more elsewhere).
 const BLOCK_BYTES: usize = 2048;
 
-/// Destinations at most this many bytes above the source, modulo a page, are copied
-/// backward: the slow window measured above (severe to 31 bytes, milder to a few hundred).
+/// Destinations at most this far above the source, modulo a page, are copied backward.
 const SHORT_DISTANCE: usize = 255;
 
 /// The page size of the aliasing: 4 KiB on x86-64.
 const PAGE: usize = 4096;
 
-/// Copies `src` into `dst`, as `dst.copy_from_slice(src)`. Panics if the lengths differ, as
-/// `copy_from_slice` does.
+/// Copies `src` into `dst`, as `dst.copy_from_slice(src)` (which panics if lengths differ).
 pub(crate) fn copy<T: Copy>(dst: &mut [T], src: &[T]) {
     assert_eq!(
         dst.len(),

@@ -20,8 +20,7 @@ pub(crate) enum Storage {
 }
 
 impl Storage {
-    /// Host data for these elements: borrowed for host memory, a copy (waiting for the GPU's
-    /// stream) for GPU memory.
+    /// The elements as host data: borrowed, or copied from a GPU (after its stream).
     pub(crate) fn host(&self) -> Result<Cow<'_, HostData>> {
         match self {
             Storage::Host(h) => Ok(Cow::Borrowed(h)),
@@ -86,9 +85,8 @@ impl NDArray {
     /// A `float32` array of zeros on `cpu(0)`.
     ///
     /// # Panics
-    /// If the shape's elements would take more than `isize::MAX` bytes (or its dimensions
-    /// overflow when an array of them converts to a [`Shape`]). [`NDArray::try_zeros`] returns
-    /// an error instead.
+    /// If the elements would take more than `isize::MAX` bytes, or the dimensions overflow a
+    /// [`Shape`]; [`NDArray::try_zeros`] returns an error instead.
     pub fn zeros(shape: impl Into<Shape>) -> NDArray {
         NDArray::full(shape, 0.0)
     }
@@ -198,18 +196,13 @@ impl NDArray {
         self.size() * self.dtype.size()
     }
 
-    /// The elements, converted to `T`, in row-major order (NumPy's `asnumpy().ravel()`).
-    ///
-    /// For an array on a GPU this waits for the GPU's stream (every push and pull in flight
-    /// on it), then copies to the host.
+    /// The elements, converted to `T`, in row-major order (NumPy's `asnumpy().ravel()`). For
+    /// an array on a GPU this waits for the GPU's stream (every push and pull in flight on it).
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.with_host(|h| h.to_vec())
     }
 
     /// An independent copy on `device`; an error if the device does not exist.
-    ///
-    /// Host to GPU, GPU to host, and GPU to GPU (a device or peer copy, enqueued on the target
-    /// GPU's stream) are all supported.
     pub fn to_device(&self, device: Device) -> Result<NDArray> {
         check_device(device)?;
         let g = self.read();
@@ -222,8 +215,7 @@ impl NDArray {
         }
     }
 
-    /// An independent copy converted to `dtype`, on the same device. For a GPU array the
-    /// conversion goes through the host (slow).
+    /// An independent copy converted to `dtype`, on the same device (a GPU's via the host).
     pub fn astype(&self, dtype: DType) -> Result<NDArray> {
         let data = self.with_host(|h| h.cast(dtype))?;
         NDArray::place(data, self.shape, self.device)
@@ -244,17 +236,14 @@ impl NDArray {
         Ok(())
     }
 
-    /// `self += alpha * x`, in place, with the math in `f32` (`f64` for `float64`).
-    ///
-    /// `x` must have the same shape and dtype. It may be `self` itself. Arrays on a GPU go
-    /// through the host and back (slow; meant for custom updaters and tests).
+    /// `self += alpha * x`, in place, with the math in `f32` (`f64` for `float64`). `x` (maybe
+    /// `self`) must have the same shape and dtype. GPU arrays go through the host (slow).
     pub fn add_scaled(&self, x: &NDArray, alpha: f64) -> Result<()> {
         self.check_operand("add_scaled", x)?;
         if self.shares_storage(x) {
             return self.scale(1.0 + alpha);
         }
-        // Both locks in address order, as everywhere two arrays are locked, so two calls with
-        // the operands swapped (`a.add_scaled(&b)`, `b.add_scaled(&a)`) cannot deadlock.
+        // Locks in address order, so `a.add_scaled(&b)` and `b.add_scaled(&a)` cannot deadlock.
         let (xg, mut g) = if x.storage_id() < self.storage_id() {
             let xg = x.read();
             (xg, self.write())
@@ -351,9 +340,7 @@ impl NDArray {
         }
     }
 
-    /// The elements as host data: moved out when this is the only handle to host elements,
-    /// copied otherwise (a custom updater may have kept a clone, or assigned an array of its
-    /// own; a GPU array is downloaded).
+    /// The elements as host data: moved out where this is their only handle, else copied.
     pub(crate) fn into_host(self) -> Result<HostData> {
         match self.into_storage() {
             Ok(Storage::Host(h)) => Ok(h),
@@ -362,9 +349,9 @@ impl NDArray {
         }
     }
 
-    /// An array on `device` holding `data` in row-major order; its dtype is `T`'s. An error if
-    /// the length is not `shape`'s size or the device does not exist. On a CPU device the
-    /// vector is taken as is; on a GPU it is copied there.
+    /// An array on `device` holding `data` (taken as is on a CPU, copied to a GPU) in row-major
+    /// order; its dtype is `T`'s. An error if the length is not `shape`'s size or the device
+    /// does not exist.
     ///
     /// ```
     /// use kvstore::{cpu, NDArray};
@@ -384,10 +371,9 @@ impl NDArray {
         NDArray::place(T::wrap(data), shape, device)
     }
 
-    /// An array of `dtype` on `device` from `f64` data in row-major order, each element
-    /// rounded to the nearest `dtype` value: what a deserializer or an FFI layer holds (a
-    /// buffer of numbers and a dtype tag). An error if the length is not `shape`'s size or the
-    /// device does not exist.
+    /// An array of `dtype` on `device` from `f64` data in row-major order, each element rounded
+    /// to the nearest `dtype` value (what a deserializer or FFI layer holds). An error if the
+    /// length is not `shape`'s size or the device does not exist.
     ///
     /// ```
     /// use kvstore::{cpu, DType, NDArray};
@@ -516,8 +502,7 @@ impl Mul<f64> for &NDArray {
     /// A new array, `self * s`.
     ///
     /// # Panics
-    /// If the array is on a GPU and the copy or the scaling fails (a CUDA error);
-    /// [`NDArray::try_mul`] returns the error instead. Host arrays never panic.
+    /// If a GPU copy or scaling fails; [`NDArray::try_mul`] returns the error instead.
     fn mul(self, s: f64) -> NDArray {
         self.try_mul(s).unwrap_or_else(|e| panic!("{e}"))
     }
@@ -551,8 +536,7 @@ impl MulAssign<f64> for NDArray {
     /// `self *= s`, in place.
     ///
     /// # Panics
-    /// If the array is on a GPU and the scaling fails (a CUDA error); [`NDArray::scale`]
-    /// returns the error instead. Host arrays never panic.
+    /// If a GPU scaling fails; [`NDArray::scale`] returns the error instead.
     fn mul_assign(&mut self, s: f64) {
         self.scale(s).unwrap_or_else(|e| panic!("{e}"))
     }

@@ -28,9 +28,8 @@ pub(crate) fn strip_comments(text: &str) -> String {
     out
 }
 
-/// Every `.visible .entry NAME(.param .TYPE name, ...)` of comment-free `text`: the name and
-/// its parameter types, in order (`u64`, `f32`, ...). An entry that is not `.visible`, a
-/// parameter list that cannot be read, or a name defined twice is an error.
+/// Every `.visible .entry NAME(.param .TYPE name, ...)` of comment-free `text` and its types;
+/// an error for an entry not `.visible`, an unreadable parameter list, or a name twice.
 pub(crate) fn entries(text: &str) -> Result<BTreeMap<String, Vec<String>>, String> {
     let mut entries = BTreeMap::new();
     let mut rest = text;
@@ -62,8 +61,7 @@ pub(crate) fn entries(text: &str) -> Result<BTreeMap<String, Vec<String>>, Strin
     Ok(entries)
 }
 
-/// The architecture of the module's `.target sm_NN` (also `sm_90a`), as NN; `None` when it has
-/// no readable `.target`.
+/// NN of the module's `.target sm_NN` (also `sm_90a`); `None` without a readable `.target`.
 pub(crate) fn target(text: &str) -> Option<u32> {
     let text = strip_comments(text);
     let (_, rest) = text.split_once(".target")?;

@@ -1,15 +1,12 @@
-//! Backend: memory and kernels. Where a key's value lives, and the loops and launches that sum,
-//! update and copy it there.
+//! Backend: where a key's value lives, and the loops and launches that sum, update and copy it.
 //!
 //! - [`cpu`]: fused loops over host memory; the fallback for every store kind.
-//! - [`cuda`]: the GPU runtime (one stream per GPU, PTX modules, fused launches) and the push
-//!   and pull of keys homed on a GPU.
-//! - [`probe`]: which GPUs this process can use, found without ever panicking.
+//! - [`cuda`]: the GPU runtime and the push and pull of keys homed on a GPU.
+//! - [`probe`]: which GPUs this process can use, found without panicking.
 //!
-//! [`HomeValue`] is the one boundary between the store and where data lives: a key's value and
-//! updater state, in host memory or on a GPU. Its methods, [`push`] and [`pull`] are the only
-//! place that matches on where a value lives. This layer imports nothing from `store` or
-//! `comm`.
+//! [`HomeValue`] (a key's value and updater state, in host memory or on a GPU), [`push`] and
+//! [`pull`] are the only place that matches on where a value lives. This layer imports nothing
+//! from `store` or `comm`.
 
 pub mod cpu;
 pub(crate) mod cuda;
@@ -98,8 +95,7 @@ impl HomeValue {
     }
 
     /// `value` kept for a key homed on `home`, with no updater state yet: its storage moved in
-    /// where `value` is its only handle and already lives on `home` (a transfer's fresh
-    /// buffer), copied otherwise.
+    /// where `value` is its only handle and already on `home`, copied otherwise.
     pub(crate) fn from_array(value: NDArray, home: Device) -> Result<HomeValue> {
         // Every cpu(i) is host memory.
         let in_place = home == value.device() || !(home.is_gpu() || value.device().is_gpu());
@@ -157,9 +153,7 @@ impl HomeValue {
         self.commit_state(staged)
     }
 
-    /// A checkpoint's state made ready for this cell, where the cell keeps its state: on its
-    /// GPU (new buffers allocated here where the cell lacks them), or in host memory (a host
-    /// home, and kernel-less dtypes on a GPU).
+    /// A checkpoint's state made ready for this cell, on its GPU or in host memory.
     fn stage_state(&self, generation: u64, state: Option<HostState>) -> Result<StagedState> {
         Ok(match &self.place {
             Place::Gpu(c) if has_kernel(c.buf.dtype()) => {
@@ -184,10 +178,8 @@ impl HomeValue {
         }
     }
 
-    /// Makes a checkpoint's value and updater state (for updater `generation`) ready to
-    /// replace this cell's: whatever can fail for want of memory happens here (the GPU buffers
-    /// of a state the cell has no room for), and [`HomeValue::commit_load`] then puts them in
-    /// without allocating, the value into the cell's own buffer. The cell is not changed.
+    /// Makes a checkpoint's value and state (of updater `generation`) ready to replace this
+    /// cell's: what can fail for want of memory fails here, not in [`HomeValue::commit_load`].
     pub(crate) fn stage_load(
         &self,
         value: HostData,
@@ -206,8 +198,7 @@ impl HomeValue {
         Ok(StagedLoad { value, state })
     }
 
-    /// Puts in a load staged by [`HomeValue::stage_load`] on this cell. Allocates no GPU
-    /// memory: on a GPU home it fails only where the GPU itself does.
+    /// Puts in a load staged by [`HomeValue::stage_load`]; fails only where the GPU does.
     pub(crate) fn commit_load(&mut self, staged: StagedLoad) -> Result<()> {
         self.replace_value(staged.value)?;
         self.commit_state(staged.state)
@@ -221,8 +212,7 @@ impl HomeValue {
         })
     }
 
-    /// The value as an array of `shape`, taken out of the home where it lives (host memory or
-    /// its GPU); the updater state is dropped.
+    /// The value as an array of `shape`, where it lives; the updater state is dropped.
     pub(crate) fn into_array(self, shape: Shape) -> NDArray {
         match self.place {
             Place::Host(h) => NDArray::from_host(h, shape, Device::Cpu(0)),
@@ -255,9 +245,8 @@ impl HomeValue {
         Ok(())
     }
 
-    /// Elements `segs` of the value, and of its updater state for `generation`, as a value of
-    /// their own in host memory: the compact form a row-sparse push updates (the rows it
-    /// carries), to give back with [`HomeValue::scatter`]. A GPU home is read whole.
+    /// Elements `segs` of the value and of its state for `generation`, as a host value of
+    /// their own: the rows a row-sparse push updates, given back by [`HomeValue::scatter`].
     pub(crate) fn gather(&self, generation: u64, segs: &[Range<usize>]) -> Result<HomeValue> {
         // A host home is read in place (its state too: only the rows are copied).
         let downloaded;
@@ -288,11 +277,9 @@ impl HomeValue {
     }
 
     /// `compact`, a [`HomeValue::gather`] of `segs` after its update, written back into `segs`
-    /// of the value and of its state for `generation` (state the value lacked starts at zero
-    /// elsewhere); `clear`: the rest of the value becomes zero first (an assign). Returns the
-    /// updated value without changing this one, so that a push of several keys changes none
-    /// until every key's new value exists ([`Scattered::commit`] cannot fail): a host home's is
-    /// written in place at the commit, a GPU home's is a new value on its GPU, uploaded here.
+    /// of the value and its state (state the value lacked is zero elsewhere); `clear`: the rest
+    /// of the value is zeroed first (an assign). Nothing changes until [`Scattered::commit`],
+    /// which cannot fail, so a push of several keys changes none until all are ready.
     pub(crate) fn scatter(
         &self,
         generation: u64,
@@ -421,8 +408,8 @@ fn merge_state(
     })
 }
 
-/// Waits until the GPU of `home` has done the work queued on it, so that an error it latched (a
-/// kernel that failed) is reported now, not by the next copy; nothing for a host home.
+/// Waits for the work queued on `home`'s GPU, so an error it latched (a failed kernel) is
+/// reported now, not by the next copy; nothing for a host home.
 pub(crate) fn settle(home: Device) -> Result<()> {
     match home {
         Device::Gpu(i) => cuda::host_wait(cuda::gpu(i)?),
@@ -452,10 +439,8 @@ pub(crate) struct HomePush<'a> {
 }
 
 /// Applies a validated push with a built-in or PTX updater (PTX: GPU homes only) to `jobs`, in
-/// their order: host homes at once, with the fused CPU loop; GPU homes enqueued together on
-/// the CUDA backend ([`cuda::push`]), except the slow path of dtypes without a kernel
-/// (`float64`), which updates a host copy and copies it back. `between`: how sums travel between
-/// GPUs (`comm`'s choice).
+/// order: host homes at once; GPU homes enqueued together ([`cuda::push`]), except dtypes
+/// without a kernel (`float64`), updated on a host copy. `between`: how sums travel between GPUs.
 pub(crate) fn push(
     updater: &Updater,
     generation: u64,
@@ -510,8 +495,8 @@ pub(crate) struct HomePull<'a> {
     pub outs: &'a [&'a NDArray],
 }
 
-/// Copies every job's value into its outs, in their order: host homes at once, GPU homes
-/// enqueued together on the CUDA backend ([`cuda::pull`]).
+/// Copies every job's value into its outs, in order: host homes at once, GPU homes enqueued
+/// together ([`cuda::pull`]).
 pub(crate) fn pull(
     between: &dyn CrossGpu,
     par_min_bytes: usize,

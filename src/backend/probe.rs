@@ -1,7 +1,5 @@
-//! Finds the GPUs this process can use, once, without panicking.
-//!
-//! cudarc panics when libcuda is missing, so the probe first asks whether the library can be
-//! loaded at all, and caches every answer.
+//! Finds the GPUs this process can use, once, without panicking: cudarc panics when libcuda
+//! is missing, so the probe first asks whether the library loads at all.
 
 use std::sync::OnceLock;
 

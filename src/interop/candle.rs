@@ -21,11 +21,10 @@
 //!
 //! # Copies
 //!
-//! On the CPU a tensor whose storage is exactly its elements (contiguous, offset 0, nothing
-//! else in the storage: what `Tensor::zeros`, `Var::new`, `backward` and `contiguous()` give)
-//! is **lent** to the store for the call: its `Vec` is moved out of candle's storage into an
-//! [`NDArray`], the store reads it (push) or writes it (pull) in place, and the same `Vec`
-//! is moved back. No element is copied:
+//! On the CPU a tensor whose storage is exactly its elements (contiguous, offset 0: what
+//! `Tensor::zeros`, `Var::new`, `backward` and `contiguous()` give) is **lent** for the call:
+//! its `Vec` is moved into an [`NDArray`], read (push) or written (pull) in place, and moved
+//! back. No element is copied:
 //!
 //! | call | lendable tensor | other CPU tensor (a view: transposed, narrowed, broadcast) |
 //! |------|-----------------|-------------------------------------------------------------|
@@ -39,50 +38,33 @@
 //! # GPU tensors
 //!
 //! Not in this build: a tensor on a candle CUDA device is refused with
-//! [`CandleError::UnsupportedDevice`]; move it with `tensor.to_device(&Device::Cpu)` (one copy
-//! each way). The same lending would work in principle (candle-core 0.11.1 uses cudarc 0.19.10,
-//! as kvstore does; `CudaStorage::slice` is a public `CudaSlice<T>`; `InplaceOp1::cuda_fwd` gets
-//! `&mut CudaStorage` under the tensor's write lock). Tried for issue 17, it is not built:
-//! - The two cannot be built together: with a feature `candle-cuda = ["candle",
-//!   "candle-core/cuda"]`, cudarc's build script stops, before any kernel is compiled, with
-//!   "Both `dynamic-loading` and `dynamic-linking` features are active, this is a bug".
-//!   candle-core asks cudarc for `dynamic-linking` (libcuda, cuBLAS, cuBLASLt, cuRAND and NVRTC
-//!   linked at build time); kvstore for `dynamic-loading` (dlopen at run time, so a machine
-//!   without a GPU runs the CPU half, and the stand-in driver stands in for libcuda). Cargo
-//!   unifies the features of the one cudarc, and cudarc refuses the pair, whatever the nvcc.
-//! - nvcc 11.8 (Debian `non-free`, `scripts/install-cuda-toolkit.sh`) cannot build
-//!   candle-kernels 0.11.1 for sm_90: cudaforge 0.1.6 turns `CUDA_COMPUTE_CAP=90` into
-//!   `sm_90a`, which came with CUDA 12.0 ("nvcc fatal : Unsupported gpu architecture
-//!   'compute_90a'"). With `CUDA_COMPUTE_CAP=89` all of it builds (27 minutes on 2 cores), but
-//!   its static MoE/GGUF kernels are sm_89 machine code, which does not load on sm_90.
-//! - candle works on a stream of its own, kvstore on one per GPU: a lend needs an event each
-//!   way between them, which has to be run on a GPU to be trusted, and was not.
-//!
-//! Getting there needs candle to offer `dynamic-loading` (or a kvstore build that links libcuda,
-//! cuBLAS and NCCL into every binary) and a CUDA 12 toolkit for `sm_90a`. Both libraries retain
-//! the primary context, so the pointers would be valid across them, and a lent slice is moved,
-//! not aliased (no `upgrade_device_ptr`/`leak()`).
+//! [`CandleError::UnsupportedDevice`]; move it with `tensor.to_device(&Device::Cpu)`. Lending
+//! would work in principle (candle-core 0.11.1 uses cudarc 0.19.10 too, `CudaStorage::slice` is
+//! public, `InplaceOp1::cuda_fwd` runs under the write lock, both retain the primary context),
+//! but it cannot be built:
+//! - candle-core asks cudarc for `dynamic-linking`, kvstore for `dynamic-loading` (dlopen, so a
+//!   machine without a GPU, or the stand-in driver, works); Cargo unifies the one cudarc's
+//!   features and its build script refuses the pair ("Both `dynamic-loading` and
+//!   `dynamic-linking` features are active, this is a bug").
+//! - nvcc 11.8 cannot build candle-kernels 0.11.1 for sm_90 (cudaforge 0.1.6 asks for
+//!   `sm_90a`, CUDA 12.0's); with `CUDA_COMPUTE_CAP=89` it builds (27 minutes on 2 cores), but
+//!   its MoE/GGUF kernels are sm_89 code, which does not load on sm_90.
+//! - candle's stream and kvstore's need an event each way per lend, untested on a GPU.
 //!
 //! # Ownership (why there is no `unsafe` here)
 //!
 //! A lend never makes a second owner of candle's memory. `InplaceOp1::cpu_fwd` gives
-//! `&mut CpuStorage` while candle holds the tensor's storage **write lock**: the storage is
-//! alive and no one else can read or write it until the op returns. Inside it, the `Vec` is
-//! moved out with `std::mem::take` (candle's storage holds an empty `Vec` meanwhile, unseen by
-//! anyone, since the lock is held), wrapped in an [`NDArray`], and the store call runs: the
-//! store reads or writes through the array and keeps no handle to it. Then the `Vec` is moved
-//! back: [`NDArray::into_host`](crate::NDArray) returns the same allocation when ours is the
-//! only handle, and a copy of the elements when something (a push hook, a custom updater)
-//! kept a clone, so candle's storage always ends up with the tensor's elements. A guard moves
-//! it back in `Drop`, so an unwinding panic restores the storage too. kvstore never frees
-//! candle's memory, because it never owns it past the call: the compiler checks all this.
+//! `&mut CpuStorage` under the tensor's storage **write lock**, so no one else sees it until
+//! the op returns. Inside it, the `Vec` is moved out with `std::mem::take`, wrapped in an
+//! [`NDArray`], and the store call runs, keeping no handle. Then a guard's `Drop` (on unwind
+//! too) moves it back: the same allocation when ours is the only handle, a copy when something
+//! (a push hook, a custom updater) kept a clone. The compiler checks all this.
 //!
 //! Several tensors are lent by nesting: tensor `i+1` is locked inside tensor `i`'s op, so the
-//! call holds all their write locks at once (one stack frame pair per tensor). Two tensors that
-//! share a storage cannot both be locked (candle's lock is not re-entrant), so a push value
-//! that shares storage with an earlier one is copied before any lock is taken, and such pull
-//! outs are refused. A lend waits for candle's write lock without a time limit: do not call
-//! it while the same thread holds a read guard (`storage_and_layout`) on one of the tensors.
+//! call holds all their write locks at once. candle's lock is not re-entrant, so a push value
+//! sharing storage with an earlier one is copied before any lock is taken, and such pull outs
+//! are refused. A lend waits for the write lock without a time limit: do not call it while the
+//! same thread holds a read guard (`storage_and_layout`) on one of the tensors.
 
 use std::cell::RefCell;
 use std::collections::HashSet;
@@ -130,8 +112,7 @@ pub enum CandleError {
         device: String,
     },
 
-    /// A pull out that shares storage with an earlier out of the same call, or repeats
-    /// elements (a broadcast view): the pull would write one storage twice.
+    /// A pull out that shares storage with an earlier out or repeats elements (a broadcast).
     #[error(
         "pull: out {index} shares its storage with an earlier out of the call, or repeats \
          elements (a broadcast view): pull into tensors with storage of their own \
@@ -166,13 +147,9 @@ pub fn kv_dtype(dtype: candle_core::DType) -> Option<DType> {
     }
 }
 
-/// Runs `f` with one [`NDArray`] per tensor, in order, each holding that tensor's elements:
-/// the tensor's own storage where it can be lent (see the module docs), a copy otherwise. With
-/// [`Access::Write`], what `f` writes into the arrays is in the tensors when this returns.
-///
-/// `f` must not keep clones of the arrays: a kept clone costs a copy when the tensor's storage
-/// is given back. The init, push and pull methods of [`CandleExt`] are built on this; use it
-/// directly for other store calls (`pushpull`, `broadcast`).
+/// Runs `f` with one [`NDArray`] per tensor: its own storage where it can be lent, a copy
+/// otherwise; with [`Access::Write`], what `f` writes is in the tensors after. A clone `f` keeps
+/// costs a copy. For calls [`CandleExt`] lacks (`pushpull`, `broadcast`).
 pub fn with_arrays<R>(
     tensors: &[&Tensor],
     access: Access,
@@ -190,8 +167,7 @@ pub fn with_arrays<R>(
     Ok(out.expect("a lend that succeeded ran its body"))
 }
 
-/// Store calls that take candle tensors. Each is the [`KvStore`] method of the same name less
-/// `_candle`, with the same all-or-nothing semantics; see the module docs for the copies.
+/// Store calls that take candle tensors: each is the [`KvStore`] method without `_candle`.
 pub trait CandleExt {
     /// [`KvStore::init`] from a tensor.
     fn init_candle(&self, key: impl IntoKey, value: &Tensor) -> CandleResult<()>;
@@ -236,8 +212,9 @@ impl CandleExt for KvStore {
 
     fn push_candle(&self, key: impl IntoKey, values: &[Tensor]) -> CandleResult<()> {
         let key = key.into_key()?;
-        let tensors: Vec<&Tensor> = values.iter().collect();
-        with_arrays(&tensors, Access::Read, |a| self.push(key, a))
+        with_arrays(&values.iter().collect::<Vec<_>>(), Access::Read, |a| {
+            self.push(key, a)
+        })
     }
 
     fn push_list_candle<K: IntoKey + Clone, V: AsRef<[Tensor]>>(
@@ -253,8 +230,9 @@ impl CandleExt for KvStore {
 
     fn pull_candle(&self, key: impl IntoKey, outs: &[Tensor]) -> CandleResult<()> {
         let key = key.into_key()?;
-        let tensors: Vec<&Tensor> = outs.iter().collect();
-        with_arrays(&tensors, Access::Write, |a| self.pull(key, a))
+        with_arrays(&outs.iter().collect::<Vec<_>>(), Access::Write, |a| {
+            self.pull(key, a)
+        })
     }
 
     fn pull_list_candle<K: IntoKey + Clone, V: AsRef<[Tensor]>>(
@@ -292,8 +270,7 @@ fn split(arrays: &[NDArray], lens: &[usize]) -> Vec<Vec<NDArray>> {
 enum Plan {
     /// Lock the tensor's storage and lend it (or copy through its layout, under the lock).
     Lock,
-    /// An array made before any lock was taken: a copy of a read tensor that shares storage
-    /// with an earlier one or repeats elements, or the array of an empty tensor.
+    /// An array made before any lock: an aliased read tensor's copy, or an empty tensor's.
     Ready(NDArray),
 }
 
@@ -334,12 +311,8 @@ impl<'t> Lending<'t> {
             let shape = Shape::new(t.dims())?;
             shapes.push(shape);
             if t.elem_count() == 0 {
-                plans.push(Plan::Ready(NDArray::full_on(
-                    shape,
-                    0.0,
-                    dtype,
-                    Device::Cpu(0),
-                )?));
+                let empty = NDArray::full_on(shape, 0.0, dtype, Device::Cpu(0))?;
+                plans.push(Plan::Ready(empty));
                 continue;
             }
             // The address of the `Storage` inside the tensor's lock names the storage. One
@@ -400,8 +373,7 @@ impl<'t> Lending<'t> {
         }
     }
 
-    /// Lends the storage of tensor `i`, held under candle's write lock, for the rest of the
-    /// call.
+    /// Lends tensor `i`'s storage, under candle's write lock, for the rest of the call.
     fn lend_cpu(
         &self,
         i: usize,
@@ -502,8 +474,7 @@ struct Restore<'v, T: Lend> {
 impl<T: Lend> Drop for Restore<'_, T> {
     fn drop(&mut self) {
         if let Some(array) = self.array.take() {
-            // `into_host` of a host array cannot fail: it moves the Vec out, or copies it
-            // when a clone of the handle is still alive.
+            // A host array's `into_host` cannot fail: it moves the Vec out, or copies it.
             if let Ok(h) = array.into_host() {
                 *self.slot = T::take(h);
             }
@@ -573,8 +544,7 @@ fn for_each_offset(layout: &Layout, mut f: impl FnMut(usize)) {
     }
 }
 
-/// Test support, not part of the API: the address of a host array's first element, so tests
-/// can check that a lent array is the tensor's own storage. `None` for a GPU array.
+/// Test support, not API: a host array's first element's address (`None` on a GPU).
 #[doc(hidden)]
 pub fn __host_addr(a: &NDArray) -> Option<usize> {
     let g = a.read();

@@ -8,14 +8,12 @@ use crate::{DType, HostData, NDArray, Result, Shape};
 /// Another library's GPU memory (a PyTorch or CuPy tensor, a DLPack capsule), seen as an
 /// [`NDArray`] on `gpu(ordinal)` without a copy until this value is dropped.
 ///
-/// The store reads it (init, push) or writes it (pull) with work queued on its own stream for
-/// that GPU, [`cuda_stream`]. Two orders are the lender's to keep, as DLPack's stream
-/// handshake asks of a consumer and a producer:
-/// - **before**: work of the owner that writes the memory (or, for a pull out, reads it) must
-///   be ordered before the store's stream. A DLPack producer does that when it is handed the
-///   store's stream: `__dlpack__(stream=cuda_stream(i))`.
-/// - **after**: the owner must not reuse, write or free the memory until the store's stream has
-///   run the work queued during the lend: make its stream wait on the store's (PyTorch:
+/// The store reads it (init, push) or writes it (pull) with work on its own stream for that
+/// GPU, [`cuda_stream`]. Two orders are the lender's to keep, as DLPack's handshake asks:
+/// - **before**: the owner's work that writes the memory (or, for a pull out, reads it) is
+///   ordered before the store's stream: `__dlpack__(stream=cuda_stream(i))` does it.
+/// - **after**: the owner does not reuse, write or free the memory until the store's stream
+///   has run the lend's work: make its stream wait on the store's (PyTorch:
 ///   `torch.cuda.current_stream().wait_stream(torch.cuda.ExternalStream(s))` and
 ///   `tensor.record_stream(...)`), or wait for the store ([`crate::KvStore::wait_all`]).
 ///
@@ -39,21 +37,17 @@ pub struct LentGpuArray {
 }
 
 impl LentGpuArray {
-    /// Lends `shape.size()` elements of `dtype` at device address `ptr` on GPU `ordinal`,
-    /// consecutive in row-major order.
-    ///
-    /// The address is checked with the driver: its first and last byte must be memory of that
-    /// GPU, and it must be aligned to the element; otherwise
-    /// [`Error::ForeignMemory`](crate::Error::ForeignMemory) and nothing is lent.
+    /// Lends `shape.size()` elements of `dtype`, in row-major order, at device address `ptr`
+    /// on GPU `ordinal`: [`Error::ForeignMemory`](crate::Error::ForeignMemory) unless the
+    /// driver finds the first and last byte there, aligned to the element.
     ///
     /// # Safety
     /// - The memory stays allocated until this value is dropped and the store's stream for
     ///   `ordinal` has run the work queued on it meanwhile.
     /// - While it is lent, the owner does not touch the memory out of order with the store's
     ///   stream (the two orders above).
-    /// - No clone of [`LentGpuArray::array`] outlives this value. (If one does, the end of the
-    ///   lend gives it a copy in the store's own memory; if that copy fails, the process is
-    ///   aborted, since the clone would otherwise free memory that is not the store's.)
+    /// - No clone of [`LentGpuArray::array`] outlives this value (one that does gets a copy;
+    ///   if the copy fails, the process aborts rather than free memory not the store's).
     pub unsafe fn new(
         ptr: u64,
         ordinal: usize,

@@ -1,24 +1,19 @@
 //! The 16-bit pushes (float16, bfloat16) with x86-64 AVX2 and F16C (compiled on x86-64 only).
 //!
 //! Each 1024-element block is widened to f32 8 lanes at a time (bfloat16: 16), summed in
-//! registers, folded by the same f32 rule as every other path ([`update_block`]), and narrowed
-//! back, in one function compiled with `#[target_feature(enable = "avx2,f16c")]` so that the
-//! conversions are inlined into the block loop instead of being called per element or per
-//! eight elements. [`available`] is the one run-time check per call; a CPU without these
-//! features takes the portable loops in the parent module, which give the same bits.
+//! registers, folded by the shared f32 rule ([`update_block`]) and narrowed back, in one
+//! function compiled with `avx2,f16c` so the conversions inline into the loop. [`available`]
+//! is the one run-time check per call; other CPUs take the portable loops (the same bits).
 //!
-//! The conversions are bit-identical to the `half` crate's scalar ones:
-//! - float16 uses the F16C instructions that `half` itself picks at run time
-//!   (`vcvtph2ps`, exact; `vcvtps2ph` with round-to-nearest-even);
-//! - bfloat16 restates `half`'s integer rules: widening is a shift (NaNs get their quiet bit
-//!   set), narrowing adds `0x7fff` plus the lowest kept bit and truncates (round to nearest,
-//!   ties to even, subnormals kept), and a NaN keeps its top bits with the quiet bit set.
-//!   AVX-512 BF16's `vcvtneps2bf16` is not used: it flushes f32 subnormals to zero, which
-//!   `half` does not, so it would change results.
+//! The conversions are bit-identical to the `half` crate's:
+//! - float16 uses the F16C instructions `half` picks at run time (`vcvtph2ps`; `vcvtps2ph`
+//!   rounding to nearest-even);
+//! - bfloat16 restates `half`'s integer rules: widening is a shift (NaNs get their quiet bit),
+//!   narrowing adds `0x7fff` plus the lowest kept bit and truncates (ties to even, subnormals
+//!   kept). AVX-512 BF16's `vcvtneps2bf16` would change results: it flushes subnormals to zero.
 //!
-//! Only the conversions and the loop structure differ from the portable path; the arithmetic is
-//! the same IEEE f32 operations in the same order (Rust never fuses or reassociates them). Where
-//! two NaNs meet in the sum, the running sum's NaN is kept ([`add_first_nan`]); Rust leaves that
+//! The arithmetic is the same IEEE f32 operations in the same order as the portable path. Where
+//! two NaNs meet in the sum, the running sum's is kept ([`add_first_nan`]); Rust leaves that
 //! choice unspecified, and the portable loops make it differently in their vector body and tail.
 
 use std::arch::x86_64::*;
@@ -29,8 +24,7 @@ use super::{part, update_block, PushJob, BLOCK};
 use crate::dtype::{DType, Element};
 use crate::updater::Rule;
 
-/// Whether this CPU can run [`push_seq`]: x86-64 with AVX2 and F16C. `std` caches the CPUID
-/// answer, so this is one relaxed atomic load per call.
+/// Whether this CPU has AVX2 and F16C for [`push_seq`] (`std` caches CPUID: one atomic load).
 #[inline]
 pub(super) fn available() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")
@@ -80,13 +74,12 @@ pub(super) fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
 }
 
 /// The block loop: `stored = rule(Σ values, stored, state)` in f32, with 16-bit storage
-/// (bfloat16 when `BF`, float16 otherwise). `R` is the number of values after the first that are
-/// summed in registers: `min(values - 1, 3)`.
+/// (bfloat16 when `BF`, float16 otherwise).
 ///
-/// Within a block, 8 elements (bfloat16: 16) at a time are widened from the first `R + 1` values and summed
-/// in registers, so those streams advance together (as in the roof kernels); any further values
-/// are added to the sum in an L1 buffer, one pass each. An assign of up to 4 values narrows the
-/// sum straight into the stored value; otherwise the rule gets the sum from the L1 buffer.
+/// Within a block, 8 elements (bfloat16: 16) at a time of the first `R + 1` values are widened
+/// and summed in registers, so those streams advance together; further values are added in an
+/// L1 buffer, one pass each. An assign of up to 4 values narrows the sum straight into
+/// `stored`; otherwise the rule gets the sum from the L1 buffer.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
@@ -241,9 +234,8 @@ fn load16(s: &[u16], i: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
 }
 
-/// 16 bfloat16 to f32 as [`widen8_raw`] does, in two vectors: elements 0–3 and 8–11, and
-/// elements 4–7 and 12–15. `_mm256_packus_epi32` of the two narrowed vectors puts them back
-/// in order.
+/// 16 bfloat16 to f32 as [`widen8_raw`], in two vectors (elements 0–3 and 8–11, 4–7 and
+/// 12–15), which `_mm256_packus_epi32` of the narrowed two puts back in order.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn unpack_bf16(h: __m256i) -> (__m256, __m256) {
@@ -291,11 +283,9 @@ fn widen<const BF: bool>(src: &[u16], dst: &mut [f32]) {
     }
 }
 
-/// `a + b`, where a NaN `a` is the result as it is: `vaddps` with `a` as its first source,
-/// written out because LLVM may swap the operands of an add, and x86 returns the first source's
-/// NaN when both are NaNs. The portable loop's `acc += x` keeps `acc`'s NaN the same way. A
-/// signalling NaN (only a bfloat16 from [`widen8_raw`] can be one) comes out quiet, with the
-/// quiet bit `0x0040_0000` set: the same bits as `half`'s widening gives it.
+/// `a + b`, keeping a NaN `a` as it is: `vaddps` with `a` first, written out because LLVM may
+/// swap an add's operands and x86 returns the first source's NaN. A signalling NaN (only a
+/// bfloat16 from [`widen8_raw`]) comes out with quiet bit `0x0040_0000`, as `half` widens it.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn add_first_nan(a: __m256, b: __m256) -> __m256 {
@@ -352,10 +342,8 @@ fn widen8<const BF: bool>(h: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(x))
 }
 
-/// Eight 16-bit floats to f32 for an add: as [`widen8`], except that a bfloat16 signalling NaN
-/// stays signalling. The add then returns it quiet, with the same bits `half` gives it: x86 sets
-/// the same quiet bit (`0x0040_0000`) that `half`'s widening sets. (A NaN that meets a NaN sum
-/// is dropped by [`add_first_nan`].)
+/// Eight 16-bit floats to f32 for an add: as [`widen8`], but a bfloat16 signalling NaN stays
+/// signalling; the add quiets it with the bit `half`'s widening sets (`0x0040_0000`).
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn widen8_raw<const BF: bool>(h: __m128i) -> __m256 {

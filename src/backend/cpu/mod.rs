@@ -1,20 +1,18 @@
 //! Fused loops over host memory: the CPU home of every store kind.
 //!
-//! A push is one pass: each block of elements is summed over every value into a small buffer
-//! that stays in L1, and the updater folds it into the stored value (and its state) at once. A
-//! pull reads each block of the stored value once and writes it to every out. Large arrays are
-//! split in halves recursively and run on the store's own thread pool, so every core streams.
+//! A push is one pass: each block of elements is summed over every value into a buffer that
+//! stays in L1, and the updater folds it into the stored value (and its state) at once. A pull
+//! reads each block once and writes it to every out. Large arrays are split in halves
+//! recursively over the store's own thread pool.
 //!
-//! The store calls these functions while it holds key locks, so a call must never run anyone
-//! else's work while it waits: a rayon worker waiting in `join` steals queued jobs, and a job
-//! that pushes to a key the suspended call has locked would block that worker forever. So:
+//! The store calls these while it holds key locks, so a call must never run anyone else's work
+//! while it waits: a rayon worker waiting in `join` steals queued jobs, and one that pushes to
+//! a key the suspended call has locked would block that worker forever. So:
 //!
-//! - A call from an ordinary thread runs on a private rayon pool (`pool()`). The calling thread
-//!   blocks (it does not steal) until the pool is done, and the pool's workers only ever see
-//!   this module's jobs, which take no locks.
-//! - A call from a worker of any rayon pool (a `par_iter` in the user's code) runs on that
-//!   thread, sequentially: `install` on another pool would wait by stealing jobs of the
-//!   caller's pool. The caller's other workers keep the cores busy with its other tasks.
+//! - A call from an ordinary thread runs on a private pool (`pool()`), whose workers see only
+//!   this module's jobs, which take no locks; the caller blocks without stealing.
+//! - A call from a worker of any rayon pool (the user's `par_iter`) runs sequentially on that
+//!   thread: `install` on another pool would wait by stealing jobs of the caller's pool.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -26,8 +24,7 @@ use num_traits::{Float, One, Zero};
 use crate::dtype::{DType, Element};
 use crate::updater::{clip, Rule};
 
-/// The few values, outs or locks of one key, on the stack up to four (a key is pushed from,
-/// and pulled into, a handful of devices).
+/// The few values, outs or locks of one key (a handful of devices), on the stack up to four.
 pub(crate) type Few<T> = smallvec::SmallVec<[T; 4]>;
 
 #[cfg(target_arch = "x86_64")]
@@ -45,9 +42,8 @@ pub use crate::config::PAR_MIN_BYTES;
 /// Split jobs until a half moves at most this many bytes.
 const PAR_GRAIN_BYTES: usize = 256 << 10;
 
-/// The pool that large calls from ordinary threads split their work over: one thread per core,
-/// created on first use. `None` on a single core, or when the threads could not be started;
-/// then every call runs on the calling thread.
+/// The pool large calls from ordinary threads split their work over: one thread per core,
+/// made on first use. `None` (every call runs on the caller) on one core, or if it failed.
 fn pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
@@ -64,8 +60,7 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-/// The pool to split a call of `bytes` of traffic over, or `None` to run it on the calling
-/// thread: a small call, a call from a rayon worker (see the module docs), or no pool.
+/// The pool to split a call of `bytes` over; `None` for a small call or a rayon worker's.
 fn pool_for(bytes: usize, par_min_bytes: usize) -> Option<&'static rayon::ThreadPool> {
     if bytes < par_min_bytes || rayon::current_thread_index().is_some() {
         return None;
@@ -94,8 +89,7 @@ type JobParts<'a, T> = (
 );
 
 impl<'a, T: Element> PushJob<'a, T> {
-    /// A push of the sum of `values` into `stored`, with `state` (a buffer is empty when the
-    /// updater keeps none).
+    /// A push of the sum of `values` into `stored`, with `state` (empty buffers where none).
     pub(crate) fn new(
         values: Few<&'a [T]>,
         stored: &'a mut [T],
@@ -121,15 +115,13 @@ impl<'a, T: Element> PushJob<'a, T> {
     }
 }
 
-/// Whether assigning one value of `dtype` is a copy of its bits: f32 and f64, whose
-/// accumulator is the type itself, so the round trip through it is the identity. A push that
-/// assigns one such value copies it with the copy loop (faster), or takes its buffer.
+/// Whether assigning one value of `dtype` copies its bits: f32 and f64, their own accumulator.
+/// A push assigning one such value uses the copy loop (faster), or takes its buffer.
 pub(crate) fn assign_is_copy(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64)
 }
 
-/// Runs one push: `stored = rule(sum(values), stored, state)`, element by element. Calls
-/// moving at least `par_min_bytes` split their work over the pool.
+/// Runs one push, `stored = rule(sum(values), stored, state)`, on the pool from `par_min_bytes`.
 pub(crate) fn push<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>, par_min_bytes: usize) {
     if let (Rule::Assign, [value], true) = (rule, &job.values[..], assign_is_copy(T::DTYPE)) {
         return broadcast(value, smallvec::smallvec![job.stored], par_min_bytes);
@@ -172,17 +164,14 @@ fn split_state<A>(s: &mut [A], mid: usize) -> (&mut [A], &mut [A]) {
 /// Whether float16/bfloat16 pushes may take the AVX2/F16C block loop (`half16`).
 static SIMD16: AtomicBool = AtomicBool::new(true);
 
-/// Lets float16 and bfloat16 pushes use the AVX2/F16C block loop where the CPU has it (`true`,
-/// the default) or keeps them on the portable loops (`false`), for this process, and returns
-/// the previous setting. Both give the same bits; this is for benches and tests that compare the
-/// two paths in one process.
+/// Lets this process's float16 and bfloat16 pushes use the AVX2/F16C loop (`true`, default)
+/// or the portable ones (the same bits, for benches); returns the previous setting.
 pub fn set_simd16(enabled: bool) -> bool {
     SIMD16.swap(enabled, Ordering::Relaxed)
 }
 
 fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
-    // float16 and bfloat16: one CPU check per call picks the AVX2/F16C block loop; the
-    // portable loops below give the same bits where it is missing.
+    // One CPU check per call picks the AVX2/F16C loop for float16 and bfloat16.
     #[cfg(target_arch = "x86_64")]
     if matches!(T::DTYPE, DType::F16 | DType::BF16)
         && SIMD16.load(Ordering::Relaxed)
@@ -198,9 +187,8 @@ fn push_seq<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
 
 /// The portable loop for every dtype (bfloat16 too when the CPU lacks AVX2 or F16C).
 fn push_seq_generic<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
-    // A small key's sum lives in a small block: the whole block is zeroed first, and zeroing
-    // 1024 accumulators for a key of 256 elements was most of the work of a push of many
-    // small keys.
+    // A small key's sum lives in a small block: zeroing 1024 accumulators for a key of 256
+    // elements was most of the work of a push of many small keys.
     match job.stored.len() <= SMALL_BLOCK {
         true => push_seq_blocks::<T, SMALL_BLOCK>(job, rule),
         false => push_seq_blocks::<T, BLOCK>(job, rule),
@@ -228,10 +216,8 @@ fn push_seq_blocks<T: Element, const B: usize>(job: PushJob<'_, T>, rule: &Rule<
     }
 }
 
-/// The portable float16 push (the fast one is `half16`): the same f32 arithmetic as the generic
-/// loop, with each block converted to and from f32 by `half`'s slice conversions (F16C SIMD
-/// when the CPU has it) instead of one element per call.
-/// `f16::to_f32`/`from_f32` and the slice conversions round identically, so results are the same.
+/// The portable float16 push: the generic loop's f32 arithmetic, with each block converted by
+/// `half`'s slice conversions (F16C where the CPU has it), which round as its scalar ones do.
 fn push_seq_f16<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     debug_assert_eq!(T::DTYPE, DType::F16);
     let (values, stored, [s0, s1]) = job.parts();
@@ -301,10 +287,7 @@ fn sum_block<T: Element>(values: &[&[T]], range: std::ops::Range<usize>, acc: &m
     }
 }
 
-/// Folds the summed input `g` into the stored block `w` and its state `m`, `v`.
-///
-/// Always inlined, so that in the AVX2 block loop of `half16` it is compiled with AVX2 too
-/// (the same IEEE operations on 8 lanes instead of 4).
+/// Folds the sum `g` into the block `w` and its state `m`, `v` (inlined: AVX2 in `half16`).
 #[inline(always)]
 fn update_block<T: Element>(
     rule: &Rule<T::Acc>,
@@ -369,15 +352,13 @@ fn update_block<T: Element>(
     }
 }
 
-/// `dst = Σ values`, in the accumulator type and rounded once: the merged input of a custom
-/// updater.
+/// `dst = Σ values`, rounded once from the accumulator: a custom updater's merged input.
 pub(crate) fn sum_into<T: Element>(values: &[&[T]], dst: &mut [T], par_min_bytes: usize) {
     let job = PushJob::new(values.iter().copied().collect(), dst, [&mut [], &mut []]);
     push(job, &Rule::Assign, par_min_bytes);
 }
 
-/// Copies `src` into every out: each block is read once and written to all of them. Calls
-/// moving at least `par_min_bytes` split their work over the pool.
+/// Copies `src` into every out, a block at a time, on the pool from `par_min_bytes`.
 pub(crate) fn broadcast<T: Copy + Send + Sync>(
     src: &[T],
     outs: Few<&mut [T]>,

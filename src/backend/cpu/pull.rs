@@ -1,5 +1,4 @@
-//! Pulls from host memory: the stored value copied (and converted) into every out. The mirror
-//! of `cuda::pull`.
+//! Pulls from host memory into every out (converted where needed). The mirror of `cuda::pull`.
 
 use std::ops::Range;
 use std::sync::RwLockWriteGuard;
@@ -9,8 +8,7 @@ use crate::host::{convert_into, with_host, HostData};
 use crate::ndarray::Storage;
 use crate::{Element, Error, NDArray, Result};
 
-/// Copies `src` (or its elements `part`) into every out. Outs that share elements are written
-/// once. Outs on a GPU get a host-to-GPU copy.
+/// Copies `src` (or its elements `part`) into every out, once per shared storage.
 pub(crate) fn pull_into(
     src: &HostData,
     part: Option<Range<usize>>,

@@ -1,5 +1,4 @@
-//! Pushes on host memory: the fused sum and update of a key with a built-in updater, and a
-//! closure updater run on a copy. The mirror of `cuda::push`.
+//! Pushes on host memory: a built-in updater's fused sum and update, a closure's on a copy.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::RwLockReadGuard;
@@ -38,10 +37,8 @@ pub(crate) fn push_fused<T: Element>(
     super::push(PushJob::new(values, stored, [s0, s1]), &rule, par_min_bytes);
 }
 
-/// The state of `updater` (of set_updater call `generation`) for a value of `len` elements,
-/// fresh unless `state` is already its: one accumulator buffer of the value's length per state
-/// name. Anything else (a race, a bad checkpoint) would hand the kernel a short buffer; it
-/// starts afresh instead.
+/// `updater`'s state (of set_updater call `generation`): an accumulator buffer of `len` per
+/// state name. Anything else (a race, a bad checkpoint) would be a short buffer: start afresh.
 fn current_state<'s, T: Element>(
     updater: &Updater,
     generation: u64,
@@ -66,11 +63,9 @@ fn current_state<'s, T: Element>(
     })
 }
 
-/// A push of `values` that assigns one value whole ([`Updater::Assign`], a dtype whose
-/// assignment is a copy), done by taking that value's buffer for `stored` and leaving the old
-/// one in its place, with no copy: for a push's own totals (never a caller's array). Only a
-/// buffer of the stored value's room is taken, so the store never holds more memory than
-/// before. Returns whether it did; `false` changes nothing.
+/// A push that assigns one value whole ([`Updater::Assign`], a dtype whose assignment is a
+/// copy) by swapping that value's buffer, of the same capacity, with `stored`: for a push's own
+/// totals, never a caller's array. Returns whether it did; `false` changes nothing.
 pub(crate) fn take_assigned(
     updater: &Updater,
     generation: u64,
@@ -117,11 +112,9 @@ pub(crate) fn push_closure(
         })
     };
     // The closure sees host arrays: for a GPU home they are host copies on cpu(0).
-    let device = if key.home.is_gpu() {
-        Device::Cpu(0)
-    } else {
-        key.home
-    };
+    let device = Some(key.home)
+        .filter(|d| !d.is_gpu())
+        .unwrap_or(Device::Cpu(0));
     let merged = NDArray::from_host(merged, key.shape, device);
     let mut stored = NDArray::from_host(value.clone(), key.shape, device);
     catch_unwind(AssertUnwindSafe(|| f(key.key, &merged, &mut stored)))
@@ -138,8 +131,7 @@ pub(crate) fn push_closure(
     stored.into_host()
 }
 
-/// Read locks on a set of arrays, each taken once, in address order. Arrays on a GPU are
-/// copied to the host instead (the host path of a push).
+/// Read locks on arrays, each taken once, in address order; GPU arrays are copied instead.
 pub(crate) struct ReadSet<'a> {
     guards: Few<(usize, Held<'a>)>,
 }

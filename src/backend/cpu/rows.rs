@@ -1,5 +1,4 @@
-//! Row-sparse arithmetic on host memory: rows summed by id ([`merge`]), and rows read out of
-//! and written back into a dense value ([`gather`], [`scatter`]).
+//! Row-sparse arithmetic on host memory: [`merge`] by id, [`gather`] and [`scatter`] rows.
 
 use super::push::ReadSet;
 use crate::host::{with_host, HostData};
@@ -11,9 +10,8 @@ pub(crate) struct Merged {
     pub rows: HostData,
 }
 
-/// The sum of `values` (each its row ids and its rows) by row (checked rows of `width` elements, of one dtype): each distinct
-/// id once, ascending, its rows added in the order they come (value by value, then within a
-/// value), in the dtype's own arithmetic.
+/// The sum of `values` (ids, and checked rows of `width`, one dtype) by id, ascending, each
+/// id's rows added in the order they come, in the dtype's own arithmetic.
 pub(crate) fn merge(values: &[(&[u64], &NDArray)], width: usize) -> Result<Merged> {
     // No values: no ids, and no rows of float32.
     let dtype = values
@@ -43,8 +41,7 @@ pub(crate) fn merge(values: &[(&[u64], &NDArray)], width: usize) -> Result<Merge
     Ok(Merged { ids, rows })
 }
 
-/// `dst[dst_range] (+)= src[src_range]`: a copy when `first`, else an addition in the dtype's
-/// arithmetic (as a dense push sums).
+/// `dst[dst_range] (+)= src[src_range]`: a copy when `first`, else a dense push's addition.
 pub(crate) fn add_row(
     src: &HostData,
     src_range: std::ops::Range<usize>,
@@ -76,8 +73,7 @@ pub(crate) fn gather(data: &HostData, segs: &[std::ops::Range<usize>]) -> HostDa
     })
 }
 
-/// Writes `compact` (the elements of `segs`, one after another, as [`gather`] reads them) back
-/// into `segs` of `data` (of the same dtype).
+/// Writes `compact`, as [`gather`] reads it, back into `segs` of `data` (of the same dtype).
 pub(crate) fn scatter(compact: &HostData, segs: &[std::ops::Range<usize>], data: &mut HostData) {
     with_host!(data, d: T => {
         let c = T::slice(compact).expect("rows of the value's dtype");

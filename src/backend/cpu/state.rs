@@ -1,6 +1,4 @@
-//! Updater state kept in host memory: for keys homed there, and for keys on a GPU whose dtype
-//! has no kernel (`float64`), which are updated on a host copy. The mirror of `cuda::state`'s
-//! GPU state.
+//! Updater state in host memory: host homes, and GPU keys without a kernel (`float64`).
 
 use crate::host::HostData;
 

@@ -1,24 +1,13 @@
-//! Many device copies, and many downloads, for one call: O(1) driver calls per (GPU, dtype),
-//! not one or more per key.
+//! Many device copies, and many downloads, for one call in O(1) driver calls per (GPU, dtype),
+//! not one or more per key: each driver call costs microseconds, more than moving a few KiB.
 //!
-//! A list pull of many small keys used to make a `cuMemcpyDtoDAsync` (and a context bind) per
-//! out, and a stream synchronize plus a device-to-host copy per key pulled to the host; each
-//! such call costs microseconds on a real driver, far more than moving a few KiB. Here:
-//!
-//! - [`copy_many`]: copies of at most [`BATCH_COPY_MAX_BYTES`] go, per (destination GPU,
-//!   dtype) with at least [`BATCH_MIN_COPIES`] of them, into one launch of the fused `assign`
-//!   kernel with one input per record
-//!   (`stored = src`, element for element; see [`kernels`](super::kernels)). That kernel is the
-//!   one the push uses and `tests/ptx_conformance.rs` checks against its CPU twin; with one
-//!   input it is a copy: f32 is loaded and stored as is, f16 and bf16 are widened to f32 and
-//!   rounded back, which is exact for every value (only a NaN's payload may not survive).
-//!   A source on another GPU is read by the kernel over peer access where the GPUs allow it.
-//!   Larger copies, copies between GPUs without peer access, and f64 (no kernel) keep their own
-//!   `cuMemcpy*Async`: the copy engine is best for big buffers, and a call per copy costs
-//!   nothing next to moving them.
-//! - [`download_many`]: buffers of at most [`BATCH_COPY_MAX_BYTES`] on one GPU are gathered by
-//!   [`copy_many`] into one scratch buffer (each at a 16-byte aligned offset), which goes to the
-//!   host in ONE copy after ONE wait per GPU; larger ones are downloaded one by one.
+//! - [`copy_many`]: per (destination GPU, dtype), [`BATCH_MIN_COPIES`] or more copies of at
+//!   most [`BATCH_COPY_MAX_BYTES`] go into one launch of the fused `assign` kernel, one input
+//!   per record: exact for every value (f16 and bf16 go through f32; a NaN's payload may not
+//!   survive), reading other GPUs over peer access. Larger copies, copies without peer access,
+//!   and f64 keep their own `cuMemcpy*Async`.
+//! - [`download_many`]: one GPU's small buffers are gathered by [`copy_many`] into one scratch
+//!   buffer, which goes to the host in ONE copy after ONE wait; larger ones go one by one.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -30,15 +19,12 @@ use super::{
 use crate::host::{from_le_bytes, HostData};
 use crate::{DType, Result};
 
-/// The largest copy (in bytes) that `copy_many` batches into a kernel launch; larger ones
-/// keep their own `cuMemcpy*Async`. A driver call costs a few microseconds to issue (≈ 10 µs
-/// for a copy and a stream sync on an H200), while 1 MiB moves in well under a microsecond at a
-/// GPU's memory bandwidth: below this, the call dominates; above it, the copy engine is as good
-/// as any kernel and the call is noise.
+/// The largest copy (in bytes) that `copy_many` batches into a launch. A driver call costs
+/// microseconds (≈ 10 µs for a copy and a stream sync on an H200), while 1 MiB moves in well
+/// under one: below this the call dominates; above it the copy engine is as good as a kernel.
 pub const BATCH_COPY_MAX_BYTES: usize = 1 << 20;
 
-/// The fewest small copies to one GPU, of one dtype, that go into a launch; fewer keep their
-/// own `cuMemcpy*Async` each.
+/// The fewest small copies to one GPU, of one dtype, that go into a launch.
 pub(crate) const BATCH_MIN_COPIES: usize = 4;
 
 /// One device copy of `bytes` (a whole number of `dtype` elements) from `src` to `dst`.
@@ -50,9 +36,8 @@ pub(crate) struct DeviceCopy {
     pub dtype: DType,
 }
 
-/// Whether `c` goes into a batched launch rather than a copy of its own: small, of a dtype
-/// with kernels, and within one GPU or from a GPU whose memory the destination GPU can read
-/// directly (peer access, enabled here once per pair).
+/// Whether `c` goes into a batched launch: small, of a dtype with kernels, and within one GPU
+/// or from a GPU the destination can read directly (peer access, enabled here once per pair).
 fn batched(c: &DeviceCopy) -> Result<bool> {
     if c.bytes > BATCH_COPY_MAX_BYTES
         || !super::has_kernel(c.dtype)
@@ -63,18 +48,14 @@ fn batched(c: &DeviceCopy) -> Result<bool> {
     Ok(c.dst.ordinal == c.src.ordinal || gpu(c.dst.ordinal)?.enable_peer(gpu(c.src.ordinal)?))
 }
 
-/// Enqueues every copy: one fused `assign` launch per (destination GPU, dtype) for the small
-/// copies (within one GPU, or read from a peer GPU), a `cuMemcpy*Async` each for the others
-/// (see the module docs). A launch that reads other GPUs first waits for their streams, and
-/// their streams then wait for it (one event each way per GPU pair, not per copy), as
-/// [`copy_device`] orders a peer copy.
+/// Enqueues every copy (see the module docs). A launch that reads other GPUs waits for their
+/// streams, and they then wait for it (one event each way per GPU pair), as [`copy_device`]
+/// orders a peer copy.
 ///
-/// The copies keep the meaning of one copy after another, in list order: a copy that reads or
-/// writes a buffer an earlier copy writes, or writes a buffer an earlier copy reads, goes in a
-/// later wave than that copy, and each wave is enqueued after the one before. Usually there
-/// is one wave; a pull with one out listed under several keys makes more. (Buffers are known
-/// by their start address: the callers copy whole buffers.) The caller keeps every buffer
-/// alive until the work is enqueued, and frees it on its GPU's stream.
+/// The copies keep list order's meaning: a copy that reads or writes a buffer an earlier copy
+/// writes, or writes one an earlier copy reads, goes in a later wave (a pull with one out under
+/// several keys). Buffers are known by their start address: callers copy whole buffers. The
+/// caller keeps every buffer alive until the work is enqueued, and frees it on its GPU's stream.
 pub(crate) fn copy_many(copies: &[DeviceCopy]) -> Result<()> {
     // Per buffer: the last wave that writes it, and the last wave that reads it.
     let mut written: BTreeMap<(usize, u64), usize> = BTreeMap::new();
@@ -122,9 +103,8 @@ fn copy_wave(copies: &[DeviceCopy]) -> Result<()> {
             copy_device(c.dst, c.src, c.bytes)?;
         }
     }
-    // A launch costs a record-table upload on top of the launch: a handful of copies are
-    // cheaper as copies (a single-key pull was 10 µs by cuMemcpy, 14-16 µs by a launch, on an
-    // H200).
+    // A launch adds a record-table upload: a few copies are cheaper as copies (a single-key
+    // pull: 10 µs by cuMemcpy, 14-16 µs by a launch, on an H200).
     let (few, many): (Vec<_>, Vec<_>) = groups
         .into_values()
         .partition(|g| g.len() < BATCH_MIN_COPIES);
@@ -159,8 +139,7 @@ fn copy_wave(copies: &[DeviceCopy]) -> Result<()> {
     Ok(())
 }
 
-/// Every buffer's elements, copied to the host, in order: the small ones on each GPU through
-/// one gathering launch, one wait and one device-to-host copy (see the module docs).
+/// Every buffer's elements, copied to the host, in order (see the module docs).
 pub(crate) fn download_many(bufs: &[&GpuBuf]) -> Result<Vec<HostData>> {
     let mut out: Vec<Option<HostData>> = (0..bufs.len()).map(|_| None).collect();
     // Per GPU: (index, byte offset in the gather buffer) of each small buffer, and the bytes.

@@ -7,11 +7,9 @@
 //! stored_t[i], m_t[i], v_t[i] = RULE(g, stored_t[i], m_t[i], v_t[i])
 //! ```
 //!
-//! with the rule's math in f32 exactly as the CPU twin, `backend::cpu`, computes it: the same
-//! operations in the same order, each rounded to nearest, no fused multiply-add, IEEE division
-//! and square root. The results are meant to equal the CPU's bit for bit, for f16 and bf16 too
-//! (both sides round the f32 result to nearest-even). Summing values on one GPU is the
-//! `Assign` rule with `k` inputs.
+//! with the rule's math in f32 as `backend::cpu` computes it (same operations and order,
+//! round to nearest, no fused multiply-add, IEEE division and square root), so results equal
+//! the CPU's bit for bit, f16 and bf16 too. Summing values on one GPU is `Assign` with `k` inputs.
 //!
 //! The entry `fused_<rule>_<dtype>` (see [`entry_name`]) is in the PTX module [`module_for`]
 //! names, and takes, in this order:
@@ -26,18 +24,16 @@
 //! clip = +inf means no clipping.
 //! ```
 //!
-//! The table holds `ntensors` 64-byte [`TensorRecord`]s, then `starts`: `ntensors + 1` u32
-//! (see [`block_starts`]), the prefix sum of the blocks each tensor needs
-//! (`ceil(n / chunk)`, 0 when `n == 0` or `k == 0`), then anything else (the input-pointer
-//! arrays). Launch with [`grid_dim`]`(starts[ntensors])` and `(BLOCK, 1, 1)`: a 1-D grid of one
-//! block per chunk of real work. Block `b` finds, by binary search, the tensor `t` with
-//! `starts[t] <= b < starts[t + 1]` ([`block_owner`] is the CPU twin) and updates its chunk
-//! `c = b - starts[t]`, elements `[c*chunk, min((c+1)*chunk, n))`, with a block-stride loop.
-//! (The grid used to be `(ceil(max_n / chunk), ntensors)`: a BERT-large push launched about
-//! 3 million blocks for 82 thousand chunks of work.) Where every pointer of a tensor is
-//! aligned at the chunk's start (16 bytes for f32 and for the state, 8 for f16/bf16) the bulk
-//! moves with 4-wide vector loads; the rest goes one element at a time. Each element is read
-//! before it is written by the same thread, so `stored` may also be one of the inputs.
+//! The table holds `ntensors` 64-byte [`TensorRecord`]s, then `starts` ([`block_starts`]:
+//! `ntensors + 1` u32, the prefix sum of each tensor's blocks), then the input-pointer arrays.
+//! Launch with [`grid_dim`]`(starts[ntensors])` and `(BLOCK, 1, 1)`: one block per chunk of
+//! real work (a `(max_n / chunk, ntensors)` grid launched 3 million blocks for BERT-large's
+//! 82 thousand chunks). Block `b` binary-searches the `t` with `starts[t] <= b < starts[t + 1]`
+//! ([`block_owner`] is the CPU twin) and updates chunk `c = b - starts[t]`, elements
+//! `[c*chunk, min((c+1)*chunk, n))`, with a block-stride loop. Where every pointer of a tensor
+//! is aligned at the chunk's start (16 bytes for f32 and the state, 8 for f16/bf16) the bulk
+//! moves with 4-wide vector loads. Each element is read before the same thread writes it, so
+//! `stored` may also be one of the inputs.
 //!
 //! `build.rs` checks every entry's parameter list against this ABI and assembles every file with
 //! `ptxas` for sm_70 (files for sm_80 and up excepted), sm_80 and sm_90.
@@ -102,16 +98,6 @@ impl RuleKind {
             RuleKind::Adam => "adam",
         }
     }
-
-    /// Whether the rule keeps the `m` state buffer (f32, one per element).
-    pub fn uses_m(self) -> bool {
-        matches!(self, RuleKind::SgdMom | RuleKind::Adam)
-    }
-
-    /// Whether the rule keeps the `v` state buffer (f32, one per element).
-    pub fn uses_v(self) -> bool {
-        self == RuleKind::Adam
-    }
 }
 
 /// Whether `dtype` has kernels: f32, f16 and bf16 do, f64 does not.
@@ -119,10 +105,7 @@ pub fn has_kernels(dtype: DType) -> bool {
     dtype != DType::F64
 }
 
-/// The entry point for `rule` on `dtype`, e.g. `fused_sgd_bf16`.
-///
-/// For f64, which has no kernels (see [`has_kernels`]), this is a `fused_<rule>_f64` that no
-/// module defines, so loading it fails with the driver's "not found" error.
+/// The entry point for `rule` on `dtype`, e.g. `fused_sgd_bf16` (no module has f64's).
 pub fn entry_name(rule: RuleKind, dtype: DType) -> &'static str {
     macro_rules! by_dtype {
         ($rule:literal) => {
@@ -143,8 +126,7 @@ pub fn entry_name(rule: RuleKind, dtype: DType) -> &'static str {
     }
 }
 
-/// The stem (in [`PTX_SOURCES`]) of the module that holds [`entry_name`]`(rule, dtype)`: one
-/// module per dtype. For f64 it is `fused_f64`, which is not in [`PTX_SOURCES`].
+/// The stem of the module of [`entry_name`]`(rule, dtype)`: one per dtype (f64's is absent).
 pub fn module_for(_rule: RuleKind, dtype: DType) -> &'static str {
     match dtype {
         DType::F32 => "fused_f32",
@@ -162,8 +144,7 @@ pub fn ptx_source(stem: &str) -> Option<&'static str> {
         .map(|(_, text)| *text)
 }
 
-/// The blocks tensor needs: `ceil(n / CHUNK)`, or 0 for a record the kernels skip
-/// (`n == 0` or `k == 0`).
+/// The blocks a tensor needs: `ceil(n / CHUNK)`, 0 when `k == 0` (the kernels skip it).
 pub fn blocks_for(n: u64, k: u32) -> u64 {
     if k == 0 {
         0
@@ -172,9 +153,8 @@ pub fn blocks_for(n: u64, k: u32) -> u64 {
     }
 }
 
-/// The `starts` array of a launch over tensors of `(n, k)`: `starts[0] = 0`, and
-/// `starts[t + 1] = starts[t] + blocks_for(n_t, k_t)`; its last entry is the grid size.
-/// `None` when the blocks in all exceed [`MAX_BLOCKS_PER_LAUNCH`].
+/// `starts` of a launch over tensors of `(n, k)`: 0, then the running sum of [`blocks_for`];
+/// `None` past [`MAX_BLOCKS_PER_LAUNCH`].
 pub fn block_starts(tensors: impl IntoIterator<Item = (u64, u32)>) -> Option<Vec<u32>> {
     let mut starts = vec![0u32];
     let mut total = 0u64;
@@ -188,9 +168,8 @@ pub fn block_starts(tensors: impl IntoIterator<Item = (u64, u32)>) -> Option<Vec
     Some(starts)
 }
 
-/// The tensor and chunk block `b` works on, as the kernels find them: the `t` with
-/// `starts[t] <= b < starts[t + 1]` (by the same binary search), and `b - starts[t]`. `None`
-/// for a block past the last one (the kernels exit).
+/// The tensor `t` and chunk `b - starts[t]` block `b` works on, by the kernels' binary
+/// search; `None` for a block past the last one (the kernels exit).
 pub fn block_owner(starts: &[u32], b: u32) -> Option<(usize, u32)> {
     let total = *starts.last()?;
     if b >= total {
@@ -208,16 +187,13 @@ pub fn block_owner(starts: &[u32], b: u32) -> Option<(usize, u32)> {
     Some((lo, b - starts[lo]))
 }
 
-/// The launch grid for `total` blocks (the last entry of [`block_starts`]): `(total, 1, 1)`.
-/// A launch of 0 blocks is invalid: with no work, do not launch.
+/// The grid for `total` blocks ([`block_starts`]'s last entry); 0 is invalid: do not launch.
 pub fn grid_dim(total: u32) -> (u32, u32, u32) {
     (total, 1, 1)
 }
 
-/// One tensor of a launch: the `table` parameter points to an array of these in device memory.
-/// All pointers are device addresses (`CUdeviceptr`).
-/// Its bytes, as the host copies them to the GPU, are in the host's byte order, which is the
-/// GPU's: CUDA hosts are little-endian.
+/// One tensor of a launch: `table` points to an array of these. Pointers are device addresses;
+/// the bytes are in host order, which is the GPU's (CUDA hosts are little-endian).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct TensorRecord {
@@ -260,8 +236,7 @@ unsafe impl cudarc::driver::DeviceRepr for TensorRecord {}
 // SAFETY: every field is an integer or a float, for which all-zero bytes are a valid value.
 unsafe impl cudarc::driver::ValidAsZeroBits for TensorRecord {}
 
-/// The kernel for one step of `rule`: its kind, its f32 scalar parameters in ABI order, and
-/// Adam's per-tensor `lr_t` (for [`TensorRecord::lr_t`]).
+/// The kernel for one step of `rule`: its kind, its f32 scalars in ABI order, Adam's `lr_t`.
 pub(crate) fn scalars(rule: &Rule<f32>) -> (RuleKind, Vec<f32>, Option<f32>) {
     match *rule {
         Rule::Assign => (RuleKind::Assign, vec![], None),

@@ -1,15 +1,12 @@
 //! The CUDA backend: GPU memory and kernels, the mirror of [`cpu`](super::cpu).
 //!
-//! - `runtime`: one context and one stream per GPU, PTX modules, device buffers, copies, and
-//!   the fused multi-tensor launch.
+//! - `runtime`: a context and stream per GPU, PTX modules, buffers, copies, the fused launch.
 //! - [`kernels`]: the hand-written PTX kernels and their launch ABI.
 //! - `copies`: many device copies, or downloads, of one call in O(1) driver calls per GPU.
-//! - `push`, `pull` and `state`: keys whose home is a GPU (fused sum and update, the copies
-//!   out, and the updater state), file for file as in `cpu`.
+//! - `push`, `pull` and `state`: keys homed on a GPU, file for file as in `cpu`.
 //!
-//! It imports nothing above `backend`: how data travels between GPUs (NCCL or peer copies) is
-//! `comm`'s decision, handed in as [`CrossGpu`]. cudarc is used only here (and by the NCCL
-//! wrapper in `comm`).
+//! How data travels between GPUs is `comm`'s decision, handed in as [`CrossGpu`]. cudarc is
+//! used only here and by `comm`'s NCCL wrapper.
 
 mod copies;
 pub mod kernels;
@@ -43,8 +40,7 @@ pub(crate) struct PartialSum<'a> {
     pub parts: &'a [GpuPtr],
 }
 
-/// One key of a pull: its value on the home, and the first out on each GPU (the home's
-/// included) that must receive it.
+/// One key of a pull: its value on the home, and the first out to fill on each GPU.
 pub(crate) struct Fanout<'a> {
     pub key: &'a Key,
     pub dtype: DType,
@@ -54,11 +50,9 @@ pub(crate) struct Fanout<'a> {
     pub firsts: Vec<GpuPtr>,
 }
 
-/// How data travels between this process's GPUs. `comm` implements it (NCCL collectives or
-/// peer copies); the backend says only what must arrive where.
+/// How data travels between this process's GPUs (NCCL or peer copies: `comm` implements it).
 pub(crate) trait CrossGpu {
-    /// Brings each key's partial sums to its home, into scratch buffers kept in `keep` until
-    /// the call's work is enqueued, and adds their addresses to the key's inputs.
+    /// Brings each key's partial sums home (scratch kept in `keep`), adding them to its inputs.
     fn sum_to_homes(&self, sums: Vec<PartialSum<'_>>, keep: &mut Vec<GpuBuf>) -> Result<()>;
 
     /// Copies each key's value from its home into its first out on every GPU.

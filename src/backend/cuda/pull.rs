@@ -1,15 +1,13 @@
 //! The pull of keys homed on a GPU, the mirror of [`cpu::pull`](crate::backend::cpu::pull).
 //!
-//! The [`CrossGpu`] links that `comm` hands in bring the home's value to the first out on each
-//! GPU (one NCCL broadcast, or peer copies); further outs on a GPU are device copies of that
-//! first out, the small ones batched into one launch per (GPU, dtype) ([`copy_many`]). Host
-//! outs, and outs of another dtype (converted on the host), share one copy of the key's value
-//! on the host, and the small keys' values come to the host together: one wait and one
-//! device-to-host copy per home GPU ([`download_many`]). (A GPU out of another dtype is still
-//! one upload per out.)
+//! `comm`'s [`CrossGpu`] links bring the home's value to the first out on each GPU (NCCL
+//! broadcast or peer copies); further outs on a GPU are device copies of that first out
+//! ([`copy_many`]). Host outs and outs of another dtype (converted on the host; a GPU one is
+//! uploaded) share one host copy of the value, the small keys' fetched together
+//! ([`download_many`]).
 //!
-//! Everything is enqueued on the GPUs' streams; nothing here waits, except the host copies (once
-//! per home GPU for the small keys).
+//! Everything is enqueued on the GPUs' streams; only the host copies wait (once per home GPU
+//! for the small keys).
 
 use std::collections::BTreeMap;
 use std::sync::RwLockWriteGuard;
@@ -36,8 +34,7 @@ pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
     outs.sort_by_key(|a| a.storage_id());
     outs.dedup_by_key(|a| a.storage_id());
     let mut guards: Locked<'_> = outs.iter().map(|a| (a.storage_id(), a.write())).collect();
-    // Keys with an out on the host or of another dtype: one copy of the value on the host each,
-    // all fetched together (one wait and one device-to-host copy per home GPU for the small ones).
+    // Keys with an out on the host or of another dtype: one host copy of the value each.
     let needs_host: Vec<bool> = jobs
         .iter()
         .map(|job| {
@@ -69,8 +66,7 @@ pub(crate) fn pull(between: &dyn CrossGpu, jobs: &[PullJob<'_>]) -> Result<()> {
         )?);
     }
     between.fan_out(&fanouts)?;
-    // These read the first out on their GPU, which the fan-out (enqueued before them on that
-    // GPU's stream) has written.
+    // These read the first out on their GPU, written by the fan-out enqueued before them.
     copy_many(&copies)?;
     drop(guards);
     Ok(())
@@ -83,20 +79,15 @@ fn locked(guards: &Locked<'_>, id: usize) -> usize {
         .expect("every out was locked")
 }
 
-/// Fills what of `job`'s outs needs no link: outs on the host or of another dtype from
-/// `host_copy`, and further outs on a GPU by copies added to `copies`. Returns the key's
-/// fan-out: the first out on each GPU, for the links to fill from the home.
+/// Fills `job`'s outs that need no link; returns the first out on each GPU, for the links.
 fn fill_outs<'j>(
     job: &PullJob<'j>,
     guards: &mut Locked<'_>,
     host_copy: Option<&HostData>,
     copies: &mut Vec<DeviceCopy>,
 ) -> Result<Fanout<'j>> {
-    let (home, dtype, n) = (
-        job.cell.buf.ordinal(),
-        job.cell.buf.dtype(),
-        job.cell.buf.len(),
-    );
+    let value = &job.cell.buf;
+    let (home, dtype, n) = (value.ordinal(), value.dtype(), value.len());
     let mut ids: Vec<usize> = job.outs.iter().map(|a| a.storage_id()).collect();
     ids.sort_unstable();
     ids.dedup();
@@ -107,9 +98,8 @@ fn fill_outs<'j>(
             Storage::Gpu(b) if b.dtype() == dtype => {
                 let dst = b.at();
                 match firsts.get(&dst.ordinal) {
-                    // On the home GPU straight from the value (which no pull writes), so an out
-                    // that another key of the call also fills cannot be read in between; on
-                    // another GPU from the first out there.
+                    // On the home GPU from the value (no pull writes it, unlike an out another
+                    // key may fill); elsewhere from the first out there.
                     Some(&first) => {
                         let from = if dst.ordinal == home {
                             job.cell.buf.ptr()

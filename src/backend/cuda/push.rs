@@ -1,16 +1,14 @@
 //! The push of keys homed on a GPU, the mirror of [`cpu::push`](crate::backend::cpu::push).
 //!
-//! Values on the home GPU, and values on the host (each copied to the home), are passed
-//! straight to the fused update kernel as its k inputs (sum and update in one pass, the sum in
-//! f32). Several values on another GPU are first summed there by the `assign` kernel; the
-//! [`CrossGpu`] links that `comm` hands in bring those partial sums to the home (one NCCL
-//! reduce per key, or peer copies). Then ONE launch per (home GPU, rule, dtype) updates every
-//! key of the call. Updater state (f32) lives on the home GPU ([`state`](super::state)).
+//! Values on the home GPU and on the host (copied up) are the fused update kernel's k inputs
+//! (sum in f32 and update in one pass). Several values on another GPU are first summed there
+//! by the `assign` kernel, and `comm`'s [`CrossGpu`] links bring those partial sums home (NCCL
+//! reduce or peer copies). Then ONE launch per (home GPU, rule, dtype) updates every key.
+//! Updater state (f32) lives on the home GPU ([`state`](super::state)).
 //!
-//! Rounding: a sum made on another GPU (the `assign` pre-sum, or NCCL's reduce, which adds in
-//! the dtype itself) is rounded to the key's dtype before the home adds it, so f16 and bf16
-//! keys pushed from several GPUs can differ from the CPU home in the last bits; as with NCCL
-//! reductions in DDP or Horovod. Values on the home GPU and on the host are summed in f32.
+//! Rounding: a sum made on another GPU (the pre-sum, or NCCL's reduce in the dtype itself) is
+//! rounded to the key's dtype before the home adds it, so f16 and bf16 keys pushed from several
+//! GPUs can differ from the CPU home in the last bits, as NCCL reductions in DDP do.
 //!
 //! Everything is enqueued on the GPUs' streams; nothing here waits.
 
@@ -63,10 +61,7 @@ impl<'a> Reads<'a> {
     }
 }
 
-/// Enqueues a validated push of built-in or PTX updaters on GPU homes (f32, f16 and bf16
-/// keys; for a PTX updater, keys of its dtype).
-/// `links` brings partial sums made on other GPUs to the homes (NCCL or peer copies: `comm`
-/// decides).
+/// Enqueues a validated push of a built-in or PTX updater on GPU homes (dtypes with kernels).
 pub(crate) fn push(
     updater: &Updater,
     generation: u64,
@@ -75,8 +70,7 @@ pub(crate) fn push(
 ) -> Result<()> {
     check_kernels(updater, &jobs)?;
     let reads = Reads::lock(jobs.iter().flat_map(|j| j.values.iter()));
-    // Scratch buffers: alive until every launch and copy using them is enqueued; they are
-    // freed on their own GPU's stream, so after those.
+    // Scratch buffers, alive until every use is enqueued (freed on their GPU's stream, after).
     let mut keep: Vec<GpuBuf> = Vec::new();
     let host_inputs = upload_host_values(&jobs, &reads, &mut keep)?;
     // Per key: the k inputs on the home GPU.
@@ -86,11 +80,8 @@ pub(crate) fn push(
     // Per key: partial sums on other GPUs (one address per GPU), to move to the home.
     let mut partials: Vec<Vec<GpuPtr>> = Vec::with_capacity(jobs.len());
     for (job, host) in jobs.iter().zip(host_inputs) {
-        let (home, dtype, n) = (
-            job.cell.buf.ordinal(),
-            job.cell.buf.dtype(),
-            job.cell.buf.len(),
-        );
+        let value = &job.cell.buf;
+        let (home, dtype, n) = (value.ordinal(), value.dtype(), value.len());
         let mut host = host.into_iter();
         let mut on_home = Vec::new();
         let mut others: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
@@ -136,12 +127,9 @@ pub(crate) fn push(
     Ok(())
 }
 
-/// Sends the keys' host values up to their home GPUs; returns, per key, their addresses there.
-///
-/// The kernel sums its k inputs in f32 in order. Host values are not summed on the host (f16
-/// and bf16 sums must round once, as on the CPU home): they go up side by side, each padded to
-/// 16 bytes so the kernel's vector loads apply, and each is an input. Every key's host values
-/// for one home GPU go up in ONE buffer and one copy (not one per key), kept in `keep`.
+/// Sends the keys' host values home, each an input of its own (f16 and bf16 sums round once,
+/// as on the CPU), padded to 16 bytes, in ONE buffer (kept in `keep`) per GPU; returns, per
+/// key, their addresses.
 fn upload_host_values(
     jobs: &[PushJob<'_>],
     reads: &Reads<'_>,
@@ -156,8 +144,7 @@ fn upload_host_values(
         let mut at = Vec::new();
         for v in job.values {
             if let Storage::Host(h) = reads.get(v) {
-                // (A home whose keys are all empty still gets a buffer: every input is a live
-                // address.)
+                // Empty keys still get a buffer: every input is a live address.
                 let up = uploads.entry(home).or_default();
                 at.push(up.len());
                 let bytes = host_data_bytes(h);
@@ -180,14 +167,12 @@ fn upload_host_values(
     Ok(offsets.into_iter().map(addrs).collect())
 }
 
-/// Sums made into scratch by `assign` launches, one launch per (GPU, dtype): keyed by the
-/// GPU and the dtype's tag (`DType` is not ordered).
+/// Sums made into scratch by one `assign` launch per (GPU, dtype tag: `DType` is not ordered).
 #[derive(Default)]
 struct Presums(BTreeMap<(usize, u8), (DType, Vec<Record>)>);
 
 impl Presums {
-    /// Scratch of `n` elements of `dtype` on GPU `d` (kept in `keep`) that [`Presums::launch`]
-    /// fills with the sum of `inputs`; returns its address.
+    /// The address of scratch on GPU `d` (kept in `keep`) that will hold the sum of `inputs`.
     fn add(
         &mut self,
         key: &Key,
@@ -217,8 +202,7 @@ impl Presums {
     }
 }
 
-/// Loads every kernel the push needs before anything changes, so a missing or broken module
-/// fails the whole call with every key unchanged.
+/// Loads every kernel the push needs first, so a broken module fails it with nothing changed.
 fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
     for job in jobs {
         let home = gpu(job.cell.buf.ordinal())?;
@@ -249,13 +233,11 @@ fn check_kernels(updater: &Updater, jobs: &[PushJob<'_>]) -> Result<()> {
 /// One fused launch being built: the rule, the dtype, its scalars, and the tensors.
 type Launch = (RuleKind, DType, Vec<f32>, Vec<Record>);
 
-/// Launches are grouped by home GPU, dtype (its tag: `DType` is not ordered) and the bits of
-/// their f32 scalars.
+/// Launches are grouped by home GPU, dtype tag and the bits of their f32 scalars.
 type LaunchKey = (usize, u8, Vec<u32>);
 
-/// The fused update: one launch per (home GPU, dtype, scalars) for every key of the call. Keys
-/// share their scalars unless per-key multipliers make their learning rate or weight decay
-/// differ (Adam's learning rate is per tensor, in the record, and never splits a launch).
+/// The fused update: one launch per (home GPU, dtype, scalars); per-key multipliers split
+/// launches, except Adam's learning rate (per tensor, in the record).
 fn update(
     updater: &Updater,
     generation: u64,
@@ -298,9 +280,7 @@ fn update(
     Ok(())
 }
 
-/// The PTX updater's step: the k inputs of each key are summed into scratch (one `assign`
-/// launch per home GPU and dtype; a key with one input passes it as is), then the user's
-/// kernel runs once per key.
+/// The PTX updater's step: each key's inputs summed into scratch, then the user's kernel.
 fn update_ptx(
     p: &PtxUpdater,
     generation: u64,

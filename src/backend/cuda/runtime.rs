@@ -1,13 +1,12 @@
 //! The per-process GPU runtime: one CUDA context and ONE stream per GPU, the PTX modules loaded
 //! once per GPU, device buffers per dtype, copies, and the fused multi-tensor launch.
 //!
-//! Ordering: every kernel, copy and NCCL call for GPU `i` goes on GPU `i`'s single stream, so
-//! stream order alone orders the operations on one GPU. cudarc's automatic per-slice events
-//! are turned off; cross-GPU dependencies use explicit events (recorded on the producer's
-//! stream, waited on by the consumer's). Reading a buffer on the host waits for its stream.
+//! Ordering: every kernel, copy and NCCL call for GPU `i` goes on its single stream, so stream
+//! order alone orders one GPU's work. cudarc's per-slice events are off; cross-GPU dependencies
+//! use explicit events. Reading a buffer on the host waits for its stream.
 //!
-//! Nothing here is touched unless [`probe::gpu_count`] says a GPU exists, so cudarc never gets
-//! the chance to panic on a missing libcuda.
+//! Nothing here runs unless [`probe::gpu_count`] finds a GPU, so cudarc cannot panic on a
+//! missing libcuda.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -32,14 +31,12 @@ pub(crate) struct Gpu {
     sm: u32,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// The PTX modules, each loaded on first use: a module this GPU cannot load (bf16's
-    /// `sm_80` PTX on an sm_70 GPU) fails only the kernels in it.
+    /// The PTX modules, loaded on first use: one this GPU cannot load fails only its kernels.
     modules: Mutex<HashMap<&'static str, std::result::Result<Arc<CudaModule>, DriverError>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Users' PTX updaters loaded here: (PTX text, entry) and the function. Few, so a list.
     user_functions: Mutex<Vec<(Arc<str>, String, CudaFunction)>>,
-    /// The fused launches' device table, reused (grown when too small). Held from the table's
-    /// copy until its launch is enqueued, so another thread's table cannot replace it between.
+    /// The fused launches' reused device table; locked from its copy until its launch.
     table: Mutex<Option<CudaSlice<u8>>>,
     /// Peer GPUs whose access was tried: ordinal -> whether it is enabled.
     peers: Mutex<HashMap<usize, bool>>,
@@ -50,8 +47,7 @@ pub(crate) struct Gpu {
 /// Bytes per pinned staging buffer.
 const STAGING_BYTES: usize = 4 << 20;
 
-/// Pinned staging buffers of one GPU, used in turn. Each has an event recorded after the copy
-/// that reads it; it is written again only once that event has completed.
+/// Pinned staging buffers of one GPU, used in turn, each rewritten once its copy is done.
 #[derive(Default)]
 struct Staging {
     bufs: Vec<Pinned>,
@@ -100,8 +96,7 @@ impl Gpu {
         self.sm
     }
 
-    /// Refuses PTX whose `.target` is above this GPU's architecture (the driver would fail to
-    /// load it with a bare CUDA_ERROR_NO_BINARY_FOR_GPU), with an error naming both.
+    /// Refuses PTX whose `.target` is above this GPU's, naming both (not NO_BINARY_FOR_GPU).
     fn check_target(
         &self,
         op: &'static str,
@@ -133,10 +128,9 @@ impl Gpu {
     fn open(ordinal: usize) -> std::result::Result<Gpu, DriverError> {
         let ctx = CudaContext::new(ordinal)?;
         let (major, minor) = ctx.compute_capability()?;
-        // SAFETY: turning event tracking off before any slice or stream of this context exists.
-        // We order work ourselves: one stream per GPU (stream order), and explicit events for
-        // every cross-GPU dependency (peer copies, NCCL ranks on other GPUs); buffers are freed
-        // on their own GPU's stream, after every use enqueued there.
+        // SAFETY: event tracking goes off before any slice or stream of this context exists.
+        // We order work ourselves: one stream per GPU, explicit events for every cross-GPU
+        // dependency, and buffers freed on their own GPU's stream, after every use there.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         Ok(Gpu {
@@ -153,11 +147,9 @@ impl Gpu {
         })
     }
 
-    /// Copies `src` from pageable host memory to the device address `dst` on this GPU's
-    /// stream, through pinned staging buffers, so the copy is asynchronous (a copy straight
-    /// from pageable memory makes the driver stage it synchronously). Each buffer is refilled
-    /// only after the copy that read it has completed; while the GPU copies one, the host
-    /// fills the other. Falls back to a plain copy when no pinned memory can be had.
+    /// Copies `src` from pageable host memory to device address `dst` on this GPU's stream,
+    /// asynchronously through two pinned buffers (the host fills one while the GPU copies the
+    /// other), or, without pinned memory, synchronously staged by the driver.
     pub(crate) fn upload_bytes(&self, dst: u64, src: &[u8]) -> Result<()> {
         if src.is_empty() {
             return Ok(());
@@ -224,9 +216,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// Enables this GPU's access to `peer`'s memory, once per pair, where
-    /// `cuDeviceCanAccessPeer` allows it, so copies between them go directly over NVLink or
-    /// PCIe instead of being staged through the host. Returns whether access is enabled.
+    /// Enables this GPU's direct access (NVLink or PCIe) to `peer`'s memory, once per pair,
+    /// where `cuDeviceCanAccessPeer` allows it; returns whether it is enabled.
     pub(crate) fn enable_peer(&self, peer: &Gpu) -> bool {
         if peer.ordinal == self.ordinal {
             return true;
@@ -249,7 +240,6 @@ impl Gpu {
     }
 
     fn try_enable_peer(&self, peer: &Gpu) -> bool {
-        use cudarc::driver::sys;
         let mut can = 0;
         // SAFETY: both devices are valid ordinals of this process; `can` is a valid out-pointer.
         let r = unsafe {
@@ -273,13 +263,11 @@ impl Gpu {
         self.grant_pool_access(peer)
     }
 
-    /// Lets this GPU's kernels read and write memory from `peer`'s current memory pool, where
-    /// cudarc allocates (`cuMemAllocAsync`). Peer access does not cover pool memory (CUDA
-    /// programming guide, stream-ordered allocator: pool accessibility "does not follow
-    /// cuCtxEnablePeerAccess"; `cuMemPoolSetAccess` grants it); without this, a kernel here
+    /// Lets this GPU's kernels use memory of `peer`'s current pool, where cudarc allocates
+    /// (`cuMemAllocAsync`). Peer access does not cover pool memory (CUDA programming guide:
+    /// pool accessibility "does not follow cuCtxEnablePeerAccess"); without this, a kernel here
     /// reading a buffer on `peer` faults with an illegal address.
     fn grant_pool_access(&self, peer: &Gpu) -> bool {
-        use cudarc::driver::sys;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: a valid device of this process and a valid out-pointer.
         let r = unsafe { sys::cuDeviceGetMemPool(&mut pool, peer.ctx.cu_device()) };
@@ -343,8 +331,7 @@ impl Gpu {
         Ok(f)
     }
 
-    /// A user PTX updater's entry, loading its module on this GPU on first use: once per PTX
-    /// text and entry, however many updaters share them.
+    /// A user PTX updater's entry, loaded here once per PTX text and entry.
     pub(crate) fn user_function(&self, p: &PtxUpdater) -> Result<CudaFunction> {
         let mut user = self
             .user_functions
@@ -356,8 +343,8 @@ impl Gpu {
         {
             return Ok(f.clone());
         }
-        // The same text and entry, loaded here for another updater: share its module, and
-        // count this GPU for this updater too (once: the alias below is found by pointer).
+        // The same text and entry, loaded for another updater: share it, and count this GPU
+        // for this updater too (once: the alias pushed below is found by pointer).
         if let Some((_, _, f)) = user
             .iter()
             .find(|(ptx, entry, _)| ptx == p.ptx() && entry == p.entry())
@@ -367,21 +354,12 @@ impl Gpu {
             user.push((p.ptx().clone(), p.entry().to_owned(), f.clone()));
             return Ok(f);
         }
-        let err = |e: DriverError| match Error::from_driver(
-            "load PTX updater",
-            Some(self.ordinal),
-            None,
-            e,
-        ) {
-            Error::Cuda {
-                op, key, source, ..
-            } => Error::Cuda {
-                op,
-                key,
-                message: format!("entry '{}' on gpu({}): {:?}", p.entry(), self.ordinal, e.0),
-                source,
-            },
-            other => other,
+        let err = |e: DriverError| {
+            let mut err = Error::from_driver("load PTX updater", Some(self.ordinal), None, e);
+            if let Error::Cuda { message, .. } = &mut err {
+                *message = format!("entry '{}' on gpu({}): {:?}", p.entry(), self.ordinal, e.0);
+            }
+            err
         };
         self.check_target(
             "load PTX updater",
@@ -411,8 +389,7 @@ pub(crate) struct UserLaunch {
     pub step: u64,
 }
 
-/// Launches a user PTX updater on `gpu` for one key: 256 threads per block, enough blocks to
-/// give each thread one element, at most 4096 (the kernel's grid-stride loop does the rest).
+/// Launches a user PTX updater on `gpu` for one key (its grid-stride loop covers the rest).
 pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<()> {
     if a.n == 0 {
         return Ok(());
@@ -434,11 +411,10 @@ pub(crate) fn launch_user(gpu: &Gpu, p: &PtxUpdater, a: &UserLaunch) -> Result<(
     for s in &scalars {
         args.arg(s);
     }
-    // SAFETY: `PtxUpdater::new` checked that the entry declares exactly this parameter list
-    // (six u64, four f32). `stored` and `merged` name live buffers of `n` elements of the
-    // updater's dtype on this GPU, `m` and `v` live f32 buffers of `n` elements or 0, all kept
-    // alive by the caller and freed on this stream after the launch. What the user's code
-    // does with them is the user's contract (documented in `ptx_updater`).
+    // SAFETY: `PtxUpdater::new` checked the entry's parameters (six u64, four f32). `stored`
+    // and `merged` name live buffers of `n` elements of its dtype on this GPU, `m` and `v` live
+    // f32 buffers of `n` or 0, kept alive by the caller and freed on this stream after the
+    // launch. What the user's code does with them is the user's contract (`ptx_updater`).
     unsafe { args.launch(cfg) }.map_err(cuda_err("launch PTX updater", None))?;
     Ok(())
 }
@@ -468,8 +444,7 @@ pub fn gpu_sm(i: usize) -> Result<u32> {
     Ok(gpu(i)?.sm())
 }
 
-/// Waits for the stream of every GPU this process has opened (opens none), polling NCCL work
-/// with its timeout (see [`host_wait`]). A no-op without GPUs.
+/// [`host_wait`] on every GPU this process has opened (opens none).
 pub(crate) fn synchronize_all() -> Result<()> {
     for slot in GPUS.get().into_iter().flatten() {
         if let Some(Ok(g)) = slot.get() {
@@ -479,19 +454,16 @@ pub(crate) fn synchronize_all() -> Result<()> {
     Ok(())
 }
 
-/// The wait the comm layer puts in front of every host read once it has NCCL communicators
-/// (`comm::nccl::wait_stream`, which polls collectives in flight for errors and timeouts).
+/// The comm layer's wait before host reads (`comm::nccl::wait_stream`: polls collectives).
 static HOST_WAIT: OnceLock<fn(&Gpu) -> Result<()>> = OnceLock::new();
 
-/// Sets the wait every host read of a GPU's stream goes through (see [`host_wait`]). The comm
-/// layer sets it before it issues its first collective; it is set once.
+/// Sets, once, the wait of [`host_wait`]; the comm layer calls it before its first collective.
 pub(crate) fn set_host_wait(wait: fn(&Gpu) -> Result<()>) {
     let _ = HOST_WAIT.set(wait);
 }
 
-/// Waits on the host for the work enqueued so far on `gpu`'s stream: through the comm layer's
-/// wait once it has set one (so a stalled collective is aborted rather than waited on forever),
-/// else [`Gpu::synchronize`].
+/// Waits on the host for `gpu`'s stream: through the comm layer's wait once set (a stalled
+/// collective is aborted, not waited on forever), else [`Gpu::synchronize`].
 pub(crate) fn host_wait(gpu: &Gpu) -> Result<()> {
     match HOST_WAIT.get() {
         Some(wait) => wait(gpu),
@@ -499,8 +471,7 @@ pub(crate) fn host_wait(gpu: &Gpu) -> Result<()> {
     }
 }
 
-/// Maps a driver error during `op` (on `key`) to [`Error::Cuda`], or [`Error::OutOfMemory`]
-/// for an out-of-memory error, keeping the driver's error as the source.
+/// Maps a driver error during `op` (on `key`) to [`Error::Cuda`] or [`Error::OutOfMemory`].
 pub(crate) fn cuda_err(op: &'static str, key: Option<&Key>) -> impl FnOnce(DriverError) -> Error {
     let key = key.cloned();
     move |e| {
@@ -512,15 +483,13 @@ pub(crate) fn cuda_err(op: &'static str, key: Option<&Key>) -> impl FnOnce(Drive
     }
 }
 
-/// Maps a driver error of a call on GPU `ordinal` that allocates `bytes` (an allocation, or a
-/// copy into a new buffer) during `op`.
+/// Maps a driver error of `op` allocating `bytes` on GPU `ordinal`.
 fn alloc_err(op: &'static str, ordinal: usize, bytes: usize) -> impl Fn(DriverError) -> Error {
     move |e| Error::from_driver(op, Some(ordinal), Some(bytes), e)
 }
 
-/// `n` uninitialized elements on `st`. The driver refuses to allocate 0 bytes
-/// (`cuMemAlloc` returns `CUDA_ERROR_INVALID_VALUE`), so an empty buffer still owns a
-/// one-element allocation; its length is 0 and it is freed like any other.
+/// `n` uninitialized elements on `st`. The driver refuses 0 bytes (`CUDA_ERROR_INVALID_VALUE`),
+/// so an empty buffer owns a one-element allocation with length 0.
 ///
 /// # Safety
 /// The elements are not initialized (as for `CudaStream::alloc`).
@@ -581,13 +550,9 @@ pub(crate) fn clone_dtoh<T: DeviceRepr>(
 /// Elements on one GPU, one variant per dtype.
 #[derive(Debug)]
 pub(crate) enum GpuBuf {
-    /// `float32` elements.
     F32(CudaSlice<f32>),
-    /// `float64` elements.
     F64(CudaSlice<f64>),
-    /// `float16` elements.
     F16(CudaSlice<f16>),
-    /// `bfloat16` elements.
     BF16(CudaSlice<bf16>),
 }
 
@@ -648,10 +613,7 @@ impl GpuBuf {
 
     /// The device address of the first element (no synchronization: see the module docs).
     pub(crate) fn ptr(&self) -> u64 {
-        with_gpu!(self, s => {
-            let (p, _sync) = s.device_ptr(s.stream());
-            p
-        })
+        with_gpu!(self, s => s.device_ptr(s.stream()).0)
     }
 
     /// The device address of the first element, on its GPU.
@@ -671,9 +633,7 @@ impl GpuBuf {
         Ok(gpu_of!(dtype, alloc_zeros(st, n).map_err(e)?))
     }
 
-    /// A buffer of `n` elements on GPU `ordinal` whose contents are not initialized: for
-    /// scratch that a kernel, copy or collective overwrites entirely before anything reads it
-    /// (all on that GPU's stream, so in that order).
+    /// `n` uninitialized elements on GPU `ordinal`, for work there to overwrite before reads.
     pub(crate) fn scratch(ordinal: usize, dtype: DType, n: usize) -> Result<GpuBuf> {
         let st = gpu(ordinal)?.stream();
         let e = alloc_err("alloc", ordinal, n * dtype.size());
@@ -683,16 +643,14 @@ impl GpuBuf {
         Ok(unsafe { gpu_of!(dtype, alloc_uninit(st, n).map_err(e)?) })
     }
 
-    /// A copy of host data on GPU `ordinal`, same dtype, sent through pinned staging buffers
-    /// (see [`Gpu::upload_bytes`]).
+    /// A copy of host data on GPU `ordinal`, same dtype (see [`Gpu::upload_bytes`]).
     pub(crate) fn upload(ordinal: usize, data: &HostData) -> Result<GpuBuf> {
         let mut b = GpuBuf::scratch(ordinal, data.dtype(), data.len())?;
         b.upload_into(data)?;
         Ok(b)
     }
 
-    /// Overwrites the elements with host data, converted to this buffer's dtype, through
-    /// pinned staging buffers (see [`Gpu::upload_bytes`]).
+    /// Overwrites the elements with host data, converted to this buffer's dtype.
     pub(crate) fn upload_into(&mut self, data: &HostData) -> Result<()> {
         if data.len() != self.len() {
             return Err(Error::Internal {
@@ -707,8 +665,7 @@ impl GpuBuf {
         gpu(self.ordinal())?.upload_bytes(self.ptr(), host_data_bytes(&data))
     }
 
-    /// The elements, copied to the host. Waits for the buffer's stream first, polling any NCCL
-    /// work in flight with its timeout (see [`host_wait`]).
+    /// The elements, copied to the host after [`host_wait`] on the buffer's GPU.
     pub(crate) fn download(&self) -> Result<HostData> {
         host_wait(gpu(self.ordinal())?)?;
         let e = cuda_err("copy to host", None);
@@ -718,8 +675,7 @@ impl GpuBuf {
         Ok(data)
     }
 
-    /// A copy on GPU `ordinal` (the same GPU or another one, through a peer copy), ordered
-    /// against both streams as [`copy_device`] orders it.
+    /// A copy on GPU `ordinal` (this one or another), ordered as [`copy_device`] orders it.
     pub(crate) fn copy_to(&self, ordinal: usize) -> Result<GpuBuf> {
         let out = GpuBuf::scratch(ordinal, self.dtype(), self.len())?;
         copy_device(out.at(), self.at(), self.bytes())?;
@@ -731,9 +687,8 @@ impl GpuBuf {
         self.upload_into(&HostData::filled(self.dtype(), self.len(), value))
     }
 
-    /// Memory that another library allocated, as a buffer of `n` elements of `dtype` on GPU
-    /// `ordinal`, ordered on that GPU's stream. Checked first: the address must be device
-    /// memory of that GPU at its first and last byte, aligned to the element.
+    /// Another library's memory as a buffer of `n` elements of `dtype` on GPU `ordinal`,
+    /// checked first ([`check_foreign`]).
     ///
     /// # Safety
     /// The memory must stay allocated until the buffer is given up with [`GpuBuf::leak`]
@@ -761,11 +716,10 @@ impl GpuBuf {
     }
 }
 
-/// Checks memory lent by another library: device memory of GPU `g` (its context is the
-/// primary one, which the CUDA runtime and so PyTorch and CuPy use) at its first and its last
-/// byte, aligned to `dtype`. The two ends are asked of the driver apart, not one allocation's
-/// range: PyTorch's expandable segments map one tensor over several physical chunks, and the
-/// driver reports a chunk as the allocation.
+/// Checks memory lent by another library: device memory of GPU `g` (whose context is the
+/// primary one, as PyTorch's and CuPy's) at its first and last byte, aligned to `dtype`. The
+/// ends are asked apart, not one allocation's range: PyTorch's expandable segments map one
+/// tensor over several physical chunks, and the driver reports a chunk as the allocation.
 fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
     let device = Device::Gpu(g.ordinal);
     let refuse = |message: String| Error::ForeignMemory { device, message };
@@ -809,9 +763,8 @@ fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// The CUDA stream (`CUstream`, as an integer) on which the store orders its work on GPU
-/// `ordinal`: the `stream` to hand a DLPack producer (`__dlpack__(stream=...)`), and the
-/// stream another library waits on before it reuses memory lent to the store.
+/// The store's CUDA stream (`CUstream`, as an integer) on GPU `ordinal`: the `stream` to hand a
+/// DLPack producer, and the one to wait on before reusing memory lent to the store.
 pub fn cuda_stream(ordinal: usize) -> Result<usize> {
     Ok(gpu(ordinal)?.stream().cu_stream() as usize)
 }
@@ -833,9 +786,7 @@ fn host_bytes<T: DeviceRepr>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
-/// Makes `consumer` wait for everything enqueued so far on `producer` (no-op for one stream).
-///
-/// Callers hold [`cross_gpu_order`] around the whole sequence this is part of.
+/// Makes `consumer` wait for the work enqueued on `producer`, under [`cross_gpu_order`].
 pub(crate) fn stream_wait(consumer: &CudaStream, producer: &CudaStream) -> Result<()> {
     if consumer.cu_stream() == producer.cu_stream() {
         return Ok(());
@@ -848,12 +799,10 @@ pub(crate) fn stream_wait(consumer: &CudaStream, producer: &CudaStream) -> Resul
 /// Serializes everything that orders one stream against another: NCCL groups (whose kernels on
 /// different GPUs wait for each other) and event waits between streams (peer copies).
 ///
-/// Without it, two threads could interleave: thread A enqueues its NCCL kernel on GPU 0, thread
-/// B makes GPU 1's stream wait for an event recorded on GPU 0 after that kernel, and then A
-/// enqueues its NCCL kernel on GPU 1 behind B's wait. GPU 0's kernel waits for GPU 1's, which
-/// waits for GPU 0's: a deadlock. Holding this lock over each whole group and each whole
-/// record-and-wait sequence makes them atomic with respect to one another, so every wait is
-/// either entirely before or entirely after a collective on both GPUs.
+/// Without it: thread A enqueues its NCCL kernel on GPU 0, thread B makes GPU 1's stream wait
+/// for an event after that kernel, then A enqueues its NCCL kernel on GPU 1 behind B's wait.
+/// GPU 0's kernel waits for GPU 1's, which waits for GPU 0's: a deadlock. Under this lock every
+/// wait is entirely before or after a collective on both GPUs.
 pub(crate) fn cross_gpu_order() -> std::sync::MutexGuard<'static, ()> {
     static ORDER: std::sync::Mutex<()> = std::sync::Mutex::new(());
     ORDER.lock().unwrap_or_else(|e| e.into_inner())
@@ -870,15 +819,13 @@ pub(crate) struct Record {
     pub lr_t: f32,
 }
 
-/// The length in bytes of a launch's device table of `records` records, `starts` block starts
-/// and `inputs` input pointers in all (see [`record_table`]).
+/// The bytes of a [`record_table`] of `records`, `starts` and `inputs` input pointers in all.
 fn table_len(records: usize, starts: usize, inputs: usize) -> usize {
     records * size_of::<TensorRecord>() + (starts * 4).next_multiple_of(8) + inputs * 8
 }
 
-/// The bytes of a launch's device table at device address `base`: a [`TensorRecord`] per
-/// record (the ABI's layout), then `starts` (see [`kernels::block_starts`]) padded to 8
-/// bytes, then every record's input pointers, in record order.
+/// The bytes of a launch's table at device address `base`: a [`TensorRecord`] per record,
+/// `starts` padded to 8 bytes, then every record's input pointers, in order.
 pub(crate) fn record_table(base: u64, records: &[Record], starts: &[u32]) -> Vec<u8> {
     let inputs: usize = records.iter().map(|r| r.inputs.len()).sum();
     let len = table_len(records.len(), starts.len(), inputs);
@@ -908,14 +855,10 @@ pub(crate) fn record_table(base: u64, records: &[Record], starts: &[u32]) -> Vec
 }
 
 /// Launches `fused_<rule>_<dtype>` on `gpu` over `records`: one launch per
-/// [`kernels::MAX_TENSORS_PER_LAUNCH`] tensors, each on a 1-D grid of one block per chunk of
-/// work (see [`kernels::block_starts`]); a batch with no work launches nothing.
-///
-/// The record table, the block starts and every tensor's input-pointer array are built in one
-/// host buffer and copied through pinned staging into the GPU's table buffer, which is reused
-/// from launch to launch (stream order puts each copy after the previous launch). The caller
-/// keeps every buffer named by a record alive; they are only freed on this GPU's stream, so
-/// after the kernel.
+/// [`kernels::MAX_TENSORS_PER_LAUNCH`] tensors, one block per chunk of work; a batch with no
+/// work launches nothing. The table ([`record_table`]) goes up through pinned staging into the
+/// GPU's reused table buffer (stream order puts each copy after the previous launch). The
+/// caller keeps every buffer a record names alive; they are freed on this stream, after it.
 pub(crate) fn launch_fused(
     gpu: &Gpu,
     rule: RuleKind,
@@ -955,8 +898,7 @@ pub(crate) fn launch_fused(
             *table = Some(fresh);
         }
         let buf = table.as_ref().expect("allocated just above");
-        let (base, _sync) = buf.device_ptr(stream);
-        drop(_sync);
+        let base = buf.device_ptr(stream).0;
         let host = record_table(base, batch, &starts);
         gpu.upload_bytes(base, &host)?;
         let cfg = LaunchConfig {
@@ -971,12 +913,10 @@ pub(crate) fn launch_fused(
         for s in scalars {
             args.arg(s);
         }
-        // SAFETY: the argument list is the ABI's (u64 table, u32 ntensors, u32 chunk, then the
-        // rule's f32 scalars, which `kernels::scalars` gives in ABI order). The table holds
-        // `ntensors` 64-byte records whose pointers name live buffers of `n` elements on this
-        // GPU (the caller keeps them alive; frees are ordered after this launch on this stream),
-        // then the block starts whose last entry is the grid size. The table buffer is only
-        // rewritten by a later copy on this stream (after this kernel), under the same lock.
+        // SAFETY: the arguments are the ABI's (table, ntensors, chunk, then the rule's scalars
+        // in `kernels::scalars`' order). The table holds `ntensors` records naming live buffers
+        // of `n` elements on this GPU (freed on this stream, after the launch), then the block
+        // starts, the last the grid size; only a later copy on this stream rewrites it.
         unsafe { args.launch(cfg) }.map_err(e())?;
         drop(table);
     }

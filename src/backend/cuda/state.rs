@@ -1,5 +1,4 @@
-//! Keys homed on a GPU: the stored value and the updater state, the mirror of
-//! [`cpu::state`](crate::backend::cpu::state).
+//! A GPU-homed key's value and updater state; the mirror of `cpu::state`.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
@@ -24,8 +23,7 @@ pub(super) struct GpuState {
 }
 
 impl GpuState {
-    /// Counts one more step; returns the new step count and the device addresses of the `m`
-    /// and `v` buffers (0 where the updater keeps none).
+    /// Counts a step; returns it and the addresses of the `m` and `v` buffers (0 for none).
     pub(super) fn advance(&mut self) -> (u64, u64, u64) {
         self.step += 1;
         let addr = |s: &CudaSlice<f32>| s.device_ptr(s.stream()).0;
@@ -51,8 +49,7 @@ impl GpuCell {
             .map(|s| s.step)
     }
 
-    /// The step count and state buffers of updater `generation`, copied to the host (for
-    /// checkpoints); `None` when the key has no state for it.
+    /// The step and state buffers of updater `generation` on the host; `None` without state.
     pub(crate) fn state_to_host(&self, generation: u64) -> Result<Option<(u64, Vec<HostData>)>> {
         let Some(state) = self.state.as_ref().filter(|s| s.generation == generation) else {
             return Ok(None);
@@ -71,12 +68,9 @@ impl GpuCell {
         Ok(Some((state.step, bufs)))
     }
 
-    /// Makes a checkpoint's updater state (host buffers, `float32`, one per state name; `None`
-    /// clears it) ready to replace this cell's, for updater `generation`: the GPU memory it
-    /// needs is allocated here, and [`GpuCell::commit_state`] puts it in without allocating.
-    /// Where the cell already holds as many state buffers, the state will be copied into them (a
-    /// load needs no second copy of the store's state); otherwise new buffers are made, holding
-    /// it.
+    /// Makes a checkpoint's state (`float32` buffers, one per state name; `None` clears it)
+    /// ready to replace this cell's: it goes into the cell's buffers where they fit, else new
+    /// ones are allocated here, so [`GpuCell::commit_state`] allocates nothing.
     pub(crate) fn stage_state(
         &self,
         generation: u64,
@@ -96,8 +90,7 @@ impl GpuCell {
                 ),
             });
         }
-        // The cell's own buffers take the state where they are as many, each of the value's
-        // length (checked here, before any agreement, not by the copy after it).
+        // Checked here, before any agreement, not by the copy after it.
         let room = |s: &GpuState| {
             s.bufs.len() == bufs.len() && s.bufs.iter().all(|b| b.len() == self.buf.len())
         };
@@ -123,8 +116,7 @@ impl GpuCell {
         })))
     }
 
-    /// Puts in a state staged by [`GpuCell::stage_state`] on this cell. Allocates nothing: it
-    /// fails only where the GPU itself does.
+    /// Puts in a state staged by [`GpuCell::stage_state`]; fails only where the GPU does.
     pub(crate) fn commit_state(&mut self, staged: StagedState) -> Result<()> {
         match staged.0 {
             Staged::Clear => self.state = None,
@@ -178,9 +170,8 @@ enum Staged {
     },
 }
 
-/// Gives every cell an updater state for `generation` with `names` f32 buffers (zeros where it
-/// has none, or one of another updater). All are made before any step count moves, so a failed
-/// allocation leaves every key's state as it was.
+/// Gives every cell a state for `generation` with `names` f32 buffers (zeros where it has
+/// none or another updater's), before any step moves: a failed allocation changes no key.
 pub(super) fn make_states<'c>(
     cells: impl Iterator<Item = (&'c Key, &'c mut GpuCell)>,
     generation: u64,
