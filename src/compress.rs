@@ -31,8 +31,7 @@ pub enum Compression {
         /// The magnitude each element sends, greater than 0 (MXNet's default is 0.5).
         threshold: f32,
     },
-    /// A 16-bit wire (not MXNet's): each element sends its value plus residual rounded to
-    /// `dtype`, half the bytes of float32.
+    /// A 16-bit wire (not MXNet's): each element sends its value plus residual rounded to `dtype`.
     Half {
         /// [`DType::BF16`] (float32's range) or [`DType::F16`] (more bits, up to ±65504).
         dtype: DType,
@@ -97,8 +96,7 @@ impl Compression {
         }
     }
 
-    /// What the store sums in place of `value`: it quantized with `residual` and decoded. The
-    /// residual that stays goes into `left`.
+    /// `value` quantized with `residual` and decoded, the residual that stays written to `left`.
     pub(crate) fn round_trip(&self, value: &[f32], residual: &[f32], left: &mut [f32]) -> Vec<f32> {
         match *self {
             Compression::None => {

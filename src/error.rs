@@ -246,8 +246,7 @@ pub enum Error {
         source: Option<cudarc::driver::DriverError>,
     },
 
-    /// A GPU is older than a kernel needs: bfloat16 kernels need sm_80, a user PTX updater its
-    /// module's `.target`. Found before anything runs.
+    /// A GPU is older than a kernel needs (bfloat16 kernels: sm_80; PTX: the module's `.target`).
     #[error(
         "{op}{}: {what} needs a GPU of compute capability {}.{} (sm_{need}) or newer, but {device} \
          is {}.{} (sm_{have}): {fix}",
@@ -325,8 +324,7 @@ pub enum Error {
         message: String,
     },
 
-    /// The ranks of a distributed store disagree on a call. Every rank gets it for the same
-    /// call, before any data moves; then the world is unusable ([`Error::DistFailed`]).
+    /// The ranks disagree on a call: all fail it before any data moves; the world is unusable.
     #[error(
         "{op} (call #{seq}): the ranks disagree on this call: {detail}; every rank must make the \
          same kvstore calls, with the same keys, shapes and dtypes, in the same order"
@@ -395,8 +393,7 @@ pub enum Error {
         detail: String,
     },
 
-    /// Another rank exited (failed, or with calls still to make) before making this call, so it
-    /// can never complete; the world is then unusable ([`Error::DistFailed`]).
+    /// Another rank exited before this call, which can never complete; the world is unusable.
     #[error(
         "{op} (call #{seq}): rank {rank}{} {detail}, so this call can never complete. The \
          distributed world is unusable now: see rank {rank}'s own output for why it exited, fix \
@@ -485,8 +482,7 @@ pub enum Error {
         message: String,
     },
 
-    /// An MPI call failed (the world is then unusable), or was given buffers that do not fit
-    /// the collective (refused before anything is sent).
+    /// An MPI call failed (the world is then unusable), or its buffers do not fit (nothing sent).
     #[error("{op}: MPI error: {message}")]
     Mpi {
         /// What was being done.

@@ -4,8 +4,7 @@ use std::fmt;
 
 use crate::{Error, Result};
 
-/// A key: an `i32` (MXNet's C `int`) or a string, never both in one store. Store methods take
-/// any [`IntoKey`].
+/// A key: an `i32` (MXNet's C `int`) or a string, never both in one store; see [`IntoKey`].
 ///
 /// ```
 /// use kvstore::Key;

@@ -24,8 +24,7 @@ pub struct RowSparse {
 }
 
 impl RowSparse {
-    /// `rows` (one per id, along the first dimension) under `ids`; [`Error::RowSparse`] unless
-    /// there are `ids.len()` of them.
+    /// `rows` (one per id, along the first dimension) under `ids`, or [`Error::RowSparse`].
     pub fn new(ids: Vec<u64>, rows: NDArray) -> Result<RowSparse> {
         let dims = rows.shape().dims().to_vec();
         if dims.first() != Some(&ids.len()) {

@@ -33,8 +33,7 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// A shape from a slice of dimensions: an error for more than [`MAX_NDIM`], or more than
-    /// `isize::MAX` elements.
+    /// A shape from a slice of dimensions: an error past [`MAX_NDIM`] or `isize::MAX` elements.
     pub fn new(dims: &[usize]) -> Result<Shape, Error> {
         if dims.len() > MAX_NDIM {
             return Err(Error::TooManyDims { ndim: dims.len() });

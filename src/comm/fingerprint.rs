@@ -25,7 +25,7 @@ struct Entry {
 }
 
 /// What the ranks must agree on for one store call: the op and its keys, shapes and dtypes.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Fingerprint {
     op: &'static str,
     entries: Vec<Entry>,
@@ -74,11 +74,7 @@ impl Fingerprint {
     pub fn new(op: &'static str) -> Fingerprint {
         Fingerprint {
             op,
-            entries: Vec::new(),
-            rejected: None,
-            note: None,
-            store: 0,
-            tag: None,
+            ..Fingerprint::default()
         }
     }
 
@@ -94,8 +90,7 @@ impl Fingerprint {
         self
     }
 
-    /// A call of `op` that this rank rejected (`why`): unlike every accepted call, so every
-    /// rank fails it together.
+    /// A call of `op` that this rank rejected (`why`), which every rank then fails together.
     pub fn rejected(op: &'static str, why: &str) -> Fingerprint {
         Fingerprint {
             rejected: Some(why.to_owned()),

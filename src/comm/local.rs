@@ -86,8 +86,7 @@ impl CrossGpu for GpuLinks {
         nccl::run("push (reduce)", &collectives)
     }
 
-    /// One grouped NCCL broadcast per key from the home to the other GPUs, or peer copies; the
-    /// home's own first out is a device copy. Copies are batched by `copy_many`.
+    /// One grouped NCCL broadcast per key from the home to the other GPUs, or peer copies.
     fn fan_out(&self, fanouts: &[Fanout<'_>]) -> Result<()> {
         let mut collectives = Vec::new();
         // In key order: each key's copy to its home's first out, then (without NCCL) its copies

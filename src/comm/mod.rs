@@ -180,8 +180,7 @@ fn store_results(jobs: Vec<KeyUpdate<'_>>, results: Vec<HostData>) -> Result<()>
     Ok(())
 }
 
-/// A push with a user PTX updater: its kernel on GPU homes, its CPU twin (on copies) on host
-/// homes, every key checked first so that a bad one changes nothing.
+/// A push with a user PTX updater: its kernel on GPU homes, its CPU twin on host homes.
 fn push_ptx(
     p: &PtxUpdater,
     updater: &Updater,
@@ -246,8 +245,7 @@ fn ptx_check_and_twin(
     }
 }
 
-/// Waits for every operation in flight on this process's GPUs, polling NCCL work for errors
-/// with its timeout. `Ok` at once without a GPU.
+/// Waits for this process's GPU work, polling NCCL for errors with its timeout.
 pub(crate) fn wait_all() -> Result<()> {
     if backend::probe::gpu_count() == 0 {
         return Ok(());

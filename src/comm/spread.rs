@@ -35,8 +35,8 @@ impl Spread {
     }
 }
 
-/// Rank `rank`'s slice of a sliced key of `len` elements over `size` ranks: blocks of
-/// `ceil(len / size)` in rank order, the last ones shorter or empty.
+/// Rank `rank`'s slice of a key of `len` elements over `size` ranks: blocks of `len / size`,
+/// rounded up, in rank order.
 pub(crate) fn slice_range(len: usize, size: usize, rank: usize) -> Range<usize> {
     let block = slice_block(len, size);
     let start = (rank * block).min(len);

@@ -1,5 +1,4 @@
-//! The variables of NCCL between this process's GPUs, each read once per process (its
-//! communicators are the process's) and validated.
+//! The variables of NCCL between this process's GPUs, read once per process and validated.
 //!
 //! - `KVSTORE_NCCL_TIMEOUT_MS`: how long a collective may run before it is aborted ([`timeout`]).
 //! - `KVSTORE_NCCL_MAX_COMMS`: how many device sets keep their communicators ([`max_sets`]).
@@ -14,8 +13,7 @@ use std::time::Duration;
 
 use crate::{Error, Result};
 
-/// Whether `KVSTORE_NCCL_FORCE=1`: NCCL for keys whose values are all on the home GPU too
-/// (one-rank communicators), so that the NCCL path runs on a one-GPU machine.
+/// Whether `KVSTORE_NCCL_FORCE=1`: NCCL even for values all on the home GPU (one-GPU tests).
 pub fn force_single() -> bool {
     static FORCE: OnceLock<bool> = OnceLock::new();
     *FORCE.get_or_init(|| std::env::var("KVSTORE_NCCL_FORCE").as_deref() == Ok("1"))
@@ -94,8 +92,7 @@ fn max_sets_from(
     )
 }
 
-/// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS` (a whole
-/// number of milliseconds), else 60 s.
+/// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS`, else 60 s.
 pub(crate) fn timeout() -> Result<Duration> {
     static TIMEOUT: OnceLock<std::result::Result<Duration, Invalid>> = OnceLock::new();
     TIMEOUT

@@ -1,8 +1,5 @@
 //! [`AsyncKvStore`]: a store whose calls return at once and run on a worker thread, as MXNet's
-//! engine ran KVStore calls, so that communication overlaps the caller's compute.
-//!
-//! One worker per store runs the calls one at a time ([`pending`] holds the order rule). After
-//! a failure, later calls are not run until [`AsyncKvStore::wait_all`] has returned it.
+//! engine ran KVStore calls; [`pending`] holds the order rule.
 
 mod pending;
 #[cfg(test)]

@@ -58,8 +58,7 @@ pub(super) struct Group<'a> {
 }
 
 impl KvStore {
-    /// Every key with its arrays and priority (0 without `priorities`), in key order, repeats
-    /// merged.
+    /// Every key with its arrays and priority (default 0), in key order, repeats merged.
     pub(super) fn groups<'a, K: IntoKey + Clone, V: ValueList>(
         &self,
         op: &'static str,

@@ -1,5 +1,4 @@
-//! The push hook: observes every key of every successful push, after the call's locks are
-//! released.
+//! The push hook: observes every key of every successful push, after the call's locks.
 
 use std::sync::{Arc, RwLockWriteGuard};
 

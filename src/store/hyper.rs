@@ -242,8 +242,7 @@ impl KvStore {
         read(&self.active).hyper.num_update.load(Ordering::Relaxed)
     }
 
-    /// MXNet's `Optimizer.learning_rate`: the rate at [`KvStore::num_update`], without per-key
-    /// multipliers; `None` for updaters without a learning rate.
+    /// MXNet's `Optimizer.learning_rate` (no per-key multipliers); `None` for updaters without.
     pub fn learning_rate(&self) -> Option<f64> {
         let active = read(&self.active).clone();
         let n = active.hyper.num_update.load(Ordering::Relaxed);
@@ -256,8 +255,7 @@ impl KvStore {
     /// Multiplies `key`'s learning rate by `mult` (MXNet's `lr_mult`) from its next push on, for
     /// `Sgd` and `Adam`. 1 unless set; it stays set across [`KvStore::set_updater`].
     ///
-    /// [`Error::UnknownKey`] for a key not initialized, [`Error::InvalidUpdater`] for a negative
-    /// or non-finite `mult`.
+    /// [`Error::UnknownKey`], or [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
     pub fn set_lr_mult(&self, key: impl IntoKey, mult: f64) -> Result<()> {
         self.set_mult("set_lr_mult", key.into_key()?, mult, |m| &mut m.lr)
     }

@@ -102,8 +102,7 @@ impl std::str::FromStr for StoreKind {
 /// What [`KvStore::create`](crate::KvStore::create) accepts: a kind name (`"local"`, an MXNet
 /// alias, in any case) or a [`StoreKind`].
 pub trait IntoStoreKind {
-    /// The kind, and the name [`KvStore::type_name`](crate::KvStore::type_name) reports; an
-    /// [`Error::UnknownKind`] for a name that is no kind.
+    /// The kind and the name [`crate::KvStore::type_name`] reports, or [`Error::UnknownKind`].
     fn into_store_kind(self) -> Result<(StoreKind, String)>;
 }
 

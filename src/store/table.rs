@@ -23,8 +23,7 @@ pub(super) struct Slot {
     pub cell: RwLock<HomeValue>,
     /// A dist store's (generation, update count), kept on every rank, not only the value's.
     pub updates: Mutex<(u64, u64)>,
-    /// Gradient compression's residuals, one per position in a push's values; changed only
-    /// under the cell's write lock.
+    /// Compression residuals, one per position in a push's values; written under `cell`'s lock.
     pub residuals: Mutex<Vec<Vec<f32>>>,
     /// Whether the key is pushed by rows (`push_row_sparse`), never as a dense array.
     pub row_sparse: bool,

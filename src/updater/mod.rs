@@ -6,7 +6,6 @@
 //!
 //! Hyperparameters are `f64`, as in MXNet's Python. A step's scalars are computed in f64 and
 //! rounded once to the key's accumulator type: f64 for f64 keys, else f32 (and on GPUs).
-//! Schedules are [`LrScheduler`]s.
 
 use std::any::{type_name, TypeId};
 use std::fmt;
@@ -93,8 +92,7 @@ impl CustomUpdater {
         }
     }
 
-    /// The closure's type name and type id, then its label: what the ranks of a `dist_*` store
-    /// compare (captured values are seen only through the label).
+    /// The closure's type name and id, then its label: what the ranks of a `dist_*` store compare.
     pub fn identity(&self) -> &str {
         &self.identity
     }
@@ -176,8 +174,7 @@ impl Updater {
         Updater::Custom(CustomUpdater::infallible(f, Some(label)))
     }
 
-    /// Wraps a fallible closure as an updater. An `Err` (a [`BoxError`]: `?` takes any error,
-    /// a string converts with `.into()`) fails the push with [`Error::UpdaterFailed`].
+    /// Wraps a fallible closure as an updater: an `Err` fails the push ([`Error::UpdaterFailed`]).
     ///
     /// ```
     /// use kvstore::{Error, KvStore, NDArray, Updater};
@@ -297,7 +294,6 @@ impl Updater {
     }
 
     /// [`Updater::rule`] with learning rate and weight decay `h` in place of the updater's own.
-    /// Scalars are computed in f64 (Adam's bias correction too, as MXNet's Python does).
     pub(crate) fn rule_with<A: Element + Float>(&self, step: u64, h: Hyper) -> Option<Rule<A>> {
         let c = |x: f64| A::from_f64(x);
         let clip = |c: Option<f64>| A::from_f64(c.unwrap_or(f64::INFINITY));

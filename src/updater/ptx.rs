@@ -79,7 +79,8 @@ impl PtxUpdater {
     ///
     /// Fails for `f64` (GPU homes sum f64 values on the host), or when the module does not
     /// define `entry` with the documented parameters. The driver compiles the PTX when a GPU
-    /// first uses it; a compile error fails that push. A trailing NUL (NVRTC's) is dropped.
+    /// first uses it; a compile error fails that push. A trailing NUL (NVRTC's) is dropped, any
+    /// other refused.
     pub fn new(ptx: impl Into<String>, entry: &str, dtype: DType) -> Result<PtxUpdater> {
         let ptx = ptx.into();
         let ptx = ptx.trim_end_matches('\0');
@@ -113,8 +114,7 @@ impl PtxUpdater {
         self.rebuild(|i| i.scalars = scalars)
     }
 
-    /// Keeps `buffers` (0, 1 or 2; [`Updater::validate`](crate::Updater::validate) refuses
-    /// more) float state buffers per key, passed as `m` and `v`.
+    /// Keeps `buffers` (0, 1 or 2) float state buffers per key, passed as `m` and `v`.
     pub fn with_state(self, buffers: usize) -> PtxUpdater {
         self.rebuild(|i| i.state = buffers)
     }
@@ -128,8 +128,7 @@ impl PtxUpdater {
         self.rebuild(|i| i.cpu_twin = Some(CustomUpdater::infallible(f, None)))
     }
 
-    /// [`PtxUpdater::with_cpu_twin`] with a `label` for the twin's identity, as
-    /// [`Updater::custom_labeled`](crate::Updater::custom_labeled) has it.
+    /// [`PtxUpdater::with_cpu_twin`] with a `label`, as [`crate::Updater::custom_labeled`].
     pub fn with_cpu_twin_labeled(
         self,
         label: &str,

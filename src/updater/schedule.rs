@@ -6,8 +6,7 @@ use crate::{Error, Result};
 /// update count (MXNet's `lr_scheduler`: `FactorScheduler`, `MultiFactorScheduler`,
 /// `PolyScheduler`, `CosineScheduler`).
 ///
-/// Set with [`KvStore::set_lr_scheduler`](crate::KvStore::set_lr_scheduler), it applies to
-/// [`Sgd`](crate::Sgd) and [`Adam`](crate::Adam); its base learning rate is the updater's `lr`.
+/// Set with [`crate::KvStore::set_lr_scheduler`]; its base learning rate is the updater's `lr`.
 ///
 /// `num_update` is MXNet's: the running maximum of the keys' own push counts, so a loop that
 /// pushes every key once per iteration sees 1, 2, 3, ... on its iterations.
@@ -75,8 +74,7 @@ pub enum Decay {
         /// The floor the drops stop at (MXNet's default is 1e-8).
         stop_factor_lr: f64,
     },
-    /// MXNet's `MultiFactorScheduler`: `base_lr * factor^k`, `k` the entries of `steps` below
-    /// `num_update`.
+    /// MXNet's `MultiFactorScheduler`: `base_lr * factor^k`, `k` the `steps` below `num_update`.
     MultiFactor {
         /// Strictly increasing update counts, each at least 1.
         steps: Vec<u64>,
