@@ -1,6 +1,6 @@
-//! Gradient compression, as MXNet's `set_gradient_compression` does it: each pushed value is
-//! quantized before it is summed, and what quantization drops is kept in a residual (error
-//! feedback) and added to the next push of the same key from the same source.
+//! Gradient compression, as MXNet's `set_gradient_compression`: each pushed value is quantized
+//! before it is summed, and what that drops is kept in a residual (error feedback) for the next
+//! push of the same key from the same source.
 //!
 //! 2-bit ([`Compression::TwoBit`], MXNet 1.9.1's `"2bit"`): per element, in float32, the value
 //! is added to its residual; a residual `>= t` sends `+t` and keeps `residual - t`; one `<= -t`
@@ -20,25 +20,20 @@ use std::ops::Range;
 
 use crate::{DType, Error, Result};
 
-/// How a store compresses pushed values before it sums them (see
-/// [`KvStore::set_gradient_compression`](crate::KvStore::set_gradient_compression)).
+/// How a store compresses pushed values ([`crate::KvStore::set_gradient_compression`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Compression {
     /// Values are summed as they are (the default).
     #[default]
     None,
-    /// MXNet's 2-bit compression with error feedback: each element sends `+threshold`,
-    /// `-threshold` or 0, and keeps the rest for the next push.
+    /// MXNet's 2-bit compression: each element sends `+threshold`, `-threshold` or 0.
     TwoBit {
         /// The magnitude each element sends, greater than 0 (MXNet's default is 0.5).
         threshold: f32,
     },
-    /// A 16-bit wire with error feedback: each element sends its value plus residual rounded
-    /// to `dtype`, and keeps the rounding error for the next push. Half the bytes of float32;
-    /// not an MXNet setting.
+    /// A 16-bit wire (not MXNet's): each element sends its value plus residual rounded to `dtype`.
     Half {
-        /// [`DType::BF16`] (float32's range, 8 bits of mantissa) or [`DType::F16`] (10 bits,
-        /// values up to ±65504).
+        /// [`DType::BF16`] (float32's range) or [`DType::F16`] (more bits, up to ±65504).
         dtype: DType,
     },
 }
@@ -64,8 +59,7 @@ impl Compression {
         !matches!(self, Compression::None)
     }
 
-    /// An [`Error::Compression`] unless the settings are usable: a threshold above 0 (not
-    /// NaN).
+    /// An [`Error::Compression`] unless the settings are usable (a threshold above 0).
     pub(crate) fn check(&self) -> Result<()> {
         match *self {
             Compression::None => Ok(()),
@@ -102,8 +96,7 @@ impl Compression {
         }
     }
 
-    /// Quantizes `value` with `residual`, writing the residual that stays into `left`, then
-    /// decodes what was sent: the value the store sums in place of `value`.
+    /// `value` quantized with `residual` and decoded, the residual that stays written to `left`.
     pub(crate) fn round_trip(&self, value: &[f32], residual: &[f32], left: &mut [f32]) -> Vec<f32> {
         match *self {
             Compression::None => {
@@ -125,8 +118,7 @@ impl Compression {
     }
 }
 
-/// What the 16-bit wire sends for `value` with `residual`, as float32 (the residual that
-/// stays in `left`).
+/// [`half_encode`], widened to float32.
 fn half_round_trip<H: HalfWire>(value: &[f32], residual: &[f32], left: &mut [f32]) -> Vec<f32> {
     half_encode::<H>(value, residual, left)
         .into_iter()
@@ -149,8 +141,8 @@ pub(crate) trait HalfWire: crate::Element<Acc = f32> {
 impl HalfWire for bf16 {}
 impl HalfWire for f16 {}
 
-/// Rounds `value` plus `residual` to `H`, element by element, writing the rounding error into
-/// `left` (0 where the sum or what it rounds to is not finite): what the 16-bit wire sends.
+/// What the 16-bit wire sends: `value` plus `residual` rounded to `H`, the rounding error
+/// written into `left` (0 where the sum or what it rounds to is not finite).
 pub(crate) fn half_encode<H: HalfWire>(
     value: &[f32],
     residual: &[f32],
@@ -182,8 +174,8 @@ fn shift(k: usize) -> u32 {
     (8 * (k / 4) + 6 - 2 * (k % 4)) as u32
 }
 
-/// Quantizes `grad` plus `residual` into `out` (one word per 16 elements, unused codes 0),
-/// writing what is not sent into `left`. `grad`, `residual` and `left` have the same length.
+/// Quantizes `grad` plus `residual` into `out` (a word per 16 elements, unused codes 0),
+/// writing what is not sent into `left` (all three of one length).
 pub(crate) fn two_bit_quantize(
     grad: &[f32],
     residual: &[f32],
@@ -213,8 +205,7 @@ pub(crate) fn two_bit_quantize(
     }
 }
 
-/// The word of up to 16 elements: each code `0b11` (sends `+t`), `0b10` (`-t`) or 0, with
-/// the residual that stays written into `left`, as MXNet's kernel updates it.
+/// The word of up to 16 elements, its residuals written into `left` as MXNet's kernel does.
 #[inline(always)]
 fn quantize_word(grad: &[f32], residual: &[f32], left: &mut [f32], t: f32) -> u32 {
     let mut bits = 0u32;
@@ -240,8 +231,7 @@ pub(crate) fn two_bit_dequantize(words: &[u32], t: f32, out: &mut [f32]) {
     two_bit_decode(words, &TwoBitTable::new(t), 0..out.len(), out);
 }
 
-/// The four values of every byte of 2-bit codes, for one threshold: decoding is a lookup per
-/// byte.
+/// The four values of every byte of 2-bit codes for one threshold: a lookup per byte.
 pub(crate) struct TwoBitTable([[f32; 4]; 256]);
 
 impl TwoBitTable {
@@ -261,8 +251,7 @@ impl TwoBitTable {
     }
 }
 
-/// Decodes elements `range` of the 2-bit `words`, whose first word holds elements 0 to 15,
-/// into `out` (`range.len()` long).
+/// Decodes elements `range` of the 2-bit `words` into `out` (`range.len()` long).
 pub(crate) fn two_bit_decode(
     words: &[u32],
     table: &TwoBitTable,

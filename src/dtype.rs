@@ -48,11 +48,8 @@ impl fmt::Display for DType {
     }
 }
 
-/// A Rust type that can be the element of an [`NDArray`](crate::NDArray):
-/// `f32`, `f64`, `half::f16` or `half::bf16`.
-///
-/// Arithmetic on an element is done in its accumulator type [`Element::Acc`]: `f64` for `f64`,
-/// `f32` for everything else. That is also the precision of updater state (momentum and the like).
+/// An element type of an [`NDArray`](crate::NDArray): `f32`, `f64`, `half::f16`, `half::bf16`.
+/// Arithmetic and updater state use its [`Element::Acc`]: `f64` for `f64`, else `f32`.
 pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static + private::Sealed {
     /// The dtype tag of this type.
     const DTYPE: DType;
@@ -141,11 +138,9 @@ element!(bf16, BF16, f32, bf16::to_f32, bf16::from_f32, |v| {
     bf16::from_f32(to_f32_odd(v))
 });
 
-/// `v` rounded to f32 toward zero, with the last bit set where that lost anything ("round to
-/// odd"). Rounding this to nearest even in a type of at most 22 significant bits (f16, bf16)
-/// gives exactly `v` rounded to nearest even in that type: the odd last bit keeps a value just
-/// above a tie above it. `half`'s own conversions from f64 round twice and can land a value
-/// just above a tie on the tie's even side (half-rs#151, #116).
+/// `v` rounded to f32 toward zero, the last bit set where that lost anything ("round to odd"),
+/// so that rounding it to f16 or bf16 is exactly `v` rounded there. `half`'s own conversions
+/// from f64 round twice and can put a value just above a tie on its even side (half-rs#151).
 fn to_f32_odd(v: f64) -> f32 {
     let f = v as f32;
     if f64::from(f) == v || !f.is_finite() || v.is_nan() {

@@ -29,8 +29,7 @@ pub enum Error {
         key: Key,
     },
 
-    /// An integer key whose value does not fit in an `i32`, the type int keys are stored as
-    /// (MXNet's C `int`). Nothing was changed.
+    /// An integer key that does not fit in an `i32`, as int keys are stored (MXNet's C `int`).
     #[error(
         "key {value} ({ty}) does not fit in an int key (i32, -2147483648..=2147483647): \
          renumber the keys into that range, or use string keys"
@@ -200,8 +199,7 @@ pub enum Error {
     InvalidUpdater(String),
 
     /// A checkpoint could not be written or read, or does not fit the store (`kind` says which).
-    /// A failed `load` changes nothing; a failed `save` leaves any previous file at `path` as it
-    /// was.
+    /// A failed `save` leaves any previous file at `path` as it was.
     #[error("checkpoint {}: {message}", path.display())]
     Checkpoint {
         /// The checkpoint file.
@@ -210,8 +208,7 @@ pub enum Error {
         kind: crate::checkpoint_error::CheckpointErrorKind,
         /// What went wrong, and what to do.
         message: String,
-        /// The error underneath, if any: a [`std::io::Error`] or a
-        /// [`safetensors::SafeTensorError`].
+        /// The error underneath: a [`std::io::Error`] or a [`safetensors::SafeTensorError`].
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
@@ -225,8 +222,7 @@ pub enum Error {
         message: String,
     },
 
-    /// A fallible custom updater ([`Updater::try_custom`](crate::Updater::try_custom)) returned
-    /// an error. Every key of the push is unchanged.
+    /// A fallible custom updater ([`Updater::try_custom`](crate::Updater::try_custom)) failed.
     #[error("push: the updater failed on key {key}: {source}; the store is unchanged")]
     UpdaterFailed {
         /// The key.
@@ -236,8 +232,7 @@ pub enum Error {
         source: BoxError,
     },
 
-    /// The CUDA driver failed (copy, module load, launch, synchronize), or a GPU did not finish
-    /// its work in time. An out-of-memory failure is [`Error::OutOfMemory`] instead.
+    /// The CUDA driver failed (but for [`Error::OutOfMemory`]), or a GPU did not finish in time.
     #[error("{op}{}: CUDA error: {message}", key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default())]
     Cuda {
         /// What was being done: "push", "pull", "to_device", "load kernels", ...
@@ -246,15 +241,12 @@ pub enum Error {
         key: Option<Key>,
         /// The driver's message, or what happened in words.
         message: String,
-        /// The driver's error, when the failure came from a driver call (`source.0` is the
-        /// `CUresult`).
+        /// The driver's error, when a driver call failed (`source.0` is the `CUresult`).
         #[source]
         source: Option<cudarc::driver::DriverError>,
     },
 
-    /// A GPU's architecture is older than a kernel needs: bfloat16 keys' kernels need compute
-    /// capability 8.0 (sm_80), and a user PTX updater needs its module's `.target`. Found
-    /// before anything runs: nothing was changed.
+    /// A GPU is older than a kernel needs (bfloat16 kernels: sm_80; PTX: the module's `.target`).
     #[error(
         "{op}{}: {what} needs a GPU of compute capability {}.{} (sm_{need}) or newer, but {device} \
          is {}.{} (sm_{have}): {fix}",
@@ -281,8 +273,7 @@ pub enum Error {
         fix: &'static str,
     },
 
-    /// A GPU ran out of memory. Free arrays on that device, use smaller keys, or home some
-    /// keys on another device (`KvStore::init_on`).
+    /// A GPU ran out of memory.
     #[error(
         "{op}{}: out of memory on {}{}: free arrays on that device or home keys elsewhere",
         key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default(),
@@ -294,18 +285,17 @@ pub enum Error {
         op: &'static str,
         /// The key involved, when there is one.
         key: Option<Key>,
-        /// The device that ran out, when the failing call was tied to one.
+        /// The device that ran out, when known.
         device: Option<Device>,
-        /// The bytes asked for, when the failing call was an allocation of known size.
+        /// The bytes asked for, when known.
         requested: Option<usize>,
         /// The driver's error (`CUDA_ERROR_OUT_OF_MEMORY`).
         #[source]
         source: cudarc::driver::DriverError,
     },
 
-    /// GPU memory lent to the store by another library ([`crate::LentGpuArray`]) cannot be used
-    /// as given: its first or last byte is not device memory of that GPU, or its address is
-    /// not aligned to the element size. Nothing was changed.
+    /// GPU memory lent by another library ([`crate::LentGpuArray`]) is not that GPU's device
+    /// memory from first to last byte, or is misaligned for its element size.
     #[error("lend of GPU memory on {device}: {message}")]
     ForeignMemory {
         /// The GPU the memory was said to be on.
@@ -314,9 +304,7 @@ pub enum Error {
         message: String,
     },
 
-    /// An internal invariant of kvstore did not hold (a buffer of the wrong length or dtype
-    /// reached a copy that its callers validate). This is a bug in kvstore: please report it
-    /// with the operation and message. Nothing was changed.
+    /// An internal invariant did not hold (a bug in kvstore, to report), instead of a panic.
     #[error("{op}: internal error: {message}; this is a bug in kvstore, please report it")]
     Internal {
         /// What was being done.
@@ -325,8 +313,7 @@ pub enum Error {
         message: String,
     },
 
-    /// NCCL failed, timed out or reported an asynchronous error. The communicator involved was
-    /// aborted and dropped; keys on other GPU sets are unaffected.
+    /// NCCL failed, timed out or reported an asynchronous error; its communicator was aborted.
     #[error("{op}: NCCL error on keys [{}]: {message}", keys.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(", "))]
     Nccl {
         /// What was being done: "push (reduce)", "pull (broadcast)", "create communicator", ...
@@ -337,9 +324,7 @@ pub enum Error {
         message: String,
     },
 
-    /// The ranks of a distributed store disagree on a call (its op, keys, shapes, dtypes or
-    /// place in the sequence of calls). Every rank gets this error for the same call, before any
-    /// data moves. Then the world is unusable ([`Error::DistFailed`]; the job exits non-zero).
+    /// The ranks disagree on a call: all fail it before any data moves; the world is unusable.
     #[error(
         "{op} (call #{seq}): the ranks disagree on this call: {detail}; every rank must make the \
          same kvstore calls, with the same keys, shapes and dtypes, in the same order"
@@ -353,10 +338,7 @@ pub enum Error {
         detail: String,
     },
 
-    /// A rank of a distributed store rejected its input for this call (an unknown key, a shape
-    /// or dtype mismatch, lists of different lengths, ...). That rank gets its own error for the
-    /// input; every other rank gets this one for the same call. Nothing changed on any rank, and
-    /// the store stays usable.
+    /// Another rank rejected its input for this call; nothing changed, the store stays usable.
     #[error(
         "{op} (call #{seq}): {detail}; nothing changed on any rank. Fix the input on that rank: \
          every rank must make the same kvstore calls with valid input"
@@ -370,9 +352,7 @@ pub enum Error {
         detail: String,
     },
 
-    /// Another rank of a distributed store failed its part of this call (its updater failed,
-    /// or it could not write or read its part of a checkpoint); that rank has its own error.
-    /// Nothing changed on any rank, and the store stays usable.
+    /// Another rank failed its part of this call; nothing changed, the store stays usable.
     #[error("{op} (call #{seq}): {detail}; nothing changed on any rank")]
     RankFailed {
         /// The operation on this rank.
@@ -383,8 +363,7 @@ pub enum Error {
         detail: String,
     },
 
-    /// A store kind that exists in MXNet but cannot be used in this build or yet: `dist_async`,
-    /// or a `dist_*` kind in a build without the cargo feature `mpi`.
+    /// A store kind of MXNet's this build lacks: `dist_async`, or `dist_*` without feature `mpi`.
     #[error("kind '{kind}' is not available: {reason}")]
     KindUnavailable {
         /// The kind asked for.
@@ -393,8 +372,7 @@ pub enum Error {
         reason: String,
     },
 
-    /// A collective of a distributed store did not complete within `KVSTORE_TIMEOUT`. Then the
-    /// world is unusable ([`Error::DistFailed`]; the job exits non-zero).
+    /// A collective did not complete within `KVSTORE_TIMEOUT`; the world is then unusable.
     #[error(
         "{op} (call #{seq}) of keys [{}] timed out{}: {detail}",
         keys.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(", "),
@@ -415,10 +393,7 @@ pub enum Error {
         detail: String,
     },
 
-    /// Another rank of a distributed store exited before making this call: it failed (it
-    /// panicked, exited with a non-zero code, or its own distributed world had failed), or it
-    /// exited normally with calls still to make. The call can never complete. Then the world is
-    /// unusable ([`Error::DistFailed`]; the job exits non-zero).
+    /// Another rank exited before this call, which can never complete; the world is unusable.
     #[error(
         "{op} (call #{seq}): rank {rank}{} {detail}, so this call can never complete. The \
          distributed world is unusable now: see rank {rank}'s own output for why it exited, fix \
@@ -434,14 +409,11 @@ pub enum Error {
         rank: usize,
         /// The host it ran on, where the transport knows it.
         host: Option<String>,
-        /// How it exited ("exited with code 101 after its call #4 (its last panic: ...)"), and
-        /// what to do.
+        /// How it exited ("exited with code 101 after its call #4 ..."), and what to do.
         detail: String,
     },
 
-    /// An argument that a layer above the store (a language binding) could not convert, so
-    /// the store never saw the call: the error of a queued call whose arguments were refused,
-    /// told to the other ranks in the call's place.
+    /// An argument a language binding could not convert, so the store never saw the call.
     #[error("{op}: {message}")]
     Argument {
         /// The operation.
@@ -450,9 +422,8 @@ pub enum Error {
         message: String,
     },
 
-    /// A call queued on an [`AsyncKvStore`](crate::AsyncKvStore) failed; `source` is its
-    /// error. Returned by the next wait on one of its keys, or on any key of a call that was
-    /// not run because of it (`skipped` calls were not run), and by `wait_all`.
+    /// A call queued on an [`AsyncKvStore`](crate::AsyncKvStore) failed: returned by the next
+    /// wait on its keys or on those of a call skipped because of it, and by `wait_all`.
     #[error(
         "asynchronous call {call} failed: {source}{}",
         match skipped {
@@ -470,8 +441,7 @@ pub enum Error {
         source: std::sync::Arc<Error>,
     },
 
-    /// A distributed call after the distributed world failed (a timeout, a desync, a rank that
-    /// exited, or an MPI error). Restart the job; `first` is the first failure.
+    /// A distributed call after the world failed (a timeout, a desync, an exit, an MPI error).
     #[error(
         "{op}: the distributed world failed earlier and cannot be used any more (first failure: \
          {first}); fix that failure and restart the job"
@@ -483,8 +453,7 @@ pub enum Error {
         first: String,
     },
 
-    /// The distributed environment is wrong: an environment variable disagrees with MPI or cannot
-    /// be parsed, or the MPI library cannot be used as needed.
+    /// A launcher variable disagrees with MPI or does not parse, or MPI cannot be used.
     #[error("distributed setup: {var}: {message}")]
     DistEnv {
         /// The environment variable (`RANK`, `WORLD_SIZE`, `KVSTORE_TIMEOUT`, ...), or `MPI`.
@@ -493,9 +462,8 @@ pub enum Error {
         message: String,
     },
 
-    /// A row-sparse value that does not fit its key, or a call that mixes row-sparse and dense:
-    /// a row id out of range, rows of the wrong shape or dtype, a row-sparse push to a dense
-    /// key or a dense push to a row-sparse one.
+    /// A row-sparse value that does not fit its key (a row id out of range, rows of the wrong
+    /// shape or dtype), or a call that mixes row-sparse and dense.
     #[error("{op}: {message}")]
     RowSparse {
         /// The operation.
@@ -504,8 +472,8 @@ pub enum Error {
         message: String,
     },
 
-    /// Gradient compression asked for what it cannot do: a threshold not above 0, a store
-    /// kind that does not compress, a call after `init`, or a key that is not float32.
+    /// Gradient compression asked for what it cannot do (a threshold not above 0, a kind that
+    /// does not compress, a call after `init`, a key not float32).
     #[error("{op}: gradient compression: {message}")]
     Compression {
         /// The operation.
@@ -514,9 +482,7 @@ pub enum Error {
         message: String,
     },
 
-    /// An MPI call failed, or was given buffers that do not fit the collective. A failed MPI
-    /// call makes the distributed world unusable (later calls fail with [`Error::DistFailed`]);
-    /// a buffer that does not fit is refused before anything is sent.
+    /// An MPI call failed (the world is then unusable), or its buffers do not fit (nothing sent).
     #[error("{op}: MPI error: {message}")]
     Mpi {
         /// What was being done.
@@ -554,8 +520,7 @@ impl Error {
         self
     }
 
-    /// `Ok` when argument `what` of `op` fits `key`, of `shape` and (when known) `dtype`;
-    /// else [`Error::ShapeMismatch`] or, for the right shape, [`Error::DTypeMismatch`].
+    /// [`Error::ShapeMismatch`] or [`Error::DTypeMismatch`] unless argument `what` fits `key`.
     pub(crate) fn check_fit(
         op: &'static str,
         key: &Key,
@@ -585,10 +550,7 @@ impl Error {
         }
     }
 
-    /// The error for a failed driver call during `op` (on GPU `ordinal`, when known):
-    /// [`Error::OutOfMemory`] for `CUDA_ERROR_OUT_OF_MEMORY`, [`Error::Cuda`] otherwise, keeping
-    /// the driver's error as the source. `requested` is the size of the allocation, when the
-    /// call made one.
+    /// [`Error::OutOfMemory`] or [`Error::Cuda`] for a failed driver call during `op`.
     pub(crate) fn from_driver(
         op: &'static str,
         ordinal: Option<usize>,
@@ -642,16 +604,13 @@ impl Error {
         }
     }
 
-    /// Whether this is a GPU error that CUDA makes sticky (a kernel's illegal address, and the
-    /// like): the context it happened in is unusable for the rest of the process, so every
-    /// later GPU call on that device fails too.
+    /// Whether CUDA makes this error sticky: every later GPU call in this process fails too.
     pub fn is_sticky_gpu_fault(&self) -> bool {
         matches!(self, Error::Cuda { source: Some(e), .. } if sticky_fault(e.0).is_some())
     }
 }
 
-/// For a result code the CUDA driver documents as leaving the context unusable ("the process
-/// must be terminated and relaunched"), what happened, in words.
+/// What happened, for a result code that CUDA documents as leaving the context unusable.
 fn sticky_fault(code: cudarc::driver::sys::cudaError_enum) -> Option<&'static str> {
     use cudarc::driver::sys::cudaError_enum as R;
     Some(match code {

@@ -4,10 +4,7 @@ use std::fmt;
 
 use crate::{Error, Result};
 
-/// A key: an `i32` (MXNet's C `int`) or a string. One store holds keys of one kind only.
-///
-/// Store methods take any [`IntoKey`]: a `Key`, a string, or an integer of any type whose
-/// value fits in an `i32`.
+/// A key: an `i32` (MXNet's C `int`) or a string, never both in one store; see [`IntoKey`].
 ///
 /// ```
 /// use kvstore::Key;
@@ -42,8 +39,7 @@ impl Key {
     }
 }
 
-/// `From` for each type that names a key without a range to check, and [`IntoKey`] for those
-/// that have no impl of their own (the integers have `int_keys`).
+/// `From` for the types that name a key with no range to check, and their [`IntoKey`].
 macro_rules! key_from {
     ($($t:ty => |$k:ident| $key:expr),* ; $($into:ty),*) => {
         $(impl From<$t> for Key {
@@ -69,12 +65,8 @@ key_from!(
     &str, String, &String, &Key
 );
 
-/// What names a key: [`Key`] and `&Key`, `&str`, `String` and `&String`, and every
-/// integer type (`i8`..`i64`, `u8`..`u64`, `isize`, `usize`, and references to them).
-///
-/// An integer key is stored as an `i32` (MXNet's C `int`). A value outside the `i32` range is
-/// an [`Error::KeyOutOfRange`], never wrapped around. An unsuffixed literal (`kv.init(3, ..)`)
-/// is an `i32`.
+/// What names a key: [`Key`], `&Key`, `&str`, `String`, `&String`, and every integer type and
+/// reference to one, whose value must fit in an `i32` ([`Error::KeyOutOfRange`], never wrapped).
 ///
 /// ```
 /// use kvstore::{Error, IntoKey, Key};

@@ -79,8 +79,7 @@ pub use updater::{
     WarmupMode, PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS, PTX_UPDATER_PARAMS,
 };
 
-/// The number of CUDA GPUs this process can use: 0 when there is no libcuda or no GPU. Found
-/// once, without ever panicking; `device` and `nccl` stores home keys on these GPUs.
+/// The number of CUDA GPUs this process can use (0 without libcuda or a GPU), found once.
 ///
 /// ```
 /// let n = kvstore::gpu_count();
@@ -90,8 +89,7 @@ pub fn gpu_count() -> usize {
     backend::probe::gpu_count()
 }
 
-/// Test and bench support (cargo feature `test-util`), not part of the API: it can change in
-/// any release. Use the items at the crate root instead.
+/// Test and bench support (cargo feature `test-util`), not part of the API.
 #[cfg(feature = "test-util")]
 #[doc(hidden)]
 pub mod __internal {

@@ -1,16 +1,13 @@
-//! Row-sparse values: some rows of an array of two or more dimensions, by row id. MXNet's
-//! `RowSparseNDArray`, as ids plus the rows they name ([`RowSparse`]), and the host-side
-//! arithmetic on them: summing a push's values by row, and reading rows out of a dense value.
+//! Row-sparse values ([`RowSparse`], MXNet's `RowSparseNDArray`): some rows of an array by row
+//! id, and the checks of them against a key.
 
 use crate::backend::cpu::rows::{merge, scatter};
 use crate::host::HostData;
 use crate::{Error, NDArray, Result, Shape};
 
-/// Rows of an array, by id: `rows[i]` is row `ids[i]` of an array whose other rows are zero
-/// (MXNet's `RowSparseNDArray`). `rows` has one row per id and the array's row shape: for an
-/// embedding of shape `[n, d]`, `rows` is `[ids.len(), d]`.
-///
-/// Ids may come in any order and repeat; a push sums the rows of repeated ids.
+/// Rows of an array by id: `rows[i]` is row `ids[i]` of an array whose other rows are zero
+/// (for an embedding `[n, d]`, `rows` is `[ids.len(), d]`). Ids may come in any order and
+/// repeat; a push sums the rows of repeated ids.
 ///
 /// ```
 /// use kvstore::{NDArray, RowSparse};
@@ -27,8 +24,7 @@ pub struct RowSparse {
 }
 
 impl RowSparse {
-    /// Rows `rows` (one per id, along the first dimension) under row ids `ids`. An
-    /// [`Error::RowSparse`] when `rows` is not at least one-dimensional with `ids.len()` rows.
+    /// `rows` (one per id, along the first dimension) under `ids`, or [`Error::RowSparse`].
     pub fn new(ids: Vec<u64>, rows: NDArray) -> Result<RowSparse> {
         let dims = rows.shape().dims().to_vec();
         if dims.first() != Some(&ids.len()) {
@@ -59,8 +55,7 @@ impl RowSparse {
         (self.ids, self.rows)
     }
 
-    /// The dense array of `shape` this stands for: its rows at their ids (repeated ids
-    /// summed), zeros elsewhere, in host memory.
+    /// The dense host array of `shape` this stands for (repeated ids summed).
     pub fn to_dense(&self, shape: impl Into<Shape>) -> Result<NDArray> {
         let shape = shape.into();
         check_rows("to_dense", &self.ids, &self.rows, shape, None)?;
@@ -80,8 +75,7 @@ pub(crate) fn row_width(shape: Shape) -> usize {
     shape.dims().iter().skip(1).product()
 }
 
-/// Checks that `rows` under `ids` fit an array of `shape` (and of `dtype`, when given): a row
-/// shape equal to the array's, ids below its row count. An [`Error::RowSparse`] saying which.
+/// An [`Error::RowSparse`] unless `rows` under `ids` fit an array of `shape` (and `dtype`).
 pub(crate) fn check_rows(
     op: &'static str,
     ids: &[u64],
@@ -114,8 +108,7 @@ pub(crate) fn check_rows(
     check_ids(op, ids, shape.dims()[0] as u64)
 }
 
-/// Checks that every id names one of `rows` rows: an [`Error::RowSparse`] naming the first
-/// that does not.
+/// An [`Error::RowSparse`] naming the first id that is not below `rows`.
 pub(crate) fn check_ids(op: &'static str, ids: &[u64], rows: u64) -> Result<()> {
     match ids.iter().find(|&&id| id >= rows) {
         None => Ok(()),

@@ -8,10 +8,8 @@ use crate::DType;
 /// The most dimensions an array may have.
 pub const MAX_NDIM: usize = 8;
 
-/// The dimensions of an array: 0 to [`MAX_NDIM`] of them, holding at most `isize::MAX`
-/// elements.
-///
-/// Arrays of up to 8 dimensions convert with `From`, so a too-deep shape is a compile error:
+/// The dimensions of an array: 0 to [`MAX_NDIM`], at most `isize::MAX` elements. Arrays of up
+/// to 8 dimensions convert with `From` (a deeper one does not compile):
 ///
 /// ```
 /// use kvstore::Shape;
@@ -21,8 +19,8 @@ pub const MAX_NDIM: usize = 8;
 /// assert_eq!(Shape::from([]).size(), 1); // a 0-d array holds one element
 /// ```
 ///
-/// A runtime slice goes through [`Shape::new`], which checks the rank. Dimensions whose
-/// product overflows are an error from [`Shape::new`] and a panic from `From`:
+/// A slice goes through [`Shape::new`]. Dimensions whose product overflows are an error there,
+/// and a panic in `From`:
 ///
 /// ```
 /// use kvstore::{Error, Shape};
@@ -35,8 +33,7 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// A shape from a slice of dimensions; an error if there are more than [`MAX_NDIM`], or if
-    /// their product (the number of elements) is over `isize::MAX`.
+    /// A shape from a slice of dimensions: an error past [`MAX_NDIM`] or `isize::MAX` elements.
     pub fn new(dims: &[usize]) -> Result<Shape, Error> {
         if dims.len() > MAX_NDIM {
             return Err(Error::TooManyDims { ndim: dims.len() });
@@ -66,8 +63,7 @@ impl Shape {
         self.dims().iter().product()
     }
 
-    /// The bytes `dtype` elements of this shape take; an error if that is over `isize::MAX`
-    /// (no allocation can be that big).
+    /// The bytes `dtype` elements of this shape take; an error over `isize::MAX`.
     ///
     /// ```
     /// use kvstore::{DType, Shape};
@@ -99,8 +95,7 @@ macro_rules! shape_from_array {
             /// The shape with these dimensions.
             ///
             /// # Panics
-            /// If the product of the dimensions is over `isize::MAX`; [`Shape::new`] returns
-            /// an error instead.
+            /// Over `isize::MAX` elements, where [`Shape::new`] returns an error.
             fn from(a: [usize; $n]) -> Shape {
                 Shape::new(&a).unwrap_or_else(|e| panic!("{e}"))
             }

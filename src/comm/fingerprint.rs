@@ -1,11 +1,10 @@
 //! The fingerprint of a store call, and the message that says how ranks differ.
 //!
-//! Before a call's collectives, every rank contributes a fixed-size [`Record`] (call sequence
-//! number, a hash of the op name, the number of entries and a hash of every key, shape and dtype)
-//! to one all-gather. Equal records on every rank: go on. Any difference is seen by every rank
-//! at once, so all of them take the error path together: a second all-gather of each rank's
-//! description in text, from which every rank builds the same message naming the first
-//! differing key (or call) and the ranks on each side.
+//! Before a call's collectives, every rank contributes a fixed-size [`Record`] (sequence
+//! number, hashes of the op and of every key, shape and dtype, the entry count) to one
+//! all-gather. On any difference every rank takes the error path together: a second all-gather
+//! of each rank's description, from which all build the same message naming the first
+//! difference and the ranks on each side.
 
 // `pub` for the MPI transport's test and bench support (`__internal::mpi`).
 #![cfg_attr(not(feature = "mpi"), allow(unreachable_pub))]
@@ -25,37 +24,29 @@ struct Entry {
     dtype: DType,
 }
 
-/// What the ranks must agree on for one store call: the op name and its keys, shapes and dtypes,
-/// in the order the call lists them.
-#[derive(Clone, Debug)]
+/// What the ranks must agree on for one store call: the op and its keys, shapes and dtypes.
+#[derive(Clone, Debug, Default)]
 pub struct Fingerprint {
     op: &'static str,
     entries: Vec<Entry>,
-    /// Why this rank rejected its input for the call, when it did: it joins the check so the
-    /// other ranks fail the same call instead of waiting for it.
+    /// Why this rank rejected its input, if it did: so the others fail the call, not wait.
     rejected: Option<String>,
-    /// What else the ranks must agree on (the updater of a push), in words. Hashed as given;
-    /// the description (one line per entry) escapes its line breaks and tabs.
+    /// What else the ranks must agree on (a push's updater), in words.
     note: Option<String>,
     /// Which store of the process makes the call: its number on its link.
     store: u64,
-    /// The caller's tag in force for the call (see [`crate::KvStore::set_tag`]): a framework's
-    /// step count, so that ranks at different steps fail instead of pairing their calls.
+    /// The caller's tag ([`crate::KvStore::set_tag`]), so that ranks at different steps fail.
     tag: Option<Arc<str>>,
 }
 
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
 pub(crate) type Record = [u64; 4];
 
-/// The 64-bit hash of a record's fields: XXH3 (`xxhash-rust`), a well-known hash whose output
-/// is fixed by its specification, so every rank hashes alike whatever its Rust version or
-/// platform. Fields are framed into a buffer: a word as its 8 little-endian bytes, a byte
-/// string after its length, so where one field ends and the next starts is part of what is
-/// hashed. The buffer is hashed in one pass at the end: for 1000 entries that measured about
-/// 12 µs, against 63 µs for XXH3's streaming hasher fed field by field (and 47 µs for the
-/// word-by-word mixer this replaced). It is not a cryptographic hash: it guards against
-/// mistakes, not adversaries.
-/// Records of a few keys fit in the inline buffer: a call's fingerprint then allocates nothing.
+/// The 64-bit hash of a record's fields: XXH3, fixed by its specification, so every rank
+/// hashes alike on any platform (against mistakes, not adversaries). Fields are framed (a word
+/// as 8 little-endian bytes, a byte string after its length) into a buffer hashed in one pass:
+/// 12 µs for 1000 entries, against 63 µs for XXH3's streaming hasher. A few keys' records fit
+/// inline, so such a fingerprint allocates nothing.
 struct Hash64(SmallVec<[u8; 256]>);
 
 impl Hash64 {
@@ -83,11 +74,7 @@ impl Fingerprint {
     pub fn new(op: &'static str) -> Fingerprint {
         Fingerprint {
             op,
-            entries: Vec::new(),
-            rejected: None,
-            note: None,
-            store: 0,
-            tag: None,
+            ..Fingerprint::default()
         }
     }
 
@@ -103,8 +90,7 @@ impl Fingerprint {
         self
     }
 
-    /// A call of `op` that this rank rejected before any data moved (bad input: `why`). It
-    /// differs from every accepted call, so every rank fails the same call together.
+    /// A call of `op` that this rank rejected (`why`), which every rank then fails together.
     pub fn rejected(op: &'static str, why: &str) -> Fingerprint {
         Fingerprint {
             rejected: Some(why.to_owned()),
@@ -221,10 +207,7 @@ impl Fingerprint {
     }
 }
 
-/// Compares `fp`, for call `seq`, across `size` ranks through `all_gather` (every rank's
-/// words, in rank order; every rank gives as many). Equal records on every rank: `Ok`. Any
-/// difference is seen by every rank at once, so all of them exchange their descriptions and
-/// return the same error ([`mismatch_error`]).
+/// Compares `fp` for call `seq` across `size` ranks through `all_gather` (words in rank order).
 pub(crate) fn check_across(
     fp: &Fingerprint,
     seq: u64,
@@ -258,8 +241,7 @@ pub(crate) fn check_across(
     Err(mismatch_error(fp.op(), seq, &texts))
 }
 
-/// A key as a description names it: an int key as it is, a string key in quotes, so that
-/// int key 3 and string key "3" read apart.
+/// A key as a description names it: a string key in quotes, so that 3 and "3" read apart.
 fn typed(key: &Key) -> String {
     match key {
         Key::Int(i) => i.to_string(),
@@ -270,8 +252,7 @@ fn typed(key: &Key) -> String {
 /// The first word of the description line that carries a rejection.
 const REJECTED: &str = "!rejected";
 
-/// The ranks that rejected their input for the call, with why, from every rank's description
-/// (`texts[rank]`): empty when none did.
+/// The ranks that rejected their input, with why, from every rank's description.
 fn rejections(texts: &[String]) -> Vec<(usize, String)> {
     texts
         .iter()
@@ -284,9 +265,9 @@ fn rejections(texts: &[String]) -> Vec<(usize, String)> {
         .collect()
 }
 
-/// The error of call `seq` of `op` whose fingerprints differed, from every rank's description
-/// (`texts[rank]`): [`Error::RankRejected`] when a rank rejected its input (every rank stopped at
-/// the same check, before any data moved, so the world stays usable), else [`Error::Desync`].
+/// The error of call `seq` of `op` from every rank's description (`texts[rank]`):
+/// [`Error::RankRejected`] when a rank rejected its input (the world stays usable), else
+/// [`Error::Desync`].
 pub(crate) fn mismatch_error(op: &'static str, seq: u64, texts: &[String]) -> Error {
     let rejected = rejections(texts);
     if rejected.is_empty() {
@@ -319,12 +300,11 @@ pub(crate) fn summary_of<K: std::fmt::Display>(
     }
 }
 
-/// One rank's description, parsed back.
+/// One rank's description, parsed back; entries are (key, shape, dtype) as text.
 #[derive(PartialEq)]
 struct Described {
     seq: String,
     op: String,
-    /// (key, shape, dtype) as text.
     entries: Vec<(String, String, String)>,
 }
 
@@ -358,8 +338,7 @@ pub(crate) fn ranks(r: &[usize]) -> String {
     }
 }
 
-/// How the ranks' descriptions (`texts[rank]`) differ, in words every rank computes alike: each
-/// group of ranks that differs from rank 0's group is compared with it, at its first difference.
+/// Where each group of ranks first differs from rank 0's group, alike on every rank.
 fn mismatch_detail(texts: &[String]) -> String {
     // Group ranks by identical descriptions, in order of their first rank.
     let mut groups: Vec<(Described, Vec<usize>)> = Vec::new();

@@ -1,6 +1,5 @@
-//! Moving sums and copies between this process's GPUs: NCCL collectives for `nccl` stores
-//! (all keys of a call in one group), peer copies otherwise. The CUDA backend calls these
-//! through [`CrossGpu`] in the middle of its push and pull, so it never names NCCL.
+//! Sums and copies between this process's GPUs ([`CrossGpu`], so that the CUDA backend never
+//! names NCCL): grouped NCCL collectives for `nccl` stores, peer copies otherwise.
 
 use super::nccl;
 use crate::backend::cuda::{
@@ -87,9 +86,7 @@ impl CrossGpu for GpuLinks {
         nccl::run("push (reduce)", &collectives)
     }
 
-    /// One grouped NCCL broadcast per key from the home to the other GPUs, or peer copies (the
-    /// small ones as one kernel launch per (GPU, dtype) that reads the homes over peer access,
-    /// see `copy_many`); the home's own first out is a device copy (batched likewise).
+    /// One grouped NCCL broadcast per key from the home to the other GPUs, or peer copies.
     fn fan_out(&self, fanouts: &[Fanout<'_>]) -> Result<()> {
         let mut collectives = Vec::new();
         // In key order: each key's copy to its home's first out, then (without NCCL) its copies
@@ -153,8 +150,7 @@ impl CrossGpu for GpuLinks {
                 },
             });
         }
-        // The copies go first (the small ones in one launch per (GPU, dtype), reading the homes
-        // over peer access where they are on other GPUs), then the broadcasts.
+        // The copies go first, then the broadcasts.
         copy_many(&copies)?;
         nccl::run("pull (broadcast)", &collectives)
     }

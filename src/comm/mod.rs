@@ -1,22 +1,17 @@
 //! Comm: moving sums and copies between places, and the update of a push's keys.
 //!
 //! In this process ([`update`], [`pull`], [`local_sum`]): a push's values are summed onto each
-//! key's home (host loops, or NCCL or peer copies between this process's GPUs), then the
-//! updater runs on the home; the backends fuse that sum with the update where they can. A pull
+//! key's home, then the updater runs there (fused with the sum where the backend can); a pull
 //! copies the home's value into every out.
 //!
-//! - `local`: how sums and copies travel between this process's GPUs (NCCL for `nccl` stores,
-//!   else peer copies), handed to the CUDA backend as its `CrossGpu`.
-//! - `dist`: the across-ranks plans of `dist_*` stores (sums onto each key's home rank, values
-//!   from it, slicing and packing) and the pool of transfer buffers; `spread` says which ranks
-//!   hold a key.
-//! - `link`: the link between ranks, one trait with a file per transport; `fingerprint`: what
-//!   ranks compare before a call.
+//! - `local`: sums and copies between this process's GPUs (NCCL or peer copies).
+//! - `dist`: the across-ranks plans of `dist_*` stores and the pool of transfer buffers;
+//!   `spread`: which ranks hold a key.
+//! - `link`: the link between ranks, a file per transport; `fingerprint`: what ranks compare.
 //! - [`launch`]: what a launcher says through the environment (rank, size, timeout).
-//! - [`nccl`]: NCCL: communicators per device set, grouped reduce and broadcast, async-error
-//!   polling with a timeout, abort, and communicators of GPU ranks.
-//! - `mpi` (cargo feature `mpi`): across processes for CPU ranks: bootstrap, fingerprinted
-//!   non-blocking collectives with bounded waits, poisoning and the exit hook.
+//! - [`nccl`]: communicators per device set, grouped collectives, error polling, abort.
+//! - `mpi` (cargo feature `mpi`): CPU ranks: bootstrap, bounded non-blocking collectives,
+//!   poisoning and the exit hook.
 //!
 //! It imports `backend` (memory, streams, kernels) and nothing from `store`.
 
@@ -48,8 +43,7 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
-    /// How a store's calls run. `nccl_asked`: the store is a `nccl` store. On a GPU machine
-    /// without a usable NCCL it warns once (what was found, how to fix it) and uses peer copies.
+    /// How a store's calls run; without a usable NCCL a `nccl` store warns once (peer copies).
     pub(crate) fn new(nccl_asked: bool, par_min_bytes: usize) -> Ctx {
         let use_nccl = nccl_asked && probe::gpu_count() > 0 && {
             let found = nccl::available();
@@ -72,10 +66,9 @@ impl Ctx {
     }
 }
 
-/// Builds the NCCL communicators a call on `keys` (each key's facts and its arrays) will need,
-/// before the store takes any key lock: one per set of GPUs (the home and the GPUs of the
-/// arrays) of a key homed on a GPU. Building one can block, and nothing may block under a lock
-/// the watchdog or another call waits on.
+/// Builds the NCCL communicators a call on `keys` will need (one per set of a GPU home and its
+/// arrays' GPUs) before the store takes any key lock: building one can block, and nothing may
+/// block under a lock the watchdog or another call waits on.
 pub(crate) fn prepare<'k>(
     ctx: Ctx,
     keys: impl IntoIterator<Item = (KeyFacts<'k>, &'k [&'k NDArray])>,
@@ -85,13 +78,10 @@ pub(crate) fn prepare<'k>(
     }
     let mut sets: Vec<Vec<usize>> = Vec::new();
     for (facts, arrays) in keys {
-        let Device::Gpu(home) = facts.home else {
+        // float64 keys on a GPU are updated through a host copy; NCCL never sees them.
+        let (Device::Gpu(home), false) = (facts.home, facts.dtype == DType::F64) else {
             continue;
         };
-        // float64 keys on a GPU are updated through a host copy; NCCL never sees them.
-        if facts.dtype == DType::F64 {
-            continue;
-        }
         let mut set: Vec<usize> = arrays
             .iter()
             .filter_map(|a| match a.device() {
@@ -109,8 +99,7 @@ pub(crate) fn prepare<'k>(
     nccl::prepare(&sets)
 }
 
-/// One key of a push: its facts, its value on the home (locked by the store), the values to
-/// sum into it, and its hyperparameters in this push.
+/// One key of a push: its facts, its locked home value, the values to sum, its hyperparameters.
 pub(crate) struct KeyUpdate<'a> {
     pub facts: KeyFacts<'a>,
     pub value: &'a mut HomeValue,
@@ -132,13 +121,11 @@ impl<'a> KeyUpdate<'a> {
     }
 }
 
-/// Whether every rank's updater succeeded, asked by a dist store's push once every key's new
-/// value is computed and before any is stored: given this rank's success, `Ok` when every rank
-/// succeeded.
+/// A dist push's question, once every new value is computed and before any is stored: given
+/// this rank's success, `Ok` when every rank's updater succeeded.
 pub(crate) type Agree<'a> = &'a mut dyn FnMut(bool) -> Result<()>;
 
-/// This rank's result `own`, after `agree` (when given) has heard every rank's: this rank's own
-/// error first, then the others'.
+/// This rank's result `own` once `agree` (if any) has heard every rank's: own error first.
 fn settle<T>(agree: Option<Agree<'_>>, own: Result<T>) -> Result<T> {
     let Some(agree) = agree else {
         return own;
@@ -149,12 +136,9 @@ fn settle<T>(agree: Option<Agree<'_>>, own: Result<T>) -> Result<T> {
     Ok(value)
 }
 
-/// Applies a validated push to every key, in the order given (the issue order). A closure
-/// updater runs on copies first, so a panic in any key leaves every key unchanged.
-///
-/// `agree`, for a dist store: the updaters that can fail (closures, PTX updaters with their
-/// twins) compute every key first, then ask it whether every rank succeeded, and store nothing
-/// unless they all did. Built-in updaters do not ask.
+/// Applies a validated push to every key, in issue order. Updaters that can fail (closures,
+/// PTX twins) compute every key on copies first, then ask `agree` (a dist store) whether every
+/// rank succeeded, and store nothing unless all did; built-in updaters do not ask.
 pub(crate) fn update(
     updater: &Updater,
     generation: u64,
@@ -178,8 +162,7 @@ pub(crate) fn update(
     }
 }
 
-/// Runs closure `f` for every job, in order, on copies: nothing changes yet, so a panic or a
-/// bad result in any key leaves every key as it was.
+/// Runs closure `f` for every job, in order, on copies: nothing changes yet.
 fn run_closure(f: &UpdateFn, ctx: Ctx, jobs: &[KeyUpdate<'_>]) -> Result<Vec<HostData>> {
     jobs.iter()
         .map(|j| {
@@ -197,9 +180,7 @@ fn store_results(jobs: Vec<KeyUpdate<'_>>, results: Vec<HostData>) -> Result<()>
     Ok(())
 }
 
-/// A push with a user PTX updater: its kernel on GPU-homed keys, its CPU twin on keys homed in
-/// host memory. Every key is checked first (the dtype, a twin where one is needed), and the
-/// twin runs on copies, so a bad key fails the call with nothing changed.
+/// A push with a user PTX updater: its kernel on GPU homes, its CPU twin on host homes.
 fn push_ptx(
     p: &PtxUpdater,
     updater: &Updater,
@@ -224,8 +205,8 @@ fn push_ptx(
     store_results(on_host, twin_results)
 }
 
-/// The checks of a PTX push (every GPU key's dtype, every GPU home's module, a twin where one
-/// is needed) and the twin's results on copies of the host-homed keys: nothing changes yet.
+/// The checks of a PTX push (dtypes, modules, a twin where needed) and the twin's results on
+/// copies of the host-homed keys: nothing changes yet.
 fn ptx_check_and_twin(
     p: &PtxUpdater,
     ctx: Ctx,
@@ -264,8 +245,7 @@ fn ptx_check_and_twin(
     }
 }
 
-/// Waits for every operation in flight on this process's GPUs, polling NCCL work for errors
-/// with its timeout. `Ok` at once without a GPU.
+/// Waits for this process's GPU work, polling NCCL for errors with its timeout.
 pub(crate) fn wait_all() -> Result<()> {
     if backend::probe::gpu_count() == 0 {
         return Ok(());
@@ -274,10 +254,8 @@ pub(crate) fn wait_all() -> Result<()> {
     backend::cuda::synchronize_all()
 }
 
-/// The sum of `values` (already checked against the key's shape and dtype) on `device` (host
-/// memory or a GPU), in the key's dtype: a dist push's sum within this process, before the sum
-/// across ranks. In host memory it is written into `scratch` when given (a buffer of the key's
-/// length, whatever it holds).
+/// The sum of checked `values` on `device`, in the key's dtype: a dist push's sum within this
+/// process. In host memory it goes into `scratch` when that fits (whatever it holds).
 pub(crate) fn local_sum(
     ctx: Ctx,
     facts: &KeyFacts<'_>,

@@ -4,8 +4,7 @@
 
 use std::ops::Range;
 
-/// Which ranks hold a key's value and updater state. A single-process store homes every key
-/// on rank 0.
+/// Which ranks hold a key's value and updater state (rank 0 in a single process).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Spread {
     /// The whole value lives on one rank, which runs the updater for it.
@@ -13,14 +12,12 @@ pub(crate) enum Spread {
         /// The home rank.
         rank: usize,
     },
-    /// The value is cut into one contiguous slice per rank ([`slice_range`]); each rank holds
-    /// and updates its own slice.
+    /// One contiguous slice per rank ([`slice_range`]), each held and updated by its rank.
     Sliced,
 }
 
 impl Spread {
-    /// The part of a key of `len` elements that rank `rank` of `size` holds: all of it, a
-    /// slice, or nothing.
+    /// The part of a key of `len` elements that rank `rank` of `size` holds (maybe none).
     pub(crate) fn piece(self, len: usize, rank: usize, size: usize) -> Range<usize> {
         match self {
             Spread::Whole { rank: home } if home == rank => 0..len,
@@ -38,8 +35,8 @@ impl Spread {
     }
 }
 
-/// The elements of a key of `len` elements that rank `rank` of `size` holds when it is sliced:
-/// blocks of `ceil(len / size)` elements in rank order, the last ones shorter or empty.
+/// Rank `rank`'s slice of a key of `len` elements over `size` ranks: blocks of `len / size`,
+/// rounded up, in rank order.
 pub(crate) fn slice_range(len: usize, size: usize, rank: usize) -> Range<usize> {
     let block = slice_block(len, size);
     let start = (rank * block).min(len);

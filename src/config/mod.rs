@@ -1,6 +1,5 @@
-//! Configuration: every `KVSTORE_*` environment variable a store reads, read in this one place
-//! and validated. A store reads its [`Config`] once, when it is created; a bad value is a typed
-//! error that names the variable and says what to set, never ignored.
+//! Every `KVSTORE_*` variable a store reads, read here once at `create` and validated: a bad
+//! value is an error that names the variable and what to set.
 //!
 //! | variable | what | default |
 //! |---|---|---|
@@ -11,9 +10,8 @@
 //! | `KVSTORE_TIMEOUT` | seconds any wait of a dist store may last | 1800 |
 //! | `KVSTORE_WAIT_LOG_SECS` | seconds between two "still waiting" logs of one wait | 60 |
 //!
-//! [`nccl`] reads the variables of NCCL between this process's GPUs (`KVSTORE_NCCL_TIMEOUT_MS`,
-//! `KVSTORE_NCCL_MAX_COMMS`, `KVSTORE_NCCL_FORCE`), once per process. The launcher's own
-//! variables (`RANK`, `WORLD_SIZE`, ...) are read by [`crate::comm::launch::LaunchEnv`].
+//! [`nccl`] reads the `KVSTORE_NCCL_*` variables, once per process; the launcher's (`RANK`,
+//! `WORLD_SIZE`, ...) are read by [`crate::comm::launch::LaunchEnv`].
 
 pub(crate) mod nccl;
 
@@ -21,9 +19,8 @@ use std::time::Duration;
 
 use crate::{Error, Result};
 
-/// Below this many bytes of traffic (read + written) a call runs on the calling thread: waking
-/// the pool costs more than it saves. Measured with `cargo bench --bench threshold`. A store
-/// reads its own threshold from `KVSTORE_PAR_MIN_BYTES` when it is created (this when unset).
+/// The default of `KVSTORE_PAR_MIN_BYTES`: below this many bytes of traffic (read + written)
+/// waking the pool costs more than it saves (`cargo bench --bench threshold`).
 pub const PAR_MIN_BYTES: usize = 1 << 20;
 
 /// The default of `KVSTORE_BIGARRAY_BOUND`: keys of more elements are sliced over every rank.
@@ -32,18 +29,14 @@ pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
 /// The default of `KVSTORE_DIST_POOL_BYTES`.
 pub(crate) const DEFAULT_POOL_BYTES: usize = 1 << 30;
 
-/// How long a distributed wait may last when `KVSTORE_TIMEOUT` is unset: 30 minutes, the
-/// default of PyTorch's `init_process_group` (its NCCL backend waits 10 minutes). A slow rank is
-/// not a dead one: a validation pass, a data load or a checkpoint write on one rank makes the
-/// others wait that long in their next call, and a real training job must survive it. A dead
-/// rank ends the job sooner: `mpirun` notices it, and a rank that exits tells the others (see
-/// `comm::mpi`).
+/// The default of `KVSTORE_TIMEOUT`: 30 minutes, as PyTorch's `init_process_group`. A slow
+/// rank (a validation pass, a data load, a checkpoint write) is not a dead one, and a job must
+/// survive it; a rank that dies is noticed sooner (`mpirun`, and its exit hook tells the others).
 // `pub` for the MPI transport's test and bench support (`__internal::mpi`).
 #[cfg_attr(not(feature = "mpi"), allow(unreachable_pub))]
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
-/// How often a rank says that it is still waiting when `KVSTORE_WAIT_LOG_SECS` is unset: once a
-/// minute.
+/// The default of `KVSTORE_WAIT_LOG_SECS`.
 pub(crate) const DEFAULT_WAIT_LOG: Duration = Duration::from_secs(60);
 
 /// What a store reads from the environment. See the [module docs](self).
@@ -69,8 +62,7 @@ impl Config {
         Config::from_vars(|k| std::env::var(k).ok())
     }
 
-    /// The configuration `var` gives (a variable's value, or `None` when it is unset); the
-    /// error names the first variable that is wrong.
+    /// The configuration `var` gives (`None`: unset); the error names the first bad variable.
     pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let v = Vars(var);
         Ok(Config {
@@ -112,8 +104,7 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
         })
     }
 
-    /// A switch in `name`: `0`, `false`, `off`, `no` or `1`, `true`, `on`, `yes`; `default`
-    /// when it is unset.
+    /// A switch (`0`, `false`, `off`, `no`; `1`, `true`, `on`, `yes`), or `default`.
     fn switch(&self, name: &'static str, default: bool) -> Result<bool> {
         let Some(v) = (self.0)(name) else {
             return Ok(default);

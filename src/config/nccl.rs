@@ -1,13 +1,11 @@
-//! What the environment sets for NCCL between this process's GPUs: each variable read once
-//! per process (the communicators they govern are the process's), and validated.
+//! The variables of NCCL between this process's GPUs, read once per process and validated.
 //!
 //! - `KVSTORE_NCCL_TIMEOUT_MS`: how long a collective may run before it is aborted ([`timeout`]).
 //! - `KVSTORE_NCCL_MAX_COMMS`: how many device sets keep their communicators ([`max_sets`]).
 //! - `KVSTORE_NCCL_FORCE=1`: NCCL even for keys whose values are all on the home GPU
 //!   ([`force_single`]).
 //!
-//! A value of the first two that is not valid is an [`Error::InvalidEnv`] naming the variable,
-//! for every call that needs NCCL, until the process is restarted with it fixed or unset.
+//! A bad value of the first two fails every call that needs NCCL with [`Error::InvalidEnv`].
 
 use std::env::VarError;
 use std::sync::OnceLock;
@@ -15,9 +13,7 @@ use std::time::Duration;
 
 use crate::{Error, Result};
 
-/// Whether `KVSTORE_NCCL_FORCE=1` (read once): a `nccl` store then uses NCCL for keys whose
-/// values are all on the home GPU too (one-rank communicators), so that its NCCL path runs on
-/// a one-GPU machine.
+/// Whether `KVSTORE_NCCL_FORCE=1`: NCCL even for values all on the home GPU (one-GPU tests).
 pub fn force_single() -> bool {
     static FORCE: OnceLock<bool> = OnceLock::new();
     *FORCE.get_or_init(|| std::env::var("KVSTORE_NCCL_FORCE").as_deref() == Ok("1"))
@@ -29,15 +25,12 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_millis(60_000);
 /// `KVSTORE_NCCL_MAX_COMMS` when it is unset.
 const DEFAULT_MAX_SETS: usize = 8;
 
-/// A variable's value that is not valid: kept, so that every use reports the same
-/// [`Error::InvalidEnv`] (the crate's error is not `Clone`).
+/// A bad value, kept so that every use reports the same [`Error::InvalidEnv`] (which is not
+/// `Clone`).
 #[derive(Clone, Debug)]
 struct Invalid {
-    /// The variable's name.
     var: &'static str,
-    /// Its value, as read.
     value: String,
-    /// What a valid value is.
     expected: &'static str,
 }
 
@@ -73,8 +66,7 @@ fn parse_var<T>(
     }
 }
 
-/// `KVSTORE_NCCL_TIMEOUT_MS` from its value: a whole number of milliseconds, else 60 s when
-/// unset.
+/// `KVSTORE_NCCL_TIMEOUT_MS` from its value.
 fn timeout_from(
     value: std::result::Result<String, VarError>,
 ) -> std::result::Result<Duration, Invalid> {
@@ -87,7 +79,7 @@ fn timeout_from(
     )
 }
 
-/// `KVSTORE_NCCL_MAX_COMMS` from its value: a whole number above 0, else 8 when unset.
+/// `KVSTORE_NCCL_MAX_COMMS` from its value.
 fn max_sets_from(
     value: std::result::Result<String, VarError>,
 ) -> std::result::Result<usize, Invalid> {
@@ -100,9 +92,7 @@ fn max_sets_from(
     )
 }
 
-/// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS` as the
-/// process first reads it, else 60 s. A value that is not a whole
-/// number of milliseconds is an [`Error::InvalidEnv`] naming it, at every call.
+/// How long a collective may run before it is aborted: `KVSTORE_NCCL_TIMEOUT_MS`, else 60 s.
 pub(crate) fn timeout() -> Result<Duration> {
     static TIMEOUT: OnceLock<std::result::Result<Duration, Invalid>> = OnceLock::new();
     TIMEOUT
@@ -111,9 +101,7 @@ pub(crate) fn timeout() -> Result<Duration> {
         .map_err(|e| e.error())
 }
 
-/// How many device sets keep their communicators: `KVSTORE_NCCL_MAX_COMMS` (read once), else
-/// 8. A value that is not a whole number above 0 is an [`Error::InvalidEnv`] naming it, at every
-/// call.
+/// How many device sets keep their communicators: `KVSTORE_NCCL_MAX_COMMS` (above 0), else 8.
 pub(crate) fn max_sets() -> Result<usize> {
     static MAX: OnceLock<std::result::Result<usize, Invalid>> = OnceLock::new();
     MAX.get_or_init(|| max_sets_from(std::env::var("KVSTORE_NCCL_MAX_COMMS")))

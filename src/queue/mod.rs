@@ -1,10 +1,5 @@
 //! [`AsyncKvStore`]: a store whose calls return at once and run on a worker thread, as MXNet's
-//! engine ran KVStore calls, so that communication overlaps the caller's compute.
-//!
-//! One worker per store runs the calls one at a time ([`pending`] holds the order rule). The
-//! worker reports what each call did: the first failure is kept, and later calls are not run
-//! until a [`AsyncKvStore::wait_all`] has returned it, so a call never runs on what a failed
-//! call left behind.
+//! engine ran KVStore calls; [`pending`] holds the order rule.
 
 mod pending;
 #[cfg(test)]
@@ -36,11 +31,10 @@ struct Call {
     run: Run,
 }
 
-/// The first failure since the last [`AsyncKvStore::wait_all`].
+/// The first failure since the last [`AsyncKvStore::wait_all`], and the calls it skipped.
 struct Failure {
     what: String,
     error: Arc<Error>,
-    /// Calls not run because of it.
     skipped: usize,
 }
 
@@ -65,7 +59,7 @@ pub struct CallSpan {
     pub started: Instant,
     /// When it finished.
     pub finished: Instant,
-    /// Whether it ran and succeeded (false for a failed call, and one not run after a failure).
+    /// Whether it ran and succeeded.
     pub ok: bool,
 }
 
@@ -99,31 +93,26 @@ impl Shared {
     }
 }
 
-/// A store whose `push`, `pull` and `pushpull` return at once and run in the background, in
-/// the order they were issued, on one worker thread per store: MXNet's asynchronous KVStore
-/// calls. A training loop can push each layer's gradients as soon as backward produces them
-/// and go on computing while they travel and the store's updater runs.
+/// A store whose `push`, `pull` and `pushpull` return at once and run in issue order on one
+/// worker thread per store (MXNet's asynchronous KVStore calls), so that a training loop can
+/// push each layer's gradients as backward makes them and go on computing.
 ///
-/// **The contract, as MXNet's `wait_to_read`:** the arrays passed to a call are shared with the
-/// worker (an [`NDArray`] is a handle) until the call is done. Do not write a push's values,
-/// nor read or write a pull's outs, before [`AsyncKvStore::wait`] on their key or
-/// [`AsyncKvStore::wait_all`] has returned.
+/// **The contract, as MXNet's `wait_to_read`:** a call shares its arrays with the worker until
+/// it is done. Do not write a push's values, nor touch a pull's outs, before
+/// [`AsyncKvStore::wait`] on their key or [`AsyncKvStore::wait_all`] has returned.
 ///
-/// **Order.** Calls run one at a time in issue order. On a single-process store, calls given
-/// different priorities may pass one another: the worker starts the waiting call of highest
+/// **Order.** On a single-process store, the worker starts the waiting call of highest
 /// priority (MXNet: `priority = -layer index`) that no older waiting call shares a key with,
-/// so the calls on any one key still run in issue order. On a store of several ranks, calls
-/// always run in issue order, since the ranks' collectives must match and each rank's queue
-/// fills at its own pace: give every rank the same sequence of calls.
+/// so each key's calls run in issue order. On several ranks calls run in issue order, since
+/// the ranks' collectives must match: give every rank the same sequence of calls.
 ///
-/// **Errors.** A call's error is kept and returned, as [`Error::Async`] naming the call, by
-/// the next [`AsyncKvStore::wait`] on one of its keys or [`AsyncKvStore::wait_all`]. After a
-/// failure the later calls are not run (on a dist store each is refused to the other ranks, so
-/// their calls fail too instead of waiting), until `wait_all` has returned the failure.
-/// Nothing is dropped silently: a store dropped with a failure no wait returned logs it.
+/// **Errors.** A call's error comes back as [`Error::Async`] from the next `wait` on one of
+/// its keys or `wait_all`. Later calls are not run (on a dist store each is refused to the
+/// other ranks) until `wait_all` has returned it; a store dropped with a failure no wait
+/// returned logs it.
 ///
-/// Calls made directly on [`AsyncKvStore::store`] are not ordered with queued ones: call
-/// `wait_all` first, as for `init`, `set_updater` or `save`.
+/// Calls made directly on [`AsyncKvStore::store`] (`init`, `set_updater`, `save`) are not
+/// ordered with queued ones: call `wait_all` first.
 ///
 /// ```
 /// use kvstore::{AsyncKvStore, KvStore, NDArray};
@@ -147,8 +136,7 @@ pub struct AsyncKvStore {
 }
 
 impl AsyncKvStore {
-    /// Starts a worker for `store`: initialize keys and set the updater first, on the store,
-    /// or later through [`AsyncKvStore::store`] after [`AsyncKvStore::wait_all`].
+    /// Starts a worker for `store`.
     pub fn new(store: impl Into<Arc<KvStore>>) -> AsyncKvStore {
         let store = store.into();
         let shared = Arc::new(Shared::default());
@@ -170,17 +158,14 @@ impl AsyncKvStore {
         }
     }
 
-    /// The store underneath, for calls that are not queued (`init`, `set_updater`, `save`,
-    /// ...). They are not ordered with queued calls: [`AsyncKvStore::wait_all`] first.
+    /// The store underneath, for calls that are not queued (after [`AsyncKvStore::wait_all`]).
     pub fn store(&self) -> &KvStore {
         &self.store
     }
 
-    /// Queues `run`, a call of store operation `op` (`"push"`, `"pull"`, `"pushpull"`, ...,
-    /// the names of [`KvStore::reject`]) on `keys`, named "`op` \[keys\]" in errors and the
-    /// timeline. For adapters that queue their own work around a store call (the Python
-    /// package copies a pull's result into the caller's memory this way). `run` must make the
-    /// store call it names, since on a dist store the other ranks make it too.
+    /// Queues `run`, a call of store operation `op` (as [`KvStore::reject`] names it) on
+    /// `keys`, for adapters that wrap a store call in their own work (the Python package's
+    /// pull). `run` must make the store call it names: on a dist store the other ranks do.
     pub fn submit(
         &self,
         op: &'static str,
@@ -192,10 +177,8 @@ impl AsyncKvStore {
         self.queue(op, keys, priority, what, run);
     }
 
-    /// Queues call `op` as refused with `error` (its arguments were bad, found before the
-    /// store was called): when its turn comes, the other ranks of a dist store are told
-    /// ([`KvStore::reject`]), so their same call fails too, and it fails here with `error`,
-    /// so later queued calls are not run. It has no keys, so no call passes it.
+    /// Queues call `op` as refused with `error` (bad arguments): in its turn it fails here and
+    /// is refused to the other ranks ([`KvStore::reject`]). It has no keys: no call passes it.
     pub fn refuse(&self, op: &'static str, priority: i32, error: Error) {
         let what = format!("{op} (refused: {error})");
         self.queue(op, Vec::new(), priority, what, move |kv| {
@@ -275,8 +258,7 @@ impl AsyncKvStore {
         });
     }
 
-    /// Queues a push of `values` to `key`, then a pull of the result into `outs`, as one step
-    /// ([`KvStore::pushpull`]; pass the values as the outs to update them in place).
+    /// Queues a push of `values` to `key` and a pull into `outs` ([`KvStore::pushpull`]).
     pub fn pushpull<V: ValueList + ?Sized, O: ValueList + ?Sized>(
         &self,
         key: impl IntoKey,
@@ -307,8 +289,7 @@ impl AsyncKvStore {
         );
     }
 
-    /// Queues `run` on the converted `keys`. A key that does not convert fails the call when
-    /// it runs, refused to the other ranks as a synchronous call's would be.
+    /// Queues `run` on the converted `keys`; a key that does not convert refuses the call.
     fn queue_keys<K: IntoKey>(
         &self,
         op: &'static str,
@@ -327,10 +308,9 @@ impl AsyncKvStore {
         }
     }
 
-    /// Waits until every queued call on `key` is done; the first failure since the last
-    /// [`AsyncKvStore::wait_all`] if one of them failed or was not run because of it. The
-    /// wait is as long as the calls before it take (each is bounded, on a dist store by
-    /// `KVSTORE_TIMEOUT`).
+    /// Waits until every queued call on `key` is done (each is bounded, on a dist store by
+    /// `KVSTORE_TIMEOUT`); the first failure since the last `wait_all` if one of them failed or
+    /// was skipped.
     pub fn wait(&self, key: impl IntoKey) -> Result<()> {
         let key = key.into_key()?;
         self.not_on_worker("wait")?;
@@ -344,9 +324,8 @@ impl AsyncKvStore {
         }
     }
 
-    /// Waits until every queued call is done, then for the store's GPU work
-    /// ([`KvStore::wait_all`]). Returns the first failure since the last `wait_all`, and from
-    /// then on queued calls run again.
+    /// Waits until every queued call is done, then for the store's GPU work. Returns the first
+    /// failure since the last `wait_all`, after which queued calls run again.
     pub fn wait_all(&self) -> Result<()> {
         self.not_on_worker("wait_all")?;
         let mut state = self.shared.lock();
@@ -362,8 +341,7 @@ impl AsyncKvStore {
         }
     }
 
-    /// An error for a wait made by a queued call itself (a custom updater that waits on the
-    /// store it runs in): it would wait for itself forever.
+    /// An error for a wait made by a queued call itself, which would wait forever.
     fn not_on_worker(&self, op: &'static str) -> Result<()> {
         if IN_CALL.with(Cell::get) {
             return Err(Error::InvalidUpdater(format!(
@@ -374,8 +352,8 @@ impl AsyncKvStore {
         Ok(())
     }
 
-    /// Starts (`true`) or stops recording when each call ran; [`AsyncKvStore::take_timeline`]
-    /// gives the record. Off by default.
+    /// Starts or stops recording when each call ran ([`AsyncKvStore::take_timeline`]); off by
+    /// default.
     pub fn set_timeline(&self, on: bool) {
         let mut state = self.shared.lock();
         state.timeline = on.then(|| state.timeline.take().unwrap_or_default());
@@ -390,9 +368,8 @@ impl AsyncKvStore {
 }
 
 impl Drop for AsyncKvStore {
-    /// Runs what is queued, then ends the worker. A failure no wait returned is written to
-    /// stderr. Dropped by a queued call itself (an updater holding the last handle), it lets
-    /// the worker finish the queue on its own.
+    /// Runs what is queued, then ends the worker; a failure no wait returned goes to stderr.
+    /// Dropped by a queued call itself, it lets the worker finish the queue on its own.
     fn drop(&mut self) {
         self.shared.lock().closing = true;
         self.shared.changed.notify_all();
@@ -406,8 +383,7 @@ impl Drop for AsyncKvStore {
     }
 }
 
-/// Writes a failure that no wait returned to stderr (and the log): an error is never dropped
-/// unseen.
+/// Writes a failure that no wait returned to stderr and the log.
 fn report_unseen(shared: &Shared) {
     if let Some(f) = shared.lock().failure.take() {
         let text = format!(

@@ -1,11 +1,8 @@
-//! The calls waiting for the worker, and which one it runs next. No threads and no store here:
-//! only the order rule, unit-tested on its own.
+//! The calls waiting for the worker, and which one it runs next: the order rule alone.
 //!
-//! A call names the keys it reads or writes. In issue order, the next call is the oldest. In
-//! priority order, it is the call of highest priority (the oldest among equals) that no older
-//! waiting call shares a key with, so that calls on one key still run in the order they were
-//! issued. A call with no keys is a fence: it runs only when it is the oldest, and nothing
-//! passes it.
+//! In issue order, the next call is the oldest. In priority order, it is the call of highest
+//! priority (the oldest among equals) that no older waiting call shares a key with, so that
+//! calls on one key run in issue order. A call with no keys is a fence that nothing passes.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -51,8 +48,7 @@ impl<T> Pending<T> {
         });
     }
 
-    /// Takes the call to run next, with its keys (for [`Pending::done`]): the oldest, or with
-    /// `by_priority`, the rule in the module docs.
+    /// Takes the call to run next (by the module docs' rule), with its keys for `done`.
     pub(super) fn next(&mut self, by_priority: bool) -> Option<(Vec<Key>, T)> {
         let at = if by_priority {
             self.first_by_priority()?

@@ -1,6 +1,5 @@
-//! What one call works on: its keys looked up, each with its arrays (repeats of a key merged)
-//! and priority, in ascending key order; the order locks are taken in, and the order work is
-//! issued in.
+//! What one call works on: its keys looked up with their arrays and priorities (repeats
+//! merged), in ascending key order (the lock order), and the order work is issued in.
 
 use std::sync::{Arc, RwLockWriteGuard};
 
@@ -10,9 +9,8 @@ use super::{read, write, KvStore};
 use crate::backend::HomeValue;
 use crate::{Error, IntoKey, Key, NDArray, Result};
 
-/// One or more arrays: what a push takes as values and a pull as outs, for one key.
-///
-/// Implemented for a single [`NDArray`], slices, vectors and arrays of them.
+/// One or more arrays for one key (a push's values, a pull's outs): an [`NDArray`], or a
+/// slice, vector or array of them.
 pub trait ValueList {
     /// The arrays.
     fn arrays(&self) -> &[NDArray];
@@ -48,8 +46,8 @@ impl<T: ValueList + ?Sized> ValueList for &T {
     }
 }
 
-/// A key's arrays in one call: held inline up to four (a call gives a key one array per
-/// device of a process), so a call of many keys allocates nothing per key for them.
+/// A key's arrays in one call, inline up to four (one per device of a process), so that a
+/// call of many keys allocates nothing per key for them.
 pub(super) type Arrays<'a> = smallvec::SmallVec<[&'a NDArray; 4]>;
 
 /// A key and the arrays an operation gives it, merged over repeats of the key.
@@ -61,9 +59,7 @@ pub(super) struct Group<'a> {
 }
 
 impl KvStore {
-    /// Looks up every key and pairs it with its arrays and priority (0 when `priorities` is
-    /// `None`), sorted by key order, repeats merged. Locks are taken in this order; work is
-    /// issued in [`issue_order`].
+    /// Every key with its arrays and priority (default 0), in key order, repeats merged.
     pub(super) fn groups<'a, K: IntoKey + Clone, V: ValueList>(
         &self,
         op: &'static str,
@@ -104,8 +100,7 @@ impl KvStore {
     }
 }
 
-/// The order work is issued in: descending priority, ties in ascending key order. `groups` is
-/// sorted by key order, and a stable sort keeps that order among equal priorities.
+/// The order work is issued in: descending priority, ties in key order (a stable sort).
 pub(super) fn issue_order(groups: &[Group<'_>]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..groups.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(groups[i].priority));

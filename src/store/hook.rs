@@ -1,5 +1,4 @@
-//! The push hook: observes every key of every successful push, after the call's locks are
-//! released.
+//! The push hook: observes every key of every successful push, after the call's locks.
 
 use std::sync::{Arc, RwLockWriteGuard};
 
@@ -8,17 +7,14 @@ use super::{write, Active, KvStore};
 use crate::backend::HomeValue;
 use crate::{Key, Result};
 
-/// What a push hook sees: one key of a push that has been applied. See
-/// [`KvStore::set_push_hook`].
+/// What a push hook sees: one key of an applied push ([`KvStore::set_push_hook`]).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct PushEvent<'a> {
     /// The key.
     pub key: &'a Key,
-    /// The key's step under the updater in force: the pushes applied to it since the updater
-    /// was set (or since a checkpoint set its state), this one included. This is the `t` of
-    /// Adam's bias correction and the `step` a PTX updater gets. `None` for a closure updater
-    /// (and a PTX updater's CPU twin), which keeps no step.
+    /// The key's step under the updater in force (pushes since it was set or loaded, this one
+    /// included): Adam's `t`, a PTX updater's `step`. `None` for closures, which keep none.
     pub step: Option<u64>,
     /// The updater's [`name`](crate::Updater::name): `assign`, `sgd`, `adam`, ...
     pub updater: &'static str,
@@ -30,13 +26,9 @@ pub struct PushEvent<'a> {
 pub type PushHook = dyn Fn(&PushEvent<'_>) + Send + Sync;
 
 impl KvStore {
-    /// Sets a hook that observes pushes without changing them: after every successful push
-    /// (`push`, `push_list`, the `pushpull` forms and the priority forms), `hook` is called
-    /// once per distinct key, in the order the updater ran on them (ascending key order, or
-    /// descending priority), with the key, its step and the updater's name. It runs after the
-    /// call's locks are released, so it may call the store; a failed push calls it for no key.
-    /// A panic in the hook reaches the caller of the push, which has been applied by then.
-    /// Replaces any hook set before.
+    /// Sets (replaces) a hook called after every successful push of any form, once per
+    /// distinct key in the order the updater ran on them. It runs after the call's locks are
+    /// released, so it may call the store; a panic in it reaches the caller of the applied push.
     ///
     /// ```
     /// use std::sync::{Arc, Mutex};
@@ -68,8 +60,7 @@ impl KvStore {
     }
 }
 
-/// Each group's key, step and value count, in issue order: what the push hook is told, read
-/// while the cells are still locked.
+/// Each group's key, step and value count in issue order, read under the cells' locks.
 pub(super) fn pushed(
     groups: &[Group<'_>],
     steps: &[Option<u64>],

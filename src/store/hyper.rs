@@ -1,14 +1,10 @@
-//! Changing hyperparameters while training: the learning rate, the whole set of an updater's
-//! hyperparameters, a learning-rate schedule, and per-key multipliers, all keeping every key's
-//! updater state and step count.
+//! Changing hyperparameters while training (the learning rate, all of an updater's
+//! hyperparameters, a schedule, per-key multipliers), keeping every key's state and step.
 //!
-//! How a push gets its learning rate: each key counts its own updates (its step, Adam's `t`);
-//! `num_update` is the largest count any key has reached (MXNet's `Optimizer.num_update`). A
-//! push call computes, once, `num_update = max(num_update, max over its keys of step + 1)`, the
-//! rate `lr = schedule(num_update)` (the updater's `lr` when no schedule is set), and gives every
-//! key of the call `lr * lr_mult[key]` and `wd * wd_mult[key]`. So all keys of a list push use
-//! one rate, and a loop that pushes each key once per iteration, in one call or one call per
-//! key, moves `num_update` by one per iteration.
+//! Each key counts its own updates (its step, Adam's `t`). A push call computes once
+//! `num_update = max(num_update, max over its keys of step + 1)` (MXNet's) and
+//! `lr = schedule(num_update)` (else the updater's `lr`), and gives each of its keys
+//! `lr * lr_mult[key]` and `wd * wd_mult[key]`: one rate for all keys of a list push.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,8 +39,7 @@ pub(super) struct Settings {
 }
 
 impl Settings {
-    /// The schedule and the per-key multipliers, in words every rank writes alike (keys in
-    /// order).
+    /// The schedule and the per-key multipliers, in words every rank writes alike.
     pub(super) fn describe(&self) -> String {
         let mut mults: Vec<(&Key, &Mult)> = self.mults.iter().collect();
         mults.sort_by_key(|(k, _)| format!("{k:?}"));
@@ -99,9 +94,7 @@ impl PushHypers {
     }
 }
 
-/// The learning rate and weight decay of every group of a push, in group order: computed once
-/// per call from the update count (see the module docs), given each group's update count so
-/// far (`steps`). Empty for updaters without a learning rate, which take none.
+/// Each group's learning rate and weight decay in a push, given its update count (`steps`).
 pub(super) fn for_push(active: &Active, groups: &[Group<'_>], steps: &[u64]) -> PushHypers {
     let updater = &active.updater;
     if !updater.has_lr() {
@@ -131,13 +124,11 @@ pub(super) fn for_push(active: &Active, groups: &[Group<'_>], steps: &[u64]) -> 
 /// Changing hyperparameters while keeping every key's updater state.
 impl KvStore {
     /// Sets the learning rate of the [`Sgd`](crate::Sgd) or [`Adam`](crate::Adam) updater in
-    /// force, keeping every key's state (momentum, Adam's moments) and step count, as MXNet's
-    /// `Optimizer.set_learning_rate` and PyTorch's `param_group['lr'] = lr` do. The next push uses
-    /// it.
+    /// force from the next push on, keeping every key's state and step count (MXNet's
+    /// `Optimizer.set_learning_rate`).
     ///
-    /// Errors ([`Error::InvalidUpdater`], nothing changed): a negative or non-finite `lr`; an
-    /// updater without a learning rate; a schedule is set (as in MXNet: the schedule decides the
-    /// rate; change its base with [`KvStore::update_hyperparameters`] or clear it first).
+    /// [`Error::InvalidUpdater`] for a negative or non-finite `lr`, an updater without a
+    /// learning rate, or when a schedule is set (it decides the rate, as in MXNet).
     ///
     /// ```
     /// use kvstore::{KvStore, NDArray, Sgd, Updater};
@@ -172,16 +163,11 @@ impl KvStore {
     }
 
     /// Replaces the hyperparameters of the updater in force with those of `updater`, keeping
-    /// every key's state and step count: the learning rate, weight decay, momentum, Adam's betas
-    /// and epsilon, `rescale_grad`, `clip_gradient`, or Axpby's `a` and `b`. Adam's bias
-    /// correction goes on from each key's step count, with the new betas.
+    /// every key's state and step count (Adam's bias correction goes on with the new betas).
     ///
-    /// `updater` must be the same rule with the same state buffers. Errors
-    /// ([`Error::InvalidUpdater`], nothing changed): another rule, a closure or PTX updater
-    /// (use [`KvStore::set_updater`], which starts afresh); an SGD momentum that goes from 0 to
-    /// non-zero or back (that adds or drops the momentum buffer: start afresh with
-    /// `set_updater`, or keep a non-zero momentum); parameters out of range; a schedule whose
-    /// warm-up starts above the new `lr`.
+    /// [`Error::InvalidUpdater`] for another rule, a closure or PTX updater (use
+    /// [`KvStore::set_updater`]), other state buffers (SGD momentum from 0 to non-zero or back),
+    /// parameters out of range, or a schedule whose warm-up starts above the new `lr`.
     ///
     /// ```
     /// use kvstore::{Adam, KvStore, Updater};
@@ -217,13 +203,11 @@ impl KvStore {
         Ok(())
     }
 
-    /// Sets the learning-rate schedule (or clears it, with `None`), keeping every key's state.
-    /// It applies to the [`Sgd`](crate::Sgd) and [`Adam`](crate::Adam) updaters, whose `lr` is
-    /// its base rate, from the next push on; see [`crate::LrScheduler`] for the formulas and how
-    /// pushes count `num_update`. It stays set across [`KvStore::set_updater`].
+    /// Sets the learning-rate schedule ([`crate::LrScheduler`]; `None` clears it) from the next
+    /// push on, keeping every key's state. It stays set across [`KvStore::set_updater`].
     ///
-    /// Errors ([`Error::InvalidUpdater`], nothing changed): the updater in force has no learning
-    /// rate (set `Sgd` or `Adam` first); the schedule's parameters are out of range.
+    /// [`Error::InvalidUpdater`] when the updater in force has no learning rate (set `Sgd` or
+    /// `Adam` first) or the schedule's parameters are out of range.
     ///
     /// ```
     /// use kvstore::{KvStore, LrScheduler, Sgd, Updater, WarmupMode};
@@ -253,16 +237,12 @@ impl KvStore {
         read(&self.active).hyper.scheduler.clone()
     }
 
-    /// MXNet's `num_update`: the most updates any key has had under the updater in force (the
-    /// count the last push used). 0 after [`KvStore::set_updater`]; counted for `Sgd` and
-    /// `Adam` updaters.
+    /// MXNet's `num_update`: the count the last `Sgd` or `Adam` push used (0 after `set_updater`).
     pub fn num_update(&self) -> u64 {
         read(&self.active).hyper.num_update.load(Ordering::Relaxed)
     }
 
-    /// MXNet's `Optimizer.learning_rate`: the schedule's rate at [`KvStore::num_update`], or the
-    /// updater's `lr` when no schedule is set; `None` for updaters without a learning rate.
-    /// Per-key multipliers are not applied.
+    /// MXNet's `Optimizer.learning_rate` (no per-key multipliers); `None` for updaters without.
     pub fn learning_rate(&self) -> Option<f64> {
         let active = read(&self.active).clone();
         let n = active.hyper.num_update.load(Ordering::Relaxed);
@@ -272,23 +252,16 @@ impl KvStore {
             .then(|| active.hyper.lr_at(&active.updater, n))
     }
 
-    /// Multiplies `key`'s learning rate by `mult` (MXNet's `lr_mult`, PyTorch's per-group `lr`),
-    /// from its next push on, keeping its state. For `Sgd` and `Adam`; 1 unless set; it stays
-    /// set across [`KvStore::set_updater`].
+    /// Multiplies `key`'s learning rate by `mult` (MXNet's `lr_mult`) from its next push on, for
+    /// `Sgd` and `Adam`. 1 unless set; it stays set across [`KvStore::set_updater`].
     ///
-    /// Errors, with nothing changed: [`Error::UnknownKey`] for a key not initialized;
-    /// [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
+    /// [`Error::UnknownKey`], or [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
     pub fn set_lr_mult(&self, key: impl IntoKey, mult: f64) -> Result<()> {
         self.set_mult("set_lr_mult", key.into_key()?, mult, |m| &mut m.lr)
     }
 
-    /// Multiplies `key`'s weight decay by `mult` (MXNet's `wd_mult`), from its next push on,
-    /// keeping its state. For `Sgd` and `Adam`; 1 unless set; it stays set across
-    /// [`KvStore::set_updater`].
-    ///
-    /// Standard practice is no weight decay on biases and normalization parameters: MXNet's
-    /// `Optimizer.set_wd_mult` gives `wd_mult = 0` to every parameter whose name does not end
-    /// in `_weight` or `_gamma`. Here every key starts at 1; set 0 on those keys yourself.
+    /// [`KvStore::set_lr_mult`] for the weight decay (MXNet's `wd_mult`). MXNet gives 0 to every
+    /// parameter whose name does not end in `_weight` or `_gamma`; here every key starts at 1.
     ///
     /// ```
     /// use kvstore::{KvStore, NDArray, Sgd, Updater};
@@ -300,9 +273,6 @@ impl KvStore {
     /// assert!(kv.set_wd_mult("fc2_bias", 0.0).is_err());
     /// # Ok::<(), kvstore::Error>(())
     /// ```
-    ///
-    /// Errors, with nothing changed: [`Error::UnknownKey`] for a key not initialized;
-    /// [`Error::InvalidUpdater`] for a negative or non-finite `mult`.
     pub fn set_wd_mult(&self, key: impl IntoKey, mult: f64) -> Result<()> {
         self.set_mult("set_wd_mult", key.into_key()?, mult, |m| &mut m.wd)
     }
@@ -348,8 +318,7 @@ impl KvStore {
     }
 }
 
-/// Puts the updater and settings in force as `change` leaves them, with the same generation, so
-/// every key keeps its state and step.
+/// Puts in force the updater and settings as `change` leaves them, keeping the generation.
 fn replace(
     active: &mut RwLockWriteGuard<'_, Arc<Active>>,
     change: impl FnOnce(&mut Updater, &mut Settings),

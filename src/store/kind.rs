@@ -9,16 +9,13 @@ pub enum StoreKind {
     Local,
     /// Values live on a home GPU, spread across GPUs by size (the CPU when there is none).
     Device,
-    /// As `Device`, with NCCL moving data between GPUs (the CPU when there is none; peer
-    /// copies, as `Device`, when libnccl cannot be loaded).
+    /// As `Device`, with NCCL moving data between GPUs (peer copies without libnccl).
     Nccl,
-    /// One store across processes (`mpirun -np N`), values in host memory, over MPI: each key
-    /// has a home rank where the updater and its state live; big keys are sliced over every
-    /// rank. Needs the cargo feature `mpi`.
+    /// One store across processes over MPI (`mpirun -np N`; cargo feature `mpi`): each key has
+    /// a home rank where the updater and its state live; big keys are sliced over every rank.
     DistSync,
-    /// As `DistSync`, for ranks that each drive a GPU. This build moves data between ranks
-    /// over MPI through host memory, keeping values on the CPU, and says so in a warning once.
-    /// Needs the cargo feature `mpi`.
+    /// As `DistSync`, for ranks that each drive a GPU. This build keeps values on the CPU, over
+    /// MPI through host memory, and warns once that it does.
     DistDeviceSync,
 }
 
@@ -50,8 +47,7 @@ const UNAVAILABLE: [(&str, &str); 2] = [
 ];
 
 impl StoreKind {
-    /// The kind's canonical name: `local`, `device`, `nccl`, `dist_sync` or
-    /// `dist_device_sync`.
+    /// The kind's canonical name: `local`, `device`, `nccl`, `dist_sync`, `dist_device_sync`.
     pub fn name(self) -> &'static str {
         match self {
             StoreKind::Local => "local",
@@ -103,11 +99,10 @@ impl std::str::FromStr for StoreKind {
     }
 }
 
-/// What [`KvStore::create`](crate::KvStore::create) accepts: a kind name (`"local"`, `"nccl"`, an MXNet alias, in any
-/// case) or a [`StoreKind`].
+/// What [`KvStore::create`](crate::KvStore::create) accepts: a kind name (`"local"`, an MXNet
+/// alias, in any case) or a [`StoreKind`].
 pub trait IntoStoreKind {
-    /// The kind, and the name the store reports as its [`KvStore::type_name`](crate::KvStore::type_name); an
-    /// [`Error::UnknownKind`] for a name that is no kind.
+    /// The kind and the name [`crate::KvStore::type_name`] reports, or [`Error::UnknownKind`].
     fn into_store_kind(self) -> Result<(StoreKind, String)>;
 }
 
@@ -117,20 +112,9 @@ impl IntoStoreKind for StoreKind {
     }
 }
 
-impl IntoStoreKind for &str {
+impl<S: AsRef<str>> IntoStoreKind for S {
     fn into_store_kind(self) -> Result<(StoreKind, String)> {
-        Ok((StoreKind::parse(self)?, self.to_ascii_lowercase()))
-    }
-}
-
-impl IntoStoreKind for String {
-    fn into_store_kind(self) -> Result<(StoreKind, String)> {
-        self.as_str().into_store_kind()
-    }
-}
-
-impl IntoStoreKind for &String {
-    fn into_store_kind(self) -> Result<(StoreKind, String)> {
-        self.as_str().into_store_kind()
+        let name = self.as_ref();
+        Ok((StoreKind::parse(name)?, name.to_ascii_lowercase()))
     }
 }

@@ -1,5 +1,4 @@
-//! The key table: each key's slot (its fixed facts, and its value behind a lock), key order,
-//! and where new keys are homed.
+//! The key table: each key's slot (fixed facts, value behind a lock), and where keys live.
 
 use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -22,19 +21,15 @@ pub(super) struct Slot {
     pub spread: Spread,
     /// This rank's part of the value (all of it in a single process) and its updater state.
     pub cell: RwLock<HomeValue>,
-    /// A dist store's count of the key's updates under an updater generation, kept on every
-    /// rank (the step lives only where the value does): (generation, count).
+    /// A dist store's (generation, update count), kept on every rank, not only the value's.
     pub updates: Mutex<(u64, u64)>,
-    /// Gradient compression's residuals, one per position in a push's list of values (see
-    /// [`crate::compress`]); changed only under the cell's write lock.
+    /// Compression residuals, one per position in a push's values; written under `cell`'s lock.
     pub residuals: Mutex<Vec<Vec<f32>>>,
-    /// Whether the key holds a row-sparse value: pushed by rows (`push_row_sparse`), never as
-    /// a dense array.
+    /// Whether the key is pushed by rows (`push_row_sparse`), never as a dense array.
     pub row_sparse: bool,
 }
 
-/// A key to add to the table ([`Table::insert`]): its fixed facts, and this rank's part of
-/// its value (all of it in a single process).
+/// A key to add to the table ([`Table::insert`]) with this rank's part of its value.
 pub(super) struct NewKey {
     pub key: Key,
     pub shape: Shape,
@@ -86,8 +81,7 @@ impl Slot {
 }
 
 impl Table {
-    /// Adds the slots of checked new keys, in order: a string key's update order and every
-    /// key's init order follow the keys added before.
+    /// Adds checked new keys, in order (string keys' update order and the init order follow).
     pub(super) fn insert(&mut self, keys: impl IntoIterator<Item = NewKey>) {
         for new in keys {
             let order = match &new.key {
@@ -141,10 +135,9 @@ impl Table {
     }
 }
 
-/// The one placement rule, for GPUs and for ranks: items of `(bytes, sliced)`, largest first,
-/// each whole item into the bin holding the fewest bytes so far (ties to the lowest bin), a
-/// sliced item adding its share to every bin (`None`). `loads` carries the bins' bytes from
-/// one init to the next. Every rank computes the same.
+/// The one placement rule, for GPUs and ranks: items of `(bytes, sliced)`, largest first, each
+/// whole one into the bin with the fewest bytes (ties to the lowest), a sliced one (`None`)
+/// adding its share to every bin. `loads` carries over between inits; every rank agrees.
 fn balance(loads: &mut Vec<usize>, bins: usize, items: &[(usize, bool)]) -> Vec<Option<usize>> {
     let bins = bins.max(1);
     loads.resize(bins, 0);
@@ -165,8 +158,7 @@ fn balance(loads: &mut Vec<usize>, bins: usize, items: &[(usize, bool)]) -> Vec<
     placed
 }
 
-/// Homes for keys of a `device`/`nccl` init, by [`balance`] over the GPUs (MXNet's CommDevice
-/// placement: largest value first, each to the GPU with the fewest bytes so far).
+/// Homes for keys of a `device`/`nccl` init, by [`balance`] over the GPUs (MXNet's CommDevice).
 pub(super) fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, sizes: &[usize]) -> Vec<Device> {
     let items: Vec<(usize, bool)> = sizes.iter().map(|&b| (b, false)).collect();
     balance(bytes, gpus, &items)
@@ -175,8 +167,7 @@ pub(super) fn place_by_size(bytes: &mut Vec<usize>, gpus: usize, sizes: &[usize]
         .collect()
 }
 
-/// Where the keys of a dist store's init live, by [`balance`] over the ranks, given each key's
-/// bytes and whether it is sliced over every rank.
+/// Where the keys of a dist store's init live, by [`balance`] over the ranks.
 pub(super) fn place_on_ranks(
     bytes: &mut Vec<usize>,
     ranks: usize,

@@ -1,5 +1,4 @@
-//! Checks of a call's arguments, made before anything changes: list lengths, and each array's
-//! shape and dtype against its key.
+//! Checks of a call's arguments before anything changes: lengths, shapes and dtypes.
 
 use crate::{DType, Error, IntoKey, Key, NDArray, Result, Shape};
 

@@ -2,15 +2,10 @@
 //!
 //! Built-in updaters ([`Updater::Assign`], [`Updater::Axpby`], [`Sgd`], [`Adam`]) are fused with
 //! the sum into one pass over memory, and each has a PTX twin for GPU homes. A
-//! [`Updater::custom`] closure is the seeds' `_set_updater`: it sees the merged value as an
-//! [`NDArray`] and changes the stored one in place.
+//! [`Updater::custom`] closure (the seeds' `_set_updater`) changes the stored [`NDArray`].
 //!
-//! Hyperparameters are `f64`, as in MXNet's Python. The scalars of one step are computed in
-//! f64 (Adam's bias-corrected step size too) and rounded once to the key's accumulator type: f32
-//! for f32, f16 and bf16 keys (and the GPU kernels), f64 for f64 keys. To change them while
-//! keeping every key's state, see [`KvStore::update_hyperparameters`](crate::KvStore::update_hyperparameters),
-//! [`KvStore::set_learning_rate`](crate::KvStore::set_learning_rate) and the
-//! learning-rate schedules ([`LrScheduler`]).
+//! Hyperparameters are `f64`, as in MXNet's Python. A step's scalars are computed in f64 and
+//! rounded once to the key's accumulator type: f64 for f64 keys, else f32 (and on GPUs).
 
 use std::any::{type_name, TypeId};
 use std::fmt;
@@ -28,13 +23,11 @@ pub(crate) use crate::error::BoxError;
 pub use ptx::{PtxUpdater, PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS, PTX_UPDATER_PARAMS};
 pub use schedule::{Decay, LrScheduler, Warmup, WarmupMode};
 
-/// The signature of a custom updater: `(key, merged input, stored value)`. An `Err` fails the
-/// push with [`Error::UpdaterFailed`] and changes nothing. [`Updater::custom`] wraps a closure
-/// that returns `()`, [`Updater::try_custom`] one that returns a `Result`.
+/// A custom updater: `(key, merged input, stored value)`; an `Err` fails the push with
+/// [`Error::UpdaterFailed`] and changes nothing.
 pub type UpdateFn = dyn Fn(&Key, &NDArray, &mut NDArray) -> Result<(), BoxError> + Send + Sync;
 
-/// How a push changes a key's stored value. The input is the sum of every value pushed to the
-/// key in that call.
+/// How a push changes a key's stored value, given the sum of the values pushed to it.
 #[derive(Clone, Default)]
 pub enum Updater {
     /// `stored = input`. The default, as in MXNet.
@@ -51,26 +44,20 @@ pub enum Updater {
     Sgd(Sgd),
     /// Adam, MXNet's `adam_update` with bias correction.
     Adam(Adam),
-    /// A user closure, called once per key and push with `(key, input, &mut stored)`.
-    ///
-    /// It runs on a copy of the stored value, which replaces the stored value only when the
-    /// closure returns `Ok`; if it returns an error or panics, the push fails and nothing
-    /// changes. It must not call the store it is set on. For keys homed on a GPU, the data goes
-    /// to the host and back: this is the slow path.
+    /// A user closure, called once per key and push with `(key, input, &mut stored)` on a copy
+    /// that is stored only on `Ok` (an error or a panic changes nothing). It must not call its
+    /// own store. GPU-homed keys go to the host and back: the slow path.
     Custom(CustomUpdater),
-    /// A user's own kernel in PTX for keys homed on a GPU, with an optional CPU twin for keys
-    /// homed in host memory. See [`PtxUpdater`] for the entry's parameter list.
+    /// A user's own PTX kernel for GPU-homed keys, with an optional CPU twin ([`PtxUpdater`]).
     Ptx(PtxUpdater),
 }
 
-/// A user closure as an updater ([`Updater::Custom`]), with its identity: what the ranks of a
-/// `dist_*` store compare of it before every push.
+/// A user closure as an updater ([`Updater::Custom`]), with the identity ranks compare.
 #[derive(Clone)]
 pub struct CustomUpdater {
     f: Arc<UpdateFn>,
     identity: Arc<str>,
-    /// Whether the identity says nothing of which function this is: a function pointer or a
-    /// `dyn Fn` (one type for every function), with no label.
+    /// Whether the identity cannot tell which function this is (see `unnamed`).
     unnamed: bool,
 }
 
@@ -80,11 +67,7 @@ impl CustomUpdater {
     where
         F: Fn(&Key, &NDArray, &mut NDArray) -> Result<(), BoxError> + Send + Sync + 'static,
     {
-        CustomUpdater {
-            identity: identity_of::<F>(label),
-            unnamed: unnamed::<F>(label),
-            f: Arc::new(f),
-        }
+        CustomUpdater::known_as::<F>(Arc::new(f), label)
     }
 
     /// `f`, which cannot fail, known by its own type (not the wrapper's) and `label`.
@@ -92,19 +75,24 @@ impl CustomUpdater {
     where
         F: Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
     {
+        let f = move |key: &Key, input: &NDArray, stored: &mut NDArray| {
+            f(key, input, stored);
+            Ok::<(), BoxError>(())
+        };
+        CustomUpdater::known_as::<F>(Arc::new(f), label)
+    }
+
+    /// `f` under the identity of type `F` and `label`.
+    fn known_as<F: 'static>(f: Arc<UpdateFn>, label: Option<&str>) -> CustomUpdater {
+        let (identity, unnamed) = (identity_of::<F>(label), unnamed::<F>(label));
         CustomUpdater {
-            identity: identity_of::<F>(label),
-            unnamed: unnamed::<F>(label),
-            f: Arc::new(move |key, input, stored| {
-                f(key, input, stored);
-                Ok(())
-            }),
+            f,
+            identity,
+            unnamed,
         }
     }
 
-    /// The closure's type name and type id, then the label it was given: what the ranks of a
-    /// `dist_*` store compare of it. Equal identities do not prove equal closures (captured
-    /// values are seen only through the label), but different ones always fail the push.
+    /// The closure's type name and id, then its label: what the ranks of a `dist_*` store compare.
     pub fn identity(&self) -> &str {
         &self.identity
     }
@@ -114,9 +102,7 @@ impl CustomUpdater {
         &self.f
     }
 
-    /// An error when the ranks of a `dist_*` store could not tell this updater from another:
-    /// a function pointer or a boxed `dyn Fn` has one type for every function, so without a
-    /// label two ranks with different functions would compute apart.
+    /// An error when the ranks of a `dist_*` store could not tell this updater from another.
     pub(crate) fn check_named(&self) -> Result<()> {
         if !self.unnamed {
             return Ok(());
@@ -131,8 +117,7 @@ impl CustomUpdater {
     }
 }
 
-/// Whether `F` is one type for many functions (a function pointer, a `dyn Fn`) and no label
-/// says which.
+/// Whether `F` is one type for many functions (`fn`, `dyn Fn`) and no label says which.
 fn unnamed<F: 'static>(label: Option<&str>) -> bool {
     let name = type_name::<F>();
     label.is_none()
@@ -142,9 +127,8 @@ fn unnamed<F: 'static>(label: Option<&str>) -> bool {
                 .any(|p| name.starts_with(p)))
 }
 
-/// A closure's identity: its type's name and id (the id tells apart closures that the name
-/// gives alike, as two in one function; it is the same in every process running one build of
-/// the program), then `label`.
+/// A closure's identity: its type's name and id (which tells apart closures alike by name, and
+/// is the same in every process of one build), then `label`.
 fn identity_of<F: 'static>(label: Option<&str>) -> Arc<str> {
     let label = label.map(|l| format!(", {l}")).unwrap_or_default();
     format!("{} {:?}{label}", type_name::<F>(), TypeId::of::<F>()).into()
@@ -161,11 +145,9 @@ impl Updater {
     /// });
     /// ```
     ///
-    /// The ranks of a `dist_*` store compare its [`identity`](CustomUpdater::identity) before
-    /// every push: the closure's type, which tells apart the closures of one program but not
-    /// the values one closure captures. A closure whose captured values could differ between
-    /// ranks (a scale read from a file, a rank-dependent setting) should name them with
-    /// [`Updater::custom_labeled`].
+    /// The ranks of a `dist_*` store compare its [`identity`](CustomUpdater::identity), the
+    /// closure's type, not its captured values: name those with [`Updater::custom_labeled`]
+    /// when they could differ between ranks.
     pub fn custom<F>(f: F) -> Updater
     where
         F: Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
@@ -173,9 +155,8 @@ impl Updater {
         Updater::Custom(CustomUpdater::infallible(f, None))
     }
 
-    /// [`Updater::custom`] with a `label` that joins its identity: the values the closure
-    /// captures, in words, so that ranks that captured different ones fail the push with
-    /// [`Error::Desync`] instead of computing.
+    /// [`Updater::custom`] with a `label` (its captured values, in words) in its identity, so
+    /// that ranks that captured different ones fail with [`Error::Desync`].
     ///
     /// ```
     /// use kvstore::Updater;
@@ -193,10 +174,7 @@ impl Updater {
         Updater::Custom(CustomUpdater::infallible(f, Some(label)))
     }
 
-    /// Wraps a fallible closure as an updater. An `Err` fails the push with
-    /// [`Error::UpdaterFailed`], which keeps the error as its source, and leaves every key of
-    /// the push as it was. The error is a [`BoxError`], so `?` takes any error type (this
-    /// crate's included) and a string converts with `.into()`.
+    /// Wraps a fallible closure as an updater: an `Err` fails the push ([`Error::UpdaterFailed`]).
     ///
     /// ```
     /// use kvstore::{Error, KvStore, NDArray, Updater};
@@ -220,8 +198,7 @@ impl Updater {
         Updater::Custom(CustomUpdater::new(f, None))
     }
 
-    /// [`Updater::try_custom`] with a `label` that joins its identity, as
-    /// [`Updater::custom_labeled`] has it.
+    /// [`Updater::try_custom`] with a `label`, as [`Updater::custom_labeled`] has it.
     pub fn try_custom_labeled<F>(label: &str, f: F) -> Updater
     where
         F: Fn(&Key, &NDArray, &mut NDArray) -> Result<(), BoxError> + Send + Sync + 'static,
@@ -229,8 +206,7 @@ impl Updater {
         Updater::Custom(CustomUpdater::new(f, Some(label)))
     }
 
-    /// An error when the ranks of a `dist_*` store could not tell this updater from another
-    /// (see [`CustomUpdater`]'s `check_named`).
+    /// [`CustomUpdater::check_named`] of the closure or the PTX twin.
     pub(crate) fn check_named(&self) -> Result<()> {
         match self {
             Updater::Custom(c) => c.check_named(),
@@ -298,8 +274,7 @@ impl Updater {
         }
     }
 
-    /// The learning rate and weight decay of the updater itself: zero for updaters without
-    /// them.
+    /// The updater's own learning rate and weight decay (zero for updaters without them).
     pub(crate) fn hyper(&self) -> Hyper {
         match self {
             Updater::Sgd(s) => Hyper { lr: s.lr, wd: s.wd },
@@ -308,22 +283,17 @@ impl Updater {
         }
     }
 
-    /// Whether the updater has a learning rate and weight decay ([`Sgd`] and [`Adam`]): the
-    /// ones a schedule and per-key multipliers change.
+    /// Whether a schedule and per-key multipliers apply ([`Sgd`] and [`Adam`]).
     pub(crate) fn has_lr(&self) -> bool {
         matches!(self, Updater::Sgd(_) | Updater::Adam(_))
     }
 
-    /// The fused element rule for one step, with the updater's own learning rate and weight
-    /// decay; `None` for a closure or a PTX updater. `step` counts from 1.
+    /// The fused element rule for step `step` (from 1); `None` for a closure or PTX updater.
     pub(crate) fn rule<A: Element + Float>(&self, step: u64) -> Option<Rule<A>> {
         self.rule_with(step, self.hyper())
     }
 
-    /// The fused element rule for one step, with the learning rate and weight decay `h` (the
-    /// schedule's and the key's multipliers applied) in place of the updater's own. The scalars
-    /// are computed in f64 (Adam's bias correction too, as MXNet's Python does) and rounded
-    /// once to the accumulator type.
+    /// [`Updater::rule`] with learning rate and weight decay `h` in place of the updater's own.
     pub(crate) fn rule_with<A: Element + Float>(&self, step: u64, h: Hyper) -> Option<Rule<A>> {
         let c = |x: f64| A::from_f64(x);
         let clip = |c: Option<f64>| A::from_f64(c.unwrap_or(f64::INFINITY));
@@ -367,8 +337,7 @@ impl Updater {
     }
 }
 
-/// The learning rate and weight decay one key uses in one push: the updater's own, or the
-/// schedule's learning rate, times the key's multipliers.
+/// The learning rate and weight decay of one key in one push, schedule and multipliers applied.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct Hyper {
     /// Learning rate.
@@ -462,9 +431,7 @@ pub struct Adam {
     pub rescale_grad: f64,
     /// Clip the gradient to [-c, c].
     pub clip_gradient: Option<f64>,
-    /// Add `epsilon` to the bias-corrected root `sqrt(v/(1-b2^t))`, as PyTorch's Adam does,
-    /// rather than to `sqrt(v)`, as MXNet's `adam_update` does (the default, `false`). The two
-    /// differ most in the first steps, where `1-b2^t` is small.
+    /// Add `epsilon` to `sqrt(v/(1-b2^t))`, as PyTorch does, not to `sqrt(v)` (MXNet's, default).
     pub epsilon_after_correction: bool,
 }
 

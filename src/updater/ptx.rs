@@ -6,7 +6,7 @@ use crate::ptx_text;
 use crate::updater::{CustomUpdater, UpdateFn};
 use crate::{DType, Error, Key, NDArray, Result};
 
-/// The parameter types a user PTX updater's entry declares, in order (see the module docs).
+/// The parameter types a user PTX updater's entry declares, in order (see [`PtxUpdater`]).
 pub const PTX_UPDATER_PARAMS: [&str; 10] = ptx_text::USER_UPDATER_PARAMS;
 
 /// Threads per block of a user updater launch.
@@ -34,16 +34,12 @@ pub const PTX_UPDATER_MAX_BLOCKS: u32 = 4096;
 /// )
 /// ```
 ///
-/// `T` is the updater's dtype (`f32`, `f16` or `bf16`; f16 and bf16 are 2-byte values). The
-/// kernel is launched once per key and push, on the key's home GPU, after the push's values
-/// are summed there, with 256 threads per block and at most 4096 blocks: it must cover `n`
-/// with a grid-stride loop. Each GPU loads the module once, on first use.
+/// `T` is the updater's dtype (`f32`, `f16` or `bf16`). The kernel runs once per key and push
+/// on the home GPU, after the sum, with 256 threads per block and at most 4096 blocks: it must
+/// cover `n` with a grid-stride loop. Each GPU loads the module once, on first use.
 ///
-/// Keys homed in host memory use the CPU twin given with [`PtxUpdater::with_cpu_twin`], an
-/// ordinary closure like [`Updater::custom`](crate::Updater::custom); without one, a push to
-/// such a key is an error and changes nothing.
-///
-/// A user's update kernel in PTX, with its dtype, scalars, state and optional CPU twin.
+/// Keys homed in host memory use the CPU twin given with [`PtxUpdater::with_cpu_twin`]; without
+/// one, a push to such a key is an error and changes nothing.
 ///
 /// ```
 /// use kvstore::{DType, PtxUpdater, Updater};
@@ -76,16 +72,15 @@ struct Inner {
 }
 
 impl PtxUpdater {
-    /// A small example module: entry `sgd_f32`, `stored -= s0 * merged` over f32 values. Used
-    /// by the docs and tests; a starting point for your own.
+    /// An example module: entry `sgd_f32`, `stored -= s0 * merged` over f32 values.
     pub const EXAMPLE_SGD_F32: &'static str = include_str!("../../kernels/user/sgd_f32.ptx");
 
     /// An updater running `entry` of the PTX module `ptx` on keys of `dtype`.
     ///
-    /// Fails when `dtype` is `f64` (the GPU home sums f64 values on the host), or when the
-    /// module does not define `entry` with the documented parameter list. The PTX itself is
-    /// compiled by the driver when a GPU first uses it; a compile error then fails that push.
-    /// A trailing NUL (as NVRTC's output has) is dropped; any other NUL is refused.
+    /// Fails for `f64` (GPU homes sum f64 values on the host), or when the module does not
+    /// define `entry` with the documented parameters. The driver compiles the PTX when a GPU
+    /// first uses it; a compile error fails that push. A trailing NUL (NVRTC's) is dropped, any
+    /// other refused.
     pub fn new(ptx: impl Into<String>, entry: &str, dtype: DType) -> Result<PtxUpdater> {
         let ptx = ptx.into();
         let ptx = ptx.trim_end_matches('\0');
@@ -119,16 +114,13 @@ impl PtxUpdater {
         self.rebuild(|i| i.scalars = scalars)
     }
 
-    /// Keeps `buffers` (0, 1 or 2) float state buffers per key, passed as `m` and `v`. More
-    /// than 2 is reported by [`Updater::validate`](crate::Updater::validate).
+    /// Keeps `buffers` (0, 1 or 2) float state buffers per key, passed as `m` and `v`.
     pub fn with_state(self, buffers: usize) -> PtxUpdater {
         self.rebuild(|i| i.state = buffers)
     }
 
-    /// The closure that updates keys homed in host memory, with [`Updater::custom`]'s
-    /// signature. It should compute what the kernel computes.
-    ///
-    /// [`Updater::custom`]: crate::Updater::custom
+    /// The closure that updates keys homed in host memory, as the kernel would, with
+    /// [`Updater::custom`](crate::Updater::custom)'s signature.
     pub fn with_cpu_twin(
         self,
         f: impl Fn(&Key, &NDArray, &mut NDArray) + Send + Sync + 'static,
@@ -136,11 +128,7 @@ impl PtxUpdater {
         self.rebuild(|i| i.cpu_twin = Some(CustomUpdater::infallible(f, None)))
     }
 
-    /// [`PtxUpdater::with_cpu_twin`] with a `label` that joins the twin's identity: the values
-    /// it captures, in words, as [`Updater::custom_labeled`] has it, so that the ranks of a
-    /// `dist_*` store whose twins captured different ones fail the push instead of computing.
-    ///
-    /// [`Updater::custom_labeled`]: crate::Updater::custom_labeled
+    /// [`PtxUpdater::with_cpu_twin`] with a `label`, as [`crate::Updater::custom_labeled`].
     pub fn with_cpu_twin_labeled(
         self,
         label: &str,
@@ -149,8 +137,7 @@ impl PtxUpdater {
         self.rebuild(|i| i.cpu_twin = Some(CustomUpdater::infallible(f, Some(label))))
     }
 
-    /// A copy with a change to its launch arguments or twin; the module is the same, so a GPU
-    /// that loaded it already does not load it again.
+    /// A copy with a change to its launch arguments or twin, sharing the loaded module.
     fn rebuild(self, change: impl FnOnce(&mut Inner)) -> PtxUpdater {
         let mut inner = Inner::clone(&self.inner);
         change(&mut inner);
@@ -184,8 +171,7 @@ impl PtxUpdater {
         self.inner.cpu_twin.as_ref().map(CustomUpdater::function)
     }
 
-    /// How many GPUs have loaded the module so far (each loads a given PTX text and entry
-    /// once, whatever its scalars, state count or twin).
+    /// How many GPUs have loaded the module (once each, whatever the scalars, state or twin).
     pub fn modules_loaded(&self) -> usize {
         self.inner.loads.load(Ordering::Relaxed)
     }
@@ -236,19 +222,17 @@ fn check_entry(ptx: &str, entry: &str) -> Result<()> {
              s0..s3 (see kvstore::ptx_updater)"
         )))
     };
-    let params = match entry_params(ptx, entry) {
-        Ok(Some(params)) => params,
-        Ok(None) => return bad(format!("the PTX module defines no entry '{entry}'")),
-        Err(e) => return bad(format!("cannot read the PTX module's entries: {e}")),
-    };
-    if params != PTX_UPDATER_PARAMS {
-        return bad(format!("entry '{entry}' declares ({})", params.join(", ")));
+    match entry_params(ptx, entry) {
+        Ok(None) => bad(format!("the PTX module defines no entry '{entry}'")),
+        Ok(Some(p)) if p != PTX_UPDATER_PARAMS => {
+            bad(format!("entry '{entry}' declares ({})", p.join(", ")))
+        }
+        Ok(Some(_)) => Ok(()),
+        Err(e) => bad(format!("cannot read the PTX module's entries: {e}")),
     }
-    Ok(())
 }
 
-/// The parameter types of `.entry <entry>(...)` in `ptx`; `None` when the module defines no
-/// such entry; an error when its entries cannot be read.
+/// The parameter types of `.entry <entry>(...)` in `ptx`, if it defines one.
 fn entry_params(ptx: &str, entry: &str) -> std::result::Result<Option<Vec<String>>, String> {
     let mut entries = ptx_text::entries(&ptx_text::strip_comments(ptx))?;
     Ok(entries.remove(entry))

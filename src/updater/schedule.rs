@@ -2,18 +2,14 @@ use std::f64::consts::PI;
 
 use crate::{Error, Result};
 
-/// A learning-rate schedule: the learning rate as a function of the update count, MXNet's
-/// `lr_scheduler` module (`FactorScheduler`, `MultiFactorScheduler`, `PolyScheduler`,
-/// `CosineScheduler`, each with an optional warm-up).
+/// A learning-rate schedule: a [`Decay`] after an optional [`Warmup`], as a function of the
+/// update count (MXNet's `lr_scheduler`: `FactorScheduler`, `MultiFactorScheduler`,
+/// `PolyScheduler`, `CosineScheduler`).
 ///
-/// A schedule is set on a store with [`KvStore::set_lr_scheduler`](crate::KvStore::set_lr_scheduler)
-/// and applies to the [`Sgd`](crate::Sgd) and [`Adam`](crate::Adam) updaters. Its base learning
-/// rate is the updater's `lr`, as MXNet's optimizer sets `lr_scheduler.base_lr`.
+/// Set with [`crate::KvStore::set_lr_scheduler`]; its base learning rate is the updater's `lr`.
 ///
-/// The update count `num_update` is MXNet's: the largest number of updates any key has had
-/// (each key counts its own pushes; `num_update` is their running maximum), so a loop that pushes
-/// every key once per iteration, in one list call or one call per key, sees `num_update`
-/// 1, 2, 3, ... on its iterations. The first push uses `num_update = 1`.
+/// `num_update` is MXNet's: the running maximum of the keys' own push counts, so a loop that
+/// pushes every key once per iteration sees 1, 2, 3, ... on its iterations.
 ///
 /// With warm-up, for `num_update < warmup.steps`:
 ///
@@ -23,10 +19,8 @@ use crate::{Error, Result};
 /// and from `warmup.steps` on, the decay below. Decays count `num_update` from 0, warm-up
 /// included (MXNet's convention), except `Poly` and `Cosine`, which start at the end of warm-up.
 ///
-/// The formulas are written from MXNet's stateful classes as closed forms of `num_update`, so
-/// the learning rate does not depend on which counts were asked for before (MXNet's `Poly` and
-/// `Cosine` keep the last value computed; here the value past `max_update` is `final_lr`, which
-/// MXNet also returns once it has seen `num_update = max_update`).
+/// The formulas are closed forms of MXNet's stateful classes: the rate depends on `num_update`
+/// alone, not on which counts were asked for before.
 ///
 /// ```
 /// use kvstore::{LrScheduler, WarmupMode};
@@ -36,8 +30,6 @@ use crate::{Error, Result};
 /// assert_eq!(s.lr(0.1, 10), 0.1);
 /// assert_eq!(s.lr(0.1, 11), 0.05);
 /// ```
-///
-/// It is a [`Decay`], after an optional [`Warmup`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct LrScheduler {
     /// The learning rate from the end of warm-up on.
@@ -46,8 +38,7 @@ pub struct LrScheduler {
     pub warmup: Warmup,
 }
 
-/// How the learning rate ramps up over the first updates (MXNet's `warmup_steps`,
-/// `warmup_begin_lr`, `warmup_mode`). The default is none.
+/// How the learning rate ramps up over the first updates (MXNet's `warmup_*`); none by default.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Warmup {
     /// Updates `0..steps` are warm-up; 0 means no warm-up.
@@ -73,9 +64,8 @@ pub enum WarmupMode {
 pub enum Decay {
     /// The base learning rate.
     Constant,
-    /// MXNet's `FactorScheduler`: `base_lr * factor^k`, with `k = (num_update - 1) / step`
-    /// (integer division; 0 for `num_update = 0`): the rate drops after updates `step`,
-    /// `2*step`, ... Once `k >= 1` it never goes below `stop_factor_lr`.
+    /// MXNet's `FactorScheduler`: `base_lr * factor^k`, `k = (num_update - 1) / step` (0 for
+    /// `num_update = 0`), and once `k >= 1` never below `stop_factor_lr`.
     Factor {
         /// Updates between drops, at least 1.
         step: u64,
@@ -84,8 +74,7 @@ pub enum Decay {
         /// The floor the drops stop at (MXNet's default is 1e-8).
         stop_factor_lr: f64,
     },
-    /// MXNet's `MultiFactorScheduler`: `base_lr * factor^k`, with `k` the number of entries of
-    /// `steps` below `num_update`: the rate drops after each listed update.
+    /// MXNet's `MultiFactorScheduler`: `base_lr * factor^k`, `k` the `steps` below `num_update`.
     MultiFactor {
         /// Strictly increasing update counts, each at least 1.
         steps: Vec<u64>,
@@ -171,8 +160,7 @@ impl LrScheduler {
         }
     }
 
-    /// Checks the schedule's parameters, for a base learning rate `base_lr`. The errors are
-    /// MXNet's, as [`Error::InvalidUpdater`].
+    /// Checks the parameters for base learning rate `base_lr` ([`Error::InvalidUpdater`]).
     pub fn validate(&self, base_lr: f64) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidUpdater(what));
         let rate = |x: f64| x.is_finite() && x >= 0.0;
@@ -235,8 +223,7 @@ impl LrScheduler {
         }
     }
 
-    /// The learning rate at update count `num_update`, for base learning rate `base_lr`.
-    /// Assumes a schedule that passed [`LrScheduler::validate`].
+    /// The learning rate at `num_update` for `base_lr`, of a schedule that passed `validate`.
     pub fn lr(&self, base_lr: f64, num_update: u64) -> f64 {
         let w = self.warmup;
         if num_update < w.steps {
