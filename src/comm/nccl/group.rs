@@ -41,15 +41,11 @@ pub(crate) struct Job {
     pub kind: Kind,
 }
 
-/// Issues every job's collective in one NCCL group on the GPUs' runtime streams.
-///
-/// The communicators come from the cache (or are built first, holding no lock). The group is
-/// issued holding [`cross_gpu_order`] and each set's call lock, never the cache's or the
-/// in-flight list's; since the communicators are non-blocking, what reports `ncclInProgress`
-/// is polled to completion with the timeout, and a stall is aborted.
-///
-/// The caller keeps every buffer named by a job alive; they are freed on their GPU's stream,
-/// so after the collective.
+/// Issues every job's collective in one NCCL group on the GPUs' runtime streams, holding
+/// [`cross_gpu_order`] and each set's call lock (never the cache's or the in-flight list's);
+/// what reports `ncclInProgress` is polled with the timeout, and a stall is aborted. The
+/// caller keeps every buffer named by a job alive (freed on its GPU's stream, so after the
+/// collective).
 pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     if jobs.is_empty() {
         return Ok(());
@@ -173,8 +169,7 @@ fn issue(
     first.and(result::group_end(lib).during(op, &all_keys))
 }
 
-/// How many collectives (one per key and call) this process has issued through the store's
-/// NCCL path (for tests that NCCL really ran).
+/// How many collectives (one per key and call) the store's NCCL path has issued (for tests).
 pub fn collectives_issued() -> u64 {
     ISSUED.load(Ordering::Relaxed)
 }
