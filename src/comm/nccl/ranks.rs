@@ -488,23 +488,19 @@ impl RankComm {
 
     /// Aborts the communicator after `error`, remembers it, and returns it (with the call's
     /// sequence number where the error has one).
-    fn fail(&self, st: &mut Calls, op: &'static str, keys: &[Key], error: Error) -> Error {
-        let error = match error {
-            Error::Timeout {
-                seq: 0,
-                keys: k,
-                missing,
-                detail,
-                ..
-            } => Error::Timeout {
-                op,
-                seq: st.seq,
-                keys: if k.is_empty() { keys.to_vec() } else { k },
-                missing,
-                detail,
-            },
-            other => other,
-        };
+    fn fail(&self, st: &mut Calls, op: &'static str, keys: &[Key], mut error: Error) -> Error {
+        if let Error::Timeout {
+            op: o,
+            seq: s @ 0,
+            keys: k,
+            ..
+        } = &mut error
+        {
+            (*o, *s) = (op, st.seq);
+            if k.is_empty() {
+                *k = keys.to_vec();
+            }
+        }
         if st.failed.is_none() {
             st.failed = Some(error.to_string());
             // Abort ends the kernels without waiting for the other ranks.
@@ -556,31 +552,31 @@ impl RankComm {
 
     /// `send` and `recv` must be different arrays (one would be locked twice).
     fn check_distinct(&self, op: &'static str, send: &NDArray, recv: &NDArray) -> Result<()> {
-        if send.storage_id() == recv.storage_id() {
-            return Err(self.misuse(op, "the same array as send and recv".to_owned()));
-        }
-        Ok(())
+        let same = send.storage_id() == recv.storage_id();
+        self.refuse_if(op, same, || "the same array as send and recv".to_owned())
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(self.misuse(op, format!("root {root} of {} ranks", self.size)));
-        }
-        Ok(())
+        let what = || format!("root {root} of {} ranks", self.size);
+        self.refuse_if(op, root >= self.size, what)
     }
 
     fn check_len(&self, op: &'static str, what: &str, len: usize, want: usize) -> Result<()> {
-        if len != want {
-            return Err(self.misuse(op, format!("{what} of {len} elements, expected {want}")));
-        }
-        Ok(())
+        let what = || format!("{what} of {len} elements, expected {want}");
+        self.refuse_if(op, len != want, what)
     }
 
     fn check_dtype(&self, op: &'static str, a: &GpuBuf, b: &GpuBuf) -> Result<()> {
-        if a.dtype() != b.dtype() {
-            return Err(self.misuse(op, format!("{} and {} buffers", a.dtype(), b.dtype())));
+        let (a, b) = (a.dtype(), b.dtype());
+        self.refuse_if(op, a != b, || format!("{a} and {b} buffers"))
+    }
+
+    /// [`Self::misuse`] when `bad`.
+    fn refuse_if(&self, op: &'static str, bad: bool, what: impl FnOnce() -> String) -> Result<()> {
+        match bad {
+            true => Err(self.misuse(op, what())),
+            false => Ok(()),
         }
-        Ok(())
     }
 
     /// Arguments that do not fit a collective: refused before anything is sent.

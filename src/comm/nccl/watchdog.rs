@@ -180,23 +180,21 @@ pub fn wait_all() -> Result<()> {
     }
     let last = inflight().next_seq;
     loop {
-        let failure = {
-            let mut c = inflight();
-            if !c.deferred.is_empty() {
-                return Err(c.deferred.remove(0));
+        let mut c = inflight();
+        if !c.deferred.is_empty() {
+            return Err(c.deferred.remove(0));
+        }
+        let polled = c.poll();
+        let done = c.pending.iter().all(|p| p.seq >= last);
+        drop(c);
+        match polled {
+            Err(f) => {
+                fail(&f);
+                return Err(f.error);
             }
-            match c.poll() {
-                Err(f) => f,
-                Ok(()) if c.pending.iter().all(|p| p.seq >= last) => return Ok(()),
-                Ok(()) => {
-                    drop(c);
-                    std::thread::sleep(POLL_INTERVAL);
-                    continue;
-                }
-            }
-        };
-        fail(&failure);
-        return Err(failure.error);
+            Ok(()) if done => return Ok(()),
+            Ok(()) => std::thread::sleep(POLL_INTERVAL),
+        }
     }
 }
 
