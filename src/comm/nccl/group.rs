@@ -69,10 +69,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
             .map(|j| j.key.clone())
             .collect()
     };
-    let mut sets = Vec::with_capacity(set_keys.len());
-    for s in &set_keys {
-        sets.push(get_set(s, &keys_of(s))?);
-    }
+    let sets = (set_keys.iter().map(|s| get_set(s, &keys_of(s)))).collect::<Result<Vec<_>>>()?;
     let order = cross_gpu_order();
     // Always in ascending set order, so two calls never wait on each other's locks.
     let mut guards: Vec<_> = sets.iter().map(|s| s.lock()).collect();
@@ -83,7 +80,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
             "the communicators were aborted after an earlier failure; retry the call".to_owned(),
         ))
     } else {
-        issue(lib, &set_keys, &sets, op, jobs)
+        issue(lib, &set_keys, &sets, op, jobs, &all_keys)
     };
     let deadline = Instant::now() + limit;
     for (s, k) in sets.iter().zip(&set_keys) {
@@ -137,10 +134,10 @@ fn issue(
     sets: &[Arc<CommSet>],
     op: &'static str,
     jobs: &[Job],
+    all_keys: &[Key],
 ) -> Result<()> {
-    let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
     // The matching group end is always called below.
-    result::group_start(lib).during(op, &all_keys)?;
+    result::group_start(lib).during(op, all_keys)?;
     let mut first: Result<()> = Ok(());
     for job in jobs {
         let at = set_keys
@@ -166,7 +163,7 @@ fn issue(
             first = first.and(res.during(op, std::slice::from_ref(&job.key)));
         }
     }
-    first.and(result::group_end(lib).during(op, &all_keys))
+    first.and(result::group_end(lib).during(op, all_keys))
 }
 
 /// How many collectives (one per key and call) the store's NCCL path has issued (for tests).

@@ -27,29 +27,24 @@ pub type Comm = *mut c_void;
 pub struct UniqueId(pub [c_char; 128]);
 
 /// `ncclConfig_t` as NCCL 2.14 (the first with it) laid it out; later versions only append
-/// fields, and read `size` and `version` to know how much the caller has.
+/// fields, and read `size` and `version` to know how much the caller has. Made only by
+/// [`Config::new`].
 #[repr(C)]
 pub struct Config {
-    /// `sizeof` this struct.
-    pub size: usize,
-    /// `0xcafebeef`.
-    pub magic: u32,
-    /// The NCCL version whose layout this is (2.14.0).
-    pub version: u32,
+    size: usize,
+    magic: u32,
+    version: u32,
     /// 0: calls return `ncclInProgress` instead of blocking.
-    pub blocking: c_int,
-    /// Undefined (NCCL's default).
-    pub cga_cluster_size: c_int,
-    /// Undefined (NCCL's default).
-    pub min_ctas: c_int,
-    /// Undefined (NCCL's default).
-    pub max_ctas: c_int,
-    /// Null (NCCL's default).
-    pub net_name: *const c_char,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
 }
 
 impl Config {
-    /// `NCCL_CONFIG_INITIALIZER` with `blocking` set.
+    /// `NCCL_CONFIG_INITIALIZER` (every field undefined or null: NCCL's defaults) with
+    /// `blocking` set.
     pub fn new(blocking: bool) -> Config {
         const UNDEF: c_int = c_int::MIN;
         Config {
@@ -78,46 +73,42 @@ type Dst = *mut c_void;
 /// A `cudaStream_t`.
 type Stream = *mut c_void;
 
-/// The NCCL functions kvstore calls, resolved from one library.
+/// The NCCL functions kvstore calls, resolved from one library (each field is the NCCL
+/// function of its name: `group_start` is `ncclGroupStart`).
 pub struct Nccl {
     /// The file that was loaded.
     pub path: PathBuf,
     /// The version code (e.g. 23007 for 2.30.7).
     pub version: i32,
     _lib: libloading::Library,
-    /// `ncclGetErrorString`.
-    pub get_error_string: unsafe extern "C" fn(R) -> *const c_char,
-    /// `ncclGetLastError`; missing before 2.13.
-    pub get_last_error: Option<unsafe extern "C" fn(Comm) -> *const c_char>,
-    /// `ncclGetUniqueId`.
-    pub get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> R,
-    /// `ncclCommInitRankConfig`; missing before 2.14.
-    pub comm_init_rank_config:
+    pub(crate) get_error_string: unsafe extern "C" fn(R) -> *const c_char,
+    /// Missing before 2.13.
+    pub(crate) get_last_error: Option<unsafe extern "C" fn(Comm) -> *const c_char>,
+    pub(crate) get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> R,
+    /// Missing before 2.14.
+    pub(crate) comm_init_rank_config:
         Option<unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> R>,
-    /// `ncclCommGetAsyncError`.
-    pub comm_get_async_error: unsafe extern "C" fn(Comm, *mut R) -> R,
-    /// `ncclCommAbort`.
-    pub comm_abort: unsafe extern "C" fn(Comm) -> R,
-    /// `ncclCommFinalize`; missing before 2.14.
-    pub comm_finalize: Option<unsafe extern "C" fn(Comm) -> R>,
-    /// `ncclCommDestroy`.
-    pub comm_destroy: unsafe extern "C" fn(Comm) -> R,
-    /// `ncclGroupStart`.
-    pub group_start: unsafe extern "C" fn() -> R,
-    /// `ncclGroupEnd`.
-    pub group_end: unsafe extern "C" fn() -> R,
-    /// `ncclReduce` (send, recv, count, datatype, op, root, comm, stream).
-    pub reduce: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclBroadcast` (send, recv, count, datatype, root, comm, stream).
-    pub broadcast: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclReduceScatter` (send, recv, recvcount, datatype, op, comm, stream).
-    pub reduce_scatter: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclAllGather` (send, recv, sendcount, datatype, comm, stream).
-    pub all_gather: unsafe extern "C" fn(Src, Dst, usize, c_int, Comm, Stream) -> R,
-    /// `ncclSend` (send, count, datatype, peer, comm, stream).
-    pub send: unsafe extern "C" fn(Src, usize, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclRecv` (recv, count, datatype, peer, comm, stream).
-    pub recv: unsafe extern "C" fn(Dst, usize, c_int, c_int, Comm, Stream) -> R,
+    pub(crate) comm_get_async_error: unsafe extern "C" fn(Comm, *mut R) -> R,
+    pub(crate) comm_abort: unsafe extern "C" fn(Comm) -> R,
+    /// Missing before 2.14.
+    pub(crate) comm_finalize: Option<unsafe extern "C" fn(Comm) -> R>,
+    pub(crate) comm_destroy: unsafe extern "C" fn(Comm) -> R,
+    pub(crate) group_start: unsafe extern "C" fn() -> R,
+    pub(crate) group_end: unsafe extern "C" fn() -> R,
+    /// (send, recv, count, datatype, op, root, comm, stream).
+    pub(crate) reduce:
+        unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, c_int, Comm, Stream) -> R,
+    /// (send, recv, count, datatype, root, comm, stream).
+    pub(crate) broadcast: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
+    /// (send, recv, recvcount, datatype, op, comm, stream).
+    pub(crate) reduce_scatter:
+        unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
+    /// (send, recv, sendcount, datatype, comm, stream).
+    pub(crate) all_gather: unsafe extern "C" fn(Src, Dst, usize, c_int, Comm, Stream) -> R,
+    /// (send, count, datatype, peer, comm, stream).
+    pub(crate) send: unsafe extern "C" fn(Src, usize, c_int, c_int, Comm, Stream) -> R,
+    /// (recv, count, datatype, peer, comm, stream).
+    pub(crate) recv: unsafe extern "C" fn(Dst, usize, c_int, c_int, Comm, Stream) -> R,
 }
 
 // SAFETY: the table holds function pointers into a library that stays loaded for the process

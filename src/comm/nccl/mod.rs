@@ -1,41 +1,32 @@
 //! NCCL for GPU homes: non-blocking communicators per device set (an LRU cache), reduce and
 //! broadcast, async-error polling with a timeout, and abort of a failed communicator.
 //!
-//! - Communicators are made per distinct sorted set of GPU ordinals (a GPU's rank is its
-//!   index in that list, never its ordinal), with `ncclCommInitRankConfig` and `blocking = 0`
-//!   (NCCL >= 2.14), all ranks in one group. At most `KVSTORE_NCCL_MAX_COMMS` (default 8) sets
-//!   are cached; the least recently used idle one is destroyed. The store builds them before
-//!   it takes any key lock (`prepare`). An invalid `KVSTORE_NCCL_MAX_COMMS` or
-//!   `KVSTORE_NCCL_TIMEOUT_MS` fails every call that needs NCCL with an
-//!   [`Error::InvalidEnv`](crate::Error::InvalidEnv) naming it.
-//! - Each rank runs on its GPU's runtime stream, so NCCL calls are ordered with the kernels
-//!   and copies around them. One call's collectives go in one group; nothing blocks: whatever
-//!   reports `ncclInProgress` is polled with the timeout, and a stall is aborted.
-//! - No lock the watchdog needs is held across a call that can block: the cache and the work
-//!   in flight have their own mutexes, held only for bookkeeping; the calls on one set are
-//!   serialized by its own mutex, whose holder polls with a bound and gives up as soon as the
-//!   watchdog asks for an abort.
-//! - After the group, an event per rank is recorded. Every host wait ([`wait_all`], and any
-//!   host read of a GPU buffer, through `wait_stream`) and a watchdog thread (every 100 ms,
-//!   so a stall is aborted even while every user thread is blocked in the driver) poll those
-//!   events and `ncclCommGetAsyncError`. On an error, or a collective still running
-//!   `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s) after it was issued, its communicators are
-//!   aborted and dropped from the cache, and an [`Error::Nccl`](crate::Error::Nccl) names the
-//!   keys.
-//! - `KVSTORE_NCCL_FORCE=1` makes a `nccl` store use a one-rank communicator even for a key
-//!   whose values are all on its home GPU, so every NCCL call it makes runs on one GPU too
-//!   (for tests).
+//! Each rank runs on its GPU's runtime stream, so NCCL calls are ordered with the kernels and
+//! copies around them. Nothing blocks: what reports `ncclInProgress` is polled with the
+//! timeout, and a stall is aborted. No lock the watchdog needs is held across a call that can
+//! block: the cache and the work in flight have their own mutexes, held only for bookkeeping;
+//! the calls on one set are serialized by its own mutex, whose holder polls with a bound and
+//! gives up as soon as the watchdog asks for an abort.
 //!
 //! # Files, from the bottom up
 //!
 //! - `loader`: finds and opens the library (cudarc only looks for `libnccl.so`, which pip and
 //!   the distros do not ship) and resolves its functions (the sys layer).
 //! - `result`: one wrapper per NCCL function; return codes are read there and nowhere else.
-//! - `crate::config::nccl` reads the environment variables above, once.
-//! - `comm_set`: the communicators of one device set, and how they are polled and aborted.
-//! - `cache`: the device set -> communicators cache and its LRU bound.
-//! - `watchdog`: work in flight, host waits, and the thread that aborts stalled collectives.
-//! - `group`: one call's reduces and broadcasts, issued in one group.
+//! - `crate::config::nccl` reads the environment once: `KVSTORE_NCCL_MAX_COMMS` (default 8)
+//!   and `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s), an invalid one failing every call that needs
+//!   NCCL with an [`Error::InvalidEnv`](crate::Error::InvalidEnv); `KVSTORE_NCCL_FORCE=1` (a
+//!   one-rank communicator even for values all on the home GPU: tests on one GPU).
+//! - `comm_set`: the communicators of one sorted set of GPU ordinals (a GPU's rank is its index
+//!   there), made with `ncclCommInitRankConfig` and `blocking = 0` (NCCL >= 2.14) in one group.
+//! - `cache`: at most `KVSTORE_NCCL_MAX_COMMS` sets, the least recently used idle one destroyed,
+//!   built before the store takes any key lock (`prepare`).
+//! - `group`: one call's reduces and broadcasts, issued in one group, then an event per rank.
+//! - `watchdog`: every host wait ([`wait_all`], and any host read of a GPU buffer) and a thread
+//!   (every 100 ms, for user threads blocked in the driver) poll those events and
+//!   `ncclCommGetAsyncError`; a failed collective, or one still running after the timeout, has
+//!   its communicators aborted and dropped from the cache, and an
+//!   [`Error::Nccl`](crate::Error::Nccl) names its keys.
 //! - `ranks`: [`RankComm`], NCCL across processes (one rank each, bootstrapped over MPI or
 //!   through `rendezvous`): the engine of `dist_device_sync`.
 //! - `rendezvous`: the job-token rendezvous of a launch without MPI (std's TCP).

@@ -130,8 +130,7 @@ impl MultiRank {
         self.ranks().len()
     }
 
-    /// Sets how long a call waits for the ranks before it aborts them (by default
-    /// `KVSTORE_NCCL_TIMEOUT_MS`, or 60 s).
+    /// Sets how long a call waits before it aborts the ranks (`KVSTORE_NCCL_TIMEOUT_MS`).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.set.timeout = timeout;
     }
@@ -158,8 +157,7 @@ impl MultiRank {
         ranks.map(|(b, r)| device_addr(b, &r.stream)).collect()
     }
 
-    /// One group over every rank, then polls the non-blocking communicators until the calls
-    /// are issued (with the timeout; aborting on a stall).
+    /// One group over every rank, polled until the calls are issued (aborted on a stall).
     fn group(&self, op: &'static str, call: impl Fn(On, usize) -> NcclResult) -> Result<()> {
         // No `cross_gpu_order` here: these ranks use streams of their own, which no other
         // work waits on.
@@ -180,9 +178,9 @@ impl MultiRank {
         first
     }
 
-    /// Waits for every rank's stream, polling async errors, with the NCCL timeout. On an error
-    /// or a timeout the communicators are aborted (which ends their kernels), the streams are
-    /// given one more timeout to drain, and every later call fails.
+    /// Waits for every rank's stream, polling async errors, with the timeout. On an error or a
+    /// timeout the communicators are aborted, the streams get one more timeout to drain, and
+    /// every later call fails.
     fn sync(&self, op: &'static str) -> Result<()> {
         let past = |d: Option<Instant>| d.is_some_and(|d| Instant::now() > d);
         let deadline = Instant::now().checked_add(self.set.timeout);

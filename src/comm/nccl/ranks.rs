@@ -22,13 +22,6 @@
 //! and return [`Error::Timeout`] naming the op and keys; later calls return
 //! [`Error::DistFailed`].
 //!
-//! # Streams
-//!
-//! Collectives run on the communicator's own stream, after the work enqueued on the GPU's
-//! runtime stream. Each call returns when its collective is done, so later work needs no
-//! stream dependency on it, and ranks that share a GPU (tests) never wait for each other
-//! inside one stream.
-//!
 //! Every rank must make the same calls, in the same order, with the same sizes (NCCL's
 //! contract); the store checks a fingerprint of each call before its collectives.
 
@@ -423,9 +416,10 @@ impl RankComm {
         waited.map_err(|e| self.fail(st, op, keys, e))
     }
 
-    /// Issues one collective on this rank's stream, after the runtime stream's work, and polls
-    /// until NCCL has taken it, then until it is done. The host waits, not the runtime stream:
-    /// that would hold back every other rank that shares the GPU.
+    /// Issues one collective on the communicator's own stream, after the runtime stream's work,
+    /// and polls until NCCL has taken it, then until it is done, so later work needs no stream
+    /// dependency on it. The host waits, not the runtime stream: that would hold back every
+    /// other rank that shares the GPU (tests).
     fn call(
         &self,
         op: &'static str,
