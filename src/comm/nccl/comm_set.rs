@@ -103,12 +103,10 @@ impl CommSet {
         let set = CommSet::new(ranks.collect(), limit);
         let mut calls = set.lock();
         let ready = first.and_then(|()| {
-            if set.ranks.len() != n {
-                return Err(nccl_error(
-                    op,
-                    keys,
-                    format!("only {} of {n} communicators were created", set.ranks.len()),
-                ));
+            let made = set.ranks.len();
+            if made != n {
+                let why = format!("only {made} of {n} communicators were created");
+                return Err(nccl_error(op, keys, why));
             }
             set.settle(lib, op, keys, Instant::now() + set.timeout)
         });

@@ -46,10 +46,8 @@ impl MultiRank {
                 "NCCL_MULTI_RANK_GPU_ENABLE=1 is not set in the environment".to_owned(),
             ));
         }
-        let mut streams = Vec::with_capacity(nranks);
-        for _ in 0..nranks {
-            streams.push(gpu.context().new_stream().map_err(cuda_err(op, None))?);
-        }
+        let stream = || gpu.context().new_stream().map_err(cuda_err(op, None));
+        let streams = (0..nranks).map(|_| stream()).collect::<Result<Vec<_>>>()?;
         let set = CommSet::init(&vec![ordinal; nranks], streams, op, &[])?;
         Ok(MultiRank {
             ordinal,

@@ -141,13 +141,9 @@ impl Inflight {
         let Some((set, comms, mut error)) = failure else {
             return Ok(());
         };
-        let keys: Vec<Key> = self
-            .pending
-            .iter()
-            .filter(|p| Arc::ptr_eq(&p.comms, &comms))
-            .flat_map(|p| p.keys.iter().cloned())
-            .collect();
-        self.pending.retain(|p| !Arc::ptr_eq(&p.comms, &comms));
+        let (gone, kept) = (self.pending.drain(..)).partition(|p| Arc::ptr_eq(&p.comms, &comms));
+        self.pending = kept;
+        let keys: Vec<Key> = gone.into_iter().flat_map(|p: Pending| p.keys).collect();
         if let Error::Nccl { keys: k, .. } = &mut error {
             k.clone_from(&keys);
         }
