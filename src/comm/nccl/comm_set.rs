@@ -73,6 +73,8 @@ impl CommSet {
         let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); n];
         // Each config stays alive until the group ends.
         let mut configs: Vec<Config> = (0..n).map(|_| Config::new(false)).collect();
+        const BIND: &str = "create NCCL communicator";
+        let bind = |g: &cuda::Gpu| g.context().bind_to_thread().map_err(cuda_err(BIND, None));
         // The matching group end is always called below.
         result::group_start(lib).during(op, keys)?;
         let mut first: Result<()> = Ok(());
@@ -81,12 +83,7 @@ impl CommSet {
             .zip(comms.iter_mut().zip(configs.iter_mut()))
             .enumerate()
         {
-            let bound = cuda::gpu(o).and_then(|g| {
-                g.context()
-                    .bind_to_thread()
-                    .map_err(cuda_err("create NCCL communicator", None))
-            });
-            if let Err(e) = bound {
+            if let Err(e) = cuda::gpu(o).and_then(&bind) {
                 first = first.and(Err(e));
                 continue;
             }

@@ -96,12 +96,10 @@ impl MultiRank {
         self.check_root(op, root)?;
         let send: CudaSlice<f32> =
             cuda::clone_htod(&self.ranks()[root].stream, data).map_err(cuda_err(op, None))?;
-        let mut recvs = Vec::new();
-        for r in self.ranks() {
-            // Poison the outputs so a broadcast that does nothing is seen.
-            recvs
-                .push(cuda::clone_htod(&r.stream, &vec![f32::NAN; n]).map_err(cuda_err(op, None))?);
-        }
+        // Poison the outputs so a broadcast that does nothing is seen.
+        let poisoned = |r: &Rank| cuda::clone_htod(&r.stream, &vec![f32::NAN; n]);
+        let recvs: std::result::Result<Vec<_>, _> = self.ranks().iter().map(poisoned).collect();
+        let recvs = recvs.map_err(cuda_err(op, None))?;
         let send_ptr = device_addr(&send, &self.ranks()[root].stream);
         let recv_ptrs = self.device_addrs(&recvs);
         // The uploads above ran on each rank's stream; NCCL calls go on the same streams.

@@ -61,15 +61,13 @@ pub enum InPlace<'a> {
 
 impl InPlace<'_> {
     fn buf(&self) -> &NDArray {
-        match self {
-            InPlace::Reduce { buf, .. } | InPlace::Broadcast { buf, .. } => buf,
-        }
+        let (InPlace::Reduce { buf, .. } | InPlace::Broadcast { buf, .. }) = self;
+        buf
     }
 
     fn root(&self) -> usize {
-        match self {
-            InPlace::Reduce { root, .. } | InPlace::Broadcast { root, .. } => *root,
-        }
+        let (InPlace::Reduce { root, .. } | InPlace::Broadcast { root, .. }) = self;
+        *root
     }
 }
 
@@ -526,21 +524,15 @@ impl RankComm {
     fn buf<'s>(&self, op: &'static str, storage: &'s Storage) -> Result<&'s GpuBuf> {
         match storage {
             Storage::Gpu(b) if b.ordinal() == self.ordinal => Ok(b),
-            Storage::Gpu(b) => Err(self.misuse(
-                op,
-                format!(
-                    "an array on {} for a rank on {}",
-                    Device::Gpu(b.ordinal()),
-                    Device::Gpu(self.ordinal)
-                ),
-            )),
-            Storage::Host(_) => Err(self.misuse(
-                op,
-                format!(
-                    "a host array for a rank on {}: move it to the GPU first",
-                    Device::Gpu(self.ordinal)
-                ),
-            )),
+            Storage::Gpu(b) => {
+                let (on, mine) = (Device::Gpu(b.ordinal()), Device::Gpu(self.ordinal));
+                Err(self.misuse(op, format!("an array on {on} for a rank on {mine}")))
+            }
+            Storage::Host(_) => {
+                let mine = Device::Gpu(self.ordinal);
+                let what = format!("a host array for a rank on {mine}: move it to the GPU first");
+                Err(self.misuse(op, what))
+            }
         }
     }
 
