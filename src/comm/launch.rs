@@ -1,13 +1,7 @@
-//! What a launcher tells a rank through the environment: who it is, how long it may wait, and
-//! how often it says that it is waiting.
-//!
-//! - `KVSTORE_TIMEOUT`: seconds any wait of a distributed store may last (default
-//!   [`DEFAULT_TIMEOUT`](crate::config::DEFAULT_TIMEOUT), 30 minutes).
-//! - `KVSTORE_WAIT_LOG_SECS`: while a wait lasts, every this many seconds a rank logs whom it
-//!   waits for and where they are (default [`DEFAULT_WAIT_LOG`](crate::config::DEFAULT_WAIT_LOG), one minute).
-//! - A launch without MPI (`torchrun --no-python`, srun wrappers) sets `RANK`, `WORLD_SIZE`,
-//!   `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`, as torchrun does. [`LaunchEnv`] reads
-//!   them, and says which one is missing or wrong.
+//! Who a rank is, as a launch without MPI (`torchrun --no-python`, srun wrappers) tells it in
+//! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`: [`LaunchEnv`] reads
+//! them, and says which one is missing or wrong. (How long a rank waits, `KVSTORE_TIMEOUT`
+//! and `KVSTORE_WAIT_LOG_SECS`, is read by `crate::config`.)
 
 use crate::{Error, Result};
 
@@ -32,8 +26,8 @@ impl LaunchEnv {
         LaunchEnv::from_vars(|k| std::env::var(k).ok())
     }
 
-    /// Reads the launch through `var` (a variable's value, or `None` when it is unset). An error
-    /// names the first variable that is missing or wrong, and what to do.
+    /// Reads the launch through `var` (`None`: unset). An error names the first variable that
+    /// is missing or wrong, and what to do.
     pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
         let missing = |name: &str| {
             let how = "is not set: start every rank with `torchrun --no-python --nproc-per-node \
@@ -96,9 +90,8 @@ impl LaunchEnv {
         })
     }
 
-    /// Where rank 0 hands the NCCL id to the other ranks (kvstore's rendezvous, see
-    /// `comm::nccl::rendezvous`): rank 0's host and the port after `MASTER_PORT` (the launcher
-    /// keeps `MASTER_PORT` for itself).
+    /// Where rank 0 hands the NCCL id to the other ranks (`comm::nccl::rendezvous`): the port
+    /// after `MASTER_PORT`, which the launcher keeps for itself.
     pub(crate) fn rendezvous_addr(&self) -> (&str, u16) {
         (&self.master_addr, self.master_port + 1)
     }

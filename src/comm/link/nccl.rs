@@ -1,11 +1,7 @@
-//! The NCCL link: GPU ranks started without MPI (`torchrun --no-python`, srun wrappers), which
-//! join over NCCL's own bootstrap (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-//! `MASTER_PORT`) and use NCCL for everything: the call numbering and fingerprint check, the
-//! control messages and the data. It needs no MPI.
-//!
-//! NCCL moves floating-point data, so the check's words travel as 16-bit pieces in `float32`,
-//! which holds them exactly. Every NCCL call is bounded by `KVSTORE_TIMEOUT` ([`RankComm`]),
-//! which aborts the communicator on a timeout.
+//! The NCCL link: GPU ranks started without MPI (`torchrun --no-python`, srun wrappers), joined
+//! by [`RankComm::from_env`], which use NCCL for everything: the fingerprint check, the control
+//! messages and the data. Words travel as 16-bit pieces in `float32`, which holds them exactly.
+//! Every NCCL call is bounded by `KVSTORE_TIMEOUT` ([`RankComm`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -123,10 +119,8 @@ struct NcclRound<'a> {
 }
 
 impl NcclRound<'_> {
-    /// An all-to-all of host buffers over NCCL (compressed pushes and row-sparse keys: their
-    /// blocks are made and read on the host): `send` goes to this rank's GPU, travels as one
-    /// NCCL group of a send and a receive per rank, and what arrived comes back into host
-    /// memory. It is done when this returns; [`Round::land`] hands the buffers over.
+    /// An all-to-all of host buffers (compressed pushes and row-sparse keys) over NCCL, through
+    /// this rank's GPU; done when this returns. [`Round::land`] hands the buffers over.
     fn all_to_all(
         &mut self,
         send: HostData,
@@ -153,9 +147,8 @@ impl NcclRound<'_> {
                 Shape::new(&[n])?,
             )),
         };
-        // Every rank has its buffers on its GPU before any joins the group, and has its
-        // result back in host memory before any goes on: a rank that failed either step
-        // must not leave the others waiting in NCCL, or going on without it.
+        // The ranks agree that each staged its buffers, and read its result back: a rank that
+        // failed either step must not leave the others waiting in NCCL, or going on without it.
         let staged = fits.and_then(|()| Ok((on_gpu(&send)?, on_gpu(&recv)?)));
         let together = self.agree_on("staging its all-to-all on its GPU", staged.is_ok());
         let (send_gpu, recv_gpu) = staged?;
@@ -173,9 +166,8 @@ impl NcclRound<'_> {
         Ok(Ticket(self.landed.len() - 1))
     }
 
-    /// `got`, and on an error shuts the link: a rank that failed its part of a word exchange
-    /// (its GPU buffers, say, before NCCL ever ran) is out of step with the others, and must
-    /// fail its later calls at once rather than meet their collectives with other ones.
+    /// `got`, shutting the link on an error: a rank that failed its part of a word exchange is
+    /// out of step, and must fail its later calls rather than meet others' collectives.
     fn shut_on_error<T>(&mut self, got: Result<T>) -> Result<T> {
         if let Err(e) = &got {
             self.serial.1.get_or_insert_with(|| e.to_string());

@@ -1,7 +1,6 @@
-//! The communicator cache: one [`CommSet`] per distinct sorted set of GPU ordinals, at most
-//! [`max_sets`] of them; the least recently used set that no call is using is finalized and
-//! destroyed. The store builds the sets it will need before it takes any key lock
-//! ([`prepare`]).
+//! The communicator cache: one [`CommSet`] per sorted set of GPU ordinals, at most [`max_sets`]
+//! of them (the least recently used idle set is destroyed), built before the store takes any
+//! key lock ([`prepare`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -12,7 +11,7 @@ use crate::backend::cuda;
 use crate::config::nccl::{self as settings, force_single, max_sets};
 use crate::{Key, Result};
 
-/// The communicator cache: device set -> communicators and when they were last used.
+/// The communicator cache.
 #[derive(Default)]
 pub(super) struct Cache {
     /// Device set -> its communicators and the tick of their last use.
@@ -50,9 +49,8 @@ fn lru_victims<K: Clone>(entries: &[(K, u64, bool)], cap: usize) -> Vec<K> {
     idle.into_iter().take(excess).map(|e| e.0.clone()).collect()
 }
 
-/// The communicators of `ordinals` (ascending, distinct), from the cache or built (outside
-/// every lock but the cache's brief bookkeeping), evicting the least recently used sets
-/// beyond [`max_sets`].
+/// The communicators of `ordinals` (ascending, distinct), from the cache or built (under no
+/// lock), evicting the least recently used sets beyond [`max_sets`].
 pub(super) fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> {
     let cap = max_sets()?;
     {
@@ -102,10 +100,9 @@ pub(super) fn get_set(ordinals: &[usize], keys: &[Key]) -> Result<Arc<CommSet>> 
 }
 
 /// Builds, before a call takes its key locks, the communicators it will need: one per device
-/// set of at least two GPUs (or of one, with [`force_single`]). First of all, a bad
-/// `KVSTORE_NCCL_TIMEOUT_MS` or `KVSTORE_NCCL_MAX_COMMS` is an
-/// [`Error::InvalidEnv`](crate::Error::InvalidEnv), so that a call fails before it starts
-/// anything.
+/// set of at least two GPUs (or one, with [`force_single`]). A bad `KVSTORE_NCCL_TIMEOUT_MS`
+/// or `KVSTORE_NCCL_MAX_COMMS` fails it first, with an
+/// [`Error::InvalidEnv`](crate::Error::InvalidEnv).
 pub(crate) fn prepare(sets: &[Vec<usize>]) -> Result<()> {
     if !available() {
         return Ok(());

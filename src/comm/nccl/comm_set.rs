@@ -1,7 +1,7 @@
 //! The non-blocking communicators of one set of GPUs (one rank each), made in one group, and
 //! the rules for using them: every call under the set's own mutex, polling with a bound, an
-//! abort that the watchdog can ask for, and finalize-then-destroy on drop. The one core of
-//! both the store's device sets and [`RankComm`](super::RankComm) (a set of one rank).
+//! abort the watchdog can ask for, and finalize-then-destroy on drop. The core of both the
+//! store's device sets and [`RankComm`](super::RankComm) (a set of one rank).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -16,7 +16,7 @@ use crate::backend::cuda::{self, cuda_err};
 use crate::config::nccl::timeout;
 use crate::{Error, Key, Result};
 
-/// One rank: a raw communicator and the stream its collectives go on.
+/// One rank of a set.
 pub(super) struct Rank {
     /// The rank's communicator.
     pub(super) comm: Comm,
@@ -24,8 +24,8 @@ pub(super) struct Rank {
     pub(super) stream: Arc<CudaStream>,
 }
 
-/// The non-blocking communicators of one device set, one per rank. Dropping it finalizes and
-/// destroys them (or aborts them, if they failed).
+/// The non-blocking communicators of one device set, one per rank; dropping it finalizes and
+/// destroys them.
 pub(super) struct CommSet {
     /// The ranks, in rank order.
     pub(super) ranks: Vec<Rank>,
@@ -34,7 +34,7 @@ pub(super) struct CommSet {
     /// Set by the watchdog: whoever polls these communicators stops and aborts them.
     abort_requested: AtomicBool,
     /// How long its creation, a call on it, or its finalization may stay in progress
-    /// (`KVSTORE_NCCL_TIMEOUT_MS` as it was when a store's set was made).
+    /// (`KVSTORE_NCCL_TIMEOUT_MS` when a store's set was made).
     pub(super) timeout: Duration,
 }
 
@@ -57,9 +57,8 @@ unsafe impl Send for CommSet {}
 unsafe impl Sync for CommSet {}
 
 impl CommSet {
-    /// Non-blocking communicators, rank `r` on GPU `ordinals[r]` and stream `streams[r]`
-    /// (ordinals may repeat: several ranks on one GPU, each with a stream of its own), created
-    /// in one group and polled until ready, with the timeout.
+    /// Rank `r` on GPU `ordinals[r]` and stream `streams[r]` (ordinals may repeat, each rank
+    /// with a stream of its own), created in one group and polled until ready, with the timeout.
     pub(super) fn init(
         ordinals: &[usize],
         streams: Vec<Arc<CudaStream>>,
@@ -72,8 +71,10 @@ impl CommSet {
         let id = result::get_unique_id(lib).during(op, keys)?;
         let n = ordinals.len();
         let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); n];
-        // Each config must stay alive until the group ends.
+        // Each config stays alive until the group ends.
         let mut configs: Vec<Config> = (0..n).map(|_| Config::new(false)).collect();
+        const BIND: &str = "create NCCL communicator";
+        let bind = |g: &cuda::Gpu| g.context().bind_to_thread().map_err(cuda_err(BIND, None));
         // The matching group end is always called below.
         result::group_start(lib).during(op, keys)?;
         let mut first: Result<()> = Ok(());
@@ -82,12 +83,7 @@ impl CommSet {
             .zip(comms.iter_mut().zip(configs.iter_mut()))
             .enumerate()
         {
-            let bound = cuda::gpu(o).and_then(|g| {
-                g.context()
-                    .bind_to_thread()
-                    .map_err(cuda_err("create NCCL communicator", None))
-            });
-            if let Err(e) = bound {
+            if let Err(e) = cuda::gpu(o).and_then(&bind) {
                 first = first.and(Err(e));
                 continue;
             }
@@ -104,12 +100,10 @@ impl CommSet {
         let set = CommSet::new(ranks.collect(), limit);
         let mut calls = set.lock();
         let ready = first.and_then(|()| {
-            if set.ranks.len() != n {
-                return Err(nccl_error(
-                    op,
-                    keys,
-                    format!("only {} of {n} communicators were created", set.ranks.len()),
-                ));
+            let made = set.ranks.len();
+            if made != n {
+                let why = format!("only {made} of {n} communicators were created");
+                return Err(nccl_error(op, keys, why));
             }
             set.settle(lib, op, keys, Instant::now() + set.timeout)
         });
@@ -154,9 +148,9 @@ impl CommSet {
         self.settle_or(lib, op, keys, deadline, stall)
     }
 
-    /// Polls every rank with `ncclCommGetAsyncError` until none is in progress. An error, an
-    /// abort the watchdog asked for, or `deadline` (then the error is `stall`'s) ends it with
-    /// an error (the caller, which holds `calls`, aborts).
+    /// Polls every rank until none is in progress. An error, an abort the watchdog asked for,
+    /// or `deadline` (then `stall`'s error) ends it with an error; the caller, which holds
+    /// `calls`, aborts.
     pub(super) fn settle_or(
         &self,
         lib: &Nccl,
@@ -201,23 +195,21 @@ impl CommSet {
             return;
         };
         for r in &self.ranks {
-            // SAFETY: each handle was created by NCCL for this set, is aborted exactly once
-            // (the flag above, under `calls`) and never used after; abort frees it without
-            // waiting for (possibly stuck) work. Its result is of no use: the set is gone.
-            let _ = unsafe { result::comm_abort(lib, r.comm) };
+            // SAFETY: each handle is live, aborted exactly once (the flag above, under `calls`)
+            // and never used after; the result is of no use: the set is gone.
+            let _ = unsafe { result::comm_free(lib, r.comm, true) };
         }
     }
 
-    /// Asks whoever is polling these communicators to stop, then aborts them. The holder of
-    /// `calls` polls with a bound and checks the request every poll, so this waits briefly.
+    /// Asks whoever polls these communicators to stop (it checks every poll), then aborts them.
     pub(super) fn abort(&self) {
         self.abort_requested.store(true, Ordering::Release);
         let mut calls = self.lock();
         self.abort_locked(&mut calls);
     }
 
-    /// The first asynchronous error any rank reports, if any; `Ok` when the set is busy (a
-    /// call in progress holds `calls`: its holder polls itself) or aborted.
+    /// The first asynchronous error any rank reports; `Ok` when the set is busy (the holder of
+    /// `calls` polls itself) or aborted.
     pub(super) fn async_error(&self, op: &'static str, keys: &[Key]) -> Result<()> {
         let Ok(calls) = self.calls.try_lock() else {
             return Ok(());
@@ -228,8 +220,7 @@ impl CommSet {
         }
     }
 
-    /// The first asynchronous error any rank reports, if any (the caller holds `calls` and
-    /// checked that the set is not aborted).
+    /// [`Self::async_error`], for a caller that holds `calls` of a set not aborted.
     pub(super) fn async_error_locked(
         &self,
         lib: &Nccl,

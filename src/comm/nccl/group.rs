@@ -41,15 +41,11 @@ pub(crate) struct Job {
     pub kind: Kind,
 }
 
-/// Issues every job's collective in one NCCL group on the GPUs' runtime streams.
-///
-/// The communicators come from the cache (or are built first, holding no lock). The group is
-/// issued holding [`cross_gpu_order`] and each set's call lock, never the cache's or the
-/// in-flight list's; since the communicators are non-blocking, what reports `ncclInProgress`
-/// is polled to completion with the timeout, and a stall is aborted.
-///
-/// The caller keeps every buffer named by a job alive; they are freed on their GPU's stream,
-/// so after the collective.
+/// Issues every job's collective in one NCCL group on the GPUs' runtime streams, holding
+/// [`cross_gpu_order`] and each set's call lock (never the cache's or the in-flight list's);
+/// what reports `ncclInProgress` is polled with the timeout, and a stall is aborted. The
+/// caller keeps every buffer named by a job alive (freed on its GPU's stream, so after the
+/// collective).
 pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
     if jobs.is_empty() {
         return Ok(());
@@ -73,10 +69,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
             .map(|j| j.key.clone())
             .collect()
     };
-    let mut sets = Vec::with_capacity(set_keys.len());
-    for s in &set_keys {
-        sets.push(get_set(s, &keys_of(s))?);
-    }
+    let sets = (set_keys.iter().map(|s| get_set(s, &keys_of(s)))).collect::<Result<Vec<_>>>()?;
     let order = cross_gpu_order();
     // Always in ascending set order, so two calls never wait on each other's locks.
     let mut guards: Vec<_> = sets.iter().map(|s| s.lock()).collect();
@@ -87,7 +80,7 @@ pub(crate) fn run(op: &'static str, jobs: &[Job]) -> Result<()> {
             "the communicators were aborted after an earlier failure; retry the call".to_owned(),
         ))
     } else {
-        issue(lib, &set_keys, &sets, op, jobs)
+        issue(lib, &set_keys, &sets, op, jobs, &all_keys)
     };
     let deadline = Instant::now() + limit;
     for (s, k) in sets.iter().zip(&set_keys) {
@@ -141,10 +134,10 @@ fn issue(
     sets: &[Arc<CommSet>],
     op: &'static str,
     jobs: &[Job],
+    all_keys: &[Key],
 ) -> Result<()> {
-    let all_keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
     // The matching group end is always called below.
-    result::group_start(lib).during(op, &all_keys)?;
+    result::group_start(lib).during(op, all_keys)?;
     let mut first: Result<()> = Ok(());
     for job in jobs {
         let at = set_keys
@@ -170,11 +163,10 @@ fn issue(
             first = first.and(res.during(op, std::slice::from_ref(&job.key)));
         }
     }
-    first.and(result::group_end(lib).during(op, &all_keys))
+    first.and(result::group_end(lib).during(op, all_keys))
 }
 
-/// How many collectives (one per key and call) this process has issued through the store's
-/// NCCL path (for tests that NCCL really ran).
+/// How many collectives (one per key and call) the store's NCCL path has issued (for tests).
 pub fn collectives_issued() -> u64 {
     ISSUED.load(Ordering::Relaxed)
 }

@@ -1,20 +1,16 @@
-//! Finding and loading NCCL ourselves.
+//! Finding and loading NCCL ourselves: cudarc opens NCCL only as `libnccl.so`, but the distros
+//! and pip's `nvidia-nccl-cu12`/`-cu13` ship only `libnccl.so.2`, so a `nccl` store would
+//! quietly fall back to peer copies. This module tries each of [`candidates`] until one loads,
+//! and resolves the functions kvstore calls into a table ([`Nccl`]); cudarc's NCCL loader is
+//! never used.
 //!
-//! cudarc opens NCCL only as `libnccl.so` (and a few names NCCL never ships), but the distro
-//! packages and pip's `nvidia-nccl-cu12`/`-cu13` ship only `libnccl.so.2`, under
-//! `<site-packages>/nvidia/nccl/lib` for pip. A store that asked for `nccl` would then quietly
-//! fall back to peer copies. So this module searches for the library itself
-//! ([`candidates`]), opens the first one that loads, and resolves the few functions kvstore
-//! calls into a table ([`Nccl`]). cudarc's own NCCL loader is never used (only the driver half
-//! of cudarc is).
-//!
-//! The search, in order (every candidate that exists is tried until one loads):
+//! The search, in order:
 //! 1. `KVSTORE_NCCL_LIB`: a path to the library file.
 //! 2. Every folder of `LD_LIBRARY_PATH`: `libnccl.so`, then `libnccl.so.2`.
 //! 3. pip's `nvidia/nccl/lib/libnccl.so.2` under the site-packages of: the running Python
 //!    (when this process is one), `VIRTUAL_ENV`, `CONDA_PREFIX`, the `python3` first on
 //!    `PATH`, `~/.local`, and every `PYTHONPATH` entry.
-//! 4. The usual system folders (`/usr/lib/x86_64-linux-gnu`, `/usr/lib64`, `/usr/local/cuda/lib64`, ...).
+//! 4. The usual system folders (`SYSTEM_DIRS`: `/usr/lib64`, `/usr/local/cuda/lib64`, ...).
 //! 5. The dynamic loader's own search by name (`ld.so.cache`): `libnccl.so.2`, `libnccl.so`.
 
 use std::collections::HashMap;
@@ -30,31 +26,25 @@ pub type Comm = *mut c_void;
 #[derive(Clone, Copy)]
 pub struct UniqueId(pub [c_char; 128]);
 
-/// `ncclConfig_t` as NCCL 2.14 laid it out (the first version with it). Later versions only
-/// append fields, and NCCL reads `size` and `version` to know how much of it the caller has.
+/// `ncclConfig_t` as NCCL 2.14 (the first with it) laid it out; later versions only append
+/// fields, and read `size` and `version` to know how much the caller has. Made only by
+/// [`Config::new`].
 #[repr(C)]
 pub struct Config {
-    /// `sizeof` this struct.
-    pub size: usize,
-    /// `0xcafebeef`.
-    pub magic: u32,
-    /// The NCCL version whose layout this is (2.14.0).
-    pub version: u32,
+    size: usize,
+    magic: u32,
+    version: u32,
     /// 0: calls return `ncclInProgress` instead of blocking.
-    pub blocking: c_int,
-    /// Undefined (NCCL's default).
-    pub cga_cluster_size: c_int,
-    /// Undefined (NCCL's default).
-    pub min_ctas: c_int,
-    /// Undefined (NCCL's default).
-    pub max_ctas: c_int,
-    /// Null (NCCL's default).
-    pub net_name: *const c_char,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
 }
 
 impl Config {
-    /// `NCCL_CONFIG_INITIALIZER` with `blocking` set: every other field undefined (NCCL's
-    /// default).
+    /// `NCCL_CONFIG_INITIALIZER` (every field undefined or null: NCCL's defaults) with
+    /// `blocking` set.
     pub fn new(blocking: bool) -> Config {
         const UNDEF: c_int = c_int::MIN;
         Config {
@@ -83,46 +73,42 @@ type Dst = *mut c_void;
 /// A `cudaStream_t`.
 type Stream = *mut c_void;
 
-/// The NCCL functions kvstore calls, resolved from one library.
+/// The NCCL functions kvstore calls, resolved from one library (each field is the NCCL
+/// function of its name: `group_start` is `ncclGroupStart`).
 pub struct Nccl {
     /// The file that was loaded.
     pub path: PathBuf,
     /// The version code (e.g. 23007 for 2.30.7).
     pub version: i32,
     _lib: libloading::Library,
-    /// `ncclGetErrorString`.
-    pub get_error_string: unsafe extern "C" fn(R) -> *const c_char,
-    /// `ncclGetLastError`; missing before 2.13.
-    pub get_last_error: Option<unsafe extern "C" fn(Comm) -> *const c_char>,
-    /// `ncclGetUniqueId`.
-    pub get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> R,
-    /// `ncclCommInitRankConfig`; missing before 2.14.
-    pub comm_init_rank_config:
+    pub(crate) get_error_string: unsafe extern "C" fn(R) -> *const c_char,
+    /// Missing before 2.13.
+    pub(crate) get_last_error: Option<unsafe extern "C" fn(Comm) -> *const c_char>,
+    pub(crate) get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> R,
+    /// Missing before 2.14.
+    pub(crate) comm_init_rank_config:
         Option<unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> R>,
-    /// `ncclCommGetAsyncError`.
-    pub comm_get_async_error: unsafe extern "C" fn(Comm, *mut R) -> R,
-    /// `ncclCommAbort`.
-    pub comm_abort: unsafe extern "C" fn(Comm) -> R,
-    /// `ncclCommFinalize`; missing before 2.14.
-    pub comm_finalize: Option<unsafe extern "C" fn(Comm) -> R>,
-    /// `ncclCommDestroy`.
-    pub comm_destroy: unsafe extern "C" fn(Comm) -> R,
-    /// `ncclGroupStart`.
-    pub group_start: unsafe extern "C" fn() -> R,
-    /// `ncclGroupEnd`.
-    pub group_end: unsafe extern "C" fn() -> R,
-    /// `ncclReduce` (send, recv, count, datatype, op, root, comm, stream).
-    pub reduce: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclBroadcast` (send, recv, count, datatype, root, comm, stream).
-    pub broadcast: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclReduceScatter` (send, recv, recvcount, datatype, op, comm, stream).
-    pub reduce_scatter: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclAllGather` (send, recv, sendcount, datatype, comm, stream).
-    pub all_gather: unsafe extern "C" fn(Src, Dst, usize, c_int, Comm, Stream) -> R,
-    /// `ncclSend` (send, count, datatype, peer, comm, stream).
-    pub send: unsafe extern "C" fn(Src, usize, c_int, c_int, Comm, Stream) -> R,
-    /// `ncclRecv` (recv, count, datatype, peer, comm, stream).
-    pub recv: unsafe extern "C" fn(Dst, usize, c_int, c_int, Comm, Stream) -> R,
+    pub(crate) comm_get_async_error: unsafe extern "C" fn(Comm, *mut R) -> R,
+    pub(crate) comm_abort: unsafe extern "C" fn(Comm) -> R,
+    /// Missing before 2.14.
+    pub(crate) comm_finalize: Option<unsafe extern "C" fn(Comm) -> R>,
+    pub(crate) comm_destroy: unsafe extern "C" fn(Comm) -> R,
+    pub(crate) group_start: unsafe extern "C" fn() -> R,
+    pub(crate) group_end: unsafe extern "C" fn() -> R,
+    /// (send, recv, count, datatype, op, root, comm, stream).
+    pub(crate) reduce:
+        unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, c_int, Comm, Stream) -> R,
+    /// (send, recv, count, datatype, root, comm, stream).
+    pub(crate) broadcast: unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
+    /// (send, recv, recvcount, datatype, op, comm, stream).
+    pub(crate) reduce_scatter:
+        unsafe extern "C" fn(Src, Dst, usize, c_int, c_int, Comm, Stream) -> R,
+    /// (send, recv, sendcount, datatype, comm, stream).
+    pub(crate) all_gather: unsafe extern "C" fn(Src, Dst, usize, c_int, Comm, Stream) -> R,
+    /// (send, count, datatype, peer, comm, stream).
+    pub(crate) send: unsafe extern "C" fn(Src, usize, c_int, c_int, Comm, Stream) -> R,
+    /// (recv, count, datatype, peer, comm, stream).
+    pub(crate) recv: unsafe extern "C" fn(Dst, usize, c_int, c_int, Comm, Stream) -> R,
 }
 
 // SAFETY: the table holds function pointers into a library that stays loaded for the process
@@ -137,23 +123,17 @@ impl Nccl {
     fn open(path: &Path) -> Result<Nccl, String> {
         // SAFETY: loading NCCL runs its initializers, which have no preconditions.
         let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
-        macro_rules! sym {
+        // `get!(name)?` for a function kvstore needs, `get!(name).ok()` for an optional one.
+        macro_rules! get {
             ($name:literal) => {
                 // SAFETY: the symbol is NCCL's function of this name, whose C signature is the
                 // field's type (nccl.h).
-                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
-                    .map_err(|e| format!("no {} in it ({e})", $name))?
-            };
-        }
-        macro_rules! opt {
-            ($name:literal) => {
-                // SAFETY: as for `sym!`.
                 unsafe { lib.get(concat!($name, "\0").as_bytes()) }
-                    .ok()
                     .map(|s| *s)
+                    .map_err(|e| format!("no {} in it ({e})", $name))
             };
         }
-        let get_version: unsafe extern "C" fn(*mut c_int) -> R = sym!("ncclGetVersion");
+        let get_version: unsafe extern "C" fn(*mut c_int) -> R = get!("ncclGetVersion")?;
         let mut version = 0;
         // SAFETY: a valid out-pointer.
         let r = unsafe { get_version(&mut version) };
@@ -163,22 +143,22 @@ impl Nccl {
         Ok(Nccl {
             path: path.to_owned(),
             version,
-            get_error_string: sym!("ncclGetErrorString"),
-            get_last_error: opt!("ncclGetLastError"),
-            get_unique_id: sym!("ncclGetUniqueId"),
-            comm_init_rank_config: opt!("ncclCommInitRankConfig"),
-            comm_get_async_error: sym!("ncclCommGetAsyncError"),
-            comm_abort: sym!("ncclCommAbort"),
-            comm_finalize: opt!("ncclCommFinalize"),
-            comm_destroy: sym!("ncclCommDestroy"),
-            group_start: sym!("ncclGroupStart"),
-            group_end: sym!("ncclGroupEnd"),
-            reduce: sym!("ncclReduce"),
-            broadcast: sym!("ncclBroadcast"),
-            reduce_scatter: sym!("ncclReduceScatter"),
-            all_gather: sym!("ncclAllGather"),
-            send: sym!("ncclSend"),
-            recv: sym!("ncclRecv"),
+            get_error_string: get!("ncclGetErrorString")?,
+            get_last_error: get!("ncclGetLastError").ok(),
+            get_unique_id: get!("ncclGetUniqueId")?,
+            comm_init_rank_config: get!("ncclCommInitRankConfig").ok(),
+            comm_get_async_error: get!("ncclCommGetAsyncError")?,
+            comm_abort: get!("ncclCommAbort")?,
+            comm_finalize: get!("ncclCommFinalize").ok(),
+            comm_destroy: get!("ncclCommDestroy")?,
+            group_start: get!("ncclGroupStart")?,
+            group_end: get!("ncclGroupEnd")?,
+            reduce: get!("ncclReduce")?,
+            broadcast: get!("ncclBroadcast")?,
+            reduce_scatter: get!("ncclReduceScatter")?,
+            all_gather: get!("ncclAllGather")?,
+            send: get!("ncclSend")?,
+            recv: get!("ncclRecv")?,
             _lib: lib,
         })
     }
@@ -194,8 +174,7 @@ pub fn version_string(v: i32) -> String {
     format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100)
 }
 
-/// The oldest NCCL kvstore uses: non-blocking communicators (`ncclCommInitRankConfig` with
-/// `blocking = 0`) came in 2.14.
+/// The oldest NCCL kvstore uses: 2.14 brought non-blocking communicators.
 pub const MIN_VERSION: i32 = 21400;
 
 /// Why no usable NCCL was found: what was tried, for a message that says how to fix it.
@@ -281,7 +260,7 @@ pub struct SearchEnv {
     pub system_dirs: Vec<PathBuf>,
 }
 
-/// The system folders searched (step 4).
+/// The system folders searched, in order (step 4).
 const SYSTEM_DIRS: &[&str] = &[
     "/usr/lib/x86_64-linux-gnu",
     "/usr/lib/aarch64-linux-gnu",
@@ -411,13 +390,9 @@ pub fn candidates(env: &SearchEnv) -> Vec<Candidate> {
         files.push(d.join("libnccl.so"));
     }
     paths.extend(files.into_iter().filter(|f| f.is_file()));
-    let mut out: Vec<Candidate> = Vec::new();
-    for p in paths {
-        let c = Candidate::Path(p);
-        if !out.contains(&c) {
-            out.push(c);
-        }
-    }
+    let mut seen = std::collections::HashSet::new();
+    paths.retain(|p| seen.insert(p.clone()));
+    let mut out: Vec<Candidate> = paths.into_iter().map(Candidate::Path).collect();
     out.push(Candidate::Name("libnccl.so.2"));
     out.push(Candidate::Name("libnccl.so"));
     out

@@ -1,54 +1,36 @@
 //! NCCL for GPU homes: non-blocking communicators per device set (an LRU cache), reduce and
 //! broadcast, async-error polling with a timeout, and abort of a failed communicator.
 //!
-//! - NCCL is found and loaded by [`loader`] (cudarc only looks for `libnccl.so`, which pip and
-//!   the distros do not ship); [`library_path`] and [`version`] say what was loaded.
-//! - Communicators are made per distinct sorted set of GPU ordinals, with
-//!   `ncclCommInitRankConfig` and `blocking = 0` (NCCL >= 2.14), all ranks in one group, then
-//!   polled with `ncclCommGetAsyncError` while they report `ncclInProgress`. The rank of a GPU
-//!   is its index in that sorted list, never its ordinal. At most `KVSTORE_NCCL_MAX_COMMS`
-//!   (default 8) sets are cached; the least recently used one that no call is using is
-//!   finalized and destroyed. The store builds them before it takes any key lock
-//!   (`prepare`). A value of `KVSTORE_NCCL_MAX_COMMS` or `KVSTORE_NCCL_TIMEOUT_MS` that is not
-//!   valid fails every call that needs NCCL with an
-//!   [`Error::InvalidEnv`](crate::Error::InvalidEnv) naming it.
-//! - Each rank runs on its GPU's single runtime stream, so NCCL calls are ordered with the
-//!   kernels and copies around them. All collectives of one call are issued inside one
-//!   `group_start`/`group_end`; since the communicators are non-blocking, neither the calls
-//!   nor the group end can block: whatever reports `ncclInProgress` is polled, with the
-//!   timeout, and a stall is aborted rather than waited for.
-//! - No lock that the watchdog needs is held across a call that can block. The cache and the
-//!   list of work in flight each have their own mutex, held only for bookkeeping; the calls on
-//!   one set are serialized by that set's own mutex, whose holder polls with a bound and gives
-//!   up as soon as the watchdog asks for an abort.
-//! - After the group, an event per rank is recorded. Every host wait ([`wait_all`], and any
-//!   read of a GPU buffer on the host, through `wait_stream`) polls those events and
-//!   `ncclCommGetAsyncError`. On an error, or when a collective is still running
-//!   `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s) after it was issued, its communicators are
-//!   aborted and dropped from the cache, and an [`Error::Nccl`](crate::Error::Nccl) names the
-//!   keys. A watchdog thread polls the same way every 100 ms, so a stalled collective is
-//!   aborted even while every user thread is blocked inside the driver.
-//! - [`RankComm`] is NCCL across processes (one rank per process, bootstrapped over MPI, or
-//!   from a torchrun-style environment through `rendezvous`, which hands rank 0's id to the
-//!   ranks that present the job's token): the engine of `dist_device_sync`.
-//! - `KVSTORE_NCCL_FORCE=1` makes a `nccl` store use NCCL even for a key whose values are all
-//!   on its home GPU: a one-rank communicator reduces them and broadcasts the pulls, so every
-//!   NCCL call the store makes runs on a one-GPU machine too (for tests).
+//! Each rank runs on its GPU's runtime stream, so NCCL calls are ordered with the kernels and
+//! copies around them. Nothing blocks: what reports `ncclInProgress` is polled with the
+//! timeout, and a stall is aborted. No lock the watchdog needs is held across a call that can
+//! block: the cache and the work in flight have their own mutexes, held only for bookkeeping;
+//! the calls on one set are serialized by its own mutex, whose holder polls with a bound and
+//! gives up as soon as the watchdog asks for an abort.
 //!
 //! # Files, from the bottom up
 //!
-//! - `loader`: finds and opens the library, and resolves its functions into a table (the sys
-//!   layer).
+//! - `loader`: finds and opens the library (cudarc only looks for `libnccl.so`, which pip and
+//!   the distros do not ship) and resolves its functions (the sys layer).
 //! - `result`: one wrapper per NCCL function; return codes are read there and nowhere else.
-//! - the environment variables above are read once, in `crate::config::nccl`.
-//! - `comm_set`: the communicators of one device set, and how they are polled and aborted.
-//! - `cache`: the device set -> communicators cache and its LRU bound.
-//! - `watchdog`: work in flight, host waits, and the thread that aborts stalled collectives.
-//! - `group`: one call's reduces and broadcasts, issued in one group.
-//! - `ranks`: [`RankComm`], NCCL across processes.
-//! - `rendezvous`: the job-token rendezvous of a launch without MPI (std's TCP, one module).
-//! - `multi_rank`: test support (cargo feature `test-util`), not part of the API: several ranks
-//!   on one GPU.
+//! - `crate::config::nccl` reads the environment once: `KVSTORE_NCCL_MAX_COMMS` (default 8)
+//!   and `KVSTORE_NCCL_TIMEOUT_MS` (default 60 s), an invalid one failing every call that needs
+//!   NCCL with an [`Error::InvalidEnv`](crate::Error::InvalidEnv); `KVSTORE_NCCL_FORCE=1` (a
+//!   one-rank communicator even for values all on the home GPU: tests on one GPU).
+//! - `comm_set`: the communicators of one sorted set of GPU ordinals (a GPU's rank is its index
+//!   there), made with `ncclCommInitRankConfig` and `blocking = 0` (NCCL >= 2.14) in one group.
+//! - `cache`: at most `KVSTORE_NCCL_MAX_COMMS` sets, the least recently used idle one destroyed,
+//!   built before the store takes any key lock (`prepare`).
+//! - `group`: one call's reduces and broadcasts, issued in one group, then an event per rank.
+//! - `watchdog`: every host wait ([`wait_all`], and any host read of a GPU buffer) and a thread
+//!   (every 100 ms, for user threads blocked in the driver) poll those events and
+//!   `ncclCommGetAsyncError`; a failed collective, or one still running after the timeout, has
+//!   its communicators aborted and dropped from the cache, and an
+//!   [`Error::Nccl`](crate::Error::Nccl) names its keys.
+//! - `ranks`: [`RankComm`], NCCL across processes (one rank each, bootstrapped over MPI or
+//!   through `rendezvous`): the engine of `dist_device_sync`.
+//! - `rendezvous`: the job-token rendezvous of a launch without MPI (std's TCP).
+//! - `multi_rank`: test support (feature `test-util`), not API: several ranks on one GPU.
 
 // Every `unsafe` block in this module says why it is sound.
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -91,9 +73,9 @@ pub fn library_path() -> Option<PathBuf> {
     loader::library().ok().map(|l| l.path.clone())
 }
 
-/// Warns once per process that a `nccl` store found no usable NCCL and uses peer copies:
-/// what was found, and how to fix it. Through `log` when a logger takes warnings, else on
-/// stderr (a user who asked for NCCL must hear of it).
+/// Warns once per process that a `nccl` store found no usable NCCL and uses peer copies, and
+/// how to fix it: through `log` when a logger takes warnings, else on stderr (a user who asked
+/// for NCCL must hear of it).
 pub(crate) fn warn_unavailable() {
     static ONCE: Once = Once::new();
     if let Err(e) = loader::library() {

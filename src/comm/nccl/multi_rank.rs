@@ -1,29 +1,25 @@
 //! Test support, not part of the API: [`MultiRank`], several NCCL ranks on one GPU, so that
-//! tests on a one-GPU machine (`tests/gpu_store.rs`) can run reduce and broadcast over real
-//! non-blocking communicators, and a stalled collective, without a second GPU or process.
-//!
-//! It is re-exported, `#[doc(hidden)]`, as `kvstore::__internal::nccl::MultiRank` only
-//! because it is built from the crate-private [`CommSet`]; the store never uses it.
+//! tests on a one-GPU machine (`tests/gpu_store.rs`) can run collectives, and a stalled one,
+//! over real non-blocking communicators. It lives here, re-exported `#[doc(hidden)]` as
+//! `kvstore::__internal::nccl::MultiRank`, because it is built from the crate-private
+//! [`CommSet`]; the store never uses it.
 
 use std::cell::Cell;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::comm_set::{CommSet, Rank};
-use super::result::{self, lib, nccl_error, During, NcclError, On};
+use super::comm_set::{Calls, CommSet, Rank};
+use super::result::{self, lib, nccl_error, During, NcclResult, On};
 use super::watchdog::all_complete;
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err};
 use crate::{DType, Error, Result};
 
-/// Several NCCL ranks on ONE GPU, for tests on one-GPU machines.
-///
-/// NCCL refuses two ranks on one GPU before 2.30; 2.30 and later allow it when the environment
-/// has `NCCL_MULTI_RANK_GPU_ENABLE=1`. Each rank gets its own stream (two ranks of one
-/// collective on one stream would wait for each other forever). The communicators are
-/// non-blocking, as the store's are.
+/// Several NCCL ranks on ONE GPU, for tests on one-GPU machines: NCCL >= 2.30 allows it with
+/// `NCCL_MULTI_RANK_GPU_ENABLE=1`. Each rank has its own stream (two ranks of one collective
+/// on one stream would wait for each other forever).
 pub struct MultiRank {
     ordinal: usize,
     set: CommSet,
@@ -50,10 +46,8 @@ impl MultiRank {
                 "NCCL_MULTI_RANK_GPU_ENABLE=1 is not set in the environment".to_owned(),
             ));
         }
-        let mut streams = Vec::with_capacity(nranks);
-        for _ in 0..nranks {
-            streams.push(gpu.context().new_stream().map_err(cuda_err(op, None))?);
-        }
+        let stream = || gpu.context().new_stream().map_err(cuda_err(op, None));
+        let streams = (0..nranks).map(|_| stream()).collect::<Result<Vec<_>>>()?;
         let set = CommSet::init(&vec![ordinal; nranks], streams, op, &[])?;
         Ok(MultiRank {
             ordinal,
@@ -69,13 +63,15 @@ impl MultiRank {
     /// Sums `sends[r]` (one host vector per rank) on the GPU with NCCL; returns the root's result.
     pub fn reduce_f32(&self, sends: &[Vec<f32>], root: usize) -> Result<Vec<f32>> {
         let op = "multi-rank reduce";
-        self.check_live(op)?;
+        drop(self.live(op)?);
         let n = sends.first().map_or(0, Vec::len);
         if sends.len() != self.ranks().len() || sends.iter().any(|s| s.len() != n) {
             return Err(self.bad_args(op, "one vector per rank, all of one length"));
         }
         self.check_root(op, root)?;
-        let bufs = self.upload_all(sends)?;
+        let bufs = (sends.iter().zip(self.ranks()))
+            .map(|(s, r)| cuda::clone_htod(&r.stream, s).map_err(cuda_err("upload", None)))
+            .collect::<Result<Vec<_>>>()?;
         let recv: CudaSlice<f32> =
             cuda::alloc_zeros(&self.ranks()[root].stream, n).map_err(cuda_err(op, None))?;
         let recv_ptr = device_addr(&recv, &self.ranks()[root].stream);
@@ -95,17 +91,15 @@ impl MultiRank {
     /// Broadcasts `data` from rank `root`; returns what every rank received.
     pub fn broadcast_f32(&self, data: &[f32], root: usize) -> Result<Vec<Vec<f32>>> {
         let op = "multi-rank broadcast";
-        self.check_live(op)?;
+        drop(self.live(op)?);
         let n = data.len();
         self.check_root(op, root)?;
         let send: CudaSlice<f32> =
             cuda::clone_htod(&self.ranks()[root].stream, data).map_err(cuda_err(op, None))?;
-        let mut recvs = Vec::new();
-        for r in self.ranks() {
-            // Poison the outputs so a broadcast that does nothing is seen.
-            recvs
-                .push(cuda::clone_htod(&r.stream, &vec![f32::NAN; n]).map_err(cuda_err(op, None))?);
-        }
+        // Poison the outputs so a broadcast that does nothing is seen.
+        let poisoned = |r: &Rank| cuda::clone_htod(&r.stream, &vec![f32::NAN; n]);
+        let recvs: std::result::Result<Vec<_>, _> = self.ranks().iter().map(poisoned).collect();
+        let recvs = recvs.map_err(cuda_err(op, None))?;
         let send_ptr = device_addr(&send, &self.ranks()[root].stream);
         let recv_ptrs = self.device_addrs(&recvs);
         // The uploads above ran on each rank's stream; NCCL calls go on the same streams.
@@ -132,8 +126,7 @@ impl MultiRank {
         self.ranks().len()
     }
 
-    /// Sets how long a call waits for the ranks before it aborts them (by default
-    /// `KVSTORE_NCCL_TIMEOUT_MS`, or 60 s).
+    /// Sets how long a call waits before it aborts the ranks (`KVSTORE_NCCL_TIMEOUT_MS`).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.set.timeout = timeout;
     }
@@ -160,28 +153,12 @@ impl MultiRank {
         ranks.map(|(b, r)| device_addr(b, &r.stream)).collect()
     }
 
-    fn upload_all(&self, sends: &[Vec<f32>]) -> Result<Vec<CudaSlice<f32>>> {
-        sends
-            .iter()
-            .zip(self.ranks())
-            .map(|(s, r)| cuda::clone_htod(&r.stream, s).map_err(cuda_err("upload", None)))
-            .collect()
-    }
-
-    /// One group over every rank, then polls the non-blocking communicators until the calls
-    /// are issued (with the timeout; aborting on a stall).
-    fn group(
-        &self,
-        op: &'static str,
-        call: impl Fn(On, usize) -> std::result::Result<(), NcclError>,
-    ) -> Result<()> {
+    /// One group over every rank, polled until the calls are issued (aborted on a stall).
+    fn group(&self, op: &'static str, call: impl Fn(On, usize) -> NcclResult) -> Result<()> {
         // No `cross_gpu_order` here: these ranks use streams of their own, which no other
         // work waits on.
         let lib = lib(op, &[])?;
-        let mut calls = self.set.lock();
-        if calls.aborted {
-            return Err(self.aborted_error(op));
-        }
+        let mut calls = self.live(op)?;
         // The matching group end is always called below.
         result::group_start(lib).during(op, &[])?;
         let mut first = Ok(());
@@ -197,9 +174,9 @@ impl MultiRank {
         first
     }
 
-    /// Waits for every rank's stream, polling async errors, with the NCCL timeout. On an error
-    /// or a timeout the communicators are aborted (which ends their kernels), the streams are
-    /// given one more timeout to drain, and every later call fails.
+    /// Waits for every rank's stream, polling async errors, with the timeout. On an error or a
+    /// timeout the communicators are aborted, the streams get one more timeout to drain, and
+    /// every later call fails.
     fn sync(&self, op: &'static str) -> Result<()> {
         let past = |d: Option<Instant>| d.is_some_and(|d| Instant::now() > d);
         let deadline = Instant::now().checked_add(self.set.timeout);
@@ -242,33 +219,28 @@ impl MultiRank {
         Err(nccl_error(op, &[], format!("{message}; {after}")))
     }
 
-    fn aborted_error(&self, op: &'static str) -> Error {
-        let message = "these communicators were aborted after an earlier failure; create a new \
-                       MultiRank";
-        nccl_error(op, &[], message.to_owned())
-    }
-
-    /// Fails once the communicators have been aborted.
-    fn check_live(&self, op: &'static str) -> Result<()> {
-        if self.set.lock().aborted {
-            return Err(self.aborted_error(op));
+    /// Locks the communicators for a call; fails once they have been aborted.
+    fn live(&self, op: &'static str) -> Result<MutexGuard<'_, Calls>> {
+        let calls = self.set.lock();
+        if calls.aborted {
+            let message = "these communicators were aborted after an earlier failure; create a \
+                           new MultiRank";
+            return Err(nccl_error(op, &[], message.to_owned()));
         }
-        Ok(())
+        Ok(calls)
     }
 
     /// Issues a reduce on rank 0 alone, which can never complete, then waits as every call
-    /// does. For tests that a stalled collective is aborted after the timeout rather than left
-    /// hanging. A full reduce runs first, so the ranks' connections exist and the group call
-    /// itself does not wait for the missing rank (it would in `NCCL_LAUNCH_MODE=GROUP`, which
-    /// is refused).
+    /// does: for tests that a stall is aborted after the timeout. A full reduce runs first, so
+    /// the ranks' connections exist and the call itself does not wait for the missing rank (it
+    /// would in `NCCL_LAUNCH_MODE=GROUP`, which is refused).
     #[doc(hidden)]
     pub fn stalled_reduce_f32(&self, n: usize) -> Result<()> {
         let op = "stalled reduce";
-        self.check_live(op)?;
+        drop(self.live(op)?);
         if n == 0 || self.ranks().len() < 2 {
             return Err(self.bad_args(op, "n > 0 and at least 2 ranks"));
         }
-        // In NCCL's GROUP launch mode the group call itself waits for the missing rank.
         if std::env::var("NCCL_LAUNCH_MODE").is_ok_and(|m| m.eq_ignore_ascii_case("group")) {
             return Err(self.bad_args(op, "NCCL_LAUNCH_MODE other than GROUP"));
         }
@@ -280,10 +252,7 @@ impl MultiRank {
         let ptr = device_addr(&buf, stream);
         let lib = lib(op, &[])?;
         {
-            let calls = self.set.lock();
-            if calls.aborted {
-                return Err(self.aborted_error(op));
-            }
+            let _calls = self.live(op)?;
             // Rank 0 alone, outside a group (one rank's part; the others never come).
             let on = On::new(lib, self.ranks()[0].comm, stream);
             // SAFETY: `ptr` names a live buffer of `n` f32 on this GPU, used in place (NCCL

@@ -3,40 +3,27 @@
 //!
 //! # Bootstrap
 //!
-//! Every rank needs the same `ncclUniqueId`. Two launches are supported:
-//! - **`mpirun`**: rank 0 calls [`RankComm::unique_id`], the 128 bytes travel to every rank
-//!   over MPI (as nccl-tests does it), and every rank calls [`RankComm::join`].
-//! - **No MPI** (`torchrun --no-python`, srun wrappers): [`RankComm::from_env`] reads `RANK`,
-//!   `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` ([`LaunchEnv`]). Rank 0 makes
-//!   a plain id (`ncclGetUniqueId`, a random magic) and hands it to the other ranks through
-//!   kvstore's job-token rendezvous at `MASTER_ADDR:(MASTER_PORT + 1)`
-//!   ([`rendezvous`](super::rendezvous): a peer must present the job's token,
-//!   `TORCHELASTIC_RUN_ID` or `KVSTORE_JOB_TOKEN`; nothing is set in the environment). If the
-//!   user has set `NCCL_COMM_ID`, NCCL's own bootstrap is used instead, as the user asked:
-//!   every rank computes the same id from that address, and rank 0's `ncclCommInitRank`
-//!   listens there (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`).
+//! Every rank needs the same `ncclUniqueId`:
+//! - **`mpirun`**: rank 0's [`RankComm::unique_id`] travels to every rank over MPI (as
+//!   nccl-tests does it), and every rank calls [`RankComm::join`].
+//! - **No MPI** (`torchrun --no-python`, srun wrappers): [`RankComm::from_env`] reads the
+//!   launch ([`LaunchEnv`]); rank 0 makes a plain id and hands it to the ranks that present
+//!   the job's token through [`rendezvous`](super::rendezvous) at
+//!   `MASTER_ADDR:(MASTER_PORT + 1)`; nothing is set in the environment. If the user has set
+//!   `NCCL_COMM_ID`, NCCL's own bootstrap is used instead: every rank computes the same id
+//!   from that address (NCCL's `bootstrapGetUniqueId` in `src/bootstrap.cc`).
 //!
 //! # No hang
 //!
-//! The communicator is non-blocking (`ncclCommInitRankConfig` with `blocking = 0`). Every call
-//! polls `ncclCommGetAsyncError` and its stream with the `KVSTORE_TIMEOUT` bound (default
-//! [`DEFAULT_TIMEOUT`](crate::config::DEFAULT_TIMEOUT), 30 minutes). A rank that stops calling, or dies, leaves the
-//! others' collectives without progress: when the bound passes they abort the communicator
-//! (`ncclCommAbort`, which tells its kernels to end; the GPU's runtime stream is then made to
-//! wait for this rank's stream, so no array of the call is freed or reused before the aborted
-//! kernels are done with it, see `order_after_abort`) and return [`Error::Timeout`] naming the
-//! op and keys. The communicator is unusable after a failure: later calls return
+//! The communicator is non-blocking. Every call polls `ncclCommGetAsyncError` and its stream
+//! for at most `KVSTORE_TIMEOUT` (default [`DEFAULT_TIMEOUT`](crate::config::DEFAULT_TIMEOUT),
+//! 30 minutes). When a rank stops calling or dies, the others abort the communicator when the
+//! bound passes (see `order_after_abort` for why no array is freed under the aborted kernels)
+//! and return [`Error::Timeout`] naming the op and keys; later calls return
 //! [`Error::DistFailed`].
 //!
-//! # Streams
-//!
-//! Collectives run on a stream of the communicator's own, after the work enqueued on the GPU's
-//! runtime stream (the store's kernels and copies that made their inputs). Each call returns
-//! when its collective is done, so later work needs no stream dependency on it. Ranks that
-//! share a GPU (tests on a one-GPU machine) so never wait for each other inside one stream.
-//!
-//! Every rank must make the same calls, in the same order, with the same sizes: that is NCCL's
-//! contract. The store checks a fingerprint of each call before its collectives.
+//! Every rank must make the same calls, in the same order, with the same sizes (NCCL's
+//! contract); the store checks a fingerprint of each call before its collectives.
 
 use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
@@ -44,7 +31,7 @@ use std::time::{Duration, Instant};
 use super::comm_set::{Calls, CommSet, Rank};
 use super::loader::{Comm, Config, Nccl, UniqueId};
 use super::rendezvous::{self, JobToken, Root};
-use super::result::{self, lib, nccl_error, During, NcclError, On};
+use super::result::{self, lib, nccl_error, During, NcclResult, On};
 use super::POLL_INTERVAL;
 use crate::backend::cuda::{self, cuda_err, stream_wait, GpuBuf};
 use crate::comm::launch::LaunchEnv;
@@ -74,15 +61,13 @@ pub enum InPlace<'a> {
 
 impl InPlace<'_> {
     fn buf(&self) -> &NDArray {
-        match self {
-            InPlace::Reduce { buf, .. } | InPlace::Broadcast { buf, .. } => buf,
-        }
+        let (InPlace::Reduce { buf, .. } | InPlace::Broadcast { buf, .. }) = self;
+        buf
     }
 
     fn root(&self) -> usize {
-        match self {
-            InPlace::Reduce { root, .. } | InPlace::Broadcast { root, .. } => *root,
-        }
+        let (InPlace::Reduce { root, .. } | InPlace::Broadcast { root, .. }) = self;
+        *root
     }
 }
 
@@ -104,8 +89,8 @@ impl RankComm {
         result::get_unique_id(lib).during(op, &[])
     }
 
-    /// Joins the job of `id` as rank `rank` of `size`, on GPU `ordinal`. Returns once every rank
-    /// has joined, or fails after `KVSTORE_TIMEOUT`.
+    /// Joins the job of `id` as rank `rank` of `size`, on GPU `ordinal`, once every rank has
+    /// joined; fails after `KVSTORE_TIMEOUT`.
     pub fn join(id: UniqueId, rank: usize, size: usize, ordinal: usize) -> Result<RankComm> {
         let op = "join NCCL ranks";
         if rank >= size {
@@ -143,8 +128,8 @@ impl RankComm {
     }
 
     /// Joins the job a launcher without MPI describes in the environment (see the
-    /// [module documentation](self)). The GPU is `LOCAL_RANK`; a missing or inconsistent
-    /// variable is [`Error::DistEnv`] naming it.
+    /// [module documentation](self)), on GPU `LOCAL_RANK`; a missing or inconsistent variable
+    /// is [`Error::DistEnv`] naming it.
     pub fn from_env() -> Result<RankComm> {
         let launch = LaunchEnv::from_process()?;
         let gpus = crate::backend::probe::gpu_count();
@@ -208,8 +193,7 @@ impl RankComm {
         self.set.timeout
     }
 
-    /// Sets how long a call waits for the other ranks before it aborts the communicator (by
-    /// default `KVSTORE_TIMEOUT`).
+    /// Sets [`Self::timeout`] (by default `KVSTORE_TIMEOUT`).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.set.timeout = timeout;
     }
@@ -234,10 +218,10 @@ impl RankComm {
         self.check_dtype(op, s, r)?;
         let (n, dt, sp, rp) = (s.len(), s.dtype(), s.ptr(), r.ptr());
         // SAFETY: both addresses name live buffers of `n` elements of the dtype on this rank's
-        // GPU, locked for the call, which returns only once the collective is done, or once the
-        // communicator is aborted and the runtime stream (where the buffers are freed or reused)
-        // waits for this rank's stream (`order_after_abort`); `call` hands over the live
-        // communicator, under the set's call lock, and this rank's own stream.
+        // GPU, locked for the call, which returns only once the collective is done or the
+        // runtime stream (where buffers are freed or reused) waits for this rank's stream after
+        // an abort (`order_after_abort`); `call` hands over the live communicator, under the
+        // set's call lock, and this rank's own stream.
         self.call(op, &[], |on| unsafe {
             result::reduce(on, sp, rp, n, dt, root)
         })
@@ -287,7 +271,7 @@ impl RankComm {
         send: &NDArray,
         recv: &NDArray,
         whole: &str,
-        issue: impl FnOnce(On, u64, u64, usize, DType) -> std::result::Result<(), NcclError>,
+        issue: impl FnOnce(On, u64, u64, usize, DType) -> NcclResult,
     ) -> Result<()> {
         self.check_distinct(op, send, recv)?;
         let (s, r) = (send.read(), recv.write());
@@ -300,11 +284,11 @@ impl RankComm {
     }
 
     /// An all-to-all of blocks of their own lengths: this rank sends `send_counts[p]` elements
-    /// to rank `p` (its blocks lie one after another in `send`, for ranks 0, 1, ...), and
-    /// receives `recv_counts[p]` from rank `p` (likewise in `recv`). One NCCL group of a send
-    /// and a receive per rank, this one included; a block may be empty (NCCL >= 2.12.10 takes
-    /// zero-byte transfers, and every rank always issues all of its, so the ranks' groups
-    /// match). Each rank's `send_counts[p]` must be rank `p`'s `recv_counts` of it.
+    /// to rank `p` and receives `recv_counts[p]` from it (the blocks lie one after another, in
+    /// rank order). One NCCL group of a send and a receive per rank, this one included; a block
+    /// may be empty (NCCL >= 2.12.10 takes zero-byte transfers, and every rank issues all of
+    /// its, so the groups match). Each rank's `send_counts[p]` must be rank `p`'s `recv_counts`
+    /// of it.
     pub fn all_to_all_v(
         &self,
         send: &NDArray,
@@ -347,12 +331,8 @@ impl RankComm {
             result::group_start(on.lib)?;
             let mut first = Ok(());
             for p in 0..self.size {
-                // SAFETY: each block lies inside its buffer (the counts' sums were checked
-                // against the lengths), on this rank's GPU, locked for the call, which returns
-                // only once this stream's work is done, or once the communicator is aborted and
-                // the runtime stream waits for this rank's stream (`order_after_abort`); `call`
-                // hands over the live communicator, under the set's call lock, and this rank's own
-                // stream.
+                // SAFETY: as in `reduce_sum`; each block lies inside its buffer (the counts'
+                // sums were checked against the lengths).
                 let sent = unsafe { result::send(on, sp + send_at[p], send_counts[p], dt, p) };
                 // SAFETY: as for the send; the receive buffer is another array (checked).
                 let received = unsafe { result::recv(on, rp + recv_at[p], recv_counts[p], dt, p) };
@@ -363,9 +343,8 @@ impl RankComm {
         })
     }
 
-    /// Issues `ops` in order, in NCCL groups of at most [`GROUP_MAX`] collectives, each group
-    /// one call: one wait for all of its collectives instead of one per collective. Every
-    /// array must be distinct and on this rank's GPU.
+    /// Issues `ops` in order, in NCCL groups of at most [`GROUP_MAX`] collectives, with one wait
+    /// per group. Every array must be distinct and on this rank's GPU.
     pub fn group(&self, ops: &[InPlace<'_>]) -> Result<()> {
         let op = "NCCL collectives across ranks";
         for chunk in ops.chunks(GROUP_MAX) {
@@ -390,13 +369,8 @@ impl RankComm {
                 result::group_start(on.lib)?;
                 let mut first = Ok(());
                 for &(p, n, dt, root, reduce) in &items {
-                    // SAFETY: `p` names a live buffer of `n` elements of the dtype on this
-                    // rank's GPU, write-locked for the call, which returns only once this
-                    // stream's work is done, or once the communicator is aborted and the
-                    // runtime stream, where buffers are freed or reused, waits for this rank's
-                    // stream (`order_after_abort`), so the buffer outlives the collective; NCCL
-                    // allows it in place; `call` hands over the live communicator, under
-                    // the set's call lock, and this rank's own stream.
+                    // SAFETY: as in `reduce_sum`, with `p` write-locked and in place (NCCL
+                    // allows it).
                     let issued = unsafe {
                         match reduce {
                             true => result::reduce(on, p, p, n, dt, root),
@@ -412,8 +386,8 @@ impl RankComm {
         Ok(())
     }
 
-    /// Waits until every collective issued so far has finished. Each collective call already
-    /// returns only when its collective is done, so this only reports a failure, if any.
+    /// Waits until every collective issued so far has finished (each call already waits for
+    /// its own, so this only reports a failure).
     pub fn synchronize(&self) -> Result<()> {
         let op = "wait for NCCL ranks";
         let mut st = self.live(op)?;
@@ -440,15 +414,15 @@ impl RankComm {
         waited.map_err(|e| self.fail(st, op, keys, e))
     }
 
-    /// Issues one collective on this rank's stream, after the runtime stream's work, polls
-    /// until NCCL has taken it (non-blocking communicators may report `ncclInProgress`), then
-    /// until it is done. The host waits rather than the runtime stream: a runtime stream that
-    /// waited for one rank's collective would hold back every other rank that shares the GPU.
+    /// Issues one collective on the communicator's own stream, after the runtime stream's work,
+    /// and polls until NCCL has taken it, then until it is done, so later work needs no stream
+    /// dependency on it. The host waits, not the runtime stream: that would hold back every
+    /// other rank that shares the GPU (tests).
     fn call(
         &self,
         op: &'static str,
         keys: &[Key],
-        issue: impl FnOnce(On) -> std::result::Result<(), NcclError>,
+        issue: impl FnOnce(On) -> NcclResult,
     ) -> Result<()> {
         let lib = lib(op, keys)?;
         let mut st = self.live(op)?;
@@ -506,23 +480,19 @@ impl RankComm {
 
     /// Aborts the communicator after `error`, remembers it, and returns it (with the call's
     /// sequence number where the error has one).
-    fn fail(&self, st: &mut Calls, op: &'static str, keys: &[Key], error: Error) -> Error {
-        let error = match error {
-            Error::Timeout {
-                seq: 0,
-                keys: k,
-                missing,
-                detail,
-                ..
-            } => Error::Timeout {
-                op,
-                seq: st.seq,
-                keys: if k.is_empty() { keys.to_vec() } else { k },
-                missing,
-                detail,
-            },
-            other => other,
-        };
+    fn fail(&self, st: &mut Calls, op: &'static str, keys: &[Key], mut error: Error) -> Error {
+        if let Error::Timeout {
+            op: o,
+            seq: s @ 0,
+            keys: k,
+            ..
+        } = &mut error
+        {
+            (*o, *s) = (op, st.seq);
+            if k.is_empty() {
+                *k = keys.to_vec();
+            }
+        }
         if st.failed.is_none() {
             st.failed = Some(error.to_string());
             // Abort ends the kernels without waiting for the other ranks.
@@ -532,15 +502,12 @@ impl RankComm {
         error
     }
 
-    /// Puts whatever the aborted collectives still did with the call's arrays before all later
-    /// work on the GPU's runtime stream, where every array is freed (`cuMemFreeAsync`) or
-    /// reused. `ncclCommAbort` waits for NCCL's kernels only when it ends the process's last
-    /// rank of the communicator (`commReclaim` calls `commDestroySync`, which synchronizes the
-    /// device stream, which has waited on an event after each kernel: NCCL's `src/init.cc` and
-    /// `src/enqueue.cc`); an abort of another rank of the process (several ranks in one
-    /// process, as tests make them) only sets the abort flag, and the kernels end later. The
-    /// runtime stream now waits for this rank's stream, so a free can never come first. It
-    /// costs no host wait; the aborted kernels end on their own (the flag), so the wait ends.
+    /// Makes the GPU's runtime stream, where every array is freed (`cuMemFreeAsync`) or reused,
+    /// wait for this rank's stream, so no free comes before the aborted kernels are done with
+    /// the call's arrays. `ncclCommAbort` waits for NCCL's kernels only when it ends the
+    /// process's last rank of the communicator (`commReclaim` -> `commDestroySync`: NCCL's
+    /// `src/init.cc` and `src/enqueue.cc`); for another rank of the process (tests) it only sets
+    /// the abort flag, and the kernels end later, on their own. No host wait.
     fn order_after_abort(&self, op: &'static str) {
         let joined =
             cuda::gpu(self.ordinal).and_then(|gpu| stream_wait(gpu.stream(), &self.one().stream));
@@ -553,55 +520,49 @@ impl RankComm {
         }
     }
 
-    /// The GPU buffer of `array`, which must be on this rank's GPU.
+    /// The GPU buffer of `storage`, which must be on this rank's GPU.
     fn buf<'s>(&self, op: &'static str, storage: &'s Storage) -> Result<&'s GpuBuf> {
         match storage {
             Storage::Gpu(b) if b.ordinal() == self.ordinal => Ok(b),
-            Storage::Gpu(b) => Err(self.misuse(
-                op,
-                format!(
-                    "an array on {} for a rank on {}",
-                    Device::Gpu(b.ordinal()),
-                    Device::Gpu(self.ordinal)
-                ),
-            )),
-            Storage::Host(_) => Err(self.misuse(
-                op,
-                format!(
-                    "a host array for a rank on {}: move it to the GPU first",
-                    Device::Gpu(self.ordinal)
-                ),
-            )),
+            Storage::Gpu(b) => {
+                let (on, mine) = (Device::Gpu(b.ordinal()), Device::Gpu(self.ordinal));
+                Err(self.misuse(op, format!("an array on {on} for a rank on {mine}")))
+            }
+            Storage::Host(_) => {
+                let mine = Device::Gpu(self.ordinal);
+                let what = format!("a host array for a rank on {mine}: move it to the GPU first");
+                Err(self.misuse(op, what))
+            }
         }
     }
 
     /// `send` and `recv` must be different arrays (one would be locked twice).
     fn check_distinct(&self, op: &'static str, send: &NDArray, recv: &NDArray) -> Result<()> {
-        if send.storage_id() == recv.storage_id() {
-            return Err(self.misuse(op, "the same array as send and recv".to_owned()));
-        }
-        Ok(())
+        let same = send.storage_id() == recv.storage_id();
+        self.refuse_if(op, same, || "the same array as send and recv".to_owned())
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(self.misuse(op, format!("root {root} of {} ranks", self.size)));
-        }
-        Ok(())
+        let what = || format!("root {root} of {} ranks", self.size);
+        self.refuse_if(op, root >= self.size, what)
     }
 
     fn check_len(&self, op: &'static str, what: &str, len: usize, want: usize) -> Result<()> {
-        if len != want {
-            return Err(self.misuse(op, format!("{what} of {len} elements, expected {want}")));
-        }
-        Ok(())
+        let what = || format!("{what} of {len} elements, expected {want}");
+        self.refuse_if(op, len != want, what)
     }
 
     fn check_dtype(&self, op: &'static str, a: &GpuBuf, b: &GpuBuf) -> Result<()> {
-        if a.dtype() != b.dtype() {
-            return Err(self.misuse(op, format!("{} and {} buffers", a.dtype(), b.dtype())));
+        let (a, b) = (a.dtype(), b.dtype());
+        self.refuse_if(op, a != b, || format!("{a} and {b} buffers"))
+    }
+
+    /// [`Self::misuse`] when `bad`.
+    fn refuse_if(&self, op: &'static str, bad: bool, what: impl FnOnce() -> String) -> Result<()> {
+        match bad {
+            true => Err(self.misuse(op, what())),
+            false => Ok(()),
         }
-        Ok(())
     }
 
     /// Arguments that do not fit a collective: refused before anything is sent.

@@ -1,13 +1,11 @@
 //! The job-token rendezvous of a launch without MPI: rank 0 hands its `ncclUniqueId` to the
 //! other ranks over one TCP connection each, at `MASTER_ADDR:(MASTER_PORT + 1)`.
 //!
-//! Why not NCCL's own `NCCL_COMM_ID` bootstrap: with that variable set, every rank computes
-//! the same id from the address and a fixed magic, and the fixed magic is the only thing NCCL's
-//! bootstrap root checks, so a stale rank or another job that reaches the address is let in. The
-//! variable is also process-wide: left set, it forces every later NCCL communicator of the
-//! process (torch.distributed's groups) onto that address, and setting it races with other
-//! threads' `getenv`. Here rank 0 makes a plain id (random magic, its own bootstrap address) and
-//! gives it only to peers that present the job's token; nothing is set in the environment.
+//! Why not NCCL's own `NCCL_COMM_ID` bootstrap: its root checks only a fixed magic, so a stale
+//! rank or another job that reaches the address is let in; and the variable is process-wide
+//! (it forces every later NCCL communicator of the process, torch.distributed's too, onto that
+//! address, and setting it races with other threads' `getenv`). Here rank 0 makes a plain id
+//! (random magic) and gives it only to peers that present the job's token.
 //!
 //! # Protocol (version 1)
 //!
@@ -23,12 +21,10 @@
 //!
 //! # What it trusts
 //!
-//! The token is `TORCHELASTIC_RUN_ID` (torchrun's `--rdzv-id`, a fresh one per job with
-//! `--standalone`) when set, else `KVSTORE_JOB_TOKEN`, else a fixed default: with the default,
-//! any peer on the `MASTER_ADDR` network that speaks this protocol is accepted, as NCCL's own
-//! `NCCL_COMM_ID` bootstrap accepts any. The token travels in clear text: it keeps jobs apart
-//! (a stale rank, two jobs on one port); it is not a secret against someone who can read the
-//! network.
+//! The token is `TORCHELASTIC_RUN_ID` (torchrun's `--rdzv-id`, fresh per job with
+//! `--standalone`) when set, else `KVSTORE_JOB_TOKEN`, else a fixed default, with which any
+//! peer that speaks this protocol is accepted (as `NCCL_COMM_ID` accepts any). It travels in
+//! clear text: it keeps jobs apart; it is no secret from someone who can read the network.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -80,11 +76,10 @@ impl Refusal {
     }
 }
 
-/// The token that marks the ranks of one job, and where it came from.
+/// The token that marks the ranks of one job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct JobToken {
-    /// The variable it was read from (`KVSTORE_JOB_TOKEN` for the default, which is where a
-    /// user would set one).
+    /// The variable it was read from (`KVSTORE_JOB_TOKEN` for the default: where to set one).
     pub var: &'static str,
     /// The token.
     pub value: String,
@@ -173,9 +168,8 @@ struct Pending {
 }
 
 impl Root {
-    /// Listens at `host:port` (an address of `host`; the unspecified address of its family when
-    /// `host` is not an address of this machine). A port in use is an [`Error::DistEnv`] naming
-    /// `MASTER_PORT`.
+    /// Listens at `host:port` (or at the unspecified address of its family when `host` is not
+    /// this machine's). A port in use is an [`Error::DistEnv`] naming `MASTER_PORT`.
     pub(super) fn bind(host: &str, port: u16) -> Result<Root> {
         let addr = format!("{host}:{port}");
         let addrs: Vec<SocketAddr> = (bare_host(host), port)
@@ -233,11 +227,10 @@ impl Root {
         self.listener.local_addr().map_or(0, |a| a.port())
     }
 
-    /// Waits until ranks `1..size` have each said hello with `token`, then makes the id with
-    /// `make_id`, sends it to them, and closes the listener; returns the id. Peers that fail a
-    /// check are refused and not counted. If `deadline` passes first, an [`Error::Timeout`]
-    /// names the ranks that never came; if `make_id` fails, the peers are told, and its error is
-    /// returned.
+    /// Waits until ranks `1..size` have each said hello with `token` (refusing, and not
+    /// counting, peers that fail a check), then sends them the id `make_id` makes, closes the
+    /// listener and returns the id. After `deadline`, an [`Error::Timeout`] names the ranks
+    /// that never came; if `make_id` fails, the peers are told, and its error is returned.
     pub(super) fn serve(
         self,
         token: &JobToken,
@@ -452,7 +445,7 @@ fn encode_hello(token: &JobToken, rank: usize, size: usize) -> Vec<u8> {
 }
 
 /// Rank 0's checks of a hello: the peer's rank, or why it is refused. The token comes first,
-/// so a peer of another job learns nothing else about this one.
+/// so a peer of another job learns nothing else.
 fn check(
     h: &HelloMsg,
     token: &JobToken,
@@ -534,10 +527,9 @@ fn hung_up(stream: &TcpStream) -> bool {
     }
 }
 
-/// A non-zero rank's side: connects to rank 0 at `host:port` (retrying while nothing listens
-/// there, until `deadline`), says hello with `token`, and returns the id rank 0 sends. A
-/// refusal is an [`Error::DistEnv`] naming the variable to fix; no answer by `deadline` is an
-/// [`Error::Timeout`].
+/// A non-zero rank's side: connects to rank 0 at `host:port` (retrying until `deadline`),
+/// says hello with `token`, and returns the id rank 0 sends. A refusal is an
+/// [`Error::DistEnv`] naming the variable to fix; no answer by `deadline`, [`Error::Timeout`].
 pub(crate) fn fetch(
     host: &str,
     port: u16,

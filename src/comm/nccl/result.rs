@@ -1,15 +1,10 @@
-//! The result layer: one thin wrapper per NCCL function kvstore calls, over the raw function
-//! table of [`super::loader`] (the sys layer).
+//! The result layer: one thin wrapper per NCCL function kvstore calls, over the function table
+//! of [`super::loader`] (the sys layer).
 //!
 //! Every `ncclResult_t` is read in [`check`], and only there: `ncclSuccess` and
-//! `ncclInProgress` (a non-blocking call still running) are accepted, anything else becomes an
-//! [`NcclError`] carrying NCCL's own text for the code and its last error message. The layer
-//! above (the communicator sets, [`RankComm`](super::RankComm), the group runner) calls only
-//! these wrappers and names the operation and keys with [`During::during`].
-//!
-//! A wrapper is an `unsafe fn` where the call is sound only under conditions the types cannot
-//! show (a live communicator, device buffers of the right length, a config that outlives its
-//! group); its `# Safety` section says which. The others are safe functions.
+//! `ncclInProgress` are accepted, anything else becomes an [`NcclError`] with NCCL's own text.
+//! Callers name the operation and keys with [`During::during`]. A wrapper is an `unsafe fn`
+//! where soundness rests on what the types cannot show; its `# Safety` section says what.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -19,6 +14,9 @@ use cudarc::driver::CudaStream;
 
 use super::loader::{self, Comm, Config, Nccl, UniqueId, IN_PROGRESS, SUCCESS};
 use crate::{DType, Error, Key, Result};
+
+/// What a wrapper returns.
+pub(crate) type NcclResult<T = ()> = std::result::Result<T, NcclError>;
 
 /// The loaded NCCL, or an error naming `op` and `keys` that says what was looked for and how
 /// to fix it.
@@ -41,8 +39,7 @@ pub(crate) enum Status {
     InProgress,
 }
 
-/// An NCCL call that failed: NCCL's text for the return code and its last error message, or
-/// the name of a function the loaded library lacks.
+/// A failed NCCL call: NCCL's text for the code and its last error, or a missing function.
 #[derive(Debug)]
 pub(crate) struct NcclError {
     /// What is reported as [`Error::Nccl`]'s message.
@@ -55,7 +52,7 @@ impl NcclError {
     fn from_code(lib: &Nccl, code: c_int, comm: Comm) -> NcclError {
         let mut message = error_string(lib, code);
         // SAFETY: `comm` is the communicator of the call that just returned `code`, or null;
-        // NCCL accepts either (and reads the thread's last error regardless of it).
+        // NCCL accepts either.
         let last = unsafe { last_error(lib, comm) };
         if !last.is_empty() {
             message = format!("{message} ({last})");
@@ -65,12 +62,9 @@ impl NcclError {
 
     /// The error of a call to `function`, which this NCCL does not have.
     fn missing(lib: &Nccl, function: &str) -> NcclError {
-        NcclError {
-            message: format!(
-                "NCCL {} has no {function}; kvstore needs NCCL >= 2.14",
-                lib.version_string()
-            ),
-        }
+        let v = lib.version_string();
+        let message = format!("NCCL {v} has no {function}; kvstore needs NCCL >= 2.14");
+        NcclError { message }
     }
 
     /// The crate's error for this failure, during `op` on `keys`.
@@ -81,19 +75,18 @@ impl NcclError {
 
 /// Names the operation and keys of a failed NCCL call, making it the crate's [`Error::Nccl`].
 pub(crate) trait During<T> {
-    /// The crate's result: the value, or the error during `op` on `keys`.
+    /// The value, or the error during `op` on `keys`.
     fn during(self, op: &'static str, keys: &[Key]) -> Result<T>;
 }
 
-impl<T> During<T> for std::result::Result<T, NcclError> {
+impl<T> During<T> for NcclResult<T> {
     fn during(self, op: &'static str, keys: &[Key]) -> Result<T> {
         self.map_err(|e| e.during(op, keys))
     }
 }
 
-/// The one place a return code is read: success and "in progress" are accepted, anything else
-/// is an error with NCCL's message (`comm` names the communicator the call was on, or null).
-fn check(lib: &Nccl, code: c_int, comm: Comm) -> std::result::Result<Status, NcclError> {
+/// The one place a return code is read (`comm` names the call's communicator, or is null).
+fn check(lib: &Nccl, code: c_int, comm: Comm) -> NcclResult<Status> {
     match code {
         SUCCESS => Ok(Status::Done),
         IN_PROGRESS => Ok(Status::InProgress),
@@ -101,9 +94,9 @@ fn check(lib: &Nccl, code: c_int, comm: Comm) -> std::result::Result<Status, Ncc
     }
 }
 
-/// [`check`], for calls whose "in progress" needs no action here: the caller polls the
-/// communicator with [`comm_get_async_error`] afterwards.
-fn accepted(lib: &Nccl, code: c_int, comm: Comm) -> std::result::Result<(), NcclError> {
+/// [`check`], for calls whose "in progress" the caller polls afterwards
+/// ([`comm_get_async_error`]).
+fn accepted(lib: &Nccl, code: c_int, comm: Comm) -> NcclResult {
     check(lib, code, comm).map(drop)
 }
 
@@ -120,10 +113,10 @@ fn nccl_dtype(dtype: DType) -> c_int {
     }
 }
 
-/// `ncclGetErrorString`: NCCL's message for a return code, as `NCCL error <code>: <text>`.
-pub(crate) fn error_string(lib: &Nccl, code: c_int) -> String {
-    // SAFETY: ncclGetErrorString takes any code and returns a pointer to a static
-    // NUL-terminated string (or null); it is only read here.
+/// `ncclGetErrorString`, as `NCCL error <code>: <text>`.
+fn error_string(lib: &Nccl, code: c_int) -> String {
+    // SAFETY: ncclGetErrorString takes any code and returns a static NUL-terminated string
+    // (or null).
     let p = unsafe { (lib.get_error_string)(code) };
     if p.is_null() {
         return format!("NCCL error {code}");
@@ -133,18 +126,17 @@ pub(crate) fn error_string(lib: &Nccl, code: c_int) -> String {
     format!("NCCL error {code}: {s}")
 }
 
-/// `ncclGetLastError`: NCCL's last error text (empty when there is none, or before NCCL 2.13,
-/// which lacks the function).
+/// `ncclGetLastError` (empty when there is none, or before NCCL 2.13, which lacks it).
 ///
 /// # Safety
 ///
 /// `comm` is a live communicator or null.
-pub(crate) unsafe fn last_error(lib: &Nccl, comm: Comm) -> String {
+unsafe fn last_error(lib: &Nccl, comm: Comm) -> String {
     let Some(f) = lib.get_last_error else {
         return String::new();
     };
-    // SAFETY: `comm` is live or null (this function's contract); the string returned is owned
-    // by NCCL and copied out below, before any other NCCL call can replace it.
+    // SAFETY: `comm` is live or null (this function's contract); the string is NCCL's, copied
+    // out below before any other NCCL call can replace it.
     let p = unsafe { f(comm) };
     if p.is_null() {
         return String::new();
@@ -154,7 +146,7 @@ pub(crate) unsafe fn last_error(lib: &Nccl, comm: Comm) -> String {
 }
 
 /// `ncclGetUniqueId`: a fresh id for a new set of communicators.
-pub(crate) fn get_unique_id(lib: &Nccl) -> std::result::Result<UniqueId, NcclError> {
+pub(crate) fn get_unique_id(lib: &Nccl) -> NcclResult<UniqueId> {
     let mut id = UniqueId([0; 128]);
     // SAFETY: `id` is a valid, writable `ncclUniqueId`.
     let code = unsafe { (lib.get_unique_id)(&mut id) };
@@ -162,13 +154,11 @@ pub(crate) fn get_unique_id(lib: &Nccl) -> std::result::Result<UniqueId, NcclErr
     Ok(id)
 }
 
-/// Fails, with the message [`comm_init_rank_config`] would give, when this NCCL has no
-/// `ncclCommInitRankConfig` (before 2.14), so a caller can find out before it starts a group.
-pub(crate) fn require_comm_init_rank_config(lib: &Nccl) -> std::result::Result<(), NcclError> {
-    match lib.comm_init_rank_config {
-        Some(_) => Ok(()),
-        None => Err(NcclError::missing(lib, "ncclCommInitRankConfig")),
-    }
+/// [`comm_init_rank_config`]'s error when this NCCL lacks it (before 2.14), so a caller can
+/// find out before it starts a group.
+pub(crate) fn require_comm_init_rank_config(lib: &Nccl) -> NcclResult {
+    (lib.comm_init_rank_config.map(drop))
+        .ok_or_else(|| NcclError::missing(lib, "ncclCommInitRankConfig"))
 }
 
 /// `ncclCommInitRankConfig`: writes rank `rank` of `nranks`'s communicator for `id` to `comm`.
@@ -184,7 +174,7 @@ pub(crate) unsafe fn comm_init_rank_config(
     id: UniqueId,
     rank: usize,
     config: &mut Config,
-) -> std::result::Result<(), NcclError> {
+) -> NcclResult {
     let Some(f) = lib.comm_init_rank_config else {
         return Err(NcclError::missing(lib, "ncclCommInitRankConfig"));
     };
@@ -194,16 +184,13 @@ pub(crate) unsafe fn comm_init_rank_config(
     accepted(lib, code, *comm)
 }
 
-/// `ncclCommGetAsyncError`: whether the communicator is done, or still working; an error when
+/// `ncclCommGetAsyncError`: whether the communicator is done or still working; an error when
 /// the call, or the communicator's work, failed.
 ///
 /// # Safety
 ///
 /// `comm` is a live communicator, and no other call on it runs concurrently.
-pub(crate) unsafe fn comm_get_async_error(
-    lib: &Nccl,
-    comm: Comm,
-) -> std::result::Result<Status, NcclError> {
+pub(crate) unsafe fn comm_get_async_error(lib: &Nccl, comm: Comm) -> NcclResult<Status> {
     let mut state = SUCCESS;
     // SAFETY: `comm` is live and not in concurrent use (this function's contract); `state` is a
     // valid out-pointer.
@@ -213,12 +200,12 @@ pub(crate) unsafe fn comm_get_async_error(
 }
 
 /// `ncclCommFinalize` (non-blocking communicators report "in progress": poll with
-/// [`comm_get_async_error`]). An error when this NCCL lacks the function (before 2.14).
+/// [`comm_get_async_error`]); an error when this NCCL lacks it (before 2.14).
 ///
 /// # Safety
 ///
 /// `comm` is a live communicator with no call on it running concurrently.
-pub(crate) unsafe fn comm_finalize(lib: &Nccl, comm: Comm) -> std::result::Result<(), NcclError> {
+pub(crate) unsafe fn comm_finalize(lib: &Nccl, comm: Comm) -> NcclResult {
     let Some(f) = lib.comm_finalize else {
         return Err(NcclError::missing(lib, "ncclCommFinalize"));
     };
@@ -227,33 +214,27 @@ pub(crate) unsafe fn comm_finalize(lib: &Nccl, comm: Comm) -> std::result::Resul
     accepted(lib, code, comm)
 }
 
-/// `ncclCommDestroy`: frees a communicator.
+/// Frees a communicator: `ncclCommAbort` when `abort` (which ends its work without waiting for
+/// it), else `ncclCommDestroy`.
 ///
 /// # Safety
 ///
-/// `comm` is a live communicator, destroyed or aborted only here and never used again.
-pub(crate) unsafe fn comm_destroy(lib: &Nccl, comm: Comm) -> std::result::Result<(), NcclError> {
+/// `comm` is a live communicator, freed only here and never used again.
+pub(crate) unsafe fn comm_free(lib: &Nccl, comm: Comm, abort: bool) -> NcclResult {
+    let f = if abort {
+        lib.comm_abort
+    } else {
+        lib.comm_destroy
+    };
     // SAFETY: `comm` is live and used for the last time (this function's contract).
-    let code = unsafe { (lib.comm_destroy)(comm) };
-    // The handle is freed: no last error is asked of it.
-    accepted(lib, code, std::ptr::null_mut())
-}
-
-/// `ncclCommAbort`: ends the communicator's work without waiting for it, and frees it.
-///
-/// # Safety
-///
-/// `comm` is a live communicator, aborted or destroyed only here and never used again.
-pub(crate) unsafe fn comm_abort(lib: &Nccl, comm: Comm) -> std::result::Result<(), NcclError> {
-    // SAFETY: `comm` is live and used for the last time (this function's contract).
-    let code = unsafe { (lib.comm_abort)(comm) };
+    let code = unsafe { f(comm) };
     // The handle is freed: no last error is asked of it.
     accepted(lib, code, std::ptr::null_mut())
 }
 
 /// Ends communicators that are done with: finalizes them where this NCCL can, waits with
-/// `settle` (which says whether it succeeded) for the finalization, then destroys them; aborts
-/// them instead when either step fails.
+/// `settle` (which says whether it succeeded), then destroys them; aborts them instead when
+/// either step fails.
 ///
 /// # Safety
 ///
@@ -268,33 +249,28 @@ pub(crate) unsafe fn close(lib: &Nccl, comms: &[Comm], settle: impl FnOnce() -> 
         ok = ok && settle();
     }
     for &c in comms {
-        // SAFETY: each is destroyed or aborted once, here, and never used again (this
-        // function's contract); closing has no use for the result.
-        let _ = unsafe {
-            match ok {
-                true => comm_destroy(lib, c),
-                false => comm_abort(lib, c),
-            }
-        };
+        // SAFETY: each is freed once, here, and never used again (this function's contract);
+        // closing has no use for the result.
+        let _ = unsafe { comm_free(lib, c, !ok) };
     }
 }
 
 /// `ncclGroupStart`: the calls until [`group_end`] on this thread form one group.
-pub(crate) fn group_start(lib: &Nccl) -> std::result::Result<(), NcclError> {
+pub(crate) fn group_start(lib: &Nccl) -> NcclResult {
     // SAFETY: no arguments; an open group only defers the calls made inside it.
     let code = unsafe { (lib.group_start)() };
     accepted(lib, code, std::ptr::null_mut())
 }
 
 /// `ncclGroupEnd`: issues the calls since [`group_start`].
-pub(crate) fn group_end(lib: &Nccl) -> std::result::Result<(), NcclError> {
+pub(crate) fn group_end(lib: &Nccl) -> NcclResult {
     // SAFETY: no arguments; NCCL reports a group end with no group open as an error code.
     let code = unsafe { (lib.group_end)() };
     accepted(lib, code, std::ptr::null_mut())
 }
 
-/// Where a collective is issued: a live communicator and a live stream of its rank's GPU (a
-/// `CUstream`).
+/// Where a collective is issued: a live communicator and a live stream (`CUstream`) of its
+/// rank's GPU.
 #[derive(Clone, Copy)]
 pub(crate) struct On<'a> {
     /// The loaded NCCL.
@@ -311,6 +287,11 @@ impl<'a> On<'a> {
         let stream = stream.cu_stream() as *mut c_void;
         On { lib, comm, stream }
     }
+
+    /// [`accepted`], for a call on this communicator.
+    fn accepted(self, code: c_int) -> NcclResult {
+        accepted(self.lib, code, self.comm)
+    }
 }
 
 /// `ncclReduce` with `ncclSum`: sums every rank's `send` into `recv` on rank `root` (only the
@@ -319,9 +300,9 @@ impl<'a> On<'a> {
 /// # Safety
 ///
 /// `on.comm` is a live communicator with no call on it running concurrently, and `on.stream` a
-/// live stream of the rank's GPU. `send` (and, on the root, `recv`) are device addresses on that
-/// GPU of `count` elements of `dtype`, which stay allocated until the collective is done on the
-/// stream; `recv` may equal `send`.
+/// live stream of the rank's GPU. `send` (and, on the root, `recv`) are device addresses on
+/// that GPU of `count` elements of `dtype`, which stay allocated until the collective is done
+/// on the stream; `recv` may equal `send`.
 pub(crate) unsafe fn reduce(
     on: On,
     send: u64,
@@ -329,15 +310,11 @@ pub(crate) unsafe fn reduce(
     count: usize,
     dtype: DType,
     root: usize,
-) -> std::result::Result<(), NcclError> {
+) -> NcclResult {
     let (dt, root) = (nccl_dtype(dtype), root as c_int);
+    let (s, r) = (send as _, recv as _);
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code = unsafe {
-        (on.lib.reduce)(
-            send as _, recv as _, count, dt, NCCL_SUM, root, on.comm, on.stream,
-        )
-    };
-    accepted(on.lib, code, on.comm)
+    on.accepted(unsafe { (on.lib.reduce)(s, r, count, dt, NCCL_SUM, root, on.comm, on.stream) })
 }
 
 /// `ncclBroadcast`: copies `send` on rank `root` into every rank's `recv` (only the root's
@@ -345,9 +322,7 @@ pub(crate) unsafe fn reduce(
 ///
 /// # Safety
 ///
-/// As for [`reduce`]: a live communicator and stream, and device buffers of `count` elements
-/// of `dtype` on the rank's GPU (`send` only on the root) that outlive the collective on the
-/// stream; `recv` may equal `send`.
+/// As for [`reduce`] (`send` only on the root).
 pub(crate) unsafe fn broadcast(
     on: On,
     send: u64,
@@ -355,12 +330,12 @@ pub(crate) unsafe fn broadcast(
     count: usize,
     dtype: DType,
     root: usize,
-) -> std::result::Result<(), NcclError> {
+) -> NcclResult {
     let (dt, root) = (nccl_dtype(dtype), root as c_int);
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code =
-        unsafe { (on.lib.broadcast)(send as _, recv as _, count, dt, root, on.comm, on.stream) };
-    accepted(on.lib, code, on.comm)
+    on.accepted(unsafe {
+        (on.lib.broadcast)(send as _, recv as _, count, dt, root, on.comm, on.stream)
+    })
 }
 
 /// `ncclReduceScatter` with `ncclSum`: sums every rank's `send` (`recv_count` elements per
@@ -368,21 +343,19 @@ pub(crate) unsafe fn broadcast(
 ///
 /// # Safety
 ///
-/// As for [`reduce`], with `send` of `recv_count * nranks` elements and `recv` of
-/// `recv_count`.
+/// As for [`reduce`], with `send` of `recv_count * nranks` elements and `recv` of `recv_count`.
 pub(crate) unsafe fn reduce_scatter(
     on: On,
     send: u64,
     recv: u64,
     recv_count: usize,
     dtype: DType,
-) -> std::result::Result<(), NcclError> {
+) -> NcclResult {
     let (n, dt) = (recv_count, nccl_dtype(dtype));
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code = unsafe {
+    on.accepted(unsafe {
         (on.lib.reduce_scatter)(send as _, recv as _, n, dt, NCCL_SUM, on.comm, on.stream)
-    };
-    accepted(on.lib, code, on.comm)
+    })
 }
 
 /// `ncclAllGather`: gathers every rank's `send` (`send_count` elements) into every rank's
@@ -390,40 +363,35 @@ pub(crate) unsafe fn reduce_scatter(
 ///
 /// # Safety
 ///
-/// As for [`reduce`], with `send` of `send_count` elements and `recv` of
-/// `send_count * nranks`.
+/// As for [`reduce`], with `send` of `send_count` elements and `recv` of `send_count * nranks`.
 pub(crate) unsafe fn all_gather(
     on: On,
     send: u64,
     recv: u64,
     send_count: usize,
     dtype: DType,
-) -> std::result::Result<(), NcclError> {
+) -> NcclResult {
     let (n, dt) = (send_count, nccl_dtype(dtype));
     // SAFETY: the communicator, stream and buffers are as this function's contract says.
-    let code = unsafe { (on.lib.all_gather)(send as _, recv as _, n, dt, on.comm, on.stream) };
-    accepted(on.lib, code, on.comm)
+    on.accepted(unsafe { (on.lib.all_gather)(send as _, recv as _, n, dt, on.comm, on.stream) })
 }
 
-/// `ncclSend`: sends `count` elements at `send` to rank `peer`, which receives them with a
-/// matching [`recv`]. Inside a group, with the matching receives, it is one step of an
-/// all-to-all.
+/// `ncclSend`: sends `count` elements at `send` to rank `peer`'s matching [`recv`] (in a group
+/// with the matching receives: one step of an all-to-all).
 ///
 /// # Safety
 ///
-/// As for [`reduce`]: a live communicator and stream, and a device buffer of `count` elements
-/// of `dtype` on the rank's GPU that outlives the transfer on the stream.
+/// As for [`reduce`], with one buffer of `count` elements.
 pub(crate) unsafe fn send(
     on: On,
     send: u64,
     count: usize,
     dtype: DType,
     peer: usize,
-) -> std::result::Result<(), NcclError> {
+) -> NcclResult {
     let (dt, peer) = (nccl_dtype(dtype), peer as c_int);
     // SAFETY: the communicator, stream and buffer are as this function's contract says.
-    let code = unsafe { (on.lib.send)(send as _, count, dt, peer, on.comm, on.stream) };
-    accepted(on.lib, code, on.comm)
+    on.accepted(unsafe { (on.lib.send)(send as _, count, dt, peer, on.comm, on.stream) })
 }
 
 /// `ncclRecv`: receives `count` elements from rank `peer`'s matching [`send`] into `recv`.
@@ -437,11 +405,10 @@ pub(crate) unsafe fn recv(
     count: usize,
     dtype: DType,
     peer: usize,
-) -> std::result::Result<(), NcclError> {
+) -> NcclResult {
     let (dt, peer) = (nccl_dtype(dtype), peer as c_int);
     // SAFETY: the communicator, stream and buffer are as this function's contract says.
-    let code = unsafe { (on.lib.recv)(recv as _, count, dt, peer, on.comm, on.stream) };
-    accepted(on.lib, code, on.comm)
+    on.accepted(unsafe { (on.lib.recv)(recv as _, count, dt, peer, on.comm, on.stream) })
 }
 
 #[cfg(test)]

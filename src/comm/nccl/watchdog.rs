@@ -1,8 +1,6 @@
 //! NCCL work in flight, and what ends it when it fails or stalls: the events recorded after
-//! each group, polled with `ncclCommGetAsyncError` by every host wait ([`wait_all`],
-//! [`wait_stream`]) and by a watchdog thread every 100 ms. A collective that fails, or makes no
-//! progress for [`timeout`], has its communicators aborted and dropped from the cache, and an
-//! [`Error::Nccl`] names its keys.
+//! each group are polled, with `ncclCommGetAsyncError`, by every host wait ([`wait_all`],
+//! [`wait_stream`]) and by a watchdog thread.
 
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
@@ -18,7 +16,7 @@ use crate::backend::cuda::{self, cuda_err};
 use crate::config::nccl::timeout;
 use crate::{Error, Key, Result};
 
-/// NCCL work in flight: the events recorded after a group, per rank of one device set.
+/// One device set's part of a group in flight.
 pub(super) struct Pending {
     /// Issue order, so a wait covers only the work issued before it began.
     pub(super) seq: u64,
@@ -28,7 +26,7 @@ pub(super) struct Pending {
     pub(super) set: Vec<usize>,
     /// Its communicators.
     pub(super) comms: Arc<CommSet>,
-    /// One event per rank, recorded after the group.
+    /// One event per rank.
     pub(super) events: Vec<CudaEvent>,
     /// The keys of the collectives.
     pub(super) keys: Vec<Key>,
@@ -36,8 +34,8 @@ pub(super) struct Pending {
     pub(super) op: &'static str,
 }
 
-/// A collective that failed or stalled. Its device set's communicators are aborted by
-/// [`fail`], and with them every collective in flight on that set, whose keys the error names.
+/// A collective that failed or stalled; [`fail`] aborts its set, and with it every collective
+/// in flight on that set, whose keys the error names.
 pub(super) struct Failure {
     /// The device set.
     pub(super) set: Vec<usize>,
@@ -49,7 +47,7 @@ pub(super) struct Failure {
     pub(super) error: Error,
 }
 
-/// The work in flight. Its mutex is only held for bookkeeping and non-blocking queries.
+/// The work in flight (its mutex is held only for bookkeeping and non-blocking queries).
 #[derive(Default)]
 pub(super) struct Inflight {
     /// The groups issued and not known to be done, in issue order.
@@ -63,11 +61,10 @@ pub(super) struct Inflight {
 /// How often the watchdog thread polls NCCL work in flight.
 const WATCHDOG_INTERVAL: Duration = Duration::from_millis(100);
 
-/// Starts, once, a thread that polls the NCCL work in flight every [`WATCHDOG_INTERVAL`] and
-/// aborts a collective that failed or made no progress for [`timeout`], as PyTorch's NCCL
-/// watchdog does. Host waits poll too, but a thread blocked inside the driver (a copy queued
-/// behind a stalled collective) cannot: the abort ends the collective's kernels, the stream
-/// drains, and that thread is freed. The error waits for the next [`wait_all`].
+/// Starts, once, a thread that polls the work in flight every [`WATCHDOG_INTERVAL`], as
+/// PyTorch's NCCL watchdog does: a thread blocked inside the driver (a copy queued behind a
+/// stalled collective) cannot poll, but the abort ends the collective's kernels and frees it.
+/// The error waits for the next [`wait_all`].
 pub(super) fn start_watchdog() {
     static STARTED: Once = Once::new();
     STARTED.call_once(|| {
@@ -88,14 +85,12 @@ pub(super) fn start_watchdog() {
     });
 }
 
-/// The process's list of work in flight, locked (for bookkeeping and non-blocking queries
-/// only). Made on first use, which also routes every host wait on a GPU through
+/// The process's work in flight, locked. Its first use routes every host wait on a GPU through
 /// [`wait_stream`].
 pub(super) fn inflight() -> MutexGuard<'static, Inflight> {
     static INFLIGHT: OnceLock<Mutex<Inflight>> = OnceLock::new();
     INFLIGHT
         .get_or_init(|| {
-            // From now on every host read of a GPU polls this module's collectives.
             cuda::set_host_wait(wait_stream);
             Mutex::new(Inflight::default())
         })
@@ -110,11 +105,10 @@ pub(super) fn fail(f: &Failure) {
 }
 
 impl Inflight {
-    /// Drops the pending entries whose events have all completed. The first entry whose
-    /// communicators report an asynchronous error, or that is still running its set's
-    /// [`CommSet::timeout`] after it was issued (as PyTorch's NCCL watchdog counts), is removed
-    /// with every entry of its device set and returned, naming their keys; the caller aborts it
-    /// with [`fail`], after releasing this lock.
+    /// Drops the entries whose events have all completed. The first entry whose communicators
+    /// report an error, or still running its set's [`CommSet::timeout`] after it was issued
+    /// (as PyTorch's watchdog counts), is removed with every entry of its set and returned,
+    /// naming their keys; the caller aborts it with [`fail`] after releasing this lock.
     pub(super) fn poll(&mut self) -> std::result::Result<(), Box<Failure>> {
         let mut failure: Option<(Vec<usize>, Arc<CommSet>, Error)> = None;
         self.pending.retain(|p| {
@@ -147,13 +141,9 @@ impl Inflight {
         let Some((set, comms, mut error)) = failure else {
             return Ok(());
         };
-        let keys: Vec<Key> = self
-            .pending
-            .iter()
-            .filter(|p| Arc::ptr_eq(&p.comms, &comms))
-            .flat_map(|p| p.keys.iter().cloned())
-            .collect();
-        self.pending.retain(|p| !Arc::ptr_eq(&p.comms, &comms));
+        let (gone, kept) = (self.pending.drain(..)).partition(|p| Arc::ptr_eq(&p.comms, &comms));
+        self.pending = kept;
+        let keys: Vec<Key> = gone.into_iter().flat_map(|p: Pending| p.keys).collect();
         if let Error::Nccl { keys: k, .. } = &mut error {
             k.clone_from(&keys);
         }
@@ -177,41 +167,36 @@ pub(super) fn all_complete(events: &[CudaEvent], op: &'static str) -> Result<boo
     Ok(true)
 }
 
-/// Waits for every NCCL collective issued before the call, polling for asynchronous errors.
-/// A collective that fails, or makes no progress for the timeout, has its communicators aborted
-/// and dropped from the cache, and its error is returned.
+/// Waits for every NCCL collective issued before the call. A collective that fails, or makes
+/// no progress for the timeout, has its communicators aborted and dropped from the cache, and
+/// its error is returned.
 pub fn wait_all() -> Result<()> {
     if !available() {
         return Ok(());
     }
     let last = inflight().next_seq;
     loop {
-        let failure = {
-            let mut c = inflight();
-            if !c.deferred.is_empty() {
-                return Err(c.deferred.remove(0));
+        let mut c = inflight();
+        if !c.deferred.is_empty() {
+            return Err(c.deferred.remove(0));
+        }
+        let polled = c.poll();
+        let done = c.pending.iter().all(|p| p.seq >= last);
+        drop(c);
+        match polled {
+            Err(f) => {
+                fail(&f);
+                return Err(f.error);
             }
-            match c.poll() {
-                Err(f) => f,
-                Ok(()) if c.pending.iter().all(|p| p.seq >= last) => return Ok(()),
-                Ok(()) => {
-                    drop(c);
-                    std::thread::sleep(POLL_INTERVAL);
-                    continue;
-                }
-            }
-        };
-        fail(&failure);
-        return Err(failure.error);
+            Ok(()) if done => return Ok(()),
+            Ok(()) => std::thread::sleep(POLL_INTERVAL),
+        }
     }
 }
 
-/// Waits on the host for the work enqueued so far on one GPU's stream.
-///
-/// With NCCL work in flight this polls instead of blocking: a collective that fails, or makes
-/// no progress for [`timeout`], is aborted (which ends its kernels, so the stream drains)
-/// rather than holding this thread forever. Its error is kept for the next [`wait_all`], and
-/// also returned here when that collective ran on this GPU.
+/// Waits on the host for the work enqueued so far on one GPU's stream. With NCCL work in
+/// flight it polls: a collective that fails or stalls is aborted (so the stream drains), its
+/// error kept for the next [`wait_all`] and also returned here when it ran on this GPU.
 pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
     let op = "wait for GPU";
     if !available() {
@@ -225,8 +210,8 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
     if inflight().pending.is_empty() {
         return done.synchronize().map_err(cuda_err(op, None));
     }
-    // A backstop for a stream still busy well after its collectives would have timed out.
-    // (Work in flight means a set was made, so the setting was valid.)
+    // A backstop for a stream still busy well after its collectives would have timed out
+    // (work in flight means a set was made, so the setting is valid).
     let limit = 2 * timeout()?;
     let deadline = Instant::now() + limit;
     loop {
@@ -259,8 +244,8 @@ pub(crate) fn wait_stream(gpu: &cuda::Gpu) -> Result<()> {
     }
 }
 
-/// Aborts every cached communicator and empties the cache; the next call builds afresh. Work
-/// in flight on them is ended (its keys' next wait reports nothing: the caller asked for it).
+/// Aborts every cached communicator and empties the cache. Work in flight on them is ended,
+/// and its keys' next wait reports nothing (the caller asked for it).
 pub fn abort_all() {
     let sets: Vec<Arc<CommSet>> = cache().sets.drain().map(|(_, (s, _))| s).collect();
     inflight().pending.clear();
