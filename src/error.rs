@@ -8,6 +8,7 @@ use crate::{DType, Device, Key, KeyKind, Shape};
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// An error from the store or an array. Each message names what was involved and what to do.
+/// Every error leaves the store as it was before the call, unless its variant says otherwise.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -338,7 +339,8 @@ pub enum Error {
         detail: String,
     },
 
-    /// Another rank rejected its input for this call; nothing changed, the store stays usable.
+    /// Another rank rejected its input for this call (that rank gets its own error for it);
+    /// nothing changed on any rank, and the store stays usable.
     #[error(
         "{op} (call #{seq}): {detail}; nothing changed on any rank. Fix the input on that rank: \
          every rank must make the same kvstore calls with valid input"
