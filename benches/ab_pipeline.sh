@@ -5,6 +5,7 @@
 # tagged with the build, the pair and the load.
 #
 # usage: benches/ab_pipeline.sh DIR_A DIR_B [PAIRS (4)] [DIR_C] > ab.jsonl
+# (DIST_REPS=N: the dist store's repetitions per cell, in place of its default 200)
 # (with DIR_C, a third build joins every round; the order rotates every round)
 # DIR_*: a release target dir holding examples/bench_dist_store and examples/bench_kv, built with
 #   cargo build --release --features mpi --example bench_dist_store --example bench_kv
@@ -17,7 +18,7 @@ run() {
     local dir=$1 name=$2 pair=$3
     for np in 2 4; do
         mpirun --oversubscribe -np "$np" "$dir/examples/bench_dist_store" --sizes 4K,64K,1M,16M \
-            2>/dev/null | tag "$name" "$pair"
+            ${DIST_REPS:+--reps "$DIST_REPS"} 2>/dev/null | tag "$name" "$pair"
     done
     for cmd in "push 4K 4" "pull 4K 4" "push 1M 4" "pull 1M 4" "push 64M 4" "pull 64M 4" \
         "push_list 1K 4" "pull_list 1K 4"; do
