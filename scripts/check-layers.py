@@ -17,6 +17,8 @@ import re
 import sys
 from pathlib import Path
 
+from rust_items import strip_tests
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 # Layers, top first: a file may import its own layer and the layers below it. Each entry is
@@ -57,34 +59,6 @@ def layer_of(module: str) -> int:
     if best is None:
         sys.exit(f"check-layers: module {module} is in no layer: add it to LAYERS")
     return best
-
-
-def strip_tests(text: str) -> str:
-    """The file without its `#[cfg(test)]` items (a module, a use, an impl, a function)."""
-    out, i = [], 0
-    while True:
-        j = text.find("#[cfg(test)]", i)
-        if j < 0:
-            out.append(text[i:])
-            return "".join(out)
-        out.append(text[i:j])
-        # Skip the attribute's item: up to the end of its first `;` or its balanced `{...}`.
-        k = j + len("#[cfg(test)]")
-        depth = 0
-        while k < len(text):
-            c = text[k]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    k += 1
-                    break
-            elif c == ";" and depth == 0:
-                k += 1
-                break
-            k += 1
-        i = k
 
 
 def uses(text: str):

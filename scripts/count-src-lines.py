@@ -11,29 +11,7 @@ first revision against the last.
 import subprocess
 import sys
 
-
-def without_test_items(text):
-    """`text` with each `#[cfg(test)]` item cut out (up to its closing brace or semicolon)."""
-    kept, i = [], 0
-    while True:
-        j = text.find("#[cfg(test)]", i)
-        if j < 0:
-            kept.append(text[i:])
-            return "".join(kept)
-        kept.append(text[i:j])
-        k, depth = j + len("#[cfg(test)]"), 0
-        while k < len(text):
-            c = text[k]
-            k += 1
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    break
-            elif c == ";" and depth == 0:
-                break
-        i = k
+from rust_items import strip_tests
 
 
 def per_file(rev):
@@ -43,7 +21,7 @@ def per_file(rev):
         if not name.endswith(".rs") or name.endswith("tests.rs"):
             continue
         text = subprocess.check_output(["git", "show", f"{rev}:{name}"], text=True)
-        counts[name] = sum(1 for line in without_test_items(text).split("\n") if line.strip())
+        counts[name] = sum(1 for line in strip_tests(text).split("\n") if line.strip())
     return counts
 
 
