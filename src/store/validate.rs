@@ -40,10 +40,7 @@ pub(super) fn check_arrays(
         });
     }
     for (i, a) in arrays.iter().enumerate() {
-        // The check inline, the error out of line: this runs for every array of every call.
-        if a.shape() != shape || dtype.is_some_and(|d| d != a.dtype()) {
-            Error::check_fit(op, key, format_args!("{what} {i}"), shape, dtype, a)?;
-        }
+        Error::check_fit(op, key, format_args!("{what} {i}"), shape, dtype, a)?;
     }
     Ok(())
 }
