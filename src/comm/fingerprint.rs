@@ -28,7 +28,8 @@ struct Entry {
 #[derive(Clone, Debug, Default)]
 pub struct Fingerprint {
     op: &'static str,
-    entries: Vec<Entry>,
+    /// Inline for a call of one key.
+    entries: SmallVec<[Entry; 1]>,
     /// Why this rank rejected its input, if it did: so the others fail the call, not wait.
     rejected: Option<String>,
     /// What else the ranks must agree on (a push's updater), in words.
@@ -131,7 +132,12 @@ impl Fingerprint {
 
     /// The keys, in call order.
     pub fn keys(&self) -> Vec<Key> {
-        self.entries.iter().map(|e| e.key.clone()).collect()
+        self.key_iter().cloned().collect()
+    }
+
+    /// The keys, in call order, where they are.
+    pub(crate) fn key_iter(&self) -> impl Iterator<Item = &Key> {
+        self.entries.iter().map(|e| &e.key)
     }
 
     /// The fixed-size record for call number `seq`.

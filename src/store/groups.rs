@@ -6,6 +6,7 @@ use std::sync::{Arc, RwLockWriteGuard};
 use super::table::Slot;
 use super::validate::{check_arrays, check_len};
 use super::{read, write, KvStore};
+use crate::backend::cpu::Few;
 use crate::backend::HomeValue;
 use crate::{Error, IntoKey, Key, NDArray, Result};
 
@@ -101,8 +102,8 @@ impl KvStore {
 }
 
 /// The order work is issued in: descending priority, ties in key order (a stable sort).
-pub(super) fn issue_order(groups: &[Group<'_>]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..groups.len()).collect();
+pub(super) fn issue_order(groups: &[Group<'_>]) -> Few<usize> {
+    let mut order: Few<usize> = (0..groups.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(groups[i].priority));
     order
 }

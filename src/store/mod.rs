@@ -33,6 +33,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::backend::cpu::rows::Merged;
+use crate::backend::cpu::Few;
 use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::{Dist, Pool};
 use crate::comm::{self, Ctx, KeyUpdate};
@@ -523,9 +524,9 @@ impl KvStore {
         let d = &self.ranks;
         self.prepare(&groups)?;
         let mut call = d.begin_with(|| across::fingerprint("pull", &groups))?;
-        let cells: Vec<RwLockReadGuard<'_, HomeValue>> =
+        let cells: Few<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
-        let cells: Vec<&HomeValue> = cells.iter().map(|c| &**c).collect();
+        let cells: Few<&HomeValue> = cells.iter().map(|c| &**c).collect();
         (self.across).pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
     }
 

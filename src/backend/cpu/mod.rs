@@ -24,7 +24,8 @@ use num_traits::{Float, One, Zero};
 use crate::dtype::{DType, Element};
 use crate::updater::{clip, Rule};
 
-/// The few values, outs or locks of one key (a handful of devices), on the stack up to four.
+/// A handful of values (one key's outs or locks, or one per key of a call of a few keys), on
+/// the stack up to four.
 pub(crate) type Few<T> = smallvec::SmallVec<[T; 4]>;
 
 #[cfg(target_arch = "x86_64")]

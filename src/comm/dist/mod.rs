@@ -14,10 +14,12 @@
 //! the fingerprint check compares) and on where keys live (which every rank computes alike).
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::RwLockReadGuard;
 use std::sync::{Arc, Mutex};
+
+use smallvec::{smallvec, SmallVec};
 
 mod blocks;
 pub(crate) mod in_place;
@@ -26,6 +28,7 @@ mod pool;
 use super::fingerprint::Fingerprint;
 use super::link::{self, Link, Op, Round};
 use super::spread::{slice_block, Spread};
+use crate::backend::cpu::Few;
 use crate::config::Config;
 use crate::host::HostData;
 use crate::ndarray::Storage;
@@ -353,7 +356,7 @@ pub(crate) fn reduce(
     sums: Vec<Sum<'_>>,
 ) -> Result<Vec<Option<HostData>>> {
     let mut out: Vec<Option<HostData>> = (0..sums.len()).map(|_| None).collect();
-    let holds: Vec<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
+    let holds: Few<bool> = sums.iter().map(|s| s.spread.holds(rank)).collect();
     let keys = sums.len();
     let lent = read_in_place(&sums);
     let mut plan = Plan::new(pool);
@@ -373,16 +376,16 @@ pub(crate) fn reduce(
                 let mine = s.spread.piece(len, rank, size).len();
                 let mut send = s.data.into_buffer(pool, block * size)?;
                 pad(&mut send, block * size);
-                plan.transfer(Op::ReduceScatter, send, None, vec![(i, 0..mine)]);
+                plan.transfer(Op::ReduceScatter, send, None, smallvec![(i, 0..mine)]);
             }
             Spread::Whole { rank: root } if travels_alone(bytes, keys) => {
                 match lent[i].as_deref() {
                     Some(Storage::Host(h)) => {
-                        plan.transfer_borrowed(Op::Reduce { root }, h, vec![(i, 0..len)])
+                        plan.transfer_borrowed(Op::Reduce { root }, h, smallvec![(i, 0..len)])
                     }
                     _ => {
                         let send = s.data.into_buffer(pool, len)?;
-                        plan.transfer(Op::Reduce { root }, send, None, vec![(i, 0..len)]);
+                        plan.transfer(Op::Reduce { root }, send, None, smallvec![(i, 0..len)]);
                     }
                 }
             }
@@ -410,18 +413,35 @@ fn read_in_place<'a>(sums: &[Sum<'a>]) -> Vec<Option<RwLockReadGuard<'a, Storage
     if !sums.iter().any(alone) {
         return sums.iter().map(|_| None).collect();
     }
-    let mut uses: HashMap<usize, usize> = HashMap::new();
-    for s in sums {
-        if let SumData::Value(a) = s.data {
-            *uses.entry(a.storage_id()).or_default() += 1;
-        }
-    }
+    let uses = Uses::of(sums.iter().filter_map(|s| match s.data {
+        SumData::Value(a) => Some(a.storage_id()),
+        SumData::Owned(_) => None,
+    }));
     sums.iter()
         .map(|s| match s.data {
-            SumData::Value(a) if alone(s) && uses[&a.storage_id()] == 1 => Some(a.read()),
+            SumData::Value(a) if alone(s) && uses.once(a.storage_id()) => Some(a.read()),
             _ => None,
         })
         .collect()
+}
+
+/// The storages a call's arrays name, to tell one named once (which a transfer may read or
+/// fill in place) from one that several keys share.
+pub(crate) struct Uses(Few<usize>);
+
+impl Uses {
+    /// The storages `ids` name, each as often as it is named.
+    pub(crate) fn of(ids: impl Iterator<Item = usize>) -> Uses {
+        let mut ids: Few<usize> = ids.collect();
+        ids.sort_unstable();
+        Uses(ids)
+    }
+
+    /// Whether storage `id` is named exactly once.
+    pub(crate) fn once(&self, id: usize) -> bool {
+        let first = self.0.partition_point(|&x| x < id);
+        self.0.get(first) == Some(&id) && self.0.get(first + 1) != Some(&id)
+    }
 }
 
 /// One key of a gather: this rank's piece of the value (the whole value on a whole key's home,
@@ -458,11 +478,11 @@ pub(crate) fn gather(
     round: &mut dyn Round,
     ranks: (usize, usize),
     pool: &Pool,
-    pieces: Vec<GatherPiece<'_>>,
+    mut pieces: Vec<GatherPiece<'_>>,
 ) -> Result<Vec<HostData>> {
     let n = pieces.len();
-    let Gathered { bufs, at } = gather_shared(round, ranks, pool, pieces)?;
-    let mut members: Vec<Members> = bufs.iter().map(|_| Vec::new()).collect();
+    let Gathered { bufs, at } = gather_shared(round, ranks, pool, &mut pieces)?;
+    let mut members: Vec<Members> = bufs.iter().map(|_| Members::new()).collect();
     for (i, (b, range)) in at.into_iter().enumerate() {
         members[b].push((i, range));
     }
@@ -478,8 +498,8 @@ pub(crate) fn gather(
 /// What [`gather_shared`] brings: the buffers received (from the pool), and where each key's
 /// whole value is in them: (buffer, elements).
 pub(crate) struct Gathered {
-    pub bufs: Vec<HostData>,
-    pub at: Vec<(usize, Range<usize>)>,
+    pub bufs: Transfers<HostData>,
+    pub at: Few<(usize, Range<usize>)>,
 }
 
 /// [`gather`], with the packed keys left where they arrived: a pull copies them into its outs
@@ -489,9 +509,9 @@ pub(crate) fn gather_shared(
     round: &mut dyn Round,
     (rank, size): (usize, usize),
     pool: &Pool,
-    mut pieces: Vec<GatherPiece<'_>>,
+    pieces: &mut [GatherPiece<'_>],
 ) -> Result<Gathered> {
-    let mut at: Vec<Option<(usize, Range<usize>)>> = (0..pieces.len()).map(|_| None).collect();
+    let mut at: Few<Option<(usize, Range<usize>)>> = smallvec![None; pieces.len()];
     let mut plan = Plan::new(pool);
     // This rank's part of each key, or a buffer of the right length that MPI fills in.
     let mine = |p: &GatherPiece<'_>, len: usize, room: usize| match p.data {
@@ -503,7 +523,7 @@ pub(crate) fn gather_shared(
         _ => pool.take(p.dtype, len, room),
     };
     let keys = pieces.len();
-    for p in &pieces {
+    for p in pieces.iter() {
         if let Spread::Whole { rank: root } = p.spread {
             if !travels_alone(p.len * p.dtype.size(), keys) {
                 plan.reserve_len(Op::Broadcast { root }, p.dtype, p.len);
@@ -523,7 +543,7 @@ pub(crate) fn gather_shared(
                 let block = slice_block(p.len, size);
                 let mut send = mine(p, p.spread.piece(p.len, rank, size).len(), block);
                 pad(&mut send, block);
-                plan.transfer(Op::AllGather, send, into, vec![(i, 0..p.len)]);
+                plan.transfer(Op::AllGather, send, into, smallvec![(i, 0..p.len)]);
             }
             Spread::Whole { rank: root } if travels_alone(p.len * p.dtype.size(), keys) => {
                 let data = match (into, p.data) {
@@ -535,7 +555,7 @@ pub(crate) fn gather_shared(
                     (Some(buf), _) => buf,
                     (None, _) => mine(p, p.len, p.len),
                 };
-                plan.transfer(Op::Broadcast { root }, data, None, vec![(i, 0..p.len)]);
+                plan.transfer(Op::Broadcast { root }, data, None, smallvec![(i, 0..p.len)]);
             }
             Spread::Whole { rank: root } => match p.data {
                 Some(d) if p.spread.holds(rank) => plan.pack(Op::Broadcast { root }, i, d),
@@ -544,7 +564,7 @@ pub(crate) fn gather_shared(
         }
     }
     let done = plan.run(round, (rank, size))?;
-    let mut bufs = Vec::with_capacity(done.len());
+    let mut bufs = Transfers::with_capacity(done.len());
     for (b, (recv, members)) in done.into_iter().enumerate() {
         for (i, range) in members {
             at[i] = Some((b, range));
@@ -592,7 +612,7 @@ pub(crate) fn scatter(
             Op::Scatter { root: 0 },
             send,
             Some(recv),
-            vec![(i, 0..mine)],
+            smallvec![(i, 0..mine)],
         );
     }
     for (recv, members) in plan.run(round, (rank, size))? {
@@ -627,14 +647,19 @@ fn share(
     }
 }
 
-/// Which keys a transfer's result holds: (key index, elements of the result).
-type Members = Vec<(usize, Range<usize>)>;
+/// Which keys a transfer's result holds: (key index, elements of the result); a transfer of
+/// one key holds it inline.
+type Members = SmallVec<[(usize, Range<usize>); 1]>;
+
+/// The transfers of a plan, or their results: inline up to four, so a call of a few keys
+/// allocates none.
+type Transfers<T> = SmallVec<[T; 4]>;
 
 /// The collectives of one call, in the order every rank starts them.
 struct Plan<'p, 'a> {
     pool: &'p Pool,
     /// Transfers of one key each, in key order.
-    alone: Vec<Transfer<'a>>,
+    alone: Transfers<Transfer<'a>>,
     /// Packed transfers by (op, dtype), each filled in key order.
     packed: BTreeMap<(Op, &'static str), (HostData, Members)>,
     /// The elements each packed transfer will hold, so its buffer is taken once, whole.
@@ -645,7 +670,7 @@ impl<'p, 'a> Plan<'p, 'a> {
     fn new(pool: &'p Pool) -> Plan<'p, 'a> {
         Plan {
             pool,
-            alone: Vec::new(),
+            alone: Transfers::new(),
             packed: BTreeMap::new(),
             sizes: BTreeMap::new(),
         }
@@ -685,7 +710,7 @@ impl<'p, 'a> Plan<'p, 'a> {
         let len = if receives { room } else { 0 };
         self.packed
             .entry((op, dtype.name()))
-            .or_insert_with(|| (pool.take(dtype, len, room), Vec::new()))
+            .or_insert_with(|| (pool.take(dtype, len, room), Members::new()))
     }
 
     /// Appends key `i`'s `data` to the packed transfer of `op` and its dtype.
@@ -714,7 +739,7 @@ impl<'p, 'a> Plan<'p, 'a> {
         self,
         round: &mut dyn Round,
         (rank, size): (usize, usize),
-    ) -> Result<Vec<(HostData, Members)>> {
+    ) -> Result<Transfers<(HostData, Members)>> {
         let pool = self.pool;
         let transfers = self.alone.into_iter().chain(self.packed.into_iter().map(
             |((op, _), (mut send, members))| {
@@ -727,7 +752,7 @@ impl<'p, 'a> Plan<'p, 'a> {
                 }
             },
         ));
-        let mut flights = Vec::new();
+        let mut flights = Transfers::new();
         for t in transfers {
             let len = t.op.recv_len(t.send.len(), rank, size);
             let recv = match t.recv {
@@ -740,7 +765,7 @@ impl<'p, 'a> Plan<'p, 'a> {
             };
             flights.push((flight, t.members));
         }
-        let mut done = Vec::with_capacity(flights.len());
+        let mut done = Transfers::with_capacity(flights.len());
         for (flight, members) in flights {
             let (send, recv) = round.land(flight)?;
             pool.give(send);
@@ -780,4 +805,32 @@ fn append(buf: &mut HostData, more: &HostData) {
         Some(m) => crate::memcopy::extend(v, m),
         None => v.extend(more.to_vec::<T>()),
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Uses;
+
+    /// `Uses::once` against a plain count, on random lists of storage ids with repeats.
+    #[test]
+    fn uses_tells_storages_named_once() {
+        let mut seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(7, |d| d.as_nanos() as u64)
+            | 1;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n) as usize
+        };
+        for _ in 0..200 {
+            let ids: Vec<usize> = (0..next(12)).map(|_| next(8)).collect();
+            let uses = Uses::of(ids.iter().copied());
+            for id in 0..9 {
+                let count = ids.iter().filter(|&&x| x == id).count();
+                assert_eq!(uses.once(id), count == 1, "id {id} in {ids:?}");
+            }
+        }
+    }
 }

@@ -60,7 +60,7 @@ impl Link for MpiLink {
         Ok(Box::new(MpiRound {
             call,
             gpu: self.gpu.as_deref(),
-            flights: Vec::new(),
+            flights: smallvec::SmallVec::new(),
             agreed,
         }))
     }
@@ -77,7 +77,8 @@ struct MpiRound<'a> {
     call: Call,
     /// NCCL between the ranks' GPUs, for GPU ranks.
     gpu: Option<&'a RankComm>,
-    flights: Vec<Option<Flight>>,
+    /// Inline for a call of a few transfers.
+    flights: smallvec::SmallVec<[Option<Flight>; 2]>,
     /// Whether every rank has agreed to the collectives started next.
     agreed: bool,
 }

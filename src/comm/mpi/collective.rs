@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use mpi::ffi;
-use smallvec::SmallVec;
+use smallvec::{smallvec, SmallVec};
 
 use super::raw::{self, Request};
 use super::{Call, World};
@@ -182,8 +182,9 @@ impl std::fmt::Display for Coll {
 pub struct Pending<T: Wire> {
     world: &'static World,
     seq: u64,
-    /// One request for a collective; one per message for the point-to-point ones.
-    reqs: Vec<Request>,
+    /// One request for a collective (inline: MPI keeps no pointer to it, it only writes the
+    /// handle when it starts or tests one); one per message for the point-to-point ones.
+    reqs: SmallVec<[Request; 1]>,
     coll: Coll,
     /// Whether this rank receives the result of a reduce (it is the root).
     is_root: bool,
@@ -242,7 +243,7 @@ impl<T: Wire> Pending<T> {
         Pending {
             world: call.world,
             seq: call.seq,
-            reqs: vec![Request::null()],
+            reqs: smallvec![Request::null()],
             coll,
             is_root: false,
             send,
@@ -633,7 +634,7 @@ impl Call {
             let rc = unsafe { ffi::MPI_Isend(buf, n, dt, root_c, tag, comm, req) };
             self.started(rc)?;
         } else {
-            p.reqs = vec![Request::null(); self.world.size - 1];
+            p.reqs = smallvec![Request::null(); self.world.size - 1];
             let len = p.send.len();
             self.receive_staged(&mut p, (len, n), tag)?;
         }
@@ -715,7 +716,7 @@ impl Call {
         let bytes = std::mem::size_of_val(send);
         let mut p = Pending::new(self, coll, Vec::new(), recv, bytes);
         p.is_root = true;
-        p.reqs = vec![Request::null(); self.world.size - 1];
+        p.reqs = smallvec![Request::null(); self.world.size - 1];
         self.receive_staged(&mut p, (send.len(), n), tag)?;
         self.complete_blocking(&mut p)?;
         let (rank, size) = (self.world.rank, self.world.size);
@@ -780,7 +781,7 @@ impl Call {
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
         let rank = self.world.rank;
-        p.reqs = vec![Request::null(); 2 * (size - 1)];
+        p.reqs = smallvec![Request::null(); 2 * (size - 1)];
         let tag = self.tag(Tagged::ReduceScatter);
         self.receive_staged(&mut p, (n, count), tag)?;
         let (dt, width) = (T::datatype(), std::mem::size_of::<T>());

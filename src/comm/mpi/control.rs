@@ -26,13 +26,14 @@ use super::raw::{self, Request};
 use super::{is_are, State, World};
 use crate::comm::fingerprint;
 use crate::Key;
+use smallvec::SmallVec;
 
 /// Where this rank is, for its answers: its last call's number, the call (op and keys) while
 /// in one, and where in it or between calls. Put in words only when a rank asks or a wait is
 /// logged, never on a call's way.
 pub(super) struct Here {
     pub(super) seq: u64,
-    call: Option<(&'static str, Vec<Key>)>,
+    call: Option<(&'static str, SmallVec<[Key; 2]>)>,
     /// Where in the call ("in its broadcast from rank 0"), or where between calls.
     at: Cow<'static, str>,
 }
@@ -48,10 +49,14 @@ impl Here {
     }
 
     /// In call `seq`, of `op` with `keys`.
-    pub(super) fn in_call(seq: u64, op: &'static str, keys: Vec<Key>) -> Here {
+    pub(super) fn in_call<'k>(
+        seq: u64,
+        op: &'static str,
+        keys: impl Iterator<Item = &'k Key>,
+    ) -> Here {
         Here {
             seq,
-            call: Some((op, keys)),
+            call: Some((op, keys.cloned().collect())),
             at: Cow::Borrowed(""),
         }
     }

@@ -434,7 +434,7 @@ impl World {
             op: fp.op(),
             blocking: false,
         };
-        call.st.here = Here::in_call(call.seq, fp.op(), fp.keys());
+        call.st.here = Here::in_call(call.seq, fp.op(), fp.key_iter());
         if let Some(e) = call.exited_error() {
             self.poison_with(e.to_string());
             return Err(e);

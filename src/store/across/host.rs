@@ -1,13 +1,13 @@
 //! Ranks that keep their values in host memory: values move over the link's collectives on
 //! host buffers ([`comm::dist`] plans them: packed where small, sliced where big).
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::RwLockWriteGuard;
 
 use super::{fan_out, in_key_order, on_rank0, part_shape, Across, Inputs, Mine, Rank0};
+use crate::backend::cpu::Few;
 use crate::backend::HomeValue;
-use crate::comm::dist::{self, Dist, GatherPiece, Scattered, Sum, SumData};
+use crate::comm::dist::{self, Dist, GatherPiece, Scattered, Sum, SumData, Uses};
 use crate::comm::link::Round;
 use crate::comm::{self, Spread};
 use crate::host::HostData;
@@ -154,11 +154,11 @@ impl Across for HostRanks {
                 true => cell.value_to_host().map(Some),
                 false => Ok(None),
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Few<_>>>()?;
         // Outs that receive their value in place lend their storage to the transfer, under
         // their write locks (see `lend_arrays`).
         let mut lent = lend_arrays(d, groups);
-        let pieces = groups
+        let mut pieces: Few<GatherPiece<'_>> = groups
             .iter()
             .zip(&parts)
             .zip(lent.iter_mut())
@@ -175,7 +175,8 @@ impl Across for HostRanks {
                 }),
             })
             .collect();
-        let gathered = match dist::gather_shared(call, (d.rank(), d.size()), d.pool(), pieces) {
+        let gathered = match dist::gather_shared(call, (d.rank(), d.size()), d.pool(), &mut pieces)
+        {
             Ok(g) => g,
             Err(e) => {
                 // A lent out's storage may be lost with the failed transfer: zeros of its length
@@ -192,7 +193,7 @@ impl Across for HostRanks {
         };
         // The lent outs get their storage back, holding the value.
         let dist::Gathered { mut bufs, at } = gathered;
-        let mut in_place = vec![false; groups.len()];
+        let mut in_place: Few<bool> = smallvec::smallvec![false; groups.len()];
         for (i, out) in lent.iter_mut().enumerate() {
             if let Some(Storage::Host(h)) = out.as_deref_mut() {
                 std::mem::swap(h, &mut bufs[at[i].0]);
@@ -201,9 +202,9 @@ impl Across for HostRanks {
         }
         drop(lent);
         // The other keys are copied into their outs from where they arrived.
-        let lens: Vec<usize> = bufs.iter().map(HostData::len).collect();
-        let values: Vec<HomeValue> = bufs.into_iter().map(HomeValue::from_host).collect();
-        let parts: Vec<(&HomeValue, Option<Range<usize>>)> = at
+        let lens: Few<usize> = bufs.iter().map(HostData::len).collect();
+        let values: Few<HomeValue> = bufs.into_iter().map(HomeValue::from_host).collect();
+        let parts: Few<(&HomeValue, Option<Range<usize>>)> = at
             .into_iter()
             .map(|(b, range)| {
                 let whole = range == (0..lens[b]);
@@ -228,7 +229,7 @@ impl Across for HostRanks {
 fn lend_arrays<'g>(
     d: &Dist,
     groups: &'g [Group<'_>],
-) -> Vec<Option<RwLockWriteGuard<'g, Storage>>> {
+) -> Few<Option<RwLockWriteGuard<'g, Storage>>> {
     let candidate = |g: &Group<'_>| match g.arrays.as_slice() {
         [a] => {
             a.dtype() == g.slot.dtype
@@ -246,14 +247,16 @@ fn lend_arrays<'g>(
     if !groups.iter().any(candidate) {
         return groups.iter().map(|_| None).collect();
     }
-    let mut uses: HashMap<usize, usize> = HashMap::new();
-    for a in groups.iter().flat_map(|g| &g.arrays) {
-        *uses.entry(a.storage_id()).or_default() += 1;
-    }
+    let uses = Uses::of(
+        groups
+            .iter()
+            .flat_map(|g| &g.arrays)
+            .map(|a| a.storage_id()),
+    );
     groups
         .iter()
         .map(|g| match g.arrays.as_slice() {
-            [a] if candidate(g) && uses[&a.storage_id()] == 1 => Some(a.write()),
+            [a] if candidate(g) && uses.once(a.storage_id()) => Some(a.write()),
             _ => None,
         })
         .collect()

@@ -42,6 +42,7 @@ use super::groups::{issue_order, Group};
 use super::table::{place_on_ranks, Slot, Table};
 use super::{Active, StoreKind};
 use crate::backend::cpu::rows::Merged;
+use crate::backend::cpu::Few;
 use crate::backend::{probe, HomePull, HomeValue};
 use crate::comm::dist::Dist;
 use crate::comm::fingerprint::Fingerprint;
@@ -435,7 +436,7 @@ fn fan_out<'v>(
     value: impl Fn(usize) -> (&'v HomeValue, Option<Range<usize>>),
     done: &[bool],
 ) -> Result<()> {
-    let jobs: Vec<HomePull<'_>> = issue_order(groups)
+    let jobs: Few<HomePull<'_>> = issue_order(groups)
         .into_iter()
         .filter(|&i| !done.get(i).copied().unwrap_or(false))
         .map(|i| {
