@@ -95,8 +95,10 @@ unsafe fn blocks_x86<const BF: bool, const R: usize>(
     let (head, more) = rest.split_at(R);
     let assign = matches!(rule, Rule::Assign);
     let direct = assign && more.is_empty();
-    let mut acc = [0f32; BLOCK];
-    let mut w = [0f32; BLOCK];
+    let mut acc = super::Aligned([0f32; BLOCK]);
+    let acc = &mut acc.0;
+    let mut w = super::Aligned([0f32; BLOCK]);
+    let w = &mut w.0;
     let n = stored.len();
     let mut start = 0;
     while start < n {

@@ -199,10 +199,17 @@ fn push_seq_generic<T: Element>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
 /// The elements of the block of a key of at most this many elements.
 const SMALL_BLOCK: usize = 256;
 
+/// A block of sums on a cache line's boundary, so that no vector load or store of it straddles
+/// two lines wherever the caller's stack frame puts it (a push of 1 MiB ran 7% slower with the
+/// block at another offset).
+#[repr(C, align(64))]
+pub(super) struct Aligned<A>(pub(super) A);
+
 /// [`push_seq_generic`], `B` elements at a time.
 fn push_seq_blocks<T: Element, const B: usize>(job: PushJob<'_, T>, rule: &Rule<T::Acc>) {
     let (values, stored, [s0, s1]) = job.parts();
-    let mut acc = [T::Acc::zero(); B];
+    let mut acc = Aligned([T::Acc::zero(); B]);
+    let acc = &mut acc.0;
     let n = stored.len();
     let mut start = 0;
     while start < n {
