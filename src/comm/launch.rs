@@ -14,6 +14,8 @@ pub(crate) struct LaunchEnv {
     pub world_size: usize,
     /// `LOCAL_RANK`: this process's rank on its machine; it picks the GPU.
     pub local_rank: usize,
+    /// `LOCAL_WORLD_SIZE`: the number of ranks on this machine (`None`: unset).
+    pub local_world_size: Option<usize>,
     /// `MASTER_ADDR`: the host of rank 0.
     pub master_addr: String,
     /// `MASTER_PORT`: the launcher's own port on rank 0's host.
@@ -69,6 +71,22 @@ impl LaunchEnv {
                 ),
             ));
         }
+        let local_world_size = match var("LOCAL_WORLD_SIZE") {
+            None => None,
+            Some(_) => {
+                let n = number("LOCAL_WORLD_SIZE")?;
+                if n <= local_rank || n > world_size {
+                    return Err(Error::dist_env(
+                        "LOCAL_WORLD_SIZE",
+                        format!(
+                            "is {n}: it must be above LOCAL_RANK {local_rank} and at most \
+                             WORLD_SIZE {world_size}; the launcher's variables disagree"
+                        ),
+                    ));
+                }
+                Some(n)
+            }
+        };
         let master_addr = var("MASTER_ADDR")
             .map(|a| a.trim().to_owned())
             .filter(|a| !a.is_empty())
@@ -85,9 +103,17 @@ impl LaunchEnv {
             rank,
             world_size,
             local_rank,
+            local_world_size,
             master_addr,
             master_port,
         })
+    }
+
+    /// The number of machines the job runs on, as torchrun places ranks (`LOCAL_WORLD_SIZE` on
+    /// each): 1 without `LOCAL_WORLD_SIZE`.
+    pub(crate) fn hosts(&self) -> usize {
+        self.local_world_size
+            .map_or(1, |local| self.world_size.div_ceil(local))
     }
 
     /// Where rank 0 hands the NCCL id to the other ranks (`comm::nccl::rendezvous`): the port
@@ -165,6 +191,24 @@ mod tests {
                 .collect();
             let e = LaunchEnv::from_vars(env(&pairs)).unwrap_err();
             assert_eq!(var_of(e), named, "{var}={value}");
+        }
+    }
+
+    #[test]
+    fn machines_are_counted_from_local_world_size() {
+        let with = |local: Option<&str>| {
+            let mut pairs = GOOD.to_vec();
+            pairs.extend(local.map(|l| ("LOCAL_WORLD_SIZE", l)));
+            LaunchEnv::from_vars(env(&pairs))
+        };
+        // RANK 3 of 4, LOCAL_RANK 1.
+        assert_eq!(with(None).unwrap().hosts(), 1);
+        assert_eq!(with(Some("2")).unwrap().hosts(), 2);
+        assert_eq!(with(Some("3")).unwrap().hosts(), 2);
+        assert_eq!(with(Some("4")).unwrap().hosts(), 1);
+        for bad in ["0", "1", "5", "two"] {
+            let e = with(Some(bad)).unwrap_err();
+            assert_eq!(var_of(e), "LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE={bad}");
         }
     }
 }

@@ -899,7 +899,7 @@ impl KvStore {
         link: comm::link::loopback::Loopback,
         bound: usize,
     ) -> Result<KvStore> {
-        let ranks = Dist::over(Box::new(link), bound)?;
+        let ranks = Dist::over(Box::new(link), Some(bound))?;
         let across = across::over(&ranks);
         let config = Config::from_vars(|_| None)?;
         let name = "dist_sync".to_owned();

@@ -89,8 +89,10 @@ impl Dist {
 
     /// A store's link over `link`, once the ranks agree on the setup (the crate version, the
     /// bound, the pool size, the check switch, the timeout): else [`Error::Desync`] on every
-    /// rank, naming the settings.
-    fn joined(link: Box<dyn Link>, bound: usize, pool: Arc<Pool>) -> Result<Dist> {
+    /// rank, naming the settings. `bound`: `KVSTORE_BIGARRAY_BOUND` if set; else chosen from
+    /// how many machines the link spans ([`crate::config::bigarray_bound`]).
+    fn joined(link: Box<dyn Link>, bound: Option<usize>, pool: Arc<Pool>) -> Result<Dist> {
+        let bound = crate::config::bigarray_bound(bound, link.seat().hosts);
         let store = link.next_store_id();
         let in_place = link.in_place_home();
         let dist = Dist {
@@ -116,9 +118,10 @@ impl Dist {
         Ok(dist)
     }
 
-    /// A store's link over `link` (tests: the loopback link), with the defaults.
+    /// A store's link over `link` (tests: the loopback link), slicing keys of more than
+    /// `bound` elements (`None`: the default for the machines the link spans).
     #[cfg(test)]
-    pub(crate) fn over(link: Box<dyn Link>, bound: usize) -> Result<Dist> {
+    pub(crate) fn over(link: Box<dyn Link>, bound: Option<usize>) -> Result<Dist> {
         Dist::joined(link, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
     }
 
@@ -809,7 +812,40 @@ fn append(buf: &mut HostData, more: &HostData) {
 
 #[cfg(test)]
 mod tests {
-    use super::Uses;
+    use std::time::Duration;
+
+    use super::{Dist, Uses};
+    use crate::comm::link::loopback::Loopback;
+
+    /// Unset, the slicing bound is MXNet's on one machine and lower across machines; set, it
+    /// holds on both.
+    #[test]
+    fn keys_are_sliced_from_a_lower_bound_across_machines() {
+        let cases = [
+            (1, None, [false, false, true]),
+            (2, None, [false, true, true]),
+            (3, Some(70_000), [false, true, true]),
+            (2, Some(2_000_000), [false, false, false]),
+        ];
+        for (hosts, set, want) in cases {
+            let links = Loopback::world(2, Duration::from_secs(10));
+            let sliced: Vec<[bool; 3]> = std::thread::scope(|s| {
+                let ranks: Vec<_> = (links.into_iter())
+                    .map(|l| {
+                        s.spawn(move || {
+                            let d = Dist::over(Box::new(l.on_hosts(hosts)), set).expect("a dist");
+                            [60_000, 100_000, 1_000_001].map(|len| d.is_sliced(len))
+                        })
+                    })
+                    .collect();
+                ranks
+                    .into_iter()
+                    .map(|h| h.join().expect("a rank"))
+                    .collect()
+            });
+            assert_eq!(sliced, vec![want; 2], "{hosts} hosts, bound {set:?}");
+        }
+    }
 
     /// `Uses::once` against a plain count, on random lists of storage ids with repeats.
     #[test]

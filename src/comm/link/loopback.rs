@@ -62,6 +62,8 @@ pub(crate) struct Loopback {
     stall_at: Option<Op>,
     /// Whether the ranks keep their values in arrays that move in place ([`Round::in_place`]).
     in_place: bool,
+    /// The machines the ranks say they run on.
+    hosts: usize,
 }
 
 impl Loopback {
@@ -81,6 +83,7 @@ impl Loopback {
                 check: true,
                 stall_at: None,
                 in_place: false,
+                hosts: 1,
             })
             .collect()
     }
@@ -105,6 +108,12 @@ impl Loopback {
         self
     }
 
+    /// This rank, saying the ranks run on `hosts` machines.
+    pub(crate) fn on_hosts(mut self, hosts: usize) -> Loopback {
+        self.hosts = hosts;
+        self
+    }
+
     /// This rank with the per-call fingerprint check off (`KVSTORE_DIST_CHECK=0`).
     pub(crate) fn unchecked(mut self) -> Loopback {
         self.check = false;
@@ -118,6 +127,7 @@ impl Link for Loopback {
             rank: self.rank,
             size: self.hub.size,
             local_rank: self.rank,
+            hosts: self.hosts,
             check: self.check,
             timeout: self.hub.timeout,
         }

@@ -87,6 +87,8 @@ pub(crate) struct Seat {
     pub(crate) size: usize,
     /// This process's rank among the ranks on its machine.
     pub(crate) local_rank: usize,
+    /// The number of machines the ranks run on (1: one box, where links are memory).
+    pub(crate) hosts: usize,
     /// Whether calls compare their fingerprints (`KVSTORE_DIST_CHECK`, on by default).
     pub(crate) check: bool,
     /// The bound on every wait (`KVSTORE_TIMEOUT`).

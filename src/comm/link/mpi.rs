@@ -37,6 +37,7 @@ impl Link for MpiLink {
             rank: w.rank(),
             size: w.size(),
             local_rank: w.local_rank(),
+            hosts: w.host_count(),
             check: w.check_enabled(),
             timeout: w.timeout(),
         }

@@ -46,6 +46,7 @@ impl NcclLink {
             rank: rc.rank(),
             size: rc.size(),
             local_rank: launch.local_rank,
+            hosts: launch.hosts(),
             check: config.dist_check,
             timeout: rc.timeout(),
         };

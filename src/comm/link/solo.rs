@@ -18,6 +18,7 @@ impl Link for Solo {
             rank: 0,
             size: 1,
             local_rank: 0,
+            hosts: 1,
             check: true,
             // One rank alone never waits.
             timeout: Duration::ZERO,

@@ -371,6 +371,15 @@ impl World {
         self.local_size
     }
 
+    /// The number of machines the ranks run on: distinct host names (ranks whose names could
+    /// not be read count as one machine, "unknown").
+    pub fn host_count(&self) -> usize {
+        let mut names: Vec<&str> = self.hosts.iter().map(String::as_str).collect();
+        names.sort_unstable();
+        names.dedup();
+        names.len().max(1)
+    }
+
     /// The host name of `rank` (its `gethostname`, cleaned; "unknown" out of range).
     pub fn host_of(&self, rank: usize) -> &str {
         self.hosts.get(rank).map_or("unknown", String::as_str)
