@@ -446,6 +446,43 @@ fn data_parallel_training_matches_one_process_sliced_on_4_ranks() {
     training(4, Some("50"));
 }
 
+// --- 8. Several machines: sliced keys in two stages ------------------------------------------
+//
+// `KVSTORE_TEST_MACHINES=2` (test support) makes 4 ranks on this box 2 machines of 2 ranks, so a
+// sliced key's reduce-scatter and all-gather run in two stages (within each machine, then
+// across), as on the simulated cluster (scripts/cluster-tests.sh).
+
+/// Each machine's ranks in local rank order, then the machines, bit for bit, however packed.
+#[test]
+fn a_push_sums_each_machine_then_the_machines_on_2_machines_of_2_ranks() {
+    healthy(4, "in_order", &[("KVSTORE_TEST_MACHINES", "2")]);
+}
+
+#[test]
+fn every_updater_matches_an_f64_reference_sliced_on_2_machines_of_2_ranks() {
+    healthy(
+        4,
+        "updaters",
+        &[
+            ("KVSTORE_TEST_MACHINES", "2"),
+            ("KVSTORE_BIGARRAY_BOUND", "100"),
+        ],
+    );
+}
+
+#[test]
+fn data_parallel_training_matches_one_process_sliced_on_2_machines_of_2_ranks() {
+    let env = [
+        ("KVSTORE_TEST_MACHINES", "2"),
+        ("KVSTORE_BIGARRAY_BOUND", "50"),
+    ];
+    let Some(lines) = healthy(4, "train", &env) else {
+        return;
+    };
+    same_on_every_rank(&lines, "sgd_hash");
+    same_on_every_rank(&lines, "adam_hash");
+}
+
 // =============================================================================================
 // The inner side: one case, on every rank.
 // =============================================================================================
@@ -565,7 +602,10 @@ fn store(kind: &str) -> KvStore {
     if let Some(size) = mpi("OMPI_COMM_WORLD_SIZE") {
         assert_eq!(kv.num_workers(), size);
         assert_eq!(Some(kv.rank()), mpi("OMPI_COMM_WORLD_RANK"));
-        assert_eq!(Some(kv.local_rank()), mpi("OMPI_COMM_WORLD_LOCAL_RANK"));
+        // Machines made up for the test (`KVSTORE_TEST_MACHINES`) number their own ranks.
+        if std::env::var_os("KVSTORE_TEST_MACHINES").is_none() {
+            assert_eq!(Some(kv.local_rank()), mpi("OMPI_COMM_WORLD_LOCAL_RANK"));
+        }
     }
     assert!(
         kv.num_workers() > 1,
@@ -2396,9 +2436,45 @@ fn case_async() {
     ok(kv.store(), "async", "");
 }
 
+/// The ranks of each machine, machines in order, where the ranks run on several machines of
+/// several ranks each (else `None`): every rank's local rank, gathered through the store, and
+/// a rank's machine the number of ranks before it with its local rank (as the store numbers
+/// them).
+fn machines_of(kv: &KvStore) -> Option<Vec<Vec<usize>>> {
+    let (r, n) = (kv.rank(), kv.num_workers());
+    kv.init(9_999, &full(&[n], 0.0, DType::F64, 0)).unwrap();
+    let mut mine = vec![0.0; n];
+    mine[r] = (kv.local_rank() + 1) as f64;
+    kv.push(9_999, &arr(&mine, &[n], DType::F64, 0)).unwrap();
+    let out = full(&[n], 0.0, DType::F64, 0);
+    kv.pull(9_999, &out).unwrap();
+    let local: Vec<usize> = out
+        .to_vec::<f64>()
+        .unwrap()
+        .iter()
+        .map(|&v| v as usize - 1)
+        .collect();
+    let per = local.iter().max().unwrap() + 1;
+    if per < 2
+        || n % per != 0
+        || n / per < 2
+        || (0..per).any(|l| local.iter().filter(|&&x| x == l).count() != n / per)
+    {
+        return None;
+    }
+    let mut on = vec![vec![0; per]; n / per];
+    let mut seen = vec![0; per];
+    for (rank, &l) in local.iter().enumerate() {
+        on[seen[l]][l] = rank;
+        seen[l] += 1;
+    }
+    Some(on)
+}
+
 /// See [`in_rank_order`]: keys packed (small), alone (over 256 KiB, sent from the caller's
 /// array) and of bfloat16 (summed in float32, rounded once), with values of magnitudes from
-/// 1e-3 to 1e3 so that another order of additions gives other bits.
+/// 1e-3 to 1e3 so that another order of additions gives other bits. Across machines the keys
+/// over 65 536 elements are sliced, and summed in two stages.
 fn case_in_order() {
     let kv = store("dist_sync");
     let (r, n) = (kv.rank(), kv.num_workers());
@@ -2417,22 +2493,46 @@ fn case_in_order() {
             .map(|(u, s)| u * 10f64.powi((3.0 * s).round() as i32))
             .collect()
     };
-    // Rank 0's value plus rank 1's and so on, in float32, rounded once to the key's dtype.
+    let machines = machines_of(&kv);
+    // A key is sliced from 65 536 elements across machines, from 1 000 000 on one.
+    let sliced = |len: usize| machines.is_some() && len > 65_536;
+    // Rank 0's value plus rank 1's and so on, in float32, rounded once to the key's dtype. A
+    // sliced key across machines of equal ranks: each machine's ranks in local rank order, then
+    // the machines in order, rounded after each stage (docs/dist.md).
     let want = |round: u64, k: i32, len: usize, dtype: DType| -> Vec<f64> {
         let as_dtype = |v: &[f64]| arr(v, &[v.len()], dtype, 0).to_vec::<f32>().unwrap();
-        let mut acc = as_dtype(&value(round, k, len, 0));
-        for rank in 1..n {
-            for (a, x) in acc.iter_mut().zip(as_dtype(&value(round, k, len, rank))) {
-                *a += x;
+        let round_to = |acc: Vec<f32>| -> Vec<f32> {
+            match dtype {
+                DType::BF16 => acc
+                    .into_iter()
+                    .map(|a| bf16::from_f32(a).to_f32())
+                    .collect(),
+                _ => acc,
             }
-        }
-        match dtype {
-            DType::BF16 => acc
-                .into_iter()
-                .map(|a| bf16::from_f32(a).to_f64())
-                .collect(),
-            _ => acc.into_iter().map(f64::from).collect(),
-        }
+        };
+        let sum_of = |ranks: &[usize]| -> Vec<f32> {
+            let mut acc = as_dtype(&value(round, k, len, ranks[0]));
+            for &rank in &ranks[1..] {
+                for (a, x) in acc.iter_mut().zip(as_dtype(&value(round, k, len, rank))) {
+                    *a += x;
+                }
+            }
+            acc
+        };
+        let acc = match (&machines, sliced(len)) {
+            (Some(on), true) => {
+                let partials: Vec<Vec<f32>> = on.iter().map(|m| round_to(sum_of(m))).collect();
+                let mut acc = partials[0].clone();
+                for p in &partials[1..] {
+                    for (a, x) in acc.iter_mut().zip(p) {
+                        *a += x;
+                    }
+                }
+                round_to(acc)
+            }
+            _ => round_to(sum_of(&(0..n).collect::<Vec<_>>())),
+        };
+        acc.into_iter().map(f64::from).collect()
     };
     let zeros: Vec<NDArray> = keys
         .iter()

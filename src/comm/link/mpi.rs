@@ -1,12 +1,13 @@
 //! The MPI link (`mpirun`): CPU ranks move host buffers over the MPI transport; GPU ranks
 //! join an NCCL communicator whose id travels over MPI, and keep MPI for the checks.
 
+use std::convert::identity;
 use std::sync::Arc;
 
 use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Seat, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
-use crate::comm::mpi::{Call, Done, Pending, Wire, World};
+use crate::comm::mpi::{Call, Done, Group, Pending, Wire, World};
 use crate::comm::nccl::loader::UniqueId;
 use crate::comm::nccl::RankComm;
 use crate::host::HostData;
@@ -138,11 +139,23 @@ impl Round for MpiRound<'_> {
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket> {
         let blocking = self.may_block(op);
         self.call.set_blocking(blocking);
+        // Several machines of several ranks: a sliced key crosses between them in two stages.
+        let staged = self.call.world().layout().is_some();
         let call = &mut self.call;
         let flight = match op {
             Op::Reduce { root } => typed!(send, recv, started, |s, r| call.reduce_sum(s, r, root)),
             Op::Broadcast { root } => typed!(send, recv, started, |s, _r| call.broadcast(s, root)),
+            Op::ReduceScatter if staged => {
+                typed!(send, recv, identity, |s, r| reduce_scatter_in_stages(
+                    call, s, r
+                ))
+            }
             Op::ReduceScatter => typed!(send, recv, started, |s, r| call.reduce_scatter(s, r)),
+            Op::AllGather if staged => {
+                typed!(send, recv, identity, |s, r| all_gather_in_stages(
+                    call, s, r
+                ))
+            }
             Op::AllGather => typed!(send, recv, started, |s, r| call.all_gather(s, r)),
             Op::Scatter { root } => typed!(send, recv, started, |s, r| call.scatter(s, r, root)),
             Op::AllToAll => typed!(send, recv, started, |s, r| call.all_to_all(s, r)),
@@ -226,6 +239,61 @@ impl Round for MpiRound<'_> {
 /// order").
 fn blocking_wins(op: Op) -> bool {
     matches!(op, Op::Reduce { .. })
+}
+
+/// A sliced key's reduce-scatter in two stages ([`crate::comm::mpi::hierarchy`]): among the
+/// ranks of this machine, then, when that lands, among the ranks of this local rank across
+/// machines. `send` is given back as it was.
+fn reduce_scatter_in_stages<T: Wire + Element>(
+    call: &mut Call,
+    send: Vec<T>,
+    recv: Vec<T>,
+) -> Result<Flight> {
+    let layout = (call.world().layout()).ok_or_else(|| Error::internal("no machines to stage"))?;
+    let n = recv.len();
+    let size = layout.order().len();
+    if n.checked_mul(size) != Some(send.len()) {
+        return Err(Error::internal(
+            "a reduce-scatter's send buffer is not a block per rank",
+        ));
+    }
+    let mut staged = Vec::with_capacity(send.len());
+    layout.stage_order(&send, n, &mut staged);
+    let first =
+        call.reduce_scatter_in(Group::Machine, staged, vec![T::default(); n * layout.hosts])?;
+    Ok(Flight::Started(Box::new(move |call: &mut Call| {
+        let chunk = call.wait(first)?.recv;
+        let second = call.reduce_scatter_in(Group::Across, chunk, recv)?;
+        let recv = call.wait(second)?.recv;
+        Ok(wrap(Done { send, recv }))
+    })))
+}
+
+/// A sliced key's all-gather in two stages: among the ranks of this local rank across
+/// machines, then, when that lands, among the ranks of this machine; `recv` gets every rank's
+/// block in rank order.
+fn all_gather_in_stages<T: Wire + Element>(
+    call: &mut Call,
+    send: Vec<T>,
+    recv: Vec<T>,
+) -> Result<Flight> {
+    let layout = (call.world().layout()).ok_or_else(|| Error::internal("no machines to stage"))?;
+    let n = send.len();
+    let size = layout.order().len();
+    if n.checked_mul(size) != Some(recv.len()) {
+        return Err(Error::internal(
+            "an all-gather's receive buffer is not a block per rank",
+        ));
+    }
+    let first = call.all_gather_in(Group::Across, send, vec![T::default(); n * layout.hosts])?;
+    Ok(Flight::Started(Box::new(move |call: &mut Call| {
+        let Done { send, recv: chunk } = call.wait(first)?;
+        let second = call.all_gather_in(Group::Machine, chunk, vec![T::default(); n * size])?;
+        let staged = call.wait(second)?.recv;
+        let mut recv = recv;
+        layout.rank_order(&staged, n, &mut recv);
+        Ok(wrap(Done { send, recv }))
+    })))
 }
 
 /// The (send, result) buffers of a finished collective (a broadcast's one buffer is `recv`).

@@ -198,8 +198,21 @@ pub struct Pending<T: Wire> {
     staged: Vec<T>,
     /// Whether every receive of the staged blocks completed with its whole block.
     whole: bool,
+    /// This rank's rank in the collective's group, and the group's size ([`Group`]).
+    group: (usize, usize),
     bytes: usize,
     start: Instant,
+}
+
+/// The ranks a collective runs among.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Group {
+    /// Every rank.
+    World,
+    /// The ranks of this rank's machine (with a [`super::hierarchy::Layout`] only).
+    Machine,
+    /// The ranks of this rank's local rank, one per machine (likewise).
+    Across,
 }
 
 /// The buffers of a completed collective.
@@ -252,6 +265,7 @@ impl<T: Wire> Pending<T> {
             counts: Vec::new(),
             staged: Vec::new(),
             whole: false,
+            group: (call.world.rank, call.world.size),
             bytes,
             start: Instant::now(),
         }
@@ -300,7 +314,7 @@ impl<T: Wire> Pending<T> {
         if !self.counts_received() {
             return Ok(());
         }
-        let (rank, size) = (self.world.rank, self.world.size);
+        let (rank, size) = self.group;
         let want = self.staged.len() / (size - 1).max(1);
         for (k, status) in statuses.iter().take(size - 1).enumerate() {
             let mut got: c_int = 0;
@@ -346,7 +360,7 @@ impl<T: Wire> Pending<T> {
     /// are returned, for the next f16/bf16 reduce.
     fn finish(mut self, kept: &mut Staged) -> (Done<T>, (Vec<f32>, Vec<f32>)) {
         debug_assert!(self.reqs.iter().all(|r| r.is_null()));
-        let (rank, size) = (self.world.rank, self.world.size);
+        let (rank, size) = self.group;
         // Waits hand out no buffers of a collective whose blocks were short
         // (`staged_whole`): the staged blocks are summed only when whole.
         let whole = self.staged.is_empty() || self.whole;
@@ -453,9 +467,15 @@ impl Call {
         }
     }
 
-    /// An error unless `buf`'s `len` is one block per rank of the `other` buffer's `block`.
-    fn holds_blocks(&self, buf: &str, len: usize, block: usize, other: &str) -> Result<()> {
-        let size = self.world.size;
+    /// An error unless `buf`'s `len` is one block per rank (of `size`) of the `other` buffer's
+    /// `block`.
+    fn holds_blocks(
+        &self,
+        buf: &str,
+        (len, size): (usize, usize),
+        block: usize,
+        other: &str,
+    ) -> Result<()> {
         if block.checked_mul(size) == Some(len) {
             return Ok(());
         }
@@ -636,7 +656,8 @@ impl Call {
         } else {
             p.reqs = smallvec![Request::null(); self.world.size - 1];
             let len = p.send.len();
-            self.receive_staged(&mut p, (len, n), tag)?;
+            let comm = self.st.data.0;
+            self.receive_staged(&mut p, (len, n), (tag, comm))?;
         }
         if self.blocking {
             self.complete_blocking(&mut p)?;
@@ -668,11 +689,11 @@ impl Call {
         &mut self,
         p: &mut Pending<T>,
         (len, n): (usize, c_int),
-        tag: c_int,
+        (tag, comm): (c_int, ffi::MPI_Comm),
     ) -> Result<()> {
-        let (rank, size) = (self.world.rank, self.world.size);
+        let (rank, size) = p.group;
         p.staged = self.st.staged.take::<T>((size - 1) * len);
-        let (dt, width, comm) = (T::datatype(), std::mem::size_of::<T>(), self.st.data.0);
+        let (dt, width) = (T::datatype(), std::mem::size_of::<T>());
         let staged = raw::ptr_mut(&mut p.staged).cast::<u8>();
         for (k, req) in p.reqs.iter_mut().take(size - 1).enumerate() {
             let from = (if k < rank { k } else { k + 1 }) as c_int;
@@ -717,7 +738,8 @@ impl Call {
         let mut p = Pending::new(self, coll, Vec::new(), recv, bytes);
         p.is_root = true;
         p.reqs = smallvec![Request::null(); self.world.size - 1];
-        self.receive_staged(&mut p, (send.len(), n), tag)?;
+        let comm = self.st.data.0;
+        self.receive_staged(&mut p, (send.len(), n), (tag, comm))?;
         self.complete_blocking(&mut p)?;
         let (rank, size) = (self.world.rank, self.world.size);
         sum_blocks(&mut p.recv, send, &p.staged, (rank, size));
@@ -773,27 +795,37 @@ impl Call {
     /// messages in the order posted); a block of the wrong length is an error, never a sum. A
     /// push holds about twice the key in transfer buffers (MPI's needed a key and a block).
     pub fn reduce_scatter<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
-        let size = self.world.size;
+        self.reduce_scatter_in(Group::World, send, recv)
+    }
+
+    /// [`Call::reduce_scatter`] among the ranks of `group`: blocks in the group's rank order,
+    /// summed in that order.
+    pub(crate) fn reduce_scatter_in<T: Wire>(
+        &mut self,
+        group: Group,
+        send: Vec<T>,
+        recv: Vec<T>,
+    ) -> Result<Pending<T>> {
+        let (comm, rank, size) = self.group(group)?;
         let what = "reduce-scatter: the send buffer";
-        self.holds_blocks(what, send.len(), recv.len(), "receive")?;
+        self.holds_blocks(what, (send.len(), size), recv.len(), "receive")?;
         let n = recv.len();
         let count = raw::count(self.op, n)?;
         let bytes = send.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, Coll::ReduceScatter, send, recv, bytes);
-        let rank = self.world.rank;
+        p.group = (rank, size);
         p.reqs = smallvec![Request::null(); 2 * (size - 1)];
         let tag = self.tag(Tagged::ReduceScatter);
-        self.receive_staged(&mut p, (n, count), tag)?;
+        self.receive_staged(&mut p, (n, count), (tag, comm))?;
         let (dt, width) = (T::datatype(), std::mem::size_of::<T>());
         let send_ptr = raw::ptr(&p.send).cast::<u8>();
-        let comm = self.st.data.0;
         let sends = &mut p.reqs[size - 1..];
         // Each rank starts with its next rank up, so no rank is everyone's first.
         for (j, req) in sends.iter_mut().enumerate() {
             let to = (rank + 1 + j) % size;
             // SAFETY: the send buffer holds size × n elements of `dt` (checked above); block
             // `to` starts `to` × n elements in. It lives in `p` until the request completes or
-            // is leaked. The communicator is valid and `to` < size.
+            // is leaked. The communicator is valid and `to` < its size.
             let rc = unsafe {
                 let block = send_ptr.add(to * n * width).cast();
                 ffi::MPI_Isend(block, count, dt, to as c_int, tag, comm, &mut req.0)
@@ -803,23 +835,59 @@ impl Call {
         Ok(p)
     }
 
+    /// The communicator of `group`, this rank's rank in it and its size.
+    fn group(&self, group: Group) -> Result<(ffi::MPI_Comm, usize, usize)> {
+        let w = self.world;
+        let staged = || {
+            let layout = w.layout();
+            let comms = self.st.stages.as_ref();
+            layout.zip(comms).ok_or_else(|| {
+                Error::internal("a collective among machines in a world of one machine")
+            })
+        };
+        Ok(match group {
+            Group::World => (self.st.data.0, w.rank, w.size),
+            Group::Machine => {
+                let (layout, (machine, _)) = staged()?;
+                (machine.0, layout.place(w.rank).1, layout.local)
+            }
+            Group::Across => {
+                let (layout, (_, across)) = staged()?;
+                (across.0, layout.place(w.rank).0, layout.hosts)
+            }
+        })
+    }
+
     /// Starts an all-gather (`MPI_Iallgather`): block `r` of `recv` gets rank `r`'s `send`.
     pub fn all_gather<T: Wire>(&mut self, send: Vec<T>, recv: Vec<T>) -> Result<Pending<T>> {
-        self.all_gather_as(send, recv, Coll::AllGather)
+        self.all_gather_as(Group::World, send, recv, Coll::AllGather)
+    }
+
+    /// [`Call::all_gather`] among the ranks of `group`, in the group's rank order.
+    pub(crate) fn all_gather_in<T: Wire>(
+        &mut self,
+        group: Group,
+        send: Vec<T>,
+        recv: Vec<T>,
+    ) -> Result<Pending<T>> {
+        self.all_gather_as(group, send, recv, Coll::AllGather)
     }
 
     pub(super) fn all_gather_as<T: Wire>(
         &mut self,
+        group: Group,
         send: Vec<T>,
         recv: Vec<T>,
         coll: Coll,
     ) -> Result<Pending<T>> {
+        let (comm, rank, size) = self.group(group)?;
         let what = "all-gather: the receive buffer";
-        self.holds_blocks(what, recv.len(), send.len(), "send")?;
+        self.holds_blocks(what, (recv.len(), size), send.len(), "send")?;
         let n = raw::count(self.op, send.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();
         let mut p = Pending::new(self, coll, send, recv, bytes);
-        let ((send, recv), dt, comm) = (p.ptrs(), T::datatype(), self.st.data.0);
+        p.group = (rank, size);
+        let ((send, recv), dt) = (p.ptrs(), T::datatype());
         // SAFETY: the send buffer holds n elements and the receive buffer size × n (checked
         // above), of T's MPI datatype; both live in `p` until completion or are leaked; the
         // communicator is valid.
@@ -939,7 +1007,7 @@ impl Call {
         self.check_root(root)?;
         if root == self.world.rank {
             let what = "scatter: the root's send buffer";
-            self.holds_blocks(what, send.len(), recv.len(), "receive")?;
+            self.holds_blocks(what, (send.len(), self.world.size), recv.len(), "receive")?;
         }
         let n = raw::count(self.op, recv.len())?;
         let bytes = recv.len() * std::mem::size_of::<T>();

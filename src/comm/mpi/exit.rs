@@ -150,13 +150,17 @@ impl World {
             ));
             raw::abort(1);
         }
-        // SAFETY: both communicators were created by MPI_Comm_dup and are freed once, here,
-        // under the state lock, which the closed flag keeps every later call from using; no
-        // collective on them is pending (the world is healthy, every call waited for its
-        // collectives, and the exit barrier completed).
+        // SAFETY: the communicators were created by MPI_Comm_dup (and, for the two stages,
+        // split) and are freed once, here, under the state lock, which the closed flag keeps
+        // every later call from using; no collective on them is pending (the world is healthy,
+        // every call waited for its collectives, and the exit barrier completed).
         unsafe {
             ffi::MPI_Comm_free(&mut st.data.0);
             ffi::MPI_Comm_free(&mut st.control.0);
+            if let Some((host, cross)) = st.stages.as_mut() {
+                ffi::MPI_Comm_free(&mut host.0);
+                ffi::MPI_Comm_free(&mut cross.0);
+            }
         }
         drop(st);
         // Dropping rsmpi's universe calls MPI_Finalize.

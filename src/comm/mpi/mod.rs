@@ -84,6 +84,7 @@ mod blocking;
 mod collective;
 mod control;
 mod exit;
+mod hierarchy;
 mod hosts;
 mod poll;
 mod raw;
@@ -103,6 +104,7 @@ use mpi::ffi;
 pub use crate::comm::fingerprint::Fingerprint;
 /// The default of `KVSTORE_TIMEOUT` (30 minutes): one constant for every distributed wait.
 pub use crate::config::DEFAULT_TIMEOUT;
+pub(crate) use collective::Group;
 pub use collective::{Done, Pending, Wire};
 
 use crate::{Error, Key, Result};
@@ -116,6 +118,10 @@ pub struct World {
     size: usize,
     local_rank: usize,
     local_size: usize,
+    /// The number of machines: ranks of local rank 0.
+    machines: usize,
+    /// Several machines of several ranks each: how sliced keys travel in two stages.
+    layout: Option<hierarchy::Layout>,
     /// Every rank's host name, in rank order (see [`hosts`]): errors name a lost rank's host.
     hosts: Vec<String>,
     timeout: Duration,
@@ -142,6 +148,9 @@ struct State {
     data: Comm,
     /// The communicator of failure reports and of the exit barrier.
     control: Comm,
+    /// With a [`hierarchy::Layout`]: the communicators of this rank's machine and of its local
+    /// rank across machines.
+    stages: Option<(Comm, Comm)>,
     /// The number of the last call begun.
     seq: u64,
     /// Where this rank is, for answers to other ranks.
@@ -165,6 +174,44 @@ struct State {
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
+
+/// What the world's split into machines found.
+struct Split {
+    /// Rank, size, local rank and local size.
+    counts: [usize; 4],
+    /// The number of machines.
+    machines: usize,
+    layout: Option<hierarchy::Layout>,
+    /// With a layout: the communicators of this machine and of this local rank across machines.
+    comms: Option<(Comm, Comm)>,
+}
+
+/// Splits `world` into the ranks sharing memory with this one (numbered by `key`), into
+/// `local`. Under `test-util`, `KVSTORE_TEST_MACHINES=N` splits it into N machines of
+/// consecutive ranks instead, so that one box tests what several machines run.
+///
+/// # Safety
+/// MPI is initialised, `world` is a valid communicator and `local` a valid out-pointer.
+unsafe fn split_machines(world: ffi::MPI_Comm, key: c_int, local: &mut ffi::MPI_Comm) -> c_int {
+    #[cfg(feature = "test-util")]
+    if let Some(n) = std::env::var("KVSTORE_TEST_MACHINES")
+        .ok()
+        .and_then(|v| v.parse::<c_int>().ok())
+        .filter(|&n| n > 0)
+    {
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: as the caller promises; the out-pointers are valid locals.
+        unsafe {
+            ffi::MPI_Comm_rank(world, &mut rank);
+            ffi::MPI_Comm_size(world, &mut size);
+            let per = (size + n - 1) / n;
+            return ffi::MPI_Comm_split(world, rank / per.max(1), rank, local);
+        }
+    }
+    let (shared, info) = (ffi::RSMPI_COMM_TYPE_SHARED, ffi::RSMPI_INFO_NULL);
+    // SAFETY: as the caller promises.
+    unsafe { ffi::MPI_Comm_split_type(world, shared, key, info, local) }
+}
 
 /// The local rank an MPI launcher gave this process: Open MPI's `OMPI_COMM_WORLD_LOCAL_RANK`,
 /// or MPICH's (Hydra's) `MPI_LOCALRANKID`. The store's local rank follows it, so that it picks
@@ -263,8 +310,8 @@ impl World {
             return Err(("MPI".to_owned(), message));
         }
 
-        let ([rank, size, local_rank, local_size], data, control) =
-            Self::communicators().map_err(as_pair)?;
+        let (split, data, control) = Self::communicators().map_err(as_pair)?;
+        let [rank, size, local_rank, local_size] = split.counts;
         let hosts = hosts::gather(control.0, size).map_err(as_pair)?;
 
         // From here on MPI is initialised by us: the exit hook must run whatever happens.
@@ -288,6 +335,8 @@ impl World {
             size,
             local_rank,
             local_size,
+            machines: split.machines,
+            layout: split.layout,
             hosts,
             timeout,
             wait_log,
@@ -295,6 +344,7 @@ impl World {
             state: Mutex::new(State {
                 data,
                 control,
+                stages: split.comms,
                 seq: 0,
                 here: Here::idle(0, "not in a call"),
                 heard: BTreeMap::new(),
@@ -314,13 +364,14 @@ impl World {
         })
     }
 
-    /// Rank, size, local rank and size, and the two duplicated communicators.
-    fn communicators() -> Result<([usize; 4], Comm, Comm)> {
+    /// Rank, size, local rank and size, the machines, and the two duplicated communicators.
+    fn communicators() -> Result<(Split, Comm, Comm)> {
         const OP: &str = "initialise MPI";
         let [mut rank, mut size, mut local_rank, mut local_size]: [c_int; 4] = [0; 4];
-        // SAFETY: MPI is initialised (above); every out-pointer is a valid local; the world
-        // communicator and the constants are handles rsmpi's C shim exports. The local
-        // communicator is freed before returning.
+        // SAFETY: MPI is initialised (above); every out-pointer is a valid local, and the
+        // gathered buffer holds two ints per rank of the world; the world communicator and the
+        // constants are handles rsmpi's C shim exports. The local communicator is kept only
+        // with a layout (its handle then lives in the state), else freed before returning.
         unsafe {
             let world = ffi::RSMPI_COMM_WORLD;
             raw::check(OP, ffi::MPI_Comm_rank(world, &mut rank))?;
@@ -331,12 +382,43 @@ impl World {
                 .and_then(|l| c_int::try_from(l).ok())
                 .unwrap_or(rank);
             let mut local: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
-            let (shared, info) = (ffi::RSMPI_COMM_TYPE_SHARED, ffi::RSMPI_INFO_NULL);
-            let split = ffi::MPI_Comm_split_type(world, shared, key, info, &mut local);
-            raw::check(OP, split)?;
+            raw::check(OP, split_machines(world, key, &mut local))?;
             raw::check(OP, ffi::MPI_Comm_rank(local, &mut local_rank))?;
             raw::check(OP, ffi::MPI_Comm_size(local, &mut local_size))?;
-            raw::check(OP, ffi::MPI_Comm_free(&mut local))?;
+            let mine = [local_rank, local_size];
+            let mut all: Vec<c_int> = vec![0; 2 * size.max(0) as usize];
+            let dt = raw::datatype::<c_int>();
+            let rc = ffi::MPI_Allgather(
+                raw::ptr(&mine[..]),
+                2,
+                dt,
+                raw::ptr_mut(&mut all),
+                2,
+                dt,
+                world,
+            );
+            raw::check(OP, rc)?;
+            let locals: Vec<usize> = all.iter().step_by(2).map(|&v| v as usize).collect();
+            let sizes: Vec<usize> = all.iter().skip(1).step_by(2).map(|&v| v as usize).collect();
+            let machines = locals.iter().filter(|&&l| l == 0).count().max(1);
+            let layout = hierarchy::Layout::of(&locals, &sizes);
+            let comms = match layout {
+                Some(_) => {
+                    let mut cross: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
+                    raw::check(OP, ffi::MPI_Comm_split(world, local_rank, rank, &mut cross))?;
+                    for c in [local, cross] {
+                        raw::check(
+                            OP,
+                            ffi::MPI_Comm_set_errhandler(c, ffi::RSMPI_ERRORS_RETURN),
+                        )?;
+                    }
+                    Some((Comm(local), Comm(cross)))
+                }
+                None => {
+                    raw::check(OP, ffi::MPI_Comm_free(&mut local))?;
+                    None
+                }
+            };
             let dup = || -> Result<Comm> {
                 let mut c: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
                 raw::check(OP, ffi::MPI_Comm_dup(world, &mut c))?;
@@ -347,7 +429,13 @@ impl World {
                 Ok(Comm(c))
             };
             let counts = [rank, size, local_rank, local_size].map(|v| v as usize);
-            Ok((counts, dup()?, dup()?))
+            let split = Split {
+                counts,
+                machines,
+                layout,
+                comms,
+            };
+            Ok((split, dup()?, dup()?))
         }
     }
 
@@ -371,13 +459,15 @@ impl World {
         self.local_size
     }
 
-    /// The number of machines the ranks run on: distinct host names (ranks whose names could
-    /// not be read count as one machine, "unknown").
+    /// The number of machines the ranks run on (the ranks MPI finds sharing memory with no
+    /// other are each a machine).
     pub fn host_count(&self) -> usize {
-        let mut names: Vec<&str> = self.hosts.iter().map(String::as_str).collect();
-        names.sort_unstable();
-        names.dedup();
-        names.len().max(1)
+        self.machines
+    }
+
+    /// Several machines of several ranks each: the two-stage layout of sliced keys.
+    pub(crate) fn layout(&self) -> Option<&hierarchy::Layout> {
+        self.layout.as_ref()
     }
 
     /// The host name of `rank` (its `gethostname`, cleaned; "unknown" out of range).
@@ -552,7 +642,8 @@ impl Call {
     /// A blocking, bounded all-gather of a few `u64`s on the data communicator.
     pub(crate) fn all_gather_u64(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
         let recv = vec![0u64; mine.len() * self.world.size];
-        let p = self.all_gather_as(mine.to_vec(), recv, collective::Coll::Fingerprint)?;
+        let (mine, world) = (mine.to_vec(), collective::Group::World);
+        let p = self.all_gather_as(world, mine, recv, collective::Coll::Fingerprint)?;
         Ok(self.wait(p)?.recv)
     }
 
