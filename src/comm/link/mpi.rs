@@ -257,14 +257,19 @@ fn reduce_scatter_in_stages<T: Wire + Element>(
             "a reduce-scatter's send buffer is not a block per rank",
         ));
     }
-    let mut staged = Vec::with_capacity(send.len());
+    let mut staged = call.scratch::<T>(send.len());
     layout.stage_order(&send, n, &mut staged);
-    let first =
-        call.reduce_scatter_in(Group::Machine, staged, vec![T::default(); n * layout.hosts])?;
+    let chunk = call.scratch::<T>(n * layout.hosts);
+    let first = call.reduce_scatter_in(Group::Machine, staged, chunk)?;
     Ok(Flight::Started(Box::new(move |call: &mut Call| {
-        let chunk = call.wait(first)?.recv;
+        let Done {
+            send: staged,
+            recv: chunk,
+        } = call.wait(first)?;
+        call.keep_scratch(staged);
         let second = call.reduce_scatter_in(Group::Across, chunk, recv)?;
-        let recv = call.wait(second)?.recv;
+        let Done { send: chunk, recv } = call.wait(second)?;
+        call.keep_scratch(chunk);
         Ok(wrap(Done { send, recv }))
     })))
 }
@@ -285,13 +290,20 @@ fn all_gather_in_stages<T: Wire + Element>(
             "an all-gather's receive buffer is not a block per rank",
         ));
     }
-    let first = call.all_gather_in(Group::Across, send, vec![T::default(); n * layout.hosts])?;
+    let chunk = call.scratch::<T>(n * layout.hosts);
+    let first = call.all_gather_in(Group::Across, send, chunk)?;
     Ok(Flight::Started(Box::new(move |call: &mut Call| {
         let Done { send, recv: chunk } = call.wait(first)?;
-        let second = call.all_gather_in(Group::Machine, chunk, vec![T::default(); n * size])?;
-        let staged = call.wait(second)?.recv;
+        let staged = call.scratch::<T>(n * size);
+        let second = call.all_gather_in(Group::Machine, chunk, staged)?;
+        let Done {
+            send: chunk,
+            recv: staged,
+        } = call.wait(second)?;
         let mut recv = recv;
         layout.rank_order(&staged, n, &mut recv);
+        call.keep_scratch(chunk);
+        call.keep_scratch(staged);
         Ok(wrap(Done { send, recv }))
     })))
 }

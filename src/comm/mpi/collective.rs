@@ -76,11 +76,13 @@ wire!(bf16 as u16, wide: true, bf16::to_f32, bf16::from_f32, |a: bf16, b: bf16| 
 });
 
 /// Per element type, the buffers that receive the other ranks' blocks (of a reduce-scatter, or
-/// at the root of a reduce in rank order), kept between calls up to [`KEPT_STAGED_BYTES`] per
-/// type, so that receives land in pages already mapped, with no zeros written first. A bigger
-/// buffer is allocated (and zeroed) for its call alone.
-#[derive(Default)]
+/// at the root of a reduce in rank order) and those of a collective's steps
+/// ([`Call::scratch`]), kept between calls up to a bound of bytes per type, so that receives
+/// land in pages already mapped, with no zeros written first. A bigger buffer is allocated (and
+/// zeroed) for its call alone.
 pub(super) struct Staged {
+    /// The most bytes kept per element type.
+    cap: usize,
     f32: Vec<Vec<f32>>,
     f64: Vec<Vec<f64>>,
     f16: Vec<Vec<f16>>,
@@ -88,7 +90,25 @@ pub(super) struct Staged {
     u64: Vec<Vec<u64>>,
 }
 
+impl Default for Staged {
+    fn default() -> Staged {
+        Staged::with_cap(KEPT_STAGED_BYTES)
+    }
+}
+
 impl Staged {
+    /// Keeping at most `cap` bytes per element type.
+    pub(super) fn with_cap(cap: usize) -> Staged {
+        Staged {
+            cap,
+            f32: Vec::new(),
+            f64: Vec::new(),
+            f16: Vec::new(),
+            bf16: Vec::new(),
+            u64: Vec::new(),
+        }
+    }
+
     /// A buffer of `len`: the smallest kept one that fits, else the biggest, grown with zeros.
     fn take<T: Wire>(&mut self, len: usize) -> Vec<T> {
         let mut v = match self.of::<T>() {
@@ -102,18 +122,19 @@ impl Staged {
         v
     }
 
-    /// Keeps `v` for a later [`Staged::take`], within [`KEPT_STAGED_BYTES`] (smallest go first).
+    /// Keeps `v` for a later [`Staged::take`], within the bound (smallest go first).
     fn keep<T: Wire>(&mut self, v: Vec<T>) {
         let bytes = |v: &Vec<T>| v.capacity() * std::mem::size_of::<T>();
+        let cap = self.cap;
         let Some(kept) = self.of::<T>() else {
             return;
         };
-        if v.capacity() == 0 || bytes(&v) > KEPT_STAGED_BYTES {
+        if v.capacity() == 0 || bytes(&v) > cap {
             return;
         }
         kept.push(v);
         kept.sort_by_key(|v| std::cmp::Reverse(v.capacity()));
-        while kept.iter().map(bytes).sum::<usize>() > KEPT_STAGED_BYTES {
+        while kept.iter().map(bytes).sum::<usize>() > cap {
             kept.pop();
         }
     }
@@ -131,8 +152,9 @@ impl Staged {
     }
 }
 
-/// The most bytes of [`Staged`] buffers kept per element type: at the default bound, a whole f32
-/// key's blocks on up to 17 ranks, or a sliced f32 key of up to 128 MiB on two ranks.
+/// The most bytes of [`Staged`] buffers kept per element type where nothing else is set: the
+/// world keeps a quarter of `KVSTORE_DIST_POOL_BYTES` (256 MiB by default: the buffers of a
+/// sliced f32 key of 64 MiB in two stages, about 2.25 times the key).
 const KEPT_STAGED_BYTES: usize = 64 << 20;
 
 /// The most bytes of each f32 buffer of a blocking f16/bf16 reduce kept for the next one (a
@@ -835,6 +857,17 @@ impl Call {
         Ok(p)
     }
 
+    /// A buffer of `len` elements for a collective's steps, from those kept between calls
+    /// (its contents are any values).
+    pub(crate) fn scratch<T: Wire>(&mut self, len: usize) -> Vec<T> {
+        self.st.staged.take(len)
+    }
+
+    /// Keeps `v` for a later [`Call::scratch`].
+    pub(crate) fn keep_scratch<T: Wire>(&mut self, v: Vec<T>) {
+        self.st.staged.keep(v);
+    }
+
     /// The communicator of `group`, this rank's rank in it and its size.
     fn group(&self, group: Group) -> Result<(ffi::MPI_Comm, usize, usize)> {
         let w = self.world;
@@ -1184,7 +1217,8 @@ mod tests {
     /// smallest going first.
     #[test]
     fn staged_buffers_are_reused_within_their_bound() {
-        let mut st = Staged::default();
+        const CAP: usize = 64 << 10;
+        let mut st = Staged::with_cap(CAP);
         st.keep(vec![1.0f32; 1000]);
         st.keep(vec![2.0f32; 10]);
         st.keep(vec![3.0f64; 10]);
@@ -1194,18 +1228,15 @@ mod tests {
         assert_eq!((big.len(), big[0], big[1999]), (2000, 1.0, 0.0));
         assert!(st.take::<f32>(5).capacity() >= 5, "none kept: a fresh one");
         assert_eq!(st.take::<f64>(10)[9], 3.0);
-        let n = KEPT_STAGED_BYTES / 4 / 2;
+        let n = CAP / 4 / 2;
         for fill in [1.0f32, 2.0, 3.0] {
             let mut v = Vec::with_capacity(n);
             v.resize(n, fill);
             st.keep(v);
         }
         let kept: usize = st.f32.iter().map(|v| v.capacity() * 4).sum();
-        assert!(
-            kept <= KEPT_STAGED_BYTES && st.f32.len() == 2,
-            "{kept} bytes kept"
-        );
-        st.keep(vec![0.0f32; KEPT_STAGED_BYTES / 4 + 1]);
+        assert!(kept <= CAP && st.f32.len() == 2, "{kept} bytes kept");
+        st.keep(vec![0.0f32; CAP / 4 + 1]);
         assert_eq!(st.f32.len(), 2, "a buffer over the bound is not kept");
     }
 

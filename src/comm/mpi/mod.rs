@@ -354,7 +354,7 @@ impl World {
                 caused_by: None,
                 outbox: Vec::new(),
                 wide: (Vec::new(), Vec::new()),
-                staged: collective::Staged::default(),
+                staged: collective::Staged::with_cap(config.pool_bytes / 4),
             }),
             poison: Mutex::new(poison),
             env_error,
