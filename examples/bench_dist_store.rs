@@ -15,7 +15,8 @@
 //!
 //! - `push`: `kv.push(0, &grad)` (no updater: the sum is assigned), next to the raw collective
 //!   the store starts: `MPI_Reduce` to rank 0 for a whole key, `MPI_Reduce_scatter_block` for a
-//!   key of more than `KVSTORE_BIGARRAY_BOUND` elements (sliced over the ranks);
+//!   key of more than `KVSTORE_BIGARRAY_BOUND` elements (sliced over the ranks; unset: as the store
+//!   chooses for the machines the ranks span);
 //! - `pull`: `kv.pull(0, &out)`, next to `MPI_Bcast` from rank 0, or `MPI_Allgather`.
 //!
 //! The raw collectives are rsmpi's blocking calls (Open MPI's `tuned` component), the reference
@@ -46,6 +47,7 @@
 use std::time::Instant;
 
 use clap::Parser;
+use kvstore::__internal::bigarray_bound;
 use kvstore::__internal::mpi::{Fingerprint, World};
 use kvstore::{DType, KvStore, NDArray};
 use mpi::collective::SystemOperation;
@@ -111,10 +113,9 @@ fn main() -> kvstore::Result<()> {
     let comm = SimpleCommunicator::world();
     let (rank, size) = (world.rank(), world.size());
     let check = if world.check_enabled() { "on" } else { "off" };
-    let bound: usize = std::env::var("KVSTORE_BIGARRAY_BOUND")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(1_000_000);
+    // The store's bound: the variable, else the default for the machines the ranks span.
+    let set = std::env::var("KVSTORE_BIGARRAY_BOUND").ok();
+    let bound = bigarray_bound(set.and_then(|v| v.trim().parse().ok()), world.host_count());
     let b = Bench {
         comm: &comm,
         rank,

@@ -101,4 +101,5 @@ pub mod __internal {
     #[cfg(feature = "mpi")]
     pub use crate::comm::mpi;
     pub use crate::comm::nccl;
+    pub use crate::config::bigarray_bound;
 }

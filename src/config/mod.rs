@@ -35,7 +35,7 @@ pub(crate) const DEFAULT_BIGARRAY_BOUND: usize = 1_000_000;
 pub(crate) const ACROSS_HOSTS_BIGARRAY_BOUND: usize = 1 << 16;
 
 /// The slicing bound for ranks on `hosts` machines: `set` (`KVSTORE_BIGARRAY_BOUND`) when set.
-pub(crate) fn bigarray_bound(set: Option<usize>, hosts: usize) -> usize {
+pub fn bigarray_bound(set: Option<usize>, hosts: usize) -> usize {
     set.unwrap_or(match hosts {
         0 | 1 => DEFAULT_BIGARRAY_BOUND,
         _ => ACROSS_HOSTS_BIGARRAY_BOUND,
