@@ -12,7 +12,8 @@
 # What runs (every job's ranks on the cluster's hosts, TCP between hosts, shared memory within):
 #   1. dist_store at 4 ranks on 2 x 2: every updater against an f64 reference with sliced keys;
 #      list ops, repeats, pushpull, broadcast and priorities, sliced; data-parallel training
-#      equal to one process; sums in rank order; row-sparse training equal to a local store.
+#      equal to one process; sums bit for bit in their order (sliced keys in two stages, the
+#      rest in rank order); row-sparse training equal to a local store.
 #   2. dist_checkpoint: a save on 2 x 2 loads on 2 x 1, on 3 x 1 and into a local store.
 #   3. dist_gpu on the stand-in driver (NOT a GPU; its NCCL moves data through /dev/shm, so
 #      this tests the launch environment, the TCP rendezvous at MASTER_ADDR and the bootstrap,
