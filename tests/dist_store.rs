@@ -2439,7 +2439,8 @@ fn case_async() {
 /// The ranks of each machine, machines in order, where the ranks run on several machines of
 /// several ranks each (else `None`): every rank's local rank, gathered through the store, and
 /// a rank's machine the number of ranks before it with its local rank (as the store numbers
-/// them).
+/// them). That numbering names the real machines where ranks are placed by machine or round
+/// robin (the layouts these tests run), not under every rankfile.
 fn machines_of(kv: &KvStore) -> Option<Vec<Vec<usize>>> {
     let (r, n) = (kv.rank(), kv.num_workers());
     kv.init(9_999, &full(&[n], 0.0, DType::F64, 0)).unwrap();

@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `KVSTORE_PAR_MIN_BYTES` | bytes of traffic from which a call on host memory splits over threads (`0`: always) | 1048576 |
 //! | `KVSTORE_BIGARRAY_BOUND` | keys of more elements are sliced over every rank of a dist store | 1000000 on one machine, 65536 across machines |
-//! | `KVSTORE_DIST_POOL_BYTES` | host buffers a process's dist stores keep between calls (`0`: none); the MPI transport keeps up to a quarter of it per dtype | 1 GiB |
+//! | `KVSTORE_DIST_POOL_BYTES` | host buffers a process's dist stores keep between calls (`0`: none); the MPI transport keeps up to a quarter of it (at least 64 MiB) per dtype in use | 1 GiB |
 //! | `KVSTORE_DIST_CHECK` | the per-call fingerprint check of a dist store (`0`/`1`) | on |
 //! | `KVSTORE_TIMEOUT` | seconds any wait of a dist store may last | 1800 |
 //! | `KVSTORE_WAIT_LOG_SECS` | seconds between two "still waiting" logs of one wait | 60 |

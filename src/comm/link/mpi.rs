@@ -261,13 +261,15 @@ fn reduce_scatter_in_stages<T: Wire + Element>(
     layout.stage_order(&send, n, &mut staged);
     let chunk = call.scratch::<T>(n * layout.hosts);
     let first = call.reduce_scatter_in(Group::Machine, staged, chunk)?;
+    // One timeout bounds both stages.
+    let start = first.started_at();
     Ok(Flight::Started(Box::new(move |call: &mut Call| {
         let Done {
             send: staged,
             recv: chunk,
         } = call.wait(first)?;
         call.keep_scratch(staged);
-        let second = call.reduce_scatter_in(Group::Across, chunk, recv)?;
+        let second = (call.reduce_scatter_in(Group::Across, chunk, recv)?).counting_from(start);
         let Done { send: chunk, recv } = call.wait(second)?;
         call.keep_scratch(chunk);
         Ok(wrap(Done { send, recv }))
@@ -292,10 +294,11 @@ fn all_gather_in_stages<T: Wire + Element>(
     }
     let chunk = call.scratch::<T>(n * layout.hosts);
     let first = call.all_gather_in(Group::Across, send, chunk)?;
+    let start = first.started_at();
     Ok(Flight::Started(Box::new(move |call: &mut Call| {
         let Done { send, recv: chunk } = call.wait(first)?;
         let staged = call.scratch::<T>(n * size);
-        let second = call.all_gather_in(Group::Machine, chunk, staged)?;
+        let second = (call.all_gather_in(Group::Machine, chunk, staged)?).counting_from(start);
         let Done {
             send: chunk,
             recv: staged,

@@ -152,10 +152,18 @@ impl Staged {
     }
 }
 
-/// The most bytes of [`Staged`] buffers kept per element type where nothing else is set: the
-/// world keeps a quarter of `KVSTORE_DIST_POOL_BYTES` (256 MiB by default: the buffers of a
-/// sliced f32 key of 64 MiB in two stages, about 2.25 times the key).
+/// The most bytes of [`Staged`] buffers kept per element type, at least: a whole f32 key's
+/// blocks on up to 17 ranks at the default bound, or a sliced f32 key of up to 128 MiB on two
+/// ranks.
 const KEPT_STAGED_BYTES: usize = 64 << 20;
+
+/// The most bytes of [`Staged`] buffers the world keeps per element type in use, with
+/// `KVSTORE_DIST_POOL_BYTES` at `pool_bytes`: a quarter of it (256 MiB by default: the buffers
+/// of a sliced f32 key of 64 MiB in two stages, about 2.25 times the key), at least
+/// [`KEPT_STAGED_BYTES`].
+pub(super) fn staged_cap(pool_bytes: usize) -> usize {
+    (pool_bytes / 4).max(KEPT_STAGED_BYTES)
+}
 
 /// The most bytes of each f32 buffer of a blocking f16/bf16 reduce kept for the next one (a
 /// whole key's sum: keys over `KVSTORE_BIGARRAY_BOUND` are sliced, so 4 MiB by default).
@@ -272,6 +280,18 @@ impl<T: Wire> Drop for Pending<T> {
 }
 
 impl<T: Wire> Pending<T> {
+    /// When the collective started: its wait's timeout counts from here.
+    pub(crate) fn started_at(&self) -> Instant {
+        self.start
+    }
+
+    /// The collective, its wait's timeout counted from `start` (a later step of a collective
+    /// in steps, so that the whole is bounded by one timeout).
+    pub(crate) fn counting_from(mut self, start: Instant) -> Pending<T> {
+        self.start = start;
+        self
+    }
+
     fn new(call: &Call, coll: Coll, send: Vec<T>, recv: Vec<T>, bytes: usize) -> Pending<T> {
         #[cfg(feature = "test-util")]
         super::test_hook::before_collective(call.world, call.seq, &coll, bytes);

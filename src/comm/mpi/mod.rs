@@ -354,7 +354,7 @@ impl World {
                 caused_by: None,
                 outbox: Vec::new(),
                 wide: (Vec::new(), Vec::new()),
-                staged: collective::Staged::with_cap(config.pool_bytes / 4),
+                staged: collective::Staged::with_cap(collective::staged_cap(config.pool_bytes)),
             }),
             poison: Mutex::new(poison),
             env_error,
