@@ -458,6 +458,18 @@ fn a_push_sums_each_machine_then_the_machines_on_2_machines_of_2_ranks() {
     healthy(4, "in_order", &[("KVSTORE_TEST_MACHINES", "2")]);
 }
 
+/// Ranks dealt to the machines round robin (`--map-by node`): the same two stages.
+#[test]
+fn a_push_sums_each_machine_then_the_machines_placed_round_robin() {
+    healthy(4, "in_order", &[("KVSTORE_TEST_MACHINES", "2:rr")]);
+}
+
+/// Machines of 2 and 1 ranks: flat, in rank order.
+#[test]
+fn a_push_sums_the_ranks_in_rank_order_on_uneven_machines() {
+    healthy(3, "in_order", &[("KVSTORE_TEST_MACHINES", "2")]);
+}
+
 #[test]
 fn every_updater_matches_an_f64_reference_sliced_on_2_machines_of_2_ranks() {
     healthy(

@@ -188,24 +188,31 @@ struct Split {
 
 /// Splits `world` into the ranks sharing memory with this one (numbered by `key`), into
 /// `local`. Under `test-util`, `KVSTORE_TEST_MACHINES=N` splits it into N machines of
-/// consecutive ranks instead, so that one box tests what several machines run.
+/// consecutive ranks instead (`N:rr`: ranks dealt round robin, as `--map-by node` places
+/// them), so that one box tests what several machines run.
 ///
 /// # Safety
 /// MPI is initialised, `world` is a valid communicator and `local` a valid out-pointer.
 unsafe fn split_machines(world: ffi::MPI_Comm, key: c_int, local: &mut ffi::MPI_Comm) -> c_int {
     #[cfg(feature = "test-util")]
-    if let Some(n) = std::env::var("KVSTORE_TEST_MACHINES")
-        .ok()
-        .and_then(|v| v.parse::<c_int>().ok())
-        .filter(|&n| n > 0)
-    {
+    if let Some((n, round_robin)) = std::env::var("KVSTORE_TEST_MACHINES").ok().and_then(|v| {
+        let (n, rr) = v
+            .split_once(':')
+            .map_or((v.as_str(), false), |(n, how)| (n, how == "rr"));
+        n.parse::<c_int>().ok().filter(|&n| n > 0).map(|n| (n, rr))
+    }) {
         let (mut rank, mut size): (c_int, c_int) = (0, 0);
         // SAFETY: as the caller promises; the out-pointers are valid locals.
         unsafe {
             ffi::MPI_Comm_rank(world, &mut rank);
             ffi::MPI_Comm_size(world, &mut size);
             let per = (size + n - 1) / n;
-            return ffi::MPI_Comm_split(world, rank / per.max(1), rank, local);
+            let machine = if round_robin {
+                rank % n
+            } else {
+                rank / per.max(1)
+            };
+            return ffi::MPI_Comm_split(world, machine, rank, local);
         }
     }
     let (shared, info) = (ffi::RSMPI_COMM_TYPE_SHARED, ffi::RSMPI_INFO_NULL);
