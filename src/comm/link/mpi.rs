@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{in_place_over_nccl, ArrayOp, Link, Op, Round, Seat, Ticket};
 use crate::backend::probe;
 use crate::comm::fingerprint::Fingerprint;
-use crate::comm::mpi::{Call, Done, Group, Pending, Wire, World};
+use crate::comm::mpi::{Call, Done, Group, Layout, Pending, Wire, World};
 use crate::comm::nccl::loader::UniqueId;
 use crate::comm::nccl::RankComm;
 use crate::host::HostData;
@@ -241,6 +241,18 @@ fn blocking_wins(op: Op) -> bool {
     matches!(op, Op::Reduce { .. })
 }
 
+/// The world's machines, for a two-stage collective whose whole buffer of `len` elements holds
+/// one block of `n` per rank (else an internal error: nothing is started).
+fn staged_layout(call: &Call, len: usize, n: usize) -> Result<&'static Layout> {
+    let layout = (call.world().layout()).ok_or_else(|| Error::internal("no machines to stage"))?;
+    match n.checked_mul(layout.order().len()) == Some(len) {
+        true => Ok(layout),
+        false => Err(Error::internal(
+            "a two-stage buffer is not a block per rank",
+        )),
+    }
+}
+
 /// A sliced key's reduce-scatter in two stages ([`crate::comm::mpi::hierarchy`]): among the
 /// ranks of this machine, then, when that lands, among the ranks of this local rank across
 /// machines. `send` is given back as it was.
@@ -249,14 +261,8 @@ fn reduce_scatter_in_stages<T: Wire + Element>(
     send: Vec<T>,
     recv: Vec<T>,
 ) -> Result<Flight> {
-    let layout = (call.world().layout()).ok_or_else(|| Error::internal("no machines to stage"))?;
     let n = recv.len();
-    let size = layout.order().len();
-    if n.checked_mul(size) != Some(send.len()) {
-        return Err(Error::internal(
-            "a reduce-scatter's send buffer is not a block per rank",
-        ));
-    }
+    let layout = staged_layout(call, send.len(), n)?;
     let mut staged = call.scratch::<T>(send.len());
     layout.stage_order(&send, n, &mut staged);
     let chunk = call.scratch::<T>(n * layout.hosts);
@@ -284,14 +290,9 @@ fn all_gather_in_stages<T: Wire + Element>(
     send: Vec<T>,
     recv: Vec<T>,
 ) -> Result<Flight> {
-    let layout = (call.world().layout()).ok_or_else(|| Error::internal("no machines to stage"))?;
     let n = send.len();
+    let layout = staged_layout(call, recv.len(), n)?;
     let size = layout.order().len();
-    if n.checked_mul(size) != Some(recv.len()) {
-        return Err(Error::internal(
-            "an all-gather's receive buffer is not a block per rank",
-        ));
-    }
     let chunk = call.scratch::<T>(n * layout.hosts);
     let first = call.all_gather_in(Group::Across, send, chunk)?;
     let start = first.started_at();

@@ -106,6 +106,7 @@ pub use crate::comm::fingerprint::Fingerprint;
 pub use crate::config::DEFAULT_TIMEOUT;
 pub(crate) use collective::Group;
 pub use collective::{Done, Pending, Wire};
+pub(crate) use hierarchy::Layout;
 
 use crate::{Error, Key, Result};
 use control::{Here, Report, Watch, Whereabouts, REPORT_BYTES, TAG_HERE, TAG_WHERE};
