@@ -467,8 +467,7 @@ impl World {
         self.local_size
     }
 
-    /// The number of machines the ranks run on (the ranks MPI finds sharing memory with no
-    /// other are each a machine).
+    /// The number of machines the ranks run on: the groups of ranks MPI finds sharing memory.
     pub fn host_count(&self) -> usize {
         self.machines
     }
