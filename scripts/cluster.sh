@@ -38,8 +38,9 @@
 #                      CMD with sh in HOST).
 #   mpirun ARGS...     runs KVC_MPIRUN inside the first host, with the hostfile for the -np (or
 #                      -n) in ARGS, the rsh agent, TCP between hosts and shared memory within a
-#                      host, on the cluster's subnet only, and --map-by slot (ranks placed as
-#                      `place` says; ARGS must not map otherwise); ARGS follow.
+#                      host, on the cluster's subnet only, --map-by slot (ranks placed as
+#                      `place` says) and --bind-to none (the hosts share this machine's cores);
+#                      ARGS must not map or bind otherwise; ARGS follow.
 #   ifname             prints the interface name inside every host ("eth0": NCCL_SOCKET_IFNAME).
 #   cidr               prints the cluster's subnet ("A.B.0.0/24": btl_tcp_if_include).
 #
@@ -278,13 +279,16 @@ cmd_mpirun() {
     local cidr="$SUBNET.0.0/24" args
     # --map-by slot: rank r on the host the hostfile's slots give it (Open MPI 5's default,
     # with --oversubscribe, put every rank on the first host).
+    # --bind-to none: the hosts share this machine's cores, and each host's daemon binds its
+    # ranks from core 0 up, so binding put the first rank of every host on the same core (two
+    # ranks of 2 x 1 on core 0 of 2, the other idle: every step ran at half speed).
     if [ "${version%%.*}" -ge 5 ] 2>/dev/null; then
         # Open MPI 5: PRRTE launches (its ssh launcher's agent), the shared-memory BTL is "sm".
         args=(--hostfile "$f" --prtemca plm_ssh_agent "$STATE/agent" --prtemca plm_ssh_no_tree_spawn 1
-            --prtemca oob_tcp_if_include "$cidr" --mca btl tcp,sm,self --mca btl_tcp_if_include "$cidr" --map-by slot)
+            --prtemca oob_tcp_if_include "$cidr" --mca btl tcp,sm,self --mca btl_tcp_if_include "$cidr" --map-by slot --bind-to none)
     else
         args=(--hostfile "$f" --mca plm_rsh_agent "$STATE/agent" --mca plm_rsh_no_tree_spawn 1
-            --mca oob_tcp_if_include "$cidr" --mca btl tcp,vader,self --mca btl_tcp_if_include "$cidr" --map-by slot)
+            --mca oob_tcp_if_include "$cidr" --mca btl tcp,vader,self --mca btl_tcp_if_include "$cidr" --map-by slot --bind-to none)
     fi
     cmd_exec "$first" "$mpirun" "${args[@]}" "$@"
 }
