@@ -90,6 +90,7 @@ def main():
 
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     blocking_model, overlap_model = copy.deepcopy(base), copy.deepcopy(base)
+    prefetch_model = copy.deepcopy(base)
     modes = {
         "ddp_gloo": (ddp, sgd(ddp)),
         "kvstore_blocking": (
@@ -101,6 +102,13 @@ def main():
             DistributedOptimizer(
                 sgd(overlap_model), kvstore.create("dist_sync"), overlap=True,
                 bucket_mb=a.bucket_mb,
+            ),
+        ),
+        "kvstore_prefetch": (
+            prefetch_model,
+            DistributedOptimizer(
+                sgd(prefetch_model), kvstore.create("dist_sync"), overlap=True,
+                bucket_mb=a.bucket_mb, prefetch=prefetch_model,
             ),
         ),
     }

@@ -60,6 +60,16 @@ computes the layers below. The results are those of ``overlap=False``. With
 call ``step()`` after each backward (``no_sync()`` to accumulate), and use it only where every
 parameter that gets a gradient on one worker gets one on every worker (a parameter used on some
 workers only raises a ``DesyncError`` there; one used on none is fine).
+
+``prefetch=model`` (with ``update_on_kvstore=True``) moves the pull into the next forward:
+``step()`` queues the pull of the new parameters and returns, and each module of ``model`` waits
+for its own parameters' pull when its forward begins, so the first layers compute while the
+last ones still arrive (FSDP's forward prefetch, for the parameters the store stepped). The
+parameters are those of ``prefetch=None``, bit for bit. Until its module's next forward, a
+parameter may still be written by the store: ``model.state_dict()``, ``step()`` and
+``opt.synchronize()`` wait for every pull; call ``opt.synchronize()`` before reading the
+parameters any other way (``p.data``, ``p.clone()``, an EMA of the weights, the model of
+another optimizer).
 """
 
 import contextlib
@@ -217,6 +227,11 @@ class DistributedOptimizer:
     kind (integer buffers as float64, exact up to 2**53). ``broadcast_buffers=True`` without
     ``buffers`` raises a ValueError, since the wrapper sees the optimizer's parameters, not the
     model's buffers.
+
+    ``prefetch=model`` waits for each parameter's pull at its module's next forward instead of
+    in ``step()`` (see the module's doc): a ``TypeError`` for anything but a ``torch.nn.Module``,
+    a ``ValueError`` with ``update_on_kvstore=False`` or a model without the optimizer's
+    parameters.
     """
 
     def __init__(
@@ -230,6 +245,7 @@ class DistributedOptimizer:
         bucket_mb=1.0,
         buffers=None,
         broadcast_buffers=None,
+        prefetch=None,
     ):
         if store is None:
             store = create("local")
@@ -269,6 +285,17 @@ class DistributedOptimizer:
             raise RuntimeError("overlap=True needs torch >= 2.1 (register_post_accumulate_grad_hook)")
         if self.overlap and not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if prefetch is not None:
+            if not isinstance(prefetch, torch.nn.Module):
+                raise TypeError(
+                    f"prefetch takes the model (a torch.nn.Module), got {type(prefetch).__name__}"
+                )
+            if not self.update_on_kvstore:
+                raise ValueError(
+                    "prefetch needs update_on_kvstore=True: with torch stepping, step() needs "
+                    "the averaged gradients, so there is no pull left to move into the next "
+                    "forward"
+                )
         # The torch settings the workers last agreed on (update_on_kvstore=False), and whether
         # the optimizer's state is to be compared at the next step: at the first, and after a
         # load_state_dict (seen by torch's post-hook, and, where torch has none, by the state
@@ -305,6 +332,11 @@ class DistributedOptimizer:
         self._buffer_store = None  # (several workers, with buffers) the buffers' own store
         if buffers is not None and broadcast_buffers is not False:
             self._start_buffers(buffers)
+        # (prefetch) The parameters whose pull is still queued: index -> key.
+        self._pending = {}
+        self._prefetch_hooks = []
+        if prefetch is not None:
+            self._hook_prefetch(prefetch)
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
@@ -744,6 +776,62 @@ class DistributedOptimizer:
             if not used[i]:
                 self._params[i].grad = None
 
+    # Prefetch: the pull of the parameters waited for at their module's next forward.
+
+    def _hook_prefetch(self, model):
+        """A forward pre-hook on each module of ``model`` that holds some of the optimizer's
+        parameters, and a ``state_dict`` pre-hook on the model, each waiting for the queued
+        pulls of what it reads."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        for module in model.modules():
+            mine = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            if mine:
+                self._prefetch_hooks.append(
+                    module.register_forward_pre_hook(lambda _m, _a, mine=mine: self._await(mine))
+                )
+        if not self._prefetch_hooks:
+            raise ValueError(
+                "prefetch: no module of this model holds the optimizer's parameters; pass the "
+                "model whose parameters the optimizer steps"
+            )
+        if hasattr(model, "register_state_dict_pre_hook"):
+            self._prefetch_hooks.append(
+                model.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize())
+            )
+
+    def _queue_pulls(self, pushed):
+        """Queues the pull of ``pushed``, in buckets in forward order (the first layers, needed
+        first, with the highest priority), and returns without waiting."""
+        cap, bucket, size = self._bucket_mb * 2**20, [], 0
+        for n, i in enumerate(pushed):
+            p = self._params[i]
+            bucket.append(i)
+            size += p.numel() * p.element_size()
+            if size >= cap or n == len(pushed) - 1:
+                self.store.pull_async(
+                    [self._keys[j] for j in bucket],
+                    out=[self._params[j].detach() for j in bucket],
+                    priority=-bucket[0],
+                )
+                self._pending.update((j, self._keys[j]) for j in bucket)
+                bucket, size = [], 0
+
+    def _await(self, indices):
+        """Waits for the queued pulls of the parameters in ``indices``."""
+        for i in indices:
+            key = self._pending.pop(i, None)
+            if key is not None:
+                with self._explained():
+                    self.store.wait(key)
+
+    def synchronize(self):
+        """Waits for every parameter's queued pull (``prefetch``): after it the parameters are
+        the store's, as after a ``step()`` without prefetch. ``step()``, a module's forward and
+        the model's ``state_dict()`` call it for what they read; call it before reading the
+        parameters any other way (``p.data``, ``p.clone()``, an EMA of the weights)."""
+        if self._pending:
+            self._await(list(self._pending))
+
     # step()
 
     def step(self, closure=None):
@@ -752,6 +840,7 @@ class DistributedOptimizer:
         that got no gradient on any worker are left as they are."""
         scaler = "grad_scale" in vars(self) or "found_inf" in vars(self)
         self._abandon_backward()
+        self.synchronize()
         loss = None
         if closure is not None and self.update_on_kvstore:
             with torch.enable_grad():
@@ -807,12 +896,15 @@ class DistributedOptimizer:
                         )
             if pushed:
                 with torch.no_grad():
-                    outs = [self._params[i].detach() for i in pushed]
-                    if self.overlap:
-                        self.store.pull_async([self._keys[i] for i in pushed], out=outs)
-                        self.store.wait_all()
+                    if self._prefetch_hooks:
+                        self._queue_pulls(pushed)
                     else:
-                        self.store.pull([self._keys[i] for i in pushed], out=outs)
+                        outs = [self._params[i].detach() for i in pushed]
+                        if self.overlap:
+                            self.store.pull_async([self._keys[i] for i in pushed], out=outs)
+                            self.store.wait_all()
+                        else:
+                            self.store.pull([self._keys[i] for i in pushed], out=outs)
                 # The wrapped optimizer did not step, but it was stepped for: tell torch's LR
                 # schedulers, which warn otherwise.
                 self.optimizer._opt_called = True

@@ -552,6 +552,8 @@ def optimizer():
     kind, update_on_kvstore = ARGS[0], ARGS[1] == "1"
     # "1": the gradients go out from backward's hooks (overlap=True), in buckets of bucket_mb.
     overlap = len(ARGS) > 2 and ARGS[2] == "1"
+    # "1": the pulls are waited for at each layer's next forward (prefetch=model).
+    prefetch = len(ARGS) > 3 and ARGS[3] == "1"
     r = int(os.environ["OMPI_COMM_WORLD_RANK"])
     n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
     g = torch.Generator().manual_seed(SEED)
@@ -583,9 +585,15 @@ def optimizer():
     opt = DistributedOptimizer(
         make(ours.parameters()), kv, named_parameters=ours.named_parameters(),
         update_on_kvstore=update_on_kvstore, overlap=overlap, bucket_mb=1e-4,
+        prefetch=ours if prefetch else None,
     )
     train(ours, opt, x[mine], y[mine])
-    if overlap:
+    if prefetch:
+        # The last step's pulls are still queued; the model's state_dict waits for them.
+        assert opt._pending, "prefetch: the last step's pulls were waited for in step()"
+        ours_state = {k: v.clone() for k, v in ours.state_dict().items()}
+        assert not opt._pending
+    if overlap or prefetch:
         # The blocking wrapper on a store of its own: the very same parameters, bit for bit. A
         # bucket and the blocking call's one list are messages of other sizes, and the store
         # sums every key's ranks in rank order whatever its message holds (MPI's own reduce
@@ -599,6 +607,8 @@ def optimizer():
         train(blocking, b_opt, x[mine], y[mine])
         for (name, p), q in zip(ours.named_parameters(), blocking.parameters()):
             assert torch.equal(p, q), (name, (p - q).abs().max().item())
+            if prefetch:
+                assert torch.equal(ours_state[name], q), name
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{os.environ['KVSTORE_TEST_PORT']}", rank=r,
@@ -618,7 +628,7 @@ def optimizer():
     assert moved > 1e-2, moved
     say(
         f"ok optimizer {kind} update_on_kvstore={update_on_kvstore} overlap={overlap} "
-        f"(max diff {worst:.2e}, moved {moved:.2e})"
+        f"prefetch={prefetch} (max diff {worst:.2e}, moved {moved:.2e})"
     )
 
 

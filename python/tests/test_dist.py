@@ -416,6 +416,19 @@ def test_overlapped_distributed_optimizer_equals_the_blocking_one_one_process_an
     assert "overlap=True" in out, out
 
 
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking-push", "overlapped-push"])
+def test_prefetched_pulls_give_the_blocking_parameters_bit_for_bit(overlap, n):
+    # prefetch=model: step() returns with the pulls queued, and each layer's forward (or the
+    # model's state_dict) waits for its own; the parameters are those of the blocking wrapper.
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(n, "optimizer", "sgd", "1", overlap, "1")
+    assert rc == 0, out
+    assert oks(out, "optimizer") == list(range(n)), out
+    assert "prefetch=True" in out, out
+
+
 def test_without_the_mpi_link_the_error_says_how_to_install_it():
     # The main extension alone, as a user without kvstore-mpi has it.
     code = (

@@ -285,3 +285,53 @@ def test_sparse_gradients_are_refused_with_what_to_do():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(TypeError, match="sparse=False"):
         opt.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking-push", "overlapped-push"])
+def test_prefetch_waits_at_each_layers_forward_and_gives_the_blocking_parameters(overlap):
+    x, y, model = make_problem(fresh_seed())
+    blocking, ours = copy.deepcopy(model), copy.deepcopy(model)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    b_opt = DistributedOptimizer(sgd(blocking), kvstore.create("local"))
+    opt = DistributedOptimizer(
+        sgd(ours), kvstore.create("local"), overlap=overlap, bucket_mb=1e-4, prefetch=ours
+    )
+    # Which keys each wait was for, and which layer's forward it ran in.
+    waits, layer = [], [None]
+    real_wait = opt.store.wait
+    opt.store.wait = lambda key: (waits.append((layer[0], key)), real_wait(key))[1]
+    for i, m in enumerate(ours):
+        m.register_forward_pre_hook(lambda _m, _a, i=i: layer.__setitem__(0, i), prepend=True)
+    train(blocking, b_opt, x, y, 5)
+    train(ours, opt, x, y, 5)
+    # Layer 0 holds keys 0 and 1 (weight, bias), layer 2 keys 2 and 3: each waited for in its
+    # own forward, at every step after the first (the first starts from the init's pull).
+    assert sorted(set(waits)) == [(0, 0), (0, 1), (2, 2), (2, 3)], waits
+    assert len(waits) == 4 * 4, waits
+    # The last step's pulls are queued: the model's state_dict waits for them.
+    state = ours.state_dict()
+    assert [k for _, k in waits[16:]] == [0, 1, 2, 3], waits
+    for (name, p), q in zip(ours.named_parameters(), blocking.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(state[name], q), name
+    moved = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), model.parameters()))
+    assert moved > 1e-2, moved
+
+
+def test_prefetch_is_refused_where_it_cannot_apply_with_what_to_do():
+    _, _, model = make_problem(fresh_seed())
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"),
+            prefetch=model.parameters(),
+        )
+    with pytest.raises(ValueError, match="update_on_kvstore=True"):
+        DistributedOptimizer(
+            torch.optim.RMSprop(model.parameters(), lr=0.1), kvstore.create("local"),
+            prefetch=model,
+        )
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="pass the model whose parameters"):
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"), prefetch=other
+        )
