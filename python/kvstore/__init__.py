@@ -16,6 +16,9 @@
 Values go in and out through DLPack, so NumPy >= 1.22, PyTorch, JAX and CuPy arrays all work.
 """
 
+import atexit
+import warnings
+import weakref
 from collections import namedtuple
 from contextlib import contextmanager
 
@@ -228,6 +231,24 @@ def _told(native, op):
         raise
 
 
+# Every store made, for the drain at exit.
+_LIVE = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit():
+    """Runs each store's queued calls to their end before the interpreter shuts down. A call
+    still queued then would release the arrays it borrowed (or run a Python updater) on the
+    store's worker thread while Python finalizes, which aborts the process. On a dist store
+    every worker queued the same calls, so each one's drain meets the others'; the wait has the
+    store's timeout, and an error is a warning, since the program is ending."""
+    for kv in list(_LIVE):
+        try:
+            kv.wait_all()
+        except Exception as e:  # noqa: BLE001 (exiting: say it, do not raise)
+            warnings.warn(f"kvstore: a call queued on {kv!r} failed at exit: {e}", stacklevel=1)
+
+
 class KVStore:
     """A key-value store: ``init`` values, ``push`` (sum, then update) and ``pull`` them.
 
@@ -242,6 +263,7 @@ class KVStore:
         # Queued calls that lent torch CUDA tensors or copy results back (see ``_finish``):
         # (keys, Lends, functions to run after, the native call's outcome).
         self._queued = []
+        _LIVE.add(self)
 
     def __repr__(self):
         return f"<kvstore.KVStore type={self.type!r} keys={len(self._kv.keys())}>"

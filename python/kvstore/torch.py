@@ -69,7 +69,8 @@ parameters are those of ``prefetch=None``, bit for bit. Until its module's next 
 parameter may still be written by the store: ``model.state_dict()``, ``step()`` and
 ``opt.synchronize()`` wait for every pull; call ``opt.synchronize()`` before reading the
 parameters any other way (``p.data``, ``p.clone()``, an EMA of the weights, the model of
-another optimizer).
+another optimizer). A forward that reads another module's parameters without calling that
+module (``x @ self.embed.weight.T`` before ``self.embed`` ran) needs ``prefetch=None``.
 """
 
 import contextlib

@@ -1164,6 +1164,35 @@ def async_local_failure():
     say("ok async_local_failure")
 
 
+KEPT = []
+
+
+def exit_queued():
+    """Ends the program with calls still queued: pulls into tensors only the store holds, and
+    pushes through a Python updater. kvstore's drain at exit runs them first; without it the
+    store's worker thread released those tensors, or called the updater, while Python
+    finalized, and the process aborted (SIGABRT, "terminate called without an active
+    exception")."""
+    import torch
+
+    kv = kvstore.create("dist_sync")
+    # Kept until the interpreter shuts down, as a store held in a reference cycle is (the torch
+    # wrapper's hooks make one): a store freed before that drains its queue as it is dropped.
+    KEPT.append(kv)
+    kv.init([0, 1], [torch.zeros(1 << 20), np.zeros(1 << 16, np.float32)])
+
+    def add(key, inp, stored):
+        stored += inp
+
+    kv.set_updater(add)
+    o = torch.empty(1 << 20)
+    for _ in range(100):
+        kv.pull_async(0, out=o.detach())
+    for _ in range(20):
+        kv.push_async(1, np.ones(1 << 16, np.float32))
+    say("ok exit_queued")
+
+
 CASES = {
     "row_sparse": row_sparse,
     "compressed": compressed,
@@ -1195,6 +1224,7 @@ CASES = {
     "load": load,
     "optimizer": optimizer,
     "async_local_failure": async_local_failure,
+    "exit_queued": exit_queued,
 }
 
 if __name__ == "__main__":
