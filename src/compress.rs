@@ -148,20 +148,28 @@ pub(crate) fn half_encode<H: HalfWire>(
     residual: &[f32],
     left: &mut [f32],
 ) -> Vec<H> {
+    let mut out = vec![H::round(0.0); value.len()];
+    half_encode_into(value, residual, left, &mut out);
+    out
+}
+
+/// [`half_encode`] into `out` (all four of one length).
+pub(crate) fn half_encode_into<H: HalfWire>(
+    value: &[f32],
+    residual: &[f32],
+    left: &mut [f32],
+    out: &mut [H],
+) {
     debug_assert_eq!(value.len(), residual.len());
     debug_assert_eq!(value.len(), left.len());
-    value
-        .iter()
-        .zip(residual)
-        .zip(left.iter_mut())
-        .map(|((&v, &r), l)| {
-            let acc = r + v;
-            let sent = H::round(acc);
-            let back = sent.widen();
-            *l = if back.is_finite() { acc - back } else { 0.0 };
-            sent
-        })
-        .collect()
+    debug_assert_eq!(value.len(), out.len());
+    for (((&v, &r), l), o) in value.iter().zip(residual).zip(left.iter_mut()).zip(out) {
+        let acc = r + v;
+        let sent = H::round(acc);
+        let back = sent.widen();
+        *l = if back.is_finite() { acc - back } else { 0.0 };
+        *o = sent;
+    }
 }
 
 /// The 32-bit words `n` elements take in 2-bit form: 16 per word.

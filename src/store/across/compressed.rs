@@ -6,10 +6,11 @@ use std::sync::MutexGuard;
 use half::{bf16, f16};
 
 use super::{part_shape, Inputs, Mine};
-use crate::comm::dist::{Blocks, Dist};
+use crate::comm::dist::{Blocks, Dist, Pool};
 use crate::comm::link::Round;
+
 use crate::compress::{
-    half_encode, two_bit_decode, two_bit_quantize, two_bit_words, Compression, HalfWire,
+    half_encode_into, two_bit_decode, two_bit_quantize, two_bit_words, Compression, HalfWire,
     TwoBitTable,
 };
 use crate::host::HostData;
@@ -30,81 +31,142 @@ pub(super) fn sum_encoded(
     mine: Vec<Mine<'_>>,
 ) -> Result<(Inputs, Vec<Residuals>)> {
     let size = d.size();
-    let values = host_values(groups, mine)?;
     // Each key's kept residual (one value per key: position 0), read under its lock; zeros
     // before the key's first push. The new ones go into pooled buffers, kept by `commit`.
     let committed: Vec<MutexGuard<'_, Residuals>> =
         groups.iter().map(|g| lock(&g.slot.residuals)).collect();
-    let zeros: Vec<Vec<f32>> = (committed.iter().zip(&values))
-        .map(|(c, v)| match c.first() {
-            Some(r) if r.len() == v.len() => Vec::new(),
-            _ => vec![0.0; v.len()],
-        })
-        .collect();
-    let residual = |k: usize| -> &[f32] {
-        match committed[k].first() {
-            Some(r) if r.len() == values[k].len() => r,
-            _ => &zeros[k],
-        }
-    };
     let pool = d.pool();
-    let mut kept: Vec<Residuals> = values
+    let mut kept: Vec<Residuals> = groups
         .iter()
-        .map(|v| take_residuals(pool, 1, v.len()))
+        .map(|g| take_residuals(pool, 1, g.slot.shape.size()))
         .collect();
+    let mut encoded = Encoded {
+        pool,
+        groups,
+        committed: &committed,
+        kept: &mut kept,
+        bufs: Vec::with_capacity(groups.len()),
+    };
     let piece = |g: &Group<'_>, r: usize| g.slot.spread.piece(g.slot.shape.size(), r, size);
     let totals = match compression {
         Compression::TwoBit { threshold } => {
-            two_bit_across(call, d, groups, &values, residual, &mut kept, threshold)?
+            encoded.each(
+                mine,
+                DType::F32,
+                two_bit_words,
+                |value, residual, left, out| {
+                    let words: &mut [u32] = bytemuck::cast_slice_mut(
+                        f32::slice_mut(out)
+                            .ok_or_else(|| Error::internal("a pooled buffer of another dtype"))?,
+                    );
+                    two_bit_quantize(value, residual, left, threshold, words);
+                    Ok(())
+                },
+            )?;
+            two_bit_across(call, d, groups, &encoded.bufs, threshold)
         }
         Compression::Half { dtype: DType::F16 } => {
-            half_across::<f16>(call, d, groups, &values, residual, &mut kept, piece)?
+            encoded.each(mine, DType::F16, |n| n, half_into::<f16>)?;
+            half_across::<f16>(call, d, groups, &encoded.bufs, piece)
         }
         Compression::Half { .. } => {
-            half_across::<bf16>(call, d, groups, &values, residual, &mut kept, piece)?
+            encoded.each(mine, DType::BF16, |n| n, half_into::<bf16>)?;
+            half_across::<bf16>(call, d, groups, &encoded.bufs, piece)
         }
-        Compression::None => return Err(Error::internal("a compressed sum without compression")),
+        Compression::None => Err(Error::internal("a compressed sum without compression")),
     };
-    Ok((Inputs::Totals(totals), kept))
-}
-
-/// Each key's contribution in host memory, as float32 (compressed keys are float32).
-fn host_values(groups: &[Group<'_>], mine: Vec<Mine<'_>>) -> Result<Vec<Vec<f32>>> {
-    let mut values = Vec::with_capacity(groups.len());
-    for (g, m) in groups.iter().zip(mine) {
-        let value: Vec<f32> = match m {
-            // This rank's own sum, moved rather than copied.
-            Mine::Owned(HostData::F32(v)) => v,
-            Mine::Owned(h) => h.to_vec(),
-            Mine::Single(a) => a.to_vec::<f32>()?,
-            // GPU ranks read their sums back before the call (`contributions`).
-            Mine::Summed(_) => {
-                return Err(Error::internal(
-                    "a compressed contribution not in host memory",
-                ))
-            }
-        };
-        if value.len() != g.slot.shape.size() {
-            return Err(Error::internal(&format!(
-                "a compressed contribution of {} elements for a key of {}",
-                value.len(),
-                g.slot.shape.size()
-            )));
-        }
-        values.push(value);
+    for buf in encoded.bufs.drain(..) {
+        pool.give(buf);
     }
-    Ok(values)
+    Ok((Inputs::Totals(totals?), kept))
 }
 
-/// The 2-bit wire's step across ranks: each key's value plus residual quantized to 2-bit words
-/// (updating `kept`), the words covering each part exchanged, decoded and summed.
-fn two_bit_across<'r>(
+/// [`half_encode_into`] into a pooled buffer of `H`.
+fn half_into<H: HalfWire>(
+    value: &[f32],
+    residual: &[f32],
+    left: &mut [f32],
+    out: &mut HostData,
+) -> Result<()> {
+    let out =
+        H::slice_mut(out).ok_or_else(|| Error::internal("a pooled buffer of another dtype"))?;
+    half_encode_into(value, residual, left, out);
+    Ok(())
+}
+
+/// Each key's contribution encoded with its residual, into pooled buffers: the value is read
+/// where it lies (a caller's array, or this rank's own sum), never copied first, and no
+/// buffer is faulted in fresh on every push.
+struct Encoded<'a, 'g> {
+    pool: &'a Pool,
+    groups: &'a [Group<'g>],
+    committed: &'a [MutexGuard<'a, Residuals>],
+    kept: &'a mut [Residuals],
+    /// Per key, its encoding: `units(n)` elements of the wire's dtype.
+    bufs: Vec<HostData>,
+}
+
+impl Encoded<'_, '_> {
+    /// Encodes every key's value of `mine` into a buffer of `units(n)` elements of `dtype`, by
+    /// `encode(value, residual, left, out)`, where `left` takes the new residual.
+    fn each(
+        &mut self,
+        mine: Vec<Mine<'_>>,
+        dtype: DType,
+        units: impl Fn(usize) -> usize,
+        mut encode: impl FnMut(&[f32], &[f32], &mut [f32], &mut HostData) -> Result<()>,
+    ) -> Result<()> {
+        for (k, (g, m)) in self.groups.iter().zip(mine).enumerate() {
+            let n = g.slot.shape.size();
+            let zeros;
+            let residual: &[f32] = match self.committed[k].first() {
+                Some(r) if r.len() == n => r,
+                _ => {
+                    zeros = vec![0.0; n];
+                    &zeros
+                }
+            };
+            let mut out = self.pool.take(dtype, units(n), units(n));
+            let left = &mut self.kept[k][0];
+            with_value(m, |value| {
+                if value.len() != n {
+                    return Err(Error::internal(&format!(
+                        "a compressed contribution of {} elements for a key of {n}",
+                        value.len()
+                    )));
+                }
+                encode(value, residual, left, &mut out)
+            })??;
+            self.bufs.push(out);
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` on a key's contribution in host memory, as float32 (compressed keys are float32),
+/// read where it lies.
+fn with_value<R>(m: Mine<'_>, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    match m {
+        Mine::Owned(HostData::F32(v)) => Ok(f(&v)),
+        Mine::Owned(h) => Ok(f(&h.to_vec())),
+        Mine::Single(a) => a.with_host(|h| match h {
+            HostData::F32(v) => f(v),
+            other => f(&other.to_vec()),
+        }),
+        // GPU ranks read their sums back before the call (`contributions`).
+        Mine::Summed(_) => Err(Error::internal(
+            "a compressed contribution not in host memory",
+        )),
+    }
+}
+
+/// The 2-bit wire's step across ranks: the words covering each part exchanged, decoded and
+/// summed.
+fn two_bit_across(
     call: &mut dyn Round,
     d: &Dist,
     groups: &[Group<'_>],
-    values: &[Vec<f32>],
-    residual: impl Fn(usize) -> &'r [f32],
-    kept: &mut [Residuals],
+    encoded: &[HostData],
     threshold: f32,
 ) -> Result<Vec<Option<NDArray>>> {
     // The words covering a part: 16 elements to a word, from the key's first element.
@@ -115,21 +177,14 @@ fn two_bit_across<'r>(
             false => p.start / 16..p.end.div_ceil(16),
         }
     };
-    // The words travel as float32 bit patterns: the all-to-all copies them, never adds.
-    let encoded: Vec<Vec<f32>> = (values.iter().zip(kept.iter_mut()).enumerate())
-        .map(|(k, (v, l))| {
-            let mut words = vec![0u32; two_bit_words(v.len())];
-            two_bit_quantize(v, residual(k), &mut l[0], threshold, &mut words);
-            words.into_iter().map(f32::from_bits).collect()
-        })
-        .collect();
     let table = TwoBitTable::new(threshold);
     let (mut words, mut row) = (Vec::new(), Vec::new());
-    exchange(
+    // The words travel as float32 bit patterns: the all-to-all copies them, never adds.
+    exchange::<f32>(
         call,
         d,
         groups,
-        &encoded,
+        encoded,
         span,
         |seg, start, range, total, add| {
             // The bit patterns themselves: a conversion (through f64, say) would quiet a word
@@ -149,25 +204,19 @@ fn two_bit_across<'r>(
     )
 }
 
-/// The 16-bit wire's step across ranks: each key's value plus residual rounded to `H`
-/// (updating `kept`), the parts exchanged, decoded and summed.
-fn half_across<'r, H: HalfWire>(
+/// The 16-bit wire's step across ranks: the parts exchanged, decoded and summed.
+fn half_across<H: HalfWire>(
     call: &mut dyn Round,
     d: &Dist,
     groups: &[Group<'_>],
-    values: &[Vec<f32>],
-    residual: impl Fn(usize) -> &'r [f32],
-    kept: &mut [Residuals],
+    encoded: &[HostData],
     piece: impl Fn(&Group<'_>, usize) -> std::ops::Range<usize>,
 ) -> Result<Vec<Option<NDArray>>> {
-    let encoded: Vec<Vec<H>> = (values.iter().zip(kept.iter_mut()).enumerate())
-        .map(|(k, (v, l))| half_encode(v, residual(k), &mut l[0]))
-        .collect();
-    exchange(
+    exchange::<H>(
         call,
         d,
         groups,
-        &encoded,
+        encoded,
         piece,
         |seg, start, range, total, add| {
             let seg = &seg[range.start - start..range.end - start];
@@ -180,7 +229,7 @@ fn half_across<'r, H: HalfWire>(
 }
 
 /// The all-to-all of a compressed push: `encoded[k]` is this rank's encoding of key `k` (units
-/// of `T`), and `span(g, r)` the units that carry the part of key `g` rank `r` holds. Block `r`
+/// of `T`, in a buffer of `T`), and `span(g, r)` the units that carry the part of key `g` rank `r` holds. Block `r`
 /// of the send buffer holds, key by key, the spans of the keys `r` holds, with no padding
 /// (except past MPI's `int` counts: [`Blocks`]); every rank lays them out alike.
 /// `decode(seg, span_start, elements, total, add)` decodes a key's `elements` from a span into
@@ -190,7 +239,7 @@ fn exchange<T: Element + Copy>(
     call: &mut dyn Round,
     d: &Dist,
     groups: &[Group<'_>],
-    encoded: &[Vec<T>],
+    encoded: &[HostData],
     span: impl Fn(&Group<'_>, usize) -> std::ops::Range<usize>,
     mut decode: impl FnMut(&[T], usize, std::ops::Range<usize>, &mut [f32], bool),
 ) -> Result<Vec<Option<NDArray>>> {
@@ -209,6 +258,7 @@ fn exchange<T: Element + Copy>(
     for r in 0..size {
         let (mut at, end) = (blocks.send_at(rank, r), blocks.send_at(rank, r + 1));
         for (g, e) in groups.iter().zip(encoded) {
+            let e = T::slice(e).ok_or_else(|| Error::internal("an encoding of another dtype"))?;
             let s = &e[span(g, r)];
             crate::memcopy::copy(&mut send[at..at + s.len()], s);
             at += s.len();
