@@ -69,7 +69,10 @@ parameters are those of ``prefetch=None``, bit for bit. Until its module's next 
 parameter may still be written by the store: ``model.state_dict()``, ``step()`` and
 ``opt.synchronize()`` wait for every pull; call ``opt.synchronize()`` before reading the
 parameters any other way (``p.data``, ``p.clone()``, an EMA of the weights, the model of
-another optimizer). A forward that reads another module's parameters without calling that
+another optimizer), and before a call on another dist store (another wrapper's included):
+calls of two stores reach the wire in program order only when one store's are not still
+running in the background (otherwise the workers may order them differently, and the call
+fails with a ``DesyncError``). A forward that reads another module's parameters without calling that
 module (``x @ self.embed.weight.T`` before ``self.embed`` ran) needs ``prefetch=None``.
 """
 
@@ -335,6 +338,7 @@ class DistributedOptimizer:
             self._start_buffers(buffers)
         # (prefetch) The parameters whose pull is still queued: index -> key.
         self._pending = {}
+        self._pull_later = []  # (prefetch) what step() queues once the buffers are broadcast
         self._prefetch_hooks = []
         if prefetch is not None:
             self._hook_prefetch(prefetch)
@@ -865,7 +869,13 @@ class DistributedOptimizer:
             self._steps += 1
             self._synced = False
             self._hook_new_parameters()
-        self._broadcast_buffers()
+        try:
+            self._broadcast_buffers()
+        finally:
+            if self._pull_later:
+                pushed, self._pull_later = self._pull_later, []
+                with torch.no_grad():
+                    self._queue_pulls(pushed)
         return loss
 
     def _step_on_store(self, scaler):
@@ -898,7 +908,10 @@ class DistributedOptimizer:
             if pushed:
                 with torch.no_grad():
                     if self._prefetch_hooks:
-                        self._queue_pulls(pushed)
+                        # Queued by step() after the buffers' broadcast: a call of another
+                        # store while these run would reach the wire in another order on
+                        # another worker.
+                        self._pull_later = pushed
                     else:
                         outs = [self._params[i].detach() for i in pushed]
                         if self.overlap:

@@ -849,7 +849,9 @@ def contract():
 def buffers():
     """BatchNorm's running statistics kept as DDP's broadcast_buffers keeps them: every worker
     starts each step from worker 0's. Parameters equal DDP's within 1e-5 after 20 steps, and
-    the buffers are worker 0's on every worker (on worker 0, DDP's own). ARGS: update_on_kvstore."""
+    the buffers are worker 0's on every worker (on worker 0, DDP's own). ARGS: update_on_kvstore,
+    and "1" for prefetch=model (the buffers' broadcast, on a second store, goes before the
+    prefetched pulls are queued)."""
     import copy
 
     import torch
@@ -882,9 +884,10 @@ def buffers():
     opt = DistributedOptimizer(
         torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9), kvstore.create("dist_sync"),
         named_parameters=ours.named_parameters(), update_on_kvstore=on_store,
-        buffers=ours.named_buffers(),
+        buffers=ours.named_buffers(), prefetch=ours if len(ARGS) > 1 and ARGS[1] == "1" else None,
     )
     run(ours, opt)
+    opt.synchronize()
     kv = kvstore.create("dist_sync")
     kv.agree(" ".join(b.numpy().tobytes().hex() for b in ours.buffers()))
 
@@ -900,7 +903,7 @@ def buffers():
     if r == 0:
         for (name, b), d in zip(ours.named_buffers(), ddp.module.buffers()):
             torch.testing.assert_close(b, d, rtol=0, atol=1e-5, msg=lambda m: f"{name} vs DDP: {m}")
-    say(f"ok buffers update_on_kvstore={on_store}")
+    say(f"ok buffers update_on_kvstore={on_store} prefetch={ARGS[1:] == ['1']}")
 
 
 def uneven():

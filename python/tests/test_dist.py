@@ -358,10 +358,13 @@ def test_uneven_inputs_fail_with_an_error_that_names_what_to_do(update_on_kvstor
 
 
 @needs_mpi
-@pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])
-def test_the_torch_wrapper_broadcasts_buffers_as_ddp(update_on_kvstore):
+@pytest.mark.parametrize(
+    "update_on_kvstore,prefetch", [("1", "0"), ("0", "0"), ("1", "1")],
+    ids=["on-store", "local-step", "on-store-prefetch"],
+)
+def test_the_torch_wrapper_broadcasts_buffers_as_ddp(update_on_kvstore, prefetch):
     pytest.importorskip("torch", reason="SKIPPED: torch not installed")
-    rc, out = run(2, "buffers", update_on_kvstore)
+    rc, out = run(2, "buffers", update_on_kvstore, prefetch)
     assert rc == 0, out
     assert oks(out, "buffers") == [0, 1], out
 
