@@ -1167,6 +1167,27 @@ def async_local_failure():
     say("ok async_local_failure")
 
 
+def lose_rank():
+    """Rank 2 kills itself (SIGKILL) at the start of step 5 of a push-and-pull loop; under
+    `mpirun --with-ft ulfm` the survivors each print the error of the call in flight and exit 3.
+    Printing "ok" means a survivor finished the loop: a wrong outcome."""
+    import signal
+
+    kv = kvstore.create("dist_sync")
+    kv.init(0, np.zeros(1 << 16, np.float32))
+    out = np.zeros(1 << 16, np.float32)
+    for step in range(20):
+        if kv.rank == 2 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            kv.push(0, values(kv.rank, 0, 1 << 16, 1)[0])
+            kv.pull(0, out=out)
+        except (kvstore.RankExitedError, kvstore.MpiError) as e:
+            say(f"EXPECTED {type(e).__name__}: {e}")
+            sys.exit(3)
+    say("ok lose_rank")
+
+
 KEPT = []
 
 
@@ -1228,6 +1249,7 @@ CASES = {
     "optimizer": optimizer,
     "async_local_failure": async_local_failure,
     "exit_queued": exit_queued,
+    "lose_rank": lose_rank,
 }
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(n, case, *args, env=None, timeout=TIMEOUT, seed=None):
+def run(n, case, *args, env=None, timeout=TIMEOUT, seed=None, launch=()):
     """Runs CASE on n workers, with data from ``seed`` (fresh unless given); returns (exit
     code, output). The seed is printed, so a failure shows it."""
     seed = fresh_seed() if seed is None else seed
@@ -66,7 +66,8 @@ def run(n, case, *args, env=None, timeout=TIMEOUT, seed=None):
         KVSTORE_TEST_PORT=str(free_port()),
     )
     e.update(env or {})
-    cmd = [mpirun(), "-np", str(n), "--oversubscribe", sys.executable, WORKER, case, str(seed), *args]
+    cmd = [mpirun(), *launch, "-np", str(n), "--oversubscribe", sys.executable, WORKER, case,
+           str(seed), *args]
     try:
         p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as t:
@@ -440,6 +441,19 @@ def test_a_program_that_ends_with_calls_queued_exits_cleanly():
         rc, out = run(2, "exit_queued")
         assert rc == 0 and "terminate called" not in out and "Aborted" not in out, out
         assert oks(out, "exit_queued") == [0, 1], out
+
+
+@needs_mpi
+def test_under_ulfm_every_survivor_fails_the_call_that_lost_a_rank_and_the_job_ends():
+    # mpirun --with-ft ulfm keeps the survivors running when a rank dies: each must fail the
+    # call in flight with an error that says a rank was lost (one naming rank 2, which only
+    # the ranks that exchanged with it know at once), and the job must end, non-zero.
+    rc, out = run(3, "lose_rank", launch=("--with-ft", "ulfm"), timeout=120)
+    assert rc != 0, out
+    failed = sorted(int(r) for r in re.findall(r"^rank (\d+): EXPECTED", out, re.M))
+    assert failed == [0, 1], out
+    assert "rank 2 (host" in out and "was lost during this call" in out, out
+    assert "ok lose_rank" not in out, out
 
 
 def test_without_the_mpi_link_the_error_says_how_to_install_it():

@@ -565,8 +565,11 @@ impl Call {
     }
 
     /// Records the result of starting a collective: an MPI error poisons the world.
-    fn started(&self, rc: c_int) -> Result<()> {
-        raw::check(self.op, rc).inspect_err(|e| self.world.poison_with(e.to_string()))
+    fn started(&mut self, rc: c_int) -> Result<()> {
+        self.st.note_failure(rc, None);
+        raw::check(self.op, rc)
+            .map_err(|e| self.named_loss().unwrap_or(e))
+            .inspect_err(|e| self.world.poison_with(e.to_string()))
     }
 
     /// Starts a sum of every rank's `send` into `recv` at rank `root` (as long as `send` there;

@@ -137,6 +137,14 @@ impl World {
                 self.rank
             ));
             st.tell_exit(self, true, cause, &text);
+            if super::ulfm::revoked() {
+                // A rank was lost (MPI with ULFM): the exit barrier cannot complete, and
+                // MPI_Abort can leave mpirun hanging. Wait (bounded) for the other survivors'
+                // exit records, so that each has reported its own error first.
+                st.hear_survivors(self, self.grace());
+                // SAFETY: _exit ends the process at once, running no more of its code.
+                unsafe { libc::_exit(code) };
+            }
             // Let the other ranks hear of it and report it in their own errors.
             let _ = st.exit_wait(self, Some(self.grace()));
             raw::abort(code);
@@ -268,6 +276,22 @@ impl State {
                     ));
                 }
             }
+        }
+    }
+
+    /// After a lost rank: hears exit records until every rank but the lost ones has sent its
+    /// own, and this rank's have gone out, for at most `limit`.
+    fn hear_survivors(&mut self, world: &World, limit: Duration) {
+        let end = Instant::now() + limit;
+        loop {
+            self.hear_exits();
+            let sent = self.flush_outbox();
+            let heard = (0..world.size)
+                .all(|r| r == world.rank || self.lost.contains(&r) || self.exits.contains_key(&r));
+            if (heard && sent) || Instant::now() > end {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 

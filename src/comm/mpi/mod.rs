@@ -91,6 +91,7 @@ mod raw;
 // Only with test-util (the crate's tests and examples): a user's build never reads its variables.
 #[cfg(feature = "test-util")]
 mod test_hook;
+mod ulfm;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -172,6 +173,12 @@ struct State {
     wide: (Vec<f32>, Vec<f32>),
     /// The buffers of the other ranks' blocks, kept between calls ([`collective::Staged`]).
     staged: collective::Staged,
+    /// Under an MPI with ULFM, a test failed (see [`ulfm`]): whether its error's class said a
+    /// rank was lost or the communicator revoked (`MPI_ERR_IN_STATUS` without statuses hides
+    /// it; [`Call::named_loss`] then asks MPI which ranks failed).
+    loss_seen: Option<bool>,
+    /// The ranks lost (ULFM), as this rank learnt of them.
+    lost: Vec<usize>,
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
@@ -363,6 +370,8 @@ impl World {
                 outbox: Vec::new(),
                 wide: (Vec::new(), Vec::new()),
                 staged: collective::Staged::with_cap(collective::staged_cap(config.pool_bytes)),
+                loss_seen: None,
+                lost: Vec::new(),
             }),
             poison: Mutex::new(poison),
             env_error,
@@ -579,6 +588,7 @@ impl State {
         // statuses it may write, or MPI_STATUSES_IGNORE. Every request was started on a
         // communicator that is still valid.
         let rc = unsafe { ffi::MPI_Testall(n, reqs.as_mut_ptr().cast(), &mut flag, statuses) };
+        self.note_failure(rc, given);
         if rc == ffi::MPI_ERR_IN_STATUS as c_int {
             if let Some(e) = given.and_then(|s| status_error(s, op)) {
                 return Err(e);
@@ -586,6 +596,18 @@ impl State {
         }
         raw::check(op, rc)?;
         Ok(flag != 0)
+    }
+}
+
+impl State {
+    /// Under an MPI with ULFM, notes a failed MPI call (code `rc`, its requests' `statuses`
+    /// where asked for) for [`Call::named_loss`].
+    fn note_failure(&mut self, rc: c_int, statuses: Option<&[ffi::MPI_Status]>) {
+        if rc != ffi::MPI_SUCCESS as c_int && ulfm::available() {
+            let said = ulfm::is_loss(rc)
+                || statuses.is_some_and(|s| s.iter().any(|s| ulfm::is_loss(s.MPI_ERROR)));
+            self.loss_seen = Some(said || self.loss_seen == Some(true));
+        }
     }
 }
 
@@ -674,6 +696,7 @@ impl Call {
         let mut said: Option<String> = None;
         loop {
             let done = self.st.test(reqs, statuses.as_deref_mut(), self.op);
+            let done = done.map_err(|e| self.named_loss().unwrap_or(e));
             if done.inspect_err(|e| self.world.poison_with(e.to_string()))? {
                 return Ok(());
             }
@@ -713,6 +736,62 @@ impl Call {
                 return Err(err);
             }
         }
+    }
+
+    /// After a test saw a rank lost (MPI with ULFM): the world's communicators revoked, so
+    /// that every survivor's call ends now, and the error naming the lost rank.
+    pub(super) fn named_loss(&mut self) -> Option<Error> {
+        let said = self.st.loss_seen.take()?;
+        // The control communicator stays: the exit records of the survivors travel on it.
+        let mut comms = vec![self.st.data.0];
+        if let Some((machine, across)) = &self.st.stages {
+            comms.extend([machine.0, across.0]);
+        }
+        let data = self.st.data.0;
+        // SAFETY: MPI is initialised (a call is under way), the state lock is held (`self.st`),
+        // and the data communicator is the world's own, valid until the world is dropped.
+        let said = said || unsafe { ulfm::is_revoked(data) };
+        // SAFETY: as above.
+        let failed = || unsafe { ulfm::failed(data) };
+        let mut lost = failed();
+        // A rank that only saw an error code may hear of the loss a moment later (Open MPI's
+        // runtime tells every process): wait for it a little, bounded.
+        let until = Instant::now() + ulfm::HEAR_WITHIN;
+        while lost.is_empty() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+            lost = failed();
+        }
+        if lost.is_empty() && !said {
+            return None; // an error of another kind
+        }
+        // SAFETY: as above, for the world's data and stage communicators.
+        unsafe { ulfm::revoke(&comms) };
+        self.st.lost.clone_from(&lost);
+        let others = match lost.get(1..) {
+            Some(more) if !more.is_empty() => format!(" (and ranks {more:?})"),
+            _ => String::new(),
+        };
+        Some(match lost.first() {
+            Some(&rank) => Error::RankExited {
+                op: self.op,
+                seq: self.seq,
+                rank,
+                host: self.world.hosts.get(rank).cloned(),
+                detail: format!(
+                    "was lost during this call{others}: its process ended without a word \
+                     (killed, or crashed), as Open MPI's fault tolerance (ULFM) reported"
+                ),
+            },
+            None => Error::Mpi {
+                op: self.op,
+                message: format!(
+                    "call #{}: a rank was lost, and another rank that saw it revoked the world \
+                     (Open MPI's fault tolerance, ULFM); the distributed world is unusable now: \
+                     restart the job from its last checkpoint",
+                    self.seq
+                ),
+            },
+        })
     }
 
     /// The error, kept as this rank's cause, if a rank exited without making this call.
