@@ -63,22 +63,25 @@ workers only raises a ``DesyncError`` there; one used on none is fine).
 
 ``prefetch=model`` (with ``update_on_kvstore=True``) moves the pull into the next forward:
 ``step()`` queues the pull of the new parameters and returns, and each module of ``model`` waits
-for its own parameters' pull when its forward begins, so the first layers compute while the
-last ones still arrive (FSDP's forward prefetch, for the parameters the store stepped). The
-parameters are those of ``prefetch=None``, bit for bit. Until its module's next forward, a
-parameter may still be written by the store: ``model.state_dict()``, ``step()`` and
-``opt.synchronize()`` wait for every pull; call ``opt.synchronize()`` before reading the
-parameters any other way (``p.data``, ``p.clone()``, an EMA of the weights, the model of
-another optimizer), and before a call on another dist store (another wrapper's included):
-calls of two stores reach the wire in program order only when one store's are not still
-running in the background (otherwise the workers may order them differently, and the call
-fails with a ``DesyncError``). A forward that reads another module's parameters without calling that
-module (``x @ self.embed.weight.T`` before ``self.embed`` ran) needs ``prefetch=None``.
+for its own parameters' pull when its forward begins (its first forward pre-hook, ahead of a
+``weight_norm``'s), so the first layers compute while the last ones still arrive (FSDP's
+forward prefetch, for the parameters the store stepped). The parameters are those of
+``prefetch=None``, bit for bit. A module whose forward reads a child's parameters without
+calling it (``nn.MultiheadAttention``'s ``out_proj``) is seen doing so in the first forward and
+waits for them from then on; a forward that first does so while their pull is queued fails
+that ``step()`` on every worker. Until its module's next forward a parameter may still be
+written by the store: ``state_dict()`` and ``load_state_dict()`` of any module of the model,
+``step()`` and ``opt.synchronize()`` wait for every pull; call ``opt.synchronize()`` before
+reading the parameters any other way (``p.data``, an EMA of the weights), and before a call on
+another dist store (another wrapper's included), whose calls could otherwise reach the wire in
+another order on another worker (a ``DesyncError``). See python/README.md for
+``torch.compile``.
 """
 
 import contextlib
 import hashlib
 import threading
+import weakref
 from dataclasses import replace
 
 import torch
@@ -214,6 +217,58 @@ def _state_digest(opt):
     return h.hexdigest()
 
 
+class _Prefetch:
+    """(prefetch) The model's modules, by id: each parameter's module (``owner``), each
+    module's parent, what each module's forward waits for (``waits``: its own parameters,
+    and those its forward was seen to read for a child that did not run), and since the last
+    step the modules whose forward ran and the parameters that got a gradient."""
+
+    def __init__(self, root):
+        self.root = root
+        self.owner, self.parent, self.waits = {}, {}, {}
+        self.fired, self.used = set(), set()
+
+
+class _NoHook:
+    """What a prefetch hook becomes in a copy of its module (``copy.deepcopy``, pickling with
+    ``torch.save``): a copy is not the wrapper's model, so it waits for nothing."""
+
+    def __call__(self, *_args, **_kwargs):
+        return None
+
+
+class _WaitHook:
+    """A module's forward pre-hook: waits for the pulls of what the module reads."""
+
+    def __init__(self, wrapper, mid):
+        self._wrapper = weakref.ref(wrapper)
+        self._mid = mid
+
+    def __call__(self, _module, _args):
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper._module_forward(self._mid)
+
+    def __reduce__(self):
+        return (_NoHook, ())
+
+
+class _SyncHook:
+    """A ``state_dict`` or ``load_state_dict`` pre-hook: waits for every pull (a load after
+    ``step()`` would be overwritten by the queued pull otherwise)."""
+
+    def __init__(self, wrapper):
+        self._wrapper = weakref.ref(wrapper)
+
+    def __call__(self, *_args, **_kwargs):
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper.synchronize()
+
+    def __reduce__(self):
+        return (_NoHook, ())
+
+
 class DistributedOptimizer:
     """Wraps a torch optimizer so that its gradients are summed through a kvstore, as
     ``DistributedDataParallel`` sums them (see the module's doc for the contract).
@@ -234,8 +289,8 @@ class DistributedOptimizer:
 
     ``prefetch=model`` waits for each parameter's pull at its module's next forward instead of
     in ``step()`` (see the module's doc): a ``TypeError`` for anything but a ``torch.nn.Module``,
-    a ``ValueError`` with ``update_on_kvstore=False`` or a model without the optimizer's
-    parameters.
+    a ``ValueError`` with ``update_on_kvstore=False`` or a model that does not hold every one
+    of the optimizer's parameters.
     """
 
     def __init__(
@@ -339,7 +394,7 @@ class DistributedOptimizer:
         # (prefetch) The parameters whose pull is still queued: index -> key.
         self._pending = {}
         self._pull_later = []  # (prefetch) what step() queues once the buffers are broadcast
-        self._prefetch_hooks = []
+        self._prefetch = None  # (prefetch) the model's module tree: see _hook_prefetch
         if prefetch is not None:
             self._hook_prefetch(prefetch)
 
@@ -483,7 +538,9 @@ class DistributedOptimizer:
                 f"no join() for uneven inputs: give every worker as many batches, as "
                 f"DistributedSampler(drop_last=True) does). With overlap=True and "
                 f"update_on_kvstore=True it also means a parameter got a gradient on some "
-                f"workers only: pass overlap=False or update_on_kvstore=False"
+                f"workers only: pass overlap=False or update_on_kvstore=False. If the workers "
+                f"show the same counts, calls of two stores crossed: with prefetch, call "
+                f"opt.synchronize() before calling another dist store"
             ) from e
 
     # Hooks: every backward pass is counted, and what it reached recorded.
@@ -505,6 +562,8 @@ class DistributedOptimizer:
             self._make_buckets(self._bucket_mb)
 
     def _grad_ready(self, i):
+        if self._prefetch is not None:
+            self._prefetch.used.add(i)
         with self._lock:
             if not self._in_backward:
                 self._backward_begins()
@@ -784,25 +843,68 @@ class DistributedOptimizer:
     # Prefetch: the pull of the parameters waited for at their module's next forward.
 
     def _hook_prefetch(self, model):
-        """A forward pre-hook on each module of ``model`` that holds some of the optimizer's
-        parameters, and a ``state_dict`` pre-hook on the model, each waiting for the queued
-        pulls of what it reads."""
+        """A forward pre-hook on every module of ``model``, run before the module's own ones
+        (a ``weight_norm`` computes its weight in one), that waits for the queued pulls of the
+        parameters the module holds; and ``state_dict`` and ``load_state_dict`` pre-hooks that
+        wait for every pull."""
         index = {id(p): i for i, p in enumerate(self._params)}
+        tree = _Prefetch(id(model))
         for module in model.modules():
-            mine = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-            if mine:
-                self._prefetch_hooks.append(
-                    module.register_forward_pre_hook(lambda _m, _a, mine=mine: self._await(mine))
-                )
-        if not self._prefetch_hooks:
+            mid = id(module)
+            for child in module.children():
+                tree.parent.setdefault(id(child), mid)
+            for p in module.parameters(recurse=False):
+                i = index.get(id(p))
+                if i is not None and i not in tree.owner:
+                    tree.owner[i] = mid
+                    tree.waits.setdefault(mid, []).append(i)
+            module.register_forward_pre_hook(_WaitHook(self, mid), prepend=True)
+            if hasattr(module, "register_state_dict_pre_hook"):
+                module.register_state_dict_pre_hook(_SyncHook(self))
+            if hasattr(module, "register_load_state_dict_pre_hook"):
+                module.register_load_state_dict_pre_hook(_SyncHook(self))
+        outside = [self._keys[i] for i in range(len(self._params)) if i not in tree.owner]
+        if outside:
             raise ValueError(
-                "prefetch: no module of this model holds the optimizer's parameters; pass the "
-                "model whose parameters the optimizer steps"
+                f"prefetch: the optimizer steps parameters that no module of this model holds "
+                f"({outside[:5]}): nothing would wait for their pull; pass the model that "
+                f"holds every parameter the optimizer steps, or prefetch=None"
             )
-        if hasattr(model, "register_state_dict_pre_hook"):
-            self._prefetch_hooks.append(
-                model.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize())
-            )
+        self._prefetch = tree
+
+    def _module_forward(self, mid):
+        """A module's forward begins: waits for the pulls of what it reads."""
+        self._prefetch.fired.add(mid)
+        self._await(self._prefetch.waits.get(mid, ()))
+
+    def _check_prefetched_reads(self):
+        """At step(): a parameter that got a gradient while its pull was still queued was read
+        by a forward that did not run its module (``nn.MultiheadAttention`` reads its
+        ``out_proj``'s weight itself). From now on the nearest module whose forward ran waits
+        for it; this step, computed from a parameter the store may have been writing, fails on
+        every worker."""
+        tree = self._prefetch
+        used, fired = tree.used, tree.fired
+        tree.used, tree.fired = set(), set()
+        for i in used:
+            mid = tree.owner[i]
+            if mid in fired:
+                continue
+            while mid in tree.parent and mid not in fired:
+                mid = tree.parent[mid]
+            if i not in tree.waits.setdefault(mid, []):
+                tree.waits[mid].append(i)
+        stale = sorted(i for i in used if i in self._pending)
+        if stale:
+            with _told(self.store._kv, "push"):
+                raise RuntimeError(
+                    f"prefetch: {[self._keys[i] for i in stale][:5]} were read by a forward "
+                    f"before their pull arrived: their module's own forward did not run (its "
+                    f"parent read them), and this forward was the first to do so. Their "
+                    f"parent module now waits for them, but this step's gradients came from "
+                    f"parameters the store was still writing: restart from the last checkpoint, "
+                    f"or pass prefetch=None"
+                )
 
     def _queue_pulls(self, pushed):
         """Queues the pull of ``pushed``, in buckets in forward order (the first layers, needed
@@ -832,8 +934,9 @@ class DistributedOptimizer:
     def synchronize(self):
         """Waits for every parameter's queued pull (``prefetch``): after it the parameters are
         the store's, as after a ``step()`` without prefetch. ``step()``, a module's forward and
-        the model's ``state_dict()`` call it for what they read; call it before reading the
-        parameters any other way (``p.data``, ``p.clone()``, an EMA of the weights)."""
+        ``state_dict()`` and ``load_state_dict()`` of the model's modules wait for what they
+        read; call it before reading the parameters any other way (``p.data``, ``p.clone()``,
+        an EMA of the weights) and before a call on another dist store."""
         if self._pending:
             self._await(list(self._pending))
 
@@ -845,6 +948,8 @@ class DistributedOptimizer:
         that got no gradient on any worker are left as they are."""
         scaler = "grad_scale" in vars(self) or "found_inf" in vars(self)
         self._abandon_backward()
+        if self._prefetch is not None:
+            self._check_prefetched_reads()
         self.synchronize()
         loss = None
         if closure is not None and self.update_on_kvstore:
@@ -907,7 +1012,7 @@ class DistributedOptimizer:
                         )
             if pushed:
                 with torch.no_grad():
-                    if self._prefetch_hooks:
+                    if self._prefetch is not None:
                         # Queued by step() after the buffers' broadcast: a call of another
                         # store while these run would reach the wire in another order on
                         # another worker.

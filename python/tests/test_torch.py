@@ -331,7 +331,126 @@ def test_prefetch_is_refused_where_it_cannot_apply_with_what_to_do():
             prefetch=model,
         )
     other = torch.nn.Linear(3, 3)
-    with pytest.raises(ValueError, match="pass the model whose parameters"):
+    with pytest.raises(ValueError, match="no module of this model holds"):
         DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"), prefetch=other
         )
+    # Some of the optimizer's parameters outside the model: nothing would wait for them.
+    scale = torch.nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match=r"no module of this model holds \(\[4\]\)"):
+        DistributedOptimizer(
+            torch.optim.SGD([*model.parameters(), scale], lr=0.1), kvstore.create("local"),
+            prefetch=model,
+        )
+
+
+def prefetch_pair(make_model, seed):
+    """The same model twice, one with prefetch=model and one without, each with its own store."""
+    torch.manual_seed(seed)
+    plain = make_model()
+    torch.manual_seed(seed)
+    ours = make_model()  # not a deepcopy: a weight_norm layer cannot be copied
+    adam = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    return (
+        (plain, DistributedOptimizer(adam(plain), kvstore.create("local"))),
+        (ours, DistributedOptimizer(adam(ours), kvstore.create("local"), prefetch=ours)),
+    )
+
+
+def losses_of(model, opt, xs):
+    out = []
+    for x in xs:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        # Every parameter of these models is used: with prefetch, the forward waited for all.
+        assert not getattr(opt, "_pending", None), opt._pending
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("layer", ["weight_norm", "attention"])
+def test_prefetch_equals_no_prefetch_where_a_module_computes_or_reads_for_another(layer):
+    # weight_norm computes the weight in a forward pre-hook of its own, registered before the
+    # wrapper's; nn.MultiheadAttention reads out_proj's weight without calling out_proj. Both
+    # must see the store's parameters: every step's loss and the end bit for bit.
+    def make():
+        if layer == "weight_norm":
+            return torch.nn.Sequential(
+                torch.nn.utils.weight_norm(torch.nn.Linear(8, 16)), torch.nn.Tanh(),
+                torch.nn.utils.weight_norm(torch.nn.Linear(16, 4)),
+            )
+        return torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                                batch_first=True)
+
+    seed = fresh_seed()
+    (plain, p_opt), (ours, opt) = prefetch_pair(make, seed)
+    g = torch.Generator().manual_seed(seed)
+    shape = (16, 8) if layer == "weight_norm" else (4, 5, 8)
+    xs = [torch.randn(*shape, generator=g) for _ in range(6)]
+    # A hook that ran before the wait would read parameters whose pull is still queued: the
+    # wait is every module's first hook, ahead of those it had before the wrapper
+    # (weight_norm's), which the pulls may finish before on this fast local store.
+    for m in ours.modules():
+        first = next(iter(m._forward_pre_hooks.values()), None)
+        assert type(first).__name__ == "_WaitHook", (m, first)
+    assert losses_of(ours, opt, xs) == losses_of(plain, p_opt, xs)
+    opt.synchronize()
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_prefetch_state_dicts_loads_and_copies_see_the_stores_parameters():
+    seed = fresh_seed()
+    (plain, p_opt), (ours, opt) = prefetch_pair(lambda: make_problem(seed)[2], seed)
+    x, _, _ = make_problem(seed)
+    losses_of(plain, p_opt, [x, x])
+    losses_of(ours, opt, [x, x])
+    # A submodule's state_dict waits for the queued pulls too.
+    assert opt._pending
+    first = ours[0].state_dict()
+    assert torch.equal(first["weight"], plain[0].weight)
+    # A copy (an EMA model, torch.save) carries no wait of the wrapper's, and pickles.
+    losses_of(ours, opt, [x])
+    losses_of(plain, p_opt, [x])
+    twin = copy.deepcopy(ours)
+    buf = __import__("io").BytesIO()
+    torch.save(ours, buf)
+    assert opt._pending  # neither the copy nor the save waited, nor needed to
+    # A load right after step() is not overwritten by the queued pulls.
+    wanted = {k: torch.randn_like(v) for k, v in ours.state_dict().items()}
+    ours.load_state_dict(wanted)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, wanted[k]), k
+    assert twin is not ours
+
+
+def test_prefetch_fails_a_step_whose_forward_read_a_parameter_before_its_pull():
+    # A forward that reads a child's weight directly, the first time after a step: the pull
+    # was still queued, so the step fails (on every worker) instead of pushing gradients of
+    # a parameter the store was writing; the parent waits for it from then on.
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+            self.direct = False
+
+        def forward(self, x):
+            x = self.a(x)
+            return x @ self.b.weight.T if self.direct else self.b(x)
+
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    net = Net()
+    opt = DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), kvstore.create("local"), prefetch=net,
+        named_parameters=net.named_parameters(),
+    )
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+    losses_of(net, opt, [x])
+    net.direct = True
+    opt.zero_grad()
+    net(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"\['b.weight'\] were read by a forward before"):
+        opt.step()
