@@ -20,6 +20,8 @@
 #    every bench, and prints a summary per binary: passed, failed, and SKIPPED (tests that
 #    printed `SKIPPED:` because this machine cannot run their case; never counted as passed).
 #    It exits non-zero when any binary failed, and with 2 at once when the machine has no GPU.
+#    Where scripts/build-nccl.sh has built NCCL 2.30 (.nccl-build/, or KVSTORE_NCCL_XZ), its
+#    xz (about 28 MiB) travels too, and run.sh loads it through KVSTORE_NCCL_LIB.
 #    SKIP_BENCHES=1 runs the tests only (the benches take minutes). Knobs for a short lease:
 #      TESTS=ignored         only the `#[ignore = "needs a GPU"]` tests (CI runs the others);
 #      BENCH_FILTERS="a b"   the kv bench once per criterion filter, instead of every bench whole;
@@ -114,6 +116,18 @@ cargo bench --no-run --message-format=json 2>/dev/null | executables |
         [ "$kind" = "bench" ] && stage "$STAGE/benches" "$kind" "$name" "$path"
     done || true
 
+# NCCL >= 2.30 (several ranks on one GPU, issue 40), built here by scripts/build-nccl.sh: its
+# xz travels in the bundle, and run.sh unpacks it and points KVSTORE_NCCL_LIB at it.
+NCCL_XZ="${KVSTORE_NCCL_XZ:-$ROOT/.nccl-build/libnccl.so.2.30.7.xz}"
+if [ -e "$NCCL_XZ" ]; then
+    mkdir -p "$STAGE/nccl"
+    cp "$NCCL_XZ" "$STAGE/nccl/libnccl.so.2.xz"
+    grep -E '^(nccl|reported):' "$(dirname "$NCCL_XZ")/MANIFEST" >"$STAGE/nccl/VERSION" 2>/dev/null || true
+    echo "staged $NCCL_XZ ($(du -h "$NCCL_XZ" | cut -f1))"
+else
+    echo "== no NCCL 2.30 staged ($NCCL_XZ): the machine's own NCCL is used (scripts/build-nccl.sh builds one)"
+fi
+
 cat >"$STAGE/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the staged kvstore tests and benches on a GPU machine. See scripts/gpu-check.sh.
@@ -157,6 +171,18 @@ PY
     if [ -n "$f" ]; then echo "$f"; return; fi
     find /usr /opt -name 'libnccl.so*' 2>/dev/null | head -n 1
 }
+
+# The carried NCCL (>= 2.30), unpacked and loaded through KVSTORE_NCCL_LIB unless that is set.
+if [ -e "$HERE/nccl/libnccl.so.2.xz" ] && [ -z "${KVSTORE_NCCL_LIB:-}" ]; then
+    if command -v xz >/dev/null; then
+        xz -dc "$HERE/nccl/libnccl.so.2.xz" >"$HERE/nccl/libnccl.so.2"
+    else
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+            "$HERE/nccl/libnccl.so.2.xz" >"$HERE/nccl/libnccl.so.2"
+    fi
+    export KVSTORE_NCCL_LIB="$HERE/nccl/libnccl.so.2" NCCL_LIB="$HERE/nccl/libnccl.so.2"
+    echo "NCCL carried: $(cat "$HERE/nccl/VERSION" 2>/dev/null | tr '\n' ' ')" | tee "$LOG/nccl.txt"
+fi
 
 # Only reported: kvstore finds libnccl.so.2 itself (src/comm/nccl/loader.rs), so no
 # libnccl.so symlink is made; the tests then check that its own search works.
