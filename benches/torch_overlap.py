@@ -57,6 +57,32 @@ def model_of(name):
     raise SystemExit(f"unknown model {name}: mlp or cnn")
 
 
+def start(model, batch, port):
+    """One thread, gloo's group (across hosts it meets at MASTER_ADDR, the first host), the
+    model and this rank's batch: (rank, size, model, inputs, labels)."""
+    torch.set_num_threads(1)
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
+        f"{os.environ.get('KVSTORE_BENCH_PORT', port)}",
+        rank=r,
+        world_size=n,
+    )
+    torch.manual_seed(0)
+    base, shape = model_of(model)
+    g = torch.Generator().manual_seed(1 + r)
+    x = torch.randn(batch, *shape, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    return r, n, base, x, y
+
+
+def sgd(m):
+    """The optimizer every mode trains with."""
+    return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mlp")
@@ -67,26 +93,8 @@ def main():
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    torch.set_num_threads(1)
-    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
-    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group(
-        "gloo",
-        # Across hosts (scripts/cluster.sh) DDP's gloo meets at the first host, MASTER_ADDR.
-        init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
-        f"{os.environ.get('KVSTORE_BENCH_PORT', '29533')}",
-        rank=r,
-        world_size=n,
-    )
-    torch.manual_seed(0)
-    base, shape = model_of(a.model)
-    g = torch.Generator().manual_seed(1 + r)
-    x = torch.randn(a.batch, *shape, generator=g)
-    y = torch.randint(0, 10, (a.batch,), generator=g)
+    r, n, base, x, y = start(a.model, a.batch, "29533")
     params = sum(p.numel() for p in base.parameters())
-
-    def sgd(m):
-        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
 
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     blocking_model, overlap_model = copy.deepcopy(base), copy.deepcopy(base)

@@ -23,7 +23,7 @@ import kvstore
 from kvstore.torch import DistributedOptimizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_overlap import model_of  # noqa: E402
+from torch_overlap import sgd, start  # noqa: E402
 
 
 def main():
@@ -34,24 +34,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5, help="steps per mode per round")
     a = ap.parse_args()
 
-    torch.set_num_threads(1)
-    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
-    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
-        f"{os.environ.get('KVSTORE_BENCH_PORT', '29534')}",
-        rank=r,
-        world_size=n,
-    )
-    torch.manual_seed(0)
-    base, shape = model_of(a.model)
-    g = torch.Generator().manual_seed(1 + r)
-    x = torch.randn(a.batch, *shape, generator=g)
-    y = torch.randint(0, 10, (a.batch,), generator=g)
-
-    def sgd(m):
-        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    r, _, base, x, y = start(a.model, a.batch, "29534")
 
     def wrapper(m, **kw):
         return m, DistributedOptimizer(sgd(m), kvstore.create("dist_sync"), **kw)
