@@ -415,6 +415,50 @@ pub enum Error {
         detail: String,
     },
 
+    /// Ranks were lost and the survivors went on without them (`mpirun --with-ft ulfm`): this
+    /// call did not complete, and the store now runs on `world` ranks, this one being `rank`.
+    /// Every survivor gets it, for the call in flight. [`KvStore::rank`] and
+    /// [`KvStore::num_workers`] say the new numbers.
+    ///
+    /// The keys were reloaded from the store's last checkpoint (its last save or load), at the
+    /// new world size, where `restored` names it; without one the store holds no key, and the
+    /// program must init its keys again. Re-shard the data and carry on from the checkpoint's
+    /// step.
+    ///
+    /// [`KvStore::rank`]: crate::KvStore::rank
+    /// [`KvStore::num_workers`]: crate::KvStore::num_workers
+    #[error(
+        "{op}: the distributed world changed: {} lost ({detail}); this call did not complete, \
+         and the store goes on with {world} ranks, this one now rank {rank}. {}",
+        match lost.as_slice() {
+            [one] => format!("rank {one} was"),
+            more => format!("ranks {more:?} were"),
+        },
+        match restored {
+            Some(path) => format!(
+                "Every key was reloaded from the last checkpoint, {path}, at the new world size: \
+                 re-shard the data and go on from that checkpoint's step"
+            ),
+            None => "The store saved no checkpoint and loaded none, so it holds no key now: \
+                     init the keys again (or load a checkpoint), re-shard the data and go on"
+                .to_owned(),
+        }
+    )]
+    WorldChanged {
+        /// The operation on this rank.
+        op: &'static str,
+        /// The ranks lost, as they were numbered before.
+        lost: Vec<usize>,
+        /// The number of ranks now.
+        world: usize,
+        /// This process's rank now.
+        rank: usize,
+        /// The checkpoint the keys were reloaded from, if any.
+        restored: Option<String>,
+        /// How the loss was found, and how long the recovery took.
+        detail: String,
+    },
+
     /// An argument a language binding could not convert, so the store never saw the call.
     #[error("{op}: {message}")]
     Argument {

@@ -94,6 +94,14 @@ class RankExitedError(DistError):
     world is unusable afterwards."""
 
 
+class WorldChangedError(DistError):
+    """Ranks were lost and the survivors went on without them (``mpirun --with-ft ulfm``):
+    this call did not complete, and the store now runs on fewer ranks (``kv.rank`` and
+    ``kv.num_workers`` say the new numbers). Every key was reloaded from the store's last
+    checkpoint (its last ``save`` or ``load``) at the new world size, or, where it had none,
+    the store holds no key. Re-shard the data, and go on from that checkpoint's step."""
+
+
 class TimeoutError(DistError, TimeoutError):  # noqa: A001 (as asyncio.TimeoutError)
     """A call did not complete within ``KVSTORE_TIMEOUT``: the message says where every other
     rank is. The distributed world is unusable afterwards."""

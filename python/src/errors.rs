@@ -31,6 +31,7 @@ fn class_name(e: &Error) -> &'static str {
         Error::RankRejected { .. } => "RankRejectedError",
         Error::RankFailed { .. } => "RankFailedError",
         Error::RankExited { .. } => "RankExitedError",
+        Error::WorldChanged { .. } => "WorldChangedError",
         Error::Timeout { .. } => "TimeoutError",
         Error::DistFailed { .. } => "DistFailedError",
         Error::Mpi { .. } => "MpiError",

@@ -1169,8 +1169,10 @@ def async_local_failure():
 
 def lose_rank():
     """Rank 2 kills itself (SIGKILL) at the start of step 5 of a push-and-pull loop; under
-    `mpirun --with-ft ulfm` the survivors each print the error of the call in flight and exit 3.
-    Printing "ok" means a survivor finished the loop: a wrong outcome."""
+    `mpirun --with-ft ulfm` the survivors (2 of 3, a majority) go on without it: each gets
+    WorldChangedError for its call in flight, and since the store never saved a checkpoint it
+    holds no key now. Each prints the error and exits 3. Printing "ok" means a survivor
+    finished the loop: a wrong outcome."""
     import signal
 
     kv = kvstore.create("dist_sync")
@@ -1182,10 +1184,117 @@ def lose_rank():
         try:
             kv.push(0, values(kv.rank, 0, 1 << 16, 1)[0])
             kv.pull(0, out=out)
-        except (kvstore.RankExitedError, kvstore.MpiError) as e:
+        except kvstore.WorldChangedError as e:
             say(f"EXPECTED {type(e).__name__}: {e}")
+            assert kv.num_workers == 2 and "holds no key" in str(e), (kv.num_workers, str(e))
+            expect(kvstore.UnknownKeyError, lambda: kv.pull(0, out=out))
             sys.exit(3)
     say("ok lose_rank")
+
+
+SURVIVE_SHAPES = {0: (64,), 1: (3000,), 2: (5, 7)}
+
+
+def survive_grads(rank, step):
+    """The gradients rank ``rank`` pushes at ``step``: fresh for every (SEED, rank, step)."""
+    return [values(rank + 1000 * step, k, s, n=1)[0] for k, s in SURVIVE_SHAPES.items()]
+
+
+def sgd_momentum_steps(weights, moms, grads_by_step, lr, momentum):
+    """NumPy's SGD with momentum (MXNet's rule), one step per summed gradient, in float64."""
+    for grads in grads_by_step:
+        for k, g in enumerate(grads):
+            moms[k] = momentum * moms[k] - lr * g
+            weights[k] = weights[k] + moms[k]
+    return weights, moms
+
+
+def survive():
+    """Elastic training under ``mpirun --with-ft ulfm``: a checkpoint after step 2, then rank
+    ARGS[1] SIGKILLs itself at the start of step 5. Every survivor must get WorldChangedError
+    for its call in flight, with the world one rank smaller and the keys back at the checkpoint
+    (a NumPy replay of steps 0 to 2 on every rank's gradients: key 1 is sliced, so its slices
+    are cut again for the new size). The survivors then redo steps 3 to 5 as the new world's
+    ranks; the values must equal a NumPy replay from the checkpoint (its momentum too)."""
+    import signal
+
+    path, victim = ARGS[0], int(ARGS[1])
+    kv = kvstore.create("dist_sync")
+    n0, r0 = kv.num_workers, kv.rank
+    lr, momentum = 0.25, 0.5
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=lr, momentum=momentum))
+    keys = list(SURVIVE_SHAPES)
+    rng = np.random.default_rng([SEED, 7])
+    init = [rng.standard_normal(s).astype(np.float32) for s in SURVIVE_SHAPES.values()]
+    kv.init(keys, init)
+    outs = [np.zeros(s, np.float32) for s in SURVIVE_SHAPES.values()]
+
+    def summed(ranks, step):
+        per_rank = [survive_grads(q, step) for q in ranks]
+        return [sum(g[k].astype(np.float64) for g in per_rank) for k in range(len(keys))]
+
+    changed = None
+    step = 0
+    while step < 6:
+        if step == 3 and changed is None:
+            kv.save(path)
+        if r0 == victim and step == 5 and changed is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            kv.push(keys, survive_grads(kv.rank, step))
+            kv.pull(keys, out=outs)
+        except kvstore.WorldChangedError as e:
+            assert changed is None, f"a second WorldChangedError: {e}"
+            changed = e
+            say(f"EXPECTED {type(e).__name__}: {e}")
+            assert kv.num_workers == n0 - 1, kv.num_workers
+            want_rank = r0 - (1 if r0 > victim else 0)
+            assert kv.rank == want_rank, (kv.rank, want_rank)
+            assert path in str(e) or os.path.realpath(path) in str(e), str(e)
+            # Back at the checkpoint: steps 0 to 2 of every rank of the old world.
+            weights = [v.astype(np.float64) for v in init]
+            moms = [np.zeros_like(w) for w in weights]
+            grads = [summed(range(n0), t) for t in range(3)]
+            weights, moms = sgd_momentum_steps(weights, moms, grads, lr, momentum)
+            kv.pull(keys, out=outs)
+            for k in keys:
+                np.testing.assert_allclose(outs[k], weights[k], rtol=1e-5, atol=1e-6)
+            step = 3
+            continue
+        step += 1
+    assert changed is not None, "no rank was lost: the victim's kill did not happen"
+    # Steps 3 to 5 again, by the survivors as the new world's ranks.
+    grads = [summed(range(kv.num_workers), t) for t in range(3, 6)]
+    weights, moms = sgd_momentum_steps(weights, moms, grads, lr, momentum)
+    for k in keys:
+        np.testing.assert_allclose(outs[k], weights[k], rtol=1e-5, atol=1e-6)
+    # The new world saves and agrees as any world does.
+    kv.save(path)
+    kv.barrier()
+    say(f"ok survive (now rank {kv.rank} of {kv.num_workers})")
+
+
+def no_majority():
+    """Under ``mpirun --with-ft ulfm`` with 2 ranks, rank 1 SIGKILLs itself: the survivor holds
+    1 of 2 ranks, not a strict majority, so it must stop with DistFailedError (it could be one
+    half of a cut link) and never compute on."""
+    import signal
+
+    kv = kvstore.create("dist_sync")
+    kv.init(0, np.zeros(16, np.float32))
+    out = np.zeros(16, np.float32)
+    for step in range(10):
+        if kv.rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            kv.push(0, values(kv.rank, 0, 16, 1)[0])
+            kv.pull(0, out=out)
+        except kvstore.DistFailedError as e:
+            assert "majority" in str(e), str(e)
+            say(f"EXPECTED {type(e).__name__}: {e}")
+            expect(kvstore.DistFailedError, lambda: kv.pull(0, out=out))
+            sys.exit(3)
+    say("ok no_majority")
 
 
 KEPT = []
@@ -1250,6 +1359,8 @@ CASES = {
     "async_local_failure": async_local_failure,
     "exit_queued": exit_queued,
     "lose_rank": lose_rank,
+    "survive": survive,
+    "no_majority": no_majority,
 }
 
 if __name__ == "__main__":

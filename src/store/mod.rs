@@ -15,6 +15,7 @@
 
 mod across;
 mod compress;
+mod elastic;
 mod groups;
 mod hook;
 mod kind;
@@ -110,6 +111,9 @@ pub struct KvStore {
     ranks: Dist,
     /// How values cross `ranks`, chosen once when the store is created.
     across: Box<dyn Across>,
+    /// The checkpoint of this store's last save or load: the survivors of a lost rank reload
+    /// it ([`KvStore::survive`]).
+    last_checkpoint: std::sync::Mutex<Option<std::path::PathBuf>>,
 }
 
 impl KvStore {
@@ -168,6 +172,7 @@ impl KvStore {
             par_min_bytes: config.par_min_bytes,
             ranks,
             across,
+            last_checkpoint: std::sync::Mutex::new(None),
         })
     }
 
@@ -201,7 +206,7 @@ impl KvStore {
     /// Waits until every worker of a `dist_*` store has called `barrier` (bounded by
     /// `KVSTORE_TIMEOUT`); `Ok` at once in a single-process store.
     pub fn barrier(&self) -> Result<()> {
-        self.ranks.barrier()
+        self.survive("barrier", self.ranks.barrier())
     }
 
     /// Checks that every worker of a `dist_*` store passes the same `what`, at the same place
@@ -219,7 +224,7 @@ impl KvStore {
     /// # Ok::<(), kvstore::Error>(())
     /// ```
     pub fn agree(&self, what: &str) -> Result<()> {
-        self.ranks.agree(what)
+        self.survive("agree", self.ranks.agree(what))
     }
 
     /// For each of `flags`, whether any worker of a `dist_*` store passed `true`. Every worker
@@ -234,7 +239,7 @@ impl KvStore {
     /// # Ok::<(), kvstore::Error>(())
     /// ```
     pub fn any_of(&self, what: &str, flags: &[bool]) -> Result<Vec<bool>> {
-        self.ranks.any_of(what, flags)
+        self.survive("any_of", self.ranks.any_of(what, flags))
     }
 
     /// Sets a tag that the check of every later call of a `dist_*` store carries (`None`: no
@@ -399,7 +404,20 @@ impl KvStore {
         self.init_with_homes(keys, values, Some(homes), false)
     }
 
+    /// Adds `keys` with `values` (see [`KvStore::init_list_on`]), and goes on after a lost
+    /// rank ([`KvStore::survive`]).
     fn init_with_homes<K: IntoKey + Clone>(
+        &self,
+        keys: &[K],
+        values: &[NDArray],
+        homes: Option<&[Device]>,
+        row_sparse: bool,
+    ) -> Result<()> {
+        let got = self.init_here(keys, values, homes, row_sparse);
+        self.survive("init", got)
+    }
+
+    fn init_here<K: IntoKey + Clone>(
         &self,
         keys: &[K],
         values: &[NDArray],
@@ -518,6 +536,11 @@ impl KvStore {
 
     /// Validates and applies a pull of looked-up groups (or the error of looking them up).
     fn pull_groups(&self, groups: Result<Vec<Group<'_>>>) -> Result<()> {
+        let got = self.pull_here(groups);
+        self.survive("pull", got)
+    }
+
+    fn pull_here(&self, groups: Result<Vec<Group<'_>>>) -> Result<()> {
         let groups = groups
             .and_then(|g| check_outs("pull", &g).map(|()| g))
             .map_err(|e| self.rejected("pull", e))?;
@@ -534,6 +557,17 @@ impl KvStore {
     /// process's contribution (for row-sparse keys, their merged `rows`), the sum across ranks,
     /// the updater, for a pushpull the pull of `pulls` (the same keys), and the hook.
     fn push_call(
+        &self,
+        op: &'static str,
+        groups: Vec<Group<'_>>,
+        pulls: Option<&[Group<'_>]>,
+        rows: Option<Vec<Merged>>,
+    ) -> Result<()> {
+        let got = self.push_here(op, groups, pulls, rows);
+        self.survive(op, got)
+    }
+
+    fn push_here(
         &self,
         op: &'static str,
         groups: Vec<Group<'_>>,

@@ -129,6 +129,11 @@ impl KvStore {
     /// `row_sparse_pull` dedups and sorts them), with its rows, in host memory. Ids out of
     /// range are an [`Error::RowSparse`]. Rows not pushed since an assign read as zeros.
     pub fn row_sparse_pull(&self, key: impl IntoKey, row_ids: &[u64]) -> Result<RowSparse> {
+        let got = self.row_sparse_pull_here(key, row_ids);
+        self.survive("pull", got)
+    }
+
+    fn row_sparse_pull_here(&self, key: impl IntoKey, row_ids: &[u64]) -> Result<RowSparse> {
         let op = "pull";
         let checked = (|| {
             let key = key.into_key()?;

@@ -47,7 +47,14 @@ impl KvStore {
     /// [`Io`](crate::CheckpointErrorKind::Io), with the I/O error as its source, or
     /// [`Invalid`](crate::CheckpointErrorKind::Invalid) (`path` is a file).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
-        let dir = path.as_ref();
+        let got = self.save_here(path.as_ref());
+        if got.is_ok() {
+            self.remember_checkpoint(path.as_ref());
+        }
+        self.survive("save", got)
+    }
+
+    fn save_here(&self, dir: &Path) -> Result<()> {
         let d = &self.ranks;
         let slots = self.slots_in_order();
         let active = read(&self.active).clone();
@@ -96,7 +103,15 @@ impl KvStore {
     /// while copying to a GPU home, an [`Error::Cuda`], can leave keys already in the store
     /// partly loaded.)
     pub fn load(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
+        let got = self.load_here(path.as_ref());
+        if got.is_ok() {
+            self.remember_checkpoint(path.as_ref());
+        }
+        self.survive("load", got)
+    }
+
+    /// [`KvStore::load`], without going on after a lost rank.
+    pub(super) fn load_here(&self, path: &Path) -> Result<()> {
         let d = &self.ranks;
         let active = read(&self.active).clone();
         let (updater, generation) = (active.updater.clone(), active.generation);

@@ -16,6 +16,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::RwLockReadGuard;
 use std::sync::{Arc, Mutex};
 
@@ -51,8 +52,11 @@ pub(crate) fn travels_alone(bytes: usize, keys: usize) -> bool {
 /// buffers kept between calls.
 pub(crate) struct Dist {
     link: Box<dyn Link>,
-    /// Keys of more elements than this are sliced over every rank.
-    bound: usize,
+    /// Keys of more elements than this are sliced over every rank (chosen again when the
+    /// survivors of a lost rank go on: [`Dist::rejoin`]).
+    bound: AtomicUsize,
+    /// `KVSTORE_BIGARRAY_BOUND`, where set.
+    asked_bound: Option<usize>,
     /// Host buffers kept between calls, shared by the process's stores.
     pool: Arc<Pool>,
     /// This store's number on its link, in every fingerprint: calls of two stores never match.
@@ -70,7 +74,8 @@ impl Dist {
     pub(crate) fn solo() -> Dist {
         Dist {
             link: Box::new(link::solo::Solo),
-            bound: crate::config::DEFAULT_BIGARRAY_BOUND,
+            bound: AtomicUsize::new(crate::config::DEFAULT_BIGARRAY_BOUND),
+            asked_bound: None,
             pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
             tag: Mutex::new(None),
@@ -91,13 +96,14 @@ impl Dist {
     /// bound, the pool size, the check switch, the timeout): else [`Error::Desync`] on every
     /// rank, naming the settings. `bound`: `KVSTORE_BIGARRAY_BOUND` if set; else chosen from
     /// how many machines the link spans ([`crate::config::bigarray_bound`]).
-    fn joined(link: Box<dyn Link>, bound: Option<usize>, pool: Arc<Pool>) -> Result<Dist> {
-        let bound = crate::config::bigarray_bound(bound, link.seat().hosts);
+    fn joined(link: Box<dyn Link>, asked: Option<usize>, pool: Arc<Pool>) -> Result<Dist> {
+        let bound = crate::config::bigarray_bound(asked, link.seat().hosts);
         let store = link.next_store_id();
         let in_place = link.in_place_home();
         let dist = Dist {
             link,
-            bound,
+            bound: AtomicUsize::new(bound),
+            asked_bound: asked,
             pool,
             store,
             tag: Mutex::new(None),
@@ -109,7 +115,7 @@ impl Dist {
             "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, check {}, \
              timeout {:?}",
             env!("CARGO_PKG_VERSION"),
-            dist.bound,
+            bound,
             dist.pool.max_bytes(),
             seat.check,
             seat.timeout
@@ -176,7 +182,18 @@ impl Dist {
     pub(crate) fn is_sliced(&self, len: usize) -> bool {
         let size = self.size();
         let every_rank_holds = || slice_block(len, size) * (size - 1) < len;
-        size > 1 && len > self.bound && (self.in_place.is_none() || every_rank_holds())
+        let bound = self.bound.load(Ordering::Relaxed);
+        size > 1 && len > bound && (self.in_place.is_none() || every_rank_holds())
+    }
+
+    /// After a call failed: where a rank was lost and the link can go on without it, the
+    /// survivors' link (see [`Link::rejoin`]), with the slicing bound chosen again for the
+    /// machines left.
+    pub(crate) fn rejoin(&self) -> Option<Result<link::Rejoined>> {
+        let rejoined = self.link.rejoin()?;
+        let bound = crate::config::bigarray_bound(self.asked_bound, self.link.seat().hosts);
+        self.bound.store(bound, Ordering::Relaxed);
+        Some(rejoined)
     }
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see

@@ -95,6 +95,14 @@ pub(crate) struct Seat {
     pub(crate) timeout: Duration,
 }
 
+/// How the survivors of a lost rank went on without it ([`Link::rejoin`]).
+pub(crate) struct Rejoined {
+    /// The ranks lost, numbered as before.
+    pub(crate) lost: Vec<usize>,
+    /// How long finding who is left and building their link took.
+    pub(crate) took: Duration,
+}
+
 /// A collective started by [`Round::start`], to give to [`Round::land`].
 pub(crate) struct Ticket(pub usize);
 
@@ -112,6 +120,13 @@ pub(crate) trait Link: Send + Sync {
     }
     /// Shuts the link after `why`: every later call fails with [`Error::DistFailed`].
     fn shut(&self, why: String);
+    /// After a call failed: where a rank was lost and this link can go on without it (MPI with
+    /// fault tolerance), the survivors' link, which every survivor must ask for (it is a
+    /// collective among them; [`Link::seat`] then says the new rank and size). `None`: no rank
+    /// was lost, or this link cannot go on without one (this default).
+    fn rejoin(&self) -> Option<Result<Rejoined>> {
+        None
+    }
     /// Begins a store call: numbers it and, unless the check is off, compares `fp` across the
     /// ranks ([`Error::Desync`], or [`Error::RankRejected`] when a rank rejected its input).
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>>;

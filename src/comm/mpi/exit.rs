@@ -10,7 +10,7 @@ use mpi::ffi;
 use super::control::{self, Here, Watch};
 use super::poll::{self, Backoff};
 use super::raw::{self, Request};
-use super::{lock, State, World, WORLD};
+use super::{lock, State, World, NEWEST, WORLD};
 
 /// The last panic of this process, recorded by the panic hook, for the exit record.
 static LAST_PANIC: Mutex<Option<String>> = Mutex::new(None);
@@ -93,8 +93,11 @@ extern "C" fn hook() {
 /// Runs [`World::at_exit`]; a panic aborts the job (nothing may unwind out of `extern "C"`).
 fn run(status: Option<c_int>) {
     let r = std::panic::catch_unwind(|| {
-        if let Some(Ok(w)) = WORLD.get() {
-            w.at_exit(status);
+        // The newest generation: the survivors' world after a lost rank, else the first.
+        let newest = *NEWEST.read().unwrap_or_else(|p| p.into_inner());
+        match (newest, WORLD.get()) {
+            (Some(w), _) | (None, Some(Ok(w))) => w.at_exit(status),
+            _ => {}
         }
     });
     if r.is_err() {
@@ -171,6 +174,16 @@ impl World {
             }
         }
         drop(st);
+        if self.generation > 0 {
+            // The survivors' world after a lost rank: MPI_Finalize can hang once a process of
+            // the job is gone (Open MPI 5.0, measured: the design notes' ULFM findings), and
+            // every survivor has passed the exit barrier above. End here, with the status.
+            // SAFETY: fflush(NULL) flushes every C stream; _exit then ends the process at once.
+            unsafe {
+                libc::fflush(std::ptr::null_mut());
+                libc::_exit(status.unwrap_or(0));
+            }
+        }
         // Dropping rsmpi's universe calls MPI_Finalize.
         drop(lock(&self.universe).take());
     }

@@ -142,6 +142,25 @@ pub struct World {
     stores: std::sync::atomic::AtomicU64,
     /// The bound on blocking collectives.
     watchdog: blocking::Watchdog,
+    /// 0 for the world `mpirun` started; one more for each time survivors went on without
+    /// lost ranks ([`World::shrink`]).
+    generation: u64,
+    /// The world the survivors of this one went on in, once they have.
+    successor: OnceLock<&'static World>,
+    /// The ranks of the previous generation lost when this one began (empty for the first).
+    lost_before: Vec<usize>,
+    /// Whether a call saw a rank lost (ULFM): [`World::shrink`] may go on without it.
+    saw_loss: std::sync::atomic::AtomicBool,
+    /// Why this side stopped after a lost rank: it held no majority of the ranks.
+    stopped: OnceLock<String>,
+}
+
+/// A world the survivors of a lost rank went on in ([`World::shrink`]).
+pub(crate) struct Shrunk {
+    /// The new world.
+    pub(crate) world: &'static World,
+    /// The ranks lost, numbered as in the world before.
+    pub(crate) lost: Vec<usize>,
 }
 
 /// What the state mutex guards.
@@ -182,6 +201,9 @@ struct State {
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
+
+/// The newest generation of the world, once survivors have gone on without lost ranks.
+static NEWEST: std::sync::RwLock<Option<&'static World>> = std::sync::RwLock::new(None);
 
 /// What the world's split into machines found.
 struct Split {
@@ -255,16 +277,24 @@ fn env_agrees(var: &str, mpi_value: usize, what: &str) -> Option<(String, String
 
 /// Ends this process if the world's setup lasts past `timeout`, until the sender is dropped.
 fn bound_setup(timeout: Duration) -> std::sync::mpsc::Sender<()> {
+    bound_wait(
+        timeout,
+        "creating a dist store did not finish within KVSTORE_TIMEOUT: MPI's setup waits for \
+         every rank, so some rank has not created its dist store (it failed, waits on \
+         something else, or makes its calls in another order); MPI cannot cancel the wait",
+    )
+}
+
+/// Ends this process with exit code 1, saying `what` went wrong, if a wait MPI cannot cancel
+/// lasts past `timeout`, until the sender is dropped.
+fn bound_wait(timeout: Duration, what: &'static str) -> std::sync::mpsc::Sender<()> {
     let (done, setup) = std::sync::mpsc::channel::<()>();
     let watch = move || {
         if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = setup.recv_timeout(timeout) {
             // Written whatever happens to stderr (a closed pipe must not stop the exit).
             let _ = writeln!(
                 std::io::stderr(),
-                "kvstore: creating a dist store did not finish within KVSTORE_TIMEOUT ({} s): \
-                 MPI's setup waits for every rank, so some rank has not created its dist store \
-                 (it failed, waits on something else, or makes its calls in another order); \
-                 MPI cannot cancel the wait, so this process ends with exit code 1",
+                "kvstore: {what} ({} s), so this process ends with exit code 1",
                 timeout.as_secs_f64()
             );
             // SAFETY: `_exit` ends the process at once, without running exit handlers, which
@@ -284,6 +314,9 @@ fn bound_setup(timeout: Duration) -> std::sync::mpsc::Sender<()> {
 impl World {
     /// The process-wide world, initialising MPI on the first call (see [the module](self)).
     pub fn get() -> Result<&'static World> {
+        if let Some(newest) = *NEWEST.read().unwrap_or_else(|p| p.into_inner()) {
+            return Ok(newest);
+        }
         match WORLD.get_or_init(World::init) {
             Ok(World {
                 env_error: Some((var, message)),
@@ -300,7 +333,7 @@ impl World {
             other => ("MPI".to_owned(), other.to_string()),
         };
         let config = crate::config::Config::from_env().map_err(as_pair)?;
-        let (timeout, wait_log, check) = (config.timeout, config.wait_log, config.dist_check);
+        let timeout = config.timeout;
 
         // Disarmed when dropped, as this function returns.
         let _bound = bound_setup(timeout);
@@ -325,9 +358,9 @@ impl World {
             return Err(("MPI".to_owned(), message));
         }
 
-        let (split, data, control) = Self::communicators().map_err(as_pair)?;
-        let [rank, size, local_rank, local_size] = split.counts;
-        let hosts = hosts::gather(control.0, size).map_err(as_pair)?;
+        // SAFETY: RSMPI_COMM_WORLD is a constant handle that rsmpi's C shim exports.
+        let base = unsafe { ffi::RSMPI_COMM_WORLD };
+        let mut world = World::on(base, &config, 0).map_err(as_pair)?;
 
         // From here on MPI is initialised by us: the exit hook must run whatever happens.
         exit::install_panic_hook();
@@ -335,16 +368,36 @@ impl World {
             eprintln!("kvstore: could not register the MPI exit hook; MPI will not be finalized");
         }
 
-        let watchdog = blocking::Watchdog::start((rank, &hosts), timeout, wait_log)
-            .map_err(|e| ("MPI".to_owned(), e))?;
+        let (rank, size) = (world.rank, world.size);
+        let (local_rank, local_size) = (world.local_rank, world.local_size);
         let env_error = env_agrees("RANK", rank, "rank")
             .or_else(|| env_agrees("WORLD_SIZE", size, "world size"))
             .or_else(|| env_agrees("LOCAL_RANK", local_rank, "local rank"))
             .or_else(|| env_agrees("LOCAL_WORLD_SIZE", local_size, "local world size"));
-        let poison = env_error
-            .as_ref()
-            .map(|(var, message)| format!("distributed setup: {var}: {message}"));
+        world.poison = Mutex::new(
+            env_error
+                .as_ref()
+                .map(|(var, message)| format!("distributed setup: {var}: {message}")),
+        );
+        world.env_error = env_error;
+        world.universe = Mutex::new(universe);
+        Ok(world)
+    }
 
+    /// A world of the ranks of `base` (`MPI_COMM_WORLD`, or the survivors of a lost rank),
+    /// as generation `generation`: its communicators, machines and host names.
+    fn on(base: ffi::MPI_Comm, config: &crate::config::Config, generation: u64) -> Result<World> {
+        let (timeout, wait_log, check) = (config.timeout, config.wait_log, config.dist_check);
+        let (split, data, control) = Self::communicators(base)?;
+        let [rank, size, local_rank, local_size] = split.counts;
+        let hosts = hosts::gather(control.0, size)?;
+        let watchdog =
+            blocking::Watchdog::start((rank, &hosts), timeout, wait_log).map_err(|message| {
+                Error::Mpi {
+                    op: "initialise MPI",
+                    message,
+                }
+            })?;
         Ok(World {
             rank,
             size,
@@ -373,16 +426,22 @@ impl World {
                 loss_seen: None,
                 lost: Vec::new(),
             }),
-            poison: Mutex::new(poison),
-            env_error,
-            universe: Mutex::new(universe),
+            poison: Mutex::new(None),
+            env_error: None,
+            universe: Mutex::new(None),
             stores: std::sync::atomic::AtomicU64::new(0),
             watchdog,
+            generation,
+            successor: OnceLock::new(),
+            lost_before: Vec::new(),
+            saw_loss: std::sync::atomic::AtomicBool::new(false),
+            stopped: OnceLock::new(),
         })
     }
 
-    /// Rank, size, local rank and size, the machines, and the two duplicated communicators.
-    fn communicators() -> Result<(Split, Comm, Comm)> {
+    /// Rank, size, local rank and size, the machines, and the two duplicated communicators,
+    /// of the ranks of `world`.
+    fn communicators(world: ffi::MPI_Comm) -> Result<(Split, Comm, Comm)> {
         const OP: &str = "initialise MPI";
         let [mut rank, mut size, mut local_rank, mut local_size]: [c_int; 4] = [0; 4];
         // SAFETY: MPI is initialised (above); every out-pointer is a valid local, and the
@@ -390,7 +449,6 @@ impl World {
         // constants are handles rsmpi's C shim exports. The local communicator is kept only
         // with a layout (its handle then lives in the state), else freed before returning.
         unsafe {
-            let world = ffi::RSMPI_COMM_WORLD;
             raw::check(OP, ffi::MPI_Comm_rank(world, &mut rank))?;
             raw::check(OP, ffi::MPI_Comm_size(world, &mut size))?;
             // Ranks on one machine are numbered as the launcher numbered them, where it says
@@ -517,6 +575,105 @@ impl World {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether the survivors of a lost rank may go on without it: the job runs under
+    /// `mpirun --with-ft ulfm` with an MPI that has ULFM.
+    pub(crate) fn is_elastic(&self) -> bool {
+        ulfm::enabled()
+    }
+
+    /// Whether a call saw a rank lost, or the survivors already went on without it.
+    pub(crate) fn lost_a_rank(&self) -> bool {
+        self.saw_loss.load(std::sync::atomic::Ordering::Relaxed) || self.successor.get().is_some()
+    }
+
+    /// The survivors' world after a lost rank: every survivor calls this (the first store of a
+    /// process to find the loss makes the new world; its other stores are given it). The
+    /// survivors agree on who is left (`MPIX_Comm_shrink`, bounded by the timeout: past it the
+    /// process ends with code 1), and go on only where they hold a strict majority of this
+    /// world's ranks: a side without one fails with [`Error::DistFailed`], and so does every
+    /// later call of this process.
+    pub(crate) fn shrink(&'static self) -> Result<Shrunk> {
+        const OP: &str = "recover from a lost rank";
+        let mut st = lock(&self.state);
+        if let Some(&next) = self.successor.get() {
+            return Ok(Shrunk {
+                world: next,
+                lost: next.lost_before.clone(),
+            });
+        }
+        if !self.is_elastic() {
+            return Err(Error::internal("a shrink without fault tolerance"));
+        }
+        if let Some(first) = self.stopped.get() {
+            let first = first.clone();
+            return Err(Error::DistFailed { op: OP, first });
+        }
+        // Every survivor's call on the old communicators ends now (the control one carries the
+        // exit records, and stays).
+        let mut old = vec![st.data.0];
+        if let Some((machine, across)) = &st.stages {
+            old.extend([machine.0, across.0]);
+        }
+        // SAFETY: MPI is initialised, the state lock is held, and the communicators are the
+        // world's own, valid until the world is dropped (never: it is leaked or static).
+        unsafe { ulfm::revoke(&old) };
+        let bound = bound_wait(
+            self.timeout,
+            "the survivors of a lost rank did not all join the recovery within KVSTORE_TIMEOUT \
+             (MPIX_Comm_shrink waits for every survivor, and cannot be cancelled)",
+        );
+        // SAFETY: as above; every survivor calls it on the same communicator.
+        let base = unsafe { ulfm::shrink(st.data.0) };
+        let base = base.map_err(|rc| Error::Mpi {
+            op: OP,
+            message: format!(
+                "MPIX_Comm_shrink failed: {}; the distributed world is unusable now: restart \
+                 the job from its last checkpoint",
+                raw::error_string(rc)
+            ),
+        });
+        let base = base.inspect_err(|e| self.poison_with(e.to_string()))?;
+        // SAFETY: `base` is the valid communicator MPI just returned, and the old data
+        // communicator is valid (above).
+        let (survivors, lost) = unsafe {
+            raw::check(
+                OP,
+                ffi::MPI_Comm_set_errhandler(base, ffi::RSMPI_ERRORS_RETURN),
+            )?;
+            survivors_of(base, st.data.0, self.size)?
+        };
+        if 2 * survivors.len() <= self.size {
+            let why = format!(
+                "no majority: {} of the {} ranks are left on this side (lost: {lost:?}), not a \
+                 strict majority, so this side stops and never computes on (the other side may \
+                 hold one); restart the job from its last checkpoint",
+                survivors.len(),
+                self.size
+            );
+            self.poison_with(why.clone());
+            let _ = self.stopped.set(why.clone());
+            return Err(Error::DistFailed { op: OP, first: why });
+        }
+        let config = crate::config::Config::from_env()?;
+        let mut next = World::on(base, &config, self.generation + 1)
+            .inspect_err(|e| self.poison_with(e.to_string()))?;
+        drop(bound);
+        next.lost_before.clone_from(&lost);
+        next.universe = Mutex::new(lock(&self.universe).take());
+        let stores = self.stores.load(std::sync::atomic::Ordering::Relaxed);
+        next.stores = std::sync::atomic::AtomicU64::new(stores);
+        let next: &'static World = Box::leak(Box::new(next));
+        self.poison_with(format!(
+            "the distributed world changed: ranks {lost:?} were lost, and the survivors went on \
+             in a new world of {} ranks (this store's next call joins it)",
+            next.size
+        ));
+        let _ = self.successor.set(next);
+        *NEWEST.write().unwrap_or_else(|p| p.into_inner()) = Some(next);
+        st.closed = true;
+        Ok(Shrunk { world: next, lost })
+    }
+
     /// Records the first failure; later calls fail with [`Error::DistFailed`].
     pub(crate) fn poison_with(&self, message: String) {
         let mut p = lock(&self.poison);
@@ -559,6 +716,55 @@ impl World {
         }
         Ok(call)
     }
+}
+
+/// The ranks of `old` (of `size` ranks) that are in `new`, and those that are not.
+///
+/// # Safety
+/// MPI is initialised and not finalised, and both communicators are valid.
+unsafe fn survivors_of(
+    new: ffi::MPI_Comm,
+    old: ffi::MPI_Comm,
+    size: usize,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    const OP: &str = "recover from a lost rank";
+    // SAFETY: RSMPI_GROUP_NULL is a constant handle that rsmpi's C shim exports.
+    let null = unsafe { ffi::RSMPI_GROUP_NULL };
+    let (mut new_group, mut old_group) = (null, null);
+    let mut n: c_int = 0;
+    // SAFETY: valid communicators (the caller's contract) and valid out-pointers.
+    let got = unsafe {
+        raw::check(OP, ffi::MPI_Comm_group(new, &mut new_group))
+            .and_then(|()| raw::check(OP, ffi::MPI_Comm_group(old, &mut old_group)))
+            .and_then(|()| raw::check(OP, ffi::MPI_Group_size(new_group, &mut n)))
+    };
+    let mut theirs = vec![0 as c_int; usize::try_from(n).unwrap_or(0)];
+    let got = got.and_then(|()| {
+        let inside: Vec<c_int> = (0..n).collect();
+        // SAFETY: both groups are valid, and both arrays hold `n` ranks.
+        raw::check(OP, unsafe {
+            ffi::MPI_Group_translate_ranks(
+                new_group,
+                n,
+                inside.as_ptr(),
+                old_group,
+                theirs.as_mut_ptr(),
+            )
+        })
+    });
+    for g in [&mut new_group, &mut old_group] {
+        if *g != null {
+            // SAFETY: a group MPI returned, freed once.
+            unsafe { ffi::MPI_Group_free(g) };
+        }
+    }
+    got?;
+    let survivors: Vec<usize> = theirs
+        .into_iter()
+        .filter_map(|r| usize::try_from(r).ok())
+        .collect();
+    let lost = (0..size).filter(|r| !survivors.contains(r)).collect();
+    Ok((survivors, lost))
 }
 
 impl State {
@@ -767,6 +973,7 @@ impl Call {
         // SAFETY: as above, for the world's data and stage communicators.
         unsafe { ulfm::revoke(&comms) };
         self.st.lost.clone_from(&lost);
+        (self.world.saw_loss).store(true, std::sync::atomic::Ordering::Relaxed);
         let others = match lost.get(1..) {
             Some(more) if !more.is_empty() => format!(" (and ranks {more:?})"),
             _ => String::new(),

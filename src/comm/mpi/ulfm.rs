@@ -27,6 +27,7 @@ type Revoke = unsafe extern "C" fn(ffi::MPI_Comm) -> c_int;
 type AckFailed = unsafe extern "C" fn(ffi::MPI_Comm, c_int, *mut c_int) -> c_int;
 type GetFailed = unsafe extern "C" fn(ffi::MPI_Comm, *mut ffi::MPI_Group) -> c_int;
 type IsRevoked = unsafe extern "C" fn(ffi::MPI_Comm, *mut c_int) -> c_int;
+type Shrink = unsafe extern "C" fn(ffi::MPI_Comm, *mut ffi::MPI_Comm) -> c_int;
 
 /// The functions this module calls.
 struct Fns {
@@ -34,6 +35,7 @@ struct Fns {
     ack_failed: AckFailed,
     get_failed: GetFailed,
     is_revoked: IsRevoked,
+    shrink: Shrink,
 }
 
 /// The MPI library's ULFM functions, looked up once; `None` where it has none.
@@ -46,11 +48,12 @@ fn fns() -> Option<&'static Fns> {
             let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
             (!f.is_null()).then_some(f)
         };
-        let (revoke, ack, get, is_revoked) = (
+        let (revoke, ack, get, is_revoked, shrink) = (
             find(c"MPIX_Comm_revoke")?,
             find(c"MPIX_Comm_ack_failed")?,
             find(c"MPIX_Comm_get_failed")?,
             find(c"MPIX_Comm_is_revoked")?,
+            find(c"MPIX_Comm_shrink")?,
         );
         // SAFETY: each symbol is the function of that name, whose C signature (Open MPI 5's
         // mpiext_ftmpi_c.h) is the type it is transmuted to.
@@ -60,6 +63,7 @@ fn fns() -> Option<&'static Fns> {
                 ack_failed: std::mem::transmute::<*mut libc::c_void, AckFailed>(ack),
                 get_failed: std::mem::transmute::<*mut libc::c_void, GetFailed>(get),
                 is_revoked: std::mem::transmute::<*mut libc::c_void, IsRevoked>(is_revoked),
+                shrink: std::mem::transmute::<*mut libc::c_void, Shrink>(shrink),
             })
         }
     })
@@ -191,4 +195,34 @@ pub(super) fn revoked() -> bool {
 /// Whether this MPI has ULFM's functions.
 pub(super) fn available() -> bool {
     fns().is_some()
+}
+
+/// Whether the job runs with fault tolerance on (`mpirun --with-ft ulfm`, which sets
+/// `OMPI_MCA_mpi_ft_enable=1`) under an MPI with ULFM: a lost rank then leaves the others
+/// running, and the store goes on without it.
+pub(super) fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let asked = std::env::var("OMPI_MCA_mpi_ft_enable")
+            .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"));
+        asked && available()
+    })
+}
+
+/// The survivors of `comm` in a new communicator (`MPIX_Comm_shrink`: every survivor must
+/// call it; it returns when all have), or the MPI error code.
+///
+/// # Safety
+/// As for [`failed`].
+pub(super) unsafe fn shrink(comm: ffi::MPI_Comm) -> Result<ffi::MPI_Comm, c_int> {
+    let Some(f) = fns() else {
+        return Err(ffi::MPI_ERR_OTHER as c_int);
+    };
+    // SAFETY: RSMPI_COMM_NULL is a constant handle that rsmpi's C shim exports.
+    let mut out = unsafe { ffi::RSMPI_COMM_NULL };
+    // SAFETY: a valid communicator (the caller's contract) and a valid out-pointer.
+    match unsafe { (f.shrink)(comm, &mut out) } {
+        rc if rc == ffi::MPI_SUCCESS as c_int => Ok(out),
+        rc => Err(rc),
+    }
 }
