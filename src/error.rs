@@ -455,6 +455,10 @@ pub enum Error {
         rank: usize,
         /// The checkpoint the keys were reloaded from, if any.
         restored: Option<String>,
+        /// Whether this call took effect on every survivor (else on none): a push the
+        /// survivors had all agreed to commit before the loss was found. Always `false` when
+        /// the keys were reloaded from a checkpoint.
+        committed: bool,
         /// How the loss was found, and how long the recovery took.
         detail: String,
     },

@@ -62,6 +62,23 @@ pub fn to_py(e: Error) -> PyErr {
             Ok(class) => PyErr::from_type(class, e.to_string()),
             Err(_) => PyRuntimeError::new_err(e.to_string()),
         };
+        if let Error::WorldChanged {
+            lost,
+            world,
+            rank,
+            restored,
+            committed,
+            ..
+        } = e.root()
+        {
+            let value = err.value(py);
+            // Plain values: setting them cannot fail but on a broken interpreter.
+            let _ = value.setattr("lost", lost.clone());
+            let _ = value.setattr("world", *world);
+            let _ = value.setattr("rank", *rank);
+            let _ = value.setattr("restored", restored.clone());
+            let _ = value.setattr("committed", *committed);
+        }
         if let Error::UpdaterFailed { source, .. } = e.root() {
             if let Some(cause) = source.downcast_ref::<PyErr>() {
                 err.set_cause(py, Some(cause.clone_ref(py)));

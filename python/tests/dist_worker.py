@@ -1250,6 +1250,9 @@ def survive():
             assert kv.num_workers == n0 - 1, kv.num_workers
             want_rank = r0 - (1 if r0 > victim else 0)
             assert kv.rank == want_rank, (kv.rank, want_rank)
+            assert (e.lost, e.world, e.rank, e.committed) == ([victim], n0 - 1, want_rank, False), (
+                e.lost, e.world, e.rank, e.committed)
+            assert e.restored == os.path.realpath(path), (e.restored, path)
             assert path in str(e) or os.path.realpath(path) in str(e), str(e)
             # Back at the checkpoint: steps 0 to 2 of every rank of the old world.
             weights = [v.astype(np.float64) for v in init]

@@ -56,6 +56,7 @@ impl KvStore {
                         world: self.num_workers(),
                         rank: self.rank(),
                         restored: path.map(|p| p.display().to_string()),
+                        committed: false,
                         detail: format!(
                             "the survivors found who is left and rebuilt their link in {:.2} s; \
                              the recovery took {:.2} s in all",
