@@ -434,13 +434,19 @@ pub enum Error {
             [one] => format!("rank {one} was"),
             more => format!("ranks {more:?} were"),
         },
-        match restored {
-            Some(path) => format!(
+        match (healed, restored) {
+            (true, _) if *committed => "No key was lost: every key is as this call left it on \
+                 every survivor (it took effect everywhere); re-shard the data and go on from the \
+                 next step".to_owned(),
+            (true, _) => "No key was lost: every key is as the last call that took effect left \
+                 it (this one took effect nowhere); re-shard the data and redo this step"
+                .to_owned(),
+            (false, Some(path)) => format!(
                 "Every key was reloaded from the last checkpoint, {path}, at the new world size: \
                  re-shard the data and go on from that checkpoint's step"
             ),
-            None => "The store saved no checkpoint and loaded none, so it holds no key now: \
-                     init the keys again (or load a checkpoint), re-shard the data and go on"
+            (false, None) => "The store saved no checkpoint and loaded none, so it holds no key \
+                     now: init the keys again (or load a checkpoint), re-shard the data and go on"
                 .to_owned(),
         }
     )]
@@ -453,7 +459,10 @@ pub enum Error {
         world: usize,
         /// This process's rank now.
         rank: usize,
-        /// The checkpoint the keys were reloaded from, if any.
+        /// Whether every key was kept, rebuilt from the survivors' parts and the copies of the
+        /// lost ranks' parts (`KVSTORE_REPLICAS=1`): nothing was lost.
+        healed: bool,
+        /// The checkpoint the keys were reloaded from, where they could not be kept.
         restored: Option<String>,
         /// Whether this call took effect on every survivor (else on none): a push the
         /// survivors had all agreed to commit before the loss was found. Always `false` when

@@ -66,6 +66,7 @@ pub fn to_py(e: Error) -> PyErr {
             lost,
             world,
             rank,
+            healed,
             restored,
             committed,
             ..
@@ -76,6 +77,7 @@ pub fn to_py(e: Error) -> PyErr {
             let _ = value.setattr("lost", lost.clone());
             let _ = value.setattr("world", *world);
             let _ = value.setattr("rank", *rank);
+            let _ = value.setattr("healed", *healed);
             let _ = value.setattr("restored", restored.clone());
             let _ = value.setattr("committed", *committed);
         }

@@ -459,16 +459,18 @@ def test_under_ulfm_the_survivors_go_on_and_a_store_without_a_checkpoint_holds_n
 
 
 @needs_mpi
-@pytest.mark.parametrize("victim", [3, 0])
-def test_under_ulfm_a_lost_rank_costs_the_steps_since_the_checkpoint_and_training_goes_on(
-        tmp_path, victim):
-    # 4 ranks, a checkpoint after step 2, rank `victim` SIGKILLed at step 5: the 3 survivors
-    # reload the checkpoint at the new size (key 1 is sliced: cut again for 3), check it
-    # against NumPy, redo steps 3 to 5 as the new world, and check those too. Rank 0 lost
-    # renumbers every survivor.
+@pytest.mark.parametrize("victim,replicas", [(3, "1"), (0, "1"), (3, "0"), (0, "0")])
+def test_under_ulfm_a_lost_rank_costs_nothing_with_copies_and_training_goes_on(
+        tmp_path, victim, replicas):
+    # 4 ranks, a checkpoint after step 2, rank `victim` SIGKILLed at step 5. With copies
+    # (KVSTORE_REPLICAS=1) the 3 survivors rebuild every key from their parts and the copies,
+    # as steps 0 to 4 left them; without (0) they reload the checkpoint. Key 1 is sliced (cut
+    # again for 3). Each survivor checks the values against NumPy, redoes the lost steps as
+    # the new world, and checks those too. Rank 0 lost renumbers every survivor.
     path = str(tmp_path / "ckpt")
     rc, out = run(4, "survive", path, str(victim), launch=("--with-ft", "ulfm"), timeout=180,
-                  env={"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "1000"})
+                  env={"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "1000",
+                       "KVSTORE_REPLICAS": replicas})
     survivors = sorted(set(range(4)) - {victim})
     assert oks(out, "survive") == survivors, out
     changed = sorted(int(r) for r in re.findall(r"^rank (\d+): EXPECTED WorldChangedError", out,

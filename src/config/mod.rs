@@ -9,6 +9,7 @@
 //! | `KVSTORE_DIST_CHECK` | the per-call fingerprint check of a dist store (`0`/`1`) | on |
 //! | `KVSTORE_TIMEOUT` | seconds any wait of a dist store may last | 1800 |
 //! | `KVSTORE_WAIT_LOG_SECS` | seconds between two "still waiting" logs of one wait | 60 |
+//! | `KVSTORE_REPLICAS` | where a dist store goes on after a lost rank (`mpirun --with-ft ulfm`): `1` keeps a copy of every rank's part on a buddy rank, so a loss costs nothing; `0` keeps none, and a loss reloads the last checkpoint | 1 |
 //!
 //! [`nccl`] reads the `KVSTORE_NCCL_*` variables, once per process; the launcher's (`RANK`,
 //! `WORLD_SIZE`, ...) are read by [`crate::comm::launch::LaunchEnv`].
@@ -70,6 +71,9 @@ pub(crate) struct Config {
     pub timeout: Duration,
     /// `KVSTORE_WAIT_LOG_SECS`.
     pub wait_log: Duration,
+    /// `KVSTORE_REPLICAS`: whether a dist store that can go on after a lost rank keeps a copy
+    /// of every rank's part on another rank.
+    pub replicas: bool,
 }
 
 impl Config {
@@ -99,6 +103,7 @@ impl Config {
             dist_check: v.switch("KVSTORE_DIST_CHECK", true)?,
             timeout: v.seconds("KVSTORE_TIMEOUT", DEFAULT_TIMEOUT, "1800")?,
             wait_log: v.seconds("KVSTORE_WAIT_LOG_SECS", DEFAULT_WAIT_LOG, "60")?,
+            replicas: v.replicas("KVSTORE_REPLICAS")?,
         })
     }
 }
@@ -136,6 +141,19 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
                 name,
                 format!("'{v}' is not a switch: set it to 0 (off) or 1 (on)"),
             )),
+        }
+    }
+
+    /// The number of copies of each part (`0` or `1`, default 1), as whether to keep one.
+    fn replicas(&self, name: &'static str) -> Result<bool> {
+        match self.optional_count(name, "copies of each rank's part: 0 or 1")? {
+            None | Some(1) => Ok(true),
+            Some(0) => Ok(false),
+            Some(n) => Err(Error::InvalidEnv {
+                var: name,
+                value: n.to_string(),
+                expected: "copies of each rank's part: 0 or 1 (more copies are not supported)",
+            }),
         }
     }
 
@@ -188,6 +206,7 @@ mod tests {
         assert!(c.dist_check);
         assert_eq!(c.timeout, DEFAULT_TIMEOUT);
         assert_eq!(c.wait_log, DEFAULT_WAIT_LOG);
+        assert!(c.replicas);
     }
 
     #[test]
@@ -226,6 +245,8 @@ mod tests {
             ("KVSTORE_DIST_CHECK", "maybe"),
             ("KVSTORE_TIMEOUT", "0"),
             ("KVSTORE_WAIT_LOG_SECS", "inf"),
+            ("KVSTORE_REPLICAS", "2"),
+            ("KVSTORE_REPLICAS", "one"),
         ] {
             let e = Config::from_vars(env(&[(name, bad)])).unwrap_err();
             assert!(e.to_string().contains(name), "{name}={bad}: {e}");

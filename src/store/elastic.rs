@@ -16,8 +16,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::table::Table;
-use super::{write, KvStore};
-use crate::{Error, Result};
+use super::{write, Active, KvStore};
+use crate::comm::dist::Buddies;
+use crate::{Error, Result, Updater};
 
 /// The most losses one call recovers from in a row (a rank lost while the others reload).
 const MOST_LOSSES: usize = 8;
@@ -32,44 +33,113 @@ impl KvStore {
         };
         let mut lost = Vec::new();
         let start = Instant::now();
+        // Whether the copies can still heal the store (not after a failed attempt).
+        let mut copies_usable = true;
         for _ in 0..MOST_LOSSES {
+            let (old_rank, old_size, buddies) =
+                (self.rank(), self.num_workers(), self.ranks.buddies());
             let Some(rejoined) = self.ranks.rejoin() else {
                 return Err(err);
             };
             let rejoined = rejoined?;
             if lost.is_empty() {
-                lost = rejoined.lost;
+                lost.clone_from(&rejoined.lost);
             }
             let relinked = rejoined.took;
-            // Every key's parts were placed for the old world: forget them all.
-            *write(&self.table) = Table::default();
-            let path = self.last_checkpoint();
-            let reloaded = match &path {
-                Some(p) => self.load_here(p),
-                None => Ok(()),
+            let behind = self
+                .copies_behind
+                .load(std::sync::atomic::Ordering::Relaxed);
+            // Copies heal the store where every lost rank's buddy survived.
+            let healer = buddies.filter(|b| {
+                copies_usable
+                    && !behind
+                    && (rejoined.lost.iter()).all(|&l| !rejoined.lost.contains(&b.buddy(l)))
+            });
+            let (done, how) = match healer {
+                Some(buddies) => {
+                    copies_usable = false;
+                    let healed = self.heal((old_rank, old_size), buddies, &rejoined.lost);
+                    let how = healed.as_ref().map_or(String::new(), |h| {
+                        format!(
+                            "; every key was rebuilt from the survivors' parts and the copies \
+                             of the lost ranks' parts ({} bytes received)",
+                            h.received
+                        )
+                    });
+                    (healed.map(|_| (true, None)), how)
+                }
+                None => (
+                    self.reload_last_checkpoint().map(|p| (false, p)),
+                    String::new(),
+                ),
             };
-            match reloaded {
-                Ok(()) => {
+            match done {
+                Ok((healed, restored)) => {
+                    self.copies_behind(false);
+                    let why_not_copies = match (buddies, healer) {
+                        (Some(_), None) if behind => {
+                            "; the copies had fallen behind (a push under a closure updater, or \
+                             of row-sparse keys), so they could not heal it"
+                        }
+                        (Some(_), None) => {
+                            "; a lost rank's copy was lost too (two losses at once), so the \
+                             copies could not heal it"
+                        }
+                        _ => "",
+                    };
                     return Err(Error::WorldChanged {
                         op,
                         lost,
                         world: self.num_workers(),
                         rank: self.rank(),
-                        restored: path.map(|p| p.display().to_string()),
-                        committed: false,
+                        healed,
+                        restored: restored.map(|p| p.display().to_string()),
+                        committed: healed && rejoined.committed,
                         detail: format!(
                             "the survivors found who is left and rebuilt their link in {:.2} s; \
-                             the recovery took {:.2} s in all",
+                             the recovery took {:.2} s in all{how}{why_not_copies}",
                             relinked.as_secs_f64(),
                             start.elapsed().as_secs_f64()
                         ),
                     });
                 }
-                // Another rank lost while reloading: go round again.
+                // Another rank lost meanwhile: go round again.
                 Err(e) => err = e,
             }
         }
         Err(err)
+    }
+
+    /// Forgets every key and reloads the last checkpoint, if any (its path).
+    fn reload_last_checkpoint(&self) -> Result<Option<std::path::PathBuf>> {
+        *write(&self.table) = Table::default();
+        let path = self.last_checkpoint();
+        if let Some(p) = &path {
+            self.load_here(p)?;
+        }
+        Ok(path)
+    }
+
+    /// Where the store keeps copies and a push under `active` updates them too: the buddies.
+    /// A closure updater updates no copy (it may keep state of its own per key, which a second
+    /// call would corrupt), so the copies fall behind.
+    pub(super) fn mirror(&self, active: &Active) -> Option<Buddies> {
+        let buddies = self.ranks.buddies()?;
+        match active.updater {
+            Updater::Custom(_) => {
+                self.copies_behind(true);
+                None
+            }
+            _ => Some(buddies),
+        }
+    }
+
+    /// Marks the copies as fallen behind their parts (`true`), or as current again (`false`:
+    /// every key's copy was made anew).
+    pub(super) fn copies_behind(&self, behind: bool) {
+        if self.ranks.buddies().is_some() {
+            (self.copies_behind).store(behind, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Remembers `path` as the checkpoint the survivors of a lost rank reload.

@@ -15,8 +15,10 @@
 
 mod across;
 mod compress;
+mod copies;
 mod elastic;
 mod groups;
+mod heal;
 mod hook;
 mod kind;
 #[cfg(test)]
@@ -36,7 +38,7 @@ use std::sync::{Arc, Once, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::backend::cpu::rows::Merged;
 use crate::backend::cpu::Few;
 use crate::backend::{probe, HomeValue, KeyFacts};
-use crate::comm::dist::{Dist, Pool};
+use crate::comm::dist::{Dist, KeyPart, Pool};
 use crate::comm::{self, Ctx, KeyUpdate};
 use crate::compress::Compression;
 use crate::config::Config;
@@ -114,6 +116,9 @@ pub struct KvStore {
     /// The checkpoint of this store's last save or load: the survivors of a lost rank reload
     /// it ([`KvStore::survive`]).
     last_checkpoint: std::sync::Mutex<Option<std::path::PathBuf>>,
+    /// Whether some key's copy has fallen behind its part (a push the copies did not follow),
+    /// so a loss must fall back to the checkpoint ([`copies`]).
+    copies_behind: std::sync::atomic::AtomicBool,
 }
 
 impl KvStore {
@@ -173,6 +178,7 @@ impl KvStore {
             ranks,
             across,
             last_checkpoint: std::sync::Mutex::new(None),
+            copies_behind: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -460,7 +466,25 @@ impl KvStore {
                 .map(|((((w, &s), &home), v), key)| across::keep_part(d, w, s, home, v, key))
                 .collect::<Result<Vec<HomeValue>>>()
         })();
-        let data = match parts {
+        // Where the store keeps copies, each rank's new parts go to its buddy.
+        let parts = parts.and_then(|data| {
+            let Some(buddies) = d.buddies() else {
+                let none = data.iter().map(|_| None).collect();
+                return Ok((data, none));
+            };
+            let facts: Vec<KeyPart> = (values.iter().zip(&spreads))
+                .map(|(v, &spread)| KeyPart {
+                    dtype: v.dtype(),
+                    len: v.size(),
+                    spread,
+                })
+                .collect();
+            let refs: Vec<&HomeValue> = data.iter().collect();
+            let copies = copies::exchange_values(&mut *call, d, buddies, &facts, &refs)?;
+            Ok((data, copies))
+        });
+        let parts = parts.and_then(|p| call.commit().map(|()| p));
+        let (data, copies) = match parts {
             Ok(data) => data,
             Err(e) => {
                 // Nothing was added: the placement loads are as they were.
@@ -468,17 +492,21 @@ impl KvStore {
                 return Err(e);
             }
         };
-        let new = (keys.into_iter().zip(values).zip(data))
-            .zip(placed.into_iter().zip(spreads))
-            .map(|(((key, v), cell), (home, spread))| NewKey {
-                key,
-                shape: v.shape(),
-                dtype: v.dtype(),
-                home,
-                spread,
-                row_sparse,
-                cell,
-            });
+        let new = (keys
+            .into_iter()
+            .zip(values)
+            .zip(data.into_iter().zip(copies)))
+        .zip(placed.into_iter().zip(spreads))
+        .map(|(((key, v), (cell, copy)), (home, spread))| NewKey {
+            key,
+            shape: v.shape(),
+            dtype: v.dtype(),
+            home,
+            spread,
+            row_sparse,
+            cell,
+            copy,
+        });
         table.insert(new);
         Ok(())
     }
@@ -611,10 +639,24 @@ impl KvStore {
         let counts = match arrived {
             Arrived::Dense(summed) => {
                 let (inputs, residuals) = across.locked_inputs(d, compression, &groups, summed)?;
+                // Where the store keeps copies, the buddies' updaters take the same sums.
+                let mirrored = match (self.mirror(&active), &inputs) {
+                    (Some(buddies), Inputs::Totals(totals)) => Some(copies::exchange_totals(
+                        &mut *call, d, buddies, &groups, totals,
+                    )?),
+                    _ => None,
+                };
+                let mut copy_cells = match mirrored {
+                    Some(_) => groups.iter().map(|g| write(&g.slot.copy)).collect(),
+                    None => Vec::new(),
+                };
+                let copies = mirrored.as_deref().map(|m| (m, copy_cells.as_mut_slice()));
+                // Every survivor applies this push, or none (a rank lost before this point).
+                call.commit()?;
                 let counts = across.update_counts(&active, &groups, &cells);
                 let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
                 apply_push(
-                    &active, ctx, &groups, &inputs, &counts, &mut cells, &mut agree,
+                    &active, ctx, &groups, &inputs, copies, &counts, &mut cells, &mut agree,
                 )?;
                 if let Some(residuals) = residuals {
                     compress::commit(&groups, residuals, d.pool());
@@ -623,6 +665,9 @@ impl KvStore {
                 counts
             }
             Arrived::Rows(parts) => {
+                // Row-sparse pushes update no copies.
+                self.copies_behind(true);
+                call.commit()?;
                 let counts = across.update_counts(&active, &groups, &cells);
                 let mut agree = |ok: bool, what: &str| call.agree(op, ok, what);
                 rows::apply_rows(
@@ -779,11 +824,20 @@ fn check_new_keys(table: &Table, keys: &[Key]) -> Result<()> {
 /// Applies a validated push to every group this rank holds, in issue order (`inputs`: what the
 /// updater takes; `counts`: each group's update count so far), then records the new counts.
 /// `agree`: see [`comm::update`].
+/// Where the store keeps copies: the source's part of each key's sum, and the copies' cells.
+type CopyUpdates<'a, 'g> = Option<(
+    &'a [Option<NDArray>],
+    &'a mut [RwLockWriteGuard<'g, HomeValue>],
+)>;
+
+/// `copies`: where the store keeps copies, updated with the parts in the same step.
+#[allow(clippy::too_many_arguments)]
 fn apply_push(
     active: &Active,
     ctx: Ctx,
     groups: &[Group<'_>],
     inputs: &Inputs,
+    copies: CopyUpdates<'_, '_>,
     counts: &[u64],
     cells: &mut [RwLockWriteGuard<'_, HomeValue>],
     agree: comm::Agree<'_>,
@@ -823,6 +877,27 @@ fn apply_push(
             owned: matches!(inputs, Inputs::Totals(_))
                 && values.iter().all(|v| Pool::keeps(v.nbytes())),
         });
+    }
+    let copy_totals: Vec<Option<[&NDArray; 1]>> = match &copies {
+        Some((t, _)) => t.iter().map(|a| a.as_ref().map(|a| [a])).collect(),
+        None => Vec::new(),
+    };
+    if let Some((_, copy_cells)) = copies {
+        for (i, cell) in copy_cells.iter_mut().enumerate() {
+            let (Some(total), g) = (&copy_totals[i], &groups[i]) else {
+                continue;
+            };
+            jobs.push(KeyUpdate {
+                facts: KeyFacts {
+                    shape: total[0].shape(),
+                    ..g.slot.facts()
+                },
+                value: cell,
+                values: total,
+                hyper: hypers.of(i),
+                owned: false,
+            });
+        }
     }
     comm::update(&active.updater, active.generation, ctx, jobs, Some(agree))?;
     hypers.commit(active);

@@ -169,7 +169,7 @@ impl KvStore {
     }
 
     /// Every slot, in update order.
-    fn slots_in_order(&self) -> Vec<Arc<Slot>> {
+    pub(super) fn slots_in_order(&self) -> Vec<Arc<Slot>> {
         let mut slots: Vec<Arc<Slot>> = read(&self.table).slots.values().cloned().collect();
         slots.sort_by_key(|s| s.order);
         slots
@@ -280,7 +280,7 @@ impl KvStore {
     /// while it waits for a cell, so this cannot deadlock. A key that a concurrent init added
     /// between the lookup and the table lock is not locked yet, so the step starts over with
     /// nothing changed (each retry finds at least one more key, so this ends).
-    fn load_from(
+    pub(super) fn load_from(
         &self,
         call: &mut dyn Round,
         path: &Path,
@@ -311,6 +311,8 @@ impl KvStore {
                     Ok((made, residuals))
                 });
             let together = call.agree("load", made.is_ok(), "making its parts");
+            // Every survivor applies this load, or none (a rank lost before this point).
+            let together = together.and_then(|()| call.commit());
             let (made, residuals) = match (made, together) {
                 (Ok(made), Ok(())) => made,
                 (made, together) => {
@@ -320,7 +322,7 @@ impl KvStore {
                     return together;
                 }
             };
-            apply_parts(&mut table, made, &mut cells)?;
+            apply_parts(&mut table, made, &found, &mut cells)?;
             // Residuals change only under their cells' locks, still held.
             set_loaded_extras(&table, reader, residuals, updater, generation);
             drop(cells);
@@ -340,6 +342,8 @@ impl KvStore {
     ) -> Result<Vec<Made>> {
         let d = &self.ranks;
         let (rank, size) = (d.rank(), d.size());
+        // Where the store keeps copies: the part of the rank whose copy this rank keeps.
+        let source = d.buddies().map(|b| b.source(rank));
         let fits = reader.state_fits(updater);
         let new: Vec<&KeyMeta> = (reader.keys().iter())
             .filter(|m| !table.slots.contains_key(&m.key))
@@ -364,8 +368,18 @@ impl KvStore {
                 true => read_part(reader, m, range, fits)?,
                 false => (HostData::filled(m.dtype, 0, 0.0), None),
             };
+            let copy = match source.filter(|&s| spread.holds(s)) {
+                Some(s) => {
+                    let range = spread.piece(m.size(), s, size);
+                    let (value, state) = read_part(reader, m, range, fits)?;
+                    let mut copy = keep_on(Device::Cpu(0), value, &m.key)?;
+                    copy.set_state(generation, state)?;
+                    Some(copy)
+                }
+                None => None,
+            };
             made.push(match cell {
-                Some(cell) => Made::Held(cell.stage_load(value, generation, state)?),
+                Some(cell) => Made::Held(cell.stage_load(value, generation, state)?, copy),
                 None => {
                     let mut cell = keep_on(home, value, &m.key)?;
                     cell.set_state(generation, state)?;
@@ -377,6 +391,7 @@ impl KvStore {
                         spread,
                         row_sparse: m.row_sparse,
                         cell,
+                        copy,
                     })
                 }
             });
@@ -455,7 +470,7 @@ fn load_fingerprint(
 }
 
 /// This rank's piece of `slot`, the `order`-th key, from its `cell`, with its state if any.
-fn own_piece(
+pub(super) fn own_piece(
     slot: &Slot,
     cell: &HomeValue,
     order: usize,
@@ -519,18 +534,26 @@ fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
     HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), home).map_err(|e| e.with_key(key))
 }
 
-/// Applies the parts `made` (one per key, in order): keys the store has under their `cells`
-/// (allocating nothing, failing only where the GPU does), then the new keys, into `table`.
+/// Applies the parts `made` (one per key, in order): keys the store has (the slots `found`)
+/// under their `cells` (allocating nothing, failing only where the GPU does), with their copies
+/// where the store keeps them, then the new keys, into `table`.
 fn apply_parts(
     table: &mut Table,
     made: Vec<Made>,
+    found: &[Option<Arc<Slot>>],
     cells: &mut [Option<RwLockWriteGuard<'_, HomeValue>>],
 ) -> Result<()> {
     let mut new_keys = Vec::new();
-    for (made, cell) in made.into_iter().zip(cells.iter_mut()) {
-        match (made, cell) {
-            (Made::Held(staged), Some(cell)) => cell.commit_load(staged)?,
-            (Made::New(new), None) => new_keys.push(new),
+    for ((made, cell), slot) in made.into_iter().zip(cells.iter_mut()).zip(found) {
+        match (made, cell, slot) {
+            (Made::Held(staged, copy), Some(cell), Some(slot)) => {
+                cell.commit_load(staged)?;
+                if let Some(copy) = copy {
+                    // The copy's lock comes after the cell's (held), as everywhere.
+                    *write(&slot.copy) = copy;
+                }
+            }
+            (Made::New(new), None, _) => new_keys.push(new),
             _ => return Err(internal("a key made ready for a cell it does not have")),
         }
     }
@@ -569,8 +592,9 @@ fn internal(message: &str) -> Error {
 
 /// One key of a load, made ready before the ranks agree.
 enum Made {
-    /// A key the store holds: its value and state, staged for its cell.
-    Held(StagedLoad),
+    /// A key the store holds: its value and state, staged for its cell, and its copy where
+    /// the store keeps one.
+    Held(StagedLoad, Option<HomeValue>),
     /// A new key, to add to the table.
     New(NewKey),
 }

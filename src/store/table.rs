@@ -21,6 +21,10 @@ pub(super) struct Slot {
     pub spread: Spread,
     /// This rank's part of the value (all of it in a single process) and its updater state.
     pub cell: RwLock<HomeValue>,
+    /// Where the store keeps copies ([`crate::comm::dist::Buddies`]): the part of the rank
+    /// whose copy this rank keeps, with its updater state (empty where that rank holds none of
+    /// the key, or no copies are kept). Locked after `cell`, never before.
+    pub copy: RwLock<HomeValue>,
     /// A dist store's (generation, update count), kept on every rank, not only the value's.
     pub updates: Mutex<(u64, u64)>,
     /// Compression residuals, one per position in a push's values; written under `cell`'s lock.
@@ -38,6 +42,8 @@ pub(super) struct NewKey {
     pub spread: Spread,
     pub row_sparse: bool,
     pub cell: HomeValue,
+    /// The copy of the buddy source's part (see [`Slot::copy`]), where one is kept.
+    pub copy: Option<HomeValue>,
 }
 
 #[derive(Default)]
@@ -103,6 +109,9 @@ impl Table {
                 home: new.home,
                 spread: new.spread,
                 cell: RwLock::new(new.cell),
+                copy: RwLock::new(new.copy.unwrap_or_else(|| {
+                    HomeValue::from_host(crate::host::HostData::filled(new.dtype, 0, 0.0))
+                })),
                 updates: Mutex::new((0, 0)),
                 residuals: Mutex::new(Vec::new()),
                 row_sparse: new.row_sparse,

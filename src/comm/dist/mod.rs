@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use smallvec::{smallvec, SmallVec};
 
 mod blocks;
+mod buddy;
 pub(crate) mod in_place;
 mod pool;
 
@@ -37,6 +38,7 @@ use crate::{DType, Device, Element, Error, NDArray, Result};
 #[cfg(test)]
 pub(crate) use blocks::tests as blocks_tests;
 pub(crate) use blocks::Blocks;
+pub(crate) use buddy::{to_buddy, Buddies, KeyPart};
 pub(crate) use pool::{copy_into, Pool};
 
 /// Whole keys of fewer bytes than this travel packed with other keys of their home and dtype.
@@ -57,6 +59,11 @@ pub(crate) struct Dist {
     bound: AtomicUsize,
     /// `KVSTORE_BIGARRAY_BOUND`, where set.
     asked_bound: Option<usize>,
+    /// Who keeps whose copy, where the store keeps copies of every rank's parts: the link can
+    /// go on after a lost rank and `KVSTORE_REPLICAS` is 1 (chosen again at [`Dist::rejoin`]).
+    buddies: std::sync::RwLock<Option<Buddies>>,
+    /// `KVSTORE_REPLICAS`.
+    replicas: bool,
     /// Host buffers kept between calls, shared by the process's stores.
     pool: Arc<Pool>,
     /// This store's number on its link, in every fingerprint: calls of two stores never match.
@@ -76,6 +83,8 @@ impl Dist {
             link: Box::new(link::solo::Solo),
             bound: AtomicUsize::new(crate::config::DEFAULT_BIGARRAY_BOUND),
             asked_bound: None,
+            buddies: std::sync::RwLock::new(None),
+            replicas: false,
             pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
             tag: Mutex::new(None),
@@ -89,21 +98,30 @@ impl Dist {
     /// picks (NCCL alone for GPU ranks started without MPI: [`link::connect`]).
     pub(crate) fn connect(on_gpu: bool, config: &Config) -> Result<Dist> {
         let pool = Pool::process(config.pool_bytes)?;
-        Dist::joined(link::connect(on_gpu, config)?, config.bigarray_bound, pool)
+        let link = link::connect(on_gpu, config)?;
+        Dist::joined(link, config.bigarray_bound, config.replicas, pool)
     }
 
     /// A store's link over `link`, once the ranks agree on the setup (the crate version, the
     /// bound, the pool size, the check switch, the timeout): else [`Error::Desync`] on every
     /// rank, naming the settings. `bound`: `KVSTORE_BIGARRAY_BOUND` if set; else chosen from
     /// how many machines the link spans ([`crate::config::bigarray_bound`]).
-    fn joined(link: Box<dyn Link>, asked: Option<usize>, pool: Arc<Pool>) -> Result<Dist> {
+    fn joined(
+        link: Box<dyn Link>,
+        asked: Option<usize>,
+        replicas: bool,
+        pool: Arc<Pool>,
+    ) -> Result<Dist> {
         let bound = crate::config::bigarray_bound(asked, link.seat().hosts);
         let store = link.next_store_id();
         let in_place = link.in_place_home();
+        let buddies = std::sync::RwLock::new(buddies_of(&*link, replicas));
         let dist = Dist {
             link,
             bound: AtomicUsize::new(bound),
             asked_bound: asked,
+            buddies,
+            replicas,
             pool,
             store,
             tag: Mutex::new(None),
@@ -113,12 +131,13 @@ impl Dist {
         let seat = dist.link.seat();
         let setup = format!(
             "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, check {}, \
-             timeout {:?}",
+             timeout {:?}, KVSTORE_REPLICAS {}",
             env!("CARGO_PKG_VERSION"),
             bound,
             dist.pool.max_bytes(),
             seat.check,
-            seat.timeout
+            seat.timeout,
+            u8::from(replicas)
         );
         dist.begin(Fingerprint::new("create").note(setup))?;
         Ok(dist)
@@ -128,7 +147,7 @@ impl Dist {
     /// `bound` elements (`None`: the default for the machines the link spans).
     #[cfg(test)]
     pub(crate) fn over(link: Box<dyn Link>, bound: Option<usize>) -> Result<Dist> {
-        Dist::joined(link, bound, Arc::new(Pool::with_max_bytes(64 << 20)))
+        Dist::joined(link, bound, true, Arc::new(Pool::with_max_bytes(64 << 20)))
     }
 
     /// Host buffers kept between calls.
@@ -193,7 +212,14 @@ impl Dist {
         let rejoined = self.link.rejoin()?;
         let bound = crate::config::bigarray_bound(self.asked_bound, self.link.seat().hosts);
         self.bound.store(bound, Ordering::Relaxed);
+        *self.buddies.write().unwrap_or_else(|p| p.into_inner()) =
+            buddies_of(&*self.link, self.replicas);
         Some(rejoined)
+    }
+
+    /// Who keeps whose copy, where this store keeps copies of every rank's parts.
+    pub(crate) fn buddies(&self) -> Option<Buddies> {
+        *self.buddies.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see
@@ -314,6 +340,15 @@ impl Dist {
     pub(crate) fn barrier(&self) -> Result<()> {
         let mut round = self.begin(Fingerprint::new("barrier"))?;
         round.barrier()
+    }
+}
+
+/// The buddies of `link`'s ranks where a store on it keeps copies: `replicas` is on, the link
+/// can go on after a lost rank, and there are two ranks or more.
+fn buddies_of(link: &dyn Link, replicas: bool) -> Option<Buddies> {
+    match replicas && link.survives_loss() {
+        true => Buddies::of(&link.machines()),
+        false => None,
     }
 }
 

@@ -101,6 +101,9 @@ pub(crate) struct Rejoined {
     pub(crate) lost: Vec<usize>,
     /// How long finding who is left and building their link took.
     pub(crate) took: Duration,
+    /// Whether the call that failed had passed its commit point on every survivor
+    /// ([`Round::commit`]): its change to the store took effect everywhere.
+    pub(crate) committed: bool,
 }
 
 /// A collective started by [`Round::start`], to give to [`Round::land`].
@@ -126,6 +129,15 @@ pub(crate) trait Link: Send + Sync {
     /// was lost, or this link cannot go on without one (this default).
     fn rejoin(&self) -> Option<Result<Rejoined>> {
         None
+    }
+    /// Whether [`Link::rejoin`] can go on after a lost rank (this default: no).
+    fn survives_loss(&self) -> bool {
+        false
+    }
+    /// Each rank's machine, in rank order, as a number shared by the ranks on it (this
+    /// default: one machine).
+    fn machines(&self) -> Vec<usize> {
+        vec![0; self.seat().size]
     }
     /// Begins a store call: numbers it and, unless the check is off, compares `fp` across the
     /// ranks ([`Error::Desync`], or [`Error::RankRejected`] when a rank rejected its input).
@@ -174,6 +186,12 @@ pub(crate) trait Round {
         Err(Error::internal(
             "a link of host buffers asked to move arrays in place",
         ))
+    }
+    /// The point where a call that changes the store commits, on a link that can go on after a
+    /// lost rank: `Ok` where every survivor may apply the change, an error where none may (a
+    /// rank was lost first). Every rank must reach it. Elsewhere (this default) `Ok` at once.
+    fn commit(&mut self) -> Result<()> {
+        Ok(())
     }
     /// [`Link::shut`] from a round in progress (which holds the link's call lock).
     fn shut_link(&mut self, why: String);

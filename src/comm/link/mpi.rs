@@ -65,6 +65,15 @@ impl Link for MpiLink {
         self.world().poison_with(why);
     }
 
+    fn survives_loss(&self) -> bool {
+        // GPU ranks would need a new NCCL communicator too: not yet.
+        self.gpu.is_none() && self.world().is_elastic()
+    }
+
+    fn machines(&self) -> Vec<usize> {
+        self.world().machine_of().to_vec()
+    }
+
     fn rejoin(&self) -> Option<Result<Rejoined>> {
         let world = self.world();
         // GPU ranks would need a new NCCL communicator too: not yet.
@@ -72,11 +81,13 @@ impl Link for MpiLink {
             return None;
         }
         let start = std::time::Instant::now();
+        let committed = world.settle_commit();
         Some(world.shrink().map(|shrunk| {
             *self.world.write().unwrap_or_else(|p| p.into_inner()) = shrunk.world;
             Rejoined {
                 lost: shrunk.lost,
                 took: start.elapsed(),
+                committed,
             }
         }))
     }
@@ -162,6 +173,12 @@ impl MpiRound<'_> {
 impl Round for MpiRound<'_> {
     fn shut_link(&mut self, why: String) {
         self.call.world().poison_with(why);
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        // Nothing blocking follows unagreed: the agreement ends every rank's wait alike.
+        self.agreed = false;
+        self.call.commit_point(true)
     }
 
     fn seq(&self) -> u64 {

@@ -126,6 +126,8 @@ pub struct World {
     layout: Option<hierarchy::Layout>,
     /// Every rank's host name, in rank order (see [`hosts`]): errors name a lost rank's host.
     hosts: Vec<String>,
+    /// Each rank's machine, as the lowest rank on it.
+    machine_of: Vec<usize>,
     timeout: Duration,
     /// How often a long wait logs whom it waits for (`KVSTORE_WAIT_LOG_SECS`).
     wait_log: Duration,
@@ -198,6 +200,11 @@ struct State {
     loss_seen: Option<bool>,
     /// The ranks lost (ULFM), as this rank learnt of them.
     lost: Vec<usize>,
+    /// Under fault tolerance: whether the call begun last changes the store (a push, an init,
+    /// a load), so it ends with a commit point ([`Call::commit_point`]) on every rank.
+    commits: bool,
+    /// The last call whose commit point this rank has passed, and whether it committed.
+    commit_point: (u64, bool),
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
@@ -214,6 +221,8 @@ struct Split {
     layout: Option<hierarchy::Layout>,
     /// With a layout: the communicators of this machine and of this local rank across machines.
     comms: Option<(Comm, Comm)>,
+    /// Each rank's machine, as the lowest rank on it.
+    machine_of: Vec<usize>,
 }
 
 /// Splits `world` into the ranks sharing memory with this one (numbered by `key`), into
@@ -406,6 +415,7 @@ impl World {
             machines: split.machines,
             layout: split.layout,
             hosts,
+            machine_of: split.machine_of,
             timeout,
             wait_log,
             check,
@@ -425,6 +435,8 @@ impl World {
                 staged: collective::Staged::with_cap(collective::staged_cap(config.pool_bytes)),
                 loss_seen: None,
                 lost: Vec::new(),
+                commits: false,
+                commit_point: (0, false),
             }),
             poison: Mutex::new(None),
             env_error: None,
@@ -460,21 +472,35 @@ impl World {
             raw::check(OP, split_machines(world, key, &mut local))?;
             raw::check(OP, ffi::MPI_Comm_rank(local, &mut local_rank))?;
             raw::check(OP, ffi::MPI_Comm_size(local, &mut local_size))?;
-            let mine = [local_rank, local_size];
-            let mut all: Vec<c_int> = vec![0; 2 * size.max(0) as usize];
             let dt = raw::datatype::<c_int>();
+            // The machine's lowest rank names it.
+            let mut leader: c_int = rank;
+            let min = ffi::RSMPI_MIN;
+            let rc = ffi::MPI_Allreduce(
+                raw::ptr(&[rank][..]),
+                &mut leader as *mut c_int as _,
+                1,
+                dt,
+                min,
+                local,
+            );
+            raw::check(OP, rc)?;
+            let mine = [local_rank, local_size, leader];
+            let mut all: Vec<c_int> = vec![0; 3 * size.max(0) as usize];
             let rc = ffi::MPI_Allgather(
                 raw::ptr(&mine[..]),
-                2,
+                3,
                 dt,
                 raw::ptr_mut(&mut all),
-                2,
+                3,
                 dt,
                 world,
             );
             raw::check(OP, rc)?;
-            let locals: Vec<usize> = all.iter().step_by(2).map(|&v| v as usize).collect();
-            let sizes: Vec<usize> = all.iter().skip(1).step_by(2).map(|&v| v as usize).collect();
+            let locals: Vec<usize> = all.iter().step_by(3).map(|&v| v as usize).collect();
+            let sizes: Vec<usize> = all.iter().skip(1).step_by(3).map(|&v| v as usize).collect();
+            let machine_of: Vec<usize> =
+                all.iter().skip(2).step_by(3).map(|&v| v as usize).collect();
             let machines = locals.iter().filter(|&&l| l == 0).count().max(1);
             let layout = hierarchy::Layout::of(&locals, &sizes);
             let comms = match layout {
@@ -509,6 +535,7 @@ impl World {
                 machines,
                 layout,
                 comms,
+                machine_of,
             };
             Ok((split, dup()?, dup()?))
         }
@@ -537,6 +564,11 @@ impl World {
     /// The number of machines the ranks run on: the groups of ranks MPI finds sharing memory.
     pub fn host_count(&self) -> usize {
         self.machines
+    }
+
+    /// Each rank's machine, named by the lowest rank on it.
+    pub(crate) fn machine_of(&self) -> &[usize] {
+        &self.machine_of
     }
 
     /// Several machines of several ranks each: the two-stage layout of sliced keys.
@@ -584,6 +616,20 @@ impl World {
     /// Whether a call saw a rank lost, or the survivors already went on without it.
     pub(crate) fn lost_a_rank(&self) -> bool {
         self.saw_loss.load(std::sync::atomic::Ordering::Relaxed) || self.successor.get().is_some()
+    }
+
+    /// After a failed call, under fault tolerance: passes the commit point of the call begun
+    /// last if this rank has not (it failed before it, so it did not commit, and neither does
+    /// any rank: every survivor takes part in each commit point), and says whether that call
+    /// committed on every survivor.
+    pub(crate) fn settle_commit(&'static self) -> bool {
+        let mut st = lock(&self.state);
+        let seq = st.seq;
+        if st.commits && st.commit_point.0 < seq {
+            let agreed = agree(&mut st, false, self.timeout);
+            st.commit_point = (seq, agreed.unwrap_or(false));
+        }
+        st.commit_point == (seq, true)
     }
 
     /// The survivors' world after a lost rank: every survivor calls this (the first store of a
@@ -699,6 +745,7 @@ impl World {
             });
         }
         st.seq += 1;
+        st.commits = matches!(fp.op(), "push" | "pushpull" | "init" | "load" | "heal");
         let mut call = Call {
             world: self,
             seq: st.seq,
@@ -715,6 +762,48 @@ impl World {
             call.check_fingerprint(fp)?;
         }
         Ok(call)
+    }
+}
+
+/// A fault-tolerant agreement on the world's data communicator of `st` (every survivor must
+/// join): whether every survivor passed `ok` and no rank was lost before the agreement ended.
+/// Bounded by `timeout` (an error, after which the world is unusable).
+fn agree(st: &mut State, ok: bool, timeout: Duration) -> Result<bool> {
+    // On the heap: MPI writes it when the agreement ends, which may be after a timeout here.
+    let mut flag = Box::new(c_int::from(ok));
+    let mut req = Request::null();
+    // SAFETY: the data communicator is valid (the state lock is held); `flag` lives until the
+    // request completes below, or is leaked on a timeout; `req` is a valid out-pointer.
+    let rc = unsafe { ulfm::iagree(st.data.0, &mut *flag, &mut req.0) };
+    if rc != ffi::MPI_SUCCESS as c_int {
+        return Ok(false);
+    }
+    let start = Instant::now();
+    let mut backoff = Backoff::new(start, 0);
+    loop {
+        let mut done: c_int = 0;
+        // SAFETY: `req` is the request just started; MPI_STATUS_IGNORE is a constant.
+        let rc = unsafe { ffi::MPI_Test(&mut req.0, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+        if rc != ffi::MPI_SUCCESS as c_int {
+            // A loss during the agreement: every survivor's ends with the same error.
+            return Ok(false);
+        }
+        if done != 0 {
+            return Ok(*flag == 1);
+        }
+        if start.elapsed() > timeout {
+            // The pending request still refers to `flag`: leak it rather than free it under MPI.
+            let _ = Box::leak(flag);
+            return Err(Error::Mpi {
+                op: "commit",
+                message: format!(
+                    "the survivors did not all reach the commit point within KVSTORE_TIMEOUT \
+                     ({} s)",
+                    timeout.as_secs_f64()
+                ),
+            });
+        }
+        backoff.pause();
     }
 }
 
@@ -854,6 +943,34 @@ impl Call {
     /// This call's sequence number (1 for the first call of the process).
     pub fn seq(&self) -> u64 {
         self.seq
+    }
+
+    /// Under fault tolerance, the point where a call that changes the store commits: every
+    /// survivor passes it (a failed call at [`World::settle_commit`]), and it is `Ok` only where
+    /// every rank passed `ok` and no rank was lost: then every survivor commits, else none.
+    /// Elsewhere (no fault tolerance) it is `Ok(())` at once.
+    pub(crate) fn commit_point(&mut self, ok: bool) -> Result<()> {
+        if !self.world.is_elastic() {
+            return Ok(());
+        }
+        let committed = agree(&mut self.st, ok, self.world.timeout)?;
+        self.st.commit_point = (self.seq, committed);
+        if committed {
+            return Ok(());
+        }
+        self.world
+            .saw_loss
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let e = Error::Mpi {
+            op: self.op,
+            message: format!(
+                "call #{} did not commit: a rank failed its part or was lost before every rank \
+                 agreed to commit it",
+                self.seq
+            ),
+        };
+        self.world.poison_with(e.to_string());
+        Err(e)
     }
 
     /// Compares the fingerprint across ranks; see [`crate::comm::fingerprint`].

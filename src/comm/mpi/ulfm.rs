@@ -28,6 +28,7 @@ type AckFailed = unsafe extern "C" fn(ffi::MPI_Comm, c_int, *mut c_int) -> c_int
 type GetFailed = unsafe extern "C" fn(ffi::MPI_Comm, *mut ffi::MPI_Group) -> c_int;
 type IsRevoked = unsafe extern "C" fn(ffi::MPI_Comm, *mut c_int) -> c_int;
 type Shrink = unsafe extern "C" fn(ffi::MPI_Comm, *mut ffi::MPI_Comm) -> c_int;
+type Iagree = unsafe extern "C" fn(ffi::MPI_Comm, *mut c_int, *mut ffi::MPI_Request) -> c_int;
 
 /// The functions this module calls.
 struct Fns {
@@ -36,6 +37,7 @@ struct Fns {
     get_failed: GetFailed,
     is_revoked: IsRevoked,
     shrink: Shrink,
+    iagree: Iagree,
 }
 
 /// The MPI library's ULFM functions, looked up once; `None` where it has none.
@@ -48,12 +50,13 @@ fn fns() -> Option<&'static Fns> {
             let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
             (!f.is_null()).then_some(f)
         };
-        let (revoke, ack, get, is_revoked, shrink) = (
+        let (revoke, ack, get, is_revoked, shrink, iagree) = (
             find(c"MPIX_Comm_revoke")?,
             find(c"MPIX_Comm_ack_failed")?,
             find(c"MPIX_Comm_get_failed")?,
             find(c"MPIX_Comm_is_revoked")?,
             find(c"MPIX_Comm_shrink")?,
+            find(c"MPIX_Comm_iagree")?,
         );
         // SAFETY: each symbol is the function of that name, whose C signature (Open MPI 5's
         // mpiext_ftmpi_c.h) is the type it is transmuted to.
@@ -64,6 +67,7 @@ fn fns() -> Option<&'static Fns> {
                 get_failed: std::mem::transmute::<*mut libc::c_void, GetFailed>(get),
                 is_revoked: std::mem::transmute::<*mut libc::c_void, IsRevoked>(is_revoked),
                 shrink: std::mem::transmute::<*mut libc::c_void, Shrink>(shrink),
+                iagree: std::mem::transmute::<*mut libc::c_void, Iagree>(iagree),
             })
         }
     })
@@ -207,6 +211,24 @@ pub(super) fn enabled() -> bool {
             .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"));
         asked && available()
     })
+}
+
+/// Starts a fault-tolerant agreement on `comm` (`MPIX_Comm_iagree`: every survivor must join;
+/// `flag` becomes the AND of every survivor's, and every survivor's completes with the same
+/// flag and the same error code, even after a loss or a revoke).
+///
+/// # Safety
+/// As for [`failed`]; `flag` and `request` stay valid, untouched, until the request completes.
+pub(super) unsafe fn iagree(
+    comm: ffi::MPI_Comm,
+    flag: *mut c_int,
+    request: *mut ffi::MPI_Request,
+) -> c_int {
+    match fns() {
+        // SAFETY: as the caller promises.
+        Some(f) => unsafe { (f.iagree)(comm, flag, request) },
+        None => ffi::MPI_ERR_OTHER as c_int,
+    }
 }
 
 /// The survivors of `comm` in a new communicator (`MPIX_Comm_shrink`: every survivor must
