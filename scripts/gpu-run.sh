@@ -360,7 +360,7 @@ if [ "$PLAN" = lease ]; then
                 echo "the loss did not fall: $first -> $last" >>"$log"
                 rc=1
             fi
-            grep -aq 'dist_device_sync' "$log" || { echo "not a dist_device_sync store" >>"$log"; rc=1; }
+            grep -aq 'store dist_device_sync: 2 worker' "$log" || { echo "not a dist_device_sync store of 2 workers" >>"$log"; rc=1; }
             [ "$rc" -ne 0 ] && FAILED=1
             printf '%-28s rc=%s (2 workers; loss %s -> %s; %ss)\n' python-torchrun "$rc" "$first" "$last" \
                 "$(( SECONDS - start ))" | tee -a "$SUMMARY"
