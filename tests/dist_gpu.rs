@@ -25,6 +25,12 @@ fn passed_on() -> Vec<(&'static str, String)> {
         "KVSTORE_STANDIN_SM",
         "NCCL_MULTI_RANK_GPU_ENABLE",
         "KVSTORE_NCCL_LIB",
+        // NCCL's own log of its communicators and collectives (scripts/gpu-run.sh's lease plan
+        // keeps it, one file per rank), and its channel cap for ranks sharing a GPU.
+        "NCCL_DEBUG",
+        "NCCL_DEBUG_SUBSYS",
+        "NCCL_DEBUG_FILE",
+        "NCCL_MAX_CTAS",
     ]
     .into_iter()
     .filter_map(|k| std::env::var(k).ok().map(|v| (k, v)))
@@ -125,6 +131,21 @@ fn dist_device_sync_without_mpi_on_1_rank() {
 #[ignore = "needs a GPU"]
 fn dist_device_sync_without_mpi_on_2_ranks() {
     without_mpi(2);
+}
+
+/// Four ranks: past NCCL's tested ~2 ranks per GPU on a one-GPU machine (scripts/gpu-run.sh's
+/// lease plan bounds it, since it may hang there).
+#[test]
+#[ignore = "needs a GPU"]
+fn dist_device_sync_under_mpirun_on_4_ranks() {
+    under_mpirun(4);
+}
+
+/// As above, launched as torchrun launches ranks.
+#[test]
+#[ignore = "needs a GPU"]
+fn dist_device_sync_without_mpi_on_4_ranks() {
+    without_mpi(4);
 }
 
 /// A launch without MPI whose variables disagree is an error naming the variable, not a hang.

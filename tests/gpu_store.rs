@@ -104,6 +104,18 @@ fn assert_refused_below_arch<T: std::fmt::Debug>(
     }
 }
 
+/// Whether the test-only `KVSTORE_TEST_GPU_MAP` puts two of the store's GPUs on one physical
+/// GPU (the lent one-GPU machine's multi-device run).
+fn on_one_physical_gpu() -> bool {
+    let map = kvstore::__internal::probe::gpu_map().expect("a valid KVSTORE_TEST_GPU_MAP");
+    map.is_some_and(|m| m.len() >= 2 && m.iter().all(|&o| o == m[0]))
+}
+
+/// Whether `NCCL_MULTI_RANK_GPU_ENABLE=1` (several NCCL ranks on one GPU, NCCL >= 2.30).
+fn multi_rank_enabled() -> bool {
+    std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").as_deref() == Ok("1")
+}
+
 fn tol(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-6,
@@ -613,6 +625,7 @@ fn nccl_store_across_gpus() -> Result<()> {
     }
     let kv = KvStore::create("nccl")?;
     let n = 1 << 16;
+    let issued = nccl::collectives_issued();
     // Keys on each GPU, pushed from every GPU in a list push.
     let keys: Vec<i32> = (0..4).collect();
     let homes: Vec<Device> = keys.iter().map(|&k| gpu(k as usize % 2)).collect();
@@ -643,6 +656,20 @@ fn nccl_store_across_gpus() -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     kv.pull_list(&keys, &outs)?;
     kv.wait_all()?;
+    // Two of the store's GPUs on one physical GPU (KVSTORE_TEST_GPU_MAP=0,0, the lent machine's
+    // run): the sums and broadcasts must have gone through NCCL's two ranks on that GPU, not
+    // peer copies, wherever that NCCL allows it.
+    if on_one_physical_gpu() && nccl::version().unwrap_or(0) >= 23000 && multi_rank_enabled() {
+        let used = nccl::collectives_issued() - issued;
+        ensure!(
+            used >= 8,
+            "4 keys pushed and pulled over 2 devices: at least 8 NCCL collectives, got {used}"
+        );
+        println!(
+            "nccl_store_across_gpus: {used} NCCL collectives, 2 ranks on one GPU (NCCL {:?})",
+            nccl::version()
+        );
+    }
     for (k, (d, o)) in data.iter().zip(&outs).enumerate() {
         let want: Vec<f64> = (0..n)
             .map(|i| f64::from(d[0][i]) + f64::from(d[1][i]))
@@ -1334,6 +1361,25 @@ fn device_store_enables_peer_access() -> Result<()> {
         );
         return Ok(());
     }
+    if on_one_physical_gpu() {
+        // The store's two GPUs share one context: copies between them need no peer access.
+        let kv = KvStore::create("device")?;
+        let n = 5000;
+        let data = random(n);
+        kv.init_on(3, &array(&vec![0.0; n], &[n], DType::F32, cpu(0))?, gpu(0))?;
+        kv.push(3, &array(&data, &[n], DType::F32, gpu(1))?)?;
+        let out = NDArray::full_on([n], f64::NAN, DType::F32, gpu(1))?;
+        kv.pull(3, &out)?;
+        kv.wait_all()?;
+        let want = rounded(&data, DType::F32)?;
+        assert_close(&out.to_vec()?, &want, 0.0, "round trip on one GPU");
+        skipped(
+            "device_store_enables_peer_access",
+            "KVSTORE_TEST_GPU_MAP puts gpu(0) and gpu(1) on one physical GPU: no peer to enable \
+             (the round trip between them ran)",
+        );
+        return Ok(());
+    }
     let (c0, c1) = (CudaContext::new(0)?, CudaContext::new(1)?);
     let mut can = [0; 2];
     // SAFETY: valid device handles and out-pointers.
@@ -1545,5 +1591,66 @@ fn host_values_go_up_through_pinned_staging() -> Result<()> {
         out_small.to_vec::<f32>()? == small,
         "the 2 MiB value differs after the round trip"
     );
+    Ok(())
+}
+
+/// The test-only `KVSTORE_TEST_GPU_MAP`: a bad value fails every use of a GPU with an
+/// `Error::InvalidEnv` naming it, and `0,0` gives the store two GPUs on physical GPU 0, whose
+/// values sum and come back as on two GPUs (a `device` store: peer copies; the `nccl` kind's
+/// run is `nccl_store_across_gpus` under the map, in scripts/gpu-run.sh's lease plan).
+#[test]
+#[ignore = "needs a GPU"]
+fn the_test_gpu_map_puts_two_devices_on_one_gpu() -> Result<()> {
+    require_gpu();
+    const NAME: &str = "the_test_gpu_map_puts_two_devices_on_one_gpu";
+    if in_child() {
+        let map = std::env::var("KVSTORE_TEST_GPU_MAP")?;
+        let kv = KvStore::create("device")?;
+        let n = 1000;
+        let zeros = NDArray::full_on([n], 0.0, DType::F32, cpu(0))?;
+        if map == "0,0" {
+            ensure!(gpu_count() == 2, "two devices, got {}", gpu_count());
+            let (a, b) = (random(n), random(n));
+            kv.init_on(1, &zeros, gpu(1))?;
+            kv.push(
+                1,
+                &[
+                    array(&a, &[n], DType::F32, gpu(0))?,
+                    array(&b, &[n], DType::F32, gpu(1))?,
+                ],
+            )?;
+            let outs = [
+                NDArray::full_on([n], f64::NAN, DType::F32, gpu(0))?,
+                NDArray::full_on([n], f64::NAN, DType::F32, gpu(1))?,
+            ];
+            kv.pull(1, &outs)?;
+            kv.wait_all()?;
+            let want: Vec<f64> = (0..n).map(|i| f64::from(a[i] + b[i])).collect();
+            for o in &outs {
+                assert_close(&o.to_vec()?, &want, 0.0, "sum over two mapped devices");
+            }
+            return Ok(());
+        }
+        match kv.init_on(1, &zeros, gpu(0)) {
+            Err(Error::InvalidEnv { var, value, .. }) => {
+                ensure!(
+                    var == "KVSTORE_TEST_GPU_MAP" && value == map,
+                    "{var}={value}"
+                )
+            }
+            other => anyhow::bail!("expected InvalidEnv for {map:?}, got {other:?}"),
+        }
+        return Ok(());
+    }
+    // No machine has a GPU 4096.
+    for map in ["0,0", "0,x", "0,4096", ""] {
+        let (ok, out) = run_child(
+            NAME,
+            &[("KVSTORE_TEST_GPU_MAP", map.into())],
+            &[],
+            Duration::from_secs(120),
+        )?;
+        ensure!(ok, "KVSTORE_TEST_GPU_MAP={map}:\n{out}");
+    }
     Ok(())
 }

@@ -27,6 +27,9 @@ use crate::{PTX_UPDATER_BLOCK, PTX_UPDATER_MAX_BLOCKS};
 /// One GPU: its context, its single stream, and its kernels (loaded on first use).
 pub(crate) struct Gpu {
     ordinal: usize,
+    /// The CUDA ordinal of the physical GPU: `ordinal`, unless the test-only
+    /// `KVSTORE_TEST_GPU_MAP` puts several of the store's GPUs on one ([`probe::gpu_map`]).
+    physical: usize,
     /// The compute capability, as major * 10 + minor (70 for an sm_70 GPU).
     sm: u32,
     ctx: Arc<CudaContext>,
@@ -125,8 +128,8 @@ impl Gpu {
             .map_err(cuda_err("synchronize", None))
     }
 
-    fn open(ordinal: usize) -> std::result::Result<Gpu, DriverError> {
-        let ctx = CudaContext::new(ordinal)?;
+    fn open(ordinal: usize, physical: usize) -> std::result::Result<Gpu, DriverError> {
+        let ctx = CudaContext::new(physical)?;
         let (major, minor) = ctx.compute_capability()?;
         // SAFETY: event tracking goes off before any slice or stream of this context exists.
         // We order work ourselves: one stream per GPU, explicit events for every cross-GPU
@@ -135,6 +138,7 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         Ok(Gpu {
             ordinal,
+            physical,
             sm: (major * 10 + minor).max(0) as u32,
             ctx,
             stream,
@@ -240,6 +244,11 @@ impl Gpu {
     }
 
     fn try_enable_peer(&self, peer: &Gpu) -> bool {
+        // Two of the store's GPUs on one physical GPU (the test-only map) share its primary
+        // context and memory: each reaches the other's buffers already.
+        if self.physical == peer.physical {
+            return true;
+        }
         let mut can = 0;
         // SAFETY: both devices are valid ordinals of this process; `can` is a valid out-pointer.
         let r = unsafe {
@@ -425,6 +434,8 @@ static GPUS: OnceLock<Gpus> = OnceLock::new();
 
 /// The GPU with ordinal `i`, opened on first use; `DeviceNotFound` when there is no such GPU.
 pub(crate) fn gpu(i: usize) -> Result<&'static Gpu> {
+    // A bad test-only map fails every use of a GPU, before anything is opened.
+    probe::gpu_map()?;
     let n = probe::gpu_count();
     if i >= n {
         return Err(Error::DeviceNotFound {
@@ -434,9 +445,24 @@ pub(crate) fn gpu(i: usize) -> Result<&'static Gpu> {
     }
     let gpus = GPUS.get_or_init(|| (0..n).map(|_| OnceLock::new()).collect());
     gpus[i]
-        .get_or_init(|| Gpu::open(i))
+        .get_or_init(|| Gpu::open(i, probe::physical_ordinal(i).unwrap_or(i)))
         .as_ref()
         .map_err(|&e| Error::from_driver("open GPU", Some(i), None, e))
+}
+
+/// The store's GPU of a buffer on CUDA device `physical` made on `stream`: `physical` itself,
+/// unless the test-only `KVSTORE_TEST_GPU_MAP` puts several of the store's GPUs on that device,
+/// where the buffer's stream (each of them has its own) says which.
+fn logical_ordinal(physical: usize, stream: &Arc<CudaStream>) -> usize {
+    if !matches!(probe::gpu_map(), Ok(Some(_))) {
+        return physical;
+    }
+    let slots = GPUS.get().into_iter().flatten().enumerate();
+    let mine = |(i, slot): (usize, &OnceLock<_>)| match slot.get() {
+        Some(Ok::<Gpu, DriverError>(g)) if Arc::ptr_eq(g.stream(), stream) => Some(i),
+        _ => None,
+    };
+    slots.filter_map(mine).next().unwrap_or(physical)
 }
 
 /// The compute capability of GPU `i` as major * 10 + minor (opening it on first use).
@@ -603,7 +629,7 @@ impl GpuBuf {
 
     /// The GPU ordinal the elements live on.
     pub(crate) fn ordinal(&self) -> usize {
-        with_gpu!(self, s => s.ordinal())
+        with_gpu!(self, s => logical_ordinal(s.ordinal(), s.stream()))
     }
 
     /// The stream the buffer belongs to (its GPU's single stream).
@@ -748,7 +774,7 @@ fn check_foreign(g: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<()> {
                 at,
             )
         };
-        if known == sys::CUresult::CUDA_SUCCESS && ordinal == g.ordinal as std::ffi::c_int {
+        if known == sys::CUresult::CUDA_SUCCESS && ordinal == g.physical as std::ffi::c_int {
             continue;
         }
         let found = match known == sys::CUresult::CUDA_SUCCESS {
