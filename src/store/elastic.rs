@@ -58,11 +58,13 @@ impl KvStore {
             let (done, how) = match healer {
                 Some(buddies) => {
                     copies_usable = false;
+                    let began = Instant::now();
                     let healed = self.heal((old_rank, old_size), buddies, &rejoined.lost);
                     let how = healed.as_ref().map_or(String::new(), |h| {
                         format!(
                             "; every key was rebuilt from the survivors' parts and the copies \
-                             of the lost ranks' parts ({} bytes received)",
+                             of the lost ranks' parts in {:.2} s ({} bytes received)",
+                            began.elapsed().as_secs_f64(),
                             h.received
                         )
                     });
