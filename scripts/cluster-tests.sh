@@ -20,6 +20,7 @@
 #      not NCCL's network transport): a torchrun-style launch on 2 x 1, and mpirun on 2 x 1.
 #   4. python/examples/train_torch.py under PyPI's Open MPI 5 on 2 x 2: the loss falls.
 #   5. (The fault cases of issue 37 item 3 are scripts/cluster-faults.sh.)
+#   6. (Issue 39's elastic cases, survivors going on under ULFM, are scripts/cluster-elastic.sh.)
 # A line "SKIPPED" anywhere fails the run: on this machine nothing may skip.
 # Exit codes: 0 all passed; 1 a failure; 77 the kernel refused namespaces (printed SKIPPED).
 set -euo pipefail
