@@ -108,15 +108,18 @@ def replay(ex, seed, committed, workers0, lr0, batch):
 
 @needs_ulfm
 @pytest.mark.parametrize("workers", [3, 4])
+@pytest.mark.parametrize("replicas", ["0", "1"])
 def test_elastic_example_loses_a_worker_and_ends_as_a_replay_of_the_committed_steps(
-        tmp_path, workers):
+        tmp_path, workers, replicas):
+    # KVSTORE_REPLICAS=0: the store goes back to its last checkpoint; 1: buddy copies, nothing
+    # lost (a store without them reloads its checkpoint either way: the error says which).
     seed = fresh_seed()
     steps, every, batch, lr = 60, int(np.random.default_rng(seed).integers(4, 13)), 8, 0.05
     rng = np.random.default_rng([seed, 1])
     victim = int(rng.integers(0, workers))
     kill = int(rng.integers(1, steps - 15))
-    print(f"seed {seed}: {workers} workers, rank {victim} killed at step {kill}, "
-          f"checkpoints every {every}")
+    print(f"seed {seed}: {workers} workers, KVSTORE_REPLICAS={replicas}, rank {victim} killed "
+          f"at step {kill}, checkpoints every {every}")
     out = tmp_path / "out.pt"
     env = dict(os.environ)
     env.update(
@@ -125,6 +128,7 @@ def test_elastic_example_loses_a_worker_and_ends_as_a_replay_of_the_committed_st
         OMPI_MCA_mpi_yield_when_idle="1",
         PYTHONUNBUFFERED="1",
         KVSTORE_TIMEOUT="60",
+        KVSTORE_REPLICAS=replicas,
     )
     cmd = [mpirun(), "--with-ft", "ulfm", "-np", str(workers), "--oversubscribe",
            sys.executable, EXAMPLE, "--elastic", "--steps", str(steps), "--seed", str(seed),
@@ -150,6 +154,8 @@ def test_elastic_example_loses_a_worker_and_ends_as_a_replay_of_the_committed_st
     committed_flag = {c[4] for c in changes}
     assert len(restored) == 1 and len(committed_flag) == 1, log
     restored, committed_flag = restored.pop(), committed_flag.pop() == "True"
+    if replicas == "0":
+        assert restored != "None", log
 
     # Which steps the store kept: back to the last checkpoint at or before the kill
     # (KVSTORE_REPLICAS=0), or everything before the step in flight (the buddy copies).
