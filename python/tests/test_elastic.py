@@ -282,3 +282,39 @@ def test_on_world_change_must_be_callable():
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(TypeError, match="on_world_change"):
         kvstore.torch.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), on_world_change=3)
+
+
+WORKER = os.path.join(HERE, "elastic_worker.py")
+
+
+@needs_ulfm
+@pytest.mark.parametrize("mode", ["local", "overlap", "prefetch"])
+@pytest.mark.parametrize("replicas", ["0", "1"])
+def test_every_mode_goes_on_after_a_lost_worker_and_the_survivors_agree(mode, replicas):
+    # Torch stepping (the average in backward's end), overlap (pushes queued from backward's
+    # hooks) and prefetch (pulls waited for in the forward), with BatchNorm buffers: the
+    # survivors go on, each sees one change, and their parameters and buffers are equal. The
+    # worker never saves: with KVSTORE_REPLICAS=0 the store forgets every key, and the wrapper
+    # puts them back from the new rank 0's parameters.
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    victim, kill = int(rng.integers(0, 3)), int(rng.integers(1, 10))
+    print(f"seed {seed}: KVSTORE_REPLICAS={replicas}, rank {victim} killed at step {kill}")
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1", KVSTORE_TIMEOUT="60",
+               KVSTORE_REPLICAS=replicas)
+    cmd = [mpirun(), "--with-ft", "ulfm", "-np", "3", "--oversubscribe", sys.executable, WORKER,
+           mode, str(seed), str(victim), str(kill)]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as t:
+        so = t.stdout.decode() if isinstance(t.stdout, bytes) else (t.stdout or "")
+        pytest.fail(f"elastic_worker {mode} hung past {TIMEOUT} s; output:\n{so}")
+    log = p.stdout + p.stderr
+    print(log)
+    done = re.findall(rf"^rank (\d+): done {mode}, (\d+) change\(s\), digest (\w+)", log, re.M)
+    assert sorted(int(d[0]) for d in done) == [0, 1], log
+    assert {d[1] for d in done} == {"1"}, log
+    assert len({d[2] for d in done}) == 1, log
+    assert "Traceback" not in log, log
