@@ -86,7 +86,7 @@ from dataclasses import replace
 
 import torch
 
-from . import DesyncError, KVStore, RankExitedError, _told, create
+from . import DesyncError, DistError, KVStore, RankExitedError, WorldChangedError, _told, create
 from . import optimizer as _kvopt
 
 
@@ -291,6 +291,33 @@ class DistributedOptimizer:
     in ``step()`` (see the module's doc): a ``TypeError`` for anything but a ``torch.nn.Module``,
     a ``ValueError`` with ``update_on_kvstore=False`` or a model that does not hold every one
     of the optimizer's parameters.
+
+    **A lost worker** (``mpirun --with-ft ulfm``, a ``dist_sync`` store): the survivors go on
+    with fewer workers, and the call in flight raises ``kvstore.WorldChangedError`` out of
+    ``step()``, ``backward()`` or a forward (prefetch). Before it reaches the loop, the wrapper
+    follows the new world:
+
+    - the store's ``rescale_grad`` becomes 1 / the new ``store.num_workers`` (with
+      ``update_on_kvstore=False`` the average already divides by it at every backward), and
+      the optimizer's state is kept: reloaded from ``e.restored`` when the store went back to
+      its checkpoint; kept in the store when it lost nothing, the pushes then scaled by the old
+      number of workers over the new (the Python API cannot change ``rescale_grad`` without
+      restarting the state);
+    - with ``update_on_kvstore=True`` every worker's parameters are pulled from the store, so
+      they are the checkpoint's (``e.restored``), or those of the last call that committed; a
+      store with no checkpoint, which forgot every key, is initialized again from the new rank
+      0's parameters, with the optimizer's state afresh;
+    - with ``update_on_kvstore=False`` the parameters and the torch optimizer's state are the
+      loop's: reload them from your own checkpoint when ``e.restored`` is set;
+    - the calls in flight are dropped, the counts in every call's check start again at 0 on
+      every survivor, and the buffers go back to the new rank 0's;
+    - then ``on_world_change(e)`` is called, if given (the place for a learning-rate rule, a
+      log line), and the error is raised on.
+
+    The loop then re-shards its data by ``store.rank`` and ``store.num_workers``, and goes on:
+    from the checkpoint's step if ``e.restored``; from the next step if ``e.committed`` (the
+    step took effect on every survivor); else it redoes the step. ``examples/train_torch.py
+    --elastic`` shows the loop.
     """
 
     def __init__(
@@ -305,6 +332,7 @@ class DistributedOptimizer:
         buffers=None,
         broadcast_buffers=None,
         prefetch=None,
+        on_world_change=None,
     ):
         if store is None:
             store = create("local")
@@ -315,6 +343,11 @@ class DistributedOptimizer:
                 "this store already synchronizes another DistributedOptimizer: the store holds "
                 "one optimizer and one step count, so give each DistributedOptimizer a store of "
                 "its own (kvstore.create(...) again)"
+            )
+        if on_world_change is not None and not callable(on_world_change):
+            raise TypeError(
+                f"on_world_change takes a function of the WorldChangedError, got "
+                f"{type(on_world_change).__name__}"
             )
         if broadcast_buffers and buffers is None:
             raise ValueError(
@@ -364,6 +397,12 @@ class DistributedOptimizer:
         self._state_id = id(optimizer.state)
         if hasattr(optimizer, "register_load_state_dict_post_hook"):
             optimizer.register_load_state_dict_post_hook(self._state_loaded)
+        # Under mpirun --with-ft ulfm a lost rank changes the world: what to call then, how
+        # many world changes were seen, and the world size the store's rescale_grad was set for
+        # (the pushes are scaled by it over num_workers where the store kept its state).
+        self._on_world_change = on_world_change
+        self._world_changes = 0
+        self._rescaled_for = self.store.num_workers
         if self.update_on_kvstore:
             self._translated = _translate(optimizer, self.store.num_workers)
             self.store.set_optimizer(self._translated)
@@ -424,7 +463,8 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none=True):
         """The wrapped optimizer's ``zero_grad``. After a backward that raised (and was
         caught, to skip the batch), it also drops what that backward left."""
-        self._abandon_backward()
+        with self._watch():
+            self._abandon_backward()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _abandon_backward(self):
@@ -543,6 +583,127 @@ class DistributedOptimizer:
                 f"opt.synchronize() before calling another dist store"
             ) from e
 
+    # A world change: ranks lost under mpirun --with-ft ulfm, the survivors going on.
+
+    @contextlib.contextmanager
+    def _watch(self):
+        """Around each entry point (``step``, ``zero_grad``, ``synchronize``, the hooks): a
+        ``WorldChangedError`` of a store call is followed (``_world_changed``) once, by the
+        innermost, and raised on: the loop re-shards its data and decides what to redo."""
+        try:
+            yield
+        except WorldChangedError as e:
+            latest = self._world_changed(e)
+            if latest is e:
+                raise
+            raise latest from e
+
+    def _world_changed(self, e):
+        """Follows the world change that ``e`` reports, then calls ``on_world_change``; returns
+        the error to raise: ``e``, or the last of the losses seen while following it."""
+        if getattr(e, "_kvstore_torch_followed", False):
+            return e
+        for _ in range(8):  # each round is one more lost rank: the store's quorum ends it
+            e._kvstore_torch_followed = True
+            try:
+                self._follow_world(e)
+                break
+            except WorldChangedError as again:
+                if not again.restored and not e.restored:
+                    # A second loss while following the first: the call in flight when it
+                    # struck is the wrapper's own, so the user's step stands as ``e`` said.
+                    again.committed = e.committed
+                e = again
+        else:
+            raise e
+        if self._on_world_change is not None:
+            self._on_world_change(e)
+        return e
+
+    def _follow_world(self, e):
+        """What the wrapper holds that depends on the world: the calls in flight (dropped),
+        the counts in every call's check (0 on every survivor), the store's ``rescale_grad``
+        (1 / the new number of workers), the store's keys (put back where it lost them) and the
+        parameters (pulled from the store, when it steps), and the buffers' store."""
+        # Every call in flight failed: queued ones were skipped, and their errors go.
+        self._in_backward = False
+        self._synced = False
+        self._pending = {}
+        self._pull_later = []
+        self._norms = {}
+        self._reset_overlap()
+        try:
+            self.store.wait_all()
+        except DistError:
+            pass  # the calls of the old world, queued behind the one that failed
+        # The survivors met the loss in different calls (a backward's, a step's): from here on
+        # they count alike, and the calls below carry a tag of their own.
+        self._world_changes += 1
+        self._backwards = 0
+        self._steps = 0
+        self._tag = None
+        self.store.set_tag(f"kvstore.torch: after world change {self._world_changes}")
+        self._agreed = None
+        self._state_due = True
+        workers = self.store.num_workers
+        held = set(self.store.keys())
+        params = [p.detach() for p in self._params]
+        with torch.no_grad():
+            if self.update_on_kvstore:
+                translated = replace(
+                    self._translated, learning_rate=self._lr, rescale_grad=1.0 / workers
+                )
+                if not held:
+                    # No checkpoint: the store forgot every key, and the optimizer's state with
+                    # it. It starts again from the new rank 0's parameters.
+                    self.store.set_optimizer(translated)
+                    self.store.init(self._keys, params)
+                    self._rescaled_for = workers
+                elif e.restored:
+                    # Reloaded from the checkpoint: set the new rescale_grad, then load the
+                    # state again (set_optimizer starts it afresh; load keeps the one in force).
+                    self.store.set_optimizer(translated)
+                    self.store.load(e.restored)
+                    self._rescaled_for = workers
+                # Else the store kept every key and its state (buddy copies): the Python API
+                # has no way to change rescale_grad and keep the state, so the pushes are
+                # scaled by the old number of workers over the new (``_scaled``).
+                self._translated = replace(
+                    self._translated, rescale_grad=1.0 / self._rescaled_for
+                )
+                # Every worker's parameters become the store's: the checkpoint's, or those of
+                # the last call that committed.
+                self.store.pull(self._keys, out=params)
+            elif not held:
+                # The store only sums (torch steps): its keys need only exist again.
+                self.store.init(self._keys, params)
+        if self._buffer_store is not None:
+            self._follow_buffers()
+
+    def _follow_buffers(self):
+        """The buffers' store after a world change: it learns of it at its next call (a
+        barrier here), then holds worker 0's buffers again."""
+        try:
+            self._buffer_store.barrier()
+        except WorldChangedError:
+            pass  # it went through the change too
+        if not set(self._buffer_store.keys()):
+            with torch.no_grad():
+                self._buffer_store.init(self._buffer_keys, self._buffer_values())
+        self._pull_buffers()
+
+    def _scaled(self, grads):
+        """(the store steps) The gradients to push: as they are, or, after a world change
+        that kept the store's optimizer state, scaled copies, so that the store's
+        ``rescale_grad`` (1 / the old number of workers) averages over the new number. The
+        copies live until the next synchronization (a queued push may read them later)."""
+        factor = self._rescaled_for / self.store.num_workers
+        if factor == 1.0:
+            return grads
+        scaled = [g * factor for g in grads]
+        self._scaled_kept.extend(scaled)
+        return scaled
+
     # Hooks: every backward pass is counted, and what it reached recorded.
 
     def _hook_new_parameters(self):
@@ -564,7 +725,7 @@ class DistributedOptimizer:
     def _grad_ready(self, i):
         if self._prefetch is not None:
             self._prefetch.used.add(i)
-        with self._lock:
+        with self._watch(), self._lock:
             if not self._in_backward:
                 self._backward_begins()
             if self.overlap and not self._no_sync and self._pushes():
@@ -600,7 +761,7 @@ class DistributedOptimizer:
             )
             return
         if not self._no_sync:
-            with self._explained():
+            with self._watch(), self._explained():
                 self._sync_grads()
 
     # One worker's use of the parameters, and the workers' together.
@@ -696,7 +857,7 @@ class DistributedOptimizer:
                 "others would never be synchronized; make a new DistributedOptimizer"
             )
         if self.update_on_kvstore:
-            now = _translate(self.optimizer, self.store.num_workers)
+            now = _translate(self.optimizer, self._rescaled_for)
             if replace(now, learning_rate=self._translated.learning_rate) != self._translated:
                 raise ValueError(
                     f"the optimizer's hyperparameters changed after DistributedOptimizer was "
@@ -761,6 +922,7 @@ class DistributedOptimizer:
             self._buckets.append(bucket)
 
     def _reset_overlap(self):
+        self._scaled_kept = []  # scaled copies of gradients queued since the last sync
         self._ready = [False] * len(self._params)
         self._queued = []  # indices of the parameters queued since the last synchronization
         self._next = 0  # the first bucket not queued yet
@@ -787,6 +949,7 @@ class DistributedOptimizer:
         priority = -min(live)
         with torch.no_grad():
             if self.update_on_kvstore:
+                grads = self._scaled(grads)
                 self.store.push_async(keys, grads, priority=priority)
             else:
                 self.store.pushpull_async(keys, grads, priority=priority)
@@ -875,7 +1038,8 @@ class DistributedOptimizer:
     def _module_forward(self, mid):
         """A module's forward begins: waits for the pulls of what it reads."""
         self._prefetch.fired.add(mid)
-        self._await(self._prefetch.waits.get(mid, ()))
+        with self._watch():
+            self._await(self._prefetch.waits.get(mid, ()))
 
     def _check_prefetched_reads(self):
         """At step(): a parameter that got a gradient while its pull was still queued was read
@@ -938,14 +1102,20 @@ class DistributedOptimizer:
         read; call it before reading the parameters any other way (``p.data``, ``p.clone()``,
         an EMA of the weights) and before a call on another dist store."""
         if self._pending:
-            self._await(list(self._pending))
+            with self._watch():
+                self._await(list(self._pending))
 
     # step()
 
     def step(self, closure=None):
         """Steps the wrapped optimizer on the gradients averaged at the end of backward
         (update_on_kvstore=False), or pushes the gradients and pulls the parameters. Parameters
-        that got no gradient on any worker are left as they are."""
+        that got no gradient on any worker are left as they are. A ``WorldChangedError`` is
+        raised after the wrapper has followed the new world (see the class's doc)."""
+        with self._watch():
+            return self._step(closure)
+
+    def _step(self, closure):
         scaler = "grad_scale" in vars(self) or "found_inf" in vars(self)
         self._abandon_backward()
         if self._prefetch is not None:
@@ -1008,7 +1178,8 @@ class DistributedOptimizer:
                 if pushed:
                     with torch.no_grad():
                         self.store.push(
-                            [self._keys[i] for i in pushed], [self._params[i].grad for i in pushed]
+                            [self._keys[i] for i in pushed],
+                            self._scaled([self._params[i].grad for i in pushed]),
                         )
             if pushed:
                 with torch.no_grad():
