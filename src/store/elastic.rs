@@ -31,7 +31,9 @@ impl KvStore {
         let Err(mut err) = got else {
             return got;
         };
+        // The ranks lost, numbered as before this call, and those left, by those numbers.
         let mut lost = Vec::new();
+        let mut left: Vec<usize> = (0..self.num_workers()).collect();
         let start = Instant::now();
         // Whether the copies can still heal the store (not after a failed attempt).
         let mut copies_usable = true;
@@ -42,9 +44,9 @@ impl KvStore {
                 return Err(err);
             };
             let rejoined = rejoined?;
-            if lost.is_empty() {
-                lost.clone_from(&rejoined.lost);
-            }
+            lost.extend(rejoined.lost.iter().filter_map(|&l| left.get(l).copied()));
+            lost.sort_unstable();
+            left.retain(|r| !lost.contains(r));
             let relinked = rejoined.took;
             let behind = self
                 .copies_behind

@@ -17,6 +17,8 @@ mod across;
 mod compress;
 mod copies;
 mod elastic;
+#[cfg(test)]
+mod elastic_tests;
 mod groups;
 mod heal;
 mod hook;

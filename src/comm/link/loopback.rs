@@ -6,12 +6,19 @@
 //! its result when it lands it, once every rank has deposited; a wait past the hub's timeout is
 //! [`Error::Timeout`] naming the ranks that never came. Sums are taken in `float64` in rank
 //! order and rounded once.
+//!
+//! **Lost ranks** ([`Loopback::elastic`]), as MPI with fault tolerance (ULFM) has them: a rank
+//! that dies ([`Loopback::die_after`] its n-th exchange) fails every wait
+//! for its deposits at once, and the first survivor to see it revokes the world: every later
+//! exchange fails too, except the fault-tolerant agreements ([`Round::commit`]), which end alike
+//! on every survivor. [`Link::rejoin`] then moves the survivors to a new world of their own
+//! (a strict majority only), numbered in their old order.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{ArrayOp, Link, Op, Round, Seat, Ticket};
+use super::{ArrayOp, Link, Op, Rejoined, Round, Seat, Ticket};
 use crate::comm::dist::copy_into;
 use crate::comm::fingerprint::{check_across, Fingerprint};
 use crate::host::{with_host, HostData};
@@ -31,20 +38,63 @@ struct Exchange {
     taken: usize,
 }
 
+/// One fault-tolerant agreement: every rank's flag, and the outcome once decided.
+struct Agreement {
+    flags: Vec<Option<bool>>,
+    decided: Option<bool>,
+}
+
+/// What the ranks of one loopback world share, under one lock.
+#[derive(Default)]
+struct Shared {
+    exchanges: HashMap<u64, Exchange>,
+    agreements: HashMap<u64, Agreement>,
+    /// The ranks that died.
+    dead: Vec<usize>,
+    /// Whether a survivor saw a rank lost: every later exchange fails.
+    revoked: bool,
+    /// The survivors' world, once one of them rejoined: it, and their ranks here.
+    successor: Option<(Arc<Hub>, Vec<usize>)>,
+}
+
 /// What the ranks of one loopback world share.
 struct Hub {
     size: usize,
     timeout: Duration,
-    exchanges: Mutex<HashMap<u64, Exchange>>,
+    shared: Mutex<Shared>,
     arrived: Condvar,
 }
 
+impl Hub {
+    fn new(size: usize, timeout: Duration) -> Arc<Hub> {
+        Arc::new(Hub {
+            size,
+            timeout,
+            shared: Mutex::default(),
+            arrived: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// The call numbering of one rank, shared by its stores (as MPI's world is by a process's).
-#[derive(Default)]
 struct RankState {
     seq: u64,
     stores: u64,
     exchanges: u64,
+    /// The agreements this rank has joined in this world.
+    agreements: u64,
+    /// Whether the call begun last changes the store (it ends at a commit point), and the last
+    /// call whose commit point this rank passed, with its outcome.
+    commits: bool,
+    commit_point: (u64, bool),
+    /// The exchange of this world at which this rank dies (tests of a lost rank).
+    die_at: Option<u64>,
+    /// Whether this rank died.
+    gone: bool,
     /// The first desync: the link refuses calls after it, as a poisoned MPI world does.
     failed: Option<String>,
     /// Elements this rank has received from data collectives (what a transfer moved to it).
@@ -54,9 +104,12 @@ struct RankState {
 /// One rank of a loopback world; clones are the same rank (they share its call numbering).
 #[derive(Clone)]
 pub(crate) struct Loopback {
-    hub: Arc<Hub>,
-    rank: usize,
+    /// The world this rank is in now, and its rank there (read by [`Link::seat`] during a
+    /// call, which holds `state`).
+    place: Arc<std::sync::RwLock<(Arc<Hub>, usize)>>,
     state: Arc<Mutex<RankState>>,
+    /// Whether the link goes on after a lost rank ([`Loopback::elastic`]).
+    elastic: bool,
     check: bool,
     /// A collective this rank never joins (tests of a rank that stops): it fails to start it.
     stall_at: Option<Op>,
@@ -69,23 +122,57 @@ pub(crate) struct Loopback {
 impl Loopback {
     /// The `size` ranks of a new loopback world, every wait bounded by `timeout`.
     pub(crate) fn world(size: usize, timeout: Duration) -> Vec<Loopback> {
-        let hub = Arc::new(Hub {
-            size,
-            timeout,
-            exchanges: Mutex::new(HashMap::new()),
-            arrived: Condvar::new(),
-        });
+        let hub = Hub::new(size, timeout);
         (0..size)
             .map(|rank| Loopback {
-                hub: hub.clone(),
-                rank,
-                state: Arc::default(),
+                place: Arc::new(std::sync::RwLock::new((hub.clone(), rank))),
+                state: Arc::new(Mutex::new(RankState {
+                    seq: 0,
+                    stores: 0,
+                    exchanges: 0,
+                    agreements: 0,
+                    commits: false,
+                    commit_point: (0, false),
+                    die_at: None,
+                    gone: false,
+                    failed: None,
+                    received: 0,
+                })),
+                elastic: false,
                 check: true,
                 stall_at: None,
                 in_place: false,
                 hosts: 1,
             })
             .collect()
+    }
+
+    /// This rank, going on after a lost rank as MPI with fault tolerance does (see the module
+    /// documentation).
+    pub(crate) fn elastic(mut self) -> Loopback {
+        self.elastic = true;
+        self
+    }
+
+    /// Makes this rank die when it starts its `n`-th exchange from now (in this world): that
+    /// call fails, and it makes no more.
+    pub(crate) fn die_after(&self, n: u64) {
+        let mut st = self.lock();
+        st.die_at = Some(st.exchanges + n);
+    }
+
+    /// Whether this rank died.
+    pub(crate) fn is_gone(&self) -> bool {
+        self.lock().gone
+    }
+
+    fn lock(&self) -> MutexGuard<'_, RankState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The world this rank is in now, and its rank there.
+    fn place(&self) -> (Arc<Hub>, usize) {
+        self.place.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// This rank, never joining its first collective `op` (its call fails; the others time out).
@@ -123,18 +210,84 @@ impl Loopback {
 
 impl Link for Loopback {
     fn seat(&self) -> Seat {
+        let (hub, rank) = self.place();
         Seat {
-            rank: self.rank,
-            size: self.hub.size,
-            local_rank: self.rank,
+            rank,
+            size: hub.size,
+            local_rank: rank,
             hosts: self.hosts,
             check: self.check,
-            timeout: self.hub.timeout,
+            timeout: hub.timeout,
         }
     }
 
+    fn survives_loss(&self) -> bool {
+        self.elastic
+    }
+
+    fn rejoin(&self) -> Option<Result<Rejoined>> {
+        let start = Instant::now();
+        let mut st = self.lock();
+        let (hub, my_rank) = self.place();
+        let lost_any = {
+            let sh = hub.lock();
+            !sh.dead.is_empty() || sh.successor.is_some()
+        };
+        if !self.elastic || !lost_any || st.gone {
+            return None;
+        }
+        // The commit point of the call begun last, where this rank failed before it.
+        let seq = st.seq;
+        if st.commits && st.commit_point.0 < seq {
+            let agreed = agree(&mut st, (&hub, my_rank), false);
+            st.commit_point = (seq, agreed.unwrap_or(false));
+        }
+        let committed = st.commit_point == (seq, true);
+        let (next, members) = {
+            let mut sh = hub.lock();
+            sh.revoked = true;
+            let dead = sh.dead.clone();
+            sh.successor
+                .get_or_insert_with(|| {
+                    let alive: Vec<usize> = (0..hub.size).filter(|r| !dead.contains(r)).collect();
+                    (Hub::new(alive.len(), hub.timeout), alive)
+                })
+                .clone()
+        };
+        hub.arrived.notify_all();
+        let lost: Vec<usize> = (0..hub.size).filter(|r| !members.contains(r)).collect();
+        if 2 * members.len() <= hub.size {
+            let why = format!(
+                "no majority: {} of the {} ranks are left on this side (lost: {lost:?}), not a \
+                 strict majority, so this side stops",
+                members.len(),
+                hub.size
+            );
+            st.failed = Some(why.clone());
+            return Some(Err(Error::DistFailed {
+                op: "recover from a lost rank",
+                first: why,
+            }));
+        }
+        let Some(rank) = members.iter().position(|&r| r == my_rank) else {
+            return Some(Err(Error::internal(
+                "a survivor missing from its new world",
+            )));
+        };
+        // A new world: calls and exchanges are numbered afresh, as a new MPI world's are.
+        *self.place.write().unwrap_or_else(|p| p.into_inner()) = (next, rank);
+        (st.seq, st.exchanges, st.agreements) = (0, 0, 0);
+        (st.commits, st.commit_point) = (false, (0, false));
+        st.failed = None;
+        Some(Ok(Rejoined {
+            lost,
+            took: start.elapsed(),
+            committed,
+        }))
+    }
+
     fn next_store_id(&self) -> u64 {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.lock();
         st.stores += 1;
         st.stores - 1
     }
@@ -144,12 +297,11 @@ impl Link for Loopback {
     }
 
     fn shut(&self, why: String) {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.failed.get_or_insert(why);
+        self.lock().failed.get_or_insert(why);
     }
 
     fn begin(&self, fp: &Fingerprint) -> Result<Box<dyn Round + '_>> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.lock();
         if let Some(first) = &st.failed {
             return Err(Error::DistFailed {
                 op: fp.op(),
@@ -157,8 +309,12 @@ impl Link for Loopback {
             });
         }
         st.seq += 1;
+        st.commits = matches!(fp.op(), "push" | "pushpull" | "init" | "load" | "heal");
+        let (hub, rank) = self.place();
         let mut round = LoopRound {
             link: self,
+            hub,
+            rank,
             seq: st.seq,
             st,
             op: fp.op(),
@@ -167,7 +323,7 @@ impl Link for Loopback {
             flights: Vec::new(),
         };
         if self.check {
-            let (seq, size) = (round.seq, self.hub.size);
+            let (seq, size) = (round.seq, round.hub.size);
             if let Err(e) = check_across(fp, seq, size, |w| round.all_gather_words(w)) {
                 if matches!(e, Error::Desync { .. }) {
                     round.st.failed = Some(e.to_string());
@@ -182,6 +338,9 @@ impl Link for Loopback {
 /// One call of a loopback rank; holds the rank's lock, so its calls never interleave.
 struct LoopRound<'a> {
     link: &'a Loopback,
+    /// The world of this call, and this rank's rank there.
+    hub: Arc<Hub>,
+    rank: usize,
     st: MutexGuard<'a, RankState>,
     seq: u64,
     op: &'static str,
@@ -201,38 +360,140 @@ struct Flight {
     lens: Vec<usize>,
 }
 
+/// Marks rank `rank` of `hub` (whose state is `st`) dead: every wait for it fails from now on.
+fn die(st: &mut RankState, (hub, rank): (&Hub, usize)) {
+    st.gone = true;
+    st.failed
+        .get_or_insert_with(|| "this loopback rank died (a test of a lost rank)".to_owned());
+    hub.lock().dead.push(rank);
+    hub.arrived.notify_all();
+    // Dead in every world the survivors made since, as a process is to MPI.
+    let mut next = hub.lock().successor.clone();
+    let mut rank = rank;
+    while let Some((h, members)) = next {
+        let Some(r) = members.iter().position(|&m| m == rank) else {
+            break;
+        };
+        rank = r;
+        h.lock().dead.push(r);
+        h.arrived.notify_all();
+        next = h.lock().successor.clone();
+    }
+}
+
+/// The fault-tolerant agreement of `st`'s rank (its next in its world): whether every rank of
+/// the world passed `true`, the same outcome on every survivor; a rank that died without joining
+/// makes it `false`. Bounded by the world's timeout.
+fn agree(st: &mut RankState, (hub, rank): (&Hub, usize), ok: bool) -> Result<bool> {
+    st.agreements += 1;
+    let id = st.agreements;
+    let deadline = Instant::now() + hub.timeout;
+    let mut sh = hub.lock();
+    let size = hub.size;
+    let a = sh.agreements.entry(id).or_insert_with(|| Agreement {
+        flags: vec![None; size],
+        decided: None,
+    });
+    a.flags[rank] = Some(ok);
+    hub.arrived.notify_all();
+    loop {
+        let dead = sh.dead.clone();
+        let a = sh
+            .agreements
+            .get_mut(&id)
+            .ok_or_else(|| Error::internal("an agreement vanished"))?;
+        if a.decided.is_none() {
+            let here = |r: usize| a.flags[r].is_some() || dead.contains(&r);
+            if (0..size).all(here) {
+                a.decided = Some(a.flags.iter().all(|f| *f == Some(true)));
+            }
+        }
+        if let Some(d) = a.decided {
+            return Ok(d);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::internal("a loopback agreement timed out"));
+        }
+        sh = hub
+            .arrived
+            .wait_timeout(sh, deadline - now)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+}
+
 impl LoopRound<'_> {
-    /// Deposits `mine` into this rank's next exchange; returns the exchange's number.
-    fn deposit(&mut self, mine: Payload) -> u64 {
+    /// The error of a call that finds a rank lost, as MPI with fault tolerance gives it.
+    fn lost(&self, dead: &[usize]) -> Error {
+        match dead.first() {
+            Some(&rank) => Error::RankExited {
+                op: self.op,
+                seq: self.seq,
+                rank,
+                host: None,
+                detail: "was lost during this call (a loopback rank that died)".to_owned(),
+            },
+            None => Error::Mpi {
+                op: self.op,
+                message: "a rank was lost, and another rank revoked the world".to_owned(),
+            },
+        }
+    }
+
+    /// Deposits `mine` into this rank's next exchange; returns the exchange's number. A rank
+    /// that dies here, or finds the world revoked, fails.
+    fn deposit(&mut self, mine: Payload) -> Result<u64> {
         self.st.exchanges += 1;
         let id = self.st.exchanges;
-        let hub = &self.link.hub;
-        let mut all = hub.exchanges.lock().unwrap_or_else(|p| p.into_inner());
-        let ex = all.entry(id).or_insert_with(|| Exchange {
+        let (rank, hub) = (self.rank, self.hub.clone());
+        if self.st.die_at == Some(id) {
+            die(&mut self.st, (&hub, rank));
+        }
+        if self.st.gone {
+            return Err(Error::internal("this loopback rank died"));
+        }
+        let mut sh = hub.lock();
+        if sh.revoked {
+            let dead = sh.dead.clone();
+            return Err(self.lost(&dead));
+        }
+        let ex = sh.exchanges.entry(id).or_insert_with(|| Exchange {
             deposits: vec![None; hub.size],
             taken: 0,
         });
-        ex.deposits[self.link.rank] = Some(mine);
+        ex.deposits[rank] = Some(mine);
         hub.arrived.notify_all();
-        id
+        Ok(id)
     }
 
-    /// Every rank's deposit into exchange `id`, once all are there (bounded by the timeout).
+    /// Every rank's deposit into exchange `id`, once all are there (bounded by the timeout). A
+    /// wait for a rank that died fails at once, and revokes the world.
     fn collect(&mut self, id: u64, what: &str) -> Result<Vec<Payload>> {
-        let hub = &self.link.hub;
+        let hub = self.hub.clone();
         let deadline = Instant::now() + hub.timeout;
-        let mut all = hub.exchanges.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sh = hub.lock();
         loop {
-            let ex = all
+            let dead = sh.dead.clone();
+            let revoked = sh.revoked;
+            let ex = sh
+                .exchanges
                 .get_mut(&id)
                 .ok_or_else(|| Error::internal("an exchange vanished"))?;
             if ex.deposits.iter().all(Option::is_some) {
                 let got = ex.deposits.iter().flatten().cloned().collect();
                 ex.taken += 1;
                 if ex.taken == hub.size {
-                    all.remove(&id);
+                    sh.exchanges.remove(&id);
                 }
                 return Ok(got);
+            }
+            let waits_for_dead =
+                (ex.deposits.iter().enumerate()).any(|(r, d)| d.is_none() && dead.contains(&r));
+            if waits_for_dead || revoked {
+                sh.revoked = true;
+                hub.arrived.notify_all();
+                return Err(self.lost(&dead));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -248,16 +509,16 @@ impl LoopRound<'_> {
                     detail: format!(
                         "rank {} waited {:.1} s in its {what} of call #{} ({}); ranks \
                          {missing:?} never joined it",
-                        self.link.rank,
+                        self.rank,
                         hub.timeout.as_secs_f64(),
                         self.seq,
                         self.summary
                     ),
                 });
             }
-            all = hub
+            sh = hub
                 .arrived
-                .wait_timeout(all, deadline - now)
+                .wait_timeout(sh, deadline - now)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -280,6 +541,21 @@ impl Round for LoopRound<'_> {
         self.st.failed.get_or_insert(why);
     }
 
+    fn commit(&mut self) -> Result<()> {
+        if !self.link.elastic {
+            return Ok(());
+        }
+        let committed = agree(&mut self.st, (&self.hub.clone(), self.rank), true)?;
+        self.st.commit_point = (self.seq, committed);
+        match committed {
+            true => Ok(()),
+            false => {
+                let dead = self.hub.lock().dead.clone();
+                Err(self.lost(&dead))
+            }
+        }
+    }
+
     fn seq(&self) -> u64 {
         self.seq
     }
@@ -290,7 +566,7 @@ impl Round for LoopRound<'_> {
                 "this loopback rank stops here (a test of a stalled rank)",
             ));
         }
-        let id = self.deposit(Payload::Data(send.clone()));
+        let id = self.deposit(Payload::Data(send.clone()))?;
         self.flights.push(Some(Flight {
             id,
             op,
@@ -307,7 +583,7 @@ impl Round for LoopRound<'_> {
         lens: &[usize],
         recv: HostData,
     ) -> Result<Ticket> {
-        let (rank, size) = (self.link.rank, self.link.hub.size);
+        let (rank, size) = (self.rank, self.hub.size);
         let row: usize = lens.iter().skip(rank * size).take(size).sum();
         let column: usize = lens.iter().skip(rank).step_by(size.max(1)).sum();
         if lens.len() != size * size || send.len() != row || recv.len() != column {
@@ -348,7 +624,7 @@ impl Round for LoopRound<'_> {
         }
         // Results are written into this rank's own buffers, as MPI writes them: a buffer keeps
         // the room it came with.
-        let (rank, size) = (self.link.rank, self.link.hub.size);
+        let (rank, size) = (self.rank, self.hub.size);
         let at_root = |root: usize| {
             data.get(root)
                 .ok_or_else(|| Error::internal("no such root"))
@@ -409,7 +685,7 @@ impl Round for LoopRound<'_> {
     fn in_place(&mut self, ops: &[ArrayOp<'_>]) -> Result<()> {
         // Every op starts before any lands, as an NCCL group goes out; results are written
         // into the arrays that receive them.
-        let (rank, size) = (self.link.rank, self.link.hub.size);
+        let (rank, size) = (self.rank, self.hub.size);
         let mut flights = Vec::with_capacity(ops.len());
         for o in ops {
             let (op, send, into) = match *o {
@@ -437,7 +713,7 @@ impl Round for LoopRound<'_> {
     }
 
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>> {
-        let id = self.deposit(Payload::Words(mine.to_vec()));
+        let id = self.deposit(Payload::Words(mine.to_vec()))?;
         let all = self.collect(id, "all-gather of words")?;
         let mut out = Vec::with_capacity(mine.len() * all.len());
         for p in all {
