@@ -10,7 +10,8 @@ KVSTORE_REPLICAS=1 (the agreement and the buddy copies), jobs interleaved round 
     $V/bin/python benches/elastic_step_cost.py torch-summary $R/torch_cnn
     # the communication-bound train_data_parallel (a release build with --features mpi,
     # against the Open MPI of $V: PATH=$V/bin:$PATH cargo build --release --features mpi
-    # --example train_data_parallel): plain, ULFM R0, ULFM R1 jobs in turn
+    # --example train_data_parallel; it is run with LD_LIBRARY_PATH=$V/lib, else it loads
+    # Debian's Open MPI 4): plain, ULFM R0, ULFM R1 jobs in turn
     $V/bin/python benches/elastic_step_cost.py tdp --bin target/release/examples/train_data_parallel \\
         --ranks 4 --rounds 8 --out $R/train_data_parallel.jsonl
     $V/bin/python benches/elastic_step_cost.py tdp-summary $R/train_data_parallel.jsonl
@@ -48,16 +49,15 @@ def job(n, ft, argv, env=None, timeout=600):
 
 def torch_runs(a):
     os.makedirs(a.dir, exist_ok=True)
-    port = 29700
-    for i in range(a.pairs):
+    for i in range(a.first_pair, a.first_pair + a.pairs):
         for launch in ("plain", "ulfm"):
-            port += 1
+            port = 29700 + 2 * i + (launch == "ulfm")
             out = os.path.join(a.dir, f"pair{i}_{launch}.json")
             argv = [PY, os.path.join(HERE, "torch_overlap.py"), "--model", a.model,
                     "--rounds", str(a.rounds), "--steps", str(a.steps), "--modes", a.modes,
                     "--json", out]
             if launch == "ulfm":
-                argv.append("--replicas-ab")
+                argv += ["--replicas-ab", "--ab-order", a.ab_order]
             rc, wall, text = job(a.ranks, launch == "ulfm", argv,
                                  {"KVSTORE_BENCH_PORT": str(port)})
             with open(os.path.join(a.dir, f"pair{i}_{launch}.txt"), "w") as f:
@@ -109,7 +109,11 @@ def tdp(a):
     with open(a.out, "a") as f:
         for rnd in range(a.rounds):
             for name, ft, rep in modes:
-                env = {} if rep is None else {"KVSTORE_REPLICAS": rep}
+                # The example links libmpi.so.40 by name: the Open MPI 5 beside this python.
+                env = {"LD_LIBRARY_PATH": os.path.join(os.path.dirname(os.path.dirname(PY)),
+                                                       "lib")}
+                if rep is not None:
+                    env["KVSTORE_REPLICAS"] = rep
                 argv = [a.bin, "--kind", "dist_sync", "--epochs", str(a.epochs), "--check", "0",
                         "--optimizer", a.optimizer]
                 rc, wall, text = job(a.ranks, ft, argv, env, timeout=300)
@@ -158,6 +162,8 @@ def main():
     t.add_argument("--steps", type=int, default=5)
     t.add_argument("--modes", default="kvstore_blocking,kvstore_overlap")
     t.add_argument("--dir", required=True)
+    t.add_argument("--first-pair", type=int, default=0, help="numbers the pairs from here")
+    t.add_argument("--ab-order", default="01", help="torch_overlap.py --ab-order")
     ts = sub.add_parser("torch-summary")
     ts.add_argument("dir")
     d = sub.add_parser("tdp")

@@ -102,6 +102,8 @@ def main():
                     help="the kvstore modes to run, comma-separated (DDP always runs)")
     ap.add_argument("--replicas-ab", action="store_true",
                     help="each kvstore mode twice: KVSTORE_REPLICAS=0 and =1 (under ULFM)")
+    ap.add_argument("--ab-order", default="01", choices=["01", "10"],
+                    help="with --replicas-ab: which store of each pair runs first in a round")
     a = ap.parse_args()
     wanted = a.modes.split(",")
 
@@ -138,7 +140,7 @@ def main():
 
     for name in wanted:
         if a.replicas_ab:
-            for rep in ("0", "1"):
+            for rep in a.ab_order:
                 modes[f"{name}_r{rep}"] = kv_mode(name, rep)
         else:
             modes[name] = kv_mode(name, None)
