@@ -74,6 +74,10 @@ def torch_summary(a):
         launch = "ulfm" if "ulfm" in name else "plain"
         pair = int(re.match(r"pair(\d+)", name).group(1))
         rows.setdefault(pair, {})[launch] = d["median_ms"]
+        if launch == "ulfm":
+            # The store created first (and run first in each round): json keeps the order.
+            first = next(k for k in d["median_ms"] if k.startswith("kvstore"))
+            rows[pair]["order"] = "r0 first" if first.endswith("_r0") else "r1 first"
     modes = sorted({m for p in rows.values() for l in p.values() for m in l})
     print("per pair (median step of the slowest rank, ms):")
     for p, r in sorted(rows.items()):
@@ -96,6 +100,17 @@ def torch_summary(a):
               f"(DDP in the same jobs: plain {statistics.median(ddp_p):.1f}, ULFM "
               f"{statistics.median(ddp_u):.1f})")
         print(f"  R1 / R0 in the same ULFM job, per pair: {med([b / a for a, b in zip(r0, r1)])}")
+        by_order = {}
+        for r in rows.values():
+            if "ulfm" in r:
+                by_order.setdefault(r["order"], []).append(
+                    r["ulfm"][f"{base}_r1"] / r["ulfm"][f"{base}_r0"])
+        for o, v in sorted(by_order.items()):
+            print(f"    {o} ({len(v)} pairs): {med(v)}")
+        if len(by_order) == 2:
+            a_, b_ = (statistics.median(v) for v in by_order.values())
+            print(f"    balanced over the order (geometric mean of the two medians): "
+                  f"{(a_ * b_) ** 0.5:.3f}")
         print(f"  ULFM R0 / plain, each over its job's DDP: "
               f"{med([(r['ulfm'][base + '_r0'] / r['ulfm']['ddp_gloo']) / (r['plain'][base] / r['plain']['ddp_gloo']) for r in both])}")
         print(f"  ULFM R1 / plain, each over its job's DDP: "
