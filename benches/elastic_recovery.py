@@ -29,7 +29,10 @@ Models: ``cnn``, the parameters of benches/torch_overlap.py's CNN (10 keys, 545 
 floats (2 MiB each), 32 MiB of values in all. The store's state is twice that (the momentum).
 
 ``memory`` runs no kill: N ranks init the model and step --steps times; each prints its VmRSS,
-for KVSTORE_REPLICAS=0 and 1 interleaved (--rounds rounds), to show what the copies cost.
+for KVSTORE_REPLICAS=0 and 1 interleaved (--rounds rounds), to show what the copies cost:
+
+    $V/bin/python benches/elastic_recovery.py memory --ranks 3,4,6 --models 32mb --rounds 2 \
+        --pool 0 --out benches/results/elastic_2026-11-29/memory_pool0.jsonl
 """
 
 import argparse
@@ -213,9 +216,13 @@ def memory(a):
             for n in [int(x) for x in a.ranks.split(",")]:
                 for replicas in ("0", "1"):
                     args = ["--model", a.models, "--victim", "-1", "--steps", str(a.steps)]
-                    rc, wall, out = mpirun(n, args, {"KVSTORE_REPLICAS": replicas}, a.timeout)
+                    env = {"KVSTORE_REPLICAS": replicas}
+                    if a.pool is not None:
+                        env["KVSTORE_DIST_POOL_BYTES"] = a.pool
+                    rc, wall, out = mpirun(n, args, env, a.timeout)
                     got = results(out)
                     line = {"round": rnd, "n": n, "model": a.models, "replicas": replicas,
+                            "pool_bytes": a.pool, "steps": a.steps,
                             "rc": rc, "job_wall_s": round(wall, 2), "ranks": got}
                     if rc != 0:
                         line["output"] = out[-4000:]
@@ -319,6 +326,9 @@ def main():
     m.add_argument("--models", default="32mb", help="one model")
     m.add_argument("--rounds", type=int, default=3)
     m.add_argument("--steps", type=int, default=6)
+    m.add_argument("--pool", default=None,
+                   help="KVSTORE_DIST_POOL_BYTES for the ranks (0: no pool; see BENCHMARKS.md: "
+                        "under ULFM the pool grows by about a push per step up to its cap)")
     m.add_argument("--timeout", type=int, default=240)
     m.add_argument("--out", required=True)
     s = sub.add_parser("summary")
