@@ -12,6 +12,13 @@ all of them alike. A step is zero_grad + forward + backward + step, timed on eve
 figure per step is the slowest rank's, and the table gives each mode's median and its ratio to
 DDP's. All three use SGD with momentum, so they train the same model the same way.
 
+Elastic runs (issue 39): under ``mpirun --with-ft ulfm`` the store commits each push at a
+fault-tolerant agreement and, with ``KVSTORE_REPLICAS=1``, keeps a copy of every rank's parts on
+a buddy rank. ``--replicas-ab`` makes every kvstore mode twice in the same job, one store
+created with ``KVSTORE_REPLICAS=0`` (suffix ``_r0``) and one with ``1`` (``_r1``), so the copies'
+cost is timed interleaved with the same launch; ``--modes`` keeps only the named modes (DDP is
+always kept: the ratios are to it). Benches/results/elastic_2026-11-29 has the commands.
+
 It then records one overlapped step's timeline on rank 0: when backward started and ended, and
 when each bucket's push was queued, started and finished on the store's worker. A push that
 starts before backward ends is communication overlapping compute.
@@ -91,35 +98,52 @@ def main():
     ap.add_argument("--steps", type=int, default=5, help="steps per mode per round")
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--modes", default="kvstore_blocking,kvstore_overlap,kvstore_prefetch",
+                    help="the kvstore modes to run, comma-separated (DDP always runs)")
+    ap.add_argument("--replicas-ab", action="store_true",
+                    help="each kvstore mode twice: KVSTORE_REPLICAS=0 and =1 (under ULFM)")
+    ap.add_argument("--ab-order", default="01", choices=["01", "10"],
+                    help="with --replicas-ab: which store of each pair runs first in a round")
     a = ap.parse_args()
+    wanted = a.modes.split(",")
 
     r, n, base, x, y = start(a.model, a.batch, "29533")
     params = sum(p.numel() for p in base.parameters())
 
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    blocking_model, overlap_model = copy.deepcopy(base), copy.deepcopy(base)
-    prefetch_model = copy.deepcopy(base)
-    modes = {
-        "ddp_gloo": (ddp, sgd(ddp)),
-        "kvstore_blocking": (
-            blocking_model,
-            DistributedOptimizer(sgd(blocking_model), kvstore.create("dist_sync")),
-        ),
-        "kvstore_overlap": (
-            overlap_model,
-            DistributedOptimizer(
-                sgd(overlap_model), kvstore.create("dist_sync"), overlap=True,
-                bucket_mb=a.bucket_mb,
-            ),
-        ),
-        "kvstore_prefetch": (
-            prefetch_model,
-            DistributedOptimizer(
-                sgd(prefetch_model), kvstore.create("dist_sync"), overlap=True,
-                bucket_mb=a.bucket_mb, prefetch=prefetch_model,
-            ),
-        ),
-    }
+    modes = {"ddp_gloo": (ddp, sgd(ddp))}
+
+    def store(replicas):
+        if replicas is None:
+            return kvstore.create("dist_sync")
+        before = os.environ.get("KVSTORE_REPLICAS")
+        os.environ["KVSTORE_REPLICAS"] = replicas
+        try:
+            return kvstore.create("dist_sync")
+        finally:
+            if before is None:
+                del os.environ["KVSTORE_REPLICAS"]
+            else:
+                os.environ["KVSTORE_REPLICAS"] = before
+
+    def kv_mode(name, replicas):
+        m = copy.deepcopy(base)
+        if name == "kvstore_blocking":
+            return m, DistributedOptimizer(sgd(m), store(replicas))
+        if name == "kvstore_overlap":
+            return m, DistributedOptimizer(sgd(m), store(replicas), overlap=True,
+                                           bucket_mb=a.bucket_mb)
+        if name == "kvstore_prefetch":
+            return m, DistributedOptimizer(sgd(m), store(replicas), overlap=True,
+                                           bucket_mb=a.bucket_mb, prefetch=m)
+        raise SystemExit(f"unknown mode {name}")
+
+    for name in wanted:
+        if a.replicas_ab:
+            for rep in a.ab_order:
+                modes[f"{name}_r{rep}"] = kv_mode(name, rep)
+        else:
+            modes[name] = kv_mode(name, None)
 
     def step(m, opt):
         opt.zero_grad()
@@ -148,7 +172,13 @@ def main():
     slowest = {k: mine[i].tolist() for i, k in enumerate(modes)}
 
     # One overlapped step's timeline, on every rank (rank 0's is printed).
-    m, opt = modes["kvstore_overlap"]
+    overlapped = [k for k in modes if k.startswith("kvstore_overlap")]
+    if not overlapped:
+        dist.destroy_process_group()
+        if r == 0:
+            report(a, params, n, slowest, None, None)
+        return
+    m, opt = modes[overlapped[0]]
     opt.store.set_timeline(True)
     opt.store.take_timeline()
     marks = {}
@@ -165,6 +195,11 @@ def main():
 
     if r != 0:
         return
+    report(a, params, n, slowest, marks, calls)
+
+
+def report(a, params, n, slowest, marks, calls):
+    """Rank 0's table (and the timeline, where one was recorded)."""
     ddp_median = statistics.median(slowest["ddp_gloo"])
     result = {
         "model": a.model,
@@ -175,12 +210,19 @@ def main():
         "steps_per_mode": len(slowest["ddp_gloo"]),
         "median_ms": {k: 1e3 * statistics.median(v) for k, v in slowest.items()},
         "timeline": {"marks": marks, "calls": calls},
+        "steps_ms": {k: [1e3 * t for t in v] for k, v in slowest.items()},
+        "launch": "ulfm" if os.environ.get("OMPI_MCA_mpi_ft_enable") else "plain",
     }
     print(f"{a.model}: {params} parameters, {n} ranks, batch {a.batch} per rank, "
           f"{result['steps_per_mode']} steps per mode (slowest rank per step)")
     for k, v in slowest.items():
         med = statistics.median(v)
         print(f"  {k:18s} median {1e3 * med:8.3f} ms   DDP / this = {ddp_median / med:5.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if marks is None:
+        return
     t0 = marks["backward_start"]
     print(f"  timeline of one overlapped step on rank 0 (ms from backward's start): backward "
           f"ends at {1e3 * (marks['backward_end'] - t0):.3f}, step ends at "
@@ -192,9 +234,6 @@ def main():
         print(f"    {call:34s} queued {1e3 * (queued - t0):8.3f}  ran {1e3 * (started - t0):8.3f} "
               f"-> {1e3 * (finished - t0):8.3f}{'  (during backward)' if during else ''}")
     print(f"  pushes that started while backward ran: {overlapping}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
