@@ -816,7 +816,17 @@ impl<'p, 'a> Plan<'p, 'a> {
             };
             let flight = match t.send {
                 Cow::Owned(send) => round.start(t.op, send, recv)?,
-                Cow::Borrowed(send) => round.start_borrowed(t.op, send, recv)?,
+                Cow::Borrowed(send) if round.sends_borrowed(t.op) => {
+                    round.start_borrowed(t.op, send, recv)?
+                }
+                // Copied into a buffer of the pool, which the next call takes again (a fresh
+                // copy each call grew the pool to its cap: under fault tolerance nothing is sent
+                // borrowed).
+                Cow::Borrowed(send) => {
+                    let mut copy = pool.take(send.dtype(), 0, send.len());
+                    append(&mut copy, send);
+                    round.start(t.op, copy, recv)?
+                }
             };
             flights.push((flight, t.members));
         }

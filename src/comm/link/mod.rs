@@ -151,6 +151,11 @@ pub(crate) trait Round {
     /// Starts `op` with this rank's `send` buffer, receiving into `recv` (of
     /// [`Op::recv_len`] elements, the dtype of `send`).
     fn start(&mut self, op: Op, send: HostData, recv: HostData) -> Result<Ticket>;
+    /// Whether [`Round::start_borrowed`] would send a buffer of `op` in place now, rather than
+    /// copy it (this default: never), so a caller can copy it into a buffer it reuses instead.
+    fn sends_borrowed(&mut self, _op: Op) -> bool {
+        false
+    }
     /// [`Round::start`] from a send buffer the caller keeps: sent in place where the link can,
     /// else copied (this default). [`Round::land`] then gives back an empty send buffer.
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {

@@ -214,6 +214,10 @@ impl Round for MpiRound<'_> {
         Ok(self.fly(flight?))
     }
 
+    fn sends_borrowed(&mut self, op: Op) -> bool {
+        matches!(op, Op::Reduce { .. }) && self.may_block(op)
+    }
+
     fn start_borrowed(&mut self, op: Op, send: &HostData, recv: HostData) -> Result<Ticket> {
         // Only a blocking collective is done with the borrowed buffer when it returns.
         let (Op::Reduce { root }, true) = (op, self.may_block(op)) else {

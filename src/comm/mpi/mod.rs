@@ -1078,8 +1078,15 @@ impl Call {
         let failed = || unsafe { ulfm::failed(data) };
         let mut lost = failed();
         // A rank that only saw an error code may hear of the loss a moment later (Open MPI's
-        // runtime tells every process): wait for it a little, bounded.
-        let until = Instant::now() + ulfm::HEAR_WITHIN;
+        // runtime tells every process): wait for it a little, bounded. Not where the survivors
+        // go on (they learn who was lost when they rebuild their world), nor once the world is
+        // known revoked: waiting then only delays every survivor's recovery (measured: most
+        // survivors of a kill waited out the whole bound).
+        let wait = match said && self.world.is_elastic() {
+            true => Duration::ZERO,
+            false => ulfm::HEAR_WITHIN,
+        };
+        let until = Instant::now() + wait;
         while lost.is_empty() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
             lost = failed();
