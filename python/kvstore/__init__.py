@@ -682,10 +682,12 @@ class KVStore:
 
     _set_updater = set_updater
 
-    def set_optimizer(self, optimizer):
+    def set_optimizer(self, optimizer, keep_state=False):
         """Runs an optimizer in the store: ``kvstore.optimizer.SGD(...)`` or
         ``kvstore.optimizer.Adam(...)`` (or their names, as ``'sgd'``). Each push is then a
-        gradient, and the stored value the weight. Its state starts afresh."""
+        gradient, and the stored value the weight. Its state starts afresh; with
+        ``keep_state=True`` the optimizer in force (of the same kind, with the same state
+        buffers) takes the new hyperparameters and keeps every key's state and step."""
         if isinstance(optimizer, str):
             optimizer = _optimizer.create(optimizer)
         apply = getattr(optimizer, "_apply", None)
@@ -693,7 +695,10 @@ class KVStore:
             raise TypeError(
                 f"set_optimizer takes kvstore.optimizer.SGD or Adam, got {type(optimizer).__name__}"
             )
-        apply(self._kv)
+        if keep_state:
+            apply(self._kv, keep_state=True)
+        else:
+            apply(self._kv)
         self._updater = optimizer
 
     def set_gradient_compression(self, compression_params):

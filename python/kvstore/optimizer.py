@@ -34,7 +34,7 @@ class SGD:
     clip_gradient: Optional[float] = None
     lazy_update: bool = True
 
-    def _apply(self, native):
+    def _apply(self, native, keep_state=False):
         _check_lazy(self)
         native.set_sgd(
             float(self.learning_rate),
@@ -42,6 +42,7 @@ class SGD:
             float(self.wd),
             float(self.rescale_grad),
             None if self.clip_gradient is None else float(self.clip_gradient),
+            keep_state,
         )
 
 
@@ -61,7 +62,7 @@ class Adam:
     epsilon_after_correction: bool = False
     lazy_update: bool = True
 
-    def _apply(self, native):
+    def _apply(self, native, keep_state=False):
         _check_lazy(self)
         native.set_adam(
             float(self.learning_rate),
@@ -72,6 +73,7 @@ class Adam:
             float(self.rescale_grad),
             None if self.clip_gradient is None else float(self.clip_gradient),
             bool(self.epsilon_after_correction),
+            keep_state,
         )
 
 

@@ -300,9 +300,8 @@ class DistributedOptimizer:
     - the store's ``rescale_grad`` becomes 1 / the new ``store.num_workers`` (with
       ``update_on_kvstore=False`` the average already divides by it at every backward), and
       the optimizer's state is kept: reloaded from ``e.restored`` when the store went back to
-      its checkpoint; kept in the store when it lost nothing, the pushes then scaled by the old
-      number of workers over the new (the Python API cannot change ``rescale_grad`` without
-      restarting the state);
+      its checkpoint; kept in the store when it lost nothing (``set_optimizer(...,
+      keep_state=True)``);
     - with ``update_on_kvstore=True`` every worker's parameters are pulled from the store, so
       they are the checkpoint's (``e.restored``), or those of the last call that committed; a
       store with no checkpoint, which forgot every key, is initialized again from the new rank
@@ -398,8 +397,7 @@ class DistributedOptimizer:
         if hasattr(optimizer, "register_load_state_dict_post_hook"):
             optimizer.register_load_state_dict_post_hook(self._state_loaded)
         # Under mpirun --with-ft ulfm a lost rank changes the world: what to call then, how
-        # many world changes were seen, and the world size the store's rescale_grad was set for
-        # (the pushes are scaled by it over num_workers where the store kept its state).
+        # many world changes were seen, and the world size the store's rescale_grad was set for.
         self._on_world_change = on_world_change
         self._world_changes = 0
         self._rescaled_for = self.store.num_workers
@@ -665,9 +663,11 @@ class DistributedOptimizer:
                     self.store.set_optimizer(translated)
                     self.store.load(e.restored)
                     self._rescaled_for = workers
-                # Else the store kept every key and its state (buddy copies): the Python API
-                # has no way to change rescale_grad and keep the state, so the pushes are
-                # scaled by the old number of workers over the new (``_scaled``).
+                else:
+                    # The store kept every key and its state (buddy copies): the new
+                    # rescale_grad, keeping that state.
+                    self.store.set_optimizer(translated, keep_state=True)
+                    self._rescaled_for = workers
                 self._translated = replace(
                     self._translated, rescale_grad=1.0 / self._rescaled_for
                 )
@@ -691,18 +691,6 @@ class DistributedOptimizer:
             with torch.no_grad():
                 self._buffer_store.init(self._buffer_keys, self._buffer_values())
         self._pull_buffers()
-
-    def _scaled(self, grads):
-        """(the store steps) The gradients to push: as they are, or, after a world change
-        that kept the store's optimizer state, scaled copies, so that the store's
-        ``rescale_grad`` (1 / the old number of workers) averages over the new number. The
-        copies live until the next synchronization (a queued push may read them later)."""
-        factor = self._rescaled_for / self.store.num_workers
-        if factor == 1.0:
-            return grads
-        scaled = [g * factor for g in grads]
-        self._scaled_kept.extend(scaled)
-        return scaled
 
     # Hooks: every backward pass is counted, and what it reached recorded.
 
@@ -922,7 +910,6 @@ class DistributedOptimizer:
             self._buckets.append(bucket)
 
     def _reset_overlap(self):
-        self._scaled_kept = []  # scaled copies of gradients queued since the last sync
         self._ready = [False] * len(self._params)
         self._queued = []  # indices of the parameters queued since the last synchronization
         self._next = 0  # the first bucket not queued yet
@@ -949,7 +936,6 @@ class DistributedOptimizer:
         priority = -min(live)
         with torch.no_grad():
             if self.update_on_kvstore:
-                grads = self._scaled(grads)
                 self.store.push_async(keys, grads, priority=priority)
             else:
                 self.store.pushpull_async(keys, grads, priority=priority)
@@ -1179,7 +1165,7 @@ class DistributedOptimizer:
                     with torch.no_grad():
                         self.store.push(
                             [self._keys[i] for i in pushed],
-                            self._scaled([self._params[i].grad for i in pushed]),
+                            [self._params[i].grad for i in pushed],
                         )
             if pushed:
                 with torch.no_grad():

@@ -689,8 +689,10 @@ impl PyStore {
             .map_err(errors::to_py)
     }
 
-    /// SGD (MXNet's `sgd_update` / `sgd_mom_update`) as the updater.
-    #[pyo3(signature = (lr, momentum, wd, rescale_grad, clip_gradient))]
+    /// SGD (MXNet's `sgd_update` / `sgd_mom_update`) as the updater; `keep_state`: new
+    /// hyperparameters for the SGD in force, keeping every key's state.
+    #[pyo3(signature = (lr, momentum, wd, rescale_grad, clip_gradient, keep_state=false))]
+    #[allow(clippy::too_many_arguments)]
     fn set_sgd(
         &self,
         py: Python<'_>,
@@ -699,6 +701,7 @@ impl PyStore {
         wd: f64,
         rescale_grad: f64,
         clip_gradient: Option<f64>,
+        keep_state: bool,
     ) -> PyResult<()> {
         let sgd = Sgd {
             lr,
@@ -707,13 +710,17 @@ impl PyStore {
             rescale_grad,
             clip_gradient,
         };
-        self.store(py)?
-            .set_updater(Updater::Sgd(sgd))
-            .map_err(errors::to_py)
+        let store = self.store(py)?;
+        match keep_state {
+            true => store.update_hyperparameters(Updater::Sgd(sgd)),
+            false => store.set_updater(Updater::Sgd(sgd)),
+        }
+        .map_err(errors::to_py)
     }
 
-    /// Adam (MXNet's `adam_update`, or PyTorch's epsilon placement) as the updater.
-    #[pyo3(signature = (lr, beta1, beta2, epsilon, wd, rescale_grad, clip_gradient, epsilon_after_correction))]
+    /// Adam (MXNet's `adam_update`, or PyTorch's epsilon placement) as the updater; `keep_state`:
+    /// new hyperparameters for the Adam in force, keeping every key's state and step.
+    #[pyo3(signature = (lr, beta1, beta2, epsilon, wd, rescale_grad, clip_gradient, epsilon_after_correction, keep_state=false))]
     #[allow(clippy::too_many_arguments)]
     fn set_adam(
         &self,
@@ -726,6 +733,7 @@ impl PyStore {
         rescale_grad: f64,
         clip_gradient: Option<f64>,
         epsilon_after_correction: bool,
+        keep_state: bool,
     ) -> PyResult<()> {
         let adam = Adam {
             lr,
@@ -737,9 +745,12 @@ impl PyStore {
             clip_gradient,
             epsilon_after_correction,
         };
-        self.store(py)?
-            .set_updater(Updater::Adam(adam))
-            .map_err(errors::to_py)
+        let store = self.store(py)?;
+        match keep_state {
+            true => store.update_hyperparameters(Updater::Adam(adam)),
+            false => store.set_updater(Updater::Adam(adam)),
+        }
+        .map_err(errors::to_py)
     }
 
     /// Compresses pushes (see `kvstore::Compression`): `kind` is "2bit" (MXNet's scheme, with
