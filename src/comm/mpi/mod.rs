@@ -75,6 +75,16 @@
 //! seconds. `mpirun` ends the job when a rank is killed by a signal; the survivors' own timeout
 //! is the backstop.
 //!
+//! # A lost rank, under fault tolerance
+//!
+//! Under `mpirun --with-ft ulfm` with an MPI that has ULFM (`ulfm.rs`), a call that loses a
+//! rank revokes the world, and the store's survivors go on: every call that changes the store
+//! ends at a fault-tolerant agreement ([`Call::commit_point`], or [`World::settle_commit`] for a
+//! survivor that failed before it), then [`World::shrink`] makes the next generation of the
+//! world among the survivors, where they hold a strict majority. [`World::get`] returns the
+//! newest generation, and its exit is the one the exit hook runs (with `_exit`, not
+//! `MPI_Finalize`, which can hang after a loss). Nothing runs blocking under fault tolerance.
+//!
 //! # Environment
 //!
 //! `KVSTORE_TIMEOUT`, `KVSTORE_WAIT_LOG_SECS` and `KVSTORE_DIST_CHECK` (see [`crate::config`]);
