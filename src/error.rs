@@ -441,6 +441,11 @@ pub enum Error {
             (true, _) => "No key was lost: every key is as the last call that took effect left \
                  it (this one took effect nowhere); re-shard the data and redo this step"
                 .to_owned(),
+            (false, Some(path)) if *committed => format!(
+                "This save took effect all the same (its checkpoint was committed before the \
+                 loss): every key was reloaded from it, {path}, at the new world size; \
+                 re-shard the data and go on from the step it saved"
+            ),
             (false, Some(path)) => format!(
                 "Every key was reloaded from the last checkpoint, {path}, at the new world size: \
                  re-shard the data and go on from that checkpoint's step"
@@ -465,8 +470,8 @@ pub enum Error {
         /// The checkpoint the keys were reloaded from, where they could not be kept.
         restored: Option<String>,
         /// Whether this call took effect on every survivor (else on none): a push the
-        /// survivors had all agreed to commit before the loss was found. Always `false` when
-        /// the keys were reloaded from a checkpoint.
+        /// survivors had all agreed to commit before the loss was found, or a save whose
+        /// checkpoint was committed on disk before it (then the one reloaded).
         committed: bool,
         /// How the loss was found, and how long the recovery took.
         detail: String,

@@ -77,6 +77,13 @@ impl KvStore {
                     String::new(),
                 ),
             };
+            // A save in flight that rank 0 committed on disk all the same: its checkpoint is
+            // the one reloaded, and the save took effect.
+            let committed = match &done {
+                Ok((true, _)) => rejoined.committed,
+                Ok((false, Some(path))) => self.saving_committed(path),
+                _ => false,
+            };
             match done {
                 Ok((healed, restored)) => {
                     self.copies_behind(false);
@@ -98,7 +105,7 @@ impl KvStore {
                         rank: self.rank(),
                         healed,
                         restored: restored.map(|p| p.display().to_string()),
-                        committed: healed && rejoined.committed,
+                        committed,
                         detail: format!(
                             "the survivors found who is left and rebuilt their link in {:.2} s; \
                              the recovery took {:.2} s in all{how}{why_not_copies}",
@@ -114,14 +121,47 @@ impl KvStore {
         Err(err)
     }
 
-    /// Forgets every key and reloads the last checkpoint, if any (its path).
+    /// Forgets every key and reloads the last checkpoint, if any (its path): the save in
+    /// flight's, where rank 0 committed it on disk before the loss (so every survivor reloads
+    /// the same one, whether its own save returned or not), else the last save's or load's.
     fn reload_last_checkpoint(&self) -> Result<Option<std::path::PathBuf>> {
         *write(&self.table) = Table::default();
-        let path = self.last_checkpoint();
+        let saving = self
+            .saving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let path = match saving {
+            Some((dir, _)) if self.saving_committed(&dir) => Some(dir),
+            _ => self.last_checkpoint(),
+        };
         if let Some(p) = &path {
             self.load_here(p)?;
+            self.remember_checkpoint(p);
         }
+        // MXNet's num_update only grows: back at the checkpoint, it is the keys' count again,
+        // so a schedule gives the redone pushes the rates they had.
+        let active = super::read(&self.active).clone();
+        let counts = (super::read(&self.table).slots.values())
+            .map(|s| s.updates(active.generation))
+            .max()
+            .unwrap_or(0);
+        active.hyper.reset_num_update(counts);
         Ok(path)
+    }
+
+    /// Whether `dir` holds, committed, the generation the save in flight claimed.
+    fn saving_committed(&self, dir: &std::path::Path) -> bool {
+        let saving = self
+            .saving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some((path, generation)) = saving else {
+            return false;
+        };
+        let same = std::fs::canonicalize(dir).is_ok_and(|d| d == path);
+        same && crate::checkpoint::read_index(&path).is_ok_and(|i| i.generation == generation)
     }
 
     /// Where the store keeps copies and a push under `active` updates them too: the buddies.

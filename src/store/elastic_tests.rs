@@ -26,6 +26,14 @@ use crate::{Error, KvStore, NDArray, Sgd, Updater};
 /// Each key's elements: one sliced (more than [`BOUND`]), the others whole.
 const LENS: [usize; 3] = [3, 20, 7];
 
+/// A learning-rate schedule (halved at every update) on a store, where `on`.
+fn schedule(kv: &KvStore, on: bool) {
+    if on {
+        let s = crate::LrScheduler::factor(1, 0.5);
+        kv.set_lr_scheduler(Some(s)).expect("the schedule");
+    }
+}
+
 /// The updater every store runs: state (momentum) that the copies must carry.
 fn sgd() -> Updater {
     Updater::Sgd(Sgd {
@@ -59,14 +67,13 @@ type Seen = (Vec<Vec<usize>>, Vec<String>, Vec<Vec<f32>>);
 
 /// Runs `steps` pushes on `n` ranks, where each of `victims` dies at its `die_after`-th
 /// exchange after the setup; `save_at`: a checkpoint before that step. `None` for a rank that
-/// died (or stopped without a majority: then its error).
+/// died (or stopped without a majority: then its error). `scheduled`: under a schedule.
 fn run(
-    n: usize,
-    steps: usize,
-    seed: u64,
+    (n, steps, seed): (usize, usize, u64),
     victims: &[usize],
     die_after: u64,
     save_at: Option<(usize, &std::path::Path)>,
+    scheduled: bool,
 ) -> Vec<Result<Seen, String>> {
     let links: Vec<Loopback> = Loopback::world(n, Duration::from_secs(20))
         .into_iter()
@@ -76,6 +83,7 @@ fn run(
     on_links(&links, |orig, link| {
         let kv = KvStore::over_loopback(link.clone(), BOUND).expect("a store");
         kv.set_updater(sgd()).expect("the updater");
+        schedule(&kv, scheduled);
         kv.init_list(&keys, &init(seed)).expect("the init");
         // The victims' clocks start after the setup, or after the checkpoint where one is saved.
         if victims.contains(&orig) && save_at.is_none() {
@@ -163,9 +171,10 @@ fn run(
 }
 
 /// One local store fed the pushes `log` committed (each the sum over the ranks alive then).
-fn reference(seed: u64, log: &[Vec<usize>]) -> Vec<Vec<f32>> {
+fn reference(seed: u64, log: &[Vec<usize>], scheduled: bool) -> Vec<Vec<f32>> {
     let kv = KvStore::create("local").expect("a local store");
     kv.set_updater(sgd()).expect("the updater");
+    schedule(&kv, scheduled);
     let keys: Vec<i32> = (0..LENS.len() as i32).collect();
     kv.init_list(&keys, &init(seed)).expect("the init");
     for (step, alive) in log.iter().enumerate() {
@@ -185,12 +194,12 @@ fn reference(seed: u64, log: &[Vec<usize>]) -> Vec<Vec<f32>> {
 
 /// Checks that every survivor saw the same pushes commit, and holds the values one local store
 /// fed them holds; returns the survivors' count.
-fn check_survivors(seed: u64, seen: &[Result<Seen, String>]) -> usize {
+fn check_survivors(seed: u64, seen: &[Result<Seen, String>], scheduled: bool) -> usize {
     let survivors: Vec<&Seen> = seen.iter().filter_map(|s| s.as_ref().ok()).collect();
     let Some(first) = survivors.first() else {
         return 0;
     };
-    let want = reference(seed, &first.0);
+    let want = reference(seed, &first.0, scheduled);
     for s in &survivors {
         assert_eq!(s.0, first.0, "the survivors saw different pushes commit");
         assert_eq!(
@@ -212,9 +221,9 @@ fn a_rank_lost_anywhere_costs_nothing() {
     runner
         .run(&cases, |(n, victim, die_after, seed)| {
             let victim = victim % n;
-            let seen = run(n, 6, seed, &[victim], die_after, None);
+            let seen = run((n, 6, seed), &[victim], die_after, None, false);
             prop_assert!(seen[victim].is_err(), "the victim lived on");
-            let survivors = check_survivors(seed, &seen);
+            let survivors = check_survivors(seed, &seen, false);
             prop_assert_eq!(survivors, n - 1);
             for s in seen.iter().flatten() {
                 // Once at most: a loss after the last push costs no error.
@@ -235,8 +244,14 @@ fn two_losses_at_once_fall_back_to_the_checkpoint() {
         ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("a directory");
-        let seen = run(5, 6, 7 + die_after, &[1, 2], die_after, Some((2, &dir)));
-        assert_eq!(check_survivors(7 + die_after, &seen), 3);
+        let seen = run(
+            (5, 6, 7 + die_after),
+            &[1, 2],
+            die_after,
+            Some((2, &dir)),
+            false,
+        );
+        assert_eq!(check_survivors(7 + die_after, &seen, false), 3);
         for s in seen.iter().flatten() {
             assert_eq!(s.1.len(), 1, "{:?}", s.1);
             assert!(s.1[0].contains("restored true"), "{:?}", s.1);
@@ -247,9 +262,33 @@ fn two_losses_at_once_fall_back_to_the_checkpoint() {
 
 #[test]
 fn a_side_without_a_majority_stops() {
-    let seen = run(2, 6, 3, &[1], 5, None);
+    let seen = run((2, 6, 3), &[1], 5, None, false);
     match &seen[0] {
         Err(e) => assert!(e.contains("no majority"), "{e}"),
         Ok(s) => panic!("the survivor of 2 went on: {:?}", s.1),
+    }
+}
+
+#[test]
+fn back_at_the_checkpoint_a_schedule_gives_the_redone_pushes_their_rates() {
+    // A rank and its buddy die some pushes after the checkpoint: the survivors reload it and
+    // redo those pushes, which a schedule must rate as it did the first time (MXNet's
+    // num_update goes back with the keys' counts).
+    for die_after in [12, 18, 24, 30] {
+        let dir = std::env::temp_dir().join(format!(
+            "kvstore-elastic-schedule-{}-{die_after}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let seen = run(
+            (5, 8, 7 + die_after),
+            &[1, 2],
+            die_after,
+            Some((1, &dir)),
+            true,
+        );
+        assert_eq!(check_survivors(7 + die_after, &seen, true), 3);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -62,6 +62,12 @@ impl Settings {
         }
     }
 
+    /// Sets `num_update` to `count`, lower or higher: after the store went back to a
+    /// checkpoint, whose keys' update counts are lower than the count was.
+    pub(super) fn reset_num_update(&self, count: u64) {
+        self.num_update.store(count, Ordering::Relaxed);
+    }
+
     fn lr_at(&self, updater: &Updater, num_update: u64) -> f64 {
         let base = updater.hyper().lr;
         self.scheduler

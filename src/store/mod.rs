@@ -118,6 +118,9 @@ pub struct KvStore {
     /// The checkpoint of this store's last save or load: the survivors of a lost rank reload
     /// it ([`KvStore::survive`]).
     last_checkpoint: std::sync::Mutex<Option<std::path::PathBuf>>,
+    /// The save in progress: its directory and the generation rank 0 claimed for it. A loss
+    /// during it may leave it committed on disk all the same ([`KvStore::survive`]).
+    saving: std::sync::Mutex<Option<(std::path::PathBuf, u64)>>,
     /// Whether some key's copy has fallen behind its part (a push the copies did not follow),
     /// so a loss must fall back to the checkpoint ([`copies`]).
     copies_behind: std::sync::atomic::AtomicBool,
@@ -180,6 +183,7 @@ impl KvStore {
             ranks,
             across,
             last_checkpoint: std::sync::Mutex::new(None),
+            saving: std::sync::Mutex::new(None),
             copies_behind: std::sync::atomic::AtomicBool::new(false),
         })
     }

@@ -51,7 +51,9 @@ impl KvStore {
         if got.is_ok() {
             self.remember_checkpoint(path.as_ref());
         }
-        self.survive("save", got)
+        let got = self.survive("save", got);
+        *self.saving.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        got
     }
 
     fn save_here(&self, dir: &Path) -> Result<()> {
@@ -61,6 +63,8 @@ impl KvStore {
         // The updater too: each rank writes its shard's state under its own.
         let mut call = d.begin_with(|| save_fingerprint(dir, &active, &slots))?;
         let save = claim_generation(&mut *call, d.rank(), dir)?;
+        let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+        *self.saving.lock().unwrap_or_else(|p| p.into_inner()) = Some((canonical, save.generation));
         let written = self.write_own_shard(dir, save, &slots, &active);
         let together = call.agree("save", written.is_ok(), "writing its shard");
         written?;

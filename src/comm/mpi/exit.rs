@@ -155,11 +155,12 @@ impl World {
         let text = format!("exited normally after its call #{}", st.seq);
         st.tell_exit(self, false, None, &text);
         if let Err(why) = st.exit_wait(self, None).and_then(|()| st.settle_exit(self)) {
-            if self.generation > 0 && st.failed_peer(self.rank).is_none() {
-                // After a lost rank (fault tolerance): Open MPI can fail the survivors' exit
-                // barrier with the old world's loss (measured: a host of 2 ranks lost, 2 runs
-                // in 5), though every survivor is healthy and mpirun kills none for an exit.
-                // This rank's work is done: it ends with its program's status.
+            if (self.generation > 0 || self.is_elastic()) && st.failed_peer(self.rank).is_none() {
+                // Under fault tolerance a rank lost after its program's last call, or the old
+                // world's loss after a recovery (measured: a host of 2 ranks lost, 2 runs in
+                // 5), fails the survivors' exit barrier, though every survivor is healthy and
+                // mpirun kills none for an exit. This rank's work is done: it ends with its
+                // program's status.
                 control::say(&format!(
                     "kvstore: rank {}: at its exit: {why}; no rank reported a failure, so it \
                      ends with its program's status",
