@@ -114,13 +114,10 @@ pub(crate) fn write_shard(
     pieces: &[Piece],
     residuals: &[KeyResiduals],
 ) -> Result<()> {
-    let gen_dir = generation_dir(dir, save.generation);
-    let path = shard_path(&gen_dir, rank, world);
+    let path = shard_path(&generation_dir(dir, save.generation), rank, world);
     let bytes =
         encode_shard(save, rank, world, updater, pieces, residuals).map_err(|p| p.at(&path))?;
-    fs::create_dir_all(&gen_dir).map_err(|e| write_error(&gen_dir, e))?;
-    sync_dir(dir).map_err(|e| write_error(dir, e))?;
-    write_atomic(&path, &bytes).map_err(|e| write_error(&path, e))
+    put_shard(dir, save, rank, world, &bytes)
 }
 
 /// The bytes [`write_shard`] would write for the shard of `rank` of `world` of `save`, kept in
@@ -148,6 +145,7 @@ pub(crate) fn put_shard(
     let gen_dir = generation_dir(dir, save.generation);
     let path = shard_path(&gen_dir, rank, world);
     fs::create_dir_all(&gen_dir).map_err(|e| write_error(&gen_dir, e))?;
+    sync_dir(dir).map_err(|e| write_error(dir, e))?;
     write_atomic(&path, bytes).map_err(|e| write_error(&path, e))
 }
 

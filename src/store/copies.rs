@@ -65,16 +65,17 @@ pub(super) fn exchange_totals(
     totals: &[Option<NDArray>],
 ) -> Result<Vec<Option<NDArray>>> {
     let keys = key_parts(groups.iter().map(|g| &*g.slot));
-    let guards: Vec<Option<HostData>> = totals
+    // Read where they are (the push's own host buffers), not copied.
+    let guards: Vec<_> = totals
         .iter()
-        .map(|t| t.as_ref().map(|a| a.with_host(HostData::clone)).transpose())
+        .map(|t| t.as_ref().map(NDArray::read))
+        .collect();
+    let hosts: Vec<Option<Cow<'_, HostData>>> = (guards.iter())
+        .map(|g| g.as_ref().map(|s| s.host()).transpose())
         .collect::<Result<_>>()?;
     let (rank, size) = (d.rank(), d.size());
-    let mine: Vec<Option<&HostData>> = guards.iter().map(Option::as_ref).collect();
+    let mine: Vec<Option<&HostData>> = hosts.iter().map(Option::as_deref).collect();
     let got = to_buddy(call, (rank, size), buddies, d.pool(), &keys, &mine)?;
-    for h in guards.into_iter().flatten() {
-        d.pool().give(h);
-    }
     Ok(got
         .into_iter()
         .zip(groups)
