@@ -17,7 +17,6 @@ Every test draws fresh random data, and prints its seed.
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -33,19 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "examples", "train_torch.py")
 TIMEOUT = 240
 
-try:
-    import kvstore_mpi
-
-    kvstore_mpi.native_module()
-    NO_MPI = None
-except (ImportError, OSError) as e:
-    NO_MPI = f"the MPI link is not installed ({e}): pip install ./python/mpi"
-
-
-def mpirun():
-    """The mpirun of the Open MPI that kvstore-mpi loads: this environment's, then PATH's."""
-    here = os.path.join(sys.prefix, "bin", "mpirun")
-    return here if os.path.exists(here) else shutil.which("mpirun")
+# The MPI link and its mpirun, as the dist tests find them.
+from test_dist import NO_MPI, mpirun  # noqa: E402
 
 
 def no_ulfm():
