@@ -1293,6 +1293,145 @@ def survive():
     say(f"ok survive (now rank {kv.rank} of {kv.num_workers}; worlds {worlds})")
 
 
+DURING_SHAPES = {0: (64,), 1: (1000, 2000)}
+
+
+def during():
+    """Elastic training under ``mpirun --with-ft ulfm``, a rank lost DURING a call of each kind
+    (ARGS: checkpoint path, victim, what, delay in seconds). The program: push, push, save,
+    then the call under test (``save``, ``load`` of that checkpoint, ``init`` of a new key, a
+    push of a ``sliced`` key, or a 2-bit ``compressed`` push), push, pull. Just before the call
+    under test the victim starts a timer that SIGKILLs it after the delay, so it dies inside
+    that call (the others already in it) or, where the call ends first, in a later one.
+
+    Every survivor must fail the same call with WorldChangedError, carry on from what that
+    error says (the next call where it committed, else the same one again; back to the
+    checkpoint where it was restored), and end with every key equal to a NumPy replay of the
+    calls that took effect (SGD with momentum; for 2-bit, every rank's residuals, which start
+    again at zero when the world changes). It prints its events and a digest of its values,
+    which the test compares across survivors."""
+    import hashlib
+    import signal
+    import threading
+
+    path, victim, what, delay = ARGS[0], int(ARGS[1]), ARGS[2], float(ARGS[3])
+    kv = kvstore.create("dist_sync")
+    n0, r0 = kv.num_workers, kv.rank
+    lr, momentum, t = 0.25, 0.5, np.float32(0.5)
+    if what == "compressed":
+        kv.set_gradient_compression({"type": "2bit", "threshold": float(t)})
+    kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=lr, momentum=momentum))
+    keys = list(DURING_SHAPES)
+    rng = np.random.default_rng([SEED, 11])
+    init = [rng.standard_normal(s).astype(np.float32) for s in DURING_SHAPES.values()]
+    new_key, new_value = 5, rng.standard_normal((1000, 1000)).astype(np.float32)
+    kv.init(keys, init)
+    middle = {"save": "save", "load": "load", "init": "init"}.get(what, "push")
+    program = ["push", "push", "save", middle, "push", "pull"]
+    armed_at = 3
+
+    def grads(rank, step):
+        g = np.random.default_rng([SEED, rank, step])
+        return [g.standard_normal(s).astype(np.float32) for s in DURING_SHAPES.values()]
+
+    # The replay: the committed calls, each with the ranks (as first numbered) alive then.
+    log = []
+    alive = list(range(n0))
+    events = []
+    step = 0
+    outs = [np.zeros(s, np.float32) for s in DURING_SHAPES.values()]
+    while step < len(program):
+        call = program[step]
+        if step == armed_at and r0 == victim:
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        try:
+            if call == "push":
+                kv.push(keys, grads(r0, step))
+            elif call == "save":
+                kv.save(path)
+            elif call == "load":
+                kv.load(path)
+            elif call == "init":
+                kv.init(new_key, new_value)
+            else:
+                kv.pull(keys, out=outs)
+            events.append(f"{step} {call}: ok")
+            log.append((step, tuple(alive)))
+            step += 1
+        except kvstore.WorldChangedError as e:
+            events.append(f"{step} {call}: lost {e.lost} committed {e.committed} "
+                          f"healed {e.healed} restored {e.restored is not None}")
+            say(f"EXPECTED {type(e).__name__} in {call}: {e}")
+            if e.committed:
+                log.append((step, tuple(alive)))
+                step += 1
+            if e.restored is not None:
+                saved = max(i for i, (s_, _) in enumerate(log) if program[s_] == "save")
+                step = log[saved][0] + 1
+                del log[saved + 1:]
+            log.append(("change", ()))
+            alive = [a for i, a in enumerate(alive) if i not in e.lost]
+            assert kv.num_workers == len(alive), (kv.num_workers, alive)
+
+    if r0 == victim:
+        time.sleep(60)  # The timer fires meanwhile, and the survivors' next call finds it.
+    while True:
+        try:
+            kv.pull(keys, out=outs)
+            break
+        except kvstore.WorldChangedError as e:
+            # The pull took effect nowhere, and changed nothing: again.
+            events.append(f"the last pull: lost {e.lost} healed {e.healed} "
+                          f"restored {e.restored is not None}")
+            say(f"EXPECTED {type(e).__name__} in the last pull: {e}")
+            assert e.healed or e.restored is not None, str(e)
+            if e.restored is not None:
+                saved = max(i for i, (s_, _) in enumerate(log) if program[s_] == "save")
+                del log[saved + 1:]
+            log.append(("change", ()))
+            alive = [a for i, a in enumerate(alive) if i not in e.lost]
+    # NumPy's replay of the log.
+    weights = [v.astype(np.float64) for v in init]
+    moms = [np.zeros_like(w) for w in weights]
+    residuals = {}
+    saved = None
+    has_new = False
+    for s_, ranks in log:
+        if s_ == "change":
+            residuals = {}
+            continue
+        call = program[s_]
+        if call == "push":
+            per_rank = [grads(q, s_) for q in ranks]
+            if what == "compressed":
+                summed = []
+                for k, shape in enumerate(DURING_SHAPES.values()):
+                    res = [residuals.setdefault((q, k), np.zeros(shape, np.float32))
+                           for q in ranks]
+                    summed.append(two_bit_reference([g[k] for g in per_rank], t, res)
+                                  .astype(np.float64))
+            else:
+                summed = [sum(g[k].astype(np.float64) for g in per_rank)
+                          for k in range(len(keys))]
+            weights, moms = sgd_momentum_steps(weights, moms, [summed], lr, momentum)
+        elif call == "save":
+            saved = ([w.copy() for w in weights], [m.copy() for m in moms])
+        elif call == "load":
+            weights, moms = [w.copy() for w in saved[0]], [m.copy() for m in saved[1]]
+        elif call == "init":
+            has_new = True
+    for k in keys:
+        np.testing.assert_allclose(outs[k], weights[k], rtol=1e-4, atol=1e-5)
+    digest = hashlib.sha256(b"".join(o.tobytes() for o in outs))
+    if has_new:
+        got = np.zeros(new_value.shape, np.float32)
+        kv.pull(new_key, out=got)
+        assert np.array_equal(got, new_value), "the new key's value"
+        digest.update(got.tobytes())
+    assert len(alive) == n0 - 1, f"no rank was lost: {events}"
+    say(f"ok during {what}: events {events} digest {digest.hexdigest()[:16]}")
+
+
 def no_majority():
     """Under ``mpirun --with-ft ulfm`` with 2 ranks, rank 1 SIGKILLs itself: the survivor holds
     1 of 2 ranks, not a strict majority, so it must stop with DistFailedError (it could be one
@@ -1379,6 +1518,7 @@ CASES = {
     "exit_queued": exit_queued,
     "lose_rank": lose_rank,
     "survive": survive,
+    "during": during,
     "no_majority": no_majority,
 }
 

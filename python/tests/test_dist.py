@@ -481,6 +481,35 @@ def test_under_ulfm_a_lost_rank_costs_nothing_with_copies_and_training_goes_on(
 
 
 @needs_mpi
+@pytest.mark.parametrize("what,replicas", [("save", "1"), ("load", "1"), ("init", "1"),
+                                           ("sliced", "1"), ("compressed", "1"),
+                                           ("save", "0"), ("sliced", "0")])
+def test_under_ulfm_a_rank_lost_during_any_call_fails_it_on_every_survivor_alike(
+        tmp_path, what, replicas):
+    # 3 ranks; a random victim SIGKILLs itself a random 0 to 15 ms (2 for an init) into a save, a load, an
+    # init, a push of a sliced key or a 2-bit compressed push (or, where that call ends first,
+    # in a later one). Both survivors must fail the same call with WorldChangedError, go on,
+    # and end with values equal to a NumPy replay of the calls that took effect, and to each
+    # other's (the same digest).
+    import random
+    # An init is quick: its kill comes sooner, to land inside it as often.
+    victim, delay = random.randrange(3), random.uniform(0, 0.002 if what == "init" else 0.015)
+    print(f"victim {victim}, killed {delay * 1000:.1f} ms into the {what} call")
+    path = str(tmp_path / "ckpt")
+    rc, out = run(3, "during", path, str(victim), what, str(delay),
+                  launch=("--with-ft", "ulfm"), timeout=180,
+                  env={"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "10000",
+                       "KVSTORE_REPLICAS": replicas})
+    print(out)
+    done = re.findall(rf"^rank (\d+): ok during {what}: events (.*) digest (\w+)$", out, re.M)
+    assert sorted(int(d[0]) for d in done) == sorted(set(range(3)) - {victim}), out
+    assert len({d[1] for d in done}) == 1, f"the survivors saw different calls fail: {done}"
+    assert len({d[2] for d in done}) == 1, f"the survivors' values differ: {done}"
+    assert "lost [" in done[0][1], out
+    assert "Traceback" not in out, out
+
+
+@needs_mpi
 def test_under_ulfm_a_side_without_a_majority_stops_and_never_computes_on():
     # 2 ranks, one lost: the survivor holds 1 of 2, which could be half of a cut link, so it
     # must stop with DistFailedError (every later call too) and exit non-zero.

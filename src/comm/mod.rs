@@ -7,7 +7,8 @@
 //! - `local`: sums and copies between this process's GPUs (NCCL or peer copies).
 //! - `dist`: the across-ranks plans of `dist_*` stores and the pool of transfer buffers;
 //!   `spread`: which ranks hold a key.
-//! - `link`: the link between ranks, a file per transport; `fingerprint`: what ranks compare.
+//! - `link`: the link between ranks, a file per transport; `fingerprint`: what ranks compare;
+//!   `points`: where the survivors of a lost rank agree, call by call.
 //! - [`launch`]: what a launcher says through the environment (rank, size, timeout).
 //! - [`nccl`]: communicators per device set, grouped collectives, error polling, abort.
 //! - `mpi` (cargo feature `mpi`): CPU ranks: bootstrap, bounded non-blocking collectives,
@@ -23,6 +24,8 @@ mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
+#[cfg(any(feature = "mpi", test))]
+pub(crate) mod points;
 mod spread;
 
 pub(crate) use spread::Spread;

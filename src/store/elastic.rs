@@ -3,14 +3,16 @@
 //! A call that loses a rank fails on every survivor, which then, inside that call:
 //! 1. rebuilds the link among the survivors ([`Dist::rejoin`](crate::comm::dist::Dist)): they
 //!    agree on who is left, and go on only where they hold a strict majority of the ranks;
-//! 2. forgets every key, whose parts were placed for the old world size;
-//! 3. reloads the store's last checkpoint (its last save or load), placed for the new size;
-//! 4. returns [`Error::WorldChanged`], so the program re-shards its data and goes on from the
-//!    checkpoint's step.
+//! 2. rebuilds every key for the new world size from the survivors' parts and the buddies'
+//!    copies of the lost ranks' parts (`heal.rs`), where the store keeps copies and they are
+//!    whole; else forgets every key and reloads the store's last checkpoint (its last save or
+//!    load, or the save in flight where rank 0 committed it);
+//! 3. returns [`Error::WorldChanged`], saying which, and whether the call committed, so the
+//!    program re-shards its data and goes on.
 //!
-//! Every survivor gets the error for its call in flight, and a survivor that was not in a call
-//! gets it for its next one. Nothing of the failed call is kept on any rank: all go back to the
-//! checkpoint.
+//! Every survivor gets the error for the same call: the calls' fault-tolerant agreements
+//! ([`crate::comm::points`]) make a call in flight fail on every survivor or on none, and a
+//! survivor that was not in a call gets it for its next one.
 
 use std::path::Path;
 use std::time::Instant;
@@ -77,9 +79,10 @@ impl KvStore {
                     String::new(),
                 ),
             };
-            // A save in flight that rank 0 committed on disk all the same: its checkpoint is
-            // the one reloaded, and the save took effect.
+            // A save in flight that rank 0 committed on disk all the same took effect (and where
+            // the store goes back to a checkpoint, its is the one reloaded).
             let committed = match &done {
+                Ok((true, _)) if op == "save" => self.save_in_flight_committed(),
                 Ok((true, _)) => rejoined.committed,
                 Ok((false, Some(path))) => self.saving_committed(path),
                 _ => false,
@@ -148,6 +151,16 @@ impl KvStore {
             .unwrap_or(0);
         active.hyper.reset_num_update(counts);
         Ok(path)
+    }
+
+    /// Whether the save in flight was committed on disk.
+    fn save_in_flight_committed(&self) -> bool {
+        let saving = self
+            .saving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        saving.is_some_and(|(dir, _)| self.saving_committed(&dir))
     }
 
     /// Whether `dir` holds, committed, the generation the save in flight claimed.

@@ -1,12 +1,17 @@
 //! Elastic dist stores on the loopback link (N ranks as N threads), in `cargo test`: a rank lost
 //! at a random point of a random program.
 //!
-//! - `a_rank_lost_anywhere_costs_nothing`: on 3 to 5 ranks, one rank dies at a random exchange
-//!   of a program of pushes and pushpulls (SGD with momentum, a sliced key among whole ones).
-//!   Every survivor gets [`Error::WorldChanged`] once, healed from the copies, and redoes the
-//!   push unless it committed (a loss in a pushpull's pull comes after its commit). At the end every survivor's values equal, bit for bit, one local store fed
-//!   exactly the pushes that committed, each summed over the ranks alive then. Skipping the
-//!   buddies' update, or committing on some ranks only, makes the values differ.
+//! - `a_rank_lost_anywhere_costs_nothing`: on 2 to 5 ranks, one rank dies at a random exchange
+//!   of a random program of pushes, pushpulls, pulls, barriers, saves and inits (SGD with
+//!   momentum, a sliced key among whole ones), before or after its part of that exchange went
+//!   out (after: the exchange completes on some survivors and fails on others). Every survivor
+//!   must see the same calls succeed and the same one fail with [`Error::WorldChanged`], healed
+//!   from the copies, and redo it unless it committed. At the end every survivor's values equal,
+//!   bit for bit, one local store fed exactly the calls that committed, each push summed over
+//!   the ranks alive then. Skipping the buddies' update, committing on some ranks only, or
+//!   ending a call on some survivors only makes them differ. On 2 ranks the survivor stops.
+//! - `calls_queued_in_the_async_mode_commit_or_fail_everywhere`: the same through an
+//!   [`AsyncKvStore`](crate::AsyncKvStore) queue: every survivor fails the same queued call.
 //! - `two_losses_at_once_fall_back_to_the_checkpoint`: a rank and its buddy die together, so a
 //!   part has no copy left: the survivors reload the last checkpoint.
 //! - `a_side_without_a_majority_stops`: 1 survivor of 2 stops, and never computes on.
@@ -43,98 +48,147 @@ fn sgd() -> Updater {
     })
 }
 
-/// What rank `orig` (numbered as at the start) pushes to key `k` at `step`.
-fn grad(seed: u64, orig: usize, step: usize, k: usize) -> NDArray {
-    let v: Vec<f32> = (0..LENS[k])
+/// A call of a test program (every rank makes the same).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    Push,
+    PushPull,
+    Pull,
+    Barrier,
+    Save,
+    /// A new key, numbered 100 + the step.
+    Init,
+}
+
+const CALLS: [Call; 6] = [
+    Call::Push,
+    Call::PushPull,
+    Call::Pull,
+    Call::Barrier,
+    Call::Save,
+    Call::Init,
+];
+
+/// The elements of `key` (the base keys 0..3, or 100 + the step that added it).
+fn len_of(key: i32) -> usize {
+    LENS[(key % 100) as usize % LENS.len()]
+}
+
+/// What rank `orig` (numbered as at the start) pushes to `key` at `step`.
+fn grad(seed: u64, orig: usize, step: usize, key: i32) -> NDArray {
+    let n = len_of(key);
+    let v: Vec<f32> = (0..n)
         .map(|i| {
             let h =
-                (seed ^ (orig as u64) << 40 ^ (step as u64) << 20 ^ (k as u64) << 10 ^ i as u64)
+                (seed ^ (orig as u64) << 40 ^ (step as u64) << 20 ^ (key as u64) << 10 ^ i as u64)
                     .wrapping_mul(0x9E37_79B9_7F4A_7C15);
             ((h >> 59) as f32 - 8.0) / 4.0
         })
         .collect();
-    NDArray::from_vec(v, [LENS[k]]).expect("a gradient")
+    NDArray::from_vec(v, [n]).expect("a gradient")
 }
 
-/// Every key's value at the start (rank 0's).
+/// The base keys' values at the start (rank 0's).
 fn init(seed: u64) -> Vec<NDArray> {
-    (0..LENS.len()).map(|k| grad(seed, 99, 0, k)).collect()
+    (0..LENS.len() as i32)
+        .map(|k| grad(seed, 99, 0, k))
+        .collect()
 }
 
-/// What one survivor saw: the ranks (numbered as at the start) alive at each push that
-/// committed, in order, the error it got, and every key's value at the end.
-type Seen = (Vec<Vec<usize>>, Vec<String>, Vec<Vec<f32>>);
+/// The keys a store holds after the calls `log` committed: the base keys, then those added.
+fn keys_after(program: &[Call], log: &[(usize, Vec<usize>)]) -> Vec<i32> {
+    let added = log.iter().filter(|(s, _)| program[*s] == Call::Init);
+    (0..LENS.len() as i32)
+        .chain(added.map(|(s, _)| 100 + *s as i32))
+        .collect()
+}
 
-/// Runs `steps` pushes on `n` ranks, where each of `victims` dies at its `die_after`-th
-/// exchange after the setup; `save_at`: a checkpoint before that step. `None` for a rank that
-/// died (or stopped without a majority: then its error). `scheduled`: under a schedule.
-fn run(
-    (n, steps, seed): (usize, usize, u64),
-    victims: &[usize],
+/// What one survivor saw: the steps that took effect, in order, each with the ranks (numbered
+/// as at the start) alive then; every call's outcome in words; every key's value at the end.
+struct Seen {
+    log: Vec<(usize, Vec<usize>)>,
+    events: Vec<String>,
+    values: Vec<(i32, Vec<f32>)>,
+}
+
+/// A test run: `program` on `n` ranks; each of `victims` dies at its `die_after`-th exchange
+/// counted from the start of step `arm` (`sent`: after its part of it went out); saves go to
+/// `dir`; `scheduled`: under a learning-rate schedule.
+struct Plan<'a> {
+    n: usize,
+    seed: u64,
+    program: &'a [Call],
+    victims: &'a [usize],
     die_after: u64,
-    save_at: Option<(usize, &std::path::Path)>,
+    sent: bool,
+    arm: usize,
+    dir: &'a std::path::Path,
     scheduled: bool,
-) -> Vec<Result<Seen, String>> {
-    let links: Vec<Loopback> = Loopback::world(n, Duration::from_secs(20))
+}
+
+/// Runs `plan`: each rank's [`Seen`], or why it stopped (`died`, or its error).
+fn run(plan: &Plan<'_>) -> Vec<Result<Seen, String>> {
+    let links: Vec<Loopback> = Loopback::world(plan.n, Duration::from_secs(20))
         .into_iter()
         .map(Loopback::elastic)
         .collect();
-    let keys: Vec<i32> = (0..LENS.len() as i32).collect();
+    let (seed, program) = (plan.seed, plan.program);
     on_links(&links, |orig, link| {
         let kv = KvStore::over_loopback(link.clone(), BOUND).expect("a store");
         kv.set_updater(sgd()).expect("the updater");
-        schedule(&kv, scheduled);
-        kv.init_list(&keys, &init(seed)).expect("the init");
-        // The victims' clocks start after the setup, or after the checkpoint where one is saved.
-        if victims.contains(&orig) && save_at.is_none() {
-            link.die_after(die_after);
-        }
-        let mut alive: Vec<usize> = (0..n).collect();
-        let (mut log, mut errors) = (Vec::new(), Vec::new());
-        let mut step = 0;
-        while step < steps {
-            if save_at.is_some_and(|(s, _)| s == step) && !log.is_empty() {
-                if let Some((_, dir)) = save_at {
-                    if let Err(e) = kv.save(dir) {
-                        panic!("rank {orig}: the save failed: {e}");
-                    }
-                    if victims.contains(&orig) && errors.is_empty() {
-                        link.die_after(die_after);
-                    }
-                }
+        schedule(&kv, plan.scheduled);
+        let base: Vec<i32> = (0..LENS.len() as i32).collect();
+        kv.init_list(&base, &init(seed)).expect("the init");
+        let mut alive: Vec<usize> = (0..plan.n).collect();
+        let (mut log, mut events) = (Vec::new(), Vec::new());
+        let (mut step, mut armed) = (0, false);
+        while step < program.len() {
+            if step == plan.arm && plan.victims.contains(&orig) && !armed {
+                link.die_after(plan.die_after, plan.sent);
+                armed = true;
             }
-            let grads: Vec<NDArray> = (0..LENS.len()).map(|k| grad(seed, orig, step, k)).collect();
-            // Odd steps push and pull in one call: a loss in its pull comes after its commit.
-            let outs: Vec<NDArray> = LENS.iter().map(|&n| NDArray::zeros([n])).collect();
-            let pushed = match step % 2 {
-                0 => kv.push_list(&keys, &grads),
-                _ => kv.pushpull_list(&keys, &grads, &outs),
+            let keys = keys_after(program, &log);
+            let grads: Vec<NDArray> = keys.iter().map(|&k| grad(seed, orig, step, k)).collect();
+            let outs: Vec<NDArray> = keys.iter().map(|&k| NDArray::zeros([len_of(k)])).collect();
+            let call = program[step];
+            let got = match call {
+                Call::Push => kv.push_list(&keys, &grads),
+                Call::PushPull => kv.pushpull_list(&keys, &grads, &outs),
+                Call::Pull => kv.pull_list(&keys, &outs),
+                Call::Barrier => kv.barrier(),
+                Call::Save => kv.save(plan.dir),
+                Call::Init => kv.init(100 + step as i32, &grad(seed, 98, step, 100 + step as i32)),
             };
-            match pushed {
+            match got {
                 Ok(()) => {
-                    log.push(alive.clone());
+                    events.push(format!("{step} {call:?}: ok"));
+                    log.push((step, alive.clone()));
                     step += 1;
                 }
                 Err(_) if link.is_gone() => return Err("died".to_owned()),
                 Err(Error::WorldChanged {
                     lost,
                     committed,
+                    healed,
                     restored,
                     ..
                 }) => {
                     let back = restored.is_some();
-                    errors.push(format!(
-                        "lost {lost:?} committed {committed} restored {back}"
+                    events.push(format!(
+                        "{step} {call:?}: lost {lost:?} committed {committed} healed {healed} \
+                         restored {back}"
                     ));
                     if committed {
-                        log.push(alive.clone());
+                        log.push((step, alive.clone()));
                         step += 1;
                     }
-                    if restored.is_some() {
-                        // Back at the checkpoint: the pushes before it.
-                        let saved = save_at.map_or(0, |(s, _)| s);
-                        log.truncate(saved);
-                        step = saved;
+                    if back {
+                        // Back at the last save: the calls after it are redone.
+                        let saved = (log.iter())
+                            .rposition(|(s, _)| program[*s] == Call::Save)
+                            .expect("a save before the checkpoint was reloaded");
+                        step = log[saved].0 + 1;
+                        log.truncate(saved + 1);
                     }
                     alive = (alive.iter().enumerate())
                         .filter(|(r, _)| !lost.contains(r))
@@ -142,119 +196,294 @@ fn run(
                         .collect();
                 }
                 Err(e @ Error::DistFailed { .. }) => return Err(e.to_string()),
-                Err(e) => panic!("rank {orig}: {e}"),
+                Err(e) => panic!("rank {orig}, step {step} ({call:?}): {e}"),
             }
         }
         let mut values = Vec::new();
-        for &k in &keys {
-            let out = NDArray::zeros([LENS[k as usize]]);
+        for k in keys_after(program, &log) {
+            let out = NDArray::zeros([len_of(k)]);
             loop {
                 match kv.pull(k, &out) {
                     Ok(()) => break,
                     Err(_) if link.is_gone() => return Err("died".to_owned()),
                     // A loss during the pull: the keys are as they were (healed); pull again.
                     Err(Error::WorldChanged { healed, .. }) => {
-                        errors.push(format!("pull: healed {healed}"));
+                        events.push(format!("the last pull of {k}: healed {healed}"));
                         assert!(
                             healed,
                             "rank {orig}: a loss in the last pull was not healed"
                         );
-                        continue;
                     }
+                    Err(e @ Error::DistFailed { .. }) => return Err(e.to_string()),
                     Err(e) => panic!("rank {orig}: the pull: {e}"),
                 }
             }
-            values.push(out.to_vec::<f32>().expect("values"));
+            values.push((k, out.to_vec::<f32>().expect("values")));
         }
-        Ok((log, errors, values))
+        Ok(Seen {
+            log,
+            events,
+            values,
+        })
     })
 }
 
-/// One local store fed the pushes `log` committed (each the sum over the ranks alive then).
-fn reference(seed: u64, log: &[Vec<usize>], scheduled: bool) -> Vec<Vec<f32>> {
+/// One local store fed the calls `log` committed (each push the sum over the ranks alive then).
+fn reference(plan: &Plan<'_>, log: &[(usize, Vec<usize>)]) -> Vec<(i32, Vec<f32>)> {
+    let (seed, program) = (plan.seed, plan.program);
     let kv = KvStore::create("local").expect("a local store");
     kv.set_updater(sgd()).expect("the updater");
-    schedule(&kv, scheduled);
-    let keys: Vec<i32> = (0..LENS.len() as i32).collect();
-    kv.init_list(&keys, &init(seed)).expect("the init");
-    for (step, alive) in log.iter().enumerate() {
-        for (k, &key) in keys.iter().enumerate() {
-            let grads: Vec<NDArray> = alive.iter().map(|&o| grad(seed, o, step, k)).collect();
-            kv.push(key, &grads).expect("a push");
+    schedule(&kv, plan.scheduled);
+    let base: Vec<i32> = (0..LENS.len() as i32).collect();
+    kv.init_list(&base, &init(seed)).expect("the init");
+    for (i, (step, alive)) in log.iter().enumerate() {
+        let step = *step;
+        match program[step] {
+            Call::Push | Call::PushPull => {
+                for key in keys_after(program, &log[..i]) {
+                    let grads: Vec<NDArray> =
+                        alive.iter().map(|&o| grad(seed, o, step, key)).collect();
+                    kv.push(key, &grads).expect("a push");
+                }
+            }
+            Call::Init => {
+                let key = 100 + step as i32;
+                kv.init(key, &grad(seed, 98, step, key)).expect("an init");
+            }
+            Call::Pull | Call::Barrier | Call::Save => {}
         }
     }
-    keys.iter()
-        .map(|&k| {
-            let out = NDArray::zeros([LENS[k as usize]]);
+    keys_after(program, log)
+        .into_iter()
+        .map(|k| {
+            let out = NDArray::zeros([len_of(k)]);
             kv.pull(k, &out).expect("a pull");
-            out.to_vec::<f32>().expect("values")
+            (k, out.to_vec::<f32>().expect("values"))
         })
         .collect()
 }
 
-/// Checks that every survivor saw the same pushes commit, and holds the values one local store
-/// fed them holds; returns the survivors' count.
-fn check_survivors(seed: u64, seen: &[Result<Seen, String>], scheduled: bool) -> usize {
+/// Checks that every survivor saw the same calls succeed and fail, and holds the values one
+/// local store fed the committed ones holds; returns the survivors' count.
+fn check_survivors(plan: &Plan<'_>, seen: &[Result<Seen, String>]) -> usize {
     let survivors: Vec<&Seen> = seen.iter().filter_map(|s| s.as_ref().ok()).collect();
     let Some(first) = survivors.first() else {
         return 0;
     };
-    let want = reference(seed, &first.0, scheduled);
+    let want = reference(plan, &first.log);
     for s in &survivors {
-        assert_eq!(s.0, first.0, "the survivors saw different pushes commit");
         assert_eq!(
-            s.2, want,
-            "a survivor's values differ from the committed pushes' (log {:?}, errors {:?})",
-            s.0, s.1
+            s.events, first.events,
+            "the survivors saw different calls succeed or fail"
+        );
+        assert_eq!(s.log, first.log, "the survivors saw different calls commit");
+        assert_eq!(
+            s.values, want,
+            "a survivor's values differ from the committed calls' (events {:?})",
+            s.events
         );
     }
     survivors.len()
 }
 
+/// A fresh directory for a test's checkpoints.
+fn fresh_dir(what: &str, case: u64) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "kvstore-elastic-{what}-{}-{case}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a directory");
+    dir
+}
+
 #[test]
 fn a_rank_lost_anywhere_costs_nothing() {
     let mut runner = TestRunner::new(Config {
-        cases: 24,
+        cases: 32,
         ..Config::default()
     });
-    let cases = (3usize..=5, 0usize..5, 1u64..25, any::<u64>());
+    let program = proptest::collection::vec(0..CALLS.len(), 3..9);
+    let cases = (2usize..=5, 0usize..5, 1u64..30, any::<bool>(), program);
+    let case = std::sync::atomic::AtomicU64::new(0);
     runner
-        .run(&cases, |(n, victim, die_after, seed)| {
-            let victim = victim % n;
-            let seen = run((n, 6, seed), &[victim], die_after, None, false);
-            prop_assert!(seen[victim].is_err(), "the victim lived on");
-            let survivors = check_survivors(seed, &seen, false);
-            prop_assert_eq!(survivors, n - 1);
-            for s in seen.iter().flatten() {
-                // Once at most: a loss after the last push costs no error.
-                prop_assert!(s.1.len() <= 1, "{:?}", s.1);
-            }
-            Ok(())
-        })
+        .run(
+            &(cases, any::<u64>()),
+            |((n, victim, die_after, sent, calls), seed)| {
+                let victim = victim % n;
+                let program: Vec<Call> = calls.iter().map(|&c| CALLS[c]).collect();
+                let dir = fresh_dir(
+                    "any",
+                    case.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                );
+                let plan = Plan {
+                    n,
+                    seed,
+                    program: &program,
+                    victims: &[victim],
+                    die_after,
+                    sent,
+                    arm: 0,
+                    dir: &dir,
+                    scheduled: false,
+                };
+                let seen = run(&plan);
+                let _ = std::fs::remove_dir_all(&dir);
+                let died = seen[victim].is_err();
+                let survivors = check_survivors(&plan, &seen);
+                match (died, n) {
+                    // The victim's clock ran out after its last call: nobody was lost.
+                    (false, _) => prop_assert_eq!(survivors, n),
+                    // 1 of 2 is no majority: the survivor stops.
+                    (true, 2) => {
+                        let other = &seen[1 - victim];
+                        prop_assert!(
+                            matches!(other, Err(e) if e.contains("no majority")),
+                            "the survivor of 2 went on, or stopped for another reason"
+                        );
+                    }
+                    (true, _) => prop_assert_eq!(survivors, n - 1),
+                }
+                for s in seen.iter().flatten() {
+                    let changes = s.events.iter().filter(|e| e.contains("lost")).count();
+                    prop_assert!(changes <= 1, "{:?}", s.events);
+                    prop_assert!(!s.events.iter().any(|e| e.contains("restored true")));
+                }
+                Ok(())
+            },
+        )
         .unwrap();
+}
+
+#[test]
+fn calls_queued_in_the_async_mode_commit_or_fail_everywhere() {
+    // Each rank queues 5 pushes and a pull, then waits: a rank lost among them fails the same
+    // queued call on every survivor (the later ones are skipped), and the keys hold exactly the
+    // pushes before it, and it too where it committed.
+    let steps = 5;
+    for case in 0..12u64 {
+        let (n, seed) = (3 + case as usize % 3, 1000 + case);
+        let (victim, die_after, sent) = (case as usize % n, 1 + case * 3 % 14, case % 2 == 0);
+        let links: Vec<Loopback> = Loopback::world(n, Duration::from_secs(20))
+            .into_iter()
+            .map(Loopback::elastic)
+            .collect();
+        let keys: Vec<i32> = (0..LENS.len() as i32).collect();
+        let seen = on_links(&links, |orig, link| {
+            let kv = KvStore::over_loopback(link.clone(), BOUND).expect("a store");
+            kv.set_updater(sgd()).expect("the updater");
+            kv.init_list(&keys, &init(seed)).expect("the init");
+            let queue = crate::AsyncKvStore::new(kv);
+            if orig == victim {
+                link.die_after(die_after, sent);
+            }
+            for step in 0..steps {
+                let grads: Vec<NDArray> = keys.iter().map(|&k| grad(seed, orig, step, k)).collect();
+                queue.push_list(&keys, &grads, 0);
+            }
+            let outs: Vec<NDArray> = keys.iter().map(|&k| NDArray::zeros([len_of(k)])).collect();
+            queue.pull_list(&keys, &outs, 0);
+            let waited = queue.wait_all();
+            if link.is_gone() {
+                return None;
+            }
+            let failed = match waited {
+                Ok(()) => None,
+                Err(Error::Async {
+                    call,
+                    skipped,
+                    source,
+                }) => match &*source {
+                    Error::WorldChanged {
+                        committed, lost, ..
+                    } => Some((call, skipped, *committed, lost.clone())),
+                    e => panic!("rank {orig}: {call} failed: {e}"),
+                },
+                Err(e) => panic!("rank {orig}: {e}"),
+            };
+            let values: Vec<Vec<f32>> = (keys.iter())
+                .map(|&k| {
+                    let out = NDArray::zeros([len_of(k)]);
+                    queue
+                        .store()
+                        .pull(k, &out)
+                        .expect("a pull after the change");
+                    out.to_vec::<f32>().expect("values")
+                })
+                .collect();
+            Some((failed, values))
+        });
+        let survivors: Vec<_> = seen.iter().flatten().collect();
+        let first = survivors.first().expect("survivors");
+        // The pushes that took effect: those before the failed call, and it where committed.
+        let done = match &first.0 {
+            None => steps,
+            Some((call, _, committed, _)) => {
+                let number: usize = call[1..call.find(' ').expect("a number")]
+                    .parse()
+                    .expect("the call's number");
+                (number - 1).min(steps) + usize::from(*committed && number <= steps)
+            }
+        };
+        let program = vec![Call::Push; steps];
+        // Every push that took effect, the failed one too, summed every rank's values.
+        let log: Vec<(usize, Vec<usize>)> = (0..done).map(|s| (s, (0..n).collect())).collect();
+        let plan = Plan {
+            n,
+            seed,
+            program: &program,
+            victims: &[victim],
+            die_after,
+            sent,
+            arm: 0,
+            dir: std::path::Path::new("."),
+            scheduled: false,
+        };
+        let want: Vec<Vec<f32>> = reference(&plan, &log).into_iter().map(|(_, v)| v).collect();
+        for s in &survivors {
+            assert_eq!(
+                s.0, first.0,
+                "case {case}: the survivors failed different calls"
+            );
+            assert_eq!(
+                s.1, want,
+                "case {case}: the values differ from the committed pushes'"
+            );
+        }
+    }
 }
 
 #[test]
 fn two_losses_at_once_fall_back_to_the_checkpoint() {
     // Ranks 1 and 2 of 5 on one machine: 2 keeps 1's copy, so 1's parts have no copy left.
+    let program = [
+        Call::Push,
+        Call::PushPull,
+        Call::Save,
+        Call::Push,
+        Call::PushPull,
+        Call::Push,
+        Call::PushPull,
+    ];
     for die_after in [1, 4, 9] {
-        let dir = std::env::temp_dir().join(format!(
-            "kvstore-elastic-two-{}-{die_after}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a directory");
-        let seen = run(
-            (5, 6, 7 + die_after),
-            &[1, 2],
+        let dir = fresh_dir("two", die_after);
+        let plan = Plan {
+            n: 5,
+            seed: 7 + die_after,
+            program: &program,
+            victims: &[1, 2],
             die_after,
-            Some((2, &dir)),
-            false,
-        );
-        assert_eq!(check_survivors(7 + die_after, &seen, false), 3);
+            sent: false,
+            arm: 3,
+            dir: &dir,
+            scheduled: false,
+        };
+        let seen = run(&plan);
+        assert_eq!(check_survivors(&plan, &seen), 3);
         for s in seen.iter().flatten() {
-            assert_eq!(s.1.len(), 1, "{:?}", s.1);
-            assert!(s.1[0].contains("restored true"), "{:?}", s.1);
+            let changes: Vec<&String> = s.events.iter().filter(|e| e.contains("lost")).collect();
+            assert_eq!(changes.len(), 1, "{:?}", s.events);
+            assert!(changes[0].contains("restored true"), "{:?}", s.events);
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -262,10 +491,21 @@ fn two_losses_at_once_fall_back_to_the_checkpoint() {
 
 #[test]
 fn a_side_without_a_majority_stops() {
-    let seen = run((2, 6, 3), &[1], 5, None, false);
-    match &seen[0] {
+    let program = [Call::Push; 6];
+    let plan = Plan {
+        n: 2,
+        seed: 3,
+        program: &program,
+        victims: &[1],
+        die_after: 5,
+        sent: false,
+        arm: 0,
+        dir: std::path::Path::new("."),
+        scheduled: false,
+    };
+    match &run(&plan)[0] {
         Err(e) => assert!(e.contains("no majority"), "{e}"),
-        Ok(s) => panic!("the survivor of 2 went on: {:?}", s.1),
+        Ok(s) => panic!("the survivor of 2 went on: {:?}", s.events),
     }
 }
 
@@ -274,21 +514,23 @@ fn back_at_the_checkpoint_a_schedule_gives_the_redone_pushes_their_rates() {
     // A rank and its buddy die some pushes after the checkpoint: the survivors reload it and
     // redo those pushes, which a schedule must rate as it did the first time (MXNet's
     // num_update goes back with the keys' counts).
+    let mut program = vec![Call::Push, Call::Save];
+    program.extend([Call::Push, Call::PushPull].repeat(4));
     for die_after in [12, 18, 24, 30] {
-        let dir = std::env::temp_dir().join(format!(
-            "kvstore-elastic-schedule-{}-{die_after}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a directory");
-        let seen = run(
-            (5, 8, 7 + die_after),
-            &[1, 2],
+        let dir = fresh_dir("schedule", die_after);
+        let plan = Plan {
+            n: 5,
+            seed: 7 + die_after,
+            program: &program,
+            victims: &[1, 2],
             die_after,
-            Some((1, &dir)),
-            true,
-        );
-        assert_eq!(check_survivors(7 + die_after, &seen, true), 3);
+            sent: false,
+            arm: 2,
+            dir: &dir,
+            scheduled: true,
+        };
+        let seen = run(&plan);
+        assert_eq!(check_survivors(&plan, &seen), 3);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

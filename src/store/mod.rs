@@ -584,7 +584,8 @@ impl KvStore {
         let cells: Few<RwLockReadGuard<'_, HomeValue>> =
             groups.iter().map(|g| read(&g.slot.cell)).collect();
         let cells: Few<&HomeValue> = cells.iter().map(|c| &**c).collect();
-        (self.across).pull_parts(&mut *call, d, self.ctx(), &groups, &cells)
+        let pulled = (self.across).pull_parts(&mut *call, d, self.ctx(), &groups, &cells);
+        call.ended(pulled)
     }
 
     /// The one push of every store, on checked `groups` (`op`: `push` or `pushpull`): this
@@ -688,7 +689,8 @@ impl KvStore {
         if let Some(pulls) = pulls {
             // `pushes` and `pulls` hold the same distinct keys in the same order.
             let values: Vec<&HomeValue> = cells.iter().map(|c| &**c).collect();
-            across.pull_parts(&mut *call, d, ctx, pulls, &values)?;
+            let pulled = across.pull_parts(&mut *call, d, ctx, pulls, &values);
+            call.ended(pulled)?;
         }
         drop(cells);
         drop(call);

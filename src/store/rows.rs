@@ -162,7 +162,8 @@ impl KvStore {
         let d = &self.ranks;
         let mut call = d.begin_with(|| across::fingerprint(op, &group).note("row_sparse"))?;
         let cell = read(&slot.cell);
-        let rows = (self.across).rows_pulled(&mut *call, d, &slot, &cell, &ids)?;
+        let rows = (self.across).rows_pulled(&mut *call, d, &slot, &cell, &ids);
+        let rows = call.ended(rows)?;
         let mut dims = slot.shape.dims().to_vec();
         dims[0] = ids.len();
         RowSparse::new(ids, NDArray::from_host(rows, Shape::new(&dims)?, cpu(0)))

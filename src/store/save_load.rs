@@ -48,10 +48,18 @@ impl KvStore {
     /// [`Invalid`](crate::CheckpointErrorKind::Invalid) (`path` is a file).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let got = self.save_here(path.as_ref());
-        if got.is_ok() {
+        let got = self.survive("save", got);
+        // Saved, even where a rank was lost after rank 0 committed the save.
+        if matches!(
+            got,
+            Ok(())
+                | Err(Error::WorldChanged {
+                    committed: true,
+                    ..
+                })
+        ) {
             self.remember_checkpoint(path.as_ref());
         }
-        let got = self.survive("save", got);
         *self.saving.lock().unwrap_or_else(|p| p.into_inner()) = None;
         got
     }
@@ -75,7 +83,8 @@ impl KvStore {
         };
         let together = call.agree("save", committed.is_ok(), "committing the index");
         committed?;
-        together
+        together?;
+        call.end(true)
     }
 
     /// Loads a checkpoint written by [`KvStore::save`] (a directory saved by any world size,

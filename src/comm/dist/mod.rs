@@ -290,7 +290,8 @@ impl Dist {
         if self.alone {
             return Ok(());
         }
-        self.begin_compared("agree", what).map(drop)
+        let mut round = self.begin_compared("agree", what)?;
+        round.end(true)
     }
 
     /// For each of `flags`, whether any rank passed `true` (see [`crate::KvStore::any_of`]).
@@ -304,7 +305,8 @@ impl Dist {
         for (i, _) in flags.iter().enumerate().filter(|(_, &f)| f) {
             words[i / 64] |= 1 << (i % 64);
         }
-        let all = round.all_gather_words(&words)?;
+        let all = round.all_gather_words(&words);
+        let all = round.ended(all)?;
         // Every rank's words ORed together.
         for rank in all.chunks(words.len().max(1)) {
             words.iter_mut().zip(rank).for_each(|(w, r)| *w |= r);
@@ -339,7 +341,8 @@ impl Dist {
     /// Waits until every rank has reached this barrier (bounded by `KVSTORE_TIMEOUT`).
     pub(crate) fn barrier(&self) -> Result<()> {
         let mut round = self.begin(Fingerprint::new("barrier"))?;
-        round.barrier()
+        let waited = round.barrier();
+        round.ended(waited)
     }
 }
 

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use super::{ArrayOp, Link, Op, Rejoined, Round, Seat, Ticket};
 use crate::comm::dist::copy_into;
 use crate::comm::fingerprint::{check_across, Fingerprint};
+use crate::comm::points::{Agreed, Point, Points, Vote};
 use crate::host::{with_host, HostData};
 use crate::ndarray::Storage;
 use crate::{DType, Device, Error, Key, Result};
@@ -36,12 +37,14 @@ enum Payload {
 struct Exchange {
     deposits: Vec<Option<Payload>>,
     taken: usize,
+    /// The lowest rank that died in this exchange after its deposit.
+    died_after: Option<usize>,
 }
 
 /// One fault-tolerant agreement: every rank's flag, and the outcome once decided.
 struct Agreement {
-    flags: Vec<Option<bool>>,
-    decided: Option<bool>,
+    flags: Vec<Option<Vote>>,
+    decided: Option<Agreed>,
 }
 
 /// What the ranks of one loopback world share, under one lock.
@@ -87,12 +90,11 @@ struct RankState {
     exchanges: u64,
     /// The agreements this rank has joined in this world.
     agreements: u64,
-    /// Whether the call begun last changes the store (it ends at a commit point), and the last
-    /// call whose commit point this rank passed, with its outcome.
-    commits: bool,
-    commit_point: (u64, bool),
-    /// The exchange of this world at which this rank dies (tests of a lost rank).
-    die_at: Option<u64>,
+    /// The agreements of the call begun last (its commit and end points).
+    points: Points,
+    /// The exchange of this world at which this rank dies (tests of a lost rank), and whether
+    /// it makes its deposit first.
+    die_at: Option<(u64, bool)>,
     /// Whether this rank died.
     gone: bool,
     /// The first desync: the link refuses calls after it, as a poisoned MPI world does.
@@ -131,8 +133,7 @@ impl Loopback {
                     stores: 0,
                     exchanges: 0,
                     agreements: 0,
-                    commits: false,
-                    commit_point: (0, false),
+                    points: Points::default(),
                     die_at: None,
                     gone: false,
                     failed: None,
@@ -154,11 +155,13 @@ impl Loopback {
         self
     }
 
-    /// Makes this rank die when it starts its `n`-th exchange from now (in this world): that
-    /// call fails, and it makes no more.
-    pub(crate) fn die_after(&self, n: u64) {
+    /// Makes this rank die in its `n`-th exchange from now (in this world): that call fails,
+    /// and it makes no more. `sent`: it dies after making its deposit, so that the exchange
+    /// completes on some survivors only ([`LoopRound::collect`]); else before, so that the
+    /// exchange fails on every rank.
+    pub(crate) fn die_after(&self, n: u64, sent: bool) {
         let mut st = self.lock();
-        st.die_at = Some(st.exchanges + n);
+        st.die_at = Some((st.exchanges + n, sent));
     }
 
     /// Whether this rank died.
@@ -236,13 +239,12 @@ impl Link for Loopback {
         if !self.elastic || !lost_any || st.gone {
             return None;
         }
-        // The commit point of the call begun last, where this rank failed before it.
-        let seq = st.seq;
-        if st.commits && st.commit_point.0 < seq {
-            let agreed = agree(&mut st, (&hub, my_rank), false);
-            st.commit_point = (seq, agreed.unwrap_or(false));
+        // The point of the call begun last that this rank failed before.
+        if let Some(point) = st.points.next() {
+            let agreed = agree(&mut st, (&hub, my_rank), Vote::Recovering);
+            st.points.passed(point, agreed.unwrap_or(Agreed::Lost));
         }
-        let committed = st.commit_point == (seq, true);
+        let committed = st.points.committed();
         let (next, members) = {
             let mut sh = hub.lock();
             sh.revoked = true;
@@ -277,7 +279,7 @@ impl Link for Loopback {
         // A new world: calls and exchanges are numbered afresh, as a new MPI world's are.
         *self.place.write().unwrap_or_else(|p| p.into_inner()) = (next, rank);
         (st.seq, st.exchanges, st.agreements) = (0, 0, 0);
-        (st.commits, st.commit_point) = (false, (0, false));
+        st.points = Points::default();
         st.failed = None;
         Some(Ok(Rejoined {
             lost,
@@ -309,7 +311,7 @@ impl Link for Loopback {
             });
         }
         st.seq += 1;
-        st.commits = matches!(fp.op(), "push" | "pushpull" | "init" | "load" | "heal");
+        st.points = Points::of(fp.op());
         let (hub, rank) = self.place();
         let mut round = LoopRound {
             link: self,
@@ -381,10 +383,10 @@ fn die(st: &mut RankState, (hub, rank): (&Hub, usize)) {
     }
 }
 
-/// The fault-tolerant agreement of `st`'s rank (its next in its world): whether every rank of
-/// the world passed `true`, the same outcome on every survivor; a rank that died without joining
-/// makes it `false`. Bounded by the world's timeout.
-fn agree(st: &mut RankState, (hub, rank): (&Hub, usize), ok: bool) -> Result<bool> {
+/// The fault-tolerant agreement of `st`'s rank (its next in its world): what every rank's vote
+/// makes, the same outcome on every survivor; a rank that died without joining makes it
+/// [`Agreed::Lost`], as MPI's agreement fails then. Bounded by the world's timeout.
+fn agree(st: &mut RankState, (hub, rank): (&Hub, usize), vote: Vote) -> Result<Agreed> {
     st.agreements += 1;
     let id = st.agreements;
     let deadline = Instant::now() + hub.timeout;
@@ -394,7 +396,7 @@ fn agree(st: &mut RankState, (hub, rank): (&Hub, usize), ok: bool) -> Result<boo
         flags: vec![None; size],
         decided: None,
     });
-    a.flags[rank] = Some(ok);
+    a.flags[rank] = Some(vote);
     hub.arrived.notify_all();
     loop {
         let dead = sh.dead.clone();
@@ -405,7 +407,9 @@ fn agree(st: &mut RankState, (hub, rank): (&Hub, usize), ok: bool) -> Result<boo
         if a.decided.is_none() {
             let here = |r: usize| a.flags[r].is_some() || dead.contains(&r);
             if (0..size).all(here) {
-                a.decided = Some(a.flags.iter().all(|f| *f == Some(true)));
+                // A dead rank's missing vote fails the agreement, as a loss does MPI's.
+                let anded = (a.flags.iter()).try_fold(0b11, |acc, f| f.map(|v| acc & v.flag()));
+                a.decided = Some(Agreed::from_flag(anded));
             }
         }
         if let Some(d) = a.decided {
@@ -424,6 +428,33 @@ fn agree(st: &mut RankState, (hub, rank): (&Hub, usize), ok: bool) -> Result<boo
 }
 
 impl LoopRound<'_> {
+    /// Passes `point` of this call, if it is the call's next, voting `ok` (or, where a rank was
+    /// lost, as one recovering), as MPI's world does (`Call::pass` there).
+    fn pass(&mut self, point: Point, ok: bool) -> Result<()> {
+        if !self.link.elastic || self.st.points.next() != Some(point) {
+            return Ok(());
+        }
+        let dead = self.hub.lock().dead.clone();
+        let vote = match ok {
+            true => Vote::Yes,
+            false if !dead.is_empty() => Vote::Recovering,
+            false => Vote::FailedHere,
+        };
+        let agreed = agree(&mut self.st, (&self.hub.clone(), self.rank), vote)?;
+        self.st.points.passed(point, agreed);
+        match agreed {
+            Agreed::All => Ok(()),
+            Agreed::FailedElsewhere => Err(Error::Mpi {
+                op: self.op,
+                message: "another rank failed its part of this call".to_owned(),
+            }),
+            Agreed::Lost => {
+                let dead = self.hub.lock().dead.clone();
+                Err(self.lost(&dead))
+            }
+        }
+    }
+
     /// The error of a call that finds a rank lost, as MPI with fault tolerance gives it.
     fn lost(&self, dead: &[usize]) -> Error {
         match dead.first() {
@@ -442,33 +473,50 @@ impl LoopRound<'_> {
     }
 
     /// Deposits `mine` into this rank's next exchange; returns the exchange's number. A rank
-    /// that dies here, or finds the world revoked, fails.
+    /// that dies here ([`Loopback::die_after`]), or finds the world revoked, fails; one that
+    /// dies after sending deposits first (see [`LoopRound::collect`] for what the others get).
     fn deposit(&mut self, mine: Payload) -> Result<u64> {
         self.st.exchanges += 1;
         let id = self.st.exchanges;
         let (rank, hub) = (self.rank, self.hub.clone());
-        if self.st.die_at == Some(id) {
+        if self.st.die_at == Some((id, false)) {
             die(&mut self.st, (&hub, rank));
         }
-        if self.st.gone {
+        let dies = self.st.die_at == Some((id, true));
+        if dies {
+            // Dead before its deposit is seen: whoever finds the deposit finds the death.
+            die(&mut self.st, (&hub, rank));
+        } else if self.st.gone {
             return Err(Error::internal("this loopback rank died"));
         }
         let mut sh = hub.lock();
-        if sh.revoked {
+        if sh.revoked && !dies {
             let dead = sh.dead.clone();
             return Err(self.lost(&dead));
         }
-        let ex = sh.exchanges.entry(id).or_insert_with(|| Exchange {
-            deposits: vec![None; hub.size],
-            taken: 0,
-        });
-        ex.deposits[rank] = Some(mine);
-        hub.arrived.notify_all();
+        if !sh.revoked {
+            let ex = sh.exchanges.entry(id).or_insert_with(|| Exchange {
+                deposits: vec![None; hub.size],
+                taken: 0,
+                died_after: None,
+            });
+            ex.deposits[rank] = Some(mine);
+            if dies {
+                ex.died_after = Some(ex.died_after.map_or(rank, |d| d.min(rank)));
+            }
+            hub.arrived.notify_all();
+        }
+        drop(sh);
+        if dies {
+            return Err(Error::internal("this loopback rank died"));
+        }
         Ok(id)
     }
 
     /// Every rank's deposit into exchange `id`, once all are there (bounded by the timeout). A
-    /// wait for a rank that died fails at once, and revokes the world.
+    /// wait for a rank that died fails at once, and revokes the world. An exchange a rank died
+    /// in after its deposit completes on the ranks numbered below it and fails on those above,
+    /// as a collective that loses a rank midway can complete on some survivors only.
     fn collect(&mut self, id: u64, what: &str) -> Result<Vec<Payload>> {
         let hub = self.hub.clone();
         let deadline = Instant::now() + hub.timeout;
@@ -480,6 +528,12 @@ impl LoopRound<'_> {
                 .exchanges
                 .get_mut(&id)
                 .ok_or_else(|| Error::internal("an exchange vanished"))?;
+            let after_a_death = ex.died_after.is_some_and(|d| d < self.rank);
+            if ex.deposits.iter().all(Option::is_some) && after_a_death {
+                sh.revoked = true;
+                hub.arrived.notify_all();
+                return Err(self.lost(&dead));
+            }
             if ex.deposits.iter().all(Option::is_some) {
                 let got = ex.deposits.iter().flatten().cloned().collect();
                 ex.taken += 1;
@@ -542,18 +596,11 @@ impl Round for LoopRound<'_> {
     }
 
     fn commit(&mut self) -> Result<()> {
-        if !self.link.elastic {
-            return Ok(());
-        }
-        let committed = agree(&mut self.st, (&self.hub.clone(), self.rank), true)?;
-        self.st.commit_point = (self.seq, committed);
-        match committed {
-            true => Ok(()),
-            false => {
-                let dead = self.hub.lock().dead.clone();
-                Err(self.lost(&dead))
-            }
-        }
+        self.pass(Point::Commit, true)
+    }
+
+    fn end(&mut self, ok: bool) -> Result<()> {
+        self.pass(Point::End, ok)
     }
 
     fn seq(&self) -> u64 {

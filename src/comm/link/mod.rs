@@ -198,6 +198,14 @@ pub(crate) trait Round {
     fn commit(&mut self) -> Result<()> {
         Ok(())
     }
+    /// The end of a call that goes on after its commit point or never commits, on a link that
+    /// can go on after a lost rank ([`crate::comm::points`]): `Ok` where every rank passed `ok`
+    /// and none was lost, an error on every rank otherwise. Every rank that began the call must
+    /// reach it, with `ok` false where its own part failed ([`Round::ended`] passes it).
+    /// Elsewhere (this default) `Ok` at once.
+    fn end(&mut self, _ok: bool) -> Result<()> {
+        Ok(())
+    }
     /// [`Link::shut`] from a round in progress (which holds the link's call lock).
     fn shut_link(&mut self, why: String);
     /// Waits until every rank is here.
@@ -207,6 +215,15 @@ pub(crate) trait Round {
 }
 
 impl dyn Round + '_ {
+    /// Ends the call at its end point ([`Round::end`]) with what its body `got`: `got` where
+    /// every rank's body succeeded, else an error on every rank (this rank's own where it has
+    /// one).
+    pub(crate) fn ended<T>(&mut self, got: Result<T>) -> Result<T> {
+        let end = self.end(got.is_ok());
+        let got = got?;
+        end.map(|()| got)
+    }
+
     /// Gives back `got`, and on an error shuts this rank's link ([`Round::shut_link`]): a rank
     /// that failed its part of a call after the check may have left the others waiting in a
     /// collective it never joined, so its later calls must fail at once

@@ -181,6 +181,11 @@ impl Round for MpiRound<'_> {
         self.call.commit_point(true)
     }
 
+    fn end(&mut self, ok: bool) -> Result<()> {
+        self.agreed = false;
+        self.call.end_point(ok)
+    }
+
     fn seq(&self) -> u64 {
         self.call.seq()
     }

@@ -113,6 +113,7 @@ use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 
 pub use crate::comm::fingerprint::Fingerprint;
+use crate::comm::points::{Agreed, Point, Points, Vote};
 /// The default of `KVSTORE_TIMEOUT` (30 minutes): one constant for every distributed wait.
 pub use crate::config::DEFAULT_TIMEOUT;
 pub(crate) use collective::Group;
@@ -210,11 +211,9 @@ struct State {
     loss_seen: Option<bool>,
     /// The ranks lost (ULFM), as this rank learnt of them.
     lost: Vec<usize>,
-    /// Under fault tolerance: whether the call begun last changes the store (a push, an init,
-    /// a load), so it ends with a commit point ([`Call::commit_point`]) on every rank.
-    commits: bool,
-    /// The last call whose commit point this rank has passed, and whether it committed.
-    commit_point: (u64, bool),
+    /// Under fault tolerance: the agreements of the call begun last, its commit and end points
+    /// ([`Call::commit_point`], [`Call::end_point`]), which every survivor passes.
+    points: Points,
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
@@ -445,8 +444,7 @@ impl World {
                 staged: collective::Staged::with_cap(collective::staged_cap(config.pool_bytes)),
                 loss_seen: None,
                 lost: Vec::new(),
-                commits: false,
-                commit_point: (0, false),
+                points: Points::default(),
             }),
             poison: Mutex::new(None),
             env_error: None,
@@ -628,18 +626,17 @@ impl World {
         self.saw_loss.load(std::sync::atomic::Ordering::Relaxed) || self.successor.get().is_some()
     }
 
-    /// After a failed call, under fault tolerance: passes the commit point of the call begun
-    /// last if this rank has not (it failed before it, so it did not commit, and neither does
-    /// any rank: every survivor takes part in each commit point), and says whether that call
+    /// After a call failed for a lost rank, under fault tolerance: passes the point of the
+    /// call begun last that this rank has not (see [`crate::comm::points`]; every survivor
+    /// passes each, and this rank's vote makes it fail everywhere), and says whether that call
     /// committed on every survivor.
     pub(crate) fn settle_commit(&'static self) -> bool {
         let mut st = lock(&self.state);
-        let seq = st.seq;
-        if st.commits && st.commit_point.0 < seq {
-            let agreed = agree(&mut st, false, self.timeout);
-            st.commit_point = (seq, agreed.unwrap_or(false));
+        if let Some(point) = st.points.next() {
+            let agreed = agree(&mut st, Vote::Recovering, self.timeout).unwrap_or(Agreed::Lost);
+            st.points.passed(point, agreed);
         }
-        st.commit_point == (seq, true)
+        st.points.committed()
     }
 
     /// The survivors' world after a lost rank: every survivor calls this (the first store of a
@@ -755,7 +752,7 @@ impl World {
             });
         }
         st.seq += 1;
-        st.commits = matches!(fp.op(), "push" | "pushpull" | "init" | "load" | "heal");
+        st.points = Points::of(fp.op());
         let mut call = Call {
             world: self,
             seq: st.seq,
@@ -776,17 +773,18 @@ impl World {
 }
 
 /// A fault-tolerant agreement on the world's data communicator of `st` (every survivor must
-/// join): whether every survivor passed `ok` and no rank was lost before the agreement ended.
-/// Bounded by `timeout` (an error, after which the world is unusable).
-fn agree(st: &mut State, ok: bool, timeout: Duration) -> Result<bool> {
+/// join): what every survivor's `vote` and any rank lost before it ended make (see
+/// [`crate::comm::points`]). Bounded by `timeout` (an error, after which the world is
+/// unusable).
+fn agree(st: &mut State, vote: Vote, timeout: Duration) -> Result<Agreed> {
     // On the heap: MPI writes it when the agreement ends, which may be after a timeout here.
-    let mut flag = Box::new(c_int::from(ok));
+    let mut flag = Box::new(vote.flag() as c_int);
     let mut req = Request::null();
     // SAFETY: the data communicator is valid (the state lock is held); `flag` lives until the
     // request completes below, or is leaked on a timeout; `req` is a valid out-pointer.
     let rc = unsafe { ulfm::iagree(st.data.0, &mut *flag, &mut req.0) };
     if rc != ffi::MPI_SUCCESS as c_int {
-        return Ok(false);
+        return Ok(Agreed::Lost);
     }
     let start = Instant::now();
     let mut backoff = Backoff::new(start, 0);
@@ -796,10 +794,10 @@ fn agree(st: &mut State, ok: bool, timeout: Duration) -> Result<bool> {
         let rc = unsafe { ffi::MPI_Test(&mut req.0, &mut done, ffi::RSMPI_STATUS_IGNORE) };
         if rc != ffi::MPI_SUCCESS as c_int {
             // A loss during the agreement: every survivor's ends with the same error.
-            return Ok(false);
+            return Ok(Agreed::Lost);
         }
         if done != 0 {
-            return Ok(*flag == 1);
+            return Ok(Agreed::from_flag(Some(*flag)));
         }
         if start.elapsed() > timeout {
             // The pending request still refers to `flag`: leak it rather than free it under MPI.
@@ -960,27 +958,57 @@ impl Call {
     /// every rank passed `ok` and no rank was lost: then every survivor commits, else none.
     /// Elsewhere (no fault tolerance) it is `Ok(())` at once.
     pub(crate) fn commit_point(&mut self, ok: bool) -> Result<()> {
-        if !self.world.is_elastic() {
+        self.pass(Point::Commit, ok)
+    }
+
+    /// Under fault tolerance, the end of a call that goes on after its commit point or never
+    /// commits (see [`crate::comm::points`]): every survivor passes it, and it is `Ok` only
+    /// where every rank passed `ok` and no rank was lost, so that a loss fails the call on every
+    /// survivor or on none. Elsewhere, or for a call without one, `Ok(())` at once.
+    pub(crate) fn end_point(&mut self, ok: bool) -> Result<()> {
+        self.pass(Point::End, ok)
+    }
+
+    /// Passes `point` of this call, if it is the call's next, voting `ok` (or, where this rank
+    /// failed for a lost rank, as one recovering).
+    fn pass(&mut self, point: Point, ok: bool) -> Result<()> {
+        if !self.world.is_elastic() || self.st.points.next() != Some(point) {
             return Ok(());
         }
-        let committed = agree(&mut self.st, ok, self.world.timeout)?;
-        self.st.commit_point = (self.seq, committed);
-        if committed {
-            return Ok(());
-        }
-        self.world
-            .saw_loss
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        let e = Error::Mpi {
-            op: self.op,
-            message: format!(
-                "call #{} did not commit: a rank failed its part or was lost before every rank \
-                 agreed to commit it",
-                self.seq
-            ),
+        let vote = match ok {
+            true => Vote::Yes,
+            false if self.world.lost_a_rank() => Vote::Recovering,
+            false => Vote::FailedHere,
         };
-        self.world.poison_with(e.to_string());
-        Err(e)
+        let agreed = agree(&mut self.st, vote, self.world.timeout)?;
+        self.st.points.passed(point, agreed);
+        let what = match point {
+            Point::Commit => "did not commit",
+            Point::End => "did not end on every rank",
+        };
+        match agreed {
+            Agreed::All => Ok(()),
+            Agreed::FailedElsewhere => Err(Error::Mpi {
+                op: self.op,
+                message: format!(
+                    "call #{} {what}: another rank failed its part of it (its own error says \
+                     why); no rank was lost, and every rank failed the call",
+                    self.seq
+                ),
+            }),
+            Agreed::Lost => {
+                (self.world.saw_loss).store(true, std::sync::atomic::Ordering::Relaxed);
+                let e = Error::Mpi {
+                    op: self.op,
+                    message: format!(
+                        "call #{} {what}: a rank was lost before every rank agreed to end it",
+                        self.seq
+                    ),
+                };
+                self.world.poison_with(e.to_string());
+                Err(e)
+            }
+        }
     }
 
     /// Compares the fingerprint across ranks; see [`crate::comm::fingerprint`].
