@@ -1218,12 +1218,17 @@ def survive():
     is checked against a NumPy replay of those steps on every rank's gradients (key 1 is
     sliced, so its slices are cut again for the new size). The survivors then redo the steps
     from there to 7 as the new world's ranks, and the values must equal a NumPy replay of every
-    committed step (momentum included)."""
+    committed step (momentum included).
+
+    ARGS[2], where given, is the store's kind: with ``dist_device_sync`` (GPU ranks, which keep
+    no copies) the survivors abort their NCCL communicator, join a new one among themselves, and
+    reload the checkpoint."""
     import signal
 
     path, victim = ARGS[0], int(ARGS[1])
-    replicas = os.environ.get("KVSTORE_REPLICAS", "1") != "0"
-    kv = kvstore.create("dist_sync")
+    kind = ARGS[2] if len(ARGS) > 2 else "dist_sync"
+    replicas = os.environ.get("KVSTORE_REPLICAS", "1") != "0" and kind == "dist_sync"
+    kv = kvstore.create(kind)
     n0, r0 = kv.num_workers, kv.rank
     lr, momentum = 0.25, 0.5
     kv.set_optimizer(kvstore.optimizer.SGD(learning_rate=lr, momentum=momentum))
@@ -1290,7 +1295,7 @@ def survive():
     # The new world saves and agrees as any world does.
     kv.save(path)
     kv.barrier()
-    say(f"ok survive (now rank {kv.rank} of {kv.num_workers}; worlds {worlds})")
+    say(f"ok survive {kind} (now rank {kv.rank} of {kv.num_workers}; worlds {worlds})")
 
 
 DURING_SHAPES = {0: (64,), 1: (1000, 2000)}
@@ -1309,13 +1314,15 @@ def during():
     checkpoint where it was restored), and end with every key equal to a NumPy replay of the
     calls that took effect (SGD with momentum; for 2-bit, every rank's residuals, which start
     again at zero when the world changes). It prints its events and a digest of its values,
-    which the test compares across survivors."""
+    which the test compares across survivors. ARGS[4], where given, is the store's kind
+    (``dist_device_sync``: GPU ranks, whose NCCL collective the victim dies in)."""
     import hashlib
     import signal
     import threading
 
     path, victim, what, delay = ARGS[0], int(ARGS[1]), ARGS[2], float(ARGS[3])
-    kv = kvstore.create("dist_sync")
+    kind = ARGS[4] if len(ARGS) > 4 else "dist_sync"
+    kv = kvstore.create(kind)
     n0, r0 = kv.num_workers, kv.rank
     lr, momentum, t = 0.25, 0.5, np.float32(0.5)
     if what == "compressed":
@@ -1429,7 +1436,7 @@ def during():
         assert np.array_equal(got, new_value), "the new key's value"
         digest.update(got.tobytes())
     assert len(alive) == n0 - 1, f"no rank was lost: {events}"
-    say(f"ok during {what}: events {events} digest {digest.hexdigest()[:16]}")
+    say(f"ok during {what} {kind}: events {events} digest {digest.hexdigest()[:16]}")
 
 
 def no_majority():

@@ -480,32 +480,71 @@ def test_under_ulfm_a_lost_rank_costs_nothing_with_copies_and_training_goes_on(
     assert "Traceback" not in out, out
 
 
+STANDIN = os.environ.get("KVSTORE_STANDIN_LIB")
+
+
+def standin_env():
+    """What a job of 3 GPU ranks on the stand-in driver needs (THIS IS NOT A GPU RUN)."""
+    if not STANDIN:
+        pytest.skip("SKIPPED: KVSTORE_STANDIN_LIB is not set (the stand-in driver's folder, "
+                    "which python/ci.sh builds)")
+    return {"LD_LIBRARY_PATH": STANDIN + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""),
+            "KVSTORE_STANDIN": "1", "KVSTORE_STANDIN_GPUS": "3"}
+
+
 @needs_mpi
-@pytest.mark.parametrize("what,replicas", [("save", "1"), ("load", "1"), ("init", "1"),
-                                           ("sliced", "1"), ("compressed", "1"),
-                                           ("save", "0"), ("sliced", "0")])
+@pytest.mark.parametrize("what,replicas,kind", [
+    ("save", "1", "dist_sync"), ("load", "1", "dist_sync"), ("init", "1", "dist_sync"),
+    ("sliced", "1", "dist_sync"), ("compressed", "1", "dist_sync"),
+    ("save", "0", "dist_sync"), ("sliced", "0", "dist_sync"),
+    ("save", "1", "dist_device_sync"), ("sliced", "1", "dist_device_sync")])
 def test_under_ulfm_a_rank_lost_during_any_call_fails_it_on_every_survivor_alike(
-        tmp_path, what, replicas):
-    # 3 ranks; a random victim SIGKILLs itself a random 0 to 15 ms (2 for an init) into a save, a load, an
-    # init, a push of a sliced key or a 2-bit compressed push (or, where that call ends first,
-    # in a later one). Both survivors must fail the same call with WorldChangedError, go on,
-    # and end with values equal to a NumPy replay of the calls that took effect, and to each
-    # other's (the same digest).
+        tmp_path, what, replicas, kind):
+    # 3 ranks; a random victim SIGKILLs itself a random 0 to 15 ms (2 for an init) into a save,
+    # a load, an init, a push of a sliced key or a 2-bit compressed push (or, where that call
+    # ends first, in a later one). Both survivors must fail the same call with
+    # WorldChangedError, go on, and end with values equal to a NumPy replay of the calls that
+    # took effect, and to each other's (the same digest). GPU ranks (dist_device_sync, on the
+    # stand-in driver) keep no copies: they reload the checkpoint, after a new NCCL
+    # communicator; the victim dies inside an NCCL collective.
     import random
     # An init is quick: its kill comes sooner, to land inside it as often.
     victim, delay = random.randrange(3), random.uniform(0, 0.002 if what == "init" else 0.015)
     print(f"victim {victim}, killed {delay * 1000:.1f} ms into the {what} call")
     path = str(tmp_path / "ckpt")
-    rc, out = run(3, "during", path, str(victim), what, str(delay),
-                  launch=("--with-ft", "ulfm"), timeout=180,
-                  env={"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "10000",
-                       "KVSTORE_REPLICAS": replicas})
+    env = {"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "10000",
+           "KVSTORE_REPLICAS": replicas}
+    if kind == "dist_device_sync":
+        env.update(standin_env())
+    rc, out = run(3, "during", path, str(victim), what, str(delay), kind,
+                  launch=("--with-ft", "ulfm"), timeout=180, env=env)
     print(out)
-    done = re.findall(rf"^rank (\d+): ok during {what}: events (.*) digest (\w+)$", out, re.M)
+    done = re.findall(rf"^rank (\d+): ok during {what} {kind}: events (.*) digest (\w+)$", out,
+                      re.M)
     assert sorted(int(d[0]) for d in done) == sorted(set(range(3)) - {victim}), out
     assert len({d[1] for d in done}) == 1, f"the survivors saw different calls fail: {done}"
     assert len({d[2] for d in done}) == 1, f"the survivors' values differ: {done}"
     assert "lost [" in done[0][1], out
+    assert "Traceback" not in out, out
+
+
+@needs_mpi
+@pytest.mark.parametrize("victim", [0, 2])
+def test_under_ulfm_gpu_ranks_join_a_new_nccl_communicator_and_reload_the_checkpoint(
+        tmp_path, victim):
+    # dist_device_sync on 3 GPU ranks of the stand-in driver (THIS IS NOT A GPU RUN), a
+    # checkpoint after step 2, rank `victim` SIGKILLed at step 5. GPU ranks keep no copies: the
+    # survivors abort their NCCL communicator (it counts the lost rank), join a new one whose id
+    # rank 0 sends over the shrunk MPI world, reload the checkpoint at the new size, redo the
+    # lost steps, and check every value against NumPy.
+    path = str(tmp_path / "ckpt")
+    env = {"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "1000", **standin_env()}
+    rc, out = run(3, "survive", path, str(victim), "dist_device_sync",
+                  launch=("--with-ft", "ulfm"), timeout=300, env=env)
+    print(out)
+    survivors = sorted(set(range(3)) - {victim})
+    assert oks(out, "survive dist_device_sync") == survivors, out
+    assert f"rank {victim} was lost" in out, out
     assert "Traceback" not in out, out
 
 

@@ -17,7 +17,8 @@ use crate::{Device, Element, Error, Result};
 pub(crate) struct MpiLink {
     /// The world's newest generation this link has joined.
     world: std::sync::RwLock<&'static World>,
-    gpu: Option<Arc<RankComm>>,
+    /// GPU ranks' NCCL communicator among the world's ranks (a new one after a lost rank).
+    gpu: std::sync::RwLock<Option<Arc<RankComm>>>,
 }
 
 impl MpiLink {
@@ -25,18 +26,26 @@ impl MpiLink {
     pub(super) fn join(on_gpu: bool) -> Result<MpiLink> {
         let world = World::get()?;
         let gpu = match on_gpu {
-            true => Some(Arc::new(join_nccl_over_mpi(world)?)),
+            true => {
+                let ordinal = world.local_rank() % probe::gpu_count().max(1);
+                Some(Arc::new(join_nccl_over_mpi(world, ordinal)?))
+            }
             false => None,
         };
         Ok(MpiLink {
             world: std::sync::RwLock::new(world),
-            gpu,
+            gpu: std::sync::RwLock::new(gpu),
         })
     }
 
     /// The world this link is on.
     fn world(&self) -> &'static World {
         *self.world.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// GPU ranks' communicator.
+    fn gpu(&self) -> Option<Arc<RankComm>> {
+        self.gpu.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -58,7 +67,7 @@ impl Link for MpiLink {
     }
 
     fn in_place_home(&self) -> Option<Device> {
-        self.gpu.as_ref().map(|rc| Device::Gpu(rc.ordinal()))
+        self.gpu().map(|rc| Device::Gpu(rc.ordinal()))
     }
 
     fn shut(&self, why: String) {
@@ -66,8 +75,7 @@ impl Link for MpiLink {
     }
 
     fn survives_loss(&self) -> bool {
-        // GPU ranks would need a new NCCL communicator too: not yet.
-        self.gpu.is_none() && self.world().is_elastic()
+        self.world().is_elastic()
     }
 
     fn machines(&self) -> Vec<usize> {
@@ -76,19 +84,34 @@ impl Link for MpiLink {
 
     fn rejoin(&self) -> Option<Result<Rejoined>> {
         let world = self.world();
-        // GPU ranks would need a new NCCL communicator too: not yet.
-        if self.gpu.is_some() || !world.is_elastic() || !world.lost_a_rank() {
+        let gpu = self.gpu();
+        // GPU ranks may have seen the loss in NCCL, not MPI: then MPI is asked.
+        let lost = world.lost_a_rank() || (gpu.is_some() && world.find_loss());
+        if !world.is_elastic() || !lost {
             return None;
         }
         let start = std::time::Instant::now();
         let committed = world.settle_commit();
-        Some(world.shrink().map(|shrunk| {
-            *self.world.write().unwrap_or_else(|p| p.into_inner()) = shrunk.world;
-            Rejoined {
-                lost: shrunk.lost,
-                took: start.elapsed(),
-                committed,
+        let shrunk = match world.shrink() {
+            Ok(shrunk) => shrunk,
+            Err(e) => return Some(Err(e)),
+        };
+        *self.world.write().unwrap_or_else(|p| p.into_inner()) = shrunk.world;
+        if let Some(old) = gpu {
+            // The old communicator counts the lost rank, whose part of any collective never
+            // comes (and a finalize would wait for it): abort it, and join one of the survivors,
+            // its id sent over the survivors' MPI world, on the GPU that holds this rank's
+            // values (whatever its new local rank).
+            old.abort();
+            match join_nccl_over_mpi(shrunk.world, old.ordinal()) {
+                Ok(rc) => *self.gpu.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(rc)),
+                Err(e) => return Some(Err(e)),
             }
+        }
+        Some(Ok(Rejoined {
+            lost: shrunk.lost,
+            took: start.elapsed(),
+            committed,
         }))
     }
 
@@ -98,7 +121,7 @@ impl Link for MpiLink {
         let agreed = world.check_enabled();
         Ok(Box::new(MpiRound {
             call,
-            gpu: self.gpu.as_deref(),
+            gpu: self.gpu(),
             flights: smallvec::SmallVec::new(),
             agreed,
         }))
@@ -112,10 +135,10 @@ impl Link for MpiLink {
 /// landed since and no rank's timeout in this call heard of: a store's step between an
 /// agreement and its collectives fails on every rank or on none. Every other collective, and
 /// every one with `KVSTORE_DIST_CHECK=0`, is polled within the timeout.
-struct MpiRound<'a> {
+struct MpiRound {
     call: Call,
     /// NCCL between the ranks' GPUs, for GPU ranks.
-    gpu: Option<&'a RankComm>,
+    gpu: Option<Arc<RankComm>>,
     /// Inline for a call of a few transfers.
     flights: smallvec::SmallVec<[Option<Flight>; 2]>,
     /// Whether every rank has agreed to the collectives started next.
@@ -149,7 +172,7 @@ macro_rules! typed {
     };
 }
 
-impl MpiRound<'_> {
+impl MpiRound {
     /// Whether `op` runs blocking: every rank agreed to start it, blocking wins for it, and no
     /// rank gave this call up meanwhile (a rank that timed out still let the agreement complete
     /// on the others). Asked last, so a call with no blocking start (a pull) never probes.
@@ -170,7 +193,7 @@ impl MpiRound<'_> {
     }
 }
 
-impl Round for MpiRound<'_> {
+impl Round for MpiRound {
     fn shut_link(&mut self, why: String) {
         self.call.world().poison_with(why);
     }
@@ -263,7 +286,7 @@ impl Round for MpiRound<'_> {
     fn in_place(&mut self, ops: &[ArrayOp<'_>]) -> Result<()> {
         // A rank may fail its part alone: the next reduce is no longer agreed to.
         self.agreed = false;
-        match self.gpu {
+        match &self.gpu {
             Some(rc) => in_place_over_nccl(rc, ops),
             None => Err(Error::internal("host ranks asked to move arrays in place")),
         }
@@ -375,10 +398,8 @@ fn wrap<T: Element>(done: Done<T>) -> (HostData, HostData) {
     (T::wrap(done.send), T::wrap(done.recv))
 }
 
-/// Joins the NCCL communicator of every rank, on GPU `local_rank % GPUs`.
-fn join_nccl_over_mpi(world: &'static World) -> Result<RankComm> {
-    let gpus = probe::gpu_count();
-    let ordinal = world.local_rank() % gpus.max(1);
+/// Joins the NCCL communicator of every rank of `world`, on GPU `ordinal`.
+fn join_nccl_over_mpi(world: &'static World, ordinal: usize) -> Result<RankComm> {
     let mut call = world.begin(&Fingerprint::new("join NCCL ranks"))?;
     let mut words = vec![0u64; 16];
     let mut made = Ok(());

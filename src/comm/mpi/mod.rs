@@ -626,6 +626,32 @@ impl World {
         self.saw_loss.load(std::sync::atomic::Ordering::Relaxed) || self.successor.get().is_some()
     }
 
+    /// Under fault tolerance, after a call failed outside MPI (in NCCL, between GPU ranks):
+    /// whether MPI knows of a lost rank. Its news comes with MPI's progress, so this asks again
+    /// for a while (the grace of a timeout) before it says no.
+    pub(crate) fn find_loss(&'static self) -> bool {
+        if !self.is_elastic() {
+            return false;
+        }
+        let deadline = Instant::now() + self.grace();
+        loop {
+            let mut st = lock(&self.state);
+            // SAFETY: MPI is initialised, the state lock is held, and the data communicator is
+            // the world's own.
+            if !unsafe { ulfm::failed(st.data.0) }.is_empty() {
+                (self.saw_loss).store(true, std::sync::atomic::Ordering::Relaxed);
+                return true;
+            }
+            // Receiving what the control communicator holds moves MPI's progress on.
+            st.answer_queries(self);
+            drop(st);
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// After a call failed for a lost rank, under fault tolerance: passes the point of the
     /// call begun last that this rank has not (see [`crate::comm::points`]; every survivor
     /// passes each, and this rank's vote makes it fail everywhere), and says whether that call

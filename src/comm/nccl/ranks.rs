@@ -437,6 +437,12 @@ impl RankComm {
         self.wait_done(&mut st, op, keys)
     }
 
+    /// Aborts the communicator: a rank was lost, so its collectives could never complete (and
+    /// a finalize could wait for it forever). Nothing may use it after.
+    pub fn abort(&self) {
+        self.set.abort();
+    }
+
     /// Locks the communicator for a call; [`Error::DistFailed`] once a call has failed.
     fn live(&self, op: &'static str) -> Result<MutexGuard<'_, Calls>> {
         let st = self.set.lock();
