@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use super::fingerprint::{ranks, Fingerprint};
 
-use super::nccl::{InPlace, RankComm};
+use super::nccl::{InPlace, RankComm, Watch};
 use crate::config::Config;
 use crate::host::HostData;
 use crate::{Device, Error, NDArray, Result};
@@ -297,21 +297,21 @@ fn connect_mpi(on_gpu: bool) -> Result<Box<dyn Link>> {
 
 /// [`Round::in_place`] over NCCL between the ranks' GPUs: each run of reduces and broadcasts in
 /// NCCL groups (one wait each), the others one call each.
-fn in_place_over_nccl(rc: &RankComm, ops: &[ArrayOp<'_>]) -> Result<()> {
+fn in_place_over_nccl(rc: &RankComm, ops: &[ArrayOp<'_>], watch: Watch<'_>) -> Result<()> {
     let mut group = Vec::new();
     for op in ops {
         match *op {
             ArrayOp::Reduce { buf, root } => group.push(InPlace::Reduce { buf, root }),
             ArrayOp::Broadcast { buf, root } => group.push(InPlace::Broadcast { buf, root }),
             ArrayOp::ReduceScatter { send, recv } => {
-                rc.group(&std::mem::take(&mut group))?;
-                rc.reduce_scatter(send, recv)?;
+                rc.group_watched(&std::mem::take(&mut group), &mut *watch)?;
+                rc.reduce_scatter_watched(send, recv, &mut *watch)?;
             }
             ArrayOp::AllGather { send, recv } => {
-                rc.group(&std::mem::take(&mut group))?;
-                rc.all_gather(send, recv)?;
+                rc.group_watched(&std::mem::take(&mut group), &mut *watch)?;
+                rc.all_gather_watched(send, recv, &mut *watch)?;
             }
         }
     }
-    rc.group(&group)
+    rc.group_watched(&group, watch)
 }

@@ -287,7 +287,8 @@ impl Round for MpiRound {
         // A rank may fail its part alone: the next reduce is no longer agreed to.
         self.agreed = false;
         match &self.gpu {
-            Some(rc) => in_place_over_nccl(rc, ops),
+            // MPI may learn of a lost rank that NCCL waits for.
+            Some(rc) => in_place_over_nccl(rc, ops, &mut || self.call.loss_known()),
             None => Err(Error::internal("host ranks asked to move arrays in place")),
         }
     }

@@ -214,6 +214,8 @@ struct State {
     /// Under fault tolerance: the agreements of the call begun last, its commit and end points
     /// ([`Call::commit_point`], [`Call::end_point`]), which every survivor passes.
     points: Points,
+    /// When [`Call::loss_known`] last asked MPI.
+    asked_loss: Option<Instant>,
 }
 
 static WORLD: OnceLock<Result<World, (String, String)>> = OnceLock::new();
@@ -445,6 +447,7 @@ impl World {
                 loss_seen: None,
                 lost: Vec::new(),
                 points: Points::default(),
+                asked_loss: None,
             }),
             poison: Mutex::new(None),
             env_error: None,
@@ -1035,6 +1038,39 @@ impl Call {
                 Err(e)
             }
         }
+    }
+
+    /// Under fault tolerance, `Err` once MPI knows of a lost rank (it has not told this call
+    /// yet): a wait outside MPI (NCCL between GPU ranks, which never hears of a peer of the same
+    /// machine that died) ends with it. Asks MPI at most every 10 ms; `Ok` elsewhere.
+    pub(crate) fn loss_known(&mut self) -> Result<()> {
+        if !self.world.is_elastic() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        if self
+            .st
+            .asked_loss
+            .is_some_and(|t| now - t < Duration::from_millis(10))
+        {
+            return Ok(());
+        }
+        self.st.asked_loss = Some(now);
+        // Receiving what the control communicator holds moves MPI's progress on.
+        self.st.answer_queries(self.world);
+        // SAFETY: MPI is initialised, the state lock is held (by this call), and the data
+        // communicator is the world's own.
+        if unsafe { ulfm::failed_count(self.st.data.0) } == 0 {
+            return Ok(());
+        }
+        (self.world.saw_loss).store(true, std::sync::atomic::Ordering::Relaxed);
+        Err(Error::Mpi {
+            op: self.op,
+            message: format!(
+                "call #{}: MPI reports a lost rank, whose part of this call never comes",
+                self.seq
+            ),
+        })
     }
 
     /// Compares the fingerprint across ranks; see [`crate::comm::fingerprint`].

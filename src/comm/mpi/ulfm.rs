@@ -158,6 +158,30 @@ pub(super) unsafe fn failed(comm: ffi::MPI_Comm) -> Vec<usize> {
     ranks
 }
 
+/// How many ranks of `comm` this rank knows to have failed, acknowledging none (0 without
+/// ULFM).
+///
+/// # Safety
+/// As for [`failed`].
+pub(super) unsafe fn failed_count(comm: ffi::MPI_Comm) -> usize {
+    let Some(f) = fns() else {
+        return 0;
+    };
+    // SAFETY: RSMPI_GROUP_NULL is a constant handle that rsmpi's C shim exports.
+    let mut failed = unsafe { ffi::RSMPI_GROUP_NULL };
+    // SAFETY: the communicator is valid; the out-pointer is valid.
+    if unsafe { (f.get_failed)(comm, &mut failed) } != ffi::MPI_SUCCESS as c_int {
+        return 0;
+    }
+    let mut n: c_int = 0;
+    // SAFETY: `failed` is a group MPI returned, freed once below; `n` a valid out-pointer.
+    unsafe {
+        ffi::MPI_Group_size(failed, &mut n);
+        ffi::MPI_Group_free(&mut failed);
+    }
+    usize::try_from(n).unwrap_or(0)
+}
+
 /// Whether another process revoked `comm` (after it saw a rank lost).
 ///
 /// # Safety

@@ -54,6 +54,7 @@ pub(crate) use group::{run, Job, Kind};
 #[doc(hidden)]
 #[cfg(feature = "test-util")]
 pub use multi_rank::MultiRank;
+pub(crate) use ranks::Watch;
 pub use ranks::{InPlace, RankComm, GROUP_MAX};
 
 /// How often a host wait polls events and NCCL's async errors.

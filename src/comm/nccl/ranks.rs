@@ -71,6 +71,12 @@ impl InPlace<'_> {
     }
 }
 
+/// Asked at every poll while the host waits for a collective: an error fails the call and aborts
+/// the communicator. A launcher that learns of a lost rank by other means than NCCL (MPI's
+/// fault tolerance) ends the wait with it: NCCL between the GPUs of one machine never reports a
+/// peer that died, and would wait for it until the timeout.
+pub(crate) type Watch<'a> = &'a mut dyn FnMut() -> Result<()>;
+
 /// A communicator of one rank among the processes of a job.
 pub struct RankComm {
     rank: usize,
@@ -208,7 +214,7 @@ impl RankComm {
             let b = self.buf(op, &b)?;
             let (n, dt, p) = (b.len(), b.dtype(), b.ptr());
             // SAFETY: as below, with one buffer in place (NCCL allows send == recv).
-            return self.call(op, &[], |on| unsafe {
+            return self.call(op, &[], &mut || Ok(()), |on| unsafe {
                 result::reduce(on, p, p, n, dt, root)
             });
         }
@@ -222,7 +228,7 @@ impl RankComm {
         // runtime stream (where buffers are freed or reused) waits for this rank's stream after
         // an abort (`order_after_abort`); `call` hands over the live communicator, under the
         // set's call lock, and this rank's own stream.
-        self.call(op, &[], |on| unsafe {
+        self.call(op, &[], &mut || Ok(()), |on| unsafe {
             result::reduce(on, sp, rp, n, dt, root)
         })
     }
@@ -235,7 +241,7 @@ impl RankComm {
         let b = self.buf(op, &b)?;
         let (n, dt, p) = (b.len(), b.dtype(), b.ptr());
         // SAFETY: as in `reduce_sum`; NCCL allows the buffer in place.
-        self.call(op, &[], |on| unsafe {
+        self.call(op, &[], &mut || Ok(()), |on| unsafe {
             result::broadcast(on, p, p, n, dt, root)
         })
     }
@@ -243,23 +249,39 @@ impl RankComm {
     /// Sums every rank's `send` and leaves slice `rank` of the sum in `recv`: `send` holds
     /// `size` contiguous slices of `recv`'s length.
     pub fn reduce_scatter(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
+        self.reduce_scatter_watched(send, recv, &mut || Ok(()))
+    }
+
+    /// [`RankComm::reduce_scatter`], asking `watch` while the host waits (see [`Watch`]).
+    pub(crate) fn reduce_scatter_watched(
+        &self,
+        send: &NDArray,
+        recv: &NDArray,
+        watch: Watch<'_>,
+    ) -> Result<()> {
         // SAFETY: as in `reduce_sum`, with `send` of `n * size` elements.
         let issue = |on: On, sp, rp, n, dt| unsafe { result::reduce_scatter(on, sp, rp, n, dt) };
-        self.sliced(
-            "NCCL reduce-scatter across ranks",
-            send,
-            recv,
-            "send",
-            issue,
-        )
+        let op = "NCCL reduce-scatter across ranks";
+        self.sliced(op, (send, recv), "send", watch, issue)
     }
 
     /// Gathers every rank's `send` into `recv`, in rank order: `recv` holds `size` slices of
     /// `send`'s length.
     pub fn all_gather(&self, send: &NDArray, recv: &NDArray) -> Result<()> {
+        self.all_gather_watched(send, recv, &mut || Ok(()))
+    }
+
+    /// [`RankComm::all_gather`], asking `watch` while the host waits (see [`Watch`]).
+    pub(crate) fn all_gather_watched(
+        &self,
+        send: &NDArray,
+        recv: &NDArray,
+        watch: Watch<'_>,
+    ) -> Result<()> {
         // SAFETY: as in `reduce_sum`, with `recv` of `n * size` elements.
         let issue = |on: On, sp, rp, n, dt| unsafe { result::all_gather(on, sp, rp, n, dt) };
-        self.sliced("NCCL all-gather across ranks", send, recv, "recv", issue)
+        let op = "NCCL all-gather across ranks";
+        self.sliced(op, (send, recv), "recv", watch, issue)
     }
 
     /// Checks `send` and `recv` (distinct arrays of one dtype on this rank's GPU, `whole` of
@@ -268,9 +290,9 @@ impl RankComm {
     fn sliced(
         &self,
         op: &'static str,
-        send: &NDArray,
-        recv: &NDArray,
+        (send, recv): (&NDArray, &NDArray),
         whole: &str,
+        watch: Watch<'_>,
         issue: impl FnOnce(On, u64, u64, usize, DType) -> NcclResult,
     ) -> Result<()> {
         self.check_distinct(op, send, recv)?;
@@ -280,7 +302,7 @@ impl RankComm {
         self.check_len(op, whole, all.len(), part.len() * self.size)?;
         self.check_dtype(op, s, r)?;
         let (n, dt, sp, rp) = (part.len(), s.dtype(), s.ptr(), r.ptr());
-        self.call(op, &[], |on| issue(on, sp, rp, n, dt))
+        self.call(op, &[], watch, |on| issue(on, sp, rp, n, dt))
     }
 
     /// An all-to-all of blocks of their own lengths: this rank sends `send_counts[p]` elements
@@ -327,7 +349,7 @@ impl RankComm {
         };
         let (sp, rp) = (s.ptr(), r.ptr());
         let (send_at, recv_at) = (starts(send_counts), starts(recv_counts));
-        self.call(op, &[], |on| {
+        self.call(op, &[], &mut || Ok(()), |on| {
             result::group_start(on.lib)?;
             let mut first = Ok(());
             for p in 0..self.size {
@@ -346,6 +368,11 @@ impl RankComm {
     /// Issues `ops` in order, in NCCL groups of at most [`GROUP_MAX`] collectives, with one wait
     /// per group. Every array must be distinct and on this rank's GPU.
     pub fn group(&self, ops: &[InPlace<'_>]) -> Result<()> {
+        self.group_watched(ops, &mut || Ok(()))
+    }
+
+    /// [`RankComm::group`], asking `watch` while the host waits (see [`Watch`]).
+    pub(crate) fn group_watched(&self, ops: &[InPlace<'_>], watch: Watch<'_>) -> Result<()> {
         let op = "NCCL collectives across ranks";
         for chunk in ops.chunks(GROUP_MAX) {
             let mut seen = std::collections::HashSet::new();
@@ -365,7 +392,7 @@ impl RankComm {
                     Ok((b.ptr(), b.len(), b.dtype(), o.root(), reduce))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            self.call(op, &[], |on| {
+            self.call(op, &[], &mut *watch, |on| {
                 result::group_start(on.lib)?;
                 let mut first = Ok(());
                 for &(p, n, dt, root, reduce) in &items {
@@ -391,12 +418,17 @@ impl RankComm {
     pub fn synchronize(&self) -> Result<()> {
         let op = "wait for NCCL ranks";
         let mut st = self.live(op)?;
-        self.wait_done(&mut st, op, &[])
+        self.wait_done(&mut st, (op, &[]), &mut || Ok(()))
     }
 
-    /// Polls this rank's stream until its work is done, and NCCL for errors, for at most the
-    /// timeout. A stall or an error aborts the communicator.
-    fn wait_done(&self, st: &mut Calls, op: &'static str, keys: &[Key]) -> Result<()> {
+    /// Polls this rank's stream until its work is done, NCCL for errors and `watch`, for at most
+    /// the timeout. A stall or an error aborts the communicator.
+    fn wait_done(
+        &self,
+        st: &mut Calls,
+        (op, keys): (&'static str, &[Key]),
+        watch: Watch<'_>,
+    ) -> Result<()> {
         let lib = lib(op, keys)?;
         let waited = (|| {
             let done = self.one().stream.record_event(None);
@@ -404,6 +436,7 @@ impl RankComm {
             let deadline = Instant::now() + self.set.timeout;
             while !done.try_is_complete().map_err(cuda_err(op, None))? {
                 self.set.async_error_locked(lib, op, keys)?;
+                watch()?;
                 if Instant::now() > deadline {
                     return Err(self.stall(op, keys));
                 }
@@ -422,6 +455,7 @@ impl RankComm {
         &self,
         op: &'static str,
         keys: &[Key],
+        watch: Watch<'_>,
         issue: impl FnOnce(On) -> NcclResult,
     ) -> Result<()> {
         let lib = lib(op, keys)?;
@@ -434,7 +468,7 @@ impl RankComm {
             .during(op, keys)
             .and_then(|()| self.settle(lib, op, keys));
         issued.map_err(|e| self.fail(&mut st, op, keys, e))?;
-        self.wait_done(&mut st, op, keys)
+        self.wait_done(&mut st, (op, keys), watch)
     }
 
     /// Aborts the communicator: a rank was lost, so its collectives could never complete (and
