@@ -1220,14 +1220,13 @@ def survive():
     from there to 7 as the new world's ranks, and the values must equal a NumPy replay of every
     committed step (momentum included).
 
-    ARGS[2], where given, is the store's kind: with ``dist_device_sync`` (GPU ranks, which keep
-    no copies) the survivors abort their NCCL communicator, join a new one among themselves, and
-    reload the checkpoint."""
+    ARGS[2], where given, is the store's kind: with ``dist_device_sync`` (GPU ranks) the
+    survivors also abort their NCCL communicator and join a new one among themselves."""
     import signal
 
     path, victim = ARGS[0], int(ARGS[1])
     kind = ARGS[2] if len(ARGS) > 2 else "dist_sync"
-    replicas = os.environ.get("KVSTORE_REPLICAS", "1") != "0" and kind == "dist_sync"
+    replicas = os.environ.get("KVSTORE_REPLICAS", "1") != "0"
     kv = kvstore.create(kind)
     n0, r0 = kv.num_workers, kv.rank
     lr, momentum = 0.25, 0.5

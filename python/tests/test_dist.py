@@ -497,7 +497,8 @@ def standin_env():
     ("save", "1", "dist_sync"), ("load", "1", "dist_sync"), ("init", "1", "dist_sync"),
     ("sliced", "1", "dist_sync"), ("compressed", "1", "dist_sync"),
     ("save", "0", "dist_sync"), ("sliced", "0", "dist_sync"),
-    ("save", "1", "dist_device_sync"), ("sliced", "1", "dist_device_sync")])
+    ("save", "1", "dist_device_sync"), ("sliced", "1", "dist_device_sync"),
+    ("sliced", "0", "dist_device_sync")])
 def test_under_ulfm_a_rank_lost_during_any_call_fails_it_on_every_survivor_alike(
         tmp_path, what, replicas, kind):
     # 3 ranks; a random victim SIGKILLs itself a random 0 to 15 ms (2 for an init) into a save,
@@ -505,8 +506,7 @@ def test_under_ulfm_a_rank_lost_during_any_call_fails_it_on_every_survivor_alike
     # ends first, in a later one). Both survivors must fail the same call with
     # WorldChangedError, go on, and end with values equal to a NumPy replay of the calls that
     # took effect, and to each other's (the same digest). GPU ranks (dist_device_sync, on the
-    # stand-in driver) keep no copies: they reload the checkpoint, after a new NCCL
-    # communicator.
+    # stand-in driver) do the same after a new NCCL communicator.
     import random
     # An init is quick: its kill comes sooner, to land inside it as often.
     victim, delay = random.randrange(3), random.uniform(0, 0.002 if what == "init" else 0.015)
@@ -533,10 +533,10 @@ def test_under_ulfm_a_rank_lost_during_any_call_fails_it_on_every_survivor_alike
 def test_under_ulfm_gpu_ranks_join_a_new_nccl_communicator_and_reload_the_checkpoint(
         tmp_path, victim, silent):
     # dist_device_sync on 3 GPU ranks of the stand-in driver (THIS IS NOT A GPU RUN), a
-    # checkpoint after step 2, rank `victim` SIGKILLed at step 5. GPU ranks keep no copies: the
-    # survivors abort their NCCL communicator (it counts the lost rank), join a new one whose id
-    # rank 0 sends over the shrunk MPI world, reload the checkpoint at the new size, redo the
-    # lost steps, and check every value against NumPy.
+    # checkpoint after step 2, rank `victim` SIGKILLed at step 5: the survivors abort their
+    # NCCL communicator (it counts the lost rank), join a new one whose id rank 0 sends over the
+    # shrunk MPI world, rebuild every key from their parts and the copies (kept in the buddies'
+    # host memory), and check every value against NumPy.
     # `silent`: the stand-in reports nothing of the dead peer, as real NCCL between the GPUs of
     # one machine reports nothing, and with the per-call check off the survivors are already
     # inside the push's NCCL collective, waiting for the victim's part: MPI's news of the loss

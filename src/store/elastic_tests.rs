@@ -10,6 +10,7 @@
 //!   bit for bit, one local store fed exactly the calls that committed, each push summed over
 //!   the ranks alive then. Skipping the buddies' update, committing on some ranks only, or
 //!   ending a call on some survivors only makes them differ. On 2 ranks the survivor stops.
+//!   Half the cases move the values in place, as GPU ranks do.
 //! - `calls_queued_in_the_async_mode_commit_or_fail_everywhere`: the same through an
 //!   [`AsyncKvStore`](crate::AsyncKvStore) queue: every survivor fails the same queued call.
 //! - `two_losses_at_once_fall_back_to_the_checkpoint`: a rank and its buddy die together, so a
@@ -124,6 +125,8 @@ struct Plan<'a> {
     arm: usize,
     dir: &'a std::path::Path,
     scheduled: bool,
+    /// The ranks move their values in place, as GPU ranks do.
+    in_place: bool,
 }
 
 /// Runs `plan`: each rank's [`Seen`], or why it stopped (`died`, or its error).
@@ -131,6 +134,10 @@ fn run(plan: &Plan<'_>) -> Vec<Result<Seen, String>> {
     let links: Vec<Loopback> = Loopback::world(plan.n, Duration::from_secs(20))
         .into_iter()
         .map(Loopback::elastic)
+        .map(|l| match plan.in_place {
+            true => l.moving_in_place(),
+            false => l,
+        })
         .collect();
     let (seed, program) = (plan.seed, plan.program);
     on_links(&links, |orig, link| {
@@ -308,8 +315,8 @@ fn a_rank_lost_anywhere_costs_nothing() {
     let case = std::sync::atomic::AtomicU64::new(0);
     runner
         .run(
-            &(cases, any::<u64>()),
-            |((n, victim, die_after, sent, calls), seed)| {
+            &(cases, any::<u64>(), any::<bool>()),
+            |((n, victim, die_after, sent, calls), seed, in_place)| {
                 let victim = victim % n;
                 let program: Vec<Call> = calls.iter().map(|&c| CALLS[c]).collect();
                 let dir = fresh_dir(
@@ -326,6 +333,7 @@ fn a_rank_lost_anywhere_costs_nothing() {
                     arm: 0,
                     dir: &dir,
                     scheduled: false,
+                    in_place,
                 };
                 let seen = run(&plan);
                 let _ = std::fs::remove_dir_all(&dir);
@@ -438,6 +446,7 @@ fn calls_queued_in_the_async_mode_commit_or_fail_everywhere() {
             arm: 0,
             dir: std::path::Path::new("."),
             scheduled: false,
+            in_place: false,
         };
         let want: Vec<Vec<f32>> = reference(&plan, &log).into_iter().map(|(_, v)| v).collect();
         for s in &survivors {
@@ -477,6 +486,7 @@ fn two_losses_at_once_fall_back_to_the_checkpoint() {
             arm: 3,
             dir: &dir,
             scheduled: false,
+            in_place: false,
         };
         let seen = run(&plan);
         assert_eq!(check_survivors(&plan, &seen), 3);
@@ -502,6 +512,7 @@ fn a_side_without_a_majority_stops() {
         arm: 0,
         dir: std::path::Path::new("."),
         scheduled: false,
+        in_place: false,
     };
     match &run(&plan)[0] {
         Err(e) => assert!(e.contains("no majority"), "{e}"),
@@ -528,6 +539,7 @@ fn back_at_the_checkpoint_a_schedule_gives_the_redone_pushes_their_rates() {
             arm: 2,
             dir: &dir,
             scheduled: true,
+            in_place: false,
         };
         let seen = run(&plan);
         assert_eq!(check_survivors(&plan, &seen), 3);

@@ -347,10 +347,9 @@ impl Dist {
 }
 
 /// The buddies of `link`'s ranks where a store on it keeps copies: `replicas` is on, the link
-/// can go on after a lost rank, the ranks keep their values in host memory (GPU ranks keep no
-/// copies: a loss reloads the last checkpoint), and there are two ranks or more.
+/// can go on after a lost rank, and there are two ranks or more.
 fn buddies_of(link: &dyn Link, replicas: bool) -> Option<Buddies> {
-    match replicas && link.survives_loss() && link.in_place_home().is_none() {
+    match replicas && link.survives_loss() {
         true => Buddies::of(&link.machines()),
         false => None,
     }
