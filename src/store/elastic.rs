@@ -42,7 +42,7 @@ impl KvStore {
         for _ in 0..MOST_LOSSES {
             let (old_rank, old_size, buddies) =
                 (self.rank(), self.num_workers(), self.ranks.buddies());
-            let Some(rejoined) = self.ranks.rejoin() else {
+            let Some(rejoined) = self.ranks.rejoin(&err) else {
                 return Err(err);
             };
             let rejoined = rejoined?;
@@ -179,11 +179,16 @@ impl KvStore {
 
     /// Where the store keeps copies and a push under `active` updates them too: the buddies.
     /// A closure updater updates no copy (it may keep state of its own per key, which a second
-    /// call would corrupt), so the copies fall behind.
+    /// call would corrupt), nor does a PTX updater without a CPU twin (copies live in host
+    /// memory, GPU ranks' too), so the copies fall behind.
     pub(super) fn mirror(&self, active: &Active) -> Option<Buddies> {
         let buddies = self.ranks.buddies()?;
-        match active.updater {
+        match &active.updater {
             Updater::Custom(_) => {
+                self.copies_behind(true);
+                None
+            }
+            Updater::Ptx(p) if p.twin().is_none() => {
                 self.copies_behind(true);
                 None
             }

@@ -59,15 +59,18 @@ enum Call {
     Save,
     /// A new key, numbered 100 + the step.
     Init,
+    /// A new key as [`Call::Init`] makes, pulled in the same call.
+    Broadcast,
 }
 
-const CALLS: [Call; 6] = [
+const CALLS: [Call; 7] = [
     Call::Push,
     Call::PushPull,
     Call::Pull,
     Call::Barrier,
     Call::Save,
     Call::Init,
+    Call::Broadcast,
 ];
 
 /// The elements of `key` (the base keys 0..3, or 100 + the step that added it).
@@ -98,7 +101,7 @@ fn init(seed: u64) -> Vec<NDArray> {
 
 /// The keys a store holds after the calls `log` committed: the base keys, then those added.
 fn keys_after(program: &[Call], log: &[(usize, Vec<usize>)]) -> Vec<i32> {
-    let added = log.iter().filter(|(s, _)| program[*s] == Call::Init);
+    let added = (log.iter()).filter(|(s, _)| matches!(program[*s], Call::Init | Call::Broadcast));
     (0..LENS.len() as i32)
         .chain(added.map(|(s, _)| 100 + *s as i32))
         .collect()
@@ -165,6 +168,11 @@ fn run(plan: &Plan<'_>) -> Vec<Result<Seen, String>> {
                 Call::Barrier => kv.barrier(),
                 Call::Save => kv.save(plan.dir),
                 Call::Init => kv.init(100 + step as i32, &grad(seed, 98, step, 100 + step as i32)),
+                Call::Broadcast => {
+                    let key = 100 + step as i32;
+                    let out = NDArray::zeros([len_of(key)]);
+                    kv.broadcast(key, &grad(seed, 98, step, key), &out)
+                }
             };
             match got {
                 Ok(()) => {
@@ -253,7 +261,7 @@ fn reference(plan: &Plan<'_>, log: &[(usize, Vec<usize>)]) -> Vec<(i32, Vec<f32>
                     kv.push(key, &grads).expect("a push");
                 }
             }
-            Call::Init => {
+            Call::Init | Call::Broadcast => {
                 let key = 100 + step as i32;
                 kv.init(key, &grad(seed, 98, step, key)).expect("an init");
             }

@@ -803,7 +803,37 @@ impl KvStore {
         // A broadcast is an init then a pull: the other ranks are at the init.
         checked.map_err(|e| self.rejected("init", e))?;
         self.init_list(keys, values)?;
-        self.pull_list(keys, outs)
+        match self.pull_list(keys, outs) {
+            // A rank lost in the pull, after the init committed: where the store kept its keys
+            // (healed), every survivor pulls again in the new world, and the broadcast took
+            // effect; back at a checkpoint, the init is undone with the rest (redo the call).
+            Err(Error::WorldChanged {
+                lost,
+                healed,
+                restored,
+                detail,
+                ..
+            }) => {
+                let committed = restored.is_none() && self.pull_list(keys, outs).is_ok();
+                Err(Error::WorldChanged {
+                    op: "broadcast",
+                    lost,
+                    world: self.num_workers(),
+                    rank: self.rank(),
+                    healed,
+                    restored,
+                    committed,
+                    detail: match committed {
+                        true => format!(
+                            "{detail}; its init had committed, and its pull was done again in \
+                             the new world"
+                        ),
+                        false => detail,
+                    },
+                })
+            }
+            pulled => pulled,
+        }
     }
 }
 

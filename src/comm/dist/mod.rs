@@ -208,8 +208,8 @@ impl Dist {
     /// After a call failed: where a rank was lost and the link can go on without it, the
     /// survivors' link (see [`Link::rejoin`]), with the slicing bound chosen again for the
     /// machines left.
-    pub(crate) fn rejoin(&self) -> Option<Result<link::Rejoined>> {
-        let rejoined = self.link.rejoin()?;
+    pub(crate) fn rejoin(&self, after: &Error) -> Option<Result<link::Rejoined>> {
+        let rejoined = self.link.rejoin(after)?;
         let bound = crate::config::bigarray_bound(self.asked_bound, self.link.seat().hosts);
         self.bound.store(bound, Ordering::Relaxed);
         *self.buddies.write().unwrap_or_else(|p| p.into_inner()) =

@@ -228,7 +228,7 @@ impl Link for Loopback {
         self.elastic
     }
 
-    fn rejoin(&self) -> Option<Result<Rejoined>> {
+    fn rejoin(&self, _after: &Error) -> Option<Result<Rejoined>> {
         let start = Instant::now();
         let mut st = self.lock();
         let (hub, my_rank) = self.place();

@@ -123,11 +123,11 @@ pub(crate) trait Link: Send + Sync {
     }
     /// Shuts the link after `why`: every later call fails with [`Error::DistFailed`].
     fn shut(&self, why: String);
-    /// After a call failed: where a rank was lost and this link can go on without it (MPI with
-    /// fault tolerance), the survivors' link, which every survivor must ask for (it is a
+    /// After a call failed with `after`: where a rank was lost and this link can go on without
+    /// it (MPI with fault tolerance), the survivors' link, which every survivor must ask for (it is a
     /// collective among them; [`Link::seat`] then says the new rank and size). `None`: no rank
     /// was lost, or this link cannot go on without one (this default).
-    fn rejoin(&self) -> Option<Result<Rejoined>> {
+    fn rejoin(&self, _after: &Error) -> Option<Result<Rejoined>> {
         None
     }
     /// Whether [`Link::rejoin`] can go on after a lost rank (this default: no).

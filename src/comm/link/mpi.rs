@@ -82,11 +82,16 @@ impl Link for MpiLink {
         self.world().machine_of().to_vec()
     }
 
-    fn rejoin(&self) -> Option<Result<Rejoined>> {
+    fn rejoin(&self, after: &Error) -> Option<Result<Rejoined>> {
         let world = self.world();
         let gpu = self.gpu();
-        // GPU ranks may have seen the loss in NCCL, not MPI: then MPI is asked.
-        let lost = world.lost_a_rank() || (gpu.is_some() && world.find_loss());
+        // GPU ranks may have seen the loss in NCCL (an error, or a wait past the timeout), not
+        // in MPI: then MPI is asked. Other errors (an updater's, a rejected input) are no loss.
+        let in_nccl = matches!(
+            after,
+            Error::Nccl { .. } | Error::Timeout { .. } | Error::Cuda { .. }
+        );
+        let lost = world.lost_a_rank() || (gpu.is_some() && in_nccl && world.find_loss());
         if !world.is_elastic() || !lost {
             return None;
         }
