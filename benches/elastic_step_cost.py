@@ -122,7 +122,7 @@ def torch_summary(a):
 def tdp(a):
     modes = [("plain", False, None), ("ulfm_r0", True, "0"), ("ulfm_r1", True, "1")]
     with open(a.out, "a") as f:
-        for rnd in range(a.rounds):
+        for rnd in range(a.first_round, a.first_round + a.rounds):
             for name, ft, rep in modes:
                 # The example links libmpi.so.40 by name: the Open MPI 5 beside this python.
                 env = {"LD_LIBRARY_PATH": os.path.join(os.path.dirname(os.path.dirname(PY)),
@@ -187,6 +187,8 @@ def main():
     d.add_argument("--rounds", type=int, default=8)
     d.add_argument("--epochs", type=int, default=10)
     d.add_argument("--optimizer", default="sgd")
+    d.add_argument("--first-round", type=int, default=0,
+                   help="numbers the rounds from here (to append more rounds to --out)")
     d.add_argument("--out", required=True)
     ds = sub.add_parser("tdp-summary")
     ds.add_argument("file")
