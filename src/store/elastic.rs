@@ -37,15 +37,25 @@ impl KvStore {
         let mut lost = Vec::new();
         let mut left: Vec<usize> = (0..self.num_workers()).collect();
         let start = Instant::now();
-        // Whether the copies can still heal the store (not after a failed attempt).
-        let mut copies_usable = true;
+        // The world the table is laid out for (this rank, its size, its buddies): a heal that
+        // another loss ends puts that table back, and the next heal starts from it again.
+        let (base_rank, base_size, base_buddies) =
+            (self.rank(), self.num_workers(), self.ranks.buddies());
+        // Whether a heal of this recovery failed for another reason than a new loss.
+        let mut heal_failed = false;
+        // Whether the call that met the loss committed (the first rejoin says; later ones speak
+        // of a heal of this recovery).
+        let mut call_committed = None;
         for _ in 0..MOST_LOSSES {
-            let (old_rank, old_size, buddies) =
-                (self.rank(), self.num_workers(), self.ranks.buddies());
             let Some(rejoined) = self.ranks.rejoin(&err) else {
                 return Err(err);
             };
             let rejoined = rejoined?;
+            let call_committed = *call_committed.get_or_insert(rejoined.committed);
+            if rejoined.lost.is_empty() && !lost.is_empty() {
+                // A heal failed, and no rank more was lost: the copies cannot heal the store.
+                heal_failed = true;
+            }
             lost.extend(rejoined.lost.iter().filter_map(|&l| left.get(l).copied()));
             lost.sort_unstable();
             left.retain(|r| !lost.contains(r));
@@ -53,17 +63,16 @@ impl KvStore {
             let behind = self
                 .copies_behind
                 .load(std::sync::atomic::Ordering::Relaxed);
-            // Copies heal the store where every lost rank's buddy survived.
-            let healer = buddies.filter(|b| {
-                copies_usable
-                    && !behind
-                    && (rejoined.lost.iter()).all(|&l| !rejoined.lost.contains(&b.buddy(l)))
+            // Copies heal the store where every lost rank's buddy survived: two losses that
+            // take a rank and its buddy (at once, or the second during the heal) cannot.
+            let healer = base_buddies.filter(|b| {
+                !heal_failed && !behind && lost.iter().all(|&l| !lost.contains(&b.buddy(l)))
             });
+            let buddies = base_buddies;
             let (done, how) = match healer {
                 Some(buddies) => {
-                    copies_usable = false;
                     let began = Instant::now();
-                    let healed = self.heal((old_rank, old_size), buddies, &rejoined.lost);
+                    let healed = self.heal((base_rank, base_size), buddies, &lost);
                     let how = healed.as_ref().map_or(String::new(), |h| {
                         format!(
                             "; every key was rebuilt from the survivors' parts and the copies \
@@ -83,7 +92,7 @@ impl KvStore {
             // the store goes back to a checkpoint, its is the one reloaded).
             let committed = match &done {
                 Ok((true, _)) if op == "save" => self.save_in_flight_committed(),
-                Ok((true, _)) => rejoined.committed,
+                Ok((true, _)) => call_committed,
                 Ok((false, Some(path))) => self.saving_committed(path),
                 _ => false,
             };

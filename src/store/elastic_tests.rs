@@ -13,6 +13,8 @@
 //!   Half the cases move the values in place, as GPU ranks do.
 //! - `calls_queued_in_the_async_mode_commit_or_fail_everywhere`: the same through an
 //!   [`AsyncKvStore`](crate::AsyncKvStore) queue: every survivor fails the same queued call.
+//! - `a_second_loss_during_the_heal_heals_again_from_the_copies`: a heal that another loss
+//!   ends puts the old table back, and the survivors heal again.
 //! - `two_losses_at_once_fall_back_to_the_checkpoint`: a rank and its buddy die together, so a
 //!   part has no copy left: the survivors reload the last checkpoint.
 //! - `a_side_without_a_majority_stops`: 1 survivor of 2 stops, and never computes on.
@@ -130,6 +132,9 @@ struct Plan<'a> {
     scheduled: bool,
     /// The ranks move their values in place, as GPU ranks do.
     in_place: bool,
+    /// A rank that dies at its n-th exchange of the world the survivors make (during the
+    /// recovery from the victims' loss).
+    second: Option<(usize, u64)>,
 }
 
 /// Runs `plan`: each rank's [`Seen`], or why it stopped (`died`, or its error).
@@ -153,8 +158,13 @@ fn run(plan: &Plan<'_>) -> Vec<Result<Seen, String>> {
         let (mut log, mut events) = (Vec::new(), Vec::new());
         let (mut step, mut armed) = (0, false);
         while step < program.len() {
-            if step == plan.arm && plan.victims.contains(&orig) && !armed {
-                link.die_after(plan.die_after, plan.sent);
+            if step == plan.arm && !armed {
+                if plan.victims.contains(&orig) {
+                    link.die_after(plan.die_after, plan.sent);
+                }
+                if let Some((_, n)) = plan.second.filter(|&(r, _)| r == orig) {
+                    link.die_in_next_world(n);
+                }
                 armed = true;
             }
             let keys = keys_after(program, &log);
@@ -342,6 +352,7 @@ fn a_rank_lost_anywhere_costs_nothing() {
                     dir: &dir,
                     scheduled: false,
                     in_place,
+                    second: None,
                 };
                 let seen = run(&plan);
                 let _ = std::fs::remove_dir_all(&dir);
@@ -455,6 +466,7 @@ fn calls_queued_in_the_async_mode_commit_or_fail_everywhere() {
             dir: std::path::Path::new("."),
             scheduled: false,
             in_place: false,
+            second: None,
         };
         let want: Vec<Vec<f32>> = reference(&plan, &log).into_iter().map(|(_, v)| v).collect();
         for s in &survivors {
@@ -495,6 +507,7 @@ fn two_losses_at_once_fall_back_to_the_checkpoint() {
             dir: &dir,
             scheduled: false,
             in_place: false,
+            second: None,
         };
         let seen = run(&plan);
         assert_eq!(check_survivors(&plan, &seen), 3);
@@ -504,6 +517,47 @@ fn two_losses_at_once_fall_back_to_the_checkpoint() {
             assert!(changes[0].contains("restored true"), "{:?}", s.events);
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_second_loss_during_the_heal_heals_again_from_the_copies() {
+    // Rank 1 of 5 dies; rank 3 (not 1's buddy, 2, nor its source, 0) dies at an exchange of the
+    // survivors' heal. The heal fails, puts the old table back, and the 3 survivors heal again
+    // from the copies: nothing goes back to a checkpoint (there is none).
+    let program = [
+        Call::Push,
+        Call::PushPull,
+        Call::Push,
+        Call::PushPull,
+        Call::Push,
+    ];
+    for (die_after, during) in [(2, 1), (3, 2), (5, 3), (7, 4), (4, 5)] {
+        let plan = Plan {
+            n: 5,
+            seed: 11 + die_after,
+            program: &program,
+            victims: &[1],
+            die_after,
+            sent: false,
+            arm: 0,
+            dir: std::path::Path::new("."),
+            scheduled: false,
+            in_place: false,
+            second: Some((3, during)),
+        };
+        let seen = run(&plan);
+        assert!(seen[1].is_err() && seen[3].is_err(), "a victim lived on");
+        assert_eq!(check_survivors(&plan, &seen), 3);
+        for s in seen.iter().flatten() {
+            let changes: Vec<&String> = s.events.iter().filter(|e| e.contains("lost")).collect();
+            assert_eq!(changes.len(), 1, "{:?}", s.events);
+            assert!(
+                changes[0].contains("lost [1, 3]") && changes[0].contains("healed true"),
+                "{:?}",
+                s.events
+            );
+        }
     }
 }
 
@@ -521,6 +575,7 @@ fn a_side_without_a_majority_stops() {
         dir: std::path::Path::new("."),
         scheduled: false,
         in_place: false,
+        second: None,
     };
     match &run(&plan)[0] {
         Err(e) => assert!(e.contains("no majority"), "{e}"),
@@ -548,6 +603,7 @@ fn back_at_the_checkpoint_a_schedule_gives_the_redone_pushes_their_rates() {
             dir: &dir,
             scheduled: true,
             in_place: false,
+            second: None,
         };
         let seen = run(&plan);
         assert_eq!(check_survivors(&plan, &seen), 3);

@@ -117,11 +117,15 @@ impl KvStore {
             }
         };
         // Every key was placed for the old world: forget them all, then load them placed for
-        // the new one.
-        *write(&self.table) = super::table::Table::default();
+        // the new one. A heal that fails (another rank lost before its commit point, the last
+        // of its collectives) puts the old table back, so that the survivors can heal again.
+        let old = std::mem::take(&mut *write(&self.table));
         let (updater, generation) = (active.updater.clone(), active.generation);
         let loaded = self.load_from(&mut *call, &dir, &reader, &updater, generation);
         let _ = std::fs::remove_dir_all(&dir);
+        if loaded.is_err() {
+            *write(&self.table) = old;
+        }
         loaded?;
         let table = read(&self.table);
         for (key, (gen, count)) in counts {

@@ -97,6 +97,9 @@ struct RankState {
     die_at: Option<(u64, bool)>,
     /// Whether this rank died.
     gone: bool,
+    /// The exchange of the next world at which this rank dies (tests of a loss during the
+    /// recovery from another).
+    die_next: Option<u64>,
     /// The first desync: the link refuses calls after it, as a poisoned MPI world does.
     failed: Option<String>,
     /// Elements this rank has received from data collectives (what a transfer moved to it).
@@ -136,6 +139,7 @@ impl Loopback {
                     points: Points::default(),
                     die_at: None,
                     gone: false,
+                    die_next: None,
                     failed: None,
                     received: 0,
                 })),
@@ -162,6 +166,12 @@ impl Loopback {
     pub(crate) fn die_after(&self, n: u64, sent: bool) {
         let mut st = self.lock();
         st.die_at = Some((st.exchanges + n, sent));
+    }
+
+    /// Makes this rank die at its `n`-th exchange of the next world the survivors make (while
+    /// they recover from another loss), before its part goes out.
+    pub(crate) fn die_in_next_world(&self, n: u64) {
+        self.lock().die_next = Some(n);
     }
 
     /// Whether this rank died.
@@ -279,6 +289,9 @@ impl Link for Loopback {
         // A new world: calls and exchanges are numbered afresh, as a new MPI world's are.
         *self.place.write().unwrap_or_else(|p| p.into_inner()) = (next, rank);
         (st.seq, st.exchanges, st.agreements) = (0, 0, 0);
+        if let Some(n) = st.die_next.take() {
+            st.die_at = Some((n, false));
+        }
         st.points = Points::default();
         st.failed = None;
         Some(Ok(Rejoined {
