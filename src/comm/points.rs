@@ -69,6 +69,16 @@ impl Vote {
     }
 }
 
+impl From<bool> for Vote {
+    /// A rank's part succeeded (`true`), or failed here.
+    fn from(ok: bool) -> Vote {
+        match ok {
+            true => Vote::Yes,
+            false => Vote::FailedHere,
+        }
+    }
+}
+
 impl Agreed {
     /// What an agreement found from the AND of every rank's [`Vote::flag`] (`None`: the
     /// agreement itself failed, which only a loss does).

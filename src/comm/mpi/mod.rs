@@ -704,41 +704,67 @@ impl World {
             "the survivors of a lost rank did not all join the recovery within KVSTORE_TIMEOUT \
              (MPIX_Comm_shrink waits for every survivor, and cannot be cancelled)",
         );
-        // SAFETY: as above; every survivor calls it on the same communicator.
-        let base = unsafe { ulfm::shrink(st.data.0) };
-        let base = base.map_err(|rc| Error::Mpi {
-            op: OP,
-            message: format!(
-                "MPIX_Comm_shrink failed: {}; the distributed world is unusable now: restart \
-                 the job from its last checkpoint",
-                raw::error_string(rc)
-            ),
-        });
-        let base = base.inspect_err(|e| self.poison_with(e.to_string()))?;
-        // SAFETY: `base` is the valid communicator MPI just returned, and the old data
-        // communicator is valid (above).
-        let (survivors, lost) = unsafe {
-            raw::check(
-                OP,
-                ffi::MPI_Comm_set_errhandler(base, ffi::RSMPI_ERRORS_RETURN),
-            )?;
-            survivors_of(base, st.data.0, self.size)?
-        };
-        if 2 * survivors.len() <= self.size {
-            let why = format!(
-                "no majority: {} of the {} ranks are left on this side (lost: {lost:?}), not a \
-                 strict majority, so this side stops and never computes on (the other side may \
-                 hold one); restart the job from its last checkpoint",
-                survivors.len(),
-                self.size
-            );
-            self.poison_with(why.clone());
-            let _ = self.stopped.set(why.clone());
-            return Err(Error::DistFailed { op: OP, first: why });
-        }
         let config = crate::config::Config::from_env()?;
-        let mut next = World::on(base, &config, self.generation + 1)
-            .inspect_err(|e| self.poison_with(e.to_string()))?;
+        // The communicator to shrink: the old world's, then, where another rank was lost while
+        // the survivors made their new world, the one they shrank to.
+        let mut from = st.data.0;
+        let (mut next, lost) = loop {
+            // SAFETY: as above; every survivor calls it on the same communicator.
+            let base = unsafe { ulfm::shrink(from) };
+            let base = base.map_err(|rc| Error::Mpi {
+                op: OP,
+                message: format!(
+                    "MPIX_Comm_shrink failed: {}; the distributed world is unusable now: \
+                     restart the job from its last checkpoint",
+                    raw::error_string(rc)
+                ),
+            });
+            let base = base.inspect_err(|e| self.poison_with(e.to_string()))?;
+            // SAFETY: `base` is the valid communicator MPI just returned, and the old data
+            // communicator is valid (above).
+            let (survivors, lost) = unsafe {
+                raw::check(
+                    OP,
+                    ffi::MPI_Comm_set_errhandler(base, ffi::RSMPI_ERRORS_RETURN),
+                )?;
+                survivors_of(base, st.data.0, self.size)?
+            };
+            if 2 * survivors.len() <= self.size {
+                let why = format!(
+                    "no majority: {} of the {} ranks are left on this side (lost: {lost:?}), \
+                     not a strict majority, so this side stops and never computes on (the \
+                     other side may hold one); restart the job from its last checkpoint",
+                    survivors.len(),
+                    self.size
+                );
+                self.poison_with(why.clone());
+                let _ = self.stopped.set(why.clone());
+                return Err(Error::DistFailed { op: OP, first: why });
+            }
+            // The new world's communicators come from blocking calls, which a rank lost
+            // meanwhile fails on some survivors only: they agree (fault-tolerantly) that every
+            // survivor made them, else shrink again without that rank.
+            let made = World::on(base, &config, self.generation + 1);
+            let agreed = agree_on(base, Vote::from(made.is_ok()), self.timeout)
+                .inspect_err(|e| self.poison_with(e.to_string()))?;
+            let failed = match (made, agreed) {
+                (Ok(next), Agreed::All) => break (next, lost),
+                (_, Agreed::Lost) => {
+                    from = base;
+                    continue;
+                }
+                // A failure with no rank lost: nothing to shrink away.
+                (Err(e), _) => e,
+                (Ok(_), _) => Error::Mpi {
+                    op: OP,
+                    message: "another survivor could not make the new world (its own error \
+                              says why); restart the job from its last checkpoint"
+                        .to_owned(),
+                },
+            };
+            self.poison_with(failed.to_string());
+            return Err(failed);
+        };
         drop(bound);
         next.lost_before.clone_from(&lost);
         next.universe = Mutex::new(lock(&self.universe).take());
@@ -806,12 +832,18 @@ impl World {
 /// [`crate::comm::points`]). Bounded by `timeout` (an error, after which the world is
 /// unusable).
 fn agree(st: &mut State, vote: Vote, timeout: Duration) -> Result<Agreed> {
+    agree_on(st.data.0, vote, timeout)
+}
+
+/// [`agree`] on communicator `comm`, valid and the world's own (its state lock held, or the
+/// world being made).
+fn agree_on(comm: ffi::MPI_Comm, vote: Vote, timeout: Duration) -> Result<Agreed> {
     // On the heap: MPI writes it when the agreement ends, which may be after a timeout here.
     let mut flag = Box::new(vote.flag() as c_int);
     let mut req = Request::null();
-    // SAFETY: the data communicator is valid (the state lock is held); `flag` lives until the
+    // SAFETY: the communicator is valid (the caller's contract); `flag` lives until the
     // request completes below, or is leaked on a timeout; `req` is a valid out-pointer.
-    let rc = unsafe { ulfm::iagree(st.data.0, &mut *flag, &mut req.0) };
+    let rc = unsafe { ulfm::iagree(comm, &mut *flag, &mut req.0) };
     if rc != ffi::MPI_SUCCESS as c_int {
         return Ok(Agreed::Lost);
     }
