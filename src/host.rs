@@ -80,6 +80,18 @@ impl HostData {
         with_host!(self, v: T => T::wrap(v[start..end].to_vec()))
     }
 
+    /// Copies `src` into these elements from element `at`: `false` (nothing copied) where
+    /// `src` is of another dtype or runs past the end.
+    pub(crate) fn write_at(&mut self, at: usize, src: &HostData) -> bool {
+        with_host!(self, v: T => match T::slice(src) {
+            Some(s) if at.checked_add(s.len()).is_some_and(|end| end <= v.len()) => {
+                v[at..at + s.len()].copy_from_slice(s);
+                true
+            }
+            _ => false,
+        })
+    }
+
     /// A copy converted to `dtype` (a plain clone when it already is).
     pub fn cast(&self, dtype: DType) -> HostData {
         if self.dtype() == dtype {

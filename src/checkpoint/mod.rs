@@ -175,9 +175,7 @@ pub(crate) use load_hook::LoadStage;
 #[cfg(feature = "test-util")]
 pub use load_hook::{set_load_hook, LoadStage};
 pub(crate) use reader::{open, read_index, Reader};
-pub(crate) use sharded::{
-    commit, entry_piece, next_generation, put_shard, rank_range, shard_bytes, write_shard, SaveId,
-};
+pub(crate) use sharded::{commit, entry_piece, next_generation, rank_range, write_shard, SaveId};
 
 pub(crate) use crate::checkpoint_error::CheckpointErrorKind;
 use crate::Error;

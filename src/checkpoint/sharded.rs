@@ -120,28 +120,8 @@ pub(crate) fn write_shard(
     put_shard(dir, save, rank, world, &bytes)
 }
 
-/// The bytes [`write_shard`] would write for the shard of `rank` of `world` of `save`, kept in
-/// memory (the survivors of a lost rank pass shards to each other: see the store's `heal`).
-pub(crate) fn shard_bytes(
-    save: SaveId,
-    rank: usize,
-    world: usize,
-    updater: &Updater,
-    pieces: &[Piece],
-    residuals: &[KeyResiduals],
-) -> Result<Vec<u8>> {
-    encode_shard(save, rank, world, updater, pieces, residuals)
-        .map_err(|p| p.at(Path::new("(a shard in memory)")))
-}
-
-/// Writes `bytes` ([`shard_bytes`]) as the shard of `rank` of `world` of `save` into `dir`.
-pub(crate) fn put_shard(
-    dir: &Path,
-    save: SaveId,
-    rank: usize,
-    world: usize,
-    bytes: &[u8],
-) -> Result<()> {
+/// Writes `bytes` as the shard of `rank` of `world` of `save` into `dir`.
+fn put_shard(dir: &Path, save: SaveId, rank: usize, world: usize, bytes: &[u8]) -> Result<()> {
     let gen_dir = generation_dir(dir, save.generation);
     let path = shard_path(&gen_dir, rank, world);
     fs::create_dir_all(&gen_dir).map_err(|e| write_error(&gen_dir, e))?;

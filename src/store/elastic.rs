@@ -46,11 +46,19 @@ impl KvStore {
         // Whether the call that met the loss committed (the first rejoin says; later ones speak
         // of a heal of this recovery).
         let mut call_committed = None;
+        // Whether a heal of this recovery failed (then an error with no new loss means the
+        // heal itself failed, on every survivor alike: its ranks agree before they commit).
+        let mut healing_failed = false;
         for _ in 0..MOST_LOSSES {
-            let Some(rejoined) = self.ranks.rejoin(&err) else {
-                return Err(err);
+            let rejoined = match self.ranks.rejoin(&err) {
+                Some(rejoined) => rejoined?,
+                None if healing_failed => crate::comm::link::Rejoined {
+                    lost: Vec::new(),
+                    took: std::time::Duration::ZERO,
+                    committed: false,
+                },
+                None => return Err(err),
             };
-            let rejoined = rejoined?;
             let call_committed = *call_committed.get_or_insert(rejoined.committed);
             if rejoined.lost.is_empty() && !lost.is_empty() {
                 // A heal failed, and no rank more was lost: the copies cannot heal the store.
@@ -73,11 +81,18 @@ impl KvStore {
                 Some(buddies) => {
                     let began = Instant::now();
                     let healed = self.heal((base_rank, base_size), buddies, &lost);
+                    healing_failed = healed.is_err();
                     let how = healed.as_ref().map_or(String::new(), |h| {
                         format!(
-                            "; every key was rebuilt from the survivors' parts and the copies \
-                             of the lost ranks' parts in {:.2} s ({} bytes received)",
+                            "; the keys were placed again from the survivors' parts and the \
+                             copies of the lost ranks' parts in {:.2} s: {} of {} keys moved \
+                             ({} bytes of values, and their state), the copies were made anew \
+                             ({} bytes sent), and this rank received {} bytes",
                             began.elapsed().as_secs_f64(),
+                            h.keys_moved,
+                            h.keys,
+                            h.part_bytes,
+                            h.copy_bytes,
                             h.received
                         )
                     });

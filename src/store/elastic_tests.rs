@@ -562,6 +562,136 @@ fn a_second_loss_during_the_heal_heals_again_from_the_copies() {
 }
 
 #[test]
+fn a_loss_after_a_heal_heals_from_the_copies_the_heal_made() {
+    // Rank 1 of 5 dies after two pushes (so the keys have momentum); some calls later, in the world of 4, another rank dies: its parts
+    // (some placed by the first heal, some of them 1's) come back from the copies that the
+    // first heal made for the new buddies. Copies made without their state, or not at all,
+    // make the values differ.
+    let program = [Call::Push, Call::PushPull].repeat(5);
+    let mut seen_twice = 0;
+    for (second, during, in_place) in [
+        (2, 14, false),
+        (0, 20, true),
+        (3, 26, false),
+        (4, 14, true),
+        (2, 30, true),
+        (0, 40, false),
+    ] {
+        let plan = Plan {
+            n: 5,
+            seed: 5 + during,
+            program: &program,
+            victims: &[1],
+            die_after: 3,
+            sent: false,
+            arm: 2,
+            dir: std::path::Path::new("."),
+            scheduled: false,
+            in_place,
+            second: Some((second, during)),
+        };
+        let seen = run(&plan);
+        assert!(
+            seen[1].is_err() && seen[second].is_err(),
+            "a victim lived on"
+        );
+        assert_eq!(check_survivors(&plan, &seen), 3);
+        for s in seen.iter().flatten() {
+            let changes: Vec<&String> = s.events.iter().filter(|e| e.contains("lost")).collect();
+            assert!(
+                changes.iter().all(|c| c.contains("healed true")),
+                "{:?}",
+                s.events
+            );
+            if changes.len() == 2 {
+                seen_twice += 1;
+            }
+        }
+    }
+    // The second loss came after the first heal (two changes), not during it, in most runs.
+    assert!(
+        seen_twice >= 3 * 4,
+        "{seen_twice} survivors saw two changes"
+    );
+}
+
+#[test]
+fn a_heal_moves_only_the_lost_ranks_keys_and_the_slices_that_change() {
+    // 5 ranks, 17 whole keys of 1 to 8 elements and a sliced one of 40; rank 3 dies in a
+    // push. Whole keys on the survivors stay where they are; rank 3's go where the bytes are
+    // fewest, ties to its buddy (rank 4), which kept their copies; the sliced key is cut again.
+    let lens: Vec<usize> = (0..17).map(|k| 1 + (k * 5) % 8).chain([40]).collect();
+    let keys: Vec<i32> = (0..lens.len() as i32).collect();
+    let links: Vec<Loopback> = Loopback::world(5, Duration::from_secs(20))
+        .into_iter()
+        .map(Loopback::elastic)
+        .collect();
+    let seen = on_links(&links, |rank, link| {
+        let kv = KvStore::over_loopback(link.clone(), BOUND).expect("a store");
+        kv.set_updater(sgd()).expect("the updater");
+        let values: Vec<NDArray> = (keys.iter().zip(&lens))
+            .map(|(&k, &n)| NDArray::from_vec(vec![k as f32 / 4.0; n], [n]).expect("a value"))
+            .collect();
+        kv.init_list(&keys, &values).expect("the init");
+        let spreads = || -> Vec<crate::comm::Spread> {
+            let table = super::read(&kv.table);
+            keys.iter()
+                .map(|k| table.slots[&crate::Key::Int(*k)].spread)
+                .collect()
+        };
+        let grads: Vec<NDArray> = (lens.iter())
+            .map(|&n| NDArray::from_vec(vec![0.25 * (rank + 1) as f32; n], [n]).expect("a grad"))
+            .collect();
+        kv.push_list(&keys, &grads).expect("a push");
+        let before = spreads();
+        if rank == 3 {
+            link.die_after(2, false);
+        }
+        match kv.push_list(&keys, &grads) {
+            Err(Error::WorldChanged { detail, healed, .. }) => {
+                assert!(healed, "{detail}");
+                Some((before, spreads(), detail))
+            }
+            Err(_) if link.is_gone() => None,
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    });
+    let (before, after, detail) = seen[0].clone().expect("rank 0 lived");
+    let new_of = |r: usize| r - usize::from(r > 3);
+    let mut must_move = 1; // the sliced key
+    for (k, (b, a)) in before.iter().zip(&after).enumerate() {
+        match *b {
+            crate::comm::Spread::Whole { rank: 3 } => {
+                must_move += usize::from(*a != crate::comm::Spread::Whole { rank: 3 });
+            }
+            crate::comm::Spread::Whole { rank } => {
+                assert_eq!(
+                    *a,
+                    crate::comm::Spread::Whole { rank: new_of(rank) },
+                    "key {k}"
+                );
+            }
+            crate::comm::Spread::Sliced => assert_eq!(*a, crate::comm::Spread::Sliced),
+        }
+    }
+    let lost_keys = (before.iter())
+        .filter(|s| **s == crate::comm::Spread::Whole { rank: 3 })
+        .count();
+    assert!(lost_keys >= 2, "rank 3 held {lost_keys} keys");
+    assert!(
+        detail.contains(&format!(" {must_move} of 18 keys moved")),
+        "{must_move} keys should have moved: {detail}"
+    );
+    for s in seen.iter().flatten() {
+        assert_eq!(
+            (&s.0, &s.1),
+            (&before, &after),
+            "the survivors placed keys differently"
+        );
+    }
+}
+
+#[test]
 fn a_side_without_a_majority_stops() {
     let program = [Call::Push; 6];
     let plan = Plan {

@@ -483,7 +483,7 @@ fn load_fingerprint(
 }
 
 /// This rank's piece of `slot`, the `order`-th key, from its `cell`, with its state if any.
-pub(super) fn own_piece(
+fn own_piece(
     slot: &Slot,
     cell: &HomeValue,
     order: usize,
@@ -516,7 +516,10 @@ pub(super) fn own_piece(
 
 /// Copies of `cell`'s value (on ranks, this rank's part) and of its state for the updater in
 /// force (only state a push of it would use, one buffer per state name).
-fn host_copy(cell: &HomeValue, active: &Active) -> Result<(HostData, Option<EntryState>)> {
+pub(super) fn host_copy(
+    cell: &HomeValue,
+    active: &Active,
+) -> Result<(HostData, Option<EntryState>)> {
     let (value, state) = cell.to_host(active.generation)?;
     let buffers = active.updater.state_names().len();
     let state = state.filter(|(_, bufs)| bufs.len() == buffers);
@@ -542,7 +545,7 @@ fn read_part(
 }
 
 /// A loaded part, `part` (flat), kept on `home`.
-fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
+pub(super) fn keep_on(home: Device, part: HostData, key: &Key) -> Result<HomeValue> {
     let flat = Shape::new(&[part.len()])?;
     HomeValue::from_array(NDArray::from_host(part, flat, cpu(0)), home).map_err(|e| e.with_key(key))
 }

@@ -92,6 +92,45 @@ impl Blocks {
     }
 }
 
+/// Every rank's `mine[r]` (words for rank `r`, of any length) to rank `r`: what each rank sent
+/// this one, by sender. Two collectives: the lengths (an all-gather), then the words (an
+/// all-to-all of blocks of their own lengths, the words travelling as the bits of `f64`s, which
+/// the link copies and never computes on).
+pub(crate) fn all_to_all_words(
+    call: &mut dyn Round,
+    rank: usize,
+    mine: &[Vec<u64>],
+) -> Result<Vec<Vec<u64>>> {
+    let size = mine.len();
+    let lens: Vec<u64> = mine.iter().map(|w| w.len() as u64).collect();
+    let all = call.all_gather_words(&lens)?;
+    if all.len() != size * size || rank >= size {
+        return Err(crate::Error::internal("word counts of another world size"));
+    }
+    let blocks = Blocks::from_fn(size, |s, r| all[s * size + r] as usize);
+    let mut send = vec![0.0f64; blocks.send_len(rank)];
+    for (r, words) in mine.iter().enumerate() {
+        let at = blocks.send_at(rank, r);
+        for (o, w) in send[at..at + words.len()].iter_mut().zip(words) {
+            *o = f64::from_bits(*w);
+        }
+    }
+    let recv = HostData::F64(vec![0.0; blocks.recv_len(rank)]);
+    let ticket = blocks.start(call, HostData::F64(send), recv)?;
+    let (_, recv) = call.land(ticket)?;
+    let HostData::F64(recv) = recv else {
+        return Err(crate::Error::internal("words came back of another dtype"));
+    };
+    (0..size)
+        .map(|s| {
+            let at = blocks.recv_at(s, rank);
+            let got = recv.get(at..at + blocks.len(s, rank));
+            let got = got.ok_or_else(|| crate::Error::internal("words arrived cut short"))?;
+            Ok(got.iter().map(|w| w.to_bits()).collect())
+        })
+        .collect()
+}
+
 /// The most elements an MPI count or displacement holds (a C `int`).
 #[cfg(not(test))]
 fn count_max() -> usize {

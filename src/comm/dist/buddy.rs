@@ -9,8 +9,8 @@
 use super::Pool;
 use crate::comm::link::Round;
 use crate::comm::Spread;
-use crate::host::{with_host, HostData};
-use crate::{DType, Element, Error, Result};
+use crate::host::HostData;
+use crate::{DType, Error, Result};
 
 use super::Blocks;
 
@@ -106,7 +106,7 @@ pub(crate) fn to_buddy(
                 _ => return Err(Error::internal("a part for a buddy of another length")),
             };
             if let Some(p) = part {
-                write_at(&mut send, at, p);
+                send.write_at(at, p);
             }
             at += want;
         }
@@ -125,15 +125,6 @@ pub(crate) fn to_buddy(
         pool.give(recv);
     }
     Ok(out)
-}
-
-/// Copies `part` into `buf` from element `at` (both of one dtype, `buf` long enough).
-fn write_at(buf: &mut HostData, at: usize, part: &HostData) {
-    with_host!(buf, v: T => {
-        if let Some(src) = T::slice(part) {
-            v[at..at + src.len()].copy_from_slice(src);
-        }
-    });
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ use crate::ndarray::Storage;
 use crate::{DType, Device, Element, Error, NDArray, Result};
 #[cfg(test)]
 pub(crate) use blocks::tests as blocks_tests;
-pub(crate) use blocks::Blocks;
+pub(crate) use blocks::{all_to_all_words, Blocks};
 pub(crate) use buddy::{to_buddy, Buddies, KeyPart};
 pub(crate) use pool::{copy_into, Pool};
 
@@ -199,10 +199,16 @@ impl Dist {
     /// `KVSTORE_BIGARRAY_BOUND` elements, on more than one rank. Where values move in place
     /// (GPU ranks) every rank's slice must also hold an element (a GPU keeps no empty arrays).
     pub(crate) fn is_sliced(&self, len: usize) -> bool {
-        let size = self.size();
-        let every_rank_holds = || slice_block(len, size) * (size - 1) < len;
         let bound = self.bound.load(Ordering::Relaxed);
-        size > 1 && len > bound && (self.in_place.is_none() || every_rank_holds())
+        len > bound && self.can_slice(len, self.size())
+    }
+
+    /// Whether a key of `len` elements can be sliced over `size` ranks of this link: more than
+    /// one rank, and where values move in place (GPU ranks) an element for every rank's slice
+    /// (a GPU keeps no empty arrays).
+    pub(crate) fn can_slice(&self, len: usize, size: usize) -> bool {
+        let every_rank_holds = || slice_block(len, size) * (size - 1) < len;
+        size > 1 && (self.in_place.is_none() || every_rank_holds())
     }
 
     /// After a call failed: where a rank was lost and the link can go on without it, the

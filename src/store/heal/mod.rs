@@ -1,0 +1,314 @@
+//! Healing a store after a lost rank from what the survivors hold: their own parts, and the
+//! copies of the lost ranks' parts that their buddies kept ([`super::copies`]).
+//!
+//! Every survivor makes the same [`plan`] from the key table: whole keys stay on their homes,
+//! a lost rank's keys go where the bytes are fewest (ties to the buddy that kept their
+//! copies), sliced keys are cut again for the new world size, and every part's copy goes to its
+//! new buddy. Only the pieces a survivor lacks cross the link, with their updater state, in one
+//! all-to-all ([`wire`]). Each survivor keeps its compression residuals (a lost rank's are lost
+//! with it) and every key its update count. The ranks agree before they commit: a heal that
+//! fails (another rank lost) leaves the table as it was, so the survivors can heal again.
+
+mod plan;
+mod wire;
+
+use std::sync::{Arc, Mutex, RwLock};
+
+use super::save_load::{host_copy, keep_on};
+use super::table::Slot;
+use super::{read, write, KvStore};
+use crate::backend::HomeValue;
+use crate::comm::dist::{all_to_all_words, Buddies};
+use crate::comm::fingerprint::Fingerprint;
+use crate::host::HostData;
+use crate::{Device, Error, Result};
+use plan::{Held, KeyAt, Move, Plan, Worlds};
+use wire::Piece;
+
+/// What a heal moved: the same figures on every survivor, but `received`.
+pub(super) struct Healed {
+    /// Keys of which some part moved to another rank.
+    pub(super) keys_moved: usize,
+    /// Keys in all.
+    pub(super) keys: usize,
+    /// Bytes of values that moved to another rank as parts (their updater state besides).
+    pub(super) part_bytes: usize,
+    /// Bytes of values sent to another rank as copies.
+    pub(super) copy_bytes: usize,
+    /// Bytes this rank received, with state and framing.
+    pub(super) received: usize,
+}
+
+impl KvStore {
+    /// Re-places every key for the new world after the loss of `lost` (ranks of the old world,
+    /// where this rank was `old.0` of `old.1`, with copies kept by `old_buddies`). Every
+    /// survivor calls it; each lost rank's buddy must be a survivor.
+    pub(super) fn heal(
+        &self,
+        (old_rank, old_size): (usize, usize),
+        old_buddies: Buddies,
+        lost: &[usize],
+    ) -> Result<Healed> {
+        let d = &self.ranks;
+        let active = read(&self.active).clone();
+        let slots = self.slots_in_order();
+        let mut fp = Fingerprint::new("heal").note(format!(
+            "{} keys of a world of {old_size}, lost {lost:?}",
+            slots.len()
+        ));
+        for s in &slots {
+            fp.push(s.key.clone(), s.shape.dims(), s.dtype);
+        }
+        let mut call = d.begin(fp)?;
+        let can_slice = |len: usize, size: usize| d.can_slice(len, size);
+        let worlds = Worlds {
+            old_size,
+            old_buddies,
+            lost,
+            new_buddies: d.buddies(),
+            exact_copies: !d.moves_in_place(),
+            can_slice: &can_slice,
+        };
+        let keys: Vec<KeyAt> = (slots.iter())
+            .map(|s| KeyAt {
+                len: s.shape.size(),
+                bytes: s.shape.size() * s.dtype.size(),
+                spread: s.spread,
+            })
+            .collect();
+        // Everything that can fail on this rank alone, before any data moves.
+        let me = d.rank();
+        let ready = (|| {
+            let survivors = worlds.survivors();
+            if survivors.len() != d.size() || survivors.get(me) != Some(&old_rank) {
+                return Err(Error::internal(
+                    "the survivors' new ranks are not their old ones in order",
+                ));
+            }
+            let plan = plan::plan(&keys, &worlds)?;
+            let held = Holdings::read(&slots, &plan, me, &active)?;
+            let mut out = vec![Vec::new(); d.size()];
+            for m in plan.moves.iter().filter(|m| m.from == me && m.travels()) {
+                held.piece(m, &keys, old_size)?.encode(&mut out[m.to]);
+            }
+            Ok((plan, held, out))
+        })();
+        call.agree("heal", ready.is_ok(), "reading its parts")?;
+        let (plan, held, out) = ready?;
+        let got = all_to_all_words(&mut *call, me, &out)?;
+        drop(out);
+        let received = 8 * got.iter().map(Vec::len).sum::<usize>();
+        let made = (|| {
+            let mut made = Made::new(&slots, &plan, me, d.size(), worlds.new_buddies)?;
+            let mut at = vec![0usize; d.size()];
+            for m in plan.moves.iter().filter(|m| m.to == me) {
+                let piece = match m.travels() {
+                    true => {
+                        let dtype = slots[m.key].dtype;
+                        Piece::decode(&got[m.from], &mut at[m.from], dtype, m.range.len())?
+                    }
+                    false => held.piece(m, &keys, old_size)?,
+                };
+                made.put(m, &piece)?;
+            }
+            drop(held);
+            made.into_cells(&slots, d.home(), active.generation)
+        })();
+        drop(got);
+        // A fault the GPU latched earlier fails every rank here, not this rank after agreeing.
+        let made = made.and_then(|m| crate::backend::settle(d.home()).map(|()| m));
+        call.agree("heal", made.is_ok(), "putting its parts together")?;
+        let cells = made?;
+        // Every survivor applies the heal, or none (a rank lost before this point).
+        call.commit()?;
+        let mut table = write(&self.table);
+        for ((slot, spread), (cell, copy)) in slots.iter().zip(&plan.spreads).zip(cells) {
+            let residuals = std::mem::take(&mut *super::compress::lock(&slot.residuals));
+            let updates = *slot.updates.lock().unwrap_or_else(|p| p.into_inner());
+            let healed = Slot {
+                key: slot.key.clone(),
+                order: slot.order,
+                init_seq: slot.init_seq,
+                shape: slot.shape,
+                dtype: slot.dtype,
+                home: slot.home,
+                spread: *spread,
+                cell: RwLock::new(cell),
+                copy: RwLock::new(copy),
+                updates: Mutex::new(updates),
+                residuals: Mutex::new(residuals),
+                row_sparse: slot.row_sparse,
+            };
+            table.slots.insert(slot.key.clone(), Arc::new(healed));
+        }
+        table.rank_bytes = plan.rank_bytes.clone();
+        let value_bytes = |m: &Move| m.range.len() * slots[m.key].dtype.size();
+        let travelling =
+            |into: Held| (plan.moves.iter()).filter(move |m| m.into == into && m.travels());
+        let mut moved: Vec<usize> = travelling(Held::Part).map(|m| m.key).collect();
+        moved.dedup();
+        Ok(Healed {
+            keys_moved: moved.len(),
+            keys: slots.len(),
+            part_bytes: travelling(Held::Part).map(value_bytes).sum(),
+            copy_bytes: travelling(Held::Copy).map(value_bytes).sum(),
+            received,
+        })
+    }
+}
+
+/// Host copies of what this rank holds of each key that some move reads here: its part, and
+/// the copy it keeps.
+struct Holdings {
+    parts: Vec<Option<(HostData, Option<crate::backend::HostState>)>>,
+    copies: Vec<Option<(HostData, Option<crate::backend::HostState>)>>,
+}
+
+impl Holdings {
+    /// Reads this rank's (`me`'s) parts and copies that `plan` reads, each under its lock.
+    fn read(
+        slots: &[Arc<Slot>],
+        plan: &Plan,
+        me: usize,
+        active: &super::Active,
+    ) -> Result<Holdings> {
+        let mut h = Holdings {
+            parts: slots.iter().map(|_| None).collect(),
+            copies: slots.iter().map(|_| None).collect(),
+        };
+        for m in plan.moves.iter().filter(|m| m.from == me) {
+            let (to, lock) = match m.read {
+                Held::Part => (&mut h.parts[m.key], &slots[m.key].cell),
+                Held::Copy => (&mut h.copies[m.key], &slots[m.key].copy),
+            };
+            if to.is_none() {
+                let (value, state) = host_copy(&read(lock), active)?;
+                *to = Some((value, state.map(|s| (s.step, s.bufs))));
+            }
+        }
+        Ok(h)
+    }
+
+    /// The piece `m` reads here.
+    fn piece(&self, m: &Move, keys: &[KeyAt], old_size: usize) -> Result<Piece> {
+        let held = match m.read {
+            Held::Part => &self.parts[m.key],
+            Held::Copy => &self.copies[m.key],
+        };
+        let (value, state) = held
+            .as_ref()
+            .ok_or_else(|| Error::internal("a piece not read"))?;
+        let key = &keys[m.key];
+        let start = key.spread.piece(key.len, m.of, old_size).start;
+        let range = m.range.start - start..m.range.end - start;
+        if range.end > value.len() {
+            return Err(Error::internal("a part shorter than its range"));
+        }
+        Ok(Piece::cut(value, state.as_ref(), range))
+    }
+}
+
+/// This rank's new parts and copies, being put together from pieces.
+struct Made {
+    parts: Vec<Assembly>,
+    copies: Vec<Assembly>,
+}
+
+/// One new part or copy: its elements (from element `start` of the key), its state, and how
+/// many elements have arrived.
+struct Assembly {
+    start: usize,
+    value: HostData,
+    state: Option<crate::backend::HostState>,
+    filled: usize,
+}
+
+impl Made {
+    /// Empty parts and copies of every key, as this rank (`me` of `size`) holds them under
+    /// `plan`, with copies of its new buddy source's parts.
+    fn new(
+        slots: &[Arc<Slot>],
+        plan: &Plan,
+        me: usize,
+        size: usize,
+        buddies: Option<Buddies>,
+    ) -> Result<Made> {
+        let empty = |slot: &Slot, range: std::ops::Range<usize>| {
+            Ok(Assembly {
+                start: range.start,
+                value: HostData::try_filled(slot.dtype, range.len(), 0.0)?,
+                state: None,
+                filled: 0,
+            })
+        };
+        let source = buddies.map(|b| b.source(me));
+        let mut made = Made {
+            parts: Vec::with_capacity(slots.len()),
+            copies: Vec::with_capacity(slots.len()),
+        };
+        for (slot, spread) in slots.iter().zip(&plan.spreads) {
+            let len = slot.shape.size();
+            made.parts.push(empty(slot, spread.piece(len, me, size))?);
+            let copy = source.map_or(0..0, |s| spread.piece(len, s, size));
+            made.copies.push(empty(slot, copy)?);
+        }
+        Ok(made)
+    }
+
+    /// Writes `piece`, the elements of move `m`, where it goes.
+    fn put(&mut self, m: &Move, piece: &Piece) -> Result<()> {
+        let a = match m.into {
+            Held::Part => &mut self.parts[m.key],
+            Held::Copy => &mut self.copies[m.key],
+        };
+        let at = m.range.start.checked_sub(a.start);
+        let disagree = || Error::internal("the pieces of a key disagree on its updater state");
+        let first = a.filled == 0;
+        let fits = at.is_some_and(|at| a.value.write_at(at, &piece.value));
+        if !fits {
+            return Err(Error::internal("a piece outside its part"));
+        }
+        let at = m.range.start - a.start;
+        match (&mut a.state, &piece.state) {
+            (None, None) => {}
+            (state @ None, Some((step, bufs))) if first => {
+                let mut new = Vec::with_capacity(bufs.len());
+                for b in bufs {
+                    let mut full = HostData::try_filled(b.dtype(), a.value.len(), 0.0)?;
+                    full.write_at(at, b).then_some(()).ok_or_else(disagree)?;
+                    new.push(full);
+                }
+                *state = Some((*step, new));
+            }
+            (Some((step, have)), Some((s, bufs))) if *step == *s && have.len() == bufs.len() => {
+                for (h, b) in have.iter_mut().zip(bufs) {
+                    h.write_at(at, b).then_some(()).ok_or_else(disagree)?;
+                }
+            }
+            _ => return Err(disagree()),
+        }
+        a.filled += piece.value.len();
+        Ok(())
+    }
+
+    /// The new cells (on `home`) and copies (in host memory) of every key, checked whole.
+    fn into_cells(
+        self,
+        slots: &[Arc<Slot>],
+        home: Device,
+        generation: u64,
+    ) -> Result<Vec<(HomeValue, HomeValue)>> {
+        let mut cells = Vec::with_capacity(slots.len());
+        for ((slot, part), copy) in slots.iter().zip(self.parts).zip(self.copies) {
+            if part.filled != part.value.len() || copy.filled != copy.value.len() {
+                return Err(Error::internal("a part left with elements missing"));
+            }
+            let mut cell = keep_on(home, part.value, &slot.key)?;
+            cell.set_state(generation, part.state)?;
+            let mut kept = HomeValue::from_host(copy.value);
+            kept.set_state(generation, copy.state)?;
+            cells.push((cell, kept));
+        }
+        Ok(cells)
+    }
+}
