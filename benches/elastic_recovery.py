@@ -13,9 +13,9 @@ worker ...``: the ranks init the model's keys with SGD with momentum in the stor
 steps (push every key, pull every key), then at --kill-step the victim prints a wall-clock
 timestamp and SIGKILLs itself between two calls. Each survivor catches WorldChangedError on its
 push in flight and prints one JSON line: the wall-clock time it caught the error, the times the
-error's message gives (the link rebuilt: agreement on the last commit + shrink; the heal: the old
-world's shards passed around and loaded at the new size; the recovery in all), the bytes this
-survivor received, and the RSS. Detection is (time caught - recovery in all) - time of the kill:
+error's message gives (the link rebuilt: agreement on the last commit + shrink; the heal: the
+keys placed again for the new world, with how many keys and bytes moved; the recovery in all),
+the bytes this survivor received, and the RSS. Detection is (time caught - recovery in all) - time of the kill:
 the kill until the survivor's call failed and the recovery began. The survivors then redo the
 lost step and one more as the new world and check every key against a float64 replay of every
 committed step (gradients are constant per key, so the replay is one number per key): "lost
@@ -124,9 +124,12 @@ def worker(a):
             relink = float(m.group(1)) if m else None
             m = re.search(r"the recovery took ([0-9.]+) s in all", msg)
             total = float(m.group(1)) if m else None
-            m = re.search(r"copies of the lost ranks' parts in ([0-9.]+) s \((\d+) bytes received\)",
-                          msg)
-            heal, received = (float(m.group(1)), int(m.group(2))) if m else (None, None)
+            m = re.search(r"lost ranks' parts in ([0-9.]+) s: (\d+) of \d+ keys moved \((\d+) "
+                          r"bytes of values.*?\((\d+) bytes sent\), and this rank received (\d+) "
+                          r"bytes", msg)
+            heal, moved, moved_bytes, copy_bytes, received = (
+                (float(m.group(1)), *(int(m.group(i)) for i in range(2, 6))) if m
+                else (None,) * 5)
             assert e.healed, f"not healed (KVSTORE_REPLICAS=1 expected): {msg}"
             if in_push and e.committed:
                 worlds.append(world)  # the push took effect on every survivor
@@ -136,6 +139,8 @@ def worker(a):
                    "committed": bool(e.committed), "restored": e.restored,
                    "t_call": t_call, "t_err": t_err, "relink_s": relink, "heal_s": heal,
                    "total_s": total, "received_bytes": received, "model_bytes": nbytes,
+                   "keys_moved": moved, "moved_value_bytes": moved_bytes,
+                   "copy_bytes": copy_bytes,
                    "keys": len(keys), "healthy_step_ms": (1e3 * statistics.median(step_s)
                                                           if step_s else None),
                    "rss_mb": rss_mb(), "message": msg}
@@ -283,8 +288,9 @@ def summary(a):
           "kill to error: the last survivor's error; beyond detection = kill to error - "
           "detection. Cells: median (min-max) over rounds.")
     print("| ranks | model | rounds | detection | link rebuilt | heal | recovery in all | kill to error "
-          "| beyond detection | bytes received per survivor | values checked |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| beyond detection | keys moved (bytes of values) | copies sent | bytes received per "
+          "survivor | values checked |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (n, model), runs in sorted(cells.items()):
         # Per round, the slowest survivor; then median (min-max) over rounds.
         def agg(name, pick=max):
@@ -300,9 +306,15 @@ def summary(a):
         oks = [x for _, c in runs for x in c["ok"]]
         okc = f"{sum(1 for x in oks if x)} of {len(oks)} survivors" if oks else "-"
         recs = (f"{rec[0]:,}" if len(rec) == 1 else f"{rec[0]:,}–{rec[-1]:,}") if rec else "-"
+        survivors = [r for l, _ in runs for r in l["ranks"] if r.get("role") == "survivor"]
+        moved = sorted({(r.get("keys_moved"), r.get("moved_value_bytes"), r.get("copy_bytes"))
+                        for r in survivors} - {(None, None, None)})
+        keys = survivors[0].get("keys", "?") if survivors else "?"
+        movedc = "; ".join(f"{k} of {keys} ({b:,})" for k, b, _ in moved) or "-"
+        copyc = "; ".join(f"{c:,}" for _, _, c in moved) or "-"
         print(f"| {n} | {model} | {len(runs)} | {agg('detect')} | {agg('relink', min)} "
               f"| {agg('heal')} | {agg('total')} | {agg('kill_to_error')} | {agg('beyond')} "
-              f"| {recs} | {okc} |")
+              f"| {movedc} | {copyc} | {recs} | {okc} |")
 
 
 def main():

@@ -1314,8 +1314,9 @@ def during():
     Every survivor must fail the same call with WorldChangedError, carry on from what that
     error says (the next call where it committed, else the same one again; back to the
     checkpoint where it was restored), and end with every key equal to a NumPy replay of the
-    calls that took effect (SGD with momentum; for 2-bit, every rank's residuals, which start
-    again at zero when the world changes). It prints its events and a digest of its values,
+    calls that took effect (SGD with momentum; for 2-bit, every rank's residuals, which each
+    survivor keeps where the store healed, and which start again at zero where it went back to
+    a checkpoint saved by another world size). It prints its events and a digest of its values,
     which the test compares across survivors. ARGS[4], where given, is the store's kind
     (``dist_device_sync``: GPU ranks, whose NCCL collective the victim dies in)."""
     import hashlib
@@ -1378,7 +1379,7 @@ def during():
                 saved = max(i for i, (s_, _) in enumerate(log) if program[s_] == "save")
                 step = log[saved][0] + 1
                 del log[saved + 1:]
-            log.append(("change", ()))
+            log.append(("change", e.restored is not None))
             alive = [a for i, a in enumerate(alive) if i not in e.lost]
             assert kv.num_workers == len(alive), (kv.num_workers, alive)
 
@@ -1397,7 +1398,7 @@ def during():
             if e.restored is not None:
                 saved = max(i for i, (s_, _) in enumerate(log) if program[s_] == "save")
                 del log[saved + 1:]
-            log.append(("change", ()))
+            log.append(("change", e.restored is not None))
             alive = [a for i, a in enumerate(alive) if i not in e.lost]
     # NumPy's replay of the log.
     weights = [v.astype(np.float64) for v in init]
@@ -1407,7 +1408,8 @@ def during():
     has_new = False
     for s_, ranks in log:
         if s_ == "change":
-            residuals = {}
+            if ranks:  # restored: the checkpoint's world differs, so residuals restart
+                residuals = {}
             continue
         call = program[s_]
         if call == "push":
