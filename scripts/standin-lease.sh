@@ -54,15 +54,17 @@ ln -s "$PWD/python/tests" "$stage/python/tests"
 echo "stand-in (not a GPU)" >"$stage/COMMIT"
 git rev-parse HEAD >>"$stage/COMMIT" 2>/dev/null || true
 
-steps="${LEASE_STEPS:-0 1 2 3 4 5}"
+steps="${LEASE_STEPS:-0 1 2 3 4 5 6}"
 py="${1:-}"
 if [ -z "$py" ] || ! "$py" -c 'import kvstore, torch' 2>/dev/null; then
     echo "SKIPPED: the lease plan's Python part: no Python with kvstore and torch given"
-    steps=$(echo " $steps " | sed 's/ 3 / /')
+    steps=$(echo " $steps " | sed 's/ 3 / /; s/ 6 / /')
 fi
 
 export LD_LIBRARY_PATH="$lib_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KVSTORE_STANDIN=1 KVSTORE_STANDIN_GPUS=1 KVSTORE_NCCL_LIB="$lib_dir/libnccl.so"
+# The elastic part's Python tests (test_dist.py) find the stand-in here, 3 ranks on its one GPU.
+export KVSTORE_STANDIN_LIB="$lib_dir" KVSTORE_TEST_STANDIN_GPUS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The stand-in runs kernels on an interpreter: each part gets LEASE_TIME_SCALE times its GPU
 # limit, and the whole plan a budget to match. Nothing may be cut off by time here: a part that

@@ -481,15 +481,24 @@ def test_under_ulfm_a_lost_rank_costs_nothing_with_copies_and_training_goes_on(
 
 
 STANDIN = os.environ.get("KVSTORE_STANDIN_LIB")
+# A real GPU machine (scripts/gpu-run.sh's lease plan sets it): the GPU ranks' tests run there
+# on its GPUs, 3 ranks sharing one where it has one (NCCL >= 2.30, through KVSTORE_NCCL_LIB).
+REAL_GPU = os.environ.get("KVSTORE_TEST_REAL_GPU") == "1"
 
 
 def standin_env():
-    """What a job of 3 GPU ranks on the stand-in driver needs (THIS IS NOT A GPU RUN)."""
+    """What a job of 3 GPU ranks needs: on a real GPU machine (``KVSTORE_TEST_REAL_GPU=1``),
+    several ranks allowed on one GPU; else the stand-in driver (THIS IS NOT A GPU RUN)."""
+    if REAL_GPU:
+        return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
     if not STANDIN:
         pytest.skip("SKIPPED: KVSTORE_STANDIN_LIB is not set (the stand-in driver's folder, "
                     "which python/ci.sh builds)")
+    # KVSTORE_TEST_STANDIN_GPUS=1 puts the 3 ranks on one GPU, as on the lent machine.
     return {"LD_LIBRARY_PATH": STANDIN + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""),
-            "KVSTORE_STANDIN": "1", "KVSTORE_STANDIN_GPUS": "3"}
+            "KVSTORE_STANDIN": "1",
+            "KVSTORE_STANDIN_GPUS": os.environ.get("KVSTORE_TEST_STANDIN_GPUS", "3"),
+            "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
 @needs_mpi
