@@ -21,6 +21,8 @@ mod elastic;
 mod elastic_tests;
 mod groups;
 mod heal;
+#[cfg(test)]
+mod heal_tests;
 mod hook;
 mod kind;
 #[cfg(test)]

@@ -10,6 +10,8 @@
 //! fails (another rank lost) leaves the table as it was, so the survivors can heal again.
 
 mod plan;
+#[cfg(test)]
+mod plan_tests;
 mod wire;
 
 use std::sync::{Arc, Mutex, RwLock};
@@ -145,7 +147,10 @@ impl KvStore {
         let value_bytes = |m: &Move| m.range.len() * slots[m.key].dtype.size();
         let travelling =
             |into: Held| (plan.moves.iter()).filter(move |m| m.into == into && m.travels());
-        let mut moved: Vec<usize> = travelling(Held::Part).map(|m| m.key).collect();
+        let mut moved: Vec<usize> = (travelling(Held::Part))
+            .filter(|m| !m.range.is_empty())
+            .map(|m| m.key)
+            .collect();
         moved.dedup();
         Ok(Healed {
             keys_moved: moved.len(),

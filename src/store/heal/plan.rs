@@ -108,28 +108,44 @@ pub(super) fn plan(keys: &[KeyAt], w: &Worlds<'_>) -> Result<Plan> {
     let (spreads, rank_bytes) = spreads(keys, w, &new_of, size)?;
     let mut moves = Vec::new();
     for (k, (key, new)) in keys.iter().zip(&spreads).enumerate() {
-        for j in 0..size {
+        // The old part that holds the key's last element (where its value ends).
+        let last = (0..w.old_size).rev().find(|&o| {
+            let p = key.spread.piece(key.len, o, w.old_size);
+            key.spread.holds(o) && p.end == key.len && (p.start < p.end || key.len == 0)
+        });
+        for j in (0..size).filter(|&j| new.holds(j)) {
             let range = new.piece(key.len, j, size);
-            if range.is_empty() {
-                continue;
-            }
+            // The old pieces that make it up: those it overlaps, or, for an empty part (a
+            // sliced key's last slices, when the key has fewer elements than the ranks' blocks
+            // cover), none of the elements but the key's updater state all the same (its step),
+            // from the part holding the last element, so every part's step stays the key's.
+            let pieces: Vec<(usize, Range<usize>)> = match range.is_empty() {
+                true => last.map(|o| (o, key.len..key.len)).into_iter().collect(),
+                false => (0..w.old_size)
+                    .map(|of| {
+                        let held = key.spread.piece(key.len, of, w.old_size);
+                        (of, held.start.max(range.start)..held.end.min(range.end))
+                    })
+                    .filter(|(_, piece)| !piece.is_empty())
+                    .collect(),
+            };
             let copy_at = w.new_buddies.map(|b| (b.buddy(j), Held::Copy));
             for (to, into) in std::iter::once((j, Held::Part)).chain(copy_at) {
-                for of in 0..w.old_size {
-                    let held = key.spread.piece(key.len, of, w.old_size);
-                    let piece = held.start.max(range.start)..held.end.min(range.end);
-                    if piece.is_empty() {
-                        continue;
-                    }
+                for (of, piece) in pieces.iter().cloned() {
                     let part_at = new_of(of);
                     let copy_at = new_of(w.old_buddies.buddy(of));
-                    let (from, read) = source(part_at, copy_at, to, into, w.exact_copies)
-                        .ok_or_else(|| {
-                            Error::internal(
+                    let (from, read) = match source(part_at, copy_at, to, into, w.exact_copies) {
+                        Some(from) => from,
+                        // A key of no elements, its rank and that rank's buddy both lost:
+                        // nothing of it is lost but its step.
+                        None if piece.is_empty() => continue,
+                        None => {
+                            return Err(Error::internal(
                                 "a piece of a key that no survivor holds (its rank and that \
                                  rank's buddy both lost)",
-                            )
-                        })?;
+                            ))
+                        }
+                    };
                     moves.push(Move {
                         key: k,
                         range: piece,
