@@ -49,10 +49,12 @@ impl KvStore {
         // Whether a heal of this recovery failed (then an error with no new loss means the
         // heal itself failed, on every survivor alike: its ranks agree before they commit).
         let mut healing_failed = false;
+        // Why the last heal failed, for the error's message.
+        let mut heal_error: Option<String> = None;
         for _ in 0..MOST_LOSSES {
             let rejoined = match self.ranks.rejoin(&err) {
                 Some(rejoined) => rejoined?,
-                None if healing_failed => crate::comm::link::Rejoined {
+                None if std::mem::take(&mut healing_failed) => crate::comm::link::Rejoined {
                     lost: Vec::new(),
                     took: std::time::Duration::ZERO,
                     committed: false,
@@ -82,6 +84,9 @@ impl KvStore {
                     let began = Instant::now();
                     let healed = self.heal((base_rank, base_size), buddies, &lost);
                     healing_failed = healed.is_err();
+                    if let Err(e) = &healed {
+                        heal_error = Some(e.to_string());
+                    }
                     let how = healed.as_ref().map_or(String::new(), |h| {
                         format!(
                             "; the keys were placed again from the survivors' parts and the \
@@ -114,7 +119,16 @@ impl KvStore {
             match done {
                 Ok((healed, restored)) => {
                     self.copies_behind(false);
+                    let heal_failure;
                     let why_not_copies = match (buddies, healer) {
+                        (Some(_), None) if heal_failed => {
+                            heal_failure = format!(
+                                "; the heal from the copies failed ({}), so the store went back \
+                                 to its last checkpoint",
+                                heal_error.as_deref().unwrap_or("no reason given")
+                            );
+                            heal_failure.as_str()
+                        }
                         (Some(_), None) if behind => {
                             "; the copies had fallen behind (a push under a closure updater, or \
                              of row-sparse keys), so they could not heal it"

@@ -62,6 +62,10 @@ impl KvStore {
             fp.push(s.key.clone(), s.shape.dims(), s.dtype);
         }
         let mut call = d.begin(fp)?;
+        // The keys as the call began (another thread's init may have come between).
+        let now = self.slots_in_order();
+        let changed =
+            now.len() != slots.len() || now.iter().zip(&slots).any(|(a, b)| a.key != b.key);
         let can_slice = |len: usize, size: usize| d.can_slice(len, size);
         let worlds = Worlds {
             old_size,
@@ -81,6 +85,11 @@ impl KvStore {
         // Everything that can fail on this rank alone, before any data moves.
         let me = d.rank();
         let ready = (|| {
+            if changed {
+                return Err(Error::internal(
+                    "the store's keys changed as the heal began",
+                ));
+            }
             let survivors = worlds.survivors();
             if survivors.len() != d.size() || survivors.get(me) != Some(&old_rank) {
                 return Err(Error::internal(
@@ -95,12 +104,12 @@ impl KvStore {
             }
             Ok((plan, held, out))
         })();
-        call.agree("heal", ready.is_ok(), "reading its parts")?;
-        let (plan, held, out) = ready?;
-        let got = all_to_all_words(&mut *call, me, &out)?;
-        drop(out);
-        let received = 8 * got.iter().map(Vec::len).sum::<usize>();
+        let (plan, held, out) = agreed(&mut *call, ready, "reading its parts")?;
+        let mut received = 0;
         let made = (|| {
+            let got = all_to_all_words(&mut *call, me, &out)?;
+            drop(out);
+            received = 8 * got.iter().map(Vec::len).sum::<usize>();
             let mut made = Made::new(&slots, &plan, me, d.size(), worlds.new_buddies)?;
             let mut at = vec![0usize; d.size()];
             for m in plan.moves.iter().filter(|m| m.to == me) {
@@ -113,14 +122,15 @@ impl KvStore {
                 };
                 made.put(m, &piece)?;
             }
-            drop(held);
+            if at.iter().zip(&got).any(|(&at, words)| at != words.len()) {
+                return Err(Error::internal("more words arrived than the heal's pieces"));
+            }
+            drop((held, got));
             made.into_cells(&slots, d.home(), active.generation)
         })();
-        drop(got);
         // A fault the GPU latched earlier fails every rank here, not this rank after agreeing.
         let made = made.and_then(|m| crate::backend::settle(d.home()).map(|()| m));
-        call.agree("heal", made.is_ok(), "putting its parts together")?;
-        let cells = made?;
+        let cells = agreed(&mut *call, made, "putting its parts together")?;
         // Every survivor applies the heal, or none (a rank lost before this point).
         call.commit()?;
         let mut table = write(&self.table);
@@ -162,6 +172,21 @@ impl KvStore {
     }
 }
 
+/// `got` where every rank's part `what` of the heal succeeded; else [`Error::RankFailed`] on
+/// every rank, naming the ranks that failed, with this rank's own error where it has one (never
+/// that error alone: every survivor must go on from the same error).
+fn agreed<T>(call: &mut dyn crate::comm::link::Round, got: Result<T>, what: &str) -> Result<T> {
+    match (call.agree("heal", got.is_ok(), what), got) {
+        (Ok(()), got) => got,
+        (Err(Error::RankFailed { op, seq, detail }), Err(own)) => Err(Error::RankFailed {
+            op,
+            seq,
+            detail: format!("{detail}; this rank's: {own}"),
+        }),
+        (Err(e), _) => Err(e),
+    }
+}
+
 /// Host copies of what this rank holds of each key that some move reads here: its part, and
 /// the copy it keeps.
 struct Holdings {
@@ -188,6 +213,8 @@ impl Holdings {
             };
             if to.is_none() {
                 let (value, state) = host_copy(&read(lock), active)?;
+                // State of another length than the value is no state (a push starts it afresh).
+                let state = state.filter(|s| s.bufs.iter().all(|b| b.len() == value.len()));
                 *to = Some((value, state.map(|s| (s.step, s.bufs))));
             }
         }
