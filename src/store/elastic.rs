@@ -3,10 +3,11 @@
 //! A call that loses a rank fails on every survivor, which then, inside that call:
 //! 1. rebuilds the link among the survivors ([`Dist::rejoin`](crate::comm::dist::Dist)): they
 //!    agree on who is left, and go on only where they hold a strict majority of the ranks;
-//! 2. rebuilds every key for the new world size from the survivors' parts and the buddies'
-//!    copies of the lost ranks' parts (`heal.rs`), where the store keeps copies and they are
-//!    whole; else forgets every key and reloads the store's last checkpoint (its last save or
-//!    load, or the save in flight where rank 0 committed it);
+//! 2. places every key again for the new world size from the survivors' parts and the
+//!    buddies' copies of the lost ranks' parts, moving only what the new world lacks
+//!    ([`super::heal`]), where the store keeps copies and they are whole; else forgets every
+//!    key and reloads the store's last checkpoint (its last save or load, or the save in
+//!    flight where rank 0 committed it);
 //! 3. returns [`Error::WorldChanged`], saying which, and whether the call committed, so the
 //!    program re-shards its data and goes on.
 //!
