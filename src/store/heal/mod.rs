@@ -5,7 +5,7 @@
 //! a lost rank's keys go where the bytes are fewest (ties to the buddy that kept their
 //! copies), sliced keys are cut again for the new world size, and every part's copy goes to its
 //! new buddy. Only the pieces a survivor lacks cross the link, with their updater state, in one
-//! all-to-all ([`wire`]). Each survivor keeps its compression residuals (a lost rank's are lost
+//! all-to-all ([`wire`]); a part that stays whole on its rank keeps its cell, unread. Each survivor keeps its compression residuals (a lost rank's are lost
 //! with it) and every key its update count. The ranks agree before they commit: a heal that
 //! fails (another rank lost) leaves the table as it was, so the survivors can heal again.
 
@@ -97,22 +97,24 @@ impl KvStore {
                 ));
             }
             let plan = plan::plan(&keys, &worlds)?;
-            let held = Holdings::read(&slots, &plan, me, &active)?;
+            let kept = kept_in_place(&keys, &plan, (old_rank, old_size), (me, d.size()));
+            let held = Holdings::read(&slots, &plan, me, &kept, &active)?;
             let mut out = vec![Vec::new(); d.size()];
             for m in plan.moves.iter().filter(|m| m.from == me && m.travels()) {
                 held.piece(m, &keys, old_size)?.encode(&mut out[m.to]);
             }
-            Ok((plan, held, out))
+            Ok((plan, kept, held, out))
         })();
-        let (plan, held, out) = agreed(&mut *call, ready, "reading its parts")?;
+        let (plan, kept, held, out) = agreed(&mut *call, ready, "reading its parts")?;
         let mut received = 0;
         let made = (|| {
             let got = all_to_all_words(&mut *call, me, &out)?;
             drop(out);
             received = 8 * got.iter().map(Vec::len).sum::<usize>();
-            let mut made = Made::new(&slots, &plan, me, d.size(), worlds.new_buddies)?;
+            let mut made = Made::new(&slots, &plan, &kept, me, d.size(), worlds.new_buddies)?;
             let mut at = vec![0usize; d.size()];
-            for m in plan.moves.iter().filter(|m| m.to == me) {
+            let into_here = |m: &&Move| m.to == me && !(m.into == Held::Part && kept[m.key]);
+            for m in plan.moves.iter().filter(into_here) {
                 let piece = match m.travels() {
                     true => {
                         let dtype = slots[m.key].dtype;
@@ -133,6 +135,17 @@ impl KvStore {
         let cells = agreed(&mut *call, made, "putting its parts together")?;
         // Every survivor applies the heal, or none (a rank lost before this point).
         call.commit()?;
+        // The parts kept in place pass to the healed keys as they are (each cell's lock taken
+        // alone, before the table's).
+        let cells: Vec<(HomeValue, HomeValue)> = (slots.iter().zip(cells))
+            .map(|(slot, (cell, copy))| {
+                let cell = cell.unwrap_or_else(|| {
+                    let empty = HomeValue::from_host(HostData::filled(slot.dtype, 0, 0.0));
+                    std::mem::replace(&mut *write(&slot.cell), empty)
+                });
+                (cell, copy)
+            })
+            .collect();
         let mut table = write(&self.table);
         for ((slot, spread), (cell, copy)) in slots.iter().zip(&plan.spreads).zip(cells) {
             let residuals = std::mem::take(&mut *super::compress::lock(&slot.residuals));
@@ -187,6 +200,37 @@ fn agreed<T>(call: &mut dyn crate::comm::link::Round, got: Result<T>, what: &str
     }
 }
 
+/// Per key, whether this rank's part stays as it is: the key's one piece into this rank's part
+/// (`me` of `size`; `old_rank` of `old_size` before) is all of its old part, read from that
+/// part. Its cell then passes to the healed key unchanged, neither read nor written.
+fn kept_in_place(
+    keys: &[KeyAt],
+    plan: &Plan,
+    (old_rank, old_size): (usize, usize),
+    (me, size): (usize, usize),
+) -> Vec<bool> {
+    let mut into_part = vec![0usize; keys.len()];
+    let mut whole_from_here = vec![false; keys.len()];
+    for m in plan
+        .moves
+        .iter()
+        .filter(|m| m.to == me && m.into == Held::Part)
+    {
+        into_part[m.key] += 1;
+        let key = &keys[m.key];
+        let old = key.spread.piece(key.len, old_rank, old_size);
+        whole_from_here[m.key] =
+            m.from == me && m.read == Held::Part && m.of == old_rank && m.range == old;
+    }
+    (keys.iter().zip(&plan.spreads).enumerate())
+        .map(|(k, (key, spread))| {
+            let old = key.spread.piece(key.len, old_rank, old_size);
+            let new = spread.piece(key.len, me, size);
+            into_part[k] == 1 && whole_from_here[k] && !old.is_empty() && old == new
+        })
+        .collect()
+}
+
 /// Host copies of what this rank holds of each key that some move reads here: its part, and
 /// the copy it keeps.
 struct Holdings {
@@ -200,13 +244,17 @@ impl Holdings {
         slots: &[Arc<Slot>],
         plan: &Plan,
         me: usize,
+        kept: &[bool],
         active: &super::Active,
     ) -> Result<Holdings> {
         let mut h = Holdings {
             parts: slots.iter().map(|_| None).collect(),
             copies: slots.iter().map(|_| None).collect(),
         };
-        for m in plan.moves.iter().filter(|m| m.from == me) {
+        // A part kept in place is read only where it is also sent, or copied into a copy.
+        let reads =
+            |m: &&Move| m.from == me && !(m.to == me && m.into == Held::Part && kept[m.key]);
+        for m in plan.moves.iter().filter(reads) {
             let (to, lock) = match m.read {
                 Held::Part => (&mut h.parts[m.key], &slots[m.key].cell),
                 Held::Copy => (&mut h.copies[m.key], &slots[m.key].copy),
@@ -244,6 +292,8 @@ impl Holdings {
 struct Made {
     parts: Vec<Assembly>,
     copies: Vec<Assembly>,
+    /// Per key, whether this rank's part is kept in place ([`kept_in_place`]), not made.
+    kept: Vec<bool>,
 }
 
 /// One new part or copy: its elements (from element `start` of the key), its state, and how
@@ -261,6 +311,7 @@ impl Made {
     fn new(
         slots: &[Arc<Slot>],
         plan: &Plan,
+        kept: &[bool],
         me: usize,
         size: usize,
         buddies: Option<Buddies>,
@@ -277,10 +328,16 @@ impl Made {
         let mut made = Made {
             parts: Vec::with_capacity(slots.len()),
             copies: Vec::with_capacity(slots.len()),
+            kept: kept.to_vec(),
         };
-        for (slot, spread) in slots.iter().zip(&plan.spreads) {
+        for ((slot, spread), &kept) in slots.iter().zip(&plan.spreads).zip(kept) {
             let len = slot.shape.size();
-            made.parts.push(empty(slot, spread.piece(len, me, size))?);
+            // A part kept in place is not put together again.
+            let part = match kept {
+                true => 0..0,
+                false => spread.piece(len, me, size),
+            };
+            made.parts.push(empty(slot, part)?);
             let copy = source.map_or(0..0, |s| spread.piece(len, s, size));
             made.copies.push(empty(slot, copy)?);
         }
@@ -323,23 +380,31 @@ impl Made {
         Ok(())
     }
 
-    /// The new cells (on `home`) and copies (in host memory) of every key, checked whole.
+    /// The new cells (on `home`; `None` where the part is kept in place) and copies (in host
+    /// memory) of every key, checked whole.
     fn into_cells(
         self,
         slots: &[Arc<Slot>],
         home: Device,
         generation: u64,
-    ) -> Result<Vec<(HomeValue, HomeValue)>> {
+    ) -> Result<Vec<(Option<HomeValue>, HomeValue)>> {
         let mut cells = Vec::with_capacity(slots.len());
-        for ((slot, part), copy) in slots.iter().zip(self.parts).zip(self.copies) {
+        let parts = self.parts.into_iter().zip(self.kept);
+        for ((slot, (part, kept)), copy) in slots.iter().zip(parts).zip(self.copies) {
             if part.filled != part.value.len() || copy.filled != copy.value.len() {
                 return Err(Error::internal("a part left with elements missing"));
             }
-            let mut cell = keep_on(home, part.value, &slot.key)?;
-            cell.set_state(generation, part.state)?;
-            let mut kept = HomeValue::from_host(copy.value);
-            kept.set_state(generation, copy.state)?;
-            cells.push((cell, kept));
+            let cell = match kept {
+                true => None,
+                false => {
+                    let mut cell = keep_on(home, part.value, &slot.key)?;
+                    cell.set_state(generation, part.state)?;
+                    Some(cell)
+                }
+            };
+            let mut copied = HomeValue::from_host(copy.value);
+            copied.set_state(generation, copy.state)?;
+            cells.push((cell, copied));
         }
         Ok(cells)
     }

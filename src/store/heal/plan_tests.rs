@@ -368,3 +368,40 @@ fn ties_go_to_the_lost_ranks_buddy_even_where_it_is_not_the_lowest_rank() {
     }));
     check_one(&keys, &[0; 6], &[4], true, false, true, "ties");
 }
+
+#[test]
+fn a_part_that_stays_put_is_kept_in_place_and_no_other() {
+    // 4 ranks on one machine, rank 3 lost (its buddy is rank 0): rank 0's whole key stays
+    // where it is, the sliced key is cut again, and rank 3's key lands on rank 1 (fewest bytes).
+    let keys = [
+        KeyAt {
+            len: 10,
+            bytes: 40,
+            spread: Spread::Whole { rank: 0 },
+        },
+        KeyAt {
+            len: 100,
+            bytes: 400,
+            spread: Spread::Sliced,
+        },
+        KeyAt {
+            len: 5,
+            bytes: 20,
+            spread: Spread::Whole { rank: 3 },
+        },
+    ];
+    let w = Worlds {
+        old_size: 4,
+        old_buddies: Buddies::of(&[0; 4]).unwrap(),
+        lost: &[3],
+        new_buddies: Buddies::of(&[0; 3]),
+        exact_copies: true,
+        can_slice: &|_, size| size > 1,
+    };
+    let p = plan(&keys, &w).unwrap();
+    assert_eq!(p.spreads[2], Spread::Whole { rank: 1 });
+    let kept = |rank: usize| super::kept_in_place(&keys, &p, (rank, 4), (rank, 3));
+    assert_eq!(kept(0), [true, false, false]);
+    assert_eq!(kept(1), [false, false, false]);
+    assert_eq!(kept(2), [false, false, false]);
+}
