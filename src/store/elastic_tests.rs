@@ -17,7 +17,14 @@
 //!   ends puts the old table back, and the survivors heal again.
 //! - `two_losses_at_once_fall_back_to_the_checkpoint`: a rank and its buddy die together, so a
 //!   part has no copy left: the survivors reload the last checkpoint.
+//! - `a_loss_after_a_heal_heals_from_the_copies_the_heal_made`: a second loss, some calls
+//!   after the first heal, heals from the copies that heal made for the new buddies.
+//! - `a_heal_moves_only_the_lost_ranks_keys_and_the_slices_that_change`: whole keys stay on
+//!   their homes, and the error counts the keys that moved.
 //! - `a_side_without_a_majority_stops`: 1 survivor of 2 stops, and never computes on.
+//!
+//! `heal_tests` tries to break the heal itself (many keys and dtypes, Adam, 3 to 7 ranks, two
+//! losses, saves and loads, compression, row-sparse keys).
 //!
 //! Pushed values are multiples of 1/4 of at most 2 in magnitude and the updater's rates are
 //! 1/2, so every sum and update is exact in float32, whatever the order.
