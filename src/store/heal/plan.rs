@@ -351,35 +351,6 @@ mod tests {
     }
 
     #[test]
-    fn every_piece_lands_once_whatever_the_worlds() {
-        for old_size in 2..=6 {
-            for lost_mask in 1u32..(1 << old_size) {
-                let lost: Vec<usize> = (0..old_size).filter(|r| lost_mask >> r & 1 == 1).collect();
-                if 2 * lost.len() >= old_size {
-                    continue;
-                }
-                let probe = worlds(old_size, &lost, true);
-                // Only losses the copies can heal: no lost rank's buddy lost too.
-                if lost
-                    .iter()
-                    .any(|&l| lost.contains(&probe.old_buddies.buddy(l)))
-                {
-                    continue;
-                }
-                let keys: Vec<KeyAt> = (0..old_size)
-                    .map(|r| whole(r, 7 + r))
-                    .chain([sliced(1), sliced(5), sliced(97), sliced(1000)])
-                    .collect();
-                for exact in [true, false] {
-                    let w = worlds(old_size, &lost, exact);
-                    let p = plan(&keys, &w).unwrap();
-                    replay(&keys, &w, &p);
-                }
-            }
-        }
-    }
-
-    #[test]
     fn a_sliced_key_moves_only_where_its_slices_change() {
         // 4 ranks to 3: new slice 0 is [0, 334), of which [0, 250) rank 0 already holds.
         let keys = [sliced(1000)];
