@@ -38,6 +38,9 @@ pub struct Fingerprint {
     store: u64,
     /// The caller's tag ([`crate::KvStore::set_tag`]), so that ranks at different steps fail.
     tag: Option<Arc<str>>,
+    /// The call goes on after its commit point, so it has an end point too
+    /// ([`crate::comm::points`]), whatever its op.
+    end_point: bool,
 }
 
 /// The record one rank contributes to the fingerprint all-gather, as `u64`s.
@@ -77,6 +80,18 @@ impl Fingerprint {
             op,
             ..Fingerprint::default()
         }
+    }
+
+    /// The call, going on after its commit point: it has an end point too
+    /// ([`crate::comm::points`]).
+    pub(crate) fn with_end_point(mut self) -> Fingerprint {
+        self.end_point = true;
+        self
+    }
+
+    /// Whether the call has an end point whatever its op ([`Fingerprint::with_end_point`]).
+    pub(crate) fn has_end_point(&self) -> bool {
+        self.end_point
     }
 
     /// The call as made by store number `store` of its link.

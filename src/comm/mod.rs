@@ -139,6 +139,13 @@ fn settle<T>(agree: Option<Agree<'_>>, own: Result<T>) -> Result<T> {
     Ok(value)
 }
 
+/// Whether [`update`] under `updater` computes every key first and asks whether every rank
+/// succeeded before it stores any (closures and PTX updaters, which can fail); built-in
+/// updaters store as they go, and never ask.
+pub(crate) fn asks_before_storing(updater: &Updater) -> bool {
+    matches!(updater, Updater::Custom(_) | Updater::Ptx(_))
+}
+
 /// Applies a validated push to every key, in issue order. Updaters that can fail (closures,
 /// PTX twins) compute every key on copies first, then ask `agree` (a dist store) whether every
 /// rank succeeded, and store nothing unless all did; built-in updaters do not ask.

@@ -7,7 +7,8 @@
 //!
 //! - the **commit point** of a call that changes the store (a push, pushpull, init, load or
 //!   heal): every survivor applies the change, or none does;
-//! - the **end point** of a call that goes on after its commit point (a pushpull's pull) or
+//! - the **end point** of a call that goes on after its commit point (a pushpull's pull, or a
+//!   push that sends its updated parts to the buddies: `KVSTORE_REPLICA_UPDATE=send`) or
 //!   never commits (a pull, barrier, save, `agree` or `any_of`): every survivor returns from it
 //!   `Ok`, or every survivor fails it, so that a loss costs the same call everywhere.
 //!
@@ -103,6 +104,13 @@ impl Points {
             ),
             end: None,
         }
+    }
+
+    /// The points of call `fp`: its op's, and an end point where it asks for one.
+    pub(crate) fn of_call(fp: &super::fingerprint::Fingerprint) -> Points {
+        let mut points = Points::of(fp.op());
+        points.ends |= fp.has_end_point();
+        points
     }
 
     /// The next point the call has to pass, if any: none after an agreement that did not pass

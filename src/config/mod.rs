@@ -10,6 +10,7 @@
 //! | `KVSTORE_TIMEOUT` | seconds any wait of a dist store may last | 1800 |
 //! | `KVSTORE_WAIT_LOG_SECS` | seconds between two "still waiting" logs of one wait | 60 |
 //! | `KVSTORE_REPLICAS` | where a dist store goes on after a lost rank (`mpirun --with-ft ulfm`): `1` keeps a copy of every rank's part on a buddy rank, so a loss costs nothing; `0` keeps none, and a loss reloads the last checkpoint | 1 |
+//! | `KVSTORE_REPLICA_UPDATE` | how a push keeps those copies current: `replay` forwards each part's summed push to the buddy, whose copy runs the same update; `send` sends each updated part, value and state, after the push commits (closure updaters, and PTX ones without a CPU twin, always send) | replay |
 //!
 //! [`nccl`] reads the `KVSTORE_NCCL_*` variables, once per process; the launcher's (`RANK`,
 //! `WORLD_SIZE`, ...) are read by [`crate::comm::launch::LaunchEnv`].
@@ -71,9 +72,31 @@ pub(crate) struct Config {
     pub timeout: Duration,
     /// `KVSTORE_WAIT_LOG_SECS`.
     pub wait_log: Duration,
-    /// `KVSTORE_REPLICAS`: whether a dist store that can go on after a lost rank keeps a copy
-    /// of every rank's part on another rank.
-    pub replicas: bool,
+    /// `KVSTORE_REPLICAS` and `KVSTORE_REPLICA_UPDATE`: where a dist store that can go on
+    /// after a lost rank keeps a copy of every rank's part on another rank, how a push keeps
+    /// the copies current (`None`: no copies).
+    pub replicas: Option<ReplicaUpdate>,
+}
+
+/// How a push keeps the buddies' copies current (`KVSTORE_REPLICA_UPDATE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReplicaUpdate {
+    /// Each rank forwards its part of the summed push to its buddy, before the push commits;
+    /// the buddy's copy runs the same update on it (about one more slice on the wire per push).
+    Replay,
+    /// Each rank sends its updated part, value and updater state, to its buddy after the push
+    /// commits (the part and its state on the wire per push).
+    Send,
+}
+
+impl ReplicaUpdate {
+    /// The name `KVSTORE_REPLICA_UPDATE` takes.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            ReplicaUpdate::Replay => "replay",
+            ReplicaUpdate::Send => "send",
+        }
+    }
 }
 
 impl Config {
@@ -103,7 +126,10 @@ impl Config {
             dist_check: v.switch("KVSTORE_DIST_CHECK", true)?,
             timeout: v.seconds("KVSTORE_TIMEOUT", DEFAULT_TIMEOUT, "1800")?,
             wait_log: v.seconds("KVSTORE_WAIT_LOG_SECS", DEFAULT_WAIT_LOG, "60")?,
-            replicas: v.replicas("KVSTORE_REPLICAS")?,
+            replicas: match v.replicas("KVSTORE_REPLICAS")? {
+                true => Some(v.replica_update("KVSTORE_REPLICA_UPDATE")?),
+                false => None,
+            },
         })
     }
 }
@@ -157,6 +183,23 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
         }
     }
 
+    /// How a push keeps the copies current: `replay` (the default) or `send`.
+    fn replica_update(&self, name: &'static str) -> Result<ReplicaUpdate> {
+        let Some(v) = (self.0)(name) else {
+            return Ok(ReplicaUpdate::Replay);
+        };
+        match v.trim().to_ascii_lowercase().as_str() {
+            "replay" | "" => Ok(ReplicaUpdate::Replay),
+            "send" => Ok(ReplicaUpdate::Send),
+            _ => Err(Error::InvalidEnv {
+                var: name,
+                value: v,
+                expected: "how a push keeps the copies current: replay (the buddy replays the \
+                           update on the forwarded sum) or send (the updated part is sent)",
+            }),
+        }
+    }
+
     /// A positive number of seconds (below 10⁹) in `name`, or `default` when it is unset.
     fn seconds(&self, name: &'static str, default: Duration, example: &str) -> Result<Duration> {
         let Some(v) = (self.0)(name) else {
@@ -206,7 +249,7 @@ mod tests {
         assert!(c.dist_check);
         assert_eq!(c.timeout, DEFAULT_TIMEOUT);
         assert_eq!(c.wait_log, DEFAULT_WAIT_LOG);
-        assert!(c.replicas);
+        assert_eq!(c.replicas, Some(ReplicaUpdate::Replay));
     }
 
     #[test]
@@ -218,8 +261,15 @@ mod tests {
             ("KVSTORE_DIST_CHECK", "off"),
             ("KVSTORE_TIMEOUT", "2.5"),
             ("KVSTORE_WAIT_LOG_SECS", "7"),
+            ("KVSTORE_REPLICA_UPDATE", " Send"),
         ]))
         .unwrap();
+        assert_eq!(c.replicas, Some(ReplicaUpdate::Send));
+        let off = [
+            ("KVSTORE_REPLICAS", "0"),
+            ("KVSTORE_REPLICA_UPDATE", "send"),
+        ];
+        assert_eq!(Config::from_vars(env(&off)).unwrap().replicas, None);
         assert_eq!(
             (
                 c.par_min_bytes,
@@ -247,6 +297,7 @@ mod tests {
             ("KVSTORE_WAIT_LOG_SECS", "inf"),
             ("KVSTORE_REPLICAS", "2"),
             ("KVSTORE_REPLICAS", "one"),
+            ("KVSTORE_REPLICA_UPDATE", "copy"),
         ] {
             let e = Config::from_vars(env(&[(name, bad)])).unwrap_err();
             assert!(e.to_string().contains(name), "{name}={bad}: {e}");

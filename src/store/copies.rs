@@ -2,19 +2,34 @@
 //! on after a lost rank): so that the survivors lose nothing (see [`super::elastic`]).
 //!
 //! - **init** (and a load): each rank sends its new parts to its buddy, which keeps them.
-//! - **push**: each rank sends its part of the summed push (what its updater takes) to its
-//!   buddy, before any rank commits; the buddy runs the same updater on its copy, so the copy
-//!   stays equal, bit for bit, to the part (the same code on the same input).
-//! - A closure updater (which may keep state of its own, per key) runs once per part only: a
-//!   push under one leaves the copies behind, and the store then marks them stale until they are
-//!   sent again (a load); a loss meanwhile falls back to the last checkpoint.
+//! - **push**, one of two ways (`KVSTORE_REPLICA_UPDATE`):
+//!   - `replay` (the default): each rank sends its part of the summed push (what its updater
+//!     takes) to its buddy, before any rank commits; the buddy runs the same updater on its
+//!     copy, so the copy stays equal, bit for bit, to the part (the same code on the same
+//!     input). About one more slice on the wire per push.
+//!   - `send`: after the push commits, each rank sends its updated part, value and updater
+//!     state, to its buddy ([`send_parts`]). The part and its state on the wire per push. A
+//!     closure updater (which may keep state of its own, per key, so it must run once per
+//!     part) and a PTX updater without a CPU twin always go this way.
+//!
+//!   While a push's parts are on their way, their copies lag them ([`Slot::copy_behind`]): a
+//!   rank lost then, before its part reached its buddy, costs the survivors a reload of the
+//!   last checkpoint.
+//! - A push of rows updates no copies: their keys' copies lag until a load or a heal makes
+//!   them anew.
 
 use std::borrow::Cow;
 
+use std::sync::atomic::Ordering;
+use std::sync::RwLockWriteGuard;
+
 use super::groups::Group;
+use super::heal::wire::Piece;
+use super::save_load::host_copy;
 use super::table::Slot;
+use super::{write, Active};
 use crate::backend::HomeValue;
-use crate::comm::dist::{to_buddy, Buddies, Dist, KeyPart};
+use crate::comm::dist::{all_to_all_words, to_buddy, Buddies, Dist, KeyPart};
 use crate::comm::link::Round;
 use crate::host::HostData;
 use crate::{cpu, NDArray, Result};
@@ -86,4 +101,76 @@ pub(super) fn exchange_totals(
             })
         })
         .collect())
+}
+
+/// Marks the copies of `groups`' keys as lagging their parts ([`Slot::copy_behind`]).
+pub(super) fn mark_behind(groups: &[Group<'_>]) {
+    for g in groups {
+        g.slot.copy_behind.store(true, Ordering::Release);
+    }
+}
+
+/// Sends this rank's part of each group as the push left it in `cells`, value and updater
+/// state, to its buddy, and keeps what its buddy source sends as the copies
+/// (`KVSTORE_REPLICA_UPDATE=send`). Called after the push committed; the copies lag their
+/// parts until they are replaced here, so a heal after a loss midway does not use them.
+pub(super) fn send_parts(
+    call: &mut dyn Round,
+    d: &Dist,
+    buddies: Buddies,
+    groups: &[Group<'_>],
+    cells: &[RwLockWriteGuard<'_, HomeValue>],
+    active: &Active,
+) -> Result<()> {
+    mark_behind(groups);
+    let (rank, size) = (d.rank(), d.size());
+    let keys = key_parts(groups.iter().map(|g| &*g.slot));
+    // Read first: a rank that cannot read its parts fails every rank's call before any moves.
+    let read = (|| {
+        let mut words = Vec::new();
+        for (k, cell) in keys.iter().zip(cells) {
+            if k.held(rank, size) == 0 {
+                continue;
+            }
+            let (value, state) = host_copy(cell, active)?;
+            let state = state.map(|s| (s.step, s.bufs));
+            let len = value.len();
+            Piece::cut(&value, state.as_ref(), 0..len).encode(&mut words);
+        }
+        Ok(words)
+    })();
+    let words = call.agreed("push", read, "reading its parts for its buddy")?;
+    let mut out = vec![Vec::new(); size];
+    out[buddies.buddy(rank)] = words;
+    let got = all_to_all_words(call, rank, &out)?;
+    drop(out);
+    let source = buddies.source(rank);
+    let got = got
+        .get(source)
+        .ok_or_else(|| crate::Error::internal("no words from the buddy source"))?;
+    let mut at = 0;
+    let mut copies = Vec::with_capacity(groups.len());
+    for (g, k) in groups.iter().zip(&keys) {
+        let len = k.held(source, size);
+        if len == 0 {
+            copies.push(None);
+            continue;
+        }
+        let piece = Piece::decode(got, &mut at, g.slot.dtype, len)?;
+        let mut copy = HomeValue::from_host(piece.value);
+        copy.set_state(active.generation, piece.state)?;
+        copies.push(Some(copy));
+    }
+    if at != got.len() {
+        return Err(crate::Error::internal(
+            "more words arrived than the buddy's parts",
+        ));
+    }
+    for (g, copy) in groups.iter().zip(copies) {
+        if let Some(copy) = copy {
+            *write(&g.slot.copy) = copy;
+        }
+        g.slot.copy_behind.store(false, Ordering::Release);
+    }
+    Ok(())
 }

@@ -21,6 +21,7 @@ use std::time::Instant;
 use super::table::Table;
 use super::{write, Active, KvStore};
 use crate::comm::dist::Buddies;
+use crate::config::ReplicaUpdate;
 use crate::{Error, Result, Updater};
 
 /// The most losses one call recovers from in a row (a rank lost while the others reload).
@@ -71,14 +72,11 @@ impl KvStore {
             lost.sort_unstable();
             left.retain(|r| !lost.contains(r));
             let relinked = rejoined.took;
-            let behind = self
-                .copies_behind
-                .load(std::sync::atomic::Ordering::Relaxed);
             // Copies heal the store where every lost rank's buddy survived: two losses that
-            // take a rank and its buddy (at once, or the second during the heal) cannot.
-            let healer = base_buddies.filter(|b| {
-                !heal_failed && !behind && lost.iter().all(|&l| !lost.contains(&b.buddy(l)))
-            });
+            // take a rank and its buddy (at once, or the second during the heal) cannot, nor
+            // can a copy that lags its part (the heal fails then, on every survivor).
+            let healer = base_buddies
+                .filter(|b| !heal_failed && lost.iter().all(|&l| !lost.contains(&b.buddy(l))));
             let buddies = base_buddies;
             let (done, how) = match healer {
                 Some(buddies) => {
@@ -119,7 +117,6 @@ impl KvStore {
             };
             match done {
                 Ok((healed, restored)) => {
-                    self.copies_behind(false);
                     let heal_failure;
                     let why_not_copies = match (buddies, healer) {
                         (Some(_), None) if heal_failed => {
@@ -129,10 +126,6 @@ impl KvStore {
                                 heal_error.as_deref().unwrap_or("no reason given")
                             );
                             heal_failure.as_str()
-                        }
-                        (Some(_), None) if behind => {
-                            "; the copies had fallen behind (a push under a closure updater, or \
-                             of row-sparse keys), so they could not heal it"
                         }
                         (Some(_), None) => {
                             "; a lost rank's copy was lost too (two losses at once), so the \
@@ -216,30 +209,20 @@ impl KvStore {
         same && crate::checkpoint::read_index(&path).is_ok_and(|i| i.generation == generation)
     }
 
-    /// Where the store keeps copies and a push under `active` updates them too: the buddies.
-    /// A closure updater updates no copy (it may keep state of its own per key, which a second
-    /// call would corrupt), nor does a PTX updater without a CPU twin (copies live in host
-    /// memory, GPU ranks' too), so the copies fall behind.
-    pub(super) fn mirror(&self, active: &Active) -> Option<Buddies> {
+    /// Where the store keeps copies: the buddies, and how a push under `active` keeps them
+    /// current. A closure updater's copies are always sent, never replayed (it may keep state
+    /// of its own per key, which a second call would corrupt), and so are a PTX updater's
+    /// without a CPU twin (copies live in host memory, GPU ranks' too).
+    pub(super) fn copying(&self, active: &Active) -> Option<(Buddies, ReplicaUpdate)> {
         let buddies = self.ranks.buddies()?;
-        match &active.updater {
-            Updater::Custom(_) => {
-                self.copies_behind(true);
-                None
-            }
-            Updater::Ptx(p) if p.twin().is_none() => {
-                self.copies_behind(true);
-                None
-            }
-            _ => Some(buddies),
-        }
-    }
-
-    /// Marks the copies as fallen behind their parts (`true`), or as current again (`false`:
-    /// every key's copy was made anew).
-    pub(super) fn copies_behind(&self, behind: bool) {
-        if self.ranks.buddies().is_some() {
-            (self.copies_behind).store(behind, std::sync::atomic::Ordering::Relaxed);
+        let replayable = match &active.updater {
+            Updater::Custom(_) => false,
+            Updater::Ptx(p) => p.twin().is_some(),
+            _ => true,
+        };
+        match replayable {
+            true => Some((buddies, self.ranks.replica_update())),
+            false => Some((buddies, ReplicaUpdate::Send)),
         }
     }
 

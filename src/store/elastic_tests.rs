@@ -10,7 +10,13 @@
 //!   bit for bit, one local store fed exactly the calls that committed, each push summed over
 //!   the ranks alive then. Skipping the buddies' update, committing on some ranks only, or
 //!   ending a call on some survivors only makes them differ. On 2 ranks the survivor stops.
-//!   Half the cases move the values in place, as GPU ranks do.
+//!   Half the cases move the values in place, as GPU ranks do. A third of the cases send the
+//!   updated parts to the buddies (`KVSTORE_REPLICA_UPDATE=send`), and a third run a closure
+//!   updater (whose parts are always sent); there a loss while the parts travel may go back to
+//!   the checkpoint (a save made first).
+//! - `sent_copies_heal_a_loss_but_while_they_travel`: with sent copies, a rank dies at every
+//!   exchange of a program in turn: the survivors heal from the copies, but while a push's
+//!   parts are on their way, when they go back to the checkpoint.
 //! - `calls_queued_in_the_async_mode_commit_or_fail_everywhere`: the same through an
 //!   [`AsyncKvStore`](crate::AsyncKvStore) queue: every survivor fails the same queued call.
 //! - `a_second_loss_during_the_heal_heals_again_from_the_copies`: a heal that another loss
@@ -36,6 +42,7 @@ use proptest::test_runner::{Config, TestRunner};
 
 use super::loopback_tests::{on_links, BOUND};
 use crate::comm::link::loopback::Loopback;
+use crate::config::ReplicaUpdate;
 use crate::{Error, KvStore, NDArray, Sgd, Updater};
 
 /// Each key's elements: one sliced (more than [`BOUND`]), the others whole.
@@ -56,6 +63,14 @@ fn sgd() -> Updater {
         momentum: 0.5,
         ..Sgd::default()
     })
+}
+
+/// The updater of a test: [`sgd`], or a closure (`closure`) that no copy can replay.
+fn updater(closure: bool) -> Updater {
+    match closure {
+        true => Updater::custom(|_key, input, stored| *stored += input * -0.5),
+        false => sgd(),
+    }
 }
 
 /// A call of a test program (every rank makes the same).
@@ -142,6 +157,15 @@ struct Plan<'a> {
     /// A rank that dies at its n-th exchange of the world the survivors make (during the
     /// recovery from the victims' loss).
     second: Option<(usize, u64)>,
+    /// How the pushes keep the copies current (`KVSTORE_REPLICA_UPDATE`).
+    update: ReplicaUpdate,
+    /// The updater is a closure (no state), not SGD with momentum: its copies are sent.
+    closure: bool,
+}
+
+/// Whether `plan`'s pushes send their updated parts to the buddies (not the sums to replay).
+fn sends(plan: &Plan<'_>) -> bool {
+    plan.update == ReplicaUpdate::Send || plan.closure
 }
 
 /// Runs `plan`: each rank's [`Seen`], or why it stopped (`died`, or its error).
@@ -156,11 +180,16 @@ fn run(plan: &Plan<'_>) -> Vec<Result<Seen, String>> {
         .collect();
     let (seed, program) = (plan.seed, plan.program);
     on_links(&links, |orig, link| {
-        let kv = KvStore::over_loopback(link.clone(), BOUND).expect("a store");
-        kv.set_updater(sgd()).expect("the updater");
+        let kv = KvStore::over_loopback_keeping(link.clone(), BOUND, Some(plan.update))
+            .expect("a store");
+        kv.set_updater(updater(plan.closure)).expect("the updater");
         schedule(&kv, plan.scheduled);
         let base: Vec<i32> = (0..LENS.len() as i32).collect();
         kv.init_list(&base, &init(seed)).expect("the init");
+        if sends(plan) {
+            // A loss while a push's parts are on their way goes back to a checkpoint.
+            kv.save(plan.dir).expect("the first save");
+        }
         let mut alive: Vec<usize> = (0..plan.n).collect();
         let (mut log, mut events) = (Vec::new(), Vec::new());
         let (mut step, mut armed) = (0, false);
@@ -216,11 +245,17 @@ fn run(plan: &Plan<'_>) -> Vec<Result<Seen, String>> {
                     }
                     if back {
                         // Back at the last save: the calls after it are redone.
-                        let saved = (log.iter())
-                            .rposition(|(s, _)| program[*s] == Call::Save)
-                            .expect("a save before the checkpoint was reloaded");
-                        step = log[saved].0 + 1;
-                        log.truncate(saved + 1);
+                        match (log.iter()).rposition(|(s, _)| program[*s] == Call::Save) {
+                            Some(saved) => {
+                                step = log[saved].0 + 1;
+                                log.truncate(saved + 1);
+                            }
+                            None => {
+                                assert!(sends(plan), "no save to go back to");
+                                step = 0;
+                                log.clear();
+                            }
+                        }
                     }
                     alive = (alive.iter().enumerate())
                         .filter(|(r, _)| !lost.contains(r))
@@ -264,7 +299,7 @@ fn run(plan: &Plan<'_>) -> Vec<Result<Seen, String>> {
 fn reference(plan: &Plan<'_>, log: &[(usize, Vec<usize>)]) -> Vec<(i32, Vec<f32>)> {
     let (seed, program) = (plan.seed, plan.program);
     let kv = KvStore::create("local").expect("a local store");
-    kv.set_updater(sgd()).expect("the updater");
+    kv.set_updater(updater(plan.closure)).expect("the updater");
     schedule(&kv, plan.scheduled);
     let base: Vec<i32> = (0..LENS.len() as i32).collect();
     kv.init_list(&base, &init(seed)).expect("the init");
@@ -332,16 +367,23 @@ fn fresh_dir(what: &str, case: u64) -> std::path::PathBuf {
 #[test]
 fn a_rank_lost_anywhere_costs_nothing() {
     let mut runner = TestRunner::new(Config {
-        cases: 32,
+        cases: 48,
         ..Config::default()
     });
     let program = proptest::collection::vec(0..CALLS.len(), 3..9);
     let cases = (2usize..=5, 0usize..5, 1u64..30, any::<bool>(), program);
     let case = std::sync::atomic::AtomicU64::new(0);
+    // How the copies keep up: SGD's sums replayed, SGD's parts sent, a closure's parts sent.
+    let copies = [
+        (ReplicaUpdate::Replay, false),
+        (ReplicaUpdate::Send, false),
+        (ReplicaUpdate::Replay, true),
+    ];
     runner
         .run(
-            &(cases, any::<u64>(), any::<bool>()),
-            |((n, victim, die_after, sent, calls), seed, in_place)| {
+            &(cases, any::<u64>(), any::<bool>(), 0..copies.len()),
+            |((n, victim, die_after, sent, calls), seed, in_place, how)| {
+                let (update, closure) = copies[how];
                 let victim = victim % n;
                 let program: Vec<Call> = calls.iter().map(|&c| CALLS[c]).collect();
                 let dir = fresh_dir(
@@ -360,6 +402,8 @@ fn a_rank_lost_anywhere_costs_nothing() {
                     scheduled: false,
                     in_place,
                     second: None,
+                    update,
+                    closure,
                 };
                 let seen = run(&plan);
                 let _ = std::fs::remove_dir_all(&dir);
@@ -381,7 +425,10 @@ fn a_rank_lost_anywhere_costs_nothing() {
                 for s in seen.iter().flatten() {
                     let changes = s.events.iter().filter(|e| e.contains("lost")).count();
                     prop_assert!(changes <= 1, "{:?}", s.events);
-                    prop_assert!(!s.events.iter().any(|e| e.contains("restored true")));
+                    // Replayed copies never lag; sent ones may, while a push's parts travel.
+                    if !sends(&plan) {
+                        prop_assert!(!s.events.iter().any(|e| e.contains("restored true")));
+                    }
                 }
                 Ok(())
             },
@@ -474,6 +521,8 @@ fn calls_queued_in_the_async_mode_commit_or_fail_everywhere() {
             scheduled: false,
             in_place: false,
             second: None,
+            update: ReplicaUpdate::Replay,
+            closure: false,
         };
         let want: Vec<Vec<f32>> = reference(&plan, &log).into_iter().map(|(_, v)| v).collect();
         for s in &survivors {
@@ -515,6 +564,8 @@ fn two_losses_at_once_fall_back_to_the_checkpoint() {
             scheduled: false,
             in_place: false,
             second: None,
+            update: ReplicaUpdate::Replay,
+            closure: false,
         };
         let seen = run(&plan);
         assert_eq!(check_survivors(&plan, &seen), 3);
@@ -552,6 +603,8 @@ fn a_second_loss_during_the_heal_heals_again_from_the_copies() {
             scheduled: false,
             in_place: false,
             second: Some((3, during)),
+            update: ReplicaUpdate::Replay,
+            closure: false,
         };
         let seen = run(&plan);
         assert!(seen[1].is_err() && seen[3].is_err(), "a victim lived on");
@@ -596,6 +649,8 @@ fn a_loss_after_a_heal_heals_from_the_copies_the_heal_made() {
             scheduled: false,
             in_place,
             second: Some((second, during)),
+            update: ReplicaUpdate::Replay,
+            closure: false,
         };
         let seen = run(&plan);
         assert!(
@@ -713,6 +768,8 @@ fn a_side_without_a_majority_stops() {
         scheduled: false,
         in_place: false,
         second: None,
+        update: ReplicaUpdate::Replay,
+        closure: false,
     };
     match &run(&plan)[0] {
         Err(e) => assert!(e.contains("no majority"), "{e}"),
@@ -741,9 +798,69 @@ fn back_at_the_checkpoint_a_schedule_gives_the_redone_pushes_their_rates() {
             scheduled: true,
             in_place: false,
             second: None,
+            update: ReplicaUpdate::Replay,
+            closure: false,
         };
         let seen = run(&plan);
         assert_eq!(check_survivors(&plan, &seen), 3);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn sent_copies_heal_a_loss_but_while_they_travel() {
+    // `KVSTORE_REPLICA_UPDATE=send`, and a closure updater (whose copies are always sent): a
+    // rank dies at every exchange of a program in turn. Every survivor must end equal to the
+    // committed calls; a loss heals from the copies, but one while a push's parts are on their
+    // way to the buddies, which goes back to the checkpoint (the first save) instead. Copies
+    // never sent, or not marked as lagging while they travel, make the values differ.
+    let program = [Call::Push, Call::PushPull, Call::Pull, Call::Push];
+    for (update, closure) in [(ReplicaUpdate::Send, false), (ReplicaUpdate::Replay, true)] {
+        let (mut healed, mut back) = (0, 0);
+        for (n, victim) in [(4, 1), (5, 4)] {
+            for die_after in 1..36u64 {
+                for sent in [false, true] {
+                    let dir = fresh_dir("sent", die_after * 2 + u64::from(sent));
+                    let plan = Plan {
+                        n,
+                        seed: 3 + die_after,
+                        program: &program,
+                        victims: &[victim],
+                        die_after,
+                        sent,
+                        arm: 0,
+                        dir: &dir,
+                        scheduled: false,
+                        in_place: die_after % 3 == 0,
+                        second: None,
+                        update,
+                        closure,
+                    };
+                    let seen = run(&plan);
+                    let _ = std::fs::remove_dir_all(&dir);
+                    check_survivors(&plan, &seen);
+                    let Some(change) = (seen.iter().flatten())
+                        .flat_map(|s| s.events.iter().find(|e| e.contains("lost")))
+                        .next()
+                    else {
+                        continue;
+                    };
+                    match change.contains("restored true") {
+                        true => {
+                            assert!(change.contains("Push"), "{change}");
+                            back += 1;
+                        }
+                        false => {
+                            assert!(change.contains("healed true"), "{change}");
+                            healed += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            healed > back && back > 0,
+            "{update:?}, closure {closure}: {healed} healed, {back} went back"
+        );
     }
 }

@@ -45,7 +45,7 @@ use crate::backend::{probe, HomeValue, KeyFacts};
 use crate::comm::dist::{Dist, KeyPart, Pool};
 use crate::comm::{self, Ctx, KeyUpdate};
 use crate::compress::Compression;
-use crate::config::Config;
+use crate::config::{Config, ReplicaUpdate};
 use crate::{DType, Device, Error, IntoKey, Key, NDArray, Result, Shape, Updater};
 use across::{Across, Arrived, Inputs, Sent};
 
@@ -123,9 +123,6 @@ pub struct KvStore {
     /// The save in progress: its directory and the generation rank 0 claimed for it. A loss
     /// during it may leave it committed on disk all the same ([`KvStore::survive`]).
     saving: std::sync::Mutex<Option<(std::path::PathBuf, u64)>>,
-    /// Whether some key's copy has fallen behind its part (a push the copies did not follow),
-    /// so a loss must fall back to the checkpoint ([`copies`]).
-    copies_behind: std::sync::atomic::AtomicBool,
 }
 
 impl KvStore {
@@ -186,7 +183,6 @@ impl KvStore {
             across,
             last_checkpoint: std::sync::Mutex::new(None),
             saving: std::sync::Mutex::new(None),
-            copies_behind: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -629,6 +625,12 @@ impl KvStore {
         if let Some(pulls) = pulls {
             self.prepare(pulls)?;
         }
+        // Where the store keeps copies: how this push keeps them current (rows: not at all).
+        let copying = match &sent {
+            Sent::Dense { .. } => self.copying(&active),
+            Sent::Rows(_) => None,
+        };
+        let sends = matches!(copying, Some((_, ReplicaUpdate::Send)));
         // The ranks must agree on the whole updater (it decides which collectives follow and
         // what they compute) and on what travels. Made only where the fingerprint is compared.
         let fp = || {
@@ -639,20 +641,29 @@ impl KvStore {
                 }
                 Sent::Dense { .. } => active.describe().to_owned(),
             };
-            across::fingerprint(op, &groups).note(note)
+            let fp = across::fingerprint(op, &groups).note(note);
+            // Sending the updated parts goes on after the commit point, to an end point.
+            match sends {
+                true => fp.with_end_point(),
+                false => fp,
+            }
         };
         let mut call = d.begin_with(fp)?;
         let arrived = across.sum_across(&mut *call, d, &groups, sent)?;
         let mut cells = lock_cells(&groups);
         let mut totals = None;
+        // The updated parts sent to the buddies (`KVSTORE_REPLICA_UPDATE=send`): each copy is
+        // current once its part arrived, and the call's end point tells every rank.
+        let mut sending = None;
         let counts = match arrived {
             Arrived::Dense(summed) => {
                 let (inputs, residuals) = across.locked_inputs(d, compression, &groups, summed)?;
-                // Where the store keeps copies, the buddies' updaters take the same sums.
-                let mirrored = match (self.mirror(&active), &inputs) {
-                    (Some(buddies), Inputs::Totals(totals)) => Some(copies::exchange_totals(
-                        &mut *call, d, buddies, &groups, totals,
-                    )?),
+                // Where the store keeps copies, they are kept current by replaying the same
+                // sums on the buddies, or by sending the updated parts after the commit.
+                let mirrored = match (copying, &inputs) {
+                    (Some((buddies, ReplicaUpdate::Replay)), Inputs::Totals(totals)) => Some(
+                        copies::exchange_totals(&mut *call, d, buddies, &groups, totals)?,
+                    ),
                     _ => None,
                 };
                 let mut copy_cells = match mirrored {
@@ -660,27 +671,44 @@ impl KvStore {
                     None => Vec::new(),
                 };
                 let copies = mirrored.as_deref().map(|m| (m, copy_cells.as_mut_slice()));
-                // Every survivor applies this push, or none (a rank lost before this point).
-                call.commit()?;
+                // Every survivor applies this push, or none (a rank lost before the commit
+                // point). An updater that can fail computes every key first and asks whether
+                // every rank succeeded: the push commits after that question, before any key
+                // is stored; other updaters store as they go, so the push commits first.
+                let asks = comm::asks_before_storing(&active.updater);
+                if !asks {
+                    call.commit()?;
+                }
                 let counts = across.update_counts(&active, &groups, &cells);
-                let mut agree = |ok: bool| call.agree(op, ok, "in the updater");
+                let mut agree = |ok: bool| {
+                    call.agree(op, ok, "in the updater")?;
+                    match asks {
+                        true => call.commit(),
+                        false => Ok(()),
+                    }
+                };
                 apply_push(
                     &active, ctx, &groups, &inputs, copies, &counts, &mut cells, &mut agree,
                 )?;
+                drop(copy_cells);
                 if let Some(residuals) = residuals {
                     compress::commit(&groups, residuals, d.pool());
+                }
+                if let Some((buddies, ReplicaUpdate::Send)) = copying {
+                    sending = Some(copies::send_parts(
+                        &mut *call, d, buddies, &groups, &cells, &active,
+                    ));
                 }
                 totals = Some(inputs);
                 counts
             }
             Arrived::Rows(parts) => {
-                // Row-sparse pushes update no copies.
-                self.copies_behind(true);
-                call.commit()?;
+                // Row-sparse pushes update no copies: a heal cannot use them.
+                copies::mark_behind(&groups);
                 let counts = across.update_counts(&active, &groups, &cells);
-                let mut agree = |ok: bool, what: &str| call.agree(op, ok, what);
+                // Commits once every rank has every key's new rows, before any is stored.
                 rows::apply_rows(
-                    &active, ctx, &groups, parts, &counts, &mut cells, &mut agree,
+                    &active, ctx, &groups, parts, &counts, &mut cells, &mut *call, op,
                 )?;
                 counts
             }
@@ -688,11 +716,16 @@ impl KvStore {
         let done = hook
             .as_ref()
             .map(|_| pushed(&groups, &across.hook_steps(&active, &counts, &cells)));
-        if let Some(pulls) = pulls {
-            // `pushes` and `pulls` hold the same distinct keys in the same order.
-            let values: Vec<&HomeValue> = cells.iter().map(|c| &**c).collect();
-            let pulled = across.pull_parts(&mut *call, d, ctx, pulls, &values);
-            call.ended(pulled)?;
+        match (pulls, sending) {
+            (Some(pulls), sent) => {
+                // `pushes` and `pulls` hold the same distinct keys in the same order.
+                let values: Vec<&HomeValue> = cells.iter().map(|c| &**c).collect();
+                // Pulled whatever the sending gave: every rank meets the same collectives.
+                let pulled = across.pull_parts(&mut *call, d, ctx, pulls, &values);
+                call.ended(sent.unwrap_or(Ok(())).and(pulled))?;
+            }
+            (None, Some(sent)) => call.ended(sent)?,
+            (None, None) => {}
         }
         drop(cells);
         drop(call);
@@ -1048,7 +1081,16 @@ impl KvStore {
         link: comm::link::loopback::Loopback,
         bound: usize,
     ) -> Result<KvStore> {
-        let ranks = Dist::over(Box::new(link), Some(bound))?;
+        KvStore::over_loopback_keeping(link, bound, Some(ReplicaUpdate::Replay))
+    }
+
+    /// [`KvStore::over_loopback`], keeping copies as `replicas` says (`None`: none).
+    pub(crate) fn over_loopback_keeping(
+        link: comm::link::loopback::Loopback,
+        bound: usize,
+        replicas: Option<ReplicaUpdate>,
+    ) -> Result<KvStore> {
+        let ranks = Dist::over_keeping(Box::new(link), Some(bound), replicas)?;
         let across = across::over(&ranks);
         let config = Config::from_vars(|_| None)?;
         let name = "dist_sync".to_owned();

@@ -11,6 +11,7 @@ use super::validate::{check_len, to_keys};
 use super::{hyper, read, Active, KvStore};
 use crate::backend::cpu::rows::{merge, Merged};
 use crate::backend::{HomeValue, KeyFacts, Scattered};
+use crate::comm::link::Round;
 use crate::comm::{self, Ctx, KeyUpdate};
 use crate::host::HostData;
 use crate::row_sparse::{check_ids, check_rows, row_width};
@@ -227,7 +228,9 @@ impl KvStore {
 /// The update of a row-sparse push on this rank, its keys locked (`cells`): each key's `parts`
 /// (the rows this rank updates) read out of the cells with their state, updated, and written
 /// back only once every key's update has succeeded on every rank. `counts`: each key's update
-/// count so far. `agree(ok, what)`: whether every rank succeeded at `what`.
+/// count so far. The ranks of `call` (push `op`) agree at each step, and the push commits
+/// ([`Round::commit`]) once every rank holds its new rows, before any is stored.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn apply_rows(
     active: &Active,
     ctx: Ctx,
@@ -235,7 +238,8 @@ pub(super) fn apply_rows(
     mut parts: Vec<Option<Part>>,
     counts: &[u64],
     cells: &mut [RwLockWriteGuard<'_, HomeValue>],
-    agree: &mut dyn FnMut(bool, &str) -> Result<()>,
+    call: &mut dyn Round,
+    op: &'static str,
 ) -> Result<()> {
     let hypers = hyper::for_push(active, groups, counts);
     // Each part's rows and their state, as values of their own: the update runs on them, and
@@ -248,7 +252,7 @@ pub(super) fn apply_rows(
             Ok(Some((rows, NDArray::from_host(grad, p.shape, cpu(0)))))
         })
         .collect();
-    let together = agree(gathered.is_ok(), "reading its rows");
+    let together = call.agree(op, gathered.is_ok(), "reading its rows");
     let gathered = gathered?;
     together?;
     let (mut rows, grads): (Vec<Option<HomeValue>>, Vec<Option<NDArray>>) = gathered
@@ -275,7 +279,7 @@ pub(super) fn apply_rows(
             owned: false,
         });
     }
-    let mut in_updater = |ok: bool| agree(ok, "in the updater");
+    let mut in_updater = |ok: bool| call.agree(op, ok, "in the updater");
     comm::update(
         &active.updater,
         active.generation,
@@ -296,9 +300,11 @@ pub(super) fn apply_rows(
         .collect();
     // Making the new values can fail on one rank (a GPU's memory): every rank commits, or
     // none does.
-    let together = agree(scattered.is_ok(), "writing its new rows");
+    let together = call.agree(op, scattered.is_ok(), "writing its new rows");
     let scattered: Vec<Option<Scattered>> = scattered?;
     together?;
+    // Every survivor stores this push, or none (a rank lost before this point).
+    call.commit()?;
     for (cell, s) in cells.iter_mut().zip(scattered) {
         if let Some(s) = s {
             s.commit(cell);

@@ -567,6 +567,7 @@ fn apply_parts(
                 if let Some(copy) = copy {
                     // The copy's lock comes after the cell's (held), as everywhere.
                     *write(&slot.copy) = copy;
+                    (slot.copy_behind).store(false, std::sync::atomic::Ordering::Release);
                 }
             }
             (Made::New(new), None, _) => new_keys.push(new),

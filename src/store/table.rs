@@ -1,6 +1,7 @@
 //! The key table: each key's slot (fixed facts, value behind a lock), and where keys live.
 
 use rustc_hash::FxHashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::{HomeValue, KeyFacts};
@@ -25,6 +26,10 @@ pub(super) struct Slot {
     /// whose copy this rank keeps, with its updater state (empty where that rank holds none of
     /// the key, or no copies are kept). Locked after `cell`, never before.
     pub copy: RwLock<HomeValue>,
+    /// Whether `copy` may lag the part it copies: after a push that updated no copies (of
+    /// rows), or while a push's updated parts are on their way to the buddies
+    /// ([`super::copies::send_parts`]). A heal cannot start from such a copy.
+    pub copy_behind: AtomicBool,
     /// A dist store's (generation, update count), kept on every rank, not only the value's.
     pub updates: Mutex<(u64, u64)>,
     /// Compression residuals, one per position in a push's values; written under `cell`'s lock.
@@ -112,6 +117,7 @@ impl Table {
                 copy: RwLock::new(new.copy.unwrap_or_else(|| {
                     HomeValue::from_host(crate::host::HostData::filled(new.dtype, 0, 0.0))
                 })),
+                copy_behind: AtomicBool::new(false),
                 updates: Mutex::new((0, 0)),
                 residuals: Mutex::new(Vec::new()),
                 row_sparse: new.row_sparse,

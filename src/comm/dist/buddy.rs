@@ -62,7 +62,7 @@ pub(crate) struct KeyPart {
 
 impl KeyPart {
     /// The elements of the part rank `rank` of `size` holds.
-    fn held(&self, rank: usize, size: usize) -> usize {
+    pub(crate) fn held(&self, rank: usize, size: usize) -> usize {
         self.spread.piece(self.len, rank, size).len()
     }
 }

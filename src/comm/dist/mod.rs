@@ -31,7 +31,7 @@ use super::fingerprint::Fingerprint;
 use super::link::{self, Link, Op, Round};
 use super::spread::{slice_block, Spread};
 use crate::backend::cpu::Few;
-use crate::config::Config;
+use crate::config::{Config, ReplicaUpdate};
 use crate::host::HostData;
 use crate::ndarray::Storage;
 use crate::{DType, Device, Element, Error, NDArray, Result};
@@ -62,8 +62,8 @@ pub(crate) struct Dist {
     /// Who keeps whose copy, where the store keeps copies of every rank's parts: the link can
     /// go on after a lost rank and `KVSTORE_REPLICAS` is 1 (chosen again at [`Dist::rejoin`]).
     buddies: std::sync::RwLock<Option<Buddies>>,
-    /// `KVSTORE_REPLICAS`.
-    replicas: bool,
+    /// `KVSTORE_REPLICAS` and `KVSTORE_REPLICA_UPDATE` (`None`: no copies).
+    replicas: Option<ReplicaUpdate>,
     /// Host buffers kept between calls, shared by the process's stores.
     pool: Arc<Pool>,
     /// This store's number on its link, in every fingerprint: calls of two stores never match.
@@ -84,7 +84,7 @@ impl Dist {
             bound: AtomicUsize::new(crate::config::DEFAULT_BIGARRAY_BOUND),
             asked_bound: None,
             buddies: std::sync::RwLock::new(None),
-            replicas: false,
+            replicas: None,
             pool: Arc::new(Pool::with_max_bytes(0)),
             store: 0,
             tag: Mutex::new(None),
@@ -109,13 +109,13 @@ impl Dist {
     fn joined(
         link: Box<dyn Link>,
         asked: Option<usize>,
-        replicas: bool,
+        replicas: Option<ReplicaUpdate>,
         pool: Arc<Pool>,
     ) -> Result<Dist> {
         let bound = crate::config::bigarray_bound(asked, link.seat().hosts);
         let store = link.next_store_id();
         let in_place = link.in_place_home();
-        let buddies = std::sync::RwLock::new(buddies_of(&*link, replicas));
+        let buddies = std::sync::RwLock::new(buddies_of(&*link, replicas.is_some()));
         let dist = Dist {
             link,
             bound: AtomicUsize::new(bound),
@@ -131,13 +131,14 @@ impl Dist {
         let seat = dist.link.seat();
         let setup = format!(
             "kvstore {}, KVSTORE_BIGARRAY_BOUND {}, KVSTORE_DIST_POOL_BYTES {}, check {}, \
-             timeout {:?}, KVSTORE_REPLICAS {}",
+             timeout {:?}, KVSTORE_REPLICAS {}, KVSTORE_REPLICA_UPDATE {}",
             env!("CARGO_PKG_VERSION"),
             bound,
             dist.pool.max_bytes(),
             seat.check,
             seat.timeout,
-            u8::from(replicas)
+            u8::from(replicas.is_some()),
+            replicas.map_or("-", ReplicaUpdate::name)
         );
         dist.begin(Fingerprint::new("create").note(setup))?;
         Ok(dist)
@@ -147,7 +148,18 @@ impl Dist {
     /// `bound` elements (`None`: the default for the machines the link spans).
     #[cfg(test)]
     pub(crate) fn over(link: Box<dyn Link>, bound: Option<usize>) -> Result<Dist> {
-        Dist::joined(link, bound, true, Arc::new(Pool::with_max_bytes(64 << 20)))
+        Dist::over_keeping(link, bound, Some(ReplicaUpdate::Replay))
+    }
+
+    /// [`Dist::over`], keeping copies as `replicas` says.
+    #[cfg(test)]
+    pub(crate) fn over_keeping(
+        link: Box<dyn Link>,
+        bound: Option<usize>,
+        replicas: Option<ReplicaUpdate>,
+    ) -> Result<Dist> {
+        let pool = Arc::new(Pool::with_max_bytes(64 << 20));
+        Dist::joined(link, bound, replicas, pool)
     }
 
     /// Host buffers kept between calls.
@@ -219,13 +231,19 @@ impl Dist {
         let bound = crate::config::bigarray_bound(self.asked_bound, self.link.seat().hosts);
         self.bound.store(bound, Ordering::Relaxed);
         *self.buddies.write().unwrap_or_else(|p| p.into_inner()) =
-            buddies_of(&*self.link, self.replicas);
+            buddies_of(&*self.link, self.replicas.is_some());
         Some(rejoined)
     }
 
     /// Who keeps whose copy, where this store keeps copies of every rank's parts.
     pub(crate) fn buddies(&self) -> Option<Buddies> {
         *self.buddies.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How a push keeps the copies current, where this store keeps copies
+    /// ([`Dist::buddies`]).
+    pub(crate) fn replica_update(&self) -> ReplicaUpdate {
+        self.replicas.unwrap_or(ReplicaUpdate::Replay)
     }
 
     /// Begins a collective call: numbers it and compares `fp` across ranks (see

@@ -324,7 +324,7 @@ impl Link for Loopback {
             });
         }
         st.seq += 1;
-        st.points = Points::of(fp.op());
+        st.points = Points::of_call(fp);
         let (hub, rank) = self.place();
         let mut round = LoopRound {
             link: self,

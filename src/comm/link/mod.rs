@@ -241,6 +241,22 @@ impl dyn Round + '_ {
         got
     }
 
+    /// `got` where every rank's part `what` of call `op` succeeded; else
+    /// [`Error::RankFailed`] on every rank, naming the ranks that failed, with this rank's own
+    /// error where it has one (never that error alone: every rank must go on from the same
+    /// error).
+    pub(crate) fn agreed<T>(&mut self, op: &'static str, got: Result<T>, what: &str) -> Result<T> {
+        match (self.agree(op, got.is_ok(), what), got) {
+            (Ok(()), got) => got,
+            (Err(Error::RankFailed { op, seq, detail }), Err(own)) => Err(Error::RankFailed {
+                op,
+                seq,
+                detail: format!("{detail}; this rank's: {own}"),
+            }),
+            (Err(e), _) => Err(e),
+        }
+    }
+
     /// Whether every rank succeeded at its part `what` of call `op`, given this rank's `ok`:
     /// else [`Error::RankFailed`] naming the ranks that did not. Return this rank's own error
     /// first.

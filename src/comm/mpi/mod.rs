@@ -807,7 +807,7 @@ impl World {
             });
         }
         st.seq += 1;
-        st.points = Points::of(fp.op());
+        st.points = Points::of_call(fp);
         let mut call = Call {
             world: self,
             seq: st.seq,

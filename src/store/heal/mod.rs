@@ -12,8 +12,9 @@
 mod plan;
 #[cfg(test)]
 mod plan_tests;
-mod wire;
+pub(super) mod wire;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::save_load::{host_copy, keep_on};
@@ -62,6 +63,7 @@ impl KvStore {
             fp.push(s.key.clone(), s.shape.dims(), s.dtype);
         }
         let mut call = d.begin(fp)?;
+        let seq = call.seq();
         // The keys as the call began (another thread's init may have come between).
         let now = self.slots_in_order();
         let changed =
@@ -97,6 +99,22 @@ impl KvStore {
                 ));
             }
             let plan = plan::plan(&keys, &worlds)?;
+            // A copy that lags its part cannot heal it: the store goes back to its checkpoint.
+            let reads_copy = |m: &&Move| m.from == me && m.read == Held::Copy;
+            let lagging = (plan.moves.iter().filter(reads_copy))
+                .find(|m| slots[m.key].copy_behind.load(Ordering::Acquire));
+            if let Some(m) = lagging {
+                return Err(Error::RankFailed {
+                    op: "heal",
+                    seq,
+                    detail: format!(
+                        "this rank's copy of a lost rank's part of key {} lags that part (a \
+                         push of rows updates no copies, and a push's updated parts were on \
+                         their way to the buddies when the rank was lost)",
+                        slots[m.key].key
+                    ),
+                });
+            }
             let kept = kept_in_place(&keys, &plan, (old_rank, old_size), (me, d.size()));
             let held = Holdings::read(&slots, &plan, me, &kept, &active)?;
             let mut out = vec![Vec::new(); d.size()];
@@ -105,7 +123,7 @@ impl KvStore {
             }
             Ok((plan, kept, held, out))
         })();
-        let (plan, kept, held, out) = agreed(&mut *call, ready, "reading its parts")?;
+        let (plan, kept, held, out) = call.agreed("heal", ready, "reading its parts")?;
         let mut received = 0;
         let made = (|| {
             let got = all_to_all_words(&mut *call, me, &out)?;
@@ -132,7 +150,7 @@ impl KvStore {
         })();
         // A fault the GPU latched earlier fails every rank here, not this rank after agreeing.
         let made = made.and_then(|m| crate::backend::settle(d.home()).map(|()| m));
-        let cells = agreed(&mut *call, made, "putting its parts together")?;
+        let cells = call.agreed("heal", made, "putting its parts together")?;
         // Every survivor applies the heal, or none (a rank lost before this point).
         call.commit()?;
         // The parts kept in place pass to the healed keys as they are (each cell's lock taken
@@ -160,6 +178,7 @@ impl KvStore {
                 spread: *spread,
                 cell: RwLock::new(cell),
                 copy: RwLock::new(copy),
+                copy_behind: AtomicBool::new(false),
                 updates: Mutex::new(updates),
                 residuals: Mutex::new(residuals),
                 row_sparse: slot.row_sparse,
@@ -182,21 +201,6 @@ impl KvStore {
             copy_bytes: travelling(Held::Copy).map(value_bytes).sum(),
             received,
         })
-    }
-}
-
-/// `got` where every rank's part `what` of the heal succeeded; else [`Error::RankFailed`] on
-/// every rank, naming the ranks that failed, with this rank's own error where it has one (never
-/// that error alone: every survivor must go on from the same error).
-fn agreed<T>(call: &mut dyn crate::comm::link::Round, got: Result<T>, what: &str) -> Result<T> {
-    match (call.agree("heal", got.is_ok(), what), got) {
-        (Ok(()), got) => got,
-        (Err(Error::RankFailed { op, seq, detail }), Err(own)) => Err(Error::RankFailed {
-            op,
-            seq,
-            detail: format!("{detail}; this rank's: {own}"),
-        }),
-        (Err(e), _) => Err(e),
     }
 }
 

@@ -10,14 +10,14 @@ use crate::host::{from_le_bytes, to_le_bytes, HostData};
 use crate::{DType, Error, Result};
 
 /// Elements of a key, with their updater state where they have one.
-pub(super) struct Piece {
+pub(in crate::store) struct Piece {
     pub value: HostData,
     pub state: Option<HostState>,
 }
 
 impl Piece {
     /// Elements `range` of `value` and of each state buffer (all of one length).
-    pub(super) fn cut(
+    pub(in crate::store) fn cut(
         value: &HostData,
         state: Option<&HostState>,
         range: std::ops::Range<usize>,
@@ -34,7 +34,7 @@ impl Piece {
     }
 
     /// Appends this piece's words to `out`.
-    pub(super) fn encode(&self, out: &mut Vec<u64>) {
+    pub(in crate::store) fn encode(&self, out: &mut Vec<u64>) {
         let (flag, step, bufs) = match &self.state {
             Some((step, bufs)) => (1, *step, bufs.as_slice()),
             None => (0, 0, &[][..]),
@@ -56,7 +56,12 @@ impl Piece {
 
     /// The piece at `words[*at..]`, of `len` elements of `dtype` (state buffers of `len`
     /// elements too); moves `at` past it.
-    pub(super) fn decode(words: &[u64], at: &mut usize, dtype: DType, len: usize) -> Result<Piece> {
+    pub(in crate::store) fn decode(
+        words: &[u64],
+        at: &mut usize,
+        dtype: DType,
+        len: usize,
+    ) -> Result<Piece> {
         let [flag, step, bufs] = take::<3>(words, at)?;
         if flag > 1 || bufs > 64 {
             return Err(cut_short());
