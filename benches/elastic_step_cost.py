@@ -1,6 +1,9 @@
 """What fault tolerance costs a healthy step (issue 39): plain mpirun, against
 ``mpirun --with-ft ulfm`` with KVSTORE_REPLICAS=0 (the commit agreement only) and with
 KVSTORE_REPLICAS=1 (the agreement and the buddy copies), jobs interleaved round by round.
+The copies are kept current by replaying the sums (the default), and with ``--ab-order 01s``
+(torch) or ``--with-send`` (tdp) also by sending the updated parts
+(KVSTORE_REPLICA_UPDATE=send).
 
     V=/work/venv-cluster/venv; export PYTHONPATH=...     # python with torch, kvstore, kvstore_mpi
     R=benches/results/elastic_2026-11-29
@@ -77,7 +80,7 @@ def torch_summary(a):
         if launch == "ulfm":
             # The store created first (and run first in each round): json keeps the order.
             first = next(k for k in d["median_ms"] if k.startswith("kvstore"))
-            rows[pair]["order"] = "r0 first" if first.endswith("_r0") else "r1 first"
+            rows[pair]["order"] = first.rsplit("_", 1)[1] + " first"
     modes = sorted({m for p in rows.values() for l in p.values() for m in l})
     print("per pair (median step of the slowest rank, ms):")
     for p, r in sorted(rows.items()):
@@ -107,6 +110,11 @@ def torch_summary(a):
                     r["ulfm"][f"{base}_r1"] / r["ulfm"][f"{base}_r0"])
         for o, v in sorted(by_order.items()):
             print(f"    {o} ({len(v)} pairs): {med(v)}")
+        if all(f"{base}_rs" in r["ulfm"] for r in rows.values() if "ulfm" in r):
+            rs = [r["ulfm"][f"{base}_rs"] for r in rows.values() if "ulfm" in r]
+            print(f"  sent copies: ULFM Rs {statistics.median(rs):.1f} ms; Rs / R0 in the same "
+                  f"job, per pair: {med([b / a for a, b in zip(r0, rs)])}; Rs / R1: "
+                  f"{med([b / a for a, b in zip(r1, rs)])}")
         if len(by_order) == 2:
             a_, b_ = (statistics.median(v) for v in by_order.values())
             print(f"    balanced over the order (geometric mean of the two medians): "
@@ -121,14 +129,18 @@ def torch_summary(a):
 
 def tdp(a):
     modes = [("plain", False, None), ("ulfm_r0", True, "0"), ("ulfm_r1", True, "1")]
+    if a.with_send:
+        modes.append(("ulfm_rs", True, "s"))
     with open(a.out, "a") as f:
         for rnd in range(a.first_round, a.first_round + a.rounds):
             for name, ft, rep in modes:
                 # The example links libmpi.so.40 by name: the Open MPI 5 beside this python.
                 env = {"LD_LIBRARY_PATH": os.path.join(os.path.dirname(os.path.dirname(PY)),
                                                        "lib")}
-                if rep is not None:
-                    env["KVSTORE_REPLICAS"] = rep
+                if rep == "s":
+                    env.update(KVSTORE_REPLICAS="1", KVSTORE_REPLICA_UPDATE="send")
+                elif rep is not None:
+                    env.update(KVSTORE_REPLICAS=rep, KVSTORE_REPLICA_UPDATE="replay")
                 argv = [a.bin, "--kind", "dist_sync", "--epochs", str(a.epochs), "--check", "0",
                         "--optimizer", a.optimizer]
                 rc, wall, text = job(a.ranks, ft, argv, env, timeout=300)
@@ -153,17 +165,23 @@ def tdp_summary(a):
         d = json.loads(l)
         if d.get("step_ms") is not None:
             rounds.setdefault(d["round"], {})[d["mode"]] = d
-    full = [r for r in rounds.values() if len(r) == 3]
+    names = ["plain", "ulfm_r0", "ulfm_r1"]
+    if any("ulfm_rs" in r for r in rounds.values()):
+        names.append("ulfm_rs")
+    full = [r for r in rounds.values() if all(m in r for m in names)]
 
     def med(v):
         return f"{statistics.median(v):.3f} ({min(v):.3f}–{max(v):.3f})"
 
-    for m in ("plain", "ulfm_r0", "ulfm_r1"):
+    for m in names:
         print(f"{m}: step {med([r[m]['step_ms'] for r in full])} ms, training "
               f"{med([r[m]['train_s'] for r in full])} s")
     print(f"ULFM R0 / plain per round: {med([r['ulfm_r0']['step_ms'] / r['plain']['step_ms'] for r in full])}")
     print(f"ULFM R1 / plain per round: {med([r['ulfm_r1']['step_ms'] / r['plain']['step_ms'] for r in full])}")
     print(f"ULFM R1 / R0 per round: {med([r['ulfm_r1']['step_ms'] / r['ulfm_r0']['step_ms'] for r in full])}")
+    if "ulfm_rs" in names:
+        print(f"ULFM Rs / R0 per round: {med([r['ulfm_rs']['step_ms'] / r['ulfm_r0']['step_ms'] for r in full])}")
+        print(f"ULFM Rs / R1 per round: {med([r['ulfm_rs']['step_ms'] / r['ulfm_r1']['step_ms'] for r in full])}")
 
 
 def main():
@@ -190,6 +208,8 @@ def main():
     d.add_argument("--first-round", type=int, default=0,
                    help="numbers the rounds from here (to append more rounds to --out)")
     d.add_argument("--out", required=True)
+    d.add_argument("--with-send", action="store_true",
+                   help="a fourth job per round: KVSTORE_REPLICA_UPDATE=send")
     ds = sub.add_parser("tdp-summary")
     ds.add_argument("file")
     a = ap.parse_args()

@@ -101,9 +101,11 @@ def main():
     ap.add_argument("--modes", default="kvstore_blocking,kvstore_overlap,kvstore_prefetch",
                     help="the kvstore modes to run, comma-separated (DDP always runs)")
     ap.add_argument("--replicas-ab", action="store_true",
-                    help="each kvstore mode twice: KVSTORE_REPLICAS=0 and =1 (under ULFM)")
-    ap.add_argument("--ab-order", default="01", choices=["01", "10"],
-                    help="with --replicas-ab: which store of each pair runs first in a round")
+                    help="each kvstore mode once per store of --ab-order (under ULFM)")
+    ap.add_argument("--ab-order", default="01",
+                    help="with --replicas-ab: the stores of each mode, in the order they run "
+                         "in a round: 0 (KVSTORE_REPLICAS=0), 1 (=1, the sums replayed), "
+                         "s (=1, KVSTORE_REPLICA_UPDATE=send)")
     a = ap.parse_args()
     wanted = a.modes.split(",")
 
@@ -116,15 +118,19 @@ def main():
     def store(replicas):
         if replicas is None:
             return kvstore.create("dist_sync")
-        before = os.environ.get("KVSTORE_REPLICAS")
-        os.environ["KVSTORE_REPLICAS"] = replicas
+        wanted = {"0": {"KVSTORE_REPLICAS": "0"},
+                  "1": {"KVSTORE_REPLICAS": "1", "KVSTORE_REPLICA_UPDATE": "replay"},
+                  "s": {"KVSTORE_REPLICAS": "1", "KVSTORE_REPLICA_UPDATE": "send"}}[replicas]
+        before = {k: os.environ.get(k) for k in wanted}
+        os.environ.update(wanted)
         try:
             return kvstore.create("dist_sync")
         finally:
-            if before is None:
-                del os.environ["KVSTORE_REPLICAS"]
-            else:
-                os.environ["KVSTORE_REPLICAS"] = before
+            for k, v in before.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
 
     def kv_mode(name, replicas):
         m = copy.deepcopy(base)

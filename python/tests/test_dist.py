@@ -458,19 +458,29 @@ def test_under_ulfm_the_survivors_go_on_and_a_store_without_a_checkpoint_holds_n
     assert "ok lose_rank" not in out, out
 
 
+def replicas_env(replicas):
+    """``KVSTORE_REPLICAS`` for a test's ``replicas``: "0", "1" (the sums replayed on the
+    copies), or "send" (copies of =1 kept current by sending the updated parts)."""
+    if replicas == "send":
+        return {"KVSTORE_REPLICAS": "1", "KVSTORE_REPLICA_UPDATE": "send"}
+    return {"KVSTORE_REPLICAS": replicas}
+
+
 @needs_mpi
-@pytest.mark.parametrize("victim,replicas", [(3, "1"), (0, "1"), (3, "0"), (0, "0")])
+@pytest.mark.parametrize("victim,replicas", [(3, "1"), (0, "1"), (3, "0"), (0, "0"),
+                                             (2, "send")])
 def test_under_ulfm_a_lost_rank_costs_nothing_with_copies_and_training_goes_on(
         tmp_path, victim, replicas):
     # 4 ranks, a checkpoint after step 2, rank `victim` SIGKILLed at step 5. With copies
     # (KVSTORE_REPLICAS=1) the 3 survivors rebuild every key from their parts and the copies,
     # as steps 0 to 4 left them; without (0) they reload the checkpoint. Key 1 is sliced (cut
     # again for 3). Each survivor checks the values against NumPy, redoes the lost steps as
-    # the new world, and checks those too. Rank 0 lost renumbers every survivor.
+    # the new world, and checks those too. Rank 0 lost renumbers every survivor. With copies
+    # kept by sending the updated parts ("send"), the kill between calls heals from them too.
     path = str(tmp_path / "ckpt")
     rc, out = run(4, "survive", path, str(victim), launch=("--with-ft", "ulfm"), timeout=180,
                   env={"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "1000",
-                       "KVSTORE_REPLICAS": replicas})
+                       **replicas_env(replicas)})
     survivors = sorted(set(range(4)) - {victim})
     assert oks(out, "survive") == survivors, out
     changed = sorted(int(r) for r in re.findall(r"^rank (\d+): EXPECTED WorldChangedError", out,
@@ -507,7 +517,8 @@ def standin_env():
     ("sliced", "1", "dist_sync"), ("compressed", "1", "dist_sync"),
     ("save", "0", "dist_sync"), ("sliced", "0", "dist_sync"),
     ("save", "1", "dist_device_sync"), ("sliced", "1", "dist_device_sync"),
-    ("sliced", "0", "dist_device_sync")])
+    ("sliced", "0", "dist_device_sync"), ("sliced", "send", "dist_sync"),
+    ("sliced", "send", "dist_device_sync")])
 def test_under_ulfm_a_rank_lost_during_any_call_fails_it_on_every_survivor_alike(
         tmp_path, what, replicas, kind):
     # 3 ranks; a random victim SIGKILLs itself a random 0 to 15 ms (2 for an init) into a save,
@@ -521,8 +532,7 @@ def test_under_ulfm_a_rank_lost_during_any_call_fails_it_on_every_survivor_alike
     victim, delay = random.randrange(3), random.uniform(0, 0.002 if what == "init" else 0.015)
     print(f"victim {victim}, killed {delay * 1000:.1f} ms into the {what} call")
     path = str(tmp_path / "ckpt")
-    env = {"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "10000",
-           "KVSTORE_REPLICAS": replicas}
+    env = {"KVSTORE_TIMEOUT": "60", "KVSTORE_BIGARRAY_BOUND": "10000", **replicas_env(replicas)}
     if kind == "dist_device_sync":
         env.update(standin_env())
     rc, out = run(3, "during", path, str(victim), what, str(delay), kind,
