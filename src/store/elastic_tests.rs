@@ -858,6 +858,7 @@ fn sent_copies_heal_a_loss_but_while_they_travel() {
                 }
             }
         }
+        println!("{update:?}, closure {closure}: {healed} losses healed, {back} went back");
         assert!(
             healed > back && back > 0,
             "{update:?}, closure {closure}: {healed} healed, {back} went back"
