@@ -112,8 +112,13 @@ pub(super) fn mark_behind(groups: &[Group<'_>]) {
 
 /// Sends this rank's part of each group as the push left it in `cells`, value and updater
 /// state, to its buddy, and keeps what its buddy source sends as the copies
-/// (`KVSTORE_REPLICA_UPDATE=send`). Called after the push committed; the copies lag their
-/// parts until they are replaced here, so a heal after a loss midway does not use them.
+/// (`KVSTORE_REPLICA_UPDATE=send`). Called after the push committed, on every rank, with the
+/// copies already marked as lagging ([`mark_behind`]): each copy is current again once its
+/// part arrives here. `current`: whether this rank's parts are as the push left them (false:
+/// its update failed after the commit), else it sends none.
+///
+/// Only the link fails it (a lost rank): a part a rank cannot read or a receiver cannot take
+/// leaves that copy lagging (logged), and the push, which took effect, stands.
 pub(super) fn send_parts(
     call: &mut dyn Round,
     d: &Dist,
@@ -121,13 +126,13 @@ pub(super) fn send_parts(
     groups: &[Group<'_>],
     cells: &[RwLockWriteGuard<'_, HomeValue>],
     active: &Active,
+    current: bool,
 ) -> Result<()> {
-    mark_behind(groups);
     let (rank, size) = (d.rank(), d.size());
     let keys = key_parts(groups.iter().map(|g| &*g.slot));
-    // Read first: a rank that cannot read its parts fails every rank's call before any moves.
+    // The first word says whether the parts follow.
     let read = (|| {
-        let mut words = Vec::new();
+        let mut words = vec![1];
         for (k, cell) in keys.iter().zip(cells) {
             if k.held(rank, size) == 0 {
                 continue;
@@ -137,40 +142,68 @@ pub(super) fn send_parts(
             let len = value.len();
             Piece::cut(&value, state.as_ref(), 0..len).encode(&mut words);
         }
-        Ok(words)
+        Ok::<_, crate::Error>(words)
     })();
-    let words = call.agreed("push", read, "reading its parts for its buddy")?;
+    let words = match (current, read) {
+        (true, Ok(words)) => words,
+        (false, _) => vec![0],
+        (true, Err(e)) => {
+            log::warn!("kvstore: this rank's parts could not be read for its buddy ({e}): their copies lag them until the next load");
+            vec![0]
+        }
+    };
     let mut out = vec![Vec::new(); size];
     out[buddies.buddy(rank)] = words;
     let got = all_to_all_words(call, rank, &out)?;
     drop(out);
     let source = buddies.source(rank);
-    let got = got
-        .get(source)
-        .ok_or_else(|| crate::Error::internal("no words from the buddy source"))?;
+    let taken = match got.get(source).map(Vec::as_slice) {
+        Some([1, pieces @ ..]) => take_copies(groups, &keys, pieces, (source, size), active),
+        _ => Err(crate::Error::internal("the buddy source sent no parts")),
+    };
+    match taken {
+        Ok(copies) => {
+            for (g, copy) in groups.iter().zip(copies) {
+                if let Some(copy) = copy {
+                    *write(&g.slot.copy) = copy;
+                }
+                g.slot.copy_behind.store(false, Ordering::Release);
+            }
+        }
+        Err(e) => log::warn!(
+            "kvstore: the copies of rank {source}'s parts were not updated ({e}): they lag \
+             those parts until the next load"
+        ),
+    }
+    Ok(())
+}
+
+/// The copies of the parts of `keys` that rank `source` (of `size`) holds, from its `words`:
+/// one per group (`None` where it holds none).
+fn take_copies(
+    groups: &[Group<'_>],
+    keys: &[KeyPart],
+    words: &[u64],
+    (source, size): (usize, usize),
+    active: &Active,
+) -> Result<Vec<Option<HomeValue>>> {
     let mut at = 0;
     let mut copies = Vec::with_capacity(groups.len());
-    for (g, k) in groups.iter().zip(&keys) {
+    for (g, k) in groups.iter().zip(keys) {
         let len = k.held(source, size);
         if len == 0 {
             copies.push(None);
             continue;
         }
-        let piece = Piece::decode(got, &mut at, g.slot.dtype, len)?;
+        let piece = Piece::decode(words, &mut at, g.slot.dtype, len)?;
         let mut copy = HomeValue::from_host(piece.value);
         copy.set_state(active.generation, piece.state)?;
         copies.push(Some(copy));
     }
-    if at != got.len() {
+    if at != words.len() {
         return Err(crate::Error::internal(
             "more words arrived than the buddy's parts",
         ));
     }
-    for (g, copy) in groups.iter().zip(copies) {
-        if let Some(copy) = copy {
-            *write(&g.slot.copy) = copy;
-        }
-        g.slot.copy_behind.store(false, Ordering::Release);
-    }
-    Ok(())
+    Ok(copies)
 }

@@ -20,7 +20,6 @@ use std::time::Instant;
 
 use super::table::Table;
 use super::{write, Active, KvStore};
-use crate::comm::dist::Buddies;
 use crate::config::ReplicaUpdate;
 use crate::{Error, Result, Updater};
 
@@ -209,20 +208,20 @@ impl KvStore {
         same && crate::checkpoint::read_index(&path).is_ok_and(|i| i.generation == generation)
     }
 
-    /// Where the store keeps copies: the buddies, and how a push under `active` keeps them
-    /// current. A closure updater's copies are always sent, never replayed (it may keep state
-    /// of its own per key, which a second call would corrupt), and so are a PTX updater's
-    /// without a CPU twin (copies live in host memory, GPU ranks' too).
-    pub(super) fn copying(&self, active: &Active) -> Option<(Buddies, ReplicaUpdate)> {
-        let buddies = self.ranks.buddies()?;
+    /// Where the store keeps copies: how a push under `active` keeps them current. A closure
+    /// updater's copies are always sent, never replayed (it may keep state of its own per
+    /// key, which a second call would corrupt), and so are a PTX updater's without a CPU twin
+    /// (copies live in host memory, GPU ranks' too).
+    pub(super) fn copy_update(&self, active: &Active) -> Option<ReplicaUpdate> {
+        self.ranks.buddies()?;
         let replayable = match &active.updater {
             Updater::Custom(_) => false,
             Updater::Ptx(p) => p.twin().is_some(),
             _ => true,
         };
         match replayable {
-            true => Some((buddies, self.ranks.replica_update())),
-            false => Some((buddies, ReplicaUpdate::Send)),
+            true => Some(self.ranks.replica_update()),
+            false => Some(ReplicaUpdate::Send),
         }
     }
 

@@ -627,10 +627,10 @@ impl KvStore {
         }
         // Where the store keeps copies: how this push keeps them current (rows: not at all).
         let copying = match &sent {
-            Sent::Dense { .. } => self.copying(&active),
+            Sent::Dense { .. } => self.copy_update(&active),
             Sent::Rows(_) => None,
         };
-        let sends = matches!(copying, Some((_, ReplicaUpdate::Send)));
+        let sends = copying == Some(ReplicaUpdate::Send);
         // The ranks must agree on the whole updater (it decides which collectives follow and
         // what they compute) and on what travels. Made only where the fingerprint is compared.
         let fp = || {
@@ -641,11 +641,12 @@ impl KvStore {
                 }
                 Sent::Dense { .. } => active.describe().to_owned(),
             };
-            let fp = across::fingerprint(op, &groups).note(note);
             // Sending the updated parts goes on after the commit point, to an end point.
             match sends {
-                true => fp.with_end_point(),
-                false => fp,
+                true => across::fingerprint(op, &groups)
+                    .note(format!("{note}; copies sent"))
+                    .with_end_point(),
+                false => across::fingerprint(op, &groups).note(note),
             }
         };
         let mut call = d.begin_with(fp)?;
@@ -660,10 +661,11 @@ impl KvStore {
                 let (inputs, residuals) = across.locked_inputs(d, compression, &groups, summed)?;
                 // Where the store keeps copies, they are kept current by replaying the same
                 // sums on the buddies, or by sending the updated parts after the commit.
-                let mirrored = match (copying, &inputs) {
-                    (Some((buddies, ReplicaUpdate::Replay)), Inputs::Totals(totals)) => Some(
-                        copies::exchange_totals(&mut *call, d, buddies, &groups, totals)?,
-                    ),
+                // (Who keeps whose copy as of this call, begun: a loss may have come between.)
+                let mirrored = match (copying, d.buddies(), &inputs) {
+                    (Some(ReplicaUpdate::Replay), Some(b), Inputs::Totals(totals)) => {
+                        Some(copies::exchange_totals(&mut *call, d, b, &groups, totals)?)
+                    }
                     _ => None,
                 };
                 let mut copy_cells = match mirrored {
@@ -676,29 +678,55 @@ impl KvStore {
                 // every rank succeeded: the push commits after that question, before any key
                 // is stored; other updaters store as they go, so the push commits first.
                 let asks = comm::asks_before_storing(&active.updater);
+                if sends {
+                    // Until the updated parts arrive (a failed push leaves them lagging).
+                    copies::mark_behind(&groups);
+                }
+                let mut committed = false;
                 if !asks {
                     call.commit()?;
+                    committed = true;
                 }
                 let counts = across.update_counts(&active, &groups, &cells);
                 let mut agree = |ok: bool| {
                     call.agree(op, ok, "in the updater")?;
-                    match asks {
-                        true => call.commit(),
-                        false => Ok(()),
+                    if asks {
+                        call.commit()?;
+                        committed = true;
+                    }
+                    Ok(())
+                };
+                let applied = apply_push(
+                    &active, ctx, &groups, &inputs, copies, &counts, &mut cells, &mut agree,
+                );
+                drop(copy_cells);
+                if !committed {
+                    // Failed before the commit point, as on every rank: nothing took effect.
+                    applied?;
+                    return Err(Error::internal("a push stored without committing"));
+                }
+                if applied.is_ok() {
+                    if let Some(residuals) = residuals {
+                        compress::commit(&groups, residuals, d.pool());
+                    }
+                }
+                // The parts go to the buddies on every rank, also where this rank's update
+                // failed after the commit (it sends none), so every rank meets the same
+                // collectives and the end point fails the call on every rank.
+                sending = match (sends, d.buddies()) {
+                    (true, Some(buddies)) => {
+                        let current = applied.is_ok();
+                        let sent = copies::send_parts(
+                            &mut *call, d, buddies, &groups, &cells, &active, current,
+                        );
+                        Some(sent.and(applied))
+                    }
+                    (true, None) => Some(applied),
+                    (false, _) => {
+                        applied?;
+                        None
                     }
                 };
-                apply_push(
-                    &active, ctx, &groups, &inputs, copies, &counts, &mut cells, &mut agree,
-                )?;
-                drop(copy_cells);
-                if let Some(residuals) = residuals {
-                    compress::commit(&groups, residuals, d.pool());
-                }
-                if let Some((buddies, ReplicaUpdate::Send)) = copying {
-                    sending = Some(copies::send_parts(
-                        &mut *call, d, buddies, &groups, &cells, &active,
-                    ));
-                }
                 totals = Some(inputs);
                 counts
             }
