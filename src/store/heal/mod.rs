@@ -69,12 +69,16 @@ impl KvStore {
         let changed =
             now.len() != slots.len() || now.iter().zip(&slots).any(|(a, b)| a.key != b.key);
         let can_slice = |len: usize, size: usize| d.can_slice(len, size);
+        // Where some survivor's copy lags its part, no surviving part is read from a copy.
+        let lags_here = slots.iter().any(|s| s.copy_behind.load(Ordering::Acquire));
+        let lags = call.all_gather_words(&[u64::from(lags_here)])?;
         let worlds = Worlds {
             old_size,
             old_buddies,
             lost,
             new_buddies: d.buddies(),
             exact_copies: !d.moves_in_place(),
+            copies_current: lags.iter().all(|&l| l == 0),
             can_slice: &can_slice,
         };
         let keys: Vec<KeyAt> = (slots.iter())
@@ -99,7 +103,8 @@ impl KvStore {
                 ));
             }
             let plan = plan::plan(&keys, &worlds)?;
-            // A copy that lags its part cannot heal it: the store goes back to its checkpoint.
+            // A copy that lags its part cannot heal it (only a lost rank's part is read from a
+            // copy then): the store goes back to its checkpoint.
             let reads_copy = |m: &&Move| m.from == me && m.read == Held::Copy;
             let lagging = (plan.moves.iter().filter(reads_copy))
                 .find(|m| slots[m.key].copy_behind.load(Ordering::Acquire));

@@ -73,6 +73,10 @@ pub(super) struct Worlds<'a> {
     /// Whether a copy is bit for bit its part (copies updated by the same code as their parts:
     /// host ranks), so that a part may be read from a copy.
     pub exact_copies: bool,
+    /// Whether every survivor's copies are current ([`crate::store::table::Slot::copy_behind`]
+    /// nowhere): else a copy is read only for a lost rank's part, never in place of a
+    /// surviving one.
+    pub copies_current: bool,
     /// Whether a key of `len` elements can be sliced over `size` ranks.
     pub can_slice: &'a dyn Fn(usize, usize) -> bool,
 }
@@ -134,7 +138,8 @@ pub(super) fn plan(keys: &[KeyAt], w: &Worlds<'_>) -> Result<Plan> {
                 for (of, piece) in pieces.iter().cloned() {
                     let part_at = new_of(of);
                     let copy_at = new_of(w.old_buddies.buddy(of));
-                    let (from, read) = match source(part_at, copy_at, to, into, w.exact_copies) {
+                    let copies = (w.exact_copies, w.copies_current);
+                    let (from, read) = match source(part_at, copy_at, to, into, copies) {
                         Some(from) => from,
                         // A key of no elements, its rank and that rank's buddy both lost:
                         // nothing of it is lost but its step.
@@ -168,20 +173,22 @@ pub(super) fn plan(keys: &[KeyAt], w: &Worlds<'_>) -> Result<Plan> {
 
 /// Where a piece for new rank `to`'s `into` is read, given where it lies: in the part of new
 /// rank `part_at` and the copy of new rank `copy_at` (`None`: lost). The receiver's own memory
-/// first, then the part, then the copy.
+/// first, then the part, then the copy; `(exact, current)`: whether copies are bit for bit
+/// their parts, and current everywhere (else a surviving part is never read from a copy).
 fn source(
     part_at: Option<usize>,
     copy_at: Option<usize>,
     to: usize,
     into: Held,
-    exact_copies: bool,
+    (exact, current): (bool, bool),
 ) -> Option<(usize, Held)> {
     let here_part = (part_at == Some(to)).then_some((to, Held::Part));
     let here_copy = (copy_at == Some(to)).then_some((to, Held::Copy));
     let here = match into {
-        Held::Part if exact_copies => here_part.or(here_copy),
+        Held::Part if exact && current => here_part.or(here_copy),
         Held::Part => here_part,
-        Held::Copy => here_copy.or(here_part),
+        Held::Copy if current => here_copy.or(here_part),
+        Held::Copy => here_part,
     };
     here.or(part_at.map(|r| (r, Held::Part)))
         .or(copy_at.map(|r| (r, Held::Copy)))
@@ -260,6 +267,7 @@ mod tests {
             lost,
             new_buddies: Buddies::of(&left),
             exact_copies: exact,
+            copies_current: true,
             can_slice: &|_, size| size > 1,
         }
     }
