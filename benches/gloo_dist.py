@@ -1,5 +1,5 @@
 """PyTorch's gloo backend on CPU tensors: reduce and broadcast, the peer of a dist_sync push and
-pull of one key (examples/bench_dist_store.rs measures kvstore and raw MPI the same way).
+pull of one key, and allreduce (DDP's collective), the peer of the two together (examples/bench_dist_store.rs measures kvstore and raw MPI the same way).
 
     python -m torch.distributed.run --nproc-per-node 4 benches/gloo_dist.py [MiB ...]
 
@@ -53,6 +53,8 @@ def main():
             "reduce": lambda: dist.reduce(grad, dst=0),
             # A pull of it: rank 0's value to every rank.
             "broadcast": lambda: dist.broadcast(value, src=0),
+            # DDP's collective: the sum on every rank, the peer of a push then a pull.
+            "allreduce": lambda: dist.all_reduce(grad),
         }
         times = {op: [] for op in ops}
         for i in range(WARMUP + SAMPLES):

@@ -112,9 +112,8 @@ pub(super) fn mark_behind(groups: &[Group<'_>]) {
 
 /// Sends this rank's part of each group as the push left it in `cells`, value and updater
 /// state, to its buddy, and keeps what its buddy source sends as the copies
-/// (`KVSTORE_REPLICA_UPDATE=send`). Called after the push committed, on every rank, with the
-/// copies already marked as lagging ([`mark_behind`]): each copy is current again once its
-/// part arrives here. `current`: whether this rank's parts are as the push left them (false:
+/// (`KVSTORE_REPLICA_UPDATE=send`). Called after the push committed, on every rank: the copies
+/// lag their parts ([`mark_behind`]) until each part arrives here. `current`: whether this rank's parts are as the push left them (false:
 /// its update failed after the commit), else it sends none.
 ///
 /// Only the link fails it (a lost rank): a part a rank cannot read or a receiver cannot take
@@ -128,6 +127,7 @@ pub(super) fn send_parts(
     active: &Active,
     current: bool,
 ) -> Result<()> {
+    mark_behind(groups);
     let (rank, size) = (d.rank(), d.size());
     let keys = key_parts(groups.iter().map(|g| &*g.slot));
     // The first word says whether the parts follow.

@@ -653,9 +653,9 @@ impl KvStore {
         let arrived = across.sum_across(&mut *call, d, &groups, sent)?;
         let mut cells = lock_cells(&groups);
         let mut totals = None;
-        // The updated parts sent to the buddies (`KVSTORE_REPLICA_UPDATE=send`): each copy is
-        // current once its part arrived, and the call's end point tells every rank.
-        let mut sending = None;
+        // How this rank's part of the call went after its commit point, where the call goes on
+        // to an end point (a pull, or the updated parts sent to the buddies).
+        let mut after_commit = None;
         let counts = match arrived {
             Arrived::Dense(summed) => {
                 let (inputs, residuals) = across.locked_inputs(d, compression, &groups, summed)?;
@@ -678,10 +678,6 @@ impl KvStore {
                 // every rank succeeded: the push commits after that question, before any key
                 // is stored; other updaters store as they go, so the push commits first.
                 let asks = comm::asks_before_storing(&active.updater);
-                if sends {
-                    // Until the updated parts arrive (a failed push leaves them lagging).
-                    copies::mark_behind(&groups);
-                }
                 let mut committed = false;
                 if !asks {
                     call.commit()?;
@@ -705,15 +701,25 @@ impl KvStore {
                     applied?;
                     return Err(Error::internal("a push stored without committing"));
                 }
-                if applied.is_ok() {
-                    if let Some(residuals) = residuals {
-                        compress::commit(&groups, residuals, d.pool());
+                // A GPU fault the update latched shows here, before its parts are read.
+                let applied = match sends {
+                    true => applied.and_then(|()| crate::backend::settle(d.home())),
+                    false => applied,
+                };
+                match &applied {
+                    Ok(()) => {
+                        if let Some(residuals) = residuals {
+                            compress::commit(&groups, residuals, d.pool());
+                        }
                     }
+                    // Stopped midway: this rank's copies may be half updated.
+                    Err(_) => copies::mark_behind(&groups),
                 }
-                // The parts go to the buddies on every rank, also where this rank's update
-                // failed after the commit (it sends none), so every rank meets the same
-                // collectives and the end point fails the call on every rank.
-                sending = match (sends, d.buddies()) {
+                // Where the call goes on after its commit (its parts sent to the buddies, or
+                // a pull), every rank does, also where its own update failed (it sends none):
+                // every rank meets the same collectives, and the end point fails the call on
+                // every rank.
+                after_commit = match (sends, d.buddies()) {
                     (true, Some(buddies)) => {
                         let current = applied.is_ok();
                         let sent = copies::send_parts(
@@ -721,8 +727,8 @@ impl KvStore {
                         );
                         Some(sent.and(applied))
                     }
-                    (true, None) => Some(applied),
-                    (false, _) => {
+                    _ if sends || pulls.is_some() => Some(applied),
+                    _ => {
                         applied?;
                         None
                     }
@@ -744,15 +750,15 @@ impl KvStore {
         let done = hook
             .as_ref()
             .map(|_| pushed(&groups, &across.hook_steps(&active, &counts, &cells)));
-        match (pulls, sending) {
-            (Some(pulls), sent) => {
+        match (pulls, after_commit) {
+            (Some(pulls), so_far) => {
                 // `pushes` and `pulls` hold the same distinct keys in the same order.
                 let values: Vec<&HomeValue> = cells.iter().map(|c| &**c).collect();
-                // Pulled whatever the sending gave: every rank meets the same collectives.
+                // Pulled whatever came before: every rank meets the same collectives.
                 let pulled = across.pull_parts(&mut *call, d, ctx, pulls, &values);
-                call.ended(sent.unwrap_or(Ok(())).and(pulled))?;
+                call.ended(so_far.unwrap_or(Ok(())).and(pulled))?;
             }
-            (None, Some(sent)) => call.ended(sent)?,
+            (None, Some(so_far)) => call.ended(so_far)?,
             (None, None) => {}
         }
         drop(cells);
