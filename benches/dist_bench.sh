@@ -50,7 +50,7 @@ gloo_run() {
     echo "## round $round, gloo, load $l0: $np ranks" >>"$out/log.txt"
     "$py" -m torch.distributed.run --nproc-per-node "$np" benches/gloo_dist.py 0.0625 1 16 64 256 \
         2>&1 | tee -a "$out/log.txt" |
-        awk -v np="$np" -v r="$round" -v l="$l0" '$1 == "gloo" {
+        awk -v np="$np" -v r="$round" -v l="$l0" '$1 == "gloo" && ($2 == "reduce" || $2 == "broadcast") {
             op = ($2 == "reduce") ? "push" : "pull";
             printf "{\"round\":%s,\"tag\":\"gloo\",\"load\":%s,\"ranks\":%s,\"bytes\":%s,\"op\":\"%s\",\"gloo_s\":%s}\n", r, l, np, $3, op, $4
         }' >>"$out/runs.jsonl"
