@@ -19,7 +19,6 @@
 //!   them anew.
 
 use std::borrow::Cow;
-
 use std::sync::atomic::Ordering;
 use std::sync::RwLockWriteGuard;
 
@@ -113,8 +112,9 @@ pub(super) fn mark_behind(groups: &[Group<'_>]) {
 /// Sends this rank's part of each group as the push left it in `cells`, value and updater
 /// state, to its buddy, and keeps what its buddy source sends as the copies
 /// (`KVSTORE_REPLICA_UPDATE=send`). Called after the push committed, on every rank: the copies
-/// lag their parts ([`mark_behind`]) until each part arrives here. `current`: whether this rank's parts are as the push left them (false:
-/// its update failed after the commit), else it sends none.
+/// lag their parts ([`mark_behind`]) until each part arrives here. `current`: whether this
+/// rank's parts are as the push left them (false: its update failed after the commit, and it
+/// sends none).
 ///
 /// Only the link fails it (a lost rank): a part a rank cannot read or a receiver cannot take
 /// leaves that copy lagging (logged), and the push, which took effect, stands.
@@ -137,10 +137,10 @@ pub(super) fn send_parts(
             if k.held(rank, size) == 0 {
                 continue;
             }
+            // The whole part, as read: no cut (which would copy it again).
             let (value, state) = host_copy(cell, active)?;
             let state = state.map(|s| (s.step, s.bufs));
-            let len = value.len();
-            Piece::cut(&value, state.as_ref(), 0..len).encode(&mut words);
+            Piece { value, state }.encode(&mut words);
         }
         Ok::<_, crate::Error>(words)
     })();
@@ -148,7 +148,10 @@ pub(super) fn send_parts(
         (true, Ok(words)) => words,
         (false, _) => vec![0],
         (true, Err(e)) => {
-            log::warn!("kvstore: this rank's parts could not be read for its buddy ({e}): their copies lag them until the next load");
+            log::warn!(
+                "kvstore: this rank's parts could not be read for its buddy ({e}): their \
+                 copies lag them until the next load"
+            );
             vec![0]
         }
     };

@@ -859,7 +859,7 @@ fn sent_copies_heal_a_loss_but_while_they_travel() {
             }
         }
         println!("{update:?}, closure {closure}: {healed} losses healed, {back} went back");
-        // Only a loss while the parts travel goes back: 22 or 23 of about 100 kill points
+        // Only a loss while the parts travel goes back: 21 to 23 of about 100 kill points
         // here. Copies marked as lagging before the commit point (a loss there leaves them
         // current) sent 36 of 112 back.
         assert!(

@@ -641,12 +641,11 @@ impl KvStore {
                 }
                 Sent::Dense { .. } => active.describe().to_owned(),
             };
+            let fp = across::fingerprint(op, &groups);
             // Sending the updated parts goes on after the commit point, to an end point.
             match sends {
-                true => across::fingerprint(op, &groups)
-                    .note(format!("{note}; copies sent"))
-                    .with_end_point(),
-                false => across::fingerprint(op, &groups).note(note),
+                true => fp.note(format!("{note}; copies sent")).with_end_point(),
+                false => fp.note(note),
             }
         };
         let mut call = d.begin_with(fp)?;

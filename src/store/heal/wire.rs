@@ -17,7 +17,7 @@ pub(in crate::store) struct Piece {
 
 impl Piece {
     /// Elements `range` of `value` and of each state buffer (all of one length).
-    pub(in crate::store) fn cut(
+    pub(super) fn cut(
         value: &HostData,
         state: Option<&HostState>,
         range: std::ops::Range<usize>,
