@@ -789,6 +789,36 @@ fn ranks_with_different_settings_fail_at_creation() {
     }
 }
 
+/// Ranks that keep their copies current differently (`KVSTORE_REPLICA_UPDATE`), or where one
+/// keeps none (`KVSTORE_REPLICAS=0`), fail at creation on every rank: their pushes would run
+/// different collectives.
+#[test]
+fn ranks_that_keep_copies_differently_fail_at_creation() {
+    use crate::config::ReplicaUpdate;
+    for odd in [Some(ReplicaUpdate::Send), None] {
+        let links: Vec<Loopback> = Loopback::world(3, Duration::from_secs(10))
+            .into_iter()
+            .map(Loopback::elastic)
+            .collect();
+        let made = on_links(&links, |r, l| {
+            let keeping = if r == 1 {
+                odd
+            } else {
+                Some(ReplicaUpdate::Replay)
+            };
+            KvStore::over_loopback_keeping(l.clone(), BOUND, keeping)
+        });
+        for (r, m) in made.into_iter().enumerate() {
+            let e = m
+                .err()
+                .unwrap_or_else(|| panic!("{odd:?}: rank {r} created its store"));
+            let text = e.to_string();
+            assert!(matches!(e, Error::Desync { .. }), "{text}");
+            assert!(text.contains("KVSTORE_REPLICA"), "{text}");
+        }
+    }
+}
+
 /// A push whose transfer fails (here rank 1 never joins the reduce-scatter of a sliced key, so
 /// rank 0 times out) leaves the caller's pushed array exactly as it was, on every path.
 #[test]
