@@ -61,6 +61,18 @@ call ``step()`` after each backward (``no_sync()`` to accumulate), and use it on
 parameter that gets a gradient on one worker gets one on every worker (a parameter used on some
 workers only raises a ``DesyncError`` there; one used on none is fine).
 
+``gradient_as_bucket_view=True`` (with ``update_on_kvstore=False``, as DDP's option of that name)
+keeps the gradients as views into flat buffers, one per bucket of about ``bucket_mb`` MiB of the
+parameters trainable when the wrapper is made. Each bucket is one store key, summed in place:
+no gradient is copied into a packed buffer and out again, and a call carries one key per bucket
+instead of one per parameter. ``opt.zero_grad()`` keeps the views, zeroed; after a ``zero_grad``
+that sets them to ``None`` (``model.zero_grad()``) the next backward copies each gradient back
+into its view. A parameter made trainable later travels as a key of its own. The store then
+holds the buckets' sums: checkpoint the model and the optimizer with torch, whose state dicts
+name the parameters, as in any ``update_on_kvstore=False`` run. With the store stepping it is
+refused: there each parameter stays a key of its own, so that the store's checkpoints name
+parameters and a parameter with no gradient is never stepped.
+
 ``prefetch=model`` (with ``update_on_kvstore=True``) moves the pull into the next forward:
 ``step()`` queues the pull of the new parameters and returns, and each module of ``model`` waits
 for its own parameters' pull when its forward begins (its first forward pre-hook, ahead of a
@@ -88,6 +100,7 @@ import torch
 
 from . import DesyncError, DistError, KVStore, RankExitedError, WorldChangedError, _told, create
 from . import optimizer as _kvopt
+from ._grad_buckets import GradBuckets
 
 
 def _translate(opt, workers):
@@ -287,6 +300,10 @@ class DistributedOptimizer:
     ``buffers`` raises a ValueError, since the wrapper sees the optimizer's parameters, not the
     model's buffers.
 
+    ``gradient_as_bucket_view=True`` (``update_on_kvstore=False`` only, else a ``ValueError``)
+    keeps the gradients as views into one flat buffer per bucket, each bucket a store key (see
+    the module's doc).
+
     ``prefetch=model`` waits for each parameter's pull at its module's next forward instead of
     in ``step()`` (see the module's doc): a ``TypeError`` for anything but a ``torch.nn.Module``,
     a ``ValueError`` with ``update_on_kvstore=False`` or a model that does not hold every one
@@ -332,6 +349,7 @@ class DistributedOptimizer:
         broadcast_buffers=None,
         prefetch=None,
         on_world_change=None,
+        gradient_as_bucket_view=False,
     ):
         if store is None:
             store = create("local")
@@ -374,8 +392,21 @@ class DistributedOptimizer:
         self.overlap = bool(overlap)
         if self.overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             raise RuntimeError("overlap=True needs torch >= 2.1 (register_post_accumulate_grad_hook)")
-        if self.overlap and not bucket_mb > 0:
+        if (self.overlap or gradient_as_bucket_view) and not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if gradient_as_bucket_view:
+            if self.update_on_kvstore:
+                raise ValueError(
+                    "gradient_as_bucket_view=True needs update_on_kvstore=False (torch steps): "
+                    "when the store steps, each parameter is a key of its own, so that a "
+                    "checkpoint names parameters and a parameter with no gradient is never "
+                    "stepped; pass update_on_kvstore=False, or leave gradient_as_bucket_view off"
+                )
+            if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+                raise RuntimeError(
+                    "gradient_as_bucket_view=True needs torch >= 2.1 "
+                    "(register_post_accumulate_grad_hook)"
+                )
         if prefetch is not None:
             if not isinstance(prefetch, torch.nn.Module):
                 raise TypeError(
@@ -405,11 +436,24 @@ class DistributedOptimizer:
             self._translated = _translate(optimizer, self.store.num_workers)
             self.store.set_optimizer(self._translated)
             self._lr = float(optimizer.param_groups[0]["lr"])
+        # (gradient_as_bucket_view) The gradients' flat buffers, each bucket a key of its own.
+        self._grads = None
+        if gradient_as_bucket_view:
+            self._grads = self._make_grad_buckets(float(bucket_mb))
         with torch.no_grad():
-            params = [p.detach() for p in self._params]
-            self.store.init(self._keys, params)
+            keys, values = self._held_keys()
+            if self._grads is not None:
+                # The parameters travel in their buckets' buffers, once, before any gradient.
+                for i, view in self._grads.views.items():
+                    view.copy_(self._params[i].detach())
+            self.store.init(keys, values)
             # Every worker starts from the store's parameters (a no-op in one process).
-            self.store.pull(self._keys, out=params)
+            self.store.pull(keys, out=values)
+            if self._grads is not None:
+                for i, view in self._grads.views.items():
+                    self._params[i].detach().copy_(view)
+                for flat in self._grads.flats:
+                    flat.zero_()
         # Counts that go into every call's check (set_tag): backward passes begun, steps made.
         self._backwards = 0
         self._steps = 0
@@ -438,6 +482,41 @@ class DistributedOptimizer:
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
 
+    def _make_grad_buckets(self, bucket_mb):
+        """The flat gradient buffers of the parameters trainable now; a parameter made
+        trainable later travels as a key of its own."""
+        n = len(self._params)
+        if all(isinstance(k, str) for k in self._keys):
+            taken = set(self._keys)
+
+            def key(b):
+                name = f"kvstore.torch/gradient bucket {b}"
+                if name in taken:
+                    raise ValueError(
+                        f"a parameter is named {name!r}, the name of a gradient bucket's key: "
+                        f"rename it, or leave gradient_as_bucket_view off"
+                    )
+                return name
+        else:
+
+            def key(b):
+                return n + b
+
+        trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        return GradBuckets(self._params, trainable, bucket_mb * 2**20, key)
+
+    def _held_keys(self):
+        """The keys the store holds and a tensor for each: every parameter's, or with
+        gradient buckets, each bucket's (its flat buffer) and the parameters outside them."""
+        params = [p.detach() for p in self._params]
+        if self._grads is None:
+            return list(self._keys), params
+        alone = [i for i in range(len(self._params)) if i not in self._grads.bucket]
+        return (
+            self._grads.keys + [self._keys[i] for i in alone],
+            self._grads.flats + [params[i] for i in alone],
+        )
+
     @property
     def param_groups(self):
         """The wrapped optimizer's parameter groups."""
@@ -464,6 +543,9 @@ class DistributedOptimizer:
         with self._watch():
             self._abandon_backward()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._grads is not None:
+            # The views stay: zeroed, they hold no gradient until backward adds one.
+            self._grads.repoint(self._params)
 
     def _abandon_backward(self):
         """A backward that began and never ended (an exception inside it, caught): its end
@@ -676,7 +758,7 @@ class DistributedOptimizer:
                 self.store.pull(self._keys, out=params)
             elif not held:
                 # The store only sums (torch steps): its keys need only exist again.
-                self.store.init(self._keys, params)
+                self.store.init(*self._held_keys())
         if self._buffer_store is not None:
             self._follow_buffers()
 
@@ -716,6 +798,8 @@ class DistributedOptimizer:
         with self._watch(), self._lock:
             if not self._in_backward:
                 self._backward_begins()
+            if self._grads is not None and i in self._grads.bucket:
+                self._grads.adopt(i, self._params[i])
             if self.overlap and not self._no_sync and self._pushes():
                 self._ready[i] = True
                 self._queue_ready_buckets()
@@ -763,7 +847,7 @@ class DistributedOptimizer:
         """Which parameters have a gradient on this worker: trainable, with a ``.grad`` (as a
         torch optimizer sees it: a frozen parameter, or one backward did not reach since
         ``zero_grad()``, has none). A sparse gradient is refused, on every worker."""
-        use = [p.requires_grad and p.grad is not None for p in self._params]
+        use = [p.requires_grad and self._has_grad(i, p) for i, p in enumerate(self._params)]
         sparse = [self._keys[i] for i, u in enumerate(use) if u and self._params[i].grad.is_sparse]
         if sparse:
             with _told(self.store._kv, "agree"):
@@ -772,6 +856,13 @@ class DistributedOptimizer:
                     f"kvstore.torch sums dense gradients; make the layer dense (sparse=False)"
                 )
         return use
+
+    def _has_grad(self, i, p):
+        """Whether parameter ``i`` (``p``) has a gradient, as torch sees one (a gradient
+        bucket's view holds none until backward adds to it)."""
+        if self._grads is not None and i in self._grads.bucket:
+            return self._grads.holds(i, p)
+        return p.grad is not None
 
     def _used_anywhere(self, mine):
         """For each parameter, whether it has a gradient on any worker (``mine``: on this one).
@@ -784,28 +875,49 @@ class DistributedOptimizer:
     def _fill(self, indices):
         """A zero gradient for each of ``indices`` that has none (used on another worker);
         the indices filled."""
-        filled = [i for i in indices if self._params[i].grad is None]
+        filled = [i for i in indices if not self._has_grad(i, self._params[i])]
         for i in filled:
-            self._params[i].grad = torch.zeros_like(self._params[i])
+            if self._grads is not None and i in self._grads.bucket:
+                self._grads.fill(i, self._params[i])
+            else:
+                self._params[i].grad = torch.zeros_like(self._params[i])
         return filled
+
+    def _summed(self, indices):
+        """The store keys and the tensors that carry the gradients of ``indices`` (each with
+        a gradient here, or filled): each gradient bucket that holds any of them, whole, and
+        the gradients of the others."""
+        if self._grads is None:
+            return [self._keys[i] for i in indices], [self._params[i].grad for i in indices]
+        buckets, alone = self._grads.carriers(self._params, indices)
+        return (
+            [self._grads.keys[b] for b in buckets] + [self._keys[i] for i in alone],
+            [self._grads.flats[b] for b in buckets] + [self._params[i].grad for i in alone],
+        )
 
     # Torch steps: the gradients averaged at the end of backward.
 
     def _sync_grads(self):
         """Averages the gradients of every parameter used on any worker, in place."""
         try:
+            used = None
             if self.overlap:
-                self._finish_overlapped_sync()
+                used = self._finish_overlapped_sync()
             elif self.store.num_workers > 1:
                 self._agree_torch_step()
-                used = [i for i, u in enumerate(self._used_anywhere(self._local_use())) if u]
-                self._fill(used)
-                if used:
-                    grads = [self._params[i].grad for i in used]
+                used = self._used_anywhere(self._local_use())
+                indices = [i for i, u in enumerate(used) if u]
+                self._fill(indices)
+                if indices:
+                    keys, sums = self._summed(indices)
                     with torch.no_grad():
-                        self.store.pushpull([self._keys[i] for i in used], grads)
-                        for g in grads:
-                            g.div_(self.store.num_workers)
+                        self.store.pushpull(keys, sums)
+                        for t in sums:
+                            t.div_(self.store.num_workers)
+            if self._grads is not None:
+                if used is None:  # one worker
+                    used = [self._has_grad(i, p) for i, p in enumerate(self._params)]
+                self._grads.settle(self._params, used)
         finally:
             self._reset_overlap()
         self._synced = True
@@ -897,9 +1009,13 @@ class DistributedOptimizer:
         model is."""
         cap = bucket_mb * 2**20
         self._buckets, bucket, size = [], [], 0
+        # Gradient buckets first, as they are (they hold the parameters trainable at the start).
+        views = {} if self._grads is None else self._grads.bucket
+        if self._grads is not None:
+            self._buckets = [list(m) for m in self._grads.members]
         for i in reversed(range(len(self._params))):
             p = self._params[i]
-            if not self._hooked[i]:
+            if not self._hooked[i] or i in views:
                 continue
             bucket.append(i)
             size += p.numel() * p.element_size()
@@ -912,6 +1028,7 @@ class DistributedOptimizer:
     def _reset_overlap(self):
         self._ready = [False] * len(self._params)
         self._queued = []  # indices of the parameters queued since the last synchronization
+        self._queued_sums = []  # (torch steps) the tensors queued, averaged once summed
         self._next = 0  # the first bucket not queued yet
 
     def _queue_ready_buckets(self):
@@ -930,16 +1047,16 @@ class DistributedOptimizer:
         if not self._queued:
             self._begin_overlapped()
         filled = self._fill(live)
-        keys = [self._keys[j] for j in live]
-        grads = [self._params[j].grad for j in live]
+        keys, sums = self._summed(live)
         # MXNet's priority: the first layers, needed first by the next forward, highest.
         priority = -min(live)
         with torch.no_grad():
             if self.update_on_kvstore:
-                self.store.push_async(keys, grads, priority=priority)
+                self.store.push_async(keys, sums, priority=priority)
             else:
-                self.store.pushpull_async(keys, grads, priority=priority)
+                self.store.pushpull_async(keys, sums, priority=priority)
         self._queued.extend(live)
+        self._queued_sums.extend(sums)
         return filled
 
     def _begin_overlapped(self):
@@ -975,19 +1092,21 @@ class DistributedOptimizer:
     def _finish_overlapped_sync(self):
         """(torch steps) The end of backward: the rest queued, every bucket's parameters in it
         (so every worker queues the same calls, whatever it used), the sums in, averaged. Then
-        a parameter used on no worker gets back the ``None`` gradient it had."""
+        a parameter used on no worker gets back the ``None`` gradient it had. Returns, per
+        parameter, whether any worker used it (None with one worker)."""
         if self.store.num_workers == 1:
-            return
+            return None
         mine = self._local_use()
         filled = self._queue_rest(None)
         self.store.wait_all()
         used = self._used_anywhere(mine)
         with torch.no_grad():
-            for i in self._queued:
-                self._params[i].grad.div_(self.store.num_workers)
+            for t in self._queued_sums:
+                t.div_(self.store.num_workers)
         for i in filled:
             if not used[i]:
                 self._params[i].grad = None
+        return used
 
     # Prefetch: the pull of the parameters waited for at their module's next forward.
 

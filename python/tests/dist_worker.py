@@ -694,7 +694,7 @@ def unused():
     opt = DistributedOptimizer(
         torch.optim.SGD([w, v], lr=0.1), kvstore.create("dist_sync"),
         named_parameters=[("w", w), ("v", v)], update_on_kvstore=on_store, overlap=overlap,
-        bucket_mb=1e-6,
+        **_views(on_store, 1e-6),
     )
     want_w, want_v = torch.zeros(3), torch.zeros(2)
     for step in range(4):
@@ -722,7 +722,16 @@ def unused():
         want_v -= 0.1 * gv / n
         torch.testing.assert_close(w.detach(), want_w, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(v.detach(), want_v, rtol=1e-6, atol=1e-6)
-    say(f"ok unused on_store={on_store} overlap={overlap}")
+    say(f"ok unused on_store={on_store} overlap={overlap} views={opt._grads is not None}")
+
+
+def _views(on_store, bucket_mb):
+    """The wrapper's bucket options: with KVSTORE_TEST_GRAD_VIEWS=1 and torch stepping,
+    gradients as views into flat buckets (``bucket_mb=3e-4``: the contract's model then has two
+    buckets, one mixing trained, unused and sometimes-used parameters)."""
+    if os.environ.get("KVSTORE_TEST_GRAD_VIEWS") == "1" and not on_store:
+        return {"gradient_as_bucket_view": True, "bucket_mb": 3e-4}
+    return {"bucket_mb": bucket_mb}
 
 
 class _Net:
@@ -814,7 +823,7 @@ def contract():
     opt = DistributedOptimizer(
         torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2),
         kvstore.create("dist_sync"), named_parameters=ours.named_parameters(),
-        update_on_kvstore=on_store, overlap=overlap, bucket_mb=1e-4,
+        update_on_kvstore=on_store, overlap=overlap, **_views(on_store, 1e-4),
     )
     if on_store and feature in ("scaler", "clip"):
         e = expect(ValueError, lambda: run(ours, opt, make_scaler(), opt.no_sync))
@@ -822,6 +831,17 @@ def contract():
         say(f"ok contract {feature} refused (update_on_kvstore=True overlap={overlap})")
         return
     our_scale = run(ours, opt, make_scaler(), opt.no_sync)
+    views = opt._grads is not None
+    if views:
+        # Each bucket one key (the frozen layer's, outside every bucket, its own); the
+        # gradients left by the last step are views into the buckets' buffers.
+        keys = opt.store.keys()
+        buckets = [k for k in keys if k.startswith("kvstore.torch/gradient bucket")]
+        assert len(buckets) == 2 and len(keys) == 4, keys
+        flat = opt._grads.flats[0].untyped_storage().data_ptr()
+        for q in (ours.some.weight, ours.b.weight, ours.a.bias):
+            assert q.grad.untyped_storage().data_ptr() == flat, "a gradient outside its bucket"
+        assert ours.never.weight.grad is None and ours.frozen.weight.grad is None
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{os.environ['KVSTORE_TEST_PORT']}", rank=r,
@@ -846,7 +866,7 @@ def contract():
             assert torch.equal(p, p0), f"{name} moved"
         else:
             assert (p - p0).abs().max().item() > 1e-3, f"{name} did not move"
-    say(f"ok contract {feature} update_on_kvstore={on_store} overlap={overlap}")
+    say(f"ok contract {feature} update_on_kvstore={on_store} overlap={overlap} views={views}")
 
 
 def buffers():
@@ -993,7 +1013,7 @@ def recover():
     ours = copy.deepcopy(model)
     opt = DistributedOptimizer(
         torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), kvstore.create("dist_sync"),
-        update_on_kvstore=on_store, overlap=overlap, bucket_mb=1e-5,
+        update_on_kvstore=on_store, overlap=overlap, **_views(on_store, 1e-5),
     )
     if on_store and overlap:
         e = expect(RuntimeError, lambda: train(ours, opt, slice(r * per, (r + 1) * per)))
@@ -1006,7 +1026,7 @@ def recover():
     for p, q, p0 in zip(ours.parameters(), whole.parameters(), model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
         assert (p - p0).abs().max().item() > 1e-3
-    say(f"ok recover update_on_kvstore={on_store} overlap={overlap}")
+    say(f"ok recover update_on_kvstore={on_store} overlap={overlap} views={opt._grads is not None}")
 
 
 class _nullcontext:
@@ -1031,7 +1051,7 @@ def skip_step():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), kv,
-        update_on_kvstore=on_store, overlap=overlap, bucket_mb=1e-4,
+        update_on_kvstore=on_store, overlap=overlap, **_views(on_store, 1e-4),
     )
     x = torch.randn(6, 5, 4, generator=g)
     failed_at = None

@@ -336,6 +336,43 @@ def test_the_torch_wrapper_keeps_ddps_contract(update_on_kvstore, overlap, featu
     assert oks(out, "contract") == list(range(n)), out
 
 
+# gradient_as_bucket_view=True in the cases below that take it (torch stepping).
+GRAD_VIEWS = {"KVSTORE_TEST_GRAD_VIEWS": "1"}
+
+
+@needs_mpi
+@pytest.mark.parametrize(
+    "feature,n", [(f, 2) for f in ("plain", "scaler", "clip", "nosync")] + [("plain", 3)]
+)
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlap"])
+def test_gradient_buckets_keep_ddps_contract(overlap, feature, n):
+    """gradient_as_bucket_view=True: the contract against DDP above (a scaler with an overflow
+    on one worker, clipping, no_sync, frozen and unused parameters in a bucket with used ones),
+    each bucket one store key, the gradients views into the buckets' buffers."""
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(n, "contract", "0", overlap, feature, env=GRAD_VIEWS)
+    assert rc == 0, out
+    assert oks(out, "contract") == list(range(n)), out
+    assert out.count("views=True") == n, out
+
+
+@needs_mpi
+@pytest.mark.parametrize("case", ["unused", "recover", "skip_step"])
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlap"])
+def test_gradient_buckets_keep_unused_parameters_recovery_and_the_step_count(case, overlap):
+    """gradient_as_bucket_view=True: a parameter used on some workers only (or none) in a
+    bucket with a used one, a failed backward and a layer unfrozen later (outside every
+    bucket), and a worker that skips a step (DesyncError on every worker)."""
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, case, "0", overlap, env=GRAD_VIEWS)
+    assert oks(out, case) == [0, 1], out
+    if case == "skip_step":
+        assert len(re.findall(r"EXPECTED DesyncError", out)) == 2, out
+    else:
+        assert rc == 0, out
+        assert out.count("views=True") == 2, out
+
+
 @needs_mpi
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlap"])
 @pytest.mark.parametrize("update_on_kvstore", ["1", "0"], ids=["on-store", "local-step"])

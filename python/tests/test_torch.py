@@ -148,8 +148,71 @@ def test_hyperparameters_the_store_cannot_follow_are_refused():
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
-@pytest.mark.parametrize("update_on_kvstore", [False, True], ids=["local-step", "on-store"])
-def test_frozen_and_unused_parameters_never_move(update_on_kvstore, overlap):
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01),
+    ],
+    ids=["sgd", "rmsprop"],
+)
+def test_gradient_buckets_equal_plain_torch_and_stay_views(make_opt, overlap):
+    """gradient_as_bucket_view=True: bit for bit plain torch. After the wrapper's zero_grad
+    the gradients stay views into the buckets' buffers, from one step to the next; after
+    model.zero_grad() (None) the next backward copies each one back into its view."""
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    x, y, plain = make_problem(seed)
+    wrapped = copy.deepcopy(plain)
+    popt = make_opt(plain.parameters())
+    # 1.9e-4 MiB (199 bytes): the last layer and the first bias (200 bytes) close a bucket,
+    # and the first weight (320 bytes) is one of its own.
+    opt = DistributedOptimizer(
+        make_opt(wrapped.parameters()), kvstore.create("local"), update_on_kvstore=False,
+        overlap=overlap, gradient_as_bucket_view=True, bucket_mb=1.9e-4,
+    )
+    assert [len(m) for m in opt._grads.members] == [3, 1], opt._grads.members
+    assert len(opt.store.keys()) == 2, opt.store.keys()
+    storages = None
+    for step in range(12):
+        for m, o in ((plain, popt), (wrapped, opt)):
+            if m is wrapped and step % 4 == 3:
+                m.zero_grad()  # every .grad None: copied back into the views by backward
+            else:
+                o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            if m is wrapped:
+                now = [p.grad.untyped_storage().data_ptr() for p in m.parameters()]
+                flats = [f.untyped_storage().data_ptr() for f in opt._grads.flats]
+                assert now == [flats[1], flats[0], flats[0], flats[0]], (now, flats)
+                assert storages in (None, now)
+                storages = now
+            o.step()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p, q), (p - q).abs().max()
+
+
+def test_gradient_buckets_are_refused_where_the_store_steps_or_a_name_is_taken():
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="update_on_kvstore=False"):
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"),
+            gradient_as_bucket_view=True,
+        )
+    w = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="rename it"):
+        DistributedOptimizer(
+            torch.optim.SGD([w], lr=0.1), kvstore.create("local"), update_on_kvstore=False,
+            named_parameters=[("kvstore.torch/gradient bucket 0", w)], gradient_as_bucket_view=True,
+        )
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+@pytest.mark.parametrize(
+    "update_on_kvstore,views", [(False, False), (True, False), (False, True)],
+    ids=["local-step", "on-store", "local-step-views"],
+)
+def test_frozen_and_unused_parameters_never_move(update_on_kvstore, views, overlap):
     # Weight decay and momentum would move a parameter pushed with a zero gradient.
     seed = fresh_seed()
     print(f"seed {seed}")
@@ -161,7 +224,8 @@ def test_frozen_and_unused_parameters_never_move(update_on_kvstore, overlap):
     before = [p.detach().clone() for p in params]
     opt = DistributedOptimizer(
         torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2), kvstore.create("local"),
-        update_on_kvstore=update_on_kvstore, overlap=overlap, bucket_mb=1e-4,
+        update_on_kvstore=update_on_kvstore, overlap=overlap, bucket_mb=1e-3 if views else 1e-4,
+        gradient_as_bucket_view=views,
     )
     for _ in range(3):
         opt.zero_grad()

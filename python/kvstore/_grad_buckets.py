@@ -1,0 +1,126 @@
+"""Gradients as views into flat bucket buffers (``gradient_as_bucket_view=True`` of
+``kvstore.torch.DistributedOptimizer``), as DDP's option of that name keeps them.
+
+Each bucket is one store key: its gradients are summed in place, in one buffer, with no copy of
+each parameter's gradient into a packed buffer and out again. Autograd accumulates into a
+gradient that already exists, so a view stays a view from one backward to the next as long as
+the wrapper's ``zero_grad`` zeroes it (a gradient set to ``None`` elsewhere is copied into its
+view once, at the next backward).
+
+A view always exists, so whether a parameter "has a gradient" in torch's sense (``.grad`` not
+``None``) is kept apart: ``live``. At the end of each synchronization a parameter that got no
+gradient on any worker gets back the ``None`` that torch's optimizers skip.
+"""
+
+import torch
+
+
+class GradBuckets:
+    """The flat gradient buffers of the parameters ``indices`` of ``params``, in buckets of
+    about ``cap`` bytes in reverse order (backward reaches the last layers first), each of one
+    dtype and device; bucket ``b`` is the store key ``key(b)``. The same on every worker: the
+    model is."""
+
+    def __init__(self, params, indices, cap, key):
+        self.members = []  # per bucket: its parameters' indices
+        self.flats = []  # per bucket: its flat buffer
+        self.keys = []  # per bucket: its store key
+        self.bucket = {}  # parameter index -> its bucket
+        self.views = {}  # parameter index -> its view into its bucket's buffer
+        self.live = {}  # parameter index -> whether its view holds a gradient
+        run, size = [], 0
+        for i in reversed(indices):
+            p = params[i]
+            if run and (p.dtype, p.device) != (params[run[0]].dtype, params[run[0]].device):
+                self._close(params, run, key)
+                run, size = [], 0
+            run.append(i)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self._close(params, run, key)
+                run, size = [], 0
+        if run:
+            self._close(params, run, key)
+
+    def _close(self, params, run, key):
+        b = len(self.flats)
+        first = params[run[0]]
+        flat = torch.zeros(
+            sum(params[i].numel() for i in run), dtype=first.dtype, device=first.device
+        )
+        at = 0
+        for i in run:
+            n = params[i].numel()
+            self.views[i] = flat[at : at + n].view(params[i].shape)
+            self.bucket[i] = b
+            self.live[i] = False
+            at += n
+        self.members.append(list(run))
+        self.flats.append(flat)
+        self.keys.append(key(b))
+
+    def holds(self, i, p):
+        """Whether bucketed parameter ``i`` (``p``) has a gradient, as torch sees one."""
+        g = p.grad
+        return g is not None and (g is not self.views[i] or self.live[i])
+
+    def adopt(self, i, p):
+        """Makes ``p``'s gradient its view: copied in, if autograd or the caller made another
+        tensor (after a ``zero_grad`` that set it to ``None``, or a gradient assigned)."""
+        g = p.grad
+        if g is None or g.is_sparse:
+            return  # (a sparse gradient is refused, naming the layer, before any call)
+        view = self.views[i]
+        if g is not view:
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+        self.live[i] = True
+
+    def fill(self, i, p):
+        """A zero gradient for bucketed parameter ``i``, which has none here (used on another
+        worker, or summed with its bucket)."""
+        view = self.views[i]
+        with torch.no_grad():
+            view.zero_()
+        p.grad = view
+        self.live[i] = False
+
+    def repoint(self, params):
+        """After the wrapped optimizer's ``zero_grad``: every gradient it set to ``None`` is
+        its view again, zeroed, holding no gradient."""
+        with torch.no_grad():
+            for members, flat in zip(self.members, self.flats):
+                cleared = [i for i in members if params[i].grad is None]
+                if len(cleared) == len(members):
+                    flat.zero_()
+                else:
+                    for i in cleared:
+                        self.views[i].zero_()
+                for i in cleared:
+                    params[i].grad = self.views[i]
+                    self.live[i] = False
+
+    def carriers(self, params, indices):
+        """For ``indices`` (each with a gradient here or filled): the buckets that hold any of
+        them, their gradients made the views first; and the indices outside every bucket."""
+        buckets, alone = [], []
+        for i in indices:
+            b = self.bucket.get(i)
+            if b is None:
+                alone.append(i)
+                continue
+            self.adopt(i, params[i])
+            if b not in buckets:
+                buckets.append(b)
+        return buckets, alone
+
+    def settle(self, params, used):
+        """At the end of a synchronization: each bucketed parameter used on some worker holds
+        a gradient (the average); one used on none gets back ``None``."""
+        for i, view in self.views.items():
+            if used[i]:
+                self.live[i] = params[i].grad is not None
+            elif params[i].grad is view:
+                params[i].grad = None
+                self.live[i] = False
