@@ -61,7 +61,27 @@ def model_of(name):
             torch.nn.ReLU(),
             torch.nn.Linear(128, 10),
         ), (3, 32, 32)
-    raise SystemExit(f"unknown model {name}: mlp or cnn")
+    if name == "many":
+        return Many(1000, 256), (256,)
+    raise SystemExit(f"unknown model {name}: mlp, cnn or many")
+
+
+class Many(torch.nn.Module):
+    """Many small parameters (``count`` vectors of ``width`` float32, 1 KiB each at 256): the
+    store's "lists" case as a torch model. Each layer scales its input elementwise, then
+    ``tanh`` (a product of 1000 scales alone diverges within 10 steps)."""
+
+    def __init__(self, count, width):
+        super().__init__()
+        self.scales = torch.nn.ParameterList(
+            torch.nn.Parameter(1 + 0.01 * torch.randn(width)) for _ in range(count)
+        )
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x):
+        for s in self.scales:
+            x = torch.tanh(x * s)
+        return self.head(x)
 
 
 def start(model, batch, port):
@@ -139,6 +159,20 @@ def main():
         if name == "kvstore_overlap":
             return m, DistributedOptimizer(sgd(m), store(replicas), overlap=True,
                                            bucket_mb=a.bucket_mb)
+        if name == "kvstore_local":  # torch steps: the gradients averaged, one key each
+            return m, DistributedOptimizer(sgd(m), store(replicas), update_on_kvstore=False)
+        if name == "kvstore_local_views":  # and each bucket one key, its gradients views
+            return m, DistributedOptimizer(sgd(m), store(replicas), update_on_kvstore=False,
+                                           gradient_as_bucket_view=True, bucket_mb=a.bucket_mb)
+        if name == "kvstore_local_overlap":
+            return m, DistributedOptimizer(sgd(m), store(replicas), update_on_kvstore=False,
+                                           overlap=True, bucket_mb=a.bucket_mb)
+        if name == "kvstore_local_overlap_views":
+            return m, DistributedOptimizer(sgd(m), store(replicas), update_on_kvstore=False,
+                                           overlap=True, gradient_as_bucket_view=True,
+                                           bucket_mb=a.bucket_mb)
+        if name == "compute":  # no communication: the step's compute alone, for reference
+            return m, sgd(m)
         if name == "kvstore_prefetch":
             return m, DistributedOptimizer(sgd(m), store(replicas), overlap=True,
                                            bucket_mb=a.bucket_mb, prefetch=m)

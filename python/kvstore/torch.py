@@ -230,6 +230,12 @@ def _state_digest(opt):
     return h.hexdigest()
 
 
+def _same(a, b):
+    """Whether two norms are the same: equal, or both NaN (a NaN gradient left as backward made
+    it is no change, though NaN equals nothing)."""
+    return torch.equal(a, b) or bool(torch.isnan(a).all() and torch.isnan(b).all())
+
+
 class _Prefetch:
     """(prefetch) The model's modules, by id: each parameter's module (``owner``), each
     module's parent, what each module's forward waits for (``waits``: its own parameters,
@@ -989,7 +995,7 @@ class DistributedOptimizer:
             )
         now = self._grad_norms([i for i in self._norms if self._params[i].grad is not None])
         changed = [
-            self._keys[i] for i, n in self._norms.items() if i not in now or not torch.equal(now[i], n)
+            self._keys[i] for i, n in self._norms.items() if i not in now or not _same(now[i], n)
         ]
         if changed:
             raise ValueError(

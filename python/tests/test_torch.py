@@ -192,6 +192,25 @@ def test_gradient_buckets_equal_plain_torch_and_stay_views(make_opt, overlap):
         assert torch.equal(p, q), (p - q).abs().max()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_a_nan_gradient_is_stepped_on_not_taken_for_a_change(overlap):
+    """A model that diverged: the store steps on the NaN sum as torch would (NaN parameters),
+    where the check of gradients changed before step() once saw NaN != NaN and raised."""
+    x, y, model = make_problem(fresh_seed())
+    plain = copy.deepcopy(model)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), kvstore.create("local"), overlap=overlap
+    )
+    popt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x[3, 1] = float("nan")
+    for m, o in ((model, opt), (plain, popt)):
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.isnan(q).any() and torch.equal(p.isnan(), q.isnan())
+
+
 def test_gradient_buckets_are_refused_where_the_store_steps_or_a_name_is_taken():
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="update_on_kvstore=False"):
