@@ -105,6 +105,23 @@ def start(model, batch, port):
     return r, n, base, x, y
 
 
+class RawAllreduce:
+    """A torch optimizer's step after one gloo allreduce of a flat buffer as big as all the
+    gradients (not the gradients themselves: the collective alone, with no packing)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        self.flat = torch.zeros(n)
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def step(self):
+        dist.all_reduce(self.flat)
+        self.opt.step()
+
+
 def sgd(m):
     """The optimizer every mode trains with."""
     return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
@@ -173,6 +190,8 @@ def main():
                                            bucket_mb=a.bucket_mb)
         if name == "compute":  # no communication: the step's compute alone, for reference
             return m, sgd(m)
+        if name == "raw_allreduce":  # the compute and one gloo allreduce of the gradients'
+            return m, RawAllreduce(sgd(m))  # bytes, packed already: the floor of a packed sum
         if name == "kvstore_prefetch":
             return m, DistributedOptimizer(sgd(m), store(replicas), overlap=True,
                                            bucket_mb=a.bucket_mb, prefetch=m)

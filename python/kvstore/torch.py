@@ -473,6 +473,7 @@ class DistributedOptimizer:
         self._hooks = []
         self._bucket_mb = float(bucket_mb)
         self._buckets = []
+        self._bucket_of = {}  # (overlap) parameter index -> its bucket
         self._reset_overlap()
         self._hook_new_parameters()
         self._buffer_store = None  # (several workers, with buffers) the buffers' own store
@@ -801,13 +802,22 @@ class DistributedOptimizer:
     def _grad_ready(self, i):
         if self._prefetch is not None:
             self._prefetch.used.add(i)
+        if self._in_backward and not self.overlap:
+            # No store call to make (the common hook when torch steps): no world change to
+            # follow, so not the cost of _watch at each of a thousand parameters.
+            with self._lock:
+                if self._grads is not None and i in self._grads.bucket:
+                    self._grads.adopt(i, self._params[i])
+            return
         with self._watch(), self._lock:
             if not self._in_backward:
                 self._backward_begins()
             if self._grads is not None and i in self._grads.bucket:
                 self._grads.adopt(i, self._params[i])
             if self.overlap and not self._no_sync and self._pushes():
-                self._ready[i] = True
+                if not self._ready[i]:
+                    self._ready[i] = True
+                    self._missing[self._bucket_of[i]] -= 1
                 self._queue_ready_buckets()
 
     def _backward_begins(self):
@@ -1030,17 +1040,20 @@ class DistributedOptimizer:
                 bucket, size = [], 0
         if bucket:
             self._buckets.append(bucket)
+        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
+        self._missing = [len(b) for b in self._buckets]
 
     def _reset_overlap(self):
         self._ready = [False] * len(self._params)
+        self._missing = [len(b) for b in self._buckets]  # per bucket: gradients not ready yet
         self._queued = []  # indices of the parameters queued since the last synchronization
         self._queued_sums = []  # (torch steps) the tensors queued, averaged once summed
         self._next = 0  # the first bucket not queued yet
 
     def _queue_ready_buckets(self):
-        while self._next < len(self._buckets) and all(
-            self._ready[j] for j in self._buckets[self._next]
-        ):
+        # A count per bucket, not a scan of it at each hook: a model of 1000 parameters in one
+        # bucket made a million checks per backward.
+        while self._next < len(self._buckets) and self._missing[self._next] == 0:
             self._queue_bucket(self._buckets[self._next])
             self._next += 1
 
