@@ -1104,6 +1104,18 @@ def compressed():
         out = np.zeros(shape, np.float32)
         kv.pull(9, out=out)
         assert np.array_equal(out, want), (step, out, want)
+    # A key of 8.4 MB (sliced): a push of more than 8 MiB travels in waves, the encode of one
+    # overlapping the send of the one before, with the sums of one wave.
+    big = (2_100_007,)
+    kv.init(10, np.zeros(big, np.float32))
+    residuals = [np.zeros(big, np.float32) for _ in range(n)]
+    for step in range(3):
+        per_worker = rng.uniform(-1, 1, (n,) + big).astype(np.float32)
+        kv.push(10, per_worker[r].copy())
+        want = two_bit_reference(per_worker, t, residuals)
+        out = np.zeros(big, np.float32)
+        kv.pull(10, out=out)
+        assert np.array_equal(out, want), (step, np.flatnonzero(out != want)[:5])
     say(f"ok compressed threshold={t}")
 
 

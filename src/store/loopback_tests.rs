@@ -927,8 +927,11 @@ fn sixty_fourths(rng: &mut impl rand::Rng, bound: f32) -> f32 {
 /// written here element by element (not the crate's codec): each rank sums its own values, adds
 /// the sum to its residual, sends `+t`, `-t` or 0 per element (2-bit) or the nearest 16-bit
 /// float, and keeps the rest; the stored value is the sum of what every rank sent, in rank
-/// order. A whole key and a sliced one, random values from 1 to 4 per rank, on 1 to 4 ranks,
-/// over several pushes (the residuals carry over), on both ways of crossing ranks.
+/// order. Keys whole and sliced, random values from 1 to 4 per rank, on 1 to 4 ranks, over
+/// several pushes (the residuals carry over), on both ways of crossing ranks; each key pushed
+/// alone on even steps, all in one list call on odd ones. A push of more than a few dozen
+/// elements travels in several waves here (tests' `WAVE_BYTES`), so one of 300 (up to 16
+/// waves of its parts, 2-bit words shared at their edges) is decoded wave by wave.
 #[test]
 fn compressed_pushes_on_n_ranks_equal_a_reference() {
     use crate::Compression;
@@ -955,7 +958,7 @@ fn compressed_pushes_on_n_ranks_equal_a_reference() {
                 };
                 (sent, if sent.is_finite() { acc - sent } else { 0.0 })
             };
-            let lens = [5usize, 37];
+            let lens = [5usize, 37, 300];
             let steps: Vec<Vec<Vec<Vec<Vec<f32>>>>> = (0..4)
                 .map(|_| {
                     lens.iter()
@@ -1012,22 +1015,30 @@ fn compressed_pushes_on_n_ranks_equal_a_reference() {
             let ranks = stores_on(lane, n);
             let got = on_ranks(&ranks, |r, kv| {
                 kv.set_gradient_compression(compression).unwrap();
-                kv.init_list(
-                    &[0, 1],
-                    &[NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])],
-                )
-                .unwrap();
+                let keys = [0, 1, 2];
+                let zeros = |_| {
+                    lens.iter()
+                        .map(|&l| NDArray::zeros([l]))
+                        .collect::<Vec<_>>()
+                };
+                kv.init_list(&keys, &zeros(())).unwrap();
                 let mut pulled = Vec::new();
-                for step in &steps {
-                    for (k, per_rank) in step.iter().enumerate() {
-                        let values: Vec<NDArray> = per_rank[r]
-                            .iter()
-                            .map(|v| NDArray::from_vec(v.clone(), [v.len()]).unwrap())
-                            .collect();
-                        kv.push(k as i32, &values).unwrap();
+                for (s, step) in steps.iter().enumerate() {
+                    let values: Vec<Vec<NDArray>> = step
+                        .iter()
+                        .map(|per_rank| {
+                            per_rank[r]
+                                .iter()
+                                .map(|v| NDArray::from_vec(v.clone(), [v.len()]).unwrap())
+                                .collect()
+                        })
+                        .collect();
+                    match s % 2 {
+                        0 => (0..keys.len()).for_each(|k| kv.push(k as i32, &values[k]).unwrap()),
+                        _ => kv.push_list(&keys, &values).unwrap(),
                     }
-                    let outs = [NDArray::zeros([lens[0]]), NDArray::zeros([lens[1]])];
-                    kv.pull_list(&[0, 1], &outs).unwrap();
+                    let outs = zeros(());
+                    kv.pull_list(&keys, &outs).unwrap();
                     pulled.push(
                         outs.iter()
                             .map(|o| o.to_vec::<f32>().unwrap())

@@ -174,6 +174,12 @@ pub(crate) trait Round {
     /// Waits (bounded) for a started collective: its (send, result) buffers. A broadcast's
     /// result is its one buffer.
     fn land(&mut self, ticket: Ticket) -> Result<(HostData, HostData)>;
+    /// Moves the started collectives on without waiting (MPI progresses a non-blocking
+    /// collective only inside its calls): for a caller that computes while they travel. Here
+    /// (this default) nothing: the link moves them on its own.
+    fn progress(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Every rank's `mine` (every rank gives as many words), in rank order.
     fn all_gather_words(&mut self, mine: &[u64]) -> Result<Vec<u64>>;
     /// Rank `root`'s `words`, on every rank (every rank passes as many); by default, through

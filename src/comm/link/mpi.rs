@@ -150,18 +150,38 @@ struct MpiRound {
     agreed: bool,
 }
 
-/// A collective's (send, result) buffers, once it lands in the call that started it.
-type Landing = Box<dyn FnOnce(&mut Call) -> Result<(HostData, HostData)>>;
+/// A started collective of one dtype, tested and landed by the call that started it.
+trait Airborne {
+    /// One `MPI_Test`: whether it completed (MPI moves non-blocking collectives on inside it).
+    fn test(&mut self, call: &mut Call) -> Result<bool>;
+    /// Waits for it (bounded): its (send, result) buffers.
+    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)>;
+}
+
+impl<T: Wire + Element> Airborne for Pending<T> {
+    fn test(&mut self, call: &mut Call) -> Result<bool> {
+        call.test(self)
+    }
+
+    fn land(self: Box<Self>, call: &mut Call) -> Result<(HostData, HostData)> {
+        call.wait(*self).map(wrap)
+    }
+}
+
+/// A collective in two stages, the second started when the first lands: its (send, result)
+/// buffers once both have.
+type Staged = Box<dyn FnOnce(&mut Call) -> Result<(HostData, HostData)>>;
 
 /// A started collective of any dtype, or the buffers of one that ran blocking when borrowed.
 enum Flight {
-    Started(Landing),
+    Started(Box<dyn Airborne>),
+    Staged(Staged),
     Landed(HostData, HostData),
 }
 
 /// A started collective as a [`Flight`]: it lands when its call waits for it.
 fn started<T: Wire + Element>(p: Pending<T>) -> Flight {
-    Flight::Started(Box::new(move |call: &mut Call| call.wait(p).map(wrap)))
+    Flight::Started(Box::new(p))
 }
 
 /// `$e` on the buffers `$s` and `$r` of one dtype, through `$out` (two dtypes: an error).
@@ -283,9 +303,19 @@ impl Round for MpiRound {
         // collectives need a new agreement.
         self.agreed = false;
         match flight {
-            Flight::Started(land) => land(&mut self.call),
+            Flight::Started(p) => p.land(&mut self.call),
+            Flight::Staged(land) => land(&mut self.call),
             Flight::Landed(send, recv) => Ok((send, recv)),
         }
+    }
+
+    fn progress(&mut self) -> Result<()> {
+        for flight in self.flights.iter_mut().flatten() {
+            if let Flight::Started(p) = flight {
+                p.test(&mut self.call)?;
+            }
+        }
+        Ok(())
     }
 
     fn in_place(&mut self, ops: &[ArrayOp<'_>]) -> Result<()> {
@@ -356,7 +386,7 @@ fn reduce_scatter_in_stages<T: Wire + Element>(
     let first = call.reduce_scatter_in(Group::Machine, staged, chunk)?;
     // One timeout bounds both stages.
     let start = first.started_at();
-    Ok(Flight::Started(Box::new(move |call: &mut Call| {
+    Ok(Flight::Staged(Box::new(move |call: &mut Call| {
         let Done {
             send: staged,
             recv: chunk,
@@ -383,7 +413,7 @@ fn all_gather_in_stages<T: Wire + Element>(
     let chunk = call.scratch::<T>(n * layout.hosts);
     let first = call.all_gather_in(Group::Across, send, chunk)?;
     let start = first.started_at();
-    Ok(Flight::Started(Box::new(move |call: &mut Call| {
+    Ok(Flight::Staged(Box::new(move |call: &mut Call| {
         let Done { send, recv: chunk } = call.wait(first)?;
         let staged = call.scratch::<T>(n * size);
         let second = (call.all_gather_in(Group::Machine, chunk, staged)?).counting_from(start);
