@@ -2,14 +2,19 @@
 ``kvstore.torch.DistributedOptimizer``), as DDP's option of that name keeps them.
 
 Each bucket is one store key: its gradients are summed in place, in one buffer, with no copy of
-each parameter's gradient into a packed buffer and out again. Autograd accumulates into a
-gradient that already exists, so a view stays a view from one backward to the next as long as
-the wrapper's ``zero_grad`` zeroes it (a gradient set to ``None`` elsewhere is copied into its
-view once, at the next backward).
+each parameter's gradient into a packed buffer and out again. Each view has its parameter's
+strides (a channels_last or transposed parameter's gradient is laid out as the parameter, as
+fused optimizers need), over the parameter's own span of the buffer.
 
-A view always exists, so whether a parameter "has a gradient" in torch's sense (``.grad`` not
-``None``) is kept apart: ``live``. At the end of each synchronization a parameter that got no
-gradient on any worker gets back the ``None`` that torch's optimizers skip.
+Autograd accumulates into a gradient that exists. So a hook that runs before it accumulates
+(``arriving``) makes a ``None`` gradient the parameter's view, zeroed: backward writes into the
+bucket with no copy, while a parameter backward does not reach keeps ``None``, as in plain torch.
+A gradient made elsewhere (assigned by the caller, or by backward with ``create_graph``) is
+copied into its view (``adopt``) before it is summed.
+
+A view made the gradient to carry zeros (``fill``: a parameter used on another worker only)
+does not hold a gradient of this worker: ``live`` keeps that apart, and at the end of the
+synchronization a parameter that got none on any worker gets back its ``None``.
 """
 
 import torch
@@ -50,8 +55,12 @@ class GradBuckets:
         )
         at = 0
         for i in run:
-            n = params[i].numel()
-            self.views[i] = flat[at : at + n].view(params[i].shape)
+            p = params[i]
+            n = p.numel()
+            # The parameter's own strides where it is dense (empty_like keeps them), else
+            # contiguous ones: either way a dense span of n elements from `at`.
+            strides = torch.empty_like(p, device="meta").stride()
+            self.views[i] = flat.as_strided(p.shape, strides, at)
             self.bucket[i] = b
             self.live[i] = False
             at += n
@@ -64,11 +73,23 @@ class GradBuckets:
         g = p.grad
         return g is not None and (g is not self.views[i] or self.live[i])
 
+    def arriving(self, i, p, g):
+        """Before autograd accumulates ``g`` into bucketed parameter ``i`` (``p``): a ``None``
+        gradient becomes the view, zeroed, so that it accumulates there. A sparse ``g`` is left
+        to make a sparse gradient, which the wrapper refuses, naming the layer."""
+        if p.grad is not None or g.layout != torch.strided:
+            return
+        view = self.views[i]
+        with torch.no_grad():
+            view.zero_()
+        p.grad = view
+        self.live[i] = False
+
     def adopt(self, i, p):
         """Makes ``p``'s gradient its view: copied in, if autograd or the caller made another
         tensor (after a ``zero_grad`` that set it to ``None``, or a gradient assigned)."""
         g = p.grad
-        if g is None or g.is_sparse:
+        if g is None or g.layout != torch.strided:
             return  # (a sparse gradient is refused, naming the layer, before any call)
         view = self.views[i]
         if g is not view:
@@ -86,21 +107,6 @@ class GradBuckets:
         p.grad = view
         self.live[i] = False
 
-    def repoint(self, params):
-        """After the wrapped optimizer's ``zero_grad``: every gradient it set to ``None`` is
-        its view again, zeroed, holding no gradient."""
-        with torch.no_grad():
-            for members, flat in zip(self.members, self.flats):
-                cleared = [i for i in members if params[i].grad is None]
-                if len(cleared) == len(members):
-                    flat.zero_()
-                else:
-                    for i in cleared:
-                        self.views[i].zero_()
-                for i in cleared:
-                    params[i].grad = self.views[i]
-                    self.live[i] = False
-
     def carriers(self, params, indices):
         """For ``indices`` (each with a gradient here or filled): the buckets that hold any of
         them, their gradients made the views first; and the indices outside every bucket."""
@@ -117,10 +123,10 @@ class GradBuckets:
 
     def settle(self, params, used):
         """At the end of a synchronization: each bucketed parameter used on some worker holds
-        a gradient (the average); one used on none gets back ``None``."""
+        a gradient (the average); a view that carried zeros for one used on none is ``None``
+        again."""
         for i, view in self.views.items():
             if used[i]:
                 self.live[i] = params[i].grad is not None
-            elif params[i].grad is view:
+            elif params[i].grad is view and not self.live[i]:
                 params[i].grad = None
-                self.live[i] = False

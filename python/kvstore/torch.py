@@ -65,9 +65,11 @@ workers only raises a ``DesyncError`` there; one used on none is fine).
 keeps the gradients as views into flat buffers, one per bucket of about ``bucket_mb`` MiB of the
 parameters trainable when the wrapper is made. Each bucket is one store key, summed in place:
 no gradient is copied into a packed buffer and out again, and a call carries one key per bucket
-instead of one per parameter. ``opt.zero_grad()`` keeps the views, zeroed; after a ``zero_grad``
-that sets them to ``None`` (``model.zero_grad()``) the next backward copies each gradient back
-into its view. A parameter made trainable later travels as a key of its own. The store then
+instead of one per parameter. A gradient set to ``None`` (by any ``zero_grad``) becomes its view
+again, zeroed, when backward reaches it and before autograd adds to it: backward writes into the
+bucket with no copy, and a parameter backward does not reach keeps ``None``, as in plain torch.
+Each view has its parameter's strides (a channels_last conv's gradient is laid out as the conv,
+as fused optimizers need). A parameter made trainable later travels as a key of its own. The store then
 holds the buckets' sums: checkpoint the model and the optimizer with torch, whose state dicts
 name the parameters, as in any ``update_on_kvstore=False`` run. With the store stepping it is
 refused: there each parameter stays a key of its own, so that the store's checkpoints name
@@ -228,6 +230,12 @@ def _state_digest(opt):
         h.update(f"param {order.get(id(p), -1)};".encode())
         feed(dict(state))
     return h.hexdigest()
+
+
+def _once(tensors):
+    """``tensors`` with each one once: a parameter listed twice in ``param_groups`` (torch
+    warns, and steps it twice) carries one gradient, averaged once."""
+    return list({id(t): t for t in tensors}.values())
 
 
 def _same(a, b):
@@ -471,6 +479,11 @@ class DistributedOptimizer:
         self._norms = {}  # (store steps) each gradient's norm when backward left it
         self._hooked = [False] * len(self._params)
         self._hooks = []
+        if self._grads is not None:
+            for i in self._grads.views:
+                self._hooks.append(
+                    self._params[i].register_hook(lambda g, i=i: self._grad_arriving(i, g))
+                )
         self._bucket_mb = float(bucket_mb)
         self._buckets = []
         self._bucket_of = {}  # (overlap) parameter index -> its bucket
@@ -550,9 +563,6 @@ class DistributedOptimizer:
         with self._watch():
             self._abandon_backward()
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        if self._grads is not None:
-            # The views stay: zeroed, they hold no gradient until backward adds one.
-            self._grads.repoint(self._params)
 
     def _abandon_backward(self):
         """A backward that began and never ended (an exception inside it, caught): its end
@@ -799,6 +809,12 @@ class DistributedOptimizer:
         if new and self.overlap:
             self._make_buckets(self._bucket_mb)
 
+    def _grad_arriving(self, i, g):
+        """(gradient buckets) Before autograd accumulates ``g``: a ``None`` gradient becomes
+        the parameter's view, so that backward writes into the bucket."""
+        with self._lock:
+            self._grads.arriving(i, self._params[i], g)
+
     def _grad_ready(self, i):
         if self._prefetch is not None:
             self._prefetch.used.add(i)
@@ -864,14 +880,22 @@ class DistributedOptimizer:
         torch optimizer sees it: a frozen parameter, or one backward did not reach since
         ``zero_grad()``, has none). A sparse gradient is refused, on every worker."""
         use = [p.requires_grad and self._has_grad(i, p) for i, p in enumerate(self._params)]
-        sparse = [self._keys[i] for i, u in enumerate(use) if u and self._params[i].grad.is_sparse]
+        self._refuse_sparse([i for i, u in enumerate(use) if u], "agree")
+        return use
+
+    def _refuse_sparse(self, indices, op):
+        """A TypeError, told to the other workers at their next ``op``, if any of ``indices``
+        has a sparse gradient."""
+        sparse = [
+            self._keys[i] for i in indices
+            if self._params[i].grad is not None and self._params[i].grad.layout != torch.strided
+        ]
         if sparse:
-            with _told(self.store._kv, "agree"):
+            with _told(self.store._kv, op):
                 raise TypeError(
                     f"the gradients of {sparse[:5]} are sparse (nn.Embedding(sparse=True)): "
                     f"kvstore.torch sums dense gradients; make the layer dense (sparse=False)"
                 )
-        return use
 
     def _has_grad(self, i, p):
         """Whether parameter ``i`` (``p``) has a gradient, as torch sees one (a gradient
@@ -928,7 +952,7 @@ class DistributedOptimizer:
                     keys, sums = self._summed(indices)
                     with torch.no_grad():
                         self.store.pushpull(keys, sums)
-                        for t in sums:
+                        for t in _once(sums):
                             t.div_(self.store.num_workers)
             if self._grads is not None:
                 if used is None:  # one worker
@@ -1063,6 +1087,7 @@ class DistributedOptimizer:
         live = bucket if used is None else [j for j in bucket if used[j]]
         if not live:
             return []
+        self._refuse_sparse(live, "push")
         if not self._queued:
             self._begin_overlapped()
         filled = self._fill(live)
@@ -1120,7 +1145,7 @@ class DistributedOptimizer:
         self.store.wait_all()
         used = self._used_anywhere(mine)
         with torch.no_grad():
-            for t in self._queued_sums:
+            for t in _once(self._queued_sums):
                 t.div_(self.store.num_workers)
         for i in filled:
             if not used[i]:

@@ -1029,6 +1029,84 @@ def recover():
     say(f"ok recover update_on_kvstore={on_store} overlap={overlap} views={opt._grads is not None}")
 
 
+def views_edges():
+    """gradient_as_bucket_view=True where torch's own rules are easy to break: zero_grad with
+    and without set_to_none, a layer frozen mid-run (its zeroed gradient still stepped, as
+    torch steps it), a zero_grad between backward and step (nothing moves), a parameter listed
+    twice in param_groups (torch warns and steps it twice: its gradient averaged once), and a
+    channels_last conv stepped by a fused optimizer (its gradient laid out as the parameter).
+    Bit for bit the wrapper without views, and plain torch on the whole batch within 1e-5."""
+    import copy
+    import warnings
+
+    import torch
+    from kvstore.torch import DistributedOptimizer
+
+    warnings.simplefilter("ignore")  # the duplicate parameter
+    torch.set_num_threads(1)
+    r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    n = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    g = torch.Generator().manual_seed(SEED)
+    per, steps = 4, 8
+    x = torch.randn(steps, n * per, 3, 6, 6, generator=g)
+    y = torch.randn(steps, n * per, 2, generator=g)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.a = torch.nn.Linear(64, 8)
+            self.b = torch.nn.Linear(8, 2)
+
+        def forward(self, xs):
+            return self.b(torch.tanh(self.a(torch.tanh(self.conv(xs)).flatten(1))))
+
+    torch.manual_seed(SEED)
+    model = Net().to(memory_format=torch.channels_last)
+
+    def make_opt(m):
+        ps = list(m.parameters())
+        return torch.optim.Adam(ps + [m.b.bias], lr=0.01, weight_decay=1e-2, fused=True)
+
+    def train(m, opt, rows):
+        for step in range(steps):
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            if step == 3:
+                m.a.requires_grad_(False)
+            torch.nn.functional.mse_loss(m(x[step, rows]), y[step, rows]).backward()
+            if step == 5:
+                before = [p.detach().clone() for p in m.parameters()]
+                opt.zero_grad()
+                opt.step()
+                assert all(p.grad is None for p in m.parameters()), "a gradient left"
+                for p, q in zip(m.parameters(), before):
+                    assert torch.equal(p, q), "a step after zero_grad moved a parameter"
+                continue
+            if step == 1 and hasattr(opt, "_grads") and opt._grads is not None:
+                w = m.conv.weight
+                assert w.grad.stride() == w.stride(), (w.grad.stride(), w.stride())
+            opt.step()
+
+    mine = slice(r * per, (r + 1) * per)
+    runs = {}
+    for views in (False, True):
+        m = copy.deepcopy(model)
+        opt = DistributedOptimizer(
+            make_opt(m), kvstore.create("dist_sync"), update_on_kvstore=False,
+            gradient_as_bucket_view=views, bucket_mb=1e-3,
+        )
+        train(m, opt, mine)
+        runs[views] = m
+    whole = copy.deepcopy(model)
+    train(whole, make_opt(whole), slice(0, n * per))
+    for (name, p), q, w in zip(
+        runs[True].named_parameters(), runs[False].parameters(), whole.parameters()
+    ):
+        assert torch.equal(p, q), f"{name}: views differ from no views"
+        torch.testing.assert_close(p, w, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    say("ok views_edges")
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -1536,6 +1614,7 @@ CASES = {
     "uneven": uneven,
     "buffers": buffers,
     "skip_step": skip_step,
+    "views_edges": views_edges,
     "nightly": nightly,
     "basic": basic,
     "reject": reject,

@@ -357,6 +357,14 @@ def test_gradient_buckets_keep_ddps_contract(overlap, feature, n):
 
 
 @needs_mpi
+def test_gradient_buckets_keep_torchs_rules_for_none_frozen_listed_twice_and_layout():
+    pytest.importorskip("torch", reason="SKIPPED: torch not installed")
+    rc, out = run(2, "views_edges")
+    assert rc == 0, out
+    assert oks(out, "views_edges") == [0, 1], out
+
+
+@needs_mpi
 @pytest.mark.parametrize("case", ["unused", "recover", "skip_step"])
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlap"])
 def test_gradient_buckets_keep_unused_parameters_recovery_and_the_step_count(case, overlap):

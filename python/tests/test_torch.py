@@ -211,6 +211,46 @@ def test_a_nan_gradient_is_stepped_on_not_taken_for_a_change(overlap):
         assert torch.isnan(q).any() and torch.equal(p.isnan(), q.isnan())
 
 
+def test_gradient_buckets_leave_none_where_torch_does_and_keep_each_layout():
+    """A gradient backward did not reach is None, after zero_grad and after backward; a
+    zero_grad between backward and step moves nothing; a channels_last conv's gradient has the
+    conv's strides, so a fused optimizer pairs each element with its own."""
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    head = torch.nn.Linear(4, 2)
+    skipped = torch.nn.Linear(2, 2)
+    params = list(conv.parameters()) + list(head.parameters()) + list(skipped.parameters())
+    plain = [p.detach().clone().requires_grad_() for p in params]
+    popt = torch.optim.Adam(plain, lr=0.01, fused=True)
+    opt = DistributedOptimizer(
+        torch.optim.Adam(params, lr=0.01, fused=True), kvstore.create("local"),
+        update_on_kvstore=False, gradient_as_bucket_view=True,
+    )
+    x = torch.randn(5, 3, 6, 6).to(memory_format=torch.channels_last)
+
+    def loss(ps):
+        h = torch.nn.functional.conv2d(x, ps[0], ps[1]).mean((2, 3))
+        return torch.nn.functional.linear(h, ps[2], ps[3]).square().sum()
+
+    for step in range(4):
+        opt.zero_grad()
+        popt.zero_grad()
+        assert all(p.grad is None for p in params)
+        loss(params).backward()
+        loss(plain).backward()
+        assert params[0].grad.stride() == params[0].stride()
+        assert skipped.weight.grad is None and skipped.bias.grad is None
+        if step == 2:
+            before = [p.detach().clone() for p in params]
+            opt.zero_grad()
+            opt.step()
+            assert all(torch.equal(p, b) for p, b in zip(params, before))
+            continue
+        opt.step()
+        popt.step()
+    for p, q in zip(params, plain):
+        assert torch.equal(p, q), (p - q).abs().max()
+
+
 def test_gradient_buckets_are_refused_where_the_store_steps_or_a_name_is_taken():
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="update_on_kvstore=False"):
