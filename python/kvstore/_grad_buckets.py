@@ -33,6 +33,9 @@ class GradBuckets:
         self.bucket = {}  # parameter index -> its bucket
         self.views = {}  # parameter index -> its view into its bucket's buffer
         self.live = {}  # parameter index -> whether its view holds a gradient
+        # parameter index -> whether its view is known to be zeros (the wrapper's zero_grad
+        # zeroes a bucket's buffer at once: no zero_ per parameter when backward reaches it)
+        self.zeroed = {}
         run, size = [], 0
         for i in reversed(indices):
             p = params[i]
@@ -63,6 +66,7 @@ class GradBuckets:
             self.views[i] = flat.as_strided(p.shape, strides, at)
             self.bucket[i] = b
             self.live[i] = False
+            self.zeroed[i] = True
             at += n
         self.members.append(list(run))
         self.flats.append(flat)
@@ -80,10 +84,11 @@ class GradBuckets:
         if p.grad is not None or g.layout != torch.strided:
             return
         view = self.views[i]
-        with torch.no_grad():
-            view.zero_()
+        if not self.zeroed[i]:
+            view.zero_()  # (the buffers never require grad: no autograd to keep out)
         p.grad = view
         self.live[i] = False
+        self.zeroed[i] = False
 
     def adopt(self, i, p):
         """Makes ``p``'s gradient its view: copied in, if autograd or the caller made another
@@ -93,19 +98,31 @@ class GradBuckets:
             return  # (a sparse gradient is refused, naming the layer, before any call)
         view = self.views[i]
         if g is not view:
-            with torch.no_grad():
+            with torch.no_grad():  # (g may carry a graph: create_graph=True)
                 view.copy_(g)
             p.grad = view
+            self.zeroed[i] = False
         self.live[i] = True
 
     def fill(self, i, p):
         """A zero gradient for bucketed parameter ``i``, which has none here (used on another
         worker, or summed with its bucket)."""
         view = self.views[i]
-        with torch.no_grad():
-            view.zero_()
+        view.zero_()
         p.grad = view
         self.live[i] = False
+        self.zeroed[i] = False  # (the sum writes it)
+
+    def cleared(self, params):
+        """After the wrapped optimizer's ``zero_grad``: each buffer whose parameters all have
+        ``None`` gradients is zeroed at once, for backward to write into."""
+        for members, flat in zip(self.members, self.flats):
+            if all(params[i].grad is None for i in members) and not all(
+                self.zeroed[i] for i in members
+            ):
+                flat.zero_()
+                for i in members:
+                    self.zeroed[i] = True
 
     def carriers(self, params, indices):
         """For ``indices`` (each with a gradient here or filled): the buckets that hold any of
@@ -119,6 +136,9 @@ class GradBuckets:
             self.adopt(i, params[i])
             if b not in buckets:
                 buckets.append(b)
+        for b in buckets:  # the sums write every parameter's span
+            for i in self.members[b]:
+                self.zeroed[i] = False
         return buckets, alone
 
     def settle(self, params, used):

@@ -563,6 +563,8 @@ class DistributedOptimizer:
         with self._watch():
             self._abandon_backward()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._grads is not None:
+            self._grads.cleared(self._params)
 
     def _abandon_backward(self):
         """A backward that began and never ended (an exception inside it, caught): its end
