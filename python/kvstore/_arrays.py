@@ -61,6 +61,21 @@ def _is_torch_cuda(arr):
     return type(arr).__module__.startswith("torch") and bool(getattr(arr, "is_cuda", False))
 
 
+def _torch_cpu_capsule(arr):
+    """A capsule of a host torch tensor from torch's own C export, or None for anything else.
+    Torch's ``__dlpack__`` and ``__dlpack_device__`` are Python: about 7 µs a tensor, which in
+    a step of a thousand parameters (pushed, then pulled) was 14 ms. The checks they make that
+    matter here are made first: a tensor that requires grad is detached by the caller, and one
+    with its conjugate or negative bit set (a lazy view) goes the long way, which refuses it."""
+    if not type(arr).__module__.startswith("torch") or getattr(arr, "is_cpu", False) is not True:
+        return None
+    if arr.requires_grad or arr.is_conj() or arr.is_neg():
+        return None
+    import torch.utils.dlpack
+
+    return torch.utils.dlpack.to_dlpack(arr)
+
+
 class Lends:
     """The torch CUDA tensors lent to one store call, and what to do once it returns."""
 
@@ -132,6 +147,9 @@ def read(arr, lent):
             f"{type(arr).__name__}"
         )
     arr = _detached(arr)
+    fast = _torch_cpu_capsule(arr)
+    if fast is not None:
+        return fast
     if _is_torch_cuda(arr):
         return lent.lend(arr.contiguous(), written=False)
     if _device_type(arr) not in (_CPU, _CUDA_HOST):
@@ -149,6 +167,9 @@ def write(arr, after, lent):
             f"{type(arr).__name__}"
         )
     arr = _detached(arr)
+    fast = _torch_cpu_capsule(arr)
+    if fast is not None:
+        return fast
     if _device_type(arr) in (_CPU, _CUDA_HOST):
         return _capsule(arr, write=True)
     if _is_torch_cuda(arr):
