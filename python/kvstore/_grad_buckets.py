@@ -91,8 +91,8 @@ class GradBuckets:
         self.zeroed[i] = False
 
     def adopt(self, i, p):
-        """Makes ``p``'s gradient its view: copied in, if autograd or the caller made another
-        tensor (after a ``zero_grad`` that set it to ``None``, or a gradient assigned)."""
+        """Makes ``p``'s gradient its view: copied in where it is another tensor (one the
+        caller assigned, or one backward made out of place, with ``create_graph``)."""
         g = p.grad
         if g is None or g.layout != torch.strided:
             return  # (a sparse gradient is refused, naming the layer, before any call)

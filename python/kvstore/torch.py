@@ -820,18 +820,16 @@ class DistributedOptimizer:
     def _grad_ready(self, i):
         if self._prefetch is not None:
             self._prefetch.used.add(i)
+        if self._grads is not None and i in self._grads.bucket:
+            with self._lock:
+                self._grads.adopt(i, self._params[i])
         if self._in_backward and not self.overlap:
             # No store call to make (the common hook when torch steps): no world change to
             # follow, so not the cost of _watch at each of a thousand parameters.
-            with self._lock:
-                if self._grads is not None and i in self._grads.bucket:
-                    self._grads.adopt(i, self._params[i])
             return
         with self._watch(), self._lock:
             if not self._in_backward:
                 self._backward_begins()
-            if self._grads is not None and i in self._grads.bucket:
-                self._grads.adopt(i, self._params[i])
             if self.overlap and not self._no_sync and self._pushes():
                 if not self._ready[i]:
                     self._ready[i] = True

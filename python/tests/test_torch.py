@@ -157,9 +157,9 @@ def test_hyperparameters_the_store_cannot_follow_are_refused():
     ids=["sgd", "rmsprop"],
 )
 def test_gradient_buckets_equal_plain_torch_and_stay_views(make_opt, overlap):
-    """gradient_as_bucket_view=True: bit for bit plain torch. After the wrapper's zero_grad
-    the gradients stay views into the buckets' buffers, from one step to the next; after
-    model.zero_grad() (None) the next backward copies each one back into its view."""
+    """gradient_as_bucket_view=True: bit for bit plain torch. After backward the gradients
+    are views into the buckets' buffers, the same from one step to the next, whether the
+    wrapper's zero_grad or model.zero_grad() set them to None."""
     seed = fresh_seed()
     print(f"seed {seed}")
     x, y, plain = make_problem(seed)

@@ -304,13 +304,13 @@ impl Push<'_, '_> {
             .collect();
         let mut flying: Option<Flying> = None;
         let mut row = Vec::new();
+        // The units encoded between two nudges of the wave in flight.
+        let chunk = codec.units(0..NUDGE_ELEMENTS).len().max(1);
         for wave in 0..count {
             for (k, g) in self.groups.iter().enumerate() {
                 let n = g.slot.shape.size();
                 for r in 0..size {
                     let units = self.wave_units(codec, g, r, wave, count);
-                    // In chunks, the wave in flight nudged between them.
-                    let chunk = codec.units(0..NUDGE_ELEMENTS).len().max(1);
                     let mut at = units.start;
                     while at < units.end {
                         let u = at..(at + chunk).min(units.end);
